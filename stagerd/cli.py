@@ -1,0 +1,62 @@
+"""The `stagerd` command. Each subcommand lives in `stagerd/cmd/<name>.py` with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from stagerd import __version__
+from stagerd.errors import StagerdError
+
+# subcommand -> module under stagerd.cmd; imported lazily so `stagerd status` never pays for torch.
+COMMANDS = {
+    "watch": "watch",
+    "status": "status",
+    "consolidate": "export",
+    "verify": "export",
+    "publish": "publish",
+    "demo": "demo",
+}
+
+log = logging.getLogger("stagerd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagerd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"stagerd {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(f"stagerd.cmd.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"stagerd.cmd.{module}":
+                raise
+            continue  # a command whose module is not built yet is absent, not faked
+        mod.add_parser(sub, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from stagerd.logs import setup_logging
+
+    setup_logging(debug=args.debug)
+    try:
+        return int(args.func(args) or 0)
+    except StagerdError as e:
+        if args.debug:
+            log.exception("%s", e)
+        print(f"stagerd: {e.name}: {e}", file=sys.stderr)
+        print(f"  what to do: {e.hint}", file=sys.stderr)
+        return 2 if not e.retryable else 3
+    except KeyboardInterrupt:
+        print("stagerd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

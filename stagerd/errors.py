@@ -1,0 +1,116 @@
+"""Named errors. Each carries the file it is about and a hint that tells the user what to do next.
+
+`retryable` tells the daemon whether trying again later can help (a dead endpoint) or cannot (a corrupt
+header): the journal quarantines a non-retryable failure at once instead of burning its attempts.
+"""
+
+from __future__ import annotations
+
+
+class StagerdError(Exception):
+    """Base of every error stagerd raises on purpose."""
+
+    retryable: bool = False
+    hint: str = "run with --debug for a traceback"
+
+    def __init__(self, message: str, *, path: object | None = None, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else str(path)
+        if hint is not None:
+            self.hint = hint
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class HeaderError(StagerdError):
+    """A safetensors header that is malformed, hostile or inconsistent with its file."""
+
+    hint = "the shard is corrupt or was not written by safetensors/DCP; re-save the step"
+
+
+class ShardError(StagerdError):
+    """A shard that is missing, truncated, or not the size its commit marker lists."""
+
+    hint = "the staged step is incomplete; re-save it, or delete the step directory if it is abandoned"
+
+
+class PlanError(StagerdError):
+    """Shards that do not tile their tensors: gaps, overlaps, shape or dtype disagreement."""
+
+    hint = "the shards do not form one consistent checkpoint; check that every rank's file is present"
+
+
+class DTypeError(StagerdError):
+    """An unknown dtype name, or a cast that is not allowed."""
+
+    hint = "use --dtype bf16|fp16|fp32|keep; stagerd never guesses a dtype"
+
+
+class ReferenceIndexError(StagerdError):
+    """A reference index that cannot be read or names tensors absent from the shards."""
+
+    hint = "pass the base model's model.safetensors.index.json, or drop --reference-index"
+
+
+class MarkerError(StagerdError):
+    """A commit marker that is malformed or points outside its step directory."""
+
+    hint = "the marker was not written by stagerd.Stager; re-save the step"
+
+
+class OutputError(StagerdError):
+    """The output directory cannot be written (permissions, disk full, exists)."""
+
+    retryable = True
+    hint = "check that OUT is writable and its filesystem has free space"
+
+
+class VerifyError(StagerdError):
+    """An export whose files, index or values disagree."""
+
+    hint = "re-run `stagerd consolidate`; never publish an export that fails verify"
+
+
+class StepExistsError(StagerdError):
+    """A step directory that is already committed."""
+
+    hint = "use a new step number, or remove the old step directory first"
+
+
+class LockError(StagerdError):
+    """Another daemon owns this ROOT."""
+
+    hint = "stop the other `stagerd watch` for this ROOT, or point this one at another ROOT"
+
+
+class ConfigError(StagerdError):
+    """A setting that is missing or invalid."""
+
+    hint = "see `stagerd watch --help` and the configuration reference in README.md"
+
+
+class SinkError(StagerdError):
+    """A publish that failed in a way retrying may fix (5xx, dropped connection, timeout)."""
+
+    retryable = True
+    hint = "the destination failed; stagerd retries with backoff, check its health and credentials"
+
+
+class SinkAuthError(SinkError):
+    """A bad token or a missing permission: retrying cannot help."""
+
+    retryable = False
+    hint = "check the token (HF_TOKEN or AWS credentials) and its write permission on the destination"
+
+
+class SinkConflictError(SinkError):
+    """The destination already holds different content for this step."""
+
+    retryable = False
+    hint = "the destination holds a different upload for this step; inspect it before deleting anything"

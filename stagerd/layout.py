@@ -1,0 +1,283 @@
+"""The staging contract, shared by the training side and the daemon.
+
+Step directories, the commit marker, the export manifest, and atomic JSON writes. This module must not
+import torch: the daemon reads it on every scan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagerd.errors import MarkerError, ShardError
+
+MARKER_NAME = "stagerd.commit.json"
+MARKER_FORMAT = "stagerd.commit/1"
+MANIFEST_NAME = "stagerd.manifest.json"
+MANIFEST_FORMAT = "stagerd.manifest/1"
+MODEL_DIR = "model"
+EXTRAS_DIR = "extras"
+OPTIM_DIR = "optim"
+EXPORT_DIR = "export"
+EXPORT_TMP_DIR = "export.tmp"
+STATE_DIR = ".stagerd"
+INDEX_NAME = "model.safetensors.index.json"
+
+_STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """`step-00000100` for step 100: zero-padded so names sort by step."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step number of a step directory name, or None if it is not one."""
+    m = _STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write to a temp name, fsync, rename over `path`, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Atomically write `obj` as indented JSON."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def safe_relpath(rel: str, *, what: str, path: object) -> str:
+    """Reject absolute paths, `..`, empty parts and control characters in a relative path."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        raise MarkerError(f"{what} {rel!r} is not a relative path", path=path)
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 for c in rel):
+        raise MarkerError(f"{what} {rel!r} escapes its directory", path=path)
+    return rel
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One file of a staged step, relative to the step directory, with its size in bytes."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """The global dtype (safetensors name) and shape of one saved tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """`stagerd.commit.json`: a step exists only once this is durable."""
+
+    step: int
+    world_size: int
+    files: tuple[StagedFile, ...]
+    created: float = field(default_factory=time.time)
+    reference_index: dict[str, str] | str | None = None
+    dtype: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo] | None = None
+    format: str = MARKER_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["files"] = [asdict(f) for f in self.files]
+        if self.tensors is not None:
+            d["tensors"] = {k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.tensors.items()}
+        return {"format": d.pop("format"), **d}
+
+    @classmethod
+    def from_json(cls, d: Any, *, path: object = None) -> CommitMarker:
+        """Parse and validate a marker; any defect is a MarkerError."""
+        try:
+            if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
+                raise MarkerError(f"not a {MARKER_FORMAT} marker", path=path)
+            step, ws = d["step"], d["world_size"]
+            if not (_is_int(step) and step >= 0 and _is_int(ws) and ws >= 1):
+                raise MarkerError("step and world_size must be non-negative integers", path=path)
+            files = []
+            for f in d["files"]:
+                rel = safe_relpath(f["path"], what="file", path=path)
+                if not (_is_int(f["size"]) and f["size"] >= 0):
+                    raise MarkerError(f"file {rel!r} has a bad size", path=path)
+                files.append(StagedFile(rel, f["size"]))
+            tensors = None
+            if d.get("tensors") is not None:
+                tensors = {
+                    str(k): TensorInfo(str(v["dtype"]), tuple(int(x) for x in v["shape"]))
+                    for k, v in d["tensors"].items()
+                }
+            ref = d.get("reference_index")
+            if ref is not None and not isinstance(ref, str | dict):
+                raise MarkerError("reference_index must be a path or a weight_map", path=path)
+            return cls(
+                step=step,
+                world_size=ws,
+                files=tuple(files),
+                created=float(d.get("created", 0.0)),
+                reference_index=ref,
+                dtype=d.get("dtype"),
+                metadata=dict(d.get("metadata") or {}),
+                tensors=tensors,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise MarkerError(f"malformed marker: {e!r}", path=path) from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path:
+    """Atomically write the commit marker of `step_dir`. Call only after every file is durable."""
+    path = Path(step_dir) / MARKER_NAME
+    write_json_atomic(path, marker.to_json())
+    return path
+
+
+def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
+    """Read and validate the commit marker of `step_dir`."""
+    path = Path(step_dir) / MARKER_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise MarkerError("no commit marker: the step is not committed", path=path) from None
+    if len(raw) > 64 << 20:
+        raise MarkerError("commit marker is larger than 64 MiB", path=path)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MarkerError(f"commit marker is not JSON: {e}", path=path) from None
+    return CommitMarker.from_json(data, path=path)
+
+
+def is_committed(step_dir: str | os.PathLike[str]) -> bool:
+    return (Path(step_dir) / MARKER_NAME).is_file()
+
+
+def check_staged_files(step_dir: str | os.PathLike[str], marker: CommitMarker) -> None:
+    """Every file the marker lists exists inside the step directory, as a regular file of the listed size.
+
+    A symlink that resolves outside the step directory is refused: staged data is trusted only where the
+    trainer wrote it.
+    """
+    root = Path(step_dir).resolve()
+    for f in marker.files:
+        p = Path(step_dir) / f.path
+        try:
+            real = p.resolve(strict=True)
+        except FileNotFoundError:
+            raise ShardError(
+                f"listed in the commit marker but missing ({f.size} bytes expected)", path=p
+            ) from None
+        if not real.is_relative_to(root):
+            raise MarkerError(f"resolves outside the step directory, to {real}", path=p)
+        st = real.stat()
+        if not os.path.isfile(real):
+            raise ShardError("is not a regular file", path=p)
+        if st.st_size != f.size:
+            raise ShardError(f"is {st.st_size} bytes, the commit marker lists {f.size} (truncated?)", path=p)
+
+
+def iter_step_dirs(root: str | os.PathLike[str]) -> Iterator[tuple[int, Path]]:
+    """(step, path) of every step directory under root, committed or not, in step order."""
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return iter(())
+    for e in entries:
+        step = parse_step_dir(e.name)
+        if step is not None and e.is_dir(follow_symlinks=False):
+            found.append((step, Path(e.path)))
+    return iter(sorted(found))
+
+
+def committed_steps(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every committed step under root, in step order."""
+    return [(s, p) for s, p in iter_step_dirs(root) if is_committed(p)]
+
+
+@dataclass(frozen=True)
+class ManifestFile:
+    """One published file: path relative to the export, size, sha256 hex digest."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """`stagerd.manifest.json`: what one published step holds. Written last; its presence is the commit."""
+
+    step: int
+    files: tuple[ManifestFile, ...]
+    created: float = field(default_factory=time.time)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    format: str = MANIFEST_FORMAT
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["files"] = [asdict(f) for f in self.files]
+        return {"format": d.pop("format"), **d}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], *, path: object = None) -> ExportManifest:
+        try:
+            if d.get("format") != MANIFEST_FORMAT:
+                raise MarkerError(f"not a {MANIFEST_FORMAT} manifest", path=path)
+            files = tuple(
+                ManifestFile(
+                    safe_relpath(f["path"], what="file", path=path), int(f["size"]), str(f["sha256"])
+                )
+                for f in d["files"]
+            )
+            return cls(
+                step=int(d["step"]),
+                files=files,
+                created=float(d.get("created", 0.0)),
+                metadata=dict(d.get("metadata") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise MarkerError(f"malformed manifest: {e!r}", path=path) from None
