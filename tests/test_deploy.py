@@ -227,14 +227,13 @@ def test_dockerfile_contract() -> None:
     text = DOCKERFILE.read_text()
     instructions = " ".join(s["value"] for s in parser.structure if s["instruction"] != "COMMENT")
     assert not re.search(r"cuda|nvidia|cu\d{3}", instructions, re.I)  # no CUDA wheel or base image
-    torch_line = [s["value"] for s in parser.structure if s["instruction"] == "RUN" and "torch==" in s["value"]]
+    runs = [s["value"] for s in parser.structure if s["instruction"] == "RUN"]
+    torch_line = [r for r in runs if "torch==" in r]
     assert len(torch_line) == 1 and "--index-url https://download.pytorch.org/whl/cpu" in torch_line[0]
     pinned = re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.M).group(1)
     pyproject = (REPO / "pyproject.toml").read_text()
     spec = next(
-        Requirement(r)
-        for r in re.findall(r'"(torch[^"]*)"', pyproject)
-        if Requirement(r).name == "torch"
+        Requirement(r) for r in re.findall(r'"(torch[^"]*)"', pyproject) if Requirement(r).name == "torch"
     )
     assert spec.specifier.contains(pinned), (pinned, spec)
     assert f"torch=={pinned}" in (REPO / ".ci" / "run").read_text()  # CI and the image pin the same wheel
@@ -261,9 +260,7 @@ def test_entrypoint_runs() -> None:
     final = _final_stage(parser)
     cmd = [s["value"] for s in final if s["instruction"] == "CMD"]
     assert cmd == ['["/staging"]']
-    proc = subprocess.run(
-        [str(STAGERD_BIN), "watch", "--help"], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([str(STAGERD_BIN), "watch", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage: stagerd watch" in proc.stdout and "--sink" in proc.stdout
     assert build_parser().parse_args(["watch", "/staging"]).command == "watch"
