@@ -1,0 +1,225 @@
+"""The fsspec sink against the local filesystem, fsspec's memory store, and a real moto S3 over HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from stagerd import layout
+from stagerd.errors import SinkConflictError, SinkError, VerifyError
+from stagerd.hashing import composite_sha256, hash_file
+from stagerd.sinks import PublishResult, Sink, open_sink
+from stagerd.sinks.fsspec import (
+    FsspecSink,
+    RemoteObject,
+    newer_latest,
+    plan_reuse,
+    redact_url,
+    scan_dir,
+    verify_listing,
+)
+
+
+def make_export(root: Path, sizes: dict[str, int], seed: int = 0) -> Path:
+    """An export dir of files with deterministic pseudo-random bytes."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (rel, size) in enumerate(sorted(sizes.items())):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        block = hashlib.sha256(f"{seed}-{i}".encode()).digest() * 2048  # 64 KiB
+        data = (block * (size // len(block) + 1))[:size]
+        p.write_bytes(data)
+    return root
+
+
+SMALL = {
+    "model-00001-of-00002.safetensors": 300_000,
+    "model-00002-of-00002.safetensors": 123_457,
+    layout.INDEX_NAME: 812,
+    "tokenizer/tokenizer.json": 77,
+}
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- pure parts -------------------------------------------------------------------------------------------
+
+
+def test_redact_url_hides_passwords_and_secret_params():
+    assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    r = redact_url("https://user:hunter2@host/p?X-Amz-Signature=abc&x=1&token=zzz")
+    assert "hunter2" not in r and "abc" not in r and "zzz" not in r
+    assert "user" in r and "x=1" in r
+
+
+def test_verify_listing_names_every_problem():
+    m = layout.ExportManifest(
+        step=3,
+        files=(
+            layout.ManifestFile("a", 1, "00"),
+            layout.ManifestFile("b", 2, "00"),
+            layout.ManifestFile("c", 3, "00"),
+        ),
+    )
+    remote = {"a": RemoteObject(1, "X"), "b": RemoteObject(5)}
+    problems = verify_listing(m, remote, {"a": "Y"})
+    assert problems == ["a: checksum X, expected Y", "b: 5 bytes, expected 2", "c: missing"]
+    good = {"a": RemoteObject(1, "Y"), "b": RemoteObject(2), "c": RemoteObject(3)}
+    assert verify_listing(m, good, {}) == []
+
+
+def test_plan_reuse_needs_size_and_checksum(tmp_path):
+    files = scan_dir(make_export(tmp_path / "e", {"a": 10, "b": 20, "c": 30}))
+    remote = {"a": RemoteObject(10, "x"), "b": RemoteObject(21, "x"), "c": RemoteObject(30)}
+    assert [f.rel for f in plan_reuse(files, remote)] == ["a"]
+
+
+def test_newer_latest_only_moves_forward():
+    assert newer_latest(None, 5)
+    assert newer_latest(b"step-00000004", 5)
+    assert newer_latest(b"step-00000005\n", 5)
+    assert not newer_latest(b"step-00000006", 5)
+    assert newer_latest(b"garbage", 5)
+
+
+def test_hash_file_composite_matches_parts(tmp_path):
+    p = tmp_path / "f"
+    data = os.urandom(2_500_000)
+    p.write_bytes(data)
+    d = hash_file(p, part_size=1_000_000)
+    parts = [hashlib.sha256(data[i : i + 1_000_000]).digest() for i in range(0, len(data), 1_000_000)]
+    assert d.sha256 == hashlib.sha256(data).hexdigest()
+    assert d.checksum == composite_sha256(parts) and d.checksum.endswith("-3")
+    assert hash_file(p, part_size=5_000_000).checksum.count("-") == 0
+
+
+# -- file:// ---------------------------------------------------------------------------------------------
+
+
+def test_file_sink_publishes_commits_and_is_idempotent(tmp_path):
+    export = make_export(tmp_path / "step-00000007" / "export", SMALL)
+    dest = tmp_path / "dest"
+    sink = open_sink(f"file://{dest}")
+    assert isinstance(sink, Sink) and isinstance(sink, FsspecSink)
+    assert not sink.is_published(7)
+    seen = []
+    res = sink.publish(export, 7, metadata={"run": "r1"}, progress=lambda d, t: seen.append((d, t)))
+    assert isinstance(res, PublishResult)
+    total = sum(SMALL.values())
+    assert (res.files, res.bytes_total, res.bytes_uploaded, res.skipped) == (4, total, total, False)
+    assert seen[-1] == (total, total)
+    step_dir = dest / "step-00000007"
+    got = tree_bytes(step_dir)
+    manifest = json.loads(got.pop(layout.MANIFEST_NAME))
+    assert got == tree_bytes(export)
+    assert manifest["format"] == layout.MANIFEST_FORMAT and manifest["metadata"] == {"run": "r1"}
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
+        k: hashlib.sha256(v).hexdigest() for k, v in got.items()
+    }
+    assert (dest / "latest").read_text() == "step-00000007"
+    assert sink.is_published(7)
+
+    again = sink.publish(export, 7)
+    assert again.skipped and again.bytes_uploaded == 0
+
+
+def test_file_sink_latest_never_goes_back(tmp_path):
+    dest = tmp_path / "dest"
+    sink = open_sink(str(dest))
+    sink.publish(make_export(tmp_path / "e9", {"a": 10}), 9)
+    sink.publish(make_export(tmp_path / "e3", {"a": 10}), 3)
+    assert (dest / "latest").read_text() == "step-00000009"
+    sink.publish(make_export(tmp_path / "e12", {"a": 10}), 12)
+    assert (dest / "latest").read_text() == "step-00000012"
+
+
+def test_file_sink_conflicting_manifest_is_refused_and_kept(tmp_path):
+    dest = tmp_path / "dest"
+    sink = open_sink(f"file://{dest}")
+    sink.publish(make_export(tmp_path / "a", SMALL, seed=1), 5)
+    before = (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes()
+    with pytest.raises(SinkConflictError) as ei:
+        sink.publish(make_export(tmp_path / "b", SMALL, seed=2), 5)
+    assert "step-00000005" in str(ei.value) and not ei.value.retryable
+    assert (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes() == before
+
+
+def test_file_sink_partial_step_is_absent_and_completed(tmp_path):
+    """A crash before the manifest: the step is not published; a re-run completes it with one manifest."""
+    export = make_export(tmp_path / "e", SMALL)
+    dest = tmp_path / "dest"
+    partial = dest / "step-00000002"
+    partial.mkdir(parents=True)
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"truncated")
+    sink = open_sink(f"file://{dest}")
+    assert not sink.is_published(2)
+    res = sink.publish(export, 2)
+    assert not res.skipped and sink.is_published(2)
+    got = tree_bytes(partial)
+    got.pop(layout.MANIFEST_NAME)
+    assert got == tree_bytes(export)
+
+
+def test_bad_inputs_are_named_errors(tmp_path):
+    sink = open_sink(f"file://{tmp_path / 'dest'}")
+    with pytest.raises(VerifyError, match="not a directory"):
+        sink.publish(tmp_path / "nope", 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VerifyError, match="no files"):
+        sink.publish(tmp_path / "empty", 1)
+
+
+def test_unwritable_destination_is_a_sink_error(tmp_path):
+    if os.geteuid() == 0:
+        target = Path("/proc/stagerd-cannot-write")
+    else:
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o500)
+    sink = open_sink(f"file://{target}")
+    with pytest.raises(SinkError) as ei:
+        sink.publish(make_export(tmp_path / "e", {"a": 5}), 1)
+    assert str(target) in str(ei.value)
+
+
+def test_memory_fsspec_store_roundtrip(tmp_path):
+    import fsspec
+
+    export = make_export(tmp_path / "e", SMALL)
+    sink = open_sink("memory://stagerd-test/ckpt")
+    res = sink.publish(export, 4)
+    assert not res.skipped
+    fs = fsspec.filesystem("memory")
+    for rel, data in tree_bytes(export).items():
+        assert fs.cat_file(f"/stagerd-test/ckpt/step-00000004/{rel}") == data
+    assert fs.cat_file("/stagerd-test/ckpt/latest") == b"step-00000004"
+    assert sink.publish(export, 4).skipped
+    fs.rm("/stagerd-test", recursive=True)
+
+
+def test_publish_raw_step(tmp_path):
+    step_dir = tmp_path / "step-00000011"
+    make_export(step_dir, {"model/shard-00001.safetensors": 1000, "optim/__0_0.distcp": 500})
+    make_export(step_dir / "export", {"model.safetensors": 900})
+    marker = layout.CommitMarker(
+        step=11,
+        world_size=1,
+        files=(layout.StagedFile("model/shard-00001.safetensors", 1000),),
+    )
+    layout.write_marker(step_dir, marker)
+    dest = tmp_path / "dest"
+    sink = FsspecSink.from_url(f"file://{dest}")
+    res = sink.publish_raw(step_dir, 11)
+    assert res.files == 3 and not res.skipped
+    raw = dest / "raw" / "step-00000011"
+    assert (raw / layout.MARKER_NAME).exists() and (raw / "optim/__0_0.distcp").stat().st_size == 500
+    assert not (raw / "export").exists()
+    assert (dest / "raw" / "latest").read_text() == "step-00000011"
+    assert not (dest / "latest").exists()
+    assert sink.publish_raw(step_dir, 11).skipped
