@@ -414,12 +414,14 @@ def plan(
     reference: Mapping[str, str] | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     expected: Mapping[str, TensorInfo] | None = None,
+    out_dtypes: Mapping[str, str] | None = None,
 ) -> ExportPlan:
     """Turn validated shard headers into a frozen export plan. Pure: reads nothing, writes nothing.
 
     `dtype` is a safetensors name (`BF16`) or None to keep; `keep_dtype` a regex of names never cast;
     `reference` a weight_map whose grouping to keep; `expected` the global dtype and shape of every tensor
-    as the trainer saw it (from the commit marker), which catches a missing trailing shard.
+    as the trainer saw it (from the commit marker), which catches a missing trailing shard; `out_dtypes`
+    pins the output dtype of named tensors (verify uses it to re-derive an existing export).
     """
     if dtype is not None:
         dt = dtypes.lookup(dtype)
@@ -451,6 +453,13 @@ def plan(
         _check_tiling(name, shapes[name], chunks, where)
 
     out_dtype = {n: _out_dtype(n, src_dtype[n], dtype, keep) for n in found}
+    for n, dt_name in (out_dtypes or {}).items():
+        if n in out_dtype and dt_name != src_dtype[n]:
+            if not (dtypes.lookup(src_dtype[n]).castable and dtypes.lookup(dt_name).castable):
+                raise DTypeError(f"tensor {n!r}: {src_dtype[n]} cannot become {dt_name}", path=where)
+            out_dtype[n] = dt_name
+        elif n in out_dtype:
+            out_dtype[n] = dt_name
     sizes = {n: dtypes.lookup(out_dtype[n]).nbytes(math.prod(shapes[n])) for n in found}
     groups = (
         assign_with_reference(sizes, reference, max_shard_size)
