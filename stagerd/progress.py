@@ -45,25 +45,37 @@ class _LogLines:
         self.last_decile = 0
         self.last_done = 0
         self.finished = False
+        self.calls = 0
+        self.last_emitted: tuple[int, int] | None = None
         self.lock = threading.Lock()
 
     def __call__(self, done: int, total: int) -> None:
         with self.lock:
             self.total = total
+            self.calls += 1
             if self.finished or (done <= self.last_done and done < total):
                 return
             now = time.monotonic()
-            decile = int(done * 10 // total) if total > 0 else 10
+            decile = int(done * 10 // total) if total > 0 else 0
             due = decile > self.last_decile or now - self.last_time >= LOG_EVERY_SECONDS
             self.last_done = done
-            if done >= total:
+            if total > 0 and done >= total:
                 self.finished = True
             elif not due:
                 return
             self.last_decile, self.last_time = decile, now
             self._emit(done, now)
 
+    def close(self) -> None:
+        """The operation ended well: log its last state once, if no line showed the end yet."""
+        with self.lock:
+            if self.calls and not self.finished:
+                self.finished = True
+                if self.last_emitted != (self.last_done, self.total):
+                    self._emit(self.last_done, time.monotonic())
+
     def _emit(self, done: int, now: float) -> None:
+        self.last_emitted = (done, self.total)
         elapsed = now - self.start
         pct = 100.0 * done / self.total if self.total > 0 else 100.0
         rate = f", {_fmt(int(done / elapsed), self.unit)}/s" if elapsed > 0.05 and done else ""
@@ -153,4 +165,6 @@ def progress(
         with _rich_bar(description, total, unit) as cb:
             yield cb
     else:
-        yield _LogLines(description, total, unit)
+        lines = _LogLines(description, total, unit)
+        yield lines
+        lines.close()

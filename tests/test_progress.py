@@ -66,7 +66,9 @@ def test_plain_lines_quiet_between_tenths(lines: _Lines) -> None:
     with progress("upload", 1000, tty=False) as cb:
         for done in range(1, 100):  # under 10%, fast: nothing due yet
             cb(done, 1000)
-    assert lines.records == []
+        assert lines.records == []
+    # the end of the operation is logged once, with where it got to
+    assert [r.getMessage().split(" in ")[0] for r in lines.records] == ["upload: 99 bytes / 1.0 kB (10%)"]
 
 
 def test_plain_callback_is_thread_safe(lines: _Lines) -> None:
@@ -92,10 +94,27 @@ def test_plain_callback_is_thread_safe(lines: _Lines) -> None:
     assert len(msgs) <= 11
 
 
-def test_zero_total(lines: _Lines) -> None:
+def test_total_known_late(lines: _Lines) -> None:
+    """Callers may open the bar with total 0 and learn the total from the first callback."""
+    with progress("consolidate", 0, tty=False) as cb:
+        cb(0, 0)
+        cb(0, 4000)
+        cb(4000, 4000)
+    msgs = [r.getMessage().split(" in ")[0] for r in lines.records]
+    assert msgs == ["consolidate: 4.0 kB / 4.0 kB (100%)"]
+
+
+def test_empty_operation_logs_its_end(lines: _Lines) -> None:
     with progress("nothing", 0, tty=False) as cb:
         cb(0, 0)
     assert [r.getMessage().split(" in ")[0] for r in lines.records] == ["nothing: 0 bytes / 0 bytes (100%)"]
+
+
+def test_failed_operation_does_not_claim_the_end(lines: _Lines) -> None:
+    with pytest.raises(RuntimeError), progress("upload", 1000, tty=False) as cb:
+        cb(10, 1000)
+        raise RuntimeError("dropped")
+    assert lines.records == []
 
 
 def _run_on_pty(code: str) -> str:
