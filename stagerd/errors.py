@@ -114,3 +114,9 @@ class SinkConflictError(SinkError):
 
     retryable = False
     hint = "the destination holds a different upload for this step; inspect it before deleting anything"
+
+
+class JournalError(StagerdError):
+    """The daemon journal is missing, unreadable, from a newer stagerd, or asked for an impossible move."""
+
+    hint = "check ROOT/.stagerd/journal.sqlite; `stagerd watch ROOT` creates it on its first start"

@@ -1,0 +1,96 @@
+"""`stagerd watch ROOT --sink URL ...`: run the per-node daemon (see `stagerd.daemon`).
+
+Settings come from `--config FILE` (TOML), then `STAGERD_*`, then these flags; every setting has an
+environment variable and a TOML key even where it has no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="run the daemon: export committed steps, publish them, apply retention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Every default is None: an absent flag leaves the setting to the environment or the config file.
+    p.add_argument("root", type=Path, metavar="ROOT", help="staging root the trainers write into")
+    p.add_argument(
+        "--sink", dest="sinks", action="append", metavar="URL", help="publish destination (repeatable)"
+    )
+    p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    p.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], help="export dtype")
+    p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names that are never cast")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="largest output file, e.g. 5GB")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps' staged data")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        default=None,
+        help="process every committed step, then exit: 0 only if all were published",
+    )
+    p.add_argument("--export-workers", type=int, metavar="N", help="exports at once (default 1)")
+    p.add_argument("--publish-workers", type=int, metavar="N", help="publishes at once per sink (default 1)")
+    p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
+    p.add_argument("--grace-seconds", type=float, metavar="S", help="drain time on SIGTERM (default 60)")
+    p.add_argument("--rescan-seconds", type=float, metavar="S", help="full rescan period (default 5)")
+    p.add_argument(
+        "--no-watch", dest="watch", action="store_false", default=None, help="no inotify; rescan only"
+    )
+    p.add_argument("--nice", type=int, metavar="N", help="raise niceness to at least N (default 10; 0 off)")
+    p.add_argument(
+        "--io-class", choices=["idle", "best-effort", "none"], help="I/O scheduling class (default idle)"
+    )
+    p.add_argument("--metrics-host", metavar="ADDR", help="metrics address (default 127.0.0.1)")
+    p.add_argument("--metrics-port", metavar="PORT", help="metrics port (default 9464; 0 or off: none)")
+    p.set_defaults(func=run)
+
+
+_FLAGS = (
+    "root",
+    "sinks",
+    "dtype",
+    "keep_dtype",
+    "max_shard_size",
+    "keep_last",
+    "once",
+    "export_workers",
+    "publish_workers",
+    "max_attempts",
+    "grace_seconds",
+    "rescan_seconds",
+    "watch",
+    "nice",
+    "io_class",
+    "metrics_host",
+    "metrics_port",
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from stagerd.config import load_settings
+    from stagerd.daemon import Daemon
+
+    settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
+    daemon = Daemon(settings)
+    code = asyncio.run(daemon.run())
+    if daemon.summary is not None:
+        s = daemon.summary
+        print(f"stagerd watch --once: {len(s.published)} step(s) published, {len(s.unpublished)} not")
+        for step, why in s.unpublished:
+            print(f"  step {step}: {why}")
+    if daemon.left_threads_running:
+        # Work abandoned at shutdown is recorded in the journal; its threads cannot be interrupted, and
+        # waiting for them would break the grace period. The next start redoes that work.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,0 +1,172 @@
+"""Daemon settings: a TOML file < `STAGERD_*` environment < command-line flags, by pydantic-settings.
+
+Every field carries its description: `settings_table()` renders them for the README and `--help`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from stagerd.errors import ConfigError
+
+ENV_PREFIX = "STAGERD_"
+DTYPES = ("keep", "bf16", "fp16", "fp32")
+
+
+class Settings(BaseSettings):
+    """Everything `stagerd watch` can be told. Flags override the environment, which overrides the file."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    root: Path | None = Field(None, description="Staging root that the trainers write step directories into.")
+    sinks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Publish destinations (hf://ORG/REPO, s3://BUCKET/PREFIX, file:///PATH, any fsspec URL). "
+        "In the environment: comma-separated or a JSON list.",
+    )
+    dtype: str | None = Field(
+        None, description="Export dtype: keep|bf16|fp16|fp32. Unset: the commit marker's hint, else keep."
+    )
+    keep_dtype: str | None = Field(None, description="Regex of tensor names that are never cast.")
+    max_shard_size: ByteSize = Field(
+        ByteSize(5_000_000_000), gt=0, description="Largest output safetensors file: bytes, or 5GB, 500MiB."
+    )
+    export_threads: int = Field(2, ge=1, description="Copy threads inside one export.")
+    export_workers: int = Field(
+        1, ge=1, description="Exports that may run at once; they start in step order."
+    )
+    publish_workers: int = Field(
+        1, ge=1, description="Publishes that may run at once per sink; every sink is its own lane."
+    )
+    keep_last: int | None = Field(
+        None,
+        ge=0,
+        description="Keep the staged data of the newest N steps; delete older steps only once they are "
+        "published on every sink. Unset: delete nothing.",
+    )
+    once: bool = Field(False, description="Process every committed step, then exit: 0 only if all published.")
+    max_attempts: int = Field(
+        5, ge=1, description="Tries per stage before a step (or a sink lane) is quarantined."
+    )
+    retry_base_seconds: float = Field(2.0, gt=0, description="First retry delay; doubles per attempt.")
+    retry_max_seconds: float = Field(300.0, gt=0, description="Longest retry delay.")
+    watch: bool = Field(True, description="Watch ROOT with inotify (watchfiles); the rescan runs regardless.")
+    rescan_seconds: float = Field(
+        5.0, gt=0, description="Full rescan period: the fallback for filesystems without inotify events."
+    )
+    watch_debounce_ms: int = Field(100, ge=1, description="Longest batching of filesystem events.")
+    grace_seconds: float = Field(
+        60.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, how long in-flight work may finish before it is abandoned.",
+    )
+    nice: int = Field(
+        10, ge=0, le=19, description="Raise the CPU niceness to at least this (0: leave as is)."
+    )
+    io_class: Literal["idle", "best-effort", "none"] = Field(
+        "idle", description="I/O scheduling class (ioprio): idle, best-effort, or none to leave as is."
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of the Prometheus /metrics and /healthz server."
+    )
+    metrics_port: int = Field(
+        9464, ge=0, le=65535, description="Port of the metrics server; 0 or 'off' disables it."
+    )
+    low_disk_free_percent: float = Field(
+        10.0, ge=0, le=100, description="Warn (logs, status, metrics) when ROOT's free space is below this."
+    )
+    low_disk_free_bytes: ByteSize = Field(
+        ByteSize(0), ge=0, description="Warn when ROOT's free space is below this size, e.g. 50GB (0: off)."
+    )
+    disk_check_seconds: float = Field(10.0, gt=0, description="Period of the free-disk check.")
+    test_pause_at: Literal["export", "publish"] | None = Field(
+        None,
+        description="TEST ONLY: sleep inside the first progress report of every export or publish, so a "
+        "test can kill the daemon mid-way.",
+    )
+    test_pause_seconds: float = Field(3600.0, ge=0, description="TEST ONLY: how long test_pause_at sleeps.")
+
+    @field_validator("sinks", mode="before")
+    @classmethod
+    def _split_sinks(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip()
+            if v.startswith("["):
+                import json
+
+                return json.loads(v)
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str | None) -> str | None:
+        if v is not None and v not in DTYPES:
+            raise ValueError(f"dtype must be one of {'|'.join(DTYPES)}, got {v!r}")
+        return v
+
+    @field_validator("keep_dtype")
+    @classmethod
+    def _check_regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            re.compile(v)
+        return v
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _port_off(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() in ("off", "none", "false", ""):
+            return 0
+        return v
+
+
+def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settings:
+    """Settings from `config_file` (TOML), then `STAGERD_*`, then `flags` (None values are ignored)."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise ConfigError("config file not found", path=config_file)
+    toml_file = Path(config_file) if config_file is not None else None
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources = [init_settings, env_settings]
+            if toml_file is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+            return tuple(sources)
+
+    try:
+        return _Sourced(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
+    except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
+        raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+
+
+def settings_table() -> list[tuple[str, str, str, str]]:
+    """(setting, env var, default, description) of every setting, for documentation."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        rows.append((name, f"{ENV_PREFIX}{name.upper()}", repr(default), field.description or ""))
+    return rows
