@@ -151,3 +151,8 @@ def commit_step(step_dir: Path, world: int, **marker_fields) -> layout.CommitMar
 if __name__ == "__main__":
     t = dcp_save(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 4)
     print(f"saved {len(t)} tensors")
+
+
+def float_tensors() -> Spec:
+    """The fp32/bf16 subset of `mixed_tensors`: what torch's own consolidation can handle."""
+    return {k: v for k, v in mixed_tensors(3).items() if v[0].dtype in {torch.float32, torch.bfloat16}}
