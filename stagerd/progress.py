@@ -77,10 +77,10 @@ class _LogLines:
     def _emit(self, done: int, now: float) -> None:
         self.last_emitted = (done, self.total)
         elapsed = now - self.start
-        pct = 100.0 * done / self.total if self.total > 0 else 100.0
+        pct = 100 * done // self.total if self.total > 0 else 100  # floor: 99.7% is not done
         rate = f", {_fmt(int(done / elapsed), self.unit)}/s" if elapsed > 0.05 and done else ""
         log.info(
-            "%s: %s / %s (%.0f%%) in %.1fs%s",
+            "%s: %s / %s (%d%%) in %.1fs%s",
             self.description,
             _fmt(done, self.unit),
             _fmt(self.total, self.unit),
@@ -101,6 +101,7 @@ def _new_live():
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.table import Column
     from rich.text import Text
 
     class Counts(ProgressColumn):
@@ -117,7 +118,7 @@ def _new_live():
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
-        Counts(),
+        Counts(table_column=Column(no_wrap=True)),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=Console(stderr=True),
