@@ -1,0 +1,109 @@
+"""`stagerd demo` as a user runs it: a subprocess, real gloo training, the daemon, the bit-exact check."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagerd import layout
+from stagerd.demo import DemoResult, check, make_plan
+from stagerd.errors import VerifyError
+
+STAGERD = [sys.executable, "-m", "stagerd.cli"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    workdir = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    return workdir, proc
+
+
+@pytest.mark.slow
+def test_demo_runs_and_summarises(demo_run) -> None:
+    workdir, proc = demo_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"3 steps trained, staged, exported, published and checked in \d+\.\d+s", out)
+    assert f"staging ROOT    {workdir / 'staging'}" in out
+    assert f"sink            {(workdir / 'published').as_uri()}" in out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+ kB)\s+([\d.]+ kB)\s+.*\bpublished\s+(\S+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3], out
+    assert [r[3] for r in rows] == [str(workdir / "published" / layout.step_dir_name(s)) for s in (1, 2, 3)]
+    assert "equals the trained weights bit for bit" in out
+    # Off a TTY the progress is plain JSON log lines, not a live bar.
+    assert "\x1b[" not in proc.stderr
+    assert any(
+        json.loads(ln).get("msg", "").startswith("check against the trained weights")
+        for ln in proc.stderr.splitlines()
+        if ln.startswith("{")
+    )
+
+
+@pytest.mark.slow
+def test_demo_output_is_real(demo_run) -> None:
+    """What the summary claims is on disk: committed steps, manifests on the sink, a journal."""
+    workdir, proc = demo_run
+    assert proc.returncode == 0
+    staging, published = workdir / "staging", workdir / "published"
+    assert [s for s, _ in layout.committed_steps(staging)] == [1, 2, 3]
+    for step in (1, 2, 3):
+        remote = published / layout.step_dir_name(step)
+        manifest = json.loads((remote / layout.MANIFEST_NAME).read_text())
+        names = {f["path"] for f in manifest["files"]}
+        assert layout.INDEX_NAME in names and "config.json" in names
+    status = subprocess.run(
+        [*STAGERD, "status", str(staging), "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0
+    assert {s["step"]: s["state"] for s in json.loads(status.stdout)["steps"]} == {
+        1: "published",
+        2: "published",
+        3: "published",
+    }
+
+
+@pytest.mark.slow
+def test_demo_check_catches_a_flipped_bit(demo_run, tmp_path: Path) -> None:
+    """The demo's check is not a formality: one flipped bit in a published tensor fails it."""
+    workdir, proc = demo_run
+    assert proc.returncode == 0
+    plan = make_plan(tmp_path / "copy", None)  # the demo's own check, run on a copy of the run
+    shutil.copytree(workdir / "published", plan.published)
+    shutil.copytree(workdir / "expected", plan.expected)
+    check(plan, DemoResult(plan=plan))  # the copy is intact
+
+    shard = sorted((plan.published / layout.step_dir_name(2)).glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last byte belongs to a tensor's data, never to the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(VerifyError, match=r"step 2: .* differs from the trained weights"):
+        check(plan, DemoResult(plan=plan))
+
+
+def test_demo_refuses_a_used_root(tmp_path: Path) -> None:
+    (tmp_path / "staging" / "step-00000001").mkdir(parents=True)
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "already holds a demo run" in proc.stderr
+    assert "what to do: pass a new --root" in proc.stderr
+
+
+def test_demo_help() -> None:
+    proc = subprocess.run([*STAGERD, "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--root DIR" in proc.stdout and "--sink URL" in proc.stdout
