@@ -17,6 +17,8 @@ filesystem (sequential, best effort `exists` then write for the manifest).
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import logging
 import os
@@ -168,6 +170,15 @@ def same_files(a: ExportManifest, b: ExportManifest) -> bool:
     return key(a) == key(b)
 
 
+def same_checksum(remote: str | None, expected: str | None) -> bool:
+    """S3 checksums compare equal; a composite's `-N` suffix counts only when both sides carry one."""
+    if not remote or not expected:
+        return False
+    if ("-" in remote) != ("-" in expected):
+        return remote.split("-")[0] == expected.split("-")[0]
+    return remote == expected
+
+
 def plan_reuse(local: list[LocalFile], remote: Mapping[str, RemoteObject]) -> list[LocalFile]:
     """The local files that a checksum-capable store may already hold: same name and size, with a checksum."""
     return [f for f in local if (r := remote.get(f.rel)) is not None and r.size == f.size and r.checksum]
@@ -188,7 +199,7 @@ def verify_listing(
             problems.append(f"{f.path}: missing")
         elif r.size != f.size:
             problems.append(f"{f.path}: {r.size} bytes, expected {f.size}")
-        elif r.checksum and checksums.get(f.path) and r.checksum != checksums[f.path]:
+        elif r.checksum and checksums.get(f.path) and not same_checksum(r.checksum, checksums[f.path]):
             problems.append(f"{f.path}: checksum {r.checksum}, expected {checksums[f.path]}")
     return problems
 
@@ -248,6 +259,8 @@ class FsspecSink:
         protocol, path = fsspec.core.split_protocol(url)
         if protocol in (None, "file", "local"):
             backend: Backend = LocalBackend(Path(path or "/"))
+        elif protocol in ("s3", "s3a"):
+            backend = S3Backend.open(url, opts, part_size=part_size, max_concurrency=max_concurrency)
         else:
             fs, root = fsspec.core.url_to_fs(url, **opts)
             backend = FsspecBackend(fs, root)
@@ -324,10 +337,13 @@ class FsspecSink:
 
         remote = self._call(lambda: b.list(prefix), prefix)
         reused: dict[str, Uploaded] = {}
-        if b.has_checksums:
+        same_size = [f.rel for f in files if f.rel in remote and remote[f.rel].size == f.size]
+        if b.has_checksums and same_size:
+            have = self._call(lambda: b.checksums(prefix, same_size), prefix)
+            remote = {k: RemoteObject(v.size, have.get(k, v.checksum)) for k, v in remote.items()}
             for f in plan_reuse(files, remote):
                 d = b.digest(f)
-                if d.checksum == remote[f.rel].checksum:
+                if same_checksum(remote[f.rel].checksum, d.checksum):
                     reused[f.rel] = d
                     prog(f.size)
         todo = [f for f in files if f.rel not in reused]
@@ -600,3 +616,382 @@ class FsspecBackend:
 
     def close(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# S3 (s3fs's session and event loop, the aiobotocore client called directly)
+
+MIN_PART = 5 << 20
+MAX_PARTS = 10_000
+_AUTH_CODES = {
+    "AccessDenied",
+    "AccountProblem",
+    "AllAccessDisabled",
+    "ExpiredToken",
+    "InvalidAccessKeyId",
+    "InvalidSecurity",
+    "InvalidToken",
+    "SignatureDoesNotMatch",
+    "TokenRefreshRequired",
+}
+
+
+def part_size_for(size: int, part_size: int) -> int:
+    """`part_size`, or more (in MiB steps) where a file of `size` bytes would need over 10,000 parts."""
+    need = -(-size // MAX_PARTS)
+    if need <= part_size:
+        return part_size
+    mib = 1 << 20
+    return -(-need // mib) * mib
+
+
+def s3_error(e: BaseException, where: str) -> SinkError:
+    """A botocore/aiohttp failure as a named sink error: auth problems are not retryable, the rest are.
+
+    Only the S3 error code and message go into the text: never a header, a signature or a credential.
+    """
+    from botocore.exceptions import (
+        ClientError,
+        CredentialRetrievalError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    if isinstance(e, SinkError):
+        return e
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", "Unknown"))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        msg = f"{code} (HTTP {status}) from {e.operation_name}: {err.get('Message', '')}".rstrip(": ")
+        if code in _AUTH_CODES or status == 403:
+            return SinkAuthError(msg, path=where)
+        if code == "NoSuchBucket":
+            return SinkError(msg, path=where, hint="create the bucket, or fix the sink URL")
+        return SinkError(f"{msg} (after the client's retries)", path=where)
+    if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
+        return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
+    return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
+
+
+class S3Backend:
+    """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
+
+    Every object is uploaded with a SHA256 checksum the store verifies on receipt and reports back: the
+    plain sha256 for a single PUT, the composite of per-part sha256s for multipart. Retries are botocore's
+    (bounded exponential backoff for 5xx, throttling, 429 and dropped connections; tune with
+    AWS_RETRY_MODE / AWS_MAX_ATTEMPTS or `config_kwargs`); nothing here retries on top of them.
+    """
+
+    has_checksums = True
+
+    def __init__(self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int) -> None:
+        if part_size < MIN_PART:
+            from stagerd.errors import ConfigError
+
+            raise ConfigError(f"part_size {part_size} is below S3's minimum of {MIN_PART} bytes")
+        self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
+        self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
+        self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
+
+    @classmethod
+    def open(cls, url: str, opts: Mapping[str, Any], *, part_size: int, max_concurrency: int) -> S3Backend:
+        import s3fs
+
+        opts = dict(opts)
+        config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
+        # our own instance: settings here must not leak into other users of s3fs's instance cache
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config, **opts)
+        bucket, _, root = fs._strip_protocol(url).partition("/")
+        if not bucket:
+            from stagerd.errors import ConfigError
+
+            raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
+        return cls(fs, bucket, root, part_size, max_concurrency)
+
+    def _key(self, key: str) -> str:
+        return f"{self.root}/{key}" if self.root else key
+
+    def _where(self, key: str) -> str:
+        return f"{self.base}/{key}"
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, fn, *args, **kwargs)
+
+    async def _client(self) -> Any:
+        return await self.fs.set_session()
+
+    async def _call(self, where: str, method: str, **kwargs: Any) -> Any:
+        s3 = await self._client()
+        try:
+            return await getattr(s3, method)(Bucket=self.bucket, **kwargs)
+        except Exception as e:
+            raise s3_error(e, where) from None
+
+    # -- small operations ----------------------------------------------------------------------------------
+
+    def list(self, prefix: str) -> dict[str, RemoteObject]:
+        async def go() -> dict[str, RemoteObject]:
+            s3 = await self._client()
+            base = self._key(prefix) + "/"
+            out: dict[str, RemoteObject] = {}
+            try:
+                async for page in s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base
+                ):
+                    for o in page.get("Contents", []):
+                        out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+            except Exception as e:
+                raise s3_error(e, self._where(prefix)) from None
+            return out
+
+        return self._run(go)
+
+    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+        async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
+            key = f"{prefix}/{rel}"
+            async with sem:
+                r = await self._call(
+                    self._where(key), "head_object", Key=self._key(key), ChecksumMode="ENABLED"
+                )
+            return rel, r.get("ChecksumSHA256")
+
+        async def go() -> dict[str, str | None]:
+            sem = asyncio.Semaphore(self.max_concurrency)
+            return dict(await asyncio.gather(*(one(r, sem) for r in rels)))
+
+        return self._run(go)
+
+    def read(self, key: str) -> bytes | None:
+        async def go() -> bytes | None:
+            s3 = await self._client()
+            try:
+                r = await s3.get_object(Bucket=self.bucket, Key=self._key(key))
+                async with r["Body"] as body:
+                    return await body.read()
+            except s3.exceptions.NoSuchKey:
+                return None
+            except Exception as e:
+                raise s3_error(e, self._where(key)) from None
+
+        return self._run(go)
+
+    def write(self, key: str, data: bytes) -> None:
+        from stagerd.hashing import b64_sha256
+
+        self._run(self._call, self._where(key), "put_object", **self._put_args(key, data, b64_sha256(data)))
+
+    def create(self, key: str, data: bytes) -> bool:
+        """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
+        from botocore.exceptions import ClientError
+
+        from stagerd.hashing import b64_sha256
+
+        async def go() -> bool:
+            s3 = await self._client()
+            args = self._put_args(key, data, b64_sha256(data))
+            try:
+                await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
+                return True
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code")
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                if status != 501 and code != "NotImplemented":
+                    raise s3_error(e, self._where(key)) from None
+            except Exception as e:
+                raise s3_error(e, self._where(key)) from None
+            log.warning("%s does not support conditional writes; using exists-then-put", self.base)
+            if await self._exists(key):
+                return False
+            await self._call(self._where(key), "put_object", **args)
+            return True
+
+        return self._run(go)
+
+    async def _exists(self, key: str) -> bool:
+        s3 = await self._client()
+        try:
+            await s3.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except Exception as e:
+            err = getattr(e, "response", {}).get("Error", {})
+            if err.get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise s3_error(e, self._where(key)) from None
+
+    def _put_args(self, key: str, data: bytes, checksum: str) -> dict[str, Any]:
+        return {
+            "Key": self._key(key),
+            "Body": data,
+            "ChecksumAlgorithm": "SHA256",
+            "ChecksumSHA256": checksum,
+        }
+
+    def digest(self, f: LocalFile) -> Uploaded:
+        d = hash_file(f.path, part_size_for(f.size, self.part_size))
+        return Uploaded(f.rel, d.size, d.sha256, d.checksum)
+
+    def close(self) -> None:
+        import s3fs
+
+        if getattr(self.fs, "_s3", None) is not None:
+            s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
+            self.fs._s3 = None
+
+    # -- uploads ---------------------------------------------------------------------------------------------
+
+    def upload(self, prefix: str, files: list[LocalFile], progress: _Progress) -> list[Uploaded]:
+        """Upload every file, up to `max_concurrency` requests (and as many parts in memory) at a time."""
+
+        async def go() -> list[Uploaded]:
+            parts = asyncio.Semaphore(self.max_concurrency)
+            opened = asyncio.Semaphore(max(2, self.max_concurrency // 2))
+
+            async def one(f: LocalFile) -> Uploaded:
+                async with opened:
+                    return await self._upload_one(f"{prefix}/{f.rel}", f, parts, progress)
+
+            tasks = [asyncio.ensure_future(one(f)) for f in files]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        return self._run(go)
+
+    async def _upload_one(
+        self, key: str, f: LocalFile, parts: asyncio.Semaphore, progress: _Progress
+    ) -> Uploaded:
+        import hashlib
+
+        from stagerd.hashing import composite_sha256
+
+        where = self._where(key)
+        part_size = part_size_for(f.size, self.part_size)
+        if f.size <= part_size:
+            async with parts:
+                data, digest = await asyncio.to_thread(_read_small, f)
+                checksum = base64.b64encode(digest).decode()
+                await self._call(where, "put_object", **self._put_args(key, data, checksum))
+            progress(len(data))
+            return Uploaded(f.rel, len(data), digest.hex(), checksum)
+
+        mpu = await self._call(
+            where, "create_multipart_upload", Key=self._key(key), ChecksumAlgorithm="SHA256"
+        )
+        upload_id = mpu["UploadId"]
+        whole = hashlib.sha256()
+        tasks: list[asyncio.Future[dict[str, Any]]] = []
+        failed = asyncio.Event()
+        size = 0
+        try:
+            with open(f.path, "rb", buffering=0) as fh:
+                number = 0
+                while not failed.is_set():
+                    await parts.acquire()
+                    try:
+                        data = await asyncio.to_thread(_read_part, fh, part_size, whole)
+                    except BaseException:
+                        parts.release()
+                        raise
+                    if not data:
+                        parts.release()
+                        break
+                    number += 1
+                    size += len(data)
+                    tasks.append(
+                        asyncio.ensure_future(
+                            self._part(where, key, upload_id, number, data, parts, progress, failed)
+                        )
+                    )
+            done = list(await asyncio.gather(*tasks))
+            if size != f.size:
+                raise _changed(f, size)
+            await self._call(
+                where,
+                "complete_multipart_upload",
+                Key=self._key(key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{k: v for k, v in p.items() if k != "digest"} for p in done]},
+            )
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._abort(key, upload_id)
+            raise
+        return Uploaded(f.rel, size, whole.hexdigest(), composite_sha256([p["digest"] for p in done]))
+
+    async def _part(
+        self,
+        where: str,
+        key: str,
+        upload_id: str,
+        number: int,
+        data: bytes,
+        parts: asyncio.Semaphore,
+        progress: _Progress,
+        failed: asyncio.Event,
+    ) -> dict[str, Any]:
+        import hashlib
+
+        try:
+            digest = await asyncio.to_thread(lambda: hashlib.sha256(data).digest())
+            checksum = base64.b64encode(digest).decode()
+            r = await self._call(
+                f"{where} (part {number})",
+                "upload_part",
+                Key=self._key(key),
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                ChecksumAlgorithm="SHA256",
+                ChecksumSHA256=checksum,
+            )
+            progress(len(data))
+            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": checksum, "digest": digest}
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            parts.release()
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        """Best effort: a store that is down keeps the parts until a lifecycle rule reaps them."""
+        try:
+            s3 = await self._client()
+            await asyncio.wait_for(
+                s3.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id), 30
+            )
+        except Exception as e:
+            log.warning("could not abort the multipart upload of %s: %s", self._where(key), type(e).__name__)
+
+
+def _read_small(f: LocalFile) -> tuple[bytes, bytes]:
+    import hashlib
+
+    data = f.path.read_bytes()
+    if len(data) != f.size:
+        raise _changed(f, len(data))
+    return data, hashlib.sha256(data).digest()
+
+
+def _read_part(fh: Any, part_size: int, whole: Any) -> bytes:
+    """The next part of an open file, fed to the whole-file hash on the way (so the file is read once)."""
+    chunks, got = [], 0
+    while got < part_size:
+        b = fh.read(part_size - got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    whole.update(data)
+    return data
