@@ -515,7 +515,8 @@ def _check_expected(
     missing = sorted(set(expected) - set(shapes), key=natural_key)
     if missing:
         raise PlanError(
-            f"{len(missing)} tensors in the commit marker are in no shard: {missing[:5]}", path=where
+            f"{len(missing)} marker tensors are in no shard (a shard is missing?): {missing[:5]}",
+            path=where,
         )
     extra = sorted(set(shapes) - set(expected), key=natural_key)
     if extra:
