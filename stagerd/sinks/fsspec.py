@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from stagerd import layout
-from stagerd.errors import MarkerError, SinkAuthError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import ConfigError, MarkerError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.hashing import hash_file, iter_file
 from stagerd.layout import ExportManifest, ManifestFile
 from stagerd.sinks.base import ProgressFn, PublishResult
@@ -257,13 +257,20 @@ class FsspecSink:
 
         opts = {**dict(storage_options or {}), **options}
         protocol, path = fsspec.core.split_protocol(url)
-        if protocol in (None, "file", "local"):
-            backend: Backend = LocalBackend(Path(path or "/"))
-        elif protocol in ("s3", "s3a"):
-            backend = S3Backend.open(url, opts, part_size=part_size, max_concurrency=max_concurrency)
-        else:
-            fs, root = fsspec.core.url_to_fs(url, **opts)
-            backend = FsspecBackend(fs, root)
+        try:
+            if protocol in (None, "file", "local"):
+                backend: Backend = LocalBackend(Path(path or "/"))
+            elif protocol in ("s3", "s3a"):
+                backend = S3Backend.open(url, opts, part_size=part_size, max_concurrency=max_concurrency)
+            else:
+                fs, root = fsspec.core.url_to_fs(url, **opts)
+                backend = FsspecBackend(fs, root)
+        except (ValueError, ImportError, TypeError) as e:
+            raise ConfigError(
+                f"cannot open sink {redact_url(url)}: {type(e).__name__}: {e}",
+                hint="use s3://BUCKET/PREFIX, file:///PATH, hf://ORG/REPO or an fsspec URL whose "
+                "package is installed (gcsfs for gs://, adlfs for az://)",
+            ) from None
         return cls(url, backend)
 
     # -- Sink protocol -----------------------------------------------------------------------------------
@@ -291,6 +298,9 @@ class FsspecSink:
         layout.check_staged_files(step_dir, marker)
         files = scan_dir(step_dir, skip_dirs=_SKIP_DIRS)
         prefix = f"{RAW_DIR}/{layout.step_dir_name(step)}"
+        nodes = getattr(marker, "staging_nodes", 1)
+        if nodes > 1:  # each staging node holds only its own shards: one raw tree per node
+            prefix = f"{prefix}/node-{marker.staging_node:05d}-of-{nodes:05d}"
         return self._publish_tree(files, prefix, step, {"raw": True}, progress, step_dir)
 
     def is_published(self, step: int) -> bool:
@@ -405,7 +415,7 @@ class FsspecSink:
         key = f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
         b = self._backend
         current = self._call(lambda: b.read(key), key)
-        name = prefix.rsplit("/", 1)[-1]
+        name = layout.step_dir_name(step)
         if newer_latest(current, step) and current != name.encode():
             self._call(lambda: b.write(key, name.encode()), key)
 
@@ -687,8 +697,6 @@ class S3Backend:
 
     def __init__(self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int) -> None:
         if part_size < MIN_PART:
-            from stagerd.errors import ConfigError
-
             raise ConfigError(f"part_size {part_size} is below S3's minimum of {MIN_PART} bytes")
         self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
         self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
@@ -704,8 +712,6 @@ class S3Backend:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config, **opts)
         bucket, _, root = fs._strip_protocol(url).partition("/")
         if not bucket:
-            from stagerd.errors import ConfigError
-
             raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
         return cls(fs, bucket, root, part_size, max_concurrency)
 

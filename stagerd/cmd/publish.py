@@ -1,0 +1,103 @@
+"""`stagerd publish EXPORT_DIR --sink URL [--sink URL ...] [--step N]`: publish one finished export now."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from stagerd import layout
+from stagerd.errors import ConfigError, StagerdError, VerifyError
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="publish one export directory to one or more sinks, idempotently, and verify it",
+        description=(
+            "Upload EXPORT_DIR as step N to every sink, verify the remote against the export, then commit "
+            "the step (stagerd.manifest.json last, then PREFIX/latest). A step the sink already holds is "
+            "a no-op. Exit 0 when every sink holds the step; 3 when a failure may pass on retry (5xx, "
+            "network); 2 otherwise (bad credentials, a conflicting remote step, bad input)."
+        ),
+    )
+    p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="a finished export directory")
+    p.add_argument(
+        "--sink",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="s3://BUCKET/PREFIX (AWS env/config apply, AWS_ENDPOINT_URL for MinIO/Ceph/R2), "
+        "file:///PATH, hf://ORG/REPO[@REV], or any fsspec URL; repeat for several",
+    )
+    p.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="step number (default: parsed from a ROOT/step-XXXXXXXX/export path)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per sink instead of text")
+    p.set_defaults(func=run)
+
+
+def step_from_path(export_dir: Path) -> int | None:
+    """The step of a `.../step-XXXXXXXX/export` directory, or None."""
+    resolved = export_dir.resolve()
+    if resolved.name != layout.EXPORT_DIR:
+        return None
+    return layout.parse_step_dir(resolved.parent.name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagerd.sinks import open_sink
+
+    export_dir: Path = args.export_dir
+    if not export_dir.is_dir():
+        raise VerifyError("is not an export directory", path=export_dir)
+    step = args.step if args.step is not None else step_from_path(export_dir)
+    if step is None:
+        raise ConfigError(
+            f"cannot tell the step of {export_dir}: it is not a step-XXXXXXXX/export directory",
+            hint="pass --step N",
+        )
+    if step < 0:
+        raise ConfigError(f"--step must be >= 0, got {step}")
+
+    failures: list[StagerdError] = []
+    for url in args.sink:
+        try:
+            sink = open_sink(url)
+        except StagerdError as e:
+            failures.append(_report(e))
+            continue
+        try:
+            res = sink.publish(export_dir, step)
+        except StagerdError as e:
+            failures.append(_report(e, sink.url))
+            continue
+        finally:
+            sink.close()
+        if args.json:
+            print(json.dumps({"ok": True, **vars(res)}), flush=True)
+        elif res.skipped:
+            print(f"{res.sink}: step {step} already published at {res.location}", flush=True)
+        else:
+            rate = res.bytes_uploaded / res.seconds / 1e6 if res.seconds > 0 else 0.0
+            print(
+                f"{res.sink}: published step {step} to {res.location}: {res.files} files, "
+                f"{res.bytes_uploaded} of {res.bytes_total} bytes sent in {res.seconds:.1f} s "
+                f"({rate:.0f} MB/s)",
+                flush=True,
+            )
+    if not failures:
+        return 0
+    return 3 if all(e.retryable for e in failures) else 2
+
+
+def _report(e: StagerdError, sink: str | None = None) -> StagerdError:
+    """Print a failure the way `stagerd` prints any StagerdError, so one sink's failure spares the others."""
+    where = f" [{sink}]" if sink and sink not in str(e) else ""
+    print(f"stagerd: {e.name}{where}: {e}", file=sys.stderr)
+    print(f"  what to do: {e.hint}", file=sys.stderr)
+    return e
