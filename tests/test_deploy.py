@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from dockerfile_parse import DockerfileParser
 from packaging.requirements import Requirement
 
@@ -264,3 +265,116 @@ def test_entrypoint_runs() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "usage: stagerd watch" in proc.stdout and "--sink" in proc.stdout
     assert build_parser().parse_args(["watch", "/staging"]).command == "watch"
+
+
+# ------------------------------------------------------------------------------------------- kubernetes
+
+
+def _pod() -> dict:
+    docs = [d for d in yaml.safe_load_all(K8S.read_text()) if d]
+    pods = [d for d in docs if d["kind"] == "Pod"]
+    assert len(pods) == 1
+    return pods[0]["spec"]
+
+
+def _stagerd_container(spec: dict) -> dict:
+    found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "stagerd"]
+    assert len(found) == 1
+    return found[0]
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_k8s_sidecar_shares_staging() -> None:
+    spec = _pod()
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in vols["staging"] or "hostPath" in vols["staging"]
+    side = _stagerd_container(spec)
+    if side in spec.get("initContainers", []):
+        assert side["restartPolicy"] == "Always"  # a native sidecar, not a blocking init container
+    trainer = next(c for c in spec["containers"] if c["name"] == "trainer")
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (side, trainer)}
+    assert "staging" in mounts["stagerd"] and "staging" in mounts["trainer"]
+    # The image's entrypoint is `stagerd watch`; the args name the mounted staging volume as ROOT.
+    args = build_parser().parse_args(["watch", *side["args"]])
+    assert str(args.root) == mounts["stagerd"]["staging"]
+
+
+def test_k8s_secrets_and_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _pod()
+    env = _env(_stagerd_container(spec))
+    for name in ("HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "value" not in env[name], f"{name} must come from a Secret"
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] and ref["key"] == name
+    for name, e in env.items():
+        if name.startswith("STAGERD_"):
+            monkeypatch.setenv(name, e["value"])
+    settings = load_settings()  # every STAGERD_* in the manifest is a real setting with a valid value
+    assert settings.sinks and settings.sinks[0].startswith("hf://")
+
+
+def test_k8s_runs_like_the_image() -> None:
+    spec = _pod()
+    side = _stagerd_container(spec)
+    parser = DockerfileParser(str(DOCKERFILE))
+    final = _final_stage(parser)
+    uid = int([s["value"] for s in final if s["instruction"] == "USER"][-1].split(":")[0])
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == uid
+    assert spec["securityContext"]["fsGroup"] == uid  # the trainer's files stay writable for stagerd
+    # A read-only root filesystem needs the image's HF_HOME on a writable mount.
+    hf_home = re.search(r"HF_HOME=(\S+)", DOCKERFILE.read_text()).group(1)
+    if side["securityContext"].get("readOnlyRootFilesystem"):
+        writable = [m["mountPath"] for m in side["volumeMounts"]]
+        assert any(hf_home.startswith(p.rstrip("/") + "/") for p in writable), hf_home
+    # kubelet probes reach the pod IP, so /healthz must not be bound to loopback only.
+    env = _env(side)
+    port = int(env["STAGERD_METRICS_PORT"]["value"])
+    ports = {p["name"]: p["containerPort"] for p in side["ports"]}
+    for probe in ("startupProbe", "livenessProbe"):
+        get = side[probe]["httpGet"]
+        assert get["path"] == "/healthz" and ports[get["port"]] == port
+    assert env["STAGERD_METRICS_HOST"]["value"] not in ("127.0.0.1", "localhost")
+    # The pod's grace covers the preStop wait and then the daemon's own drain.
+    drain = float(env["PRESTOP_DRAIN_SECONDS"]["value"])
+    grace = float(env["STAGERD_GRACE_SECONDS"]["value"])
+    assert spec["terminationGracePeriodSeconds"] >= drain + grace
+
+
+def _prestop(root: Path, drain_seconds: float) -> subprocess.CompletedProcess[str]:
+    argv = _stagerd_container(_pod())["lifecycle"]["preStop"]["exec"]["command"]
+    assert argv[:2] == ["python", "-c"]
+    script = argv[2].replace('"/staging"', repr(str(root)))
+    env = {
+        **os.environ,
+        "PATH": f"{STAGERD_BIN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PRESTOP_DRAIN_SECONDS": str(drain_seconds),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_k8s_prestop_waits_for_publication(step_dir: Path, tmp_path: Path) -> None:
+    """The preStop hook, run for real: it holds the pod while a committed step is unpublished."""
+    root = step_dir.parent
+    assert _prestop(root, 0.5).returncode == 1  # committed, but the daemon has not seen it yet
+    sink = (tmp_path / "sink").as_uri()
+    proc = subprocess.run(
+        [str(STAGERD_BIN), "watch", str(root), "--sink", sink, "--once", "--metrics-port", "off"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = _prestop(root, 30)
+    assert done.returncode == 0, done.stderr
+    # A new committed step that the journal does not know yet holds the pod again.
+    shutil.copytree(step_dir, root / "step-00000200")
+    marker = (root / "step-00000200" / "stagerd.commit.json").read_text()
+    (root / "step-00000200" / "stagerd.commit.json").write_text(marker.replace('"step": 100', '"step": 200'))
+    assert _prestop(root, 0.5).returncode == 1
