@@ -120,3 +120,18 @@ class JournalError(StagerdError):
     """The daemon journal is missing, unreadable, from a newer stagerd, or asked for an impossible move."""
 
     hint = "check ROOT/.stagerd/journal.sqlite; `stagerd watch ROOT` creates it on its first start"
+
+
+class SaveError(StagerdError):
+    """A training-side save whose background write failed (disk full, I/O error): the step is not committed."""
+
+    retryable = True
+    hint = (
+        "the step was not committed and nothing will export it; free space on the staging root and save again"
+    )
+
+
+class SaveInputError(StagerdError):
+    """Arguments to `Stager.save` that cannot be staged: a non-tensor value, a bad extras name or path."""
+
+    hint = "pass a state dict of tensors, extras as {name: dict | bytes | path}, and a valid reference index"

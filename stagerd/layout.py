@@ -113,6 +113,10 @@ class CommitMarker:
     dtype: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, TensorInfo] | None = None
+    # Node-local staging on several nodes: this marker lists only the files of staging node
+    # `staging_node` of `staging_nodes`; the step is whole only with every node's marker. 0 of 1 = all files.
+    staging_node: int = 0
+    staging_nodes: int = 1
     format: str = MARKER_FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -146,6 +150,9 @@ class CommitMarker:
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)
+            node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
+            if not (_is_int(node) and _is_int(nodes) and 0 <= node < nodes):
+                raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
             return cls(
                 step=step,
                 world_size=ws,
@@ -155,6 +162,8 @@ class CommitMarker:
                 dtype=d.get("dtype"),
                 metadata=dict(d.get("metadata") or {}),
                 tensors=tensors,
+                staging_node=node,
+                staging_nodes=nodes,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None
