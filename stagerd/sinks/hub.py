@@ -407,7 +407,9 @@ class HubSink:
         )
 
     def __repr__(self) -> str:
-        return f"HubSink({self.url!r}, endpoint={self._api.endpoint!r})"
+        e = urlsplit(self._api.endpoint)
+        host = (e.hostname or "") + (f":{e.port}" if e.port else "")  # no user:password@
+        return f"HubSink({self.url!r}, endpoint={e._replace(netloc=host).geturl()!r})"
 
     # --- Sink protocol ----------------------------------------------------------------------------------
 
@@ -500,11 +502,12 @@ class HubSink:
 
         branch, parent = self._target(step, branches, head_step)
         plan = plan_commit(local, card, self._tree(parent))
+        size = sum(f.size for f in local) + (card.size if card else 0)
         info = self._api.create_commit(
             self.repo_id,
             self._operations(export_dir, local, card_bytes, plan),
             commit_message=commit_message(step),
-            commit_description=f"{len(plan.adds)} files, {plan.new_bytes} new bytes, published by stagerd.",
+            commit_description=f"{len(plan.adds)} files, {size} bytes, published by stagerd.",
             revision=branch,
             parent_commit=parent,
             num_threads=self._num_threads,

@@ -508,10 +508,25 @@ class HubApp:
         up = self._ticket(ticket)
         if up.chunk_size is None or not 1 <= part <= ceil(up.size / up.chunk_size):
             raise HubFail(400, f"bad part number {part}")
-        tmp = self._tmp / f"{ticket}.part{part}"
-        _n, sha = self._receive(request, tmp)
-        etag = f'"{sha[:32]}"'
-        up.parts[part] = (tmp, etag)
+        # Parts land at their offset in one file, in any order, like an S3 multipart upload.
+        whole = self._tmp / f"{ticket}.whole"
+        with self.store.lock:
+            if not whole.exists():
+                whole.touch()
+        h, n = hashlib.md5(usedforsecurity=False), 0
+        with open(whole, "r+b") as f:
+            f.seek((part - 1) * up.chunk_size)
+            while chunk := request.stream.read(1 << 20):
+                h.update(chunk)
+                f.write(chunk)
+                n += len(chunk)
+        with self.stats.lock:
+            self.stats.bytes_received += n
+        expected = min(up.chunk_size, up.size - (part - 1) * up.chunk_size)
+        if n != expected:
+            raise HubFail(400, f"part {part} is {n} bytes, expected {expected}")
+        etag = f'"{h.hexdigest()}"'
+        up.parts[part] = (whole, etag)
         return Response(status=200, headers={"ETag": etag})
 
     def h_lfs_complete(self, request: Request, ticket: str, **_: Any) -> Response:
@@ -525,18 +540,13 @@ class HubApp:
             held = up.parts.get(p["partNumber"])
             if held is None or held[1] != p.get("etag"):
                 raise HubFail(400, f"part {p['partNumber']} missing or etag mismatch")
-        tmp = self._tmp / f"{ticket}.whole"
+        whole = self._tmp / f"{ticket}.whole"
         h, size = hashlib.sha256(), 0
-        with open(tmp, "wb") as out:
-            for i in range(1, n + 1):
-                with open(up.parts[i][0], "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-                        out.write(chunk)
-                        size += len(chunk)
-        for path, _etag in up.parts.values():
-            path.unlink(missing_ok=True)
-        self._store_object(up, tmp, size, h.hexdigest())
+        with open(whole, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+                size += len(chunk)
+        self._store_object(up, whole, size, h.hexdigest())
         return _json({})
 
     def h_lfs_verify(self, request: Request, org: str, name: str, **_: Any) -> Response:
