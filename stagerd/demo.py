@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,7 @@ def run_daemon(plan: DemoPlan, result: DemoResult) -> None:
         result.status = json.loads(status.stdout)["steps"]
     if proc.returncode != 0:
         raise DemoError(
-            f"`stagerd {' '.join(argv)}` exited {proc.returncode}: not every step was published",
+            f"`stagerd watch --once` exited {proc.returncode}: not every step was published",
             path=plan.staging,
             hint=f"see the log above and `stagerd status {plan.staging}`",
         )
@@ -285,16 +286,42 @@ def run_daemon(plan: DemoPlan, result: DemoResult) -> None:
 # ------------------------------------------------------------------------------------- 3. the check
 
 
-def _published_copy(plan: DemoPlan, step: int) -> Path:
-    """The directory whose files are checked: the file:// sink's copy, else the local export it uploaded."""
+def _published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
+    """(directory to check, what it is): the first sink's copy of the step, read back from the store.
+
+    A file:// sink is read in place; another fsspec store (s3://...) is downloaded into `downloaded/`;
+    for the Hub, whose upload the sink verified by size and hash, the local export that was sent.
+    """
     name = layout.step_dir_name(step)
-    for sink in plan.sinks:
-        if sink.startswith("file://"):
-            path = Path(sink.removeprefix("file://")) / name
-            if (path / layout.MANIFEST_NAME).is_file():
-                return path
-            raise DemoError("the file:// sink holds no manifest for this step", path=path)
-    return plan.staging / name / layout.EXPORT_DIR
+    sink = plan.sinks[0]
+    if sink.startswith("hf://"):
+        export = plan.staging / name / layout.EXPORT_DIR
+        return export, f"{export} (the export sent to {_redact(sink)})"
+    if sink.startswith("file://"):
+        path = Path(urllib.parse.unquote(urllib.parse.urlsplit(sink).path)) / name
+        if not (path / layout.MANIFEST_NAME).is_file():
+            raise VerifyError("the file:// sink holds no manifest for this step", path=path)
+        return path, str(path)
+    import fsspec
+
+    fs, remote_root = fsspec.core.url_to_fs(sink)
+    remote = f"{remote_root.rstrip('/')}/{name}"
+    local = plan.workdir / "downloaded" / name
+    if not fs.exists(f"{remote}/{layout.MANIFEST_NAME}"):
+        raise VerifyError(f"{_redact(sink)} holds no manifest for step {step}", path=remote)
+    local.mkdir(parents=True, exist_ok=True)
+    for path in fs.find(remote):
+        rel = path[len(remote) + 1 :]
+        layout.safe_relpath(rel, what="remote file", path=remote)
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(path, str(local / rel))
+    return local, f"{_redact(sink)}/{name} (downloaded to {local})"
+
+
+def _redact(url: str) -> str:
+    from stagerd.sinks.fsspec import redact_url
+
+    return redact_url(url)
 
 
 def check(plan: DemoPlan, result: DemoResult) -> None:
@@ -308,7 +335,7 @@ def check(plan: DemoPlan, result: DemoResult) -> None:
 
 
 def _check_step(plan: DemoPlan, result: DemoResult, step: int, safe_open) -> None:
-    where = _published_copy(plan, step)
+    where, label = _published_copy(plan, step)
     index = json.loads((where / layout.INDEX_NAME).read_text())
     expected_file = plan.expected / f"{layout.step_dir_name(step)}.safetensors"
     with safe_open(str(expected_file), framework="pt") as exp:
@@ -320,7 +347,7 @@ def _check_step(plan: DemoPlan, result: DemoResult, step: int, safe_open) -> Non
             with safe_open(str(where / index["weight_map"][name]), framework="pt") as got:
                 if not _bit_equal(got.get_tensor(name), exp.get_tensor(name)):
                     raise VerifyError(f"step {step}: {name} differs from the trained weights", path=where)
-    result.checked[step] = str(where)
+    result.checked[step] = label
     result.tensors = len(names)
 
 
@@ -365,7 +392,7 @@ def format_summary(result: DemoResult, total_seconds: float) -> str:
         f"in {total_seconds:.1f}s",
         f"  demo directory  {plan.workdir}",
         f"  staging ROOT    {plan.staging}",
-        *(f"  sink            {s}" for s in plan.sinks),
+        *(f"  sink            {_redact(s)}" for s in plan.sinks),
         "",
         f"  {'step':>4}  {'staged':>9}  {'exported':>9}  {'save stall':>10}  {'export':>7}  {'publish':>7}  "
         f"{'state':<10}  checked copy",

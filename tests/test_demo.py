@@ -14,6 +14,10 @@ import pytest
 from stagerd import layout
 from stagerd.demo import DemoResult, check, make_plan
 from stagerd.errors import VerifyError
+from tests import s3server
+from tests.s3server import SECRET_KEY
+
+s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures: moto behind a proxy on 127.0.0.1
 
 STAGERD = [sys.executable, "-m", "stagerd.cli"]
 
@@ -91,6 +95,28 @@ def test_demo_check_catches_a_flipped_bit(demo_run, tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(VerifyError, match=r"step 2: .* differs from the trained weights"):
         check(plan, DemoResult(plan=plan))
+
+
+@pytest.mark.slow
+def test_demo_publishes_to_s3(s3, tmp_path: Path) -> None:
+    """`--sink s3://...`: the steps land in a real S3 endpoint and are checked after downloading them."""
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2", "--sink", s3.url("demo")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    keys = s3.keys("demo/")
+    for step in (1, 2):
+        name = layout.step_dir_name(step)
+        assert f"demo/{name}/{layout.MANIFEST_NAME}" in keys
+        assert (
+            f"{s3.url('demo')}/{name} (downloaded to {tmp_path / 'run' / 'downloaded' / name})" in proc.stdout
+        )
+    assert s3.get("demo/latest").decode().strip().endswith(layout.step_dir_name(2))
+    assert SECRET_KEY not in proc.stdout + proc.stderr
 
 
 def test_demo_refuses_a_used_root(tmp_path: Path) -> None:
