@@ -371,6 +371,8 @@ def test_export_readme_is_kept(hub, tmp_path):
 
 def test_bad_exports_are_named_errors(hub, tmp_path):
     sink = make_sink(hub)
+    assert not sink.is_published(1)  # no repo yet: not published, and not created by asking
+    assert REPO not in hub.store.repos
     with pytest.raises(VerifyError, match="does not exist"):
         sink.publish(tmp_path / "missing", 1)
     (tmp_path / "empty").mkdir()
@@ -432,3 +434,26 @@ def test_server_resolve_head_and_range(hub, tmp_path):
     r = get_session().get(url, headers={"Authorization": f"Bearer {hub.token}", "Range": "bytes=100-199"})
     assert r.status_code == 206 and r.content == data[100:200]
     assert get_session().get(url).status_code == 404  # private: anonymous readers do not see it
+
+
+def test_cli_publish_reads_hf_endpoint_and_hf_token_from_the_environment(hub, tmp_path):
+    import subprocess
+    import sys
+
+    export = write_export(tmp_path / "step-00000042" / "export")
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+    cmd = [sys.executable, "-m", "stagerd.cli", "publish", str(export), "--sink", f"hf://{REPO}"]
+
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+    assert first.returncode == 0, first.stderr
+    assert again.returncode == 0, again.stderr
+    assert hub.stats.commits[REPO] == 1
+    assert make_sink(hub).is_published(42)
+    assert hub.token not in first.stdout + first.stderr + again.stdout + again.stderr
+    bad = subprocess.run(
+        cmd, env={**env, "HF_TOKEN": "hf_" + "N0pe" * 8}, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "SinkAuthError" in bad.stderr + bad.stdout
+    assert "N0peN0pe" not in bad.stderr + bad.stdout
