@@ -289,14 +289,22 @@ def run_daemon(plan: DemoPlan, result: DemoResult) -> None:
 def _published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
     """(directory to check, what it is): the first sink's copy of the step, read back from the store.
 
-    A file:// sink is read in place; another fsspec store (s3://...) is downloaded into `downloaded/`;
-    for the Hub, whose upload the sink verified by size and hash, the local export that was sent.
+    A file:// sink is read in place; the Hub (at the tag `step-N`) and any other fsspec store (s3://...)
+    are downloaded into `downloaded/`, with the client's usual environment (HF_ENDPOINT, HF_TOKEN, AWS_*).
     """
     name = layout.step_dir_name(step)
     sink = plan.sinks[0]
+    local = plan.workdir / "downloaded" / name
     if sink.startswith("hf://"):
-        export = plan.staging / name / layout.EXPORT_DIR
-        return export, f"{export} (the export sent to {_redact(sink)})"
+        from huggingface_hub import snapshot_download
+
+        from stagerd.sinks.hub import step_tag
+
+        parts = urllib.parse.urlsplit(sink)
+        repo_id = f"{parts.netloc}{parts.path}".split("@")[0].strip("/")
+        endpoint = urllib.parse.parse_qs(parts.query).get("endpoint", [None])[0]
+        snapshot_download(repo_id, revision=step_tag(step), local_dir=local, endpoint=endpoint)
+        return local, f"{_redact(sink)}@{step_tag(step)} (downloaded to {local})"
     if sink.startswith("file://"):
         path = Path(urllib.parse.unquote(urllib.parse.urlsplit(sink).path)) / name
         if not (path / layout.MANIFEST_NAME).is_file():
@@ -306,7 +314,6 @@ def _published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
 
     fs, remote_root = fsspec.core.url_to_fs(sink)
     remote = f"{remote_root.rstrip('/')}/{name}"
-    local = plan.workdir / "downloaded" / name
     if not fs.exists(f"{remote}/{layout.MANIFEST_NAME}"):
         raise VerifyError(f"{_redact(sink)} holds no manifest for step {step}", path=remote)
     local.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -117,6 +118,38 @@ def test_demo_publishes_to_s3(s3, tmp_path: Path) -> None:
         )
     assert s3.get("demo/latest").decode().strip().endswith(layout.step_dir_name(2))
     assert SECRET_KEY not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
+    """`--sink hf://...`: one commit and tag per step on the Hub-protocol test server, read back by tag."""
+    from huggingface_hub import HfApi
+
+    from tests.hubserver import HubServer
+
+    with HubServer() as hub:
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.endpoint,
+            "HF_TOKEN": hub.token,
+            "HF_HUB_DISABLE_XET": "1",  # no Xet server here: the classic LFS path
+            "HF_HOME": str(tmp_path / "hf-home"),
+        }
+        argv = [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2"]
+        proc = subprocess.run(
+            [*argv, "--sink", "hf://acme/demo"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+        api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        tags = {t.name for t in api.list_repo_refs("acme/demo").tags}
+        assert {"step-1", "step-2"} <= tags
+        assert "hf://acme/demo@step-2 (downloaded to" in proc.stdout
+        assert hub.token not in proc.stdout + proc.stderr
 
 
 def test_demo_refuses_a_used_root(tmp_path: Path) -> None:
