@@ -1,0 +1,266 @@
+"""Training-loop stall per save: `Stager.save()` + `wait_staged()` against the floor and torch's own paths.
+
+    python bench/bench_stage.py --size-gb 2 --ranks 2 --saves 4
+
+Every rank holds its `Shard(0)` part of a SIZE fp32 state dict (DTensors, 64 MiB global tensors) and saves
+it SAVES times with each method; the stall of one save is the slowest rank's. Methods:
+
+- floor: a bare copy of the same tensors into host buffers allocated and touched beforehand (pinned,
+  `non_blocking` plus a synchronize with CUDA);
+- stagerd: `Stager.save()` + `wait_staged()`; the write, fsync and commit run behind it (`commit` column);
+- dcp.save: synchronous `torch.distributed.checkpoint.save` with the same HF writer (the whole save blocks);
+- dcp.async_save: torch's defaults (the writer stages: a fresh host copy every save), until it returns.
+
+Between saves each method waits until its previous save is durable, so saves never overlap. With CUDA
+(tensors on `cuda:LOCAL_RANK`, `cpu:gloo,cuda:nccl`) it also measures the pinned D2H peak of one large copy
+and reports stagerd's achieved D2H rate against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CHUNK_ROWS = 4096
+COLS = 4096  # 4096 x 4096 fp32 = 64 MiB per global tensor
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _state_dict(size: int, world: int, rank: int, device):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    n = max(1, size // (CHUNK_ROWS * COLS * 4))
+    sd = {}
+    for i in range(n):
+        rows = CHUNK_ROWS // world
+        local = torch.full((rows, COLS), float(i + rank), device=device)
+        sd[f"model.layers.{i}.weight"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(CHUNK_ROWS, COLS), stride=(COLS, 1)
+        )
+    return sd
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _floor(sd, saves: int, cuda: bool, barrier) -> list[float]:
+    import torch
+
+    bufs = {k: torch.empty(_local(v).shape, dtype=v.dtype, pin_memory=cuda) for k, v in sd.items()}
+    for b in bufs.values():
+        b.zero_()  # touch the pages: the floor is a copy into memory that is already there
+    out = []
+    for _ in range(saves):
+        # Two bare copies, tensor-wise and storage-wise (what torch's stager does); the faster is the floor.
+        barrier()
+        t0 = time.perf_counter()
+        for k, v in sd.items():
+            bufs[k].copy_(_local(v), non_blocking=cuda)
+        _sync(cuda)
+        t1 = time.perf_counter()
+        barrier()
+        t2 = time.perf_counter()
+        for k, v in sd.items():
+            bufs[k].untyped_storage().copy_(_local(v).untyped_storage(), non_blocking=cuda)
+        _sync(cuda)
+        out.append(min(t1 - t0, time.perf_counter() - t2))
+    return out
+
+
+def _pinned_peak(cuda: bool, nbytes: int) -> float | None:
+    """GB/s of one large D2H copy into a pinned buffer, best of 3."""
+    if not cuda:
+        return None
+    import torch
+
+    n = nbytes // 4
+    src = torch.ones(n, device="cuda")
+    dst = torch.empty(n, pin_memory=True)
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _stagerd(sd, saves: int, root: Path, rank: int, barrier, checkpointer):
+    from stagerd import Stager
+
+    stalls, commits = [], []
+    with Stager(root, checkpointer=checkpointer) as stager:
+        for i in range(saves):
+            barrier()
+            t0 = time.perf_counter()
+            stager.save(sd, 100 + i)
+            stager.wait_staged()
+            t1 = time.perf_counter()
+            stager.wait()
+            stalls.append(t1 - t0)
+            commits.append(time.perf_counter() - t0)
+            barrier()
+            if rank == 0:
+                shutil.rmtree(root / f"step-{100 + i:08d}")
+    return stalls, commits
+
+
+def _dcp_sync(sd, saves: int, root: Path, rank: int, barrier):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    out = []
+    for i in range(saves):
+        d = root / f"sync-{i}"
+        barrier()
+        t0 = time.perf_counter()
+        dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(d), save_distributed=True))
+        out.append(time.perf_counter() - t0)
+        barrier()
+        if rank == 0:
+            shutil.rmtree(d)
+    return out
+
+
+def _dcp_async_default(sd, saves: int, root: Path, rank: int, barrier):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    out = []
+    for i in range(saves):
+        d = root / f"async-{i}"
+        barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, storage_writer=HuggingFaceStorageWriter(str(d), save_distributed=True))
+        out.append(time.perf_counter() - t0)
+        fut.result()
+        barrier()
+        if rank == 0:
+            shutil.rmtree(d)
+    return out
+
+
+def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        sd = _state_dict(int(args.size_gb * 1e9), world, rank, device)
+        local_bytes = sum(_local(v).numel() * _local(v).element_size() for v in sd.values())
+        gloo = dist.new_group(backend="gloo")
+
+        def barrier() -> None:
+            _sync(cuda)
+            dist.barrier(group=gloo)
+
+        root = Path(args.root)
+        res: dict = {"local_bytes": local_bytes, "cuda": cuda}
+        res["peak_gbs"] = _pinned_peak(cuda, min(local_bytes, 2 << 30))
+        res["floor"] = _floor(sd, args.saves, cuda, barrier)
+        res["stagerd"], res["commit"] = _stagerd(sd, args.saves, root, rank, barrier, args.checkpointer)
+        if not args.skip_torch:
+            res["dcp.async_save"] = _dcp_async_default(sd, args.saves, root, rank, barrier)
+            res["dcp.save"] = _dcp_sync(sd, args.saves, root, rank, barrier)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def _table(results: list[dict], saves: int) -> str:
+    methods = [m for m in ("floor", "stagerd", "commit", "dcp.async_save", "dcp.save") if m in results[0]]
+    worst = {m: [max(r[m][i] for r in results) for i in range(saves)] for m in methods}
+    floor_later = statistics.mean(worst["floor"][1:]) if saves > 1 else worst["floor"][0]
+    head = "| method | " + " | ".join(f"save {i + 1} (s)" for i in range(saves)) + " | saves 2.. vs floor |"
+    lines = [head, "|" + "---|" * (saves + 2)]
+    for m in methods:
+        later = statistics.mean(worst[m][1:]) if saves > 1 else worst[m][0]
+        label = "stagerd: until committed (not a stall)" if m == "commit" else m
+        cells = " | ".join(f"{x:.3f}" for x in worst[m])
+        lines.append(f"| {label} | {cells} | {later / floor_later:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-gb", type=float, default=2.0, help="total state dict size over all ranks")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--root", default=None, help="staging directory (default: a temp dir, removed after)")
+    p.add_argument("--checkpointer", default=None, choices=["thread", "process"], help="default: stagerd's")
+    p.add_argument("--cpu", action="store_true", help="ignore CUDA even where it is available")
+    p.add_argument("--skip-torch", action="store_true", help="only floor and stagerd")
+    args = p.parse_args()
+
+    import torch
+    import torch.multiprocessing as mp
+
+    own_root = args.root is None
+    args.root = args.root or tempfile.mkdtemp(prefix="bench-stage-")
+    out = tempfile.mkdtemp(prefix="bench-stage-out-")
+    fd, init = tempfile.mkstemp(prefix="bench-stage-gloo-")
+    os.close(fd)
+    os.unlink(init)
+    try:
+        mp.start_processes(_rank, args=(args.ranks, init, args, out), nprocs=args.ranks, start_method="spawn")
+        results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.ranks)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(args.root, ignore_errors=True)
+        if os.path.exists(init):
+            os.unlink(init)
+
+    cuda = results[0]["cuda"]
+    per_rank = results[0]["local_bytes"]
+    device = torch.cuda.get_device_name(0) if cuda else f"CPU only ({os.cpu_count()} cores)"
+    print(
+        f"\n{args.ranks} ranks x {per_rank / 1e9:.2f} GB = {args.ranks * per_rank / 1e9:.2f} GB fp32, "
+        f"{device}, torch {torch.__version__}\n"
+    )
+    print(_table(results, args.saves))
+    later = [max(r["stagerd"][i] for r in results) for i in range(1, args.saves)] or [
+        results[0]["stagerd"][0]
+    ]
+    floor = [max(r["floor"][i] for r in results) for i in range(1, args.saves)] or [results[0]["floor"][0]]
+    rate = per_rank / statistics.mean(later) / 1e9
+    print(
+        f"\nstagerd stall from save 2 on: {statistics.mean(later):.3f} s = "
+        f"{statistics.mean(later) / statistics.mean(floor):.2f}x the floor (target <= 1.10x); "
+        f"{'D2H' if cuda else 'host copy'} {rate:.2f} GB/s per rank"
+    )
+    if cuda:
+        peak = min(r["peak_gbs"] for r in results)
+        print(
+            f"pinned D2H peak (one {min(per_rank, 2 << 30) / 1e9:.1f} GB copy): {peak:.2f} GB/s per rank; "
+            f"stagerd achieves {rate / peak:.0%} of it (target >= 80%)"
+        )
+
+
+if __name__ == "__main__":
+    main()
