@@ -44,6 +44,8 @@ COPY_PIECE = 64 << 20  # split big copies so threads share the work evenly
 BUFFER_BYTES = 8 << 20  # per-thread cast / gather buffer
 DIRECT_MIN_RUN = 1 << 20  # strided runs at least this long are copied run by run instead of gathered
 MAX_GRID_CELLS = 1 << 22
+SCATTER_MIN_SEGMENT = 512  # gather segments at least this long are read in place with preadv
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024)
 _SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 
 
@@ -659,19 +661,58 @@ class _Runner:
         a, b = self.buffers.get()
         n = math.prod(m.slab_shape)
         slab = np.frombuffer(a, dtype=np.uint8, count=n * isz).reshape(*m.slab_shape, isz)
-        scratch = memoryview(b)
+        whole, scratch = memoryview(a), memoryview(b)
         for pc in m.pieces:
+            path = self.src_paths[pc.src]
+            offsets, seg = _segments(pc.box, m.slab_shape, isz)
+            if seg >= SCATTER_MIN_SEGMENT:
+                # Read straight into the slab rows: one preadv per IOV_MAX segments, no extra copy.
+                _preadv_scatter(
+                    self.src_fds[pc.src], [whole[o : o + seg] for o in offsets], pc.src_offset, path
+                )
+                continue
             view = scratch[: pc.length]
-            _pread_into(self.src_fds[pc.src], view, pc.src_offset, self.src_paths[pc.src])
+            _pread_into(self.src_fds[pc.src], view, pc.src_offset, path)
             shape = tuple(hi - lo for lo, hi in pc.box)
             src = np.frombuffer(view, dtype=np.uint8).reshape(*shape, isz)
             slab[tuple(slice(lo, hi) for lo, hi in pc.box)] = src
-        out = memoryview(a)[: n * isz]
+        out = whole[: n * isz]
         if sdt.name != ddt.name:
-            dv = memoryview(b)[: ddt.nbytes(n)]
+            dv = scratch[: ddt.nbytes(n)]
             _cast(out, dv, sdt.name, ddt.name)
             out = dv
         self._emit(m, out, m.dst_offset)
+
+
+def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[list[int], int]:
+    """Byte offsets in the slab of a piece's contiguous destination segments, and their common length."""
+    import numpy as np
+
+    k = len(slab_shape) - 1
+    while k > 0 and tuple(box[k]) == (0, slab_shape[k]):
+        k -= 1
+    strides = _strides(slab_shape)
+    offsets = np.array([box[k][0] * strides[k]], dtype=np.int64)
+    for d in range(k - 1, -1, -1):
+        offsets = (
+            np.arange(box[d][0], box[d][1], dtype=np.int64)[:, None] * strides[d] + offsets[None, :]
+        ).ravel()
+    return (offsets * isz).tolist(), (box[k][1] - box[k][0]) * strides[k] * isz
+
+
+def _preadv_scatter(fd: int, views: Sequence[memoryview], offset: int, path: str) -> None:
+    for i in range(0, len(views), IOV_MAX):
+        batch = views[i : i + IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, offset)
+        if got < want:  # short read: finish view by view, so truncation is still caught
+            pos = 0
+            for v in batch:
+                if pos + len(v) > got:
+                    skip = max(0, got - pos)
+                    _pread_into(fd, v[skip:], offset + pos + skip, path)
+                pos += len(v)
+        offset += want
 
 
 def _run_moves(

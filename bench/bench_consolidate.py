@@ -1,0 +1,208 @@
+"""Export engine benchmark: `stagerd consolidate` vs torch's consolidation vs `cp -r`, same files, one run.
+
+Generates a DCP checkpoint (fp32, `Shard(0)` plus a `Shard(1)` share, RANKS ranks x FILES files each) with
+real gloo processes, then times each tool in a subprocess (wall time and that child's peak RSS via wait4).
+Every output is deleted and `sync`ed between runs so each starts from the same warm page cache.
+
+    python bench/bench_consolidate.py --size-gb 6 --ranks 4 --files 4 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rank(rank: int, world: int, init: str, out: str, size: int, files: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    hidden = 4096
+    n_tensors = max(files * 2, size // (hidden * hidden * 4))
+    rows = size // (n_tensors * hidden * 4) // world * world  # even split: local shapes match DTensor's
+    g = torch.Generator().manual_seed(rank)
+    sd = {}
+    for i in range(n_tensors):
+        # every 4th tensor column-sharded, like a row-parallel projection
+        dim = 1 if i % 4 == 3 else 0
+        shape = [rows, hidden]
+        local_shape = list(shape)
+        local_shape[dim] //= world
+        local = torch.randn(local_shape, generator=g)
+        sd[f"model.layers.{i}.weight"] = DTensor.from_local(
+            local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(hidden, 1)
+        )
+    mapping = {k: 1 + i * files // len(sd) for i, k in enumerate(sorted(sd))}
+    dcp.save(
+        sd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, fqn_to_index_mapping=mapping)
+    )
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out, "mapping.json").write_text(json.dumps(mapping))
+
+
+def _generate_here(out: Path, size_gb: float, ranks: int, files: int) -> None:
+    import torch.multiprocessing as mp
+
+    init = tempfile.mktemp(prefix="stagerd-bench-")
+    mp.start_processes(
+        _rank, args=(ranks, init, str(out), int(size_gb * 1e9), files), nprocs=ranks, start_method="spawn"
+    )
+
+
+def generate(out: Path, size_gb: float, ranks: int, files: int) -> dict[str, int]:
+    """Save in a child process: the parent must stay small, since a forked child's peak RSS starts at ours."""
+    cmd = [sys.executable, __file__, "--generate", str(out), str(size_gb), str(ranks), str(files)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    mapping = json.loads((out / "mapping.json").read_text())
+    (out / "mapping.json").unlink()
+    return mapping
+
+
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of a child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+TORCH_CONSOLIDATE = """
+import json, os, sys
+os.makedirs(sys.argv[2], exist_ok=True)
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+consolidate_safetensors_files(sys.argv[1], sys.argv[2], fqn_to_index_mapping=json.load(open(sys.argv[3])),
+                              num_threads=int(sys.argv[4]))
+"""
+
+# torch has no cast option: the peer for --dtype bf16 is its consolidation plus a separate cast pass.
+TORCH_CAST_PASS = """
+import sys, pathlib, torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
+    with safe_open(f, "pt") as r:
+        out = {k: r.get_tensor(k).to(torch.bfloat16) for k in r.keys()}
+    save_file(out, str(f) + ".bf16", metadata={"format": "pt"})
+    del out
+    f.unlink()
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gb", type=float, default=6.0)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--files", type=int, default=4, help="output files (and files per rank)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=ROOT / "bench" / "data")
+    ap.add_argument("--skip-cast", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", action="store_true", help="keep the generated shards")
+    args = ap.parse_args()
+
+    work = args.work / f"consolidate-{args.size_gb}g"
+    shutil.rmtree(work, ignore_errors=True)
+    src = work / "shards"
+    t0 = time.perf_counter()
+    mapping = generate(src, args.size_gb, args.ranks, args.files)
+    size = du(src)
+    n_shards = len(list(src.iterdir()))
+    print(f"generated {size / 1e9:.2f} GB in {n_shards} shards in {time.perf_counter() - t0:.1f} s")
+    (work / "mapping.json").write_text(json.dumps(mapping))
+    (work / "ref.json").write_text(json.dumps({"weight_map": {k: f"f{v}" for k, v in mapping.items()}}))
+    stagerd = [sys.executable, "-m", "stagerd.cli", "consolidate", str(src)]
+    out = work / "out"
+
+    def clean() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+
+    runs = {
+        "cp -r": ["cp", "-r", str(src), str(out)],
+        "cp -r && sync": ["sh", "-c", f"cp -r {src} {out} && sync"],
+        "stagerd consolidate": [
+            *stagerd,
+            str(out),
+            "--threads",
+            str(args.threads),
+            "--reference-index",
+            str(work / "ref.json"),
+        ],
+        "torch consolidate_safetensors_files": [
+            sys.executable,
+            "-c",
+            TORCH_CONSOLIDATE,
+            str(src),
+            str(out),
+            str(work / "mapping.json"),
+            str(args.threads),
+        ],
+    }
+    if not args.skip_cast:
+        runs["stagerd consolidate --dtype bf16"] = [*runs["stagerd consolidate"], "--dtype", "bf16"]
+        runs["torch consolidate + cast pass"] = None  # two steps, timed together below
+    clean()
+    subprocess.run(runs["cp -r"], check=True)  # warm the page cache with the source
+    results: dict[str, tuple[float, float]] = {}
+    for name, cmd in runs.items():
+        clean()
+        if cmd is not None:
+            results[name] = timed(cmd)
+        else:
+            w1, r1 = timed(runs["torch consolidate_safetensors_files"])
+            w2, r2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
+            results[name] = (w1 + w2, max(r1, r2))
+        wall, rss = results[name]
+        print(f"{name:40s} {wall:7.2f} s  {size / 1e9 / wall:5.2f} GB/s  {rss:7.0f} MiB", flush=True)
+    clean()
+    cp = results["cp -r"][0]
+    torch_t = results["torch consolidate_safetensors_files"][0]
+    print()
+    print(
+        f"checkpoint: {size / 1e9:.2f} GB fp32, {args.ranks} ranks, {len(list(src.iterdir()))} shards, "
+        f"{args.files} output files, {args.threads} threads, {os.cpu_count()} cores"
+    )
+    print()
+    print("| tool | wall s | GB/s | peak RSS MiB | vs cp -r | torch / this |")
+    print("|---|---|---|---|---|---|")
+    for name, (wall, rss) in results.items():
+        rate = size / 1e9 / wall
+        print(f"| {name} | {wall:.2f} | {rate:.2f} | {rss:.0f} | {wall / cp:.2f}x | {torch_t / wall:.2f}x |")
+    if "torch consolidate + cast pass" in results:
+        ratio = results["torch consolidate + cast pass"][0] / results["stagerd consolidate --dtype bf16"][0]
+        print(f"\nfp32->bf16: stagerd is {ratio:.2f}x faster than torch consolidation + a cast pass")
+    if args.json:
+        args.json.write_text(json.dumps({"size": size, "results": results}, indent=1))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--generate":
+        sys.path.insert(0, str(ROOT))
+        _generate_here(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
