@@ -1,8 +1,13 @@
-"""Streaming sha256: hash bytes on their way somewhere, so a file is read once.
+"""Streaming hashes: hash bytes on their way somewhere, so a file is read once.
 
-`PartHasher` keeps the whole-file sha256 (the manifest's) and, when asked, one sha256 per upload part, from
-which it derives the S3 composite checksum (`base64(sha256(d1 || d2 || ...))-N`) that a store reports for a
-multipart object uploaded with `ChecksumAlgorithm=SHA256`.
+Two kinds of digest come out of one read:
+- the whole-file sha256 hex, which the manifest records;
+- the object checksum an S3-like store reports for the upload (`x-amz-checksum-crc32` or `-sha256`): the
+  plain checksum of the body for one PUT, or for multipart the COMPOSITE `base64(H(h1 || h2 || ...))-N`
+  over the parts' raw checksums.
+
+CRC32 is the default store checksum, as in the AWS SDKs: zlib runs it at several GB/s, so the sink pays for
+one sha256 pass per byte, not two. SHA256 is there for stores or policies that want it.
 """
 
 from __future__ import annotations
@@ -10,36 +15,74 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 CHUNK = 8 << 20
+ALGORITHMS = ("CRC32", "SHA256")
 
 
-def b64_sha256(data: bytes | memoryview) -> str:
-    """The base64 sha256 of `data`, as S3's `x-amz-checksum-sha256` carries it."""
-    return base64.b64encode(hashlib.sha256(data).digest()).decode()
+def raw_checksum(data: bytes | memoryview, algorithm: str) -> bytes:
+    """The raw (not base64) checksum of `data`: 4 big-endian bytes for CRC32, 32 for SHA256."""
+    if algorithm == "CRC32":
+        return zlib.crc32(data).to_bytes(4, "big")
+    if algorithm == "SHA256":
+        return hashlib.sha256(data).digest()
+    raise ValueError(f"unknown checksum algorithm {algorithm!r}; use one of {ALGORITHMS}")
 
 
-def composite_sha256(part_digests: list[bytes]) -> str:
-    """The S3 composite checksum of a multipart object from its parts' raw sha256 digests."""
-    return f"{base64.b64encode(hashlib.sha256(b''.join(part_digests)).digest()).decode()}-{len(part_digests)}"
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def composite_checksum(part_raws: list[bytes], algorithm: str) -> str:
+    """The S3 COMPOSITE checksum of a multipart object from its parts' raw checksums."""
+    return f"{b64(raw_checksum(b''.join(part_raws), algorithm))}-{len(part_raws)}"
+
+
+class ObjectHasher:
+    """Feeds bytes, in order, to the whole-file sha256 and to the store checksum (whole and per part)."""
+
+    def __init__(self, algorithm: str) -> None:
+        raw_checksum(b"", algorithm)  # validates the name
+        self.algorithm = algorithm
+        self.sha256 = hashlib.sha256()
+        self._crc = 0
+        self._whole = hashlib.sha256() if algorithm == "SHA256" else None
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def update(self, data: bytes | memoryview, *, part: bool = False) -> bytes | None:
+        """Add `data`; with `part=True` it is one upload part, and its raw checksum is returned."""
+        self.sha256.update(data)
+        self.size += len(data)
+        if self._whole is not None:
+            self._whole.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+        if part:
+            raw = raw_checksum(data, self.algorithm)
+            self.parts.append(raw)
+            return raw
+        return None
+
+    def object_checksum(self, multipart: bool) -> str:
+        """What the store reports for the object: composite over the parts, or plain over the body."""
+        if multipart:
+            return composite_checksum(self.parts, self.algorithm)
+        if self._whole is not None:
+            return b64(self._whole.digest())
+        return b64(self._crc.to_bytes(4, "big"))
 
 
 @dataclass(frozen=True)
 class FileDigest:
-    """sha256 hex of a whole file, its size, and the store checksum it gets with `part_size` parts."""
+    """A file's size, sha256 hex, and the store checksum it gets when uploaded in `part_size` parts."""
 
     size: int
     sha256: str
     checksum: str
-
-
-def store_checksum(whole_digest: bytes, part_digests: list[bytes], multipart: bool) -> str:
-    """What an S3-like store reports: the plain base64 sha256 for one PUT, the composite for multipart."""
-    if multipart:
-        return composite_sha256(part_digests)
-    return base64.b64encode(whole_digest).decode()
 
 
 def iter_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> Iterator[memoryview]:
@@ -51,18 +94,30 @@ def iter_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> Iterator[memo
             yield view[:n]
 
 
-def hash_file(path: str | os.PathLike[str], part_size: int | None = None) -> FileDigest:
-    """Read `path` once: its sha256 and, if `part_size` is given, its multipart composite checksum."""
-    whole = hashlib.sha256()
-    parts: list[bytes] = []
-    size = 0
-    step = part_size or CHUNK
-    for view in iter_file(path, step):
-        whole.update(view)
-        if part_size:
-            parts.append(hashlib.sha256(view).digest())
-        size += len(view)
-    digest = whole.digest()
-    multipart = part_size is not None and size > part_size
-    checksum = store_checksum(digest, parts, multipart) if part_size else base64.b64encode(digest).decode()
-    return FileDigest(size=size, sha256=digest.hex(), checksum=checksum)
+def read_full(f: object, n: int) -> bytes:
+    """Up to `n` bytes from a binary file, fewer only at its end."""
+    chunks, got = [], 0
+    while got < n:
+        b = f.read(n - got)  # type: ignore[attr-defined]
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def hash_file(
+    path: str | os.PathLike[str], part_size: int | None = None, algorithm: str = "CRC32"
+) -> FileDigest:
+    """Read `path` once: its sha256, and the store checksum of a single PUT (no `part_size`, or a file
+    that fits one part) or of a multipart upload in `part_size` parts."""
+    h = ObjectHasher(algorithm)
+    if part_size:
+        with open(path, "rb", buffering=0) as f:
+            while data := read_full(f, part_size):
+                h.update(data, part=True)
+    else:
+        for view in iter_file(path):
+            h.update(view)
+    multipart = part_size is not None and h.size > part_size
+    return FileDigest(size=h.size, sha256=h.sha256.hexdigest(), checksum=h.object_checksum(multipart))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import pytest
 
 from stagerd import layout
 from stagerd.errors import SinkConflictError, SinkError, VerifyError
-from stagerd.hashing import composite_sha256, hash_file
+from stagerd.hashing import composite_checksum, hash_file
 from stagerd.sinks import PublishResult, Sink, open_sink
 from stagerd.sinks.fsspec import (
     FsspecSink,
@@ -88,15 +89,28 @@ def test_newer_latest_only_moves_forward():
     assert newer_latest(b"garbage", 5)
 
 
-def test_hash_file_composite_matches_parts(tmp_path):
+def test_hash_file_checksums_match_their_definitions(tmp_path):
+    import base64
+
     p = tmp_path / "f"
     data = os.urandom(2_500_000)
     p.write_bytes(data)
-    d = hash_file(p, part_size=1_000_000)
-    parts = [hashlib.sha256(data[i : i + 1_000_000]).digest() for i in range(0, len(data), 1_000_000)]
-    assert d.sha256 == hashlib.sha256(data).hexdigest()
-    assert d.checksum == composite_sha256(parts) and d.checksum.endswith("-3")
-    assert hash_file(p, part_size=5_000_000).checksum.count("-") == 0
+    chunks = [data[i : i + 1_000_000] for i in range(0, len(data), 1_000_000)]
+    sha = hashlib.sha256(data).hexdigest()
+
+    d = hash_file(p, part_size=1_000_000, algorithm="SHA256")
+    assert d.sha256 == sha and d.size == len(data)
+    assert d.checksum == composite_checksum([hashlib.sha256(c).digest() for c in chunks], "SHA256")
+    assert d.checksum.endswith("-3")
+    crc_parts = [zlib.crc32(c).to_bytes(4, "big") for c in chunks]
+    expected = base64.b64encode(zlib.crc32(b"".join(crc_parts)).to_bytes(4, "big")).decode() + "-3"
+    assert hash_file(p, part_size=1_000_000).checksum == expected
+
+    single = hash_file(p, part_size=5_000_000)
+    assert single.sha256 == sha
+    assert single.checksum == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    sha_single = hash_file(p, part_size=5_000_000, algorithm="SHA256").checksum
+    assert sha_single == base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 # -- file:// ---------------------------------------------------------------------------------------------
@@ -259,26 +273,25 @@ def assert_published(env, export: Path, step: int, prefix: str = "ckpt") -> dict
     return manifest
 
 
-def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path):
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algorithm):
     export = make_export(tmp_path / "e", S3_FILES)
-    sink = s3_sink(s3)
+    sink = s3_sink(s3, checksum=algorithm)
     assert sink.url == s3.url("ckpt") and not sink.is_published(12)
     res = sink.publish(export, 12)
     assert not res.skipped and res.bytes_uploaded == sum(S3_FILES.values()) and res.files == 4
     assert res.location == f"{s3.url('ckpt')}/step-00000012"
     assert_published(s3, export, 12)
     assert s3.proxy.count("UploadPart") == 3 and s3.proxy.count("CompleteMultipartUpload") == 1
-    big = s3.client.head_object(
-        Bucket=s3.bucket, Key="ckpt/step-00000012/model-00001-of-00002.safetensors", ChecksumMode="ENABLED"
-    )
-    assert (
-        big["ChecksumSHA256"].split("-")[0]
-        == hash_file(export / "model-00001-of-00002.safetensors", 5 * MiB).checksum.split("-")[0]
-    )
+    for rel in S3_FILES:  # the store kept the checksums the sink sent, and they are right
+        key = f"ckpt/step-00000012/{rel}"
+        head = s3.client.head_object(Bucket=s3.bucket, Key=key, ChecksumMode="ENABLED")
+        want = hash_file(export / rel, 5 * MiB, algorithm).checksum
+        assert head[f"Checksum{algorithm}"].split("-")[0] == want.split("-")[0], rel
     assert sink.is_published(12)
 
     s3.proxy.reset()
-    again = s3_sink(s3).publish(export, 12)
+    again = s3_sink(s3, checksum=algorithm).publish(export, 12)
     assert again.skipped and again.bytes_uploaded == 0
     assert s3.proxy.count(*WRITES) == 0 and s3.proxy.bytes_in() == 0
     sink.close()

@@ -18,7 +18,6 @@ filesystem (sequential, best effort `exists` then write for the manifest).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from typing import Any, Protocol
 
 from stagerd import layout
 from stagerd.errors import ConfigError, MarkerError, SinkAuthError, SinkConflictError, SinkError, VerifyError
-from stagerd.hashing import hash_file, iter_file
+from stagerd.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, iter_file, raw_checksum, read_full
 from stagerd.layout import ExportManifest, ManifestFile
 from stagerd.sinks.base import ProgressFn, PublishResult
 
@@ -248,11 +247,13 @@ class FsspecSink:
         storage_options: Mapping[str, Any] | None = None,
         part_size: int = 16 << 20,
         max_concurrency: int = 8,
+        checksum: str = "CRC32",
         **options: Any,
     ) -> FsspecSink:
         """Open the store behind `url`. `storage_options` go to the fsspec filesystem (s3fs: `key`,
         `secret`, `endpoint_url`, `profile`, `client_kwargs`, `config_kwargs`...); the AWS environment
-        and config files apply to S3 as usual."""
+        and config files apply to S3 as usual. S3 only: `part_size` and `max_concurrency` (parts in
+        flight, so memory is about their product), `checksum` (CRC32 or SHA256) the store verifies."""
         import fsspec
 
         opts = {**dict(storage_options or {}), **options}
@@ -261,7 +262,9 @@ class FsspecSink:
             if protocol in (None, "file", "local"):
                 backend: Backend = LocalBackend(Path(path or "/"))
             elif protocol in ("s3", "s3a"):
-                backend = S3Backend.open(url, opts, part_size=part_size, max_concurrency=max_concurrency)
+                backend = S3Backend.open(
+                    url, opts, part_size=part_size, max_concurrency=max_concurrency, checksum=checksum
+                )
             else:
                 fs, root = fsspec.core.url_to_fs(url, **opts)
                 backend = FsspecBackend(fs, root)
@@ -695,7 +698,12 @@ class S3Backend:
 
     has_checksums = True
 
-    def __init__(self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int) -> None:
+    def __init__(
+        self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int, checksum: str = "CRC32"
+    ) -> None:
+        if checksum not in ALGORITHMS:
+            raise ConfigError(f"checksum {checksum!r} is not one of {', '.join(ALGORITHMS)}")
+        self.algorithm = checksum
         if part_size < MIN_PART:
             raise ConfigError(f"part_size {part_size} is below S3's minimum of {MIN_PART} bytes")
         self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
@@ -703,7 +711,9 @@ class S3Backend:
         self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
 
     @classmethod
-    def open(cls, url: str, opts: Mapping[str, Any], *, part_size: int, max_concurrency: int) -> S3Backend:
+    def open(
+        cls, url: str, opts: Mapping[str, Any], *, part_size: int, max_concurrency: int, checksum: str
+    ) -> S3Backend:
         import s3fs
 
         opts = dict(opts)
@@ -713,7 +723,7 @@ class S3Backend:
         bucket, _, root = fs._strip_protocol(url).partition("/")
         if not bucket:
             raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
-        return cls(fs, bucket, root, part_size, max_concurrency)
+        return cls(fs, bucket, root, part_size, max_concurrency, checksum)
 
     def _key(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
@@ -762,7 +772,7 @@ class S3Backend:
                 r = await self._call(
                     self._where(key), "head_object", Key=self._key(key), ChecksumMode="ENABLED"
                 )
-            return rel, r.get("ChecksumSHA256")
+            return rel, r.get(f"Checksum{self.algorithm}")
 
         async def go() -> dict[str, str | None]:
             sem = asyncio.Semaphore(self.max_concurrency)
@@ -785,19 +795,15 @@ class S3Backend:
         return self._run(go)
 
     def write(self, key: str, data: bytes) -> None:
-        from stagerd.hashing import b64_sha256
-
-        self._run(self._call, self._where(key), "put_object", **self._put_args(key, data, b64_sha256(data)))
+        self._run(self._call, self._where(key), "put_object", **self._put_args(key, data))
 
     def create(self, key: str, data: bytes) -> bool:
         """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
         from botocore.exceptions import ClientError
 
-        from stagerd.hashing import b64_sha256
-
         async def go() -> bool:
             s3 = await self._client()
-            args = self._put_args(key, data, b64_sha256(data))
+            args = self._put_args(key, data)
             try:
                 await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
                 return True
@@ -829,16 +835,17 @@ class S3Backend:
                 return False
             raise s3_error(e, self._where(key)) from None
 
-    def _put_args(self, key: str, data: bytes, checksum: str) -> dict[str, Any]:
-        return {
-            "Key": self._key(key),
-            "Body": data,
-            "ChecksumAlgorithm": "SHA256",
-            "ChecksumSHA256": checksum,
-        }
+    def _put_args(self, key: str, data: bytes, checksum: str | None = None) -> dict[str, Any]:
+        if checksum is None:
+            checksum = b64(raw_checksum(data, self.algorithm))
+        return {"Key": self._key(key), "Body": data, **self._checksum_args(checksum)}
+
+    def _checksum_args(self, checksum: str) -> dict[str, str]:
+        # the algorithm header makes stores (and moto) keep the checksum and report it back
+        return {"ChecksumAlgorithm": self.algorithm, f"Checksum{self.algorithm}": checksum}
 
     def digest(self, f: LocalFile) -> Uploaded:
-        d = hash_file(f.path, part_size_for(f.size, self.part_size))
+        d = hash_file(f.path, part_size_for(f.size, self.part_size), self.algorithm)
         return Uploaded(f.rel, d.size, d.sha256, d.checksum)
 
     def close(self) -> None:
@@ -875,35 +882,30 @@ class S3Backend:
     async def _upload_one(
         self, key: str, f: LocalFile, parts: asyncio.Semaphore, progress: _Progress
     ) -> Uploaded:
-        import hashlib
-
-        from stagerd.hashing import composite_sha256
-
         where = self._where(key)
         part_size = part_size_for(f.size, self.part_size)
         if f.size <= part_size:
             async with parts:
-                data, digest = await asyncio.to_thread(_read_small, f)
-                checksum = base64.b64encode(digest).decode()
+                data, h = await asyncio.to_thread(_read_small, f, self.algorithm)
+                checksum = h.object_checksum(multipart=False)
                 await self._call(where, "put_object", **self._put_args(key, data, checksum))
             progress(len(data))
-            return Uploaded(f.rel, len(data), digest.hex(), checksum)
+            return Uploaded(f.rel, len(data), h.sha256.hexdigest(), checksum)
 
         mpu = await self._call(
-            where, "create_multipart_upload", Key=self._key(key), ChecksumAlgorithm="SHA256"
+            where, "create_multipart_upload", Key=self._key(key), ChecksumAlgorithm=self.algorithm
         )
         upload_id = mpu["UploadId"]
-        whole = hashlib.sha256()
+        hasher = ObjectHasher(self.algorithm)
         tasks: list[asyncio.Future[dict[str, Any]]] = []
         failed = asyncio.Event()
-        size = 0
         try:
             with open(f.path, "rb", buffering=0) as fh:
                 number = 0
                 while not failed.is_set():
                     await parts.acquire()
                     try:
-                        data = await asyncio.to_thread(_read_part, fh, part_size, whole)
+                        data, raw = await asyncio.to_thread(_read_part, fh, part_size, hasher)
                     except BaseException:
                         parts.release()
                         raise
@@ -911,21 +913,17 @@ class S3Backend:
                         parts.release()
                         break
                     number += 1
-                    size += len(data)
-                    tasks.append(
-                        asyncio.ensure_future(
-                            self._part(where, key, upload_id, number, data, parts, progress, failed)
-                        )
-                    )
+                    part = self._part(where, key, upload_id, number, data, b64(raw), parts, progress, failed)
+                    tasks.append(asyncio.ensure_future(part))
             done = list(await asyncio.gather(*tasks))
-            if size != f.size:
-                raise _changed(f, size)
+            if hasher.size != f.size:
+                raise _changed(f, hasher.size)
             await self._call(
                 where,
                 "complete_multipart_upload",
                 Key=self._key(key),
                 UploadId=upload_id,
-                MultipartUpload={"Parts": [{k: v for k, v in p.items() if k != "digest"} for p in done]},
+                MultipartUpload={"Parts": done},
             )
         except BaseException:
             for t in tasks:
@@ -933,7 +931,7 @@ class S3Backend:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._abort(key, upload_id)
             raise
-        return Uploaded(f.rel, size, whole.hexdigest(), composite_sha256([p["digest"] for p in done]))
+        return Uploaded(f.rel, hasher.size, hasher.sha256.hexdigest(), hasher.object_checksum(multipart=True))
 
     async def _part(
         self,
@@ -942,15 +940,12 @@ class S3Backend:
         upload_id: str,
         number: int,
         data: bytes,
+        checksum: str,
         parts: asyncio.Semaphore,
         progress: _Progress,
         failed: asyncio.Event,
     ) -> dict[str, Any]:
-        import hashlib
-
         try:
-            digest = await asyncio.to_thread(lambda: hashlib.sha256(data).digest())
-            checksum = base64.b64encode(digest).decode()
             r = await self._call(
                 f"{where} (part {number})",
                 "upload_part",
@@ -958,11 +953,10 @@ class S3Backend:
                 UploadId=upload_id,
                 PartNumber=number,
                 Body=data,
-                ChecksumAlgorithm="SHA256",
-                ChecksumSHA256=checksum,
+                **self._checksum_args(checksum),
             )
             progress(len(data))
-            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumSHA256": checksum, "digest": digest}
+            return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{self.algorithm}": checksum}
         except BaseException:
             failed.set()
             raise
@@ -980,24 +974,21 @@ class S3Backend:
             log.warning("could not abort the multipart upload of %s: %s", self._where(key), type(e).__name__)
 
 
-def _read_small(f: LocalFile) -> tuple[bytes, bytes]:
-    import hashlib
-
+def _read_small(f: LocalFile, algorithm: str) -> tuple[bytes, ObjectHasher]:
     data = f.path.read_bytes()
     if len(data) != f.size:
         raise _changed(f, len(data))
-    return data, hashlib.sha256(data).digest()
+    h = ObjectHasher(algorithm)
+    h.update(data)
+    return data, h
 
 
-def _read_part(fh: Any, part_size: int, whole: Any) -> bytes:
-    """The next part of an open file, fed to the whole-file hash on the way (so the file is read once)."""
-    chunks, got = [], 0
-    while got < part_size:
-        b = fh.read(part_size - got)
-        if not b:
-            break
-        chunks.append(b)
-        got += len(b)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    whole.update(data)
-    return data
+def _read_part(fh: Any, part_size: int, hasher: ObjectHasher) -> tuple[bytes, bytes]:
+    """The next part of an open file and its raw checksum, fed to the file's hashes on the way (so the
+    file is read once); empty at the end."""
+    data = read_full(fh, part_size)
+    if not data:
+        return b"", b""
+    raw = hasher.update(data, part=True)
+    assert raw is not None
+    return data, raw
