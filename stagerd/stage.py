@@ -60,8 +60,9 @@ host name).
    whole only once all N node markers exist; one node's shards alone do not tile the model, and the
    export engine refuses them (the marker's global `tensors` reveals the gap).
 3. Anything else (some ranks of a node see a different root) is a `ConfigError` at construction.
-4. Every rank must call `Stager(...)`, `save()` with the same step, and `close()`; extras may be given on
-   rank 0 only.
+4. Every rank must call `Stager(...)`, `save()` with the same step (and all or none of them with
+   `optimizer_state`), and `close()`. `extras`, `reference_index`, `dtype` and `metadata` are taken from
+   rank 0 alone, for every node's marker; other ranks may pass them or not.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -321,11 +323,10 @@ class _Extra:
 class _SaveSpec:
     step: int
     step_dir: Path
-    extras: tuple[_Extra, ...]
-    reference_index: dict[str, str] | str | None
-    dtype: str | None
-    metadata: dict[str, Any]
-    has_optim: bool
+    extras: tuple[_Extra, ...] = ()
+    reference_index: dict[str, str] | str | None = None
+    dtype: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def _resolve_stateful(sd: Any, what: str) -> dict[str, Any]:
@@ -503,7 +504,6 @@ class Stager:
         process_group: dist.ProcessGroup | None = None,
         checkpointer: str | AsyncCheckpointerType | None = None,
         pin_memory: bool | None = None,
-        thread_count: int = 1,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -526,6 +526,8 @@ class Stager:
             if self.checkpointer is AsyncCheckpointerType.PROCESS:
                 raise ConfigError("the 'process' checkpointer needs torch.distributed to be initialized")
             self._group = None
+            # DCP says so on every save; single-process saving is what was asked for here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         self._comm = _Comm(self._group)
         self.rank, self.world_size = self._comm.rank, self._comm.world
         node_key = os.environ.get("STAGERD_NODE_ID") or socket.gethostname()
@@ -543,7 +545,6 @@ class Stager:
         )
         self._model_stager = DefaultStager(options)
         self._optim_stager = DefaultStager(options)
-        self._thread_count = thread_count
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
         self._unreported: list[SaveHandle] = []
@@ -572,22 +573,40 @@ class Stager:
             raise SaveError("the Stager is closed")
         self._wait_previous(step)
         error: StagerdError | None = None
+        spec = model_sd = optim_sd = None
         try:
             spec, model_sd, optim_sd = self._prepare(
                 state_dict, step, extras, reference_index, dtype, optimizer_state, metadata
             )
-            if self._is_leader:
-                self._claim_step_dir(spec.step_dir)
+            if self._is_leader and layout.is_committed(spec.step_dir):
+                raise StepExistsError(
+                    "step is already committed; refusing to overwrite it", path=spec.step_dir
+                )
         except StagerdError as e:
             error = e
-        # Agree before anything is written: a refusal on one rank is a refusal on all.
-        statuses = self._comm.all_gather(None if error is None else (error.name, str(error)))
+        except Exception as e:  # anything unexpected must still reach the agreement below, or ranks hang
+            error = SaveInputError(f"cannot save step {step!r}: {type(e).__name__}: {e}")
+        # Agree before anything is written: a refusal on one rank is a refusal on all. Rank 0's
+        # descriptive arguments (reference_index, dtype, metadata) go into every node's marker.
+        mine = None if error is None else (error.name, str(error))
+        described = (spec.reference_index, spec.dtype, spec.metadata) if spec and self.rank == 0 else None
+        statuses = self._comm.all_gather((mine, optim_sd is not None, described))
         if error is not None:
             raise error
-        for rank, status in enumerate(statuses):
+        for rank, (status, _, _) in enumerate(statuses):
             if status is not None:
                 cls = StepExistsError if status[0] == "StepExistsError" else SaveInputError
                 raise cls(f"rank {rank} refused the save of step {step}: {status[0]}: {status[1]}")
+        if len({has_optim for _, has_optim, _ in statuses}) > 1:
+            with_optim = [r for r, (_, has_optim, _) in enumerate(statuses) if has_optim]
+            raise SaveInputError(
+                f"step {step}: only ranks {with_optim} passed optimizer_state; pass it on all"
+            )
+        ref, hint, meta = statuses[0][2]
+        spec = dataclasses.replace(spec, reference_index=ref, dtype=hint, metadata=meta)
+        if self._is_leader:
+            # Before any rank writes: writes follow DCP's planning collective, which waits for this rank.
+            self._clear_stale(spec.step_dir)
         return self._launch(spec, model_sd, optim_sd)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -668,26 +687,23 @@ class Stager:
         if _check_tensors(model_sd) == 0:
             raise SaveInputError("the model state dict holds no tensors")
         optim_sd = None if optimizer_state is None else _resolve_stateful(optimizer_state, "optimizer_state")
-        hint = _DTYPE_HINT[parse_export_dtype(dtype)] if dtype is not None else None
-        spec = _SaveSpec(
-            step=step,
-            step_dir=self.step_dir(step),
-            extras=_snapshot_extras(extras) if self.rank == 0 else (),
-            reference_index=_check_reference_index(reference_index),
-            dtype=hint,
-            metadata=dict(metadata or {}),
-            has_optim=optim_sd is not None,
-        )
-        try:
-            json.dumps(spec.metadata)
-        except (TypeError, ValueError) as e:
-            raise SaveInputError(f"metadata is not JSON-serializable: {e}") from None
+        spec = _SaveSpec(step=step, step_dir=self.step_dir(step))
+        if self.rank == 0:  # the other ranks' extras, reference_index, dtype and metadata are ignored
+            try:
+                json.dumps(dict(metadata or {}))
+            except (TypeError, ValueError) as e:
+                raise SaveInputError(f"metadata is not JSON-serializable: {e}") from None
+            spec = dataclasses.replace(
+                spec,
+                extras=_snapshot_extras(extras),
+                reference_index=_check_reference_index(reference_index),
+                dtype=_DTYPE_HINT[parse_export_dtype(dtype)] if dtype is not None else None,
+                metadata=dict(metadata or {}),
+            )
         return spec, model_sd, optim_sd
 
-    def _claim_step_dir(self, step_dir: Path) -> None:
-        """Leader: refuse a committed step; clear what a crashed, uncommitted save left behind."""
-        if layout.is_committed(step_dir):
-            raise StepExistsError("step is already committed; refusing to overwrite it", path=step_dir)
+    def _clear_stale(self, step_dir: Path) -> None:
+        """Leader: clear what a crashed, uncommitted save of this step left behind."""
         stale = [step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)]
         stale = [p for p in stale if p.exists()]
         if stale:
@@ -729,7 +745,7 @@ class Stager:
         """With CUDA, copies on the staging side stream must start after the compute queued so far."""
         if not torch.cuda.is_available():
             return
-        current = torch.cuda.current_stream()
+        current = torch.accelerator.current_stream()
         for stager in (self._model_stager, self._optim_stager):
             side = getattr(stager, "_staging_stream", None)
             if side is not None:

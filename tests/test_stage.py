@@ -88,7 +88,7 @@ def _main_run(rank: int, world: int, init_file: str, root: str, out: str) -> Non
     import torch.distributed as dist
 
     from stagerd import Stager
-    from stagerd.errors import SaveError
+    from stagerd.errors import SaveError, SaveInputError
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out_p, rec = Path(out), {}
@@ -131,6 +131,11 @@ def _main_run(rank: int, world: int, init_file: str, root: str, out: str) -> Non
             rec["dup"] = None
         except StepExistsError as e:
             rec["dup"] = str(e)
+        try:
+            stager.save(sd, 5, optimizer_state=optim if rank == 0 else None)
+            rec["optim_mismatch"] = None
+        except SaveInputError as e:
+            rec["optim_mismatch"] = str(e)
         # A write failure on rank 1 (file size limit: EFBIG, as a full disk gives ENOSPC).
         if rank == 1:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -309,6 +314,13 @@ def test_duplicate_step_is_refused(run):
     assert "already committed" in recs[0]["dup"]
     assert "rank 0 refused" in recs[1]["dup"]
     assert layout.read_marker(root / "step-00000001").to_json() == recs[0]["marker1"]  # untouched
+
+
+def test_optimizer_state_on_some_ranks_only_is_refused(run):
+    root, _out, recs, _w = run
+    for rec in recs:
+        assert "only ranks [0] passed optimizer_state" in rec["optim_mismatch"]
+    assert not (root / "step-00000005").exists()
 
 
 def test_failed_save_leaves_no_marker(run):
