@@ -20,7 +20,8 @@ Staging uses one `DefaultStager` per kind of state (model, optimizer) for the St
 allocated: the copy goes into the same buffers. Pass state dicts whose tensors alias the live
 parameters (`model.state_dict()` under FSDP2 does); a dict of fresh tensors each step defeats the cache.
 With CUDA the buffers are pinned and the copies non-blocking on a side stream that first waits for the
-current stream; without CUDA they are plain host memory copied on a background thread.
+current stream (construct the Stager after `torch.cuda.set_device`: the side stream lives on the current
+device); without CUDA they are plain host memory copied on a background thread.
 
 Checkpointer types: `"thread"` runs the write in a thread of the training process; `"process"` runs it in
 torch's checkpoint daemon process (buffers then live in shared memory), which keeps serialization and
