@@ -278,7 +278,7 @@ class StagingTopology:
 
 
 def _discover(root: Path, comm: _Comm, node_key: str) -> StagingTopology:
-    """Probe which ranks see the same `root`; one collective round trip per step, at construction."""
+    """Probe which ranks see the same `root` (four small collectives, once, at construction)."""
     keys = comm.all_gather(node_key)
     order: list[str] = []
     for k in keys:
@@ -521,7 +521,9 @@ class Stager:
             # A gloo group of our own: DCP needs a CPU backend, and background collectives must not
             # interleave with the training's on the same group.
             self._group: dist.ProcessGroup | None = dist.new_group(
-                ranks=dist.get_process_group_ranks(base), backend="gloo"
+                ranks=dist.get_process_group_ranks(base),
+                backend="gloo",
+                use_local_synchronization=process_group is not None,  # only its members construct a Stager
             )
         else:
             if self.checkpointer is AsyncCheckpointerType.PROCESS:

@@ -347,7 +347,8 @@ def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
     try:
         sd = _dtensors(world, rank)
         root = Path(base) / f"node{rank}"
-        with Stager(root, checkpointer="process") as stager:
+        group = dist.new_group([0, 1])  # an explicit group: the Stager builds its gloo group from it
+        with Stager(root, checkpointer="process", process_group=group) as stager:
             assert not stager.topology.shared and stager.topology.num_nodes == 2
             full = _full(sd)
             if rank == 0:
