@@ -50,6 +50,7 @@ def step_from_path(export_dir: Path) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stagerd.progress import progress
     from stagerd.sinks import open_sink
 
     export_dir: Path = args.export_dir
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
             failures.append(_report(e))
             continue
         try:
-            res = sink.publish(export_dir, step)
+            with progress(f"publish step {step} to {sink.url}", 0) as bar:
+                res = sink.publish(export_dir, step, progress=bar)
         except StagerdError as e:
             failures.append(_report(e, sink.url))
             continue
