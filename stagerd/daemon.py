@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rich.filesize import decimal
+
 from stagerd import layout, notify
 from stagerd.config import Settings
 from stagerd.errors import ConfigError, JournalError, StagerdError
@@ -479,7 +481,7 @@ class Daemon:
                 step,
                 None,
                 EXPORTED,
-                note=f"{export_bytes / 1e6:.1f} MB in {seconds:.2f}s"
+                note=f"{decimal(export_bytes)} in {seconds:.2f}s"
                 + (", already complete" if result.skipped else ""),
                 seconds=round(seconds, 3),
                 bytes=export_bytes,
@@ -604,7 +606,7 @@ class Daemon:
                 step,
                 sink,
                 PUBLISHED,
-                note=f"{result.location}, {result.bytes_uploaded / 1e6:.1f} MB uploaded "
+                note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded "
                 f"in {result.seconds:.2f}s" + (", already there" if result.skipped else ""),
                 seconds=round(result.seconds, 3),
                 bytes=result.bytes_uploaded,
@@ -735,11 +737,11 @@ class Daemon:
     # -- the end of a --once run -------------------------------------------------------------------------
 
     async def _summary(self) -> Summary:
-        rows = await self._j(self._journal.steps, include_retired=False)
+        rows = await self._j(self._journal.steps)
         lanes = await self._j(self._journal.lanes)
         out = Summary()
         for r in rows:
-            if r.state == PUBLISHED:
+            if r.state in (PUBLISHED, RETIRED):
                 out.published.append(r.step)
                 continue
             why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
