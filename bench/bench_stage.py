@@ -1,6 +1,6 @@
 """Training-loop stall per save: `Stager.save()` + `wait_staged()` against the floor and torch's own paths.
 
-    python bench/bench_stage.py --size-gb 2 --ranks 2 --saves 4
+    python bench/bench_stage.py --size-gb 2 --ranks 2 --saves 5
 
 Every rank holds its `Shard(0)` part of a SIZE fp32 state dict (DTensors, 64 MiB global tensors) and saves
 it SAVES times with each method; the stall of one save is the slowest rank's. Methods:
@@ -11,9 +11,10 @@ it SAVES times with each method; the stall of one save is the slowest rank's. Me
 - dcp.save: synchronous `torch.distributed.checkpoint.save` with the same HF writer (the whole save blocks);
 - dcp.async_save: torch's defaults (the writer stages: a fresh host copy every save), until it returns.
 
-Between saves each method waits until its previous save is durable, so saves never overlap. With CUDA
-(tensors on `cuda:LOCAL_RANK`, `cpu:gloo,cuda:nccl`) it also measures the pinned D2H peak of one large copy
-and reports stagerd's achieved D2H rate against it.
+Floor and stagerd alternate save by save, so both see the same machine; the ratio uses medians of saves
+2..SAVES. Between saves each method waits until its previous save is durable, so saves never overlap.
+With CUDA (tensors on `cuda:LOCAL_RANK`, `cpu:gloo,cuda:nccl`) it also measures the pinned D2H peak of one
+large copy and reports stagerd's achieved D2H rate against it.
 """
 
 from __future__ import annotations
@@ -62,28 +63,31 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _floor(sd, saves: int, cuda: bool, barrier) -> list[float]:
-    import torch
+class _Floor:
+    """A bare copy of the same tensors into host buffers allocated and touched beforehand."""
 
-    bufs = {k: torch.empty(_local(v).shape, dtype=v.dtype, pin_memory=cuda) for k, v in sd.items()}
-    for b in bufs.values():
-        b.zero_()  # touch the pages: the floor is a copy into memory that is already there
-    out = []
-    for _ in range(saves):
-        # Two bare copies, tensor-wise and storage-wise (what torch's stager does); the faster is the floor.
+    def __init__(self, sd, cuda: bool) -> None:
+        import torch
+
+        self.sd, self.cuda = sd, cuda
+        self.bufs = {k: torch.empty(_local(v).shape, dtype=v.dtype, pin_memory=cuda) for k, v in sd.items()}
+        for b in self.bufs.values():
+            b.zero_()  # touch the pages: the floor copies into memory that is already there
+
+    def copy(self, barrier) -> float:
+        """Tensor-wise and storage-wise (what torch's stager does); the faster one is the floor."""
         barrier()
         t0 = time.perf_counter()
-        for k, v in sd.items():
-            bufs[k].copy_(_local(v), non_blocking=cuda)
-        _sync(cuda)
+        for k, v in self.sd.items():
+            self.bufs[k].copy_(_local(v), non_blocking=self.cuda)
+        _sync(self.cuda)
         t1 = time.perf_counter()
         barrier()
         t2 = time.perf_counter()
-        for k, v in sd.items():
-            bufs[k].untyped_storage().copy_(_local(v).untyped_storage(), non_blocking=cuda)
-        _sync(cuda)
-        out.append(min(t1 - t0, time.perf_counter() - t2))
-    return out
+        for k, v in self.sd.items():
+            self.bufs[k].untyped_storage().copy_(_local(v).untyped_storage(), non_blocking=self.cuda)
+        _sync(self.cuda)
+        return min(t1 - t0, time.perf_counter() - t2)
 
 
 def _pinned_peak(cuda: bool, nbytes: int) -> float | None:
@@ -105,12 +109,15 @@ def _pinned_peak(cuda: bool, nbytes: int) -> float | None:
     return nbytes / best / 1e9
 
 
-def _stagerd(sd, saves: int, root: Path, rank: int, barrier, checkpointer):
+def _stagerd_and_floor(sd, saves: int, root: Path, rank: int, barrier, checkpointer, cuda: bool):
+    """Interleaved, so that both see the same machine: floor copy, then a stagerd save, SAVES times."""
     from stagerd import Stager
 
-    stalls, commits = [], []
+    floor, stalls, commits = [], [], []
+    copier = _Floor(sd, cuda)
     with Stager(root, checkpointer=checkpointer) as stager:
         for i in range(saves):
+            floor.append(copier.copy(barrier))
             barrier()
             t0 = time.perf_counter()
             stager.save(sd, 100 + i)
@@ -122,7 +129,7 @@ def _stagerd(sd, saves: int, root: Path, rank: int, barrier, checkpointer):
             barrier()
             if rank == 0:
                 shutil.rmtree(root / f"step-{100 + i:08d}")
-    return stalls, commits
+    return floor, stalls, commits
 
 
 def _dcp_sync(sd, saves: int, root: Path, rank: int, barrier):
@@ -182,8 +189,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         root = Path(args.root)
         res: dict = {"local_bytes": local_bytes, "cuda": cuda}
         res["peak_gbs"] = _pinned_peak(cuda, min(local_bytes, 2 << 30))
-        res["floor"] = _floor(sd, args.saves, cuda, barrier)
-        res["stagerd"], res["commit"] = _stagerd(sd, args.saves, root, rank, barrier, args.checkpointer)
+        res["floor"], res["stagerd"], res["commit"] = _stagerd_and_floor(
+            sd, args.saves, root, rank, barrier, args.checkpointer, cuda
+        )
         if not args.skip_torch:
             res["dcp.async_save"] = _dcp_async_default(sd, args.saves, root, rank, barrier)
             res["dcp.save"] = _dcp_sync(sd, args.saves, root, rank, barrier)
@@ -195,11 +203,11 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
 def _table(results: list[dict], saves: int) -> str:
     methods = [m for m in ("floor", "stagerd", "commit", "dcp.async_save", "dcp.save") if m in results[0]]
     worst = {m: [max(r[m][i] for r in results) for i in range(saves)] for m in methods}
-    floor_later = statistics.mean(worst["floor"][1:]) if saves > 1 else worst["floor"][0]
-    head = "| method | " + " | ".join(f"save {i + 1} (s)" for i in range(saves)) + " | saves 2.. vs floor |"
+    floor_later = statistics.median(worst["floor"][1:]) if saves > 1 else worst["floor"][0]
+    head = "| method | " + " | ".join(f"save {i + 1} (s)" for i in range(saves)) + " | median 2.. / floor |"
     lines = [head, "|" + "---|" * (saves + 2)]
     for m in methods:
-        later = statistics.mean(worst[m][1:]) if saves > 1 else worst[m][0]
+        later = statistics.median(worst[m][1:]) if saves > 1 else worst[m][0]
         label = "stagerd: until committed (not a stall)" if m == "commit" else m
         cells = " | ".join(f"{x:.3f}" for x in worst[m])
         lines.append(f"| {label} | {cells} | {later / floor_later:.2f}x |")
@@ -210,7 +218,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gb", type=float, default=2.0, help="total state dict size over all ranks")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--saves", type=int, default=5)
     p.add_argument("--root", default=None, help="staging directory (default: a temp dir, removed after)")
     p.add_argument("--checkpointer", default=None, choices=["thread", "process"], help="default: stagerd's")
     p.add_argument("--cpu", action="store_true", help="ignore CUDA even where it is available")
@@ -248,10 +256,10 @@ def main() -> None:
         results[0]["stagerd"][0]
     ]
     floor = [max(r["floor"][i] for r in results) for i in range(1, args.saves)] or [results[0]["floor"][0]]
-    rate = per_rank / statistics.mean(later) / 1e9
+    rate = per_rank / statistics.median(later) / 1e9
     print(
-        f"\nstagerd stall from save 2 on: {statistics.mean(later):.3f} s = "
-        f"{statistics.mean(later) / statistics.mean(floor):.2f}x the floor (target <= 1.10x); "
+        f"\nstagerd stall from save 2 on (median): {statistics.median(later):.3f} s = "
+        f"{statistics.median(later) / statistics.median(floor):.2f}x the floor (target <= 1.10x); "
         f"{'D2H' if cuda else 'host copy'} {rate:.2f} GB/s per rank"
     )
     if cuda:

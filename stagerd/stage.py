@@ -254,6 +254,13 @@ class _Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def sum(self, values: list[int]) -> list[int]:
+        if self.group is None:
+            return list(values)
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
     def broadcast(self, obj: Any) -> Any:
         if self.group is None:
             return obj
@@ -589,24 +596,21 @@ class Stager:
             error = e
         except Exception as e:  # anything unexpected must still reach the agreement below, or ranks hang
             error = SaveInputError(f"cannot save step {step!r}: {type(e).__name__}: {e}")
-        # Agree before anything is written: a refusal on one rank is a refusal on all. Rank 0's
-        # descriptive arguments (reference_index, dtype, metadata) go into every node's marker.
-        mine = None if error is None else (error.name, str(error))
-        described = (spec.reference_index, spec.dtype, spec.metadata) if spec and self.rank == 0 else None
-        statuses = self._comm.all_gather((mine, optim_sd is not None, described))
-        if error is not None:
-            raise error
-        for rank, (status, _, _) in enumerate(statuses):
-            if status is not None:
-                cls = StepExistsError if status[0] == "StepExistsError" else SaveInputError
-                raise cls(f"rank {rank} refused the save of step {step}: {status[0]}: {status[1]}")
-        if len({has_optim for _, has_optim, _ in statuses}) > 1:
-            with_optim = [r for r, (_, has_optim, _) in enumerate(statuses) if has_optim]
-            raise SaveInputError(
-                f"step {step}: only ranks {with_optim} passed optimizer_state; pass it on all"
+        # Agree before anything is written: a refusal on one rank is a refusal on all. One small all_reduce
+        # on the common path (this is inside the training stall); the details only when something is off.
+        refused, with_optim = self._comm.sum([error is not None, optim_sd is not None])
+        if refused or 0 < with_optim < self.world_size:
+            statuses = self._comm.all_gather(
+                (None if error is None else (error.name, str(error)), optim_sd is not None)
             )
-        ref, hint, meta = statuses[0][2]
-        spec = dataclasses.replace(spec, reference_index=ref, dtype=hint, metadata=meta)
+            if error is not None:
+                raise error
+            for rank, (status, _) in enumerate(statuses):
+                if status is not None:
+                    cls = StepExistsError if status[0] == "StepExistsError" else SaveInputError
+                    raise cls(f"rank {rank} refused the save of step {step}: {status[0]}: {status[1]}")
+            ranks = [r for r, (_, has_optim) in enumerate(statuses) if has_optim]
+            raise SaveInputError(f"step {step}: only ranks {ranks} passed optimizer_state; pass it on all")
         if self._is_leader:
             # Before any rank writes: writes follow DCP's planning collective, which waits for this rank.
             self._clear_stale(spec.step_dir)
@@ -783,8 +787,10 @@ class Stager:
             local_error = (_describe(e), _disk_full(e))
             log.error("step %d: save failed on rank %d: %s", spec.step, self.rank, local_error[0])
         # Every rank gets here whatever happened above (DCP raises a write failure on all ranks alike).
-        statuses = self._comm.all_gather((local_error, extras, time.time()))
-        failed = [(r, err) for r, (err, _, _) in enumerate(statuses) if err is not None]
+        # Rank 0 also hands over its descriptive arguments, which go into every node's marker.
+        described = (spec.reference_index, spec.dtype, spec.metadata) if self.rank == 0 else None
+        statuses = self._comm.all_gather((local_error, extras, time.time(), described))
+        failed = [(r, err) for r, (err, *_) in enumerate(statuses) if err is not None]
         if failed:
             seen: dict[str, list[int]] = {}
             for r, (text, _) in failed:  # DCP reports one rank's failure on every rank: say it once
@@ -794,16 +800,17 @@ class Stager:
             if any(full for _, (_, full) in failed):
                 error.hint = "the staging disk is full: free space on the staging root and save again"
             raise error
-        files.update(statuses[0][1])  # extras, written by rank 0
+        _, extras, created, (reference_index, dtype, metadata) = statuses[0]
+        files.update(extras)  # written by rank 0
         mine = {p: s for p, (s, r) in files.items() if self.topology.node(r) == self._node}
         marker = layout.CommitMarker(
             step=spec.step,
             world_size=self.world_size,
             files=tuple(layout.StagedFile(p, s) for p, s in sorted(mine.items())),
-            created=statuses[0][2],  # rank 0's clock: every rank returns the same marker
-            reference_index=spec.reference_index,
-            dtype=spec.dtype,
-            metadata=spec.metadata,
+            created=created,  # rank 0's clock: every rank returns the same marker
+            reference_index=reference_index,
+            dtype=dtype,
+            metadata=metadata,
             tensors=tensors,
             staging_node=self._node,
             staging_nodes=self.topology.num_nodes,
