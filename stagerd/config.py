@@ -120,7 +120,10 @@ class Settings(BaseSettings):
     @classmethod
     def _check_regex(cls, v: str | None) -> str | None:
         if v is not None:
-            re.compile(v)
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a regular expression: {e}") from None
         return v
 
     @field_validator("metrics_port", mode="before")

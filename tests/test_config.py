@@ -1,0 +1,88 @@
+"""Settings precedence (TOML < STAGERD_* < flags), validation, and that every setting is documented."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagerd.config import Settings, load_settings, settings_table
+from stagerd.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("STAGERD_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults():
+    s = load_settings()
+    assert s.sinks == [] and s.keep_last is None and s.once is False
+    assert (s.nice, s.io_class) == (10, "idle")
+    assert (s.metrics_host, s.metrics_port) == ("127.0.0.1", 9464)
+    assert s.max_shard_size == 5_000_000_000
+
+
+def test_toml_then_env_then_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "stagerd.toml"
+    cfg.write_text(
+        'sinks = ["file:///from-toml"]\nkeep_last = 3\ndtype = "fp16"\n'
+        'grace_seconds = 5\nmax_shard_size = "2GB"\n'
+    )
+    s = load_settings(cfg)
+    assert (s.sinks, s.keep_last, s.dtype, s.grace_seconds) == (["file:///from-toml"], 3, "fp16", 5.0)
+    assert s.max_shard_size == 2_000_000_000
+
+    monkeypatch.setenv("STAGERD_KEEP_LAST", "4")
+    monkeypatch.setenv("STAGERD_SINKS", "file:///e1, s3://b/p")
+    s = load_settings(cfg)
+    assert (s.sinks, s.keep_last, s.dtype) == (["file:///e1", "s3://b/p"], 4, "fp16")
+
+    s = load_settings(cfg, keep_last=7, dtype=None, sinks=["hf://org/repo"])
+    assert (s.sinks, s.keep_last, s.dtype) == (["hf://org/repo"], 7, "fp16")  # None flags do not override
+
+
+def test_env_accepts_a_json_list_and_port_off(monkeypatch):
+    monkeypatch.setenv("STAGERD_SINKS", '["file:///a", "file:///b"]')
+    monkeypatch.setenv("STAGERD_METRICS_PORT", "off")
+    s = load_settings()
+    assert s.sinks == ["file:///a", "file:///b"] and s.metrics_port == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"keep_last": -1}, "keep_last"),
+        ({"keep_dtype": "(unclosed"}, "keep_dtype"),
+        ({"io_class": "realtime"}, "io_class"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"max_shard_size": "lots"}, "max_shard_size"),
+    ],
+)
+def test_bad_values_are_config_errors(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        load_settings(**flags)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "missing.toml")
+    typo = tmp_path / "typo.toml"
+    typo.write_text("keep_lats = 3\n")
+    with pytest.raises(ConfigError, match="keep_lats"):
+        load_settings(typo)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("sinks = [\n")
+    with pytest.raises(ConfigError, match=r"broken\.toml"):
+        load_settings(broken)
+
+
+def test_every_setting_is_documented():
+    rows = settings_table()
+    assert [r[0] for r in rows] == list(Settings.model_fields)
+    for name, env, _default, description in rows:
+        assert env == f"STAGERD_{name.upper()}"
+        assert len(description) > 15, name
