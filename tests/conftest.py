@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 import torch
 
 from tests.dcp_fixtures import commit_step, dcp_save
+
+# No Xet server is reachable from the tests (production keeps Xet); no tqdm bars in test output.
+os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="session")
