@@ -340,7 +340,11 @@ class _SaveSpec:
 def _resolve_stateful(sd: Any, what: str) -> dict[str, Any]:
     if not isinstance(sd, Mapping):
         raise SaveInputError(f"{what} must be a mapping of names to tensors, got {type(sd).__name__}")
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in sd.items()}
+    # The tensor test first: the Stateful protocol check is slow, and this runs inside the stall.
+    return {
+        k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+        for k, v in sd.items()
+    }
 
 
 def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
@@ -350,10 +354,10 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
         name = f"{prefix}{k}"
         if not isinstance(k, str):
             raise SaveInputError(f"state dict key {name!r} is not a string")
-        if isinstance(v, Mapping):
-            n += _check_tensors(v, f"{name}.")
-        elif isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor):
             n += 1
+        elif isinstance(v, Mapping):
+            n += _check_tensors(v, f"{name}.")
         else:
             raise SaveInputError(
                 f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor; "
@@ -717,8 +721,6 @@ class Stager:
             log.warning("removing an uncommitted earlier save of %s: %s", step_dir, [p.name for p in stale])
             for p in stale:
                 shutil.rmtree(p)
-        step_dir.mkdir(parents=True, exist_ok=True)
-        layout.fsync_dir(step_dir.parent)
 
     def _launch(self, spec: _SaveSpec, model_sd: dict[str, Any], optim_sd: dict | None) -> SaveHandle:
         self._order_after_compute()
@@ -816,7 +818,10 @@ class Stager:
             staging_nodes=self.topology.num_nodes,
         )
         if self._is_leader:
+            # The writers fsynced their files and model/ optim/ extras/; the step dir's own entries and
+            # its entry in the root are made durable here, off the training's critical path.
             layout.fsync_dir(spec.step_dir)
+            layout.fsync_dir(spec.step_dir.parent)
             layout.write_marker(spec.step_dir, marker)
             log.info("committed step %d: %d files, %d bytes", spec.step, len(mine), sum(mine.values()))
         return marker
