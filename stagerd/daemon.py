@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -125,13 +126,15 @@ class Daemon:
             applied = lower_priority(self.settings.nice, self.settings.io_class)
             self._jpool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-journal")
             self._iopool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-io")
+            # Deleting a retired step can take seconds: its own thread, so scans and checks never wait on it.
+            self._trashpool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-trash")
             self._export_pool = ThreadPoolExecutor(
                 self.settings.export_workers, thread_name_prefix="stagerd-export"
             )
             try:
                 return await self._run(applied)
             finally:
-                for pool in (self._export_pool, self._iopool, *self._lane_pools.values()):
+                for pool in (self._export_pool, self._iopool, self._trashpool, *self._lane_pools.values()):
                     pool.shutdown(wait=not self.left_threads_running, cancel_futures=True)
                 self._jpool.shutdown(wait=True)
         finally:
@@ -158,7 +161,11 @@ class Daemon:
                 self.root,
                 extra={"root": str(self.root), "sinks": list(self._sinks), "pid": os.getpid(), **applied},
             )
-            removed = await self._io(empty_trash, self.root)
+            # Import the export engine now, not inside the first step's pickup latency.
+            await asyncio.get_running_loop().run_in_executor(
+                self._export_pool, importlib.import_module, "stagerd.export"
+            )
+            removed = await self._trash(empty_trash, self.root)
             if removed:
                 log.info("removed %d leftover(s) of an interrupted retention from the trash", removed)
             await self._recover()
@@ -276,6 +283,9 @@ class Daemon:
 
     async def _io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._iopool, partial(fn, *args, **kwargs))
+
+    async def _trash(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._trashpool, partial(fn, *args))
 
     def _transition(
         self,
@@ -652,12 +662,12 @@ class Daemon:
             if self._stopping:
                 return
             row = by_step[step]
-            await self._io(move_to_trash, self.root, row.path)
+            await self._trash(move_to_trash, self.root, row.path)
             await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
             self._transition(
                 step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"
             )
-        await self._io(empty_trash, self.root)
+        await self._trash(empty_trash, self.root)
 
     async def _check_disk(self) -> None:
         s = self.settings

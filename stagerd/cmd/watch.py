@@ -20,7 +20,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # Every default is None: an absent flag leaves the setting to the environment or the config file.
-    p.add_argument("root", type=Path, metavar="ROOT", help="staging root the trainers write into")
+    p.add_argument(
+        "root",
+        type=Path,
+        nargs="?",
+        metavar="ROOT",
+        help="staging root the trainers write into (or STAGERD_ROOT)",
+    )
     p.add_argument(
         "--sink", dest="sinks", action="append", metavar="URL", help="publish destination (repeatable)"
     )

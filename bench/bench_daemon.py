@@ -1,0 +1,297 @@
+"""Benchmark `stagerd watch`: flat memory over many steps, pickup latency, and pipeline overhead.
+
+    python bench/bench_daemon.py [--steps 50] [--mb 64] [--interval 1.0] [--big-mb 512] [--big-steps 5]
+                                 [--burst 3] [--json OUT]
+
+Every daemon is a real `stagerd watch` subprocess with a file:// sink (`--nice 0 --io-class none`, so
+that the comparison with work done in this process is like for like). Steps are shards copied from one
+real gloo DCP save of fp32 tensors, then a commit marker written last, as the Stager does.
+
+1. Paced: `--steps` small steps, one per `--interval` s, `--keep-last 2`. The daemon's RSS is sampled
+   from /proc every 0.1 s: steps 5-10 against the last 5 (flat memory). Marker -> export-start latency is
+   taken from the moment the marker is durable and visible (after the writer's fsyncs); from the marker's
+   mtime it also includes the writer's own fsync time.
+2. End to end: `--big-steps` larger steps, one at a time; each is preceded by `export_step` alone plus
+   `FsspecSink.publish` alone on a copy of the same step, in this process, and reported as marker ->
+   published over (export + upload alone). Target: <= 1.15x.
+3. Burst: `--burst` larger steps committed at once: wall time from the first marker to the last published
+   against burst x (export + upload) one after the other; below 1.0 means publish overlapped the next
+   export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+N_TENSORS = 8
+
+
+def builder():
+    """fp32 tensors sharded on dim 0: a pure byte-copy export (no cast, no torch in the daemon)."""
+    import torch
+
+    rows = int(os.environ["BENCH_ROWS"])
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"model.layers.{i}.weight": (torch.randn(rows, 1024, generator=g), "S0") for i in range(N_TENSORS)
+    }
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except FileNotFoundError:
+        return None
+    return None
+
+
+def commit(root: Path, step: int, model_src: Path, world: int) -> Path:
+    from tests.dcp_fixtures import commit_step
+
+    step_dir = root / f"step-{step:08d}"
+    shutil.copytree(model_src, step_dir / "model")
+    commit_step(step_dir, world)
+    return step_dir
+
+
+def baseline(work: Path, model_src: Path, world: int, repeats: int = 2) -> tuple[float, float]:
+    """Median seconds of export alone and of a file:// publish alone."""
+    from stagerd.export import export_step
+    from stagerd.sinks import open_sink
+
+    exports, uploads = [], []
+    for i in range(repeats):
+        step_dir = commit(work / f"alone{i}", i + 1, model_src, world)
+        t0 = time.perf_counter()
+        export_step(step_dir, threads=2)
+        exports.append(time.perf_counter() - t0)
+        sink = open_sink((work / f"alone-sink{i}").as_uri())
+        t0 = time.perf_counter()
+        sink.publish(step_dir / "export", i + 1)
+        uploads.append(time.perf_counter() - t0)
+        sink.close()
+        shutil.rmtree(work / f"alone{i}")
+        shutil.rmtree(work / f"alone-sink{i}")
+    return statistics.median(exports), statistics.median(uploads)
+
+
+def run_daemon(root: Path, sink: Path, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_")}
+    env["PYTHONPATH"] = str(REPO)
+    args = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri()]
+    args += ["--keep-last", "2", "--metrics-port", "0", "--nice", "0", "--io-class", "none"]
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def wait_published(
+    root: Path, steps: list[int], proc: subprocess.Popen, samples: list, timeout: float
+) -> None:
+    from stagerd.journal import Journal
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited with {proc.returncode}")
+        samples.append((time.monotonic(), rss_kib(proc.pid)))
+        try:
+            j = Journal.open_readonly(root)
+            done = {r.step for r in j.steps() if r.state in ("published", "retired")}
+            j.close()
+        except Exception:
+            done = set()
+        if set(steps) <= done:
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"timed out waiting for steps {steps}")
+
+
+def step_times(root: Path) -> dict[int, dict[str, float]]:
+    from stagerd.journal import Journal
+
+    j = Journal.open_readonly(root)
+    try:
+        out = {}
+        for r in j.steps():
+            out[r.step] = {
+                "pickup": r.export_started - r.marker_mtime,
+                "export_started": r.export_started,
+                "export": r.export_seconds,
+                "to_published": r.published_at - r.marker_mtime,
+                "published_at": r.published_at,
+            }
+        return out
+    finally:
+        j.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def make_template(work: Path, name: str, mb: int, world: int) -> tuple[Path, int]:
+    """One real gloo DCP save of `mb` MB of fp32; returns its model dir and size."""
+    from tests.dcp_fixtures import dcp_save
+
+    os.environ["BENCH_ROWS"] = str(max(world, mb * 1_000_000 // (4 * 1024 * N_TENSORS)))
+    model = work / name / "model"
+    t0 = time.perf_counter()
+    dcp_save(model, world=world, builder=builder)
+    size = sum(p.stat().st_size for p in model.iterdir())
+    print(f"{name}: {size / 1e6:.0f} MB, {world} ranks, saved in {time.perf_counter() - t0:.1f}s")
+    return model, size
+
+
+def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> dict:
+    """Many steps, one per `interval`: daemon RSS over time and marker -> export-start latency."""
+    root, sink = work / "paced-root", work / "paced-sink"
+    root.mkdir()
+    proc = run_daemon(root, sink, work / "paced.log")
+    samples: list[tuple[float, int | None]] = []
+    visible: dict[int, float] = {}
+    try:
+        time.sleep(1.5)
+        for step in range(1, steps + 1):
+            commit(root, step, model, world)
+            visible[step] = time.time()  # the marker is durable and visible from here
+            next_at = time.monotonic() + interval
+            while time.monotonic() < next_at:
+                samples.append((time.time(), rss_kib(proc.pid)))
+                time.sleep(0.1)
+        wait_published(root, list(visible), proc, samples, timeout=300)
+        times = step_times(root)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    early = [k for t, k in samples if k and visible[min(5, steps)] <= t <= visible[min(10, steps)]]
+    mid = [
+        k for t, k in samples if k and visible[max(1, steps // 2 - 3)] <= t <= visible[max(1, steps // 2 + 3)]
+    ]
+    late = [k for t, k in samples if k and t >= visible[max(1, steps - 5)]]
+    pickups = [times[s]["export_started"] - visible[s] for s in visible]
+    from_mtime = [times[s]["pickup"] for s in visible]
+    out = {
+        "steps": steps,
+        "rss_mib_steps_5_10": max(early) / 1024,
+        "rss_mib_middle": max(mid) / 1024,
+        "rss_mib_last_5": max(late) / 1024,
+        "rss_mib_peak": max(k for _, k in samples if k) / 1024,
+        "pickup_ms_p50": pct(pickups, 0.5) * 1000,
+        "pickup_ms_p95": pct(pickups, 0.95) * 1000,
+        "pickup_ms_max": max(pickups) * 1000,
+        "pickup_from_mtime_ms_p50": pct(from_mtime, 0.5) * 1000,
+    }
+    print(
+        f"paced, {steps} steps, one per {interval}s: daemon RSS {out['rss_mib_steps_5_10']:.0f} MiB at steps "
+        f"5-10, {out['rss_mib_middle']:.0f} MiB mid-way, {out['rss_mib_last_5']:.0f} MiB over the last 5, "
+        f"peak {out['rss_mib_peak']:.0f} MiB"
+    )
+    print(
+        f"marker visible -> export start: p50 {out['pickup_ms_p50']:.0f} ms, "
+        f"p95 {out['pickup_ms_p95']:.0f} ms, max {out['pickup_ms_max']:.0f} ms "
+        f"(from the marker's mtime, p50 {out['pickup_from_mtime_ms_p50']:.0f} ms)"
+    )
+    return out
+
+
+def end_to_end(work: Path, model: Path, world: int, steps: int, burst: int) -> dict:
+    """Marker -> published per step (one at a time), each against export + upload alone measured just
+    before it (the machine is shared: pairs drift together), then a burst committed at once (overlap)."""
+    root, sink = work / "e2e-root", work / "e2e-sink"
+    root.mkdir()
+    proc = run_daemon(root, sink, work / "e2e.log")
+    ratios, alones = [], []
+    try:
+        time.sleep(1.5)
+        for step in range(1, steps + 1):
+            exp_alone, up_alone = baseline(work, model, world, repeats=1)
+            alone = exp_alone + up_alone
+            alones.append((exp_alone, up_alone))
+            commit(root, step, model, world)
+            visible = time.time()
+            wait_published(root, [step], proc, [], timeout=300)
+            took = step_times(root)[step]["published_at"] - visible
+            ratios.append(took / alone)
+            print(
+                f"  step {step}: alone export {exp_alone:.2f}s + upload {up_alone:.2f}s = {alone:.2f}s; "
+                f"daemon marker -> published {took:.2f}s ({took / alone:.2f}x)"
+            )
+            shutil.rmtree(sink / f"step-{step:08d}")  # published and recorded: only bounds the disk
+        alone = statistics.median(e + u for e, u in alones)
+        from tests.dcp_fixtures import commit_step
+
+        staged = [work / "burst" / f"step-{s:08d}" for s in range(steps + 1, steps + burst + 1)]
+        for d in staged:  # copy first; the burst is the markers
+            shutil.copytree(model, d / "model")
+        t_first = time.time()
+        for d in staged:
+            os.rename(d, root / d.name)
+            commit_step(root / d.name, world)
+        wait_published(root, [int(d.name[5:]) for d in staged], proc, [], timeout=600)
+        times = step_times(root)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    wall = max(times[int(d.name[5:])]["published_at"] for d in staged) - t_first
+    out = {
+        "alone_export_upload_s": alones,
+        "to_published_over_alone": ratios,
+        "burst_steps": burst,
+        "burst_wall_s": wall,
+        "burst_sequential_s": burst * alone,
+    }
+    print(
+        f"marker visible -> published, over (export + upload alone): median {statistics.median(ratios):.2f}x "
+        "(target <= 1.15x)"
+    )
+    print(
+        f"burst of {burst}: {wall:.2f}s from the first marker to the last published, vs {burst * alone:.2f}s "
+        f"one after the other ({wall / (burst * alone):.2f}x; < 1 means publish overlapped the next export)"
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=50, help="steps in the paced (memory, latency) run")
+    ap.add_argument("--mb", type=int, default=64, help="checkpoint size of the paced run, MB of fp32")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between paced steps")
+    ap.add_argument("--big-mb", type=int, default=512, help="checkpoint size of the end-to-end run")
+    ap.add_argument("--big-steps", type=int, default=5, help="steps published one at a time")
+    ap.add_argument("--burst", type=int, default=3, help="steps committed at once")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    a = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-"))
+    try:
+        small, _ = make_template(work, "small", a.mb, a.world)
+        result = {"paced": paced(work, small, a.world, a.steps, a.interval)}
+        shutil.rmtree(work / "paced-root")
+        shutil.rmtree(work / "paced-sink", ignore_errors=True)
+
+        big, size = make_template(work, "big", a.big_mb, a.world)
+        result["end_to_end"] = {"size_mb": size / 1e6, **end_to_end(work, big, a.world, a.big_steps, a.burst)}
+        if a.json:
+            a.json.write_text(json.dumps(result, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
