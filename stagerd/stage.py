@@ -9,11 +9,12 @@
 
 How a save runs
 ---------------
-`save()` blocks only to check the step with the other ranks (one tiny gloo collective) and to start the
-device-to-host copy; `wait_staged()` blocks until that copy is done. Everything else runs behind it:
-`dcp.async_save` writes this rank's `model/` shard with `HuggingFaceStorageWriter(save_distributed=True)`,
-then the optimizer state goes to `optim/` in DCP's own format (`FileSystemWriter`), rank 0 writes
-`extras/`, the ranks agree that all of it succeeded, and only then the commit marker is written.
+`save()` starts the device-to-host copy, then, while it runs, checks the arguments and the step and agrees
+with the other ranks (one small gloo all_reduce) before anything is written; `wait_staged()` blocks until
+the copy is done. Everything else runs behind it: `dcp.async_save`, handed the running copy, writes this
+rank's `model/` shard with `HuggingFaceStorageWriter(save_distributed=True)`, then the optimizer state
+goes to `optim/` in DCP's own format (`FileSystemWriter`), rank 0 writes `extras/`, the ranks agree that
+all of it succeeded, and only then the commit marker is written.
 
 Staging uses one `DefaultStager` per kind of state (model, optimizer) for the Stager's life. Its
 `StateDictStager` caches a host buffer per source storage, so from the second save on nothing is
@@ -221,14 +222,17 @@ class _OptimWriter(FileSystemWriter):
         metadata.storage_data = _staged_files(files)
 
 
-class _Prestaged:
-    """An AsyncStager for a state dict that already sits in the Stager's host buffers."""
+class _AlreadyStaged:
+    """An AsyncStager handing `async_save` a staging the Stager already started (a Future) or finished."""
 
     _synchronize_after_execute = False
     should_synchronize_after_execute = False
 
+    def __init__(self, staged: Any) -> None:
+        self._staged = staged
+
     def stage(self, state_dict: Any) -> Any:
-        return state_dict
+        return self._staged
 
     def synchronize_staging(self) -> None:
         pass
@@ -588,10 +592,16 @@ class Stager:
         self._wait_previous(step)
         error: StagerdError | None = None
         spec = model_sd = optim_sd = None
+        staging: list[Future] = []
         try:
-            spec, model_sd, optim_sd = self._prepare(
-                state_dict, step, extras, reference_index, dtype, optimizer_state, metadata
-            )
+            model_sd, optim_sd = self._resolve(state_dict, step, optimizer_state)
+            # Start the host copy first: the checks and the agreement below then overlap it. Nothing is
+            # written to disk before the agreement; a refused save only filled our own staging buffers.
+            self._order_after_compute()
+            staging.append(self._model_stager.stage(model_sd))
+            if optim_sd is not None:
+                staging.append(self._optim_stager.stage(optim_sd))
+            spec = self._describe(step, extras, reference_index, dtype, metadata)
             if self._is_leader and layout.is_committed(spec.step_dir):
                 raise StepExistsError(
                     "step is already committed; refusing to overwrite it", path=spec.step_dir
@@ -604,6 +614,9 @@ class Stager:
         # on the common path (this is inside the training stall); the details only when something is off.
         refused, with_optim = self._comm.sum([error is not None, optim_sd is not None])
         if refused or 0 < with_optim < self.world_size:
+            for f in staging:  # the copy still reads the caller's tensors: let it finish first
+                with contextlib.suppress(Exception):
+                    f.result()
             statuses = self._comm.all_gather(
                 (None if error is None else (error.name, str(error)), optim_sd is not None)
             )
@@ -618,7 +631,7 @@ class Stager:
         if self._is_leader:
             # Before any rank writes: writes follow DCP's planning collective, which waits for this rank.
             self._clear_stale(spec.step_dir)
-        return self._launch(spec, model_sd, optim_sd)
+        return self._launch(spec, model_sd, staging)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the latest save's host copy is complete (call before the next optimizer step)."""
@@ -691,13 +704,16 @@ class Stager:
             h.step,
         )
 
-    def _prepare(self, state_dict, step, extras, reference_index, dtype, optimizer_state, metadata):
+    def _resolve(self, state_dict, step, optimizer_state) -> tuple[dict[str, Any], dict[str, Any] | None]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise SaveInputError(f"step must be a non-negative integer, got {step!r}")
         model_sd = _resolve_stateful(state_dict, "state_dict")
         if _check_tensors(model_sd) == 0:
             raise SaveInputError("the model state dict holds no tensors")
         optim_sd = None if optimizer_state is None else _resolve_stateful(optimizer_state, "optimizer_state")
+        return model_sd, optim_sd
+
+    def _describe(self, step, extras, reference_index, dtype, metadata) -> _SaveSpec:
         spec = _SaveSpec(step=step, step_dir=self.step_dir(step))
         if self.rank == 0:  # the other ranks' extras, reference_index, dtype and metadata are ignored
             try:
@@ -711,7 +727,7 @@ class Stager:
                 dtype=_DTYPE_HINT[parse_export_dtype(dtype)] if dtype is not None else None,
                 metadata=dict(metadata or {}),
             )
-        return spec, model_sd, optim_sd
+        return spec
 
     def _clear_stale(self, step_dir: Path) -> None:
         """Leader: clear what a crashed, uncommitted save of this step left behind."""
@@ -722,13 +738,12 @@ class Stager:
             for p in stale:
                 shutil.rmtree(p)
 
-    def _launch(self, spec: _SaveSpec, model_sd: dict[str, Any], optim_sd: dict | None) -> SaveHandle:
-        self._order_after_compute()
+    def _launch(self, spec: _SaveSpec, model_sd: dict[str, Any], staging: list[Future]) -> SaveHandle:
         try:
             resp = dcp.async_save(
                 model_sd,
                 storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
-                async_stager=self._model_stager,
+                async_stager=_AlreadyStaged(staging[0]),  # our DefaultStager's copy, already running
                 process_group=self._group,
                 async_checkpointer_type=self.checkpointer,
                 no_dist=not self._distributed,
@@ -738,11 +753,7 @@ class Stager:
             raise SaveError(msg, path=spec.step_dir) from e
         if not isinstance(resp, AsyncSaveResponse):
             raise AssertionError("DefaultStager with async staging must yield an AsyncSaveResponse")
-        staging = [resp.staging_completion]
-        optim_future: Future | None = None
-        if optim_sd is not None:
-            optim_future = self._optim_stager.stage(optim_sd)
-            staging.append(optim_future)
+        optim_future = staging[1] if len(staging) > 1 else None
         committed = self._committer.submit(self._commit, spec, resp.upload_completion, optim_future)
         handle = SaveHandle(spec.step, spec.step_dir, tuple(staging), committed)
         with self._lock:
@@ -777,7 +788,7 @@ class Stager:
                 upload_optim = dcp.async_save(
                     staged,
                     storage_writer=_OptimWriter(str(spec.step_dir / layout.OPTIM_DIR)),
-                    async_stager=_Prestaged(),
+                    async_stager=_AlreadyStaged(staged),
                     process_group=self._group,
                     async_checkpointer_type=self.checkpointer,
                     no_dist=not self._distributed,
