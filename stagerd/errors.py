@@ -123,7 +123,7 @@ class JournalError(StagerdError):
 
 
 class SaveError(StagerdError):
-    """A training-side save whose background write failed (disk full, I/O error): the step is not committed."""
+    """A training-side save whose background write failed (disk full, I/O error); the step is uncommitted."""
 
     retryable = True
     hint = (
