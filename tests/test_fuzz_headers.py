@@ -14,6 +14,7 @@ more inputs (and with atheris); this module runs a deterministic slice of it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -273,8 +274,13 @@ def _set_sharding(obj: dict[str, Any], info: Any) -> None:
         meta[SHARDING] = json.dumps(info)
 
 
+def _value(r: random.Random) -> Any:
+    """A fresh copy of one of VALUES: the mutants must never share (and so grow) the module's lists."""
+    return copy.deepcopy(r.choice(VALUES))
+
+
 def _any_value(r: random.Random) -> Any:
-    return r.choice([r.choice(INTS), r.choice(VALUES), r.choice(NAMES)[:50]])
+    return r.choice([r.choice(INTS), _value(r), r.choice(NAMES)[:50]])
 
 
 def _mutate_entry(r: random.Random, obj: dict[str, Any]) -> None:
@@ -302,7 +308,7 @@ def _mutate_entry(r: random.Random, obj: dict[str, Any]) -> None:
         elif how == 3:
             shape = [r.choice([0, 1, *HUGE])] * r.choice([1, 2, MAX_NDIM, MAX_NDIM + 1, 1000])
         elif how == 4 and shape:
-            shape[r.randrange(len(shape))] = r.choice(VALUES)
+            shape[r.randrange(len(shape))] = _value(r)
         else:
             shape = [*shape, 0] if r.random() < 0.5 else [0, *HUGE[:2]]  # zero elements, huge dims
         e["shape"] = shape
@@ -324,7 +330,7 @@ def _mutate_entry(r: random.Random, obj: dict[str, Any]) -> None:
             if isinstance(other, dict) and isinstance(other.get("data_offsets"), list):
                 offs = list(other["data_offsets"])  # overlap another tensor
         else:
-            offs[r.randrange(2)] = r.choice(VALUES)
+            offs[r.randrange(2)] = _value(r)
         e["data_offsets"] = offs
     elif field == "drop":
         e.pop(r.choice(["dtype", "shape", "data_offsets"]), None)
@@ -378,7 +384,7 @@ def _mutate_sharding(r: random.Random, obj: dict[str, Any]) -> None:
             elif how == 4:
                 offs.append(r.choice([0, *HUGE]))
             elif offs:
-                offs[r.randrange(len(offs))] = r.choice(VALUES)
+                offs[r.randrange(len(offs))] = _value(r)
     elif how == 6 and names:
         info[r.choice(names)] = _any_value(r)
     elif how == 7 and isinstance(meta, dict):
@@ -457,7 +463,7 @@ def random_json(r: random.Random, depth: int = 0) -> Any:
     if kind == 0:
         return r.choice(INTS)
     if kind == 1:
-        return r.choice(VALUES)
+        return _value(r)
     if kind == 2:
         return r.choice([*DTYPE_NAMES, *NAMES[:6]])
     if kind == 3:
