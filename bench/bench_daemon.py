@@ -13,7 +13,9 @@ real gloo DCP save of fp32 tensors, then a commit marker written last, as the St
    mtime it also includes the writer's own fsync time.
 2. End to end: `--big-steps` larger steps, one at a time; each is preceded by `export_step` alone plus
    `FsspecSink.publish` alone on a copy of the same step, in this process, and reported as marker ->
-   published over (export + upload alone). Target: <= 1.15x.
+   published over (export + upload alone), with the daemon's own export and upload times and the rest
+   (pickup, journal, scheduling). Target: <= 1.15x. No retention here: deleting an old step while the
+   next one exports competes for the same disk, which is retention's cost, not the pipeline's.
 3. Burst: `--burst` larger steps committed at once: wall time from the first marker to the last published
    against burst x (export + upload) one after the other; below 1.0 means publish overlapped the next
    export.
@@ -90,11 +92,11 @@ def baseline(work: Path, model_src: Path, world: int, repeats: int = 2) -> tuple
     return statistics.median(exports), statistics.median(uploads)
 
 
-def run_daemon(root: Path, sink: Path, log: Path) -> subprocess.Popen:
+def run_daemon(root: Path, sink: Path, log: Path, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_")}
     env["PYTHONPATH"] = str(REPO)
     args = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri()]
-    args += ["--keep-last", "2", "--metrics-port", "0", "--nice", "0", "--io-class", "none"]
+    args += ["--metrics-port", "0", "--nice", "0", "--io-class", "none", *extra]
     return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
@@ -126,8 +128,10 @@ def step_times(root: Path) -> dict[int, dict[str, float]]:
     j = Journal.open_readonly(root)
     try:
         out = {}
+        upload = {ln.step: ln.seconds for ln in j.lanes()}
         for r in j.steps():
             out[r.step] = {
+                "upload": upload.get(r.step),
                 "pickup": r.export_started - r.marker_mtime,
                 "export_started": r.export_started,
                 "export": r.export_seconds,
@@ -137,6 +141,12 @@ def step_times(root: Path) -> dict[int, dict[str, float]]:
         return out
     finally:
         j.close()
+
+
+def settle() -> None:
+    """Flush dirty pages so one measurement does not pay for the previous one's writeback."""
+    os.sync()
+    time.sleep(0.5)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -161,7 +171,7 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> d
     """Many steps, one per `interval`: daemon RSS over time and marker -> export-start latency."""
     root, sink = work / "paced-root", work / "paced-sink"
     root.mkdir()
-    proc = run_daemon(root, sink, work / "paced.log")
+    proc = run_daemon(root, sink, work / "paced.log", "--keep-last", "2")
     samples: list[tuple[float, int | None]] = []
     visible: dict[int, float] = {}
     try:
@@ -219,17 +229,22 @@ def end_to_end(work: Path, model: Path, world: int, steps: int, burst: int) -> d
     try:
         time.sleep(1.5)
         for step in range(1, steps + 1):
+            settle()
             exp_alone, up_alone = baseline(work, model, world, repeats=1)
             alone = exp_alone + up_alone
             alones.append((exp_alone, up_alone))
+            settle()
             commit(root, step, model, world)
             visible = time.time()
             wait_published(root, [step], proc, [], timeout=300)
-            took = step_times(root)[step]["published_at"] - visible
+            t = step_times(root)[step]
+            took = t["published_at"] - visible
             ratios.append(took / alone)
             print(
                 f"  step {step}: alone export {exp_alone:.2f}s + upload {up_alone:.2f}s = {alone:.2f}s; "
-                f"daemon marker -> published {took:.2f}s ({took / alone:.2f}x)"
+                f"daemon marker -> published {took:.2f}s ({took / alone:.2f}x): "
+                f"its export {t['export']:.2f}s + upload {t['upload']:.2f}s "
+                f"+ the rest {took - t['export'] - t['upload']:.2f}s"
             )
             shutil.rmtree(sink / f"step-{step:08d}")  # published and recorded: only bounds the disk
         alone = statistics.median(e + u for e, u in alones)
@@ -238,6 +253,7 @@ def end_to_end(work: Path, model: Path, world: int, steps: int, burst: int) -> d
         staged = [work / "burst" / f"step-{s:08d}" for s in range(steps + 1, steps + burst + 1)]
         for d in staged:  # copy first; the burst is the markers
             shutil.copytree(model, d / "model")
+        settle()
         t_first = time.time()
         for d in staged:
             os.rename(d, root / d.name)
@@ -248,6 +264,9 @@ def end_to_end(work: Path, model: Path, world: int, steps: int, burst: int) -> d
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     wall = max(times[int(d.name[5:])]["published_at"] for d in staged) - t_first
+    for d in staged:
+        t = times[int(d.name[5:])]
+        print(f"  burst step {d.name}: export {t['export']:.2f}s, upload {t['upload']:.2f}s")
     out = {
         "alone_export_upload_s": alones,
         "to_published_over_alone": ratios,

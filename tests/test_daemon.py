@@ -386,10 +386,12 @@ async def test_retention_never_deletes_a_step_one_sink_lacks(tmp_path, model2):
         "--max-attempts",
         "2",
         *fast_flags(),
-        env=child_env(STAGERD_RETRY_BASE_SECONDS="0.1"),
+        # and under disk pressure: every free byte counts as "low"
+        env=child_env(STAGERD_RETRY_BASE_SECONDS="0.1", STAGERD_LOW_DISK_FREE_PERCENT="100"),
     )
     assert rc == 1, err
     assert "0 step(s) published, 2 not" in out and "SinkError" in out
+    assert "low disk" in err
     assert sorted(manifests(good)) == [1, 2]
     for step in (1, 2):
         assert (root / layout.step_dir_name(step) / layout.MARKER_NAME).is_file()
@@ -400,6 +402,10 @@ async def test_retention_never_deletes_a_step_one_sink_lacks(tmp_path, model2):
     finally:
         j.close()
     assert lanes[(1, bad)] == ("quarantined", 2) and lanes[(1, good.as_uri())][0] == "published"
+    rc, out, _ = await run_cli("status", str(root), "--json")
+    assert rc == 0 and json.loads(out)["disk"]["low"] is True
+    rc, out, _ = await run_cli("status", str(root))
+    assert rc == 0 and "LOW DISK" in out
 
 
 async def test_once_exit_codes_and_config_errors(tmp_path):
@@ -411,6 +417,11 @@ async def test_once_exit_codes_and_config_errors(tmp_path):
     assert rc == 0 and "0 step(s) published, 0 not" in out
     rc, _, err = await run_cli("watch", str(root), "--once", *fast_flags())
     assert rc == 2 and "ConfigError" in err and "no sink" in err
+    rc, _, err = await run_cli("watch", "--sink", "file:///x", "--once", *fast_flags())
+    assert rc == 2 and "no ROOT given" in err
+    env = child_env(STAGERD_ROOT=str(root), STAGERD_SINKS=(tmp_path / "s").as_uri())
+    rc, out, _ = await run_cli("watch", "--once", *fast_flags(), env=env)
+    assert rc == 0 and "0 step(s) published, 0 not" in out
     rc, _, err = await run_cli(
         "watch", str(tmp_path / "missing"), "--sink", "file:///x", "--once", *fast_flags()
     )
