@@ -75,9 +75,10 @@ def _bytes(t: torch.Tensor) -> bytes:
 def load_all(export: Path) -> dict[str, torch.Tensor]:
     index = json.loads((export / layout.INDEX_NAME).read_text())
     out = {}
-    for name, fname in index["weight_map"].items():
+    for fname in sorted(set(index["weight_map"].values())):  # one open per file: headers can be huge
         with safe_open(export / fname, "pt") as f:
-            out[name] = f.get_tensor(name)
+            out.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    assert set(out) == set(index["weight_map"])
     return out
 
 
