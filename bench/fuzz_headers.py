@@ -176,11 +176,17 @@ def run_atheris(seeds: list, count: int, args: argparse.Namespace, work: Path) -
     for s in seeds:
         (corpus / s.name).write_bytes(s.blob())
 
+    t0 = time.monotonic()
+
     def one_input(data: bytes) -> None:
         i = run.count
         check_one(
             run, data, (), mem=i % args.mem_every == 0, file_dir=work if i % args.file_every == 0 else None
         )
+        if run.count >= count:  # libFuzzer ends with C exit(), which skips Python: report from here
+            code = report([run], time.monotonic() - t0, args, work)
+            sys.stdout.flush()
+            os._exit(code)
 
     def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
         r = random.Random(seed)
@@ -192,18 +198,48 @@ def run_atheris(seeds: list, count: int, args: argparse.Namespace, work: Path) -
             base = r.choice(seeds)
         return mutate(base, r)[:max_size]
 
-    t0 = time.monotonic()
     atheris.Setup(
-        [sys.argv[0], f"-runs={count}", "-max_len=262144", f"-rss_limit_mb={args.rss_limit_mb}", str(corpus)],
+        [
+            sys.argv[0],
+            f"-runs={count + 1}",
+            "-max_len=262144",
+            f"-rss_limit_mb={args.rss_limit_mb}",
+            str(corpus),
+        ],
         one_input,
         custom_mutator=custom_mutator,
     )
-    try:
-        atheris.Fuzz()
-    except SystemExit:
-        pass
-    print(f"atheris: {run.count} inputs in {time.monotonic() - t0:.1f} s wall", flush=True)
-    return [run]
+    atheris.Fuzz()
+    return [run]  # not reached while one_input ends the process
+
+
+def report(runs: list[Run], wall: float, args: argparse.Namespace, work: Path) -> int:
+    """Print the table, write the JSON; the exit status: 1 if any input failed."""
+    results = {
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "wall_seconds": round(wall, 1),
+        "total_inputs": sum(r.count for r in runs),
+        "runs": [r.summary() for r in runs],
+        "reproducers": str(work / "crashes"),
+    }
+    print()
+    print(
+        f"{'generator':<16} {'inputs':>8} {'s':>7} {'in/s':>7} {'slowest ms':>10} {'outcomes':>8} "
+        f"{'deep %':>6} {'mem peak':>9} {'failures':>8}"
+    )
+    for s in results["runs"]:
+        print(
+            f"{s['generator']:<16} {s['inputs']:>8} {s['seconds']:>7} {s['inputs_per_s']:>7} "
+            f"{s['slowest_input_ms']:>10} {s['distinct_outcomes']:>8} {s['past_the_framing_percent']:>6} "
+            f"{s['mem_peak_bytes']:>9} {sum(s['failures'].values()):>8}"
+        )
+        for k, v in s["failures"].items():
+            print(f"    {v:>6} x {k}")
+    print(f"total: {results['total_inputs']} inputs in {wall:.1f} s; reproducers under {work / 'crashes'}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 1 if any(r.failures for r in runs) else 0
 
 
 def main() -> int:
@@ -236,32 +272,7 @@ def main() -> int:
         if args.atheris
         else run_generators(seeds, args.count, args.seed, args, work)
     )
-    wall = time.monotonic() - t0
-    results = {
-        "python": sys.version.split()[0],
-        "cpus": os.cpu_count(),
-        "wall_seconds": round(wall, 1),
-        "total_inputs": sum(r.count for r in runs),
-        "runs": [r.summary() for r in runs],
-        "reproducers": str(work / "crashes"),
-    }
-    print()
-    print(
-        f"{'generator':<16} {'inputs':>8} {'s':>7} {'in/s':>7} {'slowest ms':>10} {'outcomes':>8} "
-        f"{'deep %':>6} {'mem peak':>9} {'failures':>8}"
-    )
-    for s in results["runs"]:
-        print(
-            f"{s['generator']:<16} {s['inputs']:>8} {s['seconds']:>7} {s['inputs_per_s']:>7} "
-            f"{s['slowest_input_ms']:>10} {s['distinct_outcomes']:>8} {s['past_the_framing_percent']:>6} "
-            f"{s['mem_peak_bytes']:>9} {sum(s['failures'].values()):>8}"
-        )
-        for k, v in s["failures"].items():
-            print(f"    {v:>6} x {k}")
-    print(f"total: {results['total_inputs']} inputs in {wall:.1f} s; reproducers under {work / 'crashes'}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 1 if any(r.failures for r in runs) else 0
+    return report(runs, time.monotonic() - t0, args, work)
 
 
 if __name__ == "__main__":
