@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,15 @@ def _fail(path: object, msg: str) -> HeaderError:
     return HeaderError(msg, path=path)
 
 
+def _utf8(text: str) -> bool:
+    """JSON may decode to lone surrogates, which no safetensors writer can encode back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_uint(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -99,10 +109,14 @@ def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -
                 isinstance(k, str) and isinstance(v, str) for k, v in info.items()
             ):
                 raise _fail(path, "__metadata__ must map strings to strings")
+            if not all(_utf8(k) and _utf8(v) for k, v in info.items()):
+                raise _fail(path, "__metadata__ holds text that is not valid UTF-8")
             metadata = dict(info)
             continue
         if not isinstance(info, dict):
             raise _fail(path, f"tensor {name!r}: entry is not an object")
+        if not _utf8(name):
+            raise _fail(path, f"tensor name {name!r} is not valid UTF-8")
         try:
             dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         except KeyError as e:
@@ -142,20 +156,29 @@ def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            body = f.read(min(n, MAX_HEADER_BYTES + 1, max(file_size - 8, 0)))
-    except FileNotFoundError:
-        from stagerd.errors import ShardError
+    from stagerd.errors import ShardError
 
+    try:
+        # O_NONBLOCK: opening a FIFO planted in the staging dir must not hang the daemon.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
         raise ShardError("shard file is missing", path=path) from None
     except IsADirectoryError:
         raise _fail(path, "is a directory, not a safetensors file") from None
+    except OSError as e:
+        raise ShardError(f"cannot open: {e.strerror}", path=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _fail(path, "is not a regular file")
+        file_size = st.st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        body = os.pread(fd, min(n, MAX_HEADER_BYTES + 1, max(file_size - 8, 0)), 8)
+    finally:
+        os.close(fd)
     n, obj = parse_header_bytes(path, head + body, file_size)
     return validate_header(path, n, obj, file_size)
 

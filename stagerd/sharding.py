@@ -17,8 +17,14 @@ _OF = re.compile(r"(\d+)-of-(\d+)")
 
 
 def natural_key(name: str) -> tuple[object, ...]:
-    """Sort key that puts `layers.2` before `layers.10`. Splitting on digits alternates str and int."""
-    return tuple(int(t) if i % 2 else t for i, t in enumerate(_DIGITS.split(name)))
+    """Sort key that puts `layers.2` before `layers.10`. Splitting on digits alternates text and numbers.
+
+    A number compares by (digit count without leading zeros, digits, length): the same order as int()
+    without int()'s 4300-digit limit.
+    """
+    return tuple(
+        (len(t.lstrip("0")), t.lstrip("0"), len(t)) if i % 2 else t for i, t in enumerate(_DIGITS.split(name))
+    )
 
 
 def output_file_names(n: int) -> list[str]:
