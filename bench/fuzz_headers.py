@@ -34,7 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MEM_BASE = 256 * 1024  # bytes a parse may trace beyond 8x its input
+# A parse may trace this much plus MEM_PER_BYTE per input byte: the JSON text, its str and the decoded
+# tree (`[[],[],...]` costs ~21 bytes of objects per input byte). Anything proportional to a claimed
+# length, shape or offset (up to 2^64) blows far past it.
+MEM_BASE = 64 * 1024
+MEM_PER_BYTE = 32
 
 
 class Run:
@@ -84,23 +88,22 @@ class Run:
 
 def check_one(run: Run, blob: bytes, companions, *, mem: bool, file_dir: Path | None) -> None:
     """One input through the oracle, recording its outcome or its failure."""
-    from tests.test_fuzz_headers import parse_blob, parse_file
+    from tests.test_fuzz_headers import Meter, parse_blob, parse_file
 
     t0 = time.perf_counter()
     try:
+        meter = Meter()
         if mem:
             tracemalloc.start()
-            tracemalloc.reset_peak()
         try:
-            outcome = parse_blob(blob, companions=companions)
+            outcome = parse_blob(blob, companions=companions, meter=meter)
         finally:
             if mem:
-                peak = tracemalloc.get_traced_memory()[1]
                 tracemalloc.stop()
                 run.mem_checks += 1
-                run.mem_peak = max(run.mem_peak, peak)
-                if peak > MEM_BASE + 8 * len(blob):
-                    raise MemoryError(f"traced {peak} bytes for a {len(blob)}-byte input")
+                run.mem_peak = max(run.mem_peak, meter.peak)
+                if meter.peak > MEM_BASE + MEM_PER_BYTE * len(blob):
+                    raise MemoryError(f"the parser traced {meter.peak} bytes for a {len(blob)}-byte input")
         run.outcomes[outcome] += 1
         if file_dir is not None:
             p = file_dir / "input.safetensors"
