@@ -30,6 +30,7 @@ from rich.filesize import decimal
 
 from stagerd import layout, notify
 from stagerd.config import Settings
+from stagerd.crashpoints import crash_point
 from stagerd.errors import ConfigError, JournalError, StagerdError
 from stagerd.journal import (
     COMMITTED,
@@ -513,6 +514,7 @@ class Daemon:
 
             def report(done: int, total: int) -> None:
                 nonlocal bar
+                crash_point("export.move")
                 if bar is None:
                     bar = stack.enter_context(progress(f"export step {step}", total))
                     self._test_pause("export", step)
@@ -599,6 +601,7 @@ class Daemon:
                 self.metrics.failures.labels(stage="publish", error_class=f.error_class).inc()
                 self._log_failure(step, sink, state, f, attempt, e)
                 return
+            crash_point("publish.done")
             done = await self._j(
                 self._journal.finish_publish,
                 step,

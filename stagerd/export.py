@@ -16,6 +16,7 @@ from pathlib import Path
 
 from stagerd import layout
 from stagerd.consolidate import consolidate_into, read_reference_index
+from stagerd.crashpoints import crash_point
 from stagerd.dtypes import parse_export_dtype
 from stagerd.errors import OutputError, ShardError
 from stagerd.sharding import DEFAULT_MAX_SHARD_SIZE, load_weight_map
@@ -114,6 +115,7 @@ def build_export(
     for rel in source.extras():
         if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
             continue  # our index and weights are the export's; a stray copy would contradict them
+        crash_point("export.extra")
         dst = tmp / rel
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +193,7 @@ def export_step(
         )
         os.rename(tmp, final)
         layout.fsync_dir(step_dir)
+        crash_point("export.renamed")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd import layout
+from stagerd.crashpoints import crash_point
 
 log = logging.getLogger("stagerd")
 
@@ -80,6 +81,7 @@ def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]
         return None
     layout.fsync_dir(src.parent)
     layout.fsync_dir(trash)
+    crash_point("retention.trashed")
     return dst
 
 
@@ -90,6 +92,7 @@ def empty_trash(root: str | os.PathLike[str]) -> int:
         return 0
     n = 0
     for entry in os.scandir(trash):
+        crash_point("retention.rmtree")
         try:
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from stagerd import layout
+from stagerd.crashpoints import crash_point
 from stagerd.errors import ConfigError, MarkerError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, iter_file, raw_checksum, read_full
 from stagerd.layout import ExportManifest, ManifestFile
@@ -370,6 +371,7 @@ class FsspecSink:
             raw = self._call(lambda: b.read(manifest_key), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
             self._check_same(other, manifest, manifest_key)
+        crash_point("fsspec.manifest")
         self._move_latest(prefix, step)
         sent = sum(f.size for f in todo)
         log.info(
@@ -956,6 +958,7 @@ class S3Backend:
                 **self._checksum_args(checksum),
             )
             progress(len(data))
+            crash_point("s3.part")
             return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{self.algorithm}": checksum}
         except BaseException:
             failed.set()

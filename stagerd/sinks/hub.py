@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from stagerd.crashpoints import crash_point
 from stagerd.errors import (
     ConfigError,
     SinkAuthError,
@@ -513,6 +514,7 @@ class HubSink:
             num_threads=self._num_threads,
         )
         self._verify(step, info.oid, local, card, existing=False)
+        crash_point("hub.commit")
         self._tag(step, info.oid)
         return _Outcome(info.oid, skipped=False, uploaded=plan.new_bytes)
 

@@ -1,0 +1,60 @@
+"""TEST ONLY: named crash points, so the crash-injection tests can SIGKILL the daemon at an exact place.
+
+`crash_point("name")` does nothing unless the environment variable `STAGERD_CRASH_AT` names that point when
+this module is first imported: `name` kills the process the first time the point is reached, `name:N` the
+N-th time (counted over every thread of the process). The kill is a real `SIGKILL` of the current process:
+no `finally`, no atexit, no flush, exactly what an OOM kill or a power cut leaves behind.
+
+Production never sets the variable; unset, a call costs one global lookup and one comparison. The points
+are listed in `POINTS` (the tests check every one is reached) and documented in RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+ENV = "STAGERD_CRASH_AT"
+
+POINTS = {
+    "export.move": "export: after a byte move into the pre-allocated output files (mid-file)",
+    "export.extra": "export: between files, before an extra (config, tokenizer) is copied",
+    "export.renamed": "export: export.tmp/ renamed to export/, before the journal records it",
+    "s3.part": "S3 sink: a multipart part uploaded, the upload not completed",
+    "fsspec.manifest": "fsspec sink: the manifest written, `latest` not yet moved",
+    "hub.commit": "Hub sink: the commit made and verified, the step-N tag not yet created",
+    "publish.done": "daemon: a sink returned a verified publish, before the journal records it",
+    "retention.trashed": "retention: a step renamed into the trash, before the journal retires it",
+    "retention.rmtree": "retention: before a trash entry is removed",
+}
+
+
+def _parse(value: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    name, _, nth = value.strip().partition(":")
+    if name not in POINTS:
+        raise ValueError(f"{ENV}={value!r}: unknown crash point (known: {', '.join(sorted(POINTS))})")
+    n = int(nth) if nth else 1
+    if n < 1:
+        raise ValueError(f"{ENV}={value!r}: N must be 1 or more")
+    return name, n
+
+
+_TARGET = _parse(os.environ.get(ENV))
+_count = 0
+_lock = threading.Lock()
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if `STAGERD_CRASH_AT` names this point and this is its N-th arrival."""
+    if _TARGET is None or _TARGET[0] != name:
+        return
+    global _count
+    with _lock:
+        _count += 1
+        hit = _count == _TARGET[1]
+    if hit:
+        os.write(2, f"stagerd: crash point {name}:{_TARGET[1]} reached ({ENV}); SIGKILL\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
