@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stagerd import layout
-from stagerd.errors import DTypeError, HeaderError, OutputError, PlanError, ShardError
+from stagerd.errors import DTypeError, HeaderError, PlanError, ShardError
 from stagerd.export import export_step
 
 
@@ -163,21 +163,6 @@ def test_non_writable_out(step_dir, tmp_path):
     blocker.write_text("not a directory")
     r = _cli("consolidate", str(step_dir), str(blocker / "out"))
     assert r.returncode != 0 and "OutputError" in r.stderr
-
-
-def test_disk_full_on_export_is_an_output_error(step_dir, tmp_path):
-    """A real ENOSPC: /dev/full fails every write with it."""
-    import os
-
-    from stagerd import consolidate
-
-    headers = consolidate.scan_shards(step_dir / "model")
-    p = consolidate.plan(headers)
-    out = tmp_path / "full"
-    out.mkdir()
-    os.symlink("/dev/full", out / p.files[0].name)
-    with pytest.raises(OutputError):
-        consolidate.execute(p, out)
 
 
 def test_marker_listing_outside_the_step_is_refused(step_dir):

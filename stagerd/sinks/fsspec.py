@@ -275,6 +275,9 @@ class FsspecSink:
                 hint="use s3://BUCKET/PREFIX, file:///PATH, hf://ORG/REPO or an fsspec URL whose "
                 "package is installed (gcsfs for gs://, adlfs for az://)",
             ) from None
+        except OSError as e:  # stores that connect on open (ftp, sftp) and are down: retry later
+            why = e.strerror or "connection failed"
+            raise SinkError(f"cannot reach sink {redact_url(url)}: {type(e).__name__}: {why}") from None
         return cls(url, backend)
 
     # -- Sink protocol -----------------------------------------------------------------------------------
@@ -718,6 +721,13 @@ class S3Backend:
     ) -> S3Backend:
         import s3fs
 
+        parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc or parts.query:
+            # s3fs would take them for part of the bucket or key, and every message would repeat them
+            raise ConfigError(
+                f"{redact_url(url)}: an S3 sink URL carries no credentials or query",
+                hint="give S3 credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a role",
+            )
         opts = dict(opts)
         config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
         # our own instance: settings here must not leak into other users of s3fs's instance cache
