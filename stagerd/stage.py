@@ -81,7 +81,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +98,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
 from stagerd import layout
 from stagerd.dtypes import parse_export_dtype, safetensors_name
@@ -359,6 +360,10 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
         if not isinstance(k, str):
             raise SaveInputError(f"state dict key {name!r} is not a string")
         if isinstance(v, torch.Tensor):
+            if v.is_meta:
+                raise SaveInputError(
+                    f"model state dict entry {name!r} is a meta tensor (never materialized): it has no data"
+                )
             n += 1
         elif isinstance(v, Mapping):
             n += _check_tensors(v, f"{name}.")
@@ -368,6 +373,75 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
                 "put non-tensor state in optimizer_state or extras"
             )
     return n
+
+
+def _locals(obj: Any, wrappers: list[DTensor | None]) -> Any:
+    """The state dict with every DTensor replaced by its local tensor; `wrappers` gets, per tensor leaf
+    in traversal order, its DTensor or None (containers are rebuilt, so later edits cannot disturb it).
+
+    torch's StateDictStager mistakes a DTensor whose local tensor starts at a non-zero storage offset for
+    a tensor with storage of its own (the wrapper reports a non-zero data_ptr) and fails in copy_(); it
+    also deep-copies each DTensor's DeviceMesh on every save. Plain local tensors avoid both: views of
+    one storage share one staging buffer, a tensor under two keys is staged once.
+    """
+    if isinstance(obj, torch.Tensor):
+        if isinstance(obj, DTensor):
+            wrappers.append(obj)
+            return obj._local_tensor  # to_local() would add an autograd node per tensor inside the stall
+        wrappers.append(None)
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: _locals(v, wrappers) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        out = [_locals(v, wrappers) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _rewrap(staged: Any, wrappers: Iterator[DTensor | None], memo: dict[tuple[int, int], Any]) -> Any:
+    """Put the DTensors back around their staged local tensors (the inverse of `_locals`).
+
+    A non-contiguous staged tensor (a transposed view, say) is made contiguous here, on the committer
+    thread, because safetensors stores row-major bytes only; that copy is the one allocation per save
+    such a tensor costs, and it stays off the training stall.
+    """
+    if isinstance(staged, torch.Tensor):
+        orig = next(wrappers)
+        key = (id(orig), id(staged))
+        if key not in memo:  # a tensor under two keys stays one object
+            local = staged if staged.is_contiguous() else staged.contiguous()
+            memo[key] = (
+                local
+                if orig is None
+                else DTensor.from_local(
+                    local,
+                    orig.device_mesh,
+                    orig.placements,
+                    run_check=False,
+                    shape=orig.shape,
+                    stride=orig.stride(),
+                )
+            )
+        return memo[key]
+    if isinstance(staged, dict):
+        return {k: _rewrap(v, wrappers, memo) for k, v in staged.items()}
+    if isinstance(staged, list | tuple):
+        out = [_rewrap(v, wrappers, memo) for v in staged]
+        return out if isinstance(staged, list) else tuple(out)
+    return staged
+
+
+@dataclass
+class _Staging:
+    """One state dict's host copy in flight: the DefaultStager's future and how to re-wrap its result."""
+
+    future: Future
+    wrappers: list[DTensor | None]
+
+    def result(self) -> Any:
+        staged = self.future.result()
+        with torch.no_grad():
+            return _rewrap(staged, iter(self.wrappers), {})
 
 
 def _snapshot_extras(extras: Mapping[str, Any] | None) -> tuple[_Extra, ...]:
@@ -464,6 +538,29 @@ def _disk_full(exc: BaseException) -> bool:
 
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What went wrong on one rank, as it travels to the others in an agreement (one line)."""
+
+    text: str
+    disk_full: bool = False
+
+    @classmethod
+    def of(cls, doing: str, exc: BaseException) -> _Failure:
+        return cls(f"{doing} failed: {_describe(exc)}", _disk_full(exc))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _settle(staging: list[_Staging]) -> None:
+    """Wait for host copies that still read the caller's tensors, whatever their outcome."""
+    for st in staging:
+        with contextlib.suppress(Exception):
+            st.future.result()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -591,16 +688,16 @@ class Stager:
             raise SaveError("the Stager is closed")
         self._wait_previous(step)
         error: StagerdError | None = None
-        spec = model_sd = optim_sd = None
-        staging: list[Future] = []
+        spec = optim_sd = None
+        staging: list[_Staging] = []
         try:
             model_sd, optim_sd = self._resolve(state_dict, step, optimizer_state)
             # Start the host copy first: the checks and the agreement below then overlap it. Nothing is
             # written to disk before the agreement; a refused save only filled our own staging buffers.
             self._order_after_compute()
-            staging.append(self._model_stager.stage(model_sd))
+            staging.append(self._stage(self._model_stager, model_sd))
             if optim_sd is not None:
-                staging.append(self._optim_stager.stage(optim_sd))
+                staging.append(self._stage(self._optim_stager, optim_sd))
             spec = self._describe(step, extras, reference_index, dtype, metadata)
             if self._is_leader and layout.is_committed(spec.step_dir):
                 raise StepExistsError(
@@ -612,11 +709,13 @@ class Stager:
             error = SaveInputError(f"cannot save step {step!r}: {type(e).__name__}: {e}")
         # Agree before anything is written: a refusal on one rank is a refusal on all. One small all_reduce
         # on the common path (this is inside the training stall); the details only when something is off.
-        refused, with_optim = self._comm.sum([error is not None, optim_sd is not None])
+        try:
+            refused, with_optim = self._comm.sum([error is not None, optim_sd is not None])
+        except Exception as e:  # a rank died or the group timed out
+            _settle(staging)
+            raise SaveError(f"step {step}: lost contact with the other ranks: {type(e).__name__}: {e}") from e
         if refused or 0 < with_optim < self.world_size:
-            for f in staging:  # the copy still reads the caller's tensors: let it finish first
-                with contextlib.suppress(Exception):
-                    f.result()
+            _settle(staging)
             statuses = self._comm.all_gather(
                 (None if error is None else (error.name, str(error)), optim_sd is not None)
             )
@@ -628,10 +727,15 @@ class Stager:
                     raise cls(f"rank {rank} refused the save of step {step}: {status[0]}: {status[1]}")
             ranks = [r for r, (_, has_optim) in enumerate(statuses) if has_optim]
             raise SaveInputError(f"step {step}: only ranks {ranks} passed optimizer_state; pass it on all")
+        # From here on a failure on one rank must not leave the others waiting in a collective it never
+        # enters: it is carried into the committer's agreements, which every rank reaches.
+        early: _Failure | None = None
         if self._is_leader:
-            # Before any rank writes: writes follow DCP's planning collective, which waits for this rank.
-            self._clear_stale(spec.step_dir)
-        return self._launch(spec, model_sd, staging)
+            try:  # before any rank writes: the writes wait for the committer's staging agreement
+                self._clear_stale(spec.step_dir)
+            except Exception as e:
+                early = _Failure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
+        return self._launch(spec, staging, early)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the latest save's host copy is complete (call before the next optimizer step)."""
@@ -738,24 +842,32 @@ class Stager:
             for p in stale:
                 shutil.rmtree(p)
 
-    def _launch(self, spec: _SaveSpec, model_sd: dict[str, Any], staging: list[Future]) -> SaveHandle:
-        try:
-            resp = dcp.async_save(
-                model_sd,
-                storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
-                async_stager=_AlreadyStaged(staging[0]),  # our DefaultStager's copy, already running
-                process_group=self._group,
-                async_checkpointer_type=self.checkpointer,
-                no_dist=not self._distributed,
-            )
-        except (Exception, CheckpointException) as e:
-            msg = f"step {spec.step}: could not start the save: {_describe(e)}"
-            raise SaveError(msg, path=spec.step_dir) from e
-        if not isinstance(resp, AsyncSaveResponse):
-            raise AssertionError("DefaultStager with async staging must yield an AsyncSaveResponse")
-        optim_future = staging[1] if len(staging) > 1 else None
-        committed = self._committer.submit(self._commit, spec, resp.upload_completion, optim_future)
-        handle = SaveHandle(spec.step, spec.step_dir, tuple(staging), committed)
+    def _stage(self, stager: DefaultStager, sd: dict[str, Any]) -> _Staging:
+        wrappers: list[DTensor | None] = []
+        plain = _locals(sd, wrappers)
+        return _Staging(stager.stage(plain), wrappers)
+
+    def _launch(self, spec: _SaveSpec, staging: list[_Staging], early: _Failure | None) -> SaveHandle:
+        # DCP's upload starts on `gate`, which the committer resolves only once every rank has staged.
+        gate: Future = Future()
+        upload: Future | None = None
+        if early is None:
+            try:
+                resp = dcp.async_save(
+                    {},  # ignored: the stager below hands over the staged state dict
+                    storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
+                    async_stager=_AlreadyStaged(gate),
+                    process_group=self._group,
+                    async_checkpointer_type=self.checkpointer,
+                    no_dist=not self._distributed,
+                )
+                if not isinstance(resp, AsyncSaveResponse):
+                    raise TypeError(f"dcp.async_save returned {type(resp).__name__}, not AsyncSaveResponse")
+                upload = resp.upload_completion
+            except (Exception, CheckpointException) as e:
+                early = _Failure.of("starting the save", e)
+        committed = self._committer.submit(self._commit, spec, staging, gate, upload, early)
+        handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging), committed)
         with self._lock:
             self._inflight = handle
             self._unreported.append(handle)
@@ -773,47 +885,103 @@ class Stager:
             else:  # torch changed its internals: fall back to a full wait, correct but slower
                 current.synchronize()
 
-    def _commit(self, spec: _SaveSpec, upload: Future, optim_future: Future | None) -> layout.CommitMarker:
-        """Committer thread: wait for every part, agree with the other ranks, then write the marker."""
+    def _agree(self, spec: _SaveSpec, what: str, local: _Failure | None, payload: Any = None) -> list[Any]:
+        """Every rank says how `what` went on it; if it failed on any rank, raise SaveError on every rank.
+
+        Returns every rank's payload. A broken group (a rank died, the group's timeout ran out) fails the
+        save on the ranks that see it rather than leaving them waiting.
+        """
+        try:
+            statuses = self._comm.all_gather((local, payload))
+        except Exception as e:
+            raise SaveError(
+                f"step {spec.step} was not committed: lost contact with the other ranks while {what}: "
+                f"{type(e).__name__}: {e}",
+                path=spec.step_dir,
+            ) from e
+        by_text: dict[str, list[int]] = {}
+        for rank, (f, _) in enumerate(statuses):
+            if f is not None:
+                by_text.setdefault(f.text, []).append(rank)
+        if by_text:
+            # DCP reports one rank's write failure on every rank: say each distinct failure once
+            msg = "; ".join(f"{text} (reported by {_ranks(ranks)})" for text, ranks in by_text.items())
+            error = SaveError(f"step {spec.step} was not committed: {msg}", path=spec.step_dir)
+            if any(f is not None and f.disk_full for f, _ in statuses):
+                error.hint = "the staging disk is full: free space on the staging root and save again"
+            raise error
+        return [p for _, p in statuses]
+
+    def _commit(
+        self,
+        spec: _SaveSpec,
+        staging: list[_Staging],
+        gate: Future,
+        upload: Future | None,
+        early: _Failure | None,
+    ) -> layout.CommitMarker:
+        """Committer thread: agree that every rank staged, let DCP write, agree that all of it was written,
+        then write the marker.
+
+        Every rank reaches every agreement whatever failed, and goes past one only if no rank failed
+        before it. A rank that failed before its write therefore never enters DCP's collectives, and
+        neither does any other; a failure during DCP's write is reported by DCP on every rank alike.
+        """
+
+        def failed(doing: str, e: BaseException) -> _Failure:
+            f = _Failure.of(doing, e)
+            log.error("step %d: save failed on rank %d: %s", spec.step, self.rank, f.text)
+            return f
+
+        local = early
+        if early is not None:
+            log.error("step %d: save failed on rank %d: %s", spec.step, self.rank, early.text)
+        staged: list[Any] = []
+        if local is None:
+            try:
+                staged = [st.result() for st in staging]
+            except (Exception, CheckpointException) as e:
+                local = failed("staging the state dict", e)
+        try:
+            self._agree(spec, "staging", local)
+        except SaveError as e:
+            gate.set_exception(e)  # DCP's upload, where it started, returns without writing anything
+            raise
+        gate.set_result(staged[0])
+        assert upload is not None  # no rank failed to start, this one included
+
         files: dict[str, tuple[int, int]] = {}
         extras: dict[str, tuple[int, int]] = {}
         tensors: dict[str, layout.TensorInfo] = {}
-        local_error: tuple[str, bool] | None = None
         try:
             meta = upload.result()
             tensors = _tensor_infos(meta)
             files.update({p: (s, r) for p, s, r in meta.storage_data.files})
-            if optim_future is not None:
-                staged = optim_future.result()
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            local = failed("writing model/", e)
+        if len(staged) > 1:  # optimizer state (on every rank or none): once every model shard is written
+            self._agree(spec, "writing model/", local)
+            try:
                 upload_optim = dcp.async_save(
-                    staged,
+                    staged[1],
                     storage_writer=_OptimWriter(str(spec.step_dir / layout.OPTIM_DIR)),
-                    async_stager=_AlreadyStaged(staged),
+                    async_stager=_AlreadyStaged(staged[1]),
                     process_group=self._group,
                     async_checkpointer_type=self.checkpointer,
                     no_dist=not self._distributed,
                 )
                 files.update({p: (s, r) for p, s, r in upload_optim.result().storage_data.files})
-            if self.rank == 0:
+            except (Exception, CheckpointException) as e:
+                local = failed("writing optim/", e)
+        if local is None and self.rank == 0:
+            try:
                 extras = _write_extras(spec.step_dir, spec.extras)
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            local_error = (_describe(e), _disk_full(e))
-            log.error("step %d: save failed on rank %d: %s", spec.step, self.rank, local_error[0])
-        # Every rank gets here whatever happened above (DCP raises a write failure on all ranks alike).
+            except Exception as e:
+                local = failed("writing extras/", e)
         # Rank 0 also hands over its descriptive arguments, which go into every node's marker.
         described = (spec.reference_index, spec.dtype, spec.metadata) if self.rank == 0 else None
-        statuses = self._comm.all_gather((local_error, extras, time.time(), described))
-        failed = [(r, err) for r, (err, *_) in enumerate(statuses) if err is not None]
-        if failed:
-            seen: dict[str, list[int]] = {}
-            for r, (text, _) in failed:  # DCP reports one rank's failure on every rank: say it once
-                seen.setdefault(text, []).append(r)
-            msg = "; ".join(f"{text} (seen on ranks {ranks})" for text, ranks in seen.items())
-            error = SaveError(f"step {spec.step} was not committed: {msg}", path=spec.step_dir)
-            if any(full for _, (_, full) in failed):
-                error.hint = "the staging disk is full: free space on the staging root and save again"
-            raise error
-        _, extras, created, (reference_index, dtype, metadata) = statuses[0]
+        payloads = self._agree(spec, "writing", local, (extras, time.time(), described))
+        extras, created, (reference_index, dtype, metadata) = payloads[0]
         files.update(extras)  # written by rank 0
         mine = {p: s for p, (s, r) in files.items() if self.topology.node(r) == self._node}
         marker = layout.CommitMarker(
@@ -828,11 +996,16 @@ class Stager:
             staging_node=self._node,
             staging_nodes=self.topology.num_nodes,
         )
+        local = None
         if self._is_leader:
-            # The writers fsynced their files and model/ optim/ extras/; the step dir's own entries and
-            # its entry in the root are made durable here, off the training's critical path.
-            layout.fsync_dir(spec.step_dir)
-            layout.fsync_dir(spec.step_dir.parent)
-            layout.write_marker(spec.step_dir, marker)
-            log.info("committed step %d: %d files, %d bytes", spec.step, len(mine), sum(mine.values()))
+            try:
+                # The writers fsynced their files and model/ optim/ extras/; the step dir's own entries and
+                # its entry in the root are made durable here, off the training's critical path.
+                layout.fsync_dir(spec.step_dir)
+                layout.fsync_dir(spec.step_dir.parent)
+                layout.write_marker(spec.step_dir, marker)
+                log.info("committed step %d: %d files, %d bytes", spec.step, len(mine), sum(mine.values()))
+            except Exception as e:  # e.g. the disk filled up after the shards: no marker, say so everywhere
+                local = failed("writing the commit marker", e)
+        self._agree(spec, "committing", local)
         return marker

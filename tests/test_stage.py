@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -207,6 +208,30 @@ def _spawn(fn, *args) -> None:
     os.unlink(init_file)
     try:
         mp.start_processes(fn, args=(WORLD, init_file, *args), nprocs=WORLD, start_method="spawn")
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def _spawn_bounded(fn, *args, deadline_s: float = 90.0) -> None:
+    """Like `_spawn`, but a run still going at the deadline is killed and fails the test (a hang)."""
+    import torch.multiprocessing as mp
+
+    fd, init_file = tempfile.mkstemp(prefix="stagerd-test-gloo-")
+    os.close(fd)
+    os.unlink(init_file)
+    ctx = mp.start_processes(
+        fn, args=(WORLD, init_file, *args), nprocs=WORLD, start_method="spawn", join=False
+    )
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+            if time.monotonic() >= end:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"ranks {alive} still running after {deadline_s:.0f} s: a hang")
     finally:
         if os.path.exists(init_file):
             os.unlink(init_file)
@@ -483,3 +508,315 @@ def test_example_trains_and_commits(tmp_path):
         for name in names:
             with safe_open(result.export_dir / index["weight_map"][name], "pt") as g:
                 assert torch.equal(g.get_tensor(name), f.get_tensor(name)), name
+
+
+# ---- views, tied weights, non-contiguous and 0-dim local tensors (issue 3 follow-up, bug 1) -------------
+
+H = 8  # hidden size of the view test's tensors; divisible by WORLD
+
+
+def _view_fulls() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(2 * H, H, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(H, 2 * H, generator=g),
+        "model.embed_tokens.weight": torch.randn(4 * H, H, generator=g),
+        "model.norm.weight": torch.randn(H, generator=g),
+    }
+
+
+def _view_state(world: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[torch.Tensor]]:
+    """A state dict whose local shards are views, as real training produces them.
+
+    - q/k/v: one fused local QKV block per rank, split into three views (offsets 0, n, 2n);
+    - up_proj, embed_tokens: FSDP2-style, views into one flat per-rank buffer;
+    - down_proj: a non-contiguous local (the transpose of a contiguous buffer);
+    - lm_head is tied: the very same DTensor as embed_tokens, under a second key;
+    - 0-dim tensors: a replicated DTensor scalar and two plain scalars; two plain views of one buffer.
+    Returns (model state dict, optimizer state, the base buffers that an in-place "step" mutates).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = _view_fulls()
+
+    def chunk(name: str, dim: int = 0) -> torch.Tensor:
+        return torch.chunk(fulls[name], world, dim=dim)[rank]
+
+    def dt(local: torch.Tensor, name: str, placements=None) -> torch.Tensor:
+        full = fulls[name]
+        return DTensor.from_local(
+            local, mesh, placements or [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+
+    qkv = torch.cat([chunk(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv"])
+    n = H // world
+    flat = torch.empty(
+        chunk("model.layers.0.mlp.up_proj.weight").numel() + chunk("model.embed_tokens.weight").numel()
+    )
+    up = flat[: 2 * H // world * H].view(2 * H // world, H)
+    emb = flat[2 * H // world * H :].view(4 * H // world, H)
+    up.copy_(chunk("model.layers.0.mlp.up_proj.weight"))
+    emb.copy_(chunk("model.embed_tokens.weight"))
+    down_base = chunk("model.layers.0.mlp.down_proj.weight").t().contiguous()  # (2H, H/world)
+    down = down_base.t()
+    assert not down.is_contiguous()
+    pair = torch.arange(10, dtype=torch.float32)
+    tied = dt(emb, "model.embed_tokens.weight")
+    sd: dict[str, torch.Tensor] = {
+        "model.layers.0.self_attn.q_proj.weight": dt(qkv[:n], "model.layers.0.self_attn.q_proj.weight"),
+        "model.layers.0.self_attn.k_proj.weight": dt(
+            qkv[n : 2 * n], "model.layers.0.self_attn.k_proj.weight"
+        ),
+        "model.layers.0.self_attn.v_proj.weight": dt(qkv[2 * n :], "model.layers.0.self_attn.v_proj.weight"),
+        "model.layers.0.mlp.up_proj.weight": dt(up, "model.layers.0.mlp.up_proj.weight"),
+        "model.layers.0.mlp.down_proj.weight": dt(down, "model.layers.0.mlp.down_proj.weight"),
+        "model.embed_tokens.weight": tied,
+        "lm_head.weight": tied,
+        "model.norm.weight": dt(fulls["model.norm.weight"].clone(), "model.norm.weight", [Replicate()]),
+        "model.scale": DTensor.from_local(torch.tensor(0.5), mesh, [Replicate()], run_check=False),
+        "model.step_count": torch.tensor(3, dtype=torch.int64),
+        "model.layers.0.a.bias": pair[:5],
+        "model.layers.0.b.bias": pair[5:],
+    }
+    moments = torch.zeros(flat.numel())
+    optim = {
+        "state": {
+            "up": {"exp_avg": dt(moments[: up.numel()].view_as(up), "model.layers.0.mlp.up_proj.weight")},
+            "emb": {"exp_avg": dt(moments[up.numel() :].view_as(emb), "model.embed_tokens.weight")},
+            "step": torch.tensor(1.0),
+        },
+        "param_groups": [{"lr": 0.1, "params": ["up", "emb"]}],
+    }
+    return sd, optim, [qkv, flat, down_base, pair, moments, sd["model.scale"].to_local()]
+
+
+def _distinct_storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _views_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from stagerd import Stager
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out_p, rec = Path(out), {"buffers": []}
+    try:
+        sd, optim, bases = _view_state(world, rank)
+        with Stager(root, checkpointer="thread") as stager:
+            for step in (1, 2):
+                full = {
+                    k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                    for k, v in sd.items()
+                }
+                if rank == 0:
+                    save_file(full, str(out_p / f"expected-{step}.safetensors"))
+                handle = stager.save(sd, step, optimizer_state=optim)
+                stager.wait_staged()
+                rec["buffers"].append(sorted(stager.staging_buffers().items()))
+                with torch.no_grad():
+                    for b in bases:  # an in-place "optimizer step" through the base buffers
+                        b.mul_(2).add_(step)
+                rec[f"marker{step}"] = handle.result().to_json()
+        optim_tensors = [
+            optim["state"]["up"]["exp_avg"],
+            optim["state"]["emb"]["exp_avg"],
+            optim["state"]["step"],
+        ]
+        rec["storage_bytes"] = _distinct_storage_bytes(list(sd.values()) + optim_tensors)
+        _record(out_p, rank, rec)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
+    from stagerd.export import export_step
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    _spawn_bounded(_views_run, str(root), str(out))
+    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for step in (1, 2):
+        step_dir = root / layout.step_dir_name(step)
+        marker = layout.read_marker(step_dir)
+        layout.check_staged_files(step_dir, marker)
+        assert {"lm_head.weight", "model.embed_tokens.weight", "model.scale"} <= set(marker.tensors)
+        assert marker.tensors["model.scale"] == layout.TensorInfo("F32", ())
+        result = export_step(step_dir, dtype="keep")
+        index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+        with safe_open(out / f"expected-{step}.safetensors", "pt") as f:
+            want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        assert set(index["weight_map"]) == set(want)
+        for name, ref in want.items():
+            with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
+                got = f.get_tensor(name)
+            assert got.dtype == ref.dtype and got.shape == ref.shape, name
+            same = torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
+            assert same, f"step {step}: {name} differs"
+    with (
+        safe_open(out / "expected-1.safetensors", "pt") as f1,
+        safe_open(out / "expected-2.safetensors", "pt") as f2,
+    ):
+        assert not torch.equal(
+            f1.get_tensor("model.layers.0.self_attn.k_proj.weight"),
+            f2.get_tensor("model.layers.0.self_attn.k_proj.weight"),
+        )
+    for rec in recs:
+        first, second = rec["buffers"]
+        assert first == second, "the second save allocated new staging buffers"
+        # one host buffer per source storage: views of one storage share it, nothing else is copied
+        assert sum(n for _, n in first) == rec["storage_bytes"]
+
+
+# ---- one rank's save fails, before, during or after its write: no rank hangs (issue 3 follow-up, bug 2) ----
+
+BIG_NUMEL = 24 << 20  # 96 MiB of fp32: more than the address space a failing rank has left while staging
+
+
+def _limit_address_space(margin: int) -> None:
+    """Let this process map only `margin` more bytes: the next large host allocation fails (ENOMEM)."""
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + margin, resource.RLIM_INFINITY))
+
+
+def _unlimit() -> None:
+    for res in (resource.RLIMIT_AS, resource.RLIMIT_FSIZE):
+        resource.setrlimit(res, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _attempt(stager, *args, **kwargs) -> dict:
+    """Save, then record what save(), wait_staged(), the handle and wait() each said."""
+    from stagerd.errors import SaveError
+
+    out: dict[str, str | None] = {"save": None, "staged": None, "handle": None, "wait": None}
+    try:
+        handle = stager.save(*args, **kwargs)
+    except SaveError as e:
+        out["save"] = str(e)
+        handle = None
+    if handle is not None:
+        try:
+            handle.wait_staged()
+        except SaveError as e:
+            out["staged"] = str(e)
+        try:
+            handle.result()
+        except SaveError as e:
+            out["handle"] = str(e)
+    try:
+        stager.wait()
+    except SaveError as e:
+        out["wait"] = str(e)
+    return out
+
+
+def _failures_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from stagerd import Stager
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    root_p, rec = Path(root), {}
+    try:
+        sd = _dtensors(world, rank)
+        big = torch.ones(BIG_NUMEL)  # allocated now, while there is room
+        with Stager(root, checkpointer="thread") as stager:
+            # before the write: rank 1 cannot allocate its host staging buffer (model state)
+            if rank == 1:
+                _limit_address_space(32 << 20)
+            rec["stage_r1"] = _attempt(stager, {**sd, "big.rank1": big} if rank == 1 else sd, 11)
+            _unlimit()
+            # before the write: rank 0 cannot allocate its host staging buffer (optimizer state)
+            optim = {f"m{rank}": big if rank == 0 else torch.zeros(4)}  # rank-local keys: no dedup
+            if rank == 0:
+                _limit_address_space(32 << 20)
+            rec["stage_r0_optim"] = _attempt(stager, sd, 12, optimizer_state=optim)
+            _unlimit()
+            # before the write, after the agreement: rank 0 cannot clear a stale step directory
+            if rank == 0:
+                (root_p / "step-00000013").mkdir()
+                (root_p / "step-00000013" / "model").write_text("not a directory")
+            rec["clear_r0"] = _attempt(stager, sd, 13)
+            if rank == 0:
+                (root_p / "step-00000013" / "model").unlink()
+            # during the write: the coordinator's shard hits the file size limit
+            if rank == 0:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+            rec["write_r0"] = _attempt(stager, sd, 14)
+            _unlimit()
+            # after its model write: rank 1's optimizer shard hits the file size limit
+            if rank == 1:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+            optim = {f"m{rank}": torch.ones(1 << 20) if rank == 1 else torch.zeros(4)}
+            rec["optim_write_r1"] = _attempt(stager, sd, 15, optimizer_state=optim)
+            _unlimit()
+            # after every DCP write: rank 0's extras hit the file size limit
+            if rank == 0:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
+            rec["extras_r0"] = _attempt(stager, sd, 16, extras={"blob.bin": bytes(1 << 20)})
+            _unlimit()
+            rec["committed"] = {
+                s: layout.is_committed(root_p / layout.step_dir_name(s)) for s in range(11, 17)
+            }
+            # every rank is still in step: the same steps save and commit now
+            rec["retry"] = [stager.save(sd, s).result().step for s in (11, 13)]
+        _record(Path(out), rank, rec)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fail-root")
+    out = tmp_path_factory.mktemp("fail-out")
+    _spawn_bounded(_failures_run, str(root), str(out))
+    return root, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize(
+    ("case", "failing_rank", "cause"),
+    [
+        ("stage_r1", 1, "can't allocate memory"),
+        ("stage_r0_optim", 0, "can't allocate memory"),
+        ("clear_r0", 0, "NotADirectoryError"),
+        ("write_r0", 0, "File too large"),
+        ("optim_write_r1", 1, "writing optim/ failed: rank 1"),  # torch's zip writer words it its own way
+        ("extras_r0", 0, "File too large"),
+    ],
+)
+def test_one_rank_failing_fails_the_save_on_every_rank(failures, case, failing_rank, cause):
+    _root, recs = failures
+    for rank, rec in enumerate(recs):
+        got = rec[case]
+        assert got["save"] is None, f"rank {rank}: save() itself raised: {got['save']}"
+        assert got["handle"] is not None, f"rank {rank}: the handle of a failed save succeeded"
+        assert "was not committed" in got["handle"] and cause in got["handle"], got["handle"]
+        assert f"rank {failing_rank}" in got["handle"], got["handle"]
+        assert got["wait"] == got["handle"]
+        if case.startswith("stage_") and rank == failing_rank:
+            assert got["staged"] is not None and cause in got["staged"]
+        else:
+            assert got["staged"] is None
+
+
+def test_failed_saves_leave_no_marker_and_the_ranks_stay_in_step(failures):
+    root, recs = failures
+    for rec in recs:
+        assert rec["committed"] == {str(s): False for s in range(11, 17)}
+        assert rec["retry"] == [11, 13]
+    for s in (11, 13):
+        layout.check_staged_files(
+            root / layout.step_dir_name(s), layout.read_marker(root / layout.step_dir_name(s))
+        )
