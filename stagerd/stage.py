@@ -849,23 +849,24 @@ class Stager:
 
     def _launch(self, spec: _SaveSpec, staging: list[_Staging], early: _Failure | None) -> SaveHandle:
         # DCP's upload starts on `gate`, which the committer resolves only once every rank has staged.
+        # async_save is called even after an early failure: with the process checkpointer its first call
+        # runs a collective (the checkpoint daemons' rendezvous) that every rank must enter.
         gate: Future = Future()
         upload: Future | None = None
-        if early is None:
-            try:
-                resp = dcp.async_save(
-                    {},  # ignored: the stager below hands over the staged state dict
-                    storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
-                    async_stager=_AlreadyStaged(gate),
-                    process_group=self._group,
-                    async_checkpointer_type=self.checkpointer,
-                    no_dist=not self._distributed,
-                )
-                if not isinstance(resp, AsyncSaveResponse):
-                    raise TypeError(f"dcp.async_save returned {type(resp).__name__}, not AsyncSaveResponse")
-                upload = resp.upload_completion
-            except (Exception, CheckpointException) as e:
-                early = _Failure.of("starting the save", e)
+        try:
+            resp = dcp.async_save(
+                {},  # ignored: the stager below hands over the staged state dict
+                storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
+                async_stager=_AlreadyStaged(gate),
+                process_group=self._group,
+                async_checkpointer_type=self.checkpointer,
+                no_dist=not self._distributed,
+            )
+            if not isinstance(resp, AsyncSaveResponse):
+                raise TypeError(f"dcp.async_save returned {type(resp).__name__}, not AsyncSaveResponse")
+            upload = resp.upload_completion
+        except (Exception, CheckpointException) as e:
+            early = early or _Failure.of("starting the save", e)
         committed = self._committer.submit(self._commit, spec, staging, gate, upload, early)
         handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging), committed)
         with self._lock:

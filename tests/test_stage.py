@@ -375,6 +375,13 @@ def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
         group = dist.new_group([0, 1])  # an explicit group: the Stager builds its gloo group from it
         with Stager(root, checkpointer="process", process_group=group) as stager:
             assert not stager.topology.shared and stager.topology.num_nodes == 2
+            # The first save fails before the write on node 1 (its leader cannot clear a stale step dir),
+            # after the checkpoint daemons' rendezvous that this first save runs on every rank.
+            if rank == 1:
+                (root / "step-00000002").mkdir()
+                (root / "step-00000002" / "model").write_text("not a directory")
+            failed = _attempt(stager, sd, 2)
+            (Path(base) / f"failed{rank}.json").write_text(json.dumps(failed))
             full = _full(sd)
             if rank == 0:
                 save_file(full, str(Path(base) / "expected.safetensors"))
@@ -387,7 +394,13 @@ def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
 
 
 def test_process_checkpointer_with_node_local_roots(tmp_path):
-    _spawn(_node_local_run, str(tmp_path))
+    _spawn_bounded(_node_local_run, str(tmp_path))
+    for r in range(WORLD):
+        failed = json.loads((tmp_path / f"failed{r}.json").read_text())
+        assert failed["save"] is None and failed["wait"] == failed["handle"]
+        assert "step 2 was not committed" in failed["handle"], failed["handle"]
+        assert "NotADirectoryError" in failed["handle"] and "(reported by rank 1)" in failed["handle"]
+        assert not layout.is_committed(tmp_path / f"node{r}" / "step-00000002")
     markers = [layout.read_marker(tmp_path / f"node{r}" / "step-00000003") for r in range(WORLD)]
     for r, m in enumerate(markers):
         step_dir = tmp_path / f"node{r}" / "step-00000003"
