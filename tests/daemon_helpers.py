@@ -212,7 +212,7 @@ def _train_rank(rank: int, world: int, init_file: str, root: str, steps: list[in
                 mesh = mesh2 if code == "B01" else mesh1
                 local, placements = _local_block(full, code, mesh)
                 sd[name] = DTensor.from_local(
-                    local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+                    local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
                 )
             stager.save(sd, step, extras={"config.json": {"model_type": "tiny", "step": step}})
             stager.wait()
