@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,13 +122,19 @@ def main() -> None:
     ap.add_argument("--skip-cast", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the generated shards")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds per tool (median reported)")
+    ap.add_argument("--shards", type=Path, help="reuse shards made by an earlier --keep run")
     args = ap.parse_args()
 
     work = args.work / f"consolidate-{args.size_gb}g"
-    shutil.rmtree(work, ignore_errors=True)
-    src = work / "shards"
     t0 = time.perf_counter()
-    mapping = generate(src, args.size_gb, args.ranks, args.files)
+    if args.shards:  # shards and mapping.json from an earlier --keep run
+        work, src, args.keep = args.shards.parent, args.shards, True
+        mapping = json.loads((work / "mapping.json").read_text())
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        src = work / "shards"
+        mapping = generate(src, args.size_gb, args.ranks, args.files)
     size = du(src)
     n_shards = len(list(src.iterdir()))
     print(f"generated {size / 1e9:.2f} GB in {n_shards} shards in {time.perf_counter() - t0:.1f} s")
@@ -166,34 +173,48 @@ def main() -> None:
         runs["torch consolidate + cast pass"] = None  # two steps, timed together below
     clean()
     subprocess.run(runs["cp -r"], check=True)  # warm the page cache with the source
-    results: dict[str, tuple[float, float]] = {}
-    for name, cmd in runs.items():
-        clean()
-        if cmd is not None:
-            results[name] = timed(cmd)
-        else:
-            w1, r1 = timed(runs["torch consolidate_safetensors_files"])
-            w2, r2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
-            results[name] = (w1 + w2, max(r1, r2))
-        wall, rss = results[name]
-        print(f"{name:40s} {wall:7.2f} s  {size / 1e9 / wall:5.2f} GB/s  {rss:7.0f} MiB", flush=True)
+    # Rounds interleave the tools so each sees the same conditions; the median is the reported figure.
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    rss: dict[str, float] = dict.fromkeys(runs, 0.0)
+    for rnd in range(args.repeat):
+        for name, cmd in runs.items():
+            if rnd and name.startswith("torch consolidate +"):
+                continue  # slow and far from the others; one round is enough to rank it
+            clean()
+            if cmd is not None:
+                wall, peak = timed(cmd)
+            else:
+                w1, r1 = timed(runs["torch consolidate_safetensors_files"])
+                w2, r2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
+                wall, peak = w1 + w2, max(r1, r2)
+            walls[name].append(wall)
+            rss[name] = max(rss[name], peak)
+            print(
+                f"round {rnd + 1} {name:40s} {wall:7.2f} s  {size / 1e9 / wall:5.2f} GB/s  {peak:7.0f} MiB",
+                flush=True,
+            )
     clean()
-    cp = results["cp -r"][0]
-    torch_t = results["torch consolidate_safetensors_files"][0]
+    med = {name: statistics.median(w) for name, w in walls.items()}
+    cp, torch_t = med["cp -r"], med["torch consolidate_safetensors_files"]
     print()
     print(
         f"checkpoint: {size / 1e9:.2f} GB fp32, {args.ranks} ranks, {len(list(src.iterdir()))} shards, "
-        f"{args.files} output files, {args.threads} threads, {os.cpu_count()} cores"
+        f"{args.files} output files, {args.threads} threads, {os.cpu_count()} cores, "
+        f"median of {args.repeat} interleaved rounds"
     )
     print()
-    print("| tool | wall s | GB/s | peak RSS MiB | vs cp -r | torch / this |")
-    print("|---|---|---|---|---|---|")
-    for name, (wall, rss) in results.items():
-        rate = size / 1e9 / wall
-        print(f"| {name} | {wall:.2f} | {rate:.2f} | {rss:.0f} | {wall / cp:.2f}x | {torch_t / wall:.2f}x |")
-    if "torch consolidate + cast pass" in results:
-        ratio = results["torch consolidate + cast pass"][0] / results["stagerd consolidate --dtype bf16"][0]
+    print("| tool | median s | min s | GB/s | peak RSS MiB | vs cp -r | vs cp -r && sync | torch / this |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, w in walls.items():
+        m = med[name]
+        print(
+            f"| {name} | {m:.2f} | {min(w):.2f} | {size / 1e9 / m:.2f} | {rss[name]:.0f} | {m / cp:.2f}x "
+            f"| {m / med['cp -r && sync']:.2f}x | {torch_t / m:.2f}x |"
+        )
+    if "torch consolidate + cast pass" in med:
+        ratio = med["torch consolidate + cast pass"] / med["stagerd consolidate --dtype bf16"]
         print(f"\nfp32->bf16: stagerd is {ratio:.2f}x faster than torch consolidation + a cast pass")
+    results = {name: {"walls": walls[name], "median": med[name], "peak_rss_mib": rss[name]} for name in runs}
     if args.json:
         args.json.write_text(json.dumps({"size": size, "results": results}, indent=1))
     if not args.keep:
