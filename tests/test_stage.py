@@ -6,6 +6,7 @@ record and the step directories. A second run covers the process checkpointer wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -734,10 +735,21 @@ def _attempt(stager, *args, **kwargs) -> dict:
     return out
 
 
+def _attempt_result(handle) -> str | None:
+    from stagerd.errors import SaveError
+
+    try:
+        handle.result()
+    except SaveError as e:
+        return str(e)
+    return None
+
+
 def _failures_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
     from stagerd import Stager
+    from stagerd.errors import SaveError
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -780,11 +792,27 @@ def _failures_run(rank: int, world: int, init_file: str, root: str, out: str) ->
                 resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY))
             rec["extras_r0"] = _attempt(stager, sd, 16, extras={"blob.bin": bytes(1 << 20)})
             _unlimit()
+            # after everything was written: rank 0 cannot put the marker in place (a directory has its name)
+            if rank == 0:
+                (root_p / "step-00000018" / layout.MARKER_NAME).mkdir(parents=True)
+                (root_p / "step-00000018" / layout.MARKER_NAME / "x").write_text("")
+            rec["marker_r0"] = _attempt(stager, sd, 18)
             rec["committed"] = {
-                s: layout.is_committed(root_p / layout.step_dir_name(s)) for s in range(11, 17)
+                s: layout.is_committed(root_p / layout.step_dir_name(s)) for s in range(11, 19)
             }
             # every rank is still in step: the same steps save and commit now
             rec["retry"] = [stager.save(sd, s).result().step for s in (11, 13)]
+            # a rank that dies while its write is in flight: the survivor's save fails, it does not hang
+            handle = stager.save({**sd, "slow.rank1": _slow_tensor()} if rank == 1 else sd, 17)
+            if rank == 1:
+                _record(Path(out), rank, rec)
+                os._exit(0)
+            t0 = time.monotonic()
+            rec["peer_died"] = _attempt_result(handle)
+            rec["peer_died_s"] = time.monotonic() - t0
+            rec["peer_died_committed"] = layout.is_committed(root_p / layout.step_dir_name(17))
+            with contextlib.suppress(SaveError):
+                stager.wait()
         _record(Path(out), rank, rec)
     finally:
         dist.destroy_process_group()
@@ -807,6 +835,7 @@ def failures(tmp_path_factory):
         ("write_r0", 0, "File too large"),
         ("optim_write_r1", 1, "writing optim/ failed: rank 1"),  # torch's zip writer words it its own way
         ("extras_r0", 0, "File too large"),
+        ("marker_r0", 0, "writing the commit marker failed: IsADirectoryError"),
     ],
 )
 def test_one_rank_failing_fails_the_save_on_every_rank(failures, case, failing_rank, cause):
@@ -824,10 +853,19 @@ def test_one_rank_failing_fails_the_save_on_every_rank(failures, case, failing_r
             assert got["staged"] is None
 
 
+def test_a_dead_rank_fails_the_save_on_the_survivor(failures):
+    _root, recs = failures
+    rec = recs[0]
+    assert rec["peer_died"] is not None, "the survivor's save succeeded without its peer"
+    assert "step 17 was not committed: lost contact with the other ranks" in rec["peer_died"]
+    assert rec["peer_died_s"] < 30  # gloo notices the closed connection; no timeout was waited out
+    assert rec["peer_died_committed"] is False
+
+
 def test_failed_saves_leave_no_marker_and_the_ranks_stay_in_step(failures):
     root, recs = failures
     for rec in recs:
-        assert rec["committed"] == {str(s): False for s in range(11, 17)}
+        assert rec["committed"] == {str(s): False for s in range(11, 19)}
         assert rec["retry"] == [11, 13]
     for s in (11, 13):
         layout.check_staged_files(
