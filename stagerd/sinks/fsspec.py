@@ -532,6 +532,7 @@ class LocalBackend:
             if size != f.size:
                 tmp.unlink(missing_ok=True)
                 raise _changed(f, size)
+            crash_point("file.upload")
             os.replace(tmp, dst)
             dirs.add(dst.parent)
             out.append(Uploaded(f.rel, size, h.hexdigest(), None))
