@@ -79,7 +79,8 @@ def main() -> int:
         finally:
             server.stop()
         print(
-            f"{'done':>6} {'t (s)':>7} {'RSS MiB min/median/max':>24} {'fds':>4} {'socks':>5} {'threads':>7}"
+            f"{'done':>6} {'t (s)':>7} {'RSS MiB min/median/max':>24} {'fds min/max':>12} {'socks':>5} "
+            f"{'threads min/max':>16}"
         )
         for tenth in range(10):
             w = r.window(tenth / 10, (tenth + 1) / 10)
@@ -89,8 +90,9 @@ def main() -> int:
             print(
                 f"{w[-1].done:>6} {w[-1].t:>7.1f} "
                 f"{min(rss):>10.1f} {statistics.median(rss):>6.1f} {max(rss):>6.1f} "
-                f"{max(s.fds - s.sockets for s in w):>4} {max(s.sockets for s in w):>5} "
-                f"{max(s.threads for s in w):>7}"
+                f"{min(s.fds - s.sockets for s in w):>8} {max(s.fds - s.sockets for s in w):>3} "
+                f"{max(s.sockets for s in w):>5} "
+                f"{min(s.threads for s in w):>12} {max(s.threads for s in w):>3}"
             )
         figures = {**r.figures(), "exit_code": r.exit_code}
         print(json.dumps(figures, indent=2))
