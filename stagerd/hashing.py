@@ -87,9 +87,11 @@ class FileDigest:
 
 def iter_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> Iterator[memoryview]:
     """Yield the bytes of `path` in order through one reused buffer; a view is valid until the next one."""
-    buf = bytearray(chunk)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        # no 8 MiB buffer for a 2 kB config.json: glibc keeps freed big buffers, so the daemon's RSS would
+        # sit well above its live memory
+        buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
+        view = memoryview(buf)
         while n := f.readinto(buf):
             yield view[:n]
 

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.parse
@@ -42,6 +43,8 @@ LATEST_NAME = "latest"
 RAW_DIR = "raw"
 _SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 _SKIP_DIRS = {layout.EXPORT_DIR, layout.EXPORT_TMP_DIR}
+# `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
+_TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -120,6 +123,10 @@ class Backend(Protocol):
 
     def upload(self, prefix: str, files: list[LocalFile], progress: _Progress) -> list[Uploaded]:
         """Upload `files` under `prefix/`, hashing while streaming."""
+        ...
+
+    def sweep(self, prefix: str) -> None:
+        """Remove what a killed publisher left of `prefix/`: temp files, pending multipart uploads."""
         ...
 
     def close(self) -> None: ...
@@ -343,6 +350,7 @@ class FsspecSink:
         prog = _Progress(total, progress)
 
         existing = self._call(lambda: b.read(manifest_key), manifest_key)
+        self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
         if existing is not None:
             remote_manifest = parse_manifest(existing, self._where(manifest_key))
             digests = [b.digest(f) for f in files]
@@ -482,6 +490,17 @@ class LocalBackend:
     def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
+    def sweep(self, prefix: str) -> None:
+        """Unlink temp files whose writer is dead: under `prefix/`, and next to `latest`."""
+        base = self.root / prefix
+        found = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        for top in {self.root, base.parent}:
+            found += [top / n for n in (os.listdir(top) if top.is_dir() else [])]
+        for p in found:
+            m = _TEMP_NAME.fullmatch(p.name)
+            if m and not _alive(int(m.group(1))):
+                p.unlink(missing_ok=True)
+
     def read(self, key: str) -> bytes | None:
         try:
             return (self.root / key).read_bytes()
@@ -593,6 +612,9 @@ class FsspecBackend:
 
     def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
+
+    def sweep(self, prefix: str) -> None:
+        """Nothing: writes through fsspec leave no temp names of ours."""
 
     def read(self, key: str) -> bytes | None:
         try:
@@ -792,6 +814,27 @@ class S3Backend:
             return dict(await asyncio.gather(*(one(r, sem) for r in rels)))
 
         return self._run(go)
+
+    def sweep(self, prefix: str) -> None:
+        """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
+        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule."""
+
+        async def go() -> None:
+            s3 = await self._client()
+            base = self._key(prefix) + "/"
+            try:
+                pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
+                async for page in pages:
+                    for u in page.get("Uploads", []):
+                        await s3.abort_multipart_upload(
+                            Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                        )
+            except Exception as e:
+                log.warning(
+                    "cannot abort stale multipart uploads under %s: %s", self._where(prefix), s3_error(e, "")
+                )
+
+        self._run(go)
 
     def read(self, key: str) -> bytes | None:
         async def go() -> bytes | None:
@@ -1006,3 +1049,16 @@ def _read_part(fh: Any, part_size: int, hasher: ObjectHasher) -> tuple[bytes, by
     raw = hasher.update(data, part=True)
     assert raw is not None
     return data, raw
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (ours counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
