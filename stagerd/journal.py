@@ -550,10 +550,26 @@ class Journal:
         quarantine: bool,
     ) -> str:
         """lane publishing -> failed (retry at `next_try`) or quarantined; returns the new lane state."""
+        return self._fail_lane(step, sink, (PUBLISHING,), error_class, message, next_try, quarantine)
+
+    def quarantine_lane(self, step: int, sink: str, error_class: str, message: str) -> None:
+        """Lane pending|failed -> quarantined (a publish that keeps killing the daemon)."""
+        self._fail_lane(step, sink, (PENDING, FAILED), error_class, message, None, True)
+
+    def _fail_lane(
+        self,
+        step: int,
+        sink: str,
+        allowed: tuple[str, ...],
+        error_class: str,
+        message: str,
+        next_try: float | None,
+        quarantine: bool,
+    ) -> str:
         now = time.time()
         new = QUARANTINED if quarantine else FAILED
         with self._tx() as c:
-            old = self._lane_state(c, step, sink, (PUBLISHING,))
+            old = self._lane_state(c, step, sink, allowed)
             c.execute(
                 "UPDATE lanes SET state = ?, error_class = ?, error_message = ?, next_try = ?, updated = ? "
                 "WHERE step = ? AND sink = ?",
@@ -561,18 +577,6 @@ class Journal:
             )
             self._event(c, step, sink, old, new, error_class, message, now=now)
         return new
-
-    def quarantine_lane(self, step: int, sink: str, error_class: str, message: str) -> None:
-        """Lane pending|failed -> quarantined (a publish that keeps killing the daemon)."""
-        now = time.time()
-        with self._tx() as c:
-            old = self._lane_state(c, step, sink, (PENDING, FAILED))
-            c.execute(
-                "UPDATE lanes SET state = ?, error_class = ?, error_message = ?, next_try = NULL, "
-                "updated = ? WHERE step = ? AND sink = ?",
-                (QUARANTINED, error_class, message, now, step, sink),
-            )
-            self._event(c, step, sink, old, QUARANTINED, error_class, message, now=now)
 
     def reexport(self, step: int, reason: str) -> None:
         """exported|published -> committed: the export directory vanished before every sink had it."""
