@@ -64,6 +64,11 @@ class Source:
             sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
         )
 
+    def target_dtype(self, override: str | None) -> str | None:
+        """The export dtype: an explicit `override` wins, else the marker's hint, else keep (None)."""
+        hint = override if override is not None else (self.marker.dtype if self.marker else None)
+        return parse_export_dtype(hint)
+
     def reference(self) -> dict[str, str] | None:
         ref = self.marker.reference_index if self.marker is not None else None
         if ref is None:
@@ -166,7 +171,7 @@ def export_step(
         from stagerd.errors import MarkerError
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
-    target = parse_export_dtype(dtype if dtype is not None else source.marker.dtype)
+    target = source.target_dtype(dtype)
     reference = source.reference()
     tmp = step_dir / layout.EXPORT_TMP_DIR
     try:

@@ -65,7 +65,6 @@ def _prepare_out(out: Path) -> Path:
 
 def run_consolidate(args: argparse.Namespace) -> int:
     from stagerd.consolidate import read_reference_index
-    from stagerd.dtypes import parse_export_dtype
     from stagerd.export import build_export, list_files, open_source
     from stagerd.layout import fsync_dir
     from stagerd.progress import progress
@@ -79,9 +78,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
         raise ConfigError(str(e)) from None
     source = open_source(args.src)
-    # An explicit --dtype wins; otherwise a step's marker may carry the trainer's hint.
-    hint = args.dtype if args.dtype is not None else (source.marker.dtype if source.marker else None)
-    dtype = parse_export_dtype(hint)
+    dtype = source.target_dtype(args.dtype)
     reference = read_reference_index(args.reference_index) if args.reference_index else source.reference()
     tmp = _prepare_out(args.out)
     try:
