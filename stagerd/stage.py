@@ -864,31 +864,31 @@ class Stager:
         return _Staging(stager.stage(plain), wrappers)
 
     def _launch(self, spec: _SaveSpec, staging: list[_Staging], early: _Failure | None) -> SaveHandle:
-        # DCP's upload starts on `gate`, which the committer resolves only once every rank has staged.
-        # async_save is called even after an early failure: with the process checkpointer its first call
-        # runs a collective (the checkpoint daemons' rendezvous) that every rank must enter.
-        gate: Future = Future()
-        upload: Future | None = None
-        try:
-            resp = dcp.async_save(
-                {},  # ignored: the stager below hands over the staged state dict
-                storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
-                async_stager=_AlreadyStaged(gate),
-                process_group=self._group,
-                async_checkpointer_type=self.checkpointer,
-                no_dist=not self._distributed,
-            )
-            if not isinstance(resp, AsyncSaveResponse):
-                raise TypeError(f"dcp.async_save returned {type(resp).__name__}, not AsyncSaveResponse")
-            upload = resp.upload_completion
-        except (Exception, CheckpointException) as e:
-            early = early or _Failure.of("starting the save", e)
-        committed = self._committer.submit(self._commit, spec, staging, gate, upload, early)
+        committed = self._committer.submit(self._commit, spec, staging, early)
         handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging), committed)
         with self._lock:
             self._inflight = handle
             self._unreported.append(handle)
         return handle
+
+    def _start_model_write(self, spec: _SaveSpec, gate: Future) -> Future:
+        """Start DCP's write of model/; its upload waits on `gate`, resolved once every rank has staged.
+
+        Called on the committer thread (it is not free: a thread, DCP's setup, and with the process
+        checkpointer a rendezvous on first use), and on every rank even after an early failure, because
+        that rendezvous is a collective every rank must enter.
+        """
+        resp = dcp.async_save(
+            {},  # ignored: the stager below hands over the staged state dict
+            storage_writer=_ModelWriter(str(spec.step_dir / layout.MODEL_DIR)),
+            async_stager=_AlreadyStaged(gate),
+            process_group=self._group,
+            async_checkpointer_type=self.checkpointer,
+            no_dist=not self._distributed,
+        )
+        if not isinstance(resp, AsyncSaveResponse):
+            raise TypeError(f"dcp.async_save returned {type(resp).__name__}, not AsyncSaveResponse")
+        return resp.upload_completion
 
     def _order_after_compute(self) -> None:
         """With CUDA, copies on the staging side stream must start after the compute queued so far."""
@@ -933,8 +933,6 @@ class Stager:
         self,
         spec: _SaveSpec,
         staging: list[_Staging],
-        gate: Future,
-        upload: Future | None,
         early: _Failure | None,
     ) -> layout.CommitMarker:
         """Committer thread: agree that every rank staged, let DCP write, agree that all of it was written,
@@ -959,6 +957,15 @@ class Stager:
                 staged = [st.result() for st in staging]
             except (Exception, CheckpointException) as e:
                 local = failed("staging the state dict", e)
+        else:
+            _settle(staging)
+        # Only now: DCP's setup would otherwise take CPU from the host copy, inside the training stall.
+        gate: Future = Future()
+        upload: Future | None = None
+        try:
+            upload = self._start_model_write(spec, gate)
+        except (Exception, CheckpointException) as e:
+            local = local or failed("starting the save", e)
         try:
             self._agree(spec, "staging", local)
         except SaveError as e:
