@@ -326,7 +326,7 @@ def _published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
 
 
 def _redact(url: str) -> str:
-    from stagerd.sinks.fsspec import redact_url
+    from stagerd.sinks.objects import redact_url
 
     return redact_url(url)
 

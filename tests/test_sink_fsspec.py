@@ -14,15 +14,8 @@ from stagerd import layout
 from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.hashing import composite_checksum, hash_file
 from stagerd.sinks import PublishResult, Sink, open_sink
-from stagerd.sinks.fsspec import (
-    FsspecSink,
-    RemoteObject,
-    newer_latest,
-    plan_reuse,
-    redact_url,
-    scan_dir,
-    verify_listing,
-)
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.objects import RemoteObject, newer_latest, plan_reuse, redact_url, scan_dir, verify_listing
 
 
 def make_export(root: Path, sizes: dict[str, int], seed: int = 0) -> Path:

@@ -1,0 +1,139 @@
+"""The `file://` backend: fsync'd writes renamed into place, the manifest created by `link()`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from stagerd import layout
+from stagerd.crashpoints import crash_point
+from stagerd.hashing import hash_file, iter_file
+from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
+
+# `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
+_TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
+
+
+class LocalBackend:
+    """`file:///PATH`: fsync'd writes, each file renamed into place, the manifest created by `link`."""
+
+    has_checksums = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def list(self, prefix: str) -> dict[str, RemoteObject]:
+        base = self.root / prefix
+        out = {}
+        for dirpath, _dirs, names in os.walk(base):
+            for name in names:
+                if name.startswith("."):
+                    continue  # our own temp files
+                p = Path(dirpath) / name
+                out[p.relative_to(base).as_posix()] = RemoteObject(p.stat().st_size)
+        return out
+
+    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+        return dict.fromkeys(rels)
+
+    def sweep(self, prefix: str) -> None:
+        """Unlink temp files whose writer is dead: under `prefix/`, and next to `latest`."""
+        base = self.root / prefix
+        found = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        for top in {self.root, base.parent}:
+            found += [top / n for n in (os.listdir(top) if top.is_dir() else [])]
+        for p in found:
+            m = _TEMP_NAME.fullmatch(p.name)
+            if m and not _alive(int(m.group(1))):
+                p.unlink(missing_ok=True)
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_bytes_atomic(path, data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        self._write_fsync(tmp, [memoryview(data)])
+        try:
+            os.link(tmp, path)
+            layout.fsync_dir(path.parent)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def digest(self, f: LocalFile) -> Uploaded:
+        d = hash_file(f.path)
+        return Uploaded(f.rel, d.size, d.sha256, None)
+
+    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+        out = []
+        dirs = set()
+        for f in files:
+            dst = self.root / prefix / f.rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+            h = hashlib.sha256()
+
+            def chunks(f: LocalFile = f, h: Any = h) -> Any:
+                for view in iter_file(f.path):
+                    h.update(view)
+                    progress(len(view))
+                    yield view
+
+            size = self._write_fsync(tmp, chunks())
+            if size != f.size:
+                tmp.unlink(missing_ok=True)
+                raise changed_error(f, size)
+            crash_point("file.upload")
+            os.replace(tmp, dst)
+            dirs.add(dst.parent)
+            out.append(Uploaded(f.rel, size, h.hexdigest(), None))
+        for d in sorted(dirs):
+            layout.fsync_dir(d)
+        return out
+
+    @staticmethod
+    def _write_fsync(path: Path, chunks: Any) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        size = 0
+        try:
+            for view in chunks:
+                while view:
+                    n = os.write(fd, view)
+                    size += n
+                    view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    def close(self) -> None:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (ours counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

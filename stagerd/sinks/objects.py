@@ -1,0 +1,213 @@
+"""What the fsspec sink and its backends share: the records of local files and remote objects, the
+`Backend` protocol a store implements, and the helpers that need no store: scanning the local tree,
+planning reuse, checking a listing against a manifest, deciding whether `latest` moves, and the manifest's
+bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from stagerd import layout
+from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
+from stagerd.layout import ExportManifest
+from stagerd.sinks.base import ProgressFn
+
+_SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# contracts
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One file to publish: its path relative to the step on the remote, its local path, its size."""
+
+    rel: str
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    """One remote file: size, and the store's checksum (base64, `-N` when composite) if it has one."""
+
+    size: int
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """One file as uploaded: its sha256 hex (for the manifest) and the checksum the store should report."""
+
+    rel: str
+    size: int
+    sha256: str
+    checksum: str | None
+
+
+class ByteProgress:
+    """Thread-safe byte counter that forwards to the caller's `ProgressFn`."""
+
+    def __init__(self, total: int, fn: ProgressFn | None) -> None:
+        self.total, self.done, self._fn, self._lock = total, 0, fn, threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            done = self.done
+        if self._fn is not None:
+            self._fn(done, self.total)
+
+
+class Backend(Protocol):
+    """What the publish algorithm needs from a store. Keys are relative to the sink's root."""
+
+    has_checksums: bool
+
+    def list(self, prefix: str) -> dict[str, RemoteObject]:
+        """Every object under `prefix/`, keyed by its path relative to `prefix`, with checksums if cheap."""
+        ...
+
+    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+        """The store's checksum of each `prefix/rel` (None where it has none)."""
+        ...
+
+    def read(self, key: str) -> bytes | None:
+        """The bytes of `key`, or None if it does not exist."""
+        ...
+
+    def write(self, key: str, data: bytes) -> None:
+        """Create or replace `key`."""
+        ...
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Create `key` only if it does not exist; False if it already did."""
+        ...
+
+    def digest(self, f: LocalFile) -> Uploaded:
+        """Read `f` once: its sha256 and the checksum this store would report for it."""
+        ...
+
+    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+        """Upload `files` under `prefix/`, hashing while streaming."""
+        ...
+
+    def sweep(self, prefix: str) -> None:
+        """Remove what a killed publisher left of `prefix/`: temp files, pending multipart uploads."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure planning
+
+
+def redact_url(url: str) -> str:
+    """`url` without a password in its authority and without secret-looking query values."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        query = urllib.parse.urlencode(
+            [(k, "***" if any(s in k.lower() for s in _SECRET_PARAMS) else v) for k, v in pairs]
+        )
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def scan_dir(root: Path, *, skip_dirs: frozenset[str] | set[str] = frozenset()) -> list[LocalFile]:
+    """Every regular file under `root` (sorted, relative, `/`-separated), except a manifest at its top."""
+    if not root.is_dir():
+        raise VerifyError("is not a directory", path=root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here == root:
+            dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+        for name in filenames:
+            p = here / name
+            rel = p.relative_to(root).as_posix()
+            if rel == layout.MANIFEST_NAME or not p.is_file():
+                continue
+            layout.safe_relpath(rel, what="file", path=p)
+            out.append(LocalFile(rel, p, p.stat().st_size))
+    return sorted(out, key=lambda f: f.rel)
+
+
+def same_files(a: ExportManifest, b: ExportManifest) -> bool:
+    """Two manifests describe the same bytes (names, sizes, sha256; not times or metadata)."""
+    key = lambda m: sorted((f.path, f.size, f.sha256) for f in m.files)  # noqa: E731
+    return key(a) == key(b)
+
+
+def same_checksum(remote: str | None, expected: str | None) -> bool:
+    """S3 checksums compare equal; a composite's `-N` suffix counts only when both sides carry one."""
+    if not remote or not expected:
+        return False
+    if ("-" in remote) != ("-" in expected):
+        return remote.split("-")[0] == expected.split("-")[0]
+    return remote == expected
+
+
+def plan_reuse(local: list[LocalFile], remote: Mapping[str, RemoteObject]) -> list[LocalFile]:
+    """The local files that a checksum-capable store may already hold: same name and size, with a checksum."""
+    return [f for f in local if (r := remote.get(f.rel)) is not None and r.size == f.size and r.checksum]
+
+
+def verify_listing(
+    manifest: ExportManifest, remote: Mapping[str, RemoteObject], checksums: Mapping[str, str | None]
+) -> list[str]:
+    """Problems between the manifest and the remote listing: missing files, wrong sizes, wrong checksums.
+
+    `checksums` maps a file to the checksum the store should report for it; a store that reports none is
+    checked by name and size only.
+    """
+    problems = []
+    for f in manifest.files:
+        r = remote.get(f.path)
+        if r is None:
+            problems.append(f"{f.path}: missing")
+        elif r.size != f.size:
+            problems.append(f"{f.path}: {r.size} bytes, expected {f.size}")
+        elif r.checksum and checksums.get(f.path) and not same_checksum(r.checksum, checksums[f.path]):
+            problems.append(f"{f.path}: checksum {r.checksum}, expected {checksums[f.path]}")
+    return problems
+
+
+def newer_latest(current: bytes | None, step: int) -> bool:
+    """True when `latest` should be moved to `step`: it is absent, unreadable, or names an older step."""
+    if current is None:
+        return True
+    cur = layout.parse_step_dir(current.decode(errors="replace").strip())
+    return cur is None or cur <= step
+
+
+def changed_error(f: LocalFile, size: int) -> SinkError:
+    """The error for a local file whose size changed between the scan and its upload."""
+    return SinkError(f"changed while publishing: read {size} bytes, expected {f.size}", path=f.path)
+
+
+def manifest_bytes(manifest: ExportManifest) -> bytes:
+    return (json.dumps(manifest.to_json(), indent=2) + "\n").encode()
+
+
+def parse_manifest(data: bytes, where: str) -> ExportManifest:
+    try:
+        return ExportManifest.from_json(json.loads(data), path=where)
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
+    except MarkerError as e:
+        raise SinkConflictError(f"remote manifest is malformed: {e.message}", path=where) from None

@@ -1,0 +1,409 @@
+"""The S3 backend: s3fs's session and event loop, the aiobotocore client called directly.
+
+Large files go up as parallel multipart uploads, each part with a checksum the store verifies; the
+manifest is created with `If-None-Match: *`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stagerd.crashpoints import crash_point
+from stagerd.errors import ConfigError, SinkAuthError, SinkError
+from stagerd.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, raw_checksum, read_full
+from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, redact_url
+
+log = logging.getLogger("stagerd.sinks.s3")
+
+MIN_PART = 5 << 20
+MAX_PARTS = 10_000
+_AUTH_CODES = {
+    "AccessDenied",
+    "AccountProblem",
+    "AllAccessDisabled",
+    "ExpiredToken",
+    "InvalidAccessKeyId",
+    "InvalidSecurity",
+    "InvalidToken",
+    "SignatureDoesNotMatch",
+    "TokenRefreshRequired",
+}
+
+
+def part_size_for(size: int, part_size: int) -> int:
+    """`part_size`, or more (in MiB steps) where a file of `size` bytes would need over 10,000 parts."""
+    need = -(-size // MAX_PARTS)
+    if need <= part_size:
+        return part_size
+    mib = 1 << 20
+    return -(-need // mib) * mib
+
+
+def s3_error(e: BaseException, where: str) -> SinkError:
+    """A botocore/aiohttp failure as a named sink error: auth problems are not retryable, the rest are.
+
+    Only the S3 error code and message go into the text: never a header, a signature or a credential.
+    """
+    from botocore.exceptions import (
+        ClientError,
+        CredentialRetrievalError,
+        NoCredentialsError,
+        PartialCredentialsError,
+    )
+
+    if isinstance(e, SinkError):
+        return e
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", "Unknown"))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        msg = f"{code} (HTTP {status}) from {e.operation_name}: {err.get('Message', '')}".rstrip(": ")
+        if code in _AUTH_CODES or status == 403:
+            return SinkAuthError(msg, path=where)
+        if code == "NoSuchBucket":
+            return SinkError(msg, path=where, hint="create the bucket, or fix the sink URL")
+        return SinkError(f"{msg} (after the client's retries)", path=where)
+    if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
+        return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
+    return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
+
+
+class S3Backend:
+    """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
+
+    Every object is uploaded with a checksum (`checksum=`: CRC32 by default, or SHA256) the store verifies
+    on receipt and reports back: the plain one for a single PUT, the composite of per-part ones for
+    multipart. Retries are botocore's
+    (bounded exponential backoff for 5xx, throttling, 429 and dropped connections; tune with
+    AWS_RETRY_MODE / AWS_MAX_ATTEMPTS or `config_kwargs`); nothing here retries on top of them.
+    """
+
+    has_checksums = True
+
+    def __init__(
+        self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int, checksum: str = "CRC32"
+    ) -> None:
+        if checksum not in ALGORITHMS:
+            raise ConfigError(f"checksum {checksum!r} is not one of {', '.join(ALGORITHMS)}")
+        self.algorithm = checksum
+        if part_size < MIN_PART:
+            raise ConfigError(f"part_size {part_size} is below S3's minimum of {MIN_PART} bytes")
+        self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
+        self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
+        self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
+
+    @classmethod
+    def open(
+        cls, url: str, opts: Mapping[str, Any], *, part_size: int, max_concurrency: int, checksum: str
+    ) -> S3Backend:
+        import s3fs
+
+        parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc or parts.query:
+            # s3fs would take them for part of the bucket or key, and every message would repeat them
+            raise ConfigError(
+                f"{redact_url(url)}: an S3 sink URL carries no credentials or query",
+                hint="give S3 credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a role",
+            )
+        opts = dict(opts)
+        config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
+        # our own instance: settings here must not leak into other users of s3fs's instance cache
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config, **opts)
+        bucket, _, root = fs._strip_protocol(url).partition("/")
+        if not bucket:
+            raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
+        return cls(fs, bucket, root, part_size, max_concurrency, checksum)
+
+    def _key(self, key: str) -> str:
+        return f"{self.root}/{key}" if self.root else key
+
+    def _where(self, key: str) -> str:
+        return f"{self.base}/{key}"
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, fn, *args, **kwargs)
+
+    async def _client(self) -> Any:
+        return await self.fs.set_session()
+
+    async def _call(self, where: str, method: str, **kwargs: Any) -> Any:
+        s3 = await self._client()
+        try:
+            return await getattr(s3, method)(Bucket=self.bucket, **kwargs)
+        except Exception as e:
+            raise s3_error(e, where) from None
+
+    # -- small operations ----------------------------------------------------------------------------------
+
+    def list(self, prefix: str) -> dict[str, RemoteObject]:
+        async def go() -> dict[str, RemoteObject]:
+            s3 = await self._client()
+            base = self._key(prefix) + "/"
+            out: dict[str, RemoteObject] = {}
+            try:
+                async for page in s3.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base
+                ):
+                    for o in page.get("Contents", []):
+                        out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+            except Exception as e:
+                raise s3_error(e, self._where(prefix)) from None
+            return out
+
+        return self._run(go)
+
+    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+        async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
+            key = f"{prefix}/{rel}"
+            async with sem:
+                r = await self._call(
+                    self._where(key), "head_object", Key=self._key(key), ChecksumMode="ENABLED"
+                )
+            return rel, r.get(f"Checksum{self.algorithm}")
+
+        async def go() -> dict[str, str | None]:
+            sem = asyncio.Semaphore(self.max_concurrency)
+            return dict(await asyncio.gather(*(one(r, sem) for r in rels)))
+
+        return self._run(go)
+
+    def sweep(self, prefix: str) -> None:
+        """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
+        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule."""
+
+        async def go() -> None:
+            s3 = await self._client()
+            base = self._key(prefix) + "/"
+            try:
+                pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
+                async for page in pages:
+                    for u in page.get("Uploads", []):
+                        await s3.abort_multipart_upload(
+                            Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                        )
+            except Exception as e:
+                log.warning(
+                    "cannot abort stale multipart uploads under %s: %s", self._where(prefix), s3_error(e, "")
+                )
+
+        self._run(go)
+
+    def read(self, key: str) -> bytes | None:
+        async def go() -> bytes | None:
+            s3 = await self._client()
+            try:
+                r = await s3.get_object(Bucket=self.bucket, Key=self._key(key))
+                async with r["Body"] as body:
+                    return await body.read()
+            except s3.exceptions.NoSuchKey:
+                return None
+            except Exception as e:
+                raise s3_error(e, self._where(key)) from None
+
+        return self._run(go)
+
+    def write(self, key: str, data: bytes) -> None:
+        self._run(self._call, self._where(key), "put_object", **self._put_args(key, data))
+
+    def create(self, key: str, data: bytes) -> bool:
+        """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
+        from botocore.exceptions import ClientError
+
+        async def go() -> bool:
+            s3 = await self._client()
+            args = self._put_args(key, data)
+            try:
+                await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
+                return True
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code")
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                if status != 501 and code != "NotImplemented":
+                    raise s3_error(e, self._where(key)) from None
+            except Exception as e:
+                raise s3_error(e, self._where(key)) from None
+            log.warning("%s does not support conditional writes; using exists-then-put", self.base)
+            if await self._exists(key):
+                return False
+            await self._call(self._where(key), "put_object", **args)
+            return True
+
+        return self._run(go)
+
+    async def _exists(self, key: str) -> bool:
+        s3 = await self._client()
+        try:
+            await s3.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except Exception as e:
+            err = getattr(e, "response", {}).get("Error", {})
+            if err.get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise s3_error(e, self._where(key)) from None
+
+    def _put_args(self, key: str, data: bytes, checksum: str | None = None) -> dict[str, Any]:
+        if checksum is None:
+            checksum = b64(raw_checksum(data, self.algorithm))
+        return {"Key": self._key(key), "Body": data, **self._checksum_args(checksum)}
+
+    def _checksum_args(self, checksum: str) -> dict[str, str]:
+        # the algorithm header makes stores (and moto) keep the checksum and report it back
+        return {"ChecksumAlgorithm": self.algorithm, f"Checksum{self.algorithm}": checksum}
+
+    def digest(self, f: LocalFile) -> Uploaded:
+        d = hash_file(f.path, part_size_for(f.size, self.part_size), self.algorithm)
+        return Uploaded(f.rel, d.size, d.sha256, d.checksum)
+
+    def close(self) -> None:
+        import s3fs
+
+        if getattr(self.fs, "_s3", None) is not None:
+            s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
+            self.fs._s3 = None
+
+    # -- uploads ---------------------------------------------------------------------------------------------
+
+    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+        """Upload every file, up to `max_concurrency` requests (and as many parts in memory) at a time."""
+
+        async def go() -> list[Uploaded]:
+            parts = asyncio.Semaphore(self.max_concurrency)
+            opened = asyncio.Semaphore(max(2, self.max_concurrency // 2))
+
+            async def one(f: LocalFile) -> Uploaded:
+                async with opened:
+                    return await self._upload_one(f"{prefix}/{f.rel}", f, parts, progress)
+
+            tasks = [asyncio.ensure_future(one(f)) for f in files]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        return self._run(go)
+
+    async def _upload_one(
+        self, key: str, f: LocalFile, parts: asyncio.Semaphore, progress: ByteProgress
+    ) -> Uploaded:
+        where = self._where(key)
+        part_size = part_size_for(f.size, self.part_size)
+        if f.size <= part_size:
+            async with parts:
+                data, h = await asyncio.to_thread(_read_small, f, self.algorithm)
+                checksum = h.object_checksum(multipart=False)
+                await self._call(where, "put_object", **self._put_args(key, data, checksum))
+            progress(len(data))
+            return Uploaded(f.rel, len(data), h.sha256.hexdigest(), checksum)
+
+        mpu = await self._call(
+            where, "create_multipart_upload", Key=self._key(key), ChecksumAlgorithm=self.algorithm
+        )
+        upload_id = mpu["UploadId"]
+        hasher = ObjectHasher(self.algorithm)
+        tasks: list[asyncio.Future[dict[str, Any]]] = []
+        failed = asyncio.Event()
+        try:
+            with open(f.path, "rb", buffering=0) as fh:
+                number = 0
+                while not failed.is_set():
+                    await parts.acquire()
+                    try:
+                        data, raw = await asyncio.to_thread(_read_part, fh, part_size, hasher)
+                    except BaseException:
+                        parts.release()
+                        raise
+                    if not data:
+                        parts.release()
+                        break
+                    number += 1
+                    part = self._part(where, key, upload_id, number, data, b64(raw), parts, progress, failed)
+                    tasks.append(asyncio.ensure_future(part))
+            done = list(await asyncio.gather(*tasks))
+            if hasher.size != f.size:
+                raise changed_error(f, hasher.size)
+            await self._call(
+                where,
+                "complete_multipart_upload",
+                Key=self._key(key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": done},
+            )
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._abort(key, upload_id)
+            raise
+        return Uploaded(f.rel, hasher.size, hasher.sha256.hexdigest(), hasher.object_checksum(multipart=True))
+
+    async def _part(
+        self,
+        where: str,
+        key: str,
+        upload_id: str,
+        number: int,
+        data: bytes,
+        checksum: str,
+        parts: asyncio.Semaphore,
+        progress: ByteProgress,
+        failed: asyncio.Event,
+    ) -> dict[str, Any]:
+        try:
+            r = await self._call(
+                f"{where} (part {number})",
+                "upload_part",
+                Key=self._key(key),
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                **self._checksum_args(checksum),
+            )
+            progress(len(data))
+            crash_point("s3.part")
+            return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{self.algorithm}": checksum}
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            parts.release()
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        """Best effort: a store that is down keeps the parts until a lifecycle rule reaps them."""
+        try:
+            s3 = await self._client()
+            await asyncio.wait_for(
+                s3.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id), 30
+            )
+        except Exception as e:
+            log.warning("could not abort the multipart upload of %s: %s", self._where(key), type(e).__name__)
+
+
+def _read_small(f: LocalFile, algorithm: str) -> tuple[bytes, ObjectHasher]:
+    data = f.path.read_bytes()
+    if len(data) != f.size:
+        raise changed_error(f, len(data))
+    h = ObjectHasher(algorithm)
+    h.update(data)
+    return data, h
+
+
+def _read_part(fh: Any, part_size: int, hasher: ObjectHasher) -> tuple[bytes, bytes]:
+    """The next part of an open file and its raw checksum, fed to the file's hashes on the way (so the
+    file is read once); empty at the end."""
+    data = read_full(fh, part_size)
+    if not data:
+        return b"", b""
+    raw = hasher.update(data, part=True)
+    assert raw is not None
+    return data, raw
