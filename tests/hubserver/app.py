@@ -10,7 +10,8 @@ Test infrastructure only. Requests and response fields follow the installed clie
   completion) actions plus verify; objects the repo already holds get no actions (no re-upload)
 - `POST /api/models/{repo}/commit/{rev}`: ndjson header (`summary`, `description`, `parentCommit`) then
   `file`, `lfsFile`, `deletedFile`, `deletedFolder` lines; a stale `parentCommit` is a 412
-- `GET .../refs`, `GET .../commits/{rev}` and `GET .../tree/{rev}[/{path}]` (paginated by `Link`),
+- `GET .../refs`, `GET .../commits/{rev}` (`limit` per page, `p` the page number, `Link` to the next)
+  and `GET .../tree/{rev}[/{path}]` (paginated by `Link`),
   `POST|DELETE .../tag/{rev}`, `POST|DELETE .../branch/{name}`
 - `GET|HEAD /{repo}/resolve/{rev}/{path}` with `X-Repo-Commit`, `ETag` and `Range`
 
@@ -95,7 +96,8 @@ class HubConfig:
     multipart_threshold: int = 64 * 1024 * 1024
     multipart_chunk_size: int = 16 * 1024 * 1024
     tree_page_size: int = 1000
-    commits_page_size: int = 50
+    commits_page_size: int = 50  # commits per page when the request names no `limit`
+    commits_page_max: int = 1000  # the largest `limit` honoured
 
 
 @dataclass
@@ -115,6 +117,7 @@ class HubStats:
     lfs_uploads: Counter = field(default_factory=Counter)  # sha256 -> completed uploads
     bytes_received: int = 0
     commits: Counter = field(default_factory=Counter)  # repo_id -> commits made through the API
+    commits_served: int = 0  # commit entries sent by the history endpoint
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, method: str, pattern: str, status: int | None = None) -> int:
@@ -134,6 +137,30 @@ class HubStats:
 
 
 @dataclass
+class LfsBodyHook:
+    """Calls `fn()` once, from the server thread, when the `nth` LFS upload request (a basic PUT or one
+    multipart part) to receive `after` bytes of its body has received them: mid-upload, by design."""
+
+    after: int
+    fn: Callable[[], None]
+    nth: int = 1
+    crossed: int = 0
+    fired: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def progress(self, before: int, now: int) -> None:
+        """One request's body went from `before` to `now` bytes."""
+        if not before < self.after <= now:
+            return
+        with self.lock:
+            self.crossed += 1
+            fire = self.crossed == self.nth
+            self.fired = self.fired or fire
+        if fire:
+            self.fn()
+
+
+@dataclass
 class _Upload:
     repo_id: str
     oid: str
@@ -150,6 +177,7 @@ class HubApp:
     ) -> None:
         self.store, self.faults, self.tokens, self.config = store, faults, tokens, config
         self.stats = HubStats()
+        self.lfs_hook: LfsBodyHook | None = None
         self._uploads: dict[str, _Upload] = {}
         self._tmp = store.lfs_dir / ".incoming"
         self._tmp.mkdir(exist_ok=True)
@@ -162,6 +190,12 @@ class HubApp:
         fault = self.faults.take(request.method, unquote(raw))
         status = 0
         try:
+            if fault is not None and fault.hang:
+                self._hang(request, environ)
+            if fault is not None and fault.stall_after is not None:
+                response = self._dispatch(request, raw)
+                status = response.status_code
+                return self._stall(response, fault.stall_after, environ, start_response)
             if fault is not None and not fault.drop_response:
                 response = self._fault(fault, environ)
             else:
@@ -181,6 +215,30 @@ class HubApp:
                         "authorization" in request.headers,
                     )
                 )
+
+    def _hang(self, request: Request, environ: dict) -> None:
+        """Read the whole request, answer nothing until released, then drop the connection."""
+        hold = self.faults.hold()
+        request.get_data()
+        hold.wait()
+        _drop_connection(environ)
+
+    def _stall(
+        self, response: Response, after: int, environ: dict, start_response: Callable
+    ) -> Iterable[bytes]:
+        """Send the status, the headers and at most `after` bytes of the body (never all of it), then hold
+        the connection until released and drop it."""
+        hold = self.faults.hold()
+        body = response.get_data()
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
+        start_response(response.status, [*headers, ("Content-Length", str(len(body)))])
+
+        def chunks() -> Iterable[bytes]:
+            yield body[: max(0, min(after, len(body) - 1))]
+            hold.wait()
+            _drop_connection(environ)
+
+        return chunks()
 
     def _fault(self, fault: Fault, environ: dict) -> Response:
         if fault.drop:
@@ -331,6 +389,9 @@ class HubApp:
 
     def h_commits(self, request: Request, org: str, name: str, rev: str, raw_path: str, **_: Any) -> Response:
         repo, _user = self._repo(request, org, name)
+        limit = _int_arg(request, "limit", self.config.commits_page_size, 1)
+        page = _int_arg(request, "p", 0, 0)
+        limit = min(limit, self.config.commits_page_max)
         with self.store.lock:
             history = repo.history(self._rev(repo, rev))
         items = [
@@ -341,9 +402,15 @@ class HubApp:
                 "authors": [{"user": c.author, "avatar": None}],
                 "date": hub_date(c.date),
             }
-            for c in history
+            for c in history[page * limit : (page + 1) * limit]
         ]
-        return self._page(request, raw_path, items, self.config.commits_page_size, "p")
+        with self.stats.lock:
+            self.stats.commits_served += len(items)
+        headers = {}
+        if (page + 1) * limit < len(history):
+            params = {**request.args.to_dict(), "limit": str(limit), "p": str(page + 1)}
+            headers["Link"] = f'<{request.host_url.rstrip("/")}{raw_path}?{urlencode(params)}>; rel="next"'
+        return _json(items, 200, headers)
 
     def h_tree(self, request: Request, org: str, name: str, rev: str, raw_path: str, sub: str = "", **_: Any):
         repo, _user = self._repo(request, org, name)
@@ -467,16 +534,30 @@ class HubApp:
             headers={"Content-Type": "application/vnd.git-lfs+json"},
         )
 
-    def _receive(self, request: Request, dest: Path) -> tuple[int, str]:
-        """Stream the request body into `dest`, returning (size, sha256)."""
-        h, n = hashlib.sha256(), 0
-        with open(dest, "wb") as f:
+    def _copy_body(self, request: Request, f: Any, h: Any) -> int:
+        """Stream an LFS request body into the open file `f`, hashing it with `h`; returns its size."""
+        n, hook = 0, self.lfs_hook
+        try:
             while chunk := request.stream.read(1 << 20):
                 h.update(chunk)
                 f.write(chunk)
                 n += len(chunk)
-        with self.stats.lock:
-            self.stats.bytes_received += n
+                if hook is not None:
+                    hook.progress(n - len(chunk), n)
+        finally:
+            with self.stats.lock:
+                self.stats.bytes_received += n
+        return n
+
+    def _receive(self, request: Request, dest: Path) -> tuple[int, str]:
+        """Stream the request body into `dest`, returning (size, sha256); a cut-off body leaves no file."""
+        h = hashlib.sha256()
+        try:
+            with open(dest, "wb") as f:
+                n = self._copy_body(request, f, h)
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
         return n, h.hexdigest()
 
     def _store_object(self, up: _Upload, tmp: Path, size: int, sha: str) -> None:
@@ -513,15 +594,10 @@ class HubApp:
         with self.store.lock:
             if not whole.exists():
                 whole.touch()
-        h, n = hashlib.md5(usedforsecurity=False), 0
+        h = hashlib.md5(usedforsecurity=False)
         with open(whole, "r+b") as f:
             f.seek((part - 1) * up.chunk_size)
-            while chunk := request.stream.read(1 << 20):
-                h.update(chunk)
-                f.write(chunk)
-                n += len(chunk)
-        with self.stats.lock:
-            self.stats.bytes_received += n
+            n = self._copy_body(request, f, h)
         expected = min(up.chunk_size, up.size - (part - 1) * up.chunk_size)
         if n != expected:
             raise HubFail(400, f"part {part} is {n} bytes, expected {expected}")
@@ -649,6 +725,15 @@ def _drop_connection(environ: dict) -> None:
     sock: socket.socket = environ["werkzeug.socket"]
     sock.shutdown(socket.SHUT_RDWR)
     raise ConnectionAbortedError("injected fault: connection dropped")
+
+
+def _int_arg(request: Request, name: str, default: int, minimum: int) -> int:
+    value = request.args.get(name)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        raise HubFail(400, f"invalid {name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
 
 
 def _json(data: Any, status: int = 200, headers: dict | None = None) -> Response:

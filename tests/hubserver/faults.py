@@ -1,8 +1,9 @@
-"""Scripted faults for the Hub test server: error statuses, 429 with Retry-After, dropped connections.
+"""Scripted faults for the Hub test server: error statuses, 429 with Retry-After, dropped connections, hangs.
 
 A test queues `Fault`s on `server.faults`; each request takes the first fault whose method and path
 pattern match, until the fault's `times` are used up. "Down then up" is a server-level switch
 (`HubServer.down()` / `up()` / `down_for()`), not a fault, because a down server accepts no request.
+A hung request waits until `FaultPlan.release()` (or the server stops), then loses its connection.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class Fault:
     response after reading `drop_after` bytes of the request body: a connection lost mid-upload.
     `drop_response` handles the request for real, then drops the connection instead of answering:
     the work is done (a commit lands) but the client never hears of it.
+    `hang` reads the whole request and never answers: a Hub that accepted the connection and stalls.
+    `stall_after=N` handles the request for real, sends the status, the headers (with the full
+    Content-Length) and the first N bytes of the body, then stalls: a response that stops mid-way.
+    Both hold the connection until `FaultPlan.release()`, then drop it.
     """
 
     method: str
@@ -33,6 +38,8 @@ class Fault:
     drop: bool = False
     drop_after: int = 0
     drop_response: bool = False
+    hang: bool = False
+    stall_after: int | None = None
     fired: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -45,15 +52,31 @@ class FaultPlan:
     def __init__(self) -> None:
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
+        self._release = threading.Event()
 
     def add(self, fault: Fault) -> Fault:
         with self._lock:
             self._faults.append(fault)
         return fault
 
+    def remove(self, fault: Fault) -> None:
+        with self._lock:
+            self._faults = [f for f in self._faults if f is not fault]
+
     def clear(self) -> None:
         with self._lock:
             self._faults.clear()
+
+    def hold(self) -> threading.Event:
+        """The event a hung request waits on; set by the next `release()`."""
+        with self._lock:
+            return self._release
+
+    def release(self) -> None:
+        """Let every request hung so far go (each loses its connection); later hangs wait again."""
+        with self._lock:
+            event, self._release = self._release, threading.Event()
+        event.set()
 
     def take(self, method: str, path: str) -> Fault | None:
         """The fault that applies to this request, if any, counting it as fired."""

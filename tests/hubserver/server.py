@@ -1,7 +1,9 @@
 """`HubServer`: the Hub test app served by werkzeug on 127.0.0.1, in a background thread.
 
 Test infrastructure only. `down()` closes the listening socket (clients get "connection refused") and
-`up()` listens again on the same port, with the same repos: a Hub that is down, then up.
+`up()` listens again on the same port, with the same repos: a Hub that is down, then up. `hang()` keeps
+listening but answers nothing (or stops mid-answer) until `unhang()`. `on_lfs_body()` runs a callback in
+the middle of an LFS upload, e.g. to SIGKILL the uploading process.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
-from tests.hubserver.app import HubApp, HubConfig, HubStats
-from tests.hubserver.faults import FaultPlan
+from tests.hubserver.app import HubApp, HubConfig, HubStats, LfsBodyHook
+from tests.hubserver.faults import Fault, FaultPlan
 from tests.hubserver.store import HubStore
 
 
@@ -57,6 +60,7 @@ class HubServer:
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._hangs: list[Fault] = []
 
     @property
     def endpoint(self) -> str:
@@ -83,8 +87,33 @@ class HubServer:
             thread.start()
             self._server, self._thread = server, thread
 
+    def hang(self, path: str = "", *, method: str = "*", stall_after: int | None = None) -> Fault:
+        """Accept connections but leave every request (matching `method` and the `path` regex) unanswered
+        after reading it; with `stall_after=N`, answer for real but stop after N bytes of the body.
+        Until `unhang()`."""
+        fault = Fault(method, path, times=1 << 62, hang=stall_after is None, stall_after=stall_after)
+        with self._lock:
+            self._hangs.append(fault)
+        return self.faults.add(fault)
+
+    def unhang(self) -> None:
+        """Answer again; requests hung so far lose their connection."""
+        with self._lock:
+            hangs, self._hangs = self._hangs, []
+        for fault in hangs:
+            self.faults.remove(fault)
+        self.faults.release()
+
+    def on_lfs_body(self, after: int, fn: Callable[[], None], *, nth: int = 1) -> LfsBodyHook:
+        """Call `fn()` (in the server thread) once the `nth` LFS upload request to get `after` bytes into
+        its body has them; the upload is still in flight when it runs."""
+        hook = LfsBodyHook(after, fn, nth)
+        self.app.lfs_hook = hook
+        return hook
+
     def down(self) -> None:
-        """Stop listening: new connections are refused until `up()`."""
+        """Stop listening: new connections are refused until `up()`. Hung requests are let go."""
+        self.faults.release()
         with self._lock:
             server, thread = self._server, self._thread
             self._server = self._thread = None
