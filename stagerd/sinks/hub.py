@@ -4,7 +4,8 @@ URL: `hf://ORG/REPO[@REVISION][?option=value&...]`. Options (keyword arguments w
 `token` (default: `HF_TOKEN` or the huggingface_hub login), `endpoint` (default: `HF_ENDPOINT` or the
 public Hub), `private` (default true: a missing repo is created private), `branch_per_step` (default
 false: each step is committed to `REVISION`, `main` by default), and the retry knobs `max_attempts`,
-`backoff_base`, `backoff_max`, `max_retry_after` (seconds).
+`backoff_base`, `backoff_max`, `max_retry_after` (seconds), and the request bounds `timeout` (seconds the
+Hub may keep any one request waiting, default 60) and `connect_timeout` (default 10).
 
 One publish is exactly one `HfApi.create_commit` (never `upload_folder`, which may split a folder into
 several commits) with the message `stagerd: step N`, then the tag `step-N` on that commit. The commit
@@ -18,9 +19,20 @@ objects the repo already holds are not sent again (the LFS batch answers them wi
 re-run after a crash mid-upload sends only what is missing. Before returning, the tree at the commit is
 listed and compared with the export: names, sizes, LFS sha256 or the git blob id.
 
+A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
+increasing order), so the history is read newest first, page by page, only until that commit, a stagerd
+commit of an earlier step, or `_HISTORY_CAP` commits, so that walk does not grow with the history (the refs
+listing still does: it names every `step-N` tag).
+
+Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
+no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds
+each request to a registered endpoint by that endpoint's timeouts, and requests elsewhere (LFS upload URLs)
+by the most generous registered bound. A request the Hub leaves unanswered ends in a retryable "the Hub
+did not answer within N s".
+
 Errors: 401/403 (or a repo the token cannot see) raise `SinkAuthError` at once; 429 waits for
-`Retry-After`; 5xx, 408, 409/412 (a moved branch) and dropped connections are retried with bounded
-exponential backoff; other failures raise `SinkError`. The token never appears in messages or logs.
+`Retry-After`; 5xx, 408, 409/412 (a moved branch), timeouts and dropped connections are retried with
+bounded exponential backoff; other failures raise `SinkError`. The token never appears in messages or logs.
 """
 
 from __future__ import annotations
@@ -32,13 +44,16 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from functools import reduce
+from itertools import islice
 from pathlib import Path
-from typing import Any, Literal, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from stagerd.crashpoints import crash_point
 from stagerd.errors import (
@@ -52,9 +67,13 @@ from stagerd.errors import (
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.model_card import CARD_NAME, CardInfo, export_dtypes, render_model_card
 
+if TYPE_CHECKING:
+    import httpx2
+
 log = logging.getLogger("stagerd.sinks.hub")
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 GITATTRIBUTES = ".gitattributes"
 # The Hub stores files above 10 MB in LFS whatever their name; below, a file may be a plain git blob,
@@ -63,6 +82,8 @@ _GIT_OID_MAX = 10 * 1024 * 1024
 _FORBIDDEN_DIRS = {".git", ".cache", ".huggingface"}
 _HASH_CHUNK = 8 << 20
 _STEP_TITLE = re.compile(r"^stagerd: step (\d+)$")
+_HISTORY_PAGE = 50  # commits per request while looking for a step's commit
+_HISTORY_CAP = 1000  # commits read at most per branch and publish
 
 
 def commit_message(step: int) -> str:
@@ -139,6 +160,113 @@ def _as_bool(name: str, value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"Hub sink option {name}={value!r} is not a boolean")
+
+
+def _number(opts: Mapping[str, Any], name: str, default: N, cast: Callable[[Any], N]) -> N:
+    """Option `name` as a number (`cast`), or `default`; a non-number is a ConfigError naming the option."""
+    try:
+        return cast(opts.get(name, default))
+    except (TypeError, ValueError):
+        raise ConfigError(f"Hub sink option {name}={opts[name]!r} is not a number") from None
+
+
+# --- request bounds -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubTimeouts:
+    """How long one Hub request may wait: `connect` for the connection, `read` for anything else.
+
+    `read` also bounds waiting to send more of an upload (the server stopped reading) and waiting for a
+    free connection of the shared pool.
+    """
+
+    read: float = 60.0
+    connect: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("read", "connect"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ConfigError(
+                    f"Hub sink {name} timeout must be a positive number of seconds, got {value!r}"
+                )
+
+    def limits(self) -> dict[str, float]:
+        """The bound of each of httpx's four timeouts."""
+        return {"connect": self.connect, "read": self.read, "write": self.read, "pool": self.read}
+
+    def widest(self, other: HubTimeouts) -> HubTimeouts:
+        return HubTimeouts(max(self.read, other.read), max(self.connect, other.connect))
+
+
+# owner (a HubSink) -> (origin, its bound). Weak, so a sink that is gone no longer widens anyone's bound.
+_BOUNDS: weakref.WeakKeyDictionary[object, tuple[str, HubTimeouts]] = weakref.WeakKeyDictionary()
+_BOUNDS_LOCK = threading.Lock()
+_hook_installed = False
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(scheme: str, host: str | None, port: int | None) -> str:
+    scheme = scheme.lower()
+    return f"{scheme}://{(host or '').lower()}:{port or _DEFAULT_PORTS.get(scheme, 0)}"
+
+
+def register_timeouts(owner: object, endpoint: str, timeouts: HubTimeouts) -> None:
+    """Bound every huggingface_hub request of this process to `endpoint` by `timeouts`, while `owner` lives.
+
+    Two owners on one endpoint get the wider of their bounds (the HTTP client is shared, so one cannot be
+    stricter than the other). The first call installs the request hook.
+    """
+    global _hook_installed
+    parts = urlsplit(endpoint)
+    with _BOUNDS_LOCK:
+        _BOUNDS[owner] = (_origin(parts.scheme, parts.hostname, parts.port), timeouts)
+        if not _hook_installed:
+            _install_request_hook()
+            _hook_installed = True
+
+
+def unregister_timeouts(owner: object) -> None:
+    """Forget `owner`'s bound (requests stay bounded: by other owners' bounds, else the defaults)."""
+    with _BOUNDS_LOCK:
+        _BOUNDS.pop(owner, None)
+
+
+def _bound_for(origin: str) -> HubTimeouts:
+    with _BOUNDS_LOCK:
+        entries = list(_BOUNDS.values())
+    # LFS uploads go to URLs the Hub hands out (a CDN, a bucket) that no sink can name in advance: those
+    # get the widest bound of any sink.
+    pool = [t for o, t in entries if o == origin] or [t for _, t in entries] or [HubTimeouts()]
+    return reduce(HubTimeouts.widest, pool)
+
+
+def _bound_request(request: httpx2.Request) -> None:
+    """httpx request hook: no timeout of `request` is unset or above the bound of its origin."""
+    url = request.url
+    bound = _bound_for(_origin(url.scheme, url.host, url.port)).limits()
+    asked = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {
+        k: limit if asked.get(k) is None else min(asked[k], limit) for k, limit in bound.items()
+    }
+
+
+def _install_request_hook() -> None:
+    """Make every client huggingface_hub creates from now on carry `_bound_request`."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+
+    # Wrap the factory in place (the library's default, or one the application set for proxies or
+    # certificates) instead of replacing it; 2.4 has no public getter for it.
+    previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+
+    def factory() -> httpx2.Client:
+        client = previous()
+        client.event_hooks["request"].append(_bound_request)
+        return client
+
+    set_client_factory(factory)
 
 
 # --- the export ---------------------------------------------------------------------------------------
@@ -263,6 +391,33 @@ def compare_tree(
     return problems
 
 
+def scan_history(
+    commits: Iterable[tuple[str, str]], step: int, *, cap: int = _HISTORY_CAP
+) -> tuple[int | None, str | None]:
+    """(step of the newest commit if stagerd made it, id of the commit titled for `step`) from (id, title)
+    pairs, newest first.
+
+    Reading stops at that commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps
+    in increasing order, so the sought one cannot be older), or after `cap` commits.
+    """
+    head_step: int | None = None
+    read = 0
+    for read, (oid, title) in enumerate(islice(commits, cap), start=1):
+        m = _STEP_TITLE.match(title)
+        seen = int(m.group(1)) if m else None
+        if read == 1:
+            head_step = seen
+        if seen == step:
+            return head_step, oid
+        if seen is not None and seen < step:
+            return head_step, None
+    if read == cap:
+        log.warning(
+            "step %d: no commit for it in the newest %d commits; taking it as not committed", step, cap
+        )
+    return head_step, None
+
+
 # --- errors ---------------------------------------------------------------------------------------------
 
 
@@ -326,9 +481,27 @@ def classify(exc: BaseException) -> Failure:
             ):
                 return Failure("retry", text)
             return Failure("fatal", text)
+        if isinstance(e, httpx2.TimeoutException):
+            return Failure("retry", _timeout_text(e))
         if isinstance(e, httpx2.TransportError | ConnectionError | TimeoutError):
             return Failure("retry", f"connection failed: {type(e).__name__}: {e}")
     return Failure("fatal", f"{type(exc).__name__}: {exc}")
+
+
+def _timeout_text(exc: httpx2.TimeoutException) -> str:
+    """'the Hub did not answer within N s (read timeout on METHOD /path)'; the path only, never a query."""
+    import httpx2
+
+    kinds = {httpx2.ConnectTimeout: "connect", httpx2.WriteTimeout: "write", httpx2.PoolTimeout: "pool"}
+    kind = kinds.get(type(exc), "read")
+    what = "accept the connection" if kind == "connect" else "answer"
+    try:
+        request = exc.request
+    except RuntimeError:  # raised by httpx when no request is attached
+        return f"the Hub did not {what} in time ({kind} timeout)"
+    seconds = (request.extensions.get("timeout") or {}).get(kind)
+    within = "in time" if seconds is None else f"within {seconds:g} s"
+    return f"the Hub did not {what} {within} ({kind} timeout on {request.method} {request.url.path})"
 
 
 _TOKEN_RE = re.compile(r"(hf_[A-Za-z0-9]{6,}|(?i:bearer)\s+\S+)")
@@ -359,6 +532,7 @@ class HubSink:
         retry: RetryPolicy | None = None,
         hash_threads: int = 2,
         num_threads: int = 5,
+        timeouts: HubTimeouts | None = None,
     ) -> None:
         from huggingface_hub import HfApi, get_token
 
@@ -370,6 +544,8 @@ class HubSink:
         self.url = HubTarget(repo_id, revision, {}).redacted
         self._token = token or get_token()
         self._api = HfApi(endpoint=endpoint, token=self._token, library_name="stagerd")
+        self.timeouts = timeouts or HubTimeouts()
+        register_timeouts(self, self._api.endpoint, self.timeouts)
         self._hash_threads = hash_threads
         self._num_threads = num_threads
         self._repo_ready = False
@@ -382,19 +558,20 @@ class HubSink:
         opts: dict[str, Any] = {**target.options, **options}
         known = {"token", "endpoint", "private", "branch_per_step", "max_attempts", "backoff_base"}
         known |= {"backoff_max", "max_retry_after", "hash_threads", "num_threads", "retry"}
+        known |= {"timeout", "connect_timeout"}
         unknown = sorted(set(opts) - known)
         if unknown:
             raise ConfigError(f"unknown Hub sink option(s) {', '.join(unknown)} for {target.redacted}")
-        try:
-            retry = opts.get("retry") or RetryPolicy(
-                max_attempts=int(opts.get("max_attempts", RetryPolicy.max_attempts)),
-                backoff_base=float(opts.get("backoff_base", RetryPolicy.backoff_base)),
-                backoff_max=float(opts.get("backoff_max", RetryPolicy.backoff_max)),
-                max_retry_after=float(opts.get("max_retry_after", RetryPolicy.max_retry_after)),
-            )
-            threads = int(opts.get("hash_threads", 2)), int(opts.get("num_threads", 5))
-        except ValueError as e:
-            raise ConfigError(f"bad numeric Hub sink option for {target.redacted}: {e}") from None
+        retry = opts.get("retry") or RetryPolicy(
+            max_attempts=_number(opts, "max_attempts", RetryPolicy.max_attempts, int),
+            backoff_base=_number(opts, "backoff_base", RetryPolicy.backoff_base, float),
+            backoff_max=_number(opts, "backoff_max", RetryPolicy.backoff_max, float),
+            max_retry_after=_number(opts, "max_retry_after", RetryPolicy.max_retry_after, float),
+        )
+        timeouts = HubTimeouts(
+            read=_number(opts, "timeout", HubTimeouts.read, float),
+            connect=_number(opts, "connect_timeout", HubTimeouts.connect, float),
+        )
         return cls(
             target.repo_id,
             revision=target.revision,
@@ -403,8 +580,9 @@ class HubSink:
             private=_as_bool("private", opts.get("private", True)),
             branch_per_step=_as_bool("branch_per_step", opts.get("branch_per_step", False)),
             retry=retry,
-            hash_threads=threads[0],
-            num_threads=threads[1],
+            hash_threads=_number(opts, "hash_threads", 2, int),
+            num_threads=_number(opts, "num_threads", 5, int),
+            timeouts=timeouts,
         )
 
     def __repr__(self) -> str:
@@ -477,7 +655,8 @@ class HubSink:
         return self._with_retries(step, check)
 
     def close(self) -> None:
-        """Nothing to release: huggingface_hub shares one HTTP client per process, which it closes at exit."""
+        """Drop this sink's request bound; huggingface_hub's shared HTTP client is closed at exit."""
+        unregister_timeouts(self)
 
     # --- one attempt ------------------------------------------------------------------------------------
 
@@ -532,13 +711,24 @@ class HubSink:
         for branch in dict.fromkeys((self.revision, step_branch(step))):
             if branch not in branches:
                 continue
-            commits = self._api.list_repo_commits(self.repo_id, revision=branch)
-            if branch == self.revision and commits and (m := _STEP_TITLE.match(commits[0].title)):
-                head_step = int(m.group(1))
-            for c in commits:
-                if c.title == commit_message(step):
-                    found = found or c.commit_id
+            head, hit = scan_history(self._history(branch), step)
+            if branch == self.revision:
+                head_step = head
+            found = found or hit
         return head_step, found
+
+    def _history(self, branch: str) -> Iterator[tuple[str, str]]:
+        """(commit id, title) of `branch`, newest first; each page is requested only when it is reached.
+
+        `list_repo_commits` would fetch the whole history first; this is the same endpoint and protocol
+        (`limit`, then the `Link` header's next page) through the library's own lazy `paginate`.
+        """
+        from huggingface_hub.utils import build_hf_headers, paginate
+
+        url = f"{self._api.endpoint}/api/models/{self.repo_id}/commits/{quote(branch, safe='')}"
+        headers = build_hf_headers(token=self._token, library_name="stagerd")
+        for item in paginate(url, params={"limit": _HISTORY_PAGE}, headers=headers):
+            yield item["id"], item["title"]
 
     def _target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
         """(branch to commit to, its head as the parent commit), creating the branch if needed."""
