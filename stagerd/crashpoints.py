@@ -7,6 +7,10 @@ no `finally`, no atexit, no flush, exactly what an OOM kill or a power cut leave
 
 Production never sets the variable; unset, a call costs one global lookup and one comparison. The points
 are listed in `POINTS` (the tests check every one is reached) and documented in RELIABILITY.md.
+
+A point needs a stagerd line to sit on. Inside huggingface_hub's LFS upload there is none, so that kill
+comes from outside: the Hub test server SIGKILLs the daemon once an upload body is partly received
+(`HubServer.on_lfs_body` in `tests/hubserver/`, used by `tests/test_crash_injection.py`).
 """
 
 from __future__ import annotations

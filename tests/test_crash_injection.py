@@ -12,6 +12,10 @@ test server), asserts it died by SIGKILL at that point, restarts it without the 
 - no reader ever saw a partial step: a `Reader` thread polls ROOT and every sink while both daemons run
   (an `export/` is whole or absent; a manifest, a tag, `latest` or the branch head only ever name a
   complete step; a step directory leaves ROOT only once every sink holds it).
+
+One place has no crash point because no stagerd line runs there: inside huggingface_hub's LFS upload. For
+it the Hub test server itself SIGKILLs the daemon once an upload body is partly received
+(`HubServer.on_lfs_body`), and the same checks follow.
 """
 
 from __future__ import annotations
@@ -337,7 +341,8 @@ def hub_files(hub: Any, commit: Any) -> Files:
 @dataclass(frozen=True)
 class Case:
     """Kill at the `n`-th arrival at `point`, with these sinks and steps; then, for a chain of crashes,
-    restart and kill again at each of `then` (`point:N`) before the clean restart."""
+    restart and kill again at each of `then` (`point:N`) before the clean restart. A kill that comes from
+    outside the daemon (the Hub server's LFS hook) names no crash point: its `point` is only a label."""
 
     point: str
     n: int
@@ -410,11 +415,11 @@ def test_every_crash_point_is_injected_at_least_twice():
 
 
 @pytest.fixture
-def sinks_for(request, tmp_path) -> Iterator[Callable[[Case], Sinks]]:
+def sinks_for(request, tmp_path) -> Iterator[Callable[..., Sinks]]:
     """Builds the sinks a case names; starts the Hub server (and takes the S3 fixture) only when named."""
     started = []
 
-    def make(case: Case) -> Sinks:
+    def make(case: Case, hub_config: Any = None) -> Sinks:
         s = Sinks()
         if "file" in case.sinks:
             s.file_dir = tmp_path / "sink"
@@ -423,7 +428,7 @@ def sinks_for(request, tmp_path) -> Iterator[Callable[[Case], Sinks]]:
         if "hub" in case.sinks:
             from tests.hubserver import HubServer
 
-            s.hub = HubServer().start()
+            s.hub = HubServer(config=hub_config).start()
             started.append(s.hub)
         return s
 
@@ -508,6 +513,22 @@ def test_sigkill_at_crash_point_then_restart(case: Case, tmp_path, reference, dc
         )
     finally:
         violations = reader.stop()
+    assert_recovered(case, root, sinks, expected, restarted, violations, reader, killed, after_crash)
+
+
+def assert_recovered(
+    case: Case,
+    root: Path,
+    sinks: Sinks,
+    expected: dict[int, Files],
+    restarted: subprocess.CompletedProcess,
+    violations: list[str],
+    reader: Reader,
+    killed: list[int],
+    after_crash: dict[int, tuple[int, bytes]],
+) -> None:
+    """What every kill case checks once the clean restart has run: published once, byte for byte, nothing
+    half-done, and the reader never saw a partial step."""
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert f"{len(case.steps)} step(s) published, 0 not" in restarted.stdout
     assert not violations, violations
@@ -596,6 +617,99 @@ def test_sigkill_at_crash_point_then_restart(case: Case, tmp_path, reference, dc
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# -- a kill inside the LFS upload, from the Hub server ------------------------------------------------------
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LfsKill:
+    """SIGKILL the daemon once the `nth` LFS upload request to receive `after` bytes of body has them.
+
+    The big checkpoint's export has one safetensors file (about 35 MB), the only LFS object of a step;
+    step 2's is byte-identical to step 1's, so the Hub already holds it then and only step 1 uploads.
+    """
+
+    id: str
+    after: int
+    nth: int
+    multipart_chunk: int | None  # None: one basic PUT; else the server asks for parts of this size
+
+
+LFS_KILLS = [
+    LfsKill("basic-put-at-8MiB", after=8 * MiB, nth=1, multipart_chunk=None),
+    LfsKill("multipart-part-2-at-4MiB", after=4 * MiB, nth=2, multipart_chunk=16 * MiB),  # part 1 landed
+]
+
+
+def lfs_objects_are_whole(hub: Any) -> list[str]:
+    """LFS objects of the repo whose stored bytes do not hash to their oid or have the wrong size."""
+    with hub.store.lock:
+        held = dict(hub.store.repos[HUB_REPO].lfs)
+    bad = []
+    for oid, size in held.items():
+        path = hub.store.lfs_path(oid)
+        if not path.is_file() or path.stat().st_size != size or sha256_file(path) != oid:
+            bad.append(oid)
+    return bad
+
+
+@pytest.mark.parametrize("kill", LFS_KILLS, ids=[k.id for k in LFS_KILLS])
+def test_sigkill_inside_the_hub_lfs_upload_then_restart(
+    kill: LfsKill, tmp_path, reference, dcp_big, sinks_for
+):
+    from tests.hubserver import HubConfig
+
+    case = Case("hub.lfs-upload", kill.nth, sinks=("hub", "file"), kind="big")
+    config = HubConfig()
+    if kill.multipart_chunk is not None:
+        config = HubConfig(
+            multipart_threshold=kill.multipart_chunk, multipart_chunk_size=kill.multipart_chunk
+        )
+    expected = {s: reference["big"][s] for s in case.steps}
+    root = tmp_path / "root"
+    for step in case.steps:
+        stage(root, step, dcp_big)
+    sinks = sinks_for(case, config)
+    hub = sinks.hub
+    cmd = watch_cmd(root, sinks.urls())
+    started, pid, seen = threading.Event(), [], {}
+
+    def sigkill_the_daemon() -> None:  # runs in the server's request thread, the body half received
+        started.wait(60)
+        seen.update(commits=hub.stats.commits[HUB_REPO], uploads=sum(hub.stats.lfs_uploads.values()))
+        os.kill(pid[0], signal.SIGKILL)
+
+    hook = hub.on_lfs_body(kill.after, sigkill_the_daemon, nth=kill.nth)
+    reader = Reader(root, expected, sinks)
+    reader.start()
+    try:
+        proc = subprocess.Popen(
+            cmd, env=run_env(sinks), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        pid.append(proc.pid)
+        started.set()
+        _, crash_err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, crash_err[-3000:])
+        assert hook.fired
+        reader.check()
+        restarted = subprocess.run(
+            cmd, env=run_env(sinks), cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        violations = reader.stop()
+
+    # The kill landed mid-upload: nothing committed, no object completed (part 1 of a multipart upload
+    # is a part, not an object), and the request it cut off never answered 200.
+    assert seen == {"commits": 0, "uploads": 0}, seen
+    lfs_requests = hub.stats.count("PUT", r"^/_lfs/(put|part)/")
+    assert lfs_requests > hub.stats.count("PUT", r"^/_lfs/(put|part)/", status=200)
+    assert_recovered(case, root, sinks, expected, restarted, violations, reader, [pid[0]], {})
+    # The restart sent the object whole, once; the cut-off body never became an object.
+    assert list(hub.stats.lfs_uploads.values()) == [1], hub.stats.lfs_uploads
+    assert not lfs_objects_are_whole(hub)
 
 
 # -- the mechanism itself ----------------------------------------------------------------------------------
