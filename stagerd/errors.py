@@ -135,3 +135,13 @@ class SaveInputError(StagerdError):
     """Arguments to `Stager.save` that cannot be staged: a non-tensor value, a bad extras name or path."""
 
     hint = "pass a state dict of tensors, extras as {name: dict | bytes | path}, and a valid reference index"
+
+
+class JournalFullError(JournalError):
+    """The filesystem that holds the journal is full: a transition could not be recorded (nor was it)."""
+
+    retryable = True
+    hint = (
+        "free space (or inodes) on the filesystem that holds ROOT/.stagerd; nothing was lost: the step keeps "
+        "its last recorded state and the daemon resumes from it"
+    )

@@ -19,13 +19,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from stagerd import layout
-from stagerd.errors import JournalError
+from stagerd.errors import JournalError, JournalFullError
 
 JOURNAL_NAME = "journal.sqlite"
 SCHEMA_VERSION = 1
@@ -166,12 +166,79 @@ class Recovered:
     attempts: int
 
 
+# SQLite needs room for its 32 KiB -shm index and a transaction's WAL frames. An SQLite write error with less
+# than this free on the journal's filesystem is the disk filling up; with more, it is a real I/O error.
+FULL_BELOW_BYTES = 1 << 20
+
+
 def journal_path(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / JOURNAL_NAME
 
 
+def _space_shortage(directory: str | os.PathLike[str], *, inodes_only: bool = False) -> str | None:
+    """Why the filesystem of `directory` cannot take a journal write (no inodes, too few bytes), or None."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if st.f_files and st.f_favail == 0:
+        return "no free inodes"
+    free = st.f_bavail * st.f_frsize
+    if free < FULL_BELOW_BYTES and not inodes_only:
+        return f"{free} bytes free"
+    return None
+
+
+def _journal_error(e: sqlite3.Error, path: Path, doing: str) -> JournalError:
+    """The named error for an SQLite failure on `path`: JournalFullError when its filesystem is full.
+
+    SQLite reports a full disk as "database or disk is full", or as "disk I/O error" when the write that
+    failed was its -shm index or an fsync, and running out of inodes as "unable to open database file" (it
+    could not create its -wal or -shm); the filesystem itself decides which it was.
+    """
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    shortage = None
+    if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+        shortage = _space_shortage(path.parent)
+    elif code == sqlite3.SQLITE_CANTOPEN:
+        shortage = _space_shortage(path.parent, inodes_only=True)
+    if shortage is None:
+        return JournalError(f"cannot {doing}: {e}", path=path)
+    return JournalFullError(
+        f"the disk is full ({shortage} on {path.parent}): cannot {doing} (SQLite: {e})", path=path
+    )
+
+
+def _remove_journal_files(path: Path) -> None:
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        p.unlink(missing_ok=True)
+
+
 def _columns(cls: type) -> str:
     return ", ".join(f.name for f in fields(cls))
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Connect, set WAL, check the schema version and create the tables; closed again on any failure."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL, not FULL: a commit survives any process crash; power loss may roll back the last few
+        # transitions, which only repeats idempotent work (exports are skipped when complete, sinks
+        # skip what they hold, a retired step's missing directory is noticed at start). FULL would put
+        # one fsync per transition into every step's latency.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise JournalError(
+                f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})", path=path
+            )
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 class Journal:
@@ -188,24 +255,14 @@ class Journal:
         """Open (creating if needed) the journal of `root` for the daemon that holds the ROOT lock."""
         path = journal_path(root)
         path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
         try:
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-            conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL, not FULL: a commit survives any process crash; power loss may roll back the last few
-            # transitions, which only repeats idempotent work (exports are skipped when complete, sinks
-            # skip what they hold, a retired step's missing directory is noticed at start). FULL would put
-            # one fsync per transition into every step's latency.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise JournalError(
-                    f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})",
-                    path=path,
-                )
-            conn.executescript(_SCHEMA)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn = _connect(path)
         except sqlite3.DatabaseError as e:
-            raise JournalError(f"cannot open the journal: {e}", path=path) from None
+            if created:
+                # A half-made file would read as "schema 0"; without it the next start simply creates it.
+                _remove_journal_files(path)
+            raise _journal_error(e, path, "open the journal") from None
         return cls(conn, path, readonly=False)
 
     @classmethod
@@ -218,10 +275,21 @@ class Journal:
             conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30
             )
+        except sqlite3.DatabaseError as e:
+            raise _journal_error(e, path, "read the journal") from None
+        try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
-            raise JournalError(f"cannot read the journal: {e}", path=path) from None
+            conn.close()
+            raise _journal_error(e, path, "read the journal") from None
         if version != SCHEMA_VERSION:
+            conn.close()
+            if version == 0:
+                raise JournalError(
+                    "the journal was never set up (the first `stagerd watch` stopped before creating it); "
+                    "the next `stagerd watch` sets it up",
+                    path=path,
+                )
             raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
         return cls(conn, path, readonly=True)
 
@@ -236,21 +304,30 @@ class Journal:
         if self.readonly:
             raise JournalError("the journal is open read-only", path=self.path)
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
+                self._rollback()  # a transaction a failed ROLLBACK left open would refuse BEGIN
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except sqlite3.Error as e:
+                raise _journal_error(e, self.path, "write the journal") from None
+
+    def _rollback(self) -> None:
+        """Roll back what is open, if anything: SQLite may already have rolled back after a full disk."""
+        if self._conn.in_transaction:
+            with suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
-                raise
-            else:
-                self._conn.execute("COMMIT")
 
     def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
         with self._lock:
             try:
                 return self._conn.execute(sql, tuple(args)).fetchall()
             except sqlite3.DatabaseError as e:
-                raise JournalError(f"cannot read the journal: {e}", path=self.path) from None
+                raise _journal_error(e, self.path, "read the journal") from None
 
     @staticmethod
     def _event(

@@ -215,3 +215,18 @@ def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
 def test_meta_round_trips(j):
     j.set_meta(pid=12, sinks=[A, B], keep_last=None)
     assert j.meta() == {"pid": 12, "sinks": [A, B], "keep_last": None}
+
+
+def test_a_journal_that_was_never_set_up_says_so_and_the_next_start_sets_it_up(tmp_path):
+    path = journal_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.touch()  # what a first `watch` killed before creating the tables leaves
+    with pytest.raises(JournalError, match="never set up") as info:
+        Journal.open_readonly(tmp_path)
+    assert "schema 0" not in str(info.value)
+    j = Journal.open(tmp_path)
+    assert j.add_step(1, "/r/1", 1.0)
+    j.close()
+    reader = Journal.open_readonly(tmp_path)
+    assert [r.step for r in reader.steps()] == [1]
+    reader.close()
