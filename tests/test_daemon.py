@@ -23,7 +23,7 @@ from stagerd.config import load_settings
 from stagerd.daemon import decide_failure
 from stagerd.errors import LockError, ShardError, SinkError
 from stagerd.journal import Journal
-from stagerd.lock import RootLock, running_holder
+from stagerd.lock import RootLock, lock_path, read_holder, running_holder
 from stagerd.retention import StepView, disk_state, plan_retention
 from tests.daemon_helpers import (
     REPO,
@@ -99,6 +99,18 @@ def test_root_lock_names_the_holder(tmp_path):
         with pytest.raises(LockError, match=f"pid {os.getpid()}"):
             RootLock(tmp_path).acquire()
     RootLock(tmp_path).acquire()  # released: free again
+
+
+def test_root_lock_holder_is_found_without_the_pid_file(tmp_path):
+    """The pid in the lock file is informative: with it missing (a full disk refused it), the kernel's lock
+    table still names the holder, for `stagerd status` and for the second daemon's error."""
+    with RootLock(tmp_path):
+        lock_path(tmp_path).write_bytes(b"")
+        assert read_holder(tmp_path) is None
+        assert running_holder(tmp_path) == os.getpid()
+        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
+            RootLock(tmp_path).acquire()
+    assert running_holder(tmp_path) is None
 
 
 def test_disk_state_thresholds(tmp_path):
