@@ -65,6 +65,11 @@ class Failure:
     next_try: float | None
 
 
+def backoff_delay(attempts: int, settings: Settings) -> float:
+    """Seconds to wait after the `attempts`-th failure: doubling from `retry_base_seconds`, capped."""
+    return min(settings.retry_max_seconds, settings.retry_base_seconds * 2 ** (attempts - 1))
+
+
 def decide_failure(err: BaseException, attempts: int, settings: Settings, now: float) -> Failure:
     """Pure retry policy: non-retryable errors quarantine at once; others back off until attempts run out."""
     if isinstance(err, StagerdError):
@@ -73,8 +78,12 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
         retryable, cls, msg = True, type(err).__name__, str(err) or repr(err)
     if not retryable or attempts >= settings.max_attempts:
         return Failure(cls, msg, True, None)
-    delay = min(settings.retry_max_seconds, settings.retry_base_seconds * 2 ** (attempts - 1))
-    return Failure(cls, msg, False, now + delay)
+    return Failure(cls, msg, False, now + backoff_delay(attempts, settings))
+
+
+class _Abandoned(Exception):
+    """A journal write given up (shutdown, `--once`, or an error retrying cannot fix): the step keeps its
+    last recorded state, which the next start recovers."""
 
 
 @dataclass
@@ -113,6 +122,9 @@ class Daemon:
         self._beat = time.monotonic()
         self._disk: DiskState | None = None
         self._health: dict[str, Any] = {"status": "starting", "pid": os.getpid()}
+        self._journal_failures = 0  # consecutive failed journal calls; 0 once a write lands again
+        self._journal_retry_at = 0.0  # monotonic; nothing touches the journal before this
+        self._fatal: JournalError | None = None  # --once: the journal error that ends the run (exit 3)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -213,6 +225,8 @@ class Daemon:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
             await self._drain()
+            if self._fatal is not None:
+                raise self._fatal
             if self.settings.once and not self._stopping:
                 await self._retain()
                 self.summary = await self._summary()
@@ -281,6 +295,86 @@ class Daemon:
     async def _j(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a journal call on the journal thread (commits fsync; the loop must not wait on disk)."""
         return await asyncio.get_running_loop().run_in_executor(self._jpool, partial(fn, *args, **kwargs))
+
+    def _journal_backing_off(self) -> bool:
+        return time.monotonic() < self._journal_retry_at
+
+    def _journal_down(self, err: JournalError, doing: str) -> None:
+        """Count a failed journal call; the first failure of a backoff period logs it and starts the next.
+
+        With `--once` the run ends instead (exit 3, naming the journal); the next start recovers.
+        """
+        self.metrics.failures.labels(stage="journal", error_class=err.name).inc()
+        if self._journal_backing_off():
+            return  # a call already queued when the backoff began: counted, not logged again
+        self._journal_failures += 1
+        delay = backoff_delay(self._journal_failures, self.settings)
+        self._journal_retry_at = time.monotonic() + delay
+        then = "stopping" if self.settings.once else f"journal paused for {delay:g}s"
+        log.error(
+            "journal: cannot %s: %s: %s; %s (what to do: %s)",
+            doing,
+            err.name,
+            err,
+            then,
+            err.hint,
+            extra={"error_class": err.name, "journal_failures": self._journal_failures, "hint": err.hint},
+        )
+        if self.settings.once:
+            self._fatal = self._fatal or err
+            self._stop.set()
+            return
+        if self._health["status"] == "ok":
+            self._health["status"] = "journal unavailable"
+        self._health["journal_error"] = f"{err.name}: {err}"
+        notify.notify_status(f"JOURNAL UNAVAILABLE ({err.name}); retrying in {delay:g}s")
+
+    def _journal_up(self) -> None:
+        """A journal write landed: end the backoff and report healthy again."""
+        if self._journal_failures == 0:
+            return
+        log.info("journal: writable again after %d failed attempt(s)", self._journal_failures)
+        self._journal_failures = 0
+        self._journal_retry_at = 0.0
+        self._health.pop("journal_error", None)
+        if self._health["status"] == "journal unavailable":
+            self._health["status"] = "ok"
+
+    async def _journal_pause(self) -> None:
+        """Sleep out the journal backoff (a no-op outside one); shutdown cuts it short."""
+        delay = self._journal_retry_at - time.monotonic()
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+
+    async def _record(self, doing: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A journal write that records work already done: retried after each backoff until it lands.
+
+        Raises `_Abandoned` at shutdown, with `--once`, or on an error retrying cannot fix.
+        """
+        while True:
+            await self._journal_pause()
+            try:
+                out = await self._j(fn, *args, **kwargs)
+            except JournalError as e:
+                self._journal_down(e, doing)
+                if self.settings.once:
+                    raise _Abandoned(doing) from e  # the run ends naming the journal
+                if self._stopping or not e.retryable:
+                    log.error("could not %s (%s: %s); the next start recovers it", doing, e.name, e)
+                    raise _Abandoned(doing) from e
+                continue
+            self._journal_up()
+            return out
+
+    async def _try_refresh(self) -> None:
+        """`_refresh`, unless stopping or the journal is backing off; a journal error starts a backoff."""
+        if self._stopping or self._journal_backing_off():
+            return
+        try:
+            await self._refresh()
+        except JournalError as e:
+            self._journal_down(e, "read the journal")
 
     async def _io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._iopool, partial(fn, *args, **kwargs))
@@ -358,7 +452,7 @@ class Daemon:
                 stop_event=self._stop,
                 ignore_permission_denied=True,
             ):
-                await self._scan()
+                await self._scan_safely()
                 if any(os.path.basename(p) != layout.MARKER_NAME for _, p in changes):
                     # A marker written right after its directory can beat the new directory's watch.
                     asyncio.get_running_loop().call_later(1.0, self._rescan_soon)
@@ -367,9 +461,20 @@ class Daemon:
         except Exception as e:  # inotify limits, an unsupported filesystem: the rescan still finds steps
             log.warning("filesystem events unavailable (%s); relying on the %.0fs rescan", e, self._rescan_s)
 
+    async def _scan_safely(self) -> None:
+        """`_scan`, logging its failure; skipped while the journal backs off (the rescan after finds it)."""
+        if self._journal_backing_off():
+            return
+        try:
+            await self._scan()
+        except JournalError as e:
+            self._journal_down(e, "record new steps")
+        except (OSError, StagerdError) as e:
+            log.warning("rescan of %s failed: %s", self.root, e)
+
     def _rescan_soon(self) -> None:
         if not self._stopping:
-            task = asyncio.ensure_future(self._scan())
+            task = asyncio.ensure_future(self._scan_safely())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -380,10 +485,7 @@ class Daemon:
     async def _rescanner(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self._rescan_s)
-            try:
-                await self._scan()
-            except (OSError, StagerdError) as e:
-                log.warning("rescan of %s failed: %s", self.root, e)
+            await self._scan_safely()
 
     async def _recover(self) -> None:
         """Resume after a crash: put in-flight work back, lanes for new sinks, and vanished steps aside."""
@@ -417,34 +519,49 @@ class Daemon:
     # -- the pipeline ------------------------------------------------------------------------------------
 
     async def _schedule(self) -> None:
-        """Start exports and publishes as slots free up; with `once`, return when nothing is left to do."""
+        """Start exports and publishes as slots free up; with `once`, return when nothing is left to do.
+
+        While the journal backs off nothing new starts: a full journal disk costs one log line per backoff.
+        """
         while not self._stop.is_set():
-            self._wake.clear()
-            now = time.time()
-            while len(self._inflight_exports) < self.settings.export_workers:
-                row = await self._j(self._journal.next_export, now, self._inflight_exports)
-                if row is None:
-                    break
-                self._inflight_exports[row.step] = asyncio.create_task(self._export(row.step, Path(row.path)))
-            for sink in self._sinks:
-                busy = [s for (s, k) in self._inflight_publishes if k == sink]
-                while len(busy) < self.settings.publish_workers:
-                    lane = await self._j(self._journal.next_publish, sink, now, busy)
-                    if lane is None:
-                        break
-                    busy.append(lane.step)
-                    self._inflight_publishes[(lane.step, sink)] = asyncio.create_task(
-                        self._publish(lane.step, sink)
-                    )
-            idle = not self._inflight_exports and not self._inflight_publishes
-            if self.settings.once and idle and await self._settled():
+            await self._journal_pause()
+            if self._stop.is_set():
                 return
-            timeout = 1.0
-            next_try = await self._j(self._journal.next_retry_time)
-            if next_try is not None:
-                timeout = min(timeout, max(0.0, next_try - time.time()))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+            self._wake.clear()
+            try:
+                if await self._schedule_pass():
+                    return
+            except JournalError as e:
+                self._journal_down(e, "look for work")
+
+    async def _schedule_pass(self) -> bool:
+        """Start what has a free slot, then wait for a wake-up or the next retry; True when `once` is done."""
+        now = time.time()
+        while len(self._inflight_exports) < self.settings.export_workers and not self._journal_backing_off():
+            row = await self._j(self._journal.next_export, now, self._inflight_exports)
+            if row is None:
+                break
+            self._inflight_exports[row.step] = asyncio.create_task(self._export(row.step, Path(row.path)))
+        for sink in self._sinks:
+            busy = [s for (s, k) in self._inflight_publishes if k == sink]
+            while len(busy) < self.settings.publish_workers and not self._journal_backing_off():
+                lane = await self._j(self._journal.next_publish, sink, now, busy)
+                if lane is None:
+                    break
+                busy.append(lane.step)
+                self._inflight_publishes[(lane.step, sink)] = asyncio.create_task(
+                    self._publish(lane.step, sink)
+                )
+        idle = not self._inflight_exports and not self._inflight_publishes
+        if self.settings.once and idle and await self._settled():
+            return True
+        timeout = 1.0
+        next_try = await self._j(self._journal.next_retry_time)
+        if next_try is not None:
+            timeout = min(timeout, max(0.0, next_try - time.time()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+        return False
 
     async def _settled(self) -> bool:
         """Nothing runs and nothing waits (not even a retry): every live step is published or quarantined."""
@@ -456,53 +573,63 @@ class Daemon:
         return not any(ln.step in live and ln.state in (PENDING, PUBLISHING, FAILED) for ln in lanes)
 
     async def _export(self, step: int, step_dir: Path) -> None:
+        """One step's export task: begin, export, record; a journal error ends it quietly."""
         try:
-            row = await self._j(self._journal.step, step)
-            attempt = await self._j(self._journal.begin_export, step)
-            if attempt == 1 and row is not None:
-                self.metrics.pickup_seconds.observe(max(0.0, time.time() - row.marker_mtime))
-            self._transition(step, None, "exporting", attempt=attempt)
-            await self._refresh()
-            t0 = time.monotonic()
-            try:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    self._export_pool, self._run_export, step, step_dir
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                await self._export_failed(step, attempt, e)
-                return
-            seconds = time.monotonic() - t0
-            export_bytes = sum(size for _, size in result.files)
-            await self._j(
-                self._journal.finish_export,
-                step,
-                list(self._sinks),
-                seconds=result.seconds if result.skipped else seconds,
-                export_bytes=export_bytes,
-                tensor_bytes=result.tensor_bytes,
-                files=len(result.files),
-                skipped=result.skipped,
-            )
-            if not result.skipped:
-                self.metrics.exported_bytes.inc(export_bytes)
-                self.metrics.export_seconds.observe(seconds)
-            self._transition(
-                step,
-                None,
-                EXPORTED,
-                note=f"{decimal(export_bytes)} in {seconds:.2f}s"
-                + (", already complete" if result.skipped else ""),
-                seconds=round(seconds, 3),
-                bytes=export_bytes,
-                skipped=result.skipped,
-            )
+            await self._export_step(step, step_dir)
+        except JournalError as e:  # reading the step or beginning its export: nothing was started
+            self._journal_down(e, f"start the export of step {step}")
+        except _Abandoned:
+            pass  # logged where it was given up
         finally:
             self._inflight_exports.pop(step, None)
-            if not self._stopping:
-                await self._refresh()
+            await self._try_refresh()
             self._wake.set()
+
+    async def _export_step(self, step: int, step_dir: Path) -> None:
+        row = await self._j(self._journal.step, step)
+        attempt = await self._j(self._journal.begin_export, step)
+        self._journal_up()
+        if attempt == 1 and row is not None:
+            self.metrics.pickup_seconds.observe(max(0.0, time.time() - row.marker_mtime))
+        self._transition(step, None, "exporting", attempt=attempt)
+        await self._try_refresh()
+        t0 = time.monotonic()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._export_pool, self._run_export, step, step_dir
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._export_failed(step, attempt, e)
+            return
+        seconds = time.monotonic() - t0
+        export_bytes = sum(size for _, size in result.files)
+        # The export is on disk: recording it is retried with this result, never redone.
+        await self._record(
+            f"record the export of step {step}",
+            self._journal.finish_export,
+            step,
+            list(self._sinks),
+            seconds=result.seconds if result.skipped else seconds,
+            export_bytes=export_bytes,
+            tensor_bytes=result.tensor_bytes,
+            files=len(result.files),
+            skipped=result.skipped,
+        )
+        if not result.skipped:
+            self.metrics.exported_bytes.inc(export_bytes)
+            self.metrics.export_seconds.observe(seconds)
+        self._transition(
+            step,
+            None,
+            EXPORTED,
+            note=f"{decimal(export_bytes)} in {seconds:.2f}s"
+            + (", already complete" if result.skipped else ""),
+            seconds=round(seconds, 3),
+            bytes=export_bytes,
+            skipped=result.skipped,
+        )
 
     def _run_export(self, step: int, step_dir: Path) -> Any:
         """Worker thread: the export engine, with progress and the test pause hook."""
@@ -532,7 +659,8 @@ class Daemon:
 
     async def _export_failed(self, step: int, attempt: int, err: BaseException) -> None:
         f = decide_failure(err, attempt, self.settings, time.time())
-        state = await self._j(
+        state = await self._record(
+            f"record the failed export of step {step}",
             self._journal.fail_export,
             step,
             f.error_class,
@@ -564,76 +692,99 @@ class Daemon:
             log.debug("unexpected error", exc_info=err)
 
     async def _publish(self, step: int, sink: str) -> None:
+        """One (step, sink) publish task: begin, publish, record; a journal error ends it quietly."""
         try:
-            row = await self._j(self._journal.step, step)
-            assert row is not None
-            export_dir = Path(row.path) / layout.EXPORT_DIR
-            if not await self._io(export_dir.is_dir):
-                if not await self._io(Path(row.path).is_dir):
-                    msg = f"the step directory {row.path} disappeared before the step was published"
-                    await self._j(self._journal.quarantine_step, step, "MissingStep", msg)
-                    self._transition(step, None, QUARANTINED, error_class="MissingStep", note=msg)
-                    return
-                with contextlib.suppress(JournalError):  # another lane already sent it back
-                    await self._j(self._journal.reexport, step, "export/ disappeared; exporting again")
-                    self._transition(step, None, COMMITTED, note="export/ disappeared; exporting again")
-                return
-            attempt = await self._j(self._journal.begin_publish, step, sink)
-            self._transition(step, sink, PUBLISHING, attempt=attempt)
-            await self._refresh()
-            try:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    self._lane_pools[sink], self._run_publish, step, sink, export_dir, Path(row.path)
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                f = decide_failure(e, attempt, self.settings, time.time())
-                state = await self._j(
-                    self._journal.fail_publish,
-                    step,
-                    sink,
-                    f.error_class,
-                    f.message,
-                    next_try=f.next_try,
-                    quarantine=f.quarantine,
-                )
-                self.metrics.failures.labels(stage="publish", error_class=f.error_class).inc()
-                self._log_failure(step, sink, state, f, attempt, e)
-                return
-            crash_point("publish.done")
-            done = await self._j(
-                self._journal.finish_publish,
-                step,
-                sink,
-                sinks=list(self._sinks),
-                seconds=result.seconds,
-                bytes_total=result.bytes_total,
-                bytes_uploaded=result.bytes_uploaded,
-                location=result.location,
-                skipped=result.skipped,
-            )
-            self.metrics.published_bytes.labels(sink=sink).inc(result.bytes_uploaded)
-            self.metrics.publish_seconds.labels(sink=sink).observe(result.seconds)
-            self._transition(
-                step,
-                sink,
-                PUBLISHED,
-                note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded "
-                f"in {result.seconds:.2f}s" + (", already there" if result.skipped else ""),
-                seconds=round(result.seconds, 3),
-                bytes=result.bytes_uploaded,
-                skipped=result.skipped,
-            )
-            if done:
-                total = time.time() - row.marker_mtime
-                self._transition(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
-                self._housekeep.set()
+            await self._publish_step(step, sink)
+        except JournalError as e:  # reading the step, sending it back, or beginning: nothing was published
+            self._journal_down(e, f"start the publish of step {step} on {sink}")
+        except _Abandoned:
+            pass  # logged where it was given up
         finally:
             self._inflight_publishes.pop((step, sink), None)
-            if not self._stopping:
-                await self._refresh()
+            await self._try_refresh()
             self._wake.set()
+
+    async def _publish_step(self, step: int, sink: str) -> None:
+        row = await self._j(self._journal.step, step)
+        assert row is not None
+        export_dir = Path(row.path) / layout.EXPORT_DIR
+        if not await self._io(export_dir.is_dir):
+            await self._export_vanished(step, Path(row.path))
+            return
+        attempt = await self._j(self._journal.begin_publish, step, sink)
+        self._journal_up()
+        self._transition(step, sink, PUBLISHING, attempt=attempt)
+        await self._try_refresh()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._lane_pools[sink], self._run_publish, step, sink, export_dir, Path(row.path)
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._publish_failed(step, sink, attempt, e)
+            return
+        crash_point("publish.done")
+        # The sink holds the step: recording it is retried with this result, never published again.
+        done = await self._record(
+            f"record the publish of step {step} on {sink}",
+            self._journal.finish_publish,
+            step,
+            sink,
+            sinks=list(self._sinks),
+            seconds=result.seconds,
+            bytes_total=result.bytes_total,
+            bytes_uploaded=result.bytes_uploaded,
+            location=result.location,
+            skipped=result.skipped,
+        )
+        self.metrics.published_bytes.labels(sink=sink).inc(result.bytes_uploaded)
+        self.metrics.publish_seconds.labels(sink=sink).observe(result.seconds)
+        self._transition(
+            step,
+            sink,
+            PUBLISHED,
+            note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded "
+            f"in {result.seconds:.2f}s" + (", already there" if result.skipped else ""),
+            seconds=round(result.seconds, 3),
+            bytes=result.bytes_uploaded,
+            skipped=result.skipped,
+        )
+        if done:
+            total = time.time() - row.marker_mtime
+            self._transition(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
+            self._housekeep.set()
+
+    async def _export_vanished(self, step: int, step_dir: Path) -> None:
+        """export/ is gone before every sink had it: export again, or quarantine if the step is gone too."""
+        if not await self._io(step_dir.is_dir):
+            msg = f"the step directory {step_dir} disappeared before the step was published"
+            await self._j(self._journal.quarantine_step, step, "MissingStep", msg)
+            self._transition(step, None, QUARANTINED, error_class="MissingStep", note=msg)
+            return
+        try:
+            await self._j(self._journal.reexport, step, "export/ disappeared; exporting again")
+        except JournalError:
+            row = await self._j(self._journal.step, step)
+            if row is not None and row.state in (EXPORTED, PUBLISHED):
+                raise  # not another lane sending it back first: a real journal failure
+            return
+        self._transition(step, None, COMMITTED, note="export/ disappeared; exporting again")
+
+    async def _publish_failed(self, step: int, sink: str, attempt: int, err: BaseException) -> None:
+        f = decide_failure(err, attempt, self.settings, time.time())
+        state = await self._record(
+            f"record the failed publish of step {step} on {sink}",
+            self._journal.fail_publish,
+            step,
+            sink,
+            f.error_class,
+            f.message,
+            next_try=f.next_try,
+            quarantine=f.quarantine,
+        )
+        self.metrics.failures.labels(stage="publish", error_class=f.error_class).inc()
+        self._log_failure(step, sink, state, f, attempt, err)
 
     def _run_publish(self, step: int, sink: str, export_dir: Path, step_dir: Path) -> Any:
         """Worker thread: one sink's publish, with progress and the test pause hook."""
@@ -724,9 +875,12 @@ class Daemon:
                 await asyncio.wait_for(self._housekeep.wait(), timeout=self.settings.disk_check_seconds)
             self._housekeep.clear()
             try:
-                await self._retain()
+                if not self._journal_backing_off():
+                    await self._retain()
                 await self._check_disk()
-                await self._refresh()
+                await self._try_refresh()
+            except JournalError as e:
+                self._journal_down(e, "apply retention")
             except (OSError, StagerdError) as e:
                 log.warning("housekeeping failed: %s", e)
 
