@@ -601,7 +601,7 @@ class Daemon:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            await self._export_failed(step, attempt, e)
+            await self._work_failed(step, None, attempt, e)
             return
         seconds = time.monotonic() - t0
         export_bytes = sum(size for _, size in result.files)
@@ -657,19 +657,25 @@ class Daemon:
                 progress=report,
             )
 
-    async def _export_failed(self, step: int, attempt: int, err: BaseException) -> None:
+    async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
+        """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
         f = decide_failure(err, attempt, self.settings, time.time())
+        if sink is None:
+            stage, what = "export", f"step {step}"
+            fail = partial(self._journal.fail_export, step)
+        else:
+            stage, what = "publish", f"step {step} on {sink}"
+            fail = partial(self._journal.fail_publish, step, sink)
         state = await self._record(
-            f"record the failed export of step {step}",
-            self._journal.fail_export,
-            step,
+            f"record the failed {stage} of {what}",
+            fail,
             f.error_class,
             f.message,
             next_try=f.next_try,
             quarantine=f.quarantine,
         )
-        self.metrics.failures.labels(stage="export", error_class=f.error_class).inc()
-        self._log_failure(step, None, state, f, attempt, err)
+        self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        self._log_failure(step, sink, state, f, attempt, err)
 
     def _log_failure(
         self, step: int, sink: str | None, state: str, f: Failure, attempt: int, err: BaseException
@@ -722,7 +728,7 @@ class Daemon:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            await self._publish_failed(step, sink, attempt, e)
+            await self._work_failed(step, sink, attempt, e)
             return
         crash_point("publish.done")
         # The sink holds the step: recording it is retried with this result, never published again.
@@ -770,21 +776,6 @@ class Daemon:
                 raise  # not another lane sending it back first: a real journal failure
             return
         self._transition(step, None, COMMITTED, note="export/ disappeared; exporting again")
-
-    async def _publish_failed(self, step: int, sink: str, attempt: int, err: BaseException) -> None:
-        f = decide_failure(err, attempt, self.settings, time.time())
-        state = await self._record(
-            f"record the failed publish of step {step} on {sink}",
-            self._journal.fail_publish,
-            step,
-            sink,
-            f.error_class,
-            f.message,
-            next_try=f.next_try,
-            quarantine=f.quarantine,
-        )
-        self.metrics.failures.labels(stage="publish", error_class=f.error_class).inc()
-        self._log_failure(step, sink, state, f, attempt, err)
 
     def _run_publish(self, step: int, sink: str, export_dir: Path, step_dir: Path) -> Any:
         """Worker thread: one sink's publish, with progress and the test pause hook."""
