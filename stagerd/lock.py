@@ -50,7 +50,7 @@ class RootLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = read_holder(self.path.parent.parent) or flock_holder(self.path)
+            holder = named_holder(self.path.parent.parent)
             os.close(fd)
             who = f"pid {holder}" if holder else "another process"
             raise LockError(
@@ -121,9 +121,14 @@ def flock_holder(path: str | os.PathLike[str]) -> int | None:
     return None
 
 
+def named_holder(root: str | os.PathLike[str]) -> int | None:
+    """The pid the lock file of `root` names, else the one the kernel says holds its flock, or None."""
+    return read_holder(root) or flock_holder(lock_path(root))
+
+
 def running_holder(root: str | os.PathLike[str]) -> int | None:
     """The pid of the daemon watching `root` now, or None. Probes without taking the lock."""
-    pid = read_holder(root) or flock_holder(lock_path(root))
+    pid = named_holder(root)
     if pid is None:
         return None
     try:
