@@ -73,7 +73,7 @@ def commit(root: Path, step: int, model_src: Path, world: int) -> Path:
 
 def baseline(work: Path, model_src: Path, world: int, repeats: int = 2) -> tuple[float, float]:
     """Median seconds of export alone and of a file:// publish alone."""
-    from stagerd.export import export_step
+    from stagerd.engine.export import export_step
     from stagerd.sinks import open_sink
 
     exports, uploads = [], []
@@ -103,7 +103,7 @@ def run_daemon(root: Path, sink: Path, log: Path, *extra: str) -> subprocess.Pop
 def wait_published(
     root: Path, steps: list[int], proc: subprocess.Popen, samples: list, timeout: float
 ) -> None:
-    from stagerd.journal import Journal
+    from stagerd.daemon.journal import Journal
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,7 +123,7 @@ def wait_published(
 
 
 def step_times(root: Path) -> dict[int, dict[str, float]]:
-    from stagerd.journal import Journal
+    from stagerd.daemon.journal import Journal
 
     j = Journal.open_readonly(root)
     try:

@@ -170,7 +170,6 @@ def run_generators(seeds: list, count: int, seed: int, args: argparse.Namespace,
 def run_atheris(seeds: list, count: int, args: argparse.Namespace, work: Path) -> list[Run]:
     """Coverage-guided: libFuzzer's mutations plus the structure-aware mutator, on instrumented stagerd."""
     import atheris
-
     from tests.test_fuzz_headers import Seed, mutate
 
     run = Run("atheris", work / "crashes")

@@ -42,9 +42,10 @@ def main() -> int:
     )
     a = ap.parse_args()
 
+    from tests.test_load import STEADY_ALLOCATOR, run_load
+
     from tests.dcp_fixtures import dcp_save
     from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Env, S3TestServer
-    from tests.test_load import STEADY_ALLOCATOR, run_load
 
     with tempfile.TemporaryDirectory(prefix="stagerd-soak-") as tmp_s:
         tmp = Path(tmp_s)

@@ -8,13 +8,13 @@ __version__ = "0.1.0"
 __all__ = ["SaveHandle", "Stager", "__version__"]
 
 if TYPE_CHECKING:
-    from stagerd.stage import SaveHandle, Stager
+    from stagerd.training.stager import SaveHandle, Stager
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import stagerd` (the daemon, the CLI) must not pay for importing torch.
     if name in ("Stager", "SaveHandle"):
-        from stagerd import stage
+        from stagerd.training import stager as stage
 
         return getattr(stage, name)
     raise AttributeError(f"module 'stagerd' has no attribute {name!r}")

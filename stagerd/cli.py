@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from stagerd.logs import setup_logging
+    from stagerd.ops.logs import setup_logging
 
     setup_logging(debug=args.debug)
     try:

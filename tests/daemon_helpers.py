@@ -195,7 +195,7 @@ def _train_rank(rank: int, world: int, init_file: str, root: str, steps: list[in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from stagerd.stage import Stager
+    from stagerd.training.stager import Stager
     from tests.dcp_fixtures import _local_block, mixed_tensors
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from stagerd import layout
+from stagerd.contract import layout
 
 Spec = dict[str, tuple[torch.Tensor, str]]  # name -> (full tensor, placement code)
 

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagerd.demo import DemoError, format_summary, make_plan, run_demo
+    from stagerd.demo.run import DemoError, format_summary, make_plan, run_demo
 
     if args.steps < 1:
         raise DemoError("--steps must be at least 1", hint="pass --steps 3, for example")

@@ -64,11 +64,11 @@ def _prepare_out(out: Path) -> Path:
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
-    from stagerd.consolidate import read_reference_index
-    from stagerd.export import build_export, list_files, open_source
-    from stagerd.layout import fsync_dir
-    from stagerd.progress import progress
-    from stagerd.sharding import parse_size
+    from stagerd.contract.layout import fsync_dir
+    from stagerd.contract.reference_index import read_reference_index
+    from stagerd.contract.sharding import parse_size
+    from stagerd.engine.export import build_export, list_files, open_source
+    from stagerd.ops.progress import progress
 
     t0 = time.monotonic()
     try:
@@ -109,8 +109,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from stagerd.progress import progress
-    from stagerd.verify import verify_export
+    from stagerd.engine.verify import verify_export
+    from stagerd.ops.progress import progress
 
     with progress(f"verify {args.export_dir.name}", 0) as bar:
         r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar)

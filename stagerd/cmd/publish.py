@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from stagerd import layout
+from stagerd.contract import layout
 from stagerd.errors import ConfigError, StagerdError, VerifyError
 
 
@@ -50,7 +50,7 @@ def step_from_path(export_dir: Path) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagerd.progress import progress
+    from stagerd.ops.progress import progress
     from stagerd.sinks import open_sink
 
     export_dir: Path = args.export_dir

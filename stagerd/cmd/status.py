@@ -26,9 +26,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
 
 def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
-    from stagerd.journal import Journal
-    from stagerd.lock import running_holder
-    from stagerd.retention import disk_state
+    from stagerd.daemon.journal import Journal
+    from stagerd.daemon.lock import running_holder
+    from stagerd.daemon.retention import disk_state
 
     journal = Journal.open_readonly(root)
     try:

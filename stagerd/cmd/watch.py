@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from stagerd.config import load_settings
-    from stagerd.daemon import Daemon
+    from stagerd.daemon.core import Daemon
 
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     daemon = Daemon(settings)

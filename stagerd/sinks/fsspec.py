@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from stagerd import layout
-from stagerd.crashpoints import crash_point
+from stagerd.contract import layout
+from stagerd.contract.layout import ExportManifest, ManifestFile
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
-from stagerd.layout import ExportManifest, ManifestFile
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from stagerd.hashing import hash_file, iter_file
+from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
 
 

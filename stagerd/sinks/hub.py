@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from stagerd.crashpoints import crash_point
 from stagerd.errors import (
     ConfigError,
     SinkAuthError,
@@ -64,6 +63,7 @@ from stagerd.errors import (
     StagerdError,
     VerifyError,
 )
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.model_card import CARD_NAME, CardInfo, export_dtypes, render_model_card
 

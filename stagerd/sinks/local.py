@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stagerd import layout
-from stagerd.crashpoints import crash_point
-from stagerd.hashing import hash_file, iter_file
+from stagerd.contract import layout
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
 
 # `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names

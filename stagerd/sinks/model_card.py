@@ -14,7 +14,7 @@ from typing import Any
 
 from huggingface_hub import ModelCardData
 
-from stagerd.layout import INDEX_NAME
+from stagerd.contract.layout import INDEX_NAME
 
 CARD_NAME = "README.md"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from stagerd import layout
+from stagerd.contract import layout
+from stagerd.contract.layout import ExportManifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
-from stagerd.layout import ExportManifest
 from stagerd.sinks.base import ProgressFn
 
 _SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")

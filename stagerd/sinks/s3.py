@@ -12,9 +12,9 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagerd.crashpoints import crash_point
 from stagerd.errors import ConfigError, SinkAuthError, SinkError
-from stagerd.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, raw_checksum, read_full
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, raw_checksum, read_full
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, redact_url
 
 log = logging.getLogger("stagerd.sinks.s3")

@@ -1,0 +1,236 @@
+"""Strict reading and validation of safetensors headers, DCP sharding metadata, and header writing.
+
+Pure Python. Nothing here trusts a length or an offset before checking it against the file: a hostile
+header can claim any size, so reads are bounded by the real file size and `MAX_HEADER_BYTES`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import dtypes
+from stagerd.errors import DTypeError, HeaderError, StagerdError
+
+# safetensors itself refuses headers above 100 MB; so do we.
+MAX_HEADER_BYTES = 100_000_000
+MAX_NDIM = 64
+DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+SAVED_OFFSETS_KEY = "saved_offsets"
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a safetensors file: dtype name, shape, and [begin, end) relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated safetensors header. `data_start` is the absolute file offset of the data section."""
+
+    path: str
+    file_size: int
+    data_start: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def dcp_offsets(self) -> dict[str, tuple[int, ...]]:
+        """The `saved_offsets` of every tensor, from `__metadata__.DCP_SHARDING_INFO`."""
+        return parse_dcp_sharding_info(self)
+
+
+def _fail(path: object, msg: str) -> HeaderError:
+    return HeaderError(msg, path=path)
+
+
+def _utf8(text: str) -> bool:
+    """JSON may decode to lone surrogates, which no safetensors writer can encode back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def parse_header_bytes(path: object, prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
+    """Validate the 8-byte length and decode the JSON header. `prefix` holds at least 8+len bytes."""
+    if file_size < 8 or len(prefix) < 8:
+        raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or hostile)")
+    if 8 + n > file_size:
+        raise _fail(path, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
+    raw = prefix[8 : 8 + n]
+    if len(raw) != n:
+        raise _fail(path, "short read of the header")
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
+    if not isinstance(obj, dict):
+        raise _fail(path, "header is not a JSON object")
+    return n, obj
+
+
+def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -> Header:
+    """Check every entry of a decoded header against the file; return the typed Header."""
+    data_start = 8 + n
+    data_len = file_size - data_start
+    metadata: dict[str, str] = {}
+    tensors: dict[str, TensorEntry] = {}
+    for name, info in obj.items():
+        if name == METADATA_KEY:
+            if not isinstance(info, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in info.items()
+            ):
+                raise _fail(path, "__metadata__ must map strings to strings")
+            if not all(_utf8(k) and _utf8(v) for k, v in info.items()):
+                raise _fail(path, "__metadata__ holds text that is not valid UTF-8")
+            metadata = dict(info)
+            continue
+        if not isinstance(info, dict):
+            raise _fail(path, f"tensor {name!r}: entry is not an object")
+        if not _utf8(name):
+            raise _fail(path, f"tensor name {name!r} is not valid UTF-8")
+        try:
+            dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except KeyError as e:
+            raise _fail(path, f"tensor {name!r}: missing {e.args[0]!r}") from None
+        try:
+            dt = dtypes.lookup(dtype_name)
+        except DTypeError:
+            raise DTypeError(f"tensor {name!r}: unknown dtype {dtype_name!r}", path=path) from None
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
+            raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+            raise _fail(path, f"tensor {name!r}: data_offsets must be two non-negative integers")
+        begin, end = offsets
+        if begin > end or end > data_len:
+            raise _fail(
+                path,
+                f"tensor {name!r}: data_offsets [{begin}, {end}] run past the {data_len}-byte data section"
+                " (truncated?)"
+                if end > data_len
+                else f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed",
+            )
+        try:
+            want = dt.nbytes(math.prod(shape))
+        except StagerdError:
+            raise _fail(
+                path, f"tensor {name!r}: shape {shape} does not fill whole bytes of {dt.name}"
+            ) from None
+        if end - begin != want:
+            raise _fail(path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{shape} needs {want}")
+        tensors[name] = TensorEntry(name, dt.name, tuple(shape), begin, end)
+    ordered = sorted((t for t in tensors.values() if t.end > t.begin), key=lambda t: t.begin)
+    for a, b in itertools.pairwise(ordered):
+        if b.begin < a.end:
+            raise _fail(path, f"tensors {a.name!r} and {b.name!r} overlap in the data section")
+    return Header(str(path), file_size, data_start, tensors, metadata)
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of a safetensors file."""
+    from stagerd.errors import ShardError
+
+    try:
+        # O_NONBLOCK: opening a FIFO planted in the staging dir must not hang the daemon.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ShardError("shard file is missing", path=path) from None
+    except IsADirectoryError:
+        raise _fail(path, "is a directory, not a safetensors file") from None
+    except OSError as e:
+        raise ShardError(f"cannot open: {e.strerror}", path=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _fail(path, "is not a regular file")
+        file_size = st.st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        body = os.pread(fd, min(n, MAX_HEADER_BYTES + 1, max(file_size - 8, 0)), 8)
+    finally:
+        os.close(fd)
+    n, obj = parse_header_bytes(path, head + body, file_size)
+    return validate_header(path, n, obj, file_size)
+
+
+def parse_dcp_sharding_info(header: Header) -> dict[str, tuple[int, ...]]:
+    """Validate `__metadata__.DCP_SHARDING_INFO` and return {name: saved_offsets} for every tensor."""
+    raw = header.metadata.get(DCP_SHARDING_INFO_KEY)
+    if raw is None:
+        raise _fail(
+            header.path,
+            "no __metadata__.DCP_SHARDING_INFO: not a HuggingFaceStorageWriter(save_distributed=True) shard",
+        )
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise _fail(header.path, "DCP_SHARDING_INFO is not valid JSON") from None
+    if not isinstance(info, dict):
+        raise _fail(header.path, "DCP_SHARDING_INFO is not a JSON object")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, entry in header.tensors.items():
+        item = info.get(name)
+        if not isinstance(item, dict) or SAVED_OFFSETS_KEY not in item:
+            raise _fail(header.path, f"tensor {name!r} has no saved_offsets in DCP_SHARDING_INFO")
+        offs = item[SAVED_OFFSETS_KEY]
+        if not isinstance(offs, list) or not all(_is_uint(o) for o in offs):
+            raise _fail(header.path, f"tensor {name!r}: saved_offsets must be non-negative integers")
+        if len(offs) != len(entry.shape):
+            raise _fail(
+                header.path, f"tensor {name!r}: {len(offs)} saved_offsets for a {len(entry.shape)}-dim tensor"
+            )
+        out[name] = tuple(offs)
+    extra = set(info) - set(header.tensors)
+    if extra:
+        raise _fail(header.path, f"DCP_SHARDING_INFO names tensors absent from the file: {sorted(extra)[:3]}")
+    return out
+
+
+def encode_header(
+    entries: Mapping[str, tuple[str, tuple[int, ...], int, int]], metadata: Mapping[str, str]
+) -> bytes:
+    """The 8-byte length plus JSON header, padded with spaces so the data section starts 8-aligned.
+
+    `entries` maps name -> (dtype, shape, begin, end), in the order they should appear.
+    """
+    obj: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata else {}
+    for name, (dtype, shape, begin, end) in entries.items():
+        obj[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def find_shards(src: Path) -> list[Path]:
+    """The `*.safetensors` files of a shard directory, sorted by name."""
+    return sorted(p for p in src.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))

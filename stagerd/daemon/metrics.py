@@ -1,0 +1,131 @@
+"""Prometheus metrics and `/healthz`, served by prometheus-client's WSGI app on 127.0.0.1 by default.
+
+The server runs in its own thread; `/healthz` answers 503 when the event loop has not beaten for
+`stale_after` seconds, so a wedged loop shows up even though this thread still answers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Metrics:
+    """Every metric the daemon exports, in a private registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.steps = Gauge("stagerd_steps", "Steps in the journal by state.", ["state"], registry=r)
+        self.lanes = Gauge(
+            "stagerd_lanes", "Publish lanes of live steps by sink and state.", ["sink", "state"], registry=r
+        )
+        self.exported_bytes = Counter(
+            "stagerd_exported_bytes", "Bytes written into export directories.", registry=r
+        )
+        self.published_bytes = Counter(
+            "stagerd_published_bytes", "Bytes uploaded to each sink.", ["sink"], registry=r
+        )
+        self.export_seconds = Histogram(
+            "stagerd_export_duration_seconds",
+            "Export duration per step.",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            "stagerd_publish_duration_seconds",
+            "Publish duration per step and sink.",
+            ["sink"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.pickup_seconds = Histogram(
+            "stagerd_marker_to_export_start_seconds",
+            "From the commit marker's mtime to the start of its export.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "stagerd_queue_depth",
+            "Work waiting: stage=export, or stage=publish per sink (pending and failed-awaiting-retry).",
+            ["stage", "sink"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "stagerd_failures",
+            "Failed attempts by stage and error class.",
+            ["stage", "error_class"],
+            registry=r,
+        )
+        self.disk_free = Gauge("stagerd_disk_free_bytes", "Free bytes on ROOT's filesystem.", registry=r)
+        self.disk_low = Gauge(
+            "stagerd_disk_low", "1 when ROOT's free space is below the threshold.", registry=r
+        )
+        self.oldest_unpublished = Gauge(
+            "stagerd_oldest_unpublished_age_seconds",
+            "Age of the oldest committed step not yet published on every sink (0 when none).",
+            registry=r,
+        )
+        self.up_since = Gauge("stagerd_start_time_seconds", "When this daemon started.", registry=r)
+        self.up_since.set(time.time())
+
+    def set_counts(
+        self, steps: dict[str, int], lanes: dict[tuple[str, str], int], sinks: Iterable[str]
+    ) -> None:
+        """Refresh the state gauges from journal counts (zeros included, so a state drains to 0)."""
+        for state, n in steps.items():
+            self.steps.labels(state=state).set(n)
+        from stagerd.daemon.journal import LANE_STATES
+
+        for sink in sinks:
+            for state in LANE_STATES:
+                self.lanes.labels(sink=sink, state=state).set(lanes.get((sink, state), 0))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MetricsServer:
+    """`/metrics` (Prometheus text) and `/healthz` (JSON) on host:port, in a daemon thread."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        health: Callable[[], tuple[bool, dict[str, Any]]],
+    ) -> None:
+        prom = make_wsgi_app(metrics.registry)
+
+        def app(environ: dict, start_response: Callable) -> list[bytes]:
+            if environ.get("PATH_INFO") == "/healthz":
+                ok, body = health()
+                start_response(
+                    "200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")]
+                )
+                return [json.dumps(body).encode()]
+            return prom(environ, start_response)
+
+        self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="stagerd-metrics", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,104 @@
+"""Retention: which staged steps may go, and deleting them so that a crash never leaves half a step.
+
+The plan is pure. The newest `keep_last` live steps (any state) keep their staged data; an older step is
+deleted only when it is `published` on every sink, oldest first. A step that is not published (exporting,
+failed, quarantined, waiting for a sink) is never deleted, whatever the disk pressure: the daemon reports
+low disk instead.
+
+Deleting renames the step directory into `ROOT/.stagerd/trash/` (one atomic rename: the step is gone from
+ROOT, never half there), then removes the trash. Leftovers from a crash are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.ops.crashpoints import crash_point
+
+log = logging.getLogger("stagerd")
+
+TRASH_DIR = "trash"
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What retention needs to know about one live (not retired) step."""
+
+    step: int
+    published: bool
+
+
+def plan_retention(steps: Sequence[StepView], keep_last: int | None) -> list[int]:
+    """Steps whose staged data may be deleted now, oldest first. `keep_last=None` keeps everything."""
+    if keep_last is None:
+        return []
+    ordered = sorted(steps, key=lambda s: s.step)
+    older = ordered[: max(0, len(ordered) - keep_last)]
+    return [s.step for s in older if s.published]
+
+
+@dataclass(frozen=True)
+class DiskState:
+    """Free space of the filesystem holding ROOT, and whether it is below the warning threshold."""
+
+    free: int
+    total: int
+    low: bool
+
+    @property
+    def free_percent(self) -> float:
+        return 100.0 * self.free / self.total if self.total else 100.0
+
+
+def disk_state(root: str | os.PathLike[str], *, low_percent: float, low_bytes: int) -> DiskState:
+    """Measure ROOT's filesystem; `low` when free space is under either threshold."""
+    usage = shutil.disk_usage(root)
+    pct = 100.0 * usage.free / usage.total if usage.total else 100.0
+    low = pct < low_percent or (low_bytes > 0 and usage.free < low_bytes)
+    return DiskState(usage.free, usage.total, low)
+
+
+def trash_dir(root: str | os.PathLike[str]) -> Path:
+    return Path(root) / layout.STATE_DIR / TRASH_DIR
+
+
+def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]) -> Path | None:
+    """Atomically take `step_dir` out of ROOT; returns its trash path (None if it was already gone)."""
+    trash = trash_dir(root)
+    trash.mkdir(parents=True, exist_ok=True)
+    src = Path(step_dir)
+    dst = trash / f"{src.name}.{os.getpid()}.{time.time_ns()}"
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return None
+    layout.fsync_dir(src.parent)
+    layout.fsync_dir(trash)
+    crash_point("retention.trashed")
+    return dst
+
+
+def empty_trash(root: str | os.PathLike[str]) -> int:
+    """Remove everything in the trash (retired steps, crash leftovers); returns the entries removed."""
+    trash = trash_dir(root)
+    if not trash.is_dir():
+        return 0
+    n = 0
+    for entry in os.scandir(trash):
+        crash_point("retention.rmtree")
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            n += 1
+        except OSError as e:
+            log.warning("cannot remove %s from the trash: %s", entry.path, e)
+    return n

@@ -1,0 +1,206 @@
+"""Export one staged step: marker -> checked shards -> `export.tmp/` -> atomic rename to `export/`.
+
+Safe to call again after a crash at any point: a stale `export.tmp/` is rebuilt, and `export/` exists only
+once it is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.reference_index import load_weight_map, read_reference_index
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.engine.consolidate import consolidate_into
+from stagerd.errors import OutputError, ShardError
+from stagerd.ops.crashpoints import crash_point
+
+log = logging.getLogger("stagerd.export")
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export holds. `files` are (relative name, size) of every file: shards, index, extras."""
+
+    export_dir: Path
+    files: tuple[tuple[str, int], ...]
+    tensor_bytes: int
+    tensors: int
+    seconds: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where shards come from: a step directory (with its marker) or a bare DCP shard directory."""
+
+    model_dir: Path
+    marker: layout.CommitMarker | None
+    step_dir: Path | None
+
+    @property
+    def listed(self) -> list[str] | None:
+        if self.marker is None:
+            return None
+        prefix = layout.MODEL_DIR + "/"
+        return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
+
+    def extras(self) -> list[str]:
+        """Extras (config, tokenizer, README) relative to `extras/`."""
+        if self.step_dir is None:
+            return []
+        prefix = layout.EXTRAS_DIR + "/"
+        if self.marker is not None:
+            return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
+        root = self.step_dir / layout.EXTRAS_DIR
+        return (
+            sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        )
+
+    def target_dtype(self, override: str | None) -> str | None:
+        """The export dtype: an explicit `override` wins, else the marker's hint, else keep (None)."""
+        hint = override if override is not None else (self.marker.dtype if self.marker else None)
+        return parse_export_dtype(hint)
+
+    def reference(self) -> dict[str, str] | None:
+        ref = self.marker.reference_index if self.marker is not None else None
+        if ref is None:
+            return None
+        if isinstance(ref, Mapping):
+            return load_weight_map(ref, path=self.step_dir)
+        path = Path(ref)
+        return read_reference_index(path if path.is_absolute() else (self.step_dir or Path()) / path)
+
+
+def open_source(src: Path) -> Source:
+    """A step directory (committed: its marker is read and every listed file checked) or a shard directory."""
+    src = Path(src)
+    if (src / layout.MARKER_NAME).exists():
+        marker = layout.read_marker(src)
+        layout.check_staged_files(src, marker)
+        if not any(f.path.startswith(layout.MODEL_DIR + "/") for f in marker.files):
+            raise ShardError("the commit marker lists no model/ shards", path=src / layout.MARKER_NAME)
+        return Source(src / layout.MODEL_DIR, marker, src)
+    if (src / layout.MODEL_DIR).is_dir():
+        return Source(src / layout.MODEL_DIR, None, src)
+    return Source(src, None, None)
+
+
+def build_export(
+    source: Source,
+    tmp: Path,
+    *,
+    dtype: str | None,
+    keep_dtype: str | None,
+    reference: Mapping[str, str] | None,
+    max_shard_size: int,
+    threads: int,
+    progress: ProgressFn | None,
+) -> None:
+    """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced."""
+    consolidate_into(
+        source.model_dir,
+        tmp,
+        listed=source.listed,
+        dtype=dtype,
+        keep_dtype=keep_dtype,
+        reference=reference,
+        max_shard_size=max_shard_size,
+        expected=source.marker.tensors if source.marker else None,
+        threads=threads,
+        progress=progress,
+    )
+    for rel in source.extras():
+        if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
+            continue  # our index and weights are the export's; a stray copy would contradict them
+        crash_point("export.extra")
+        dst = tmp / rel
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source.step_dir / layout.EXTRAS_DIR / rel, dst)  # type: ignore[operator]
+            fd = os.open(dst, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise OutputError(f"cannot copy extra {rel!r}: {e.strerror}", path=dst) from None
+    layout.fsync_dir(tmp)
+
+
+def list_files(d: Path) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*") if p.is_file()))
+
+
+def _summary(d: Path, seconds: float, skipped: bool) -> ExportResult:
+    import json
+
+    index = json.loads((d / layout.INDEX_NAME).read_text())
+    return ExportResult(
+        d, list_files(d), int(index["metadata"]["total_size"]), len(index["weight_map"]), seconds, skipped
+    )
+
+
+def export_step(
+    step_dir: Path,
+    *,
+    dtype: str | None = None,
+    keep_dtype: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    threads: int = 2,
+    progress: ProgressFn | None = None,
+) -> ExportResult:
+    """Export a committed step into `<step_dir>/export/`; a no-op (`skipped`) if that already exists.
+
+    `dtype` None means the marker's hint, or keep; an explicit value overrides the hint.
+    """
+    t0 = time.monotonic()
+    step_dir = Path(step_dir)
+    final = step_dir / layout.EXPORT_DIR
+    if (final / layout.INDEX_NAME).is_file():
+        return _summary(final, 0.0, True)
+    source = open_source(step_dir)
+    if source.marker is None:
+        from stagerd.errors import MarkerError
+
+        raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
+    target = source.target_dtype(dtype)
+    reference = source.reference()
+    tmp = step_dir / layout.EXPORT_TMP_DIR
+    try:
+        if tmp.exists():
+            log.info("removing a stale %s from an interrupted export", tmp)
+            shutil.rmtree(tmp)
+        if final.exists():
+            # Only stagerd writes export/, always by rename; without an index it is not ours to trust.
+            log.warning("removing %s: it has no index, so it is not a complete export", final)
+            shutil.rmtree(final)
+        tmp.mkdir()
+    except OSError as e:
+        raise OutputError(f"cannot prepare the export directory: {e.strerror}", path=tmp) from None
+    try:
+        build_export(
+            source,
+            tmp,
+            dtype=target,
+            keep_dtype=keep_dtype,
+            reference=reference,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            progress=progress,
+        )
+        os.rename(tmp, final)
+        layout.fsync_dir(step_dir)
+        crash_point("export.renamed")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _summary(final, time.monotonic() - t0, False)

@@ -1,0 +1,101 @@
+"""Re-read an export and prove it: index and files agree, headers are valid, and (with a source) every
+byte equals what the shards give."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.safetensors_format import Header, read_header
+from stagerd.engine.consolidate import compare, plan, scan_shards
+from stagerd.engine.export import open_source
+from stagerd.errors import StagerdError, VerifyError
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    export_dir: Path
+    files: int
+    tensors: int
+    total_size: int
+    compared_with: Path | None
+
+
+def _read_index(export_dir: Path) -> tuple[dict[str, str], int]:
+    path = export_dir / layout.INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+        weight_map, total = index["weight_map"], index["metadata"]["total_size"]
+    except FileNotFoundError:
+        raise VerifyError("no model.safetensors.index.json: not a complete export", path=path) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise VerifyError(f"unreadable index: {e!r}", path=path) from None
+    if not isinstance(weight_map, dict) or not isinstance(total, int):
+        raise VerifyError("index must hold a weight_map and an integer metadata.total_size", path=path)
+    return weight_map, total
+
+
+def _check_file(path: Path, h: Header, names: set[str]) -> None:
+    if h.data_start % 8:
+        raise VerifyError(f"header is not padded to 8 bytes (data starts at {h.data_start})", path=path)
+    if h.metadata.get("format") != "pt":
+        raise VerifyError('__metadata__ lacks {"format": "pt"}', path=path)
+    if set(h.tensors) != names:
+        only_file = sorted(set(h.tensors) - names)[:3]
+        only_index = sorted(names - set(h.tensors))[:3]
+        raise VerifyError(
+            f"index and file disagree: only in file {only_file}, only in index {only_index}", path=path
+        )
+    if sum(t.nbytes for t in h.tensors.values()) != h.file_size - h.data_start:
+        raise VerifyError("data section has bytes no tensor accounts for", path=path)
+
+
+def verify_export(
+    export_dir: Path,
+    against: Path | None = None,
+    *,
+    threads: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check the export; with `against` (a step or shard directory) compare every byte with the source."""
+    export_dir = Path(export_dir)
+    weight_map, total = _read_index(export_dir)
+    by_file: dict[str, set[str]] = {}
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+            raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
+        by_file.setdefault(fname, set()).add(name)
+    headers: dict[str, Header] = {}
+    for fname, names in sorted(by_file.items()):
+        path = export_dir / fname
+        try:
+            h = read_header(path)
+        except StagerdError as e:
+            raise VerifyError(f"invalid header: {e.message}", path=path) from None
+        _check_file(path, h, names)
+        headers[fname] = h
+    stray = sorted(p.name for p in export_dir.glob("*.safetensors") if p.name not in by_file)
+    if stray:
+        raise VerifyError(f"safetensors files not in the index: {stray[:3]}", path=export_dir)
+    size = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
+    if size != total:
+        raise VerifyError(
+            f"index says total_size {total}, the files hold {size} tensor bytes", path=export_dir
+        )
+    if against is not None:
+        source = open_source(Path(against))
+        out_dtypes = {n: t.dtype for h in headers.values() for n, t in h.tensors.items()}
+        p = plan(
+            scan_shards(source.model_dir, source.listed),
+            reference=weight_map,
+            max_shard_size=max(h.file_size for h in headers.values()) + 1,
+            expected=source.marker.tensors if source.marker else None,
+            out_dtypes=out_dtypes,
+        )
+        if {f.name for f in p.files} != set(by_file) or set(p.index()["weight_map"]) != set(weight_map):
+            raise VerifyError("the source holds different tensors than the export", path=export_dir)
+        compare(p, export_dir, threads=threads, progress=progress)
+    return VerifyReport(export_dir, len(headers), len(weight_map), total, against)

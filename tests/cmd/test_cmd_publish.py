@@ -1,0 +1,107 @@
+"""`stagerd publish`: exit codes and messages, against the local filesystem and a real moto S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from stagerd.cli import main
+from stagerd.cmd.publish import step_from_path
+from stagerd.contract import layout
+from tests import s3server
+from tests.s3server import SECRET_KEY, Fault
+from tests.sinks.test_sink_fsspec import make_export, tree_bytes
+
+s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
+
+FILES = {"model.safetensors": 4000, layout.INDEX_NAME: 300}
+
+
+def export_at(root: Path, step: int, seed: int = 0) -> Path:
+    return make_export(root / layout.step_dir_name(step) / layout.EXPORT_DIR, FILES, seed=seed)
+
+
+def test_step_from_path(tmp_path):
+    assert step_from_path(tmp_path / "step-00000042" / "export") == 42
+    assert step_from_path(tmp_path / "step-00000042") is None
+    assert step_from_path(tmp_path / "elsewhere" / "export") is None
+
+
+def test_publish_to_file_then_again_is_a_noop(tmp_path, capsys):
+    export = export_at(tmp_path, 42)
+    dest = tmp_path / "dest"
+    assert main(["publish", str(export), "--sink", f"file://{dest}"]) == 0
+    out = capsys.readouterr().out
+    assert "published step 42" in out and "2 files" in out
+    got = tree_bytes(dest / "step-00000042")
+    assert json.loads(got.pop(layout.MANIFEST_NAME))["step"] == 42
+    assert got == tree_bytes(export)
+
+    assert main(["publish", str(export), "--sink", f"file://{dest}", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["ok"] and line["skipped"] and line["step"] == 42 and line["bytes_uploaded"] == 0
+
+
+def test_step_is_required_off_the_staging_layout(tmp_path, capsys):
+    export = make_export(tmp_path / "somewhere", FILES)
+    assert main(["publish", str(export), "--sink", f"file://{tmp_path / 'd'}"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "--step N" in err
+    assert main(["publish", str(export), "--sink", f"file://{tmp_path / 'd'}", "--step", "7"]) == 0
+    assert (tmp_path / "d" / "step-00000007" / layout.MANIFEST_NAME).is_file()
+
+
+def test_missing_export_dir_and_unknown_scheme_exit_2(tmp_path, capsys):
+    assert main(["publish", str(tmp_path / "nope"), "--sink", f"file://{tmp_path}", "--step", "1"]) == 2
+    assert "VerifyError" in capsys.readouterr().err
+    export = export_at(tmp_path, 1)
+    assert main(["publish", str(export), "--sink", "nosuchscheme://x/y"]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+
+
+def test_conflicting_remote_step_exits_2(tmp_path, capsys):
+    dest = f"file://{tmp_path / 'dest'}"
+    assert main(["publish", str(export_at(tmp_path / "a", 3, seed=1)), "--sink", dest]) == 0
+    assert main(["publish", str(export_at(tmp_path / "b", 3, seed=2)), "--sink", dest]) == 2
+    assert "SinkConflictError" in capsys.readouterr().err
+
+
+def test_file_and_s3_sinks_together(s3, tmp_path, capsys):
+    export = export_at(tmp_path, 9)
+    rc = main(["publish", str(export), "--sink", f"file://{tmp_path / 'dest'}", "--sink", s3.url("runs/a")])
+    assert rc == 0
+    assert capsys.readouterr().out.count("published step 9") == 2
+    assert s3.get("runs/a/step-00000009/model.safetensors") == (export / "model.safetensors").read_bytes()
+    assert s3.get("runs/a/latest") == b"step-00000009"
+
+
+def test_bad_s3_credentials_exit_2_and_spare_the_other_sink(s3, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-5d2a")
+    export = export_at(tmp_path, 4)
+    rc = main(["publish", str(export), "--sink", s3.url(), "--sink", f"file://{tmp_path / 'dest'}"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert "SinkAuthError" in err and "SignatureDoesNotMatch" in err and s3.url() in err
+    assert "not-the-secret-5d2a" not in err + out and SECRET_KEY not in err + out
+    assert (tmp_path / "dest" / "step-00000004" / layout.MANIFEST_NAME).is_file()
+
+
+def test_s3_failing_past_retries_exits_3(s3, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    s3.proxy.add(Fault(ops=("PutObject",), times=100, status=503, code="SlowDown"))
+    assert main(["publish", str(export_at(tmp_path, 5)), "--sink", s3.url()]) == 3
+    err = capsys.readouterr().err
+    assert "SinkError" in err and "SlowDown" in err and "what to do:" in err
+
+
+def test_the_installed_command_runs(tmp_path):
+    export = export_at(tmp_path, 11)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "stagerd.cli", "publish", str(export), "--sink", f"file://{tmp_path / 'd'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "published step 11" in r.stdout
+    assert (tmp_path / "d" / "latest").read_text() == "step-00000011"

@@ -1,0 +1,168 @@
+"""`stagerd demo` as a user runs it: a subprocess, real gloo training, the daemon, the bit-exact check."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.demo.run import DemoResult, check, make_plan
+from stagerd.errors import VerifyError
+from tests import s3server
+from tests.s3server import SECRET_KEY
+
+s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures: moto behind a proxy on 127.0.0.1
+
+STAGERD = [sys.executable, "-m", "stagerd.cli"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    workdir = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    return workdir, proc
+
+
+@pytest.mark.slow
+def test_demo_runs_and_summarises(demo_run) -> None:
+    workdir, proc = demo_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"3 steps trained, staged, exported, published and checked in \d+\.\d+s", out)
+    assert f"staging ROOT    {workdir / 'staging'}" in out
+    assert f"sink            {(workdir / 'published').as_uri()}" in out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+ kB)\s+([\d.]+ kB)\s+.*\bpublished\s+(\S+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3], out
+    assert [r[3] for r in rows] == [str(workdir / "published" / layout.step_dir_name(s)) for s in (1, 2, 3)]
+    assert "equals the trained weights bit for bit" in out
+    # Off a TTY the progress is plain JSON log lines, not a live bar.
+    assert "\x1b[" not in proc.stderr
+    assert any(
+        json.loads(ln).get("msg", "").startswith("check against the trained weights")
+        for ln in proc.stderr.splitlines()
+        if ln.startswith("{")
+    )
+
+
+@pytest.mark.slow
+def test_demo_output_is_real(demo_run) -> None:
+    """What the summary claims is on disk: committed steps, manifests on the sink, a journal."""
+    workdir, proc = demo_run
+    assert proc.returncode == 0
+    staging, published = workdir / "staging", workdir / "published"
+    assert [s for s, _ in layout.committed_steps(staging)] == [1, 2, 3]
+    for step in (1, 2, 3):
+        remote = published / layout.step_dir_name(step)
+        manifest = json.loads((remote / layout.MANIFEST_NAME).read_text())
+        names = {f["path"] for f in manifest["files"]}
+        assert layout.INDEX_NAME in names and "config.json" in names
+    status = subprocess.run(
+        [*STAGERD, "status", str(staging), "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0
+    assert {s["step"]: s["state"] for s in json.loads(status.stdout)["steps"]} == {
+        1: "published",
+        2: "published",
+        3: "published",
+    }
+
+
+@pytest.mark.slow
+def test_demo_check_catches_a_flipped_bit(demo_run, tmp_path: Path) -> None:
+    """The demo's check is not a formality: one flipped bit in a published tensor fails it."""
+    workdir, proc = demo_run
+    assert proc.returncode == 0
+    plan = make_plan(tmp_path / "copy", None)  # the demo's own check, run on a copy of the run
+    shutil.copytree(workdir / "published", plan.published)
+    shutil.copytree(workdir / "expected", plan.expected)
+    check(plan, DemoResult(plan=plan))  # the copy is intact
+
+    shard = sorted((plan.published / layout.step_dir_name(2)).glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last byte belongs to a tensor's data, never to the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(VerifyError, match=r"step 2: .* differs from the trained weights"):
+        check(plan, DemoResult(plan=plan))
+
+
+@pytest.mark.slow
+def test_demo_publishes_to_s3(s3, tmp_path: Path) -> None:
+    """`--sink s3://...`: the steps land in a real S3 endpoint and are checked after downloading them."""
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2", "--sink", s3.url("demo")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    keys = s3.keys("demo/")
+    for step in (1, 2):
+        name = layout.step_dir_name(step)
+        assert f"demo/{name}/{layout.MANIFEST_NAME}" in keys
+        assert (
+            f"{s3.url('demo')}/{name} (downloaded to {tmp_path / 'run' / 'downloaded' / name})" in proc.stdout
+        )
+    assert s3.get("demo/latest").decode().strip().endswith(layout.step_dir_name(2))
+    assert SECRET_KEY not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
+    """`--sink hf://...`: one commit and tag per step on the Hub-protocol test server, read back by tag."""
+    from huggingface_hub import HfApi
+
+    from tests.hubserver import HubServer
+
+    with HubServer() as hub:
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.endpoint,
+            "HF_TOKEN": hub.token,
+            "HF_HUB_DISABLE_XET": "1",  # no Xet server here: the classic LFS path
+            "HF_HOME": str(tmp_path / "hf-home"),
+        }
+        argv = [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2"]
+        proc = subprocess.run(
+            [*argv, "--sink", "hf://acme/demo"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+        api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        tags = {t.name for t in api.list_repo_refs("acme/demo").tags}
+        assert {"step-1", "step-2"} <= tags
+        assert "hf://acme/demo@step-2 (downloaded to" in proc.stdout
+        assert hub.token not in proc.stdout + proc.stderr
+
+
+def test_demo_refuses_a_used_root(tmp_path: Path) -> None:
+    (tmp_path / "staging" / "step-00000001").mkdir(parents=True)
+    proc = subprocess.run(
+        [*STAGERD, "demo", "--root", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "already holds a demo run" in proc.stderr
+    assert "what to do: pass a new --root" in proc.stderr
+
+
+def test_demo_help() -> None:
+    proc = subprocess.run([*STAGERD, "demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--root DIR" in proc.stdout and "--sink URL" in proc.stdout

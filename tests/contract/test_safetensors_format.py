@@ -1,0 +1,154 @@
+"""Header parsing, property-tested: valid headers round-trip, anything else is a named error."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stagerd.contract import dtypes
+from stagerd.contract.safetensors_format import (
+    MAX_HEADER_BYTES,
+    encode_header,
+    parse_dcp_sharding_info,
+    parse_header_bytes,
+    read_header,
+    validate_header,
+)
+from stagerd.errors import DTypeError, HeaderError
+
+BYTE_DTYPES = [d for d in dtypes.DTYPES.values() if d.bits % 8 == 0]
+names = st.text(min_size=1, max_size=12).filter(lambda s: s != "__metadata__")
+
+
+@st.composite
+def tensor_sets(draw):
+    """{name: (dtype, shape)} with byte-sized dtypes and small shapes."""
+    n = draw(st.integers(0, 6))
+    out = {}
+    for name in draw(st.lists(names, min_size=n, max_size=n, unique=True)):
+        dt = draw(st.sampled_from(BYTE_DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        out[name] = (dt.name, shape)
+    return out
+
+
+def build(tensors, metadata=None) -> bytes:
+    entries, pos = {}, 0
+    for name, (dt, shape) in tensors.items():
+        n = dtypes.lookup(dt).nbytes(math.prod(shape))
+        entries[name] = (dt, shape, pos, pos + n)
+        pos += n
+    return encode_header(entries, metadata or {}) + b"\0" * pos
+
+
+def parse(blob: bytes):
+    n, obj = parse_header_bytes("mem", blob, len(blob))
+    return validate_header("mem", n, obj, len(blob))
+
+
+@given(tensor_sets(), st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3))
+def test_valid_headers_round_trip_and_are_8_aligned(tensors, metadata):
+    blob = build(tensors, metadata)
+    h = parse(blob)
+    assert h.data_start % 8 == 0
+    assert h.metadata == metadata
+    assert {k: (t.dtype, t.shape) for k, t in h.tensors.items()} == tensors
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300))
+def test_random_bytes_never_crash(blob):
+    try:
+        parse(blob)
+    except (HeaderError, DTypeError):
+        pass
+
+
+@settings(max_examples=300)
+@given(
+    tensor_sets().filter(bool),
+    st.sampled_from(
+        ["dtype", "shape", "offsets", "extra_byte", "missing_key", "reverse", "negative", "float"]
+    ),
+)
+def test_malformed_entries_are_header_errors(tensors, how):
+    entries, pos = {}, 0
+    for name, (dt, shape) in tensors.items():
+        n = dtypes.lookup(dt).nbytes(math.prod(shape))
+        entries[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    victim = next(iter(entries.values()))
+    data_len = pos
+    if how == "dtype":
+        victim["dtype"] = "Q7"
+    elif how == "shape":
+        victim["shape"] = [*victim["shape"], 3] if math.prod(victim["shape"]) else [7]
+    elif how == "offsets":
+        victim["data_offsets"] = [0, data_len + 1]
+    elif how == "extra_byte":
+        victim["data_offsets"][1] += 1
+    elif how == "missing_key":
+        del victim["data_offsets"]
+    elif how == "reverse":
+        victim["data_offsets"] = [victim["data_offsets"][1] + 1, victim["data_offsets"][0]]
+    elif how == "negative":
+        victim["data_offsets"] = [-1, victim["data_offsets"][1]]
+    else:
+        victim["shape"] = [1.5]
+    body = json.dumps(entries).encode()
+    blob = struct.pack("<Q", len(body)) + body + b"\0" * data_len
+    try:
+        parse(blob)
+    except (HeaderError, DTypeError):
+        return
+    raise AssertionError(f"accepted a header damaged by {how}")
+
+
+def test_absurd_length_is_refused_without_allocating(tmp_path):
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(struct.pack("<Q", 2**63) + b"{}")
+    try:
+        read_header(p)
+    except HeaderError as e:
+        assert "limit" in str(e)
+    else:
+        raise AssertionError("accepted")
+    p.write_bytes(struct.pack("<Q", MAX_HEADER_BYTES - 1) + b"{}")
+    try:
+        read_header(p)
+    except HeaderError as e:
+        assert "past the end" in str(e)
+    else:
+        raise AssertionError("accepted")
+
+
+def test_deeply_nested_json_is_a_header_error():
+    body = b"[" * 100000 + b"]" * 100000
+    blob = struct.pack("<Q", len(body)) + body
+    try:
+        parse(blob)
+    except HeaderError:
+        return
+    raise AssertionError("accepted")
+
+
+@given(st.lists(st.integers(-3, 5), max_size=4), st.sampled_from(["ok", "not-json", "missing", "extra"]))
+def test_dcp_sharding_info_is_validated(offsets, how):
+    tensors = {"w": ("F32", (2,) * len(offsets))}
+    info = {"w": {"saved_offsets": offsets}}
+    if how == "missing":
+        info = {}
+    elif how == "extra":
+        info["ghost"] = {"saved_offsets": []}
+    raw = "{" if how == "not-json" else json.dumps(info)
+    h = parse(build(tensors, {"DCP_SHARDING_INFO": raw}))
+    ok = how == "ok" and all(o >= 0 for o in offsets)
+    try:
+        assert parse_dcp_sharding_info(h) == {"w": tuple(offsets)}
+        assert ok
+    except HeaderError:
+        assert not ok

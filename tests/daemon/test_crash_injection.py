@@ -1,0 +1,741 @@
+"""Crash injection: SIGKILL `stagerd watch --once` at every named crash point, restart, check nothing broke.
+
+Each case stages real DCP saves, runs the daemon with `STAGERD_CRASH_AT=point:N` (see
+`stagerd/crashpoints.py`) against real sinks (file://, moto S3 behind the fault proxy, the Hub-protocol
+test server), asserts it died by SIGKILL at that point, restarts it without the variable, and asserts:
+
+- every step ends `published` (or `retired`, where retention removed it) and was published exactly once:
+  one `published` journal event per step and per lane, one manifest PUT per step on S3 (the proxy's
+  request log), one `stagerd: step N` commit per step on the Hub, file:// manifests untouched by the
+  restart;
+- the export and every published copy are byte-identical to a clean run's export;
+- no reader ever saw a partial step: a `Reader` thread polls ROOT and every sink while both daemons run
+  (an `export/` is whole or absent; a manifest, a tag, `latest` or the branch head only ever name a
+  complete step; a step directory leaves ROOT only once every sink holds it).
+
+One place has no crash point because no stagerd line runs there: inside huggingface_hub's LFS upload. For
+it the Hub test server itself SIGKILLs the daemon once an upload body is partly received
+(`HubServer.on_lfs_body`), and the same checks follow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.journal import Journal
+from stagerd.ops.crashpoints import ENV, POINTS
+from tests import s3server
+from tests.daemon_helpers import REPO, child_env, fast_flags
+from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
+
+s3_server, s3 = s3server.s3_server, s3server.s3
+
+pytestmark = pytest.mark.slow
+
+Files = dict[str, tuple[int, str]]  # relative name -> (size, sha256 hex)
+HUB_REPO = "acme/crash"
+HUB_EXTRA = {"README.md", ".gitattributes"}  # the generated model card and the repo's own attributes
+
+
+# -- staging and the clean reference -------------------------------------------------------------------
+
+
+def big_tensors() -> dict:
+    """`mixed_tensors` plus one 34 MB tensor: its export file goes to S3 as a 3-part multipart upload."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    return {**mixed_tensors(), "model.big.weight": (torch.randn(2100, 4096, generator=g), "S0")}
+
+
+@pytest.fixture(scope="module")
+def dcp_big(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dcp_big") / "model"
+    dcp_save(out, world=2, builder=big_tensors)
+    return out
+
+
+def stage(root: Path, step: int, model: Path) -> Path:
+    """A committed step: real DCP shards, two extras (one naming the step), the marker written last."""
+    step_dir = root / layout.step_dir_name(step)
+    shutil.copytree(model, step_dir / "model")
+    (step_dir / "extras").mkdir()
+    (step_dir / "extras" / "config.json").write_text(json.dumps({"model_type": "tiny", "step": step}))
+    (step_dir / "extras" / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    commit_step(step_dir, world=2)
+    return step_dir
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_files(d: Path) -> Files:
+    return {str(p.relative_to(d)): (p.stat().st_size, sha256_file(p)) for p in d.rglob("*") if p.is_file()}
+
+
+def watch_cmd(root: Path, sinks: list[str], *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--once", *fast_flags(), *extra]
+    for url in sinks:
+        cmd += ["--sink", url]
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dcp_mixed2, dcp_big) -> dict[str, dict[int, Files]]:
+    """A clean run (no crash) per checkpoint kind: step -> its export's files."""
+    out = {}
+    for kind, model in (("small", dcp_mixed2[0]), ("big", dcp_big)):
+        base = tmp_path_factory.mktemp(f"clean-{kind}")
+        root = base / "root"
+        steps = (1, 2, 3)
+        for step in steps:
+            stage(root, step, model)
+        r = subprocess.run(
+            watch_cmd(root, [(base / "sink").as_uri()]),
+            env=child_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[kind] = {s: dir_files(root / layout.step_dir_name(s) / layout.EXPORT_DIR) for s in steps}
+    return out
+
+
+# -- the reader that must never see a partial step ---------------------------------------------------------
+
+
+@dataclass
+class Sinks:
+    """The sinks of one case, and how a reader reaches each."""
+
+    file_dir: Path | None = None
+    s3: Any = None  # tests.s3server.S3Env
+    s3_prefix: str = "ckpt"
+    hub: Any = None  # tests.hubserver.HubServer
+
+    def urls(self) -> list[str]:
+        out = []
+        if self.file_dir is not None:
+            out.append(self.file_dir.as_uri())
+        if self.s3 is not None:
+            out.append(self.s3.url(self.s3_prefix))
+        if self.hub is not None:
+            out.append(f"hf://{HUB_REPO}")
+        return out
+
+
+def compare(what: str, got: Files, want: Files) -> list[str]:
+    """Differences between two file sets, by name, size and sha256 (sha256 only where `got` has one)."""
+    problems = []
+    if set(got) != set(want):
+        problems.append(f"{what}: files {sorted(got)} != {sorted(want)}")
+    for name in set(got) & set(want):
+        (gs, gh), (ws, wh) = got[name], want[name]
+        if gs != ws or (gh and gh != wh):
+            problems.append(f"{what}/{name}: ({gs}, {gh[:12]}) != ({ws}, {wh[:12]})")
+    return problems
+
+
+class Reader(threading.Thread):
+    """Polls ROOT and every sink as a consumer would, and records anything partial or lost it sees."""
+
+    def __init__(self, root: Path, expected: dict[int, Files], sinks: Sinks) -> None:
+        super().__init__(daemon=True)
+        self.root, self.expected, self.sinks = root, expected, sinks
+        self.violations: list[str] = []
+        self.polls = 0
+        self._halt = threading.Event()
+        self._in_root: set[int] = set()
+        self._hashed: set[int] = set()  # file:// steps whose bytes were hashed once already
+        self._s3 = sinks.s3.server.client() if sinks.s3 is not None else None
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.check()
+            self._halt.wait(0.02)
+
+    def stop(self) -> list[str]:
+        self._halt.set()
+        self.join(10)
+        self.check()
+        return self.violations
+
+    def _bad(self, text: str) -> None:
+        if text not in self.violations:
+            self.violations.append(text)
+
+    def check(self) -> None:
+        try:
+            self._check_root()
+            self._check_file_sink()
+            if self._s3 is not None and self.polls % 5 == 0:
+                self._check_s3()
+            self._check_hub()
+        except Exception as e:  # a reader crash is a finding too, never a silent pass
+            self._bad(f"reader error: {type(e).__name__}: {e}")
+        self.polls += 1
+
+    # ROOT: an export is whole or absent; a step leaves only once every sink holds it
+    def _check_root(self) -> None:
+        present = set()
+        for step in self.expected:
+            step_dir = self.root / layout.step_dir_name(step)
+            if not step_dir.is_dir():
+                continue
+            present.add(step)
+            export = step_dir / layout.EXPORT_DIR
+            try:
+                names = {p.name: (p.stat().st_size, "") for p in export.iterdir()}
+            except FileNotFoundError:
+                continue
+            sizes = {k: (v[0], "") for k, v in self.expected[step].items()}
+            for p in compare(f"ROOT step {step} export/", names, sizes):
+                self._bad(p)
+        for step in self._in_root - present:
+            missing = [url for url, has in self._held(step).items() if not has]
+            if missing:
+                self._bad(f"step {step} left ROOT before it was published on {missing}")
+        self._in_root = present
+
+    def _held(self, step: int) -> dict[str, bool]:
+        s, out = self.sinks, {}
+        name = layout.step_dir_name(step)
+        if s.file_dir is not None:
+            out["file"] = (s.file_dir / name / layout.MANIFEST_NAME).is_file()
+        if self._s3 is not None:
+            key = f"{s.s3_prefix}/{name}/{layout.MANIFEST_NAME}"
+            out["s3"] = bool(self._s3.list_objects_v2(Bucket=s.s3.bucket, Prefix=key).get("KeyCount"))
+        if s.hub is not None:
+            with s.hub.store.lock:
+                repo = s.hub.store.repos.get(HUB_REPO)
+                out["hub"] = repo is not None and f"step-{step}" in repo.tags
+        return out
+
+    # file://: a manifest names exactly the complete step; `latest` names a committed step
+    def _check_file_sink(self) -> None:
+        d = self.sinks.file_dir
+        if d is None or not d.is_dir():
+            return
+        latest = d / "latest"
+        if latest.exists():
+            name = latest.read_text().strip()
+            if not (d / name / layout.MANIFEST_NAME).is_file():
+                self._bad(f"file:// latest names {name}, which has no manifest")
+        for m in d.glob(f"step-*/{layout.MANIFEST_NAME}"):
+            doc = json.loads(m.read_text())
+            step = doc["step"]
+            want = self.expected[step]
+            listed = {f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
+            for p in compare(f"file:// step {step} manifest", listed, want):
+                self._bad(p)
+            visible = {
+                str(p.relative_to(m.parent)): (p.stat().st_size, "")
+                for p in m.parent.rglob("*")
+                if p.is_file() and p.name != layout.MANIFEST_NAME and not p.name.startswith(".")
+            }
+            for p in compare(f"file:// step {step}", visible, want):
+                self._bad(p)
+            if step not in self._hashed:
+                self._hashed.add(step)
+                for p in compare(f"file:// step {step} bytes", dir_files_except_manifest(m.parent), want):
+                    self._bad(p)
+
+    # S3: the same contract through a listing, as a consumer of the bucket sees it
+    def _check_s3(self) -> None:
+        s = self.sinks
+        base = f"{s.s3_prefix}/"
+        objects = s.s3.keys(base)
+        if f"{base}latest" in objects:
+            name = s.s3.get(f"{base}latest").decode().strip()
+            if f"{base}{name}/{layout.MANIFEST_NAME}" not in objects:
+                self._bad(f"s3 latest names {name}, which has no manifest")
+        for key in objects:
+            if not key.endswith(f"/{layout.MANIFEST_NAME}"):
+                continue
+            step_prefix = key[: -len(layout.MANIFEST_NAME)]
+            doc = json.loads(s.s3.get(key))
+            step = doc["step"]
+            listed = {f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
+            for p in compare(f"s3 step {step} manifest", listed, self.expected[step]):
+                self._bad(p)
+            visible = {
+                k[len(step_prefix) :]: (size, "")
+                for k, size in objects.items()
+                if k.startswith(step_prefix) and k != key
+            }
+            for p in compare(f"s3 step {step}", visible, self.expected[step]):
+                self._bad(p)
+
+    # Hub: every stagerd commit, every tag and the branch head hold one complete step
+    def _check_hub(self) -> None:
+        hub = self.sinks.hub
+        if hub is None:
+            return
+        with hub.store.lock:
+            repo = hub.store.repos.get(HUB_REPO)
+            if repo is None:
+                return
+            commits = list(repo.commits.values())
+            tags = dict(repo.tags)
+            head = repo.commits[repo.branches["main"]]
+        by_oid = {c.oid: c for c in commits}
+        for c in commits:
+            if c.title.startswith("stagerd: step "):
+                step = int(c.title.rsplit(" ", 1)[1])
+                for p in compare(
+                    f"hub commit {c.oid[:8]} ({c.title})", hub_files(hub, c), self.expected[step]
+                ):
+                    self._bad(p)
+        for tag, oid in tags.items():
+            title = by_oid[oid].title
+            if title != f"stagerd: step {tag.removeprefix('step-')}":
+                self._bad(f"hub tag {tag} points at {title!r}")
+        if head.title != "initial commit" and not head.title.startswith("stagerd: step "):
+            self._bad(f"hub main head is {head.title!r}")
+
+
+def dir_files_except_manifest(d: Path) -> Files:
+    """A published step as a reader takes it: every file but the manifest and hidden temp names."""
+    files = {k: v for k, v in dir_files(d).items() if not Path(k).name.startswith(".")}
+    files.pop(layout.MANIFEST_NAME, None)
+    return files
+
+
+def hub_files(hub: Any, commit: Any) -> Files:
+    """The export files of a commit, with the sha256 of the bytes the server holds (LFS or inline)."""
+    out = {}
+    for path, blob in commit.tree.items():
+        if path in HUB_EXTRA:
+            continue
+        if blob.is_lfs:
+            out[path] = (blob.size, sha256_file(hub.store.lfs_path(blob.sha256)))
+        else:
+            out[path] = (blob.size, hashlib.sha256(blob.content).hexdigest())
+    return out
+
+
+# -- the cases -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """Kill at the `n`-th arrival at `point`, with these sinks and steps; then, for a chain of crashes,
+    restart and kill again at each of `then` (`point:N`) before the clean restart. A kill that comes from
+    outside the daemon (the Hub server's LFS hook) names no crash point: its `point` is only a label."""
+
+    point: str
+    n: int
+    sinks: tuple[str, ...] = ("file",)
+    kind: str = "small"
+    steps: tuple[int, ...] = (1, 2)
+    keep_last: int | None = None
+    then: tuple[str, ...] = ()
+
+    @property
+    def kills(self) -> list[str]:
+        return [f"{self.point}:{self.n}", *self.then]
+
+    @property
+    def id(self) -> str:
+        return f"{'>'.join(self.kills)}-{'+'.join(self.sinks)}"
+
+
+# dcp_mixed2 exports with 30 byte moves per step and 2 extras; exports run one at a time, in step order.
+CASES = [
+    Case("export.move", 1),
+    Case("export.move", 15),
+    Case("export.move", 31),  # the first move of step 2, step 1 already exported
+    Case("export.extra", 1),
+    Case("export.extra", 2),
+    Case("export.extra", 3),
+    Case("export.renamed", 1),
+    Case("export.renamed", 2, sinks=("file", "s3")),
+    Case("file.upload", 1),
+    Case("file.upload", 5, sinks=("file", "hub")),  # step 2's first file (4 files a step)
+    Case("s3.part", 1, sinks=("s3", "file"), kind="big"),
+    Case("s3.part", 4, sinks=("s3", "file"), kind="big"),  # step 2's first part, step 1 on S3 already
+    Case("fsspec.manifest", 1, sinks=("file", "s3")),
+    Case("fsspec.manifest", 2, sinks=("file", "s3")),
+    Case("fsspec.manifest", 4, sinks=("file", "s3")),  # the last manifest of the run
+    Case("hub.commit", 1, sinks=("hub", "file")),
+    Case("hub.commit", 2, sinks=("hub", "file")),
+    Case("publish.done", 1, sinks=("file", "s3", "hub")),
+    Case("publish.done", 3, sinks=("file", "s3", "hub")),
+    Case("publish.done", 6, sinks=("file", "s3", "hub")),  # the last publish of the run
+    Case("retention.trashed", 1, steps=(1, 2, 3), keep_last=1),
+    Case("retention.trashed", 2, sinks=("file", "s3"), steps=(1, 2, 3), keep_last=1),
+    Case("retention.rmtree", 1, steps=(1, 2, 3), keep_last=1),
+    Case("retention.rmtree", 2, steps=(1, 2, 3), keep_last=0),
+    # Chains: killed again while recovering from the last kill. Each later point is one the resumed run
+    # must reach whatever the timing of the kill before (step 2 is not exported before its rename, its
+    # publishes are all still to come; a trash leftover is removed first thing at start).
+    Case(
+        "export.move",
+        5,
+        sinks=("file", "s3", "hub"),
+        then=("export.renamed:2", "publish.done:2", "publish.done:1"),
+    ),
+    Case(
+        "retention.trashed",
+        1,
+        sinks=("file", "s3"),
+        steps=(1, 2, 3),
+        keep_last=1,
+        then=("retention.rmtree:1", "retention.trashed:1"),
+    ),
+]
+
+
+def test_every_crash_point_is_injected_at_least_twice():
+    kills = [k.split(":")[0] for c in CASES for k in c.kills]
+    counts = {p: kills.count(p) for p in POINTS}
+    assert all(n >= 2 for n in counts.values()), counts
+    assert len(kills) >= 20
+
+
+@pytest.fixture
+def sinks_for(request, tmp_path) -> Iterator[Callable[..., Sinks]]:
+    """Builds the sinks a case names; starts the Hub server (and takes the S3 fixture) only when named."""
+    started = []
+
+    def make(case: Case, hub_config: Any = None) -> Sinks:
+        s = Sinks()
+        if "file" in case.sinks:
+            s.file_dir = tmp_path / "sink"
+        if "s3" in case.sinks:
+            s.s3 = request.getfixturevalue("s3")
+        if "hub" in case.sinks:
+            from tests.hubserver import HubServer
+
+            s.hub = HubServer(config=hub_config).start()
+            started.append(s.hub)
+        return s
+
+    yield make
+    for hub in started:
+        hub.stop()
+
+
+def run_env(sinks: Sinks, **extra: str) -> dict[str, str]:
+    env = child_env(**extra)
+    if sinks.hub is not None:
+        env.update(
+            HF_ENDPOINT=sinks.hub.endpoint,
+            HF_TOKEN=sinks.hub.token,
+            HF_HUB_DISABLE_XET="1",
+            HF_HUB_DISABLE_PROGRESS_BARS="1",
+        )
+    return env
+
+
+def published_events(root: Path) -> tuple[dict[int, int], dict[tuple[int, str], int]]:
+    """(step -> step-level `published` events, (step, sink) -> lane `published` events), and states."""
+    j = Journal.open_readonly(root)
+    try:
+        steps: dict[int, int] = {}
+        lanes: dict[tuple[int, str], int] = {}
+        for e in j.events():
+            if e.to_state != "published":
+                continue
+            if e.sink is None:
+                steps[e.step] = steps.get(e.step, 0) + 1
+            else:
+                lanes[(e.step, e.sink)] = lanes.get((e.step, e.sink), 0) + 1
+        return steps, lanes
+    finally:
+        j.close()
+
+
+def file_manifests(d: Path | None) -> dict[int, tuple[int, bytes]]:
+    """step -> (inode, bytes) of each file:// manifest: a restart must leave committed ones untouched."""
+    if d is None:
+        return {}
+    out = {}
+    for m in d.glob(f"step-*/{layout.MANIFEST_NAME}"):
+        out[json.loads(m.read_text())["step"]] = (m.stat().st_ino, m.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_sigkill_at_crash_point_then_restart(case: Case, tmp_path, reference, dcp_mixed2, dcp_big, sinks_for):
+    model = dcp_mixed2[0] if case.kind == "small" else dcp_big
+    expected = {s: reference[case.kind][s] for s in case.steps}
+    root = tmp_path / "root"
+    for step in case.steps:
+        stage(root, step, model)
+    sinks = sinks_for(case)
+    extra = ("--keep-last", str(case.keep_last)) if case.keep_last is not None else ()
+    cmd = watch_cmd(root, sinks.urls(), *extra)
+    reader = Reader(root, expected, sinks)
+    reader.start()
+    killed: list[int] = []  # pids of the killed daemons
+    after_crash: dict[int, tuple[int, bytes]] = {}  # file:// manifests as the first kill that saw them
+    try:
+        for kill in case.kills:
+            proc = subprocess.Popen(
+                cmd,
+                env=run_env(sinks, **{ENV: kill}),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            _, crash_err = proc.communicate(timeout=120)
+            assert proc.returncode == -signal.SIGKILL, (kill, proc.returncode, crash_err[-3000:])
+            assert f"crash point {kill} reached" in crash_err
+            killed.append(proc.pid)
+            reader.check()  # the state the kill left, as a reader finds it
+            after_crash = {**file_manifests(sinks.file_dir), **after_crash}
+
+        restarted = subprocess.run(
+            cmd, env=run_env(sinks), cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        violations = reader.stop()
+    assert_recovered(case, root, sinks, expected, restarted, violations, reader, killed, after_crash)
+
+
+def assert_recovered(
+    case: Case,
+    root: Path,
+    sinks: Sinks,
+    expected: dict[int, Files],
+    restarted: subprocess.CompletedProcess,
+    violations: list[str],
+    reader: Reader,
+    killed: list[int],
+    after_crash: dict[int, tuple[int, bytes]],
+) -> None:
+    """What every kill case checks once the clean restart has run: published once, byte for byte, nothing
+    half-done, and the reader never saw a partial step."""
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert f"{len(case.steps)} step(s) published, 0 not" in restarted.stdout
+    assert not violations, violations
+    assert reader.polls > 10, reader.polls
+
+    # -- published exactly once, per the journal --------------------------------------------------------
+    retired = (
+        set(case.steps[: max(0, len(case.steps) - case.keep_last)]) if case.keep_last is not None else set()
+    )
+    j = Journal.open_readonly(root)
+    try:
+        states = {r.step: r.state for r in j.steps()}
+        lanes = {(ln.step, ln.sink): ln.state for ln in j.lanes()}
+    finally:
+        j.close()
+    assert states == {s: "retired" if s in retired else "published" for s in case.steps}
+    urls = sinks.urls()
+    assert lanes == {(s, u): "published" for s in case.steps for u in urls}
+    step_events, lane_events = published_events(root)
+    assert step_events == dict.fromkeys(case.steps, 1)
+    assert lane_events == {(s, u): 1 for s in case.steps for u in urls}
+
+    # -- ROOT: exports as a clean run made them; nothing half-deleted, nothing left over ---------------------
+    for step in case.steps:
+        step_dir = root / layout.step_dir_name(step)
+        if step in retired:
+            assert not step_dir.exists()
+            continue
+        assert dir_files(step_dir / layout.EXPORT_DIR) == expected[step]
+        assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
+    trash = root / layout.STATE_DIR / "trash"
+    assert not trash.exists() or not any(trash.iterdir())
+
+    # -- every sink: each step once, byte-identical to the clean export --------------------------------------
+    last = layout.step_dir_name(max(case.steps))
+    if sinks.file_dir is not None:
+        d = sinks.file_dir
+        for step in case.steps:
+            assert dir_files_except_manifest(d / layout.step_dir_name(step)) == expected[step]
+        assert (d / "latest").read_text().strip() == last
+        # Temp names (`.NAME.tmp-PID[-TID]`) are invisible to a reader. The restart must leave none of its
+        # own; the killed daemon's are removed only once the sink sweeps them (a file.upload kill leaves
+        # one every time: its case asserts none is left; other kills leave one only by timing).
+        leftovers = sorted(str(p.relative_to(d)) for p in d.rglob(".*"))
+        assert all(any(f".tmp-{pid}" in name for pid in killed) for name in leftovers), leftovers
+        if case.point == "file.upload":
+            assert not leftovers, f"temp files the killed daemon left in the file:// sink: {leftovers}"
+        now = file_manifests(d)
+        assert set(now) == set(case.steps)
+        assert {s: now[s] for s in after_crash} == after_crash, "a committed manifest was rewritten"
+    if sinks.s3 is not None:
+        s3env, base = sinks.s3, f"{sinks.s3_prefix}/"
+        for step in case.steps:
+            key = f"{base}{layout.step_dir_name(step)}/{layout.MANIFEST_NAME}"
+            puts = [r for r in s3env.proxy.log if r.op == "PutObject" and r.key.endswith(key)]
+            assert [r.status for r in puts if r.status == 200] == [200], (step, puts)
+            got = {
+                name: (len(data := s3env.get(f"{base}{layout.step_dir_name(step)}/{name}")), sha(data))
+                for name in expected[step]
+            }
+            assert got == expected[step]
+        objects = s3env.keys(base)
+        assert set(objects) == {f"{base}latest"} | {
+            f"{base}{layout.step_dir_name(s)}/{f}"
+            for s in case.steps
+            for f in [*expected[s], layout.MANIFEST_NAME]
+        }
+        assert s3env.get(f"{base}latest").decode().strip() == last
+        # A killed multipart upload stays pending until the restart's publish of that step sweeps it.
+        pending = s3env.client.list_multipart_uploads(Bucket=s3env.bucket).get("Uploads", [])
+        assert not pending, [u["Key"] for u in pending]
+    if sinks.hub is not None:
+        hub = sinks.hub
+        with hub.store.lock:
+            repo = hub.store.repos[HUB_REPO]
+            commits = [c for c in repo.commits.values() if c.title.startswith("stagerd: step")]
+            tags = dict(repo.tags)
+        assert sorted(c.title for c in commits) == [f"stagerd: step {s}" for s in case.steps]
+        assert hub.stats.commits[HUB_REPO] == len(case.steps)
+        assert set(tags) == {f"step-{s}" for s in case.steps}
+        for c in commits:
+            step = int(c.title.rsplit(" ", 1)[1])
+            assert tags[f"step-{step}"] == c.oid
+            assert hub_files(hub, c) == expected[step]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- a kill inside the LFS upload, from the Hub server ------------------------------------------------------
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LfsKill:
+    """SIGKILL the daemon once the `nth` LFS upload request to receive `after` bytes of body has them.
+
+    The big checkpoint's export has one safetensors file (about 35 MB), the only LFS object of a step;
+    step 2's is byte-identical to step 1's, so the Hub already holds it then and only step 1 uploads.
+    """
+
+    id: str
+    after: int
+    nth: int
+    multipart_chunk: int | None  # None: one basic PUT; else the server asks for parts of this size
+
+
+LFS_KILLS = [
+    LfsKill("basic-put-at-8MiB", after=8 * MiB, nth=1, multipart_chunk=None),
+    LfsKill("multipart-part-2-at-4MiB", after=4 * MiB, nth=2, multipart_chunk=16 * MiB),  # part 1 landed
+]
+
+
+def lfs_objects_are_whole(hub: Any) -> list[str]:
+    """LFS objects of the repo whose stored bytes do not hash to their oid or have the wrong size."""
+    with hub.store.lock:
+        held = dict(hub.store.repos[HUB_REPO].lfs)
+    bad = []
+    for oid, size in held.items():
+        path = hub.store.lfs_path(oid)
+        if not path.is_file() or path.stat().st_size != size or sha256_file(path) != oid:
+            bad.append(oid)
+    return bad
+
+
+@pytest.mark.parametrize("kill", LFS_KILLS, ids=[k.id for k in LFS_KILLS])
+def test_sigkill_inside_the_hub_lfs_upload_then_restart(
+    kill: LfsKill, tmp_path, reference, dcp_big, sinks_for
+):
+    from tests.hubserver import HubConfig
+
+    case = Case("hub.lfs-upload", kill.nth, sinks=("hub", "file"), kind="big")
+    config = HubConfig()
+    if kill.multipart_chunk is not None:
+        config = HubConfig(
+            multipart_threshold=kill.multipart_chunk, multipart_chunk_size=kill.multipart_chunk
+        )
+    expected = {s: reference["big"][s] for s in case.steps}
+    root = tmp_path / "root"
+    for step in case.steps:
+        stage(root, step, dcp_big)
+    sinks = sinks_for(case, config)
+    hub = sinks.hub
+    cmd = watch_cmd(root, sinks.urls())
+    started, pid, seen = threading.Event(), [], {}
+
+    def sigkill_the_daemon() -> None:  # runs in the server's request thread, the body half received
+        started.wait(60)
+        seen.update(commits=hub.stats.commits[HUB_REPO], uploads=sum(hub.stats.lfs_uploads.values()))
+        os.kill(pid[0], signal.SIGKILL)
+
+    hook = hub.on_lfs_body(kill.after, sigkill_the_daemon, nth=kill.nth)
+    reader = Reader(root, expected, sinks)
+    reader.start()
+    try:
+        proc = subprocess.Popen(
+            cmd, env=run_env(sinks), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        pid.append(proc.pid)
+        started.set()
+        _, crash_err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, crash_err[-3000:])
+        assert hook.fired
+        reader.check()
+        restarted = subprocess.run(
+            cmd, env=run_env(sinks), cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        violations = reader.stop()
+
+    # The kill landed mid-upload: nothing committed, no object completed (part 1 of a multipart upload
+    # is a part, not an object), and the request it cut off never answered 200.
+    assert seen == {"commits": 0, "uploads": 0}, seen
+    lfs_requests = hub.stats.count("PUT", r"^/_lfs/(put|part)/")
+    assert lfs_requests > hub.stats.count("PUT", r"^/_lfs/(put|part)/", status=200)
+    assert_recovered(case, root, sinks, expected, restarted, violations, reader, [pid[0]], {})
+    # The restart sent the object whole, once; the cut-off body never became an object.
+    assert list(hub.stats.lfs_uploads.values()) == [1], hub.stats.lfs_uploads
+    assert not lfs_objects_are_whole(hub)
+
+
+# -- the mechanism itself ----------------------------------------------------------------------------------
+
+
+def test_crash_point_is_inert_without_the_variable_and_kills_at_the_nth_arrival(tmp_path):
+    probe = (
+        "from stagerd.ops.crashpoints import crash_point\n"
+        "for i in range(1, 6):\n"
+        "    crash_point('export.move'); crash_point('hub.commit')\n"
+        "    print(i, flush=True)\n"
+    )
+
+    def run(value: str | None) -> subprocess.CompletedProcess:
+        env = child_env(**({ENV: value} if value is not None else {}))
+        return subprocess.run(
+            [sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, timeout=30
+        )
+
+    r = run(None)
+    assert r.returncode == 0 and r.stdout.split() == ["1", "2", "3", "4", "5"]
+    r = run("hub.commit:3")
+    assert r.returncode == -signal.SIGKILL and r.stdout.split() == ["1", "2"]
+    assert "crash point hub.commit:3 reached" in r.stderr
+    r = run("export.move")
+    assert r.returncode == -signal.SIGKILL and r.stdout.split() == []
+    r = run("no.such.point")
+    assert r.returncode == 1 and "unknown crash point" in r.stderr
+    assert os.environ.get(ENV) is None  # the test process itself never arms a crash point

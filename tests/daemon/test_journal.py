@@ -1,0 +1,232 @@
+"""The journal: a real SQLite file; transitions, their guards, crash recovery, and read-only access."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+
+from stagerd.daemon.journal import SCHEMA_VERSION, Journal, journal_path
+from stagerd.errors import JournalError
+
+A, B = "file:///a", "s3://bucket/run"
+
+
+@pytest.fixture
+def j(tmp_path):
+    journal = Journal.open(tmp_path)
+    yield journal
+    journal.close()
+
+
+def exported(j: Journal, step: int, sinks=(A, B)) -> None:
+    j.add_step(step, f"/root/step-{step:08d}", 1000.0 + step)
+    j.begin_export(step)
+    j.finish_export(step, sinks, seconds=1.0, export_bytes=10, tensor_bytes=8, files=2, skipped=False)
+
+
+def publish(j: Journal, step: int, sink: str, sinks=(A, B)) -> bool:
+    j.begin_publish(step, sink)
+    return j.finish_publish(
+        step, sink, sinks=sinks, seconds=0.5, bytes_total=10, bytes_uploaded=10, location="x", skipped=False
+    )
+
+
+def test_file_is_wal_sqlite_under_the_state_dir(tmp_path, j):
+    assert j.path == journal_path(tmp_path) == tmp_path / ".stagerd" / "journal.sqlite"
+    conn = sqlite3.connect(j.path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    conn.close()
+
+
+def test_full_lifecycle_records_every_transition(j):
+    assert j.add_step(7, "/root/step-00000007", 1007.0)
+    assert not j.add_step(7, "/root/step-00000007", 1007.0)  # found twice, journaled once
+    assert j.begin_export(7) == 1
+    j.finish_export(7, [A, B], seconds=1.5, export_bytes=100, tensor_bytes=90, files=3, skipped=False)
+    assert [(ln.sink, ln.state) for ln in j.lanes(7)] == [(A, "pending"), (B, "pending")]
+    assert not publish(j, 7, A)
+    assert j.step(7).state == "exported"
+    assert publish(j, 7, B)
+    row = j.step(7)
+    assert row.state == "published" and row.export_bytes == 100 and row.published_at is not None
+    j.retire(7, "retention")
+    assert j.step(7).state == "retired"
+    trail = [(e.sink, e.from_state, e.to_state) for e in j.events(7)]
+    assert trail == [
+        (None, None, "committed"),
+        (None, "committed", "exporting"),
+        (None, "exporting", "exported"),
+        (A, None, "pending"),
+        (B, None, "pending"),
+        (A, "pending", "publishing"),
+        (A, "publishing", "published"),
+        (B, "pending", "publishing"),
+        (B, "publishing", "published"),
+        (None, "exported", "published"),
+        (None, "published", "retired"),
+    ]
+
+
+def test_impossible_transitions_are_refused_and_change_nothing(j):
+    j.add_step(1, "/r/step-00000001", 1.0)
+    with pytest.raises(JournalError, match="step 1 is committed"):
+        j.finish_export(1, [A], seconds=0, export_bytes=0, tensor_bytes=0, files=0, skipped=False)
+    with pytest.raises(JournalError, match="step 1 is committed"):
+        j.retire(1, "no")
+    with pytest.raises(JournalError, match="not in the journal"):
+        j.begin_export(99)
+    exported(j, 2)
+    with pytest.raises(JournalError, match="expected one of"):
+        j.finish_publish(
+            2, A, sinks=[A], seconds=0, bytes_total=0, bytes_uploaded=0, location="", skipped=False
+        )
+    assert j.step(1).state == "committed" and j.step(2).state == "exported"
+    assert len(j.events(1)) == 1
+
+
+def test_failures_retry_then_quarantine(j):
+    j.add_step(3, "/r/step-00000003", 1.0)
+    j.begin_export(3)
+    assert j.fail_export(3, "OutputError", "ENOSPC", next_try=50.0, quarantine=False) == "failed"
+    assert j.next_export(now=49.0) is None  # not due yet
+    assert j.next_export(now=50.0).step == 3
+    assert j.next_retry_time() == 50.0
+    assert j.begin_export(3) == 2
+    assert j.fail_export(3, "ShardError", "truncated", next_try=None, quarantine=True) == "quarantined"
+    row = j.step(3)
+    assert (row.state, row.error_class, row.attempts, row.next_try) == ("quarantined", "ShardError", 2, None)
+    assert j.next_export(now=1e12) is None
+
+
+def test_lanes_are_independent(j):
+    exported(j, 1)
+    exported(j, 2)
+    j.begin_publish(1, B)
+    j.fail_publish(1, B, "SinkError", "503", next_try=100.0, quarantine=False)
+    # B waits for its retry; A is not held up by it
+    assert j.next_publish(A, now=0).step == 1
+    assert j.next_publish(B, now=0).step == 2
+    assert j.next_publish(B, now=100.0).step == 1
+    assert j.next_publish(A, now=0, exclude=[1]).step == 2
+    assert j.lane_counts() == {(A, "pending"): 2, (B, "failed"): 1, (B, "pending"): 1}
+
+
+def test_exports_come_in_step_order(j):
+    for step in (30, 10, 20):
+        j.add_step(step, f"/r/{step}", float(step))
+    assert j.next_export(now=0).step == 10
+    assert j.next_export(now=0, exclude=[10]).step == 20
+
+
+def test_recover_puts_in_flight_work_back(tmp_path):
+    j = Journal.open(tmp_path)
+    j.add_step(1, "/r/1", 1.0)
+    j.begin_export(1)
+    exported(j, 2)
+    j.begin_publish(2, A)
+    j.close()  # the daemon "dies" here
+
+    j = Journal.open(tmp_path)
+    got = sorted((r.step, r.sink, r.attempts) for r in j.recover())
+    assert got == [(1, None, 1), (2, A, 1)]
+    assert j.step(1).state == "committed"
+    assert {ln.sink: ln.state for ln in j.lanes(2)} == {A: "pending", B: "pending"}
+    assert j.recover() == []
+    assert any(e.message == "recovered after a crash" for e in j.events(1))
+    j.close()
+
+
+def test_abandon_gives_the_attempt_back(j):
+    j.add_step(1, "/r/1", 1.0)
+    j.begin_export(1)
+    j.abandon(1, None, "abandoned at shutdown")
+    assert (j.step(1).state, j.step(1).attempts) == ("committed", 0)
+    exported(j, 2)
+    j.begin_publish(2, A)
+    j.abandon(2, A, "abandoned at shutdown")
+    assert [(ln.state, ln.attempts) for ln in j.lanes(2) if ln.sink == A] == [("pending", 0)]
+
+
+def test_a_new_sink_reopens_published_steps_that_are_still_staged(j):
+    exported(j, 1, sinks=[A])
+    publish(j, 1, A, sinks=[A])
+    exported(j, 2, sinks=[A])
+    publish(j, 2, A, sinks=[A])
+    j.retire(2, "retention")
+    assert j.ensure_lanes([A, B]) == [(1, B)]
+    assert j.step(1).state == "exported" and j.step(2).state == "retired"
+    assert publish(j, 1, B)
+
+
+def test_a_removed_sink_completes_steps_waiting_only_for_it(j):
+    exported(j, 1)
+    publish(j, 1, A)
+    assert j.step(1).state == "exported"
+    j.ensure_lanes([A])  # B is no longer configured
+    assert j.step(1).state == "published"
+
+
+def test_readonly_reader_sees_commits_while_a_writer_runs(tmp_path, j):
+    j.add_step(1, "/r/1", 1.0)
+    reader = Journal.open_readonly(tmp_path)
+    try:
+        assert [r.step for r in reader.steps()] == [1]
+        stop = threading.Event()
+
+        def write() -> None:
+            step = 2
+            while not stop.is_set():
+                j.add_step(step, f"/r/{step}", 1.0)
+                step += 1
+
+        t = threading.Thread(target=write)
+        t.start()
+        try:
+            for _ in range(50):
+                steps = [r.step for r in reader.steps()]
+                assert steps == list(range(1, len(steps) + 1))  # never a torn view
+        finally:
+            stop.set()
+            t.join()
+        with pytest.raises(JournalError, match="read-only"):
+            reader.add_step(100, "/r/100", 1.0)
+    finally:
+        reader.close()
+
+
+def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
+    with pytest.raises(JournalError, match="has not run on this ROOT"):
+        Journal.open_readonly(tmp_path)
+    path = journal_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(JournalError, match="newer stagerd"):
+        Journal.open(tmp_path)
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(JournalError, match="cannot"):
+        Journal.open(tmp_path)
+
+
+def test_meta_round_trips(j):
+    j.set_meta(pid=12, sinks=[A, B], keep_last=None)
+    assert j.meta() == {"pid": 12, "sinks": [A, B], "keep_last": None}
+
+
+def test_a_journal_that_was_never_set_up_says_so_and_the_next_start_sets_it_up(tmp_path):
+    path = journal_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.touch()  # what a first `watch` killed before creating the tables leaves
+    with pytest.raises(JournalError, match="never set up") as info:
+        Journal.open_readonly(tmp_path)
+    assert "schema 0" not in str(info.value)
+    j = Journal.open(tmp_path)
+    assert j.add_step(1, "/r/1", 1.0)
+    j.close()
+    reader = Journal.open_readonly(tmp_path)
+    assert [r.step for r in reader.steps()] == [1]
+    reader.close()

@@ -1,0 +1,187 @@
+"""Each bad input ends with a named error, a non-zero exit, one line naming the file, and no output."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.engine.export import export_step
+from stagerd.errors import DTypeError, HeaderError, PlanError, ShardError
+
+
+def first_shard(step: Path) -> Path:
+    return sorted((step / "model").glob("*.safetensors"))[0]
+
+
+def rewrite_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+
+
+def recommit(step: Path) -> None:
+    """Refresh the marker's sizes so only the damage under test is wrong."""
+    m = layout.read_marker(step)
+    files = tuple(layout.StagedFile(f.path, (step / f.path).stat().st_size) for f in m.files)
+    layout.write_marker(step, layout.CommitMarker(**{**m.__dict__, "files": files}))
+
+
+def truncate(step: Path) -> None:
+    p = first_shard(step)
+    p.write_bytes(p.read_bytes()[:-10])
+
+
+def truncate_and_recommit(step: Path) -> None:
+    truncate(step)
+    recommit(step)
+
+
+def absurd_length(step: Path) -> None:
+    p = first_shard(step)
+    raw = p.read_bytes()
+    p.write_bytes(struct.pack("<Q", 2**62) + raw[8:])
+
+
+def overlap(step: Path) -> None:
+    def edit(h):
+        names = [k for k in h if k != "__metadata__"]
+        h[names[1]]["data_offsets"] = list(h[names[0]]["data_offsets"])
+        h[names[1]]["dtype"], h[names[1]]["shape"] = h[names[0]]["dtype"], h[names[0]]["shape"]
+
+    rewrite_header(first_shard(step), edit)
+    recommit(step)
+
+
+def past_end(step: Path) -> None:
+    def edit(h):
+        name = next(k for k in h if k != "__metadata__")
+        b, e = h[name]["data_offsets"]
+        h[name]["data_offsets"] = [b + 10**6, e + 10**6]
+
+    rewrite_header(first_shard(step), edit)
+    recommit(step)
+
+
+def missing_shard(step: Path) -> None:
+    first_shard(step).unlink()
+
+
+def missing_dcp_metadata(step: Path) -> None:
+    rewrite_header(first_shard(step), lambda h: h["__metadata__"].pop("DCP_SHARDING_INFO"))
+    recommit(step)
+
+
+def unknown_dtype(step: Path) -> None:
+    def edit(h):
+        name = next(k for k in h if k != "__metadata__")
+        h[name]["dtype"] = "F12"
+
+    rewrite_header(first_shard(step), edit)
+    recommit(step)
+
+
+def missing_trailing_shard(step: Path) -> None:
+    """Drop the last rank's file from disk and marker: headers alone would give smaller tensors."""
+    last = sorted((step / "model").glob("*.safetensors"))[-1]
+    last.unlink()
+    m = layout.read_marker(step)
+    files = tuple(f for f in m.files if not f.path.endswith(last.name))
+    layout.write_marker(step, layout.CommitMarker(**{**m.__dict__, "files": files}))
+
+
+CASES = [
+    (truncate, ShardError, "truncated"),
+    (truncate_and_recommit, HeaderError, "truncated"),
+    (absurd_length, HeaderError, "header length"),
+    (overlap, HeaderError, "overlap"),
+    (past_end, HeaderError, "run past"),
+    (missing_shard, ShardError, "missing"),
+    (missing_dcp_metadata, HeaderError, "DCP_SHARDING_INFO"),
+    (unknown_dtype, DTypeError, "F12"),
+    (missing_trailing_shard, PlanError, "missing"),
+]
+
+
+@pytest.mark.parametrize(("damage", "error", "words"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_bad_step_is_a_named_error_and_leaves_no_export(step_dir, damage, error, words):
+    damage(step_dir)
+    with pytest.raises(error, match=words) as info:
+        export_step(step_dir)
+    assert info.value.path  # names the file
+    assert not (step_dir / layout.EXPORT_DIR).exists()
+    assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
+    assert (step_dir / "model").is_dir()  # staged data untouched
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stagerd.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(("damage", "error", "words"), CASES[:4], ids=[c[0].__name__ for c in CASES[:4]])
+def test_cli_prints_one_line_and_leaves_no_output(step_dir, tmp_path, damage, error, words):
+    damage(step_dir)
+    out = tmp_path / "out"
+    r = _cli("consolidate", str(step_dir), str(out))
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("stagerd:")]
+    assert len(lines) == 1 and error.__name__ in lines[0] and str(step_dir) in lines[0]
+    assert "what to do" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_cli_debug_shows_the_traceback(step_dir, tmp_path):
+    truncate(step_dir)
+    r = _cli("--debug", "consolidate", str(step_dir), str(tmp_path / "out"))
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_raw_shard_dir_with_a_gap_is_a_missing_shard(dcp_mixed, tmp_path):
+    import shutil
+
+    src, _ = dcp_mixed
+    shutil.copytree(src, tmp_path / "model")
+    sorted((tmp_path / "model").glob("shard-00002-*"))[0].unlink()
+    r = _cli("consolidate", str(tmp_path / "model"), str(tmp_path / "out"))
+    assert r.returncode != 0 and "ShardError" in r.stderr and "[2]" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_writable_out(step_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = _cli("consolidate", str(step_dir), str(blocker / "out"))
+    assert r.returncode != 0 and "OutputError" in r.stderr
+
+
+def test_marker_listing_outside_the_step_is_refused(step_dir):
+    from stagerd.errors import MarkerError
+
+    m = layout.read_marker(step_dir)
+    files = (*m.files, layout.StagedFile("../../etc/passwd", 10))
+    raw = m.to_json() | {"files": [f.__dict__ for f in files]}
+    (step_dir / layout.MARKER_NAME).write_text(json.dumps(raw))
+    with pytest.raises(MarkerError, match="escapes"):
+        export_step(step_dir)
+
+
+def test_symlinked_shard_pointing_outside_is_refused(step_dir, tmp_path):
+    from stagerd.errors import MarkerError
+
+    victim = first_shard(step_dir)
+    outside = tmp_path / "outside.safetensors"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    with pytest.raises(MarkerError, match="outside"):
+        export_step(step_dir)

@@ -1,0 +1,417 @@
+"""The fsspec sink against the local filesystem, fsspec's memory store, and a real moto S3 over HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.errors import SinkConflictError, SinkError, VerifyError
+from stagerd.sinks import PublishResult, Sink, open_sink
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.hashing import composite_checksum, hash_file
+from stagerd.sinks.objects import RemoteObject, newer_latest, plan_reuse, redact_url, scan_dir, verify_listing
+
+
+def make_export(root: Path, sizes: dict[str, int], seed: int = 0) -> Path:
+    """An export dir of files with deterministic pseudo-random bytes."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (rel, size) in enumerate(sorted(sizes.items())):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        block = hashlib.sha256(f"{seed}-{i}".encode()).digest() * 2048  # 64 KiB
+        data = (block * (size // len(block) + 1))[:size]
+        p.write_bytes(data)
+    return root
+
+
+SMALL = {
+    "model-00001-of-00002.safetensors": 300_000,
+    "model-00002-of-00002.safetensors": 123_457,
+    layout.INDEX_NAME: 812,
+    "tokenizer/tokenizer.json": 77,
+}
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- pure parts -------------------------------------------------------------------------------------------
+
+
+def test_redact_url_hides_passwords_and_secret_params():
+    assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    r = redact_url("https://user:hunter2@host/p?X-Amz-Signature=abc&x=1&token=zzz")
+    assert "hunter2" not in r and "abc" not in r and "zzz" not in r
+    assert "user" in r and "x=1" in r
+
+
+def test_verify_listing_names_every_problem():
+    m = layout.ExportManifest(
+        step=3,
+        files=(
+            layout.ManifestFile("a", 1, "00"),
+            layout.ManifestFile("b", 2, "00"),
+            layout.ManifestFile("c", 3, "00"),
+        ),
+    )
+    remote = {"a": RemoteObject(1, "X"), "b": RemoteObject(5)}
+    problems = verify_listing(m, remote, {"a": "Y"})
+    assert problems == ["a: checksum X, expected Y", "b: 5 bytes, expected 2", "c: missing"]
+    good = {"a": RemoteObject(1, "Y"), "b": RemoteObject(2), "c": RemoteObject(3)}
+    assert verify_listing(m, good, {}) == []
+
+
+def test_plan_reuse_needs_size_and_checksum(tmp_path):
+    files = scan_dir(make_export(tmp_path / "e", {"a": 10, "b": 20, "c": 30}))
+    remote = {"a": RemoteObject(10, "x"), "b": RemoteObject(21, "x"), "c": RemoteObject(30)}
+    assert [f.rel for f in plan_reuse(files, remote)] == ["a"]
+
+
+def test_newer_latest_only_moves_forward():
+    assert newer_latest(None, 5)
+    assert newer_latest(b"step-00000004", 5)
+    assert newer_latest(b"step-00000005\n", 5)
+    assert not newer_latest(b"step-00000006", 5)
+    assert newer_latest(b"garbage", 5)
+
+
+def test_hash_file_checksums_match_their_definitions(tmp_path):
+    import base64
+
+    p = tmp_path / "f"
+    data = os.urandom(2_500_000)
+    p.write_bytes(data)
+    chunks = [data[i : i + 1_000_000] for i in range(0, len(data), 1_000_000)]
+    sha = hashlib.sha256(data).hexdigest()
+
+    d = hash_file(p, part_size=1_000_000, algorithm="SHA256")
+    assert d.sha256 == sha and d.size == len(data)
+    assert d.checksum == composite_checksum([hashlib.sha256(c).digest() for c in chunks], "SHA256")
+    assert d.checksum.endswith("-3")
+    crc_parts = [zlib.crc32(c).to_bytes(4, "big") for c in chunks]
+    expected = base64.b64encode(zlib.crc32(b"".join(crc_parts)).to_bytes(4, "big")).decode() + "-3"
+    assert hash_file(p, part_size=1_000_000).checksum == expected
+
+    single = hash_file(p, part_size=5_000_000)
+    assert single.sha256 == sha
+    assert single.checksum == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    sha_single = hash_file(p, part_size=5_000_000, algorithm="SHA256").checksum
+    assert sha_single == base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+# -- file:// ---------------------------------------------------------------------------------------------
+
+
+def test_file_sink_publishes_commits_and_is_idempotent(tmp_path):
+    export = make_export(tmp_path / "step-00000007" / "export", SMALL)
+    dest = tmp_path / "dest"
+    sink = open_sink(f"file://{dest}")
+    assert isinstance(sink, Sink) and isinstance(sink, FsspecSink)
+    assert not sink.is_published(7)
+    seen = []
+    res = sink.publish(export, 7, metadata={"run": "r1"}, progress=lambda d, t: seen.append((d, t)))
+    assert isinstance(res, PublishResult)
+    total = sum(SMALL.values())
+    assert (res.files, res.bytes_total, res.bytes_uploaded, res.skipped) == (4, total, total, False)
+    assert seen[-1] == (total, total)
+    step_dir = dest / "step-00000007"
+    got = tree_bytes(step_dir)
+    manifest = json.loads(got.pop(layout.MANIFEST_NAME))
+    assert got == tree_bytes(export)
+    assert manifest["format"] == layout.MANIFEST_FORMAT and manifest["metadata"] == {"run": "r1"}
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
+        k: hashlib.sha256(v).hexdigest() for k, v in got.items()
+    }
+    assert (dest / "latest").read_text() == "step-00000007"
+    assert sink.is_published(7)
+
+    again = sink.publish(export, 7)
+    assert again.skipped and again.bytes_uploaded == 0
+
+
+def test_file_sink_latest_never_goes_back(tmp_path):
+    dest = tmp_path / "dest"
+    sink = open_sink(str(dest))
+    sink.publish(make_export(tmp_path / "e9", {"a": 10}), 9)
+    sink.publish(make_export(tmp_path / "e3", {"a": 10}), 3)
+    assert (dest / "latest").read_text() == "step-00000009"
+    sink.publish(make_export(tmp_path / "e12", {"a": 10}), 12)
+    assert (dest / "latest").read_text() == "step-00000012"
+
+
+def test_file_sink_conflicting_manifest_is_refused_and_kept(tmp_path):
+    dest = tmp_path / "dest"
+    sink = open_sink(f"file://{dest}")
+    sink.publish(make_export(tmp_path / "a", SMALL, seed=1), 5)
+    before = (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes()
+    with pytest.raises(SinkConflictError) as ei:
+        sink.publish(make_export(tmp_path / "b", SMALL, seed=2), 5)
+    assert "step-00000005" in str(ei.value) and not ei.value.retryable
+    assert (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes() == before
+
+
+def test_file_sink_partial_step_is_absent_and_completed(tmp_path):
+    """A crash before the manifest: the step is not published; a re-run completes it with one manifest."""
+    export = make_export(tmp_path / "e", SMALL)
+    dest = tmp_path / "dest"
+    partial = dest / "step-00000002"
+    partial.mkdir(parents=True)
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"truncated")
+    sink = open_sink(f"file://{dest}")
+    assert not sink.is_published(2)
+    res = sink.publish(export, 2)
+    assert not res.skipped and sink.is_published(2)
+    got = tree_bytes(partial)
+    got.pop(layout.MANIFEST_NAME)
+    assert got == tree_bytes(export)
+
+
+def test_bad_inputs_are_named_errors(tmp_path):
+    sink = open_sink(f"file://{tmp_path / 'dest'}")
+    with pytest.raises(VerifyError, match="not a directory"):
+        sink.publish(tmp_path / "nope", 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VerifyError, match="no files"):
+        sink.publish(tmp_path / "empty", 1)
+
+
+def test_unwritable_destination_is_a_sink_error(tmp_path):
+    if os.geteuid() == 0:
+        target = Path("/proc/stagerd-cannot-write")
+    else:
+        target = tmp_path / "ro"
+        target.mkdir()
+        target.chmod(0o500)
+    sink = open_sink(f"file://{target}")
+    with pytest.raises(SinkError) as ei:
+        sink.publish(make_export(tmp_path / "e", {"a": 5}), 1)
+    assert str(target) in str(ei.value)
+
+
+def test_memory_fsspec_store_roundtrip(tmp_path):
+    import fsspec
+
+    export = make_export(tmp_path / "e", SMALL)
+    sink = open_sink("memory://stagerd-test/ckpt")
+    res = sink.publish(export, 4)
+    assert not res.skipped
+    fs = fsspec.filesystem("memory")
+    for rel, data in tree_bytes(export).items():
+        assert fs.cat_file(f"/stagerd-test/ckpt/step-00000004/{rel}") == data
+    assert fs.cat_file("/stagerd-test/ckpt/latest") == b"step-00000004"
+    assert sink.publish(export, 4).skipped
+    fs.rm("/stagerd-test", recursive=True)
+
+
+def test_publish_raw_step(tmp_path):
+    step_dir = tmp_path / "step-00000011"
+    make_export(step_dir, {"model/shard-00001.safetensors": 1000, "optim/__0_0.distcp": 500})
+    make_export(step_dir / "export", {"model.safetensors": 900})
+    marker = layout.CommitMarker(
+        step=11,
+        world_size=1,
+        files=(layout.StagedFile("model/shard-00001.safetensors", 1000),),
+    )
+    layout.write_marker(step_dir, marker)
+    dest = tmp_path / "dest"
+    sink = FsspecSink.from_url(f"file://{dest}")
+    res = sink.publish_raw(step_dir, 11)
+    assert res.files == 3 and not res.skipped
+    raw = dest / "raw" / "step-00000011"
+    assert (raw / layout.MARKER_NAME).exists() and (raw / "optim/__0_0.distcp").stat().st_size == 500
+    assert not (raw / "export").exists()
+    assert (dest / "raw" / "latest").read_text() == "step-00000011"
+    assert not (dest / "latest").exists()
+    assert sink.publish_raw(step_dir, 11).skipped
+
+
+# -- S3: real s3fs/aiobotocore against moto over HTTP, through the fault proxy -----------------------------
+
+from tests import s3server  # noqa: E402
+from tests.s3server import ACCESS_KEY, SECRET_KEY, Fault  # noqa: E402
+
+s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
+
+MiB = 1 << 20
+S3_FILES = {
+    "model-00001-of-00002.safetensors": 12 * MiB + 12_345,  # three 5 MiB parts
+    "model-00002-of-00002.safetensors": 700_001,
+    layout.INDEX_NAME: 1234,
+    "extras/README.md": 99,
+}
+WRITES = ("PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")
+
+
+def s3_sink(env, prefix: str = "ckpt", **kw) -> FsspecSink:
+    return open_sink(env.url(prefix), part_size=5 * MiB, max_concurrency=4, **kw)
+
+
+def assert_published(env, export: Path, step: int, prefix: str = "ckpt") -> dict:
+    base = f"{prefix}/{layout.step_dir_name(step)}"
+    local = tree_bytes(export)
+    manifest = json.loads(env.get(f"{base}/{layout.MANIFEST_NAME}"))
+    assert {f["path"]: (f["size"], f["sha256"]) for f in manifest["files"]} == {
+        k: (len(v), hashlib.sha256(v).hexdigest()) for k, v in local.items()
+    }
+    for rel, data in local.items():
+        assert env.get(f"{base}/{rel}") == data, rel
+    assert env.get(f"{prefix}/latest") == layout.step_dir_name(step).encode()
+    return manifest
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algorithm):
+    export = make_export(tmp_path / "e", S3_FILES)
+    sink = s3_sink(s3, checksum=algorithm)
+    assert sink.url == s3.url("ckpt") and not sink.is_published(12)
+    res = sink.publish(export, 12)
+    assert not res.skipped and res.bytes_uploaded == sum(S3_FILES.values()) and res.files == 4
+    assert res.location == f"{s3.url('ckpt')}/step-00000012"
+    assert_published(s3, export, 12)
+    assert s3.proxy.count("UploadPart") == 3 and s3.proxy.count("CompleteMultipartUpload") == 1
+    for rel in S3_FILES:  # the store kept the checksums the sink sent, and they are right
+        key = f"ckpt/step-00000012/{rel}"
+        head = s3.client.head_object(Bucket=s3.bucket, Key=key, ChecksumMode="ENABLED")
+        want = hash_file(export / rel, 5 * MiB, algorithm).checksum
+        assert head[f"Checksum{algorithm}"].split("-")[0] == want.split("-")[0], rel
+    assert sink.is_published(12)
+
+    s3.proxy.reset()
+    again = s3_sink(s3, checksum=algorithm).publish(export, 12)
+    assert again.skipped and again.bytes_uploaded == 0
+    assert s3.proxy.count(*WRITES) == 0 and s3.proxy.bytes_in() == 0
+    sink.close()
+
+
+def test_s3_transient_faults_are_retried_and_publish_once(s3, tmp_path):
+    export = make_export(tmp_path / "e", S3_FILES)
+    p = s3.proxy
+    p.add(Fault(ops=("UploadPart",), times=2, status=500, code="InternalError"))
+    p.add(Fault(ops=("UploadPart",), times=1, drop_after=64 * 1024))
+    p.add(Fault(ops=("PutObject",), times=1, status=503, code="SlowDown"))
+    p.add(Fault(ops=("CreateMultipartUpload",), times=1, status=429, code="TooManyRequests", retry_after=1))
+    p.add(Fault(ops=("PutObject",), times=1, status=500, key_contains=layout.MANIFEST_NAME))
+    res = s3_sink(s3).publish(export, 3)
+    assert not res.skipped
+    assert_published(s3, export, 3)
+    statuses = sorted(r.status for r in p.log if r.status != 200)
+    assert statuses.count(500) == 3 and 503 in statuses and 429 in statuses and 0 in statuses
+    assert all(f.times == 0 for f in p.faults), "every injected fault was hit"
+    ok_manifest_puts = [r for r in p.log if layout.MANIFEST_NAME in r.key and r.op == "PutObject"]
+    assert [r.status for r in ok_manifest_puts] == [500, 200]
+
+
+def test_s3_crash_mid_multipart_then_rerun_completes(s3, tmp_path, monkeypatch):
+    """Connections dropped mid-part past the client's retries fail the step; a re-run sends only the rest."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    export = make_export(tmp_path / "e", S3_FILES)
+    big = "model-00001-of-00002.safetensors"
+    s3.proxy.add(Fault(ops=("UploadPart",), times=1000, after=1, drop_after=1 * MiB, key_contains=big))
+    with pytest.raises(SinkError) as ei:
+        s3_sink(s3).publish(export, 8)
+    assert ei.value.retryable and big in str(ei.value) and s3.url("ckpt") in str(ei.value)
+    landed = s3.keys("ckpt/")
+    assert f"ckpt/step-00000008/{layout.MANIFEST_NAME}" not in landed and "ckpt/latest" not in landed
+    assert f"ckpt/step-00000008/{big}" not in landed
+    assert landed, "the small files finished before the big one failed"
+    assert not s3_sink(s3).is_published(8)
+
+    s3.proxy.reset()
+    res = s3_sink(s3).publish(export, 8)
+    assert not res.skipped and res.bytes_uploaded < sum(S3_FILES.values())
+    assert_published(s3, export, 8)
+    for key in landed:
+        assert s3.proxy.count("PutObject", "UploadPart", key_contains=key) == 0, f"{key} was sent twice"
+    assert s3.proxy.count("PutObject", key_contains=layout.MANIFEST_NAME) == 1
+
+
+def test_s3_wrong_remote_file_is_replaced(s3, tmp_path):
+    """A same-size object with other bytes (a foreign or stale upload) fails the checksum and is re-sent."""
+    export = make_export(tmp_path / "e", S3_FILES)
+    rel = "model-00002-of-00002.safetensors"
+    key = f"ckpt/step-00000004/{rel}"
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"\0" * S3_FILES[rel], ChecksumAlgorithm="SHA256")
+    s3_sink(s3).publish(export, 4)
+    assert_published(s3, export, 4)
+    assert s3.proxy.count("PutObject", key_contains=rel) == 1
+
+
+def test_s3_server_down_then_up(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "10")
+    export = make_export(tmp_path / "e", S3_FILES)
+    went_down = []
+
+    def progress(done: int, total: int) -> None:
+        if not went_down:
+            went_down.append(s3.server.down_for(1.0))
+
+    res = s3_sink(s3).publish(export, 6, progress=progress)
+    assert went_down and not res.skipped
+    assert_published(s3, export, 6)
+
+
+def test_s3_permanent_failure_is_a_retryable_sink_error_and_commits_nothing(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    export = make_export(tmp_path / "e", {"a.safetensors": 1000, "b.json": 10})
+    s3.proxy.add(Fault(ops=("PutObject",), times=1000, status=500, key_contains="a.safetensors"))
+    with pytest.raises(SinkError) as ei:
+        s3_sink(s3).publish(export, 2)
+    assert type(ei.value) is SinkError and ei.value.retryable
+    assert "a.safetensors" in str(ei.value) and "InternalError" in str(ei.value)
+    assert s3.proxy.count("PutObject", key_contains="a.safetensors") == 2  # bounded: AWS_MAX_ATTEMPTS
+    assert not [k for k in s3.keys("") if layout.MANIFEST_NAME in k]
+
+
+@pytest.mark.parametrize("which", ["secret", "key"])
+def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, monkeypatch, which):
+    bad_secret = "wrong-secret-8c1f0e"
+    if which == "secret":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", bad_secret)
+    else:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-NOT-KNOWN")
+    export = make_export(tmp_path / "e", {"a": 10})
+    with pytest.raises(SinkError) as ei:
+        s3_sink(s3).publish(export, 1)
+    err = ei.value
+    assert type(err).__name__ == "SinkAuthError" and not err.retryable
+    text = f"{err} {err.hint}"
+    assert bad_secret not in text and SECRET_KEY not in text
+    assert ("SignatureDoesNotMatch" if which == "secret" else "InvalidAccessKeyId") in text
+    assert s3.proxy.count() == 1, "an auth failure is not retried"
+
+
+def test_s3_conflicting_manifest_is_refused(s3, tmp_path):
+    s3_sink(s3).publish(make_export(tmp_path / "a", {"x.safetensors": 100}, seed=1), 5)
+    before = s3.get(f"ckpt/step-00000005/{layout.MANIFEST_NAME}")
+    with pytest.raises(SinkConflictError):
+        s3_sink(s3).publish(make_export(tmp_path / "b", {"x.safetensors": 100}, seed=2), 5)
+    assert s3.get(f"ckpt/step-00000005/{layout.MANIFEST_NAME}") == before
+
+
+def test_s3_manifest_write_is_conditional(s3):
+    backend = s3_sink(s3)._backend
+    assert backend.create("k/m.json", b"one") is True
+    assert backend.create("k/m.json", b"two") is False
+    assert s3.get("ckpt/k/m.json") == b"one"
+    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [200, 412]
+
+
+def test_s3_connection_from_storage_options_and_generic_endpoint_env(s3, tmp_path, monkeypatch):
+    export = make_export(tmp_path / "e", {"a": 10})
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.server.endpoint)
+    assert not s3_sink(s3, prefix="via-env").publish(export, 1).skipped
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    opts = {"endpoint_url": s3.server.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY}
+    sink = s3_sink(s3, prefix="via-opts", storage_options=opts)
+    assert SECRET_KEY not in repr(vars(sink)["url"])
+    assert not sink.publish(export, 1).skipped
+    assert s3.get("via-opts/step-00000001/a") == (export / "a").read_bytes()
