@@ -109,6 +109,15 @@ class Settings(BaseSettings):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
 
+    @field_validator("sinks")
+    @classmethod
+    def _check_sinks(cls, v: list[str]) -> list[str]:
+        from stagerd.sinks.urls import parse_sink_url
+
+        for url in v:
+            parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created
+        return v
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, v: str | None) -> str | None:

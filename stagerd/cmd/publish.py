@@ -51,8 +51,10 @@ def step_from_path(export_dir: Path) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from stagerd.ops.progress import progress
-    from stagerd.sinks import open_sink
+    from stagerd.sinks import open_sink, parse_sink_url
 
+    for url in args.sink:
+        parse_sink_url(url)  # every URL is checked before any sink is touched
     export_dir: Path = args.export_dir
     if not export_dir.is_dir():
         raise VerifyError("is not an export directory", path=export_dir)

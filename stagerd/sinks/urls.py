@@ -1,0 +1,283 @@
+"""The one strict parser of sink URLs.
+
+Every way a destination reaches stagerd (`watch --sink`, `STAGERD_SINKS`, a config file, `publish --sink`,
+`demo --sink`) goes through `parse_sink_url` before anything runs. A URL the stores would read loosely
+(`s3:/bucket` as a local directory named `s3:`, `file://relative` as a path under the working directory,
+`hf://org/repo#main` without its fragment) would publish to a place the operator did not mean and report
+success, so anything but an exact form is a `ConfigError` whose hint is the closest valid URL.
+
+Accepted forms:
+- `s3://BUCKET[/PREFIX]` (also `s3a://`): no credentials, port or query in the URL;
+- `hf://ORG/REPO[@REVISION][?option=value...]`;
+- `file:///ABSOLUTE/PATH`, or a bare `/ABSOLUTE/PATH`, which means the same;
+- `PROTOCOL://BUCKET-OR-HOST[/PATH]` for any other installed fsspec protocol that stores durably.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from stagerd.errors import ConfigError
+
+FORMS = "s3://BUCKET/PREFIX, hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH or /ABSOLUTE/PATH"
+
+# fsspec protocols that exist but keep nothing after the process ends, or cannot be written to.
+_NOT_DURABLE = {
+    "memory": "keeps the data in this process's memory only; it is gone when stagerd exits",
+    "http": "is read-only in fsspec",
+    "https": "is read-only in fsspec",
+    "github": "is read-only in fsspec",
+    "git": "is read-only in fsspec",
+    "zip": "is an archive view, not a store",
+    "tar": "is an archive view, not a store",
+    "libarchive": "is an archive view, not a store",
+    "reference": "is a read-only view of other files",
+    "data": "is a data: URL, not a store",
+    "cached": "is a local cache in front of another store; name that store instead",
+    "simplecache": "is a local cache in front of another store; name that store instead",
+    "filecache": "is a local cache in front of another store; name that store instead",
+    "blockcache": "is a local cache in front of another store; name that store instead",
+}
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.S)
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class SinkKind(Enum):
+    """Which sink implementation a URL opens."""
+
+    LOCAL = "local"
+    S3 = "s3"
+    HUB = "hub"
+    FSSPEC = "fsspec"
+
+
+@dataclass(frozen=True)
+class SinkUrl:
+    """A checked sink URL. `url` is the text as given (it names the sink in the journal and logs);
+    `location` is the bucket, host or Hub repo, `path` the prefix (a local sink's absolute directory)."""
+
+    url: str
+    kind: SinkKind
+    protocol: str
+    location: str
+    path: str
+
+    @property
+    def local_path(self) -> Path:
+        if self.kind is not SinkKind.LOCAL:
+            raise ValueError(f"{self.url} is not a local sink")
+        return Path(self.path)
+
+
+def parse_sink_url(text: str) -> SinkUrl:
+    """Check `text` strictly and say what it names; any doubt is a ConfigError with the closest valid form."""
+    if not isinstance(text, str) or not text.strip():
+        raise _refuse(
+            text if isinstance(text, str) else repr(text),
+            "is empty: an unset variable or an empty list entry would publish to no place you chose",
+            suggestion=None,
+        )
+    if text != text.strip() or _CONTROL.search(text):
+        raise _refuse(text, "has spaces or control characters at its ends or inside", _clean(text))
+    if "::" in text:
+        raise _refuse(text, "chains fsspec protocols; name the store itself", text.rsplit("::", 1)[-1])
+    match = _SCHEME.fullmatch(text)
+    if match is None:
+        return _bare_path(text)
+    scheme, rest = match.group(1), match.group(2)
+    if scheme != scheme.lower():
+        raise _refuse(text, "has an upper-case scheme", f"{scheme.lower()}:{rest}")
+    if not rest.startswith("//"):
+        raise _refuse(text, f"needs two slashes after {scheme}:", _with_slashes(scheme, rest))
+    if "#" in text:
+        raise _refuse(text, "has a #fragment, which no sink reads", _without_fragment(scheme, text))
+    parts = urllib.parse.urlsplit(text)
+    if scheme in ("file", "local"):
+        return _local(text, parts)
+    if scheme in ("s3", "s3a"):
+        return _s3(text, parts)
+    if scheme == "hf":
+        return _hub(text, parts)
+    return _fsspec(text, parts)
+
+
+# --- one function per kind -------------------------------------------------------------------------------
+
+
+def _bare_path(text: str) -> SinkUrl:
+    if not text.startswith("/"):
+        raise _refuse(
+            text,
+            "is a relative path: it would land under whatever directory stagerd runs in",
+            f"file://{os.path.abspath(os.path.expanduser(text))}",
+        )
+    return SinkUrl(text, SinkKind.LOCAL, "file", "", _checked_local_path(text, text))
+
+
+def _local(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
+    if parts.netloc:
+        # file://relative/dir reads as a path under the working directory, file://host/... is not local
+        raise _refuse(
+            text,
+            "names a host or relative path after file://; a local sink is file:///ABSOLUTE/PATH",
+            f"file://{os.path.abspath(parts.netloc + parts.path)}",
+        )
+    if parts.query:
+        raise _refuse(text, "has a ?query, which a local directory cannot take", f"file://{parts.path}")
+    if not parts.path:
+        raise _refuse(text, "names no directory", "file:///ABSOLUTE/PATH")
+    return SinkUrl(text, SinkKind.LOCAL, "file", "", _checked_local_path(text, parts.path))
+
+
+def _checked_local_path(text: str, path: str) -> str:
+    tidy = os.path.normpath(path)
+    if tidy == "/" or tidy == "//":
+        raise _refuse(text, "is the root directory; give a directory of its own", "file:///srv/checkpoints")
+    if _untidy(path):
+        raise _refuse(text, "has empty, '.' or '..' parts", f"file://{tidy}")
+    return tidy
+
+
+def _s3(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
+    scheme = parts.scheme
+    if not parts.netloc:
+        raise _refuse(text, "names no bucket", f"{scheme}://{parts.path.strip('/') or 'BUCKET/PREFIX'}")
+    if "@" in parts.netloc or ":" in parts.netloc:
+        raise _refuse(
+            text,
+            "carries credentials or a port; give credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "a profile or a role, and an endpoint by AWS_ENDPOINT_URL",
+            f"{scheme}://{parts.netloc.rsplit('@', 1)[-1].split(':', 1)[0]}{parts.path}",
+        )
+    if parts.query:
+        raise _refuse(
+            text,
+            "has a ?query, which S3 would take as part of the key",
+            f"{scheme}://{parts.netloc}{parts.path}",
+        )
+    if not _HOST.fullmatch(parts.netloc):
+        raise _refuse(text, "has a bucket name S3 does not allow", f"{scheme}://BUCKET{parts.path}")
+    if _untidy(parts.path):
+        raise _refuse(
+            text,
+            "has empty, '.' or '..' parts in its prefix",
+            f"{scheme}://{parts.netloc}/{_tidy_key(parts.path)}".rstrip("/"),
+        )
+    return SinkUrl(text, SinkKind.S3, scheme, parts.netloc, parts.path.strip("/"))
+
+
+def _hub(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
+    full = (parts.netloc + parts.path).rstrip("/")
+    repo_id, at, revision = full.partition("@")
+    segments = repo_id.split("/")
+    if len(segments) != 2 or not all(segments):
+        guess = "/".join(s for s in segments if s)
+        if len(segments) > 2 and all(segments):
+            guess = "/".join(segments[:2])
+        if guess.count("/") != 1:
+            guess = "ORG/REPO"
+        raise _refuse(
+            text, "is not hf://ORG/REPO[@REVISION]", f"hf://{guess}" + (f"@{revision}" if revision else "")
+        )
+    if at and ("@" in revision or not revision):
+        first = revision.split("@", 1)[0] if revision.split("@", 1)[0] else "REVISION"
+        raise _refuse(text, "needs exactly one non-empty @REVISION", f"hf://{repo_id}@{first}")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise _refuse(text, f"has a repo id the Hub does not allow: {str(e).splitlines()[0]}", None) from None
+    return SinkUrl(text, SinkKind.HUB, "hf", repo_id, revision)
+
+
+def _fsspec(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
+    import fsspec
+    from fsspec.registry import known_implementations, registry
+
+    scheme = parts.scheme
+    if scheme in _NOT_DURABLE:
+        raise _refuse(text, f"is not a durable store: {scheme}:// {_NOT_DURABLE[scheme]}", None)
+    if scheme not in known_implementations and scheme not in registry:
+        raise _refuse(text, f"has an unknown scheme {scheme}://", None)
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as e:
+        why = known_implementations.get(scheme, {}).get("err") or str(e)
+        raise _refuse(text, f"needs a package that is not installed: {why}", None) from None
+    if not parts.netloc:
+        raise _refuse(
+            text,
+            f"names no bucket or host after {scheme}://",
+            f"{scheme}://{parts.path.strip('/') or 'BUCKET/PATH'}",
+        )
+    if parts.query:
+        raise _refuse(
+            text,
+            "has a ?query, which the store would take as part of a name",
+            f"{scheme}://{parts.netloc}{parts.path}",
+        )
+    if _untidy(parts.path):
+        raise _refuse(
+            text,
+            "has empty, '.' or '..' parts",
+            f"{scheme}://{parts.netloc}/{_tidy_key(parts.path)}".rstrip("/"),
+        )
+    return SinkUrl(text, SinkKind.FSSPEC, scheme, parts.netloc, parts.path.strip("/"))
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _untidy(path: str) -> bool:
+    """Empty, '.' or '..' segments; one leading and one trailing slash are the URL's own."""
+    inner = path.removeprefix("/").removesuffix("/")
+    return bool(inner) and any(seg in ("", ".", "..") for seg in inner.split("/"))
+
+
+def _tidy_key(path: str) -> str:
+    return os.path.normpath("/" + path).lstrip("/")
+
+
+def _clean(text: str) -> str:
+    return _CONTROL.sub("", text).strip()
+
+
+def _with_slashes(scheme: str, rest: str) -> str:
+    if scheme in ("file", "local"):
+        return f"file://{os.path.abspath(rest)}" if rest else "file:///ABSOLUTE/PATH"
+    return f"{scheme}://{rest.lstrip('/')}"
+
+
+def _without_fragment(scheme: str, text: str) -> str:
+    base, _, fragment = text.partition("#")
+    if scheme == "hf" and fragment and "@" not in base:
+        # `#main` reads as a branch: the Hub sink spells a revision `@main`
+        return f"{base.split('?', 1)[0]}@{fragment}" + (f"?{base.split('?', 1)[1]}" if "?" in base else "")
+    return base
+
+
+def _refuse(text: str, why: str, suggestion: str | None) -> ConfigError:
+    shown = _shown(text)
+    hint = f"did you mean {_shown(suggestion)}?" if suggestion else f"use {FORMS}"
+    return ConfigError(f"sink URL {shown} {why}", hint=hint)
+
+
+def _shown(text: str) -> str:
+    """The URL quoted on one line, with any password or token in it masked."""
+    from stagerd.sinks.objects import redact_url
+
+    if "@" in text or "?" in text:
+        try:
+            text = redact_url(text)
+        except ValueError:
+            text = text.split("?", 1)[0]
+    return repr(text)
