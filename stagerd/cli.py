@@ -1,4 +1,9 @@
-"""The `stagerd` command. Each subcommand lives in `stagerd/cmd/<name>.py` with `add_parser` and `run`."""
+"""stagerd turns training checkpoints into Hugging Face models and publishes them.
+
+Trainers save each step through stagerd.Stager into a staging ROOT. `stagerd watch` runs beside them on
+each node: it converts every committed step to safetensors and uploads it to the Hub, S3 or a directory,
+then deletes old staged steps.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +19,31 @@ from stagerd.errors import StagerdError
 COMMANDS = {
     "watch": "watch",
     "status": "status",
-    "consolidate": "export",
-    "verify": "export",
+    "consolidate": "consolidate",
+    "verify": "verify",
     "publish": "publish",
     "demo": "demo",
 }
+
+EXAMPLES = """examples:
+  stagerd demo                      # try it all on this machine first
+  stagerd watch /scratch/run1 --sink hf://acme/llm --sink s3://ckpts/run1
+  stagerd status /scratch/run1
+  stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
+
+Run `stagerd COMMAND --help` for each command's options. Exit status: 0 done, 2 bad input or
+configuration (retrying will not help), 3 a failure that may pass on retry, 130 interrupted.
+"""
 
 log = logging.getLogger("stagerd")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stagerd", description=__doc__)
+    from stagerd.cmd.help import UserHelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="stagerd", description=__doc__, epilog=EXAMPLES, formatter_class=UserHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"stagerd {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

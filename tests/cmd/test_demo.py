@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
-from stagerd.demo.run import DemoResult, check, make_plan
+from stagerd.demo.check import check
+from stagerd.demo.plan import DemoResult, make_plan
 from stagerd.errors import VerifyError
 from tests import s3server
 from tests.s3server import SECRET_KEY

@@ -1,0 +1,132 @@
+"""`stagerd consolidate SRC OUT`: turn one step's DCP shards into a Hugging Face safetensors model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+
+from stagerd.cmd.help import UserHelpFormatter
+from stagerd.errors import ConfigError, OutputError
+
+EXAMPLES = """examples:
+  stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
+  stagerd consolidate /scratch/run1/step-00001000 ./hf-1000 --dtype bf16 --max-shard-size 2GB
+  stagerd consolidate ./model-shards ./hf --reference-index base/model.safetensors.index.json
+"""
+
+
+def threads_default() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="turn a step's DCP shards into HF safetensors + model.safetensors.index.json",
+        description=(
+            "Write SRC's weights to OUT as Hugging Face safetensors files with an index, plus the step's "
+            "extras (config.json, tokenizer...). OUT appears only when it is complete; SRC is never changed. "
+            "Exit 0 on success, 2 on bad input (a damaged step, a used OUT), 3 when retrying may help "
+            "(a full disk)."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
+    )
+    p.add_argument("src", type=Path, metavar="SRC", help="step directory, or a directory of DCP HF shards")
+    p.add_argument(
+        "out",
+        type=Path,
+        metavar="OUT",
+        help="new output directory: it must not exist or be empty, and must be outside SRC",
+    )
+    p.add_argument(
+        "--dtype",
+        help="bf16|fp16|fp32|keep: cast floating tensors (default: the marker's hint, else keep)",
+    )
+    p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names matching REGEX are never cast")
+    p.add_argument(
+        "--reference-index", type=Path, metavar="FILE", help="group tensors into files as this index does"
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument("--threads", type=int, default=threads_default(), metavar="N", help="copy threads")
+    p.set_defaults(func=run)
+
+
+def check_out(src: Path, model_dir: Path, out: Path) -> None:
+    """OUT must be a new or empty directory outside SRC: writing into the step would mix the export with
+    the shards it is read from, and retention deletes the step with everything in it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("OUT exists and is a file", path=out, hint="choose a new OUT directory")
+    out_r, src_r, model_r = out.resolve(), src.resolve(), model_dir.resolve()
+    for inside in (src_r, model_r):
+        if out_r == inside or inside in out_r.parents:
+            raise ConfigError(
+                f"OUT is inside the source {inside}",
+                path=out,
+                hint="choose an OUT outside the step directory, e.g. next to it",
+            )
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError("OUT exists and is not empty", path=out, hint="choose a new OUT or empty it first")
+
+
+def _prepare_out(out: Path) -> Path:
+    """A temp sibling of OUT to build in; OUT itself appears only complete, by rename."""
+    tmp = out.parent / f".{out.name}.stagerd-tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise OutputError(f"cannot create the output directory: {e.strerror}", path=out) from None
+    return tmp
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagerd.contract.layout import fsync_dir
+    from stagerd.contract.reference_index import read_reference_index
+    from stagerd.contract.sharding import parse_size
+    from stagerd.engine.export import build_export, list_files, open_source
+    from stagerd.ops.progress import progress
+
+    t0 = time.monotonic()
+    try:
+        max_size = parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"--max-shard-size: {e}") from None
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+    if not args.src.exists():
+        raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
+    source = open_source(args.src)
+    check_out(args.src, source.model_dir, args.out)
+    dtype = source.target_dtype(args.dtype)
+    reference = read_reference_index(args.reference_index) if args.reference_index else source.reference()
+    tmp = _prepare_out(args.out)
+    try:
+        with progress(f"consolidate {args.src.name}", 0) as bar:
+            build_export(
+                source,
+                tmp,
+                dtype=dtype,
+                keep_dtype=args.keep_dtype,
+                reference=reference,
+                max_shard_size=max_size,
+                threads=args.threads,
+                progress=bar,
+            )
+        if args.out.exists():
+            args.out.rmdir()
+        os.rename(tmp, args.out)
+        fsync_dir(args.out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = list_files(args.out)
+    total = sum(s for _, s in files)
+    secs = time.monotonic() - t0
+    rate = total / 1e9 / max(secs, 1e-9)
+    print(f"wrote {len(files)} files, {total / 1e9:.3f} GB, to {args.out} in {secs:.2f} s ({rate:.2f} GB/s)")
+    return 0
