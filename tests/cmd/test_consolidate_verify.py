@@ -1,0 +1,97 @@
+"""`stagerd consolidate` and `stagerd verify`: a wrong OUT or a missing path is bad input (exit 2) that
+names the path, and nothing is written; the good path still works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from tests.cli_helpers import run_cli
+
+
+def _one_error(proc, name: str, *words: str) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stagerd:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"stagerd: {name}: ") and all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_consolidate_into_a_non_empty_dir_is_exit_2(step_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_cli(["consolidate", step_dir, out])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", str(out), "not empty")
+    assert _tree(out) == {"keep.txt": b"mine"}
+
+
+def test_consolidate_onto_a_file_is_exit_2(step_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"precious")
+    proc = run_cli(["consolidate", step_dir, out])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", str(out), "is a file")
+    assert out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("where", [".", "model", "model/hf", "export-here"])
+def test_consolidate_into_the_source_is_refused(step_dir: Path, where: str) -> None:
+    before = _tree(step_dir)
+    out = step_dir / where
+    proc = run_cli(["consolidate", step_dir, out])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", "inside the source")
+    assert _tree(step_dir) == before
+    assert not [p for p in step_dir.rglob(".*stagerd-tmp*")]
+
+
+def test_consolidate_of_a_shard_dir_into_itself_is_refused(step_dir: Path) -> None:
+    model = step_dir / layout.MODEL_DIR
+    before = _tree(model)
+    proc = run_cli(["consolidate", model, model / "out"])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", "inside the source")
+    assert _tree(model) == before
+
+
+def test_consolidate_of_a_missing_src_says_so(tmp_path: Path) -> None:
+    proc = run_cli(["consolidate", tmp_path / "nope", tmp_path / "out"])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", str(tmp_path / "nope"), "does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-shard-size", "0"), ("--threads", "0")])
+def test_consolidate_bad_numbers_are_exit_2(step_dir: Path, tmp_path: Path, flag: str, value: str) -> None:
+    proc = run_cli(["consolidate", step_dir, tmp_path / "out", flag, value])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", flag)
+    assert not (tmp_path / "out").exists()
+
+
+def test_consolidate_into_an_empty_dir_then_verify(step_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_cli(["consolidate", step_dir, out])
+    assert proc.returncode == 0, proc.stderr
+    assert (out / layout.INDEX_NAME).is_file()
+    check = run_cli(["verify", out, "--against", step_dir])
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.startswith("ok: ") and f"every byte equal to {step_dir}" in check.stdout
+
+
+@pytest.mark.parametrize("which", ["export", "against"])
+def test_verify_of_a_missing_path_says_it_is_missing(step_dir: Path, tmp_path: Path, which: str) -> None:
+    missing = tmp_path / "nonexistent"
+    args = ["verify", missing] if which == "export" else ["verify", step_dir, "--against", missing]
+    proc = run_cli(args)
+    assert proc.returncode == 2
+    line = _one_error(proc, "ConfigError", str(missing), "does not exist")
+    assert "not a complete export" not in line
