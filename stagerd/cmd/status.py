@@ -1,43 +1,121 @@
-"""`stagerd status ROOT [--json]`: steps, their state per sink, timings, sizes and last error.
+"""`stagerd status ROOT [--json]`: what the daemon did with each step, per sink, with timings and errors.
 
-Reads the journal read-only, so it works while the daemon runs; it never imports torch.
+Reads the journal read-only, so it works while the daemon runs, and on a read-only ROOT; it never imports
+torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from stagerd.cmd.help import UserHelpFormatter
+from stagerd.errors import JournalError
 
-def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+EXAMPLES = """examples:
+  stagerd status /scratch/run1
+  stagerd status /scratch/run1 --all           # retired steps too
+  stagerd status /scratch/run1 --json | jq '.steps[] | select(.state == "quarantined")'
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
     p = sub.add_parser(
-        name, help="show the daemon's journal: steps, states, timings, errors", description=__doc__
+        name,
+        help="show each step's state per sink, with timings, sizes and errors",
+        description=(
+            "Show what `stagerd watch` did with every step in ROOT: one line per step with its state on "
+            "each sink, then the full text of every error. Safe while the daemon runs. --json prints "
+            "everything, for scripts."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
     )
-    p.add_argument("root", type=Path, metavar="ROOT", help="staging root")
-    p.add_argument("--json", action="store_true", help="one JSON document for machines")
+    p.add_argument("root", type=Path, metavar="ROOT", help="the staging root `stagerd watch` runs on")
+    p.add_argument("--json", action="store_true", help="one complete JSON document, for scripts")
     p.add_argument("--all", action="store_true", help="include retired steps")
     p.set_defaults(func=run)
 
 
-def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
-    """The status document: daemon, disk, and every step with its lanes."""
+def _read_journal(
+    root: Path, *, include_retired: bool
+) -> tuple[dict[str, Any], list[Any], list[Any], dict[str, int]]:
     from stagerd.daemon.journal import Journal
-    from stagerd.daemon.lock import running_holder
-    from stagerd.daemon.retention import disk_state
 
     journal = Journal.open_readonly(root)
     try:
-        meta = journal.meta()
-        steps = journal.steps(include_retired=include_retired)
-        lanes = journal.lanes()
-        counts = journal.counts()
+        return (
+            journal.meta(),
+            journal.steps(include_retired=include_retired),
+            journal.lanes(),
+            journal.counts(),
+        )
     finally:
         journal.close()
+
+
+def _read_a_copy(
+    root: Path, *, include_retired: bool
+) -> tuple[dict[str, Any], list[Any], list[Any], dict[str, int]]:
+    """SQLite must create the journal's -shm file to read it, which a read-only ROOT forbids. No -shm means
+    no connection is open, so no daemon is writing and a copy is a consistent snapshot."""
+    from stagerd.daemon.journal import journal_path
+
+    src = journal_path(root)
+    with tempfile.TemporaryDirectory(prefix="stagerd-status-") as tmp:
+        dst = journal_path(tmp)
+        dst.parent.mkdir(parents=True)
+        try:
+            for suffix in ("", "-wal"):
+                if Path(f"{src}{suffix}").exists():
+                    shutil.copyfile(f"{src}{suffix}", f"{dst}{suffix}")
+        except OSError as e:
+            raise JournalError(
+                f"cannot read the journal: {e.strerror}",
+                path=src,
+                hint="run `stagerd status` as the user that runs `stagerd watch` (or as root)",
+            ) from None
+        return _read_journal(Path(tmp), include_retired=include_retired)
+
+
+def _cannot_write(directory: Path) -> bool:
+    try:
+        read_only_fs = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+    return read_only_fs or not os.access(directory, os.W_OK)
+
+
+def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
+    """The status document: daemon, disk, and every step with its lanes."""
+    from stagerd.daemon.journal import journal_path
+    from stagerd.daemon.lock import running_holder
+    from stagerd.daemon.retention import disk_state
+
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise JournalError(
+            f"ROOT {what}, so there is no journal to read",
+            path=root,
+            hint="give the ROOT `stagerd watch` runs on",
+        )
+    note = None
+    try:
+        meta, steps, lanes, counts = _read_journal(root, include_retired=include_retired)
+    except JournalError:
+        path = journal_path(root)
+        if not (path.is_file() and _cannot_write(path.parent)):
+            raise
+        meta, steps, lanes, counts = _read_a_copy(root, include_retired=include_retired)
+        note = f"{path.parent} is read-only for this user: read from a copy of the journal"
     disk = disk_state(
         root,
         low_percent=float(meta.get("low_disk_free_percent", 10.0)),
@@ -66,85 +144,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         },
         "counts": counts,
         "steps": out_steps,
+        "note": note,
     }
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def _secs(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}s"
-
-
-def _lane_cell(lane: dict[str, Any] | None) -> str:
-    if lane is None:
-        return "-"
-    state = lane["state"]
-    if state == "published":
-        return f"[green]published[/] {_secs(lane['seconds'])}"
-    if state in ("failed", "quarantined"):
-        color = "yellow" if state == "failed" else "red"
-        return f"[{color}]{state}[/] ({lane['attempts']}x)"
-    return state
-
-
-def render(doc: dict[str, Any]) -> None:
-    """A rich table on stdout."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console()
-    pid = doc["daemon_pid"]
-    disk = doc["disk"]
-    console.print(
-        f"[bold]{escape(doc['root'])}[/]: daemon "
-        + (f"running (pid {pid})" if pid else "[yellow]not running[/]")
-        + f"; {_size(disk['free'])} free ({disk['free_percent']:.1f}%)"
-        + (
-            " [bold red]LOW DISK: unpublished steps are kept; publishing must catch up[/]"
-            if disk["low"]
-            else ""
-        )
-    )
-    sinks = list(doc["sinks"])
-    for s in doc["steps"]:
-        for ln in s["lanes"]:
-            if ln["sink"] not in sinks:
-                sinks.append(ln["sink"])
-    table = Table(show_lines=False)
-    for col in ("step", "state", "age", "export", "size"):
-        table.add_column(col, justify="right" if col in ("step", "age", "export", "size") else "left")
-    for sink in sinks:
-        table.add_column(escape(sink))
-    table.add_column("last error", overflow="fold")
-    for s in doc["steps"]:
-        lanes = {ln["sink"]: ln for ln in s["lanes"]}
-        errors = [f"{s['error_class']}: {s['error_message']}"] if s["error_class"] else []
-        errors += [
-            f"{k}: {ln['error_class']}: {ln['error_message']}" for k, ln in lanes.items() if ln["error_class"]
-        ]
-        state = s["state"]
-        color = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}.get(state)
-        table.add_row(
-            str(s["step"]),
-            f"[{color}]{state}[/]" if color else state,
-            _secs(s["age_seconds"]),
-            _secs(s["export_seconds"]),
-            _size(s["export_bytes"]),
-            *[_lane_cell(lanes.get(sink)) for sink in sinks],
-            escape("; ".join(errors)) if errors else "",
-        )
-    console.print(table)
-    counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
-    console.print(counts or "no steps yet")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,5 +154,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
+        from stagerd.cmd.status_table import render
+
         render(doc)
     return 0

@@ -1,0 +1,187 @@
+"""The terminal view of `stagerd status`: one line per step at any width from 80 columns up.
+
+Cells never wrap: an error is shortened to its class and first words in the table and printed in full
+below it, sinks too long for a header are numbered with a legend, and the optional columns (age, export
+time, size) are dropped, in that order, while the table would not fit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
+_STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
+_LEADING_PLACE = re.compile(r"^(?:\S*[/\\]\S*|\[[^\]]*\]): ")  # "/path/to/file: " or "s3://b/k: "
+_ERROR_WORDS = 8
+_MIN_ERROR_WIDTH = 24
+
+
+def size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}s"
+
+
+def short_error(error_class: str, message: str | None) -> str:
+    """`Class: first words…` without the leading path or URL the full message starts with."""
+    text = message or ""
+    while (m := _LEADING_PLACE.match(text)) is not None:
+        text = text[m.end() :]
+    words = text.split()
+    more = "…" if len(words) > _ERROR_WORDS else ""
+    return f"{error_class}: {' '.join(words[:_ERROR_WORDS])}{more}".rstrip(": ")
+
+
+def _lane_cell(lane: dict[str, Any] | None) -> str:
+    if lane is None:
+        return "-"
+    state = lane["state"]
+    if state == "published":
+        return f"[green]published[/] {secs(lane['seconds'])}"
+    if state in ("failed", "quarantined"):
+        return f"[{_STATE_COLOR[state]}]{state}[/] {lane['attempts']}x"
+    return str(state)
+
+
+def _errors(step: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str, str | None]]:
+    """(where, class, message) of the step's own error and of each failing lane."""
+    out: list[tuple[str, str, str | None]] = []
+    if step["error_class"]:
+        out.append(("", step["error_class"], step["error_message"]))
+    for ln in step["lanes"]:
+        if ln["error_class"]:
+            out.append((labels[ln["sink"]], ln["error_class"], ln["error_message"]))
+    return out
+
+
+def _plain(markup: str) -> str:
+    return re.sub(r"\[/?[a-z ]*\]", "", markup)
+
+
+def _sinks(doc: dict[str, Any]) -> list[str]:
+    sinks = list(doc["sinks"])
+    for s in doc["steps"]:
+        for ln in s["lanes"]:
+            if ln["sink"] not in sinks:
+                sinks.append(ln["sink"])
+    return sinks
+
+
+def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list[dict[str, str]]:
+    rows = []
+    for s in doc["steps"]:
+        lanes = {ln["sink"]: ln for ln in s["lanes"]}
+        errors = _errors(s, labels)
+        state = s["state"]
+        color = _STATE_COLOR.get(state)
+        first = errors[0] if errors else None
+        row = {
+            "step": str(s["step"]),
+            "state": f"[{color}]{state}[/]" if color else state,
+            "age": secs(s["age_seconds"]),
+            "export": secs(s["export_seconds"]),
+            "size": size(s["export_bytes"]),
+            "error": ""
+            if first is None
+            else escape(f"{first[0]} " * bool(first[0]) + short_error(first[1], first[2]))
+            + (f" (+{len(errors) - 1})" if len(errors) > 1 else ""),
+        }
+        for sink in sinks:
+            row[f"sink:{sink}"] = _lane_cell(lanes.get(sink))
+        rows.append(row)
+    return rows
+
+
+def _widths(columns: list[tuple[str, str]], rows: list[dict[str, str]]) -> list[int]:
+    return [max([len(title), *(len(_plain(r[key])) for r in rows)]) for key, title in columns]
+
+
+def _room_for_error(columns: list[tuple[str, str]], rows: list[dict[str, str]], width: int) -> int:
+    """Columns left for the error once every other column has its widest cell and its 3-column gap."""
+    return width - sum(w + 3 for w in _widths(columns, rows))
+
+
+def _clip(markup: str, room: int) -> str:
+    """Escaped text cut to `room` characters with an ellipsis (the cells hold no markup but escapes)."""
+    plain = markup.replace("\\[", "[")
+    if len(plain) <= room:
+        return markup
+    return escape(plain[: max(room - 1, 0)] + "…")
+
+
+def render(doc: dict[str, Any], console: Console | None = None) -> None:
+    """The status on `console` (stdout at the terminal's width, or $COLUMNS off a terminal)."""
+    console = console or Console()
+    width = console.width
+    pid, disk = doc["daemon_pid"], doc["disk"]
+    console.print(
+        f"[bold]{escape(doc['root'])}[/]: daemon "
+        + (f"running (pid {pid})" if pid else "[yellow]not running[/]")
+        + f"; {size(disk['free'])} free ({disk['free_percent']:.1f}%)"
+        + (
+            " [bold red]LOW DISK: unpublished steps are kept; publishing must catch up[/]"
+            if disk["low"]
+            else ""
+        ),
+        overflow="fold",
+    )
+    if doc.get("note"):
+        console.print(escape(doc["note"]), overflow="fold")
+    sinks = _sinks(doc)
+    base = [("step", "step"), ("state", "state")]
+    optional = [(k, k) for k in OPTIONAL]
+    if len(sinks) == 1:
+        # one sink needs no label in an error; it is named in the header, or in a line above the table
+        labels, rows = {sinks[0]: ""}, _rows(doc, sinks, {sinks[0]: ""})
+        chosen = base + optional + [(f"sink:{sinks[0]}", sinks[0])]
+        header = {sinks[0]: sinks[0]}
+        if _room_for_error(chosen, rows, width) < _MIN_ERROR_WIDTH:
+            header = {sinks[0]: "sink"}
+    else:
+        labels = {s: f"[{i}]" for i, s in enumerate(sinks, 1)}
+        rows, header = _rows(doc, sinks, labels), labels
+    if any(header[s] != s for s in sinks):
+        for s in sinks:
+            console.print(f"{escape(header[s])} {escape(s)}", overflow="fold")
+    for drop in range(len(OPTIONAL) + 1):
+        kept = [c for c in optional if c[0] not in OPTIONAL[:drop]]
+        chosen = base + kept + [(f"sink:{s}", header[s]) for s in sinks]
+        if _room_for_error(chosen, rows, width) >= _MIN_ERROR_WIDTH:
+            break
+    room = max(_room_for_error(chosen, rows, width), len("error"))
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
+    for (key, title), w in zip(chosen, _widths(chosen, rows), strict=True):
+        right = key in ("step", "age", "export", "size")
+        table.add_column(
+            escape(title),
+            justify="right" if right else "left",
+            no_wrap=True,
+            overflow="ellipsis",
+            min_width=w,
+        )
+    table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=room)
+    for row in rows:
+        table.add_row(*(row[key] for key, _ in chosen), _clip(row["error"], room))
+    console.print(table)
+    counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
+    console.print(counts or "no steps yet")
+    failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels)]
+    if failed:
+        console.print("\nerrors:")
+        for step, (where, cls, message) in failed:
+            place = f" {where}" if where else ""
+            console.print(escape(f"  step {step}{place}: {cls}: {message or ''}"), overflow="fold")

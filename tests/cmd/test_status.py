@@ -1,0 +1,146 @@
+"""`stagerd status` fits the terminal, keeps every detail in `--json`, and explains a ROOT it cannot read.
+
+The journal is a real one: `stagerd watch --once` runs on a ROOT with a torn step (quarantined with a long
+ShardError) and two sinks, one of which cannot be written (every lane quarantined with a long SinkError).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagerd.contract import layout
+from tests.cli_helpers import run_cli
+from tests.daemon_helpers import fast_flags, stage_copy, truncate_a_shard
+
+STEPS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def journal_root(tmp_path_factory, dcp_mixed2) -> tuple[Path, list[str]]:
+    base = tmp_path_factory.mktemp("status")
+    root = base / "root"
+    root.mkdir()
+    src, _ = dcp_mixed2
+    for step in STEPS:
+        stage_copy(root, step, src, 2)
+    truncate_a_shard(root / layout.step_dir_name(2))
+    (base / "blocker").write_text("a file where the sink wants a directory")
+    good = base / "published" / "a-rather-long-directory-name" / "for-the-checkpoints" / "of-run-one"
+    sinks = [good.as_uri(), (base / "blocker" / "sub").as_uri()]
+    argv = ["watch", root, "--once", "--max-attempts", "1", *fast_flags()]
+    for sink in sinks:
+        argv += ["--sink", sink]
+    proc = run_cli(argv, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    return root, sinks
+
+
+def _json(root: Path) -> dict[str, Any]:
+    proc = run_cli(["status", root, "--json"])
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("columns", [80, 100, 132, 200])
+def test_status_fits_the_terminal(journal_root, columns: int) -> None:
+    root, sinks = journal_root
+    proc = run_cli(["status", root], env={"COLUMNS": str(columns)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    too_long = [ln for ln in lines if len(ln) > columns]
+    assert not too_long, "\n".join(too_long)
+    rows = [ln for ln in lines if re.match(r"\s*[123]\s{3}\S", ln)]
+    assert [int(r.split()[0]) for r in rows] == list(STEPS), proc.stdout  # one line per step
+    by_step = dict(zip(STEPS, rows, strict=True))
+    assert "quarantined" in by_step[2] and "ShardError: is " in by_step[2]
+    assert "SinkError" in by_step[1] and "published" in by_step[1]
+    if columns >= 132:
+        assert all(re.search(r"\d+\.\ds", by_step[s]) for s in (1, 3))  # age and export time shown when wide
+
+    # The full text of every error is below the table; folding may break it anywhere, so compare unspaced.
+    tail = proc.stdout[proc.stdout.index("errors:") :]
+    doc = _json(root)
+    flat = re.sub(r"\s+", "", tail)
+    for s in doc["steps"]:
+        messages = [s["error_message"]] + [ln["error_message"] for ln in s["lanes"]]
+        for message in filter(None, messages):
+            assert re.sub(r"\s+", "", message) in flat
+    unfolded = proc.stdout.replace("\n", "")
+    for sink in sinks:  # every sink is named in full, in its column's header or in a legend line
+        assert sink in unfolded
+
+
+def test_status_json_is_complete(journal_root) -> None:
+    root, sinks = journal_root
+    doc = _json(root)
+    assert doc["sinks"] == sinks
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert set(steps) == set(STEPS)
+    assert steps[2]["state"] == "quarantined" and steps[2]["error_class"] == "ShardError"
+    assert str(root / layout.step_dir_name(2)) in steps[2]["error_message"]  # the full message, path and all
+    for step in (1, 3):
+        lanes = {ln["sink"]: ln for ln in steps[step]["lanes"]}
+        assert set(lanes) == set(sinks)
+        assert lanes[sinks[0]]["state"] == "published"
+        assert lanes[sinks[1]]["state"] == "quarantined" and lanes[sinks[1]]["error_class"] == "SinkError"
+    assert doc["note"] is None
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "no journal"])
+def test_status_without_a_journal_says_why(tmp_path: Path, what: str) -> None:
+    root = tmp_path / "root"
+    if what == "file":
+        root.write_text("")
+    elif what == "no journal":
+        root.mkdir()
+    proc = run_cli(["status", root])
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stagerd:")]
+    assert len(lines) == 1 and lines[0].startswith("stagerd: JournalError: ")
+    expected = {
+        "missing": "ROOT does not exist",
+        "file": "ROOT is not a directory",
+        "no journal": "has not run",
+    }
+    assert expected[what] in lines[0]
+
+
+def test_status_on_a_read_only_root(journal_root, tmp_path: Path) -> None:
+    """A read-only mount of ROOT (a node that only inspects it), with no daemon running: SQLite cannot create
+    the -shm file it needs and said 'unable to open database file'."""
+    import shutil
+
+    root, _ = journal_root
+    copy = tmp_path / "copy"
+    shutil.copytree(root / ".stagerd", copy / ".stagerd")
+    for suffix in ("-shm", "-wal"):
+        (copy / ".stagerd" / f"journal.sqlite{suffix}").unlink(missing_ok=True)
+    before = sorted(p.name for p in (copy / ".stagerd").iterdir())
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    bind = subprocess.run(["mount", "--bind", str(copy), str(mnt)], capture_output=True, text=True)
+    if bind.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({bind.stderr.strip()}); needs CAP_SYS_ADMIN")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], check=True)
+        proc = run_cli(["status", mnt], env={"COLUMNS": "80"})
+        assert proc.returncode == 0, proc.stderr
+        assert "unable to open database file" not in proc.stdout + proc.stderr
+        assert "read-only for this user: read from a copy of the journal" in proc.stdout.replace("\n", " ")
+        as_json = run_cli(["status", mnt, "--json"])
+        doc = json.loads(as_json.stdout)
+        assert [s["step"] for s in doc["steps"]] == list(STEPS)
+
+        def states(d: dict[str, Any]) -> list[tuple[int, str, str | None]]:
+            return [(s["step"], s["state"], s["error_class"]) for s in d["steps"]]
+
+        assert states(doc) == states(_json(root)) and doc["note"]
+        assert sorted(p.name for p in (mnt / ".stagerd").iterdir()) == before
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
