@@ -31,6 +31,10 @@ EXAMPLES = """examples:
   stagerd status /scratch/run1
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
 
+sinks (--sink URL): s3://BUCKET/PREFIX, hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH (a bare
+/ABSOLUTE/PATH means the same), or PROTOCOL://BUCKET/PATH of an installed fsspec package (gcsfs for gs://).
+Relative paths and memory:// are refused.
+
 Run `stagerd COMMAND --help` for each command's options. Exit status: 0 done, 2 bad input or
 configuration (retrying will not help), 3 a failure that may pass on retry, 130 interrupted.
 """

@@ -13,8 +13,8 @@ from stagerd.errors import ConfigError, OutputError
 
 EXAMPLES = """examples:
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
-  stagerd consolidate /scratch/run1/step-00001000 ./hf-1000 --dtype bf16 --max-shard-size 2GB
-  stagerd consolidate ./model-shards ./hf --reference-index base/model.safetensors.index.json
+  stagerd consolidate run1/step-00001000 ./hf --dtype bf16 --max-shard-size 2GB
+  stagerd consolidate ./shards ./hf --reference-index base/index.json
 """
 
 

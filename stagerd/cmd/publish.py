@@ -7,20 +7,29 @@ import json
 import sys
 from pathlib import Path
 
+from stagerd.cmd.help import UserHelpFormatter
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, StagerdError, VerifyError
 
+EXAMPLES = """examples:
+  stagerd publish ./hf-1000 --step 1000 --sink hf://acme/llm
+  stagerd publish run1/step-00001000/export --sink s3://ckpts/run1 --sink /mnt/a
+"""
 
-def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
     p = sub.add_parser(
         name,
-        help="publish one export directory to one or more sinks, idempotently, and verify it",
+        help="upload one finished export to one or more sinks now, and verify it there",
         description=(
-            "Upload EXPORT_DIR as step N to every sink, verify the remote against the export, then commit "
-            "the step (stagerd.manifest.json last, then PREFIX/latest). A step the sink already holds is "
-            "a no-op. Exit 0 when every sink holds the step; 3 when a failure may pass on retry (5xx, "
-            "network); 2 otherwise (bad credentials, a conflicting remote step, bad input)."
+            "Upload EXPORT_DIR as step N to every sink, check the uploaded copy against the export, then "
+            "commit the step (its stagerd.manifest.json last, then PREFIX/latest). A step the sink already "
+            "holds is left as it is. Every --sink is checked before anything is uploaded. Exit 0 when every "
+            "sink holds the step; 3 when a failure may pass on retry (5xx, network); 2 otherwise (bad "
+            "credentials, a different upload of the step already there, bad input)."
         ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
     )
     p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="a finished export directory")
     p.add_argument(
@@ -28,8 +37,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         action="append",
         required=True,
         metavar="URL",
-        help="s3://BUCKET/PREFIX (AWS env/config apply, AWS_ENDPOINT_URL for MinIO/Ceph/R2), "
-        "file:///PATH, hf://ORG/REPO[@REV], or any fsspec URL; repeat for several",
+        help="s3://BUCKET/PREFIX (AWS_ENDPOINT_URL for MinIO/Ceph/R2), hf://ORG/REPO[@REVISION], "
+        "file:///ABSOLUTE/PATH or /ABSOLUTE/PATH, or PROTOCOL://BUCKET/PATH of an installed fsspec "
+        "package; repeat for several",
     )
     p.add_argument(
         "--step",

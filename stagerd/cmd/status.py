@@ -23,7 +23,7 @@ from stagerd.errors import JournalError
 EXAMPLES = """examples:
   stagerd status /scratch/run1
   stagerd status /scratch/run1 --all           # retired steps too
-  stagerd status /scratch/run1 --json | jq '.steps[] | select(.state == "quarantined")'
+  stagerd status /scratch/run1 --json | jq '.steps[] | .state'
 """
 
 
