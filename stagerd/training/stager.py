@@ -88,6 +88,7 @@ host name).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -98,8 +99,10 @@ import shutil
 import socket
 import threading
 import time
+import traceback
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -609,7 +612,11 @@ class SaveHandle:
         return self.committed.done()
 
     def result(self, timeout: float | None = None) -> layout.CommitMarker:
-        return self.committed.result(timeout)
+        committed = self.committed
+        try:
+            return committed.result(timeout)
+        finally:  # as Future.result does: the raised error's traceback must not lead back to the future
+            del self, committed
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self.committed.exception(timeout)
@@ -617,6 +624,71 @@ class SaveHandle:
 
 def _default_checkpointer() -> AsyncCheckpointerType:
     return AsyncCheckpointerType.PROCESS if torch.cuda.is_available() else AsyncCheckpointerType.THREAD
+
+
+def _outcomes(handles: list[SaveHandle]) -> tuple[list[layout.CommitMarker], list[BaseException]]:
+    markers: list[layout.CommitMarker] = []
+    errors: list[BaseException] = []
+    for handle in handles:
+        try:
+            markers.append(handle.result())
+        except Exception as e:
+            # Its traceback would hold this frame, whose locals hold the handles and this list, which
+            # hold the error: a cycle. wait() raises it again with a traceback of its own.
+            errors.append(e.with_traceback(None))
+    return markers, errors
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of every frame in `exc`'s tracebacks, its causes' and DCP's per-rank failures'."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending.extend(e for e in (error.__cause__, error.__context__) if e is not None)
+        if isinstance(error, CheckpointException):
+            for failure in error.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, BaseException):
+                    pending.append(inner)
+
+
+def _stop_checkpoint_process() -> None:
+    """Stop DCP's background checkpoint process (the 'process' checkpointer), held by a module global."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    del process  # its __del__ sends TERMINATE and joins it
+
+
+# Stagers not yet closed: a process that forgets close() is closed at exit, while threads may still run.
+_OPEN_STAGERS: weakref.WeakSet[Stager] = weakref.WeakSet()
+
+
+# How long the exit hook lets gloo's worker threads finish what they hold (see _at_exit).
+_EXIT_GRACE_SECONDS = 0.05
+_used_gloo = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    for stager in list(_OPEN_STAGERS):
+        try:
+            stager.close()
+        except Exception as e:  # its saves failed; their handles reported it; never block the exit
+            log.error("closing the Stager at exit: %s", e)
+            stager._release()
+    if _used_gloo:
+        # A gloo worker thread frees a finished collective's tensors after the caller has returned, and
+        # that needs the GIL. A DeviceMesh keeps the default group (and those threads) alive past
+        # destroy_process_group(), so the free can land after the interpreter started finalizing; on
+        # Python 3.11 the thread is then exited by pthread_exit inside a noexcept C++ destructor:
+        # std::terminate, SIGABRT. Sleeping releases the GIL so that pending frees happen now.
+        time.sleep(_EXIT_GRACE_SECONDS)
 
 
 class Stager:
@@ -647,6 +719,8 @@ class Stager:
             base = process_group or dist.group.WORLD
             # A gloo group of our own: DCP needs a CPU backend, and background collectives must not
             # interleave with the training's on the same group.
+            global _used_gloo
+            _used_gloo = True
             self._group: dist.ProcessGroup | None = dist.new_group(
                 ranks=dist.get_process_group_ranks(base),
                 backend="gloo",
@@ -681,6 +755,7 @@ class Stager:
         self._unreported: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
+        _OPEN_STAGERS.add(self)
 
     # -- public API --------------------------------------------------------------------------------
 
@@ -736,7 +811,13 @@ class Stager:
                 (None if error is None else (error.name, str(error)), optim_sd is not None)
             )
             if error is not None:
-                raise error
+                # `raise error` from the frame that holds `error` would make a cycle (error -> traceback
+                # -> this frame -> error) keeping the caller's state dict, its mesh and process groups
+                # alive until the cyclic collector runs, possibly only at interpreter exit (see _release).
+                try:
+                    raise error
+                finally:
+                    error = None
             for rank, (status, _) in enumerate(statuses):
                 if status is not None:
                     cls = StepExistsError if status[0] == "StepExistsError" else SaveInputError
@@ -763,33 +844,56 @@ class Stager:
         """Block until every save is durable and committed. Raises SaveError if any failed since last wait."""
         with self._lock:
             handles, self._unreported = self._unreported, []
-        markers, errors = [], []
-        for h in handles:
-            try:
-                markers.append(h.result())
-            except Exception as e:
-                errors.append(e)
-        if errors:
-            for extra in errors[1:]:
-                log.error("another save failed too: %s", extra)
-            raise errors[0]
-        return markers
+        markers, errors = _outcomes(handles)
+        del handles
+        if not errors:
+            return markers
+        for extra in errors[1:]:
+            log.error("another save failed too: %s", extra)
+        first, errors = errors[0], []
+        try:
+            raise first
+        finally:  # no cycle through this frame's locals (see the refusal in save())
+            del first
 
     def close(self) -> None:
-        """Wait for pending saves, then release the staging buffers, threads and process group."""
+        """Wait for pending saves, then release the staging buffers, threads and process group.
+
+        Afterwards nothing the Stager started is running, and nothing it holds keeps the caller's
+        tensors or process groups alive (see `_release`).
+        """
         if self._closed:
             return
         try:
             self.wait()
         finally:
-            self._closed = True
-            self._committer.shutdown(wait=True)
-            self._model_stager.close()
-            self._optim_stager.close()
-            if self._group is not None:
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group(self._group)
-                self._group = None
+            self._release()
+
+    def _release(self) -> None:
+        # The committer may still be inside a collective of our group, so it stops first and the group last.
+        self._closed = True
+        _OPEN_STAGERS.discard(self)
+        self._committer.shutdown(wait=True)
+        self._model_stager.close()
+        self._optim_stager.close()
+        # DCP's thread checkpointer starts one executor per save and shuts it down without waiting.
+        for thread in threading.enumerate():
+            if thread.name.startswith("AsyncCheckpointExecutor") and thread is not threading.current_thread():
+                thread.join(timeout=60)
+        # A failed save's exception holds the committer's frames, and through them this Stager, the
+        # caller's state dict, its DeviceMesh and process groups: a reference cycle that only the
+        # interpreter's last collection would free. gloo's worker threads then run C++ destructors that
+        # need the GIL while the interpreter finalizes, and the process dies with SIGABRT ("terminate
+        # called without an active exception"). Dropping the handles breaks the cycle now.
+        self._inflight = None
+        self._unreported = []
+        if self.checkpointer is AsyncCheckpointerType.PROCESS:
+            _stop_checkpoint_process()
+        if self._group is not None:
+            with contextlib.suppress(Exception):  # already destroyed by destroy_process_group()
+                dist.destroy_process_group(self._group)
+            self._group = None
+            self._comm.group = None
 
     def __enter__(self) -> Stager:
         return self
@@ -864,7 +968,7 @@ class Stager:
         return _Staging(stager.stage(plain), wrappers)
 
     def _launch(self, spec: _SaveSpec, staging: list[_Staging], early: _Failure | None) -> SaveHandle:
-        committed = self._committer.submit(self._commit, spec, staging, early)
+        committed = self._committer.submit(self._commit_clearing_frames, spec, staging, early)
         handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging), committed)
         with self._lock:
             self._inflight = handle
@@ -929,6 +1033,18 @@ class Stager:
             raise error
         return [p for _, p in statuses]
 
+    def _commit_clearing_frames(
+        self, spec: _SaveSpec, staging: list[_Staging], early: _Failure | None
+    ) -> layout.CommitMarker:
+        # A failure's traceback would keep the committer's frames, which hold this Stager, the staged
+        # state dict and (in `_agree`) the error itself: a cycle that lives until the cyclic collector
+        # runs, possibly only at interpreter exit (see _release). The messages and lines stay.
+        try:
+            return self._commit(spec, staging, early)
+        except BaseException as exc:
+            _clear_frames(exc)
+            raise
+
     def _commit(
         self,
         spec: _SaveSpec,
@@ -946,6 +1062,11 @@ class Stager:
         def failed(doing: str, e: BaseException) -> _Failure:
             f = _Failure.of(doing, e)
             log.error("step %d: save failed on rank %d: %s", spec.step, self.rank, f.text)
+            # DCP's error sits in a cycle with the frames of its writer thread (which hold our process
+            # group) and its traceback reaches this frame (which holds the Stager): only its text is
+            # needed from here on.
+            _clear_frames(e)
+            e.__traceback__ = None
             return f
 
         local = early
