@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,24 +15,16 @@ from stagerd.demo.check import check
 from stagerd.demo.plan import DemoResult, make_plan
 from stagerd.errors import VerifyError
 from tests import s3server
+from tests.cli_helpers import run_cli
 from tests.s3server import SECRET_KEY
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures: moto behind a proxy on 127.0.0.1
-
-STAGERD = [sys.executable, "-m", "stagerd.cli"]
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     workdir = tmp_path_factory.mktemp("demo") / "run"
-    proc = subprocess.run(
-        [*STAGERD, "demo", "--root", str(workdir)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )
-    return workdir, proc
+    return workdir, run_cli(["demo", "--root", workdir], timeout=240)
 
 
 @pytest.mark.slow
@@ -70,9 +60,7 @@ def test_demo_output_is_real(demo_run) -> None:
         manifest = json.loads((remote / layout.MANIFEST_NAME).read_text())
         names = {f["path"] for f in manifest["files"]}
         assert layout.INDEX_NAME in names and "config.json" in names
-    status = subprocess.run(
-        [*STAGERD, "status", str(staging), "--json"], capture_output=True, text=True, timeout=60
-    )
+    status = run_cli(["status", staging, "--json"], timeout=60)
     assert status.returncode == 0
     assert {s["step"]: s["state"] for s in json.loads(status.stdout)["steps"]} == {
         1: "published",
@@ -102,12 +90,8 @@ def test_demo_check_catches_a_flipped_bit(demo_run, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_demo_publishes_to_s3(s3, tmp_path: Path) -> None:
     """`--sink s3://...`: the steps land in a real S3 endpoint and are checked after downloading them."""
-    proc = subprocess.run(
-        [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2", "--sink", s3.url("demo")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
+    proc = run_cli(
+        ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", s3.url("demo")], timeout=240
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     keys = s3.keys("demo/")
@@ -130,21 +114,13 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
 
     with HubServer() as hub:
         env = {
-            **os.environ,
             "HF_ENDPOINT": hub.endpoint,
             "HF_TOKEN": hub.token,
             "HF_HUB_DISABLE_XET": "1",  # no Xet server here: the classic LFS path
             "HF_HOME": str(tmp_path / "hf-home"),
         }
-        argv = [*STAGERD, "demo", "--root", str(tmp_path / "run"), "--steps", "2"]
-        proc = subprocess.run(
-            [*argv, "--sink", "hf://acme/demo"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            stdin=subprocess.DEVNULL,
-        )
+        argv = ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", "hf://acme/demo"]
+        proc = run_cli(argv, env=env, timeout=240)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
         api = HfApi(endpoint=hub.endpoint, token=hub.token)
         tags = {t.name for t in api.list_repo_refs("acme/demo").tags}
@@ -155,15 +131,13 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
 
 def test_demo_refuses_a_used_root(tmp_path: Path) -> None:
     (tmp_path / "staging" / "step-00000001").mkdir(parents=True)
-    proc = subprocess.run(
-        [*STAGERD, "demo", "--root", str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
+    proc = run_cli(["demo", "--root", tmp_path])
     assert proc.returncode == 2
     assert "already holds a demo run" in proc.stderr
     assert "what to do: pass a new --root" in proc.stderr
 
 
 def test_demo_help() -> None:
-    proc = subprocess.run([*STAGERD, "demo", "--help"], capture_output=True, text=True, timeout=120)
+    proc = run_cli(["demo", "--help"])
     assert proc.returncode == 0
     assert "--root DIR" in proc.stdout and "--sink URL" in proc.stdout
