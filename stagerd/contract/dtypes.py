@@ -1,6 +1,6 @@
-"""The dtype table (safetensors names, sizes, castable or not) and the cast kernel.
+"""The dtype table (safetensors names, sizes, castable or not) and every spelling of an export dtype.
 
-torch is imported only inside the cast kernel: a byte-move export never loads it.
+No torch here: `torch_name` is a plain string, so the daemon's side reads the table without torch.
 """
 
 from __future__ import annotations
@@ -71,6 +71,18 @@ EXPORT_DTYPES: dict[str, str | None] = {
 }
 
 
+# The spellings offered to users (CLI choices, settings, the marker's hint), short form first.
+EXPORT_DTYPE_CHOICES: tuple[str, ...] = ("keep", "bf16", "fp16", "fp32")
+
+
+def export_dtype_hint(name: str | None) -> str:
+    """The short spelling of a cast target, for a marker's hint: `BF16` -> `bf16`, None -> `keep`."""
+    for spelling in EXPORT_DTYPE_CHOICES:
+        if EXPORT_DTYPES[spelling] == name:
+            return spelling
+    raise DTypeError(f"{name!r} is not an export dtype; use one of {', '.join(EXPORT_DTYPE_CHOICES)}")
+
+
 def lookup(name: str, *, path: object = None) -> DType:
     """The DType for a safetensors dtype name; an unknown name is a DTypeError."""
     try:
@@ -96,13 +108,3 @@ def safetensors_name(dtype: torch.dtype) -> str:
         if d.torch_name == short:
             return d.name
     raise DTypeError(f"torch dtype {dtype} has no safetensors name")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors name (imports torch)."""
-    import torch
-
-    d = lookup(name)
-    if d.torch_name is None or not hasattr(torch, d.torch_name):
-        raise DTypeError(f"torch has no dtype for {name}")
-    return getattr(torch, d.torch_name)

@@ -10,12 +10,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
@@ -23,7 +24,6 @@ from stagerd.errors import OutputError, ShardError
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd.export")
-ProgressFn = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,13 @@ def build_export(
     max_shard_size: int,
     threads: int,
     progress: ProgressFn | None,
-) -> None:
-    """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced."""
-    consolidate_into(
+) -> ExportResult:
+    """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced.
+
+    The result describes `tmp` as written, from the plan and the copies, so no caller re-reads it.
+    """
+    t0 = time.monotonic()
+    res = consolidate_into(
         source.model_dir,
         tmp,
         listed=source.listed,
@@ -118,6 +122,7 @@ def build_export(
         threads=threads,
         progress=progress,
     )
+    files = [*res.files, (layout.INDEX_NAME, res.index_size)]
     for rel in source.extras():
         if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
             continue  # our index and weights are the export's; a stray copy would contradict them
@@ -129,23 +134,28 @@ def build_export(
             fd = os.open(dst, os.O_RDONLY)
             try:
                 os.fsync(fd)
+                files.append((rel, os.fstat(fd).st_size))
             finally:
                 os.close(fd)
         except OSError as e:
             raise OutputError(f"cannot copy extra {rel!r}: {e.strerror}", path=dst) from None
     layout.fsync_dir(tmp)
+    return ExportResult(
+        tmp, tuple(sorted(files)), res.total_size, res.tensors, time.monotonic() - t0, skipped=False
+    )
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*") if p.is_file()))
 
 
-def _summary(d: Path, seconds: float, skipped: bool) -> ExportResult:
+def _existing(d: Path) -> ExportResult:
+    """What an export finished earlier holds, read back from its index (nothing was planned this time)."""
     import json
 
     index = json.loads((d / layout.INDEX_NAME).read_text())
     return ExportResult(
-        d, list_files(d), int(index["metadata"]["total_size"]), len(index["weight_map"]), seconds, skipped
+        d, list_files(d), int(index["metadata"]["total_size"]), len(index["weight_map"]), 0.0, True
     )
 
 
@@ -166,7 +176,7 @@ def export_step(
     step_dir = Path(step_dir)
     final = step_dir / layout.EXPORT_DIR
     if (final / layout.INDEX_NAME).is_file():
-        return _summary(final, 0.0, True)
+        return _existing(final)
     source = open_source(step_dir)
     if source.marker is None:
         from stagerd.errors import MarkerError
@@ -187,7 +197,7 @@ def export_step(
     except OSError as e:
         raise OutputError(f"cannot prepare the export directory: {e.strerror}", path=tmp) from None
     try:
-        build_export(
+        built = build_export(
             source,
             tmp,
             dtype=target,
@@ -203,4 +213,4 @@ def export_step(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _summary(final, time.monotonic() - t0, False)
+    return replace(built, export_dir=final, seconds=time.monotonic() - t0)

@@ -95,7 +95,7 @@ def verify_export(
             expected=source.marker.tensors if source.marker else None,
             out_dtypes=out_dtypes,
         )
-        if {f.name for f in p.files} != set(by_file) or set(p.index()["weight_map"]) != set(weight_map):
+        if {f.name for f in p.files} != set(by_file) or set(p.weight_map()) != set(weight_map):
             raise VerifyError("the source holds different tensors than the export", path=export_dir)
         compare(p, export_dir, threads=threads, progress=progress)
     return VerifyReport(export_dir, len(headers), len(weight_map), total, against)

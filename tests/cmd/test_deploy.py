@@ -229,15 +229,15 @@ def test_dockerfile_contract() -> None:
     instructions = " ".join(s["value"] for s in parser.structure if s["instruction"] != "COMMENT")
     assert not re.search(r"cuda|nvidia|cu\d{3}", instructions, re.I)  # no CUDA wheel or base image
     runs = [s["value"] for s in parser.structure if s["instruction"] == "RUN"]
-    torch_line = [r for r in runs if "torch==" in r]
-    assert len(torch_line) == 1 and "--index-url https://download.pytorch.org/whl/cpu" in torch_line[0]
-    pinned = re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.M).group(1)
+    # The sidecar carries no torch (issue 15): nothing installs it, and the build checks none came along.
+    assert not any("torch==" in r or "download.pytorch.org" in r for r in runs), runs
+    assert "TORCH_VERSION" not in text and any("find_spec('torch')" in r for r in runs)
     pyproject = (REPO / "pyproject.toml").read_text()
     spec = next(
         Requirement(r) for r in re.findall(r'"(torch[^"]*)"', pyproject) if Requirement(r).name == "torch"
     )
-    assert spec.specifier.contains(pinned), (pinned, spec)
-    assert f"torch=={pinned}" in (REPO / ".ci" / "run").read_text()  # CI and the image pin the same wheel
+    pinned = re.search(r"torch==(\S+)", (REPO / ".ci" / "run").read_text()).group(1)
+    assert spec.specifier.contains(pinned), (pinned, spec)  # the train extra accepts the wheel CI installs
 
 
 def test_dockerignore_keeps_what_copy_needs() -> None:

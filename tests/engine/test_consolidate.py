@@ -73,9 +73,9 @@ def test_cast_equals_torch_to(dcp_mixed, tmp_path, name, dtype):
 
 def test_gathered_tensors_cast_through_bounded_buffers(dcp_mixed, tmp_path, monkeypatch):
     """A buffer far smaller than any tensor forces many slabs and cast rounds; values stay exact."""
-    import stagerd.engine.consolidate as c
+    from stagerd.engine import limits
 
-    monkeypatch.setattr(c, "BUFFER_BYTES", 64)
+    monkeypatch.setattr(limits, "BUFFER_BYTES", 64)
     src, full = dcp_mixed
     consolidate_into(src, tmp_path, dtype="BF16")
     assert_bit_exact(load_export(tmp_path), expected_cast(full, torch.bfloat16))

@@ -1,0 +1,97 @@
+"""`execute()` writes a plan's files; `compare()` re-derives every byte of an export from its sources."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from stagerd.contract.progress_fn import ProgressFn
+from stagerd.engine.durability import Flusher, reserve
+from stagerd.engine.plan_types import ExportPlan
+from stagerd.engine.runner import Runner, pwrite_all, run_moves
+from stagerd.errors import OutputError, ShardError, VerifyError
+
+
+def _open_sources(p: ExportPlan) -> list[int]:
+    fds: list[int] = []
+    try:
+        for path in p.sources:
+            fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        raise ShardError(f"cannot open: {e.strerror}", path=e.filename) from None
+    return fds
+
+
+def output_error(e: OSError, path: object) -> OutputError:
+    """The named error for a failed write: a full disk and a read-only target say so and how to fix it."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(
+            "no space left on the output filesystem",
+            path=path,
+            hint="free space on the output filesystem, then retry",
+        )
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputError(f"not writable: {e.strerror}", path=path)
+    return OutputError(f"write failed: {e.strerror or e}", path=path)
+
+
+def execute(
+    p: ExportPlan, out_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None, fsync: bool = True
+) -> None:
+    """Write the plan's files into `out_dir` (an empty directory the caller renames into place)."""
+    src_fds = _open_sources(p)
+    dst_fds: list[int] = []
+    dst_paths = [str(out_dir / f.name) for f in p.files]
+    try:
+        for f, path in zip(p.files, dst_paths, strict=True):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                dst_fds.append(fd)
+                reserve(fd, f.size)
+                pwrite_all(fd, memoryview(f.header), 0)
+            except OSError as e:
+                raise output_error(e, path) from None
+        runner = Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=False)
+        try:
+            if not fsync:
+                run_moves(runner, p.moves, threads, progress, p.bytes_to_write)
+                return
+            with Flusher(dst_fds, p.moves) as flusher:
+                run_moves(runner, p.moves, threads, progress, p.bytes_to_write, flusher.done)
+                flusher.finish()
+        except OSError as e:
+            raise output_error(e, out_dir) from None
+    finally:
+        for fd in src_fds + dst_fds:
+            os.close(fd)
+
+
+def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None) -> None:
+    """Re-derive every output byte from the sources and check the export holds exactly that."""
+    src_fds = _open_sources(p)
+    dst_fds: list[int] = []
+    dst_paths = [str(export_dir / f.name) for f in p.files]
+    try:
+        for f, path in zip(p.files, dst_paths, strict=True):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise VerifyError("missing from the export", path=path) from None
+            dst_fds.append(fd)
+            if os.fstat(fd).st_size != f.size:
+                raise VerifyError(f"is {os.fstat(fd).st_size} bytes, the source gives {f.size}", path=path)
+            if os.pread(fd, len(f.header), 0) != f.header:
+                raise VerifyError("header differs from the one the source gives", path=path)
+        run_moves(
+            Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True),
+            p.moves,
+            threads,
+            progress,
+            p.bytes_to_write,
+        )
+    finally:
+        for fd in src_fds + dst_fds:
+            os.close(fd)

@@ -1,0 +1,12 @@
+"""The engine's fixed sizes. Read at call time (`limits.BUFFER_BYTES`), so a test can shrink them."""
+
+from __future__ import annotations
+
+import os
+
+COPY_PIECE = 64 << 20  # split big copies so threads share the work evenly
+BUFFER_BYTES = 8 << 20  # per-thread cast / gather buffer
+DIRECT_MIN_RUN = 1 << 20  # strided runs at least this long are copied run by run instead of gathered
+MAX_GRID_CELLS = 1 << 22  # tilings with more grid cells than this are checked pair by pair
+SCATTER_MIN_SEGMENT = 512  # gather segments at least this long are read in place with preadv
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024)

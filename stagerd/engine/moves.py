@@ -1,0 +1,157 @@
+"""Byte moves of one planned tensor: direct runs (copy or cast) where they are long, else gathered slabs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+from stagerd.contract import dtypes
+from stagerd.contract.safetensors_format import Header
+from stagerd.engine import limits
+from stagerd.engine.plan_types import Move, MoveKind, Piece, TensorPlan
+from stagerd.engine.tiling import runs, strides
+from stagerd.errors import PlanError
+
+
+def tensor_moves(t: TensorPlan, data_start: int, src_headers: Sequence[Header]) -> list[Move]:
+    """The moves that write `t` into its output file, whose data section starts at `data_start`."""
+    sdt, ddt = dtypes.lookup(t.src_dtype), dtypes.lookup(t.dst_dtype)
+    dst_base = data_start + t.begin
+    chunk_runs = [(c, *runs(c, t.shape)) for c in t.chunks if math.prod(c.shape) > 0]
+    if sdt.bits % 8 and any(r > 1 for _, r, _ in chunk_runs):
+        raise PlanError(
+            f"tensor {t.name!r}: {t.src_dtype} split inside its rows is not byte-addressable",
+            path=src_headers[0].path,
+        )
+    item = max(sdt.bits, ddt.bits) // 8
+    if not all(r == 1 or ln * item >= limits.DIRECT_MIN_RUN for _, r, ln in chunk_runs):
+        return _gather_moves(t, dst_base, sdt, ddt)
+    kind = MoveKind.COPY if sdt.name == ddt.name else MoveKind.CAST
+    gstrides = strides(t.shape)
+    moves: list[Move] = []
+    for c, nruns, ln in chunk_runs:
+        k = len(t.shape) - 1
+        while k > 0 and c.shape[k] == t.shape[k]:
+            k -= 1
+        outer = c.shape[:k] if nruns > 1 else ()
+        for i, idx in enumerate(_ndindex(outer)):
+            dst_elem = sum(
+                (o + (idx[d] if d < len(idx) else 0)) * s
+                for d, (o, s) in enumerate(zip(c.global_offset, gstrides, strict=True))
+            )
+            moves.append(
+                Move(
+                    kind=kind,
+                    file=t.file,
+                    dst_offset=dst_base + ddt.nbytes(dst_elem),
+                    length=ddt.nbytes(ln),
+                    src=c.src,
+                    src_offset=c.offset + sdt.nbytes(i * ln),
+                    src_dtype=sdt.name,
+                    dst_dtype=ddt.name,
+                )
+            )
+    return moves
+
+
+def _ndindex(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    return itertools.product(*(range(n) for n in shape))
+
+
+def _gather_moves(t: TensorPlan, dst_base: int, sdt: dtypes.DType, ddt: dtypes.DType) -> list[Move]:
+    """Slabs of `t` along the outermost dim whose rows fit the buffer; one pwrite per slab."""
+    g = t.shape
+    item = max(sdt.bits, ddt.bits) // 8
+    buffer = limits.BUFFER_BYTES
+    p = 0
+    while p < len(g) - 1 and math.prod(g[p + 1 :]) * item > buffer:
+        p += 1
+    row = math.prod(g[p + 1 :])
+    rows_per_slab = max(1, buffer // max(1, row * item))
+    gstrides = strides(g)
+    live = [c for c in t.chunks if math.prod(c.shape) > 0]
+    moves = []
+    for prefix in _ndindex(g[:p]):
+        owners = [
+            c
+            for c in live
+            if all(c.global_offset[d] <= prefix[d] < c.global_offset[d] + c.shape[d] for d in range(p))
+        ]
+        for a in range(0, g[p], rows_per_slab):
+            b = min(g[p], a + rows_per_slab)
+            pieces = []
+            for c in owners:
+                lo, hi = max(a, c.global_offset[p]), min(b, c.global_offset[p] + c.shape[p])
+                if lo >= hi:
+                    continue
+                ls = strides(c.shape)
+                src_elem = (
+                    sum((prefix[d] - c.global_offset[d]) * ls[d] for d in range(p))
+                    + (lo - c.global_offset[p]) * ls[p]
+                )
+                inner = ((c.global_offset[d], c.global_offset[d] + c.shape[d]) for d in range(p + 1, len(g)))
+                box = ((lo - a, hi - a), *inner)
+                pieces.append(
+                    Piece(c.src, c.offset + sdt.nbytes(src_elem), sdt.nbytes((hi - lo) * ls[p]), box)
+                )
+            dst_elem = sum(prefix[d] * gstrides[d] for d in range(p)) + a * gstrides[p]
+            moves.append(
+                Move(
+                    kind=MoveKind.GATHER,
+                    file=t.file,
+                    dst_offset=dst_base + ddt.nbytes(dst_elem),
+                    length=ddt.nbytes((b - a) * row),
+                    src_dtype=sdt.name,
+                    dst_dtype=ddt.name,
+                    slab_shape=(b - a, *g[p + 1 :]),
+                    pieces=tuple(pieces),
+                )
+            )
+    return moves
+
+
+def split_and_merge(moves: list[Move]) -> list[Move]:
+    """Coalesce back-to-back copies (tiny tensors), then split big copies so threads share the work."""
+    moves.sort(key=lambda m: (m.file, m.dst_offset))
+    piece = limits.COPY_PIECE
+    merged: list[Move] = []
+    for m in moves:
+        prev = merged[-1] if merged else None
+        if (
+            prev is not None
+            and m.kind is prev.kind is MoveKind.COPY
+            and m.file == prev.file
+            and m.src == prev.src
+            and prev.dst_offset + prev.length == m.dst_offset
+            and prev.src_offset + prev.length == m.src_offset
+            and prev.length + m.length <= piece
+        ):
+            merged[-1] = Move(
+                MoveKind.COPY, m.file, prev.dst_offset, prev.length + m.length, m.src, prev.src_offset
+            )
+        else:
+            merged.append(m)
+    out = []
+    for m in merged:
+        if m.kind is MoveKind.GATHER or m.length <= piece:
+            out.append(m)
+            continue
+        sdt, ddt = dtypes.lookup(m.src_dtype or "U8"), dtypes.lookup(m.dst_dtype or "U8")
+        step = piece - piece % 64  # whole elements of any byte-sized dtype
+        for off in range(0, m.length, step):
+            n = min(step, m.length - off)
+            src_off = off if m.kind is MoveKind.COPY else off * sdt.bits // ddt.bits
+            out.append(
+                Move(
+                    m.kind,
+                    m.file,
+                    m.dst_offset + off,
+                    n,
+                    m.src,
+                    m.src_offset + src_off,
+                    m.src_dtype,
+                    m.dst_dtype,
+                )
+            )
+    return out

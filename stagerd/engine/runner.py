@@ -1,0 +1,233 @@
+"""Carry out moves on open file descriptors with a pool of threads, each with its own fixed buffers.
+
+`Runner.run` does one move; `run_moves` hands moves to `threads` workers in plan order, reports progress
+and stops everyone at the first error. With `compare=True` every destination byte is read and checked
+instead of written, so verify re-derives exactly what execute wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from stagerd.contract import dtypes
+from stagerd.contract.progress_fn import ProgressFn
+from stagerd.engine import limits
+from stagerd.engine.cast import cast_into
+from stagerd.engine.plan_types import Move, MoveKind
+from stagerd.engine.tiling import strides
+from stagerd.errors import ShardError, VerifyError
+
+
+class _Buffers(threading.local):
+    """Per-thread buffers, allocated once and reused: fresh memory is expensive to touch."""
+
+    a: bytearray
+    b: bytearray
+
+    def get(self) -> tuple[bytearray, bytearray]:
+        if not hasattr(self, "a"):
+            self.a = bytearray(limits.BUFFER_BYTES)
+            self.b = bytearray(limits.BUFFER_BYTES)
+        return self.a, self.b
+
+
+def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ShardError(f"ends early at byte {offset + done} (truncated while reading?)", path=path)
+        done += n
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class Runner:
+    """Carries out moves on open file descriptors. `compare=True` reads the destination and checks it."""
+
+    def __init__(
+        self,
+        src_fds: Sequence[int],
+        src_paths: Sequence[str],
+        dst_fds: Sequence[int],
+        dst_paths: Sequence[str],
+        compare: bool,
+    ):
+        self.src_fds, self.src_paths = src_fds, src_paths
+        self.dst_fds, self.dst_paths = dst_fds, dst_paths
+        self.compare = compare
+        self.buffers = _Buffers()
+        self.copy_file_range = hasattr(os, "copy_file_range") and not compare
+
+    def run(self, m: Move) -> None:
+        if m.kind is MoveKind.COPY:
+            self._copy(m)
+        elif m.kind is MoveKind.CAST:
+            self._cast_run(m)
+        else:
+            self._gather(m)
+
+    def _emit(self, m: Move, data: memoryview, offset: int) -> None:
+        fd = self.dst_fds[m.file]
+        if not self.compare:
+            pwrite_all(fd, data, offset)
+            return
+        got = os.pread(fd, len(data), offset)
+        if got != data:
+            raise VerifyError(f"bytes at offset {offset} differ from the source", path=self.dst_paths[m.file])
+
+    def _copy(self, m: Move) -> None:
+        src_fd, dst_fd = self.src_fds[m.src], self.dst_fds[m.file]
+        done = 0
+        while self.copy_file_range and done < m.length:
+            try:
+                n = os.copy_file_range(
+                    src_fd, dst_fd, m.length - done, m.src_offset + done, m.dst_offset + done
+                )
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    self.copy_file_range = False  # this filesystem pair cannot: fall back to pread/pwrite
+                    break
+                raise
+            if n == 0:
+                raise ShardError(
+                    f"ends early at byte {m.src_offset + done} (truncated while reading?)",
+                    path=self.src_paths[m.src],
+                )
+            done += n
+        a, _ = self.buffers.get()
+        while done < m.length:
+            n = min(len(a), m.length - done)
+            view = memoryview(a)[:n]
+            pread_into(src_fd, view, m.src_offset + done, self.src_paths[m.src])
+            self._emit(m, view, m.dst_offset + done)
+            done += n
+
+    def _cast_run(self, m: Move) -> None:
+        sdt, ddt = dtypes.lookup(m.src_dtype), dtypes.lookup(m.dst_dtype)
+        a, b = self.buffers.get()
+        per = len(a) // max(sdt.bits, ddt.bits) * 8  # elements per round
+        total = m.length * 8 // ddt.bits
+        done = 0
+        while done < total:
+            n = min(per, total - done)
+            sv = memoryview(a)[: sdt.nbytes(n)]
+            dv = memoryview(b)[: ddt.nbytes(n)]
+            pread_into(self.src_fds[m.src], sv, m.src_offset + sdt.nbytes(done), self.src_paths[m.src])
+            cast_into(sv, dv, sdt.name, ddt.name)
+            self._emit(m, dv, m.dst_offset + ddt.nbytes(done))
+            done += n
+
+    def _gather(self, m: Move) -> None:
+        sdt, ddt = dtypes.lookup(m.src_dtype), dtypes.lookup(m.dst_dtype)
+        isz = sdt.bits // 8
+        a, b = self.buffers.get()
+        n = math.prod(m.slab_shape)
+        slab = np.frombuffer(a, dtype=np.uint8, count=n * isz).reshape(*m.slab_shape, isz)
+        whole, scratch = memoryview(a), memoryview(b)
+        for pc in m.pieces:
+            path = self.src_paths[pc.src]
+            offsets, seg = _segments(pc.box, m.slab_shape, isz)
+            if seg >= limits.SCATTER_MIN_SEGMENT:
+                # Read straight into the slab rows: one preadv per limits.IOV_MAX segments, no extra copy.
+                _preadv_scatter(
+                    self.src_fds[pc.src], [whole[o : o + seg] for o in offsets], pc.src_offset, path
+                )
+                continue
+            view = scratch[: pc.length]
+            pread_into(self.src_fds[pc.src], view, pc.src_offset, path)
+            shape = tuple(hi - lo for lo, hi in pc.box)
+            src = np.frombuffer(view, dtype=np.uint8).reshape(*shape, isz)
+            slab[tuple(slice(lo, hi) for lo, hi in pc.box)] = src
+        out = whole[: n * isz]
+        if sdt.name != ddt.name:
+            dv = scratch[: ddt.nbytes(n)]
+            cast_into(out, dv, sdt.name, ddt.name)
+            out = dv
+        self._emit(m, out, m.dst_offset)
+
+
+def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[list[int], int]:
+    """Byte offsets in the slab of a piece's contiguous destination segments, and their common length."""
+    k = len(slab_shape) - 1
+    while k > 0 and tuple(box[k]) == (0, slab_shape[k]):
+        k -= 1
+    slab_strides = strides(slab_shape)
+    offsets = np.array([box[k][0] * slab_strides[k]], dtype=np.int64)
+    for d in range(k - 1, -1, -1):
+        offsets = (
+            np.arange(box[d][0], box[d][1], dtype=np.int64)[:, None] * slab_strides[d] + offsets[None, :]
+        ).ravel()
+    return (offsets * isz).tolist(), (box[k][1] - box[k][0]) * slab_strides[k] * isz
+
+
+def _preadv_scatter(fd: int, views: Sequence[memoryview], offset: int, path: str) -> None:
+    for i in range(0, len(views), limits.IOV_MAX):
+        batch = views[i : i + limits.IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, offset)
+        if got < want:  # short read: finish view by view, so truncation is still caught
+            pos = 0
+            for v in batch:
+                if pos + len(v) > got:
+                    skip = max(0, got - pos)
+                    pread_into(fd, v[skip:], offset + pos + skip, path)
+                pos += len(v)
+        offset += want
+
+
+def run_moves(
+    runner: Runner,
+    moves: Sequence[Move],
+    threads: int,
+    progress: ProgressFn | None,
+    total: int,
+    on_done: Callable[[Move], None] | None = None,
+) -> None:
+    """Run `moves` on `threads` workers; the first error stops them all and is raised here."""
+    lock = threading.Lock()
+    nxt = iter(moves)
+    done = 0
+    error: BaseException | None = None
+
+    def worker() -> None:
+        nonlocal done, error
+        while True:
+            with lock:
+                m = next(nxt, None) if error is None else None
+            if m is None:
+                return
+            try:
+                runner.run(m)
+                if on_done is not None:
+                    on_done(m)
+            except BaseException as e:
+                with lock:
+                    error = error or e
+                return
+            with lock:
+                done += m.length
+                so_far = done
+            if progress is not None:
+                progress(so_far, total)
+
+    n = max(1, min(threads, len(moves)))
+    if n == 1:
+        worker()
+    else:
+        with ThreadPoolExecutor(n, thread_name_prefix="stagerd-export") as pool:
+            for f in [pool.submit(worker) for _ in range(n)]:
+                f.result()
+    if error is not None:
+        raise error
