@@ -1,10 +1,13 @@
 """Export engine benchmark: `stagerd consolidate` vs torch's consolidation vs `cp -r`, same files, one run.
 
-Generates a DCP checkpoint (fp32, `Shard(0)` plus a `Shard(1)` share, RANKS ranks x FILES files each) with
-real gloo processes, then times each tool in a subprocess (wall time and that child's peak RSS via wait4).
-Every output is deleted and `sync`ed between runs so each starts from the same warm page cache.
+Generates a DCP checkpoint (fp32, `Shard(0)` plus a `Shard(1)` share, RANKS ranks x FILES files each; with
+`--mixed`, a quarter each bf16 and fp16) with real gloo processes, then times each tool in a subprocess
+(wall time and that child's peak RSS via wait4). Every output is deleted and `sync`ed between runs so each
+starts from the same warm page cache. The keep and `--dtype bf16` exports of one round run back to back,
+so their ratio is a paired figure.
 
     python bench/bench_consolidate.py --size-gb 6 --ranks 4 --files 4 --threads 2
+    python bench/bench_consolidate.py --many-tensors 100000 --ranks 2   # memory flat in tensor count
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _rank(rank: int, world: int, init: str, out: str, size: int, files: int) -> None:
+def _rank(rank: int, world: int, init: str, out: str, size: int, files: int, mixed: bool, many: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -33,9 +36,10 @@ def _rank(rank: int, world: int, init: str, out: str, size: int, files: int) -> 
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    hidden = 4096
-    n_tensors = max(files * 2, size // (hidden * hidden * 4))
-    rows = size // (n_tensors * hidden * 4) // world * world  # even split: local shapes match DTensor's
+    hidden = 64 if many else 4096
+    n_tensors = many or max(files * 2, size // (hidden * hidden * 4))
+    rows = 8 * world if many else size // (n_tensors * hidden * 4) // world * world  # even split
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float16] if mixed else [torch.float32]
     g = torch.Generator().manual_seed(rank)
     sd = {}
     for i in range(n_tensors):
@@ -44,8 +48,9 @@ def _rank(rank: int, world: int, init: str, out: str, size: int, files: int) -> 
         shape = [rows, hidden]
         local_shape = list(shape)
         local_shape[dim] //= world
-        local = torch.randn(local_shape, generator=g)
-        sd[f"model.layers.{i}.weight"] = DTensor.from_local(
+        local = torch.randn(local_shape, generator=g).to(dtypes[i % len(dtypes)])
+        name = f"model.layers.{i // 256}.mlp.experts.{i % 256}.weight" if many else f"model.layers.{i}.weight"
+        sd[name] = DTensor.from_local(
             local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(hidden, 1)
         )
     mapping = {k: 1 + i * files // len(sd) for i, k in enumerate(sorted(sd))}
@@ -57,18 +62,22 @@ def _rank(rank: int, world: int, init: str, out: str, size: int, files: int) -> 
         Path(out, "mapping.json").write_text(json.dumps(mapping))
 
 
-def _generate_here(out: Path, size_gb: float, ranks: int, files: int) -> None:
+def _generate_here(out: Path, size_gb: float, ranks: int, files: int, mixed: bool, many: int) -> None:
     import torch.multiprocessing as mp
 
     init = tempfile.mktemp(prefix="stagerd-bench-")
     mp.start_processes(
-        _rank, args=(ranks, init, str(out), int(size_gb * 1e9), files), nprocs=ranks, start_method="spawn"
+        _rank,
+        args=(ranks, init, str(out), int(size_gb * 1e9), files, mixed, many),
+        nprocs=ranks,
+        start_method="spawn",
     )
 
 
-def generate(out: Path, size_gb: float, ranks: int, files: int) -> dict[str, int]:
+def generate(out: Path, size_gb: float, ranks: int, files: int, mixed: bool, many: int) -> dict[str, int]:
     """Save in a child process: the parent must stay small, since a forked child's peak RSS starts at ours."""
     cmd = [sys.executable, __file__, "--generate", str(out), str(size_gb), str(ranks), str(files)]
+    cmd += [str(int(mixed)), str(many)]
     subprocess.run(cmd, check=True, cwd=ROOT)
     mapping = json.loads((out / "mapping.json").read_text())
     (out / "mapping.json").unlink()
@@ -112,6 +121,89 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
 """
 
 
+# Per-tensor memory of the plan: the resident growth from planning, over the tensor count.
+PLAN_MEMORY = """
+import gc, resource, sys, json
+from pathlib import Path
+from stagerd.engine.consolidate import plan, scan_shards
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+gc.collect(); r0 = rss()
+headers = scan_shards(Path(sys.argv[1]))
+gc.collect(); r1 = rss()
+p = plan(headers)
+del headers
+gc.collect(); r2 = rss()
+n = len(p.tensors)
+print(json.dumps({"tensors": n, "moves": len(p.moves), "headers_bytes_per_tensor": (r1 - r0) / n,
+                  "plan_bytes_per_tensor": (r2 - r1) / n,
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, object]:
+    """Plan, export (keep and bf16) and verify a checkpoint of many small tensors: time and peak RSS."""
+    out = work / "out"
+    stagerd = [sys.executable, "-m", "stagerd.cli"]
+    runs = {
+        "stagerd consolidate": [*stagerd, "consolidate", str(src), str(out), "--threads", str(threads)],
+        "stagerd consolidate --dtype bf16": [
+            *stagerd,
+            "consolidate",
+            str(src),
+            str(out),
+            "--threads",
+            str(threads),
+            "--dtype",
+            "bf16",
+        ],
+        "torch consolidate_safetensors_files": [
+            sys.executable,
+            "-c",
+            TORCH_CONSOLIDATE,
+            str(src),
+            str(out),
+            str(work / "mapping.json"),
+            str(threads),
+        ],
+    }
+    found: dict[str, list[tuple[float, float]]] = {name: [] for name in [*runs, "stagerd verify --against"]}
+    for rnd in range(repeat):
+        for name, cmd in runs.items():
+            if rnd and name.startswith("torch"):
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            found[name].append(timed(cmd))
+            if name == "stagerd consolidate":
+                verify = [*stagerd, "verify", "--against", str(src), "--threads", str(threads), str(out)]
+                found["stagerd verify --against"].append(timed(verify))
+            print(
+                f"round {rnd + 1} {name:40s} {found[name][-1][0]:7.2f} s {found[name][-1][1]:7.0f} MiB",
+                flush=True,
+            )
+    shutil.rmtree(out, ignore_errors=True)
+    mem = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", PLAN_MEMORY, str(src)],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        ).stdout
+    )
+    print("\n| tool | median s | min s | max s | peak RSS MiB |\n|---|---|---|---|---|")
+    for name, got in found.items():
+        w, peak = [g[0] for g in got], max(g[1] for g in got)
+        print(f"| {name} | {statistics.median(w):.2f} | {min(w):.2f} | {max(w):.2f} | {peak:.0f} |")
+    print(
+        f"\nplan: {mem['tensors']} tensors, {mem['moves']} moves, "
+        f"headers {mem['headers_bytes_per_tensor']:.0f} B/tensor, "
+        f"plan {mem['plan_bytes_per_tensor']:.0f} B/tensor, planning peak {mem['peak_mib']:.0f} MiB"
+    )
+    return {"runs": found, "plan_memory": mem}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gb", type=float, default=6.0)
@@ -124,9 +216,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the generated shards")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds per tool (median reported)")
     ap.add_argument("--shards", type=Path, help="reuse shards made by an earlier --keep run")
+    ap.add_argument("--mixed", action="store_true", help="a quarter each of the tensors bf16 and fp16")
+    ap.add_argument("--many-tensors", type=int, default=0, help="N small [8*ranks, 64] tensors instead")
     args = ap.parse_args()
 
-    work = args.work / f"consolidate-{args.size_gb}g"
+    work = args.work / (f"many-{args.many_tensors}" if args.many_tensors else f"consolidate-{args.size_gb}g")
     t0 = time.perf_counter()
     if args.shards:  # shards and mapping.json from an earlier --keep run
         work, src, args.keep = args.shards.parent, args.shards, True
@@ -134,12 +228,19 @@ def main() -> None:
     else:
         shutil.rmtree(work, ignore_errors=True)
         src = work / "shards"
-        mapping = generate(src, args.size_gb, args.ranks, args.files)
+        mapping = generate(src, args.size_gb, args.ranks, args.files, args.mixed, args.many_tensors)
     size = du(src)
     n_shards = len(list(src.iterdir()))
     print(f"generated {size / 1e9:.2f} GB in {n_shards} shards in {time.perf_counter() - t0:.1f} s")
     (work / "mapping.json").write_text(json.dumps(mapping))
     (work / "ref.json").write_text(json.dumps({"weight_map": {k: f"f{v}" for k, v in mapping.items()}}))
+    if args.many_tensors:
+        results = many_tensors(src, work, args.threads, args.repeat)
+        if args.json:
+            args.json.write_text(json.dumps({"size": size, **results}, indent=1))
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     stagerd = [sys.executable, "-m", "stagerd.cli", "consolidate", str(src)]
     out = work / "out"
 
@@ -211,6 +312,18 @@ def main() -> None:
             f"| {name} | {m:.2f} | {min(w):.2f} | {size / 1e9 / m:.2f} | {rss[name]:.0f} | {m / cp:.2f}x "
             f"| {m / med['cp -r && sync']:.2f}x | {torch_t / m:.2f}x |"
         )
+    if "stagerd consolidate --dtype bf16" in med:
+        # Paired: each round's cast export ran right after its keep export, on the same data.
+        pairs = sorted(
+            c / k
+            for c, k in zip(
+                walls["stagerd consolidate --dtype bf16"], walls["stagerd consolidate"], strict=True
+            )
+        )
+        print(
+            f"\ncast / keep, paired by round: median {statistics.median(pairs):.2f}x "
+            f"(range {pairs[0]:.2f}x - {pairs[-1]:.2f}x over {len(pairs)} rounds)"
+        )
     if "torch consolidate + cast pass" in med:
         ratio = med["torch consolidate + cast pass"] / med["stagerd consolidate --dtype bf16"]
         print(f"\nfp32->bf16: stagerd is {ratio:.2f}x faster than torch consolidation + a cast pass")
@@ -222,8 +335,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--generate":
+    if len(sys.argv) == 8 and sys.argv[1] == "--generate":
         sys.path.insert(0, str(ROOT))
-        _generate_here(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        a = sys.argv
+        _generate_here(Path(a[2]), float(a[3]), int(a[4]), int(a[5]), bool(int(a[6])), int(a[7]))
     else:
         main()
