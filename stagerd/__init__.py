@@ -14,7 +14,15 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     # Lazy: `import stagerd` (the daemon, the CLI) must not pay for importing torch.
     if name in ("Stager", "SaveHandle"):
-        from stagerd.training import stager as stage
-
+        try:
+            from stagerd.training import stager as stage
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            # The daemon's install has no torch on purpose; say what the training side needs.
+            raise ModuleNotFoundError(
+                "stagerd.Stager and the demo need torch, which is not installed: pip install 'stagerd[train]'",
+                name="torch",
+            ) from None
         return getattr(stage, name)
     raise AttributeError(f"module 'stagerd' has no attribute {name!r}")
