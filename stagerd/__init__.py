@@ -21,7 +21,8 @@ def __getattr__(name: str) -> Any:
                 raise
             # The daemon's install has no torch on purpose; say what the training side needs.
             raise ModuleNotFoundError(
-                "stagerd.Stager and the demo need torch, which is not installed: pip install 'stagerd[train]'",
+                "stagerd.Stager and the demo need torch, which is not installed: "
+                "pip install 'stagerd[train]'",
                 name="torch",
             ) from None
         return getattr(stage, name)
