@@ -1,0 +1,80 @@
+"""The commit marker and the extras it lists, written by the committer once every part is written.
+
+The marker lists exactly the files the writers reported (model/, optim/, extras/), never a directory
+listing, plus `tensors` (global dtype and shape of every model tensor, from DCP's global metadata) and
+`world_size`. It is written atomically (temp name, fsync, rename, directory fsync), after an all-ranks
+check-in that every part of the save succeeded. A failed save never writes a marker. A step whose
+directory already has a marker is refused with `StepExistsError` on every rank. A step directory without
+a marker is a crashed, uncommitted save: its `model/`, `optim/` and `extras/` are removed before the new
+save writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import safetensors_name
+from stagerd.errors import SaveError
+from stagerd.training.save_inputs import Extra
+
+log = logging.getLogger("stagerd.stage")
+
+
+def clear_stale(step_dir: Path) -> None:
+    """Leader: clear what a crashed, uncommitted save of this step left behind."""
+    stale = [step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)]
+    stale = [p for p in stale if p.exists()]
+    if stale:
+        log.warning("removing an uncommitted earlier save of %s: %s", step_dir, [p.name for p in stale])
+        for p in stale:
+            shutil.rmtree(p)
+
+
+def write_extras(step_dir: Path, extras: tuple[Extra, ...]) -> dict[str, tuple[int, int]]:
+    """Rank 0: write extras/ durably (temp name, fsync, rename, directory fsync)."""
+    out: dict[str, tuple[int, int]] = {}
+    for e in extras:
+        dst = step_dir / layout.EXTRAS_DIR / e.name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if e.data is not None:
+            layout.write_bytes_atomic(dst, e.data)
+        else:
+            assert e.source is not None
+            tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+            with open(e.source, "rb") as fin, open(tmp, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+            os.replace(tmp, dst)
+            layout.fsync_dir(dst.parent)
+        out[f"{layout.EXTRAS_DIR}/{e.name}"] = (dst.stat().st_size, 0)
+    if extras:
+        layout.fsync_dir(step_dir)
+    return out
+
+
+def tensor_infos(meta: Metadata) -> dict[str, layout.TensorInfo]:
+    """Global dtype and shape of every model tensor, from DCP's global metadata."""
+    out = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise SaveError(f"model state dict entry {fqn!r} is not a tensor")
+        out[fqn] = layout.TensorInfo(safetensors_name(md.properties.dtype), tuple(int(x) for x in md.size))
+    return out
+
+
+def write_commit(step_dir: Path, marker: layout.CommitMarker) -> None:
+    """Node leader: make the step durable, then write its marker."""
+    # The writers fsynced their files and model/ optim/ extras/; the step dir's own entries and its entry
+    # in the root are made durable here, off the training's critical path.
+    layout.fsync_dir(step_dir)
+    layout.fsync_dir(step_dir.parent)
+    layout.write_marker(step_dir, marker)
+    sizes = [f.size for f in marker.files]
+    log.info("committed step %d: %d files, %d bytes", marker.step, len(sizes), sum(sizes))

@@ -1,0 +1,156 @@
+"""The inputs of one save, checked and snapshotted before anything is written.
+
+The state dicts must hold tensors (the HF writer stores nothing else); `extras` are JSON, bytes or files;
+the reference index is a path or a weight_map; `dtype` one of the export engine's spellings; `metadata`
+JSON. `extras`, `reference_index`, `dtype` and `metadata` are taken from rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.reference_index import load_weight_map, read_reference_index
+from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
+
+# --dtype spellings the export engine takes, by safetensors name.
+_DTYPE_HINT = {None: "keep", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Extra:
+    name: str
+    data: bytes | None  # JSON or raw bytes, snapshotted at save()
+    source: Path | None  # a file copied at commit time
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """What one save writes and records, beyond the tensors."""
+
+    step: int
+    step_dir: Path
+    extras: tuple[Extra, ...] = ()
+    reference_index: dict[str, str] | str | None = None
+    dtype: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve_stateful(sd: Any, what: str) -> dict[str, Any]:
+    if not isinstance(sd, Mapping):
+        raise SaveInputError(f"{what} must be a mapping of names to tensors, got {type(sd).__name__}")
+    # The tensor test first: the Stateful protocol check is slow, and this runs inside the stall.
+    return {
+        k: v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
+        for k, v in sd.items()
+    }
+
+
+def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
+    """Every leaf of the model state dict is a tensor (the HF writer cannot store anything else)."""
+    n = 0
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if not isinstance(k, str):
+            raise SaveInputError(f"state dict key {name!r} is not a string")
+        if isinstance(v, torch.Tensor):
+            if v.is_meta:
+                raise SaveInputError(
+                    f"model state dict entry {name!r} is a meta tensor (never materialized): it has no data"
+                )
+            n += 1
+        elif isinstance(v, Mapping):
+            n += _check_tensors(v, f"{name}.")
+        else:
+            raise SaveInputError(
+                f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor; "
+                "put non-tensor state in optimizer_state or extras"
+            )
+    return n
+
+
+def resolve_state(
+    state_dict: Any, step: Any, optimizer_state: Any
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The model and optimizer state dicts with Stateful values resolved; the model's all tensors."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise SaveInputError(f"step must be a non-negative integer, got {step!r}")
+    model_sd = _resolve_stateful(state_dict, "state_dict")
+    if _check_tensors(model_sd) == 0:
+        raise SaveInputError("the model state dict holds no tensors")
+    optim_sd = None if optimizer_state is None else _resolve_stateful(optimizer_state, "optimizer_state")
+    return model_sd, optim_sd
+
+
+def _snapshot_extras(extras: Mapping[str, Any] | None) -> tuple[Extra, ...]:
+    out = []
+    for name, value in (extras or {}).items():
+        try:
+            layout.safe_relpath(name, what="extras name", path=None)
+        except StagerdError as e:
+            raise SaveInputError(e.message) from None
+        if isinstance(value, Mapping | list):
+            try:
+                data = (json.dumps(value, indent=2) + "\n").encode()
+            except (TypeError, ValueError) as e:
+                raise SaveInputError(f"extras {name!r} is not JSON-serializable: {e}") from None
+            out.append(Extra(name, data, None))
+        elif isinstance(value, bytes | bytearray | memoryview):
+            out.append(Extra(name, bytes(value), None))
+        elif isinstance(value, str | os.PathLike):
+            src = Path(value)
+            if not src.is_file():
+                raise SaveInputError(f"extras {name!r}: {src} is not a readable file", path=src)
+            out.append(Extra(name, None, src.resolve()))
+        else:
+            kind = type(value).__name__
+            raise SaveInputError(f"extras {name!r} must be a dict, bytes or a file path, not {kind}")
+    return tuple(out)
+
+
+def _reference_index(ref: Any) -> dict[str, str] | str | None:
+    """A path (validated now, recorded as given for the export to read) or a weight_map (recorded)."""
+    if ref is None:
+        return None
+    if isinstance(ref, str | os.PathLike):
+        read_reference_index(ref)
+        return str(Path(ref).resolve())
+    if isinstance(ref, Mapping):
+        return load_weight_map(ref)
+    raise ReferenceIndexError("reference_index must be a path or a weight_map {tensor name: file name}")
+
+
+def describe_save(
+    step: int,
+    step_dir: Path,
+    *,
+    rank: int,
+    extras: Mapping[str, Any] | None,
+    reference_index: Any,
+    dtype: str | None,
+    metadata: Mapping[str, Any] | None,
+) -> SaveSpec:
+    """The save's spec; rank 0's alone carries extras, reference index, dtype and metadata."""
+    if rank != 0:  # the other ranks' extras, reference_index, dtype and metadata are ignored
+        return SaveSpec(step=step, step_dir=step_dir)
+    try:
+        json.dumps(dict(metadata or {}))
+    except (TypeError, ValueError) as e:
+        raise SaveInputError(f"metadata is not JSON-serializable: {e}") from None
+    return SaveSpec(
+        step=step,
+        step_dir=step_dir,
+        extras=_snapshot_extras(extras),
+        reference_index=_reference_index(reference_index),
+        dtype=_DTYPE_HINT[parse_export_dtype(dtype)] if dtype is not None else None,
+        metadata=dict(metadata or {}),
+    )
