@@ -1,0 +1,179 @@
+"""Host copies of views, tied weights, non-contiguous and 0-dim local tensors: exact, one buffer a storage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tests.training.gloo_run import WORLD, record, spawn_bounded
+
+from stagerd.contract import layout
+
+H = 8  # hidden size of the view test's tensors; divisible by WORLD
+
+
+def _view_fulls() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(H, H, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(2 * H, H, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(H, 2 * H, generator=g),
+        "model.embed_tokens.weight": torch.randn(4 * H, H, generator=g),
+        "model.norm.weight": torch.randn(H, generator=g),
+    }
+
+
+def _view_state(world: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[torch.Tensor]]:
+    """A state dict whose local shards are views, as real training produces them.
+
+    - q/k/v: one fused local QKV block per rank, split into three views (offsets 0, n, 2n);
+    - up_proj, embed_tokens: FSDP2-style, views into one flat per-rank buffer;
+    - down_proj: a non-contiguous local (the transpose of a contiguous buffer);
+    - lm_head is tied: the very same DTensor as embed_tokens, under a second key;
+    - 0-dim tensors: a replicated DTensor scalar and two plain scalars; two plain views of one buffer.
+    Returns (model state dict, optimizer state, the base buffers that an in-place "step" mutates).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    fulls = _view_fulls()
+
+    def chunk(name: str, dim: int = 0) -> torch.Tensor:
+        return torch.chunk(fulls[name], world, dim=dim)[rank]
+
+    def dt(local: torch.Tensor, name: str, placements=None) -> torch.Tensor:
+        full = fulls[name]
+        return DTensor.from_local(
+            local, mesh, placements or [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+
+    qkv = torch.cat([chunk(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv"])
+    n = H // world
+    flat = torch.empty(
+        chunk("model.layers.0.mlp.up_proj.weight").numel() + chunk("model.embed_tokens.weight").numel()
+    )
+    up = flat[: 2 * H // world * H].view(2 * H // world, H)
+    emb = flat[2 * H // world * H :].view(4 * H // world, H)
+    up.copy_(chunk("model.layers.0.mlp.up_proj.weight"))
+    emb.copy_(chunk("model.embed_tokens.weight"))
+    down_base = chunk("model.layers.0.mlp.down_proj.weight").t().contiguous()  # (2H, H/world)
+    down = down_base.t()
+    assert not down.is_contiguous()
+    pair = torch.arange(10, dtype=torch.float32)
+    tied = dt(emb, "model.embed_tokens.weight")
+    sd: dict[str, torch.Tensor] = {
+        "model.layers.0.self_attn.q_proj.weight": dt(qkv[:n], "model.layers.0.self_attn.q_proj.weight"),
+        "model.layers.0.self_attn.k_proj.weight": dt(
+            qkv[n : 2 * n], "model.layers.0.self_attn.k_proj.weight"
+        ),
+        "model.layers.0.self_attn.v_proj.weight": dt(qkv[2 * n :], "model.layers.0.self_attn.v_proj.weight"),
+        "model.layers.0.mlp.up_proj.weight": dt(up, "model.layers.0.mlp.up_proj.weight"),
+        "model.layers.0.mlp.down_proj.weight": dt(down, "model.layers.0.mlp.down_proj.weight"),
+        "model.embed_tokens.weight": tied,
+        "lm_head.weight": tied,
+        "model.norm.weight": dt(fulls["model.norm.weight"].clone(), "model.norm.weight", [Replicate()]),
+        "model.scale": DTensor.from_local(torch.tensor(0.5), mesh, [Replicate()], run_check=False),
+        "model.step_count": torch.tensor(3, dtype=torch.int64),
+        "model.layers.0.a.bias": pair[:5],
+        "model.layers.0.b.bias": pair[5:],
+    }
+    moments = torch.zeros(flat.numel())
+    optim = {
+        "state": {
+            "up": {"exp_avg": dt(moments[: up.numel()].view_as(up), "model.layers.0.mlp.up_proj.weight")},
+            "emb": {"exp_avg": dt(moments[up.numel() :].view_as(emb), "model.embed_tokens.weight")},
+            "step": torch.tensor(1.0),
+        },
+        "param_groups": [{"lr": 0.1, "params": ["up", "emb"]}],
+    }
+    return sd, optim, [qkv, flat, down_base, pair, moments, sd["model.scale"].to_local()]
+
+
+def _distinct_storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _views_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from stagerd import Stager
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    out_p, rec = Path(out), {"buffers": []}
+    try:
+        sd, optim, bases = _view_state(world, rank)
+        with Stager(root, checkpointer="thread") as stager:
+            for step in (1, 2):
+                full = {
+                    k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                    for k, v in sd.items()
+                }
+                if rank == 0:
+                    save_file(full, str(out_p / f"expected-{step}.safetensors"))
+                handle = stager.save(sd, step, optimizer_state=optim)
+                stager.wait_staged()
+                rec["buffers"].append(sorted(stager.staging_buffers().items()))
+                with torch.no_grad():
+                    for b in bases:  # an in-place "optimizer step" through the base buffers
+                        b.mul_(2).add_(step)
+                rec[f"marker{step}"] = handle.result().to_json()
+        optim_tensors = [
+            optim["state"]["up"]["exp_avg"],
+            optim["state"]["emb"]["exp_avg"],
+            optim["state"]["step"],
+        ]
+        rec["storage_bytes"] = _distinct_storage_bytes(list(sd.values()) + optim_tensors)
+        record(out_p, rank, rec)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
+    from stagerd.engine.export import export_step
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    spawn_bounded(_views_run, str(root), str(out))
+    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for step in (1, 2):
+        step_dir = root / layout.step_dir_name(step)
+        marker = layout.read_marker(step_dir)
+        layout.check_staged_files(step_dir, marker)
+        assert {"lm_head.weight", "model.embed_tokens.weight", "model.scale"} <= set(marker.tensors)
+        assert marker.tensors["model.scale"] == layout.TensorInfo("F32", ())
+        result = export_step(step_dir, dtype="keep")
+        index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+        with safe_open(out / f"expected-{step}.safetensors", "pt") as f:
+            want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        assert set(index["weight_map"]) == set(want)
+        for name, ref in want.items():
+            with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
+                got = f.get_tensor(name)
+            assert got.dtype == ref.dtype and got.shape == ref.shape, name
+            same = torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8))
+            assert same, f"step {step}: {name} differs"
+    with (
+        safe_open(out / "expected-1.safetensors", "pt") as f1,
+        safe_open(out / "expected-2.safetensors", "pt") as f2,
+    ):
+        assert not torch.equal(
+            f1.get_tensor("model.layers.0.self_attn.k_proj.weight"),
+            f2.get_tensor("model.layers.0.self_attn.k_proj.weight"),
+        )
+    for rec in recs:
+        first, second = rec["buffers"]
+        assert first == second, "the second save allocated new staging buffers"
+        # one host buffer per source storage: views of one storage share it, nothing else is copied
+        assert sum(n for _, n in first) == rec["storage_bytes"]

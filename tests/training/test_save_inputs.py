@@ -1,0 +1,60 @@
+"""`Stager.save` arguments in one process (no torch.distributed): a named error, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from stagerd.contract import layout
+from stagerd.errors import DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
+
+
+def test_single_process_save_and_bad_arguments(tmp_path):
+    from stagerd import Stager
+
+    sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    with Stager(tmp_path) as stager:
+        assert stager.world_size == 1 and stager.topology.shared
+        with pytest.raises(SaveInputError, match=r"'model\.flag' is a bool"):
+            stager.save({"model": {"flag": True}}, 1)
+        with pytest.raises(DTypeError):
+            stager.save(sd, 1, dtype="int3")
+        with pytest.raises(SaveInputError, match="not a readable file"):
+            stager.save(sd, 1, extras={"config.json": str(tmp_path / "missing.json")})
+        with pytest.raises(SaveInputError, match="escapes"):
+            stager.save(sd, 1, extras={"../x.json": {}})
+        with pytest.raises(ReferenceIndexError):
+            stager.save(sd, 1, reference_index=tmp_path / "nope.json")
+        assert not (tmp_path / "step-00000001").exists()  # a refused save writes nothing
+        marker = stager.save(sd, 1, dtype="fp16").result()
+        assert marker.files[0].path == "model/shard-00001-model-00001-of-00001.safetensors"
+        assert marker.dtype == "fp16" and marker.tensors == {"w": layout.TensorInfo("F32", (2, 3))}
+        with pytest.raises(StepExistsError):
+            stager.save(sd, 1)
+    with safe_open(tmp_path / "step-00000001" / marker.files[0].path, "pt") as f:
+        assert torch.equal(f.get_tensor("w"), sd["w"])
+
+
+def test_reference_index_is_checked_by_the_contract_at_save(tmp_path):
+    from stagerd import Stager
+
+    sd = {"w": torch.zeros(2)}
+    not_json = tmp_path / "broken.json"
+    not_json.write_text("{")
+    no_map = tmp_path / "no-map.json"
+    no_map.write_text('{"metadata": {}}')
+    good = tmp_path / "model.safetensors.index.json"
+    good.write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    root = tmp_path / "root"
+    with Stager(root) as stager:
+        for bad in (not_json, no_map, tmp_path, {}, {"weight_map": {"w": ""}}, {"w": 1}, 3):
+            with pytest.raises(ReferenceIndexError):
+                stager.save(sd, 1, reference_index=bad)
+        assert not (root / "step-00000001").exists()
+        assert stager.save(sd, 1, reference_index=good).result().reference_index == str(good)
+        mapping = {"weight_map": {"w": "model.safetensors"}, "metadata": {"total_size": 8}}
+        marker = stager.save(sd, 2, reference_index=mapping).result()
+        assert marker.reference_index == {"w": "model.safetensors"}
