@@ -2,8 +2,9 @@
 
 A trainer that saved through the Stager, closed it (or forgot to) and exited used to die now and then
 with "terminate called without an active exception" (SIGABRT) once the machine was busy. Each run here is
-a 2-rank gloo job that saves two steps of DTensors, then goes through one of the failure paths, then a
-last collective of its own and exits. The script counts the runs that did not exit 0.
+a 2-rank gloo job that saves two steps of DTensors, then goes through one of the failure paths (a refused
+step, a failed save, a peer that died, the Stager group's timeout, or none; closing the Stager or not),
+then a last collective of its own and exits. The script counts the runs that did not exit 0.
 
     python bench/stress_exit.py --runs 200                   # every scenario in turn, beside a busy loop
     python bench/stress_exit.py --runs 50 --scenario refused --no-load
@@ -19,10 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
-SCENARIOS = ("refused", "no-close", "failed-save", "clean")
+SCENARIOS = ("refused", "no-close", "failed-save", "lost-contact", "timeout", "clean")
 
 WORKER = r"""
-import sys, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp
+import os, sys, tempfile, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def must_fail(st, sd, step):
+    from stagerd.errors import StagerdError
+    try:
+        st.save(sd, step=step); st.wait()
+    except StagerdError:
+        return
+    sys.exit(f"the save of step {step} did not fail")
 
 def worker(rank, world, init, root, scenario):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -30,7 +39,7 @@ def worker(rank, world, init, root, scenario):
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     from stagerd import Stager
     mesh = init_device_mesh("cpu", (world,))
-    st = Stager(root=root)
+    st = Stager(root=root, timeout=3 if scenario == "timeout" else None)
     for step in (10, 20):
         full = {f"w{i}": torch.randn(515, 256) for i in range(12)}
         full["e"] = torch.randn(1003, 256).to(torch.bfloat16); full["n"] = torch.randn(256)
@@ -39,16 +48,22 @@ def worker(rank, world, init, root, scenario):
         st.save(sd, step=step); st.wait_staged()
     st.wait()
     if scenario == "refused":
-        try:
-            st.save(sd, step=20); st.wait()     # refused: the step is committed
-        except Exception:
-            pass
+        must_fail(st, sd, 20)                   # refused: the step is committed
     elif scenario == "failed-save":
-        bad = dict(sd) if rank == 0 else {**sd, "oops": object()}   # one rank's input is not a tensor
-        try:
-            st.save(bad, step=30); st.wait()
-        except Exception:
-            pass
+        if rank == 0:                           # a file where step 30's directory goes: DCP's write fails
+            open(os.path.join(root, "step-00000030"), "w").close()
+        must_fail(st, sd, 30)
+    elif scenario == "lost-contact":
+        if rank == 1:
+            os._exit(0)                         # the peer is gone: rank 0's next save loses contact
+        must_fail(st, sd, 30)
+        st.close()
+        return                                  # no collective left to run with a dead peer
+    elif scenario == "timeout":
+        if rank == 0:
+            must_fail(st, sd, 30)               # rank 1 never joins: the group's timeout runs out
+        else:
+            time.sleep(5)
     if scenario != "no-close":
         st.close()
     out = [None] * world if rank == 0 else None

@@ -13,6 +13,7 @@ stops DCP's executor and checkpoint process and destroys its own group last, err
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import logging
 import threading
 import time
@@ -63,15 +64,25 @@ def stop_checkpoint_process() -> None:
     del process  # its __del__ sends TERMINATE and joins it
 
 
-@atexit.register
-def _at_exit() -> None:
+def _close_forgotten() -> None:
     for stager in list(_State.open_stagers):
         try:
             stager.close()
         except Exception as e:  # a save failed (close() released everything anyway); never block the exit
             log.error("closing the Stager at exit: %s", e)
+
+
+def _grace() -> None:
     if _State.used_gloo:
         # A DeviceMesh keeps the default group (and gloo's threads) alive past destroy_process_group(), so
         # a pending free can land after the interpreter started finalizing. Sleeping releases the GIL so
         # that it happens now.
         time.sleep(_EXIT_GRACE_SECONDS)
+
+
+# Forgotten Stagers are closed before the interpreter joins its threads, not at atexit time: by then
+# concurrent.futures refuses new work, so a save still in flight could not start DCP's write. Registered
+# after concurrent.futures' own hook, so it runs first (these hooks run last-in, first-out).
+_register_before_threads_join = getattr(threading, "_register_atexit", atexit.register)
+_register_before_threads_join(_close_forgotten)
+atexit.register(_grace)

@@ -9,9 +9,11 @@ with the cyclic collector off, so anything kept only by a cycle shows up as stil
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 from stagerd.errors import SaveError, StepExistsError
+from tests.training.gloo_run import WORLD, attempt, dtensors, record, spawn_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,6 +86,101 @@ def test_close_leaves_no_thread_of_its_own(tmp_path):
         assert _refused(stager, {"w": torch.ones(8)}, 1)
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert left == [], f"threads still running after close(): {left}"
+
+
+def _failure_paths_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from stagerd import Stager
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        sd = dtensors(world, rank)
+        threads = set(threading.enumerate())
+        groups = len(distributed_c10d._world.pg_map)
+        rec = {}
+        for path in ("refused", "failed-save", "timeout"):
+            base = Path(root) / path
+            stager = Stager(base, timeout=2)
+            stager.save(sd, 1).result()
+            if path == "refused":
+                try:
+                    stager.save(sd, 1)
+                    failed = {"save": None}
+                except StepExistsError as e:
+                    failed = {"save": str(e)}
+            elif path == "failed-save":
+                if rank == 0:  # a file where the step's directory goes: DCP's write fails on every rank
+                    (base / "step-00000002").write_text("")
+                failed = attempt(stager, sd, 2)
+            elif rank == 0:
+                failed = attempt(stager, sd, 2)  # rank 1 never joins: the group's timeout runs out
+            else:
+                time.sleep(3)
+                failed = {}
+            stager.close()
+            rec[path] = {
+                "failed": failed,
+                "groups": len(distributed_c10d._world.pg_map) - groups,
+                "threads": [t.name for t in set(threading.enumerate()) - threads if t.is_alive()],
+            }
+        record(Path(out), rank, rec)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_close_after_each_failure_path_leaves_no_group_or_thread(tmp_path):
+    """2 ranks: after a refused step, a failed write and a timed-out check-in, close() leaves nothing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn_bounded(_failure_paths_run, str(tmp_path / "root"), str(out), deadline_s=120)
+    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for rank, rec in enumerate(recs):
+        assert "already committed" in (rec["refused"]["failed"]["save"] or ""), rec["refused"]
+        failed_save = rec["failed-save"]["failed"]["handle"] or ""
+        assert "step 2 was not committed" in failed_save, rec["failed-save"]
+        for path, seen in rec.items():
+            assert seen["groups"] == 0, f"rank {rank}, {path}: the Stager's process group outlived close()"
+            assert seen["threads"] == [], f"rank {rank}, {path}: threads outlived close(): {seen['threads']}"
+    assert "lost contact with the other ranks" in (recs[0]["timeout"]["failed"]["save"] or ""), recs[0]
+
+
+# Registered before stagerd is imported, so it runs after stagerd's own exit hook (atexit is LIFO).
+FORGETFUL_TRAINER = """
+import atexit, sys, threading, torch, torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+def left_behind():
+    groups = len(distributed_c10d._world.pg_map) - 1  # the default group is the trainer's own
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("stagerd"))
+    print(f"groups={groups} threads={threads}", flush=True)
+
+atexit.register(left_behind)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from stagerd import Stager
+from stagerd.errors import StepExistsError
+stager = Stager(sys.argv[1])
+stager.save({"w": torch.ones(4)}, 1).result()
+try:
+    stager.save({"w": torch.ones(4)}, 1)
+except StepExistsError:
+    pass
+stager.save({"w": torch.ones(4)}, 2)  # still being written when the script ends, and never closed
+"""
+
+
+def test_a_process_that_forgets_close_exits_cleanly_with_nothing_left(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", FORGETFUL_TRAINER, str(tmp_path / "root"), str(tmp_path / "init")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "groups=0 threads=[]", proc.stdout
+    assert (tmp_path / "root" / "step-00000002" / "stagerd.commit.json").is_file()  # the exit hook waited
 
 
 @pytest.mark.slow

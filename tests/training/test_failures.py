@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from stagerd.contract import layout
 from tests.training.gloo_run import (
     WORLD,
     attempt,
@@ -21,8 +23,6 @@ from tests.training.gloo_run import (
     slow_tensor,
     spawn_bounded,
 )
-
-from stagerd.contract import layout
 
 BIG_NUMEL = 24 << 20  # 96 MiB of fp32: more than the address space a failing rank has left while staging
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tests.training.gloo_run import WORLD, record, spawn_bounded
 
 from stagerd.contract import layout
+from tests.training.gloo_run import WORLD, record, spawn_bounded
 
 H = 8  # hidden size of the view test's tensors; divisible by WORLD
 

@@ -18,6 +18,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import safetensors_name
+from stagerd.errors import StepExistsError
 from tests.training.gloo_run import (
     SLOW_NUMEL,
     WORLD,
@@ -30,10 +34,6 @@ from tests.training.gloo_run import (
     spawn,
     train_step,
 )
-
-from stagerd.contract import layout
-from stagerd.contract.dtypes import safetensors_name
-from stagerd.errors import StepExistsError
 
 
 def _main_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, spawn_bounded, train_step
 
 from stagerd.contract import layout
+from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, spawn_bounded, train_step
 
 
 def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:

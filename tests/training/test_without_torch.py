@@ -14,10 +14,7 @@ NO_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 def test_stager_without_torch_names_the_install():
     code = NO_TORCH + (
-        "try:\n"
-        "    from stagerd import Stager\n"
-        "except ModuleNotFoundError as e:\n"
-        "    print(e.name, e)\n"
+        "try:\n    from stagerd import Stager\nexcept ModuleNotFoundError as e:\n    print(e.name, e)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
