@@ -12,6 +12,7 @@ after it (extras, the marker) fails the write or commit check-in.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -23,12 +24,14 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from stagerd.contract import layout
 from stagerd.training.collectives import Collectives
-from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here, log
+from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
 from stagerd.training.host_copy import Staging, settle
 from stagerd.training.marker import tensor_infos, write_commit, write_extras
 from stagerd.training.save_inputs import SaveSpec
 from stagerd.training.topology import StagingTopology
 from stagerd.training.writers import ModelWriter, OptimWriter, staged_files, start_write
+
+log = logging.getLogger("stagerd.stage")
 
 
 class Committer:

@@ -27,6 +27,7 @@ gloo process group of its own, so its background collectives never interleave wi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -47,7 +48,7 @@ from stagerd.errors import ConfigError, SaveError, SaveInputError, StagerdError,
 from stagerd.training import shutdown
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
-from stagerd.training.failures import RankFailure, check_in_to_start, log, raise_without_cycle
+from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle, outcomes
 from stagerd.training.host_copy import (
     Staging,
@@ -62,6 +63,9 @@ from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
 from stagerd.training.topology import StagingTopology, discover, node_id
 
 __all__ = ["SaveHandle", "Stager", "StagingTopology"]
+
+
+log = logging.getLogger("stagerd.stage")
 
 
 def _default_checkpointer() -> AsyncCheckpointerType:
