@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 from typing import Any
 
@@ -37,7 +38,7 @@ class FsspecBackend:
                 out[rel] = RemoteObject(int(info["size"]))
         return out
 
-    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+    def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
     def sweep(self, prefix: str) -> None:
@@ -62,7 +63,9 @@ class FsspecBackend:
         d = hash_file(f.path)
         return Uploaded(f.rel, d.size, d.sha256, None)
 
-    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+    def upload(
+        self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
+    ) -> builtins.list[Uploaded]:
         out = []
         for f in files:
             h = hashlib.sha256()

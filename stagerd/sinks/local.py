@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import re
@@ -37,7 +38,7 @@ class LocalBackend:
                 out[p.relative_to(base).as_posix()] = RemoteObject(p.stat().st_size)
         return out
 
-    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+    def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
     def sweep(self, prefix: str) -> None:
@@ -80,7 +81,9 @@ class LocalBackend:
         d = hash_file(f.path)
         return Uploaded(f.rel, d.size, d.sha256, None)
 
-    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+    def upload(
+        self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
+    ) -> builtins.list[Uploaded]:
         out = []
         dirs = set()
         for f in files:

@@ -6,6 +6,7 @@ bytes.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import threading
@@ -77,7 +78,7 @@ class Backend(Protocol):
         """Every object under `prefix/`, keyed by its path relative to `prefix`, with checksums if cheap."""
         ...
 
-    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+    def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         """The store's checksum of each `prefix/rel` (None where it has none)."""
         ...
 
@@ -97,7 +98,9 @@ class Backend(Protocol):
         """Read `f` once: its sha256 and the checksum this store would report for it."""
         ...
 
-    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+    def upload(
+        self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
+    ) -> builtins.list[Uploaded]:
         """Upload `files` under `prefix/`, hashing while streaming."""
         ...
 

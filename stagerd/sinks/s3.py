@@ -7,6 +7,7 @@ manifest is created with `If-None-Match: *`.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -158,7 +159,7 @@ class S3Backend:
 
         return self._run(go)
 
-    def checksums(self, prefix: str, rels: list[str]) -> dict[str, str | None]:
+    def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
             key = f"{prefix}/{rel}"
             async with sem:
@@ -271,7 +272,9 @@ class S3Backend:
 
     # -- uploads ---------------------------------------------------------------------------------------------
 
-    def upload(self, prefix: str, files: list[LocalFile], progress: ByteProgress) -> list[Uploaded]:
+    def upload(
+        self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
+    ) -> builtins.list[Uploaded]:
         """Upload every file, up to `max_concurrency` requests (and as many parts in memory) at a time."""
 
         async def go() -> list[Uploaded]:
