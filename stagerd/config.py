@@ -90,12 +90,6 @@ class Settings(BaseSettings):
         ByteSize(0), ge=0, description="Warn when ROOT's free space is below this size, e.g. 50GB (0: off)."
     )
     disk_check_seconds: float = Field(10.0, gt=0, description="Period of the free-disk check.")
-    test_pause_at: Literal["export", "publish"] | None = Field(
-        None,
-        description="TEST ONLY: sleep inside the first progress report of every export or publish, so a "
-        "test can kill the daemon mid-way.",
-    )
-    test_pause_seconds: float = Field(3600.0, ge=0, description="TEST ONLY: how long test_pause_at sleeps.")
 
     @field_validator("sinks", mode="before")
     @classmethod

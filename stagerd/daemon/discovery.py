@@ -1,0 +1,125 @@
+"""Finding steps: a scan of ROOT for committed steps the journal does not know, run on watchfiles events
+and by a periodic rescan; and recovery at start, which puts a crashed run's in-flight work back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.daemon.gate import JournalGate
+from stagerd.daemon.journal import COMMITTED, PENDING, PUBLISHED, QUARANTINED, RETIRED
+from stagerd.daemon.state import log
+from stagerd.errors import JournalError, StagerdError
+
+
+class Discovery(JournalGate):
+    async def _scan(self) -> int:
+        """Journal every committed step under ROOT that the journal does not know yet."""
+        known = await self._j(self._journal.known_steps)
+
+        def find() -> list[tuple[int, Path, float]]:
+            out = []
+            for step, path in layout.iter_step_dirs(self.root):
+                if step in known:
+                    continue
+                try:
+                    mtime = (path / layout.MARKER_NAME).stat().st_mtime
+                except FileNotFoundError:
+                    continue  # not committed: never touched
+                out.append((step, path, mtime))
+            return out
+
+        added = 0
+        for step, path, mtime in await self._io(find):
+            if await self._j(self._journal.add_step, step, path, mtime):
+                added += 1
+                self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+        if added:
+            self._wake.set()
+            self._housekeep.set()
+        return added
+
+    async def _watcher(self) -> None:
+        """inotify (watchfiles) on ROOT: a new marker or step directory triggers a scan."""
+        import watchfiles
+
+        def relevant(_change: watchfiles.Change, path: str) -> bool:
+            name = os.path.basename(path)
+            return name == layout.MARKER_NAME or layout.parse_step_dir(name) is not None
+
+        try:
+            async for changes in watchfiles.awatch(
+                self.root,
+                watch_filter=relevant,
+                debounce=self.settings.watch_debounce_ms,
+                step=min(50, self.settings.watch_debounce_ms),
+                stop_event=self._stop,
+                ignore_permission_denied=True,
+            ):
+                await self._scan_safely()
+                if any(os.path.basename(p) != layout.MARKER_NAME for _, p in changes):
+                    # A marker written right after its directory can beat the new directory's watch.
+                    asyncio.get_running_loop().call_later(1.0, self._rescan_soon)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # inotify limits, an unsupported filesystem: the rescan still finds steps
+            log.warning(
+                "filesystem events unavailable (%s); relying on the %.0fs rescan",
+                e,
+                self.settings.rescan_seconds,
+            )
+
+    async def _scan_safely(self) -> None:
+        """`_scan`, logging its failure; skipped while the journal backs off (the rescan after finds it)."""
+        if self._journal_backing_off():
+            return
+        try:
+            await self._scan()
+        except JournalError as e:
+            self._journal_down(e, "record new steps")
+        except (OSError, StagerdError) as e:
+            log.warning("rescan of %s failed: %s", self.root, e)
+
+    def _rescan_soon(self) -> None:
+        if not self._stopping:
+            task = asyncio.ensure_future(self._scan_safely())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _rescanner(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.settings.rescan_seconds)
+            await self._scan_safely()
+
+    async def _recover(self) -> None:
+        """Resume after a crash: put in-flight work back, lanes for new sinks, and vanished steps aside."""
+        for r in await self._j(self._journal.recover):
+            self._log_step(
+                r.step, r.sink, COMMITTED if r.sink is None else PENDING, note="resumed after a crash"
+            )
+            if r.attempts >= self.settings.max_attempts:
+                what = "export" if r.sink is None else "publish"
+                msg = f"the daemon died during {r.attempts} {what} attempts of this step"
+                if r.sink is None:
+                    await self._j(self._journal.quarantine_step, r.step, "CrashLoop", msg)
+                else:
+                    await self._j(self._journal.quarantine_lane, r.step, r.sink, "CrashLoop", msg)
+                self._log_step(r.step, r.sink, QUARANTINED, error_class="CrashLoop", note=msg)
+        for step, sink in await self._j(self._journal.ensure_lanes, list(self._sinks)):
+            self._log_step(step, sink, PENDING, note="new sink")
+        for row in await self._j(self._journal.steps, include_retired=False):
+            if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):
+                continue
+            if row.state == PUBLISHED:  # retention moved it to the trash, then the daemon died
+                await self._j(self._journal.retire, row.step, "staged data already removed")
+                self._log_step(row.step, None, RETIRED, note="removed before the last restart")
+            else:
+                msg = f"the step directory {row.path} disappeared before the step was published"
+                await self._j(self._journal.quarantine_step, row.step, "MissingStep", msg)
+                self._log_step(
+                    row.step, None, QUARANTINED, error_class="MissingStep", note=msg, level=logging.ERROR
+                )

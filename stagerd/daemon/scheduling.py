@@ -1,0 +1,69 @@
+"""Scheduling: start exports in step order and publishes per sink lane as slots free up, and tell a
+`--once` run when everything has settled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+from stagerd.daemon.journal import COMMITTED, EXPORTED, FAILED, PENDING, PUBLISHING
+from stagerd.daemon.tasks import Tasks
+from stagerd.errors import JournalError
+
+
+class Scheduling(Tasks):
+    async def _schedule(self) -> None:
+        """Start exports and publishes as slots free up; with `once`, return when nothing is left to do.
+
+        While the journal backs off nothing new starts: a full journal disk costs one log line per backoff.
+        """
+        while not self._stop.is_set():
+            await self._journal_pause()
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            try:
+                if await self._schedule_pass():
+                    return
+            except JournalError as e:
+                self._journal_down(e, "look for work")
+
+    async def _schedule_pass(self) -> bool:
+        """Start what has a free slot, then wait for a wake-up or the next retry; True when `once` is done."""
+        now = time.time()
+        while len(self._inflight_exports) < self.settings.export_workers and not self._journal_backing_off():
+            row = await self._j(self._journal.next_export, now, self._inflight_exports)
+            if row is None:
+                break
+            self._inflight_exports[row.step] = asyncio.create_task(self._export(row.step, Path(row.path)))
+        for sink in self._sinks:
+            busy = [s for (s, k) in self._inflight_publishes if k == sink]
+            while len(busy) < self.settings.publish_workers and not self._journal_backing_off():
+                lane = await self._j(self._journal.next_publish, sink, now, busy)
+                if lane is None:
+                    break
+                busy.append(lane.step)
+                self._inflight_publishes[(lane.step, sink)] = asyncio.create_task(
+                    self._publish(lane.step, sink)
+                )
+        idle = not self._inflight_exports and not self._inflight_publishes
+        if self.settings.once and idle and await self._settled():
+            return True
+        timeout = 1.0
+        next_try = await self._j(self._journal.next_retry_time)
+        if next_try is not None:
+            timeout = min(timeout, max(0.0, next_try - time.time()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+        return False
+
+    async def _settled(self) -> bool:
+        """Nothing runs and nothing waits (not even a retry): every live step is published or quarantined."""
+        rows = await self._j(self._journal.steps, include_retired=False)
+        if any(r.state in (COMMITTED, FAILED) for r in rows):
+            return False
+        lanes = await self._j(self._journal.lanes)
+        live = {r.step for r in rows if r.state == EXPORTED}
+        return not any(ln.step in live and ln.state in (PENDING, PUBLISHING, FAILED) for ln in lanes)

@@ -1,0 +1,86 @@
+"""What every part of the daemon shares: its settings, journal, sinks, pools, events and in-flight work.
+
+The daemon is one object assembled from one class per job (journal gate, discovery, scheduling, tasks,
+housekeeping, summary); they all read and write the fields declared here, and run blocking calls through
+the pools here, so the event loop only schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from stagerd.config import Settings
+from stagerd.daemon.journal import Journal
+from stagerd.daemon.metrics import Metrics
+from stagerd.daemon.retention import DiskState
+from stagerd.errors import JournalError
+from stagerd.sinks.base import Sink
+
+log = logging.getLogger("stagerd")
+
+T = TypeVar("T")
+
+
+class DaemonState:
+    """The fields the daemon's parts share (set by `Daemon.__init__` and `Daemon.run`)."""
+
+    settings: Settings
+    root: Path
+    metrics: Metrics
+    left_threads_running: bool
+    _sinks: dict[str, Sink]
+    _lane_pools: dict[str, ThreadPoolExecutor]
+    _journal: Journal
+    _jpool: ThreadPoolExecutor
+    _iopool: ThreadPoolExecutor
+    _trashpool: ThreadPoolExecutor
+    _export_pool: ThreadPoolExecutor
+    _wake: asyncio.Event
+    _stop: asyncio.Event
+    _housekeep: asyncio.Event
+    _stopping: bool
+    _background: set[asyncio.Future[None]]
+    _inflight_exports: dict[int, asyncio.Task[None]]
+    _inflight_publishes: dict[tuple[int, str], asyncio.Task[None]]
+    _beat: float
+    _disk: DiskState | None
+    _health: dict[str, Any]
+    _journal_failures: int
+    _journal_retry_at: float
+    _fatal: JournalError | None
+
+    async def _j(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a journal call on the journal thread (commits fsync; the loop must not wait on disk)."""
+        return await asyncio.get_running_loop().run_in_executor(self._jpool, partial(fn, *args, **kwargs))
+
+    async def _io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._iopool, partial(fn, *args, **kwargs))
+
+    async def _trash(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._trashpool, partial(fn, *args))
+
+    def _log_step(
+        self,
+        step: int,
+        sink: str | None,
+        state: str,
+        *,
+        error_class: str | None = None,
+        note: str = "",
+        level: int = logging.INFO,
+        **extra: Any,
+    ) -> None:
+        """Log one step's (or one lane's) new state, as a line a person reads and as JSON fields."""
+        where = f" on {sink}" if sink else ""
+        text = f"step {step}{where}: {state}" + (f" ({note})" if note else "")
+        log.log(
+            level,
+            text,
+            extra={"step": step, "sink": sink, "state": state, "error_class": error_class, **extra},
+        )

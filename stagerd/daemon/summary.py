@@ -1,0 +1,58 @@
+"""The end of a `--once` run: which steps were published, which were not and why, and the exit code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stagerd.daemon.gate import JournalGate
+from stagerd.daemon.journal import PUBLISHED, RETIRED
+from stagerd.daemon.state import log
+
+
+@dataclass
+class Summary:
+    """What a `--once` run leaves behind."""
+
+    published: list[int] = field(default_factory=list)
+    unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
+
+    @property
+    def ok(self) -> bool:
+        return not self.unpublished
+
+
+class OnceSummary(JournalGate):
+    async def _summary(self) -> Summary:
+        rows = await self._j(self._journal.steps)
+        lanes = await self._j(self._journal.lanes)
+        out = Summary()
+        for r in rows:
+            if r.state in (PUBLISHED, RETIRED):
+                out.published.append(r.step)
+                continue
+            why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
+            why += [
+                f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
+                for ln in lanes
+                if ln.step == r.step and ln.state != PUBLISHED
+            ]
+            out.unpublished.append((r.step, "; ".join(why)))
+        return out
+
+    def _report(self, summary: Summary) -> int:
+        if summary.ok:
+            log.info(
+                "--once: all %d step(s) published",
+                len(summary.published),
+                extra={"published": summary.published},
+            )
+            return 0
+        log.error(
+            "--once: %d step(s) published, %d NOT published",
+            len(summary.published),
+            len(summary.unpublished),
+            extra={"published": summary.published, "unpublished": [s for s, _ in summary.unpublished]},
+        )
+        for step, why in summary.unpublished:
+            log.error("step %d not published: %s", step, why, extra={"step": step, "state": "unpublished"})
+        return 1

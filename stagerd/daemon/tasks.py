@@ -1,0 +1,282 @@
+"""The work itself: one task per step export and one per (step, sink) publish.
+
+Each task journals its intent, runs the blocking work in a worker thread (exports in the export pool,
+publishes in their sink's own lane), then records the result; a failure is recorded by the retry policy.
+The result objects flow from the engine and the sinks straight into the journal, so nothing is re-read
+from disk to record or report them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.filesize import decimal
+
+from stagerd.contract import layout
+from stagerd.daemon.gate import Abandoned
+from stagerd.daemon.health import Health
+from stagerd.daemon.journal import COMMITTED, EXPORTED, PUBLISHED, PUBLISHING, QUARANTINED
+from stagerd.daemon.policy import Failure, decide_failure
+from stagerd.daemon.state import log
+from stagerd.errors import JournalError, StagerdError
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.base import PublishResult
+
+if TYPE_CHECKING:
+    from stagerd.engine.export import ExportResult
+
+# TEST ONLY, read from the environment and never a setting: the worker sleeps inside its first progress
+# report of every export ("export") or publish ("publish"), so a test can kill the daemon mid-way.
+TEST_PAUSE_AT_ENV = "STAGERD_TEST_PAUSE_AT"
+TEST_PAUSE_SECONDS_ENV = "STAGERD_TEST_PAUSE_SECONDS"
+
+
+def _test_pause(where: str, step: int) -> None:
+    if os.environ.get(TEST_PAUSE_AT_ENV) == where:
+        log.warning("test pause at %s of step %d", where, step, extra={"test_pause": where, "step": step})
+        time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
+
+
+class Tasks(Health):
+    _marker_metadata: dict[int, Mapping[str, Any]]
+
+    async def _export(self, step: int, step_dir: Path) -> None:
+        """One step's export task: begin, export, record; a journal error ends it quietly."""
+        try:
+            await self._export_step(step, step_dir)
+        except JournalError as e:  # reading the step or beginning its export: nothing was started
+            self._journal_down(e, f"start the export of step {step}")
+        except Abandoned:
+            pass  # logged where it was given up
+        finally:
+            self._inflight_exports.pop(step, None)
+            await self._try_refresh()
+            self._wake.set()
+
+    async def _export_step(self, step: int, step_dir: Path) -> None:
+        row = await self._j(self._journal.step, step)
+        attempt = await self._j(self._journal.begin_export, step)
+        self._journal_up()
+        if attempt == 1 and row is not None:
+            self.metrics.pickup_seconds.observe(max(0.0, time.time() - row.marker_mtime))
+        self._log_step(step, None, "exporting", attempt=attempt)
+        await self._try_refresh()
+        t0 = time.monotonic()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._export_pool, self._run_export, step, step_dir
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._work_failed(step, None, attempt, e)
+            return
+        seconds = time.monotonic() - t0
+        export_bytes = sum(size for _, size in result.files)
+        # The export is on disk: recording it is retried with this result, never redone.
+        await self._record(
+            f"record the export of step {step}",
+            self._journal.finish_export,
+            step,
+            list(self._sinks),
+            seconds=result.seconds if result.skipped else seconds,
+            export_bytes=export_bytes,
+            tensor_bytes=result.tensor_bytes,
+            files=len(result.files),
+            skipped=result.skipped,
+        )
+        if not result.skipped:
+            self.metrics.exported_bytes.inc(export_bytes)
+            self.metrics.export_seconds.observe(seconds)
+        self._log_step(
+            step,
+            None,
+            EXPORTED,
+            note=f"{decimal(export_bytes)} in {seconds:.2f}s"
+            + (", already complete" if result.skipped else ""),
+            seconds=round(seconds, 3),
+            bytes=export_bytes,
+            skipped=result.skipped,
+        )
+
+    def _run_export(self, step: int, step_dir: Path) -> ExportResult:
+        """Worker thread: the export engine, with progress and the test pause hook."""
+        from stagerd.engine.export import export_step
+        from stagerd.ops.progress import progress
+
+        with contextlib.ExitStack() as stack:
+            bar: Callable[[int, int], None] | None = None
+
+            def report(done: int, total: int) -> None:
+                nonlocal bar
+                crash_point("export.move")
+                if bar is None:
+                    bar = stack.enter_context(progress(f"export step {step}", total))
+                    _test_pause("export", step)
+                bar(done, total)
+
+            s = self.settings
+            return export_step(
+                step_dir,
+                dtype=s.dtype,
+                keep_dtype=s.keep_dtype,
+                max_shard_size=int(s.max_shard_size),
+                threads=s.export_threads,
+                progress=report,
+            )
+
+    async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
+        """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
+        f = decide_failure(err, attempt, self.settings, time.time())
+        fail: Callable[..., str]
+        if sink is None:
+            stage, what = "export", f"step {step}"
+            fail = partial(self._journal.fail_export, step)
+        else:
+            stage, what = "publish", f"step {step} on {sink}"
+            fail = partial(self._journal.fail_publish, step, sink)
+        state = await self._record(
+            f"record the failed {stage} of {what}",
+            fail,
+            f.error_class,
+            f.message,
+            next_try=f.next_try,
+            quarantine=f.quarantine,
+        )
+        self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        self._log_failure(step, sink, state, f, attempt, err)
+
+    def _log_failure(
+        self, step: int, sink: str | None, state: str, f: Failure, attempt: int, err: BaseException
+    ) -> None:
+        if f.quarantine or f.next_try is None:
+            note = f"{f.error_class}: {f.message}; kept on disk, will not be retried"
+        else:
+            note = f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - time.time():.0f}s"
+        self._log_step(
+            step,
+            sink,
+            state,
+            error_class=f.error_class,
+            note=note,
+            level=logging.ERROR if f.quarantine else logging.WARNING,
+            attempt=attempt,
+            hint=getattr(err, "hint", None),
+        )
+        if not isinstance(err, StagerdError):
+            log.debug("unexpected error", exc_info=err)
+
+    async def _publish(self, step: int, sink: str) -> None:
+        """One (step, sink) publish task: begin, publish, record; a journal error ends it quietly."""
+        try:
+            await self._publish_step(step, sink)
+        except JournalError as e:  # reading the step, sending it back, or beginning: nothing was published
+            self._journal_down(e, f"start the publish of step {step} on {sink}")
+        except Abandoned:
+            pass  # logged where it was given up
+        finally:
+            self._inflight_publishes.pop((step, sink), None)
+            await self._try_refresh()
+            self._wake.set()
+
+    async def _publish_step(self, step: int, sink: str) -> None:
+        row = await self._j(self._journal.step, step)
+        assert row is not None
+        export_dir = Path(row.path) / layout.EXPORT_DIR
+        if not await self._io(export_dir.is_dir):
+            await self._export_vanished(step, Path(row.path))
+            return
+        attempt = await self._j(self._journal.begin_publish, step, sink)
+        self._journal_up()
+        self._log_step(step, sink, PUBLISHING, attempt=attempt)
+        await self._try_refresh()
+        try:
+            metadata = await self._io(self._metadata, step, Path(row.path))
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._lane_pools[sink], self._run_publish, step, sink, export_dir, metadata
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._work_failed(step, sink, attempt, e)
+            return
+        crash_point("publish.done")
+        # The sink holds the step: recording it is retried with this result, never published again.
+        done = await self._record(
+            f"record the publish of step {step} on {sink}",
+            self._journal.finish_publish,
+            step,
+            sink,
+            sinks=list(self._sinks),
+            seconds=result.seconds,
+            bytes_total=result.bytes_total,
+            bytes_uploaded=result.bytes_uploaded,
+            location=result.location,
+            skipped=result.skipped,
+        )
+        self.metrics.published_bytes.labels(sink=sink).inc(result.bytes_uploaded)
+        self.metrics.publish_seconds.labels(sink=sink).observe(result.seconds)
+        self._log_step(
+            step,
+            sink,
+            PUBLISHED,
+            note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded "
+            f"in {result.seconds:.2f}s" + (", already there" if result.skipped else ""),
+            seconds=round(result.seconds, 3),
+            bytes=result.bytes_uploaded,
+            skipped=result.skipped,
+        )
+        if done:
+            self._marker_metadata.pop(step, None)
+            total = time.time() - row.marker_mtime
+            self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
+            self._housekeep.set()
+
+    def _metadata(self, step: int, step_dir: Path) -> Mapping[str, Any]:
+        """The run metadata in the step's marker, for model cards: read once per step, not per lane."""
+        known = self._marker_metadata.get(step)
+        if known is None:
+            known = self._marker_metadata[step] = dict(layout.read_marker(step_dir).metadata)
+        return known
+
+    async def _export_vanished(self, step: int, step_dir: Path) -> None:
+        """export/ is gone before every sink had it: export again, or quarantine if the step is gone too."""
+        if not await self._io(step_dir.is_dir):
+            msg = f"the step directory {step_dir} disappeared before the step was published"
+            await self._j(self._journal.quarantine_step, step, "MissingStep", msg)
+            self._log_step(step, None, QUARANTINED, error_class="MissingStep", note=msg)
+            return
+        try:
+            await self._j(self._journal.reexport, step, "export/ disappeared; exporting again")
+        except JournalError:
+            row = await self._j(self._journal.step, step)
+            if row is not None and row.state in (EXPORTED, PUBLISHED):
+                raise  # not another lane sending it back first: a real journal failure
+            return
+        self._log_step(step, None, COMMITTED, note="export/ disappeared; exporting again")
+
+    def _run_publish(
+        self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any]
+    ) -> PublishResult:
+        """Worker thread: one sink's publish, with progress and the test pause hook."""
+        from stagerd.ops.progress import progress
+
+        with contextlib.ExitStack() as stack:
+            bar: Callable[[int, int], None] | None = None
+
+            def report(done: int, total: int) -> None:
+                nonlocal bar
+                if bar is None:
+                    bar = stack.enter_context(progress(f"publish step {step} to {sink}", total))
+                    _test_pause("publish", step)
+                bar(done, total)
+
+            return self._sinks[sink].publish(export_dir, step, metadata=dict(metadata), progress=report)
