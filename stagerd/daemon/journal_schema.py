@@ -1,0 +1,254 @@
+"""The journal's schema: step and lane states, the SQLite tables, the row types, and opening the file.
+
+The state values are str enums, so the SQLite rows, `stagerd status --json` and the events table hold the
+same plain strings as before the enums existed.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.errors import JournalError, JournalFullError
+
+JOURNAL_NAME = "journal.sqlite"
+SCHEMA_VERSION = 1
+
+
+class StepState(StrEnum):
+    COMMITTED = "committed"
+    EXPORTING = "exporting"
+    EXPORTED = "exported"
+    PUBLISHED = "published"
+    RETIRED = "retired"
+    FAILED = "failed"
+    QUARANTINED = "quarantined"
+
+
+class LaneState(StrEnum):
+    PENDING = "pending"
+    PUBLISHING = "publishing"
+    PUBLISHED = "published"
+    FAILED = "failed"
+    QUARANTINED = "quarantined"
+
+
+COMMITTED, EXPORTING, EXPORTED, RETIRED = (
+    StepState.COMMITTED,
+    StepState.EXPORTING,
+    StepState.EXPORTED,
+    StepState.RETIRED,
+)
+# Shared by steps and lanes; a StepState and a LaneState of the same value compare (and hash) equal.
+PUBLISHED, FAILED, QUARANTINED = StepState.PUBLISHED, StepState.FAILED, StepState.QUARANTINED
+PENDING, PUBLISHING = LaneState.PENDING, LaneState.PUBLISHING
+STEP_STATES = tuple(StepState)
+LANE_STATES = tuple(LaneState)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS steps (
+    step            INTEGER PRIMARY KEY,
+    path            TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    marker_mtime    REAL NOT NULL,
+    found_at        REAL NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    error_class     TEXT,
+    error_message   TEXT,
+    next_try        REAL,
+    export_started  REAL,
+    export_finished REAL,
+    export_seconds  REAL,
+    export_bytes    INTEGER,
+    tensor_bytes    INTEGER,
+    export_files    INTEGER,
+    export_skipped  INTEGER,
+    published_at    REAL,
+    retired_at      REAL,
+    updated         REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lanes (
+    step            INTEGER NOT NULL REFERENCES steps(step),
+    sink            TEXT NOT NULL,
+    state           TEXT NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    error_class     TEXT,
+    error_message   TEXT,
+    next_try        REAL,
+    started         REAL,
+    finished        REAL,
+    seconds         REAL,
+    bytes_total     INTEGER,
+    bytes_uploaded  INTEGER,
+    location        TEXT,
+    skipped         INTEGER,
+    updated         REAL NOT NULL,
+    PRIMARY KEY (step, sink)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts              REAL NOT NULL,
+    step            INTEGER NOT NULL,
+    sink            TEXT,
+    from_state      TEXT,
+    to_state        TEXT NOT NULL,
+    error_class     TEXT,
+    message         TEXT
+);
+CREATE INDEX IF NOT EXISTS events_step ON events(step);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step as the journal holds it. Times are Unix seconds."""
+
+    step: int
+    path: str
+    state: StepState
+    marker_mtime: float
+    found_at: float
+    attempts: int
+    error_class: str | None
+    error_message: str | None
+    next_try: float | None
+    export_started: float | None
+    export_finished: float | None
+    export_seconds: float | None
+    export_bytes: int | None
+    tensor_bytes: int | None
+    export_files: int | None
+    export_skipped: int | None
+    published_at: float | None
+    retired_at: float | None
+    updated: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", StepState(self.state))
+
+
+@dataclass(frozen=True)
+class LaneRow:
+    """One (step, sink) publish lane."""
+
+    step: int
+    sink: str
+    state: LaneState
+    attempts: int
+    error_class: str | None
+    error_message: str | None
+    next_try: float | None
+    started: float | None
+    finished: float | None
+    seconds: float | None
+    bytes_total: int | None
+    bytes_uploaded: int | None
+    location: str | None
+    skipped: int | None
+    updated: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", LaneState(self.state))
+
+
+@dataclass(frozen=True)
+class Event:
+    """One recorded transition."""
+
+    id: int
+    ts: float
+    step: int
+    sink: str | None
+    from_state: str | None
+    to_state: str
+    error_class: str | None
+    message: str | None
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """Work that a previous daemon left in flight: moved back to a state the pipeline picks up."""
+
+    step: int
+    sink: str | None
+    attempts: int
+
+
+# SQLite needs room for its 32 KiB -shm index and a transaction's WAL frames. An SQLite write error with less
+# than this free on the journal's filesystem is the disk filling up; with more, it is a real I/O error.
+FULL_BELOW_BYTES = 1 << 20
+
+
+def journal_path(root: str | os.PathLike[str]) -> Path:
+    return Path(root) / layout.STATE_DIR / JOURNAL_NAME
+
+
+def space_shortage(directory: str | os.PathLike[str], *, inodes_only: bool = False) -> str | None:
+    """Why the filesystem of `directory` cannot take a journal write (no inodes, too few bytes), or None."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if st.f_files and st.f_favail == 0:
+        return "no free inodes"
+    free = st.f_bavail * st.f_frsize
+    if free < FULL_BELOW_BYTES and not inodes_only:
+        return f"{free} bytes free"
+    return None
+
+
+def journal_error(e: sqlite3.Error, path: Path, doing: str) -> JournalError:
+    """The named error for an SQLite failure on `path`: JournalFullError when its filesystem is full.
+
+    SQLite reports a full disk as "database or disk is full", or as "disk I/O error" when the write that
+    failed was its -shm index or an fsync, and running out of inodes as "unable to open database file" (it
+    could not create its -wal or -shm); the filesystem itself decides which it was.
+    """
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    shortage = None
+    if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR):
+        shortage = space_shortage(path.parent)
+    elif code == sqlite3.SQLITE_CANTOPEN:
+        shortage = space_shortage(path.parent, inodes_only=True)
+    if shortage is None:
+        return JournalError(f"cannot {doing}: {e}", path=path)
+    return JournalFullError(
+        f"the disk is full ({shortage} on {path.parent}): cannot {doing} (SQLite: {e})", path=path
+    )
+
+
+def remove_journal_files(path: Path) -> None:
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        p.unlink(missing_ok=True)
+
+
+def columns(cls: type) -> str:
+    return ", ".join(f.name for f in fields(cls))
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Connect, set WAL, check the schema version and create the tables; closed again on any failure."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL, not FULL: a commit survives any process crash; power loss may roll back the last few
+        # transitions, which only repeats idempotent work (exports are skipped when complete, sinks
+        # skip what they hold, a retired step's missing directory is noticed at start). FULL would put
+        # one fsync per transition into every step's latency.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise JournalError(
+                f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})", path=path
+            )
+        conn.executescript(_SCHEMA)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
