@@ -18,13 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.config import load_settings
 from stagerd.contract import layout
-from stagerd.daemon.core import decide_failure
 from stagerd.daemon.journal import Journal
-from stagerd.daemon.lock import RootLock, lock_path, read_holder, running_holder
-from stagerd.daemon.retention import StepView, disk_state, plan_retention
-from stagerd.errors import LockError, ShardError, SinkError
 from tests.daemon_helpers import (
     REPO,
     child_env,
@@ -67,56 +62,6 @@ def published_events(root: Path) -> dict[tuple[int, str], int]:
         return out
     finally:
         j.close()
-
-
-# -- pure pieces ------------------------------------------------------------------------------------------
-
-
-def test_retry_policy_quarantines_non_retryable_at_once_and_backs_off_otherwise():
-    s = load_settings(None, retry_base_seconds=2.0, retry_max_seconds=5.0, max_attempts=3)
-    f = decide_failure(ShardError("truncated", path="x"), 1, s, now=100.0)
-    assert f.quarantine and f.error_class == "ShardError" and f.next_try is None
-    f1 = decide_failure(SinkError("503"), 1, s, now=100.0)
-    f2 = decide_failure(SinkError("503"), 2, s, now=100.0)
-    assert (f1.quarantine, f1.next_try) == (False, 102.0)
-    assert (f2.quarantine, f2.next_try) == (False, 104.0)
-    assert decide_failure(SinkError("503"), 3, s, now=100.0).quarantine
-    assert decide_failure(OSError(5, "EIO"), 1, s, now=0).error_class == "OSError"
-
-
-def test_retention_plan_keeps_newest_and_never_unpublished():
-    steps = [StepView(1, True), StepView(2, False), StepView(3, True), StepView(4, True), StepView(5, False)]
-    assert plan_retention(steps, None) == []
-    assert plan_retention(steps, 2) == [1, 3]
-    assert plan_retention(steps, 0) == [1, 3, 4]
-    assert plan_retention(steps, 5) == []
-    assert plan_retention([StepView(9, False)] * 3, 0) == []
-
-
-def test_root_lock_names_the_holder(tmp_path):
-    with RootLock(tmp_path):
-        assert running_holder(tmp_path) == os.getpid()
-        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
-            RootLock(tmp_path).acquire()
-    RootLock(tmp_path).acquire()  # released: free again
-
-
-def test_root_lock_holder_is_found_without_the_pid_file(tmp_path):
-    """The pid in the lock file is informative: with it missing (a full disk refused it), the kernel's lock
-    table still names the holder, for `stagerd status` and for the second daemon's error."""
-    with RootLock(tmp_path):
-        lock_path(tmp_path).write_bytes(b"")
-        assert read_holder(tmp_path) is None
-        assert running_holder(tmp_path) == os.getpid()
-        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
-            RootLock(tmp_path).acquire()
-    assert running_holder(tmp_path) is None
-
-
-def test_disk_state_thresholds(tmp_path):
-    assert disk_state(tmp_path, low_percent=100.0, low_bytes=0).low
-    assert not disk_state(tmp_path, low_percent=0.0, low_bytes=0).low
-    assert disk_state(tmp_path, low_percent=0.0, low_bytes=1 << 62).low
 
 
 # -- the daemon as a process ------------------------------------------------------------------------------

@@ -15,8 +15,7 @@ space is freed; a real I/O error (EFBIG) must not be called a full disk.
 
 A long-running `stagerd watch` whose journal disk fills while steps are in flight or waiting must not spin:
 one log line per backoff period, CPU near idle, /healthz 503 naming the journal; once space is back it goes
-on by itself and publishes every step exactly once. The ROOT lock's pid is informative: a disk too full for
-it is a warning, and the lock still holds.
+on by itself and publishes every step exactly once.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
-import logging
 import os
 import shutil
 import signal
@@ -34,17 +32,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal, journal_path
-from stagerd.daemon.lock import LockFileError, RootLock, lock_path, read_holder, running_holder
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
-from stagerd.errors import JournalError, JournalFullError, LockError, OutputError
+from stagerd.errors import JournalError, JournalFullError, OutputError
+from tests.daemon.fullfs import PAGE, fill, remount, usage
 from tests.daemon_helpers import (
     WatchProc,
     child_env,
@@ -56,48 +54,11 @@ from tests.daemon_helpers import (
     start_watch,
 )
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 REPO = Path(__file__).resolve().parents[2]
 
 
 def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-def _mount(d: Path, options: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True
-    )
-
-
-@pytest.fixture
-def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
-    """`tmpfs(size_bytes, inodes=None)`: a fresh tmpfs of that size, unmounted after the test."""
-    mounted: list[Path] = []
-
-    def make(size: int, inodes: int | None = None) -> Path:
-        d = tmp_path / f"fs{len(mounted)}"
-        d.mkdir()
-        opts = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
-        r = _mount(d, opts)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); RLIMIT_FSIZE tests still run")
-        mounted.append(d)
-        return d
-
-    yield make
-    for d in reversed(mounted):
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
-def _usage(d: Path) -> tuple[int, int]:
-    """(pages, inodes) in use on the filesystem of `d`."""
-    st = os.statvfs(d)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize // PAGE, st.f_files - st.f_ffree
-
-
-def _remount(d: Path, options: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{options}", str(d)], check=True, capture_output=True)
 
 
 def assert_clean_failure(step: Path, before: dict[str, bytes], err: OutputError) -> None:
@@ -117,9 +78,9 @@ def test_staging_fs_filling_up_at_every_point_of_the_export(step_dir, tmpfs):
     probe = tmpfs(64 << 20)
     step = probe / step_dir.name
     shutil.copytree(step_dir, step)
-    base_pages, _ = _usage(probe)
+    base_pages, _ = usage(probe)
     export_step(step, max_shard_size=SHARD)
-    need_pages = _usage(probe)[0] - base_pages
+    need_pages = usage(probe)[0] - base_pages
     files = len(list((step / layout.EXPORT_DIR).rglob("*")))
     assert files >= 5 and need_pages >= files  # several shards, the index and the extras
 
@@ -128,7 +89,7 @@ def test_staging_fs_filling_up_at_every_point_of_the_export(step_dir, tmpfs):
         fs = tmpfs((base_pages + extra) * PAGE)
         step = fs / step_dir.name
         shutil.copytree(step_dir, step)
-        assert _usage(fs)[0] == base_pages
+        assert usage(fs)[0] == base_pages
         before = snapshot(step)
         try:
             export_step(step, max_shard_size=SHARD)
@@ -146,9 +107,9 @@ def test_running_out_of_inodes_is_the_same_clean_failure(step_dir, tmpfs):
     probe = tmpfs(64 << 20, inodes=10_000)
     step = probe / step_dir.name
     shutil.copytree(step_dir, step)
-    _, base = _usage(probe)
+    _, base = usage(probe)
     export_step(step, max_shard_size=SHARD)
-    need = _usage(probe)[1] - base
+    need = usage(probe)[1] - base
 
     for extra in range(need):
         fs = tmpfs(64 << 20, inodes=base + extra)
@@ -163,7 +124,7 @@ def test_running_out_of_inodes_is_the_same_clean_failure(step_dir, tmpfs):
 def test_a_failed_export_succeeds_once_space_is_freed(step_dir, tmpfs):
     probe = tmpfs(64 << 20)
     shutil.copytree(step_dir, probe / "s")
-    base = _usage(probe)[0]
+    base = usage(probe)[0]
     fs = tmpfs((base + 1) * PAGE)
     step = fs / step_dir.name
     shutil.copytree(step_dir, step)
@@ -173,7 +134,7 @@ def test_a_failed_export_succeeds_once_space_is_freed(step_dir, tmpfs):
         export_step(step)
     assert_clean_failure(step, before, info.value)
 
-    _remount(fs, "size=64m")
+    remount(fs, "size=64m")
     result = export_step(step)
     assert not result.skipped
     assert verify_export(step / layout.EXPORT_DIR, step).tensors == result.tensors
@@ -241,7 +202,7 @@ def full_root(step_dir: Path, tmpfs: Callable[..., Path], state: Path) -> Path:
     out is the export, not the journal (the journal's own disk filling up has its cases below)."""
     probe = tmpfs(64 << 20)
     shutil.copytree(step_dir, probe / step_dir.name)
-    root = tmpfs((_usage(probe)[0] + 1) * PAGE)
+    root = tmpfs((usage(probe)[0] + 1) * PAGE)
     state.mkdir()
     (root / layout.STATE_DIR).symlink_to(state, target_is_directory=True)
     shutil.copytree(step_dir, root / step_dir.name)
@@ -292,7 +253,7 @@ def test_watch_retries_the_export_once_space_is_freed(step_dir, tmpfs, tmp_path)
                 break
         else:
             pytest.fail("the daemon exited without a failed attempt")
-        _remount(root, "size=64m")
+        remount(root, "size=64m")
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -304,21 +265,6 @@ def test_watch_retries_the_export_once_space_is_freed(step_dir, tmpfs, tmp_path)
 
 
 # -- the journal's own filesystem fills up ------------------------------------------------------------------
-
-
-def fill(fs: Path, leave_pages: int = 0) -> Path:
-    """Take every free page of the tmpfs `fs` but `leave_pages`, in one file; deleting it frees them."""
-    filler = fs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        with pytest.raises(OSError) as info:
-            while True:
-                os.write(fd, b"\0" * PAGE)
-        assert info.value.errno == errno.ENOSPC  # the disk really is full
-        os.ftruncate(fd, os.fstat(fd).st_size - leave_pages * PAGE)
-    finally:
-        os.close(fd)
-    return filler
 
 
 def journal_snapshot(j: Journal) -> tuple:
@@ -598,63 +544,6 @@ def test_journal_disk_filling_mid_export_loses_nothing_and_the_next_start_resume
     ]
 
 
-# -- the ROOT lock's pid on a full disk ---------------------------------------------------------------------
-
-
-@pytest.fixture
-def stagerd_log(caplog) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog on the `stagerd` logger, which stops propagating once the CLI has set up logging."""
-    logger = logging.getLogger("stagerd")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.WARNING, logger="stagerd")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
-def test_the_lock_holds_when_a_full_disk_refuses_its_pid(tmpfs, stagerd_log):
-    fs = tmpfs(1 << 20)
-    lock_path(fs).parent.mkdir()
-    filler = fill(fs)
-
-    lock = RootLock(fs)
-    lock.acquire()  # no page for the pid: a warning, not an OSError
-    try:
-        assert "cannot write this daemon's pid" in stagerd_log.text
-        assert "No space left on device" in stagerd_log.text
-        assert lock_path(fs).read_bytes() == b""
-        # The flock is the lock: a second daemon is refused, and the kernel still names the holder.
-        with pytest.raises(LockError, match=f"pid {os.getpid()}"):
-            RootLock(fs).acquire()
-        assert running_holder(fs) == os.getpid()
-    finally:
-        lock.release()
-    with RootLock(fs):  # released: free again
-        pass
-
-    # A lock file a killed daemon left holding its pid is overwritten in place: no new page is needed.
-    filler.unlink()
-    lock_path(fs).write_text("4194303\n")
-    fill(fs)
-    stagerd_log.clear()
-    with RootLock(fs):
-        assert read_holder(fs) == os.getpid()
-    assert "cannot write" not in stagerd_log.text
-
-
-def test_a_lock_file_that_cannot_be_created_is_a_named_retryable_error(tmpfs):
-    fs = tmpfs(1 << 20, inodes=4)
-    fillers = []
-    with pytest.raises(OSError) as info:
-        while True:
-            fillers.append(fs / f"filler-{len(fillers)}")
-            fillers[-1].touch()
-    assert info.value.errno == errno.ENOSPC  # no inode left for ROOT/.stagerd
-    with pytest.raises(LockFileError) as err:
-        RootLock(fs).acquire()
-    assert err.value.retryable and "No space left on device" in str(err.value), str(err.value)
-    assert "free space and inodes" in err.value.hint
-
-
 # -- the journal's disk filling up under a running daemon -------------------------------------------------
 
 # Short backoffs, so a test sees several of them and the daemon resumes quickly once space is back.
@@ -808,7 +697,7 @@ async def test_a_retry_that_cannot_begin_on_a_full_journal_disk_backs_off(step_d
         await assert_quiet_while_the_journal_is_full(w, port)
 
         filler.unlink()
-        _remount(root, "size=64m")
+        remount(root, "size=64m")
         await w.wait_for(is_state(100, "published"), timeout=60)
         await stop(w)
     finally:

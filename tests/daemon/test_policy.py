@@ -1,0 +1,25 @@
+"""The retry policy: non-retryable errors quarantine at once; others back off, doubling, until attempts
+run out."""
+
+from __future__ import annotations
+
+from stagerd.config import load_settings
+from stagerd.daemon.policy import backoff_delay, decide_failure
+from stagerd.errors import ShardError, SinkError
+
+
+def test_retry_policy_quarantines_non_retryable_at_once_and_backs_off_otherwise():
+    s = load_settings(None, retry_base_seconds=2.0, retry_max_seconds=5.0, max_attempts=3)
+    f = decide_failure(ShardError("truncated", path="x"), 1, s, now=100.0)
+    assert f.quarantine and f.error_class == "ShardError" and f.next_try is None
+    f1 = decide_failure(SinkError("503"), 1, s, now=100.0)
+    f2 = decide_failure(SinkError("503"), 2, s, now=100.0)
+    assert (f1.quarantine, f1.next_try) == (False, 102.0)
+    assert (f2.quarantine, f2.next_try) == (False, 104.0)
+    assert decide_failure(SinkError("503"), 3, s, now=100.0).quarantine
+    assert decide_failure(OSError(5, "EIO"), 1, s, now=0).error_class == "OSError"
+
+
+def test_backoff_doubles_from_the_base_and_stops_at_the_cap():
+    s = load_settings(None, retry_base_seconds=1.5, retry_max_seconds=10.0)
+    assert [backoff_delay(n, s) for n in range(1, 6)] == [1.5, 3.0, 6.0, 10.0, 10.0]
