@@ -1,0 +1,67 @@
+"""`HubSink`: publish an export to a Hugging Face Hub model repo, one atomic commit per step.
+
+URL: `hf://ORG/REPO[@REVISION][?option=value&...]`. Options (keyword arguments win over the query):
+`token` (default: `HF_TOKEN` or the huggingface_hub login), `endpoint` (default: `HF_ENDPOINT` or the
+public Hub), `private` (default true: a missing repo is created private), `branch_per_step` (default
+false: each step is committed to `REVISION`, `main` by default), and the retry knobs `max_attempts`,
+`backoff_base`, `backoff_max`, `max_retry_after` (seconds), and the request bounds `timeout` (seconds the
+Hub may keep any one request waiting, default 60) and `connect_timeout` (default 10).
+
+One publish is exactly one `HfApi.create_commit` (never `upload_folder`, which may split a folder into
+several commits) with the message `stagerd: step N`, then the tag `step-N` on that commit. The commit
+names its `parent_commit`, so a concurrent writer makes it fail (and be re-planned) instead of being
+overwritten, and it deletes files of the previous step that the export lacks, so the revision holds
+exactly the export (plus `.gitattributes` and the generated `README.md`).
+
+Idempotence is read from the repo itself: the tag `step-N` means published; a commit titled
+`stagerd: step N` without the tag (a crash between commit and tag) gets the tag and nothing else. LFS
+objects the repo already holds are not sent again (the LFS batch answers them without actions), so a
+re-run after a crash mid-upload sends only what is missing. Before returning, the tree at the commit is
+listed and compared with the export: names, sizes, LFS sha256 or the git blob id.
+
+A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
+increasing order), so the history is read newest first, page by page, only until that commit, a stagerd
+commit of an earlier step, or `_HISTORY_CAP` commits, so that walk does not grow with the history (the refs
+listing still does: it names every `step-N` tag).
+
+Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
+no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds
+each request to a registered endpoint by that endpoint's timeouts, and requests elsewhere (LFS upload URLs)
+by the most generous registered bound. A request the Hub leaves unanswered ends in a retryable "the Hub
+did not answer within N s".
+
+Errors: 401/403 (or a repo the token cannot see) raise `SinkAuthError` at once; 429 waits for
+`Retry-After`; 5xx, 408, 409/412 (a moved branch), timeouts and dropped connections are retried with
+bounded exponential backoff; other failures raise `SinkError`. The token never appears in messages or logs.
+"""
+
+from __future__ import annotations
+
+from stagerd.sinks.hub.sink import HubSink
+from stagerd.sinks.hub.timeouts import HubTimeouts
+from stagerd.sinks.hub.tree import LocalFile, RemoteFile, compare_tree, plan_commit, scan_export, scan_history
+from stagerd.sinks.hub.url import (
+    _HISTORY_CAP,
+    _HISTORY_PAGE,
+    commit_message,
+    parse_hub_url,
+    step_branch,
+    step_tag,
+)
+
+__all__ = [
+    "_HISTORY_CAP",
+    "_HISTORY_PAGE",
+    "HubSink",
+    "HubTimeouts",
+    "LocalFile",
+    "RemoteFile",
+    "commit_message",
+    "compare_tree",
+    "parse_hub_url",
+    "plan_commit",
+    "scan_export",
+    "scan_history",
+    "step_branch",
+    "step_tag",
+]

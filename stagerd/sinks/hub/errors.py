@@ -1,0 +1,103 @@
+"""Hub failures, classified: auth errors at once, 429 after Retry-After, 5xx and timeouts retried, no token
+in any message."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import httpx2
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a failed call is handled: `auth` (raise now), `retry` (backoff or Retry-After), `fatal`."""
+
+    kind: Literal["auth", "retry", "fatal"]
+    text: str
+    retry_after: float | None = None
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    info = parse_ratelimit_headers(headers)
+    if info is not None and info.remaining == 0:
+        return float(info.reset_in_seconds)
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def classify(exc: BaseException) -> Failure:
+    """Map an exception from huggingface_hub/httpx2 (possibly wrapped) to how the sink handles it."""
+    import httpx2
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    for e in _chain(exc):
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            response = e.response
+            status = response.status_code
+            request = response.request
+            where = f"{request.method} {request.url.path}" if request is not None else "request"
+            detail = (e.server_message or str(e).splitlines()[0]).strip().replace("\n", "; ")
+            text = f"HTTP {status} on {where}: {detail}"
+            if status in (401, 403) or isinstance(e, RepositoryNotFoundError | GatedRepoError):
+                return Failure("auth", text)
+            if status == 429:
+                return Failure("retry", text, _retry_after(response.headers))
+            if (
+                status in (408, 409, 412, 423)
+                or status >= 500
+                or e.response.headers.get("X-Error-Code") in ("RevisionNotFound",)
+            ):
+                return Failure("retry", text)
+            return Failure("fatal", text)
+        if isinstance(e, httpx2.TimeoutException):
+            return Failure("retry", _timeout_text(e))
+        if isinstance(e, httpx2.TransportError | ConnectionError | TimeoutError):
+            return Failure("retry", f"connection failed: {type(e).__name__}: {e}")
+    return Failure("fatal", f"{type(exc).__name__}: {exc}")
+
+
+def _timeout_text(exc: httpx2.TimeoutException) -> str:
+    """'the Hub did not answer within N s (read timeout on METHOD /path)'; the path only, never a query."""
+    import httpx2
+
+    kinds = {httpx2.ConnectTimeout: "connect", httpx2.WriteTimeout: "write", httpx2.PoolTimeout: "pool"}
+    kind = kinds.get(type(exc), "read")
+    what = "accept the connection" if kind == "connect" else "answer"
+    try:
+        request = exc.request
+    except RuntimeError:  # raised by httpx when no request is attached
+        return f"the Hub did not {what} in time ({kind} timeout)"
+    seconds = (request.extensions.get("timeout") or {}).get(kind)
+    within = "in time" if seconds is None else f"within {seconds:g} s"
+    return f"the Hub did not {what} {within} ({kind} timeout on {request.method} {request.url.path})"
+
+
+_TOKEN_RE = re.compile(r"(hf_[A-Za-z0-9]{6,}|(?i:bearer)\s+\S+)")

@@ -1,0 +1,423 @@
+"""`HubSink`: one publish is one `create_commit` and one tag; see the package docstring for the rules."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
+
+from stagerd.errors import (
+    ConfigError,
+    SinkAuthError,
+    SinkConflictError,
+    SinkError,
+    StagerdError,
+    VerifyError,
+)
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.errors import _TOKEN_RE, classify
+from stagerd.sinks.hub.model_card import CARD_NAME, CardInfo, export_dtypes, render_model_card
+from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
+from stagerd.sinks.hub.tree import (
+    CommitPlan,
+    LocalFile,
+    RemoteFile,
+    compare_tree,
+    plan_commit,
+    scan_export,
+    scan_history,
+)
+from stagerd.sinks.hub.url import (
+    _HISTORY_PAGE,
+    HubTarget,
+    RetryPolicy,
+    T,
+    _as_bool,
+    _number,
+    commit_message,
+    parse_hub_url,
+    step_branch,
+    step_tag,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("stagerd.sinks.hub")
+
+# --- the sink -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    commit: str
+    skipped: bool
+    uploaded: int
+
+
+class HubSink:
+    """Publishes exports to one Hub repo. Thread-safe; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        revision: str | None = None,
+        token: str | None = None,
+        endpoint: str | None = None,
+        private: bool = True,
+        branch_per_step: bool = False,
+        retry: RetryPolicy | None = None,
+        hash_threads: int = 2,
+        num_threads: int = 5,
+        timeouts: HubTimeouts | None = None,
+    ) -> None:
+        from huggingface_hub import HfApi, get_token
+
+        self.repo_id = repo_id
+        self.revision = revision or "main"
+        self.private = private
+        self.branch_per_step = branch_per_step
+        self.retry = retry or RetryPolicy()
+        self.url = HubTarget(repo_id, revision, {}).redacted
+        self._token = token or get_token()
+        self._api = HfApi(endpoint=endpoint, token=self._token, library_name="stagerd")
+        self.timeouts = timeouts or HubTimeouts()
+        register_timeouts(self, self._api.endpoint, self.timeouts)
+        self._hash_threads = hash_threads
+        self._num_threads = num_threads
+        self._repo_ready = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> HubSink:
+        """Build a sink from `hf://ORG/REPO[@REVISION][?opts]`; keyword options override the query."""
+        target = parse_hub_url(url)
+        opts: dict[str, Any] = {**target.options, **options}
+        known = {"token", "endpoint", "private", "branch_per_step", "max_attempts", "backoff_base"}
+        known |= {"backoff_max", "max_retry_after", "hash_threads", "num_threads", "retry"}
+        known |= {"timeout", "connect_timeout"}
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ConfigError(f"unknown Hub sink option(s) {', '.join(unknown)} for {target.redacted}")
+        retry = opts.get("retry") or RetryPolicy(
+            max_attempts=_number(opts, "max_attempts", RetryPolicy.max_attempts, int),
+            backoff_base=_number(opts, "backoff_base", RetryPolicy.backoff_base, float),
+            backoff_max=_number(opts, "backoff_max", RetryPolicy.backoff_max, float),
+            max_retry_after=_number(opts, "max_retry_after", RetryPolicy.max_retry_after, float),
+        )
+        timeouts = HubTimeouts(
+            read=_number(opts, "timeout", HubTimeouts.read, float),
+            connect=_number(opts, "connect_timeout", HubTimeouts.connect, float),
+        )
+        return cls(
+            target.repo_id,
+            revision=target.revision,
+            token=opts.get("token"),
+            endpoint=opts.get("endpoint"),
+            private=_as_bool("private", opts.get("private", True)),
+            branch_per_step=_as_bool("branch_per_step", opts.get("branch_per_step", False)),
+            retry=retry,
+            hash_threads=_number(opts, "hash_threads", 2, int),
+            num_threads=_number(opts, "num_threads", 5, int),
+            timeouts=timeouts,
+        )
+
+    def __repr__(self) -> str:
+        e = urlsplit(self._api.endpoint)
+        host = (e.hostname or "") + (f":{e.port}" if e.port else "")  # no user:password@
+        return f"HubSink({self.url!r}, endpoint={e._replace(netloc=host).geturl()!r})"
+
+    # --- Sink protocol ----------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        export_dir: Path,
+        step: int,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> PublishResult:
+        """Commit `export_dir` as `step` (or find it already there), verify the tree, tag `step-N`.
+
+        `metadata` feeds the model card: `dtype` and `base_model` by name, every other key as run
+        metadata. Progress is coarse: (0, total) before the upload and (total, total) after the commit.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        t0 = time.monotonic()
+        export_dir = Path(export_dir)
+        local = scan_export(export_dir, threads=self._hash_threads)
+        card_bytes = None
+        if CARD_NAME not in {f.path for f in local}:
+            card_bytes = self._render_card(export_dir, local, step, dict(metadata or {})).encode()
+        total = sum(f.size for f in local) + len(card_bytes or b"")
+        if progress is not None:
+            progress(0, total)
+        outcome = self._with_retries(step, lambda: self._publish_once(export_dir, local, card_bytes, step))
+        if progress is not None:
+            progress(total, total)
+        result = PublishResult(
+            sink=self.url,
+            step=step,
+            location=f"{self._api.endpoint}/{self.repo_id}/commit/{outcome.commit}",
+            files=len(local) + (card_bytes is not None),
+            bytes_total=total,
+            bytes_uploaded=outcome.uploaded,
+            skipped=outcome.skipped,
+            seconds=time.monotonic() - t0,
+        )
+        log.info(
+            "%s: step %d %s at commit %s",
+            self.url,
+            step,
+            "already published" if outcome.skipped else "published",
+            outcome.commit,
+            extra={"sink": self.url, "step": step, "commit": outcome.commit, "bytes": total},
+        )
+        return result
+
+    def is_published(self, step: int) -> bool:
+        """True when the repo has the tag `step-N` (set only after a verified commit)."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        def check() -> bool:
+            try:
+                refs = self._api.list_repo_refs(self.repo_id)
+            except RepositoryNotFoundError as e:
+                if e.response is not None and e.response.status_code == 404:
+                    return False
+                raise
+            return step_tag(step) in {t.name for t in refs.tags}
+
+        return self._with_retries(step, check)
+
+    def close(self) -> None:
+        """Drop this sink's request bound; huggingface_hub's shared HTTP client is closed at exit."""
+        unregister_timeouts(self)
+
+    # --- one attempt ------------------------------------------------------------------------------------
+
+    def _publish_once(
+        self, export_dir: Path, local: list[LocalFile], card_bytes: bytes | None, step: int
+    ) -> _Outcome:
+        self._ensure_repo()
+        card = _card_file(card_bytes)
+        refs = self._api.list_repo_refs(self.repo_id)
+        tags = {t.name: t.target_commit for t in refs.tags}
+        branches = {b.name: b.target_commit for b in refs.branches}
+
+        if step_tag(step) in tags:
+            self._verify(step, tags[step_tag(step)], local, card, existing=True)
+            return _Outcome(tags[step_tag(step)], skipped=True, uploaded=0)
+
+        head_step, found = self._search_commits(step, branches)
+        if found is not None:
+            log.info("%s: step %d was committed as %s but not tagged; tagging it", self.url, step, found)
+            self._verify(step, found, local, card, existing=True)
+            self._tag(step, found)
+            return _Outcome(found, skipped=True, uploaded=0)
+
+        branch, parent = self._target(step, branches, head_step)
+        plan = plan_commit(local, card, self._tree(parent))
+        size = sum(f.size for f in local) + (card.size if card else 0)
+        info = self._api.create_commit(
+            self.repo_id,
+            self._operations(export_dir, local, card_bytes, plan),
+            commit_message=commit_message(step),
+            commit_description=f"{len(plan.adds)} files, {size} bytes, published by stagerd.",
+            revision=branch,
+            parent_commit=parent,
+            num_threads=self._num_threads,
+        )
+        self._verify(step, info.oid, local, card, existing=False)
+        crash_point("hub.commit")
+        self._tag(step, info.oid)
+        return _Outcome(info.oid, skipped=False, uploaded=plan.new_bytes)
+
+    def _ensure_repo(self) -> None:
+        with self._lock:
+            if self._repo_ready:
+                return
+        self._api.create_repo(self.repo_id, private=self.private, exist_ok=True)
+        with self._lock:
+            self._repo_ready = True
+
+    def _search_commits(self, step: int, branches: Mapping[str, str]) -> tuple[int | None, str | None]:
+        """(step of the revision's head commit if stagerd made it, id of a commit titled for `step`)."""
+        head_step, found = None, None
+        for branch in dict.fromkeys((self.revision, step_branch(step))):
+            if branch not in branches:
+                continue
+            head, hit = scan_history(self._history(branch), step)
+            if branch == self.revision:
+                head_step = head
+            found = found or hit
+        return head_step, found
+
+    def _history(self, branch: str) -> Iterator[tuple[str, str]]:
+        """(commit id, title) of `branch`, newest first; each page is requested only when it is reached.
+
+        `list_repo_commits` would fetch the whole history first; this is the same endpoint and protocol
+        (`limit`, then the `Link` header's next page) through the library's own lazy `paginate`.
+        """
+        from huggingface_hub.utils import build_hf_headers, paginate
+
+        url = f"{self._api.endpoint}/api/models/{self.repo_id}/commits/{quote(branch, safe='')}"
+        headers = build_hf_headers(token=self._token, library_name="stagerd")
+        for item in paginate(url, params={"limit": _HISTORY_PAGE}, headers=headers):
+            yield item["id"], item["title"]
+
+    def _target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
+        """(branch to commit to, its head as the parent commit), creating the branch if needed."""
+        if self.revision not in branches:
+            self._api.create_branch(
+                self.repo_id, branch=self.revision, revision=branches["main"], exist_ok=True
+            )
+            branches[self.revision] = self._branch_head(self.revision)
+        if not self.branch_per_step and (head_step is None or head_step < step):
+            return self.revision, branches[self.revision]
+        if not self.branch_per_step:
+            log.warning(
+                "%s: %s already holds step %d; step %d goes to branch %s",
+                self.url,
+                self.revision,
+                head_step,
+                step,
+                step_branch(step),
+            )
+        branch = step_branch(step)
+        if branch not in branches:
+            self._api.create_branch(
+                self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
+            )
+            branches[branch] = self._branch_head(branch)
+        return branch, branches[branch]
+
+    def _branch_head(self, branch: str) -> str:
+        refs = self._api.list_repo_refs(self.repo_id)
+        return next(b.target_commit for b in refs.branches if b.name == branch)
+
+    def _tree(self, commit: str) -> dict[str, RemoteFile]:
+        from huggingface_hub.hf_api import RepoFile
+
+        out = {}
+        for f in self._api.list_repo_tree(self.repo_id, recursive=True, revision=commit):
+            if isinstance(f, RepoFile):
+                out[f.path] = RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
+        return out
+
+    def _operations(
+        self, export_dir: Path, local: list[LocalFile], card_bytes: bytes | None, plan: CommitPlan
+    ) -> list[Any]:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        ops: list[Any] = []
+        for f in local:
+            op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(export_dir / f.path))
+            op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once already, in scan_export
+            ops.append(op)
+        if card_bytes is not None:
+            ops.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
+        ops += [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.deletes]
+        return ops
+
+    def _verify(
+        self, step: int, commit: str, local: list[LocalFile], card: LocalFile | None, *, existing: bool
+    ) -> None:
+        problems = compare_tree(local, card, self._tree(commit), card_exact=not existing)
+        if not problems:
+            return
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        if existing:
+            raise SinkConflictError(
+                f"{self.url}: step {step}: the Hub already holds step {step} at commit {commit}, "
+                f"with different content: {shown}"
+            )
+        raise SinkError(
+            f"{self.url}: step {step}: the tree at commit {commit} disagrees with the export: {shown}"
+        )
+
+    def _tag(self, step: int, commit: str) -> None:
+        self._api.create_tag(
+            self.repo_id, tag=step_tag(step), revision=commit, tag_message=commit_message(step), exist_ok=True
+        )
+
+    def _render_card(
+        self, export_dir: Path, local: list[LocalFile], step: int, metadata: dict[str, Any]
+    ) -> str:
+        dtype = metadata.pop("dtype", None)
+        if dtype is None:
+            try:
+                dtype = ", ".join(export_dtypes(export_dir, [f.path for f in local])) or None
+            except Exception as e:  # safetensors raises its own error type for a corrupt header
+                raise VerifyError(
+                    f"cannot read the safetensors headers of the export: {e}", path=export_dir
+                ) from e
+        info = CardInfo(
+            repo_id=self.repo_id,
+            step=step,
+            files=[(f.path, f.size) for f in local],
+            dtype=str(dtype) if dtype is not None else None,
+            base_model=metadata.pop("base_model", None),
+            metadata=metadata,
+        )
+        return render_model_card(info)
+
+    # --- retries ----------------------------------------------------------------------------------------
+
+    def _redact(self, text: str) -> str:
+        if self._token:
+            text = text.replace(self._token, "***")
+        return _TOKEN_RE.sub("***", text)
+
+    def _with_retries(self, step: int, fn: Callable[[], T]) -> T:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except StagerdError:
+                raise
+            except Exception as exc:
+                failure = classify(exc)
+                text = self._redact(failure.text)
+                where = f"{self.url}: step {step}"
+                if failure.kind == "auth":
+                    raise SinkAuthError(
+                        f"{where}: the Hub refused the request ({text})",
+                        hint=f"check HF_TOKEN (or `hf auth login`) and that the token can write to "
+                        f"{self.repo_id}; a repo the token cannot see answers 404",
+                    ) from None
+                if failure.kind == "fatal":
+                    raise SinkError(f"{where}: {text}") from None
+                if attempt >= self.retry.max_attempts:
+                    raise SinkError(f"{where}: gave up after {attempt} attempts: {text}") from None
+                delay = failure.retry_after if failure.retry_after is not None else self.retry.delay(attempt)
+                if delay > self.retry.max_retry_after:
+                    raise SinkError(f"{where}: rate limited for {delay:.0f} s: {text}") from None
+                log.warning(
+                    "%s: attempt %d/%d failed (%s); retrying in %.2f s",
+                    where,
+                    attempt,
+                    self.retry.max_attempts,
+                    text,
+                    delay,
+                    extra={"sink": self.url, "step": step, "attempt": attempt},
+                )
+                time.sleep(delay)
+
+
+def _card_file(card_bytes: bytes | None) -> LocalFile | None:
+    if card_bytes is None:
+        return None
+    git = hashlib.sha1(b"blob %d\0" % len(card_bytes) + card_bytes).hexdigest()
+    return LocalFile(CARD_NAME, len(card_bytes), hashlib.sha256(card_bytes).hexdigest(), git)

@@ -1,0 +1,180 @@
+"""The export as the Hub sees it, and the pure planning of one commit: what to add, keep and delete, and how
+to find a step's commit in the history without reading all of it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stagerd.errors import (
+    VerifyError,
+)
+from stagerd.sinks.hub.url import (
+    _FORBIDDEN_DIRS,
+    _GIT_OID_MAX,
+    _HASH_CHUNK,
+    _HISTORY_CAP,
+    _STEP_TITLE,
+    GITATTRIBUTES,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("stagerd.sinks.hub")
+
+# --- the export ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One export file: path relative to the export (posix), size, sha256, and git blob id if small."""
+
+    path: str
+    size: int
+    sha256: str
+    git_oid: str | None
+
+
+def _hash_file(path: Path, size: int) -> tuple[str, str | None]:
+    sha = hashlib.sha256()
+    git = hashlib.sha1(b"blob %d\0" % size) if size <= _GIT_OID_MAX else None
+    buf = bytearray(min(_HASH_CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(view[:n])
+            if git is not None:
+                git.update(view[:n])
+    return sha.hexdigest(), None if git is None else git.hexdigest()
+
+
+def scan_export(export_dir: Path, *, threads: int = 2) -> list[LocalFile]:
+    """Every regular file under `export_dir`, hashed once. Bad input is a VerifyError naming the file."""
+    if not export_dir.is_dir():
+        raise VerifyError("export directory does not exist", path=export_dir)
+    root = export_dir.resolve()
+    found: list[tuple[str, Path, int]] = []
+    for dirpath, dirnames, filenames in os.walk(export_dir, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / name
+            rel = p.relative_to(export_dir).as_posix()
+            if _FORBIDDEN_DIRS & set(rel.split("/")[:-1]):
+                raise VerifyError("is inside a folder the Hub refuses (.git/.cache/.huggingface)", path=p)
+            real = p.resolve()
+            if not real.is_relative_to(root):
+                raise VerifyError(f"resolves outside the export, to {real}", path=p)
+            if not real.is_file():
+                raise VerifyError("is not a regular file", path=p)
+            found.append((rel, real, real.stat().st_size))
+    if not found:
+        raise VerifyError("export directory is empty", path=export_dir)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        hashes = list(pool.map(lambda f: _hash_file(f[1], f[2]), found))
+    return [LocalFile(rel, size, sha, git) for (rel, _, size), (sha, git) in zip(found, hashes, strict=True)]
+
+
+# --- planning (pure) ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a remote tree: size, git blob id, and the LFS sha256 when the file is in LFS."""
+
+    path: str
+    size: int
+    blob_id: str
+    lfs_sha256: str | None
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """What one step's commit does, relative to its parent tree."""
+
+    adds: tuple[str, ...]
+    deletes: tuple[str, ...]
+    new_bytes: int  # upper bound of what must be uploaded: files whose content the parent lacks
+
+
+def _same(local: LocalFile, remote: RemoteFile) -> bool:
+    if remote.size != local.size:
+        return False
+    if remote.lfs_sha256 is not None:
+        return remote.lfs_sha256 == local.sha256
+    return local.git_oid is not None and remote.blob_id == local.git_oid
+
+
+def plan_commit(
+    local: Sequence[LocalFile], card: LocalFile | None, parent: Mapping[str, RemoteFile]
+) -> CommitPlan:
+    """Add every export file (and the card), delete what the parent holds beyond them."""
+    files = [*local, *([card] if card else [])]
+    keep = {f.path for f in files} | {GITATTRIBUTES}
+    deletes = tuple(sorted(p for p in parent if p not in keep))
+    new_bytes = sum(f.size for f in files if f.path not in parent or not _same(f, parent[f.path]))
+    return CommitPlan(tuple(f.path for f in files), deletes, new_bytes)
+
+
+def compare_tree(
+    local: Sequence[LocalFile], card: LocalFile | None, remote: Mapping[str, RemoteFile], *, card_exact: bool
+) -> list[str]:
+    """Differences between the export and a remote tree; empty when the remote holds the export.
+
+    The generated card is compared byte for byte only when `card_exact` (a commit just made); on an
+    earlier commit it only has to exist, since run metadata may have been rendered differently.
+    """
+    problems = []
+    for f in local:
+        r = remote.get(f.path)
+        if r is None:
+            problems.append(f"{f.path}: missing")
+        elif r.size != f.size:
+            problems.append(f"{f.path}: {r.size} bytes on the Hub, {f.size} in the export")
+        elif not _same(f, r):
+            problems.append(f"{f.path}: content differs (sha256/blob id)")
+    expected = {f.path for f in local} | {GITATTRIBUTES}
+    if card is not None:
+        expected.add(card.path)
+        r = remote.get(card.path)
+        if r is None:
+            problems.append(f"{card.path}: missing")
+        elif card_exact and not _same(card, r):
+            problems.append(f"{card.path}: content differs from the generated model card")
+    problems += [f"{p}: not in the export" for p in sorted(set(remote) - expected)]
+    return problems
+
+
+def scan_history(
+    commits: Iterable[tuple[str, str]], step: int, *, cap: int = _HISTORY_CAP
+) -> tuple[int | None, str | None]:
+    """(step of the newest commit if stagerd made it, id of the commit titled for `step`) from (id, title)
+    pairs, newest first.
+
+    Reading stops at that commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps
+    in increasing order, so the sought one cannot be older), or after `cap` commits.
+    """
+    head_step: int | None = None
+    read = 0
+    for read, (oid, title) in enumerate(islice(commits, cap), start=1):
+        m = _STEP_TITLE.match(title)
+        seen = int(m.group(1)) if m else None
+        if read == 1:
+            head_step = seen
+        if seen == step:
+            return head_step, oid
+        if seen is not None and seen < step:
+            return head_step, None
+    if read == cap:
+        log.warning(
+            "step %d: no commit for it in the newest %d commits; taking it as not committed", step, cap
+        )
+    return head_step, None

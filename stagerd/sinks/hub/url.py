@@ -1,0 +1,118 @@
+"""The Hub sink's URL (`hf://ORG/REPO[@REVISION][?options]`) and each step's commit, tag and branch."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+from stagerd.errors import (
+    ConfigError,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+log = logging.getLogger("stagerd.sinks.hub")
+
+T = TypeVar("T")
+N = TypeVar("N", int, float)
+
+GITATTRIBUTES = ".gitattributes"
+# The Hub stores files above 10 MB in LFS whatever their name; below, a file may be a plain git blob,
+# whose tree entry carries only the git blob id, so that id is computed for small files.
+_GIT_OID_MAX = 10 * 1024 * 1024
+_FORBIDDEN_DIRS = {".git", ".cache", ".huggingface"}
+_HASH_CHUNK = 8 << 20
+_STEP_TITLE = re.compile(r"^stagerd: step (\d+)$")
+_HISTORY_PAGE = 50  # commits per request while looking for a step's commit
+_HISTORY_CAP = 1000  # commits read at most per branch and publish
+
+
+def commit_message(step: int) -> str:
+    return f"stagerd: step {step}"
+
+
+def step_tag(step: int) -> str:
+    return f"step-{step}"
+
+
+def step_branch(step: int) -> str:
+    return f"stagerd/step-{step}"
+
+
+# --- the URL ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff: attempt k waits about `base * 2**(k-1)`, never over `max_delay`.
+
+    A 429 waits for its `Retry-After` instead; one longer than `max_retry_after` ends the publish with a
+    retryable `SinkError`, so the daemon reschedules the step rather than block a worker that long.
+    """
+
+    max_attempts: int = 8
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    max_retry_after: float = 600.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class HubTarget:
+    """A parsed `hf://` URL: the repo, the revision named in it (if any), and its query options."""
+
+    repo_id: str
+    revision: str | None
+    options: dict[str, str]
+
+    @property
+    def redacted(self) -> str:
+        return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+
+def parse_hub_url(url: str) -> HubTarget:
+    """Split `hf://ORG/REPO[@REVISION][?k=v...]`. A malformed URL is a ConfigError (without the query)."""
+    parts = urlsplit(url)
+    shown = url.split("?", 1)[0]
+    if parts.scheme != "hf":
+        raise ConfigError(f"not a Hub sink URL: {shown!r} (expected hf://ORG/REPO[@REVISION])")
+    path = (parts.netloc + parts.path).strip("/")
+    repo_id, _, revision = path.partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")) or (revision == "" and "@" in path):
+        raise ConfigError(f"bad Hub sink URL {shown!r}: expected hf://ORG/REPO[@REVISION]")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ConfigError(f"bad repo id in {shown!r}: {e}") from None
+    return HubTarget(repo_id, revision or None, dict(parse_qsl(parts.query)))
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"Hub sink option {name}={value!r} is not a boolean")
+
+
+def _number(opts: Mapping[str, Any], name: str, default: N, cast: Callable[[Any], N]) -> N:
+    """Option `name` as a number (`cast`), or `default`; a non-number is a ConfigError naming the option."""
+    try:
+        return cast(opts.get(name, default))
+    except (TypeError, ValueError):
+        raise ConfigError(f"Hub sink option {name}={opts[name]!r} is not a number") from None
