@@ -9,13 +9,14 @@ them); a returned `PublishResult` means the step is published.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-# (bytes_done, bytes_total) after each chunk; called from the worker thread.
-ProgressFn = Callable[[int, int], None]
+from stagerd.contract.progress_fn import ProgressFn
+
+__all__ = ["ProgressFn", "PublishResult", "Sink"]
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import Sink
 from stagerd.sinks.hub import (
+    HubFile,
     HubSink,
-    LocalFile,
     RemoteFile,
     compare_tree,
     parse_hub_url,
@@ -401,8 +401,8 @@ def test_url_parsing():
 
 
 def test_plan_and_compare_are_pure():
-    a = LocalFile("a.safetensors", 10, "1" * 64, None)
-    b = LocalFile("b.json", 3, "2" * 64, "g" * 40)
+    a = HubFile("a.safetensors", 10, "1" * 64, None)
+    b = HubFile("b.json", 3, "2" * 64, "g" * 40)
     parent = {
         ".gitattributes": RemoteFile(".gitattributes", 5, "x" * 40, None),
         "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "1" * 64),

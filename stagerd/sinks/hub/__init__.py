@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from stagerd.sinks.hub.sink import HubSink
 from stagerd.sinks.hub.timeouts import HubTimeouts
-from stagerd.sinks.hub.tree import LocalFile, RemoteFile, compare_tree, plan_commit, scan_export, scan_history
+from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit, scan_export, scan_history
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -52,9 +52,9 @@ from stagerd.sinks.hub.url import (
 __all__ = [
     "_HISTORY_CAP",
     "_HISTORY_PAGE",
+    "HubFile",
     "HubSink",
     "HubTimeouts",
-    "LocalFile",
     "RemoteFile",
     "commit_message",
     "compare_tree",

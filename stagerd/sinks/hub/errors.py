@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Failure:
+class HubFailure:
     """How a failed call is handled: `auth` (raise now), `retry` (backoff or Retry-After), `fatal`."""
 
     kind: Literal["auth", "retry", "fatal"]
@@ -53,7 +53,7 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         return None
 
 
-def classify(exc: BaseException) -> Failure:
+def classify(exc: BaseException) -> HubFailure:
     """Map an exception from huggingface_hub/httpx2 (possibly wrapped) to how the sink handles it."""
     import httpx2
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
@@ -67,21 +67,21 @@ def classify(exc: BaseException) -> Failure:
             detail = (e.server_message or str(e).splitlines()[0]).strip().replace("\n", "; ")
             text = f"HTTP {status} on {where}: {detail}"
             if status in (401, 403) or isinstance(e, RepositoryNotFoundError | GatedRepoError):
-                return Failure("auth", text)
+                return HubFailure("auth", text)
             if status == 429:
-                return Failure("retry", text, _retry_after(response.headers))
+                return HubFailure("retry", text, _retry_after(response.headers))
             if (
                 status in (408, 409, 412, 423)
                 or status >= 500
                 or e.response.headers.get("X-Error-Code") in ("RevisionNotFound",)
             ):
-                return Failure("retry", text)
-            return Failure("fatal", text)
+                return HubFailure("retry", text)
+            return HubFailure("fatal", text)
         if isinstance(e, httpx2.TimeoutException):
-            return Failure("retry", _timeout_text(e))
+            return HubFailure("retry", _timeout_text(e))
         if isinstance(e, httpx2.TransportError | ConnectionError | TimeoutError):
-            return Failure("retry", f"connection failed: {type(e).__name__}: {e}")
-    return Failure("fatal", f"{type(exc).__name__}: {exc}")
+            return HubFailure("retry", f"connection failed: {type(e).__name__}: {e}")
+    return HubFailure("fatal", f"{type(exc).__name__}: {exc}")
 
 
 def _timeout_text(exc: httpx2.TimeoutException) -> str:

@@ -27,7 +27,7 @@ from stagerd.sinks.hub.model_card import CARD_NAME, CardInfo, export_dtypes, ren
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
     CommitPlan,
-    LocalFile,
+    HubFile,
     RemoteFile,
     compare_tree,
     plan_commit,
@@ -207,7 +207,7 @@ class HubSink:
     # --- one attempt ------------------------------------------------------------------------------------
 
     def _publish_once(
-        self, export_dir: Path, local: list[LocalFile], card_bytes: bytes | None, step: int
+        self, export_dir: Path, local: list[HubFile], card_bytes: bytes | None, step: int
     ) -> _Outcome:
         self._ensure_repo()
         card = _card_file(card_bytes)
@@ -316,7 +316,7 @@ class HubSink:
         return out
 
     def _operations(
-        self, export_dir: Path, local: list[LocalFile], card_bytes: bytes | None, plan: CommitPlan
+        self, export_dir: Path, local: list[HubFile], card_bytes: bytes | None, plan: CommitPlan
     ) -> list[Any]:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -331,7 +331,7 @@ class HubSink:
         return ops
 
     def _verify(
-        self, step: int, commit: str, local: list[LocalFile], card: LocalFile | None, *, existing: bool
+        self, step: int, commit: str, local: list[HubFile], card: HubFile | None, *, existing: bool
     ) -> None:
         problems = compare_tree(local, card, self._tree(commit), card_exact=not existing)
         if not problems:
@@ -352,7 +352,7 @@ class HubSink:
         )
 
     def _render_card(
-        self, export_dir: Path, local: list[LocalFile], step: int, metadata: dict[str, Any]
+        self, export_dir: Path, local: list[HubFile], step: int, metadata: dict[str, Any]
     ) -> str:
         dtype = metadata.pop("dtype", None)
         if dtype is None:
@@ -416,8 +416,8 @@ class HubSink:
                 time.sleep(delay)
 
 
-def _card_file(card_bytes: bytes | None) -> LocalFile | None:
+def _card_file(card_bytes: bytes | None) -> HubFile | None:
     if card_bytes is None:
         return None
     git = hashlib.sha1(b"blob %d\0" % len(card_bytes) + card_bytes).hexdigest()
-    return LocalFile(CARD_NAME, len(card_bytes), hashlib.sha256(card_bytes).hexdigest(), git)
+    return HubFile(CARD_NAME, len(card_bytes), hashlib.sha256(card_bytes).hexdigest(), git)

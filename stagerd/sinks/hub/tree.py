@@ -35,7 +35,7 @@ log = logging.getLogger("stagerd.sinks.hub")
 
 
 @dataclass(frozen=True)
-class LocalFile:
+class HubFile:
     """One export file: path relative to the export (posix), size, sha256, and git blob id if small."""
 
     path: str
@@ -57,7 +57,7 @@ def _hash_file(path: Path, size: int) -> tuple[str, str | None]:
     return sha.hexdigest(), None if git is None else git.hexdigest()
 
 
-def scan_export(export_dir: Path, *, threads: int = 2) -> list[LocalFile]:
+def scan_export(export_dir: Path, *, threads: int = 2) -> list[HubFile]:
     """Every regular file under `export_dir`, hashed once. Bad input is a VerifyError naming the file."""
     if not export_dir.is_dir():
         raise VerifyError("export directory does not exist", path=export_dir)
@@ -80,7 +80,7 @@ def scan_export(export_dir: Path, *, threads: int = 2) -> list[LocalFile]:
         raise VerifyError("export directory is empty", path=export_dir)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         hashes = list(pool.map(lambda f: _hash_file(f[1], f[2]), found))
-    return [LocalFile(rel, size, sha, git) for (rel, _, size), (sha, git) in zip(found, hashes, strict=True)]
+    return [HubFile(rel, size, sha, git) for (rel, _, size), (sha, git) in zip(found, hashes, strict=True)]
 
 
 # --- planning (pure) ------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class CommitPlan:
     new_bytes: int  # upper bound of what must be uploaded: files whose content the parent lacks
 
 
-def _same(local: LocalFile, remote: RemoteFile) -> bool:
+def _same(local: HubFile, remote: RemoteFile) -> bool:
     if remote.size != local.size:
         return False
     if remote.lfs_sha256 is not None:
@@ -114,7 +114,7 @@ def _same(local: LocalFile, remote: RemoteFile) -> bool:
 
 
 def plan_commit(
-    local: Sequence[LocalFile], card: LocalFile | None, parent: Mapping[str, RemoteFile]
+    local: Sequence[HubFile], card: HubFile | None, parent: Mapping[str, RemoteFile]
 ) -> CommitPlan:
     """Add every export file (and the card), delete what the parent holds beyond them."""
     files = [*local, *([card] if card else [])]
@@ -125,7 +125,7 @@ def plan_commit(
 
 
 def compare_tree(
-    local: Sequence[LocalFile], card: LocalFile | None, remote: Mapping[str, RemoteFile], *, card_exact: bool
+    local: Sequence[HubFile], card: HubFile | None, remote: Mapping[str, RemoteFile], *, card_exact: bool
 ) -> list[str]:
     """Differences between the export and a remote tree; empty when the remote holds the export.
 
