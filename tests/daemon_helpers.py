@@ -108,6 +108,13 @@ class WatchProc:
 
 
 def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a daemon subprocess: no inherited STAGERD_* settings, this checkout importable.
+
+    Besides settings, `extra` may hold the TEST ONLY variables that no user setting offers (read by
+    stagerd/daemon/tasks.py): STAGERD_TEST_PAUSE_AT=export|publish parks the worker inside its first
+    progress report, i.e. with the export or upload under way, so a test can kill the daemon exactly there;
+    STAGERD_TEST_PAUSE_SECONDS is how long it stays parked (default 3600).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_") and k != "NOTIFY_SOCKET"}
     env["PYTHONPATH"] = str(REPO)
     env.update(extra)

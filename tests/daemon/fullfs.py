@@ -1,4 +1,5 @@
-"""Filesystems that really run out: mounting a size- or inode-limited tmpfs, and filling one up.
+"""Filesystems that really run out: mounting a size- or inode-limited tmpfs, filling one up, a ROOT too
+small for its export, and the CLI run against them.
 
 The `tmpfs` fixture (tests/daemon/conftest.py) mounts one per test; mounting needs CAP_SYS_ADMIN, and where
 it is refused the tests that need it are skipped with the reason.
@@ -8,12 +9,18 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from stagerd.contract import layout
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def mount(d: Path, options: str) -> subprocess.CompletedProcess:
@@ -45,3 +52,35 @@ def fill(fs: Path, leave_pages: int = 0) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def run_cli(*args: str, preexec: Callable[[], None] | None = None, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stagerd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=preexec,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+    )
+
+
+def full_root(step_dir: Path, tmpfs: Callable[..., Path], state: Path) -> Path:
+    """A ROOT on a tmpfs one page larger than the staged step: the export cannot fit.
+
+    The daemon's journal lives in ROOT/.stagerd; here that is a link to a roomy directory, so that what runs
+    out is the export, not the journal (the journal's own disk filling up has its cases below)."""
+    probe = tmpfs(64 << 20)
+    shutil.copytree(step_dir, probe / step_dir.name)
+    root = tmpfs((usage(probe)[0] + 1) * PAGE)
+    state.mkdir()
+    (root / layout.STATE_DIR).symlink_to(state, target_is_directory=True)
+    shutil.copytree(step_dir, root / step_dir.name)
+    return root
+
+
+WATCH_FLAGS = ["--once", "--nice", "0", "--io-class", "none", "--metrics-port", "0"]

@@ -1,7 +1,7 @@
 """Crash injection: SIGKILL `stagerd watch --once` at every named crash point, restart, check nothing broke.
 
 Each case stages real DCP saves, runs the daemon with `STAGERD_CRASH_AT=point:N` (see
-`stagerd/crashpoints.py`) against real sinks (file://, moto S3 behind the fault proxy, the Hub-protocol
+`stagerd/ops/crashpoints.py`) against real sinks (file://, moto S3 behind the fault proxy, the Hub-protocol
 test server), asserts it died by SIGKILL at that point, restarts it without the variable, and asserts:
 
 - every step ends `published` (or `retired`, where retention removed it) and was published exactly once:

@@ -1,8 +1,9 @@
 """`stagerd watch` end to end: real `stagerd watch` subprocesses, real DCP saves, a real file:// sink.
 
 Every daemon here is a separate process started with `python -m stagerd.cli`; crashes are real SIGKILLs,
-placed deterministically with the test-only setting `STAGERD_TEST_PAUSE_AT` (the worker sleeps inside its
-first progress report, i.e. with the export or the upload under way).
+placed deterministically with the test-only environment variable `STAGERD_TEST_PAUSE_AT` (not a setting:
+the worker sleeps inside its first progress report, i.e. with the export or the upload under way; see
+`tests.daemon_helpers.child_env`).
 """
 
 from __future__ import annotations
