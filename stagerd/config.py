@@ -18,10 +18,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
 
 ENV_PREFIX = "STAGERD_"
-DTYPES = ("keep", "bf16", "fp16", "fp32")
+DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
 
 
 class Settings(BaseSettings):

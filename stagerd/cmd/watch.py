@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
+
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(
@@ -31,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--sink", dest="sinks", action="append", metavar="URL", help="publish destination (repeatable)"
     )
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    p.add_argument("--dtype", choices=["keep", "bf16", "fp16", "fp32"], help="export dtype")
+    p.add_argument("--dtype", choices=EXPORT_DTYPE_CHOICES, help="export dtype")
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names that are never cast")
     p.add_argument("--max-shard-size", metavar="SIZE", help="largest output file, e.g. 5GB")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps' staged data")

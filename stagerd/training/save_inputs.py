@@ -18,12 +18,11 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from stagerd.contract import layout
-from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
 
 # --dtype spellings the export engine takes, by safetensors name.
-_DTYPE_HINT = {None: "keep", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +150,6 @@ def describe_save(
         step_dir=step_dir,
         extras=_snapshot_extras(extras),
         reference_index=_reference_index(reference_index),
-        dtype=_DTYPE_HINT[parse_export_dtype(dtype)] if dtype is not None else None,
+        dtype=export_dtype_hint(parse_export_dtype(dtype)) if dtype is not None else None,
         metadata=dict(metadata or {}),
     )
