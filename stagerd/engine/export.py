@@ -16,6 +16,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.export_tree import regular_files
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -146,7 +147,7 @@ def build_export(
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*") if p.is_file()))
+    return regular_files(d)
 
 
 def _existing(d: Path) -> ExportResult:

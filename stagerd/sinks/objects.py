@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stagerd.contract import layout
+from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.layout import ExportManifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
@@ -136,18 +136,12 @@ def scan_dir(root: Path, *, skip_dirs: frozenset[str] | set[str] = frozenset()) 
     if not root.is_dir():
         raise VerifyError("is not a directory", path=root)
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        if here == root:
-            dirnames[:] = [d for d in dirnames if d not in skip_dirs]
-        for name in filenames:
-            p = here / name
-            rel = p.relative_to(root).as_posix()
-            if rel == layout.MANIFEST_NAME or not p.is_file():
-                continue
-            layout.safe_relpath(rel, what="file", path=p)
-            out.append(LocalFile(rel, p, p.stat().st_size))
-    return sorted(out, key=lambda f: f.rel)
+    for rel, p in walk_entries(root, skip_top_dirs=skip_dirs):
+        if rel == layout.MANIFEST_NAME or p.is_dir() or not p.is_file():
+            continue
+        layout.safe_relpath(rel, what="file", path=p)
+        out.append(LocalFile(rel, p, p.stat().st_size))
+    return out
 
 
 def same_files(a: ExportManifest, b: ExportManifest) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagerd.contract.export_tree import walk_entries
 from stagerd.errors import (
     VerifyError,
 )
@@ -63,19 +63,15 @@ def scan_export(export_dir: Path, *, threads: int = 2) -> list[HubFile]:
         raise VerifyError("export directory does not exist", path=export_dir)
     root = export_dir.resolve()
     found: list[tuple[str, Path, int]] = []
-    for dirpath, dirnames, filenames in os.walk(export_dir, followlinks=False):
-        dirnames.sort()
-        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            p = Path(dirpath) / name
-            rel = p.relative_to(export_dir).as_posix()
-            if _FORBIDDEN_DIRS & set(rel.split("/")[:-1]):
-                raise VerifyError("is inside a folder the Hub refuses (.git/.cache/.huggingface)", path=p)
-            real = p.resolve()
-            if not real.is_relative_to(root):
-                raise VerifyError(f"resolves outside the export, to {real}", path=p)
-            if not real.is_file():
-                raise VerifyError("is not a regular file", path=p)
-            found.append((rel, real, real.stat().st_size))
+    for rel, p in walk_entries(export_dir):
+        if _FORBIDDEN_DIRS & set(rel.split("/")[:-1]):
+            raise VerifyError("is inside a folder the Hub refuses (.git/.cache/.huggingface)", path=p)
+        real = p.resolve()
+        if not real.is_relative_to(root):
+            raise VerifyError(f"resolves outside the export, to {real}", path=p)
+        if not real.is_file():
+            raise VerifyError("is not a regular file", path=p)
+        found.append((rel, real, real.stat().st_size))
     if not found:
         raise VerifyError("export directory is empty", path=export_dir)
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
