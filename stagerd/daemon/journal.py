@@ -144,7 +144,7 @@ class Journal(JournalStore):
 
     def fail_export(
         self, step: int, error_class: str, message: str, *, next_try: float | None, quarantine: bool
-    ) -> str:
+    ) -> StepState:
         """exporting -> failed (retry at `next_try`) or quarantined; returns the new state."""
         return self._fail_step(step, (EXPORTING,), error_class, message, next_try, quarantine)
 
@@ -162,7 +162,7 @@ class Journal(JournalStore):
         message: str,
         next_try: float | None,
         quarantine: bool,
-    ) -> str:
+    ) -> StepState:
         now = time.time()
         new = QUARANTINED if quarantine else FAILED
         with self._tx() as c:
@@ -254,7 +254,7 @@ class Journal(JournalStore):
         *,
         next_try: float | None,
         quarantine: bool,
-    ) -> str:
+    ) -> LaneState:
         """lane publishing -> failed (retry at `next_try`) or quarantined; returns the new lane state."""
         return self._fail_lane(step, sink, (PUBLISHING,), error_class, message, next_try, quarantine)
 
@@ -271,9 +271,9 @@ class Journal(JournalStore):
         message: str,
         next_try: float | None,
         quarantine: bool,
-    ) -> str:
+    ) -> LaneState:
         now = time.time()
-        new = QUARANTINED if quarantine else FAILED
+        new = LaneState.QUARANTINED if quarantine else LaneState.FAILED
         with self._tx() as c:
             old = self._lane_state(c, step, sink, allowed)
             c.execute(

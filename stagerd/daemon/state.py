@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stagerd.config import Settings
-from stagerd.daemon.journal import Journal
+from stagerd.daemon.journal import Journal, LaneState, StepState
 from stagerd.daemon.metrics import Metrics
 from stagerd.daemon.retention import DiskState
 from stagerd.errors import JournalError
@@ -69,7 +69,7 @@ class DaemonState:
         self,
         step: int,
         sink: str | None,
-        state: str,
+        state: StepState | LaneState,
         *,
         error_class: str | None = None,
         note: str = "",

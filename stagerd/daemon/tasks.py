@@ -23,7 +23,16 @@ from rich.filesize import decimal
 from stagerd.contract import layout
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
-from stagerd.daemon.journal import COMMITTED, EXPORTED, PUBLISHED, PUBLISHING, QUARANTINED
+from stagerd.daemon.journal import (
+    COMMITTED,
+    EXPORTED,
+    EXPORTING,
+    PUBLISHED,
+    PUBLISHING,
+    QUARANTINED,
+    LaneState,
+    StepState,
+)
 from stagerd.daemon.policy import Failure, decide_failure
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, StagerdError
@@ -67,7 +76,7 @@ class Tasks(Health):
         self._journal_up()
         if attempt == 1 and row is not None:
             self.metrics.pickup_seconds.observe(max(0.0, time.time() - row.marker_mtime))
-        self._log_step(step, None, "exporting", attempt=attempt)
+        self._log_step(step, None, EXPORTING, attempt=attempt)
         await self._try_refresh()
         t0 = time.monotonic()
         try:
@@ -136,14 +145,14 @@ class Tasks(Health):
     async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
         """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
         f = decide_failure(err, attempt, self.settings, time.time())
-        fail: Callable[..., str]
+        fail: Callable[..., StepState | LaneState]
         if sink is None:
             stage, what = "export", f"step {step}"
             fail = partial(self._journal.fail_export, step)
         else:
             stage, what = "publish", f"step {step} on {sink}"
             fail = partial(self._journal.fail_publish, step, sink)
-        state = await self._record(
+        state: StepState | LaneState = await self._record(
             f"record the failed {stage} of {what}",
             fail,
             f.error_class,
@@ -155,7 +164,13 @@ class Tasks(Health):
         self._log_failure(step, sink, state, f, attempt, err)
 
     def _log_failure(
-        self, step: int, sink: str | None, state: str, f: Failure, attempt: int, err: BaseException
+        self,
+        step: int,
+        sink: str | None,
+        state: StepState | LaneState,
+        f: Failure,
+        attempt: int,
+        err: BaseException,
     ) -> None:
         if f.quarantine or f.next_try is None:
             note = f"{f.error_class}: {f.message}; kept on disk, will not be retried"
