@@ -22,8 +22,6 @@ from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
 
-# --dtype spellings the export engine takes, by safetensors name.
-
 
 @dataclass(frozen=True)
 class Extra:
