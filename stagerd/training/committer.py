@@ -33,6 +33,25 @@ from stagerd.training.writers import ModelWriter, OptimWriter, staged_files, sta
 
 log = logging.getLogger("stagerd.stage")
 
+# How long a refused save waits for DCP's upload thread to finish creating its checkpoint process.
+SETTLE_TIMEOUT_S = 300.0
+
+
+def _settle(upload: Future[Metadata]) -> None:
+    """Wait for a gated-off upload to return before the next save may start another.
+
+    With the process checkpointer, the first upload creates DCP's checkpoint process (a rendezvous of
+    every rank's) on its own thread, and the next save rendezvouses for a new one if it does not exist
+    yet. Left running, the two creations race on every rank, and ranks that keep different processes
+    lose their peers mid-write ("Connection closed by peer").
+    """
+    try:
+        upload.result(timeout=SETTLE_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("DCP's upload thread still running %.0f s after a refused save", SETTLE_TIMEOUT_S)
+    except (Exception, CheckpointException):  # the gate's error, as expected
+        pass
+
 
 class Committer:
     """Runs the check-ins, DCP's writes and the marker of each save, in the same order on every rank."""
@@ -110,6 +129,8 @@ class Committer:
             check_in(comm, spec, "staging", local)
         except Exception as e:
             gate.set_exception(e)  # DCP's upload, where it started, returns without writing anything
+            if upload is not None:
+                _settle(upload)
             raise
         gate.set_result(staged[0])
         assert upload is not None  # no rank failed to start, this one included

@@ -94,3 +94,33 @@ def test_process_checkpointer_with_node_local_roots(tmp_path):
     for name, ref in want.items():
         with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
             assert torch.equal(f.get_tensor(name).view(torch.uint8), ref.view(torch.uint8)), name
+
+
+def _late_checkpoint_process_run(rank: int, world: int, init_file: str, base: str) -> None:
+    """The same run, with rank 1's DCP checkpoint process registered 6 s after it was created."""
+    import time
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    created: list[int] = []
+    original_init = executor._AsyncCheckpointProcess.__init__
+
+    def late_init(self, *args, **kwargs) -> None:
+        original_init(self, *args, **kwargs)
+        created.append(1)
+        if rank == 1 and len(created) == 1:
+            time.sleep(6)  # as a loaded machine may: the refused save's upload thread is still busy
+
+    executor._AsyncCheckpointProcess.__init__ = late_init
+    _node_local_run(rank, world, init_file, base)
+    (Path(base) / f"created{rank}.json").write_text(json.dumps(len(created)))
+
+
+def test_a_refused_save_does_not_race_the_next_for_the_checkpoint_process(tmp_path):
+    """The refused step 2 started DCP's upload, which creates the checkpoint process on its own thread;
+    step 3 must not start a second creation meanwhile (ranks then keep different processes and lose
+    each other mid-write: the CI failure "writing optim/ failed: Connection closed by peer")."""
+    spawn_bounded(_late_checkpoint_process_run, str(tmp_path))
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"created{r}.json").read_text()) == 1
+        assert layout.is_committed(tmp_path / f"node{r}" / "step-00000003")
