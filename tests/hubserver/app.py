@@ -1,175 +1,44 @@
 """The WSGI application: the subset of the Hugging Face Hub HTTP API that huggingface_hub 2.4 uses.
 
-Test infrastructure only. Requests and response fields follow the installed client
-(`hf_api.py`, `_commit_api.py`, `lfs.py`, `file_download.py`, `utils/_pagination.py`):
-
-- `POST /api/repos/create`, `GET /api/models/{repo}[/revision/{rev}]`, `GET /api/whoami-v2`
-- `POST /api/validate-yaml` (create_commit checks a README.md's front matter with it)
-- `POST /api/models/{repo}/preupload/{rev}` -> upload mode (lfs/regular) and the remote oid per file
-- `POST /{repo}.git/info/lfs/objects/batch` -> basic (one PUT) or multipart (PUT per part, then POST
-  completion) actions plus verify; objects the repo already holds get no actions (no re-upload)
-- `POST /api/models/{repo}/commit/{rev}`: ndjson header (`summary`, `description`, `parentCommit`) then
-  `file`, `lfsFile`, `deletedFile`, `deletedFolder` lines; a stale `parentCommit` is a 412
-- `GET .../refs`, `GET .../commits/{rev}` (`limit` per page, `p` the page number, `Link` to the next)
-  and `GET .../tree/{rev}[/{path}]` (paginated by `Link`),
-  `POST|DELETE .../tag/{rev}`, `POST|DELETE .../branch/{name}`
-- `GET|HEAD /{repo}/resolve/{rev}/{path}` with `X-Repo-Commit`, `ETag` and `Range`
-
-Routing matches the raw (still percent-encoded) path, so a revision like `a%2Fb` stays one segment.
+Test infrastructure only. The endpoints and their URL rules are in `routes`, the LFS upload endpoints in
+`lfs`, shared types and helpers in `wire`.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
-import os
 import re
-import secrets
-import socket
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from math import ceil
-from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlencode
+from urllib.parse import unquote, urlencode
 
 import yaml
 from werkzeug.exceptions import HTTPException
-from werkzeug.routing import Map, Rule
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 
 from tests.hubserver.faults import Fault, FaultPlan
+from tests.hubserver.lfs import LfsEndpoints, _Upload
+from tests.hubserver.routes import URLS
 from tests.hubserver.store import Blob, HubStore, Repo, folder_oid, hub_date, list_tree
-
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
-_REGULAR_MAX = 10 * 1024 * 1024  # the Hub stores larger files in LFS whatever their name
-
-_URLS = Map(
-    [
-        Rule("/api/whoami-v2", endpoint="whoami", methods=["GET"]),
-        Rule("/api/validate-yaml", endpoint="validate_yaml", methods=["POST"]),
-        Rule("/api/repos/create", endpoint="create_repo", methods=["POST"]),
-        Rule("/api/models/<org>/<name>", endpoint="repo_info", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/revision/<rev>", endpoint="repo_info", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/preupload/<rev>", endpoint="preupload", methods=["POST"]),
-        Rule("/api/models/<org>/<name>/commit/<rev>", endpoint="commit", methods=["POST"]),
-        Rule("/api/models/<org>/<name>/refs", endpoint="refs", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/commits/<rev>", endpoint="commits", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/tree/<rev>", endpoint="tree", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/tree/<rev>/<path:sub>", endpoint="tree", methods=["GET"]),
-        Rule("/api/models/<org>/<name>/tag/<rev>", endpoint="tag", methods=["POST", "DELETE"]),
-        Rule("/api/models/<org>/<name>/branch/<rev>", endpoint="branch", methods=["POST", "DELETE"]),
-        Rule("/<org>/<repo_git>/info/lfs/objects/batch", endpoint="lfs_batch", methods=["POST"]),
-        Rule("/<org>/<name>/resolve/<rev>/<path:file>", endpoint="resolve", methods=["GET"]),
-        Rule("/_lfs/put/<ticket>", endpoint="lfs_put", methods=["PUT"]),
-        Rule("/_lfs/part/<ticket>/<int:part>", endpoint="lfs_part", methods=["PUT"]),
-        Rule("/_lfs/complete/<ticket>", endpoint="lfs_complete", methods=["POST"]),
-        Rule("/_lfs/verify/<org>/<name>", endpoint="lfs_verify", methods=["POST"]),
-    ]
+from tests.hubserver.wire import (
+    HubConfig,
+    HubFail,
+    HubStats,
+    LfsBodyHook,
+    RequestLog,
+    _drop_connection,
+    _int_arg,
+    _json,
 )
 
-
-class HubFail(Exception):
-    """An API error answered as JSON, with the Hub's X-Error-Code / X-Error-Message headers."""
-
-    def __init__(
-        self, status: int, message: str, code: str | None = None, headers: dict | None = None, **extra: Any
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-        self.headers = dict(headers or {})
-        self.extra = extra
+__all__ = ["HubApp", "HubConfig", "HubFail", "HubStats", "LfsBodyHook"]
 
 
-@dataclass
-class HubConfig:
-    """Tunables of one server. Small values exercise multipart and pagination in tests."""
-
-    multipart_threshold: int = 64 * 1024 * 1024
-    multipart_chunk_size: int = 16 * 1024 * 1024
-    tree_page_size: int = 1000
-    commits_page_size: int = 50  # commits per page when the request names no `limit`
-    commits_page_max: int = 1000  # the largest `limit` honoured
-
-
-@dataclass
-class RequestLog:
-    method: str
-    path: str
-    status: int
-    at: float
-    authorization: bool
-
-
-@dataclass
-class HubStats:
-    """What the server saw, for assertions: every request, LFS uploads per oid, commits per repo."""
-
-    requests: list[RequestLog] = field(default_factory=list)
-    lfs_uploads: Counter = field(default_factory=Counter)  # sha256 -> completed uploads
-    bytes_received: int = 0
-    commits: Counter = field(default_factory=Counter)  # repo_id -> commits made through the API
-    commits_served: int = 0  # commit entries sent by the history endpoint
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def count(self, method: str, pattern: str, status: int | None = None) -> int:
-        """How many requests matched `method` and the path regex `pattern` (and `status`, if given)."""
-        with self.lock:
-            return sum(
-                1
-                for r in self.requests
-                if r.method == method
-                and re.search(pattern, r.path)
-                and (status is None or r.status == status)
-            )
-
-    def times(self, method: str, pattern: str) -> list[float]:
-        with self.lock:
-            return [r.at for r in self.requests if r.method == method and re.search(pattern, r.path)]
-
-
-@dataclass
-class LfsBodyHook:
-    """Calls `fn()` once, from the server thread, when the `nth` LFS upload request (a basic PUT or one
-    multipart part) to receive `after` bytes of its body has received them: mid-upload, by design."""
-
-    after: int
-    fn: Callable[[], None]
-    nth: int = 1
-    crossed: int = 0
-    fired: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def progress(self, before: int, now: int) -> None:
-        """One request's body went from `before` to `now` bytes."""
-        if not before < self.after <= now:
-            return
-        with self.lock:
-            self.crossed += 1
-            fire = self.crossed == self.nth
-            self.fired = self.fired or fire
-        if fire:
-            self.fn()
-
-
-@dataclass
-class _Upload:
-    repo_id: str
-    oid: str
-    size: int
-    chunk_size: int | None
-    parts: dict[int, tuple[Path, str]] = field(default_factory=dict)
-
-
-class HubApp:
+class HubApp(LfsEndpoints):
     """WSGI callable. Tokens map to (user, role) with role `write` or `read`."""
 
     def __init__(
@@ -251,7 +120,7 @@ class HubApp:
 
     def _dispatch(self, request: Request, raw_path: str) -> Response:
         try:
-            endpoint, args = _URLS.bind_to_environ(request.environ).match(raw_path, method=request.method)
+            endpoint, args = URLS.bind_to_environ(request.environ).match(raw_path, method=request.method)
             args = {k: unquote(v) if isinstance(v, str) else v for k, v in args.items()}
             return getattr(self, f"h_{endpoint}")(request, raw_path=raw_path, **args)
         except HubFail as e:
@@ -462,178 +331,6 @@ class HubApp:
 
     # --- uploads ------------------------------------------------------------------------------------
 
-    def h_preupload(self, request: Request, org: str, name: str, rev: str, **_: Any) -> Response:
-        repo, _user = self._repo(request, org, name, write=True)
-        commit = self._rev(repo, rev)
-        out = []
-        for f in self._body(request).get("files", []):
-            sample = base64.b64decode(f.get("sample", ""))
-            lfs = f["path"].endswith(_LFS_SUFFIXES) or int(f["size"]) > _REGULAR_MAX or b"\0" in sample
-            remote = commit.tree.get(f["path"])
-            oid = None if remote is None else (remote.sha256 if remote.is_lfs else remote.git_oid)
-            out.append(
-                {
-                    "path": f["path"],
-                    "uploadMode": "lfs" if lfs else "regular",
-                    "shouldIgnore": False,
-                    "oid": oid,
-                }
-            )
-        return _json({"files": out, "commitOid": commit.oid})
-
-    def h_lfs_batch(self, request: Request, org: str, repo_git: str, **_: Any) -> Response:
-        if not repo_git.endswith(".git"):
-            raise HubFail(404, "Not found")
-        repo, _user = self._repo(request, org, repo_git.removesuffix(".git"), write=True)
-        body = self._body(request)
-        if body.get("operation") != "upload":
-            raise HubFail(400, "only the upload operation is supported")
-        base = request.host_url.rstrip("/")
-        objects, multipart = [], False
-        for obj in body.get("objects", []):
-            oid, size = obj.get("oid"), obj.get("size")
-            if not (isinstance(oid, str) and _HEX64.match(oid) and isinstance(size, int) and size >= 0):
-                objects.append(
-                    {"oid": str(oid), "size": int(size or 0), "error": {"code": 422, "message": "bad oid"}}
-                )
-                continue
-            with self.store.lock:
-                held = repo.lfs.get(oid)
-            if held is not None:
-                if held != size:
-                    objects.append(
-                        {"oid": oid, "size": size, "error": {"code": 422, "message": "size mismatch"}}
-                    )
-                else:
-                    objects.append({"oid": oid, "size": size, "authenticated": True})
-                continue
-            ticket = secrets.token_urlsafe(16)
-            verify = {"href": f"{base}/_lfs/verify/{quote(repo.repo_id, safe='/')}", "header": {}}
-            if size > self.config.multipart_threshold and "multipart" in body.get("transfers", ["basic"]):
-                multipart = True
-                chunk = self.config.multipart_chunk_size
-                self._uploads[ticket] = _Upload(repo.repo_id, oid, size, chunk)
-                header = {"chunk_size": str(chunk)}
-                header.update(
-                    {str(i): f"{base}/_lfs/part/{ticket}/{i}" for i in range(1, ceil(size / chunk) + 1)}
-                )
-                upload = {"href": f"{base}/_lfs/complete/{ticket}", "header": header}
-            else:
-                self._uploads[ticket] = _Upload(repo.repo_id, oid, size, None)
-                upload = {"href": f"{base}/_lfs/put/{ticket}"}
-            objects.append(
-                {
-                    "oid": oid,
-                    "size": size,
-                    "authenticated": True,
-                    "actions": {"upload": upload, "verify": verify},
-                }
-            )
-        return _json(
-            {"transfer": "multipart" if multipart else "basic", "objects": objects, "hash_algo": "sha256"},
-            headers={"Content-Type": "application/vnd.git-lfs+json"},
-        )
-
-    def _copy_body(self, request: Request, f: Any, h: Any) -> int:
-        """Stream an LFS request body into the open file `f`, hashing it with `h`; returns its size."""
-        n, hook = 0, self.lfs_hook
-        try:
-            while chunk := request.stream.read(1 << 20):
-                h.update(chunk)
-                f.write(chunk)
-                n += len(chunk)
-                if hook is not None:
-                    hook.progress(n - len(chunk), n)
-        finally:
-            with self.stats.lock:
-                self.stats.bytes_received += n
-        return n
-
-    def _receive(self, request: Request, dest: Path) -> tuple[int, str]:
-        """Stream the request body into `dest`, returning (size, sha256); a cut-off body leaves no file."""
-        h = hashlib.sha256()
-        try:
-            with open(dest, "wb") as f:
-                n = self._copy_body(request, f, h)
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
-        return n, h.hexdigest()
-
-    def _store_object(self, up: _Upload, tmp: Path, size: int, sha: str) -> None:
-        if size != up.size or sha != up.oid:
-            tmp.unlink(missing_ok=True)
-            raise HubFail(
-                400, f"uploaded content does not match oid {up.oid} / size {up.size} (got {sha} / {size})"
-            )
-        os.replace(tmp, self.store.lfs_path(up.oid))
-        with self.store.lock:
-            self.store.repos[up.repo_id].lfs[up.oid] = up.size
-        with self.stats.lock:
-            self.stats.lfs_uploads[up.oid] += 1
-
-    def _ticket(self, ticket: str) -> _Upload:
-        up = self._uploads.get(ticket)
-        if up is None:
-            raise HubFail(403, "unknown or expired upload URL")
-        return up
-
-    def h_lfs_put(self, request: Request, ticket: str, **_: Any) -> Response:
-        up = self._ticket(ticket)
-        tmp = self._tmp / f"{ticket}.{threading.get_ident()}"
-        size, sha = self._receive(request, tmp)
-        self._store_object(up, tmp, size, sha)
-        return Response(status=200)
-
-    def h_lfs_part(self, request: Request, ticket: str, part: int, **_: Any) -> Response:
-        up = self._ticket(ticket)
-        if up.chunk_size is None or not 1 <= part <= ceil(up.size / up.chunk_size):
-            raise HubFail(400, f"bad part number {part}")
-        # Parts land at their offset in one file, in any order, like an S3 multipart upload.
-        whole = self._tmp / f"{ticket}.whole"
-        with self.store.lock:
-            if not whole.exists():
-                whole.touch()
-        h = hashlib.md5(usedforsecurity=False)
-        with open(whole, "r+b") as f:
-            f.seek((part - 1) * up.chunk_size)
-            n = self._copy_body(request, f, h)
-        expected = min(up.chunk_size, up.size - (part - 1) * up.chunk_size)
-        if n != expected:
-            raise HubFail(400, f"part {part} is {n} bytes, expected {expected}")
-        etag = f'"{h.hexdigest()}"'
-        up.parts[part] = (whole, etag)
-        return Response(status=200, headers={"ETag": etag})
-
-    def h_lfs_complete(self, request: Request, ticket: str, **_: Any) -> Response:
-        up = self._ticket(ticket)
-        body = self._body(request)
-        parts = body.get("parts", [])
-        n = ceil(up.size / (up.chunk_size or 1))
-        if body.get("oid") != up.oid or [p.get("partNumber") for p in parts] != list(range(1, n + 1)):
-            raise HubFail(400, f"completion must list parts 1..{n} of {up.oid}")
-        for p in parts:
-            held = up.parts.get(p["partNumber"])
-            if held is None or held[1] != p.get("etag"):
-                raise HubFail(400, f"part {p['partNumber']} missing or etag mismatch")
-        whole = self._tmp / f"{ticket}.whole"
-        h, size = hashlib.sha256(), 0
-        with open(whole, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-                size += len(chunk)
-        self._store_object(up, whole, size, h.hexdigest())
-        return _json({})
-
-    def h_lfs_verify(self, request: Request, org: str, name: str, **_: Any) -> Response:
-        repo, _user = self._repo(request, org, name, write=True)
-        body = self._body(request)
-        with self.store.lock:
-            held = repo.lfs.get(body.get("oid"))
-        if held is None or held != body.get("size"):
-            raise HubFail(404, f"object {body.get('oid')} of size {body.get('size')} not found")
-        return _json({})
-
     def h_commit(self, request: Request, org: str, name: str, rev: str, **_: Any) -> Response:
         repo, user = self._repo(request, org, name, write=True)
         lines = [json.loads(line) for line in request.get_data().splitlines() if line.strip()]
@@ -718,26 +415,3 @@ class HubApp:
         response.headers["X-Repo-Commit"] = commit.oid
         response.headers["Accept-Ranges"] = "bytes"
         return response
-
-
-def _drop_connection(environ: dict) -> None:
-    """Close the client's socket without an answer; werkzeug treats the error as a dropped connection."""
-    sock: socket.socket = environ["werkzeug.socket"]
-    sock.shutdown(socket.SHUT_RDWR)
-    raise ConnectionAbortedError("injected fault: connection dropped")
-
-
-def _int_arg(request: Request, name: str, default: int, minimum: int) -> int:
-    value = request.args.get(name)
-    if value is None:
-        return default
-    if not value.isdigit() or int(value) < minimum:
-        raise HubFail(400, f"invalid {name}={value!r}: expected an integer >= {minimum}")
-    return int(value)
-
-
-def _json(data: Any, status: int = 200, headers: dict | None = None) -> Response:
-    response = Response(json.dumps(data), status=status, mimetype="application/json")
-    for k, v in (headers or {}).items():
-        response.headers[k] = v
-    return response

@@ -1,0 +1,48 @@
+"""The Hub sink's pure parts: its URL and the commit plan / tree comparison (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagerd.errors import ConfigError
+from stagerd.sinks.hub import HubSink
+from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit
+from stagerd.sinks.hub.url import parse_hub_url
+
+
+def test_url_parsing():
+    t = parse_hub_url("hf://acme/llm@release?private=false&token=hf_abcdefghij")
+    assert (t.repo_id, t.revision, t.options["private"]) == ("acme/llm", "release", "false")
+    assert t.redacted == "hf://acme/llm@release"
+    assert parse_hub_url("hf://acme/llm").revision is None
+    for bad in ("s3://acme/llm", "hf://acme", "hf://a/b/c", "hf://acme/llm@", "hf://acme/ll m"):
+        with pytest.raises(ConfigError):
+            parse_hub_url(bad)
+    with pytest.raises(ConfigError, match="colour"):
+        HubSink.from_url("hf://acme/llm?colour=blue", token="x")
+    with pytest.raises(ConfigError, match="private"):
+        HubSink.from_url("hf://acme/llm?private=maybe", token="x")
+
+
+def test_plan_and_compare_are_pure():
+    a = HubFile("a.safetensors", 10, "1" * 64, None)
+    b = HubFile("b.json", 3, "2" * 64, "g" * 40)
+    parent = {
+        ".gitattributes": RemoteFile(".gitattributes", 5, "x" * 40, None),
+        "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "1" * 64),
+        "old.safetensors": RemoteFile("old.safetensors", 7, "q" * 40, "9" * 64),
+    }
+    plan = plan_commit([a, b], None, parent)
+    assert plan.adds == ("a.safetensors", "b.json") and plan.deletes == ("old.safetensors",)
+    assert plan.new_bytes == 3  # a.safetensors is already there, byte for byte
+
+    remote = {
+        "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "3" * 64),
+        "b.json": RemoteFile("b.json", 4, "g" * 40, None),
+        "extra.bin": RemoteFile("extra.bin", 1, "e" * 40, None),
+    }
+    assert compare_tree([a, b], None, remote, card_exact=True) == [
+        "a.safetensors: content differs (sha256/blob id)",
+        "b.json: 4 bytes on the Hub, 3 in the export",
+        "extra.bin: not in the export",
+    ]
