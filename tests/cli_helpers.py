@@ -4,6 +4,11 @@
 on `PYTHONPATH` so the child imports this checkout, no metrics port (parallel children must not fight over
 9464), no colour, and stdin closed so nothing can wait for input. `env` entries are added on top (a value of
 None removes that variable).
+
+Besides settings, `env` may hold the TEST ONLY variables that no user setting offers (read by
+stagerd/daemon/tasks.py): STAGERD_TEST_PAUSE_AT=export|publish parks the worker inside its first progress
+report, i.e. with the export or upload under way, so a test can kill the daemon exactly there;
+STAGERD_TEST_PAUSE_SECONDS is how long it stays parked (default 3600).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,8 +41,12 @@ def run_cli(
     env: Mapping[str, str | None] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 120,
+    preexec: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`stagerd ARGS...` to completion, with stdout and stderr captured as text."""
+    """`stagerd ARGS...` to completion, with stdout and stderr captured as text.
+
+    `preexec` runs in the child before it starts (e.g. to set a resource limit there).
+    """
     return subprocess.run(
         [*STAGERD, *(str(a) for a in args)],
         env=clean_env(env),
@@ -47,4 +56,21 @@ def run_cli(
         timeout=timeout,
         stdin=subprocess.DEVNULL,
         check=False,
+        preexec_fn=preexec,
+    )
+
+
+def start_cli(
+    args: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str | None] | None = None,
+) -> subprocess.Popen[str]:
+    """`stagerd ARGS...` started in the background (a daemon), stdout and stderr piped as text."""
+    return subprocess.Popen(
+        [*STAGERD, *(str(a) for a in args)],
+        env=clean_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
     )

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.cli_helpers import REPO, STAGERD, clean_env
+from tests.gloo import join, launch
 
 
 def stage_copy(root: Path, step: int, model_src: Path, world: int, **marker: Any) -> Path:
@@ -107,34 +107,18 @@ class WatchProc:
         self.proc.send_signal(sig)
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a daemon subprocess: no inherited STAGERD_* settings, this checkout importable.
-
-    Besides settings, `extra` may hold the TEST ONLY variables that no user setting offers (read by
-    stagerd/daemon/tasks.py): STAGERD_TEST_PAUSE_AT=export|publish parks the worker inside its first
-    progress report, i.e. with the export or upload under way, so a test can kill the daemon exactly there;
-    STAGERD_TEST_PAUSE_SECONDS is how long it stays parked (default 3600).
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_") and k != "NOTIFY_SOCKET"}
-    env["PYTHONPATH"] = str(REPO)
-    env.update(extra)
-    return env
-
-
 async def start_watch(root: Path, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> WatchProc:
     """Start `python -m stagerd.cli watch ROOT ARGS...`; stdout and stderr go to a log file in `log_dir`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="watch-", suffix=".log", dir=log_dir)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stagerd.cli",
+        *STAGERD,
         "watch",
         str(root),
         *args,
         stdout=fd,
         stderr=fd,
-        env=env or child_env(),
+        env=env or clean_env(),
         cwd=str(REPO),
     )
     os.close(fd)
@@ -144,13 +128,11 @@ async def start_watch(root: Path, *args: str, log_dir: Path, env: dict[str, str]
 async def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str, str]:
     """Run `python -m stagerd.cli ARGS...` to completion: (exit code, stdout, stderr)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "stagerd.cli",
+        *STAGERD,
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=env or child_env(),
+        env=env or clean_env(),
         cwd=str(REPO),
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -205,7 +187,7 @@ def _train_rank(rank: int, world: int, init_file: str, root: str, steps: list[in
     from stagerd.training.stager import Stager
     from tests.dcp_fixtures import _local_block, mixed_tensors
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     try:
         mesh1 = init_device_mesh("cpu", (world,))
         mesh2 = init_device_mesh("cpu", (2, world // 2))
@@ -231,18 +213,7 @@ def _train_rank(rank: int, world: int, init_file: str, root: str, steps: list[in
 
 def train(root: Path, steps: list[int], world: int = 2, every: float = 0.5) -> None:
     """A real multi-process training job that saves `steps` with the Stager."""
-    import torch.multiprocessing as mp
-
-    fd, init_file = tempfile.mkstemp(prefix="stagerd-gloo-")
-    os.close(fd)
-    os.unlink(init_file)
-    try:
-        mp.start_processes(
-            _train_rank, args=(world, init_file, str(root), steps, every), nprocs=world, start_method="spawn"
-        )
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+    launch(_train_rank, str(root), steps, every, world=world)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,7 @@ to compare against.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import torch
 
 from stagerd.contract import layout
+from tests.gloo import join, launch
 
 Spec = dict[str, tuple[torch.Tensor, str]]  # name -> (full tensor, placement code)
 
@@ -89,7 +88,7 @@ def _rank_main(rank: int, world: int, init_file: str, out: str, builder: Callabl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     try:
         mesh1 = init_device_mesh("cpu", (world,))
         mesh2 = init_device_mesh("cpu", (2, world // 2)) if world % 2 == 0 else None
@@ -114,19 +113,8 @@ def dcp_save(
     out: Path, world: int = 4, builder: Callable[[], Spec] = mixed_tensors
 ) -> dict[str, torch.Tensor]:
     """Save `builder()`'s tensors with `world` gloo processes into `out`; return the full tensors."""
-    import torch.multiprocessing as mp
-
     out.mkdir(parents=True, exist_ok=True)
-    fd, init_file = tempfile.mkstemp(prefix="stagerd-gloo-")
-    os.close(fd)
-    os.unlink(init_file)
-    try:
-        mp.start_processes(
-            _rank_main, args=(world, init_file, str(out), builder), nprocs=world, start_method="spawn"
-        )
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+    launch(_rank_main, str(out), builder, world=world)
     return {k: v for k, (v, _) in builder().items()}
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from stagerd.cli import main
 from stagerd.cmd.publish import step_from_path
 from stagerd.contract import layout
 from tests import s3server
+from tests.cli_helpers import run_cli
 from tests.s3server import SECRET_KEY, Fault
 from tests.sinks.test_sink_fsspec import make_export, tree_bytes
 
@@ -99,9 +97,7 @@ def test_s3_failing_past_retries_exits_3(s3, tmp_path, capsys, monkeypatch):
 
 def test_the_installed_command_runs(tmp_path):
     export = export_at(tmp_path, 11)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    cmd = [sys.executable, "-m", "stagerd.cli", "publish", str(export), "--sink", f"file://{tmp_path / 'd'}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    r = run_cli(["publish", export, "--sink", f"file://{tmp_path / 'd'}"])
     assert r.returncode == 0, r.stderr
     assert "published step 11" in r.stdout
     assert (tmp_path / "d" / "latest").read_text() == "step-00000011"

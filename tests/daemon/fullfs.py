@@ -11,7 +11,6 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import pytest
 from stagerd.contract import layout
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def mount(d: Path, options: str) -> subprocess.CompletedProcess:
@@ -56,17 +54,6 @@ def fill(fs: Path, leave_pages: int = 0) -> Path:
 
 def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-def run_cli(*args: str, preexec: Callable[[], None] | None = None, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stagerd.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=preexec,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
-    )
 
 
 def full_root(step_dir: Path, tmpfs: Callable[..., Path], state: Path) -> Path:

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from stagerd.daemon.journal import (
@@ -34,7 +33,6 @@ from stagerd.daemon.journal import (
     Journal,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 BASE_SINKS = ["file:///a", "s3://bucket/run"]
 SETUP_STEPS = 300  # published steps that each sink change sends through one big transaction
 

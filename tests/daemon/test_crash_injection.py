@@ -20,13 +20,11 @@ it the Hub test server itself SIGKILLs the daemon once an upload body is partly 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,20 +34,19 @@ from typing import Any
 import pytest
 
 from stagerd.contract import layout
-from stagerd.daemon.journal import Journal
 from stagerd.ops.crashpoints import ENV, POINTS
 from tests import s3server
+from tests.cli_helpers import STAGERD
+from tests.daemon.crash_checks import Case, assert_recovered, file_manifests, run_env
 from tests.daemon.crash_reader import (
     HUB_REPO,
     Files,
     Reader,
     Sinks,
     dir_files,
-    dir_files_except_manifest,
-    hub_files,
     sha256_file,
 )
-from tests.daemon_helpers import REPO, child_env, fast_flags
+from tests.daemon_helpers import REPO, clean_env, fast_flags
 from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
 
 s3_server, s3 = s3server.s3_server, s3server.s3
@@ -87,7 +84,7 @@ def stage(root: Path, step: int, model: Path) -> Path:
 
 
 def watch_cmd(root: Path, sinks: list[str], *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--once", *fast_flags(), *extra]
+    cmd = [*STAGERD, "watch", str(root), "--once", *fast_flags(), *extra]
     for url in sinks:
         cmd += ["--sink", url]
     return cmd
@@ -105,7 +102,7 @@ def reference(tmp_path_factory, dcp_mixed2, dcp_big) -> dict[str, dict[int, File
             stage(root, step, model)
         r = subprocess.run(
             watch_cmd(root, [(base / "sink").as_uri()]),
-            env=child_env(),
+            env=clean_env(),
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -117,29 +114,6 @@ def reference(tmp_path_factory, dcp_mixed2, dcp_big) -> dict[str, dict[int, File
 
 
 # -- the cases -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """Kill at the `n`-th arrival at `point`, with these sinks and steps; then, for a chain of crashes,
-    restart and kill again at each of `then` (`point:N`) before the clean restart. A kill that comes from
-    outside the daemon (the Hub server's LFS hook) names no crash point: its `point` is only a label."""
-
-    point: str
-    n: int
-    sinks: tuple[str, ...] = ("file",)
-    kind: str = "small"
-    steps: tuple[int, ...] = (1, 2)
-    keep_last: int | None = None
-    then: tuple[str, ...] = ()
-
-    @property
-    def kills(self) -> list[str]:
-        return [f"{self.point}:{self.n}", *self.then]
-
-    @property
-    def id(self) -> str:
-        return f"{'>'.join(self.kills)}-{'+'.join(self.sinks)}"
 
 
 # dcp_mixed2 exports with 30 byte moves per step and 2 extras; exports run one at a time, in step order.
@@ -218,46 +192,6 @@ def sinks_for(request, tmp_path) -> Iterator[Callable[..., Sinks]]:
         hub.stop()
 
 
-def run_env(sinks: Sinks, **extra: str) -> dict[str, str]:
-    env = child_env(**extra)
-    if sinks.hub is not None:
-        env.update(
-            HF_ENDPOINT=sinks.hub.endpoint,
-            HF_TOKEN=sinks.hub.token,
-            HF_HUB_DISABLE_XET="1",
-            HF_HUB_DISABLE_PROGRESS_BARS="1",
-        )
-    return env
-
-
-def published_events(root: Path) -> tuple[dict[int, int], dict[tuple[int, str], int]]:
-    """(step -> step-level `published` events, (step, sink) -> lane `published` events), and states."""
-    j = Journal.open_readonly(root)
-    try:
-        steps: dict[int, int] = {}
-        lanes: dict[tuple[int, str], int] = {}
-        for e in j.events():
-            if e.to_state != "published":
-                continue
-            if e.sink is None:
-                steps[e.step] = steps.get(e.step, 0) + 1
-            else:
-                lanes[(e.step, e.sink)] = lanes.get((e.step, e.sink), 0) + 1
-        return steps, lanes
-    finally:
-        j.close()
-
-
-def file_manifests(d: Path | None) -> dict[int, tuple[int, bytes]]:
-    """step -> (inode, bytes) of each file:// manifest: a restart must leave committed ones untouched."""
-    if d is None:
-        return {}
-    out = {}
-    for m in d.glob(f"step-*/{layout.MANIFEST_NAME}"):
-        out[json.loads(m.read_text())["step"]] = (m.stat().st_ino, m.read_bytes())
-    return out
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_sigkill_at_crash_point_then_restart(case: Case, tmp_path, reference, dcp_mixed2, dcp_big, sinks_for):
     model = dcp_mixed2[0] if case.kind == "small" else dcp_big
@@ -295,109 +229,6 @@ def test_sigkill_at_crash_point_then_restart(case: Case, tmp_path, reference, dc
     finally:
         violations = reader.stop()
     assert_recovered(case, root, sinks, expected, restarted, violations, reader, killed, after_crash)
-
-
-def assert_recovered(
-    case: Case,
-    root: Path,
-    sinks: Sinks,
-    expected: dict[int, Files],
-    restarted: subprocess.CompletedProcess,
-    violations: list[str],
-    reader: Reader,
-    killed: list[int],
-    after_crash: dict[int, tuple[int, bytes]],
-) -> None:
-    """What every kill case checks once the clean restart has run: published once, byte for byte, nothing
-    half-done, and the reader never saw a partial step."""
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert f"{len(case.steps)} step(s) published, 0 not" in restarted.stdout
-    assert not violations, violations
-    assert reader.polls > 10, reader.polls
-
-    # -- published exactly once, per the journal --------------------------------------------------------
-    retired = (
-        set(case.steps[: max(0, len(case.steps) - case.keep_last)]) if case.keep_last is not None else set()
-    )
-    j = Journal.open_readonly(root)
-    try:
-        states = {r.step: r.state for r in j.steps()}
-        lanes = {(ln.step, ln.sink): ln.state for ln in j.lanes()}
-    finally:
-        j.close()
-    assert states == {s: "retired" if s in retired else "published" for s in case.steps}
-    urls = sinks.urls()
-    assert lanes == {(s, u): "published" for s in case.steps for u in urls}
-    step_events, lane_events = published_events(root)
-    assert step_events == dict.fromkeys(case.steps, 1)
-    assert lane_events == {(s, u): 1 for s in case.steps for u in urls}
-
-    # -- ROOT: exports as a clean run made them; nothing half-deleted, nothing left over ---------------------
-    for step in case.steps:
-        step_dir = root / layout.step_dir_name(step)
-        if step in retired:
-            assert not step_dir.exists()
-            continue
-        assert dir_files(step_dir / layout.EXPORT_DIR) == expected[step]
-        assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
-    trash = root / layout.STATE_DIR / "trash"
-    assert not trash.exists() or not any(trash.iterdir())
-
-    # -- every sink: each step once, byte-identical to the clean export --------------------------------------
-    last = layout.step_dir_name(max(case.steps))
-    if sinks.file_dir is not None:
-        d = sinks.file_dir
-        for step in case.steps:
-            assert dir_files_except_manifest(d / layout.step_dir_name(step)) == expected[step]
-        assert (d / "latest").read_text().strip() == last
-        # Temp names (`.NAME.tmp-PID[-TID]`) are invisible to a reader. The restart must leave none of its
-        # own; the killed daemon's are removed only once the sink sweeps them (a file.upload kill leaves
-        # one every time: its case asserts none is left; other kills leave one only by timing).
-        leftovers = sorted(str(p.relative_to(d)) for p in d.rglob(".*"))
-        assert all(any(f".tmp-{pid}" in name for pid in killed) for name in leftovers), leftovers
-        if case.point == "file.upload":
-            assert not leftovers, f"temp files the killed daemon left in the file:// sink: {leftovers}"
-        now = file_manifests(d)
-        assert set(now) == set(case.steps)
-        assert {s: now[s] for s in after_crash} == after_crash, "a committed manifest was rewritten"
-    if sinks.s3 is not None:
-        s3env, base = sinks.s3, f"{sinks.s3_prefix}/"
-        for step in case.steps:
-            key = f"{base}{layout.step_dir_name(step)}/{layout.MANIFEST_NAME}"
-            puts = [r for r in s3env.proxy.log if r.op == "PutObject" and r.key.endswith(key)]
-            assert [r.status for r in puts if r.status == 200] == [200], (step, puts)
-            got = {
-                name: (len(data := s3env.get(f"{base}{layout.step_dir_name(step)}/{name}")), sha(data))
-                for name in expected[step]
-            }
-            assert got == expected[step]
-        objects = s3env.keys(base)
-        assert set(objects) == {f"{base}latest"} | {
-            f"{base}{layout.step_dir_name(s)}/{f}"
-            for s in case.steps
-            for f in [*expected[s], layout.MANIFEST_NAME]
-        }
-        assert s3env.get(f"{base}latest").decode().strip() == last
-        # A killed multipart upload stays pending until the restart's publish of that step sweeps it.
-        pending = s3env.client.list_multipart_uploads(Bucket=s3env.bucket).get("Uploads", [])
-        assert not pending, [u["Key"] for u in pending]
-    if sinks.hub is not None:
-        hub = sinks.hub
-        with hub.store.lock:
-            repo = hub.store.repos[HUB_REPO]
-            commits = [c for c in repo.commits.values() if c.title.startswith("stagerd: step")]
-            tags = dict(repo.tags)
-        assert sorted(c.title for c in commits) == [f"stagerd: step {s}" for s in case.steps]
-        assert hub.stats.commits[HUB_REPO] == len(case.steps)
-        assert set(tags) == {f"step-{s}" for s in case.steps}
-        for c in commits:
-            step = int(c.title.rsplit(" ", 1)[1])
-            assert tags[f"step-{step}"] == c.oid
-            assert hub_files(hub, c) == expected[step]
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # -- a kill inside the LFS upload, from the Hub server ------------------------------------------------------
@@ -491,32 +322,3 @@ def test_sigkill_inside_the_hub_lfs_upload_then_restart(
     # The restart sent the object whole, once; the cut-off body never became an object.
     assert list(hub.stats.lfs_uploads.values()) == [1], hub.stats.lfs_uploads
     assert not lfs_objects_are_whole(hub)
-
-
-# -- the mechanism itself ----------------------------------------------------------------------------------
-
-
-def test_crash_point_is_inert_without_the_variable_and_kills_at_the_nth_arrival(tmp_path):
-    probe = (
-        "from stagerd.ops.crashpoints import crash_point\n"
-        "for i in range(1, 6):\n"
-        "    crash_point('export.move'); crash_point('hub.commit')\n"
-        "    print(i, flush=True)\n"
-    )
-
-    def run(value: str | None) -> subprocess.CompletedProcess:
-        env = child_env(**({ENV: value} if value is not None else {}))
-        return subprocess.run(
-            [sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True, timeout=30
-        )
-
-    r = run(None)
-    assert r.returncode == 0 and r.stdout.split() == ["1", "2", "3", "4", "5"]
-    r = run("hub.commit:3")
-    assert r.returncode == -signal.SIGKILL and r.stdout.split() == ["1", "2"]
-    assert "crash point hub.commit:3 reached" in r.stderr
-    r = run("export.move")
-    assert r.returncode == -signal.SIGKILL and r.stdout.split() == []
-    r = run("no.such.point")
-    assert r.returncode == 1 and "unknown crash point" in r.stderr
-    assert os.environ.get(ENV) is None  # the test process itself never arms a crash point

@@ -3,7 +3,7 @@
 Every daemon here is a separate process started with `python -m stagerd.cli`; crashes are real SIGKILLs,
 placed deterministically with the test-only environment variable `STAGERD_TEST_PAUSE_AT` (not a setting:
 the worker sleeps inside its first progress report, i.e. with the export or the upload under way; see
-`tests.daemon_helpers.child_env`).
+`tests.cli_helpers.clean_env`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from tests.daemon_helpers import (
     REPO,
-    child_env,
+    clean_env,
     fast_flags,
     free_port,
     is_state,
@@ -98,7 +98,7 @@ async def test_training_job_writes_steps_while_watch_runs(tmp_path):
             "--every",
             "0.3",
             cwd=str(REPO),
-            env=child_env(),
+            env=clean_env(),
         )
         assert await asyncio.wait_for(job.wait(), 120) == 0
         for step in (10, 20, 30):
@@ -144,7 +144,7 @@ async def test_training_job_writes_steps_while_watch_runs(tmp_path):
             "print(buf.getvalue())\n"
         )
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", probe, stdout=asyncio.subprocess.PIPE, env=child_env(), cwd=str(REPO)
+            sys.executable, "-c", probe, stdout=asyncio.subprocess.PIPE, env=clean_env(), cwd=str(REPO)
         )
         out, _ = await proc.communicate()
         assert proc.returncode == 0
@@ -190,7 +190,7 @@ async def test_sigkill_mid_way_then_restart_publishes_each_step_once(tmp_path, m
         sink.as_uri(),
         *fast_flags(),
         log_dir=tmp_path,
-        env=child_env(STAGERD_TEST_PAUSE_AT=where),
+        env=clean_env(dict(STAGERD_TEST_PAUSE_AT=where)),
     )
     await w.wait_for(lambda r: r.get("test_pause") == where and r.get("step") == 1)
     w.kill(signal.SIGKILL)
@@ -229,7 +229,7 @@ async def test_sigterm_drains_in_flight_work_and_takes_no_new_work(tmp_path, mod
     root.mkdir()
     for step in (1, 2):
         stage_copy(root, step, src, 2)
-    env = child_env(STAGERD_TEST_PAUSE_AT="export", STAGERD_TEST_PAUSE_SECONDS="1.5")
+    env = clean_env(dict(STAGERD_TEST_PAUSE_AT="export", STAGERD_TEST_PAUSE_SECONDS="1.5"))
     w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
     await w.wait_for(lambda r: r.get("test_pause") == "export" and r.get("step") == 1)
     w.kill(signal.SIGTERM)
@@ -249,7 +249,7 @@ async def test_sigterm_past_the_grace_period_abandons_cleanly(tmp_path, model2):
     root, sink = tmp_path / "root", tmp_path / "sink"
     root.mkdir()
     stage_copy(root, 1, src, 2)
-    env = child_env(STAGERD_TEST_PAUSE_AT="publish")
+    env = clean_env(dict(STAGERD_TEST_PAUSE_AT="publish"))
     w = await start_watch(
         root, "--sink", sink.as_uri(), "--grace-seconds", "0.5", *fast_flags(), log_dir=tmp_path, env=env
     )
@@ -345,7 +345,7 @@ async def test_retention_never_deletes_a_step_one_sink_lacks(tmp_path, model2):
         "2",
         *fast_flags(),
         # and under disk pressure: every free byte counts as "low"
-        env=child_env(STAGERD_RETRY_BASE_SECONDS="0.1", STAGERD_LOW_DISK_FREE_PERCENT="100"),
+        env=clean_env(dict(STAGERD_RETRY_BASE_SECONDS="0.1", STAGERD_LOW_DISK_FREE_PERCENT="100")),
     )
     assert rc == 1, err
     assert "0 step(s) published, 2 not" in out and "SinkError" in out
@@ -377,7 +377,7 @@ async def test_once_exit_codes_and_config_errors(tmp_path):
     assert rc == 2 and "ConfigError" in err and "no sink" in err
     rc, _, err = await run_cli("watch", "--sink", "file:///x", "--once", *fast_flags())
     assert rc == 2 and "no ROOT given" in err
-    env = child_env(STAGERD_ROOT=str(root), STAGERD_SINKS=(tmp_path / "s").as_uri())
+    env = clean_env(dict(STAGERD_ROOT=str(root), STAGERD_SINKS=(tmp_path / "s").as_uri()))
     rc, out, _ = await run_cli("watch", "--once", *fast_flags(), env=env)
     assert rc == 0 and "0 step(s) published, 0 not" in out
     rc, _, err = await run_cli(

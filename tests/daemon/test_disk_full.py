@@ -13,11 +13,9 @@ Every case must end the same way: an OutputError with a message (exit 3, retryab
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +25,8 @@ from stagerd.contract import layout
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
 from stagerd.errors import OutputError
-from tests.daemon.fullfs import PAGE, REPO, WATCH_FLAGS, full_root, remount, run_cli, snapshot, usage
+from tests.cli_helpers import run_cli, start_cli
+from tests.daemon.fullfs import PAGE, WATCH_FLAGS, full_root, remount, snapshot, usage
 
 
 def assert_clean_failure(step: Path, before: dict[str, bytes], err: OutputError) -> None:
@@ -120,7 +119,7 @@ def test_consolidate_into_a_full_out(step_dir, tmpfs):
     fs = tmpfs(2 * PAGE)
     before = snapshot(step_dir)
 
-    r = run_cli("consolidate", str(step_dir), str(fs / "out"))
+    r = run_cli(["consolidate", step_dir, fs / "out"])
 
     assert_cli_output_error(r, "no space left")
     assert list(fs.iterdir()) == []  # neither OUT nor its temp sibling
@@ -142,13 +141,13 @@ def test_a_file_size_limit_is_a_clean_output_error(step_dir, tmp_path):
     before = snapshot(step_dir)
     out = tmp_path / "out"
 
-    r = run_cli("consolidate", str(step_dir), str(out), preexec=_limit_file_size(4096))
+    r = run_cli(["consolidate", step_dir, out], preexec=_limit_file_size(4096))
 
     assert_cli_output_error(r, "File too large")
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [step_dir.name]
     assert snapshot(step_dir) == before
 
-    ok = run_cli("consolidate", str(step_dir), str(out), preexec=_limit_file_size(1 << 30))
+    ok = run_cli(["consolidate", step_dir, out], preexec=_limit_file_size(1 << 30))
     assert ok.returncode == 0, ok.stderr
 
 
@@ -158,7 +157,7 @@ def test_watch_once_on_a_full_root_records_a_failed_step(step_dir, tmpfs, tmp_pa
     before = snapshot(step)
     sink = tmp_path / "published"
 
-    r = run_cli("watch", str(root), "--sink", sink.as_uri(), *WATCH_FLAGS, "--max-attempts", "1")
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), *WATCH_FLAGS, "--max-attempts", "1"])
 
     assert r.returncode != 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
@@ -166,7 +165,7 @@ def test_watch_once_on_a_full_root_records_a_failed_step(step_dir, tmpfs, tmp_pa
     assert snapshot(step) == before
     assert not (step / layout.EXPORT_DIR).exists() and not (step / layout.EXPORT_TMP_DIR).exists()
     assert not sink.exists() or not any(sink.rglob("*.safetensors"))
-    status = run_cli("status", str(root), "--json")
+    status = run_cli(["status", root, "--json"])
     assert status.returncode == 0, status.stderr
     (s,) = json.loads(status.stdout)["steps"]
     assert s["step"] == 100 and s["state"] == "quarantined"
@@ -176,14 +175,8 @@ def test_watch_once_on_a_full_root_records_a_failed_step(step_dir, tmpfs, tmp_pa
 def test_watch_retries_the_export_once_space_is_freed(step_dir, tmpfs, tmp_path):
     root = full_root(step_dir, tmpfs, tmp_path / "state")
     sink = tmp_path / "published"
-    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri(), *WATCH_FLAGS]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "STAGERD_RETRY_BASE_SECONDS": "1",
-        "STAGERD_MAX_ATTEMPTS": "3",
-    }
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {"STAGERD_RETRY_BASE_SECONDS": "1", "STAGERD_MAX_ATTEMPTS": "3"}
+    proc = start_cli(["watch", root, "--sink", sink.as_uri(), *WATCH_FLAGS], env=env)
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # JSON lines: wait for the first failed attempt

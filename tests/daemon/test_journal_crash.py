@@ -21,7 +21,6 @@ own `Journal.open` and `recover()`:
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import sqlite3
@@ -43,10 +42,10 @@ from stagerd.daemon.journal import (
     Journal,
     journal_path,
 )
+from tests.cli_helpers import REPO, clean_env
 from tests.daemon.journal_crash_child import (
     BASE_SINKS,
     LANE_MOVES,
-    REPO,
     SETUP_STEPS,
     STEP_MOVES,
     Model,
@@ -111,7 +110,7 @@ def start_child(root: Path, log: Path, seed: int, err: Path) -> subprocess.Popen
         return subprocess.Popen(
             [sys.executable, "-m", "tests.daemon.journal_crash_child", str(root), str(log), str(seed)],
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=clean_env(),
             stderr=stderr,
         )
 

@@ -8,7 +8,6 @@ called a full disk.
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import signal
 import sqlite3
@@ -23,7 +22,8 @@ from stagerd.contract import layout
 from stagerd.daemon.journal import Journal, journal_path
 from stagerd.engine.verify import verify_export
 from stagerd.errors import JournalError, JournalFullError
-from tests.daemon.fullfs import REPO, WATCH_FLAGS, fill, run_cli, snapshot
+from tests.cli_helpers import REPO, clean_env, run_cli, start_cli
+from tests.daemon.fullfs import WATCH_FLAGS, fill, snapshot
 
 # -- the journal's own filesystem fills up ------------------------------------------------------------------
 
@@ -185,7 +185,7 @@ def test_a_real_io_error_is_not_called_a_full_disk(tmp_path):
         text=True,
         timeout=60,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=clean_env(),
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("JournalError: ") and "disk I/O error" in r.stdout, r.stdout
@@ -200,7 +200,7 @@ def journal_on_tmpfs(root: Path, tmpfs: Callable[..., Path]) -> Path:
 
 
 def _watch_once(root: Path, sink: Path) -> subprocess.CompletedProcess:
-    return run_cli("watch", str(root), "--sink", sink.as_uri(), *WATCH_FLAGS)
+    return run_cli(["watch", root, "--sink", sink.as_uri(), *WATCH_FLAGS])
 
 
 def assert_resumes_and_publishes(root: Path, step: Path, sink: Path) -> None:
@@ -239,7 +239,7 @@ def test_watch_on_a_full_journal_disk_names_it_then_resumes_once_space_is_freed(
     assert "free space" in r.stderr
     # A clean stop empties the lock file, so with no page left its pid cannot be written: a warning only.
     assert ("cannot write this daemon's pid" in r.stderr) == (pages_left == 0), r.stderr
-    status = run_cli("status", str(root))
+    status = run_cli(["status", root])
     if journal == "existing":
         assert status.returncode == 3 and "the disk is full" in status.stderr, status.stderr
     else:
@@ -259,14 +259,8 @@ def test_journal_disk_filling_mid_export_loses_nothing_and_the_next_start_resume
     shutil.copytree(step_dir, step)
     before = snapshot(step)
     sink = tmp_path / "published"
-    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri(), *WATCH_FLAGS]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "STAGERD_TEST_PAUSE_AT": "export",
-        "STAGERD_TEST_PAUSE_SECONDS": "2",
-    }
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {"STAGERD_TEST_PAUSE_AT": "export", "STAGERD_TEST_PAUSE_SECONDS": "2"}
+    proc = start_cli(["watch", root, "--sink", sink.as_uri(), *WATCH_FLAGS], env=env)
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # the export is under way: fill the journal's disk now

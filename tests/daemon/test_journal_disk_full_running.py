@@ -25,7 +25,7 @@ from stagerd.errors import JournalFullError
 from tests.daemon.fullfs import fill, full_root, remount
 from tests.daemon_helpers import (
     WatchProc,
-    child_env,
+    clean_env,
     fast_flags,
     free_port,
     is_state,
@@ -132,7 +132,7 @@ async def test_a_running_daemon_waits_out_a_full_journal_disk_then_publishes_eve
     for step in (1, 2):
         stage_copy(root, step, src, 4)
     port = free_port()
-    env = child_env(STAGERD_TEST_PAUSE_AT=where, STAGERD_TEST_PAUSE_SECONDS="2", **BACKOFF)
+    env = clean_env(dict(STAGERD_TEST_PAUSE_AT=where, STAGERD_TEST_PAUSE_SECONDS="2", **BACKOFF))
     w = await start_watch(
         root, "--sink", sink.as_uri(), *fast_flags(metrics_port=port), log_dir=tmp_path / "log", env=env
     )
@@ -177,7 +177,7 @@ async def test_a_retry_that_cannot_begin_on_a_full_journal_disk_backs_off(step_d
         sink.as_uri(),
         *fast_flags(metrics_port=port),
         log_dir=tmp_path / "log",
-        env=child_env(**{**BACKOFF, "STAGERD_RETRY_BASE_SECONDS": "1", "STAGERD_MAX_ATTEMPTS": "20"}),
+        env=clean_env(dict(**{**BACKOFF, "STAGERD_RETRY_BASE_SECONDS": "1", "STAGERD_MAX_ATTEMPTS": "20"})),
     )
     try:
         await w.wait_for(is_state(100, "failed"))

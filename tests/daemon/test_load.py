@@ -19,7 +19,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ import pytest
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from tests import s3server
-from tests.daemon_helpers import REPO, child_env, fast_flags, stage_copy
+from tests.cli_helpers import STAGERD
+from tests.daemon_helpers import REPO, clean_env, fast_flags, stage_copy
 from tests.s3server import Fault
 
 s3_server, s3 = s3server.s3_server, s3server.s3
@@ -177,18 +177,18 @@ def run_load(
     root = tmp / "root"
     root.mkdir()
     sinks = [(tmp / "sink-a").as_uri(), (tmp / "sink-b").as_uri(), s3env.url("load")]
-    env = child_env(
-        **(env or {}),
-        STAGERD_RETRY_BASE_SECONDS="0.1",
-        STAGERD_RETRY_MAX_SECONDS="1",
-        STAGERD_MAX_ATTEMPTS="10000",
-        AWS_RETRY_MODE="standard",
-        AWS_MAX_ATTEMPTS="3",
+    env = clean_env(
+        dict(
+            **(env or {}),
+            STAGERD_RETRY_BASE_SECONDS="0.1",
+            STAGERD_RETRY_MAX_SECONDS="1",
+            STAGERD_MAX_ATTEMPTS="10000",
+            AWS_RETRY_MODE="standard",
+            AWS_MAX_ATTEMPTS="3",
+        )
     )
     cmd = [
-        sys.executable,
-        "-m",
-        "stagerd.cli",
+        *STAGERD,
         "watch",
         str(root),
         *fast_flags(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.engine.export import export_step
 from stagerd.errors import DTypeError, HeaderError, PlanError, ShardError
+from tests.cli_helpers import run_cli
 
 
 def first_shard(step: Path) -> Path:
@@ -122,10 +122,8 @@ def test_bad_step_is_a_named_error_and_leaves_no_export(step_dir, damage, error,
     assert (step_dir / "model").is_dir()  # staged data untouched
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stagerd.cli", *args], capture_output=True, text=True, timeout=120
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(args)
 
 
 @pytest.mark.parametrize(("damage", "error", "words"), CASES[:4], ids=[c[0].__name__ for c in CASES[:4]])

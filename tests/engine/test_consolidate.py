@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from stagerd.contract import layout
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
+from tests.cli_helpers import run_cli
 
 CASTABLE = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
@@ -226,10 +226,8 @@ def test_matches_torch_consolidation_on_float_tensors(tmp_path):
     )
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stagerd.cli", *args], capture_output=True, text=True, timeout=120
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(args)
 
 
 def test_cli_consolidate_and_verify(step_dir, tmp_path, dcp_mixed):

@@ -11,7 +11,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from stagerd.contract.dtypes import safetensors_name
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
 from stagerd.errors import MarkerError, PlanError, ShardError
+from tests.cli_helpers import run_cli
 from tests.dcp_fixtures import commit_step, dcp_save
 
 HOSTILE_NAMES = [
@@ -43,10 +43,8 @@ HOSTILE_NAMES = [
 ]
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "stagerd.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return run_cli(args, timeout=timeout)
 
 
 def _tree(root: Path) -> set[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from stagerd.contract import layout
 from tests import s3server
-from tests.daemon_helpers import REPO, child_env, fast_flags, stage_copy
+from tests.cli_helpers import STAGERD
+from tests.daemon_helpers import REPO, clean_env, fast_flags, stage_copy
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # moto behind a fault proxy on 127.0.0.1
 
@@ -27,14 +27,16 @@ def test_watch_once_publishes_every_step_to_hub_and_s3(dcp_mixed, s3, tmp_path: 
     for step in steps:
         stage_copy(root, step, src, world=4, dtype="bf16")
     with HubServer() as hub:
-        env = child_env(
-            HF_ENDPOINT=hub.endpoint,
-            HF_TOKEN=hub.token,
-            HF_HUB_DISABLE_XET="1",
-            HF_HUB_DISABLE_PROGRESS_BARS="1",
-            **{k: os.environ[k] for k in os.environ if k.startswith("AWS_")},
+        env = clean_env(
+            dict(
+                HF_ENDPOINT=hub.endpoint,
+                HF_TOKEN=hub.token,
+                HF_HUB_DISABLE_XET="1",
+                HF_HUB_DISABLE_PROGRESS_BARS="1",
+                **{k: os.environ[k] for k in os.environ if k.startswith("AWS_")},
+            )
         )
-        cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--once", *fast_flags()]
+        cmd = [*STAGERD, "watch", str(root), "--once", *fast_flags()]
         cmd += ["--sink", "hf://acme/tiny", "--sink", s3.url("runs/tiny")]
         r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-4000:]

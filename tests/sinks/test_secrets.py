@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
+from tests.cli_helpers import clean_env, run_cli, start_cli
 from tests.hubserver import HubConfig, HubServer, disable_xet
 from tests.s3server import SECRET_KEY, s3, s3_server  # noqa: F401  (fixtures)
 
 disable_xet()
-REPO = Path(__file__).resolve().parents[2]
 
 BOGUS_HF_TOKEN = "hf_stagerdBOGUStoken0do0not0log"
 BOGUS_AWS_SECRET = "stagerd-BOGUS-aws-secret-do-not-log"
@@ -58,13 +57,7 @@ class Transcript:
     def run(
         self, label: str, *args: str, env: dict[str, str], timeout: float = 180
     ) -> subprocess.CompletedProcess:
-        r = subprocess.run(
-            [sys.executable, "-m", "stagerd.cli", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-        )
+        r = run_cli(args, env=env, timeout=timeout)
         self.add(f"{label} (stdout)", r.stdout)
         self.add(f"{label} (stderr)", r.stderr)
         return r
@@ -92,17 +85,16 @@ class Transcript:
 
 
 def secret_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_")}
-    env.update(
-        PYTHONPATH=str(REPO),
-        HF_TOKEN=BOGUS_HF_TOKEN,
-        AWS_ACCESS_KEY_ID=env.get("AWS_ACCESS_KEY_ID", "stagerd-test-key"),
-        AWS_SECRET_ACCESS_KEY=env.get("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-        HF_HUB_DISABLE_XET="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
+    return clean_env(
+        {
+            "HF_TOKEN": BOGUS_HF_TOKEN,
+            "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "stagerd-test-key"),
+            "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            **extra,
+        }
     )
-    env.update(extra)
-    return env
 
 
 FAST_WATCH = ["--nice", "0", "--io-class", "none", "--rescan-seconds", "0.5"]
@@ -293,20 +285,7 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     port = _dead_port()
     sink = f"file://{tmp_path / 'published'}"
     env = secret_env(AWS_SESSION_TOKEN=SESSION_TOKEN)
-    cmd = [
-        sys.executable,
-        "-m",
-        "stagerd.cli",
-        "watch",
-        str(root),
-        "--sink",
-        sink,
-        "--metrics-port",
-        str(port),
-    ]
-    proc = subprocess.Popen(
-        [*cmd, *FAST_WATCH], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    proc = start_cli(["watch", root, "--sink", sink, "--metrics-port", str(port), *FAST_WATCH], env=env)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (tmp_path / "published").exists():

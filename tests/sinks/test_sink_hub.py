@@ -20,17 +20,13 @@ from huggingface_hub import (
 from huggingface_hub.utils import get_session
 from safetensors.numpy import save_file
 
-from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import Sink
 from stagerd.sinks.hub import (
-    HubFile,
     HubSink,
-    RemoteFile,
-    compare_tree,
-    parse_hub_url,
-    plan_commit,
     step_branch,
 )
+from tests.cli_helpers import run_cli
 from tests.hubserver import Fault, HubConfig, HubServer, disable_xet
 
 # No Xet CAS server here: the client must take the LFS path (HF_HUB_DISABLE_XET=1).
@@ -386,44 +382,6 @@ def test_bad_exports_are_named_errors(hub, tmp_path):
     assert hub.stats.count("POST", r"/commit/") == 0
 
 
-def test_url_parsing():
-    t = parse_hub_url("hf://acme/llm@release?private=false&token=hf_abcdefghij")
-    assert (t.repo_id, t.revision, t.options["private"]) == ("acme/llm", "release", "false")
-    assert t.redacted == "hf://acme/llm@release"
-    assert parse_hub_url("hf://acme/llm").revision is None
-    for bad in ("s3://acme/llm", "hf://acme", "hf://a/b/c", "hf://acme/llm@", "hf://acme/ll m"):
-        with pytest.raises(ConfigError):
-            parse_hub_url(bad)
-    with pytest.raises(ConfigError, match="colour"):
-        HubSink.from_url("hf://acme/llm?colour=blue", token="x")
-    with pytest.raises(ConfigError, match="private"):
-        HubSink.from_url("hf://acme/llm?private=maybe", token="x")
-
-
-def test_plan_and_compare_are_pure():
-    a = HubFile("a.safetensors", 10, "1" * 64, None)
-    b = HubFile("b.json", 3, "2" * 64, "g" * 40)
-    parent = {
-        ".gitattributes": RemoteFile(".gitattributes", 5, "x" * 40, None),
-        "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "1" * 64),
-        "old.safetensors": RemoteFile("old.safetensors", 7, "q" * 40, "9" * 64),
-    }
-    plan = plan_commit([a, b], None, parent)
-    assert plan.adds == ("a.safetensors", "b.json") and plan.deletes == ("old.safetensors",)
-    assert plan.new_bytes == 3  # a.safetensors is already there, byte for byte
-
-    remote = {
-        "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "3" * 64),
-        "b.json": RemoteFile("b.json", 4, "g" * 40, None),
-        "extra.bin": RemoteFile("extra.bin", 1, "e" * 40, None),
-    }
-    assert compare_tree([a, b], None, remote, card_exact=True) == [
-        "a.safetensors: content differs (sha256/blob id)",
-        "b.json: 4 bytes on the Hub, 3 in the export",
-        "extra.bin: not in the export",
-    ]
-
-
 def test_server_resolve_head_and_range(hub, tmp_path):
     export = write_export(tmp_path / "export")
     make_sink(hub).publish(export, 1)
@@ -437,23 +395,18 @@ def test_server_resolve_head_and_range(hub, tmp_path):
 
 
 def test_cli_publish_reads_hf_endpoint_and_hf_token_from_the_environment(hub, tmp_path):
-    import subprocess
-    import sys
-
     export = write_export(tmp_path / "step-00000042" / "export")
-    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
-    cmd = [sys.executable, "-m", "stagerd.cli", "publish", str(export), "--sink", f"hf://{REPO}"]
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+    args = ["publish", export, "--sink", f"hf://{REPO}"]
 
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    first = run_cli(args, env=env)
+    again = run_cli(args, env=env)
 
     assert first.returncode == 0, first.stderr
     assert again.returncode == 0, again.stderr
     assert hub.stats.commits[REPO] == 1
     assert make_sink(hub).is_published(42)
     assert hub.token not in first.stdout + first.stderr + again.stdout + again.stderr
-    bad = subprocess.run(
-        cmd, env={**env, "HF_TOKEN": "hf_" + "N0pe" * 8}, capture_output=True, text=True, timeout=120
-    )
+    bad = run_cli(args, env={**env, "HF_TOKEN": "hf_" + "N0pe" * 8})
     assert bad.returncode == 2 and "SinkAuthError" in bad.stderr + bad.stdout
     assert "N0peN0pe" not in bad.stderr + bad.stdout

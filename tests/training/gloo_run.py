@@ -1,14 +1,11 @@
-"""What the Stager's multi-process tests share: the 2-rank gloo launchers and a small sharded model.
+"""What the Stager's multi-process tests share: a small sharded model and the outcome of a save (the
+ranks are started by `tests.gloo`).
 
-Functions handed to the launchers run in spawned children, so they live in importable test modules.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -71,43 +68,6 @@ def full_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def record(out: Path, rank: int, rec: dict) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(rec))
-
-
-def spawn(fn, *args) -> None:
-    import torch.multiprocessing as mp
-
-    fd, init_file = tempfile.mkstemp(prefix="stagerd-test-gloo-")
-    os.close(fd)
-    os.unlink(init_file)
-    try:
-        mp.start_processes(fn, args=(WORLD, init_file, *args), nprocs=WORLD, start_method="spawn")
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-
-
-def spawn_bounded(fn, *args, deadline_s: float = 90.0) -> None:
-    """Like `spawn`, but a run still going at the deadline is killed and fails the test (a hang)."""
-    import torch.multiprocessing as mp
-
-    fd, init_file = tempfile.mkstemp(prefix="stagerd-test-gloo-")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.start_processes(
-        fn, args=(WORLD, init_file, *args), nprocs=WORLD, start_method="spawn", join=False
-    )
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() >= end:
-                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise AssertionError(f"ranks {alive} still running after {deadline_s:.0f} s: a hang")
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
 
 
 def attempt(stager, *args, **kwargs) -> dict:

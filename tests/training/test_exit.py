@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from stagerd.errors import SaveError, StepExistsError
-from tests.training.gloo_run import WORLD, attempt, dtensors, record, spawn_bounded
+from tests.gloo import join, launch
+from tests.training.gloo_run import WORLD, attempt, dtensors, record
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def _failure_paths_run(rank: int, world: int, init_file: str, root: str, out: st
 
     from stagerd import Stager
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     try:
         sd = dtensors(world, rank)
         threads = set(threading.enumerate())
@@ -134,7 +135,7 @@ def test_close_after_each_failure_path_leaves_no_group_or_thread(tmp_path):
     """2 ranks: after a refused step, a failed write and a timed-out check-in, close() leaves nothing."""
     out = tmp_path / "out"
     out.mkdir()
-    spawn_bounded(_failure_paths_run, str(tmp_path / "root"), str(out), deadline_s=120)
+    launch(_failure_paths_run, str(tmp_path / "root"), str(out), deadline_s=120)
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for rank, rec in enumerate(recs):
         assert "already committed" in (rec["refused"]["failed"]["save"] or ""), rec["refused"]

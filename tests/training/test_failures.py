@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from stagerd.contract import layout
+from tests.gloo import join, launch
 from tests.training.gloo_run import (
     WORLD,
     attempt,
@@ -21,7 +22,6 @@ from tests.training.gloo_run import (
     dtensors,
     record,
     slow_tensor,
-    spawn_bounded,
 )
 
 BIG_NUMEL = 24 << 20  # 96 MiB of fp32: more than the address space a failing rank has left while staging
@@ -45,7 +45,7 @@ def _failures_run(rank: int, world: int, init_file: str, root: str, out: str) ->
     from stagerd import Stager
     from stagerd.errors import SaveError
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     root_p, rec = Path(root), {}
     try:
@@ -116,7 +116,7 @@ def _failures_run(rank: int, world: int, init_file: str, root: str, out: str) ->
 def failures(tmp_path_factory):
     root = tmp_path_factory.mktemp("fail-root")
     out = tmp_path_factory.mktemp("fail-out")
-    spawn_bounded(_failures_run, str(root), str(out))
+    launch(_failures_run, str(root), str(out))
     return root, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

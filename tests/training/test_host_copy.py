@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stagerd.contract import layout
-from tests.training.gloo_run import WORLD, record, spawn_bounded
+from tests.gloo import join, launch
+from tests.training.gloo_run import WORLD, record
 
 H = 8  # hidden size of the view test's tensors; divisible by WORLD
 
@@ -110,7 +111,7 @@ def _views_run(rank: int, world: int, init_file: str, root: str, out: str) -> No
 
     from stagerd import Stager
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     out_p, rec = Path(out), {"buffers": []}
     try:
         sd, optim, bases = _view_state(world, rank)
@@ -145,7 +146,7 @@ def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
 
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
-    spawn_bounded(_views_run, str(root), str(out))
+    launch(_views_run, str(root), str(out))
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for step in (1, 2):
         step_dir = root / layout.step_dir_name(step)

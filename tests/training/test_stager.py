@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.errors import StepExistsError
+from tests.gloo import join, launch
 from tests.training.gloo_run import (
     SLOW_NUMEL,
     WORLD,
@@ -31,7 +32,6 @@ from tests.training.gloo_run import (
     params,
     record,
     slow_tensor,
-    spawn,
     train_step,
 )
 
@@ -42,7 +42,7 @@ def _main_run(rank: int, world: int, init_file: str, root: str, out: str) -> Non
     from stagerd import Stager
     from stagerd.errors import SaveError, SaveInputError
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     out_p, rec = Path(out), {}
     try:
         sd = dtensors(world, rank)
@@ -159,7 +159,7 @@ def run(tmp_path_factory):
     watcher = _Watcher(root / "step-00000001")
     watcher.start()
     try:
-        spawn(_main_run, str(root), str(out))
+        launch(_main_run, str(root), str(out))
     finally:
         watcher.stop.set()
         watcher.join()

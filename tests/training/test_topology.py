@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stagerd.contract import layout
-from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, spawn_bounded, train_step
+from tests.gloo import join, launch
+from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, train_step
 
 
 def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
@@ -20,7 +21,7 @@ def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
     from stagerd import Stager
 
     os.environ["STAGERD_NODE_ID"] = f"node{rank}"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    join(rank, world, init_file)
     try:
         sd = dtensors(world, rank)
         root = Path(base) / f"node{rank}"
@@ -46,7 +47,7 @@ def _node_local_run(rank: int, world: int, init_file: str, base: str) -> None:
 
 
 def test_process_checkpointer_with_node_local_roots(tmp_path):
-    spawn_bounded(_node_local_run, str(tmp_path))
+    launch(_node_local_run, str(tmp_path))
     for r in range(WORLD):
         failed = json.loads((tmp_path / f"failed{r}.json").read_text())
         assert failed["save"] is None and failed["wait"] == failed["handle"]
@@ -120,7 +121,7 @@ def test_a_refused_save_does_not_race_the_next_for_the_checkpoint_process(tmp_pa
     """The refused step 2 started DCP's upload, which creates the checkpoint process on its own thread;
     step 3 must not start a second creation meanwhile (ranks then keep different processes and lose
     each other mid-write: the CI failure "writing optim/ failed: Connection closed by peer")."""
-    spawn_bounded(_late_checkpoint_process_run, str(tmp_path))
+    launch(_late_checkpoint_process_run, str(tmp_path))
     for r in range(WORLD):
         assert json.loads((tmp_path / f"created{r}.json").read_text()) == 1
         assert layout.is_committed(tmp_path / f"node{r}" / "step-00000003")
