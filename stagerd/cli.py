@@ -22,6 +22,7 @@ COMMANDS = {
     "consolidate": "consolidate",
     "verify": "verify",
     "publish": "publish",
+    "retry": "retry",
     "demo": "demo",
 }
 
@@ -29,6 +30,7 @@ EXAMPLES = """examples:
   stagerd demo                      # try it all on this machine first
   stagerd watch /scratch/run1 --sink hf://acme/llm --sink s3://ckpts/run1
   stagerd status /scratch/run1
+  stagerd retry /scratch/run1 --step 1200   # once its failure is fixed
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
 
 sinks (--sink URL): s3://BUCKET/PREFIX, hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH (a bare

@@ -122,6 +122,15 @@ class JournalError(StagerdError):
     hint = "check ROOT/.stagerd/journal.sqlite; `stagerd watch ROOT` creates it on its first start"
 
 
+class StepConflictError(StagerdError):
+    """A step saved again, with other data, after a save of the same step number reached a sink."""
+
+    hint = (
+        "to keep what was published, delete the new save's ROOT/step-N; to publish the new save instead, "
+        "remove step N from each sink, then run `stagerd retry ROOT --step N`"
+    )
+
+
 class SaveError(StagerdError):
     """A training-side save whose background write failed (disk full, I/O error); the step is uncommitted."""
 

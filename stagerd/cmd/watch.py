@@ -1,8 +1,4 @@
-"""`stagerd watch ROOT --sink URL ...`: run the per-node daemon (see `stagerd.daemon`).
-
-Settings come from `--config FILE` (TOML), then `STAGERD_*`, then these flags; every setting has an
-environment variable and a TOML key even where it has no flag.
-"""
+"""`stagerd watch ROOT --sink URL ...`: the per-node daemon."""
 
 from __future__ import annotations
 
@@ -11,15 +7,32 @@ import os
 import sys
 from pathlib import Path
 
+from stagerd.cmd.help import UserHelpFormatter
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
+
+DESCRIPTION = (
+    "Run beside training on each node. Every step a trainer commits under ROOT is converted to Hugging "
+    "Face safetensors, checked, published to each --sink, and its staged data is deleted once --keep-last "
+    "newer steps are published. Runs until SIGTERM; --once exits when every committed step is done. "
+    "Settings come from --config FILE (TOML), then STAGERD_* variables, then these flags; every setting has "
+    "an environment variable and a TOML key, even where it has no flag."
+)
+
+EXAMPLES = """examples:
+  stagerd watch /scratch/run1 --sink hf://acme/llm --sink s3://ckpts/run1
+  stagerd watch /scratch/run1 --sink file:///mnt/models --keep-last 2
+  stagerd watch /scratch/run1 --sink s3://ckpts/run1 --once   # then exit
+  STAGERD_SINKS=s3://ckpts/run1 stagerd watch /scratch/run1
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p = sub.add_parser(
         name,
         help="run the daemon: export committed steps, publish them, apply retention",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
     )
     # Every default is None: an absent flag leaves the setting to the environment or the config file.
     p.add_argument(

@@ -6,6 +6,7 @@ import torch: the daemon reads it on every scan.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -194,6 +195,20 @@ def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
     except (ValueError, UnicodeDecodeError) as e:
         raise MarkerError(f"commit marker is not JSON: {e}", path=path) from None
     return CommitMarker.from_json(data, path=path)
+
+
+def marker_identity(step_dir: str | os.PathLike[str]) -> str:
+    """Which save a step directory holds: the sha256 of its marker's bytes.
+
+    The marker names the save's creation time and every file, so a step saved again (a run restarted from
+    an earlier checkpoint) has a new identity, while a restored or re-read step keeps its own.
+    """
+    path = Path(step_dir) / MARKER_NAME
+    try:
+        with open(path, "rb") as f:
+            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+    except FileNotFoundError:
+        raise MarkerError("no commit marker: the step is not committed", path=path) from None
 
 
 def is_committed(step_dir: str | os.PathLike[str]) -> bool:

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stagerd.config import Settings
-from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.lock import RootLock
@@ -46,7 +45,7 @@ def _warm_engine() -> None:
     import stagerd.engine.export  # noqa: F401
 
 
-class Daemon(Scheduling, Discovery, Housekeeping, OnceSummary):
+class Daemon(Scheduling, Housekeeping, OnceSummary):
     """One ROOT's daemon. `await run()` returns the process exit code."""
 
     def __init__(self, settings: Settings) -> None:

@@ -11,33 +11,58 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import COMMITTED, PENDING, PUBLISHED, QUARANTINED, RETIRED
+from stagerd.daemon.journal import COMMITTED, PENDING, PUBLISHED, QUARANTINED, RETIRED, StepState
+from stagerd.daemon.journal_versions import CONFLICT
 from stagerd.daemon.state import log
-from stagerd.errors import JournalError, StagerdError
+from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
 
 class Discovery(JournalGate):
     async def _scan(self) -> int:
-        """Journal every committed step under ROOT that the journal does not know yet."""
-        known = await self._j(self._journal.known_steps)
+        """Journal every committed step under ROOT that the journal does not know yet, and every new save
+        of a step it knows (a step number saved again)."""
+        known = await self._j(self._journal.saves)
 
-        def find() -> list[tuple[int, Path, float]]:
-            out = []
+        Found = list[tuple[int, Path, float, str]]
+
+        def find() -> tuple[Found, Found]:
+            new: Found = []
+            resaved: Found = []
             for step, path in layout.iter_step_dirs(self.root):
-                if step in known:
-                    continue
                 try:
                     mtime = (path / layout.MARKER_NAME).stat().st_mtime
-                except FileNotFoundError:
+                    if step in known and known[step][0] == mtime:
+                        continue  # the save the journal has: no need to read its marker
+                    identity = layout.marker_identity(path)
+                except (FileNotFoundError, MarkerError):
                     continue  # not committed: never touched
-                out.append((step, path, mtime))
-            return out
+                (resaved if step in known else new).append((step, path, mtime, identity))
+            return new, resaved
 
+        new, resaved = await self._io(find)
         added = 0
-        for step, path, mtime in await self._io(find):
-            if await self._j(self._journal.add_step, step, path, mtime):
+        for step, path, mtime, identity in new:
+            if await self._j(self._journal.add_step, step, path, mtime, identity):
                 added += 1
                 self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+        for step, path, mtime, identity in resaved:
+            old_identity = known[step][1]
+            if old_identity in (None, identity):  # a touched marker, or a row from before identities
+                await self._j(self._journal.note_save, step, mtime, identity)
+                continue
+            state = await self._j(self._journal.new_save, step, path, mtime, identity, old_identity)
+            if state is StepState.COMMITTED:
+                added += 1
+                self._log_step(step, None, state, note="saved again before it was published")
+            elif state is StepState.QUARANTINED:
+                self._log_step(
+                    step,
+                    None,
+                    state,
+                    error_class=CONFLICT,
+                    note=f"saved again after it was published: {StepConflictError.hint}",
+                    level=logging.ERROR,
+                )
         if added:
             self._wake.set()
             self._housekeep.set()

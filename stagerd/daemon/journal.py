@@ -10,8 +10,8 @@ leaves and appends an `events` row, so a crash leaves either the old state or th
 Intent is recorded before the work: a step in `exporting` or a lane in `publishing` at start means the
 daemon died mid-way; `recover()` moves them back (the export engine and the sinks are idempotent).
 
-This file is the state machine; journal_schema.py holds the states, tables and rows, and journal_store.py
-the connection, transactions and queries.
+This file is the state machine; journal_schema.py holds the states, tables and rows, journal_store.py
+the connection, transactions and queries, and journal_versions.py a step saved again and `retry`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from stagerd.daemon.journal_schema import (
     StepState,
     journal_path,
 )
-from stagerd.daemon.journal_store import JournalStore
+from stagerd.daemon.journal_versions import StepVersions
 
 __all__ = [
     "COMMITTED",
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 
-class Journal(JournalStore):
+class Journal(StepVersions):
     """The journal's state machine: every transition checks the state it leaves, in one transaction."""
 
     # -- transitions -------------------------------------------------------------------------------------
@@ -82,14 +82,16 @@ class Journal(JournalStore):
             for k, v in values.items():
                 c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (k, json.dumps(v)))
 
-    def add_step(self, step: int, path: str | os.PathLike[str], marker_mtime: float) -> bool:
-        """Record a newly found committed step; False if the journal already knows it."""
+    def add_step(
+        self, step: int, path: str | os.PathLike[str], marker_mtime: float, marker_id: str | None = None
+    ) -> bool:
+        """Record a newly found committed step (and which save it is); False if the journal knows it."""
         now = time.time()
         with self._tx() as c:
             cur = c.execute(
-                "INSERT OR IGNORE INTO steps (step, path, state, marker_mtime, found_at, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (step, str(path), COMMITTED, marker_mtime, now, now),
+                "INSERT OR IGNORE INTO steps (step, path, state, marker_mtime, found_at, updated, marker_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (step, str(path), COMMITTED, marker_mtime, now, now, marker_id),
             )
             if cur.rowcount:
                 self._event(c, step, None, None, COMMITTED, now=now)

@@ -16,7 +16,7 @@ from stagerd.contract import layout
 from stagerd.errors import JournalError, JournalFullError
 
 JOURNAL_NAME = "journal.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: steps.marker_id (which save of the step the row is)
 
 
 class StepState(StrEnum):
@@ -69,7 +69,8 @@ CREATE TABLE IF NOT EXISTS steps (
     export_skipped  INTEGER,
     published_at    REAL,
     retired_at      REAL,
-    updated         REAL NOT NULL
+    updated         REAL NOT NULL,
+    marker_id       TEXT
 );
 CREATE TABLE IF NOT EXISTS lanes (
     step            INTEGER NOT NULL REFERENCES steps(step),
@@ -127,6 +128,7 @@ class StepRow:
     published_at: float | None
     retired_at: float | None
     updated: float
+    marker_id: str | None  # `layout.marker_identity` of the save; None for a row from schema 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", StepState(self.state))
@@ -246,6 +248,11 @@ def connect(path: Path) -> sqlite3.Connection:
             raise JournalError(
                 f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})", path=path
             )
+        if version == 1:  # schema 1 predates step identity: its rows learn theirs at the next scan
+            conn.execute("BEGIN IMMEDIATE")  # the column and the version move together, or neither
+            conn.execute("ALTER TABLE steps ADD COLUMN marker_id TEXT")
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.execute("COMMIT")
         conn.executescript(_SCHEMA)
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
     except BaseException:

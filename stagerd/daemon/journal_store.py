@@ -85,6 +85,12 @@ class JournalStore:
                     "the next `stagerd watch` sets it up",
                     path=path,
                 )
+            if version < SCHEMA_VERSION:
+                raise JournalError(
+                    f"journal schema {version}, from an older stagerd; the next `stagerd watch` on this ROOT "
+                    f"upgrades it to {SCHEMA_VERSION}",
+                    path=path,
+                )
             raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
         return cls(conn, path, readonly=True)
 

@@ -8,12 +8,13 @@ import contextlib
 import time
 from pathlib import Path
 
+from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import COMMITTED, EXPORTED, FAILED, PENDING, PUBLISHING
 from stagerd.daemon.tasks import Tasks
 from stagerd.errors import JournalError
 
 
-class Scheduling(Tasks):
+class Scheduling(Tasks, Discovery):
     async def _schedule(self) -> None:
         """Start exports and publishes as slots free up; with `once`, return when nothing is left to do.
 
@@ -60,7 +61,13 @@ class Scheduling(Tasks):
         return False
 
     async def _settled(self) -> bool:
-        """Nothing runs and nothing waits (not even a retry): every live step is published or quarantined."""
+        """Nothing runs and nothing waits (not even a retry): every live step is published or quarantined.
+
+        ROOT is scanned once more first, so that a step committed (or saved again) during the run is never
+        left out of a `--once` run that then reports everything published.
+        """
+        if await self._scan():
+            return False
         rows = await self._j(self._journal.steps, include_retired=False)
         if any(r.state in (COMMITTED, FAILED) for r in rows):
             return False

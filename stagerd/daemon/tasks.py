@@ -161,7 +161,8 @@ class Tasks(Health):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
-        self._log_failure(step, sink, state, f, attempt, err)
+        on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
+        self._log_failure(step, sink, state, f, attempt, err, on_disk=on_disk)
 
     def _log_failure(
         self,
@@ -171,9 +172,15 @@ class Tasks(Health):
         f: Failure,
         attempt: int,
         err: BaseException,
+        *,
+        on_disk: bool,
     ) -> None:
         if f.quarantine or f.next_try is None:
-            note = f"{f.error_class}: {f.message}; kept on disk, will not be retried"
+            # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
+            kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"
+            note = (
+                f"{f.error_class}: {f.message}; {kept}; not retried until `stagerd retry ROOT --step {step}`"
+            )
         else:
             note = f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - time.time():.0f}s"
         self._log_step(
@@ -184,7 +191,10 @@ class Tasks(Health):
             note=note,
             level=logging.ERROR if f.quarantine else logging.WARNING,
             attempt=attempt,
-            hint=getattr(err, "hint", None),
+            hint=getattr(err, "hint", None)
+            if on_disk
+            else "the step was deleted from ROOT while in work; "
+            "save it again to export it (the new save is picked up as a new version of the step)",
         )
         if not isinstance(err, StagerdError):
             log.debug("unexpected error", exc_info=err)

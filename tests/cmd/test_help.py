@@ -7,8 +7,7 @@ import pytest
 
 from tests.cli_helpers import run_cli
 
-# `watch` is left out here: its help lives in stagerd/cmd/watch.py, owned apart.
-COMMANDS = ["", "status", "consolidate", "verify", "publish", "demo"]
+COMMANDS = ["", "watch", "status", "retry", "consolidate", "verify", "publish", "demo"]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c or "stagerd" for c in COMMANDS])

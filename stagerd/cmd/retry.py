@@ -1,0 +1,85 @@
+"""`stagerd retry ROOT [--step N] [--sink URL]`: re-arm what the daemon stopped trying.
+
+A step or lane is quarantined when its attempts ran out, when a failure cannot pass by itself, or when a
+step was saved again after it was published (a `StepConflictError`). Once the cause is fixed, `retry` puts
+it back to work with its attempts reset. Safe while the daemon runs: it writes the journal, which the
+daemon reads on every scheduling pass (about once a second), and a stopped daemon picks it up at its
+next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stagerd.cmd.help import UserHelpFormatter
+from stagerd.errors import ConfigError, JournalError
+
+EXAMPLES = """examples:
+  stagerd retry /scratch/run1               # every failed or quarantined one
+  stagerd retry /scratch/run1 --step 1200   # one step
+  stagerd retry /scratch/run1 --step 1200 --sink s3://ckpts/run1
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="put failed or quarantined steps back to work once their cause is fixed",
+        description=(
+            "Re-arm failed and quarantined steps and sink lanes in ROOT's journal, with their attempts "
+            "reset. A step quarantined because it was saved again after it was published "
+            "(StepConflictError) adopts its new save, which is then exported and published to every sink: "
+            "remove the old step from each sink first, or the sink refuses it as a conflict."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
+    )
+    p.add_argument("root", type=Path, metavar="ROOT", help="the staging root `stagerd watch` runs on")
+    p.add_argument("--step", type=int, metavar="N", help="only this step (default: every stuck one)")
+    p.add_argument("--sink", metavar="URL", help="only this sink's lanes, as `stagerd status` names it")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagerd.contract import layout
+    from stagerd.daemon.journal import Journal, LaneState, StepState, journal_path
+
+    if not journal_path(args.root).is_file():
+        raise JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=args.root)
+    journal = Journal.open(args.root)
+    try:
+        steps = {r.step: r for r in journal.steps(include_retired=False)}
+        lanes = journal.lanes()
+        if args.sink is not None and args.sink not in {ln.sink for ln in lanes}:
+            known = ", ".join(sorted({ln.sink for ln in lanes})) or "none yet"
+            raise ConfigError(f"no sink {args.sink!r} in this journal", hint=f"the sinks it knows: {known}")
+        if args.step is not None and args.step not in steps:
+            raise ConfigError(
+                f"step {args.step} is not a live step of this journal",
+                path=args.root,
+                hint="`stagerd status ROOT --all` lists the steps the daemon knows",
+            )
+        stuck_lanes = {ln.step for ln in lanes if ln.state in (LaneState.FAILED, LaneState.QUARANTINED)}
+        wanted = [
+            r
+            for r in steps.values()
+            if (args.step is None or r.step == args.step)
+            and (r.state in (StepState.FAILED, StepState.QUARANTINED) or r.step in stuck_lanes)
+        ]
+        for r in wanted:
+            if r.state is not StepState.EXPORTED and not layout.is_committed(r.path):
+                raise ConfigError(
+                    f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",
+                    path=r.path,
+                    hint="restore the step directory first, or leave the step quarantined",
+                )
+        done = [line for r in wanted for line in journal.retry(r.step, args.sink)]
+    finally:
+        journal.close()
+    if not done:
+        print("nothing to retry: no failed or quarantined step or lane matched")
+        return 0
+    for line in done:
+        print(f"re-armed {line}")
+    return 0
