@@ -23,6 +23,10 @@ from stagerd.errors import ConfigError
 
 ENV_PREFIX = "STAGERD_"
 DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
+# Bounds that catch a mistyped number before it becomes 10^20 threads or a timer past time_t.
+MAX_WORKERS = 256
+MAX_COUNT = 1_000_000_000
+DAY, WEEK = 86_400.0, 7 * 86_400.0
 
 
 class Settings(BaseSettings):
@@ -43,33 +47,43 @@ class Settings(BaseSettings):
     max_shard_size: ByteSize = Field(
         ByteSize(5_000_000_000), gt=0, description="Largest output safetensors file: bytes, or 5GB, 500MiB."
     )
-    export_threads: int = Field(2, ge=1, description="Copy threads inside one export.")
+    export_threads: int = Field(2, ge=1, le=MAX_WORKERS, description="Copy threads inside one export.")
     export_workers: int = Field(
-        1, ge=1, description="Exports that may run at once; they start in step order."
+        1, ge=1, le=MAX_WORKERS, description="Exports that may run at once; they start in step order."
     )
     publish_workers: int = Field(
-        1, ge=1, description="Publishes that may run at once per sink; every sink is its own lane."
+        1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Publishes that may run at once per sink; every sink is its own lane.",
     )
     keep_last: int | None = Field(
         None,
         ge=0,
+        le=MAX_COUNT,
         description="Keep the staged data of the newest N steps; delete older steps only once they are "
         "published on every sink. Unset: delete nothing.",
     )
     once: bool = Field(False, description="Process every committed step, then exit: 0 only if all published.")
     max_attempts: int = Field(
-        5, ge=1, description="Tries per stage before a step (or a sink lane) is quarantined."
+        5, ge=1, le=MAX_COUNT, description="Tries per stage before a step (or a sink lane) is quarantined."
     )
-    retry_base_seconds: float = Field(2.0, gt=0, description="First retry delay; doubles per attempt.")
-    retry_max_seconds: float = Field(300.0, gt=0, description="Longest retry delay.")
+    retry_base_seconds: float = Field(
+        2.0, gt=0, le=WEEK, description="First retry delay; doubles per attempt."
+    )
+    retry_max_seconds: float = Field(300.0, gt=0, le=WEEK, description="Longest retry delay.")
     watch: bool = Field(True, description="Watch ROOT with inotify (watchfiles); the rescan runs regardless.")
     rescan_seconds: float = Field(
-        5.0, gt=0, description="Full rescan period: the fallback for filesystems without inotify events."
+        5.0,
+        gt=0,
+        le=DAY,
+        description="Full rescan period: the fallback for filesystems without inotify events.",
     )
-    watch_debounce_ms: int = Field(100, ge=1, description="Longest batching of filesystem events.")
+    watch_debounce_ms: int = Field(100, ge=1, le=60_000, description="Longest batching of filesystem events.")
     grace_seconds: float = Field(
         60.0,
         ge=0,
+        le=DAY,
         description="On SIGTERM/SIGINT, how long in-flight work may finish before it is abandoned.",
     )
     nice: int = Field(
@@ -90,7 +104,7 @@ class Settings(BaseSettings):
     low_disk_free_bytes: ByteSize = Field(
         ByteSize(0), ge=0, description="Warn when ROOT's free space is below this size, e.g. 50GB (0: off)."
     )
-    disk_check_seconds: float = Field(10.0, gt=0, description="Period of the free-disk check.")
+    disk_check_seconds: float = Field(10.0, gt=0, le=DAY, description="Period of the free-disk check.")
 
     @field_validator("sinks", mode="before")
     @classmethod

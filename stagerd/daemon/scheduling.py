@@ -8,13 +8,12 @@ import contextlib
 import time
 from pathlib import Path
 
-from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import COMMITTED, EXPORTED, FAILED, PENDING, PUBLISHING
 from stagerd.daemon.tasks import Tasks
 from stagerd.errors import JournalError
 
 
-class Scheduling(Tasks, Discovery):
+class Scheduling(Tasks):
     async def _schedule(self) -> None:
         """Start exports and publishes as slots free up; with `once`, return when nothing is left to do.
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.filesize import decimal
 
 from stagerd.contract import layout
+from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import (
@@ -35,7 +36,7 @@ from stagerd.daemon.journal import (
 )
 from stagerd.daemon.policy import Failure, decide_failure
 from stagerd.daemon.state import log
-from stagerd.errors import JournalError, StagerdError
+from stagerd.errors import JournalError, MarkerError, StagerdError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
 
@@ -54,7 +55,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(Health):
+class Tasks(Health, Discovery):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -278,6 +279,16 @@ class Tasks(Health):
             msg = f"the step directory {step_dir} disappeared before the step was published"
             await self._j(self._journal.quarantine_step, step, "MissingStep", msg)
             self._log_step(step, None, QUARANTINED, error_class="MissingStep", note=msg)
+            return
+        row = await self._j(self._journal.step, step)
+        try:
+            identity: str | None = await self._io(layout.marker_identity, step_dir)
+        except MarkerError:
+            identity = None
+        if row is not None and row.marker_id is not None and identity != row.marker_id:
+            # Saved again meanwhile: exporting it would give this sink other weights than the sinks that
+            # already hold the old save. The scan decides (a new version, or a conflict).
+            await self._scan()
             return
         try:
             await self._j(self._journal.reexport, step, "export/ disappeared; exporting again")

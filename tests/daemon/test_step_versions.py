@@ -164,3 +164,26 @@ async def test_a_step_deleted_mid_export_is_not_said_to_be_kept_on_disk(tmp_path
     assert "its staged data is no longer in ROOT" in failed["msg"]
     assert "stagerd retry ROOT --step 1" in failed["msg"]
     assert "deleted from ROOT" in failed["hint"]
+
+
+def test_a_step_saved_again_between_two_sinks_never_gives_them_different_weights(tmp_path, dcp_mixed2):
+    """Issue 19, item 4: one sink has step 100, the other is down; the step is deleted and saved again with
+    new data; the second sink comes back. It must not receive the new save while the first holds the old."""
+    model, _ = dcp_mixed2
+    root, good, blocker = tmp_path / "root", tmp_path / "good", tmp_path / "blocker"
+    blocker.write_text("a file where the second sink's directory should be")
+    down = blocker / "sink"
+    stage_copy(root, 100, model, world=2)
+    both = ["--sink", good.as_uri(), "--sink", down.as_uri(), "--once", *fast_flags()]
+    first = run_cli(["watch", root, *both, "--max-attempts", "1"])
+    assert first.returncode != 0 and (good / "step-00000100" / layout.MANIFEST_NAME).is_file()
+    old_manifest = (good / "step-00000100" / layout.MANIFEST_NAME).read_bytes()
+
+    shutil.rmtree(root / "step-00000100")
+    stage_copy(root, 100, model, world=2, metadata={"restarted": True})
+    blocker.unlink()  # the second sink is back
+    again = run_cli(["watch", root, *both])
+    assert again.returncode != 0 and "StepConflictError" in again.stderr
+    assert (good / "step-00000100" / layout.MANIFEST_NAME).read_bytes() == old_manifest
+    assert not (down / "step-00000100").exists()
+    assert _status(root)[100]["error_class"] == "StepConflictError"
