@@ -64,7 +64,7 @@ def consolidate_into(
     except OSError as e:
         raise output_error(e, index) from None
     return ConsolidateResult(
-        tuple((f.name, f.size) for f in p.files), len(p.tensors), p.total_size, index_size
+        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size
     )
 
 

@@ -8,7 +8,6 @@ import ctypes.util
 import errno
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -35,9 +34,11 @@ class Flusher:
     Use as a context manager; `done` after each move, `finish` once all moves are done.
     """
 
-    def __init__(self, fds: Sequence[int], moves: Sequence[Move]) -> None:
+    def __init__(self, fds: Sequence[int], data_sizes: Sequence[int]) -> None:
         self.fds = fds
-        self.left = Counter(m.file for m in moves)
+        # Bytes, not moves, tell when a file is complete: the moves tile its data section exactly once,
+        # and they are streamed, so their count is not known up front.
+        self.left = list(data_sizes)
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-fsync")
         self.futures: dict[int, Future[None]] = {}
@@ -58,8 +59,8 @@ class Flusher:
                 fd, m.dst_offset, m.length, _SYNC_FILE_RANGE_WRITE
             )  # a hint: errors surface in fsync
         with self.lock:
-            self.left[m.file] -= 1
-            if self.left[m.file] == 0:
+            self.left[m.file] -= m.length
+            if self.left[m.file] == 0 and m.length:
                 self.futures[m.file] = self.pool.submit(os.fsync, fd)
 
     def finish(self) -> None:

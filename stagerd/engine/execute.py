@@ -8,6 +8,8 @@ from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.engine.durability import Flusher, reserve
+from stagerd.engine.file_header import file_header
+from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.engine.runner import Runner, pwrite_all, run_moves
 from stagerd.errors import OutputError, ShardError, VerifyError
@@ -46,21 +48,21 @@ def execute(
     dst_fds: list[int] = []
     dst_paths = [str(out_dir / f.name) for f in p.files]
     try:
-        for f, path in zip(p.files, dst_paths, strict=True):
+        for fi, (f, path) in enumerate(zip(p.files, dst_paths, strict=True)):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 dst_fds.append(fd)
                 reserve(fd, f.size)
-                pwrite_all(fd, memoryview(f.header), 0)
+                pwrite_all(fd, memoryview(file_header(p, fi)), 0)
             except OSError as e:
                 raise output_error(e, path) from None
         runner = Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=False)
         try:
             if not fsync:
-                run_moves(runner, p.moves, threads, progress, p.bytes_to_write)
+                run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write)
                 return
-            with Flusher(dst_fds, p.moves) as flusher:
-                run_moves(runner, p.moves, threads, progress, p.bytes_to_write, flusher.done)
+            with Flusher(dst_fds, [f.data_size for f in p.files]) as flusher:
+                run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write, flusher.done)
                 flusher.finish()
         except OSError as e:
             raise output_error(e, out_dir) from None
@@ -75,7 +77,7 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
     dst_fds: list[int] = []
     dst_paths = [str(export_dir / f.name) for f in p.files]
     try:
-        for f, path in zip(p.files, dst_paths, strict=True):
+        for fi, (f, path) in enumerate(zip(p.files, dst_paths, strict=True)):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -83,11 +85,11 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
             dst_fds.append(fd)
             if os.fstat(fd).st_size != f.size:
                 raise VerifyError(f"is {os.fstat(fd).st_size} bytes, the source gives {f.size}", path=path)
-            if os.pread(fd, len(f.header), 0) != f.header:
+            if os.pread(fd, f.header_size, 0) != file_header(p, fi):
                 raise VerifyError("header differs from the one the source gives", path=path)
         run_moves(
             Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True),
-            p.moves,
+            plan_moves(p),
             threads,
             progress,
             p.bytes_to_write,

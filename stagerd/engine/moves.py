@@ -1,28 +1,34 @@
-"""Byte moves of one planned tensor: direct runs (copy or cast) where they are long, else gathered slabs."""
+"""Byte moves of a plan: direct runs (copy or cast) where they are long, else gathered slabs.
+
+`plan_moves` streams them in destination order, one tensor's moves at a time, so running a plan holds one
+tensor's moves however many tensors the checkpoint has.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from stagerd.contract import dtypes
-from stagerd.contract.safetensors_format import Header
 from stagerd.engine import limits
-from stagerd.engine.plan_types import Move, MoveKind, Piece, TensorPlan
+from stagerd.engine.plan_types import ExportPlan, Move, MoveKind, Piece, TensorPlan
 from stagerd.engine.tiling import runs, strides
 from stagerd.errors import PlanError
 
 
-def tensor_moves(t: TensorPlan, data_start: int, src_headers: Sequence[Header]) -> list[Move]:
-    """The moves that write `t` into its output file, whose data section starts at `data_start`."""
+def tensor_moves(t: TensorPlan, data_start: int, where: str) -> list[Move]:
+    """The moves that write `t` into its output file, whose data section starts at `data_start`.
+
+    Raises `PlanError` where `t` cannot be moved byte by byte; `plan()` runs this for such dtypes so the
+    error comes before any output."""
     sdt, ddt = dtypes.lookup(t.src_dtype), dtypes.lookup(t.dst_dtype)
     dst_base = data_start + t.begin
     chunk_runs = [(c, *runs(c, t.shape)) for c in t.chunks if math.prod(c.shape) > 0]
     if sdt.bits % 8 and any(r > 1 for _, r, _ in chunk_runs):
         raise PlanError(
             f"tensor {t.name!r}: {t.src_dtype} split inside its rows is not byte-addressable",
-            path=src_headers[0].path,
+            path=where,
         )
     item = max(sdt.bits, ddt.bits) // 8
     if not all(r == 1 or ln * item >= limits.DIRECT_MIN_RUN for _, r, ln in chunk_runs):
@@ -111,47 +117,53 @@ def _gather_moves(t: TensorPlan, dst_base: int, sdt: dtypes.DType, ddt: dtypes.D
     return moves
 
 
-def split_and_merge(moves: list[Move]) -> list[Move]:
-    """Coalesce back-to-back copies (tiny tensors), then split big copies so threads share the work."""
-    moves.sort(key=lambda m: (m.file, m.dst_offset))
+def plan_moves(p: ExportPlan) -> Iterator[Move]:
+    """Every move of `p`, file by file in destination order: tiny back-to-back copies coalesced, big runs
+    split so threads share the work."""
+    pending: Move | None = None
+    for fi, f in enumerate(p.files):
+        for r in range(f.first, f.stop):
+            moves = tensor_moves(p.row(r, fi), f.header_size, p.chunks.where)
+            moves.sort(key=lambda m: m.dst_offset)
+            for m in moves:
+                if pending is not None and _mergeable(pending, m):
+                    pending = Move(
+                        MoveKind.COPY,
+                        m.file,
+                        pending.dst_offset,
+                        pending.length + m.length,
+                        m.src,
+                        pending.src_offset,
+                    )
+                    continue
+                if pending is not None:
+                    yield from _split(pending)
+                pending = m
+    if pending is not None:
+        yield from _split(pending)
+
+
+def _mergeable(prev: Move, m: Move) -> bool:
+    return (
+        m.kind is prev.kind is MoveKind.COPY
+        and m.file == prev.file
+        and m.src == prev.src
+        and prev.dst_offset + prev.length == m.dst_offset
+        and prev.src_offset + prev.length == m.src_offset
+        and prev.length + m.length <= limits.COPY_PIECE
+    )
+
+
+def _split(m: Move) -> Iterator[Move]:
     piece = limits.COPY_PIECE
-    merged: list[Move] = []
-    for m in moves:
-        prev = merged[-1] if merged else None
-        if (
-            prev is not None
-            and m.kind is prev.kind is MoveKind.COPY
-            and m.file == prev.file
-            and m.src == prev.src
-            and prev.dst_offset + prev.length == m.dst_offset
-            and prev.src_offset + prev.length == m.src_offset
-            and prev.length + m.length <= piece
-        ):
-            merged[-1] = Move(
-                MoveKind.COPY, m.file, prev.dst_offset, prev.length + m.length, m.src, prev.src_offset
-            )
-        else:
-            merged.append(m)
-    out = []
-    for m in merged:
-        if m.kind is MoveKind.GATHER or m.length <= piece:
-            out.append(m)
-            continue
-        sdt, ddt = dtypes.lookup(m.src_dtype or "U8"), dtypes.lookup(m.dst_dtype or "U8")
-        step = piece - piece % 64  # whole elements of any byte-sized dtype
-        for off in range(0, m.length, step):
-            n = min(step, m.length - off)
-            src_off = off if m.kind is MoveKind.COPY else off * sdt.bits // ddt.bits
-            out.append(
-                Move(
-                    m.kind,
-                    m.file,
-                    m.dst_offset + off,
-                    n,
-                    m.src,
-                    m.src_offset + src_off,
-                    m.src_dtype,
-                    m.dst_dtype,
-                )
-            )
-    return out
+    if m.kind is MoveKind.GATHER or m.length <= piece:
+        yield m
+        return
+    sdt, ddt = dtypes.lookup(m.src_dtype or "U8"), dtypes.lookup(m.dst_dtype or "U8")
+    step = piece - piece % 64  # whole elements of any byte-sized dtype
+    for off in range(0, m.length, step):
+        n = min(step, m.length - off)
+        src_off = off if m.kind is MoveKind.COPY else off * sdt.bits // ddt.bits
+        yield Move(
+            m.kind, m.file, m.dst_offset + off, n, m.src, m.src_offset + src_off, m.src_dtype, m.dst_dtype
+        )

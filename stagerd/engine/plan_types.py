@@ -1,15 +1,25 @@
 """The frozen export plan: what `plan()` decides and `execute()` / `compare()` carry out.
 
-Every type here is immutable and holds only numbers, names and byte offsets, so a plan can be checked,
-printed or compared before a single byte moves. `__slots__` keeps a 100k-tensor plan small.
+The plan holds numbers, names and byte offsets only, so it can be checked, printed or compared before a
+single byte moves. Its per-tensor data lives in flat read-only arrays (a few dozen bytes per tensor);
+`Chunk`, `TensorPlan`, `Piece` and `Move` are built from them one tensor at a time while the plan runs
+(`moves.plan_moves`), never all at once.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+from stagerd.contract import dtypes
 from stagerd.contract.sharding import natural_key
+
+# dtype code (the index here) <-> safetensors name; a code fits one byte.
+DTYPE_NAMES: tuple[str, ...] = tuple(dtypes.DTYPES)
+DTYPE_CODE: dict[str, int] = {name: i for i, name in enumerate(DTYPE_NAMES)}
 
 
 class MoveKind(enum.Enum):
@@ -76,34 +86,139 @@ class Move:
     pieces: tuple[Piece, ...] = ()
 
 
+def frozen(a: array) -> memoryview:
+    """A read-only view of a flat array: the plan cannot be changed once made, and indexing gives ints."""
+    return memoryview(a).toreadonly()
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Blocks by tensor. Tensor `t` (an id into `names`) owns blocks `order[first[t]:first[t + 1]]`; block
+    `c` lies at byte `offset[c]` of source `src[c]`, its global offset at `dims[at[c] : at[c] + ndim[c]]`
+    and its shape right after."""
+
+    sources: tuple[str, ...]
+    names: tuple[str, ...]
+    dtype: memoryview  # per tensor: dtype code
+    src: memoryview
+    offset: memoryview
+    at: memoryview
+    ndim: memoryview
+    dims: memoryview
+    order: memoryview
+    first: memoryview
+
+    @property
+    def where(self) -> str:
+        """The shard directory, for errors about the checkpoint as a whole."""
+        return str(Path(self.sources[0]).parent) if self.sources else "."
+
+    def dtype_name(self, t: int) -> str:
+        return DTYPE_NAMES[self.dtype[t]]
+
+    def chunks_of(self, t: int) -> list[Chunk]:
+        out = []
+        for i in range(self.first[t], self.first[t + 1]):
+            c = self.order[i]
+            at, nd = self.at[c], self.ndim[c]
+            out.append(
+                Chunk(
+                    self.src[c],
+                    self.offset[c],
+                    tuple(self.dims[at : at + nd]),
+                    tuple(self.dims[at + nd : at + 2 * nd]),
+                )
+            )
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class OutputFile:
+    """One output file: its tensors are the plan's rows `first` to `stop` (exclusive), in file order."""
+
     name: str
-    header: bytes
+    header_size: int
     size: int
-    tensors: tuple[str, ...]
+    first: int
+    stop: int
+
+    @property
+    def data_size(self) -> int:
+        return self.size - self.header_size
 
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """Everything `execute` needs, decided up front."""
+    """Everything `execute` needs, decided up front.
 
-    sources: tuple[str, ...]
+    Row `r` (file order) is tensor `tensor[r]` of `chunks`, written as dtype code `dst_dtype[r]` at
+    `[begin[r], end[r])` of its file's data section; tensor `t`'s global shape is
+    `dims[shape_at[t] : shape_at[t] + chunks.ndim of any of its blocks]`.
+    """
+
+    chunks: ChunkTable
     files: tuple[OutputFile, ...]
-    tensors: tuple[TensorPlan, ...]
-    moves: tuple[Move, ...]
-    total_size: int = field(default=0)
+    tensor: memoryview
+    dst_dtype: memoryview
+    begin: memoryview
+    end: memoryview
+    shape_at: memoryview
+    shape_ndim: memoryview
+    dims: memoryview
+    total_size: int
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.chunks.sources
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tensor)
+
+    @property
+    def bytes_to_write(self) -> int:
+        """The moves tile every tensor exactly once, so they write the data sections and nothing else."""
+        return self.total_size
+
+    def shape(self, t: int) -> tuple[int, ...]:
+        at = self.shape_at[t]
+        return tuple(self.dims[at : at + self.shape_ndim[t]])
+
+    def row(self, r: int, file: int) -> TensorPlan:
+        """Row `r` (in file `file`) with its chunks, built on demand."""
+        t = self.tensor[r]
+        return TensorPlan(
+            self.chunks.names[t],
+            self.chunks.dtype_name(t),
+            DTYPE_NAMES[self.dst_dtype[r]],
+            self.shape(t),
+            file,
+            self.begin[r],
+            self.end[r],
+            tuple(self.chunks.chunks_of(t)),
+        )
+
+    def entries(self, file: int) -> Iterator[tuple[str, str, tuple[int, ...], int, int]]:
+        """(name, dtype, shape, begin, end) of each tensor of `file`, in header order."""
+        f = self.files[file]
+        for r in range(f.first, f.stop):
+            t = self.tensor[r]
+            yield (
+                self.chunks.names[t],
+                DTYPE_NAMES[self.dst_dtype[r]],
+                self.shape(t),
+                self.begin[r],
+                self.end[r],
+            )
 
     def weight_map(self) -> dict[str, str]:
         """Tensor name -> output file name, in natural key order."""
-        return {
-            t.name: self.files[t.file].name for t in sorted(self.tensors, key=lambda t: natural_key(t.name))
-        }
+        pairs = [
+            (self.chunks.names[self.tensor[r]], f.name) for f in self.files for r in range(f.first, f.stop)
+        ]
+        pairs.sort(key=lambda p: natural_key(p[0]))
+        return dict(pairs)
 
     def index(self) -> dict[str, object]:
         """`model.safetensors.index.json`, derived from the same plan as the headers."""
         return {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map()}
-
-    @property
-    def bytes_to_write(self) -> int:
-        return sum(m.length for m in self.moves)

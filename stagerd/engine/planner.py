@@ -1,15 +1,19 @@
-"""`plan()`: validated shard headers in, a frozen `ExportPlan` out. Pure: reads nothing, writes nothing."""
+"""`plan()`: validated shard headers in, a frozen `ExportPlan` out. Pure: reads nothing, writes nothing.
+
+Headers are taken one at a time into a `ChunkTable`; from then on every per-tensor fact (global shape, dtype,
+place in the output) is a row of a flat array, and `Chunk`s exist only for the tensor being checked.
+"""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from array import array
+from collections.abc import Callable, Iterable, Mapping
 
 from stagerd.contract import dtypes
 from stagerd.contract.layout import TensorInfo
-from stagerd.contract.safetensors_format import Header, encode_header
+from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,
     assign_with_reference,
@@ -17,14 +21,16 @@ from stagerd.contract.sharding import (
     output_file_names,
     pack_by_size,
 )
-from stagerd.engine.moves import split_and_merge, tensor_moves
-from stagerd.engine.plan_types import Chunk, ExportPlan, Move, OutputFile, TensorPlan
+from stagerd.engine.chunk_table import build_chunk_table
+from stagerd.engine.file_header import encode_entries
+from stagerd.engine.moves import tensor_moves
+from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, ExportPlan, OutputFile, frozen
 from stagerd.engine.tiling import check_tiling
 from stagerd.errors import DTypeError, PlanError
 
 
 def plan(
-    headers: Sequence[Header],
+    headers: Iterable[Header],
     *,
     dtype: str | None = None,
     keep_dtype: str | None = None,
@@ -35,83 +41,113 @@ def plan(
 ) -> ExportPlan:
     """Turn validated shard headers into a frozen export plan. Pure: reads nothing, writes nothing.
 
-    `dtype` is a safetensors name (`BF16`) or None to keep; `keep_dtype` a regex of names never cast;
-    `reference` a weight_map whose grouping to keep; `expected` the global dtype and shape of every tensor
-    as the trainer saw it (from the commit marker), which catches a missing trailing shard; `out_dtypes`
-    pins the output dtype of named tensors (verify uses it to re-derive an existing export).
+    `headers` may be a generator: each is used and dropped before the next is read. `dtype` is a
+    safetensors name (`BF16`) or None to keep; `keep_dtype` a regex of names never cast; `reference` a
+    weight_map whose grouping to keep; `expected` the global dtype and shape of every tensor as the trainer
+    saw it (from the commit marker), which catches a missing trailing shard; `out_dtypes` pins the output
+    dtype of named tensors (verify uses it to re-derive an existing export).
     """
     if dtype is not None:
         dt = dtypes.lookup(dtype)
         if not dt.castable:
             raise DTypeError(f"cannot export as {dtype}: only F32, F16, BF16 and F64 are cast targets")
     keep = _compile(keep_dtype)
-    where = str(Path(headers[0].path).parent) if headers else "."
-    found: dict[str, list[Chunk]] = {}
-    src_dtype: dict[str, str] = {}
-    for i, h in enumerate(headers):
-        offsets = h.dcp_offsets()
-        for name, e in h.tensors.items():
-            if src_dtype.setdefault(name, e.dtype) != e.dtype:
-                raise PlanError(
-                    f"tensor {name!r} is {src_dtype[name]} in one shard and {e.dtype} in {h.path}", path=where
-                )
-            found.setdefault(name, []).append(Chunk(i, h.data_start + e.begin, offsets[name], e.shape))
+    table, ids = build_chunk_table(headers)
+    where = table.where
+    names = table.names
+    shape_at, shape_ndim, dims = _global_shapes(table)
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, chunks in found.items():
-        ndims = {len(c.shape) for c in chunks}
-        if len(ndims) != 1:
-            raise PlanError(f"tensor {name!r} has chunks of different ranks {sorted(ndims)}", path=where)
-        nd = ndims.pop()
-        shapes[name] = tuple(max(c.global_offset[d] + c.shape[d] for c in chunks) for d in range(nd))
+    def shape(t: int) -> tuple[int, ...]:
+        return tuple(dims[shape_at[t] : shape_at[t] + shape_ndim[t]])
+
     if expected is not None:
-        _check_expected(shapes, src_dtype, expected, where)
-    for name, chunks in found.items():
-        check_tiling(name, shapes[name], chunks, where)
+        _check_expected(table, ids, shape, expected)
+    for t in range(len(names)):
+        check_tiling(names[t], shape(t), table.chunks_of(t), where)
 
-    out_dtype = {n: _out_dtype(n, src_dtype[n], dtype, keep) for n in found}
+    out_code = array(
+        "B", (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep)] for t, n in enumerate(names))
+    )
     for n, dt_name in (out_dtypes or {}).items():
-        if n in out_dtype and dt_name != src_dtype[n]:
-            if not (dtypes.lookup(src_dtype[n]).castable and dtypes.lookup(dt_name).castable):
-                raise DTypeError(f"tensor {n!r}: {src_dtype[n]} cannot become {dt_name}", path=where)
-            out_dtype[n] = dt_name
-        elif n in out_dtype:
-            out_dtype[n] = dt_name
-    sizes = {n: dtypes.lookup(out_dtype[n]).nbytes(math.prod(shapes[n])) for n in found}
+        pinned = ids.get(n)
+        if pinned is None:
+            continue
+        src_name = table.dtype_name(pinned)
+        if dt_name != src_name and not (dtypes.lookup(src_name).castable and dtypes.lookup(dt_name).castable):
+            raise DTypeError(f"tensor {n!r}: {src_name} cannot become {dt_name}", path=where)
+        out_code[pinned] = DTYPE_CODE[dt_name]
+    sizes = {
+        n: dtypes.lookup(DTYPE_NAMES[out_code[t]]).nbytes(math.prod(shape(t))) for t, n in enumerate(names)
+    }
     groups = (
         assign_with_reference(sizes, reference, max_shard_size)
         if reference is not None
         else pack_by_size(sizes, max_shard_size)
     )
-    names = output_file_names(len(groups))
-    tensors: list[TensorPlan] = []
+    file_names = output_file_names(len(groups))
+    row_tensor, row_dst, row_begin, row_end = array("i"), array("B"), array("q"), array("q")
     files: list[OutputFile] = []
-    moves: list[Move] = []
     for fi, group in enumerate(groups):
         # Widest dtypes first: with an 8-aligned data section every tensor stays aligned for mmap readers.
-        order = sorted(group, key=lambda n: (-dtypes.lookup(out_dtype[n]).bits, natural_key(n)))
-        entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        pos = 0
-        planned = []
-        for n in order:
-            tp = TensorPlan(
-                n, src_dtype[n], out_dtype[n], shapes[n], fi, pos, pos + sizes[n], tuple(found[n])
-            )
-            entries[n] = (out_dtype[n], shapes[n], pos, pos + sizes[n])
-            planned.append(tp)
+        group.sort(key=lambda n: (-dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits, natural_key(n)))
+        first, pos = len(row_tensor), 0
+        for n in group:
+            t = ids[n]
+            row_tensor.append(t)
+            row_dst.append(out_code[t])
+            row_begin.append(pos)
             pos += sizes[n]
-        header = encode_header(entries, {"format": "pt"})
-        files.append(OutputFile(names[fi], header, len(header) + pos, tuple(order)))
-        for tp in planned:
-            moves.extend(tensor_moves(tp, len(header), headers))
-        tensors.extend(planned)
-    return ExportPlan(
-        sources=tuple(h.path for h in headers),
+            row_end.append(pos)
+        entries = (
+            (names[row_tensor[r]], DTYPE_NAMES[row_dst[r]], shape(row_tensor[r]), row_begin[r], row_end[r])
+            for r in range(first, len(row_tensor))
+        )
+        header_size = len(encode_entries(entries))
+        files.append(OutputFile(file_names[fi], header_size, header_size + pos, first, len(row_tensor)))
+        group.clear()  # the rows hold it now
+    p = ExportPlan(
+        chunks=table,
         files=tuple(files),
-        tensors=tuple(tensors),
-        moves=tuple(split_and_merge(moves)),
+        tensor=frozen(row_tensor),
+        dst_dtype=frozen(row_dst),
+        begin=frozen(row_begin),
+        end=frozen(row_end),
+        shape_at=frozen(shape_at),
+        shape_ndim=frozen(shape_ndim),
+        dims=frozen(dims),
         total_size=sum(sizes.values()),
     )
+    _check_byte_addressable(p)
+    return p
+
+
+def _global_shapes(table: ChunkTable) -> tuple[array, array, array]:
+    """Each tensor's global shape, `max(offset + local shape)` per dimension over its blocks."""
+    shape_at, shape_ndim, dims = array("q"), array("B"), array("q")
+    for t, name in enumerate(table.names):
+        chunks = table.chunks_of(t)
+        ndims = {len(c.shape) for c in chunks}
+        if len(ndims) != 1:
+            raise PlanError(
+                f"tensor {name!r} has chunks of different ranks {sorted(ndims)}", path=table.where
+            )
+        nd = ndims.pop()
+        shape_at.append(len(dims))
+        shape_ndim.append(nd)
+        try:
+            dims.extend(max(c.global_offset[d] + c.shape[d] for c in chunks) for d in range(nd))
+        except OverflowError:
+            raise PlanError(f"tensor {name!r}: its extent does not fit 64 bits", path=table.where) from None
+    return shape_at, shape_ndim, dims
+
+
+def _check_byte_addressable(p: ExportPlan) -> None:
+    """Sub-byte tensors must move in whole bytes; find out now, not halfway through writing."""
+    for fi, f in enumerate(p.files):
+        for r in range(f.first, f.stop):
+            t = p.tensor[r]
+            if dtypes.lookup(p.chunks.dtype_name(t)).bits % 8:
+                tensor_moves(p.row(r, fi), f.header_size, p.chunks.where)
 
 
 def _compile(pattern: str | None) -> re.Pattern[str] | None:
@@ -124,32 +160,36 @@ def _compile(pattern: str | None) -> re.Pattern[str] | None:
 
 
 def _check_expected(
-    shapes: Mapping[str, tuple[int, ...]],
-    src_dtype: Mapping[str, str],
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    shape: Callable[[int], tuple[int, ...]],
     expected: Mapping[str, TensorInfo],
-    where: str,
 ) -> None:
-    missing = sorted(set(expected) - set(shapes), key=natural_key)
+    where = table.where
+    missing = sorted((n for n in expected if n not in ids), key=natural_key)
     if missing:
         raise PlanError(
             f"{len(missing)} marker tensors are in no shard (a shard is missing?): {missing[:5]}",
             path=where,
         )
-    extra = sorted(set(shapes) - set(expected), key=natural_key)
+    extra = sorted((n for n in table.names if n not in expected), key=natural_key)
     if extra:
         raise PlanError(
             f"{len(extra)} tensors in the shards are not in the commit marker: {extra[:5]}", path=where
         )
     for name, info in expected.items():
-        if tuple(info.shape) != shapes[name]:
+        t = ids[name]
+        got = shape(t)
+        if tuple(info.shape) != got:
             raise PlanError(
-                f"tensor {name!r}: shards cover {list(shapes[name])}, the trainer saved {list(info.shape)}"
+                f"tensor {name!r}: shards cover {list(got)}, the trainer saved {list(info.shape)}"
                 " (a shard is missing?)",
                 path=where,
             )
-        if info.dtype != src_dtype[name]:
+        if info.dtype != table.dtype_name(t):
             raise PlanError(
-                f"tensor {name!r}: shards hold {src_dtype[name]}, the trainer saved {info.dtype}", path=where
+                f"tensor {name!r}: shards hold {table.dtype_name(t)}, the trainer saved {info.dtype}",
+                path=where,
             )
 
 

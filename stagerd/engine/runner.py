@@ -11,7 +11,7 @@ import errno
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -189,13 +189,15 @@ def _preadv_scatter(fd: int, views: Sequence[memoryview], offset: int, path: str
 
 def run_moves(
     runner: Runner,
-    moves: Sequence[Move],
+    moves: Iterable[Move],
     threads: int,
     progress: ProgressFn | None,
     total: int,
     on_done: Callable[[Move], None] | None = None,
 ) -> None:
-    """Run `moves` on `threads` workers; the first error stops them all and is raised here."""
+    """Run `moves` on `threads` workers; the first error stops them all and is raised here.
+
+    `moves` may be a generator: it is advanced under the lock, one move at a time."""
     lock = threading.Lock()
     nxt = iter(moves)
     done = 0
@@ -222,7 +224,7 @@ def run_moves(
             if progress is not None:
                 progress(so_far, total)
 
-    n = max(1, min(threads, len(moves)))
+    n = max(1, threads)
     if n == 1:
         worker()
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from stagerd.contract.safetensors_format import Header, find_shards, read_header
@@ -12,12 +12,19 @@ from stagerd.errors import ShardError
 _SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 
 
-def scan_shards(src: Path, listed: Iterable[str] | None = None) -> list[Header]:
-    """Validated headers of the DCP shards in `src`.
+def scan_shards(src: Path, listed: Iterable[str] | None = None) -> Iterator[Header]:
+    """Validated headers of the DCP shards in `src`, read one at a time as they are taken.
 
-    `listed` are the shard file names a commit marker promises; without a marker the shard numbers
-    must run 1..S with no gap, since a missing rank's file is otherwise invisible.
+    The file names are checked now; each header is read and validated when the iterator reaches it, so a
+    planner that drops each header before taking the next never holds two. `listed` are the shard file
+    names a commit marker promises; without a marker the shard numbers must run 1..S with no gap, since
+    a missing rank's file is otherwise invisible.
     """
+    return (read_header(p) for p in shard_paths(src, listed))
+
+
+def shard_paths(src: Path, listed: Iterable[str] | None = None) -> list[Path]:
+    """The DCP shard files of `src`, their names, count and numbering checked (see `scan_shards`)."""
     if not src.is_dir():
         raise ShardError("is not a directory of DCP shards", path=src)
     paths = find_shards(src)
@@ -49,4 +56,4 @@ def scan_shards(src: Path, listed: Iterable[str] | None = None) -> list[Header]:
             raise ShardError(
                 f"shard numbers {gaps[:5]} are missing (found {len(shard_ids)} of {max(shard_ids)})", path=src
             )
-    return [read_header(p) for p in paths]
+    return paths

@@ -1,0 +1,83 @@
+"""Every block of every shard in flat arrays: a 100k-tensor checkpoint costs bytes per block, not objects.
+
+Headers are consumed one at a time (each validated by `read_header` before any offset in it is used) and
+dropped once their blocks are copied into the table, so reading the shards holds at most one shard's
+header objects. `chunks_of` rebuilds the `Chunk`s of one tensor when the planner needs them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from stagerd.contract.safetensors_format import Header
+from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, frozen
+from stagerd.errors import PlanError
+
+
+def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, int]]:
+    """The table of `headers` (consumed one by one), and name -> tensor id for the planner's lookups."""
+    sources: list[str] = []
+    ids: dict[str, int] = {}
+    names: list[str] = []
+    dtype = array("B")
+    tensor, src, ndim = array("i"), array("i"), array("B")
+    offset, at, dims = array("q"), array("q"), array("q")
+    for i, h in enumerate(headers):
+        sources.append(h.path)
+        offsets = h.dcp_offsets()
+        for name, e in h.tensors.items():
+            code = DTYPE_CODE[e.dtype]
+            t = ids.setdefault(name, len(ids))
+            if t == len(names):
+                names.append(name)
+                dtype.append(code)
+            elif dtype[t] != code:
+                where = str(Path(sources[0]).parent)
+                raise PlanError(
+                    f"tensor {name!r} is {DTYPE_NAMES[dtype[t]]} in one shard and {e.dtype} in {h.path}",
+                    path=where,
+                )
+            tensor.append(t)
+            src.append(i)
+            offset.append(h.data_start + e.begin)
+            at.append(len(dims))
+            ndim.append(len(e.shape))
+            try:
+                dims.extend(offsets[name])
+                dims.extend(e.shape)
+            except OverflowError:
+                raise PlanError(
+                    f"tensor {name!r}: an offset or dimension does not fit 64 bits", path=h.path
+                ) from None
+        del h, offsets  # the next shard's header must not sit beside this one's
+    order, first = _group_by_tensor(tensor, len(names))
+    table = ChunkTable(
+        tuple(sources),
+        tuple(names),
+        frozen(dtype),
+        frozen(src),
+        frozen(offset),
+        frozen(at),
+        frozen(ndim),
+        frozen(dims),
+        frozen(order),
+        frozen(first),
+    )
+    return table, ids
+
+
+def _group_by_tensor(tensor: Sequence[int], n: int) -> tuple[array, array]:
+    """A counting sort of block indices by tensor id, stable, so shard order stays within a tensor."""
+    first = array("q", bytes(8 * (n + 1)))
+    for t in tensor:
+        first[t + 1] += 1
+    for t in range(n):
+        first[t + 1] += first[t]
+    fill = array("q", first[:-1]) if n else array("q")
+    order = array("i", bytes(4 * len(tensor)))
+    for c, t in enumerate(tensor):
+        order[fill[t]] = c
+        fill[t] += 1
+    return order, first
