@@ -122,6 +122,16 @@ class JournalError(StagerdError):
     hint = "check ROOT/.stagerd/journal.sqlite; `stagerd watch ROOT` creates it on its first start"
 
 
+class StateGoneError(JournalError):
+    """The journal or the lock under ROOT/.stagerd was deleted or replaced while the daemon ran."""
+
+    hint = (
+        "something removed ROOT/.stagerd (or ROOT) under a running daemon, which stopped so that two daemons "
+        "never share a ROOT; start `stagerd watch ROOT` again: it rebuilds the journal, and sinks skip what "
+        "they already hold"
+    )
+
+
 class StepConflictError(StagerdError):
     """A step saved again, with other data, after a save of the same step number reached a sink."""
 

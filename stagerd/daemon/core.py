@@ -37,6 +37,8 @@ from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 __all__ = ["Daemon", "Failure", "Summary", "backoff_delay", "decide_failure"]
 
 
@@ -77,7 +79,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
-        lock = RootLock(self.root)
+        lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:
             # Niceness and the I/O class are per thread on Linux: set them before any thread exists.
@@ -103,9 +105,13 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._housekeep = asyncio.Event()
-        self._journal = await self._io(Journal.open, self.root)
+        # First: a signal during start-up (a slow scan, a slow sink) stops it cleanly instead of killing it.
+        # SIGHUP (a closed SSH session or terminal) stops the daemon like SIGTERM: there is no reload.
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
         server = None
         try:
+            self._journal = await self._io(Journal.open, self.root)
             for url in self.settings.sinks:
                 sink = await self._io(open_sink, url)
                 self._sinks[sink.url] = sink
@@ -135,10 +141,9 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             await self._check_disk()
             await self._refresh()
             server = self._serve_metrics()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._on_signal, sig)
             notify.notify_ready(f"watching {self.root}")
-            self._health["status"] = "ok"
+            if not self._stopping:
+                self._health["status"] = "ok"
             tasks = [
                 asyncio.create_task(self._ticker(), name="ticker"),
                 asyncio.create_task(self._housekeeping(), name="housekeeping"),
@@ -163,14 +168,15 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             log.info("stagerd stopped", extra={"state": "stopped"})
             return 0
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
             if server is not None:
                 server.close()
             for sink in self._sinks.values():
                 with contextlib.suppress(Exception):
                     await self._io(sink.close)
-            await self._j(self._journal.close)
+            if hasattr(self, "_journal"):
+                await self._j(self._journal.close)
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

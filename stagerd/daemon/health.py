@@ -11,7 +11,7 @@ from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import COMMITTED, FAILED, PENDING, PUBLISHED, QUARANTINED, RETIRED
 from stagerd.daemon.retention import disk_state
 from stagerd.daemon.state import log
-from stagerd.errors import JournalError
+from stagerd.errors import JournalError, StateGoneError
 from stagerd.ops import notify
 
 HEALTH_STALE_SECONDS = 15.0
@@ -38,6 +38,25 @@ class Health(JournalGate):
         self.metrics.disk_free.set(disk.free)
         self.metrics.disk_low.set(int(disk.low))
         self._health.update(disk_free=disk.free, disk_low=disk.low)
+
+    async def _check_state_files(self) -> None:
+        """Stop if the journal or the lock under ROOT/.stagerd was deleted or replaced under us.
+
+        The daemon would go on writing a journal nobody can read (`status` says there is none), and a
+        second `watch` would find no lock and start beside it.
+        """
+        why = await self._io(lambda: self._journal.lost() or self._root_lock.lost())
+        if why is None or self._fatal is not None:
+            return
+        err = StateGoneError(f"{why}; stopping", path=self.root)
+        log.error("%s: %s", err.name, err, extra={"state": "stopping", "hint": err.hint})
+        self._fatal = err
+        self._health["status"] = "error"
+        self._health["error"] = f"{err.name}: {err}"
+        notify.notify_status(f"STOPPED: {why}")
+        self._stopping = True
+        self._stop.set()
+        self._wake.set()
 
     async def _refresh(self) -> None:
         """Refresh gauges, the health snapshot and the systemd status line from the journal."""

@@ -38,6 +38,9 @@ class Housekeeping(Health):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._housekeep.wait(), timeout=self.settings.disk_check_seconds)
             self._housekeep.clear()
+            await self._check_state_files()
+            if self._stopping:
+                return
             try:
                 if not self._journal_backing_off():
                     await self._retain()

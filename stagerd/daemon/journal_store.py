@@ -33,6 +33,7 @@ from stagerd.daemon.journal_schema import (
     journal_path,
     remove_journal_files,
 )
+from stagerd.daemon.lock import file_replaced
 from stagerd.errors import JournalError
 
 
@@ -44,6 +45,7 @@ class JournalStore:
         self._lock = threading.Lock()
         self.path = path
         self.readonly = readonly
+        self._opened = None if readonly else os.stat(path)  # the file this connection writes
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Self:
@@ -93,6 +95,10 @@ class JournalStore:
                 )
             raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
         return cls(conn, path, readonly=True)
+
+    def lost(self) -> str | None:
+        """Why the journal file at our path is not the one this connection writes any more, or None."""
+        return None if self._opened is None else file_replaced(self.path, self._opened)
 
     def close(self) -> None:
         with self._lock:

@@ -33,6 +33,19 @@ class LockFileError(LockError):
         self.retryable = err.errno in _NO_SPACE  # freeing space helps; a permission never comes by itself
 
 
+def file_replaced(path: Path, held: os.stat_result) -> str | None:
+    """Why `path` no longer names the file `held` describes (deleted, or another file now), or None."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return f"{path} was deleted"
+    except OSError as e:
+        return f"{path} cannot be checked: {e.strerror or e}"
+    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        return f"{path} was replaced by another file"
+    return None
+
+
 def lock_path(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / LOCK_NAME
 
@@ -81,6 +94,12 @@ class RootLock:
                 e.strerror or e,
                 extra={"lock": str(self.path), "errno": e.errno},
             )
+
+    def lost(self) -> str | None:
+        """Why the lock file at our path is no longer the one we hold (deleted or replaced), or None."""
+        if self._fd is None:
+            return None
+        return file_replaced(self.path, os.fstat(self._fd))
 
     def release(self) -> None:
         if self._fd is not None:

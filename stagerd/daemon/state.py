@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from stagerd.config import Settings
 from stagerd.daemon.journal import Journal, LaneState, StepState
+from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics
 from stagerd.daemon.retention import DiskState
 from stagerd.errors import JournalError
@@ -54,6 +55,7 @@ class DaemonState:
     _journal_failures: int
     _journal_retry_at: float
     _fatal: JournalError | None
+    _root_lock: RootLock
 
     async def _j(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a journal call on the journal thread (commits fsync; the loop must not wait on disk)."""
