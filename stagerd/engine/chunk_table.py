@@ -24,7 +24,9 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
     dtype = array("B")
     tensor, src, ndim = array("i"), array("i"), array("B")
     offset, at, dims = array("q"), array("q"), array("q")
-    for i, h in enumerate(headers):
+    # Not enumerate(): it keeps its last (index, header) tuple until the next header has been read.
+    for h in headers:
+        i = len(sources)
         sources.append(h.path)
         offsets = h.dcp_offsets()
         for name, e in h.tensors.items():
