@@ -9,25 +9,38 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from stagerd.engine.plan_types import ExportPlan
 
 _OPEN = b'{"__metadata__":{"format":"pt"}'
 
 
-def encode_entries(entries: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
-    """The 8-byte length, the JSON header with `{"format": "pt"}`, then spaces up to an 8-byte boundary."""
-    body = bytearray(_OPEN)
+def _pieces(entries: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> Iterator[bytes]:
+    yield _OPEN
     for name, dtype, shape, begin, end in entries:
-        body += (
+        yield (
             f',{json.dumps(name, ensure_ascii=False)}:{{"dtype":{json.dumps(dtype)},'
             f'"shape":[{",".join(map(str, shape))}],"data_offsets":[{begin},{end}]}}'
         ).encode()
-    body += b"}"
-    body += b" " * (-(8 + len(body)) % 8)
-    return struct.pack("<Q", len(body)) + bytes(body)
+    yield b"}"
 
 
-def file_header(p: ExportPlan, file: int) -> bytes:
+def encode_entries(entries: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> bytearray:
+    """The 8-byte length, the JSON header with `{"format": "pt"}`, then spaces up to an 8-byte boundary."""
+    out = bytearray(8)  # the length goes here once it is known; one buffer, never copied
+    for piece in _pieces(entries):
+        out += piece
+    out += b" " * (-len(out) % 8)
+    struct.pack_into("<Q", out, 0, len(out) - 8)
+    return out
+
+
+def header_size(entries: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> int:
+    """`len(encode_entries(entries))` without holding the header."""
+    n = 8 + sum(len(piece) for piece in _pieces(entries))
+    return n + (-n % 8)
+
+
+def file_header(p: ExportPlan, file: int) -> bytearray:
     return encode_entries(p.entries(file))

@@ -22,9 +22,17 @@ from stagerd.contract.sharding import (
     pack_by_size,
 )
 from stagerd.engine.chunk_table import build_chunk_table
-from stagerd.engine.file_header import encode_entries
+from stagerd.engine.file_header import header_size
 from stagerd.engine.moves import tensor_moves
-from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, ExportPlan, OutputFile, frozen
+from stagerd.engine.plan_types import (
+    DTYPE_CODE,
+    DTYPE_NAMES,
+    ChunkTable,
+    ExportPlan,
+    OutputFile,
+    frozen,
+    in_natural_order,
+)
 from stagerd.engine.tiling import check_tiling
 from stagerd.errors import DTypeError, PlanError
 
@@ -89,7 +97,9 @@ def plan(
     files: list[OutputFile] = []
     for fi, group in enumerate(groups):
         # Widest dtypes first: with an 8-aligned data section every tensor stays aligned for mmap readers.
-        group.sort(key=lambda n: (-dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits, natural_key(n)))
+        if not in_natural_order(group):
+            group.sort(key=natural_key)
+        group.sort(key=lambda n: -dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits)  # stable
         first, pos = len(row_tensor), 0
         for n in group:
             t = ids[n]
@@ -102,8 +112,8 @@ def plan(
             (names[row_tensor[r]], DTYPE_NAMES[row_dst[r]], shape(row_tensor[r]), row_begin[r], row_end[r])
             for r in range(first, len(row_tensor))
         )
-        header_size = len(encode_entries(entries))
-        files.append(OutputFile(file_names[fi], header_size, header_size + pos, first, len(row_tensor)))
+        size = header_size(entries)
+        files.append(OutputFile(file_names[fi], size, size + pos, first, len(row_tensor)))
         group.clear()  # the rows hold it now
     p = ExportPlan(
         chunks=table,

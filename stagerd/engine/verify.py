@@ -68,34 +68,43 @@ def verify_export(
         if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
             raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
         by_file.setdefault(fname, set()).add(name)
-    headers: dict[str, Header] = {}
-    for fname, names in sorted(by_file.items()):
+    file_names = set(by_file)
+    # Each export header is checked and reduced to what the comparison needs before the next is read:
+    # holding every header's entries at once would cost an object per tensor.
+    file_sizes: list[int] = []
+    size = 0
+    out_dtypes: dict[str, str] = {}
+    for fname in sorted(by_file):
         path = export_dir / fname
         try:
             h = read_header(path)
         except StagerdError as e:
             raise VerifyError(f"invalid header: {e.message}", path=path) from None
-        _check_file(path, h, names)
-        headers[fname] = h
-    stray = sorted(p.name for p in export_dir.glob("*.safetensors") if p.name not in by_file)
+        _check_file(path, h, by_file.pop(fname))
+        file_sizes.append(h.file_size)
+        size += h.file_size - h.data_start
+        out_dtypes.update((n, t.dtype) for n, t in h.tensors.items())
+        del h
+    stray = sorted(p.name for p in export_dir.glob("*.safetensors") if p.name not in file_names)
     if stray:
         raise VerifyError(f"safetensors files not in the index: {stray[:3]}", path=export_dir)
-    size = sum(t.nbytes for h in headers.values() for t in h.tensors.values())
     if size != total:
         raise VerifyError(
             f"index says total_size {total}, the files hold {size} tensor bytes", path=export_dir
         )
     if against is not None:
         source = open_source(Path(against))
-        out_dtypes = {n: t.dtype for h in headers.values() for n, t in h.tensors.items()}
         p = plan(
             scan_shards(source.model_dir, source.listed),
             reference=weight_map,
-            max_shard_size=max(h.file_size for h in headers.values()) + 1,
+            max_shard_size=max(file_sizes) + 1,
             expected=source.marker.tensors if source.marker else None,
             out_dtypes=out_dtypes,
         )
-        if {f.name for f in p.files} != set(by_file) or set(p.weight_map()) != set(weight_map):
+        del out_dtypes
+        # The plan keeps the reference's grouping and refuses reference keys absent from the shards, so
+        # equal counts mean equal tensor sets.
+        if {f.name for f in p.files} != file_names or p.tensor_count != len(weight_map):
             raise VerifyError("the source holds different tensors than the export", path=export_dir)
         compare(p, export_dir, threads=threads, progress=progress)
-    return VerifyReport(export_dir, len(headers), len(weight_map), total, against)
+    return VerifyReport(export_dir, len(file_names), len(weight_map), total, against)
