@@ -30,20 +30,35 @@ EXPORT_TMP_DIR = "export.tmp"
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
 
-_STEP_DIR_RE = re.compile(r"^step-(\d{8,})$")
+# Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
+MAX_STEP = 2**63 - 1
+_STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
 
 
 def step_dir_name(step: int) -> str:
     """`step-00000100` for step 100: zero-padded so names sort by step."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be between 0 and 2^63 - 1, got {step}")
     return f"step-{step:08d}"
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step number of a step directory name, or None if it is not one."""
-    m = _STEP_DIR_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step number of a step directory name, or None if it is not one.
+
+    Only the exact names `step_dir_name` writes count: ASCII digits, 8 of them or as few beyond that as the
+    number needs, no trailing newline. `step-000000100` and `step-00000100` would otherwise both be step
+    100, and one of them would be ignored.
+    """
+    m = _STEP_DIR_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP and name == step_dir_name(step) else None
+
+
+def looks_like_a_step_dir(name: str) -> bool:
+    """A name a person meant as a step directory that `parse_step_dir` refuses (to warn about, once)."""
+    return name.startswith("step-") and parse_step_dir(name) is None
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -134,8 +149,8 @@ class CommitMarker:
             if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
                 raise MarkerError(f"not a {MARKER_FORMAT} marker", path=path)
             step, ws = d["step"], d["world_size"]
-            if not (_is_int(step) and step >= 0 and _is_int(ws) and ws >= 1):
-                raise MarkerError("step and world_size must be non-negative integers", path=path)
+            if not (_is_int(step) and 0 <= step <= MAX_STEP and _is_int(ws) and ws >= 1):
+                raise MarkerError("step must be an integer in [0, 2^63) and world_size one >= 1", path=path)
             files = []
             for f in d["files"]:
                 rel = safe_relpath(f["path"], what="file", path=path)
@@ -194,7 +209,15 @@ def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise MarkerError(f"commit marker is not JSON: {e}", path=path) from None
-    return CommitMarker.from_json(data, path=path)
+    marker = CommitMarker.from_json(data, path=path)
+    named = parse_step_dir(Path(step_dir).name)
+    if named is not None and named != marker.step:
+        raise MarkerError(
+            f"the commit marker is for step {marker.step}, but its directory is step {named}",
+            path=path,
+            hint="a step directory was renamed or copied by hand; give it back the name of its step",
+        )
+    return marker
 
 
 def marker_identity(step_dir: str | os.PathLike[str]) -> str:

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from stagerd.config import Settings
+from stagerd.contract import layout
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.lock import RootLock
@@ -36,10 +37,32 @@ from stagerd.errors import ConfigError, JournalError
 from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
+from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 __all__ = ["Daemon", "Failure", "Summary", "backoff_delay", "decide_failure"]
+
+
+def _refuse_sinks_inside_root(root: Path, sinks: list[str]) -> None:
+    """A local sink that is ROOT, or inside a step directory or the daemon's state, would write its copies
+    among the staged data that retention then deletes: the published steps would exist nowhere. (A sink in
+    another subdirectory of ROOT is left alone: nothing of stagerd's lives there.)"""
+    real_root = root.resolve()
+    for url in sinks:
+        target = parse_sink_url(url)
+        if target.kind is not SinkKind.LOCAL:
+            continue
+        where = target.local_path.resolve()
+        if where != real_root and real_root not in where.parents:
+            continue
+        top = where.relative_to(real_root).parts[:1]
+        if not top or top[0] == layout.STATE_DIR or top[0].startswith("step-"):
+            raise ConfigError(
+                f"sink {url} is ROOT {root} or inside its step or state directories: its copies would "
+                "land among the staged steps",
+                hint="publish to a directory outside ROOT, e.g. file:///mnt/models/run1",
+            )
 
 
 def _warm_engine() -> None:
@@ -68,6 +91,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._inflight_exports = {}
         self._inflight_publishes = {}
         self._marker_metadata = {}
+        self._odd_names = set()
         self._beat = time.monotonic()
         self._disk = None
         self._health = {"status": "starting", "pid": os.getpid()}
@@ -79,6 +103,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
+        _refuse_sinks_inside_root(self.root, self.settings.sinks)
         lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:

@@ -25,9 +25,13 @@ class Discovery(JournalGate):
 
         Found = list[tuple[int, Path, float, str]]
 
-        def find() -> tuple[Found, Found]:
+        def find() -> tuple[Found, Found, list[str]]:
             new: Found = []
             resaved: Found = []
+            try:
+                odd = [n for n in os.listdir(self.root) if layout.looks_like_a_step_dir(n)]
+            except FileNotFoundError:
+                odd = []
             for step, path in layout.iter_step_dirs(self.root):
                 try:
                     mtime = (path / layout.MARKER_NAME).stat().st_mtime
@@ -37,9 +41,18 @@ class Discovery(JournalGate):
                 except (FileNotFoundError, MarkerError):
                     continue  # not committed: never touched
                 (resaved if step in known else new).append((step, path, mtime, identity))
-            return new, resaved
+            return new, resaved, odd
 
-        new, resaved = await self._io(find)
+        new, resaved, odd = await self._io(find)
+        for name in sorted(set(odd) - self._odd_names):
+            self._odd_names.add(name)
+            log.warning(
+                "%s is not a step directory: stagerd reads only the names it writes, step- and the step "
+                "number in 8 or more ASCII digits without extra leading zeros, below 2^63 (step-00000100); "
+                "it is ignored",
+                self.root / name,
+                extra={"ignored": name},
+            )
         added = 0
         for step, path, mtime, identity in new:
             if await self._j(self._journal.add_step, step, path, mtime, identity):

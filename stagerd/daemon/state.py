@@ -56,6 +56,7 @@ class DaemonState:
     _journal_retry_at: float
     _fatal: JournalError | None
     _root_lock: RootLock
+    _odd_names: set[str]  # names like step directories that are not, warned about once each
 
     async def _j(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a journal call on the journal thread (commits fsync; the loop must not wait on disk)."""

@@ -79,8 +79,11 @@ def resolve_state(
     state_dict: Any, step: Any, optimizer_state: Any
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The model and optimizer state dicts with Stateful values resolved; the model's all tensors."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise SaveInputError(f"step must be a non-negative integer, got {step!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= layout.MAX_STEP:
+        raise SaveInputError(
+            f"step must be an integer from 0 to 2^63 - 1, got {step!r}",
+            hint="use the training step count; a nanosecond timestamp does not fit the journal's integers",
+        )
     model_sd = _resolve_stateful(state_dict, "state_dict")
     if _check_tensors(model_sd) == 0:
         raise SaveInputError("the model state dict holds no tensors")

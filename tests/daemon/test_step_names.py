@@ -1,0 +1,83 @@
+"""Step directory names, marker steps and sink places that used to pass without a word (issue 19, items 2,
+7 and 8): every one is now correct behaviour or a named error that names the step, file or flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.errors import MarkerError
+from tests.cli_helpers import run_cli
+from tests.daemon_helpers import fast_flags, stage_copy
+
+
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("step-00000100", 100),
+        ("step-123456789", 123456789),
+        (f"step-{2**63 - 1}", 2**63 - 1),
+        ("step-000000100", None),  # a second spelling of step 100
+        ("step-00000100\n", None),
+        ("step-0000010\u0660", None),  # an Arabic-Indic zero
+        (f"step-{2**63}", None),
+        ("step-99999999999999999999", None),
+        ("step-1", None),
+    ],
+)
+def test_only_the_names_stagerd_writes_are_steps(name: str, step: int | None):
+    assert layout.parse_step_dir(name) == step
+    assert layout.looks_like_a_step_dir(name) == (step is None)
+
+
+def test_a_marker_for_another_step_than_its_directory_is_a_marker_error(tmp_path, dcp_mixed2):
+    model, _ = dcp_mixed2
+    step_dir = stage_copy(tmp_path, 100, model, world=2)
+    marker = json.loads((step_dir / layout.MARKER_NAME).read_text())
+    (step_dir / layout.MARKER_NAME).write_text(json.dumps({**marker, "step": 777}))
+    with pytest.raises(MarkerError, match="for step 777, but its directory is step 100"):
+        layout.read_marker(step_dir)
+    r = run_cli(["consolidate", step_dir, tmp_path / "out"])
+    assert r.returncode == 2 and "MarkerError" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_marker_step_past_int64_is_refused():
+    marker = layout.CommitMarker(step=1, world_size=1, files=()).to_json()
+    with pytest.raises(MarkerError, match=r"\[0, 2\^63\)"):
+        layout.CommitMarker.from_json({**marker, "step": 2**63})
+
+
+def test_the_daemon_warns_about_odd_names_and_goes_on_with_real_steps(tmp_path, dcp_mixed2):
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    for odd in ("step-000000100", "step-99999999999999999999"):
+        (root / odd).mkdir()
+        (root / odd / layout.MARKER_NAME).write_text("{}")
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 step(s) published, 0 not" in r.stdout
+    for odd in ("step-000000100", "step-99999999999999999999"):
+        assert f"{root / odd} is not a step directory" in r.stderr
+    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
+
+
+@pytest.mark.parametrize("where", [".", "step-00000100/published", ".stagerd/x"])
+def test_a_local_sink_in_root_or_its_steps_is_refused_before_anything_is_written(tmp_path, where):
+    root = tmp_path / "root"
+    root.mkdir()
+    sink = (root / where).resolve()
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 2, r.stderr
+    assert "ConfigError" in r.stderr and "inside its step or state directories" in r.stderr
+    assert list(root.iterdir()) == []  # no journal, no lock, no sink directory
+
+
+def test_a_step_past_int64_is_refused_by_the_stager_before_anything_starts():
+    from stagerd.errors import SaveInputError
+    from stagerd.training.save_inputs import resolve_state
+
+    with pytest.raises(SaveInputError, match="2\\^63"):
+        resolve_state({}, 2**63, None)
