@@ -128,6 +128,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     out_steps = []
     for s in steps:
         d = asdict(s)
+        d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
         d["age_seconds"] = round(now - s.marker_mtime, 3)
         out_steps.append(d)

@@ -21,6 +21,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from stagerd.daemon.journal_schema import (
@@ -91,7 +92,7 @@ class Journal(StepVersions):
             cur = c.execute(
                 "INSERT OR IGNORE INTO steps (step, path, state, marker_mtime, found_at, updated, marker_id) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (step, str(path), COMMITTED, marker_mtime, now, now, marker_id),
+                (step, Path(path).name, COMMITTED, marker_mtime, now, now, marker_id),
             )
             if cur.rowcount:
                 self._event(c, step, None, None, COMMITTED, now=now)

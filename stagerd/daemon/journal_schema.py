@@ -10,13 +10,13 @@ import os
 import sqlite3
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from stagerd.contract import layout
 from stagerd.errors import JournalError, JournalFullError
 
 JOURNAL_NAME = "journal.sqlite"
-SCHEMA_VERSION = 2  # 2: steps.marker_id (which save of the step the row is)
+SCHEMA_VERSION = 2  # 2: steps.marker_id (which save of the step the row is); paths are names in ROOT
 
 
 class StepState(StrEnum):
@@ -52,7 +52,7 @@ LANE_STATES = tuple(LaneState)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS steps (
     step            INTEGER PRIMARY KEY,
-    path            TEXT NOT NULL,
+    path            TEXT NOT NULL,  -- the step directory's name in ROOT
     state           TEXT NOT NULL,
     marker_mtime    REAL NOT NULL,
     found_at        REAL NOT NULL,
@@ -251,6 +251,9 @@ def connect(path: Path) -> sqlite3.Connection:
         if version == 1:  # schema 1 predates step identity: its rows learn theirs at the next scan
             conn.execute("BEGIN IMMEDIATE")  # the column and the version move together, or neither
             conn.execute("ALTER TABLE steps ADD COLUMN marker_id TEXT")
+            # Schema 1 kept absolute paths, which a moved or copied ROOT would still follow: names only.
+            for step, old in conn.execute("SELECT step, path FROM steps").fetchall():
+                conn.execute("UPDATE steps SET path = ? WHERE step = ?", (PurePath(old).name, step))
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.execute("COMMIT")
         conn.executescript(_SCHEMA)

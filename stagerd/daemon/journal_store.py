@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -96,6 +96,18 @@ class JournalStore:
             raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
         return cls(conn, path, readonly=True)
 
+    @property
+    def root(self) -> Path:
+        """The ROOT this journal describes: wherever it is now, moved or not."""
+        return self.path.parent.parent
+
+    def _step_row(self, r: tuple[Any, ...]) -> StepRow:
+        """A row with its directory under this journal's ROOT. The journal keeps only the directory's name:
+        an absolute path would send a moved or copied ROOT's retention into the ROOT that now stands at
+        the old place, deleting another run's unpublished steps."""
+        row = StepRow(*r)
+        return replace(row, path=str(self.root / Path(row.path).name))
+
     def lost(self) -> str | None:
         """Why the journal file at our path is not the one this connection writes any more, or None."""
         return None if self._opened is None else file_replaced(self.path, self._opened)
@@ -176,12 +188,13 @@ class JournalStore:
     def steps(self, *, include_retired: bool = True) -> list[StepRow]:
         where = "" if include_retired else f"WHERE state != '{RETIRED}'"
         return [
-            StepRow(*r) for r in self._query(f"SELECT {columns(StepRow)} FROM steps {where} ORDER BY step")
+            self._step_row(r)
+            for r in self._query(f"SELECT {columns(StepRow)} FROM steps {where} ORDER BY step")
         ]
 
     def step(self, step: int) -> StepRow | None:
         rows = self._query(f"SELECT {columns(StepRow)} FROM steps WHERE step = ?", (step,))
-        return StepRow(*rows[0]) if rows else None
+        return self._step_row(rows[0]) if rows else None
 
     def lanes(self, step: int | None = None) -> list[LaneRow]:
         sql = f"SELECT {columns(LaneRow)} FROM lanes"
@@ -209,7 +222,7 @@ class JournalStore:
             (COMMITTED, FAILED, now),
         ):
             if r[0] not in skip:
-                return StepRow(*r)
+                return self._step_row(r)
         return None
 
     def next_publish(self, sink: str, now: float, exclude: Iterable[int] = ()) -> LaneRow | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from pathlib import Path
 
 from stagerd.daemon.journal_schema import LaneState, StepState
 from stagerd.daemon.journal_store import JournalStore
@@ -49,7 +50,7 @@ class StepVersions(JournalStore):
                 return None  # judged at the next scan, once this attempt has ended
             c.execute(
                 "UPDATE steps SET path = ?, marker_mtime = ?, marker_id = ?, updated = ? WHERE step = ?",
-                (str(path), marker_mtime, marker_id, now, step),
+                (Path(path).name, marker_mtime, marker_id, now, step),
             )
             reached_a_sink = state in (StepState.PUBLISHED, StepState.RETIRED) or LaneState.PUBLISHED in lanes
             if reached_a_sink:
