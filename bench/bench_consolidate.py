@@ -3,11 +3,13 @@
 Generates a DCP checkpoint (fp32, `Shard(0)` plus a `Shard(1)` share, RANKS ranks x FILES files each; with
 `--mixed`, a quarter each bf16 and fp16) with real gloo processes, then times each tool in a subprocess
 (wall time and that child's peak RSS via wait4). Every output is deleted and `sync`ed between runs so each
-starts from the same warm page cache. The keep and `--dtype bf16` exports of one round run back to back,
-so their ratio is a paired figure.
+starts from the same warm page cache. The keep export and the `--dtype bf16`, `fp16` and `fp32`
+exports of one round run back to back, so each cast / keep ratio is a paired figure.
 
     python bench/bench_consolidate.py --size-gb 6 --ranks 4 --files 4 --threads 2
-    python bench/bench_consolidate.py --many-tensors 100000 --ranks 2   # memory flat in tensor count
+    python bench/bench_consolidate.py --size-gb 1 --ranks 2 --files 2 --mixed   # cast / keep pairs
+    python bench/bench_consolidate.py --many-tensors 100000 --ranks 2 --files 4 --keep   # memory flat in
+        # tensor count: peak RSS of plan, export (keep and every cast) and verify; plan bytes per tensor
 """
 
 from __future__ import annotations
@@ -121,42 +123,51 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
 """
 
 
-# Per-tensor memory of the plan: the resident growth from planning, over the tensor count.
+# Per-tensor memory of the plan: the resident and traced growth from planning, over the tensor count.
 PLAN_MEMORY = """
-import gc, resource, sys, json
+import gc, resource, sys, json, tracemalloc
 from pathlib import Path
 from stagerd.engine.consolidate import plan, scan_shards
+from stagerd.engine.moves import plan_moves
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 gc.collect(); r0 = rss()
-headers = scan_shards(Path(sys.argv[1]))
-gc.collect(); r1 = rss()
-p = plan(headers)
-del headers
-gc.collect(); r2 = rss()
-n = len(p.tensors)
-print(json.dumps({"tensors": n, "moves": len(p.moves), "headers_bytes_per_tensor": (r1 - r0) / n,
-                  "plan_bytes_per_tensor": (r2 - r1) / n,
+tracemalloc.start(); t0 = tracemalloc.get_traced_memory()[0]
+p = plan(scan_shards(Path(sys.argv[1])))
+gc.collect(); r1 = rss(); kept, traced_peak = tracemalloc.get_traced_memory(); tracemalloc.stop()
+n = p.tensor_count
+moves = sum(1 for _ in plan_moves(p))
+print(json.dumps({"tensors": n, "moves": moves, "files": len(p.files),
+                  "plan_bytes_per_tensor": (kept - t0) / n, "plan_rss_bytes_per_tensor": (r1 - r0) / n,
+                  "traced_peak_mib": (traced_peak - t0) / 2**20,
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
+# Planning alone, as its own process: the peak RSS of `plan()` with nothing else loaded.
+PLAN_ONLY = """
+import sys
+from pathlib import Path
+from stagerd.engine.consolidate import plan, scan_shards
+plan(scan_shards(Path(sys.argv[1]))).index()
+"""
+
+CASTS = ("bf16", "fp16", "fp32")
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} | {min(xs):.2f} | {max(xs):.2f}"
+
 
 def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, object]:
-    """Plan, export (keep and bf16) and verify a checkpoint of many small tensors: time and peak RSS."""
+    """Plan, export (keep and every cast) and verify a checkpoint of many small tensors: time and peak
+    RSS, each in its own process; every round runs the casts right after the keep export (paired)."""
     out = work / "out"
     stagerd = [sys.executable, "-m", "stagerd.cli"]
-    runs = {
-        "stagerd consolidate": [*stagerd, "consolidate", str(src), str(out), "--threads", str(threads)],
-        "stagerd consolidate --dtype bf16": [
-            *stagerd,
-            "consolidate",
-            str(src),
-            str(out),
-            "--threads",
-            str(threads),
-            "--dtype",
-            "bf16",
-        ],
+    keep = [*stagerd, "consolidate", str(src), str(out), "--threads", str(threads)]
+    runs: dict[str, list[str]] = {
+        "stagerd plan (alone)": [sys.executable, "-c", PLAN_ONLY, str(src)],
+        "stagerd consolidate": keep,
+        **{f"stagerd consolidate --dtype {c}": [*keep, "--dtype", c] for c in CASTS},
         "torch consolidate_safetensors_files": [
             sys.executable,
             "-c",
@@ -171,7 +182,7 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
     for rnd in range(repeat):
         for name, cmd in runs.items():
             if rnd and name.startswith("torch"):
-                continue
+                continue  # slow and far from the others; one round is enough to rank it
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=True)
             found[name].append(timed(cmd))
@@ -192,16 +203,37 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
             cwd=ROOT,
         ).stdout
     )
-    print("\n| tool | median s | min s | max s | peak RSS MiB |\n|---|---|---|---|---|")
+    print("\n| tool | median s | min s | max s | peak RSS MiB, median | min | max |")
+    print("|---|---|---|---|---|---|---|")
     for name, got in found.items():
-        w, peak = [g[0] for g in got], max(g[1] for g in got)
-        print(f"| {name} | {statistics.median(w):.2f} | {min(w):.2f} | {max(w):.2f} | {peak:.0f} |")
+        print(
+            f"| {name} | {spread([g[0] for g in got])} | {spread([g[1] for g in got]).replace('.00', '')} |"
+        )
+    print()
+    for c in CASTS:
+        print_pairs(
+            c,
+            [g[0] for g in found[f"stagerd consolidate --dtype {c}"]],
+            [g[0] for g in found["stagerd consolidate"]],
+        )
+    print(f"\n{repeat} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end")
     print(
-        f"\nplan: {mem['tensors']} tensors, {mem['moves']} moves, "
-        f"headers {mem['headers_bytes_per_tensor']:.0f} B/tensor, "
-        f"plan {mem['plan_bytes_per_tensor']:.0f} B/tensor, planning peak {mem['peak_mib']:.0f} MiB"
+        f"plan: {mem['tensors']} tensors, {mem['files']} files, {mem['moves']} moves; "
+        f"{mem['plan_bytes_per_tensor']:.0f} B/tensor kept (tracemalloc), "
+        f"{mem['plan_rss_bytes_per_tensor']:.0f} B/tensor of RSS growth, "
+        f"traced peak {mem['traced_peak_mib']:.0f} MiB, process peak {mem['peak_mib']:.0f} MiB"
     )
     return {"runs": found, "plan_memory": mem}
+
+
+def print_pairs(cast: str, cast_walls: list[float], keep_walls: list[float]) -> list[float]:
+    """Cast over keep, paired by round (each cast ran right after its round's keep export)."""
+    pairs = sorted(c / k for c, k in zip(cast_walls, keep_walls, strict=True))
+    print(
+        f"cast {cast} / keep, paired by round: median {statistics.median(pairs):.2f}x "
+        f"(range {pairs[0]:.2f}x - {pairs[-1]:.2f}x over {len(pairs)} rounds)"
+    )
+    return pairs
 
 
 def main() -> None:
@@ -248,17 +280,19 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         subprocess.run(["sync"], check=True)
 
-    runs = {
+    keep_cmd = [
+        *stagerd,
+        str(out),
+        "--threads",
+        str(args.threads),
+        "--reference-index",
+        str(work / "ref.json"),
+    ]
+    torch_cmd = [sys.executable, "-c", TORCH_CONSOLIDATE, str(src), str(out), str(work / "mapping.json")]
+    runs: dict[str, list[str] | None] = {
         "cp -r": ["cp", "-r", str(src), str(out)],
         "cp -r && sync": ["sh", "-c", f"cp -r {src} {out} && sync"],
-        "stagerd consolidate": [
-            *stagerd,
-            str(out),
-            "--threads",
-            str(args.threads),
-            "--reference-index",
-            str(work / "ref.json"),
-        ],
+        "stagerd consolidate": keep_cmd,
         "torch consolidate_safetensors_files": [
             sys.executable,
             "-c",
@@ -270,10 +304,11 @@ def main() -> None:
         ],
     }
     if not args.skip_cast:
-        runs["stagerd consolidate --dtype bf16"] = [*runs["stagerd consolidate"], "--dtype", "bf16"]
+        for c in CASTS:
+            runs[f"stagerd consolidate --dtype {c}"] = [*keep_cmd, "--dtype", c]
         runs["torch consolidate + cast pass"] = None  # two steps, timed together below
     clean()
-    subprocess.run(runs["cp -r"], check=True)  # warm the page cache with the source
+    subprocess.run(["cp", "-r", str(src), str(out)], check=True)  # warm the page cache with the source
     # Rounds interleave the tools so each sees the same conditions; the median is the reported figure.
     walls: dict[str, list[float]] = {name: [] for name in runs}
     rss: dict[str, float] = dict.fromkeys(runs, 0.0)
@@ -285,7 +320,7 @@ def main() -> None:
             if cmd is not None:
                 wall, peak = timed(cmd)
             else:
-                w1, r1 = timed(runs["torch consolidate_safetensors_files"])
+                w1, r1 = timed([*torch_cmd, str(args.threads)])
                 w2, r2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
                 wall, peak = w1 + w2, max(r1, r2)
             walls[name].append(wall)
@@ -299,31 +334,28 @@ def main() -> None:
     cp, torch_t = med["cp -r"], med["torch consolidate_safetensors_files"]
     print()
     print(
-        f"checkpoint: {size / 1e9:.2f} GB fp32, {args.ranks} ranks, {len(list(src.iterdir()))} shards, "
+        f"checkpoint: {size / 1e9:.2f} GB {'mixed' if args.mixed else 'fp32'}, {args.ranks} ranks, "
+        f"{len(list(src.iterdir()))} shards, "
         f"{args.files} output files, {args.threads} threads, {os.cpu_count()} cores, "
-        f"median of {args.repeat} interleaved rounds"
+        f"median of {args.repeat} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end"
     )
     print()
-    print("| tool | median s | min s | GB/s | peak RSS MiB | vs cp -r | vs cp -r && sync | torch / this |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| tool | median s | min s | max s | GB/s | peak RSS MiB | vs cp -r "
+        "| vs cp -r && sync | torch / this |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, w in walls.items():
         m = med[name]
         print(
-            f"| {name} | {m:.2f} | {min(w):.2f} | {size / 1e9 / m:.2f} | {rss[name]:.0f} | {m / cp:.2f}x "
+            f"| {name} | {m:.2f} | {min(w):.2f} | {max(w):.2f} | {size / 1e9 / m:.2f} | {rss[name]:.0f} "
+            f"| {m / cp:.2f}x "
             f"| {m / med['cp -r && sync']:.2f}x | {torch_t / m:.2f}x |"
         )
-    if "stagerd consolidate --dtype bf16" in med:
-        # Paired: each round's cast export ran right after its keep export, on the same data.
-        pairs = sorted(
-            c / k
-            for c, k in zip(
-                walls["stagerd consolidate --dtype bf16"], walls["stagerd consolidate"], strict=True
-            )
-        )
-        print(
-            f"\ncast / keep, paired by round: median {statistics.median(pairs):.2f}x "
-            f"(range {pairs[0]:.2f}x - {pairs[-1]:.2f}x over {len(pairs)} rounds)"
-        )
+    print()
+    for c in CASTS:
+        if f"stagerd consolidate --dtype {c}" in walls:
+            print_pairs(c, walls[f"stagerd consolidate --dtype {c}"], walls["stagerd consolidate"])
     if "torch consolidate + cast pass" in med:
         ratio = med["torch consolidate + cast pass"] / med["stagerd consolidate --dtype bf16"]
         print(f"\nfp32->bf16: stagerd is {ratio:.2f}x faster than torch consolidation + a cast pass")

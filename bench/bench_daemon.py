@@ -1,14 +1,16 @@
 """Benchmark `stagerd watch`: flat memory over many steps, pickup latency, and pipeline overhead.
 
     python bench/bench_daemon.py [--steps 50] [--mb 64] [--interval 1.0] [--big-mb 512] [--big-steps 5]
-                                 [--burst 3] [--json OUT]
+                                 [--burst 3] [--idle-s 3] [--skip-e2e] [--json OUT]
 
 Every daemon is a real `stagerd watch` subprocess with a file:// sink (`--nice 0 --io-class none`, so
 that the comparison with work done in this process is like for like). Steps are shards copied from one
 real gloo DCP save of fp32 tensors, then a commit marker written last, as the Stager does.
 
 1. Paced: `--steps` small steps, one per `--interval` s, `--keep-last 2`. The daemon's RSS is sampled
-   from /proc every 0.1 s: steps 5-10 against the last 5 (flat memory). Marker -> export-start latency is
+   from /proc every 0.1 s: idle (started, nothing staged, `--idle-s` seconds), busy (median and peak
+   while steps export and publish), idle again after the last step, and steps 5-10 against the last 5
+   (flat memory). Marker -> export-start latency is
    taken from the moment the marker is durable and visible (after the writer's fsyncs); from the marker's
    mtime it also includes the writer's own fsync time.
 2. End to end: `--big-steps` larger steps, one at a time; each is preceded by `export_step` alone plus
@@ -167,8 +169,21 @@ def make_template(work: Path, name: str, mb: int, world: int) -> tuple[Path, int
     return model, size
 
 
-def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> dict:
-    """Many steps, one per `interval`: daemon RSS over time and marker -> export-start latency."""
+def sample_rss(pid: int, seconds: float) -> list[int]:
+    """The process's RSS in KiB every 0.1 s for `seconds`."""
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        kib = rss_kib(pid)
+        if kib:
+            out.append(kib)
+        time.sleep(0.1)
+    return out
+
+
+def paced(work: Path, model: Path, world: int, steps: int, interval: float, idle_s: float = 3.0) -> dict:
+    """Many steps, one per `interval`: daemon RSS idle, busy and over time, and marker -> export-start
+    latency."""
     root, sink = work / "paced-root", work / "paced-sink"
     root.mkdir()
     proc = run_daemon(root, sink, work / "paced.log", "--keep-last", "2")
@@ -176,6 +191,7 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> d
     visible: dict[int, float] = {}
     try:
         time.sleep(1.5)
+        idle_before = sample_rss(proc.pid, idle_s)  # started, watching, nothing to do yet
         for step in range(1, steps + 1):
             commit(root, step, model, world)
             visible[step] = time.time()  # the marker is durable and visible from here
@@ -184,6 +200,7 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> d
                 samples.append((time.time(), rss_kib(proc.pid)))
                 time.sleep(0.1)
         wait_published(root, list(visible), proc, samples, timeout=300)
+        idle_after = sample_rss(proc.pid, idle_s)  # every step published: back to watching
         times = step_times(root)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -201,6 +218,9 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> d
         "rss_mib_middle": max(mid) / 1024,
         "rss_mib_last_5": max(late) / 1024,
         "rss_mib_peak": max(k for _, k in samples if k) / 1024,
+        "rss_mib_idle_before": statistics.median(idle_before) / 1024,
+        "rss_mib_idle_after": statistics.median(idle_after) / 1024,
+        "rss_mib_busy_median": statistics.median(k for _, k in samples if k) / 1024,
         "pickup_ms_p50": pct(pickups, 0.5) * 1000,
         "pickup_ms_p95": pct(pickups, 0.95) * 1000,
         "pickup_ms_max": max(pickups) * 1000,
@@ -210,6 +230,12 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float) -> d
         f"paced, {steps} steps, one per {interval}s: daemon RSS {out['rss_mib_steps_5_10']:.0f} MiB at steps "
         f"5-10, {out['rss_mib_middle']:.0f} MiB mid-way, {out['rss_mib_last_5']:.0f} MiB over the last 5, "
         f"peak {out['rss_mib_peak']:.0f} MiB"
+    )
+    print(
+        f"daemon RSS idle {out['rss_mib_idle_before']:.0f} MiB before the first step, busy median "
+        f"{out['rss_mib_busy_median']:.0f} MiB and peak {out['rss_mib_peak']:.0f} MiB while exporting and "
+        f"publishing, idle {out['rss_mib_idle_after']:.0f} MiB after the last (median of 0.1 s samples over "
+        f"{idle_s:.0f} s; load average {os.getloadavg()[0]:.1f})"
     )
     print(
         f"marker visible -> export start: p50 {out['pickup_ms_p50']:.0f} ms, "
@@ -294,18 +320,22 @@ def main() -> None:
     ap.add_argument("--big-steps", type=int, default=5, help="steps published one at a time")
     ap.add_argument("--burst", type=int, default=3, help="steps committed at once")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle RSS samples")
+    ap.add_argument("--skip-e2e", action="store_true", help="only the paced run (RSS and pickup)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     a = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-"))
     try:
         small, _ = make_template(work, "small", a.mb, a.world)
-        result = {"paced": paced(work, small, a.world, a.steps, a.interval)}
+        result = {"paced": paced(work, small, a.world, a.steps, a.interval, a.idle_s)}
         shutil.rmtree(work / "paced-root")
         shutil.rmtree(work / "paced-sink", ignore_errors=True)
 
-        big, size = make_template(work, "big", a.big_mb, a.world)
-        result["end_to_end"] = {"size_mb": size / 1e6, **end_to_end(work, big, a.world, a.big_steps, a.burst)}
+        if not a.skip_e2e:
+            big, size = make_template(work, "big", a.big_mb, a.world)
+            e2e = end_to_end(work, big, a.world, a.big_steps, a.burst)
+            result["end_to_end"] = {"size_mb": size / 1e6, **e2e}
         if a.json:
             a.json.write_text(json.dumps(result, indent=2))
     finally:
