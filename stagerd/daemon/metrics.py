@@ -20,6 +20,9 @@ _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800,
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
+IDLE_TIMEOUT_SECONDS = 10.0
+
+
 class Metrics:
     """Every metric the daemon exports, in a private registry."""
 
@@ -92,12 +95,19 @@ class Metrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_SECONDS  # an idle or trickling client loses its thread
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class MetricsServer:
-    """`/metrics` (Prometheus text) and `/healthz` (JSON) on host:port, in a daemon thread."""
+    """`/metrics` (Prometheus text) and `/healthz` (JSON) on host:port, in a daemon thread.
+
+    Only those two paths answer 200: a mistyped probe (`/healthz/`, `/HEALTHZ`) must fail, not pass on the
+    metrics body. A connection idle for `idle_timeout` seconds is closed, so idle clients cannot pile up
+    threads where the server listens beyond localhost.
+    """
 
     def __init__(
         self,
@@ -105,19 +115,26 @@ class MetricsServer:
         host: str,
         port: int,
         health: Callable[[], tuple[bool, dict[str, Any]]],
+        *,
+        idle_timeout: float = IDLE_TIMEOUT_SECONDS,
     ) -> None:
         prom = make_wsgi_app(metrics.registry)
 
         def app(environ: dict, start_response: Callable) -> list[bytes]:
-            if environ.get("PATH_INFO") == "/healthz":
+            path = environ.get("PATH_INFO")
+            if path == "/healthz":
                 ok, body = health()
                 start_response(
                     "200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")]
                 )
                 return [json.dumps(body).encode()]
-            return prom(environ, start_response)
+            if path == "/metrics":
+                return prom(environ, start_response)
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: stagerd serves /metrics and /healthz\n"]
 
-        self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout})
+        self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=handler)
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="stagerd-metrics", daemon=True

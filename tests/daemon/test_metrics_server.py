@@ -1,0 +1,52 @@
+"""The metrics server answers only its two paths, and drops idle clients (issue 19, item 15)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from stagerd.daemon.metrics import Metrics, MetricsServer
+
+
+@pytest.fixture
+def server():
+    srv = MetricsServer(Metrics(), "127.0.0.1", 0, lambda: (True, {"status": "ok"}), idle_timeout=0.5)
+    srv.start()
+    yield srv
+    srv.close()
+
+
+def _get(srv: MetricsServer, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}{path}", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_only_metrics_and_healthz_answer(server):
+    assert _get(server, "/metrics") == 200 and _get(server, "/healthz") == 200
+    for mistyped in ("/healthz/", "/HEALTHZ", "/", "/metrics/x", "/health"):
+        assert _get(server, mistyped) == 404, mistyped
+
+
+def test_idle_connections_are_closed_and_give_their_threads_back(server):
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+    try:
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= before, "idle connections kept their threads"
+        for s in idle:
+            s.settimeout(5)
+            assert s.recv(1) == b""  # the server hung up
+    finally:
+        for s in idle:
+            s.close()
+    assert _get(server, "/healthz") == 200
