@@ -66,7 +66,11 @@ class Settings(BaseSettings):
     )
     once: bool = Field(False, description="Process every committed step, then exit: 0 only if all published.")
     max_attempts: int = Field(
-        5, ge=1, le=MAX_COUNT, description="Tries per stage before a step (or a sink lane) is quarantined."
+        5,
+        ge=1,
+        le=MAX_COUNT,
+        description="With --once: tries per stage before a retryable failure is given up for this run "
+        "(the next start tries again). A running daemon retries those for as long as they fail.",
     )
     retry_base_seconds: float = Field(
         2.0, gt=0, le=WEEK, description="First retry delay; doubles per attempt."

@@ -11,8 +11,17 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import COMMITTED, PENDING, PUBLISHED, QUARANTINED, RETIRED, StepState
-from stagerd.daemon.journal_versions import CONFLICT
+from stagerd.daemon.journal import (
+    COMMITTED,
+    FAILED,
+    PENDING,
+    PUBLISHED,
+    QUARANTINED,
+    RETIRED,
+    StepState,
+)
+from stagerd.daemon.journal_versions import CONFLICT, REARMED
+from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
@@ -147,6 +156,8 @@ class Discovery(JournalGate):
                 else:
                     await self._j(self._journal.quarantine_lane, r.step, r.sink, "CrashLoop", msg)
                 self._log_step(r.step, r.sink, QUARANTINED, error_class="CrashLoop", note=msg)
+        for step, sink in await self._j(self._journal.rearm, rearmable):
+            self._log_step(step, sink, FAILED, note=REARMED)
         for step, sink in await self._j(self._journal.ensure_lanes, list(self._sinks)):
             self._log_step(step, sink, PENDING, note="new sink")
         for row in await self._j(self._journal.steps, include_retired=False):

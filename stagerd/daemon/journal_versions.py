@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stagerd.daemon.journal_schema import LaneState, StepState
@@ -22,6 +23,7 @@ from stagerd.daemon.journal_store import JournalStore
 from stagerd.errors import JournalError, StepConflictError
 
 CONFLICT = StepConflictError.__name__
+REARMED = "re-armed at start: a retryable failure that ran out of attempts"
 
 
 class StepVersions(JournalStore):
@@ -98,6 +100,42 @@ class StepVersions(JournalStore):
                 self._event(c, step, lane_sink, lane_state, LaneState.PENDING, message="retry", now=now)
                 done.append(f"step {step} on {lane_sink}: {lane_state} -> {LaneState.PENDING}")
         return done
+
+    def rearm(self, rearmable: Callable[[str | None], bool]) -> list[tuple[int, str | None]]:
+        """At start: quarantined steps and lanes whose error `rearmable` accepts -> failed, due now.
+
+        A `--once` run gives up on a retryable failure after `max_attempts`; the next start tries again
+        instead of keeping a sink outage's quarantine for good. Returns the (step, sink) re-armed.
+        """
+        now = time.time()
+        out: list[tuple[int, str | None]] = []
+        with self._tx() as c:
+            for step, error_class in c.execute(
+                "SELECT step, error_class FROM steps WHERE state = ?", (StepState.QUARANTINED,)
+            ).fetchall():
+                if rearmable(error_class):
+                    c.execute(
+                        "UPDATE steps SET state = ?, attempts = 0, next_try = ?, updated = ? WHERE step = ?",
+                        (StepState.FAILED, now, now, step),
+                    )
+                    self._event(
+                        c, step, None, StepState.QUARANTINED, StepState.FAILED, error_class, REARMED, now
+                    )
+                    out.append((step, None))
+            for step, sink, error_class in c.execute(
+                "SELECT step, sink, error_class FROM lanes WHERE state = ?", (LaneState.QUARANTINED,)
+            ).fetchall():
+                if rearmable(error_class):
+                    c.execute(
+                        "UPDATE lanes SET state = ?, attempts = 0, next_try = ?, updated = ? "
+                        "WHERE step = ? AND sink = ?",
+                        (LaneState.FAILED, now, now, step, sink),
+                    )
+                    self._event(
+                        c, step, sink, LaneState.QUARANTINED, LaneState.FAILED, error_class, REARMED, now
+                    )
+                    out.append((step, sink))
+        return out
 
     def _set_step(
         self,

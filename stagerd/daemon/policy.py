@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagerd import errors
 from stagerd.config import Settings
 from stagerd.errors import StagerdError
+
+# Quarantines the daemon records itself, which no wait or restart fixes by itself.
+_NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
 
 
 @dataclass(frozen=True)
@@ -24,11 +28,25 @@ def backoff_delay(attempts: int, settings: Settings) -> float:
 
 
 def decide_failure(err: BaseException, attempts: int, settings: Settings, now: float) -> Failure:
-    """Pure retry policy: non-retryable errors quarantine at once; others back off until attempts run out."""
+    """Pure retry policy. A failure that cannot pass by waiting quarantines at once. One that may pass
+    backs off, doubling up to `retry_max_seconds`: forever in a running daemon (a sink outage of any
+    length heals by itself), and for `max_attempts` tries in a `--once` run, which must end; the next
+    start then tries again (`rearmable`)."""
     if isinstance(err, StagerdError):
         retryable, cls, msg = err.retryable, err.name, str(err)
     else:  # an unexpected exception: a bug or an unwrapped OSError; retrying is the safe default
         retryable, cls, msg = True, type(err).__name__, str(err) or repr(err)
-    if not retryable or attempts >= settings.max_attempts:
+    if not retryable or (settings.once and attempts >= settings.max_attempts):
         return Failure(cls, msg, True, None)
     return Failure(cls, msg, False, now + backoff_delay(attempts, settings))
+
+
+def rearmable(error_class: str | None) -> bool:
+    """Whether a quarantine recorded under `error_class` was a retryable failure that ran out of tries
+    (re-armed when the daemon starts again) rather than one no retry can fix."""
+    if error_class is None or error_class in _NEVER_RETRYABLE:
+        return False
+    cls = getattr(errors, error_class, None)
+    if isinstance(cls, type) and issubclass(cls, StagerdError):
+        return cls.retryable
+    return True  # an unexpected exception's class name: retried, as when it happened
