@@ -74,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
             f"cannot tell the step of {export_dir}: it is not a step-XXXXXXXX/export directory",
             hint="pass --step N",
         )
-    if step < 0:
-        raise ConfigError(f"--step must be >= 0, got {step}")
+    if not 0 <= step <= layout.MAX_STEP:
+        raise ConfigError(f"--step must be from 0 to 2^63 - 1, got {step}")
+    _check_is_an_export(export_dir)
 
     failures: list[StagerdError] = []
     for url in args.sink:
@@ -107,6 +108,31 @@ def run(args: argparse.Namespace) -> int:
     if not failures:
         return 0
     return 3 if all(e.retryable for e in failures) else 2
+
+
+def _check_is_an_export(export_dir: Path) -> None:
+    """Run verify's checks before anything is uploaded: a torn file or a staged step directory published
+    with `--step` would become a committed step that no client loads, and that the daemon then refuses
+    for good as a conflict."""
+    from stagerd.engine.verify import verify_export
+
+    staged = [
+        n for n in (layout.MARKER_NAME, layout.MODEL_DIR, layout.OPTIM_DIR) if (export_dir / n).exists()
+    ]
+    if staged:
+        raise VerifyError(
+            f"holds {', '.join(staged)}: this is a staged step, not its export",
+            path=export_dir,
+            hint=f"publish its {layout.EXPORT_DIR}/ directory, or build one with `stagerd consolidate`",
+        )
+    try:
+        verify_export(export_dir)
+    except VerifyError as e:
+        raise VerifyError(
+            f"not published: {e.message}",
+            path=e.path,
+            hint="publish only a finished export: `stagerd verify EXPORT_DIR` shows what is wrong",
+        ) from None
 
 
 def _report(e: StagerdError, sink: str | None = None) -> StagerdError:

@@ -5,21 +5,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+from safetensors.numpy import save_file
+
 from stagerd.cli import main
 from stagerd.cmd.publish import step_from_path
 from stagerd.contract import layout
 from tests import s3server
 from tests.cli_helpers import run_cli
 from tests.s3server import SECRET_KEY, Fault
-from tests.sinks.test_sink_fsspec import make_export, tree_bytes
+from tests.sinks.test_sink_fsspec import tree_bytes
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
 
-FILES = {"model.safetensors": 4000, layout.INDEX_NAME: 300}
+
+def make_export(out: Path, seed: int = 0) -> Path:
+    """A small real export (publish runs verify's checks first): one safetensors file and its index."""
+    rng = np.random.default_rng(seed)
+    tensors = {"w": rng.standard_normal((25, 40), dtype=np.float32)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 4000}, "weight_map": {"w": "model.safetensors"}}
+    (out / layout.INDEX_NAME).write_text(json.dumps(index))
+    return out
 
 
 def export_at(root: Path, step: int, seed: int = 0) -> Path:
-    return make_export(root / layout.step_dir_name(step) / layout.EXPORT_DIR, FILES, seed=seed)
+    return make_export(root / layout.step_dir_name(step) / layout.EXPORT_DIR, seed=seed)
 
 
 def test_step_from_path(tmp_path):
@@ -44,7 +56,7 @@ def test_publish_to_file_then_again_is_a_noop(tmp_path, capsys):
 
 
 def test_step_is_required_off_the_staging_layout(tmp_path, capsys):
-    export = make_export(tmp_path / "somewhere", FILES)
+    export = make_export(tmp_path / "somewhere")
     assert main(["publish", str(export), "--sink", f"file://{tmp_path / 'd'}"]) == 2
     err = capsys.readouterr().err
     assert "ConfigError" in err and "--step N" in err
@@ -101,3 +113,22 @@ def test_the_installed_command_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "published step 11" in r.stdout
     assert (tmp_path / "d" / "latest").read_text() == "step-00000011"
+
+
+def test_publish_refuses_what_is_not_a_finished_export(tmp_path, step_dir, capsys):
+    """Issue 19, item 5: a truncated file without an index, or a staged step given --step, used to be
+    uploaded and committed (and the daemon then refused that step for good as a conflict)."""
+    dest = tmp_path / "dest"
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes((export_at(tmp_path, 1) / "model.safetensors").read_bytes()[:-9])
+    assert main(["publish", str(torn), "--sink", dest.as_uri(), "--step", "5"]) == 2
+    assert "VerifyError" in capsys.readouterr().err
+    assert main(["publish", str(step_dir), "--sink", dest.as_uri(), "--step", "5"]) == 2
+    assert "this is a staged step, not its export" in capsys.readouterr().err
+    torn_export = export_at(tmp_path, 2)
+    with open(torn_export / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    assert main(["publish", str(torn_export), "--sink", dest.as_uri()]) == 2
+    assert "not published:" in capsys.readouterr().err
+    assert not dest.exists()
