@@ -132,6 +132,16 @@ class StateGoneError(JournalError):
     )
 
 
+class ExportMismatchError(StagerdError):
+    """A step exported with other options (dtype, kept names, shard size) than the ones asked now, while a
+    sink already holds what the old options made."""
+
+    hint = (
+        "run the daemon with the options the step was exported with, then `stagerd retry ROOT --step N`; "
+        "or remove the step from the sinks that hold it first"
+    )
+
+
 class StepConflictError(StagerdError):
     """A step saved again, with other data, after a save of the same step number reached a sink."""
 

@@ -27,6 +27,7 @@ EXTRAS_DIR = "extras"
 OPTIM_DIR = "optim"
 EXPORT_DIR = "export"
 EXPORT_TMP_DIR = "export.tmp"
+EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -79,10 +79,13 @@ class Tasks(Health, Discovery):
             self.metrics.pickup_seconds.observe(max(0.0, time.time() - row.marker_mtime))
         self._log_step(step, None, EXPORTING, attempt=attempt)
         await self._try_refresh()
+        # An export made with other options may be rebuilt only while no sink holds it.
+        lanes = await self._j(self._journal.lanes, step)
+        rebuild = not any(ln.state in (LaneState.PUBLISHED, LaneState.PUBLISHING) for ln in lanes)
         t0 = time.monotonic()
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._export_pool, self._run_export, step, step_dir
+                self._export_pool, self._run_export, step, step_dir, rebuild
             )
         except asyncio.CancelledError:
             raise
@@ -117,7 +120,7 @@ class Tasks(Health, Discovery):
             skipped=result.skipped,
         )
 
-    def _run_export(self, step: int, step_dir: Path) -> ExportResult:
+    def _run_export(self, step: int, step_dir: Path, rebuild: bool) -> ExportResult:
         """Worker thread: the export engine, with progress and the test pause hook."""
         from stagerd.engine.export import export_step
         from stagerd.ops.progress import progress
@@ -141,6 +144,7 @@ class Tasks(Health, Discovery):
                 max_shard_size=int(s.max_shard_size),
                 threads=s.export_threads,
                 progress=report,
+                rebuild=rebuild,
             )
 
     async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:

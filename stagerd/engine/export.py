@@ -6,6 +6,7 @@ once it is complete.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,6 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
@@ -21,7 +23,7 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
-from stagerd.errors import OutputError, ShardError
+from stagerd.errors import ExportMismatchError, OutputError, ShardError
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd.export")
@@ -160,6 +162,14 @@ def _existing(d: Path) -> ExportResult:
     )
 
 
+def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
+    try:
+        recorded = json.loads((step_dir / layout.EXPORT_OPTIONS_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None  # an export from before options were recorded, or a torn write: trusted as it is
+    return recorded if isinstance(recorded, dict) else None
+
+
 def export_step(
     step_dir: Path,
     *,
@@ -168,22 +178,39 @@ def export_step(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     threads: int = 2,
     progress: ProgressFn | None = None,
+    rebuild: bool = True,
 ) -> ExportResult:
     """Export a committed step into `<step_dir>/export/`; a no-op (`skipped`) if that already exists.
 
-    `dtype` None means the marker's hint, or keep; an explicit value overrides the hint.
+    `dtype` None means the marker's hint, or keep; an explicit value overrides the hint. The options an
+    export was made with are kept beside it: asked for others, it is rebuilt, or with `rebuild` False (a
+    sink already holds the old one) an ExportMismatchError, before anything is touched.
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
     final = step_dir / layout.EXPORT_DIR
-    if (final / layout.INDEX_NAME).is_file():
-        return _existing(final)
     source = open_source(step_dir)
     if source.marker is None:
         from stagerd.errors import MarkerError
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
     target = source.target_dtype(dtype)
+    wanted = {"dtype": target or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size}
+    recorded = _recorded_options(step_dir)
+    if recorded is not None and recorded != wanted:
+        if not rebuild:
+            changed = ", ".join(
+                f"{key} {recorded.get(key)!r} -> {value!r}"
+                for key, value in wanted.items()
+                if recorded.get(key) != value
+            )
+            raise ExportMismatchError(
+                f"step {source.marker.step} was exported with other options ({changed}) and a sink holds "
+                "that export",
+                path=step_dir / layout.EXPORT_OPTIONS_NAME,
+            )
+    elif (final / layout.INDEX_NAME).is_file():
+        return _existing(final)
     reference = source.reference()
     tmp = step_dir / layout.EXPORT_TMP_DIR
     try:
@@ -191,8 +218,10 @@ def export_step(
             log.info("removing a stale %s from an interrupted export", tmp)
             shutil.rmtree(tmp)
         if final.exists():
-            # Only stagerd writes export/, always by rename; without an index it is not ours to trust.
-            log.warning("removing %s: it has no index, so it is not a complete export", final)
+            # Only stagerd writes export/, always by rename; without an index it is not ours to trust,
+            # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).
+            why = "made with other options" if (final / layout.INDEX_NAME).is_file() else "it has no index"
+            log.warning("removing %s: %s (%s); exporting again", final, why, recorded)
             shutil.rmtree(final)
         tmp.mkdir()
     except OSError as e:
@@ -208,6 +237,7 @@ def export_step(
             threads=threads,
             progress=progress,
         )
+        layout.write_json_atomic(step_dir / layout.EXPORT_OPTIONS_NAME, wanted)
         os.rename(tmp, final)
         layout.fsync_dir(step_dir)
         crash_point("export.renamed")
