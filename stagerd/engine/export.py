@@ -23,7 +23,7 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
-from stagerd.errors import ExportMismatchError, OutputError, ShardError
+from stagerd.errors import ExportMismatchError, OutputError, ReferenceIndexError, ShardError
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd.export")
@@ -79,8 +79,17 @@ class Source:
             return None
         if isinstance(ref, Mapping):
             return load_weight_map(ref, path=self.step_dir)
-        path = Path(ref)
-        return read_reference_index(path if path.is_absolute() else (self.step_dir or Path()) / path)
+        # A path only inside the step, a regular file (read_reference_index refuses the rest, and caps
+        # the size): the Stager records the weight_map itself, older markers a path.
+        step_dir = self.step_dir or Path()
+        path = (step_dir / ref).resolve()
+        if not path.is_relative_to(step_dir.resolve()):
+            raise ReferenceIndexError(
+                f"the commit marker names a reference index outside the step: {ref}",
+                path=step_dir / layout.MARKER_NAME,
+                hint="save the step again with this stagerd: the Stager now records the weight_map itself",
+            )
+        return read_reference_index(path)
 
 
 def open_source(src: Path) -> Source:

@@ -118,12 +118,15 @@ def _snapshot_extras(extras: Mapping[str, Any] | None) -> tuple[Extra, ...]:
 
 
 def _reference_index(ref: Any) -> dict[str, str] | str | None:
-    """A path (validated now, recorded as given for the export to read) or a weight_map (recorded)."""
+    """The weight_map of a path (read and checked now) or of a mapping, recorded in the marker.
+
+    Never the path itself: a daemon in another container does not see the trainer's files, and a path
+    outside the step could name a FIFO or a huge file by the time the export reads it.
+    """
     if ref is None:
         return None
     if isinstance(ref, str | os.PathLike):
-        read_reference_index(ref)
-        return str(Path(ref).resolve())
+        return read_reference_index(ref)
     if isinstance(ref, Mapping):
         return load_weight_map(ref)
     raise ReferenceIndexError("reference_index must be a path or a weight_map {tensor name: file name}")

@@ -54,7 +54,24 @@ def test_reference_index_is_checked_by_the_contract_at_save(tmp_path):
             with pytest.raises(ReferenceIndexError):
                 stager.save(sd, 1, reference_index=bad)
         assert not (root / "step-00000001").exists()
-        assert stager.save(sd, 1, reference_index=good).result().reference_index == str(good)
+        # The weight_map itself goes into the marker, never the trainer's path (issue 19, item 9).
+        assert stager.save(sd, 1, reference_index=good).result().reference_index == {"w": "model.safetensors"}
         mapping = {"weight_map": {"w": "model.safetensors"}, "metadata": {"total_size": 8}}
         marker = stager.save(sd, 2, reference_index=mapping).result()
         assert marker.reference_index == {"w": "model.safetensors"}
+
+
+def test_a_marker_naming_a_reference_index_outside_its_step_is_refused(step_dir, tmp_path):
+    """Issue 19, item 9: a path outside the step could be a FIFO (the export hung on every restart), a
+    huge file read whole, or a file only the trainer's container sees."""
+    from stagerd.contract import layout
+    from stagerd.engine.export import export_step
+
+    outside = tmp_path / "index.json"
+    outside.write_text(json.dumps({"weight_map": {}}))
+    marker = json.loads((step_dir / layout.MARKER_NAME).read_text())
+    for ref in (str(outside), "../index.json"):
+        (step_dir / layout.MARKER_NAME).write_text(json.dumps({**marker, "reference_index": ref}))
+        with pytest.raises(ReferenceIndexError, match="outside the step"):
+            export_step(step_dir)
+        assert not (step_dir / layout.EXPORT_DIR).exists()
