@@ -132,6 +132,12 @@ class StateGoneError(JournalError):
     )
 
 
+class ExtrasError(StagerdError):
+    """An extra file that the model's readers parse (config.json and the like) and could not."""
+
+    hint = "fix the file in the trainer's extras and save the step again; nothing was published"
+
+
 class ExportMismatchError(StagerdError):
     """A step exported with other options (dtype, kept names, shard size) than the ones asked now, while a
     sink already holds what the old options made."""

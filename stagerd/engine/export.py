@@ -23,7 +23,13 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
-from stagerd.errors import ExportMismatchError, OutputError, ReferenceIndexError, ShardError
+from stagerd.errors import (
+    ExportMismatchError,
+    ExtrasError,
+    OutputError,
+    ReferenceIndexError,
+    ShardError,
+)
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd.export")
@@ -122,6 +128,9 @@ def build_export(
     The result describes `tmp` as written, from the plan and the copies, so no caller re-reads it.
     """
     t0 = time.monotonic()
+    for rel in source.extras():  # before any byte is written
+        if rel in PARSED_EXTRAS:
+            _check_json_object(source.step_dir / layout.EXTRAS_DIR / rel)  # type: ignore[operator]
     res = consolidate_into(
         source.model_dir,
         tmp,
@@ -155,6 +164,28 @@ def build_export(
     return ExportResult(
         tmp, tuple(sorted(files)), res.total_size, res.tensors, time.monotonic() - t0, skipped=False
     )
+
+
+# Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
+PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_config.json"})
+MAX_PARSED_EXTRA_BYTES = 16 << 20
+
+
+def _check_json_object(path: Path) -> None:
+    """`path` is a regular file of at most MAX_PARSED_EXTRA_BYTES holding one JSON object."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
+    except OSError as e:
+        raise ExtrasError(f"cannot read {path.name}: {e.strerror}", path=path) from None
+    if len(raw) > MAX_PARSED_EXTRA_BYTES:
+        raise ExtrasError(f"{path.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=path)
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExtrasError(f"{path.name} is not valid JSON: {e}", path=path) from None
+    if not isinstance(parsed, dict):
+        raise ExtrasError(f"{path.name} must hold a JSON object, not {type(parsed).__name__}", path=path)
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:
