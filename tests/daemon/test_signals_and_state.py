@@ -14,6 +14,8 @@ from __future__ import annotations
 import shutil
 import signal
 
+import pytest
+
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from tests.cli_helpers import clean_env, run_cli
@@ -50,14 +52,19 @@ async def test_sigterm_during_start_up_stops_cleanly_before_any_work(tmp_path, d
     assert not sink.exists()  # nothing was published after the signal
 
 
-async def test_a_deleted_state_dir_stops_the_daemon_with_a_named_error(tmp_path, dcp_mixed2):
+@pytest.mark.parametrize("gone", ["state dir", "ROOT, recreated"])
+async def test_a_deleted_state_dir_stops_the_daemon_with_a_named_error(tmp_path, dcp_mixed2, gone):
     model, _ = dcp_mixed2
     root, sink = tmp_path / "root", tmp_path / "sink"
     stage_copy(root, 1, model, world=2)
     env = clean_env({"STAGERD_DISK_CHECK_SECONDS": "0.2"})
     w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
     await w.wait_for(lambda r: r.get("step") == 1 and r.get("state") == "published")
-    shutil.rmtree(root / layout.STATE_DIR)
+    if gone == "state dir":
+        shutil.rmtree(root / layout.STATE_DIR)
+    else:  # a cleanup script removes the whole ROOT, and the trainer recreates it for the next save
+        shutil.rmtree(root)
+        stage_copy(root, 1, model, world=2)
     assert await w.wait(30) == 2, w.text()[-3000:]
     assert "StateGoneError" in w.text() and "journal.sqlite was deleted" in w.text()
     # Started again, a daemon rebuilds the journal and finds the step already on the sink.

@@ -187,3 +187,26 @@ def test_a_step_saved_again_between_two_sinks_never_gives_them_different_weights
     assert (good / "step-00000100" / layout.MANIFEST_NAME).read_bytes() == old_manifest
     assert not (down / "step-00000100").exists()
     assert _status(root)[100]["error_class"] == "StepConflictError"
+
+
+async def test_a_step_renamed_mid_export_ends_as_named_errors_for_both_names(tmp_path, dcp_mixed2):
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    env = clean_env({"STAGERD_TEST_PAUSE_AT": "export", "STAGERD_TEST_PAUSE_SECONDS": "1"})
+    w = await start_watch(
+        root, "--sink", sink.as_uri(), "--max-attempts", "1", *fast_flags(), log_dir=tmp_path, env=env
+    )
+    try:
+        await w.wait_for(lambda r: r.get("test_pause") == "export" and r.get("step") == 100)
+        (root / "step-00000100").rename(root / "step-00000101")
+        await w.wait_for(lambda r: r.get("step") == 100 and r.get("state") == "quarantined")
+        renamed = await w.wait_for(lambda r: r.get("step") == 101 and r.get("state") == "quarantined")
+    finally:
+        w.kill(signal.SIGTERM)
+        await w.wait()
+    assert (
+        renamed["error_class"] == "MarkerError"
+        and "for step 100, but its directory is step 101" in renamed["msg"]
+    )
+    assert not sink.exists() or not any(p.name.startswith("step-") for p in sink.iterdir())
