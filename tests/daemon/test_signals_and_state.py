@@ -97,3 +97,28 @@ async def test_a_second_daemon_through_a_symlinked_root_is_refused(tmp_path):
     finally:
         w.kill(signal.SIGTERM)
         assert await w.wait(30) == 0
+
+
+async def test_sigstop_and_sigcont_mid_publish_publish_once(tmp_path, dcp_mixed2):
+    import asyncio
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 1, model, world=2)
+    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": "0.5"})
+    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
+    try:
+        await w.wait_for(lambda r: r.get("test_pause") == "publish")
+        w.kill(signal.SIGSTOP)  # a debugger, a cgroup freeze, ^Z
+        await asyncio.sleep(3)
+        w.kill(signal.SIGCONT)
+        await w.wait_for(lambda r: r.get("step") == 1 and r.get("state") == "published")
+    finally:
+        w.kill(signal.SIGTERM)
+        assert await w.wait(30) == 0, w.text()[-3000:]
+    journal = Journal.open_readonly(root)
+    try:
+        published = [e for e in journal.events(1) if e.sink is not None and e.to_state == "published"]
+        assert len(published) == 1
+    finally:
+        journal.close()
