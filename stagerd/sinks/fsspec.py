@@ -18,6 +18,7 @@ What they share is in `objects.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from stagerd.sinks.objects import (
     ByteProgress,
     LocalFile,
     RemoteObject,
+    StepOpener,
     Uploaded,
     manifest_bytes,
     newer_latest,
@@ -165,8 +167,7 @@ class FsspecSink:
         total = sum(f.size for f in files)
         prog = ByteProgress(total, progress)
 
-        existing = self._call(lambda: b.read(manifest_key), manifest_key)
-        self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
+        existing, listed = self._open_step(prefix, manifest_key)
         if existing is not None:
             remote_manifest = parse_manifest(existing, self._where(manifest_key))
             digests = [b.digest(f) for f in files]
@@ -176,7 +177,7 @@ class FsspecSink:
             log.info("step %d already on %s", step, self.url, extra={"step": step, "sink": self.url})
             return self._result(prefix, step, files, 0, True, t0)
 
-        remote = self._call(lambda: b.list(prefix), prefix)
+        remote = listed if listed is not None else self._call(lambda: b.list(prefix), prefix)
         reused: dict[str, Uploaded] = {}
         same_size = [f.rel for f in files if f.rel in remote and remote[f.rel].size == f.size]
         if b.has_checksums and same_size:
@@ -185,13 +186,14 @@ class FsspecSink:
             for f in plan_reuse(files, remote):
                 d = b.digest(f)
                 if same_checksum(remote[f.rel].checksum, d.checksum):
-                    reused[f.rel] = d
+                    reused[f.rel] = dataclasses.replace(d, confirmed=True)  # the store's HEAD, just now
                     prog(f.size)
         todo = [f for f in files if f.rel not in reused]
         uploaded = self._call(lambda: b.upload(prefix, todo, prog), prefix) if todo else []
         digests = sorted([*reused.values(), *uploaded], key=lambda d: d.rel)
         manifest = self._manifest(step, digests, metadata)
-        self._verify(prefix, manifest, {d.rel: d.checksum for d in digests})
+        confirmed = {d.rel for d in digests if d.confirmed}
+        self._verify(prefix, manifest, {d.rel: d.checksum for d in digests}, confirmed)
 
         if not self._call(lambda: b.create(manifest_key, manifest_bytes(manifest)), manifest_key):
             # another publisher committed this step between our check and our write
@@ -229,11 +231,36 @@ class FsspecSink:
                 path=self._where(key),
             )
 
-    def _verify(self, prefix: str, manifest: ExportManifest, expected: Mapping[str, str | None]) -> None:
+    def _open_step(
+        self, prefix: str, manifest_key: str
+    ) -> tuple[bytes | None, dict[str, RemoteObject] | None]:
+        """The step's manifest if it has one, after sweeping its prefix; with the listing where the store
+        gives all three in one round trip."""
+        b = self._backend
+        if isinstance(b, StepOpener):
+            opener = b
+            got: tuple[bytes | None, dict[str, RemoteObject]] = self._call(
+                lambda: opener.open_step(prefix, manifest_key), prefix
+            )
+            return got
+        existing = self._call(lambda: b.read(manifest_key), manifest_key)
+        self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
+        return existing, None
+
+    def _verify(
+        self,
+        prefix: str,
+        manifest: ExportManifest,
+        expected: Mapping[str, str | None],
+        confirmed: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """The listing against the manifest: names and sizes, and the store's checksum of every file whose
+        checksum was not `confirmed` by the store's own answer during the upload."""
         b = self._backend
         remote = self._call(lambda: b.list(prefix), prefix)
-        if b.has_checksums:
-            have = self._call(lambda: b.checksums(prefix, [f.path for f in manifest.files]), prefix)
+        ask = [f.path for f in manifest.files if f.path not in confirmed]
+        if b.has_checksums and ask:
+            have = self._call(lambda: b.checksums(prefix, ask), prefix)
             remote = {k: RemoteObject(v.size, have.get(k, v.checksum)) for k, v in remote.items()}
         problems = verify_listing(manifest, remote, expected)
         if problems:

@@ -13,7 +13,7 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
@@ -47,12 +47,17 @@ class RemoteObject:
 
 @dataclass(frozen=True)
 class Uploaded:
-    """One file as uploaded: its sha256 hex (for the manifest) and the checksum the store should report."""
+    """One file as uploaded: its sha256 hex (for the manifest) and the checksum the store should report.
+
+    `confirmed`: the store's own answer about this object (its reply to the upload, or a HEAD) has already
+    been checked against `checksum`, so verification needs only the listing for it.
+    """
 
     rel: str
     size: int
     sha256: str
     checksum: str | None
+    confirmed: bool = False
 
 
 class ByteProgress:
@@ -109,6 +114,15 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StepOpener(Protocol):
+    """A store that can start a step's publish in one round trip rather than three."""
+
+    def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
+        """Together: the manifest's bytes (None if absent), `sweep(prefix)`, and `list(prefix)`."""
+        ...
 
 
 # ---------------------------------------------------------------------------------------------------------

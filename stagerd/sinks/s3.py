@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stagerd.errors import ConfigError, SinkAuthError, SinkError
-from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.hashing import ALGORITHMS, ObjectHasher, b64, hash_file, raw_checksum, read_full
-from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, redact_url
+from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
+from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, redact_url
+from stagerd.sinks.s3_upload import S3Api, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
 
@@ -119,10 +119,10 @@ class S3Backend:
             raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
         return cls(fs, bucket, root, part_size, max_concurrency, checksum)
 
-    def _key(self, key: str) -> str:
+    def key(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
 
-    def _where(self, key: str) -> str:
+    def where(self, key: str) -> str:
         return f"{self.base}/{key}"
 
     def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -133,7 +133,7 @@ class S3Backend:
     async def _client(self) -> Any:
         return await self.fs.set_session()
 
-    async def _call(self, where: str, method: str, **kwargs: Any) -> Any:
+    async def call(self, where: str, method: str, **kwargs: Any) -> Any:
         s3 = await self._client()
         try:
             return await getattr(s3, method)(Bucket=self.bucket, **kwargs)
@@ -143,29 +143,25 @@ class S3Backend:
     # -- small operations ----------------------------------------------------------------------------------
 
     def list(self, prefix: str) -> dict[str, RemoteObject]:
-        async def go() -> dict[str, RemoteObject]:
-            s3 = await self._client()
-            base = self._key(prefix) + "/"
-            out: dict[str, RemoteObject] = {}
-            try:
-                async for page in s3.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=base
-                ):
-                    for o in page.get("Contents", []):
-                        out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
-            except Exception as e:
-                raise s3_error(e, self._where(prefix)) from None
-            return out
+        return self._run(self._list, prefix)
 
-        return self._run(go)
+    async def _list(self, prefix: str) -> dict[str, RemoteObject]:
+        s3 = await self._client()
+        base = self.key(prefix) + "/"
+        out: dict[str, RemoteObject] = {}
+        try:
+            async for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                for o in page.get("Contents", []):
+                    out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+        except Exception as e:
+            raise s3_error(e, self.where(prefix)) from None
+        return out
 
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
             key = f"{prefix}/{rel}"
             async with sem:
-                r = await self._call(
-                    self._where(key), "head_object", Key=self._key(key), ChecksumMode="ENABLED"
-                )
+                r = await self.call(self.where(key), "head_object", Key=self.key(key), ChecksumMode="ENABLED")
             return rel, r.get(f"Checksum{self.algorithm}")
 
         async def go() -> dict[str, str | None]:
@@ -175,42 +171,58 @@ class S3Backend:
         return self._run(go)
 
     def sweep(self, prefix: str) -> None:
+        self._run(self._sweep, prefix)
+
+    async def _sweep(self, prefix: str) -> None:
         """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
-        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule."""
-
-        async def go() -> None:
-            s3 = await self._client()
-            base = self._key(prefix) + "/"
-            try:
-                pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
-                async for page in pages:
-                    for u in page.get("Uploads", []):
-                        await s3.abort_multipart_upload(
-                            Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
-                        )
-            except Exception as e:
-                log.warning(
-                    "cannot abort stale multipart uploads under %s: %s", self._where(prefix), s3_error(e, "")
+        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule.
+        The aborts of a page go out together: a crashed publisher can leave one per file."""
+        s3 = await self._client()
+        base = self.key(prefix) + "/"
+        try:
+            pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
+            async for page in pages:
+                stale = [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+                await asyncio.gather(
+                    *(s3.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=u) for k, u in stale)
                 )
+        except Exception as e:
+            log.warning(
+                "cannot abort stale multipart uploads under %s: %s", self.where(prefix), s3_error(e, "")
+            )
 
-        self._run(go)
+    def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
+        """The manifest, the sweep and the listing at once: none depends on another, and the sweep
+        lists pending uploads before this publisher has created any, so it never aborts its own."""
 
-    def read(self, key: str) -> bytes | None:
-        async def go() -> bytes | None:
-            s3 = await self._client()
-            try:
-                r = await s3.get_object(Bucket=self.bucket, Key=self._key(key))
-                async with r["Body"] as body:
-                    return await body.read()
-            except s3.exceptions.NoSuchKey:
-                return None
-            except Exception as e:
-                raise s3_error(e, self._where(key)) from None
+        async def go() -> tuple[bytes | None, dict[str, RemoteObject]]:
+            got, _, listed = await asyncio.gather(
+                self._get(manifest_key), self._sweep(prefix), self._list(prefix), return_exceptions=True
+            )
+            if isinstance(got, BaseException):
+                raise got
+            if isinstance(listed, BaseException):
+                raise listed
+            return got, listed
 
         return self._run(go)
 
+    def read(self, key: str) -> bytes | None:
+        return self._run(self._get, key)
+
+    async def _get(self, key: str) -> bytes | None:
+        s3 = await self._client()
+        try:
+            r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
+            async with r["Body"] as body:
+                return bytes(await body.read())
+        except s3.exceptions.NoSuchKey:
+            return None
+        except Exception as e:
+            raise s3_error(e, self.where(key)) from None
+
     def write(self, key: str, data: bytes) -> None:
-        self._run(self._call, self._where(key), "put_object", **self._put_args(key, data))
+        self._run(self.call, self.where(key), "put_object", **self._put_args(key, data))
 
     def create(self, key: str, data: bytes) -> bool:
         """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
@@ -228,13 +240,13 @@ class S3Backend:
                 if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
                     return False
                 if status != 501 and code != "NotImplemented":
-                    raise s3_error(e, self._where(key)) from None
+                    raise s3_error(e, self.where(key)) from None
             except Exception as e:
-                raise s3_error(e, self._where(key)) from None
+                raise s3_error(e, self.where(key)) from None
             log.warning("%s does not support conditional writes; using exists-then-put", self.base)
             if await self._exists(key):
                 return False
-            await self._call(self._where(key), "put_object", **args)
+            await self.call(self.where(key), "put_object", **args)
             return True
 
         return self._run(go)
@@ -242,18 +254,18 @@ class S3Backend:
     async def _exists(self, key: str) -> bool:
         s3 = await self._client()
         try:
-            await s3.head_object(Bucket=self.bucket, Key=self._key(key))
+            await s3.head_object(Bucket=self.bucket, Key=self.key(key))
             return True
         except Exception as e:
             err = getattr(e, "response", {}).get("Error", {})
             if err.get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
-            raise s3_error(e, self._where(key)) from None
+            raise s3_error(e, self.where(key)) from None
 
     def _put_args(self, key: str, data: bytes, checksum: str | None = None) -> dict[str, Any]:
         if checksum is None:
             checksum = b64(raw_checksum(data, self.algorithm))
-        return {"Key": self._key(key), "Body": data, **self._checksum_args(checksum)}
+        return {"Key": self.key(key), "Body": data, **self._checksum_args(checksum)}
 
     def _checksum_args(self, checksum: str) -> dict[str, str]:
         # the algorithm header makes stores (and moto) keep the checksum and report it back
@@ -270,143 +282,24 @@ class S3Backend:
             s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
             self.fs._s3 = None
 
-    # -- uploads ---------------------------------------------------------------------------------------------
+    # -- uploads (s3_upload.py) -----------------------------------------------------------------------------
 
     def upload(
         self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
     ) -> builtins.list[Uploaded]:
-        """Upload every file, up to `max_concurrency` requests (and as many parts in memory) at a time."""
+        """Upload every file, up to `max_concurrency` parts in flight (and in memory) at a time."""
+        api: S3Api = self
+        return self._run(upload_files, api, prefix, files, progress)
 
-        async def go() -> list[Uploaded]:
-            parts = asyncio.Semaphore(self.max_concurrency)
-            opened = asyncio.Semaphore(max(2, self.max_concurrency // 2))
+    def part_size_of(self, size: int) -> int:
+        return part_size_for(size, self.part_size)
 
-            async def one(f: LocalFile) -> Uploaded:
-                async with opened:
-                    return await self._upload_one(f"{prefix}/{f.rel}", f, parts, progress)
-
-            tasks = [asyncio.ensure_future(one(f)) for f in files]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-
-        return self._run(go)
-
-    async def _upload_one(
-        self, key: str, f: LocalFile, parts: asyncio.Semaphore, progress: ByteProgress
-    ) -> Uploaded:
-        where = self._where(key)
-        part_size = part_size_for(f.size, self.part_size)
-        if f.size <= part_size:
-            async with parts:
-                data, h = await asyncio.to_thread(_read_small, f, self.algorithm)
-                checksum = h.object_checksum(multipart=False)
-                await self._call(where, "put_object", **self._put_args(key, data, checksum))
-            progress(len(data))
-            return Uploaded(f.rel, len(data), h.sha256.hexdigest(), checksum)
-
-        mpu = await self._call(
-            where, "create_multipart_upload", Key=self._key(key), ChecksumAlgorithm=self.algorithm
-        )
-        upload_id = mpu["UploadId"]
-        hasher = ObjectHasher(self.algorithm)
-        tasks: list[asyncio.Future[dict[str, Any]]] = []
-        failed = asyncio.Event()
-        try:
-            with open(f.path, "rb", buffering=0) as fh:
-                number = 0
-                while not failed.is_set():
-                    await parts.acquire()
-                    try:
-                        data, raw = await asyncio.to_thread(_read_part, fh, part_size, hasher)
-                    except BaseException:
-                        parts.release()
-                        raise
-                    if not data:
-                        parts.release()
-                        break
-                    number += 1
-                    part = self._part(where, key, upload_id, number, data, b64(raw), parts, progress, failed)
-                    tasks.append(asyncio.ensure_future(part))
-            done = list(await asyncio.gather(*tasks))
-            if hasher.size != f.size:
-                raise changed_error(f, hasher.size)
-            await self._call(
-                where,
-                "complete_multipart_upload",
-                Key=self._key(key),
-                UploadId=upload_id,
-                MultipartUpload={"Parts": done},
-            )
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self._abort(key, upload_id)
-            raise
-        return Uploaded(f.rel, hasher.size, hasher.sha256.hexdigest(), hasher.object_checksum(multipart=True))
-
-    async def _part(
-        self,
-        where: str,
-        key: str,
-        upload_id: str,
-        number: int,
-        data: bytes,
-        checksum: str,
-        parts: asyncio.Semaphore,
-        progress: ByteProgress,
-        failed: asyncio.Event,
-    ) -> dict[str, Any]:
-        try:
-            r = await self._call(
-                f"{where} (part {number})",
-                "upload_part",
-                Key=self._key(key),
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=data,
-                **self._checksum_args(checksum),
-            )
-            progress(len(data))
-            crash_point("s3.part")
-            return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{self.algorithm}": checksum}
-        except BaseException:
-            failed.set()
-            raise
-        finally:
-            parts.release()
-
-    async def _abort(self, key: str, upload_id: str) -> None:
+    async def abort(self, key: str, upload_id: str) -> None:
         """Best effort: a store that is down keeps the parts until a lifecycle rule reaps them."""
         try:
             s3 = await self._client()
             await asyncio.wait_for(
-                s3.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id), 30
+                s3.abort_multipart_upload(Bucket=self.bucket, Key=self.key(key), UploadId=upload_id), 30
             )
         except Exception as e:
-            log.warning("could not abort the multipart upload of %s: %s", self._where(key), type(e).__name__)
-
-
-def _read_small(f: LocalFile, algorithm: str) -> tuple[bytes, ObjectHasher]:
-    data = f.path.read_bytes()
-    if len(data) != f.size:
-        raise changed_error(f, len(data))
-    h = ObjectHasher(algorithm)
-    h.update(data)
-    return data, h
-
-
-def _read_part(fh: Any, part_size: int, hasher: ObjectHasher) -> tuple[bytes, bytes]:
-    """The next part of an open file and its raw checksum, fed to the file's hashes on the way (so the
-    file is read once); empty at the end."""
-    data = read_full(fh, part_size)
-    if not data:
-        return b"", b""
-    raw = hasher.update(data, part=True)
-    assert raw is not None
-    return data, raw
+            log.warning("could not abort the multipart upload of %s: %s", self.where(key), type(e).__name__)

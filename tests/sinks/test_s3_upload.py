@@ -1,0 +1,125 @@
+"""The S3 upload schedule and what verifies a step, against a real moto server through the fault proxy:
+the order requests reach the store in, which requests verification needs, and the sweep beside them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.errors import SinkError
+from stagerd.sinks import open_sink
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.s3 import S3Backend
+from tests import s3server
+
+s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
+
+MiB = 1 << 20
+BIG = {"a.safetensors": 11 * MiB, "b.safetensors": 11 * MiB}  # three 5 MiB parts each
+SMALL = {"config.json": 300, "tokenizer.json": 70_000, layout.INDEX_NAME: 900}
+
+
+def make_export(root: Path, sizes: dict[str, int]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (rel, size) in enumerate(sorted(sizes.items())):
+        block = hashlib.sha256(f"{i}".encode()).digest() * 2048
+        (root / rel).write_bytes((block * (size // len(block) + 1))[:size])
+    return root
+
+
+def sink(env: Any, concurrency: int = 4) -> FsspecSink:
+    return open_sink(env.url("ckpt"), part_size=5 * MiB, max_concurrency=concurrency)
+
+
+def uploads(env: Any) -> list[tuple[str, str]]:
+    """(operation, file name) of every upload request the store answered, in arrival order."""
+    ops = ("PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")
+    return [(r.op, r.key.rsplit("/", 1)[-1]) for r in env.proxy.log if r.op in ops and r.status == 200]
+
+
+def test_small_files_go_first_and_parts_go_in_file_order(s3, tmp_path):
+    """One part in flight: the files that fit one PUT are sent before any part, and a file's parts all go
+    before the next file's, so each file's completion overlaps the next file's parts."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    assert not sink(s3, concurrency=1).publish(export, 1).skipped
+    parts = [name for op, name in uploads(s3) if op in ("PutObject", "UploadPart")]
+    steps = [n for n in parts if n not in (layout.MANIFEST_NAME, "latest")]
+    assert sorted(steps[:3]) == sorted(SMALL)
+    assert steps[3:] == ["a.safetensors"] * 3 + ["b.safetensors"] * 3
+
+
+def test_store_answers_verify_without_a_head_per_file(s3, tmp_path):
+    """moto answers a PutObject with the checksum it stored, so single-PUT files need no HEAD; its
+    CompleteMultipartUpload answer carries none, so each multipart file gets exactly one, right after."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    assert not sink(s3).publish(export, 2).skipped
+    heads = [r.key.rsplit("/", 1)[-1] for r in s3.proxy.log if r.op == "HeadObject"]
+    assert sorted(heads) == sorted(BIG)
+    for name in BIG:  # the HEAD follows that file's completion, before the manifest
+        log = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
+        assert log.index(("CompleteMultipartUpload", name)) < log.index(("HeadObject", name))
+        assert log.index(("HeadObject", name)) < log.index(("PutObject", layout.MANIFEST_NAME))
+    manifest = json.loads(s3.get(f"ckpt/step-00000002/{layout.MANIFEST_NAME}"))
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
+        rel: hashlib.sha256((export / rel).read_bytes()).hexdigest() for rel in {**BIG, **SMALL}
+    }
+
+
+class _WrongAnswers(S3Backend):
+    """A store that reports another checksum than the one sent for `victim`, as a store holding other
+    bytes would: everything else is the real backend on the real server."""
+
+    victim = "config.json"
+
+    async def call(self, where: str, method: str, **kwargs: Any) -> Any:
+        r = await super().call(where, method, **kwargs)
+        if kwargs.get("Key", "").endswith(self.victim) and f"Checksum{self.algorithm}" in r:
+            r = {**r, f"Checksum{self.algorithm}": "AAAAAA=="}
+        return r
+
+
+def test_a_wrong_checksum_in_the_answer_fails_the_step_before_the_manifest(s3, tmp_path):
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    real = sink(s3)._backend
+    assert isinstance(real, S3Backend)
+    wrong = _WrongAnswers(real.fs, real.bucket, real.root, real.part_size, real.max_concurrency)
+    with pytest.raises(SinkError) as ei:
+        FsspecSink(s3.url("ckpt"), wrong).publish(export, 3)
+    assert ei.value.retryable and "config.json" in str(ei.value) and "AAAAAA==" in str(ei.value)
+    assert not [k for k in s3.keys("ckpt/") if layout.MANIFEST_NAME in k or k.endswith("latest")]
+
+
+def test_stale_uploads_are_swept_and_ours_are_not(s3, tmp_path):
+    """The sweep lists pending uploads together with the step's first reads, before this publisher has
+    created any, and aborts only what a dead publisher left."""
+    export = make_export(tmp_path / "e", BIG)
+    key = "ckpt/step-00000004/a.safetensors"
+    stale = s3.client.create_multipart_upload(Bucket=s3.bucket, Key=key)["UploadId"]
+    assert not sink(s3).publish(export, 4).skipped
+    assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
+    aborted = [r for r in s3.proxy.log if r.op == "AbortMultipartUpload"]
+    assert len(aborted) == 1 and aborted[0].status in (200, 204)
+    assert s3.get(key) == (export / "a.safetensors").read_bytes()
+    assert stale not in str(s3.client.list_multipart_uploads(Bucket=s3.bucket))
+
+
+def test_a_file_that_grows_while_uploading_is_refused(s3, tmp_path):
+    """The producer reads to the end of the file: more bytes than scanned stop the upload at once."""
+    export = make_export(tmp_path / "e", {"a.safetensors": 11 * MiB})
+    first = sink(s3, concurrency=1)  # the first part is sent before the rest are read
+
+    def grow(done: int, total: int) -> None:
+        with open(export / "a.safetensors", "ab") as f:
+            f.write(os.urandom(6 * MiB))
+
+    with pytest.raises(SinkError) as ei:
+        first.publish(export, 5, progress=grow)
+    assert "changed while publishing" in str(ei.value) and ei.value.retryable
+    assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
+    assert not [k for k in s3.keys("ckpt/") if layout.MANIFEST_NAME in k]
