@@ -12,15 +12,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from stagerd.contract.safetensors_format import Header
-from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, frozen
+from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, Names, frozen
 from stagerd.errors import PlanError
 
 
 def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, int]]:
-    """The table of `headers` (consumed one by one), and name -> tensor id for the planner's lookups."""
+    """The table of `headers` (consumed one by one), and name -> tensor id for the planner's lookups
+    (its keys, in id order, are the names as str while planning; the table keeps them as one blob)."""
     sources: list[str] = []
     ids: dict[str, int] = {}
-    names: list[str] = []
+    blob, name_end = bytearray(), array("q")
     dtype = array("B")
     tensor, src, ndim = array("i"), array("i"), array("B")
     offset, at, dims = array("q"), array("q"), array("q")
@@ -32,8 +33,9 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
         for name, e in h.tensors.items():
             code = DTYPE_CODE[e.dtype]
             t = ids.setdefault(name, len(ids))
-            if t == len(names):
-                names.append(name)
+            if t == len(name_end):
+                blob += name.encode()
+                name_end.append(len(blob))
                 dtype.append(code)
             elif dtype[t] != code:
                 where = str(Path(sources[0]).parent)
@@ -54,10 +56,10 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
                     f"tensor {name!r}: an offset or dimension does not fit 64 bits", path=h.path
                 ) from None
         del h, offsets  # the next shard's header must not sit beside this one's
-    order, first = _group_by_tensor(tensor, len(names))
+    order, first = _group_by_tensor(tensor, len(name_end))
     table = ChunkTable(
         tuple(sources),
-        tuple(names),
+        Names(bytes(blob), frozen(name_end)),
         frozen(dtype),
         frozen(src),
         frozen(offset),

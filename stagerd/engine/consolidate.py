@@ -15,10 +15,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_json_atomic
+from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_bytes_atomic
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.execute import compare, execute, output_error
+from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan, Move, MoveKind
 from stagerd.engine.planner import plan
 from stagerd.engine.shard_scan import scan_shards
@@ -59,7 +60,7 @@ def consolidate_into(
     execute(p, out_dir, threads=threads, progress=progress)
     index = out_dir / INDEX_NAME
     try:
-        write_json_atomic(index, p.index())
+        write_bytes_atomic(index, index_json(p))
         index_size = index.stat().st_size
     except OSError as e:
         raise output_error(e, index) from None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import dtypes
-from stagerd.contract.sharding import natural_key
+from stagerd.engine.natural_order import order_key
 
 # dtype code (the index here) <-> safetensors name; a code fits one byte.
 DTYPE_NAMES: tuple[str, ...] = tuple(dtypes.DTYPES)
@@ -87,11 +87,11 @@ class Move:
 
 
 def in_natural_order(names: Iterable[str]) -> bool:
-    """Whether `names` are already in natural key order, checked pair by pair: sorting 100k names builds
-    100k keys at once (about 50 MB), so a sort is paid only where the order is not already right."""
-    prev: tuple[object, ...] | None = None
+    """Whether `names` are already in natural key order, checked pair by pair, so that a sort (one key per
+    name held at once) is paid only where the order is not already right."""
+    prev: bytes | None = None
     for name in names:
-        key = natural_key(name)
+        key = order_key(name)
         if prev is not None and key < prev:
             return False
         prev = key
@@ -104,13 +104,32 @@ def frozen(a: array) -> memoryview:
 
 
 @dataclass(frozen=True)
+class Names:
+    """Tensor names as one UTF-8 blob: name `t` is `blob[end[t - 1] : end[t]]`. A str object per name
+    would cost about twice the bytes, and each would pin the allocator arena it was decoded into
+    beside one shard's freed header."""
+
+    blob: bytes
+    end: memoryview
+
+    def __len__(self) -> int:
+        return len(self.end)
+
+    def __getitem__(self, t: int) -> str:
+        return self.blob[self.end[t - 1] if t else 0 : self.end[t]].decode()
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[t] for t in range(len(self)))
+
+
+@dataclass(frozen=True)
 class ChunkTable:
     """Blocks by tensor. Tensor `t` (an id into `names`) owns blocks `order[first[t]:first[t + 1]]`; block
     `c` lies at byte `offset[c]` of source `src[c]`, its global offset at `dims[at[c] : at[c] + ndim[c]]`
     and its shape right after."""
 
     sources: tuple[str, ...]
-    names: tuple[str, ...]
+    names: Names
     dtype: memoryview  # per tensor: dtype code
     src: memoryview
     offset: memoryview
@@ -229,7 +248,7 @@ class ExportPlan:
             (self.chunks.names[self.tensor[r]], f.name) for f in self.files for r in range(f.first, f.stop)
         ]
         if not in_natural_order(name for name, _ in pairs):
-            pairs.sort(key=lambda p: natural_key(p[0]))
+            pairs.sort(key=lambda p: order_key(p[0]))
         return dict(pairs)
 
     def index(self) -> dict[str, object]:

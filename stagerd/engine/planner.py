@@ -19,11 +19,11 @@ from stagerd.contract.sharding import (
     assign_with_reference,
     natural_key,
     output_file_names,
-    pack_by_size,
 )
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.file_header import header_size
 from stagerd.engine.moves import tensor_moves
+from stagerd.engine.natural_order import order_key, pack_in_natural_order
 from stagerd.engine.plan_types import (
     DTYPE_CODE,
     DTYPE_NAMES,
@@ -62,8 +62,8 @@ def plan(
     keep = _compile(keep_dtype)
     table, ids = build_chunk_table(headers)
     where = table.where
-    names = table.names
-    shape_at, shape_ndim, dims = _global_shapes(table)
+    names = list(ids)  # the dict's own keys, in id order: no second str per name
+    shape_at, shape_ndim, dims = _global_shapes(table, names)
 
     def shape(t: int) -> tuple[int, ...]:
         return tuple(dims[shape_at[t] : shape_at[t] + shape_ndim[t]])
@@ -87,19 +87,19 @@ def plan(
     sizes = {
         n: dtypes.lookup(DTYPE_NAMES[out_code[t]]).nbytes(math.prod(shape(t))) for t, n in enumerate(names)
     }
-    groups = (
-        assign_with_reference(sizes, reference, max_shard_size)
-        if reference is not None
-        else pack_by_size(sizes, max_shard_size)
-    )
+    if reference is None:
+        groups = pack_in_natural_order(sizes, max_shard_size)
+    else:
+        groups = assign_with_reference(sizes, reference, max_shard_size)
+        for group in groups:
+            if not in_natural_order(group):  # the last file: reference keys, then the new ones
+                group.sort(key=order_key)
     file_names = output_file_names(len(groups))
     row_tensor, row_dst, row_begin, row_end = array("i"), array("B"), array("q"), array("q")
     files: list[OutputFile] = []
     for fi, group in enumerate(groups):
         # Widest dtypes first: with an 8-aligned data section every tensor stays aligned for mmap readers.
-        if not in_natural_order(group):
-            group.sort(key=natural_key)
-        group.sort(key=lambda n: -dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits)  # stable
+        group.sort(key=lambda n: -dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits)  # stable: natural within
         first, pos = len(row_tensor), 0
         for n in group:
             t = ids[n]
@@ -131,10 +131,10 @@ def plan(
     return p
 
 
-def _global_shapes(table: ChunkTable) -> tuple[array, array, array]:
+def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, array]:
     """Each tensor's global shape, `max(offset + local shape)` per dimension over its blocks."""
     shape_at, shape_ndim, dims = array("q"), array("B"), array("q")
-    for t, name in enumerate(table.names):
+    for t, name in enumerate(names):
         chunks = table.chunks_of(t)
         ndims = {len(c.shape) for c in chunks}
         if len(ndims) != 1:
@@ -182,7 +182,7 @@ def _check_expected(
             f"{len(missing)} marker tensors are in no shard (a shard is missing?): {missing[:5]}",
             path=where,
         )
-    extra = sorted((n for n in table.names if n not in expected), key=natural_key)
+    extra = sorted((n for n in ids if n not in expected), key=natural_key)
     if extra:
         raise PlanError(
             f"{len(extra)} tensors in the shards are not in the commit marker: {extra[:5]}", path=where

@@ -20,6 +20,7 @@ from stagerd.contract.safetensors_format import (
 )
 from stagerd.engine.consolidate import plan
 from stagerd.engine.file_header import encode_entries, file_header
+from stagerd.engine.index_json import index_json
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import Chunk, ExportPlan, Move, Piece, TensorPlan
 from stagerd.errors import PlanError
@@ -65,14 +66,14 @@ def big_plan() -> ExportPlan:
     return plan(synthetic_headers(N_TENSORS), max_shard_size=1 << 20)
 
 
-def test_the_plan_holds_no_object_per_tensor_beyond_its_name(big_plan):
+def test_the_plan_holds_no_object_per_tensor(big_plan):
     objs = reachable(big_plan)
-    kinds = {type(o) for o in objs}
-    assert not kinds & {Chunk, TensorPlan, Piece, Move}
-    names = [o for o in objs if isinstance(o, str) and o.startswith("model.layers.")]
-    assert len(names) == N_TENSORS
-    # names, a few containers per file, and nothing that grows with the tensor count
-    assert len(objs) - len(names) < 50 * len(big_plan.files) + 100, sorted({type(o).__name__ for o in objs})
+    assert not {type(o) for o in objs} & {Chunk, TensorPlan, Piece, Move}
+    assert not [o for o in objs if isinstance(o, str) and o.startswith("model.layers.")]
+    # a few containers per output file, and nothing that grows with the tensor count
+    assert len(objs) < 50 * len(big_plan.files) + 100, sorted({type(o).__name__ for o in objs})
+    assert big_plan.chunks.names[N_TENSORS - 1] == "model.layers.78.mlp.experts.31.weight"
+    assert len(set(big_plan.weight_map())) == N_TENSORS
 
 
 def test_the_plan_costs_at_most_a_few_hundred_bytes_per_tensor():
@@ -157,3 +158,23 @@ def test_an_extent_beyond_64_bits_is_a_plan_error():
     hn, obj = parse_header_bytes("x.safetensors", blob, len(blob))
     with pytest.raises(PlanError, match="64 bits"):
         plan([validate_header("x.safetensors", hn, obj, len(blob))])
+
+
+def one_rank_header(names: list[str]) -> Header:
+    entries = {n: ("F32", (2,), 8 * i, 8 * i + 8) for i, n in enumerate(names)}
+    info = {n: {"saved_offsets": [0]} for n in names}
+    blob = encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+    size = len(blob) + 8 * len(names)
+    hn, obj = parse_header_bytes("/s/shard-00001.safetensors", blob, size)
+    return validate_header("/s/shard-00001.safetensors", hn, obj, size)
+
+
+@pytest.mark.parametrize("max_shard_size", [1 << 30, 20])
+def test_the_index_equals_json_of_the_plans_weight_map(max_shard_size):
+    names = ["layers.10.w", "layers.2.w", "ünï.1", 'q"uote', "layers.02.w", "\u00e9", "\x01x", "a.007"]
+    pinned = {n: "BF16" for n in names[::2]}  # mixed widths reorder each file's rows
+    p = plan([one_rank_header(names)], max_shard_size=max_shard_size, out_dtypes=pinned)
+    assert index_json(p) == (json.dumps(p.index(), indent=2) + "\n").encode()
+    assert list(json.loads(index_json(p))["weight_map"]) == list(p.weight_map())
+    empty = plan([])
+    assert index_json(empty) == (json.dumps(empty.index(), indent=2) + "\n").encode()
