@@ -2,8 +2,9 @@
 
 `natural_key` builds a tuple of strings and tuples per name, about 500 bytes; sorting 100k names holds all
 of them at once (about 50 MB). `order_key` gives a bytes key of about the name's length that sorts the
-same way (a test holds it to `natural_key` on hostile names), and `pack_in_natural_order` is
-`contract.sharding.pack_by_size` on those keys.
+same way (a test holds it to `natural_key` on hostile names); `pack_in_natural_order` and
+`assign_in_natural_order` are `contract.sharding`'s `pack_by_size` and `assign_with_reference` on those
+keys (tests hold them equal), which stay the definition of how tensors are assigned to files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterable, Mapping
+
+from stagerd.contract.sharding import reference_file_order
+from stagerd.errors import ReferenceIndexError
 
 _DIGITS = re.compile(r"(\d+)")  # the split natural_key makes: text, number, text, ..., text
 _END = b"\x00"  # ends a text part: below every byte of an escaped character
@@ -35,12 +39,34 @@ def order_key(name: str) -> bytes:
 def pack_in_natural_order(sizes: Mapping[str, int], max_shard_size: int) -> list[list[str]]:
     """`pack_by_size`: files filled up to `max_shard_size` in natural key order; an oversized tensor gets
     its own file."""
-    return _pack(sorted(sizes, key=order_key), sizes, max_shard_size)
+    return _pack(sorted(sizes, key=order_key), sizes, max_shard_size, [])
 
 
-def _pack(names: Iterable[str], sizes: Mapping[str, int], max_size: int) -> list[list[str]]:
-    files: list[list[str]] = []
-    used = 0
+def assign_in_natural_order(
+    sizes: Mapping[str, int], weight_map: Mapping[str, str], max_shard_size: int
+) -> list[list[str]]:
+    """`assign_with_reference`: the reference's files in its order, each in natural key order; keys it
+    lacks packed into the last file, then new ones; reference keys absent from the shards are an error."""
+    missing = [k for k in weight_map if k not in sizes]
+    if missing:
+        missing.sort(key=order_key)
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ReferenceIndexError(
+            f"{len(missing)} tensors of the reference index are not in the shards: {missing[:5]}{more}"
+        )
+    groups: dict[str, list[str]] = {}
+    for key, fname in weight_map.items():
+        groups.setdefault(fname, []).append(key)
+    files = [sorted(groups.pop(f), key=order_key) for f in reference_file_order(list(groups))]
+    extra = sorted((k for k in sizes if k not in weight_map), key=order_key)
+    return _pack(extra, sizes, max_shard_size, files)
+
+
+def _pack(
+    names: Iterable[str], sizes: Mapping[str, int], max_size: int, files: list[list[str]]
+) -> list[list[str]]:
+    """Greedy fill in the given order, from the last of `files`: a new file when the next would overflow."""
+    used = sum(sizes[n] for n in files[-1]) if files else 0
     for name in names:
         if not files or (files[-1] and used + sizes[name] > max_size):
             files.append([])

@@ -16,14 +16,13 @@ from stagerd.contract.layout import TensorInfo
 from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,
-    assign_with_reference,
     natural_key,
     output_file_names,
 )
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.file_header import header_size
 from stagerd.engine.moves import tensor_moves
-from stagerd.engine.natural_order import order_key, pack_in_natural_order
+from stagerd.engine.natural_order import assign_in_natural_order, order_key, pack_in_natural_order
 from stagerd.engine.plan_types import (
     DTYPE_CODE,
     DTYPE_NAMES,
@@ -90,7 +89,7 @@ def plan(
     if reference is None:
         groups = pack_in_natural_order(sizes, max_shard_size)
     else:
-        groups = assign_with_reference(sizes, reference, max_shard_size)
+        groups = assign_in_natural_order(sizes, reference, max_shard_size)
         for group in groups:
             if not in_natural_order(group):  # the last file: reference keys, then the new ones
                 group.sort(key=order_key)

@@ -3,11 +3,13 @@ it gives `pack_by_size`'s files."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stagerd.contract.sharding import natural_key, pack_by_size
-from stagerd.engine.natural_order import order_key, pack_in_natural_order
+from stagerd.contract.sharding import assign_with_reference, natural_key, pack_by_size
+from stagerd.engine.natural_order import assign_in_natural_order, order_key, pack_in_natural_order
+from stagerd.errors import ReferenceIndexError
 
 # digits with and without leading zeros, non-ASCII decimal digits, the bytes the key escapes, separators
 PARTS = [
@@ -50,3 +52,26 @@ def test_order_key_sorts_layers_naturally():
 @given(st.dictionaries(names, st.integers(0, 100), max_size=40), st.sampled_from([1, 30, 100, 250, 10**9]))
 def test_packing_equals_pack_by_size(sizes, max_size):
     assert pack_in_natural_order(sizes, max_size) == pack_by_size(sizes, max_size)
+
+
+FILES = ["model-00002-of-00003.safetensors", "model-00001-of-00003.safetensors", "x.safetensors", "b"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(names, st.integers(0, 100), max_size=30),
+    st.data(),
+    st.sampled_from([1, 30, 100, 250, 10**9]),
+)
+def test_assignment_equals_assign_with_reference(sizes, data, max_size):
+    keys = data.draw(st.lists(st.sampled_from(sorted(sizes)), unique=True) if sizes else st.just([]))
+    keys += data.draw(st.lists(names, max_size=2))  # now and then a key the shards lack
+    weight_map = {k: data.draw(st.sampled_from(FILES)) for k in keys}
+    try:
+        want = assign_with_reference(sizes, weight_map, max_size)
+    except ReferenceIndexError as e:
+        with pytest.raises(ReferenceIndexError) as got:
+            assign_in_natural_order(sizes, weight_map, max_size)
+        assert got.value.message == e.message
+        return
+    assert assign_in_natural_order(sizes, weight_map, max_size) == want
