@@ -154,8 +154,8 @@ plan(scan_shards(Path(sys.argv[1]))).index()
 CASTS = ("bf16", "fp16", "fp32")
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} | {min(xs):.2f} | {max(xs):.2f}"
+def spread(xs: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(xs):.{digits}f} | {min(xs):.{digits}f} | {max(xs):.{digits}f}"
 
 
 def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, object]:
@@ -206,9 +206,7 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
     print("\n| tool | median s | min s | max s | peak RSS MiB, median | min | max |")
     print("|---|---|---|---|---|---|---|")
     for name, got in found.items():
-        print(
-            f"| {name} | {spread([g[0] for g in got])} | {spread([g[1] for g in got]).replace('.00', '')} |"
-        )
+        print(f"| {name} | {spread([g[0] for g in got])} | {spread([g[1] for g in got], 0)} |")
     print()
     for c in CASTS:
         print_pairs(
