@@ -34,10 +34,10 @@ from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
     Backend,
+    BatchingStore,
     ByteProgress,
     LocalFile,
     RemoteObject,
-    StepOpener,
     Uploaded,
     manifest_bytes,
     newer_latest,
@@ -195,13 +195,16 @@ class FsspecSink:
         confirmed = {d.rel for d in digests if d.confirmed}
         self._verify(prefix, manifest, {d.rel: d.checksum for d in digests}, confirmed)
 
-        if not self._call(lambda: b.create(manifest_key, manifest_bytes(manifest)), manifest_key):
+        created, latest = self._create_manifest(
+            manifest_key, manifest_bytes(manifest), self._latest_key(prefix)
+        )
+        if not created:
             # another publisher committed this step between our check and our write
             raw = self._call(lambda: b.read(manifest_key), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
             self._check_same(other, manifest, manifest_key)
         crash_point("fsspec.manifest")
-        self._move_latest(prefix, step)
+        self._move_latest(prefix, step, latest)
         sent = sum(f.size for f in todo)
         log.info(
             "published step %d to %s: %d files, %d bytes uploaded, %d reused",
@@ -237,7 +240,7 @@ class FsspecSink:
         """The step's manifest if it has one, after sweeping its prefix; with the listing where the store
         gives all three in one round trip."""
         b = self._backend
-        if isinstance(b, StepOpener):
+        if isinstance(b, BatchingStore):
             opener = b
             got: tuple[bytes | None, dict[str, RemoteObject]] = self._call(
                 lambda: opener.open_step(prefix, manifest_key), prefix
@@ -257,8 +260,10 @@ class FsspecSink:
         """The listing against the manifest: names and sizes, and the store's checksum of every file whose
         checksum was not `confirmed` by the store's own answer during the upload."""
         b = self._backend
-        remote = self._call(lambda: b.list(prefix), prefix)
         ask = [f.path for f in manifest.files if f.path not in confirmed]
+        if not ask:
+            return  # the store's answers during this publish confirmed every file's checksum already
+        remote = self._call(lambda: b.list(prefix), prefix)
         if b.has_checksums and ask:
             have = self._call(lambda: b.checksums(prefix, ask), prefix)
             remote = {k: RemoteObject(v.size, have.get(k, v.checksum)) for k, v in remote.items()}
@@ -270,10 +275,27 @@ class FsspecSink:
                 path=self._where(prefix),
             )
 
-    def _move_latest(self, prefix: str, step: int) -> None:
-        key = f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
+    def _create_manifest(
+        self, key: str, data: bytes, latest_key: str
+    ) -> tuple[bool, tuple[bytes | None] | None]:
+        """Create the manifest; where the store batches, read `latest` in the same round trip. `latest` is
+        still written only after the manifest, so a reader sees the same order."""
         b = self._backend
-        current = self._call(lambda: b.read(key), key)
+        if isinstance(b, BatchingStore):
+            batching = b
+            created, latest = self._call(lambda: batching.create_and_read(key, data, latest_key), key)
+            return created, (latest,)
+        return self._call(lambda: b.create(key, data), key), None
+
+    @staticmethod
+    def _latest_key(prefix: str) -> str:
+        return f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
+
+    def _move_latest(self, prefix: str, step: int, known: tuple[bytes | None] | None = None) -> None:
+        """Point `latest` at `step` unless it names a newer one (`known`: its bytes, if already read)."""
+        key = self._latest_key(prefix)
+        b = self._backend
+        current = known[0] if known is not None else self._call(lambda: b.read(key), key)
         name = layout.step_dir_name(step)
         if newer_latest(current, step) and current != name.encode():
             self._call(lambda: b.write(key, name.encode()), key)

@@ -117,11 +117,15 @@ class Backend(Protocol):
 
 
 @runtime_checkable
-class StepOpener(Protocol):
-    """A store that can start a step's publish in one round trip rather than three."""
+class BatchingStore(Protocol):
+    """A store that sends a publish's independent requests together, one round trip instead of several."""
 
     def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
         """Together: the manifest's bytes (None if absent), `sweep(prefix)`, and `list(prefix)`."""
+        ...
+
+    def create_and_read(self, key: str, data: bytes, other: str) -> tuple[bool, bytes | None]:
+        """Together: `create(key, data)` and `read(other)`."""
         ...
 
 

@@ -1,7 +1,7 @@
 """The S3 backend: s3fs's session and event loop, the aiobotocore client called directly.
 
-Large files go up as parallel multipart uploads, each part with a checksum the store verifies; the
-manifest is created with `If-None-Match: *`.
+Files of two parts or more go up as parallel multipart uploads, each part with a checksum the store
+verifies (the schedule is in `s3_upload.py`); the manifest is created with `If-None-Match: *`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from stagerd.errors import ConfigError, SinkAuthError, SinkError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, redact_url
-from stagerd.sinks.s3_upload import S3Api, upload_files
+from stagerd.sinks.s3_upload import S3Api, one_put, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
 
@@ -207,6 +207,19 @@ class S3Backend:
 
         return self._run(go)
 
+    def create_and_read(self, key: str, data: bytes, other: str) -> tuple[bool, bytes | None]:
+        async def go() -> tuple[bool, bytes | None]:
+            created, got = await asyncio.gather(
+                self._create(key, data), self._get(other), return_exceptions=True
+            )
+            if isinstance(created, BaseException):
+                raise created
+            if isinstance(got, BaseException):
+                raise got
+            return created, got
+
+        return self._run(go)
+
     def read(self, key: str) -> bytes | None:
         return self._run(self._get, key)
 
@@ -225,31 +238,31 @@ class S3Backend:
         self._run(self.call, self.where(key), "put_object", **self._put_args(key, data))
 
     def create(self, key: str, data: bytes) -> bool:
+        return bool(self._run(self._create, key, data))
+
+    async def _create(self, key: str, data: bytes) -> bool:
         """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
         from botocore.exceptions import ClientError
 
-        async def go() -> bool:
-            s3 = await self._client()
-            args = self._put_args(key, data)
-            try:
-                await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
-                return True
-            except ClientError as e:
-                code = e.response.get("Error", {}).get("Code")
-                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                    return False
-                if status != 501 and code != "NotImplemented":
-                    raise s3_error(e, self.where(key)) from None
-            except Exception as e:
-                raise s3_error(e, self.where(key)) from None
-            log.warning("%s does not support conditional writes; using exists-then-put", self.base)
-            if await self._exists(key):
-                return False
-            await self.call(self.where(key), "put_object", **args)
+        s3 = await self._client()
+        args = self._put_args(key, data)
+        try:
+            await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
             return True
-
-        return self._run(go)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            if status != 501 and code != "NotImplemented":
+                raise s3_error(e, self.where(key)) from None
+        except Exception as e:
+            raise s3_error(e, self.where(key)) from None
+        log.warning("%s does not support conditional writes; using exists-then-put", self.base)
+        if await self._exists(key):
+            return False
+        await self.call(self.where(key), "put_object", **args)
+        return True
 
     async def _exists(self, key: str) -> bool:
         s3 = await self._client()
@@ -272,7 +285,8 @@ class S3Backend:
         return {"ChecksumAlgorithm": self.algorithm, f"Checksum{self.algorithm}": checksum}
 
     def digest(self, f: LocalFile) -> Uploaded:
-        d = hash_file(f.path, part_size_for(f.size, self.part_size), self.algorithm)
+        part = self.part_size_of(f.size)
+        d = hash_file(f.path, None if one_put(f.size, part) else part, self.algorithm)
         return Uploaded(f.rel, d.size, d.sha256, d.checksum)
 
     def close(self) -> None:

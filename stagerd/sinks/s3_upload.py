@@ -1,8 +1,9 @@
 """One step's uploads to S3: the order parts go out in, hashing beside the sends, and what the store's
 answers prove.
 
-- **Order.** One producer reads parts in file order: files that fit one part first (they cost a request
-  each and would otherwise wait behind the big ones), then each multipart file's parts in turn. A file's
+- **Order.** One producer reads parts in file order: files that go in one PUT first (under two parts;
+  they cost a request each and would otherwise wait behind the big ones), then each multipart file's
+  parts in turn. A file's
   `CompleteMultipartUpload` therefore runs while the next file's parts are sent, instead of every file
   finishing at once at the end (moto spends a second assembling 500 MB; S3 also takes a while).
 - **Memory.** `max_concurrency` slots: a part holds one from its read until it is both sent and hashed.
@@ -21,12 +22,15 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.hashing import b64, composite_checksum, raw_checksum, read_full
+from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_full
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 
 class S3Api(Protocol):
@@ -82,9 +86,10 @@ class _Run:
 class _Sha256Chain:
     """A file's sha256, fed part after part in file order by worker threads, each after the one before."""
 
-    def __init__(self) -> None:
-        self.h = hashlib.sha256()
+    def __init__(self, done: _Hash | None = None) -> None:
+        self.h = hashlib.sha256() if done is None else done
         self._last: asyncio.Future[None] | None = None
+        self._done = done is not None
 
     def feed(self, data: bytes) -> asyncio.Future[None]:
         prev = self._last
@@ -92,7 +97,8 @@ class _Sha256Chain:
         async def step() -> None:
             if prev is not None:
                 await prev
-            await asyncio.to_thread(self.h.update, data)
+            if not self._done:
+                await asyncio.to_thread(self.h.update, data)
 
         self._last = asyncio.ensure_future(step())
         return self._last
@@ -112,8 +118,8 @@ class Uploads:
         self.run_ = _Run()
 
     async def run(self) -> list[Uploaded]:
-        single = [f for f in self.files if f.size <= self.api.part_size_of(f.size)]
-        multi = [f for f in self.files if f.size > self.api.part_size_of(f.size)]
+        single = [f for f in self.files if one_put(f.size, self.api.part_size_of(f.size))]
+        multi = [f for f in self.files if not one_put(f.size, self.api.part_size_of(f.size))]
         results: dict[str, asyncio.Future[Uploaded]] = {}
         run = self.run_
         try:
@@ -132,14 +138,11 @@ class Uploads:
     async def _produce(
         self, single: list[LocalFile], multi: list[LocalFile], results: dict[str, asyncio.Future[Uploaded]]
     ) -> None:
-        for f in single:
-            await self._slot()
-            try:
-                data, raw = await asyncio.to_thread(_read_whole, f, self.api.algorithm)
-            except BaseException:
-                self.slots.release()
-                raise
-            results[f.rel] = self.run_.spawn(self._put(f, data, b64(raw)))
+        for f in single:  # each read in its own task: many small files need not queue behind one reader
+            weight = max(1, -(-f.size // self.api.part_size_of(f.size)))  # a slot per part's worth of memory
+            for _ in range(weight):
+                await self._slot()
+            results[f.rel] = self.run_.spawn(self._put(f, weight))
         for f in multi:
             results[f.rel] = await self._multipart(f)
 
@@ -151,10 +154,12 @@ class Uploads:
 
     # -- one PUT ------------------------------------------------------------------------------------------
 
-    async def _put(self, f: LocalFile, data: bytes, checksum: str) -> Uploaded:
+    async def _put(self, f: LocalFile, weight: int) -> Uploaded:
         api, key = self.api, f"{self.prefix}/{f.rel}"
         try:
-            chain = _Sha256Chain()
+            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm)
+            checksum = b64(raw)
+            chain = _Sha256Chain(sha)
             hashed = chain.feed(data)
             r = await api.call(
                 api.where(key),
@@ -166,7 +171,8 @@ class Uploads:
             )
             await hashed
         finally:
-            self.slots.release()
+            for _ in range(weight):
+                self.slots.release()
         self.progress(len(data))
         confirmed = await self._confirm(key, checksum, r)
         return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum, confirmed)
@@ -286,12 +292,19 @@ class Uploads:
         return True
 
 
-def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytes, bytes]:
-    """A file that fits one part, and its raw store checksum."""
+def one_put(size: int, part_size: int) -> bool:
+    """Whether a file goes up in one PUT: under two parts' worth, a multipart upload's two extra round
+    trips and the store's assembly of the parts cost more than the parallelism of two parts gains."""
+    return size < 2 * part_size
+
+
+def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytes, bytes, _Hash | None]:
+    """A file that goes in one PUT, its raw store checksum, and for a small one its sha256 already (a
+    second trip to a worker thread costs more than hashing a few MiB here)."""
     data = f.path.read_bytes()
     if len(data) != f.size:
         raise changed_error(f, len(data))
-    return data, raw_checksum(data, algorithm)
+    return data, raw_checksum(data, algorithm), hashlib.sha256(data) if len(data) <= CHUNK else None
 
 
 def _read_part(fh: BinaryIO, part_size: int, algorithm: str) -> tuple[bytes, bytes]:

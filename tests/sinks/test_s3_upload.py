@@ -65,6 +65,9 @@ def test_store_answers_verify_without_a_head_per_file(s3, tmp_path):
         log = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
         assert log.index(("CompleteMultipartUpload", name)) < log.index(("HeadObject", name))
         assert log.index(("HeadObject", name)) < log.index(("PutObject", layout.MANIFEST_NAME))
+    ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
+    assert [op for op, _ in ops].count("ListObjects") == 1, "one listing, at the start: the answers verified"
+    assert ops.index(("PutObject", layout.MANIFEST_NAME)) < ops.index(("PutObject", "latest"))
     manifest = json.loads(s3.get(f"ckpt/step-00000002/{layout.MANIFEST_NAME}"))
     assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
         rel: hashlib.sha256((export / rel).read_bytes()).hexdigest() for rel in {**BIG, **SMALL}
@@ -123,3 +126,20 @@ def test_a_file_that_grows_while_uploading_is_refused(s3, tmp_path):
     assert "changed while publishing" in str(ei.value) and ei.value.retryable
     assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
     assert not [k for k in s3.keys("ckpt/") if layout.MANIFEST_NAME in k]
+
+
+def test_a_file_under_two_parts_is_one_put_and_a_rerun_agrees(s3, tmp_path):
+    """Under two parts' worth a file is one PUT (no multipart round trips, no assembly in the store), and
+    the checksum a re-run computes from the local file is that PUT's, so the step verifies and is reused."""
+    export = make_export(tmp_path / "e", {"mid.safetensors": 7 * MiB, **SMALL})
+    assert not sink(s3).publish(export, 7).skipped
+    assert s3.proxy.count("UploadPart", "CreateMultipartUpload") == 0
+    assert s3.proxy.count("PutObject", key_contains="mid.safetensors") == 1
+
+    s3.proxy.reset()
+    assert sink(s3).publish(export, 7).skipped  # verified again against the local checksums
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"ckpt/step-00000007/{layout.MANIFEST_NAME}")
+    s3.proxy.reset()
+    res = sink(s3).publish(export, 7)
+    assert not res.skipped and res.bytes_uploaded == 0  # every file reused on its checksum
+    assert s3.proxy.count("PutObject", key_contains="mid.safetensors") == 0
