@@ -1,16 +1,22 @@
-"""S3 publish throughput: stagerd's FsspecSink vs boto3's TransferManager (tuned) vs `s3fs.put`.
+"""S3 publish: stagerd's FsspecSink vs boto3's TransferManager vs `s3fs.put`, paired, at several sizes.
 
-All three upload the same export (4 equal safetensors-sized files and an index, `--size-gb` in total, warm
-page cache) to the same moto server, which runs in its own process (`ThreadedMotoServer` on 127.0.0.1) so
-that it does not share the client's GIL. Every contender starts from an empty bucket prefix. stagerd does
-more work than the other two: sha256 of every file and of every part (sent as S3 checksums), a verification
-HEAD per file, the manifest and `latest`.
+Every case is an export in the warm page cache (4 equal safetensors-sized shards and an index, or
+`--small-files` files of 1 MB each) uploaded to one moto server (`ThreadedMotoServer` on 127.0.0.1, in its
+own process so that it does not share the client's GIL). A round runs every contender once on the case, in
+an order that rotates from round to round; each run starts from an empty bucket and from a client built
+before the clock starts (no connection open yet), as the daemon holds its sink open across steps.
+stagerd does more than the other two: the sha256 of every file for the manifest, CRC32 part checksums
+the store verifies, verification of every file before the manifest, the manifest (`If-None-Match: *`)
+and `latest`.
 
-    python bench/bench_publish_s3.py --size-gb 2
-    python bench/bench_publish_s3.py --size-gb 0.5 --repeat 3 --json bench/out/publish_s3.json
+    python bench/bench_publish_s3.py                    # 0.1, 0.5 and 2 GB, and 20 small files; 3 rounds
+    python bench/bench_publish_s3.py --sizes 0.5 --small-files 0 --rounds 5 --json bench/out/s3.json
+    python bench/bench_publish_s3.py --sizes 0.5 --small-files 0 --rounds 1 --timeline
 
-Target: stagerd >= 0.9x the best of the other two. moto is a Python server and is very likely the
-bottleneck here: these figures rank clients against one slow server, they are not S3's speed.
+The ratio is the best peer's median time over stagerd's median time (>= 1: faster than both); the
+per-round ratio (stagerd against the best peer of the same round) is given as median and min-max.
+Target: >= 0.90x at every size. moto is a Python server and is very likely the bottleneck: these rank
+clients against one slow server on this machine, they are not S3's speed.
 """
 
 from __future__ import annotations
@@ -18,17 +24,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEY, SECRET, REGION = "bench-key", "bench-secret", "us-east-1"
 MiB = 1 << 20
+BUCKET = "bench"
 
 _SERVER = """
 import sys, time
@@ -57,23 +66,34 @@ def start_moto() -> tuple[subprocess.Popen[str], str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _write(p: Path, size: int, block: bytes, tag: int) -> None:
+    with open(p, "wb") as f:
+        left = size
+        while left:
+            n = min(left, len(block))
+            f.write(block[:n])
+            left -= n
+    with open(p, "r+b") as f:  # one distinct byte per file, so the files differ
+        f.write(tag.to_bytes(2, "big"))
+
+
 def make_export(root: Path, total: int) -> Path:
     """4 equal shards of pseudo-random bytes (incompressible, cheap to make) and a small index."""
     root.mkdir(parents=True, exist_ok=True)
     block = os.urandom(4 * MiB)
     each = total // 4
     for i in range(4):
-        p = root / f"model-{i + 1:05d}-of-00004.safetensors"
-        with open(p, "wb") as f:
-            left = each
-            while left:
-                n = min(left, len(block))
-                f.write(block[:n])
-                left -= n
-        # one distinct byte per file, so the four files differ
-        with open(p, "r+b") as f:
-            f.write(bytes([i]))
+        _write(root / f"model-{i + 1:05d}-of-00004.safetensors", each, block, i)
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 4 * each}}))
+    return root
+
+
+def make_small_export(root: Path, count: int) -> Path:
+    """`count` files of 1 MB: an adapter's shards, configs, a tokenizer."""
+    root.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(MiB)
+    for i in range(count):
+        _write(root / f"part-{i:03d}.bin", 1_000_000, block, i)
     return root
 
 
@@ -86,7 +106,7 @@ def warm(export: Path) -> int:
     return total
 
 
-def boto_client(endpoint: str, pool: int) -> object:
+def boto_client(endpoint: str, pool: int) -> Any:
     import boto3
     from botocore.config import Config
 
@@ -100,113 +120,200 @@ def boto_client(endpoint: str, pool: int) -> object:
     )
 
 
-def run_stagerd(export: Path, endpoint: str, bucket: str, prefix: str, part: int, conc: int) -> None:
+# A contender is built, untimed, for one run: (endpoint, prefix, part, concurrency) -> (upload, close).
+Run = Callable[[Path], None]
+
+
+def open_stagerd(endpoint: str, prefix: str, part: int, conc: int) -> Any:
     from stagerd.sinks.fsspec import FsspecSink
 
     opts = {"endpoint_url": endpoint, "key": KEY, "secret": SECRET, "client_kwargs": {"region_name": REGION}}
-    sink = FsspecSink.from_url(
-        f"s3://{bucket}/{prefix}", storage_options=opts, part_size=part, max_concurrency=conc
-    )
-    try:
+    url = f"s3://{BUCKET}/{prefix}"
+    sink = FsspecSink.from_url(url, storage_options=opts, part_size=part, max_concurrency=conc)
+    backend = sink._backend
+    backend._run(backend._client)  # type: ignore[attr-defined]  # the session, as a running daemon has it
+    return sink
+
+
+def stagerd(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Callable[[], None]]:
+    sink = open_stagerd(endpoint, prefix, part, conc)
+
+    def run(export: Path) -> None:
         res = sink.publish(export, 1)
         assert not res.skipped and res.bytes_uploaded == res.bytes_total
-    finally:
-        sink.close()
+
+    return run, sink.close
 
 
-def run_transfer_manager(export: Path, endpoint: str, bucket: str, prefix: str, part: int, conc: int) -> None:
+def transfer_manager(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Callable[[], None]]:
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
     client = boto_client(endpoint, 2 * conc)
     config = TransferConfig(
         multipart_threshold=part, multipart_chunksize=part, max_concurrency=conc, use_threads=True
     )
-    with create_transfer_manager(client, config) as tm:
-        futures = [tm.upload(str(p), bucket, f"{prefix}/{p.name}") for p in sorted(export.iterdir())]
-        for f in futures:
-            f.result()
+
+    def run(export: Path) -> None:
+        with create_transfer_manager(client, config) as tm:
+            futures = [tm.upload(str(p), BUCKET, f"{prefix}/{p.name}") for p in sorted(export.iterdir())]
+            for f in futures:
+                f.result()
+
+    return run, client.close
 
 
-def run_s3fs_put(export: Path, endpoint: str, bucket: str, prefix: str, part: int, conc: int) -> None:
+def s3fs_put(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Callable[[], None]]:
     import s3fs
+    from fsspec.asyn import sync
 
-    fs = s3fs.S3FileSystem(
-        key=KEY,
-        secret=SECRET,
-        endpoint_url=endpoint,
-        client_kwargs={"region_name": REGION},
-        skip_instance_cache=True,
-    )
-    fs.put(f"{export}/", f"{bucket}/{prefix}/", recursive=True)
+    opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint, "client_kwargs": {"region_name": REGION}}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    sync(fs.loop, fs.set_session)
+
+    def run(export: Path) -> None:
+        fs.put(f"{export}/", f"{BUCKET}/{prefix}/", recursive=True)
+
+    return run, lambda: None
 
 
-CONTENDERS: dict[str, Callable[..., None]] = {
-    "stagerd": run_stagerd,
-    "boto3 TransferManager": run_transfer_manager,
-    "s3fs.put": run_s3fs_put,
+CONTENDERS: dict[str, Callable[[str, str, int, int], tuple[Run, Callable[[], None]]]] = {
+    "stagerd": stagerd,
+    "boto3 TransferManager": transfer_manager,
+    "s3fs.put": s3fs_put,
 }
-if os.environ.get("BENCH_ONLY"):
-    CONTENDERS = {k: v for k, v in CONTENDERS.items() if k.startswith(os.environ["BENCH_ONLY"])}
+PEERS = [n for n in CONTENDERS if n != "stagerd"]
 
 
-def empty_bucket(client: object, bucket: str) -> None:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)  # type: ignore[attr-defined]
-    for page in pages:
+def empty_bucket(client: Any) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
         if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys})  # type: ignore[attr-defined]
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys})
+
+
+def timeline(export: Path, endpoint: str, part: int, conc: int) -> None:
+    """One stagerd publish with every request's start, end and operation (botocore's call events)."""
+    sink = open_stagerd(endpoint, "timeline", part, conc)
+    client = sink._backend._run(sink._backend._client)
+    events: list[tuple[float, float, str]] = []
+
+    def before(context: dict[str, Any], **_: Any) -> None:
+        context["bench_t0"] = time.perf_counter()
+
+    def after(model: Any, context: dict[str, Any], **_: Any) -> None:
+        events.append((context["bench_t0"] - t0, time.perf_counter() - t0, model.name))
+
+    client.meta.events.register("before-call.s3", before)
+    client.meta.events.register("after-call.s3", after)
+    t0 = time.perf_counter()
+    sink.publish(export, 1)
+    total = time.perf_counter() - t0
+    sink.close()
+    parts = [e for e in events if e[2] == "UploadPart"]
+    print(f"\n  one stagerd publish, {total:.3f} s; its requests (start -> end, duration):")
+    if parts:
+        first, last = min(p[0] for p in parts), max(p[1] for p in parts)
+        mean = statistics.mean(p[1] - p[0] for p in parts)
+        events = [e for e in events if e[2] != "UploadPart"]
+        events.append((first, last, f"UploadPart x{len(parts)}, first start to last end (mean {mean:.3f} s)"))
+    for s, e, name in sorted(events):
+        print(f"  {s:7.3f} -> {e:7.3f}  {e - s:6.3f} s  {name}")
+
+
+def bench_case(
+    label: str, export: Path, endpoint: str, part: int, conc: int, rounds: int, client: Any
+) -> dict[str, Any]:
+    nbytes = warm(export)
+    times: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+    names = list(CONTENDERS)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            run, close = CONTENDERS[name](endpoint, f"r{r}-{name.split()[0]}", part, conc)
+            warm(export)
+            t0 = time.perf_counter()
+            run(export)
+            times[name].append(time.perf_counter() - t0)
+            close()
+            empty_bucket(client)
+        line = "  ".join(f"{n.split()[0]} {times[n][-1]:6.2f} s" for n in names)
+        print(f"  {label} round {r + 1}: {line}", flush=True)
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    best_peer = min(med[n] for n in PEERS)
+    per_round = [min(times[n][r] for n in PEERS) / times["stagerd"][r] for r in range(rounds)]
+    return {
+        "case": label,
+        "bytes": nbytes,
+        "seconds": times,
+        "median": med,
+        "ratio": best_peer / med["stagerd"],
+        "ratio_per_round": per_round,
+    }
+
+
+def report(results: list[dict[str, Any]], rounds: int) -> None:
+    print(
+        f"\nmedian seconds (min-max) over {rounds} paired rounds; ratio = best peer median / stagerd median"
+    )
+    head = f"{'case':10s} " + " ".join(f"{n:>22s}" for n in CONTENDERS) + f" {'ratio':>7s} {'per round':>17s}"
+    print(head)
+    for res in results:
+        cells = []
+        for n in CONTENDERS:
+            ts = res["seconds"][n]
+            cells.append(f"{res['median'][n]:6.2f} ({min(ts):.2f}-{max(ts):.2f})".rjust(22))
+        pr = res["ratio_per_round"]
+        spread = f"{statistics.median(pr):.2f} ({min(pr):.2f}-{max(pr):.2f})"
+        print(f"{res['case']:10s} " + " ".join(cells) + f" {res['ratio']:6.2f}x {spread:>17s}")
+    worst = min(r["ratio"] for r in results)
+    print(f"\nworst ratio {worst:.2f}x (target >= 0.90x); load average now {os.getloadavg()[0]:.2f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=2.0, help="export size in GB (default 2)")
+    ap.add_argument("--sizes", default="0.1,0.5,2", help="export sizes in GB, comma-separated")
+    ap.add_argument("--small-files", type=int, default=20, help="also a case of N files of 1 MB (0: none)")
     ap.add_argument("--part-mib", type=int, default=16, help="part size for stagerd and TransferManager")
     ap.add_argument("--concurrency", type=int, default=8, help="parts in flight (stagerd, TransferManager)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per contender; the best is reported")
-    ap.add_argument("--workdir", type=Path, help="where to write the export (default: a temp dir)")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds per case (at least 3 for a spread)")
+    ap.add_argument("--timeline", action="store_true", help="print one stagerd publish's requests per case")
+    ap.add_argument("--workdir", type=Path, help="where to write the exports (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
-    total = int(args.size_gb * 1e9)
     part, conc = args.part_mib * MiB, args.concurrency
+    cases: list[tuple[str, Callable[[Path], Path]]] = [
+        (f"{gb:g} GB", lambda root, gb=gb: make_export(root, int(gb * 1e9)))
+        for gb in (float(x) for x in args.sizes.split(",") if x)
+    ]
+    if args.small_files:
+        cases.append((f"{args.small_files} x 1 MB", lambda root: make_small_export(root, args.small_files)))
+    print(
+        f"S3 publish to moto, part {args.part_mib} MiB, {conc} in flight, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
+    )
     proc, endpoint = start_moto()
+    results = []
     try:
-        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-            export = make_export(Path(tmp) / "export", total)
-            nbytes = warm(export)
-            client = boto_client(endpoint, 4)
-            bucket = "bench"
-            client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
-            results: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-            for r in range(args.repeat):
-                for name, fn in CONTENDERS.items():
+        client = boto_client(endpoint, 4)
+        client.create_bucket(Bucket=BUCKET)
+        for label, make in cases:
+            with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+                export = make(Path(tmp) / "export")
+                if args.timeline:
                     warm(export)
-                    t0 = time.perf_counter()
-                    fn(export, endpoint, bucket, f"run{r}-{name.split()[0]}", part, conc)
-                    results[name].append(time.perf_counter() - t0)
-                    empty_bucket(client, bucket)
-                    print(f"  run {r + 1} {name:22s} {results[name][-1]:7.2f} s", flush=True)
+                    timeline(export, endpoint, part, conc)
+                    empty_bucket(client)
+                results.append(bench_case(label, export, endpoint, part, conc, args.rounds, client))
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
-        proc.wait(timeout=30)
-
-    best = {name: min(ts) for name, ts in results.items()}
-    rate = {name: nbytes / t / 1e6 for name, t in best.items()}
-    baseline = max(v for k, v in rate.items() if k != "stagerd")
-    print(
-        f"\nS3 publish of {nbytes / 1e9:.2f} GB (4 shards + index) to moto, part {args.part_mib} MiB, "
-        f"{conc} in flight, {os.cpu_count()} CPUs, best of {args.repeat}"
-    )
-    print(f"{'client':24s} {'seconds':>8s} {'MB/s':>8s} {'vs best other':>14s}")
-    for name in CONTENDERS:
-        print(f"{name:24s} {best[name]:8.2f} {rate[name]:8.1f} {rate[name] / baseline:13.2f}x")
-    verdict = rate["stagerd"] / baseline
-    print(f"\nstagerd / best of the others = {verdict:.2f}x (target >= 0.90x)")
+        proc.wait(timeout=60)
+    report(results, args.rounds)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"bytes": nbytes, "part_mib": args.part_mib, "concurrency": conc, "seconds": results}
-        args.json.write_text(json.dumps({**out, "mb_per_s": rate, "ratio": verdict}, indent=2))
+        meta = {"part_mib": args.part_mib, "concurrency": conc, "cpus": os.cpu_count()}
+        args.json.write_text(json.dumps({**meta, "cases": results}, indent=2))
     return 0
 
 
