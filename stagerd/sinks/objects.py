@@ -121,7 +121,7 @@ class BatchingStore(Protocol):
     """A store that sends a publish's independent requests together, one round trip instead of several."""
 
     def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
-        """Together: the manifest's bytes (None if absent), `sweep(prefix)`, and `list(prefix)`."""
+        """`sweep(prefix)` and `list(prefix)` together, and the manifest's bytes (None if absent)."""
         ...
 
     def create_and_read(self, key: str, data: bytes, other: str) -> tuple[bool, bytes | None]:

@@ -192,18 +192,17 @@ class S3Backend:
             )
 
     def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
-        """The manifest, the sweep and the listing at once: none depends on another, and the sweep
-        lists pending uploads before this publisher has created any, so it never aborts its own."""
+        """The sweep and the listing at once, then the manifest only if the listing shows one: S3's
+        listings are strongly consistent, and a fresh step (the usual case) then costs no GET that 404s.
+        The sweep lists pending uploads before this publisher has created any, so it never aborts its own.
+        """
 
         async def go() -> tuple[bytes | None, dict[str, RemoteObject]]:
-            got, _, listed = await asyncio.gather(
-                self._get(manifest_key), self._sweep(prefix), self._list(prefix), return_exceptions=True
-            )
-            if isinstance(got, BaseException):
-                raise got
-            if isinstance(listed, BaseException):
-                raise listed
-            return got, listed
+            _, listed = await asyncio.gather(self._sweep(prefix), self._list(prefix))
+            name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
+            if name is not None and name not in listed:
+                return None, listed
+            return await self._get(manifest_key), listed
 
         return self._run(go)
 

@@ -118,7 +118,9 @@ class Uploads:
         self.run_ = _Run()
 
     async def run(self) -> list[Uploaded]:
-        single = [f for f in self.files if one_put(f.size, self.api.part_size_of(f.size))]
+        single = sorted(
+            (f for f in self.files if one_put(f.size, self.api.part_size_of(f.size))), key=lambda f: f.size
+        )  # smallest first: a config file must not wait for slots behind four 25 MB PUTs
         multi = [f for f in self.files if not one_put(f.size, self.api.part_size_of(f.size))]
         results: dict[str, asyncio.Future[Uploaded]] = {}
         run = self.run_
@@ -139,7 +141,8 @@ class Uploads:
         self, single: list[LocalFile], multi: list[LocalFile], results: dict[str, asyncio.Future[Uploaded]]
     ) -> None:
         for f in single:  # each read in its own task: many small files need not queue behind one reader
-            weight = max(1, -(-f.size // self.api.part_size_of(f.size)))  # a slot per part's worth of memory
+            # a slot per part's worth of memory, but never more slots than there are
+            weight = min(self.api.max_concurrency, max(1, -(-f.size // self.api.part_size_of(f.size))))
             for _ in range(weight):
                 await self._slot()
             results[f.rel] = self.run_.spawn(self._put(f, weight))

@@ -44,14 +44,16 @@ def uploads(env: Any) -> list[tuple[str, str]]:
 
 
 def test_small_files_go_first_and_parts_go_in_file_order(s3, tmp_path):
-    """One part in flight: the files that fit one PUT are sent before any part, and a file's parts all go
-    before the next file's, so each file's completion overlaps the next file's parts."""
-    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    """One slot: the files that go in one PUT are sent before any part, smallest first, and a file's parts
+    all go before the next file's, so each file's completion overlaps the next file's parts. A one-PUT file
+    worth two parts of memory still goes when there is only one slot."""
+    one_put = {**SMALL, "mid.safetensors": 7 * MiB}
+    export = make_export(tmp_path / "e", {**BIG, **one_put})
     assert not sink(s3, concurrency=1).publish(export, 1).skipped
     parts = [name for op, name in uploads(s3) if op in ("PutObject", "UploadPart")]
     steps = [n for n in parts if n not in (layout.MANIFEST_NAME, "latest")]
-    assert sorted(steps[:3]) == sorted(SMALL)
-    assert steps[3:] == ["a.safetensors"] * 3 + ["b.safetensors"] * 3
+    assert steps[:4] == sorted(one_put, key=one_put.__getitem__)
+    assert steps[4:] == ["a.safetensors"] * 3 + ["b.safetensors"] * 3
 
 
 def test_store_answers_verify_without_a_head_per_file(s3, tmp_path):
@@ -143,3 +145,16 @@ def test_a_file_under_two_parts_is_one_put_and_a_rerun_agrees(s3, tmp_path):
     res = sink(s3).publish(export, 7)
     assert not res.skipped and res.bytes_uploaded == 0  # every file reused on its checksum
     assert s3.proxy.count("PutObject", key_contains="mid.safetensors") == 0
+
+
+def test_a_fresh_step_opens_with_two_listings_and_no_get(s3, tmp_path):
+    """The listing says whether the manifest exists (S3 lists consistently), so a fresh step asks for no
+    manifest that is not there; a published one is read and found the same."""
+    export = make_export(tmp_path / "e", SMALL)
+    assert not sink(s3).publish(export, 8).skipped
+    first = [r.op for r in s3.proxy.log][:2]
+    assert sorted(first) == ["ListMultipartUploads", "ListObjects"]
+    assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 0
+    s3.proxy.reset()
+    assert sink(s3).publish(export, 8).skipped
+    assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 1
