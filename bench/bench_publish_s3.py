@@ -120,6 +120,10 @@ def boto_client(endpoint: str, pool: int) -> Any:
     )
 
 
+# With --warm-clients every contender's client makes one listing before the clock (a daemon's sink
+# has made its first request long before a step): what is left is the publish, not the first connection.
+WARM = {"clients": False}
+
 # A contender is built, untimed, for one run: (endpoint, prefix, part, concurrency) -> (upload, close).
 Run = Callable[[Path], None]
 
@@ -137,6 +141,8 @@ def open_stagerd(endpoint: str, prefix: str, part: int, conc: int) -> Any:
 
 def stagerd(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Callable[[], None]]:
     sink = open_stagerd(endpoint, prefix, part, conc)
+    if WARM["clients"]:
+        sink._backend.list("warm")
 
     def run(export: Path) -> None:
         res = sink.publish(export, 1)
@@ -149,6 +155,8 @@ def transfer_manager(endpoint: str, prefix: str, part: int, conc: int) -> tuple[
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
     client = boto_client(endpoint, 2 * conc)
+    if WARM["clients"]:
+        client.list_objects_v2(Bucket=BUCKET, Prefix="warm/")
     config = TransferConfig(
         multipart_threshold=part, multipart_chunksize=part, max_concurrency=conc, use_threads=True
     )
@@ -168,7 +176,9 @@ def s3fs_put(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Cal
 
     opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint, "client_kwargs": {"region_name": REGION}}
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
-    sync(fs.loop, fs.set_session)
+    s3 = sync(fs.loop, fs.set_session)
+    if WARM["clients"]:
+        sync(fs.loop, s3.list_objects_v2, Bucket=BUCKET, Prefix="warm/")
 
     def run(export: Path) -> None:
         fs.put(f"{export}/", f"{BUCKET}/{prefix}/", recursive=True)
@@ -277,11 +287,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="parts in flight (stagerd, TransferManager)")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per case (at least 3 for a spread)")
     ap.add_argument("--timeline", action="store_true", help="print one stagerd publish's requests per case")
+    ap.add_argument("--warm-clients", action="store_true", help="one untimed request per client first")
     ap.add_argument("--workdir", type=Path, help="where to write the exports (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
     part, conc = args.part_mib * MiB, args.concurrency
+    WARM["clients"] = args.warm_clients
     cases: list[tuple[str, Callable[[Path], Path]]] = [
         (f"{gb:g} GB", lambda root, gb=gb: make_export(root, int(gb * 1e9)))
         for gb in (float(x) for x in args.sizes.split(",") if x)
@@ -290,7 +302,7 @@ def main() -> int:
         cases.append((f"{args.small_files} x 1 MB", lambda root: make_small_export(root, args.small_files)))
     print(
         f"S3 publish to moto, part {args.part_mib} MiB, {conc} in flight, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.2f} at start"
+        f"load average {os.getloadavg()[0]:.2f} at start" + (", clients warmed" if args.warm_clients else "")
     )
     proc, endpoint = start_moto()
     results = []
