@@ -1,11 +1,11 @@
 """One step's uploads to S3: the order parts go out in, hashing beside the sends, and what the store's
 answers prove.
 
-- **Order.** One producer reads parts in file order: files that go in one PUT first (under two parts;
-  they cost a request each and would otherwise wait behind the big ones), then each multipart file's
-  parts in turn. A file's
-  `CompleteMultipartUpload` therefore runs while the next file's parts are sent, instead of every file
-  finishing at once at the end (moto spends a second assembling 500 MB; S3 also takes a while).
+- **Order.** One producer reads parts in file order: files that go in one PUT first, smallest first
+  (under two parts; they cost a request each and would otherwise wait behind the big ones), then each
+  multipart file's parts in turn. A file's `CompleteMultipartUpload` therefore runs while the next file's
+  parts are sent, instead of every file finishing at once at the end (moto spends seconds assembling
+  500 MB; S3 also takes a while).
 - **Memory.** `max_concurrency` slots: a part holds one from its read until it is both sent and hashed.
 - **Hashing.** The part's store checksum (CRC32 by default) is computed with the read, since its header
   goes out with the part; the file's sha256 for the manifest runs in a worker thread, part after part in
@@ -84,12 +84,13 @@ class _Run:
 
 
 class _Sha256Chain:
-    """A file's sha256, fed part after part in file order by worker threads, each after the one before."""
+    """A file's sha256, fed part after part in file order by worker threads, each after the one before;
+    `whole`: the sha256 of the whole file, already computed with its read."""
 
-    def __init__(self, done: _Hash | None = None) -> None:
-        self.h = hashlib.sha256() if done is None else done
+    def __init__(self, whole: _Hash | None = None) -> None:
+        self.h = hashlib.sha256() if whole is None else whole
         self._last: asyncio.Future[None] | None = None
-        self._done = done is not None
+        self._done = whole is not None
 
     def feed(self, data: bytes) -> asyncio.Future[None]:
         prev = self._last
