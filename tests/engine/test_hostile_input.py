@@ -103,8 +103,10 @@ def test_hostile_names_go_into_json_only_and_round_trip(hostile_step, tmp_path):
 
     export = step / layout.EXPORT_DIR
     created = _tree(tmp_path) - before
+    # The options file sits beside export/ (never published), so a rebuild can tell what made it.
     assert created == {str(Path("root") / step.name / layout.EXPORT_DIR / f) for f, _ in result.files} | {
-        str(Path("root") / step.name / layout.EXPORT_DIR)
+        str(Path("root") / step.name / layout.EXPORT_DIR),
+        str(Path("root") / step.name / layout.EXPORT_OPTIONS_NAME),
     }
     assert {f for f, _ in result.files} == {layout.INDEX_NAME, "model-00001-of-00001.safetensors"}
     got = load_all(export)
