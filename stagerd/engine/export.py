@@ -23,6 +23,7 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
+from stagerd.engine.execute import output_error
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
@@ -277,7 +278,11 @@ def export_step(
             threads=threads,
             progress=progress,
         )
-        layout.write_json_atomic(step_dir / layout.EXPORT_OPTIONS_NAME, wanted)
+        options_path = step_dir / layout.EXPORT_OPTIONS_NAME
+        try:
+            layout.write_json_atomic(options_path, wanted)
+        except OSError as e:
+            raise output_error(e, options_path) from None
         os.rename(tmp, final)
         layout.fsync_dir(step_dir)
         crash_point("export.renamed")
