@@ -109,6 +109,12 @@ class Settings(BaseSettings):
         ByteSize(0), ge=0, description="Warn when ROOT's free space is below this size, e.g. 50GB (0: off)."
     )
     disk_check_seconds: float = Field(10.0, gt=0, le=DAY, description="Period of the free-disk check.")
+    publish_raw: bool = Field(
+        False,
+        description="Also publish every committed step's raw files (DCP shards, optim/, extras/, marker) "
+        "to PREFIX/raw/step-N/ on every fsspec sink, for resuming training; a step counts as published "
+        "only once its raw lanes are.",
+    )
 
     @field_validator("sinks", mode="before")
     @classmethod

@@ -56,6 +56,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="process every committed step, then exit: 0 only if all were published",
     )
+    p.add_argument(
+        "--publish-raw",
+        action="store_true",
+        default=None,
+        help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
+    )
     p.add_argument("--export-workers", type=int, metavar="N", help="exports at once (default 1)")
     p.add_argument("--publish-workers", type=int, metavar="N", help="publishes at once per sink (default 1)")
     p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
@@ -81,6 +87,7 @@ _FLAGS = (
     "max_shard_size",
     "keep_last",
     "once",
+    "publish_raw",
     "export_workers",
     "publish_workers",
     "max_attempts",

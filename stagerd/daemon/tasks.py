@@ -245,7 +245,7 @@ class Tasks(Health, Discovery):
             self._journal.finish_publish,
             step,
             sink,
-            sinks=list(self._sinks),
+            sinks=self._lane_keys(),
             seconds=result.seconds,
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
