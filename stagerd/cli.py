@@ -23,6 +23,7 @@ COMMANDS = {
     "verify": "verify",
     "publish": "publish",
     "retry": "retry",
+    "restore": "restore",
     "demo": "demo",
 }
 

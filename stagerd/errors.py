@@ -189,3 +189,9 @@ class LoadError(StagerdError):
         "check that every rank sees the same committed step under ROOT (restore it with `stagerd restore` "
         "onto every node), and that the state dicts match the model that saved it"
     )
+
+
+class RestoreError(StagerdError):
+    """A remote step that cannot be restored as it is: a missing or corrupt object, a bad manifest."""
+
+    hint = "nothing was landed in ROOT; check the step on the sink, or restore another step with --step N"

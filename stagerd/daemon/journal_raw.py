@@ -10,7 +10,9 @@ never deletes a step whose raw publish is pending.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from stagerd.daemon.journal_schema import (
     COMMITTED,
@@ -19,11 +21,13 @@ from stagerd.daemon.journal_schema import (
     FAILED,
     PENDING,
     PUBLISHING,
+    RETIRED,
     LaneRow,
 )
 from stagerd.daemon.journal_versions import StepVersions
 
 RAW_LANE_PREFIX = "raw:"
+RESTORED_NOTE = "restored by `stagerd restore` from"
 # Step states in which the staged step is on disk and its raw publish may run.
 _RAW_STEP_STATES = (COMMITTED, EXPORTING, EXPORTED, FAILED)
 
@@ -74,6 +78,28 @@ class RawLanes(StepVersions):
                 "SELECT attempts FROM lanes WHERE step = ? AND sink = ?", (step, key)
             ).fetchone()[0]
             return attempts
+
+    def record_restored(self, step: int, path: str | os.PathLike[str], marker_id: str, source: str) -> None:
+        """A step `stagerd restore` is landing: `retired` (never exported, published or deleted by the
+        daemon), holding the identity of the marker about to be written, so a scan takes it for this
+        save and never for a new one. Recorded before the marker is written."""
+        now = time.time()
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
+            if row is None:
+                c.execute(
+                    "INSERT INTO steps (step, path, state, marker_mtime, found_at, retired_at, updated, "
+                    "marker_id) VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
+                    (step, Path(path).name, RETIRED, now, now, now, marker_id),
+                )
+            else:
+                c.execute(
+                    "UPDATE steps SET path = ?, state = ?, marker_mtime = 0, marker_id = ?, retired_at = ?, "
+                    "updated = ? WHERE step = ?",
+                    (Path(path).name, RETIRED, marker_id, now, now, step),
+                )
+            message = f"{RESTORED_NOTE} {source}; not exported or published again"
+            self._event(c, step, None, None if row is None else row[0], RETIRED, message=message, now=now)
 
     def raw_lanes(self, step: int) -> list[LaneRow]:
         """The raw lanes of one step."""
