@@ -24,6 +24,7 @@ COMMANDS = {
     "publish": "publish",
     "retry": "retry",
     "restore": "restore",
+    "prune": "prune",
     "demo": "demo",
 }
 

@@ -115,6 +115,21 @@ class Settings(BaseSettings):
         "to PREFIX/raw/step-N/ on every fsspec sink, for resuming training; a step counts as published "
         "only once its raw lanes are.",
     )
+    remote_keep_last: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Remote retention, per fsspec sink, separate from keep_last: after each publish, keep "
+        "the newest N complete steps on that sink (exports and raw steps), never the one latest names. "
+        "Unset: delete nothing. The Hub is never pruned.",
+    )
+    remote_keep_every: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Remote retention: also keep every step that is a multiple of N (with "
+        "remote_keep_last). Alone: keep only those, and the newest.",
+    )
 
     @field_validator("sinks", mode="before")
     @classmethod

@@ -112,6 +112,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.errors import RestoreError, StepExistsError
     from stagerd.ops.crashpoints import crash_point
     from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
+    from stagerd.sinks.prune import Lease
 
     root.mkdir(parents=True, exist_ok=True)
     lock = RootLock(root)
@@ -135,7 +136,8 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
         tmp = work / step_dir.name
         tmp.mkdir(parents=True)
         try:
-            _download(store, prefix, manifest, tmp, workers, f"restore step {step}")
+            with Lease(store, step):  # a prune meanwhile leaves the step alone
+                _download(store, prefix, manifest, tmp, workers, f"restore step {step}")
             marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
             if marker.step != step:
                 raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))
@@ -166,6 +168,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     """The published HF export of a step into the new directory `out`, checked against its manifest."""
     from stagerd.errors import OutputError
     from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
+    from stagerd.sinks.prune import Lease
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
@@ -177,7 +180,8 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        _download(store, prefix, manifest, tmp, workers, f"restore the export of step {step}")
+        with Lease(store, step):
+            _download(store, prefix, manifest, tmp, workers, f"restore the export of step {step}")
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

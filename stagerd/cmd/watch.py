@@ -62,6 +62,8 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
     )
+    p.add_argument("--remote-keep-last", type=int, metavar="N", help="keep the newest N steps on each sink")
+    p.add_argument("--remote-keep-every", type=int, metavar="N", help="and every N-th step on each sink")
     p.add_argument("--export-workers", type=int, metavar="N", help="exports at once (default 1)")
     p.add_argument("--publish-workers", type=int, metavar="N", help="publishes at once per sink (default 1)")
     p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
@@ -88,6 +90,8 @@ _FLAGS = (
     "keep_last",
     "once",
     "publish_raw",
+    "remote_keep_last",
+    "remote_keep_every",
     "export_workers",
     "publish_workers",
     "max_attempts",

@@ -90,6 +90,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self.metrics_address: tuple[str, int] | None = None
         self._sinks = {}
         self._raw_sinks = {}
+        self._prune_stores = {}
         self._lane_pools = {}
         self.summary: Summary | None = None
         self._background = set()
@@ -151,6 +152,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 )
             if self.settings.publish_raw:
                 self._open_raw_lanes()
+            if self.settings.remote_keep_last or self.settings.remote_keep_every:
+                await self._io(self._open_prune_stores)
             log.info(
                 "stagerd watching %s",
                 self.root,
@@ -205,9 +208,10 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 loop.remove_signal_handler(sig)
             if server is not None:
                 server.close()
-            for sink in self._sinks.values():
+            closers = [s.close for s in self._sinks.values()] + [s.close for s in self._prune_stores.values()]
+            for close in closers:
                 with contextlib.suppress(Exception):
-                    await self._io(sink.close)
+                    await self._io(close)
             if hasattr(self, "_journal"):
                 await self._j(self._journal.close)
 
@@ -225,6 +229,15 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 "--publish-raw needs an s3://, file:// or other fsspec sink: the Hub gets the HF export only",
                 hint="add --sink s3://BUCKET/PREFIX or file:///PATH for the raw steps, or drop --publish-raw",
             )
+
+    def _open_prune_stores(self) -> None:
+        """Remote retention: a store per fsspec sink to list and delete with (the Hub is never pruned)."""
+        from stagerd.sinks.fetch import RemoteStore
+
+        for url in self.settings.sinks:
+            if parse_sink_url(url).kind is not SinkKind.HUB:
+                store = RemoteStore.open(url)
+                self._prune_stores[store.url] = store
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

@@ -19,6 +19,8 @@ from rich.filesize import decimal
 
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.journal import PUBLISHED, PUBLISHING
+from stagerd.daemon.journal_raw import RAW_LANE_PREFIX
+from stagerd.daemon.state import log
 from stagerd.daemon.tasks import Tasks, _test_pause
 from stagerd.errors import JournalError
 from stagerd.ops.crashpoints import crash_point
@@ -79,11 +81,33 @@ class RawTasks(Tasks):
             bytes=result.bytes_uploaded,
             skipped=result.skipped,
         )
+        await self._after_publish(key)
         if done:
             self._marker_metadata.pop(step, None)
             total = time.time() - row.marker_mtime
             self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
             self._housekeep.set()
+
+    async def _after_publish(self, lane: str) -> None:
+        """Remote retention of the sink a lane just published a verified step to, in the lane's threads.
+
+        A failure is logged and left for the next publish: the publish itself stands."""
+        url = lane.removeprefix(RAW_LANE_PREFIX)
+        store = self._prune_stores.get(url)
+        if store is None:
+            return
+        from stagerd.sinks.prune import Policy, prune
+
+        policy = Policy(self.settings.remote_keep_last, self.settings.remote_keep_every)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], prune, store, policy)
+        except Exception as e:
+            log.warning(
+                "remote retention on %s failed: %s; tried again after the next publish",
+                url,
+                e,
+                extra={"sink": url, "error_class": type(e).__name__},
+            )
 
     def _run_raw(self, step: int, key: str, step_dir: Path) -> PublishResult:
         """Worker thread: one raw publish, with progress and the test pause hook."""

@@ -47,7 +47,8 @@ class RemoteStore:
     ) -> RemoteStore:
         import fsspec
 
-        protocol, path = fsspec.core.split_protocol(url.rstrip("/"))
+        url = url.rstrip("/")
+        protocol, path = fsspec.core.split_protocol(url)
         opts = dict(storage_options or {})
         try:
             if protocol in ("s3", "s3a"):
