@@ -4,9 +4,11 @@ checked against the manifest (size, sha256) while they download.
 Nothing is trusted before it is checked: the manifest is parsed strictly (a truncated one is an error
 naming it), every file it lists must be listed by the store at its size before a byte is downloaded (a
 missing object is an error naming it), and every file's sha256 is computed over the bytes as they arrive
-and compared once the file is complete. Large files come down as parallel ranged reads (`chunk_size`
-pieces, `workers` at a time), written in place with `pwrite` and hashed in order by whichever worker
-completes the next piece, so memory stays about `2 * workers * chunk_size`.
+and compared once the file is complete. From S3, each object is one streamed GET (`workers` objects at
+a time on s3fs's event loop), each chunk written and hashed in a thread as it arrives. From other stores,
+files come down as parallel ranged reads (`chunk_size` pieces, `workers` at a time), written in place with
+`pwrite` and hashed in order by whichever worker completes the next piece, so memory stays about
+`2 * workers * chunk_size`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ class RemoteStore:
     base: str
     url: str
     owns: list[Any] = field(default_factory=list)
+    s3: Any = None  # the S3Backend, whose client streams whole objects (see `_stream_s3`)
 
     @classmethod
     def open(
@@ -55,7 +58,7 @@ class RemoteStore:
                 from stagerd.sinks.s3 import S3Backend
 
                 b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
-                return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b])
+                return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
             if protocol in (None, "file", "local"):
                 fs = fsspec.filesystem("file")
                 return cls(fs, path or "/", redact_url(url))
@@ -189,6 +192,16 @@ def download(
     window = threading.BoundedSemaphore(2 * workers)
     failed = threading.Event()
 
+    def land(f: ManifestFile, offset: int, data: bytes) -> None:
+        """Write one piece in place and hash it (in file order); any thread."""
+        view, pos = memoryview(data), offset
+        while view:
+            n = os.pwrite(fds[f.path], view, pos)
+            view, pos = view[n:], pos + n
+        hashes[f.path].add(offset, data)
+        prog(len(data))
+        crash_point("restore.piece")
+
     def piece(f: ManifestFile, offset: int, length: int) -> None:
         try:
             key = f"{prefix}/{f.path}"
@@ -204,14 +217,7 @@ def download(
                 raise RestoreError(
                     f"returned {len(data)} bytes at offset {offset}, expected {length}", path=store.where(key)
                 )
-            view = memoryview(data)
-            pos = offset
-            while view:
-                n = os.pwrite(fds[f.path], view, pos)
-                view, pos = view[n:], pos + n
-            hashes[f.path].add(offset, data)
-            prog(length)
-            crash_point("restore.piece")
+            land(f, offset, data)
         except BaseException:
             failed.set()
             raise
@@ -225,21 +231,24 @@ def download(
             fds[f.path] = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             hashes[f.path] = _InOrderHash()
         futures: list[Future[None]] = []
-        with ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore") as pool:
-            for f in sorted(files, key=lambda f: -f.size):  # the big ones first: they set the wall time
-                for offset in range(0, f.size, chunk_size):  # an empty file needs no read
-                    window.acquire()
-                    if failed.is_set():
-                        window.release()
-                        break
-                    futures.append(pool.submit(piece, f, offset, min(chunk_size, f.size - offset)))
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for fu in futures:
-                fu.cancel()
-            wait(futures)
-            for fu in futures:
-                if not fu.cancelled() and (exc := fu.exception()) is not None:
-                    raise exc
+        if store.s3 is not None:
+            _stream_s3(store, prefix, files, land, workers)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore") as pool:
+                for f in sorted(files, key=lambda f: -f.size):  # the big ones first: they set the wall time
+                    for offset in range(0, f.size, chunk_size):  # an empty file needs no read
+                        window.acquire()
+                        if failed.is_set():
+                            window.release()
+                            break
+                        futures.append(pool.submit(piece, f, offset, min(chunk_size, f.size - offset)))
+                wait(futures, return_when=FIRST_EXCEPTION)
+                for fu in futures:
+                    fu.cancel()
+                wait(futures)
+                for fu in futures:
+                    if not fu.cancelled() and (exc := fu.exception()) is not None:
+                        raise exc
         for f in files:
             got = hashes[f.path]
             if got.next != f.size or got.h.hexdigest() != f.sha256:
@@ -253,3 +262,61 @@ def download(
             os.close(fd)
     for d in sorted({(dest / f.path).parent for f in files} | {dest}, key=lambda p: -len(p.parts)):
         layout.fsync_dir(d)
+
+
+STREAM_CHUNK = 8 << 20
+
+
+def _stream_s3(
+    store: RemoteStore,
+    prefix: str,
+    files: tuple[ManifestFile, ...],
+    land: Callable[[ManifestFile, int, bytes], None],
+    workers: int,
+) -> None:
+    """S3: one streamed GET per object, `workers` objects at a time, on s3fs's event loop; each chunk is
+    written and hashed in a thread (in order, as it arrives) while the loop goes on reading the others.
+
+    One GET per object rather than ranged pieces: a ranged GET costs some stores (moto among them) a read
+    of the whole object, and a raw step has one file per rank and kind to spread over the connections.
+    """
+    import asyncio
+
+    from stagerd.sinks.s3 import s3_error
+
+    backend = store.s3
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore")
+
+    async def one(f: ManifestFile, gate: asyncio.Semaphore) -> None:
+        key = f"{prefix}/{f.path}"
+        async with gate:
+            s3 = await backend._client()
+            loop = asyncio.get_running_loop()
+            try:
+                r = await s3.get_object(Bucket=backend.bucket, Key=backend.key(key))
+            except Exception as e:
+                raise s3_error(e, store.where(key)) from None
+            pos = 0
+            async with r["Body"] as body:
+                while chunk := await body.read(STREAM_CHUNK):
+                    if pos + len(chunk) > f.size:
+                        raise RestoreError(
+                            f"is longer than the manifest's {f.size} bytes", path=store.where(key)
+                        )
+                    await loop.run_in_executor(pool, land, f, pos, chunk)
+                    pos += len(chunk)
+            if pos != f.size:
+                raise RestoreError(f"ended after {pos} bytes, expected {f.size}", path=store.where(key))
+
+    async def every() -> None:
+        gate = asyncio.Semaphore(workers)
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+            for f in sorted(files, key=lambda f: -f.size):
+                tg.create_task(one(f, gate))
+
+    try:
+        backend._run(every)
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    finally:
+        pool.shutdown(wait=True)
