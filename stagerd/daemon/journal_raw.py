@@ -3,9 +3,9 @@
 A raw lane is a row of the `lanes` table like any other, keyed `raw:<sink url>`, so it is retried,
 quarantined, recovered after a crash, re-armed by `stagerd retry` and shown by `status` like a publish. It
 differs in one way: it needs no export, so it may start as soon as the step is committed (and while it is
-exporting, or waiting to retry its export). Its row is created when it first begins. A step counts as
-`published` only once its raw lanes are too, so local retention (which deletes published steps only)
-never deletes a step whose raw publish is pending.
+exporting, waiting to retry its export, or quarantined by it). Its row is created when it first begins.
+A step counts as `published` only once its raw lanes are too, so local retention (which deletes published
+steps only) never deletes a step whose raw publish is pending.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from stagerd.daemon.journal_schema import (
     FAILED,
     PENDING,
     PUBLISHING,
+    QUARANTINED,
     RETIRED,
     LaneRow,
 )
@@ -28,8 +29,10 @@ from stagerd.daemon.journal_versions import StepVersions
 
 RAW_LANE_PREFIX = "raw:"
 RESTORED_NOTE = "restored by `stagerd restore` from"
-# Step states in which the staged step is on disk and its raw publish may run.
-_RAW_STEP_STATES = (COMMITTED, EXPORTING, EXPORTED, FAILED)
+# Step states in which the staged step is on disk and its raw publish may run. A quarantined step too:
+# a step its node cannot export alone (node-local staging) is exactly one to back up raw; a step that is
+# gone or corrupt fails its raw lane the same way, and a save that conflicts with the sink's is refused.
+_RAW_STEP_STATES = (COMMITTED, EXPORTING, EXPORTED, FAILED, QUARANTINED)
 
 
 def raw_lane(sink_url: str) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
+from stagerd.contract.dtypes import safetensors_name
+from stagerd.contract.layout import TensorInfo
 from stagerd.daemon.journal import Journal
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags
@@ -122,3 +124,19 @@ def test_retention_never_deletes_a_step_whose_raw_publish_failed(tmp_path, dcp_m
         assert lanes[(s, sink.as_uri())].state == "published"  # the export lane went on
         assert lanes[(s, f"raw:{sink.as_uri()}")].state in ("failed", "quarantined")
         assert layout.is_committed(root / layout.step_dir_name(s))  # kept: its raw copy is not out
+
+
+def test_a_step_its_node_cannot_export_alone_still_goes_raw(tmp_path, dcp_mixed2):
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    step_dir = root / layout.step_dir_name(7)
+    shutil.copytree(dcp_mixed2[0], step_dir / "model")
+    for shard in sorted((step_dir / "model").glob("*.safetensors"))[1:]:
+        shard.unlink()  # node-local staging: this node holds rank 0's shard only
+    tensors = {k: TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in dcp_mixed2[1].items()}
+    commit_step(step_dir, 2, staging_node=0, staging_nodes=2, tensors=tensors)
+    r = _watch(root, sink, "--max-attempts", "1")
+    assert r.returncode == 1  # the export is quarantined (PlanError): not published
+    lanes = _lanes(root)
+    assert lanes[(7, f"raw:{sink.as_uri()}")].state == "published"
+    node = sink / "raw" / layout.step_dir_name(7) / "node-00000-of-00002"
+    assert (node / layout.MANIFEST_NAME).is_file() and (node / layout.MARKER_NAME).is_file()
