@@ -130,6 +130,23 @@ class Settings(BaseSettings):
         description="Remote retention: also keep every step that is a multiple of N (with "
         "remote_keep_last). Alone: keep only those, and the newest.",
     )
+    sink_retention: dict[str, str] = Field(
+        default_factory=dict,
+        description="Remote retention of one sink, instead of remote_keep_last/remote_keep_every: its URL -> "
+        "'last=N,every=M'. Flag: --sink-retention URL=last=3,every=1000 (repeatable); environment: a JSON "
+        "object.",
+    )
+
+    @field_validator("sink_retention")
+    @classmethod
+    def _check_sink_retention(cls, v: dict[str, str]) -> dict[str, str]:
+        from stagerd.sinks.prune import parse_policy
+
+        for url, text in v.items():
+            if url.startswith("hf://"):
+                raise ValueError(f"{url}: the Hub is not pruned (its history is immutable)")
+            parse_policy(text)
+        return v
 
     @field_validator("sinks", mode="before")
     @classmethod

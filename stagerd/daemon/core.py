@@ -152,8 +152,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 )
             if self.settings.publish_raw:
                 self._open_raw_lanes()
-            if self.settings.remote_keep_last or self.settings.remote_keep_every:
-                await self._io(self._open_prune_stores)
+            await self._io(self._open_prune_stores)
             log.info(
                 "stagerd watching %s",
                 self.root,
@@ -208,7 +207,9 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 loop.remove_signal_handler(sig)
             if server is not None:
                 server.close()
-            closers = [s.close for s in self._sinks.values()] + [s.close for s in self._prune_stores.values()]
+            closers = [s.close for s in self._sinks.values()] + [
+                s.close for s, _ in self._prune_stores.values()
+            ]
             for close in closers:
                 with contextlib.suppress(Exception):
                     await self._io(close)
@@ -233,11 +234,19 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
     def _open_prune_stores(self) -> None:
         """Remote retention: a store per fsspec sink to list and delete with (the Hub is never pruned)."""
         from stagerd.sinks.fetch import RemoteStore
+        from stagerd.sinks.prune import Policy, parse_policy
 
-        for url in self.settings.sinks:
-            if parse_sink_url(url).kind is not SinkKind.HUB:
+        s = self.settings
+        given = {u.rstrip("/"): text for u, text in s.sink_retention.items()}
+        unknown = set(given) - {u.rstrip("/") for u in s.sinks}
+        if unknown:
+            raise ConfigError(f"sink_retention names sinks that are not --sink: {sorted(unknown)}")
+        for url in s.sinks:
+            text = given.get(url.rstrip("/"))
+            policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)
+            if policy.active and parse_sink_url(url).kind is not SinkKind.HUB:
                 store = RemoteStore.open(url)
-                self._prune_stores[store.url] = store
+                self._prune_stores[store.url] = (store, policy)
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

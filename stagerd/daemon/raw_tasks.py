@@ -93,12 +93,11 @@ class RawTasks(Tasks):
 
         A failure is logged and left for the next publish: the publish itself stands."""
         url = lane.removeprefix(RAW_LANE_PREFIX)
-        store = self._prune_stores.get(url)
-        if store is None:
+        if url not in self._prune_stores:
             return
-        from stagerd.sinks.prune import Policy, prune
+        from stagerd.sinks.prune import prune
 
-        policy = Policy(self.settings.remote_keep_last, self.settings.remote_keep_every)
+        store, policy = self._prune_stores[url]
         try:
             await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], prune, store, policy)
         except Exception as e:

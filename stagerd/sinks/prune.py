@@ -62,6 +62,20 @@ class Policy:
         return self.keep_last is not None or self.keep_every is not None
 
 
+def parse_policy(text: str) -> Policy:
+    """`last=3,every=1000` (either part may be left out) as a Policy; a ValueError names what is wrong."""
+    values: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, number = part.partition("=")
+        if not sep or name.strip() not in ("last", "every") or not number.strip().isdigit():
+            raise ValueError(f"{text!r}: write last=N,every=M (either may be left out)")
+        values[name.strip()] = int(number)
+    try:
+        return Policy(values.get("last"), values.get("every"))
+    except ConfigError as e:
+        raise ValueError(e.message) from None
+
+
 @dataclass
 class Decision:
     """One step's fate, with the reason a person reads in `prune --dry-run`."""

@@ -13,7 +13,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.prune import Lease, Policy, RemoteStep, plan_prune
+from stagerd.sinks.prune import Lease, Policy, RemoteStep, parse_policy, plan_prune
 from tests.cli_helpers import run_cli
 from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -42,6 +42,7 @@ def test_plan_keeps_latest_unverified_restoring_newest_and_multiples():
     assert got == {1: True, 2: True, 3: False}
     with pytest.raises(Exception, match="keep_last must be 1 or more"):
         Policy(keep_last=0)
+    assert parse_policy("last=3,every=1000") == Policy(3, 1000) and parse_policy("every=5") == Policy(None, 5)
 
 
 def _publish(sink: FsspecSink, work: Path, steps) -> None:
@@ -135,26 +136,25 @@ def test_prune_on_s3(tmp_path, s3):  # noqa: F811
 def test_the_daemon_prunes_each_sink_after_each_publish(tmp_path, dcp_mixed2):
     from tests.daemon_helpers import fast_flags
 
-    root, sink = tmp_path / "root", tmp_path / "sink"
+    root, sink, other = tmp_path / "root", tmp_path / "sink", tmp_path / "other"
     for s in (1, 2, 3):
         step_dir = root / layout.step_dir_name(s)
         shutil.copytree(dcp_mixed2[0], step_dir / "model")
         commit_step(step_dir, 2)
-    r = run_cli(
-        [
-            "watch",
-            root,
-            "--sink",
-            sink.as_uri(),
-            "--publish-raw",
-            "--once",
-            "--remote-keep-last",
-            "1",
-            *fast_flags(),
-        ],
-        timeout=180,
-    )
+    args = ["watch", root, "--sink", sink.as_uri(), "--sink", other.as_uri(), "--publish-raw", "--once"]
+    args += ["--remote-keep-last", "1", "--sink-retention", f"{other.as_uri()}=last=2", *fast_flags()]
+    r = run_cli(args, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _steps(sink) == [3] and _steps(sink, "raw") == [3]
+    assert _steps(other) == [2, 3] and _steps(other, "raw") == [2, 3]  # its own numbers
     assert all(layout.is_committed(root / layout.step_dir_name(s)) for s in (1, 2, 3))  # local: separate
     _valid(sink)
+    _valid(other)
+
+
+@pytest.mark.parametrize(
+    "flag", ["file:///x=last=0", "file:///x=keep=3", "file:///x", "hf://org/repo=last=2", "file:///y=last=2"]
+)
+def test_bad_sink_retention_is_a_config_error(tmp_path, flag):
+    r = run_cli(["watch", tmp_path, "--sink", "file:///x", "--once", "--sink-retention", flag])
+    assert r.returncode == 2 and "ConfigError" in r.stderr, r.stderr
