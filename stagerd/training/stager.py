@@ -19,6 +19,10 @@ torch's checkpoint daemon process (buffers then live in shared memory), which ke
 fsync off the training process's GIL. Default: `"process"` with CUDA, `"thread"` without (no extra
 process, no shared memory, nothing to spawn on a CPU box).
 
+Resuming: `stager.load(model_sd, optim_sd, step=None)` loads the newest (or the given) committed step
+into the state dicts in place and returns its step; `stager.loaded` holds its extras. All ranks agree on
+the step first, so a step some ranks cannot see fails alike everywhere (`loader`).
+
 Only one save is in flight at a time: a `save()` issued while the previous one is still writing waits for
 it first (and logs how long), because both would run collectives on the same group. The Stager owns a
 gloo process group of its own, so its background collectives never interleave with the training's.
