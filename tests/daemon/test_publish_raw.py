@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,39 @@ def test_a_step_its_node_cannot_export_alone_still_goes_raw(tmp_path, dcp_mixed2
     assert lanes[(7, f"raw:{sink.as_uri()}")].state == "published"
     node = sink / "raw" / layout.step_dir_name(7) / "node-00000-of-00002"
     assert (node / layout.MANIFEST_NAME).is_file() and (node / layout.MARKER_NAME).is_file()
+
+
+@pytest.mark.parametrize("kills", [("publish.done:1",), ("publish.done:2", "publish.done:1")])
+def test_a_daemon_killed_after_a_raw_publish_records_it_once(tmp_path, dcp_mixed2, kills):
+    root, sink = _root(tmp_path, dcp_mixed2[0], (1,)), tmp_path / "sink"
+    for point in kills:
+        r = _watch(root, sink, env={"STAGERD_CRASH_AT": point})
+        assert r.returncode == -9, r.stderr[-2000:]
+    manifest = sink / "raw" / layout.step_dir_name(1) / layout.MANIFEST_NAME
+    r = _watch(root, sink)
+    assert r.returncode == 0, r.stderr[-3000:]
+    published = [(e.step, e.sink) for e in _events(root) if e.sink and e.to_state == "published"]
+    assert sorted(published) == sorted([(1, sink.as_uri()), (1, f"raw:{sink.as_uri()}")])  # once each
+    assert json.loads(manifest.read_text())["step"] == 1
+
+
+def test_restore_is_refused_while_a_daemon_watches_root(tmp_path, dcp_mixed2):
+    from tests.cli_helpers import start_cli
+
+    root, sink = _root(tmp_path, dcp_mixed2[0], (1,)), tmp_path / "sink"
+    assert _watch(root, sink).returncode == 0
+    shutil.rmtree(root / layout.step_dir_name(1))
+    daemon = start_cli(["watch", root, "--sink", sink.as_uri(), *fast_flags()])
+    try:
+        deadline = time.monotonic() + 30
+        while not (root / layout.STATE_DIR / "lock").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        r = run_cli(["restore", sink.as_uri(), root, "--step", "1"])
+        assert r.returncode == 2 and "LockError" in r.stderr, r.stderr
+        assert not (root / layout.step_dir_name(1)).exists()
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    r = run_cli(["restore", sink.as_uri(), root, "--step", "1"])
+    assert r.returncode == 0, r.stderr
