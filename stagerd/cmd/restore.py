@@ -37,6 +37,7 @@ EXAMPLES = """examples:
   stagerd restore s3://ckpts/run1 /local_nvme/ckpt --step 1200
   stagerd restore file:///mnt/ckpts/run1 /local_nvme/ckpt --step latest
   stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200   # the HF export, for evaluation
+  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200     # the same, from the Hub's tag
 """
 
 RESTORE_DIR = "restore"
@@ -78,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.workers <= 256:
         raise ConfigError(f"--workers must be between 1 and 256, got {args.workers}")
-    if "://" not in args.url and not args.url.startswith("/"):
+    if "://" not in args.url and not args.url.startswith("/"):  # hf:// included
         raise ConfigError(f"{args.url!r} is not a sink URL", hint="use s3://BUCKET/PREFIX or file:///PATH")
     step = _step(args.step)
+    if args.url.startswith("hf://"):
+        print(f"restored {restore_from_hub(args.url, Path(args.root), step, export=args.export)}")
+        return 0
     store = RemoteStore.open(args.url, workers=args.workers)
     try:
         if args.export:
@@ -91,6 +95,22 @@ def run(args: argparse.Namespace) -> int:
         store.close()
     print(f"restored {out}")
     return 0
+
+
+def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> Path:
+    """The HF export of a step from the Hub into the plain directory `out` (raw steps are never there)."""
+    from stagerd.ops.progress import progress
+    from stagerd.sinks.hub.fetch import restore_hub_export
+
+    if not export:
+        raise ConfigError(
+            "the Hub holds HF exports only, not raw steps: add --export to restore one into a directory",
+            hint="raw steps come back from the s3:// or file:// sink `watch --publish-raw` sent them to",
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
+        return restore_hub_export(url, out, step, progress=bar)
 
 
 def _download(
