@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -124,6 +125,73 @@ def _download(
         download(store, prefix, manifest.files, dest, workers=workers, progress=bar)
 
 
+def _raw_parts(store: RemoteStore, prefix: str, step: int) -> list[tuple[str, ExportManifest]]:
+    """The raw step's manifest; or, for a node-locally staged step, every node's (all must be there)."""
+    import re
+
+    from stagerd.contract import layout
+    from stagerd.errors import RestoreError
+    from stagerd.sinks.fetch import read_manifest
+
+    if store.read(f"{prefix}/{layout.MANIFEST_NAME}") is not None:
+        return [(prefix, read_manifest(store, prefix, step))]
+    nodes = {}
+    for rel in store.sizes(prefix):
+        m = re.fullmatch(r"node-(\d{5})-of-(\d{5})/" + re.escape(layout.MANIFEST_NAME), rel)
+        if m:
+            nodes[(int(m.group(1)), int(m.group(2)))] = rel.split("/", 1)[0]
+    counts = {of for _, of in nodes}
+    if not nodes:
+        return [(prefix, read_manifest(store, prefix, step))]  # the RestoreError naming the manifest
+    if len(counts) != 1 or sorted(k for k, _ in nodes) != list(range(next(iter(counts)))):
+        have = ", ".join(sorted(nodes.values()))
+        raise RestoreError(f"holds node parts {have}: not every staging node's", path=store.where(prefix))
+    return [
+        (f"{prefix}/{name}", read_manifest(store, f"{prefix}/{name}", step))
+        for _, name in sorted(nodes.items())
+    ]
+
+
+def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
+    """Node-local staging: every node's files into one whole step, under one marker listing them all."""
+    import dataclasses
+
+    from stagerd.contract import layout
+    from stagerd.errors import RestoreError
+
+    markers = [
+        layout.CommitMarker.from_json(json.loads((d / layout.MARKER_NAME).read_bytes())) for d in node_dirs
+    ]
+    first = markers[0]
+    if any(
+        (m.step, m.world_size, m.staging_nodes) != (first.step, first.world_size, len(markers))
+        for m in markers
+    ):
+        raise RestoreError(
+            "the staging nodes' markers disagree on the step, world size or node count", path=where
+        )
+    files: dict[str, layout.StagedFile] = {}
+    for d, m in zip(node_dirs, markers, strict=True):
+        for f in m.files:
+            if f.path in files:
+                raise RestoreError(f"{f.path} is listed by two staging nodes", path=where)
+            files[f.path] = f
+            dst = tmp / f.path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(d / f.path, dst)
+        shutil.rmtree(d)
+    whole = dataclasses.replace(
+        first,
+        files=tuple(sorted(files.values(), key=lambda f: f.path)),
+        staging_node=0,
+        staging_nodes=1,
+        metadata=next((m.metadata for m in markers if m.metadata), first.metadata),
+    )
+    for d in sorted({(tmp / f).parent for f in files}, key=lambda p: -len(p.parts)):
+        layout.fsync_dir(d)
+    layout.write_marker(tmp, whole)
+
+
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
     from stagerd.contract import layout
@@ -131,7 +199,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.daemon.lock import RootLock
     from stagerd.errors import RestoreError, StepExistsError
     from stagerd.ops.crashpoints import crash_point
-    from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
+    from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
     from stagerd.sinks.prune import Lease
 
     root.mkdir(parents=True, exist_ok=True)
@@ -143,21 +211,26 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
         if layout.is_committed(step_dir):
             raise StepExistsError(f"step {step} is already committed in ROOT; not overwritten", path=step_dir)
         prefix = step_prefix(step, raw=True)
-        manifest = read_manifest(store, prefix, step)
-        if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
-            f.path for f in manifest.files
-        }:
-            raise RestoreError(
-                "is not a raw step's manifest (no commit marker listed)", path=store.where(prefix)
-            )
-        check_listing(store, prefix, manifest)
+        parts = _raw_parts(store, prefix, step)
+        for part, manifest in parts:
+            if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
+                f.path for f in manifest.files
+            }:
+                raise RestoreError(
+                    "is not a raw step's manifest (no commit marker listed)", path=store.where(part)
+                )
+            check_listing(store, part, manifest)
         work = root / layout.STATE_DIR / RESTORE_DIR
         shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
         tmp = work / step_dir.name
         tmp.mkdir(parents=True)
         try:
             with Lease(store, step):  # a prune meanwhile leaves the step alone
-                _download(store, prefix, manifest, tmp, workers, f"restore step {step}")
+                for part, manifest in parts:
+                    dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
+                    _download(store, part, manifest, dest, workers, f"restore step {step}")
+            if len(parts) > 1:
+                _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
             marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
             if marker.step != step:
                 raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))

@@ -215,3 +215,37 @@ def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
         r = _restore(url, tmp_path / "bad", "--export", env=env)
         assert r.returncode == 2 and "RestoreError" in r.stderr and big.name in r.stderr, r.stderr
         assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.restore-*"))
+
+
+def test_a_node_locally_staged_step_comes_back_whole(tmp_path, dcp_mixed2):
+    from stagerd.engine.export import export_step
+
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    shards = sorted(dcp_mixed2[0].glob("*.safetensors"))
+    for node, shard in enumerate(shards):  # each node staged its rank's shard; node 0 the optimizer too
+        step_dir = tmp_path / f"node{node}" / layout.step_dir_name(4)
+        (step_dir / "model").mkdir(parents=True)
+        shutil.copy(shard, step_dir / "model" / shard.name)
+        if node == 0:
+            (step_dir / "optim").mkdir()
+            (step_dir / "optim" / ".metadata").write_bytes(b"m" * 10)
+        commit_step(step_dir, 2, staging_node=node, staging_nodes=2)
+        sink.publish_raw(step_dir, 4)
+    assert (
+        sink_dir / "raw" / layout.step_dir_name(4) / "node-00001-of-00002" / layout.MANIFEST_NAME
+    ).exists()
+    new = tmp_path / "new"
+    r = _restore(sink_dir.as_uri(), new, "--step", "4")
+    assert r.returncode == 0, r.stderr
+    step_dir = new / layout.step_dir_name(4)
+    marker = layout.read_marker(step_dir)
+    assert (marker.staging_node, marker.staging_nodes) == (0, 1)
+    assert sorted(f.path for f in marker.files) == sorted(
+        [f"model/{s.name}" for s in shards] + ["optim/.metadata"]
+    )
+    layout.check_staged_files(step_dir, marker)
+    assert export_step(step_dir).files  # the whole model: it exports
+    shutil.rmtree(sink_dir / "raw" / layout.step_dir_name(4) / "node-00001-of-00002")
+    r = _restore(sink_dir.as_uri(), tmp_path / "other", "--step", "4")
+    assert r.returncode == 2 and "not every staging node's" in r.stderr, r.stderr
