@@ -127,29 +127,19 @@ def _download(
 
 def _raw_parts(store: RemoteStore, prefix: str, step: int) -> list[tuple[str, ExportManifest]]:
     """The raw step's manifest; or, for a node-locally staged step, every node's (all must be there)."""
-    import re
-
     from stagerd.contract import layout
     from stagerd.errors import RestoreError
-    from stagerd.sinks.fetch import read_manifest
+    from stagerd.sinks.fetch import node_parts, read_manifest
 
     if store.read(f"{prefix}/{layout.MANIFEST_NAME}") is not None:
         return [(prefix, read_manifest(store, prefix, step))]
-    nodes = {}
-    for rel in store.sizes(prefix):
-        m = re.fullmatch(r"node-(\d{5})-of-(\d{5})/" + re.escape(layout.MANIFEST_NAME), rel)
-        if m:
-            nodes[(int(m.group(1)), int(m.group(2)))] = rel.split("/", 1)[0]
-    counts = {of for _, of in nodes}
-    if not nodes:
+    names, whole = node_parts(store.sizes(prefix))
+    if not names:
         return [(prefix, read_manifest(store, prefix, step))]  # the RestoreError naming the manifest
-    if len(counts) != 1 or sorted(k for k, _ in nodes) != list(range(next(iter(counts)))):
-        have = ", ".join(sorted(nodes.values()))
+    if not whole:
+        have = ", ".join(names)
         raise RestoreError(f"holds node parts {have}: not every staging node's", path=store.where(prefix))
-    return [
-        (f"{prefix}/{name}", read_manifest(store, f"{prefix}/{name}", step))
-        for _, name in sorted(nodes.items())
-    ]
+    return [(f"{prefix}/{name}", read_manifest(store, f"{prefix}/{name}", step)) for name in names]
 
 
 def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,22 @@ class RemoteStore:
     def close(self) -> None:
         for b in self.owns:
             b.close()
+
+
+_NODE_MANIFEST = re.compile(r"(node-([0-9]{5})-of-([0-9]{5}))/" + re.escape(layout.MANIFEST_NAME))
+
+
+def node_parts(rels: Iterable[str]) -> tuple[list[str], bool]:
+    """A node-locally staged raw step's parts (`node-K-of-M`) whose manifests `rels` lists, in node order,
+    and whether they are every node's."""
+    found = {}
+    for rel in rels:
+        m = _NODE_MANIFEST.fullmatch(rel)
+        if m:
+            found[(int(m.group(2)), int(m.group(3)))] = m.group(1)
+    counts = {of for _, of in found}
+    whole = len(counts) == 1 and sorted(k for k, _ in found) == list(range(next(iter(counts))))
+    return [name for _, name in sorted(found.items())], whole
 
 
 def step_prefix(step: int, *, raw: bool) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, RemoteStore
+from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, RemoteStore, node_parts
 
 log = logging.getLogger("stagerd.sinks.prune")
 
@@ -138,6 +138,8 @@ def scan(store: RemoteStore, tree: str) -> tuple[list[RemoteStep], int | None]:
             continue
         prefix = f"{_tree_prefix(tree)}{name}"
         complete = store.fs.exists(store.path(f"{prefix}/{layout.MANIFEST_NAME}"))
+        if not complete and tree == "raw":  # node-local staging: complete once every node's part is
+            complete = node_parts(store.sizes(prefix))[1]
         pruning = store.fs.exists(store.path(f"{prefix}/{TOMBSTONE}"))
         steps.append(RemoteStep(step, complete, pruning))
     latest_raw = store.read(f"{_tree_prefix(tree)}{LATEST_NAME}", limit=1024)
@@ -202,9 +204,12 @@ def delete_step(store: RemoteStore, prefix: str) -> None:
     fs = store.fs
     _put(store, f"{prefix}/{TOMBSTONE}", b"")
     crash_point("prune.tombstone")
-    manifest = store.path(f"{prefix}/{layout.MANIFEST_NAME}")
-    if fs.exists(manifest):
-        fs.rm_file(manifest)
+    manifests = [layout.MANIFEST_NAME] + [
+        f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(store.sizes(prefix))[0]
+    ]
+    for rel in manifests:  # every manifest before any file (node parts: each node's)
+        if fs.exists(store.path(f"{prefix}/{rel}")):
+            fs.rm_file(store.path(f"{prefix}/{rel}"))
     crash_point("prune.manifest")
     for rel in sorted(store.sizes(prefix)):
         if rel != TOMBSTONE:

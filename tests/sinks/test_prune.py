@@ -158,3 +158,22 @@ def test_the_daemon_prunes_each_sink_after_each_publish(tmp_path, dcp_mixed2):
 def test_bad_sink_retention_is_a_config_error(tmp_path, flag):
     r = run_cli(["watch", tmp_path, "--sink", "file:///x", "--once", "--sink-retention", flag])
     assert r.returncode == 2 and "ConfigError" in r.stderr, r.stderr
+
+
+def test_node_locally_staged_raw_steps_are_pruned_whole_once_complete(tmp_path):
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    for s in (1, 2, 3):
+        for node in range(2):
+            if (s, node) == (1, 1):
+                continue  # step 1: node 1's part never arrived, so step 1 is not complete
+            d = tmp_path / f"n{node}" / layout.step_dir_name(s)
+            (d / "model").mkdir(parents=True)
+            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
+            commit_step(d, 2, staging_node=node, staging_nodes=2)
+            sink.publish_raw(d, s)
+    r = run_cli(["prune", sink_dir.as_uri(), "--keep-last", "1"])
+    assert r.returncode == 0, r.stderr
+    assert _steps(sink_dir, "raw") == [1, 3]  # 2 went whole; 1 is incomplete, kept
+    assert not (sink_dir / "raw" / layout.step_dir_name(2)).exists()
+    _valid(sink_dir)
