@@ -177,3 +177,23 @@ def test_node_locally_staged_raw_steps_are_pruned_whole_once_complete(tmp_path):
     assert _steps(sink_dir, "raw") == [1, 3]  # 2 went whole; 1 is incomplete, kept
     assert not (sink_dir / "raw" / layout.step_dir_name(2)).exists()
     _valid(sink_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["prune.tombstone:1", "prune.manifest:2"])
+def test_a_daemon_killed_inside_its_prune_leaves_the_sink_valid(tmp_path, dcp_mixed2, point):
+    from tests.daemon_helpers import fast_flags
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    for s in (1, 2, 3):
+        step_dir = root / layout.step_dir_name(s)
+        shutil.copytree(dcp_mixed2[0], step_dir / "model")
+        commit_step(step_dir, 2)
+    args = ["watch", root, "--sink", sink.as_uri(), "--publish-raw", "--once", "--remote-keep-last", "1"]
+    r = run_cli([*args, *fast_flags()], env={"STAGERD_CRASH_AT": point}, timeout=180)
+    assert r.returncode == -9, r.stderr[-2000:]
+    _valid(sink)
+    r = run_cli([*args, *fast_flags()], timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(sink) == [3] and _steps(sink, "raw") == [3]
+    _valid(sink)
