@@ -5,15 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["SaveHandle", "Stager", "__version__"]
+__all__ = ["LoadedStep", "SaveHandle", "Stager", "__version__"]
 
 if TYPE_CHECKING:
-    from stagerd.training.stager import SaveHandle, Stager
+    from stagerd.training.stager import LoadedStep, SaveHandle, Stager
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import stagerd` (the daemon, the CLI) must not pay for importing torch.
-    if name in ("Stager", "SaveHandle"):
+    if name in ("Stager", "SaveHandle", "LoadedStep"):
         try:
             from stagerd.training import stager as stage
         except ModuleNotFoundError as e:

@@ -23,6 +23,8 @@ COMMANDS = {
     "verify": "verify",
     "publish": "publish",
     "retry": "retry",
+    "restore": "restore",
+    "prune": "prune",
     "demo": "demo",
 }
 

@@ -109,6 +109,44 @@ class Settings(BaseSettings):
         ByteSize(0), ge=0, description="Warn when ROOT's free space is below this size, e.g. 50GB (0: off)."
     )
     disk_check_seconds: float = Field(10.0, gt=0, le=DAY, description="Period of the free-disk check.")
+    publish_raw: bool = Field(
+        False,
+        description="Also publish every committed step's raw files (DCP shards, optim/, extras/, marker) "
+        "to PREFIX/raw/step-N/ on every fsspec sink, for resuming training; a step counts as published "
+        "only once its raw lanes are.",
+    )
+    remote_keep_last: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Remote retention, per fsspec sink, separate from keep_last: after each publish, keep "
+        "the newest N complete steps on that sink (exports and raw steps), never the one latest names. "
+        "Unset: delete nothing. The Hub is never pruned.",
+    )
+    remote_keep_every: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Remote retention: also keep every step that is a multiple of N (with "
+        "remote_keep_last). Alone: keep only those, and the newest.",
+    )
+    sink_retention: dict[str, str] = Field(
+        default_factory=dict,
+        description="Remote retention of one sink, instead of remote_keep_last/remote_keep_every: its URL -> "
+        "'last=N,every=M'. Flag: --sink-retention URL=last=3,every=1000 (repeatable); environment: a JSON "
+        "object.",
+    )
+
+    @field_validator("sink_retention")
+    @classmethod
+    def _check_sink_retention(cls, v: dict[str, str]) -> dict[str, str]:
+        from stagerd.sinks.prune import parse_policy
+
+        for url, text in v.items():
+            if url.startswith("hf://"):
+                raise ValueError(f"{url}: the Hub is not pruned (its history is immutable)")
+            parse_policy(text)
+        return v
 
     @field_validator("sinks", mode="before")
     @classmethod

@@ -180,3 +180,18 @@ class JournalFullError(JournalError):
         "free space (or inodes) on the filesystem that holds ROOT/.stagerd; nothing was lost: the step keeps "
         "its last recorded state and the daemon resumes from it"
     )
+
+
+class LoadError(StagerdError):
+    """A step that cannot be loaded into training: absent, seen by only some ranks, incomplete, or refused."""
+
+    hint = (
+        "check that every rank sees the same committed step under ROOT (restore it with `stagerd restore` "
+        "onto every node), and that the state dicts match the model that saved it"
+    )
+
+
+class RestoreError(StagerdError):
+    """A remote step that cannot be restored as it is: a missing or corrupt object, a bad manifest."""
+
+    hint = "nothing was landed in ROOT; check the step on the sink, or restore another step with --step N"

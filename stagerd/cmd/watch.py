@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
+from stagerd.errors import ConfigError
 
 DESCRIPTION = (
     "Run beside training on each node. Every step a trainer commits under ROOT is converted to Hugging "
@@ -56,6 +57,20 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="process every committed step, then exit: 0 only if all were published",
     )
+    p.add_argument(
+        "--publish-raw",
+        action="store_true",
+        default=None,
+        help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
+    )
+    p.add_argument("--remote-keep-last", type=int, metavar="N", help="keep the newest N steps on each sink")
+    p.add_argument("--remote-keep-every", type=int, metavar="N", help="and every N-th step on each sink")
+    p.add_argument(
+        "--sink-retention",
+        action="append",
+        metavar="URL=last=N,every=M",
+        help="remote retention of one sink, instead of --remote-keep-* (repeatable)",
+    )
     p.add_argument("--export-workers", type=int, metavar="N", help="exports at once (default 1)")
     p.add_argument("--publish-workers", type=int, metavar="N", help="publishes at once per sink (default 1)")
     p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
@@ -81,6 +96,10 @@ _FLAGS = (
     "max_shard_size",
     "keep_last",
     "once",
+    "publish_raw",
+    "remote_keep_last",
+    "remote_keep_every",
+    "sink_retention",
     "export_workers",
     "publish_workers",
     "max_attempts",
@@ -100,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
     from stagerd.config import load_settings
     from stagerd.daemon.core import Daemon
 
+    if args.sink_retention is not None:
+        pairs = [s.partition("=") for s in args.sink_retention]
+        if any(not sep or not url for url, sep, _ in pairs):
+            raise ConfigError("--sink-retention takes URL=last=N,every=M")
+        args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     daemon = Daemon(settings)
     code = asyncio.run(daemon.run())

@@ -21,11 +21,13 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
 from stagerd.contract import layout
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
+from stagerd.daemon.journal_raw import raw_lane
 from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics, MetricsServer
 from stagerd.daemon.policy import Failure, backoff_delay, decide_failure
@@ -38,6 +40,9 @@ from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
 from stagerd.sinks.urls import SinkKind, parse_sink_url
+
+if TYPE_CHECKING:
+    from stagerd.sinks.fsspec import FsspecSink
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -84,6 +89,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self.left_threads_running = False  # set when shutdown abandoned work still running in a thread
         self.metrics_address: tuple[str, int] | None = None
         self._sinks = {}
+        self._raw_sinks = {}
+        self._prune_stores = {}
         self._lane_pools = {}
         self.summary: Summary | None = None
         self._background = set()
@@ -143,6 +150,9 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 self._lane_pools[sink.url] = ThreadPoolExecutor(
                     self.settings.publish_workers, thread_name_prefix="stagerd-publish"
                 )
+            if self.settings.publish_raw:
+                self._open_raw_lanes()
+            await self._io(self._open_prune_stores)
             log.info(
                 "stagerd watching %s",
                 self.root,
@@ -197,11 +207,46 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 loop.remove_signal_handler(sig)
             if server is not None:
                 server.close()
-            for sink in self._sinks.values():
+            closers = [s.close for s in self._sinks.values()] + [
+                s.close for s, _ in self._prune_stores.values()
+            ]
+            for close in closers:
                 with contextlib.suppress(Exception):
-                    await self._io(sink.close)
+                    await self._io(close)
             if hasattr(self, "_journal"):
                 await self._j(self._journal.close)
+
+    def _open_raw_lanes(self) -> None:
+        """--publish-raw: one raw lane, with its own threads, per fsspec sink (the Hub: the export only)."""
+        for url, sink in self._sinks.items():
+            if hasattr(sink, "publish_raw"):  # FsspecSink; the Hub gets the HF export only
+                key = raw_lane(url)
+                self._raw_sinks[key] = cast("FsspecSink", sink)
+                self._lane_pools[key] = ThreadPoolExecutor(
+                    self.settings.publish_workers, thread_name_prefix="stagerd-raw"
+                )
+        if not self._raw_sinks:
+            raise ConfigError(
+                "--publish-raw needs an s3://, file:// or other fsspec sink: the Hub gets the HF export only",
+                hint="add --sink s3://BUCKET/PREFIX or file:///PATH for the raw steps, or drop --publish-raw",
+            )
+
+    def _open_prune_stores(self) -> None:
+        """Remote retention: a store per fsspec sink to list and delete with (the Hub is never pruned)."""
+        from stagerd.sinks.fetch import RemoteStore
+        from stagerd.sinks.prune import Policy, parse_policy
+
+        s = self.settings
+        given = {u.rstrip("/"): text for u, text in s.sink_retention.items()}
+        unknown = set(given) - {u.rstrip("/") for u in s.sinks}
+        if unknown:
+            raise ConfigError(f"sink_retention names sinks that are not --sink: {sorted(unknown)}")
+        for url in s.sinks:
+            text = given.get(url.rstrip("/"))
+            policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)
+            if policy.active and parse_sink_url(url).kind is not SinkKind.HUB:
+                store = RemoteStore.open(url)
+                self._prune_stores[store.url] = (store, policy)
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

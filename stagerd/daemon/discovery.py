@@ -158,7 +158,7 @@ class Discovery(JournalGate):
                 self._log_step(r.step, r.sink, QUARANTINED, error_class="CrashLoop", note=msg)
         for step, sink in await self._j(self._journal.rearm, rearmable):
             self._log_step(step, sink, FAILED, note=REARMED)
-        for step, sink in await self._j(self._journal.ensure_lanes, list(self._sinks)):
+        for step, sink in await self._j(self._journal.ensure_lanes, self._lane_keys()):
             self._log_step(step, sink, PENDING, note="new sink")
         for row in await self._j(self._journal.steps, include_retired=False):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from stagerd.daemon.journal_raw import RawLanes
 from stagerd.daemon.journal_schema import (
     COMMITTED,
     EXPORTED,
@@ -46,7 +47,6 @@ from stagerd.daemon.journal_schema import (
     StepState,
     journal_path,
 )
-from stagerd.daemon.journal_versions import StepVersions
 
 __all__ = [
     "COMMITTED",
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 
-class Journal(StepVersions):
+class Journal(RawLanes):
     """The journal's state machine: every transition checks the state it leaves, in one transaction."""
 
     # -- transitions -------------------------------------------------------------------------------------

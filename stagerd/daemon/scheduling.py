@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from stagerd.daemon.journal import COMMITTED, EXPORTED, FAILED, PENDING, PUBLISHING
-from stagerd.daemon.tasks import Tasks
+from stagerd.daemon.raw_tasks import RawTasks
 from stagerd.errors import JournalError
 
 
-class Scheduling(Tasks):
+class Scheduling(RawTasks):
     async def _schedule(self) -> None:
         """Start exports and publishes as slots free up; with `once`, return when nothing is left to do.
 
@@ -48,6 +48,14 @@ class Scheduling(Tasks):
                 self._inflight_publishes[(lane.step, sink)] = asyncio.create_task(
                     self._publish(lane.step, sink)
                 )
+        for key in self._raw_sinks:  # raw lanes need no export: they start once the step is committed
+            busy = [s for (s, k) in self._inflight_publishes if k == key]
+            while len(busy) < self.settings.publish_workers and not self._journal_backing_off():
+                step = await self._j(self._journal.next_raw, key, now, busy)
+                if step is None:
+                    break
+                busy.append(step)
+                self._inflight_publishes[(step, key)] = asyncio.create_task(self._publish_raw(step, key))
         idle = not self._inflight_exports and not self._inflight_publishes
         if self.settings.once and idle and await self._settled():
             return True

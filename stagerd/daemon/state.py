@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stagerd.config import Settings
 from stagerd.daemon.journal import Journal, LaneState, StepState
@@ -22,6 +22,11 @@ from stagerd.daemon.metrics import Metrics
 from stagerd.daemon.retention import DiskState
 from stagerd.errors import JournalError
 from stagerd.sinks.base import Sink
+
+if TYPE_CHECKING:
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+    from stagerd.sinks.prune import Policy
 
 log = logging.getLogger("stagerd")
 
@@ -36,7 +41,9 @@ class DaemonState:
     metrics: Metrics
     left_threads_running: bool
     _sinks: dict[str, Sink]
+    _raw_sinks: dict[str, FsspecSink]  # raw lane key (`raw:<url>`) -> its fsspec sink (--publish-raw)
     _lane_pools: dict[str, ThreadPoolExecutor]
+    _prune_stores: dict[str, tuple[RemoteStore, Policy]]  # sink url -> store and policy, where one is set
     _journal: Journal
     _jpool: ThreadPoolExecutor
     _iopool: ThreadPoolExecutor
@@ -57,6 +64,10 @@ class DaemonState:
     _fatal: JournalError | None
     _root_lock: RootLock
     _odd_names: set[str]  # names like step directories that are not, warned about once each
+
+    def _lane_keys(self) -> list[str]:
+        """Every lane a step must finish to be published: one per sink, and one per raw sink."""
+        return [*self._sinks, *self._raw_sinks]
 
     async def _j(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a journal call on the journal thread (commits fsync; the loop must not wait on disk)."""

@@ -245,7 +245,7 @@ class Tasks(Health, Discovery):
             self._journal.finish_publish,
             step,
             sink,
-            sinks=list(self._sinks),
+            sinks=self._lane_keys(),
             seconds=result.seconds,
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
@@ -264,11 +264,15 @@ class Tasks(Health, Discovery):
             bytes=result.bytes_uploaded,
             skipped=result.skipped,
         )
+        await self._after_publish(sink)
         if done:
             self._marker_metadata.pop(step, None)
             total = time.time() - row.marker_mtime
             self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
             self._housekeep.set()
+
+    async def _after_publish(self, lane: str) -> None:
+        """A lane published a step: the hook remote retention runs on (`RawTasks`)."""
 
     def _metadata(self, step: int, step_dir: Path) -> Mapping[str, Any]:
         """The run metadata in the step's marker, for model cards: read once per step, not per lane."""

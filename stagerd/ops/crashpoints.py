@@ -32,6 +32,11 @@ POINTS = {
     "publish.done": "daemon: a sink returned a verified publish, before the journal records it",
     "retention.trashed": "retention: a step renamed into the trash, before the journal retires it",
     "retention.rmtree": "retention: before a trash entry is removed",
+    "restore.piece": "restore: a piece of a file downloaded and written, the file not complete",
+    "restore.landed": "restore: the step renamed into ROOT without its marker, the journal not written",
+    "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
+    "prune.tombstone": "remote prune: a step's tombstone written, its manifest not yet deleted",
+    "prune.manifest": "remote prune: a step's manifest deleted, its files not yet",
 }
 
 

@@ -55,7 +55,6 @@ log = logging.getLogger("stagerd.sinks.fsspec")
 
 LATEST_NAME = "latest"
 RAW_DIR = "raw"
-_SKIP_DIRS = {layout.EXPORT_DIR, layout.EXPORT_TMP_DIR}
 
 
 class FsspecSink:
@@ -122,13 +121,23 @@ class FsspecSink:
 
     def publish_raw(self, step_dir: Path, step: int, *, progress: ProgressFn | None = None) -> PublishResult:
         """Publish the raw staged step (DCP shards, `optim/`, extras, commit marker) under
-        `PREFIX/raw/step-XXXXXXXX/` for resume, separately from the HF export."""
+        `PREFIX/raw/step-XXXXXXXX/` for resume, separately from the HF export.
+
+        Exactly the files the commit marker lists, and the marker: never `export/` or what the daemon
+        writes beside it, so the raw manifest is the same whether it is sent before or after the export."""
         step_dir = Path(step_dir)
         if not layout.is_committed(step_dir):
             raise VerifyError("has no commit marker: only committed steps are published raw", path=step_dir)
         marker = layout.read_marker(step_dir)
         layout.check_staged_files(step_dir, marker)
-        files = scan_dir(step_dir, skip_dirs=_SKIP_DIRS)
+        listed = [*((f.path, f.size) for f in marker.files), (layout.MARKER_NAME, None)]
+        files = sorted(
+            (
+                LocalFile(rel, step_dir / rel, (step_dir / rel).stat().st_size if size is None else size)
+                for rel, size in listed
+            ),
+            key=lambda f: f.rel,
+        )
         prefix = f"{RAW_DIR}/{layout.step_dir_name(step)}"
         nodes = getattr(marker, "staging_nodes", 1)
         if nodes > 1:  # each staging node holds only its own shards: one raw tree per node

@@ -32,7 +32,7 @@ class LocalBackend:
         out = {}
         for dirpath, _dirs, names in os.walk(base):
             for name in names:
-                if name.startswith("."):
+                if _TEMP_NAME.fullmatch(name):
                     continue  # our own temp files
                 p = Path(dirpath) / name
                 out[p.relative_to(base).as_posix()] = RemoteObject(p.stat().st_size)

@@ -19,6 +19,10 @@ torch's checkpoint daemon process (buffers then live in shared memory), which ke
 fsync off the training process's GIL. Default: `"process"` with CUDA, `"thread"` without (no extra
 process, no shared memory, nothing to spawn on a CPU box).
 
+Resuming: `stager.load(model_sd, optim_sd, step=None)` loads the newest (or the given) committed step
+into the state dicts in place and returns its step; `stager.loaded` holds its extras. All ranks agree on
+the step first, so a step some ranks cannot see fails alike everywhere (`loader`).
+
 Only one save is in flight at a time: a `save()` issued while the previous one is still writing waits for
 it first (and logs how long), because both would run collectives on the same group. The Stager owns a
 gloo process group of its own, so its background collectives never interleave with the training's.
@@ -44,7 +48,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from stagerd.contract import layout
-from stagerd.errors import ConfigError, SaveError, SaveInputError, StagerdError, StepExistsError
+from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
 from stagerd.training import shutdown
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
@@ -58,11 +62,12 @@ from stagerd.training.host_copy import (
     staging_options,
     start_staging,
 )
+from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
 from stagerd.training.topology import StagingTopology, discover, node_id
 
-__all__ = ["SaveHandle", "Stager", "StagingTopology"]
+__all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
 
 
 log = logging.getLogger("stagerd.stage")
@@ -129,6 +134,7 @@ class Stager:
         self._unreported: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.loaded: LoadedStep | None = None  # what the last `load()` loaded: step, marker, extras
         shutdown.opened(self, gloo=self._group is not None)
 
     # -- public API --------------------------------------------------------------------------------
@@ -199,6 +205,37 @@ class Stager:
             except Exception as e:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
         return self._launch(spec, staging, early)
+
+    def load(
+        self,
+        state_dict: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None = None,
+        step: int | None = None,
+    ) -> int:
+        """Load the newest committed step under ROOT (or `step`) into the state dicts, in place; its step.
+
+        Collective: every rank calls it with state dicts of the same parallelism (e.g. from
+        `get_state_dict(model, optimizer)`; then `set_state_dict`). `model/` is read through DCP's HF
+        reader, `optim/` through its file-system reader with an allowlist unpickler; DCP reshards, so a
+        step saved with another world size loads. A step that no rank, or only some ranks, can see is the
+        same `LoadError` on every rank. The extras come back in `self.loaded` (`.extras`, `.json(name)`).
+        See `stagerd/training/loader.py`.
+        """
+        if self._closed:
+            raise LoadError("the Stager is closed")
+        if (h := self._inflight) is not None:  # a save still writing: load what it commits too
+            with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
+                h.committed.result()
+        self.loaded = load_step(self._comm, self.root, state_dict, optimizer_state, step)
+        return self.loaded.step
+
+    def load_export(self, directory: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> None:
+        """Load a published HF export directory into a model state dict, in place (a fine-tune's start).
+
+        Collective like `load`; the export's tensors are cast back to the state dict's dtypes."""
+        if self._closed:
+            raise LoadError("the Stager is closed")
+        load_export(self._comm, directory, state_dict)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the latest save's host copy is complete (call before the next optimizer step)."""

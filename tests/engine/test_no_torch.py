@@ -46,6 +46,20 @@ def test_daemon_commands_never_import_torch(no_torch, step_dir, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     shutil.move(step_dir, root / step_dir.name)
-    no_torch("watch", "--once", "--dtype", "bf16", "--sink", f"file://{tmp_path / 'watched'}", root)
+    watched = f"file://{tmp_path / 'watched'}"
+    no_torch(
+        "watch",
+        "--once",
+        "--dtype",
+        "bf16",
+        "--publish-raw",
+        "--remote-keep-last",
+        "1",
+        "--sink",
+        watched,
+        root,
+    )
     assert (root / step_dir.name / layout.EXPORT_DIR / layout.INDEX_NAME).is_file()
     no_torch("status", root)
+    no_torch("restore", watched, tmp_path / "restored")  # issue 13's commands too
+    no_torch("prune", watched, "--keep-last", "1", "--dry-run")

@@ -212,21 +212,29 @@ def test_memory_fsspec_store_roundtrip(tmp_path):
 
 def test_publish_raw_step(tmp_path):
     step_dir = tmp_path / "step-00000011"
-    make_export(step_dir, {"model/shard-00001.safetensors": 1000, "optim/__0_0.distcp": 500})
+    make_export(
+        step_dir,
+        {"model/shard-00001.safetensors": 1000, "optim/__0_0.distcp": 500, "optim/.metadata": 70},
+    )
     make_export(step_dir / "export", {"model.safetensors": 900})
     marker = layout.CommitMarker(
         step=11,
         world_size=1,
-        files=(layout.StagedFile("model/shard-00001.safetensors", 1000),),
+        files=(
+            layout.StagedFile("model/shard-00001.safetensors", 1000),
+            layout.StagedFile("optim/__0_0.distcp", 500),
+            layout.StagedFile("optim/.metadata", 70),  # a dot file, not a temp file: listed and verified
+        ),
     )
     layout.write_marker(step_dir, marker)
+    (step_dir / "export.options.json").write_text("{}")  # the daemon's, never published raw
     dest = tmp_path / "dest"
     sink = FsspecSink.from_url(f"file://{dest}")
     res = sink.publish_raw(step_dir, 11)
-    assert res.files == 3 and not res.skipped
+    assert res.files == 4 and not res.skipped
     raw = dest / "raw" / "step-00000011"
     assert (raw / layout.MARKER_NAME).exists() and (raw / "optim/__0_0.distcp").stat().st_size == 500
-    assert not (raw / "export").exists()
+    assert not (raw / "export").exists() and not (raw / "export.options.json").exists()
     assert (dest / "raw" / "latest").read_text() == "step-00000011"
     assert not (dest / "latest").exists()
     assert sink.publish_raw(step_dir, 11).skipped

@@ -1,0 +1,67 @@
+"""`stagerd prune URL --keep-last N [--keep-every M] [--dry-run]`: remote retention of one fsspec sink.
+
+The same plan the daemon applies after each publish when `--remote-keep-last` / `--remote-keep-every`
+are set (`stagerd/sinks/prune.py`): it never deletes the step `latest` names, a step without a manifest
+(not published or not verified), a step newer than the newest complete one, or a step a restore is
+reading; each deleted step loses its manifest first, then its files. `--dry-run` lists every step with
+its fate and the reason, and deletes nothing. The Hub is not pruned: its history is immutable.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from stagerd.cmd.help import UserHelpFormatter
+from stagerd.errors import ConfigError
+
+EXAMPLES = """examples:
+  stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000 --dry-run   # what would go
+  stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="delete old published steps from an fsspec sink (remote retention)",
+        description=(
+            "Apply remote retention to the HF exports (PREFIX/step-N/) and raw steps (PREFIX/raw/step-N/) "
+            "of one s3://, file:// or fsspec sink: keep the newest --keep-last complete steps and every "
+            "--keep-every-th step; never the step latest names, an unverified step, a step newer than the "
+            "newest complete one, or one a restore is reading. A deleted step loses its manifest first."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="the sink: s3://BUCKET/PREFIX, file:///PATH, any fsspec URL")
+    p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N complete steps")
+    p.add_argument("--keep-every", type=int, metavar="M", help="keep every step that is a multiple of M")
+    p.add_argument("--dry-run", action="store_true", help="show what would go; delete nothing")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.prune import Policy, prune
+
+    if args.url.startswith("hf://"):
+        raise ConfigError(
+            "the Hub is not pruned: its history is immutable and tags cost nothing",
+            hint="delete tags or branches by hand with huggingface_hub if you must",
+        )
+    policy = Policy(args.keep_last, args.keep_every)
+    if not policy.active:
+        raise ConfigError(
+            "give --keep-last N and/or --keep-every M", hint="add --dry-run to see what would go"
+        )
+    store = RemoteStore.open(args.url)
+    try:
+        decisions = prune(store, policy, dry_run=args.dry_run)
+    finally:
+        store.close()
+    verb = "would delete" if args.dry_run else "deleted"
+    for d in decisions:
+        print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {d.reason}")
+    gone = sum(d.delete for d in decisions)
+    print(f"{gone} step(s) {verb}, {len(decisions) - gone} kept")
+    return 0

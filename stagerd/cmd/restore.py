@@ -1,0 +1,275 @@
+"""`stagerd restore URL ROOT [--step N|latest]`: a raw step published by `watch --publish-raw` back into ROOT.
+
+1. ROOT's lock is taken, as the daemon takes it: a ROOT a running daemon watches is refused
+   (`LockError`), and a daemon started during a restore is refused until it ends.
+2. The step (`--step N`, or the one `PREFIX/raw/latest` names) must not be committed in ROOT
+   (`StepExistsError`). Its raw manifest is read strictly, and every file it lists must be on the sink at
+   its size before anything downloads: a missing object is a `RestoreError` naming it.
+3. The files download into `ROOT/.stagerd/restore/step-N/` (parallel ranged reads, sha256 checked while
+   they arrive: a corrupt object is a `RestoreError` naming it), fsynced, with progress.
+4. The directory is renamed to `ROOT/step-N` without its marker (a daemon ignores it), the journal records
+   the step as restored (`retired`: the daemon never exports, publishes or deletes it, and a scan takes
+   its marker for this save), and the marker is written last, atomically.
+
+A kill at any point leaves nothing that looks committed; running the command again lands the step once.
+`--export OUT` restores the published HF export of the step (`PREFIX/step-N/`) into a plain directory,
+checked against its manifest the same way, for evaluation jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stagerd.cmd.help import UserHelpFormatter
+from stagerd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stagerd.contract.layout import ExportManifest
+    from stagerd.sinks.fetch import RemoteStore
+
+EXAMPLES = """examples:
+  stagerd restore s3://ckpts/run1 /local_nvme/ckpt                # the newest raw step
+  stagerd restore s3://ckpts/run1 /local_nvme/ckpt --step 1200
+  stagerd restore file:///mnt/ckpts/run1 /local_nvme/ckpt --step latest
+  stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200   # the HF export, for evaluation
+  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200     # the same, from the Hub's tag
+"""
+
+RESTORE_DIR = "restore"
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="bring a published raw step back from a sink into ROOT as a committed step",
+        description=(
+            "Download a raw step that `stagerd watch --publish-raw` published (PREFIX/raw/step-N/), check "
+            "every file's size and sha256 against its manifest while it downloads, and land it in ROOT as "
+            "a committed step, marker last. Refuses a ROOT that a running daemon watches, a step ROOT "
+            "already has, and a missing or corrupt remote file (naming it; nothing is landed). A restored "
+            "step is recorded in ROOT's journal so the daemon never publishes it again. With --export, "
+            "the step's HF export is restored into the plain directory ROOT instead."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=UserHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="the sink: s3://BUCKET/PREFIX, file:///PATH, any fsspec URL")
+    p.add_argument("root", type=Path, metavar="ROOT", help="the staging root (with --export: OUT)")
+    p.add_argument("--step", default="latest", metavar="N|latest", help="which step (default: latest)")
+    p.add_argument("--export", action="store_true", help="restore the HF export into a plain directory")
+    p.add_argument("--workers", type=int, default=8, metavar="N", help="parallel downloads (default 8)")
+    p.set_defaults(func=run)
+
+
+def _step(text: str) -> int | None:
+    if text == "latest":
+        return None
+    if not text.isdigit() or len(text) > 19:
+        raise ConfigError(f"--step must be a step number or 'latest', got {text!r}")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stagerd.sinks.fetch import RemoteStore
+
+    if not 1 <= args.workers <= 256:
+        raise ConfigError(f"--workers must be between 1 and 256, got {args.workers}")
+    if "://" not in args.url and not args.url.startswith("/"):  # hf:// included
+        raise ConfigError(f"{args.url!r} is not a sink URL", hint="use s3://BUCKET/PREFIX or file:///PATH")
+    step = _step(args.step)
+    if args.url.startswith("hf://"):
+        print(f"restored {restore_from_hub(args.url, Path(args.root), step, export=args.export)}")
+        return 0
+    store = RemoteStore.open(args.url, workers=args.workers)
+    try:
+        if args.export:
+            out = restore_export(store, Path(args.root), step, workers=args.workers)
+        else:
+            out = restore_raw(store, Path(args.root), step, workers=args.workers)
+    finally:
+        store.close()
+    print(f"restored {out}")
+    return 0
+
+
+def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> Path:
+    """The HF export of a step from the Hub into the plain directory `out` (raw steps are never there)."""
+    from stagerd.ops.progress import progress
+    from stagerd.sinks.hub.fetch import restore_hub_export
+
+    if not export:
+        raise ConfigError(
+            "the Hub holds HF exports only, not raw steps: add --export to restore one into a directory",
+            hint="raw steps come back from the s3:// or file:// sink `watch --publish-raw` sent them to",
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
+        return restore_hub_export(url, out, step, progress=bar)
+
+
+def _download(
+    store: RemoteStore, prefix: str, manifest: ExportManifest, dest: Path, workers: int, what: str
+) -> None:
+    from stagerd.ops.progress import progress
+    from stagerd.sinks.fetch import download
+
+    total = sum(f.size for f in manifest.files)
+    with progress(what, total) as bar:
+        download(store, prefix, manifest.files, dest, workers=workers, progress=bar)
+
+
+def _raw_parts(store: RemoteStore, prefix: str, step: int) -> list[tuple[str, ExportManifest]]:
+    """The raw step's manifest; or, for a node-locally staged step, every node's (all must be there)."""
+    from stagerd.contract import layout
+    from stagerd.errors import RestoreError
+    from stagerd.sinks.fetch import node_parts, read_manifest
+
+    if store.read(f"{prefix}/{layout.MANIFEST_NAME}") is not None:
+        return [(prefix, read_manifest(store, prefix, step))]
+    names, whole = node_parts(store.sizes(prefix))
+    if not names:
+        return [(prefix, read_manifest(store, prefix, step))]  # the RestoreError naming the manifest
+    if not whole:
+        have = ", ".join(names)
+        raise RestoreError(f"holds node parts {have}: not every staging node's", path=store.where(prefix))
+    return [(f"{prefix}/{name}", read_manifest(store, f"{prefix}/{name}", step)) for name in names]
+
+
+def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
+    """Node-local staging: every node's files into one whole step, under one marker listing them all."""
+    import dataclasses
+
+    from stagerd.contract import layout
+    from stagerd.errors import RestoreError
+
+    markers = [
+        layout.CommitMarker.from_json(json.loads((d / layout.MARKER_NAME).read_bytes())) for d in node_dirs
+    ]
+    first = markers[0]
+    if any(
+        (m.step, m.world_size, m.staging_nodes) != (first.step, first.world_size, len(markers))
+        for m in markers
+    ):
+        raise RestoreError(
+            "the staging nodes' markers disagree on the step, world size or node count", path=where
+        )
+    files: dict[str, layout.StagedFile] = {}
+    for d, m in zip(node_dirs, markers, strict=True):
+        for f in m.files:
+            if f.path in files:
+                raise RestoreError(f"{f.path} is listed by two staging nodes", path=where)
+            files[f.path] = f
+            dst = tmp / f.path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(d / f.path, dst)
+        shutil.rmtree(d)
+    whole = dataclasses.replace(
+        first,
+        files=tuple(sorted(files.values(), key=lambda f: f.path)),
+        staging_node=0,
+        staging_nodes=1,
+        metadata=next((m.metadata for m in markers if m.metadata), first.metadata),
+    )
+    for d in sorted({(tmp / f).parent for f in files}, key=lambda p: -len(p.parts)):
+        layout.fsync_dir(d)
+    layout.write_marker(tmp, whole)
+
+
+def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
+    """Land the raw step from `store` in `root` (see the module docstring); its directory."""
+    from stagerd.contract import layout
+    from stagerd.daemon.journal import Journal
+    from stagerd.daemon.lock import RootLock
+    from stagerd.errors import RestoreError, StepExistsError
+    from stagerd.ops.crashpoints import crash_point
+    from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
+    from stagerd.sinks.prune import Lease
+
+    root.mkdir(parents=True, exist_ok=True)
+    lock = RootLock(root)
+    lock.acquire()  # LockError while a daemon watches ROOT
+    try:
+        step = resolve_step(store, step, raw=True)
+        step_dir = root / layout.step_dir_name(step)
+        if layout.is_committed(step_dir):
+            raise StepExistsError(f"step {step} is already committed in ROOT; not overwritten", path=step_dir)
+        prefix = step_prefix(step, raw=True)
+        parts = _raw_parts(store, prefix, step)
+        for part, manifest in parts:
+            if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
+                f.path for f in manifest.files
+            }:
+                raise RestoreError(
+                    "is not a raw step's manifest (no commit marker listed)", path=store.where(part)
+                )
+            check_listing(store, part, manifest)
+        work = root / layout.STATE_DIR / RESTORE_DIR
+        shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
+        tmp = work / step_dir.name
+        tmp.mkdir(parents=True)
+        try:
+            with Lease(store, step):  # a prune meanwhile leaves the step alone
+                for part, manifest in parts:
+                    dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
+                    _download(store, part, manifest, dest, workers, f"restore step {step}")
+            if len(parts) > 1:
+                _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
+            marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
+            if marker.step != step:
+                raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))
+            layout.check_staged_files(tmp, marker)
+            marker_bytes = (tmp / layout.MARKER_NAME).read_bytes()
+            os.unlink(tmp / layout.MARKER_NAME)
+            if step_dir.exists():  # uncommitted: a crashed save, or a killed restore's landing
+                shutil.rmtree(step_dir)
+            os.rename(tmp, step_dir)
+            layout.fsync_dir(root)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        crash_point("restore.landed")
+        identity = "sha256:" + hashlib.sha256(marker_bytes).hexdigest()
+        journal = Journal.open(root)
+        try:
+            journal.record_restored(step, step_dir, identity, store.url)
+        finally:
+            journal.close()
+        crash_point("restore.journaled")
+        layout.write_bytes_atomic(step_dir / layout.MARKER_NAME, marker_bytes)
+        return step_dir
+    finally:
+        lock.release()
+
+
+def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: int = 8) -> Path:
+    """The published HF export of a step into the new directory `out`, checked against its manifest."""
+    from stagerd.errors import OutputError
+    from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
+    from stagerd.sinks.prune import Lease
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    step = resolve_step(store, step, raw=False)
+    prefix = step_prefix(step, raw=False)
+    manifest = read_manifest(store, prefix, step)
+    check_listing(store, prefix, manifest)
+    tmp = out.with_name(f".{out.name}.restore-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        with Lease(store, step):
+            _download(store, prefix, manifest, tmp, workers, f"restore the export of step {step}")
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except FileExistsError:
+        raise OutputError("appeared while restoring; not overwritten", path=out) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

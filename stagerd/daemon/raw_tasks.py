@@ -1,0 +1,125 @@
+"""The raw publish task (`--publish-raw`): one committed step's staged files to one fsspec sink's raw prefix.
+
+Like a publish: the lane's intent is journaled first (`begin_raw`), the upload runs in the lane's own
+threads (`FsspecSink.publish_raw`: upload, verify, then its manifest, created only if absent, then
+`raw/latest`), and the result is recorded with `finish_publish`, retried until it lands, never redone. A
+failure goes through the same retry policy and quarantine. A re-run finds the manifest and uploads nothing,
+so a crash between the manifest and the journal's record publishes the step once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.filesize import decimal
+
+from stagerd.daemon.gate import Abandoned
+from stagerd.daemon.journal import PUBLISHED, PUBLISHING
+from stagerd.daemon.journal_raw import RAW_LANE_PREFIX
+from stagerd.daemon.state import log
+from stagerd.daemon.tasks import Tasks, _test_pause
+from stagerd.errors import JournalError
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.base import PublishResult
+
+
+class RawTasks(Tasks):
+    async def _publish_raw(self, step: int, key: str) -> None:
+        """One (step, raw lane) task: begin, publish raw, record; a journal error ends it quietly."""
+        try:
+            await self._publish_raw_step(step, key)
+        except JournalError as e:
+            self._journal_down(e, f"start the raw publish of step {step} on {key}")
+        except Abandoned:
+            pass
+        finally:
+            self._inflight_publishes.pop((step, key), None)
+            await self._try_refresh()
+            self._wake.set()
+
+    async def _publish_raw_step(self, step: int, key: str) -> None:
+        row = await self._j(self._journal.step, step)
+        assert row is not None
+        attempt = await self._j(self._journal.begin_raw, step, key)
+        self._journal_up()
+        self._log_step(step, key, PUBLISHING, attempt=attempt)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._lane_pools[key], self._run_raw, step, key, Path(row.path)
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await self._work_failed(step, key, attempt, e)
+            return
+        crash_point("publish.done")
+        done = await self._record(
+            f"record the raw publish of step {step} on {key}",
+            self._journal.finish_publish,
+            step,
+            key,
+            sinks=self._lane_keys(),
+            seconds=result.seconds,
+            bytes_total=result.bytes_total,
+            bytes_uploaded=result.bytes_uploaded,
+            location=result.location,
+            skipped=result.skipped,
+        )
+        self.metrics.published_bytes.labels(sink=key).inc(result.bytes_uploaded)
+        self.metrics.publish_seconds.labels(sink=key).observe(result.seconds)
+        self._log_step(
+            step,
+            key,
+            PUBLISHED,
+            note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded in {result.seconds:.2f}s"
+            + (", already there" if result.skipped else ""),
+            seconds=round(result.seconds, 3),
+            bytes=result.bytes_uploaded,
+            skipped=result.skipped,
+        )
+        await self._after_publish(key)
+        if done:
+            self._marker_metadata.pop(step, None)
+            total = time.time() - row.marker_mtime
+            self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
+            self._housekeep.set()
+
+    async def _after_publish(self, lane: str) -> None:
+        """Remote retention of the sink a lane just published a verified step to, in the lane's threads.
+
+        A failure is logged and left for the next publish: the publish itself stands."""
+        url = lane.removeprefix(RAW_LANE_PREFIX)
+        if url not in self._prune_stores:
+            return
+        from stagerd.sinks.prune import prune
+
+        store, policy = self._prune_stores[url]
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], prune, store, policy)
+        except Exception as e:
+            log.warning(
+                "remote retention on %s failed: %s; tried again after the next publish",
+                url,
+                e,
+                extra={"sink": url, "error_class": type(e).__name__},
+            )
+
+    def _run_raw(self, step: int, key: str, step_dir: Path) -> PublishResult:
+        """Worker thread: one raw publish, with progress and the test pause hook."""
+        from stagerd.ops.progress import progress
+
+        with contextlib.ExitStack() as stack:
+            bar: Callable[[int, int], None] | None = None
+
+            def report(done: int, total: int) -> None:
+                nonlocal bar
+                if bar is None:
+                    bar = stack.enter_context(progress(f"raw publish of step {step} to {key}", total))
+                    _test_pause("publish", step)
+                bar(done, total)
+
+            return self._raw_sinks[key].publish_raw(step_dir, step, progress=report)

@@ -1,0 +1,339 @@
+"""Reading a published step back from an fsspec sink (`stagerd restore`): its manifest, then its files,
+checked against the manifest (size, sha256) while they download.
+
+Nothing is trusted before it is checked: the manifest is parsed strictly (a truncated one is an error
+naming it), every file it lists must be listed by the store at its size before a byte is downloaded (a
+missing object is an error naming it), and every file's sha256 is computed over the bytes as they arrive
+and compared once the file is complete. From S3, each object is one streamed GET (`workers` objects at
+a time on s3fs's event loop), each chunk written and hashed in a thread as it arrives. From other stores,
+files come down as parallel ranged reads (`chunk_size` pieces, `workers` at a time), written in place with
+`pwrite` and hashed in order by whichever worker completes the next piece, so memory stays about
+`2 * workers * chunk_size`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import layout
+from stagerd.contract.layout import ExportManifest, ManifestFile
+from stagerd.errors import ConfigError, RestoreError, SinkConflictError, SinkError
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.objects import ByteProgress, parse_manifest, redact_url
+
+RAW_DIR = "raw"
+LATEST_NAME = "latest"
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+@dataclass
+class RemoteStore:
+    """An fsspec filesystem and the sink's root path in it."""
+
+    fs: Any
+    base: str
+    url: str
+    owns: list[Any] = field(default_factory=list)
+    s3: Any = None  # the S3Backend, whose client streams whole objects (see `_stream_s3`)
+
+    @classmethod
+    def open(
+        cls, url: str, *, workers: int = 8, storage_options: Mapping[str, Any] | None = None
+    ) -> RemoteStore:
+        import fsspec
+
+        url = url.rstrip("/")
+        protocol, path = fsspec.core.split_protocol(url)
+        opts = dict(storage_options or {})
+        try:
+            if protocol in ("s3", "s3a"):
+                from stagerd.sinks.s3 import S3Backend
+
+                b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
+                return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
+            if protocol in (None, "file", "local"):
+                fs = fsspec.filesystem("file")
+                return cls(fs, path or "/", redact_url(url))
+            fs, root = fsspec.core.url_to_fs(url, **opts)
+            return cls(fs, root.rstrip("/"), redact_url(url))
+        except (ValueError, ImportError, TypeError) as e:
+            raise ConfigError(f"cannot open {redact_url(url)}: {type(e).__name__}: {e}") from None
+
+    def path(self, key: str) -> str:
+        return f"{self.base.rstrip('/')}/{key}" if self.base not in ("", "/") else f"/{key}"
+
+    def where(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def read(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+        try:
+            data: bytes = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
+        if len(data) > limit:
+            raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
+        return data
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object under `prefix/` (relative name -> size); {} if none."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(prefix)) from None
+        out = {}
+        strip = self.fs._strip_protocol(base).rstrip("/") + "/"
+        for name, info in found.items():
+            rel = self.fs._strip_protocol(name)
+            if rel.startswith(strip) and info.get("type", "file") != "directory":
+                out[rel[len(strip) :]] = int(info.get("size") or 0)
+        return out
+
+    def close(self) -> None:
+        for b in self.owns:
+            b.close()
+
+
+_NODE_MANIFEST = re.compile(r"(node-([0-9]{5})-of-([0-9]{5}))/" + re.escape(layout.MANIFEST_NAME))
+
+
+def node_parts(rels: Iterable[str]) -> tuple[list[str], bool]:
+    """A node-locally staged raw step's parts (`node-K-of-M`) whose manifests `rels` lists, in node order,
+    and whether they are every node's."""
+    found = {}
+    for rel in rels:
+        m = _NODE_MANIFEST.fullmatch(rel)
+        if m:
+            found[(int(m.group(2)), int(m.group(3)))] = m.group(1)
+    counts = {of for _, of in found}
+    whole = len(counts) == 1 and sorted(k for k, _ in found) == list(range(next(iter(counts))))
+    return [name for _, name in sorted(found.items())], whole
+
+
+def step_prefix(step: int, *, raw: bool) -> str:
+    name = layout.step_dir_name(step)
+    return f"{RAW_DIR}/{name}" if raw else name
+
+
+def resolve_step(store: RemoteStore, step: int | None, *, raw: bool) -> int:
+    """`step`, or the step `latest` names (under `raw/` for raw steps)."""
+    if step is not None:
+        return step
+    key = f"{RAW_DIR}/{LATEST_NAME}" if raw else LATEST_NAME
+    data = store.read(key, limit=1024)
+    if data is None:
+        raise RestoreError("is missing: no step was published here", path=store.where(key))
+    found = layout.parse_step_dir(data.decode(errors="replace").strip())
+    if found is None:
+        raise RestoreError(f"names no step: {data[:64]!r}", path=store.where(key))
+    return found
+
+
+def read_manifest(store: RemoteStore, prefix: str, step: int) -> ExportManifest:
+    key = f"{prefix}/{layout.MANIFEST_NAME}"
+    data = store.read(key)
+    if data is None:
+        raise RestoreError(
+            "is missing: the step was never published here, or not completely", path=store.where(key)
+        )
+    try:
+        manifest = parse_manifest(data, store.where(key))
+    except SinkConflictError as e:
+        raise RestoreError(e.message, path=e.path) from None
+    if manifest.step != step:
+        raise RestoreError(f"is for step {manifest.step}, not {step}", path=store.where(key))
+    return manifest
+
+
+def check_listing(store: RemoteStore, prefix: str, manifest: ExportManifest) -> None:
+    """Every file the manifest lists is on the store at its size: checked before anything downloads."""
+    have = store.sizes(prefix)
+    for f in manifest.files:
+        got = have.get(f.path)
+        if got is None:
+            raise RestoreError(
+                "is listed in the manifest but missing on the sink", path=store.where(f"{prefix}/{f.path}")
+            )
+        if got != f.size:
+            raise RestoreError(
+                f"is {got} bytes on the sink, the manifest lists {f.size}",
+                path=store.where(f"{prefix}/{f.path}"),
+            )
+
+
+class _InOrderHash:
+    """sha256 of one file from pieces that complete in any order; each piece is hashed once it is next."""
+
+    def __init__(self) -> None:
+        self.h = hashlib.sha256()
+        self.next = 0
+        self.waiting: dict[int, bytes] = {}
+        self.lock = threading.Lock()
+
+    def add(self, offset: int, data: bytes) -> None:
+        with self.lock:
+            self.waiting[offset] = data
+            while self.next in self.waiting:
+                piece = self.waiting.pop(self.next)
+                self.h.update(piece)  # hashlib releases the GIL for large pieces
+                self.next += len(piece)
+
+
+def download(
+    store: RemoteStore,
+    prefix: str,
+    files: tuple[ManifestFile, ...],
+    dest: Path,
+    *,
+    workers: int = 8,
+    chunk_size: int = 32 << 20,
+    progress: ProgressFn | None = None,
+) -> None:
+    """Download `files` under `prefix/` into `dest`, checking size and sha256; fsync every file and dir."""
+    prog = ByteProgress(sum(f.size for f in files), progress)
+    fds: dict[str, int] = {}
+    hashes: dict[str, _InOrderHash] = {}
+    window = threading.BoundedSemaphore(2 * workers)
+    failed = threading.Event()
+
+    def land(f: ManifestFile, offset: int, data: bytes) -> None:
+        """Write one piece in place and hash it (in file order); any thread."""
+        view, pos = memoryview(data), offset
+        while view:
+            n = os.pwrite(fds[f.path], view, pos)
+            view, pos = view[n:], pos + n
+        hashes[f.path].add(offset, data)
+        prog(len(data))
+        crash_point("restore.piece")
+
+    def piece(f: ManifestFile, offset: int, length: int) -> None:
+        try:
+            key = f"{prefix}/{f.path}"
+            try:
+                data = store.fs.cat_file(store.path(key), start=offset, end=offset + length)
+            except FileNotFoundError:
+                raise RestoreError(
+                    "disappeared from the sink during the restore", path=store.where(key)
+                ) from None
+            except OSError as e:
+                raise SinkError(f"{type(e).__name__}: {e}", path=store.where(key)) from None
+            if len(data) != length:
+                raise RestoreError(
+                    f"returned {len(data)} bytes at offset {offset}, expected {length}", path=store.where(key)
+                )
+            land(f, offset, data)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            window.release()
+
+    try:
+        for f in files:
+            p = dest / layout.safe_relpath(f.path, what="file", path=store.where(prefix))
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fds[f.path] = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            hashes[f.path] = _InOrderHash()
+        futures: list[Future[None]] = []
+        if store.s3 is not None:
+            _stream_s3(store, prefix, files, land, workers)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore") as pool:
+                for f in sorted(files, key=lambda f: -f.size):  # the big ones first: they set the wall time
+                    for offset in range(0, f.size, chunk_size):  # an empty file needs no read
+                        window.acquire()
+                        if failed.is_set():
+                            window.release()
+                            break
+                        futures.append(pool.submit(piece, f, offset, min(chunk_size, f.size - offset)))
+                wait(futures, return_when=FIRST_EXCEPTION)
+                for fu in futures:
+                    fu.cancel()
+                wait(futures)
+                for fu in futures:
+                    if not fu.cancelled() and (exc := fu.exception()) is not None:
+                        raise exc
+        for f in files:
+            got = hashes[f.path]
+            if got.next != f.size or got.h.hexdigest() != f.sha256:
+                raise RestoreError(
+                    f"sha256 {got.h.hexdigest()} is not the manifest's {f.sha256}: the object is corrupt",
+                    path=store.where(f"{prefix}/{f.path}"),
+                )
+            os.fsync(fds[f.path])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for d in sorted({(dest / f.path).parent for f in files} | {dest}, key=lambda p: -len(p.parts)):
+        layout.fsync_dir(d)
+
+
+STREAM_CHUNK = 8 << 20
+
+
+def _stream_s3(
+    store: RemoteStore,
+    prefix: str,
+    files: tuple[ManifestFile, ...],
+    land: Callable[[ManifestFile, int, bytes], None],
+    workers: int,
+) -> None:
+    """S3: one streamed GET per object, `workers` objects at a time, on s3fs's event loop; each chunk is
+    written and hashed in a thread (in order, as it arrives) while the loop goes on reading the others.
+
+    One GET per object rather than ranged pieces: a ranged GET costs some stores (moto among them) a read
+    of the whole object, and a raw step has one file per rank and kind to spread over the connections.
+    """
+    import asyncio
+
+    from stagerd.sinks.s3 import s3_error
+
+    backend = store.s3
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore")
+
+    async def one(f: ManifestFile, gate: asyncio.Semaphore) -> None:
+        key = f"{prefix}/{f.path}"
+        async with gate:
+            s3 = await backend._client()
+            loop = asyncio.get_running_loop()
+            try:
+                r = await s3.get_object(Bucket=backend.bucket, Key=backend.key(key))
+            except Exception as e:
+                raise s3_error(e, store.where(key)) from None
+            pos = 0
+            async with r["Body"] as body:
+                while chunk := await body.read(STREAM_CHUNK):
+                    if pos + len(chunk) > f.size:
+                        raise RestoreError(
+                            f"is longer than the manifest's {f.size} bytes", path=store.where(key)
+                        )
+                    await loop.run_in_executor(pool, land, f, pos, chunk)
+                    pos += len(chunk)
+            if pos != f.size:
+                raise RestoreError(f"ended after {pos} bytes, expected {f.size}", path=store.where(key))
+
+    async def every() -> None:
+        gate = asyncio.Semaphore(workers)
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+            for f in sorted(files, key=lambda f: -f.size):
+                tg.create_task(one(f, gate))
+
+    try:
+        backend._run(every)
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    finally:
+        pool.shutdown(wait=True)

@@ -1,0 +1,104 @@
+"""A published step's HF export back from the Hub (`stagerd restore hf://ORG/REPO[@step-N] OUT --export`).
+
+The revision is the step's tag (`--step N`, or `@step-N` in the URL), else the URL's revision, else `main`
+(which holds the newest step). Every file of the Hub's tree at that revision (but `.gitattributes`) is
+downloaded with huggingface_hub into a temporary sibling of OUT and checked against the tree: its size,
+and its LFS sha256 or, for a small file kept in git, its git blob id. Only then is the directory renamed
+to OUT. A mismatch is a `RestoreError` naming the file; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
+from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.hub.url import GITATTRIBUTES, parse_hub_url, step_tag
+
+_CHUNK = 8 << 20
+
+
+def _digests(path: Path, size: int) -> tuple[str, str]:
+    sha, git = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb", buffering=0) as f:
+        while data := f.read(_CHUNK):
+            sha.update(data)
+            git.update(data)
+    return sha.hexdigest(), git.hexdigest()
+
+
+def _revision(url_revision: str | None, step: int | None) -> str:
+    if step is not None:
+        tag = step_tag(step)
+        if url_revision not in (None, tag):
+            raise ConfigError(f"the URL names revision {url_revision!r} and --step names {tag!r}")
+        return tag
+    return url_revision or "main"
+
+
+def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:
+    """Download the export at the step's revision into the new directory `out`, checked against the tree."""
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    target = parse_hub_url(url)
+    revision = _revision(target.revision, step)
+    endpoint = target.options.get("endpoint")
+    where = f"hf://{target.repo_id}@{revision}"
+    api = HfApi(endpoint=endpoint)
+    try:
+        tree: list[Any] = [
+            e
+            for e in api.list_repo_tree(target.repo_id, revision=revision, recursive=True)
+            if hasattr(e, "size")
+        ]
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise RestoreError(f"not found: {type(e).__name__}", path=where) from None
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            raise SinkAuthError(f"the Hub refused the token ({status})", path=where) from None
+        raise SinkError(f"the Hub failed: {status}", path=where) from None
+    files = [e for e in tree if e.path != GITATTRIBUTES]
+    if not files:
+        raise RestoreError("holds no files", path=where)
+    tmp = out.with_name(f".{out.name}.restore-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    total, done = sum(int(f.size) for f in files), 0
+    try:
+        tmp.mkdir(parents=True)
+        for entry in files:
+            try:
+                got = Path(
+                    hf_hub_download(
+                        target.repo_id, entry.path, revision=revision, endpoint=endpoint, local_dir=tmp
+                    )
+                )
+            except HfHubHTTPError as err:
+                status = getattr(err.response, "status_code", None)
+                raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
+            size = got.stat().st_size
+            sha, git = _digests(got, size)
+            lfs = getattr(entry, "lfs", None)
+            want = lfs.sha256 if lfs is not None else entry.blob_id
+            have = sha if lfs is not None else git
+            if size != entry.size or have != want:
+                raise RestoreError(
+                    f"is {size} bytes with {'sha256' if lfs else 'git blob id'} {have}; the Hub's tree "
+                    f"lists {entry.size} bytes and {want}",
+                    path=f"{where}/{entry.path}",
+                )
+            done += size
+            if progress is not None:
+                progress(done, total)
+        shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,185 @@
+"""`Stager.load`: a committed step back into the trainer's sharded state dicts, as DCP loads, in place.
+
+Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTensor, or plain tensors).
+
+1. The step: every rank lists the committed steps under its ROOT and the lists are gathered (one
+   all_gather on the Stager's gloo group). Asked for a step, every rank must see it; asked for the newest,
+   the newest step any rank sees must be seen by every rank. Otherwise every rank raises the same
+   `LoadError` naming the ranks that cannot see it. No rank enters DCP's collectives alone, so this never
+   hangs.
+2. The step is checked on every rank (its marker, every listed file at its size; one node's marker of a
+   node-locally staged step is not the whole model) and the outcome agreed on the same way.
+3. `model/` through DCP's `HuggingFaceStorageReader` (safetensors headers: nothing unpickled), `optim/`
+   through `FileSystemReader` whose `.metadata` is read by an allowlist unpickler (`safe_metadata`).
+   DCP reshards: a step saved with another world size or mesh loads (tested 2 -> 1 and 1 -> 2 ranks).
+4. `extras/` are read back as bytes (`LoadedStep.extras`, `LoadedStep.json(name)`).
+
+`load_export` reads a published HF export directory (`ROOT/step-N/export/`, or one `stagerd restore`
+brought back) into a model state dict the same way, to start a fine-tune from it; an export holds no
+optimizer state, and its tensors may have been cast (they are cast back to the state dict's dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+from stagerd.contract import layout
+from stagerd.errors import LoadError, StagerdError
+from stagerd.training.collectives import Collectives
+from stagerd.training.failures import describe
+from stagerd.training.safe_metadata import SafeFileSystemReader
+
+log = logging.getLogger("stagerd.load")
+
+MAX_EXTRA_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class LoadedStep:
+    """What `Stager.load` loaded: the step, its directory, its marker and its extras (name -> bytes)."""
+
+    step: int
+    step_dir: Path
+    marker: layout.CommitMarker
+    extras: Mapping[str, bytes] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def json(self, name: str) -> Any:
+        """An extra saved as JSON (a dict or list passed to `save(extras=...)`), parsed."""
+        if name not in self.extras:
+            raise KeyError(f"step {self.step} has no extra {name!r} (has: {sorted(self.extras)})")
+        return json.loads(self.extras[name])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def choose_step(seen: list[list[int]], step: int | None) -> int:
+    """The step every rank loads, from each rank's committed steps; a `LoadError` (the same on every rank)
+    when no rank, or only some ranks, can see it."""
+    if step is not None:
+        missing = [r for r, steps in enumerate(seen) if step not in steps]
+        if len(missing) == len(seen):
+            raise LoadError(f"step {step} is not committed under ROOT on any rank")
+        if missing:
+            raise LoadError(f"step {step} is committed under ROOT on some ranks but not on {_ranks(missing)}")
+        return step
+    newest = max((max(steps) for steps in seen if steps), default=None)
+    if newest is None:
+        raise LoadError("no committed step under ROOT on any rank")
+    missing = [r for r, steps in enumerate(seen) if newest not in steps]
+    if missing:
+        raise LoadError(
+            f"the newest committed step, {newest}, is not under ROOT on {_ranks(missing)}",
+            hint="restore it onto those nodes (`stagerd restore`), or pass step= with a step all ranks hold",
+        )
+    return newest
+
+
+def agree(comm: Collectives, error: str | None, what: str) -> None:
+    """Every rank learns every rank's outcome; any failure is the same `LoadError` on every rank."""
+    errors = comm.all_gather(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        first = failed[0][1]
+        same = all(e == first for _, e in failed)
+        text = first if same else "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}")
+
+
+def _check_step(step_dir: Path, want_optim: bool) -> layout.CommitMarker:
+    marker = layout.read_marker(step_dir)
+    if marker.staging_nodes > 1:
+        raise LoadError(
+            f"holds only staging node {marker.staging_node} of {marker.staging_nodes}'s shards, "
+            "not the whole model",
+            path=step_dir,
+            hint="publish the step raw and `stagerd restore` it whole onto every node, then load it",
+        )
+    layout.check_staged_files(step_dir, marker)
+    has_optim = any(f.path.startswith(f"{layout.OPTIM_DIR}/") for f in marker.files)
+    if want_optim and not has_optim:
+        raise LoadError("has no optim/: it was saved without optimizer_state", path=step_dir)
+    return marker
+
+
+def _read_extras(step_dir: Path, marker: layout.CommitMarker) -> dict[str, bytes]:
+    prefix = f"{layout.EXTRAS_DIR}/"
+    out = {}
+    for f in marker.files:
+        if f.path.startswith(prefix):
+            if f.size > MAX_EXTRA_BYTES:
+                continue  # a file extra (a tokenizer model, say): read it from step_dir if needed
+            out[f.path[len(prefix) :]] = (step_dir / f.path).read_bytes()
+    return out
+
+
+def _dcp_load(comm: Collectives, state_dict: Any, reader: Any, what: str) -> None:
+    """One `dcp.load`; DCP gathers every rank's failure itself, the check-in covers what it does not."""
+    error = None
+    try:
+        dcp.load(state_dict, storage_reader=reader, process_group=comm.group, no_dist=comm.group is None)
+    except StagerdError as e:
+        error = str(e)
+    except (Exception, CheckpointException) as e:
+        error = describe(e)
+    agree(comm, error, what)
+
+
+def load_step(
+    comm: Collectives,
+    root: Path,
+    state_dict: Mapping[str, Any],
+    optimizer_state: Mapping[str, Any] | None,
+    step: int | None,
+) -> LoadedStep:
+    """Load a committed step under `root` into the state dicts, in place (see the module docstring)."""
+    t0 = time.monotonic()
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise LoadError(f"step must be a non-negative integer or None, got {step!r}")
+    mine = [s for s, _ in layout.committed_steps(root)]
+    asks = comm.all_gather((step, optimizer_state is not None))
+    if len(set(asks)) > 1:
+        raise LoadError(f"ranks asked for different loads (step, optimizer_state given): {asks}")
+    chosen = choose_step(comm.all_gather(mine), step)
+    step_dir = root / layout.step_dir_name(chosen)
+    marker: layout.CommitMarker | None = None
+    error = None
+    try:
+        marker = _check_step(step_dir, optimizer_state is not None)
+    except StagerdError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"{step_dir}: {type(e).__name__}: {e}"
+    agree(comm, error, f"checking step {chosen}")
+    assert marker is not None
+    _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
+    if optimizer_state is not None:
+        reader = SafeFileSystemReader(str(step_dir / layout.OPTIM_DIR))
+        _dcp_load(comm, optimizer_state, reader, "loading optim/")
+    extras = _read_extras(step_dir, marker)
+    took = time.monotonic() - t0
+    log.info("loaded step %d from %s in %.2f s", chosen, step_dir, took, extra={"step": chosen})
+    return LoadedStep(chosen, step_dir, marker, extras, took)
+
+
+def load_export(comm: Collectives, directory: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> None:
+    """Load an HF export directory (safetensors files and their index) into a model state dict, in place."""
+    directory = Path(directory)
+    error = None
+    if not (directory / layout.INDEX_NAME).is_file() and not any(directory.glob("*.safetensors")):
+        error = f"{directory}: not an HF export (no {layout.INDEX_NAME}, no .safetensors)"
+    agree(comm, error, "opening the export")
+    _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(directory)), f"loading export {directory}")
