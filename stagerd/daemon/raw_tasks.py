@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.filesize import decimal
-
 from stagerd.daemon.gate import Abandoned
-from stagerd.daemon.journal import PUBLISHED, PUBLISHING
+from stagerd.daemon.journal import PUBLISHING
 from stagerd.daemon.journal_raw import RAW_LANE_PREFIX
 from stagerd.daemon.state import log
 from stagerd.daemon.tasks import Tasks, _test_pause
@@ -57,36 +54,7 @@ class RawTasks(Tasks):
             await self._work_failed(step, key, attempt, e)
             return
         crash_point("publish.done")
-        done = await self._record(
-            f"record the raw publish of step {step} on {key}",
-            self._journal.finish_publish,
-            step,
-            key,
-            sinks=self._lane_keys(),
-            seconds=result.seconds,
-            bytes_total=result.bytes_total,
-            bytes_uploaded=result.bytes_uploaded,
-            location=result.location,
-            skipped=result.skipped,
-        )
-        self.metrics.published_bytes.labels(sink=key).inc(result.bytes_uploaded)
-        self.metrics.publish_seconds.labels(sink=key).observe(result.seconds)
-        self._log_step(
-            step,
-            key,
-            PUBLISHED,
-            note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded in {result.seconds:.2f}s"
-            + (", already there" if result.skipped else ""),
-            seconds=round(result.seconds, 3),
-            bytes=result.bytes_uploaded,
-            skipped=result.skipped,
-        )
-        await self._after_publish(key)
-        if done:
-            self._marker_metadata.pop(step, None)
-            total = time.time() - row.marker_mtime
-            self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
-            self._housekeep.set()
+        await self._lane_published(step, key, row.marker_mtime, result, what="raw publish")
 
     async def _after_publish(self, lane: str) -> None:
         """Remote retention of the sink a lane just published a verified step to, in the lane's threads.

@@ -239,12 +239,18 @@ class Tasks(Health, Discovery):
             await self._work_failed(step, sink, attempt, e)
             return
         crash_point("publish.done")
-        # The sink holds the step: recording it is retried with this result, never published again.
+        await self._lane_published(step, sink, row.marker_mtime, result, what="publish")
+
+    async def _lane_published(
+        self, step: int, lane: str, marker_mtime: float, result: PublishResult, *, what: str
+    ) -> None:
+        """Record a lane's finished publish (retried with this result, never published again), report it,
+        run the sink's retention, and note the step once every lane holds it."""
         done = await self._record(
-            f"record the publish of step {step} on {sink}",
+            f"record the {what} of step {step} on {lane}",
             self._journal.finish_publish,
             step,
-            sink,
+            lane,
             sinks=self._lane_keys(),
             seconds=result.seconds,
             bytes_total=result.bytes_total,
@@ -252,11 +258,11 @@ class Tasks(Health, Discovery):
             location=result.location,
             skipped=result.skipped,
         )
-        self.metrics.published_bytes.labels(sink=sink).inc(result.bytes_uploaded)
-        self.metrics.publish_seconds.labels(sink=sink).observe(result.seconds)
+        self.metrics.published_bytes.labels(sink=lane).inc(result.bytes_uploaded)
+        self.metrics.publish_seconds.labels(sink=lane).observe(result.seconds)
         self._log_step(
             step,
-            sink,
+            lane,
             PUBLISHED,
             note=f"{result.location}, {decimal(result.bytes_uploaded)} uploaded "
             f"in {result.seconds:.2f}s" + (", already there" if result.skipped else ""),
@@ -264,10 +270,10 @@ class Tasks(Health, Discovery):
             bytes=result.bytes_uploaded,
             skipped=result.skipped,
         )
-        await self._after_publish(sink)
+        await self._after_publish(lane)
         if done:
             self._marker_metadata.pop(step, None)
-            total = time.time() - row.marker_mtime
+            total = time.time() - marker_mtime
             self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
             self._housekeep.set()
 
