@@ -27,12 +27,14 @@ from stagerd.engine.shard_scan import scan_shards
 
 @dataclass(frozen=True)
 class ConsolidateResult:
-    """The safetensors files written (name, size), the tensor count and bytes, and the index's size."""
+    """The safetensors files written (name, size), the tensor count and bytes, the index's size, and the
+    bytes written per output dtype (safetensors name)."""
 
     files: tuple[tuple[str, int], ...]
     tensors: int
     total_size: int
     index_size: int
+    dtype_bytes: tuple[tuple[str, int], ...] = ()
 
 
 def consolidate_into(
@@ -65,7 +67,7 @@ def consolidate_into(
     except OSError as e:
         raise output_error(e, index) from None
     return ConsolidateResult(
-        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size
+        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size, p.dtype_bytes()
     )
 
 

@@ -23,6 +23,7 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
+from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
@@ -149,9 +150,14 @@ def build_export(
             continue  # our index and weights are the export's; a stray copy would contradict them
         crash_point("export.extra")
         dst = tmp / rel
+        staged = source.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source.step_dir / layout.EXTRAS_DIR / rel, dst)  # type: ignore[operator]
+            config = exported_config(staged, dict(res.dtype_bytes)) if rel == CONFIG_NAME else None
+            if config is None:
+                shutil.copyfile(staged, dst)
+            else:  # names the dtype the files hold; the staged original is only read
+                dst.write_bytes(config)
             fd = os.open(dst, os.O_RDONLY)
             try:
                 os.fsync(fd)
