@@ -180,3 +180,14 @@ class JournalFullError(JournalError):
         "free space (or inodes) on the filesystem that holds ROOT/.stagerd; nothing was lost: the step keeps "
         "its last recorded state and the daemon resumes from it"
     )
+
+
+class HubPlanError(StagerdError):
+    """A to-Hub plan (the conversion of the trainer's names and layout to the checkpoint's) that cannot be
+    carried out as byte moves: an op that is not a permutation of elements, two tensors given one name, a
+    strict mapping leaving keys unmapped, a split whose sizes do not add up."""
+
+    hint = (
+        "the export would not be what save_pretrained writes; fix the mapping, or save without model= / "
+        "mapping= to export the trainer's own names"
+    )

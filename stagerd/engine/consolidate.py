@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_bytes_atomic
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -47,6 +48,7 @@ def consolidate_into(
     reference: Mapping[str, str] | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     expected: Mapping[str, TensorInfo] | None = None,
+    views: HubPlan | None = None,
     threads: int = 2,
     progress: ProgressFn | None = None,
 ) -> ConsolidateResult:
@@ -58,6 +60,7 @@ def consolidate_into(
         reference=reference,
         max_shard_size=max_shard_size,
         expected=expected,
+        views=views,
     )
     execute(p, out_dir, threads=threads, progress=progress)
     index = out_dir / INDEX_NAME

@@ -19,6 +19,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.export_tree import regular_files
+from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -141,10 +142,13 @@ def build_export(
         reference=reference,
         max_shard_size=max_shard_size,
         expected=source.marker.tensors if source.marker else None,
+        views=source.marker.hub_plan if source.marker else None,
         threads=threads,
         progress=progress,
     )
     files = [*res.files, (layout.INDEX_NAME, res.index_size)]
+    if source.marker is not None and source.marker.adapter_plan is not None:
+        files.append(_build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
     for rel in source.extras():
         if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
             continue  # our index and weights are the export's; a stray copy would contradict them
@@ -170,6 +174,38 @@ def build_export(
     return ExportResult(
         tmp, tuple(sorted(files)), res.total_size, res.tensors, time.monotonic() - t0, skipped=False
     )
+
+
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _build_adapter(
+    source: Source, tmp: Path, plan: HubPlan, dtype: str | None, keep_dtype: str | None, threads: int
+) -> tuple[str, int]:
+    """A PEFT model's adapter-only artefact: `adapter/adapter_model.safetensors`, one file, no index,
+    as `PeftModel.save_pretrained` writes it (its config comes with the extras)."""
+    out = tmp / ADAPTER_DIR
+    try:
+        out.mkdir()
+        res = consolidate_into(
+            source.model_dir,
+            out,
+            listed=source.listed,
+            dtype=dtype,
+            keep_dtype=keep_dtype,
+            max_shard_size=1 << 62,
+            expected=source.marker.tensors if source.marker else None,
+            views=plan,
+            threads=threads,
+        )
+        ((name, size),) = res.files
+        os.rename(out / name, out / ADAPTER_WEIGHTS)
+        os.unlink(out / layout.INDEX_NAME)
+        layout.fsync_dir(out)
+    except OSError as e:
+        raise OutputError(f"cannot write the adapter: {e.strerror}", path=out) from None
+    return f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", size
 
 
 # Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
