@@ -8,7 +8,8 @@ VOCAB = 96
 
 
 def config(kind: str) -> Any:
-    """The tiny config of `kind`: llama, llama_tied, qwen3_moe, qwen3_moe_tied, mixtral."""
+    """The tiny config of `kind`: llama, llama_tied, qwen3_moe, qwen3_moe_tied, mixtral; llama_lora's is
+    llama's."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -21,7 +22,7 @@ def config(kind: str) -> Any:
         max_position_embeddings=64,
         tie_word_embeddings=kind.endswith("_tied"),
     )
-    base = kind.removesuffix("_tied")
+    base = kind.removesuffix("_tied").removesuffix("_lora").replace("titan", "llama")
     if base == "llama":
         return tf.LlamaConfig(**common)
     if base == "qwen3_moe":
@@ -34,7 +35,18 @@ def config(kind: str) -> Any:
 
 
 def build(kind: str) -> Any:
-    """The model of `kind`, initialised from the current torch seed, in float32."""
+    """The model of `kind`, initialised from the current torch seed, in float32. `llama_lora`: a PEFT
+    LoRA on llama's attention, whose base is `build("llama")` from the same seed."""
     import transformers as tf
 
-    return tf.AutoModelForCausalLM.from_config(config(kind))
+    if kind == "titan":
+        from tests.fidelity.titan import Titan
+
+        return Titan(config(kind))
+    model = tf.AutoModelForCausalLM.from_config(config(kind))
+    if kind.endswith("_lora"):
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lora)
+    return model

@@ -44,10 +44,10 @@ def train_and_save(
 
     torch.manual_seed(0)
     model = models.build(kind)
-    for layer in model.model.layers:
+    for layer in [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]:
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(5)
     for _ in range(STEPS):
         ids = torch.randint(0, models.VOCAB, (2, 12), generator=g)
@@ -66,10 +66,19 @@ def train_and_save(
     plain.load_state_dict(full)
     plain.eval()
     with torch.no_grad():
-        plain.save_pretrained(out / "keep")
         torch.save(plain(input_ids=input_ids()).logits, out / "keep.logits.pt")
-        plain.to(torch.bfloat16).save_pretrained(out / "bf16")
+        if hasattr(plain, "save_pretrained"):  # not the torchtitan-named model
+            plain.save_pretrained(out / "keep")
+            plain.to(torch.bfloat16).save_pretrained(out / "bf16")
 
 
 def _kwargs(save: dict[str, Any], model: Any) -> dict[str, Any]:
-    return {k: (model if k == "model" and v is True else v) for k, v in save.items()}
+    """`model=True`: the model itself; `mapping=True`: the torchtitan example for its config."""
+    from tests.fidelity.titan import mapping
+
+    out = dict(save)
+    if out.get("model") is True:
+        out["model"] = model
+    if out.get("mapping") is True:
+        out["mapping"] = mapping(model.config)
+    return out
