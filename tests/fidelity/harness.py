@@ -102,6 +102,10 @@ def check_all(r: Run) -> None:
         # model cast in memory keeps some buffers in float32, one loaded in bf16 does not).
         want = torch.load(r.ref / "keep.logits.pt") if mode == "keep" else load_and_logits(ref, dtype)
         assert torch.equal(logits, want), mode
+        # verify --against re-derives the same plan from the marker and compares every byte
+        step = (r.root if mode == "keep" else r.root.parent / "root_bf16") / layout.step_dir_name(ranks.STEP)
+        res = run_cli(["verify", step / layout.EXPORT_DIR, "--against", step])
+        assert res.returncode == 0, res.stdout + res.stderr
         for name in ("generation_config.json", "tokenizer.json"):
             staged = r.root / layout.step_dir_name(ranks.STEP) / layout.EXTRAS_DIR / name
             assert (out / name).read_bytes() == staged.read_bytes()
