@@ -108,3 +108,29 @@ def test_the_plan_round_trips_through_the_marker_json():
     assert HubPlan.from_json(json.loads(json.dumps(hub.to_json()))) == hub
     with pytest.raises(HubPlanError, match="malformed"):
         HubPlan.from_json({"format": "stagerd.hub/1", "views": [{"name": 1}]})
+
+
+def test_a_marker_plan_the_shards_contradict_publishes_nothing(tmp_path, saved):
+    """Caught at export time (a marker written by hand, or by another trainer): named, nothing published."""
+    import shutil
+
+    from stagerd.contract import layout
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+    from tests.dcp_fixtures import commit_step
+
+    src, _ = saved
+    step = tmp_path / "root" / layout.step_dir_name(1)
+    shutil.copytree(src, step / layout.MODEL_DIR)
+    commit_step(
+        step, 4, hub_plan=HubPlan((view("x", "tied", (0, 0), (6, 8)), view("x", "qkv", (0, 0), (6, 8))))
+    )
+    res = run_cli(
+        ["watch", tmp_path / "root", "--sink", f"file://{tmp_path / 'sink'}", "--once", *fast_flags()]
+    )
+    assert res.returncode != 0
+    assert (
+        "HubPlanError" in res.stdout + res.stderr and "two tensors are named 'x'" in res.stdout + res.stderr
+    )
+    assert not (tmp_path / "sink" / layout.step_dir_name(1)).exists()
+    assert not (step / layout.EXPORT_DIR).exists()
