@@ -157,7 +157,7 @@ def build_export(
         staged = source.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            config = exported_config(staged, dict(res.dtype_bytes)) if rel == CONFIG_NAME else None
+            config = exported_config(staged, dict(res.dtype_bytes), dtype) if rel == CONFIG_NAME else None
             if config is None:
                 shutil.copyfile(staged, dst)
             else:  # names the dtype the files hold; the staged original is only read

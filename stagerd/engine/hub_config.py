@@ -1,9 +1,9 @@
 """The exported `config.json` names the dtype its files hold, as `save_pretrained` writes it.
 
 transformers 5 reads `dtype`, 4.x `torch_dtype`; the field the source config used is the one written (a
-config with neither gets `dtype`). The value is the dtype holding most of the export's floating-point
-bytes: the cast target after a cast (also with `--keep-dtype` exceptions, as `save_pretrained` names a
-mixed-dtype model by its main dtype), the trained dtype when kept. Every other key, and its order, is
+config with neither gets `dtype`). The value is the cast target after a cast, also where `--keep-dtype`
+exceptions stay in another dtype (as `save_pretrained` names a mixed-dtype model by its main dtype); when
+kept, the dtype holding most of the export's floating-point bytes. Every other key, and its order, is
 kept; the staged original is only read.
 """
 
@@ -29,9 +29,11 @@ def main_dtype(dtype_bytes: Mapping[str, int]) -> str | None:
     return dtypes.lookup(best).torch_name
 
 
-def exported_config(source: Path, dtype_bytes: Mapping[str, int]) -> bytes | None:
-    """The exported config.json's bytes, or None to copy the source unchanged (nothing to name)."""
-    name = main_dtype(dtype_bytes)
+def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | None = None) -> bytes | None:
+    """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `target`:
+    the cast's dtype (safetensors name), None when kept."""
+    cast_to = dtypes.lookup(target).torch_name if target is not None and dtype_bytes else None
+    name = cast_to or main_dtype(dtype_bytes)
     if name is None:
         return None
     try:

@@ -169,6 +169,9 @@ def test_export_step_with_extras_and_marker(step_dir, dcp_mixed):
     again = export_step(step_dir, dtype="bf16")
     assert again.skipped and again.files == res.files
     verify_export(exp, step_dir)
+    # With --keep-dtype exceptions (here most of the bytes), the config still names the export dtype.
+    export_step(step_dir, dtype="bf16", keep_dtype="embed_tokens|lm_head")
+    assert json.loads((exp / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_export_step_rebuilds_after_a_crash(step_dir, dcp_mixed):

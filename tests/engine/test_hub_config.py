@@ -23,3 +23,5 @@ def test_the_field_the_source_used_is_written_and_every_other_key_kept(tmp_path)
     src.write_text('{"hidden_size": 8}')
     assert json.loads(exported_config(src, {"F16": 2}) or b"") == {"hidden_size": 8, "dtype": "float16"}
     assert exported_config(src, {"U8": 2}) is None
+    # A cast with --keep-dtype exceptions is named by its target, even where the kept bytes are more.
+    assert json.loads(exported_config(src, {"BF16": 2, "F32": 400}, "BF16") or b"")["dtype"] == "bfloat16"
