@@ -9,6 +9,9 @@ needs the model or transformers. Every output tensor is a box of one staged tens
 - with `reshape` and `perm`, the box read in row-major order is viewed as `reshape`, its dims permuted
   by `perm`, and written in that order (the RoPE row permutation of a key mapping); still a permutation
   of elements, carried out as byte moves of whole runs (the dims after the last permuted one);
+- several views of one `name`, each with `at` (its offset in the output) and `whole` (the output's shape),
+  are the parts of one output: a concatenation or a stack of boxes of several staged tensors, which must
+  tile it exactly;
 - a staged tensor that no view reads and `drop` does not name is written as it is, under its own name;
 - `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out).
 
@@ -39,10 +42,12 @@ class TensorView:
     shape: tuple[int, ...]
     reshape: tuple[int, ...] = ()
     perm: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()  # a part of output `name`, placed at this offset; `whole` is the output's shape
+    whole: tuple[int, ...] = ()
 
     def is_whole(self, source_shape: tuple[int, ...]) -> bool:
         whole = tuple(self.size) == tuple(source_shape) and tuple(self.shape) == tuple(source_shape)
-        return whole and not self.perm
+        return whole and not self.perm and not self.at
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class HubPlan:
                     _ints(v["shape"]),
                     _ints(v.get("reshape", [])),
                     _ints(v.get("perm", [])),
+                    _ints(v.get("at", [])),
+                    _ints(v.get("whole", [])),
                 )
                 for v in d["views"]
             )
@@ -104,14 +111,38 @@ class HubPlan:
         for name, shape in shapes.items():
             if name not in read and name not in dropped:
                 out.append(TensorView(name, name, (0,) * len(shape), tuple(shape), tuple(shape)))
-        seen: dict[str, str] = {}
+        seen: dict[str, TensorView] = {}
+        parts: dict[str, list[TensorView]] = {}
         for v in out:
-            if v.name in seen:
-                raise HubPlanError(
-                    f"two tensors are named {v.name!r} (from {seen[v.name]!r} and {v.source!r})", path=path
-                )
-            seen[v.name] = v.source
+            first = seen.setdefault(v.name, v)
+            if v.at and first.at and v.whole == first.whole:
+                parts.setdefault(v.name, []).append(v)
+            elif first is not v or v.at:
+                why = "its parts disagree" if v.at else f"from {first.source!r} and {v.source!r}"
+                raise HubPlanError(f"two tensors are named {v.name!r} ({why})", path=path)
+        for name, ps in parts.items():
+            _check_parts(name, ps, path)
         return out
+
+
+def _check_parts(name: str, parts: list[TensorView], path: object) -> None:
+    """The parts of one output lie inside it, do not overlap, and cover it."""
+    whole = parts[0].whole
+    boxes = []
+    for p in parts:
+        if len(p.at) != len(whole) or len(p.shape) != len(whole):
+            raise HubPlanError(
+                f"{name!r}: a part's place {list(p.at)} has not the dims of {list(whole)}", path=path
+            )
+        if any(a < 0 or a + n > w for a, n, w in zip(p.at, p.shape, whole, strict=True)):
+            raise HubPlanError(f"{name!r}: a part at {list(p.at)} runs outside {list(whole)}", path=path)
+        boxes.append((p.at, p.shape))
+    for i, (a, s) in enumerate(boxes):
+        for b, t in boxes[:i]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(a, s, b, t, strict=True)):
+                raise HubPlanError(f"{name!r}: two parts overlap at {list(a)} and {list(b)}", path=path)
+    if sum(math.prod(s) for _, s in boxes) != math.prod(whole):
+        raise HubPlanError(f"{name!r}: its parts do not cover {list(whole)}", path=path)
 
 
 def _view_json(v: TensorView) -> dict[str, Any]:
@@ -119,6 +150,8 @@ def _view_json(v: TensorView) -> dict[str, Any]:
     d["shape"] = list(v.shape)
     if v.perm:
         d["reshape"], d["perm"] = list(v.reshape), list(v.perm)
+    if v.at:
+        d["at"], d["whole"] = list(v.at), list(v.whole)
     return d
 
 

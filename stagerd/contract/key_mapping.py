@@ -12,6 +12,10 @@ against the staged tensors' shapes into a to-Hub plan (`hub_plan.HubPlan`).
                   {"name": "model.layers.\\1.self_attn.k_proj.weight", "size": 1024, "rope_heads": 8},
                   {"name": "model.layers.\\1.self_attn.v_proj.weight", "size": 1024}]}]}
 
+A merge gives several keys one output: rules with the same `name`, `"concat_dim": d` and `"part": i`
+(0, 1, ...) concatenate their keys along `d` in part order (`feed_forward.w1` and `w3` into a fused
+`gate_up_proj`).
+
 Each staged key is mapped by the first rule whose `match` matches it whole (`re.fullmatch`); `name`
 templates take the match's groups (`\\1`). A key no rule matches is kept as it is, or with `strict` a
 HubPlanError. `rope_heads: H` reorders the rows of each head from interleaved pairs (Meta, torchtitan) to
@@ -47,6 +51,7 @@ class _Rule:
     match: re.Pattern[str]
     parts: tuple[_Part, ...]
     split_dim: int | None
+    concat: tuple[int, int] | None = None  # (dim, part): this key is part `part` of its output, along `dim`
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,7 @@ class KeyMapping:
         """The to-Hub plan of staged tensors of these global `shapes`."""
         views: list[TensorView] = []
         unmapped: list[str] = []
+        joins: dict[str, list[tuple[tuple[int, int], str, tuple[int, ...]]]] = {}
         for key, shape in shapes.items():
             rule = next((r for r in self.rules if r.match.fullmatch(key)), None)
             if rule is None:
@@ -88,7 +94,12 @@ class KeyMapping:
                 continue
             m = rule.match.fullmatch(key)
             assert m is not None
+            if rule.concat is not None:
+                joins.setdefault(m.expand(rule.parts[0].name), []).append((rule.concat, key, shape))
+                continue
             views.extend(_views(key, shape, rule, m))
+        for name, parts in joins.items():
+            views.extend(_joined(name, parts))
         if unmapped:
             raise HubPlanError(
                 f"the strict key mapping leaves {len(unmapped)} saved tensors unmapped: {unmapped[:5]}"
@@ -103,7 +114,37 @@ def _rule(r: Mapping[str, Any]) -> _Rule:
     if "split" in r:
         parts = tuple(_Part(str(p["name"]), int(p["size"]), _heads(p)) for p in r["split"])
         return _Rule(match, parts, int(r.get("split_dim", 0)))
-    return _Rule(match, (_Part(str(r["name"]), None, _heads(r)),), None)
+    concat = (int(r["concat_dim"]), int(r["part"])) if "concat_dim" in r else None
+    return _Rule(match, (_Part(str(r["name"]), None, _heads(r)),), None, concat)
+
+
+def _joined(name: str, parts: list[tuple[tuple[int, int], str, tuple[int, ...]]]) -> list[TensorView]:
+    """Keys that are parts of one output, concatenated along their dim in part order (fused gate/up)."""
+    parts.sort(key=lambda p: p[0][1])
+    dims = {d for (d, _), _, _ in parts}
+    order = [i for (_, i), _, _ in parts]
+    if len(dims) != 1 or order != list(range(len(parts))):
+        raise HubPlanError(
+            f"{name!r}: its parts {order} along dims {sorted(dims)} are not 0..n-1 along one dim"
+        )
+    d = dims.pop()
+    first = parts[0][2]
+    if not 0 <= d < len(first) or any(
+        len(s) != len(first) or any(a != b for k, (a, b) in enumerate(zip(s, first, strict=True)) if k != d)
+        for _, _, s in parts
+    ):
+        raise HubPlanError(
+            f"{name!r}: its parts' shapes {[list(s) for _, _, s in parts]} do not join along dim {d}"
+        )
+    whole = list(first)
+    whole[d] = sum(s[d] for _, _, s in parts)
+    out, at = [], 0
+    for _, key, shape in parts:
+        pos = [0] * len(shape)
+        pos[d] = at
+        at += shape[d]
+        out.append(TensorView(name, key, (0,) * len(shape), shape, shape, at=tuple(pos), whole=tuple(whole)))
+    return out
 
 
 def _heads(r: Mapping[str, Any]) -> int | None:

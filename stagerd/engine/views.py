@@ -7,6 +7,9 @@ describes the Hub names and shapes with blocks that are plain byte ranges of the
 planner, its tiling, copy, cast and gather moves, and their bounded buffers carry the conversion out
 unchanged: no tensor is ever held whole, and the bytes move at copy speed.
 
+Parts of one output (a concatenation or stack: several views of one name, each placed `at` its offset)
+are cut the same way and shifted to their place.
+
 A permuted view (`reshape` + `perm`, the RoPE row order) is cut into runs along the dims after its last
 permuted one (whole rows for RoPE); each run, within each block, is placed as the boxes that tile its
 range of the output.
@@ -44,14 +47,19 @@ def apply_views(
                 f"view {v.name!r}: {dt.name} is not byte-addressable inside a tensor", path=where
             )
         o = out_ids.setdefault(v.name, len(out_ids))
-        blob += v.name.encode()
-        name_end.append(len(blob))
-        dtype.append(table.dtype[t])
+        if o == len(name_end):
+            blob += v.name.encode()
+            name_end.append(len(blob))
+            dtype.append(table.dtype[t])
+        elif dtype[o] != table.dtype[t]:  # a part of a concatenation
+            raise HubPlanError(f"{v.name!r}: its parts are of different dtypes", path=where)
         chunks = table.chunks_of(t)
         pieces = list(_permuted(chunks, v, dt)) if v.perm else [p for c in chunks for p in _pieces(c, v, dt)]
         if not pieces:  # an empty tensor: one empty block gives it its shape
             pieces = [(table.chunks_of(t)[0].src, 0, (0,) * len(v.shape), tuple(v.shape))]
         for s, off, go, sh in pieces:
+            if v.at:  # a part of a concatenation: placed at its offset in the whole
+                go = tuple(a + b for a, b in zip(go, v.at, strict=True))
             tensor.append(o)
             src.append(s)
             offset.append(off)

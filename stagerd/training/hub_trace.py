@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -35,6 +36,8 @@ class _Traced(torch.Tensor):
     prov: torch.Tensor | None = None
     why: str | None = None
     roots: frozenset[int] = frozenset()
+    # A concatenation or stack of traced tensors: (view of a root, offset in this tensor) per part.
+    parts: list[tuple[torch.Tensor, tuple[int, ...]]] | None = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -49,10 +52,22 @@ class _Traced(torch.Tensor):
             return out
         name = getattr(func, "__name__", repr(func))
         roots = traced[0].roots
+        if name in _JOINS and isinstance(out, torch.Tensor):
+            return _joined(out, name, args, kwargs, roots)
+        first = traced[0]
+        if first.parts is not None:  # a concatenation stays one only through copies
+            t = out.as_subclass(_Traced) if isinstance(out, torch.Tensor) else None
+            if t is None:
+                return out
+            keep = (
+                name in _COPIES and len(traced) == 1 and out.dtype == first.dtype and out.shape == first.shape
+            )
+            t.roots, t.parts = roots, (first.parts if keep else None)
+            t.prov, t.why = None, (None if keep else f"{name} of a concatenation")
+            return t
         why = next((t.why for t in traced if t.prov is None), None)
         prov: Any = None
         if why is None:
-            first = traced[0]
             if (
                 name in _COPIES
                 and len(traced) == 1
@@ -85,6 +100,32 @@ class _Traced(torch.Tensor):
             provs = list(prov) if same else [None] * len(out)
             return type(out)(wrap(o, p) for o, p in zip(out, provs, strict=True))
         return out
+
+
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+
+
+def _joined(out: torch.Tensor, name: str, args: Any, kwargs: Any, roots: frozenset[int]) -> _Traced:
+    """`torch.cat` / `torch.stack` of traced tensors: its parts, each a view of a root at its offset."""
+    tensors = args[0] if args else kwargs.get("tensors", [])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    t = out.as_subclass(_Traced)
+    t.roots, t.prov, t.why, t.parts = roots, None, None, []
+    dim %= out.dim()
+    at = 0
+    for x in tensors:
+        if not isinstance(x, _Traced) or (x.prov is None and x.parts is None):
+            t.parts, t.why = None, (x.why if isinstance(x, _Traced) and x.why else name)
+            return t
+        own = x.parts if x.parts is not None else [(cast("torch.Tensor", x.prov), (0,) * x.dim())]
+        for p, off in own:
+            with torch._C.DisableTorchFunctionSubclass():
+                q = p.unsqueeze(dim) if name == "stack" else p
+            pos = list(off) if name != "stack" else [*off[:dim], 0, *off[dim:]]
+            pos[dim] += at
+            t.parts.append((q, tuple(pos)))
+        at += 1 if name == "stack" else x.shape[dim]
+    return t
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -139,29 +180,37 @@ def traced_plan(
     try:
         reverted = convert(meta)
     except Exception as e:
-        raise HubPlanError(f"{origin}'s conversion failed: {type(e).__name__}: {e}") from None
+        raise HubPlanError(f"the {origin} conversion failed: {type(e).__name__}: {e}") from None
     views: list[TensorView] = []
     for name, o in reverted.items():
+        if isinstance(o, _Traced) and o.parts is not None:
+            for part, at in o.parts:
+                views.append(replace(_box_of(name, part, source_of, origin), at=at, whole=tuple(o.shape)))
+            continue
         p = o.prov if isinstance(o, _Traced) else None
         if p is None:
             why = o.why if isinstance(o, _Traced) else type(o).__name__
             raise HubPlanError(
-                f"{name!r}: {origin}'s conversion to the checkpoint layout uses {why!r}, which is not a "
+                f"{name!r}: the {origin} conversion to the checkpoint layout uses {why!r}, which is not a "
                 "box of one saved tensor and cannot be planned as byte moves"
             )
-        base = p._base if p._base is not None else p
-        source = source_of[id(base)]
-        v = _view(name, source, p, tuple(base.shape))
-        if v is None:
-            raise HubPlanError(
-                f"{name!r}: {origin}'s conversion reorders the elements of {source!r} (shape "
-                f"{list(p.shape)}, strides {list(p.stride())}): not a box, cannot be planned as byte moves"
-            )
-        views.append(v)
+        views.append(_box_of(name, p, source_of, origin))
     read = {v.source for v in views if not (v.name == v.source and v.is_whole(tuple(sd[v.source].shape)))}
     kept = [v for v in views if v.source in read or v.name != v.source]
     written = {v.source for v in views}
     return HubPlan(tuple(kept), tuple(k for k in sd if k not in written), origin=origin)
+
+
+def _box_of(name: str, p: torch.Tensor, source_of: Mapping[int, str], origin: str) -> TensorView:
+    base = p._base if p._base is not None else p
+    source = source_of[id(base)]
+    v = _view(name, source, p, tuple(base.shape))
+    if v is None:
+        raise HubPlanError(
+            f"{name!r}: the {origin} conversion reorders the elements of {source!r} (shape "
+            f"{list(p.shape)}, strides {list(p.stride())}): not a box, cannot be planned as byte moves"
+        )
+    return v
 
 
 def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:

@@ -73,3 +73,32 @@ def test_the_shipped_torchtitan_example_maps_every_llama_key():
     names = {v.name for v in KeyMapping.load(spec).resolve(shapes).views}
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
     assert len(names) == len(shapes)
+
+
+MERGE = {
+    "rules": [
+        {"match": r"(\d+)\.w1", "name": r"layers.\1.gate_up", "concat_dim": 0, "part": 0},
+        {"match": r"(\d+)\.w3", "name": r"layers.\1.gate_up", "concat_dim": 0, "part": 1},
+    ]
+}
+
+
+def test_a_merge_concatenates_its_parts_in_order():
+    plan = KeyMapping.load(MERGE).resolve({"0.w3": (6, 4), "0.w1": (6, 4)})
+    got = sorted((v.name, v.source, v.at, v.whole) for v in plan.views)
+    assert got == [
+        ("layers.0.gate_up", "0.w1", (0, 0), (12, 4)),
+        ("layers.0.gate_up", "0.w3", (6, 0), (12, 4)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "words"),
+    [
+        ({"0.w1": (6, 4), "0.w3": (6, 5)}, "do not join along dim 0"),
+        ({"0.w3": (6, 4)}, r"its parts \[1\]"),
+    ],
+)
+def test_a_merge_whose_parts_do_not_fit_is_a_named_error(shapes, words):
+    with pytest.raises(HubPlanError, match=words):
+        KeyMapping.load(MERGE).resolve(shapes)

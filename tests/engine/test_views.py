@@ -48,6 +48,11 @@ def hub_plan() -> HubPlan:
     # The RoPE row order of a key mapping: rows (h, i, pair) -> (h, pair, i), across the 2-D mesh's blocks
     views.append(TensorView("rope_all", "qkv", (0, 0), (12, 8), (12, 8), (2, 3, 2, 8), (0, 2, 1, 3)))
     views.append(TensorView("rope_k", "qkv", (4, 0), (4, 8), (4, 8), (1, 2, 2, 8), (0, 2, 1, 3)))
+    # A merge: parts of several staged tensors concatenated into one output, one part a RoPE permutation
+    views.append(TensorView("fused", "tied", (0, 0), (6, 8), (6, 8), at=(0, 0), whole=(14, 8)))
+    views.append(
+        TensorView("fused", "qkv", (0, 0), (8, 8), (8, 8), (2, 2, 2, 8), (0, 2, 1, 3), (6, 0), (14, 8))
+    )
     views.append(view("tied", "tied", (0, 0), (6, 8)))
     views.append(view("lm_head", "tied", (0, 0), (6, 8)))
     return HubPlan(tuple(views), drop=("norm",), origin="transformers")
@@ -60,6 +65,10 @@ def expected(full: dict[str, torch.Tensor], hub: HubPlan) -> dict[str, torch.Ten
         part = full[v.source][box]
         if v.perm:
             part = part.reshape(v.reshape).permute(v.perm)
+        if v.at:
+            whole = out.setdefault(v.name, torch.zeros(v.whole, dtype=part.dtype))
+            whole[tuple(slice(a, a + n) for a, n in zip(v.at, v.shape, strict=True))] = part.reshape(v.shape)
+            continue
         out[v.name] = part.reshape(v.shape)
     return out
 

@@ -40,22 +40,17 @@ def test_a_bad_mapping_is_refused_at_save_time(tmp_path, mapping, words):
 
 
 def test_a_conversion_that_is_not_a_box_is_refused_at_save_time(tmp_path):
-    """A model fused in its checkpoint but not in memory: saving it back concatenates (not byte moves)."""
-    import transformers as tf
-    from transformers.core_model_loading import Chunk, WeightConverter
+    """A checkpoint that stores a weight transposed (as some registry entries do): saving it back is a
+    permutation of single elements, which the engine does not move at copy speed, so it is refused."""
+    from transformers.core_model_loading import Transpose, WeightConverter
 
     from tests.fidelity import models
 
     model = models.build("llama")
     model._weight_conversions = [
-        WeightConverter(
-            source_patterns="self_attn.qkv_proj.weight",
-            target_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-            operations=[Chunk(dim=0)],
-        )
+        WeightConverter("mlp.down_weight_t", "mlp.down_proj.weight", operations=[Transpose(0, 1)])
     ]
-    assert isinstance(model, tf.PreTrainedModel)
-    _refused(tmp_path, model.state_dict(), "'cat'.* cannot be planned", model=model)
+    _refused(tmp_path, model.state_dict(), "reorders the elements.*cannot be planned", model=model)
 
 
 def test_model_and_mapping_together_are_refused(tmp_path):
