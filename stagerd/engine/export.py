@@ -6,6 +6,7 @@ once it is complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -28,6 +30,7 @@ from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
+    HubPlanError,
     OutputError,
     ReferenceIndexError,
     ShardError,
@@ -124,8 +127,10 @@ def build_export(
     max_shard_size: int,
     threads: int,
     progress: ProgressFn | None,
+    views: HubPlan | None = None,
 ) -> ExportResult:
     """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced.
+    `views`: the to-Hub plan; default the marker's.
 
     The result describes `tmp` as written, from the plan and the copies, so no caller re-reads it.
     """
@@ -142,7 +147,7 @@ def build_export(
         reference=reference,
         max_shard_size=max_shard_size,
         expected=source.marker.tensors if source.marker else None,
-        views=source.marker.hub_plan if source.marker else None,
+        views=views if views is not None else (source.marker.hub_plan if source.marker else None),
         threads=threads,
         progress=progress,
     )
@@ -252,6 +257,26 @@ def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+def _mapped(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
+    """The plan of `mapping` for this step's tensors, and the sha256 of the mapping file (an option)."""
+    if marker.tensors is None:
+        raise HubPlanError(
+            "--mapping needs the tensors' shapes, and this commit marker does not list them",
+            path=step_dir / layout.MARKER_NAME,
+            hint="save through the Stager, which records them, or give the Stager the mapping",
+        )
+    try:
+        raw = Path(mapping).read_bytes()
+    except OSError as e:
+        raise HubPlanError(f"cannot read the key mapping: {e.strerror}", path=mapping) from None
+    try:
+        spec = json.loads(raw)
+    except ValueError as e:
+        raise HubPlanError(f"the key mapping is not JSON: {e}", path=mapping) from None
+    plan = KeyMapping.load(spec).resolve({k: v.shape for k, v in marker.tensors.items()})
+    return plan, hashlib.sha256(raw).hexdigest()
+
+
 def export_step(
     step_dir: Path,
     *,
@@ -261,12 +286,15 @@ def export_step(
     threads: int = 2,
     progress: ProgressFn | None = None,
     rebuild: bool = True,
+    mapping: Path | None = None,
 ) -> ExportResult:
     """Export a committed step into `<step_dir>/export/`; a no-op (`skipped`) if that already exists.
 
     `dtype` None means the marker's hint, or keep; an explicit value overrides the hint. The options an
     export was made with are kept beside it: asked for others, it is rebuilt, or with `rebuild` False (a
-    sink already holds the old one) an ExportMismatchError, before anything is touched.
+    sink already holds the old one) an ExportMismatchError, before anything is touched. `mapping`: a key
+    mapping file (`contract/key_mapping.py`) for a step whose marker has no to-Hub plan of its own (the
+    trainer's plan wins); its content is one of the recorded options.
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
@@ -277,7 +305,14 @@ def export_step(
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
     target = source.target_dtype(dtype)
-    wanted = {"dtype": target or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size}
+    wanted: dict[str, Any] = {
+        "dtype": target or "keep",
+        "keep_dtype": keep_dtype,
+        "max_shard_size": max_shard_size,
+    }
+    views = source.marker.hub_plan
+    if mapping is not None and views is None:
+        views, wanted["mapping"] = _mapped(source.marker, mapping, step_dir)
     recorded = _recorded_options(step_dir)
     if recorded is not None and recorded != wanted:
         if not rebuild:
@@ -318,6 +353,7 @@ def export_step(
             max_shard_size=max_shard_size,
             threads=threads,
             progress=progress,
+            views=views,
         )
         layout.write_json_atomic(step_dir / layout.EXPORT_OPTIONS_NAME, wanted)
         os.rename(tmp, final)

@@ -143,3 +143,49 @@ def test_a_marker_plan_the_shards_contradict_publishes_nothing(tmp_path, saved):
     )
     assert not (tmp_path / "sink" / layout.step_dir_name(1)).exists()
     assert not (step / layout.EXPORT_DIR).exists()
+
+
+def _mapping(sizes):
+    split = [{"name": f"{p}_proj", "size": n} for p, n in zip("qkv", sizes, strict=True)]
+    split[0]["rope_heads"] = 1
+    return {
+        "rules": [{"match": "qkv", "split_dim": 0, "split": split}, {"match": "norm", "name": "model.norm"}]
+    }
+
+
+def test_watch_applies_a_key_mapping_to_a_step_saved_without_a_plan(tmp_path, saved):
+    """`watch --mapping`: the daemon resolves the mapping against the marker's tensors; a mapping that does
+    not fit (split sizes not adding up) is a named error and nothing is published."""
+    import shutil
+
+    from safetensors.torch import load_file as load
+
+    from stagerd.contract import layout
+    from stagerd.contract.dtypes import safetensors_name
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+    from tests.dcp_fixtures import commit_step
+
+    src, full = saved
+    tensors = {k: layout.TensorInfo(safetensors_name(t.dtype), tuple(t.shape)) for k, t in full.items()}
+    results = {}
+    for case, sizes in (("good", (4, 4, 4)), ("bad", (4, 4, 3))):
+        root, sink, mapping = tmp_path / case, tmp_path / f"sink-{case}", tmp_path / f"{case}.json"
+        shutil.copytree(src, root / layout.step_dir_name(1) / layout.MODEL_DIR)
+        commit_step(root / layout.step_dir_name(1), 4, tensors=tensors)
+        mapping.write_text(json.dumps(_mapping(sizes)))
+        argv = ["watch", root, "--sink", f"file://{sink}", "--once", "--mapping", mapping, *fast_flags()]
+        results[case] = (run_cli(argv), sink / layout.step_dir_name(1))
+    res, out = results["good"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load(f))
+    rope = full["qkv"][:4].reshape(1, 2, 2, 8).permute(0, 2, 1, 3).reshape(4, 8)
+    want = {"q_proj": rope, "k_proj": full["qkv"][4:8], "v_proj": full["qkv"][8:], "model.norm": full["norm"]}
+    for name, t in want.items():
+        assert torch.equal(got.pop(name), t), name
+    assert sorted(got) == ["experts.down", "experts.gate_up", "tied"]  # unmapped keys kept as they are
+    res, out = results["bad"]
+    assert res.returncode != 0 and "add up to 11, not its dim 0 of 12" in res.stdout + res.stderr
+    assert not out.exists()
