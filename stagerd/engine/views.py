@@ -12,7 +12,10 @@ are cut the same way and shifted to their place.
 
 A permuted view (`reshape` + `perm`, the RoPE row order) is cut into runs along the dims after its last
 permuted one (whole rows for RoPE); each run, within each block, is placed as the boxes that tile its
-range of the output.
+range of the output. Where the last dim itself moves (a transpose), each line of a block along the
+source's last dim is one block of the output, a line along the dim it became: the planner gathers those
+lines into bounded slabs (one pread per line and slab), slower than a copy but never element by element
+and never the whole tensor.
 """
 
 from __future__ import annotations
@@ -143,6 +146,9 @@ def _permuted(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[
     k = len(perm)
     while k > 0 and perm[k - 1] == k - 1:
         k -= 1
+    if k == len(perm):  # the last dim moves (a transpose): by source lines, not element by element
+        yield from _transposed(chunks, v, dt)
+        return
     run = math.prod(shape_r[k:])
     rs = strides(shape_r)
     outer = [shape_r[perm[j]] for j in range(k)]
@@ -180,3 +186,42 @@ def _box_pieces(
         at = out + sum((g[d] - start[d]) * bs[d] for d in range(nd))
         for f, ost, osz in _range_boxes(at, n, out_shape):
             yield c.src, c.offset + dt.nbytes(elem + f - at), ost, osz
+
+
+def _transposed(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[Piece]:
+    """A view that permutes its box's dims (a transpose): every run of a block along the source's last dim
+    is one piece, a line of the output along the dim that last dim became. The planner gathers such lines
+    into slabs of the output (bounded buffers, one pread per line and slab)."""
+    nd = len(v.size)
+    box_dims = [d for d in range(nd) if v.size[d] != 1]
+    permuted = tuple(v.reshape[p] for p in v.perm)
+    out_dims = [j for j, n in enumerate(v.shape) if n != 1]
+    if (
+        tuple(v.reshape) != tuple(v.size[d] for d in box_dims)
+        or not box_dims
+        or box_dims[-1] != nd - 1
+        or [n for n in permuted if n != 1] != [v.shape[j] for j in out_dims]
+        or len(out_dims) != len(permuted)
+    ):
+        raise HubPlanError(
+            f"view {v.name!r}: perm {list(v.perm)} of {list(v.reshape)} moves single elements of "
+            f"{v.source!r}; only a permutation of its box's dims, the last one longer than one, is planned"
+        )
+    # output dim out_dims[i] <- box dim box_dims[perm[i]]
+    src_of_out = {out_dims[i]: box_dims[p] for i, p in enumerate(v.perm)}
+    for c in chunks:
+        lo = [max(c.global_offset[d], v.start[d]) for d in range(nd)]
+        hi = [min(c.global_offset[d] + c.shape[d], v.start[d] + v.size[d]) for d in range(nd)]
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
+            continue
+        cs = strides(c.shape)
+        for prefix in itertools.product(*(range(lo[d], hi[d]) for d in range(nd - 1))):
+            g = [*prefix, lo[-1]]
+            elem = sum((g[d] - c.global_offset[d]) * cs[d] for d in range(nd))
+            go = [0] * len(v.shape)
+            sh = [1] * len(v.shape)
+            for j, d in src_of_out.items():
+                go[j] = g[d] - v.start[d]
+                if d == nd - 1:
+                    sh[j] = hi[-1] - lo[-1]
+            yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(sh)

@@ -7,8 +7,10 @@ traced tensor knows which staged tensor it reads and where (a strided view of it
 split, unbind, select, slicing) and value-preserving copies (contiguous, clone). Each output is then a box
 of one staged tensor: a `TensorView` of the declarative plan the export engine carries out as byte moves.
 
-An output that is not such a box (a concatenation, a transpose or reshape that reorders elements, a
-dtype change) is a HubPlanError naming the op, at save time: never a silently different export.
+A concatenation or stack of such views is planned as the parts of one output, a transpose as a
+permutation of the box's dims. Anything else (a reshape that reorders elements, as `PermuteForRope`'s
+view/transpose/reshape does, a flip, a dtype change) is a HubPlanError naming the op, at save time:
+never a silently different export.
 Nothing is allocated: meta tensors hold no data.
 """
 
@@ -144,15 +146,21 @@ def _view(name: str, source: str, p: torch.Tensor, root_shape: tuple[int, ...]) 
     if sum(a * s for a, s in zip(start, rs, strict=True)) != p.storage_offset():
         return None
     size = [1] * len(root_shape)
-    prev = -1
+    order: list[int] = []  # the root dim of each non-unit dim of `p`
     for n, st in zip(p.shape, p.stride(), strict=True):
         if n == 1:
             continue
         found = next((d for d in range(len(root_shape)) if root_shape[d] > 1 and rs[d] == st), None)
-        if found is None or found <= prev or start[found] + n > root_shape[found]:
+        if found is None or found in order or start[found] + n > root_shape[found]:
             return None
-        size[found], prev = n, found
-    return TensorView(name, source, tuple(start), tuple(size), tuple(p.shape))
+        size[found] = n
+        order.append(found)
+    if order == sorted(order):
+        return TensorView(name, source, tuple(start), tuple(size), tuple(p.shape))
+    # The box's dims permuted (a Transpose): moved by source lines, see engine/views.py.
+    dims = sorted(order)
+    reshape, perm = tuple(size[d] for d in dims), tuple(dims.index(d) for d in order)
+    return TensorView(name, source, tuple(start), tuple(size), tuple(p.shape), reshape, perm)
 
 
 def is_transformers_model(model: Any) -> bool:

@@ -53,6 +53,9 @@ def hub_plan() -> HubPlan:
     views.append(
         TensorView("fused", "qkv", (0, 0), (8, 8), (8, 8), (2, 2, 2, 8), (0, 2, 1, 3), (6, 0), (14, 8))
     )
+    # Transposes (a registry Transpose): a whole 2-D mesh tensor, and one expert of a Shard(1) bf16 tensor
+    views.append(TensorView("qkv_t", "qkv", (0, 0), (12, 8), (8, 12), (12, 8), (1, 0)))
+    views.append(TensorView("down_t.2", "experts.down", (2, 0, 0), (1, 4, 3), (3, 4), (4, 3), (1, 0)))
     views.append(view("tied", "tied", (0, 0), (6, 8)))
     views.append(view("lm_head", "tied", (0, 0), (6, 8)))
     return HubPlan(tuple(views), drop=("norm",), origin="transformers")

@@ -40,17 +40,25 @@ def test_a_bad_mapping_is_refused_at_save_time(tmp_path, mapping, words):
 
 
 def test_a_conversion_that_is_not_a_box_is_refused_at_save_time(tmp_path):
-    """A checkpoint that stores a weight transposed (as some registry entries do): saving it back is a
-    permutation of single elements, which the engine does not move at copy speed, so it is refused."""
-    from transformers.core_model_loading import Transpose, WeightConverter
+    """An op registered for a model that is not a permutation of whole lines (here: a flip of the rows)."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
 
     from tests.fidelity import models
 
+    class Flip(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            (tensor,) = (v[0] if isinstance(v, list) else v for v in input_dict.values())
+            return {target_patterns[0]: tensor.flip(0)}
+
+        @property
+        def reverse_op(self):
+            return Flip()
+
     model = models.build("llama")
     model._weight_conversions = [
-        WeightConverter("mlp.down_weight_t", "mlp.down_proj.weight", operations=[Transpose(0, 1)])
+        WeightConverter("mlp.down_flipped", "mlp.down_proj.weight", operations=[Flip()])
     ]
-    _refused(tmp_path, model.state_dict(), "reorders the elements.*cannot be planned", model=model)
+    _refused(tmp_path, model.state_dict(), "uses 'flip'.*cannot be planned", model=model)
 
 
 def test_model_and_mapping_together_are_refused(tmp_path):

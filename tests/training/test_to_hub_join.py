@@ -1,6 +1,7 @@
 """A model whose checkpoint fuses what memory keeps apart (transformers' `Chunk` on load, so a
-concatenation on save): the parts are planned as one output, and the export is what `save_pretrained`
-writes (one process: the conversion is the same under FSDP2)."""
+concatenation on save) and stores a weight transposed (`Transpose`): the parts are planned as one output,
+the transpose by source lines, and the export is what `save_pretrained` writes (one process: the
+conversion is the same under FSDP2)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from tests.fidelity import harness, models
 
 @pytest.mark.slow
 def test_a_concatenating_conversion_exports_what_save_pretrained_writes(tmp_path):
-    from transformers.core_model_loading import Chunk, WeightConverter
+    from transformers.core_model_loading import Chunk, Transpose, WeightConverter
 
     torch.manual_seed(0)
     model = models.build("llama")
     qkv = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-    model._weight_conversions = [WeightConverter("self_attn.qkv_proj.weight", qkv, operations=[Chunk(dim=0)])]
+    model._weight_conversions = [
+        WeightConverter("self_attn.qkv_proj.weight", qkv, operations=[Chunk(dim=0)]),
+        WeightConverter("mlp.down_weight_t", "mlp.down_proj.weight", operations=[Transpose(0, 1)]),
+    ]
     with Stager(tmp_path / "root", checkpointer="thread") as stager:
         stager.save(model.state_dict(), step=1, model=model, extras={"config.json": model.config.to_dict()})
         stager.wait()
@@ -30,4 +34,7 @@ def test_a_concatenating_conversion_exports_what_save_pretrained_writes(tmp_path
         ref = tmp_path / f"ref-{dtype}"
         (model if dtype == "keep" else model.to(torch.bfloat16)).save_pretrained(ref)
         harness.assert_same_tensors(export_dir, ref)
-        assert "model.layers.1.self_attn.qkv_proj.weight" in harness.tensors(export_dir)
+        got = harness.tensors(export_dir)
+        assert "model.layers.1.self_attn.qkv_proj.weight" in got and got["model.layers.1.mlp.down_weight_t"][
+            1
+        ] == (48, 32)
