@@ -19,7 +19,8 @@ from pydantic_settings import (
 )
 
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
-from stagerd.errors import ConfigError
+from stagerd.contract.key_mapping import KeyMapping
+from stagerd.errors import ConfigError, StagerdError
 
 ENV_PREFIX = "STAGERD_"
 DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
@@ -44,6 +45,11 @@ class Settings(BaseSettings):
         None, description="Export dtype: keep|bf16|fp16|fp32. Unset: the commit marker's hint, else keep."
     )
     keep_dtype: str | None = Field(None, description="Regex of tensor names that are never cast.")
+    mapping: Path | None = Field(
+        None,
+        description="Key mapping (JSON: renames, splits, merges, RoPE rows) for steps saved without a to-Hub "
+        "plan, e.g. examples/torchtitan_llama_to_hf.json.",
+    )
     max_shard_size: ByteSize = Field(
         ByteSize(5_000_000_000), gt=0, description="Largest output safetensors file: bytes, or 5GB, 500MiB."
     )
@@ -184,6 +190,16 @@ class Settings(BaseSettings):
                 re.compile(v)
             except re.error as e:
                 raise ValueError(f"not a regular expression: {e}") from None
+        return v
+
+    @field_validator("mapping")
+    @classmethod
+    def _check_mapping(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            try:
+                KeyMapping.load(v)
+            except StagerdError as e:
+                raise ValueError(e.message) from None
         return v
 
     @field_validator("metrics_port", mode="before")

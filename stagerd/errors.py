@@ -195,3 +195,14 @@ class RestoreError(StagerdError):
     """A remote step that cannot be restored as it is: a missing or corrupt object, a bad manifest."""
 
     hint = "nothing was landed in ROOT; check the step on the sink, or restore another step with --step N"
+
+
+class HubPlanError(StagerdError):
+    """A to-Hub plan (the conversion of the trainer's names and layout to the checkpoint's) that cannot be
+    carried out as byte moves: an op that is not a permutation of elements, two tensors given one name, a
+    strict mapping leaving keys unmapped, a split whose sizes do not add up."""
+
+    hint = (
+        "the export would not be what save_pretrained writes; fix the mapping, or save without model= / "
+        "mapping= to export the trainer's own names"
+    )

@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
     p.add_argument("--dtype", choices=EXPORT_DTYPE_CHOICES, help="export dtype")
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names that are never cast")
+    p.add_argument(
+        "--mapping",
+        type=Path,
+        metavar="FILE",
+        help="key mapping (JSON) for steps saved without a to-Hub plan",
+    )
     p.add_argument("--max-shard-size", metavar="SIZE", help="largest output file, e.g. 5GB")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps' staged data")
     p.add_argument(
@@ -93,6 +99,7 @@ _FLAGS = (
     "sinks",
     "dtype",
     "keep_dtype",
+    "mapping",
     "max_shard_size",
     "keep_last",
     "once",

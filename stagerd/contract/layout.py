@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagerd.errors import MarkerError, ShardError
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.errors import HubPlanError, MarkerError, ShardError
 
 MARKER_NAME = "stagerd.commit.json"
 MARKER_FORMAT = "stagerd.commit/1"
@@ -141,11 +142,17 @@ class CommitMarker:
     # `staging_node` of `staging_nodes`; the step is whole only with every node's marker. 0 of 1 = all files.
     staging_node: int = 0
     staging_nodes: int = 1
+    # How the staged tensors become the checkpoint's (contract/hub_plan.py): None writes them as staged.
+    hub_plan: HubPlan | None = None
+    # A PEFT model's adapter-only artefact (export/adapter/adapter_model.safetensors), planned the same way.
+    adapter_plan: HubPlan | None = None
     format: str = MARKER_FORMAT
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["files"] = [asdict(f) for f in self.files]
+        d["hub_plan"] = None if self.hub_plan is None else self.hub_plan.to_json()
+        d["adapter_plan"] = None if self.adapter_plan is None else self.adapter_plan.to_json()
         if self.tensors is not None:
             d["tensors"] = {k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.tensors.items()}
         return {"format": d.pop("format"), **d}
@@ -174,6 +181,12 @@ class CommitMarker:
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)
+            hub, adapter = d.get("hub_plan"), d.get("adapter_plan")
+            try:
+                hub_plan = None if hub is None else HubPlan.from_json(hub, path=path)
+                adapter_plan = None if adapter is None else HubPlan.from_json(adapter, path=path)
+            except HubPlanError as e:
+                raise MarkerError(e.message, path=path) from None
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
             if not (_is_int(node) and _is_int(nodes) and 0 <= node < nodes):
                 raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
@@ -188,6 +201,8 @@ class CommitMarker:
                 tensors=tensors,
                 staging_node=node,
                 staging_nodes=nodes,
+                hub_plan=hub_plan,
+                adapter_plan=adapter_plan,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None

@@ -141,6 +141,7 @@ class Tasks(Health, Discovery):
                 step_dir,
                 dtype=s.dtype,
                 keep_dtype=s.keep_dtype,
+                mapping=s.mapping,
                 max_shard_size=int(s.max_shard_size),
                 threads=s.export_threads,
                 progress=report,

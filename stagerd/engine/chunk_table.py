@@ -56,7 +56,7 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
                     f"tensor {name!r}: an offset or dimension does not fit 64 bits", path=h.path
                 ) from None
         del h, offsets  # the next shard's header must not sit beside this one's
-    order, first = _group_by_tensor(tensor, len(name_end))
+    order, first = group_by_tensor(tensor, len(name_end))
     table = ChunkTable(
         tuple(sources),
         Names(bytes(blob), frozen(name_end)),
@@ -72,7 +72,7 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
     return table, ids
 
 
-def _group_by_tensor(tensor: Sequence[int], n: int) -> tuple[array, array]:
+def group_by_tensor(tensor: Sequence[int], n: int) -> tuple[array, array]:
     """A counting sort of block indices by tensor id, stable, so shard order stays within a tensor."""
     first = array("q", bytes(8 * (n + 1)))
     for t in tensor:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_bytes_atomic
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -27,12 +28,14 @@ from stagerd.engine.shard_scan import scan_shards
 
 @dataclass(frozen=True)
 class ConsolidateResult:
-    """The safetensors files written (name, size), the tensor count and bytes, and the index's size."""
+    """The safetensors files written (name, size), the tensor count and bytes, the index's size, and the
+    bytes written per output dtype (safetensors name)."""
 
     files: tuple[tuple[str, int], ...]
     tensors: int
     total_size: int
     index_size: int
+    dtype_bytes: tuple[tuple[str, int], ...] = ()
 
 
 def consolidate_into(
@@ -45,6 +48,7 @@ def consolidate_into(
     reference: Mapping[str, str] | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     expected: Mapping[str, TensorInfo] | None = None,
+    views: HubPlan | None = None,
     threads: int = 2,
     progress: ProgressFn | None = None,
 ) -> ConsolidateResult:
@@ -56,6 +60,7 @@ def consolidate_into(
         reference=reference,
         max_shard_size=max_shard_size,
         expected=expected,
+        views=views,
     )
     execute(p, out_dir, threads=threads, progress=progress)
     index = out_dir / INDEX_NAME
@@ -65,7 +70,7 @@ def consolidate_into(
     except OSError as e:
         raise output_error(e, index) from None
     return ConsolidateResult(
-        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size
+        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size, p.dtype_bytes()
     )
 
 

@@ -6,6 +6,7 @@ once it is complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,14 +20,18 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.export_tree import regular_files
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
+from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
+    HubPlanError,
     OutputError,
     ReferenceIndexError,
     ShardError,
@@ -123,8 +128,10 @@ def build_export(
     max_shard_size: int,
     threads: int,
     progress: ProgressFn | None,
+    views: HubPlan | None = None,
 ) -> ExportResult:
     """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced.
+    `views`: the to-Hub plan; default the marker's.
 
     The result describes `tmp` as written, from the plan and the copies, so no caller re-reads it.
     """
@@ -141,18 +148,26 @@ def build_export(
         reference=reference,
         max_shard_size=max_shard_size,
         expected=source.marker.tensors if source.marker else None,
+        views=views if views is not None else (source.marker.hub_plan if source.marker else None),
         threads=threads,
         progress=progress,
     )
     files = [*res.files, (layout.INDEX_NAME, res.index_size)]
+    if source.marker is not None and source.marker.adapter_plan is not None:
+        files.append(_build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
     for rel in source.extras():
         if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
             continue  # our index and weights are the export's; a stray copy would contradict them
         crash_point("export.extra")
         dst = tmp / rel
+        staged = source.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source.step_dir / layout.EXTRAS_DIR / rel, dst)  # type: ignore[operator]
+            config = exported_config(staged, dict(res.dtype_bytes), dtype) if rel == CONFIG_NAME else None
+            if config is None:
+                shutil.copyfile(staged, dst)
+            else:  # names the dtype the files hold; the staged original is only read
+                dst.write_bytes(config)
             fd = os.open(dst, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -165,6 +180,38 @@ def build_export(
     return ExportResult(
         tmp, tuple(sorted(files)), res.total_size, res.tensors, time.monotonic() - t0, skipped=False
     )
+
+
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _build_adapter(
+    source: Source, tmp: Path, plan: HubPlan, dtype: str | None, keep_dtype: str | None, threads: int
+) -> tuple[str, int]:
+    """A PEFT model's adapter-only artefact: `adapter/adapter_model.safetensors`, one file, no index,
+    as `PeftModel.save_pretrained` writes it (its config comes with the extras)."""
+    out = tmp / ADAPTER_DIR
+    try:
+        out.mkdir()
+        res = consolidate_into(
+            source.model_dir,
+            out,
+            listed=source.listed,
+            dtype=dtype,
+            keep_dtype=keep_dtype,
+            max_shard_size=1 << 62,
+            expected=source.marker.tensors if source.marker else None,
+            views=plan,
+            threads=threads,
+        )
+        ((name, size),) = res.files
+        os.rename(out / name, out / ADAPTER_WEIGHTS)
+        os.unlink(out / layout.INDEX_NAME)
+        layout.fsync_dir(out)
+    except OSError as e:
+        raise OutputError(f"cannot write the adapter: {e.strerror}", path=out) from None
+    return f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", size
 
 
 # Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
@@ -211,6 +258,26 @@ def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+def _mapped(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
+    """The plan of `mapping` for this step's tensors, and the sha256 of the mapping file (an option)."""
+    if marker.tensors is None:
+        raise HubPlanError(
+            "--mapping needs the tensors' shapes, and this commit marker does not list them",
+            path=step_dir / layout.MARKER_NAME,
+            hint="save through the Stager, which records them, or give the Stager the mapping",
+        )
+    try:
+        raw = Path(mapping).read_bytes()
+    except OSError as e:
+        raise HubPlanError(f"cannot read the key mapping: {e.strerror}", path=mapping) from None
+    try:
+        spec = json.loads(raw)
+    except ValueError as e:
+        raise HubPlanError(f"the key mapping is not JSON: {e}", path=mapping) from None
+    plan = KeyMapping.load(spec).resolve({k: v.shape for k, v in marker.tensors.items()})
+    return plan, hashlib.sha256(raw).hexdigest()
+
+
 def export_step(
     step_dir: Path,
     *,
@@ -220,12 +287,15 @@ def export_step(
     threads: int = 2,
     progress: ProgressFn | None = None,
     rebuild: bool = True,
+    mapping: Path | None = None,
 ) -> ExportResult:
     """Export a committed step into `<step_dir>/export/`; a no-op (`skipped`) if that already exists.
 
     `dtype` None means the marker's hint, or keep; an explicit value overrides the hint. The options an
     export was made with are kept beside it: asked for others, it is rebuilt, or with `rebuild` False (a
-    sink already holds the old one) an ExportMismatchError, before anything is touched.
+    sink already holds the old one) an ExportMismatchError, before anything is touched. `mapping`: a key
+    mapping file (`contract/key_mapping.py`) for a step whose marker has no to-Hub plan of its own (the
+    trainer's plan wins); its content is one of the recorded options.
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
@@ -236,7 +306,14 @@ def export_step(
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
     target = source.target_dtype(dtype)
-    wanted = {"dtype": target or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size}
+    wanted: dict[str, Any] = {
+        "dtype": target or "keep",
+        "keep_dtype": keep_dtype,
+        "max_shard_size": max_shard_size,
+    }
+    views = source.marker.hub_plan
+    if mapping is not None and views is None:
+        views, wanted["mapping"] = _mapped(source.marker, mapping, step_dir)
     recorded = _recorded_options(step_dir)
     if recorded is not None and recorded != wanted:
         if not rebuild:
@@ -277,6 +354,7 @@ def export_step(
             max_shard_size=max_shard_size,
             threads=threads,
             progress=progress,
+            views=views,
         )
         options_path = step_dir / layout.EXPORT_OPTIONS_NAME
         try:

@@ -251,6 +251,14 @@ class ExportPlan:
             pairs.sort(key=lambda p: order_key(p[0]))
         return dict(pairs)
 
+    def dtype_bytes(self) -> tuple[tuple[str, int], ...]:
+        """(safetensors dtype name, bytes written in it), per output dtype present."""
+        out: dict[str, int] = {}
+        for r in range(len(self.tensor)):
+            name = DTYPE_NAMES[self.dst_dtype[r]]
+            out[name] = out.get(name, 0) + self.end[r] - self.begin[r]
+        return tuple(sorted(out.items()))
+
     def index(self) -> dict[str, object]:
         """`model.safetensors.index.json`, derived from the same plan as the headers."""
         return {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map()}

@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping
 
 from stagerd.contract import dtypes
+from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.layout import TensorInfo
 from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
@@ -33,6 +34,7 @@ from stagerd.engine.plan_types import (
     in_natural_order,
 )
 from stagerd.engine.tiling import check_tiling
+from stagerd.engine.views import apply_views
 from stagerd.errors import DTypeError, PlanError
 
 
@@ -45,6 +47,7 @@ def plan(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     expected: Mapping[str, TensorInfo] | None = None,
     out_dtypes: Mapping[str, str] | None = None,
+    views: HubPlan | None = None,
 ) -> ExportPlan:
     """Turn validated shard headers into a frozen export plan. Pure: reads nothing, writes nothing.
 
@@ -52,7 +55,8 @@ def plan(
     safetensors name (`BF16`) or None to keep; `keep_dtype` a regex of names never cast; `reference` a
     weight_map whose grouping to keep; `expected` the global dtype and shape of every tensor as the trainer
     saw it (from the commit marker), which catches a missing trailing shard; `out_dtypes` pins the output
-    dtype of named tensors (verify uses it to re-derive an existing export).
+    dtype of named tensors (verify uses it to re-derive an existing export); `views` the commit marker's
+    to-Hub plan, applied once the staged tensors are checked (names, dtypes and files are then the Hub's).
     """
     if dtype is not None:
         dt = dtypes.lookup(dtype)
@@ -71,6 +75,10 @@ def plan(
         _check_expected(table, ids, shape, expected)
     for t in range(len(names)):
         check_tiling(names[t], shape(t), table.chunks_of(t), where)
+    if views is not None:
+        table, ids = apply_views(table, ids, shape, views)
+        names = list(ids)
+        shape_at, shape_ndim, dims = _global_shapes(table, names)
 
     out_code = array(
         "B", (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep)] for t, n in enumerate(names))

@@ -100,6 +100,7 @@ def verify_export(
             max_shard_size=max(file_sizes) + 1,
             expected=source.marker.tensors if source.marker else None,
             out_dtypes=out_dtypes,
+            views=source.marker.hub_plan if source.marker else None,
         )
         del out_dtypes
         # The plan keeps the reference's grouping and refuses reference keys absent from the shards, so

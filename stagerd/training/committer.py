@@ -158,9 +158,13 @@ class Committer:
             except Exception as e:
                 local = failed_here(spec, rank, "writing extras/", e)
         # Rank 0 also hands over its descriptive arguments, which go into every node's marker.
-        described = (spec.reference_index, spec.dtype, spec.metadata) if rank == 0 else None
+        described = (
+            (spec.reference_index, spec.dtype, spec.metadata, spec.hub_plan, spec.adapter_plan)
+            if rank == 0
+            else None
+        )
         payloads = check_in(comm, spec, "writing", local, (extras, time.time(), described))
-        extras, created, (reference_index, dtype, metadata) = payloads[0]
+        extras, created, (reference_index, dtype, metadata, hub_plan, adapter_plan) = payloads[0]
         files.update(extras)  # written by rank 0
         mine = {p: s for p, (s, r) in files.items() if self._topology.node(r) == self._node}
         local = None
@@ -176,6 +180,8 @@ class Committer:
                 tensors=tensors,
                 staging_node=self._node,
                 staging_nodes=self._topology.num_nodes,
+                hub_plan=hub_plan,
+                adapter_plan=adapter_plan,
             )
             if self._is_leader:
                 write_commit(spec.step_dir, marker)

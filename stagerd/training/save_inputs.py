@@ -2,7 +2,8 @@
 
 The state dicts must hold tensors (the HF writer stores nothing else); `extras` are JSON, bytes or files;
 the reference index is a path or a weight_map; `dtype` one of the export engine's spellings; `metadata`
-JSON. `extras`, `reference_index`, `dtype` and `metadata` are taken from rank 0 alone.
+JSON; the to-Hub plan resolved from `model` (`hub_trace`). `extras`, `reference_index`, `dtype`, `metadata`
+and the plan are taken from rank 0 alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
+from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
+from stagerd.training.to_hub import ToHub
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class SaveSpec:
     reference_index: dict[str, str] | str | None = None
     dtype: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    hub_plan: HubPlan | None = None
+    adapter_plan: HubPlan | None = None
 
 
 def _resolve_stateful(sd: Any, what: str) -> dict[str, Any]:
@@ -141,6 +146,7 @@ def describe_save(
     reference_index: Any,
     dtype: str | None,
     metadata: Mapping[str, Any] | None,
+    to_hub: ToHub | None = None,
 ) -> SaveSpec:
     """The save's spec; rank 0's alone carries extras, reference index, dtype and metadata."""
     if rank != 0:  # the other ranks' extras, reference_index, dtype and metadata are ignored
@@ -149,11 +155,14 @@ def describe_save(
         json.dumps(dict(metadata or {}))
     except (TypeError, ValueError) as e:
         raise SaveInputError(f"metadata is not JSON-serializable: {e}") from None
+    hub = to_hub or ToHub()
     return SaveSpec(
         step=step,
         step_dir=step_dir,
-        extras=_snapshot_extras(extras),
+        extras=_snapshot_extras(extras) + tuple(Extra(n, b, None) for n, b in hub.extras),
         reference_index=_reference_index(reference_index),
         dtype=export_dtype_hint(parse_export_dtype(dtype)) if dtype is not None else None,
         metadata=dict(metadata or {}),
+        hub_plan=hub.plan,
+        adapter_plan=hub.adapter,
     )

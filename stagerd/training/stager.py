@@ -31,6 +31,7 @@ gloo process group of its own, so its background collectives never interleave wi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -49,7 +50,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
-from stagerd.training import shutdown
+from stagerd.training import shutdown, to_hub
+from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
@@ -65,6 +67,7 @@ from stagerd.training.host_copy import (
 from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
+from stagerd.training.to_hub import ToHub
 from stagerd.training.topology import StagingTopology, discover, node_id
 
 __all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
@@ -131,6 +134,7 @@ class Stager:
         self._committer = Committer(self._comm, self.topology, self.checkpointer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
+        self._hub_plans: dict[Any, ToHub] = {}
         self._unreported: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -149,11 +153,21 @@ class Stager:
         dtype: str | None = None,
         optimizer_state: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        model: Any = None,
+        mapping: Any = None,
     ) -> SaveHandle:
         """Start saving `state_dict` as `step`; returns once the host copy has been started.
 
         Collective: every rank calls it with the same step. Raises StepExistsError if the step is already
         committed, SaveInputError / DTypeError / ReferenceIndexError for bad arguments (on every rank).
+
+        Keys that alias another key's tensor (tied weights) are staged once. `model`: the module whose
+        state dict this is; for a transformers model the export is then what `save_pretrained` writes
+        (its checkpoint names and layout, tied duplicates left out), resolved here into the marker's
+        to-Hub plan (HubPlanError if it cannot be). Without it, or for another model, every key is
+        exported under its own name with its own bytes. `mapping`: a declarative key mapping (a
+        `KeyMapping`, its JSON as a dict, or a path; `examples/torchtitan_llama_to_hf.json`) for a trainer
+        whose names are not the checkpoint's.
         """
         if self._closed:
             raise SaveError("the Stager is closed")
@@ -164,6 +178,7 @@ class Stager:
         staging: list[Staging] = []
         try:
             model_sd, optim_sd = resolve_state(state_dict, step, optimizer_state)
+            model_sd, aliases = split_aliases(model_sd)
             # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
             # written to disk before the check-in; a refused save only filled our own staging buffers.
             order_after_compute((self._model_stager, self._optim_stager))
@@ -178,6 +193,7 @@ class Stager:
                 reference_index=reference_index,
                 dtype=dtype,
                 metadata=metadata,
+                to_hub=self._to_hub(model, mapping, model_sd, aliases) if self.rank == 0 else None,
             )
             if self._is_leader and layout.is_committed(spec.step_dir):
                 raise StepExistsError(
@@ -305,6 +321,18 @@ class Stager:
                 dist.destroy_process_group(self._group)
             self._group = None
             self._comm.group = None
+
+    def _to_hub(self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str]) -> ToHub:
+        """Resolved once per model and set of tensors: later saves of the same training reuse it."""
+        key = (
+            id(model),
+            json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
+            tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
+            tuple(aliases.items()),
+        )
+        if key not in self._hub_plans:
+            self._hub_plans = {key: to_hub.resolve(model, sd, aliases, mapping)}
+        return self._hub_plans[key]
 
     def _wait_previous(self, step: int) -> None:
         h = self._inflight

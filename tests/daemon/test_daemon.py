@@ -108,7 +108,8 @@ async def test_training_job_writes_steps_while_watch_runs(tmp_path):
         for step in (10, 20, 30):
             assert_published_correctly(sink, step, {k: v for k, (v, _) in mixed_tensors(step).items()})
             cfg = json.loads((sink / layout.step_dir_name(step) / "config.json").read_text())
-            assert cfg == {"model_type": "tiny", "step": step}
+            # Every key kept; the dtype its files hold (most bytes F32 in a kept export) named (issue 12).
+            assert cfg == {"model_type": "tiny", "step": step, "dtype": "float32"}
 
         j = Journal.open_readonly(root)
         try:

@@ -160,13 +160,18 @@ def test_export_step_with_extras_and_marker(step_dir, dcp_mixed):
     assert not res.skipped
     assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
     exp = step_dir / layout.EXPORT_DIR
-    assert (exp / "config.json").read_text() == '{"model_type": "tiny"}\n'
+    # The config names the dtype the files hold (issue 12); the staged original stays as it was.
+    assert json.loads((exp / "config.json").read_text()) == {"model_type": "tiny", "dtype": "bfloat16"}
+    assert (step_dir / layout.EXTRAS_DIR / "config.json").read_text() == '{"model_type": "tiny"}\n'
     assert (exp / "tokenizer.json").exists()
     assert_bit_exact(load_export(exp), expected_cast(full, torch.bfloat16))
     assert dict(res.files)["config.json"] == (exp / "config.json").stat().st_size
     again = export_step(step_dir, dtype="bf16")
     assert again.skipped and again.files == res.files
     verify_export(exp, step_dir)
+    # With --keep-dtype exceptions (here most of the bytes), the config still names the export dtype.
+    export_step(step_dir, dtype="bf16", keep_dtype="embed_tokens|lm_head")
+    assert json.loads((exp / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_export_step_rebuilds_after_a_crash(step_dir, dcp_mixed):

@@ -1,0 +1,197 @@
+"""The to-Hub plan: how the trainer's tensors become the checkpoint's, declared in the commit marker.
+
+The training side resolves it once at save time (from transformers' own conversion registry, a key
+mapping, or the tied weights it saw) and the export engine carries it out as byte moves; the daemon never
+needs the model or transformers. Every output tensor is a box of one staged tensor:
+
+- `views`: output `name` is `source[start : start + size]` (per dim), laid out as `shape` (the box's sizes
+  with unit dims added or removed, nothing else: the box is read in row-major order);
+- with `reshape` and `perm`, the box read in row-major order is viewed as `reshape`, its dims permuted
+  by `perm`, and written in that order (the RoPE row permutation of a key mapping); still a permutation
+  of elements, carried out as byte moves of whole runs (the dims after the last permuted one);
+- several views of one `name`, each with `at` (its offset in the output) and `whole` (the output's shape),
+  are the parts of one output: a concatenation or a stack of boxes of several staged tensors, which must
+  tile it exactly;
+- a staged tensor that no view reads and `drop` does not name is written as it is, under its own name;
+- `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out).
+
+Splits (MoE experts, fused QKV or gate/up), renames, tied duplicates written with their own bytes, and
+dropped keys are all views. No torch here: the daemon reads this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stagerd.errors import HubPlanError
+
+HUB_PLAN_FORMAT = "stagerd.hub/1"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """Output tensor `name`: the box `start`/`size` of staged tensor `source`, as `shape`."""
+
+    name: str
+    source: str
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    shape: tuple[int, ...]
+    reshape: tuple[int, ...] = ()
+    perm: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()  # a part of output `name`, placed at this offset; `whole` is the output's shape
+    whole: tuple[int, ...] = ()
+
+    def is_whole(self, source_shape: tuple[int, ...]) -> bool:
+        whole = tuple(self.size) == tuple(source_shape) and tuple(self.shape) == tuple(source_shape)
+        return whole and not self.perm and not self.at
+
+
+@dataclass(frozen=True)
+class HubPlan:
+    """See the module docstring. `origin` says who resolved it: transformers, mapping, or aliases."""
+
+    views: tuple[TensorView, ...] = ()
+    drop: tuple[str, ...] = ()
+    origin: str = "aliases"
+    format: str = HUB_PLAN_FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "origin": self.origin,
+            "views": [_view_json(v) for v in self.views],
+            "drop": list(self.drop),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Any, *, path: object = None) -> HubPlan:
+        """Parse a marker's plan; any defect is a HubPlanError."""
+        try:
+            if not isinstance(d, dict) or d.get("format") != HUB_PLAN_FORMAT:
+                raise HubPlanError(f"not a {HUB_PLAN_FORMAT} plan", path=path)
+            views = tuple(
+                TensorView(
+                    _str(v["name"]),
+                    _str(v["source"]),
+                    _ints(v["start"]),
+                    _ints(v["size"]),
+                    _ints(v["shape"]),
+                    _ints(v.get("reshape", [])),
+                    _ints(v.get("perm", [])),
+                    _ints(v.get("at", [])),
+                    _ints(v.get("whole", [])),
+                )
+                for v in d["views"]
+            )
+            return cls(views, tuple(_str(n) for n in d.get("drop", ())), _str(d.get("origin", "aliases")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
+
+    def outputs(self, shapes: Mapping[str, tuple[int, ...]], *, path: object = None) -> list[TensorView]:
+        """Every output tensor, checked against the staged tensors' global `shapes`: views first, then the
+        staged tensors neither read by a view nor dropped. Raises HubPlanError where the plan and the
+        checkpoint disagree or two outputs share a name."""
+        read: set[str] = set()
+        out: list[TensorView] = []
+        for v in self.views:
+            src = shapes.get(v.source)
+            if src is None:
+                raise HubPlanError(f"view {v.name!r} reads {v.source!r}, which was not saved", path=path)
+            check_box(v, src, path=path)
+            read.add(v.source)
+            out.append(v)
+        for n in self.drop:
+            if n not in shapes:
+                raise HubPlanError(f"the plan drops {n!r}, which was not saved", path=path)
+        dropped = set(self.drop)
+        for name, shape in shapes.items():
+            if name not in read and name not in dropped:
+                out.append(TensorView(name, name, (0,) * len(shape), tuple(shape), tuple(shape)))
+        seen: dict[str, TensorView] = {}
+        parts: dict[str, list[TensorView]] = {}
+        for v in out:
+            first = seen.setdefault(v.name, v)
+            if v.at and first.at and v.whole == first.whole:
+                parts.setdefault(v.name, []).append(v)
+            elif first is not v or v.at:
+                why = "its parts disagree" if v.at else f"from {first.source!r} and {v.source!r}"
+                raise HubPlanError(f"two tensors are named {v.name!r} ({why})", path=path)
+        for name, ps in parts.items():
+            _check_parts(name, ps, path)
+        return out
+
+
+def _check_parts(name: str, parts: list[TensorView], path: object) -> None:
+    """The parts of one output lie inside it, do not overlap, and cover it."""
+    whole = parts[0].whole
+    boxes = []
+    for p in parts:
+        if len(p.at) != len(whole) or len(p.shape) != len(whole):
+            raise HubPlanError(
+                f"{name!r}: a part's place {list(p.at)} has not the dims of {list(whole)}", path=path
+            )
+        if any(a < 0 or a + n > w for a, n, w in zip(p.at, p.shape, whole, strict=True)):
+            raise HubPlanError(f"{name!r}: a part at {list(p.at)} runs outside {list(whole)}", path=path)
+        boxes.append((p.at, p.shape))
+    for i, (a, s) in enumerate(boxes):
+        for b, t in boxes[:i]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(a, s, b, t, strict=True)):
+                raise HubPlanError(f"{name!r}: two parts overlap at {list(a)} and {list(b)}", path=path)
+    if sum(math.prod(s) for _, s in boxes) != math.prod(whole):
+        raise HubPlanError(f"{name!r}: its parts do not cover {list(whole)}", path=path)
+
+
+def _view_json(v: TensorView) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": v.name, "source": v.source, "start": list(v.start), "size": list(v.size)}
+    d["shape"] = list(v.shape)
+    if v.perm:
+        d["reshape"], d["perm"] = list(v.reshape), list(v.perm)
+    if v.at:
+        d["at"], d["whole"] = list(v.at), list(v.whole)
+    return d
+
+
+def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> None:
+    """`v`'s box lies inside its source of shape `src`, and `v.shape` is that box up to unit dims."""
+    if len(v.start) != len(src) or len(v.size) != len(src):
+        raise HubPlanError(f"view {v.name!r}: its box has not the {len(src)} dims of {v.source!r}", path=path)
+    for d, (a, n, g) in enumerate(zip(v.start, v.size, src, strict=True)):
+        if a < 0 or n < 0 or a + n > g:
+            raise HubPlanError(
+                f"view {v.name!r}: [{a}:{a + n}] of dim {d} is outside {v.source!r}{list(src)}", path=path
+            )
+    if v.perm or v.reshape:
+        if sorted(v.perm) != list(range(len(v.reshape))) or math.prod(v.reshape) != math.prod(v.size):
+            raise HubPlanError(
+                f"view {v.name!r}: perm {list(v.perm)} of reshape {list(v.reshape)} does not permute its box "
+                f"{list(v.size)}",
+                path=path,
+            )
+        if math.prod(v.shape) != math.prod(v.size):
+            raise HubPlanError(
+                f"view {v.name!r}: shape {list(v.shape)} is not its box {list(v.size)}", path=path
+            )
+        return
+    if [n for n in v.size if n != 1] != [n for n in v.shape if n != 1] or math.prod(v.size) != math.prod(
+        v.shape
+    ):
+        raise HubPlanError(
+            f"view {v.name!r}: shape {list(v.shape)} is not its box {list(v.size)} of {v.source!r}",
+            path=path,
+        )
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _ints(x: Any) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        raise TypeError(f"expected a list of integers, got {x!r}")
+    return tuple(x)

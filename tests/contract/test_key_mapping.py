@@ -1,0 +1,104 @@
+"""The declarative key mapping (contract/key_mapping.py) resolves to a to-Hub plan, or a named error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract.key_mapping import KeyMapping
+from stagerd.errors import HubPlanError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_llama_to_hf.json"
+
+FUSED = {
+    "strict": True,
+    "rules": [
+        {
+            "match": r"layers\.(\d+)\.attention\.wqkv\.weight",
+            "split_dim": 0,
+            "split": [
+                {"name": r"model.layers.\1.self_attn.q_proj.weight", "size": 8, "rope_heads": 2},
+                {"name": r"model.layers.\1.self_attn.k_proj.weight", "size": 4, "rope_heads": 1},
+                {"name": r"model.layers.\1.self_attn.v_proj.weight", "size": 4},
+            ],
+        },
+        {"match": r"norm\.weight", "name": "model.norm.weight"},
+    ],
+}
+
+
+def test_a_fused_qkv_is_split_renamed_and_rope_permuted():
+    plan = KeyMapping.load(FUSED).resolve({"layers.3.attention.wqkv.weight": (16, 8), "norm.weight": (8,)})
+    got = {v.name: (v.source, v.start, v.size, v.reshape, v.perm) for v in plan.views}
+    src = "layers.3.attention.wqkv.weight"
+    assert got == {
+        "model.layers.3.self_attn.q_proj.weight": (src, (0, 0), (8, 8), (2, 2, 2, 8), (0, 2, 1, 3)),
+        "model.layers.3.self_attn.k_proj.weight": (src, (8, 0), (4, 8), (1, 2, 2, 8), (0, 2, 1, 3)),
+        "model.layers.3.self_attn.v_proj.weight": (src, (12, 0), (4, 8), (), ()),
+        "model.norm.weight": ("norm.weight", (0,), (8,), (), ()),
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "shapes", "words"),
+    [
+        (FUSED, {"layers.0.attention.wqkv.weight": (15, 8)}, "add up to 16, not its dim 0 of 15"),
+        (FUSED, {"layers.0.attention.wqkv.weight": (16, 8), "output.weight": (4, 8)}, "unmapped"),
+        (
+            {"rules": [{"match": r"a|b", "name": "x"}]},
+            {"a": (2,), "b": (2,)},
+            "two tensors are named 'x'",
+        ),
+        ({"rules": [{"match": "a", "name": "x", "rope_heads": 3}]}, {"a": (4, 2)}, "does not divide"),
+        ({"rules": [{"match": "(", "name": "x"}]}, {}, "rule 0 is malformed"),
+    ],
+)
+def test_bad_mappings_are_named_errors(spec, shapes, words):
+    with pytest.raises(HubPlanError, match=words):
+        KeyMapping.load(spec).resolve(shapes)
+
+
+def test_the_shipped_torchtitan_example_maps_every_llama_key():
+    shapes = {"tok_embeddings.weight": (96, 32), "norm.weight": (32,), "output.weight": (96, 32)}
+    for part, shape in {"wq": (32, 32), "wk": (16, 32), "wv": (16, 32), "wo": (32, 32)}.items():
+        shapes[f"layers.0.attention.{part}.weight"] = shape
+    for part, shape in {"w1": (48, 32), "w2": (32, 48), "w3": (48, 32)}.items():
+        shapes[f"layers.0.feed_forward.{part}.weight"] = shape
+    shapes |= {"layers.0.attention_norm.weight": (32,), "layers.0.ffn_norm.weight": (32,)}
+    spec = json.loads(EXAMPLE.read_text())
+    spec["rules"] = [r | {"rope_heads": 4 if "wq" in r["match"] else 2} if "rope_heads" in r else r
+                     for r in spec["rules"]]  # fmt: skip
+    names = {v.name for v in KeyMapping.load(spec).resolve(shapes).views}
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    assert len(names) == len(shapes)
+
+
+MERGE = {
+    "rules": [
+        {"match": r"(\d+)\.w1", "name": r"layers.\1.gate_up", "concat_dim": 0, "part": 0},
+        {"match": r"(\d+)\.w3", "name": r"layers.\1.gate_up", "concat_dim": 0, "part": 1},
+    ]
+}
+
+
+def test_a_merge_concatenates_its_parts_in_order():
+    plan = KeyMapping.load(MERGE).resolve({"0.w3": (6, 4), "0.w1": (6, 4)})
+    got = sorted((v.name, v.source, v.at, v.whole) for v in plan.views)
+    assert got == [
+        ("layers.0.gate_up", "0.w1", (0, 0), (12, 4)),
+        ("layers.0.gate_up", "0.w3", (6, 0), (12, 4)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "words"),
+    [
+        ({"0.w1": (6, 4), "0.w3": (6, 5)}, "do not join along dim 0"),
+        ({"0.w3": (6, 4)}, r"its parts \[1\]"),
+    ],
+)
+def test_a_merge_whose_parts_do_not_fit_is_a_named_error(shapes, words):
+    with pytest.raises(HubPlanError, match=words):
+        KeyMapping.load(MERGE).resolve(shapes)

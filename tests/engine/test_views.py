@@ -1,0 +1,194 @@
+"""The to-Hub plan carried out by the engine (engine/views.py): every output is a box of one staged
+tensor, cut from blocks sharded along any dim or a 2-D mesh, copied or cast, compared with torch slicing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.engine.consolidate import consolidate_into
+from stagerd.engine.planner import plan
+from stagerd.engine.shard_scan import scan_shards
+from stagerd.errors import HubPlanError
+from tests.dcp_fixtures import Spec, dcp_save
+
+pytestmark = pytest.mark.slow
+
+
+def fused() -> Spec:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "experts.gate_up": (torch.randn(5, 6, 4, generator=g), "S0"),  # FSDP2: experts split by rank
+        "experts.down": (torch.randn(5, 4, 3, generator=g).bfloat16(), "S1"),
+        "qkv": (torch.randn(12, 8, generator=g), "B01"),  # a 2-D mesh block
+        "norm": (torch.randn(8, generator=g), "R"),
+        "tied": (torch.randn(6, 8, generator=g), "S0"),
+    }
+
+
+def view(name: str, source: str, start, size, shape=None) -> TensorView:
+    sz = tuple(size)
+    out = tuple(shape) if shape else tuple(n for n in sz if n != 1)
+    return TensorView(name, source, tuple(start), sz, out)
+
+
+def hub_plan() -> HubPlan:
+    views = []
+    for e in range(5):
+        views.append(view(f"experts.{e}.gate", "experts.gate_up", (e, 0, 0), (1, 3, 4)))
+        views.append(view(f"experts.{e}.up", "experts.gate_up", (e, 3, 0), (1, 3, 4)))
+        views.append(view(f"experts.{e}.down", "experts.down", (e, 0, 0), (1, 4, 3)))
+    for i, part in enumerate("qkv"):
+        views.append(view(f"{part}_proj", "qkv", (4 * i, 0), (4, 8)))
+    views.append(view("cols", "qkv", (0, 2), (12, 3)))  # inside rows: one run per row
+    # The RoPE row order of a key mapping: rows (h, i, pair) -> (h, pair, i), across the 2-D mesh's blocks
+    views.append(TensorView("rope_all", "qkv", (0, 0), (12, 8), (12, 8), (2, 3, 2, 8), (0, 2, 1, 3)))
+    views.append(TensorView("rope_k", "qkv", (4, 0), (4, 8), (4, 8), (1, 2, 2, 8), (0, 2, 1, 3)))
+    # A merge: parts of several staged tensors concatenated into one output, one part a RoPE permutation
+    views.append(TensorView("fused", "tied", (0, 0), (6, 8), (6, 8), at=(0, 0), whole=(14, 8)))
+    views.append(
+        TensorView("fused", "qkv", (0, 0), (8, 8), (8, 8), (2, 2, 2, 8), (0, 2, 1, 3), (6, 0), (14, 8))
+    )
+    # Transposes (a registry Transpose): a whole 2-D mesh tensor, and one expert of a Shard(1) bf16 tensor
+    views.append(TensorView("qkv_t", "qkv", (0, 0), (12, 8), (8, 12), (12, 8), (1, 0)))
+    views.append(TensorView("down_t.2", "experts.down", (2, 0, 0), (1, 4, 3), (3, 4), (4, 3), (1, 0)))
+    views.append(view("tied", "tied", (0, 0), (6, 8)))
+    views.append(view("lm_head", "tied", (0, 0), (6, 8)))
+    return HubPlan(tuple(views), drop=("norm",), origin="transformers")
+
+
+def expected(full: dict[str, torch.Tensor], hub: HubPlan) -> dict[str, torch.Tensor]:
+    out = {}
+    for v in hub.views:
+        box = tuple(slice(a, a + n) for a, n in zip(v.start, v.size, strict=True))
+        part = full[v.source][box]
+        if v.perm:
+            part = part.reshape(v.reshape).permute(v.perm)
+        if v.at:
+            whole = out.setdefault(v.name, torch.zeros(v.whole, dtype=part.dtype))
+            whole[tuple(slice(a, a + n) for a, n in zip(v.at, v.shape, strict=True))] = part.reshape(v.shape)
+            continue
+        out[v.name] = part.reshape(v.shape)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    src = tmp_path_factory.mktemp("views") / "shards"
+    return src, dcp_save(src, world=4, builder=fused)
+
+
+@pytest.mark.parametrize("dtype", [None, "BF16"])
+def test_every_view_is_the_box_torch_slices(tmp_path, saved, dtype):
+    src, full = saved
+    hub = hub_plan()
+    (tmp_path / "out").mkdir()
+    res = consolidate_into(src, tmp_path / "out", views=hub, dtype=dtype, max_shard_size=600)
+    got: dict[str, torch.Tensor] = {}
+    for name, _ in res.files:
+        got.update(load_file(tmp_path / "out" / name))
+    want = expected(full, hub)
+    assert sorted(got) == sorted(want)  # "norm" dropped; "tied" and "lm_head" each with its own bytes
+    for name, t in want.items():
+        t = t if dtype is None or not t.is_floating_point() else t.to(torch.bfloat16)
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(want)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+
+
+def test_a_plan_the_checkpoint_contradicts_is_a_named_error_before_any_output(saved):
+    src, _ = saved
+    bad = {
+        "which was not saved": HubPlan((view("x", "nope", (0,), (8,)),)),
+        "two tensors are named": HubPlan((view("norm", "tied", (0, 0), (1, 8)),)),
+        "outside": HubPlan((view("x", "tied", (4, 0), (3, 8)),)),
+        "is not its box": HubPlan((view("x", "tied", (0, 0), (6, 8), (8, 6, 2)),)),
+        "drops": HubPlan((), drop=("nope",)),
+    }
+    for words, hub in bad.items():
+        with pytest.raises(HubPlanError, match=words):
+            plan(scan_shards(src), views=hub)
+
+
+def test_the_plan_round_trips_through_the_marker_json():
+    hub = hub_plan()
+    assert HubPlan.from_json(json.loads(json.dumps(hub.to_json()))) == hub
+    with pytest.raises(HubPlanError, match="malformed"):
+        HubPlan.from_json({"format": "stagerd.hub/1", "views": [{"name": 1}]})
+
+
+def test_a_marker_plan_the_shards_contradict_publishes_nothing(tmp_path, saved):
+    """Caught at export time (a marker written by hand, or by another trainer): named, nothing published."""
+    import shutil
+
+    from stagerd.contract import layout
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+    from tests.dcp_fixtures import commit_step
+
+    src, _ = saved
+    step = tmp_path / "root" / layout.step_dir_name(1)
+    shutil.copytree(src, step / layout.MODEL_DIR)
+    commit_step(
+        step, 4, hub_plan=HubPlan((view("x", "tied", (0, 0), (6, 8)), view("x", "qkv", (0, 0), (6, 8))))
+    )
+    res = run_cli(
+        ["watch", tmp_path / "root", "--sink", f"file://{tmp_path / 'sink'}", "--once", *fast_flags()]
+    )
+    assert res.returncode != 0
+    assert (
+        "HubPlanError" in res.stdout + res.stderr and "two tensors are named 'x'" in res.stdout + res.stderr
+    )
+    assert not (tmp_path / "sink" / layout.step_dir_name(1)).exists()
+    assert not (step / layout.EXPORT_DIR).exists()
+
+
+def _mapping(sizes):
+    split = [{"name": f"{p}_proj", "size": n} for p, n in zip("qkv", sizes, strict=True)]
+    split[0]["rope_heads"] = 1
+    return {
+        "rules": [{"match": "qkv", "split_dim": 0, "split": split}, {"match": "norm", "name": "model.norm"}]
+    }
+
+
+def test_watch_applies_a_key_mapping_to_a_step_saved_without_a_plan(tmp_path, saved):
+    """`watch --mapping`: the daemon resolves the mapping against the marker's tensors; a mapping that does
+    not fit (split sizes not adding up) is a named error and nothing is published."""
+    import shutil
+
+    from safetensors.torch import load_file as load
+
+    from stagerd.contract import layout
+    from stagerd.contract.dtypes import safetensors_name
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+    from tests.dcp_fixtures import commit_step
+
+    src, full = saved
+    tensors = {k: layout.TensorInfo(safetensors_name(t.dtype), tuple(t.shape)) for k, t in full.items()}
+    results = {}
+    for case, sizes in (("good", (4, 4, 4)), ("bad", (4, 4, 3))):
+        root, sink, mapping = tmp_path / case, tmp_path / f"sink-{case}", tmp_path / f"{case}.json"
+        shutil.copytree(src, root / layout.step_dir_name(1) / layout.MODEL_DIR)
+        commit_step(root / layout.step_dir_name(1), 4, tensors=tensors)
+        mapping.write_text(json.dumps(_mapping(sizes)))
+        argv = ["watch", root, "--sink", f"file://{sink}", "--once", "--mapping", mapping, *fast_flags()]
+        results[case] = (run_cli(argv), sink / layout.step_dir_name(1))
+    res, out = results["good"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = {}
+    for f in out.glob("*.safetensors"):
+        got.update(load(f))
+    rope = full["qkv"][:4].reshape(1, 2, 2, 8).permute(0, 2, 1, 3).reshape(4, 8)
+    want = {"q_proj": rope, "k_proj": full["qkv"][4:8], "v_proj": full["qkv"][8:], "model.norm": full["norm"]}
+    for name, t in want.items():
+        assert torch.equal(got.pop(name), t), name
+    assert sorted(got) == ["experts.down", "experts.gate_up", "tied"]  # unmapped keys kept as they are
+    res, out = results["bad"]
+    assert res.returncode != 0 and "add up to 11, not its dim 0 of 12" in res.stdout + res.stderr
+    assert not out.exists()

@@ -1,0 +1,52 @@
+"""Tiny transformers models built from configs (nothing is downloaded), one builder per architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 96
+
+
+def config(kind: str) -> Any:
+    """The tiny config of `kind`: llama, llama_tied, qwen3_moe, qwen3_moe_tied, mixtral; llama_lora's is
+    llama's."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=kind.endswith("_tied"),
+    )
+    base = kind.removesuffix("_tied").removesuffix("_lora").replace("titan", "llama")
+    if base == "llama":
+        return tf.LlamaConfig(**common)
+    if base == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common, head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16
+        )
+    if base == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(kind)
+
+
+def build(kind: str) -> Any:
+    """The model of `kind`, initialised from the current torch seed, in float32. `llama_lora`: a PEFT
+    LoRA on llama's attention, whose base is `build("llama")` from the same seed."""
+    import transformers as tf
+
+    if kind == "titan":
+        from tests.fidelity.titan import Titan
+
+        return Titan(config(kind))
+    model = tf.AutoModelForCausalLM.from_config(config(kind))
+    if kind.endswith("_lora"):
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lora)
+    return model
