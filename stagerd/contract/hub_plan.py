@@ -13,7 +13,11 @@ needs the model or transformers. Every output tensor is a box of one staged tens
   are the parts of one output: a concatenation or a stack of boxes of several staged tensors, which must
   tile it exactly;
 - a staged tensor that no view reads and `drop` does not name is written as it is, under its own name;
-- `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out).
+- `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out);
+- `merges`: LoRA merges (`LoraMerge`), the one thing that is arithmetic, not a byte move: the engine
+  computes `name` = base + scaling * (B @ A) (transposed with `fan_in_fan_out`) with numpy, in row blocks,
+  into a scratch shard before planning, so `name` is then a staged tensor the views may read; the base, A
+  and B it consumes are not written unless a view reads them.
 
 Splits (MoE experts, fused QKV or gate/up), renames, tied duplicates written with their own bytes, and
 dropped keys are all views. No torch here: the daemon reads this.
@@ -50,6 +54,35 @@ class TensorView:
         return whole and not self.perm and not self.at
 
 
+@dataclass(frozen=True, slots=True)
+class LoraMerge:
+    """Staged tensor `name` (computed by the engine): `base` + `scaling` * (`b` @ `a`), or its transpose
+    added with `fan_in_fan_out` (`base` is then in x out), as PEFT's `merge_and_unload` computes it."""
+
+    name: str
+    base: str
+    a: str
+    b: str
+    scaling: float
+    fan_in_fan_out: bool = False
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]], *, path: object = None) -> None:
+        """Its inputs were saved, are matrices, and their shapes agree."""
+        got = [shapes.get(n) for n in (self.base, self.a, self.b)]
+        if any(s is None for s in got):
+            raise HubPlanError(f"merge {self.name!r} reads a tensor that was not saved", path=path)
+        w, a, b = (tuple(s) for s in got if s is not None)
+        if len(w) != 2 or len(a) != 2 or len(b) != 2:
+            raise HubPlanError(f"merge {self.name!r}: base, A and B must be matrices", path=path)
+        out, inp = (w[1], w[0]) if self.fan_in_fan_out else w
+        if a != (b[1], inp) or b[0] != out:
+            raise HubPlanError(
+                f"merge {self.name!r}: A {list(a)} and B {list(b)} do not fit base {list(w)}", path=path
+            )
+        if not math.isfinite(self.scaling):
+            raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
+
+
 @dataclass(frozen=True)
 class HubPlan:
     """See the module docstring. `origin` says who resolved it: transformers, mapping, or aliases."""
@@ -58,14 +91,22 @@ class HubPlan:
     drop: tuple[str, ...] = ()
     origin: str = "aliases"
     format: str = HUB_PLAN_FORMAT
+    merges: tuple[LoraMerge, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": self.format,
             "origin": self.origin,
             "views": [_view_json(v) for v in self.views],
             "drop": list(self.drop),
         }  # fmt: skip
+        if self.merges:
+            d["merges"] = [
+                {"name": m.name, "base": m.base, "a": m.a, "b": m.b, "scaling": m.scaling}
+                | ({"fan_in_fan_out": True} if m.fan_in_fan_out else {})
+                for m in self.merges
+            ]
+        return d
 
     @classmethod
     def from_json(cls, d: Any, *, path: object = None) -> HubPlan:
@@ -87,16 +128,34 @@ class HubPlan:
                 )
                 for v in d["views"]
             )
-            return cls(views, tuple(_str(n) for n in d.get("drop", ())), _str(d.get("origin", "aliases")))
+            merges = tuple(
+                LoraMerge(
+                    _str(m["name"]),
+                    _str(m["base"]),
+                    _str(m["a"]),
+                    _str(m["b"]),
+                    _float(m["scaling"]),
+                    _bool(m.get("fan_in_fan_out", False)),
+                )
+                for m in d.get("merges", ())
+            )
+            drop = tuple(_str(n) for n in d.get("drop", ()))
+            return cls(views, drop, _str(d.get("origin", "aliases")), merges=merges)
         except (KeyError, TypeError, ValueError) as e:
             raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
 
     def outputs(self, shapes: Mapping[str, tuple[int, ...]], *, path: object = None) -> list[TensorView]:
         """Every output tensor, checked against the staged tensors' global `shapes`: views first, then the
         staged tensors neither read by a view nor dropped. Raises HubPlanError where the plan and the
-        checkpoint disagree or two outputs share a name."""
+        checkpoint disagree or two outputs share a name. A merge's output must be among `shapes` (the
+        engine computed it), and its inputs are read."""
         read: set[str] = set()
         out: list[TensorView] = []
+        for m in self.merges:
+            m.check(shapes, path=path)
+            if m.name not in shapes:
+                raise HubPlanError(f"the merge {m.name!r} was not computed", path=path)
+            read.update((m.base, m.a, m.b))
         for v in self.views:
             src = shapes.get(v.source)
             if src is None:
@@ -188,6 +247,18 @@ def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> No
 def _str(x: Any) -> str:
     if not isinstance(x, str):
         raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _float(x: Any) -> float:
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        raise TypeError(f"expected a number, got {x!r}")
+    return float(x)
+
+
+def _bool(x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"expected true or false, got {x!r}")
     return x
 
 

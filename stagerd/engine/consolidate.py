@@ -11,6 +11,7 @@ the model or its largest tensor. The pieces live one job per module:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.execute import compare, execute, output_error
 from stagerd.engine.index_json import index_json
+from stagerd.engine.merge import lora_merges
 from stagerd.engine.plan_types import ExportPlan, Move, MoveKind
 from stagerd.engine.planner import plan
 from stagerd.engine.shard_scan import scan_shards
@@ -53,16 +55,18 @@ def consolidate_into(
     progress: ProgressFn | None = None,
 ) -> ConsolidateResult:
     """Plan from the shards in `src` and write the safetensors files plus the index into `out_dir`."""
-    p = plan(
-        scan_shards(src, listed),
-        dtype=dtype,
-        keep_dtype=keep_dtype,
-        reference=reference,
-        max_shard_size=max_shard_size,
-        expected=expected,
-        views=views,
-    )
-    execute(p, out_dir, threads=threads, progress=progress)
+    # A to-Hub plan's LoRA merges are computed first, into a scratch shard beside out_dir (engine/merge.py).
+    with lora_merges(scan_shards(src, listed), views, expected, out_dir.parent) as (merged, expected):
+        p = plan(
+            itertools.chain(scan_shards(src, listed), merged),
+            dtype=dtype,
+            keep_dtype=keep_dtype,
+            reference=reference,
+            max_shard_size=max_shard_size,
+            expected=expected,
+            views=views,
+        )
+        execute(p, out_dir, threads=threads, progress=progress)
     index = out_dir / INDEX_NAME
     try:
         write_bytes_atomic(index, index_json(p))

@@ -3,6 +3,7 @@ byte equals what the shards give."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from stagerd.contract import layout
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.consolidate import compare, plan, scan_shards
 from stagerd.engine.export import open_source
+from stagerd.engine.merge import lora_merges
 from stagerd.errors import StagerdError, VerifyError
 
 
@@ -94,18 +96,25 @@ def verify_export(
         )
     if against is not None:
         source = open_source(Path(against))
-        p = plan(
-            scan_shards(source.model_dir, source.listed),
-            reference=weight_map,
-            max_shard_size=max(file_sizes) + 1,
-            expected=source.marker.tensors if source.marker else None,
-            out_dtypes=out_dtypes,
-            views=source.marker.hub_plan if source.marker else None,
-        )
-        del out_dtypes
-        # The plan keeps the reference's grouping and refuses reference keys absent from the shards, so
-        # equal counts mean equal tensor sets.
-        if {f.name for f in p.files} != file_names or p.tensor_count != len(weight_map):
-            raise VerifyError("the source holds different tensors than the export", path=export_dir)
-        compare(p, export_dir, threads=threads, progress=progress)
+        views = source.marker.hub_plan if source.marker else None
+        marker_tensors = source.marker.tensors if source.marker else None
+        scan = scan_shards(source.model_dir, source.listed)
+        with lora_merges(scan, views, marker_tensors, None) as (
+            merged,
+            expected,
+        ):  # recomputed, numpy as before
+            p = plan(
+                itertools.chain(scan_shards(source.model_dir, source.listed), merged),
+                reference=weight_map,
+                max_shard_size=max(file_sizes) + 1,
+                expected=expected,
+                out_dtypes=out_dtypes,
+                views=views,
+            )
+            del out_dtypes
+            # The plan keeps the reference's grouping and refuses reference keys absent from the shards, so
+            # equal counts mean equal tensor sets.
+            if {f.name for f in p.files} != file_names or p.tensor_count != len(weight_map):
+                raise VerifyError("the source holds different tensors than the export", path=export_dir)
+            compare(p, export_dir, threads=threads, progress=progress)
     return VerifyReport(export_dir, len(file_names), len(weight_map), total, against)

@@ -6,6 +6,9 @@ here on traced meta tensors (`hub_trace.traced_plan`), so the renames are PEFT's
 second to-Hub plan (`adapter_plan` in the marker) that the export carries out into `export/adapter/`
 (`adapter_model.safetensors`). The config is written as PEFT writes it (inference mode, the base model's
 name or the auto mapping) into the step's extras as `adapter/adapter_config.json`.
+
+The main export is the merged model (`merged_plan`): what `save_pretrained` of `merge_and_unload()`
+writes, its LoRA merges declared in the plan and computed by the export engine (`engine/merge.py`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import copy
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.hub_plan import HubPlan, LoraMerge
 from stagerd.errors import HubPlanError
+from stagerd.training import hub_trace
 from stagerd.training.hub_trace import traced_plan
 
 ADAPTER_CONFIG = "adapter/adapter_config.json"
@@ -65,3 +70,85 @@ def _config_bytes(model: Any, name: str) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         cfg.save_pretrained(d, auto_mapping_dict=auto)
         return (Path(d) / "adapter_config.json").read_bytes()
+
+
+_PREFIX = "base_model.model."
+
+
+def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
+    """The main export of a LoRA model: what `save_pretrained` of `model.merge_and_unload()` writes.
+
+    Each LoRA `Linear` of the one adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's own
+    `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named as
+    the unwrapped module's weight; every other key loses PEFT's `base_model.model.` prefix and `.base_layer`.
+    The base model's own save-time conversion (`hub_trace.transformers_plan`) then runs on those names.
+    Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions, modules_to_save) is a
+    HubPlanError."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+
+    adapters = list(model.peft_config)
+    if len(adapters) != 1 or model.peft_config[adapters[0]].peft_type.value != "LORA":
+        raise HubPlanError(f"a merged export needs one LoRA adapter, this model has {adapters}")
+    name = adapters[0]
+    keys = [*sd, *aliases]
+    staged = {k: aliases.get(k, k) for k in keys}
+    merges: list[LoraMerge] = []
+    consumed: set[str] = set()
+    for mname, mod in model.named_modules():
+        if type(mod).__name__ == "ModulesToSaveWrapper":
+            raise HubPlanError(f"{mname!r}: modules_to_save is not merged by the export")
+        if not isinstance(mod, LoraLayer) or name not in mod.scaling:
+            continue
+        if type(mod) is not LoraLinear or mod.use_dora.get(name) or mod.lora_bias.get(name):
+            raise HubPlanError(f"{mname!r}: only plain LoRA Linear layers are merged by the export")
+        base, a, b = (f"{mname}.{p}.weight" for p in ("base_layer", f"lora_A.{name}", f"lora_B.{name}"))
+        if not all(k in staged for k in (base, a, b)):
+            raise HubPlanError(f"{mname!r}: its base weight, lora_A or lora_B is not in the state dict")
+        merges.append(
+            LoraMerge(
+                _unwrapped(base),
+                staged[base],
+                staged[a],
+                staged[b],
+                float(mod.scaling[name]),
+                bool(getattr(mod, "fan_in_fan_out", False)),
+            )
+        )
+        consumed.update((base, a, b))
+    if not merges:
+        raise HubPlanError(f"the PEFT model's adapter {name!r} has no LoRA Linear layer to merge")
+    if any(m.name in sd for m in merges):
+        raise HubPlanError("a merged weight's name is already a saved key")
+    # The merged model's state dict, under the unwrapped names: merged tensors, then the rest renamed.
+    src_of: dict[str, str] = {m.name: m.name for m in merges}
+    sd2: dict[str, torch.Tensor] = {m.name: sd[m.base] for m in merges}
+    aliases2: dict[str, str] = {}
+    for k in keys:
+        if k in consumed:
+            continue
+        if ".lora_" in k:
+            raise HubPlanError(f"{k!r}: a LoRA tensor of no merged layer")
+        n = _unwrapped(k)
+        if n in src_of:
+            raise HubPlanError(f"{k!r} and another key both become {n!r} once merged")
+        if k in aliases:
+            if aliases[k] in consumed:
+                raise HubPlanError(f"{k!r} is tied to {aliases[k]!r}, which the merge changes")
+            aliases2[n] = _unwrapped(aliases[k])
+        else:
+            src_of[n], sd2[n] = k, sd[k]
+    plan = hub_trace.transformers_plan(model.get_base_model(), sd2, aliases2)
+    views = []
+    for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
+        views.append(replace(v, source=src_of[v.source]))
+    drop = [src_of[n] for n in plan.drop]
+    if any(n in src_of and src_of[n] == n for n in plan.drop):
+        raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
+    # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
+    return HubPlan(tuple(views), tuple(drop), origin="peft", merges=tuple(merges))
+
+
+def _unwrapped(key: str) -> str:
+    """A staged key's name in `merge_and_unload()`'s model: no PEFT prefix, no `.base_layer`."""
+    return key.removeprefix(_PREFIX).replace(".base_layer.", ".")

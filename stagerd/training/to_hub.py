@@ -1,7 +1,9 @@
 """What a save's export will be, decided at save time from the `model` handed to `Stager.save`.
 
 - a transformers model: `save_pretrained`'s names and layout (`hub_trace.transformers_plan`);
-- a PEFT model: every key as staged, plus the adapter-only artefact (`peft_plan`);
+- a PEFT LoRA model: the merged model as `save_pretrained` of `merge_and_unload()` writes it (LoRA merges
+  the engine computes), plus the adapter-only artefact (`peft_plan`); a model PEFT would merge otherwise
+  (DoRA, modules_to_save, ...) keeps its keys as staged, with a warning;
 - a declarative key `mapping` (`contract/key_mapping.py`; torchtitan and other trainers): its renames,
   splits and RoPE permutations;
 - anything else, or no model: every key as staged, tied duplicates with their own bytes.
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,8 @@ from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import HubPlanError
 from stagerd.training import hub_trace, peft_plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,13 @@ def resolve(
         raise HubPlanError("model= needs a flat state dict of tensors, as model.state_dict() gives")
     if model is not None and peft_plan.is_peft_model(model):
         adapter, config = peft_plan.adapter_plan(model, sd, aliases)
-        return ToHub(hub_trace.alias_plan(sd, aliases), adapter, ((peft_plan.ADAPTER_CONFIG, config),))
+        main: HubPlan | None
+        try:
+            main = peft_plan.merged_plan(model, sd, aliases)
+        except HubPlanError as e:  # the adapter still exports; the main export keeps PEFT's names
+            log.warning("the export keeps the PEFT model's own names, unmerged: %s", e.message)
+            main = hub_trace.alias_plan(sd, aliases)
+        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, config),))
     if model is not None and hub_trace.is_transformers_model(model):
         return ToHub(hub_trace.transformers_plan(model, sd, aliases))
     return ToHub(hub_trace.alias_plan(sd, aliases))

@@ -1,6 +1,7 @@
 """What each gloo rank of a fidelity run does: train a tiny transformers model under FSDP2 a few steps,
 save it through the Stager, and (rank 0) write the reference: `save_pretrained` of the gathered full state
-dict, in the trained dtype and in bf16, and the trained model's logits on fixed input ids."""
+dict, in the trained dtype and in bf16, and the trained model's logits on fixed input ids (for a LoRA model,
+also `merged_keep/`, `merged_bf16/` and `merged.logits.pt`: its `merge_and_unload()`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,13 @@ def train_and_save(
     plain.load_state_dict(full)
     plain.eval()
     with torch.no_grad():
+        if kind.endswith("_lora"):  # the merged model too: merge_and_unload, then save_pretrained
+            import copy
+
+            merged = copy.deepcopy(plain).merge_and_unload()
+            torch.save(merged(input_ids=input_ids()).logits, out / "merged.logits.pt")
+            merged.save_pretrained(out / "merged_keep")
+            merged.to(torch.bfloat16).save_pretrained(out / "merged_bf16")
         torch.save(plain(input_ids=input_ids()).logits, out / "keep.logits.pt")
         if hasattr(plain, "save_pretrained"):  # not the torchtitan-named model
             plain.save_pretrained(out / "keep")

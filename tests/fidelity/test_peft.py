@@ -1,5 +1,7 @@
 """A PEFT LoRA Llama under FSDP2: the export holds the adapter-only artefact PEFT loads, with PEFT's saved
-names, bit for bit what `PeftModel.save_pretrained` writes."""
+names, bit for bit what `PeftModel.save_pretrained` writes; its main export is `save_pretrained` of
+`merge_and_unload()` (merged weights to float rounding, everything else bit for bit), which
+`from_pretrained` loads."""
 
 from __future__ import annotations
 
@@ -47,3 +49,59 @@ def test_peft_loads_the_trained_adapter_bit_for_bit(lora):
     with torch.no_grad():
         logits = model(input_ids=ranks.input_ids()).logits
     assert torch.equal(logits, torch.load(lora.ref / "keep.logits.pt"))
+
+
+def _values(entry):
+    import ml_dtypes
+    import numpy as np
+
+    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[entry[0]]
+    return np.frombuffer(entry[2], dtype=dt).astype(np.float64).reshape(entry[1])
+
+
+# The merged weights W + scaling * (B @ A) are computed by the export engine with numpy, whose matmul sums
+# in another order than torch's: they agree with merge_and_unload to float rounding, not bit for bit.
+# F32: within 4 float32 ulps of the largest weight; BF16: within one bf16 ulp of each value (a rounding
+# boundary crossed). Every other tensor is byte for byte what save_pretrained writes.
+_TOL = {"F32": 4 * 2.0**-23, "BF16": 2.0**-7}
+
+
+def test_the_main_export_is_save_pretrained_of_the_merged_model(lora):
+    import numpy as np
+    import torch
+
+    torch.manual_seed(0)
+    base = {k: v.double().numpy() for k, v in models.build("llama").state_dict().items()}
+
+    for mode in ("keep", "bf16"):
+        got, want = harness.tensors(lora.exports[mode]), harness.tensors(lora.ref / f"merged_{mode}")
+        assert sorted(got) == sorted(want)
+        assert not any("lora_" in k or "base_layer" in k or k.startswith("base_model.") for k in got)
+        merged = [k for k in want if k.endswith(("q_proj.weight", "v_proj.weight"))]
+        assert len(merged) == 4
+        for name, (dt, shape, data) in want.items():
+            assert got[name][:2] == (dt, shape), (name, got[name][:2], (dt, shape))
+            if name not in merged:
+                assert got[name][2] == data, f"{name}: bytes differ"
+                continue
+            g, w = _values(got[name]), _values(want[name])
+            scale = np.abs(w).max() if dt == "F32" else np.abs(w)
+            assert (np.abs(g - w) <= _TOL[dt] * scale).all(), (name, np.abs(g - w).max())
+            # the merge happened: far from the (frozen) base weight
+            assert np.abs(g - base[name]).max() > 0.1 * np.abs(w).max(), name
+        assert harness.config_dtype(lora.exports[mode]) == harness.config_dtype(lora.ref / f"merged_{mode}")
+
+
+def test_from_pretrained_loads_the_merged_export(lora):
+    import torch
+
+    from stagerd.contract import layout
+    from tests.cli_helpers import run_cli
+
+    logits = harness.load_and_logits(lora.exports["keep"], "float32")  # no missing or unexpected key
+    torch.testing.assert_close(logits, torch.load(lora.ref / "merged.logits.pt"), rtol=1e-5, atol=1e-5)
+    # the unmerged model's logits are those of the merge (the LoRA delta is not lost)
+    torch.testing.assert_close(logits, torch.load(lora.ref / "keep.logits.pt"), rtol=1e-4, atol=1e-4)
+    step = lora.root / layout.step_dir_name(ranks.STEP)
+    res = run_cli(["verify", step / layout.EXPORT_DIR, "--against", step])  # recomputes the merges
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,174 @@
+"""Carry out a to-Hub plan's LoRA merges (`contract/hub_plan.py`, `LoraMerge`) before the export is planned.
+
+A merge is arithmetic, not a byte move: W' = W + scaling * (B @ A) (its transpose with `fan_in_fan_out`),
+as PEFT's `merge_and_unload` computes it. It runs here with numpy, never torch, in bounded memory: A and B
+(rank r, so r x in and out x r) are read whole, W in row blocks of at most `block_bytes` (B's matching rows,
+or A's matching columns with `fan_in_fan_out`), each block computed in float32 (float64 if an input is
+F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. The merged tensors are
+written, block by block, into one scratch shard (a DCP-style safetensors file beside the output); its
+header joins the staged shards' for the planner, so the views, casts and file packing treat a merged
+tensor like any staged one. numpy's matmul sums in another order than torch's: the merged values agree
+with `merge_and_unload` to float rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from stagerd.contract.hub_plan import HubPlan, LoraMerge
+from stagerd.contract.layout import TensorInfo
+from stagerd.contract.safetensors_format import (
+    DCP_SHARDING_INFO_KEY,
+    SAVED_OFFSETS_KEY,
+    Header,
+    read_header,
+)
+from stagerd.engine.chunk_table import build_chunk_table
+from stagerd.engine.plan_types import ChunkTable
+from stagerd.engine.runner import pread_into, pwrite_all
+from stagerd.errors import HubPlanError, OutputError
+
+_NP: dict[str, np.dtype[Any]] = {
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+}
+BLOCK_BYTES = 32 << 20
+SCRATCH_NAME = "merged.safetensors"
+
+
+@contextlib.contextmanager
+def lora_merges(
+    headers: Iterable[Header],
+    views: HubPlan | None,
+    expected: Mapping[str, TensorInfo] | None,
+    scratch_parent: Path | None,
+    *,
+    block_bytes: int | None = None,
+) -> Iterator[tuple[list[Header], Mapping[str, TensorInfo] | None]]:
+    """With `views`' merges computed into a scratch shard (in a temporary directory under
+    `scratch_parent`, removed on exit): the headers to plan with besides the staged shards' (`headers`,
+    consumed only if there are merges), and `expected` with the merged tensors added."""
+    if views is None or not views.merges:
+        yield [], expected
+        return
+    table, ids = build_chunk_table(headers)
+    with tempfile.TemporaryDirectory(prefix=".stagerd-merge-", dir=scratch_parent) as d:
+        path = Path(d) / SCRATCH_NAME
+        block = BLOCK_BYTES if block_bytes is None else block_bytes
+        header = write_merged(table, ids, views.merges, path, block_bytes=block)
+        del table, ids
+        more = dict(expected) if expected is not None else None
+        if more is not None:
+            for name, e in header.tensors.items():
+                more[name] = TensorInfo(e.dtype, tuple(e.shape))
+        yield [header], more
+
+
+def write_merged(
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    merges: Iterable[LoraMerge],
+    path: Path,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+) -> Header:
+    """Compute every merge into the safetensors file `path` (offsets 0: each tensor whole) and return its
+    validated header."""
+    merges = list(merges)
+    where = table.where
+    shapes = {n: _shape(table, t) for n, t in ids.items()}
+    entries: dict[str, Any] = {}
+    pos = 0
+    for m in merges:
+        m.check(shapes, path=where)
+        if m.name in ids or m.name in entries:
+            raise HubPlanError(f"the merge {m.name!r} would replace a tensor of that name", path=where)
+        dt = table.dtype_name(ids[m.base])
+        for n in (m.base, m.a, m.b):
+            if table.dtype_name(ids[n]) not in _NP:
+                raise HubPlanError(f"merge {m.name!r}: {n!r} is not floating point", path=where)
+        size = _NP[dt].itemsize * math.prod(shapes[m.base])
+        entries[m.name] = {"dtype": dt, "shape": list(shapes[m.base]), "data_offsets": [pos, pos + size]}
+        pos += size
+    info = {n: {SAVED_OFFSETS_KEY: [0, 0]} for n in entries}
+    head = json.dumps({"__metadata__": {DCP_SHARDING_INFO_KEY: json.dumps(info)}, **entries}).encode()
+    head += b" " * (-len(head) % 8)
+    data_start = 8 + len(head)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise OutputError(f"cannot create the LoRA merge scratch file: {e.strerror}", path=path) from None
+    try:
+        pwrite_all(fd, memoryview(len(head).to_bytes(8, "little") + head), 0)
+        for m in merges:
+            begin = entries[m.name]["data_offsets"][0]
+            _merge_one(table, ids, shapes, m, fd, data_start + begin, block_bytes)
+        os.ftruncate(fd, data_start + pos)
+    except OSError as e:
+        raise OutputError(f"cannot write the LoRA merge scratch file: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
+    return read_header(path)
+
+
+def _merge_one(
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    shapes: Mapping[str, tuple[int, ...]],
+    m: LoraMerge,
+    fd: int,
+    at: int,
+    block_bytes: int,
+) -> None:
+    wdt, adt, bdt = (_NP[table.dtype_name(ids[n])] for n in (m.base, m.a, m.b))
+    wide = np.dtype(np.float64) if np.dtype(np.float64) in (wdt, adt, bdt) else np.dtype(np.float32)
+    rows, cols = shapes[m.base]
+    a = _read_rows(table, ids[m.a], 0, shapes[m.a][0], adt).astype(wide)
+    b = _read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
+    step = max(1, block_bytes // max(1, cols * wide.itemsize))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        w = _read_rows(table, ids[m.base], lo, hi, wdt)
+        # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
+        delta = np.matmul(b, a[:, lo:hi]).T if m.fan_in_fan_out else np.matmul(b[lo:hi], a)
+        delta = np.multiply(delta, np.asarray(m.scaling, dtype=wide)).astype(bdt)
+        out = np.add(w.astype(wide), delta.astype(wide)).astype(wdt)
+        pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded
+
+
+def _shape(table: ChunkTable, t: int) -> tuple[int, ...]:
+    chunks = table.chunks_of(t)
+    return tuple(max(c.global_offset[d] + c.shape[d] for c in chunks) for d in range(len(chunks[0].shape)))
+
+
+def _read_rows(table: ChunkTable, t: int, lo: int, hi: int, dt: np.dtype[Any]) -> np.ndarray:
+    """Rows [lo, hi) of the 2-dim staged tensor `t`, from the blocks that hold them (tiling checked)."""
+    chunks = table.chunks_of(t)
+    cols = max(c.global_offset[1] + c.shape[1] for c in chunks)
+    out = np.empty((hi - lo, cols), dtype=dt)
+    for c in chunks:
+        (r0, c0), (n, k) = c.global_offset, c.shape
+        a, b = max(lo, r0), min(hi, r0 + n)
+        if a >= b or k == 0:
+            continue
+        buf = bytearray((b - a) * k * dt.itemsize)
+        path = table.sources[c.src]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pread_into(fd, memoryview(buf), c.offset + (a - r0) * k * dt.itemsize, path)
+        finally:
+            os.close(fd)
+        out[a - lo : b - lo, c0 : c0 + k] = np.frombuffer(buf, dtype=dt).reshape(b - a, k)
+    return out

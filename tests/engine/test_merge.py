@@ -1,0 +1,116 @@
+"""A to-Hub plan's LoRA merges carried out by the engine (engine/merge.py): W + scaling * (B @ A), with
+numpy in row blocks, from blocks sharded along either dim or a 2-D mesh, `fan_in_fan_out`, bf16, cast on
+export; compared with PEFT's own arithmetic in torch. numpy's matmul sums in another order than torch's,
+so merged values agree to float rounding (a few float32 ulps), not bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stagerd.contract.hub_plan import HubPlan, LoraMerge, TensorView
+from stagerd.engine import merge
+from stagerd.engine.consolidate import consolidate_into
+from stagerd.engine.planner import plan
+from stagerd.engine.shard_scan import scan_shards
+from stagerd.errors import HubPlanError
+from tests.dcp_fixtures import Spec, dcp_save
+
+pytestmark = pytest.mark.slow
+
+
+def lora() -> Spec:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "q.base": (torch.randn(12, 8, generator=g), "S0"),  # FSDP2: rows by rank
+        "q.A": (torch.randn(4, 8, generator=g), "S0"),
+        "q.B": (torch.randn(12, 4, generator=g), "S0"),
+        "c.base": (torch.randn(8, 12, generator=g), "B01"),  # Conv1D, in x out, on a 2-D mesh
+        "c.A": (torch.randn(2, 8, generator=g), "R"),
+        "c.B": (torch.randn(12, 2, generator=g), "S1"),
+        "h.base": (torch.randn(6, 8, generator=g).bfloat16(), "S1"),
+        "h.A": (torch.randn(2, 8, generator=g).bfloat16(), "S0"),
+        "h.B": (torch.randn(6, 2, generator=g).bfloat16(), "S0"),
+        "norm": (torch.randn(8, generator=g), "R"),
+    }
+
+
+def hub() -> HubPlan:
+    merges = (
+        LoraMerge("q", "q.base", "q.A", "q.B", 2.0),
+        LoraMerge("c", "c.base", "c.A", "c.B", 0.5 / 2**0.5, fan_in_fan_out=True),  # rslora-like
+        LoraMerge("h", "h.base", "h.A", "h.B", 4.0),
+    )
+    # a merged tensor read by a view like any staged one: renamed
+    return HubPlan((TensorView("q_proj", "q", (0, 0), (12, 8), (12, 8)),), (), "peft", merges=merges)
+
+
+def peft_merge(w, a, b, s, fifo=False):
+    """PEFT's Linear.merge: delta in float32 for half types on CPU, rounded to B's dtype, added."""
+    wide = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a
+    delta = (b.to(wide.dtype) @ wide) * s
+    delta = (delta.T if fifo else delta).to(b.dtype)
+    return w + delta.to(w.dtype)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    src = tmp_path_factory.mktemp("merge") / "shards"
+    return src, dcp_save(src, world=4, builder=lora)
+
+
+@pytest.mark.parametrize("dtype", [None, "BF16"])
+@pytest.mark.parametrize("block", [None, 40])  # 40 bytes: one or two rows per block
+def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
+    src, full = saved
+    if block is not None:
+        monkeypatch.setattr(merge, "BLOCK_BYTES", block)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = consolidate_into(src, out, views=hub(), dtype=dtype)
+    got: dict[str, torch.Tensor] = {}
+    for name, _ in res.files:
+        got.update(load_file(out / name))
+    assert sorted(got) == ["c", "h", "norm", "q_proj"]  # inputs consumed, not written
+    want = {
+        "q_proj": peft_merge(full["q.base"], full["q.A"], full["q.B"], 2.0),
+        "c": peft_merge(full["c.base"], full["c.A"], full["c.B"], 0.5 / 2**0.5, fifo=True),
+        "h": peft_merge(full["h.base"], full["h.A"], full["h.B"], 4.0),
+    }
+    for name, w in want.items():
+        w = w if dtype is None else w.to(torch.bfloat16)
+        assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
+        ulp = torch.finfo(w.dtype).eps * w.float().abs().max()
+        torch.testing.assert_close(got[name].float(), w.float(), rtol=0, atol=float(4 * ulp))
+    assert torch.equal(got["norm"], full["norm"] if dtype is None else full["norm"].bfloat16())
+    assert not any(p.name.startswith(".stagerd-merge-") for p in tmp_path.iterdir())  # scratch removed
+
+
+def test_a_merge_the_checkpoint_contradicts_is_a_named_error(saved, tmp_path):
+    src, _ = saved
+    bad = {
+        "not saved": LoraMerge("x", "nope", "q.A", "q.B", 1.0),
+        "do not fit": LoraMerge("x", "q.base", "c.A", "q.B", 1.0),
+        "matrices": LoraMerge("x", "norm", "q.A", "q.B", 1.0),
+        "would replace": LoraMerge("norm", "q.base", "q.A", "q.B", 1.0),
+        "not finite": LoraMerge("x", "q.base", "q.A", "q.B", float("inf")),
+    }
+    for words, m in bad.items():
+        (tmp_path / words).mkdir()
+        with pytest.raises(HubPlanError, match=words):
+            consolidate_into(src, tmp_path / words, views=HubPlan(merges=(m,)))
+    with pytest.raises(HubPlanError, match="was not computed"):  # planned without the engine's merge
+        plan(scan_shards(src), views=hub())
+
+
+def test_merges_round_trip_through_the_marker_json():
+    h = hub()
+    d = json.loads(json.dumps(h.to_json()))
+    assert HubPlan.from_json(d) == h
+    assert "merges" not in HubPlan().to_json()  # plans without merges are written as before
+    d["merges"][0]["scaling"] = "2"
+    with pytest.raises(HubPlanError, match="malformed"):
+        HubPlan.from_json(d)
