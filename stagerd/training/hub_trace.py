@@ -8,16 +8,19 @@ split, unbind, select, slicing) and value-preserving copies (contiguous, clone).
 of one staged tensor: a `TensorView` of the declarative plan the export engine carries out as byte moves.
 
 A concatenation or stack of such views is planned as the parts of one output, a transpose as a
-permutation of the box's dims. Anything else (a reshape that reorders elements, as `PermuteForRope`'s
-view/transpose/reshape does, a flip, a dtype change) is a HubPlanError naming the op, at save time:
+permutation of the box's dims, and a reshape that copies a permuted view (`PermuteForRope`'s
+view/transpose/reshape: rows regrouped per head) as a permuted view of the box it reads. Anything else (a
+flip, a dtype change, further ops on such a copy) is a HubPlanError naming the op, at save time:
 never a silently different export.
 Nothing is allocated: meta tensors hold no data.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
@@ -38,8 +41,12 @@ class _Traced(torch.Tensor):
     prov: torch.Tensor | None = None
     why: str | None = None
     roots: frozenset[int] = frozenset()
-    # A concatenation or stack of traced tensors: (view of a root, offset in this tensor) per part.
-    parts: list[tuple[torch.Tensor, tuple[int, ...]]] | None = None
+    # A concatenation or stack of traced tensors: (view of a root, offset in this tensor, and for a
+    # permuted reshape the part's shape, its values the view's in row-major order) per part.
+    parts: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...] | None]] | None = None
+    # A reshape that copies (PermuteForRope's view/transpose/reshape): the strided view of a root whose
+    # elements, read in its own row-major order, this tensor holds.
+    flat: torch.Tensor | None = None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -57,6 +64,16 @@ class _Traced(torch.Tensor):
         if name in _JOINS and isinstance(out, torch.Tensor):
             return _joined(out, name, args, kwargs, roots)
         first = traced[0]
+        if first.flat is not None:  # a permuting reshape stays one only through copies
+            t = out.as_subclass(_Traced) if isinstance(out, torch.Tensor) else None
+            if t is None:
+                return out
+            keep = (
+                name in _COPIES and len(traced) == 1 and out.dtype == first.dtype and out.shape == first.shape
+            )
+            t.roots, t.flat, t.prov = roots, (first.flat if keep else None), None
+            t.why = None if keep else f"{name} of a permuted reshape"
+            return t
         if first.parts is not None:  # a concatenation stays one only through copies
             t = out.as_subclass(_Traced) if isinstance(out, torch.Tensor) else None
             if t is None:
@@ -93,6 +110,9 @@ class _Traced(torch.Tensor):
             base = p._base if isinstance(p, torch.Tensor) and p._base is not None else p
             ok = isinstance(p, torch.Tensor) and id(base) in roots and p.dtype == o.dtype
             t.prov, t.why, t.roots = (p if ok else None), (None if ok else (why or name)), roots
+            copied = not ok and why is None and name in _RESHAPES and len(traced) == 1
+            if copied and first.prov is not None and o.dtype == first.dtype and o.numel() == first.numel():
+                t.flat, t.why = first.prov, None  # a copy of a view's elements, in its row-major order
             return t
 
         if isinstance(out, torch.Tensor):
@@ -105,6 +125,7 @@ class _Traced(torch.Tensor):
 
 
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+_RESHAPES = frozenset({"reshape", "flatten", "view", "view_as", "reshape_as"})
 
 
 def _joined(out: torch.Tensor, name: str, args: Any, kwargs: Any, roots: frozenset[int]) -> _Traced:
@@ -116,16 +137,24 @@ def _joined(out: torch.Tensor, name: str, args: Any, kwargs: Any, roots: frozens
     dim %= out.dim()
     at = 0
     for x in tensors:
-        if not isinstance(x, _Traced) or (x.prov is None and x.parts is None):
+        if not isinstance(x, _Traced) or (x.prov is None and x.parts is None and x.flat is None):
             t.parts, t.why = None, (x.why if isinstance(x, _Traced) and x.why else name)
             return t
-        own = x.parts if x.parts is not None else [(cast("torch.Tensor", x.prov), (0,) * x.dim())]
-        for p, off in own:
+        own: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
+        if x.parts is not None:
+            own = x.parts
+        elif x.flat is not None:
+            own = [(x.flat, (0,) * x.dim(), tuple(x.shape))]
+        else:
+            own = [(cast("torch.Tensor", x.prov), (0,) * x.dim(), None)]
+        for p, off, flat in own:
             with torch._C.DisableTorchFunctionSubclass():
-                q = p.unsqueeze(dim) if name == "stack" else p
+                q = p.unsqueeze(dim) if name == "stack" and flat is None else p
+            if flat is not None and name == "stack":
+                flat = (*flat[:dim], 1, *flat[dim:])
             pos = list(off) if name != "stack" else [*off[:dim], 0, *off[dim:]]
             pos[dim] += at
-            t.parts.append((q, tuple(pos)))
+            t.parts.append((q, tuple(pos), flat))
         at += 1 if name == "stack" else x.shape[dim]
     return t
 
@@ -192,8 +221,16 @@ def traced_plan(
     views: list[TensorView] = []
     for name, o in reverted.items():
         if isinstance(o, _Traced) and o.parts is not None:
-            for part, at in o.parts:
-                views.append(replace(_box_of(name, part, source_of, origin), at=at, whole=tuple(o.shape)))
+            for part, at, flat in o.parts:
+                v = (
+                    _box_of(name, part, source_of, origin)
+                    if flat is None
+                    else _flat_box(name, part, flat, source_of, origin)
+                )
+                views.append(replace(v, at=at, whole=tuple(o.shape)))
+            continue
+        if isinstance(o, _Traced) and o.flat is not None:
+            views.append(_flat_box(name, o.flat, tuple(o.shape), source_of, origin))
             continue
         p = o.prov if isinstance(o, _Traced) else None
         if p is None:
@@ -221,15 +258,81 @@ def _box_of(name: str, p: torch.Tensor, source_of: Mapping[int, str], origin: st
     return v
 
 
+def _flat_box(
+    name: str, p: torch.Tensor, shape: tuple[int, ...], source_of: Mapping[int, str], origin: str
+) -> TensorView:
+    """Output `name` of `shape`: the elements of `p` (a strided view of a root) in `p`'s row-major order.
+    Planned where `p`'s dims, ordered by stride, tile a contiguous range of the root that is a box of it
+    (whole trailing rows): the box read in row-major order, viewed as those dims (`reshape`), permuted back
+    to `p`'s order (`perm`). PermuteForRope's rows regrouped per head are this."""
+    base = p._base if p._base is not None else p
+    source, root = source_of[id(base)], tuple(base.shape)
+    st = [int(x) for x in p.stride()]
+    dims = sorted((d for d in range(p.dim()) if p.shape[d] != 1), key=lambda d: -st[d])
+    ok = bool(dims) and st[dims[-1]] == 1
+    for a, b in itertools.pairwise(dims):
+        ok = ok and st[a] == st[b] * p.shape[b]
+    box = _range_box(int(p.storage_offset()), p.numel(), root) if ok else None
+    if box is None:
+        raise HubPlanError(
+            f"{name!r}: the {origin} conversion reshapes {source!r} (shape {list(p.shape)}, strides "
+            f"{list(p.stride())}) into an order that is not a permutation of a box: cannot be planned"
+        )
+    start, size = box
+    reshape = tuple(p.shape[d] for d in dims)
+    perm = tuple(dims.index(d) for d in range(p.dim()) if p.shape[d] != 1)
+    if perm == tuple(range(len(perm))):
+        reshape, perm = (), ()
+        if [k for k in size if k != 1] != [k for k in shape if k != 1]:
+            raise HubPlanError(f"{name!r}: a reshape of {source!r} that is not its box: cannot be planned")
+    return TensorView(name, source, start, size, shape, reshape, perm)
+
+
+def _range_box(off: int, n: int, root: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box of `root` that is the row-major range [off, off + n), if one is."""
+    rs = _strides(root)
+    for k in range(len(root)):
+        if n % rs[k] or off % rs[k]:
+            continue
+        m = n // rs[k]
+        start = [(off // rs[d]) % root[d] for d in range(len(root))]
+        if start[k] + m <= root[k] and all(start[d] == 0 for d in range(k + 1, len(root))):
+            return tuple(start), tuple([*(1 for _ in range(k)), m, *root[k + 1 :]])
+    return None
+
+
 def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
     """The plan that makes the staged `sd` (aliases removed) what `model.save_pretrained` writes."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     def convert(meta: dict[str, torch.Tensor]) -> Mapping[str, Any]:
-        return revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
+        with _transformers_classes(model):
+            return revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
 
     return traced_plan(sd, aliases, convert, "transformers")
+
+
+@contextlib.contextmanager
+def _transformers_classes(model: Any) -> Iterator[None]:
+    """FSDP2's `fully_shard` gives a module a class of its own (`FSDP<Name>`, defined in torch), which
+    transformers takes for custom code and so skips its registry entry (`get_model_conversion_mapping`
+    looks sub-models up by class name and module): while the conversion is resolved, each such model has
+    its transformers class back. Nothing runs on the model meanwhile."""
+    swapped = []
+    for m in model.modules():
+        cls = type(m)
+        if cls.__module__.startswith("transformers."):
+            continue
+        orig = next((c for c in cls.__mro__[1:] if c.__module__.startswith("transformers.")), None)
+        if orig is not None and cls.__name__ == f"FSDP{orig.__name__}":
+            swapped.append((m, cls))
+            m.__class__ = orig
+    try:
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
 
 
 def alias_plan(sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan | None:

@@ -1,0 +1,82 @@
+"""A reshape that copies a permuted view (the registry's `PermuteForRope`: view, transpose, reshape) traces
+as a permuted box (`reshape` + `perm`), checked against the op run on real tensors; one that is not a
+permutation of a box is a HubPlanError."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from stagerd.errors import HubPlanError
+from stagerd.training.hub_trace import traced_plan
+
+
+def carried_out(sd, plan):
+    out = {}
+    for v in plan.views:
+        part = sd[v.source][tuple(slice(a, a + n) for a, n in zip(v.start, v.size, strict=True))]
+        if v.perm:
+            part = part.reshape(v.reshape).permute(v.perm)
+        if v.at:
+            whole = out.setdefault(v.name, torch.full(v.whole, float("nan")))
+            whole[tuple(slice(a, a + n) for a, n in zip(v.at, v.shape, strict=True))] = part.reshape(v.shape)
+            continue
+        out[v.name] = part.reshape(v.shape)
+    return out
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_permute_for_rope_is_a_permutation_of_rows(inverse):
+    from transformers.core_model_loading import PermuteForRope
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "q": torch.randn(16, 6, generator=g),
+        "q_bias": torch.randn(16, generator=g),
+        "qkv": torch.randn(24, 6),
+    }
+    op, cfg = PermuteForRope(inverse=inverse), types.SimpleNamespace(num_attention_heads=2)
+
+    def convert(meta):
+        out = {k: op._permute_for_rope(v, cfg) for k, v in meta.items() if k != "qkv"}
+        out["k"] = op._permute_for_rope(meta["qkv"][8:16], cfg)  # a row block of a fused tensor
+        return out
+
+    plan = traced_plan(sd, {}, convert, "test")
+    assert all(v.perm for v in plan.views)
+    want = convert(sd)
+    got = carried_out(sd, plan)
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
+
+
+def test_a_reshape_that_is_no_permuted_box_is_refused():
+    sd = {"w": torch.randn(4, 6)}
+    with pytest.raises(HubPlanError, match="not a permutation of a box"):
+        traced_plan(sd, {}, lambda meta: {"x": meta["w"][:, :3].T.reshape(-1)}, "test")
+
+
+def test_a_concatenation_of_permuted_rows_is_planned_as_its_parts():
+    """The save path of `Chunk(dim=0), PermuteForRope(permute_layer_names=["q_proj", "k_proj"])`
+    (gradium_phonon_tts, kimi_k25, step3p5_vision): q and k permuted back, then concatenated with v."""
+    from transformers.core_model_loading import PermuteForRope
+
+    g = torch.Generator().manual_seed(1)
+    sd = {n: torch.randn(8, 4, generator=g) for n in ("q_proj", "k_proj", "v_proj")}
+    sd["stacked"] = torch.randn(8, 4, generator=g)
+    op, cfg = PermuteForRope(inverse=True), types.SimpleNamespace(num_attention_heads=2)
+
+    def convert(meta):
+        q, k = (op._permute_for_rope(meta[n], cfg) for n in ("q_proj", "k_proj"))
+        return {
+            "in_proj": torch.cat([q, k, meta["v_proj"]], dim=0),
+            "stack": torch.stack([op._permute_for_rope(meta["stacked"], cfg), meta["stacked"]]),
+        }
+
+    plan = traced_plan(sd, {}, convert, "test")
+    want, got = convert(sd), carried_out(sd, plan)
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
