@@ -14,8 +14,9 @@ A permuted view (`reshape` + `perm`, the RoPE row order) is cut into runs along 
 permuted one (whole rows for RoPE); each run, within each block, is placed as the boxes that tile its
 range of the output. Where the last dim itself moves (a transpose), each line of a block along the
 source's last dim is one block of the output, a line along the dim it became: the planner gathers those
-lines into bounded slabs (one pread per line and slab), slower than a copy but never element by element
-and never the whole tensor.
+lines into bounded slabs, and the runner reads a slab's lines as tiles (one pread per tile span, one
+transposing numpy copy per tile: `runner._tiles`); slower than a copy but never element by element and
+never the whole tensor.
 """
 
 from __future__ import annotations

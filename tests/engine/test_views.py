@@ -192,3 +192,51 @@ def test_watch_applies_a_key_mapping_to_a_step_saved_without_a_plan(tmp_path, sa
     res, out = results["bad"]
     assert res.returncode != 0 and "add up to 11, not its dim 0 of 12" in res.stdout + res.stderr
     assert not out.exists()
+
+
+def big_transposes() -> Spec:
+    g = torch.Generator().manual_seed(4)
+    return {
+        "w": (torch.randn(3, 40, 24, generator=g), "S0"),
+        "m": (torch.randn(36, 20, generator=g).bfloat16(), "S1"),
+    }
+
+
+@pytest.mark.parametrize("buffer", [1 << 20, 1024, 96])  # whole tensors; partial lines; one line a tile
+@pytest.mark.parametrize("dtype", [None, "BF16"])
+def test_transposes_are_copied_in_tiles_with_bounded_buffers(tmp_path, monkeypatch, buffer, dtype):
+    """engine/runner.py `_tiles`: a slab's source lines are read as tiles (one pread per span, at most the
+    buffer) and placed with one transposing numpy copy; every byte as torch transposes it."""
+    from stagerd.engine import limits, runner
+
+    src = tmp_path / "shards"
+    full = dcp_save(src, world=2, builder=big_transposes)
+    monkeypatch.setattr(limits, "BUFFER_BYTES", buffer)
+    tiles, spans = [], []
+    orig = runner._tiles
+
+    def spy(pieces, room):
+        for pc, k, stride, d in orig(pieces, room):
+            tiles.append(k)
+            spans.append((k - 1) * stride + pc.length)
+            assert spans[-1] <= room
+            yield pc, k, stride, d
+
+    monkeypatch.setattr(runner, "_tiles", spy)
+    hub = HubPlan(
+        (
+            TensorView("w_t", "w", (0, 0, 0), (3, 40, 24), (3, 24, 40), (3, 40, 24), (0, 2, 1)),
+            TensorView("m_t", "m", (0, 0), (36, 20), (20, 36), (36, 20), (1, 0)),
+        )
+    )
+    (tmp_path / "out").mkdir()
+    res = consolidate_into(src, tmp_path / "out", views=hub, dtype=dtype)
+    got: dict[str, torch.Tensor] = {}
+    for name, _ in res.files:
+        got.update(load_file(tmp_path / "out" / name))
+    want = {"w_t": full["w"].transpose(1, 2).contiguous(), "m_t": full["m"].T.contiguous()}
+    for name, w in want.items():
+        w = w if dtype is None else w.to(torch.bfloat16)
+        assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
+    if buffer >= 1024:
+        assert max(tiles) > 1  # tiles were used, not one line at a time
