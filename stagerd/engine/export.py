@@ -28,6 +28,7 @@ from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
+from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
@@ -335,6 +336,9 @@ def export_step(
         if tmp.exists():
             log.info("removing a stale %s from an interrupted export", tmp)
             shutil.rmtree(tmp)
+        for scratch in step_dir.glob(f"{MERGE_SCRATCH_PREFIX}*"):
+            log.info("removing %s, a LoRA merge's scratch left by a killed export", scratch)
+            shutil.rmtree(scratch)
         if final.exists():
             # Only stagerd writes export/, always by rename; without an index it is not ours to trust,
             # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).

@@ -48,6 +48,10 @@ BLOCK_BYTES = 32 << 20
 SCRATCH_NAME = "merged.safetensors"
 
 
+# Beside export.tmp/ in the step directory; a killed export leaves it, and the next export removes it.
+MERGE_SCRATCH_PREFIX = ".stagerd-merge-"
+
+
 @contextlib.contextmanager
 def lora_merges(
     headers: Iterable[Header],
@@ -64,7 +68,7 @@ def lora_merges(
         yield [], expected
         return
     table, ids = build_chunk_table(headers)
-    with tempfile.TemporaryDirectory(prefix=".stagerd-merge-", dir=scratch_parent) as d:
+    with tempfile.TemporaryDirectory(prefix=MERGE_SCRATCH_PREFIX, dir=scratch_parent) as d:
         path = Path(d) / SCRATCH_NAME
         block = BLOCK_BYTES if block_bytes is None else block_bytes
         header = write_merged(table, ids, views.merges, path, block_bytes=block)

@@ -18,3 +18,16 @@ def test_export_result_matches_the_directory(step_dir):
     assert res.tensors == len(index["weight_map"])
     again = export_step(step_dir, dtype="bf16")
     assert again.skipped and again.files == res.files and again.tensors == res.tensors
+
+
+def test_a_killed_merges_scratch_is_removed_by_the_next_export(step_dir):
+    # A LoRA merge's scratch lives beside export.tmp/; kill -9 leaves it, and nothing else would remove it.
+    scratch = step_dir / ".stagerd-merge-abc123"
+    scratch.mkdir()
+    (scratch / "merged.safetensors").write_bytes(b"\0" * 4096)
+    (step_dir / layout.EXPORT_TMP_DIR).mkdir()
+
+    export_step(step_dir)
+
+    assert not scratch.exists() and not (step_dir / layout.EXPORT_TMP_DIR).exists()
+    assert (step_dir / layout.EXPORT_DIR / layout.INDEX_NAME).is_file()
