@@ -195,3 +195,19 @@ class RestoreError(StagerdError):
     """A remote step that cannot be restored as it is: a missing or corrupt object, a bad manifest."""
 
     hint = "nothing was landed in ROOT; check the step on the sink, or restore another step with --step N"
+
+
+class FleetWaitError(StagerdError):
+    """A node-locally staged step whose other nodes did not all arrive (or finish) within the wait."""
+
+    retryable = True
+    hint = (
+        "start the daemon of every node named as missing; the step waits for them and is never published "
+        "partially"
+    )
+
+
+class FleetNodeConflictError(StagerdError):
+    """Two daemons (two ROOTs) claimed the same staging node id for one step on the exchange."""
+
+    hint = "give each node its own STAGERD_NODE_ID (0..N-1); one daemon per node and ROOT"
