@@ -96,6 +96,8 @@ class FleetNode:
         self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
         if self.sink.is_published(self.step):
+            if self.me == 0:  # a leader killed between the manifest and `latest`
+                self.sink.move_latest(self.step)
             return res
         self._claim()
         self.exchange.publish_raw(self.step_dir, self.step)

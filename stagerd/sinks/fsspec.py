@@ -162,6 +162,10 @@ class FsspecSink:
         """The store under this sink: the fleet uploads its files and writes its records through it."""
         return self._backend
 
+    def move_latest(self, step: int) -> None:
+        """Point `latest` at a committed `step` unless it names a newer one (a commit killed before it)."""
+        self._move_latest(layout.step_dir_name(step), step)
+
     def commit_uploaded(
         self, step: int, digests: list[Uploaded], metadata: Mapping[str, Any] | None = None
     ) -> bool:
@@ -173,6 +177,7 @@ class FsspecSink:
         manifest = self._manifest(step, digests, metadata)
         self._verify(prefix, manifest, {d.rel: d.checksum for d in digests})
         b = self._backend
+        crash_point("fleet.commit")
         created = self._call(lambda: b.create(key, manifest_bytes(manifest)), key)
         if not created:
             raw = self._call(lambda: b.read(key), key) or b""

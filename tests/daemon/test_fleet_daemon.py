@@ -1,0 +1,114 @@
+"""Issue 14 through the daemon: one `stagerd watch ROOT_k --sink s3://... --once` per node, node-local
+ROOTs, no shared filesystem; the S3 export equals the single-daemon export of the same step from a shared
+ROOT, byte for byte, and a SIGKILL at each fleet crash point is completed exactly once by a restart."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.journal import Journal
+from stagerd.ops.crashpoints import ENV
+from tests.cli_helpers import start_cli
+from tests.daemon.test_fleet import SHARD, STEP, _keys, _stage, _tree
+from tests.daemon_helpers import fast_flags
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+
+def _watch(root: Path, url: str, *args: str, env: dict | None = None) -> subprocess.Popen[str]:
+    return start_cli(
+        [
+            "watch",
+            root,
+            "--sink",
+            url,
+            "--once",
+            "--max-shard-size",
+            str(SHARD),
+            "--max-attempts",
+            "2",
+            *fast_flags(),
+            *args,
+        ],
+        env=env,
+    )
+
+
+def _done(p: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out + err
+
+
+def _single(shared: Path, env) -> dict[str, bytes]:
+    p = _watch(shared.parent, env.url("single"))
+    rc, log = _done(p)
+    assert rc == 0, log
+    return _tree(_keys(env), env, "single")
+
+
+def _published_states(root: Path) -> list[str]:
+    j = Journal.open_readonly(root)
+    try:
+        return [str(s.state) for s in j.steps()]
+    finally:
+        j.close()
+
+
+def test_two_node_daemons_started_apart_publish_the_single_node_export(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    single = _single(shared, s3)
+    late = _watch(node_dirs[1].parent, s3.url("fleet"))  # the leader comes second, a while later
+    time.sleep(3)
+    lead = _watch(node_dirs[0].parent, s3.url("fleet"))
+    (rc1, log1), (rc0, log0) = _done(late), _done(lead)
+    assert (rc0, rc1) == (0, 0), log0 + log1
+    assert _tree(_keys(s3), s3, "fleet") == single and len(single) > 3
+    assert s3.get("fleet/latest") == layout.step_dir_name(STEP).encode()
+    assert "fleet node 1 of 2 built" in log1 and "fleet node 0 of 2 built" in log0
+    for d in node_dirs:
+        assert _published_states(d.parent) == ["published"]
+    assert [k for k in _keys(s3) if k.startswith("fleet/raw/")]  # the exchange's input: the raw backup
+
+
+@pytest.mark.parametrize(
+    ("node", "point"),
+    [(1, "fleet.raw"), (1, "fleet.built"), (0, "fleet.built"), (0, "fleet.commit"), (0, "fleet.manifest")],
+)
+def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
+    tmp_path,
+    dcp_mixed2,
+    s3,  # noqa: F811
+    node,
+    point,
+):
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    single = _single(shared, s3)
+    other = _watch(node_dirs[1 - node].parent, s3.url("fleet"))
+    killed = _watch(node_dirs[node].parent, s3.url("fleet"), env={ENV: point})
+    rc, log = _done(killed)
+    assert rc == -9, log
+    manifest = f"fleet/{layout.step_dir_name(STEP)}/{layout.MANIFEST_NAME}"
+    if point != "fleet.manifest":
+        assert manifest not in _keys(s3)  # nothing is a step before the manifest
+    again = _watch(node_dirs[node].parent, s3.url("fleet"))
+    (rc2, log2), (rc1, log1) = _done(again), _done(other)
+    assert (rc2, rc1) == (0, 0), log2 + log1
+    assert _tree(_keys(s3), s3, "fleet") == single
+    assert s3.get("fleet/latest") == layout.step_dir_name(STEP).encode()
+    puts = [k for k in _keys(s3) if k.endswith(layout.MANIFEST_NAME) and k.startswith("fleet/step-")]
+    assert puts == [manifest]
+
+
+def test_a_node_that_never_starts_times_out_once_with_a_named_error(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    p = _watch(node_dirs[0].parent, s3.url("fleet"), "--fleet-wait-seconds", "1", "--max-attempts", "1")
+    rc, log = _done(p)
+    assert rc != 0 and "FleetWaitError" in log and "waiting for node 1 (seen: node-00000-of-00002)" in log, (
+        log
+    )
+    assert not [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
+    assert (node_dirs[0] / "model").is_dir()  # kept: never deleted before the whole step is published
