@@ -65,7 +65,8 @@ class FleetTasks(DaemonState):
         store = RemoteStore.open(url)
 
         def status(text: str) -> None:
-            self._health.setdefault("fleet", {})[str(step)] = text
+            # replaced whole, never mutated: /healthz serializes it from the event loop's thread
+            self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
 
         try:
             res = FleetNode(
@@ -86,7 +87,11 @@ class FleetTasks(DaemonState):
             ).run()
         finally:
             store.close()
-            self._health.get("fleet", {}).pop(str(step), None)
+            left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
+            if left:
+                self._health["fleet"] = left
+            else:
+                self._health.pop("fleet", None)
         log.info(
             "step %d: fleet node %d of %d built %d file(s), fetched %d bytes, uploaded %d bytes",
             step,
