@@ -12,6 +12,7 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
+from stagerd.daemon.policy import rearmable
 from stagerd.ops.crashpoints import ENV
 from tests.cli_helpers import start_cli
 from tests.daemon.test_fleet import SHARD, STEP, _keys, _stage, _tree
@@ -112,3 +113,6 @@ def test_a_node_that_never_starts_times_out_once_with_a_named_error(tmp_path, dc
     )
     assert not [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
     assert (node_dirs[0] / "model").is_dir()  # kept: never deleted before the whole step is published
+    # --once must end: out of tries, a retryable error is the re-armable quarantine the next start clears
+    # (a running daemon backs off and waits for the node forever)
+    assert _published_states(node_dirs[0].parent) == ["quarantined"] and rearmable("FleetWaitError")
