@@ -65,8 +65,10 @@ class FleetResult:
     nodes: int
     built: list[str]
     bytes_fetched: int = 0
-    bytes_uploaded: int = 0
+    bytes_uploaded: int = 0  # the sink's files this node sent (its raw part is `bytes_raw`)
+    bytes_raw: int = 0
     seconds: float = 0.0
+    waited: float = 0.0  # of `seconds`, asleep waiting for other nodes
     committed: bool = False
 
 
@@ -90,6 +92,7 @@ class FleetNode:
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
         self.deadline = 0.0
+        self.waited = 0.0
 
     def run(self) -> FleetResult:
         t0 = time.monotonic()
@@ -100,7 +103,7 @@ class FleetNode:
                 self.sink.move_latest(self.step)
             return res
         self._claim()
-        self.exchange.publish_raw(self.step_dir, self.step)
+        res.bytes_raw = self.exchange.publish_raw(self.step_dir, self.step).bytes_uploaded
         crash_point("fleet.raw")
         parts = self._wait_parts()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
@@ -129,7 +132,7 @@ class FleetNode:
         else:
             self._wait(lambda: self.sink.is_published(self.step), lambda: "waiting for the leader (node 0)")
         shutil.rmtree(self.work, ignore_errors=True)
-        res.seconds = time.monotonic() - t0
+        res.seconds, res.waited = time.monotonic() - t0, self.waited
         return res
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -244,6 +247,7 @@ class FleetNode:
                     path=self.exchange.url,
                 )
             time.sleep(self.opt.poll_seconds)
+            self.waited += self.opt.poll_seconds
 
 
 def _record_bytes(up: Uploaded, node: int) -> bytes:
