@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
     )
+    p.add_argument("--exchange", metavar="URL", help="node-local steps: where the nodes meet")
     p.add_argument(
         "--fleet-wait-seconds",
         type=float,
@@ -103,6 +104,7 @@ _FLAGS = (
     "keep_last",
     "once",
     "publish_raw",
+    "exchange",
     "fleet_wait_seconds",
     "remote_keep_last",
     "remote_keep_every",

@@ -4,8 +4,8 @@ instead of by `export_step`, which would refuse it. The step's export task runs 
 protocol; its publish lane only confirms the sink holds the step the fleet committed.
 
 The fleet publishes to one sink, the first fsspec sink, which is also the exchange (its `raw/` and
-`fleet/` prefixes). The step's other lanes fail with a named error: a Hub sink and a separate exchange
-are not wired in yet.
+`fleet/` prefixes) unless `exchange` names another fsspec URL. The step's other lanes fail with a named
+error: a Hub sink (and a second fsspec sink) is not served yet.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class FleetTasks(DaemonState):
 
         url, sink = self._fleet_sink()
         s = self.settings
-        store = RemoteStore.open(url)
+        exchange = sink if s.exchange is None else FsspecSink.from_url(s.exchange)
+        store = RemoteStore.open(s.exchange or url)
 
         def status(text: str) -> None:
             # replaced whole, never mutated: /healthz serializes it from the event loop's thread
@@ -73,7 +74,7 @@ class FleetTasks(DaemonState):
                 step_dir,
                 self.root / ".stagerd" / "fleet" / step_dir.name,
                 sink,
-                sink,
+                exchange,
                 store,
                 self._fleet_root_id(),
                 FleetOptions(
@@ -87,6 +88,8 @@ class FleetTasks(DaemonState):
             ).run()
         finally:
             store.close()
+            if exchange is not sink:
+                exchange.close()
             left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
             if left:
                 self._health["fleet"] = left

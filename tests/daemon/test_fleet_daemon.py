@@ -116,3 +116,15 @@ def test_a_node_that_never_starts_times_out_once_with_a_named_error(tmp_path, dc
     # --once must end: out of tries, a retryable error is the re-armable quarantine the next start clears
     # (a running daemon backs off and waits for the node forever)
     assert _published_states(node_dirs[0].parent) == ["quarantined"] and rearmable("FleetWaitError")
+
+
+def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    single = _single(shared, s3)
+    ex = tmp_path / "exchange"  # a mount every node shares
+    procs = [_watch(d.parent, s3.url("fleet"), "--exchange", ex.as_uri()) for d in node_dirs]
+    results = [_done(p) for p in procs]
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert _tree(_keys(s3), s3, "fleet") == single
+    assert not [k for k in _keys(s3) if k.startswith(("fleet/raw/", "fleet/fleet/"))]  # all on the exchange
+    assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).is_file()
