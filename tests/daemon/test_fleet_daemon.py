@@ -106,7 +106,16 @@ def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
 
 def test_a_node_that_never_starts_times_out_once_with_a_named_error(tmp_path, dcp_mixed2, s3):  # noqa: F811
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    p = _watch(node_dirs[0].parent, s3.url("fleet"), "--fleet-wait-seconds", "1", "--max-attempts", "1")
+    p = _watch(
+        node_dirs[0].parent,
+        s3.url("fleet"),
+        "--fleet-wait-seconds",
+        "1",
+        "--max-attempts",
+        "1",
+        "--keep-last",
+        "0",
+    )
     rc, log = _done(p)
     assert rc != 0 and "FleetWaitError" in log and "waiting for node 1 (seen: node-00000-of-00002)" in log, (
         log
@@ -122,9 +131,12 @@ def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F81
     shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     single = _single(shared, s3)
     ex = tmp_path / "exchange"  # a mount every node shares
-    procs = [_watch(d.parent, s3.url("fleet"), "--exchange", ex.as_uri()) for d in node_dirs]
+    procs = [
+        _watch(d.parent, s3.url("fleet"), "--exchange", ex.as_uri(), "--keep-last", "0") for d in node_dirs
+    ]
     results = [_done(p) for p in procs]
     assert [rc for rc, _ in results] == [0, 0], results
     assert _tree(_keys(s3), s3, "fleet") == single
     assert not [k for k in _keys(s3) if k.startswith(("fleet/raw/", "fleet/fleet/"))]  # all on the exchange
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).is_file()
+    assert not any(d.exists() for d in node_dirs)  # published everywhere: then, and only then, retired
