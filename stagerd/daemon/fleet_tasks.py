@@ -4,8 +4,9 @@ instead of by `export_step`, which would refuse it. The step's export task runs 
 protocol; its publish lane only confirms the sink holds the step the fleet committed.
 
 The fleet publishes to one sink, the first fsspec sink, which is also the exchange (its `raw/` and
-`fleet/` prefixes) unless `exchange` names another fsspec URL. The step's other lanes fail with a named
-error: a Hub sink (and a second fsspec sink) is not served yet.
+`fleet/` prefixes) unless `exchange` names another fsspec URL; with only Hub sinks, on the exchange
+(`daemon/fleet_hub.py` then publishes it to the Hub). A second fsspec sink is not served yet: its lane
+fails with a named error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from stagerd.sinks.fsspec import FsspecSink
 
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
+    from stagerd.sinks.fetch import RemoteStore
 
 ROOT_ID_NAME = "fleet-root-id"
 
@@ -37,13 +39,23 @@ def is_fleet_step(step_dir: Path) -> bool:
 
 
 class FleetTasks(DaemonState):
+    _fleet_staging: tuple[str, FsspecSink] | None = None
+
     def _fleet_sink(self) -> tuple[str, FsspecSink]:
+        """Where the fleet builds its export: the first fsspec sink, else (a Hub sink) `EXCHANGE/export`."""
         for url, sink in self._sinks.items():
             if isinstance(sink, FsspecSink):
                 return url, sink
+        if self.settings.exchange is not None:
+            if self._fleet_staging is None:
+                from stagerd.daemon.fleet_hub import EXPORT_PREFIX
+
+                url = f"{self.settings.exchange.rstrip('/')}/{EXPORT_PREFIX}"
+                self._fleet_staging = (url, FsspecSink.from_url(url))
+            return self._fleet_staging
         raise ConfigError(
-            "a node-locally staged step needs an fsspec sink (S3, GCS, a shared mount) as its exchange",
-            hint="add --sink s3://BUCKET/PREFIX to every node's daemon",
+            "a node-locally staged step needs an fsspec sink (S3, GCS, a shared mount) or --exchange URL",
+            hint="add --sink s3://BUCKET/PREFIX, or --exchange URL beside a Hub sink, to every node's daemon",
         )
 
     def _fleet_root_id(self) -> str:
@@ -55,15 +67,22 @@ class FleetTasks(DaemonState):
             layout.write_bytes_atomic(path, uuid.uuid4().hex.encode())
             return path.read_text().strip()
 
+    def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
+        """The exchange as a sink (raw parts, records) and as a store (ranged reads); close both after."""
+        from stagerd.sinks.fetch import RemoteStore
+
+        url, _ = self._fleet_sink()
+        ex = self.settings.exchange
+        exchange = FsspecSink.from_url(ex) if ex is not None else FsspecSink.from_url(url)
+        return exchange, RemoteStore.open(ex or url)
+
     def _run_fleet(self, step: int, step_dir: Path) -> ExportResult:
         """Worker thread: this node's part of the fleet export of `step`, until the step is committed."""
         from stagerd.daemon.fleet import FleetNode, FleetOptions
-        from stagerd.sinks.fetch import RemoteStore
 
-        url, sink = self._fleet_sink()
+        _, sink = self._fleet_sink()
         s = self.settings
-        exchange = sink if s.exchange is None else FsspecSink.from_url(s.exchange)
-        store = RemoteStore.open(s.exchange or url)
+        exchange, store = self._fleet_exchange()
 
         def status(text: str) -> None:
             # replaced whole, never mutated: /healthz serializes it from the event loop's thread
@@ -88,8 +107,7 @@ class FleetTasks(DaemonState):
             ).run()
         finally:
             store.close()
-            if exchange is not sink:
-                exchange.close()
+            exchange.close()
             left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
             if left:
                 self._health["fleet"] = left
@@ -113,6 +131,20 @@ class FleetTasks(DaemonState):
         """Lane worker: the fleet committed the step on its sink; any other sink is not served yet."""
         t0 = time.monotonic()
         url, sink = self._fleet_sink()
+        from stagerd.sinks.hub.sink import HubSink
+
+        target = self._sinks[sink_url]
+        if sink_url != url and isinstance(target, HubSink):
+            from stagerd.daemon.fleet_hub import publish_to_hub
+
+            exchange, store = self._fleet_exchange()
+            store.close()
+            try:
+                step_dir = self.root / layout.step_dir_name(step)
+                work = self.root / ".stagerd" / "fleet-hub" / layout.step_dir_name(step)
+                return publish_to_hub(step, step_dir, work, target, sink, exchange, url)
+            finally:
+                exchange.close()
         if sink_url != url:
             raise SinkError(
                 f"step {step} was staged node-locally: the fleet export publishes to {url} only",

@@ -140,3 +140,36 @@ def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F81
     assert not [k for k in _keys(s3) if k.startswith(("fleet/raw/", "fleet/fleet/"))]  # all on the exchange
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).is_file()
     assert not any(d.exists() for d in node_dirs)  # published everywhere: then, and only then, retired
+
+
+def test_a_hub_sink_with_a_file_exchange_gets_one_commit_and_tag(tmp_path, dcp_mixed2):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    from tests.hubserver import HubServer, disable_xet
+
+    disable_xet()
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    from stagerd.engine.export import export_step
+
+    want = export_step(shared, max_shard_size=SHARD).export_dir
+    ex = tmp_path / "exchange"
+    with HubServer() as hub:
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+        procs = [_watch(d.parent, "hf://acme/fleet", "--exchange", ex.as_uri(), env=env) for d in node_dirs]
+        results = [_done(p) for p in procs]
+        assert [rc for rc, _ in results] == [0, 0], results
+        api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        assert {t.name for t in api.list_repo_refs("acme/fleet").tags} == {f"step-{STEP}"}
+        commits = [c.title for c in api.list_repo_commits("acme/fleet") if c.title.startswith("stagerd:")]
+        assert commits == [f"stagerd: step {STEP}"]
+        for p in sorted(want.iterdir()):
+            got = hf_hub_download(
+                "acme/fleet",
+                p.name,
+                revision=f"step-{STEP}",
+                endpoint=hub.endpoint,
+                token=hub.token,
+                cache_dir=tmp_path / "hf-cache",
+            )
+            assert Path(got).read_bytes() == p.read_bytes(), p.name
+    assert (ex / "fleet" / layout.step_dir_name(STEP) / "hub.json").is_file()
