@@ -84,10 +84,10 @@ class FleetNode:
         store: RemoteStore,
         root_id: str,
         options: FleetOptions = FleetOptions(),
-        status: Callable[[str], None] | None = None,
+        status: Callable[[str, int], None] | None = None,
     ) -> None:
         self.step_dir, self.work, self.sink, self.exchange, self.store = step_dir, work, sink, exchange, store
-        self.root_id, self.opt, self.status = root_id, options, status or (lambda s: None)
+        self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
         self.marker = layout.read_marker(step_dir)
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
@@ -95,6 +95,12 @@ class FleetNode:
         self.waited = 0.0
 
     def run(self) -> FleetResult:
+        try:
+            return self._run()
+        finally:  # the mirror's hard links would keep this node's shards on disk past retention
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _run(self) -> FleetResult:
         t0 = time.monotonic()
         self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
@@ -238,9 +244,11 @@ class FleetNode:
         return data
 
     def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)")."""
         while not done():
             text = what()
-            self.status(text)
+            named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
+            self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
             if time.monotonic() >= self.deadline:
                 raise FleetWaitError(
                     f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",

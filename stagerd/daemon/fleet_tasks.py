@@ -84,7 +84,8 @@ class FleetTasks(DaemonState):
         s = self.settings
         exchange, store = self._fleet_exchange()
 
-        def status(text: str) -> None:
+        def status(text: str, missing: int) -> None:
+            self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
             # replaced whole, never mutated: /healthz serializes it from the event loop's thread
             self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
 
@@ -108,6 +109,7 @@ class FleetTasks(DaemonState):
         finally:
             store.close()
             exchange.close()
+            self.metrics.fleet_waiting.labels(step=str(step)).set(0)
             left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
             if left:
                 self._health["fleet"] = left

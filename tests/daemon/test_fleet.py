@@ -55,7 +55,9 @@ def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | 
     work = step_dir.parent / ".stagerd" / "fleet"
     seen: list[str] = []
     options = FleetOptions(**{**OPTS.__dict__, **opts})
-    node = FleetNode(step_dir, work, sink, ex, store, root_id or str(step_dir.parent), options, seen.append)
+    node = FleetNode(
+        step_dir, work, sink, ex, store, root_id or str(step_dir.parent), options, lambda s, n: seen.append(s)
+    )
     return node, seen
 
 

@@ -173,3 +173,31 @@ def test_a_hub_sink_with_a_file_exchange_gets_one_commit_and_tag(tmp_path, dcp_m
             )
             assert Path(got).read_bytes() == p.read_bytes(), p.name
     assert (ex / "fleet" / layout.step_dir_name(STEP) / "hub.json").is_file()
+
+
+def test_the_wait_for_a_node_is_in_healthz_detail_and_the_metrics(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    import json
+    import urllib.request
+
+    from tests.daemon_helpers import free_port
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    port = free_port()
+    args = ["--sink", s3.url("fleet"), "--fleet-wait-seconds", "60", "--grace-seconds", "1"]
+    p = start_cli(["watch", node_dirs[0].parent, *args, *fast_flags(metrics_port=port)])
+    try:
+        deadline, health, metrics = time.monotonic() + 60, {}, ""
+        while time.monotonic() < deadline and "fleet" not in health:
+            time.sleep(0.3)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                    health = json.loads(r.read())
+            except OSError as e:
+                health = {"error": str(getattr(e, "read", lambda: b"")())}
+        assert health.get("fleet", {}).get(str(STEP), "").startswith("waiting for node 1 (seen: "), health
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        assert f'stagerd_fleet_waiting_nodes{{step="{STEP}"}} 1.0' in metrics
+    finally:
+        p.terminate()
+        p.communicate(timeout=60)
