@@ -121,6 +121,18 @@ class Settings(BaseSettings):
         "to PREFIX/raw/step-N/ on every fsspec sink, for resuming training; a step counts as published "
         "only once its raw lanes are.",
     )
+    exchange: str | None = Field(
+        None,
+        description="A node-locally staged step: the fsspec URL every node reaches (S3, GCS, a shared "
+        "mount) where the nodes meet (raw parts, claims, file records). Unset: the first fsspec sink.",
+    )
+    fleet_wait_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=WEEK,
+        description="A node-locally staged step: how long this node's daemon waits for the other nodes' "
+        "parts and files (and for the leader's commit) before the try ends as FleetWaitError (retryable).",
+    )
     remote_keep_last: int | None = Field(
         None,
         ge=1,

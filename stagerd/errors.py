@@ -206,3 +206,19 @@ class HubPlanError(StagerdError):
         "the export would not be what save_pretrained writes; fix the mapping, or save without model= / "
         "mapping= to export the trainer's own names"
     )
+
+
+class FleetWaitError(StagerdError):
+    """A node-locally staged step whose other nodes did not all arrive (or finish) within the wait."""
+
+    retryable = True
+    hint = (
+        "start the daemon of every node named as missing; the step waits for them and is never published "
+        "partially"
+    )
+
+
+class FleetNodeConflictError(StagerdError):
+    """Two daemons (two ROOTs) claimed the same staging node id for one step on the exchange."""
+
+    hint = "give each node its own STAGERD_NODE_ID (0..N-1); one daemon per node and ROOT"

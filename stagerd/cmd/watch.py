@@ -69,6 +69,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
     )
+    p.add_argument("--exchange", metavar="URL", help="node-local steps: where the nodes meet")
+    p.add_argument(
+        "--fleet-wait-seconds",
+        type=float,
+        metavar="S",
+        help="node-local steps: how long to wait for the other nodes (default 600)",
+    )
     p.add_argument("--remote-keep-last", type=int, metavar="N", help="keep the newest N steps on each sink")
     p.add_argument("--remote-keep-every", type=int, metavar="N", help="and every N-th step on each sink")
     p.add_argument(
@@ -104,6 +111,8 @@ _FLAGS = (
     "keep_last",
     "once",
     "publish_raw",
+    "exchange",
+    "fleet_wait_seconds",
     "remote_keep_last",
     "remote_keep_every",
     "sink_retention",

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -74,9 +75,12 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write to a temp name, fsync, rename over `path`, fsync the directory."""
+    """Write to a temp name, fsync, rename over `path`, fsync the directory.
+
+    The temp name holds the thread too: two threads of one process writing one path (a fleet node's raw
+    part moving `raw/latest` beside another's) must not rename each other's temp file away."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:

@@ -79,6 +79,12 @@ class Metrics:
             registry=r,
         )
         self.up_since = Gauge("stagerd_start_time_seconds", "When this daemon started.", registry=r)
+        self.fleet_waiting = Gauge(
+            "stagerd_fleet_waiting_nodes",
+            "Node-locally staged steps: the other nodes this node is waiting for, by step (0: not waiting).",
+            ["step"],
+            registry=r,
+        )
         self.up_since.set(time.time())
 
     def set_counts(

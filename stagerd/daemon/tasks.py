@@ -22,6 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.daemon.discovery import Discovery
+from stagerd.daemon.fleet_tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import (
@@ -55,7 +56,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(Health, Discovery):
+class Tasks(FleetTasks, Health, Discovery):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -121,8 +122,12 @@ class Tasks(Health, Discovery):
         )
 
     def _run_export(self, step: int, step_dir: Path, rebuild: bool) -> ExportResult:
-        """Worker thread: the export engine, with progress and the test pause hook."""
+        """Worker thread: the export engine, with progress and the test pause hook; a node-locally staged
+        step is this node's part of the fleet export instead."""
         from stagerd.engine.export import export_step
+
+        if is_fleet_step(step_dir):
+            return self._run_fleet(step, step_dir)
         from stagerd.ops.progress import progress
 
         with contextlib.ExitStack() as stack:
@@ -222,7 +227,8 @@ class Tasks(Health, Discovery):
         row = await self._j(self._journal.step, step)
         assert row is not None
         export_dir = Path(row.path) / layout.EXPORT_DIR
-        if not await self._io(export_dir.is_dir):
+        fleet = await self._io(is_fleet_step, Path(row.path))
+        if not fleet and not await self._io(export_dir.is_dir):
             await self._export_vanished(step, Path(row.path))
             return
         attempt = await self._j(self._journal.begin_publish, step, sink)
@@ -231,9 +237,12 @@ class Tasks(Health, Discovery):
         await self._try_refresh()
         try:
             metadata = await self._io(self._metadata, step, Path(row.path))
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._lane_pools[sink], self._run_publish, step, sink, export_dir, metadata
+            work = (
+                partial(self._fleet_publish, step, sink)
+                if fleet
+                else partial(self._run_publish, step, sink, export_dir, metadata)
             )
+            result = await asyncio.get_running_loop().run_in_executor(self._lane_pools[sink], work)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -37,6 +37,10 @@ POINTS = {
     "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
     "prune.tombstone": "remote prune: a step's tombstone written, its manifest not yet deleted",
     "prune.manifest": "remote prune: a step's manifest deleted, its files not yet",
+    "fleet.raw": "fleet export: this node's raw part is on the exchange, the other nodes not yet awaited",
+    "fleet.built": "fleet export: an owned file uploaded to the sink, its completion record not yet written",
+    "fleet.commit": "fleet export: the leader checked every file's record and the listing, no manifest yet",
+    "fleet.manifest": "fleet export: the leader created the manifest, `latest` not yet moved",
 }
 
 

@@ -157,6 +157,36 @@ class FsspecSink:
     def close(self) -> None:
         self._backend.close()
 
+    @property
+    def backend(self) -> Backend:
+        """The store under this sink: the fleet uploads its files and writes its records through it."""
+        return self._backend
+
+    def move_latest(self, step: int) -> None:
+        """Point `latest` at a committed `step` unless it names a newer one (a commit killed before it)."""
+        self._move_latest(layout.step_dir_name(step), step)
+
+    def commit_uploaded(
+        self, step: int, digests: list[Uploaded], metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Commit a step whose files were uploaded by others (the fleet's owners): verify the listing and
+        every store checksum against `digests`, create the manifest last, move `latest`, then sweep what a
+        killed uploader left pending. False when the step already had this very manifest."""
+        prefix = layout.step_dir_name(step)
+        key = f"{prefix}/{layout.MANIFEST_NAME}"
+        manifest = self._manifest(step, digests, metadata)
+        self._verify(prefix, manifest, {d.rel: d.checksum for d in digests})
+        b = self._backend
+        crash_point("fleet.commit")
+        created = self._call(lambda: b.create(key, manifest_bytes(manifest)), key)
+        if not created:
+            raw = self._call(lambda: b.read(key), key) or b""
+            self._check_same(parse_manifest(raw, self._where(key)), manifest, key)
+        crash_point("fleet.manifest")
+        self._move_latest(prefix, step)
+        self._call(lambda: b.sweep(prefix), prefix)
+        return bool(created)
+
     # -- the algorithm -----------------------------------------------------------------------------------
 
     def _publish_tree(

@@ -135,8 +135,9 @@ def test_a_step_its_node_cannot_export_alone_still_goes_raw(tmp_path, dcp_mixed2
         shard.unlink()  # node-local staging: this node holds rank 0's shard only
     tensors = {k: TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in dcp_mixed2[1].items()}
     commit_step(step_dir, 2, staging_node=0, staging_nodes=2, tensors=tensors)
-    r = _watch(root, sink, "--max-attempts", "1")
-    assert r.returncode == 1  # the export is quarantined (PlanError): not published
+    r = _watch(root, sink, "--max-attempts", "1", "--fleet-wait-seconds", "1")
+    assert r.returncode == 1  # the fleet export waits for node 1 (FleetWaitError): not published
+    assert "waiting for node 1" in r.stdout + r.stderr
     lanes = _lanes(root)
     assert lanes[(7, f"raw:{sink.as_uri()}")].state == "published"
     node = sink / "raw" / layout.step_dir_name(7) / "node-00000-of-00002"

@@ -95,6 +95,18 @@ def test_process_checkpointer_with_node_local_roots(tmp_path):
     for name, ref in want.items():
         with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
             assert torch.equal(f.get_tensor(name).view(torch.uint8), ref.view(torch.uint8)), name
+    # Issue 14: the two nodes' daemons build the same export together, through a file:// exchange.
+    from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+    from tests.daemon.test_fleet import _run_all
+
+    sink = tmp_path / "sink"
+    dirs = [tmp_path / f"node{r}" / "step-00000003" for r in range(WORLD)]
+    done = _run_all(dirs, sink.as_uri(), max_shard_size=DEFAULT_MAX_SHARD_SIZE)
+    assert all(not isinstance(r, BaseException) for r in done), done
+    for name, _ in result.files:
+        if name.endswith(".safetensors") or name == layout.INDEX_NAME:
+            assert (sink / "step-00000003" / name).read_bytes() == (result.export_dir / name).read_bytes()
+    assert json.loads((sink / "step-00000003" / "config.json").read_text()) == {"a": 1}
 
 
 def _late_checkpoint_process_run(rank: int, world: int, init_file: str, base: str) -> None:

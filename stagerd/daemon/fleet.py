@@ -1,0 +1,264 @@
+"""One node's part of a fleet export: node-local ROOTs, one HF export built together through the exchange.
+
+The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"), for node k of M:
+
+1. claim `fleet/step-N/node-K.json` on the exchange (a conditional create naming this ROOT's identity; a
+   claim by another ROOT is `FleetNodeConflictError`), then publish the raw part to
+   `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
+2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
+3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
+   byte; owners by bytes (`fleet_plan.owners`);
+4. for each file it owns and has no record of: fetch the byte ranges its moves read, build it with
+   `execute`, upload it under the sink's `step-N/`, then create `fleet/step-N/done/NAME.json` (size,
+   sha256, store checksum);
+5. the leader (node 0) uploads the index and extras, waits for every file's record, and commits through
+   `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`); the others wait
+   for the manifest. A dead node's files are not reassigned: the step waits for it (`FleetWaitError`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.reference_index import load_weight_map
+from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
+from stagerd.engine.execute import execute
+from stagerd.engine.index_json import index_json
+from stagerd.engine.plan_types import ExportPlan
+from stagerd.engine.planner import plan
+from stagerd.engine.shard_scan import scan_shards
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.fetch import RemoteStore, node_parts
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
+
+log = logging.getLogger("stagerd.fleet")
+
+FLEET_DIR = "fleet"
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    dtype: str | None = None
+    keep_dtype: str | None = None
+    max_shard_size: int = 5 * 1024**3
+    wait_seconds: float = 600.0
+    poll_seconds: float = 0.5
+    threads: int = 2
+
+
+@dataclass
+class FleetResult:
+    """What this node did: the files it built, the bytes it read from the exchange and uploaded."""
+
+    step: int
+    node: int
+    nodes: int
+    built: list[str]
+    bytes_fetched: int = 0
+    bytes_uploaded: int = 0  # the sink's files this node sent (its raw part is `bytes_raw`)
+    bytes_raw: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0  # of `seconds`, asleep waiting for other nodes
+    committed: bool = False
+
+
+class FleetNode:
+    """Node `marker.staging_node`'s part of step `marker.step`, resumable from any point."""
+
+    def __init__(
+        self,
+        step_dir: Path,
+        work: Path,
+        sink: FsspecSink,
+        exchange: FsspecSink,
+        store: RemoteStore,
+        root_id: str,
+        options: FleetOptions = FleetOptions(),
+        status: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.step_dir, self.work, self.sink, self.exchange, self.store = step_dir, work, sink, exchange, store
+        self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
+        self.marker = layout.read_marker(step_dir)
+        self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
+        self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
+        self.deadline = 0.0
+        self.waited = 0.0
+
+    def run(self) -> FleetResult:
+        try:
+            return self._run()
+        finally:  # the mirror's hard links would keep this node's shards on disk past retention
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _run(self) -> FleetResult:
+        t0 = time.monotonic()
+        self.deadline = t0 + self.opt.wait_seconds
+        res = FleetResult(self.step, self.me, self.nodes, [])
+        if self.sink.is_published(self.step):
+            if self.me == 0:  # a leader killed between the manifest and `latest`
+                self.sink.move_latest(self.step)
+            return res
+        self._claim()
+        res.bytes_raw = self.exchange.publish_raw(self.step_dir, self.step).bytes_uploaded
+        crash_point("fleet.raw")
+        parts = self._wait_parts()
+        mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
+        listed = mirror.build()
+        p = self._plan(mirror, listed)
+        owner = owners(p, self.nodes)
+        for f in p.files:
+            if owner[f.name] != self.me or self._record(f.name) is not None:
+                continue
+            sub = only_file(p, f.name)
+            mirror.fill(sub)
+            out = self.work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            execute(sub, out, threads=self.opt.threads)
+            up = self._upload([LocalFile(f.name, out / f.name, f.size)])[0]
+            crash_point("fleet.built")
+            self._create(f"{self.base}/done/{f.name}.json", _record_bytes(up, self.me))
+            res.built.append(f.name)
+            res.bytes_uploaded += f.size
+            shutil.rmtree(out, ignore_errors=True)
+        res.bytes_fetched = mirror.fetched
+        if self.me == 0:
+            res.bytes_uploaded += self._lead(p, parts, [f.name for f in p.files])
+            res.committed = True
+        else:
+            self._wait(lambda: self.sink.is_published(self.step), lambda: "waiting for the leader (node 0)")
+        shutil.rmtree(self.work, ignore_errors=True)
+        res.seconds, res.waited = time.monotonic() - t0, self.waited
+        return res
+
+    # -- steps -------------------------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        key = f"{self.base}/node-{self.me:05d}.json"
+        mine = json.dumps({"root": self.root_id, "node": self.me, "nodes": self.nodes}).encode()
+        if self._create(key, mine):
+            return
+        theirs = json.loads(self.exchange.backend.read(key) or b"{}")
+        if theirs.get("root") != self.root_id:
+            raise FleetNodeConflictError(
+                f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
+                f"({theirs.get('root')!r}, this one is {self.root_id!r})",
+                path=self.exchange.url + "/" + key,
+            )
+
+    def _wait_parts(self) -> list[NodePart]:
+        raw = f"raw/{layout.step_dir_name(self.step)}"
+
+        def seen() -> list[str]:
+            return node_parts(self.store.sizes(raw))[0]
+
+        def missing() -> str:
+            have = seen()
+            want = [f"node-{k:05d}-of-{self.nodes:05d}" for k in range(self.nodes)]
+            gone = [str(k) for k, n in enumerate(want) if n not in have]
+            return f"waiting for node {', '.join(gone)} (seen: {', '.join(have) or 'none'})"
+
+        self._wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
+        parts = []
+        for k, name in enumerate(seen()):
+            key = f"{raw}/{name}/{layout.MARKER_NAME}"
+            m = layout.CommitMarker.from_json(json.loads(self.store.read(key) or b"{}"), path=key)
+            if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
+                raise MarkerError(
+                    f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key
+                )
+            parts.append(NodePart(k, m, f"{raw}/{name}"))
+        return parts
+
+    def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
+        ref = self.marker.reference_index
+        return plan(
+            scan_shards(mirror.model, listed),
+            dtype=parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype),
+            keep_dtype=self.opt.keep_dtype,
+            reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
+            max_shard_size=self.opt.max_shard_size,
+            expected=self.marker.tensors,
+        )
+
+    def _lead(self, p: ExportPlan, parts: list[NodePart], names: list[str]) -> int:
+        """Index and extras, then every file's record checked, then the commit."""
+        lead = self.work / "lead"
+        shutil.rmtree(lead, ignore_errors=True)
+        lead.mkdir(parents=True)
+        (lead / layout.INDEX_NAME).write_bytes(index_json(p))
+        files = [
+            LocalFile(layout.INDEX_NAME, lead / layout.INDEX_NAME, (lead / layout.INDEX_NAME).stat().st_size)
+        ]
+        for rel, part in sorted(extras_of(parts).items()):
+            if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
+                continue  # as export_step: our index and weights are the export's
+            dst = lead / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src = self.step_dir / layout.EXTRAS_DIR / rel
+            if part.node == self.me:
+                shutil.copyfile(src, dst)
+            else:
+                dst.write_bytes(self.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
+            files.append(LocalFile(rel, dst, dst.stat().st_size))
+        digests = self._upload(files)
+        self._wait(
+            lambda: all(self._record(n) is not None for n in names),
+            lambda: (
+                "waiting for the files of node "
+                + ", ".join(sorted({str(owners(p, self.nodes)[n]) for n in names if self._record(n) is None}))
+            ),
+        )
+        digests += [self._record(n) for n in names]  # type: ignore[misc]
+        self.sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
+        return sum(f.size for f in files)
+
+    # -- the exchange ------------------------------------------------------------------------------------
+
+    def _upload(self, files: list[LocalFile]) -> list[Uploaded]:
+        prefix = layout.step_dir_name(self.step)
+        return self.sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
+
+    def _record(self, name: str) -> Uploaded | None:
+        data = self.exchange.backend.read(f"{self.base}/done/{name}.json")
+        if data is None:
+            return None
+        d = json.loads(data)
+        return Uploaded(d["rel"], int(d["size"]), d["sha256"], d.get("checksum"))
+
+    def _create(self, key: str, data: bytes) -> bool:
+        return self.exchange.backend.create(key, data)
+
+    def _read(self, key: str, start: int, end: int) -> bytes:
+        data: bytes = self.store.fs.cat_file(self.store.path(key), start=start, end=end)
+        return data
+
+    def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)")."""
+        while not done():
+            text = what()
+            named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
+            self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
+            if time.monotonic() >= self.deadline:
+                raise FleetWaitError(
+                    f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",
+                    path=self.exchange.url,
+                )
+            time.sleep(self.opt.poll_seconds)
+            self.waited += self.opt.poll_seconds
+
+
+def _record_bytes(up: Uploaded, node: int) -> bytes:
+    return json.dumps(
+        {"rel": up.rel, "size": up.size, "sha256": up.sha256, "checksum": up.checksum, "owner": node}
+    ).encode()

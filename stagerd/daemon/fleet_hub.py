@@ -1,0 +1,67 @@
+"""A fleet step's Hub lane (issue 14): the leader publishes the committed export as one commit and tag.
+
+With only a Hub sink, the fleet builds the export on the exchange (`EXCHANGE/export/step-N/`, manifest
+last) exactly as it would on an fsspec sink. Node 0's Hub lane then downloads it, checked against its
+manifest, and hands it to `HubSink.publish`: one commit and one tag per step, as for one daemon. It then
+creates `fleet/step-N/hub.json` on the exchange; the other nodes' Hub lanes wait for that record, so no
+node's staged step is retired before the Hub holds the step. **Limit**: the leader downloads the whole
+export for the Hub (the Hub takes a commit from one client), so this lane is not split over the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.errors import SinkError
+from stagerd.sinks.base import PublishResult, Sink
+from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manifest, step_prefix
+from stagerd.sinks.fsspec import FsspecSink
+
+EXPORT_PREFIX = "export"
+
+
+def hub_record_key(step: int) -> str:
+    return f"fleet/{layout.step_dir_name(step)}/hub.json"
+
+
+def publish_to_hub(
+    step: int,
+    step_dir: Path,
+    work: Path,
+    hub: Sink,
+    staging: FsspecSink,
+    exchange: FsspecSink,
+    store_url: str,
+) -> PublishResult:
+    """Node 0: the committed export from `staging` to `hub`, then the record; the others: the record."""
+    t0 = time.monotonic()
+    marker = layout.read_marker(step_dir)
+    if exchange.backend.read(hub_record_key(step)) is not None:
+        return _skipped(hub.url, step, t0)
+    if marker.staging_node != 0:
+        raise SinkError(f"step {step}: waiting for node 0 to publish it to the Hub", path=hub.url)
+    if not staging.is_published(step):
+        raise SinkError(f"step {step} is not committed on the exchange yet", path=staging.url)
+    store = RemoteStore.open(store_url)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        prefix = step_prefix(step, raw=False)
+        manifest = read_manifest(store, prefix, step)
+        check_listing(store, prefix, manifest)
+        files = tuple(f for f in manifest.files if f.path != layout.MANIFEST_NAME)
+        download(store, prefix, files, work)
+        result = hub.publish(work, step, metadata=dict(marker.metadata))
+    finally:
+        store.close()
+        shutil.rmtree(work, ignore_errors=True)
+    exchange.backend.create(hub_record_key(step), json.dumps({"location": result.location}).encode())
+    return result
+
+
+def _skipped(url: str, step: int, t0: float) -> PublishResult:
+    return PublishResult(url, step, url, 0, 0, 0, True, time.monotonic() - t0)

@@ -1,0 +1,151 @@
+"""The fleet's shared plan: every node computes the same `ExportPlan` and the same owner of each output file.
+
+A node sees its own shards on disk and the other nodes' through the exchange. `Mirror` lays every shard of
+the step out under one local directory at its own name: a node's own shards are hard links, the others'
+sparse files of their full size holding only their header (one ranged read each). The planner then reads
+headers from that directory exactly as it reads a shared ROOT, so the plan, and therefore every output
+byte, is the single-node export's. Before a node builds a file it fetches into the sparse files the byte
+ranges that file's moves read, and `execute` runs on a plan cut down to that file: the same code path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from stagerd.contract import dtypes, layout
+from stagerd.engine.moves import plan_moves
+from stagerd.engine.plan_types import ExportPlan, MoveKind
+from stagerd.errors import ShardError
+
+ReadRange = Callable[[str, int, int], bytes]  # (exchange key, start, end) -> bytes
+
+
+@dataclass(frozen=True)
+class NodePart:
+    """One node's marker and where its raw part lives on the exchange (`raw/step-N/node-K-of-M`)."""
+
+    node: int
+    marker: layout.CommitMarker
+    prefix: str
+
+
+def shard_names(marker: layout.CommitMarker) -> dict[str, int]:
+    """The model shards a marker lists: file name -> size."""
+    pre = layout.MODEL_DIR + "/"
+    return {f.path[len(pre) :]: f.size for f in marker.files if f.path.startswith(pre)}
+
+
+class Mirror:
+    """Every shard of the step under `root/model/`: own ones linked, others sparse, filled on demand."""
+
+    def __init__(self, root: Path, own_step: Path, parts: list[NodePart], me: int, read: ReadRange) -> None:
+        self.model = root / layout.MODEL_DIR
+        self.own_step = own_step
+        self.parts = parts
+        self.me = me
+        self.read = read
+        self.remote: dict[str, str] = {}  # mirror path -> exchange key, for the shards of other nodes
+        self.fetched = 0
+
+    def build(self) -> list[str]:
+        """Lay out every shard; returns their names (the planner's `listed`)."""
+        if self.model.exists():
+            shutil.rmtree(self.model)
+        self.model.mkdir(parents=True)
+        names: list[str] = []
+        for part in self.parts:
+            for name, size in shard_names(part.marker).items():
+                dst = self.model / name
+                if name in names:
+                    raise ShardError("two nodes list the same shard", path=dst)
+                names.append(name)
+                if part.node == self.me:
+                    os.link(self.own_step / layout.MODEL_DIR / name, dst)
+                    continue
+                key = f"{part.prefix}/{layout.MODEL_DIR}/{name}"
+                self.remote[str(dst)] = key
+                head = self.read(key, 0, 8)
+                if len(head) != 8:
+                    raise ShardError("is shorter than a safetensors header", path=key)
+                (n,) = struct.unpack("<Q", head)
+                n = min(n, max(0, size - 8))  # the header reader refuses a bad length on its own
+                header = head + (self.read(key, 8, 8 + n) if n else b"")
+                with open(dst, "wb") as f:
+                    f.write(header)
+                    f.truncate(size)
+        return names
+
+    def fill(self, p: ExportPlan) -> None:
+        """Fetch from the exchange every remote byte range that `p`'s moves read."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for src, off, n in _reads(p):
+            if src in self.remote and n:
+                wanted.setdefault(src, []).append((off, off + n))
+        for src, ranges in wanted.items():
+            fd = os.open(src, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                for a, b in _merged(ranges):
+                    data = self.read(self.remote[src], a, b)
+                    if len(data) != b - a:
+                        raise ShardError(f"short read {a}..{b}: {len(data)} bytes", path=self.remote[src])
+                    os.pwrite(fd, data, a)
+                    self.fetched += len(data)
+            finally:
+                os.close(fd)
+
+
+def _reads(p: ExportPlan) -> Iterator[tuple[str, int, int]]:
+    srcs = p.sources
+    for m in plan_moves(p):
+        if m.kind is MoveKind.GATHER:
+            for piece in m.pieces:
+                yield srcs[piece.src], piece.src_offset, piece.length
+        elif m.kind is MoveKind.CAST:
+            sdt, ddt = dtypes.lookup(m.src_dtype or "U8"), dtypes.lookup(m.dst_dtype or "U8")
+            yield srcs[m.src], m.src_offset, m.length * sdt.bits // ddt.bits
+        else:
+            yield srcs[m.src], m.src_offset, m.length
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def only_file(p: ExportPlan, name: str) -> ExportPlan:
+    """`p` cut down to one output file: its header and moves are the ones the whole plan writes."""
+    return replace(p, files=tuple(f for f in p.files if f.name == name))
+
+
+def owners(p: ExportPlan, nodes: int) -> dict[str, int]:
+    """Each output file's owner: biggest file first to the node with the fewest bytes so far, lowest node
+    on a tie. Pure and deterministic: every node computes the same map."""
+    load = [0] * nodes
+    out: dict[str, int] = {}
+    for f in sorted(p.files, key=lambda f: (-f.size, f.name)):
+        k = min(range(nodes), key=lambda i: (load[i], i))
+        out[f.name] = k
+        load[k] += f.size
+    return out
+
+
+def extras_of(parts: list[NodePart]) -> Mapping[str, NodePart]:
+    """Every node's extras (relative to `extras/`) -> the node that staged it (the lowest, if several)."""
+    pre = layout.EXTRAS_DIR + "/"
+    out: dict[str, NodePart] = {}
+    for part in parts:
+        for f in part.marker.files:
+            rel = f.path[len(pre) :]
+            if f.path.startswith(pre) and rel not in out:
+                out[rel] = part
+    return out

@@ -1,0 +1,167 @@
+"""The daemon's side of a fleet export (issue 14): a node-locally staged step (its marker says
+`staging_nodes` > 1) is built by every node's daemon together through the exchange (`daemon/fleet.py`)
+instead of by `export_step`, which would refuse it. The step's export task runs this node's part of the
+protocol; its publish lane only confirms the sink holds the step the fleet committed.
+
+The fleet publishes to one sink, the first fsspec sink, which is also the exchange (its `raw/` and
+`fleet/` prefixes) unless `exchange` names another fsspec URL; with only Hub sinks, on the exchange
+(`daemon/fleet_hub.py` then publishes it to the Hub). A second fsspec sink is not served yet: its lane
+fails with a named error.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stagerd.contract import layout
+from stagerd.daemon.state import DaemonState, log
+from stagerd.errors import ConfigError, MarkerError, SinkError
+from stagerd.sinks.base import PublishResult
+from stagerd.sinks.fsspec import FsspecSink
+
+if TYPE_CHECKING:
+    from stagerd.engine.export import ExportResult
+    from stagerd.sinks.fetch import RemoteStore
+
+ROOT_ID_NAME = "fleet-root-id"
+
+
+def is_fleet_step(step_dir: Path) -> bool:
+    """Staged node-locally on several nodes (False for a whole step, or one whose marker cannot be read:
+    the export names that)."""
+    try:
+        return layout.read_marker(step_dir).staging_nodes > 1
+    except (MarkerError, OSError):
+        return False
+
+
+class FleetTasks(DaemonState):
+    _fleet_staging: tuple[str, FsspecSink] | None = None
+
+    def _fleet_sink(self) -> tuple[str, FsspecSink]:
+        """Where the fleet builds its export: the first fsspec sink, else (a Hub sink) `EXCHANGE/export`."""
+        for url, sink in self._sinks.items():
+            if isinstance(sink, FsspecSink):
+                return url, sink
+        if self.settings.exchange is not None:
+            if self._fleet_staging is None:
+                from stagerd.daemon.fleet_hub import EXPORT_PREFIX
+
+                url = f"{self.settings.exchange.rstrip('/')}/{EXPORT_PREFIX}"
+                self._fleet_staging = (url, FsspecSink.from_url(url))
+            return self._fleet_staging
+        raise ConfigError(
+            "a node-locally staged step needs an fsspec sink (S3, GCS, a shared mount) or --exchange URL",
+            hint="add --sink s3://BUCKET/PREFIX, or --exchange URL beside a Hub sink, to every node's daemon",
+        )
+
+    def _fleet_root_id(self) -> str:
+        """This ROOT's identity on the exchange, made once: two ROOTs claiming one node id are told apart."""
+        path = self.root / ".stagerd" / ROOT_ID_NAME
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            layout.write_bytes_atomic(path, uuid.uuid4().hex.encode())
+            return path.read_text().strip()
+
+    def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
+        """The exchange as a sink (raw parts, records) and as a store (ranged reads); close both after."""
+        from stagerd.sinks.fetch import RemoteStore
+
+        url, _ = self._fleet_sink()
+        ex = self.settings.exchange
+        exchange = FsspecSink.from_url(ex) if ex is not None else FsspecSink.from_url(url)
+        return exchange, RemoteStore.open(ex or url)
+
+    def _run_fleet(self, step: int, step_dir: Path) -> ExportResult:
+        """Worker thread: this node's part of the fleet export of `step`, until the step is committed."""
+        from stagerd.daemon.fleet import FleetNode, FleetOptions
+
+        _, sink = self._fleet_sink()
+        s = self.settings
+        exchange, store = self._fleet_exchange()
+
+        def status(text: str, missing: int) -> None:
+            self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
+            # replaced whole, never mutated: /healthz serializes it from the event loop's thread
+            self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+
+        try:
+            res = FleetNode(
+                step_dir,
+                self.root / ".stagerd" / "fleet" / step_dir.name,
+                sink,
+                exchange,
+                store,
+                self._fleet_root_id(),
+                FleetOptions(
+                    dtype=s.dtype,
+                    keep_dtype=s.keep_dtype,
+                    max_shard_size=int(s.max_shard_size),
+                    wait_seconds=s.fleet_wait_seconds,
+                    threads=s.export_threads,
+                ),
+                status,
+            ).run()
+        finally:
+            store.close()
+            exchange.close()
+            self.metrics.fleet_waiting.labels(step=str(step)).set(0)
+            left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
+            if left:
+                self._health["fleet"] = left
+            else:
+                self._health.pop("fleet", None)
+        log.info(
+            "step %d: fleet node %d of %d built %d file(s), fetched %d bytes, uploaded %d bytes",
+            step,
+            res.node,
+            res.nodes,
+            len(res.built),
+            res.bytes_fetched,
+            res.bytes_uploaded,
+            extra={"step": step, "fleet_node": res.node, "bytes_fetched": res.bytes_fetched},
+        )
+        from stagerd.engine.export import ExportResult
+
+        return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
+        """Lane worker: the fleet committed the step on its sink; any other sink is not served yet."""
+        t0 = time.monotonic()
+        url, sink = self._fleet_sink()
+        from stagerd.sinks.hub.sink import HubSink
+
+        target = self._sinks[sink_url]
+        if sink_url != url and isinstance(target, HubSink):
+            from stagerd.daemon.fleet_hub import publish_to_hub
+
+            exchange, store = self._fleet_exchange()
+            store.close()
+            try:
+                step_dir = self.root / layout.step_dir_name(step)
+                work = self.root / ".stagerd" / "fleet-hub" / layout.step_dir_name(step)
+                return publish_to_hub(step, step_dir, work, target, sink, exchange, url)
+            finally:
+                exchange.close()
+        if sink_url != url:
+            raise SinkError(
+                f"step {step} was staged node-locally: the fleet export publishes to {url} only",
+                path=sink_url,
+                hint="publish node-local steps to one fsspec sink; the fleet serves no other sink yet",
+            )
+        if not sink.is_published(step):
+            raise SinkError(f"step {step} is not committed on the sink yet", path=url)
+        return PublishResult(
+            sink=url,
+            step=step,
+            location=f"{url}/{layout.step_dir_name(step)}",
+            files=0,
+            bytes_total=0,
+            bytes_uploaded=0,
+            skipped=True,
+            seconds=time.monotonic() - t0,
+        )

@@ -1,0 +1,157 @@
+"""Issue 14: node-local ROOTs build one HF export together through the exchange, equal byte for byte to the
+single-daemon export of the same step from a shared ROOT. Nodes are threads here (each its own ROOT, its
+own sink and exchange clients); the 4-rank gloo save is the session's `dcp_mixed`."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet import FleetNode, FleetOptions, FleetResult
+from stagerd.engine.export import export_step
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError
+from stagerd.sinks.fetch import RemoteStore
+from stagerd.sinks.fsspec import FsspecSink
+from tests.dcp_fixtures import commit_step
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+STEP = 7
+SHARD = 1500  # small output files, so that every node owns some
+OPTS = FleetOptions(max_shard_size=SHARD, wait_seconds=60, poll_seconds=0.05)
+
+
+def _stage(tmp: Path, model: Path, nodes: int, dtype: str | None = None) -> tuple[Path, list[Path]]:
+    """The same save staged twice: one shared ROOT, and `nodes` node-local ROOTs (shards dealt round-robin,
+    extras on node 0, as the Stager's node-local mode writes them)."""
+    shards = sorted(model.glob("*.safetensors"))
+    shared = tmp / "shared" / layout.step_dir_name(STEP)
+    (shared / "model").mkdir(parents=True)
+    (shared / "extras").mkdir()
+    (shared / "extras" / "config.json").write_text('{"model_type": "tiny"}')
+    for s in shards:
+        shutil.copy(s, shared / "model" / s.name)
+    whole = commit_step(shared, len(shards), dtype=dtype)
+    node_dirs = []
+    for k in range(nodes):
+        d = tmp / f"node{k}" / layout.step_dir_name(STEP)
+        (d / "model").mkdir(parents=True)
+        for s in shards[k::nodes]:
+            shutil.copy(s, d / "model" / s.name)
+        if k == 0:
+            shutil.copytree(shared / "extras", d / "extras")
+        commit_step(d, len(shards), dtype=dtype, tensors=whole.tensors, staging_node=k, staging_nodes=nodes)
+        node_dirs.append(d)
+    return shared, node_dirs
+
+
+def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | None = None, **opts):
+    sink = FsspecSink.from_url(url)
+    ex = FsspecSink.from_url(exchange) if exchange else sink
+    store = RemoteStore.open(exchange or url)
+    work = step_dir.parent / ".stagerd" / "fleet"
+    seen: list[str] = []
+    options = FleetOptions(**{**OPTS.__dict__, **opts})
+    node = FleetNode(
+        step_dir, work, sink, ex, store, root_id or str(step_dir.parent), options, lambda s, n: seen.append(s)
+    )
+    return node, seen
+
+
+def _run_all(node_dirs: list[Path], url: str, **kw) -> list[FleetResult | BaseException]:
+    out: list[FleetResult | BaseException] = [RuntimeError("not run")] * len(node_dirs)
+
+    def one(k: int) -> None:
+        try:
+            out[k] = _node(node_dirs[k], url, **kw)[0].run()
+        except BaseException as e:
+            out[k] = e
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in reversed(range(len(node_dirs)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def _tree(keys: dict[str, int], env, prefix: str) -> dict[str, bytes]:
+    pre = f"{prefix}/{layout.step_dir_name(STEP)}/"
+    return {
+        k[len(pre) :]: env.get(k) for k in keys if k.startswith(pre) and not k.endswith(layout.MANIFEST_NAME)
+    }
+
+
+def _keys(env) -> dict[str, int]:
+    out = {}
+    for page in env.client.get_paginator("list_objects_v2").paginate(Bucket=env.bucket):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return out
+
+
+@pytest.mark.parametrize(("nodes", "dtype"), [(2, None), (3, "bf16")])
+def test_nodes_build_the_single_node_export_byte_for_byte_each_doing_a_share(
+    tmp_path,
+    dcp_mixed,
+    s3,  # noqa: F811
+    nodes,
+    dtype,
+):
+    shared, node_dirs = _stage(tmp_path, dcp_mixed[0], nodes, dtype)
+    export_step(shared, max_shard_size=SHARD)
+    FsspecSink.from_url(s3.url("single")).publish(shared / layout.EXPORT_DIR, STEP)
+    results = _run_all(node_dirs, s3.url("fleet"))
+    assert all(isinstance(r, FleetResult) for r in results), results
+    keys = _keys(s3)
+    single, fleet = _tree(keys, s3, "single"), _tree(keys, s3, "fleet")
+    assert len(single) > nodes + 2 and single == fleet  # every file, byte for byte, and no other
+    assert s3.get(f"fleet/{layout.step_dir_name(STEP)}/{layout.MANIFEST_NAME}")
+    assert s3.get("fleet/latest") == layout.step_dir_name(STEP).encode()
+    built = [r.built for r in results]  # type: ignore[union-attr]
+    assert all(built) and sorted(n for b in built for n in b) == sorted(
+        n for n in single if n.endswith(".safetensors")
+    )
+    assert [r.committed for r in results] == [True] + [False] * (nodes - 1)  # type: ignore[union-attr]
+    assert all(r.bytes_fetched < sum(f.stat().st_size for f in shared.glob("model/*")) for r in results)  # type: ignore[union-attr]
+    again = _run_all(node_dirs, s3.url("fleet"))  # published: a second run does nothing
+    assert all(isinstance(r, FleetResult) and not r.built for r in again), again
+
+
+def test_a_node_that_never_starts_leaves_the_step_waiting_and_unpublished(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    node, seen = _node(node_dirs[0], s3.url("fleet"), wait_seconds=0.5)
+    with pytest.raises(FleetWaitError, match="waiting for node 1 \\(seen: node-00000-of-00002\\)"):
+        node.run()
+    assert seen and seen[-1].startswith("waiting for node 1")
+    assert not [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
+    assert FleetWaitError.retryable  # the daemon backs off and tries again: never quarantined
+    results = _run_all(node_dirs, s3.url("fleet"))  # the late node comes: the step completes
+    assert all(isinstance(r, FleetResult) for r in results), results
+
+
+def test_two_roots_claiming_one_node_id_is_a_named_error(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    first, _ = _node(node_dirs[0], s3.url("fleet"), root_id="root-a", wait_seconds=0.1)
+    with pytest.raises(FleetWaitError):
+        first.run()
+    second, _ = _node(node_dirs[0], s3.url("fleet"), root_id="root-b", wait_seconds=0.1)
+    with pytest.raises(FleetNodeConflictError, match="node 0 of 2 is already claimed by another ROOT"):
+        second.run()
+    assert issubclass(FleetNodeConflictError, StagerdError) and not FleetNodeConflictError.retryable
+
+
+def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
+    """A file:// exchange shared by the nodes, separate from the sink."""
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    export_step(shared, max_shard_size=SHARD)
+    sink, ex = tmp_path / "sink", tmp_path / "exchange"
+    results = _run_all(node_dirs, sink.as_uri(), exchange=ex.as_uri())
+    assert all(isinstance(r, FleetResult) for r in results), results
+    out = sink / layout.step_dir_name(STEP)
+    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    want = {p.name: p.read_bytes() for p in (shared / layout.EXPORT_DIR).iterdir()}
+    assert got == want
+    assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).exists()
