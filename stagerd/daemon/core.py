@@ -163,6 +163,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             if removed:
                 log.info("removed %d leftover(s) of an interrupted retention from the trash", removed)
             await self._recover()
+            for url in list(self._prune_stores):  # finish a prune a killed daemon left half done
+                await self._after_publish(url)
             await self._scan()
             await self._j(
                 self._journal.set_meta,

@@ -31,11 +31,12 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
 from stagerd.engine.execute import execute
+from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.engine.planner import plan
 from stagerd.engine.shard_scan import scan_shards
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, HubPlanError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_parts
 from stagerd.sinks.fsspec import FsspecSink
@@ -181,15 +182,25 @@ class FleetNode:
         return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
+        if self.marker.hub_plan is not None or self.marker.adapter_plan is not None:
+            # Refused rather than exported in the trainer's own names: a silently different export.
+            raise HubPlanError(
+                f"step {self.step} carries a to-Hub plan (save(model=...) or mapping=), which the fleet "
+                "export of node-local ROOTs does not carry out yet; stage this model to a shared ROOT",
+                path=self.step_dir / layout.MARKER_NAME,
+            )
         ref = self.marker.reference_index
         return plan(
             scan_shards(mirror.model, listed),
-            dtype=parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype),
+            dtype=self._target_dtype(),
             keep_dtype=self.opt.keep_dtype,
             reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
             max_shard_size=self.opt.max_shard_size,
             expected=self.marker.tensors,
         )
+
+    def _target_dtype(self) -> str | None:
+        return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
 
     def _lead(self, p: ExportPlan, parts: list[NodePart], names: list[str]) -> int:
         """Index and extras, then every file's record checked, then the commit."""
@@ -210,6 +221,10 @@ class FleetNode:
                 shutil.copyfile(src, dst)
             else:
                 dst.write_bytes(self.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
+            if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
+                config = exported_config(dst, dict(p.dtype_bytes()), self._target_dtype())
+                if config is not None:
+                    dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
         digests = self._upload(files)
         self._wait(

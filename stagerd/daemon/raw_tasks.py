@@ -59,7 +59,8 @@ class RawTasks(Tasks):
     async def _after_publish(self, lane: str) -> None:
         """Remote retention of the sink a lane just published a verified step to, in the lane's threads.
 
-        A failure is logged and left for the next publish: the publish itself stands."""
+        Also run once at start, to finish a prune a killed daemon left. A failure is logged and left for
+        the next publish or start: the publish itself stands."""
         url = lane.removeprefix(RAW_LANE_PREFIX)
         if url not in self._prune_stores:
             return
@@ -70,7 +71,7 @@ class RawTasks(Tasks):
             await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], prune, store, policy)
         except Exception as e:
             log.warning(
-                "remote retention on %s failed: %s; tried again after the next publish",
+                "remote retention on %s failed: %s; tried again after the next publish or start",
                 url,
                 e,
                 extra={"sink": url, "error_class": type(e).__name__},

@@ -155,3 +155,23 @@ def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
     want = {p.name: p.read_bytes() for p in (shared / layout.EXPORT_DIR).iterdir()}
     assert got == want
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).exists()
+
+
+def test_a_step_with_a_to_hub_plan_is_refused_not_exported_in_its_staged_names(tmp_path, dcp_mixed2):
+    """The fleet does not carry out to-Hub plans yet: a named error and nothing published, rather than an
+    export that silently differs from the single-daemon one."""
+    import json
+
+    from stagerd.contract.hub_plan import HubPlan
+    from stagerd.errors import HubPlanError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    for d in node_dirs:
+        marker = json.loads((d / layout.MARKER_NAME).read_text())
+        marker["hub_plan"] = HubPlan(drop=("lm_head.weight",), origin="transformers").to_json()
+        (d / layout.MARKER_NAME).write_text(json.dumps(marker))
+    sink = tmp_path / "sink"
+    results = _run_all(node_dirs, sink.as_uri(), wait_seconds=5)
+    assert all(isinstance(r, HubPlanError) for r in results), results
+    assert "does not carry out yet" in str(results[0])
+    assert not (sink / layout.step_dir_name(STEP)).exists()
