@@ -103,10 +103,9 @@ def test_process_checkpointer_with_node_local_roots(tmp_path):
     dirs = [tmp_path / f"node{r}" / "step-00000003" for r in range(WORLD)]
     done = _run_all(dirs, sink.as_uri(), max_shard_size=DEFAULT_MAX_SHARD_SIZE)
     assert all(not isinstance(r, BaseException) for r in done), done
-    for name, _ in result.files:
-        if name.endswith(".safetensors") or name == layout.INDEX_NAME:
-            assert (sink / "step-00000003" / name).read_bytes() == (result.export_dir / name).read_bytes()
-    assert json.loads((sink / "step-00000003" / "config.json").read_text()) == {"a": 1}
+    for name, _ in result.files:  # every file, config.json too: it names the dtype the files hold
+        assert (sink / "step-00000003" / name).read_bytes() == (result.export_dir / name).read_bytes(), name
+    assert json.loads((sink / "step-00000003" / "config.json").read_text()) == {"a": 1, "dtype": "float32"}
 
 
 def _late_checkpoint_process_run(rank: int, world: int, init_file: str, base: str) -> None:
