@@ -56,9 +56,26 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
                     f"tensor {name!r}: an offset or dimension does not fit 64 bits", path=h.path
                 ) from None
         del h, offsets  # the next shard's header must not sit beside this one's
+    table = freeze_table(tuple(sources), blob, name_end, dtype, tensor, src, offset, at, ndim, dims)
+    return table, ids
+
+
+def freeze_table(
+    sources: tuple[str, ...],
+    blob: bytes | bytearray,
+    name_end: array,
+    dtype: array,
+    tensor: Sequence[int],
+    src: array,
+    offset: array,
+    at: array,
+    ndim: array,
+    dims: array,
+) -> ChunkTable:
+    """The read-only table of columns filled chunk by chunk (`tensor` names each chunk's tensor id)."""
     order, first = group_by_tensor(tensor, len(name_end))
-    table = ChunkTable(
-        tuple(sources),
+    return ChunkTable(
+        sources,
         Names(bytes(blob), frozen(name_end)),
         frozen(dtype),
         frozen(src),
@@ -69,7 +86,6 @@ def build_chunk_table(headers: Iterable[Header]) -> tuple[ChunkTable, dict[str, 
         frozen(order),
         frozen(first),
     )
-    return table, ids
 
 
 def group_by_tensor(tensor: Sequence[int], n: int) -> tuple[array, array]:

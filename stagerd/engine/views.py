@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import HubPlan, TensorView
-from stagerd.engine.chunk_table import group_by_tensor
-from stagerd.engine.plan_types import Chunk, ChunkTable, Names, frozen
+from stagerd.engine.chunk_table import freeze_table
+from stagerd.engine.plan_types import Chunk, ChunkTable
 from stagerd.engine.tiling import strides
 from stagerd.errors import HubPlanError
 
@@ -71,19 +71,7 @@ def apply_views(
             ndim.append(len(go))
             dims.extend(go)
             dims.extend(sh)
-    order, first = group_by_tensor(tensor, len(name_end))
-    new = ChunkTable(
-        table.sources,
-        Names(bytes(blob), frozen(name_end)),
-        frozen(dtype),
-        frozen(src),
-        frozen(offset),
-        frozen(at),
-        frozen(ndim),
-        frozen(dims),
-        frozen(order),
-        frozen(first),
-    )
+    new = freeze_table(table.sources, blob, name_end, dtype, tensor, src, offset, at, ndim, dims)
     return new, out_ids
 
 
