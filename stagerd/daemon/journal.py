@@ -183,7 +183,16 @@ class Journal(RawLanes):
         now = time.time()
         with self._tx() as c:
             self._step_state(c, step, (EXPORTED,))
-            return self._start_lane(c, step, sink, now)
+            old = self._lane_state(c, step, sink, (PENDING, FAILED))
+            c.execute(
+                "UPDATE lanes SET state = ?, attempts = attempts + 1, started = ?, next_try = NULL, "
+                "updated = ? WHERE step = ? AND sink = ?",
+                (PUBLISHING, now, now, step, sink),
+            )
+            self._event(c, step, sink, old, PUBLISHING, now=now)
+            return c.execute(
+                "SELECT attempts FROM lanes WHERE step = ? AND sink = ?", (step, sink)
+            ).fetchone()[0]
 
     def finish_publish(
         self,

@@ -11,7 +11,6 @@ steps only) never deletes a step whose raw publish is pending.
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from pathlib import Path
 
@@ -71,21 +70,17 @@ class RawLanes(StepVersions):
             )
             if cur.rowcount:
                 self._event(c, step, key, None, PENDING, now=now)
-            return self._start_lane(c, step, key, now)
-
-    def _start_lane(self, c: sqlite3.Connection, step: int, lane: str, now: float) -> int:
-        """Inside a transaction: a lane pending|failed -> publishing, one attempt more; returns it."""
-        old = self._lane_state(c, step, lane, (PENDING, FAILED))
-        c.execute(
-            "UPDATE lanes SET state = ?, attempts = attempts + 1, started = ?, next_try = NULL, "
-            "updated = ? WHERE step = ? AND sink = ?",
-            (PUBLISHING, now, now, step, lane),
-        )
-        self._event(c, step, lane, old, PUBLISHING, now=now)
-        attempts: int = c.execute(
-            "SELECT attempts FROM lanes WHERE step = ? AND sink = ?", (step, lane)
-        ).fetchone()[0]
-        return attempts
+            old = self._lane_state(c, step, key, (PENDING, FAILED))
+            c.execute(
+                "UPDATE lanes SET state = ?, attempts = attempts + 1, started = ?, next_try = NULL, "
+                "updated = ? WHERE step = ? AND sink = ?",
+                (PUBLISHING, now, now, step, key),
+            )
+            self._event(c, step, key, old, PUBLISHING, now=now)
+            attempts: int = c.execute(
+                "SELECT attempts FROM lanes WHERE step = ? AND sink = ?", (step, key)
+            ).fetchone()[0]
+            return attempts
 
     def record_restored(self, step: int, path: str | os.PathLike[str], marker_id: str, source: str) -> None:
         """A step `stagerd restore` is landing: `retired` (never exported, published or deleted by the
