@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.contract import layout
 from stagerd.daemon.state import DaemonState, log
-from stagerd.errors import ConfigError, MarkerError, SinkError
+from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
 from stagerd.sinks.fsspec import FsspecSink
 
@@ -89,6 +89,7 @@ class FleetTasks(DaemonState):
             # replaced whole, never mutated: /healthz serializes it from the event loop's thread
             self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
 
+        still_waiting = False
         try:
             res = FleetNode(
                 step_dir,
@@ -106,15 +107,14 @@ class FleetTasks(DaemonState):
                 ),
                 status,
             ).run()
+        except FleetWaitError:
+            still_waiting = True  # the step keeps waiting (retried, never quarantined): keep reporting it
+            raise
         finally:
             store.close()
             exchange.close()
-            self.metrics.fleet_waiting.labels(step=str(step)).set(0)
-            left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
-            if left:
-                self._health["fleet"] = left
-            else:
-                self._health.pop("fleet", None)
+            if not still_waiting:
+                self._fleet_wait_over(step)
         log.info(
             "step %d: fleet node %d of %d built %d file(s), fetched %d bytes, uploaded %d bytes",
             step,
@@ -128,6 +128,14 @@ class FleetTasks(DaemonState):
         from stagerd.engine.export import ExportResult
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _fleet_wait_over(self, step: int) -> None:
+        self.metrics.fleet_waiting.labels(step=str(step)).set(0)
+        left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
+        if left:
+            self._health["fleet"] = left
+        else:
+            self._health.pop("fleet", None)
 
     def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
         """Lane worker: the fleet committed the step on its sink; any other sink is not served yet."""

@@ -12,7 +12,7 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
-from stagerd.daemon.policy import rearmable
+from stagerd.errors import FleetWaitError
 from stagerd.ops.crashpoints import ENV
 from tests.cli_helpers import start_cli
 from tests.daemon.test_fleet import SHARD, STEP, _keys, _stage, _tree
@@ -104,27 +104,31 @@ def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
     assert puts == [manifest]
 
 
-def test_a_node_that_never_starts_times_out_once_with_a_named_error(tmp_path, dcp_mixed2, s3):  # noqa: F811
+def test_a_node_that_never_starts_times_out_once_and_stays_waiting(tmp_path, dcp_mixed2, s3):  # noqa: F811
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     p = _watch(
         node_dirs[0].parent,
         s3.url("fleet"),
         "--fleet-wait-seconds",
         "1",
-        "--max-attempts",
-        "1",
         "--keep-last",
         "0",
     )
+    t0 = time.monotonic()
     rc, log = _done(p)
-    assert rc != 0 and "FleetWaitError" in log and "waiting for node 1 (seen: node-00000-of-00002)" in log, (
-        log
-    )
+    assert rc == 1 and time.monotonic() - t0 < 30, log  # one wait of the setting, not --max-attempts of them
+    line = [ln for ln in log.splitlines() if ln.startswith(f"  step {STEP}: ")]
+    assert len(line) == 1 and "still waiting (not quarantined): FleetWaitError: " in line[0], log
+    assert "waiting for node 1 (seen: node-00000-of-00002)" in line[0] and FleetWaitError.hint in line[0]
     assert not [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
     assert (node_dirs[0] / "model").is_dir()  # kept: never deleted before the whole step is published
-    # --once must end: out of tries, a retryable error is the re-armable quarantine the next start clears
-    # (a running daemon backs off and waits for the node forever)
-    assert _published_states(node_dirs[0].parent) == ["quarantined"] and rearmable("FleetWaitError")
+    j = Journal.open_readonly(node_dirs[0].parent)
+    try:
+        (row,) = j.steps()
+    finally:
+        j.close()
+    # left waiting, not quarantined: failed with no next try, which the next start makes due again
+    assert (row.state, row.error_class, row.next_try) == ("failed", "FleetWaitError", None)
 
 
 def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F811
