@@ -259,7 +259,10 @@ class FleetNode:
         return data
 
     def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
-        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)")."""
+        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
+        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
+        if done():
+            return
         while not done():
             text = what()
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
@@ -271,6 +274,7 @@ class FleetNode:
                 )
             time.sleep(self.opt.poll_seconds)
             self.waited += self.opt.poll_seconds
+        self.status("", 0)
 
 
 def _record_bytes(up: Uploaded, node: int) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,10 +85,18 @@ class FleetTasks(DaemonState):
         s = self.settings
         exchange, store = self._fleet_exchange()
 
+        said = [""]
+
         def status(text: str, missing: int) -> None:
-            self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
-            # replaced whole, never mutated: /healthz serializes it from the event loop's thread
-            self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+            if not text:
+                self._fleet_wait_over(step)
+            else:
+                self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
+                # replaced whole, never mutated: /healthz serializes it from the event loop's thread
+                self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+            if text != said[0]:  # a journal commit per change, not per poll
+                said[0] = text
+                self._note_wait(step, text)
 
         still_waiting = False
         try:
@@ -114,7 +123,7 @@ class FleetTasks(DaemonState):
             store.close()
             exchange.close()
             if not still_waiting:
-                self._fleet_wait_over(step)
+                self._fleet_wait_over(step, journal=True)
         log.info(
             "step %d: fleet node %d of %d built %d file(s), fetched %d bytes, uploaded %d bytes",
             step,
@@ -129,7 +138,19 @@ class FleetTasks(DaemonState):
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
 
-    def _fleet_wait_over(self, step: int) -> None:
+    def _note_wait(self, step: int, text: str) -> None:
+        """Worker thread: record the wait in the journal (for `stagerd status`), on the journal's thread;
+        a failed write is only logged (the wait goes on, and /healthz still shows it)."""
+
+        def done(f: Future[None]) -> None:
+            if f.exception() is not None:
+                log.warning("step %d: could not record the fleet wait: %s", step, f.exception())
+
+        self._jpool.submit(self._journal.set_wait, step, text or None).add_done_callback(done)
+
+    def _fleet_wait_over(self, step: int, *, journal: bool = False) -> None:
+        if journal:
+            self._note_wait(step, "")
         self.metrics.fleet_waiting.labels(step=str(step)).set(0)
         left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
         if left:

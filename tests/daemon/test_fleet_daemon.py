@@ -14,7 +14,7 @@ from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from stagerd.errors import FleetWaitError
 from stagerd.ops.crashpoints import ENV
-from tests.cli_helpers import start_cli
+from tests.cli_helpers import run_cli, start_cli
 from tests.daemon.test_fleet import SHARD, STEP, _keys, _stage, _tree
 from tests.daemon_helpers import fast_flags
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -129,6 +129,59 @@ def test_a_node_that_never_starts_times_out_once_and_stays_waiting(tmp_path, dcp
         j.close()
     # left waiting, not quarantined: failed with no next try, which the next start makes due again
     assert (row.state, row.error_class, row.next_try) == ("failed", "FleetWaitError", None)
+
+
+def _status(root: Path) -> str:
+    r = run_cli(["status", root], env={"COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def _await_status(root: Path, text: str, timeout: float = 60) -> str:
+    deadline, out = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        out = _status(root)
+        if text in out:
+            return out
+        time.sleep(0.3)
+    raise AssertionError(f"`stagerd status` never showed {text!r}; last:\n{out}")
+
+
+def test_three_node_daemons_one_late_show_the_wait_in_status_then_publish_the_single_export(
+    tmp_path,
+    dcp_mixed,
+    s3,  # noqa: F811
+):
+    """N = 3 through `stagerd watch ROOT_k --once`, with the wait visible in `stagerd status` as it happens.
+
+    Node 0 first runs alone with a 1 s wait: it exits 1 and its journal keeps the step waiting for nodes 1
+    and 2. Started again (re-armed by the start), with node 2, `stagerd status ROOT_0` shows the wait for
+    node 1 alone; node 1 then starts 5 s after the others have begun waiting. That stands for a node
+    minutes late: the waits are polls whose only clock is the deadline, so only --fleet-wait-seconds (here
+    120 s) tells seconds from minutes."""
+    shared, node_dirs = _stage(tmp_path, dcp_mixed[0], 3)
+    single = _single(shared, s3)
+    roots = [d.parent for d in node_dirs]
+    url, wait = s3.url("fleet"), ["--fleet-wait-seconds", "120"]
+    rc, log = _done(_watch(roots[0], url, "--fleet-wait-seconds", "1"))
+    assert rc == 1 and "FleetWaitError" in log, log
+    left = _status(roots[0])  # after the run: the journal says what the step still waits for
+    assert "waiting for node 1, 2 (seen: node-00000-of-00003)" in left and "FleetWaitError" in left, left
+    first = [_watch(roots[0], url, *wait), _watch(roots[2], url, *wait)]
+    now = _await_status(roots[0], "waiting for node 1 (seen: node-00000-of-00003, node-00002-of-00003)")
+    assert "still waiting" not in now and "exporting" in now, now
+    _await_status(roots[2], "waiting for node 1 (seen: node-00000-of-00003, node-00002-of-00003)")
+    time.sleep(5)
+    late = _watch(roots[1], url, *wait)
+    results = [_done(p) for p in [*first, late]]
+    assert [rc for rc, _ in results] == [0, 0, 0], results
+    assert _tree(_keys(s3), s3, "fleet") == single and len(single) > 4
+    assert s3.get("fleet/latest") == layout.step_dir_name(STEP).encode()
+    for k, (_, log) in zip((0, 2, 1), results, strict=True):
+        assert f"fleet node {k} of 3 built" in log, log
+    for root in roots:
+        assert _published_states(root) == ["published"]
+        assert "waiting" not in _status(root)  # the wait is over everywhere
 
 
 def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F811
