@@ -3,10 +3,9 @@
 instead of by `export_step`, which would refuse it. The step's export task runs this node's part of the
 protocol; its publish lane only confirms the sink holds the step the fleet committed.
 
-The fleet publishes to one sink, the first fsspec sink, which is also the exchange (its `raw/` and
-`fleet/` prefixes) unless `exchange` names another fsspec URL; with only Hub sinks, on the exchange
-(`daemon/fleet_hub.py` then publishes it to the Hub). A second fsspec sink is not served yet: its lane
-fails with a named error.
+The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each);
+the first is also the exchange (its `raw/` and `fleet/` prefixes) unless `exchange` names another fsspec
+URL. With only Hub sinks it builds on the exchange (`daemon/fleet_hub.py` then publishes it to the Hub).
 """
 
 from __future__ import annotations
@@ -43,17 +42,21 @@ class FleetTasks(DaemonState):
     _fleet_staging: tuple[str, FsspecSink] | None = None
 
     def _fleet_sink(self) -> tuple[str, FsspecSink]:
-        """Where the fleet builds its export: the first fsspec sink, else (a Hub sink) `EXCHANGE/export`."""
-        for url, sink in self._sinks.items():
-            if isinstance(sink, FsspecSink):
-                return url, sink
+        """The first sink the fleet builds its export on (the default exchange, what a Hub lane reads)."""
+        return self._fleet_sinks()[0]
+
+    def _fleet_sinks(self) -> list[tuple[str, FsspecSink]]:
+        """Where the fleet builds its export: every fsspec sink, else (Hub sinks only) `EXCHANGE/export`."""
+        mine = [(url, sink) for url, sink in self._sinks.items() if isinstance(sink, FsspecSink)]
+        if mine:
+            return mine
         if self.settings.exchange is not None:
             if self._fleet_staging is None:
                 from stagerd.daemon.fleet_hub import EXPORT_PREFIX
 
                 url = f"{self.settings.exchange.rstrip('/')}/{EXPORT_PREFIX}"
                 self._fleet_staging = (url, FsspecSink.from_url(url))
-            return self._fleet_staging
+            return [self._fleet_staging]
         raise ConfigError(
             "a node-locally staged step needs an fsspec sink (S3, GCS, a shared mount) or --exchange URL",
             hint="add --sink s3://BUCKET/PREFIX, or --exchange URL beside a Hub sink, to every node's daemon",
@@ -81,7 +84,7 @@ class FleetTasks(DaemonState):
         """Worker thread: this node's part of the fleet export of `step`, until the step is committed."""
         from stagerd.daemon.fleet import FleetNode, FleetOptions
 
-        _, sink = self._fleet_sink()
+        sinks = [sink for _, sink in self._fleet_sinks()]
         s = self.settings
         exchange, store = self._fleet_exchange()
 
@@ -103,7 +106,7 @@ class FleetTasks(DaemonState):
             res = FleetNode(
                 step_dir,
                 self.root / ".stagerd" / "fleet" / step_dir.name,
-                sink,
+                sinks,
                 exchange,
                 store,
                 self._fleet_root_id(),
@@ -159,7 +162,8 @@ class FleetTasks(DaemonState):
             self._health.pop("fleet", None)
 
     def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
-        """Lane worker: the fleet committed the step on its sink; any other sink is not served yet."""
+        """Lane worker: the fleet committed the step on this fsspec sink, or (a Hub sink) node 0 publishes
+        the step the fleet committed on the first."""
         t0 = time.monotonic()
         url, sink = self._fleet_sink()
         from stagerd.sinks.hub.sink import HubSink
@@ -176,18 +180,16 @@ class FleetTasks(DaemonState):
                 return publish_to_hub(step, step_dir, work, target, sink, exchange, url)
             finally:
                 exchange.close()
-        if sink_url != url:
+        if not isinstance(target, FsspecSink):
             raise SinkError(
-                f"step {step} was staged node-locally: the fleet export publishes to {url} only",
-                path=sink_url,
-                hint="publish node-local steps to one fsspec sink; the fleet serves no other sink yet",
+                f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url
             )
-        if not sink.is_published(step):
-            raise SinkError(f"step {step} is not committed on the sink yet", path=url)
+        if not target.is_published(step):
+            raise SinkError(f"step {step} is not committed on the sink yet", path=sink_url)
         return PublishResult(
-            sink=url,
+            sink=sink_url,
             step=step,
-            location=f"{url}/{layout.step_dir_name(step)}",
+            location=f"{sink_url}/{layout.step_dir_name(step)}",
             files=0,
             bytes_total=0,
             bytes_uploaded=0,

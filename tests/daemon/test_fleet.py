@@ -56,7 +56,14 @@ def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | 
     seen: list[str] = []
     options = FleetOptions(**{**OPTS.__dict__, **opts})
     node = FleetNode(
-        step_dir, work, sink, ex, store, root_id or str(step_dir.parent), options, lambda s, n: seen.append(s)
+        step_dir,
+        work,
+        [sink],
+        ex,
+        store,
+        root_id or str(step_dir.parent),
+        options,
+        lambda s, n: seen.append(s),
     )
     return node, seen
 

@@ -184,17 +184,22 @@ def test_three_node_daemons_one_late_show_the_wait_in_status_then_publish_the_si
         assert "waiting" not in _status(root)  # the wait is over everywhere
 
 
-def test_an_exchange_apart_from_the_sink(tmp_path, dcp_mixed2, s3):  # noqa: F811
+def test_an_exchange_apart_from_two_sinks_each_holding_the_single_export(tmp_path, dcp_mixed2, s3):  # noqa: F811
+    """Two sinks, S3 and file://: each owner uploads its files to both, the leader commits each, so both
+    hold the single-node export byte for byte, with their own manifest and `latest`."""
     shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     single = _single(shared, s3)
-    ex = tmp_path / "exchange"  # a mount every node shares
-    procs = [
-        _watch(d.parent, s3.url("fleet"), "--exchange", ex.as_uri(), "--keep-last", "0") for d in node_dirs
-    ]
+    ex, second = tmp_path / "exchange", tmp_path / "second"  # mounts every node shares
+    sinks = ["--sink", second.as_uri(), "--exchange", ex.as_uri(), "--keep-last", "0"]
+    procs = [_watch(d.parent, s3.url("fleet"), *sinks) for d in node_dirs]
     results = [_done(p) for p in procs]
     assert [rc for rc, _ in results] == [0, 0], results
     assert _tree(_keys(s3), s3, "fleet") == single
+    out = second / layout.step_dir_name(STEP)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME} == single
+    assert (out / layout.MANIFEST_NAME).is_file() and (second / "latest").read_text() == out.name
     assert not [k for k in _keys(s3) if k.startswith(("fleet/raw/", "fleet/fleet/"))]  # all on the exchange
+    assert not (second / "raw").exists() and not (second / "fleet").exists()
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).is_file()
     assert not any(d.exists() for d in node_dirs)  # published everywhere: then, and only then, retired
 
