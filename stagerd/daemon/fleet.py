@@ -122,8 +122,8 @@ class FleetNode:
                     s.move_latest(self.step)
             return res
         self._claim()
-        res.bytes_raw = self.exchange.publish_raw(self.step_dir, self.step).bytes_uploaded
-        crash_point("fleet.raw")
+        raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
+        res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
@@ -138,7 +138,7 @@ class FleetNode:
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            execute(sub, out, threads=self.opt.threads)
+            execute(sub, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
             for sink in todo:
                 up = self._upload(sink, [LocalFile(f.name, out / f.name, f.size)])[0]
                 crash_point("fleet.built")
@@ -305,6 +305,13 @@ class FleetNode:
             time.sleep(self.opt.poll_seconds)
             self.waited += self.opt.poll_seconds
         self.status("", 0)
+
+
+def _crash_at(point: str) -> Callable[[int, int], None]:
+    def report(done: int, total: int) -> None:
+        crash_point(point)
+
+    return report
 
 
 def sink_id(url: str) -> str:

@@ -77,7 +77,13 @@ def test_two_node_daemons_started_apart_publish_the_single_node_export(tmp_path,
 
 @pytest.mark.parametrize(
     ("node", "point"),
-    [(1, "fleet.raw"), (1, "fleet.built"), (0, "fleet.built"), (0, "fleet.commit"), (0, "fleet.manifest")],
+    [
+        (1, "fleet.raw_upload"),
+        (1, "fleet.built"),
+        (0, "fleet.build"),
+        (0, "fleet.commit"),
+        (0, "fleet.manifest"),
+    ],
 )
 def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
     tmp_path,
@@ -95,6 +101,10 @@ def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
     manifest = f"fleet/{layout.step_dir_name(STEP)}/{layout.MANIFEST_NAME}"
     if point != "fleet.manifest":
         assert manifest not in _keys(s3)  # nothing is a step before the manifest
+    if point == "fleet.raw_upload":  # killed mid-way through its raw part: some files there, no manifest
+        raw = f"fleet/raw/{layout.step_dir_name(STEP)}/node-00001-of-00002/"
+        assert [k for k in _keys(s3) if k.startswith(raw)]
+        assert raw + layout.MANIFEST_NAME not in _keys(s3)
     again = _watch(node_dirs[node].parent, s3.url("fleet"))
     (rc2, log2), (rc1, log1) = _done(again), _done(other)
     assert (rc2, rc1) == (0, 0), log2 + log1
