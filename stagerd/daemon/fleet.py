@@ -36,6 +36,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
 from stagerd.engine.execute import execute
+from stagerd.engine.export import mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
@@ -56,6 +57,7 @@ FLEET_DIR = "fleet"
 class FleetOptions:
     dtype: str | None = None
     keep_dtype: str | None = None
+    mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
     max_shard_size: int = 5 * 1024**3
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
@@ -199,12 +201,18 @@ class FleetNode:
         return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
-        if self.marker.hub_plan is not None or self.marker.adapter_plan is not None:
-            # Refused rather than exported in the trainer's own names: a silently different export.
+        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included: its views and
+        drops are byte moves like any other, so each owner builds its files from the same ranges."""
+        views = self.marker.hub_plan
+        if views is None and self.opt.mapping is not None:
+            views = mapped_plan(self.marker, self.opt.mapping, self.step_dir)[0]
+        if self.marker.adapter_plan is not None or (views is not None and views.merges):
+            # Refused rather than exported without them: a silently different export.
             raise HubPlanError(
-                f"step {self.step} carries a to-Hub plan (save(model=...) or mapping=), which the fleet "
-                "export of node-local ROOTs does not carry out yet; stage this model to a shared ROOT",
+                f"step {self.step} carries LoRA merges or a PEFT adapter, which the fleet export of "
+                "node-local ROOTs does not carry out yet (a merge reads whole tensors from every node)",
                 path=self.step_dir / layout.MARKER_NAME,
+                hint="stage this model to a shared ROOT, or save it merged",
             )
         ref = self.marker.reference_index
         return plan(
@@ -214,6 +222,7 @@ class FleetNode:
             reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
             max_shard_size=self.opt.max_shard_size,
             expected=self.marker.tensors,
+            views=views,
         )
 
     def _target_dtype(self) -> str | None:

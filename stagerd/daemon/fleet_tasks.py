@@ -113,6 +113,7 @@ class FleetTasks(DaemonState):
                 FleetOptions(
                     dtype=s.dtype,
                     keep_dtype=s.keep_dtype,
+                    mapping=s.mapping,
                     max_shard_size=int(s.max_shard_size),
                     wait_seconds=s.fleet_wait_seconds,
                     threads=s.export_threads,
