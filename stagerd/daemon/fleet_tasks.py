@@ -150,7 +150,10 @@ class FleetTasks(DaemonState):
             if f.exception() is not None:
                 log.warning("step %d: could not record the fleet wait: %s", step, f.exception())
 
-        self._jpool.submit(self._journal.set_wait, step, text or None).add_done_callback(done)
+        try:
+            self._jpool.submit(self._journal.set_wait, step, text or None).add_done_callback(done)
+        except RuntimeError:  # the journal's pool is shut down: a worker abandoned at shutdown, still running
+            log.debug("step %d: fleet wait not recorded, the daemon has stopped", step)
 
     def _fleet_wait_over(self, step: int, *, journal: bool = False) -> None:
         if journal:

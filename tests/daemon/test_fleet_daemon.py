@@ -1,6 +1,8 @@
 """Issue 14 through the daemon: one `stagerd watch ROOT_k --sink s3://... --once` per node, node-local
 ROOTs, no shared filesystem; the S3 export equals the single-daemon export of the same step from a shared
-ROOT, byte for byte, and a SIGKILL at each fleet crash point is completed exactly once by a restart."""
+ROOT, byte for byte (N = 2 and 3, a node started late, a second sink, a Hub sink), a SIGKILL at each fleet
+crash point is completed exactly once by a restart, and a wait for a missing node shows in `stagerd
+status`, `/healthz` and the metrics while it lasts and never ends in a quarantine."""
 
 from __future__ import annotations
 
