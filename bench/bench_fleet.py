@@ -75,7 +75,7 @@ def run_fleet(node_dirs: list[Path], url: str, shard: int) -> tuple[list[Any], f
         node = FleetNode(
             node_dirs[k],
             node_dirs[k].parent / ".stagerd" / "fleet",
-            sink,
+            [sink],
             sink,
             RemoteStore.open(url),
             f"root-{k}",

@@ -131,7 +131,9 @@ class Settings(BaseSettings):
         gt=0,
         le=WEEK,
         description="A node-locally staged step: how long this node's daemon waits for the other nodes' "
-        "parts and files (and for the leader's commit) before the try ends as FleetWaitError (retryable).",
+        "parts and files (and for the leader's commit) before the try ends as FleetWaitError; never "
+        "quarantined: a running daemon waits again, --once exits 1 leaving the step waiting for the next "
+        "start.",
     )
     remote_keep_last: int | None = Field(
         None,

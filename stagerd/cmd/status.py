@@ -45,9 +45,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.set_defaults(func=run)
 
 
-def _read_journal(
-    root: Path, *, include_retired: bool
-) -> tuple[dict[str, Any], list[Any], list[Any], dict[str, int]]:
+_Read = tuple[dict[str, Any], list[Any], list[Any], dict[str, int], dict[int, str]]
+
+
+def _read_journal(root: Path, *, include_retired: bool) -> _Read:
     from stagerd.daemon.journal import Journal
 
     journal = Journal.open_readonly(root)
@@ -57,14 +58,13 @@ def _read_journal(
             journal.steps(include_retired=include_retired),
             journal.lanes(),
             journal.counts(),
+            journal.waits(),
         )
     finally:
         journal.close()
 
 
-def _read_a_copy(
-    root: Path, *, include_retired: bool
-) -> tuple[dict[str, Any], list[Any], list[Any], dict[str, int]]:
+def _read_a_copy(root: Path, *, include_retired: bool) -> _Read:
     """SQLite must create the journal's -shm file to read it, which a read-only ROOT forbids. No -shm means
     no connection is open, so no daemon is writing and a copy is a consistent snapshot."""
     from stagerd.daemon.journal import journal_path
@@ -109,12 +109,12 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         )
     note = None
     try:
-        meta, steps, lanes, counts = _read_journal(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits = _read_journal(root, include_retired=include_retired)
     except JournalError:
         path = journal_path(root)
         if not (path.is_file() and _cannot_write(path.parent)):
             raise
-        meta, steps, lanes, counts = _read_a_copy(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits = _read_a_copy(root, include_retired=include_retired)
         note = f"{path.parent} is read-only for this user: read from a copy of the journal"
     disk = disk_state(
         root,
@@ -130,6 +130,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d = asdict(s)
         d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
+        d["waiting"] = waits.get(s.step)  # a fleet step: "waiting for node k (seen: ...)"
         d["age_seconds"] = round(now - s.marker_mtime, 3)
         out_steps.append(d)
     return {

@@ -89,6 +89,8 @@ def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list
         state = s["state"]
         color = _STATE_COLOR.get(state)
         first = errors[0] if errors else None
+        if s.get("waiting"):  # what the step waits for says more than the error its last wait ended in
+            first, errors = ("", s["waiting"], None), [("", s["waiting"], None), *errors]
         row = {
             "step": str(s["step"]),
             "state": f"[{color}]{state}[/]" if color else state,
@@ -179,6 +181,11 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
     console.print(counts or "no steps yet")
+    waiting = [(s["step"], s["waiting"]) for s in doc["steps"] if s.get("waiting")]
+    if waiting:
+        console.print("\nwaiting:")
+        for step, text in waiting:
+            console.print(escape(f"  step {step}: {text}"), overflow="fold")
     failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels)]
     if failed:
         console.print("\nerrors:")

@@ -8,21 +8,26 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
 2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
    byte; owners by bytes (`fleet_plan.owners`);
-4. for each file it owns and has no record of: fetch the byte ranges its moves read, build it with
-   `execute`, upload it under the sink's `step-N/`, then create `fleet/step-N/done/NAME.json` (size,
-   sha256, store checksum);
-5. the leader (node 0) uploads the index and extras, waits for every file's record, and commits through
-   `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`); the others wait
-   for the manifest. A dead node's files are not reassigned: the step waits for it (`FleetWaitError`).
+4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read, build it
+   once with `execute`, and for each such sink upload it under the sink's `step-N/`, then create
+   `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
+5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
+   commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`);
+   the others wait for every sink's manifest. A dead node's files are not reassigned: the step waits for it
+   (`FleetWaitError`).
+
+With several fsspec sinks each owner uploads its files to every one (each node still sends about 1/N of
+every sink's bytes) and each sink gets its own commit, so every sink ends with the same export.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
 from stagerd.engine.execute import execute
+from stagerd.engine.export import mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
@@ -51,6 +57,7 @@ FLEET_DIR = "fleet"
 class FleetOptions:
     dtype: str | None = None
     keep_dtype: str | None = None
+    mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
     max_shard_size: int = 5 * 1024**3
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
@@ -80,14 +87,20 @@ class FleetNode:
         self,
         step_dir: Path,
         work: Path,
-        sink: FsspecSink,
+        sinks: Sequence[FsspecSink],
         exchange: FsspecSink,
         store: RemoteStore,
         root_id: str,
         options: FleetOptions = FleetOptions(),
         status: Callable[[str, int], None] | None = None,
     ) -> None:
-        self.step_dir, self.work, self.sink, self.exchange, self.store = step_dir, work, sink, exchange, store
+        self.step_dir, self.work, self.sinks, self.exchange, self.store = (
+            step_dir,
+            work,
+            sinks,
+            exchange,
+            store,
+        )
         self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
         self.marker = layout.read_marker(step_dir)
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
@@ -105,39 +118,45 @@ class FleetNode:
         t0 = time.monotonic()
         self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
-        if self.sink.is_published(self.step):
+        if all(s.is_published(self.step) for s in self.sinks):
             if self.me == 0:  # a leader killed between the manifest and `latest`
-                self.sink.move_latest(self.step)
+                for s in self.sinks:
+                    s.move_latest(self.step)
             return res
         self._claim()
-        res.bytes_raw = self.exchange.publish_raw(self.step_dir, self.step).bytes_uploaded
-        crash_point("fleet.raw")
+        raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
+        res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
         p = self._plan(mirror, listed)
         owner = owners(p, self.nodes)
         for f in p.files:
-            if owner[f.name] != self.me or self._record(f.name) is not None:
+            todo = [s for s in self.sinks if self._record(s, f.name) is None]
+            if owner[f.name] != self.me or not todo:
                 continue
             sub = only_file(p, f.name)
             mirror.fill(sub)
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            execute(sub, out, threads=self.opt.threads)
-            up = self._upload([LocalFile(f.name, out / f.name, f.size)])[0]
-            crash_point("fleet.built")
-            self._create(f"{self.base}/done/{f.name}.json", _record_bytes(up, self.me))
+            execute(sub, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
+            for sink in todo:
+                up = self._upload(sink, [LocalFile(f.name, out / f.name, f.size)])[0]
+                crash_point("fleet.built")
+                self._create(self._record_key(sink, f.name), _record_bytes(up, self.me))
+                res.bytes_uploaded += f.size
             res.built.append(f.name)
-            res.bytes_uploaded += f.size
             shutil.rmtree(out, ignore_errors=True)
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
             res.bytes_uploaded += self._lead(p, parts, [f.name for f in p.files])
             res.committed = True
         else:
-            self._wait(lambda: self.sink.is_published(self.step), lambda: "waiting for the leader (node 0)")
+            self._wait(
+                lambda: all(s.is_published(self.step) for s in self.sinks),
+                lambda: "waiting for the leader (node 0)",
+            )
         shutil.rmtree(self.work, ignore_errors=True)
         res.seconds, res.waited = time.monotonic() - t0, self.waited
         return res
@@ -182,12 +201,18 @@ class FleetNode:
         return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
-        if self.marker.hub_plan is not None or self.marker.adapter_plan is not None:
-            # Refused rather than exported in the trainer's own names: a silently different export.
+        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included: its views and
+        drops are byte moves like any other, so each owner builds its files from the same ranges."""
+        views = self.marker.hub_plan
+        if views is None and self.opt.mapping is not None:
+            views = mapped_plan(self.marker, self.opt.mapping, self.step_dir)[0]
+        if self.marker.adapter_plan is not None or (views is not None and views.merges):
+            # Refused rather than exported without them: a silently different export.
             raise HubPlanError(
-                f"step {self.step} carries a to-Hub plan (save(model=...) or mapping=), which the fleet "
-                "export of node-local ROOTs does not carry out yet; stage this model to a shared ROOT",
+                f"step {self.step} carries LoRA merges or a PEFT adapter, which the fleet export of "
+                "node-local ROOTs does not carry out yet (a merge reads whole tensors from every node)",
                 path=self.step_dir / layout.MARKER_NAME,
+                hint="stage this model to a shared ROOT, or save it merged",
             )
         ref = self.marker.reference_index
         return plan(
@@ -197,13 +222,14 @@ class FleetNode:
             reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
             max_shard_size=self.opt.max_shard_size,
             expected=self.marker.tensors,
+            views=views,
         )
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
 
     def _lead(self, p: ExportPlan, parts: list[NodePart], names: list[str]) -> int:
-        """Index and extras, then every file's record checked, then the commit."""
+        """Index and extras, then every file's record checked, then the commit: on each sink in turn."""
         lead = self.work / "lead"
         shutil.rmtree(lead, ignore_errors=True)
         lead.mkdir(parents=True)
@@ -226,26 +252,39 @@ class FleetNode:
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
-        digests = self._upload(files)
-        self._wait(
-            lambda: all(self._record(n) is not None for n in names),
-            lambda: (
-                "waiting for the files of node "
-                + ", ".join(sorted({str(owners(p, self.nodes)[n]) for n in names if self._record(n) is None}))
-            ),
-        )
-        digests += [self._record(n) for n in names]  # type: ignore[misc]
-        self.sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
-        return sum(f.size for f in files)
+        owner, sent = owners(p, self.nodes), 0
+        for sink in self.sinks:
+            if sink.is_published(self.step):  # a leader killed between two sinks' commits
+                sink.move_latest(self.step)
+                continue
+            digests = self._upload(sink, files)
+            sent += sum(f.size for f in files)
+
+            def missing(sink: FsspecSink = sink) -> list[str]:
+                return [n for n in names if self._record(sink, n) is None]
+
+            self._wait(
+                lambda: not missing(),
+                lambda: (
+                    "waiting for the files of node " + ", ".join(sorted({str(owner[n]) for n in missing()}))
+                ),
+            )
+            digests += [self._record(sink, n) for n in names]  # type: ignore[misc]
+            sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
+        return sent
 
     # -- the exchange ------------------------------------------------------------------------------------
 
-    def _upload(self, files: list[LocalFile]) -> list[Uploaded]:
+    def _upload(self, sink: FsspecSink, files: list[LocalFile]) -> list[Uploaded]:
         prefix = layout.step_dir_name(self.step)
-        return self.sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
+        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
 
-    def _record(self, name: str) -> Uploaded | None:
-        data = self.exchange.backend.read(f"{self.base}/done/{name}.json")
+    def _record_key(self, sink: FsspecSink, name: str) -> str:
+        """One record per sink and file: the store checksum it holds is that sink's."""
+        return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
+
+    def _record(self, sink: FsspecSink, name: str) -> Uploaded | None:
+        data = self.exchange.backend.read(self._record_key(sink, name))
         if data is None:
             return None
         d = json.loads(data)
@@ -259,7 +298,10 @@ class FleetNode:
         return data
 
     def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
-        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)")."""
+        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
+        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
+        if done():
+            return
         while not done():
             text = what()
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
@@ -271,6 +313,19 @@ class FleetNode:
                 )
             time.sleep(self.opt.poll_seconds)
             self.waited += self.opt.poll_seconds
+        self.status("", 0)
+
+
+def _crash_at(point: str) -> Callable[[int, int], None]:
+    def report(done: int, total: int) -> None:
+        crash_point(point)
+
+    return report
+
+
+def sink_id(url: str) -> str:
+    """A sink's name in the exchange's record keys: every node passes the same --sink URLs."""
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
 def _record_bytes(up: Uploaded, node: int) -> bytes:

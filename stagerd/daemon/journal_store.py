@@ -36,6 +36,8 @@ from stagerd.daemon.journal_schema import (
 from stagerd.daemon.lock import file_replaced
 from stagerd.errors import JournalError
 
+_WAIT = "fleet_wait:"  # meta key prefix of a fleet step's wait, `fleet_wait:N`
+
 
 class JournalStore:
     """The journal of one ROOT. Thread-safe: one connection behind a lock (transitions are rare)."""
@@ -264,4 +266,22 @@ class JournalStore:
         return {(sink, state): n for sink, state, n in rows}
 
     def meta(self) -> dict[str, Any]:
-        return {k: json.loads(v) for k, v in self._query("SELECT key, value FROM meta")}
+        rows = self._query("SELECT key, value FROM meta WHERE key NOT LIKE ?", (f"{_WAIT}%",))
+        return {k: json.loads(v) for k, v in rows}
+
+    def set_wait(self, step: int, text: str | None) -> None:
+        """What a fleet step waits for as it happens ("waiting for node 1 (seen: ...)"); None: it does not.
+
+        Kept beside the step's state rather than as one: the step stays exporting, or failed with its
+        `FleetWaitError`, while `stagerd status` shows what it waits for."""
+        with self._tx() as c:
+            if text:
+                key = f"{_WAIT}{step}"
+                c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(text)))
+            else:
+                c.execute("DELETE FROM meta WHERE key = ?", (f"{_WAIT}{step}",))
+
+    def waits(self) -> dict[int, str]:
+        """step -> what it waits for, for every fleet step waiting now (or left waiting by `--once`)."""
+        rows = self._query("SELECT key, value FROM meta WHERE key LIKE ?", (f"{_WAIT}%",))
+        return {int(k[len(_WAIT) :]): json.loads(v) for k, v in rows}

@@ -24,6 +24,8 @@ from stagerd.errors import JournalError, StepConflictError
 
 CONFLICT = StepConflictError.__name__
 REARMED = "re-armed at start: a retryable failure that ran out of attempts"
+FAILED = StepState.FAILED  # the same text as LaneState.FAILED
+_NO_NEXT_TRY = "SELECT {} FROM {} WHERE state = ? AND next_try IS NULL"
 
 
 class StepVersions(JournalStore):
@@ -105,11 +107,22 @@ class StepVersions(JournalStore):
         """At start: quarantined steps and lanes whose error `rearmable` accepts -> failed, due now.
 
         A `--once` run gives up on a retryable failure after `max_attempts`; the next start tries again
-        instead of keeping a sink outage's quarantine for good. Returns the (step, sink) re-armed.
+        instead of keeping a sink outage's quarantine for good. A step or lane failed with no next try (a
+        fleet step a `--once` run left waiting for other nodes) is made due now as well. Returns the
+        (step, sink) re-armed.
         """
         now = time.time()
         out: list[tuple[int, str | None]] = []
         with self._tx() as c:
+            waiting = [(step, None) for (step,) in c.execute(_NO_NEXT_TRY.format("step", "steps"), (FAILED,))]
+            waiting += c.execute(_NO_NEXT_TRY.format("step, sink", "lanes"), (FAILED,)).fetchall()
+            for table in ("steps", "lanes"):
+                c.execute(
+                    f"UPDATE {table} SET attempts = 0, next_try = ?, updated = ? "
+                    "WHERE state = ? AND next_try IS NULL",
+                    (now, now, FAILED),
+                )
+            out += waiting
             for step, error_class in c.execute(
                 "SELECT step, error_class FROM steps WHERE state = ?", (StepState.QUARANTINED,)
             ).fetchall():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from stagerd import errors
 from stagerd.config import Settings
-from stagerd.errors import StagerdError
+from stagerd.errors import FleetWaitError, StagerdError
 
 # Quarantines the daemon records itself, which no wait or restart fixes by itself.
 _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
@@ -31,7 +31,13 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
     """Pure retry policy. A failure that cannot pass by waiting quarantines at once. One that may pass
     backs off, doubling up to `retry_max_seconds`: forever in a running daemon (a sink outage of any
     length heals by itself), and for `max_attempts` tries in a `--once` run, which must end; the next
-    start then tries again (`rearmable`)."""
+    start then tries again (`rearmable`).
+
+    A fleet step's wait for other nodes that timed out in a `--once` run is given up for this run at once
+    (the wait was the setting; waiting again changes nothing) but never quarantined: failed with no next
+    try, the step still waits, and the next start tries it again."""
+    if isinstance(err, FleetWaitError) and settings.once:
+        return Failure(err.name, str(err), False, None)
     if isinstance(err, StagerdError):
         retryable, cls, msg = err.retryable, err.name, str(err)
     else:  # an unexpected exception: a bug or an unwrapped OSError; retrying is the safe default

@@ -68,7 +68,8 @@ class Scheduling(RawTasks):
         return False
 
     async def _settled(self) -> bool:
-        """Nothing runs and nothing waits (not even a retry): every live step is published or quarantined.
+        """Nothing runs and nothing waits (not even a retry): every live step is published, quarantined, or
+        failed with no next try (a fleet step left waiting for other nodes by this `--once` run).
 
         ROOT is scanned once more first, so that a step committed (or saved again) during the run is never
         left out of a `--once` run that then reports everything published.
@@ -76,8 +77,12 @@ class Scheduling(RawTasks):
         if await self._scan():
             return False
         rows = await self._j(self._journal.steps, include_retired=False)
-        if any(r.state in (COMMITTED, FAILED) for r in rows):
+        if any(r.state == COMMITTED or (r.state == FAILED and r.next_try is not None) for r in rows):
             return False
         lanes = await self._j(self._journal.lanes)
         live = {r.step for r in rows if r.state == EXPORTED}
-        return not any(ln.step in live and ln.state in (PENDING, PUBLISHING, FAILED) for ln in lanes)
+        return not any(
+            ln.step in live
+            and (ln.state in (PENDING, PUBLISHING) or (ln.state == FAILED and ln.next_try is not None))
+            for ln in lanes
+        )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stagerd import errors
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import PUBLISHED, RETIRED
+from stagerd.daemon.journal import FAILED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.state import log
 
 
@@ -31,6 +32,8 @@ class OnceSummary(JournalGate):
                 out.published.append(r.step)
                 continue
             why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
+            if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
+                why = [f"still waiting (not quarantined): {r.error_class}: {r.error_message}; {_hint(r)}"]
             why += [
                 f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
                 for ln in lanes
@@ -56,3 +59,9 @@ class OnceSummary(JournalGate):
         for step, why in summary.unpublished:
             log.error("step %d not published: %s", step, why, extra={"step": step, "state": "unpublished"})
         return 1
+
+
+def _hint(row: StepRow) -> str:
+    cls = getattr(errors, row.error_class or "", None)
+    hint = getattr(cls, "hint", None)
+    return f"hint: {hint}" if isinstance(hint, str) else "the next start tries again"

@@ -186,12 +186,14 @@ class Tasks(FleetTasks, Health, Discovery):
         *,
         on_disk: bool,
     ) -> None:
-        if f.quarantine or f.next_try is None:
+        if f.quarantine:
             # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
             kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"
             note = (
                 f"{f.error_class}: {f.message}; {kept}; not retried until `stagerd retry ROOT --step {step}`"
             )
+        elif f.next_try is None:
+            note = f"{f.error_class}: {f.message}; still waiting, not quarantined: the next start tries again"
         else:
             note = f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - time.time():.0f}s"
         self._log_step(

@@ -259,7 +259,7 @@ def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def _mapped(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
+def mapped_plan(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
     """The plan of `mapping` for this step's tensors, and the sha256 of the mapping file (an option)."""
     if marker.tensors is None:
         raise HubPlanError(
@@ -314,7 +314,7 @@ def export_step(
     }
     views = source.marker.hub_plan
     if mapping is not None and views is None:
-        views, wanted["mapping"] = _mapped(source.marker, mapping, step_dir)
+        views, wanted["mapping"] = mapped_plan(source.marker, mapping, step_dir)
     recorded = _recorded_options(step_dir)
     if recorded is not None and recorded != wanted:
         if not rebuild:

@@ -4,6 +4,8 @@ own sink and exchange clients); the 4-rank gloo save is the session's `dcp_mixed
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
+from stagerd.contract.dtypes import safetensors_name
 from stagerd.daemon.fleet import FleetNode, FleetOptions, FleetResult
 from stagerd.engine.export import export_step
 from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError
@@ -56,7 +59,14 @@ def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | 
     seen: list[str] = []
     options = FleetOptions(**{**OPTS.__dict__, **opts})
     node = FleetNode(
-        step_dir, work, sink, ex, store, root_id or str(step_dir.parent), options, lambda s, n: seen.append(s)
+        step_dir,
+        work,
+        [sink],
+        ex,
+        store,
+        root_id or str(step_dir.parent),
+        options,
+        lambda s, n: seen.append(s),
     )
     return node, seen
 
@@ -157,21 +167,63 @@ def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).exists()
 
 
-def test_a_step_with_a_to_hub_plan_is_refused_not_exported_in_its_staged_names(tmp_path, dcp_mixed2):
-    """The fleet does not carry out to-Hub plans yet: a named error and nothing published, rather than an
-    export that silently differs from the single-daemon one."""
-    import json
+def _with_hub_plan(dirs: list[Path], plan) -> None:
+    for d in dirs:
+        marker = json.loads((d / layout.MARKER_NAME).read_text())
+        marker["hub_plan"] = plan.to_json()
+        (d / layout.MARKER_NAME).write_text(json.dumps(marker))
 
-    from stagerd.contract.hub_plan import HubPlan
+
+def test_a_to_hub_plan_is_carried_out_as_by_one_daemon_but_merges_are_refused(tmp_path, dcp_mixed2):
+    """A to-Hub plan's views and drops are byte moves: a split across both nodes' shards, a rename and a
+    drop give the single-daemon export byte for byte. LoRA merges (arithmetic on whole tensors) are not
+    carried out by the fleet yet: a named error and nothing published, rather than a different export."""
+    from stagerd.contract.hub_plan import HubPlan, LoraMerge, TensorView
     from stagerd.errors import HubPlanError
 
-    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    for d in node_dirs:
-        marker = json.loads((d / layout.MARKER_NAME).read_text())
-        marker["hub_plan"] = HubPlan(drop=("lm_head.weight",), origin="transformers").to_json()
-        (d / layout.MARKER_NAME).write_text(json.dumps(marker))
+    emb, o = "model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"
+    views = (
+        TensorView("model.embed_tokens.top", emb, (0, 0), (20, 16), (20, 16)),
+        TensorView("model.embed_tokens.rest", emb, (20, 0), (17, 16), (17, 16)),
+        TensorView("model.layers.0.self_attn.out.weight", o, (0, 0), (16, 13), (16, 13)),
+    )
+    shared, node_dirs = _stage(tmp_path / "views", dcp_mixed2[0], 2)
+    _with_hub_plan([shared, *node_dirs], HubPlan(views, drop=("lm_head.weight",), origin="transformers"))
+    want = export_step(shared, max_shard_size=SHARD).export_dir
     sink = tmp_path / "sink"
+    results = _run_all(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
+    assert all(isinstance(r, FleetResult) for r in results), results
+    out = sink / layout.step_dir_name(STEP)
+    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    assert got == {p.name: p.read_bytes() for p in want.iterdir()}
+    index = (out / layout.INDEX_NAME).read_text()
+    assert "model.embed_tokens.rest" in index and emb not in index and "lm_head.weight" not in index
+    assert all(r.built for r in results)  # type: ignore[union-attr]
+
+    # --mapping, for a step saved without a plan of its own: the same plan export_step makes of it
+    shared, node_dirs = _stage(tmp_path / "mapping", dcp_mixed2[0], 2)
+    shapes = {
+        k: {"dtype": safetensors_name(v.dtype), "shape": list(v.shape)} for k, v in dcp_mixed2[1].items()
+    }
+    for d in [shared, *node_dirs]:  # the global shapes, as the Stager records them
+        marker = json.loads((d / layout.MARKER_NAME).read_text())
+        (d / layout.MARKER_NAME).write_text(json.dumps({**marker, "tensors": shapes}))
+    split = [{"name": "emb.a", "size": 20}, {"name": "emb.b", "size": 17}]
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"rules": [{"match": re.escape(emb), "split_dim": 0, "split": split}]}))
+    want = export_step(shared, max_shard_size=SHARD, mapping=mapping).export_dir
+    sink = tmp_path / "sink-mapping"
+    results = _run_all(node_dirs, sink.as_uri(), mapping=mapping)
+    assert all(isinstance(r, FleetResult) for r in results), results
+    out = sink / layout.step_dir_name(STEP)
+    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    assert got == {p.name: p.read_bytes() for p in want.iterdir()} and b"emb.b" in got[layout.INDEX_NAME]
+
+    _, node_dirs = _stage(tmp_path / "merge", dcp_mixed2[0], 2)
+    merge = LoraMerge("merged", "model.layers.0.input_layernorm.weight", emb, emb, 1.0)
+    _with_hub_plan(node_dirs, HubPlan(merges=(merge,)))
+    sink = tmp_path / "sink2"
     results = _run_all(node_dirs, sink.as_uri(), wait_seconds=5)
     assert all(isinstance(r, HubPlanError) for r in results), results
-    assert "does not carry out yet" in str(results[0])
+    assert "LoRA merges" in str(results[0])
     assert not (sink / layout.step_dir_name(STEP)).exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stagerd.config import load_settings
 from stagerd.daemon.policy import backoff_delay, decide_failure, rearmable
-from stagerd.errors import ShardError, SinkAuthError, SinkError
+from stagerd.errors import FleetWaitError, ShardError, SinkAuthError, SinkError
 
 
 def test_retry_policy_quarantines_non_retryable_at_once_and_backs_off_otherwise():
@@ -38,3 +38,12 @@ def test_which_quarantines_a_restart_re_arms():
     assert not rearmable("SinkAuthError") and not rearmable("ShardError")
     assert not rearmable("StepConflictError") and not rearmable("CrashLoop") and not rearmable("MissingStep")
     assert not rearmable(None)
+
+
+def test_a_fleet_wait_is_never_quarantined_and_ends_a_once_run_at_the_first_timeout():
+    once = load_settings(None, max_attempts=5, once=True)
+    f = decide_failure(FleetWaitError("waiting for node 1 (seen: node-00000-of-00002)"), 1, once, now=0)
+    assert (f.error_class, f.quarantine, f.next_try) == ("FleetWaitError", False, None)  # left waiting
+    running = load_settings(None, retry_base_seconds=2.0, max_attempts=1)
+    f = decide_failure(FleetWaitError("waiting for node 1"), 50, running, now=100.0)
+    assert not f.quarantine and f.next_try is not None and f.next_try > 100.0  # backs off, waits again
