@@ -145,6 +145,18 @@ def test_the_compiled_kernel_is_in_use():
     assert set(cast._COMPILED) == {("F32", "F16"), ("F16", "F32"), ("BF16", "F16"), ("F16", "BF16")}
 
 
+def test_the_switch_keeps_every_cast_in_numpy():
+    """STAGERD_NO_HALFCAST=1 is how the benchmarks time the numpy kernel: it must leave no compiled path."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from stagerd.engine import cast; print(len(cast._COMPILED))"
+    env = {**os.environ, "STAGERD_NO_HALFCAST": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "0"
+
+
 @pytest.mark.parametrize(("src", "dst"), list(cast._COMPILED))
 def test_compiled_kernel_ignores_flush_denormal(src, dst):
     """Another library may set MXCSR's DAZ and FTZ for a thread (torch.set_flush_denormal, -ffast-math):
