@@ -86,15 +86,15 @@ def generate(out: Path, size_gb: float, ranks: int, files: int, mixed: bool, man
     return mapping
 
 
-def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of a child process."""
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS MiB, CPU seconds: user + system) of a child process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def du(p: Path) -> int:
@@ -224,14 +224,21 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
     return {"runs": found, "plan_memory": mem}
 
 
-def print_pairs(cast: str, cast_walls: list[float], keep_walls: list[float]) -> list[float]:
-    """Cast over keep, paired by round (each cast ran right after its round's keep export)."""
+def print_pairs(
+    cast: str, cast_walls: list[float], keep_walls: list[float], per_byte: float = 1.0, what: str = ""
+) -> None:
+    """Cast over keep, paired by round (each cast ran right after its round's keep export); with
+    `per_byte` (the cast's output bytes over keep's), also per output byte."""
     pairs = sorted(c / k for c, k in zip(cast_walls, keep_walls, strict=True))
-    print(
-        f"cast {cast} / keep, paired by round: median {statistics.median(pairs):.2f}x "
+    line = (
+        f"cast {cast} / keep{what}, paired by round: median {statistics.median(pairs):.2f}x "
         f"(range {pairs[0]:.2f}x - {pairs[-1]:.2f}x over {len(pairs)} rounds)"
     )
-    return pairs
+    if per_byte != 1.0:
+        line += (
+            f"; per output byte ({per_byte:.2f}x keep's bytes): {statistics.median(pairs) / per_byte:.2f}x"
+        )
+    print(line)
 
 
 def main() -> None:
@@ -247,6 +254,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds per tool (median reported)")
     ap.add_argument("--shards", type=Path, help="reuse shards made by an earlier --keep run")
     ap.add_argument("--mixed", action="store_true", help="a quarter each of the tensors bf16 and fp16")
+    ap.add_argument("--numpy-casts", action="store_true", help="also each cast without the F16C kernel")
     ap.add_argument("--many-tensors", type=int, default=0, help="N small [8*ranks, 64] tensors instead")
     args = ap.parse_args()
 
@@ -304,25 +312,37 @@ def main() -> None:
     if not args.skip_cast:
         for c in CASTS:
             runs[f"stagerd consolidate --dtype {c}"] = [*keep_cmd, "--dtype", c]
+        for c in CASTS if args.numpy_casts else ():  # the same casts without the F16C kernel: before/after
+            runs[f"stagerd consolidate --dtype {c} (numpy)"] = [
+                "env",
+                "STAGERD_NO_HALFCAST=1",
+                *keep_cmd,
+                "--dtype",
+                c,
+            ]
         runs["torch consolidate + cast pass"] = None  # two steps, timed together below
     clean()
     subprocess.run(["cp", "-r", str(src), str(out)], check=True)  # warm the page cache with the source
     # Rounds interleave the tools so each sees the same conditions; the median is the reported figure.
     walls: dict[str, list[float]] = {name: [] for name in runs}
     rss: dict[str, float] = dict.fromkeys(runs, 0.0)
+    written: dict[str, int] = dict.fromkeys(runs, 0)
+    cpus: dict[str, list[float]] = {name: [] for name in runs}
     for rnd in range(args.repeat):
         for name, cmd in runs.items():
             if rnd and name.startswith("torch consolidate +"):
                 continue  # slow and far from the others; one round is enough to rank it
             clean()
             if cmd is not None:
-                wall, peak = timed(cmd)
+                wall, peak, cpu = timed(cmd)
             else:
-                w1, r1 = timed([*torch_cmd, str(args.threads)])
-                w2, r2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
-                wall, peak = w1 + w2, max(r1, r2)
+                w1, r1, c1 = timed([*torch_cmd, str(args.threads)])
+                w2, r2, c2 = timed([sys.executable, "-c", TORCH_CAST_PASS, str(out)])
+                wall, peak, cpu = w1 + w2, max(r1, r2), c1 + c2
             walls[name].append(wall)
+            cpus[name].append(cpu)
             rss[name] = max(rss[name], peak)
+            written[name] = du(out)
             print(
                 f"round {rnd + 1} {name:40s} {wall:7.2f} s  {size / 1e9 / wall:5.2f} GB/s  {peak:7.0f} MiB",
                 flush=True,
@@ -339,25 +359,33 @@ def main() -> None:
     )
     print()
     print(
-        "| tool | median s | min s | max s | GB/s | peak RSS MiB | vs cp -r "
+        "| tool | median s | min s | max s | CPU s, median | GB/s | peak RSS MiB | vs cp -r "
         "| vs cp -r && sync | torch / this |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, w in walls.items():
         m = med[name]
         print(
-            f"| {name} | {m:.2f} | {min(w):.2f} | {max(w):.2f} | {size / 1e9 / m:.2f} | {rss[name]:.0f} "
+            f"| {name} | {m:.2f} | {min(w):.2f} | {max(w):.2f} | {statistics.median(cpus[name]):.2f} "
+            f"| {size / 1e9 / m:.2f} | {rss[name]:.0f} "
             f"| {m / cp:.2f}x "
             f"| {m / med['cp -r && sync']:.2f}x | {torch_t / m:.2f}x |"
         )
-    print()
-    for c in CASTS:
-        if f"stagerd consolidate --dtype {c}" in walls:
-            print_pairs(c, walls[f"stagerd consolidate --dtype {c}"], walls["stagerd consolidate"])
+    # CPU seconds (user + system) are paired too: on a loaded machine they move far less than wall time.
+    for times, what in ((walls, ""), (cpus, " in CPU seconds")):
+        print()
+        for name in times:
+            if name.startswith("stagerd consolidate --dtype "):
+                per_byte = written[name] / written["stagerd consolidate"]
+                cast = name.removeprefix("stagerd consolidate --dtype ")
+                print_pairs(cast, times[name], times["stagerd consolidate"], per_byte, what)
     if "torch consolidate + cast pass" in med:
         ratio = med["torch consolidate + cast pass"] / med["stagerd consolidate --dtype bf16"]
         print(f"\nfp32->bf16: stagerd is {ratio:.2f}x faster than torch consolidation + a cast pass")
-    results = {name: {"walls": walls[name], "median": med[name], "peak_rss_mib": rss[name]} for name in runs}
+    results = {
+        name: {"walls": walls[name], "cpus": cpus[name], "median": med[name], "peak_rss_mib": rss[name]}
+        for name in runs
+    }
     if args.json:
         args.json.write_text(json.dumps({"size": size, "results": results}, indent=1))
     if not args.keep:

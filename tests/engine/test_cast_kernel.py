@@ -1,5 +1,6 @@
-"""The numpy cast kernel equals torch's `.to()` bit for bit: every 16-bit source pattern, millions of random
-F32 and F64 patterns, and the edge cases by hand (NaN payloads, +-inf, overflow, subnormals, ties)."""
+"""The cast kernel equals torch's `.to()` bit for bit: every 16-bit source pattern, millions of random F32
+and F64 patterns, and the edge cases by hand (NaN payloads, +-inf, overflow, subnormals, ties). The F16
+directions are checked twice: through the compiled F16C kernel and through the numpy fallback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from stagerd.contract import dtypes
+from stagerd.engine import cast
 from stagerd.engine.cast import CAST_DTYPES, can_cast, cast_into
 
 TORCH = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -17,6 +19,16 @@ BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 INTS = {2: np.int16, 4: np.int32, 8: np.int64}
 PAIRS = [(s, d) for s, d in itertools.permutations(TORCH, 2)]
+HALF_PAIRS = [("F32", "F16"), ("F16", "F32"), ("BF16", "F16"), ("F16", "BF16")]  # the compiled directions
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def kernel(request, monkeypatch):
+    """Each F16 direction through the compiled kernel, then through numpy (as without a C compiler)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(cast, "_COMPILED", {})
+    return request.param
+
 
 # Hand-picked F32 patterns: NaNs (quiet, signalling, payloads that vanish when narrowed), infinities,
 # the largest finite values, the overflow boundary of F16 and BF16, subnormals of all three, exact ties
@@ -111,12 +123,12 @@ def sources(src: str, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{s}->{d}" for s, d in PAIRS])
-def test_kernel_equals_torch(src, dst):
+def test_kernel_equals_torch(src, dst, kernel):
     assert_same(sources(src, np.random.default_rng(15)), src, dst)
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{s}->{d}" for s, d in PAIRS])
-def test_unaligned_lengths_and_empty(src, dst):
+def test_unaligned_lengths_and_empty(src, dst, kernel):
     """Lengths around the vector widths and the two-step block size, and nothing at all."""
     rng = np.random.default_rng(1)
     width = dtypes.lookup(src).bits // 8
@@ -125,6 +137,41 @@ def test_unaligned_lengths_and_empty(src, dst):
             BITS[width]
         )
         assert_same(bits, src, dst)
+
+
+def test_the_compiled_kernel_is_in_use():
+    """CI builds on x86-64 with gcc: a build that fell back to numpy (30x slower F16) fails here."""
+    assert cast._halfcast is not None, "stagerd/engine/_halfcast.c was not built (no C compiler?)"
+    assert cast._halfcast.F16C, "this CPU lacks AVX2 or F16C"
+    assert set(cast._COMPILED) == set(HALF_PAIRS)
+
+
+def test_the_switch_keeps_every_cast_in_numpy():
+    """STAGERD_NO_HALFCAST=1 is how the benchmarks time the numpy kernel: it must leave no compiled path."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from stagerd.engine import cast; print(len(cast._COMPILED))"
+    env = {**os.environ, "STAGERD_NO_HALFCAST": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize(("src", "dst"), HALF_PAIRS)
+def test_compiled_kernel_ignores_flush_denormal(src, dst):
+    """Another library may set MXCSR's DAZ and FTZ for a thread (torch.set_flush_denormal, -ffast-math):
+    the only subnormals they touch are F32 ones, which are zero in F16 anyway, and VCVTPS2PH ignores FTZ."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    if src == "F32":
+        bits = np.concatenate([bits, bits.astype(np.uint32) << 8, np.array(F32_EDGES, np.uint32)])
+    want = torch_cast(bits, src, dst)
+    torch.set_flush_denormal(True)
+    try:
+        got = kernel_cast(bits, src, dst)
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.array_equal(got, want)
 
 
 def test_every_castable_pair_has_a_kernel():
