@@ -8,26 +8,40 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
-from tests.dcp_fixtures import commit_step, dcp_save
+from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
 
 # No Xet server is reachable from the tests (production keeps Xet); no tqdm bars in test output.
 os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def _saved_once(tmp_path_factory, name: str, world: int) -> tuple[Path, dict]:
+    """One gloo save per test run: under pytest-xdist the workers share it (read-only, as every session
+    fixture is) through the run's common temp dir, so each worker does not pay the save again."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        out = tmp_path_factory.mktemp(name) / "model"
+        return out, dcp_save(out, world=world)
+    shared = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "saved").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            dcp_save(shared / "model", world=world)
+            (shared / "saved").touch()
+    return shared / "model", {k: v for k, (v, _) in mixed_tensors().items()}
+
+
 @pytest.fixture(scope="session")
 def dcp_mixed(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """4 ranks: Shard(0), Shard(1), 2-D blocks, replicated, uneven, scalars, N-D, every dtype."""
-    out = tmp_path_factory.mktemp("dcp_mixed") / "model"
-    return out, dcp_save(out, world=4)
+    return _saved_once(tmp_path_factory, "dcp_mixed", world=4)
 
 
 @pytest.fixture(scope="session")
 def dcp_mixed2(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """The same tensors saved by 2 ranks."""
-    out = tmp_path_factory.mktemp("dcp_mixed2") / "model"
-    return out, dcp_save(out, world=2)
+    return _saved_once(tmp_path_factory, "dcp_mixed2", world=2)
 
 
 @pytest.fixture
