@@ -34,15 +34,14 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
-from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
-from stagerd.engine.execute import execute
-from stagerd.engine.export import mapped_plan
+from stagerd.daemon.fleet_build import Artefact
+from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, owners
+from stagerd.engine.export import ADAPTER_DIR, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
-from stagerd.engine.plan_types import ExportPlan
-from stagerd.engine.planner import plan
-from stagerd.engine.shard_scan import scan_shards
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, HubPlanError, MarkerError
+from stagerd.engine.merge import SCRATCH_NAME
+from stagerd.engine.plan_types import ExportPlan, OutputFile
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_parts
 from stagerd.sinks.fsspec import FsspecSink
@@ -51,6 +50,8 @@ from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 log = logging.getLogger("stagerd.fleet")
 
 FLEET_DIR = "fleet"
+
+Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
 
 
 @dataclass(frozen=True)
@@ -129,28 +130,26 @@ class FleetNode:
         parts = self._wait_parts()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
-        p = self._plan(mirror, listed)
-        owner = owners(p, self.nodes)
-        for f in p.files:
-            todo = [s for s in self.sinks if self._record(s, f.name) is None]
-            if owner[f.name] != self.me or not todo:
+        p, units = self._plan(mirror, listed)
+        owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+        for rel, (art, f) in units.items():
+            todo = [s for s in self.sinks if self._record(s, rel) is None]
+            if owner[rel] != self.me or not todo:
                 continue
-            sub = only_file(p, f.name)
-            mirror.fill(sub)
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            execute(sub, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
+            art.build(f.name, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
             for sink in todo:
-                up = self._upload(sink, [LocalFile(f.name, out / f.name, f.size)])[0]
+                up = self._upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
                 crash_point("fleet.built")
-                self._create(self._record_key(sink, f.name), _record_bytes(up, self.me))
+                self._create(self._record_key(sink, rel), _record_bytes(up, self.me))
                 res.bytes_uploaded += f.size
-            res.built.append(f.name)
+            res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
-            res.bytes_uploaded += self._lead(p, parts, [f.name for f in p.files])
+            res.bytes_uploaded += self._lead(p, parts, owner)
             res.committed = True
         else:
             self._wait(
@@ -200,36 +199,48 @@ class FleetNode:
             parts.append(NodePart(k, m, f"{raw}/{name}"))
         return parts
 
-    def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
-        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included: its views and
-        drops are byte moves like any other, so each owner builds its files from the same ranges."""
+    def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:
+        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included, and with a
+        PEFT adapter plan the adapter's one file: each published file's name -> its artefact and file."""
         views = self.marker.hub_plan
         if views is None and self.opt.mapping is not None:
             views = mapped_plan(self.marker, self.opt.mapping, self.step_dir)[0]
-        if self.marker.adapter_plan is not None or (views is not None and views.merges):
-            # Refused rather than exported without them: a silently different export.
-            raise HubPlanError(
-                f"step {self.step} carries LoRA merges or a PEFT adapter, which the fleet export of "
-                "node-local ROOTs does not carry out yet (a merge reads whole tensors from every node)",
-                path=self.step_dir / layout.MARKER_NAME,
-                hint="stage this model to a shared ROOT, or save it merged",
-            )
-        ref = self.marker.reference_index
-        return plan(
-            scan_shards(mirror.model, listed),
+        ref, merges = self.marker.reference_index, self.work / "merges"
+        main = Artefact(
+            mirror,
+            listed,
+            merges / "main" / SCRATCH_NAME,
+            views,
             dtype=self._target_dtype(),
             keep_dtype=self.opt.keep_dtype,
             reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
             max_shard_size=self.opt.max_shard_size,
             expected=self.marker.tensors,
-            views=views,
         )
+        units: dict[str, Unit] = {f.name: (main, f) for f in main.files}
+        if self.marker.adapter_plan is not None:  # as export._build_adapter: one file, no index
+            adapter = Artefact(
+                mirror,
+                listed,
+                merges / "adapter" / SCRATCH_NAME,
+                self.marker.adapter_plan,
+                dtype=self._target_dtype(),
+                keep_dtype=self.opt.keep_dtype,
+                reference=None,
+                max_shard_size=1 << 62,
+                expected=self.marker.tensors,
+            )
+            (f,) = adapter.files
+            units[f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"] = (adapter, f)
+        return main.plan, units
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
 
-    def _lead(self, p: ExportPlan, parts: list[NodePart], names: list[str]) -> int:
-        """Index and extras, then every file's record checked, then the commit: on each sink in turn."""
+    def _lead(self, p: ExportPlan, parts: list[NodePart], owner: dict[str, int]) -> int:
+        """Index and extras, then every file's record checked, then the commit: on each sink in turn.
+        `owner`: every built file's owner."""
+        names = list(owner)
         lead = self.work / "lead"
         shutil.rmtree(lead, ignore_errors=True)
         lead.mkdir(parents=True)
@@ -252,7 +263,7 @@ class FleetNode:
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
-        owner, sent = owners(p, self.nodes), 0
+        sent = 0
         for sink in self.sinks:
             if sink.is_published(self.step):  # a leader killed between two sinks' commits
                 sink.move_latest(self.step)
