@@ -7,9 +7,10 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
 2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
-   byte; owners by bytes (`fleet_plan.owners`);
-4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read, build it
-   once with `execute`, and for each such sink upload it under the sink's `step-N/`, then create
+   byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`);
+4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read (and
+   compute the LoRA merges it reads, from their fetched inputs), build it once with `execute`, and for
+   each such sink upload it under the sink's `step-N/`, then create
    `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
 5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
    commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`);
