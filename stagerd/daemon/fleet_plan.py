@@ -50,6 +50,7 @@ class Mirror:
         self.me = me
         self.read = read
         self.remote: dict[str, str] = {}  # mirror path -> exchange key, for the shards of other nodes
+        self.have: dict[str, list[tuple[int, int]]] = {}  # mirror path -> ranges fetched, merged
         self.fetched = 0
 
     def build(self) -> list[str]:
@@ -88,14 +89,18 @@ class Mirror:
             if src in self.remote and n:
                 wanted.setdefault(src, []).append((off, off + n))
         for src, spans in wanted.items():
+            have = self.have.get(src, [])
             fd = os.open(src, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                for a, b in _merged(spans):
+                # A merge's inputs are read again by another merge or a file's moves: fetched once.
+                for a, b in _missing(_merged(spans), have):
                     data = self.read(self.remote[src], a, b)
                     if len(data) != b - a:
                         raise ShardError(f"short read {a}..{b}: {len(data)} bytes", path=self.remote[src])
                     os.pwrite(fd, data, a)
                     self.fetched += len(data)
+                    have = _merged([*have, (a, b)])
+                    self.have[src] = have
             finally:
                 os.close(fd)
 
@@ -122,6 +127,19 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def _missing(want: list[tuple[int, int]], have: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The parts of the sorted disjoint ranges `want` outside the sorted disjoint ranges `have`."""
+    for a, b in want:
+        for x, y in have:
+            if y <= a or x >= b:
+                continue
+            if x > a:
+                yield a, x
+            a = max(a, y)
+        if a < b:
+            yield a, b
 
 
 def only_file(p: ExportPlan, name: str) -> ExportPlan:

@@ -274,3 +274,27 @@ def test_lora_merges_and_a_peft_adapter_are_carried_out_as_by_one_daemon(tmp_pat
     assert all(built) and sorted(n for b in built for n in b) == sorted(
         n for n in got if n.endswith(".safetensors")
     )
+    for k, r in enumerate(results):  # merge inputs come from the other node, its shards at most
+        other = sum(f.stat().st_size for f in (node_dirs[1 - k] / "model").iterdir())
+        assert 0 < r.bytes_fetched <= other  # type: ignore[union-attr]
+
+
+def test_the_mirror_fetches_a_byte_once_however_often_it_is_read(tmp_path):
+    """A merge input read again by a second merge, or by a file's moves, costs no second ranged read."""
+    from stagerd.daemon.fleet_plan import Mirror
+
+    data = bytes(range(64))
+    calls: list[tuple[int, int]] = []
+
+    def read(key: str, start: int, end: int) -> bytes:
+        calls.append((start, end))
+        return data[start:end]
+
+    mirror = Mirror(tmp_path, tmp_path, [], 0, read)
+    shard = tmp_path / "shard"
+    shard.write_bytes(bytes(64))
+    mirror.remote[str(shard)] = "raw/step/node-1/model/shard"
+    mirror.fill([(str(shard), 8, 8), (str(shard), 12, 8)])
+    mirror.fill([(str(shard), 0, 40), (str(shard), 50, 4)])
+    assert calls == [(8, 20), (0, 8), (20, 40), (50, 54)]
+    assert mirror.fetched == 44 and shard.read_bytes()[:54] == data[:40] + bytes(10) + data[50:54]
