@@ -7,24 +7,22 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.daemon.fleet import FleetNode, FleetOptions, FleetResult
+from stagerd.daemon.fleet import FleetResult
 from stagerd.engine.export import export_step
 from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError
-from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from tests.dcp_fixtures import commit_step
+from tests.fleet_helpers import fleet_node, run_fleet
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 STEP = 7
 SHARD = 1500  # small output files, so that every node owns some
-OPTS = FleetOptions(max_shard_size=SHARD, wait_seconds=60, poll_seconds=0.05)
 
 
 def _stage(
@@ -55,40 +53,11 @@ def _stage(
 
 
 def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | None = None, **opts):
-    sink = FsspecSink.from_url(url)
-    ex = FsspecSink.from_url(exchange) if exchange else sink
-    store = RemoteStore.open(exchange or url)
-    work = step_dir.parent / ".stagerd" / "fleet"
-    seen: list[str] = []
-    options = FleetOptions(**{**OPTS.__dict__, **opts})
-    node = FleetNode(
-        step_dir,
-        work,
-        [sink],
-        ex,
-        store,
-        root_id or str(step_dir.parent),
-        options,
-        lambda s, n: seen.append(s),
-    )
-    return node, seen
+    return fleet_node(step_dir, url, exchange, root_id, **{"max_shard_size": SHARD, **opts})
 
 
 def _run_all(node_dirs: list[Path], url: str, **kw) -> list[FleetResult | BaseException]:
-    out: list[FleetResult | BaseException] = [RuntimeError("not run")] * len(node_dirs)
-
-    def one(k: int) -> None:
-        try:
-            out[k] = _node(node_dirs[k], url, **kw)[0].run()
-        except BaseException as e:
-            out[k] = e
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in reversed(range(len(node_dirs)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return run_fleet(node_dirs, url, **{"max_shard_size": SHARD, **kw})
 
 
 def _tree(keys: dict[str, int], env, prefix: str) -> dict[str, bytes]:
