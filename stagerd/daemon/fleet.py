@@ -35,6 +35,7 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.daemon.fleet_build import Artefact
 from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, owners
 from stagerd.engine.export import ADAPTER_DIR, ADAPTER_WEIGHTS, mapped_plan
@@ -60,7 +61,7 @@ class FleetOptions:
     dtype: str | None = None
     keep_dtype: str | None = None
     mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
-    max_shard_size: int = 5 * 1024**3
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE  # as export_step and the daemon's setting
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
     threads: int = 2
