@@ -38,7 +38,7 @@ from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.daemon.fleet_build import Artefact
 from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, owners
-from stagerd.engine.export import ADAPTER_DIR, ADAPTER_WEIGHTS, mapped_plan
+from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
@@ -229,7 +229,7 @@ class FleetNode:
                 dtype=self._target_dtype(),
                 keep_dtype=self.opt.keep_dtype,
                 reference=None,
-                max_shard_size=1 << 62,
+                max_shard_size=ADAPTER_MAX_SHARD_SIZE,
                 expected=self.marker.tensors,
             )
             (f,) = adapter.files
