@@ -7,9 +7,10 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
 2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
-   byte; owners by bytes (`fleet_plan.owners`);
-4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read, build it
-   once with `execute`, and for each such sink upload it under the sink's `step-N/`, then create
+   byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`);
+4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read (and
+   compute the LoRA merges it reads, from their fetched inputs), build it once with `execute`, and for
+   each such sink upload it under the sink's `step-N/`, then create
    `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
 5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
    commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`);
@@ -34,15 +35,15 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
-from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, only_file, owners
-from stagerd.engine.execute import execute
-from stagerd.engine.export import mapped_plan
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.daemon.fleet_build import Artefact
+from stagerd.daemon.fleet_plan import Mirror, NodePart, extras_of, owners
+from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
-from stagerd.engine.plan_types import ExportPlan
-from stagerd.engine.planner import plan
-from stagerd.engine.shard_scan import scan_shards
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, HubPlanError, MarkerError
+from stagerd.engine.merge import SCRATCH_NAME
+from stagerd.engine.plan_types import ExportPlan, OutputFile
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_parts
 from stagerd.sinks.fsspec import FsspecSink
@@ -52,13 +53,15 @@ log = logging.getLogger("stagerd.fleet")
 
 FLEET_DIR = "fleet"
 
+Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
+
 
 @dataclass(frozen=True)
 class FleetOptions:
     dtype: str | None = None
     keep_dtype: str | None = None
     mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
-    max_shard_size: int = 5 * 1024**3
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE  # as export_step and the daemon's setting
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
     threads: int = 2
@@ -129,28 +132,26 @@ class FleetNode:
         parts = self._wait_parts()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
-        p = self._plan(mirror, listed)
-        owner = owners(p, self.nodes)
-        for f in p.files:
-            todo = [s for s in self.sinks if self._record(s, f.name) is None]
-            if owner[f.name] != self.me or not todo:
+        p, units = self._plan(mirror, listed)
+        owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+        for rel, (art, f) in units.items():
+            todo = [s for s in self.sinks if self._record(s, rel) is None]
+            if owner[rel] != self.me or not todo:
                 continue
-            sub = only_file(p, f.name)
-            mirror.fill(sub)
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            execute(sub, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
+            art.build(f.name, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
             for sink in todo:
-                up = self._upload(sink, [LocalFile(f.name, out / f.name, f.size)])[0]
+                up = self._upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
                 crash_point("fleet.built")
-                self._create(self._record_key(sink, f.name), _record_bytes(up, self.me))
+                self._create(self._record_key(sink, rel), _record_bytes(up, self.me))
                 res.bytes_uploaded += f.size
-            res.built.append(f.name)
+            res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
-            res.bytes_uploaded += self._lead(p, parts, [f.name for f in p.files])
+            res.bytes_uploaded += self._lead(p, parts, owner)
             res.committed = True
         else:
             self._wait(
@@ -200,36 +201,48 @@ class FleetNode:
             parts.append(NodePart(k, m, f"{raw}/{name}"))
         return parts
 
-    def _plan(self, mirror: Mirror, listed: list[str]) -> ExportPlan:
-        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included: its views and
-        drops are byte moves like any other, so each owner builds its files from the same ranges."""
+    def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:
+        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included, and with a
+        PEFT adapter plan the adapter's one file: each published file's name -> its artefact and file."""
         views = self.marker.hub_plan
         if views is None and self.opt.mapping is not None:
             views = mapped_plan(self.marker, self.opt.mapping, self.step_dir)[0]
-        if self.marker.adapter_plan is not None or (views is not None and views.merges):
-            # Refused rather than exported without them: a silently different export.
-            raise HubPlanError(
-                f"step {self.step} carries LoRA merges or a PEFT adapter, which the fleet export of "
-                "node-local ROOTs does not carry out yet (a merge reads whole tensors from every node)",
-                path=self.step_dir / layout.MARKER_NAME,
-                hint="stage this model to a shared ROOT, or save it merged",
-            )
-        ref = self.marker.reference_index
-        return plan(
-            scan_shards(mirror.model, listed),
+        ref, merges = self.marker.reference_index, self.work / "merges"
+        main = Artefact(
+            mirror,
+            listed,
+            merges / "main" / SCRATCH_NAME,
+            views,
             dtype=self._target_dtype(),
             keep_dtype=self.opt.keep_dtype,
             reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
             max_shard_size=self.opt.max_shard_size,
             expected=self.marker.tensors,
-            views=views,
         )
+        units: dict[str, Unit] = {f.name: (main, f) for f in main.files}
+        if self.marker.adapter_plan is not None:  # as export._build_adapter: one file, no index
+            adapter = Artefact(
+                mirror,
+                listed,
+                merges / "adapter" / SCRATCH_NAME,
+                self.marker.adapter_plan,
+                dtype=self._target_dtype(),
+                keep_dtype=self.opt.keep_dtype,
+                reference=None,
+                max_shard_size=ADAPTER_MAX_SHARD_SIZE,
+                expected=self.marker.tensors,
+            )
+            (f,) = adapter.files
+            units[f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"] = (adapter, f)
+        return main.plan, units
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
 
-    def _lead(self, p: ExportPlan, parts: list[NodePart], names: list[str]) -> int:
-        """Index and extras, then every file's record checked, then the commit: on each sink in turn."""
+    def _lead(self, p: ExportPlan, parts: list[NodePart], owner: dict[str, int]) -> int:
+        """Index and extras, then every file's record checked, then the commit: on each sink in turn.
+        `owner`: every built file's owner."""
+        names = list(owner)
         lead = self.work / "lead"
         shutil.rmtree(lead, ignore_errors=True)
         lead.mkdir(parents=True)
@@ -252,7 +265,7 @@ class FleetNode:
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
-        owner, sent = owners(p, self.nodes), 0
+        sent = 0
         for sink in self.sinks:
             if sink.is_published(self.step):  # a leader killed between two sinks' commits
                 sink.move_latest(self.step)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,6 +50,7 @@ class Mirror:
         self.me = me
         self.read = read
         self.remote: dict[str, str] = {}  # mirror path -> exchange key, for the shards of other nodes
+        self.have: dict[str, list[tuple[int, int]]] = {}  # mirror path -> ranges fetched, merged
         self.fetched = 0
 
     def build(self) -> list[str]:
@@ -80,26 +81,32 @@ class Mirror:
                     f.truncate(size)
         return names
 
-    def fill(self, p: ExportPlan) -> None:
-        """Fetch from the exchange every remote byte range that `p`'s moves read."""
+    def fill(self, ranges: Iterable[tuple[str, int, int]]) -> None:
+        """Fetch from the exchange every remote byte range of `ranges` (path, offset, length): what a
+        plan's moves read (`reads`), or a LoRA merge's inputs."""
         wanted: dict[str, list[tuple[int, int]]] = {}
-        for src, off, n in _reads(p):
+        for src, off, n in ranges:
             if src in self.remote and n:
                 wanted.setdefault(src, []).append((off, off + n))
-        for src, ranges in wanted.items():
+        for src, spans in wanted.items():
+            have = self.have.get(src, [])
             fd = os.open(src, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                for a, b in _merged(ranges):
+                # A merge's inputs are read again by another merge or a file's moves: fetched once.
+                for a, b in _missing(_merged(spans), have):
                     data = self.read(self.remote[src], a, b)
                     if len(data) != b - a:
                         raise ShardError(f"short read {a}..{b}: {len(data)} bytes", path=self.remote[src])
                     os.pwrite(fd, data, a)
                     self.fetched += len(data)
+                    have = _merged([*have, (a, b)])
+                    self.have[src] = have
             finally:
                 os.close(fd)
 
 
-def _reads(p: ExportPlan) -> Iterator[tuple[str, int, int]]:
+def reads(p: ExportPlan) -> Iterator[tuple[str, int, int]]:
+    """(source path, offset, length) of every byte range that `p`'s moves read."""
     srcs = p.sources
     for m in plan_moves(p):
         if m.kind is MoveKind.GATHER:
@@ -122,20 +129,33 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _missing(want: list[tuple[int, int]], have: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+    """The parts of the sorted disjoint ranges `want` outside the sorted disjoint ranges `have`."""
+    for a, b in want:
+        for x, y in have:
+            if y <= a or x >= b:
+                continue
+            if x > a:
+                yield a, x
+            a = max(a, y)
+        if a < b:
+            yield a, b
+
+
 def only_file(p: ExportPlan, name: str) -> ExportPlan:
     """`p` cut down to one output file: its header and moves are the ones the whole plan writes."""
     return replace(p, files=tuple(f for f in p.files if f.name == name))
 
 
-def owners(p: ExportPlan, nodes: int) -> dict[str, int]:
-    """Each output file's owner: biggest file first to the node with the fewest bytes so far, lowest node
-    on a tie. Pure and deterministic: every node computes the same map."""
+def owners(sizes: Iterable[tuple[str, int]], nodes: int) -> dict[str, int]:
+    """Each output file's owner, from (name, size): biggest file first to the node with the fewest bytes
+    so far, lowest node on a tie. Pure and deterministic: every node computes the same map."""
     load = [0] * nodes
     out: dict[str, int] = {}
-    for f in sorted(p.files, key=lambda f: (-f.size, f.name)):
+    for name, size in sorted(sizes, key=lambda f: (-f[1], f[0])):
         k = min(range(nodes), key=lambda i: (load[i], i))
-        out[f.name] = k
-        load[k] += f.size
+        out[name] = k
+        load[k] += size
     return out
 
 

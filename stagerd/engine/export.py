@@ -185,6 +185,7 @@ def build_export(
 
 ADAPTER_DIR = "adapter"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_MAX_SHARD_SIZE = 1 << 62  # PEFT writes the adapter as one file, whatever its size
 
 
 def _build_adapter(
@@ -201,7 +202,7 @@ def _build_adapter(
             listed=source.listed,
             dtype=dtype,
             keep_dtype=keep_dtype,
-            max_shard_size=1 << 62,
+            max_shard_size=ADAPTER_MAX_SHARD_SIZE,
             expected=source.marker.tensors if source.marker else None,
             views=plan,
             threads=threads,

@@ -91,6 +91,17 @@ def write_merged(
     """Compute every merge into the safetensors file `path` (offsets 0: each tensor whole) and return its
     validated header."""
     merges = list(merges)
+    header = write_scratch_header(table, ids, merges, path)
+    merge_into(table, ids, merges, path, header, block_bytes=block_bytes)
+    return header
+
+
+def write_scratch_header(
+    table: ChunkTable, ids: Mapping[str, int], merges: Iterable[LoraMerge], path: Path
+) -> Header:
+    """Create the scratch file `path` at its full size with its header and no merged data yet (a sparse
+    tail), and return its validated header: the plan needs only this, the data only a file that reads it
+    (`merge_into`), which a fleet node computes for its own files alone."""
     where = table.where
     shapes = {n: _shape(table, t) for n, t in ids.items()}
     entries: dict[str, Any] = {}
@@ -109,22 +120,52 @@ def write_merged(
     info = {n: {SAVED_OFFSETS_KEY: [0, 0]} for n in entries}
     head = json.dumps({"__metadata__": {DCP_SHARDING_INFO_KEY: json.dumps(info)}, **entries}).encode()
     head += b" " * (-len(head) % 8)
-    data_start = 8 + len(head)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
         raise OutputError(f"cannot create the LoRA merge scratch file: {e.strerror}", path=path) from None
     try:
         pwrite_all(fd, memoryview(len(head).to_bytes(8, "little") + head), 0)
-        for m in merges:
-            begin = entries[m.name]["data_offsets"][0]
-            _merge_one(table, ids, shapes, m, fd, data_start + begin, block_bytes)
-        os.ftruncate(fd, data_start + pos)
+        os.ftruncate(fd, 8 + len(head) + pos)
     except OSError as e:
         raise OutputError(f"cannot write the LoRA merge scratch file: {e.strerror}", path=path) from None
     finally:
         os.close(fd)
     return read_header(path)
+
+
+def merge_into(
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    merges: Iterable[LoraMerge],
+    path: Path,
+    header: Header,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+) -> None:
+    """Compute `merges` (some or all of the scratch file's) into their places in `path`."""
+    shapes = {n: _shape(table, t) for n, t in ids.items()}
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError as e:
+        raise OutputError(f"cannot open the LoRA merge scratch file: {e.strerror}", path=path) from None
+    try:
+        for m in merges:
+            at = header.data_start + header.tensors[m.name].begin
+            _merge_one(table, ids, shapes, m, fd, at, block_bytes)
+    except OSError as e:
+        raise OutputError(f"cannot write the LoRA merge scratch file: {e.strerror}", path=path) from None
+    finally:
+        os.close(fd)
+
+
+def merge_reads(table: ChunkTable, ids: Mapping[str, int], m: LoraMerge) -> Iterator[tuple[str, int, int]]:
+    """(shard path, byte offset, length) of every staged block that the merge `m` reads."""
+    for n in (m.base, m.a, m.b):
+        t = ids[n]
+        size = _NP[table.dtype_name(t)].itemsize
+        for c in table.chunks_of(t):
+            yield table.sources[c.src], c.offset, size * math.prod(c.shape)
 
 
 def _merge_one(

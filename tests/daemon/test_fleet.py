@@ -7,34 +7,35 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.daemon.fleet import FleetNode, FleetOptions, FleetResult
+from stagerd.daemon.fleet import FleetResult
 from stagerd.engine.export import export_step
 from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError
-from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from tests.dcp_fixtures import commit_step
+from tests.fleet_helpers import fleet_node, run_fleet
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 STEP = 7
 SHARD = 1500  # small output files, so that every node owns some
-OPTS = FleetOptions(max_shard_size=SHARD, wait_seconds=60, poll_seconds=0.05)
 
 
-def _stage(tmp: Path, model: Path, nodes: int, dtype: str | None = None) -> tuple[Path, list[Path]]:
+def _stage(
+    tmp: Path, model: Path, nodes: int, dtype: str | None = None, extras: dict[str, str] | None = None
+) -> tuple[Path, list[Path]]:
     """The same save staged twice: one shared ROOT, and `nodes` node-local ROOTs (shards dealt round-robin,
     extras on node 0, as the Stager's node-local mode writes them)."""
     shards = sorted(model.glob("*.safetensors"))
     shared = tmp / "shared" / layout.step_dir_name(STEP)
     (shared / "model").mkdir(parents=True)
-    (shared / "extras").mkdir()
-    (shared / "extras" / "config.json").write_text('{"model_type": "tiny"}')
+    for rel, text in {"config.json": '{"model_type": "tiny"}', **(extras or {})}.items():
+        (shared / "extras" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shared / "extras" / rel).write_text(text)
     for s in shards:
         shutil.copy(s, shared / "model" / s.name)
     whole = commit_step(shared, len(shards), dtype=dtype)
@@ -52,40 +53,11 @@ def _stage(tmp: Path, model: Path, nodes: int, dtype: str | None = None) -> tupl
 
 
 def _node(step_dir: Path, url: str, exchange: str | None = None, root_id: str | None = None, **opts):
-    sink = FsspecSink.from_url(url)
-    ex = FsspecSink.from_url(exchange) if exchange else sink
-    store = RemoteStore.open(exchange or url)
-    work = step_dir.parent / ".stagerd" / "fleet"
-    seen: list[str] = []
-    options = FleetOptions(**{**OPTS.__dict__, **opts})
-    node = FleetNode(
-        step_dir,
-        work,
-        [sink],
-        ex,
-        store,
-        root_id or str(step_dir.parent),
-        options,
-        lambda s, n: seen.append(s),
-    )
-    return node, seen
+    return fleet_node(step_dir, url, exchange, root_id, **{"max_shard_size": SHARD, **opts})
 
 
 def _run_all(node_dirs: list[Path], url: str, **kw) -> list[FleetResult | BaseException]:
-    out: list[FleetResult | BaseException] = [RuntimeError("not run")] * len(node_dirs)
-
-    def one(k: int) -> None:
-        try:
-            out[k] = _node(node_dirs[k], url, **kw)[0].run()
-        except BaseException as e:
-            out[k] = e
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in reversed(range(len(node_dirs)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return run_fleet(node_dirs, url, **{"max_shard_size": SHARD, **kw})
 
 
 def _tree(keys: dict[str, int], env, prefix: str) -> dict[str, bytes]:
@@ -167,19 +139,17 @@ def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).exists()
 
 
-def _with_hub_plan(dirs: list[Path], plan) -> None:
+def _with_hub_plan(dirs: list[Path], plan, key: str = "hub_plan") -> None:
     for d in dirs:
         marker = json.loads((d / layout.MARKER_NAME).read_text())
-        marker["hub_plan"] = plan.to_json()
+        marker[key] = plan.to_json()
         (d / layout.MARKER_NAME).write_text(json.dumps(marker))
 
 
-def test_a_to_hub_plan_is_carried_out_as_by_one_daemon_but_merges_are_refused(tmp_path, dcp_mixed2):
+def test_a_to_hub_plan_is_carried_out_as_by_one_daemon(tmp_path, dcp_mixed2):
     """A to-Hub plan's views and drops are byte moves: a split across both nodes' shards, a rename and a
-    drop give the single-daemon export byte for byte. LoRA merges (arithmetic on whole tensors) are not
-    carried out by the fleet yet: a named error and nothing published, rather than a different export."""
-    from stagerd.contract.hub_plan import HubPlan, LoraMerge, TensorView
-    from stagerd.errors import HubPlanError
+    drop give the single-daemon export byte for byte."""
+    from stagerd.contract.hub_plan import HubPlan, TensorView
 
     emb, o = "model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight"
     views = (
@@ -219,11 +189,81 @@ def test_a_to_hub_plan_is_carried_out_as_by_one_daemon_but_merges_are_refused(tm
     got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
     assert got == {p.name: p.read_bytes() for p in want.iterdir()} and b"emb.b" in got[layout.INDEX_NAME]
 
-    _, node_dirs = _stage(tmp_path / "merge", dcp_mixed2[0], 2)
-    merge = LoraMerge("merged", "model.layers.0.input_layernorm.weight", emb, emb, 1.0)
-    _with_hub_plan(node_dirs, HubPlan(merges=(merge,)))
-    sink = tmp_path / "sink2"
-    results = _run_all(node_dirs, sink.as_uri(), wait_seconds=5)
-    assert all(isinstance(r, HubPlanError) for r in results), results
-    assert "LoRA merges" in str(results[0])
-    assert not (sink / layout.step_dir_name(STEP)).exists()
+
+def test_lora_merges_and_a_peft_adapter_are_carried_out_as_by_one_daemon(tmp_path, dcp_mixed2):
+    """A PEFT model's step: LoRA merges whose base, A and B are each split over both nodes' shards (one
+    merged tensor split again by a view), and the adapter artefact with its config. Every published file,
+    `adapter/` included, and the manifest's entries equal the single-daemon export's, cast to bf16."""
+    from stagerd.contract.hub_plan import HubPlan, LoraMerge, TensorView
+    from stagerd.contract.safetensors_format import read_header
+
+    emb, q, o, head = (
+        "model.embed_tokens.weight",  # 37 x 16, F32, rows by rank
+        "model.layers.0.self_attn.q_proj.weight",  # 16 x 16, BF16, rows by rank
+        "model.layers.0.self_attn.o_proj.weight",  # 16 x 13, F32, columns by rank
+        "lm_head.weight",  # 37 x 16, F32, rows by rank
+    )
+    merges = (LoraMerge("merged.emb", emb, q, head, 0.25), LoraMerge("merged.o", o, o, q, 0.5))
+    views = (
+        TensorView("merged.emb.top", "merged.emb", (0, 0), (20, 16), (20, 16)),
+        TensorView("merged.emb.rest", "merged.emb", (20, 0), (17, 16), (17, 16)),
+    )
+    adapter = HubPlan(
+        (
+            TensorView("base_model.model.q.lora_A.weight", q, (0, 0), (16, 16), (16, 16)),
+            TensorView("base_model.model.q.lora_B.weight", o, (0, 0), (16, 13), (16, 13)),
+        ),
+        drop=tuple(n for n in dcp_mixed2[1] if n not in (q, o)),
+        origin="peft",
+    )
+    config = {"adapter/adapter_config.json": '{"peft_type": "LORA", "r": 16}'}
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2, "bf16", extras=config)
+    for d in [shared, *node_dirs]:
+        _with_hub_plan([d], HubPlan(views, origin="peft", merges=merges))
+        _with_hub_plan([d], adapter, key="adapter_plan")
+    held = [{n for s in (d / "model").iterdir() for n in read_header(s).tensors} for d in node_dirs]
+    assert all({emb, q, o, head} <= h for h in held)  # every merge reads blocks of both nodes
+    want = export_step(shared, max_shard_size=SHARD).export_dir
+    single = tmp_path / "single"
+    FsspecSink.from_url(single.as_uri()).publish(want, STEP)
+    sink = tmp_path / "sink"
+    results = _run_all(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
+    assert all(isinstance(r, FleetResult) for r in results), results
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    out = sink / layout.step_dir_name(STEP)
+    got = {k: v for k, v in tree(out).items() if k != layout.MANIFEST_NAME}
+    assert got == tree(want) and "adapter/adapter_model.safetensors" in got
+    assert b"merged.emb.rest" in got[layout.INDEX_NAME] and emb.encode() not in got[layout.INDEX_NAME]
+    manifests = [json.loads((d / layout.MANIFEST_NAME).read_text()) for d in (out, single / out.name)]
+    assert manifests[0]["files"] == manifests[1]["files"]
+    built = [r.built for r in results]  # type: ignore[union-attr]
+    assert all(built) and sorted(n for b in built for n in b) == sorted(
+        n for n in got if n.endswith(".safetensors")
+    )
+    for k, r in enumerate(results):  # merge inputs come from the other node, its shards at most
+        other = sum(f.stat().st_size for f in (node_dirs[1 - k] / "model").iterdir())
+        assert 0 < r.bytes_fetched <= other  # type: ignore[union-attr]
+
+
+def test_the_mirror_fetches_a_byte_once_however_often_it_is_read(tmp_path):
+    """A merge input read again by a second merge, or by a file's moves, costs no second ranged read."""
+    from stagerd.daemon.fleet_plan import Mirror
+
+    data = bytes(range(64))
+    calls: list[tuple[int, int]] = []
+
+    def read(key: str, start: int, end: int) -> bytes:
+        calls.append((start, end))
+        return data[start:end]
+
+    mirror = Mirror(tmp_path, tmp_path, [], 0, read)
+    shard = tmp_path / "shard"
+    shard.write_bytes(bytes(64))
+    mirror.remote[str(shard)] = "raw/step/node-1/model/shard"
+    mirror.fill([(str(shard), 8, 8), (str(shard), 12, 8)])
+    mirror.fill([(str(shard), 0, 40), (str(shard), 50, 4)])
+    assert calls == [(8, 20), (0, 8), (20, 40), (50, 54)]
+    assert mirror.fetched == 44 and shard.read_bytes()[:54] == data[:40] + bytes(10) + data[50:54]

@@ -114,3 +114,32 @@ def test_from_pretrained_loads_the_merged_export(lora):
     step = lora.root / layout.step_dir_name(ranks.STEP)
     res = run_cli(["verify", step / layout.EXPORT_DIR, "--against", step])  # recomputes the merges
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_fleet_of_two_nodes_publishes_the_same_merged_export_and_adapter(lora, tmp_path):
+    """The trained step staged node-locally on 2 nodes (issue 14): the fleet carries out PEFT's own plans,
+    every LoRA merge computed by the main file's owner from blocks of both nodes, and publishes every file,
+    `adapter/` included, byte for byte as the single daemon did."""
+    from stagerd.contract import layout
+    from stagerd.daemon.fleet import FleetResult
+    from tests.fleet_helpers import run_fleet, split_step
+
+    step = lora.root / layout.step_dir_name(ranks.STEP)
+    marker = layout.read_marker(step)
+    assert marker.hub_plan is not None and marker.hub_plan.merges and marker.adapter_plan is not None
+    node_dirs = split_step(step, tmp_path, 2)
+    assert all(any((d / layout.MODEL_DIR).iterdir()) for d in node_dirs)
+    sink = tmp_path / "sink"
+    results = run_fleet(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
+    assert all(isinstance(r, FleetResult) for r in results), results
+    assert [sorted(r.built) for r in results] == [  # type: ignore[union-attr]
+        ["model-00001-of-00001.safetensors"],
+        ["adapter/adapter_model.safetensors"],
+    ]
+
+    def tree(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    got, want = tree(sink / step.name), tree(lora.exports["keep"])
+    manifests = [json.loads(t.pop(layout.MANIFEST_NAME)) for t in (got, want)]
+    assert got == want and manifests[0]["files"] == manifests[1]["files"]
