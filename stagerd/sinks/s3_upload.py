@@ -14,6 +14,9 @@ answers prove.
   proves what the store holds (it verified the body against the checksum we sent). Where the answer has
   none (moto's `CompleteMultipartUpload`), the object is HEADed at once, while other files still upload.
   Either way the `Uploaded` is `confirmed`, and the sink does not HEAD it again.
+- **Conditional PUTs.** `put_new_files` sends one-PUT files with `If-None-Match: *`, so they can go out
+  beside the step's opening listing without the listing's answer: a PUT can then only create, never
+  overwrite. A file whose key is taken comes back `refused`, hashed, for the sink's checked path.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class S3Api(Protocol):
 
     def call(self, where: str, method: str, **kwargs: Any) -> Awaitable[dict[str, Any]]:
         """One S3 call on the sink's bucket; failures are named `SinkError`s about `where`."""
+        ...
+
+    def put_new(self, where: str, **kwargs: Any) -> Awaitable[dict[str, Any] | None]:
+        """`PutObject` with `If-None-Match: *`: its answer, or None when the key already exists."""
         ...
 
     def abort(self, key: str, upload_id: str) -> Awaitable[None]:
@@ -113,10 +120,20 @@ class _Sha256Chain:
 class Uploads:
     """Uploads a list of files under a prefix; `run()` returns them in the order given."""
 
-    def __init__(self, api: S3Api, prefix: str, files: list[LocalFile], progress: ByteProgress) -> None:
+    def __init__(
+        self,
+        api: S3Api,
+        prefix: str,
+        files: list[LocalFile],
+        progress: ByteProgress,
+        *,
+        conditional: bool = False,
+    ) -> None:
         self.api, self.prefix, self.files, self.progress = api, prefix, files, progress
         self.slots = asyncio.Semaphore(api.max_concurrency)
         self.run_ = _Run()
+        self.conditional = conditional  # one-PUT files only create: a taken key is `refused`
+        self.refused: set[str] = set()
 
     async def run(self) -> list[Uploaded]:
         single = sorted(
@@ -165,20 +182,22 @@ class Uploads:
             checksum = b64(raw)
             chain = _Sha256Chain(sha)
             hashed = chain.feed(data)
-            r = await api.call(
-                api.where(key),
-                "put_object",
-                Key=api.key(key),
-                Body=data,
-                ChecksumAlgorithm=api.algorithm,
-                **{f"Checksum{api.algorithm}": checksum},
-            )
+            args: dict[str, Any] = {"Key": api.key(key), "Body": data, "ChecksumAlgorithm": api.algorithm}
+            args[f"Checksum{api.algorithm}"] = checksum
+            answer: dict[str, Any] | None
+            if self.conditional:
+                answer = await api.put_new(api.where(key), **args)
+            else:
+                answer = await api.call(api.where(key), "put_object", **args)
             await hashed
         finally:
             for _ in range(weight):
                 self.slots.release()
+        if answer is None:
+            self.refused.add(f.rel)
+            return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum)
         self.progress(len(data))
-        confirmed = await self._confirm(key, checksum, r)
+        confirmed = await self._confirm(key, checksum, answer)
         return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum, confirmed)
 
     # -- multipart ----------------------------------------------------------------------------------------
@@ -324,3 +343,14 @@ async def upload_files(
 ) -> list[Uploaded]:
     """Upload `files` under `prefix/` on the backend's event loop, in the order and with the checks above."""
     return await Uploads(api, prefix, files, progress).run()
+
+
+async def put_new_files(
+    api: S3Api, prefix: str, files: list[LocalFile], progress: ByteProgress
+) -> tuple[list[Uploaded], list[Uploaded]]:
+    """Create each of `files` (all of them one-PUT files) with a conditional PUT: (created, refused), the
+    refused ones hashed but not sent, because their key already held an object."""
+    assert all(one_put(f.size, api.part_size_of(f.size)) for f in files)
+    up = Uploads(api, prefix, files, progress, conditional=True)
+    done = await up.run()
+    return [d for d in done if d.rel not in up.refused], [d for d in done if d.rel in up.refused]
