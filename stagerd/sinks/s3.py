@@ -13,7 +13,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagerd.errors import ConfigError, SinkAuthError, SinkError
+from stagerd.errors import ConfigError, SinkError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
 from stagerd.sinks.objects import (
     ByteProgress,
@@ -25,6 +25,14 @@ from stagerd.sinks.objects import (
     newer_latest,
     redact_url,
 )
+from stagerd.sinks.s3_client import (
+    error_code,
+    hook_client,
+    not_implemented,
+    precondition_failed,
+    s3_error,
+    signs_payload,
+)
 from stagerd.sinks.s3_upload import S3Api, one_put, put_new_files, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
@@ -32,17 +40,6 @@ log = logging.getLogger("stagerd.sinks.s3")
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
 LATEST_TRIES = 10
-_AUTH_CODES = {
-    "AccessDenied",
-    "AccountProblem",
-    "AllAccessDisabled",
-    "ExpiredToken",
-    "InvalidAccessKeyId",
-    "InvalidSecurity",
-    "InvalidToken",
-    "SignatureDoesNotMatch",
-    "TokenRefreshRequired",
-}
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -52,54 +49,6 @@ def part_size_for(size: int, part_size: int) -> int:
         return part_size
     mib = 1 << 20
     return -(-need // mib) * mib
-
-
-def _code(e: BaseException) -> tuple[str | None, int | None]:
-    """The S3 error code and HTTP status of a botocore error, if it is one."""
-    r = getattr(e, "response", None) or {}
-    return r.get("Error", {}).get("Code"), r.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def precondition_failed(e: BaseException) -> bool:
-    """A conditional write refused: the key is taken (`If-None-Match`) or changed (`If-Match`); a 409 is
-    S3's answer to a conditional write racing another on the same key."""
-    code, status = _code(e)
-    return status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict")
-
-
-def not_implemented(e: BaseException) -> bool:
-    """A store that has no conditional writes."""
-    code, status = _code(e)
-    return status == 501 or code == "NotImplemented"
-
-
-def s3_error(e: BaseException, where: str) -> SinkError:
-    """A botocore/aiohttp failure as a named sink error: auth problems are not retryable, the rest are.
-
-    Only the S3 error code and message go into the text: never a header, a signature or a credential.
-    """
-    from botocore.exceptions import (
-        ClientError,
-        CredentialRetrievalError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-
-    if isinstance(e, SinkError):
-        return e
-    if isinstance(e, ClientError):
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", "Unknown"))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        msg = f"{code} (HTTP {status}) from {e.operation_name}: {err.get('Message', '')}".rstrip(": ")
-        if code in _AUTH_CODES or status == 403:
-            return SinkAuthError(msg, path=where)
-        if code == "NoSuchBucket":
-            return SinkError(msg, path=where, hint="create the bucket, or fix the sink URL")
-        return SinkError(f"{msg} (after the client's retries)", path=where)
-    if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
-        return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
-    return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
 
 
 class S3Backend:
@@ -126,6 +75,8 @@ class S3Backend:
         self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
         self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
         self._opened: set[str] = set()  # step prefixes opened before: a retry sends nothing early
+        self._hooked: Any = None
+        self.signs_payload = False  # until the client is known: hash every file here, as always safe
 
     @classmethod
     def open(
@@ -161,7 +112,11 @@ class S3Backend:
         return sync(self.fs.loop, fn, *args, **kwargs)
 
     async def _client(self) -> Any:
-        return await self.fs.set_session()
+        s3 = await self.fs.set_session()
+        if s3 is not self._hooked:  # a new client (the first, or s3fs made another)
+            hook_client(s3)
+            self.signs_payload, self._hooked = signs_payload(s3), s3
+        return s3
 
     async def call(self, where: str, method: str, **kwargs: Any) -> Any:
         s3 = await self._client()
@@ -273,7 +228,7 @@ class S3Backend:
             async with r["Body"] as body:
                 return Latest(bytes(await body.read()), r.get("ETag"))
         except Exception as e:
-            if _code(e)[0] in ("NoSuchKey", "404"):
+            if error_code(e)[0] in ("NoSuchKey", "404"):
                 return Latest(None)
             raise s3_error(e, self.where(key)) from None
 
@@ -303,7 +258,7 @@ class S3Backend:
                             await self.call(self.where(key), "put_object", **self._put_args(key, name))
                         return
                     # If-Match on a key deleted meanwhile is a 404
-                    if not precondition_failed(e) and _code(e)[0] not in ("NoSuchKey", "404"):
+                    if not precondition_failed(e) and error_code(e)[0] not in ("NoSuchKey", "404"):
                         raise s3_error(e, self.where(key)) from None
                 cur = await self._read_latest(key)
             raise SinkError(

@@ -31,6 +31,7 @@ from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_full
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
+from stagerd.sinks.s3_client import PAYLOAD_SHA256, signed_sha256
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -41,6 +42,7 @@ class S3Api(Protocol):
 
     algorithm: str
     max_concurrency: int
+    signs_payload: bool  # the client signs each body's sha256 (`s3_client.py`)
 
     def part_size_of(self, size: int) -> int:
         """The part size a file of `size` bytes is uploaded in."""
@@ -176,29 +178,38 @@ class Uploads:
     # -- one PUT ------------------------------------------------------------------------------------------
 
     async def _put(self, f: LocalFile, weight: int) -> Uploaded:
+        """One PUT of the whole file. Where the client signs the body's sha256 (plain http), that signed
+        hash is the file's sha256, so the file is hashed here only where it does not."""
         api, key = self.api, f"{self.prefix}/{f.rel}"
+        signed: list[Any] = []
         try:
-            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm)
+            own = not api.signs_payload
+            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm, own)
             checksum = b64(raw)
             chain = _Sha256Chain(sha)
-            hashed = chain.feed(data)
+            hashed = chain.feed(data) if own else None
             args: dict[str, Any] = {"Key": api.key(key), "Body": data, "ChecksumAlgorithm": api.algorithm}
             args[f"Checksum{api.algorithm}"] = checksum
+            if not own:
+                args[PAYLOAD_SHA256] = signed
             answer: dict[str, Any] | None
             if self.conditional:
                 answer = await api.put_new(api.where(key), **args)
             else:
                 answer = await api.call(api.where(key), "put_object", **args)
-            await hashed
+            sha256 = None if own else signed_sha256(signed)
+            if sha256 is None:
+                await (hashed or chain.feed(data))
+                sha256 = await chain.hexdigest()
         finally:
             for _ in range(weight):
                 self.slots.release()
         if answer is None:
             self.refused.add(f.rel)
-            return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum)
+            return Uploaded(f.rel, len(data), sha256, checksum)
         self.progress(len(data))
         confirmed = await self._confirm(key, checksum, answer)
-        return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum, confirmed)
+        return Uploaded(f.rel, len(data), sha256, checksum, confirmed)
 
     # -- multipart ----------------------------------------------------------------------------------------
 
@@ -321,13 +332,17 @@ def one_put(size: int, part_size: int) -> bool:
     return size < 2 * part_size
 
 
-def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytes, bytes, _Hash | None]:
-    """A file that goes in one PUT, its raw store checksum, and for a small one its sha256 already (a
-    second trip to a worker thread costs more than hashing a few MiB here)."""
+def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytes, bytes, _Hash | None]:
+    """A file that goes in one PUT, its raw store checksum, and (`sha256`) for a small one its sha256
+    already (a second trip to a worker thread costs more than hashing a few MiB here)."""
     data = f.path.read_bytes()
     if len(data) != f.size:
         raise changed_error(f, len(data))
-    return data, raw_checksum(data, algorithm), hashlib.sha256(data) if len(data) <= CHUNK else None
+    return (
+        data,
+        raw_checksum(data, algorithm),
+        hashlib.sha256(data) if sha256 and len(data) <= CHUNK else None,
+    )
 
 
 def _read_part(fh: BinaryIO, part_size: int, algorithm: str) -> tuple[bytes, bytes]:

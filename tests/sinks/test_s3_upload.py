@@ -16,6 +16,7 @@ from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.s3 import S3Backend
+from stagerd.sinks.s3_client import signed_sha256, signs_payload
 from tests import s3server
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
@@ -204,3 +205,52 @@ def test_latest_moves_only_forward_when_it_changes_during_the_upload(s3, tmp_pat
         assert s3.get(f"{prefix}/latest") == layout.step_dir_name(want).encode()
         statuses = [r.status for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("/latest")]
         assert statuses == ([412] if want == 20 else [412, 200]), statuses
+
+
+def test_one_put_files_take_their_sha256_from_the_signed_payload_hash(s3, tmp_path):
+    """Over plain http the client signs each body's sha256 and the store checks it: for a file in one PUT
+    that is the file's sha256, so the manifest records the very hash the store checked (and the file is
+    not hashed twice); multipart files are hashed by the uploader."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL, "mid.safetensors": 7 * MiB})
+    assert not sink(s3).publish(export, 11).skipped
+    manifest = json.loads(s3.get(f"ckpt/step-00000011/{layout.MANIFEST_NAME}"))
+    recorded = {f["path"]: f["sha256"] for f in manifest["files"]}
+    for rel in [*SMALL, "mid.safetensors"]:
+        put = [r for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("/" + rel)]
+        assert [r.status for r in put] == [200]
+        assert (
+            recorded[rel] == put[0].content_sha256 == hashlib.sha256((export / rel).read_bytes()).hexdigest()
+        )
+    for rel in BIG:
+        assert recorded[rel] == hashlib.sha256((export / rel).read_bytes()).hexdigest()
+
+
+def test_signed_payload_hash_is_taken_only_when_it_is_one():
+    assert signed_sha256(["a" * 64]) == "a" * 64
+    assert signed_sha256(["0" * 64, "b" * 64]) == "b" * 64  # the last attempt's
+    for sent in ([], [None], ["UNSIGNED-PAYLOAD"], ["STREAMING-UNSIGNED-PAYLOAD-TRAILER"], ["A" * 64]):
+        assert signed_sha256(sent) is None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "config", "signs"),
+    [
+        ("http://127.0.0.1:9", None, True),
+        ("https://s3.example.invalid", None, False),
+        ("https://s3.example.invalid", {"payload_signing_enabled": True}, True),
+    ],
+)
+def test_the_uploader_hashes_files_itself_where_the_client_signs_no_payload(endpoint, config, signs):
+    """Over https with a checksum botocore signs `UNSIGNED-PAYLOAD`: there is no signed hash to take."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        config=Config(s3=config),
+    )
+    assert signs_payload(client) is signs
