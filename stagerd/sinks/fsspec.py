@@ -6,9 +6,11 @@ Remote layout, per step:
     PREFIX/step-00000100/stagerd.manifest.json   written LAST, with If-None-Match: *; it is the commit
     PREFIX/latest                                 the name of the newest published step dir
 
-A step without a manifest is absent to a reader. A re-run after a crash uploads only what is missing or
+A step without a manifest is absent to a reader. A re-run after a crash replaces only what is missing or
 differs (judged by size and the store's checksum where it has one), never writes a second manifest that
 differs from the first, and raises `SinkConflictError` if the remote manifest disagrees with the export.
+On S3 a fresh sink sends files under two parts create-only (`If-None-Match: *`) beside the step's first
+listing: on a re-run after a restart those that landed before are sent again and refused, never written.
 
 Three backends share this one publish algorithm: S3 (`s3.py`: async, parallel multipart with per-part
 checksums, on s3fs's event loop), the local filesystem (`local.py`: fsync'd, exclusive manifest by `link`),
