@@ -59,11 +59,12 @@ def signed_sha256(sent: list[Any]) -> str | None:
 
 
 def signs_payload(s3: Any) -> bool:
-    """Whether this client signs the sha256 of request bodies that carry a checksum: over http always,
-    over https only when configured to."""
-    if not str(s3.meta.endpoint_url).startswith("https:"):
-        return True
-    return bool((getattr(s3.meta.config, "s3", None) or {}).get("payload_signing_enabled"))
+    """Whether this client signs the sha256 of request bodies that carry a checksum, as botocore decides:
+    the `payload_signing_enabled` setting if there is one, else over http always, over https never."""
+    setting = (getattr(s3.meta.config, "s3", None) or {}).get("payload_signing_enabled")
+    if setting is not None:
+        return bool(setting)
+    return not str(s3.meta.endpoint_url).startswith("https:")
 
 
 def error_code(e: BaseException) -> tuple[str | None, int | None]:

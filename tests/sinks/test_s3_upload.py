@@ -238,10 +238,12 @@ def test_signed_payload_hash_is_taken_only_when_it_is_one():
         ("http://127.0.0.1:9", None, True),
         ("https://s3.example.invalid", None, False),
         ("https://s3.example.invalid", {"payload_signing_enabled": True}, True),
+        ("http://127.0.0.1:9", {"payload_signing_enabled": False}, False),
     ],
 )
 def test_the_uploader_hashes_files_itself_where_the_client_signs_no_payload(endpoint, config, signs):
-    """Over https with a checksum botocore signs `UNSIGNED-PAYLOAD`: there is no signed hash to take."""
+    """Over https with a checksum (or with signing off) botocore signs `UNSIGNED-PAYLOAD`: there is no
+    signed hash to take."""
     import boto3
     from botocore.config import Config
 
@@ -254,3 +256,18 @@ def test_the_uploader_hashes_files_itself_where_the_client_signs_no_payload(endp
         config=Config(s3=config),
     )
     assert signs_payload(client) is signs
+
+
+def test_without_a_signed_payload_the_uploader_hashes_every_file(s3, tmp_path):
+    """Payload signing off (as over https): the requests carry no body hash, and the manifest's sha256 of
+    every file is the uploader's own."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    opts = {"config_kwargs": {"s3": {"payload_signing_enabled": False}}}
+    unsigned = open_sink(s3.url("ckpt"), part_size=5 * MiB, max_concurrency=4, storage_options=opts)
+    assert not unsigned.publish(export, 12).skipped
+    puts = [r for r in s3.proxy.log if r.op in ("PutObject", "UploadPart")]
+    assert puts and {r.content_sha256 for r in puts} == {"UNSIGNED-PAYLOAD"}
+    manifest = json.loads(s3.get(f"ckpt/step-00000012/{layout.MANIFEST_NAME}"))
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
+        rel: hashlib.sha256((export / rel).read_bytes()).hexdigest() for rel in {**BIG, **SMALL}
+    }
