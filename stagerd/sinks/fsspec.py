@@ -241,7 +241,7 @@ class FsspecSink:
                 if same_checksum(remote[f.rel].checksum, d.checksum):
                     reused[f.rel] = dataclasses.replace(d, confirmed=True)  # the store's HEAD, just now
                     prog(f.size)
-        for rel in sorted(set(refused) - set(reused)):
+        for rel in sorted(r for r in set(refused) - set(reused) if r in remote):  # not a 501's refusal
             log.warning(
                 "%s already holds other bytes than the export's %s; the step is not published, so they are "
                 "replaced",
