@@ -12,6 +12,7 @@ and `latest`.
     python bench/bench_publish_s3.py                    # 0.1, 0.5 and 2 GB, and 20 small files; 3 rounds
     python bench/bench_publish_s3.py --sizes 0.5 --small-files 0 --rounds 5 --json bench/out/s3.json
     python bench/bench_publish_s3.py --sizes 0.5 --small-files 0 --rounds 1 --timeline
+    python bench/bench_publish_s3.py --sizes 0.5,2 --small-files 0 --unsigned-payload  # as over https
 
 The ratio is the best peer's median time over stagerd's median time (>= 1: faster than both); the
 per-round ratio (stagerd against the best peer of the same round) is given as median and min-max.
@@ -116,13 +117,16 @@ def boto_client(endpoint: str, pool: int) -> Any:
         aws_access_key_id=KEY,
         aws_secret_access_key=SECRET,
         region_name=REGION,
-        config=Config(max_pool_connections=pool),
+        config=Config(max_pool_connections=pool, **S3_CONFIG),
     )
 
 
 # With --warm-clients every contender's client makes one listing before the clock (a daemon's sink
 # has made its first request long before a step): what is left is the publish, not the first connection.
 WARM = {"clients": False}
+# With --unsigned-payload every client sends UNSIGNED-PAYLOAD, as botocore does over https when a checksum
+# header is present: no client hashes request bodies for SigV4, so this is the hashing real S3 costs.
+S3_CONFIG: dict[str, Any] = {}
 
 # A contender is built, untimed, for one run: (endpoint, prefix, part, concurrency) -> (upload, close).
 Run = Callable[[Path], None]
@@ -132,6 +136,7 @@ def open_stagerd(endpoint: str, prefix: str, part: int, conc: int) -> Any:
     from stagerd.sinks.fsspec import FsspecSink
 
     opts = {"endpoint_url": endpoint, "key": KEY, "secret": SECRET, "client_kwargs": {"region_name": REGION}}
+    opts["config_kwargs"] = dict(S3_CONFIG)
     url = f"s3://{BUCKET}/{prefix}"
     sink = FsspecSink.from_url(url, storage_options=opts, part_size=part, max_concurrency=conc)
     backend = sink._backend
@@ -175,7 +180,7 @@ def s3fs_put(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Cal
     from fsspec.asyn import sync
 
     opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint, "client_kwargs": {"region_name": REGION}}
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=dict(S3_CONFIG), **opts)
     s3 = sync(fs.loop, fs.set_session)
     if WARM["clients"]:
         sync(fs.loop, s3.list_objects_v2, Bucket=BUCKET, Prefix="warm/")
@@ -288,12 +293,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds per case (at least 3 for a spread)")
     ap.add_argument("--timeline", action="store_true", help="print one stagerd publish's requests per case")
     ap.add_argument("--warm-clients", action="store_true", help="one untimed request per client first")
+    ap.add_argument(
+        "--unsigned-payload", action="store_true", help="no client signs body hashes (as over https)"
+    )
     ap.add_argument("--workdir", type=Path, help="where to write the exports (default: a temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
     part, conc = args.part_mib * MiB, args.concurrency
     WARM["clients"] = args.warm_clients
+    if args.unsigned_payload:
+        S3_CONFIG["s3"] = {"payload_signing_enabled": False}
     cases: list[tuple[str, Callable[[Path], Path]]] = [
         (f"{gb:g} GB", lambda root, gb=gb: make_export(root, int(gb * 1e9)))
         for gb in (float(x) for x in args.sizes.split(",") if x)
@@ -302,7 +312,9 @@ def main() -> int:
         cases.append((f"{args.small_files} x 1 MB", lambda root: make_small_export(root, args.small_files)))
     print(
         f"S3 publish to moto, part {args.part_mib} MiB, {conc} in flight, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.2f} at start" + (", clients warmed" if args.warm_clients else "")
+        f"load average {os.getloadavg()[0]:.2f} at start"
+        + (", clients warmed" if args.warm_clients else "")
+        + (", unsigned payloads" if args.unsigned_payload else "")
     )
     proc, endpoint = start_moto()
     results = []

@@ -77,6 +77,7 @@ class Request:
     key: str
     body_bytes: int
     status: int
+    content_sha256: str = ""  # the signed payload hash (`x-amz-content-sha256`), checked against the body
 
 
 @dataclass
@@ -156,8 +157,11 @@ class FaultProxy:
         denied = self._check_auth(method, path, query_string, headers)
         if denied is not None:
             return self._error(start_response, op, key, len(body), 403, denied, None)
+        signed = headers.get("x-amz-content-sha256", "")
+        if len(signed) == 64 and signed != hashlib.sha256(body).hexdigest():  # as S3 checks it
+            return self._error(start_response, op, key, len(body), 400, "XAmzContentSHA256Mismatch", None)
         status, out_headers, data = self._forward(method, raw_uri, headers, body)
-        self._record(op, key, len(body), status)
+        self._record(op, key, len(body), status, signed)
         start_response(f"{status} {http.client.responses.get(status, '')}", out_headers)
         return [] if method == "HEAD" else [data]
 
@@ -172,9 +176,9 @@ class FaultProxy:
                     return f
         return None
 
-    def _record(self, op: str, key: str, n: int, status: int) -> None:
+    def _record(self, op: str, key: str, n: int, status: int, signed: str = "") -> None:
         with self._lock:
-            self.log.append(Request(op, key, n, status))
+            self.log.append(Request(op, key, n, status, signed))
 
     def _drop(self, environ: dict[str, Any], op: str, key: str, n: int) -> Iterable[bytes]:
         self._record(op, key, n, 0)

@@ -6,9 +6,11 @@ Remote layout, per step:
     PREFIX/step-00000100/stagerd.manifest.json   written LAST, with If-None-Match: *; it is the commit
     PREFIX/latest                                 the name of the newest published step dir
 
-A step without a manifest is absent to a reader. A re-run after a crash uploads only what is missing or
+A step without a manifest is absent to a reader. A re-run after a crash replaces only what is missing or
 differs (judged by size and the store's checksum where it has one), never writes a second manifest that
 differs from the first, and raises `SinkConflictError` if the remote manifest disagrees with the export.
+On S3 a fresh sink sends files under two parts create-only (`If-None-Match: *`) beside the step's first
+listing: on a re-run after a restart those that landed before are sent again and refused, never written.
 
 Three backends share this one publish algorithm: S3 (`s3.py`: async, parallel multipart with per-part
 checksums, on s3fs's event loop), the local filesystem (`local.py`: fsync'd, exclusive manifest by `link`),
@@ -36,8 +38,10 @@ from stagerd.sinks.objects import (
     Backend,
     BatchingStore,
     ByteProgress,
+    Latest,
     LocalFile,
     RemoteObject,
+    StepOpening,
     Uploaded,
     manifest_bytes,
     newer_latest,
@@ -206,45 +210,61 @@ class FsspecSink:
         total = sum(f.size for f in files)
         prog = ByteProgress(total, progress)
 
-        existing, listed = self._open_step(prefix, manifest_key)
-        if existing is not None:
-            remote_manifest = parse_manifest(existing, self._where(manifest_key))
-            digests = [b.digest(f) for f in files]
-            self._check_same(remote_manifest, self._manifest(step, digests, metadata), manifest_key)
+        opening = self._open_step(prefix, manifest_key, files, prog)
+        early = {d.rel: d for d in [*opening.created, *opening.refused]}  # hashed while opening
+        if opening.existing is not None:
+            remote_manifest = parse_manifest(opening.existing, self._where(manifest_key))
+            digests = [early.get(f.rel) or b.digest(f) for f in files]
+            try:
+                self._check_same(remote_manifest, self._manifest(step, digests, metadata), manifest_key)
+            except SinkConflictError:
+                self._discard(prefix, opening, remote_manifest)
+                raise
             self._verify(prefix, remote_manifest, {d.rel: d.checksum for d in digests})
-            self._move_latest(prefix, step)
+            self._move_latest(prefix, step, opening.latest)
             log.info("step %d already on %s", step, self.url, extra={"step": step, "sink": self.url})
             return self._result(prefix, step, files, 0, True, t0)
 
+        listed = opening.listed
         remote = listed if listed is not None else self._call(lambda: b.list(prefix), prefix)
+        created = {d.rel: d for d in opening.created}
+        refused = {d.rel: d for d in opening.refused}
         reused: dict[str, Uploaded] = {}
-        same_size = [f.rel for f in files if f.rel in remote and remote[f.rel].size == f.size]
+        same_size = [
+            f.rel for f in files if f.rel not in created and f.rel in remote and remote[f.rel].size == f.size
+        ]
         if b.has_checksums and same_size:
             have = self._call(lambda: b.checksums(prefix, same_size), prefix)
             remote = {k: RemoteObject(v.size, have.get(k, v.checksum)) for k, v in remote.items()}
-            for f in plan_reuse(files, remote):
-                d = b.digest(f)
+            for f in plan_reuse([f for f in files if f.rel in have], remote):
+                d = refused.get(f.rel) or b.digest(f)
                 if same_checksum(remote[f.rel].checksum, d.checksum):
                     reused[f.rel] = dataclasses.replace(d, confirmed=True)  # the store's HEAD, just now
                     prog(f.size)
-        todo = [f for f in files if f.rel not in reused]
+        for rel in sorted(r for r in set(refused) - set(reused) if r in remote):  # not a 501's refusal
+            log.warning(
+                "%s already holds other bytes than the export's %s; the step is not published, so they are "
+                "replaced",
+                self._where(prefix, rel),
+                rel,
+                extra={"step": step, "sink": self.url},
+            )
+        todo = [f for f in files if f.rel not in reused and f.rel not in created]
         uploaded = self._call(lambda: b.upload(prefix, todo, prog), prefix) if todo else []
-        digests = sorted([*reused.values(), *uploaded], key=lambda d: d.rel)
+        digests = sorted([*reused.values(), *created.values(), *uploaded], key=lambda d: d.rel)
         manifest = self._manifest(step, digests, metadata)
         confirmed = {d.rel for d in digests if d.confirmed}
         self._verify(prefix, manifest, {d.rel: d.checksum for d in digests}, confirmed)
 
-        created, latest = self._create_manifest(
-            manifest_key, manifest_bytes(manifest), self._latest_key(prefix)
-        )
-        if not created:
+        created_manifest = self._call(lambda: b.create(manifest_key, manifest_bytes(manifest)), manifest_key)
+        if not created_manifest:
             # another publisher committed this step between our check and our write
             raw = self._call(lambda: b.read(manifest_key), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
             self._check_same(other, manifest, manifest_key)
         crash_point("fsspec.manifest")
-        self._move_latest(prefix, step, latest)
-        sent = sum(f.size for f in todo)
+        self._move_latest(prefix, step, opening.latest)
+        sent = sum(f.size for f in todo) + sum(d.size for d in created.values())
         log.info(
             "published step %d to %s: %d files, %d bytes uploaded, %d reused",
             step,
@@ -274,20 +294,30 @@ class FsspecSink:
             )
 
     def _open_step(
-        self, prefix: str, manifest_key: str
-    ) -> tuple[bytes | None, dict[str, RemoteObject] | None]:
-        """The step's manifest if it has one, after sweeping its prefix; with the listing where the store
-        gives all three in one round trip."""
+        self, prefix: str, manifest_key: str, files: list[LocalFile], progress: ByteProgress
+    ) -> StepOpening:
+        """The step's manifest if it has one, after sweeping its prefix. A batching store also lists the
+        step, reads `latest` and creates what it can without overwriting, in the same round trip."""
         b = self._backend
         if isinstance(b, BatchingStore):
-            opener = b
-            got: tuple[bytes | None, dict[str, RemoteObject]] = self._call(
-                lambda: opener.open_step(prefix, manifest_key), prefix
+            opener, latest_key = b, self._latest_key(prefix)
+            opening: StepOpening = self._call(
+                lambda: opener.open_step(prefix, manifest_key, latest_key, files, progress), prefix
             )
-            return got
+            return opening
         existing = self._call(lambda: b.read(manifest_key), manifest_key)
         self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
-        return existing, None
+        return StepOpening(existing, None, None, [], [])
+
+    def _discard(self, prefix: str, opening: StepOpening, published: ExportManifest) -> None:
+        """Remove what this publish created early in a step that turned out published with other files:
+        its create-only PUTs wrote only keys that were free, so nothing of the published step is lost."""
+        listed = {f.path for f in published.files}
+        stray = [f"{prefix}/{d.rel}" for d in opening.created if d.rel not in listed]
+        b = self._backend
+        if stray and isinstance(b, BatchingStore):
+            batching = b
+            self._call(lambda: batching.discard(stray), prefix)
 
     def _verify(
         self,
@@ -314,30 +344,22 @@ class FsspecSink:
                 path=self._where(prefix),
             )
 
-    def _create_manifest(
-        self, key: str, data: bytes, latest_key: str
-    ) -> tuple[bool, tuple[bytes | None] | None]:
-        """Create the manifest; where the store batches, read `latest` in the same round trip. `latest` is
-        still written only after the manifest, so a reader sees the same order."""
-        b = self._backend
-        if isinstance(b, BatchingStore):
-            batching = b
-            created, latest = self._call(lambda: batching.create_and_read(key, data, latest_key), key)
-            return created, (latest,)
-        return self._call(lambda: b.create(key, data), key), None
-
     @staticmethod
     def _latest_key(prefix: str) -> str:
         return f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
 
-    def _move_latest(self, prefix: str, step: int, known: tuple[bytes | None] | None = None) -> None:
-        """Point `latest` at `step` unless it names a newer one (`known`: its bytes, if already read)."""
+    def _move_latest(self, prefix: str, step: int, known: Latest | None = None) -> None:
+        """Point `latest` at `step` unless it names a newer one (`known`: as read while opening the step)."""
         key = self._latest_key(prefix)
         b = self._backend
-        current = known[0] if known is not None else self._call(lambda: b.read(key), key)
-        name = layout.step_dir_name(step)
-        if newer_latest(current, step) and current != name.encode():
-            self._call(lambda: b.write(key, name.encode()), key)
+        name = layout.step_dir_name(step).encode()
+        if isinstance(b, BatchingStore):
+            batching = b
+            self._call(lambda: batching.move_latest(key, name, step, known), key)
+            return
+        current = self._call(lambda: b.read(key), key)
+        if newer_latest(current, step) and current != name:
+            self._call(lambda: b.write(key, name), key)
 
     def _result(
         self, prefix: str, step: int, files: list[LocalFile], sent: int, skipped: bool, t0: float

@@ -116,16 +116,51 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Latest:
+    """`latest` as read: its bytes (None: absent) and the store's tag for writing it only if unchanged."""
+
+    data: bytes | None
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class StepOpening:
+    """What opening a step learnt: the manifest's bytes (None if absent); from a batching store also the
+    listing, `latest`, and the files it already created (`created`, confirmed) or found taken (`refused`:
+    hashed, not sent; their keys held an object already)."""
+
+    existing: bytes | None
+    listed: dict[str, RemoteObject] | None
+    latest: Latest | None
+    created: list[Uploaded]
+    refused: list[Uploaded]
+
+
 @runtime_checkable
 class BatchingStore(Protocol):
-    """A store that sends a publish's independent requests together, one round trip instead of several."""
+    """A store that sends a publish's independent requests together, one round trip instead of several,
+    and can write without overwriting (so some uploads need not wait for the listing)."""
 
-    def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
-        """`sweep(prefix)` and `list(prefix)` together, and the manifest's bytes (None if absent)."""
+    def open_step(
+        self,
+        prefix: str,
+        manifest_key: str,
+        latest_key: str,
+        files: builtins.list[LocalFile],
+        progress: ByteProgress,
+    ) -> StepOpening:
+        """Together: `sweep(prefix)`, `list(prefix)`, the read of `latest`, and create-only uploads of the
+        `files` the store chooses; then the manifest's bytes if the listing shows one."""
         ...
 
-    def create_and_read(self, key: str, data: bytes, other: str) -> tuple[bool, bytes | None]:
-        """Together: `create(key, data)` and `read(other)`."""
+    def move_latest(self, key: str, name: bytes, step: int, known: Latest | None) -> None:
+        """Point `key` at `name` unless it names a newer step than `step`, writing only over what was read
+        (`known`, if read already); a `latest` that changed meanwhile is read and judged again."""
+        ...
+
+    def discard(self, keys: builtins.list[str]) -> None:
+        """Delete `keys` (objects this publisher created), best effort."""
         ...
 
 

@@ -13,26 +13,33 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagerd.errors import ConfigError, SinkAuthError, SinkError
+from stagerd.errors import ConfigError, SinkError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
-from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, redact_url
-from stagerd.sinks.s3_upload import S3Api, one_put, upload_files
+from stagerd.sinks.objects import (
+    ByteProgress,
+    Latest,
+    LocalFile,
+    RemoteObject,
+    StepOpening,
+    Uploaded,
+    newer_latest,
+    redact_url,
+)
+from stagerd.sinks.s3_client import (
+    error_code,
+    hook_client,
+    not_implemented,
+    precondition_failed,
+    s3_error,
+    signs_payload,
+)
+from stagerd.sinks.s3_upload import S3Api, one_put, put_new_files, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
 
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
-_AUTH_CODES = {
-    "AccessDenied",
-    "AccountProblem",
-    "AllAccessDisabled",
-    "ExpiredToken",
-    "InvalidAccessKeyId",
-    "InvalidSecurity",
-    "InvalidToken",
-    "SignatureDoesNotMatch",
-    "TokenRefreshRequired",
-}
+LATEST_TRIES = 10
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -42,35 +49,6 @@ def part_size_for(size: int, part_size: int) -> int:
         return part_size
     mib = 1 << 20
     return -(-need // mib) * mib
-
-
-def s3_error(e: BaseException, where: str) -> SinkError:
-    """A botocore/aiohttp failure as a named sink error: auth problems are not retryable, the rest are.
-
-    Only the S3 error code and message go into the text: never a header, a signature or a credential.
-    """
-    from botocore.exceptions import (
-        ClientError,
-        CredentialRetrievalError,
-        NoCredentialsError,
-        PartialCredentialsError,
-    )
-
-    if isinstance(e, SinkError):
-        return e
-    if isinstance(e, ClientError):
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", "Unknown"))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        msg = f"{code} (HTTP {status}) from {e.operation_name}: {err.get('Message', '')}".rstrip(": ")
-        if code in _AUTH_CODES or status == 403:
-            return SinkAuthError(msg, path=where)
-        if code == "NoSuchBucket":
-            return SinkError(msg, path=where, hint="create the bucket, or fix the sink URL")
-        return SinkError(f"{msg} (after the client's retries)", path=where)
-    if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
-        return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
-    return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
 
 
 class S3Backend:
@@ -96,6 +74,9 @@ class S3Backend:
         self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
         self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
         self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
+        self._opened: set[str] = set()  # step prefixes opened before: a retry sends nothing early
+        self._hooked: Any = None
+        self.signs_payload = False  # until the client is known: hash every file here, as always safe
 
     @classmethod
     def open(
@@ -131,7 +112,11 @@ class S3Backend:
         return sync(self.fs.loop, fn, *args, **kwargs)
 
     async def _client(self) -> Any:
-        return await self.fs.set_session()
+        s3 = await self.fs.set_session()
+        if s3 is not self._hooked:  # a new client (the first, or s3fs made another)
+            hook_client(s3)
+            self.signs_payload, self._hooked = signs_payload(s3), s3
+        return s3
 
     async def call(self, where: str, method: str, **kwargs: Any) -> Any:
         s3 = await self._client()
@@ -146,16 +131,22 @@ class S3Backend:
         return self._run(self._list, prefix)
 
     async def _list(self, prefix: str) -> dict[str, RemoteObject]:
+        # pages by hand, not botocore's paginator: a fresh client's first paginator loads the paginator
+        # models from disk, ~17 ms on the event loop before the step's first request goes out
         s3 = await self._client()
         base = self.key(prefix) + "/"
         out: dict[str, RemoteObject] = {}
+        args = {"Bucket": self.bucket, "Prefix": base}
         try:
-            async for page in s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            while True:
+                page = await s3.list_objects_v2(**args)
                 for o in page.get("Contents", []):
                     out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+                if not page.get("IsTruncated"):
+                    return out
+                args["ContinuationToken"] = page["NextContinuationToken"]
         except Exception as e:
             raise s3_error(e, self.where(prefix)) from None
-        return out
 
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
@@ -178,46 +169,117 @@ class S3Backend:
         Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule.
         The aborts of a page go out together: a crashed publisher can leave one per file."""
         s3 = await self._client()
-        base = self.key(prefix) + "/"
+        args = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/"}
         try:
-            pages = s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base)
-            async for page in pages:
+            while True:  # pages by hand, as in `_list`
+                page = await s3.list_multipart_uploads(**args)
                 stale = [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
                 await asyncio.gather(
                     *(s3.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=u) for k, u in stale)
                 )
+                if not page.get("IsTruncated"):
+                    return
+                args.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
         except Exception as e:
             log.warning(
                 "cannot abort stale multipart uploads under %s: %s", self.where(prefix), s3_error(e, "")
             )
 
-    def open_step(self, prefix: str, manifest_key: str) -> tuple[bytes | None, dict[str, RemoteObject]]:
-        """The sweep and the listing at once, then the manifest only if the listing shows one: S3's
-        listings are strongly consistent, and a fresh step (the usual case) then costs no GET that 404s.
-        The sweep lists pending uploads before this publisher has created any, so it never aborts its own.
-        """
+    def open_step(
+        self,
+        prefix: str,
+        manifest_key: str,
+        latest_key: str,
+        files: builtins.list[LocalFile],
+        progress: ByteProgress,
+    ) -> StepOpening:
+        """The step's first round trip, all at once: the sweep's listing, the object listing, the read of
+        `latest`, and create-only PUTs (`If-None-Match: *`) of the files under two parts, which cannot
+        overwrite anything and so need not wait for the listing. Multipart uploads do wait, so the sweep
+        never sees (and aborts) one of ours. The manifest is then fetched only if the listing shows one (S3
+        lists consistently). A prefix this backend opened before (a retry) sends nothing early: its files
+        are likely there, and the checked path reuses them without sending their bytes again."""
+        eager = [f for f in files if one_put(f.size, self.part_size_of(f.size))]
+        if prefix in self._opened:
+            eager = []
+        self._opened.add(prefix)
 
-        async def go() -> tuple[bytes | None, dict[str, RemoteObject]]:
-            _, listed = await asyncio.gather(self._sweep(prefix), self._list(prefix))
-            name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
-            if name is not None and name not in listed:
-                return None, listed
-            return await self._get(manifest_key), listed
+        async def go() -> StepOpening:
+            reads = asyncio.gather(self._sweep(prefix), self._list(prefix), self._read_latest(latest_key))
+            puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
+            try:
+                _, listed, latest = await reads
+                name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
+                existing = await self._get(manifest_key) if name is None or name in listed else None
+                created, refused = await puts
+            except BaseException:
+                reads.cancel()
+                puts.cancel()
+                await asyncio.gather(reads, puts, return_exceptions=True)
+                raise
+            return StepOpening(existing, listed, latest, created, refused)
 
         return self._run(go)
 
-    def create_and_read(self, key: str, data: bytes, other: str) -> tuple[bool, bytes | None]:
-        async def go() -> tuple[bool, bytes | None]:
-            created, got = await asyncio.gather(
-                self._create(key, data), self._get(other), return_exceptions=True
+    async def _read_latest(self, key: str) -> Latest:
+        s3 = await self._client()
+        try:
+            r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
+            async with r["Body"] as body:
+                return Latest(bytes(await body.read()), r.get("ETag"))
+        except Exception as e:
+            if error_code(e)[0] in ("NoSuchKey", "404"):
+                return Latest(None)
+            raise s3_error(e, self.where(key)) from None
+
+    def move_latest(self, key: str, name: bytes, step: int, known: Latest | None) -> None:
+        """`latest` moves only forward, judged on what it holds when written: each write is conditional on
+        the version read (`If-Match`, or `If-None-Match: *` where it was absent), and one that finds it
+        changed reads it again. A store without conditional writes gets read-then-write."""
+
+        async def go() -> None:
+            cur = known if known is not None else await self._read_latest(key)
+            for _ in range(LATEST_TRIES):
+                if not newer_latest(cur.data, step) or cur.data == name:
+                    return
+                cond = {"IfMatch": cur.etag} if cur.data is not None and cur.etag else {"IfNoneMatch": "*"}
+                try:
+                    await (await self._client()).put_object(
+                        Bucket=self.bucket, **self._put_args(key, name), **cond
+                    )
+                    return
+                except Exception as e:
+                    if not_implemented(e):
+                        log.warning(
+                            "%s does not support conditional writes; using read-then-write", self.base
+                        )
+                        cur = await self._read_latest(key)
+                        if newer_latest(cur.data, step) and cur.data != name:
+                            await self.call(self.where(key), "put_object", **self._put_args(key, name))
+                        return
+                    # If-Match on a key deleted meanwhile is a 404
+                    if not precondition_failed(e) and error_code(e)[0] not in ("NoSuchKey", "404"):
+                        raise s3_error(e, self.where(key)) from None
+                cur = await self._read_latest(key)
+            raise SinkError(
+                f"latest changed under each of {LATEST_TRIES} conditional writes",
+                path=self.where(key),
+                hint="other publishers keep moving it; the step's manifest is written, a retry moves latest",
             )
-            if isinstance(created, BaseException):
-                raise created
-            if isinstance(got, BaseException):
-                raise got
-            return created, got
 
-        return self._run(go)
+        self._run(go)
+
+    def discard(self, keys: builtins.list[str]) -> None:
+        async def one(key: str) -> None:
+            try:
+                await self.call(self.where(key), "delete_object", Key=self.key(key))
+            except SinkError as e:
+                log.warning("could not delete %s: %s", self.where(key), e)
+
+        async def go() -> None:
+            await asyncio.gather(*(one(k) for k in keys))
+
+        self._run(go)
 
     def read(self, key: str) -> bytes | None:
         return self._run(self._get, key)
@@ -233,6 +295,18 @@ class S3Backend:
         except Exception as e:
             raise s3_error(e, self.where(key)) from None
 
+    async def put_new(self, where: str, **kwargs: Any) -> dict[str, Any] | None:
+        """`PutObject` only if the key is free: the answer, or None when it is taken. A store without
+        conditional writes also gives None: the file then goes the checked way (listing, HEAD, upload)."""
+        s3 = await self._client()
+        try:
+            answer: dict[str, Any] = await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+            return answer
+        except Exception as e:
+            if precondition_failed(e) or not_implemented(e):
+                return None
+            raise s3_error(e, where) from None
+
     def write(self, key: str, data: bytes) -> None:
         self._run(self.call, self.where(key), "put_object", **self._put_args(key, data))
 
@@ -241,22 +315,16 @@ class S3Backend:
 
     async def _create(self, key: str, data: bytes) -> bool:
         """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
-        from botocore.exceptions import ClientError
-
         s3 = await self._client()
         args = self._put_args(key, data)
         try:
             await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
             return True
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
-            if status != 501 and code != "NotImplemented":
-                raise s3_error(e, self.where(key)) from None
         except Exception as e:
-            raise s3_error(e, self.where(key)) from None
+            if precondition_failed(e):
+                return False
+            if not not_implemented(e):
+                raise s3_error(e, self.where(key)) from None
         log.warning("%s does not support conditional writes; using exists-then-put", self.base)
         if await self._exists(key):
             return False

@@ -14,6 +14,9 @@ answers prove.
   proves what the store holds (it verified the body against the checksum we sent). Where the answer has
   none (moto's `CompleteMultipartUpload`), the object is HEADed at once, while other files still upload.
   Either way the `Uploaded` is `confirmed`, and the sink does not HEAD it again.
+- **Conditional PUTs.** `put_new_files` sends one-PUT files with `If-None-Match: *`, so they can go out
+  beside the step's opening listing without the listing's answer: a PUT can then only create, never
+  overwrite. A file whose key is taken comes back `refused`, hashed, for the sink's checked path.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_full
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
+from stagerd.sinks.s3_client import PAYLOAD_SHA256, signed_sha256
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -38,6 +42,7 @@ class S3Api(Protocol):
 
     algorithm: str
     max_concurrency: int
+    signs_payload: bool  # the client signs each body's sha256 (`s3_client.py`)
 
     def part_size_of(self, size: int) -> int:
         """The part size a file of `size` bytes is uploaded in."""
@@ -53,6 +58,10 @@ class S3Api(Protocol):
 
     def call(self, where: str, method: str, **kwargs: Any) -> Awaitable[dict[str, Any]]:
         """One S3 call on the sink's bucket; failures are named `SinkError`s about `where`."""
+        ...
+
+    def put_new(self, where: str, **kwargs: Any) -> Awaitable[dict[str, Any] | None]:
+        """`PutObject` with `If-None-Match: *`: its answer, or None when the key already exists."""
         ...
 
     def abort(self, key: str, upload_id: str) -> Awaitable[None]:
@@ -113,10 +122,20 @@ class _Sha256Chain:
 class Uploads:
     """Uploads a list of files under a prefix; `run()` returns them in the order given."""
 
-    def __init__(self, api: S3Api, prefix: str, files: list[LocalFile], progress: ByteProgress) -> None:
+    def __init__(
+        self,
+        api: S3Api,
+        prefix: str,
+        files: list[LocalFile],
+        progress: ByteProgress,
+        *,
+        conditional: bool = False,
+    ) -> None:
         self.api, self.prefix, self.files, self.progress = api, prefix, files, progress
         self.slots = asyncio.Semaphore(api.max_concurrency)
         self.run_ = _Run()
+        self.conditional = conditional  # one-PUT files only create: a taken key is `refused`
+        self.refused: set[str] = set()
 
     async def run(self) -> list[Uploaded]:
         single = sorted(
@@ -159,27 +178,38 @@ class Uploads:
     # -- one PUT ------------------------------------------------------------------------------------------
 
     async def _put(self, f: LocalFile, weight: int) -> Uploaded:
+        """One PUT of the whole file. Where the client signs the body's sha256 (plain http), that signed
+        hash is the file's sha256, so the file is hashed here only where it does not."""
         api, key = self.api, f"{self.prefix}/{f.rel}"
+        signed: list[Any] = []
         try:
-            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm)
+            own = not api.signs_payload
+            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm, own)
             checksum = b64(raw)
             chain = _Sha256Chain(sha)
-            hashed = chain.feed(data)
-            r = await api.call(
-                api.where(key),
-                "put_object",
-                Key=api.key(key),
-                Body=data,
-                ChecksumAlgorithm=api.algorithm,
-                **{f"Checksum{api.algorithm}": checksum},
-            )
-            await hashed
+            hashed = chain.feed(data) if own else None
+            args: dict[str, Any] = {"Key": api.key(key), "Body": data, "ChecksumAlgorithm": api.algorithm}
+            args[f"Checksum{api.algorithm}"] = checksum
+            if not own:
+                args[PAYLOAD_SHA256] = signed
+            answer: dict[str, Any] | None
+            if self.conditional:
+                answer = await api.put_new(api.where(key), **args)
+            else:
+                answer = await api.call(api.where(key), "put_object", **args)
+            sha256 = None if own else signed_sha256(signed)
+            if sha256 is None:
+                await (hashed or chain.feed(data))
+                sha256 = await chain.hexdigest()
         finally:
             for _ in range(weight):
                 self.slots.release()
+        if answer is None:
+            self.refused.add(f.rel)
+            return Uploaded(f.rel, len(data), sha256, checksum)
         self.progress(len(data))
-        confirmed = await self._confirm(key, checksum, r)
-        return Uploaded(f.rel, len(data), await chain.hexdigest(), checksum, confirmed)
+        confirmed = await self._confirm(key, checksum, answer)
+        return Uploaded(f.rel, len(data), sha256, checksum, confirmed)
 
     # -- multipart ----------------------------------------------------------------------------------------
 
@@ -302,13 +332,17 @@ def one_put(size: int, part_size: int) -> bool:
     return size < 2 * part_size
 
 
-def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytes, bytes, _Hash | None]:
-    """A file that goes in one PUT, its raw store checksum, and for a small one its sha256 already (a
-    second trip to a worker thread costs more than hashing a few MiB here)."""
+def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytes, bytes, _Hash | None]:
+    """A file that goes in one PUT, its raw store checksum, and (`sha256`) for a small one its sha256
+    already (a second trip to a worker thread costs more than hashing a few MiB here)."""
     data = f.path.read_bytes()
     if len(data) != f.size:
         raise changed_error(f, len(data))
-    return data, raw_checksum(data, algorithm), hashlib.sha256(data) if len(data) <= CHUNK else None
+    return (
+        data,
+        raw_checksum(data, algorithm),
+        hashlib.sha256(data) if sha256 and len(data) <= CHUNK else None,
+    )
 
 
 def _read_part(fh: BinaryIO, part_size: int, algorithm: str) -> tuple[bytes, bytes]:
@@ -324,3 +358,14 @@ async def upload_files(
 ) -> list[Uploaded]:
     """Upload `files` under `prefix/` on the backend's event loop, in the order and with the checks above."""
     return await Uploads(api, prefix, files, progress).run()
+
+
+async def put_new_files(
+    api: S3Api, prefix: str, files: list[LocalFile], progress: ByteProgress
+) -> tuple[list[Uploaded], list[Uploaded]]:
+    """Create each of `files` (all of them one-PUT files) with a conditional PUT: (created, refused), the
+    refused ones hashed but not sent, because their key already held an object."""
+    assert all(one_put(f.size, api.part_size_of(f.size)) for f in files)
+    up = Uploads(api, prefix, files, progress, conditional=True)
+    done = await up.run()
+    return [d for d in done if d.rel not in up.refused], [d for d in done if d.rel in up.refused]

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from stagerd.contract import layout
-from stagerd.errors import SinkError
+from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.s3 import S3Backend
+from stagerd.sinks.s3_client import signed_sha256, signs_payload
 from tests import s3server
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
@@ -82,11 +83,16 @@ class _WrongAnswers(S3Backend):
 
     victim = "config.json"
 
-    async def call(self, where: str, method: str, **kwargs: Any) -> Any:
-        r = await super().call(where, method, **kwargs)
-        if kwargs.get("Key", "").endswith(self.victim) and f"Checksum{self.algorithm}" in r:
+    def _wrong(self, key: str, r: Any) -> Any:
+        if r is not None and key.endswith(self.victim) and f"Checksum{self.algorithm}" in r:
             r = {**r, f"Checksum{self.algorithm}": "AAAAAA=="}
         return r
+
+    async def call(self, where: str, method: str, **kwargs: Any) -> Any:
+        return self._wrong(kwargs.get("Key", ""), await super().call(where, method, **kwargs))
+
+    async def put_new(self, where: str, **kwargs: Any) -> Any:  # the create-only PUTs of the opening
+        return self._wrong(kwargs.get("Key", ""), await super().put_new(where, **kwargs))
 
 
 def test_a_wrong_checksum_in_the_answer_fails_the_step_before_the_manifest(s3, tmp_path):
@@ -144,17 +150,124 @@ def test_a_file_under_two_parts_is_one_put_and_a_rerun_agrees(s3, tmp_path):
     s3.proxy.reset()
     res = sink(s3).publish(export, 7)
     assert not res.skipped and res.bytes_uploaded == 0  # every file reused on its checksum
-    assert s3.proxy.count("PutObject", key_contains="mid.safetensors") == 0
+    # a fresh sink tried it create-only, was refused, and reused what is there
+    assert [r.status for r in s3.proxy.log if r.op == "PutObject" and "mid." in r.key] == [412]
 
 
-def test_a_fresh_step_opens_with_two_listings_and_no_get(s3, tmp_path):
-    """The listing says whether the manifest exists (S3 lists consistently), so a fresh step asks for no
-    manifest that is not there; a published one is read and found the same."""
+def test_a_fresh_step_opens_in_one_round_trip(s3, tmp_path):
+    """The listings, the read of `latest` and the create-only PUTs of the small files go out together; the
+    listing says whether the manifest exists (S3 lists consistently), so a fresh step asks for no manifest
+    that is not there; a published one is read and found the same. After the uploads: the manifest, then
+    `latest`, and nothing else."""
     export = make_export(tmp_path / "e", SMALL)
     assert not sink(s3).publish(export, 8).skipped
-    first = [r.op for r in s3.proxy.log][:2]
-    assert sorted(first) == ["ListMultipartUploads", "ListObjects"]
+    ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
+    opening = {"ListMultipartUploads", "ListObjects", "GetObject"} | {f"PutObject {n}" for n in SMALL}
+    assert {f"{op} {n}" if op == "PutObject" else op for op, n in ops[: len(opening)]} == opening
+    assert ops[len(opening) :] == [("PutObject", layout.MANIFEST_NAME), ("PutObject", "latest")]
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 0
     s3.proxy.reset()
     assert sink(s3).publish(export, 8).skipped
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 1
+
+
+def test_a_conflicting_published_step_keeps_its_files_and_loses_our_strays(s3, tmp_path):
+    """Create-only PUTs go out before the listing shows the step published: they cannot touch its files
+    (refused), and a file the published step does not have, created early, is removed before the conflict
+    is raised."""
+    first = make_export(tmp_path / "a", SMALL)
+    assert not sink(s3).publish(first, 9).skipped
+    before = {k: s3.get(k) for k in s3.keys("ckpt/")}
+    other = make_export(tmp_path / "b", {**{k: v + 1 for k, v in SMALL.items()}, "extra.json": 10})
+    with pytest.raises(SinkConflictError):
+        sink(s3).publish(other, 9)
+    assert {k: s3.get(k) for k in s3.keys("ckpt/")} == before
+    created = [r for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("extra.json")]
+    assert [r.status for r in created][-1] == 200, "the stray was created early, then deleted"
+
+
+def test_latest_moves_only_forward_when_it_changes_during_the_upload(s3, tmp_path):
+    """`latest` is read while the step opens; a newer step that moves it meanwhile makes the conditional
+    write fail, and the re-read keeps it; an older one is overwritten."""
+    export = make_export(tmp_path / "e", SMALL)
+    for moved_to, want in ((20, 20), (5, 10)):
+        prefix = f"ckpt{moved_to}"
+
+        def move(done: int, total: int, prefix: str = prefix, moved_to: int = moved_to) -> None:
+            s3.client.put_object(
+                Bucket=s3.bucket, Key=f"{prefix}/latest", Body=layout.step_dir_name(moved_to).encode()
+            )
+
+        s3.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/latest", Body=layout.step_dir_name(1).encode())
+        s3.proxy.reset()
+        sink_ = open_sink(s3.url(prefix), part_size=5 * MiB, max_concurrency=4)
+        assert not sink_.publish(export, 10, progress=move).skipped
+        assert s3.get(f"{prefix}/latest") == layout.step_dir_name(want).encode()
+        statuses = [r.status for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("/latest")]
+        assert statuses == ([412] if want == 20 else [412, 200]), statuses
+
+
+def test_one_put_files_take_their_sha256_from_the_signed_payload_hash(s3, tmp_path):
+    """Over plain http the client signs each body's sha256 and the store checks it: for a file in one PUT
+    that is the file's sha256, so the manifest records the very hash the store checked (and the file is
+    not hashed twice); multipart files are hashed by the uploader."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL, "mid.safetensors": 7 * MiB})
+    assert not sink(s3).publish(export, 11).skipped
+    manifest = json.loads(s3.get(f"ckpt/step-00000011/{layout.MANIFEST_NAME}"))
+    recorded = {f["path"]: f["sha256"] for f in manifest["files"]}
+    for rel in [*SMALL, "mid.safetensors"]:
+        put = [r for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("/" + rel)]
+        assert [r.status for r in put] == [200]
+        assert (
+            recorded[rel] == put[0].content_sha256 == hashlib.sha256((export / rel).read_bytes()).hexdigest()
+        )
+    for rel in BIG:
+        assert recorded[rel] == hashlib.sha256((export / rel).read_bytes()).hexdigest()
+
+
+def test_signed_payload_hash_is_taken_only_when_it_is_one():
+    assert signed_sha256(["a" * 64]) == "a" * 64
+    assert signed_sha256(["0" * 64, "b" * 64]) == "b" * 64  # the last attempt's
+    for sent in ([], [None], ["UNSIGNED-PAYLOAD"], ["STREAMING-UNSIGNED-PAYLOAD-TRAILER"], ["A" * 64]):
+        assert signed_sha256(sent) is None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "config", "signs"),
+    [
+        ("http://127.0.0.1:9", None, True),
+        ("https://s3.example.invalid", None, False),
+        ("https://s3.example.invalid", {"payload_signing_enabled": True}, True),
+        ("http://127.0.0.1:9", {"payload_signing_enabled": False}, False),
+    ],
+)
+def test_the_uploader_hashes_files_itself_where_the_client_signs_no_payload(endpoint, config, signs):
+    """Over https with a checksum (or with signing off) botocore signs `UNSIGNED-PAYLOAD`: there is no
+    signed hash to take."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
+        config=Config(s3=config),
+    )
+    assert signs_payload(client) is signs
+
+
+def test_without_a_signed_payload_the_uploader_hashes_every_file(s3, tmp_path):
+    """Payload signing off (as over https): the requests carry no body hash, and the manifest's sha256 of
+    every file is the uploader's own."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    opts = {"config_kwargs": {"s3": {"payload_signing_enabled": False}}}
+    unsigned = open_sink(s3.url("ckpt"), part_size=5 * MiB, max_concurrency=4, storage_options=opts)
+    assert not unsigned.publish(export, 12).skipped
+    puts = [r for r in s3.proxy.log if r.op in ("PutObject", "UploadPart")]
+    assert puts and {r.content_sha256 for r in puts} == {"UNSIGNED-PAYLOAD"}
+    manifest = json.loads(s3.get(f"ckpt/step-00000012/{layout.MANIFEST_NAME}"))
+    assert {f["path"]: f["sha256"] for f in manifest["files"]} == {
+        rel: hashlib.sha256((export / rel).read_bytes()).hexdigest() for rel in {**BIG, **SMALL}
+    }

@@ -291,11 +291,22 @@ def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algor
         assert head[f"Checksum{algorithm}"].split("-")[0] == want.split("-")[0], rel
     assert sink.is_published(12)
 
-    s3.proxy.reset()
-    again = s3_sink(s3, checksum=algorithm).publish(export, 12)
+    s3.proxy.reset()  # a daemon's retry: its sink has opened this step before, so it sends nothing early
+    again = sink.publish(export, 12)
     assert again.skipped and again.bytes_uploaded == 0
     assert s3.proxy.count(*WRITES) == 0 and s3.proxy.bytes_in() == 0
     sink.close()
+
+    before = {k: s3.get(k) for k in s3.keys("ckpt/")}
+    s3.proxy.reset()  # a restarted daemon: the one-PUT files go create-only and are refused, nothing changes
+    fresh = s3_sink(s3, checksum=algorithm)
+    again = fresh.publish(export, 12)
+    assert again.skipped and again.bytes_uploaded == 0
+    writes = [(r.op, r.status) for r in s3.proxy.log if r.op in WRITES]
+    assert writes and all(w == ("PutObject", 412) for w in writes), writes
+    assert len(writes) == 3  # the three files under two parts; the multipart one is never re-sent
+    assert {k: s3.get(k) for k in s3.keys("ckpt/")} == before
+    fresh.close()
 
 
 def test_s3_transient_faults_are_retried_and_publish_once(s3, tmp_path):
@@ -322,8 +333,9 @@ def test_s3_crash_mid_multipart_then_rerun_completes(s3, tmp_path, monkeypatch):
     export = make_export(tmp_path / "e", S3_FILES)
     big = "model-00001-of-00002.safetensors"
     s3.proxy.add(Fault(ops=("UploadPart",), times=1000, after=1, drop_after=1 * MiB, key_contains=big))
+    sink = s3_sink(s3)  # the daemon retries a step on the sink it holds open
     with pytest.raises(SinkError) as ei:
-        s3_sink(s3).publish(export, 8)
+        sink.publish(export, 8)
     assert ei.value.retryable and big in str(ei.value) and s3.url("ckpt") in str(ei.value)
     landed = s3.keys("ckpt/")
     assert f"ckpt/step-00000008/{layout.MANIFEST_NAME}" not in landed and "ckpt/latest" not in landed
@@ -332,7 +344,7 @@ def test_s3_crash_mid_multipart_then_rerun_completes(s3, tmp_path, monkeypatch):
     assert not s3_sink(s3).is_published(8)
 
     s3.proxy.reset()
-    res = s3_sink(s3).publish(export, 8)
+    res = sink.publish(export, 8)
     assert not res.skipped and res.bytes_uploaded < sum(S3_FILES.values())
     assert_published(s3, export, 8)
     for key in landed:
@@ -340,15 +352,45 @@ def test_s3_crash_mid_multipart_then_rerun_completes(s3, tmp_path, monkeypatch):
     assert s3.proxy.count("PutObject", key_contains=layout.MANIFEST_NAME) == 1
 
 
-def test_s3_wrong_remote_file_is_replaced(s3, tmp_path):
-    """A same-size object with other bytes (a foreign or stale upload) fails the checksum and is re-sent."""
+def test_s3_rerun_after_a_restart_is_refused_early_and_reuses_what_landed(s3, tmp_path, monkeypatch):
+    """A fresh sink (a restarted daemon) sends a partial step's one-PUT files create-only beside its
+    listing: each that landed before is refused (412), never overwritten, then checked and reused; the big
+    file's parts go as before, and the step verifies."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    export = make_export(tmp_path / "e", S3_FILES)
+    big = "model-00001-of-00002.safetensors"
+    s3.proxy.add(Fault(ops=("UploadPart",), times=1000, after=1, drop_after=1 * MiB, key_contains=big))
+    with pytest.raises(SinkError):
+        s3_sink(s3).publish(export, 9)
+    landed = {k: s3.get(k) for k in s3.keys("ckpt/")}
+    assert len(landed) == 3 and not [k for k in landed if big in k or layout.MANIFEST_NAME in k]
+
+    s3.proxy.reset()
+    res = s3_sink(s3).publish(export, 9)
+    assert not res.skipped and res.bytes_uploaded == S3_FILES[big]
+    assert_published(s3, export, 9)
+    for key in landed:
+        puts = [r.status for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith(key)]
+        assert puts == [412], (key, puts)
+    assert {k: s3.get(k) for k in landed} == landed
+
+
+@pytest.mark.parametrize("size", ["same", "other"])
+def test_s3_wrong_remote_file_is_replaced_after_a_check(s3, tmp_path, caplog, size):
+    """An object with other bytes at a file's key in an unpublished step (a foreign or stale upload) is not
+    overwritten blindly: the create-only PUT is refused, the checked path finds its checksum or size wrong,
+    says so, and only then replaces it."""
     export = make_export(tmp_path / "e", S3_FILES)
     rel = "model-00002-of-00002.safetensors"
     key = f"ckpt/step-00000004/{rel}"
-    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"\0" * S3_FILES[rel], ChecksumAlgorithm="SHA256")
+    body = b"\0" * (S3_FILES[rel] + (0 if size == "same" else 1))
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=body, ChecksumAlgorithm="SHA256")
+    s3.proxy.reset()
+    caplog.set_level("WARNING", logger="stagerd.sinks.fsspec")
     s3_sink(s3).publish(export, 4)
     assert_published(s3, export, 4)
-    assert s3.proxy.count("PutObject", key_contains=rel) == 1
+    assert [r.status for r in s3.proxy.log if r.op == "PutObject" and rel in r.key] == [412, 200]
+    assert any(rel in m and "replaced" in m for m in caplog.messages), caplog.messages
 
 
 def test_s3_server_down_then_up(s3, tmp_path, monkeypatch):
@@ -392,8 +434,10 @@ def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, m
     text = f"{err} {err.hint}"
     assert bad_secret not in text and SECRET_KEY not in text
     assert ("SignatureDoesNotMatch" if which == "secret" else "InvalidAccessKeyId") in text
-    ops = [r.op for r in s3.proxy.log]  # the opening listings go out together; none is retried
-    assert sorted(ops) == ["ListMultipartUploads", "ListObjects"], ops
+    ops = [r.op for r in s3.proxy.log]  # the opening requests go out together; none is retried
+    assert {"ListMultipartUploads", "ListObjects"} <= set(ops), ops
+    assert set(ops) <= {"ListMultipartUploads", "ListObjects", "GetObject", "PutObject"}, ops
+    assert len(ops) == len(set(ops)) and all(r.status == 403 for r in s3.proxy.log), ops
 
 
 def test_s3_conflicting_manifest_is_refused(s3, tmp_path):
