@@ -59,3 +59,10 @@ def step_dir(tmp_path, dcp_mixed) -> Path:
     tensors = {k: TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in full.items()}
     commit_step(step, world=4, tensors=tensors)
     return step
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with slow tests first, each file's tests still together and in order: pytest-xdist hands out
+    whole files in this order, so the long ones start early instead of one of them ending the run alone."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

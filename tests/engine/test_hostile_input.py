@@ -286,7 +286,9 @@ def test_a_fifo_listed_in_the_marker_is_refused(step_dir):
 
 # ---------------------------------------------------------------------------------------------- many tensors
 
-TINY = 10_000
+# Enough that a per-tensor cost or a tensor-count limit shows; 100k tensors are bench_consolidate's
+# --many-tensors case and test_plan_memory's bound, not this exactness check's.
+TINY = 2_500
 
 
 def tiny_tensors() -> dict[str, tuple[torch.Tensor, str]]:
@@ -299,7 +301,7 @@ def tiny_tensors() -> dict[str, tuple[torch.Tensor, str]]:
 
 
 @pytest.mark.slow
-def test_twenty_thousand_tiny_tensors_export_exactly(tmp_path):
+def test_five_thousand_tiny_tensors_export_exactly(tmp_path):
     step = tmp_path / "step-00000001"
     full = dcp_save(step / "model", world=2, builder=tiny_tensors)
     commit_step(step, world=2)
