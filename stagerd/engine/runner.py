@@ -117,7 +117,7 @@ class Runner:
     def _cast_run(self, m: Move) -> None:
         sdt, ddt = dtypes.lookup(m.src_dtype), dtypes.lookup(m.dst_dtype)
         a, b = self.buffers.get()
-        per = len(a) // max(sdt.bits, ddt.bits) * 8  # elements per round
+        per = min(len(a), limits.CAST_ROUND) // max(sdt.bits, ddt.bits) * 8  # elements per round
         total = m.length * 8 // ddt.bits
         done = 0
         while done < total:
