@@ -117,7 +117,7 @@ class Runner:
     def _cast_run(self, m: Move) -> None:
         sdt, ddt = dtypes.lookup(m.src_dtype), dtypes.lookup(m.dst_dtype)
         a, b = self.buffers.get()
-        per = len(a) // max(sdt.bits, ddt.bits) * 8  # elements per round
+        per = min(len(a), limits.CAST_ROUND) // max(sdt.bits, ddt.bits) * 8  # elements per round
         total = m.length * 8 // ddt.bits
         done = 0
         while done < total:
@@ -164,12 +164,15 @@ class Runner:
             shape = tuple(hi - lo for lo, hi in pc.box)
             src = np.frombuffer(view, dtype=np.uint8).reshape(*shape, isz)
             slab[tuple(slice(lo, hi) for lo, hi in pc.box)] = src
-        out = whole[: n * isz]
-        if sdt.name != ddt.name:
-            dv = scratch[: ddt.nbytes(n)]
-            cast_into(out, dv, sdt.name, ddt.name)
-            out = dv
-        self._emit(m, out, m.dst_offset)
+        if sdt.name == ddt.name:
+            self._emit(m, whole[: n * isz], m.dst_offset)
+            return
+        per = min(len(b), limits.CAST_ROUND) // max(sdt.bits, ddt.bits) * 8
+        for i in range(0, n, per):  # in cache-sized rounds, like _cast_run
+            k = min(per, n - i)
+            dv = scratch[: ddt.nbytes(k)]
+            cast_into(whole[sdt.nbytes(i) : sdt.nbytes(i + k)], dv, sdt.name, ddt.name)
+            self._emit(m, dv, m.dst_offset + ddt.nbytes(i))
 
 
 def _tiles(pieces: Sequence[Piece], room: int) -> Iterator[tuple[Piece, int, int, int]]:
