@@ -1,10 +1,11 @@
 """Export engine benchmark: `stagerd consolidate` vs torch's consolidation vs `cp -r`, same files, one run.
 
 Generates a DCP checkpoint (fp32, `Shard(0)` plus a `Shard(1)` share, RANKS ranks x FILES files each; with
-`--mixed`, a quarter each bf16 and fp16) with real gloo processes, then times each tool in a subprocess
-(wall time and that child's peak RSS via wait4). Every output is deleted and `sync`ed between runs so each
-starts from the same warm page cache. The keep export and the `--dtype bf16`, `fp16` and `fp32`
-exports of one round run back to back, so each cast / keep ratio is a paired figure.
+`--mixed`, a quarter each bf16 and fp16, and on 4+ ranks a quarter 2-D blocks) with real gloo processes,
+then times each tool in a subprocess (wall time and that child's peak RSS via wait4). Every output is
+deleted and `sync`ed between runs so each starts from the same warm page cache. The keep export and the
+`--dtype bf16`, `fp16` and `fp32` exports of one round run back to back, so each cast / keep ratio is a
+paired figure.
 
     python bench/bench_consolidate.py --size-gb 6 --ranks 4 --files 4 --threads 2
     python bench/bench_consolidate.py --size-gb 1 --ranks 2 --files 2 --mixed   # cast / keep pairs
@@ -44,16 +45,21 @@ def _rank(rank: int, world: int, init: str, out: str, size: int, files: int, mix
     dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float16] if mixed else [torch.float32]
     g = torch.Generator().manual_seed(rank)
     sd = {}
+    # with 4+ ranks and --mixed, every 4th tensor is a 2-D block (Shard(0) x Shard(1), as FSDP x TP)
+    mesh2 = init_device_mesh("cpu", (2, world // 2)) if mixed and world >= 4 and world % 2 == 0 else None
     for i in range(n_tensors):
         # every 4th tensor column-sharded, like a row-parallel projection
         dim = 1 if i % 4 == 3 else 0
         shape = [rows, hidden]
         local_shape = list(shape)
         local_shape[dim] //= world
+        on, placements = mesh, [Shard(dim)]
+        if mesh2 is not None and i % 4 == 1:
+            local_shape, on, placements = [rows // 2, hidden // (world // 2)], mesh2, [Shard(0), Shard(1)]
         local = torch.randn(local_shape, generator=g).to(dtypes[i % len(dtypes)])
         name = f"model.layers.{i // 256}.mlp.experts.{i % 256}.weight" if many else f"model.layers.{i}.weight"
         sd[name] = DTensor.from_local(
-            local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(hidden, 1)
+            local, on, placements, run_check=False, shape=torch.Size(shape), stride=(hidden, 1)
         )
     mapping = {k: 1 + i * files // len(sd) for i, k in enumerate(sorted(sd))}
     dcp.save(
