@@ -46,23 +46,6 @@ def builder() -> dict[str, Any]:
     return {f"model.layers.{i}.w": (torch.randn(rows, 1024, generator=g), codes[i % 4]) for i in range(16)}
 
 
-def _stage(tmp: Path, model: Path, nodes: int, step: int) -> list[Path]:
-    from stagerd.contract import layout
-    from tests.dcp_fixtures import commit_step
-
-    shards = sorted(model.glob("*.safetensors"))
-    shared = layout.read_marker(tmp / "shared" / layout.step_dir_name(step))
-    out = []
-    for k in range(nodes):
-        d = tmp / f"n{nodes}-node{k}" / layout.step_dir_name(step)
-        (d / "model").mkdir(parents=True)
-        for s in shards[k::nodes]:
-            os.link(s, d / "model" / s.name)
-        commit_step(d, len(shards), tensors=shared.tensors, staging_node=k, staging_nodes=nodes)
-        out.append(d)
-    return out
-
-
 def run_fleet(node_dirs: list[Path], url: str, shard: int) -> tuple[list[Any], float]:
     from stagerd.daemon.fleet import FleetNode, FleetOptions
     from stagerd.sinks.fetch import RemoteStore
@@ -114,6 +97,7 @@ def main() -> None:
     from stagerd.engine.export import export_step
     from stagerd.sinks.fsspec import FsspecSink
     from tests.dcp_fixtures import commit_step, dcp_save
+    from tests.fleet_helpers import split_step
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
     shard = int(args.shard_mb * MB)
@@ -133,7 +117,7 @@ def main() -> None:
         print(f"checkpoint {total_in / MB:.1f} MB in 4 shards; alone (export + upload): {alone:.2f} s")
         out["alone_seconds"], out["input_bytes"] = alone, total_in
         for n in args.nodes:
-            dirs = _stage(tmp, model, n, step)
+            dirs = split_step(shared, tmp / f"n{n}", n, link=True)
             res, wall = run_fleet(dirs, f"s3://{BUCKET}/fleet-{n}", shard)
             up = [r.bytes_uploaded for r in res]
             fetched = [r.bytes_fetched for r in res]

@@ -3,6 +3,7 @@ running `FleetNode` as the daemon's export task does."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from dataclasses import replace
@@ -58,9 +59,10 @@ def run_fleet(node_dirs: list[Path], url: str, **kw: Any) -> list[FleetResult | 
     return out
 
 
-def split_step(step_dir: Path, dest: Path, nodes: int) -> list[Path]:
+def split_step(step_dir: Path, dest: Path, nodes: int, *, link: bool = False) -> list[Path]:
     """A step staged to one ROOT, as `nodes` node-local ROOTs under `dest` would hold it: the model shards
-    dealt round-robin, every other file on node 0, each marker listing its node's files."""
+    dealt round-robin, every other file on node 0, each marker listing its node's files. `link`: hard links
+    instead of copies (a benchmark's GBs; the node dirs must then not be damaged)."""
     marker = layout.read_marker(step_dir)
     shards = sorted(
         (f for f in marker.files if f.path.startswith(layout.MODEL_DIR + "/")), key=lambda f: f.path
@@ -71,7 +73,7 @@ def split_step(step_dir: Path, dest: Path, nodes: int) -> list[Path]:
         d = dest / f"node{k}" / step_dir.name
         for f in mine:
             (d / f.path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(step_dir / f.path, d / f.path)
+            (os.link if link else shutil.copyfile)(step_dir / f.path, d / f.path)
         layout.write_marker(d, replace(marker, files=tuple(mine), staging_node=k, staging_nodes=nodes))
         out.append(d)
     return out

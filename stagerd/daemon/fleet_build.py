@@ -23,7 +23,7 @@ from stagerd.contract.safetensors_format import Header
 from stagerd.daemon.fleet_plan import Mirror, only_file, reads
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.execute import execute
-from stagerd.engine.merge import merge_into, merge_reads, write_scratch_header
+from stagerd.engine.merge import merge_into, merge_reads, with_merged, write_scratch_header
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.engine.planner import plan
 from stagerd.engine.shard_scan import scan_shards
@@ -56,9 +56,7 @@ class Artefact:
             scratch.parent.mkdir(parents=True)
             self.header = write_scratch_header(self.table, self.ids, self.merges, scratch)
             more = [self.header]
-            if expected is not None:  # as lora_merges: the merged tensors join the marker's
-                merged = {n: TensorInfo(e.dtype, tuple(e.shape)) for n, e in self.header.tensors.items()}
-                expected = {**expected, **merged}
+            expected = with_merged(expected, self.header)
         self.plan: ExportPlan = plan(
             itertools.chain(scan_shards(mirror.model, listed), more),
             dtype=dtype,

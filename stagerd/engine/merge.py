@@ -73,11 +73,15 @@ def lora_merges(
         block = BLOCK_BYTES if block_bytes is None else block_bytes
         header = write_merged(table, ids, views.merges, path, block_bytes=block)
         del table, ids
-        more = dict(expected) if expected is not None else None
-        if more is not None:
-            for name, e in header.tensors.items():
-                more[name] = TensorInfo(e.dtype, tuple(e.shape))
-        yield [header], more
+        yield [header], with_merged(expected, header)
+
+
+def with_merged(expected: Mapping[str, TensorInfo] | None, header: Header) -> Mapping[str, TensorInfo] | None:
+    """`expected` (the marker's tensors, if checked) with the merged tensors of the scratch `header` added."""
+    if expected is None:
+        return None
+    merged = {name: TensorInfo(e.dtype, tuple(e.shape)) for name, e in header.tensors.items()}
+    return {**expected, **merged}
 
 
 def write_merged(
