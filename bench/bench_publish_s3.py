@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -235,23 +236,46 @@ def timeline(export: Path, endpoint: str, part: int, conc: int) -> None:
         print(f"  {s:7.3f} -> {e:7.3f}  {e - s:6.3f} s  {name}")
 
 
+SERVER: dict[str, Any] = {}
+
+
+def _cpu() -> float:
+    """This process's CPU seconds, every thread (the client's own work: hashing, signing, copying)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _server_cpu() -> float:
+    """The moto server process's CPU seconds."""
+    t = SERVER["proc"].cpu_times()
+    return float(t.user + t.system)
+
+
 def bench_case(
     label: str, export: Path, endpoint: str, part: int, conc: int, rounds: int, client: Any
 ) -> dict[str, Any]:
     nbytes = warm(export)
     times: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+    cpu: dict[str, list[float]] = {n: [] for n in CONTENDERS}
+    server_cpu: dict[str, list[float]] = {n: [] for n in CONTENDERS}
     names = list(CONTENDERS)
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             run, close = CONTENDERS[name](endpoint, f"r{r}-{name.split()[0]}", part, conc)
             warm(export)
+            c0, m0 = _cpu(), _server_cpu()
             t0 = time.perf_counter()
             run(export)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(_cpu() - c0)
+            server_cpu[name].append(_server_cpu() - m0)
             close()
             empty_bucket(client)
-        line = "  ".join(f"{n.split()[0]} {times[n][-1]:6.2f} s" for n in names)
+        line = "  ".join(
+            f"{n.split()[0]} {times[n][-1]:6.2f} s (cpu {cpu[n][-1]:.2f} s, server {server_cpu[n][-1]:.2f} s)"
+            for n in names
+        )
         print(f"  {label} round {r + 1}: {line}", flush=True)
     med = {n: statistics.median(ts) for n, ts in times.items()}
     best_peer = min(med[n] for n in PEERS)
@@ -260,6 +284,8 @@ def bench_case(
         "case": label,
         "bytes": nbytes,
         "seconds": times,
+        "client_cpu_seconds": cpu,
+        "server_cpu_seconds": server_cpu,
         "median": med,
         "ratio": best_peer / med["stagerd"],
         "ratio_per_round": per_round,
@@ -317,6 +343,9 @@ def main() -> int:
         + (", unsigned payloads" if args.unsigned_payload else "")
     )
     proc, endpoint = start_moto()
+    import psutil
+
+    SERVER["proc"] = psutil.Process(proc.pid)
     results = []
     try:
         client = boto_client(endpoint, 4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 import zlib
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ CHUNK = 8 << 20
 ALGORITHMS = ("CRC32", "SHA256")
 
 
-def raw_checksum(data: bytes | memoryview, algorithm: str) -> bytes:
+def raw_checksum(data: bytes | bytearray | memoryview, algorithm: str) -> bytes:
     """The raw (not base64) checksum of `data`: 4 big-endian bytes for CRC32, 32 for SHA256."""
     if algorithm == "CRC32":
         return zlib.crc32(data).to_bytes(4, "big")
@@ -106,6 +107,15 @@ def read_full(f: object, n: int) -> bytes:
         chunks.append(b)
         got += len(b)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def read_into(f: io.RawIOBase, buf: bytearray) -> int:
+    """Fill `buf` from an unbuffered binary file; the count is short only at the file's end."""
+    got = 0
+    with memoryview(buf) as view:
+        while got < len(buf) and (count := f.readinto(view[got:])):
+            got += count
+    return got
 
 
 def hash_file(

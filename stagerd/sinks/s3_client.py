@@ -8,16 +8,29 @@ file, so that digest is the file's sha256 for the manifest: taking it saves a se
 file. `hook_client` registers two handlers on the client's events for this: a call made with
 `PAYLOAD_SHA256=[...]` gets each attempt's header appended to that list. Over https with a checksum,
 botocore sends `UNSIGNED-PAYLOAD` instead, and the uploader hashes the file itself.
+
+**Bodies without copies.** The uploader hands botocore each part as a `bytearray`. botocore leaves a
+`bytearray` as it is (a `bytes` body becomes a `BytesIO`, which SigV4 then reads back in 1 MiB copies and
+aiohttp unshares with one more copy), and hashes it for SigV4 in one call. A third handler then gives
+aiohttp the body as 1 MiB views of that buffer: written whole, Python 3.11's socket transport would join
+it with the headers, slice the unsent rest and append that to its buffer, three copies of every part on
+the event loop. With views, only what the socket does not take at once is copied.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagerd.errors import SinkAuthError, SinkError
 
+if TYPE_CHECKING:
+    from aiohttp.abc import AbstractStreamWriter
+    from aiohttp.payload import Payload
+
 PAYLOAD_SHA256 = "StagerdPayloadSha256"  # not an S3 parameter: popped before botocore validates the call
+SEND_SLICE = 1 << 20  # what aiohttp is handed per write: big enough to fill the socket, small to copy
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _AUTH_CODES = {
     "AccessDenied",
@@ -37,6 +50,7 @@ def hook_client(s3: Any) -> None:
     events = s3.meta.events
     events.register("before-parameter-build.s3", _take_payload_list, unique_id="stagerd-payload-list")
     events.register("before-send.s3", _record_payload_sha256, unique_id="stagerd-payload-sha256")
+    events.register("before-send.s3", _send_in_slices, unique_id="stagerd-send-in-slices")
 
 
 def _take_payload_list(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
@@ -50,6 +64,44 @@ def _record_payload_sha256(request: Any, **_: Any) -> None:
     if sink is not None:
         value = request.headers.get("X-Amz-Content-SHA256")
         sink.append(value.decode() if isinstance(value, bytes) else value)
+
+
+def _send_in_slices(request: Any, **_: Any) -> None:
+    body = request.body
+    if isinstance(body, bytearray) and len(body) > SEND_SLICE:
+        request.body = _buffer_payload_type()(body)
+
+
+@functools.cache
+def _buffer_payload_type() -> type[Payload]:
+    """An aiohttp payload that writes a buffer in `SEND_SLICE` views (aiohttp is imported on first use)."""
+    from aiohttp.payload import Payload
+
+    class BufferSlices(Payload):
+        def __init__(self, value: bytearray) -> None:
+            super().__init__(value, content_type="application/octet-stream")
+            self._size = len(value)
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            """botocore rewinds a body before it retries; every write starts at the buffer's start."""
+            return 0
+
+        def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+            return bytes(self._value).decode(encoding, errors)
+
+        async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+            return bytes(self._value)
+
+        async def write(self, writer: AbstractStreamWriter) -> None:
+            await self.write_with_length(writer, None)
+
+        async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+            view = memoryview(self._value)
+            end = len(view) if content_length is None else min(content_length, len(view))
+            for start in range(0, end, SEND_SLICE):
+                await writer.write(view[start : min(end, start + SEND_SLICE)])
+
+    return BufferSlices
 
 
 def signed_sha256(sent: list[Any]) -> str | None:

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_full
+from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_into
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
 from stagerd.sinks.s3_client import PAYLOAD_SHA256, signed_sha256
 
@@ -101,7 +102,7 @@ class _Sha256Chain:
         self._last: asyncio.Future[None] | None = None
         self._done = whole is not None
 
-    def feed(self, data: bytes) -> asyncio.Future[None]:
+    def feed(self, data: bytes | bytearray) -> asyncio.Future[None]:
         prev = self._last
 
         async def step() -> None:
@@ -136,6 +137,7 @@ class Uploads:
         self.run_ = _Run()
         self.conditional = conditional  # one-PUT files only create: a taken key is `refused`
         self.refused: set[str] = set()
+        self.spares: dict[int, list[bytearray]] = {}  # part buffers free again, by size
 
     async def run(self) -> list[Uploaded]:
         single = sorted(
@@ -168,6 +170,13 @@ class Uploads:
             results[f.rel] = self.run_.spawn(self._put(f, weight))
         for f in multi:
             results[f.rel] = await self._multipart(f)
+
+    def _release(self, buf: bytearray, *, slot: bool = True) -> None:
+        """Give back a part's slot and keep its buffer for the next part of the same size: a reused buffer
+        costs no zero-fill and no page faults."""
+        self.spares.setdefault(len(buf), []).append(buf)
+        if slot:
+            self.slots.release()
 
     async def _slot(self) -> None:
         await self.slots.acquire()
@@ -235,17 +244,21 @@ class Uploads:
         with open(f.path, "rb", buffering=0) as fh:
             while True:
                 await self._slot()
+                spare = self.spares.get(part_size)
+                buf = spare.pop() if spare else bytearray(part_size)
                 try:
-                    data, raw = await asyncio.to_thread(_read_part, fh, part_size, api.algorithm)
+                    data, raw = await asyncio.to_thread(_read_part, fh, buf, api.algorithm)
                 except BaseException:
-                    self.slots.release()
+                    self._release(buf)
                     raise
+                if data is not buf:  # the file's last part, in a buffer of its own size
+                    self._release(buf, slot=False)
                 if not data:
                     self.slots.release()
                     break
                 size += len(data)
                 if size > f.size:
-                    self.slots.release()
+                    self._release(data)
                     raise changed_error(f, size)
                 raws.append(raw)
                 hashed = chain.feed(data)
@@ -259,7 +272,7 @@ class Uploads:
         key: str,
         upload_id: asyncio.Future[Any],
         number: int,
-        data: bytes,
+        data: bytearray,
         checksum: str,
         hashed: asyncio.Future[None],
     ) -> dict[str, Any]:
@@ -277,7 +290,7 @@ class Uploads:
             )
             await hashed
         finally:
-            self.slots.release()
+            self._release(data)
         self.progress(len(data))
         crash_point("s3.part")
         return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{api.algorithm}": checksum}
@@ -332,10 +345,12 @@ def one_put(size: int, part_size: int) -> bool:
     return size < 2 * part_size
 
 
-def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytes, bytes, _Hash | None]:
+def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytearray, bytes, _Hash | None]:
     """A file that goes in one PUT, its raw store checksum, and (`sha256`) for a small one its sha256
     already (a second trip to a worker thread costs more than hashing a few MiB here)."""
-    data = f.path.read_bytes()
+    data = bytearray(f.size + 1)  # one byte more: a file that grew is caught here
+    with open(f.path, "rb", buffering=0) as fh:
+        del data[read_into(fh, data) :]
     if len(data) != f.size:
         raise changed_error(f, len(data))
     return (
@@ -345,12 +360,12 @@ def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytes, byte
     )
 
 
-def _read_part(fh: BinaryIO, part_size: int, algorithm: str) -> tuple[bytes, bytes]:
-    """The next part of an open file and its raw store checksum; empty at the end."""
-    data = read_full(fh, part_size)
-    if not data:
-        return b"", b""
-    return data, raw_checksum(data, algorithm)
+def _read_part(fh: io.RawIOBase, buf: bytearray, algorithm: str) -> tuple[bytearray, bytes]:
+    """The next part of an open file, read into `buf` (a short last part into a buffer of its own, so
+    that `buf` stays whole for reuse), and its raw store checksum; empty at the end."""
+    got = read_into(fh, buf)
+    data = buf if got == len(buf) else bytearray(memoryview(buf)[:got])
+    return data, raw_checksum(data, algorithm) if data else b""
 
 
 async def upload_files(
