@@ -1,26 +1,28 @@
 """Where stagerd meets the aiobotocore client: its failures as named sink errors, the answers of
-conditional writes, and the payload hash the client signs.
+conditional writes, the payload hash it signs, and how bodies reach aiohttp.
 
-**The signed payload hash.** Over plain http (and wherever payload signing is on), SigV4 signs the sha256
-of the request body: botocore hashes every PUT's body and sends the hex digest as `X-Amz-Content-SHA256`,
-which the store checks against the body it receives. For a file sent in one PUT that body is the whole
-file, so that digest is the file's sha256 for the manifest: taking it saves a second sha256 pass over the
-file. `hook_client` registers two handlers on the client's events for this: a call made with
-`PAYLOAD_SHA256=[...]` gets each attempt's header appended to that list. Over https with a checksum,
-botocore sends `UNSIGNED-PAYLOAD` instead, and the uploader hashes the file itself.
+**The signed payload hash, computed by the uploader.** Over plain http (and wherever payload signing is
+on), SigV4 signs the sha256 of the request body as `X-Amz-Content-SHA256`, which the store checks against
+the body it receives. botocore would hash every body for it on the event loop, where 16 MiB of sha256
+holds up every other request in flight. The uploader hashes each body in a worker thread instead, as it
+reads it, and passes the hex digest with the call (`BODY_SHA256=`, not an S3 parameter). `hook_client`
+registers what takes it from there: the parameter moves into the request's context, and a signer that
+is botocore's S3 SigV4 except that it signs the digest it is handed. The store still checks the body
+against it, so a wrong digest fails the request (`XAmzContentSHA256Mismatch`). For a file sent in one
+PUT, that digest is the file's sha256 for the manifest: one pass over the file, not two. Over https with
+a checksum botocore signs `UNSIGNED-PAYLOAD`: the uploader then computes no part digests.
 
-**Bodies without copies.** The uploader hands botocore each part as a `bytearray`. botocore leaves a
-`bytearray` as it is (a `bytes` body becomes a `BytesIO`, which SigV4 then reads back in 1 MiB copies and
-aiohttp unshares with one more copy), and hashes it for SigV4 in one call. A third handler then gives
-aiohttp the body as 1 MiB views of that buffer: written whole, Python 3.11's socket transport would join
-it with the headers, slice the unsent rest and append that to its buffer, three copies of every part on
-the event loop. With views, only what the socket does not take at once is copied.
+**Bodies without copies.** The uploader hands botocore each body as a `bytearray`. botocore leaves a
+`bytearray` as it is (a `bytes` body becomes a `BytesIO`, which aiohttp unshares with one more copy). A
+third handler then gives aiohttp a big body as 1 MiB views of that buffer: written whole, Python 3.11's
+socket transport would join it with the headers, slice the unsent rest and append that to its buffer,
+three copies of every part on the event loop. With views, only what the socket does not take at once is
+copied.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from typing import TYPE_CHECKING, Any
 
 from stagerd.errors import SinkAuthError, SinkError
@@ -29,9 +31,9 @@ if TYPE_CHECKING:
     from aiohttp.abc import AbstractStreamWriter
     from aiohttp.payload import Payload
 
-PAYLOAD_SHA256 = "StagerdPayloadSha256"  # not an S3 parameter: popped before botocore validates the call
+BODY_SHA256 = "StagerdBodySha256"  # not an S3 parameter: popped before botocore validates the call
+_SIGNER = "s3v4-stagerd"  # botocore's S3 SigV4, signing a payload digest computed beforehand
 SEND_SLICE = 1 << 20  # what aiohttp is handed per write: big enough to fill the socket, small to copy
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _AUTH_CODES = {
     "AccessDenied",
     "AccountProblem",
@@ -46,24 +48,48 @@ _AUTH_CODES = {
 
 
 def hook_client(s3: Any) -> None:
-    """Register the payload-hash handlers on `s3` (idempotent: botocore keeps one per unique id)."""
+    """Register the handlers above on `s3` (idempotent: botocore keeps one per unique id)."""
+    _register_signer()
     events = s3.meta.events
-    events.register("before-parameter-build.s3", _take_payload_list, unique_id="stagerd-payload-list")
-    events.register("before-send.s3", _record_payload_sha256, unique_id="stagerd-payload-sha256")
+    events.register("before-parameter-build.s3", _take_body_sha256, unique_id="stagerd-body-sha256")
+    events.register("choose-signer.s3", _choose_known_digest_signer, unique_id="stagerd-signer")
     events.register("before-send.s3", _send_in_slices, unique_id="stagerd-send-in-slices")
 
 
-def _take_payload_list(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-    sink = params.pop(PAYLOAD_SHA256, None)
-    if sink is not None:
-        context[PAYLOAD_SHA256] = sink
+def _take_body_sha256(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+    digest = params.pop(BODY_SHA256, None)
+    if digest is not None:
+        context[BODY_SHA256] = digest
 
 
-def _record_payload_sha256(request: Any, **_: Any) -> None:
-    sink = (getattr(request, "context", None) or {}).get(PAYLOAD_SHA256)
-    if sink is not None:
-        value = request.headers.get("X-Amz-Content-SHA256")
-        sink.append(value.decode() if isinstance(value, bytes) else value)
+def _choose_known_digest_signer(
+    signature_version: Any, signing_name: Any, context: dict[str, Any], **_: Any
+) -> str | None:
+    """Where botocore would sign with plain S3 SigV4 (the operation's `v4`, which its own handler maps to
+    `s3v4` for S3): S3 Express, SigV4a, unsigned bodies and unsigned clients keep botocore's choice."""
+    plain = (
+        signature_version in ("v4", "s3v4") and signing_name == "s3" and not context.get("unsigned_payload")
+    )
+    return _SIGNER if plain and context.get(BODY_SHA256) else None
+
+
+@functools.cache
+def _register_signer() -> None:
+    """Add the known-digest signer to botocore's signer table, under a name of its own."""
+    import botocore.auth
+
+    class KnownDigestS3SigV4Auth(botocore.auth.S3SigV4Auth):
+        def payload(self, request: Any) -> str:
+            digest = request.context.get(BODY_SHA256)
+            if (
+                digest
+                and not self._is_streaming_checksum_payload(request)
+                and self._should_sha256_sign_payload(request)
+            ):
+                return str(digest)
+            return str(super().payload(request))
+
+    botocore.auth.AUTH_TYPE_MAPS[_SIGNER] = KnownDigestS3SigV4Auth
 
 
 def _send_in_slices(request: Any, **_: Any) -> None:
@@ -102,12 +128,6 @@ def _buffer_payload_type() -> type[Payload]:
                 await writer.write(view[start : min(end, start + SEND_SLICE)])
 
     return BufferSlices
-
-
-def signed_sha256(sent: list[Any]) -> str | None:
-    """The sha256 hex the last attempt signed as its payload hash, or None (unsigned, streaming, absent)."""
-    last = sent[-1] if sent else None
-    return last if isinstance(last, str) and _HEX64.fullmatch(last) else None
 
 
 def signs_payload(s3: Any) -> bool:

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.hashing import CHUNK, b64, composite_checksum, raw_checksum, read_into
+from stagerd.sinks.hashing import b64, composite_checksum, raw_checksum, read_into
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
-from stagerd.sinks.s3_client import PAYLOAD_SHA256, signed_sha256
+from stagerd.sinks.s3_client import BODY_SHA256
 
 if TYPE_CHECKING:
-    from hashlib import _Hash
+    pass
 
 
 class S3Api(Protocol):
@@ -93,14 +93,22 @@ class _Run:
             raise self.failure
 
 
-class _Sha256Chain:
-    """A file's sha256, fed part after part in file order by worker threads, each after the one before;
-    `whole`: the sha256 of the whole file, already computed with its read."""
+@dataclass(frozen=True)
+class _Part:
+    """One part as read: its number, bytes, store checksum (base64) and sha256 hex to sign (or None)."""
 
-    def __init__(self, whole: _Hash | None = None) -> None:
-        self.h = hashlib.sha256() if whole is None else whole
+    number: int
+    data: bytearray
+    checksum: str
+    sha256: str | None
+
+
+class _Sha256Chain:
+    """A file's sha256, fed part after part in file order by worker threads, each after the one before."""
+
+    def __init__(self) -> None:
+        self.h = hashlib.sha256()
         self._last: asyncio.Future[None] | None = None
-        self._done = whole is not None
 
     def feed(self, data: bytes | bytearray) -> asyncio.Future[None]:
         prev = self._last
@@ -108,8 +116,7 @@ class _Sha256Chain:
         async def step() -> None:
             if prev is not None:
                 await prev
-            if not self._done:
-                await asyncio.to_thread(self.h.update, data)
+            await asyncio.to_thread(self.h.update, data)
 
         self._last = asyncio.ensure_future(step())
         return self._last
@@ -187,29 +194,21 @@ class Uploads:
     # -- one PUT ------------------------------------------------------------------------------------------
 
     async def _put(self, f: LocalFile, weight: int) -> Uploaded:
-        """One PUT of the whole file. Where the client signs the body's sha256 (plain http), that signed
-        hash is the file's sha256, so the file is hashed here only where it does not."""
+        """One PUT of the whole file. Its sha256, taken with the read, is both the manifest's and (where the
+        client signs bodies) the signed payload hash the store checks the body against."""
         api, key = self.api, f"{self.prefix}/{f.rel}"
-        signed: list[Any] = []
         try:
-            own = not api.signs_payload
-            data, raw, sha = await asyncio.to_thread(_read_whole, f, api.algorithm, own)
+            data, raw, sha256 = await asyncio.to_thread(_read_whole, f, api.algorithm)
             checksum = b64(raw)
-            chain = _Sha256Chain(sha)
-            hashed = chain.feed(data) if own else None
             args: dict[str, Any] = {"Key": api.key(key), "Body": data, "ChecksumAlgorithm": api.algorithm}
             args[f"Checksum{api.algorithm}"] = checksum
-            if not own:
-                args[PAYLOAD_SHA256] = signed
+            if api.signs_payload:
+                args[BODY_SHA256] = sha256
             answer: dict[str, Any] | None
             if self.conditional:
                 answer = await api.put_new(api.where(key), **args)
             else:
                 answer = await api.call(api.where(key), "put_object", **args)
-            sha256 = None if own else signed_sha256(signed)
-            if sha256 is None:
-                await (hashed or chain.feed(data))
-                sha256 = await chain.hexdigest()
         finally:
             for _ in range(weight):
                 self.slots.release()
@@ -244,12 +243,14 @@ class Uploads:
         with open(f.path, "rb", buffering=0) as fh:
             while True:
                 await self._slot()
-                spare = self.spares.get(part_size)
-                buf = spare.pop() if spare else bytearray(part_size)
+                spares = self.spares.get(part_size)
+                spare = spares.pop() if spares else None
                 try:
-                    data, raw = await asyncio.to_thread(_read_part, fh, buf, api.algorithm)
+                    buf, data, raw, digest = await asyncio.to_thread(
+                        _read_part, fh, spare, part_size, api.algorithm, api.signs_payload
+                    )
                 except BaseException:
-                    self._release(buf)
+                    self.slots.release()
                     raise
                 if data is not buf:  # the file's last part, in a buffer of its own size
                     self._release(buf, slot=False)
@@ -262,7 +263,8 @@ class Uploads:
                     raise changed_error(f, size)
                 raws.append(raw)
                 hashed = chain.feed(data)
-                parts.append(run.spawn(self._part(key, upload_id, len(parts) + 1, data, b64(raw), hashed)))
+                part = _Part(len(parts) + 1, data, b64(raw), digest)
+                parts.append(run.spawn(self._part(key, upload_id, part, hashed)))
         if size != f.size:
             raise changed_error(f, size)
         return run.spawn(self._complete(f, key, upload_id, parts, raws, chain))
@@ -271,29 +273,30 @@ class Uploads:
         self,
         key: str,
         upload_id: asyncio.Future[Any],
-        number: int,
-        data: bytearray,
-        checksum: str,
+        part: _Part,
         hashed: asyncio.Future[None],
     ) -> dict[str, Any]:
         api = self.api
+        args: dict[str, Any] = {f"Checksum{api.algorithm}": part.checksum}
+        if part.sha256 is not None:
+            args[BODY_SHA256] = part.sha256
         try:
             r = await api.call(
-                f"{api.where(key)} (part {number})",
+                f"{api.where(key)} (part {part.number})",
                 "upload_part",
                 Key=api.key(key),
                 UploadId=await upload_id,
-                PartNumber=number,
-                Body=data,
+                PartNumber=part.number,
+                Body=part.data,
                 ChecksumAlgorithm=api.algorithm,
-                **{f"Checksum{api.algorithm}": checksum},
+                **args,
             )
             await hashed
         finally:
-            self._release(data)
-        self.progress(len(data))
+            self._release(part.data)
+        self.progress(len(part.data))
         crash_point("s3.part")
-        return {"PartNumber": number, "ETag": r["ETag"], f"Checksum{api.algorithm}": checksum}
+        return {"PartNumber": part.number, "ETag": r["ETag"], f"Checksum{api.algorithm}": part.checksum}
 
     async def _complete(
         self,
@@ -345,27 +348,29 @@ def one_put(size: int, part_size: int) -> bool:
     return size < 2 * part_size
 
 
-def _read_whole(f: LocalFile, algorithm: str, sha256: bool) -> tuple[bytearray, bytes, _Hash | None]:
-    """A file that goes in one PUT, its raw store checksum, and (`sha256`) for a small one its sha256
-    already (a second trip to a worker thread costs more than hashing a few MiB here)."""
+def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytearray, bytes, str]:
+    """A file that goes in one PUT, its raw store checksum and its sha256 hex."""
     data = bytearray(f.size + 1)  # one byte more: a file that grew is caught here
     with open(f.path, "rb", buffering=0) as fh:
         del data[read_into(fh, data) :]
     if len(data) != f.size:
         raise changed_error(f, len(data))
-    return (
-        data,
-        raw_checksum(data, algorithm),
-        hashlib.sha256(data) if sha256 and len(data) <= CHUNK else None,
-    )
+    return data, raw_checksum(data, algorithm), hashlib.sha256(data).hexdigest()
 
 
-def _read_part(fh: io.RawIOBase, buf: bytearray, algorithm: str) -> tuple[bytearray, bytes]:
-    """The next part of an open file, read into `buf` (a short last part into a buffer of its own, so
-    that `buf` stays whole for reuse), and its raw store checksum; empty at the end."""
+def _read_part(
+    fh: io.RawIOBase, spare: bytearray | None, part_size: int, algorithm: str, digest: bool
+) -> tuple[bytearray, bytearray, bytes, str | None]:
+    """The next part of an open file: the part-sized buffer it was read into (`spare`, or a new one: its
+    zero-fill and page faults stay off the event loop), the part (that buffer, or for a short last part a
+    buffer of its own, so that the part-sized one stays whole for reuse), its raw store checksum and
+    (`digest`) its sha256 hex for the signature; an empty part at the end."""
+    buf = bytearray(part_size) if spare is None else spare
     got = read_into(fh, buf)
     data = buf if got == len(buf) else bytearray(memoryview(buf)[:got])
-    return data, raw_checksum(data, algorithm) if data else b""
+    if not data:
+        return buf, data, b"", None
+    return buf, data, raw_checksum(data, algorithm), hashlib.sha256(data).hexdigest() if digest else None
 
 
 async def upload_files(

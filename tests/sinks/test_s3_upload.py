@@ -16,7 +16,7 @@ from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.s3 import S3Backend
-from stagerd.sinks.s3_client import signed_sha256, signs_payload
+from stagerd.sinks.s3_client import signs_payload
 from tests import s3server
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
@@ -207,10 +207,11 @@ def test_latest_moves_only_forward_when_it_changes_during_the_upload(s3, tmp_pat
         assert statuses == ([412] if want == 20 else [412, 200]), statuses
 
 
-def test_one_put_files_take_their_sha256_from_the_signed_payload_hash(s3, tmp_path):
-    """Over plain http the client signs each body's sha256 and the store checks it: for a file in one PUT
-    that is the file's sha256, so the manifest records the very hash the store checked (and the file is
-    not hashed twice); multipart files are hashed by the uploader."""
+def test_the_signed_payload_hash_is_the_uploaders_own_and_the_store_checks_it(s3, tmp_path):
+    """Over plain http every body's sha256 is signed, and the store checks it against the body (the test
+    server does, as S3 does). The uploader computes it with the read and the signer takes it: each part's
+    signed hash is that part's sha256, and for a file in one PUT it is the file's sha256, which the
+    manifest records (one sha256 pass over such a file, not two)."""
     export = make_export(tmp_path / "e", {**BIG, **SMALL, "mid.safetensors": 7 * MiB})
     assert not sink(s3).publish(export, 11).skipped
     manifest = json.loads(s3.get(f"ckpt/step-00000011/{layout.MANIFEST_NAME}"))
@@ -222,14 +223,26 @@ def test_one_put_files_take_their_sha256_from_the_signed_payload_hash(s3, tmp_pa
             recorded[rel] == put[0].content_sha256 == hashlib.sha256((export / rel).read_bytes()).hexdigest()
         )
     for rel in BIG:
-        assert recorded[rel] == hashlib.sha256((export / rel).read_bytes()).hexdigest()
+        body = (export / rel).read_bytes()
+        assert recorded[rel] == hashlib.sha256(body).hexdigest()
+        parts = [r for r in s3.proxy.log if r.op == "UploadPart" and r.key.endswith("/" + rel)]
+        want = [hashlib.sha256(body[i : i + 5 * MiB]).hexdigest() for i in range(0, len(body), 5 * MiB)]
+        assert sorted(r.content_sha256 for r in parts) == sorted(want)  # parts may arrive in any order
 
 
-def test_signed_payload_hash_is_taken_only_when_it_is_one():
-    assert signed_sha256(["a" * 64]) == "a" * 64
-    assert signed_sha256(["0" * 64, "b" * 64]) == "b" * 64  # the last attempt's
-    for sent in ([], [None], ["UNSIGNED-PAYLOAD"], ["STREAMING-UNSIGNED-PAYLOAD-TRAILER"], ["A" * 64]):
-        assert signed_sha256(sent) is None
+def test_a_wrong_digest_handed_to_the_signer_is_refused_by_the_store(s3):
+    """The signer signs the digest it is handed, and the store checks the body against it: a wrong one
+    fails the request instead of storing bytes under a hash they do not have."""
+    from stagerd.sinks.s3_client import BODY_SHA256
+
+    backend = sink(s3)._backend
+    assert isinstance(backend, S3Backend)
+    with pytest.raises(SinkError) as ei:
+        backend._run(
+            backend.call, "x", "put_object", Key="ckpt/x", Body=bytearray(b"abc"), **{BODY_SHA256: "0" * 64}
+        )
+    assert "XAmzContentSHA256Mismatch" in str(ei.value)
+    assert "ckpt/x" not in s3.keys("ckpt/")
 
 
 @pytest.mark.parametrize(
