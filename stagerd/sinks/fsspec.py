@@ -38,7 +38,6 @@ from stagerd.sinks.objects import (
     Backend,
     BatchingStore,
     ByteProgress,
-    Latest,
     LocalFile,
     RemoteObject,
     StepOpening,
@@ -221,13 +220,15 @@ class FsspecSink:
                 self._discard(prefix, opening, remote_manifest)
                 raise
             self._verify(prefix, remote_manifest, {d.rel: d.checksum for d in digests})
-            self._move_latest(prefix, step, opening.latest)
+            self._move_latest(prefix, step)
             log.info("step %d already on %s", step, self.url, extra={"step": step, "sink": self.url})
             return self._result(prefix, step, files, 0, True, t0)
 
-        listed = opening.listed
-        remote = listed if listed is not None else self._call(lambda: b.list(prefix), prefix)
         created = {d.rel: d for d in opening.created}
+        listed = opening.listed
+        if listed is None and all(f.rel in created for f in files):
+            listed = {}  # every file was created while opening: nothing listed could be reused
+        remote = listed if listed is not None else self._call(lambda: b.list(prefix), prefix)
         refused = {d.rel: d for d in opening.refused}
         reused: dict[str, Uploaded] = {}
         same_size = [
@@ -258,12 +259,17 @@ class FsspecSink:
 
         created_manifest = self._call(lambda: b.create(manifest_key, manifest_bytes(manifest)), manifest_key)
         if not created_manifest:
-            # another publisher committed this step between our check and our write
+            # the step was published before (a listing was skipped or raced): by another publisher, or
+            # by this one before a restart
             raw = self._call(lambda: b.read(manifest_key), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
-            self._check_same(other, manifest, manifest_key)
+            try:
+                self._check_same(other, manifest, manifest_key)
+            except SinkConflictError:
+                self._discard(prefix, opening, other)
+                raise
         crash_point("fsspec.manifest")
-        self._move_latest(prefix, step, opening.latest)
+        self._move_latest(prefix, step)
         sent = sum(f.size for f in todo) + sum(d.size for d in created.values())
         log.info(
             "published step %d to %s: %d files, %d bytes uploaded, %d reused",
@@ -307,7 +313,7 @@ class FsspecSink:
             return opening
         existing = self._call(lambda: b.read(manifest_key), manifest_key)
         self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
-        return StepOpening(existing, None, None, [], [])
+        return StepOpening(existing, None, [], [])
 
     def _discard(self, prefix: str, opening: StepOpening, published: ExportManifest) -> None:
         """Remove what this publish created early in a step that turned out published with other files:
@@ -348,14 +354,14 @@ class FsspecSink:
     def _latest_key(prefix: str) -> str:
         return f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
 
-    def _move_latest(self, prefix: str, step: int, known: Latest | None = None) -> None:
-        """Point `latest` at `step` unless it names a newer one (`known`: as read while opening the step)."""
+    def _move_latest(self, prefix: str, step: int) -> None:
+        """Point `latest` at `step` unless it names a newer one."""
         key = self._latest_key(prefix)
         b = self._backend
         name = layout.step_dir_name(step).encode()
         if isinstance(b, BatchingStore):
             batching = b
-            self._call(lambda: batching.move_latest(key, name, step, known), key)
+            self._call(lambda: batching.move_latest(key, name, step), key)
             return
         current = self._call(lambda: b.read(key), key)
         if newer_latest(current, step) and current != name:

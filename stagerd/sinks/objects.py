@@ -127,12 +127,12 @@ class Latest:
 @dataclass(frozen=True)
 class StepOpening:
     """What opening a step learnt: the manifest's bytes (None if absent); from a batching store also the
-    listing, `latest`, and the files it already created (`created`, confirmed) or found taken (`refused`:
-    hashed, not sent; their keys held an object already)."""
+    listing (None: not listed, because every file was created while opening), and the files it already
+    created (`created`, confirmed) or found taken (`refused`: hashed, not sent; their keys held an object
+    already)."""
 
     existing: bytes | None
     listed: dict[str, RemoteObject] | None
-    latest: Latest | None
     created: list[Uploaded]
     refused: list[Uploaded]
 
@@ -150,13 +150,16 @@ class BatchingStore(Protocol):
         files: builtins.list[LocalFile],
         progress: ByteProgress,
     ) -> StepOpening:
-        """Together: `sweep(prefix)`, `list(prefix)`, the read of `latest`, and create-only uploads of the
-        `files` the store chooses; then the manifest's bytes if the listing shows one."""
+        """Together: `sweep(prefix)`, `list(prefix)`, create-only uploads of the `files` the store chooses,
+        and the read of `latest_key` unless the store knows its version; then the manifest's bytes if the
+        listing shows one. Where every file could be created that way, neither the sweep nor the listing
+        is needed: a taken key or manifest refuses the write."""
         ...
 
-    def move_latest(self, key: str, name: bytes, step: int, known: Latest | None) -> None:
-        """Point `key` at `name` unless it names a newer step than `step`, writing only over what was read
-        (`known`, if read already); a `latest` that changed meanwhile is read and judged again."""
+    def move_latest(self, key: str, name: bytes, step: int) -> None:
+        """Point `key` at `name` unless it names a newer step than `step`, writing only over the version
+        known (read while opening, or last written here); a `latest` that changed meanwhile is read and
+        judged again."""
         ...
 
     def discard(self, keys: builtins.list[str]) -> None:

@@ -75,6 +75,8 @@ class S3Backend:
         self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
         self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
         self._opened: set[str] = set()  # step prefixes opened before: a retry sends nothing early
+        self._latest: dict[str, Latest] = {}  # each `latest` key as last read or written here
+        self._latest_reads: dict[str, asyncio.Future[Latest]] = {}  # prefetches not yet used
         self._hooked: Any = None
         self.signs_payload = False  # until the client is known: hash every file here, as always safe
 
@@ -194,59 +196,100 @@ class S3Backend:
         progress: ByteProgress,
     ) -> StepOpening:
         """The step's first round trip, all at once: the sweep's listing, the object listing, the read of
-        `latest`, and create-only PUTs (`If-None-Match: *`) of the files under two parts, which cannot
-        overwrite anything and so need not wait for the listing. Multipart uploads do wait, so the sweep
-        never sees (and aborts) one of ours. The manifest is then fetched only if the listing shows one (S3
-        lists consistently). A prefix this backend opened before (a retry) sends nothing early: its files
-        are likely there, and the checked path reuses them without sending their bytes again."""
+        `latest` (unless this backend wrote it last), and create-only PUTs (`If-None-Match: *`) of the
+        files under two parts, which cannot overwrite anything and so need not wait for the listing.
+        Multipart uploads do wait, so the sweep never sees (and aborts) one of ours. The manifest is then
+        fetched only if the listing shows one (S3 lists consistently). A prefix this backend opened before
+        (a retry) sends nothing early: its files are likely there, and the checked path reuses them
+        without sending their bytes again.
+
+        A step whose files all go in one PUT (a small step) opens with its PUTs and the read of
+        `latest`.
+        It has no multipart upload to sweep: a killed publisher of it left none either. Nor does it need
+        the listing: a PUT refused on a taken key sends the step down the listed path after all, and a
+        published manifest refuses ours at the end (`FsspecSink._publish_tree`). A stale multipart upload
+        under such a step (a killed run with a smaller part size) is left to the bucket's lifecycle rule."""
         eager = [f for f in files if one_put(f.size, self.part_size_of(f.size))]
         if prefix in self._opened:
             eager = []
         self._opened.add(prefix)
+        small = bool(eager) and len(eager) == len(files)
+
+        async def listed() -> tuple[dict[str, RemoteObject], bytes | None]:
+            objects = await self._list(prefix)
+            name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
+            return objects, await self._get(manifest_key) if name is None or name in objects else None
 
         async def go() -> StepOpening:
-            reads = asyncio.gather(self._sweep(prefix), self._list(prefix), self._read_latest(latest_key))
             puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
-            try:
-                _, listed, latest = await reads
-                name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
-                existing = await self._get(manifest_key) if name is None or name in listed else None
+            self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+            if small:
                 created, refused = await puts
+                if not refused:
+                    return StepOpening(None, None, created, [])
+                objects, existing = await listed()
+                return StepOpening(existing, objects, created, refused)
+            reads = asyncio.gather(self._sweep(prefix), listed())
+            try:
+                (_, (objects, existing)), (created, refused) = await reads, await puts
             except BaseException:
                 reads.cancel()
                 puts.cancel()
                 await asyncio.gather(reads, puts, return_exceptions=True)
                 raise
-            return StepOpening(existing, listed, latest, created, refused)
+            return StepOpening(existing, objects, created, refused)
 
         return self._run(go)
+
+    def _prefetch_latest(self, key: str) -> None:
+        """Start reading `latest` unless its version is known here; `move_latest` takes the answer."""
+        if key not in self._latest and key not in self._latest_reads:
+            read = asyncio.ensure_future(self._read_latest(key))
+            read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, or read again
+            self._latest_reads[key] = read
+
+    async def _known_latest(self, key: str) -> Latest:
+        """`latest` as prefetched, else as last written or read here, else as read now."""
+        read = self._latest_reads.pop(key, None)
+        if read is not None:
+            try:
+                return await read
+            except SinkError:
+                pass  # read again below, and fail there if it fails again
+        known = self._latest.get(key)
+        return known if known is not None else await self._read_latest(key)
 
     async def _read_latest(self, key: str) -> Latest:
         s3 = await self._client()
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
             async with r["Body"] as body:
-                return Latest(bytes(await body.read()), r.get("ETag"))
+                latest = Latest(bytes(await body.read()), r.get("ETag"))
         except Exception as e:
-            if error_code(e)[0] in ("NoSuchKey", "404"):
-                return Latest(None)
-            raise s3_error(e, self.where(key)) from None
+            if error_code(e)[0] not in ("NoSuchKey", "404"):
+                raise s3_error(e, self.where(key)) from None
+            latest = Latest(None)
+        self._latest[key] = latest
+        return latest
 
-    def move_latest(self, key: str, name: bytes, step: int, known: Latest | None) -> None:
+    def move_latest(self, key: str, name: bytes, step: int) -> None:
         """`latest` moves only forward, judged on what it holds when written: each write is conditional on
-        the version read (`If-Match`, or `If-None-Match: *` where it was absent), and one that finds it
-        changed reads it again. A store without conditional writes gets read-then-write."""
+        the version known (`If-Match`, or `If-None-Match: *` where it was absent): prefetched beside the
+        manifest's write, or this backend's own last write of it (a daemon's sink, step after step, then
+        reads it no more). A write that finds it changed reads it again. A store without conditional
+        writes gets read-then-write."""
 
         async def go() -> None:
-            cur = known if known is not None else await self._read_latest(key)
+            cur = await self._known_latest(key)
             for _ in range(LATEST_TRIES):
                 if not newer_latest(cur.data, step) or cur.data == name:
                     return
                 cond = {"IfMatch": cur.etag} if cur.data is not None and cur.etag else {"IfNoneMatch": "*"}
                 try:
-                    await (await self._client()).put_object(
+                    answer = await (await self._client()).put_object(
                         Bucket=self.bucket, **self._put_args(key, name), **cond
                     )
+                    self._latest[key] = Latest(name, answer.get("ETag"))
                     return
                 except Exception as e:
                     if not_implemented(e):

@@ -154,21 +154,37 @@ def test_a_file_under_two_parts_is_one_put_and_a_rerun_agrees(s3, tmp_path):
     assert [r.status for r in s3.proxy.log if r.op == "PutObject" and "mid." in r.key] == [412]
 
 
-def test_a_fresh_step_opens_in_one_round_trip(s3, tmp_path):
-    """The listings, the read of `latest` and the create-only PUTs of the small files go out together; the
-    listing says whether the manifest exists (S3 lists consistently), so a fresh step asks for no manifest
-    that is not there; a published one is read and found the same. After the uploads: the manifest, then
-    `latest`, and nothing else."""
+def test_a_small_step_opens_with_its_puts_alone(s3, tmp_path):
+    """A step whose files all go in one PUT sends them create-only at once, with the read of `latest`: no
+    sweep (it has no multipart upload) and no listing (a taken key refuses the PUT). After them, the
+    manifest, then `latest`. A fresh sink publishing it again finds its PUTs refused, lists, reads the
+    manifest and finds it the same; the sink that wrote `latest` does not read it again."""
     export = make_export(tmp_path / "e", SMALL)
-    assert not sink(s3).publish(export, 8).skipped
+    first = sink(s3)
+    assert not first.publish(export, 8).skipped
     ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
-    opening = {"ListMultipartUploads", "ListObjects", "GetObject"} | {f"PutObject {n}" for n in SMALL}
-    assert {f"{op} {n}" if op == "PutObject" else op for op, n in ops[: len(opening)]} == opening
+    opening = sorted([("GetObject", "latest"), *(("PutObject", n) for n in SMALL)])
+    assert sorted(ops[: len(opening)]) == opening
     assert ops[len(opening) :] == [("PutObject", layout.MANIFEST_NAME), ("PutObject", "latest")]
-    assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 0
     s3.proxy.reset()
     assert sink(s3).publish(export, 8).skipped
+    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [412] * len(SMALL)
+    assert s3.proxy.count("ListObjects") >= 1  # the opening's, then the published step's verification
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 1
+    s3.proxy.reset()
+    assert not first.publish(export, 9).skipped
+    assert s3.proxy.count("GetObject") == 0 and s3.get("ckpt/latest") == layout.step_dir_name(9).encode()
+
+
+def test_a_step_with_multipart_files_opens_with_the_sweep_and_the_listing(s3, tmp_path):
+    """Multipart files wait for the sweep's listing (it must not abort them), and the one-PUT files go
+    create-only beside it."""
+    export = make_export(tmp_path / "e", {**BIG, **SMALL})
+    assert not sink(s3).publish(export, 8).skipped
+    ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
+    first_part = next(i for i, (op, _) in enumerate(ops) if op == "CreateMultipartUpload")
+    assert {"ListMultipartUploads", "ListObjects"} <= {op for op, _ in ops[:first_part]}
+    assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 0
 
 
 def test_a_conflicting_published_step_keeps_its_files_and_loses_our_strays(s3, tmp_path):
@@ -186,25 +202,24 @@ def test_a_conflicting_published_step_keeps_its_files_and_loses_our_strays(s3, t
     assert [r.status for r in created][-1] == 200, "the stray was created early, then deleted"
 
 
-def test_latest_moves_only_forward_when_it_changes_during_the_upload(s3, tmp_path):
-    """`latest` is read while the step opens; a newer step that moves it meanwhile makes the conditional
-    write fail, and the re-read keeps it; an older one is overwritten."""
+def test_latest_moves_only_forward_when_it_changes_behind_the_sink(s3, tmp_path):
+    """The sink writes `latest` only over the version it knows, here its own last write, without reading
+    it first. Another writer moving it meanwhile makes that write fail: the re-read keeps a newer step
+    and overwrites an older one."""
     export = make_export(tmp_path / "e", SMALL)
-    for moved_to, want in ((20, 20), (5, 10)):
+    for moved_to, want in ((20, 20), (5, 11)):
         prefix = f"ckpt{moved_to}"
-
-        def move(done: int, total: int, prefix: str = prefix, moved_to: int = moved_to) -> None:
-            s3.client.put_object(
-                Bucket=s3.bucket, Key=f"{prefix}/latest", Body=layout.step_dir_name(moved_to).encode()
-            )
-
-        s3.client.put_object(Bucket=s3.bucket, Key=f"{prefix}/latest", Body=layout.step_dir_name(1).encode())
-        s3.proxy.reset()
         sink_ = open_sink(s3.url(prefix), part_size=5 * MiB, max_concurrency=4)
-        assert not sink_.publish(export, 10, progress=move).skipped
+        assert not sink_.publish(export, 10).skipped
+        s3.client.put_object(
+            Bucket=s3.bucket, Key=f"{prefix}/latest", Body=layout.step_dir_name(moved_to).encode()
+        )
+        s3.proxy.reset()
+        assert not sink_.publish(export, 11).skipped
         assert s3.get(f"{prefix}/latest") == layout.step_dir_name(want).encode()
         statuses = [r.status for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("/latest")]
         assert statuses == ([412] if want == 20 else [412, 200]), statuses
+        assert s3.proxy.count("GetObject", key_contains="latest") == 1  # only after the refusal
 
 
 def test_the_signed_payload_hash_is_the_uploaders_own_and_the_store_checks_it(s3, tmp_path):
