@@ -124,7 +124,9 @@ def boto_client(endpoint: str, pool: int) -> Any:
 
 # With --warm-clients every contender's client makes one listing before the clock (a daemon's sink
 # has made its first request long before a step): what is left is the publish, not the first connection.
-WARM = {"clients": False}
+# With --after-a-step every contender uploads a one-file step with the same client before the clock, as
+# a daemon's sink has published the step before: what is timed is a step in the steady state.
+WARM: dict[str, Any] = {"clients": False, "step": None}
 # With --unsigned-payload every client sends UNSIGNED-PAYLOAD, as botocore does over https when a checksum
 # header is present: no client hashes request bodies for SigV4, so this is the hashing real S3 costs.
 S3_CONFIG: dict[str, Any] = {}
@@ -149,6 +151,8 @@ def stagerd(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Call
     sink = open_stagerd(endpoint, prefix, part, conc)
     if WARM["clients"]:
         sink._backend.list("warm")
+    if WARM["step"] is not None:
+        sink.publish(WARM["step"], 0)
 
     def run(export: Path) -> None:
         res = sink.publish(export, 1)
@@ -166,6 +170,10 @@ def transfer_manager(endpoint: str, prefix: str, part: int, conc: int) -> tuple[
     config = TransferConfig(
         multipart_threshold=part, multipart_chunksize=part, max_concurrency=conc, use_threads=True
     )
+    if WARM["step"] is not None:
+        with create_transfer_manager(client, config) as tm:
+            for p in sorted(WARM["step"].iterdir()):
+                tm.upload(str(p), BUCKET, f"{prefix}/step-0/{p.name}").result()
 
     def run(export: Path) -> None:
         with create_transfer_manager(client, config) as tm:
@@ -185,6 +193,8 @@ def s3fs_put(endpoint: str, prefix: str, part: int, conc: int) -> tuple[Run, Cal
     s3 = sync(fs.loop, fs.set_session)
     if WARM["clients"]:
         sync(fs.loop, s3.list_objects_v2, Bucket=BUCKET, Prefix="warm/")
+    if WARM["step"] is not None:
+        fs.put(f"{WARM['step']}/", f"{BUCKET}/{prefix}/step-0/", recursive=True)
 
     def run(export: Path) -> None:
         fs.put(f"{export}/", f"{BUCKET}/{prefix}/", recursive=True)
@@ -320,6 +330,9 @@ def main() -> int:
     ap.add_argument("--timeline", action="store_true", help="print one stagerd publish's requests per case")
     ap.add_argument("--warm-clients", action="store_true", help="one untimed request per client first")
     ap.add_argument(
+        "--after-a-step", action="store_true", help="each client uploads a one-file step untimed first"
+    )
+    ap.add_argument(
         "--unsigned-payload", action="store_true", help="no client signs body hashes (as over https)"
     )
     ap.add_argument("--workdir", type=Path, help="where to write the exports (default: a temp dir)")
@@ -340,9 +353,13 @@ def main() -> int:
         f"S3 publish to moto, part {args.part_mib} MiB, {conc} in flight, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.2f} at start"
         + (", clients warmed" if args.warm_clients else "")
+        + (", after a step" if args.after_a_step else "")
         + (", unsigned payloads" if args.unsigned_payload else "")
     )
     proc, endpoint = start_moto()
+    step_dir = tempfile.TemporaryDirectory(dir=args.workdir)
+    if args.after_a_step:
+        WARM["step"] = make_small_export(Path(step_dir.name) / "step-0", 1)
     import psutil
 
     SERVER["proc"] = psutil.Process(proc.pid)
@@ -359,6 +376,7 @@ def main() -> int:
                     empty_bucket(client)
                 results.append(bench_case(label, export, endpoint, part, conc, args.rounds, client))
     finally:
+        step_dir.cleanup()
         assert proc.stdin is not None
         proc.stdin.close()
         proc.wait(timeout=60)
