@@ -7,9 +7,13 @@ answers prove.
   parts are sent, instead of every file finishing at once at the end (moto spends seconds assembling
   500 MB; S3 also takes a while).
 - **Memory.** `max_concurrency` slots: a part holds one from its read until it is both sent and hashed.
-- **Hashing.** The part's store checksum (CRC32 by default) is computed with the read, since its header
-  goes out with the part; the file's sha256 for the manifest runs in a worker thread, part after part in
-  file order, while the part is on the wire.
+  Parts are read into `bytearray`s that go back to a free list when their part is done, so a publish
+  zero-fills and faults in at most `max_concurrency` of them.
+- **Hashing.** A worker thread reads each part and takes its store checksum (CRC32 by default), since its
+  header goes out with the part, and, where the client signs bodies (plain http), its sha256 for the
+  signature (`s3_client.py`: the signer takes it instead of hashing on the event loop). The file's
+  sha256 for the manifest runs in a worker thread, part after part in file order, while the part is on
+  the wire. A file in one PUT is hashed once: its sha256 is both the signed one and the manifest's.
 - **Verification.** A `PutObject` or `CompleteMultipartUpload` answer that carries the object's checksum
   proves what the store holds (it verified the body against the checksum we sent). Where the answer has
   none (moto's `CompleteMultipartUpload`), the object is HEADed at once, while other files still upload.
