@@ -203,8 +203,7 @@ class S3Backend:
         (a retry) sends nothing early: its files are likely there, and the checked path reuses them
         without sending their bytes again.
 
-        A step whose files all go in one PUT (a small step) opens with its PUTs and the read of
-        `latest`.
+        A step whose files all go in one PUT (a small step) opens with its PUTs and the read of `latest`.
         It has no multipart upload to sweep: a killed publisher of it left none either. Nor does it need
         the listing: a PUT refused on a taken key sends the step down the listed path after all, and a
         published manifest refuses ours at the end (`FsspecSink._publish_tree`). A stale multipart upload
@@ -274,8 +273,8 @@ class S3Backend:
 
     def move_latest(self, key: str, name: bytes, step: int) -> None:
         """`latest` moves only forward, judged on what it holds when written: each write is conditional on
-        the version known (`If-Match`, or `If-None-Match: *` where it was absent): prefetched beside the
-        manifest's write, or this backend's own last write of it (a daemon's sink, step after step, then
+        the version known (`If-Match`, or `If-None-Match: *` where it was absent): read while the step
+        opened, or this backend's own last write of it (a daemon's sink, step after step, then
         reads it no more). A write that finds it changed reads it again. A store without conditional
         writes gets read-then-write."""
 

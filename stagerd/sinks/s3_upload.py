@@ -30,16 +30,13 @@ import hashlib
 import io
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.hashing import b64, composite_checksum, raw_checksum, read_into
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
 from stagerd.sinks.s3_client import BODY_SHA256
-
-if TYPE_CHECKING:
-    pass
 
 
 class S3Api(Protocol):
@@ -105,6 +102,7 @@ class _Part:
     data: bytearray
     checksum: str
     sha256: str | None
+    reusable: bool  # a part-sized buffer (not a short last part's own): kept for the next part
 
 
 class _Sha256Chain:
@@ -182,10 +180,12 @@ class Uploads:
         for f in multi:
             results[f.rel] = await self._multipart(f)
 
-    def _release(self, buf: bytearray, *, slot: bool = True) -> None:
-        """Give back a part's slot and keep its buffer for the next part of the same size: a reused buffer
-        costs no zero-fill and no page faults."""
-        self.spares.setdefault(len(buf), []).append(buf)
+    def _release(self, buf: bytearray, *, slot: bool = True, keep: bool = True) -> None:
+        """Give back a part's slot and (`keep`) keep its buffer for the next part of the same size: a reused
+        buffer costs no zero-fill and no page faults. A short last part's buffer is not kept, so the free
+        list holds at most the `max_concurrency` part-sized buffers, however many files there are."""
+        if keep:
+            self.spares.setdefault(len(buf), []).append(buf)
         if slot:
             self.slots.release()
 
@@ -263,11 +263,11 @@ class Uploads:
                     break
                 size += len(data)
                 if size > f.size:
-                    self._release(data)
+                    self._release(data, keep=data is buf)
                     raise changed_error(f, size)
                 raws.append(raw)
                 hashed = chain.feed(data)
-                part = _Part(len(parts) + 1, data, b64(raw), digest)
+                part = _Part(len(parts) + 1, data, b64(raw), digest, reusable=data is buf)
                 parts.append(run.spawn(self._part(key, upload_id, part, hashed)))
         if size != f.size:
             raise changed_error(f, size)
@@ -297,7 +297,7 @@ class Uploads:
             )
             await hashed
         finally:
-            self._release(part.data)
+            self._release(part.data, keep=part.reusable)
         self.progress(len(part.data))
         crash_point("s3.part")
         return {"PartNumber": part.number, "ETag": r["ETag"], f"Checksum{api.algorithm}": part.checksum}

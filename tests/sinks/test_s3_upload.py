@@ -316,6 +316,23 @@ def test_parts_share_a_few_buffers_and_each_arrives_as_it_was_read(s3, tmp_path)
     assert manifest["files"][0]["sha256"] == hashlib.sha256(body).hexdigest()
 
 
+def test_the_free_list_keeps_only_part_sized_buffers(s3, tmp_path):
+    """Every file's short last part has a buffer of its own, which is not kept: after three multipart
+    files through two slots the free list holds at most two buffers, all of them part-sized."""
+    from stagerd.sinks.objects import ByteProgress, LocalFile
+    from stagerd.sinks.s3_upload import Uploads
+
+    export = make_export(tmp_path / "e", {"a.bin": 11 * MiB, "b.bin": 12 * MiB, "c.bin": 13 * MiB})
+    files = [LocalFile(p.name, p, p.stat().st_size) for p in sorted(export.iterdir())]
+    backend = sink(s3, concurrency=2)._backend
+    assert isinstance(backend, S3Backend)
+    up = Uploads(backend, "ckpt/step-00000013", files, ByteProgress(sum(f.size for f in files), None))
+    done = backend._run(up.run)
+    assert [d.size for d in done] == [f.size for f in files]
+    kept = [len(b) for bufs in up.spares.values() for b in bufs]
+    assert kept and len(kept) <= 2 and set(kept) == {5 * MiB}, kept
+
+
 def test_big_bodies_go_to_aiohttp_in_slices_of_the_buffer():
     """A part's `bytearray` is handed to aiohttp as views of at most `SEND_SLICE` bytes, in order, and the
     payload can be written again (botocore rewinds a body before it retries)."""
