@@ -59,6 +59,8 @@ class HubApp(LfsEndpoints):
         fault = self.faults.take(request.method, unquote(raw))
         status = 0
         try:
+            if fault is not None:
+                fault.wait_turn()
             if fault is not None and fault.hang:
                 self._hang(request, environ)
             if fault is not None and fault.stall_after is not None:

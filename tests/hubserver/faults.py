@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -26,6 +28,8 @@ class Fault:
     `stall_after=N` handles the request for real, sends the status, the headers (with the full
     Content-Length) and the first N bytes of the body, then stalls: a response that stops mid-way.
     Both hold the connection until `FaultPlan.release()`, then drop it.
+    `not_before` holds the fault's answer until it returns True (checked every 10 ms, for at most 10 s):
+    an order between concurrent requests that would otherwise depend on thread scheduling.
     """
 
     method: str
@@ -40,7 +44,13 @@ class Fault:
     drop_response: bool = False
     hang: bool = False
     stall_after: int | None = None
+    not_before: Callable[[], bool] | None = None
     fired: int = 0
+
+    def wait_turn(self) -> None:
+        deadline = time.monotonic() + 10
+        while self.not_before is not None and not self.not_before() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def matches(self, method: str, path: str) -> bool:
         return self.method.upper() in (method.upper(), "*") and re.search(self.path, path) is not None

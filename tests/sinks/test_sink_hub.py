@@ -166,7 +166,10 @@ def test_commit_whose_answer_is_lost_is_not_committed_twice(hub, tmp_path):
 
 def test_failed_upload_resumes_without_resending_finished_objects(hub, tmp_path):
     export = write_export(tmp_path / "export")
-    hub.faults.add(Fault("PUT", r"^/_lfs/part/", status=400, times=100))
+    # the parts fail only once the small shard is stored: huggingface_hub cancels uploads not yet started
+    # when one fails, so without the wait a loaded machine could fail the parts before the small one began
+    small_done = lambda: len(hub.stats.lfs_uploads) >= 1  # noqa: E731
+    hub.faults.add(Fault("PUT", r"^/_lfs/part/", status=400, times=100, not_before=small_done))
     with pytest.raises(SinkError):
         make_sink(hub).publish(export, 9)
     assert hub.stats.commits[REPO] == 0
