@@ -19,6 +19,7 @@ import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 CHUNK = 8 << 20
 ALGORITHMS = ("CRC32", "SHA256")
@@ -109,13 +110,56 @@ def read_full(f: object, n: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def read_into(f: io.RawIOBase, buf: bytearray) -> int:
-    """Fill `buf` from an unbuffered binary file; the count is short only at the file's end."""
-    got = 0
+HASH_SLICE = 1 << 20  # hashed while still in the CPU's cache: sha256 runs about 1.35x faster than over 16 MiB
+
+
+class RunningHash(Protocol):
+    """A hashlib object being fed a stream in order."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
+@dataclass(frozen=True)
+class PartHashes:
+    """What one read of a part yields: its length, raw store checksum, and sha256 hex (None: not asked)."""
+
+    size: int
+    checksum: bytes
+    sha256: str | None
+
+
+def read_hashed(
+    f: io.RawIOBase,
+    buf: bytearray,
+    algorithm: str,
+    *,
+    file_sha256: RunningHash | None = None,
+    part_sha256: bool = False,
+) -> PartHashes:
+    """Fill `buf` from an unbuffered binary file (short only at the file's end) and hash it on the way, one
+    `HASH_SLICE` at a time while that slice is still in cache: the store checksum, the part's own sha256
+    (`part_sha256`), and the running sha256 of the whole file (`file_sha256`, a hashlib object the caller
+    feeds part after part in file order). One pass over memory instead of one per digest."""
+    part = hashlib.sha256() if part_sha256 or algorithm == "SHA256" else None
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    crc, got = 0, 0
     with memoryview(buf) as view:
-        while got < len(buf) and (count := f.readinto(view[got:])):
+        while got < len(buf):
+            with view[got : got + HASH_SLICE] as room:
+                count = f.readinto(room)
+                if not count:
+                    break
+                with room[:count] as piece:
+                    if file_sha256 is not None:
+                        file_sha256.update(piece)
+                    if part is not None:
+                        part.update(piece)
+                    if algorithm == "CRC32":
+                        crc = zlib.crc32(piece, crc)
             got += count
-    return got
+    raw = part.digest() if algorithm == "SHA256" and part is not None else crc.to_bytes(4, "big")
+    return PartHashes(got, raw, part.hexdigest() if part_sha256 and part is not None else None)
 
 
 def hash_file(

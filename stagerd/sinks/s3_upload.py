@@ -6,14 +6,16 @@ answers prove.
   multipart file's parts in turn. A file's `CompleteMultipartUpload` therefore runs while the next file's
   parts are sent, instead of every file finishing at once at the end (moto spends seconds assembling
   500 MB; S3 also takes a while).
-- **Memory.** `max_concurrency` slots: a part holds one from its read until it is both sent and hashed.
+- **Memory.** `max_concurrency` slots: a part holds one from its read until it is sent.
   Parts are read into `bytearray`s that go back to a free list when their part is done, so a publish
   zero-fills and faults in at most `max_concurrency` of them.
-- **Hashing.** A worker thread reads each part and takes its store checksum (CRC32 by default), since its
-  header goes out with the part, and, where the client signs bodies (plain http), its sha256 for the
-  signature (`s3_client.py`: the signer takes it instead of hashing on the event loop). The file's
-  sha256 for the manifest runs in a worker thread, part after part in file order, while the part is on
-  the wire. A file in one PUT is hashed once: its sha256 is both the signed one and the manifest's.
+- **Hashing.** A worker thread reads each part, 1 MiB at a time, and hashes each MiB while it is still in
+  the CPU's cache (`hashing.read_hashed`): the store checksum (CRC32 by default), since its header goes
+  out with the part; where the client signs bodies (plain http), the part's sha256 for the signature
+  (`s3_client.py`: the signer takes it instead of hashing on the event loop); and the file's running
+  sha256 for the manifest, which the parts reach in file order because one file's parts are read one
+  after the other. A file in one PUT is hashed once: its sha256 is both the signed one and the
+  manifest's.
 - **Verification.** A `PutObject` or `CompleteMultipartUpload` answer that carries the object's checksum
   proves what the store holds (it verified the body against the checksum we sent). Where the answer has
   none (moto's `CompleteMultipartUpload`), the object is HEADed at once, while other files still upload.
@@ -34,7 +36,7 @@ from typing import Any, Protocol
 
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.hashing import b64, composite_checksum, raw_checksum, read_into
+from stagerd.sinks.hashing import RunningHash, b64, composite_checksum, read_hashed
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded, changed_error, same_checksum
 from stagerd.sinks.s3_client import BODY_SHA256
 
@@ -103,30 +105,6 @@ class _Part:
     checksum: str
     sha256: str | None
     reusable: bool  # a part-sized buffer (not a short last part's own): kept for the next part
-
-
-class _Sha256Chain:
-    """A file's sha256, fed part after part in file order by worker threads, each after the one before."""
-
-    def __init__(self) -> None:
-        self.h = hashlib.sha256()
-        self._last: asyncio.Future[None] | None = None
-
-    def feed(self, data: bytes | bytearray) -> asyncio.Future[None]:
-        prev = self._last
-
-        async def step() -> None:
-            if prev is not None:
-                await prev
-            await asyncio.to_thread(self.h.update, data)
-
-        self._last = asyncio.ensure_future(step())
-        return self._last
-
-    async def hexdigest(self) -> str:
-        if self._last is not None:
-            await self._last
-        return self.h.hexdigest()
 
 
 class Uploads:
@@ -240,7 +218,7 @@ class Uploads:
             return str(mpu["UploadId"])
 
         upload_id = run.spawn(create())
-        chain = _Sha256Chain()
+        file_sha256 = hashlib.sha256()  # fed by each part's read, one after the other, in file order
         parts: list[asyncio.Future[dict[str, Any]]] = []
         raws: list[bytes] = []
         size = 0
@@ -251,7 +229,7 @@ class Uploads:
                 spare = spares.pop() if spares else None
                 try:
                     buf, data, raw, digest = await asyncio.to_thread(
-                        _read_part, fh, spare, part_size, api.algorithm, api.signs_payload
+                        _read_part, fh, spare, part_size, api.algorithm, api.signs_payload, file_sha256
                     )
                 except BaseException:
                     self.slots.release()
@@ -266,19 +244,17 @@ class Uploads:
                     self._release(data, keep=data is buf)
                     raise changed_error(f, size)
                 raws.append(raw)
-                hashed = chain.feed(data)
                 part = _Part(len(parts) + 1, data, b64(raw), digest, reusable=data is buf)
-                parts.append(run.spawn(self._part(key, upload_id, part, hashed)))
+                parts.append(run.spawn(self._part(key, upload_id, part)))
         if size != f.size:
             raise changed_error(f, size)
-        return run.spawn(self._complete(f, key, upload_id, parts, raws, chain))
+        return run.spawn(self._complete(f, key, upload_id, parts, raws, file_sha256.hexdigest()))
 
     async def _part(
         self,
         key: str,
         upload_id: asyncio.Future[Any],
         part: _Part,
-        hashed: asyncio.Future[None],
     ) -> dict[str, Any]:
         api = self.api
         args: dict[str, Any] = {f"Checksum{api.algorithm}": part.checksum}
@@ -295,7 +271,6 @@ class Uploads:
                 ChecksumAlgorithm=api.algorithm,
                 **args,
             )
-            await hashed
         finally:
             self._release(part.data, keep=part.reusable)
         self.progress(len(part.data))
@@ -309,7 +284,7 @@ class Uploads:
         upload_id: asyncio.Future[Any],
         parts: list[asyncio.Future[dict[str, Any]]],
         raws: list[bytes],
-        chain: _Sha256Chain,
+        sha256: str,
     ) -> Uploaded:
         api = self.api
         done = [await p for p in parts]
@@ -323,7 +298,7 @@ class Uploads:
         self.run_.pending.pop(key, None)
         checksum = composite_checksum(raws, api.algorithm)
         confirmed = await self._confirm(key, checksum, r)
-        return Uploaded(f.rel, f.size, await chain.hexdigest(), checksum, confirmed)
+        return Uploaded(f.rel, f.size, sha256, checksum, confirmed)
 
     # -- what the store says --------------------------------------------------------------------------
 
@@ -353,28 +328,35 @@ def one_put(size: int, part_size: int) -> bool:
 
 
 def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytearray, bytes, str]:
-    """A file that goes in one PUT, its raw store checksum and its sha256 hex."""
+    """A file that goes in one PUT, its raw store checksum and its sha256 hex (also the signed one)."""
     data = bytearray(f.size + 1)  # one byte more: a file that grew is caught here
     with open(f.path, "rb", buffering=0) as fh:
-        del data[read_into(fh, data) :]
-    if len(data) != f.size:
+        read = read_hashed(fh, data, algorithm, part_sha256=True)  # the part is the whole file
+    del data[read.size :]
+    if len(data) != f.size or read.sha256 is None:
         raise changed_error(f, len(data))
-    return data, raw_checksum(data, algorithm), hashlib.sha256(data).hexdigest()
+    return data, read.checksum, read.sha256
 
 
 def _read_part(
-    fh: io.RawIOBase, spare: bytearray | None, part_size: int, algorithm: str, digest: bool
+    fh: io.RawIOBase,
+    spare: bytearray | None,
+    part_size: int,
+    algorithm: str,
+    digest: bool,
+    file_sha256: RunningHash,
 ) -> tuple[bytearray, bytearray, bytes, str | None]:
     """The next part of an open file: the part-sized buffer it was read into (`spare`, or a new one: its
     zero-fill and page faults stay off the event loop), the part (that buffer, or for a short last part a
     buffer of its own, so that the part-sized one stays whole for reuse), its raw store checksum and
-    (`digest`) its sha256 hex for the signature; an empty part at the end."""
+    (`digest`) its sha256 hex for the signature; an empty part at the end. The part also goes into
+    `file_sha256`, in the same pass: parts are read one at a time, in file order."""
     buf = bytearray(part_size) if spare is None else spare
-    got = read_into(fh, buf)
-    data = buf if got == len(buf) else bytearray(memoryview(buf)[:got])
+    read = read_hashed(fh, buf, algorithm, file_sha256=file_sha256, part_sha256=digest)
+    data = buf if read.size == len(buf) else bytearray(memoryview(buf)[: read.size])
     if not data:
         return buf, data, b"", None
-    return buf, data, raw_checksum(data, algorithm), hashlib.sha256(data).hexdigest() if digest else None
+    return buf, data, read.checksum, read.sha256
 
 
 async def upload_files(

@@ -14,7 +14,7 @@ from stagerd.contract import layout
 from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.sinks import PublishResult, Sink, open_sink
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.hashing import composite_checksum, hash_file
+from stagerd.sinks.hashing import composite_checksum, hash_file, raw_checksum
 from stagerd.sinks.objects import RemoteObject, newer_latest, plan_reuse, redact_url, scan_dir, verify_listing
 
 
@@ -104,6 +104,41 @@ def test_hash_file_checksums_match_their_definitions(tmp_path):
     assert single.checksum == base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
     sha_single = hash_file(p, part_size=5_000_000, algorithm="SHA256").checksum
     assert sha_single == base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+def test_reading_parts_hashed_slice_by_slice_gives_each_digest_whole(tmp_path, algorithm):
+    """`read_hashed` hashes each MiB as it is read; its digests must equal those of the whole part and
+    of the whole file, whatever the sizes: parts and slices of uneven length, a short last part, an
+    empty read at the end."""
+    import itertools
+    import random
+
+    from stagerd.sinks.hashing import HASH_SLICE, read_hashed
+
+    rng = random.Random(7)
+    sizes = [0, 1, HASH_SLICE - 1, HASH_SLICE, 3 * HASH_SLICE + 5, rng.randrange(4 * HASH_SLICE)]
+    for size, part_size in itertools.product(sizes, [HASH_SLICE // 3, HASH_SLICE, 2 * HASH_SLICE + 1]):
+        data = rng.randbytes(size)
+        p = tmp_path / f"f{size}"
+        p.write_bytes(data)
+        buf = bytearray(part_size)
+        whole = hashlib.sha256()
+        at = 0
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                read = read_hashed(f, buf, algorithm, file_sha256=whole, part_sha256=True)
+                part = data[at : at + part_size]
+                assert read.size == len(part)
+                assert read.checksum == raw_checksum(part, algorithm)
+                assert read.sha256 == hashlib.sha256(part).hexdigest()
+                assert bytes(buf[: read.size]) == part
+                at += read.size
+                if not read.size:
+                    break
+        assert at == size and whole.hexdigest() == hashlib.sha256(data).hexdigest()
+    with open(p, "rb", buffering=0) as f:
+        assert read_hashed(f, bytearray(8), algorithm).sha256 is None  # not asked for
 
 
 # -- file:// ---------------------------------------------------------------------------------------------
