@@ -60,6 +60,20 @@ def hook_client(s3: Any) -> None:
     s3.exceptions  # noqa: B018
 
 
+async def open_connection_pool(s3: Any) -> bool:
+    """Make `s3`'s aiohttp session now, with the client. aiobotocore makes it on the client's first
+    request, and with it a TLS context that loads the CA bundle (in a thread, even for an http endpoint):
+    30-45 ms that a step's first request, and every request behind it, waits for. False where this
+    aiobotocore keeps its session elsewhere: it is then made on the first request, as before."""
+    http = getattr(getattr(s3, "_endpoint", None), "http_session", None)
+    make = getattr(http, "_get_session", None)
+    proxies = getattr(http, "_proxy_config", None)
+    if make is None or proxies is None:
+        return False
+    await make(proxies.proxy_url_for(s3.meta.endpoint_url))
+    return True
+
+
 def _take_body_sha256(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
     digest = params.pop(BODY_SHA256, None)
     if digest is not None:

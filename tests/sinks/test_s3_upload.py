@@ -364,3 +364,18 @@ def test_big_bodies_go_to_aiohttp_in_slices_of_the_buffer():
         asyncio.run(payload.write_with_length(writer, length))
         sent = b"".join(writer.chunks)
         assert sent == bytes(big.body._value)[:length] and max(map(len, writer.chunks)) <= SEND_SLICE
+
+
+def test_a_new_client_comes_with_its_connection_pool_and_error_classes(s3, tmp_path):
+    """The one-time costs of a client are paid when it is made, not by the first request of a step, which
+    every other request of the step would wait behind: aiobotocore's aiohttp session (its TLS context
+    loads the CA bundle) and botocore's error classes. If aiobotocore moves its session, this fails, and
+    the first request pays again."""
+    fresh = sink(s3)
+    backend = fresh._backend
+    assert isinstance(backend, S3Backend)
+    client = backend._run(backend._client)
+    assert client._endpoint.http_session._sessions  # made with the client
+    assert client._exceptions is not None
+    export = make_export(tmp_path / "e", SMALL)
+    assert not fresh.publish(export, 1).skipped  # and the pool made early serves the uploads
