@@ -140,9 +140,8 @@ def read_hashed(
     `HASH_SLICE` at a time while that slice is still in cache: the store checksum, the part's own sha256
     (`part_sha256`), and the running sha256 of the whole file (`file_sha256`, a hashlib object the caller
     feeds part after part in file order). One pass over memory instead of one per digest."""
+    raw_checksum(b"", algorithm)  # validates the name
     part = hashlib.sha256() if part_sha256 or algorithm == "SHA256" else None
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown checksum algorithm {algorithm!r}; use one of {ALGORITHMS}")
     crc, got = 0, 0
     with memoryview(buf) as view:
         while got < len(buf):

@@ -26,10 +26,10 @@ from stagerd.sinks.objects import (
     redact_url,
 )
 from stagerd.sinks.s3_client import (
+    build_lazy_parts,
     error_code,
     hook_client,
     not_implemented,
-    open_connection_pool,
     precondition_failed,
     s3_error,
     signs_payload,
@@ -118,7 +118,7 @@ class S3Backend:
         s3 = await self.fs.set_session()
         if s3 is not self._hooked:  # a new client (the first, or s3fs made another)
             hook_client(s3)
-            await open_connection_pool(s3)
+            await build_lazy_parts(s3)
             self.signs_payload, self._hooked = signs_payload(s3), s3
         return s3
 

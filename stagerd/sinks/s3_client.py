@@ -48,30 +48,28 @@ _AUTH_CODES = {
 
 
 def hook_client(s3: Any) -> None:
-    """Register the handlers above on `s3` (idempotent: botocore keeps one per unique id), and build its
-    error classes now, with the client."""
+    """Register the handlers above on `s3` (idempotent: botocore keeps one per unique id)."""
     _register_signer()
     events = s3.meta.events
     events.register("before-parameter-build.s3", _take_body_sha256, unique_id="stagerd-body-sha256")
     events.register("choose-signer.s3", _choose_known_digest_signer, unique_id="stagerd-signer")
     events.register("before-send.s3", _send_in_slices, unique_id="stagerd-send-in-slices")
-    # botocore builds them on a client's first error answer (a new bucket's first read of `latest` is a
-    # 404), walking S3's whole model: about 45 ms on the event loop while every request in flight waits
+
+
+async def build_lazy_parts(s3: Any) -> None:
+    """Make now, with the client, what aiobotocore and botocore make on its first use, where a step's
+    first request, and every request behind it, would wait for them:
+    - the aiohttp session, whose TLS context loads the CA bundle (in a thread, even for an http
+      endpoint): 30-45 ms. Reached through aiobotocore's private `_endpoint.http_session`; where this
+      aiobotocore keeps it elsewhere, it is made on the first request, as before (a test says so);
+    - the error classes, built on the first error answer (a new bucket's first read of `latest` is a
+      404) by walking S3's whole model: about 45 ms on the event loop."""
     s3.exceptions  # noqa: B018
-
-
-async def open_connection_pool(s3: Any) -> bool:
-    """Make `s3`'s aiohttp session now, with the client. aiobotocore makes it on the client's first
-    request, and with it a TLS context that loads the CA bundle (in a thread, even for an http endpoint):
-    30-45 ms that a step's first request, and every request behind it, waits for. False where this
-    aiobotocore keeps its session elsewhere: it is then made on the first request, as before."""
     http = getattr(getattr(s3, "_endpoint", None), "http_session", None)
     make = getattr(http, "_get_session", None)
     proxies = getattr(http, "_proxy_config", None)
-    if make is None or proxies is None:
-        return False
-    await make(proxies.proxy_url_for(s3.meta.endpoint_url))
-    return True
+    if make is not None and proxies is not None:
+        await make(proxies.proxy_url_for(s3.meta.endpoint_url))
 
 
 def _take_body_sha256(params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:

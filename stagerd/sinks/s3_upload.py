@@ -333,8 +333,9 @@ def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytearray, bytes, str]:
     with open(f.path, "rb", buffering=0) as fh:
         read = read_hashed(fh, data, algorithm, part_sha256=True)  # the part is the whole file
     del data[read.size :]
-    if len(data) != f.size or read.sha256 is None:
+    if len(data) != f.size:
         raise changed_error(f, len(data))
+    assert read.sha256 is not None  # asked for
     return data, read.checksum, read.sha256
 
 
