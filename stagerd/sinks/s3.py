@@ -224,6 +224,15 @@ class S3Backend:
         async def go() -> StepOpening:
             puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
             self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+            try:
+                return await opened(puts)
+            except Exception:
+                read = self._latest_reads.get(latest_key)
+                if read is not None:  # a failed opening leaves nothing it started in flight
+                    await asyncio.wait([read])
+                raise
+
+        async def opened(puts: asyncio.Future[tuple[list[Uploaded], list[Uploaded]]]) -> StepOpening:
             if small:
                 created, refused = await puts
                 if not refused:
