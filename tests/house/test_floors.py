@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "stagerd"
 FLOOR = {
     "cmd": 1, "cli": 1, "__init__": 1,
     "daemon": 2, "demo": 2, "config": 2,
-    "engine": 3, "sinks": 3, "training": 3, "stage": 3,
+    "engine": 3, "sinks": 3, "training": 3, "integrations": 3, "stage": 3,
     "contract": 4,
     "ops": 5, "errors": 5,
 }  # fmt: skip
