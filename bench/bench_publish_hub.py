@@ -5,7 +5,7 @@
 Side by side: a bare `HfApi.create_commit` of the same files to a fresh repo (the client alone, no
 stagerd hashing, planning or verification), and the idempotent re-run (nothing to send). Both ends run on
 this machine, so the figures measure the client and the loopback server, not a network. The client
-takes the LFS path (`HF_HUB_DISABLE_XET=1`): there is no Xet server here.
+takes the LFS path (`HF_HUB_DISABLE_XET=1`); `bench_publish_hub_xet.py` measures the Xet path.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,11 @@ from filelock import FileLock
 
 from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
 
-# No Xet server is reachable from the tests (production keeps Xet); no tqdm bars in test output.
-os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
+# Uploads take huggingface_hub's production path, Xet, against the Hub test server's CAS; hf_xet's chunk
+# cache and logs go to a temp dir of this test process (and its children), not the user's. No tqdm bars.
+if "HF_XET_CACHE" not in os.environ:
+    os.environ["HF_XET_CACHE"] = tempfile.mkdtemp(prefix="stagerd-tests-xet-")
+    atexit.register(shutil.rmtree, os.environ["HF_XET_CACHE"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 

@@ -116,7 +116,7 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
         env = {
             "HF_ENDPOINT": hub.endpoint,
             "HF_TOKEN": hub.token,
-            "HF_HUB_DISABLE_XET": "1",  # no Xet server here: the classic LFS path
+            "HF_HUB_DISABLE_XET": None,  # Xet, the production upload path, against the server's CAS
             "HF_HOME": str(tmp_path / "hf-home"),
         }
         argv = ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", "hf://acme/demo"]

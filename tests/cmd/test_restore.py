@@ -192,15 +192,14 @@ def test_restores_a_published_hf_export_into_a_plain_directory(tmp_path, dcp_mix
 
 
 def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
-    from tests.hubserver import HubConfig, HubServer, disable_xet
+    from tests.hubserver import HubConfig, HubServer
     from tests.sinks.test_sink_hub import REPO, export_files, make_sink, write_export
 
-    disable_xet()
     with HubServer(config=HubConfig()) as hub:
         export = write_export(tmp_path / "export")
         make_sink(hub).publish(export, 7)
         url = f"hf://{REPO}?endpoint={hub.endpoint}"
-        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
         r = _restore(url, tmp_path / "eval-7", "--export", "--step", "7", env=env)
         assert r.returncode == 0, r.stderr
         got = _tree(tmp_path / "eval-7")
@@ -208,10 +207,7 @@ def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
         r = _restore(url, tmp_path / "raw", "--step", "7", env=env)
         assert r.returncode == 2 and "--export" in r.stderr
         big = max(export.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-        stored = hub.store.lfs_path(hashlib.sha256(big.read_bytes()).hexdigest())
-        data = bytearray(stored.read_bytes())
-        data[100] ^= 0xFF
-        stored.write_bytes(bytes(data))
+        hub.tamper(hashlib.sha256(big.read_bytes()).hexdigest(), at=100)
         r = _restore(url, tmp_path / "bad", "--export", env=env)
         assert r.returncode == 2 and "RestoreError" in r.stderr and big.name in r.stderr, r.stderr
         assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.restore-*"))

@@ -52,7 +52,6 @@ def run_env(sinks: Sinks, **extra: str) -> dict[str, str]:
         env.update(
             HF_ENDPOINT=sinks.hub.endpoint,
             HF_TOKEN=sinks.hub.token,
-            HF_HUB_DISABLE_XET="1",
             HF_HUB_DISABLE_PROGRESS_BARS="1",
         )
     return env

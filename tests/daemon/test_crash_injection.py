@@ -287,6 +287,7 @@ def test_sigkill_inside_the_hub_lfs_upload_then_restart(
     sinks = sinks_for(case, config)
     hub = sinks.hub
     cmd = watch_cmd(root, sinks.urls())
+    lfs_env = run_env(sinks, HF_HUB_DISABLE_XET="1")  # the kill is inside the LFS upload: that path
     started, pid, seen = threading.Event(), [], {}
 
     def sigkill_the_daemon() -> None:  # runs in the server's request thread, the body half received
@@ -299,7 +300,7 @@ def test_sigkill_inside_the_hub_lfs_upload_then_restart(
     reader.start()
     try:
         proc = subprocess.Popen(
-            cmd, env=run_env(sinks), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, env=lfs_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         pid.append(proc.pid)
         started.set()
@@ -307,9 +308,7 @@ def test_sigkill_inside_the_hub_lfs_upload_then_restart(
         assert proc.returncode == -signal.SIGKILL, (proc.returncode, crash_err[-3000:])
         assert hook.fired
         reader.check()
-        restarted = subprocess.run(
-            cmd, env=run_env(sinks), cwd=REPO, capture_output=True, text=True, timeout=120
-        )
+        restarted = subprocess.run(cmd, env=lfs_env, cwd=REPO, capture_output=True, text=True, timeout=120)
     finally:
         violations = reader.stop()
 

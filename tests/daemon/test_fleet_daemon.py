@@ -219,16 +219,15 @@ def test_an_exchange_apart_from_two_sinks_each_holding_the_single_export(tmp_pat
 def test_a_hub_sink_with_a_file_exchange_gets_one_commit_and_tag(tmp_path, dcp_mixed2):
     from huggingface_hub import HfApi, hf_hub_download
 
-    from tests.hubserver import HubServer, disable_xet
+    from tests.hubserver import HubServer
 
-    disable_xet()
     shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     from stagerd.engine.export import export_step
 
     want = export_step(shared, max_shard_size=SHARD).export_dir
     ex = tmp_path / "exchange"
     with HubServer() as hub:
-        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
         procs = [_watch(d.parent, "hf://acme/fleet", "--exchange", ex.as_uri(), env=env) for d in node_dirs]
         results = [_done(p) for p in procs]
         assert [rc for rc, _ in results] == [0, 0], results

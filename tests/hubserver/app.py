@@ -1,29 +1,31 @@
-"""The WSGI application: the subset of the Hugging Face Hub HTTP API that huggingface_hub 2.4 uses.
+"""The WSGI application: the subset of the Hugging Face Hub HTTP API (and Xet CAS) that huggingface_hub 2.3
+and hf_xet 1.8 use.
 
 Test infrastructure only. The endpoints and their URL rules are in `routes`, the LFS upload endpoints in
-`lfs`, shared types and helpers in `wire`.
+`lfs`, the commit in `commit`, Xet (tokens and the CAS) in `xet`, shared types and helpers in `wire`.
 """
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote, urlencode
 
 import yaml
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 
+from tests.hubserver.commit import CommitEndpoints
 from tests.hubserver.faults import Fault, FaultPlan
 from tests.hubserver.lfs import LfsEndpoints, _Upload
 from tests.hubserver.routes import URLS
-from tests.hubserver.store import Blob, HubStore, Repo, folder_oid, hub_date, list_tree
+from tests.hubserver.store import HubStore, Repo, folder_oid, hub_date, list_tree
 from tests.hubserver.wire import (
     HubConfig,
     HubFail,
@@ -34,11 +36,13 @@ from tests.hubserver.wire import (
     _int_arg,
     _json,
 )
+from tests.hubserver.xet import XetEndpoints
+from tests.hubserver.xet_store import XetCas
 
 __all__ = ["HubApp", "HubConfig", "HubFail", "HubStats", "LfsBodyHook"]
 
 
-class HubApp(LfsEndpoints):
+class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
     """WSGI callable. Tokens map to (user, role) with role `write` or `read`."""
 
     def __init__(
@@ -50,6 +54,9 @@ class HubApp(LfsEndpoints):
         self._uploads: dict[str, _Upload] = {}
         self._tmp = store.lfs_dir / ".incoming"
         self._tmp.mkdir(exist_ok=True)
+        self.cas = XetCas(store.lfs_dir.parent / "xorbs", token_ttl=config.xet_token_ttl)
+        self.cas_id = secrets.token_hex(8)
+        self._signing_key = secrets.token_bytes(16)
 
     # --- plumbing -----------------------------------------------------------------------------------
 
@@ -122,7 +129,12 @@ class HubApp(LfsEndpoints):
 
     def _dispatch(self, request: Request, raw_path: str) -> Response:
         try:
-            endpoint, args = URLS.bind_to_environ(request.environ).match(raw_path, method=request.method)
+            try:
+                endpoint, args = URLS.bind_to_environ(request.environ).match(raw_path, method=request.method)
+            except (NotFound, MethodNotAllowed):
+                with self.stats.lock:
+                    self.stats.unknown.append(f"{request.method} {unquote(raw_path)}")
+                raise
             args = {k: unquote(v) if isinstance(v, str) else v for k, v in args.items()}
             return getattr(self, f"h_{endpoint}")(request, raw_path=raw_path, **args)
         except HubFail as e:
@@ -195,6 +207,9 @@ class HubApp(LfsEndpoints):
         if user is None:
             raise HubFail(401, "You must be authenticated")
         return _json({"type": "user", "name": user, "auth": {"accessToken": {"role": role}}})
+
+    def h_agent_harnesses(self, request: Request, **_: Any) -> Response:
+        return _json({"standardEnvVars": [], "harnesses": {}})
 
     def h_validate_yaml(self, request: Request, **_: Any) -> Response:
         content = self._body(request).get("content", "")
@@ -300,6 +315,8 @@ class HubApp(LfsEndpoints):
             item: dict[str, Any] = {"type": kind, "oid": blob.git_oid, "size": blob.size, "path": path}
             if blob.is_lfs:
                 item["lfs"] = {"oid": blob.sha256, "size": blob.size, "pointerSize": blob.pointer_size}
+            if blob.xet_hash is not None:
+                item["xetHash"] = blob.xet_hash
             items.append(item)
         return self._page(request, raw_path, items, self.config.tree_page_size, "cursor")
 
@@ -331,68 +348,6 @@ class HubApp(LfsEndpoints):
             repo.branches[rev] = self._rev(repo, start).oid
         return _json({})
 
-    # --- uploads ------------------------------------------------------------------------------------
-
-    def h_commit(self, request: Request, org: str, name: str, rev: str, **_: Any) -> Response:
-        repo, user = self._repo(request, org, name, write=True)
-        lines = [json.loads(line) for line in request.get_data().splitlines() if line.strip()]
-        if not lines or lines[0].get("key") != "header":
-            raise HubFail(400, "the first ndjson line must be the header")
-        header = lines[0]["value"]
-        with self.store.lock:
-            if rev not in repo.branches:
-                if repo.resolve(rev) is not None:
-                    raise HubFail(400, f"{rev} is not a branch")
-                raise HubFail(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-            head = repo.commits[repo.branches[rev]]
-            parent = header.get("parentCommit")
-            if parent is not None and parent != head.oid:
-                raise HubFail(412, f"A commit has happened since {parent}. Please refresh and try again.")
-            tree = dict(head.tree)
-            for line in lines[1:]:
-                self._apply(repo, tree, line.get("key"), line.get("value") or {})
-            commit = self.store.commit(
-                repo, rev, header.get("summary", ""), header.get("description", ""), user, tree
-            )
-        with self.stats.lock:
-            self.stats.commits[repo.repo_id] += 1
-        base = request.host_url.rstrip("/")
-        return _json(
-            {
-                "success": True,
-                "commitOid": commit.oid,
-                "commitUrl": f"{base}/{repo.repo_id}/commit/{commit.oid}",
-                "hookOutput": "",
-            }
-        )
-
-    @staticmethod
-    def _apply(repo: Repo, tree: dict[str, Blob], key: str | None, value: dict) -> None:
-        path = value.get("path", "")
-        if not path or path.startswith("/") or ".." in path.split("/"):
-            raise HubFail(400, f"invalid path {path!r}")
-        if key == "file":
-            if value.get("encoding", "base64") != "base64":
-                raise HubFail(400, "only base64 file content is supported")
-            tree[path] = Blob.regular(base64.b64decode(value.get("content", "")))
-        elif key == "lfsFile":
-            oid = value.get("oid")
-            if oid not in repo.lfs:
-                raise HubFail(422, f"Your push was rejected: LFS object {oid} for {path} was never uploaded")
-            if value.get("size") is not None and value["size"] != repo.lfs[oid]:
-                raise HubFail(
-                    422, f"LFS object {oid} for {path} has size {repo.lfs[oid]}, not {value['size']}"
-                )
-            tree[path] = Blob.lfs(oid, repo.lfs[oid])
-        elif key == "deletedFile":
-            if tree.pop(path, None) is None:
-                raise HubFail(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
-        elif key == "deletedFolder":
-            for p in [p for p in tree if p.startswith(path.rstrip("/") + "/")]:
-                del tree[p]
-        else:
-            raise HubFail(400, f"unknown commit operation {key!r}")
-
     # --- downloads ----------------------------------------------------------------------------------
 
     def h_resolve(self, request: Request, org: str, name: str, rev: str, file: str, **_: Any) -> Response:
@@ -401,19 +356,25 @@ class HubApp(LfsEndpoints):
         blob = commit.tree.get(file)
         if blob is None:
             raise HubFail(404, f"Entry not found: {file}", "EntryNotFound", {"X-Repo-Commit": commit.oid})
-        if blob.is_lfs:
-            source: Any = str(self.store.lfs_path(blob.sha256))
-            etag = blob.sha256
+        if blob.is_lfs and not self.store.lfs_path(blob.sha256).exists():
+            # A Xet file the server did not rebuild (`xet_materialize=False`): its metadata, no bytes.
+            if request.method != "HEAD":
+                raise HubFail(501, f"{file} is in Xet storage and not rebuilt here: download it through Xet")
+            response = Response(status=200, mimetype="application/octet-stream")
+            response.headers.update({"Content-Length": str(blob.size), "ETag": f'"{blob.sha256}"'})
         else:
-            source, etag = io.BytesIO(blob.content or b""), blob.git_oid
-        response = send_file(
-            source,
-            request.environ,
-            mimetype="application/octet-stream",
-            etag=etag,
-            conditional=True,
-            max_age=None,
-        )
+            lfs = str(self.store.lfs_path(blob.sha256 or ""))
+            source: Any = lfs if blob.is_lfs else io.BytesIO(blob.content or b"")
+            response = send_file(
+                source,
+                request.environ,
+                mimetype="application/octet-stream",
+                etag=blob.sha256 if blob.is_lfs else blob.git_oid,
+                conditional=True,
+                max_age=None,
+            )
         response.headers["X-Repo-Commit"] = commit.oid
         response.headers["Accept-Ranges"] = "bytes"
+        if blob.xet_hash is not None:
+            response.headers.update(self.xet_headers(request, repo, commit.oid, blob.xet_hash))
         return response

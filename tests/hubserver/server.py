@@ -8,6 +8,7 @@ the middle of an LFS upload, e.g. to SIGKILL the uploading process.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import tempfile
@@ -111,6 +112,21 @@ class HubServer:
         self.app.lfs_hook = hook
         return hook
 
+    def tamper(self, sha256: str, at: int = 100) -> None:
+        """Flip byte `at` of a stored file (named by its sha256) behind the client's back: its LFS object
+        and, for a Xet file, the xorb chunk holding that byte too."""
+        lfs = self.store.lfs_path(sha256)
+        if lfs.exists():
+            data = bytearray(lfs.read_bytes())
+            data[at] ^= 0xFF
+            lfs.write_bytes(bytes(data))
+        with self.store.lock:
+            xet = {h for repo in self.store.repos.values() for s, (h, _) in repo.xet.items() if s == sha256}
+        for file_hash in xet:
+            info = self.app.cas.file(file_hash)
+            assert info is not None
+            self.app.cas.tamper(info, at)
+
     def down(self) -> None:
         """Stop listening: new connections are refused until `up()`. Hung requests are let go."""
         self.faults.release()
@@ -131,10 +147,20 @@ class HubServer:
         timer.start()
         return timer
 
+    @property
+    def cas_url(self) -> str:
+        """The CAS the token endpoints hand out: new for each server, as hf_xet keys its cache by it."""
+        return f"{self.endpoint}/cas/{self.app.cas_id}"
+
     def stop(self) -> None:
+        """Stop and clean up; with `config.strict`, a request no route served fails the test here."""
         self.down()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
+        with self.stats.lock:
+            unknown = list(self.stats.unknown)
+        if unknown and self.config.strict:
+            raise AssertionError(f"the Hub test server got requests it does not serve: {unknown[:10]}")
 
     def __enter__(self) -> HubServer:
         return self.start()
@@ -142,4 +168,8 @@ class HubServer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop()
+        if exc_type is None:
+            self.stop()
+            return
+        with contextlib.suppress(AssertionError):  # the test's own failure says more
+            self.stop()

@@ -2,7 +2,8 @@
 
 Test infrastructure only. A repo is a set of commits (each with its full flat tree), branches and tags,
 like git but without packing. Regular files live in memory; LFS objects live on disk under `lfs_dir`,
-named by sha256, so a multi-GB benchmark upload does not sit in RAM.
+named by sha256, so a multi-GB benchmark upload does not sit in RAM. Files uploaded through Xet are LFS
+files whose bytes are in the CAS (`xet_store`), registered to a repo by sha256 when their shard arrives.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ def hub_date(ts: datetime) -> str:
 
 @dataclass(frozen=True)
 class Blob:
-    """One file in a tree. LFS files carry `sha256` and no content; regular files carry `content`."""
+    """One file in a tree. LFS files carry `sha256` and no content (and `xet_hash` when stored in Xet);
+    regular files carry `content`."""
 
     size: int
     git_oid: str
     sha256: str | None = None
     content: bytes | None = None
+    xet_hash: str | None = None
 
     @property
     def is_lfs(self) -> bool:
@@ -49,9 +52,9 @@ class Blob:
         return cls(size=len(data), git_oid=git_blob_oid(data), content=data)
 
     @classmethod
-    def lfs(cls, sha256: str, size: int) -> Blob:
+    def lfs(cls, sha256: str, size: int, xet_hash: str | None = None) -> Blob:
         pointer = LFS_POINTER.format(oid=sha256, size=size).encode()
-        return cls(size=size, git_oid=git_blob_oid(pointer), sha256=sha256)
+        return cls(size=size, git_oid=git_blob_oid(pointer), sha256=sha256, xet_hash=xet_hash)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Repo:
     tags: dict[str, str] = field(default_factory=dict)
     commits: dict[str, Commit] = field(default_factory=dict)
     lfs: dict[str, int] = field(default_factory=dict)  # sha256 -> size, objects uploaded to this repo
+    xet: dict[str, tuple[str, int]] = field(default_factory=dict)  # sha256 -> (Xet file hash, size)
     created: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     def resolve(self, rev: str) -> Commit | None:

@@ -40,6 +40,11 @@ class HubConfig:
     tree_page_size: int = 1000
     commits_page_size: int = 50  # commits per page when the request names no `limit`
     commits_page_max: int = 1000  # the largest `limit` honoured
+    xet_token_ttl: int = 3600  # seconds a CAS token lives
+    # Rebuild each Xet file from its xorbs when its shard arrives, checking its sha256, and keep it where an
+    # LFS object would be (for `resolve` without Xet and for tests reading the store); off for benchmarks.
+    xet_materialize: bool = True
+    strict: bool = True  # a request no route serves fails the test when the server stops
 
 
 @dataclass
@@ -57,9 +62,15 @@ class HubStats:
 
     requests: list[RequestLog] = field(default_factory=list)
     lfs_uploads: Counter = field(default_factory=Counter)  # sha256 -> completed uploads
-    bytes_received: int = 0
+    bytes_received: int = 0  # upload bodies: LFS objects and parts, xorbs, shards
+    xorb_uploads: Counter = field(default_factory=Counter)  # xorb hash -> POSTs answered 200
+    xet_bytes: Counter = field(default_factory=Counter)  # "xorb", "shard" (received), "read" (xorbs sent)
+    xet_tokens: Counter = field(default_factory=Counter)  # "read"/"write" -> CAS tokens issued
+    telemetry: list = field(default_factory=list)  # hf_xet's transfer reports
+    unknown: list = field(default_factory=list)  # "METHOD /path" of requests no route serves
     commits: Counter = field(default_factory=Counter)  # repo_id -> commits made through the API
     commits_served: int = 0  # commit entries sent by the history endpoint
+    commit_adds: list = field(default_factory=list)  # per commit made, the paths it added (file, lfsFile)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def count(self, method: str, pattern: str, status: int | None = None) -> int:

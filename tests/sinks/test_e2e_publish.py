@@ -18,9 +18,8 @@ s3_server, s3 = s3server.s3_server, s3server.s3  # moto behind a fault proxy on 
 def test_watch_once_publishes_every_step_to_hub_and_s3(dcp_mixed, s3, tmp_path: Path) -> None:
     from huggingface_hub import HfApi, hf_hub_download
 
-    from tests.hubserver import HubServer, disable_xet
+    from tests.hubserver import HubServer
 
-    disable_xet()
     src, _ = dcp_mixed
     root = tmp_path / "root"
     steps = [10, 20, 30]
@@ -31,7 +30,6 @@ def test_watch_once_publishes_every_step_to_hub_and_s3(dcp_mixed, s3, tmp_path: 
             dict(
                 HF_ENDPOINT=hub.endpoint,
                 HF_TOKEN=hub.token,
-                HF_HUB_DISABLE_XET="1",
                 HF_HUB_DISABLE_PROGRESS_BARS="1",
                 **{k: os.environ[k] for k in os.environ if k.startswith("AWS_")},
             )

@@ -33,8 +33,16 @@ def test_plan_and_compare_are_pure():
         "old.safetensors": RemoteFile("old.safetensors", 7, "q" * 40, "9" * 64),
     }
     plan = plan_commit([a, b], None, parent)
-    assert plan.adds == ("a.safetensors", "b.json") and plan.deletes == ("old.safetensors",)
-    assert plan.new_bytes == 3  # a.safetensors is already there, byte for byte
+    assert plan.adds == ("b.json",) and plan.deletes == ("old.safetensors",)
+    assert plan.kept == ("a.safetensors",) and plan.new_bytes == 3  # a is there, byte for byte: not sent
+    card = HubFile("README.md", 4, "5" * 64, "c" * 40)
+    same_blob = {
+        **parent,
+        "b.json": RemoteFile("b.json", 3, "g" * 40, None),
+        "README.md": parent["a.safetensors"],
+    }
+    plan = plan_commit([a, b], card, same_blob)  # a regular file is the same by its git blob id
+    assert plan.adds == ("README.md",) and plan.kept == ("a.safetensors", "b.json") and plan.new_bytes == 4
 
     remote = {
         "a.safetensors": RemoteFile("a.safetensors", 10, "p" * 40, "3" * 64),

@@ -22,10 +22,8 @@ import pytest
 
 from stagerd.contract import layout
 from tests.cli_helpers import clean_env, run_cli, start_cli
-from tests.hubserver import HubConfig, HubServer, disable_xet
+from tests.hubserver import HubConfig, HubServer
 from tests.s3server import SECRET_KEY, s3, s3_server  # noqa: F401  (fixtures)
-
-disable_xet()
 
 BOGUS_HF_TOKEN = "hf_stagerdBOGUStoken0do0not0log"
 BOGUS_AWS_SECRET = "stagerd-BOGUS-aws-secret-do-not-log"
@@ -90,7 +88,7 @@ def secret_env(**extra: str) -> dict[str, str]:
             "HF_TOKEN": BOGUS_HF_TOKEN,
             "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "stagerd-test-key"),
             "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
-            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_XET": None,  # Xet, the production upload path
             "HF_HUB_DISABLE_TELEMETRY": "1",
             **extra,
         }

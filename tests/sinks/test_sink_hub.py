@@ -1,4 +1,6 @@
-"""HubSink against the Hub-protocol test server, driven by the real huggingface_hub client (LFS path)."""
+"""HubSink against the Hub-protocol test server, driven by the real huggingface_hub and hf_xet clients.
+
+Uploads take the production path, Xet; the LFS path has its own tests in test_hub_lfs.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import numpy as np
 import pytest
 from huggingface_hub import (
     HfApi,
-    constants,
     get_hf_file_metadata,
     hf_hub_download,
     hf_hub_url,
@@ -27,10 +28,7 @@ from stagerd.sinks.hub import (
     step_branch,
 )
 from tests.cli_helpers import run_cli
-from tests.hubserver import Fault, HubConfig, HubServer, disable_xet
-
-# No Xet CAS server here: the client must take the LFS path (HF_HUB_DISABLE_XET=1).
-disable_xet()
+from tests.hubserver import Fault, HubConfig, HubServer, use_xet
 
 REPO = "acme/llm"
 # Small enough for a fast test, big enough that the large shard goes multipart (3 parts) and the
@@ -41,8 +39,8 @@ CONFIG = HubConfig(
 
 
 @pytest.fixture
-def hub():
-    assert constants.HF_HUB_DISABLE_XET, "the tests speak LFS: HF_HUB_DISABLE_XET must be on"
+def hub(monkeypatch):
+    use_xet(monkeypatch, True)
     with HubServer(config=CONFIG) as server:
         yield server
 
@@ -96,8 +94,8 @@ def test_publish_downloads_back_byte_for_byte(hub, tmp_path):
     assert not result.skipped and result.step == 100 and result.files == 5
     assert result.bytes_total > sum(len(b) for b in export_files(export).values())  # plus the card
     assert hub.stats.commits[REPO] == 1
-    assert hub.stats.count("PUT", r"^/_lfs/part/") == 3  # the big shard went multipart
-    assert hub.stats.count("PUT", r"^/_lfs/put/") == 1  # the small one in one PUT
+    assert hub.stats.count("POST", r"/v1/shards$", status=200) == 1  # both shards, one Xet upload
+    assert hub.stats.xorb_uploads and not hub.stats.count("POST", r"/info/lfs/")  # Xet, not LFS
     assert hub.store.repos[REPO].private
     api = HfApi(endpoint=hub.endpoint, token=hub.token)
     refs = api.list_repo_refs(REPO)
@@ -164,25 +162,6 @@ def test_commit_whose_answer_is_lost_is_not_committed_twice(hub, tmp_path):
     assert make_sink(hub).is_published(8)
 
 
-def test_failed_upload_resumes_without_resending_finished_objects(hub, tmp_path):
-    export = write_export(tmp_path / "export")
-    # the parts fail only once the small shard is stored: huggingface_hub cancels uploads not yet started
-    # when one fails, so without the wait a loaded machine could fail the parts before the small one began
-    small_done = lambda: len(hub.stats.lfs_uploads) >= 1  # noqa: E731
-    hub.faults.add(Fault("PUT", r"^/_lfs/part/", status=400, times=100, not_before=small_done))
-    with pytest.raises(SinkError):
-        make_sink(hub).publish(export, 9)
-    assert hub.stats.commits[REPO] == 0
-    done = dict(hub.stats.lfs_uploads)
-    assert len(done) == 1  # the small shard made it, the multipart one did not
-    hub.faults.clear()
-
-    make_sink(hub).publish(export, 9)
-
-    assert hub.stats.commits[REPO] == 1
-    assert len(hub.stats.lfs_uploads) == 2 and all(n == 1 for n in hub.stats.lfs_uploads.values())
-
-
 def test_5xx_and_429_with_retry_after_are_retried(hub, tmp_path):
     export = write_export(tmp_path / "export")
     hub.faults.add(Fault("GET", r"/refs$", status=429, headers={"Retry-After": "1"}))
@@ -198,26 +177,6 @@ def test_5xx_and_429_with_retry_after_are_retried(hub, tmp_path):
     assert [t.name for t in HfApi(endpoint=hub.endpoint, token=hub.token).list_repo_refs(REPO).tags] == [
         "step-11"
     ]
-
-
-def test_connection_dropped_mid_upload_is_retried(hub, tmp_path):
-    export = write_export(tmp_path / "export")
-    hub.faults.add(Fault("PUT", r"^/_lfs/part/", drop=True, drop_after=60_000, skip=1))
-
-    make_sink(hub).publish(export, 12)
-
-    assert hub.stats.count("PUT", r"^/_lfs/part/", status=0) == 1  # one part lost its connection
-    assert hub.stats.commits[REPO] == 1
-    assert all(n == 1 for n in hub.stats.lfs_uploads.values())
-    path = hf_hub_download(
-        REPO,
-        "model-00001-of-00002.safetensors",
-        revision="step-12",
-        endpoint=hub.endpoint,
-        token=hub.token,
-        cache_dir=tmp_path / "cache",
-    )
-    assert Path(path).read_bytes() == (export / "model-00001-of-00002.safetensors").read_bytes()
 
 
 def test_server_down_then_up(hub, tmp_path):
@@ -399,7 +358,7 @@ def test_server_resolve_head_and_range(hub, tmp_path):
 
 def test_cli_publish_reads_hf_endpoint_and_hf_token_from_the_environment(hub, tmp_path):
     export = write_export(tmp_path / "step-00000042" / "export")
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": "1"}
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}
     args = ["publish", export, "--sink", f"hf://{REPO}"]
 
     first = run_cli(args, env=env)

@@ -13,11 +13,15 @@ names its `parent_commit`, so a concurrent writer makes it fail (and be re-plann
 overwritten, and it deletes files of the previous step that the export lacks, so the revision holds
 exactly the export (plus `.gitattributes` and the generated `README.md`).
 
+Only what changed is sent: a file whose sha256 (or git blob id) equals the parent commit's entry is left
+out of the commit's operations, which keeps it from the parent. The rest goes through Xet when hf_xet is
+installed (the sink runs that upload itself, bounded by its timeouts: `upload.py`, `xet.py`), else
+through LFS inside `create_commit`. `bytes_uploaded` is what went over the wire.
+
 Idempotence is read from the repo itself: the tag `step-N` means published; a commit titled
-`stagerd: step N` without the tag (a crash between commit and tag) gets the tag and nothing else. LFS
-objects the repo already holds are not sent again (the LFS batch answers them without actions), so a
-re-run after a crash mid-upload sends only what is missing. Before returning, the tree at the commit is
-listed and compared with the export: names, sizes, LFS sha256 or the git blob id.
+`stagerd: step N` without the tag (a crash between commit and tag) gets the tag and nothing else. Before
+returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
+git blob id.
 
 A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
 increasing order), so the history is read newest first, page by page, only until that commit, a stagerd

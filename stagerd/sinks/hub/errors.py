@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     import httpx2
@@ -53,12 +54,40 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         return None
 
 
+# hf_xet reports an HTTP failure (after its own retries) as a ConnectionError whose text names the status
+# and the URL: "... HTTP status server error (503 SERVICE UNAVAILABLE), domain: http://host/path".
+_XET_HTTP = re.compile(r"HTTP status (?:client|server) error \((\d{3})[^)]*\)(?:, domain: (\S+))?")
+
+
+def _xet_failure(e: BaseException) -> HubFailure | None:
+    """How a failure of the Xet upload (hf_xet's, or the sink's watchdog) is handled; None if not one."""
+    from stagerd.sinks.hub.xet import XetStalled
+
+    if isinstance(e, XetStalled):
+        return HubFailure("retry", str(e))
+    if type(e).__name__ == "XetAuthenticationError":
+        return HubFailure("auth", f"Xet storage refused the token: {e}")
+    m = _XET_HTTP.search(str(e)) if isinstance(e, ConnectionError) else None
+    if m is None:
+        return None
+    status = int(m.group(1))
+    where = urlsplit(m.group(2)).path if m.group(2) else "Xet storage"
+    text = f"HTTP {status} from Xet storage on {where}"
+    if status in (401, 403):
+        return HubFailure("auth", text)
+    if status in (408, 409, 423, 429) or status >= 500:
+        return HubFailure("retry", text)
+    return HubFailure("fatal", text)
+
+
 def classify(exc: BaseException) -> HubFailure:
-    """Map an exception from huggingface_hub/httpx2 (possibly wrapped) to how the sink handles it."""
+    """Map an exception from huggingface_hub/httpx2/hf_xet (possibly wrapped) to how the sink handles it."""
     import httpx2
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     for e in _chain(exc):
+        if (xet := _xet_failure(e)) is not None:
+            return xet
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             response = e.response
             status = response.status_code

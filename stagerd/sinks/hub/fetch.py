@@ -2,9 +2,10 @@
 
 The revision is the step's tag (`--step N`, or `@step-N` in the URL), else the URL's revision, else `main`
 (which holds the newest step). Every file of the Hub's tree at that revision (but `.gitattributes`) is
-downloaded with huggingface_hub into a temporary sibling of OUT and checked against the tree: its size,
-and its LFS sha256 or, for a small file kept in git, its git blob id. Only then is the directory renamed
-to OUT. A mismatch is a `RestoreError` naming the file; nothing is left behind.
+downloaded with huggingface_hub (through Xet where the file is stored there) into a temporary sibling of
+OUT and checked against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git
+blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a
+`RestoreError` naming the file; nothing is left behind.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
+            except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
+                raise _xet_download_error(err, f"{where}/{entry.path}") from None
             size = got.stat().st_size
             sha, git = _digests(got, size)
             lfs = getattr(entry, "lfs", None)
@@ -102,3 +105,17 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _xet_download_error(err: BaseException, path: str) -> Exception:
+    """A failed Xet download as a named error: an HTTP failure of the CAS (after hf_xet's own retries) is a
+    `SinkError` (`SinkAuthError` for 401/403); anything else is stored data that does not rebuild."""
+    from stagerd.sinks.hub.errors import _XET_HTTP
+
+    m = _XET_HTTP.search(str(err))
+    if m is None:
+        return RestoreError(f"cannot be rebuilt from Xet storage: {err}", path=path)
+    status = int(m.group(1))
+    if status in (401, 403):
+        return SinkAuthError(f"Xet storage refused the token ({status})", path=path)
+    return SinkError(f"download failed: HTTP {status} from Xet storage", path=path)

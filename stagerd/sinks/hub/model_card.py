@@ -15,6 +15,7 @@ from typing import Any
 from huggingface_hub import ModelCardData
 
 from stagerd.contract.layout import INDEX_NAME
+from stagerd.errors import VerifyError
 
 CARD_NAME = "README.md"
 
@@ -113,3 +114,26 @@ def render_model_card(info: CardInfo) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def card_for_export(
+    export_dir: Path, repo_id: str, files: Sequence[tuple[str, int]], step: int, metadata: dict[str, Any]
+) -> str:
+    """The card of a step: `metadata`'s `dtype` (else the export's safetensors dtypes) and `base_model` by
+    name, every other key as run metadata. A corrupt safetensors header is a VerifyError."""
+    dtype = metadata.pop("dtype", None)
+    if dtype is None:
+        try:
+            dtype = ", ".join(export_dtypes(export_dir, [path for path, _ in files])) or None
+        except Exception as e:  # safetensors raises its own error type for a corrupt header
+            what = f"cannot read the safetensors headers of the export: {e}"
+            raise VerifyError(what, path=export_dir) from e
+    info = CardInfo(
+        repo_id=repo_id,
+        step=step,
+        files=list(files),
+        dtype=str(dtype) if dtype is not None else None,
+        base_model=metadata.pop("base_model", None),
+        metadata=metadata,
+    )
+    return render_model_card(info)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, urlsplit
 
 from stagerd.errors import (
@@ -18,12 +18,11 @@ from stagerd.errors import (
     SinkConflictError,
     SinkError,
     StagerdError,
-    VerifyError,
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.hub.errors import _TOKEN_RE, classify
-from stagerd.sinks.hub.model_card import CARD_NAME, CardInfo, export_dtypes, render_model_card
+from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
     CommitPlan,
@@ -34,6 +33,7 @@ from stagerd.sinks.hub.tree import (
     scan_export,
     scan_history,
 )
+from stagerd.sinks.hub.upload import send_additions
 from stagerd.sinks.hub.url import (
     _HISTORY_PAGE,
     HubTarget,
@@ -46,10 +46,7 @@ from stagerd.sinks.hub.url import (
     step_branch,
     step_tag,
 )
-
-if TYPE_CHECKING:
-    pass
-
+from stagerd.sinks.hub.xet import XetUploader
 
 log = logging.getLogger("stagerd.sinks.hub")
 
@@ -92,6 +89,7 @@ class HubSink:
         self._api = HfApi(endpoint=endpoint, token=self._token, library_name="stagerd")
         self.timeouts = timeouts or HubTimeouts()
         register_timeouts(self, self._api.endpoint, self.timeouts)
+        self._xet = XetUploader(self.timeouts)
         self._hash_threads = hash_threads
         self._num_threads = num_threads
         self._repo_ready = False
@@ -149,7 +147,8 @@ class HubSink:
         """Commit `export_dir` as `step` (or find it already there), verify the tree, tag `step-N`.
 
         `metadata` feeds the model card: `dtype` and `base_model` by name, every other key as run
-        metadata. Progress is coarse: (0, total) before the upload and (total, total) after the commit.
+        metadata. Progress counts files the parent commit already holds as done, then the bytes hf_xet
+        has processed; (total, total) after the commit. `bytes_uploaded` is what went over the wire.
         """
         if not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
@@ -158,11 +157,14 @@ class HubSink:
         local = scan_export(export_dir, threads=self._hash_threads)
         card_bytes = None
         if CARD_NAME not in {f.path for f in local}:
-            card_bytes = self._render_card(export_dir, local, step, dict(metadata or {})).encode()
+            files = [(f.path, f.size) for f in local]
+            card_bytes = card_for_export(export_dir, self.repo_id, files, step, dict(metadata or {})).encode()
         total = sum(f.size for f in local) + len(card_bytes or b"")
         if progress is not None:
             progress(0, total)
-        outcome = self._with_retries(step, lambda: self._publish_once(export_dir, local, card_bytes, step))
+        outcome = self._with_retries(
+            step, lambda: self._publish_once(export_dir, local, card_bytes, step, progress, total)
+        )
         if progress is not None:
             progress(total, total)
         result = PublishResult(
@@ -201,13 +203,21 @@ class HubSink:
         return self._with_retries(step, check)
 
     def close(self) -> None:
-        """Drop this sink's request bound; huggingface_hub's shared HTTP client is closed at exit."""
+        """Drop this sink's request bound and Xet session; huggingface_hub's shared HTTP client is closed
+        at exit."""
         unregister_timeouts(self)
+        self._xet.close()
 
     # --- one attempt ------------------------------------------------------------------------------------
 
     def _publish_once(
-        self, export_dir: Path, local: list[HubFile], card_bytes: bytes | None, step: int
+        self,
+        export_dir: Path,
+        local: list[HubFile],
+        card_bytes: bytes | None,
+        step: int,
+        progress: ProgressFn | None,
+        total: int,
     ) -> _Outcome:
         self._ensure_repo()
         card = _card_file(card_bytes)
@@ -229,11 +239,25 @@ class HubSink:
         branch, parent = self._target(step, branches, head_step)
         plan = plan_commit(local, card, self._tree(parent))
         size = sum(f.size for f in local) + (card.size if card else 0)
+        files = len(local) + (card is not None)
+        ops = self._operations(export_dir, local, card_bytes, plan)
+        adds = set(plan.adds)
+        additions = [op for op in ops if op.path_in_repo in adds]  # deletes name no file of the export
+        done = total - plan.new_bytes  # what the parent holds already
+        sent = send_additions(
+            self._api,
+            self.repo_id,
+            branch,
+            additions,
+            uploader=self._xet,
+            headers=self._headers(),
+            progress=None if progress is None else lambda n: progress(min(total, done + n), total),
+        )
         info = self._api.create_commit(
             self.repo_id,
-            self._operations(export_dir, local, card_bytes, plan),
+            ops,
             commit_message=commit_message(step),
-            commit_description=f"{len(plan.adds)} files, {size} bytes, published by stagerd.",
+            commit_description=f"{files} files, {size} bytes, published by stagerd.",
             revision=branch,
             parent_commit=parent,
             num_threads=self._num_threads,
@@ -241,7 +265,16 @@ class HubSink:
         self._verify(step, info.oid, local, card, existing=False)
         crash_point("hub.commit")
         self._tag(step, info.oid)
-        return _Outcome(info.oid, skipped=False, uploaded=plan.new_bytes)
+        log.debug(
+            "%s: step %d: %d files sent (%d bytes over the wire, %s), %d kept from the parent commit",
+            self.url,
+            step,
+            len(plan.adds),
+            sent.bytes,
+            sent.via,
+            len(plan.kept),
+        )
+        return _Outcome(info.oid, skipped=False, uploaded=sent.bytes)
 
     def _ensure_repo(self) -> None:
         with self._lock:
@@ -269,12 +302,17 @@ class HubSink:
         `list_repo_commits` would fetch the whole history first; this is the same endpoint and protocol
         (`limit`, then the `Link` header's next page) through the library's own lazy `paginate`.
         """
-        from huggingface_hub.utils import build_hf_headers, paginate
+        from huggingface_hub.utils import paginate
 
         url = f"{self._api.endpoint}/api/models/{self.repo_id}/commits/{quote(branch, safe='')}"
-        headers = build_hf_headers(token=self._token, library_name="stagerd")
+        headers = self._headers()
         for item in paginate(url, params={"limit": _HISTORY_PAGE}, headers=headers):
             yield item["id"], item["title"]
+
+    def _headers(self) -> dict[str, str]:
+        from huggingface_hub.utils import build_hf_headers
+
+        return build_hf_headers(token=self._token, library_name="stagerd")
 
     def _target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
         """(branch to commit to, its head as the parent commit), creating the branch if needed."""
@@ -318,14 +356,18 @@ class HubSink:
     def _operations(
         self, export_dir: Path, local: list[HubFile], card_bytes: bytes | None, plan: CommitPlan
     ) -> list[Any]:
+        """The commit's operations: an add for each file the parent lacks (`plan.adds`), the deletes."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
+        adds = set(plan.adds)
         ops: list[Any] = []
         for f in local:
+            if f.path not in adds:
+                continue
             op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(export_dir / f.path))
             op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once already, in scan_export
             ops.append(op)
-        if card_bytes is not None:
+        if card_bytes is not None and CARD_NAME in adds:
             ops.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
         ops += [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.deletes]
         return ops
@@ -350,27 +392,6 @@ class HubSink:
         self._api.create_tag(
             self.repo_id, tag=step_tag(step), revision=commit, tag_message=commit_message(step), exist_ok=True
         )
-
-    def _render_card(
-        self, export_dir: Path, local: list[HubFile], step: int, metadata: dict[str, Any]
-    ) -> str:
-        dtype = metadata.pop("dtype", None)
-        if dtype is None:
-            try:
-                dtype = ", ".join(export_dtypes(export_dir, [f.path for f in local])) or None
-            except Exception as e:  # safetensors raises its own error type for a corrupt header
-                raise VerifyError(
-                    f"cannot read the safetensors headers of the export: {e}", path=export_dir
-                ) from e
-        info = CardInfo(
-            repo_id=self.repo_id,
-            step=step,
-            files=[(f.path, f.size) for f in local],
-            dtype=str(dtype) if dtype is not None else None,
-            base_model=metadata.pop("base_model", None),
-            metadata=metadata,
-        )
-        return render_model_card(info)
 
     # --- retries ----------------------------------------------------------------------------------------
 

@@ -96,9 +96,10 @@ class RemoteFile:
 class CommitPlan:
     """What one step's commit does, relative to its parent tree."""
 
-    adds: tuple[str, ...]
+    adds: tuple[str, ...]  # files whose content the parent lacks: the only ones uploaded and committed
+    kept: tuple[str, ...]  # files the parent already holds with the same content: left out of the commit
     deletes: tuple[str, ...]
-    new_bytes: int  # upper bound of what must be uploaded: files whose content the parent lacks
+    new_bytes: int  # the size of `adds`
 
 
 def _same(local: HubFile, remote: RemoteFile) -> bool:
@@ -112,12 +113,14 @@ def _same(local: HubFile, remote: RemoteFile) -> bool:
 def plan_commit(
     local: Sequence[HubFile], card: HubFile | None, parent: Mapping[str, RemoteFile]
 ) -> CommitPlan:
-    """Add every export file (and the card), delete what the parent holds beyond them."""
+    """Add what the parent lacks (a file whose sha256, or git blob id, equals the parent's entry is kept
+    from the parent instead of being sent again), delete what the parent holds beyond the export."""
     files = [*local, *([card] if card else [])]
     keep = {f.path for f in files} | {GITATTRIBUTES}
     deletes = tuple(sorted(p for p in parent if p not in keep))
-    new_bytes = sum(f.size for f in files if f.path not in parent or not _same(f, parent[f.path]))
-    return CommitPlan(tuple(f.path for f in files), deletes, new_bytes)
+    changed = [f for f in files if f.path not in parent or not _same(f, parent[f.path])]
+    kept = tuple(f.path for f in files if f not in changed)
+    return CommitPlan(tuple(f.path for f in changed), kept, deletes, sum(f.size for f in changed))
 
 
 def compare_tree(

@@ -1,0 +1,87 @@
+"""The uploads of one step's commit: which files go inline in the commit and which through Xet, and the bytes
+that went over the wire.
+
+Through Xet (the default wherever hf_xet is installed) the sink does what huggingface_hub's own upload
+pipeline does before `create_commit`: it asks the Hub each file's upload mode (`_fetch_upload_modes`),
+uploads the LFS-mode files through its own `XetUploader`, and marks those operations uploaded
+(`_is_uploaded`), so `create_commit` only commits them. Those three names are private to huggingface_hub;
+`LIBRARY_SEAMS` lists them and a test fails if one moves.
+
+Without Xet (`HF_HUB_DISABLE_XET=1`) `create_commit` uploads through the LFS protocol as it always has, and
+the bytes sent are counted as the files' sizes (the Hub may already hold an object, after a crash
+mid-upload, and then it is not sent again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from stagerd.sinks.hub.xet import XetFile, XetUploader, xet_enabled
+
+# (module, attribute) pairs of huggingface_hub's private API this module relies on.
+LIBRARY_SEAMS = (
+    ("huggingface_hub._commit_api", "_fetch_upload_modes"),
+    ("huggingface_hub.utils._xet", "xet_connection_info_refresh_url"),
+)
+OPERATION_SEAMS = ("_upload_mode", "_should_ignore", "_is_uploaded")  # fields of CommitOperationAdd
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one commit's uploads sent: file bytes over the wire, and how (`xet`, `lfs` or `inline`)."""
+
+    bytes: int
+    via: str
+
+
+def send_additions(
+    api: Any,
+    repo_id: str,
+    branch: str,
+    additions: Sequence[Any],
+    *,
+    uploader: XetUploader,
+    headers: dict[str, str],
+    progress: Callable[[int], None] | None = None,
+) -> Sent:
+    """Upload what `create_commit` would for `additions` (CommitOperationAdd), ahead of it, through Xet.
+
+    Returns the bytes sent. Without Xet nothing is sent here and the additions' sizes are returned:
+    `create_commit` sends them through LFS.
+    """
+    size = sum(op.upload_info.size for op in additions)
+    if not additions:
+        return Sent(0, "inline")
+    if not xet_enabled():
+        return Sent(size, "lfs")
+    from huggingface_hub._commit_api import _fetch_upload_modes
+    from huggingface_hub.utils._xet import XetTokenType, xet_connection_info_refresh_url
+
+    revision = quote(branch, safe="")
+    _fetch_upload_modes(
+        additions=list(additions),
+        repo_type="model",
+        repo_id=repo_id,
+        headers=headers,
+        revision=revision,
+        endpoint=api.endpoint,
+    )
+    to_xet = [op for op in additions if op._upload_mode == "lfs" and not op._should_ignore]
+    inline = sum(op.upload_info.size for op in additions if op._upload_mode == "regular")
+    if not to_xet:
+        return Sent(inline, "inline")
+    refresh_url = xet_connection_info_refresh_url(
+        token_type=XetTokenType.WRITE,
+        repo_id=repo_id,
+        repo_type="model",
+        revision=revision,
+        endpoint=api.endpoint,
+    )
+    files = [XetFile(op.path_or_fileobj, op.upload_info.sha256.hex()) for op in to_xet]
+    sent = uploader.upload(files, token_refresh_url=refresh_url, headers=headers, progress=progress)
+    for op in to_xet:
+        op._is_uploaded = True
+    return Sent(sent + inline, "xet")
