@@ -12,7 +12,6 @@ giving one step number are an `AdoptError` on that step, and the others go on.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -70,21 +69,21 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
 
 
 def finished(ckpt: Path, preset_name: str) -> tuple[Preset, float] | None:
-    """The preset and newest completion-file mtime of a finished checkpoint, else None (never opened)."""
-    from stagerd.engine.adopt.source import choose_preset
+    """The preset and finishing time of a finished checkpoint, else None (and it is never opened)."""
+    from stagerd.engine.adopt.source import choose_preset, finished
 
     try:
         preset = choose_preset(ckpt, preset_name)
-        mtimes = [(ckpt / f).stat().st_mtime for f in preset.completion_files()]
-    except (FileNotFoundError, NotADirectoryError, AdoptError):
-        return None
-    return preset, max(mtimes)
+    except (OSError, StagerdError):
+        return None  # no DCP checkpoint here yet, or a .metadata the export will name
+    at = finished(ckpt, preset)
+    return None if at is None else (preset, at)
 
 
 def identity(ckpt: Path, preset: Preset) -> str:
-    """Which save a checkpoint is: the sha256 of its `.metadata` (a new save has a new `save_id`)."""
-    with open(ckpt / preset.completion_files()[0], "rb") as f:
-        return "dcp:" + hashlib.file_digest(f, "sha256").hexdigest()
+    from stagerd.engine.adopt.source import save_identity
+
+    return save_identity(ckpt, preset)
 
 
 class Adoption(Discovery):
@@ -134,8 +133,8 @@ class Adoption(Discovery):
                 continue
             try:
                 out.append((step, Path(e.path), mtime, identity(Path(e.path), preset)))
-            except FileNotFoundError:
-                continue
+            except (OSError, StagerdError):
+                continue  # gone meanwhile: the next scan sees what is there
         return out, odd
 
     async def _scan_adopted(self) -> int:

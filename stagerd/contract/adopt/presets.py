@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
@@ -59,24 +60,41 @@ TORCHTITAN_LLAMA_RULES: list[dict[str, Any]] = [
 ]
 
 
+class Format(StrEnum):
+    """How the model's tensors are stored: FileSystemWriter (`.metadata` + `.distcp`), or
+    HuggingFaceStorageWriter's sharded safetensors (DCP_SHARDING_INFO in each header, no `.metadata`)."""
+
+    DCP = "dcp"
+    HF_SHARDS = "hf-shards"
+
+
 @dataclass(frozen=True)
 class Preset:
     """How one trainer writes its checkpoints (see the module docstring)."""
 
     name: str
-    model_dir: str = "."  # the DCP directory, relative to the checkpoint directory
+    model_dir: str = "."  # the model's directory, relative to the checkpoint directory
+    format: Format = Format.DCP
     complete: tuple[str, ...] = ()  # files (relative to the checkpoint directory) the trainer writes last
+    incomplete: str | None = None  # a file the trainer removes last: present, the checkpoint is not finished
+    zips: tuple[
+        str, ...
+    ] = ()  # completion files that are zip archives: finished once their directory is read
     select: str = r"(?P<name>.+)"
+    select_fallback: str | None = None  # used when `select` matches no key (plain dcp: no `model.` prefix)
     mapping: Mapping[str, Any] | None = None
     tied: tuple[str, ...] = ()  # output names save_pretrained leaves out when tie_word_embeddings is set
-    detect_key: str | None = None  # auto: a key one of the checkpoint's tensors must match whole
+    detect_paths: tuple[str, ...] = ()  # auto: one of these exists in the checkpoint directory
+    detect_key: str | None = None  # auto: a key of the checkpoint's `.metadata` matches this whole
+    extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
     description: str = ""
-    select_fallback: str | None = None  # used when `select` matches no key (plain dcp: no `model.` prefix)
+
+    def metadata_file(self) -> str:
+        return METADATA if self.model_dir == "." else f"{self.model_dir}/{METADATA}"
 
     def completion_files(self) -> tuple[str, ...]:
-        """Every file that must exist before the checkpoint is finished, `.metadata` first."""
-        meta = METADATA if self.model_dir == "." else f"{self.model_dir}/{METADATA}"
-        return (meta, *self.complete)
+        """Every file that must exist before the checkpoint is finished (`.metadata` first for DCP)."""
+        return (self.metadata_file(), *self.complete) if self.format is Format.DCP else self.complete
 
 
 PRESETS: dict[str, Preset] = {
@@ -88,7 +106,27 @@ PRESETS: dict[str, Preset] = {
             complete=("trainer_state.json",),
             select=r"model\.(?P<name>.+)",
             tied=("lm_head.weight",),
+            detect_paths=("pytorch_model_fsdp_0",),
             description="HF Trainer / Accelerate FSDP, SHARDED_STATE_DICT: checkpoint-N/pytorch_model_fsdp_0",
+        ),
+        Preset(
+            "automodel",
+            model_dir="model",
+            format=Format.HF_SHARDS,
+            incomplete=".incomplete",
+            detect_paths=(".incomplete", "model/.hf_metadata"),
+            extras_dirs=("model/.hf_metadata",),
+            tied=("lm_head.weight",),
+            description="NeMo AutoModel, save_consolidated: false: epoch_E_step_S/model (HF shards)",
+        ),
+        Preset(
+            "lightning",
+            complete=("meta.pt",),
+            zips=("meta.pt",),
+            select=r"state_dict\.model\.(?P<name>.+)",
+            tied=("lm_head.weight",),
+            detect_key=r"state_dict\..+",
+            description="Lightning FSDP / ModelParallel: epoch=E-step=S.ckpt/ (the module's `model`)",
         ),
         Preset(
             "torchtitan",
@@ -109,7 +147,7 @@ PRESETS: dict[str, Preset] = {
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
-AUTO_ORDER = ("hf-trainer", "torchtitan", "dcp")
+AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp")
 
 
 def preset_names() -> tuple[str, ...]:

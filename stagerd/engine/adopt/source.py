@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import zipfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from stagerd.contract.adopt.presets import (
     AUTO,
     AUTO_ORDER,
     PRESETS,
+    Format,
     Preset,
     get_preset,
     resolve_selection,
@@ -37,7 +40,8 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.safetensors_format import Header
 from stagerd.engine.adopt.dcp_headers import dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, Source
-from stagerd.errors import AdoptError, ExtrasError
+from stagerd.engine.shard_scan import scan_shards, shard_paths
+from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError
 
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
 HF_EXTRAS = (
@@ -74,11 +78,11 @@ class AdoptedSource(Source):
     """A FileSystemWriter checkpoint: `model_dir` holds `.metadata` and the `__R_N.distcp` files."""
 
     preset: Preset = field(default_factory=lambda: PRESETS["dcp"])
-    meta: DcpMetadata = field(default_factory=lambda: DcpMetadata({}, (), ()))
+    meta: DcpMetadata | None = None  # FileSystemWriter; None for HF shards
     keys: tuple[str, ...] = ()
     plan: HubPlan = field(default_factory=HubPlan)
     extra_files: Mapping[str, Path] = field(default_factory=dict)
-    identity: str = ""  # `dcp:` + sha256 of `.metadata`
+    identity: str = ""  # see `save_identity`
 
     @property
     def listed(self) -> list[str] | None:
@@ -91,9 +95,13 @@ class AdoptedSource(Source):
         return self.extra_files[rel]
 
     def scan(self) -> Iterable[Header]:
+        if self.meta is None:
+            return scan_shards(self.model_dir)
         return dcp_headers(self.model_dir, self.meta, self.keys)
 
-    def expected(self) -> Mapping[str, layout.TensorInfo]:
+    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+        if self.meta is None:
+            return None  # HF shards record no global shapes
         t = self.meta.tensors
         return {k: layout.TensorInfo(t[k].dtype, t[k].shape) for k in self.keys}
 
@@ -108,34 +116,75 @@ class AdoptedSource(Source):
 
     def read_files(self) -> list[Path]:
         """Every file the export reads: `.metadata`, the data files of the chosen tensors, the extras."""
+        extras = [self.extra_files[r] for r in sorted(self.extra_files)]
+        if self.meta is None:
+            return [*shard_paths(self.model_dir), *extras]
         data = {c.file for k in self.keys for c in self.meta.tensors[k].chunks}
-        return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data))] + [
-            self.extra_files[r] for r in sorted(self.extra_files)
-        ]
+        return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data)), *extras]
 
 
 def choose_preset(ckpt: Path, name: str) -> Preset:
-    """The named preset, or with `auto` the first of AUTO_ORDER whose layout this checkpoint has."""
+    """The named preset, or with `auto` the first of AUTO_ORDER whose layout this checkpoint has (judged
+    by paths, and by `.metadata`'s keys where the preset names a key; never by its completion files)."""
     if name != AUTO:
         return get_preset(name)
     for candidate in AUTO_ORDER:
         p = PRESETS[candidate]
-        meta = ckpt / p.completion_files()[0]
-        if not meta.is_file():
+        if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
             continue
-        if p.detect_key is not None:
-            import re
-
-            rx = re.compile(p.detect_key)
-            if not any(rx.fullmatch(k) for k in read_dcp_metadata(meta).tensors):
+        if p.format is Format.DCP:
+            meta = ckpt / p.metadata_file()
+            if not meta.is_file():
                 continue
+            if p.detect_key is not None:
+                rx = re.compile(p.detect_key)
+                try:
+                    keys = read_dcp_metadata(meta).tensors
+                except DcpFormatError:
+                    continue  # the generic preset takes it, and its export names the defect
+                if not any(rx.fullmatch(k) for k in keys):
+                    continue
         return p
     raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
 
 
-def find_extras(ckpt: Path, extras_dir: Path | None) -> dict[str, Path]:
-    """Each HF extra from the first place that has it: the checkpoint, --extras DIR, the parent."""
-    places = [ckpt, *([extras_dir] if extras_dir is not None else []), ckpt.parent]
+def finished(ckpt: Path, preset: Preset) -> float | None:
+    """When a checkpoint was finished (its newest completion file's mtime), or None while it is not:
+    a completion file missing, the preset's `incomplete` file present, a zip completion file whose
+    directory cannot be read yet."""
+    try:
+        times = [(ckpt / f).stat().st_mtime for f in preset.completion_files()]
+        if preset.incomplete is not None:
+            if (ckpt / preset.incomplete).exists():
+                return None
+            times.append(ckpt.stat().st_mtime)  # the removal of `incomplete` touched it
+        if preset.format is Format.HF_SHARDS and not shard_paths(ckpt / preset.model_dir):
+            return None
+        for z in preset.zips:
+            with zipfile.ZipFile(ckpt / z):
+                pass
+    except (OSError, zipfile.BadZipFile, ShardError):
+        return None
+    return max(times) if times else None
+
+
+def save_identity(ckpt: Path, preset: Preset) -> str:
+    """Which save a finished checkpoint is: `dcp:` + the sha256 of `.metadata` (a new save has a new
+    save_id in it); for HF shards, `shards:` + the sha256 of their names, sizes and mtimes."""
+    if preset.format is Format.DCP:
+        return "dcp:" + hashlib.sha256(read_metadata_bytes(ckpt / preset.metadata_file())).hexdigest()
+    h = hashlib.sha256()
+    for p in shard_paths(ckpt / preset.model_dir):
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return "shards:" + h.hexdigest()
+
+
+def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str, Path]:
+    """Each HF extra from the first place that has it: where the trainer keeps them (the preset's
+    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent."""
+    places = [*(ckpt / d for d in preset.extras_dirs), ckpt]
+    places += [*([extras_dir] if extras_dir is not None else []), ckpt.parent]
     found: dict[str, Path] = {}
     for name in HF_EXTRAS:
         for d in places:
@@ -164,21 +213,28 @@ def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSour
     ckpt, options = Path(ckpt), options or AdoptOptions()
     preset = choose_preset(ckpt, options.preset)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
-    missing = [f for f in preset.completion_files() if not (ckpt / f).is_file()]
-    if missing:
+    if finished(ckpt, preset) is None:
         raise AdoptError(
-            f"not finished: {', '.join(missing)} missing (preset {preset.name})",
+            f"not finished: no {', '.join(preset.completion_files()) or 'shards'} yet"
+            f"{f' or {preset.incomplete} still there' if preset.incomplete else ''} (preset {preset.name})",
             path=ckpt,
             hint="stagerd exports a checkpoint only once its trainer has finished writing it",
         )
-    meta_path = model_dir / METADATA_NAME
-    raw = read_metadata_bytes(meta_path)
-    meta = parse_dcp_metadata(raw, meta_path)
-    extras = find_extras(ckpt, options.extras)
+    meta = None
+    if preset.format is Format.DCP:
+        raw = read_metadata_bytes(model_dir / METADATA_NAME)
+        meta = parse_dcp_metadata(raw, model_dir / METADATA_NAME)
+        ident = "dcp:" + hashlib.sha256(raw).hexdigest()
+        shapes = {k: t.shape for k, t in meta.tensors.items()}
+    else:
+        ident = save_identity(ckpt, preset)
+        shapes = shard_shapes(model_dir)
+    extras = find_extras(ckpt, preset, options.extras)
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
-    shapes = {k: t.shape for k, t in meta.tensors.items()}
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
+    if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
+        plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
     return AdoptedSource(
         model_dir,
         None,
@@ -188,5 +244,19 @@ def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSour
         keys=tuple(keys),
         plan=plan,
         extra_files=extras,
-        identity="dcp:" + hashlib.sha256(raw).hexdigest(),
+        identity=ident,
     )
+
+
+def shard_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor in HF shards: `max(offset + local shape)` per dim (the tiling
+    check in `plan()` proves it later)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for h in scan_shards(model_dir):
+        for name, offs in h.dcp_offsets().items():
+            ext = tuple(o + n for o, n in zip(offs, h.tensors[name].shape, strict=True))
+            old = shapes.get(name, ext)
+            shapes[name] = (
+                tuple(max(a, b) for a, b in zip(old, ext, strict=False)) if len(old) == len(ext) else ext
+            )
+    return shapes
