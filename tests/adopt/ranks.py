@@ -3,7 +3,8 @@
 `async_save_loop`: a tiny HF Llama under FSDP2 on 2 gloo ranks, trained a few steps, saved after each by a
 plain `dcp.async_save` of `{"model": ..., "optim": ...}` into `ROOT/step-N` (on its own gloo group, the
 previous save awaited before the next, as torch's docs show); rank 0 then writes `save_pretrained` of the
-gathered trained weights in bf16 as the reference, and config.json into ROOT, where a training script keeps it.
+gathered trained weights in bf16 as the reference, and config.json into ROOT, where a training script
+keeps it.
 
 `killed_writer`: one process saving with DCP's FileSystemWriter and SIGKILLed inside `finish()`, before
 the coordinator writes `.metadata` or right after: a writer that dies half way, as a pre-empted job does.
