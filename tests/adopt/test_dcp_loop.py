@@ -21,13 +21,15 @@ KIND = "llama_tied"
 
 
 def _killed(path: Path, when: str) -> None:
-    import torch.multiprocessing as mp
+    """One writer process (forked: it inherits torch, already imported here), SIGKILLed in `finish()`."""
+    import multiprocessing
 
-    ctx = mp.start_processes(
-        ranks.killed_writer, args=(str(path), when), nprocs=1, start_method="spawn", join=False
-    )
-    ctx.processes[0].join(120)
-    assert ctx.processes[0].exitcode == -9, ctx.processes[0].exitcode
+    import torch.distributed.checkpoint  # noqa: F401
+
+    p = multiprocessing.get_context("fork").Process(target=ranks.killed_writer, args=(0, str(path), when))
+    p.start()
+    p.join(120)
+    assert p.exitcode == -9, p.exitcode
 
 
 @pytest.fixture(scope="module")
