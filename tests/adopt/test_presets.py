@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,70 @@ def test_a_record_that_is_not_torch_save_is_refused_by_name(tmp_path):
     source = open_adopted(tmp_path / "ck")
     with pytest.raises(DcpFormatError, match=r"not a torch\.save archive"):
         plan(source.scan())
+
+
+def _changing(tmp_path, change):
+    """export_adopted of a small checkpoint, `change(ckpt)` run from inside the export's first progress."""
+    from stagerd.engine.adopt.export import export_adopted
+    from tests.adopt import ranks
+
+    ckpt = tmp_path / "step-1"
+    ranks.write(str(ckpt))
+    done = []
+
+    def progress(_done: int, _total: int) -> None:
+        if not done:
+            done.append(change(ckpt))
+
+    work = tmp_path / "work"
+    return work, lambda: export_adopted(ckpt, work, progress=progress)
+
+
+def test_a_checkpoint_saved_again_or_deleted_during_its_export_is_never_exported(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from stagerd.errors import SourceChangedError
+
+    other = tmp_path / "other"  # the next save, written in place over the first one file by file
+    dcp.save({"model": {"w": torch.zeros(8, 4), "b": torch.zeros(8)}}, checkpoint_id=str(other), no_dist=True)
+
+    def resave(ckpt):
+        for f in sorted(other.iterdir(), key=lambda p: p.name == ".metadata"):  # data first, as DCP does
+            shutil.copyfile(f, ckpt / f.name)
+
+    for name, change in (("resaved", resave), ("deleted", shutil.rmtree)):
+        work, run = _changing(tmp_path / name, change)
+        with pytest.raises(SourceChangedError):
+            run()
+        assert not (work / "export").exists() and not (work / "export.tmp").exists()
+
+
+def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_path):
+    """AutoModel's layout, written by the real HuggingFaceStorageWriter (save_distributed: DCP shards)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import choose_preset, finished
+
+    ckpt = tmp_path / "epoch_0_step_2"
+    (ckpt / "model" / ".hf_metadata").mkdir(parents=True)
+    (ckpt / ".incomplete").touch()
+    (ckpt / "model" / ".hf_metadata" / "config.json").write_text(
+        '{"model_type": "llama", "dtype": "bfloat16"}'
+    )
+    sd = {"model.embed_tokens.weight": torch.randn(8, 4).bfloat16(), "lm_head.weight": torch.randn(8, 4)}
+    dcp.save(
+        sd, storage_writer=HuggingFaceStorageWriter(str(ckpt / "model"), save_distributed=True), no_dist=True
+    )
+    preset = choose_preset(ckpt, "auto")
+    assert preset.name == "automodel" and finished(ckpt, preset) is None
+    (ckpt / ".incomplete").unlink()
+    assert finished(ckpt, preset) is not None
+    r = export_adopted(ckpt, tmp_path / "work")
+    got = load_file(r.export_dir / "model-00001-of-00001.safetensors")
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "float32"  # most bytes F32
