@@ -13,7 +13,7 @@ import json
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,12 @@ class AdoptOptions:
 class AdoptedSource(Source):
     """A FileSystemWriter checkpoint: `model_dir` holds `.metadata` and the `__R_N.distcp` files."""
 
-    preset: Preset = field(default_factory=lambda: PRESETS["dcp"])
-    meta: DcpMetadata | None = None  # FileSystemWriter; None for HF shards
-    keys: tuple[str, ...] = ()
-    plan: HubPlan = field(default_factory=HubPlan)
-    extra_files: Mapping[str, Path] = field(default_factory=dict)
-    identity: str = ""  # see `save_identity`
+    preset: Preset
+    meta: DcpMetadata | None  # FileSystemWriter; None for HF shards
+    keys: tuple[str, ...]
+    plan: HubPlan
+    extra_files: Mapping[str, Path]
+    identity: str  # see `save_identity`
 
     @property
     def listed(self) -> list[str] | None:
