@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
   stagerd consolidate run1/step-00001000 ./hf --dtype bf16 --max-shard-size 2GB
   stagerd consolidate ./shards ./hf --reference-index base/index.json
-  stagerd consolidate ckpts/step-300 ./hf-300 --adopt torchtitan --extras ./assets
+  stagerd consolidate ckpts/step-300 ./hf-300 --adopt torchtitan --extras assets
 """
 
 
