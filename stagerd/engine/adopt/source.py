@@ -131,6 +131,7 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
     by paths, and by `.metadata`'s keys where the preset names a key; never by its completion files)."""
     if name != AUTO:
         return get_preset(name)
+    keys: dict[Path, set[str] | None] = {}  # each `.metadata` read once, whichever presets look at it
     for candidate in AUTO_ORDER:
         p = PRESETS[candidate]
         if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
@@ -140,12 +141,13 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
             if not meta.is_file():
                 continue
             if p.detect_key is not None:
+                if meta not in keys:
+                    try:
+                        keys[meta] = set(read_dcp_metadata(meta).tensors)
+                    except DcpFormatError:
+                        keys[meta] = None  # the generic preset takes it, and its export names the defect
                 rx = re.compile(p.detect_key)
-                try:
-                    keys = read_dcp_metadata(meta).tensors
-                except DcpFormatError:
-                    continue  # the generic preset takes it, and its export names the defect
-                if not any(rx.fullmatch(k) for k in keys):
+                if not any(rx.fullmatch(k) for k in keys[meta] or ()):
                     continue
         return p
     raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
