@@ -13,6 +13,7 @@ from stagerd.contract import layout
 from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import (
     COMMITTED,
+    EXPORTED,
     FAILED,
     PENDING,
     PUBLISHED,
@@ -95,8 +96,7 @@ class Discovery(JournalGate):
         import watchfiles
 
         def relevant(_change: watchfiles.Change, path: str) -> bool:
-            name = os.path.basename(path)
-            return name == layout.MARKER_NAME or layout.parse_step_dir(name) is not None
+            return self._relevant(path)
 
         try:
             async for changes in watchfiles.awatch(
@@ -108,7 +108,7 @@ class Discovery(JournalGate):
                 ignore_permission_denied=True,
             ):
                 await self._scan_safely()
-                if any(os.path.basename(p) != layout.MARKER_NAME for _, p in changes):
+                if any(os.path.basename(p) not in (layout.MARKER_NAME, ".metadata") for _, p in changes):
                     # A marker written right after its directory can beat the new directory's watch.
                     asyncio.get_running_loop().call_later(1.0, self._rescan_soon)
         except asyncio.CancelledError:
@@ -119,6 +119,11 @@ class Discovery(JournalGate):
                 e,
                 self.settings.rescan_seconds,
             )
+
+    def _relevant(self, path: str) -> bool:
+        """A file or directory whose event may mean a new committed step."""
+        name = os.path.basename(path)
+        return name == layout.MARKER_NAME or layout.parse_step_dir(name) is not None
 
     async def _scan_safely(self) -> None:
         """`_scan`, logging its failure; skipped while the journal backs off (the rescan after finds it)."""
@@ -163,6 +168,10 @@ class Discovery(JournalGate):
         for row in await self._j(self._journal.steps, include_retired=False):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):
                 continue
+            if row.state == EXPORTED and self._adopt_root is not None:
+                export = self._work_dir(Path(row.path)) / layout.EXPORT_DIR / layout.INDEX_NAME
+                if await self._io(export.is_file):
+                    continue  # a trainer rotated its checkpoint away: the whole export is still published
             if row.state == PUBLISHED:  # retention moved it to the trash, then the daemon died
                 await self._j(self._journal.retire, row.step, "staged data already removed")
                 self._log_step(row.step, None, RETIRED, note="removed before the last restart")
