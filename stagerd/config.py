@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -157,6 +157,71 @@ class Settings(BaseSettings):
         "object.",
     )
 
+    adopt: str | None = Field(
+        None,
+        description="Export the DCP checkpoints a trainer already writes under ROOT, with no Stager and no "
+        "marker: auto (recognise each by its layout), torchtitan, hf-trainer or dcp. Unset: only steps "
+        "saved through stagerd.Stager.",
+    )
+    adopt_select: str | None = Field(
+        None,
+        description="With adopt: a regex matched whole against each tensor key of a checkpoint; the keys it "
+        "matches are the model, named by its group `name` (else its first group, else the key). Replaces "
+        "the preset's selection.",
+    )
+    adopt_step: str | None = Field(
+        None,
+        description="With adopt: a regex matched whole against checkpoint directory names, the step number "
+        "in its group `step` (else its first group); tried before the built-in names.",
+    )
+    export_dir: Path | None = Field(
+        None,
+        description="With adopt: where exports of adopted checkpoints are built (one directory each). "
+        "Unset: ROOT/.stagerd/adopted. Never inside a checkpoint: the trainer's files are only read.",
+    )
+    extras: Path | None = Field(
+        None,
+        description="With adopt: a directory holding config.json, the tokenizer and generation_config.json "
+        "for checkpoints that have none beside them (the checkpoint's own directory wins, then this, then "
+        "ROOT).",
+    )
+    delete_adopted: bool = Field(
+        False,
+        description="With adopt and keep_last: also delete the trainer's own checkpoint directories beyond "
+        "keep_last once published on every sink. Unset: stagerd never deletes a trainer's checkpoint "
+        "(keep_last then removes only stagerd's exports of them).",
+    )
+
+    @model_validator(mode="after")
+    def _check_adopt(self) -> Settings:
+        if self.adopt is None:
+            given = [n for n in ("adopt_select", "adopt_step", "export_dir", "extras") if getattr(self, n)]
+            if given or self.delete_adopted:
+                raise ValueError(f"{', '.join(given) or 'delete_adopted'} needs adopt (--adopt)")
+        elif self.publish_raw:
+            raise ValueError("publish_raw is not available with adopt: the raw files are the trainer's own")
+        return self
+
+    @field_validator("adopt")
+    @classmethod
+    def _check_adopt_preset(cls, v: str | None) -> str | None:
+        from stagerd.contract.adopt.presets import preset_names
+
+        if v is not None and v not in preset_names():
+            raise ValueError(f"adopt must be one of {'|'.join(preset_names())}, got {v!r}")
+        return v
+
+    @field_validator("adopt_step")
+    @classmethod
+    def _check_adopt_step(cls, v: str | None) -> str | None:
+        from stagerd.contract.adopt.step_names import compile_step_regex
+
+        try:
+            compile_step_regex(v)
+        except StagerdError as e:
+            raise ValueError(e.message) from None
+        return v
+
     @field_validator("sink_retention")
     @classmethod
     def _check_sink_retention(cls, v: dict[str, str]) -> dict[str, str]:
@@ -196,7 +261,7 @@ class Settings(BaseSettings):
             raise ValueError(f"dtype must be one of {'|'.join(DTYPES)}, got {v!r}")
         return v
 
-    @field_validator("keep_dtype")
+    @field_validator("keep_dtype", "adopt_select")
     @classmethod
     def _check_regex(cls, v: str | None) -> str | None:
         if v is not None:

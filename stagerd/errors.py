@@ -222,3 +222,34 @@ class FleetNodeConflictError(StagerdError):
     """Two daemons (two ROOTs) claimed the same staging node id for one step on the exchange."""
 
     hint = "give each node its own STAGERD_NODE_ID (0..N-1); one daemon per node and ROOT"
+
+
+class DcpFormatError(StagerdError):
+    """A torch DCP checkpoint stagerd cannot read without torch: a `.metadata` that is corrupt or pickles a
+    class outside the allowlist, or tensor data not stored as plain bytes at a recorded offset."""
+
+    hint = (
+        "the checkpoint is corrupt, was not written by torch.distributed.checkpoint's FileSystemWriter, or "
+        "uses a storage option stagerd does not read (compression, safetensors serialization); nothing was "
+        "exported or published"
+    )
+
+
+class AdoptError(StagerdError):
+    """A trainer's checkpoint that cannot be adopted as it is: no preset recognises it, two directories give
+    one step number, or its selection leaves no model tensor."""
+
+    hint = (
+        "name the preset with --adopt PRESET, choose the model's tensors with --adopt-select REGEX, or give "
+        "each checkpoint its own step number; the trainer's files were not touched"
+    )
+
+
+class SourceChangedError(StagerdError):
+    """An adopted checkpoint whose files changed or disappeared while it was exported."""
+
+    retryable = True
+    hint = (
+        "the trainer rewrote or deleted the checkpoint during its export; nothing was published. stagerd "
+        "tries again if it is still there and finished"
+    )

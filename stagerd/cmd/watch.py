@@ -20,6 +20,7 @@ DESCRIPTION = (
 )
 
 EXAMPLES = """examples:
+  stagerd watch ./outputs/checkpoint --adopt --sink hf://acme/llm --dtype bf16   # a trainer's own DCP saves
   stagerd watch /scratch/run1 --sink hf://acme/llm --sink s3://ckpts/run1
   stagerd watch /scratch/run1 --sink file:///mnt/models --keep-last 2
   stagerd watch /scratch/run1 --sink s3://ckpts/run1 --once   # then exit
@@ -69,6 +70,24 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         default=None,
         help="also publish each raw step to PREFIX/raw/step-N/ of every fsspec sink (for resume)",
     )
+    p.add_argument(
+        "--adopt",
+        nargs="?",
+        const="auto",
+        metavar="PRESET",
+        help="export the DCP checkpoints a trainer already writes under ROOT (no Stager): auto (default), "
+        "torchtitan, hf-trainer, dcp",
+    )
+    p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
+    p.add_argument("--adopt-step", metavar="REGEX", help="adopt: the step number in a directory name")
+    p.add_argument("--export-dir", type=Path, metavar="DIR", help="adopt: where exports are built")
+    p.add_argument("--extras", type=Path, metavar="DIR", help="adopt: config.json and tokenizer to ship")
+    p.add_argument(
+        "--delete-adopted",
+        action="store_true",
+        default=None,
+        help="adopt: let --keep-last delete the trainer's published checkpoints too",
+    )
     p.add_argument("--exchange", metavar="URL", help="node-local steps: where the nodes meet")
     p.add_argument(
         "--fleet-wait-seconds",
@@ -111,6 +130,12 @@ _FLAGS = (
     "keep_last",
     "once",
     "publish_raw",
+    "adopt",
+    "adopt_select",
+    "adopt_step",
+    "export_dir",
+    "extras",
+    "delete_adopted",
     "exchange",
     "fleet_wait_seconds",
     "remote_keep_last",

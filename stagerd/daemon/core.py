@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
 from stagerd.contract import layout
+from stagerd.daemon.adopt import adopt_root, check_adopt_places
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal_raw import raw_lane
@@ -99,6 +100,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._inflight_publishes = {}
         self._marker_metadata = {}
         self._odd_names = set()
+        self._adopt_clashes = set()
+        self._adopt_root = None if settings.adopt is None else adopt_root(self.root, settings.export_dir)
         self._beat = time.monotonic()
         self._disk = None
         self._health = {"status": "starting", "pid": os.getpid()}
@@ -111,6 +114,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
         _refuse_sinks_inside_root(self.root, self.settings.sinks)
+        if self._adopt_root is not None:
+            check_adopt_places(self.root, self._adopt_root, self.settings)
         lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:

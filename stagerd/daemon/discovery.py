@@ -95,8 +95,7 @@ class Discovery(JournalGate):
         import watchfiles
 
         def relevant(_change: watchfiles.Change, path: str) -> bool:
-            name = os.path.basename(path)
-            return name == layout.MARKER_NAME or layout.parse_step_dir(name) is not None
+            return self._relevant(path)
 
         try:
             async for changes in watchfiles.awatch(
@@ -108,7 +107,7 @@ class Discovery(JournalGate):
                 ignore_permission_denied=True,
             ):
                 await self._scan_safely()
-                if any(os.path.basename(p) != layout.MARKER_NAME for _, p in changes):
+                if any(os.path.basename(p) not in (layout.MARKER_NAME, ".metadata") for _, p in changes):
                     # A marker written right after its directory can beat the new directory's watch.
                     asyncio.get_running_loop().call_later(1.0, self._rescan_soon)
         except asyncio.CancelledError:
@@ -119,6 +118,11 @@ class Discovery(JournalGate):
                 e,
                 self.settings.rescan_seconds,
             )
+
+    def _relevant(self, path: str) -> bool:
+        """A file or directory whose event may mean a new committed step."""
+        name = os.path.basename(path)
+        return name == layout.MARKER_NAME or layout.parse_step_dir(name) is not None
 
     async def _scan_safely(self) -> None:
         """`_scan`, logging its failure; skipped while the journal backs off (the rescan after finds it)."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import shutil
+from pathlib import Path
 
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import PUBLISHED, RETIRED
@@ -25,12 +28,20 @@ class Housekeeping(Health):
             if self._stopping:
                 return
             row = by_step[step]
-            await self._trash(move_to_trash, self.root, row.path)
+            for path in self._retired_paths(Path(row.path)):
+                await self._trash(remove_step_data, self.root, path)
             await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
             self._log_step(
                 step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"
             )
         await self._trash(empty_trash, self.root)
+
+    def _retired_paths(self, step_dir: Path) -> list[Path]:
+        """What retention deletes of a step: its directory; of an adopted checkpoint, stagerd's export of it,
+        and the trainer's checkpoint only when `delete_adopted` says so."""
+        if self._adopt_root is None:
+            return [step_dir]
+        return [self._work_dir(step_dir), *([step_dir] if self.settings.delete_adopted else [])]
 
     async def _housekeeping(self) -> None:
         """Disk check, retention and gauges: every `disk_check_seconds`, and whenever a step publishes."""
@@ -50,3 +61,14 @@ class Housekeeping(Health):
                 self._journal_down(e, "apply retention")
             except (OSError, StagerdError) as e:
                 log.warning("housekeeping failed: %s", e)
+
+
+def remove_step_data(root: Path, path: Path) -> None:
+    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else removed in place (an export
+    directory elsewhere: no rename reaches the trash from there)."""
+    try:
+        move_to_trash(root, path)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.rmtree(path, ignore_errors=True)

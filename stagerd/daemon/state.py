@@ -64,6 +64,12 @@ class DaemonState:
     _fatal: JournalError | None
     _root_lock: RootLock
     _odd_names: set[str]  # names like step directories that are not, warned about once each
+    _adopt_root: Path | None  # `--adopt`: where adopted checkpoints' exports are built; None: Stager steps
+
+    def _work_dir(self, step_dir: Path) -> Path:
+        """Where a step's export is built: in the step directory, or for an adopted checkpoint (which is
+        never written) in its own directory under the adopt root."""
+        return step_dir if self._adopt_root is None else self._adopt_root / step_dir.name
 
     def _lane_keys(self) -> list[str]:
         """Every lane a step must finish to be published: one per sink, and one per raw sink."""

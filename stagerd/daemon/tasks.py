@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.filesize import decimal
 
 from stagerd.contract import layout
-from stagerd.daemon.discovery import Discovery
+from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.fleet_tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
@@ -56,7 +56,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(FleetTasks, Health, Discovery):
+class Tasks(FleetTasks, Health, Adoption):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -142,6 +142,8 @@ class Tasks(FleetTasks, Health, Discovery):
                 bar(done, total)
 
             s = self.settings
+            if s.adopt is not None:
+                return self._export_adopted(step, step_dir, report, rebuild)
             return export_step(
                 step_dir,
                 dtype=s.dtype,
@@ -172,7 +174,11 @@ class Tasks(FleetTasks, Health, Discovery):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
-        on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
+        if self._adopt_root is None:
+            on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
+        else:
+            row = await self._j(self._journal.step, step)
+            on_disk = row is not None and await self._io(Path(row.path).is_dir)
         self._log_failure(step, sink, state, f, attempt, err, on_disk=on_disk)
 
     def _log_failure(
@@ -228,8 +234,8 @@ class Tasks(FleetTasks, Health, Discovery):
     async def _publish_step(self, step: int, sink: str) -> None:
         row = await self._j(self._journal.step, step)
         assert row is not None
-        export_dir = Path(row.path) / layout.EXPORT_DIR
-        fleet = await self._io(is_fleet_step, Path(row.path))
+        export_dir = self._work_dir(Path(row.path)) / layout.EXPORT_DIR
+        fleet = self._adopt_root is None and await self._io(is_fleet_step, Path(row.path))
         if not fleet and not await self._io(export_dir.is_dir):
             await self._export_vanished(step, Path(row.path))
             return
@@ -295,6 +301,8 @@ class Tasks(FleetTasks, Health, Discovery):
     def _metadata(self, step: int, step_dir: Path) -> Mapping[str, Any]:
         """The run metadata in the step's marker, for model cards: read once per step, not per lane."""
         known = self._marker_metadata.get(step)
+        if known is None and self._adopt_root is not None:
+            known = self._marker_metadata[step] = {"adopted_from": step_dir.name}
         if known is None:
             known = self._marker_metadata[step] = dict(layout.read_marker(step_dir).metadata)
         return known
@@ -308,7 +316,9 @@ class Tasks(FleetTasks, Health, Discovery):
             return
         row = await self._j(self._journal.step, step)
         try:
-            identity: str | None = await self._io(layout.marker_identity, step_dir)
+            identity: str | None = await self._io(
+                layout.marker_identity if self._adopt_root is None else self._adopted_identity, step_dir
+            )
         except MarkerError:
             identity = None
         if row is not None and row.marker_id is not None and identity != row.marker_id:

@@ -12,13 +12,14 @@ the model or its largest tensor. The pieces live one job per module:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_bytes_atomic
 from stagerd.contract.progress_fn import ProgressFn
+from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.execute import compare, execute, output_error
 from stagerd.engine.index_json import index_json
@@ -53,12 +54,17 @@ def consolidate_into(
     views: HubPlan | None = None,
     threads: int = 2,
     progress: ProgressFn | None = None,
+    scan: Callable[[], Iterable[Header]] | None = None,
 ) -> ConsolidateResult:
-    """Plan from the shards in `src` and write the safetensors files plus the index into `out_dir`."""
+    """Plan from the shards in `src` and write the safetensors files plus the index into `out_dir`.
+
+    `scan` gives the source's validated headers when they are not `src`'s DCP safetensors shards (an
+    adopted FileSystemWriter checkpoint: `engine/adopt/`)."""
+    headers = scan if scan is not None else lambda: scan_shards(src, listed)
     # A to-Hub plan's LoRA merges are computed first, into a scratch shard beside out_dir (engine/merge.py).
-    with lora_merges(scan_shards(src, listed), views, expected, out_dir.parent) as (merged, expected):
+    with lora_merges(headers(), views, expected, out_dir.parent) as (merged, expected):
         p = plan(
-            itertools.chain(scan_shards(src, listed), merged),
+            itertools.chain(headers(), merged),
             dtype=dtype,
             keep_dtype=keep_dtype,
             reference=reference,

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,13 @@ from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
+from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
+from stagerd.engine.shard_scan import scan_shards
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
@@ -80,6 +82,22 @@ class Source:
         return (
             sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
         )
+
+    def extra_path(self, rel: str) -> Path:
+        """The file an extra (relative to the export) is copied from."""
+        return self.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
+
+    def scan(self) -> Iterable[Header]:
+        """The source's validated shard headers, read one at a time as they are taken."""
+        return scan_shards(self.model_dir, self.listed)
+
+    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+        """The global dtype and shape of every tensor, as the trainer saved them, where known."""
+        return self.marker.tensors if self.marker else None
+
+    def views(self) -> HubPlan | None:
+        """The source's own to-Hub plan."""
+        return self.marker.hub_plan if self.marker else None
 
     def target_dtype(self, override: str | None) -> str | None:
         """The export dtype: an explicit `override` wins, else the marker's hint, else keep (None)."""
@@ -139,7 +157,7 @@ def build_export(
     t0 = time.monotonic()
     for rel in source.extras():  # before any byte is written
         if rel in PARSED_EXTRAS:
-            _check_json_object(source.step_dir / layout.EXTRAS_DIR / rel)  # type: ignore[operator]
+            _check_json_object(source.extra_path(rel))
     res = consolidate_into(
         source.model_dir,
         tmp,
@@ -148,10 +166,11 @@ def build_export(
         keep_dtype=keep_dtype,
         reference=reference,
         max_shard_size=max_shard_size,
-        expected=source.marker.tensors if source.marker else None,
-        views=views if views is not None else (source.marker.hub_plan if source.marker else None),
+        expected=source.expected(),
+        views=views if views is not None else source.views(),
         threads=threads,
         progress=progress,
+        scan=source.scan,
     )
     files = [*res.files, (layout.INDEX_NAME, res.index_size)]
     if source.marker is not None and source.marker.adapter_plan is not None:
@@ -161,7 +180,7 @@ def build_export(
             continue  # our index and weights are the export's; a stray copy would contradict them
         crash_point("export.extra")
         dst = tmp / rel
-        staged = source.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
+        staged = source.extra_path(rel)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
             config = exported_config(staged, dict(res.dtype_bytes), dtype) if rel == CONFIG_NAME else None
@@ -301,7 +320,6 @@ def export_step(
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
-    final = step_dir / layout.EXPORT_DIR
     source = open_source(step_dir)
     if source.marker is None:
         from stagerd.errors import MarkerError
@@ -316,7 +334,43 @@ def export_step(
     views = source.marker.hub_plan
     if mapping is not None and views is None:
         views, wanted["mapping"] = mapped_plan(source.marker, mapping, step_dir)
-    recorded = _recorded_options(step_dir)
+    built = export_source(
+        source,
+        step_dir,
+        wanted,
+        step=source.marker.step,
+        dtype=target,
+        keep_dtype=keep_dtype,
+        max_shard_size=max_shard_size,
+        threads=threads,
+        progress=progress,
+        rebuild=rebuild,
+        views=views,
+    )
+    return built if built.skipped else replace(built, seconds=time.monotonic() - t0)
+
+
+def export_source(
+    source: Source,
+    work_dir: Path,
+    wanted: dict[str, Any],
+    *,
+    step: int,
+    dtype: str | None,
+    keep_dtype: str | None,
+    max_shard_size: int,
+    threads: int,
+    progress: ProgressFn | None,
+    rebuild: bool,
+    views: HubPlan | None,
+    before_commit: Callable[[], None] | None = None,
+) -> ExportResult:
+    """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with
+    `wanted` (the options) recorded beside it; a no-op (`skipped`) when an export with those options is
+    there. `before_commit` runs after the files are durable and before the rename (an adopted checkpoint
+    checks that its source did not change meanwhile)."""
+    final = work_dir / layout.EXPORT_DIR
+    recorded = _recorded_options(work_dir)
     if recorded is not None and recorded != wanted:
         if not rebuild:
             changed = ", ".join(
@@ -325,19 +379,18 @@ def export_step(
                 if recorded.get(key) != value
             )
             raise ExportMismatchError(
-                f"step {source.marker.step} was exported with other options ({changed}) and a sink holds "
-                "that export",
-                path=step_dir / layout.EXPORT_OPTIONS_NAME,
+                f"step {step} was exported with other options ({changed}) and a sink holds that export",
+                path=work_dir / layout.EXPORT_OPTIONS_NAME,
             )
     elif (final / layout.INDEX_NAME).is_file():
         return _existing(final)
     reference = source.reference()
-    tmp = step_dir / layout.EXPORT_TMP_DIR
+    tmp = work_dir / layout.EXPORT_TMP_DIR
     try:
         if tmp.exists():
             log.info("removing a stale %s from an interrupted export", tmp)
             shutil.rmtree(tmp)
-        for scratch in step_dir.glob(f"{MERGE_SCRATCH_PREFIX}*"):
+        for scratch in work_dir.glob(f"{MERGE_SCRATCH_PREFIX}*"):
             log.info("removing %s, a LoRA merge's scratch left by a killed export", scratch)
             shutil.rmtree(scratch)
         if final.exists():
@@ -353,7 +406,7 @@ def export_step(
         built = build_export(
             source,
             tmp,
-            dtype=target,
+            dtype=dtype,
             keep_dtype=keep_dtype,
             reference=reference,
             max_shard_size=max_shard_size,
@@ -361,15 +414,17 @@ def export_step(
             progress=progress,
             views=views,
         )
-        options_path = step_dir / layout.EXPORT_OPTIONS_NAME
+        if before_commit is not None:
+            before_commit()
+        options_path = work_dir / layout.EXPORT_OPTIONS_NAME
         try:
             layout.write_json_atomic(options_path, wanted)
         except OSError as e:
             raise output_error(e, options_path) from None
         os.rename(tmp, final)
-        layout.fsync_dir(step_dir)
+        layout.fsync_dir(work_dir)
         crash_point("export.renamed")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return replace(built, export_dir=final, seconds=time.monotonic() - t0)
+    return replace(built, export_dir=final)

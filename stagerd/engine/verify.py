@@ -11,8 +11,8 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.safetensors_format import Header, read_header
-from stagerd.engine.consolidate import compare, plan, scan_shards
-from stagerd.engine.export import open_source
+from stagerd.engine.consolidate import compare, plan
+from stagerd.engine.export import Source, open_source
 from stagerd.engine.merge import lora_merges
 from stagerd.errors import StagerdError, VerifyError
 
@@ -61,8 +61,12 @@ def verify_export(
     *,
     threads: int = 2,
     progress: Callable[[int, int], None] | None = None,
+    source: Source | None = None,
 ) -> VerifyReport:
-    """Check the export; with `against` (a step or shard directory) compare every byte with the source."""
+    """Check the export; with `against` (a step or shard directory) compare every byte with the source.
+
+    `source`: the opened source, where `against` is not a step or shard directory (an adopted checkpoint,
+    `engine/adopt/`)."""
     export_dir = Path(export_dir)
     weight_map, total = _read_index(export_dir)
     by_file: dict[str, set[str]] = {}
@@ -95,16 +99,15 @@ def verify_export(
             f"index says total_size {total}, the files hold {size} tensor bytes", path=export_dir
         )
     if against is not None:
-        source = open_source(Path(against))
-        views = source.marker.hub_plan if source.marker else None
-        marker_tensors = source.marker.tensors if source.marker else None
-        scan = scan_shards(source.model_dir, source.listed)
-        with lora_merges(scan, views, marker_tensors, None) as (
+        if source is None:
+            source = open_source(Path(against))
+        views = source.views()
+        with lora_merges(source.scan(), views, source.expected(), None) as (
             merged,
             expected,
         ):  # recomputed, numpy as before
             p = plan(
-                itertools.chain(scan_shards(source.model_dir, source.listed), merged),
+                itertools.chain(source.scan(), merged),
                 reference=weight_map,
                 max_shard_size=max(file_sizes) + 1,
                 expected=expected,

@@ -1,0 +1,254 @@
+"""Per-trainer presets: where a trainer's checkpoint keeps the model, when it is finished, which of its
+tensors are the model, and how their names become the Hugging Face checkpoint's.
+
+A preset is data. `select` is matched whole against every tensor key of the checkpoint; a key it matches
+is a model tensor, named by the pattern's group `name` (else its first group, else the key itself), and
+every other key (optimizer state, schedulers, RNG, dataloader) is left alone. The names then go through a
+key mapping (`contract/key_mapping.py`, strict where the preset knows the model's names), whose
+`rope_heads` may name a config.json field instead of a number. `resolve_selection` turns all of it into
+the to-Hub plan the export engine carries out, or a named error at plan time: nothing selected, two keys
+giving one name, a selected key the strict mapping leaves unmapped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.key_mapping import KeyMapping
+from stagerd.errors import AdoptError, ConfigError, HubPlanError
+
+METADATA = ".metadata"
+
+# torchtitan's Llama 3 names -> transformers' LlamaForCausalLM. torchtitan 0.3 calls the projections
+# `attention.qkv_linear.wq` and the head `lm_head`; earlier releases `attention.wq` and `output`. Also in
+# examples/torchtitan_llama_to_hf.json (with the numbers of Llama 3 8B for rope_heads).
+TORCHTITAN_LLAMA_RULES: list[dict[str, Any]] = [
+    {"match": r"tok_embeddings\.weight", "name": "model.embed_tokens.weight"},
+    {
+        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wq\.weight",
+        "name": r"model.layers.\1.self_attn.q_proj.weight",
+        "rope_heads": "num_attention_heads",
+    },
+    {
+        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wk\.weight",
+        "name": r"model.layers.\1.self_attn.k_proj.weight",
+        "rope_heads": "num_key_value_heads",
+    },
+    {
+        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wv\.weight",
+        "name": r"model.layers.\1.self_attn.v_proj.weight",
+    },
+    {"match": r"layers\.(\d+)\.attention\.wo\.weight", "name": r"model.layers.\1.self_attn.o_proj.weight"},
+    {"match": r"layers\.(\d+)\.feed_forward\.w1\.weight", "name": r"model.layers.\1.mlp.gate_proj.weight"},
+    {"match": r"layers\.(\d+)\.feed_forward\.w2\.weight", "name": r"model.layers.\1.mlp.down_proj.weight"},
+    {"match": r"layers\.(\d+)\.feed_forward\.w3\.weight", "name": r"model.layers.\1.mlp.up_proj.weight"},
+    {
+        "match": r"layers\.(\d+)\.attention_norm\.weight",
+        "name": r"model.layers.\1.input_layernorm.weight",
+    },
+    {
+        "match": r"layers\.(\d+)\.ffn_norm\.weight",
+        "name": r"model.layers.\1.post_attention_layernorm.weight",
+    },
+    {"match": r"norm\.weight", "name": "model.norm.weight"},
+    {"match": r"(?:output|lm_head)\.weight", "name": "lm_head.weight"},
+]
+
+
+class Format(StrEnum):
+    """How the model's tensors are stored: FileSystemWriter (`.metadata` + `.distcp`), or
+    HuggingFaceStorageWriter's sharded safetensors (DCP_SHARDING_INFO in each header, no `.metadata`)."""
+
+    DCP = "dcp"
+    HF_SHARDS = "hf-shards"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How one trainer writes its checkpoints (see the module docstring)."""
+
+    name: str
+    model_dir: str = "."  # the model's directory, relative to the checkpoint directory
+    format: Format = Format.DCP
+    complete: tuple[str, ...] = ()  # files (relative to the checkpoint directory) the trainer writes last
+    incomplete: str | None = None  # a file the trainer removes last: present, the checkpoint is not finished
+    zips: tuple[
+        str, ...
+    ] = ()  # completion files that are zip archives: finished once their directory is read
+    select: str = r"(?P<name>.+)"
+    select_fallback: str | None = None  # used when `select` matches no key (plain dcp: no `model.` prefix)
+    mapping: Mapping[str, Any] | None = None
+    tied: tuple[str, ...] = ()  # output names save_pretrained leaves out when tie_word_embeddings is set
+    detect_paths: tuple[str, ...] = ()  # auto: one of these exists in the checkpoint directory
+    detect_key: str | None = None  # auto: a key of the checkpoint's `.metadata` matches this whole
+    extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
+    description: str = ""
+
+    def metadata_file(self) -> str:
+        return METADATA if self.model_dir == "." else f"{self.model_dir}/{METADATA}"
+
+    def completion_files(self) -> tuple[str, ...]:
+        """Every file that must exist before the checkpoint is finished (`.metadata` first for DCP)."""
+        return (self.metadata_file(), *self.complete) if self.format is Format.DCP else self.complete
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "hf-trainer",
+            model_dir="pytorch_model_fsdp_0",
+            complete=("trainer_state.json",),
+            select=r"model\.(?P<name>.+)",
+            tied=("lm_head.weight",),
+            detect_paths=("pytorch_model_fsdp_0",),
+            description="HF Trainer / Accelerate FSDP, SHARDED_STATE_DICT: checkpoint-N/pytorch_model_fsdp_0",
+        ),
+        Preset(
+            "automodel",
+            model_dir="model",
+            format=Format.HF_SHARDS,
+            incomplete=".incomplete",
+            detect_paths=(".incomplete", "model/.hf_metadata"),
+            extras_dirs=("model/.hf_metadata",),
+            tied=("lm_head.weight",),
+            description="NeMo AutoModel, save_consolidated: false: epoch_E_step_S/model (HF shards)",
+        ),
+        Preset(
+            "lightning",
+            complete=("meta.pt",),
+            zips=("meta.pt",),
+            select=r"state_dict\.model\.(?P<name>.+)",
+            tied=("lm_head.weight",),
+            detect_key=r"state_dict\..+",
+            description="Lightning FSDP / ModelParallel: epoch=E-step=S.ckpt/ (the module's `model`)",
+        ),
+        Preset(
+            "torchtitan",
+            select=r"(?!(?:optimizer|lr_scheduler|dataloader|train_state)(?:\.|$))(?P<name>.+)",
+            mapping={"strict": True, "rules": TORCHTITAN_LLAMA_RULES},
+            tied=("lm_head.weight",),
+            detect_key=r"tok_embeddings\.weight",
+            description="torchtitan CheckpointManager: checkpoint.folder/step-N (Llama 3 names)",
+        ),
+        Preset(
+            "dcp",
+            select=r"model\.(?P<name>.+)",
+            select_fallback=r"(?P<name>.+)",
+            tied=("lm_head.weight",),
+            description="any dcp.save / dcp.async_save: the tensors under `model.`, else every tensor",
+        ),
+    )
+}
+AUTO = "auto"
+# Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
+AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp")
+
+
+def preset_names() -> tuple[str, ...]:
+    return (AUTO, *PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"no adopt preset {name!r}; the presets are {', '.join(preset_names())}",
+            hint="name one of them, or use --adopt dcp with --adopt-select REGEX",
+        ) from None
+
+
+def _compile(pattern: str, what: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{what} {pattern!r} is not a regular expression: {e}") from None
+
+
+def _name(rx: re.Pattern[str], m: re.Match[str]) -> str:
+    if "name" in rx.groupindex:
+        return m.group("name")
+    return m.group(1) if rx.groups else m.group(0)
+
+
+def select_keys(preset: Preset, keys: list[str], select: str | None = None) -> dict[str, str]:
+    """model name -> DCP key of every selected tensor; an empty or ambiguous selection is an AdoptError."""
+    patterns = [select] if select is not None else [preset.select, preset.select_fallback]
+    for pattern in (p for p in patterns if p is not None):
+        rx = _compile(pattern, "--adopt-select" if select is not None else f"preset {preset.name} select")
+        chosen: dict[str, str] = {}
+        for key in keys:
+            m = rx.fullmatch(key)
+            if m is None:
+                continue
+            name = _name(rx, m)
+            if name in chosen:
+                raise AdoptError(
+                    f"keys {chosen[name]!r} and {key!r} would both be model tensor {name!r}",
+                    hint="narrow the selection with --adopt-select REGEX",
+                )
+            chosen[name] = key
+        if chosen:
+            return chosen
+    raise AdoptError(
+        f"preset {preset.name} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})"
+    )
+
+
+def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMapping | None:
+    """The preset's key mapping, with `rope_heads` that name a config.json field resolved from it."""
+    if preset.mapping is None:
+        return None
+    rules = []
+    for rule in preset.mapping["rules"]:
+        heads = rule.get("rope_heads")
+        if isinstance(heads, str):
+            value = (config or {}).get(heads)
+            if heads == "num_key_value_heads" and value is None:
+                value = (config or {}).get("num_attention_heads")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise HubPlanError(
+                    f"preset {preset.name} needs config.json's {heads} (a positive integer) for the RoPE "
+                    f"row order; config.json gives {value!r}",
+                    hint="put the model's config.json in the checkpoint's directory or its parent, or "
+                    "pass --extras DIR",
+                )
+            rule = {**rule, "rope_heads": value}
+        rules.append(rule)
+    return KeyMapping.load({**preset.mapping, "rules": rules})
+
+
+def resolve_selection(
+    preset: Preset,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    select: str | None = None,
+    mapping: KeyMapping | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> tuple[list[str], HubPlan]:
+    """The DCP keys to read and the to-Hub plan over them (sources are DCP keys, names the Hub's).
+
+    `mapping` (an operator's --mapping) replaces the preset's. A tied head save_pretrained leaves out is
+    dropped when config.json says `tie_word_embeddings`."""
+    chosen = select_keys(preset, list(shapes), select)
+    km = mapping if mapping is not None else preset_mapping(preset, config)
+    named = {name: tuple(shapes[key]) for name, key in chosen.items()}
+    plan = km.resolve(named) if km is not None else HubPlan((), (), origin="mapping")
+    views = [replace(v, source=chosen[v.source]) for v in plan.views]
+    viewed = {v.source for v in plan.views}
+    views += [_whole(name, chosen[name], named[name]) for name in chosen if name not in viewed]
+    if config is not None and config.get("tie_word_embeddings") is True:
+        views = [v for v in views if v.name not in preset.tied]  # save_pretrained leaves the head out
+    hub = HubPlan(tuple(views), (), origin="mapping")
+    hub.outputs({key: tuple(shapes[key]) for key in chosen.values()})  # two outputs of one name: now
+    return sorted({v.source for v in views}), hub
+
+
+def _whole(name: str, key: str, shape: tuple[int, ...]) -> TensorView:
+    return TensorView(name, key, (0,) * len(shape), shape, shape)

@@ -1,0 +1,232 @@
+"""Adopted checkpoints (`watch --adopt`): finding the finished DCP checkpoints a trainer writes under ROOT,
+knowing which save each is, and exporting them into stagerd's own directory.
+
+A checkpoint is a direct child of ROOT whose name gives a step number (`contract/adopt/step_names.py`);
+it is finished once its preset's completion files exist (DCP's `.metadata`, written by the coordinator
+only after every rank's data succeeded, and the trainer's own last file where it has one). Unfinished
+directories are never opened. Its journal row is an ordinary step row: the directory's name, the newest
+completion file's mtime as the marker time, and `dcp:<sha256 of .metadata>` as the save's identity, so a
+checkpoint re-saved in place is a new save of its step by the rules every step follows. Two directories
+giving one step number are an `AdoptError` on that step, and the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stagerd.config import Settings
+from stagerd.contract import layout
+from stagerd.contract.adopt.presets import Preset
+from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
+from stagerd.daemon.discovery import Discovery
+from stagerd.daemon.journal import COMMITTED, QUARANTINED, StepState
+from stagerd.daemon.journal_versions import CONFLICT
+from stagerd.daemon.state import log
+from stagerd.errors import AdoptError, ConfigError, StagerdError, StepConflictError
+
+if TYPE_CHECKING:
+    from stagerd.engine.export import ExportResult
+
+ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
+Found = tuple[int, Path, float, str]
+
+
+def adopt_root(root: Path, export_dir: Path | None) -> Path:
+    return Path(export_dir) if export_dir is not None else root / layout.STATE_DIR / ADOPTED_DIR
+
+
+def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
+    """The export root and every local sink lie outside every checkpoint (a trainer's directory is only
+    read, and its own retention deletes it whole), and --extras is a directory."""
+    from stagerd.sinks.urls import SinkKind, parse_sink_url
+
+    custom = compile_step_regex(settings.adopt_step)
+    real_root = root.resolve()
+    places = [("the export directory", work_root)]
+    for url in settings.sinks:
+        target = parse_sink_url(url)
+        if target.kind is SinkKind.LOCAL:
+            places.append((f"sink {url}", target.local_path))
+    for what, place in places:
+        where = Path(place).resolve()
+        if where == real_root:
+            raise ConfigError(f"{what} is ROOT {root}, where the trainer writes its checkpoints")
+        if real_root not in where.parents:
+            continue
+        top = where.relative_to(real_root).parts[0]
+        if parse_step_name(top, custom) is not None:
+            raise ConfigError(
+                f"{what} {place} is inside the trainer's checkpoint {top}: the trainer owns it",
+                hint="choose a directory beside the checkpoints, e.g. --export-dir ROOT/../exports",
+            )
+    if settings.extras is not None and not Path(settings.extras).is_dir():
+        raise ConfigError("--extras is not a directory", path=settings.extras)
+
+
+def finished(ckpt: Path, preset_name: str) -> tuple[Preset, float] | None:
+    """The preset and finishing time of a finished checkpoint, else None (and it is never opened)."""
+    from stagerd.engine.adopt.source import choose_preset, finished
+
+    try:
+        preset = choose_preset(ckpt, preset_name)
+    except (OSError, StagerdError):
+        return None  # no DCP checkpoint here yet, or a .metadata the export will name
+    at = finished(ckpt, preset)
+    return None if at is None else (preset, at)
+
+
+def identity(ckpt: Path, preset: Preset) -> str:
+    from stagerd.engine.adopt.source import save_identity
+
+    return save_identity(ckpt, preset)
+
+
+class Adoption(Discovery):
+    _adopt_clashes: set[int]
+
+    async def _scan(self) -> int:
+        if self.settings.adopt is None:
+            return await super()._scan()
+        return await self._scan_adopted()
+
+    def _relevant(self, path: str) -> bool:
+        if self.settings.adopt is None:
+            return super()._relevant(path)
+        if f"/{layout.STATE_DIR}/" in path:
+            return False  # stagerd's own exports
+        name = os.path.basename(path)
+        return name in (".metadata", "trainer_state.json") or parse_step_name(name) is not None
+
+    def _find_adopted(self, known: dict[int, tuple[float, str | None]]) -> tuple[list[Found], list[str]]:
+        """(step, path, mtime, identity) of every finished checkpoint whose save the journal may not have,
+        and the names that give no step. Read in the io thread."""
+        s = self.settings
+        custom = compile_step_regex(s.adopt_step)
+        skip = {layout.STATE_DIR}
+        out: list[Found] = []
+        odd: list[str] = []
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except FileNotFoundError:
+            return [], []
+        work = adopt_root(self.root, s.export_dir).resolve()
+        for e in entries:
+            if e.name in skip or e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                continue
+            if Path(e.path).resolve() == work:
+                continue
+            step = parse_step_name(e.name, custom)
+            if step is None:
+                odd.append(e.name)
+                continue
+            got = finished(Path(e.path), s.adopt or "auto")
+            if got is None:
+                continue  # not finished (or not a DCP checkpoint): never touched
+            preset, mtime = got
+            if step in known and known[step][0] == mtime:
+                out.append((step, Path(e.path), mtime, known[step][1] or ""))
+                continue
+            try:
+                out.append((step, Path(e.path), mtime, identity(Path(e.path), preset)))
+            except (OSError, StagerdError):
+                continue  # gone meanwhile: the next scan sees what is there
+        return out, odd
+
+    async def _scan_adopted(self) -> int:
+        known = await self._j(self._journal.saves)
+        rows = {r.step: r for r in await self._j(self._journal.steps, include_retired=True)}
+        found, odd = await self._io(self._find_adopted, known)
+        for name in sorted(set(odd) - self._odd_names):
+            self._odd_names.add(name)
+            log.info("%s gives no step number; --adopt ignores it", self.root / name, extra={"ignored": name})
+        by_step: dict[int, list[Found]] = {}
+        for f in found:
+            by_step.setdefault(f[0], []).append(f)
+        added = 0
+        for step, same in sorted(by_step.items()):
+            row = rows.get(step)
+            names = sorted({p.name for _, p, _, _ in same} | ({Path(row.path).name} if row else set()))
+            if len(names) > 1:
+                await self._clash(step, same[0], names, row is None)
+                continue
+            _, path, mtime, ident = same[0]
+            if row is None:
+                if await self._j(self._journal.add_step, step, path, mtime, ident):
+                    added += 1
+                    self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+            elif known[step][1] in (None, ident):
+                if known[step][0] != mtime:
+                    await self._j(self._journal.note_save, step, mtime, ident)
+            else:
+                added += await self._resaved(step, path, mtime, ident, known[step][1])
+        if added:
+            self._wake.set()
+            self._housekeep.set()
+        return added
+
+    async def _clash(self, step: int, first: Found, names: list[str], new: bool) -> None:
+        if step in self._adopt_clashes:
+            return
+        self._adopt_clashes.add(step)
+        msg = f"checkpoints {', '.join(names)} all give step {step}; none of them is exported"
+        if new:
+            _, path, mtime, ident = first
+            await self._j(self._journal.add_step, step, path, mtime, ident)
+        row = await self._j(self._journal.step, step)
+        if row is not None and row.state not in (QUARANTINED, StepState.RETIRED):
+            await self._j(self._journal.quarantine_step, step, AdoptError.__name__, msg)
+        self._log_step(
+            step, None, QUARANTINED, error_class=AdoptError.__name__, note=msg, level=logging.ERROR
+        )
+
+    async def _resaved(self, step: int, path: Path, mtime: float, ident: str, old: str | None) -> int:
+        state = await self._j(self._journal.new_save, step, path, mtime, ident, old)
+        if state is StepState.COMMITTED:
+            self._log_step(step, None, state, note="saved again before it was published")
+            return 1
+        if state is StepState.QUARANTINED:
+            self._log_step(
+                step,
+                None,
+                state,
+                error_class=CONFLICT,
+                note=f"saved again after it was published: {StepConflictError.hint}",
+                level=logging.ERROR,
+            )
+        return 0
+
+    def _export_adopted(
+        self, step: int, step_dir: Path, progress: Callable[[int, int], None], rebuild: bool
+    ) -> ExportResult:
+        """Worker thread: one adopted checkpoint's export into its work directory."""
+        from stagerd.engine.adopt.export import export_adopted
+        from stagerd.engine.adopt.source import AdoptOptions
+
+        s = self.settings
+        options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras)
+        return export_adopted(
+            step_dir,
+            self._work_dir(step_dir),
+            options,
+            step=step,
+            dtype=s.dtype,
+            keep_dtype=s.keep_dtype,
+            max_shard_size=int(s.max_shard_size),
+            threads=s.export_threads,
+            progress=progress,
+            rebuild=rebuild,
+        )
+
+    def _adopted_identity(self, step_dir: Path) -> str | None:
+        got = finished(step_dir, self.settings.adopt or "auto")
+        if got is None:
+            return None
+        try:
+            return identity(step_dir, got[0])
+        except (OSError, StagerdError):
+            return None

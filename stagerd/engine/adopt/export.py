@@ -1,0 +1,118 @@
+"""Export one adopted checkpoint into a work directory outside it, and prove its source held still.
+
+The export is the one every step gets (`export.export_source`: the plan, `export.tmp/`, fsync, options
+recorded, rename to `export/`). Around it, the files it reads are watched: their size, mtime, inode and
+device before and after, and `.metadata`'s bytes, and no data file may be newer than `.metadata` (DCP
+writes the data first, so a newer one is the next save overwriting this checkpoint in place). Any
+difference, or a file gone, is a `SourceChangedError` before the rename: nothing of it is published.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract.adopt.dcp_metadata import read_metadata_bytes
+from stagerd.contract.progress_fn import ProgressFn
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted
+from stagerd.engine.export import ExportResult, export_source
+from stagerd.errors import DcpFormatError, SourceChangedError, StagerdError
+
+Snapshot = dict[str, tuple[int, int, int, int]]
+
+
+def snapshot(source: AdoptedSource) -> Snapshot:
+    """(size, mtime_ns, inode, device) of every file the export reads, and of the completion files."""
+    out: Snapshot = {}
+    paths = [*source.read_files(), *(source.step_dir / f for f in source.preset.completion_files())]  # type: ignore[operator]
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise SourceChangedError("disappeared while the checkpoint was read", path=p) from None
+        out[str(p)] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    meta = str(source.model_dir / ".metadata")
+    newer = [p for p in out if p != meta and p.endswith(".distcp") and out[p][1] > out[meta][1]]
+    if newer:
+        raise SourceChangedError(
+            f"{Path(newer[0]).name} is newer than .metadata: the trainer is saving into it again",
+            path=source.step_dir,
+        )
+    return out
+
+
+def check_unchanged(source: AdoptedSource, before: Snapshot) -> None:
+    """The files `before` describes are still those, and `.metadata` is still the one the plan read."""
+    after = snapshot(source)
+    for p, st in before.items():
+        if after.get(p) != st:
+            raise SourceChangedError("changed while it was exported", path=p)
+    try:
+        raw = read_metadata_bytes(source.model_dir / ".metadata")
+    except DcpFormatError:
+        raise SourceChangedError("disappeared while it was exported", path=source.model_dir) from None
+    if "dcp:" + hashlib.sha256(raw).hexdigest() != source.identity:
+        raise SourceChangedError(".metadata changed while it was exported", path=source.model_dir)
+
+
+def export_adopted(
+    ckpt: Path,
+    work_dir: Path,
+    options: AdoptOptions | None = None,
+    *,
+    step: int = 0,
+    dtype: str | None = None,
+    keep_dtype: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    threads: int = 2,
+    progress: ProgressFn | None = None,
+    rebuild: bool = True,
+) -> ExportResult:
+    """Export the finished checkpoint `ckpt` into `<work_dir>/export/` (created as needed; never inside
+    `ckpt`). A no-op (`skipped`) when an export of this save with these options is there."""
+    ckpt, work_dir = Path(ckpt), Path(work_dir)
+    real, inside = ckpt.resolve(), work_dir.resolve()
+    if inside == real or real in inside.parents:
+        raise StagerdError(f"the export directory {work_dir} is inside the checkpoint", path=ckpt)
+    options = options or AdoptOptions()
+    source = open_adopted(ckpt, options)
+    before = snapshot(source)
+    target = source.target_dtype(dtype)
+    wanted: dict[str, Any] = {
+        "dtype": target or "keep",
+        "keep_dtype": keep_dtype,
+        "max_shard_size": max_shard_size,
+        "source": source.identity,
+        "preset": source.preset.name,
+        "select": options.select,
+        "mapping": None if options.mapping is None else _sha256(options.mapping),
+    }
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return export_source(
+            source,
+            work_dir,
+            wanted,
+            step=step,
+            dtype=target,
+            keep_dtype=keep_dtype,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            progress=progress,
+            rebuild=rebuild,
+            views=source.plan,
+            before_commit=lambda: check_unchanged(source, before),
+        )
+    except SourceChangedError:
+        raise
+    except (StagerdError, OSError):
+        check_unchanged(source, before)  # a read that failed because the trainer deleted the checkpoint
+        raise
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,0 +1,262 @@
+"""A trainer's finished DCP checkpoint as an export source: which preset reads it, its metadata, the
+chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found beside it.
+
+`open_adopted` reads only `.metadata` (through the allowlist reader) and the small JSON extras; the data
+files are read by the plan, chunk by chunk. The checkpoint is never written: every path here is opened
+read-only, and the export goes to a directory outside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import layout
+from stagerd.contract.adopt.dcp_metadata import (
+    METADATA_NAME,
+    DcpMetadata,
+    parse_dcp_metadata,
+    read_dcp_metadata,
+    read_metadata_bytes,
+)
+from stagerd.contract.adopt.presets import (
+    AUTO,
+    AUTO_ORDER,
+    PRESETS,
+    Format,
+    Preset,
+    get_preset,
+    resolve_selection,
+)
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.key_mapping import KeyMapping
+from stagerd.contract.safetensors_format import Header
+from stagerd.engine.adopt.dcp_headers import dcp_headers
+from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, Source
+from stagerd.engine.shard_scan import scan_shards, shard_paths
+from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError
+
+# What from_pretrained and tokenizers read beside the weights; copied into the export where found.
+HF_EXTRAS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+
+
+@dataclass(frozen=True)
+class AdoptOptions:
+    """How the operator asked for checkpoints to be read (the `--adopt*` settings)."""
+
+    preset: str = AUTO
+    select: str | None = None
+    mapping: Path | None = None
+    extras: Path | None = None
+
+
+@dataclass(frozen=True)
+class AdoptedSource(Source):
+    """A FileSystemWriter checkpoint: `model_dir` holds `.metadata` and the `__R_N.distcp` files."""
+
+    preset: Preset = field(default_factory=lambda: PRESETS["dcp"])
+    meta: DcpMetadata | None = None  # FileSystemWriter; None for HF shards
+    keys: tuple[str, ...] = ()
+    plan: HubPlan = field(default_factory=HubPlan)
+    extra_files: Mapping[str, Path] = field(default_factory=dict)
+    identity: str = ""  # see `save_identity`
+
+    @property
+    def listed(self) -> list[str] | None:
+        return None
+
+    def extras(self) -> list[str]:
+        return sorted(self.extra_files)
+
+    def extra_path(self, rel: str) -> Path:
+        return self.extra_files[rel]
+
+    def scan(self) -> Iterable[Header]:
+        if self.meta is None:
+            return scan_shards(self.model_dir)
+        return dcp_headers(self.model_dir, self.meta, self.keys)
+
+    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+        if self.meta is None:
+            return None  # HF shards record no global shapes
+        t = self.meta.tensors
+        return {k: layout.TensorInfo(t[k].dtype, t[k].shape) for k in self.keys}
+
+    def views(self) -> HubPlan:
+        return self.plan
+
+    def target_dtype(self, override: str | None) -> str | None:
+        return parse_export_dtype(override)
+
+    def reference(self) -> dict[str, str] | None:
+        return None
+
+    def read_files(self) -> list[Path]:
+        """Every file the export reads: `.metadata`, the data files of the chosen tensors, the extras."""
+        extras = [self.extra_files[r] for r in sorted(self.extra_files)]
+        if self.meta is None:
+            return [*shard_paths(self.model_dir), *extras]
+        data = {c.file for k in self.keys for c in self.meta.tensors[k].chunks}
+        return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data)), *extras]
+
+
+def choose_preset(ckpt: Path, name: str) -> Preset:
+    """The named preset, or with `auto` the first of AUTO_ORDER whose layout this checkpoint has (judged
+    by paths, and by `.metadata`'s keys where the preset names a key; never by its completion files)."""
+    if name != AUTO:
+        return get_preset(name)
+    for candidate in AUTO_ORDER:
+        p = PRESETS[candidate]
+        if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
+            continue
+        if p.format is Format.DCP:
+            meta = ckpt / p.metadata_file()
+            if not meta.is_file():
+                continue
+            if p.detect_key is not None:
+                rx = re.compile(p.detect_key)
+                try:
+                    keys = read_dcp_metadata(meta).tensors
+                except DcpFormatError:
+                    continue  # the generic preset takes it, and its export names the defect
+                if not any(rx.fullmatch(k) for k in keys):
+                    continue
+        return p
+    raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
+
+
+def finished(ckpt: Path, preset: Preset) -> float | None:
+    """When a checkpoint was finished (its newest completion file's mtime), or None while it is not:
+    a completion file missing, the preset's `incomplete` file present, a zip completion file whose
+    directory cannot be read yet."""
+    try:
+        times = [(ckpt / f).stat().st_mtime for f in preset.completion_files()]
+        if preset.incomplete is not None:
+            if (ckpt / preset.incomplete).exists():
+                return None
+            times.append(ckpt.stat().st_mtime)  # the removal of `incomplete` touched it
+        if preset.format is Format.HF_SHARDS and not shard_paths(ckpt / preset.model_dir):
+            return None
+        for z in preset.zips:
+            with zipfile.ZipFile(ckpt / z):
+                pass
+    except (OSError, zipfile.BadZipFile, ShardError):
+        return None
+    return max(times) if times else None
+
+
+def save_identity(ckpt: Path, preset: Preset) -> str:
+    """Which save a finished checkpoint is: `dcp:` + the sha256 of `.metadata` (a new save has a new
+    save_id in it); for HF shards, `shards:` + the sha256 of their names, sizes and mtimes."""
+    if preset.format is Format.DCP:
+        return "dcp:" + hashlib.sha256(read_metadata_bytes(ckpt / preset.metadata_file())).hexdigest()
+    h = hashlib.sha256()
+    for p in shard_paths(ckpt / preset.model_dir):
+        st = p.stat()
+        h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return "shards:" + h.hexdigest()
+
+
+def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str, Path]:
+    """Each HF extra from the first place that has it: where the trainer keeps them (the preset's
+    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent."""
+    places = [*(ckpt / d for d in preset.extras_dirs), ckpt]
+    places += [*([extras_dir] if extras_dir is not None else []), ckpt.parent]
+    found: dict[str, Path] = {}
+    for name in HF_EXTRAS:
+        for d in places:
+            if (d / name).is_file():
+                found[name] = d / name
+                break
+    return found
+
+
+def read_config(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
+        config = json.loads(raw) if len(raw) <= MAX_PARSED_EXTRA_BYTES else None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ExtrasError(f"config.json is unreadable: {e}", path=path) from None
+    if not isinstance(config, dict):
+        raise ExtrasError("config.json must hold one JSON object of at most 16 MiB", path=path)
+    return config
+
+
+def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSource:
+    """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read."""
+    ckpt, options = Path(ckpt), options or AdoptOptions()
+    preset = choose_preset(ckpt, options.preset)
+    model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
+    if finished(ckpt, preset) is None:
+        raise AdoptError(
+            f"not finished: no {', '.join(preset.completion_files()) or 'shards'} yet"
+            f"{f' or {preset.incomplete} still there' if preset.incomplete else ''} (preset {preset.name})",
+            path=ckpt,
+            hint="stagerd exports a checkpoint only once its trainer has finished writing it",
+        )
+    meta = None
+    if preset.format is Format.DCP:
+        raw = read_metadata_bytes(model_dir / METADATA_NAME)
+        meta = parse_dcp_metadata(raw, model_dir / METADATA_NAME)
+        ident = "dcp:" + hashlib.sha256(raw).hexdigest()
+        shapes = {k: t.shape for k, t in meta.tensors.items()}
+    else:
+        ident = save_identity(ckpt, preset)
+        shapes = shard_shapes(model_dir)
+    extras = find_extras(ckpt, preset, options.extras)
+    config = read_config(extras.get("config.json"))
+    mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
+    keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
+    if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
+        plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
+    return AdoptedSource(
+        model_dir,
+        None,
+        ckpt,
+        preset=preset,
+        meta=meta,
+        keys=tuple(keys),
+        plan=plan,
+        extra_files=extras,
+        identity=ident,
+    )
+
+
+def shard_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor in HF shards: `max(offset + local shape)` per dim (the tiling
+    check in `plan()` proves it later)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for h in scan_shards(model_dir):
+        for name, offs in h.dcp_offsets().items():
+            ext = tuple(o + n for o, n in zip(offs, h.tensors[name].shape, strict=True))
+            old = shapes.get(name, ext)
+            shapes[name] = (
+                tuple(max(a, b) for a, b in zip(old, ext, strict=False)) if len(old) == len(ext) else ext
+            )
+    return shapes
