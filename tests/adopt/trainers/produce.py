@@ -1,8 +1,8 @@
 """Run one trainer on 2 gloo ranks, once per test module, and describe what it left behind.
 
 `produce(kind, tmp)` trains and checkpoints with the real library (`hf_trainer`, `lightning`,
-`automodel`), then returns where the checkpoint, the reference `save_pretrained` and the extras are,
-with a byte-for-byte snapshot of the trainer's whole output taken before any daemon runs.
+`automodel`), then returns where the checkpoint, the reference `save_pretrained` and the extras are.
+`snapshot` describes a folder byte for byte, to show later that nothing in it changed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class Produced:
     checkpoint: Path  # the one checkpoint of the run (step tiny.STEPS)
     ref: Path  # save_pretrained of the trained weights
     extras: Path | None  # config.json and generation_config.json kept by the user, where the trainer has none
-    before: dict[str, str]  # snapshot(root) right after training
 
 
 def _rank_fn(kind: str) -> Callable[..., None]:
@@ -61,7 +60,7 @@ def produce(kind: str, tmp: Path) -> Produced:
         import transformers as tf
 
         tiny.write_extras(tf.AutoConfig.from_pretrained(ref), root / "checkpoints")
-    return Produced(kind, root, root / checkpoint_name(kind), ref, extras, snapshot(root))
+    return Produced(kind, root, root / checkpoint_name(kind), ref, extras)
 
 
 def snapshot(root: Path) -> dict[str, str]:
