@@ -20,7 +20,7 @@ DESCRIPTION = (
 )
 
 EXAMPLES = """examples:
-  stagerd watch ./outputs/checkpoint --adopt --sink hf://acme/llm --dtype bf16   # a trainer's own DCP saves
+  stagerd watch ./outputs/checkpoint --adopt --sink hf://acme/llm --dtype bf16
   stagerd watch /scratch/run1 --sink hf://acme/llm --sink s3://ckpts/run1
   stagerd watch /scratch/run1 --sink file:///mnt/models --keep-last 2
   stagerd watch /scratch/run1 --sink s3://ckpts/run1 --once   # then exit
@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         const="auto",
         metavar="PRESET",
         help="export the DCP checkpoints a trainer already writes under ROOT (no Stager): auto (default), "
-        "torchtitan, hf-trainer, dcp",
+        "hf-trainer, automodel, lightning, torchtitan, dcp",
     )
     p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
     p.add_argument("--adopt-step", metavar="REGEX", help="adopt: the step number in a directory name")

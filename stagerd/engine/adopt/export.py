@@ -19,19 +19,22 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted
 from stagerd.engine.export import ExportResult, export_source
-from stagerd.errors import DcpFormatError, SourceChangedError, StagerdError
+from stagerd.errors import DcpFormatError, ShardError, SourceChangedError, StagerdError
 
 Snapshot = dict[str, tuple[int, int, int, int]]
 
 
-def snapshot(source: AdoptedSource) -> Snapshot:
-    """(size, mtime_ns, inode, device) of every file the export reads, and of the completion files."""
+def snapshot(source: AdoptedSource, *, first: bool = True) -> Snapshot:
+    """(size, mtime_ns, inode, device) of every file the export reads, and of the completion files. A file
+    missing at the `first` look is a ShardError (the checkpoint lacks it); later, a SourceChangedError."""
     out: Snapshot = {}
     paths = [*source.read_files(), *(source.step_dir / f for f in source.preset.completion_files())]  # type: ignore[operator]
     for p in paths:
         try:
             st = os.stat(p)
         except FileNotFoundError:
+            if first:
+                raise ShardError("a file of the finished checkpoint is missing", path=p) from None
             raise SourceChangedError("disappeared while the checkpoint was read", path=p) from None
         out[str(p)] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
     meta = str(source.model_dir / ".metadata")
@@ -46,7 +49,7 @@ def snapshot(source: AdoptedSource) -> Snapshot:
 
 def check_unchanged(source: AdoptedSource, before: Snapshot) -> None:
     """The files `before` describes are still those, and `.metadata` is still the one the plan read."""
-    after = snapshot(source)
+    after = snapshot(source, first=False)
     for p, st in before.items():
         if after.get(p) != st:
             raise SourceChangedError("changed while it was exported", path=p)
