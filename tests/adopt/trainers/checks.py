@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from tests.adopt.helpers import published, watch_once
 from tests.adopt.trainers import tiny
 from tests.adopt.trainers.produce import Produced, produce, snapshot
-from tests.cli_helpers import run_cli
-from tests.daemon_helpers import fast_flags
 from tests.fidelity.harness import assert_same_tensors, config_dtype
 
 UNFINISHED_STEP = 2 * tiny.STEPS
@@ -34,7 +33,7 @@ class Adopted:
     sink: Path
 
     def published(self, step: int = tiny.STEPS) -> Path:
-        return self.sink / layout.step_dir_name(step)
+        return published(self.sink, step)
 
 
 def _cut_before_completion(kind: str, ckpt: Path) -> Path:
@@ -58,8 +57,7 @@ def adopt(kind: str, tmp: Path, *flags: str) -> Adopted:
     before = snapshot(watched)
     sink = tmp / "sink"
     extras = ["--extras", str(run.extras)] if run.extras else []
-    args = ["watch", watched, "--adopt", "--sink", f"file://{sink}", "--once", *extras, *fast_flags(), *flags]
-    return Adopted(run, watched, unfinished, before, run_cli(args, timeout=180), sink)
+    return Adopted(run, watched, unfinished, before, watch_once(watched, sink, *extras, *flags), sink)
 
 
 def check_published(a: Adopted, preset: str) -> None:
@@ -91,8 +89,9 @@ def check_unfinished_left_alone(a: Adopted) -> None:
 
 
 def check_untouched(a: Adopted) -> None:
-    """Every file and link the trainer wrote is as it was, byte for byte; the daemon added only its own
-    `.stagerd/` folder (journal and exports), none of it inside a checkpoint."""
+    """Every file and link the trainer wrote is as it was, byte for byte (links too, unlike
+    helpers.tree_digest: AutoModel's `LATEST`); the daemon added only its own `.stagerd/` folder
+    (journal and exports), none of it inside a checkpoint."""
     after = snapshot(a.watched)
     changed = {k for k, v in a.before.items() if after.get(k) != v}
     assert not changed, sorted(changed)
