@@ -7,14 +7,19 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError, OutputError
+
+if TYPE_CHECKING:
+    from stagerd.engine.export import Source
 
 EXAMPLES = """examples:
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
   stagerd consolidate run1/step-00001000 ./hf --dtype bf16 --max-shard-size 2GB
   stagerd consolidate ./shards ./hf --reference-index base/index.json
+  stagerd consolidate outputs/checkpoint/step-300 ./hf-300 --adopt torchtitan --extras ./assets
 """
 
 
@@ -52,7 +57,36 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     )
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     p.add_argument("--threads", type=int, default=threads_default(), metavar="N", help="copy threads")
+    add_adopt_flags(p)
     p.set_defaults(func=run)
+
+
+def add_adopt_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--adopt",
+        nargs="?",
+        const="auto",
+        metavar="PRESET",
+        help="SRC is a trainer's own DCP checkpoint: auto, hf-trainer, automodel, lightning, torchtitan, dcp",
+    )
+    p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
+    p.add_argument("--mapping", type=Path, metavar="FILE", help="adopt: key mapping (JSON) after selection")
+    p.add_argument("--extras", type=Path, metavar="DIR", help="adopt: config.json and tokenizer to ship")
+
+
+def adopted_source(args: argparse.Namespace, src: Path) -> Source | None:
+    """The adopted checkpoint `src` when --adopt is given, else None (a Stager step or shard directory)."""
+    if args.adopt is None:
+        for flag in ("adopt_select", "mapping", "extras"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --adopt")
+        return None
+    from stagerd.contract.adopt.presets import get_preset
+    from stagerd.engine.adopt.source import AdoptOptions, open_adopted
+
+    if args.adopt != "auto":
+        get_preset(args.adopt)
+    return open_adopted(src, AdoptOptions(args.adopt, args.adopt_select, args.mapping, args.extras))
 
 
 def check_out(src: Path, model_dir: Path, out: Path) -> None:
@@ -100,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     if not args.src.exists():
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
-    source = open_source(args.src)
+    source = adopted_source(args, args.src) or open_source(args.src)
     check_out(args.src, source.model_dir, args.out)
     dtype = source.target_dtype(args.dtype)
     reference = read_reference_index(args.reference_index) if args.reference_index else source.reference()
@@ -116,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 max_shard_size=max_size,
                 threads=args.threads,
                 progress=bar,
+                views=source.views(),
             )
         if args.out.exists():
             args.out.rmdir()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stagerd.cmd.consolidate import threads_default
+from stagerd.cmd.consolidate import add_adopt_flags, adopted_source, threads_default
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError
 
 EXAMPLES = """examples:
   stagerd verify ./hf-1000
   stagerd verify ./hf-1000 --against /scratch/run1/step-00001000
+  stagerd verify ./hf-300 --against outputs/checkpoint-300 --adopt
 """
 
 
@@ -28,8 +29,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
         formatter_class=UserHelpFormatter,
     )
     p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="the directory `consolidate` wrote")
-    p.add_argument("--against", type=Path, metavar="SRC", help="step directory or shard directory")
+    p.add_argument(
+        "--against", type=Path, metavar="SRC", help="step, shard or (--adopt) checkpoint directory"
+    )
     p.add_argument("--threads", type=int, default=threads_default(), metavar="N", help="read threads")
+    add_adopt_flags(p)
     p.set_defaults(func=run)
 
 
@@ -42,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if path is not None and not path.exists():
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")
+    source = adopted_source(args, args.against) if args.against is not None else None
     with progress(f"verify {args.export_dir.name}", 0) as bar:
-        r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar)
+        r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
     against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
     print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}")
     return 0

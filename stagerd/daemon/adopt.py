@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.contract.adopt.presets import Preset
+from stagerd.contract.adopt.presets import PRESETS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import COMMITTED, QUARANTINED, StepState
@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
 
 ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
+# Files whose creation (or, for `.incomplete`, removal) may finish a checkpoint: a scan on their events.
+COMPLETION_NAMES = frozenset(
+    {".metadata"}
+    | {Path(f).name for p in PRESETS.values() for f in p.complete}
+    | {p.incomplete for p in PRESETS.values() if p.incomplete}
+)
 Found = tuple[int, Path, float, str]
 
 
@@ -68,16 +74,22 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
         raise ConfigError("--extras is not a directory", path=settings.extras)
 
 
-def finished(ckpt: Path, preset_name: str) -> tuple[Preset, float] | None:
-    """The preset and finishing time of a finished checkpoint, else None (and it is never opened)."""
-    from stagerd.engine.adopt.source import choose_preset, finished
+def finished(ckpt: Path, preset: Preset) -> float | None:
+    from stagerd.engine.adopt.source import finished
 
-    try:
-        preset = choose_preset(ckpt, preset_name)
-    except (OSError, StagerdError):
-        return None  # no DCP checkpoint here yet, or a .metadata the export will name
-    at = finished(ckpt, preset)
-    return None if at is None else (preset, at)
+    return finished(ckpt, preset)
+
+
+def _layout_key(ckpt: Path) -> tuple[int, ...]:
+    """What auto's choice of preset depends on: the directory's entries (its mtime) and `.metadata`'s."""
+    out = [ckpt.stat().st_mtime_ns]
+    for sub in (ckpt, *(d for d in (ckpt / "pytorch_model_fsdp_0", ckpt / "model") if d.is_dir())):
+        try:
+            st = (sub / ".metadata").stat()
+            out += [st.st_mtime_ns, st.st_size]
+        except FileNotFoundError:
+            out.append(sub.stat().st_mtime_ns)
+    return tuple(out)
 
 
 def identity(ckpt: Path, preset: Preset) -> str:
@@ -88,6 +100,24 @@ def identity(ckpt: Path, preset: Preset) -> str:
 
 class Adoption(Discovery):
     _adopt_clashes: set[int]
+    _adopt_presets: dict[str, tuple[tuple[int, ...], Preset]]  # name -> (layout key, auto's choice)
+
+    def _preset_of(self, ckpt: Path) -> Preset | None:
+        """The checkpoint's preset (auto's choice read again only when its layout changed), or None while
+        it has no DCP checkpoint a preset recognises."""
+        from stagerd.engine.adopt.source import choose_preset
+
+        name = self.settings.adopt or "auto"
+        try:
+            key = _layout_key(ckpt) if name == "auto" else ()
+            cached = self._adopt_presets.get(ckpt.name)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            preset = choose_preset(ckpt, name)
+        except (OSError, StagerdError):
+            return None  # no DCP checkpoint here yet, or a .metadata the export will name
+        self._adopt_presets[ckpt.name] = (key, preset)
+        return preset
 
     async def _scan(self) -> int:
         if self.settings.adopt is None:
@@ -100,7 +130,7 @@ class Adoption(Discovery):
         if f"/{layout.STATE_DIR}/" in path:
             return False  # stagerd's own exports
         name = os.path.basename(path)
-        return name in (".metadata", "trainer_state.json") or parse_step_name(name) is not None
+        return name in COMPLETION_NAMES or parse_step_name(name) is not None
 
     def _find_adopted(self, known: dict[int, tuple[float, str | None]]) -> tuple[list[Found], list[str]]:
         """(step, path, mtime, identity) of every finished checkpoint whose save the journal may not have,
@@ -124,10 +154,10 @@ class Adoption(Discovery):
             if step is None:
                 odd.append(e.name)
                 continue
-            got = finished(Path(e.path), s.adopt or "auto")
-            if got is None:
+            preset = self._preset_of(Path(e.path))
+            mtime = None if preset is None else finished(Path(e.path), preset)
+            if preset is None or mtime is None:
                 continue  # not finished (or not a DCP checkpoint): never touched
-            preset, mtime = got
             if step in known and known[step][0] == mtime:
                 out.append((step, Path(e.path), mtime, known[step][1] or ""))
                 continue
@@ -223,10 +253,10 @@ class Adoption(Discovery):
         )
 
     def _adopted_identity(self, step_dir: Path) -> str | None:
-        got = finished(step_dir, self.settings.adopt or "auto")
-        if got is None:
+        preset = self._preset_of(step_dir)
+        if preset is None or finished(step_dir, preset) is None:
             return None
         try:
-            return identity(step_dir, got[0])
+            return identity(step_dir, preset)
         except (OSError, StagerdError):
             return None

@@ -101,6 +101,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._marker_metadata = {}
         self._odd_names = set()
         self._adopt_clashes = set()
+        self._adopt_presets = {}
         self._adopt_root = None if settings.adopt is None else adopt_root(self.root, settings.export_dir)
         self._beat = time.monotonic()
         self._disk = None

@@ -61,6 +61,12 @@ def test_the_export_is_what_save_pretrained_writes(run):
     assert harness.config_dtype(step) == "bfloat16"
     harness.load_and_logits(step, "bfloat16")  # no missing, unexpected or mismatched key
     assert (step / MANIFEST_NAME).is_file()
+    # verify --against re-derives the same plan from the trainer's checkpoint and compares every byte
+    src = tmp / "root" / f"step-{ranks.STEPS}"
+    res = run_cli(
+        ["verify", tmp / "root" / ".stagerd" / "adopted" / src.name / "export", "--against", src, "--adopt"]
+    )
+    assert res.returncode == 0 and "every byte equal" in res.stdout, res.stdout + res.stderr
 
 
 def test_the_trainer_files_are_untouched_and_the_export_lives_outside(run):

@@ -63,3 +63,15 @@ def test_daemon_commands_never_import_torch(no_torch, step_dir, tmp_path):
     no_torch("status", root)
     no_torch("restore", watched, tmp_path / "restored")  # issue 13's commands too
     no_torch("prune", watched, "--keep-last", "1", "--dry-run")
+
+
+def test_adopting_a_trainers_checkpoint_never_imports_torch(no_torch, tmp_path):
+    """`.metadata` and the `torch.save` records are read by stagerd's own allowlists, not by torch."""
+    from tests.adopt import ranks
+
+    root = tmp_path / "root"
+    ranks.write(str(root / "step-5"))
+    no_torch("watch", "--once", "--adopt", "--dtype", "bf16", "--sink", f"file://{tmp_path / 'out'}", root)
+    no_torch(
+        "verify", root / ".stagerd" / "adopted" / "step-5" / "export", "--against", root / "step-5", "--adopt"
+    )

@@ -77,9 +77,8 @@ class Preset:
     format: Format = Format.DCP
     complete: tuple[str, ...] = ()  # files (relative to the checkpoint directory) the trainer writes last
     incomplete: str | None = None  # a file the trainer removes last: present, the checkpoint is not finished
-    zips: tuple[
-        str, ...
-    ] = ()  # completion files that are zip archives: finished once their directory is read
+    zips: tuple[str, ...] = ()  # completion zip archives: finished once their directory reads
+    jsons: tuple[str, ...] = ()  # completion files written in place as JSON: finished once they parse
     select: str = r"(?P<name>.+)"
     select_fallback: str | None = None  # used when `select` matches no key (plain dcp: no `model.` prefix)
     mapping: Mapping[str, Any] | None = None
@@ -104,6 +103,7 @@ PRESETS: dict[str, Preset] = {
             "hf-trainer",
             model_dir="pytorch_model_fsdp_0",
             complete=("trainer_state.json",),
+            jsons=("trainer_state.json",),
             select=r"model\.(?P<name>.+)",
             tied=("lm_head.weight",),
             detect_paths=("pytorch_model_fsdp_0",),

@@ -14,12 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract.adopt.dcp_metadata import read_metadata_bytes
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
-from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted
+from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
 from stagerd.engine.export import ExportResult, export_source
-from stagerd.errors import DcpFormatError, ShardError, SourceChangedError, StagerdError
+from stagerd.errors import ShardError, SourceChangedError, StagerdError
 
 Snapshot = dict[str, tuple[int, int, int, int]]
 
@@ -37,8 +36,8 @@ def snapshot(source: AdoptedSource, *, first: bool = True) -> Snapshot:
                 raise ShardError("a file of the finished checkpoint is missing", path=p) from None
             raise SourceChangedError("disappeared while the checkpoint was read", path=p) from None
         out[str(p)] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-    meta = str(source.model_dir / ".metadata")
-    newer = [p for p in out if p != meta and p.endswith(".distcp") and out[p][1] > out[meta][1]]
+    meta = out.get(str(source.model_dir / ".metadata"))
+    newer = [p for p in out if meta is not None and p.endswith(".distcp") and out[p][1] > meta[1]]
     if newer:
         raise SourceChangedError(
             f"{Path(newer[0]).name} is newer than .metadata: the trainer is saving into it again",
@@ -54,11 +53,11 @@ def check_unchanged(source: AdoptedSource, before: Snapshot) -> None:
         if after.get(p) != st:
             raise SourceChangedError("changed while it was exported", path=p)
     try:
-        raw = read_metadata_bytes(source.model_dir / ".metadata")
-    except DcpFormatError:
+        now = save_identity(source.step_dir, source.preset)  # type: ignore[arg-type]
+    except (OSError, StagerdError):
         raise SourceChangedError("disappeared while it was exported", path=source.model_dir) from None
-    if "dcp:" + hashlib.sha256(raw).hexdigest() != source.identity:
-        raise SourceChangedError(".metadata changed while it was exported", path=source.model_dir)
+    if now != source.identity:
+        raise SourceChangedError("was saved again while it was exported", path=source.model_dir)
 
 
 def export_adopted(

@@ -151,7 +151,7 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
 def finished(ckpt: Path, preset: Preset) -> float | None:
     """When a checkpoint was finished (its newest completion file's mtime), or None while it is not:
     a completion file missing, the preset's `incomplete` file present, a zip completion file whose
-    directory cannot be read yet."""
+    directory cannot be read yet, a JSON one (written in place) that does not parse yet."""
     try:
         times = [(ckpt / f).stat().st_mtime for f in preset.completion_files()]
         if preset.incomplete is not None:
@@ -163,7 +163,10 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
         for z in preset.zips:
             with zipfile.ZipFile(ckpt / z):
                 pass
-    except (OSError, zipfile.BadZipFile, ShardError):
+        for j in preset.jsons:
+            with open(ckpt / j, "rb") as f:
+                json.loads(f.read(MAX_PARSED_EXTRA_BYTES))
+    except (OSError, ValueError, zipfile.BadZipFile, ShardError):
         return None
     return max(times) if times else None
 

@@ -1,7 +1,7 @@
 """Where a tensor's bytes are inside one record of a FileSystemWriter file, without torch.
 
-FileSystemWriter (torch 2.9 to 2.13, `SerializationFormat.TORCH_SAVE`, its default and the only format its
-own reader loads) writes each tensor chunk as a whole `torch.save` archive at the offset `.metadata`
+FileSystemWriter (`SerializationFormat.TORCH_SAVE`, its default and the only format its own reader loads;
+checked on torch 2.13) writes each tensor chunk as a whole `torch.save` archive at the offset `.metadata`
 records: an uncompressed zip whose `data.pkl` rebuilds the tensor from the storage in `data/0`. So the
 bytes are there as they are in memory, and only their place needs finding: the zip's directory (stdlib
 `zipfile`, on a window of the file that ends where the record ends) gives the member, its local header

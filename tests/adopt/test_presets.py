@@ -1,0 +1,195 @@
+"""Step names, presets and the record reader, without a daemon: each rule of the adoption contract alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract.adopt.presets import PRESETS, get_preset, resolve_selection, select_keys
+from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
+from stagerd.contract.key_mapping import KeyMapping
+from stagerd.errors import AdoptError, ConfigError, DcpFormatError, HubPlanError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [
+        ("step-300", 300),
+        ("step_300", 300),
+        ("checkpoint-300", 300),
+        ("global_step_300", 300),
+        ("global_step300", 300),
+        ("epoch_2_step_300", 300),
+        ("epoch=2-step=300.ckpt", 300),
+        ("epoch=2-step=300-v1.ckpt", 300),
+        ("epoch=2-step=300", 300),
+        ("epoch_0_step_2.reserving-1a2b", None),  # AutoModel's directory before it is published
+        ("step-300.tmp", None),
+        ("latest", None),
+        ("last.ckpt", None),
+        ("step-٣", None),  # not ASCII digits
+    ],
+)
+def test_step_numbers_come_from_the_names_trainers_write(name, step):
+    assert parse_step_name(name) == step
+
+
+def test_an_operators_step_regex_comes_first_and_needs_a_group():
+    rx = compile_step_regex(r"ckpt_(?P<step>\d+)_final")
+    assert parse_step_name("ckpt_12_final", rx) == 12 and parse_step_name("step-3", rx) == 3
+    with pytest.raises(ConfigError, match="no group"):
+        compile_step_regex(r"ckpt_\d+")
+
+
+def test_selection_takes_the_model_and_names_it():
+    keys = ["model.model.embed_tokens.weight", "model.lm_head.weight", "optimizer.state.x.exp_avg"]
+    assert select_keys(PRESETS["hf-trainer"], keys) == {
+        "model.embed_tokens.weight": "model.model.embed_tokens.weight",
+        "lm_head.weight": "model.lm_head.weight",
+    }
+    assert select_keys(PRESETS["dcp"], ["w", "b"]) == {"w": "w", "b": "b"}  # no `model.`: every key
+    with pytest.raises(AdoptError, match="would both be"):
+        select_keys(PRESETS["dcp"], ["model.a.w", "ema.a.w"], r"(?:model|ema)\.(.+)")
+    with pytest.raises(AdoptError, match="selects no tensor"):
+        select_keys(PRESETS["hf-trainer"], ["optimizer.state.x"])
+
+
+def test_a_tied_head_is_left_out_as_save_pretrained_does():
+    shapes = {"model.model.embed_tokens.weight": (8, 4), "model.lm_head.weight": (8, 4)}
+    keys, plan = resolve_selection(PRESETS["hf-trainer"], shapes, config={"tie_word_embeddings": True})
+    assert keys == ["model.model.embed_tokens.weight"]
+    assert [v.name for v in plan.views] == ["model.embed_tokens.weight"]
+    keys, _ = resolve_selection(PRESETS["hf-trainer"], shapes, config={"tie_word_embeddings": False})
+    assert len(keys) == 2
+
+
+def test_torchtitan_needs_its_head_counts_from_config_and_maps_every_model_key():
+    shapes = {"tok_embeddings.weight": (16, 8), "layers.0.attention.qkv_linear.wq.weight": (8, 8)}
+    with pytest.raises(HubPlanError, match="num_attention_heads"):
+        resolve_selection(PRESETS["torchtitan"], shapes, config={})
+    keys, plan = resolve_selection(PRESETS["torchtitan"], {**shapes, "optimizer.state.x": (2,)}, config={
+        "num_attention_heads": 2
+    })  # fmt: skip
+    assert "optimizer.state.x" not in keys
+    q = next(v for v in plan.views if v.name == "model.layers.0.self_attn.q_proj.weight")
+    assert q.perm == (0, 2, 1, 3) and q.reshape == (2, 2, 2, 8)
+    with pytest.raises(HubPlanError, match="unmapped"):
+        resolve_selection(PRESETS["torchtitan"], {**shapes, "layers.0.sinks": (2,)}, config={
+            "num_attention_heads": 2
+        })  # fmt: skip
+
+
+def test_the_torchtitan_preset_agrees_with_the_shipped_example():
+    """examples/torchtitan_llama_to_hf.json (torchtitan's earlier names) maps as the preset does."""
+    example = json.loads((REPO / "examples" / "torchtitan_llama_to_hf.json").read_text())
+    parts = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1"]
+    parts += ["feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm"]
+    names = [
+        "tok_embeddings.weight",
+        "norm.weight",
+        "output.weight",
+        *(f"layers.3.{n}.weight" for n in parts),
+    ]
+    preset_rules = PRESETS["torchtitan"].mapping["rules"]  # type: ignore[index]
+    for key in names:
+        want = next(r for r in example["rules"] if re.fullmatch(r["match"], key))
+        got = next(r for r in preset_rules if re.fullmatch(r["match"], key))
+        assert re.fullmatch(got["match"], key).expand(got["name"]) == re.fullmatch(want["match"], key).expand(
+            want["name"]
+        )
+        assert ("rope_heads" in got) == ("rope_heads" in want), key
+    KeyMapping.load(example)
+
+
+def test_an_unknown_preset_is_a_config_error():
+    with pytest.raises(ConfigError, match="no adopt preset"):
+        get_preset("megatron")
+
+
+def test_a_record_that_is_not_torch_save_is_refused_by_name(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from stagerd.engine.adopt.source import open_adopted
+    from stagerd.engine.consolidate import plan
+
+    writer = FileSystemWriter(tmp_path / "ck", serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"model": {"w": torch.ones(4, 4)}}, storage_writer=writer, no_dist=True)
+    source = open_adopted(tmp_path / "ck")
+    with pytest.raises(DcpFormatError, match=r"not a torch\.save archive"):
+        plan(source.scan())
+
+
+def _changing(tmp_path, change):
+    """export_adopted of a small checkpoint, `change(ckpt)` run from inside the export's first progress."""
+    from stagerd.engine.adopt.export import export_adopted
+    from tests.adopt import ranks
+
+    ckpt = tmp_path / "step-1"
+    ranks.write(str(ckpt))
+    done = []
+
+    def progress(_done: int, _total: int) -> None:
+        if not done:
+            done.append(change(ckpt))
+
+    work = tmp_path / "work"
+    return work, lambda: export_adopted(ckpt, work, progress=progress)
+
+
+def test_a_checkpoint_saved_again_or_deleted_during_its_export_is_never_exported(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from stagerd.errors import SourceChangedError
+
+    other = tmp_path / "other"  # the next save, written in place over the first one file by file
+    dcp.save({"model": {"w": torch.zeros(8, 4), "b": torch.zeros(8)}}, checkpoint_id=str(other), no_dist=True)
+
+    def resave(ckpt):
+        for f in sorted(other.iterdir(), key=lambda p: p.name == ".metadata"):  # data first, as DCP does
+            shutil.copyfile(f, ckpt / f.name)
+
+    for name, change in (("resaved", resave), ("deleted", shutil.rmtree)):
+        work, run = _changing(tmp_path / name, change)
+        with pytest.raises(SourceChangedError):
+            run()
+        assert not (work / "export").exists() and not (work / "export.tmp").exists()
+
+
+def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_path):
+    """AutoModel's layout, written by the real HuggingFaceStorageWriter (save_distributed: DCP shards)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import choose_preset, finished
+
+    ckpt = tmp_path / "epoch_0_step_2"
+    (ckpt / "model" / ".hf_metadata").mkdir(parents=True)
+    (ckpt / ".incomplete").touch()
+    (ckpt / "model" / ".hf_metadata" / "config.json").write_text(
+        '{"model_type": "llama", "dtype": "bfloat16"}'
+    )
+    sd = {"model.embed_tokens.weight": torch.randn(8, 4).bfloat16(), "lm_head.weight": torch.randn(8, 4)}
+    dcp.save(
+        sd, storage_writer=HuggingFaceStorageWriter(str(ckpt / "model"), save_distributed=True), no_dist=True
+    )
+    preset = choose_preset(ckpt, "auto")
+    assert preset.name == "automodel" and finished(ckpt, preset) is None
+    (ckpt / ".incomplete").unlink()
+    assert finished(ckpt, preset) is not None
+    r = export_adopted(ckpt, tmp_path / "work")
+    got = load_file(r.export_dir / "model-00001-of-00001.safetensors")
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "float32"  # most bytes F32
