@@ -84,12 +84,17 @@ def _rank(rank: int, world: int, init: str, out: str, layers: int) -> None:
     dist.destroy_process_group()
 
 
-def generate(out: Path, size_gb: float, ranks: int) -> Path:
+def _generate_here(out: Path, size_gb: float, ranks: int) -> None:
     import torch.multiprocessing as mp
 
     layers = max(1, round((size_gb * 1e9 - 2 * 32000 * 2048 * 2) / (103e6)))
     init = tempfile.mktemp(prefix="stagerd-bench-")
     mp.start_processes(_rank, args=(ranks, init, str(out), layers), nprocs=ranks, start_method="spawn")
+
+
+def generate(out: Path, size_gb: float, ranks: int) -> Path:
+    """In a child: the parent must stay small (no torch), since a child's peak RSS starts at ours."""
+    subprocess.run([sys.executable, __file__, "--generate", str(out), str(size_gb), str(ranks)], check=True)
     return out / STEP_DIR
 
 
@@ -144,7 +149,8 @@ def _tensors(d: Path) -> dict[str, tuple[Path, str, list[int], int, int]]:
 
 
 def same_tensors(a: Path, b: Path) -> int:
-    """Compare two exports tensor for tensor, 64 MiB at a time; returns the tensor count."""
+    """Compare two exports tensor for tensor, 1 MiB at a time (the parent stays small: a child's peak RSS
+    starts at ours); returns the tensor count."""
     ta, tb = _tensors(a), _tensors(b)
     assert sorted(ta) == sorted(tb), (sorted(set(ta) ^ set(tb)))[:5]
     for name, (fa, dt, shape, ba, ea) in ta.items():
@@ -155,7 +161,7 @@ def same_tensors(a: Path, b: Path) -> int:
             rb.seek(bb)
             left = ea - ba
             while left:
-                k = min(left, 64 << 20)
+                k = min(left, 1 << 20)
                 assert ra.read(k) == rb.read(k), f"{name}: bytes differ"
                 left -= k
     return len(ta)
@@ -235,4 +241,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--generate"]:
+        _generate_here(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()
