@@ -19,7 +19,7 @@ EXAMPLES = """examples:
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
   stagerd consolidate run1/step-00001000 ./hf --dtype bf16 --max-shard-size 2GB
   stagerd consolidate ./shards ./hf --reference-index base/index.json
-  stagerd consolidate outputs/checkpoint/step-300 ./hf-300 --adopt torchtitan --extras ./assets
+  stagerd consolidate ckpts/step-300 ./hf-300 --adopt torchtitan --extras assets
 """
 
 
@@ -67,7 +67,7 @@ def add_adopt_flags(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="auto",
         metavar="PRESET",
-        help="SRC is a trainer's own DCP checkpoint: auto, hf-trainer, automodel, lightning, torchtitan, dcp",
+        help="SRC is a trainer's own checkpoint: auto, hf-trainer, automodel, lightning, torchtitan, dcp, hf",
     )
     p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
     p.add_argument("--mapping", type=Path, metavar="FILE", help="adopt: key mapping (JSON) after selection")

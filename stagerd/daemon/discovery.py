@@ -13,6 +13,7 @@ from stagerd.contract import layout
 from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import (
     COMMITTED,
+    EXPORTED,
     FAILED,
     PENDING,
     PUBLISHED,
@@ -167,6 +168,10 @@ class Discovery(JournalGate):
         for row in await self._j(self._journal.steps, include_retired=False):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):
                 continue
+            if row.state == EXPORTED and self._adopt_root is not None:
+                export = self._work_dir(Path(row.path)) / layout.EXPORT_DIR / layout.INDEX_NAME
+                if await self._io(export.is_file):
+                    continue  # a trainer rotated its checkpoint away: the whole export is still published
             if row.state == PUBLISHED:  # retention moved it to the trash, then the daemon died
                 await self._j(self._journal.retire, row.step, "staged data already removed")
                 self._log_step(row.step, None, RETIRED, note="removed before the last restart")

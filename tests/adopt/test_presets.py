@@ -193,3 +193,24 @@ def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_pa
     got = load_file(r.export_dir / "model-00001-of-00001.safetensors")
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "float32"  # most bytes F32
+
+
+def test_a_checkpoint_already_in_hf_files_is_published_with_its_dtype(tmp_path):
+    """torchtitan's `last_save_in_hf` writes through HuggingFaceStorageWriter with consolidation: HF files
+    and their index, no `.metadata`. Written here by that same torch code."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from stagerd.engine.adopt.export import export_adopted
+
+    ckpt = tmp_path / "step-9"
+    sd = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.randn(4)}
+    writer = HuggingFaceStorageWriter(str(ckpt), save_distributed=True, enable_consolidation=True)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    r = export_adopted(ckpt, tmp_path / "work", dtype="bf16")
+    got = {}
+    for f in r.export_dir.glob("*.safetensors"):
+        got.update(load_file(f))
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k].bfloat16()) for k in sd)

@@ -161,9 +161,6 @@ class DcpMetadata:
     other: tuple[str, ...]  # keys saved as pickled objects (never read)
     files: tuple[str, ...]  # every data file a tensor chunk lives in, sorted
 
-    def tensor_infos(self, keys: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {k: (self.tensors[k].dtype, self.tensors[k].shape) for k in keys}
-
 
 def read_dcp_metadata(path: str | Path) -> DcpMetadata:
     """Read and check `path` (a DCP `.metadata`); any defect is a DcpFormatError naming the file."""

@@ -61,11 +61,13 @@ TORCHTITAN_LLAMA_RULES: list[dict[str, Any]] = [
 
 
 class Format(StrEnum):
-    """How the model's tensors are stored: FileSystemWriter (`.metadata` + `.distcp`), or
-    HuggingFaceStorageWriter's sharded safetensors (DCP_SHARDING_INFO in each header, no `.metadata`)."""
+    """How the model's tensors are stored: FileSystemWriter (`.metadata` + `.distcp`),
+    HuggingFaceStorageWriter's sharded safetensors (DCP_SHARDING_INFO in each header, no `.metadata`), or
+    whole tensors in HF files with their index (torchtitan's `last_save_in_hf`, a Trainer without FSDP)."""
 
     DCP = "dcp"
     HF_SHARDS = "hf-shards"
+    HF_FILES = "hf-files"  # already a Hugging Face checkpoint: `model.safetensors[.index.json]`
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,13 @@ PRESETS: dict[str, Preset] = {
             description="torchtitan CheckpointManager: checkpoint.folder/step-N (Llama 3 names)",
         ),
         Preset(
+            "hf",
+            format=Format.HF_FILES,
+            tied=("lm_head.weight",),
+            detect_paths=("model.safetensors.index.json", "model.safetensors"),
+            description="HF safetensors already (torchtitan's last_save_in_hf): cast, published as they are",
+        ),
+        Preset(
             "dcp",
             select=r"model\.(?P<name>.+)",
             select_fallback=r"(?P<name>.+)",
@@ -147,7 +156,7 @@ PRESETS: dict[str, Preset] = {
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
-AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp")
+AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
 
 
 def preset_names() -> tuple[str, ...]:

@@ -12,8 +12,8 @@ import hashlib
 import json
 import re
 import zipfile
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,12 @@ from stagerd.contract.adopt.presets import (
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
-from stagerd.contract.safetensors_format import Header
-from stagerd.engine.adopt.dcp_headers import dcp_headers
+from stagerd.contract.reference_index import read_reference_index
+from stagerd.contract.safetensors_format import Header, read_header
+from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, Source
 from stagerd.engine.shard_scan import scan_shards, shard_paths
-from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError
+from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError, StagerdError
 
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
 HF_EXTRAS = (
@@ -77,12 +78,12 @@ class AdoptOptions:
 class AdoptedSource(Source):
     """A FileSystemWriter checkpoint: `model_dir` holds `.metadata` and the `__R_N.distcp` files."""
 
-    preset: Preset = field(default_factory=lambda: PRESETS["dcp"])
-    meta: DcpMetadata | None = None  # FileSystemWriter; None for HF shards
-    keys: tuple[str, ...] = ()
-    plan: HubPlan = field(default_factory=HubPlan)
-    extra_files: Mapping[str, Path] = field(default_factory=dict)
-    identity: str = ""  # see `save_identity`
+    preset: Preset
+    meta: DcpMetadata | None  # FileSystemWriter; None for HF shards
+    keys: tuple[str, ...]
+    plan: HubPlan
+    extra_files: Mapping[str, Path]
+    identity: str  # see `save_identity`
 
     @property
     def listed(self) -> list[str] | None:
@@ -95,6 +96,8 @@ class AdoptedSource(Source):
         return self.extra_files[rel]
 
     def scan(self) -> Iterable[Header]:
+        if self.preset.format is Format.HF_FILES:
+            return whole_headers(hf_files(self.model_dir))
         if self.meta is None:
             return scan_shards(self.model_dir)
         return dcp_headers(self.model_dir, self.meta, self.keys)
@@ -118,7 +121,7 @@ class AdoptedSource(Source):
         """Every file the export reads: `.metadata`, the data files of the chosen tensors, the extras."""
         extras = [self.extra_files[r] for r in sorted(self.extra_files)]
         if self.meta is None:
-            return [*shard_paths(self.model_dir), *extras]
+            return [*data_files(self.model_dir, self.preset), *extras]
         data = {c.file for k in self.keys for c in self.meta.tensors[k].chunks}
         return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data)), *extras]
 
@@ -128,6 +131,7 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
     by paths, and by `.metadata`'s keys where the preset names a key; never by its completion files)."""
     if name != AUTO:
         return get_preset(name)
+    keys: dict[Path, set[str] | None] = {}  # each `.metadata` read once, whichever presets look at it
     for candidate in AUTO_ORDER:
         p = PRESETS[candidate]
         if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
@@ -137,12 +141,13 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
             if not meta.is_file():
                 continue
             if p.detect_key is not None:
+                if meta not in keys:
+                    try:
+                        keys[meta] = set(read_dcp_metadata(meta).tensors)
+                    except DcpFormatError:
+                        keys[meta] = None  # the generic preset takes it, and its export names the defect
                 rx = re.compile(p.detect_key)
-                try:
-                    keys = read_dcp_metadata(meta).tensors
-                except DcpFormatError:
-                    continue  # the generic preset takes it, and its export names the defect
-                if not any(rx.fullmatch(k) for k in keys):
+                if not any(rx.fullmatch(k) for k in keys[meta] or ()):
                     continue
         return p
     raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
@@ -160,13 +165,17 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
             times.append(ckpt.stat().st_mtime)  # the removal of `incomplete` touched it
         if preset.format is Format.HF_SHARDS and not shard_paths(ckpt / preset.model_dir):
             return None
+        if preset.format is Format.HF_FILES:  # whole: the index parses, every header fits its file
+            for part in hf_files(ckpt / preset.model_dir):
+                read_header(part)
+                times.append(part.stat().st_mtime)
         for z in preset.zips:
             with zipfile.ZipFile(ckpt / z):
                 pass
         for j in preset.jsons:
             with open(ckpt / j, "rb") as f:
                 json.loads(f.read(MAX_PARSED_EXTRA_BYTES))
-    except (OSError, ValueError, zipfile.BadZipFile, ShardError):
+    except (OSError, ValueError, zipfile.BadZipFile, StagerdError):
         return None
     return max(times) if times else None
 
@@ -177,10 +186,40 @@ def save_identity(ckpt: Path, preset: Preset) -> str:
     if preset.format is Format.DCP:
         return "dcp:" + hashlib.sha256(read_metadata_bytes(ckpt / preset.metadata_file())).hexdigest()
     h = hashlib.sha256()
-    for p in shard_paths(ckpt / preset.model_dir):
+    for p in data_files(ckpt / preset.model_dir, preset):
         st = p.stat()
         h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return "shards:" + h.hexdigest()
+    return "files:" + h.hexdigest()
+
+
+def data_files(model_dir: Path, preset: Preset) -> list[Path]:
+    """The safetensors files of an HF-shards or HF-files checkpoint (with the index, for HF files)."""
+    if preset.format is Format.HF_FILES:
+        index = model_dir / layout.INDEX_NAME
+        return [*hf_files(model_dir), *([index] if index.is_file() else [])]
+    return shard_paths(model_dir)
+
+
+def hf_files(model_dir: Path) -> list[Path]:
+    """The files of an HF checkpoint: those its index names, else `model.safetensors` alone."""
+    index = model_dir / layout.INDEX_NAME
+    if index.is_file():
+        names = set(read_reference_index(index).values())
+        if any("/" in n or n.startswith(".") for n in names):
+            raise ShardError("the index names a file outside its directory", path=index)
+        return [model_dir / n for n in sorted(names)]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise ShardError("no model.safetensors or model.safetensors.index.json", path=model_dir)
+    return [single]
+
+
+def whole_headers(files: list[Path]) -> Iterator[Header]:
+    """Each HF file's header, every tensor a whole block (offsets 0), read one at a time."""
+    for f in files:
+        h = read_header(f)
+        offsets = {n: (0,) * len(e.shape) for n, e in h.tensors.items()}
+        yield DcpFileHeader(h.path, h.file_size, h.data_start, h.tensors, h.metadata, offsets=offsets)
 
 
 def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str, Path]:
@@ -229,6 +268,9 @@ def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSour
         meta = parse_dcp_metadata(raw, model_dir / METADATA_NAME)
         ident = "dcp:" + hashlib.sha256(raw).hexdigest()
         shapes = {k: t.shape for k, t in meta.tensors.items()}
+    elif preset.format is Format.HF_FILES:
+        ident = save_identity(ckpt, preset)
+        shapes = {n: e.shape for h in whole_headers(hf_files(model_dir)) for n, e in h.tensors.items()}
     else:
         ident = save_identity(ckpt, preset)
         shapes = shard_shapes(model_dir)
