@@ -19,8 +19,8 @@ def adopted(tmp_path_factory) -> checks.Adopted:
         import nemo_automodel  # noqa: F401
     except ImportError as e:  # a missing install fails these tests, it does not skip them
         raise AssertionError(
-            "nemo-automodel is not installed; .ci/run installs it without its dependencies: "
-            "pip install --no-deps nemo-automodel==0.7.0 torchdata==0.11.0"
+            "nemo-automodel is not installed; the set-up installs it without its dependencies: "
+            "pip install --no-deps -r tests/trainers-nodeps.txt"
         ) from e
     return checks.adopt("automodel", tmp_path_factory.mktemp("automodel"))
 
