@@ -41,7 +41,8 @@ def inner_model(module: Any) -> Found | None:
         return None
     found: list[tuple[str, Any]] = []
     for name, m in named():
-        if isinstance(m, tf.PreTrainedModel) and not any(name.startswith(f"{p}.") for p, _ in found):
+        inside = any(p == "" or name.startswith(f"{p}.") for p, _ in found)
+        if isinstance(m, tf.PreTrainedModel) and not inside:
             found.append((name, m))
     if len(found) != 1:
         return None

@@ -46,15 +46,23 @@ def test_the_config_alone_gives_what_save_pretrained_writes(tmp_path, kind):
     assert plan is not None and plan.origin == "transformers"
 
 
-def test_a_wrapped_model_is_found_under_its_prefix(tmp_path):
-    """A LightningModule-like wrapper: its keys carry the attribute's prefix, and a key of its own is
-    staged for resuming but not exported."""
+@pytest.mark.parametrize("given", ["config", "model"])
+def test_a_wrapped_model_is_found_under_its_prefix(tmp_path, given):
+    """A LightningModule-like wrapper, given as model= or described by its config: its keys carry the
+    attribute's prefix, and a key of its own is staged for resuming but not exported."""
     torch.manual_seed(0)
     model = models.build("llama_tied")
     wrapper = torch.nn.Module()
     wrapper.net = model
     wrapper.head = torch.nn.Linear(2, 2)
-    step_dir = _save_and_export(tmp_path, wrapper.state_dict(), model.config.to_dict())
+    with Stager(tmp_path / "root", checkpointer="thread") as stager:
+        if given == "model":
+            stager.save(wrapper.state_dict(), step=1, model=wrapper)
+        else:
+            stager.save(wrapper.state_dict(), step=1, extras={"config.json": model.config.to_dict()})
+        stager.wait()
+    step_dir = tmp_path / "root" / layout.step_dir_name(1)
+    export_step(step_dir)
     model.save_pretrained(tmp_path / "ref")
     harness.assert_same_tensors(step_dir / layout.EXPORT_DIR, tmp_path / "ref")
     assert "net.model.embed_tokens.weight" in layout.read_marker(step_dir).tensors  # staged as named
