@@ -42,9 +42,10 @@ class WaitBeforeStep:
             return stager
 
     def _pre_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`args` are the step's own, the optimizer first."""
         if self._stager is None:
             return None
-        closure = kwargs.get("closure", args[0] if args else None)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
             stager = self._take()
             if stager is not None:
@@ -53,7 +54,7 @@ class WaitBeforeStep:
         wrapped = self._after(closure)
         if "closure" in kwargs:
             return args, {**kwargs, "closure": wrapped}
-        return (wrapped, *args[1:]), kwargs
+        return (args[0], wrapped, *args[2:]), kwargs
 
     def _after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
