@@ -39,6 +39,13 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(runs, kind):
     assert not list((runs / kind / "output").glob("checkpoint-*"))  # the Trainer's own save: skipped
 
 
+def test_under_fsdp2_the_sharded_state_round_trips(runs):
+    """Accelerate will not run FSDP2 on CPU, so the callback's save and load of a fully_shard model, its
+    AdamW and its scheduler are checked on their own, on the same 2 ranks."""
+    result = json.loads((runs / "fsdp2" / "result.json").read_text())
+    assert result == {"same": True, "leaves": result["leaves"]} and result["leaves"] > 50
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_daemon_exports_every_step_as_save_pretrained(runs, kind):
     root = runs / kind / "full"
