@@ -78,6 +78,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.save_options = save_options
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
+        self._group: Any = None  # rank 0's own gloo group, made once
         self._wait = WaitBeforeStep()
         self._saved: int | None = None
 
@@ -168,7 +169,9 @@ class StagerdCheckpointIO(CheckpointIO):
                         hint="use Lightning's DDP or single-device strategy",
                     )
                 # Lightning saves from rank 0 alone: the Stager's collectives must not wait for the others
-                options.setdefault("process_group", dist.new_group([rank], use_local_synchronization=True))
+                if self._group is None:
+                    self._group = dist.new_group([rank], use_local_synchronization=True)
+                options.setdefault("process_group", self._group)
             self.stager = Stager(self.root, **options)
         return self.stager
 

@@ -78,7 +78,7 @@ class StagerdCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._resume_step: int | None = None
         self._restored: hf_trainer.Restored | None = None
-        self._tokenizer: dict[str, bytes] | None = None
+        self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
 
     # -- the documented call -----------------------------------------------------------------------
@@ -105,6 +105,7 @@ class StagerdCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._bind_caller()
         trainer = self._bound()
+        self._model_files = None
         if args.load_best_model_at_end:
             raise ConfigError(
                 "StagerdCallback does not load the best model at the end",
@@ -230,10 +231,10 @@ class StagerdCallback(TrainerCallback):
         options = dict(self.save_options)
         extras: dict[str, Any] = {}
         if stager.rank == 0:
-            extras.update(hf_files.model_files(trainer.model))
-            if self._tokenizer is None:
-                self._tokenizer = hf_files.tokenizer_files(getattr(trainer, "processing_class", None))
-            extras.update(self._tokenizer)
+            if self._model_files is None:
+                tokenizer = hf_files.tokenizer_files(getattr(trainer, "processing_class", None))
+                self._model_files = {**hf_files.model_files(trainer.model), **tokenizer}
+            extras.update(self._model_files)
             extras.update(files)
             extras.update(options.pop("extras", None) or {})
         options.pop("extras", None)
