@@ -14,6 +14,9 @@ Two figures per save:
   training for the last save to be committed.
 - stall: the time the loop stands still for a save: from the end of the step to the next step's start
   (the Trainer saves in between), plus, for stagerd, the wait for the copy in `on_pre_optimizer_step`.
+- CPU: (the process's CPU time - the round's `none` CPU time) / saves, every thread counted: what a save
+  costs the cores (on a CPU-only machine stagerd's background write shares them with training). Unlike
+  wall times it hardly moves with other processes' load.
 
 The headline is the median of the per-round ratios stagerd / trainer; medians and min-max over rounds
 beside it. Prints a markdown table with the load average.
@@ -98,7 +101,7 @@ def _timed_wait(cb: Any, clock: _Clock) -> None:
     cb.on_pre_optimizer_step = on_pre_optimizer_step
 
 
-def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[float, float]:
+def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[float, float, float]:
     import transformers as tf
 
     from stagerd.integrations.transformers import StagerdCallback
@@ -117,11 +120,11 @@ def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[flo
         cb = StagerdCallback(root=out / "root")
         _timed_wait(cb, clock)
         trainer.add_callback(cb)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()  # stagerd: ends with every save committed (on_train_end)
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, time.process_time() - c0
     shutil.rmtree(out, ignore_errors=True)
-    return took, clock.stall
+    return took, clock.stall, cpu
 
 
 def main() -> None:
@@ -151,7 +154,7 @@ def main() -> None:
           f"{params * 12 / 1e6:.0f} MB per save), {args.steps} steps, a save every {args.every} "
           f"({saves} saves), {args.rounds} rounds, torch threads {torch.get_num_threads()}",
           flush=True)  # fmt: skip
-    rows: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    rows: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
     try:
         run_once("none", args, scratch)  # warm-up: imports, allocator, page cache
         for r in range(args.rounds):
@@ -160,21 +163,25 @@ def main() -> None:
                 rows[v].append(run_once(v, args, scratch))
             none = rows["none"][-1][0]
             got = {v: (rows[v][-1][0] - none) / saves for v in ("trainer", "stagerd")}
-            print(f"round {r + 1}: none {none:.2f} s; lost per save: trainer {got['trainer']:.3f} s, "
-                  f"stagerd {got['stagerd']:.3f} s", flush=True)  # fmt: skip
+            stalls = {v: rows[v][-1][1] / saves for v in ("trainer", "stagerd")}
+            print(f"round {r + 1}: none {none:.2f} s; per save: lost trainer {got['trainer']:.3f} s, "
+                  f"stagerd {got['stagerd']:.3f} s; standstill trainer {stalls['trainer']:.3f} s, "
+                  f"stagerd {stalls['stagerd']:.3f} s", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report(rows, saves)
 
 
-def report(rows: dict[str, list[tuple[float, float]]], saves: int) -> None:
-    none = [t for t, _ in rows["none"]]
-    lost = {
-        v: [(t - n) / saves for (t, _), n in zip(rows[v], none, strict=True)] for v in ("trainer", "stagerd")
-    }
-    stall = {v: [s / saves for _, s in rows[v]] for v in ("trainer", "stagerd")}
-    ratio_lost = [s / t for s, t in zip(lost["stagerd"], lost["trainer"], strict=True) if t > 0]
-    ratio_stall = [s / t for s, t in zip(stall["stagerd"], stall["trainer"], strict=True) if t > 0]
+def report(rows: dict[str, list[tuple[float, float, float]]], saves: int) -> None:
+    both = ("trainer", "stagerd")
+    none = [t for t, _, _ in rows["none"]]
+    none_cpu = [c for _, _, c in rows["none"]]
+    lost = {v: [(t - n) / saves for (t, _, _), n in zip(rows[v], none, strict=True)] for v in both}
+    stall = {v: [s / saves for _, s, _ in rows[v]] for v in both}
+    cpu = {v: [(c - n) / saves for (_, _, c), n in zip(rows[v], none_cpu, strict=True)] for v in both}
+
+    def ratio(d: dict[str, list[float]]) -> list[float]:
+        return [s / t for s, t in zip(d["stagerd"], d["trainer"], strict=True) if t > 0]
 
     def cell(xs: list[float]) -> str:
         return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
@@ -183,8 +190,9 @@ def report(rows: dict[str, list[tuple[float, float]]], saves: int) -> None:
     print(f"\nload average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {len(none)} paired rounds\n")
     print("| per save | Trainer's own save (s) | StagerdCallback (s) | stagerd / Trainer, paired (min-max) |")
     print("|---|---|---|---|")
-    print(f"| loop time lost | {cell(lost['trainer'])} | {cell(lost['stagerd'])} | **{cell(ratio_lost)}** |")
-    print(f"| loop standstill | {cell(stall['trainer'])} | {cell(stall['stagerd'])} | {cell(ratio_stall)} |")
+    print(f"| loop time lost | {cell(lost['trainer'])} | {cell(lost['stagerd'])} | **{cell(ratio(lost))}** |")
+    print(f"| loop standstill | {cell(stall['trainer'])} | {cell(stall['stagerd'])} | {cell(ratio(stall))} |")
+    print(f"| CPU time | {cell(cpu['trainer'])} | {cell(cpu['stagerd'])} | {cell(ratio(cpu))} |")
     print(f"\ntrain() without saves: {cell(none)} s")
 
 
