@@ -1,25 +1,24 @@
 """Training-loop time lost per save in the Hugging Face Trainer: its own `save_steps` save against
 `StagerdCallback`, same model, same data, same interval.
 
-    python bench/bench_trainer_save.py --rounds 5 --steps 12 --every 4
+    python bench/bench_trainer_save.py --rounds 5 --steps 14 --every 4
 
 One process, CPU. Each round trains a fresh Llama (same seed, same batches) three times, in a rotating
 order: `none` (save_strategy="no"), `trainer` (the Trainer's own checkpoint: save_pretrained, optimizer.pt,
 scheduler, RNG, trainer_state.json) and `stagerd` (the callback: the same state as one async Stager save).
-Two figures per save:
+The loop is timed from `train()`'s start to the end of its last step; saves fall at every `--every` steps
+and the last one before the last step (14 steps, every 4: saves at 4, 8, 12), as in a long run. Per save:
 
-- lost: (train() time - the round's `none` time) / saves. Everything the saves cost the loop: the stall,
-  the wait for the copy before the next optimizer step, the slowdown of the next steps while a save writes
-  in the background (on CPU the write shares the cores), and, for stagerd, the wait at the end of
-  training for the last save to be committed.
-- stall: the time the loop stands still for a save: from the end of the step to the next step's start
+- lost: (loop time - the round's `none` loop time) / saves. Everything the saves cost the loop: the
+  stall, the wait for the copy before the next optimizer step, and the slowdown of the next steps while a
+  save writes in the background (on a CPU-only machine the write shares the cores with training).
+- standstill: the time the loop stands still for a save: from the end of the step to the next step's start
   (the Trainer saves in between), plus, for stagerd, the wait for the copy in `on_pre_optimizer_step`.
-- CPU: (the process's CPU time - the round's `none` CPU time) / saves, every thread counted: what a save
-  costs the cores (on a CPU-only machine stagerd's background write shares them with training). Unlike
-  wall times it hardly moves with other processes' load.
 
-The headline is the median of the per-round ratios stagerd / trainer; medians and min-max over rounds
-beside it. Prints a markdown table with the load average.
+After the loop, `train()` returns once every save is committed: for stagerd, the rest of the last save's
+write and fsync (`end wait`, once per training, not per save). The headline is the median of the
+per-round ratios stagerd / trainer; medians and min-max over rounds beside it. Prints a markdown table
+with the load average.
 """
 
 from __future__ import annotations
@@ -69,15 +68,17 @@ def _clock_base() -> Any:
 
 class _Clock(_clock_base()):  # type: ignore[misc]
     """The loop's standstill per save: step end -> next step begin around a save step, plus stagerd's wait
-    for the copy (timed by wrapping the callback's own event)."""
+    for the copy (timed by wrapping the callback's own event); and when the last step ended."""
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.stall = 0.0
+        self.last_step_end = 0.0
         self._end: float | None = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._end = time.perf_counter() if state.global_step % self.every == 0 else None
+        self.last_step_end = time.perf_counter()
+        self._end = self.last_step_end if state.global_step % self.every == 0 else None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._end is not None:
@@ -102,6 +103,7 @@ def _timed_wait(cb: Any, clock: _Clock) -> None:
 
 
 def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[float, float, float]:
+    """(loop time, standstill, end wait) of one training."""
     import transformers as tf
 
     from stagerd.integrations.transformers import StagerdCallback
@@ -120,17 +122,17 @@ def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[flo
         cb = StagerdCallback(root=out / "root")
         _timed_wait(cb, clock)
         trainer.add_callback(cb)
-    t0, c0 = time.perf_counter(), time.process_time()
-    trainer.train()  # stagerd: ends with every save committed (on_train_end)
-    took, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    trainer.train()  # stagerd: returns with every save committed (on_train_end)
+    t1 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
-    return took, clock.stall, cpu
+    return clock.last_step_end - t0, clock.stall, t1 - clock.last_step_end
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=14)
     p.add_argument("--every", type=int, default=4, help="save_steps")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -147,7 +149,7 @@ def main() -> None:
     tf.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    saves = args.steps // args.every
+    saves = (args.steps - 1) // args.every  # none at the last step: the loop window ends there
     scratch = Path(tempfile.mkdtemp(prefix="stagerd-bench-trainer-", dir=args.dir))
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"# {params / 1e6:.1f} M params fp32 ({params * 4 / 1e6:.0f} MB; with AdamW's state about "
@@ -166,7 +168,8 @@ def main() -> None:
             stalls = {v: rows[v][-1][1] / saves for v in ("trainer", "stagerd")}
             print(f"round {r + 1}: none {none:.2f} s; per save: lost trainer {got['trainer']:.3f} s, "
                   f"stagerd {got['stagerd']:.3f} s; standstill trainer {stalls['trainer']:.3f} s, "
-                  f"stagerd {stalls['stagerd']:.3f} s", flush=True)  # fmt: skip
+                  f"stagerd {stalls['stagerd']:.3f} s; end wait stagerd {rows['stagerd'][-1][2]:.3f} s",
+                  flush=True)  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report(rows, saves)
@@ -175,10 +178,9 @@ def main() -> None:
 def report(rows: dict[str, list[tuple[float, float, float]]], saves: int) -> None:
     both = ("trainer", "stagerd")
     none = [t for t, _, _ in rows["none"]]
-    none_cpu = [c for _, _, c in rows["none"]]
     lost = {v: [(t - n) / saves for (t, _, _), n in zip(rows[v], none, strict=True)] for v in both}
     stall = {v: [s / saves for _, s, _ in rows[v]] for v in both}
-    cpu = {v: [(c - n) / saves for (_, _, c), n in zip(rows[v], none_cpu, strict=True)] for v in both}
+    end = {v: [e for _, _, e in rows[v]] for v in both}
 
     def ratio(d: dict[str, list[float]]) -> list[float]:
         return [s / t for s, t in zip(d["stagerd"], d["trainer"], strict=True) if t > 0]
@@ -192,8 +194,8 @@ def report(rows: dict[str, list[tuple[float, float, float]]], saves: int) -> Non
     print("|---|---|---|---|")
     print(f"| loop time lost | {cell(lost['trainer'])} | {cell(lost['stagerd'])} | **{cell(ratio(lost))}** |")
     print(f"| loop standstill | {cell(stall['trainer'])} | {cell(stall['stagerd'])} | {cell(ratio(stall))} |")
-    print(f"| CPU time | {cell(cpu['trainer'])} | {cell(cpu['stagerd'])} | {cell(ratio(cpu))} |")
-    print(f"\ntrain() without saves: {cell(none)} s")
+    print(f"\nloop without saves: {cell(none)} s; end of training wait (once): "
+          f"trainer {cell(end['trainer'])} s, stagerd {cell(end['stagerd'])} s")  # fmt: skip
 
 
 if __name__ == "__main__":

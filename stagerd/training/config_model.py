@@ -34,13 +34,16 @@ class Found:
 
 
 def inner_model(module: Any) -> Found | None:
-    """The outermost transformers model in `module`, if there is exactly one."""
+    """The outermost transformers model in `module`, if there is exactly one (and no PEFT model)."""
     tf = sys.modules.get("transformers")
     named = getattr(module, "named_modules", None)
     if tf is None or named is None:
         return None
+    peft = sys.modules.get("peft")
     found: list[tuple[str, Any]] = []
     for name, m in named():
+        if peft is not None and isinstance(m, peft.PeftModel):
+            return None  # its names are PEFT's: the PeftModel itself must be given as model=
         inside = any(p == "" or name.startswith(f"{p}.") for p, _ in found)
         if isinstance(m, tf.PreTrainedModel) and not inside:
             found.append((name, m))
