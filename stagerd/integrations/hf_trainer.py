@@ -37,7 +37,6 @@ FORMAT = "stagerd.hf_trainer/1"
 class Captured:
     """What the Trainer's own `_save_checkpoint` asked to be saved, taken at the moment it asked."""
 
-    model: bool = False
     optimizer: bool = False  # optimizer and LR scheduler (not with save_only_model)
     scaler: bool = False
     rng: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -55,7 +55,7 @@ from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
 
-_OURS = ("model", "optimizer_state")  # the callback's to give: a user's would contradict the Trainer's
+_OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
 
@@ -76,7 +76,6 @@ class StagerdCallback(TrainerCallback):
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._trainer: Trainer | None = None
-        self._resume_step: int | None = None
         self._restored: hf_trainer.Restored | None = None
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
@@ -94,8 +93,8 @@ class StagerdCallback(TrainerCallback):
             dist.all_gather_object(seen, mine)
         if step is None and not any(seen):
             return None
-        self._resume_step = choose_step(seen, step)
-        return str(self.root / layout.step_dir_name(self._resume_step) / layout.EXTRAS_DIR)
+        chosen = choose_step(seen, step)
+        return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
 
     # -- callback events ---------------------------------------------------------------------------
 
@@ -178,11 +177,11 @@ class StagerdCallback(TrainerCallback):
         try:
             with self._writes_captured(trainer, captured, scratch):
                 save(model, trial)
+            # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
             folder = scratch / f"checkpoint-{trainer.state.global_step}"
             files = {
                 str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
             }
-            # the Trainer writes these where it saves; a rank that does not save (args.should_save) has none
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if captured.pushed:
@@ -200,7 +199,6 @@ class StagerdCallback(TrainerCallback):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
         def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
-            captured.model = True
             Path(output_dir).mkdir(parents=True, exist_ok=True)  # where trainer_state.json goes next
 
         def save_rng(output_dir: Any) -> None:
@@ -280,10 +278,8 @@ class StagerdCallback(TrainerCallback):
     def _restore_rng(self) -> None:
         assert self._restored is not None
         rank = self._stager().rank
-        if not self._restored.rng:
-            self._say(
-                f"the step holds no RNG state for rank {rank}: the resumed run draws other random numbers"
-            )
+        if not self._restored.rng:  # saved by fewer ranks, or with save_only_model
+            log.warning("the step holds no RNG state for rank %d: the resumed run draws other numbers", rank)
             return
         rng.restore(rank, self._restored.rng)
 
