@@ -6,7 +6,9 @@
   memory, no initialisation), from its `architectures` or, without them (a model built with
   `from_config` has none until `save_pretrained`), from every class transformers maps its `model_type`
   to; the one whose state dict keys are the saved keys (under one prefix) is the model. Where none fits,
-  the reason comes back as a string, for the caller to warn with.
+  the reason comes back as a string, for the caller to warn with; a config that is not a transformers
+  model's (`"model_type": "tiny"`) gets None, and no warning. Only where the process has imported
+  transformers (holding a transformers model, it has): a save never imports it.
 """
 
 from __future__ import annotations
@@ -72,23 +74,29 @@ def config_dict(config: Any) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def names_transformers_model(config: Mapping[str, Any]) -> bool:
-    return bool(config.get("model_type") or config.get("architectures"))
+def from_config(config: Mapping[str, Any], keys: Collection[str]) -> Found | str | None:
+    """The model `config` describes whose state dict keys are `keys` (see the module docstring); why not,
+    as a string, for a config of a transformers architecture; None for a config that is not one.
 
-
-def from_config(config: Mapping[str, Any], keys: Collection[str]) -> Found | str:
-    """The model `config` describes whose state dict keys are `keys` (see the module docstring)."""
-    try:
-        import transformers as tf
-    except ImportError:
-        return "transformers is not installed"
+    transformers is not imported here: a process holding a transformers model has imported it already,
+    and a save must not pay seconds of imports for a config of some other model (`"model_type": "tiny"`).
+    """
     model_type = config.get("model_type")
+    architectures = [a for a in config.get("architectures") or () if isinstance(a, str)]
+    tf = sys.modules.get("transformers")
+    if tf is None:
+        if architectures:
+            return (f"config.json names {architectures[0]}, but transformers is not loaded in this process; "
+                    "for a trainer with names of its own, pass mapping=")  # fmt: skip
+        return None
     try:  # a lazy mapping: its `get` does not look the name up
         config_class = tf.CONFIG_MAPPING[model_type] if isinstance(model_type, str) else None
     except KeyError:
         config_class = None
     if config_class is None or not isinstance(model_type, str):
-        return f"config.json's model_type {model_type!r} is not a transformers architecture"
+        if architectures:
+            return f"config.json names {architectures[0]}, but its model_type {model_type!r} is unknown"
+        return None  # not a transformers model's config
     try:
         cfg = config_class.from_dict(dict(config))
     except Exception as e:

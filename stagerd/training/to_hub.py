@@ -71,8 +71,8 @@ def resolve(
         return ToHub(prefixed_plan(inner, sd, aliases))
     flat = all(isinstance(v, torch.Tensor) for v in sd.values())
     cfg = config_model.config_dict(config) if config is not None and flat else None
-    if cfg is not None and config_model.names_transformers_model(cfg):
-        found = config_model.from_config(cfg, [*sd, *aliases])
+    found = config_model.from_config(cfg, [*sd, *aliases]) if cfg is not None else None
+    if found is not None:
         try:
             if isinstance(found, config_model.Found):
                 return ToHub(prefixed_plan(found, sd, aliases))

@@ -84,3 +84,11 @@ def test_keys_the_config_does_not_describe_warn_once_naming_model(tmp_path):
     export_step(tmp_path / "root" / layout.step_dir_name(1))
     got = harness.tensors(tmp_path / "root" / layout.step_dir_name(1) / layout.EXPORT_DIR)
     assert set(got) == set(sd)  # in-memory names, as staged
+
+
+def test_a_config_of_another_model_says_nothing(tmp_path):
+    """A config.json that names no transformers architecture is just an extra: no warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save_and_export(tmp_path, {"w": torch.ones(2), "v": torch.ones(3)}, {"model_type": "tiny"})
+    assert not _ours(caught)
