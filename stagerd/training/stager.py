@@ -193,7 +193,7 @@ class Stager:
                 reference_index=reference_index,
                 dtype=dtype,
                 metadata=metadata,
-                to_hub=self._to_hub(model, mapping, model_sd, aliases) if self.rank == 0 else None,
+                to_hub=self._to_hub(model, mapping, model_sd, aliases, extras) if self.rank == 0 else None,
             )
             if self._is_leader and layout.is_committed(spec.step_dir):
                 raise StepExistsError(
@@ -322,16 +322,20 @@ class Stager:
             self._group = None
             self._comm.group = None
 
-    def _to_hub(self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str]) -> ToHub:
-        """Resolved once per model and set of tensors: later saves of the same training reuse it."""
+    def _to_hub(
+        self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str], extras: Any
+    ) -> ToHub:
+        """Resolved once per model, config and set of tensors: later saves of the same training reuse it."""
+        config = (extras or {}).get("config.json") if mapping is None else None
         key = (
             id(model),
+            repr(config),
             json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
             tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
             tuple(aliases.items()),
         )
         if key not in self._hub_plans:
-            self._hub_plans = {key: to_hub.resolve(model, sd, aliases, mapping)}
+            self._hub_plans = {key: to_hub.resolve(model, sd, aliases, mapping, config)}
         return self._hub_plans[key]
 
     def _wait_previous(self, step: int) -> None:

@@ -6,14 +6,20 @@
   (DoRA, modules_to_save, ...) keeps its keys as staged, with a warning;
 - a declarative key `mapping` (`contract/key_mapping.py`; torchtitan and other trainers): its renames,
   splits and RoPE permutations;
-- anything else, or no model: every key as staged, tied duplicates with their own bytes.
+- a module that holds one transformers model (a LightningModule, a wrapper): that model's export, its keys
+  found under their prefix in the module's state dict; the module's other keys are not exported;
+- no model, but `extras["config.json"]` of a transformers architecture: the model it describes, built
+  once on the meta device (`config_model`), so a user who gives the config gets what `save_pretrained`
+  writes too; where that model cannot be found, a warning (once) that names `model=`;
+- anything else: every key as staged, tied duplicates with their own bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +27,7 @@ import torch
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import HubPlanError
-from stagerd.training import hub_trace, peft_plan
+from stagerd.training import config_model, hub_trace, peft_plan
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +42,13 @@ class ToHub:
 
 
 def resolve(
-    model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], mapping: Any = None
+    model: Any,
+    sd: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    mapping: Any = None,
+    config: Any = None,
 ) -> ToHub:
+    """`config`: the save's `extras["config.json"]` (a dict, JSON bytes or a path), or None."""
     if mapping is not None:
         if model is not None:
             raise HubPlanError("pass model= or mapping=, not both: each decides the export's names")
@@ -45,17 +56,76 @@ def resolve(
     if model is not None and not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise HubPlanError("model= needs a flat state dict of tensors, as model.state_dict() gives")
     if model is not None and peft_plan.is_peft_model(model):
-        adapter, config = peft_plan.adapter_plan(model, sd, aliases)
+        adapter, adapter_config = peft_plan.adapter_plan(model, sd, aliases)
         main: HubPlan | None
         try:
             main = peft_plan.merged_plan(model, sd, aliases)
         except HubPlanError as e:  # the adapter still exports; the main export keeps PEFT's names
             log.warning("the export keeps the PEFT model's own names, unmerged: %s", e.message)
             main = hub_trace.alias_plan(sd, aliases)
-        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, config),))
+        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, adapter_config),))
     if model is not None and hub_trace.is_transformers_model(model):
         return ToHub(hub_trace.transformers_plan(model, sd, aliases))
+    inner = config_model.inner_model(model) if model is not None else None
+    if inner is not None:
+        return ToHub(prefixed_plan(inner, sd, aliases))
+    flat = all(isinstance(v, torch.Tensor) for v in sd.values())
+    cfg = config_model.config_dict(config) if config is not None and flat else None
+    found = config_model.from_config(cfg, [*sd, *aliases]) if cfg is not None else None
+    if found is not None:
+        try:
+            if isinstance(found, config_model.Found):
+                return ToHub(prefixed_plan(found, sd, aliases))
+        except HubPlanError as e:
+            found = e.message
+        warn_once(
+            f"the export keeps the state dict's own names, not what save_pretrained writes: {found}",
+            "pass the model to Stager.save(..., model=model)",
+        )
     return ToHub(hub_trace.alias_plan(sd, aliases))
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, hint: str) -> None:
+    """One warning per distinct message in a process: later saves of the same training say nothing new."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"{message}; {hint}", UserWarning, stacklevel=4)
+
+
+def prefixed_plan(
+    found: config_model.Found, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
+) -> HubPlan:
+    """The transformers plan of `found.model`, whose keys are the staged keys under `found.prefix`.
+
+    The conversion runs on the model's own names; every view then reads the prefixed staged key, a key
+    the conversion passes through unchanged is renamed to its model name, and the staged keys outside
+    the model are not exported. A tied key of the model whose twin lies outside it reads that twin."""
+    p = found.prefix
+    if not p:
+        return hub_trace.transformers_plan(found.model, sd, aliases)
+    staged_of = {k[len(p) :]: k for k in sd if k.startswith(p)}
+    sub_aliases: dict[str, str] = {}
+    for dup, src in aliases.items():
+        if not dup.startswith(p):
+            continue
+        if src.startswith(p):
+            sub_aliases[dup[len(p) :]] = src[len(p) :]
+        else:
+            staged_of[dup[len(p) :]] = src
+    sub_sd = {k: sd[staged] for k, staged in staged_of.items()}
+    plan = hub_trace.transformers_plan(found.model, sub_sd, sub_aliases)
+    views = [replace(v, source=staged_of[v.source]) for v in plan.views]
+    read, dropped = {v.source for v in plan.views}, set(plan.drop)
+    for k, staged in staged_of.items():
+        if k not in read and k not in dropped:
+            shape = tuple(sd[staged].shape)
+            views.append(TensorView(k, staged, (0,) * len(shape), shape, shape))
+    outside = [k for k in sd if not k.startswith(p)]
+    drop = [staged_of[k] for k in plan.drop if staged_of[k].startswith(p)]
+    return HubPlan(tuple(views), tuple(dict.fromkeys([*drop, *outside])), origin=plan.origin)
 
 
 def mapping_plan(mapping: KeyMapping, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:

@@ -110,7 +110,8 @@ def test_training_snippet_matches_the_stager() -> None:
     """The snippet compiles, and every Stager method and keyword it uses exists."""
     from stagerd import Stager
 
-    snippet = next(b for b in _blocks(_section(README.read_text(), "Training side"), "python"))
+    blocks = _blocks(_section(README.read_text(), "Training side"), "python")
+    snippet = next(b for b in blocks if "from stagerd import Stager" in b)
     tree = ast.parse(snippet)
     imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("stagerd", "Stager") in imports
@@ -133,6 +134,24 @@ def test_training_snippet_matches_the_stager() -> None:
         for kw in node.keywords:
             assert kw.arg in params, f"{target.__qualname__} takes no {kw.arg}="
     assert used >= 4  # Stager(), save(), wait_staged(), wait()
+
+
+def test_the_first_training_example_is_the_trainer_callback() -> None:
+    """It compiles, its keywords are the callback's or Stager.save's, and `resume` exists."""
+    from stagerd import Stager
+    from stagerd.integrations.transformers import StagerdCallback
+
+    snippet = _blocks(_section(README.read_text(), "Training side"), "python")[0]
+    tree = ast.parse(snippet)
+    imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("stagerd.integrations.transformers", "StagerdCallback") in imports
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    (made,) = [n for n in calls if isinstance(n.func, ast.Name) and n.func.id == "StagerdCallback"]
+    accepted = set(inspect.signature(StagerdCallback.__init__).parameters)
+    accepted |= set(inspect.signature(Stager.save).parameters) - {"model", "optimizer_state"}
+    assert {kw.arg for kw in made.keywords} <= accepted
+    assert any(isinstance(n.func, ast.Attribute) and n.func.attr == "resume" for n in calls)
+    assert callable(StagerdCallback.resume)
 
 
 def test_every_sink_form_is_documented() -> None:

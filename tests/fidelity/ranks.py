@@ -35,7 +35,8 @@ def extras(config: Any) -> dict[str, Any]:
 def train_and_save(
     rank: int, world: int, init_file: str, kind: str, root: str, ref: str, save: dict[str, Any]
 ) -> None:
-    """`save`: more keyword arguments of `Stager.save`; `model=True` hands it the model."""
+    """`save`: more keyword arguments of `Stager.save` (`extras` replaces the usual ones); `model=True`
+    hands it the model."""
     join(rank, world, init_file)
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -56,7 +57,8 @@ def train_and_save(
         opt.step()
         opt.zero_grad()
     with Stager(root) as stager:
-        stager.save(model.state_dict(), step=STEP, extras=extras(model.config), **_kwargs(save, model))
+        options = {"extras": extras(model.config), **_kwargs(save, model)}
+        stager.save(model.state_dict(), step=STEP, **options)
         stager.wait()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:

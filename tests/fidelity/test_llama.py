@@ -16,9 +16,10 @@ def test_llama_is_what_save_pretrained_writes(kind, tmp_path):
 
 
 def test_tied_weights_of_a_model_not_from_transformers_are_each_written(tmp_path):
-    """Without `model=` the Stager knows no transformers model: the tied weights are staged once, and the
-    export writes every key, each with its own bytes."""
-    run = harness.run("llama_tied", tmp_path)
+    """Without `model=` and without a transformers config.json the Stager knows no transformers model: the
+    tied weights are staged once, and the export writes every key, each with its own bytes. (With the
+    config alone, it finds the model: `tests/integrations/test_config_plan.py`.)"""
+    run = harness.run("llama_tied", tmp_path, extras={"tokenizer.json": b"{}"})
     for mode in ("keep", "bf16"):
         got, want = harness.tensors(run.exports[mode]), harness.tensors(run.ref / mode)
         assert set(got) == {*want, "lm_head.weight"}

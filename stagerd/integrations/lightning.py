@@ -1,0 +1,210 @@
+"""Lightning saving through the `Stager`: a `CheckpointIO` plugin.
+
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    trainer = L.Trainer(plugins=[StagerdCheckpointIO("/local_nvme/ckpt", model=module)], ...)
+    trainer.fit(module, ckpt_path=None)                        # a fresh run
+    trainer.fit(module, ckpt_path="/local_nvme/ckpt")          # resume: the newest committed step
+
+`trainer.save_checkpoint(path)` and `ModelCheckpoint` save through it: Lightning's checkpoint dict becomes
+one async `Stager.save` of step `global_step`. Its `state_dict` is the step's model (exported: with
+`model=` the LightningModule, the transformers model inside it is exported as `save_pretrained` writes it,
+and its `config.json` and `generation_config.json` go in as extras); every other tensor (optimizer state,
+scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, callbacks, hyper-parameters,
+versions) is a JSON skeleton in a uint8 tensor there (`state_tree`): `load_checkpoint` restores it
+without unpickling anything, and a value JSON cannot hold exactly is refused at save time.
+
+At `path` itself, a small JSON file names the step (ROOT and step), so `ModelCheckpoint`'s bookkeeping
+(`last`, `best_model_path`, `save_top_k`) works on paths as always. `load_checkpoint` accepts such a file,
+a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
+committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
+or delete (`stagerd watch --keep-last N`).
+
+The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
+and backward) Lightning runs inside that step, right before the parameters change.
+
+Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
+the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
+itself. Strategies that shard (FSDP, model parallel, DeepSpeed) do not use a CheckpointIO.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
+from stagerd.integrations import hf_files, state_tree, step_files
+from stagerd.integrations.wait_hook import WaitBeforeStep
+from stagerd.training.aliases import split_aliases
+from stagerd.training.collectives import Collectives
+from stagerd.training.loader import load_step
+from stagerd.training.stager import Stager
+
+log = logging.getLogger("stagerd.integrations")
+
+BLOB = "stagerd/lightning"
+FORMAT = "stagerd.lightning/1"
+POINTER = "stagerd.lightning.pointer/1"
+MAX_POINTER_BYTES = 64 << 10
+
+
+class StagerdCheckpointIO(CheckpointIO):
+    """See the module docstring. `model`: the LightningModule (for a Hub-faithful export of the
+    transformers model inside it); `save_options`: more keyword arguments of `Stager.save` (`dtype`,
+    `extras`, `metadata`, `reference_index`, `mapping`); `stager_options`: of `Stager(...)`."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        model: Any = None,
+        stager_options: Mapping[str, Any] | None = None,
+        **save_options: Any,
+    ) -> None:
+        if "optimizer_state" in save_options:
+            raise SaveInputError("StagerdCheckpointIO saves Lightning's optimizer state itself")
+        self.root = Path(root)
+        self.model = model
+        self.save_options = save_options
+        self.stager_options = dict(stager_options or {})
+        self.stager: Stager | None = None
+        self._group: Any = None  # rank 0's own gloo group, made once
+        self._wait = WaitBeforeStep()
+        self._saved: int | None = None
+
+    # -- CheckpointIO ------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("StagerdCheckpointIO takes no storage_options")
+        step = int(checkpoint["global_step"])
+        if self._saved != step:  # ModelCheckpoint's `last` and its top-k may save one step twice
+            self._save(checkpoint, step)
+            self._saved = step
+        pointer = {"format": POINTER, "root": str(self.root.resolve()), "step": step}
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        root, step = locate(Path(path))
+        if (h := self.stager) is not None:
+            h.wait()  # a save of ours still writing: load what it commits
+        step_dir = root / layout.step_dir_name(step)
+        marker = layout.read_marker(step_dir)
+        model = step_files.empty(step_files.model_specs(marker))
+        specs = step_files.optim_specs(step_dir)
+        if BLOB not in specs:
+            raise LoadError("not a step saved by StagerdCheckpointIO (no Lightning state)", path=step_dir)
+        optim = step_files.empty(specs)
+        with warnings.catch_warnings():  # every rank reads the whole step by itself, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load_step(Collectives(None), root, model, optim, step)
+        blob = state_tree.from_blob(optim[BLOB], "the saved Lightning state")
+        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+            raise LoadError("the saved Lightning state is not in a format this stagerd knows", path=step_dir)
+        checkpoint = state_tree.join(blob["checkpoint"], optim.__getitem__)
+        aliases = blob.get("aliases") or {}
+        state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
+        checkpoint["state_dict"] = state_dict
+        log.info("loaded step %d from %s", step, step_dir)
+        return checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        target = Path(path)
+        if _pointer(target) is not None:
+            target.unlink()
+
+    def teardown(self) -> None:
+        stager, self.stager = self.stager, None
+        self._wait.remove()
+        if stager is not None:
+            stager.close()  # every save committed, or its SaveError raised here
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _save(self, checkpoint: dict[str, Any], step: int) -> None:
+        state = dict(checkpoint)
+        model_sd = dict(state.pop("state_dict"))
+        tensors, skeleton = state_tree.split(state, "lightning")
+        _, aliases = split_aliases(model_sd)
+        keys = list(model_sd)
+        blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases}
+        optim = {**tensors, BLOB: state_tree.to_blob(blob)}
+        options = dict(self.save_options)
+        extras = {**hf_files.model_files(self.model), **(options.pop("extras", None) or {})}
+        if "mapping" not in options:
+            options["model"] = self.model
+        stager = self._stager()
+        try:
+            stager.save(model_sd, step=step, extras=extras, optimizer_state=optim, **options)
+        except StepExistsError:
+            log.warning("step %d is already committed under %s; not saved again", step, self.root)
+            return
+        self._wait.arm(stager)
+
+    def _stager(self) -> Stager:
+        if self.stager is None:
+            options = dict(self.stager_options)
+            if dist.is_available() and dist.is_initialized():
+                rank = dist.get_rank()
+                if rank != 0:
+                    raise ConfigError(
+                        f"StagerdCheckpointIO was asked to save on rank {rank}: a strategy that saves from "
+                        "every rank",
+                        hint="use Lightning's DDP or single-device strategy",
+                    )
+                # Lightning saves from rank 0 alone: the Stager's collectives must not wait for the others
+                if self._group is None:
+                    self._group = dist.new_group([rank], use_local_synchronization=True)
+                options.setdefault("process_group", self._group)
+            self.stager = Stager(self.root, **options)
+        return self.stager
+
+
+def locate(path: Path) -> tuple[Path, int]:
+    """(ROOT, step) of a pointer file, a step directory, or ROOT (its newest committed step)."""
+    pointer = _pointer(path)
+    if pointer is not None:
+        return pointer
+    step = layout.parse_step_dir(path.name)
+    if step is not None and layout.is_committed(path):
+        return path.parent, step
+    if path.is_dir():
+        steps = layout.committed_steps(path)
+        if steps:
+            return path, steps[-1][0]
+    raise LoadError(
+        "not a stagerd checkpoint: neither a StagerdCheckpointIO file, nor a committed step, nor a ROOT "
+        "with one",
+        path=path,
+    )
+
+
+def _pointer(path: Path) -> tuple[Path, int] | None:
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_POINTER_BYTES:
+            return None
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != POINTER:
+        return None
+    step, root = data.get("step"), data.get("root")
+    if not isinstance(step, int) or not isinstance(root, str):
+        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
+    return Path(root), step

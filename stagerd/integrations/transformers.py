@@ -1,0 +1,291 @@
+"""The Hugging Face Trainer (and TRL's trainers) saving through the `Stager`: one callback.
+
+    from stagerd.integrations.transformers import StagerdCallback
+
+    stagerd = StagerdCallback(root="/local_nvme/ckpt", dtype="bf16")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[stagerd])
+    trainer.train(resume_from_checkpoint=stagerd.resume(trainer))  # None on a fresh run
+
+The Trainer still decides when to save (`save_strategy`, `save_steps`) and runs its own
+`_save_checkpoint` (logging, evaluation and `trainer_state.json` first, as always), but the callback takes
+over its writes: the model, optimizer, LR scheduler, grad scaler and RNG saves become one async
+`Stager.save` of step `global_step` (`hf_trainer`), so the loop blocks only for the copy, and the copy
+itself is waited for right before the next `optimizer.step()` (`on_pre_optimizer_step`), hidden under the
+next forward and backward. The export is Hub-faithful (`model=` is the Trainer's model); `config.json`,
+`generation_config.json` and the tokenizer's files go in as extras (`hf_files`).
+
+What keeps its meaning, and what maps to the daemon:
+- `save_strategy`, `save_steps`, `save_only_model` (then the model alone is saved), `save_strategy="best"`:
+  as in the Trainer; the step is `global_step`.
+- `save_total_limit`: nothing is written under `output_dir`, so there is nothing to rotate; staged steps
+  are the daemon's: `stagerd watch ROOT --keep-last N` (and `--remote-keep-last` on a sink).
+- `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
+  Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
+- `load_best_model_at_end` and DeepSpeed are refused at the start of training (a `ConfigError`).
+
+Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
+e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
+`trainer_state.json` (global step, epoch, which batches to skip). The callback then loads the model,
+optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
+
+Callback events do not receive the Trainer, and the save must run inside the Trainer's
+`_save_checkpoint`; so the callback binds itself to the Trainer that fires its first event (the `self` of
+the calling frame), or to the one `resume()` is given, and wraps a few of its methods on the instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
+
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, SaveInputError, StepExistsError
+from stagerd.integrations import hf_files, hf_trainer, rng
+from stagerd.training.loader import choose_step
+from stagerd.training.stager import Stager
+
+log = logging.getLogger("stagerd.integrations")
+
+_OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
+_SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
+_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+
+
+class StagerdCallback(TrainerCallback):
+    """Takes over a Trainer's checkpoint saves (see the module docstring). `save_options`: more keyword
+    arguments of `Stager.save` (`dtype`, `extras`, `metadata`, `reference_index`, `mapping`);
+    `stager_options`: of `Stager(...)` (`timeout`, `checkpointer`, `pin_memory`)."""
+
+    def __init__(
+        self, root: str | Path, *, stager_options: Mapping[str, Any] | None = None, **save_options: Any
+    ):
+        bad = [k for k in _OURS if k in save_options]
+        if bad:
+            raise SaveInputError(f"StagerdCallback gives {bad} itself, from the Trainer; do not pass them")
+        self.root = Path(root)
+        self.save_options = save_options
+        self.stager_options = dict(stager_options or {})
+        self.stager: Stager | None = None
+        self._trainer: Trainer | None = None
+        self._restored: hf_trainer.Restored | None = None
+        self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
+        self._said: set[str] = set()
+
+    # -- the documented call -----------------------------------------------------------------------
+
+    def resume(self, trainer: Trainer, step: int | None = None) -> str | None:
+        """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
+        under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
+        self._bind(trainer)
+        mine = [s for s, _ in layout.committed_steps(self.root)]
+        seen = [mine]
+        if dist.is_available() and dist.is_initialized():
+            seen = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(seen, mine)
+        if step is None and not any(seen):
+            return None
+        chosen = choose_step(seen, step)
+        return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
+
+    # -- callback events ---------------------------------------------------------------------------
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._bind_caller()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._bind_caller()
+        trainer = self._bound()
+        self._model_files = None
+        if args.load_best_model_at_end:
+            raise ConfigError(
+                "StagerdCallback does not load the best model at the end",
+                hint="set load_best_model_at_end=False; load a chosen step with "
+                "trainer.train(resume_from_checkpoint=callback.resume(trainer, step=N)) or Stager.load",
+            )
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
+        if args.save_total_limit:
+            self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
+                      f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
+                      f"{args.save_total_limit}")  # fmt: skip
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.stager is not None:  # the last save's copy of the parameters, hidden under fwd/bwd
+            self.stager.wait_staged()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        stager, self.stager = self.stager, None
+        if stager is not None:
+            stager.close()  # every save committed, or its SaveError raised here
+
+    # -- binding to the Trainer --------------------------------------------------------------------
+
+    def _bind_caller(self) -> None:
+        if self._trainer is not None:
+            return
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                self._bind(owner)
+                return
+            frame = frame.f_back  # type: ignore[assignment]
+
+    def _bind(self, trainer: Trainer) -> None:
+        if self._trainer is trainer:
+            return
+        if self._trainer is not None:
+            raise ConfigError("a StagerdCallback serves one Trainer; give each Trainer its own")
+        missing = [n for n in ("_save_checkpoint", "save_model", "_get_output_dir", *_SAVE_WRITERS, *_LOADERS)
+                   if not callable(getattr(trainer, n, None))]  # fmt: skip
+        if missing:
+            raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")
+        self._trainer = trainer
+        save = trainer._save_checkpoint  # the class's, a subclass's override included
+        trainer._save_checkpoint = lambda model, trial: self._save_checkpoint(save, model, trial)  # type: ignore[method-assign]
+        for name in _LOADERS:
+            original = getattr(trainer, name)
+            setattr(trainer, name, self._loader(name, original))
+
+    def _bound(self) -> Trainer:
+        if self._trainer is None:
+            raise ConfigError("StagerdCallback is not attached to a Trainer",
+                              hint="pass it in callbacks=[...] or trainer.add_callback(...)")  # fmt: skip
+        return self._trainer
+
+    def _stager(self) -> Stager:
+        if self.stager is None:
+            self.stager = Stager(self.root, **self.stager_options)
+        return self.stager
+
+    # -- saving ------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, save: Any, model: Any, trial: Any) -> None:
+        """The Trainer's own `_save_checkpoint`, its writes taken over, then one async Stager save."""
+        trainer = self._bound()
+        captured = hf_trainer.Captured()
+        scratch = Path(tempfile.mkdtemp(prefix="stagerd-trainer-"))
+        try:
+            with self._writes_captured(trainer, captured, scratch):
+                save(model, trial)
+            # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
+            folder = scratch / f"checkpoint-{trainer.state.global_step}"
+            files = {
+                str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            }
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if captured.pushed:
+            self._say("push_to_hub: the Trainer's per-save push is skipped; the daemon publishes every "
+                      "committed step: stagerd watch ROOT --sink hf://ORG/NAME")  # fmt: skip
+        self._start_save(trainer, captured, files)
+
+    @contextlib.contextmanager
+    def _writes_captured(
+        self, trainer: Trainer, captured: hf_trainer.Captured, scratch: Path
+    ) -> Iterator[None]:
+        """The Trainer's writers, replaced on the instance for the duration of one `_save_checkpoint`: they
+        note what was asked for (and take the RNG states at the moment the Trainer would), and the small
+        files it still writes itself (`trainer_state.json`) land in `scratch`."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+        def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)  # where trainer_state.json goes next
+
+        def save_rng(output_dir: Any) -> None:
+            captured.rng = rng.capture(rank)
+
+        replaced: dict[str, Any] = {
+            "save_model": save_model,
+            "_get_output_dir": lambda trial=None: str(scratch),
+            "_save_optimizer_and_scheduler": lambda output_dir: setattr(captured, "optimizer", True),
+            "_save_scaler": lambda output_dir: setattr(captured, "scaler", True),
+            "_save_rng_state": save_rng,
+            "_push_from_checkpoint": lambda output_dir: setattr(captured, "pushed", True),
+        }
+        before = {n: trainer.__dict__[n] for n in replaced if n in trainer.__dict__}
+        trainer.__dict__.update(replaced)
+        try:
+            yield
+        finally:
+            for n in replaced:
+                if n in before:
+                    trainer.__dict__[n] = before[n]
+                else:
+                    del trainer.__dict__[n]
+
+    def _start_save(self, trainer: Trainer, captured: hf_trainer.Captured, files: dict[str, bytes]) -> None:
+        stager = self._stager()
+        msd, optim = hf_trainer.state_to_save(trainer, captured, stager.rank)
+        options = dict(self.save_options)
+        extras: dict[str, Any] = {}
+        if stager.rank == 0:
+            if self._model_files is None:
+                tokenizer = hf_files.tokenizer_files(getattr(trainer, "processing_class", None))
+                self._model_files = {**hf_files.model_files(trainer.model), **tokenizer}
+            extras.update(self._model_files)
+            extras.update(files)
+            extras.update(options.pop("extras", None) or {})
+        options.pop("extras", None)
+        if "mapping" not in options:
+            options["model"] = trainer.model
+        try:
+            stager.save(msd, step=trainer.state.global_step, extras=extras, optimizer_state=optim, **options)
+        except StepExistsError:  # raised on every rank alike: a resumed run reaching a step it had saved
+            self._say(
+                f"step {trainer.state.global_step} is already committed under {self.root}; not saved again"
+            )
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def _ours(self, checkpoint: Any) -> int | None:
+        """The step of a `resume()` path (ROOT/step-N/extras), or None for the Trainer's own checkpoints."""
+        if checkpoint is None:
+            return None
+        path = Path(checkpoint)
+        step = layout.parse_step_dir(path.parent.name) if path.name == layout.EXTRAS_DIR else None
+        if step is None or path.parent.parent.resolve() != self.root.resolve():
+            return None
+        return step
+
+    def _loader(self, name: str, original: Any) -> Any:
+        def load(checkpoint: Any, *args: Any, **kwargs: Any) -> None:
+            step = self._ours(checkpoint)
+            if step is None:
+                return original(checkpoint, *args, **kwargs)
+            trainer = self._bound()
+            if name == "_load_optimizer_and_scheduler":  # the model is prepared and the optimizer made
+                self._restored = hf_trainer.load(trainer, self._stager(), step)
+                log.info("resumed from step %d under %s", step, self.root)
+                return original(checkpoint, *args, **kwargs)  # a subclass's own files, in extras/
+            if name == "_load_scaler" and self._restored is not None:
+                hf_trainer.restore_scaler(trainer, self._restored.scaler)
+            if name == "_load_rng_state" and self._restored is not None:
+                self._restore_rng()
+            return None  # `_load_from_checkpoint`: the model loads with the optimizer, above
+
+        return load
+
+    def _restore_rng(self) -> None:
+        assert self._restored is not None
+        rank = self._stager().rank
+        if not self._restored.rng:  # saved by fewer ranks, or with save_only_model
+            log.warning("the step holds no RNG state for rank %d: the resumed run draws other numbers", rank)
+            return
+        rng.restore(rank, self._restored.rng)
+
+    def _say(self, message: str) -> None:
+        """A warning, once, from rank 0 (every rank would say the same)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        if message not in self._said and (not distributed or dist.get_rank() == 0):
+            self._said.add(message)
+            log.warning("%s", message)

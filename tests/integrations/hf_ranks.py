@@ -1,0 +1,193 @@
+"""What each gloo rank of the Trainer tests does, for the HF `Trainer` and TRL's `SFTTrainer` alike.
+
+Two trainings of one tiny Llama (attention dropout on, so the RNG states matter), 4 steps, a save every
+2 steps through `StagerdCallback`:
+- `full/`: uninterrupted; rank 0 writes `save_pretrained` of the weights at every save (`ref/step-N/`);
+- `resumed/`: a ROOT holding only `full/`'s step 2 (copied whole, as a preempted run or `stagerd restore`
+  leaves it), and a model from another seed: `trainer.train(resume_from_checkpoint=cb.resume(trainer))`
+  goes on from step 2 to step 4.
+Rank 0 writes `result.json`: the per-step losses of each run and whether the final weights agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tests.fidelity import models
+from tests.gloo import join
+
+STEPS, EVERY, SEQ, SAMPLES = 4, 2, 12, 16
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the tiny vocabulary, built in memory (nothing downloaded)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(models.VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+def dataset() -> Any:
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, models.VOCAB, (SAMPLES, SEQ), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids})
+
+
+def model(seed: int) -> Any:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = models.config("llama_tied")
+    config.attention_dropout = 0.1
+    return tf.AutoModelForCausalLM.from_config(config)
+
+
+def train(kind: str, out: Path, root: Path, seed: int, resume: bool) -> Any:
+    import transformers as tf
+
+    from stagerd.integrations.transformers import StagerdCallback
+
+    common: dict[str, Any] = dict(
+        output_dir=str(out / "output"), max_steps=STEPS, save_steps=EVERY, logging_steps=1,
+        per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True,
+        seed=7, save_total_limit=1,
+    )  # fmt: skip
+    cb = StagerdCallback(root=root)
+    callbacks: list[Any] = [cb]
+    if not resume and int(os.environ["RANK"]) == 0:
+        callbacks.append(_Reference(out / "ref"))
+    if kind == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(**common, bf16=False, max_length=SEQ)
+        trainer = SFTTrainer(model=model(seed), args=args, train_dataset=dataset(),
+                             processing_class=tokenizer(), callbacks=callbacks)  # fmt: skip
+    else:
+        args = tf.TrainingArguments(**common)
+        collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+        trainer = tf.Trainer(model=model(seed), args=args, train_dataset=dataset(), data_collator=collator,
+                             processing_class=tokenizer())  # fmt: skip
+        for c in callbacks:
+            trainer.add_callback(c)  # the other way in: after the Trainer is made
+    trainer.train(resume_from_checkpoint=cb.resume(trainer) if resume else None)
+    return trainer
+
+
+def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -> None:
+    """Each of `kinds` ("trainer", "sft") in turn, under `out_dir/<kind>/` (one launch: one import)."""
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)  # as torchrun sets
+    os.environ.update({k: str(v) for k, v in env.items()})
+    join(rank, world, init_file)
+    for kind in kinds:
+        _run(rank, kind, Path(out_dir) / kind)
+    fsdp2_round_trip(rank, Path(out_dir) / "fsdp2")
+
+
+def fsdp2_round_trip(rank: int, out: Path) -> None:
+    """The callback's state under FSDP2 (which Accelerate runs only on accelerators): a trained, sharded
+    model's optimizer and scheduler saved as the callback saves them, loaded into another model's."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from stagerd.integrations import hf_trainer
+    from stagerd.training.stager import Stager
+
+    def trainer(seed: int, steps: int) -> Any:
+        m = model(seed)
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        ids = dataset()["input_ids"][:2]
+        for _ in range(steps):
+            m(input_ids=torch.tensor(ids), labels=torch.tensor(ids)).loss.backward()
+            opt.step(), sched.step(), opt.zero_grad()
+        return SimpleNamespace(model=m, optimizer=opt, lr_scheduler=sched, accelerator=None)
+
+    saved, other = trainer(0, 2), trainer(1, 1)
+    with Stager(out) as stager:
+        msd, optim = hf_trainer.state_to_save(saved, hf_trainer.Captured(optimizer=True), rank)
+        stager.save(msd, step=2, optimizer_state=optim, model=saved.model)
+        stager.wait()
+        hf_trainer.load(other, stager, 2)
+    a, b = get_state_dict(saved.model, saved.optimizer), get_state_dict(other.model, other.optimizer)
+    flat = [(x, y) for sa, sb in zip(a, b, strict=True) for x, y in _leaves(sa, sb)]
+    same = all(torch.equal(x.full_tensor(), y.full_tensor()) if hasattr(x, "full_tensor") else x == y
+               for x, y in flat)  # fmt: skip
+    same = same and other.lr_scheduler.state_dict() == saved.lr_scheduler.state_dict()
+    if rank == 0:
+        (out / "result.json").write_text(json.dumps({"same": bool(same), "leaves": len(flat)}))
+
+
+def _leaves(a: Any, b: Any) -> Any:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            yield from _leaves(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        for x, y in zip(a, b, strict=True):
+            yield from _leaves(x, y)
+    else:
+        yield a, b
+
+
+def _run(rank: int, kind: str, out: Path) -> None:
+    import shutil
+
+    import torch.distributed as dist
+
+    from stagerd.contract import layout
+
+    full = train(kind, out, out / "full", seed=0, resume=False)
+    if rank == 0:
+        name = layout.step_dir_name(EVERY)
+        shutil.copytree(out / "full" / name, out / "resumed" / name)
+    dist.barrier()
+    resumed = train(kind, out, out / "resumed", seed=1, resume=True)
+    same = _same_weights(full.model, resumed.model)
+    if rank == 0:
+        result = {name: _losses(t) for name, t in (("full", full), ("resumed", resumed))}
+        result["same_weights"] = same
+        (out / "result.json").write_text(json.dumps(result))
+
+
+def _losses(trainer: Any) -> dict[str, float]:
+    return {str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _callback_base() -> Any:
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _Reference(_callback_base()):  # type: ignore[misc]
+    """save_pretrained of the weights each save holds (DDP: every rank has them whole)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.save_pretrained(self.out / f"step-{state.global_step}")

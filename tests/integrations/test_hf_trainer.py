@@ -1,0 +1,62 @@
+"""`StagerdCallback` in the real Hugging Face Trainer and TRL's SFTTrainer, on 2 gloo ranks (DDP: Accelerate
+runs FSDP2 only on accelerators, and on CPU gives the Trainer DDP). One launch runs both trainers
+(`hf_ranks`): an uninterrupted run, and a run resumed from its step 2 alone.
+
+- the resumed run's losses and final weights are the uninterrupted run's, bit for bit;
+- `stagerd watch --once` exports and publishes every step, and each export is what `save_pretrained`
+  writes of that step's weights, with config, generation config and tokenizer beside it;
+- nothing is written under the Trainer's output_dir (its save is skipped).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stagerd.contract import layout
+from tests.fidelity import harness
+from tests.gloo import launch
+from tests.integrations import hf_ranks
+
+pytestmark = pytest.mark.slow
+KINDS = ["trainer", "sft"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    launch(hf_ranks.run, KINDS, str(out), deadline_s=400)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(runs, kind):
+    result = json.loads((runs / kind / "result.json").read_text())
+    assert result["resumed"] == result["full"]  # steps 3 and 4 trained after the resume, equal floats
+    assert list(result["full"]) == ["1", "2", "3", "4"]
+    assert result["same_weights"]
+    assert not list((runs / kind / "output").glob("checkpoint-*"))  # the Trainer's own save: skipped
+
+
+def test_under_fsdp2_the_sharded_state_round_trips(runs):
+    """Accelerate will not run FSDP2 on CPU, so the callback's save and load of a fully_shard model, its
+    AdamW and its scheduler are checked on their own, on the same 2 ranks."""
+    result = json.loads((runs / "fsdp2" / "result.json").read_text())
+    assert result == {"same": True, "leaves": result["leaves"]} and result["leaves"] > 50
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_daemon_exports_every_step_as_save_pretrained(runs, kind):
+    root = runs / kind / "full"
+    sink = runs / kind / "sink"
+    harness.export(root, sink)  # stagerd watch ROOT --sink file://SINK --once, every step published
+    for step in range(hf_ranks.EVERY, hf_ranks.STEPS + 1, hf_ranks.EVERY):
+        published = sink / layout.step_dir_name(step)
+        ref = runs / kind / "ref" / f"step-{step}"
+        harness.assert_same_tensors(published, ref)  # the tied lm_head left out, as save_pretrained does
+        for name in ("config.json", "generation_config.json"):
+            assert json.loads((published / name).read_text()) == json.loads((ref / name).read_text())
+        assert (published / "tokenizer.json").is_file()
+    state = json.loads((sink / layout.step_dir_name(hf_ranks.STEPS) / "trainer_state.json").read_text())
+    assert state["global_step"] == hf_ranks.STEPS

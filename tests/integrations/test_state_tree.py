@@ -1,0 +1,100 @@
+"""The pieces under the integrations, in one process: the JSON-and-tensors form of a trainer's state,
+the wait before the next optimizer step, and the refusal to unpickle anything on load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stagerd import Stager
+from stagerd.contract import layout
+from stagerd.errors import LoadError, SaveInputError
+from stagerd.integrations import state_tree, step_files
+from stagerd.integrations.wait_hook import WaitBeforeStep
+
+
+def test_a_trainers_state_comes_back_as_it_was():
+    t = torch.arange(6.0).reshape(2, 3)
+    tree = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": t}, 1: {}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0, 1], "fused": None}],
+        "scores": {"nan": math.nan, "inf": -math.inf, "flag": True, "name": "x"},
+        "dtype": torch.bfloat16,
+        "odd": {"__stagerd__": "not a tag", "k": [1, (2, 3)]},
+    }
+    tensors, skeleton = state_tree.split(tree, "optimizer")
+    assert set(tensors) == {"optimizer/state/0/step", "optimizer/state/0/exp_avg"}
+    blob = state_tree.from_blob(state_tree.to_blob(skeleton), "test")  # through JSON bytes
+    back = state_tree.join(blob, tensors.__getitem__)
+    assert back["state"][0]["exp_avg"] is t and list(back["state"]) == [0, 1]
+    assert back["param_groups"] == tree["param_groups"]
+    assert isinstance(back["param_groups"][0]["betas"], tuple)
+    assert math.isnan(back["scores"].pop("nan"))
+    assert back["scores"] == {"inf": -math.inf, "flag": True, "name": "x"}
+    assert back["dtype"] is torch.bfloat16 and back["odd"] == tree["odd"]
+    specs = state_tree.tensor_specs(blob)
+    assert specs["optimizer/state/0/exp_avg"] == (torch.float32, (2, 3))
+
+
+def test_a_value_json_cannot_hold_is_refused_at_save_time_naming_it():
+    with pytest.raises(SaveInputError, match=r"lightning/hyper_parameters/path: a pathlib.*PosixPath"):
+        from pathlib import Path
+
+        state_tree.split({"hyper_parameters": {"path": Path("/x")}}, "lightning")
+
+
+def test_a_malformed_skeleton_is_a_load_error():
+    with pytest.raises(LoadError, match="unknown __stagerd__ kind"):
+        state_tree.join({"__stagerd__": "pickle"}, lambda k: torch.zeros(1))
+    with pytest.raises(LoadError, match="unknown dtype"):
+        state_tree.join({"__stagerd__": "dtype", "name": "Tensor"}, lambda k: torch.zeros(1))
+
+
+class _Stager:
+    def __init__(self, log):
+        self.log = log
+
+    def wait_staged(self):
+        self.log.append("wait")
+
+
+def test_the_wait_comes_after_the_steps_closure_and_before_the_update():
+    log: list[str] = []
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    hook = WaitBeforeStep()
+    try:
+        hook.arm(_Stager(log))
+
+        def closure():
+            log.append(f"closure {p.tolist()}")  # forward and backward, under which the copy ran
+            p.grad = torch.ones(2)
+            return torch.tensor(0.0)
+
+        opt.step(closure)
+        log.append(f"updated {p.tolist()}")
+        hook.arm(_Stager(log))
+        opt.step(closure=closure)  # Lightning's way: a keyword
+        log.append(f"updated {p.tolist()}")
+        opt.step()  # disarmed: one wait per save
+        hook.arm(_Stager(log))
+        opt.step()  # no closure: waits at once
+        assert log == [
+            *["closure [1.0, 1.0]", "wait", "updated [0.0, 0.0]"],
+            *["closure [0.0, 0.0]", "wait", "updated [-1.0, -1.0]"],
+            "wait",
+        ]
+    finally:
+        hook.remove()
+
+
+def test_optim_holding_a_pickled_value_is_refused_before_anything_is_read(tmp_path):
+    """DCP stores a non-tensor as a pickle and loads it with torch.load(weights_only=False): the
+    integrations never ask for one."""
+    with Stager(tmp_path / "root", checkpointer="thread") as stager:
+        stager.save({"w": torch.ones(2)}, step=1, optimizer_state={"lr": 0.1, "t": torch.ones(1)})
+        stager.wait()
+    with pytest.raises(LoadError, match="'lr' as pickled bytes"):
+        step_files.optim_specs(tmp_path / "root" / layout.step_dir_name(1))
