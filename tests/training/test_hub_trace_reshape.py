@@ -53,10 +53,22 @@ def test_permute_for_rope_is_a_permutation_of_rows(inverse):
         assert torch.equal(got[k], w), k
 
 
-def test_a_reshape_that_is_no_permuted_box_is_refused():
+def test_a_reshape_that_is_no_permuted_box_is_planned_by_its_rows():
+    """Columns of a tensor read in order: each a box of one column, placed in turn."""
     sd = {"w": torch.randn(4, 6)}
-    with pytest.raises(HubPlanError, match="not a permutation of a box"):
-        traced_plan(sd, {}, lambda meta: {"x": meta["w"][:, :3].T.reshape(-1)}, "test")
+
+    def convert(meta):
+        return {"x": meta["w"][:, :3].T.reshape(-1)}
+
+    plan = traced_plan(sd, {}, convert, "test")
+    assert len(plan.views) == 3 and all(v.size == (4, 1) for v in plan.views)
+    assert torch.equal(carried_out(sd, plan)["x"], convert(sd)["x"])
+
+
+def test_a_reshape_that_moves_too_many_single_elements_is_refused():
+    sd = {"w": torch.randn(2, 40000)}  # 40000 columns of 2 elements: 80000 single elements
+    with pytest.raises(HubPlanError, match="moves single elements"):
+        traced_plan(sd, {}, lambda meta: {"x": meta["w"].T.reshape(-1)}, "test")
 
 
 def test_a_concatenation_of_permuted_rows_is_planned_as_its_parts():
