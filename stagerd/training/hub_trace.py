@@ -42,6 +42,8 @@ _JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
 _RESHAPES = frozenset({"reshape", "flatten", "unflatten", "view", "view_as", "reshape_as"})
 # Functions whose result is all zeros, whatever their input's values.
 _MAKE_ZEROS = frozenset({"new_zeros", "zeros_like"})
+# Functions that fill their result with a given value: zeros, where that value is 0.
+_FILLS = frozenset({"new_full", "full_like"})
 # Functions whose results hold only values of their inputs: all zeros, if those are.
 _KEEP_ZEROS = _COPIES | _RESHAPES | frozenset({
     "__getitem__", "chunk", "split", "tensor_split", "unbind", "narrow", "select", "squeeze", "unsqueeze",
@@ -79,8 +81,9 @@ class _Traced(torch.Tensor):
         roots = traced[0].roots
         if name in _JOINS and isinstance(out, torch.Tensor):
             return _joined(out, name, args, kwargs, roots)
-        if name in _MAKE_ZEROS or any(t.zero for t in traced):
-            keep = name in _MAKE_ZEROS or (name in _KEEP_ZEROS and all(t.zero for t in traced))
+        made = name in _MAKE_ZEROS or (name in _FILLS and _fill_value(name, args, kwargs) == 0)
+        if made or any(t.zero for t in traced):
+            keep = made or (name in _KEEP_ZEROS and all(t.zero for t in traced))
             return _each(out, lambda t: _set(t, roots, zero=keep, why=None if keep else f"{name} of zeros"))
         first = traced[0]
         if name == "__getitem__" and len(args) > 1 and first.prov is not None:
@@ -128,6 +131,13 @@ class _Traced(torch.Tensor):
             provs = list(prov) if same else [None] * len(out)
             return type(out)(wrap(o, p) for o, p in zip(out, provs, strict=True))
         return out
+
+
+def _fill_value(name: str, args: Any, kwargs: Any) -> Any:
+    """The value `x.new_full(size, value)` / `torch.full_like(x, value)` fills with."""
+    at = 2 if name == "new_full" else 1
+    value = kwargs.get("fill_value", args[at] if len(args) > at else None)
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _set(

@@ -72,17 +72,32 @@ def test_zeros_keep_through_views_and_casts():
 
     def convert(meta):
         z = meta["w"].new_zeros(3, 6).to(torch.bfloat16)[1:]
-        return {"z": z.T.contiguous(), "like": torch.zeros_like(meta["w"]), "w": meta["w"]}
+        full = torch.full_like(meta["w"], 0.0)
+        return {"z": z.T.contiguous(), "like": torch.zeros_like(meta["w"]), "w": meta["w"], "full": full}
 
     plan = traced_plan(sd, {}, convert, "test")
     check(sd, convert, plan)
-    assert sorted((z.dtype, z.shape) for z in plan.zeros) == [("BF16", (6, 2)), ("F32", (4, 6))]
+    assert sorted((z.dtype, z.shape) for z in plan.zeros) == [
+        ("BF16", (6, 2)),
+        ("F32", (4, 6)),
+        ("F32", (4, 6)),
+    ]
 
 
-def test_arithmetic_on_zeros_is_refused_with_the_op():
+@pytest.mark.parametrize(
+    ("op", "words"),
+    [
+        (lambda w: w.new_zeros(1, 6) + 1, "add of zeros"),
+        (lambda w: w.new_ones(1, 6), "new_ones"),
+        (lambda w: w.new_full((1, 6), 2.0), "new_full"),
+        (lambda w: w[:1].to(torch.bfloat16), "'to'"),
+        (lambda w: w[torch.tensor([0, 2])], "__getitem__"),
+    ],
+)
+def test_what_is_no_byte_move_is_refused_with_the_op(op, words):
     sd = {"w": torch.randn(4, 6)}
-    with pytest.raises(HubPlanError, match="add of zeros"):
-        traced_plan(sd, {}, lambda meta: {"x": torch.cat([meta["w"], meta["w"].new_zeros(1, 6) + 1])}, "test")
+    with pytest.raises(HubPlanError, match=words):
+        traced_plan(sd, {}, lambda meta: {"x": torch.cat([meta["w"], op(meta["w"])])}, "test")
 
 
 def test_a_reshape_of_a_concatenation_is_planned_as_runs_of_its_rows():
