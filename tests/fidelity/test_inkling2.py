@@ -21,6 +21,9 @@ from tests.fidelity.registry.check import build
 def test_inkling2_loop_exports_what_save_pretrained_writes_and_loads_back(tmp_path, unpadded):
     import transformers as tf
 
+    if not hasattr(tf, "Inkling2LoopForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no Inkling2 (the registry cases cover what it has)")
+
     case = registry.Case(
         "inkling2_loop_text", "Inkling2LoopForCausalLM", over=(("unpadded_vocab_size", unpadded),)
     )

@@ -1,11 +1,10 @@
 """Zeros a conversion makes, rows picked by a list, reshapes of concatenations and single-element RoPE
 permutations: each traces into a plan whose parts, carried out on real tensors, give what the op gives.
-The registry's `Inkling2UnpadVocab` (zero rows appended on save) and `Inkling2LoopMergeMessageQueries`
-(rows picked by a list, then flattened) are run as transformers runs them."""
+`pad_vocab` and `split_queries` are the save-time code of transformers 5.24's `Inkling2UnpadVocab` (zero
+rows appended) and `Inkling2LoopMergeMessageQueries` (rows picked by a list, then flattened), so these
+run on any transformers; the registry tests run the ops themselves on whole models."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
@@ -13,7 +12,16 @@ import torch
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.errors import HubPlanError
 from stagerd.training.hub_trace import traced_plan
-from tests.training.test_hub_trace_reshape import carried_out
+from tests.training.test_hub_trace_reshape import carried_out, permute_for_rope
+
+
+def pad_vocab(tensor, vocab_size):
+    padding = tensor.new_zeros(vocab_size - tensor.shape[0], *tensor.shape[1:])
+    return torch.cat([tensor, padding], dim=0)
+
+
+def split_queries(tensor):
+    return tensor[:, [0, 3]].flatten(0, 1).contiguous(), tensor[:, 1:3].flatten(0, 1).contiguous()
 
 
 def run(sd, plan):
@@ -34,14 +42,10 @@ def check(sd, convert, plan):
 
 @pytest.mark.parametrize("unpadded", [6, 8])
 def test_padding_with_zero_rows_is_a_zero_fill_part(unpadded):
-    from transformers.core_model_loading import Inkling2UnpadVocab
-
     sd = {"lm_head": torch.randn(unpadded, 4)}
-    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(vocab_size=8))
-    op = Inkling2UnpadVocab(inverse=True)
 
     def convert(meta):
-        return op.convert({"lm_head": meta["lm_head"]}, ["lm_head"], ["unembed"], config=config)
+        return {"unembed": pad_vocab(meta["lm_head"], 8)}
 
     plan = traced_plan(sd, {}, convert, "test")
     check(sd, convert, plan)
@@ -54,13 +58,10 @@ def test_padding_with_zero_rows_is_a_zero_fill_part(unpadded):
 
 
 def test_rows_picked_by_a_list_and_flattened_are_planned_row_by_row():
-    from transformers.core_model_loading import Inkling2LoopMergeMessageQueries
-
     sd = {"query": torch.randn(3, 4, 5)}
-    op = Inkling2LoopMergeMessageQueries(inverse=True)
 
     def convert(meta):
-        return op.convert({"query": meta["query"]}, ["query"], ["queries", "kv_queries"])
+        return dict(zip(["queries", "kv_queries"], split_queries(meta["query"]), strict=True))
 
     plan = traced_plan(sd, {}, convert, "test")
     check(sd, convert, plan)
@@ -113,15 +114,12 @@ def test_a_reshape_of_a_concatenation_is_planned_as_runs_of_its_rows():
 def test_a_rope_permutation_of_a_bias_moves_single_elements():
     """PermuteForRope on a 1-dim bias (kimi_k25's vision q/k biases): its last dim moves, so the
     export moves it element by element; allowed up to MAX_ELEMENT_MOVES elements."""
-    from transformers.core_model_loading import PermuteForRope
-
     from stagerd.contract.hub_plan import MAX_ELEMENT_MOVES, moves_elements
 
-    op, cfg = PermuteForRope(inverse=True), types.SimpleNamespace(num_attention_heads=2)
     sd = {"bias": torch.randn(16)}
 
     def convert(meta):
-        return {"b": op._permute_for_rope(meta["bias"], cfg)}
+        return {"b": permute_for_rope(meta["bias"], 2, True)}
 
     plan = traced_plan(sd, {}, convert, "test")
     (v,) = plan.views
@@ -133,12 +131,8 @@ def test_a_rope_permutation_of_a_bias_moves_single_elements():
 
 
 def test_a_plan_with_zero_fills_round_trips_and_one_without_is_unchanged():
-    from transformers.core_model_loading import Inkling2UnpadVocab
-
     sd = {"lm_head": torch.randn(6, 4)}
-    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(vocab_size=8))
-    op = Inkling2UnpadVocab(inverse=True)
-    plan = traced_plan(sd, {}, lambda m: op.convert({"h": m["lm_head"]}, ["h"], ["u"], config=config), "t")
+    plan = traced_plan(sd, {}, lambda m: {"u": pad_vocab(m["lm_head"], 8)}, "t")
     assert HubPlan.from_json(plan.to_json()) == plan
     old = {"format": "stagerd.hub/1", "origin": "t", "views": [], "drop": ["x"]}  # a marker before zeros
     assert HubPlan.from_json(old).to_json() == old

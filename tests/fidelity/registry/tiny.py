@@ -159,6 +159,9 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
     for k, v in d.items():
         if isinstance(v, dict) and k not in ("id2label", "label2id", "rope_parameters", "rope_scaling"):
             out[k] = shrink(v) if not _per_layer_dict(v) else v
+            if not _per_layer_dict(v):  # keys some sub-configs of older transformers refuse back
+                for extra in ("_name_or_path", "output_attentions"):
+                    out[k].pop(extra, None)
         elif k in SIZES and _int(v) and v > SIZES[k]:
             out[k] = SIZES[k]
         elif k in SIZES and isinstance(v, list) and v and all(_int(x) for x in v):  # one per expert kind
@@ -234,17 +237,25 @@ def _smaller(key: str, v: Any) -> Any:
     return SIZES[key] if key in SIZES and _int(v) and v > SIZES[key] else v
 
 
-def tiny_config(model_type: str, **over: Any) -> Any:
-    """The config of `model_type` at its defaults, shrunk, with its `TWEAKS` and then `over` set on top
-    (a dotted key names a field of a sub-config: `text_config.head_dim`)."""
+def variants(model_type: str) -> int:
+    """How many tweaks `model_type` has: one per transformers generation whose fields differ."""
+    t = TWEAKS.get(model_type, {})
+    return len(t) if isinstance(t, tuple) else 1
+
+
+def tiny_config(model_type: str, variant: int = 0, **over: Any) -> Any:
+    """The config of `model_type` at its defaults, shrunk, with its `TWEAKS` (the `variant`-th where it
+    has several) and then `over` set on top (a dotted key names a field of a sub-config:
+    `text_config.head_dim`)."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    tweaks = {**TWEAKS.get(model_type, {}), **over}
-    try:
-        default = cls()
-    except Exception:  # a default that fails its own checks: built with the tweaks
+    own = TWEAKS.get(model_type, {})
+    tweaks = {**(own[variant] if isinstance(own, tuple) else own), **over}
+    try:  # the defaults, with the tweaks where a default needs them (a sub-config it leaves unset)
         default = cls(**_set({}, tweaks))
+    except Exception:  # tweaks that only agree with the shrunk sizes
+        default = cls()
     d = _set(shrink(default.to_dict()), tweaks)
     d.pop("transformers_version", None)
     return cls.from_dict(d)
@@ -256,14 +267,17 @@ def _set(d: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
         *path, last = key.split(".")
         at = d
         for p in path:
-            at = at.setdefault(p, {})
+            if not isinstance(at.get(p), dict):  # a sub-config left unset (None) by the default
+                at[p] = {}
+            at = at[p]
         at[last] = value
     return d
 
 
 # What a model type needs beyond the shrinking: fields its default config leaves unset, and sizes
 # that must agree with each other in ways `shrink` cannot know.
-TWEAKS: dict[str, dict[str, Any]] = {
+_ROPE = {"rope_type": "default", "rope_theta": 1e4}
+TWEAKS: dict[str, dict[str, Any] | tuple[dict[str, Any], ...]] = {
     "inkling2_text": {"unpadded_vocab_size": VOCAB - 8},  # its checkpoint pads the vocabulary: 8 rows
     "inkling2_loop_text": {"unpadded_vocab_size": VOCAB - 8},
     "inkling2": {"text_config.unpadded_vocab_size": VOCAB - 8},
@@ -312,8 +326,19 @@ TWEAKS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 6,
         "layer_types": ["sliding_attention", "mlp"] * 3,
     },
-    "cohere_compass_text": {
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    "cohere_compass_text": (  # its 3-D RoPE sections: per layer type, or (older transformers) one
+        {"rope_parameters": {"full_attention": {**_ROPE, "mrope_section": [2, 2, 4]}}},
+        {"rope_parameters": {**_ROPE, "mrope_section": [2, 2, 4]}},
+    ),
+    "musicgen": {  # older transformers leave its sub-configs unset by default
+        "text_encoder.model_type": "t5",
+        "audio_encoder.model_type": "encodec",
+        "decoder.model_type": "musicgen_decoder",
+    },
+    "musicgen_melody": {
+        "text_encoder.model_type": "t5",
+        "audio_encoder.model_type": "encodec",
+        "decoder.model_type": "musicgen_melody_decoder",
     },
     "dbrx": {"attn_config.rope_theta": 1e4},
     "t5gemma2_encoder": {"text_config.dropout_rate": 0.0, "vision_config.dropout_rate": 0.0},
