@@ -17,7 +17,11 @@ needs the model or transformers. Every output tensor is a box of one staged tens
 - `merges`: LoRA merges (`LoraMerge`), the one thing that is arithmetic, not a byte move: the engine
   computes `name` = base + scaling * (B @ A) (transposed with `fan_in_fan_out`) with numpy, in row blocks,
   into a scratch shard before planning, so `name` is then a staged tensor the views may read; the base, A
-  and B it consumes are not written unless a view reads them.
+  and B it consumes are not written unless a view reads them;
+- `zeros`: tensors of zeros (`ZeroFill`: name, dtype, shape) the views may read like staged tensors: the
+  padding a conversion appends (`new_zeros` then `cat`) is a part whose source is one. The engine gives
+  them a place in the same scratch shard, a sparse hole that reads as zeros, so they are copied like any
+  other bytes and never held; a zero fill is never written under its own name.
 
 Splits (MoE experts, fused QKV or gate/up), renames, tied duplicates written with their own bytes, and
 dropped keys are all views. No torch here: the daemon reads this.
@@ -30,7 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stagerd.errors import HubPlanError
+from stagerd.contract import dtypes
+from stagerd.errors import DTypeError, HubPlanError
 
 HUB_PLAN_FORMAT = "stagerd.hub/1"
 
@@ -83,6 +88,25 @@ class LoraMerge:
             raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
 
 
+@dataclass(frozen=True, slots=True)
+class ZeroFill:
+    """A tensor of zeros named `name`, of safetensors `dtype` and `shape`, that views read as a source."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def check(self, *, path: object = None) -> None:
+        try:
+            dt = dtypes.lookup(self.dtype)
+        except DTypeError:
+            raise HubPlanError(f"zero fill {self.name!r}: unknown dtype {self.dtype!r}", path=path) from None
+        if any(n < 0 for n in self.shape) or (dt.bits * math.prod(self.shape)) % 8:
+            raise HubPlanError(
+                f"zero fill {self.name!r}: shape {list(self.shape)} is not whole bytes", path=path
+            )
+
+
 @dataclass(frozen=True)
 class HubPlan:
     """See the module docstring. `origin` says who resolved it: transformers, mapping, or aliases."""
@@ -92,6 +116,7 @@ class HubPlan:
     origin: str = "aliases"
     format: str = HUB_PLAN_FORMAT
     merges: tuple[LoraMerge, ...] = ()
+    zeros: tuple[ZeroFill, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -106,6 +131,8 @@ class HubPlan:
                 | ({"fan_in_fan_out": True} if m.fan_in_fan_out else {})
                 for m in self.merges
             ]
+        if self.zeros:
+            d["zeros"] = [{"name": z.name, "dtype": z.dtype, "shape": list(z.shape)} for z in self.zeros]
         return d
 
     @classmethod
@@ -139,8 +166,11 @@ class HubPlan:
                 )
                 for m in d.get("merges", ())
             )
+            zeros = tuple(
+                ZeroFill(_str(z["name"]), _str(z["dtype"]), _ints(z["shape"])) for z in d.get("zeros", ())
+            )
             drop = tuple(_str(n) for n in d.get("drop", ()))
-            return cls(views, drop, _str(d.get("origin", "aliases")), merges=merges)
+            return cls(views, drop, _str(d.get("origin", "aliases")), merges=merges, zeros=zeros)
         except (KeyError, TypeError, ValueError) as e:
             raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
 
@@ -148,9 +178,14 @@ class HubPlan:
         """Every output tensor, checked against the staged tensors' global `shapes`: views first, then the
         staged tensors neither read by a view nor dropped. Raises HubPlanError where the plan and the
         checkpoint disagree or two outputs share a name. A merge's output must be among `shapes` (the
-        engine computed it), and its inputs are read."""
+        engine computed it), and its inputs are read; so must a zero fill, which is only ever read."""
         read: set[str] = set()
         out: list[TensorView] = []
+        for z in self.zeros:
+            z.check(path=path)
+            if tuple(shapes.get(z.name, ())) != z.shape or z.name not in shapes:
+                raise HubPlanError(f"the zero fill {z.name!r} was not made", path=path)
+            read.add(z.name)
         for m in self.merges:
             m.check(shapes, path=path)
             if m.name not in shapes:
@@ -204,6 +239,32 @@ def _check_parts(name: str, parts: list[TensorView], path: object) -> None:
         raise HubPlanError(f"{name!r}: its parts do not cover {list(whole)}", path=path)
 
 
+# A permutation that moves single elements (RoPE's row order applied to a bias) is carried out one element
+# per piece: allowed for tensors up to this many elements.
+MAX_ELEMENT_MOVES = 1 << 16
+
+
+def moves_by_lines(v: TensorView) -> bool:
+    """A permuted view whose last dim moves and which permutes its box's own dims (a transpose): carried
+    out line by line, each line of the source's last dim a line of the output."""
+    nd = len(v.size)
+    box_dims = [d for d in range(nd) if v.size[d] != 1]
+    permuted = [v.reshape[p] for p in v.perm]
+    out_dims = [j for j, n in enumerate(v.shape) if n != 1]
+    return (
+        tuple(v.reshape) == tuple(v.size[d] for d in box_dims)
+        and bool(box_dims)
+        and box_dims[-1] == nd - 1
+        and [n for n in permuted if n != 1] == [v.shape[j] for j in out_dims]
+        and len(out_dims) == len(permuted)
+    )
+
+
+def moves_elements(v: TensorView) -> bool:
+    """A permuted view whose last dim moves and that is not a transpose of its box: element by element."""
+    return bool(v.perm) and v.perm[-1] != len(v.perm) - 1 and not moves_by_lines(v)
+
+
 def _view_json(v: TensorView) -> dict[str, Any]:
     d: dict[str, Any] = {"name": v.name, "source": v.source, "start": list(v.start), "size": list(v.size)}
     d["shape"] = list(v.shape)
@@ -233,6 +294,13 @@ def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> No
         if math.prod(v.shape) != math.prod(v.size):
             raise HubPlanError(
                 f"view {v.name!r}: shape {list(v.shape)} is not its box {list(v.size)}", path=path
+            )
+        if moves_elements(v) and math.prod(v.size) > MAX_ELEMENT_MOVES:
+            raise HubPlanError(
+                f"view {v.name!r}: perm {list(v.perm)} of {list(v.reshape)} moves single elements of "
+                f"{v.source!r}, more than {MAX_ELEMENT_MOVES}; only a permutation of its box's dims, or of "
+                "whole runs, is planned for a tensor this size",
+                path=path,
             )
         return
     if [n for n in v.size if n != 1] != [n for n in v.shape if n != 1] or math.prod(v.size) != math.prod(

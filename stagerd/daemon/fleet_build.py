@@ -50,11 +50,12 @@ class Artefact:
         self.done: set[str] = set()
         self.scratch = scratch
         more: list[Header] = []
-        if self.merges:
+        zeros = views.zeros if views is not None else ()
+        if self.merges or zeros:  # zero fills are holes of the same scratch shard: nothing to fetch
             self.table, self.ids = build_chunk_table(scan_shards(mirror.model, listed))
             shutil.rmtree(scratch.parent, ignore_errors=True)  # a killed run's
             scratch.parent.mkdir(parents=True)
-            self.header = write_scratch_header(self.table, self.ids, self.merges, scratch)
+            self.header = write_scratch_header(self.table, self.ids, self.merges, scratch, zeros=zeros)
             more = [self.header]
             expected = with_merged(expected, self.header)
         self.plan: ExportPlan = plan(

@@ -1,4 +1,4 @@
-"""Carry out a to-Hub plan's LoRA merges (`contract/hub_plan.py`, `LoraMerge`) before the export is planned.
+"""Carry out a to-Hub plan's LoRA merges and zero fills (`contract/hub_plan.py`) before the export is planned.
 
 A merge is arithmetic, not a byte move: W' = W + scaling * (B @ A) (its transpose with `fan_in_fan_out`),
 as PEFT's `merge_and_unload` computes it. It runs here with numpy, never torch, in bounded memory: A and B
@@ -9,6 +9,11 @@ written, block by block, into one scratch shard (a DCP-style safetensors file be
 header joins the staged shards' for the planner, so the views, casts and file packing treat a merged
 tensor like any staged one. numpy's matmul sums in another order than torch's: the merged values agree
 with `merge_and_unload` to float rounding, not bit for bit.
+
+A zero fill (`ZeroFill`: the padding a conversion appends) has its place in the same scratch shard and is
+never written: the file is extended to its full size with ftruncate, so its bytes are a hole that reads
+as zeros and takes no disk. Views read it as they read a staged tensor, so the planner's copy and cast
+moves write the padding at copy speed and nothing holds it whole.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from stagerd.contract.hub_plan import HubPlan, LoraMerge
+from stagerd.contract import dtypes
+from stagerd.contract.hub_plan import HubPlan, LoraMerge, ZeroFill
 from stagerd.contract.layout import TensorInfo
 from stagerd.contract.safetensors_format import (
     DCP_SHARDING_INFO_KEY,
@@ -61,17 +67,17 @@ def lora_merges(
     *,
     block_bytes: int | None = None,
 ) -> Iterator[tuple[list[Header], Mapping[str, TensorInfo] | None]]:
-    """With `views`' merges computed into a scratch shard (in a temporary directory under
-    `scratch_parent`, removed on exit): the headers to plan with besides the staged shards' (`headers`,
-    consumed only if there are merges), and `expected` with the merged tensors added."""
-    if views is None or not views.merges:
+    """With `views`' merges computed into a scratch shard that also holds its zero fills (in a temporary
+    directory under `scratch_parent`, removed on exit): the headers to plan with besides the staged
+    shards' (`headers`, consumed only if there is a scratch shard), and `expected` with its tensors added."""
+    if views is None or not (views.merges or views.zeros):
         yield [], expected
         return
     table, ids = build_chunk_table(headers)
     with tempfile.TemporaryDirectory(prefix=MERGE_SCRATCH_PREFIX, dir=scratch_parent) as d:
         path = Path(d) / SCRATCH_NAME
         block = BLOCK_BYTES if block_bytes is None else block_bytes
-        header = write_merged(table, ids, views.merges, path, block_bytes=block)
+        header = write_merged(table, ids, views.merges, path, block_bytes=block, zeros=views.zeros)
         del table, ids
         yield [header], with_merged(expected, header)
 
@@ -91,21 +97,28 @@ def write_merged(
     path: Path,
     *,
     block_bytes: int = BLOCK_BYTES,
+    zeros: Iterable[ZeroFill] = (),
 ) -> Header:
-    """Compute every merge into the safetensors file `path` (offsets 0: each tensor whole) and return its
-    validated header."""
+    """Compute every merge into the safetensors file `path` (offsets 0: each tensor whole), with a hole
+    for each zero fill, and return its validated header."""
     merges = list(merges)
-    header = write_scratch_header(table, ids, merges, path)
+    header = write_scratch_header(table, ids, merges, path, zeros=zeros)
     merge_into(table, ids, merges, path, header, block_bytes=block_bytes)
     return header
 
 
 def write_scratch_header(
-    table: ChunkTable, ids: Mapping[str, int], merges: Iterable[LoraMerge], path: Path
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    merges: Iterable[LoraMerge],
+    path: Path,
+    *,
+    zeros: Iterable[ZeroFill] = (),
 ) -> Header:
     """Create the scratch file `path` at its full size with its header and no merged data yet (a sparse
     tail), and return its validated header: the plan needs only this, the data only a file that reads it
-    (`merge_into`), which a fleet node computes for its own files alone."""
+    (`merge_into`), which a fleet node computes for its own files alone. The zero fills' bytes stay a
+    hole: every node's scratch reads them as zeros."""
     where = table.where
     shapes = {n: _shape(table, t) for n, t in ids.items()}
     entries: dict[str, Any] = {}
@@ -121,18 +134,25 @@ def write_scratch_header(
         size = _NP[dt].itemsize * math.prod(shapes[m.base])
         entries[m.name] = {"dtype": dt, "shape": list(shapes[m.base]), "data_offsets": [pos, pos + size]}
         pos += size
-    info = {n: {SAVED_OFFSETS_KEY: [0, 0]} for n in entries}
+    for z in zeros:
+        z.check(path=where)
+        if z.name in ids or z.name in entries:
+            raise HubPlanError(f"the zero fill {z.name!r} would replace a tensor of that name", path=where)
+        size = dtypes.lookup(z.dtype).nbytes(math.prod(z.shape))
+        entries[z.name] = {"dtype": z.dtype, "shape": list(z.shape), "data_offsets": [pos, pos + size]}
+        pos += size
+    info = {n: {SAVED_OFFSETS_KEY: [0] * len(e["shape"])} for n, e in entries.items()}
     head = json.dumps({"__metadata__": {DCP_SHARDING_INFO_KEY: json.dumps(info)}, **entries}).encode()
     head += b" " * (-len(head) % 8)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
-        raise OutputError(f"cannot create the LoRA merge scratch file: {e.strerror}", path=path) from None
+        raise OutputError(f"cannot create the export's scratch shard: {e.strerror}", path=path) from None
     try:
         pwrite_all(fd, memoryview(len(head).to_bytes(8, "little") + head), 0)
         os.ftruncate(fd, 8 + len(head) + pos)
     except OSError as e:
-        raise OutputError(f"cannot write the LoRA merge scratch file: {e.strerror}", path=path) from None
+        raise OutputError(f"cannot write the export's scratch shard: {e.strerror}", path=path) from None
     finally:
         os.close(fd)
     return read_header(path)
@@ -152,13 +172,13 @@ def merge_into(
     try:
         fd = os.open(path, os.O_WRONLY)
     except OSError as e:
-        raise OutputError(f"cannot open the LoRA merge scratch file: {e.strerror}", path=path) from None
+        raise OutputError(f"cannot open the export's scratch shard: {e.strerror}", path=path) from None
     try:
         for m in merges:
             at = header.data_start + header.tensors[m.name].begin
             _merge_one(table, ids, shapes, m, fd, at, block_bytes)
     except OSError as e:
-        raise OutputError(f"cannot write the LoRA merge scratch file: {e.strerror}", path=path) from None
+        raise OutputError(f"cannot write the export's scratch shard: {e.strerror}", path=path) from None
     finally:
         os.close(fd)
 

@@ -27,7 +27,7 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping
 
 from stagerd.contract import dtypes
-from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.hub_plan import HubPlan, TensorView, moves_by_lines
 from stagerd.engine.chunk_table import freeze_table
 from stagerd.engine.plan_types import Chunk, ChunkTable
 from stagerd.engine.tiling import strides
@@ -135,8 +135,8 @@ def _permuted(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[
     k = len(perm)
     while k > 0 and perm[k - 1] == k - 1:
         k -= 1
-    if k == len(perm):  # the last dim moves (a transpose): by source lines, not element by element
-        yield from _transposed(chunks, v, dt)
+    if k == len(perm):  # the last dim moves: a transpose by source lines, else element by element
+        yield from (_transposed(chunks, v, dt) if moves_by_lines(v) else _elements(chunks, v, dt))
         return
     run = math.prod(shape_r[k:])
     rs = strides(shape_r)
@@ -183,19 +183,7 @@ def _transposed(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterato
     into slabs of the output (bounded buffers, one pread per line and slab)."""
     nd = len(v.size)
     box_dims = [d for d in range(nd) if v.size[d] != 1]
-    permuted = tuple(v.reshape[p] for p in v.perm)
     out_dims = [j for j, n in enumerate(v.shape) if n != 1]
-    if (
-        tuple(v.reshape) != tuple(v.size[d] for d in box_dims)
-        or not box_dims
-        or box_dims[-1] != nd - 1
-        or [n for n in permuted if n != 1] != [v.shape[j] for j in out_dims]
-        or len(out_dims) != len(permuted)
-    ):
-        raise HubPlanError(
-            f"view {v.name!r}: perm {list(v.perm)} of {list(v.reshape)} moves single elements of "
-            f"{v.source!r}; only a permutation of its box's dims, the last one longer than one, is planned"
-        )
     # output dim out_dims[i] <- box dim box_dims[perm[i]]
     src_of_out = {out_dims[i]: box_dims[p] for i, p in enumerate(v.perm)}
     for c in chunks:
@@ -214,3 +202,23 @@ def _transposed(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterato
                 if d == nd - 1:
                     sh[j] = hi[-1] - lo[-1]
             yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(sh)
+
+
+def _elements(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[Piece]:
+    """A permutation that moves single elements (RoPE's row order on a bias): one piece per element of
+    the output, in its order; `check_box` bounds how many (MAX_ELEMENT_MOVES)."""
+    nd = len(v.size)
+    permuted = [v.reshape[p] for p in v.perm]
+    rs, bs = strides(v.reshape), strides(v.size)
+    one = (1,) * len(v.shape)
+    for j in range(math.prod(v.size)):
+        q = _unravel(j, permuted)
+        b = sum(q[i] * rs[p] for i, p in enumerate(v.perm))  # its place in the box, row-major
+        g = [v.start[d] + (b // bs[d]) % v.size[d] for d in range(nd)]
+        c = next(c for c in chunks if all(0 <= g[d] - c.global_offset[d] < c.shape[d] for d in range(nd)))
+        elem = sum((g[d] - c.global_offset[d]) * s for d, s in enumerate(strides(c.shape)))
+        yield c.src, c.offset + dt.nbytes(elem), tuple(_unravel(j, v.shape)), one
+
+
+def _unravel(i: int, shape: list[int] | tuple[int, ...]) -> list[int]:
+    return [(i // s) % n for s, n in zip(strides(shape), shape, strict=True)]

@@ -7,31 +7,49 @@ traced tensor knows which staged tensor it reads and where (a strided view of it
 split, unbind, select, slicing) and value-preserving copies (contiguous, clone). Each output is then a box
 of one staged tensor: a `TensorView` of the declarative plan the export engine carries out as byte moves.
 
-A concatenation or stack of such views is planned as the parts of one output, a transpose as a
-permutation of the box's dims, and a reshape that copies a permuted view (`PermuteForRope`'s
-view/transpose/reshape: rows regrouped per head) as a permuted view of the box it reads. Anything else (a
-flip, a dtype change, further ops on such a copy) is a HubPlanError naming the op, at save time:
-never a silently different export.
+A concatenation or stack of such views is planned as the parts of one output (`trace_parts.py`), a
+transpose as a permutation of the box's dims, and a reshape that copies a permuted view (`PermuteForRope`'s
+view/transpose/reshape: rows regrouped per head) as a permuted view of the box it reads (`trace_boxes.py`).
+Zeros a conversion makes (`new_zeros`, `zeros_like`: the padding `Inkling2UnpadVocab` appends on save) are
+zero fills of the plan; rows picked by a list (`tensor[:, [0, 3]]`) are a concatenation of the rows; a
+reshape of a concatenation is planned as runs of its rows. Anything else (a flip, arithmetic, a dtype
+change of a saved tensor) is a HubPlanError naming the op, at save time: never a silently different export.
 Nothing is allocated: meta tensors hold no data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.dtypes import safetensors_name
+from stagerd.contract.hub_plan import HubPlan, TensorView, ZeroFill
 from stagerd.errors import HubPlanError
+from stagerd.training import trace_parts
+from stagerd.training.trace_boxes import box_of, flat_box
+from stagerd.training.trace_parts import Part
 
 # Functions that return their (single) input's values in the same shape and dtype, copied.
 _COPIES = frozenset({"contiguous", "clone", "detach", "to", "cpu", "requires_grad_", "detach_"})
+_JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+_RESHAPES = frozenset({"reshape", "flatten", "unflatten", "view", "view_as", "reshape_as"})
+# Functions whose result is all zeros, whatever their input's values.
+_MAKE_ZEROS = frozenset({"new_zeros", "zeros_like"})
+# Functions that fill their result with a given value: zeros, where that value is 0.
+_FILLS = frozenset({"new_full", "full_like"})
+# Functions whose results hold only values of their inputs: all zeros, if those are.
+_KEEP_ZEROS = _COPIES | _RESHAPES | frozenset({
+    "__getitem__", "chunk", "split", "tensor_split", "unbind", "narrow", "select", "squeeze", "unsqueeze",
+    "transpose", "permute", "movedim", "t", "expand", "expand_as", "float", "half", "bfloat16", "double",
+    "type", "type_as", "__get__",
+})  # fmt: skip
 
 
 class _Traced(torch.Tensor):
@@ -41,12 +59,12 @@ class _Traced(torch.Tensor):
     prov: torch.Tensor | None = None
     why: str | None = None
     roots: frozenset[int] = frozenset()
-    # A concatenation or stack of traced tensors: (view of a root, offset in this tensor, and for a
-    # permuted reshape the part's shape, its values the view's in row-major order) per part.
-    parts: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...] | None]] | None = None
+    # A concatenation, stack, gather or padding of traced tensors (see trace_parts.py).
+    parts: list[Part] | None = None
     # A reshape that copies (PermuteForRope's view/transpose/reshape): the strided view of a root whose
     # elements, read in its own row-major order, this tensor holds.
     flat: torch.Tensor | None = None
+    zero: bool = False  # all zeros (made by new_zeros or zeros_like, or a view or copy of such)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -63,37 +81,29 @@ class _Traced(torch.Tensor):
         roots = traced[0].roots
         if name in _JOINS and isinstance(out, torch.Tensor):
             return _joined(out, name, args, kwargs, roots)
+        made = name in _MAKE_ZEROS or (name in _FILLS and _fill_value(name, args, kwargs) == 0)
+        if made or any(t.zero for t in traced):
+            keep = made or (name in _KEEP_ZEROS and all(t.zero for t in traced))
+            return _each(out, lambda t: _set(t, roots, zero=keep, why=None if keep else f"{name} of zeros"))
         first = traced[0]
+        if name == "__getitem__" and len(args) > 1 and first.prov is not None:
+            rows = trace_parts.gathered_index(args[1], first.dim())
+            if rows is not None:
+                return _gathered(first, *rows, out, roots)
         if first.flat is not None:  # a permuting reshape stays one only through copies
-            t = out.as_subclass(_Traced) if isinstance(out, torch.Tensor) else None
-            if t is None:
-                return out
-            keep = (
-                name in _COPIES and len(traced) == 1 and out.dtype == first.dtype and out.shape == first.shape
+            keep = _copy_of(name, traced, out)
+            return _each(
+                out, lambda t: _set(t, roots, flat=first.flat if keep else None, why=_why(keep, name))
             )
-            t.roots, t.flat, t.prov = roots, (first.flat if keep else None), None
-            t.why = None if keep else f"{name} of a permuted reshape"
-            return t
-        if first.parts is not None:  # a concatenation stays one only through copies
-            t = out.as_subclass(_Traced) if isinstance(out, torch.Tensor) else None
-            if t is None:
-                return out
-            keep = (
-                name in _COPIES and len(traced) == 1 and out.dtype == first.dtype and out.shape == first.shape
-            )
-            t.roots, t.parts = roots, (first.parts if keep else None)
-            t.prov, t.why = None, (None if keep else f"{name} of a concatenation")
-            return t
+        if first.parts is not None:  # a concatenation stays one through copies and reshapes
+            parts = first.parts if _copy_of(name, traced, out) else None
+            if parts is None and name in _RESHAPES and len(traced) == 1 and isinstance(out, torch.Tensor):
+                parts = trace_parts.reshaped(first.parts, tuple(first.shape), tuple(out.shape))
+            return _each(out, lambda t: _set(t, roots, parts=parts, why=_why(parts is not None, name)))
         why = next((t.why for t in traced if t.prov is None), None)
         prov: Any = None
         if why is None:
-            if (
-                name in _COPIES
-                and len(traced) == 1
-                and isinstance(out, torch.Tensor)
-                and out.dtype == first.dtype
-                and out.shape == first.shape
-            ):
+            if _copy_of(name, traced, out):
                 prov = first.prov
             else:
 
@@ -106,10 +116,9 @@ class _Traced(torch.Tensor):
         def wrap(o: Any, p: Any) -> Any:
             if not isinstance(o, torch.Tensor):
                 return o
-            t = o.as_subclass(_Traced)
             base = p._base if isinstance(p, torch.Tensor) and p._base is not None else p
             ok = isinstance(p, torch.Tensor) and id(base) in roots and p.dtype == o.dtype
-            t.prov, t.why, t.roots = (p if ok else None), (None if ok else (why or name)), roots
+            t = _set(o, roots, prov=p if ok else None, why=None if ok else (why or name))
             copied = not ok and why is None and name in _RESHAPES and len(traced) == 1
             if copied and first.prov is not None and o.dtype == first.dtype and o.numel() == first.numel():
                 t.flat, t.why = first.prov, None  # a copy of a view's elements, in its row-major order
@@ -124,72 +133,93 @@ class _Traced(torch.Tensor):
         return out
 
 
-_JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
-_RESHAPES = frozenset({"reshape", "flatten", "view", "view_as", "reshape_as"})
+def _fill_value(name: str, args: Any, kwargs: Any) -> Any:
+    """The value `x.new_full(size, value)` / `torch.full_like(x, value)` fills with."""
+    at = 2 if name == "new_full" else 1
+    value = kwargs.get("fill_value", args[at] if len(args) > at else None)
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _set(
+    o: torch.Tensor,
+    roots: frozenset[int],
+    *,
+    prov: torch.Tensor | None = None,
+    why: str | None = None,
+    parts: list[Part] | None = None,
+    flat: torch.Tensor | None = None,
+    zero: bool = False,
+) -> _Traced:
+    t = o.as_subclass(_Traced)
+    t.roots, t.prov, t.why, t.parts, t.flat, t.zero = roots, prov, why, parts, flat, zero
+    return t
+
+
+def _each(out: Any, make: Callable[[torch.Tensor], _Traced]) -> Any:
+    """`make` applied to `out`, a tensor, or to each tensor of a list or tuple of results."""
+    if isinstance(out, torch.Tensor):
+        return make(out)
+    if isinstance(out, list | tuple):
+        return type(out)(make(o) if isinstance(o, torch.Tensor) else o for o in out)
+    return out
+
+
+def _copy_of(name: str, traced: list[_Traced], out: Any) -> bool:
+    """`out` is a copy of the one traced input's values, in its shape and dtype."""
+    first = traced[0]
+    return (
+        name in _COPIES
+        and len(traced) == 1
+        and isinstance(out, torch.Tensor)
+        and out.dtype == first.dtype
+        and out.shape == first.shape
+    )
+
+
+def _why(keep: bool, name: str) -> str | None:
+    return None if keep else f"{name} of a concatenation or permuted reshape"
+
+
+def _own(x: Any) -> list[Part] | None:
+    """The parts a traced tensor is, or None if it is not one the plan can hold."""
+    if not isinstance(x, _Traced):
+        return None
+    shape = tuple(x.shape)
+    if x.zero:
+        return [trace_parts.zeros((0,) * len(shape), shape)]
+    if x.parts is not None:
+        return x.parts
+    if x.flat is not None:
+        return [(x.flat, (0,) * len(shape), shape)]
+    if x.prov is not None:
+        return [(x.prov, (0,) * len(shape), None)]
+    return None
 
 
 def _joined(out: torch.Tensor, name: str, args: Any, kwargs: Any, roots: frozenset[int]) -> _Traced:
     """`torch.cat` / `torch.stack` of traced tensors: its parts, each a view of a root at its offset."""
     tensors = args[0] if args else kwargs.get("tensors", [])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    t = out.as_subclass(_Traced)
-    t.roots, t.prov, t.why, t.parts = roots, None, None, []
-    dim %= out.dim()
-    at = 0
+    owns = []
     for x in tensors:
-        if not isinstance(x, _Traced) or (x.prov is None and x.parts is None and x.flat is None):
-            t.parts, t.why = None, (x.why if isinstance(x, _Traced) and x.why else name)
-            return t
-        own: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...] | None]]
-        if x.parts is not None:
-            own = x.parts
-        elif x.flat is not None:
-            own = [(x.flat, (0,) * x.dim(), tuple(x.shape))]
-        else:
-            own = [(cast("torch.Tensor", x.prov), (0,) * x.dim(), None)]
-        for p, off, flat in own:
-            with torch._C.DisableTorchFunctionSubclass():
-                q = p.unsqueeze(dim) if name == "stack" and flat is None else p
-            if flat is not None and name == "stack":
-                flat = (*flat[:dim], 1, *flat[dim:])
-            pos = list(off) if name != "stack" else [*off[:dim], 0, *off[dim:]]
-            pos[dim] += at
-            t.parts.append((q, tuple(pos), flat))
-        at += 1 if name == "stack" else x.shape[dim]
-    return t
+        own = _own(x)
+        if own is None:
+            return _set(out, roots, why=(x.why if isinstance(x, _Traced) and x.why else name))
+        owns.append((own, tuple(x.shape)))
+    parts = trace_parts.joined(owns, dim % out.dim(), name == "stack")
+    return _set(out, roots, parts=parts)
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return out
-
-
-def _view(name: str, source: str, p: torch.Tensor, root_shape: tuple[int, ...]) -> TensorView | None:
-    """`p` (a view of the root) as a box of it read in row-major order, or None if it is not one."""
-    rs = _strides(root_shape)
-    rem, start = p.storage_offset(), []
-    for d, n in enumerate(root_shape):
-        start.append((rem // rs[d]) % n if n else 0)
-    if sum(a * s for a, s in zip(start, rs, strict=True)) != p.storage_offset():
-        return None
-    size = [1] * len(root_shape)
-    order: list[int] = []  # the root dim of each non-unit dim of `p`
-    for n, st in zip(p.shape, p.stride(), strict=True):
-        if n == 1:
-            continue
-        found = next((d for d in range(len(root_shape)) if root_shape[d] > 1 and rs[d] == st), None)
-        if found is None or found in order or start[found] + n > root_shape[found]:
-            return None
-        size[found] = n
-        order.append(found)
-    if order == sorted(order):
-        return TensorView(name, source, tuple(start), tuple(size), tuple(p.shape))
-    # The box's dims permuted (a Transpose): moved by source lines, see engine/views.py.
-    dims = sorted(order)
-    reshape, perm = tuple(size[d] for d in dims), tuple(dims.index(d) for d in order)
-    return TensorView(name, source, tuple(start), tuple(size), tuple(p.shape), reshape, perm)
+def _gathered(x: _Traced, dim: int, rows: list[int], out: torch.Tensor, roots: frozenset[int]) -> _Traced:
+    """`x[..., [i, j, ...], ...]`: the rows, each a view of `x`, concatenated along `dim`."""
+    assert x.prov is not None
+    n = x.shape[dim]
+    if any(not -n <= r < n for r in rows):
+        return _set(out, roots, why="__getitem__")
+    with torch._C.DisableTorchFunctionSubclass():
+        views = [x.prov.narrow(dim, r % n, 1) for r in rows]
+    parts = trace_parts.joined([([(v, (0,) * v.dim(), None)], tuple(v.shape)) for v in views], dim, False)
+    return _set(out, roots, parts=parts)
 
 
 def is_transformers_model(model: Any) -> bool:
@@ -219,18 +249,42 @@ def traced_plan(
     except Exception as e:
         raise HubPlanError(f"the {origin} conversion failed: {type(e).__name__}: {e}") from None
     views: list[TensorView] = []
+    zeros: list[ZeroFill] = []
+
+    def zero_view(name: str, dtype: torch.dtype, shape: tuple[int, ...], **at: Any) -> TensorView:
+        z = ZeroFill(f"{name}{ZERO_SUFFIX}{len(zeros)}", safetensors_name(dtype), shape)
+        zeros.append(z)
+        return TensorView(name, z.name, (0,) * len(shape), shape, shape, **at)
+
     for name, o in reverted.items():
-        if isinstance(o, _Traced) and o.parts is not None:
-            for part, at, flat in o.parts:
-                v = (
-                    _box_of(name, part, source_of, origin)
-                    if flat is None
-                    else _flat_box(name, part, flat, source_of, origin)
-                )
-                views.append(replace(v, at=at, whole=tuple(o.shape)))
+        if isinstance(o, _Traced) and (o.zero or o.numel() == 0):
+            views.append(zero_view(name, o.dtype, tuple(o.shape)))
             continue
+        parts = o.parts if isinstance(o, _Traced) else None
         if isinstance(o, _Traced) and o.flat is not None:
-            views.append(_flat_box(name, o.flat, tuple(o.shape), source_of, origin))
+            try:
+                views.append(flat_box(name, o.flat, tuple(o.shape), source_of, origin))
+                continue
+            except HubPlanError:  # not a permuted box: row by row, if that is few enough pieces
+                own = [(o.flat, (0,) * o.flat.dim(), None)]
+                parts = trace_parts.reshaped(own, tuple(o.flat.shape), tuple(o.shape))
+                if parts is None:
+                    raise
+        if isinstance(o, _Traced) and parts is not None:
+            whole = tuple(o.shape)
+            parts = [p for p in parts if math.prod(trace_parts.part_shape(p))]
+            single = len(parts) == 1 and trace_parts.part_shape(parts[0]) == whole
+            for part, at, flat in parts:
+                place: dict[str, Any] = {} if single else {"at": at, "whole": whole}
+                if part is None:
+                    views.append(zero_view(name, o.dtype, trace_parts.part_shape((part, at, flat)), **place))
+                    continue
+                v = (
+                    box_of(name, part, source_of, origin)
+                    if flat is None
+                    else flat_box(name, part, flat, source_of, origin)
+                )
+                views.append(replace(v, **place))
             continue
         p = o.prov if isinstance(o, _Traced) else None
         if p is None:
@@ -239,66 +293,17 @@ def traced_plan(
                 f"{name!r}: the {origin} conversion to the checkpoint layout uses {why!r}, which is not a "
                 "box of one saved tensor and cannot be planned as byte moves"
             )
-        views.append(_box_of(name, p, source_of, origin))
+        views.append(box_of(name, p, source_of, origin))
     read = {v.source for v in views if not (v.name == v.source and v.is_whole(tuple(sd[v.source].shape)))}
     kept = [v for v in views if v.source in read or v.name != v.source]
     written = {v.source for v in views}
-    return HubPlan(tuple(kept), tuple(k for k in sd if k not in written), origin=origin)
+    plan = HubPlan(tuple(kept), tuple(k for k in sd if k not in written), origin=origin, zeros=tuple(zeros))
+    plan.outputs({**{k: tuple(v.shape) for k, v in sd.items()}, **{z.name: z.shape for z in zeros}})
+    return plan
 
 
-def _box_of(name: str, p: torch.Tensor, source_of: Mapping[int, str], origin: str) -> TensorView:
-    base = p._base if p._base is not None else p
-    source = source_of[id(base)]
-    v = _view(name, source, p, tuple(base.shape))
-    if v is None:
-        raise HubPlanError(
-            f"{name!r}: the {origin} conversion reorders the elements of {source!r} (shape "
-            f"{list(p.shape)}, strides {list(p.stride())}): not a box, cannot be planned as byte moves"
-        )
-    return v
-
-
-def _flat_box(
-    name: str, p: torch.Tensor, shape: tuple[int, ...], source_of: Mapping[int, str], origin: str
-) -> TensorView:
-    """Output `name` of `shape`: the elements of `p` (a strided view of a root) in `p`'s row-major order.
-    Planned where `p`'s dims, ordered by stride, tile a contiguous range of the root that is a box of it
-    (whole trailing rows): the box read in row-major order, viewed as those dims (`reshape`), permuted back
-    to `p`'s order (`perm`). PermuteForRope's rows regrouped per head are this."""
-    base = p._base if p._base is not None else p
-    source, root = source_of[id(base)], tuple(base.shape)
-    st = [int(x) for x in p.stride()]
-    dims = sorted((d for d in range(p.dim()) if p.shape[d] != 1), key=lambda d: -st[d])
-    ok = bool(dims) and st[dims[-1]] == 1
-    for a, b in itertools.pairwise(dims):
-        ok = ok and st[a] == st[b] * p.shape[b]
-    box = _range_box(int(p.storage_offset()), p.numel(), root) if ok else None
-    if box is None:
-        raise HubPlanError(
-            f"{name!r}: the {origin} conversion reshapes {source!r} (shape {list(p.shape)}, strides "
-            f"{list(p.stride())}) into an order that is not a permutation of a box: cannot be planned"
-        )
-    start, size = box
-    reshape = tuple(p.shape[d] for d in dims)
-    perm = tuple(dims.index(d) for d in range(p.dim()) if p.shape[d] != 1)
-    if perm == tuple(range(len(perm))):
-        reshape, perm = (), ()
-        if [k for k in size if k != 1] != [k for k in shape if k != 1]:
-            raise HubPlanError(f"{name!r}: a reshape of {source!r} that is not its box: cannot be planned")
-    return TensorView(name, source, start, size, shape, reshape, perm)
-
-
-def _range_box(off: int, n: int, root: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The box of `root` that is the row-major range [off, off + n), if one is."""
-    rs = _strides(root)
-    for k in range(len(root)):
-        if n % rs[k] or off % rs[k]:
-            continue
-        m = n // rs[k]
-        start = [(off // rs[d]) % root[d] for d in range(len(root))]
-        if start[k] + m <= root[k] and all(start[d] == 0 for d in range(k + 1, len(root))):
-            return tuple(start), tuple([*(1 for _ in range(k)), m, *root[k + 1 :]])
-    return None
+# A zero fill is named after the output it pads: "<output>#zeros<n>", never a name a model saves.
+ZERO_SUFFIX = "#zeros"
 
 
 def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
