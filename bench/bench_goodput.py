@@ -30,11 +30,11 @@ pinned copy, and the step time while the daemon exports. `--json FILE` keeps eve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,7 +157,7 @@ class ExportWatch(threading.Thread):
         return any(s < b and a < e for s, e in self.intervals)
 
 
-def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int, log: list) -> dict:
+def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int) -> dict:
     """K * (saves + 1) steps, a save at the end of every K-th; per step its start and duration."""
     if method is not None:
         method.saves = []
@@ -174,40 +174,13 @@ def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int
         times.append(time.perf_counter() - t0)
     if method is not None and hidden:
         method.before_step()
-    log.append({"method": method.name if method else "none", "k": k, "hidden": hidden})
     say(
         f"{method.name if method else 'no saves'}: K={k}, {saves} saves, {'hidden' if hidden else 'unhidden'}"
     )
-    return {"times": times, "starts": starts, "saves": list(method.saves) if method else []}
-
-
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def _spread(xs: list[float], fmt: str = "{:.3f}") -> str:
-    if not xs:
-        return "-"
-    return f"{fmt.format(_med(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
-
-
-def summarize(r: dict, k: int, base: float, nbytes: int, floor: float, peak: float | None) -> dict:
-    """Per save: blocked seconds, loop time lost over its K-step window, time to durable; first apart."""
-    times, saves = r["times"], r["saves"]
-    lost = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * base for j in range(1, len(saves) + 1)]
-    blocked = [s.blocked for s in saves]
-    durable = [s.durable_at - s.t0 for s in saves if s.durable_at is not None]
-    staged = [s.staged_at - s.t0 for s in saves if s.staged_at is not None]
     return {
-        "stall": blocked[1:],
-        "first_stall": blocked[0] if blocked else None,
-        "lost": lost[1:],
-        "first_lost": lost[0] if lost else None,
-        "durable": durable[1:],
-        "durable_x_floor": [d / floor for d in durable[1:]],
-        "copy_s": staged[1:],
-        "d2h_gbs": [nbytes / b / 1e9 for b in blocked[1:] if b > 0],
-        "peak": peak,
+        "times": times,
+        "starts": starts,
+        "saves": [dataclasses.asdict(r) for r in method.saves] if method else [],
     }
 
 
@@ -224,7 +197,13 @@ def main() -> None:
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--no-daemon", action="store_true", help="stagerd without its daemon beside it")
+    p.add_argument("--report", default=None, help="print the report of a --json file, measure nothing")
     args = p.parse_args()
+    if args.report:
+        from report_goodput import report
+
+        print(report(json.loads(Path(args.report).read_text())))
+        return
     import goodput_methods as gm
     import torch
     import torch.distributed as dist
@@ -241,6 +220,12 @@ def main() -> None:
         "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1
     )
     daemon = None
+    raw: dict = {"meta": {}, "base": [], "runs": {}, "export_intervals": [], "published": [], "errors": []}
+
+    def keep() -> None:  # after every run: a run cut short still leaves what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(raw, indent=1))
+
     try:
         model, optim, x = build(preset, cuda)
         for _ in range(3):
@@ -250,39 +235,44 @@ def main() -> None:
         floors = [disk_floor(root, nbytes)]
         peak = pinned_peak(min(nbytes, 2 << 30))
         say(f"disk floor {floors[0]:.2f} s, pinned peak {peak} GB/s")
+        patch = gm.torch_stager_closes_after_each_save()
+        raw["meta"] = {
+            "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "preset": preset,
+            "params": sum(p.numel() for p in model.parameters()),
+            "bytes_per_save": nbytes,
+            "disk_floors": floors,
+            "pinned_peak_gbs": peak,
+            "torch_close_patched": patch,
+            "long": args.long,
+            "short": args.short,
+            "threads": args.threads,
+        }
         stagerd_root, sink = root / "stagerd", root / "sink"
         stagerd_root.mkdir(exist_ok=True)
         watch = ExportWatch(stagerd_root)
         watch.start()
         if not args.no_daemon:
-            here = str(Path(__file__).resolve().parents[1])
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-            daemon = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "stagerd.cli",
-                    "watch",
-                    str(stagerd_root),
-                    "--sink",
-                    sink.as_uri(),
-                    "--keep-last",
-                    "1",
-                    "--remote-keep-last",
-                    "1",
-                    "--metrics-port",
-                    "0",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=open(root / "daemon.log", "wb"),  # noqa: SIM115
-            )
-        patch = gm.torch_stager_closes_after_each_save()
+            daemon = start_daemon(stagerd_root, sink, root / "daemon.log")
         ours = gm.StagerdMethod(model, optim, stagerd_root, args.threads)
         best = gm.TorchBest(model, optim, root, args.threads, patch_close=patch)
-        log: list = []
-        results: dict[str, dict] = {}
-        base_runs = [run(model, optim, x, None, k=args.base_steps, saves=0, hidden=True, step0=0, log=log)]
+
+        def measure(key: str, m, k: int, saves: int, hidden: bool, step0: int = 0) -> None:
+            try:
+                r = run(model, optim, x, m, k=k, saves=saves, hidden=hidden, step0=step0)
+            except Exception as e:  # the other methods still run; the error is in the report
+                say(f"{key} failed: {type(e).__name__}: {e}")
+                raw["errors"].append(f"{key}: {type(e).__name__}: {e}")
+                return
+            if m is None:
+                raw["base"].append(r["times"])
+            else:
+                raw["runs"][key] = {"k": k, **r}
+            keep()
+
+        measure("none", None, args.base_steps, 0, True)
         plan = [
             ("long", args.long, args.saves, True),
             ("short", args.short, args.saves, True),
@@ -290,56 +280,21 @@ def main() -> None:
         ]
         for n, (label, k, saves, hidden) in enumerate(plan):
             for m in (ours, best):
-                results[f"{m.name}|{label}"] = run(
-                    model, optim, x, m, k=k, saves=saves, hidden=hidden, step0=100_000 * (n + 1), log=log
-                )
+                measure(f"{m.name}|{label}", m, k, saves, hidden, 100_000 * (n + 1))
         ours.close()
         best.close()
         floors.append(disk_floor(root, nbytes))
         for cls in (gm.TorchAsyncDefault, gm.TorchSave):
             m = cls(model, optim, root, args.threads)
-            results[f"{m.name}|long"] = run(
-                model, optim, x, m, k=args.long, saves=args.slow_saves, hidden=True, step0=0, log=log
-            )
+            measure(f"{m.name}|long", m, args.long, args.slow_saves, True)
             m.close()
-        base_runs.append(
-            run(model, optim, x, None, k=args.base_steps, saves=0, hidden=True, step0=0, log=log)
-        )
+        measure("none", None, args.base_steps, 0, True)
         watch.stop.set()
-        base_times = [t for r in base_runs for t in r["times"]]
-        base = _med(base_times)
-        floor = _med(floors)
-        ks = {"long": args.long, "short": args.short, "unhidden": args.long}
-        summary = {
-            key: summarize(r, ks[key.split("|")[1]], base, nbytes, floor, peak) for key, r in results.items()
-        }
-        mine = results[f"{ours.name}|long"]
-        during = [t for t, s in zip(mine["times"], mine["starts"], strict=True) if watch.busy(s, s + t)]
-        device = torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)"
-        meta = {
-            "device": device,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "preset": preset,
-            "params": sum(p.numel() for p in model.parameters()),
-            "bytes_per_save": nbytes,
-            "base_step_s": base,
-            "base_spread": [min(base_times), max(base_times)],
-            "disk_floor_s": floor,
-            "disk_floors": floors,
-            "pinned_peak_gbs": peak,
-            "step_while_exporting": during,
-            "torch_close_patched": patch,
-            "load_avg": os.getloadavg(),
-            "long": args.long,
-            "short": args.short,
-            "threads": args.threads,
-        }
-        published = sorted(p.name for p in sink.glob("step-*")) if sink.exists() else []
-        meta["daemon_published_last"] = published
-        print(report(meta, summary))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+        raw["export_intervals"] = watch.intervals
+        raw["published"] = sorted(p.name for p in sink.glob("step-*")) if sink.exists() else []
+        raw["meta"]["load_avg"] = os.getloadavg()
+        keep()
+        print(report(raw))
     finally:
         if daemon is not None:
             daemon.terminate()
@@ -347,6 +302,25 @@ def main() -> None:
         dist.destroy_process_group()
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def start_daemon(root: Path, sink: Path, log: Path) -> subprocess.Popen:
+    """`stagerd watch ROOT --sink file://SINK --keep-last 1`, as a node would run it beside training."""
+    here = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri()]
+    cmd += ["--keep-last", "1", "--remote-keep-last", "1", "--metrics-port", "0", "--grace-seconds", "5"]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=_die_with_parent
+    )
+
+
+def _die_with_parent() -> None:
+    """The daemon gets SIGTERM when the bench dies, however it dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,49 @@ LABELS = {
 }
 
 
-def report(meta: dict, summary: dict) -> str:
-    base = meta["base_step_s"]
+def summarize(r: dict, base: float, nbytes: int, floor: float) -> dict:
+    """Per save: blocked seconds, loop time lost over its K-step window, time to durable; first apart."""
+    k, times, saves = r["k"], r["times"], r["saves"]
+    lost = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * base for j in range(1, len(saves) + 1)]
+    blocked = [s["blocked"] for s in saves]
+    durable = [s["durable_at"] - s["t0"] for s in saves if s["durable_at"] is not None]
+    return {
+        "stall": blocked[1:],
+        "first_stall": blocked[0] if blocked else None,
+        "lost": lost[1:],
+        "first_lost": lost[0] if lost else None,
+        "durable": durable[1:],
+        "durable_x_floor": [d / floor for d in durable[1:]],
+        "d2h_gbs": [nbytes / b / 1e9 for b in blocked[1:] if b > 0],
+    }
+
+
+def _busy(intervals: list, a: float, b: float) -> bool:
+    return any(s < b and a < e for s, e in intervals)
+
+
+def report(raw: dict) -> str:
+    """The markdown report of one run's raw figures (what `--json` keeps)."""
+    meta = dict(raw["meta"])
+    base_times = [t for times in raw["base"] for t in times]
+    base = _med(base_times)
+    nbytes = meta["bytes_per_save"]
+    floor = _med(meta["disk_floors"])
     peak = meta["pinned_peak_gbs"]
+    summary = {key: summarize(r, base, nbytes, floor) for key, r in raw["runs"].items()}
+    mine = raw["runs"].get("stagerd|long", {"times": [], "starts": []})
+    during = [
+        t
+        for t, s in zip(mine["times"], mine["starts"], strict=True)
+        if _busy(raw["export_intervals"], s, s + t)
+    ]
+    load = " ".join(f"{x:.2f}" for x in meta.get("load_avg", []))
     lines = [
         f"{meta['device']}, torch {meta['torch']}, Python {meta['python']}; "
-        f"Llama {meta['params'] / 1e6:.0f}M params, {meta['bytes_per_save'] / 1e9:.2f} GB per save "
-        f"(model + AdamW state); writer threads {meta['threads']}; load average "
-        f"{' '.join(f'{x:.2f}' for x in meta['load_avg'])}",
-        f"step time without saves: {base:.4f} s "
-        f"(min-max {meta['base_spread'][0]:.4f}-{meta['base_spread'][1]:.4f});"
-        f" disk floor (same bytes, one stream, fsynced): {meta['disk_floor_s']:.2f} s "
-        f"({meta['bytes_per_save'] / meta['disk_floor_s'] / 1e9:.2f} GB/s; runs "
+        f"Llama {meta['params'] / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB per save "
+        f"(model + AdamW state); writer threads {meta['threads']}; load average {load}",
+        f"step time without saves: {base:.4f} s (min-max {min(base_times):.4f}-{max(base_times):.4f}); "
+        f"disk floor (same bytes, one stream, fsynced): {floor:.2f} s ({nbytes / floor / 1e9:.2f} GB/s; runs "
         f"{', '.join(f'{f:.2f}' for f in meta['disk_floors'])})"
         + (f"; pinned D2H peak {peak:.1f} GB/s" if peak else ""),
         "",
@@ -59,22 +90,21 @@ def report(meta: dict, summary: dict) -> str:
             f"{_one(s['first_stall'])} / {_one(s['first_lost'])} | {_cell(s['durable'], '{:.2f}')} | "
             f"{_cell(s['durable_x_floor'], '{:.2f}x')} | {d2h} |"
         )
-    during = meta["step_while_exporting"]
     lines += [
         "",
         f"step time while the daemon exported: {_med(during):.4f} s over {len(during)} steps "
-        f"(without saves {base:.4f} s); the daemon's sink holds {meta['daemon_published_last'] or 'nothing'}"
-        + (
-            "; torch's StateDictStager.close() made a no-op for torch's best mode (torch 2.11's bug)"
-            if meta["torch_close_patched"]
-            else ""
-        ),
+        f"(without saves {base:.4f} s); the daemon's sink holds {raw['published'] or 'nothing'}",
     ]
-    lines += targets(meta, summary)
+    if meta["torch_close_patched"]:
+        lines.append(
+            "torch's StateDictStager.close() was made a no-op for torch's best mode (torch 2.11's bug)"
+        )
+    lines += [f"error: {e}" for e in raw.get("errors", [])]
+    lines += targets(base, peak, summary)
     return "\n".join(lines)
 
 
-def targets(meta: dict, summary: dict) -> list[str]:
+def targets(base: float, peak: float | None, summary: dict) -> list[str]:
     """The issue's targets, each with its figure."""
     ours, best = "stagerd", "dcp.async_save PROCESS+pinned"
     out = [""]
@@ -82,7 +112,6 @@ def targets(meta: dict, summary: dict) -> list[str]:
     def get(name: str, label: str, field: str) -> list[float]:
         return summary.get(f"{name}|{label}", {}).get(field, [])
 
-    base, peak = meta["base_step_s"], meta["pinned_peak_gbs"]
     hidden = _med(get(ours, "long", "lost"))
     out.append(
         f"- loop time lost per save, hidden, long interval: {hidden:.4f} s = {hidden / base:.1%} of a step "
