@@ -72,6 +72,9 @@ class Method:
     def settle(self) -> None:
         pass
 
+    def drain(self) -> None:
+        """After a run, off the clock: the last save durable, so the next run starts on a quiet disk."""
+
     def close(self) -> None:
         pass
 
@@ -110,6 +113,9 @@ class StagerdMethod(Method):
             self._blocked(self.saves[-1], self.stager.wait_staged)
 
     settle = before_step
+
+    def drain(self) -> None:
+        self.stager.wait()
 
     def close(self) -> None:
         self.stager.wait()
@@ -211,6 +217,10 @@ class TorchBest(Method):
 
     settle = before_step
 
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+
     def close(self) -> None:
         if self.pending is not None:
             self.pending.result()
@@ -250,6 +260,10 @@ class TorchAsyncDefault(Method):
         self.pending, self.last = fut, path
         _when(fut, rec, "durable_at")
         return rec
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
 
     def close(self) -> None:
         if self.pending is not None:

@@ -290,16 +290,19 @@ class Stager:
             if (stager := me()) is not None:
                 stager.wait_staged()
 
+        fired: list[bool] = []
+
         def after_first_step(opt: torch.optim.Optimizer, *_: Any) -> None:
-            first.remove()
+            if fired:  # once; the hook stays registered until close(): removing it here would change
+                return  # the optimizer's hook dict while torch iterates over it
+            fired.append(True)
             if (stager := me()) is not None and not stager._closed:
                 params = [p for group in opt.param_groups for p in group["params"]]
                 stager._reserve("model", params)
                 stager._reserve("optim", _tensors_in(opt.state.values()))
 
         handle = optimizer.register_step_pre_hook(before_step)
-        first = optimizer.register_step_post_hook(after_first_step)
-        self._hooks += [handle, first]
+        self._hooks += [handle, optimizer.register_step_post_hook(after_first_step)]
         return handle
 
     def reserve(
