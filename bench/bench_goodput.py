@@ -155,7 +155,7 @@ class ExportWatch(threading.Thread):
             elif not busy and self._since is not None:
                 self.intervals.append((self._since, now))
                 self._since = None
-            time.sleep(0.005)
+            time.sleep(0.05)
 
     def busy(self, a: float, b: float) -> bool:
         return any(s < b and a < e for s, e in self.intervals)
@@ -203,6 +203,7 @@ def main() -> None:
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="write every figure to this file")
     p.add_argument("--no-daemon", action="store_true", help="stagerd without its daemon beside it")
+    p.add_argument("--runs", default="long,short,unhidden,slow", help="which runs (comma-separated)")
     p.add_argument("--report", default=None, help="print the report of a --json file, measure nothing")
     args = p.parse_args()
     if args.report:
@@ -264,7 +265,12 @@ def main() -> None:
             daemon = start_daemon(stagerd_root, sink, root / "daemon.log")
         ours = gm.StagerdMethod(model, optim, stagerd_root, args.threads)
         # Unhidden saves go to a root no daemon watches: their time to durable is the write's alone.
-        alone = gm.StagerdMethod(model, optim, root / "stagerd-alone", args.threads)
+        runs = set(args.runs.split(","))
+        alone = (
+            gm.StagerdMethod(model, optim, root / "stagerd-alone", args.threads)
+            if "unhidden" in runs
+            else ours
+        )
         best = gm.TorchBest(model, optim, root, args.threads, patch_close=patch)
 
         def measure(key: str, m, k: int, saves: int, hidden: bool, step0: int = 0) -> None:
@@ -286,13 +292,14 @@ def main() -> None:
             ("short", args.short, args.saves, True),
             ("unhidden", args.long, max(3, args.saves - 1), False),
         ]
+        plan = [p for p in plan if p[0] in runs]
         for n, (label, k, saves, hidden) in enumerate(plan):
             for m in (alone if label == "unhidden" else ours, best):
                 measure(f"{m.name}|{label}", m, k, saves, hidden, 100_000 * (n + 1))
-        for m in (ours, alone, best):
+        for m in {id(m): m for m in (ours, alone, best)}.values():
             m.close()
         floors.append(disk_floor(root, nbytes))
-        for cls in (gm.TorchAsyncDefault, gm.TorchSave):
+        for cls in (gm.TorchAsyncDefault, gm.TorchSave) if "slow" in runs else ():
             m = cls(model, optim, root, args.threads)
             measure(f"{m.name}|long", m, args.long, args.slow_saves, True)
             m.close()
