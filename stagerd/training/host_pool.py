@@ -67,9 +67,11 @@ class HostPool:
         """The buffer of the storage `key`, allocated now if it is not there yet."""
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._allocate(key[2])
+            new = self._allocate(key[2])
             with self._lock:
-                self._buffers[key] = buf
+                buf = self._buffers.setdefault(key, new)
+            if buf is not new:  # a reservation made it meanwhile
+                self._free([new])
         return buf
 
     def reserve(self, keys: Iterable[StorageKey]) -> Future[None]:
@@ -78,7 +80,8 @@ class HostPool:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stagerd-reserve-{self._name}")
         fut = self._executor.submit(self._reserve, missing)
-        self._reserving.append(fut)
+        with self._lock:
+            self._reserving.append(fut)
         return fut
 
     def _reserve(self, keys: list[StorageKey]) -> None:
@@ -86,11 +89,14 @@ class HostPool:
             if k not in self._buffers:
                 buf = self._allocate(k[2])
                 with self._lock:
-                    self._buffers.setdefault(k, buf)
+                    kept = self._buffers.setdefault(k, buf)
+                if kept is not buf:  # a save allocated it meanwhile
+                    self._free([buf])
 
     def wait_reserved(self) -> None:
         """Wait for the reservations in flight (a failure only means the save allocates what is missing)."""
-        pending, self._reserving = self._reserving, []
+        with self._lock:
+            pending, self._reserving = self._reserving, []
         for fut in pending:
             try:
                 fut.result()
