@@ -306,14 +306,21 @@ class Stager:
         return handle
 
     def reserve(
-        self, state_dict: Mapping[str, Any], optimizer_state: Mapping[str, Any] | None = None
+        self,
+        state_dict: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None = None,
+        *,
+        wait: bool = False,
     ) -> None:
         """Allocate (and with CUDA page-lock) the host buffers of these state dicts on a background
-        thread, so that the first save copies at full speed; returns at once. Optional: a save allocates
-        what is missing itself."""
+        thread, so that the first save copies at full speed; returns at once, or once they are all there
+        with `wait=True` (at set-up, before the loop). Optional: a save allocates what is missing."""
         self._reserve("model", split_leaves(state_dict, "state_dict")[0].values())
         if optimizer_state is not None:
             self._reserve("optim", split_leaves(optimizer_state, "optimizer_state")[0].values())
+        if wait:
+            for pool in self._pools.values():
+                pool.wait_reserved()
 
     def _reserve(self, kind: str, tensors: Iterable[Any]) -> None:
         if self._closed:

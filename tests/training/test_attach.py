@@ -22,8 +22,7 @@ def test_attached_optimizer_waits_for_the_copy_and_buffers_are_reserved(tmp_path
     with Stager(tmp_path) as stager:
         hook = stager.attach(optim)
         step()  # the first step: the post-hook reserves every parameter's and state's buffer
-        for pool in stager._pools.values():
-            pool.wait_reserved()
+        stager.reserve({}, wait=True)  # waits for the reservation the first step started
         reserved = stager.staging_buffers()
         at_save = {k: v.clone() for k, v in model.state_dict().items()}
         stager.save(model.state_dict(), 1, optimizer_state=optim.state_dict())
