@@ -87,10 +87,8 @@ def build(preset: dict, cuda: bool):
 def train_step(model, optim, x, method, hidden: bool) -> float:
     loss = model(input_ids=x, labels=x).loss
     loss.backward()
-    if method is not None:
+    if method is not None and hidden:
         method.before_step()
-        method.drain()
-        time.sleep(0.5)  # the done-callbacks have run; the disk settles
     optim.step()
     optim.zero_grad(set_to_none=True)
     return loss
