@@ -43,7 +43,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -56,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
-from stagerd.training import shutdown, to_hub
+from stagerd.training import optimizer_hook, shutdown, to_hub
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
@@ -282,28 +281,12 @@ class Stager:
 
         The hook is the one place the parameters and the optimizer state change, so a save's host copy
         runs under the forward and backward that follow it. Returns the hook's handle (`.remove()`);
-        `close()` removes it too. Attach every optimizer whose state or parameters are saved.
+        `close()` removes it too. Attach every optimizer whose state or parameters are saved
+        (`optimizer_hook`).
         """
-        me = weakref.ref(self)  # the optimizer must not keep the Stager (and its process group) alive
-
-        def before_step(*_: Any) -> None:
-            if (stager := me()) is not None:
-                stager.wait_staged()
-
-        fired: list[bool] = []
-
-        def after_first_step(opt: torch.optim.Optimizer, *_: Any) -> None:
-            if fired:  # once; the hook stays registered until close(): removing it here would change
-                return  # the optimizer's hook dict while torch iterates over it
-            fired.append(True)
-            if (stager := me()) is not None and not stager._closed:
-                params = [p for group in opt.param_groups for p in group["params"]]
-                stager._reserve("model", params)
-                stager._reserve("optim", _tensors_in(opt.state.values()))
-
-        handle = optimizer.register_step_pre_hook(before_step)
-        self._hooks += [handle, optimizer.register_step_post_hook(after_first_step)]
-        return handle
+        wait, reserve = optimizer_hook.install(self, optimizer)
+        self._hooks += [wait, reserve]
+        return wait
 
     def reserve(
         self,
@@ -435,14 +418,3 @@ class Stager:
             self._inflight = handle
             self._unreported.append(handle)
         return handle
-
-
-def _tensors_in(states: Iterable[Any]) -> list[torch.Tensor]:
-    """Every tensor in an optimizer's per-parameter states."""
-    return [
-        t
-        for state in states
-        if isinstance(state, Mapping)
-        for t in state.values()
-        if isinstance(t, torch.Tensor)
-    ]
