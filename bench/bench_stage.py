@@ -123,6 +123,7 @@ def _stagerd_and_floor(sd, saves: int, root: Path, rank: int, barrier, checkpoin
     floor, stalls, commits = [], [], []
     copier = _Floor(sd, cuda)
     with Stager(root, checkpointer=checkpointer) as stager:
+        stager.reserve(sd, wait=True)  # at set-up, as a script would: the first save allocates nothing
         for i in range(saves):
             if i == 0:
                 floor.append(copier.copy(barrier))

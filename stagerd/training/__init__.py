@@ -1,2 +1,3 @@
-"""The training side: `stager.Stager` and its rooms (committer, failures, writers, host_copy, save_inputs,
-marker, topology, collectives, shutdown). Import-free, so that `import stagerd` does not pay for torch."""
+"""The training side: `stager.Stager` and its rooms (host_pool, host_copy, optimizer_hook, placement,
+shard_files, committer, failures, save_inputs, state_tree, marker, topology, collectives, loader,
+shutdown). Import-free, so that `import stagerd` does not pay for torch."""

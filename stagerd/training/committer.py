@@ -1,157 +1,150 @@
 """The committer: everything a save does after `save()` returns, on one background thread.
 
-Once every rank's host copy is done (a check-in), `dcp.async_save` writes this rank's `model/` shard with
-`HuggingFaceStorageWriter(save_distributed=True)`, then the optimizer state goes to `optim/` in DCP's own
-format (`FileSystemWriter`), rank 0 writes `extras/`, the ranks check in that all of it succeeded, and
-only then the commit marker is written (and the ranks check in once more that it was).
+Once this rank's host copy is done, the ranks check in (staging), agree which rank writes each replicated
+plain tensor (`placement`), and each rank writes all of its part in one go (`shard_files`): its model
+shard, its optimizer state and the optimizer's other leaves, and on rank 0 the extras, on the writer's
+threads, each file fsynced. The ranks then check in that all of it was written and only then the commit
+marker is written (and they check in once more that it was).
 
-A failure before the write (the host copy, clearing a stale step directory, starting DCP) stops every
-rank before DCP's collectives; DCP itself reports a failure during the write on every rank; a failure
-after it (extras, the marker) fails the write or commit check-in.
+A failure before the write (the host copy, clearing a stale step directory) stops every rank before
+anything is written; a failure during it (a full disk) or after it (the marker) fails the next check-in,
+on every rank alike.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from concurrent.futures import Future
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
 from stagerd.contract import layout
+from stagerd.contract.dtypes import safetensors_name
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
 from stagerd.training.host_copy import Staging, settle
-from stagerd.training.marker import tensor_infos, write_commit, write_extras
+from stagerd.training.marker import write_commit, write_extras
+from stagerd.training.placement import Assigner, Block, Local, blocks_to_write, local_blocks, plain_summary
 from stagerd.training.save_inputs import SaveSpec
+from stagerd.training.shard_files import (
+    OPTIM_FILE_BYTES,
+    FileJob,
+    ShardWriter,
+    WriteError,
+    model_file,
+    objects_file,
+    objects_job,
+    optim_file,
+    safetensors_job,
+    split_by_size,
+)
 from stagerd.training.topology import StagingTopology
-from stagerd.training.writers import ModelWriter, OptimWriter, staged_files, start_write
 
 log = logging.getLogger("stagerd.stage")
 
-# How long a refused save waits for DCP's upload thread to finish creating its checkpoint process.
-SETTLE_TIMEOUT_S = 300.0
+
+def _nbytes(blocks: list[Block]) -> int:
+    return sum(b.host.numel() * b.host.element_size() for b in blocks)
 
 
-def _settle(upload: Future[Metadata]) -> None:
-    """Wait for a gated-off upload to return before the next save may start another.
-
-    With the process checkpointer, the first upload creates DCP's checkpoint process (a rendezvous of
-    every rank's) on its own thread, and the next save rendezvouses for a new one if it does not exist
-    yet. Left running, the two creations race on every rank, and ranks that keep different processes
-    lose their peers mid-write ("Connection closed by peer").
-    """
-    try:
-        upload.result(timeout=SETTLE_TIMEOUT_S)
-    except TimeoutError:
-        log.warning("DCP's upload thread still running %.0f s after a refused save", SETTLE_TIMEOUT_S)
-    except (Exception, CheckpointException):  # the gate's error, as expected
-        pass
+def _tensor_infos(blocks: list[Block]) -> dict[str, layout.TensorInfo]:
+    """Global dtype and shape of each tensor whose first block this rank writes (each is named once)."""
+    return {
+        b.name: layout.TensorInfo(safetensors_name(b.host.dtype), b.global_shape)
+        for b in blocks
+        if not any(b.offsets)
+    }
 
 
 class Committer:
-    """Runs the check-ins, DCP's writes and the marker of each save, in the same order on every rank."""
+    """Runs the check-ins, the writes and the marker of each save, in the same order on every rank."""
 
-    def __init__(
-        self,
-        comm: Collectives,
-        topology: StagingTopology,
-        checkpointer: AsyncCheckpointerType,
-    ) -> None:
+    def __init__(self, comm: Collectives, topology: StagingTopology, writer: ShardWriter) -> None:
         self._comm = comm
         self._topology = topology
-        self._checkpointer = checkpointer
+        self._writer = writer
+        self._assigner = Assigner()
         self._rank = comm.rank
         self._node = topology.node(comm.rank)
         self._is_leader = topology.leader(self._node) == comm.rank
 
-    @property
-    def _group(self) -> dist.ProcessGroup | None:
-        return self._comm.group
-
     def commit(
-        self, spec: SaveSpec, staging: list[Staging], early: RankFailure | None
+        self,
+        spec: SaveSpec,
+        staging: dict[str, Staging],
+        objects: dict[str, Any] | None,
+        early: RankFailure | None,
     ) -> layout.CommitMarker:
         """Committer thread: the save's commit marker for this rank's node, or SaveError on every rank."""
         # A failure's traceback would keep the committer's frames, which hold the Stager, the staged
         # state dict and (in `check_in`) the error itself: a cycle that lives until the cyclic collector
         # runs, possibly only at interpreter exit (see `shutdown`). The messages and lines stay.
         try:
-            return self._commit(spec, staging, early)
+            return self._commit(spec, staging, objects, early)
         except BaseException as exc:
             clear_frames(exc)
             raise
 
-    def _start_model_write(self, spec: SaveSpec, gate: Future[Any]) -> Future[Metadata]:
-        """Start DCP's write of model/; its upload waits on `gate`, resolved once every rank has staged.
+    def _plan(
+        self, spec: SaveSpec, kinds: dict[str, Local], local: RankFailure | None
+    ) -> dict[str, list[Block]]:
+        """Check in that every rank staged; agree who writes each plain tensor; this rank's blocks."""
+        digest, items, loads = plain_summary(kinds)
+        payloads = check_in(self._comm, spec, "staging", local, (digest, loads))
+        digests, all_loads = [p[0] for p in payloads], [p[1] for p in payloads]
+        if not self._assigner.known(digests):  # the same decision on every rank: the digests are shared
+            lists = check_in(self._comm, spec, "planning", None, items)
+            self._assigner.learn(digests, lists, all_loads)
+        return blocks_to_write(kinds, self._assigner.owner(), self._rank)
 
-        Called on the committer thread (it is not free: a thread, DCP's setup, and with the process
-        checkpointer a rendezvous on first use), and on every rank even after an early failure, because
-        that rendezvous is a collective every rank must enter.
-        """
-        writer = ModelWriter(str(spec.step_dir / layout.MODEL_DIR))
-        return start_write(gate, writer, group=self._group, checkpointer=self._checkpointer)
+    def _jobs(self, owned: dict[str, list[Block]], objects: dict[str, Any] | None) -> list[FileJob]:
+        rank = self._rank
+        jobs = []
+        if owned.get("model"):
+            jobs.append(safetensors_job(model_file(rank), owned["model"]))
+        if "optim" in owned:
+            blocks = owned["optim"]
+            files = max(1, min(self._writer.threads, math.ceil(_nbytes(blocks) / OPTIM_FILE_BYTES)))
+            for i, group in enumerate(split_by_size(blocks, files)):
+                if group or i == 0:
+                    jobs.append(safetensors_job(optim_file(rank, i), group))
+            jobs.append(objects_job(objects_file(rank), objects or {}))
+        # The largest first: it bounds the write, so it starts first.
+        return sorted(jobs, key=lambda j: -j.size)
 
     def _commit(
-        self, spec: SaveSpec, staging: list[Staging], early: RankFailure | None
+        self,
+        spec: SaveSpec,
+        staging: dict[str, Staging],
+        objects: dict[str, Any] | None,
+        early: RankFailure | None,
     ) -> layout.CommitMarker:
-        """Check in that every rank staged, let DCP write, check in that all of it was written, then write
-        the marker.
-
-        Every rank reaches every check-in whatever failed, and goes past one only if no rank failed
-        before it. A rank that failed before its write therefore never enters DCP's collectives, and
-        neither does any other; a failure during DCP's write is reported by DCP on every rank alike.
-        """
         comm, rank = self._comm, self._rank
         local = early
         if early is not None:
             log.error("step %d: save failed on rank %d: %s", spec.step, rank, early.text)
-        staged: list[Any] = []
+        kinds: dict[str, Local] = {}
         if local is None:
             try:
-                staged = [st.result() for st in staging]
-            except (Exception, CheckpointException) as e:
+                kinds = {kind: local_blocks(st.result()) for kind, st in staging.items()}
+            except Exception as e:
                 local = failed_here(spec, rank, "staging the state dict", e)
         else:
-            settle(staging)
-        # Only now: DCP's setup would otherwise take CPU from the host copy, inside the training stall.
-        gate: Future[Any] = Future()
-        upload: Future[Metadata] | None = None
-        try:
-            upload = self._start_model_write(spec, gate)
-        except (Exception, CheckpointException) as e:
-            local = local or failed_here(spec, rank, "starting the save", e)
-        try:
-            check_in(comm, spec, "staging", local)
-        except Exception as e:
-            gate.set_exception(e)  # DCP's upload, where it started, returns without writing anything
-            if upload is not None:
-                _settle(upload)
-            raise
-        gate.set_result(staged[0])
-        assert upload is not None  # no rank failed to start, this one included
+            settle(staging.values())
+        owned = self._plan(spec, kinds if local is None else {}, local)
+        del kinds
 
         files: dict[str, tuple[int, int]] = {}
         extras: dict[str, tuple[int, int]] = {}
-        tensors: dict[str, layout.TensorInfo] = {}
         try:
-            meta = upload.result()
-            tensors = tensor_infos(meta)
-            files.update(staged_files(meta))
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            local = failed_here(spec, rank, "writing model/", e)
-        if len(staged) > 1:  # optimizer state (on every rank or none): once every model shard is written
-            check_in(comm, spec, "writing model/", local)
-            try:
-                writer = OptimWriter(str(spec.step_dir / layout.OPTIM_DIR))
-                written = start_write(staged[1], writer, group=self._group, checkpointer=self._checkpointer)
-                files.update(staged_files(written.result()))
-            except (Exception, CheckpointException) as e:
-                local = failed_here(spec, rank, "writing optim/", e)
+            written = self._writer.write(spec.step_dir, self._jobs(owned, objects))
+            files.update({p: (s, rank) for p, s in written.items()})
+        except WriteError as e:
+            local = failed_here(spec, rank, f"writing {e.rel}", e.cause)
+        except Exception as e:
+            local = failed_here(spec, rank, "writing the step's files", e)
+        tensors = _tensor_infos(owned.get("model", []))
+        del owned
         if local is None and rank == 0:
             try:
                 extras = write_extras(spec.step_dir, spec.extras)
@@ -163,8 +156,11 @@ class Committer:
             if rank == 0
             else None
         )
-        payloads = check_in(comm, spec, "writing", local, (extras, time.time(), described))
-        extras, created, (reference_index, dtype, metadata, hub_plan, adapter_plan) = payloads[0]
+        payloads = check_in(comm, spec, "writing", local, (files, tensors, extras, time.time(), described))
+        for f, t, _, _, _ in payloads:
+            files.update(f)
+            tensors.update(t)
+        _, _, extras, created, (reference_index, dtype, metadata, hub_plan, adapter_plan) = payloads[0]
         files.update(extras)  # written by rank 0
         mine = {p: s for p, (s, r) in files.items() if self._topology.node(r) == self._node}
         local = None
@@ -177,7 +173,7 @@ class Committer:
                 reference_index=reference_index,
                 dtype=dtype,
                 metadata=metadata,
-                tensors=tensors,
+                tensors=dict(sorted(tensors.items())),
                 staging_node=self._node,
                 staging_nodes=self._topology.num_nodes,
                 hub_plan=hub_plan,

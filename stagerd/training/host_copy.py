@@ -1,111 +1,147 @@
-"""The device-to-host copy of a state dict into the Stager's staging buffers.
+"""The device-to-host copy of a save's tensors into the Stager's host buffers (`host_pool`).
 
-Staging uses one `DefaultStager` per kind of state (model, optimizer) for the Stager's life. Its
-`StateDictStager` caches a host buffer per source storage, so from the second save on nothing is
-allocated: the copy goes into the same buffers. Pass state dicts whose tensors alias the live
-parameters (`model.state_dict()` under FSDP2 does); a dict of fresh tensors each step defeats the cache.
-The stager is handed each DTensor's local tensor, never the DTensor (torch's stager cannot copy a DTensor
-whose local tensor starts at a storage offset, and would deep-copy its mesh every save); the DTensors are
-rebuilt around the host copies afterwards. Views of one storage (FSDP2's flat buffers, fused QKV splits)
-share one host buffer the size of that storage, and a tensor under two keys (tied weights) is copied
-once. A non-contiguous tensor is made contiguous after the copy, off the stall (safetensors is
-row-major), which allocates per save for that tensor only.
+`save()` only takes the tensors and, with CUDA, records an event on each device's current stream: the
+state as the compute queued so far leaves it. Everything else runs on the Stager's copy thread: the
+buffers missing from the pool are allocated, and each source storage is copied once into its buffer,
+`non_blocking` on a side stream that first waits for that event (a DMA into page-locked memory, beside
+the next forward and backward), or with a plain copy for host tensors. The copy's Future resolves once
+every byte has landed; `wait_staged()` waits for it, and the parameters may change only after that
+(the optimizer's next step).
 
-With CUDA the buffers are pinned and the copies non-blocking on a side stream that first waits for the
-current stream (construct the Stager after `torch.cuda.set_device`: the side stream lives on the current
-device); without CUDA they are plain host memory copied on a background thread.
+The tensors are the local tensors of DTensors (their `_local_tensor`, without `to_local()`'s autograd
+node): views of one storage share one buffer, a tensor under two keys (tied weights) is copied once, and
+each staged tensor is a view of its buffer with the source's offset, shape and stride. Pass state dicts
+whose tensors are the live parameters and optimizer states (`model.state_dict()`, `optimizer.state_dict()`
+and FSDP2's `get_state_dict` are): then every save copies into the same buffers and nothing is allocated.
+The source tensors are held until the copy is done, so their memory cannot be reused under it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-
-def staging_options(*, pin_memory: bool, shared_memory: bool) -> StagingOptions:
-    return StagingOptions(
-        use_pinned_memory=pin_memory,
-        use_shared_memory=shared_memory,
-        use_async_staging=True,
-        use_non_blocking_copy=torch.cuda.is_available(),
-    )
+from stagerd.training.host_pool import HostPool, StorageKey, storage_key
 
 
-def _locals(obj: Any, wrappers: list[DTensor | None]) -> Any:
-    """The state dict with every DTensor replaced by its local tensor; `wrappers` gets, per tensor leaf
-    in traversal order, its DTensor or None (containers are rebuilt, so later edits cannot disturb it).
-
-    torch's StateDictStager mistakes a DTensor whose local tensor starts at a non-zero storage offset for
-    a tensor with storage of its own (the wrapper reports a non-zero data_ptr) and fails in copy_(); it
-    also deep-copies each DTensor's DeviceMesh on every save. Plain local tensors avoid both: views of
-    one storage share one staging buffer, a tensor under two keys is staged once.
-    """
-    if isinstance(obj, torch.Tensor):
-        if isinstance(obj, DTensor):
-            wrappers.append(obj)
-            return obj._local_tensor  # to_local() would add an autograd node per tensor inside the stall
-        wrappers.append(None)
-        return obj
-    if isinstance(obj, Mapping):
-        return {k: _locals(v, wrappers) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        out = [_locals(v, wrappers) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as the plain tensor it holds (to_local() would add an autograd node)."""
+    if isinstance(t, DTensor):
+        local = getattr(t, "_local_tensor", None)
+        return local if isinstance(local, torch.Tensor) else t.to_local()
+    return t
 
 
-def _rewrap(staged: Any, wrappers: Iterator[DTensor | None], memo: dict[tuple[int, int], Any]) -> Any:
-    """Put the DTensors back around their staged local tensors (the inverse of `_locals`).
+@dataclass(frozen=True)
+class Staged:
+    """One tensor leaf's host copy: a view of its buffer shaped like the local source tensor."""
 
-    A non-contiguous staged tensor (a transposed view, say) is made contiguous here, on the committer
-    thread, because safetensors stores row-major bytes only; that copy is the one allocation per save
-    such a tensor costs, and it stays off the training stall.
-    """
-    if isinstance(staged, torch.Tensor):
-        orig = next(wrappers)
-        key = (id(orig), id(staged))
-        if key not in memo:  # a tensor under two keys stays one object
-            local = staged if staged.is_contiguous() else staged.contiguous()
-            # DTensor's own constructor with the original spec (mesh, placements, global shape and
-            # stride): 3 us a tensor against 25-65 us for from_local's autograd path, on a thread that
-            # DCP's write waits for.
-            memo[key] = local if orig is None else DTensor(local, orig._spec, requires_grad=False)
-        return memo[key]
-    if isinstance(staged, dict):
-        return {k: _rewrap(v, wrappers, memo) for k, v in staged.items()}
-    if isinstance(staged, list | tuple):
-        out = [_rewrap(v, wrappers, memo) for v in staged]
-        return out if isinstance(staged, list) else tuple(out)
-    return staged
+    name: str
+    host: torch.Tensor
+    dtensor: DTensor | None  # the source's DTensor (its placement), None for a plain tensor
 
 
 @dataclass
 class Staging:
-    """One state dict's host copy in flight: the DefaultStager's future and how to re-wrap its result."""
+    """One state dict's host copy in flight."""
 
-    future: Future[Any]
-    wrappers: list[DTensor | None]
+    future: Future[list[Staged]]
 
-    def result(self) -> Any:
-        staged = self.future.result()
+    def result(self) -> list[Staged]:
+        return self.future.result()
+
+
+class HostCopier:
+    """Copies state dicts into one `HostPool` on the Stager's copy thread."""
+
+    def __init__(self, pool: HostPool, executor: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._executor = executor
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def start(self, tensors: dict[str, torch.Tensor]) -> Staging:
+        """Start copying `tensors` (name -> tensor or DTensor); returns at once."""
+        leaves = [
+            (name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()
+        ]
+        ready: dict[torch.device, torch.cuda.Event] = {}
+        for _, local, _ in leaves:
+            if local.is_cuda and local.device not in ready:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(local.device))
+                ready[local.device] = ev
+        return Staging(self._executor.submit(self._copy, leaves, ready))
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _copy(
+        self,
+        leaves: list[tuple[str, torch.Tensor, DTensor | None]],
+        ready: dict[torch.device, torch.cuda.Event],
+    ) -> list[Staged]:
         with torch.no_grad():
-            return _rewrap(staged, iter(self.wrappers), {})
+            return self._copy_all(leaves, ready)
+
+    def _copy_all(
+        self,
+        leaves: list[tuple[str, torch.Tensor, DTensor | None]],
+        ready: dict[torch.device, torch.cuda.Event],
+    ) -> list[Staged]:
+        self.pool.wait_reserved()
+        staged: list[Staged] = []
+        copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, local, dt in leaves:
+            key = storage_key(local)
+            if key[2] == 0:  # nothing to copy (an empty tensor): a host tensor of its shape
+                staged.append(Staged(name, torch.empty(local.shape, dtype=local.dtype), dt))
+                continue
+            buf = self.pool.get(key)
+            if key not in copies:
+                copies[key] = (buf, local)
+            host = torch.empty(0, dtype=local.dtype).set_(
+                buf.untyped_storage(), local.storage_offset(), local.shape, local.stride()
+            )
+            staged.append(Staged(name, host, dt))
+        done: list[torch.cuda.Event] = []
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for buf, local in copies.values():
+            by_device.setdefault(local.device, []).append((buf, local))
+        for device, pairs in by_device.items():
+            if device.type == "cuda":
+                side = self._stream(device)
+                side.wait_event(ready[device])
+                with torch.cuda.stream(side):
+                    for buf, local in pairs:
+                        buf.copy_(_bytes_of(local), non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                done.append(ev)
+            else:
+                for buf, local in pairs:
+                    buf.copy_(_bytes_of(local))
+        for ev in done:
+            ev.synchronize()
+        self.pool.keep_only(set(copies))
+        return staged
 
 
-def start_staging(stager: DefaultStager, sd: dict[str, Any]) -> Staging:
-    """Start copying `sd` into `stager`'s host buffers (async staging: the result is a Future)."""
-    wrappers: list[DTensor | None] = []
-    future = stager.stage(_locals(sd, wrappers))
-    if not isinstance(future, Future):
-        raise TypeError(f"DefaultStager.stage returned {type(future).__name__}, not a Future")
-    return Staging(future, wrappers)
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t` as a flat uint8 tensor on its device."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def reserve_keys(tensors: Any) -> list[StorageKey]:
+    """The storage keys of every tensor under `tensors` (an iterable of tensors or DTensors)."""
+    return [storage_key(local_tensor(t)) for t in tensors]
 
 
 def settle(staging: Iterable[Staging]) -> None:
@@ -113,25 +149,3 @@ def settle(staging: Iterable[Staging]) -> None:
     for st in staging:
         with contextlib.suppress(Exception):
             st.future.result()
-
-
-def order_after_compute(stagers: Iterable[DefaultStager]) -> None:
-    """With CUDA, copies on the staging side stream must start after the compute queued so far."""
-    if not torch.cuda.is_available():
-        return
-    current = torch.accelerator.current_stream()
-    for stager in stagers:
-        side = getattr(stager, "_staging_stream", None)
-        if side is not None:
-            side.wait_stream(current)
-        else:  # torch changed its internals: fall back to a full wait, correct but slower
-            current.synchronize()
-
-
-def buffer_sizes(stagers: Iterable[DefaultStager]) -> dict[int, int]:
-    """data_ptr -> bytes of each cached host staging buffer."""
-    out = {}
-    for stager in stagers:
-        for storage in stager._state_dict_stager._cached_storage_mapping.values():
-            out[storage.data_ptr()] = storage.nbytes()
-    return out

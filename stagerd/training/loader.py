@@ -9,8 +9,11 @@ Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTe
    hangs.
 2. The step is checked on every rank (its marker, every listed file at its size; one node's marker of a
    node-locally staged step is not the whole model) and the outcome agreed on the same way.
-3. `model/` through DCP's `HuggingFaceStorageReader` (safetensors headers: nothing unpickled), `optim/`
-   through `FileSystemReader` whose `.metadata` is read by an allowlist unpickler (`safe_metadata`).
+3. `model/` through DCP's `HuggingFaceStorageReader` (safetensors headers: nothing unpickled), and so
+   are `optim/`'s tensors; its other leaves (lr, betas...) come from this rank's `.objects.pt` (rank 0's
+   when the step had fewer ranks) through `torch.load(weights_only=True)`. A step whose `optim/` is in
+   DCP's own format (an older stagerd) is read by `FileSystemReader` with an allowlist unpickler for its
+   `.metadata` (`safe_metadata`).
    DCP reshards: a step saved with another world size or mesh loads (tested 2 -> 1 and 1 -> 2 ranks).
 4. `extras/` are read back as bytes (`LoadedStep.extras`, `LoadedStep.json(name)`).
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -39,6 +43,8 @@ from stagerd.errors import LoadError, StagerdError
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
 from stagerd.training.safe_metadata import SafeFileSystemReader
+from stagerd.training.shard_files import objects_file
+from stagerd.training.state_tree import set_objects, split_leaves
 
 log = logging.getLogger("stagerd.load")
 
@@ -138,6 +144,32 @@ def _dcp_load(comm: Collectives, state_dict: Any, reader: Any, what: str) -> Non
     agree(comm, error, what)
 
 
+def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str, Any]) -> None:
+    """optim/ as the Stager writes it (safetensors blocks and each rank's other leaves), or in DCP's own
+    format (a step saved by an earlier stagerd: its `.metadata` read through the allowlist)."""
+    if (optim_dir / ".metadata").is_file():
+        _dcp_load(comm, optimizer_state, SafeFileSystemReader(str(optim_dir)), "loading optim/")
+        return
+    tensors: dict[str, Any] = {}
+    error = None
+    try:
+        tensors, _ = split_leaves(optimizer_state, "optimizer_state")
+        mine = optim_dir.parent / objects_file(comm.rank)
+        path = mine if mine.is_file() else optim_dir.parent / objects_file(0)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(saved, dict):
+            raise LoadError(f"holds a {type(saved).__name__}, not the optimizer's leaves", path=path)
+        missing = set_objects(optimizer_state, saved)
+        if missing:
+            raise LoadError(f"optim/ has no {missing[0]!r} (nor {len(missing) - 1} more)", path=optim_dir)
+    except StagerdError as e:
+        error = str(e)
+    except Exception as e:
+        error = f"{optim_dir}: {type(e).__name__}: {e}"
+    agree(comm, error, "loading optim/")
+    _dcp_load(comm, tensors, HuggingFaceStorageReader(str(optim_dir)), "loading optim/")
+
+
 def load_step(
     comm: Collectives,
     root: Path,
@@ -167,8 +199,7 @@ def load_step(
     assert marker is not None
     _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
     if optimizer_state is not None:
-        reader = SafeFileSystemReader(str(step_dir / layout.OPTIM_DIR))
-        _dcp_load(comm, optimizer_state, reader, "loading optim/")
+        _load_optim(comm, step_dir / layout.OPTIM_DIR, optimizer_state)
     extras = _read_extras(step_dir, marker)
     took = time.monotonic() - t0
     log.info("loaded step %d from %s in %.2f s", chosen, step_dir, took, extra={"step": chosen})

@@ -5,9 +5,10 @@ an active exception" once the machine was busy. gloo's worker threads free a fin
 tensors after the caller returned, and that needs the GIL; when the last references to a process group
 or its tensors go only at interpreter finalization (a reference cycle through a failed save's traceback,
 a Stager nobody closed, a DeviceMesh holding the default group), such a thread is ended by pthread_exit
-inside a noexcept C++ destructor on Python 3.11: std::terminate. So `Stager.close()` joins its threads,
-stops DCP's executor and checkpoint process and destroys its own group last, errors leave without cycles
-(see `failures`), and an exit hook closes the Stagers a process forgot and gives gloo's threads a moment.
+inside a noexcept C++ destructor on Python 3.11: std::terminate. So `Stager.close()` joins its threads
+(copy, writer, committer, buffer reservation), frees its host buffers and destroys its own group last,
+errors leave without cycles (see `failures`), and an exit hook closes the Stagers a process forgot and
+gives gloo's threads a moment.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ log = logging.getLogger("stagerd.stage")
 
 # How long the exit hook lets gloo's worker threads finish what they hold (see _at_exit).
 _EXIT_GRACE_SECONDS = 0.05
-# DCP's thread checkpointer starts one executor per save and shuts it down without waiting.
-_DCP_EXECUTOR_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
 class Closable(Protocol):
@@ -46,22 +45,6 @@ def opened(stager: Closable, *, gloo: bool) -> None:
 
 def closed(stager: Closable) -> None:
     _State.open_stagers.discard(stager)
-
-
-def join_dcp_executor_threads(timeout: float = 60.0) -> None:
-    """Wait for DCP's write threads, which finish after their upload future resolved."""
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread.name.startswith(_DCP_EXECUTOR_THREAD_PREFIX) and thread is not me:
-            thread.join(timeout=timeout)
-
-
-def stop_checkpoint_process() -> None:
-    """Stop DCP's background checkpoint process (the 'process' checkpointer), held by a module global."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    process, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
-    del process  # its __del__ sends TERMINATE and joins it
 
 
 def _close_forgotten() -> None:

@@ -1,31 +1,37 @@
-"""The training-side library: `Stager`, an async DCP save into node-local staging with a commit marker.
+"""The training-side library: `Stager`, an async save into node-local staging with a commit marker.
 
-    stager = Stager(root="/local_nvme/ckpt")          # every rank, after init_process_group
-    handle = stager.save(model_sd, step=100, extras={"config.json": cfg}, dtype="bf16",
-                         optimizer_state=optim_sd)
-    stager.wait_staged()   # before the next optimizer step mutates the parameters
-    stager.wait()          # before exit: every save durable and committed (raises SaveError on failure)
+    stager = Stager(root="/local_nvme/ckpt")   # every rank, after init_process_group
+    stager.attach(optimizer)                   # optimizer.step() waits for a save's host copy
+    for step in ...:
+        loss = model(batch).loss; loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+        if step % save_every == 0:
+            stager.save(model.state_dict(), step=step, optimizer_state=optimizer.state_dict(),
+                        extras={"config.json": cfg}, dtype="bf16")
+    stager.wait()    # before exit: every save durable and committed (raises SaveError on failure)
     stager.close()
 
-`save()` starts the device-to-host copy (`host_copy`), then, while it runs, checks the arguments and the
-step (`save_inputs`) and checks in with the other ranks (one small gloo all_reduce, `failures`) before
-anything is written; `wait_staged()` blocks until the copy is done. Everything else runs behind it, on
-the committer thread (`committer`): DCP's writes (`writers`), extras and the commit marker (`marker`).
-How the root is shared between nodes is probed at construction (`topology`); what `close()` and the
-process's exit stop is in `shutdown`.
+`save()` takes the tensors and returns; the device-to-host copy (`host_copy`, into the Stager's own host
+buffers, `host_pool`) runs on a side stream under the next forward and backward, since nothing changes
+the parameters before the next optimizer step. `wait_staged()` blocks until the copy is done: call it
+right before the next `optimizer.step()`, or let `attach(optimizer)` make the optimizer call it. While
+the copy runs, `save()` checks the arguments and the step (`save_inputs`) and checks in with the other
+ranks (one small gloo all_reduce, `failures`) before anything is written. Everything else runs behind it,
+on the committer thread (`committer`): one write per rank of its model shard, optimizer state and extras
+(`shard_files`, at the disk's speed), then the commit marker (`marker`). How the root is shared between
+nodes is probed at construction (`topology`); what `close()` and the process's exit stop is in
+`shutdown`. Nothing here uses torch's private checkpoint staging or async-save machinery.
 
-Checkpointer types: `"thread"` runs the write in a thread of the training process; `"process"` runs it in
-torch's checkpoint daemon process (buffers then live in shared memory), which keeps serialization and
-fsync off the training process's GIL. Default: `"process"` with CUDA, `"thread"` without (no extra
-process, no shared memory, nothing to spawn on a CPU box).
+Host buffers are allocated (and, with CUDA, page-locked) on first use and reused by every later save of
+the same tensors; `attach()` and `reserve()` allocate them in the background ahead of the first save.
 
 Resuming: `stager.load(model_sd, optim_sd, step=None)` loads the newest (or the given) committed step
 into the state dicts in place and returns its step; `stager.loaded` holds its extras. All ranks agree on
 the step first, so a step some ranks cannot see fails alike everywhere (`loader`).
 
 Only one save is in flight at a time: a `save()` issued while the previous one is still writing waits for
-it first (and logs how long), because both would run collectives on the same group. The Stager owns a
-gloo process group of its own, so its background collectives never interleave with the training's.
+it first (and logs how long), because both use the same host buffers and the same group. The Stager owns
+a gloo process group of its own, so its background collectives never interleave with the training's.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -45,28 +51,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.utils.hooks import RemovableHandle
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
-from stagerd.training import shutdown, to_hub
+from stagerd.training import optimizer_hook, shutdown, to_hub
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle, outcomes
-from stagerd.training.host_copy import (
-    Staging,
-    buffer_sizes,
-    order_after_compute,
-    settle,
-    staging_options,
-    start_staging,
-)
+from stagerd.training.host_copy import HostCopier, Staging, reserve_keys, settle
+from stagerd.training.host_pool import HostPool
 from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
+from stagerd.training.shard_files import ShardWriter
+from stagerd.training.state_tree import split_leaves
 from stagerd.training.to_hub import ToHub
 from stagerd.training.topology import StagingTopology, discover, node_id
 
@@ -76,33 +77,45 @@ __all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
 log = logging.getLogger("stagerd.stage")
 
 
-def _default_checkpointer() -> AsyncCheckpointerType:
-    return AsyncCheckpointerType.PROCESS if torch.cuda.is_available() else AsyncCheckpointerType.THREAD
+CHECKPOINTERS = ("thread", "process")
+
+
+def _checkpointer(value: Any) -> str:
+    """The accepted spellings of the old `checkpointer` argument (a string or torch's enum)."""
+    name = "thread" if value is None else str(getattr(value, "value", value))
+    if name not in CHECKPOINTERS:
+        raise ConfigError(f"checkpointer must be 'thread' or 'process': {value!r}")
+    return name
+
+
+def default_writer_threads() -> int:
+    """Writer threads per rank: a share of this node's cores (at most 8: a disk saturates before)."""
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(2, min(8, (os.cpu_count() or 2) // ranks_here))
 
 
 class Stager:
-    """Async DCP saves into `root/step-XXXXXXXX/`, committed by `stagerd.commit.json`. One per process."""
+    """Async saves into `root/step-XXXXXXXX/`, committed by `stagerd.commit.json`. One per process."""
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         *,
         process_group: dist.ProcessGroup | None = None,
-        checkpointer: str | AsyncCheckpointerType | None = None,
+        checkpointer: Any = None,
         pin_memory: bool | None = None,
         timeout: float | None = None,
+        writer_threads: int | None = None,
     ) -> None:
-        """`timeout` (seconds) bounds each collective of the Stager's own gloo group, DCP's included, so
-        it must exceed the slowest rank's write; default: torch's default for the group (30 min)."""
+        """`timeout` (seconds) bounds each collective of the Stager's own gloo group, so it must exceed
+        the slowest rank's write; default: torch's default for the group (30 min). `pin_memory`: page-lock
+        the host buffers (default: with CUDA). `writer_threads`: this rank's writer threads (default: a
+        share of the node's cores, 2 to 8). `checkpointer` ("thread" or "process") is accepted for
+        compatibility and changes nothing: the write always runs on the writer's threads, whose
+        `pwrite`s and fsyncs run without the GIL."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        if checkpointer is None:
-            self.checkpointer = _default_checkpointer()
-        else:
-            try:
-                self.checkpointer = AsyncCheckpointerType(checkpointer)
-            except ValueError:
-                raise ConfigError(f"checkpointer must be 'thread' or 'process': {checkpointer!r}") from None
+        self.checkpointer = _checkpointer(checkpointer)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group: dist.ProcessGroup | None = None
         if self._distributed:
@@ -116,9 +129,7 @@ class Stager:
                 timeout=None if timeout is None else timedelta(seconds=timeout),
             )
         else:
-            if self.checkpointer is AsyncCheckpointerType.PROCESS:
-                raise ConfigError("the 'process' checkpointer needs torch.distributed to be initialized")
-            # DCP says so on every save; single-process saving is what was asked for here.
+            # DCP says so on every load; single-process loading is what was asked for here.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         self._comm = Collectives(self._group)
         self.rank, self.world_size = self._comm.rank, self._comm.world
@@ -126,12 +137,12 @@ class Stager:
         self._is_leader = self.topology.leader(self.topology.node(self.rank)) == self.rank
 
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        options = staging_options(
-            pin_memory=self.pin_memory, shared_memory=self.checkpointer is AsyncCheckpointerType.PROCESS
-        )
-        self._model_stager = DefaultStager(options)
-        self._optim_stager = DefaultStager(options)
-        self._committer = Committer(self._comm, self.topology, self.checkpointer)
+        self._pools = {kind: HostPool(pin=self.pin_memory, name=kind) for kind in ("model", "optim")}
+        self._copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-copy")
+        self._copiers = {kind: HostCopier(pool, self._copy_thread) for kind, pool in self._pools.items()}
+        self._writer = ShardWriter(writer_threads or default_writer_threads())
+        self._hooks: list[RemovableHandle] = []
+        self._committer = Committer(self._comm, self.topology, self._writer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
         self._hub_plans: dict[Any, ToHub] = {}
@@ -175,16 +186,19 @@ class Stager:
         error: StagerdError | None = None
         spec: SaveSpec | None = None
         optim_sd = None
-        staging: list[Staging] = []
+        objects: dict[str, Any] | None = None
+        staging: dict[str, Staging] = {}
         try:
             model_sd, optim_sd = resolve_state(state_dict, step, optimizer_state)
             model_sd, aliases = split_aliases(model_sd)
+            model_tensors, _ = split_leaves(model_sd, "state_dict")
+            if optim_sd is not None:
+                optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
             # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
             # written to disk before the check-in; a refused save only filled our own staging buffers.
-            order_after_compute((self._model_stager, self._optim_stager))
-            staging.append(start_staging(self._model_stager, model_sd))
+            staging["model"] = self._copiers["model"].start(model_tensors)
             if optim_sd is not None:
-                staging.append(start_staging(self._optim_stager, optim_sd))
+                staging["optim"] = self._copiers["optim"].start(optim_tensors)
             spec = describe_save(
                 step,
                 self.step_dir(step),
@@ -206,7 +220,7 @@ class Stager:
         try:
             check_in_to_start(self._comm, step, error, optim_sd is not None)
         except BaseException as refused:
-            settle(staging)
+            settle(staging.values())
             # Raised from this frame, `refused` (and `error`) would be kept by its own traceback: a cycle
             # holding the caller's state dict, its mesh and process groups (see `shutdown`).
             error = None
@@ -220,7 +234,7 @@ class Stager:
                 clear_stale(spec.step_dir)
             except Exception as e:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
-        return self._launch(spec, staging, early)
+        return self._launch(spec, staging, objects, early)
 
     def load(
         self,
@@ -254,10 +268,48 @@ class Stager:
         load_export(self._comm, directory, state_dict)
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the latest save's host copy is complete (call before the next optimizer step)."""
+        """Block until the latest save's host copy is complete: call it right before the next
+        `optimizer.step()` (the copy then runs under the forward and backward in between), or let
+        `attach(optimizer)` call it. Raises SaveError if the copy failed."""
         h = self._inflight
         if h is not None:
             h.wait_staged(timeout)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Make `optimizer.step()` call `wait_staged()` first, and reserve the host buffers ahead of the
+        first save: after the optimizer's first step (its state then exists), on a background thread.
+
+        The hook is the one place the parameters and the optimizer state change, so a save's host copy
+        runs under the forward and backward that follow it. Returns the hook's handle (`.remove()`);
+        `close()` removes it too. Attach every optimizer whose state or parameters are saved
+        (`optimizer_hook`).
+        """
+        wait, reserve = optimizer_hook.install(self, optimizer)
+        self._hooks += [wait, reserve]
+        return wait
+
+    def reserve(
+        self,
+        state_dict: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None = None,
+        *,
+        wait: bool = False,
+    ) -> None:
+        """Allocate (and with CUDA page-lock) the host buffers of these state dicts on a background
+        thread, so that the first save copies at full speed; returns at once, or once they are all there
+        with `wait=True` (at set-up, before the loop). Optional: a save allocates what is missing."""
+        self._reserve("model", split_leaves(state_dict, "state_dict")[0].values())
+        if optimizer_state is not None:
+            self._reserve("optim", split_leaves(optimizer_state, "optimizer_state")[0].values())
+        if wait:
+            for pool in self._pools.values():
+                pool.wait_reserved()
+
+    def _reserve(self, kind: str, tensors: Iterable[Any]) -> None:
+        if self._closed:
+            return
+        keys = reserve_keys(t for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta)
+        self._pools[kind].reserve(keys)
 
     def wait(self) -> list[layout.CommitMarker]:
         """Block until every save is durable and committed. Raises SaveError if any failed since last wait."""
@@ -296,7 +348,10 @@ class Stager:
 
     def staging_buffers(self) -> dict[int, int]:
         """data_ptr -> bytes of each cached host staging buffer (model and optimizer); for tests, benches."""
-        return buffer_sizes((self._model_stager, self._optim_stager))
+        out: dict[int, int] = {}
+        for pool in self._pools.values():
+            out.update(pool.sizes())
+        return out
 
     def step_dir(self, step: int) -> Path:
         return self.root / layout.step_dir_name(step)
@@ -307,15 +362,17 @@ class Stager:
         # The committer may still be inside a collective of our group, so it stops first and the group last.
         self._closed = True
         shutdown.closed(self)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._commit_thread.shutdown(wait=True)
-        self._model_stager.close()
-        self._optim_stager.close()
-        shutdown.join_dcp_executor_threads()
+        self._copy_thread.shutdown(wait=True)
+        self._writer.close()
+        for pool in self._pools.values():
+            pool.close()
         # A failed save's handle holds its error, whose frames may still reach the caller's state dict.
         self._inflight = None
         self._unreported = []
-        if self.checkpointer is AsyncCheckpointerType.PROCESS:
-            shutdown.stop_checkpoint_process()
         if self._group is not None:
             with contextlib.suppress(Exception):  # already destroyed by destroy_process_group()
                 dist.destroy_process_group(self._group)
@@ -352,9 +409,15 @@ class Stager:
             h.step,
         )
 
-    def _launch(self, spec: SaveSpec, staging: list[Staging], early: RankFailure | None) -> SaveHandle:
-        committed = self._commit_thread.submit(self._committer.commit, spec, staging, early)
-        handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging), committed)
+    def _launch(
+        self,
+        spec: SaveSpec,
+        staging: dict[str, Staging],
+        objects: dict[str, Any] | None,
+        early: RankFailure | None,
+    ) -> SaveHandle:
+        committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
+        handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging.values()), committed)
         with self._lock:
             self._inflight = handle
             self._unreported.append(handle)

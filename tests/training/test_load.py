@@ -228,3 +228,33 @@ def test_optim_metadata_is_read_with_an_allowlist(tmp_path):
         read_dcp_metadata(b"\x80\x04garbage", "optim/.metadata")
     with pytest.raises(LoadError, match="not a Metadata"):
         read_dcp_metadata(pickle.dumps({"a": 1}), "optim/.metadata")
+
+
+def test_a_step_whose_optim_is_in_dcps_own_format_still_loads(tmp_path):
+    """Steps saved before optim/ became safetensors (or restored from a sink) keep loading."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from stagerd import Stager
+
+    model = {"w": torch.randn(3)}
+    optim = {"state": {"w": {"exp_avg": torch.randn(3)}}, "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]}
+    with Stager(tmp_path) as stager:
+        stager.save(model, 1, optimizer_state=optim).result()
+    step_dir = tmp_path / layout.step_dir_name(1)
+    shutil.rmtree(step_dir / "optim")
+    dcp.save(optim, checkpoint_id=str(step_dir / "optim"), no_dist=True)
+    marker = layout.read_marker(step_dir)
+    files = [f for f in marker.files if not f.path.startswith("optim/")]
+    files += [
+        layout.StagedFile(f"optim/{p.name}", p.stat().st_size) for p in sorted((step_dir / "optim").iterdir())
+    ]
+    (step_dir / layout.MARKER_NAME).unlink()
+    layout.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
+    assert (step_dir / "optim" / ".metadata").is_file()
+    got = {"state": {"w": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}
+    with Stager(tmp_path) as stager:
+        stager.load({"w": torch.zeros(3)}, got)
+    assert torch.equal(got["state"]["w"]["exp_avg"], optim["state"]["w"]["exp_avg"])
+    assert got["param_groups"] == optim["param_groups"]

@@ -198,9 +198,10 @@ def test_marker_lists_every_file_with_its_size(run):
     assert set(on_disk) == {
         "model/shard-00001-model-00001-of-00001.safetensors",
         "model/shard-00002-model-00001-of-00001.safetensors",
-        "optim/.metadata",
-        "optim/__0_0.distcp",
-        "optim/__1_0.distcp",
+        "optim/shard-00001-00001.safetensors",
+        "optim/shard-00002-00001.safetensors",
+        "optim/shard-00001.objects.pt",
+        "optim/shard-00002.objects.pt",
         "extras/config.json",
         "extras/README.md",
         "extras/tokenizer.json",

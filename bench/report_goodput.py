@@ -1,0 +1,148 @@
+"""The markdown `bench_goodput.py` prints: one table of every method and interval, then the targets."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _cell(xs: list[float], fmt: str = "{:.3f}") -> str:
+    if not xs:
+        return "-"
+    return f"{fmt.format(_med(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def _one(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+LABELS = {
+    "long": "saves every {long} steps, wait before the next optimizer step",
+    "short": "saves every {short} steps (shorter than a write)",
+    "unhidden": "saves every {long} steps, waiting right after the save (no daemon)",
+}
+
+
+def summarize(r: dict, base: float, nbytes: int, floor: float) -> dict:
+    """Per save: blocked seconds, loop time lost over its K-step window, time to durable; first apart."""
+    k, times, saves = r["k"], r["times"], r["saves"]
+    lost = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * base for j in range(1, len(saves) + 1)]
+    steady = _med(times)  # the run's own step: robust to a loop whose speed drifted from the baseline's
+    lost_self = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * steady for j in range(1, len(saves) + 1)]
+    blocked = [s["blocked"] for s in saves]
+    durable = [s["durable_at"] - s["t0"] for s in saves if s["durable_at"] is not None]
+    return {
+        "stall": blocked[1:],
+        "first_stall": blocked[0] if blocked else None,
+        "lost": lost[1:],
+        "first_lost": lost[0] if lost else None,
+        "lost_self": lost_self[1:],
+        "first_lost_self": lost_self[0] if lost_self else None,
+        "steady_step": steady,
+        "durable": durable[1:],
+        "durable_x_floor": [d / floor for d in durable[1:]],
+        "d2h_gbs": [nbytes / b / 1e9 for b in blocked[1:] if b > 0],
+    }
+
+
+def _busy(intervals: list, a: float, b: float) -> bool:
+    return any(s < b and a < e for s, e in intervals)
+
+
+def report(raw: dict) -> str:
+    """The markdown report of one run's raw figures (what `--json` keeps)."""
+    meta = dict(raw["meta"])
+    base_times = [t for times in raw["base"] for t in times]
+    base = _med(base_times)
+    nbytes = meta["bytes_per_save"]
+    floor = _med(meta["disk_floors"])
+    peak = meta["pinned_peak_gbs"]
+    summary = {key: summarize(r, base, nbytes, floor) for key, r in raw["runs"].items()}
+    mine = raw["runs"].get("stagerd|long", {"times": [], "starts": []})
+    during = [
+        t
+        for t, s in zip(mine["times"], mine["starts"], strict=True)
+        if _busy(raw["export_intervals"], s, s + t)
+    ]
+    load = " ".join(f"{x:.2f}" for x in meta.get("load_avg", []))
+    lines = [
+        f"{meta['device']}, torch {meta['torch']}, Python {meta['python']}; "
+        f"Llama {meta['params'] / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB per save "
+        f"(model + AdamW state); writer threads {meta['threads']}; load average {load}",
+        f"step time without saves: {base:.4f} s (min-max {min(base_times):.4f}-{max(base_times):.4f}); "
+        f"disk floor (same bytes, one stream, fsynced): {floor:.2f} s ({nbytes / floor / 1e9:.2f} GB/s; runs "
+        f"{', '.join(f'{f:.2f}' for f in meta['disk_floors'])})"
+        + (f"; pinned D2H peak {peak:.1f} GB/s" if peak else ""),
+        "",
+        "Medians over the saves after the first, (min-max); the first save apart. Stall: the loop blocked in "
+        "save() and its waits. Lost: the save's K-step window against K steps without saves.",
+        "",
+        "| method | interval | stall per save (s) | lost per save vs no saves (s) | lost per save vs the "
+        "run's own step (s) | first save: stall / lost (s) | time to durable (s) | durable / disk floor "
+        "| D2H GB/s (% peak) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in summary.items():
+        name, label = key.split("|")
+        d2h = "-"
+        if label == "unhidden" and s["d2h_gbs"]:
+            rate = _med(s["d2h_gbs"])
+            d2h = f"{rate:.1f}" + (f" ({rate / peak:.0%})" if peak else "")
+        lines.append(
+            f"| {name} | {LABELS[label].format(**meta)} | {_cell(s['stall'])} | {_cell(s['lost'])} | "
+            f"{_cell(s['lost_self'])} (step {s['steady_step']:.3f}) | "
+            f"{_one(s['first_stall'])} / {_one(s['first_lost_self'])} | {_cell(s['durable'], '{:.2f}')} | "
+            f"{_cell(s['durable_x_floor'], '{:.2f}x')} | {d2h} |"
+        )
+    lines += [
+        "",
+        f"step time while the daemon exported: {_med(during):.4f} s over {len(during)} steps "
+        f"(without saves {base:.4f} s); the daemon's sink holds {raw['published'] or 'nothing'}",
+    ]
+    if meta["torch_close_patched"]:
+        lines.append(
+            "torch's StateDictStager.close() was made a no-op for torch's best mode (torch 2.11's bug)"
+        )
+    lines += [f"error: {e}" for e in raw.get("errors", [])]
+    lines += targets(base, peak, summary)
+    return "\n".join(lines)
+
+
+def targets(base: float, peak: float | None, summary: dict) -> list[str]:
+    """The issue's targets, each with its figure."""
+    ours, best = "stagerd", "dcp.async_save PROCESS+pinned"
+    out = [""]
+
+    def get(name: str, label: str, field: str) -> list[float]:
+        return summary.get(f"{name}|{label}", {}).get(field, [])
+
+    hidden = _med(get(ours, "long", "lost"))
+    out.append(
+        f"- loop time lost per save, hidden, long interval: {hidden:.4f} s = {hidden / base:.1%} of a step "
+        "(target <= 5%)"
+    )
+    for label in ("long", "short"):
+        a, b = _med(get(ours, label, "lost_self")), _med(get(best, label, "lost_self"))
+        out.append(
+            f"- loop time lost per save (against the run's own step), {label} interval: stagerd {a:.3f} s, "
+            f"torch's best {b:.3f} s (target: stagerd <= torch)"
+        )
+    for label, what in (("unhidden", "alone"), ("long", "with the daemon exporting beside it")):
+        a, b = _med(get(ours, label, "durable_x_floor")), _med(get(ours, label, "durable"))
+        t = _med(get(best, label, "durable"))
+        out.append(
+            f"- time to durable, {what}: stagerd {b:.2f} s = {a:.2f}x the disk floor (target <= 1.3x); "
+            f"torch's best {t:.2f} s"
+        )
+    if peak:
+        rate = _med(get(ours, "unhidden", "d2h_gbs"))
+        out.append(
+            f"- unhidden stall: {rate:.1f} GB/s = {rate / peak:.0%} of the pinned D2H peak (target >= 85%)"
+        )
+    first, steady = summary.get(f"{ours}|long", {}).get("first_stall"), _med(get(ours, "long", "stall"))
+    if first is not None:
+        out.append(f"- first save's stall {first:.3f} s against a steady {steady:.3f} s (target <= 2x)")
+    return out

@@ -1,0 +1,52 @@
+"""`Stager.attach(optimizer)`: the optimizer's step waits for the latest save's host copy.
+
+The optimizer step is the one place the parameters and the optimizer state change, so a save's host
+copy can run under the forward and backward that follow it, as long as the step waits for it. A step
+pre-hook calls `wait_staged()`; a post-hook reserves the host buffers of the parameters and of the
+optimizer state (which exists only after the first step) once, in the background, so the first save
+allocates nothing. The hooks hold the Stager weakly: an optimizer must not keep it (and its process
+group) alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+
+class Attachable(Protocol):
+    _closed: bool
+
+    def wait_staged(self, timeout: float | None = None) -> None: ...
+
+    def _reserve(self, kind: str, tensors: Iterable[Any]) -> None: ...
+
+
+def tensors_in(states: Iterable[Any]) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's per-parameter states."""
+    return [t for s in states if isinstance(s, Mapping) for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def install(stager: Attachable, optimizer: torch.optim.Optimizer) -> tuple[RemovableHandle, RemovableHandle]:
+    """(the wait's pre-hook, the one-shot reservation's post-hook) on `optimizer`."""
+    me = weakref.ref(stager)
+
+    def before_step(*_: Any) -> None:
+        if (s := me()) is not None:
+            s.wait_staged()
+
+    fired: list[bool] = []
+
+    def after_first_step(opt: torch.optim.Optimizer, *_: Any) -> None:
+        if fired:  # once; the hook stays registered until close(): removing it here would change the
+            return  # optimizer's hook dict while torch iterates over it
+        fired.append(True)
+        if (s := me()) is not None and not s._closed:
+            s._reserve("model", [p for group in opt.param_groups for p in group["params"]])
+            s._reserve("optim", tensors_in(opt.state.values()))
+
+    return optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_first_step)

@@ -1,0 +1,40 @@
+"""`Stager.attach(optimizer)`: the step waits for the host copy; the first save allocates nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from stagerd.contract import layout
+
+
+def test_attached_optimizer_waits_for_the_copy_and_buffers_are_reserved(tmp_path):
+    from stagerd import Stager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.randn(3, 8)).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    with Stager(tmp_path) as stager:
+        hook = stager.attach(optim)
+        step()  # the first step: the post-hook reserves every parameter's and state's buffer
+        stager.reserve({}, wait=True)  # waits for the reservation the first step started
+        reserved = stager.staging_buffers()
+        at_save = {k: v.clone() for k, v in model.state_dict().items()}
+        stager.save(model.state_dict(), 1, optimizer_state=optim.state_dict())
+        step()  # changes every parameter: only once the copy is done (the pre-hook waits)
+        step()
+        assert stager.staging_buffers() == reserved, "the first save allocated buffers of its own"
+        assert len(reserved) == 4 + 4 * 3  # weights and biases; exp_avg, exp_avg_sq, step of each
+        marker = stager.wait()[0]
+        layout.check_staged_files(tmp_path / layout.step_dir_name(1), marker)
+        got = {k: torch.zeros_like(v) for k, v in at_save.items()}
+        stager.load(got)
+        hook.remove()
+    for k, v in at_save.items():
+        assert torch.equal(got[k], v), k
+        assert not torch.equal(model.state_dict()[k], v), k  # the steps after the save did change it
