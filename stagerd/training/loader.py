@@ -13,7 +13,7 @@ Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTe
    are `optim/`'s tensors; its other leaves (lr, betas...) come from this rank's `.objects.pt` (rank 0's
    when the step had fewer ranks) through `torch.load(weights_only=True)`. A step whose `optim/` is in
    DCP's own format (an older stagerd) is read by `FileSystemReader` with an allowlist unpickler for its
-   `.metadata` (`safe_metadata`).
+   `.metadata` and torch's weights-only unpickler for its non-tensor values (`safe_metadata`).
    DCP reshards: a step saved with another world size or mesh loads (tested 2 -> 1 and 1 -> 2 ranks).
 4. `extras/` are read back as bytes (`LoadedStep.extras`, `LoadedStep.json(name)`).
 
@@ -42,7 +42,7 @@ from stagerd.contract import layout
 from stagerd.errors import LoadError, StagerdError
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
-from stagerd.training.safe_metadata import SafeFileSystemReader
+from stagerd.training.safe_metadata import SafeFileSystemReader, SafeLoadPlanner
 from stagerd.training.shard_files import objects_file
 from stagerd.training.state_tree import set_objects, split_leaves
 
@@ -132,11 +132,17 @@ def _read_extras(step_dir: Path, marker: layout.CommitMarker) -> dict[str, bytes
     return out
 
 
-def _dcp_load(comm: Collectives, state_dict: Any, reader: Any, what: str) -> None:
+def _dcp_load(comm: Collectives, state_dict: Any, reader: Any, what: str, planner: Any = None) -> None:
     """One `dcp.load`; DCP gathers every rank's failure itself, the check-in covers what it does not."""
     error = None
     try:
-        dcp.load(state_dict, storage_reader=reader, process_group=comm.group, no_dist=comm.group is None)
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=comm.group,
+            no_dist=comm.group is None,
+        )
     except StagerdError as e:
         error = str(e)
     except (Exception, CheckpointException) as e:
@@ -148,7 +154,8 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
     """optim/ as the Stager writes it (safetensors blocks and each rank's other leaves), or in DCP's own
     format (a step saved by an earlier stagerd: its `.metadata` read through the allowlist)."""
     if (optim_dir / ".metadata").is_file():
-        _dcp_load(comm, optimizer_state, SafeFileSystemReader(str(optim_dir)), "loading optim/")
+        reader = SafeFileSystemReader(str(optim_dir))
+        _dcp_load(comm, optimizer_state, reader, "loading optim/", SafeLoadPlanner())
         return
     tensors: dict[str, Any] = {}
     error = None

@@ -4,8 +4,10 @@
 `optim/` whose `.metadata` was replaced could run any code in every trainer that loads it. DCP's metadata
 is a tree of a few dataclasses from `torch.distributed.checkpoint`, `torch.Size`, dtypes and paths;
 `SafeFileSystemReader` reads it with an unpickler that resolves only those names and refuses everything
-else with a `LoadError` naming the file and the refused global. DCP's other reads (non-tensor values
-through `torch.load(weights_only=True)`) are already restricted by torch.
+else with a `LoadError` naming the file and the refused global. Its tensors DCP reads with
+`torch.load(weights_only=True)`, but its non-tensor values (an optimizer's lr, betas, step counters) go
+through `DefaultLoadPlanner.load_bytes`, a `torch.load(weights_only=False)`: `SafeLoadPlanner` reads them
+with torch's weights-only unpickler instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element  # the setter DefaultLoadPlanner uses
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from stagerd.errors import LoadError
@@ -90,3 +94,22 @@ class SafeFileSystemReader(FileSystemReader):
         assert meta.storage_meta is not None
         meta.storage_meta.load_id = self.load_id
         return meta
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """`DefaultLoadPlanner` whose non-tensor values are read by torch's weights-only unpickler."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        where = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError names the refused global
+            raise LoadError(
+                f"refusing the value of {where!r}: {type(e).__name__}: {str(e).splitlines()[0]}",
+                path="optim/",
+                hint="this optim/ was not written by torch.distributed.checkpoint; do not load it",
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[where], obj)
+        else:
+            self.state_dict[where] = obj

@@ -230,31 +230,66 @@ def test_optim_metadata_is_read_with_an_allowlist(tmp_path):
         read_dcp_metadata(pickle.dumps({"a": 1}), "optim/.metadata")
 
 
-def test_a_step_whose_optim_is_in_dcps_own_format_still_loads(tmp_path):
-    """Steps saved before optim/ became safetensors (or restored from a sink) keep loading."""
+class _Touch:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _save_with_dcp_optim(root: Path, optim: dict) -> None:
+    """Step 1 under `root`, its optim/ rewritten in DCP's own format (as an earlier stagerd wrote it)."""
     import dataclasses
 
     import torch.distributed.checkpoint as dcp
 
     from stagerd import Stager
 
-    model = {"w": torch.randn(3)}
-    optim = {"state": {"w": {"exp_avg": torch.randn(3)}}, "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]}
-    with Stager(tmp_path) as stager:
-        stager.save(model, 1, optimizer_state=optim).result()
-    step_dir = tmp_path / layout.step_dir_name(1)
+    with Stager(root) as stager:
+        stager.save({"w": torch.randn(3)}, 1, optimizer_state={"state": {}, "param_groups": []}).result()
+    step_dir = root / layout.step_dir_name(1)
     shutil.rmtree(step_dir / "optim")
+    for p in step_dir.glob("*.objects.pt"):
+        p.unlink()
     dcp.save(optim, checkpoint_id=str(step_dir / "optim"), no_dist=True)
     marker = layout.read_marker(step_dir)
-    files = [f for f in marker.files if not f.path.startswith("optim/")]
+    files = [
+        f for f in marker.files if not f.path.startswith("optim/") and not f.path.endswith(".objects.pt")
+    ]
     files += [
         layout.StagedFile(f"optim/{p.name}", p.stat().st_size) for p in sorted((step_dir / "optim").iterdir())
     ]
     (step_dir / layout.MARKER_NAME).unlink()
     layout.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
     assert (step_dir / "optim" / ".metadata").is_file()
+
+
+def test_a_step_whose_optim_is_in_dcps_own_format_still_loads(tmp_path):
+    """Steps saved before optim/ became safetensors (or restored from a sink) keep loading."""
+    from stagerd import Stager
+
+    optim = {"state": {"w": {"exp_avg": torch.randn(3)}}, "param_groups": [{"lr": 0.5, "betas": (0.9, 0.99)}]}
+    _save_with_dcp_optim(tmp_path, optim)
     got = {"state": {"w": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}
     with Stager(tmp_path) as stager:
         stager.load({"w": torch.zeros(3)}, got)
     assert torch.equal(got["state"]["w"]["exp_avg"], optim["state"]["w"]["exp_avg"])
     assert got["param_groups"] == optim["param_groups"]
+
+
+def test_a_dcp_format_optim_value_that_runs_code_is_refused(tmp_path):
+    """DCP's own load planner reads non-tensor values with `torch.load(weights_only=False)`: a replaced
+    `optim/__0_0.distcp` of such a step could run code in every rank that resumes from it."""
+    from stagerd import Stager
+
+    pwned = tmp_path / "pwned"
+    evil = {"state": {"w": {"exp_avg": torch.randn(3)}}, "param_groups": [{"lr": _Touch(pwned)}]}
+    _save_with_dcp_optim(tmp_path / "root", evil)
+    got = {"state": {"w": {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 0.0}]}
+    with (
+        Stager(tmp_path / "root") as stager,
+        pytest.raises(LoadError, match=r"refusing the value of 'param_groups"),
+    ):
+        stager.load({"w": torch.zeros(3)}, got)
+    assert not pwned.exists()
