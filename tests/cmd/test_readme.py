@@ -188,3 +188,9 @@ def test_xet_note() -> None:
 
 if __name__ == "__main__":
     sys.stdout.write(config_table() + "\n")
+
+
+def test_the_readme_speaks_to_users_not_of_the_work() -> None:
+    """Issue numbers are the project's history, which a user reading the README has no use for."""
+    cited = re.findall(r"(?i)\bissues? #?\d+", README.read_text())
+    assert cited == []
