@@ -8,6 +8,10 @@ no `finally`, no atexit, no flush, exactly what an OOM kill or a power cut leave
 Production never sets the variable; unset, a call costs one global lookup and one comparison. The points
 are listed in `POINTS` (the tests check every one is reached) and documented in RELIABILITY.md.
 
+`delay_point("name")` sleeps instead, when `STAGERD_DELAY_AT=name:SECONDS` names one of `DELAYS`: a race
+between two processes (two publishers of one step) is widened there, so that a test reproduces it every
+time; it logs one line to stderr when it starts sleeping, which the test waits for.
+
 A point needs a stagerd line to sit on. Inside huggingface_hub's LFS upload there is none, so that kill
 comes from outside: the Hub test server SIGKILLs the daemon once an upload body is partly received
 (`HubServer.on_lfs_body` in `tests/hubserver/`, used by `tests/test_crash_injection.py`).
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 ENV = "STAGERD_CRASH_AT"
 
@@ -42,6 +47,13 @@ POINTS = {
     "fleet.built": "fleet export: an owned file uploaded to the sink, its completion record not yet written",
     "fleet.commit": "fleet export: the leader checked every file's record and the listing, no manifest yet",
     "fleet.manifest": "fleet export: the leader created the manifest, `latest` not yet moved",
+}
+
+
+DELAY_ENV = "STAGERD_DELAY_AT"
+
+DELAYS = {
+    "publish.opened": "fsspec sink: a step opened (claim settled, manifest looked for), nothing uploaded yet",
 }
 
 
@@ -73,3 +85,23 @@ def crash_point(name: str) -> None:
     if hit:
         os.write(2, f"stagerd: crash point {name}:{_TARGET[1]} reached ({ENV}); SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse_delay(value: str | None) -> tuple[str, float] | None:
+    if not value:
+        return None
+    name, _, seconds = value.strip().partition(":")
+    if name not in DELAYS:
+        raise ValueError(f"{DELAY_ENV}={value!r}: unknown delay point (known: {', '.join(sorted(DELAYS))})")
+    return name, float(seconds or 1)
+
+
+_DELAY = _parse_delay(os.environ.get(DELAY_ENV))
+
+
+def delay_point(name: str) -> None:
+    """Sleep here if `STAGERD_DELAY_AT` names this point (each time it is reached)."""
+    if _DELAY is None or _DELAY[0] != name:
+        return
+    os.write(2, f"stagerd: delay point {name} reached ({DELAY_ENV}); sleeping {_DELAY[1]:g} s\n".encode())
+    time.sleep(_DELAY[1])
