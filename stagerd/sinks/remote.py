@@ -104,16 +104,18 @@ class RemoteStore:
             raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
         return data
 
-    def objects(self, prefix: str = "") -> dict[str, StoredObject]:
-        """Every object under `prefix/` ("" the whole sink), by its name relative to `prefix`."""
+    def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
+        """Every object under `prefix/` ("" the whole sink) whose name relative to it starts with `start`
+        (literally), by that relative name."""
         try:
             if self.s3 is not None:
                 from stagerd.sinks import s3_store
 
-                return s3_store.objects(self.s3, prefix)
+                return s3_store.objects(self.s3, prefix, start)
             if self.local:
-                return _local_objects(self._local(prefix) if prefix else Path(self.path("")))
-            return self._fsspec_objects(prefix)
+                return _local_objects(self._local(prefix) if prefix else Path(self.path("")), start)
+            found = self._fsspec_objects(prefix)
+            return {rel: o for rel, o in found.items() if rel.startswith(start)}
         except SinkError:
             raise
         except OSError as e:
@@ -134,8 +136,7 @@ class RemoteStore:
         for name, info in found.items():
             rel = self.fs._strip_protocol(name)
             if rel.startswith(strip) and info.get("type", "file") != "directory":
-                tag = info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime")
-                out[rel[len(strip) :]] = StoredObject(int(info.get("size") or 0), None, _str(tag))
+                out[rel[len(strip) :]] = StoredObject(int(info.get("size") or 0), None, _info_tag(info))
         return out
 
     def read_tagged(self, key: str) -> tuple[bytes, str | None] | None:
@@ -153,12 +154,12 @@ class RemoteStore:
         data = self.read(key)
         return None if data is None else (data, _str(self._fsspec_tag(key)))
 
-    def _fsspec_tag(self, key: str) -> Any:
+    def _fsspec_tag(self, key: str, size: int | None = None) -> Any:
         try:
             info = self.fs.info(self.path(key))
         except FileNotFoundError:
             return None
-        return info.get("ETag") or info.get("etag") or info.get("generation") or info.get("mtime")
+        return _info_tag(info)
 
     def clock(self) -> float:
         """The store's own time now (see the module docstring)."""
@@ -196,8 +197,9 @@ class RemoteStore:
         else:
             self.fs.pipe_file(self.path(key), data)
 
-    def put_if(self, key: str, data: bytes, tag: str | None) -> bool:
-        """Write `key` only if it is absent (`tag` None) or still the version `tag`; False otherwise."""
+    def put_if(self, key: str, data: bytes, tag: str | None) -> str | None:
+        """Write `key` only if it is absent (`tag` None) or still the version `tag`: the version written,
+        or None when the condition failed."""
         if self.s3 is not None:
             from stagerd.sinks import s3_store
 
@@ -206,9 +208,9 @@ class RemoteStore:
             return _local_put_if(self._local(key), data, tag)
         current = self.read_tagged(key)  # no portable condition: read, compare, write (weaker)
         if (current is None) != (tag is None) or (current is not None and current[1] != tag):
-            return False
+            return None
         self.fs.pipe_file(self.path(key), data)
-        return True
+        return _str(self._fsspec_tag(key, len(data)))
 
     def delete_if(self, key: str, tag: str | None) -> bool:
         """Delete `key` only while it is still the version `tag`; False if it changed or is gone."""
@@ -229,9 +231,8 @@ class RemoteStore:
         self.fs.rm_file(self.path(key))
         return True
 
-    def delete(self, keys: list[str], *, empty_dirs_of: str | None = None) -> None:
-        """Delete exactly `keys` (missing ones are fine). On file://, then remove the directories that held
-        them while empty, up to `empty_dirs_of` (itself included), never above it."""
+    def delete(self, keys: list[str]) -> None:
+        """Delete exactly `keys`; missing ones are fine."""
         if self.s3 is not None:
             from stagerd.sinks import s3_store
 
@@ -245,12 +246,16 @@ class RemoteStore:
                     self.fs.rm_file(self.path(key))
             except FileNotFoundError:
                 pass
-        if self.local and empty_dirs_of is not None:
-            stop = self._local(empty_dirs_of)
-            dirs = {p for k in keys for p in self._local(k).parents if p == stop or stop in p.parents}
-            for d in sorted(dirs, key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):  # not empty (someone writes there), or gone
-                    os.rmdir(d)
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """file://: remove the empty directories under `prefix/`, and it, deepest first (`rmdir` only: a
+        directory someone writes into again is not empty and stays). Object stores have none."""
+        if not self.local:
+            return
+        top = self._local(prefix)
+        for dirpath, _dirs, _names in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
 
     def close(self) -> None:
         for b in self.owns:
@@ -261,13 +266,24 @@ def _str(tag: Any) -> str | None:
     return None if tag is None else str(tag)
 
 
+def _info_tag(info: Mapping[str, Any]) -> str:
+    """An fsspec store's version of an object, as far as its listing says (weaker than a real ETag)."""
+    for name in ("ETag", "etag", "generation", "mtime", "LastModified", "created"):
+        if info.get(name) is not None:
+            return f"{name}:{info[name]}"
+    return f"size:{info.get('size')}"
+
+
 def _tag(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
-def _local_objects(base: Path) -> dict[str, StoredObject]:
+def _local_objects(base: Path, start: str = "") -> dict[str, StoredObject]:
     out = {}
-    for dirpath, _dirs, names in os.walk(base):  # never follows a link to a directory
+    for dirpath, dirs, names in os.walk(base):  # never follows a link to a directory
+        if start and Path(dirpath) == base:
+            dirs[:] = [d for d in dirs if d.startswith(start)]
+            names = [n for n in names if n.startswith(start)]
         for name in names:
             p = Path(dirpath) / name
             try:
@@ -298,7 +314,7 @@ def _locked(path: Path, tag: str) -> Iterator[bool]:
         os.close(fd)
 
 
-def _local_put_if(path: Path, data: bytes, tag: str | None) -> bool:
+def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # swept when dead
     with open(tmp, "wb") as f:
@@ -310,13 +326,13 @@ def _local_put_if(path: Path, data: bytes, tag: str | None) -> bool:
             try:
                 os.link(tmp, path)  # cannot replace: exactly one creator wins
             except FileExistsError:
-                return False
-            layout.fsync_dir(path.parent)
-            return True
-        with _locked(path, tag) as held:
-            if held:
+                return None
+        else:
+            with _locked(path, tag) as held:
+                if not held:
+                    return None
                 os.replace(tmp, path)  # a new inode: a replacer waiting on the old one then sees the change
-                layout.fsync_dir(path.parent)
-            return held
+        layout.fsync_dir(path.parent)
+        return _tag(os.stat(path, follow_symlinks=False))
     finally:
         tmp.unlink(missing_ok=True)

@@ -30,15 +30,16 @@ def _base(b: S3Backend, prefix: str) -> str:
     return f"{key}/" if key else ""
 
 
-def objects(b: S3Backend, prefix: str) -> dict[str, StoredObject]:
-    """Every object under `prefix/` (relative name -> size, LastModified, ETag)."""
+def objects(b: S3Backend, prefix: str, start: str = "") -> dict[str, StoredObject]:
+    """Every object under `prefix/` whose relative name starts with `start` (literal: S3's `Prefix` is
+    never a pattern), by relative name: size, LastModified, ETag."""
     from stagerd.sinks.remote import StoredObject
 
     async def go() -> dict[str, StoredObject]:
         s3 = await b._client()
         base = _base(b, prefix)
         out: dict[str, StoredObject] = {}
-        args = {"Bucket": b.bucket, "Prefix": base}
+        args = {"Bucket": b.bucket, "Prefix": base + start}
         try:
             while True:
                 page = await s3.list_objects_v2(**args)
@@ -98,28 +99,38 @@ def put(b: S3Backend, key: str, data: bytes) -> None:
     b.write(key, data)
 
 
-def put_if(b: S3Backend, key: str, data: bytes, tag: str | None) -> bool:
-    """Write `key` only if it is absent (`tag` None) or still holds the version `tag`; False if not."""
+def put_if(b: S3Backend, key: str, data: bytes, tag: str | None) -> str | None:
+    """Write `key` only if it is absent (`tag` None) or still holds the version `tag`: the new ETag, or
+    None when the condition failed."""
 
-    async def go() -> bool:
+    async def go() -> str | None:
         s3 = await b._client()
         cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
         try:
-            await s3.put_object(Bucket=b.bucket, **b._put_args(key, data), **cond)
-            return True
+            answer = await s3.put_object(Bucket=b.bucket, **b._put_args(key, data), **cond)
+            return str(answer.get("ETag"))
         except Exception as e:
             if precondition_failed(e) or (tag is not None and error_code(e)[0] in ("NoSuchKey", "404")):
-                return False
+                return None
             if not not_implemented(e):
                 raise s3_error(e, b.where(key)) from None
         log.warning("%s does not support conditional writes; read, compare, then write", b.base)
-        current = read_tagged(b, key)
-        if (current is None) != (tag is None) or (current is not None and current[1] != tag):
-            return False
-        await b.call(b.where(key), "put_object", **b._put_args(key, data))
-        return True
+        s3 = await b._client()
+        try:
+            r = await s3.get_object(Bucket=b.bucket, Key=b.key(key))
+            current: str | None = r.get("ETag")
+            r["Body"].close()
+        except Exception as e:
+            if error_code(e)[0] not in ("NoSuchKey", "404"):
+                raise s3_error(e, b.where(key)) from None
+            current = None
+        if current != tag:
+            return None
+        answer = await b.call(b.where(key), "put_object", **b._put_args(key, data))
+        return str(answer.get("ETag"))
 
-    return bool(b._run(go))
+    result: str | None = b._run(go)
+    return result
 
 
 def delete_if(b: S3Backend, key: str, tag: str) -> bool:
@@ -136,8 +147,13 @@ def delete_if(b: S3Backend, key: str, tag: str) -> bool:
             if not not_implemented(e):
                 raise s3_error(e, b.where(key)) from None
         log.warning("%s does not support conditional deletes; read, compare, then delete", b.base)
-        current = read_tagged(b, key)
-        if current is None or current[1] != tag:
+        try:
+            head = await s3.head_object(Bucket=b.bucket, Key=b.key(key))
+        except Exception as e:
+            if error_code(e)[0] in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise s3_error(e, b.where(key)) from None
+        if head.get("ETag") != tag:
             return False
         await b.call(b.where(key), "delete_object", Key=b.key(key))
         return True
