@@ -10,7 +10,8 @@ are listed in `POINTS` (the tests check every one is reached) and documented in 
 
 `delay_point("name")` sleeps instead, when `STAGERD_DELAY_AT=name:SECONDS` names one of `DELAYS`: a race
 between two processes (two publishers of one step) is widened there, so that a test reproduces it every
-time; it logs one line to stderr when it starts sleeping, which the test waits for.
+time; it logs one line to stderr when it starts sleeping, which the test waits for, and it ends early once
+the file `STAGERD_DELAY_RELEASE` names exists.
 
 A point needs a stagerd line to sit on. Inside huggingface_hub's LFS upload there is none, so that kill
 comes from outside: the Hub test server SIGKILLs the daemon once an upload body is partly received
@@ -51,9 +52,12 @@ POINTS = {
 
 
 DELAY_ENV = "STAGERD_DELAY_AT"
+RELEASE_ENV = "STAGERD_DELAY_RELEASE"
 
 DELAYS = {
     "publish.opened": "fsspec sink: a step opened (claim settled, manifest looked for), nothing uploaded yet",
+    "save.marker": "Stager: every part of a save written, holding the step's lock, the marker not yet",
+    "restore.landing": "restore: the step downloaded and checked, holding the step's lock, not yet landed",
 }
 
 
@@ -100,8 +104,12 @@ _DELAY = _parse_delay(os.environ.get(DELAY_ENV))
 
 
 def delay_point(name: str) -> None:
-    """Sleep here if `STAGERD_DELAY_AT` names this point (each time it is reached)."""
+    """Sleep here if `STAGERD_DELAY_AT` names this point (each time it is reached): for its SECONDS, or
+    until the file `STAGERD_DELAY_RELEASE` names exists, whichever comes first."""
     if _DELAY is None or _DELAY[0] != name:
         return
     os.write(2, f"stagerd: delay point {name} reached ({DELAY_ENV}); sleeping {_DELAY[1]:g} s\n".encode())
-    time.sleep(_DELAY[1])
+    release = os.environ.get(RELEASE_ENV)
+    deadline = time.monotonic() + _DELAY[1]
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.02)
