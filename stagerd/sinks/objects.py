@@ -46,6 +46,16 @@ class RemoteObject:
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """One object as a store lists it for retention and claims: its size, its LastModified (the store's
+    clock), and the tag a conditional write compares (S3's ETag; a file's inode, mtime and size)."""
+
+    size: int
+    mtime: float | None = None
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
 class Uploaded:
     """One file as uploaded: its sha256 hex (for the manifest) and the checksum the store should report.
 

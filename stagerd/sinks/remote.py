@@ -27,19 +27,11 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import redact_url
+from stagerd.sinks.objects import StoredObject, redact_url
+
+__all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
 
 MAX_MANIFEST_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """One object: its size, its LastModified (the store's clock), and the tag a conditional write
-    compares (S3's ETag; a file's inode, mtime and size)."""
-
-    size: int
-    mtime: float | None = None
-    tag: str | None = None
 
 
 @dataclass

@@ -13,10 +13,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from stagerd.errors import SinkError
+from stagerd.sinks.objects import StoredObject
 from stagerd.sinks.s3_client import error_code, not_implemented, precondition_failed, s3_error
 
 if TYPE_CHECKING:
-    from stagerd.sinks.remote import StoredObject
     from stagerd.sinks.s3 import S3Backend
 
 log = logging.getLogger("stagerd.sinks.s3")
@@ -33,7 +33,6 @@ def _base(b: S3Backend, prefix: str) -> str:
 def objects(b: S3Backend, prefix: str, start: str = "") -> dict[str, StoredObject]:
     """Every object under `prefix/` whose relative name starts with `start` (literal: S3's `Prefix` is
     never a pattern), by relative name: size, LastModified, ETag."""
-    from stagerd.sinks.remote import StoredObject
 
     async def go() -> dict[str, StoredObject]:
         s3 = await b._client()
