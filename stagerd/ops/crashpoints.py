@@ -41,7 +41,7 @@ POINTS = {
     "restore.piece": "restore: a piece of a file downloaded and written, the file not complete",
     "restore.landed": "restore: the step renamed into ROOT without its marker, the journal not written",
     "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
-    "prune.tombstone": "remote prune: a step's tombstone written, its manifest not yet deleted",
+    "prune.tombstone": "remote prune: the step's claims taken (its tombstone), its manifest not yet deleted",
     "prune.manifest": "remote prune: a step's manifest deleted, its files not yet",
     "fleet.raw_upload": "fleet export: part of this node's raw part on the exchange, no raw manifest yet",
     "fleet.build": "fleet export: an owned file being built (a byte move into it done), not yet uploaded",

@@ -86,6 +86,9 @@ class FsspecSink:
         flight, so memory is about their product), `checksum` (CRC32 or SHA256) the store verifies."""
         import fsspec
 
+        from stagerd.sinks.urls import refuse_patterns
+
+        refuse_patterns(url)  # also where a sink is opened without the parser (the fleet's exchange)
         opts = {**dict(storage_options or {}), **options}
         protocol, path = fsspec.core.split_protocol(url)
         try:

@@ -28,6 +28,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.sinks.objects import StoredObject, redact_url
+from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
 
@@ -49,8 +50,6 @@ class RemoteStore:
         cls, url: str, *, workers: int = 8, storage_options: Mapping[str, Any] | None = None
     ) -> RemoteStore:
         import fsspec
-
-        from stagerd.sinks.urls import refuse_patterns
 
         url = url.rstrip("/")
         refuse_patterns(url)
@@ -231,6 +230,9 @@ class RemoteStore:
             s3_store.delete(self.s3, keys)
             return
         for key in keys:
+            if not self.local and any(c in key for c in PATTERN_CHARS):
+                # an async fsspec store without its own `_rm_file` deletes through `_rm`, which expands
+                raise SinkError("has glob characters: not deleted through fsspec", path=self.where(key))
             try:
                 if self.local:
                     os.unlink(self._local(key))
