@@ -1,4 +1,6 @@
-"""Who may change a step's prefix on a store: the claim object `<prefix>/stagerd.claim`.
+"""Who may change a step's prefix on a store: its claim object, `claims/step-N` beside the steps
+(`raw/claims/step-N`, and `raw/claims/step-N.node-K-of-M` for a node's raw part: `claim_key`), so a step's
+directory holds exactly what was published.
 
 Publishes and prunes change a step's prefix; two at once (two jobs sharing a prefix, a job restarted on
 another node while the old daemon still publishes, two prunes) must never both change it. The claim decides,
@@ -31,11 +33,20 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stagerd.contract import layout
 from stagerd.errors import StepClaimedError
 
-CLAIM_NAME = "stagerd.claim"
+CLAIMS_DIR = "claims"
 PUBLISH, PRUNE = "publish", "prune"
 PRUNE_STALE_S = 600.0  # a prune deletes a step in seconds; one this old by the store's clock is dead
+
+
+def claim_key(prefix: str) -> str:
+    """The claim of the step prefix `[TREE/]step-N[/PART]`: `[TREE/]claims/step-N[.PART]`."""
+    parts = prefix.split("/")
+    i = next(i for i, p in enumerate(parts) if layout.parse_step_dir(p) is not None)
+    base = "/".join([*parts[:i], CLAIMS_DIR])
+    return f"{base}/{'.'.join(parts[i:])}"
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from stagerd.contract.layout import ExportManifest, ManifestFile
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.claims import CLAIM_NAME, claimed_error, owned_by, publish_claim
+from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
@@ -215,7 +215,7 @@ class FsspecSink:
         prog = ByteProgress(total, progress)
 
         mine = publish_claim(local_root)
-        claim = Claiming(f"{prefix}/{CLAIM_NAME}", mine.encode(), lambda data: owned_by(data, mine))
+        claim = Claiming(claim_key(prefix), mine.encode(), lambda data: owned_by(data, mine))
         opening = self._open_step(prefix, manifest_key, files, prog, claim)
         delay_point("publish.opened")
         early = {d.rel: d for d in [*opening.created, *opening.refused]}  # hashed while opening

@@ -39,14 +39,25 @@ FLEET_DONE = "done.json"  # written by the fleet's leader once nothing reads the
 
 @dataclass
 class Tree:
-    """One tree's steps as listed: each step's objects, by name relative to the step's prefix."""
+    """One tree's steps as listed: each step's objects by name relative to the step's prefix, and the
+    claims under the tree's `claims/` (`step-N`, `step-N.node-K-of-M`)."""
 
     name: str  # "export", "raw"
     base: str  # "" or "raw/"
     steps: dict[int, dict[str, StoredObject]] = field(default_factory=dict)
+    claims: dict[str, StoredObject] = field(default_factory=dict)
 
     def prefix(self, step: int) -> str:
         return f"{self.base}{layout.step_dir_name(step)}"
+
+    def claims_of(self, step: int) -> list[tuple[str, StoredObject | None]]:
+        """(key, as listed) of the step's claims: its own first (None: it has none yet), then its parts'."""
+        name = layout.step_dir_name(step)
+        own = f"{self.base}{claims.CLAIMS_DIR}/{name}"
+        parts = sorted(r for r in self.claims if r.startswith(name + "."))
+        return [(own, self.claims.get(name))] + [
+            (f"{self.base}{claims.CLAIMS_DIR}/{r}", self.claims[r]) for r in parts
+        ]
 
 
 def _by_step(objects: dict[str, StoredObject]) -> dict[int, dict[str, StoredObject]]:
@@ -59,12 +70,6 @@ def _by_step(objects: dict[str, StoredObject]) -> dict[int, dict[str, StoredObje
     return out
 
 
-def _claim_keys(objs: dict[str, StoredObject]) -> list[str]:
-    """The step's own claim first, then each node part's (relative to the step's prefix)."""
-    parts = sorted(r for r in objs if r.endswith("/" + claims.CLAIM_NAME))
-    return [claims.CLAIM_NAME, *parts]
-
-
 def _complete(tree: Tree, objs: dict[str, StoredObject]) -> bool:
     if layout.MANIFEST_NAME in objs:
         return True
@@ -73,28 +78,26 @@ def _complete(tree: Tree, objs: dict[str, StoredObject]) -> bool:
 
 def _state(store: RemoteStore, tree: Tree, step: int, now: float) -> tuple[bool, str | None]:
     """(a killed prune's leftovers, busy reason) of a step without a manifest: read its claims."""
-    objs = tree.steps[step]
-    if TOMBSTONE in objs and claims.CLAIM_NAME not in objs:
-        return True, None
-    for rel in _claim_keys(objs):
-        if rel not in objs:
-            continue
-        held = claims.decode(store.read(f"{tree.prefix(step)}/{rel}", limit=4096))
+    listed = [(key, obj) for key, obj in tree.claims_of(step) if obj is not None]
+    if not listed:
+        return TOMBSTONE in tree.steps.get(step, {}), None  # an older stagerd's killed prune, or nothing
+    for key, obj in listed:
+        held = claims.decode(store.read(key, limit=4096))
         if held is None or held.kind != claims.PRUNE:
-            return False, None  # a publish in progress (or a step of an older stagerd): never touched
-        mtime = objs[rel].mtime
-        if not claims.prune_is_dead(held, None if mtime is None else now - mtime):
+            return False, None  # a publish in progress: never touched
+        if not claims.prune_is_dead(held, None if obj.mtime is None else now - obj.mtime):
             return False, f"{held.describe()} is deleting it"
-        return True, None
-    return False, None
+    return True, None
 
 
 def scan(
     store: RemoteStore, tree: Tree, fleet: dict[int, dict[str, StoredObject]], now: float
 ) -> tuple[list[RemoteStep], int | None]:
-    """The steps of one tree and the step its `latest` names."""
+    """The steps of one tree (those with objects, and those with only a claim left) and `latest`'s."""
+    claimed = {s for r in tree.claims if (s := layout.parse_step_dir(r.split(".", 1)[0])) is not None}
     steps = []
-    for step, objs in sorted(tree.steps.items()):
+    for step in sorted(set(tree.steps) | claimed):
+        objs = tree.steps.get(step, {})
         complete = _complete(tree, objs)
         pruning, busy = (False, None) if complete else _state(store, tree, step, now)
         if busy is None and tree.name == "raw" and node_parts(objs)[0]:
@@ -107,50 +110,45 @@ def scan(
     return steps, latest
 
 
-def delete_step(
-    store: RemoteStore, prefix: str, listed: dict[str, StoredObject], now: float, extra: tuple[str, ...] = ()
-) -> bool:
+def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tuple[str, ...] = ()) -> bool:
     """Delete one step (module docstring); `extra` keys (a raw step's fleet records) go with its files.
-    False, with nothing deleted, when one of its claims changed since `listed` or a live prune holds it."""
+    False, with nothing deleted, when one of its claims changed since the listing or a live prune holds it."""
+    prefix, listed = tree.prefix(step), tree.steps.get(step, {})
     mine = claims.prune_claim().encode()
     taken: list[tuple[str, bytes | None, str]] = []  # (claim, what it held, our version), in order
-    for rel in _claim_keys(listed):
-        key, obj = f"{prefix}/{rel}", listed.get(rel)
+    for key, obj in tree.claims_of(step):
         before = None
         if obj is not None:
             found = store.read_tagged(key)
             if found is None or found[1] != obj.tag:
-                return _give_back(store, prefix, taken) and False  # changed since the listing
+                return _give_back(store, taken) and False  # changed since the listing
             held = claims.decode(found[0])
             age = None if obj.mtime is None else now - obj.mtime
             if held is not None and held.kind == claims.PRUNE and not claims.prune_is_dead(held, age):
-                return _give_back(store, prefix, taken) and False  # a live prune is deleting it
+                return _give_back(store, taken) and False  # a live prune is deleting it
             before = found[0]
         tag = store.put_if(key, mine, None if obj is None else obj.tag)
         if tag is None:
-            return _give_back(store, prefix, taken) and False
-        taken.append((rel, before, tag))
+            return _give_back(store, taken) and False
+        taken.append((key, before, tag))
     crash_point("prune.tombstone")
     manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
     store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
     crash_point("prune.manifest")
-    own = {rel for rel, _, _ in taken}
-    files = [f"{prefix}/{rel}" for rel in sorted(store.objects(prefix)) if rel not in own]
-    store.delete([*files, *extra])
-    ours = _give_back(store, prefix, taken, delete=True)
+    store.delete([*(f"{prefix}/{rel}" for rel in sorted(store.objects(prefix))), *extra])
+    ours = _give_back(store, taken, delete=True)
     store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
     return ours
 
 
 def _give_back(
-    store: RemoteStore, prefix: str, taken: list[tuple[str, bytes | None, str]], *, delete: bool = False
+    store: RemoteStore, taken: list[tuple[str, bytes | None, str]], *, delete: bool = False
 ) -> bool:
     """Release the claims taken, the step's own last: deleted (`delete`: the step is gone) or put back as
     they were. Each only while it is still ours; True if every one was (else a prune that took this one
     for dead took it over, and finishes the step)."""
     ours = True
-    for rel, before, tag in reversed(taken):
-        key = f"{prefix}/{rel}"
+    for key, before, tag in reversed(taken):
         if delete or before is None:
             ours = store.delete_if(key, tag) and ours
         else:
@@ -171,6 +169,7 @@ def prune(
         trees = [Tree("export", ""), Tree("raw", f"{RAW_DIR}/")]
         for tree in trees:
             tree.steps = _by_step(store.objects(tree.base.rstrip("/"), start="step-"))
+            tree.claims = store.objects(f"{tree.base}{claims.CLAIMS_DIR}", start="step-")
         fleet = _by_step(store.objects(FLEET_DIR, start="step-"))
         restoring = live_leases(store.objects(RESTORING_DIR), now)
         plans = [(tree, *scan(store, tree, fleet, now)) for tree in trees]
@@ -194,7 +193,7 @@ def _delete(
     records = fleet.get(d.step, {}) if tree.name == "raw" else {}
     extra = tuple(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}/{r}" for r in sorted(records))
     try:
-        done = delete_step(store, prefix, tree.steps[d.step], now, extra)
+        done = delete_step(store, tree, d.step, now, extra)
         if extra:
             store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
     except OSError as e:

@@ -248,12 +248,13 @@ class S3Backend(LatestMixin):
 
         async def opened(puts: asyncio.Future[Any], claimed: asyncio.Future[bytes | None]) -> StepOpening:
             listing = None if small else asyncio.ensure_future(listed())
-            first = asyncio.gather(puts, claimed, *([listing] if listing is not None else []))
+            children = [puts, claimed, *([listing] if listing is not None else [])]
             try:
-                (created, refused), held, *rest = await first
+                (created, refused), held, *rest = await asyncio.gather(*children)
             except BaseException:
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
+                for c in children:  # a failed gather leaves its other children running: stop them
+                    c.cancel()
+                await asyncio.gather(*children, return_exceptions=True)
                 raise
             objects, existing = rest[0] if rest else (None, None)
             if held is None and small and not refused:

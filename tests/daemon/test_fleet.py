@@ -62,8 +62,9 @@ def _run_all(node_dirs: list[Path], url: str, **kw) -> list[FleetResult | BaseEx
 
 def _tree(keys: dict[str, int], env, prefix: str) -> dict[str, bytes]:
     pre = f"{prefix}/{layout.step_dir_name(STEP)}/"
-    skip = (layout.MANIFEST_NAME, "stagerd.claim")  # a single publisher's step also holds its claim
-    return {k[len(pre) :]: env.get(k) for k in keys if k.startswith(pre) and not k.endswith(skip)}
+    return {
+        k[len(pre) :]: env.get(k) for k in keys if k.startswith(pre) and not k.endswith(layout.MANIFEST_NAME)
+    }
 
 
 def _keys(env) -> dict[str, int]:

@@ -11,7 +11,6 @@ import pytest
 from stagerd.contract import layout
 from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
-from stagerd.sinks.claims import CLAIM_NAME
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.hashing import hash_file
 from tests import s3server
@@ -79,7 +78,7 @@ def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algor
     assert writes and all(w[:2] == ("PutObject", 412) for w in writes), writes
     # the three files under two parts and the step's claim; the multipart one is never re-sent
     assert sorted(w[2].rsplit("/", 1)[-1] for w in writes) == sorted(
-        ["README.md", "model-00002-of-00002.safetensors", layout.INDEX_NAME, CLAIM_NAME]
+        ["README.md", "model-00002-of-00002.safetensors", layout.INDEX_NAME, "step-00000012"]
     )
     assert {k: s3.get(k) for k in s3.keys("ckpt/")} == before
     fresh.close()
@@ -140,7 +139,7 @@ def test_s3_rerun_after_a_restart_is_refused_early_and_reuses_what_landed(s3, tm
         s3_sink(s3).publish(export, 9)
     landed = {k: s3.get(k) for k in s3.keys("ckpt/")}
     assert len(landed) == 4 and not [k for k in landed if big in k or layout.MANIFEST_NAME in k]
-    assert f"ckpt/step-00000009/{CLAIM_NAME}" in landed  # the restarted publisher's own claim
+    assert "ckpt/claims/step-00000009" in landed  # the restarted publisher's own claim
 
     s3.proxy.reset()
     res = s3_sink(s3).publish(export, 9)
