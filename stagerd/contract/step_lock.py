@@ -2,13 +2,16 @@
 
 Both write `ROOT/step-N`: the save its files (its leader first removes what a crashed save left there),
 the restore its landing (which first removes an uncommitted directory there). Each holds an exclusive
-`flock` on `ROOT/.stagerd/steps/step-N.lock`, taken without waiting, from before its first change to its
-marker; the other gets `StepBusyError` and changes nothing. A holder that dies releases it with its file
-descriptor. The file is unlinked while still held, and a taker checks after locking that the path is
-still the file it locked, so an unlinked lock file is never mistaken for a held one.
+`flock` on `ROOT/.step-N.lock`, taken without waiting, from before its first change to its marker; the
+other gets `StepBusyError` and changes nothing. The file sits in ROOT itself, which both may write (the
+trainer and a daemon's user may differ, and `ROOT/.stagerd` is the daemon's); a dot name is no step.
+A holder that dies releases it with its file descriptor. The file is unlinked while still held, and a
+taker checks after locking that the path is still the file it locked, so an unlinked lock file is never
+mistaken for a held one.
 
-Where the filesystem has no `flock` (some network mounts), the lock is skipped with a warning: the two
-are then only as exclusive as the operator keeps them.
+Where the lock cannot be had for another reason than a holder (a filesystem without `flock`, a ROOT this
+user cannot create files in), it is skipped with a warning and the save or restore goes on as before: the
+lock never becomes a new way for a save to fail.
 """
 
 from __future__ import annotations
@@ -23,11 +26,9 @@ from stagerd.errors import StepBusyError
 
 log = logging.getLogger("stagerd")
 
-STEPS_DIR = "steps"
-
 
 def lock_path(root: str | os.PathLike[str], step: int) -> Path:
-    return Path(root) / layout.STATE_DIR / STEPS_DIR / f"{layout.step_dir_name(step)}.lock"
+    return Path(root) / f".{layout.step_dir_name(step)}.lock"
 
 
 class StepLock:
@@ -40,9 +41,12 @@ class StepLock:
     def acquire(self) -> StepLock:
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o664)
+            except OSError as e:
+                log.warning("no lock on %s (%s): %s goes on without it", self.path, e.strerror, self.who)
+                return self
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -52,7 +56,7 @@ class StepLock:
                     raise StepBusyError(
                         f"step {self.step} is being written by {holder or 'another process'}; "
                         f"{self.who} of it waits for that to end",
-                        path=self.path.parent.parent.parent / layout.step_dir_name(self.step),
+                        path=self.path.parent / layout.step_dir_name(self.step),
                     ) from None
                 log.warning("no lock on %s (%s): %s goes on without it", self.path, e.strerror, self.who)
                 return self

@@ -9,8 +9,8 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
 - **A publisher** creates it (S3 `If-None-Match: *`, file:// `link()`) together with the step's first
   requests, naming itself by host and the real path of what it publishes (`publish_claim`): the same
   publisher restarted on the same host owns it again, any other does not. Until it is known to hold it, a
-  publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays beside
-  the manifest, so a step's prefix has one publisher for its whole life.
+  publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
+  long as the step, so a step's prefix has one publisher for its whole life.
   - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
     files: `SinkConflictError`). No manifest: `StepClaimedError` (retryable): the holder is still
     publishing, or died before its commit (then an operator deletes the claim object; see the hint).

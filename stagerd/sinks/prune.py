@@ -1,17 +1,17 @@
 """Remote retention of an fsspec sink: scan the trees, plan (`prune_plan.py`), delete exact keys, with the
 prefix valid for readers at every moment and never a key of a step another process is changing.
 
-- **Scan**: one literal listing per tree (`step-*` of the export tree, of `raw/`, of `fleet/`, and
-  `restoring/`), never a pattern; the claims of steps without a manifest are read to tell a killed prune's
-  leftovers from a publish in progress. A node-locally staged raw step whose fleet build has not recorded
-  `fleet/step-N/done.json` is busy: the build may still read its parts.
-- **Delete one step** (`delete_step`): take every claim of the step (`claims.py`: the step's, and each node
-  part's) by a conditional replace on the version listed, or stop if one changed (a publisher or another
-  prune holds it: not counted); then the manifests (from here the step is absent to every reader), then
-  a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a raw step's
-  `fleet/step-N/` records; the claims last, each only while it is still ours. A kill at any point leaves a
-  complete step or one without a manifest under a prune's claim, which the next prune takes over and
-  finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
+- **Scan**: one literal listing each (`step-*` of the export tree, of `raw/`, of both `claims/`, of
+  `fleet/`, and `restoring/`), never a pattern; the claims of steps without a manifest are read to tell
+  a killed prune's leftovers from a publish in progress. A node-locally staged raw step whose fleet build
+  has not recorded `fleet/step-N/done.json` is busy: the build may still read its parts.
+- **Delete one step** (`delete_step`): take every claim of the step (`claims.py`: the step's, and each
+  node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
+  another prune holds it: not counted); then the manifests (from here the step is absent to every
+  reader), then a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a
+  raw step's `fleet/step-N/` records; the claims last, each only while it is still ours. A kill at any
+  point leaves a complete step or one without a manifest under a prune's claim, which the next prune
+  takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def prune(
             decisions.append(d)
             if d.delete and not dry_run:
                 _delete(store, tree, d, now, fleet)
-    decisions += _orphan_records(store, fleet, trees[1], plans[1][1], now, dry_run)
+    decisions += _orphan_records(store, fleet, trees[1], plans[1][1], dry_run)
     return decisions
 
 
@@ -216,7 +216,6 @@ def _orphan_records(
     fleet: dict[int, dict[str, StoredObject]],
     raw: Tree,
     raw_steps: list[RemoteStep],
-    now: float,
     dry_run: bool,
 ) -> list[Decision]:
     """`fleet/step-N/` records whose raw step is gone (pruned by hand, or by an older stagerd): deleted once
