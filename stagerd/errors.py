@@ -116,6 +116,31 @@ class SinkConflictError(SinkError):
     hint = "the destination holds a different upload for this step; inspect it before deleting anything"
 
 
+class StepClaimedError(SinkError):
+    """Another publisher, or a prune, holds the step's prefix on the sink: nothing of this publish was
+    written there (what it created on free keys while finding that out is removed again)."""
+
+    hint = (
+        "two publishers write one step to one prefix (two jobs share it, or a job restarted elsewhere while "
+        "the old one still publishes); stagerd retries and stops with a conflict if the other commits other "
+        "files. A prune's claim is finished by the next `stagerd prune`; a publisher that is gone for good "
+        "leaves its claim: delete that one object (named above), then retry"
+    )
+
+
+class StepBusyError(StagerdError):
+    """A step directory that a `stagerd restore` or a Stager save of the same step is writing now."""
+
+    retryable = True
+    hint = "a restore and a save of one step never run together; wait for the other to finish, then retry"
+
+
+class SymlinkError(StagerdError):
+    """A symbolic link where stagerd would create, rename or delete: it could lead the write elsewhere."""
+
+    hint = "point the command at the real directory, or replace the link by a directory; nothing was changed"
+
+
 class JournalError(StagerdError):
     """The daemon journal is missing, unreadable, from a newer stagerd, or asked for an impossible move."""
 

@@ -53,6 +53,8 @@ def classify(method: str, path: str, query: dict[str, list[str]]) -> str:
             return "UploadPart"
         return "PutObject" if has_key else "CreateBucket"
     if method == "POST":
+        if "delete" in query:
+            return "DeleteObjects"
         if "uploads" in query:
             return "CreateMultipartUpload"
         if "uploadId" in query:

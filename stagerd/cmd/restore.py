@@ -108,6 +108,7 @@ def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> 
             "the Hub holds HF exports only, not raw steps: add --export to restore one into a directory",
             hint="raw steps come back from the s3:// or file:// sink `watch --publish-raw` sent them to",
         )
+    refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
     with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
@@ -182,66 +183,91 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
     layout.write_marker(tmp, whole)
 
 
+def refuse_links(path: Path) -> None:
+    """`SymlinkError` if `path`, or any directory above it, is a symbolic link: a restore creates, renames
+    and deletes there, and a link would take that elsewhere (another ROOT's step, a shared directory)."""
+    p = Path(os.path.abspath(path))
+    for q in [*reversed(p.parents), p]:
+        if q.is_symlink():
+            from stagerd.errors import SymlinkError
+
+            raise SymlinkError(
+                f"goes through the symbolic link {q} (-> {os.readlink(q)}); restore never writes via links",
+                path=path,
+                hint=f"give the real path ({os.path.realpath(path)}), or replace the link by a directory; "
+                "nothing was changed",
+            )
+
+
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
     from stagerd.contract import layout
+    from stagerd.contract.step_lock import StepLock
     from stagerd.daemon.journal import Journal
     from stagerd.daemon.lock import RootLock
     from stagerd.errors import RestoreError, StepExistsError
-    from stagerd.ops.crashpoints import crash_point
+    from stagerd.ops.crashpoints import crash_point, delay_point
     from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
-    from stagerd.sinks.prune import Lease
+    from stagerd.sinks.leases import Lease
 
+    refuse_links(root)
     root.mkdir(parents=True, exist_ok=True)
     lock = RootLock(root)
     lock.acquire()  # LockError while a daemon watches ROOT
     try:
         step = resolve_step(store, step, raw=True)
         step_dir = root / layout.step_dir_name(step)
-        if layout.is_committed(step_dir):
-            raise StepExistsError(f"step {step} is already committed in ROOT; not overwritten", path=step_dir)
-        prefix = step_prefix(step, raw=True)
-        parts = _raw_parts(store, prefix, step)
-        for part, manifest in parts:
-            if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
-                f.path for f in manifest.files
-            }:
-                raise RestoreError(
-                    "is not a raw step's manifest (no commit marker listed)", path=store.where(part)
-                )
-            check_listing(store, part, manifest)
         work = root / layout.STATE_DIR / RESTORE_DIR
-        shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
-        tmp = work / step_dir.name
-        tmp.mkdir(parents=True)
-        try:
-            with Lease(store, step):  # a prune meanwhile leaves the step alone
-                for part, manifest in parts:
-                    dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
-                    _download(store, part, manifest, dest, workers, f"restore step {step}")
-            if len(parts) > 1:
-                _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
-            marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
-            if marker.step != step:
-                raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))
-            layout.check_staged_files(tmp, marker)
-            marker_bytes = (tmp / layout.MARKER_NAME).read_bytes()
-            os.unlink(tmp / layout.MARKER_NAME)
-            if step_dir.exists():  # uncommitted: a crashed save, or a killed restore's landing
-                shutil.rmtree(step_dir)
-            os.rename(tmp, step_dir)
-            layout.fsync_dir(root)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        crash_point("restore.landed")
-        identity = "sha256:" + hashlib.sha256(marker_bytes).hexdigest()
-        journal = Journal.open(root)
-        try:
-            journal.record_restored(step, step_dir, identity, store.url)
-        finally:
-            journal.close()
-        crash_point("restore.journaled")
-        layout.write_bytes_atomic(step_dir / layout.MARKER_NAME, marker_bytes)
+        for p in (step_dir, work):
+            refuse_links(p)
+        with StepLock(root, step, "a restore"):  # StepBusyError while a Stager saves this step
+            if layout.is_committed(step_dir):
+                raise StepExistsError(
+                    f"step {step} is already committed in ROOT; not overwritten", path=step_dir
+                )
+            prefix = step_prefix(step, raw=True)
+            parts = _raw_parts(store, prefix, step)
+            for part, manifest in parts:
+                if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
+                    f.path for f in manifest.files
+                }:
+                    raise RestoreError(
+                        "is not a raw step's manifest (no commit marker listed)", path=store.where(part)
+                    )
+                check_listing(store, part, manifest)
+            shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
+            tmp = work / step_dir.name
+            tmp.mkdir(parents=True)
+            try:
+                with Lease(store, step):  # a prune meanwhile leaves the step alone
+                    for part, manifest in parts:
+                        dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
+                        _download(store, part, manifest, dest, workers, f"restore step {step}")
+                if len(parts) > 1:
+                    _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
+                marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
+                if marker.step != step:
+                    raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))
+                layout.check_staged_files(tmp, marker)
+                marker_bytes = (tmp / layout.MARKER_NAME).read_bytes()
+                os.unlink(tmp / layout.MARKER_NAME)
+                delay_point("restore.landing")
+                refuse_links(step_dir)
+                if step_dir.exists():  # uncommitted: a crashed save, or a killed restore's landing
+                    shutil.rmtree(step_dir)
+                os.rename(tmp, step_dir)
+                layout.fsync_dir(root)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            crash_point("restore.landed")
+            identity = "sha256:" + hashlib.sha256(marker_bytes).hexdigest()
+            journal = Journal.open(root)
+            try:
+                journal.record_restored(step, step_dir, identity, store.url)
+            finally:
+                journal.close()
+            crash_point("restore.journaled")
+            layout.write_bytes_atomic(step_dir / layout.MARKER_NAME, marker_bytes)
         return step_dir
     finally:
         lock.release()
@@ -251,8 +277,9 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     """The published HF export of a step into the new directory `out`, checked against its manifest."""
     from stagerd.errors import OutputError
     from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
-    from stagerd.sinks.prune import Lease
+    from stagerd.sinks.leases import Lease
 
+    refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
     step = resolve_step(store, step, raw=False)

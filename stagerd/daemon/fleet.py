@@ -48,6 +48,7 @@ from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_parts
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
+from stagerd.sinks.prune import FLEET_DONE
 
 log = logging.getLogger("stagerd.fleet")
 
@@ -65,6 +66,7 @@ class FleetOptions:
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
     threads: int = 2
+    hub: bool = False  # a Hub lane follows: it records the step done (`fleet_hub.py`)
 
 
 @dataclass
@@ -153,6 +155,8 @@ class FleetNode:
         if self.me == 0:
             res.bytes_uploaded += self._lead(p, parts, owner)
             res.committed = True
+            if not self.opt.hub:  # nothing reads the raw parts again: remote retention may take them
+                self._create(f"{self.base}/{FLEET_DONE}", b"{}")
         else:
             self._wait(
                 lambda: all(s.is_published(self.step) for s in self.sinks),

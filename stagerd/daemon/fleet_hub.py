@@ -20,6 +20,7 @@ from stagerd.errors import SinkError
 from stagerd.sinks.base import PublishResult, Sink
 from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manifest, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.prune import FLEET_DONE
 
 EXPORT_PREFIX = "export"
 
@@ -42,6 +43,11 @@ def publish_to_hub(
     marker = layout.read_marker(step_dir)
     if exchange.backend.read(hub_record_key(step)) is not None:
         return _skipped(hub.url, step, t0)
+    claim = f"fleet/{layout.step_dir_name(step)}/node-{marker.staging_node:05d}.json"
+    if marker.staging_node != 0 and exchange.backend.read(claim) is None:
+        # this node's own claim, made before its export ended, is gone: remote retention took the step's
+        # records, which it does only once the leader recorded it done, after the Hub record
+        return _skipped(hub.url, step, t0)
     if marker.staging_node != 0:
         raise SinkError(f"step {step}: waiting for node 0 to publish it to the Hub", path=hub.url)
     if not staging.is_published(step):
@@ -60,6 +66,7 @@ def publish_to_hub(
         store.close()
         shutil.rmtree(work, ignore_errors=True)
     exchange.backend.create(hub_record_key(step), json.dumps({"location": result.location}).encode())
+    exchange.backend.create(f"fleet/{layout.step_dir_name(step)}/{FLEET_DONE}", b"{}")  # retention may go on
     return result
 
 

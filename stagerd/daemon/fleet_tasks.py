@@ -117,6 +117,7 @@ class FleetTasks(DaemonState):
                     max_shard_size=int(s.max_shard_size),
                     wait_seconds=s.fleet_wait_seconds,
                     threads=s.export_threads,
+                    hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
                 ),
                 status,
             ).run()

@@ -8,6 +8,11 @@ no `finally`, no atexit, no flush, exactly what an OOM kill or a power cut leave
 Production never sets the variable; unset, a call costs one global lookup and one comparison. The points
 are listed in `POINTS` (the tests check every one is reached) and documented in RELIABILITY.md.
 
+`delay_point("name")` sleeps instead, when `STAGERD_DELAY_AT=name:SECONDS` names one of `DELAYS`: a race
+between two processes (two publishers of one step) is widened there, so that a test reproduces it every
+time; it logs one line to stderr when it starts sleeping, which the test waits for, and it ends early once
+the file `STAGERD_DELAY_RELEASE` names exists.
+
 A point needs a stagerd line to sit on. Inside huggingface_hub's LFS upload there is none, so that kill
 comes from outside: the Hub test server SIGKILLs the daemon once an upload body is partly received
 (`HubServer.on_lfs_body` in `tests/hubserver/`, used by `tests/test_crash_injection.py`).
@@ -18,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 ENV = "STAGERD_CRASH_AT"
 
@@ -35,13 +41,23 @@ POINTS = {
     "restore.piece": "restore: a piece of a file downloaded and written, the file not complete",
     "restore.landed": "restore: the step renamed into ROOT without its marker, the journal not written",
     "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
-    "prune.tombstone": "remote prune: a step's tombstone written, its manifest not yet deleted",
+    "prune.tombstone": "remote prune: the step's claims taken (its tombstone), its manifest not yet deleted",
     "prune.manifest": "remote prune: a step's manifest deleted, its files not yet",
     "fleet.raw_upload": "fleet export: part of this node's raw part on the exchange, no raw manifest yet",
     "fleet.build": "fleet export: an owned file being built (a byte move into it done), not yet uploaded",
     "fleet.built": "fleet export: an owned file uploaded to the sink, its completion record not yet written",
     "fleet.commit": "fleet export: the leader checked every file's record and the listing, no manifest yet",
     "fleet.manifest": "fleet export: the leader created the manifest, `latest` not yet moved",
+}
+
+
+DELAY_ENV = "STAGERD_DELAY_AT"
+RELEASE_ENV = "STAGERD_DELAY_RELEASE"
+
+DELAYS = {
+    "publish.opened": "fsspec sink: a step opened (claim settled, manifest looked for), nothing uploaded yet",
+    "save.marker": "Stager: every part of a save written, holding the step's lock, the marker not yet",
+    "restore.landing": "restore: the step downloaded and checked, holding the step's lock, not yet landed",
 }
 
 
@@ -73,3 +89,27 @@ def crash_point(name: str) -> None:
     if hit:
         os.write(2, f"stagerd: crash point {name}:{_TARGET[1]} reached ({ENV}); SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse_delay(value: str | None) -> tuple[str, float] | None:
+    if not value:
+        return None
+    name, _, seconds = value.strip().partition(":")
+    if name not in DELAYS:
+        raise ValueError(f"{DELAY_ENV}={value!r}: unknown delay point (known: {', '.join(sorted(DELAYS))})")
+    return name, float(seconds or 1)
+
+
+_DELAY = _parse_delay(os.environ.get(DELAY_ENV))
+
+
+def delay_point(name: str) -> None:
+    """Sleep here if `STAGERD_DELAY_AT` names this point (each time it is reached): for its SECONDS, or
+    until the file `STAGERD_DELAY_RELEASE` names exists, whichever comes first."""
+    if _DELAY is None or _DELAY[0] != name:
+        return
+    os.write(2, f"stagerd: delay point {name} reached ({DELAY_ENV}); sleeping {_DELAY[1]:g} s\n".encode())
+    release = os.environ.get(RELEASE_ENV)
+    deadline = time.monotonic() + _DELAY[1]
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.02)

@@ -17,94 +17,22 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.layout import ExportManifest, ManifestFile
-from stagerd.errors import ConfigError, RestoreError, SinkConflictError, SinkError
+from stagerd.errors import RestoreError, SinkConflictError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.objects import ByteProgress, parse_manifest, redact_url
+from stagerd.sinks.objects import ByteProgress, parse_manifest
+from stagerd.sinks.remote import MAX_MANIFEST_BYTES, RemoteStore, StoredObject
+
+__all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]  # the store lives in remote.py
 
 RAW_DIR = "raw"
 LATEST_NAME = "latest"
-MAX_MANIFEST_BYTES = 64 << 20
-
-
-@dataclass
-class RemoteStore:
-    """An fsspec filesystem and the sink's root path in it."""
-
-    fs: Any
-    base: str
-    url: str
-    owns: list[Any] = field(default_factory=list)
-    s3: Any = None  # the S3Backend, whose client streams whole objects (see `_stream_s3`)
-
-    @classmethod
-    def open(
-        cls, url: str, *, workers: int = 8, storage_options: Mapping[str, Any] | None = None
-    ) -> RemoteStore:
-        import fsspec
-
-        url = url.rstrip("/")
-        protocol, path = fsspec.core.split_protocol(url)
-        opts = dict(storage_options or {})
-        try:
-            if protocol in ("s3", "s3a"):
-                from stagerd.sinks.s3 import S3Backend
-
-                b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
-                return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
-            if protocol in (None, "file", "local"):
-                fs = fsspec.filesystem("file")
-                return cls(fs, path or "/", redact_url(url))
-            fs, root = fsspec.core.url_to_fs(url, **opts)
-            return cls(fs, root.rstrip("/"), redact_url(url))
-        except (ValueError, ImportError, TypeError) as e:
-            raise ConfigError(f"cannot open {redact_url(url)}: {type(e).__name__}: {e}") from None
-
-    def path(self, key: str) -> str:
-        return f"{self.base.rstrip('/')}/{key}" if self.base not in ("", "/") else f"/{key}"
-
-    def where(self, key: str) -> str:
-        return f"{self.url.rstrip('/')}/{key}"
-
-    def read(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
-        try:
-            data: bytes = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
-        if len(data) > limit:
-            raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
-        return data
-
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """Every object under `prefix/` (relative name -> size); {} if none."""
-        base = self.path(prefix).rstrip("/")
-        try:
-            found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(prefix)) from None
-        out = {}
-        strip = self.fs._strip_protocol(base).rstrip("/") + "/"
-        for name, info in found.items():
-            rel = self.fs._strip_protocol(name)
-            if rel.startswith(strip) and info.get("type", "file") != "directory":
-                out[rel[len(strip) :]] = int(info.get("size") or 0)
-        return out
-
-    def close(self) -> None:
-        for b in self.owns:
-            b.close()
 
 
 _NODE_MANIFEST = re.compile(r"(node-([0-9]{5})-of-([0-9]{5}))/" + re.escape(layout.MANIFEST_NAME))

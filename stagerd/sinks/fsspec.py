@@ -30,14 +30,16 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.layout import ExportManifest, ManifestFile
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
-from stagerd.ops.crashpoints import crash_point
+from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
     Backend,
     BatchingStore,
     ByteProgress,
+    Claiming,
     LocalFile,
     RemoteObject,
     StepOpening,
@@ -84,6 +86,9 @@ class FsspecSink:
         flight, so memory is about their product), `checksum` (CRC32 or SHA256) the store verifies."""
         import fsspec
 
+        from stagerd.sinks.urls import refuse_patterns
+
+        refuse_patterns(url)  # also where a sink is opened without the parser (the fleet's exchange)
         opts = {**dict(storage_options or {}), **options}
         protocol, path = fsspec.core.split_protocol(url)
         try:
@@ -209,7 +214,10 @@ class FsspecSink:
         total = sum(f.size for f in files)
         prog = ByteProgress(total, progress)
 
-        opening = self._open_step(prefix, manifest_key, files, prog)
+        mine = publish_claim(local_root)
+        claim = Claiming(claim_key(prefix), mine.encode(), lambda data: owned_by(data, mine))
+        opening = self._open_step(prefix, manifest_key, files, prog, claim)
+        delay_point("publish.opened")
         early = {d.rel: d for d in [*opening.created, *opening.refused]}  # hashed while opening
         if opening.existing is not None:
             remote_manifest = parse_manifest(opening.existing, self._where(manifest_key))
@@ -223,6 +231,9 @@ class FsspecSink:
             self._move_latest(prefix, step)
             log.info("step %d already on %s", step, self.url, extra={"step": step, "sink": self.url})
             return self._result(prefix, step, files, 0, True, t0)
+        if not opening.claimed:  # another publisher (or a prune) holds the step: change nothing
+            self._discard(prefix, opening, None)
+            raise claimed_error(self._where(claim.key), opening.claim, step)
 
         created = {d.rel: d for d in opening.created}
         listed = opening.listed
@@ -300,26 +311,34 @@ class FsspecSink:
             )
 
     def _open_step(
-        self, prefix: str, manifest_key: str, files: list[LocalFile], progress: ByteProgress
+        self, prefix: str, manifest_key: str, files: list[LocalFile], progress: ByteProgress, claim: Claiming
     ) -> StepOpening:
-        """The step's manifest if it has one, after sweeping its prefix. A batching store also lists the
-        step, reads `latest` and creates what it can without overwriting, in the same round trip."""
+        """The step's claim (`claims.py`), then its manifest if it has one; the prefix is swept only by the
+        claim's holder. A batching store also lists the step, reads `latest` and creates what it can
+        without overwriting, in the same round trip as the claim."""
         b = self._backend
         if isinstance(b, BatchingStore):
             opener, latest_key = b, self._latest_key(prefix)
             opening: StepOpening = self._call(
-                lambda: opener.open_step(prefix, manifest_key, latest_key, files, progress), prefix
+                lambda: opener.open_step(prefix, manifest_key, latest_key, files, progress, claim), prefix
             )
             return opening
-        existing = self._call(lambda: b.read(manifest_key), manifest_key)
-        self._call(lambda: b.sweep(prefix), prefix)  # after a first call that fails fast on bad credentials
-        return StepOpening(existing, None, [], [])
+        claimed = self._call(lambda: b.create(claim.key, claim.data), claim.key)
+        held = None
+        if not claimed:
+            held = self._call(lambda: b.read(claim.key), claim.key)
+            claimed = claim.owns(held)
+        existing = self._call(lambda: b.read(manifest_key), manifest_key)  # read after the claim settled
+        if claimed:
+            self._call(lambda: b.sweep(prefix), prefix)
+        return StepOpening(existing, None, [], [], claimed, held)
 
-    def _discard(self, prefix: str, opening: StepOpening, published: ExportManifest) -> None:
-        """Remove what this publish created early in a step that turned out published with other files:
-        its create-only PUTs wrote only keys that were free, so nothing of the published step is lost."""
-        listed = {f.path for f in published.files}
-        stray = [f"{prefix}/{d.rel}" for d in opening.created if d.rel not in listed]
+    def _discard(self, prefix: str, opening: StepOpening, published: ExportManifest | None) -> None:
+        """Remove what this publish created early in a step that turned out published with other files, or
+        held by another publisher: its create-only PUTs wrote only keys that were free, and each is
+        deleted only while it still holds this publish's own bytes, so nothing of the other's is lost."""
+        listed = {f.path for f in published.files} if published is not None else set()
+        stray = [(f"{prefix}/{d.rel}", d.etag) for d in opening.created if d.rel not in listed]
         b = self._backend
         if stray and isinstance(b, BatchingStore):
             batching = b

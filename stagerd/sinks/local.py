@@ -12,6 +12,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
 
@@ -49,7 +50,7 @@ class LocalBackend:
             found += [top / n for n in (os.listdir(top) if top.is_dir() else [])]
         for p in found:
             m = _TEMP_NAME.fullmatch(p.name)
-            if m and not _alive(int(m.group(1))):
+            if m and not pid_alive(int(m.group(1))):
                 p.unlink(missing_ok=True)
 
     def read(self, key: str) -> bytes | None:
@@ -127,16 +128,3 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` is a live process on this host (ours counts as alive)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -10,7 +10,7 @@ import builtins
 import json
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -46,6 +46,16 @@ class RemoteObject:
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """One object as a store lists it for retention and claims: its size, its LastModified (the store's
+    clock), and the tag a conditional write compares (S3's ETag; a file's inode, mtime and size)."""
+
+    size: int
+    mtime: float | None = None
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
 class Uploaded:
     """One file as uploaded: its sha256 hex (for the manifest) and the checksum the store should report.
 
@@ -58,6 +68,7 @@ class Uploaded:
     sha256: str
     checksum: str | None
     confirmed: bool = False
+    etag: str | None = None  # the store's version of the object this publish wrote (S3), for `discard`
 
 
 class ByteProgress:
@@ -125,16 +136,28 @@ class Latest:
 
 
 @dataclass(frozen=True)
+class Claiming:
+    """The claim a publish makes on its step's prefix (`claims.py`): its key, its bytes, and whether a
+    claim read back is this publisher's own (a restart of it)."""
+
+    key: str
+    data: bytes
+    owns: Callable[[bytes | None], bool]
+
+
+@dataclass(frozen=True)
 class StepOpening:
     """What opening a step learnt: the manifest's bytes (None if absent); from a batching store also the
     listing (None: not listed, because every file was created while opening), and the files it already
     created (`created`, confirmed) or found taken (`refused`: hashed, not sent; their keys held an object
-    already)."""
+    already); whether this publisher holds the step's claim, and the claim it found when it does not."""
 
     existing: bytes | None
     listed: dict[str, RemoteObject] | None
     created: list[Uploaded]
     refused: list[Uploaded]
+    claimed: bool = True
+    claim: bytes | None = None
 
 
 @runtime_checkable
@@ -149,11 +172,13 @@ class BatchingStore(Protocol):
         latest_key: str,
         files: builtins.list[LocalFile],
         progress: ByteProgress,
+        claim: Claiming,
     ) -> StepOpening:
-        """Together: `sweep(prefix)`, `list(prefix)`, create-only uploads of the `files` the store chooses,
-        and the read of `latest_key` unless the store knows its version; then the manifest's bytes if the
-        listing shows one. Where every file could be created that way, neither the sweep nor the listing
-        is needed: a taken key or manifest refuses the write."""
+        """Together: the create of `claim`, `list(prefix)`, create-only uploads of the `files` the store
+        chooses, and the read of `latest_key` unless the store knows its version; then the manifest's bytes
+        if the listing shows one. A claim found taken is read back, and `sweep(prefix)` runs only when it
+        is this publisher's own. Where every file could be created that way and the claim too, the listing
+        is not needed: a taken key or manifest refuses the write."""
         ...
 
     def move_latest(self, key: str, name: bytes, step: int) -> None:
@@ -162,8 +187,9 @@ class BatchingStore(Protocol):
         judged again."""
         ...
 
-    def discard(self, keys: builtins.list[str]) -> None:
-        """Delete `keys` (objects this publisher created), best effort."""
+    def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
+        """Delete each (key, version) this publisher created, only while the key still holds that version;
+        best effort."""
         ...
 
 

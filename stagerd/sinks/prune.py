@@ -1,257 +1,236 @@
-"""Remote retention of an fsspec sink: which published steps go (a pure plan), and deleting them so that the
-prefix stays valid for readers at every moment.
+"""Remote retention of an fsspec sink: scan the trees, plan (`prune_plan.py`), delete exact keys, with the
+prefix valid for readers at every moment and never a key of a step another process is changing.
 
-A step on a sink is *complete* when its manifest exists: the publisher writes it only after every file is
-uploaded and verified. The plan (per tree: the HF exports under `PREFIX/step-N/`, the raw steps under
-`PREFIX/raw/step-N/`) keeps
-
-- every step without a manifest (an upload in progress, or not verified): never touched;
-- the step `latest` names, and everything newer than the newest complete step;
-- the newest `keep_last` complete steps, and every step that is a multiple of `keep_every`;
-- every step a `stagerd restore` is reading now (a lease under `PREFIX/restoring/`, younger than
-  `LEASE_TTL_S`).
-
-Deleting one step: a tombstone `stagerd.pruning` first, then the manifest (from here on the step is absent
-to every reader), then its files, the tombstone last. A kill at any point leaves either a complete step or
-one without a manifest; a later prune finishes a step whose tombstone it finds.
+- **Scan**: one literal listing each (`step-*` of the export tree, of `raw/`, of both `claims/`, of
+  `fleet/`, and `restoring/`), never a pattern; the claims of steps without a manifest are read to tell
+  a killed prune's leftovers from a publish in progress. A node-locally staged raw step whose fleet build
+  has not recorded `fleet/step-N/done.json` is busy: the build may still read its parts.
+- **Delete one step** (`delete_step`): take every claim of the step (`claims.py`: the step's, and each
+  node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
+  another prune holds it: not counted); then the manifests (from here the step is absent to every
+  reader), then a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a
+  raw step's `fleet/step-N/` records; the claims last, each only while it is still ours. A kill at any
+  point leaves a complete step or one without a manifest under a prune's claim, which the next prune
+  takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stagerd.contract import layout
-from stagerd.errors import ConfigError, SinkError
+from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, RemoteStore, node_parts
+from stagerd.sinks import claims
+from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, node_parts
+from stagerd.sinks.leases import RESTORING_DIR, Lease, live_leases
+from stagerd.sinks.prune_plan import Decision, Policy, RemoteStep, parse_policy, plan_prune
+from stagerd.sinks.remote import RemoteStore, StoredObject
+
+__all__ = ["Decision", "Lease", "Policy", "RemoteStep", "parse_policy", "plan_prune", "prune"]
 
 log = logging.getLogger("stagerd.sinks.prune")
 
-TOMBSTONE = "stagerd.pruning"
-RESTORING_DIR = "restoring"
-LEASE_TTL_S = 6 * 3600.0
-
-
-@dataclass(frozen=True)
-class RemoteStep:
-    step: int
-    complete: bool  # its manifest exists
-    pruning: bool = False  # a killed prune's tombstone is there
-
-
-@dataclass(frozen=True)
-class Policy:
-    keep_last: int | None = None
-    keep_every: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ConfigError(
-                f"remote keep_last must be 1 or more (the latest step stays), got {self.keep_last}"
-            )
-        if self.keep_every is not None and self.keep_every < 1:
-            raise ConfigError(f"remote keep_every must be 1 or more, got {self.keep_every}")
-
-    @property
-    def active(self) -> bool:
-        return self.keep_last is not None or self.keep_every is not None
-
-
-def parse_policy(text: str) -> Policy:
-    """`last=3,every=1000` (either part may be left out) as a Policy; a ValueError names what is wrong."""
-    values: dict[str, int] = {}
-    for part in (p.strip() for p in text.split(",")):
-        name, sep, number = part.partition("=")
-        if not sep or name.strip() not in ("last", "every") or not number.strip().isdigit():
-            raise ValueError(f"{text!r}: write last=N,every=M (either may be left out)")
-        values[name.strip()] = int(number)
-    try:
-        return Policy(values.get("last"), values.get("every"))
-    except ConfigError as e:
-        raise ValueError(e.message) from None
+TOMBSTONE = "stagerd.pruning"  # an older stagerd's mark of a prune in progress
+FLEET_DIR = "fleet"
+FLEET_DONE = "done.json"  # written by the fleet's leader once nothing reads the step's raw parts again
 
 
 @dataclass
-class Decision:
-    """One step's fate, with the reason a person reads in `prune --dry-run`."""
+class Tree:
+    """One tree's steps as listed: each step's objects by name relative to the step's prefix, and the
+    claims under the tree's `claims/` (`step-N`, `step-N.node-K-of-M`)."""
 
-    tree: str  # "export" or "raw"
-    step: int
-    delete: bool
-    reason: str
+    name: str  # "export", "raw"
+    base: str  # "" or "raw/"
+    steps: dict[int, dict[str, StoredObject]] = field(default_factory=dict)
+    claims: dict[str, StoredObject] = field(default_factory=dict)
+
+    def prefix(self, step: int) -> str:
+        return f"{self.base}{layout.step_dir_name(step)}"
+
+    def claims_of(self, step: int) -> list[tuple[str, StoredObject | None]]:
+        """(key, as listed) of the step's claims: its own first (None: it has none yet), then its parts'."""
+        name = layout.step_dir_name(step)
+        own = f"{self.base}{claims.CLAIMS_DIR}/{name}"
+        parts = sorted(r for r in self.claims if r.startswith(name + "."))
+        return [(own, self.claims.get(name))] + [
+            (f"{self.base}{claims.CLAIMS_DIR}/{r}", self.claims[r]) for r in parts
+        ]
 
 
-def plan_prune(
-    steps: Iterable[RemoteStep], policy: Policy, latest: int | None, restoring: set[int]
-) -> list[Decision]:
-    """The fate of every step of one tree (see the module docstring); pure."""
-    steps = sorted(steps, key=lambda s: s.step)
-    complete = [s.step for s in steps if s.complete]
-    newest = complete[-1] if complete else None
-    keep_last = set(complete[-policy.keep_last :]) if policy.keep_last else set(complete)
-    out = []
-    for s in steps:
-        if s.pruning and not s.complete:
-            why, delete = "a killed prune's leftovers (no manifest)", True
-        elif not s.complete:
-            why, delete = "no manifest: not published or not verified", False
-        elif s.step == latest:
-            why, delete = "named by latest", False
-        elif newest is None or s.step >= newest:
-            why, delete = "no newer step is published and verified", False
-        elif s.step in restoring:
-            why, delete = "a restore is reading it", False
-        elif s.step in keep_last:
-            why, delete = (
-                f"one of the newest {policy.keep_last}" if policy.keep_last else "keep_last unset",
-                False,
-            )
-        elif policy.keep_every and s.step % policy.keep_every == 0:
-            why, delete = f"a multiple of {policy.keep_every}", False
-        else:
-            why, delete = "older than what the policy keeps", True
-        out.append(Decision("", s.step, delete, why))
+def _by_step(objects: dict[str, StoredObject]) -> dict[int, dict[str, StoredObject]]:
+    out: dict[int, dict[str, StoredObject]] = {}
+    for rel, o in objects.items():
+        name, sep, rest = rel.partition("/")
+        step = layout.parse_step_dir(name)
+        if step is not None and sep and rest:
+            out.setdefault(step, {})[rest] = o
     return out
 
 
-def _tree_prefix(tree: str) -> str:
-    return f"{RAW_DIR}/" if tree == "raw" else ""
+def _complete(tree: Tree, objs: dict[str, StoredObject]) -> bool:
+    if layout.MANIFEST_NAME in objs:
+        return True
+    return tree.name == "raw" and node_parts(objs)[1]  # node-local staging: every node's part
 
 
-def scan(store: RemoteStore, tree: str) -> tuple[list[RemoteStep], int | None]:
-    """The steps of one tree on the store and the step its `latest` names."""
-    base = store.path(_tree_prefix(tree).rstrip("/") or "")
-    try:
-        entries = store.fs.ls(base.rstrip("/") or "/", detail=False)
-    except FileNotFoundError:
-        return [], None
+def _state(store: RemoteStore, tree: Tree, step: int, now: float) -> tuple[bool, str | None]:
+    """(a killed prune's leftovers, busy reason) of a step without a manifest: read its claims."""
+    listed = [(key, obj) for key, obj in tree.claims_of(step) if obj is not None]
+    if not listed:
+        return TOMBSTONE in tree.steps.get(step, {}), None  # an older stagerd's killed prune, or nothing
+    for key, obj in listed:
+        held = claims.decode(store.read(key, limit=4096))
+        if held is None or held.kind != claims.PRUNE:
+            return False, None  # a publish in progress: never touched
+        if not claims.prune_is_dead(held, None if obj.mtime is None else now - obj.mtime):
+            return False, f"{held.describe()} is deleting it"
+    return True, None
+
+
+def scan(
+    store: RemoteStore, tree: Tree, fleet: dict[int, dict[str, StoredObject]], now: float
+) -> tuple[list[RemoteStep], int | None]:
+    """The steps of one tree (those with objects, and those with only a claim left) and `latest`'s."""
+    claimed = {s for r in tree.claims if (s := layout.parse_step_dir(r.split(".", 1)[0])) is not None}
     steps = []
-    for entry in entries:
-        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
-        step = layout.parse_step_dir(name)
-        if step is None:
-            continue
-        prefix = f"{_tree_prefix(tree)}{name}"
-        complete = store.fs.exists(store.path(f"{prefix}/{layout.MANIFEST_NAME}"))
-        if not complete and tree == "raw":  # node-local staging: complete once every node's part is
-            complete = node_parts(store.sizes(prefix))[1]
-        pruning = store.fs.exists(store.path(f"{prefix}/{TOMBSTONE}"))
-        steps.append(RemoteStep(step, complete, pruning))
-    latest_raw = store.read(f"{_tree_prefix(tree)}{LATEST_NAME}", limit=1024)
+    for step in sorted(set(tree.steps) | claimed):
+        objs = tree.steps.get(step, {})
+        complete = _complete(tree, objs)
+        pruning, busy = (False, None) if complete else _state(store, tree, step, now)
+        if busy is None and tree.name == "raw" and node_parts(objs)[0]:
+            records = fleet.get(step, {})
+            if records and FLEET_DONE not in records:
+                busy = f"a fleet build may still read its node parts (no {FLEET_DIR}/step-N/{FLEET_DONE})"
+        steps.append(RemoteStep(step, complete, pruning, busy))
+    latest_raw = store.read(f"{tree.base}{LATEST_NAME}", limit=1024)
     latest = layout.parse_step_dir(latest_raw.decode(errors="replace").strip()) if latest_raw else None
     return steps, latest
 
 
-def restoring_steps(store: RemoteStore, now: float | None = None) -> set[int]:
-    """Steps with a live restore lease (both trees: a lease names the step)."""
-    now = time.time() if now is None else now
-    out = set()
-    for rel, _size in store.sizes(RESTORING_DIR).items():
-        step = layout.parse_step_dir(rel.split(".", 1)[0])
-        data = store.read(f"{RESTORING_DIR}/{rel}", limit=4096)
-        try:
-            started = float(json.loads(data or b"{}").get("started", 0))
-        except (ValueError, AttributeError):
-            started = now  # unreadable: assume live until the TTL of its own writer cannot be known
-        if step is not None and now - started < LEASE_TTL_S:
-            out.add(step)
-    return out
-
-
-def _put(store: RemoteStore, key: str, data: bytes) -> None:
-    path = store.path(key)
-    if "file" in store.fs.protocol:
-        store.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    store.fs.pipe_file(path, data)
-
-
-@dataclass
-class Lease:
-    """A restore's lease on one step: prune leaves the step alone while the lease lives."""
-
-    store: RemoteStore
-    step: int
-    key: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = f"{RESTORING_DIR}/{layout.step_dir_name(self.step)}.{uuid.uuid4().hex}"
-
-    def __enter__(self) -> Lease:
-        try:
-            _put(self.store, self.key, json.dumps({"started": time.time()}).encode())
-        except OSError as e:  # a read-only credential can still restore; say that prune cannot see it
-            log.warning(
-                "cannot write the restore lease %s (%s); a prune meanwhile may remove the step",
-                self.store.where(self.key),
-                e,
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.store.fs.rm_file(self.store.path(self.key))
-        except OSError:
-            pass
-
-
-def delete_step(store: RemoteStore, prefix: str) -> None:
-    """Tombstone, manifest, files, tombstone: the prefix is valid for a reader at every moment."""
-    fs = store.fs
-    _put(store, f"{prefix}/{TOMBSTONE}", b"")
+def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tuple[str, ...] = ()) -> bool:
+    """Delete one step (module docstring); `extra` keys (a raw step's fleet records) go with its files.
+    False, with nothing deleted, when one of its claims changed since the listing or a live prune holds it."""
+    prefix, listed = tree.prefix(step), tree.steps.get(step, {})
+    mine = claims.prune_claim().encode()
+    taken: list[tuple[str, bytes | None, str]] = []  # (claim, what it held, our version), in order
+    for key, obj in tree.claims_of(step):
+        before = None
+        if obj is not None:
+            found = store.read_tagged(key)
+            if found is None or found[1] != obj.tag:
+                return _give_back(store, taken) and False  # changed since the listing
+            held = claims.decode(found[0])
+            age = None if obj.mtime is None else now - obj.mtime
+            if held is not None and held.kind == claims.PRUNE and not claims.prune_is_dead(held, age):
+                return _give_back(store, taken) and False  # a live prune is deleting it
+            before = found[0]
+        tag = store.put_if(key, mine, None if obj is None else obj.tag)
+        if tag is None:
+            return _give_back(store, taken) and False
+        taken.append((key, before, tag))
     crash_point("prune.tombstone")
-    manifests = [layout.MANIFEST_NAME] + [
-        f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(store.sizes(prefix))[0]
-    ]
-    for rel in manifests:  # every manifest before any file (node parts: each node's)
-        if fs.exists(store.path(f"{prefix}/{rel}")):
-            fs.rm_file(store.path(f"{prefix}/{rel}"))
+    manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
+    store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
     crash_point("prune.manifest")
-    for rel in sorted(store.sizes(prefix)):
-        if rel != TOMBSTONE:
-            fs.rm_file(store.path(f"{prefix}/{rel}"))
-    fs.rm_file(store.path(f"{prefix}/{TOMBSTONE}"))
-    try:
-        fs.rm(store.path(prefix), recursive=True)  # empty directories (file://); nothing on S3
-    except (FileNotFoundError, OSError):
-        pass
+    store.delete([*(f"{prefix}/{rel}" for rel in sorted(store.objects(prefix))), *extra])
+    ours = _give_back(store, taken, delete=True)
+    store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
+    return ours
+
+
+def _give_back(
+    store: RemoteStore, taken: list[tuple[str, bytes | None, str]], *, delete: bool = False
+) -> bool:
+    """Release the claims taken, the step's own last: deleted (`delete`: the step is gone) or put back as
+    they were. Each only while it is still ours; True if every one was (else a prune that took this one
+    for dead took it over, and finishes the step)."""
+    ours = True
+    for key, before, tag in reversed(taken):
+        if delete or before is None:
+            ours = store.delete_if(key, tag) and ours
+        else:
+            ours = store.put_if(key, before, tag) is not None and ours
+    return ours
 
 
 def prune(
     store: RemoteStore, policy: Policy, *, dry_run: bool = False, now: float | None = None
 ) -> list[Decision]:
-    """Apply `policy` to both trees of `store`; returns every step's decision (deleted unless `dry_run`)."""
+    """Apply `policy` to both trees of `store`; returns every step's decision (deleted unless `dry_run`; a
+    step another process held meanwhile is reported kept, so two prunes at once count each step once).
+    `now`: the store's time (its own clock when not given)."""
     if not policy.active:
         return []
-    store.fs.invalidate_cache()  # s3fs caches listings: another writer may have published since
-    restoring = restoring_steps(store, now)
+    try:
+        now = store.clock() if now is None else now
+        trees = [Tree("export", ""), Tree("raw", f"{RAW_DIR}/")]
+        for tree in trees:
+            tree.steps = _by_step(store.objects(tree.base.rstrip("/"), start="step-"))
+            tree.claims = store.objects(f"{tree.base}{claims.CLAIMS_DIR}", start="step-")
+        fleet = _by_step(store.objects(FLEET_DIR, start="step-"))
+        restoring = live_leases(store.objects(RESTORING_DIR), now)
+        plans = [(tree, *scan(store, tree, fleet, now)) for tree in trees]
+    except OSError as e:
+        raise SinkError(f"cannot list the steps: {type(e).__name__}: {e}", path=store.url) from None
     decisions = []
-    for tree in ("export", "raw"):
-        try:
-            steps, latest = scan(store, tree)
-        except OSError as e:
-            raise SinkError(f"cannot list the steps: {type(e).__name__}: {e}", path=store.url) from None
+    for tree, steps, latest in plans:
         for d in plan_prune(steps, policy, latest, restoring):
-            d.tree = tree
+            d.tree = tree.name
             decisions.append(d)
             if d.delete and not dry_run:
-                prefix = f"{_tree_prefix(tree)}{layout.step_dir_name(d.step)}"
-                try:
-                    delete_step(store, prefix)
-                except OSError as e:
-                    raise SinkError(
-                        f"cannot delete: {type(e).__name__}: {e}", path=store.where(prefix)
-                    ) from None
-                log.info(
-                    "pruned %s step %d from %s (%s)",
-                    tree,
-                    d.step,
-                    store.url,
-                    d.reason,
-                    extra={"step": d.step, "sink": store.url, "tree": tree},
-                )
+                _delete(store, tree, d, now, fleet)
+    decisions += _orphan_records(store, fleet, trees[1], plans[1][1], dry_run)
     return decisions
+
+
+def _delete(
+    store: RemoteStore, tree: Tree, d: Decision, now: float, fleet: dict[int, dict[str, StoredObject]]
+) -> None:
+    prefix = tree.prefix(d.step)
+    records = fleet.get(d.step, {}) if tree.name == "raw" else {}
+    extra = tuple(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}/{r}" for r in sorted(records))
+    try:
+        done = delete_step(store, tree, d.step, now, extra)
+        if extra:
+            store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
+    except OSError as e:
+        raise SinkError(f"cannot delete: {type(e).__name__}: {e}", path=store.where(prefix)) from None
+    if not done:
+        d.delete, d.reason = False, "another prune or a publisher held it meanwhile: left to it"
+        return
+    log.info(
+        "pruned %s step %d from %s (%s)",
+        tree.name,
+        d.step,
+        store.url,
+        d.reason,
+        extra={"step": d.step, "sink": store.url, "tree": tree.name},
+    )
+
+
+def _orphan_records(
+    store: RemoteStore,
+    fleet: dict[int, dict[str, StoredObject]],
+    raw: Tree,
+    raw_steps: list[RemoteStep],
+    dry_run: bool,
+) -> list[Decision]:
+    """`fleet/step-N/` records whose raw step is gone (pruned by hand, or by an older stagerd): deleted once
+    their build recorded it is done and a newer raw step is complete; else kept (a build in progress)."""
+    complete = [s.step for s in raw_steps if s.complete]
+    newest = complete[-1] if complete else None
+    out = []
+    for step, records in sorted(fleet.items()):
+        if step in raw.steps:
+            continue  # they go with their raw step
+        gone = FLEET_DONE in records and newest is not None and step < newest
+        why = "its raw step is gone and its build is done" if gone else "a fleet build may still use it"
+        out.append(Decision("fleet", step, gone, why))
+        if gone and not dry_run:
+            keys = [f"{FLEET_DIR}/{layout.step_dir_name(step)}/{r}" for r in sorted(records)]
+            store.delete(keys)
+            store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(step)}")
+    return out

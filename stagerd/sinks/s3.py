@@ -13,16 +13,16 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagerd.errors import ConfigError, SinkError
+from stagerd.errors import ConfigError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
 from stagerd.sinks.objects import (
     ByteProgress,
+    Claiming,
     Latest,
     LocalFile,
     RemoteObject,
     StepOpening,
     Uploaded,
-    newer_latest,
     redact_url,
 )
 from stagerd.sinks.s3_client import (
@@ -34,13 +34,13 @@ from stagerd.sinks.s3_client import (
     s3_error,
     signs_payload,
 )
+from stagerd.sinks.s3_latest import LatestMixin
 from stagerd.sinks.s3_upload import S3Api, one_put, put_new_files, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
 
 MIN_PART = 5 << 20
 MAX_PARTS = 10_000
-LATEST_TRIES = 10
 
 
 def part_size_for(size: int, part_size: int) -> int:
@@ -52,7 +52,7 @@ def part_size_for(size: int, part_size: int) -> int:
     return -(-need // mib) * mib
 
 
-class S3Backend:
+class S3Backend(LatestMixin):
     """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
 
     Every object is uploaded with a checksum (`checksum=`: CRC32 by default, or SHA256) the store verifies
@@ -76,6 +76,7 @@ class S3Backend:
         self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
         self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
         self._opened: set[str] = set()  # step prefixes opened before: a retry sends nothing early
+        self._claimed: set[str] = set()  # step prefixes whose claim this backend created or found its own
         self._latest: dict[str, Latest] = {}  # each `latest` key as last read or written here
         self._latest_reads: dict[str, asyncio.Future[Latest]] = {}  # prefetches not yet used
         self._hooked: Any = None
@@ -196,20 +197,25 @@ class S3Backend:
         latest_key: str,
         files: builtins.list[LocalFile],
         progress: ByteProgress,
+        claim: Claiming,
     ) -> StepOpening:
-        """The step's first round trip, all at once: the sweep's listing, the object listing, the read of
-        `latest` (unless this backend wrote it last), and create-only PUTs (`If-None-Match: *`) of the
-        files under two parts, which cannot overwrite anything and so need not wait for the listing.
-        Multipart uploads do wait, so the sweep never sees (and aborts) one of ours. The manifest is then
-        fetched only if the listing shows one (S3 lists consistently). A prefix this backend opened before
-        (a retry) sends nothing early: its files are likely there, and the checked path reuses them
-        without sending their bytes again.
+        """The step's first round trip, all at once: the step's claim (a create-only PUT, `claims.py`), the
+        object listing, the read of `latest` (unless this backend wrote it last), and create-only PUTs
+        (`If-None-Match: *`) of the files under two parts, which cannot overwrite anything and so need not
+        wait for the listing. The manifest is then fetched only if the listing shows one (S3 lists
+        consistently). A prefix this backend opened before (a retry) sends nothing early: its files are
+        likely there, and the checked path reuses them without sending their bytes again.
 
-        A step whose files all go in one PUT (a small step) opens with its PUTs and the read of `latest`.
-        It has no multipart upload to sweep: a killed publisher of it left none either. Nor does it need
-        the listing: a PUT refused on a taken key sends the step down the listed path after all, and a
-        published manifest refuses ours at the end (`FsspecSink._publish_tree`). A stale multipart upload
-        under such a step (a killed run with a smaller part size) is left to the bucket's lifecycle rule."""
+        A claim found taken is read, with the manifest, in a second round trip: this publisher's own (a
+        restart or a retry) is followed by the sweep of pending multipart uploads (what a killed run of it
+        left), before any multipart upload of this run starts, so the sweep never aborts one of ours;
+        another's is returned for the sink to refuse. A fresh claim needs no sweep: no publisher of this
+        step came before (**departure**: a stale upload from before claims existed is left to the bucket's
+        `AbortIncompleteMultipartUpload` lifecycle rule), and a loser never sweeps a winner's uploads.
+
+        A step whose files all go in one PUT (a small step) opens with its PUTs, the claim and the read of
+        `latest`, without the listing: a PUT refused on a taken key sends the step down the listed path
+        after all, and a published manifest refuses ours at the end (`FsspecSink._publish_tree`)."""
         eager = [f for f in files if one_put(f.size, self.part_size_of(f.size))]
         if prefix in self._opened:
             eager = []
@@ -221,116 +227,69 @@ class S3Backend:
             name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
             return objects, await self._get(manifest_key) if name is None or name in objects else None
 
+        async def claiming() -> bytes | None:
+            """None: created now; else the claim there (read back only if this backend claimed it before,
+            so a retry writes nothing)."""
+            if prefix in self._claimed and claim.owns(held := await self._get(claim.key)):
+                return held
+            return None if await self._create(claim.key, claim.data) else b""
+
         async def go() -> StepOpening:
             puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
+            claimed = asyncio.ensure_future(claiming())
             self._prefetch_latest(latest_key)  # after the PUTs: they go out first
             try:
-                return await opened(puts)
+                return await opened(puts, claimed)
             except Exception:
                 read = self._latest_reads.get(latest_key)
                 if read is not None:  # a failed opening leaves nothing it started in flight
                     await asyncio.wait([read])
                 raise
 
-        async def opened(puts: asyncio.Future[tuple[list[Uploaded], list[Uploaded]]]) -> StepOpening:
-            if small:
-                created, refused = await puts
-                if not refused:
-                    return StepOpening(None, None, created, [])
-                objects, existing = await listed()
-                return StepOpening(existing, objects, created, refused)
-            reads = asyncio.gather(self._sweep(prefix), listed())
+        async def opened(puts: asyncio.Future[Any], claimed: asyncio.Future[bytes | None]) -> StepOpening:
+            listing = None if small else asyncio.ensure_future(listed())
+            children = [puts, claimed, *([listing] if listing is not None else [])]
             try:
-                (_, (objects, existing)), (created, refused) = await reads, await puts
+                (created, refused), held, *rest = await asyncio.gather(*children)
             except BaseException:
-                reads.cancel()
-                puts.cancel()
-                await asyncio.gather(reads, puts, return_exceptions=True)
+                for c in children:  # a failed gather leaves its other children running: stop them
+                    c.cancel()
+                await asyncio.gather(*children, return_exceptions=True)
                 raise
-            return StepOpening(existing, objects, created, refused)
+            objects, existing = rest[0] if rest else (None, None)
+            if held is None and small and not refused:
+                self._claimed.add(prefix)
+                return StepOpening(None, None, created, [], claimed=True)
+            ours = held is None or claim.owns(held)
+            if not ours:  # a restart of ours, or another publisher: read it, and the manifest again
+                held, (objects, existing) = await asyncio.gather(self._get(claim.key), listed())
+                ours = claim.owns(held)
+            elif objects is None:
+                objects, existing = await listed()
+            if ours:
+                self._claimed.add(prefix)
+                if held is not None:  # claimed before, by this run or a killed one: what it left pending
+                    await self._sweep(prefix)
+            return StepOpening(existing, objects, created, refused, claimed=ours, claim=held)
 
         return self._run(go)
 
-    def _prefetch_latest(self, key: str) -> None:
-        """Start reading `latest` unless its version is known here; `move_latest` takes the answer."""
-        if key not in self._latest and key not in self._latest_reads:
-            read = asyncio.ensure_future(self._read_latest(key))
-            read.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, or read again
-            self._latest_reads[key] = read
+    def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
+        """Delete what this publisher created, each only while it still holds our version (`If-Match` on
+        the ETag the store gave our PUT): another publisher's object written there since stays."""
 
-    async def _known_latest(self, key: str) -> Latest:
-        """`latest` as prefetched, else as last written or read here, else as read now."""
-        read = self._latest_reads.pop(key, None)
-        if read is not None:
+        async def one(key: str, etag: str | None) -> None:
+            if etag is None:
+                return
             try:
-                return await read
-            except SinkError:
-                pass  # read again below, and fail there if it fails again
-        known = self._latest.get(key)
-        return known if known is not None else await self._read_latest(key)
-
-    async def _read_latest(self, key: str) -> Latest:
-        s3 = await self._client()
-        try:
-            r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            async with r["Body"] as body:
-                latest = Latest(bytes(await body.read()), r.get("ETag"))
-        except Exception as e:
-            if error_code(e)[0] not in ("NoSuchKey", "404"):
-                raise s3_error(e, self.where(key)) from None
-            latest = Latest(None)
-        self._latest[key] = latest
-        return latest
-
-    def move_latest(self, key: str, name: bytes, step: int) -> None:
-        """`latest` moves only forward, judged on what it holds when written: each write is conditional on
-        the version known (`If-Match`, or `If-None-Match: *` where it was absent): read while the step
-        opened, or this backend's own last write of it (a daemon's sink, step after step, then
-        reads it no more). A write that finds it changed reads it again. A store without conditional
-        writes gets read-then-write."""
+                s3 = await self._client()
+                await s3.delete_object(Bucket=self.bucket, Key=self.key(key), IfMatch=etag)
+            except Exception as e:
+                if not precondition_failed(e) and error_code(e)[0] not in ("NoSuchKey", "404"):
+                    log.warning("left %s in place: %s", self.where(key), s3_error(e, self.where(key)))
 
         async def go() -> None:
-            cur = await self._known_latest(key)
-            for _ in range(LATEST_TRIES):
-                if not newer_latest(cur.data, step) or cur.data == name:
-                    return
-                cond = {"IfMatch": cur.etag} if cur.data is not None and cur.etag else {"IfNoneMatch": "*"}
-                try:
-                    answer = await (await self._client()).put_object(
-                        Bucket=self.bucket, **self._put_args(key, name), **cond
-                    )
-                    self._latest[key] = Latest(name, answer.get("ETag"))
-                    return
-                except Exception as e:
-                    if not_implemented(e):
-                        log.warning(
-                            "%s does not support conditional writes; using read-then-write", self.base
-                        )
-                        cur = await self._read_latest(key)
-                        if newer_latest(cur.data, step) and cur.data != name:
-                            await self.call(self.where(key), "put_object", **self._put_args(key, name))
-                        return
-                    # If-Match on a key deleted meanwhile is a 404
-                    if not precondition_failed(e) and error_code(e)[0] not in ("NoSuchKey", "404"):
-                        raise s3_error(e, self.where(key)) from None
-                cur = await self._read_latest(key)
-            raise SinkError(
-                f"latest changed under each of {LATEST_TRIES} conditional writes",
-                path=self.where(key),
-                hint="other publishers keep moving it; the step's manifest is written, a retry moves latest",
-            )
-
-        self._run(go)
-
-    def discard(self, keys: builtins.list[str]) -> None:
-        async def one(key: str) -> None:
-            try:
-                await self.call(self.where(key), "delete_object", Key=self.key(key))
-            except SinkError as e:
-                log.warning("could not delete %s: %s", self.where(key), e)
-
-        async def go() -> None:
-            await asyncio.gather(*(one(k) for k in keys))
+            await asyncio.gather(*(one(k, t) for k, t in keys))
 
         self._run(go)
 

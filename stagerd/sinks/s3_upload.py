@@ -199,7 +199,7 @@ class Uploads:
             return Uploaded(f.rel, len(data), sha256, checksum)
         self.progress(len(data))
         confirmed = await self._confirm(key, checksum, answer)
-        return Uploaded(f.rel, len(data), sha256, checksum, confirmed)
+        return Uploaded(f.rel, len(data), sha256, checksum, confirmed, answer.get("ETag"))
 
     # -- multipart ----------------------------------------------------------------------------------------
 

@@ -11,6 +11,12 @@ Accepted forms:
 - `hf://ORG/REPO[@REVISION][?option=value...]`;
 - `file:///ABSOLUTE/PATH`, or a bare `/ABSOLUTE/PATH`, which means the same;
 - `PROTOCOL://BUCKET-OR-HOST[/PATH]` for any other installed fsspec protocol that stores durably.
+
+An object store's prefix may not hold glob characters (`*`, `?`, `[`, `]`): s3fs and other fsspec stores
+read them as patterns in `rm`, `glob` and `expand_path`, so a delete of `s3://bkt/run*/step-1` would reach
+`run1/`, `run10/` and every other match. stagerd deletes exact keys only, and refuses such prefixes as well,
+so that no pattern can ever reach a store through a library call added later (`refuse_patterns`).
+A `file://` path may hold them: every local write, listing and delete is an exact `os` call.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ _NOT_DURABLE = {
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.S)
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+PATTERN_CHARS = "*?[]"
 
 
 class SinkKind(Enum):
@@ -170,6 +177,7 @@ def _s3(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
             "has empty, '.' or '..' parts in its prefix",
             f"{scheme}://{parts.netloc}/{_tidy_key(parts.path)}".rstrip("/"),
         )
+    refuse_patterns(text)
     return SinkUrl(text, SinkKind.S3, scheme, parts.netloc, parts.path.strip("/"))
 
 
@@ -231,7 +239,25 @@ def _fsspec(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
             "has empty, '.' or '..' parts",
             f"{scheme}://{parts.netloc}/{_tidy_key(parts.path)}".rstrip("/"),
         )
+    refuse_patterns(text)
     return SinkUrl(text, SinkKind.FSSPEC, scheme, parts.netloc, parts.path.strip("/"))
+
+
+def refuse_patterns(url: str) -> None:
+    """A ConfigError for an object-store URL whose bucket or prefix holds glob characters (module docstring).
+
+    Also called where a store is opened without the full parser (`stagerd prune`, `stagerd restore`, the
+    sink's own constructor), so that a prefix published by an older stagerd is named, never rewritten."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme in ("file", "local", "hf") or not any(c in rest for c in PATTERN_CHARS):
+        return
+    found = "".join(c for c in PATTERN_CHARS if c in rest)
+    raise ConfigError(
+        f"sink URL {_shown(url)} holds the glob character(s) {found!r}: object stores and their tools read "
+        "them as patterns, so one delete could reach other prefixes; stagerd refuses such prefixes",
+        hint="publish to a prefix of letters, digits, '-', '_', '.' and '/'; to read one written before, "
+        "copy it to such a prefix first (e.g. `aws s3 cp --recursive 's3://BUCKET/run[1]/' s3://BUCKET/run1/`)",
+    )
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -20,14 +20,33 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.errors import SaveError
+from stagerd.contract.step_lock import StepLock
+from stagerd.errors import SaveError, StepExistsError
+from stagerd.ops.crashpoints import delay_point
 from stagerd.training.save_inputs import Extra
 
 log = logging.getLogger("stagerd.stage")
 
 
+_held: dict[Path, StepLock] = {}  # step dir -> the lock its save holds until its marker (step_lock.py)
+
+
+def _hold(step_dir: Path) -> None:
+    """Hold the step's lock until its marker is written, so `stagerd restore` never lands into a save
+    in progress; a failed save of another step under this ROOT gives its lock back now."""
+    for other in [d for d in _held if d.parent == step_dir.parent and d != step_dir]:
+        _held.pop(other).release()
+    if step_dir not in _held:
+        step = layout.parse_step_dir(step_dir.name)
+        if step is not None:
+            _held[step_dir] = StepLock(step_dir.parent, step, "a Stager save").acquire()
+
+
 def clear_stale(step_dir: Path) -> None:
-    """Leader: clear what a crashed, uncommitted save of this step left behind."""
+    """Leader: take the step's lock, then clear what a crashed, uncommitted save of this step left."""
+    _hold(step_dir)
+    if layout.is_committed(step_dir):  # a restore landed it since the check before the check-in
+        raise StepExistsError("step is already committed; refusing to overwrite it", path=step_dir)
     stale = [step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)]
     stale = [p for p in stale if p.exists()]
     if stale:
@@ -75,6 +94,9 @@ def write_commit(step_dir: Path, marker: layout.CommitMarker) -> None:
     # in the root are made durable here, off the training's critical path.
     layout.fsync_dir(step_dir)
     layout.fsync_dir(step_dir.parent)
+    delay_point("save.marker")
     layout.write_marker(step_dir, marker)
+    if (held := _held.pop(step_dir, None)) is not None:
+        held.release()
     sizes = [f.size for f in marker.files]
     log.info("committed step %d: %d files, %d bytes", marker.step, len(sizes), sum(sizes))

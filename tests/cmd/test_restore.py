@@ -7,18 +7,23 @@ lands the step once; a restored step is never published again by a daemon.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from stagerd.daemon.lock import RootLock
 from stagerd.sinks.fsspec import FsspecSink
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import STAGERD, clean_env, run_cli
 from tests.daemon_helpers import fast_flags
 from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -245,3 +250,94 @@ def test_a_node_locally_staged_step_comes_back_whole(tmp_path, dcp_mixed2):
     shutil.rmtree(sink_dir / "raw" / layout.step_dir_name(4) / "node-00001-of-00002")
     r = _restore(sink_dir.as_uri(), tmp_path / "other", "--step", "4")
     assert r.returncode == 2 and "not every staging node's" in r.stderr, r.stderr
+
+
+def test_a_symlink_anywhere_in_the_target_is_refused_and_nothing_changes(published, tmp_path):
+    """`ROOT/step-N` a link to another directory (before: a raw `OSError` traceback), ROOT itself a link,
+    and an `--export` OUT under a linked directory: each a `SymlinkError`, exit 2, the link and what it
+    points at untouched."""
+    _, sink = published
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not yours")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / layout.step_dir_name(2)).symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / "linked-root").symlink_to(tmp_path / "other-root")
+    (tmp_path / "other-root").mkdir()
+    cases = [
+        (root, ["--step", "2"]),
+        (tmp_path / "linked-root", ["--step", "2"]),
+        (tmp_path / "linked-root" / "eval", ["--export", "--step", "2"]),
+    ]
+    for target, args in cases:
+        r = _restore(sink.as_uri(), target, *args)
+        assert r.returncode == 2 and "SymlinkError" in r.stderr and "symbolic link" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert (root / layout.step_dir_name(2)).is_symlink() and _tree(elsewhere) == {"keep.txt": b"not yours"}
+    assert not any((tmp_path / "other-root").iterdir())
+
+
+def _wait_for(proc: subprocess.Popen, text: str, seconds: float = 60) -> str:
+    """The child's stderr up to the line holding `text` (it is then paused at a delay point)."""
+    seen = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"{text!r} never came: {''.join(seen)[-2000:]}")
+
+
+_SAVE = """
+import sys, torch
+from stagerd import Stager
+s = Stager(sys.argv[1])
+s.save({"w": torch.full((4, 4), 7.0)}, int(sys.argv[2])).result()
+s.close()
+"""
+
+
+def test_a_stager_save_and_a_restore_of_one_step_exclude_each_other(published, tmp_path):
+    """A restore that holds step 2 (downloaded, about to land) refuses a Stager save of step 2, which then
+    lands intact; a Stager save that holds step 3 (written, marker not yet) refuses a restore of step 3,
+    which then commits as saved. Before, either one deleted or mixed into the other's step directory."""
+    from stagerd import Stager
+    from stagerd.errors import SaveError
+
+    orig, sink = published
+    root = tmp_path / "root"
+    go_on = tmp_path / "go-on"  # each paused child goes on once this exists
+    env = clean_env({"STAGERD_DELAY_AT": "restore.landing:60", "STAGERD_DELAY_RELEASE": str(go_on)})
+    args = [*STAGERD, "restore", sink.as_uri(), str(root), "--step", "2"]
+    restore = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(restore, "delay point restore.landing")
+        stager = Stager(root)
+        with pytest.raises(SaveError, match=r"StepBusyError: .* being written by a restore"):
+            stager.save({"w": torch.ones(4, 4)}, 2).result()
+        with contextlib.suppress(SaveError):  # close() reports the failed save once more
+            stager.close()
+    finally:
+        go_on.touch()
+        assert restore.wait(60) == 0, restore.stderr.read()
+    go_on.unlink()
+    _same_step(orig / layout.step_dir_name(2), root / layout.step_dir_name(2))
+
+    env = clean_env({"STAGERD_DELAY_AT": "save.marker:60", "STAGERD_DELAY_RELEASE": str(go_on)})
+    save = subprocess.Popen(
+        [sys.executable, "-c", _SAVE, str(root), "3"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for(save, "delay point save.marker")
+        r = _restore(sink.as_uri(), root, "--step", "3")
+        assert r.returncode == 3 and "StepBusyError" in r.stderr and "Stager save" in r.stderr, r.stderr
+    finally:
+        go_on.touch()
+        assert save.wait(120) == 0, save.stderr.read()
+    marker = layout.read_marker(root / layout.step_dir_name(3))
+    assert marker.world_size == 1  # the save's own step (the published one was saved by 2 ranks)
+    layout.check_staged_files(root / layout.step_dir_name(3), marker)

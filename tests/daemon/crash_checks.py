@@ -164,7 +164,7 @@ def assert_recovered(
             f"{base}{layout.step_dir_name(s)}/{f}"
             for s in case.steps
             for f in [*expected[s], layout.MANIFEST_NAME]
-        }
+        } | {f"{base}claims/{layout.step_dir_name(s)}" for s in case.steps}  # each step's one publisher
         assert s3env.get(f"{base}latest").decode().strip() == last
         # A killed multipart upload stays pending until the restart's publish of that step sweeps it.
         pending = s3env.client.list_multipart_uploads(Bucket=s3env.bucket).get("Uploads", [])

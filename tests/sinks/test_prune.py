@@ -40,6 +40,9 @@ def test_plan_keeps_latest_unverified_restoring_newest_and_multiples():
     # a killed prune's step without manifest is finished; one with its manifest still there is judged anew
     got = _fates([RemoteStep(1, False, pruning=True), RemoteStep(2, True), RemoteStep(3, True)], Policy(1), 3)
     assert got == {1: True, 2: True, 3: False}
+    # keep_every alone keeps its multiples, latest's step and the newest complete one: nothing else
+    got = _fates([RemoteStep(s, True) for s in range(1, 12)], Policy(keep_every=5), latest=11)
+    assert {s for s, gone in got.items() if not gone} == {5, 10, 11}
     with pytest.raises(Exception, match="keep_last must be 1 or more"):
         Policy(keep_last=0)
     assert parse_policy("last=3,every=1000") == Policy(3, 1000) and parse_policy("every=5") == Policy(None, 5)
@@ -94,7 +97,7 @@ def test_prune_dry_run_then_prune_on_file_sink(sink_dir):
     assert _steps(sink_dir) == [1, 2, 3, 5, 6]
     assert _steps(sink_dir, "raw") == [2, 3, 5, 6]
     assert (sink_dir / "latest").read_text() == "step-00000006"
-    assert not list((sink_dir / "restoring").iterdir())
+    assert not (sink_dir / "restoring").exists()  # the lease is gone, and so is its empty directory
     _valid(sink_dir)
 
 

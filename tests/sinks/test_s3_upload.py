@@ -14,6 +14,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
+from stagerd.sinks.claims import claim_key, publish_claim
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.s3 import S3Backend
 from stagerd.sinks.s3_client import signs_payload
@@ -52,7 +53,7 @@ def test_small_files_go_first_and_parts_go_in_file_order(s3, tmp_path):
     export = make_export(tmp_path / "e", {**BIG, **one_put})
     assert not sink(s3, concurrency=1).publish(export, 1).skipped
     parts = [name for op, name in uploads(s3) if op in ("PutObject", "UploadPart")]
-    steps = [n for n in parts if n not in (layout.MANIFEST_NAME, "latest")]
+    steps = [n for n in parts if n not in (layout.MANIFEST_NAME, "latest", "step-00000001")]  # its claim
     assert steps[:4] == sorted(one_put, key=one_put.__getitem__)
     assert steps[4:] == ["a.safetensors"] * 3 + ["b.safetensors"] * 3
 
@@ -107,11 +108,13 @@ def test_a_wrong_checksum_in_the_answer_fails_the_step_before_the_manifest(s3, t
 
 
 def test_stale_uploads_are_swept_and_ours_are_not(s3, tmp_path):
-    """The sweep lists pending uploads together with the step's first reads, before this publisher has
-    created any, and aborts only what a dead publisher left."""
+    """A restarted publisher finds its own claim on the step and sweeps what its killed run left pending,
+    before it starts any multipart upload of its own, so it aborts only the dead run's."""
     export = make_export(tmp_path / "e", BIG)
     key = "ckpt/step-00000004/a.safetensors"
     stale = s3.client.create_multipart_upload(Bucket=s3.bucket, Key=key)["UploadId"]
+    claim = publish_claim(export).encode()  # the killed run's claim: the same tree on the same host
+    s3.client.put_object(Bucket=s3.bucket, Key=f"ckpt/{claim_key('step-00000004')}", Body=claim)
     assert not sink(s3).publish(export, 4).skipped
     assert s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", []) == []
     aborted = [r for r in s3.proxy.log if r.op == "AbortMultipartUpload"]
@@ -163,12 +166,13 @@ def test_a_small_step_opens_with_its_puts_alone(s3, tmp_path):
     first = sink(s3)
     assert not first.publish(export, 8).skipped
     ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
-    opening = sorted([("GetObject", "latest"), *(("PutObject", n) for n in SMALL)])
+    claim = ("PutObject", "step-00000008")  # ckpt/claims/step-00000008
+    opening = sorted([("GetObject", "latest"), claim, *(("PutObject", n) for n in SMALL)])
     assert sorted(ops[: len(opening)]) == opening
     assert ops[len(opening) :] == [("PutObject", layout.MANIFEST_NAME), ("PutObject", "latest")]
     s3.proxy.reset()
     assert sink(s3).publish(export, 8).skipped
-    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [412] * len(SMALL)
+    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [412] * (len(SMALL) + 1)
     assert s3.proxy.count("ListObjects") >= 1  # the opening's, then the published step's verification
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 1
     s3.proxy.reset()
@@ -176,15 +180,17 @@ def test_a_small_step_opens_with_its_puts_alone(s3, tmp_path):
     assert s3.proxy.count("GetObject") == 0 and s3.get("ckpt/latest") == layout.step_dir_name(9).encode()
 
 
-def test_a_step_with_multipart_files_opens_with_the_sweep_and_the_listing(s3, tmp_path):
-    """Multipart files wait for the sweep's listing (it must not abort them), and the one-PUT files go
-    create-only beside it."""
+def test_a_step_with_multipart_files_opens_with_its_claim_and_the_listing(s3, tmp_path):
+    """Multipart files wait for the claim and the listing, and the one-PUT files go create-only beside
+    them. A fresh claim means no publisher came before: no sweep."""
     export = make_export(tmp_path / "e", {**BIG, **SMALL})
     assert not sink(s3).publish(export, 8).skipped
     ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
     first_part = next(i for i, (op, _) in enumerate(ops) if op == "CreateMultipartUpload")
-    assert {"ListMultipartUploads", "ListObjects"} <= {op for op, _ in ops[:first_part]}
+    assert "ListObjects" in {op for op, _ in ops[:first_part]}
+    assert ("PutObject", "step-00000008") in ops[:first_part]  # ckpt/claims/step-00000008
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 0
+    assert s3.proxy.count("ListMultipartUploads") == 0
 
 
 def test_a_conflicting_published_step_keeps_its_files_and_loses_our_strays(s3, tmp_path):

@@ -159,6 +159,8 @@ def test_file_sink_publishes_commits_and_is_idempotent(tmp_path):
     step_dir = dest / "step-00000007"
     got = tree_bytes(step_dir)
     manifest = json.loads(got.pop(layout.MANIFEST_NAME))
+    claim = json.loads((dest / "claims" / "step-00000007").read_bytes())  # beside the steps, not in one
+    assert claim["kind"] == "publish" and claim["owner"].endswith(str(export))  # the step's one publisher
     assert got == tree_bytes(export)
     assert manifest["format"] == layout.MANIFEST_FORMAT and manifest["metadata"] == {"run": "r1"}
     assert {f["path"]: f["sha256"] for f in manifest["files"]} == {

@@ -74,9 +74,12 @@ def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algor
     fresh = s3_sink(s3, checksum=algorithm)
     again = fresh.publish(export, 12)
     assert again.skipped and again.bytes_uploaded == 0
-    writes = [(r.op, r.status) for r in s3.proxy.log if r.op in WRITES]
-    assert writes and all(w == ("PutObject", 412) for w in writes), writes
-    assert len(writes) == 3  # the three files under two parts; the multipart one is never re-sent
+    writes = [(r.op, r.status, r.key) for r in s3.proxy.log if r.op in WRITES]
+    assert writes and all(w[:2] == ("PutObject", 412) for w in writes), writes
+    # the three files under two parts and the step's claim; the multipart one is never re-sent
+    assert sorted(w[2].rsplit("/", 1)[-1] for w in writes) == sorted(
+        ["README.md", "model-00002-of-00002.safetensors", layout.INDEX_NAME, "step-00000012"]
+    )
     assert {k: s3.get(k) for k in s3.keys("ckpt/")} == before
     fresh.close()
 
@@ -135,7 +138,8 @@ def test_s3_rerun_after_a_restart_is_refused_early_and_reuses_what_landed(s3, tm
     with pytest.raises(SinkError):
         s3_sink(s3).publish(export, 9)
     landed = {k: s3.get(k) for k in s3.keys("ckpt/")}
-    assert len(landed) == 3 and not [k for k in landed if big in k or layout.MANIFEST_NAME in k]
+    assert len(landed) == 4 and not [k for k in landed if big in k or layout.MANIFEST_NAME in k]
+    assert "ckpt/claims/step-00000009" in landed  # the restarted publisher's own claim
 
     s3.proxy.reset()
     res = s3_sink(s3).publish(export, 9)
@@ -206,8 +210,9 @@ def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, m
     text = f"{err} {err.hint}"
     assert bad_secret not in text and SECRET_KEY not in text
     assert ("SignatureDoesNotMatch" if which == "secret" else "InvalidAccessKeyId") in text
-    ops = [r.op for r in s3.proxy.log]  # a small step opens with its PUT and the read of latest, not retried
-    assert sorted(ops) == ["GetObject", "PutObject"] and all(r.status == 403 for r in s3.proxy.log), ops
+    ops = [r.op for r in s3.proxy.log]  # a small step opens with its PUT, its claim and the read of latest
+    assert sorted(ops) == ["GetObject", "PutObject", "PutObject"], ops  # none retried
+    assert all(r.status == 403 for r in s3.proxy.log), ops
 
 
 def test_s3_conflicting_manifest_is_refused(s3, tmp_path):

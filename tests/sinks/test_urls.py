@@ -148,3 +148,17 @@ def test_secrets_in_a_refused_url_are_masked() -> None:
     with pytest.raises(ConfigError) as e:
         parse_sink_url("hf://org/repo@v1@v2?token=hf_supersecretvalue")
     assert "hf_supersecretvalue" not in str(e.value) + e.value.hint
+
+
+@pytest.mark.parametrize("url", ["s3://bkt/run*", "s3://bkt/exp[1]", "s3a://bkt/a]b", "s3://bkt/run*/x"])
+def test_an_object_store_prefix_with_glob_characters_is_refused(url: str) -> None:
+    """S3 tools read `*`, `?`, `[`, `]` as patterns: one delete could reach other prefixes."""
+    from stagerd.errors import ConfigError
+    from stagerd.sinks.fetch import RemoteStore
+
+    with pytest.raises(ConfigError, match="glob character") as ei:
+        parse_sink_url(url)
+    assert "copy it to such a prefix" in ei.value.hint
+    with pytest.raises(ConfigError, match="glob character"):
+        RemoteStore.open(url)  # `stagerd prune` and `restore` open stores without the parser
+    assert parse_sink_url("file:///srv/run*").path == "/srv/run*"  # local paths are exact os calls

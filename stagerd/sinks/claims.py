@@ -1,0 +1,126 @@
+"""Who may change a step's prefix on a store: its claim object, `claims/step-N` beside the steps
+(`raw/claims/step-N`, and `raw/claims/step-N.node-K-of-M` for a node's raw part: `claim_key`), so a step's
+directory holds exactly what was published.
+
+Publishes and prunes change a step's prefix; two at once (two jobs sharing a prefix, a job restarted on
+another node while the old daemon still publishes, two prunes) must never both change it. The claim decides,
+with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`):
+
+- **A publisher** creates it (S3 `If-None-Match: *`, file:// `link()`) together with the step's first
+  requests, naming itself by host and the real path of what it publishes (`publish_claim`): the same
+  publisher restarted on the same host owns it again, any other does not. Until it is known to hold it, a
+  publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
+  long as the step, so a step's prefix has one publisher for its whole life.
+  - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
+    files: `SinkConflictError`). No manifest: `StepClaimedError` (retryable): the holder is still
+    publishing, or died before its commit (then an operator deletes the claim object; see the hint).
+  - What a loser created on free keys before it knew is deleted only where it still holds the loser's own
+    bytes (S3 `If-Match` on its ETag), so nothing the winner wrote there is touched.
+- **A prune** replaces the claim by its own, conditionally on the version it listed (S3 `If-Match`, or
+  `If-None-Match: *` where a step has none; file:// under `flock`), before it deletes anything of a step,
+  and deletes it last. A publisher meanwhile finds a prune's claim (`StepClaimedError`, retried), and a
+  second prune's replace fails, so it leaves the step to the first (each step is counted once).
+- **A killed prune's** claim is taken over the same way by the next prune, which finishes the deletion:
+  killed means its pid is gone on this host, or it is older than `PRUNE_STALE_S` by the store's clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.errors import StepClaimedError
+
+CLAIMS_DIR = "claims"
+PUBLISH, PRUNE = "publish", "prune"
+PRUNE_STALE_S = 600.0  # a prune deletes a step in seconds; one this old by the store's clock is dead
+
+
+def claim_key(prefix: str) -> str:
+    """The claim of the step prefix `[TREE/]step-N[/PART]`: `[TREE/]claims/step-N[.PART]`."""
+    parts = prefix.split("/")
+    i = next(i for i, p in enumerate(parts) if layout.parse_step_dir(p) is not None)
+    base = "/".join([*parts[:i], CLAIMS_DIR])
+    return f"{base}/{'.'.join(parts[i:])}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    kind: str  # PUBLISH or PRUNE ("unknown": unreadable)
+    owner: str  # a publisher: host:real path of its local tree; a prune: host:pid:random
+    host: str
+    pid: int
+
+    def encode(self) -> bytes:
+        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+
+    def describe(self) -> str:
+        if self.kind == PUBLISH:
+            return f"a publish of {self.owner} (pid {self.pid})"
+        if self.kind == PRUNE:
+            return f"a prune on {self.host} (pid {self.pid})"
+        return f"an unreadable claim ({self.owner})"
+
+
+def publish_claim(local_root: Path) -> Claim:
+    """This publisher's claim: the same on a restart of the same tree on the same host."""
+    host = socket.gethostname()
+    return Claim(PUBLISH, f"{host}:{os.path.realpath(local_root)}", host, os.getpid())
+
+
+def prune_claim() -> Claim:
+    host = socket.gethostname()
+    return Claim(PRUNE, f"{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}", host, os.getpid())
+
+
+def decode(data: bytes | None) -> Claim | None:
+    if data is None:
+        return None
+    try:
+        d = json.loads(data)
+        return Claim(str(d["kind"]), str(d["owner"]), str(d.get("host", "")), int(d.get("pid", 0)))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return Claim("unknown", repr(data[:80]), "", 0)
+
+
+def owned_by(data: bytes | None, mine: Claim) -> bool:
+    """Whether the claim read back (`data`) is held by the publisher `mine` (itself, or its restart)."""
+    theirs = decode(data)
+    return theirs is not None and theirs.kind == mine.kind == PUBLISH and theirs.owner == mine.owner
+
+
+def prune_is_dead(claim: Claim, age: float | None) -> bool:
+    """A prune's claim that no live prune holds: its pid is gone on this host, or it is `PRUNE_STALE_S`
+    old by the store's clock (`age`). A publisher's claim never is (see the module docstring)."""
+    if claim.kind != PRUNE:
+        return False
+    if claim.host == socket.gethostname() and claim.pid > 0 and not pid_alive(claim.pid):
+        return True
+    return age is not None and age > PRUNE_STALE_S
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (ours counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claimed_error(where: str, data: bytes | None, step: int) -> StepClaimedError:
+    held = decode(data)
+    who = held.describe() if held is not None else "another publisher"
+    return StepClaimedError(
+        f"step {step} is claimed by {who}, with no manifest yet; nothing of this publish was written there",
+        path=where,
+    )

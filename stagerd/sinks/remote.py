@@ -1,0 +1,332 @@
+"""A sink's store as restore, prune, leases and the fleet read and change it: exact keys, never patterns.
+
+- **Exact keys.** A listing asks for `ROOT/<prefix>/` with its slash (`run1` never lists `run10/`, and
+  `step-10000000` never lists `step-100000000/`); a delete names keys a listing returned; no sink path ever
+  goes to s3fs's or fsspec's `rm`, `glob` or `expand_path`, which read `*`, `?` and `[` as patterns.
+  Object-store URLs with those characters are refused when the store opens (`urls.refuse_patterns`).
+- **Conditional writes** (`put_if`, `delete_if`), for claims: S3's own `If-None-Match` / `If-Match`
+  (`s3_store.py`); on file://, `link()` to create, and a `flock` on the file held while its tag is checked
+  and it is replaced or unlinked (a local filesystem's, or NFS's lock manager); other fsspec stores have no
+  portable condition: read, compare, write (documented as weaker).
+- **The store's clock** (`clock`): S3's `Date`; file://, the mtime of a file written now (on NFS, the
+  server's). Ages compare it with LastModified / mtime, both the store's: no two machines' clocks meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, RestoreError, SinkError
+from stagerd.sinks.objects import StoredObject, redact_url
+from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
+
+__all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
+
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+@dataclass
+class RemoteStore:
+    """An fsspec filesystem and the sink's root path in it; S3 through the sink's own backend."""
+
+    fs: Any
+    base: str
+    url: str
+    owns: list[Any] = field(default_factory=list)
+    s3: Any = None  # the S3Backend: its client lists, streams whole objects and writes conditionally
+
+    @classmethod
+    def open(
+        cls, url: str, *, workers: int = 8, storage_options: Mapping[str, Any] | None = None
+    ) -> RemoteStore:
+        import fsspec
+
+        url = url.rstrip("/")
+        refuse_patterns(url)
+        protocol, path = fsspec.core.split_protocol(url)
+        opts = dict(storage_options or {})
+        try:
+            if protocol in ("s3", "s3a"):
+                from stagerd.sinks.s3 import S3Backend
+
+                b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
+                return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
+            if protocol in (None, "file", "local"):
+                fs = fsspec.filesystem("file")
+                return cls(fs, path or "/", redact_url(url))
+            fs, root = fsspec.core.url_to_fs(url, **opts)
+            return cls(fs, root.rstrip("/"), redact_url(url))
+        except (ValueError, ImportError, TypeError) as e:
+            raise ConfigError(f"cannot open {redact_url(url)}: {type(e).__name__}: {e}") from None
+
+    @property
+    def local(self) -> bool:
+        return self.s3 is None and "file" in self.fs.protocol
+
+    def path(self, key: str) -> str:
+        return f"{self.base.rstrip('/')}/{key}" if self.base not in ("", "/") else f"/{key}"
+
+    def where(self, key: str) -> str:
+        return f"{self.url.rstrip('/')}/{key}"
+
+    def _local(self, key: str) -> Path:
+        return Path(self.path(key))
+
+    # -- reading ------------------------------------------------------------------------------------------
+
+    def read(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+        try:
+            data: bytes = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
+        if len(data) > limit:
+            raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
+        return data
+
+    def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
+        """Every object under `prefix/` ("" the whole sink) whose name relative to it starts with `start`
+        (literally), by that relative name."""
+        try:
+            if self.s3 is not None:
+                from stagerd.sinks import s3_store
+
+                return s3_store.objects(self.s3, prefix, start)
+            if self.local:
+                return _local_objects(self._local(prefix) if prefix else Path(self.path("")), start)
+            found = self._fsspec_objects(prefix)
+            return {rel: o for rel, o in found.items() if rel.startswith(start)}
+        except SinkError:
+            raise
+        except OSError as e:
+            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(prefix)) from None
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every object under `prefix/` (relative name -> size); {} if none."""
+        return {rel: o.size for rel, o in self.objects(prefix).items()}
+
+    def _fsspec_objects(self, prefix: str) -> dict[str, StoredObject]:
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        strip = self.fs._strip_protocol(base).rstrip("/") + "/"
+        out = {}
+        for name, info in found.items():
+            rel = self.fs._strip_protocol(name)
+            if rel.startswith(strip) and info.get("type", "file") != "directory":
+                out[rel[len(strip) :]] = StoredObject(int(info.get("size") or 0), None, _info_tag(info))
+        return out
+
+    def read_tagged(self, key: str) -> tuple[bytes, str | None] | None:
+        """The bytes of `key` and the tag a conditional write compares; None if absent."""
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            return s3_store.read_tagged(self.s3, key)
+        if self.local:
+            try:
+                with open(self._local(key), "rb") as f:
+                    return f.read(MAX_MANIFEST_BYTES), _tag(os.fstat(f.fileno()))
+            except FileNotFoundError:
+                return None
+        data = self.read(key)
+        return None if data is None else (data, _str(self._fsspec_tag(key)))
+
+    def _fsspec_tag(self, key: str, size: int | None = None) -> Any:
+        try:
+            info = self.fs.info(self.path(key))
+        except FileNotFoundError:
+            return None
+        return _info_tag(info)
+
+    def clock(self) -> float:
+        """The store's own time now (see the module docstring)."""
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            return s3_store.clock(self.s3)
+        if self.local:
+            probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                probe.write_bytes(b"")
+                return probe.stat().st_mtime
+            finally:
+                probe.unlink(missing_ok=True)
+        return time.time()  # other fsspec stores: no portable server time (documented)
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        """Create or replace `key` (a lease: only its writer ever writes it)."""
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            s3_store.put(self.s3, key, data)
+        elif self.local:
+            for attempt in (1, 2):  # a prune may remove the empty parent between mkdir and write
+                self._local(key).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    layout.write_bytes_atomic(self._local(key), data)
+                    return
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+        else:
+            self.fs.pipe_file(self.path(key), data)
+
+    def put_if(self, key: str, data: bytes, tag: str | None) -> str | None:
+        """Write `key` only if it is absent (`tag` None) or still the version `tag`: the version written,
+        or None when the condition failed."""
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            return s3_store.put_if(self.s3, key, data, tag)
+        if self.local:
+            return _local_put_if(self._local(key), data, tag)
+        current = self.read_tagged(key)  # no portable condition: read, compare, write (weaker)
+        if (current is None) != (tag is None) or (current is not None and current[1] != tag):
+            return None
+        self.fs.pipe_file(self.path(key), data)
+        return _str(self._fsspec_tag(key, len(data)))
+
+    def delete_if(self, key: str, tag: str | None) -> bool:
+        """Delete `key` only while it is still the version `tag`; False if it changed or is gone."""
+        if tag is None:
+            return False
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            return s3_store.delete_if(self.s3, key, tag)
+        if self.local:
+            with _locked(self._local(key), tag) as held:
+                if held:
+                    os.unlink(self._local(key))
+                return held
+        current = self.read_tagged(key)
+        if current is None or current[1] != tag:
+            return False
+        self.fs.rm_file(self.path(key))
+        return True
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete exactly `keys`; missing ones are fine."""
+        if self.s3 is not None:
+            from stagerd.sinks import s3_store
+
+            s3_store.delete(self.s3, keys)
+            return
+        for key in keys:
+            if not self.local and any(c in key for c in PATTERN_CHARS):
+                # an async fsspec store without its own `_rm_file` deletes through `_rm`, which expands
+                raise SinkError("has glob characters: not deleted through fsspec", path=self.where(key))
+            try:
+                if self.local:
+                    os.unlink(self._local(key))
+                else:
+                    self.fs.rm_file(self.path(key))
+            except FileNotFoundError:
+                pass
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """file://: remove the empty directories under `prefix/`, and it, deepest first (`rmdir` only: a
+        directory someone writes into again is not empty and stays). Object stores have none."""
+        if not self.local:
+            return
+        top = self._local(prefix)
+        for dirpath, _dirs, _names in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+    def close(self) -> None:
+        for b in self.owns:
+            b.close()
+
+
+def _str(tag: Any) -> str | None:
+    return None if tag is None else str(tag)
+
+
+def _info_tag(info: Mapping[str, Any]) -> str:
+    """An fsspec store's version of an object, as far as its listing says (weaker than a real ETag)."""
+    for name in ("ETag", "etag", "generation", "mtime", "LastModified", "created"):
+        if info.get(name) is not None:
+            return f"{name}:{info[name]}"
+    return f"size:{info.get('size')}"
+
+
+def _tag(st: os.stat_result) -> str:
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
+def _local_objects(base: Path, start: str = "") -> dict[str, StoredObject]:
+    out = {}
+    for dirpath, dirs, names in os.walk(base):  # never follows a link to a directory
+        if start and Path(dirpath) == base:
+            dirs[:] = [d for d in dirs if d.startswith(start)]
+            names = [n for n in names if n.startswith(start)]
+        for name in names:
+            p = Path(dirpath) / name
+            try:
+                st = p.lstat()
+            except FileNotFoundError:
+                continue  # deleted while listing
+            out[p.relative_to(base).as_posix()] = StoredObject(st.st_size, st.st_mtime, _tag(st))
+    return out
+
+
+@contextlib.contextmanager
+def _locked(path: Path, tag: str) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `path` while it is still the file `tag` names: yields whether it is.
+    Every replacer and deleter of a claim takes it, so a check and its change are one step."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = _tag(os.fstat(fd)) == tag and _tag(os.stat(path, follow_symlinks=False)) == tag
+        except FileNotFoundError:
+            same = False  # replaced or removed while we waited for the lock
+        yield same
+    finally:
+        os.close(fd)
+
+
+def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # swept when dead
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if tag is None:
+            try:
+                os.link(tmp, path)  # cannot replace: exactly one creator wins
+            except FileExistsError:
+                return None
+        else:
+            with _locked(path, tag) as held:
+                if not held:
+                    return None
+                os.replace(tmp, path)  # a new inode: a replacer waiting on the old one then sees the change
+        layout.fsync_dir(path.parent)
+        return _tag(os.stat(path, follow_symlinks=False))
+    finally:
+        tmp.unlink(missing_ok=True)
