@@ -98,6 +98,7 @@ class Flusher:
     def _drop(self, fd: int, start: int, end: int) -> None:
         # Only clean pages can be dropped, so wait for this range's writeback. A failed wait is the
         # export's failure: it consumes the error that fsync would otherwise have reported.
+        assert self.writeback is not None  # _advance drops nothing without it
         if self.writeback(fd, start, end - start, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
