@@ -20,6 +20,7 @@ from stagerd.contract import dtypes
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.engine import limits
 from stagerd.engine.cast import cast_into
+from stagerd.engine.iov import scatter_read
 from stagerd.engine.plan_types import Move, MoveKind
 from stagerd.engine.strided import place, read_piece
 from stagerd.engine.tiling import strides
@@ -149,9 +150,7 @@ class Runner:
             offsets, seg = _segments(pc.box, m.slab_shape, isz)
             if seg >= limits.SCATTER_MIN_SEGMENT:
                 # Read straight into the slab rows: one preadv per limits.IOV_MAX segments, no extra copy.
-                _preadv_scatter(
-                    self.src_fds[pc.src], [whole[o : o + seg] for o in offsets], pc.src_offset, path
-                )
+                scatter_read(self.src_fds[pc.src], a, offsets, seg, pc.src_offset, path)
                 continue
             view = scratch[: pc.length]
             pread_into(self.src_fds[pc.src], view, pc.src_offset, path)
@@ -169,7 +168,7 @@ class Runner:
             self._emit(m, dv, m.dst_offset + ddt.nbytes(i))
 
 
-def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[list[int], int]:
+def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[np.ndarray, int]:
     """Byte offsets in the slab of a piece's contiguous destination segments, and their common length."""
     k = len(slab_shape) - 1
     while k > 0 and tuple(box[k]) == (0, slab_shape[k]):
@@ -180,22 +179,7 @@ def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: in
         offsets = (
             np.arange(box[d][0], box[d][1], dtype=np.int64)[:, None] * slab_strides[d] + offsets[None, :]
         ).ravel()
-    return (offsets * isz).tolist(), (box[k][1] - box[k][0]) * slab_strides[k] * isz
-
-
-def _preadv_scatter(fd: int, views: Sequence[memoryview], offset: int, path: str) -> None:
-    for i in range(0, len(views), limits.IOV_MAX):
-        batch = views[i : i + limits.IOV_MAX]
-        want = sum(len(v) for v in batch)
-        got = os.preadv(fd, batch, offset)
-        if got < want:  # short read: finish view by view, so truncation is still caught
-            pos = 0
-            for v in batch:
-                if pos + len(v) > got:
-                    skip = max(0, got - pos)
-                    pread_into(fd, v[skip:], offset + pos + skip, path)
-                pos += len(v)
-        offset += want
+    return offsets * isz, (box[k][1] - box[k][0]) * slab_strides[k] * isz
 
 
 def run_moves(
