@@ -2,10 +2,13 @@
 from the engine. Each case writes --mib MiB of new data into a new file and fsyncs it, in its own process
 (run under `perf stat` when perf is there, for the kernel's own counters), rounds interleaved:
 
-- `pwrite, fresh pages`: 512 KiB pwrites into the page cache with nothing freed before, so the new page
+- `pwrite, fresh pages`: 512 KiB pwrites into the page cache once the memory freed before has been handed
+  back to the host (`settle`: a daemon's steady state, the last big free seconds ago), so the new page
   cache comes from the machine's general free pool (what an export gets right after another export);
 - `pwrite, reused pages`: the same right after a cached file of the same size was deleted, so the new
   page cache reuses pages freed a moment ago (what "the cast alone, with keep's output deleted" got);
+- `pwrite 32 KiB, fresh pages` and `copy_file_range, fresh pages` (from a cached file of the same size):
+  the same fresh pool, written in small pieces (the kernel then makes small folios);
 - `pwrite + drop-behind`: fresh pool, but the writer waits for writeback of what is older than a 64 MiB
   window and drops it from the page cache (`sync_file_range` + `POSIX_FADV_DONTNEED`), so the pages are
   recycled at once and the file never holds more than the window;
@@ -41,11 +44,15 @@ EVENTS = (
     "writeback:balance_dirty_pages",
     "filemap:mm_filemap_add_to_page_cache",
     "vmscan:mm_vmscan_direct_reclaim_begin",
+    "kmem:mm_page_alloc",
 )
+LARGE = "order>=4"  # a filter on the last event: page-cache folios of 64 KiB and more
 REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 CASES = (
     "pwrite, fresh pages",
     "pwrite, reused pages",
+    "pwrite 32 KiB, fresh pages",
+    "copy_file_range, fresh pages",
     "pwrite + drop-behind",
     "pwrite + sync_file_range pacing",
     "O_DIRECT",
@@ -76,6 +83,22 @@ def write_case(case: str, path: str, size: int) -> None:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     os.posix_fallocate(fd, 0, size)
+    if case == "copy_file_range, fresh pages":
+        src = os.open(Path(path).with_name("source.bin"), os.O_RDONLY)
+        done = 0
+        while done < size:
+            done += os.copy_file_range(src, fd, size - done, done, done)
+        os.close(src)
+        os.fsync(fd)
+        os.close(fd)
+        return
+    if case == "pwrite 32 KiB, fresh pages":
+        small = memoryview(data)[: 32 << 10]
+        for off in range(0, size, len(small)):
+            os.pwrite(fd, small, off)
+        os.fsync(fd)
+        os.close(fd)
+        return
     if case == "mmap + madvise":
         m = mmap.mmap(fd, size)
         m.madvise(mmap.MADV_SEQUENTIAL)
@@ -116,21 +139,28 @@ def settle(timeout: float = 40.0) -> None:
         time.sleep(1)
 
 
+def write_file(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        for _ in range(0, size, ROUND):
+            f.write(os.urandom(ROUND))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_one(case: str, work: Path, size: int) -> dict[str, float]:
     target = work / "w.bin"
     freed = work / "freed.bin"
+    if case == "copy_file_range, fresh pages" and not (work / "source.bin").exists():
+        write_file(work / "source.bin", size)  # cached, and kept for every round
     settle()
     if case == "pwrite, reused pages":  # a cached file of the same size, deleted right before
-        with open(freed, "wb") as f:
-            for _ in range(0, size, ROUND):
-                f.write(os.urandom(ROUND))
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(freed, size)
     cmd = [sys.executable, __file__, "--child", case, str(target), str(size)]
     perf = shutil.which("perf")
     out = work / "perf.txt"
     if perf:
-        cmd = [perf, "stat", "-x,", "-o", str(out), "-e", ",".join(EVENTS), "--", *cmd]
+        events = [a for e in EVENTS for a in ("-e", e)]
+        cmd = [perf, "stat", "-x,", "-o", str(out), *events, "-e", EVENTS[-1], "--filter", LARGE, "--", *cmd]
     k0 = int(REPORTED.read_text()) if REPORTED.exists() else 0
     if case == "pwrite, reused pages":
         freed.unlink()
@@ -146,7 +176,9 @@ def run_one(case: str, work: Path, size: int) -> dict[str, float]:
         for line in out.read_text().splitlines():
             parts = line.split(",")
             if len(parts) > 2 and parts[2] in EVENTS:
-                got[parts[2].split(":")[1]] = float(parts[0]) if parts[0].isdigit() else float("nan")
+                name = parts[2].split(":")[1]
+                name = "folios >= 64 KiB" if name in got else name  # the filtered count comes second
+                got[name] = float(parts[0]) if parts[0].isdigit() else float("nan")
     target.unlink()
     subprocess.run(["sync"], check=True)
     return got
