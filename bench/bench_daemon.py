@@ -334,10 +334,11 @@ def main() -> None:
     ap.add_argument("--world-steady", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repo", type=Path, default=REPO, help="steady: the checkout the daemon runs")
+    ap.add_argument("--template", type=Path, help="steady: a directory of DCP shards to stage each step")
     ap.add_argument("--dir", type=Path, default=None, help="work directory's parent (default: tmp)")
     a = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-", dir=a.dir))
+    work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-", dir=a.dir)).resolve()
     try:
         if a.steady:
             from daemon_steady import steady

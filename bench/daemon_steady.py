@@ -5,13 +5,14 @@ A trainer process writes a staged step (the shards of one real gloo DCP save: mi
 `write`s from memory and an fsync, as the Stager's background writer does, then commits it. A real
 `stagerd watch` exports each step with a cast (`--dtype bf16`) and publishes it to a file:// sink,
 `--keep-last 2` (so retention frees old steps while new ones land). At each step, in the same
-conditions, this process times a keep export of the same step (`stagerd consolidate`, a new process)
-and a bare `cp -r` of its shards: before the step is committed on even steps, after it is published on
-odd ones, so neither always runs second. Reported per step and as medians: the daemon's export over keep
-and over cp.
+conditions, a probe process times a keep export of the same step (`consolidate_into`, in-process as the
+daemon's own export is) and this one a bare `cp -r` of its shards: before the step is committed on even
+steps, after it is published on odd ones, so neither always runs second. Reported per step and as
+medians: the daemon's export over keep and over cp.
 
     python bench/bench_daemon.py --steady --steady-steps 8 --steady-interval 30 --size-gb 1.6
     python bench/bench_daemon.py --steady ... --repo /path/to/other/checkout   # the same, other code
+    python bench/bench_daemon.py --steady ... --template DIR   # shards of an earlier save, not a new one
 """
 
 from __future__ import annotations
@@ -57,21 +58,29 @@ def trainer(template: str, root: str, steps: int, interval: float, world: int) -
         commit_step(final, world)
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+def prober() -> None:
+    """The probe process: `keep SRC OUT THREADS` runs a keep export in-process, as the daemon runs its
+    own (so neither pays an interpreter start), and answers its seconds."""
+    from stagerd.engine.consolidate import consolidate_into
+
+    for line in sys.stdin:
+        _, src, out, threads = line.split()
+        Path(out).mkdir()
+        t0 = time.perf_counter()
+        consolidate_into(Path(src), Path(out), threads=int(threads))
+        print(f"{time.perf_counter() - t0:.6f}", flush=True)
 
 
-def probes(model: Path, scratch: Path, env: dict[str, str], threads: int) -> tuple[float, float]:
+def probes(probe: subprocess.Popen, model: Path, scratch: Path, threads: int) -> tuple[float, float]:
     """(keep export s, bare cp -r s) of `model`, each output deleted at once."""
-    out = scratch / "keep"
-    keep = timed(
-        [sys.executable, "-m", "stagerd.cli", "consolidate", str(model), str(out), "--threads", str(threads)],
-        env,
-    )
-    shutil.rmtree(out)
-    cp = timed(["cp", "-r", str(model), str(scratch / "cp")], env)
+    assert probe.stdin is not None and probe.stdout is not None
+    probe.stdin.write(f"keep {model} {scratch / 'keep'} {threads}\n")
+    probe.stdin.flush()
+    keep = float(probe.stdout.readline())
+    shutil.rmtree(scratch / "keep")
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(model), str(scratch / "cp")], check=True)
+    cp = time.perf_counter() - t0
     shutil.rmtree(scratch / "cp")
     return keep, cp
 
@@ -81,9 +90,10 @@ def steady(work: Path, repo: Path, args, run_daemon, wait_published, step_times)
     sys.path.insert(0, str(BENCH))
     from bench_consolidate import generate
 
-    template = work / "template"
-    generate(template, args.size_gb, args.world_steady, 2, True, 0)
-    (template / "mapping.json").unlink(missing_ok=True)
+    template = args.template or work / "template"
+    if args.template is None:
+        generate(template, args.size_gb, args.world_steady, 2, True, 0)
+        (template / "mapping.json").unlink(missing_ok=True)
     size = sum(p.stat().st_size for p in template.iterdir())
     print(f"template: {size / 1e9:.2f} GB, {args.world_steady} ranks, mixed dtypes, Shard(1) and 2-D blocks")
     root, sink, scratch = work / "steady-root", work / "steady-sink", work / "scratch"
@@ -92,6 +102,13 @@ def steady(work: Path, repo: Path, args, run_daemon, wait_published, step_times)
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_")}
     env["PYTHONPATH"] = str(repo)
     daemon = run_daemon(root, sink, work / "steady.log", "--dtype", "bf16", "--keep-last", "2", repo=repo)
+    probe = subprocess.Popen(
+        [sys.executable, __file__, "--probe"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     cmd = [sys.executable, __file__, "--trainer", str(template), str(root), str(args.steady_steps)]
     train = subprocess.Popen(
         [*cmd, str(args.interval_steady), str(args.world_steady)],
@@ -108,12 +125,12 @@ def steady(work: Path, repo: Path, args, run_daemon, wait_published, step_times)
             model = root / f".step-{k:08d}.tmp" / "model"
             before = k % 2 == 0
             if before:  # the probes first, on the uncommitted step
-                keep, cp = probes(model, scratch, env, args.threads)
+                keep, cp = probes(probe, model, scratch, args.threads)
             train.stdin.write(f"commit {k}\n")
             train.stdin.flush()
             wait_published(root, [k], daemon, [], timeout=600)
             if not before:
-                keep, cp = probes(root / f"step-{k:08d}" / "model", scratch, env, args.threads)
+                keep, cp = probes(probe, root / f"step-{k:08d}" / "model", scratch, args.threads)
             export = step_times(root)[k]["export"]
             rows.append((k, export, keep, cp, os.getloadavg()[0], "before" if before else "after"))
             print(
@@ -124,6 +141,7 @@ def steady(work: Path, repo: Path, args, run_daemon, wait_published, step_times)
             shutil.rmtree(sink / f"step-{k:08d}", ignore_errors=True)  # published: only bounds the disk
     finally:
         train.kill()
+        probe.kill()
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
     return report(rows[1:] if len(rows) > 2 else rows, size)  # the first step warms the daemon up
@@ -155,6 +173,8 @@ def report(rows: list[tuple], size: int) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--trainer":
+    if sys.argv[1:] == ["--probe"]:
+        prober()
+    elif len(sys.argv) == 7 and sys.argv[1] == "--trainer":
         a = sys.argv
         trainer(a[2], a[3], int(a[4]), float(a[5]), int(a[6]))
