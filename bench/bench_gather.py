@@ -13,6 +13,7 @@ case over `as is` paired by round.
 
     python bench/bench_gather.py --experts 64 --rows 1024 --cols 1024 --repeat 5
     python bench/bench_gather.py --experts 1 --rows 8192 --cols 8192 --repeat 5 --dtype BF16
+    python bench/bench_gather.py ... --repo /path/to/other/checkout   # the same with other code
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# `--repo DIR` (read before the imports below): another checkout's engine, for a before/after pair.
+sys.path.insert(
+    0,
+    str(
+        Path(
+            sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else __file__ + "/../.."
+        ).resolve()
+    ),
+)
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.safetensors_format import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
@@ -70,7 +79,10 @@ def layouts(work: Path, e: int, r: int, c: int) -> dict[str, tuple[Path, HubPlan
         for k, (block, at) in enumerate(blocks):
             write_shard(d / f"shard-{k + 1:05d}-model-00001-of-00001.safetensors", block, at)
         out[name] = (d, HubPlan())
-    t = TensorView("w", "w", (0, 0, 0), (e, r, c), (e, c, r), (e, r, c), (0, 2, 1))
+    if e == 1:  # a plain 2-D matrix: the view's reshape names only the dims longer than one
+        t = TensorView("w", "w", (0, 0, 0), (1, r, c), (1, c, r), (r, c), (1, 0))
+    else:
+        t = TensorView("w", "w", (0, 0, 0), (e, r, c), (e, c, r), (e, r, c), (0, 2, 1))
     out["transposed"] = (out["as is"][0], HubPlan((t,)))
     return {k: out[k] for k in ("as is", "transposed", "Shard(2)", "2-D blocks")}
 
@@ -89,6 +101,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="cast every case to this dtype (BF16, F16)")
     ap.add_argument("--dir", type=Path, default=Path(__file__).resolve().parent / "data")
+    ap.add_argument("--repo", type=Path, help="run another checkout's engine (before / after)")
     a = ap.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gather-", dir=a.dir))

@@ -6,7 +6,8 @@ source. `read_pieces` reads it into the scratch buffer in as few `pread`s as its
 - dense (the piece's source span at most `DENSE` times its bytes): the span itself, in bands along its
   outermost source dim that fit the scratch buffer;
 - sparse (a thin strip of a big block, as one slab of a big transpose is): run by run, the runs (along
-  the source's contiguous dim) packed one after another, so nothing between them is read.
+  the source's contiguous dim) packed one after another, so nothing between them is read (one `pread`
+  each, looped in C by `_tiles.read_runs`).
 
 `place` then copies each read into the slab box: numpy where both sides run along the same dim, and
 `_tiles.copy2d` (C, tile by tile, GIL released) where they do not (a transpose), one call per 2-D face.
@@ -118,7 +119,9 @@ def _packed_runs(
     starts = np.zeros(1, dtype=np.int64)
     for d in outer:  # source order: the last of these varies fastest
         starts = (starts[:, None] + np.arange(shape[d], dtype=np.int64)[None, :] * strides[d]).ravel()
-    for k, s in enumerate((starts + offset).tolist()):
+    starts += offset
+    done = 0 if _tiles is None else _tiles.read_runs(fd, scratch, starts, run)
+    for k, s in enumerate(starts[done:].tolist(), done):  # without the C loop, or the rest of a short one
         _pread(fd, scratch[k * run : (k + 1) * run], s, path)
     packed = [0] * len(shape)
     step = run

@@ -12,6 +12,7 @@ import pytest
 
 from stagerd.engine import strided
 from stagerd.engine.plan_types import Piece
+from stagerd.errors import ShardError
 
 
 def run_piece(tmp_path, src: np.ndarray, perm: tuple[int, ...], box: tuple[tuple[int, int], ...], room: int):
@@ -79,7 +80,7 @@ def test_a_plain_strided_box_and_a_single_element_are_placed(tmp_path):
 
 
 @pytest.mark.skipif(strided._tiles is None, reason="the _tiles extension is not built")
-def test_copy2d_refuses_a_block_outside_its_buffers():
+def test_the_kernels_refuse_what_does_not_fit_their_buffers():
     src, dst = bytearray(64), bytearray(64)
     strided._tiles.copy2d(src, 0, 4, 16, dst, 0, 16, 4, 4, 4, 4)  # 4 x 4 of 4 bytes: fits both
     with pytest.raises(ValueError):
@@ -88,3 +89,26 @@ def test_copy2d_refuses_a_block_outside_its_buffers():
         strided._tiles.copy2d(src, 0, 4, 16, dst, 0, 17, 4, 4, 4, 4)
     with pytest.raises(ValueError):
         strided._tiles.copy2d(src, 0, -4, 16, dst, 0, 16, 4, 4, 4, 4)
+    with pytest.raises(ValueError):  # three runs of 32 bytes into 64
+        strided._tiles.read_runs(0, dst, np.zeros(3, dtype=np.int64).tobytes(), 32)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_source_cut_short_under_a_packed_read_is_a_shard_error(tmp_path, monkeypatch, compiled):
+    if not compiled:
+        monkeypatch.setattr(strided, "_tiles", None)
+    elif strided._tiles is None:
+        pytest.skip("the _tiles extension is not built")
+    monkeypatch.setattr(strided, "MIN_RUN", 4)
+    src = np.arange(3 * 37 * 70, dtype=np.uint32).reshape(3, 37, 70)
+    path = tmp_path / "src.bin"
+    path.write_bytes(src.tobytes()[: src.nbytes // 2])  # the file ends halfway through the block
+    view = src.transpose(0, 2, 1)
+    box = ((0, 3), (5, 12), (0, 37))
+    pc = Piece(0, 5 * 4, src.nbytes - 5 * 4, box, tuple(view.strides))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ShardError, match="ends early"):
+            list(strided.read_piece(fd, str(path), pc, 4, memoryview(bytearray(1 << 20))))
+    finally:
+        os.close(fd)
