@@ -120,7 +120,7 @@ def _packed_runs(
     for d in outer:  # source order: the last of these varies fastest
         starts = (starts[:, None] + np.arange(shape[d], dtype=np.int64)[None, :] * strides[d]).ravel()
     starts += offset
-    done = 0 if _tiles is None else _tiles.read_runs(fd, scratch, starts, run)
+    done = 0 if _tiles is None else _tiles.read_runs(fd, scratch, starts.tobytes(), run)
     for k, s in enumerate(starts[done:].tolist(), done):  # without the C loop, or the rest of a short one
         _pread(fd, scratch[k * run : (k + 1) * run], s, path)
     packed = [0] * len(shape)
