@@ -1,5 +1,6 @@
-"""Scatter reads: one contiguous source range into many equal segments of a buffer, by `preadv`, with the
-iovec array built by numpy instead of one Python buffer object per segment.
+"""Reads from the source shards: `pread_into` (a whole buffer, truncation a named error) and scatter reads,
+one contiguous source range into many equal segments of a buffer by `preadv`, with the iovec array built
+by numpy instead of one Python buffer object per segment.
 
 A `Shard(1)` slab's piece is thousands of row segments of a few KiB: `os.preadv` takes a Python object per
 segment (slicing and buffer export cost about as much as the copy itself at 1 KiB); here the segments'
@@ -66,17 +67,21 @@ def scatter_read(
         src_offset += want
 
 
+def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill `view` from `fd` at `offset`; a file that ends first is a `ShardError`, not a short buffer."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ShardError(f"ends early at byte {offset + done} (truncated while reading?)", path=path)
+        done += n
+
+
 def _finish(fd: int, views: list[memoryview], offset: int, path: str, skip: int = 0) -> None:
     """Read `views` from `offset` on, the first `skip` bytes already read."""
     pos = 0
     for v in views:
         if pos + len(v) > skip:
             done = max(0, skip - pos)
-            while done < len(v):
-                n = os.preadv(fd, [v[done:]], offset + pos + done)
-                if n == 0:
-                    raise ShardError(
-                        f"ends early at byte {offset + pos + done} (truncated while reading?)", path=path
-                    )
-                done += n
+            pread_into(fd, v[done:], offset + pos + done, path)
         pos += len(v)

@@ -20,7 +20,7 @@ from stagerd.contract import dtypes
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.engine import limits
 from stagerd.engine.cast import cast_into
-from stagerd.engine.iov import scatter_read
+from stagerd.engine.iov import pread_into, scatter_read
 from stagerd.engine.plan_types import Move, MoveKind
 from stagerd.engine.strided import place, read_piece
 from stagerd.engine.tiling import strides
@@ -38,15 +38,6 @@ class _Buffers(threading.local):
             self.a = bytearray(limits.BUFFER_BYTES)
             self.b = bytearray(limits.BUFFER_BYTES)
         return self.a, self.b
-
-
-def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise ShardError(f"ends early at byte {offset + done} (truncated while reading?)", path=path)
-        done += n
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:

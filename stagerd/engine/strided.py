@@ -17,13 +17,12 @@ Without the compiled module the faces are copied by numpy in square tiles: the s
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from stagerd.engine.iov import pread_into
 from stagerd.engine.plan_types import Piece
-from stagerd.errors import ShardError
 
 try:
     from stagerd.engine import _tiles
@@ -33,15 +32,6 @@ except ImportError:  # built without a C compiler (setup.py marks the extension 
 DENSE = 4  # read a span whole while it holds at least a quarter of useful bytes
 MIN_RUN = 512  # shorter runs are read with what lies between them: a pread each would cost more
 _NP_TILE = 256  # the numpy fallback's square tiles
-
-
-def _pread(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise ShardError(f"ends early at byte {offset + done} (truncated while reading?)", path=path)
-        done += n
 
 
 class Read:
@@ -81,7 +71,7 @@ def _reads(
     inner = outer.pop() if outer else -1
     run = shape[inner] * isz if inner >= 0 and strides[inner] == isz else isz
     if span <= len(scratch) and (span <= DENSE * useful or run < MIN_RUN):
-        _pread(fd, scratch[:span], offset, path)
+        pread_into(fd, scratch[:span], offset, path)
         yield Read(at, shape, 0, strides)
         return
     if run >= MIN_RUN and useful <= len(scratch):
@@ -122,7 +112,7 @@ def _packed_runs(
     starts += offset
     done = 0 if _tiles is None else _tiles.read_runs(fd, scratch, starts.tobytes(), run)
     for k, s in enumerate(starts[done:].tolist(), done):  # without the C loop, or the rest of a short one
-        _pread(fd, scratch[k * run : (k + 1) * run], s, path)
+        pread_into(fd, scratch[k * run : (k + 1) * run], s, path)
     packed = [0] * len(shape)
     step = run
     packed[inner] = isz

@@ -214,14 +214,14 @@ def test_transposes_are_copied_in_tiles_with_bounded_buffers(tmp_path, monkeypat
     monkeypatch.setattr(limits, "BUFFER_BYTES", buffer)
     monkeypatch.setattr(strided, "MIN_RUN", 16)  # so the small test tensors take the packed-runs path too
     reads = []
-    orig = strided._pread
+    orig = strided.pread_into
 
     def spy(fd, view, offset, path):
         reads.append(len(view))
         assert len(view) <= buffer
         orig(fd, view, offset, path)
 
-    monkeypatch.setattr(strided, "_pread", spy)
+    monkeypatch.setattr(strided, "pread_into", spy)
     hub = HubPlan(
         (
             TensorView("w_t", "w", (0, 0, 0), (3, 40, 24), (3, 24, 40), (3, 40, 24), (0, 2, 1)),
