@@ -3,16 +3,18 @@ lands (`sync_file_range`), the written pages dropped once they are on disk, and 
 own thread as soon as its last move is done.
 
 Drop-behind: a new page-cache page is dear where the kernel has handed its free memory back to the host
-(a VM with free page reporting: the first touch of such a page faults on the host, 4x the CPU of the copy
-into it, BENCHMARKS.md). So once a file's written prefix runs `limits.DROP_BEHIND` past a range, the
-range is waited on (`sync_file_range` WAIT_BEFORE|WRITE|WAIT_AFTER, which durability needs anyway) and
-dropped (`POSIX_FADV_DONTNEED`); the next writes reuse those pages while they are still the guest's, and
-an export holds a bounded amount of page cache whatever its size. The wait also paces the copy threads to
-the disk.
+(a VM with free page reporting: the first write into such a page faults on the host, 4-7x the CPU of the
+copy into it, BENCHMARKS.md). So once a file's written prefix runs `limits.DROP_BEHIND` past a range, the
+flusher thread waits for that range's writeback (`sync_file_range` WAIT_BEFORE|WRITE|WAIT_AFTER) and
+drops it (`POSIX_FADV_DONTNEED`); the next writes reuse those pages while they are still the guest's.
+The copy threads do not wait for it (a wait there let the disk's pauses stall the copy: 20% slower on a
+quiet machine) unless `limits.DROP_QUEUE` drops are still pending, which bounds the page cache an export
+holds whatever its size.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -55,6 +57,7 @@ class Flusher:
         self.written = list(header_sizes)  # per file: bytes [0, written) are all written
         self.ahead: list[list[tuple[int, int]]] = [[] for _ in fds]  # finished ranges past `written`
         self.dropped = [0] * len(fds)
+        self.drops: collections.deque[Future[None]] = collections.deque()  # pending, oldest first
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-fsync")
         self.futures: dict[int, Future[None]] = {}
@@ -72,15 +75,18 @@ class Flusher:
         fd = self.fds[m.file]
         if self.writeback is not None:
             self.writeback(fd, m.dst_offset, m.length, _WRITE)  # a hint: errors surface in fsync
-        drop = None
         with self.lock:
             self.left[m.file] -= m.length
             if self.left[m.file] == 0 and m.length:
                 self.futures[m.file] = self.pool.submit(self._sync, m.file)
-            elif m.length:
-                drop = self._advance(m)
-        if drop is not None:
-            self._drop(fd, *drop)
+            elif m.length and (drop := self._advance(m)) is not None:
+                self.drops.append(self.pool.submit(self._drop, fd, *drop))
+        while len(self.drops) > limits.DROP_QUEUE:  # the disk is far behind: wait for the oldest drop
+            try:
+                oldest = self.drops.popleft()
+            except IndexError:  # the other copy thread took it
+                break
+            oldest.result()
 
     def _advance(self, m: Move) -> tuple[int, int] | None:
         """Record `m` as written; the range to drop now, if the written prefix has run far enough past it."""
@@ -96,8 +102,8 @@ class Flusher:
         return start, end
 
     def _drop(self, fd: int, start: int, end: int) -> None:
-        # Only clean pages can be dropped, so wait for this range's writeback. A failed wait is the
-        # export's failure: it consumes the error that fsync would otherwise have reported.
+        # On the flusher thread. Only clean pages can be dropped, so wait for this range's writeback. A
+        # failed wait is the export's failure: it consumes the error that fsync would otherwise report.
         assert self.writeback is not None  # _advance drops nothing without it
         if self.writeback(fd, start, end - start, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) != 0:
             e = ctypes.get_errno()
@@ -112,6 +118,8 @@ class Flusher:
 
     def finish(self) -> None:
         """fsync the files no move touched, then wait for every fsync; its error is the write's error."""
+        while self.drops:  # a failed drop is the export's failure
+            self.drops.popleft().result()
         for i in range(len(self.fds)):
             if i not in self.futures:
                 self.futures[i] = self.pool.submit(self._sync, i)
