@@ -131,11 +131,12 @@ def steady(work: Path, repo: Path, args, run_daemon, wait_published, step_times)
             wait_published(root, [k], daemon, [], timeout=600)
             if not before:
                 keep, cp = probes(probe, root / f"step-{k:08d}" / "model", scratch, args.threads)
-            export = step_times(root)[k]["export"]
-            rows.append((k, export, keep, cp, os.getloadavg()[0], "before" if before else "after"))
+            t = step_times(root)[k]
+            export, upload = t["export"], t["upload"]
+            rows.append((k, export, keep, cp, os.getloadavg()[0], "before" if before else "after", upload))
             print(
-                f"step {k}: daemon export (bf16) {export:.2f} s, keep {keep:.2f} s, cp -r {cp:.2f} s "
-                f"(probes {rows[-1][5]} the daemon's export), load {rows[-1][4]:.1f}",
+                f"step {k}: daemon export (bf16) {export:.2f} s, publish {upload:.2f} s, keep {keep:.2f} s, "
+                f"cp -r {cp:.2f} s (probes {rows[-1][5]} the daemon's export), load {rows[-1][4]:.1f}",
                 flush=True,
             )
             shutil.rmtree(sink / f"step-{k:08d}", ignore_errors=True)  # published: only bounds the disk
@@ -160,6 +161,7 @@ def report(rows: list[tuple], size: int) -> dict:
     print("|---|---|---|")
     for name, xs in (
         ("daemon export, bf16 (fsynced)", ex),
+        ("daemon publish to file:// (reads the export)", [r[6] for r in rows]),
         ("keep export (fsynced)", kp),
         ("bare cp -r", cp),
     ):
