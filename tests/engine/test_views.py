@@ -202,15 +202,22 @@ def big_transposes() -> Spec:
     }
 
 
+@pytest.fixture(scope="module")
+def transposes_saved(tmp_path_factory):
+    src = tmp_path_factory.mktemp("transposes") / "shards"
+    return src, dcp_save(src, world=2, builder=big_transposes)
+
+
 @pytest.mark.parametrize("buffer", [1 << 20, 1024, 96])  # whole tensors; bands and runs; one run split
 @pytest.mark.parametrize("dtype", [None, "BF16"])
-def test_transposes_are_copied_in_tiles_with_bounded_buffers(tmp_path, monkeypatch, buffer, dtype):
+def test_transposes_are_copied_in_tiles_with_bounded_buffers(
+    tmp_path, monkeypatch, transposes_saved, buffer, dtype
+):
     """engine/strided.py: a transposed block is read in spans, bands or packed runs, never more than the
     buffer at once, and placed tile-wise; every byte as torch transposes it."""
     from stagerd.engine import limits, strided
 
-    src = tmp_path / "shards"
-    full = dcp_save(src, world=2, builder=big_transposes)
+    src, full = transposes_saved
     monkeypatch.setattr(limits, "BUFFER_BYTES", buffer)
     monkeypatch.setattr(strided, "MIN_RUN", 16)  # so the small test tensors take the packed-runs path too
     reads = []
