@@ -11,6 +11,8 @@ paired figure.
     python bench/bench_consolidate.py --size-gb 1 --ranks 2 --files 2 --mixed   # cast / keep pairs
     python bench/bench_consolidate.py --many-tensors 100000 --ranks 2 --files 4 --keep   # memory flat in
         # tensor count: peak RSS of plan, export (keep and every cast) and verify; plan bytes per tensor
+    python bench/bench_consolidate.py --bar --size-gb 3.3 --ranks 4 --files 2 --mixed --repeat 5
+        # the casts right after a keep export, as a daemon runs them (bench/consolidate_bar.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def _rank(rank: int, world: int, init: str, out: str, size: int, files: int, mixed: bool, many: int) -> None:
@@ -262,6 +265,8 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true", help="a quarter each of the tensors bf16 and fp16")
     ap.add_argument("--numpy-casts", action="store_true", help="also each cast without the F16C kernel")
     ap.add_argument("--many-tensors", type=int, default=0, help="N small [8*ranks, 64] tensors instead")
+    ap.add_argument("--bar", action="store_true", help="keep, then bf16, then fp16, as a daemon runs them")
+    ap.add_argument("--compare", type=Path, help="with --bar: also run another checkout's code, paired")
     args = ap.parse_args()
 
     work = args.work / (f"many-{args.many_tensors}" if args.many_tensors else f"consolidate-{args.size_gb}g")
@@ -278,6 +283,13 @@ def main() -> None:
     print(f"generated {size / 1e9:.2f} GB in {n_shards} shards in {time.perf_counter() - t0:.1f} s")
     (work / "mapping.json").write_text(json.dumps(mapping))
     (work / "ref.json").write_text(json.dumps({"weight_map": {k: f"f{v}" for k, v in mapping.items()}}))
+    if args.bar:
+        from consolidate_bar import bar
+
+        bar(src, work, args.repeat, args.threads, ROOT, args.compare)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     if args.many_tensors:
         results = many_tensors(src, work, args.threads, args.repeat)
         if args.json:

@@ -21,6 +21,9 @@ real gloo DCP save of fp32 tensors, then a commit marker written last, as the St
 3. Burst: `--burst` larger steps committed at once: wall time from the first marker to the last published
    against burst x (export + upload) one after the other; below 1.0 means publish overlapped the next
    export.
+4. `--steady` (only this): a trainer process writes a >= 1 GB step every `--steady-interval` s, the
+   daemon exports it with a cast and publishes it; its export time against a keep export and a bare
+   `cp -r` of the same step made at that moment (`bench/daemon_steady.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 N_TENSORS = 8
 
@@ -94,12 +98,12 @@ def baseline(work: Path, model_src: Path, world: int, repeats: int = 2) -> tuple
     return statistics.median(exports), statistics.median(uploads)
 
 
-def run_daemon(root: Path, sink: Path, log: Path, *extra: str) -> subprocess.Popen:
+def run_daemon(root: Path, sink: Path, log: Path, *extra: str, repo: Path = REPO) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAGERD_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(repo)
     args = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri()]
     args += ["--metrics-port", "0", "--nice", "0", "--io-class", "none", *extra]
-    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=repo)
 
 
 def wait_published(
@@ -323,10 +327,26 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle RSS samples")
     ap.add_argument("--skip-e2e", action="store_true", help="only the paced run (RSS and pickup)")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--steady", action="store_true", help="only the steady-state run (daemon_steady.py)")
+    ap.add_argument("--steady-steps", type=int, default=8)
+    ap.add_argument("--steady-interval", dest="interval_steady", type=float, default=30.0)
+    ap.add_argument("--size-gb", type=float, default=1.6, help="steady: the template's --size-gb")
+    ap.add_argument("--world-steady", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repo", type=Path, default=REPO, help="steady: the checkout the daemon runs")
+    ap.add_argument("--template", type=Path, help="steady: a directory of DCP shards to stage each step")
+    ap.add_argument("--dir", type=Path, default=None, help="work directory's parent (default: tmp)")
     a = ap.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-"))
+    work = Path(tempfile.mkdtemp(prefix="stagerd-bench-daemon-", dir=a.dir)).resolve()
     try:
+        if a.steady:
+            from daemon_steady import steady
+
+            result = {"steady": steady(work, a.repo.resolve(), a, run_daemon, wait_published, step_times)}
+            if a.json:
+                a.json.write_text(json.dumps(result, indent=2))
+            return
         small, _ = make_template(work, "small", a.mb, a.world)
         result = {"paced": paced(work, small, a.world, a.steps, a.interval, a.idle_s)}
         shutil.rmtree(work / "paced-root")

@@ -8,8 +8,9 @@ header objects. `chunks_of` rebuilds the `Chunk`s of one tensor when the planner
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from stagerd.contract.safetensors_format import Header
 from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, Names, frozen
@@ -71,8 +72,10 @@ def freeze_table(
     at: array,
     ndim: array,
     dims: array,
+    strided: Mapping[int, tuple[int, ...]] | None = None,
 ) -> ChunkTable:
-    """The read-only table of columns filled chunk by chunk (`tensor` names each chunk's tensor id)."""
+    """The read-only table of columns filled chunk by chunk (`tensor` names each chunk's tensor id);
+    `strided`: the source strides of the blocks that are not row-major (`Chunk.strides`)."""
     order, first = group_by_tensor(tensor, len(name_end))
     return ChunkTable(
         sources,
@@ -85,6 +88,7 @@ def freeze_table(
         frozen(dims),
         frozen(order),
         frozen(first),
+        MappingProxyType(dict(strided or {})),
     )
 
 

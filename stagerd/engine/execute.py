@@ -61,7 +61,9 @@ def execute(
             if not fsync:
                 run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write)
                 return
-            with Flusher(dst_fds, [f.data_size for f in p.files]) as flusher:
+            with Flusher(
+                dst_fds, [f.header_size for f in p.files], [f.data_size for f in p.files]
+            ) as flusher:
                 run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write, flusher.done)
                 flusher.finish()
         except OSError as e:

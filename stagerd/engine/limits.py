@@ -7,6 +7,8 @@ import os
 COPY_PIECE = 64 << 20  # split big copies so threads share the work evenly
 BUFFER_BYTES = 8 << 20  # per-thread cast / gather buffer
 CAST_ROUND = 512 << 10  # wider side per cast round: pread, cast and pwrite then stay in L2
+DROP_BEHIND = 64 << 20  # written output this far behind the newest byte is waited on and dropped (0: kept)
+DROP_QUEUE = 8  # the copy threads wait once this many drops are pending (the disk is that far behind)
 DIRECT_MIN_RUN = 1 << 20  # strided runs at least this long are copied run by run instead of gathered
 MAX_GRID_CELLS = 1 << 22  # tilings with more grid cells than this are checked pair by pair
 SCATTER_MIN_SEGMENT = 512  # gather segments at least this long are read in place with preadv

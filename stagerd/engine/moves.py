@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from stagerd.contract import dtypes
 from stagerd.engine import limits
-from stagerd.engine.plan_types import ExportPlan, Move, MoveKind, Piece, TensorPlan
+from stagerd.engine.plan_types import Chunk, ExportPlan, Move, MoveKind, Piece, TensorPlan
 from stagerd.engine.tiling import runs, strides
 from stagerd.errors import PlanError
 
@@ -24,14 +24,17 @@ def tensor_moves(t: TensorPlan, data_start: int, where: str) -> list[Move]:
     error comes before any output."""
     sdt, ddt = dtypes.lookup(t.src_dtype), dtypes.lookup(t.dst_dtype)
     dst_base = data_start + t.begin
-    chunk_runs = [(c, *runs(c, t.shape)) for c in t.chunks if math.prod(c.shape) > 0]
-    if sdt.bits % 8 and any(r > 1 for _, r, _ in chunk_runs):
+    live = [c for c in t.chunks if math.prod(c.shape) > 0]
+    chunk_runs = [(c, *runs(c, t.shape)) for c in live]
+    if sdt.bits % 8 and any(r > 1 or _strided(c) for c, r, _ in chunk_runs):
         raise PlanError(
             f"tensor {t.name!r}: {t.src_dtype} split inside its rows is not byte-addressable",
             path=where,
         )
     item = max(sdt.bits, ddt.bits) // 8
-    if not all(r == 1 or ln * item >= limits.DIRECT_MIN_RUN for _, r, ln in chunk_runs):
+    if any(_strided(c) for c in live) or not all(
+        r == 1 or ln * item >= limits.DIRECT_MIN_RUN for _, r, ln in chunk_runs
+    ):
         return _gather_moves(t, dst_base, sdt, ddt)
     kind = MoveKind.COPY if sdt.name == ddt.name else MoveKind.CAST
     gstrides = strides(t.shape)
@@ -65,6 +68,14 @@ def _ndindex(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
     return itertools.product(*(range(n) for n in shape))
 
 
+def _strided(c: Chunk) -> bool:
+    """Whether `c`'s source layout is not row-major (a transposed block): strides that differ from its
+    row-major ones on a dim longer than one."""
+    if not c.strides:
+        return False
+    return any(n > 1 and s != r for n, s, r in zip(c.shape, c.strides, strides(c.shape), strict=True))
+
+
 def _gather_moves(t: TensorPlan, dst_base: int, sdt: dtypes.DType, ddt: dtypes.DType) -> list[Move]:
     """Slabs of `t` along the outermost dim whose rows fit the buffer; one pwrite per slab."""
     g = t.shape
@@ -91,16 +102,21 @@ def _gather_moves(t: TensorPlan, dst_base: int, sdt: dtypes.DType, ddt: dtypes.D
                 lo, hi = max(a, c.global_offset[p]), min(b, c.global_offset[p] + c.shape[p])
                 if lo >= hi:
                     continue
-                ls = strides(c.shape)
+                ls = list(c.strides) if _strided(c) else strides(c.shape)
                 src_elem = (
                     sum((prefix[d] - c.global_offset[d]) * ls[d] for d in range(p))
                     + (lo - c.global_offset[p]) * ls[p]
                 )
                 inner = ((c.global_offset[d], c.global_offset[d] + c.shape[d]) for d in range(p + 1, len(g)))
                 box = ((lo - a, hi - a), *inner)
-                pieces.append(
-                    Piece(c.src, c.offset + sdt.nbytes(src_elem), sdt.nbytes((hi - lo) * ls[p]), box)
-                )
+                start = c.offset + sdt.nbytes(src_elem)
+                if not _strided(c):
+                    pieces.append(Piece(c.src, start, sdt.nbytes((hi - lo) * ls[p]), box))
+                    continue
+                # the source bytes from the first element to the end of the last: what the piece reads
+                last = sum((hi_ - lo_ - 1) * s for (lo_, hi_), s in zip(box, ls[p:], strict=True))
+                byte_strides = tuple(sdt.nbytes(s) for s in ls[p:])
+                pieces.append(Piece(c.src, start, sdt.nbytes(last + 1), box, byte_strides))
             dst_elem = sum(prefix[d] * gstrides[d] for d in range(p)) + a * gstrides[p]
             moves.append(
                 Move(

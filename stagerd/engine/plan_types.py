@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagerd.contract import dtypes
@@ -38,12 +38,14 @@ class MoveKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One block of a tensor in one source shard."""
+    """One block of a tensor in one source shard: row-major at `offset`, or, with `strides`, element
+    (i, j, ...) at `offset + (i * strides[0] + j * strides[1] + ...) * itemsize` (a transposed view)."""
 
     src: int
     offset: int  # absolute byte offset of the block in the source file
     global_offset: tuple[int, ...]
     shape: tuple[int, ...]
+    strides: tuple[int, ...] = ()  # source strides in elements, per dim; () for row-major
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +64,15 @@ class TensorPlan:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Part of a gather: `length` contiguous source bytes, placed at `box` ([start, stop) per dim)."""
+    """Part of a gather: `length` contiguous source bytes, placed at `box` ([start, stop) per dim) in
+    row-major order; with `strides` (source bytes per box dim), the box's elements lie at those strides
+    from `src_offset` instead, inside the `length` bytes from there (a strided block, read tile-wise)."""
 
     src: int
     src_offset: int
     length: int
     box: tuple[tuple[int, int], ...]
+    strides: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,7 @@ class ChunkTable:
     dims: memoryview
     order: memoryview
     first: memoryview
+    strided: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # block -> its `Chunk.strides`
 
     @property
     def where(self) -> str:
@@ -158,6 +164,7 @@ class ChunkTable:
                     self.offset[c],
                     tuple(self.dims[at : at + nd]),
                     tuple(self.dims[at + nd : at + 2 * nd]),
+                    self.strided.get(c, ()),
                 )
             )
         return out

@@ -11,7 +11,7 @@ import errno
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,7 +20,9 @@ from stagerd.contract import dtypes
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.engine import limits
 from stagerd.engine.cast import cast_into
-from stagerd.engine.plan_types import Move, MoveKind, Piece
+from stagerd.engine.iov import pread_into, scatter_read
+from stagerd.engine.plan_types import Move, MoveKind
+from stagerd.engine.strided import place, read_piece
 from stagerd.engine.tiling import strides
 from stagerd.errors import ShardError, VerifyError
 
@@ -36,15 +38,6 @@ class _Buffers(threading.local):
             self.a = bytearray(limits.BUFFER_BYTES)
             self.b = bytearray(limits.BUFFER_BYTES)
         return self.a, self.b
-
-
-def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise ShardError(f"ends early at byte {offset + done} (truncated while reading?)", path=path)
-        done += n
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -136,28 +129,19 @@ class Runner:
         n = math.prod(m.slab_shape)
         slab = np.frombuffer(a, dtype=np.uint8, count=n * isz).reshape(*m.slab_shape, isz)
         whole, scratch = memoryview(a), memoryview(b)
-        for pc, k, stride, d in _tiles(m.pieces, len(b)):
+        slab_strides = [s * isz for s in strides(m.slab_shape)]
+        for pc in m.pieces:
             path = self.src_paths[pc.src]
-            if k > 1:  # k source lines at a constant stride, each a line of the slab along another dim
-                span = (k - 1) * stride + pc.length
-                view = scratch[:span]
-                pread_into(self.src_fds[pc.src], view, pc.src_offset, path)
-                raw = np.frombuffer(view, dtype=np.uint8)
-                lines = np.lib.stride_tricks.as_strided(raw, (k, pc.length), (stride, 1), writeable=False)
-                box = list(pc.box)
-                box[d] = (box[d][0], box[d][0] + k)
-                e = next(i for i, (lo, hi) in enumerate(pc.box) if hi - lo > 1 and i != d)
-                tile = lines.reshape(k, pc.length // isz, isz)
-                if d > e:  # the blocked transpose: one numpy copy for the whole tile
-                    tile = tile.transpose(1, 0, 2)
-                slab[tuple(slice(lo, hi) for lo, hi in box)] = tile.reshape(*(hi - lo for lo, hi in box), isz)
+            if pc.strides:  # a strided block (a transpose): read, then placed tile-wise
+                corner = sum(lo * s for (lo, _), s in zip(pc.box, slab_strides, strict=True))
+                for r in read_piece(self.src_fds[pc.src], path, pc, isz, scratch):
+                    at = corner + sum(i * s for i, s in zip(r.at, slab_strides, strict=True))
+                    place(whole, at, slab_strides, scratch, r.offset, r.strides, r.shape, isz)
                 continue
             offsets, seg = _segments(pc.box, m.slab_shape, isz)
             if seg >= limits.SCATTER_MIN_SEGMENT:
                 # Read straight into the slab rows: one preadv per limits.IOV_MAX segments, no extra copy.
-                _preadv_scatter(
-                    self.src_fds[pc.src], [whole[o : o + seg] for o in offsets], pc.src_offset, path
-                )
+                scatter_read(self.src_fds[pc.src], a, offsets, seg, pc.src_offset, path)
                 continue
             view = scratch[: pc.length]
             pread_into(self.src_fds[pc.src], view, pc.src_offset, path)
@@ -175,45 +159,7 @@ class Runner:
             self._emit(m, dv, m.dst_offset + ddt.nbytes(i))
 
 
-def _tiles(pieces: Sequence[Piece], room: int) -> Iterator[tuple[Piece, int, int, int]]:
-    """`pieces` grouped into tiles: (first piece, count k, source stride, slab dim d). A run of pieces that
-    are lines of one source (same length, at a constant source stride) placed at consecutive indices of
-    slab dim d, each a line along one other dim (a transpose's source lines), is one tile, read with one
-    pread of its span (at most `room` bytes) and placed with one numpy copy; any other piece is its own
-    (k = 1)."""
-    i, n = 0, len(pieces)
-    while i < n:
-        pc = pieces[i]
-        d, stride, k = -1, 0, 1
-        line = [j for j, (lo, hi) in enumerate(pc.box) if hi - lo > 1]
-        if len(line) == 1 and i + 1 < n:
-            nxt = pieces[i + 1]
-            stride = nxt.src_offset - pc.src_offset
-            moved = [j for j in range(len(pc.box)) if nxt.box[j] != pc.box[j]]
-            if (
-                nxt.src == pc.src
-                and nxt.length == pc.length
-                and stride >= pc.length
-                and len(moved) == 1
-                and moved[0] != line[0]
-                and pc.box[moved[0]][1] - pc.box[moved[0]][0] == 1
-            ):
-                d = moved[0]
-                while i + k < n and k * stride + pc.length <= room:
-                    q = pieces[i + k]
-                    want = tuple(
-                        (lo + k, hi + k) if j == d else (lo, hi) for j, (lo, hi) in enumerate(pc.box)
-                    )
-                    if q.src != pc.src or q.length != pc.length or q.src_offset != pc.src_offset + k * stride:
-                        break
-                    if q.box != want:
-                        break
-                    k += 1
-        yield pc, k, stride, d
-        i += k
-
-
-def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[list[int], int]:
+def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[np.ndarray, int]:
     """Byte offsets in the slab of a piece's contiguous destination segments, and their common length."""
     k = len(slab_shape) - 1
     while k > 0 and tuple(box[k]) == (0, slab_shape[k]):
@@ -224,22 +170,7 @@ def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: in
         offsets = (
             np.arange(box[d][0], box[d][1], dtype=np.int64)[:, None] * slab_strides[d] + offsets[None, :]
         ).ravel()
-    return (offsets * isz).tolist(), (box[k][1] - box[k][0]) * slab_strides[k] * isz
-
-
-def _preadv_scatter(fd: int, views: Sequence[memoryview], offset: int, path: str) -> None:
-    for i in range(0, len(views), limits.IOV_MAX):
-        batch = views[i : i + limits.IOV_MAX]
-        want = sum(len(v) for v in batch)
-        got = os.preadv(fd, batch, offset)
-        if got < want:  # short read: finish view by view, so truncation is still caught
-            pos = 0
-            for v in batch:
-                if pos + len(v) > got:
-                    skip = max(0, got - pos)
-                    pread_into(fd, v[skip:], offset + pos + skip, path)
-                pos += len(v)
-        offset += want
+    return offsets * isz, (box[k][1] - box[k][0]) * slab_strides[k] * isz
 
 
 def run_moves(

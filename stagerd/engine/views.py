@@ -12,11 +12,10 @@ are cut the same way and shifted to their place.
 
 A permuted view (`reshape` + `perm`, the RoPE row order) is cut into runs along the dims after its last
 permuted one (whole rows for RoPE); each run, within each block, is placed as the boxes that tile its
-range of the output. Where the last dim itself moves (a transpose), each line of a block along the
-source's last dim is one block of the output, a line along the dim it became: the planner gathers those
-lines into bounded slabs, and the runner reads a slab's lines as tiles (one pread per tile span, one
-transposing numpy copy per tile: `runner._tiles`); slower than a copy but never element by element and
-never the whole tensor.
+range of the output. Where the last dim itself moves (a transpose), each block's part inside the box is
+one strided block of the output (`Chunk.strides`: the source strides of the dims it became): the planner
+gathers it into bounded slabs, and the runner moves it tile-wise (`engine/strided.py`), never element by
+element and never the whole tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ from stagerd.engine.plan_types import Chunk, ChunkTable
 from stagerd.engine.tiling import strides
 from stagerd.errors import HubPlanError
 
+# (source, byte offset, offset and shape in the output, source strides in elements or () for row-major)
+Piece = tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
 
 def apply_views(
     table: ChunkTable, ids: Mapping[str, int], shape: Callable[[int], tuple[int, ...]], hub: HubPlan
@@ -43,6 +45,7 @@ def apply_views(
     out_ids: dict[str, int] = {}
     blob, name_end, dtype = bytearray(), array("q"), array("B")
     tensor, src, offset, at, ndim, dims = (array(c) for c in ("i", "i", "q", "q", "B", "q"))
+    strided: dict[int, tuple[int, ...]] = {}
     for v in outputs:
         t = ids[v.source]
         dt = dtypes.lookup(table.dtype_name(t))
@@ -60,10 +63,12 @@ def apply_views(
         chunks = table.chunks_of(t)
         pieces = list(_permuted(chunks, v, dt)) if v.perm else [p for c in chunks for p in _pieces(c, v, dt)]
         if not pieces:  # an empty tensor: one empty block gives it its shape
-            pieces = [(table.chunks_of(t)[0].src, 0, (0,) * len(v.shape), tuple(v.shape))]
-        for s, off, go, sh in pieces:
+            pieces = [(table.chunks_of(t)[0].src, 0, (0,) * len(v.shape), tuple(v.shape), ())]
+        for s, off, go, sh, st in pieces:
             if v.at:  # a part of a concatenation: placed at its offset in the whole
                 go = tuple(a + b for a, b in zip(go, v.at, strict=True))
+            if st:
+                strided[len(tensor)] = st
             tensor.append(o)
             src.append(s)
             offset.append(off)
@@ -71,14 +76,12 @@ def apply_views(
             ndim.append(len(go))
             dims.extend(go)
             dims.extend(sh)
-    new = freeze_table(table.sources, blob, name_end, dtype, tensor, src, offset, at, ndim, dims)
+    new = freeze_table(table.sources, blob, name_end, dtype, tensor, src, offset, at, ndim, dims, strided)
     return new, out_ids
 
 
-def _pieces(
-    c: Chunk, v: TensorView, dt: dtypes.DType
-) -> Iterator[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
-    """(source, byte offset, offset and shape in the output) of each run of `c` inside `v`'s box."""
+def _pieces(c: Chunk, v: TensorView, dt: dtypes.DType) -> Iterator[Piece]:
+    """(source, byte offset, offset and shape in the output, no strides) of each run of `c` in `v`'s box."""
     nd = len(c.shape)
     lo = [max(c.global_offset[d], v.start[d]) for d in range(nd)]
     hi = [min(c.global_offset[d] + c.shape[d], v.start[d] + v.size[d]) for d in range(nd)]
@@ -98,10 +101,7 @@ def _pieces(
         go, osh = [0] * len(v.shape), [1] * len(v.shape)
         for j, d in zip(out_dims, keep, strict=True):
             go[j], osh[j] = g[d] - v.start[d], sh[d]
-        yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(osh)
-
-
-Piece = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+        yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(osh), ()
 
 
 def _range_boxes(
@@ -174,13 +174,12 @@ def _box_pieces(
         elem = sum((g[d] - c.global_offset[d]) * cs[d] for d in range(nd))
         at = out + sum((g[d] - start[d]) * bs[d] for d in range(nd))
         for f, ost, osz in _range_boxes(at, n, out_shape):
-            yield c.src, c.offset + dt.nbytes(elem + f - at), ost, osz
+            yield c.src, c.offset + dt.nbytes(elem + f - at), ost, osz, ()
 
 
 def _transposed(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[Piece]:
-    """A view that permutes its box's dims (a transpose): every run of a block along the source's last dim
-    is one piece, a line of the output along the dim that last dim became. The planner gathers such lines
-    into slabs of the output (bounded buffers, one pread per line and slab)."""
+    """A view that permutes its box's dims (a transpose): each block's part inside the box is one block of
+    the output, with the source strides of the dims its dims came from."""
     nd = len(v.size)
     box_dims = [d for d in range(nd) if v.size[d] != 1]
     out_dims = [j for j, n in enumerate(v.shape) if n != 1]
@@ -192,16 +191,11 @@ def _transposed(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterato
         if any(a >= b for a, b in zip(lo, hi, strict=True)):
             continue
         cs = strides(c.shape)
-        for prefix in itertools.product(*(range(lo[d], hi[d]) for d in range(nd - 1))):
-            g = [*prefix, lo[-1]]
-            elem = sum((g[d] - c.global_offset[d]) * cs[d] for d in range(nd))
-            go = [0] * len(v.shape)
-            sh = [1] * len(v.shape)
-            for j, d in src_of_out.items():
-                go[j] = g[d] - v.start[d]
-                if d == nd - 1:
-                    sh[j] = hi[-1] - lo[-1]
-            yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(sh)
+        elem = sum((lo[d] - c.global_offset[d]) * cs[d] for d in range(nd))
+        go, sh, st = [0] * len(v.shape), [1] * len(v.shape), [0] * len(v.shape)
+        for j, d in src_of_out.items():
+            go[j], sh[j], st[j] = lo[d] - v.start[d], hi[d] - lo[d], cs[d]
+        yield c.src, c.offset + dt.nbytes(elem), tuple(go), tuple(sh), tuple(st)
 
 
 def _elements(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[Piece]:
@@ -217,7 +211,7 @@ def _elements(chunks: list[Chunk], v: TensorView, dt: dtypes.DType) -> Iterator[
         g = [v.start[d] + (b // bs[d]) % v.size[d] for d in range(nd)]
         c = next(c for c in chunks if all(0 <= g[d] - c.global_offset[d] < c.shape[d] for d in range(nd)))
         elem = sum((g[d] - c.global_offset[d]) * s for d, s in enumerate(strides(c.shape)))
-        yield c.src, c.offset + dt.nbytes(elem), tuple(_unravel(j, v.shape)), one
+        yield c.src, c.offset + dt.nbytes(elem), tuple(_unravel(j, v.shape)), one, ()
 
 
 def _unravel(i: int, shape: list[int] | tuple[int, ...]) -> list[int]:
