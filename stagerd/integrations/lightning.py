@@ -47,7 +47,7 @@ from stagerd.integrations import hf_files, state_tree, step_files
 from stagerd.integrations.wait_hook import WaitBeforeStep
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
-from stagerd.training.loader import load_step
+from stagerd.training.loader import load_step, optim_specs
 from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
@@ -107,7 +107,7 @@ class StagerdCheckpointIO(CheckpointIO):
         step_dir = root / layout.step_dir_name(step)
         marker = layout.read_marker(step_dir)
         model = step_files.empty(step_files.model_specs(marker))
-        specs = step_files.optim_specs(step_dir)
+        specs = optim_specs(step_dir)
         if BLOB not in specs:
             raise LoadError("not a step saved by StagerdCheckpointIO (no Lightning state)", path=step_dir)
         optim = step_files.empty(specs)
