@@ -43,6 +43,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -142,6 +143,9 @@ class Stager:
         self._copiers = {kind: HostCopier(pool, self._copy_thread) for kind, pool in self._pools.items()}
         self._writer = ShardWriter(writer_threads or default_writer_threads())
         self._hooks: list[RemovableHandle] = []
+        self._attached: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = (
+            weakref.WeakKeyDictionary()
+        )
         self._committer = Committer(self._comm, self.topology, self._writer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
@@ -276,16 +280,23 @@ class Stager:
             h.wait_staged(timeout)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
-        """Make `optimizer.step()` call `wait_staged()` first, and reserve the host buffers ahead of the
-        first save: after the optimizer's first step (its state then exists), on a background thread.
+        """Make `optimizer.step()` call `wait_staged()` before it updates anything, and reserve the host
+        buffers ahead of the first save: after the optimizer's first step (its state then exists), on a
+        background thread.
 
-        The hook is the one place the parameters and the optimizer state change, so a save's host copy
-        runs under the forward and backward that follow it. Returns the hook's handle (`.remove()`);
-        `close()` removes it too. Attach every optimizer whose state or parameters are saved
+        The step is the one place the parameters and the optimizer state change, so a save's host copy
+        runs under the forward and backward that follow it; a step given a closure (Lightning runs
+        forward and backward in it) waits after the closure. Attach every optimizer whose state or
+        parameters are saved, the innermost torch optimizer where a trainer wraps it; attaching one twice
+        does nothing more. Returns the wait hook's handle (`.remove()`); `close()` removes it too
         (`optimizer_hook`).
         """
+        held = self._attached.get(optimizer)
+        if held is not None and held.id in (held.hooks_dict_ref() or {}):  # not removed since
+            return held
         wait, reserve = optimizer_hook.install(self, optimizer)
         self._hooks += [wait, reserve]
+        self._attached[optimizer] = wait
         return wait
 
     def reserve(
@@ -365,6 +376,7 @@ class Stager:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._attached.clear()
         self._commit_thread.shutdown(wait=True)
         self._copy_thread.shutdown(wait=True)
         self._writer.close()

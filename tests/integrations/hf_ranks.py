@@ -63,7 +63,7 @@ def train(kind: str, out: Path, root: Path, seed: int, resume: bool) -> Any:
         seed=7, save_total_limit=1,
     )  # fmt: skip
     cb = StagerdCallback(root=root)
-    callbacks: list[Any] = [cb]
+    callbacks: list[Any] = [cb, _Attached()]
     if not resume and int(os.environ["RANK"]) == 0:
         callbacks.append(_Reference(out / "ref"))
     if kind == "sft":
@@ -161,8 +161,9 @@ def _run(rank: int, kind: str, out: Path) -> None:
     resumed = train(kind, out, out / "resumed", seed=1, resume=True)
     same = _same_weights(full.model, resumed.model)
     if rank == 0:
-        result = {name: _losses(t) for name, t in (("full", full), ("resumed", resumed))}
+        result: dict[str, Any] = {name: _losses(t) for name, t in (("full", full), ("resumed", resumed))}
         result["same_weights"] = same
+        result["attached"] = [_attached_of(t) for t in (full, resumed)]
         (out / "result.json").write_text(json.dumps(result))
 
 
@@ -191,3 +192,17 @@ class _Reference(_callback_base()):  # type: ignore[misc]
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         model.save_pretrained(self.out / f"step-{state.global_step}")
+
+
+class _Attached(_callback_base()):  # type: ignore[misc]
+    """Whether the optimizer the Trainer steps (inside Accelerate's wrapper) waits for the copy."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        from stagerd.integrations.hf_trainer import torch_optimizer
+
+        hooks = torch_optimizer(optimizer)._optimizer_step_pre_hooks.values()
+        self.attached = any(h.__module__ == "stagerd.training.optimizer_hook" for h in hooks)
+
+
+def _attached_of(trainer: Any) -> bool:
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, _Attached)).attached

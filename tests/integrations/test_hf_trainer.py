@@ -36,6 +36,7 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(runs, kind):
     assert result["resumed"] == result["full"]  # steps 3 and 4 trained after the resume, equal floats
     assert list(result["full"]) == ["1", "2", "3", "4"]
     assert result["same_weights"]
+    assert result["attached"] == [True, True]  # the optimizer's step waits for the copy (Stager.attach)
     assert not list((runs / kind / "output").glob("checkpoint-*"))  # the Trainer's own save: skipped
 
 

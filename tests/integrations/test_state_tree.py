@@ -1,5 +1,6 @@
 """The pieces under the integrations, in one process: the JSON-and-tensors form of a trainer's state,
-the wait before the next optimizer step, and the Trainer's state saved and loaded through a step."""
+and the Trainer's state saved and loaded through a step. (The wait before the next optimizer step, after
+a closure: `tests/training/test_attach.py`.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from stagerd import Stager
 from stagerd.errors import LoadError, SaveInputError
 from stagerd.integrations import hf_trainer, rng, state_tree
-from stagerd.integrations.wait_hook import WaitBeforeStep
 
 
 def test_a_trainers_state_comes_back_as_it_was():
@@ -50,44 +50,6 @@ def test_a_malformed_skeleton_is_a_load_error():
         state_tree.join({"__stagerd__": "pickle"}, lambda k: torch.zeros(1))
     with pytest.raises(LoadError, match="unknown dtype"):
         state_tree.join({"__stagerd__": "dtype", "name": "Tensor"}, lambda k: torch.zeros(1))
-
-
-class _Stager:
-    def __init__(self, log):
-        self.log = log
-
-    def wait_staged(self):
-        self.log.append("wait")
-
-
-def test_the_wait_comes_after_the_steps_closure_and_before_the_update():
-    log: list[str] = []
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=1.0)
-    hook = WaitBeforeStep()
-    try:
-        hook.arm(_Stager(log))
-
-        def closure():
-            log.append(f"closure {p.tolist()}")  # forward and backward, under which the copy ran
-            p.grad = torch.ones(2)
-            return torch.tensor(0.0)
-
-        opt.step(closure)
-        log.append(f"updated {p.tolist()}")
-        hook.arm(_Stager(log))
-        opt.step(closure=closure)  # Lightning's way: a keyword
-        log.append(f"updated {p.tolist()}")
-        opt.step()  # disarmed: one wait per save
-        hook.arm(_Stager(log))
-        opt.step()  # no closure: waits at once
-        assert log == [
-            *["closure [1.0, 1.0]", "wait", "updated [0.0, 0.0]"],
-            *["closure [0.0, 0.0]", "wait", "updated [-1.0, -1.0]"],
-            "wait",
-        ]
-    finally:
-        hook.remove()
 
 
 def _trainer(seed: int, steps: int) -> SimpleNamespace:
