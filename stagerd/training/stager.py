@@ -37,7 +37,6 @@ a gloo process group of its own, so its background collectives never interleave 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -149,7 +148,7 @@ class Stager:
         self._committer = Committer(self._comm, self.topology, self._writer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
-        self._hub_plans: dict[Any, ToHub] = {}
+        self._hub_plans = to_hub.PlanCache()
         self._unreported: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -394,18 +393,8 @@ class Stager:
     def _to_hub(
         self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str], extras: Any
     ) -> ToHub:
-        """Resolved once per model, config and set of tensors: later saves of the same training reuse it."""
         config = (extras or {}).get("config.json") if mapping is None else None
-        key = (
-            id(model),
-            repr(config),
-            json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
-            tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
-            tuple(aliases.items()),
-        )
-        if key not in self._hub_plans:
-            self._hub_plans = {key: to_hub.resolve(model, sd, aliases, mapping, config)}
-        return self._hub_plans[key]
+        return self._hub_plans.get(model, sd, aliases, mapping, config)
 
     def _wait_previous(self, step: int) -> None:
         h = self._inflight
