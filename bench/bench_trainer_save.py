@@ -13,7 +13,7 @@ and the last one before the last step (14 steps, every 4: saves at 4, 8, 12), as
   stall, the wait for the copy before the next optimizer step, and the slowdown of the next steps while a
   save writes in the background (on a CPU-only machine the write shares the cores with training).
 - standstill: the time the loop stands still for a save: from the end of the step to the next step's start
-  (the Trainer saves in between), plus, for stagerd, the wait for the copy in `on_pre_optimizer_step`.
+  (the Trainer saves in between), plus, for stagerd, the wait for the copy in the next optimizer step.
 
 After the loop, `train()` returns once every save is committed: for stagerd, the rest of the last save's
 write and fsync (`end wait`, once per training, not per save). The headline is the median of the
@@ -68,7 +68,7 @@ def _clock_base() -> Any:
 
 class _Clock(_clock_base()):  # type: ignore[misc]
     """The loop's standstill per save: step end -> next step begin around a save step, plus stagerd's wait
-    for the copy (timed by wrapping the callback's own event); and when the last step ended."""
+    for the copy (`_timed_wait`); and when the last step ended."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -90,16 +90,26 @@ class _Clock(_clock_base()):  # type: ignore[misc]
 
 
 def _timed_wait(cb: Any, clock: _Clock) -> None:
-    inner = cb.on_pre_optimizer_step
+    """Time stagerd's wait for the copy: `wait_staged`, which the optimizer the callback attached the
+    Stager to calls before it updates anything."""
+    make = cb._stager
 
-    def on_pre_optimizer_step(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            clock.stall += time.perf_counter() - t0
+    def stager() -> Any:
+        s = make()
+        if "wait_staged" not in vars(s):
+            inner = s.wait_staged
 
-    cb.on_pre_optimizer_step = on_pre_optimizer_step
+            def wait_staged(timeout: float | None = None) -> None:
+                t0 = time.perf_counter()
+                try:
+                    inner(timeout)
+                finally:
+                    clock.stall += time.perf_counter() - t0
+
+            s.wait_staged = wait_staged
+        return s
+
+    cb._stager = stager
 
 
 def run_once(variant: str, args: argparse.Namespace, scratch: Path) -> tuple[float, float, float]:

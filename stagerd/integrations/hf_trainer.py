@@ -25,9 +25,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from stagerd.contract import layout
 from stagerd.errors import LoadError
 from stagerd.integrations import rng, state_tree, step_files
 from stagerd.training.aliases import split_aliases
+from stagerd.training.loader import optim_specs
 
 BLOB = "stagerd/trainer"
 FORMAT = "stagerd.hf_trainer/1"
@@ -85,14 +87,20 @@ def state_to_save(
 def load(trainer: Any, stager: Any, step: int) -> Restored:
     """Load `step` into the Trainer's model, optimizer and LR scheduler (collective, every rank)."""
     step_dir: Path = stager.step_dir(step)
-    specs = step_files.optim_specs(step_dir)
     model = trainer.model
     optimizer = torch_optimizer(trainer.optimizer)
-    if BLOB not in specs:
+    if not (step_dir / layout.OPTIM_DIR).is_dir():  # saved with save_only_model: the model alone
         msd = get_model_state_dict(model)
         stager.load(split_aliases(msd)[0], step=step)
         set_model_state_dict(model, msd)
-        return Restored({}, None)  # saved with save_only_model: the model alone, as the Trainer does
+        return Restored({}, None)
+    specs = optim_specs(step_dir)
+    if BLOB not in specs:
+        raise LoadError(
+            f"optim/ holds no {BLOB!r}: not a step StagerdCallback saved",
+            path=step_dir,
+            hint="load it with Stager.load, or resume from a step the callback saved",
+        )
     msd, osd = get_state_dict(model, optimizer)
     templates, _ = state_tree.split(osd, "optimizer")
     _check_same_optimizer(set(templates), {k for k in specs if k.startswith("optimizer/")}, step_dir)

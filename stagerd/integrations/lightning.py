@@ -21,7 +21,8 @@ committed step). `remove_checkpoint` removes the pointer file; the staged steps 
 or delete (`stagerd watch --keep-last N`).
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
-and backward) Lightning runs inside that step, right before the parameters change.
+and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
+the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `model`'s trainer's).
 
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,10 +46,9 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, state_tree, step_files
-from stagerd.integrations.wait_hook import WaitBeforeStep
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
-from stagerd.training.loader import load_step
+from stagerd.training.loader import load_step, optim_specs
 from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
@@ -79,7 +80,6 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
-        self._wait = WaitBeforeStep()
         self._saved: int | None = None
 
     # -- CheckpointIO ------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class StagerdCheckpointIO(CheckpointIO):
         step_dir = root / layout.step_dir_name(step)
         marker = layout.read_marker(step_dir)
         model = step_files.empty(step_files.model_specs(marker))
-        specs = step_files.optim_specs(step_dir)
+        specs = optim_specs(step_dir)
         if BLOB not in specs:
             raise LoadError("not a step saved by StagerdCheckpointIO (no Lightning state)", path=step_dir)
         optim = step_files.empty(specs)
@@ -131,7 +131,6 @@ class StagerdCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         stager, self.stager = self.stager, None
-        self._wait.remove()
         if stager is not None:
             stager.close()  # every save committed, or its SaveError raised here
 
@@ -155,7 +154,26 @@ class StagerdCheckpointIO(CheckpointIO):
         except StepExistsError:
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
-        self._wait.arm(stager)
+        optimizers = self._optimizers()
+        if optimizers is None:  # called outside a Lightning strategy: nothing would wait for the copy
+            stager.wait_staged()
+        for optimizer in optimizers or ():
+            stager.attach(optimizer)  # once each: the next step waits after its closure
+
+    def _optimizers(self) -> list[Any] | None:
+        """The torch optimizers of the strategy saving this checkpoint (the caller of `save_checkpoint`),
+        else of the `model`'s trainer; None when neither is found."""
+        from lightning.pytorch.strategies import Strategy
+
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Strategy):
+                return list(owner.optimizers)
+            frame = frame.f_back  # type: ignore[assignment]
+        trainer = getattr(self.model, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+        return None if strategy is None else list(strategy.optimizers)
 
     def _stager(self) -> Stager:
         if self.stager is None:

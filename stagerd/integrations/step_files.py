@@ -1,44 +1,18 @@
-"""What a committed step holds, read without unpickling anything: the tensors of its `optim/` (from DCP's
-metadata, through the allowlist unpickler) and the model tensors its marker lists.
-
-DCP stores a non-tensor value as a pickle and loads it with `torch.load(weights_only=False)`. The
-integrations never save one (non-tensor state is JSON in a uint8 tensor), and refuse to load a step whose
-`optim/` claims one of the keys they ask for as bytes: a replaced `.metadata` cannot turn a tensor read
-into an unpickle.
+"""Load templates of a committed step, made without the state dicts it was saved from: the model tensors
+its marker lists (`model_specs`) and those of its `optim/` (`stagerd.training.loader.optim_specs`), as
+empty tensors of the saved dtype and global shape (`empty`). The integrations keep every non-tensor
+value in JSON inside a uint8 tensor (`state_tree`), so a step of theirs loads as tensors alone.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.errors import DTypeError, LoadError
-from stagerd.training.safe_metadata import SafeFileSystemReader
 
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
-
-
-def optim_specs(step_dir: Path) -> Specs:
-    """Every tensor of the step's `optim/`: key -> (dtype, global shape). LoadError if `optim/` holds a
-    value that is not a tensor (stagerd's integrations never write one)."""
-    path = step_dir / layout.OPTIM_DIR
-    if not (path / ".metadata").is_file():
-        return {}
-    meta = SafeFileSystemReader(str(path)).read_metadata()
-    out: Specs = {}
-    for key, md in meta.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise LoadError(
-                f"optim/ holds {key!r} as pickled bytes, which this loader never unpickles",
-                path=path,
-                hint="this step was not saved by a stagerd integration; load it with Stager.load",
-            )
-        out[key] = (md.properties.dtype, tuple(md.size))
-    return out
 
 
 def model_specs(marker: layout.CommitMarker) -> Specs:

@@ -10,8 +10,9 @@ The Trainer still decides when to save (`save_strategy`, `save_steps`) and runs 
 `_save_checkpoint` (logging, evaluation and `trainer_state.json` first, as always), but the callback takes
 over its writes: the model, optimizer, LR scheduler, grad scaler and RNG saves become one async
 `Stager.save` of step `global_step` (`hf_trainer`), so the loop blocks only for the copy, and the copy
-itself is waited for right before the next `optimizer.step()` (`on_pre_optimizer_step`), hidden under the
-next forward and backward. The export is Hub-faithful (`model=` is the Trainer's model); `config.json`,
+itself is waited for right before the next optimizer step updates anything (`Stager.attach` on the
+Trainer's innermost torch optimizer, at the start of training), hidden under the next forward and
+backward. The export is Hub-faithful (`model=` is the Trainer's model); `config.json`,
 `generation_config.json` and the tokenizer's files go in as extras (`hf_files`).
 
 What keeps its meaning, and what maps to the daemon:
@@ -117,10 +118,7 @@ class StagerdCallback(TrainerCallback):
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.stager is not None:  # the last save's copy of the parameters, hidden under fwd/bwd
-            self.stager.wait_staged()
+        self._attach(trainer)  # before the first step: its buffers are reserved after it
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         stager, self.stager = self.stager, None
@@ -166,6 +164,14 @@ class StagerdCallback(TrainerCallback):
         if self.stager is None:
             self.stager = Stager(self.root, **self.stager_options)
         return self.stager
+
+    def _attach(self, trainer: Trainer) -> Stager:
+        """The Stager, attached to the optimizer the Trainer steps (inside Accelerate's wrapper): its step
+        waits for a save's copy, after the forward and backward it hid under (once per optimizer)."""
+        stager = self._stager()
+        if getattr(trainer, "optimizer", None) is not None:
+            stager.attach(hf_trainer.torch_optimizer(trainer.optimizer))
+        return stager
 
     # -- saving ------------------------------------------------------------------------------------
 
@@ -224,7 +230,7 @@ class StagerdCallback(TrainerCallback):
                     del trainer.__dict__[n]
 
     def _start_save(self, trainer: Trainer, captured: hf_trainer.Captured, files: dict[str, bytes]) -> None:
-        stager = self._stager()
+        stager = self._attach(trainer)
         msd, optim = hf_trainer.state_to_save(trainer, captured, stager.rank)
         options = dict(self.save_options)
         extras: dict[str, Any] = {}

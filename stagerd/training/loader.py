@@ -17,6 +17,10 @@ Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTe
    DCP reshards: a step saved with another world size or mesh loads (tested 2 -> 1 and 1 -> 2 ranks).
 4. `extras/` are read back as bytes (`LoadedStep.extras`, `LoadedStep.json(name)`).
 
+`optim_specs` lists the tensors a step's `optim/` holds (in either format), with their global dtype and
+shape: what a caller that does not have the state dict at hand (a trainer integration) builds its load
+templates from.
+
 `load_export` reads a published HF export directory (`ROOT/step-N/export/`, or one `stagerd restore`
 brought back) into a model state dict the same way, to start a fine-tune from it; an export holds no
 optimizer state, and its tensors may have been cast (they are cast back to the state dict's dtypes).
@@ -37,6 +41,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stagerd.contract import layout
 from stagerd.errors import LoadError, StagerdError
@@ -148,6 +153,30 @@ def _dcp_load(comm: Collectives, state_dict: Any, reader: Any, what: str, planne
     except (Exception, CheckpointException) as e:
         error = describe(e)
     agree(comm, error, what)
+
+
+def optim_specs(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every tensor of the step's `optim/` (empty without one): key -> (dtype, global shape), from the
+    safetensors headers (or, for DCP's own format, its `.metadata` through the allowlist). The
+    optimizer's non-tensor leaves are not listed."""
+    optim_dir = step_dir / layout.OPTIM_DIR
+    if not optim_dir.is_dir():
+        return {}
+    if (optim_dir / ".metadata").is_file():
+        reader: Any = SafeFileSystemReader(str(optim_dir))
+    else:
+        reader = HuggingFaceStorageReader(str(optim_dir))
+    try:
+        meta = reader.read_metadata()
+    except StagerdError:
+        raise
+    except Exception as e:  # a truncated or garbled header: a clear error
+        raise LoadError(f"optim/ is unreadable: {type(e).__name__}: {e}", path=optim_dir) from None
+    return {
+        k: (md.properties.dtype, tuple(md.size))
+        for k, md in meta.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
 
 
 def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str, Any]) -> None:

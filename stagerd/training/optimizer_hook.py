@@ -1,9 +1,12 @@
 """`Stager.attach(optimizer)`: the optimizer's step waits for the latest save's host copy.
 
 The optimizer step is the one place the parameters and the optimizer state change, so a save's host
-copy can run under the forward and backward that follow it, as long as the step waits for it. A step
-pre-hook calls `wait_staged()`; a post-hook reserves the host buffers of the parameters and of the
-optimizer state (which exists only after the first step) once, in the background, so the first save
+copy can run under the forward and backward that follow it, as long as the step waits for it before it
+updates anything. A step pre-hook waits (`wait_staged()`), at once for a step called without a closure.
+A step called with a closure runs forward and backward inside the step (Lightning, LBFGS): the hook
+wraps the closure and waits after it, so the copy hides under them too; torch's optimizers call the
+closure before they touch a parameter. A post-hook reserves the host buffers of the parameters and of
+the optimizer state (which exists only after the first step) once, in the background, so the first save
 allocates nothing. The hooks hold the Stager weakly: an optimizer must not keep it (and its process
 group) alive.
 """
@@ -11,7 +14,7 @@ group) alive.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -35,9 +38,20 @@ def install(stager: Attachable, optimizer: torch.optim.Optimizer) -> tuple[Remov
     """(the wait's pre-hook, the one-shot reservation's post-hook) on `optimizer`."""
     me = weakref.ref(stager)
 
-    def before_step(*_: Any) -> None:
+    def wait() -> None:
         if (s := me()) is not None:
             s.wait_staged()
+
+    def before_step(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`args` are the step's own, the optimizer first; a closure is `step(closure)` or a keyword."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            wait()
+            return None
+        wrapped = _then(closure, wait)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
 
     fired: list[bool] = []
 
@@ -50,3 +64,12 @@ def install(stager: Attachable, optimizer: torch.optim.Optimizer) -> tuple[Remov
             s._reserve("optim", tensors_in(opt.state.values()))
 
     return optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_first_step)
+
+
+def _then(closure: Callable[[], Any], wait: Callable[[], None]) -> Callable[[], Any]:
+    def closure_then_wait() -> Any:
+        out = closure()
+        wait()  # after forward and backward, before the update
+        return out
+
+    return closure_then_wait

@@ -37,12 +37,12 @@ a gloo process group of its own, so its background collectives never interleave 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -142,10 +142,13 @@ class Stager:
         self._copiers = {kind: HostCopier(pool, self._copy_thread) for kind, pool in self._pools.items()}
         self._writer = ShardWriter(writer_threads or default_writer_threads())
         self._hooks: list[RemovableHandle] = []
+        self._attached: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = (
+            weakref.WeakKeyDictionary()
+        )
         self._committer = Committer(self._comm, self.topology, self._writer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
         self._inflight: SaveHandle | None = None
-        self._hub_plans: dict[Any, ToHub] = {}
+        self._hub_plans = to_hub.PlanCache()
         self._unreported: list[SaveHandle] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -276,16 +279,23 @@ class Stager:
             h.wait_staged(timeout)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
-        """Make `optimizer.step()` call `wait_staged()` first, and reserve the host buffers ahead of the
-        first save: after the optimizer's first step (its state then exists), on a background thread.
+        """Make `optimizer.step()` call `wait_staged()` before it updates anything, and reserve the host
+        buffers ahead of the first save: after the optimizer's first step (its state then exists), on a
+        background thread.
 
-        The hook is the one place the parameters and the optimizer state change, so a save's host copy
-        runs under the forward and backward that follow it. Returns the hook's handle (`.remove()`);
-        `close()` removes it too. Attach every optimizer whose state or parameters are saved
+        The step is the one place the parameters and the optimizer state change, so a save's host copy
+        runs under the forward and backward that follow it; a step given a closure (Lightning runs
+        forward and backward in it) waits after the closure. Attach every optimizer whose state or
+        parameters are saved, the innermost torch optimizer where a trainer wraps it; attaching one twice
+        does nothing more. Returns the wait hook's handle (`.remove()`); `close()` removes it too
         (`optimizer_hook`).
         """
+        held = self._attached.get(optimizer)
+        if held is not None and held.id in (held.hooks_dict_ref() or {}):  # not removed since
+            return held
         wait, reserve = optimizer_hook.install(self, optimizer)
         self._hooks += [wait, reserve]
+        self._attached[optimizer] = wait
         return wait
 
     def reserve(
@@ -365,6 +375,7 @@ class Stager:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._attached.clear()
         self._commit_thread.shutdown(wait=True)
         self._copy_thread.shutdown(wait=True)
         self._writer.close()
@@ -382,18 +393,8 @@ class Stager:
     def _to_hub(
         self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str], extras: Any
     ) -> ToHub:
-        """Resolved once per model, config and set of tensors: later saves of the same training reuse it."""
         config = (extras or {}).get("config.json") if mapping is None else None
-        key = (
-            id(model),
-            repr(config),
-            json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
-            tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
-            tuple(aliases.items()),
-        )
-        if key not in self._hub_plans:
-            self._hub_plans = {key: to_hub.resolve(model, sd, aliases, mapping, config)}
-        return self._hub_plans[key]
+        return self._hub_plans.get(model, sd, aliases, mapping, config)
 
     def _wait_previous(self, step: int) -> None:
         h = self._inflight

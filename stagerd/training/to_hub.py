@@ -16,9 +16,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,6 +85,41 @@ def resolve(
             "pass the model to Stager.save(..., model=model)",
         )
     return ToHub(hub_trace.alias_plan(sd, aliases))
+
+
+class PlanCache:
+    """The last save's plan, reused by the next save of the same model, config and set of tensors: a
+    training resolves it once.
+
+    The model is held weakly and compared by identity, not by `id()`: a new model in a freed one's
+    memory has its `id` and may have its tensors, but not its plan."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Callable[[], Any], tuple[Any, ...], ToHub] | None = None  # (model, key, plan)
+
+    def get(
+        self, model: Any, sd: Mapping[str, Any], aliases: Mapping[str, str], mapping: Any, config: Any
+    ) -> ToHub:
+        key = (
+            repr(config),
+            json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
+            tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
+            tuple(aliases.items()),
+        )
+        last = self._last
+        if last is not None and last[1] == key and last[0]() is model:
+            return last[2]
+        plan = resolve(model, sd, aliases, mapping, config)
+        self._last = (_held(model), key, plan)
+        return plan
+
+
+def _held(model: Any) -> Callable[[], Any]:
+    """`model` held weakly where it can be (a module can), so a cached plan keeps no model alive."""
+    try:
+        return weakref.ref(model)
+    except TypeError:  # None, or an object without weak references: held as is
+        return lambda: model
 
 
 _warned: set[str] = set()

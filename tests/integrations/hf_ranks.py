@@ -1,7 +1,7 @@
 """What each gloo rank of the Trainer tests does, for the HF `Trainer` and TRL's `SFTTrainer` alike.
 
-Two trainings of one tiny Llama (attention dropout on, so the RNG states matter), 4 steps, a save every
-2 steps through `StagerdCallback`:
+Two trainings of one tiny Llama under Accelerate FSDP2 (attention dropout on, so the RNG states matter),
+4 steps, a save every 2 steps through `StagerdCallback`:
 - `full/`: uninterrupted; rank 0 writes `save_pretrained` of the weights at every save (`ref/step-N/`);
 - `resumed/`: a ROOT holding only `full/`'s step 2 (copied whole, as a preempted run or `stagerd restore`
   leaves it), and a model from another seed: `trainer.train(resume_from_checkpoint=cb.resume(trainer))`
@@ -20,6 +20,12 @@ from tests.fidelity import models
 from tests.gloo import join
 
 STEPS, EVERY, SEQ, SAMPLES = 4, 2, 12, 16
+FSDP2 = {
+    "version": 2,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    "reshard_after_forward": True,
+}
 
 
 def tokenizer() -> Any:
@@ -62,25 +68,44 @@ def train(kind: str, out: Path, root: Path, seed: int, resume: bool) -> Any:
         per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True,
         seed=7, save_total_limit=1,
     )  # fmt: skip
+    common.update(fsdp=True, fsdp_config=FSDP2)
     cb = StagerdCallback(root=root)
-    callbacks: list[Any] = [cb]
-    if not resume and int(os.environ["RANK"]) == 0:
+    callbacks: list[Any] = [cb, _Attached()]
+    if not resume:
         callbacks.append(_Reference(out / "ref"))
     if kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
         args = SFTConfig(**common, bf16=False, max_length=SEQ)
+        fsdp_on_cpu()
         trainer = SFTTrainer(model=model(seed), args=args, train_dataset=dataset(),
                              processing_class=tokenizer(), callbacks=callbacks)  # fmt: skip
     else:
         args = tf.TrainingArguments(**common)
         collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+        fsdp_on_cpu()
         trainer = tf.Trainer(model=model(seed), args=args, train_dataset=dataset(), data_collator=collator,
                              processing_class=tokenizer())  # fmt: skip
         for c in callbacks:
             trainer.add_callback(c)  # the other way in: after the Trainer is made
+    assert trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 2
     trainer.train(resume_from_checkpoint=cb.resume(trainer) if resume else None)
     return trainer
+
+
+def fsdp_on_cpu() -> None:
+    """Accelerate enables FSDP only for accelerator distributed types (MULTI_GPU, XPU, ...) and on CPU
+    silently trains data-parallel as MULTI_CPU, although FSDP2 (`fully_shard`) runs on CPU with gloo. So
+    the already-made `PartialState` is told it is MULTI_GPU before the Trainer builds its `Accelerator`:
+    Accelerate then takes its FSDP2 path and the device stays `cpu`. Sharding, training and the state
+    dicts are then the libraries' own code."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type != DistributedType.MULTI_GPU:
+        assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+        state.distributed_type = DistributedType.MULTI_GPU
 
 
 def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -> None:
@@ -90,60 +115,6 @@ def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -
     join(rank, world, init_file)
     for kind in kinds:
         _run(rank, kind, Path(out_dir) / kind)
-    fsdp2_round_trip(rank, Path(out_dir) / "fsdp2")
-
-
-def fsdp2_round_trip(rank: int, out: Path) -> None:
-    """The callback's state under FSDP2 (which Accelerate runs only on accelerators): a trained, sharded
-    model's optimizer and scheduler saved as the callback saves them, loaded into another model's."""
-    import json
-    from types import SimpleNamespace
-
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    from stagerd.integrations import hf_trainer
-    from stagerd.training.stager import Stager
-
-    def trainer(seed: int, steps: int) -> Any:
-        m = model(seed)
-        for layer in m.model.layers:
-            fully_shard(layer)
-        fully_shard(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-        ids = dataset()["input_ids"][:2]
-        for _ in range(steps):
-            m(input_ids=torch.tensor(ids), labels=torch.tensor(ids)).loss.backward()
-            opt.step(), sched.step(), opt.zero_grad()
-        return SimpleNamespace(model=m, optimizer=opt, lr_scheduler=sched, accelerator=None)
-
-    saved, other = trainer(0, 2), trainer(1, 1)
-    with Stager(out) as stager:
-        msd, optim = hf_trainer.state_to_save(saved, hf_trainer.Captured(optimizer=True), rank)
-        stager.save(msd, step=2, optimizer_state=optim, model=saved.model)
-        stager.wait()
-        hf_trainer.load(other, stager, 2)
-    a, b = get_state_dict(saved.model, saved.optimizer), get_state_dict(other.model, other.optimizer)
-    flat = [(x, y) for sa, sb in zip(a, b, strict=True) for x, y in _leaves(sa, sb)]
-    same = all(torch.equal(x.full_tensor(), y.full_tensor()) if hasattr(x, "full_tensor") else x == y
-               for x, y in flat)  # fmt: skip
-    same = same and other.lr_scheduler.state_dict() == saved.lr_scheduler.state_dict()
-    if rank == 0:
-        (out / "result.json").write_text(json.dumps({"same": bool(same), "leaves": len(flat)}))
-
-
-def _leaves(a: Any, b: Any) -> Any:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            yield from _leaves(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        for x, y in zip(a, b, strict=True):
-            yield from _leaves(x, y)
-    else:
-        yield a, b
 
 
 def _run(rank: int, kind: str, out: Path) -> None:
@@ -161,8 +132,10 @@ def _run(rank: int, kind: str, out: Path) -> None:
     resumed = train(kind, out, out / "resumed", seed=1, resume=True)
     same = _same_weights(full.model, resumed.model)
     if rank == 0:
-        result = {name: _losses(t) for name, t in (("full", full), ("resumed", resumed))}
+        result: dict[str, Any] = {name: _losses(t) for name, t in (("full", full), ("resumed", resumed))}
         result["same_weights"] = same
+        result["attached"] = [_attached_of(t) for t in (full, resumed)]
+        result["sharded"] = [_sharded(t.model) for t in (full, resumed)]
         (out / "result.json").write_text(json.dumps(result))
 
 
@@ -170,10 +143,24 @@ def _losses(trainer: Any) -> dict[str, float]:
     return {str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
+def _sharded(model: Any) -> bool:
+    """Every parameter is a DTensor sharded over both ranks: FSDP2, not DDP's replicas."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+
+
+def _full(model: Any) -> dict[str, Any]:
+    """The FSDP2 model's whole weights (collective: every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def _same_weights(a: Any, b: Any) -> bool:
     import torch
 
-    sa, sb = a.state_dict(), b.state_dict()
+    sa, sb = _full(a), _full(b)
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
@@ -184,10 +171,34 @@ def _callback_base() -> Any:
 
 
 class _Reference(_callback_base()):  # type: ignore[misc]
-    """save_pretrained of the weights each save holds (DDP: every rank has them whole)."""
+    """save_pretrained of the weights each save holds: gathered from the shards, saved by rank 0 from an
+    unsharded copy of the model (its config and generation config)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        model.save_pretrained(self.out / f"step-{state.global_step}")
+        import torch
+        import transformers as tf
+
+        weights = _full(model)
+        if int(os.environ["RANK"]) == 0:
+            with torch.random.fork_rng():  # the training's generators must not move
+                whole = tf.AutoModelForCausalLM.from_config(model.config)
+            whole.load_state_dict(weights)
+            whole.generation_config = model.generation_config  # the model's own, not one made anew
+            whole.save_pretrained(self.out / f"step-{state.global_step}")
+
+
+class _Attached(_callback_base()):  # type: ignore[misc]
+    """Whether the optimizer the Trainer steps (inside Accelerate's wrapper) waits for the copy."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        from stagerd.integrations.hf_trainer import torch_optimizer
+
+        hooks = torch_optimizer(optimizer)._optimizer_step_pre_hooks.values()
+        self.attached = any(h.__module__ == "stagerd.training.optimizer_hook" for h in hooks)
+
+
+def _attached_of(trainer: Any) -> bool:
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, _Attached)).attached

@@ -47,6 +47,16 @@ class TinyLM(pl.LightningModule):
         return [opt], [{"scheduler": sched, "interval": "step"}]
 
 
+class Attached(pl.Callback):
+    """Whether the strategy's optimizer waits for the copy (on rank 0, the one that saves), late in fit."""
+
+    attached = False
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        hooks = trainer.strategy.optimizers[0]._optimizer_step_pre_hooks.values()
+        self.attached = any(h.__module__ == "stagerd.training.optimizer_hook" for h in hooks)
+
+
 class Reference(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -67,6 +77,7 @@ def fit(out: Path, name: str, seed: int, ckpt_path: str | None) -> TinyLM:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
     module = TinyLM(seed)
     callbacks: list[Any] = [ModelCheckpoint(dirpath=out / name / "ckpts", save_top_k=-1, save_last=True)]
+    callbacks.append(attached := Attached())
     if ckpt_path is None:
         callbacks.append(Reference(out / "ref"))
     trainer = pl.Trainer(
@@ -75,6 +86,7 @@ def fit(out: Path, name: str, seed: int, ckpt_path: str | None) -> TinyLM:
         plugins=[StagerdCheckpointIO(out / name / "root", model=module)], callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(module, data, ckpt_path=ckpt_path)
+    module.attached = attached.attached
     return module
 
 
@@ -90,5 +102,6 @@ def run(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
     same = sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     if rank == 0:
-        result = {"full": full.losses, "resumed": resumed.losses, "same_weights": same}
+        result = {"full": full.losses, "resumed": resumed.losses, "same_weights": same,
+                  "attached": [full.attached, resumed.attached]}  # fmt: skip
         (out / "result.json").write_text(json.dumps(result))

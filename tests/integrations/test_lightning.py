@@ -36,6 +36,9 @@ def test_fit_from_a_stagerd_step_resumes_bit_for_bit(run):
     assert list(result["full"]) == ["1", "2", "3", "4"]
     assert result["resumed"] == {k: result["full"][k] for k in ("3", "4")}
     assert result["same_weights"]
+    # After a save, the next step waits for its copy, after the closure (the resumed run saves only
+    # after its last step)
+    assert result["attached"] == [True, False]
 
 
 def test_the_daemon_exports_every_step_as_save_pretrained(run):

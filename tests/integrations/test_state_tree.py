@@ -1,18 +1,18 @@
 """The pieces under the integrations, in one process: the JSON-and-tensors form of a trainer's state,
-the wait before the next optimizer step, and the refusal to unpickle anything on load."""
+and the Trainer's state saved and loaded through a step. (The wait before the next optimizer step, after
+a closure: `tests/training/test_attach.py`.)"""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from stagerd import Stager
-from stagerd.contract import layout
 from stagerd.errors import LoadError, SaveInputError
-from stagerd.integrations import state_tree, step_files
-from stagerd.integrations.wait_hook import WaitBeforeStep
+from stagerd.integrations import hf_trainer, rng, state_tree
 
 
 def test_a_trainers_state_comes_back_as_it_was():
@@ -52,49 +52,40 @@ def test_a_malformed_skeleton_is_a_load_error():
         state_tree.join({"__stagerd__": "dtype", "name": "Tensor"}, lambda k: torch.zeros(1))
 
 
-class _Stager:
-    def __init__(self, log):
-        self.log = log
-
-    def wait_staged(self):
-        self.log.append("wait")
-
-
-def test_the_wait_comes_after_the_steps_closure_and_before_the_update():
-    log: list[str] = []
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=1.0)
-    hook = WaitBeforeStep()
-    try:
-        hook.arm(_Stager(log))
-
-        def closure():
-            log.append(f"closure {p.tolist()}")  # forward and backward, under which the copy ran
-            p.grad = torch.ones(2)
-            return torch.tensor(0.0)
-
-        opt.step(closure)
-        log.append(f"updated {p.tolist()}")
-        hook.arm(_Stager(log))
-        opt.step(closure=closure)  # Lightning's way: a keyword
-        log.append(f"updated {p.tolist()}")
-        opt.step()  # disarmed: one wait per save
-        hook.arm(_Stager(log))
-        opt.step()  # no closure: waits at once
-        assert log == [
-            *["closure [1.0, 1.0]", "wait", "updated [0.0, 0.0]"],
-            *["closure [0.0, 0.0]", "wait", "updated [-1.0, -1.0]"],
-            "wait",
-        ]
-    finally:
-        hook.remove()
+def _trainer(seed: int, steps: int) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step(), sched.step(), opt.zero_grad()
+    return SimpleNamespace(model=model, optimizer=opt, lr_scheduler=sched, accelerator=None)
 
 
-def test_optim_holding_a_pickled_value_is_refused_before_anything_is_read(tmp_path):
-    """DCP stores a non-tensor as a pickle and loads it with torch.load(weights_only=False): the
-    integrations never ask for one."""
-    with Stager(tmp_path / "root", checkpointer="thread") as stager:
-        stager.save({"w": torch.ones(2)}, step=1, optimizer_state={"lr": 0.1, "t": torch.ones(1)})
-        stager.wait()
-    with pytest.raises(LoadError, match="'lr' as pickled bytes"):
-        step_files.optim_specs(tmp_path / "root" / layout.step_dir_name(1))
+def test_the_trainers_state_comes_back_from_a_step(tmp_path):
+    """Model, optimizer, scheduler and RNG, as `StagerdCallback` saves and loads them (in one process)."""
+    saved, other = _trainer(0, 2), _trainer(1, 1)
+    rng_at_save = rng.capture(0)
+    with Stager(tmp_path) as stager:
+        captured = hf_trainer.Captured(optimizer=True, rng=rng_at_save)
+        msd, optim = hf_trainer.state_to_save(saved, captured, 0)
+        stager.save(msd, step=2, optimizer_state=optim).result()
+        torch.rand(5)  # the generators move on
+        restored = hf_trainer.load(other, stager, 2)
+    for a, b in zip(saved.model.state_dict().values(), other.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for name, a in saved.optimizer.state_dict()["state"].items():
+        b = other.optimizer.state_dict()["state"][name]
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    assert other.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"] == 0.025
+    assert other.lr_scheduler.state_dict() == saved.lr_scheduler.state_dict()
+    rng.restore(0, restored.rng)
+    assert torch.equal(torch.get_rng_state(), rng_at_save["rng/rank0/torch"])
+
+
+def test_a_step_without_the_trainers_state_is_refused(tmp_path):
+    with Stager(tmp_path) as stager:
+        stager.save({"w": torch.ones(2)}, step=1, optimizer_state={"lr": 0.1, "t": torch.ones(1)}).result()
+        with pytest.raises(LoadError, match="not a step StagerdCallback saved"):
+            hf_trainer.load(_trainer(0, 0), stager, 1)

@@ -38,3 +38,43 @@ def test_attached_optimizer_waits_for_the_copy_and_buffers_are_reserved(tmp_path
     for k, v in at_save.items():
         assert torch.equal(got[k], v), k
         assert not torch.equal(model.state_dict()[k], v), k  # the steps after the save did change it
+
+
+def test_the_wait_comes_after_the_steps_closure_and_before_the_update(tmp_path):
+    """A step given a closure (Lightning runs forward and backward in it) waits after the closure, under
+    which the copy ran, and before the update; a step without one waits at once."""
+    from stagerd import Stager
+
+    log: list[str] = []
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+
+    def closure() -> torch.Tensor:
+        log.append(f"closure {p.tolist()}")  # forward and backward
+        p.grad = torch.ones(2)
+        return torch.tensor(0.0)
+
+    with Stager(tmp_path) as stager:
+        real = stager.wait_staged
+
+        def wait_staged(timeout: float | None = None) -> None:
+            real(timeout)
+            log.append(f"copied {stager._inflight is not None and stager._inflight.staged()}")
+
+        stager.wait_staged = wait_staged  # type: ignore[method-assign]
+        assert stager.attach(opt) is stager.attach(opt)  # attached once
+        stager.save({"p": p}, 1)
+        opt.step(closure)
+        log.append(f"updated {p.tolist()}")
+        opt.step(closure=closure)  # Lightning's way: a keyword
+        log.append(f"updated {p.tolist()}")
+        opt.step()
+        stager.wait()
+        saved = {"p": torch.zeros(2)}
+        stager.load(saved)
+    assert log == [
+        *["closure [1.0, 1.0]", "copied True", "updated [0.0, 0.0]"],
+        *["closure [0.0, 0.0]", "copied True", "updated [-1.0, -1.0]"],
+        "copied True",  # no closure: at once
+    ]
+    assert torch.equal(saved["p"], torch.ones(2))

@@ -293,3 +293,36 @@ def test_a_dcp_format_optim_value_that_runs_code_is_refused(tmp_path):
     ):
         stager.load({"w": torch.zeros(3)}, got)
     assert not pwned.exists()
+
+
+def test_optim_specs_lists_every_tensor_of_either_format_with_its_global_shape(runs, tmp_path):
+    """What a trainer integration builds its load templates from, without the state dicts at hand: a
+    reader of optim/'s earlier DCP format alone saw no tensor in a step the Stager writes today, so a
+    resumed Trainer silently got the model back without its optimizer, scheduler and RNG states."""
+    from stagerd import Stager
+    from stagerd.training.loader import optim_specs
+
+    root, out, _ = runs
+    want = load_file(out / "expected-2.safetensors")  # 2 ranks, each optimizer tensor sharded
+    specs = optim_specs(root / layout.step_dir_name(2))
+    assert specs == {f"state.{k}.exp_avg": (v.dtype, tuple(v.shape)) for k, v in want.items()}
+
+    odd = {
+        "step": torch.tensor(3.0),  # AdamW's 0-dim step
+        "flag": torch.tensor(True),
+        "count": torch.tensor(7, dtype=torch.int64),
+        "half": torch.ones(2, 3, dtype=torch.bfloat16),
+        "rng": torch.get_rng_state(),
+        "none": torch.empty(0, 4),
+        "lr": 0.1,  # not a tensor: not listed
+    }
+    with Stager(tmp_path / "one") as stager:
+        stager.save({"w": torch.ones(2)}, 1, optimizer_state=odd).result()
+    specs = optim_specs(tmp_path / "one" / layout.step_dir_name(1))
+    assert specs == {k: (v.dtype, tuple(v.shape)) for k, v in odd.items() if k != "lr"}
+
+    _save_with_dcp_optim(tmp_path / "dcp", {"state": {"w": {"exp_avg": torch.ones(3)}}, "lr": 0.5})
+    assert optim_specs(tmp_path / "dcp" / layout.step_dir_name(1)) == {
+        "state.w.exp_avg": (torch.float32, (3,))
+    }
+    assert optim_specs(root / "no-such-step") == {}
