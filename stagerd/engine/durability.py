@@ -16,31 +16,19 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import errno
 import heapq
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
 from stagerd.engine import limits
 from stagerd.engine.plan_types import Move
+from stagerd.ops import libc
 
-_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 _DROP_ALIGN = 2 << 20  # whole huge-page-sized folios: a partly covered large folio is not dropped
-
-
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range, which `os` lacks; None without it (writeback is then left to fsync)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class Flusher:
@@ -61,7 +49,7 @@ class Flusher:
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-fsync")
         self.futures: dict[int, Future[None]] = {}
-        self.writeback = _sync_file_range()
+        self.writeback = libc.sync_file_range()
 
     def __enter__(self) -> Flusher:
         return self
@@ -74,7 +62,8 @@ class Flusher:
     def done(self, m: Move) -> None:
         fd = self.fds[m.file]
         if self.writeback is not None:
-            self.writeback(fd, m.dst_offset, m.length, _WRITE)  # a hint: errors surface in fsync
+            # a hint: errors surface in fsync
+            self.writeback(fd, m.dst_offset, m.length, libc.SYNC_FILE_RANGE_WRITE)
         with self.lock:
             self.left[m.file] -= m.length
             if self.left[m.file] == 0 and m.length:
@@ -105,7 +94,7 @@ class Flusher:
         # On the flusher thread. Only clean pages can be dropped, so wait for this range's writeback. A
         # failed wait is the export's failure: it consumes the error that fsync would otherwise report.
         assert self.writeback is not None  # _advance drops nothing without it
-        if self.writeback(fd, start, end - start, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) != 0:
+        if self.writeback(fd, start, end - start, libc.SYNC_FILE_RANGE_DURABLE) != 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)

@@ -11,27 +11,16 @@ Without libc's preadv the same reads go through `os.preadv`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from stagerd.engine import limits
 from stagerd.errors import ShardError
+from stagerd.ops import libc
 
-
-def _libc_preadv() -> Callable[[int, int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).preadv
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_PREADV = _libc_preadv()
+_PREADV = libc.preadv()
 
 
 def address(buf: bytearray) -> int:

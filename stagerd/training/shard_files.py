@@ -16,14 +16,11 @@ last. A non-contiguous staged tensor is made contiguous here, off the training's
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import io
 import itertools
 import json
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +31,11 @@ import torch
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.contract.safetensors_format import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY, encode_header
+from stagerd.ops import libc
 from stagerd.training.placement import Block
 
 CHUNK = 64 << 20  # bytes per pwrite task: large enough for the disk, small enough to spread over threads
 OPTIM_FILE_BYTES = 1 << 30  # optimizer state is split into files of about this size, one writer each
-_SYNC_FILE_RANGE_WRITE = 2
 _HEADER_METADATA = {"DCP_VERSION": "1.0", "format": "pt"}  # what torch's HF writer records beside the offsets
 
 
@@ -111,18 +108,7 @@ def objects_job(rel: str, objects: dict[str, Any]) -> FileJob:
     return FileJob(rel, [memoryview(buf.getvalue())])
 
 
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range, which `os` lacks; None without it (writeback is then left to fsync)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_WRITEBACK = _sync_file_range()
+_WRITEBACK = libc.sync_file_range()
 
 
 class WriteError(Exception):
@@ -220,7 +206,7 @@ class ShardWriter:
         _pwrite_all(f.fd, pieces, offset)
         n = sum(p.nbytes for p in pieces)
         if _WRITEBACK is not None:
-            _WRITEBACK(f.fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: errors surface in fsync
+            _WRITEBACK(f.fd, offset, n, libc.SYNC_FILE_RANGE_WRITE)  # a hint: errors surface in fsync
         with f.lock:
             f.left -= n
             last = f.left == 0
