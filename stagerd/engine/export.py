@@ -157,7 +157,7 @@ def build_export(
     t0 = time.monotonic()
     for rel in source.extras():  # before any byte is written
         if rel in PARSED_EXTRAS:
-            _check_json_object(source.extra_path(rel))
+            read_json_object(source.extra_path(rel))
     res = consolidate_into(
         source.model_dir,
         tmp,
@@ -240,8 +240,8 @@ PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_con
 MAX_PARSED_EXTRA_BYTES = 16 << 20
 
 
-def _check_json_object(path: Path) -> None:
-    """`path` is a regular file of at most MAX_PARSED_EXTRA_BYTES holding one JSON object."""
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
@@ -255,6 +255,7 @@ def _check_json_object(path: Path) -> None:
         raise ExtrasError(f"{path.name} is not valid JSON: {e}", path=path) from None
     if not isinstance(parsed, dict):
         raise ExtrasError(f"{path.name} must hold a JSON object, not {type(parsed).__name__}", path=path)
+    return parsed
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:
