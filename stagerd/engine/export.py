@@ -326,21 +326,16 @@ def export_step(
         from stagerd.errors import MarkerError
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
-    target = source.target_dtype(dtype)
-    wanted: dict[str, Any] = {
-        "dtype": target or "keep",
-        "keep_dtype": keep_dtype,
-        "max_shard_size": max_shard_size,
-    }
+    options: dict[str, Any] = {}
     views = source.marker.hub_plan
     if mapping is not None and views is None:
-        views, wanted["mapping"] = mapped_plan(source.marker, mapping, step_dir)
+        views, options["mapping"] = mapped_plan(source.marker, mapping, step_dir)
     built = export_source(
         source,
         step_dir,
-        wanted,
+        options,
         step=source.marker.step,
-        dtype=target,
+        dtype=source.target_dtype(dtype),
         keep_dtype=keep_dtype,
         max_shard_size=max_shard_size,
         threads=threads,
@@ -354,7 +349,7 @@ def export_step(
 def export_source(
     source: Source,
     work_dir: Path,
-    wanted: dict[str, Any],
+    options: Mapping[str, Any],
     *,
     step: int,
     dtype: str | None,
@@ -366,10 +361,12 @@ def export_source(
     views: HubPlan | None,
     before_commit: Callable[[], None] | None = None,
 ) -> ExportResult:
-    """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with
-    `wanted` (the options) recorded beside it; a no-op (`skipped`) when an export with those options is
-    there. `before_commit` runs after the files are durable and before the rename (an adopted checkpoint
-    checks that its source did not change meanwhile)."""
+    """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with its
+    options (`dtype`, `keep_dtype`, `max_shard_size`, then the source's own `options`) recorded beside it;
+    a no-op (`skipped`) when an export with those options is there. `dtype` is the target (None: keep).
+    `before_commit` runs after the files are durable and before the rename (an adopted checkpoint checks
+    that its source did not change meanwhile)."""
+    wanted = {"dtype": dtype or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size, **options}
     final = work_dir / layout.EXPORT_DIR
     recorded = _recorded_options(work_dir)
     if recorded is not None and recorded != wanted:
