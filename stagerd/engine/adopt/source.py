@@ -40,8 +40,9 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
-from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, Source, read_json_object
+from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
+from stagerd.engine.source import Source
 from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError
 
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
