@@ -13,7 +13,7 @@ from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError, OutputError
 
 if TYPE_CHECKING:
-    from stagerd.engine.export import Source
+    from stagerd.engine.source import Source
 
 EXAMPLES = """examples:
   stagerd consolidate /scratch/run1/step-00001000 ./hf-1000
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     from stagerd.contract.layout import fsync_dir
     from stagerd.contract.reference_index import read_reference_index
     from stagerd.contract.sharding import parse_size
-    from stagerd.engine.export import build_export, list_files, open_source
+    from stagerd.engine.export import build_export, list_files
+    from stagerd.engine.source import open_source
     from stagerd.ops.progress import progress
 
     t0 = time.monotonic()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,10 +23,9 @@ from stagerd.contract import layout
 from stagerd.contract.adopt.presets import PRESETS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
-from stagerd.daemon.journal import COMMITTED, QUARANTINED, StepState
-from stagerd.daemon.journal_versions import CONFLICT
+from stagerd.daemon.journal import QUARANTINED, StepState
 from stagerd.daemon.state import log
-from stagerd.errors import AdoptError, ConfigError, StagerdError, StepConflictError
+from stagerd.errors import AdoptError, ConfigError, StagerdError
 
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
@@ -186,9 +184,7 @@ class Adoption(Discovery):
                 continue
             _, path, mtime, ident = same[0]
             if row is None:
-                if await self._j(self._journal.add_step, step, path, mtime, ident):
-                    added += 1
-                    self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+                added += await self._add_step(step, path, mtime, ident)
             elif known[step][1] in (None, ident):
                 if known[step][0] != mtime:
                     await self._j(self._journal.note_save, step, mtime, ident)
@@ -213,22 +209,6 @@ class Adoption(Discovery):
         self._log_step(
             step, None, QUARANTINED, error_class=AdoptError.__name__, note=msg, level=logging.ERROR
         )
-
-    async def _resaved(self, step: int, path: Path, mtime: float, ident: str, old: str | None) -> int:
-        state = await self._j(self._journal.new_save, step, path, mtime, ident, old)
-        if state is StepState.COMMITTED:
-            self._log_step(step, None, state, note="saved again before it was published")
-            return 1
-        if state is StepState.QUARANTINED:
-            self._log_step(
-                step,
-                None,
-                state,
-                error_class=CONFLICT,
-                note=f"saved again after it was published: {StepConflictError.hint}",
-                level=logging.ERROR,
-            )
-        return 0
 
     def _export_adopted(
         self, step: int, step_dir: Path, progress: Callable[[int, int], None], rebuild: bool

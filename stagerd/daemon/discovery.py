@@ -65,31 +65,41 @@ class Discovery(JournalGate):
             )
         added = 0
         for step, path, mtime, identity in new:
-            if await self._j(self._journal.add_step, step, path, mtime, identity):
-                added += 1
-                self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+            added += await self._add_step(step, path, mtime, identity)
         for step, path, mtime, identity in resaved:
             old_identity = known[step][1]
             if old_identity in (None, identity):  # a touched marker, or a row from before identities
                 await self._j(self._journal.note_save, step, mtime, identity)
                 continue
-            state = await self._j(self._journal.new_save, step, path, mtime, identity, old_identity)
-            if state is StepState.COMMITTED:
-                added += 1
-                self._log_step(step, None, state, note="saved again before it was published")
-            elif state is StepState.QUARANTINED:
-                self._log_step(
-                    step,
-                    None,
-                    state,
-                    error_class=CONFLICT,
-                    note=f"saved again after it was published: {StepConflictError.hint}",
-                    level=logging.ERROR,
-                )
+            added += await self._resaved(step, path, mtime, identity, old_identity)
         if added:
             self._wake.set()
             self._housekeep.set()
         return added
+
+    async def _add_step(self, step: int, path: Path, mtime: float, identity: str) -> int:
+        """Journal a step found on disk that the journal does not have; 1 if it was added."""
+        if not await self._j(self._journal.add_step, step, path, mtime, identity):
+            return 0
+        self._log_step(step, None, COMMITTED, marker_age=round(time.time() - mtime, 3))
+        return 1
+
+    async def _resaved(self, step: int, path: Path, mtime: float, identity: str, old: str | None) -> int:
+        """Journal a new save of a step the journal has (saved `old`); 1 if it is to be exported again."""
+        state = await self._j(self._journal.new_save, step, path, mtime, identity, old)
+        if state is StepState.COMMITTED:
+            self._log_step(step, None, state, note="saved again before it was published")
+            return 1
+        if state is StepState.QUARANTINED:
+            self._log_step(
+                step,
+                None,
+                state,
+                error_class=CONFLICT,
+                note=f"saved again after it was published: {StepConflictError.hint}",
+                level=logging.ERROR,
+            )
+        return 0
 
     async def _watcher(self) -> None:
         """inotify (watchfiles) on ROOT: a new marker or step directory triggers a scan."""

@@ -12,32 +12,27 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
-from stagerd.contract.reference_index import load_weight_map, read_reference_index
-from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
-from stagerd.engine.shard_scan import scan_shards
+from stagerd.engine.source import Source, open_source
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
     HubPlanError,
     OutputError,
-    ReferenceIndexError,
-    ShardError,
 )
 from stagerd.ops.crashpoints import crash_point
 
@@ -54,87 +49,6 @@ class ExportResult:
     tensors: int
     seconds: float
     skipped: bool
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where shards come from: a step directory (with its marker) or a bare DCP shard directory."""
-
-    model_dir: Path
-    marker: layout.CommitMarker | None
-    step_dir: Path | None
-
-    @property
-    def listed(self) -> list[str] | None:
-        if self.marker is None:
-            return None
-        prefix = layout.MODEL_DIR + "/"
-        return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
-
-    def extras(self) -> list[str]:
-        """Extras (config, tokenizer, README) relative to `extras/`."""
-        if self.step_dir is None:
-            return []
-        prefix = layout.EXTRAS_DIR + "/"
-        if self.marker is not None:
-            return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
-        root = self.step_dir / layout.EXTRAS_DIR
-        return (
-            sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
-        )
-
-    def extra_path(self, rel: str) -> Path:
-        """The file an extra (relative to the export) is copied from."""
-        return self.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
-
-    def scan(self) -> Iterable[Header]:
-        """The source's validated shard headers, read one at a time as they are taken."""
-        return scan_shards(self.model_dir, self.listed)
-
-    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
-        """The global dtype and shape of every tensor, as the trainer saved them, where known."""
-        return self.marker.tensors if self.marker else None
-
-    def views(self) -> HubPlan | None:
-        """The source's own to-Hub plan."""
-        return self.marker.hub_plan if self.marker else None
-
-    def target_dtype(self, override: str | None) -> str | None:
-        """The export dtype: an explicit `override` wins, else the marker's hint, else keep (None)."""
-        hint = override if override is not None else (self.marker.dtype if self.marker else None)
-        return parse_export_dtype(hint)
-
-    def reference(self) -> dict[str, str] | None:
-        ref = self.marker.reference_index if self.marker is not None else None
-        if ref is None:
-            return None
-        if isinstance(ref, Mapping):
-            return load_weight_map(ref, path=self.step_dir)
-        # A path only inside the step, a regular file (read_reference_index refuses the rest, and caps
-        # the size): the Stager records the weight_map itself, older markers a path.
-        step_dir = self.step_dir or Path()
-        path = (step_dir / ref).resolve()
-        if not path.is_relative_to(step_dir.resolve()):
-            raise ReferenceIndexError(
-                f"the commit marker names a reference index outside the step: {ref}",
-                path=step_dir / layout.MARKER_NAME,
-                hint="save the step again with this stagerd: the Stager now records the weight_map itself",
-            )
-        return read_reference_index(path)
-
-
-def open_source(src: Path) -> Source:
-    """A step directory (committed: its marker is read and every listed file checked) or a shard directory."""
-    src = Path(src)
-    if (src / layout.MARKER_NAME).exists():
-        marker = layout.read_marker(src)
-        layout.check_staged_files(src, marker)
-        if not any(f.path.startswith(layout.MODEL_DIR + "/") for f in marker.files):
-            raise ShardError("the commit marker lists no model/ shards", path=src / layout.MARKER_NAME)
-        return Source(src / layout.MODEL_DIR, marker, src)
-    if (src / layout.MODEL_DIR).is_dir():
-        return Source(src / layout.MODEL_DIR, None, src)
-    return Source(src, None, None)
 
 
 def build_export(
@@ -157,7 +71,7 @@ def build_export(
     t0 = time.monotonic()
     for rel in source.extras():  # before any byte is written
         if rel in PARSED_EXTRAS:
-            _check_json_object(source.extra_path(rel))
+            read_json_object(source.extra_path(rel))
     res = consolidate_into(
         source.model_dir,
         tmp,
@@ -240,8 +154,8 @@ PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_con
 MAX_PARSED_EXTRA_BYTES = 16 << 20
 
 
-def _check_json_object(path: Path) -> None:
-    """`path` is a regular file of at most MAX_PARSED_EXTRA_BYTES holding one JSON object."""
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
@@ -255,6 +169,7 @@ def _check_json_object(path: Path) -> None:
         raise ExtrasError(f"{path.name} is not valid JSON: {e}", path=path) from None
     if not isinstance(parsed, dict):
         raise ExtrasError(f"{path.name} must hold a JSON object, not {type(parsed).__name__}", path=path)
+    return parsed
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:
@@ -325,21 +240,16 @@ def export_step(
         from stagerd.errors import MarkerError
 
         raise MarkerError("no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME)
-    target = source.target_dtype(dtype)
-    wanted: dict[str, Any] = {
-        "dtype": target or "keep",
-        "keep_dtype": keep_dtype,
-        "max_shard_size": max_shard_size,
-    }
+    options: dict[str, Any] = {}
     views = source.marker.hub_plan
     if mapping is not None and views is None:
-        views, wanted["mapping"] = mapped_plan(source.marker, mapping, step_dir)
+        views, options["mapping"] = mapped_plan(source.marker, mapping, step_dir)
     built = export_source(
         source,
         step_dir,
-        wanted,
+        options,
         step=source.marker.step,
-        dtype=target,
+        dtype=source.target_dtype(dtype),
         keep_dtype=keep_dtype,
         max_shard_size=max_shard_size,
         threads=threads,
@@ -353,7 +263,7 @@ def export_step(
 def export_source(
     source: Source,
     work_dir: Path,
-    wanted: dict[str, Any],
+    options: Mapping[str, Any],
     *,
     step: int,
     dtype: str | None,
@@ -365,10 +275,12 @@ def export_source(
     views: HubPlan | None,
     before_commit: Callable[[], None] | None = None,
 ) -> ExportResult:
-    """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with
-    `wanted` (the options) recorded beside it; a no-op (`skipped`) when an export with those options is
-    there. `before_commit` runs after the files are durable and before the rename (an adopted checkpoint
-    checks that its source did not change meanwhile)."""
+    """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with its
+    options (`dtype`, `keep_dtype`, `max_shard_size`, then the source's own `options`) recorded beside it;
+    a no-op (`skipped`) when an export with those options is there. `dtype` is the target (None: keep).
+    `before_commit` runs after the files are durable and before the rename (an adopted checkpoint checks
+    that its source did not change meanwhile)."""
+    wanted = {"dtype": dtype or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size, **options}
     final = work_dir / layout.EXPORT_DIR
     recorded = _recorded_options(work_dir)
     if recorded is not None and recorded != wanted:

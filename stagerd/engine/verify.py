@@ -12,8 +12,8 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.consolidate import compare, plan
-from stagerd.engine.export import Source, open_source
 from stagerd.engine.merge import lora_merges
+from stagerd.engine.source import Source, open_source
 from stagerd.errors import StagerdError, VerifyError
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any
 
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -83,10 +82,7 @@ def export_adopted(
     source = open_adopted(ckpt, options)
     before = snapshot(source)
     target = source.target_dtype(dtype)
-    wanted: dict[str, Any] = {
-        "dtype": target or "keep",
-        "keep_dtype": keep_dtype,
-        "max_shard_size": max_shard_size,
+    recorded = {
         "source": source.identity,
         "preset": source.preset.name,
         "select": options.select,
@@ -97,7 +93,7 @@ def export_adopted(
         return export_source(
             source,
             work_dir,
-            wanted,
+            recorded,
             step=step,
             dtype=target,
             keep_dtype=keep_dtype,

@@ -40,9 +40,10 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
-from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, Source
+from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
-from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError, StagerdError
+from stagerd.engine.source import Source
+from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError
 
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
 HF_EXTRAS = (
@@ -237,17 +238,7 @@ def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str
 
 
 def read_config(path: Path | None) -> dict[str, Any] | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
-        config = json.loads(raw) if len(raw) <= MAX_PARSED_EXTRA_BYTES else None
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise ExtrasError(f"config.json is unreadable: {e}", path=path) from None
-    if not isinstance(config, dict):
-        raise ExtrasError("config.json must hold one JSON object of at most 16 MiB", path=path)
-    return config
+    return None if path is None else read_json_object(path)
 
 
 def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSource:

@@ -14,18 +14,15 @@ from urllib.parse import quote, urlsplit
 
 from stagerd.errors import (
     ConfigError,
-    SinkAuthError,
     SinkConflictError,
     SinkError,
-    StagerdError,
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.hub.errors import _TOKEN_RE, classify
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
+from stagerd.sinks.hub.retries import with_retries
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
-    CommitPlan,
     HubFile,
     RemoteFile,
     compare_tree,
@@ -33,7 +30,7 @@ from stagerd.sinks.hub.tree import (
     scan_export,
     scan_history,
 )
-from stagerd.sinks.hub.upload import send_additions
+from stagerd.sinks.hub.upload import commit_operations, send_additions
 from stagerd.sinks.hub.url import (
     _HISTORY_PAGE,
     HubTarget,
@@ -240,9 +237,7 @@ class HubSink:
         plan = plan_commit(local, card, self._tree(parent))
         size = sum(f.size for f in local) + (card.size if card else 0)
         files = len(local) + (card is not None)
-        ops = self._operations(export_dir, local, card_bytes, plan)
-        adds = set(plan.adds)
-        additions = [op for op in ops if op.path_in_repo in adds]  # deletes name no file of the export
+        additions, deletes = commit_operations(export_dir, local, card_bytes, plan)
         done = total - plan.new_bytes  # what the parent holds already
         sent = send_additions(
             self._api,
@@ -255,7 +250,7 @@ class HubSink:
         )
         info = self._api.create_commit(
             self.repo_id,
-            ops,
+            [*additions, *deletes],
             commit_message=commit_message(step),
             commit_description=f"{files} files, {size} bytes, published by stagerd.",
             revision=branch,
@@ -353,25 +348,6 @@ class HubSink:
                 out[f.path] = RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
         return out
 
-    def _operations(
-        self, export_dir: Path, local: list[HubFile], card_bytes: bytes | None, plan: CommitPlan
-    ) -> list[Any]:
-        """The commit's operations: an add for each file the parent lacks (`plan.adds`), the deletes."""
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-        adds = set(plan.adds)
-        ops: list[Any] = []
-        for f in local:
-            if f.path not in adds:
-                continue
-            op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(export_dir / f.path))
-            op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once already, in scan_export
-            ops.append(op)
-        if card_bytes is not None and CARD_NAME in adds:
-            ops.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
-        ops += [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.deletes]
-        return ops
-
     def _verify(
         self, step: int, commit: str, local: list[HubFile], card: HubFile | None, *, existing: bool
     ) -> None:
@@ -395,46 +371,8 @@ class HubSink:
 
     # --- retries ----------------------------------------------------------------------------------------
 
-    def _redact(self, text: str) -> str:
-        if self._token:
-            text = text.replace(self._token, "***")
-        return _TOKEN_RE.sub("***", text)
-
     def _with_retries(self, step: int, fn: Callable[[], T]) -> T:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except StagerdError:
-                raise
-            except Exception as exc:
-                failure = classify(exc)
-                text = self._redact(failure.text)
-                where = f"{self.url}: step {step}"
-                if failure.kind == "auth":
-                    raise SinkAuthError(
-                        f"{where}: the Hub refused the request ({text})",
-                        hint=f"check HF_TOKEN (or `hf auth login`) and that the token can write to "
-                        f"{self.repo_id}; a repo the token cannot see answers 404",
-                    ) from None
-                if failure.kind == "fatal":
-                    raise SinkError(f"{where}: {text}") from None
-                if attempt >= self.retry.max_attempts:
-                    raise SinkError(f"{where}: gave up after {attempt} attempts: {text}") from None
-                delay = failure.retry_after if failure.retry_after is not None else self.retry.delay(attempt)
-                if delay > self.retry.max_retry_after:
-                    raise SinkError(f"{where}: rate limited for {delay:.0f} s: {text}") from None
-                log.warning(
-                    "%s: attempt %d/%d failed (%s); retrying in %.2f s",
-                    where,
-                    attempt,
-                    self.retry.max_attempts,
-                    text,
-                    delay,
-                    extra={"sink": self.url, "step": step, "attempt": attempt},
-                )
-                time.sleep(delay)
+        return with_retries(fn, self.retry, sink=self.url, step=step, repo_id=self.repo_id, token=self._token)
 
 
 def _card_file(card_bytes: bytes | None) -> HubFile | None:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from stagerd.sinks.hub.model_card import CARD_NAME
+from stagerd.sinks.hub.tree import CommitPlan, HubFile
 from stagerd.sinks.hub.xet import XetFile, XetUploader, xet_enabled
 
 # (module, attribute) pairs of huggingface_hub's private API this module relies on.
@@ -35,6 +38,26 @@ class Sent:
 
     bytes: int
     via: str
+
+
+def commit_operations(
+    export_dir: Path, local: Sequence[HubFile], card_bytes: bytes | None, plan: CommitPlan
+) -> tuple[list[Any], list[Any]]:
+    """The commit's operations: an add for each file the parent lacks (`plan.adds`), and the deletes."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    adds = set(plan.adds)
+    additions: list[Any] = []
+    for f in local:
+        if f.path not in adds:
+            continue
+        op = CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(export_dir / f.path))
+        op.upload_info.sha256 = bytes.fromhex(f.sha256)  # hashed once already, in scan_export
+        additions.append(op)
+    if card_bytes is not None and CARD_NAME in adds:
+        additions.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
+    deletes = [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.deletes]
+    return additions, deletes
 
 
 def send_additions(

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.engine.export import build_export, open_source
+from stagerd.engine.export import build_export
+from stagerd.engine.source import open_source
 from stagerd.errors import HubPlanError
 from tests.fidelity import harness
 from tests.fidelity.registry import tiny

@@ -1,0 +1,99 @@
+"""Where an export's shards come from: a committed step directory (its marker read and every listed file
+checked) or a bare DCP shard directory; and what the source says about them (the tensors' global shapes,
+its to-Hub plan, its dtype hint, its reference index, its extras). `engine/adopt/source.py` is the same
+seam for a trainer's own checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.reference_index import load_weight_map, read_reference_index
+from stagerd.contract.safetensors_format import Header
+from stagerd.engine.shard_scan import scan_shards
+from stagerd.errors import ReferenceIndexError, ShardError
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where shards come from: a step directory (with its marker) or a bare DCP shard directory."""
+
+    model_dir: Path
+    marker: layout.CommitMarker | None
+    step_dir: Path | None
+
+    @property
+    def listed(self) -> list[str] | None:
+        if self.marker is None:
+            return None
+        prefix = layout.MODEL_DIR + "/"
+        return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
+
+    def extras(self) -> list[str]:
+        """Extras (config, tokenizer, README) relative to `extras/`."""
+        if self.step_dir is None:
+            return []
+        prefix = layout.EXTRAS_DIR + "/"
+        if self.marker is not None:
+            return [f.path[len(prefix) :] for f in self.marker.files if f.path.startswith(prefix)]
+        root = self.step_dir / layout.EXTRAS_DIR
+        return (
+            sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        )
+
+    def extra_path(self, rel: str) -> Path:
+        """The file an extra (relative to the export) is copied from."""
+        return self.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
+
+    def scan(self) -> Iterable[Header]:
+        """The source's validated shard headers, read one at a time as they are taken."""
+        return scan_shards(self.model_dir, self.listed)
+
+    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+        """The global dtype and shape of every tensor, as the trainer saved them, where known."""
+        return self.marker.tensors if self.marker else None
+
+    def views(self) -> HubPlan | None:
+        """The source's own to-Hub plan."""
+        return self.marker.hub_plan if self.marker else None
+
+    def target_dtype(self, override: str | None) -> str | None:
+        """The export dtype: an explicit `override` wins, else the marker's hint, else keep (None)."""
+        hint = override if override is not None else (self.marker.dtype if self.marker else None)
+        return parse_export_dtype(hint)
+
+    def reference(self) -> dict[str, str] | None:
+        ref = self.marker.reference_index if self.marker is not None else None
+        if ref is None:
+            return None
+        if isinstance(ref, Mapping):
+            return load_weight_map(ref, path=self.step_dir)
+        # A path only inside the step, a regular file (read_reference_index refuses the rest, and caps
+        # the size): the Stager records the weight_map itself, older markers a path.
+        step_dir = self.step_dir or Path()
+        path = (step_dir / ref).resolve()
+        if not path.is_relative_to(step_dir.resolve()):
+            raise ReferenceIndexError(
+                f"the commit marker names a reference index outside the step: {ref}",
+                path=step_dir / layout.MARKER_NAME,
+                hint="save the step again with this stagerd: the Stager now records the weight_map itself",
+            )
+        return read_reference_index(path)
+
+
+def open_source(src: Path) -> Source:
+    """A step directory (committed: its marker is read and every listed file checked) or a shard directory."""
+    src = Path(src)
+    if (src / layout.MARKER_NAME).exists():
+        marker = layout.read_marker(src)
+        layout.check_staged_files(src, marker)
+        if not any(f.path.startswith(layout.MODEL_DIR + "/") for f in marker.files):
+            raise ShardError("the commit marker lists no model/ shards", path=src / layout.MARKER_NAME)
+        return Source(src / layout.MODEL_DIR, marker, src)
+    if (src / layout.MODEL_DIR).is_dir():
+        return Source(src / layout.MODEL_DIR, None, src)
+    return Source(src, None, None)
