@@ -40,6 +40,7 @@ from stagerd.training.trace_parts import Part
 _COPIES = frozenset({"contiguous", "clone", "detach", "to", "cpu", "requires_grad_", "detach_"})
 _JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
 _RESHAPES = frozenset({"reshape", "flatten", "unflatten", "view", "view_as", "reshape_as"})
+_PERMUTES = frozenset({"transpose", "permute", "movedim", "t", "swapaxes", "swapdims"})
 # Functions whose result is all zeros, whatever their input's values.
 _MAKE_ZEROS = frozenset({"new_zeros", "zeros_like"})
 # Functions that fill their result with a given value: zeros, where that value is 0.
@@ -95,10 +96,14 @@ class _Traced(torch.Tensor):
             return _each(
                 out, lambda t: _set(t, roots, flat=first.flat if keep else None, why=_why(keep, name))
             )
-        if first.parts is not None:  # a concatenation stays one through copies and reshapes
+        if first.parts is not None:  # a concatenation stays one through copies, reshapes and permutes
             parts = first.parts if _copy_of(name, traced, out) else None
-            if parts is None and name in _RESHAPES and len(traced) == 1 and isinstance(out, torch.Tensor):
+            one = len(traced) == 1 and isinstance(out, torch.Tensor)
+            if parts is None and name in _RESHAPES and one:
                 parts = trace_parts.reshaped(first.parts, tuple(first.shape), tuple(out.shape))
+            if parts is None and name in _PERMUTES and one:
+                perm = _perm_of(func, first, args, kwargs)
+                parts = trace_parts.permuted(first.parts, perm) if perm is not None else None
             return _each(out, lambda t: _set(t, roots, parts=parts, why=_why(parts is not None, name)))
         why = next((t.why for t in traced if t.prov is None), None)
         prov: Any = None
@@ -131,6 +136,21 @@ class _Traced(torch.Tensor):
             provs = list(prov) if same else [None] * len(out)
             return type(out)(wrap(o, p) for o, p in zip(out, provs, strict=True))
         return out
+
+
+def _perm_of(func: Any, x: _Traced, args: Any, kwargs: Any) -> tuple[int, ...] | None:
+    """The dim order `func` (a transpose, permute, movedim or t) gives `x`: found by applying it to a
+    small tensor whose dims all differ in size, in `x`'s place."""
+    probe = torch.empty(tuple(range(2, 2 + x.dim())), device="meta")
+
+    def swap(a: Any) -> Any:
+        return probe if a is x else a
+
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    if not isinstance(out, torch.Tensor) or out.dim() != x.dim():
+        return None
+    return tuple(int(n) - 2 for n in out.shape)
 
 
 def _fill_value(name: str, args: Any, kwargs: Any) -> Any:

@@ -50,6 +50,23 @@ def joined(owns: Sequence[tuple[list[Part], tuple[int, ...]]], dim: int, stack: 
     return out
 
 
+def permuted(parts: Sequence[Part], perm: Sequence[int]) -> list[Part] | None:
+    """The parts of a transpose or permute of the whole: each part's view, place and shape permuted alike.
+    None where a part is a permuted reshape (its elements are in its own row-major order, not a view)."""
+    out: list[Part] = []
+    for q, at, flat in parts:
+        if q is not None and flat is not None:
+            return None
+        pos = tuple(at[d] for d in perm)
+        if q is None:
+            assert flat is not None
+            out.append((None, pos, tuple(flat[d] for d in perm)))
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            out.append((q.permute(*perm), pos, None))
+    return out
+
+
 def gathered_index(index: Any, ndim: int) -> tuple[int, list[int]] | None:
     """For `x[index]` with one list of row numbers among slices (`tensor[:, [0, 3]]`): its dim and rows."""
     items = list(index) if isinstance(index, tuple) else [index]

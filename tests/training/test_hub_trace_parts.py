@@ -146,3 +146,32 @@ def test_a_reshape_of_a_concatenation_into_too_many_runs_is_refused():
     sd = {"a": torch.randn(3, 40000), "b": torch.randn(3, 40000)}  # transposed: columns of 3 elements
     with pytest.raises(HubPlanError, match="reshape of a concatenation"):
         traced_plan(sd, {}, lambda m: {"x": torch.cat([m["a"].T, m["b"].T], dim=1).reshape(-1)}, "test")
+
+
+def interleave(tensor, dim, inverse):
+    """transformers 5.24's `Interleave.convert` (Inkling's multimodal shared experts: `Interleave(dim=1)`
+    then `Chunk(dim=1)`, reversed on save as a concatenation, then this with `inverse=True`)."""
+    shape = list(tensor.shape)
+    shape[dim : dim + 1] = [2, shape[dim] // 2] if inverse else [shape[dim] // 2, 2]
+    return tensor.reshape(shape).transpose(dim, dim + 1).reshape(tensor.shape).contiguous()
+
+
+def test_a_transpose_of_a_concatenation_permutes_each_part():
+    sd = {"gate": torch.randn(4, 6), "up": torch.randn(4, 6), "w": torch.randn(3, 5)}
+
+    def convert(meta):
+        joined = torch.cat([meta["gate"], meta["up"]], dim=1)
+        padded = torch.cat([meta["w"], meta["w"].new_zeros(1, 5)]).permute(1, 0)
+        return {"w13": interleave(joined, 1, True), "t": joined.t().contiguous(), "p": padded.contiguous()}
+
+    plan = traced_plan(sd, {}, convert, "test")
+    check(sd, convert, plan)
+    assert {v.source for v in plan.views} >= {"gate", "up", "w"} and len(plan.zeros) == 1
+
+
+def test_an_interleave_of_a_concatenation_past_the_run_limit_is_refused_by_name():
+    sd = {"gate": torch.empty(64, 1024, device="meta"), "up": torch.empty(64, 1024, device="meta")}
+    with pytest.raises(HubPlanError, match="reshape of a concatenation"):
+        traced_plan(
+            sd, {}, lambda m: {"w13": interleave(torch.cat([m["gate"], m["up"]], 1), 1, True)}, "test"
+        )
