@@ -167,7 +167,6 @@ UNBUILDABLE: dict[str, tuple[str, str]] = {
     "detr-DetrForSegmentation": _TIMM,
     "gemma3n-tied": _PIL,
     "timm_wrapper": _PIL,
-    "inkling_mm_model": ("ModuleNotFoundError: .*scipy", "its vision tower needs scipy, not installed"),
     "beit-BeitForSemanticSegmentation": ("ValueError: .*out_indices", "its head needs 4 backbone stages"),
     "d_fine": _STAGES,
     "lw_detr": ("StrictDataclassClassValidationError: .*num_windows", "its windows need a large image"),

@@ -118,7 +118,18 @@ def ops_of(model: Any, message: str) -> list[str]:
     transforms = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model)
     for t in transforms:
         patterns = [*getattr(t, "source_patterns", []), *getattr(t, "target_patterns", [])]
-        hit = any(re.search(p, n) for p in patterns for n in named)
+        hit = any(_search(p, n) for p in patterns for n in named)
         for op in getattr(t, "operations", []):
             ops[type(op).__name__] = ops.get(type(op).__name__, False) or hit
     return sorted(ops, key=lambda n: not ops[n]) or ["none"]
+
+
+def _search(pattern: str, name: str) -> bool:
+    """`pattern` found in `name`; a target pattern with a group reference (`\\1`) is a replacement
+    template, not a regex, and finds nothing."""
+    import re
+
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
