@@ -119,24 +119,6 @@ def disk_floor(root: Path, nbytes: int) -> float:
     return took
 
 
-def pinned_peak(nbytes: int) -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return nbytes / best / 1e9
-
-
 class ExportWatch(threading.Thread):
     """Polls ROOT for a step being exported (`export.tmp/`): the intervals the daemon was exporting."""
 
@@ -238,6 +220,8 @@ def main() -> None:
         nbytes = state_bytes(model, optim)
         say(f"model built and warm: {nbytes / 1e9:.2f} GB per save")
         floors = [disk_floor(root, nbytes)]
+        from memory_probes import pinned_peak
+
         peak = pinned_peak(min(nbytes, 2 << 30))
         say(f"disk floor {floors[0]:.2f} s, pinned peak {peak} GB/s")
         patch = gm.torch_stager_closes_after_each_save()

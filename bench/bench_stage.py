@@ -97,25 +97,6 @@ def _remove(path: Path) -> None:
     time.sleep(0.3)
 
 
-def _pinned_peak(cuda: bool, nbytes: int) -> float | None:
-    """GB/s of one large D2H copy into a pinned buffer, best of 3."""
-    if not cuda:
-        return None
-    import torch
-
-    n = nbytes // 4
-    src = torch.ones(n, device="cuda")
-    dst = torch.empty(n, pin_memory=True)
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def _stagerd_and_floor(sd, saves: int, root: Path, rank: int, barrier, checkpointer, cuda: bool):
     """Interleaved, so that both see the same machine: floor copy, then a stagerd save, SAVES times."""
     from stagerd import Stager
@@ -198,7 +179,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
 
         root = Path(args.root)
         res: dict = {"local_bytes": local_bytes, "cuda": cuda}
-        res["peak_gbs"] = _pinned_peak(cuda, min(local_bytes, 2 << 30))
+        from memory_probes import pinned_peak
+
+        res["peak_gbs"] = pinned_peak(min(local_bytes, 2 << 30)) if cuda else None
         res["floor"], res["stagerd"], res["commit"] = _stagerd_and_floor(
             sd, args.saves, root, rank, barrier, args.checkpointer, cuda
         )

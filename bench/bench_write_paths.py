@@ -47,7 +47,6 @@ EVENTS = (
     "kmem:mm_page_alloc",
 )
 LARGE = "order>=4"  # a filter on the last event: page-cache folios of 64 KiB and more
-REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 CASES = (
     "pwrite, fresh pages",
     "pwrite, reused pages",
@@ -125,20 +124,6 @@ def write_case(case: str, path: str, size: int) -> None:
     os.close(fd)
 
 
-def settle(timeout: float = 40.0) -> None:
-    """Wait until the kernel has handed the memory freed so far back to the host (its `page_reporting`
-    count stops growing): a daemon's steady state, where the last big free was seconds ago."""
-    if not REPORTED.exists():
-        time.sleep(2)
-        return
-    end, last, still = time.monotonic() + timeout, -1, 0
-    while time.monotonic() < end and still < 3:
-        now = int(REPORTED.read_text())
-        still = still + 1 if now == last else 0
-        last = now
-        time.sleep(1)
-
-
 def write_file(path: Path, size: int) -> None:
     with open(path, "wb") as f:
         for _ in range(0, size, ROUND):
@@ -148,6 +133,8 @@ def write_file(path: Path, size: int) -> None:
 
 
 def run_one(case: str, work: Path, size: int) -> dict[str, float]:
+    from memory_probes import reported_kib, settle
+
     target = work / "w.bin"
     freed = work / "freed.bin"
     if case == "copy_file_range, fresh pages" and not (work / "source.bin").exists():
@@ -161,7 +148,7 @@ def run_one(case: str, work: Path, size: int) -> dict[str, float]:
     if perf:
         events = [a for e in EVENTS for a in ("-e", e)]
         cmd = [perf, "stat", "-x,", "-o", str(out), *events, "-e", EVENTS[-1], "--filter", LARGE, "--", *cmd]
-    k0 = int(REPORTED.read_text()) if REPORTED.exists() else 0
+    k0 = reported_kib()
     if case == "pwrite, reused pages":
         freed.unlink()
     t0 = time.perf_counter()
@@ -170,7 +157,7 @@ def run_one(case: str, work: Path, size: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"failed: {case}")
-    k1 = int(REPORTED.read_text()) if REPORTED.exists() else 0
+    k1 = reported_kib()
     got = {"wall": wall, "user": usage.ru_utime, "sys": usage.ru_stime, "reported MiB": (k1 - k0) / 1024}
     if perf and out.exists():
         for line in out.read_text().splitlines():

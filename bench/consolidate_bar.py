@@ -21,21 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 CHAIN = ("keep", "bf16", "fp16")
 
 
-def settle(timeout: float = 40.0) -> None:
+def settle() -> None:
+    import memory_probes
+
     subprocess.run(["sync"], check=True)
-    if not REPORTED.exists():
-        time.sleep(1)
-        return
-    end, last, still = time.monotonic() + timeout, -1, 0
-    while time.monotonic() < end and still < 3:
-        now = int(REPORTED.read_text())
-        still = still + 1 if now == last else 0
-        last = now
-        time.sleep(1)
+    memory_probes.settle(without=1.0)
 
 
 def run(repo: Path, src: Path, out: Path, dtype: str, threads: int) -> tuple[float, float, float, float]:
