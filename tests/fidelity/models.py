@@ -7,9 +7,9 @@ from typing import Any
 VOCAB = 96
 
 
-def config(kind: str) -> Any:
+def config(kind: str, **over: Any) -> Any:
     """The tiny config of `kind`: llama, llama_tied, qwen3_moe, qwen3_moe_tied, mixtral, mistral_large4;
-    llama_lora's is llama's."""
+    llama_lora's is llama's. `over`: fields set on top (a dtype) of the llama, qwen3_moe and mixtral ones."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -21,6 +21,7 @@ def config(kind: str) -> Any:
         num_key_value_heads=2,
         max_position_embeddings=64,
         tie_word_embeddings=kind.endswith("_tied"),
+        **over,
     )
     base = kind.removesuffix("_tied").removesuffix("_lora").replace("titan", "llama")
     if base == "llama":

@@ -7,24 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-VOCAB = 96
+from tests.fidelity import models
+from tests.fidelity.models import VOCAB
+
 STEPS = 2
 
 
 def config(*, tied: bool = False, dtype: str = "float32") -> Any:
-    import transformers as tf
-
-    return tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        dtype=dtype,
-    )
+    return models.config("llama_tied" if tied else "llama", dtype=dtype)
 
 
 def token_rows(n: int, seed: int = 1) -> Any:
