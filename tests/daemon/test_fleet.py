@@ -132,11 +132,17 @@ def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
     sink, ex = tmp_path / "sink", tmp_path / "exchange"
     results = _run_all(node_dirs, sink.as_uri(), exchange=ex.as_uri())
     assert all(isinstance(r, FleetResult) for r in results), results
-    out = sink / layout.step_dir_name(STEP)
-    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    got = _published(sink)
     want = {p.name: p.read_bytes() for p in (shared / layout.EXPORT_DIR).iterdir()}
     assert got == want
     assert (ex / "raw" / layout.step_dir_name(STEP) / "node-00001-of-00002" / layout.MANIFEST_NAME).exists()
+
+
+def _published(sink: Path) -> dict[str, bytes]:
+    """Name -> bytes of the files STEP has on a file:// sink, its manifest left out (the single daemon's
+    export has none)."""
+    out = sink / layout.step_dir_name(STEP)
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
 
 
 def _with_hub_plan(dirs: list[Path], plan, key: str = "hub_plan") -> None:
@@ -163,10 +169,9 @@ def test_a_to_hub_plan_is_carried_out_as_by_one_daemon(tmp_path, dcp_mixed2):
     sink = tmp_path / "sink"
     results = _run_all(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
     assert all(isinstance(r, FleetResult) for r in results), results
-    out = sink / layout.step_dir_name(STEP)
-    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    got = _published(sink)
     assert got == {p.name: p.read_bytes() for p in want.iterdir()}
-    index = (out / layout.INDEX_NAME).read_text()
+    index = got[layout.INDEX_NAME].decode()
     assert "model.embed_tokens.rest" in index and emb not in index and "lm_head.weight" not in index
     assert all(r.built for r in results)  # type: ignore[union-attr]
 
@@ -185,8 +190,7 @@ def test_a_to_hub_plan_is_carried_out_as_by_one_daemon(tmp_path, dcp_mixed2):
     sink = tmp_path / "sink-mapping"
     results = _run_all(node_dirs, sink.as_uri(), mapping=mapping)
     assert all(isinstance(r, FleetResult) for r in results), results
-    out = sink / layout.step_dir_name(STEP)
-    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    got = _published(sink)
     assert got == {p.name: p.read_bytes() for p in want.iterdir()} and b"emb.b" in got[layout.INDEX_NAME]
 
 

@@ -9,7 +9,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.daemon.fleet import FleetResult
 from stagerd.engine.export import export_step
-from tests.daemon.test_fleet import SHARD, STEP, _run_all, _stage, _with_hub_plan
+from tests.daemon.test_fleet import SHARD, _published, _run_all, _stage, _with_hub_plan
 from tests.engine.test_zero_fill import PADS, padded_plan
 
 
@@ -21,8 +21,7 @@ def test_zero_fills_are_carried_out_as_by_one_daemon(tmp_path, dcp_mixed2, dtype
     sink = tmp_path / "sink"
     results = _run_all(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
     assert all(isinstance(r, FleetResult) for r in results), results
-    out = sink / layout.step_dir_name(STEP)
-    got = {p.name: p.read_bytes() for p in out.iterdir() if p.name != layout.MANIFEST_NAME}
+    got = _published(sink)
     assert got == {p.name: p.read_bytes() for p in want.iterdir()}
     index = got[layout.INDEX_NAME].decode()
     assert all(padded in index for padded, _, _ in PADS.values()) and "#zeros" not in index
