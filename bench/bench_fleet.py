@@ -47,7 +47,7 @@ def builder() -> dict[str, Any]:
 
 
 def run_fleet(node_dirs: list[Path], url: str, shard: int) -> tuple[list[Any], float]:
-    from stagerd.daemon.fleet import FleetNode, FleetOptions
+    from stagerd.daemon.fleet.node import FleetNode, FleetOptions
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
 

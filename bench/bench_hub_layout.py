@@ -3,7 +3,7 @@
 layout `save_pretrained` writes (`mlp.experts.{e}.gate_proj.weight` ...), same shards, same run.
 
 The checkpoint is a Qwen3-MoE of about SIZE GB saved by 2 gloo ranks with DCP's HF writer (every tensor
-`Shard(0)`, as FSDP2 shards). The to-Hub plan is resolved by the Stager's own code (`hub_trace`) from the
+`Shard(0)`, as FSDP2 shards). The to-Hub plan is resolved by the Stager's own code (`training/trace`) from the
 model built on the meta device, so it is transformers' registry, not a table of ours. Each export is its
 own process (wall time and peak RSS from wait4); rounds alternate which goes first; outputs are deleted
 and `sync`ed between runs.
@@ -80,7 +80,7 @@ def generate(out: Path, size_gb: float) -> None:
 def write_plan(path: Path, size_gb: float) -> int:
     """The to-Hub plan the Stager records for this model (transformers' registry, traced on meta tensors)."""
     sys.path.insert(0, str(ROOT))  # this checkout's stagerd, as the children (cwd ROOT) import it
-    from stagerd.training.hub_trace import transformers_plan
+    from stagerd.training.trace.resolve import transformers_plan
 
     model = meta_model(size_gb)
     plan = transformers_plan(model, model.state_dict(), {})

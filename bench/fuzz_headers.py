@@ -1,4 +1,4 @@
-"""Long fuzz run of the header parser and the planner behind it, oracle from tests/contract/fuzz_oracle.py.
+"""Long fuzz run of the header parser and the planner behind it, oracle from tests/contract/fuzz/oracle.py.
 
 Seeds are the shard headers of a real 4-rank gloo DCP save (made here, or `--seeds DIR` of *.safetensors).
 Three generators run side by side so their reach can be compared: random bytes, random JSON, and
@@ -88,7 +88,7 @@ class Run:
 
 def check_one(run: Run, blob: bytes, companions, *, mem: bool, file_dir: Path | None) -> None:
     """One input through the oracle, recording its outcome or its failure."""
-    from tests.contract.fuzz_oracle import Meter, parse_blob, parse_file
+    from tests.contract.fuzz.oracle import Meter, parse_blob, parse_file
 
     t0 = time.perf_counter()
     try:
@@ -121,7 +121,7 @@ def check_one(run: Run, blob: bytes, companions, *, mem: bool, file_dir: Path | 
 
 
 def make_seeds(seeds_dir: Path | None, work: Path) -> list:
-    from tests.contract.fuzz_oracle import load_seeds
+    from tests.contract.fuzz.oracle import load_seeds
 
     if seeds_dir is None:
         from tests.dcp_fixtures import dcp_save
@@ -131,7 +131,7 @@ def make_seeds(seeds_dir: Path | None, work: Path) -> list:
         dcp_save(seeds_dir, world=4)
         print(f"seeds: real 4-rank gloo DCP save in {time.monotonic() - t0:.1f} s", flush=True)
     seeds = load_seeds(seeds_dir)
-    from tests.contract.fuzz_oracle import parse_blob
+    from tests.contract.fuzz.oracle import parse_blob
 
     for s in seeds:  # warm up: lazy imports (numpy in the planner) must not count as an input's allocation
         parse_blob(s.blob(), companions=s.companions)
@@ -139,7 +139,7 @@ def make_seeds(seeds_dir: Path | None, work: Path) -> list:
 
 
 def run_generators(seeds: list, count: int, seed: int, args: argparse.Namespace, work: Path) -> list[Run]:
-    from tests.contract.fuzz_inputs import mutate, random_bytes, random_json_blob
+    from tests.contract.fuzz.inputs import mutate, random_bytes, random_json_blob
 
     gens = {
         "random-bytes": lambda r: (random_bytes(r), ()),
@@ -171,8 +171,8 @@ def run_atheris(seeds: list, count: int, args: argparse.Namespace, work: Path) -
     """Coverage-guided: libFuzzer's mutations plus the structure-aware mutator, on instrumented stagerd."""
     import atheris
 
-    from tests.contract.fuzz_inputs import mutate
-    from tests.contract.fuzz_oracle import Seed
+    from tests.contract.fuzz.inputs import mutate
+    from tests.contract.fuzz.oracle import Seed
 
     run = Run("atheris", work / "crashes")
     corpus = work / "corpus"

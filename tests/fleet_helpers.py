@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.daemon.fleet import FleetNode, FleetOptions, FleetResult
+from stagerd.daemon.fleet.node import FleetNode, FleetOptions, FleetResult
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 

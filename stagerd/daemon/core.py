@@ -28,7 +28,7 @@ from stagerd.contract import layout
 from stagerd.daemon.adopt import adopt_root, check_adopt_places
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
-from stagerd.daemon.journal_raw import raw_lane
+from stagerd.daemon.journal.raw import raw_lane
 from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics, MetricsServer
 from stagerd.daemon.policy import Failure, backoff_delay, decide_failure

@@ -21,7 +21,7 @@ from stagerd.daemon.journal import (
     RETIRED,
     StepState,
 )
-from stagerd.daemon.journal_versions import CONFLICT, REARMED
+from stagerd.daemon.journal.versions import CONFLICT, REARMED
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError

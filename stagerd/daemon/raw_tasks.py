@@ -16,7 +16,7 @@ from pathlib import Path
 
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.journal import PUBLISHING
-from stagerd.daemon.journal_raw import RAW_LANE_PREFIX
+from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.state import log
 from stagerd.daemon.tasks import Tasks, _test_pause
 from stagerd.errors import JournalError

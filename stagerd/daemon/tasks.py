@@ -22,7 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.daemon.adopt import Adoption
-from stagerd.daemon.fleet_tasks import FleetTasks, is_fleet_step
+from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import (

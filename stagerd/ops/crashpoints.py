@@ -15,7 +15,7 @@ the file `STAGERD_DELAY_RELEASE` names exists.
 
 A point needs a stagerd line to sit on. Inside huggingface_hub's LFS upload there is none, so that kill
 comes from outside: the Hub test server SIGKILLs the daemon once an upload body is partly received
-(`HubServer.on_lfs_body` in `tests/hubserver/`, used by `tests/test_crash_injection.py`).
+(`HubServer.on_lfs_body` in `tests/hubserver/`, used by `tests/daemon/crash/test_injection.py`).
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ def _stream_s3(
     """
     import asyncio
 
-    from stagerd.sinks.s3_client import s3_error
+    from stagerd.sinks.s3.client import s3_error
 
     backend = store.s3
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore")

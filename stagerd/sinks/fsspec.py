@@ -12,7 +12,7 @@ differs from the first, and raises `SinkConflictError` if the remote manifest di
 On S3 a fresh sink sends files under two parts create-only (`If-None-Match: *`) beside the step's first
 listing: on a re-run after a restart those that landed before are sent again and refused, never written.
 
-Three backends share this one publish algorithm: S3 (`s3.py`: async, parallel multipart with per-part
+Three backends share this one publish algorithm: S3 (`s3/backend.py`: async, parallel multipart with per-part
 checksums, on s3fs's event loop), the local filesystem (`local.py`: fsync'd, exclusive manifest by `link`),
 and any other fsspec filesystem (`generic.py`: sequential, best effort `exists` then write for the manifest).
 What they share is in `objects.py`.
@@ -54,7 +54,7 @@ from stagerd.sinks.objects import (
     scan_dir,
     verify_listing,
 )
-from stagerd.sinks.s3 import S3Backend
+from stagerd.sinks.s3.backend import S3Backend
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 

@@ -5,7 +5,7 @@
   goes to s3fs's or fsspec's `rm`, `glob` or `expand_path`, which read `*`, `?` and `[` as patterns.
   Object-store URLs with those characters are refused when the store opens (`urls.refuse_patterns`).
 - **Conditional writes** (`put_if`, `delete_if`), for claims: S3's own `If-None-Match` / `If-Match`
-  (`s3_store.py`); on file://, `link()` to create, and a `flock` on the file held while its tag is checked
+  (`s3/store.py`); on file://, `link()` to create, and a `flock` on the file held while its tag is checked
   and it is replaced or unlinked (a local filesystem's, or NFS's lock manager); other fsspec stores have no
   portable condition: read, compare, write (documented as weaker).
 - **The store's clock** (`clock`): S3's `Date`; file://, the mtime of a file written now (on NFS, the
@@ -57,7 +57,7 @@ class RemoteStore:
         opts = dict(storage_options or {})
         try:
             if protocol in ("s3", "s3a"):
-                from stagerd.sinks.s3 import S3Backend
+                from stagerd.sinks.s3.backend import S3Backend
 
                 b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
                 return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
@@ -100,7 +100,7 @@ class RemoteStore:
         (literally), by that relative name."""
         try:
             if self.s3 is not None:
-                from stagerd.sinks import s3_store
+                from stagerd.sinks.s3 import store as s3_store
 
                 return s3_store.objects(self.s3, prefix, start)
             if self.local:
@@ -133,7 +133,7 @@ class RemoteStore:
     def read_tagged(self, key: str) -> tuple[bytes, str | None] | None:
         """The bytes of `key` and the tag a conditional write compares; None if absent."""
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             return s3_store.read_tagged(self.s3, key)
         if self.local:
@@ -155,7 +155,7 @@ class RemoteStore:
     def clock(self) -> float:
         """The store's own time now (see the module docstring)."""
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             return s3_store.clock(self.s3)
         if self.local:
@@ -173,7 +173,7 @@ class RemoteStore:
     def put(self, key: str, data: bytes) -> None:
         """Create or replace `key` (a lease: only its writer ever writes it)."""
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             s3_store.put(self.s3, key, data)
         elif self.local:
@@ -192,7 +192,7 @@ class RemoteStore:
         """Write `key` only if it is absent (`tag` None) or still the version `tag`: the version written,
         or None when the condition failed."""
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             return s3_store.put_if(self.s3, key, data, tag)
         if self.local:
@@ -208,7 +208,7 @@ class RemoteStore:
         if tag is None:
             return False
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             return s3_store.delete_if(self.s3, key, tag)
         if self.local:
@@ -225,7 +225,7 @@ class RemoteStore:
     def delete(self, keys: list[str]) -> None:
         """Delete exactly `keys`; missing ones are fine."""
         if self.s3 is not None:
-            from stagerd.sinks import s3_store
+            from stagerd.sinks.s3 import store as s3_store
 
             s3_store.delete(self.s3, keys)
             return

@@ -2,7 +2,7 @@
 
 PEFT saves only the adapter's tensors, under its own names (`get_peft_model_state_dict`: the adapter name
 removed, `...lora_A.default.weight` -> `...lora_A.weight`), beside `adapter_config.json`. That function runs
-here on traced meta tensors (`hub_trace.traced_plan`), so the renames are PEFT's own; the result is a
+here on traced meta tensors (`trace.traced_plan`), so the renames are PEFT's own; the result is a
 second to-Hub plan (`adapter_plan` in the marker) that the export carries out into `export/adapter/`
 (`adapter_model.safetensors`). The config is written as PEFT writes it (inference mode, the base model's
 name or the auto mapping) into the step's extras as `adapter/adapter_config.json`.
@@ -25,8 +25,8 @@ import torch
 
 from stagerd.contract.hub_plan import HubPlan, LoraMerge
 from stagerd.errors import HubPlanError
-from stagerd.training import hub_trace
-from stagerd.training.hub_trace import traced_plan
+from stagerd.training.trace import resolve as trace
+from stagerd.training.trace.resolve import traced_plan
 
 ADAPTER_CONFIG = "adapter/adapter_config.json"
 
@@ -81,7 +81,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     Each LoRA `Linear` of the one adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's own
     `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named as
     the unwrapped module's weight; every other key loses PEFT's `base_model.model.` prefix and `.base_layer`.
-    The base model's own save-time conversion (`hub_trace.transformers_plan`) then runs on those names.
+    The base model's own save-time conversion (`trace.transformers_plan`) then runs on those names.
     Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions, modules_to_save) is a
     HubPlanError."""
     from peft.tuners.lora.layer import Linear as LoraLinear
@@ -138,7 +138,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
             aliases2[n] = _unwrapped(aliases[k])
         else:
             src_of[n], sd2[n] = k, sd[k]
-    plan = hub_trace.transformers_plan(model.get_base_model(), sd2, aliases2)
+    plan = trace.transformers_plan(model.get_base_model(), sd2, aliases2)
     views = []
     for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
         views.append(replace(v, source=src_of[v.source]))

@@ -2,7 +2,7 @@
 
 The state dicts must hold tensors (the HF writer stores nothing else); `extras` are JSON, bytes or files;
 the reference index is a path or a weight_map; `dtype` one of the export engine's spellings; `metadata`
-JSON; the to-Hub plan resolved from `model` (`hub_trace`). `extras`, `reference_index`, `dtype`, `metadata`
+JSON; the to-Hub plan resolved from `model` (`trace`). `extras`, `reference_index`, `dtype`, `metadata`
 and the plan are taken from rank 0 alone.
 """
 

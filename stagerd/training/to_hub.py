@@ -1,6 +1,6 @@
 """What a save's export will be, decided at save time from the `model` handed to `Stager.save`.
 
-- a transformers model: `save_pretrained`'s names and layout (`hub_trace.transformers_plan`);
+- a transformers model: `save_pretrained`'s names and layout (`trace.transformers_plan`);
 - a PEFT LoRA model: the merged model as `save_pretrained` of `merge_and_unload()` writes it (LoRA merges
   the engine computes), plus the adapter-only artefact (`peft_plan`); a model PEFT would merge otherwise
   (DoRA, modules_to_save, ...) keeps its keys as staged, with a warning;
@@ -29,7 +29,8 @@ import torch
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import HubPlanError
-from stagerd.training import config_model, hub_trace, peft_plan
+from stagerd.training import config_model, peft_plan
+from stagerd.training.trace import resolve as trace
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,10 @@ def resolve(
             main = peft_plan.merged_plan(model, sd, aliases)
         except HubPlanError as e:  # the adapter still exports; the main export keeps PEFT's names
             log.warning("the export keeps the PEFT model's own names, unmerged: %s", e.message)
-            main = hub_trace.alias_plan(sd, aliases)
+            main = trace.alias_plan(sd, aliases)
         return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, adapter_config),))
-    if model is not None and hub_trace.is_transformers_model(model):
-        return ToHub(hub_trace.transformers_plan(model, sd, aliases))
+    if model is not None and trace.is_transformers_model(model):
+        return ToHub(trace.transformers_plan(model, sd, aliases))
     inner = config_model.inner_model(model) if model is not None else None
     if inner is not None:
         return ToHub(prefixed_plan(inner, sd, aliases))
@@ -84,7 +85,7 @@ def resolve(
             f"the export keeps the state dict's own names, not what save_pretrained writes: {found}",
             "pass the model to Stager.save(..., model=model)",
         )
-    return ToHub(hub_trace.alias_plan(sd, aliases))
+    return ToHub(trace.alias_plan(sd, aliases))
 
 
 class PlanCache:
@@ -142,7 +143,7 @@ def prefixed_plan(
     the model are not exported. A tied key of the model whose twin lies outside it reads that twin."""
     p = found.prefix
     if not p:
-        return hub_trace.transformers_plan(found.model, sd, aliases)
+        return trace.transformers_plan(found.model, sd, aliases)
     staged_of = {k[len(p) :]: k for k in sd if k.startswith(p)}
     sub_aliases: dict[str, str] = {}
     for dup, src in aliases.items():
@@ -153,7 +154,7 @@ def prefixed_plan(
         else:
             staged_of[dup[len(p) :]] = src
     sub_sd = {k: sd[staged] for k, staged in staged_of.items()}
-    plan = hub_trace.transformers_plan(found.model, sub_sd, sub_aliases)
+    plan = trace.transformers_plan(found.model, sub_sd, sub_aliases)
     views = [replace(v, source=staged_of[v.source]) for v in plan.views]
     read, dropped = {v.source for v in plan.views}, set(plan.drop)
     for k, staged in staged_of.items():

@@ -121,7 +121,7 @@ def test_a_fleet_of_two_nodes_publishes_the_same_merged_export_and_adapter(lora,
     every LoRA merge computed by the main file's owner from blocks of both nodes, and publishes every file,
     `adapter/` included, byte for byte as the single daemon did."""
     from stagerd.contract import layout
-    from stagerd.daemon.fleet import FleetResult
+    from stagerd.daemon.fleet.node import FleetResult
     from tests.fleet_helpers import run_fleet, split_step
 
     step = lora.root / layout.step_dir_name(ranks.STEP)

@@ -110,6 +110,20 @@ def test_no_import_circles():
     assert cycles == []
 
 
+def test_families_of_siblings_have_their_own_folder():
+    """Three modules of one folder named `x.py`/`x_*.py` are a family: it belongs in `x/`, as `sinks/hub/`."""
+    families: dict[tuple[Path, str], list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem != "__init__":
+            families.setdefault((path.parent, path.stem.split("_")[0]), []).append(path.name)
+    crowded = {
+        f"{folder.relative_to(PACKAGE)}/{name}_*": sorted(members)
+        for (folder, name), members in families.items()
+        if len(members) >= 3
+    }
+    assert crowded == {}
+
+
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_each_file_is_small(path: Path):
     lines = len(path.read_text().splitlines())

@@ -1,4 +1,4 @@
-"""The crash-point mechanism itself (the daemon's kill cases are in tests/daemon/test_crash_injection.py)."""
+"""The crash-point mechanism itself (the daemon's kill cases are in tests/daemon/crash/test_injection.py)."""
 
 from __future__ import annotations
 

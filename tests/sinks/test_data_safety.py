@@ -20,7 +20,7 @@ from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.local import LocalBackend
-from stagerd.sinks.s3 import S3Backend
+from stagerd.sinks.s3.backend import S3Backend
 from tests.cli_helpers import run_cli
 from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)

@@ -16,8 +16,8 @@ from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks import open_sink
 from stagerd.sinks.claims import claim_key, publish_claim
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.s3 import S3Backend
-from stagerd.sinks.s3_client import signs_payload
+from stagerd.sinks.s3.backend import S3Backend
+from stagerd.sinks.s3.client import signs_payload
 from tests import s3server
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
@@ -254,7 +254,7 @@ def test_the_signed_payload_hash_is_the_uploaders_own_and_the_store_checks_it(s3
 def test_a_wrong_digest_handed_to_the_signer_is_refused_by_the_store(s3):
     """The signer signs the digest it is handed, and the store checks the body against it: a wrong one
     fails the request instead of storing bytes under a hash they do not have."""
-    from stagerd.sinks.s3_client import BODY_SHA256
+    from stagerd.sinks.s3.client import BODY_SHA256
 
     backend = sink(s3)._backend
     assert isinstance(backend, S3Backend)
@@ -326,7 +326,7 @@ def test_the_free_list_keeps_only_part_sized_buffers(s3, tmp_path):
     """Every file's short last part has a buffer of its own, which is not kept: after three multipart
     files through two slots the free list holds at most two buffers, all of them part-sized."""
     from stagerd.sinks.objects import ByteProgress, LocalFile
-    from stagerd.sinks.s3_upload import Uploads
+    from stagerd.sinks.s3.upload import Uploads
 
     export = make_export(tmp_path / "e", {"a.bin": 11 * MiB, "b.bin": 12 * MiB, "c.bin": 13 * MiB})
     files = [LocalFile(p.name, p, p.stat().st_size) for p in sorted(export.iterdir())]
@@ -344,7 +344,7 @@ def test_big_bodies_go_to_aiohttp_in_slices_of_the_buffer():
     payload can be written again (botocore rewinds a body before it retries)."""
     import asyncio
 
-    from stagerd.sinks.s3_client import SEND_SLICE, _send_in_slices
+    from stagerd.sinks.s3.client import SEND_SLICE, _send_in_slices
 
     class Request:
         def __init__(self, body: Any) -> None:

@@ -97,7 +97,7 @@ def test_node_local_roots_write_a_marker_per_node(tmp_path):
             assert torch.equal(f.get_tensor(name).view(torch.uint8), ref.view(torch.uint8)), name
     # Issue 14: the two nodes' daemons build the same export together, through a file:// exchange.
     from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
-    from tests.daemon.test_fleet import _run_all
+    from tests.daemon.fleet.test_protocol import _run_all
 
     sink = tmp_path / "sink"
     dirs = [tmp_path / f"node{r}" / "step-00000003" for r in range(WORLD)]

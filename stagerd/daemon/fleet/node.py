@@ -1,0 +1,351 @@
+"""One node's part of a fleet export: node-local ROOTs, one HF export built together through the exchange.
+
+The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"), for node k of M:
+
+1. claim `fleet/step-N/node-K.json` on the exchange (a conditional create naming this ROOT's identity; a
+   claim by another ROOT is `FleetNodeConflictError`), then publish the raw part to
+   `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
+2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
+3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
+   byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`);
+4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read (and
+   compute the LoRA merges it reads, from their fetched inputs), build it once with `execute`, and for
+   each such sink upload it under the sink's `step-N/`, then create
+   `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
+5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
+   commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`);
+   the others wait for every sink's manifest. A dead node's files are not reassigned: the step waits for it
+   (`FleetWaitError`).
+
+With several fsspec sinks each owner uploads its files to every one (each node still sends about 1/N of
+every sink's bytes) and each sink gets its own commit, so every sink ends with the same export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.reference_index import load_weight_map
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.daemon.fleet.build import Artefact
+from stagerd.daemon.fleet.plan import Mirror, NodePart, extras_of, owners
+from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
+from stagerd.engine.hub_config import CONFIG_NAME, exported_config
+from stagerd.engine.index_json import index_json
+from stagerd.engine.merge import SCRATCH_NAME
+from stagerd.engine.plan_types import ExportPlan, OutputFile
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
+from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.fetch import RemoteStore, node_parts
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
+from stagerd.sinks.prune import FLEET_DONE
+
+log = logging.getLogger("stagerd.fleet")
+
+FLEET_DIR = "fleet"
+
+Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    dtype: str | None = None
+    keep_dtype: str | None = None
+    mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE  # as export_step and the daemon's setting
+    wait_seconds: float = 600.0
+    poll_seconds: float = 0.5
+    threads: int = 2
+    hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
+
+
+@dataclass
+class FleetResult:
+    """What this node did: the files it built, the bytes it read from the exchange and uploaded."""
+
+    step: int
+    node: int
+    nodes: int
+    built: list[str]
+    bytes_fetched: int = 0
+    bytes_uploaded: int = 0  # the sink's files this node sent (its raw part is `bytes_raw`)
+    bytes_raw: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0  # of `seconds`, asleep waiting for other nodes
+    committed: bool = False
+
+
+class FleetNode:
+    """Node `marker.staging_node`'s part of step `marker.step`, resumable from any point."""
+
+    def __init__(
+        self,
+        step_dir: Path,
+        work: Path,
+        sinks: Sequence[FsspecSink],
+        exchange: FsspecSink,
+        store: RemoteStore,
+        root_id: str,
+        options: FleetOptions = FleetOptions(),
+        status: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.step_dir, self.work, self.sinks, self.exchange, self.store = (
+            step_dir,
+            work,
+            sinks,
+            exchange,
+            store,
+        )
+        self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
+        self.marker = layout.read_marker(step_dir)
+        self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
+        self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
+        self.deadline = 0.0
+        self.waited = 0.0
+
+    def run(self) -> FleetResult:
+        try:
+            return self._run()
+        finally:  # the mirror's hard links would keep this node's shards on disk past retention
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _run(self) -> FleetResult:
+        t0 = time.monotonic()
+        self.deadline = t0 + self.opt.wait_seconds
+        res = FleetResult(self.step, self.me, self.nodes, [])
+        if all(s.is_published(self.step) for s in self.sinks):
+            if self.me == 0:  # a leader killed between the manifest and `latest`
+                for s in self.sinks:
+                    s.move_latest(self.step)
+            return res
+        self._claim()
+        raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
+        res.bytes_raw = raw.bytes_uploaded
+        parts = self._wait_parts()
+        mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
+        listed = mirror.build()
+        p, units = self._plan(mirror, listed)
+        owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+        for rel, (art, f) in units.items():
+            todo = [s for s in self.sinks if self._record(s, rel) is None]
+            if owner[rel] != self.me or not todo:
+                continue
+            out = self.work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            art.build(f.name, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
+            for sink in todo:
+                up = self._upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
+                crash_point("fleet.built")
+                self._create(self._record_key(sink, rel), _record_bytes(up, self.me))
+                res.bytes_uploaded += f.size
+            res.built.append(rel)
+            shutil.rmtree(out, ignore_errors=True)
+        res.bytes_fetched = mirror.fetched
+        if self.me == 0:
+            res.bytes_uploaded += self._lead(p, parts, owner)
+            res.committed = True
+            if not self.opt.hub:  # nothing reads the raw parts again: remote retention may take them
+                self._create(f"{self.base}/{FLEET_DONE}", b"{}")
+        else:
+            self._wait(
+                lambda: all(s.is_published(self.step) for s in self.sinks),
+                lambda: "waiting for the leader (node 0)",
+            )
+        shutil.rmtree(self.work, ignore_errors=True)
+        res.seconds, res.waited = time.monotonic() - t0, self.waited
+        return res
+
+    # -- steps -------------------------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        key = f"{self.base}/node-{self.me:05d}.json"
+        mine = json.dumps({"root": self.root_id, "node": self.me, "nodes": self.nodes}).encode()
+        if self._create(key, mine):
+            return
+        theirs = json.loads(self.exchange.backend.read(key) or b"{}")
+        if theirs.get("root") != self.root_id:
+            raise FleetNodeConflictError(
+                f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
+                f"({theirs.get('root')!r}, this one is {self.root_id!r})",
+                path=self.exchange.url + "/" + key,
+            )
+
+    def _wait_parts(self) -> list[NodePart]:
+        raw = f"raw/{layout.step_dir_name(self.step)}"
+
+        def seen() -> list[str]:
+            return node_parts(self.store.sizes(raw))[0]
+
+        def missing() -> str:
+            have = seen()
+            want = [f"node-{k:05d}-of-{self.nodes:05d}" for k in range(self.nodes)]
+            gone = [str(k) for k, n in enumerate(want) if n not in have]
+            return f"waiting for node {', '.join(gone)} (seen: {', '.join(have) or 'none'})"
+
+        self._wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
+        parts = []
+        for k, name in enumerate(seen()):
+            key = f"{raw}/{name}/{layout.MARKER_NAME}"
+            m = layout.CommitMarker.from_json(json.loads(self.store.read(key) or b"{}"), path=key)
+            if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
+                raise MarkerError(
+                    f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key
+                )
+            parts.append(NodePart(k, m, f"{raw}/{name}"))
+        return parts
+
+    def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:
+        """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included, and with a
+        PEFT adapter plan the adapter's one file: each published file's name -> its artefact and file."""
+        views = self.marker.hub_plan
+        if views is None and self.opt.mapping is not None:
+            views = mapped_plan(self.marker, self.opt.mapping, self.step_dir)[0]
+        ref, merges = self.marker.reference_index, self.work / "merges"
+        main = Artefact(
+            mirror,
+            listed,
+            merges / "main" / SCRATCH_NAME,
+            views,
+            dtype=self._target_dtype(),
+            keep_dtype=self.opt.keep_dtype,
+            reference=load_weight_map(ref, path=self.step_dir) if isinstance(ref, dict) else None,
+            max_shard_size=self.opt.max_shard_size,
+            expected=self.marker.tensors,
+        )
+        units: dict[str, Unit] = {f.name: (main, f) for f in main.files}
+        if self.marker.adapter_plan is not None:  # as export._build_adapter: one file, no index
+            adapter = Artefact(
+                mirror,
+                listed,
+                merges / "adapter" / SCRATCH_NAME,
+                self.marker.adapter_plan,
+                dtype=self._target_dtype(),
+                keep_dtype=self.opt.keep_dtype,
+                reference=None,
+                max_shard_size=ADAPTER_MAX_SHARD_SIZE,
+                expected=self.marker.tensors,
+            )
+            (f,) = adapter.files
+            units[f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"] = (adapter, f)
+        return main.plan, units
+
+    def _target_dtype(self) -> str | None:
+        return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
+
+    def _lead(self, p: ExportPlan, parts: list[NodePart], owner: dict[str, int]) -> int:
+        """Index and extras, then every file's record checked, then the commit: on each sink in turn.
+        `owner`: every built file's owner."""
+        names = list(owner)
+        lead = self.work / "lead"
+        shutil.rmtree(lead, ignore_errors=True)
+        lead.mkdir(parents=True)
+        (lead / layout.INDEX_NAME).write_bytes(index_json(p))
+        files = [
+            LocalFile(layout.INDEX_NAME, lead / layout.INDEX_NAME, (lead / layout.INDEX_NAME).stat().st_size)
+        ]
+        for rel, part in sorted(extras_of(parts).items()):
+            if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
+                continue  # as export_step: our index and weights are the export's
+            dst = lead / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src = self.step_dir / layout.EXTRAS_DIR / rel
+            if part.node == self.me:
+                shutil.copyfile(src, dst)
+            else:
+                dst.write_bytes(self.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
+            if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
+                config = exported_config(dst, dict(p.dtype_bytes()), self._target_dtype())
+                if config is not None:
+                    dst.write_bytes(config)
+            files.append(LocalFile(rel, dst, dst.stat().st_size))
+        sent = 0
+        for sink in self.sinks:
+            if sink.is_published(self.step):  # a leader killed between two sinks' commits
+                sink.move_latest(self.step)
+                continue
+            digests = self._upload(sink, files)
+            sent += sum(f.size for f in files)
+
+            def missing(sink: FsspecSink = sink) -> list[str]:
+                return [n for n in names if self._record(sink, n) is None]
+
+            self._wait(
+                lambda: not missing(),
+                lambda: (
+                    "waiting for the files of node " + ", ".join(sorted({str(owner[n]) for n in missing()}))
+                ),
+            )
+            digests += [self._record(sink, n) for n in names]  # type: ignore[misc]
+            sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
+        return sent
+
+    # -- the exchange ------------------------------------------------------------------------------------
+
+    def _upload(self, sink: FsspecSink, files: list[LocalFile]) -> list[Uploaded]:
+        prefix = layout.step_dir_name(self.step)
+        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
+
+    def _record_key(self, sink: FsspecSink, name: str) -> str:
+        """One record per sink and file: the store checksum it holds is that sink's."""
+        return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
+
+    def _record(self, sink: FsspecSink, name: str) -> Uploaded | None:
+        data = self.exchange.backend.read(self._record_key(sink, name))
+        if data is None:
+            return None
+        d = json.loads(data)
+        return Uploaded(d["rel"], int(d["size"]), d["sha256"], d.get("checksum"))
+
+    def _create(self, key: str, data: bytes) -> bool:
+        return self.exchange.backend.create(key, data)
+
+    def _read(self, key: str, start: int, end: int) -> bytes:
+        data: bytes = self.store.fs.cat_file(self.store.path(key), start=start, end=end)
+        return data
+
+    def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
+        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
+        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
+        if done():
+            return
+        while not done():
+            text = what()
+            named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
+            self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
+            if time.monotonic() >= self.deadline:
+                raise FleetWaitError(
+                    f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",
+                    path=self.exchange.url,
+                )
+            time.sleep(self.opt.poll_seconds)
+            self.waited += self.opt.poll_seconds
+        self.status("", 0)
+
+
+def _crash_at(point: str) -> Callable[[int, int], None]:
+    def report(done: int, total: int) -> None:
+        crash_point(point)
+
+    return report
+
+
+def sink_id(url: str) -> str:
+    """A sink's name in the exchange's record keys: every node passes the same --sink URLs."""
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def _record_bytes(up: Uploaded, node: int) -> bytes:
+    return json.dumps(
+        {"rel": up.rel, "size": up.size, "sha256": up.sha256, "checksum": up.checksum, "owner": node}
+    ).encode()

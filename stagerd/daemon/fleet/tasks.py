@@ -1,0 +1,203 @@
+"""The daemon's side of a fleet export (issue 14): a node-locally staged step (its marker says
+`staging_nodes` > 1) is built by every node's daemon together through the exchange (`daemon/fleet/node.py`)
+instead of by `export_step`, which would refuse it. The step's export task runs this node's part of the
+protocol; its publish lane only confirms the sink holds the step the fleet committed.
+
+The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each);
+the first is also the exchange (its `raw/` and `fleet/` prefixes) unless `exchange` names another fsspec
+URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then publishes it to the Hub).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stagerd.contract import layout
+from stagerd.daemon.state import DaemonState, log
+from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
+from stagerd.sinks.base import PublishResult
+from stagerd.sinks.fsspec import FsspecSink
+
+if TYPE_CHECKING:
+    from stagerd.engine.export import ExportResult
+    from stagerd.sinks.fetch import RemoteStore
+
+ROOT_ID_NAME = "fleet-root-id"
+
+
+def is_fleet_step(step_dir: Path) -> bool:
+    """Staged node-locally on several nodes (False for a whole step, or one whose marker cannot be read:
+    the export names that)."""
+    try:
+        return layout.read_marker(step_dir).staging_nodes > 1
+    except (MarkerError, OSError):
+        return False
+
+
+class FleetTasks(DaemonState):
+    _fleet_staging: tuple[str, FsspecSink] | None = None
+
+    def _fleet_sink(self) -> tuple[str, FsspecSink]:
+        """The first sink the fleet builds its export on (the default exchange, what a Hub lane reads)."""
+        return self._fleet_sinks()[0]
+
+    def _fleet_sinks(self) -> list[tuple[str, FsspecSink]]:
+        """Where the fleet builds its export: every fsspec sink, else (Hub sinks only) `EXCHANGE/export`."""
+        mine = [(url, sink) for url, sink in self._sinks.items() if isinstance(sink, FsspecSink)]
+        if mine:
+            return mine
+        if self.settings.exchange is not None:
+            if self._fleet_staging is None:
+                from stagerd.daemon.fleet.hub import EXPORT_PREFIX
+
+                url = f"{self.settings.exchange.rstrip('/')}/{EXPORT_PREFIX}"
+                self._fleet_staging = (url, FsspecSink.from_url(url))
+            return [self._fleet_staging]
+        raise ConfigError(
+            "a node-locally staged step needs an fsspec sink (S3, GCS, a shared mount) or --exchange URL",
+            hint="add --sink s3://BUCKET/PREFIX, or --exchange URL beside a Hub sink, to every node's daemon",
+        )
+
+    def _fleet_root_id(self) -> str:
+        """This ROOT's identity on the exchange, made once: two ROOTs claiming one node id are told apart."""
+        path = self.root / ".stagerd" / ROOT_ID_NAME
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            layout.write_bytes_atomic(path, uuid.uuid4().hex.encode())
+            return path.read_text().strip()
+
+    def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
+        """The exchange as a sink (raw parts, records) and as a store (ranged reads); close both after."""
+        from stagerd.sinks.fetch import RemoteStore
+
+        url, _ = self._fleet_sink()
+        ex = self.settings.exchange
+        exchange = FsspecSink.from_url(ex) if ex is not None else FsspecSink.from_url(url)
+        return exchange, RemoteStore.open(ex or url)
+
+    def _run_fleet(self, step: int, step_dir: Path) -> ExportResult:
+        """Worker thread: this node's part of the fleet export of `step`, until the step is committed."""
+        from stagerd.daemon.fleet.node import FleetNode, FleetOptions
+
+        sinks = [sink for _, sink in self._fleet_sinks()]
+        s = self.settings
+        exchange, store = self._fleet_exchange()
+
+        said = [""]
+
+        def status(text: str, missing: int) -> None:
+            if not text:
+                self._fleet_wait_over(step)
+            else:
+                self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
+                # replaced whole, never mutated: /healthz serializes it from the event loop's thread
+                self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+            if text != said[0]:  # a journal commit per change, not per poll
+                said[0] = text
+                self._note_wait(step, text)
+
+        still_waiting = False
+        try:
+            res = FleetNode(
+                step_dir,
+                self.root / ".stagerd" / "fleet" / step_dir.name,
+                sinks,
+                exchange,
+                store,
+                self._fleet_root_id(),
+                FleetOptions(
+                    dtype=s.dtype,
+                    keep_dtype=s.keep_dtype,
+                    mapping=s.mapping,
+                    max_shard_size=int(s.max_shard_size),
+                    wait_seconds=s.fleet_wait_seconds,
+                    threads=s.export_threads,
+                    hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
+                ),
+                status,
+            ).run()
+        except FleetWaitError:
+            still_waiting = True  # the step keeps waiting (retried, never quarantined): keep reporting it
+            raise
+        finally:
+            store.close()
+            exchange.close()
+            if not still_waiting:
+                self._fleet_wait_over(step, journal=True)
+        log.info(
+            "step %d: fleet node %d of %d built %d file(s), fetched %d bytes, uploaded %d bytes",
+            step,
+            res.node,
+            res.nodes,
+            len(res.built),
+            res.bytes_fetched,
+            res.bytes_uploaded,
+            extra={"step": step, "fleet_node": res.node, "bytes_fetched": res.bytes_fetched},
+        )
+        from stagerd.engine.export import ExportResult
+
+        return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _note_wait(self, step: int, text: str) -> None:
+        """Worker thread: record the wait in the journal (for `stagerd status`), on the journal's thread;
+        a failed write is only logged (the wait goes on, and /healthz still shows it)."""
+
+        def done(f: Future[None]) -> None:
+            if f.exception() is not None:
+                log.warning("step %d: could not record the fleet wait: %s", step, f.exception())
+
+        try:
+            self._jpool.submit(self._journal.set_wait, step, text or None).add_done_callback(done)
+        except RuntimeError:  # the journal's pool is shut down: a worker abandoned at shutdown, still running
+            log.debug("step %d: fleet wait not recorded, the daemon has stopped", step)
+
+    def _fleet_wait_over(self, step: int, *, journal: bool = False) -> None:
+        if journal:
+            self._note_wait(step, "")
+        self.metrics.fleet_waiting.labels(step=str(step)).set(0)
+        left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
+        if left:
+            self._health["fleet"] = left
+        else:
+            self._health.pop("fleet", None)
+
+    def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
+        """Lane worker: the fleet committed the step on this fsspec sink, or (a Hub sink) node 0 publishes
+        the step the fleet committed on the first."""
+        t0 = time.monotonic()
+        url, sink = self._fleet_sink()
+        from stagerd.sinks.hub.sink import HubSink
+
+        target = self._sinks[sink_url]
+        if sink_url != url and isinstance(target, HubSink):
+            from stagerd.daemon.fleet.hub import publish_to_hub
+
+            exchange, store = self._fleet_exchange()
+            store.close()
+            try:
+                step_dir = self.root / layout.step_dir_name(step)
+                work = self.root / ".stagerd" / "fleet-hub" / layout.step_dir_name(step)
+                return publish_to_hub(step, step_dir, work, target, sink, exchange, url)
+            finally:
+                exchange.close()
+        if not isinstance(target, FsspecSink):
+            raise SinkError(
+                f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url
+            )
+        if not target.is_published(step):
+            raise SinkError(f"step {step} is not committed on the sink yet", path=sink_url)
+        return PublishResult(
+            sink=sink_url,
+            step=step,
+            location=f"{sink_url}/{layout.step_dir_name(step)}",
+            files=0,
+            bytes_total=0,
+            bytes_uploaded=0,
+            skipped=True,
+            seconds=time.monotonic() - t0,
+        )

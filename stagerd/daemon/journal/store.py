@@ -1,0 +1,287 @@
+"""The journal's storage: one SQLite connection behind a lock, its transactions and its queries.
+
+`Journal` (machine.py) adds the state machine on top; `stagerd status` reads through this class alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, Self
+
+from stagerd.daemon.journal.schema import (
+    COMMITTED,
+    EXPORTED,
+    FAILED,
+    PENDING,
+    RETIRED,
+    SCHEMA_VERSION,
+    STEP_STATES,
+    Event,
+    LaneRow,
+    StepRow,
+    columns,
+    connect,
+    journal_error,
+    journal_path,
+    remove_journal_files,
+)
+from stagerd.daemon.lock import file_replaced
+from stagerd.errors import JournalError
+
+_WAIT = "fleet_wait:"  # meta key prefix of a fleet step's wait, `fleet_wait:N`
+
+
+class JournalStore:
+    """The journal of one ROOT. Thread-safe: one connection behind a lock (transitions are rare)."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, readonly: bool) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.path = path
+        self.readonly = readonly
+        self._opened = None if readonly else os.stat(path)  # the file this connection writes
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str]) -> Self:
+        """Open (creating if needed) the journal of `root` for the daemon that holds the ROOT lock."""
+        path = journal_path(root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
+        try:
+            conn = connect(path)
+        except sqlite3.DatabaseError as e:
+            if created:
+                # A half-made file would read as "schema 0"; without it the next start simply creates it.
+                remove_journal_files(path)
+            raise journal_error(e, path, "open the journal") from None
+        return cls(conn, path, readonly=False)
+
+    @classmethod
+    def open_readonly(cls, root: str | os.PathLike[str]) -> Self:
+        """Open for reading only (`stagerd status`), safe while a daemon writes it."""
+        path = journal_path(root)
+        if not path.is_file():
+            raise JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=path)
+        try:
+            conn = sqlite3.connect(
+                f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30
+            )
+        except sqlite3.DatabaseError as e:
+            raise journal_error(e, path, "read the journal") from None
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            conn.close()
+            raise journal_error(e, path, "read the journal") from None
+        if version != SCHEMA_VERSION:
+            conn.close()
+            if version == 0:
+                raise JournalError(
+                    "the journal was never set up (the first `stagerd watch` stopped before creating it); "
+                    "the next `stagerd watch` sets it up",
+                    path=path,
+                )
+            if version < SCHEMA_VERSION:
+                raise JournalError(
+                    f"journal schema {version}, from an older stagerd; the next `stagerd watch` on this ROOT "
+                    f"upgrades it to {SCHEMA_VERSION}",
+                    path=path,
+                )
+            raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
+        return cls(conn, path, readonly=True)
+
+    @property
+    def root(self) -> Path:
+        """The ROOT this journal describes: wherever it is now, moved or not."""
+        return self.path.parent.parent
+
+    def _step_row(self, r: tuple[Any, ...]) -> StepRow:
+        """A row with its directory under this journal's ROOT. The journal keeps only the directory's name:
+        an absolute path would send a moved or copied ROOT's retention into the ROOT that now stands at
+        the old place, deleting another run's unpublished steps."""
+        row = StepRow(*r)
+        return replace(row, path=str(self.root / Path(row.path).name))
+
+    def lost(self) -> str | None:
+        """Why the journal file at our path is not the one this connection writes any more, or None."""
+        return None if self._opened is None else file_replaced(self.path, self._opened)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        if self.readonly:
+            raise JournalError("the journal is open read-only", path=self.path)
+        with self._lock:
+            try:
+                self._rollback()  # a transaction a failed ROLLBACK left open would refuse BEGIN
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except sqlite3.Error as e:
+                raise journal_error(e, self.path, "write the journal") from None
+
+    def _rollback(self) -> None:
+        """Roll back what is open, if anything: SQLite may already have rolled back after a full disk."""
+        if self._conn.in_transaction:
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+
+    def _query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
+        with self._lock:
+            try:
+                return self._conn.execute(sql, tuple(args)).fetchall()
+            except sqlite3.DatabaseError as e:
+                raise journal_error(e, self.path, "read the journal") from None
+
+    @staticmethod
+    def _event(
+        c: sqlite3.Connection,
+        step: int,
+        sink: str | None,
+        from_state: str | None,
+        to_state: str,
+        error_class: str | None = None,
+        message: str | None = None,
+        now: float | None = None,
+    ) -> None:
+        c.execute(
+            "INSERT INTO events (ts, step, sink, from_state, to_state, error_class, message) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (now if now is not None else time.time(), step, sink, from_state, to_state, error_class, message),
+        )
+
+    def _step_state(self, c: sqlite3.Connection, step: int, allowed: tuple[str, ...]) -> str:
+        row = c.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
+        if row is None:
+            raise JournalError(f"step {step} is not in the journal", path=self.path)
+        if row[0] not in allowed:
+            raise JournalError(f"step {step} is {row[0]}, expected one of {allowed}", path=self.path)
+        return row[0]
+
+    def _lane_state(self, c: sqlite3.Connection, step: int, sink: str, allowed: tuple[str, ...]) -> str:
+        row = c.execute("SELECT state FROM lanes WHERE step = ? AND sink = ?", (step, sink)).fetchone()
+        if row is None:
+            raise JournalError(f"step {step} has no lane for {sink}", path=self.path)
+        if row[0] not in allowed:
+            raise JournalError(
+                f"step {step} on {sink} is {row[0]}, expected one of {allowed}", path=self.path
+            )
+        return row[0]
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    def steps(self, *, include_retired: bool = True) -> list[StepRow]:
+        where = "" if include_retired else f"WHERE state != '{RETIRED}'"
+        return [
+            self._step_row(r)
+            for r in self._query(f"SELECT {columns(StepRow)} FROM steps {where} ORDER BY step")
+        ]
+
+    def step(self, step: int) -> StepRow | None:
+        rows = self._query(f"SELECT {columns(StepRow)} FROM steps WHERE step = ?", (step,))
+        return self._step_row(rows[0]) if rows else None
+
+    def lanes(self, step: int | None = None) -> list[LaneRow]:
+        sql = f"SELECT {columns(LaneRow)} FROM lanes"
+        args: tuple = ()
+        if step is not None:
+            sql, args = sql + " WHERE step = ?", (step,)
+        return [LaneRow(*r) for r in self._query(sql + " ORDER BY step, sink", args)]
+
+    def events(self, step: int | None = None) -> list[Event]:
+        sql = f"SELECT {columns(Event)} FROM events"
+        args: tuple = ()
+        if step is not None:
+            sql, args = sql + " WHERE step = ?", (step,)
+        return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
+
+    def known_steps(self) -> set[int]:
+        return {r[0] for r in self._query("SELECT step FROM steps")}
+
+    def next_export(self, now: float, exclude: Iterable[int] = ()) -> StepRow | None:
+        """The lowest step ready to export: committed, or failed with its retry due."""
+        skip = set(exclude)
+        for r in self._query(
+            f"SELECT {columns(StepRow)} FROM steps WHERE state = ? OR (state = ? AND next_try <= ?) "
+            "ORDER BY step",
+            (COMMITTED, FAILED, now),
+        ):
+            if r[0] not in skip:
+                return self._step_row(r)
+        return None
+
+    def next_publish(self, sink: str, now: float, exclude: Iterable[int] = ()) -> LaneRow | None:
+        """The lowest exported step whose lane on `sink` is pending, or failed with its retry due."""
+        skip = set(exclude)
+        cols = ", ".join(f"l.{f.name}" for f in fields(LaneRow))
+        for r in self._query(
+            f"SELECT {cols} FROM lanes l JOIN steps s ON s.step = l.step WHERE l.sink = ? AND s.state = ? "
+            "AND (l.state = ? OR (l.state = ? AND l.next_try <= ?)) ORDER BY l.step",
+            (sink, EXPORTED, PENDING, FAILED, now),
+        ):
+            if r[0] not in skip:
+                return LaneRow(*r)
+        return None
+
+    def next_retry_time(self) -> float | None:
+        """The earliest `next_try` of any failed step or lane, to sleep until."""
+        rows = self._query(
+            "SELECT MIN(t) FROM (SELECT next_try AS t FROM steps WHERE state = ? "
+            "UNION ALL SELECT next_try FROM lanes WHERE state = ?)",
+            (FAILED, FAILED),
+        )
+        return rows[0][0]
+
+    def counts(self) -> dict[str, int]:
+        """Steps per state (every state present, zeros included)."""
+        out: dict[str, int] = dict.fromkeys(STEP_STATES, 0)
+        for state, n in self._query("SELECT state, COUNT(*) FROM steps GROUP BY state"):
+            out[state] = n
+        return out
+
+    def lane_counts(self) -> dict[tuple[str, str], int]:
+        """(sink, state) -> lanes, for lanes of steps not yet retired."""
+        rows = self._query(
+            "SELECT l.sink, l.state, COUNT(*) FROM lanes l JOIN steps s ON s.step = l.step "
+            "WHERE s.state != ? GROUP BY l.sink, l.state",
+            (RETIRED,),
+        )
+        return {(sink, state): n for sink, state, n in rows}
+
+    def meta(self) -> dict[str, Any]:
+        rows = self._query("SELECT key, value FROM meta WHERE key NOT LIKE ?", (f"{_WAIT}%",))
+        return {k: json.loads(v) for k, v in rows}
+
+    def set_wait(self, step: int, text: str | None) -> None:
+        """What a fleet step waits for as it happens ("waiting for node 1 (seen: ...)"); None: it does not.
+
+        Kept beside the step's state rather than as one: the step stays exporting, or failed with its
+        `FleetWaitError`, while `stagerd status` shows what it waits for."""
+        with self._tx() as c:
+            if text:
+                key = f"{_WAIT}{step}"
+                c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(text)))
+            else:
+                c.execute("DELETE FROM meta WHERE key = ?", (f"{_WAIT}{step}",))
+
+    def waits(self) -> dict[int, str]:
+        """step -> what it waits for, for every fleet step waiting now (or left waiting by `--once`)."""
+        rows = self._query("SELECT key, value FROM meta WHERE key LIKE ?", (f"{_WAIT}%",))
+        return {int(k[len(_WAIT) :]): json.loads(v) for k, v in rows}

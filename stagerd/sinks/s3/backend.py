@@ -1,0 +1,398 @@
+"""The S3 backend: s3fs's session and event loop, the aiobotocore client called directly.
+
+Files of two parts or more go up as parallel multipart uploads, each part with a checksum the store
+verifies (the schedule is in `s3/upload.py`); the manifest is created with `If-None-Match: *`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stagerd.errors import ConfigError
+from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
+from stagerd.sinks.objects import (
+    ByteProgress,
+    Claiming,
+    Latest,
+    LocalFile,
+    RemoteObject,
+    StepOpening,
+    Uploaded,
+    redact_url,
+)
+from stagerd.sinks.s3.client import (
+    build_lazy_parts,
+    error_code,
+    hook_client,
+    not_implemented,
+    precondition_failed,
+    s3_error,
+    signs_payload,
+)
+from stagerd.sinks.s3.latest import LatestMixin
+from stagerd.sinks.s3.upload import S3Api, one_put, put_new_files, upload_files
+
+log = logging.getLogger("stagerd.sinks.s3")
+
+MIN_PART = 5 << 20
+MAX_PARTS = 10_000
+
+
+def part_size_for(size: int, part_size: int) -> int:
+    """`part_size`, or more (in MiB steps) where a file of `size` bytes would need over 10,000 parts."""
+    need = -(-size // MAX_PARTS)
+    if need <= part_size:
+        return part_size
+    mib = 1 << 20
+    return -(-need // mib) * mib
+
+
+class S3Backend(LatestMixin):
+    """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
+
+    Every object is uploaded with a checksum (`checksum=`: CRC32 by default, or SHA256) the store verifies
+    on receipt and reports back: the plain one for a single PUT, the composite of per-part ones for
+    multipart. Retries are botocore's
+    (bounded exponential backoff for 5xx, throttling, 429 and dropped connections; tune with
+    AWS_RETRY_MODE / AWS_MAX_ATTEMPTS or `config_kwargs`); nothing here retries on top of them.
+    """
+
+    has_checksums = True
+
+    def __init__(
+        self, fs: Any, bucket: str, root: str, part_size: int, max_concurrency: int, checksum: str = "CRC32"
+    ) -> None:
+        if checksum not in ALGORITHMS:
+            raise ConfigError(f"checksum {checksum!r} is not one of {', '.join(ALGORITHMS)}")
+        self.algorithm = checksum
+        if part_size < MIN_PART:
+            raise ConfigError(f"part_size {part_size} is below S3's minimum of {MIN_PART} bytes")
+        self.fs, self.bucket, self.root = fs, bucket, root.strip("/")
+        self.part_size, self.max_concurrency = part_size, max(1, max_concurrency)
+        self.base = f"s3://{bucket}/{self.root}" if self.root else f"s3://{bucket}"
+        self._opened: set[str] = set()  # step prefixes opened before: a retry sends nothing early
+        self._claimed: set[str] = set()  # step prefixes whose claim this backend created or found its own
+        self._latest: dict[str, Latest] = {}  # each `latest` key as last read or written here
+        self._latest_reads: dict[str, asyncio.Future[Latest]] = {}  # prefetches not yet used
+        self._hooked: Any = None
+        self.signs_payload = False  # until the client is known: hash every file here, as always safe
+
+    @classmethod
+    def open(
+        cls, url: str, opts: Mapping[str, Any], *, part_size: int, max_concurrency: int, checksum: str
+    ) -> S3Backend:
+        import s3fs
+
+        parts = urllib.parse.urlsplit(url)
+        if "@" in parts.netloc or parts.query:
+            # s3fs would take them for part of the bucket or key, and every message would repeat them
+            raise ConfigError(
+                f"{redact_url(url)}: an S3 sink URL carries no credentials or query",
+                hint="give S3 credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a role",
+            )
+        opts = dict(opts)
+        config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
+        # our own instance: settings here must not leak into other users of s3fs's instance cache
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config, **opts)
+        bucket, _, root = fs._strip_protocol(url).partition("/")
+        if not bucket:
+            raise ConfigError(f"{redact_url(url)}: an S3 sink URL needs a bucket: s3://BUCKET/PREFIX")
+        return cls(fs, bucket, root, part_size, max_concurrency, checksum)
+
+    def key(self, key: str) -> str:
+        return f"{self.root}/{key}" if self.root else key
+
+    def where(self, key: str) -> str:
+        return f"{self.base}/{key}"
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, fn, *args, **kwargs)
+
+    async def _client(self) -> Any:
+        s3 = await self.fs.set_session()
+        if s3 is not self._hooked:  # a new client (the first, or s3fs made another)
+            hook_client(s3)
+            await build_lazy_parts(s3)
+            self.signs_payload, self._hooked = signs_payload(s3), s3
+        return s3
+
+    async def call(self, where: str, method: str, **kwargs: Any) -> Any:
+        s3 = await self._client()
+        try:
+            return await getattr(s3, method)(Bucket=self.bucket, **kwargs)
+        except Exception as e:
+            raise s3_error(e, where) from None
+
+    # -- small operations ----------------------------------------------------------------------------------
+
+    def list(self, prefix: str) -> dict[str, RemoteObject]:
+        return self._run(self._list, prefix)
+
+    async def _list(self, prefix: str) -> dict[str, RemoteObject]:
+        # pages by hand, not botocore's paginator: a fresh client's first paginator loads the paginator
+        # models from disk, ~17 ms on the event loop before the step's first request goes out
+        s3 = await self._client()
+        base = self.key(prefix) + "/"
+        out: dict[str, RemoteObject] = {}
+        args = {"Bucket": self.bucket, "Prefix": base}
+        try:
+            while True:
+                page = await s3.list_objects_v2(**args)
+                for o in page.get("Contents", []):
+                    out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+                if not page.get("IsTruncated"):
+                    return out
+                args["ContinuationToken"] = page["NextContinuationToken"]
+        except Exception as e:
+            raise s3_error(e, self.where(prefix)) from None
+
+    def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
+        async def one(rel: str, sem: asyncio.Semaphore) -> tuple[str, str | None]:
+            key = f"{prefix}/{rel}"
+            async with sem:
+                r = await self.call(self.where(key), "head_object", Key=self.key(key), ChecksumMode="ENABLED")
+            return rel, r.get(f"Checksum{self.algorithm}")
+
+        async def go() -> dict[str, str | None]:
+            sem = asyncio.Semaphore(self.max_concurrency)
+            return dict(await asyncio.gather(*(one(r, sem) for r in rels)))
+
+        return self._run(go)
+
+    def sweep(self, prefix: str) -> None:
+        self._run(self._sweep, prefix)
+
+    async def _sweep(self, prefix: str) -> None:
+        """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
+        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule.
+        The aborts of a page go out together: a crashed publisher can leave one per file."""
+        s3 = await self._client()
+        args = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/"}
+        try:
+            while True:  # pages by hand, as in `_list`
+                page = await s3.list_multipart_uploads(**args)
+                stale = [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+                await asyncio.gather(
+                    *(s3.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=u) for k, u in stale)
+                )
+                if not page.get("IsTruncated"):
+                    return
+                args.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+        except Exception as e:
+            log.warning(
+                "cannot abort stale multipart uploads under %s: %s", self.where(prefix), s3_error(e, "")
+            )
+
+    def open_step(
+        self,
+        prefix: str,
+        manifest_key: str,
+        latest_key: str,
+        files: builtins.list[LocalFile],
+        progress: ByteProgress,
+        claim: Claiming,
+    ) -> StepOpening:
+        """The step's first round trip, all at once: the step's claim (a create-only PUT, `claims.py`), the
+        object listing, the read of `latest` (unless this backend wrote it last), and create-only PUTs
+        (`If-None-Match: *`) of the files under two parts, which cannot overwrite anything and so need not
+        wait for the listing. The manifest is then fetched only if the listing shows one (S3 lists
+        consistently). A prefix this backend opened before (a retry) sends nothing early: its files are
+        likely there, and the checked path reuses them without sending their bytes again.
+
+        A claim found taken is read, with the manifest, in a second round trip: this publisher's own (a
+        restart or a retry) is followed by the sweep of pending multipart uploads (what a killed run of it
+        left), before any multipart upload of this run starts, so the sweep never aborts one of ours;
+        another's is returned for the sink to refuse. A fresh claim needs no sweep: no publisher of this
+        step came before (**departure**: a stale upload from before claims existed is left to the bucket's
+        `AbortIncompleteMultipartUpload` lifecycle rule), and a loser never sweeps a winner's uploads.
+
+        A step whose files all go in one PUT (a small step) opens with its PUTs, the claim and the read of
+        `latest`, without the listing: a PUT refused on a taken key sends the step down the listed path
+        after all, and a published manifest refuses ours at the end (`FsspecSink._publish_tree`)."""
+        eager = [f for f in files if one_put(f.size, self.part_size_of(f.size))]
+        if prefix in self._opened:
+            eager = []
+        self._opened.add(prefix)
+        small = bool(eager) and len(eager) == len(files)
+
+        async def listed() -> tuple[dict[str, RemoteObject], bytes | None]:
+            objects = await self._list(prefix)
+            name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
+            return objects, await self._get(manifest_key) if name is None or name in objects else None
+
+        async def claiming() -> bytes | None:
+            """None: created now; else the claim there (read back only if this backend claimed it before,
+            so a retry writes nothing)."""
+            if prefix in self._claimed and claim.owns(held := await self._get(claim.key)):
+                return held
+            return None if await self._create(claim.key, claim.data) else b""
+
+        async def go() -> StepOpening:
+            puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
+            claimed = asyncio.ensure_future(claiming())
+            self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+            try:
+                return await opened(puts, claimed)
+            except Exception:
+                read = self._latest_reads.get(latest_key)
+                if read is not None:  # a failed opening leaves nothing it started in flight
+                    await asyncio.wait([read])
+                raise
+
+        async def opened(puts: asyncio.Future[Any], claimed: asyncio.Future[bytes | None]) -> StepOpening:
+            listing = None if small else asyncio.ensure_future(listed())
+            children = [puts, claimed, *([listing] if listing is not None else [])]
+            try:
+                (created, refused), held, *rest = await asyncio.gather(*children)
+            except BaseException:
+                for c in children:  # a failed gather leaves its other children running: stop them
+                    c.cancel()
+                await asyncio.gather(*children, return_exceptions=True)
+                raise
+            objects, existing = rest[0] if rest else (None, None)
+            if held is None and small and not refused:
+                self._claimed.add(prefix)
+                return StepOpening(None, None, created, [], claimed=True)
+            ours = held is None or claim.owns(held)
+            if not ours:  # a restart of ours, or another publisher: read it, and the manifest again
+                held, (objects, existing) = await asyncio.gather(self._get(claim.key), listed())
+                ours = claim.owns(held)
+            elif objects is None:
+                objects, existing = await listed()
+            if ours:
+                self._claimed.add(prefix)
+                if held is not None:  # claimed before, by this run or a killed one: what it left pending
+                    await self._sweep(prefix)
+            return StepOpening(existing, objects, created, refused, claimed=ours, claim=held)
+
+        return self._run(go)
+
+    def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
+        """Delete what this publisher created, each only while it still holds our version (`If-Match` on
+        the ETag the store gave our PUT): another publisher's object written there since stays."""
+
+        async def one(key: str, etag: str | None) -> None:
+            if etag is None:
+                return
+            try:
+                s3 = await self._client()
+                await s3.delete_object(Bucket=self.bucket, Key=self.key(key), IfMatch=etag)
+            except Exception as e:
+                if not precondition_failed(e) and error_code(e)[0] not in ("NoSuchKey", "404"):
+                    log.warning("left %s in place: %s", self.where(key), s3_error(e, self.where(key)))
+
+        async def go() -> None:
+            await asyncio.gather(*(one(k, t) for k, t in keys))
+
+        self._run(go)
+
+    def read(self, key: str) -> bytes | None:
+        return self._run(self._get, key)
+
+    async def _get(self, key: str) -> bytes | None:
+        s3 = await self._client()
+        try:
+            r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
+            async with r["Body"] as body:
+                return bytes(await body.read())
+        except s3.exceptions.NoSuchKey:
+            return None
+        except Exception as e:
+            raise s3_error(e, self.where(key)) from None
+
+    async def put_new(self, where: str, **kwargs: Any) -> dict[str, Any] | None:
+        """`PutObject` only if the key is free: the answer, or None when it is taken. A store without
+        conditional writes also gives None: the file then goes the checked way (listing, HEAD, upload)."""
+        s3 = await self._client()
+        try:
+            answer: dict[str, Any] = await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+            return answer
+        except Exception as e:
+            if precondition_failed(e) or not_implemented(e):
+                return None
+            raise s3_error(e, where) from None
+
+    def write(self, key: str, data: bytes) -> None:
+        self._run(self.call, self.where(key), "put_object", **self._put_args(key, data))
+
+    def create(self, key: str, data: bytes) -> bool:
+        return bool(self._run(self._create, key, data))
+
+    async def _create(self, key: str, data: bytes) -> bool:
+        """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
+        s3 = await self._client()
+        args = self._put_args(key, data)
+        try:
+            await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
+            return True
+        except Exception as e:
+            if precondition_failed(e):
+                return False
+            if not not_implemented(e):
+                raise s3_error(e, self.where(key)) from None
+        log.warning("%s does not support conditional writes; using exists-then-put", self.base)
+        if await self._exists(key):
+            return False
+        await self.call(self.where(key), "put_object", **args)
+        return True
+
+    async def _exists(self, key: str) -> bool:
+        s3 = await self._client()
+        try:
+            await s3.head_object(Bucket=self.bucket, Key=self.key(key))
+            return True
+        except Exception as e:
+            err = getattr(e, "response", {}).get("Error", {})
+            if err.get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise s3_error(e, self.where(key)) from None
+
+    def _put_args(self, key: str, data: bytes, checksum: str | None = None) -> dict[str, Any]:
+        if checksum is None:
+            checksum = b64(raw_checksum(data, self.algorithm))
+        return {"Key": self.key(key), "Body": data, **self._checksum_args(checksum)}
+
+    def _checksum_args(self, checksum: str) -> dict[str, str]:
+        # the algorithm header makes stores (and moto) keep the checksum and report it back
+        return {"ChecksumAlgorithm": self.algorithm, f"Checksum{self.algorithm}": checksum}
+
+    def digest(self, f: LocalFile) -> Uploaded:
+        part = self.part_size_of(f.size)
+        d = hash_file(f.path, None if one_put(f.size, part) else part, self.algorithm)
+        return Uploaded(f.rel, d.size, d.sha256, d.checksum)
+
+    def close(self) -> None:
+        import s3fs
+
+        if getattr(self.fs, "_s3", None) is not None:
+            s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
+            self.fs._s3 = None
+
+    # -- uploads (s3/upload.py) -----------------------------------------------------------------------------
+
+    def upload(
+        self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
+    ) -> builtins.list[Uploaded]:
+        """Upload every file, up to `max_concurrency` parts in flight (and in memory) at a time."""
+        api: S3Api = self
+        return self._run(upload_files, api, prefix, files, progress)
+
+    def part_size_of(self, size: int) -> int:
+        return part_size_for(size, self.part_size)
+
+    async def abort(self, key: str, upload_id: str) -> None:
+        """Best effort: a store that is down keeps the parts until a lifecycle rule reaps them."""
+        try:
+            s3 = await self._client()
+            await asyncio.wait_for(
+                s3.abort_multipart_upload(Bucket=self.bucket, Key=self.key(key), UploadId=upload_id), 30
+            )
+        except Exception as e:
+            log.warning("could not abort the multipart upload of %s: %s", self.where(key), type(e).__name__)

@@ -1,0 +1,188 @@
+"""What prune, restore leases and claims need from S3 beyond publishing: exact listings with each object's
+LastModified and ETag, the store's own clock, conditional writes and deletes, and batched deletes of
+named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash, a delete
+names keys a listing returned (`DeleteObjects`, 1000 a request), and nothing here hands a path to s3fs's
+`rm`/`glob`/`expand_path`, which read `*`, `?` and `[` as patterns.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from stagerd.errors import SinkError
+from stagerd.sinks.objects import StoredObject
+from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+
+if TYPE_CHECKING:
+    from stagerd.sinks.s3.backend import S3Backend
+
+log = logging.getLogger("stagerd.sinks.s3")
+
+DELETE_BATCH = 1000  # S3's limit per DeleteObjects
+
+
+def _base(b: S3Backend, prefix: str) -> str:
+    """The listing prefix of `prefix` under the sink's root, always ending in `/` (or the bucket's root)."""
+    key = b.key(prefix.strip("/")) if prefix.strip("/") else b.root
+    return f"{key}/" if key else ""
+
+
+def objects(b: S3Backend, prefix: str, start: str = "") -> dict[str, StoredObject]:
+    """Every object under `prefix/` whose relative name starts with `start` (literal: S3's `Prefix` is
+    never a pattern), by relative name: size, LastModified, ETag."""
+
+    async def go() -> dict[str, StoredObject]:
+        s3 = await b._client()
+        base = _base(b, prefix)
+        out: dict[str, StoredObject] = {}
+        args = {"Bucket": b.bucket, "Prefix": base + start}
+        try:
+            while True:
+                page = await s3.list_objects_v2(**args)
+                for o in page.get("Contents", []):
+                    out[o["Key"][len(base) :]] = StoredObject(
+                        int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag")
+                    )
+                if not page.get("IsTruncated"):
+                    return out
+                args["ContinuationToken"] = page["NextContinuationToken"]
+        except Exception as e:
+            raise s3_error(e, b.where(prefix)) from None
+
+    result: dict[str, StoredObject] = b._run(go)
+    return result
+
+
+def clock(b: S3Backend) -> float:
+    """The store's own time now: the `Date` of a one-key listing's answer (S3 sets it; so does moto).
+
+    Ages of objects are judged by it against their LastModified, both the store's clock: two machines'
+    clocks never meet. A store whose answers carry no Date gives this machine's time (said in a warning)."""
+
+    async def go() -> float:
+        s3 = await b._client()
+        try:
+            page = await s3.list_objects_v2(Bucket=b.bucket, Prefix=_base(b, ""), MaxKeys=1)
+        except Exception as e:
+            raise s3_error(e, b.base) from None
+        date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if date:
+            return email.utils.parsedate_to_datetime(date).timestamp()
+        log.warning("%s sends no Date header: object ages use this machine's clock", b.base)
+        return time.time()
+
+    now: float = b._run(go)
+    return now
+
+
+def read_tagged(b: S3Backend, key: str) -> tuple[bytes, str | None] | None:
+    async def go() -> tuple[bytes, str | None] | None:
+        s3 = await b._client()
+        try:
+            r = await s3.get_object(Bucket=b.bucket, Key=b.key(key))
+            async with r["Body"] as body:
+                return bytes(await body.read()), r.get("ETag")
+        except Exception as e:
+            if error_code(e)[0] in ("NoSuchKey", "404"):
+                return None
+            raise s3_error(e, b.where(key)) from None
+
+    result: tuple[bytes, str | None] | None = b._run(go)
+    return result
+
+
+def put(b: S3Backend, key: str, data: bytes) -> None:
+    b.write(key, data)
+
+
+def put_if(b: S3Backend, key: str, data: bytes, tag: str | None) -> str | None:
+    """Write `key` only if it is absent (`tag` None) or still holds the version `tag`: the new ETag, or
+    None when the condition failed."""
+
+    async def go() -> str | None:
+        s3 = await b._client()
+        cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:
+            answer = await s3.put_object(Bucket=b.bucket, **b._put_args(key, data), **cond)
+            return str(answer.get("ETag"))
+        except Exception as e:
+            if precondition_failed(e) or (tag is not None and error_code(e)[0] in ("NoSuchKey", "404")):
+                return None
+            if not not_implemented(e):
+                raise s3_error(e, b.where(key)) from None
+        log.warning("%s does not support conditional writes; read, compare, then write", b.base)
+        s3 = await b._client()
+        try:
+            r = await s3.get_object(Bucket=b.bucket, Key=b.key(key))
+            current: str | None = r.get("ETag")
+            r["Body"].close()
+        except Exception as e:
+            if error_code(e)[0] not in ("NoSuchKey", "404"):
+                raise s3_error(e, b.where(key)) from None
+            current = None
+        if current != tag:
+            return None
+        answer = await b.call(b.where(key), "put_object", **b._put_args(key, data))
+        return str(answer.get("ETag"))
+
+    result: str | None = b._run(go)
+    return result
+
+
+def delete_if(b: S3Backend, key: str, tag: str) -> bool:
+    """Delete `key` only while it still holds the version `tag` (`If-Match`); False if it changed or went."""
+
+    async def go() -> bool:
+        s3 = await b._client()
+        try:
+            await s3.delete_object(Bucket=b.bucket, Key=b.key(key), IfMatch=tag)
+            return True
+        except Exception as e:
+            if precondition_failed(e) or error_code(e)[0] in ("NoSuchKey", "404"):
+                return False
+            if not not_implemented(e):
+                raise s3_error(e, b.where(key)) from None
+        log.warning("%s does not support conditional deletes; read, compare, then delete", b.base)
+        try:
+            head = await s3.head_object(Bucket=b.bucket, Key=b.key(key))
+        except Exception as e:
+            if error_code(e)[0] in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise s3_error(e, b.where(key)) from None
+        if head.get("ETag") != tag:
+            return False
+        await b.call(b.where(key), "delete_object", Key=b.key(key))
+        return True
+
+    return bool(b._run(go))
+
+
+def delete(b: S3Backend, keys: list[str]) -> None:
+    """Delete exactly `keys` (missing ones are fine): `DeleteObjects`, 1000 keys a request."""
+
+    async def batch(chunk: list[str]) -> None:
+        s3 = await b._client()
+        try:
+            r: dict[str, Any] = await s3.delete_objects(
+                Bucket=b.bucket, Delete={"Objects": [{"Key": b.key(k)} for k in chunk], "Quiet": True}
+            )
+        except Exception as e:
+            raise s3_error(e, b.where(chunk[0])) from None
+        errors = [e for e in r.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
+        if errors:
+            first = errors[0]
+            raise SinkError(
+                f"{len(errors)} of {len(chunk)} deletes refused, first: {first.get('Code')} "
+                f"{first.get('Message', '')}".rstrip(),
+                path=f"s3://{b.bucket}/{first.get('Key', '')}",
+            )
+
+    async def go() -> None:
+        for i in range(0, len(keys), DELETE_BATCH):
+            await batch(keys[i : i + DELETE_BATCH])
+
+    if keys:
+        b._run(go)
