@@ -79,8 +79,8 @@ def test_setup_is_two_commands() -> None:
     setup = _section(README.read_text(), "Set up")
     install, tests = _blocks(setup)  # exactly two
     ci = (REPO / ".ci" / "run").read_text()
-    pin = re.search(r"pip install --quiet (torch==\S+)", ci).group(1)
-    assert pin in install and "-e '.[test]'" in install
+    pin = re.search(r"pip install --quiet -c tests/constraints.txt (torch==\S+)", ci).group(1)
+    assert pin in install and "-e '.[test]'" in install and "-c tests/constraints.txt" in install
     assert install.strip().endswith("&& stagerd demo")
     test_cmd = tests.strip().split("&&")[-1].strip()
     assert test_cmd in ci  # CI runs the README's test command
