@@ -131,6 +131,10 @@ def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tu
         if tag is None:
             return _give_back(store, taken) and False
         taken.append((key, before, tag))
+    if _tags(store.objects(prefix)) != _tags(listed):
+        # Deleted (another prune finished it and gave its claim back) or written since the listing: a
+        # stale listing decides nothing, and counting it would count one step twice.
+        return _give_back(store, taken) and False
     crash_point("prune.tombstone")
     manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
     store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
@@ -139,6 +143,10 @@ def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tu
     ours = _give_back(store, taken, delete=True)
     store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
     return ours
+
+
+def _tags(objects: dict[str, StoredObject]) -> dict[str, str | None]:
+    return {rel: o.tag for rel, o in objects.items()}
 
 
 def _give_back(

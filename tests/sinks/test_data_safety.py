@@ -252,6 +252,33 @@ def test_two_prunes_at_once_delete_each_step_once_and_count_it_once(tmp_path):
     _valid(sink_dir)
 
 
+def test_a_prune_acting_on_a_stale_listing_counts_and_deletes_nothing(tmp_path):
+    """The interleaving behind the race above, made certain: prune B lists the steps, prune A deletes
+    steps 1 and 2 and gives their claims back, step 2 is published again, then B lists the claims. B finds
+    step 1's claim free and takes it: it must see the step gone, count nothing and leave no claim. It takes
+    the new publish's claim of step 2 from the listing: it must not delete that publish."""
+    from stagerd.sinks.prune import Policy, Tree, _by_step, delete_step, prune
+
+    sink_dir = tmp_path / "sink"
+    _publish_all(sink_dir, tmp_path / "work", range(1, 4))
+    b = RemoteStore.open(sink_dir.as_uri())
+    stale = Tree("export", "")
+    stale.steps = _by_step(b.objects("", start="step-"))
+    a = RemoteStore.open(sink_dir.as_uri())
+    assert sum(d.delete for d in prune(a, Policy(keep_last=1))) == 4  # steps 1-2 of both trees
+    FsspecSink.from_url(sink_dir.as_uri()).publish(make_export(tmp_path / "again", {"a": 3}), 2)
+    claim2 = (sink_dir / "claims" / "step-00000002").read_bytes()
+    stale.claims = b.objects("claims", start="step-")
+    assert delete_step(b, stale, 1, b.clock()) is False
+    assert not (sink_dir / "claims" / "step-00000001").exists()
+    assert delete_step(b, stale, 2, b.clock()) is False
+    assert (sink_dir / "step-00000002" / layout.MANIFEST_NAME).is_file()
+    assert (sink_dir / "claims" / "step-00000002").read_bytes() == claim2  # the publisher's, put back
+    _valid(sink_dir)
+    a.close()
+    b.close()
+
+
 def test_restore_leases_are_judged_on_the_stores_clock_and_renewed(tmp_path):
     """A lease from a restorer whose clock is 10 h behind still protects its step (its file is new on the
     sink's clock), and one the store last saw an hour ago does not, whatever its content says; a held
