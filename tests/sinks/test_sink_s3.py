@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -210,8 +211,10 @@ def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, m
     text = f"{err} {err.hint}"
     assert bad_secret not in text and SECRET_KEY not in text
     assert ("SignatureDoesNotMatch" if which == "secret" else "InvalidAccessKeyId") in text
-    ops = [r.op for r in s3.proxy.log]  # a small step opens with its PUT, its claim and the read of latest
-    assert sorted(ops) == ["GetObject", "PutObject", "PutObject"], ops  # none retried
+    # A small step opens with its PUT, its claim and the read of latest, together: the first 403 ends the
+    # step, so a request still unsent then is never sent. None is retried.
+    ops = Counter(r.op for r in s3.proxy.log)
+    assert ops and ops <= Counter(GetObject=1, PutObject=2), ops
     assert all(r.status == 403 for r in s3.proxy.log), ops
 
 
