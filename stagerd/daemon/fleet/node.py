@@ -123,7 +123,7 @@ class FleetNode:
         t0 = time.monotonic()
         self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
-        if all(s.is_published(self.step) for s in self.sinks):
+        if all(s.is_published(self.step) for s in self.sinks) and self._same_save_on_exchange():
             if self.me == 0:  # a leader killed between the manifest and `latest`
                 for s in self.sinks:
                     s.move_latest(self.step)
@@ -167,6 +167,17 @@ class FleetNode:
         return res
 
     # -- steps -------------------------------------------------------------------------------------------
+
+    def _same_save_on_exchange(self) -> bool:
+        """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
+        from an earlier checkpoint) is not, and must not pass for published: it goes the whole way, where
+        the exchange or the sinks refuse it by name (`SinkConflictError`). So does a step whose raw part
+        is gone: it is built again, and a sink that holds the same export keeps it."""
+        part = f"node-{self.me:05d}-of-{self.nodes:05d}"
+        key = f"raw/{layout.step_dir_name(self.step)}/{part}/{layout.MARKER_NAME}"
+        found = self.store.read(key)
+        mine = layout.marker_identity(self.step_dir)
+        return found is not None and "sha256:" + hashlib.sha256(found).hexdigest() == mine
 
     def _claim(self) -> None:
         key = f"{self.base}/node-{self.me:05d}.json"

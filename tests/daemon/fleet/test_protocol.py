@@ -15,7 +15,7 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.daemon.fleet.node import FleetResult
 from stagerd.engine.export import export_step
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, SinkConflictError, StagerdError
 from stagerd.sinks.fsspec import FsspecSink
 from tests.dcp_fixtures import commit_step
 from tests.fleet_helpers import fleet_node, run_fleet
@@ -123,6 +123,22 @@ def test_two_roots_claiming_one_node_id_is_a_named_error(tmp_path, dcp_mixed2, s
     with pytest.raises(FleetNodeConflictError, match="node 0 of 2 is already claimed by another ROOT"):
         second.run()
     assert issubclass(FleetNodeConflictError, StagerdError) and not FleetNodeConflictError.retryable
+
+
+def test_a_step_saved_again_is_never_taken_for_the_published_one(tmp_path, dcp_mixed2):
+    """A run restarted from an earlier checkpoint saves step 7 again, into the same ROOTs, with other
+    data. Its sinks hold the first save's step 7; the nodes must not call the new save published (and
+    leave the sinks with weights it does not have): the exchange refuses it by name."""
+    _, first_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    assert all(isinstance(r, FleetResult) for r in _run_all(first_dirs, sink.as_uri()))
+    published = _published(sink)
+    for d in [tmp_path / "shared", *(d.parent for d in first_dirs)]:
+        shutil.rmtree(d)
+    _, again_dirs = _stage(tmp_path, dcp_mixed2[0], 2, dtype="bf16")
+    results = _run_all(again_dirs, sink.as_uri())
+    assert all(isinstance(r, SinkConflictError) for r in results), results
+    assert _published(sink) == published
 
 
 def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
