@@ -43,7 +43,7 @@ from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_parts
 from stagerd.sinks.fsspec import FsspecSink
@@ -170,9 +170,9 @@ class FleetNode:
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
-        from an earlier checkpoint) is not, and must not pass for published: it goes the whole way, where
-        the exchange or the sinks refuse it by name (`SinkConflictError`). So does a step whose raw part
-        is gone: it is built again, and a sink that holds the same export keeps it."""
+        from an earlier checkpoint) is not, and must not pass for published: it goes on to `_claim`, which
+        refuses it by name. A step whose raw part is gone goes on too: it is built again, and a sink that
+        holds the same export keeps it."""
         part = f"node-{self.me:05d}-of-{self.nodes:05d}"
         key = f"raw/{layout.step_dir_name(self.step)}/{part}/{layout.MARKER_NAME}"
         found = self.store.read(key)
@@ -181,7 +181,8 @@ class FleetNode:
 
     def _claim(self) -> None:
         key = f"{self.base}/node-{self.me:05d}.json"
-        mine = json.dumps({"root": self.root_id, "node": self.me, "nodes": self.nodes}).encode()
+        save = layout.marker_identity(self.step_dir)
+        mine = json.dumps({"root": self.root_id, "node": self.me, "nodes": self.nodes, "save": save}).encode()
         if self._create(key, mine):
             return
         theirs = json.loads(self.exchange.backend.read(key) or b"{}")
@@ -190,6 +191,16 @@ class FleetNode:
                 f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
                 f"({theirs.get('root')!r}, this one is {self.root_id!r})",
                 path=self.exchange.url + "/" + key,
+            )
+        if theirs.get("save", save) != save:  # a claim by an older stagerd names no save
+            # A run restarted from an earlier checkpoint saved this step again: the exchange's records
+            # (which files are built, and `done.json`) are the other save's and would pass for this one's.
+            raise StepConflictError(
+                f"step {self.step}: the exchange's {self.base}/ belongs to another save of this step",
+                path=self.exchange.url + "/" + key,
+                hint=f"to publish the new save, remove step {self.step} from each sink and {self.base}/ and "
+                f"raw/{layout.step_dir_name(self.step)}/ from the exchange, then run "
+                f"`stagerd retry ROOT --step {self.step}`; to keep what was published, delete the new save",
             )
 
     def _wait_parts(self) -> list[NodePart]:

@@ -15,7 +15,7 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.daemon.fleet.node import FleetResult
 from stagerd.engine.export import export_step
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, SinkConflictError, StagerdError
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, StagerdError, StepConflictError
 from stagerd.sinks.fsspec import FsspecSink
 from tests.dcp_fixtures import commit_step
 from tests.fleet_helpers import fleet_node, run_fleet
@@ -125,20 +125,28 @@ def test_two_roots_claiming_one_node_id_is_a_named_error(tmp_path, dcp_mixed2, s
     assert issubclass(FleetNodeConflictError, StagerdError) and not FleetNodeConflictError.retryable
 
 
-def test_a_step_saved_again_is_never_taken_for_the_published_one(tmp_path, dcp_mixed2):
-    """A run restarted from an earlier checkpoint saves step 7 again, into the same ROOTs, with other
-    data. Its sinks hold the first save's step 7; the nodes must not call the new save published (and
-    leave the sinks with weights it does not have): the exchange refuses it by name."""
-    _, first_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+@pytest.mark.parametrize("pruned", [False, True], ids=["published", "pruned"])
+def test_a_step_saved_again_is_never_taken_for_the_first_save(tmp_path, dcp_mixed2, pruned):
+    """A run restarted from an earlier checkpoint saves step 7 again, into the same ROOTs, with other data
+    (same file names, other bytes). While the sinks hold the first save's step 7, the new save must not be
+    called published; once retention took that step and its raw parts, the first save's records on the
+    exchange must not pass for the new save's (they did: its nodes built nothing and the leader's
+    verification failed on every retry). Both are a named conflict, and nothing is written."""
+    _, first_dirs = _stage(tmp_path, dcp_mixed2[0], 2, dtype="fp16")
     sink = tmp_path / "sink"
     assert all(isinstance(r, FleetResult) for r in _run_all(first_dirs, sink.as_uri()))
-    published = _published(sink)
+    name = layout.step_dir_name(STEP)
+    if pruned:
+        shutil.rmtree(sink / name)
+        shutil.rmtree(sink / "raw" / name)
+    before = sorted(str(p.relative_to(sink)) for p in sink.rglob("*"))
     for d in [tmp_path / "shared", *(d.parent for d in first_dirs)]:
         shutil.rmtree(d)
     _, again_dirs = _stage(tmp_path, dcp_mixed2[0], 2, dtype="bf16")
     results = _run_all(again_dirs, sink.as_uri())
-    assert all(isinstance(r, SinkConflictError) for r in results), results
-    assert _published(sink) == published
+    assert all(isinstance(r, StepConflictError) for r in results), results
+    assert "belongs to another save of this step" in str(results[0])
+    assert sorted(str(p.relative_to(sink)) for p in sink.rglob("*")) == before
 
 
 def test_a_hub_sink_style_file_exchange(tmp_path, dcp_mixed2):
