@@ -255,10 +255,14 @@ def marker_identity(step_dir: str | os.PathLike[str]) -> str:
     """
     path = Path(step_dir) / MARKER_NAME
     try:
-        with open(path, "rb") as f:
-            return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+        return identity_of(path.read_bytes())
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
+
+
+def identity_of(marker_bytes: bytes) -> str:
+    """`marker_identity` of a marker's bytes read from elsewhere (a copy on a store)."""
+    return "sha256:" + hashlib.sha256(marker_bytes).hexdigest()
 
 
 def is_committed(step_dir: str | os.PathLike[str]) -> bool:

@@ -51,6 +51,11 @@ def node_parts(rels: Iterable[str]) -> tuple[list[str], bool]:
     return [name for _, name in sorted(found.items())], whole
 
 
+def node_part(node: int, nodes: int) -> str:
+    """The raw step's folder of staging node `node` of `nodes` (`node_parts` reads them back)."""
+    return f"node-{node:05d}-of-{nodes:05d}"
+
+
 def step_prefix(step: int, *, raw: bool) -> str:
     name = layout.step_dir_name(step)
     return f"{RAW_DIR}/{name}" if raw else name

@@ -33,6 +33,7 @@ from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkEr
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
+from stagerd.sinks.fetch import node_part
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
@@ -149,7 +150,7 @@ class FsspecSink:
         prefix = f"{RAW_DIR}/{layout.step_dir_name(step)}"
         nodes = getattr(marker, "staging_nodes", 1)
         if nodes > 1:  # each staging node holds only its own shards: one raw tree per node
-            prefix = f"{prefix}/node-{marker.staging_node:05d}-of-{nodes:05d}"
+            prefix = f"{prefix}/{node_part(marker.staging_node, nodes)}"
         return self._publish_tree(files, prefix, step, {"raw": True}, progress, step_dir)
 
     def is_published(self, step: int) -> bool:

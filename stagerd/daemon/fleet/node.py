@@ -45,7 +45,7 @@ from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.fetch import RemoteStore, node_parts
+from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 from stagerd.sinks.prune import FLEET_DONE
@@ -108,6 +108,7 @@ class FleetNode:
         )
         self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
         self.marker = layout.read_marker(step_dir)
+        self.save = layout.marker_identity(step_dir)  # which save of this step number: `_claim` names it
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
         self.deadline = 0.0
@@ -173,16 +174,15 @@ class FleetNode:
         from an earlier checkpoint) is not, and must not pass for published: it goes on to `_claim`, which
         refuses it by name. A step whose raw part is gone goes on too: it is built again, and a sink that
         holds the same export keeps it."""
-        part = f"node-{self.me:05d}-of-{self.nodes:05d}"
-        key = f"raw/{layout.step_dir_name(self.step)}/{part}/{layout.MARKER_NAME}"
+        key = f"{step_prefix(self.step, raw=True)}/{node_part(self.me, self.nodes)}/{layout.MARKER_NAME}"
         found = self.store.read(key)
-        mine = layout.marker_identity(self.step_dir)
-        return found is not None and "sha256:" + hashlib.sha256(found).hexdigest() == mine
+        return found is not None and layout.identity_of(found) == self.save
 
     def _claim(self) -> None:
         key = f"{self.base}/node-{self.me:05d}.json"
-        save = layout.marker_identity(self.step_dir)
-        mine = json.dumps({"root": self.root_id, "node": self.me, "nodes": self.nodes, "save": save}).encode()
+        mine = json.dumps(
+            {"root": self.root_id, "node": self.me, "nodes": self.nodes, "save": self.save}
+        ).encode()
         if self._create(key, mine):
             return
         theirs = json.loads(self.exchange.backend.read(key) or b"{}")
@@ -192,26 +192,26 @@ class FleetNode:
                 f"({theirs.get('root')!r}, this one is {self.root_id!r})",
                 path=self.exchange.url + "/" + key,
             )
-        if theirs.get("save", save) != save:  # a claim by an older stagerd names no save
+        if theirs.get("save", self.save) != self.save:  # a claim by an older stagerd names no save
             # A run restarted from an earlier checkpoint saved this step again: the exchange's records
             # (which files are built, and `done.json`) are the other save's and would pass for this one's.
             raise StepConflictError(
                 f"step {self.step}: the exchange's {self.base}/ belongs to another save of this step",
                 path=self.exchange.url + "/" + key,
                 hint=f"to publish the new save, remove step {self.step} from each sink and {self.base}/ and "
-                f"raw/{layout.step_dir_name(self.step)}/ from the exchange, then run "
+                f"{step_prefix(self.step, raw=True)}/ from the exchange, then run "
                 f"`stagerd retry ROOT --step {self.step}`; to keep what was published, delete the new save",
             )
 
     def _wait_parts(self) -> list[NodePart]:
-        raw = f"raw/{layout.step_dir_name(self.step)}"
+        raw = step_prefix(self.step, raw=True)
 
         def seen() -> list[str]:
             return node_parts(self.store.sizes(raw))[0]
 
         def missing() -> str:
             have = seen()
-            want = [f"node-{k:05d}-of-{self.nodes:05d}" for k in range(self.nodes)]
+            want = [node_part(k, self.nodes) for k in range(self.nodes)]
             gone = [str(k) for k, n in enumerate(want) if n not in have]
             return f"waiting for node {', '.join(gone)} (seen: {', '.join(have) or 'none'})"
 
