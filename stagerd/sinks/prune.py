@@ -9,7 +9,8 @@ prefix valid for readers at every moment and never a key of a step another proce
   node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
   another prune holds it: not counted); then the manifests (from here the step is absent to every
   reader), then a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a
-  raw step's `fleet/step-N/` records; the claims last, each only while it is still ours. A kill at any
+  raw step's `fleet/step-N/` records (re-listed under the claims: the step is left if they changed); the
+  claims last, each only while it is still ours. A kill at any
   point leaves a complete step or one without a manifest under a prune's claim, which the next prune
   takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
 """
@@ -110,10 +111,14 @@ def scan(
     return steps, latest
 
 
-def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tuple[str, ...] = ()) -> bool:
-    """Delete one step (module docstring); `extra` keys (a raw step's fleet records) go with its files.
-    False, with nothing deleted, when one of its claims changed since the listing or a live prune holds it."""
+def delete_step(
+    store: RemoteStore, tree: Tree, step: int, now: float, records: dict[str, StoredObject] | None = None
+) -> bool:
+    """Delete one step (module docstring); a raw step's fleet `records`, as listed, go with its files.
+    False, with nothing deleted, when one of its claims, files or records changed since the listing or a
+    live prune holds it."""
     prefix, listed = tree.prefix(step), tree.steps.get(step, {})
+    fleet = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
     mine = claims.prune_claim().encode()
     taken: list[tuple[str, bytes | None, str]] = []  # (claim, what it held, our version), in order
     for key, obj in tree.claims_of(step):
@@ -131,7 +136,9 @@ def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tu
         if tag is None:
             return _give_back(store, taken) and False
         taken.append((key, before, tag))
-    if _tags(store.objects(prefix)) != _tags(listed):
+    if _tags(store.objects(prefix)) != _tags(listed) or (
+        records and _tags(store.objects(fleet)) != _tags(records)
+    ):
         # Deleted (another prune finished it and gave its claim back) or written since the listing: a
         # stale listing decides nothing, and counting it would count one step twice.
         return _give_back(store, taken) and False
@@ -139,6 +146,7 @@ def delete_step(store: RemoteStore, tree: Tree, step: int, now: float, extra: tu
     manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
     store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
     crash_point("prune.manifest")
+    extra = [f"{fleet}/{rel}" for rel in sorted(records or {})]
     store.delete([*(f"{prefix}/{rel}" for rel in sorted(store.objects(prefix))), *extra])
     ours = _give_back(store, taken, delete=True)
     store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
@@ -199,10 +207,9 @@ def _delete(
 ) -> None:
     prefix = tree.prefix(d.step)
     records = fleet.get(d.step, {}) if tree.name == "raw" else {}
-    extra = tuple(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}/{r}" for r in sorted(records))
     try:
-        done = delete_step(store, tree, d.step, now, extra)
-        if extra:
+        done = delete_step(store, tree, d.step, now, records)
+        if records:
             store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
     except OSError as e:
         raise SinkError(f"cannot delete: {type(e).__name__}: {e}", path=store.where(prefix)) from None
@@ -227,7 +234,9 @@ def _orphan_records(
     dry_run: bool,
 ) -> list[Decision]:
     """`fleet/step-N/` records whose raw step is gone (pruned by hand, or by an older stagerd): deleted once
-    their build recorded it is done and a newer raw step is complete; else kept (a build in progress)."""
+    their build recorded it is done and a newer raw step is complete; else kept (a build in progress).
+    Each only while it is the version listed, `done.json` last: a record written since (a build of a step
+    saved again) stays, and so does `done.json`, so the next prune judges the step afresh."""
     complete = [s.step for s in raw_steps if s.complete]
     newest = complete[-1] if complete else None
     out = []
@@ -238,7 +247,9 @@ def _orphan_records(
         why = "its raw step is gone and its build is done" if gone else "a fleet build may still use it"
         out.append(Decision("fleet", step, gone, why))
         if gone and not dry_run:
-            keys = [f"{FLEET_DIR}/{layout.step_dir_name(step)}/{r}" for r in sorted(records)]
-            store.delete(keys)
-            store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(step)}")
+            base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
+            last = sorted(records, key=lambda r: (r == FLEET_DONE, r))
+            if not all(store.delete_if(f"{base}/{r}", records[r].tag) for r in last):
+                out[-1].delete, out[-1].reason = False, "a record changed since the listing: left"
+            store.remove_empty_dirs(base)
     return out

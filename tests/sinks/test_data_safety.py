@@ -339,3 +339,57 @@ def test_a_fleets_raw_parts_stay_until_its_build_is_done_and_go_with_its_records
     assert _steps(fleet) == [2, 3]
     why = {(d.tree, d.step): d.reason for d in decisions}
     assert "fleet build" in why[("raw", 2)]
+
+
+def _fleet_steps(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, Path]:
+    """Node-local raw `steps` on a file:// sink, each with the records of a finished fleet build."""
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    for s in steps:
+        for node in range(2):
+            d = tmp_path / f"n{node}" / layout.step_dir_name(s)
+            (d / "model").mkdir(parents=True)
+            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
+            commit_step(d, 2, staging_node=node, staging_nodes=2)
+            sink.publish_raw(d, s)
+    for s in (0, *steps):
+        records = sink_dir / "fleet" / layout.step_dir_name(s)
+        records.mkdir(parents=True)
+        for name in ("node-00000.json", "node-00001.json", "done.json"):
+            (records / name).write_text("{}")
+    return sink_dir, sink_dir / "fleet"
+
+
+def test_fleet_records_written_since_the_listing_are_never_deleted(tmp_path):
+    """A prune lists raw steps 1-2 and the fleet records of steps 0-2 (step 0's raw step is gone); then a
+    build of step 0 saved again rewrites its node record, and one of step 1's changes too. The prune must
+    delete neither rewritten record, nor `done.json` beside it, nor step 1's raw parts; an unchanged
+    record set still goes. Before, both were deleted by the keys listed, whatever they held by then."""
+    from stagerd.sinks.prune import Policy, Tree, _by_step, _orphan_records, delete_step, prune, scan
+
+    sink_dir, fleet = _fleet_steps(tmp_path, (1, 2))
+    store = RemoteStore.open(sink_dir.as_uri())
+    raw = Tree("raw", "raw/")
+    raw.steps = _by_step(store.objects("raw", start="step-"))
+    raw.claims = store.objects("raw/claims", start="step-")
+    listed = _by_step(store.objects("fleet", start="step-"))
+    steps, _latest = scan(store, raw, listed, store.clock())
+    new_save = json.dumps({"save": "sha256:" + "1" * 64})
+    for s in (0, 1):
+        (fleet / layout.step_dir_name(s) / "node-00001.json").write_text(new_save)
+
+    (orphan,) = _orphan_records(store, listed, raw, steps, dry_run=False)
+    assert orphan.step == 0 and not orphan.delete and "changed" in orphan.reason
+    assert (fleet / layout.step_dir_name(0) / "node-00001.json").read_text() == new_save
+    assert (fleet / layout.step_dir_name(0) / "done.json").is_file()
+    claims_before = {p.name: p.read_bytes() for p in (sink_dir / "raw" / "claims").iterdir()}
+    assert delete_step(store, raw, 1, store.clock(), listed[1]) is False
+    assert (fleet / layout.step_dir_name(1) / "node-00001.json").read_text() == new_save
+    assert _steps(sink_dir / "raw") == [1, 2]
+    assert {p.name: p.read_bytes() for p in (sink_dir / "raw" / "claims").iterdir()} == claims_before
+
+    (fleet / layout.step_dir_name(1) / "node-00001.json").write_text("{}")  # the same bytes, a new version
+    fates = {(d.tree, d.step): d.delete for d in prune(store, Policy(keep_last=1))}
+    assert fates[("raw", 1)] is True and _steps(sink_dir / "raw") == [2]
+    assert _steps(fleet) == [2]  # step 0's records, judged afresh on a listing that has them all, go too
+    store.close()
