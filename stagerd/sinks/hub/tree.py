@@ -155,18 +155,20 @@ def compare_tree(
 def scan_history(
     commits: Iterable[tuple[str, str]], step: int, *, cap: int = _HISTORY_CAP
 ) -> tuple[int | None, str | None]:
-    """(step of the newest commit if stagerd made it, id of the commit titled for `step`) from (id, title)
-    pairs, newest first.
+    """(step of the newest commit stagerd made, id of the commit titled for `step`) from (id, title) pairs,
+    newest first.
 
-    Reading stops at that commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps
-    in increasing order, so the sought one cannot be older), or after `cap` commits.
+    The newest stagerd commit counts, not only the head: a person's commit on top of step 50 (a card
+    edited on the Hub) must not let step 40 onto the branch over step 50's weights. Reading stops at the
+    sought commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps in increasing
+    order, so the sought one cannot be older), or after `cap` commits.
     """
     head_step: int | None = None
     read = 0
     for read, (oid, title) in enumerate(islice(commits, cap), start=1):
         m = _STEP_TITLE.match(title)
         seen = int(m.group(1)) if m else None
-        if read == 1:
+        if head_step is None:
             head_step = seen
         if seen == step:
             return head_step, oid

@@ -372,3 +372,25 @@ def test_cli_publish_reads_hf_endpoint_and_hf_token_from_the_environment(hub, tm
     bad = run_cli(args, env={**env, "HF_TOKEN": "hf_" + "N0pe" * 8})
     assert bad.returncode == 2 and "SinkAuthError" in bad.stderr + bad.stdout
     assert "N0peN0pe" not in bad.stderr + bad.stdout
+
+
+def test_an_older_step_does_not_move_main_past_a_users_commit(hub, tmp_path):
+    """A person edits the card on main after step 50; step 40 (a retry, or a slower worker) comes later.
+    Before the fix only the head commit's title was read: a head not made by stagerd counted as "no step",
+    so step 40 went onto main and put its weights back over step 50's."""
+    sink = make_sink(hub)
+    sink.publish(write_export(tmp_path / "a", seed=1), 50)
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.upload_file(
+        path_or_fileobj=b"# my model\n",
+        path_in_repo="README.md",
+        repo_id=REPO,
+        commit_message="Update README.md",
+    )
+    head = api.list_repo_commits(REPO, revision="main")[0].commit_id
+
+    sink.publish(write_export(tmp_path / "b", seed=2), 40)
+
+    assert api.list_repo_commits(REPO, revision="main")[0].commit_id == head
+    assert api.list_repo_commits(REPO, revision=step_branch(40))[0].title == "stagerd: step 40"
+    assert {t.name for t in api.list_repo_refs(REPO).tags} == {"step-40", "step-50"}
