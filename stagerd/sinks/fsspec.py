@@ -33,7 +33,7 @@ from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkEr
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
-from stagerd.sinks.fetch import node_part
+from stagerd.sinks.fetch import node_part, node_parts
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
@@ -375,7 +375,9 @@ class FsspecSink:
         return f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
 
     def _move_latest(self, prefix: str, step: int) -> None:
-        """Point `latest` at `step` unless it names a newer one."""
+        """Point `latest` at `step` unless it names a newer one, or the step is not whole yet."""
+        if not self._whole(prefix):
+            return
         key = self._latest_key(prefix)
         b = self._backend
         name = layout.step_dir_name(step).encode()
@@ -386,6 +388,15 @@ class FsspecSink:
         current = self._call(lambda: b.read(key), key)
         if newer_latest(current, step) and current != name:
             self._call(lambda: b.write(key, name), key)
+
+    def _whole(self, prefix: str) -> bool:
+        """False for one staging node's part of a raw step (`raw/step-N/node-K-of-M`) while another node's
+        part has no manifest: `restore` needs every node's part, so `raw/latest` must not name the step
+        yet. Each node lists after creating its own manifest, so the last of them sees them all."""
+        step_prefix = prefix.rpartition("/")[0]
+        if not step_prefix.startswith(f"{RAW_DIR}/") or step_prefix.count("/") != 1:
+            return True
+        return node_parts(self._call(lambda: self._backend.list(step_prefix), step_prefix))[1]
 
     def _result(
         self, prefix: str, step: int, files: list[LocalFile], sent: int, skipped: bool, t0: float

@@ -275,3 +275,36 @@ def test_publish_raw_step(tmp_path):
     assert (dest / "raw" / "latest").read_text() == "step-00000011"
     assert not (dest / "latest").exists()
     assert sink.publish_raw(step_dir, 11).skipped
+
+
+def test_raw_latest_waits_for_every_staging_nodes_part(tmp_path):
+    """A node-locally staged step is restorable only once every node's part is up. Before the fix the
+    first node's part moved `raw/latest`, so `restore --step latest` failed ("not every staging node's")
+    while the step before was whole, and stayed so for good if the other node never published."""
+    from stagerd.sinks.fetch import RemoteStore, resolve_step
+    from tests.dcp_fixtures import commit_step
+
+    dest = tmp_path / "dest"
+    sink = FsspecSink.from_url(dest.as_uri())
+
+    def part(step: int, node: int) -> Path:
+        d = tmp_path / f"n{node}" / layout.step_dir_name(step)
+        (d / "model").mkdir(parents=True)
+        (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([step, node]) * 100)
+        commit_step(d, 2, staging_node=node, staging_nodes=2)
+        return d
+
+    latest = dest / "raw" / "latest"
+    sink.publish_raw(part(1, 1), 1)
+    assert not latest.exists()
+    sink.publish_raw(part(1, 0), 1)
+    assert latest.read_text() == "step-00000001"
+    first = part(2, 0)
+    sink.publish_raw(first, 2)
+    store = RemoteStore.open(dest.as_uri())
+    assert resolve_step(store, None, raw=True) == 1
+    assert sink.publish_raw(first, 2).skipped  # a re-run: still 1
+    assert latest.read_text() == "step-00000001"
+    sink.publish_raw(part(2, 1), 2)
+    assert resolve_step(store, None, raw=True) == 2
+    store.close()
