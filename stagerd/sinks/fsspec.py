@@ -41,6 +41,7 @@ from stagerd.sinks.objects import (
     BatchingStore,
     ByteProgress,
     Claiming,
+    LatestStore,
     LocalFile,
     RemoteObject,
     StepOpening,
@@ -381,9 +382,9 @@ class FsspecSink:
         key = self._latest_key(prefix)
         b = self._backend
         name = layout.step_dir_name(step).encode()
-        if isinstance(b, BatchingStore):
-            batching = b
-            self._call(lambda: batching.move_latest(key, name, step), key)
+        if isinstance(b, LatestStore):
+            atomic = b
+            self._call(lambda: atomic.move_latest(key, name, step), key)
             return
         current = self._call(lambda: b.read(key), key)
         if newer_latest(current, step) and current != name:

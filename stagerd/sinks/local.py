@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.hashing import hash_file, iter_file
-from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
+from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, newer_latest
 
 # `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
 _TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
@@ -78,6 +81,17 @@ class LocalBackend:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def move_latest(self, key: str, name: bytes, step: int) -> None:
+        """Read-judge-write `latest` under a lock on its directory: two publishes of this sink at once
+        (`publish_workers`, two daemons) could otherwise read the same old value and write in the wrong
+        order, leaving `latest` behind a published step."""
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path.parent):
+            current = self.read(key)
+            if newer_latest(current, step) and current != name:
+                self.write(key, name)
+
     def digest(self, f: LocalFile) -> Uploaded:
         d = hash_file(f.path)
         return Uploaded(f.rel, d.size, d.sha256, None)
@@ -128,3 +142,25 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on `directory`: a thread lock within this process, and `flock` on the directory
+    against other processes. A filesystem without `flock` on directories (some NFS mounts) keeps only the
+    thread lock, the read-then-write other fsspec stores have."""
+    name = os.path.realpath(directory)
+    with _THREAD_LOCKS_GUARD:
+        lock = _THREAD_LOCKS.setdefault(name, threading.Lock())
+    with lock:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock

@@ -161,6 +161,16 @@ class StepOpening:
 
 
 @runtime_checkable
+class LatestStore(Protocol):
+    """A store that moves `latest` forward atomically: no other write of it between the read and the write
+    (S3's conditional writes, a file:// lock). Other stores get read-then-write."""
+
+    def move_latest(self, key: str, name: bytes, step: int) -> None:
+        """Point `key` at `name` unless it names a newer step than `step`, judged on what it holds."""
+        ...
+
+
+@runtime_checkable
 class BatchingStore(Protocol):
     """A store that sends a publish's independent requests together, one round trip instead of several,
     and can write without overwriting (so some uploads need not wait for the listing)."""

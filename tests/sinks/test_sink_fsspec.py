@@ -308,3 +308,36 @@ def test_raw_latest_waits_for_every_staging_nodes_part(tmp_path):
     sink.publish_raw(part(2, 1), 2)
     assert resolve_step(store, None, raw=True) == 2
     store.close()
+
+
+def test_latest_never_moves_back_when_two_steps_publish_at_once_on_a_file_sink(tmp_path):
+    """`publish_workers` 2 (or two daemons) on one file:// sink: step 5 read `latest` (absent) and is slow
+    to write it; step 10 publishes meanwhile. Before the fix step 5's write landed last: `latest` named
+    step 5, behind a published step 10."""
+    import threading
+
+    from stagerd.sinks.local import LocalBackend
+
+    reached, release = threading.Event(), threading.Event()
+
+    class SlowLatest(LocalBackend):
+        def write(self, key: str, data: bytes) -> None:
+            if data == b"step-00000005":
+                reached.set()
+                release.wait(5)
+            super().write(key, data)
+
+    dest = tmp_path / "dest"
+    slow = FsspecSink(dest.as_uri(), SlowLatest(dest))
+    fast = FsspecSink.from_url(dest.as_uri())
+    a = threading.Thread(target=slow.publish, args=(make_export(tmp_path / "a", {"m": 10}), 5))
+    a.start()
+    assert reached.wait(10)
+    b = threading.Thread(target=fast.publish, args=(make_export(tmp_path / "b", {"m": 20}), 10))
+    b.start()
+    b.join(0.5)  # before the fix it ends here; after it, it waits for step 5's write of `latest`
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert (dest / "latest").read_text() == "step-00000010"
+    assert (dest / "step-00000005" / layout.MANIFEST_NAME).exists()

@@ -165,7 +165,8 @@ def scan_history(
     """
     head_step: int | None = None
     read = 0
-    for read, (oid, title) in enumerate(islice(commits, cap), start=1):
+    for oid, title in islice(commits, cap):
+        read += 1
         m = _STEP_TITLE.match(title)
         seen = int(m.group(1)) if m else None
         if head_step is None:
