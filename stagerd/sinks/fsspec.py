@@ -70,6 +70,9 @@ class FsspecSink:
     def __init__(self, url: str, backend: Backend) -> None:
         self.url = redact_url(url.rstrip("/"))
         self._backend = backend
+        # keys this sink created early in a step another publisher holds, kept until its manifest says
+        # which of them it names (`_discard`)
+        self._strays: dict[str, list[tuple[str, str | None]]] = {}
 
     @classmethod
     def from_url(
@@ -230,12 +233,14 @@ class FsspecSink:
                 self._discard(prefix, opening, remote_manifest)
                 raise
             self._verify(prefix, remote_manifest, {d.rel: d.checksum for d in digests})
+            self._strays.pop(prefix, None)  # the same files as ours: every key we created is named
             self._move_latest(prefix, step)
             log.info("step %d already on %s", step, self.url, extra={"step": step, "sink": self.url})
             return self._result(prefix, step, files, 0, True, t0)
         if not opening.claimed:  # another publisher (or a prune) holds the step: change nothing
             self._discard(prefix, opening, None)
             raise claimed_error(self._where(claim.key), opening.claim, step)
+        self._strays.pop(prefix, None)  # ours now (a prune gave the step back): we replace what is there
 
         created = {d.rel: d for d in opening.created}
         listed = opening.listed
@@ -336,11 +341,20 @@ class FsspecSink:
         return StepOpening(existing, None, [], [], claimed, held)
 
     def _discard(self, prefix: str, opening: StepOpening, published: ExportManifest | None) -> None:
-        """Remove what this publish created early in a step that turned out published with other files, or
-        held by another publisher: its create-only PUTs wrote only keys that were free, and each is
-        deleted only while it still holds this publish's own bytes, so nothing of the other's is lost."""
-        listed = {f.path for f in published.files} if published is not None else set()
-        stray = [(f"{prefix}/{d.rel}", d.etag) for d in opening.created if d.rel not in listed]
+        """Remove what this publish created early in a step that another publisher holds: its create-only
+        PUTs wrote only keys that were free, and each is deleted only while it still holds the version
+        this publish wrote. Only once the step's manifest is there (`published`), and only keys it does not
+        name: until then the holder may keep any of them, because an object of the same bytes has the same
+        ETag (its PUT of that file was refused, or it rewrote the same bytes), and a delete then would
+        remove a file its manifest names. Until then they are remembered, for a retry that finds it."""
+        created = [(f"{prefix}/{d.rel}", d.etag) for d in opening.created]
+        held = [*self._strays.pop(prefix, []), *created]
+        if published is None:
+            if held:
+                self._strays[prefix] = held
+            return
+        listed = {f"{prefix}/{f.path}" for f in published.files}
+        stray = [(key, etag) for key, etag in held if key not in listed]
         b = self._backend
         if stray and isinstance(b, BatchingStore):
             batching = b

@@ -393,3 +393,67 @@ def test_fleet_records_written_since_the_listing_are_never_deleted(tmp_path):
     assert fates[("raw", 1)] is True and _steps(sink_dir / "raw") == [2]
     assert _steps(fleet) == [2]  # step 0's records, judged afresh on a listing that has them all, go too
     store.close()
+
+
+class _ClaimsLate(S3Backend):
+    """A publisher whose create-only PUTs land, and whose claim waits (on the event loop, without holding
+    it) until released."""
+
+    reached: threading.Event
+    release: threading.Event
+
+    async def _create(self, key: str, data: bytes) -> bool:
+        if key.startswith("claims/"):
+            import asyncio
+
+            self.reached.set()
+            await asyncio.to_thread(self.release.wait, 60)
+        return await super()._create(key, data)
+
+
+def test_a_losers_file_that_the_winner_kept_is_never_deleted_under_its_manifest(s3, tmp_path):  # noqa: F811
+    """X's create-only PUT of `config.json` lands first, then Y claims step 7 and keeps that object (the
+    same bytes as its own, so its PUT was refused and the checked path reused it). X then finds the step
+    claimed: before the fix it deleted its `config.json` (the ETag still matched: the same bytes), and Y
+    committed a manifest naming a file that was gone."""
+    url = s3.url("race")
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    y_export = make_export(tmp_path / "y", sizes, seed=1)
+    x_export = make_export(tmp_path / "x", sizes, seed=2)
+    (x_export / "config.json").write_bytes((y_export / "config.json").read_bytes())
+    real = FsspecSink.from_url(url, part_size=5 * MiB, max_concurrency=4)._backend
+    assert isinstance(real, S3Backend)
+    x_backend = _ClaimsLate(real.fs, real.bucket, real.root, real.part_size, real.max_concurrency)
+    x_backend.reached, x_backend.release = threading.Event(), threading.Event()
+    x_sink = FsspecSink(url, x_backend)
+    y_sink, held = _held_sink(url, at_commit=True)
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, sink: FsspecSink, export: Path) -> None:
+        try:
+            outcome[name] = sink.publish(export, 7)
+        except Exception as e:  # reported below
+            outcome[name] = e
+
+    x = threading.Thread(target=run, args=("x", x_sink, x_export))
+    x.start()
+    try:
+        assert x_backend.reached.wait(60)
+        deadline = time.monotonic() + 10
+        while "race/step-00000007/config.json" not in s3.keys("race/") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        y = threading.Thread(target=run, args=("y", y_sink, y_export))
+        y.start()
+        assert held.opened.wait(60)  # Y verified its files and is about to commit
+    finally:
+        x_backend.release.set()
+        x.join(60)
+        held.release.set()
+        y.join(60)
+    assert type(outcome["x"]).__name__ == "StepClaimedError", outcome["x"]
+    assert not isinstance(outcome["y"], Exception), outcome["y"]
+    import hashlib
+
+    manifest = json.loads(s3.get(f"race/step-00000007/{layout.MANIFEST_NAME}"))
+    for f in manifest["files"]:
+        assert hashlib.sha256(s3.get(f"race/step-00000007/{f['path']}")).hexdigest() == f["sha256"], f
