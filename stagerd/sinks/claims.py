@@ -14,8 +14,9 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
     files: `SinkConflictError`). No manifest: `StepClaimedError` (retryable): the holder is still
     publishing, or died before its commit (then an operator deletes the claim object; see the hint).
-  - What a loser created on free keys before it knew is deleted only where it still holds the loser's own
-    bytes (S3 `If-Match` on its ETag), so nothing the winner wrote there is touched.
+  - What a loser created on free keys before it knew is deleted once the winner's manifest is there, only
+    where the manifest does not name it and it still holds the loser's version (S3 `If-Match` on its
+    ETag): the same bytes have the same ETag, so the winner may have kept such an object as its own.
 - **A prune** replaces the claim by its own, conditionally on the version it listed (S3 `If-Match`, or
   `If-None-Match: *` where a step has none; file:// under `flock`), before it deletes anything of a step,
   and deletes it last. A publisher meanwhile finds a prune's claim (`StepClaimedError`, retried), and a
