@@ -16,6 +16,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
+from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, newer_latest
 
@@ -46,11 +47,13 @@ class LocalBackend:
         return dict.fromkeys(rels)
 
     def sweep(self, prefix: str) -> None:
-        """Unlink temp files whose writer is dead: under `prefix/`, and next to `latest`."""
+        """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
+        those: the sink's directory may hold other tools' files, and temp names like ours)."""
         base = self.root / prefix
         found = [Path(d) / n for d, _, names in os.walk(base) for n in names]
         for top in {self.root, base.parent}:
-            found += [top / n for n in (os.listdir(top) if top.is_dir() else [])]
+            names = os.listdir(top) if top.is_dir() else []
+            found += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
         for p in found:
             m = _TEMP_NAME.fullmatch(p.name)
             if m and not pid_alive(int(m.group(1))):

@@ -341,3 +341,18 @@ def test_latest_never_moves_back_when_two_steps_publish_at_once_on_a_file_sink(t
     b.join(10)
     assert (dest / "latest").read_text() == "step-00000010"
     assert (dest / "step-00000005" / layout.MANIFEST_NAME).exists()
+
+
+def test_a_file_sink_sweeps_only_its_own_temp_files_beside_latest(tmp_path):
+    """The sink directory may hold other tools' files. Before the fix every publish unlinked any
+    `.NAME.tmp-PID` there whose pid was not alive on this host: another program's temp file, or one being
+    written from another host over NFS."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    other = dest / ".notes.txt.tmp-999999999"
+    other.write_text("another tool's")
+    killed = dest / ".latest.tmp-999999999-1"  # a killed stagerd's write of `latest`
+    killed.write_text("step-")
+    FsspecSink.from_url(dest.as_uri()).publish(make_export(tmp_path / "e", {"m": 10}), 1)
+    assert other.read_text() == "another tool's"
+    assert not killed.exists()
