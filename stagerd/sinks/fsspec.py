@@ -37,6 +37,7 @@ from stagerd.sinks.fetch import node_part, node_parts
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
+    MAX_LATEST_BYTES,
     Backend,
     BatchingStore,
     ByteProgress,
@@ -46,6 +47,7 @@ from stagerd.sinks.objects import (
     RemoteObject,
     StepOpening,
     Uploaded,
+    foreign_latest,
     manifest_bytes,
     newer_latest,
     parse_manifest,
@@ -400,7 +402,8 @@ class FsspecSink:
             atomic = b
             self._call(lambda: atomic.move_latest(key, name, step), key)
             return
-        current = self._call(lambda: b.read(key), key)
+        current = self._call(lambda: b.read(key, MAX_LATEST_BYTES + 1), key)
+        foreign_latest(current, self._where(key))
         if newer_latest(current, step) and current != name:
             self._call(lambda: b.write(key, name), key)
 

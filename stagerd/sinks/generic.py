@@ -44,9 +44,9 @@ class FsspecBackend:
     def sweep(self, prefix: str) -> None:
         """Nothing: writes through fsspec leave no temp names of ours."""
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, limit: int | None = None) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(key))
+            return self.fs.cat_file(self._path(key), start=None if limit is None else 0, end=limit)
         except FileNotFoundError:
             return None
 

@@ -18,7 +18,16 @@ from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
-from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error, newer_latest
+from stagerd.sinks.objects import (
+    MAX_LATEST_BYTES,
+    ByteProgress,
+    LocalFile,
+    RemoteObject,
+    Uploaded,
+    changed_error,
+    foreign_latest,
+    newer_latest,
+)
 
 # `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
 _TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
@@ -59,9 +68,10 @@ class LocalBackend:
             if m and not pid_alive(int(m.group(1))):
                 p.unlink(missing_ok=True)
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, limit: int | None = None) -> bytes | None:
         try:
-            return (self.root / key).read_bytes()
+            with open(self.root / key, "rb") as f:
+                return f.read(-1 if limit is None else limit)
         except FileNotFoundError:
             return None
 
@@ -91,7 +101,8 @@ class LocalBackend:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.parent):
-            current = self.read(key)
+            current = self.read(key, MAX_LATEST_BYTES + 1)
+            foreign_latest(current, str(path))
             if newer_latest(current, step) and current != name:
                 self.write(key, name)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -20,6 +21,8 @@ from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.layout import ExportManifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
+
+log = logging.getLogger("stagerd.sinks.fsspec")
 
 _SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 
@@ -98,8 +101,8 @@ class Backend(Protocol):
         """The store's checksum of each `prefix/rel` (None where it has none)."""
         ...
 
-    def read(self, key: str) -> bytes | None:
-        """The bytes of `key`, or None if it does not exist."""
+    def read(self, key: str, limit: int | None = None) -> bytes | None:
+        """The bytes of `key` (at most `limit` of them), or None if it does not exist."""
         ...
 
     def write(self, key: str, data: bytes) -> None:
@@ -276,12 +279,32 @@ def verify_listing(
     return problems
 
 
+MAX_LATEST_BYTES = 1024  # what is read of `latest`: a step name, or a sign that the object is not ours
+
+
+def _latest_step(current: bytes) -> int | None:
+    return layout.parse_step_dir(current[:MAX_LATEST_BYTES].decode(errors="replace").strip())
+
+
 def newer_latest(current: bytes | None, step: int) -> bool:
-    """True when `latest` should be moved to `step`: it is absent, unreadable, or names an older step."""
+    """True when `latest` should be moved to `step`: it is absent or names an older step. A `latest` that
+    names no step is not stagerd's (its writes are atomic, so it never leaves a torn one): another tool's
+    object at a shared root, never overwritten (`foreign_latest`)."""
     if current is None:
         return True
-    cur = layout.parse_step_dir(current.decode(errors="replace").strip())
-    return cur is None or cur <= step
+    cur = _latest_step(current)
+    return cur is not None and cur <= step
+
+
+def foreign_latest(current: bytes | None, where: str) -> None:
+    """Warn when `latest` at `where` names no step: it is left as it is, and not moved."""
+    if current is not None and _latest_step(current) is None:
+        log.warning(
+            "%s names no step (%d bytes or more): another tool's object, left as it is; latest is not moved",
+            where,
+            len(current),
+            extra={"sink": where},
+        )
 
 
 def changed_error(f: LocalFile, size: int) -> SinkError:

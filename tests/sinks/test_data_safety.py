@@ -457,3 +457,27 @@ def test_a_losers_file_that_the_winner_kept_is_never_deleted_under_its_manifest(
     manifest = json.loads(s3.get(f"race/step-00000007/{layout.MANIFEST_NAME}"))
     for f in manifest["files"]:
         assert hashlib.sha256(s3.get(f"race/step-00000007/{f['path']}")).hexdigest() == f["sha256"], f
+
+
+@pytest.mark.parametrize("store", ["s3", "file"])
+def test_another_tools_latest_at_the_sink_root_is_never_overwritten(request, tmp_path, store, caplog):
+    """A sink at a bucket's root (or a shared directory) that already holds another tool's `latest` (here
+    a 3 MiB build artifact). stagerd's own `latest` always names a step (its writes are atomic), so one
+    that names none is not stagerd's. Before the fix it was read whole and replaced by `step-00000001`."""
+    foreign = b"build 2026-11-26\n" + bytes(range(256)) * (3 * 4096)
+    if store == "s3":
+        env = request.getfixturevalue("s3")
+        env.client.put_object(Bucket=env.bucket, Key="latest", Body=foreign)
+        url = f"s3://{env.bucket}"
+        read = lambda: env.get("latest")  # noqa: E731
+    else:
+        (tmp_path / "sink").mkdir()
+        (tmp_path / "sink" / "latest").write_bytes(foreign)
+        url = (tmp_path / "sink").as_uri()
+        read = (tmp_path / "sink" / "latest").read_bytes
+    sink = FsspecSink.from_url(url)
+    with caplog.at_level("WARNING"):
+        assert not sink.publish(make_export(tmp_path / "e", {"m": 10}), 1).skipped
+    assert read() == foreign
+    assert "names no step" in caplog.text
+    assert sink.is_published(1)

@@ -79,7 +79,7 @@ def test_newer_latest_only_moves_forward():
     assert newer_latest(b"step-00000004", 5)
     assert newer_latest(b"step-00000005\n", 5)
     assert not newer_latest(b"step-00000006", 5)
-    assert newer_latest(b"garbage", 5)
+    assert not newer_latest(b"garbage", 5)  # names no step: another tool's object, never overwritten
 
 
 def test_hash_file_checksums_match_their_definitions(tmp_path):

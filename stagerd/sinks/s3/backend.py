@@ -293,15 +293,15 @@ class S3Backend(LatestMixin):
 
         self._run(go)
 
-    def read(self, key: str) -> bytes | None:
-        return self._run(self._get, key)
+    def read(self, key: str, limit: int | None = None) -> bytes | None:
+        return self._run(self._get, key, limit)
 
-    async def _get(self, key: str) -> bytes | None:
+    async def _get(self, key: str, limit: int | None = None) -> bytes | None:
         s3 = await self._client()
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            async with r["Body"] as body:
-                return bytes(await body.read())
+            async with r["Body"] as body:  # leaving it unread past `limit` drops the connection
+                return bytes(await (body.read() if limit is None else body.read(limit)))
         except s3.exceptions.NoSuchKey:
             return None
         except Exception as e:

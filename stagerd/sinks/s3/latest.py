@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stagerd.errors import SinkError
-from stagerd.sinks.objects import Latest, newer_latest
+from stagerd.sinks.objects import MAX_LATEST_BYTES, Latest, foreign_latest, newer_latest
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
 
 log = logging.getLogger("stagerd.sinks.s3")
@@ -59,7 +59,7 @@ class LatestMixin:
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
             async with r["Body"] as body:
-                latest = Latest(bytes(await body.read()), r.get("ETag"))
+                latest = Latest(bytes(await body.read(MAX_LATEST_BYTES + 1)), r.get("ETag"))
         except Exception as e:
             if error_code(e)[0] not in ("NoSuchKey", "404"):
                 raise s3_error(e, self.where(key)) from None
@@ -77,6 +77,7 @@ class LatestMixin:
         async def go() -> None:
             cur = await self._known_latest(key)
             for _ in range(LATEST_TRIES):
+                foreign_latest(cur.data, self.where(key))
                 if not newer_latest(cur.data, step) or cur.data == name:
                     return
                 cond = {"IfMatch": cur.etag} if cur.data is not None and cur.etag else {"IfNoneMatch": "*"}
