@@ -1,0 +1,109 @@
+"""A prefix shared with others: another publisher of the same step whose early keys the winner keeps,
+and another tool's `latest` at the sink's root. Each test reproduces a red-team finding on the code
+before the fix (RELIABILITY.md, "Data safety"); the stores are moto S3 through the fault proxy and real
+directories.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.s3.backend import S3Backend
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+from tests.sinks.test_data_safety import MiB, _held_sink
+from tests.sinks.test_sink_fsspec import make_export
+
+
+class _ClaimsLate(S3Backend):
+    """A publisher whose create-only PUTs land, and whose claim waits (on the event loop, without holding
+    it) until released."""
+
+    reached: threading.Event
+    release: threading.Event
+
+    async def _create(self, key: str, data: bytes) -> bool:
+        if key.startswith("claims/"):
+            import asyncio
+
+            self.reached.set()
+            await asyncio.to_thread(self.release.wait, 60)
+        return await super()._create(key, data)
+
+
+def test_a_losers_file_that_the_winner_kept_is_never_deleted_under_its_manifest(s3, tmp_path):  # noqa: F811
+    """X's create-only PUT of `config.json` lands first, then Y claims step 7 and keeps that object (the
+    same bytes as its own, so its PUT was refused and the checked path reused it). X then finds the step
+    claimed: before the fix it deleted its `config.json` (the ETag still matched: the same bytes), and Y
+    committed a manifest naming a file that was gone."""
+    url = s3.url("race")
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    y_export = make_export(tmp_path / "y", sizes, seed=1)
+    x_export = make_export(tmp_path / "x", sizes, seed=2)
+    (x_export / "config.json").write_bytes((y_export / "config.json").read_bytes())
+    real = FsspecSink.from_url(url, part_size=5 * MiB, max_concurrency=4)._backend
+    assert isinstance(real, S3Backend)
+    x_backend = _ClaimsLate(real.fs, real.bucket, real.root, real.part_size, real.max_concurrency)
+    x_backend.reached, x_backend.release = threading.Event(), threading.Event()
+    x_sink = FsspecSink(url, x_backend)
+    y_sink, held = _held_sink(url, at_commit=True)
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, sink: FsspecSink, export: Path) -> None:
+        try:
+            outcome[name] = sink.publish(export, 7)
+        except Exception as e:  # reported below
+            outcome[name] = e
+
+    x = threading.Thread(target=run, args=("x", x_sink, x_export))
+    x.start()
+    try:
+        assert x_backend.reached.wait(60)
+        deadline = time.monotonic() + 10
+        while "race/step-00000007/config.json" not in s3.keys("race/") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        y = threading.Thread(target=run, args=("y", y_sink, y_export))
+        y.start()
+        assert held.opened.wait(60)  # Y verified its files and is about to commit
+    finally:
+        x_backend.release.set()
+        x.join(60)
+        held.release.set()
+        y.join(60)
+    assert type(outcome["x"]).__name__ == "StepClaimedError", outcome["x"]
+    assert not isinstance(outcome["y"], Exception), outcome["y"]
+    manifest = json.loads(s3.get(f"race/step-00000007/{layout.MANIFEST_NAME}"))
+    for f in manifest["files"]:
+        assert hashlib.sha256(s3.get(f"race/step-00000007/{f['path']}")).hexdigest() == f["sha256"], f
+
+
+@pytest.mark.parametrize("store", ["s3", "file"])
+def test_another_tools_latest_at_the_sink_root_is_never_overwritten(request, tmp_path, store, caplog):
+    """A sink at a bucket's root (or a shared directory) that already holds another tool's `latest` (here
+    a 3 MiB build artifact). stagerd's own `latest` always names a step (its writes are atomic), so one
+    that names none is not stagerd's. Before the fix it was read whole and replaced by `step-00000001`."""
+    foreign = b"build 2026-11-26\n" + bytes(range(256)) * (3 * 4096)
+    if store == "s3":
+        env = request.getfixturevalue("s3")
+        env.client.put_object(Bucket=env.bucket, Key="latest", Body=foreign)
+        url = f"s3://{env.bucket}"
+        read = lambda: env.get("latest")  # noqa: E731
+    else:
+        (tmp_path / "sink").mkdir()
+        (tmp_path / "sink" / "latest").write_bytes(foreign)
+        url = (tmp_path / "sink").as_uri()
+        read = (tmp_path / "sink" / "latest").read_bytes
+    sink = FsspecSink.from_url(url)
+    with caplog.at_level("WARNING"):
+        assert not sink.publish(make_export(tmp_path / "e", {"m": 10}), 1).skipped
+    assert read() == foreign
+    assert "names no step" in caplog.text
+    assert sink.is_published(1)
