@@ -37,6 +37,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def step_dir_name(step: int) -> str:
@@ -114,6 +115,22 @@ def safe_relpath(rel: str, *, what: str, path: object) -> str:
     return rel
 
 
+def check_file_tree(rels: list[str], *, what: str, path: object) -> None:
+    """Refuse a list of files that cannot all exist in one directory: a name listed twice, or one listed both
+    as a file and as a directory of another (`a` and `a/b`). Written by someone else, such a list would
+    otherwise fail half way through creating them, or count one file twice."""
+    seen: set[str] = set()
+    for rel in rels:
+        if rel in seen:
+            raise MarkerError(f"{what} {rel!r} is listed twice", path=path)
+        seen.add(rel)
+    for rel in rels:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            if (d := "/".join(parts[:i])) in seen:
+                raise MarkerError(f"{what} {d!r} is listed, and so is {rel!r} inside it", path=path)
+
+
 @dataclass(frozen=True)
 class StagedFile:
     """One file of a staged step, relative to the step directory, with its size in bytes."""
@@ -176,6 +193,7 @@ class CommitMarker:
                 if not (_is_int(f["size"]) and f["size"] >= 0):
                     raise MarkerError(f"file {rel!r} has a bad size", path=path)
                 files.append(StagedFile(rel, f["size"]))
+            check_file_tree([f.path for f in files], what="file", path=path)
             tensors = None
             if d.get("tensors") is not None:
                 tensors = {
@@ -346,13 +364,26 @@ class ExportManifest:
             if d.get("format") != MANIFEST_FORMAT:
                 raise MarkerError(f"not a {MANIFEST_FORMAT} manifest", path=path)
             files = tuple(
-                ManifestFile(
-                    safe_relpath(f["path"], what="file", path=path), int(f["size"]), str(f["sha256"])
-                )
+                ManifestFile(safe_relpath(f["path"], what="file", path=path), f["size"], f["sha256"])
                 for f in d["files"]
             )
+            step = d["step"]
+            if not (_is_int(step) and 0 <= step <= MAX_STEP):
+                raise MarkerError(f"step {step!r} is not an integer in [0, 2^63)", path=path)
+            for f in files:
+                if not (_is_int(f.size) and f.size >= 0 and isinstance(f.sha256, str)):
+                    raise MarkerError(
+                        f"file {f.path!r}: its size and sha256 are a {type(f.size).__name__} and a "
+                        f"{type(f.sha256).__name__}, not a non-negative integer and a string",
+                        path=path,
+                    )
+                if not _SHA256_RE.fullmatch(f.sha256):
+                    raise MarkerError(
+                        f"file {f.path!r}: sha256 {f.sha256[:80]!r} is not 64 hex digits", path=path
+                    )
+            check_file_tree([f.path for f in files], what="file", path=path)
             return cls(
-                step=int(d["step"]),
+                step=step,
                 files=files,
                 created=float(d.get("created", 0.0)),
                 metadata=dict(d.get("metadata") or {}),
