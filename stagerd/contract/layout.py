@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.regular_file import open_regular
 from stagerd.errors import HubPlanError, MarkerError, ShardError
 
 MARKER_NAME = "stagerd.commit.json"
@@ -33,6 +34,7 @@ EXPORT_TMP_DIR = "export.tmp"
 EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
+MAX_MARKER_BYTES = 64 << 20
 
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
@@ -245,15 +247,20 @@ def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
     """Read and validate the commit marker of `step_dir`."""
     path = Path(step_dir) / MARKER_NAME
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
+            raw = f.read(MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
-    if len(raw) > 64 << 20:
+    except OSError as e:
+        raise MarkerError(f"cannot read the commit marker: {e.strerror}", path=path) from None
+    if len(raw) > MAX_MARKER_BYTES:
         raise MarkerError("commit marker is larger than 64 MiB", path=path)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise MarkerError(f"commit marker is not JSON: {e}", path=path) from None
+    except RecursionError:
+        raise MarkerError("commit marker is not JSON: nested too deep", path=path) from None
     marker = CommitMarker.from_json(data, path=path)
     named = parse_step_dir(Path(step_dir).name)
     if named is not None and named != marker.step:

@@ -66,6 +66,15 @@ def root(tmp_path_factory):
     shutil.copytree(root / "step-1", root / "step_6")  # a second directory for step 6
     shutil.copytree(root / "step-1", root / "step-9")
     (root / "step-9" / ".metadata").write_bytes(DEEP)
+    # Never finished, so never touched; before, the FIFOs held the scan (and `--once`) for good, and the
+    # deep trainer_state.json raised RecursionError out of it.
+    shutil.copytree(root / "step-1", root / "step-10")
+    (root / "step-10" / ".metadata").unlink()
+    os.mkfifo(root / "step-10" / ".metadata")
+    for n in (11, 12):
+        shutil.copytree(root / "step-1", root / f"checkpoint-{n}" / "pytorch_model_fsdp_0")
+    os.mkfifo(root / "checkpoint-11" / "trainer_state.json")
+    (root / "checkpoint-12" / "trainer_state.json").write_text("[" * 100_000)
     _titan(root / "step-7", extra=False)
     _titan(root / "step-8", extra=True)
     cfg = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8}
@@ -88,6 +97,8 @@ def test_each_bad_checkpoint_is_a_named_error_and_the_good_ones_are_published(ro
     for step, error in want.items():
         assert "quarantined" in lines[step] and error in lines[step], (step, lines[step])
         assert not published(tmp_path / "out", step).exists()
+    for step in (10, 11, 12):
+        assert step not in lines and not published(tmp_path / "out", step).exists()
     assert "refusing to unpickle os.system" in res.stdout + res.stderr
     assert tree_digest(root) == before
 

@@ -81,3 +81,26 @@ def test_a_step_past_int64_is_refused_by_the_stager_before_anything_starts():
 
     with pytest.raises(SaveInputError, match="2\\^63"):
         resolve_state({}, 2**63, None)
+
+
+def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_go_on(tmp_path, dcp_mixed2):
+    """Before: a marker of 100,000 `[` raised RecursionError, an unnamed error retried as if it could pass
+    (45 s instead of 1) and shown without its path; a marker was read whole before its 64 MiB limit
+    applied (3 GiB of RSS for a 3 GiB file, MemoryError for this 1 TiB sparse one)."""
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    deep = stage_copy(root, 101, model, world=2)
+    (deep / layout.MARKER_NAME).write_text("[" * 100_000)
+    with pytest.raises(MarkerError, match="nested too deep"):
+        layout.read_marker(deep)
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert "1 step(s) published, 1 not" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "MarkerError" in run_cli(["status", root]).stdout
+    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
+    big = tmp_path / "big" / layout.step_dir_name(1)
+    big.mkdir(parents=True)
+    with open(big / layout.MARKER_NAME, "wb") as f:
+        f.truncate(1 << 40)  # sparse: 1 TiB that takes no disk, and would take 1 TiB of memory to read
+    with pytest.raises(MarkerError, match="larger than 64 MiB"):
+        layout.read_marker(big)
