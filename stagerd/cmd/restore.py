@@ -69,8 +69,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 def _step(text: str) -> int | None:
     if text == "latest":
         return None
-    if not text.isdigit() or len(text) > 19:
-        raise ConfigError(f"--step must be a step number or 'latest', got {text!r}")
+    # ASCII only: str.isdigit() also takes '²' (which int() refuses) and other scripts' digits.
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) > 2**63 - 1:
+        raise ConfigError(f"--step must be a step number below 2^63 or 'latest', got {text!r}")
     return int(text)
 
 

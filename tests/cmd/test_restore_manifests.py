@@ -121,3 +121,15 @@ def test_a_step_of_more_files_than_may_be_open_at_once_comes_back_whole(tmp_path
     step = root / layout.step_dir_name(STEP)
     assert layout.is_committed(step)
     assert {rel: (step / rel).read_bytes() for rel in files} == files
+
+
+@pytest.mark.parametrize("text", ["²", "\u0661", "9999999999999999999", "-1", "1e3", ""])
+def test_a_step_flag_that_is_not_an_ascii_step_number_is_a_config_error(text):
+    """Before: '²' and 2^63 or more raised a raw ValueError (exit 1), and U+0661 (an Arabic-Indic 1)
+    restored step 1."""
+    from stagerd.cmd.restore import _step
+    from stagerd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--step must be"):
+        _step(text)
+    assert _step("latest") is None and _step(str(2**63 - 1)) == 2**63 - 1
