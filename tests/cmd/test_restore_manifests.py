@@ -59,11 +59,18 @@ def _nodes(marker_of: Callable[[int, dict[str, bytes]], bytes], name_of=lambda k
     return build
 
 
+def _deep(raw: Path) -> None:
+    _one_part(lambda m: None)(raw)
+    (raw / layout.MANIFEST_NAME).write_text("[" * 100_000)
+
+
 def _sha(m: dict) -> None:
     m["files"][0]["sha256"] = "../" * 30
 
 
 CASES = {
+    # before: raw RecursionError, exit 1
+    "a manifest nested too deep": (_deep, "nested too deep"),
     # before: raw FileExistsError, exit 1
     "a file listed twice": (_one_part(lambda m: m["files"].append(m["files"][0])), "listed twice"),
     # before: a MarkerError from the marker check, after the download; now refused before it
