@@ -198,10 +198,19 @@ class CommitMarker:
             check_file_tree([f.path for f in files], what="file", path=path)
             tensors = None
             if d.get("tensors") is not None:
-                tensors = {
-                    str(k): TensorInfo(str(v["dtype"]), tuple(int(x) for x in v["shape"]))
-                    for k, v in d["tensors"].items()
-                }
+                tensors = {}
+                for k, v in d["tensors"].items():
+                    dtype, shape = v["dtype"], v["shape"]
+                    # int() would take 2.5, true and 1e300, and raise OverflowError on Infinity (valid here)
+                    if not (isinstance(dtype, str) and isinstance(shape, list)) or not all(
+                        _is_int(x) and x >= 0 for x in shape
+                    ):
+                        raise MarkerError(
+                            f"tensor {k[:200]!r}: its dtype and shape must be a string and non-negative "
+                            "integers",
+                            path=path,
+                        )
+                    tensors[k] = TensorInfo(dtype, tuple(shape))
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)

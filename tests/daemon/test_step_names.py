@@ -104,3 +104,13 @@ def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_g
         f.truncate(1 << 40)  # sparse: 1 TiB that takes no disk, and would take 1 TiB of memory to read
     with pytest.raises(MarkerError, match="larger than 64 MiB"):
         layout.read_marker(big)
+
+
+@pytest.mark.parametrize("shape", [[float("inf")], [2.5], [True], [-3], "12", [1e300]])
+def test_a_marker_tensor_shape_that_is_not_non_negative_integers_is_a_marker_error(shape):
+    """Before: Infinity (valid to json.loads) raised a raw OverflowError; 2.5, true, -3 and 1e300 were
+    taken as shapes 2, 1, -3 and a 301-digit integer; "12" as (1, 2)."""
+    marker = layout.CommitMarker(step=1, world_size=1, files=()).to_json()
+    marker["tensors"] = {"w": {"dtype": "F32", "shape": shape}}
+    with pytest.raises(MarkerError, match="non-negative integers"):
+        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
