@@ -237,7 +237,7 @@ class CommitMarker:
                 hub_plan=hub_plan,
                 adapter_plan=adapter_plan,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None
 
 
@@ -404,5 +404,5 @@ class ExportManifest:
                 created=float(d.get("created", 0.0)),
                 metadata=dict(d.get("metadata") or {}),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed manifest: {e!r}", path=path) from None

@@ -71,6 +71,8 @@ def _sha(m: dict) -> None:
 CASES = {
     # before: raw RecursionError, exit 1
     "a manifest nested too deep": (_deep, "nested too deep"),
+    # before: raw OverflowError (float() of a 401-digit integer), exit 1
+    "a created time past any float": (_one_part(lambda m: m.update(created=10**400)), "malformed manifest"),
     # before: raw FileExistsError, exit 1
     "a file listed twice": (_one_part(lambda m: m["files"].append(m["files"][0])), "listed twice"),
     # before: a MarkerError from the marker check, after the download; now refused before it

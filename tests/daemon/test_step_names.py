@@ -114,3 +114,10 @@ def test_a_marker_tensor_shape_that_is_not_non_negative_integers_is_a_marker_err
     marker["tensors"] = {"w": {"dtype": "F32", "shape": shape}}
     with pytest.raises(MarkerError, match="non-negative integers"):
         layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
+
+
+def test_a_marker_created_past_any_float_is_a_marker_error():
+    """Before: float() of a 401-digit integer raised a raw OverflowError out of CommitMarker.from_json."""
+    marker = {**layout.CommitMarker(step=1, world_size=1, files=()).to_json(), "created": 10**400}
+    with pytest.raises(MarkerError, match="OverflowError"):
+        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
