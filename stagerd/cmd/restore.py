@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -70,8 +69,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 def _step(text: str) -> int | None:
     if text == "latest":
         return None
-    if not text.isdigit() or len(text) > 19:
-        raise ConfigError(f"--step must be a step number or 'latest', got {text!r}")
+    # ASCII only: str.isdigit() also takes '²' (which int() refuses) and other scripts' digits.
+    if not (text.isascii() and text.isdigit()) or len(text) > 19 or int(text) > 2**63 - 1:
+        raise ConfigError(f"--step must be a step number below 2^63 or 'latest', got {text!r}")
     return int(text)
 
 
@@ -148,11 +148,19 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
     import dataclasses
 
     from stagerd.contract import layout
-    from stagerd.errors import RestoreError
+    from stagerd.errors import MarkerError, RestoreError, ShardError
 
-    markers = [
-        layout.CommitMarker.from_json(json.loads((d / layout.MARKER_NAME).read_bytes())) for d in node_dirs
-    ]
+    # The markers came from the sink (their sha256 is only the manifest's word): each is read strictly and
+    # must describe its node's files before one file moves, and together they must fit in one directory.
+    try:
+        markers = [layout.read_marker(d) for d in node_dirs]
+        for d, m in zip(node_dirs, markers, strict=True):
+            layout.check_staged_files(d, m)
+        layout.check_file_tree([f.path for m in markers for f in m.files], what="file", path=where)
+    except (MarkerError, ShardError) as e:
+        local = Path(str(e.path))  # named as it is on the sink: the temp copy is gone once this raises
+        at = f"{where}/{local.relative_to(tmp).as_posix()}" if local.is_relative_to(tmp) else where
+        raise RestoreError(f"a staging node's part: {e.message}", path=at) from None
     first = markers[0]
     if any(
         (m.step, m.world_size, m.staging_nodes) != (first.step, first.world_size, len(markers))
@@ -164,8 +172,6 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
     files: dict[str, layout.StagedFile] = {}
     for d, m in zip(node_dirs, markers, strict=True):
         for f in m.files:
-            if f.path in files:
-                raise RestoreError(f"{f.path} is listed by two staging nodes", path=where)
             files[f.path] = f
             dst = tmp / f.path
             dst.parent.mkdir(parents=True, exist_ok=True)

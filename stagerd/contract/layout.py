@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.regular_file import open_regular
 from stagerd.errors import HubPlanError, MarkerError, ShardError
 
 MARKER_NAME = "stagerd.commit.json"
@@ -33,10 +34,12 @@ EXPORT_TMP_DIR = "export.tmp"
 EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
+MAX_MARKER_BYTES = 64 << 20
 
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def step_dir_name(step: int) -> str:
@@ -114,6 +117,22 @@ def safe_relpath(rel: str, *, what: str, path: object) -> str:
     return rel
 
 
+def check_file_tree(rels: list[str], *, what: str, path: object) -> None:
+    """Refuse a list of files that cannot all exist in one directory: a name listed twice, or one listed both
+    as a file and as a directory of another (`a` and `a/b`). Written by someone else, such a list would
+    otherwise fail half way through creating them, or count one file twice."""
+    seen: set[str] = set()
+    for rel in rels:
+        if rel in seen:
+            raise MarkerError(f"{what} {rel!r} is listed twice", path=path)
+        seen.add(rel)
+    for rel in rels:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            if (d := "/".join(parts[:i])) in seen:
+                raise MarkerError(f"{what} {d!r} is listed, and so is {rel!r} inside it", path=path)
+
+
 @dataclass(frozen=True)
 class StagedFile:
     """One file of a staged step, relative to the step directory, with its size in bytes."""
@@ -176,12 +195,22 @@ class CommitMarker:
                 if not (_is_int(f["size"]) and f["size"] >= 0):
                     raise MarkerError(f"file {rel!r} has a bad size", path=path)
                 files.append(StagedFile(rel, f["size"]))
+            check_file_tree([f.path for f in files], what="file", path=path)
             tensors = None
             if d.get("tensors") is not None:
-                tensors = {
-                    str(k): TensorInfo(str(v["dtype"]), tuple(int(x) for x in v["shape"]))
-                    for k, v in d["tensors"].items()
-                }
+                tensors = {}
+                for k, v in d["tensors"].items():
+                    dtype, shape = v["dtype"], v["shape"]
+                    # int() would take 2.5, true and 1e300, and raise OverflowError on Infinity (valid here)
+                    if not (isinstance(dtype, str) and isinstance(shape, list)) or not all(
+                        _is_int(x) and x >= 0 for x in shape
+                    ):
+                        raise MarkerError(
+                            f"tensor {k[:200]!r}: its dtype and shape must be a string and non-negative "
+                            "integers",
+                            path=path,
+                        )
+                    tensors[k] = TensorInfo(dtype, tuple(shape))
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)
@@ -208,7 +237,7 @@ class CommitMarker:
                 hub_plan=hub_plan,
                 adapter_plan=adapter_plan,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None
 
 
@@ -227,15 +256,20 @@ def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
     """Read and validate the commit marker of `step_dir`."""
     path = Path(step_dir) / MARKER_NAME
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
+            raw = f.read(MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
-    if len(raw) > 64 << 20:
+    except OSError as e:
+        raise MarkerError(f"cannot read the commit marker: {e.strerror}", path=path) from None
+    if len(raw) > MAX_MARKER_BYTES:
         raise MarkerError("commit marker is larger than 64 MiB", path=path)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise MarkerError(f"commit marker is not JSON: {e}", path=path) from None
+    except RecursionError:
+        raise MarkerError("commit marker is not JSON: nested too deep", path=path) from None
     marker = CommitMarker.from_json(data, path=path)
     named = parse_step_dir(Path(step_dir).name)
     if named is not None and named != marker.step:
@@ -346,16 +380,29 @@ class ExportManifest:
             if d.get("format") != MANIFEST_FORMAT:
                 raise MarkerError(f"not a {MANIFEST_FORMAT} manifest", path=path)
             files = tuple(
-                ManifestFile(
-                    safe_relpath(f["path"], what="file", path=path), int(f["size"]), str(f["sha256"])
-                )
+                ManifestFile(safe_relpath(f["path"], what="file", path=path), f["size"], f["sha256"])
                 for f in d["files"]
             )
+            step = d["step"]
+            if not (_is_int(step) and 0 <= step <= MAX_STEP):
+                raise MarkerError(f"step {step!r} is not an integer in [0, 2^63)", path=path)
+            for f in files:
+                if not (_is_int(f.size) and f.size >= 0 and isinstance(f.sha256, str)):
+                    raise MarkerError(
+                        f"file {f.path!r}: its size and sha256 are a {type(f.size).__name__} and a "
+                        f"{type(f.sha256).__name__}, not a non-negative integer and a string",
+                        path=path,
+                    )
+                if not _SHA256_RE.fullmatch(f.sha256):
+                    raise MarkerError(
+                        f"file {f.path!r}: sha256 {f.sha256[:80]!r} is not 64 hex digits", path=path
+                    )
+            check_file_tree([f.path for f in files], what="file", path=path)
             return cls(
-                step=int(d["step"]),
+                step=step,
                 files=files,
                 created=float(d.get("created", 0.0)),
                 metadata=dict(d.get("metadata") or {}),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed manifest: {e!r}", path=path) from None

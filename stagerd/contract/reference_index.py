@@ -53,6 +53,8 @@ def read_reference_index(path: str | os.PathLike[str]) -> dict[str, str]:
         raise
     except (OSError, ValueError) as e:
         raise ReferenceIndexError(f"cannot read reference index: {e}", path=path) from None
+    except RecursionError:
+        raise ReferenceIndexError("reference index is JSON nested too deep", path=path) from None
     finally:
         if fd >= 0:
             os.close(fd)

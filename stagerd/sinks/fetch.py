@@ -86,6 +86,10 @@ def read_manifest(store: RemoteStore, prefix: str, step: int) -> ExportManifest:
         manifest = parse_manifest(data, store.where(key))
     except SinkConflictError as e:
         raise RestoreError(e.message, path=e.path) from None
+    except RecursionError:  # parse_manifest's json.loads of `[[[[...`
+        raise RestoreError(
+            "remote manifest is not valid JSON (nested too deep)", path=store.where(key)
+        ) from None
     if manifest.step != step:
         raise RestoreError(f"is for step {manifest.step}, not {step}", path=store.where(key))
     return manifest
@@ -137,7 +141,9 @@ def download(
 ) -> None:
     """Download `files` under `prefix/` into `dest`, checking size and sha256; fsync every file and dir."""
     prog = ByteProgress(sum(f.size for f in files), progress)
-    fds: dict[str, int] = {}
+    # A file is open only while a piece is written to it: a raw step has a file per rank and kind, often
+    # more than the process may hold open at once (a soft RLIMIT_NOFILE of 1024 is common).
+    paths: dict[str, Path] = {}
     hashes: dict[str, _InOrderHash] = {}
     window = threading.BoundedSemaphore(2 * workers)
     failed = threading.Event()
@@ -145,9 +151,13 @@ def download(
     def land(f: ManifestFile, offset: int, data: bytes) -> None:
         """Write one piece in place and hash it (in file order); any thread."""
         view, pos = memoryview(data), offset
-        while view:
-            n = os.pwrite(fds[f.path], view, pos)
-            view, pos = view[n:], pos + n
+        fd = os.open(paths[f.path], os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view, pos = view[n:], pos + n
+        finally:
+            os.close(fd)
         hashes[f.path].add(offset, data)
         prog(len(data))
         crash_point("restore.piece")
@@ -174,41 +184,42 @@ def download(
         finally:
             window.release()
 
-    try:
-        for f in files:
-            p = dest / layout.safe_relpath(f.path, what="file", path=store.where(prefix))
-            p.parent.mkdir(parents=True, exist_ok=True)
-            fds[f.path] = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            hashes[f.path] = _InOrderHash()
-        futures: list[Future[None]] = []
-        if store.s3 is not None:
-            _stream_s3(store, prefix, files, land, workers)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore") as pool:
-                for f in sorted(files, key=lambda f: -f.size):  # the big ones first: they set the wall time
-                    for offset in range(0, f.size, chunk_size):  # an empty file needs no read
-                        window.acquire()
-                        if failed.is_set():
-                            window.release()
-                            break
-                        futures.append(pool.submit(piece, f, offset, min(chunk_size, f.size - offset)))
-                wait(futures, return_when=FIRST_EXCEPTION)
-                for fu in futures:
-                    fu.cancel()
-                wait(futures)
-                for fu in futures:
-                    if not fu.cancelled() and (exc := fu.exception()) is not None:
-                        raise exc
-        for f in files:
-            got = hashes[f.path]
-            if got.next != f.size or got.h.hexdigest() != f.sha256:
-                raise RestoreError(
-                    f"sha256 {got.h.hexdigest()} is not the manifest's {f.sha256}: the object is corrupt",
-                    path=store.where(f"{prefix}/{f.path}"),
-                )
-            os.fsync(fds[f.path])
-    finally:
-        for fd in fds.values():
+    for f in files:
+        p = dest / layout.safe_relpath(f.path, what="file", path=store.where(prefix))
+        p.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        paths[f.path] = p
+        hashes[f.path] = _InOrderHash()
+    futures: list[Future[None]] = []
+    if store.s3 is not None:
+        _stream_s3(store, prefix, files, land, workers)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore") as pool:
+            for f in sorted(files, key=lambda f: -f.size):  # the big ones first: they set the wall time
+                for offset in range(0, f.size, chunk_size):  # an empty file needs no read
+                    window.acquire()
+                    if failed.is_set():
+                        window.release()
+                        break
+                    futures.append(pool.submit(piece, f, offset, min(chunk_size, f.size - offset)))
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for fu in futures:
+                fu.cancel()
+            wait(futures)
+            for fu in futures:
+                if not fu.cancelled() and (exc := fu.exception()) is not None:
+                    raise exc
+    for f in files:
+        got = hashes[f.path]
+        if got.next != f.size or got.h.hexdigest() != f.sha256:
+            raise RestoreError(
+                f"sha256 {got.h.hexdigest()} is not the manifest's {f.sha256}: the object is corrupt",
+                path=store.where(f"{prefix}/{f.path}"),
+            )
+        fd = os.open(paths[f.path], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
             os.close(fd)
     for d in sorted({(dest / f.path).parent for f in files} | {dest}, key=lambda p: -len(p.parts)):
         layout.fsync_dir(d)

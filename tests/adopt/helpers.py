@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ def tree_digest(root: Path) -> dict[str, tuple[str, int]]:
         dirs[:] = [d for d in dirs if d != layout.STATE_DIR]
         for name in files:
             p = Path(dirpath) / name
-            out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mode)
+            mode = p.lstat().st_mode
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(mode) else ""  # not a FIFO
+            out[str(p.relative_to(root))] = (digest, mode)
     return out
 
 

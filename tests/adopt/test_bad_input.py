@@ -4,20 +4,28 @@ export resumes it and publishes the step exactly once."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from stagerd.contract.adopt.dcp_metadata import parse_dcp_metadata
+from stagerd.engine.adopt.torch_record import read_record
 from stagerd.errors import DcpFormatError
 from tests.adopt import ranks
 from tests.adopt.helpers import published, tree_digest, watch_once
 from tests.cli_helpers import run_cli
 
 EVIL = b"cos\nsystem\n(S'touch /tmp/stagerd-pwned'\ntR."
+# A dict keyed by a tuple nested a million deep: 1 MB of opcodes no allowlist sees (no global), and
+# CPython 3.11 hashes the key by recursing in C without a depth check (SIGSEGV at ~150k levels).
+DEEP = b"\x80\x04}" + b")" + b"\x85" * 1_000_000 + b"K\x01s."
 
 
 def _titan(path: Path, extra: bool) -> None:
@@ -56,6 +64,17 @@ def root(tmp_path_factory):
     (root / "step-3" / ".metadata").write_bytes(EVIL)
     next((root / "step-4").glob("*.distcp")).unlink()
     shutil.copytree(root / "step-1", root / "step_6")  # a second directory for step 6
+    shutil.copytree(root / "step-1", root / "step-9")
+    (root / "step-9" / ".metadata").write_bytes(DEEP)
+    # Never finished, so never touched; before, the FIFOs held the scan (and `--once`) for good, and the
+    # deep trainer_state.json raised RecursionError out of it.
+    shutil.copytree(root / "step-1", root / "step-10")
+    (root / "step-10" / ".metadata").unlink()
+    os.mkfifo(root / "step-10" / ".metadata")
+    for n in (11, 12):
+        shutil.copytree(root / "step-1", root / f"checkpoint-{n}" / "pytorch_model_fsdp_0")
+    os.mkfifo(root / "checkpoint-11" / "trainer_state.json")
+    (root / "checkpoint-12" / "trainer_state.json").write_text("[" * 100_000)
     _titan(root / "step-7", extra=False)
     _titan(root / "step-8", extra=True)
     cfg = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8}
@@ -67,16 +86,19 @@ def test_each_bad_checkpoint_is_a_named_error_and_the_good_ones_are_published(ro
     before = tree_digest(root)
     res = watch_once(root, tmp_path / "out")
     assert res.returncode != 0
-    assert "2 step(s) published, 5 not" in res.stdout, res.stdout + res.stderr
+    assert "2 step(s) published, 6 not" in res.stdout, res.stdout + res.stderr
     assert published(tmp_path / "out", 1).is_dir() and published(tmp_path / "out", 7).is_dir()
     assert not Path("/tmp/stagerd-pwned").exists()
     status = run_cli(["status", root]).stdout
     rows = [ln.split() for ln in status.splitlines() if ln.strip()[:1].isdigit()]
     lines = {int(r[0]): " ".join(r) for r in rows if r[1] in ("published", "quarantined")}
     want = {2: "DcpFormatError", 3: "DcpFormatError", 4: "ShardError", 6: "AdoptError", 8: "HubPlanError"}
+    want[9] = "DcpFormatError"  # the daemon lives on: before, its process died of SIGSEGV
     for step, error in want.items():
         assert "quarantined" in lines[step] and error in lines[step], (step, lines[step])
         assert not published(tmp_path / "out", step).exists()
+    for step in (10, 11, 12):
+        assert step not in lines and not published(tmp_path / "out", step).exists()
     assert "refusing to unpickle os.system" in res.stdout + res.stderr
     assert tree_digest(root) == before
 
@@ -100,3 +122,104 @@ def test_a_daemon_killed_mid_export_resumes_and_publishes_once(tmp_path):
     again = watch_once(root, tmp_path / "out")
     assert again.returncode == 0 and "1 step(s) published, 0 not" in again.stdout, again.stdout
     assert "resumed after a crash" in again.stdout + again.stderr
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    """A FileSystemWriter checkpoint of one tensor, its record longer than DEEP: (its dir, its file)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path_factory.mktemp("record") / "ck"
+    dcp.save({"w": torch.zeros(257_500)}, checkpoint_id=str(src), no_dist=True)
+    return src, next(src.glob("*.distcp"))
+
+
+def _with_pkl(data: bytes, pkl: bytes) -> bytes:
+    """A record of `data`'s length holding a data.pkl of `pkl` (and a filler member) but no storage."""
+    name = next(n for n in zipfile.ZipFile(io.BytesIO(data)).namelist() if n.endswith("/data.pkl"))
+
+    def build(fill: int) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as nz:
+            nz.writestr(name, pkl)
+            nz.writestr(name.replace("data.pkl", "filler"), b"\0" * fill)
+        return out.getvalue()
+
+    return build(len(data) - len(build(0)))
+
+
+def _pkl_entry(b: bytearray) -> int:
+    """Where data.pkl's central directory entry starts."""
+    at = b.index(b"PK\x01\x02")
+    while not bytes(b[at + 46 : at + 46 + struct.unpack_from("<H", b, at + 28)[0]]).endswith(b"data.pkl"):
+        at = b.index(b"PK\x01\x02", at + 4)
+    return at
+
+
+def _method(m: int):
+    return lambda b: struct.pack_into("<H", b, _pkl_entry(b) + 10, m)
+
+
+def test_a_damaged_tensor_record_is_a_named_error_never_a_traceback(record, tmp_path):
+    """Before: NotImplementedError, RuntimeError, zlib.error and AttributeError came out raw (exit 1)."""
+    _, path = record
+    damages = {
+        "an unsupported compression method": _method(1),
+        "an encrypted data.pkl": lambda b: struct.pack_into("<H", b, _pkl_entry(b) + 8, 1),
+        "deflate data that is not": _method(8),
+        "a BUILD on an int": lambda b: b.__setitem__(slice(None), _with_pkl(bytes(b), b"\x80\x02K\x01}b.")),
+    }
+    for what, damage in damages.items():
+        b = bytearray(path.read_bytes())
+        damage(b)
+        bad = tmp_path / "bad.distcp"
+        bad.write_bytes(bytes(b))
+        fd = os.open(bad, os.O_RDONLY)
+        try:
+            with pytest.raises(DcpFormatError, match="damaged") as e:
+                read_record(fd, 0, len(b), bad)
+        finally:
+            os.close(fd)
+        assert str(bad) in str(e.value) and "\n" not in e.value.message, what
+
+
+def test_a_deeply_nested_pickle_is_refused_before_it_is_loaded(record, tmp_path):
+    """In `.metadata` and in a record's data.pkl: before, `consolidate --adopt` died of SIGSEGV."""
+    src, path = record
+    for where in (".metadata", "data.pkl"):
+        ck = tmp_path / where.strip(".") / "step-1"
+        shutil.copytree(src, ck)
+        if where == ".metadata":
+            (ck / where).write_bytes(DEEP)
+        else:
+            (ck / path.name).write_bytes(_with_pkl(path.read_bytes(), DEEP))
+        res = run_cli(["consolidate", ck, tmp_path / where.strip(".") / "out", "--adopt", "dcp"])
+        assert res.returncode == 2, (where, res.returncode, res.stderr[-400:])
+        assert "DcpFormatError" in res.stderr and "more than 100 deep" in res.stderr, res.stderr
+        assert not (tmp_path / where.strip(".") / "out").exists()
+    with pytest.raises(DcpFormatError, match="more than 100 deep"):
+        parse_dcp_metadata(DEEP, "x")
+
+
+def _path_of(*body: bytes) -> bytes:
+    """A pickle calling pathlib.PosixPath (allowed: DCP pickles checkpoint paths) on what `body` pushes."""
+    return b"\x80\x04cpathlib\nPosixPath\n(" + b"".join(body) + b"tR."
+
+
+def test_a_pickled_path_cannot_make_memory_grow_past_its_bytes():
+    """Before: str() of each part (a list holding the one below twice, 22 deep: 2^22 copies) and one
+    memoized 64 KB string 1,000 times over were built in full, 25 MB and 64 MB from 1 kB and 66 kB."""
+    import tracemalloc
+
+    doubled = b"]\x94" + b"".join(b"](h%ch%ce\x94" % (i, i) for i in range(22))
+    repeated = b"X\x00\x00\x01\x00" + b"a" * 65536 + b"\x94" + b"h\x00" * 1000
+    for data in (_path_of(doubled, b"h\x16"), _path_of(repeated)):
+        tracemalloc.start()
+        try:
+            with pytest.raises(DcpFormatError, match="path"):
+                parse_dcp_metadata(data, "x")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * len(data) + (1 << 20), peak

@@ -1,4 +1,4 @@
-"""Output file assignment: pure functions, no I/O."""
+"""Output file assignment: pure functions, no I/O (and the reference index they follow, read from a file)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagerd.contract.reference_index import load_weight_map
+from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.sharding import (
     assign_with_reference,
     natural_key,
@@ -78,3 +78,11 @@ def test_names_and_sizes():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1.5MiB") == 1572864 and parse_size("77") == 77
     with pytest.raises(ValueError):
         parse_size("lots")
+
+
+def test_a_reference_index_nested_too_deep_is_a_reference_index_error(tmp_path):
+    """Before: RecursionError, unnamed, out of `consolidate --reference-index` and the Stager's save."""
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("[" * 100_000)
+    with pytest.raises(ReferenceIndexError, match="nested too deep"):
+        read_reference_index(index)

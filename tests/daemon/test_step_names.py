@@ -81,3 +81,43 @@ def test_a_step_past_int64_is_refused_by_the_stager_before_anything_starts():
 
     with pytest.raises(SaveInputError, match="2\\^63"):
         resolve_state({}, 2**63, None)
+
+
+def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_go_on(tmp_path, dcp_mixed2):
+    """Before: a marker of 100,000 `[` raised RecursionError, an unnamed error retried as if it could pass
+    (45 s instead of 1) and shown without its path; a marker was read whole before its 64 MiB limit
+    applied (3 GiB of RSS for a 3 GiB file, MemoryError for this 1 TiB sparse one)."""
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    deep = stage_copy(root, 101, model, world=2)
+    (deep / layout.MARKER_NAME).write_text("[" * 100_000)
+    with pytest.raises(MarkerError, match="nested too deep"):
+        layout.read_marker(deep)
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert "1 step(s) published, 1 not" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "MarkerError" in run_cli(["status", root]).stdout
+    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
+    big = tmp_path / "big" / layout.step_dir_name(1)
+    big.mkdir(parents=True)
+    with open(big / layout.MARKER_NAME, "wb") as f:
+        f.truncate(1 << 40)  # sparse: 1 TiB that takes no disk, and would take 1 TiB of memory to read
+    with pytest.raises(MarkerError, match="larger than 64 MiB"):
+        layout.read_marker(big)
+
+
+@pytest.mark.parametrize("shape", [[float("inf")], [2.5], [True], [-3], "12", [1e300]])
+def test_a_marker_tensor_shape_that_is_not_non_negative_integers_is_a_marker_error(shape):
+    """Before: Infinity (valid to json.loads) raised a raw OverflowError; 2.5, true, -3 and 1e300 were
+    taken as shapes 2, 1, -3 and a 301-digit integer; "12" as (1, 2)."""
+    marker = layout.CommitMarker(step=1, world_size=1, files=()).to_json()
+    marker["tensors"] = {"w": {"dtype": "F32", "shape": shape}}
+    with pytest.raises(MarkerError, match="non-negative integers"):
+        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
+
+
+def test_a_marker_created_past_any_float_is_a_marker_error():
+    """Before: float() of a 401-digit integer raised a raw OverflowError out of CommitMarker.from_json."""
+    marker = {**layout.CommitMarker(step=1, world_size=1, files=()).to_json(), "created": 10**400}
+    with pytest.raises(MarkerError, match="OverflowError"):
+        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))

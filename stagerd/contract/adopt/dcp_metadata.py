@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.contract.pickle_depth import PickleShapeError, check_depth, show
+from stagerd.contract.regular_file import open_regular
 from stagerd.errors import DcpFormatError
 
 METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 256 << 20
+MAX_PATH_CHARS = 4096  # a pickled path (StorageMeta's checkpoint_id), joined from its parts
 _DCP = "torch.distributed.checkpoint.metadata"
 
 
@@ -60,31 +63,35 @@ class _TensorProperties(_Record):
         super().__setstate__(state)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: BUILD can give it any `name`
 class _TorchDType:
     name: str  # the attribute of the torch module: "float32"
 
 
 def _size(dims: Any = ()) -> tuple[int, ...]:
     if not isinstance(dims, tuple | list) or not all(_is_uint(d) for d in dims):
-        raise DcpFormatError(f"a torch.Size of {dims!r} is not a tuple of non-negative integers")
+        raise DcpFormatError(f"a torch.Size of {show(dims)} is not a tuple of non-negative integers")
     return tuple(dims)
 
 
 def _layout(name: Any) -> str:
     if not isinstance(name, str):
-        raise DcpFormatError(f"a layout named {name!r}")
+        raise DcpFormatError(f"a layout named {show(name)}")
     return name
 
 
 def _mem_format(code: Any) -> int:
     if not _is_uint(code):
-        raise DcpFormatError(f"a memory format {code!r}")
+        raise DcpFormatError(f"a memory format {show(code)}")
     return int(code)
 
 
 def _path(*parts: Any) -> str:
-    return "/".join(str(p) for p in parts)
+    # str() of an arbitrary value could be exponential (a list holding itself twice, n times over), and one
+    # memoized string repeated costs two bytes a copy: only strings, and only a path's length.
+    if not all(isinstance(p, str) for p in parts) or sum(map(len, parts)) > MAX_PATH_CHARS:
+        raise DcpFormatError(f"a path of {len(parts)} parts that are not strings of a path's length")
+    return "/".join(parts)
 
 
 _GLOBALS: dict[tuple[str, str], Callable[..., Any] | type] = {
@@ -171,7 +178,7 @@ def read_metadata_bytes(path: str | Path) -> bytes:
     """The bytes of a `.metadata`, bounded; absent is a DcpFormatError (the checkpoint is not finished)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO named .metadata must not hold the scan
             data = f.read(MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise DcpFormatError("no .metadata: the checkpoint is not finished", path=path) from None
@@ -184,7 +191,10 @@ def read_metadata_bytes(path: str | Path) -> bytes:
 
 def parse_dcp_metadata(data: bytes, where: object) -> DcpMetadata:
     try:
+        check_depth(data)
         meta = _AllowlistUnpickler(data, where).load()
+    except PickleShapeError as e:
+        raise DcpFormatError(f"unreadable DCP metadata: {e}", path=where) from None
     except DcpFormatError as e:
         raise DcpFormatError(e.message, path=where, hint=e.hint) from None
     except Exception as e:  # truncated or garbled: a named error, not a traceback from pickle
@@ -205,28 +215,31 @@ def _checked(meta: _Record, where: object) -> DcpMetadata:
     for index, info in storage.items():
         if not (isinstance(index, _Record) and index.kind == "MetadataIndex"):
             raise DcpFormatError(f"a storage key is a {type(index).__name__}", path=where)
+        fqn = index.get("fqn")
+        if not isinstance(fqn, str):
+            raise DcpFormatError(f"a storage key names {type(fqn).__name__} {show(fqn)}", path=where)
         if not (isinstance(info, _Record) and info.kind == "_StorageInfo"):
-            raise DcpFormatError(f"storage of {index.get('fqn')!r} is a {type(info).__name__}", path=where)
-        fqn, offset = index.get("fqn"), index.get("offset")
+            raise DcpFormatError(f"storage of {fqn!r} is a {type(info).__name__}", path=where)
+        offset = index.get("offset")
         if offset is None:
             continue  # a pickled object's record
         file, at, length = info.get("relative_path"), info.get("offset"), info.get("length")
         if not (isinstance(file, str) and file and "/" not in file and file not in (".", "..")):
-            raise DcpFormatError(f"tensor {fqn!r}: its file {file!r} is not a plain name", path=where)
+            raise DcpFormatError(f"tensor {fqn!r}: its file {show(file)} is not a plain name", path=where)
         if not (_is_uint(at) and _is_uint(length)):
-            raise DcpFormatError(f"tensor {fqn!r}: offset {at!r} and length {length!r}", path=where)
+            raise DcpFormatError(f"tensor {fqn!r}: offset {show(at)} and length {show(length)}", path=where)
         if info.get("transform_descriptors"):
             raise DcpFormatError(
-                f"tensor {fqn!r} is stored through {list(info.get('transform_descriptors'))} "
+                f"tensor {fqn!r} is stored through {show(info.get('transform_descriptors'))} "
                 "(a compression or other stream transform): its bytes cannot be read at an offset",
                 path=where,
             )
-        places[(str(fqn), _size(offset))] = (file, at, length)
+        places[(fqn, _size(offset))] = (file, at, length)
     tensors: dict[str, DcpTensor] = {}
     other: list[str] = []
     for fqn, md in sd.items():
         if not isinstance(fqn, str) or not isinstance(md, _Record):
-            raise DcpFormatError(f"entry {fqn!r} is a {type(md).__name__}", path=where)
+            raise DcpFormatError(f"entry {show(fqn)} is a {type(md).__name__}", path=where)
         if md.kind == "BytesStorageMetadata":
             other.append(fqn)
             continue
@@ -246,7 +259,9 @@ def _tensor(
         raise DcpFormatError(f"tensor {fqn!r} has no dtype", path=where)
     layout = props.get("layout")
     if layout not in (None, "torch.strided"):
-        raise DcpFormatError(f"tensor {fqn!r} has layout {layout}; only strided tensors export", path=where)
+        raise DcpFormatError(
+            f"tensor {fqn!r} has layout {show(layout)}; only strided tensors export", path=where
+        )
     shape = _size(md.get("size"))
     chunks = []
     for c in md.get("chunks") or ():

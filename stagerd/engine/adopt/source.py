@@ -38,6 +38,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
+from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
@@ -170,13 +171,15 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
             for part in hf_files(ckpt / preset.model_dir):
                 read_header(part)
                 times.append(part.stat().st_mtime)
+        # A FIFO in a completion file's place would hold the scan for good, and JSON nested too deep
+        # raises RecursionError: each is a checkpoint that is not finished, never a stuck or dead daemon.
         for z in preset.zips:
-            with zipfile.ZipFile(ckpt / z):
+            with open_regular(ckpt / z) as f, zipfile.ZipFile(f):
                 pass
         for j in preset.jsons:
-            with open(ckpt / j, "rb") as f:
+            with open_regular(ckpt / j) as f:
                 json.loads(f.read(MAX_PARSED_EXTRA_BYTES))
-    except (OSError, ValueError, zipfile.BadZipFile, StagerdError):
+    except (OSError, ValueError, RecursionError, zipfile.BadZipFile, StagerdError):
         return None
     return max(times) if times else None
 

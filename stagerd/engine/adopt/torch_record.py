@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.contract.pickle_depth import check_depth, show
 from stagerd.errors import DcpFormatError
 
 MAX_PICKLE_BYTES = 1 << 20
@@ -87,19 +88,19 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: BUILD can change its fields
 class _StorageType:
     dtype: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Storage:
     dtype: str
     key: str
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Rebuilt:
     storage: _Storage
     offset: int
@@ -127,7 +128,7 @@ class _RecordUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise DcpFormatError(f"a tensor record refers to {pid!r:.80}, not a storage")
+            raise DcpFormatError(f"a tensor record refers to {show(pid)}, not a storage")
         _, kind, key, _location, numel = pid
         if not isinstance(kind, _StorageType) or not isinstance(key, str) or not _uint(numel):
             raise DcpFormatError("a tensor record's storage reference is malformed")
@@ -152,7 +153,9 @@ def read_record(fd: int, base: int, length: int, where: object) -> RecordedTenso
             info = members[pkl]
             if info.file_size > MAX_PICKLE_BYTES:
                 raise DcpFormatError(f"the record at offset {base} has a {info.file_size}-byte data.pkl")
-            rebuilt = _RecordUnpickler(io.BytesIO(z.read(pkl))).load()
+            raw = z.read(pkl)
+            check_depth(raw)
+            rebuilt = _RecordUnpickler(io.BytesIO(raw)).load()
             if not isinstance(rebuilt, _Rebuilt):
                 raise DcpFormatError(f"the record at offset {base} holds a {type(rebuilt).__name__}")
             member = members.get(f"{pkl.removesuffix('data.pkl')}data/{rebuilt.storage.key}")
@@ -160,8 +163,12 @@ def read_record(fd: int, base: int, length: int, where: object) -> RecordedTenso
                 raise DcpFormatError(f"the record at offset {base} lacks its storage", path=where)
     except DcpFormatError as e:
         raise DcpFormatError(e.message, path=where) from None
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise DcpFormatError(f"the record at offset {base} is damaged: {e}", path=where) from None
+    # Not only BadZipFile and UnpicklingError: an unsupported or encrypted member, deflate data that is
+    # not, a BUILD on a value with no __dict__ each raise their own kind. All are damage, never a traceback.
+    except Exception as e:
+        raise DcpFormatError(
+            f"the record at offset {base} is damaged: {type(e).__name__}: {e}", path=where
+        ) from None
     return _place(fd, base, length, rebuilt, member, where)
 
 

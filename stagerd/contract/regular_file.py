@@ -1,0 +1,27 @@
+"""Opening a file someone else wrote, for reading, without waiting on it.
+
+`open()` of a FIFO blocks until a writer comes, and a daemon's scan that opens one never returns: nothing
+else under ROOT is then exported. Opened with O_NONBLOCK, anything but a regular file is an OSError
+(EINVAL) its caller already turns into its own named error; a regular file reads as usual.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`open(path, "rb")`, refusing (OSError EINVAL) a FIFO, device, socket or directory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "is not a regular file", str(Path(path)))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
