@@ -22,6 +22,7 @@ from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
+from stagerd.contract.regular_file import open_regular
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
@@ -157,7 +158,7 @@ MAX_PARSED_EXTRA_BYTES = 16 << 20
 def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO would hold the export forever
             raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
     except OSError as e:
         raise ExtrasError(f"cannot read {path.name}: {e.strerror}", path=path) from None
@@ -165,6 +166,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ExtrasError(f"{path.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=path)
     try:
         parsed = json.loads(raw)
+    except RecursionError:
+        raise ExtrasError(f"{path.name} is not valid JSON: nested too deep", path=path) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ExtrasError(f"{path.name} is not valid JSON: {e}", path=path) from None
     if not isinstance(parsed, dict):

@@ -86,10 +86,6 @@ def read_manifest(store: RemoteStore, prefix: str, step: int) -> ExportManifest:
         manifest = parse_manifest(data, store.where(key))
     except SinkConflictError as e:
         raise RestoreError(e.message, path=e.path) from None
-    except RecursionError:  # parse_manifest's json.loads of `[[[[...`
-        raise RestoreError(
-            "remote manifest is not valid JSON (nested too deep)", path=store.where(key)
-        ) from None
     if manifest.step != step:
         raise RestoreError(f"is for step {manifest.step}, not {step}", path=store.where(key))
     return manifest

@@ -319,6 +319,8 @@ def manifest_bytes(manifest: ExportManifest) -> bytes:
 def parse_manifest(data: bytes, where: str) -> ExportManifest:
     try:
         return ExportManifest.from_json(json.loads(data), path=where)
+    except RecursionError:
+        raise SinkConflictError("remote manifest is not valid JSON (nested too deep)", path=where) from None
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
         raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
     except MarkerError as e:

@@ -26,6 +26,7 @@ def _restage(step_dir) -> None:
         ("config.json", b'{"model_type": "llama",', "not valid JSON"),
         ("config.json", b"[1, 2]", "must hold a JSON object"),
         ("generation_config.json", b"\xff\xfe", "not valid JSON"),
+        ("config.json", b"[" * 100_000, "nested too deep"),  # a RecursionError traceback before
     ],
 )
 def test_an_unparseable_config_is_an_extras_error_and_nothing_is_written(
