@@ -52,3 +52,40 @@ def test_empty_trash_removes_directories_and_stray_files_and_counts_them(tmp_pat
     (trash_dir(tmp_path) / "leftover").write_bytes(b"partial")
     assert empty_trash(tmp_path) == 3
     assert list(trash_dir(tmp_path).iterdir()) == []
+
+
+def _watch_once(root, sink, *extra):
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+
+    return run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags(), *extra])
+
+
+def test_retention_never_deletes_a_step_being_saved_again(tmp_path, dcp_mixed2):
+    """Step 100 was published, then deleted by hand and saved again (the run restarted from step 50): the
+    new save is in ROOT, not yet committed, its Stager holding the step's lock. Retention (keep 2) used to
+    rename it into the trash by the journal's word that step 100 was published: the new save was lost."""
+    import shutil
+
+    from stagerd.contract.step_lock import StepLock
+    from tests.daemon_helpers import stage_copy
+    from tests.dcp_fixtures import commit_step
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    stage_copy(root, 200, model, world=2)
+    first = _watch_once(root, sink, "--keep-last", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    step = root / layout.step_dir_name(100)
+    shutil.rmtree(step)
+    shutil.copytree(model, step / "model")  # the new save, written, its marker not yet
+    stage_copy(root, 300, model, world=2)
+    with StepLock(root, 100, "a Stager save"):
+        second = _watch_once(root, sink, "--keep-last", "2")
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert sorted(p.name for p in (step / "model").iterdir()) == sorted(p.name for p in model.iterdir())
+        assert "step 100: staged data kept" in second.stderr
+    commit_step(step, 2, metadata={"restarted": True})  # the save finishes: the scan judges it next
+    assert not (root / ".stagerd" / "trash").exists() or not list((root / ".stagerd" / "trash").iterdir())
