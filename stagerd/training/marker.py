@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.contract.step_lock import StepLock
-from stagerd.errors import SaveError, StepExistsError
+from stagerd.errors import SaveError, StepExistsError, SymlinkError
 from stagerd.ops.crashpoints import delay_point
 from stagerd.training.save_inputs import Extra
 
@@ -45,6 +45,7 @@ def _hold(step_dir: Path) -> None:
 def clear_stale(step_dir: Path) -> None:
     """Leader: take the step's lock, then clear what a crashed, uncommitted save of this step left."""
     _hold(step_dir)
+    _refuse_links(step_dir)
     if layout.is_committed(step_dir):  # a restore landed it since the check before the check-in
         raise StepExistsError("step is already committed; refusing to overwrite it", path=step_dir)
     stale = [step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)]
@@ -53,6 +54,18 @@ def clear_stale(step_dir: Path) -> None:
         log.warning("removing an uncommitted earlier save of %s: %s", step_dir, [p.name for p in stale])
         for p in stale:
             shutil.rmtree(p)
+
+
+def _refuse_links(step_dir: Path) -> None:
+    """The step directory and the directories a save clears and writes are its own, never a link: through
+    one, clearing a crashed save would delete another directory's files, outside ROOT."""
+    for p in (step_dir, *(step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR))):
+        if p.is_symlink():
+            raise SymlinkError(
+                f"is a symbolic link (-> {os.readlink(p)}); a save never clears or writes through a link",
+                path=p,
+                hint="remove the link (its target is left as it is), then save again; nothing was changed",
+            )
 
 
 def write_extras(step_dir: Path, extras: tuple[Extra, ...]) -> dict[str, tuple[int, int]]:

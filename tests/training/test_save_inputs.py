@@ -75,3 +75,38 @@ def test_a_marker_naming_a_reference_index_outside_its_step_is_refused(step_dir,
         with pytest.raises(ReferenceIndexError, match="outside the step"):
             export_step(step_dir)
         assert not (step_dir / layout.EXPORT_DIR).exists()
+
+
+def test_a_step_directory_that_is_a_link_is_never_cleared_or_written_through(tmp_path):
+    """A link named like an uncommitted step in ROOT (to another run's directory, another disk): the save
+    used to clear `model/`, `optim/` and `extras/` of the link's target, outside ROOT, and write there."""
+    from stagerd import Stager
+    from stagerd.errors import SaveError
+
+    other = tmp_path / "other-run"
+    for d in ("model", "optim", "extras"):
+        (other / d).mkdir(parents=True)
+        (other / d / "keep.bin").write_bytes(b"not stagerd's")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000001").symlink_to(other, target_is_directory=True)
+    (root / "step-00000002").mkdir()
+    (root / "step-00000002" / "model").symlink_to(other / "model", target_is_directory=True)
+    sd = {"w": torch.arange(4, dtype=torch.float32)}
+    with Stager(root) as stager:
+        for step, link in ((1, root / "step-00000001"), (2, root / "step-00000002" / "model")):
+            with pytest.raises(SaveError, match="SymlinkError") as err:
+                stager.save(sd, step).result()
+            assert str(link) in str(err.value)
+        with pytest.raises(SaveError):  # wait() reports the failed saves again
+            stager.wait()
+        assert stager.save(sd, 3).result().step == 3  # other steps go on
+    assert sorted(p.relative_to(other).as_posix() for p in other.rglob("*")) == [
+        "extras",
+        "extras/keep.bin",
+        "model",
+        "model/keep.bin",
+        "optim",
+        "optim/keep.bin",
+    ]
+    assert (other / "model" / "keep.bin").read_bytes() == b"not stagerd's"
