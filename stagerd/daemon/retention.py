@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.errors import SymlinkError
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd")
@@ -69,9 +70,21 @@ def trash_dir(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / TRASH_DIR
 
 
+def _refuse_a_linked_trash(trash: Path) -> None:
+    """Everything in the trash is deleted: a trash that is a link would take retired steps elsewhere and
+    empty whatever directory it points to."""
+    if trash.is_symlink():
+        raise SymlinkError(
+            f"is a symbolic link (-> {os.readlink(trash)}); stagerd deletes everything in its trash",
+            path=trash,
+            hint="remove the link (its target is left as it is); stagerd makes its own trash directory",
+        )
+
+
 def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]) -> Path | None:
     """Atomically take `step_dir` out of ROOT; returns its trash path (None if it was already gone)."""
     trash = trash_dir(root)
+    _refuse_a_linked_trash(trash)
     trash.mkdir(parents=True, exist_ok=True)
     src = Path(step_dir)
     dst = trash / f"{src.name}.{os.getpid()}.{time.time_ns()}"
@@ -88,6 +101,7 @@ def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]
 def empty_trash(root: str | os.PathLike[str]) -> int:
     """Remove everything in the trash (retired steps, crash leftovers); returns the entries removed."""
     trash = trash_dir(root)
+    _refuse_a_linked_trash(trash)
     if not trash.is_dir():
         return 0
     n = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from stagerd.contract import layout
 from stagerd.daemon.retention import (
     StepView,
@@ -14,6 +16,7 @@ from stagerd.daemon.retention import (
     plan_retention,
     trash_dir,
 )
+from stagerd.errors import SymlinkError
 
 
 def test_retention_plan_keeps_newest_and_never_unpublished():
@@ -89,3 +92,29 @@ def test_retention_never_deletes_a_step_being_saved_again(tmp_path, dcp_mixed2):
         assert "step 100: staged data kept" in second.stderr
     commit_step(step, 2, metadata={"restarted": True})  # the save finishes: the scan judges it next
     assert not (root / ".stagerd" / "trash").exists() or not list((root / ".stagerd" / "trash").iterdir())
+
+
+def test_a_trash_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, dcp_mixed2):
+    """`ROOT/.stagerd/trash` linked to another directory: the daemon emptied that directory at start (every
+    entry in it, as leftovers of an interrupted retention), and renamed retired steps into it."""
+    from tests.daemon_helpers import stage_copy
+
+    model, _ = dcp_mixed2
+    root, sink, other = tmp_path / "root", tmp_path / "sink", tmp_path / "datasets"
+    (other / "imagenet").mkdir(parents=True)
+    (other / "imagenet" / "train.bin").write_bytes(b"x" * 100)
+    (other / "readme.txt").write_bytes(b"keep")
+    stage_copy(root, 1, model, world=2)
+    stage_copy(root, 2, model, world=2)
+    trash_dir(root).parent.mkdir()
+    trash_dir(root).symlink_to(other, target_is_directory=True)
+    r = _watch_once(root, sink, "--keep-last", "1")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "SymlinkError" in r.stderr and str(trash_dir(root)) in r.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["imagenet", "readme.txt"]
+    assert (other / "imagenet" / "train.bin").read_bytes() == b"x" * 100
+    assert layout.is_committed(root / layout.step_dir_name(1))
+
+    with pytest.raises(SymlinkError):  # retention of a running daemon: the step stays in ROOT
+        move_to_trash(root, root / layout.step_dir_name(1))
+    assert layout.is_committed(root / layout.step_dir_name(1))
