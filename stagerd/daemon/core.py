@@ -166,7 +166,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 extra={"root": str(self.root), "sinks": list(self._sinks), "pid": os.getpid(), **applied},
             )
             await loop.run_in_executor(self._export_pool, _warm_engine)
-            removed = await self._trash(empty_trash, self.root)
+            removed = await self._trash(empty_trash, self.root, *self._set_aside_places())
             if removed:
                 log.info("removed %d leftover(s) of an interrupted retention from the trash", removed)
             await self._recover()

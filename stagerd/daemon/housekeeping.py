@@ -14,7 +14,13 @@ from stagerd.contract.step_lock import StepLock
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import PUBLISHED, RETIRED
-from stagerd.daemon.retention import StepView, empty_trash, move_to_trash, plan_retention
+from stagerd.daemon.retention import (
+    StepView,
+    empty_trash,
+    move_to_trash,
+    plan_retention,
+    set_aside,
+)
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepBusyError
 
@@ -46,7 +52,7 @@ class Housekeeping(Health, Adoption):
             self._log_step(
                 step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"
             )
-        await self._trash(empty_trash, self.root)
+        await self._trash(empty_trash, self.root, *self._set_aside_places())
 
     def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> str | None:
         """Trash thread: delete what retention may of a published step, under the step's lock, and only
@@ -84,6 +90,10 @@ class Housekeeping(Health, Adoption):
             if lock is not None:
                 lock.release()
 
+    def _set_aside_places(self) -> list[Path]:
+        """Where retention may set a step's data aside besides ROOT: the adopted checkpoints' exports."""
+        return [] if self._adopt_root is None else [self._adopt_root]
+
     def _retired_paths(self, step_dir: Path) -> list[Path]:
         """What retention deletes of a step: its directory; of an adopted checkpoint, stagerd's export of it,
         and the trainer's checkpoint only when `delete_adopted` says so."""
@@ -112,11 +122,13 @@ class Housekeeping(Health, Adoption):
 
 
 def remove_step_data(root: Path, path: Path) -> None:
-    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else removed in place (an export
-    directory elsewhere: no rename reaches the trash from there)."""
+    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else set aside by one rename beside
+    it and removed there (`ROOT/.stagerd` or an export directory on another disk)."""
     try:
         move_to_trash(root, path)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-        shutil.rmtree(path, ignore_errors=True)
+        aside = set_aside(path)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)

@@ -53,8 +53,16 @@ def test_empty_trash_removes_directories_and_stray_files_and_counts_them(tmp_pat
         (step / "model").mkdir(parents=True)
         move_to_trash(tmp_path, step)
     (trash_dir(tmp_path) / "leftover").write_bytes(b"partial")
-    assert empty_trash(tmp_path) == 3
+    (tmp_path / ".step-00000004.retired.12.34").mkdir()  # set aside, then killed (another filesystem)
+    (tmp_path / ".notes.retired.12.34").mkdir()  # not a step's: never stagerd's to delete
+    (tmp_path / ".step-00000005.retired.12.34.bak").mkdir()
+    assert empty_trash(tmp_path) == 4
     assert list(trash_dir(tmp_path).iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".notes.retired.12.34",
+        ".stagerd",
+        ".step-00000005.retired.12.34.bak",
+    ]
 
 
 def _watch_once(root, sink, *extra):
@@ -118,3 +126,30 @@ def test_a_trash_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, dc
     with pytest.raises(SymlinkError):  # retention of a running daemon: the step stays in ROOT
         move_to_trash(root, root / layout.step_dir_name(1))
     assert layout.is_committed(root / layout.step_dir_name(1))
+
+
+def test_a_trash_on_another_filesystem_never_leaves_half_a_step_in_root(tmp_path, tmpfs, dcp_mixed2):
+    """`ROOT/.stagerd` linked to another disk: no rename reaches the trash (EXDEV). The step was removed in
+    place, file by file, so a kill left half a step (perhaps its marker without its shards) in ROOT. Now it
+    is set aside by one rename beside it first; a kill there leaves only the set-aside copy, which the
+    restart removes."""
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags, stage_copy
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 1, model, world=2)
+    stage_copy(root, 2, model, world=2)
+    state = tmpfs(16 << 20)
+    (root / layout.STATE_DIR).symlink_to(state, target_is_directory=True)
+    args = ["watch", root, "--sink", sink.as_uri(), "--once", "--keep-last", "1", *fast_flags()]
+    killed = run_cli(args, env={"STAGERD_CRASH_AT": "retention.trashed:1"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = [p.name for p in root.iterdir()]
+    assert layout.step_dir_name(1) not in left  # out of ROOT's steps whole, never half
+    assert [n for n in left if n.startswith(f".{layout.step_dir_name(1)}.retired.")], left
+    again = run_cli(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    left = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))  # a killed holder's lock
+    assert left == [layout.STATE_DIR, layout.step_dir_name(2)]
+    assert layout.is_committed(root / layout.step_dir_name(2))
