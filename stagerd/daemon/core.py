@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.daemon.adopt import adopt_root, check_adopt_places
+from stagerd.daemon.adopt import adopt_root, check_adopt_places, claim_export_dir
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal.raw import raw_lane
@@ -121,6 +121,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:
+            if self._adopt_root is not None and self.settings.export_dir is not None:
+                claim_export_dir(self.root, self._adopt_root, self._fleet_root_id())
             # Niceness and the I/O class are per thread on Linux: set them before any thread exists.
             applied = lower_priority(self.settings.nice, self.settings.io_class)
             self._jpool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-journal")
