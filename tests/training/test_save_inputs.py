@@ -110,3 +110,24 @@ def test_a_step_directory_that_is_a_link_is_never_cleared_or_written_through(tmp
         "optim/keep.bin",
     ]
     assert (other / "model" / "keep.bin").read_bytes() == b"not stagerd's"
+
+
+def test_a_new_save_into_an_uncommitted_step_never_keeps_the_old_export(tmp_path):
+    """A step whose marker went first (an interrupted `rm -rf`, a marker deleted by hand) is uncommitted:
+    the next save cleared model/, optim/ and extras/ but kept the daemon's export/ of the old save, which
+    the export engine then took as this save's (same options: `skipped`), so the old weights were
+    published as the new save."""
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+
+    step = tmp_path / "step-00000001"
+    with Stager(tmp_path) as stager:
+        stager.save({"w": torch.zeros(4)}, 1).result()
+        assert not export_step(step).skipped
+        (step / layout.MARKER_NAME).unlink()
+        stager.save({"w": torch.ones(4)}, 1).result()
+    again = export_step(step)
+    assert not again.skipped
+    (shard,) = (step / layout.EXPORT_DIR).glob("*.safetensors")
+    with safe_open(shard, "pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.ones(4))
