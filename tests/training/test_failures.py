@@ -165,3 +165,25 @@ def test_failed_saves_leave_no_marker_and_the_ranks_stay_in_step(failures):
         layout.check_staged_files(
             root / layout.step_dir_name(s), layout.read_marker(root / layout.step_dir_name(s))
         )
+
+
+def test_a_failed_write_never_writes_through_a_closed_descriptor(tmp_path):
+    """One file's write fails while the other files' chunks are still queued: the writer closed every
+    descriptor at once, and the queued chunks were then written through the closed numbers, which the
+    process had meanwhile given to other files (here: the trainer's own), at the chunk's offset. The failure
+    is made by a piece `os.pwrite` refuses (not contiguous); the same path runs on EIO or ENOSPC."""
+    from stagerd.training.shard_files import FileJob, ShardWriter, WriteError
+
+    paths = [tmp_path / f"victim-{i}" for i in range(201)]  # the trainer's own files (logs, data)
+    for path in paths:
+        path.write_bytes(b"v" * 1024)
+    writer = ShardWriter(1)
+    bad = FileJob("model/a.bin", [memoryview(bytearray(64))[::2]])
+    good = [FileJob(f"model/b{i:03d}.bin", [memoryview(b"S" * 512)]) for i in range(200)]
+    with pytest.raises(WriteError, match=r"model/a\.bin"):
+        writer.write(tmp_path, [bad, *good])
+    victims = [os.open(path, os.O_RDWR) for path in paths]  # opened by the trainer right after
+    writer.close()
+    for fd in victims:
+        assert os.pread(fd, 1024, 0) == b"v" * 1024
+        os.close(fd)
