@@ -11,6 +11,7 @@ an earlier save, are removed before the new save writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -57,6 +58,22 @@ def clear_stale(step_dir: Path) -> None:
         for p in stale:
             shutil.rmtree(p)
     (step_dir / layout.EXPORT_OPTIONS_NAME).unlink(missing_ok=True)
+
+
+def clear_failed(step_dir: Path) -> None:
+    """Leader, once every rank checked in and the save failed: remove what it wrote, so its fallocated files
+    do not hold the disk (nothing else ever removes an uncommitted step), and give the step's lock back.
+    Only a step this save holds the lock of, that is no link and has no marker (a restore that landed it)."""
+    held = _held.get(step_dir)
+    if held is None or step_dir.is_symlink() or layout.is_committed(step_dir):
+        return
+    for p in (step_dir / d for d in _SAVED):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        step_dir.rmdir()  # only when nothing else is left in it
+    _held.pop(step_dir).release()
+    log.info("removed the files of the failed save of %s", step_dir)
 
 
 def _refuse_links(step_dir: Path) -> None:
