@@ -95,11 +95,13 @@ def claim_export_dir(root: Path, work_root: Path, root_id: str) -> None:
         theirs = owner.read_text() if not owner.is_symlink() else ""
     except OSError as e:
         raise ConfigError(f"cannot read {OWNER_NAME}: {e.strerror}", path=owner) from None
-    if theirs.split(" ", 1)[0] != root_id:
-        other = theirs.split(" ", 1)[1].strip() if " " in theirs else "unknown"
+    their_id, _, other = theirs.strip().partition(" ")
+    if their_id != root_id and other == str(root.resolve()):
+        layout.write_bytes_atomic(owner, mine.encode())  # this ROOT, its .stagerd made again since
+    elif their_id != root_id:
         raise ConfigError(
-            f"the export directory {work_root} holds the exports of another ROOT ({other}): the daemons "
-            "would rebuild, publish and delete each other's exports of same-named checkpoints",
+            f"the export directory {work_root} holds the exports of another ROOT ({other or 'unknown'}): "
+            "the daemons would rebuild, publish and delete each other's exports of same-named checkpoints",
             path=owner,
             hint="give each ROOT its own --export-dir (e.g. ROOT-exports beside ROOT), or leave it unset",
         )
