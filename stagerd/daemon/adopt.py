@@ -66,10 +66,45 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
         if parse_step_name(top, custom) is not None:
             raise ConfigError(
                 f"{what} {place} is inside the trainer's checkpoint {top}: the trainer owns it",
-                hint="choose a directory beside the checkpoints, e.g. --export-dir ROOT/../exports",
+                hint="choose a directory outside ROOT for this ROOT alone, e.g. --export-dir ROOT-exports",
             )
     if settings.extras is not None and not Path(settings.extras).is_dir():
         raise ConfigError("--extras is not a directory", path=settings.extras)
+
+
+OWNER_NAME = ".stagerd-root"  # in an --export-dir: the identity and path of the ROOT whose exports it holds
+
+
+def claim_export_dir(root: Path, work_root: Path, root_id: str) -> None:
+    """An --export-dir holds one ROOT's exports: its work directories are named after the checkpoints
+    (`checkpoint-500` in every HF Trainer run), so a second ROOT's daemon would rebuild, publish and delete
+    the first's. The first daemon to use it writes its ROOT's identity there; another is a ConfigError."""
+    owner = work_root / OWNER_NAME
+    mine = f"{root_id} {root.resolve()}\n"
+    work_root.mkdir(parents=True, exist_ok=True)
+    if not owner.is_symlink() and not owner.exists():
+        tmp = work_root / f"{OWNER_NAME}.tmp-{os.getpid()}"
+        layout.write_bytes_atomic(tmp, mine.encode())
+        try:
+            os.link(tmp, owner)  # whole or absent, and only if no other daemon got there first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        theirs = owner.read_text() if not owner.is_symlink() else ""
+    except OSError as e:
+        raise ConfigError(f"cannot read {OWNER_NAME}: {e.strerror}", path=owner) from None
+    their_id, _, other = theirs.strip().partition(" ")
+    if their_id != root_id and other == str(root.resolve()):
+        layout.write_bytes_atomic(owner, mine.encode())  # this ROOT, its .stagerd made again since
+    elif their_id != root_id:
+        raise ConfigError(
+            f"the export directory {work_root} holds the exports of another ROOT ({other or 'unknown'}): "
+            "the daemons would rebuild, publish and delete each other's exports of same-named checkpoints",
+            path=owner,
+            hint="give each ROOT its own --export-dir (e.g. ROOT-exports beside ROOT), or leave it unset",
+        )
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:

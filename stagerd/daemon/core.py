@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.daemon.adopt import adopt_root, check_adopt_places
+from stagerd.daemon.adopt import adopt_root, check_adopt_places, claim_export_dir
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal.raw import raw_lane
@@ -100,6 +100,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._inflight_publishes = {}
         self._marker_metadata = {}
         self._odd_names = set()
+        self._retention_kept = set()
         self._adopt_clashes = set()
         self._adopt_presets = {}
         self._adopt_root = None if settings.adopt is None else adopt_root(self.root, settings.export_dir)
@@ -120,6 +121,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:
+            if self._adopt_root is not None and self.settings.export_dir is not None:
+                claim_export_dir(self.root, self._adopt_root, self._fleet_root_id())
             # Niceness and the I/O class are per thread on Linux: set them before any thread exists.
             applied = lower_priority(self.settings.nice, self.settings.io_class)
             self._jpool = ThreadPoolExecutor(1, thread_name_prefix="stagerd-journal")
@@ -165,7 +168,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 extra={"root": str(self.root), "sinks": list(self._sinks), "pid": os.getpid(), **applied},
             )
             await loop.run_in_executor(self._export_pool, _warm_engine)
-            removed = await self._trash(empty_trash, self.root)
+            removed = await self._trash(empty_trash, self.root, *self._set_aside_places())
             if removed:
                 log.info("removed %d leftover(s) of an interrupted retention from the trash", removed)
             await self._recover()

@@ -9,14 +9,25 @@ import errno
 import shutil
 from pathlib import Path
 
+from stagerd.contract import layout
+from stagerd.contract.step_lock import StepLock
+from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import PUBLISHED, RETIRED
-from stagerd.daemon.retention import StepView, empty_trash, move_to_trash, plan_retention
+from stagerd.daemon.retention import (
+    StepView,
+    empty_trash,
+    move_to_trash,
+    plan_retention,
+    set_aside,
+)
 from stagerd.daemon.state import log
-from stagerd.errors import JournalError, StagerdError
+from stagerd.errors import JournalError, MarkerError, StagerdError, StepBusyError
 
 
-class Housekeeping(Health):
+class Housekeeping(Health, Adoption):
+    _retention_kept: set[int]  # steps retention skipped because ROOT holds another save of them
+
     async def _retain(self) -> None:
         """Delete the staged data that retention allows, oldest first."""
         if self.settings.keep_last is None:
@@ -28,13 +39,60 @@ class Housekeeping(Health):
             if self._stopping:
                 return
             row = by_step[step]
-            for path in self._retired_paths(Path(row.path)):
-                await self._trash(remove_step_data, self.root, path)
+            kept = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
+            if kept is not None:
+                if step not in self._retention_kept:
+                    self._retention_kept.add(step)
+                    log.warning(
+                        "step %d: staged data kept (%s); it is not the save the sinks hold", step, kept
+                    )
+                continue
+            self._retention_kept.discard(step)
             await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
             self._log_step(
                 step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"
             )
-        await self._trash(empty_trash, self.root)
+        await self._trash(empty_trash, self.root, *self._set_aside_places())
+
+    def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> str | None:
+        """Trash thread: delete what retention may of a published step, under the step's lock, and only
+        while the directory still holds the save the sinks have; else why it was kept. A step deleted by
+        hand and saved again (a run restarted from an earlier checkpoint) is a new save that no sink has,
+        or one being written."""
+        paths = self._retired_paths(step_dir)
+        if step_dir not in paths:  # an adopted checkpoint stays: only stagerd's export of it goes
+            for path in paths:
+                remove_step_data(self.root, path)
+            return None
+        lock = StepLock(self.root, step, "retention") if self._adopt_root is None else None
+        try:
+            if lock is not None:
+                lock.acquire()
+            if step_dir.is_dir():
+                try:
+                    ident = (
+                        layout.marker_identity(step_dir)
+                        if self._adopt_root is None
+                        else self._adopted_identity(step_dir)
+                    )
+                except (FileNotFoundError, MarkerError):
+                    ident = None
+                if ident is None:
+                    return "its directory holds no committed save: a save of it may be in progress"
+                if marker_id is not None and ident != marker_id:
+                    return "its directory holds another save of it, saved since it was published"
+            for path in paths:
+                remove_step_data(self.root, path)
+            return None
+        except StepBusyError as e:
+            return str(e)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _set_aside_places(self) -> list[Path]:
+        """Where retention may set a step's data aside besides ROOT: the adopted checkpoints' exports."""
+        return [] if self._adopt_root is None else [self._adopt_root]
 
     def _retired_paths(self, step_dir: Path) -> list[Path]:
         """What retention deletes of a step: its directory; of an adopted checkpoint, stagerd's export of it,
@@ -64,11 +122,13 @@ class Housekeeping(Health):
 
 
 def remove_step_data(root: Path, path: Path) -> None:
-    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else removed in place (an export
-    directory elsewhere: no rename reaches the trash from there)."""
+    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else set aside by one rename beside
+    it and removed there (`ROOT/.stagerd` or an export directory on another disk)."""
     try:
         move_to_trash(root, path)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-        shutil.rmtree(path, ignore_errors=True)
+        aside = set_aside(path)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from stagerd.contract import layout
-from stagerd.errors import LockError
+from stagerd.errors import LockError, SymlinkError
 
 LOCK_NAME = "lock"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -75,8 +75,16 @@ class RootLock:
     def _open(self) -> int:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # The pid is written over the file's start and the file cut after it: never through a link.
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP and self.path.is_symlink():
+                raise SymlinkError(
+                    f"is a symbolic link (-> {os.readlink(self.path)}); the daemon writes its pid into its "
+                    "lock file and never through a link",
+                    path=self.path,
+                    hint="remove the link (its target is left as it is); the daemon makes its own lock file",
+                ) from None
             raise LockFileError(e, self.path) from None
 
     def _write_pid(self, fd: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -20,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.errors import SymlinkError
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd")
 
 TRASH_DIR = "trash"
+ASIDE = ".retired."  # in the dot name a step is set aside under when the trash is on another filesystem
+_ASIDE_STEP = re.compile(r"\.step-[0-9]{8,}\.retired\.[0-9]+\.[0-9]+")  # in ROOT: only step directories'
+_ASIDE_ANY = re.compile(r"\..+\.retired\.[0-9]+\.[0-9]+")  # in stagerd's own export directory
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,21 @@ def trash_dir(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / TRASH_DIR
 
 
+def _refuse_a_linked_trash(trash: Path) -> None:
+    """Everything in the trash is deleted: a trash that is a link would take retired steps elsewhere and
+    empty whatever directory it points to."""
+    if trash.is_symlink():
+        raise SymlinkError(
+            f"is a symbolic link (-> {os.readlink(trash)}); stagerd deletes everything in its trash",
+            path=trash,
+            hint="remove the link (its target is left as it is); stagerd makes its own trash directory",
+        )
+
+
 def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]) -> Path | None:
     """Atomically take `step_dir` out of ROOT; returns its trash path (None if it was already gone)."""
     trash = trash_dir(root)
+    _refuse_a_linked_trash(trash)
     trash.mkdir(parents=True, exist_ok=True)
     src = Path(step_dir)
     dst = trash / f"{src.name}.{os.getpid()}.{time.time_ns()}"
@@ -85,13 +102,33 @@ def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]
     return dst
 
 
-def empty_trash(root: str | os.PathLike[str]) -> int:
-    """Remove everything in the trash (retired steps, crash leftovers); returns the entries removed."""
+def set_aside(path: Path) -> Path | None:
+    """Where the trash is on another filesystem (`ROOT/.stagerd` linked to another disk, an export
+    directory elsewhere): take `path` out of sight by one rename to a dot name beside it, never a step's;
+    returns that name (None if it was already gone). Removing it then cannot leave half a step."""
+    aside = path.with_name(f".{path.name}{ASIDE}{os.getpid()}.{time.time_ns()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None
+    layout.fsync_dir(path.parent)
+    crash_point("retention.trashed")
+    return aside
+
+
+def empty_trash(root: str | os.PathLike[str], *elsewhere: Path) -> int:
+    """Remove everything in the trash (retired steps, crash leftovers), and what was set aside in ROOT or
+    `elsewhere` (an adopted checkpoints' export directory); returns the entries removed."""
     trash = trash_dir(root)
-    if not trash.is_dir():
-        return 0
+    _refuse_a_linked_trash(trash)
+    entries = list(os.scandir(trash)) if trash.is_dir() else []
+    for place, names in ((Path(root), _ASIDE_STEP), *((Path(p), _ASIDE_ANY) for p in elsewhere)):
+        if place.is_dir():  # only directories under the names set_aside gives
+            entries += [
+                e for e in os.scandir(place) if names.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+            ]
     n = 0
-    for entry in os.scandir(trash):
+    for entry in entries:
         crash_point("retention.rmtree")
         try:
             if entry.is_dir(follow_symlinks=False):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import Any
 
 from stagerd.contract import layout
@@ -23,7 +24,7 @@ from stagerd.contract.dtypes import safetensors_name
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
 from stagerd.training.host_copy import Staging, settle
-from stagerd.training.marker import write_commit, write_extras
+from stagerd.training.marker import clear_failed, write_commit, write_extras
 from stagerd.training.placement import Assigner, Block, Local, blocks_to_write, local_blocks, plain_summary
 from stagerd.training.save_inputs import SaveSpec
 from stagerd.training.shard_files import (
@@ -156,7 +157,11 @@ class Committer:
             if rank == 0
             else None
         )
-        payloads = check_in(comm, spec, "writing", local, (files, tensors, extras, time.time(), described))
+        # A failed save removes what it wrote (the leader, once no rank writes any more).
+        cleanup = partial(clear_failed, spec.step_dir) if self._is_leader else None
+        payloads = check_in(
+            comm, spec, "writing", local, (files, tensors, extras, time.time(), described), on_failure=cleanup
+        )
         for f, t, _, _, _ in payloads:
             files.update(f)
             tensors.update(t)
@@ -183,5 +188,5 @@ class Committer:
                 write_commit(spec.step_dir, marker)
         except Exception as e:  # e.g. the disk filled up after the shards: no marker, say so everywhere
             local = failed_here(spec, rank, "writing the commit marker", e)
-        check_in(comm, spec, "committing", local)
+        check_in(comm, spec, "committing", local, on_failure=cleanup)
         return marker

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -135,12 +136,19 @@ def _refusal_elsewhere(step: int, statuses: list[Any]) -> StagerdError:
 
 
 def check_in(
-    comm: Collectives, spec: SaveSpec, what: str, local: RankFailure | None, payload: Any = None
+    comm: Collectives,
+    spec: SaveSpec,
+    what: str,
+    local: RankFailure | None,
+    payload: Any = None,
+    *,
+    on_failure: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Every rank says how `what` went on it; if it failed on any rank, raise SaveError on every rank.
 
     Returns every rank's payload. A broken group (a rank died, the group's timeout ran out) fails the
-    save on the ranks that see it rather than leaving them waiting.
+    save on the ranks that see it rather than leaving them waiting. `on_failure` runs before the raise
+    when every rank checked in (so none is still writing) and one failed.
     """
     try:
         statuses = comm.all_gather((local, payload))
@@ -160,5 +168,10 @@ def check_in(
         error = SaveError(f"step {spec.step} was not committed: {msg}", path=spec.step_dir)
         if any(f is not None and f.disk_full for f, _ in statuses):
             error.hint = "the staging disk is full: free space on the staging root and save again"
+        if on_failure is not None:
+            try:
+                on_failure()
+            except Exception as e:  # cleaning up must never hide the failure itself
+                log.warning("step %d: cannot remove the failed save's files: %s", spec.step, e)
         raise error
     return [p for _, p in statuses]

@@ -5,12 +5,13 @@ listing, plus `tensors` (global dtype and shape of every model tensor, from DCP'
 `world_size`. It is written atomically (temp name, fsync, rename, directory fsync), after an all-ranks
 check-in that every part of the save succeeded. A failed save never writes a marker. A step whose
 directory already has a marker is refused with `StepExistsError` on every rank. A step directory without
-a marker is a crashed, uncommitted save: its `model/`, `optim/` and `extras/` are removed before the new
-save writes.
+a marker is a crashed, uncommitted save: its `model/`, `optim/` and `extras/`, and the daemon's export of
+an earlier save, are removed before the new save writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,13 +22,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.contract.step_lock import StepLock
-from stagerd.errors import SaveError, StepExistsError
+from stagerd.errors import SaveError, StepExistsError, SymlinkError
 from stagerd.ops.crashpoints import delay_point
 from stagerd.training.save_inputs import Extra
 
 log = logging.getLogger("stagerd.stage")
 
 
+_SAVED = (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)  # what a save writes in its step directory
 _held: dict[Path, StepLock] = {}  # step dir -> the lock its save holds until its marker (step_lock.py)
 
 
@@ -45,14 +47,45 @@ def _hold(step_dir: Path) -> None:
 def clear_stale(step_dir: Path) -> None:
     """Leader: take the step's lock, then clear what a crashed, uncommitted save of this step left."""
     _hold(step_dir)
+    _refuse_links(step_dir)
     if layout.is_committed(step_dir):  # a restore landed it since the check before the check-in
         raise StepExistsError("step is already committed; refusing to overwrite it", path=step_dir)
-    stale = [step_dir / d for d in (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)]
+    # The daemon's export of the earlier save too: with the same options it would be taken as this save's.
+    stale = [step_dir / d for d in (*_SAVED, layout.EXPORT_DIR, layout.EXPORT_TMP_DIR)]
     stale = [p for p in stale if p.exists()]
     if stale:
         log.warning("removing an uncommitted earlier save of %s: %s", step_dir, [p.name for p in stale])
         for p in stale:
             shutil.rmtree(p)
+    (step_dir / layout.EXPORT_OPTIONS_NAME).unlink(missing_ok=True)
+
+
+def clear_failed(step_dir: Path) -> None:
+    """Leader, once every rank checked in and the save failed: remove what it wrote, so its fallocated files
+    do not hold the disk (nothing else ever removes an uncommitted step), and give the step's lock back.
+    Only a step this save holds the lock of, that is no link and has no marker (a restore that landed it)."""
+    held = _held.get(step_dir)
+    if held is None or step_dir.is_symlink() or layout.is_committed(step_dir):
+        return
+    for p in (step_dir / d for d in _SAVED):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        step_dir.rmdir()  # only when nothing else is left in it
+    _held.pop(step_dir).release()
+    log.info("removed the files of the failed save of %s", step_dir)
+
+
+def _refuse_links(step_dir: Path) -> None:
+    """The step directory and the directories a save clears and writes are its own, never a link: through
+    one, clearing a crashed save would delete another directory's files, outside ROOT."""
+    for p in (step_dir, *(step_dir / d for d in (*_SAVED, layout.EXPORT_DIR, layout.EXPORT_TMP_DIR))):
+        if p.is_symlink():
+            raise SymlinkError(
+                f"is a symbolic link (-> {os.readlink(p)}); a save never clears or writes through a link",
+                path=p,
+                hint="remove the link (its target is left as it is), then save again; nothing was changed",
+            )
 
 
 def write_extras(step_dir: Path, extras: tuple[Extra, ...]) -> dict[str, tuple[int, int]]:

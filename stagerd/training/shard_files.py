@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,7 @@ class _File:
                 os.posix_fallocate(self.fd, 0, size)
             except OSError as e:  # a file system without it still takes the writes
                 if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL
+                    os.close(self.fd)
                     raise
 
 
@@ -176,6 +177,7 @@ class ShardWriter:
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         files: list[_File] = []
+        futures: list[Future[None]] = []
         try:
             per_file = []
             for job in jobs:
@@ -188,7 +190,8 @@ class ShardWriter:
             # The files' chunks interleaved: each thread works on another file (a file system serializes
             # buffered writes to one file), and every file is written front to back.
             tasks = [t for group in itertools.zip_longest(*per_file) for t in group if t is not None]
-            futures = [self._pool.submit(self._task, f, off, pieces) for f, off, pieces in tasks]
+            for f, off, pieces in tasks:
+                futures.append(self._pool.submit(self._task, f, off, pieces))
             for f in files:
                 if f.size == 0:  # an empty file gets no task: fsync it here
                     os.fsync(f.fd)
@@ -196,6 +199,11 @@ class ShardWriter:
                 if (failure := fut.exception()) is not None:
                     raise WriteError(f.rel, failure)
         finally:
+            # After a failure, chunks still queued or running would write through descriptors closed here,
+            # whose numbers the process may already have given to other files: none may outlive them.
+            for fut in futures:
+                fut.cancel()
+            wait(futures)
             for f in files:
                 os.close(f.fd)
         for d in dirs:

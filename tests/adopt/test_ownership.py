@@ -36,3 +36,27 @@ def test_an_export_directory_inside_a_checkpoint_is_refused(tmp_path):
     res = watch_once(root, tmp_path / "out", "--export-dir", str(root / "step-1" / "hf"))
     assert res.returncode == 2 and "inside the trainer's checkpoint step-1" in res.stderr, res.stderr
     assert not (root / "step-1" / "hf").exists()
+
+
+def test_two_roots_never_share_an_export_directory(tmp_path):
+    """Two runs whose daemons were given one --export-dir (the work directories are named after the
+    checkpoints: `step-1` in both): run B's daemon rebuilt run A's export of step 1 with B's weights, and
+    A's next publish of step 1 (a sink added) sent B's weights as A's step 1."""
+    import torch.distributed.checkpoint as dcp
+
+    a, b, exports = tmp_path / "runA", tmp_path / "runB", tmp_path / "exports"
+    ranks.write(str(a / "step-1"))
+    state = ranks._tensors()
+    state["model"]["w"] = state["model"]["w"] + 1
+    dcp.save(state, checkpoint_id=str(b / "step-1"), no_dist=True)
+    res = watch_once(a, tmp_path / "sinkA", "--export-dir", str(exports))
+    assert res.returncode == 0, res.stdout + res.stderr
+    before = tree_digest(exports)
+
+    res = watch_once(b, tmp_path / "sinkB", "--export-dir", str(exports))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "ConfigError" in res.stderr and f"holds the exports of another ROOT ({a})" in res.stderr
+    assert tree_digest(exports) == before and not (tmp_path / "sinkB").exists()
+    shutil.rmtree(a / ".stagerd")  # run A's state made again: the directory is still A's, by its path
+    res = watch_once(a, tmp_path / "sinkA", "--export-dir", str(exports))
+    assert res.returncode == 0 and "already there" in res.stderr, res.stdout + res.stderr

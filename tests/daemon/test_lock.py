@@ -90,3 +90,19 @@ def test_a_lock_file_that_cannot_be_created_is_a_named_retryable_error(tmpfs):
         RootLock(fs).acquire()
     assert err.value.retryable and "No space left on device" in str(err.value), str(err.value)
     assert "free space and inodes" in err.value.hint
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    """`ROOT/.stagerd/lock` linked to a file elsewhere: the daemon truncated the target to its pid, and to
+    nothing at exit."""
+    from stagerd.errors import SymlinkError
+
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"someone's notes\n" * 100)
+    root = tmp_path / "root"
+    lock_path(root).parent.mkdir(parents=True)
+    lock_path(root).symlink_to(victim)
+    with pytest.raises(SymlinkError, match="symbolic link") as err:
+        RootLock(root).acquire()
+    assert str(lock_path(root)) in str(err.value) and err.value.hint
+    assert victim.read_bytes() == b"someone's notes\n" * 100

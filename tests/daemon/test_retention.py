@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from stagerd.contract import layout
 from stagerd.daemon.retention import (
     StepView,
@@ -14,6 +16,7 @@ from stagerd.daemon.retention import (
     plan_retention,
     trash_dir,
 )
+from stagerd.errors import SymlinkError
 
 
 def test_retention_plan_keeps_newest_and_never_unpublished():
@@ -50,5 +53,103 @@ def test_empty_trash_removes_directories_and_stray_files_and_counts_them(tmp_pat
         (step / "model").mkdir(parents=True)
         move_to_trash(tmp_path, step)
     (trash_dir(tmp_path) / "leftover").write_bytes(b"partial")
-    assert empty_trash(tmp_path) == 3
+    (tmp_path / ".step-00000004.retired.12.34").mkdir()  # set aside, then killed (another filesystem)
+    (tmp_path / ".notes.retired.12.34").mkdir()  # not a step's: never stagerd's to delete
+    (tmp_path / ".step-00000005.retired.12.34.bak").mkdir()
+    assert empty_trash(tmp_path) == 4
     assert list(trash_dir(tmp_path).iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".notes.retired.12.34",
+        ".stagerd",
+        ".step-00000005.retired.12.34.bak",
+    ]
+
+
+def _watch_once(root, sink, *extra):
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags
+
+    return run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags(), *extra])
+
+
+def test_retention_never_deletes_a_step_being_saved_again(tmp_path, dcp_mixed2):
+    """Step 100 was published, then deleted by hand and saved again (the run restarted from step 50): the
+    new save is in ROOT, not yet committed, its Stager holding the step's lock. Retention (keep 2) used to
+    rename it into the trash by the journal's word that step 100 was published: the new save was lost."""
+    import shutil
+
+    from stagerd.contract.step_lock import StepLock
+    from tests.daemon_helpers import stage_copy
+    from tests.dcp_fixtures import commit_step
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    stage_copy(root, 200, model, world=2)
+    first = _watch_once(root, sink, "--keep-last", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    step = root / layout.step_dir_name(100)
+    shutil.rmtree(step)
+    shutil.copytree(model, step / "model")  # the new save, written, its marker not yet
+    stage_copy(root, 300, model, world=2)
+    with StepLock(root, 100, "a Stager save"):
+        second = _watch_once(root, sink, "--keep-last", "2")
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert sorted(p.name for p in (step / "model").iterdir()) == sorted(p.name for p in model.iterdir())
+        assert "step 100: staged data kept" in second.stderr
+    commit_step(step, 2, metadata={"restarted": True})  # the save finishes: the scan judges it next
+    assert not (root / ".stagerd" / "trash").exists() or not list((root / ".stagerd" / "trash").iterdir())
+
+
+def test_a_trash_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, dcp_mixed2):
+    """`ROOT/.stagerd/trash` linked to another directory: the daemon emptied that directory at start (every
+    entry in it, as leftovers of an interrupted retention), and renamed retired steps into it."""
+    from tests.daemon_helpers import stage_copy
+
+    model, _ = dcp_mixed2
+    root, sink, other = tmp_path / "root", tmp_path / "sink", tmp_path / "datasets"
+    (other / "imagenet").mkdir(parents=True)
+    (other / "imagenet" / "train.bin").write_bytes(b"x" * 100)
+    (other / "readme.txt").write_bytes(b"keep")
+    stage_copy(root, 1, model, world=2)
+    stage_copy(root, 2, model, world=2)
+    trash_dir(root).parent.mkdir()
+    trash_dir(root).symlink_to(other, target_is_directory=True)
+    r = _watch_once(root, sink, "--keep-last", "1")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "SymlinkError" in r.stderr and str(trash_dir(root)) in r.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["imagenet", "readme.txt"]
+    assert (other / "imagenet" / "train.bin").read_bytes() == b"x" * 100
+    assert layout.is_committed(root / layout.step_dir_name(1))
+
+    with pytest.raises(SymlinkError):  # retention of a running daemon: the step stays in ROOT
+        move_to_trash(root, root / layout.step_dir_name(1))
+    assert layout.is_committed(root / layout.step_dir_name(1))
+
+
+def test_a_trash_on_another_filesystem_never_leaves_half_a_step_in_root(tmp_path, tmpfs, dcp_mixed2):
+    """`ROOT/.stagerd` linked to another disk: no rename reaches the trash (EXDEV). The step was removed in
+    place, file by file, so a kill left half a step (perhaps its marker without its shards) in ROOT. Now it
+    is set aside by one rename beside it first; a kill there leaves only the set-aside copy, which the
+    restart removes."""
+    from tests.cli_helpers import run_cli
+    from tests.daemon_helpers import fast_flags, stage_copy
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 1, model, world=2)
+    stage_copy(root, 2, model, world=2)
+    state = tmpfs(16 << 20)
+    (root / layout.STATE_DIR).symlink_to(state, target_is_directory=True)
+    args = ["watch", root, "--sink", sink.as_uri(), "--once", "--keep-last", "1", *fast_flags()]
+    killed = run_cli(args, env={"STAGERD_CRASH_AT": "retention.trashed:1"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = [p.name for p in root.iterdir()]
+    assert layout.step_dir_name(1) not in left  # out of ROOT's steps whole, never half
+    assert [n for n in left if n.startswith(f".{layout.step_dir_name(1)}.retired.")], left
+    again = run_cli(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    left = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))  # a killed holder's lock
+    assert left == [layout.STATE_DIR, layout.step_dir_name(2)]
+    assert layout.is_committed(root / layout.step_dir_name(2))

@@ -165,3 +165,57 @@ def test_failed_saves_leave_no_marker_and_the_ranks_stay_in_step(failures):
         layout.check_staged_files(
             root / layout.step_dir_name(s), layout.read_marker(root / layout.step_dir_name(s))
         )
+
+
+def test_a_failed_write_never_writes_through_a_closed_descriptor(tmp_path):
+    """One file's write fails while the other files' chunks are still queued: the writer closed every
+    descriptor at once, and the queued chunks were then written through the closed numbers, which the
+    process had meanwhile given to other files (here: the trainer's own), at the chunk's offset. The failure
+    is made by a piece `os.pwrite` refuses (not contiguous); the same path runs on EIO or ENOSPC."""
+    from stagerd.training.shard_files import FileJob, ShardWriter, WriteError
+
+    paths = [tmp_path / f"victim-{i}" for i in range(201)]  # the trainer's own files (logs, data)
+    for path in paths:
+        path.write_bytes(b"v" * 1024)
+    writer = ShardWriter(1)
+    bad = FileJob("model/a.bin", [memoryview(bytearray(64))[::2]])
+    good = [FileJob(f"model/b{i:03d}.bin", [memoryview(b"S" * 512)]) for i in range(200)]
+    with pytest.raises(WriteError, match=r"model/a\.bin"):
+        writer.write(tmp_path, [bad, *good])
+    victims = [os.open(path, os.O_RDWR) for path in paths]  # opened by the trainer right after
+    writer.close()
+    for fd in victims:
+        assert os.pread(fd, 1024, 0) == b"v" * 1024
+        os.close(fd)
+
+
+def test_a_save_that_fails_on_a_full_disk_gives_its_space_back(tmp_path):
+    """The model file fits, the optimizer state does not: the save fails (no marker), and the files it did
+    write used to stay, fallocated, in a step directory nothing ever removes (the daemon never touches an
+    uncommitted step, and only a save of the same step clears it): the space stayed taken, and the next
+    saves failed on it too."""
+    import subprocess
+
+    from stagerd import Stager
+    from stagerd.errors import SaveError
+    from tests.daemon.fullfs import mount
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = mount(fs, f"size={2 << 20}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
+    try:
+        free = os.statvfs(fs).f_bavail
+        model = {"w": torch.zeros(384 << 10)}  # 1.5 MiB, written first (the largest): fits
+        optim = {"state": {0: {"exp_avg": torch.zeros(256 << 10)}}}  # 1 MiB more: does not fit
+        with Stager(fs / "root") as stager:
+            with pytest.raises(SaveError, match="No space left"):
+                stager.save(model, 1, optimizer_state=optim).result()
+            with pytest.raises(SaveError):
+                stager.wait()
+            assert not layout.is_committed(fs / "root" / "step-00000001")
+            assert os.statvfs(fs).f_bavail >= free - 4, "the failed save's files still hold the space"
+            assert stager.save(model, 2).result().step == 2  # the next save has room again
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)

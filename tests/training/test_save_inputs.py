@@ -75,3 +75,59 @@ def test_a_marker_naming_a_reference_index_outside_its_step_is_refused(step_dir,
         with pytest.raises(ReferenceIndexError, match="outside the step"):
             export_step(step_dir)
         assert not (step_dir / layout.EXPORT_DIR).exists()
+
+
+def test_a_step_directory_that_is_a_link_is_never_cleared_or_written_through(tmp_path):
+    """A link named like an uncommitted step in ROOT (to another run's directory, another disk): the save
+    used to clear `model/`, `optim/` and `extras/` of the link's target, outside ROOT, and write there."""
+    from stagerd import Stager
+    from stagerd.errors import SaveError
+
+    other = tmp_path / "other-run"
+    for d in ("model", "optim", "extras"):
+        (other / d).mkdir(parents=True)
+        (other / d / "keep.bin").write_bytes(b"not stagerd's")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000001").symlink_to(other, target_is_directory=True)
+    (root / "step-00000002").mkdir()
+    (root / "step-00000002" / "model").symlink_to(other / "model", target_is_directory=True)
+    sd = {"w": torch.arange(4, dtype=torch.float32)}
+    with Stager(root) as stager:
+        for step, link in ((1, root / "step-00000001"), (2, root / "step-00000002" / "model")):
+            with pytest.raises(SaveError, match="SymlinkError") as err:
+                stager.save(sd, step).result()
+            assert str(link) in str(err.value)
+        with pytest.raises(SaveError):  # wait() reports the failed saves again
+            stager.wait()
+        assert stager.save(sd, 3).result().step == 3  # other steps go on
+    assert sorted(p.relative_to(other).as_posix() for p in other.rglob("*")) == [
+        "extras",
+        "extras/keep.bin",
+        "model",
+        "model/keep.bin",
+        "optim",
+        "optim/keep.bin",
+    ]
+    assert (other / "model" / "keep.bin").read_bytes() == b"not stagerd's"
+
+
+def test_a_new_save_into_an_uncommitted_step_never_keeps_the_old_export(tmp_path):
+    """A step whose marker went first (an interrupted `rm -rf`, a marker deleted by hand) is uncommitted:
+    the next save cleared model/, optim/ and extras/ but kept the daemon's export/ of the old save, which
+    the export engine then took as this save's (same options: `skipped`), so the old weights were
+    published as the new save."""
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+
+    step = tmp_path / "step-00000001"
+    with Stager(tmp_path) as stager:
+        stager.save({"w": torch.zeros(4)}, 1).result()
+        assert not export_step(step).skipped
+        (step / layout.MARKER_NAME).unlink()
+        stager.save({"w": torch.ones(4)}, 1).result()
+    again = export_step(step)
+    assert not again.skipped
+    (shard,) = (step / layout.EXPORT_DIR).glob("*.safetensors")
+    with safe_open(shard, "pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.ones(4))
