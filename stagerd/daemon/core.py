@@ -40,6 +40,7 @@ from stagerd.errors import ConfigError, JournalError
 from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
+from stagerd.sinks.objects import redact_url
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 if TYPE_CHECKING:
@@ -251,7 +252,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         given = {u.rstrip("/"): text for u, text in s.sink_retention.items()}
         unknown = set(given) - {u.rstrip("/") for u in s.sinks}
         if unknown:
-            raise ConfigError(f"sink_retention names sinks that are not --sink: {sorted(unknown)}")
+            named = sorted(redact_url(u) for u in unknown)  # a URL may carry a password
+            raise ConfigError(f"sink_retention names sinks that are not --sink: {named}")
         for url in s.sinks:
             text = given.get(url.rstrip("/"))
             policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)

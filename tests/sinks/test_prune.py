@@ -163,6 +163,14 @@ def test_bad_sink_retention_is_a_config_error(tmp_path, flag):
     assert r.returncode == 2 and "ConfigError" in r.stderr, r.stderr
 
 
+def test_a_sink_retention_for_no_sink_never_shows_its_password(tmp_path):
+    r = run_cli(
+        ["watch", tmp_path, "--sink", "file:///x", "--once", "--sink-retention", "ftp://u:hunter2@h/d=last=2"]
+    )
+    assert r.returncode == 2 and "ConfigError" in r.stderr and "ftp://u:***@h/d" in r.stderr, r.stderr
+    assert "hunter2" not in r.stderr + r.stdout
+
+
 def test_node_locally_staged_raw_steps_are_pruned_whole_once_complete(tmp_path):
     sink_dir = tmp_path / "sink"
     sink = FsspecSink.from_url(sink_dir.as_uri())
