@@ -254,6 +254,16 @@ class Settings(BaseSettings):
             parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created
         return v
 
+    @field_validator("exchange")
+    @classmethod
+    def _check_exchange(cls, v: str | None) -> str | None:
+        from stagerd.sinks.urls import SinkKind, parse_sink_url
+
+        # As strict as a sink's: `file://relative` would put the nodes' exchange under each daemon's cwd.
+        if v is not None and parse_sink_url(v).kind is SinkKind.HUB:
+            raise ValueError("the exchange is an fsspec URL (S3, GCS, a shared mount), not the Hub")
+        return v
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, v: str | None) -> str | None:

@@ -60,6 +60,9 @@ def test_env_accepts_a_json_list_and_port_off(monkeypatch):
         ({"io_class": "realtime"}, "io_class"),
         ({"metrics_port": 70000}, "metrics_port"),
         ({"max_shard_size": "lots"}, "max_shard_size"),
+        ({"exchange": "file://relative/x"}, "relative path"),  # was taken, under the daemon's cwd
+        ({"exchange": "hf://org/repo"}, "not the Hub"),
+        ({"exchange": "s3://b/run*"}, "glob"),
     ],
 )
 def test_bad_values_are_config_errors(flags, match):
