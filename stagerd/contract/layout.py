@@ -84,7 +84,11 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     part moving `raw/latest` beside another's) must not rename each other's temp file away."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # The name is predictable: one already there (a dead writer's of this pid and thread, or a link placed
+    # there) is removed, never written through; O_EXCL then makes the file ours.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
             view = memoryview(data)
