@@ -113,9 +113,9 @@ class KeyMapping:
 def _rule(r: Mapping[str, Any]) -> _Rule:
     match = re.compile(str(r["match"]))
     if "split" in r:
-        parts = tuple(_Part(str(p["name"]), int(p["size"]), _heads(p)) for p in r["split"])
-        return _Rule(match, parts, int(r.get("split_dim", 0)))
-    concat = (int(r["concat_dim"]), int(r["part"])) if "concat_dim" in r else None
+        parts = tuple(_Part(str(p["name"]), _int(p["size"], "size"), _heads(p)) for p in r["split"])
+        return _Rule(match, parts, _int(r.get("split_dim", 0), "split_dim"))
+    concat = (_int(r["concat_dim"], "concat_dim"), _int(r["part"], "part")) if "concat_dim" in r else None
     return _Rule(match, (_Part(str(r["name"]), None, _heads(r)),), None, concat)
 
 
@@ -163,9 +163,16 @@ def _joined(name: str, parts: list[_Join]) -> list[TensorView]:
     return out
 
 
+def _int(x: Any, field: str) -> int:
+    """A count or a dim of a rule: `int()` took 4.9 as 4 and true as 1, so a wrong split could add up."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{field} must be a non-negative integer, not {x!r}")
+    return x
+
+
 def _heads(r: Mapping[str, Any]) -> int | None:
     h = r.get("rope_heads")
-    if h is not None and (not isinstance(h, int) or h <= 0):
+    if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
         raise ValueError(f"rope_heads must be a positive integer, not {h!r}")
     return h
 

@@ -53,6 +53,13 @@ def test_a_fused_qkv_is_split_renamed_and_rope_permuted():
         ),
         ({"rules": [{"match": "a", "name": "x", "rope_heads": 3}]}, {"a": (4, 2)}, "does not divide"),
         ({"rules": [{"match": "(", "name": "x"}]}, {}, "rule 0 is malformed"),
+        # before: int() made these 4 + 4 (the split "added up") and rope_heads true one head
+        (
+            {"rules": [{"match": "a", "split": [{"name": "x", "size": 4.9}, {"name": "y", "size": 4.1}]}]},
+            {"a": (8, 2)},
+            "size must be a non-negative integer, not 4.9",
+        ),
+        ({"rules": [{"match": "a", "name": "x", "rope_heads": True}]}, {"a": (4, 2)}, "not True"),
     ],
 )
 def test_bad_mappings_are_named_errors(spec, shapes, words):
