@@ -20,3 +20,6 @@ def test_writer_rank_is_the_order_safetensors_writes():
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     header.pop("__metadata__", None)
     assert [e["dtype"] for e in header.values()] == [d.name for d in reversed(ranked)]
+    assert sorted(dtypes.writer_rank(n) for n in dtypes.DTYPES) == list(
+        range(len(dtypes.DTYPES))
+    )  # F4, F6 too
