@@ -14,7 +14,7 @@ against the staged tensors' shapes into a to-Hub plan (`hub_plan.HubPlan`).
 
 A merge gives several keys one output: rules with the same `name`, `"concat_dim": d` and `"part": i`
 (0, 1, ...) concatenate their keys along `d` in part order (`feed_forward.w1` and `w3` into a fused
-`gate_up_proj`).
+`gate_up_proj`); a part's `rope_heads` puts it in HF's RoPE row order first (q, k and v into a fused qkv).
 
 Each staged key is mapped by the first rule whose `match` matches it whole (`re.fullmatch`); `name`
 templates take the match's groups (`\\1`). A key no rule matches is kept as it is, or with `strict` a
