@@ -57,6 +57,21 @@ _TABLE = (
 )
 DTYPES: dict[str, DType] = {d.name: d for d in _TABLE}
 
+# safetensors' `Dtype` enum in declaration order. Its writer lays a file out in descending enum order, then
+# by name (code point order), which also keeps every tensor aligned to its element size; an export whose
+# files are to be the bytes `save_pretrained` writes uses the same order (`writer_rank`).
+_WRITER_ENUM = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+_WRITER_RANK = {name: i for i, name in enumerate(_WRITER_ENUM)}
+
+
+def writer_rank(name: str) -> int:
+    """The place of a dtype in safetensors' `Dtype` enum: its writer puts higher ranks first."""
+    return _WRITER_RANK[name]
+
+
 # --dtype spellings -> safetensors name; "keep" maps to None.
 EXPORT_DTYPES: dict[str, str | None] = {
     "keep": None,

@@ -279,6 +279,13 @@ def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> No
     """`v`'s box lies inside its source of shape `src`, and `v.shape` is that box up to unit dims."""
     if len(v.start) != len(src) or len(v.size) != len(src):
         raise HubPlanError(f"view {v.name!r}: its box has not the {len(src)} dims of {v.source!r}", path=path)
+    # Products alone cannot see a sign: a marker's shape [-3, -7] passed for a box of 21 elements and
+    # was written as [1, 1], a reshape [-3, -7] permuted garbage into place.
+    for field in ("shape", "reshape", "at", "whole"):
+        if any(n < 0 for n in getattr(v, field)):
+            raise HubPlanError(
+                f"view {v.name!r}: its {field} {list(getattr(v, field))} is negative", path=path
+            )
     for d, (a, n, g) in enumerate(zip(v.start, v.size, src, strict=True)):
         if a < 0 or n < 0 or a + n > g:
             raise HubPlanError(

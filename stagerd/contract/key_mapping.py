@@ -14,7 +14,7 @@ against the staged tensors' shapes into a to-Hub plan (`hub_plan.HubPlan`).
 
 A merge gives several keys one output: rules with the same `name`, `"concat_dim": d` and `"part": i`
 (0, 1, ...) concatenate their keys along `d` in part order (`feed_forward.w1` and `w3` into a fused
-`gate_up_proj`).
+`gate_up_proj`); a part's `rope_heads` puts it in HF's RoPE row order first (q, k and v into a fused qkv).
 
 Each staged key is mapped by the first rule whose `match` matches it whole (`re.fullmatch`); `name`
 templates take the match's groups (`\\1`). A key no rule matches is kept as it is, or with `strict` a
@@ -31,7 +31,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ class KeyMapping:
         """The to-Hub plan of staged tensors of these global `shapes`."""
         views: list[TensorView] = []
         unmapped: list[str] = []
-        joins: dict[str, list[tuple[tuple[int, int], str, tuple[int, ...]]]] = {}
+        joins: dict[str, list[_Join]] = {}
         for key, shape in shapes.items():
             rule = next((r for r in self.rules if r.match.fullmatch(key)), None)
             if rule is None:
@@ -95,7 +95,8 @@ class KeyMapping:
             m = rule.match.fullmatch(key)
             assert m is not None
             if rule.concat is not None:
-                joins.setdefault(m.expand(rule.parts[0].name), []).append((rule.concat, key, shape))
+                part = _Join(rule.concat, key, shape, rule.parts[0].rope_heads)
+                joins.setdefault(m.expand(rule.parts[0].name), []).append(part)
                 continue
             views.extend(_views(key, shape, rule, m))
         for name, parts in joins.items():
@@ -112,44 +113,66 @@ class KeyMapping:
 def _rule(r: Mapping[str, Any]) -> _Rule:
     match = re.compile(str(r["match"]))
     if "split" in r:
-        parts = tuple(_Part(str(p["name"]), int(p["size"]), _heads(p)) for p in r["split"])
-        return _Rule(match, parts, int(r.get("split_dim", 0)))
-    concat = (int(r["concat_dim"]), int(r["part"])) if "concat_dim" in r else None
+        parts = tuple(_Part(str(p["name"]), _int(p["size"], "size"), _heads(p)) for p in r["split"])
+        return _Rule(match, parts, _int(r.get("split_dim", 0), "split_dim"))
+    concat = (_int(r["concat_dim"], "concat_dim"), _int(r["part"], "part")) if "concat_dim" in r else None
     return _Rule(match, (_Part(str(r["name"]), None, _heads(r)),), None, concat)
 
 
-def _joined(name: str, parts: list[tuple[tuple[int, int], str, tuple[int, ...]]]) -> list[TensorView]:
-    """Keys that are parts of one output, concatenated along their dim in part order (fused gate/up)."""
-    parts.sort(key=lambda p: p[0][1])
-    dims = {d for (d, _), _, _ in parts}
-    order = [i for (_, i), _, _ in parts]
+@dataclass(frozen=True)
+class _Join:
+    """A key that is part `concat[1]` of its output along dim `concat[0]`."""
+
+    concat: tuple[int, int]
+    key: str
+    shape: tuple[int, ...]
+    rope_heads: int | None
+
+
+def _joined(name: str, parts: list[_Join]) -> list[TensorView]:
+    """Keys that are parts of one output, concatenated along their dim in part order (fused gate/up, or
+    q, k and v into a fused qkv, each part in HF's RoPE row order where it names `rope_heads`)."""
+    parts.sort(key=lambda p: p.concat[1])
+    dims = {p.concat[0] for p in parts}
+    order = [p.concat[1] for p in parts]
     if len(dims) != 1 or order != list(range(len(parts))):
         raise HubPlanError(
             f"{name!r}: its parts {order} along dims {sorted(dims)} are not 0..n-1 along one dim"
         )
     d = dims.pop()
-    first = parts[0][2]
+    first = parts[0].shape
     if not 0 <= d < len(first) or any(
-        len(s) != len(first) or any(a != b for k, (a, b) in enumerate(zip(s, first, strict=True)) if k != d)
-        for _, _, s in parts
+        len(p.shape) != len(first)
+        or any(a != b for k, (a, b) in enumerate(zip(p.shape, first, strict=True)) if k != d)
+        for p in parts
     ):
         raise HubPlanError(
-            f"{name!r}: its parts' shapes {[list(s) for _, _, s in parts]} do not join along dim {d}"
+            f"{name!r}: its parts' shapes {[list(p.shape) for p in parts]} do not join along dim {d}"
         )
     whole = list(first)
-    whole[d] = sum(s[d] for _, _, s in parts)
+    whole[d] = sum(p.shape[d] for p in parts)
     out, at = [], 0
-    for _, key, shape in parts:
-        pos = [0] * len(shape)
+    for p in parts:
+        pos = [0] * len(p.shape)
         pos[d] = at
-        at += shape[d]
-        out.append(TensorView(name, key, (0,) * len(shape), shape, shape, at=tuple(pos), whole=tuple(whole)))
+        at += p.shape[d]
+        v = TensorView(name, p.key, (0,) * len(p.shape), p.shape, p.shape)
+        if p.rope_heads:  # before: silently dropped, so a fused q/k kept the trainer's row order
+            v = _rope(v, p.rope_heads)
+        out.append(replace(v, at=tuple(pos), whole=tuple(whole)))
     return out
+
+
+def _int(x: Any, field: str) -> int:
+    """A count or a dim of a rule: `int()` took 4.9 as 4 and true as 1, so a wrong split could add up."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{field} must be a non-negative integer, not {x!r}")
+    return x
 
 
 def _heads(r: Mapping[str, Any]) -> int | None:
     h = r.get("rope_heads")
-    if h is not None and (not isinstance(h, int) or h <= 0):
+    if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
         raise ValueError(f"rope_heads must be a positive integer, not {h!r}")
     return h
 

@@ -105,8 +105,10 @@ def plan(
     row_tensor, row_dst, row_begin, row_end = array("i"), array("B"), array("q"), array("q")
     files: list[OutputFile] = []
     for fi, group in enumerate(groups):
-        # Widest dtypes first: with an 8-aligned data section every tensor stays aligned for mmap readers.
-        group.sort(key=lambda n: -dtypes.lookup(DTYPE_NAMES[out_code[ids[n]]]).bits)  # stable: natural within
+        # safetensors' own writer order (so a file is the bytes `save_pretrained` writes): dtypes in
+        # descending enum order, widest first, which keeps every tensor aligned for mmap readers; then
+        # names in code point order (`layers.10` before `layers.2`), not natural order.
+        group.sort(key=lambda n: (-dtypes.writer_rank(DTYPE_NAMES[out_code[ids[n]]]), n))
         first, pos = len(row_tensor), 0
         for n in group:
             t = ids[n]

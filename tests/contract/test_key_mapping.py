@@ -53,6 +53,13 @@ def test_a_fused_qkv_is_split_renamed_and_rope_permuted():
         ),
         ({"rules": [{"match": "a", "name": "x", "rope_heads": 3}]}, {"a": (4, 2)}, "does not divide"),
         ({"rules": [{"match": "(", "name": "x"}]}, {}, "rule 0 is malformed"),
+        # before: int() made these 4 + 4 (the split "added up") and rope_heads true one head
+        (
+            {"rules": [{"match": "a", "split": [{"name": "x", "size": 4.9}, {"name": "y", "size": 4.1}]}]},
+            {"a": (8, 2)},
+            "size must be a non-negative integer, not 4.9",
+        ),
+        ({"rules": [{"match": "a", "name": "x", "rope_heads": True}]}, {"a": (4, 2)}, "not True"),
     ],
 )
 def test_bad_mappings_are_named_errors(spec, shapes, words):
@@ -102,3 +109,28 @@ def test_a_merge_concatenates_its_parts_in_order():
 def test_a_merge_whose_parts_do_not_fit_is_a_named_error(shapes, words):
     with pytest.raises(HubPlanError, match=words):
         KeyMapping.load(MERGE).resolve(shapes)
+
+
+def test_a_merge_keeps_the_rope_order_of_its_parts():
+    """q, k and v joined into one fused qkv (Phi-3's `qkv_proj`), q and k permuted to HF's RoPE row order.
+    Before: a concat rule's `rope_heads` was silently dropped, so q and k kept the trainer's row order."""
+    import torch
+
+    from tests.engine.test_views import expected
+
+    rules = [
+        {"match": r"(\d+)\.w" + p, "name": r"l.\1.qkv", "concat_dim": 0, "part": i} | heads
+        for i, (p, heads) in enumerate([("q", {"rope_heads": 2}), ("k", {"rope_heads": 1}), ("v", {})])
+    ]
+    g = torch.Generator().manual_seed(0)
+    full = {"0.wq": torch.randn(8, 3, generator=g), "0.wk": torch.randn(4, 3, generator=g)}
+    full["0.wv"] = torch.randn(4, 3, generator=g)
+    plan = KeyMapping.load({"rules": rules}).resolve({k: tuple(t.shape) for k, t in full.items()})
+
+    def rope(w: torch.Tensor, heads: int) -> torch.Tensor:  # convert_llama_weights_to_hf's permute
+        return w.view(heads, w.shape[0] // heads // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    want = torch.cat([rope(full["0.wq"], 2), rope(full["0.wk"], 1), full["0.wv"]])
+    assert torch.equal(expected(full, plan)["l.0.qkv"], want)
+    with pytest.raises(HubPlanError, match="does not divide"):
+        KeyMapping.load({"rules": rules}).resolve({"0.wq": (6, 3), "0.wk": (4, 3), "0.wv": (4, 3)})

@@ -102,6 +102,20 @@ def test_output_files_and_index_agree(dcp_mixed, tmp_path):
     verify_export(tmp_path, src)
 
 
+def test_one_file_is_the_bytes_safetensors_writes(dcp_mixed, tmp_path):
+    """save_pretrained writes each file with safetensors' `save_file(..., metadata={"format": "pt"})`: dtypes
+    in its enum order (I64 before F64, BF16 before F16, I32 after F32), names in code point order
+    (`layers.10` before `layers.2`). Before: widest first, then natural order, so other bytes."""
+    from safetensors.torch import save_file
+
+    src, full = dcp_mixed
+    consolidate_into(src, tmp_path, max_shard_size=1 << 40)
+    (got,) = tmp_path.glob("model-*.safetensors")
+    save_file({k: v.contiguous() for k, v in full.items()}, tmp_path / "ref.st", metadata={"format": "pt"})
+    assert got.read_bytes() == (tmp_path / "ref.st").read_bytes()
+    verify_export(tmp_path, src)
+
+
 def test_packing_is_natural_order_and_deterministic(dcp_mixed, tmp_path):
     src, _ = dcp_mixed
     a, b = tmp_path / "a", tmp_path / "b"

@@ -109,6 +109,13 @@ def test_a_plan_the_checkpoint_contradicts_is_a_named_error_before_any_output(sa
         "outside": HubPlan((view("x", "tied", (4, 0), (3, 8)),)),
         "is not its box": HubPlan((view("x", "tied", (0, 0), (6, 8), (8, 6, 2)),)),
         "drops": HubPlan((), drop=("nope",)),
+        # before: written as [1, 1] holding 4 of its bytes; a transpose of garbage
+        "shape .-8, -6. is negative": HubPlan(
+            (TensorView("x", "tied", (0, 0), (6, 8), (-8, -6), (6, 8), (1, 0)),)
+        ),
+        "reshape .-8, -6. is negative": HubPlan(
+            (TensorView("x", "tied", (0, 0), (6, 8), (8, 6), (-8, -6), (1, 0)),)
+        ),
     }
     for words, hub in bad.items():
         with pytest.raises(HubPlanError, match=words):

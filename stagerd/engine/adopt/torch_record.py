@@ -5,9 +5,11 @@ checked on torch 2.13) writes each tensor chunk as a whole `torch.save` archive 
 records: an uncompressed zip whose `data.pkl` rebuilds the tensor from the storage in `data/0`. So the
 bytes are there as they are in memory, and only their place needs finding: the zip's directory (stdlib
 `zipfile`, on a window of the file that ends where the record ends) gives the member, its local header
-gives the first byte, and `data.pkl` (read by an unpickler that knows only `_rebuild_tensor_v2`, the
-storage classes and `OrderedDict`, each resolved to a record here) gives dtype, shape, strides and the
-offset into the storage. Only a contiguous tensor whose storage is one stored member is read by offset;
+gives the first byte, and `data.pkl` (read by an unpickler that knows only `_rebuild_tensor_v2` and
+`_rebuild_tensor_v3`, the storage classes, torch's dtypes and `OrderedDict`, each resolved to a record
+here) gives dtype, shape, strides and the offset into the storage. torch pickles a dtype that has no typed
+storage class (fp8, uint16/32/64) with `_rebuild_tensor_v3`: an `UntypedStorage` counted in bytes and the
+dtype given apart. Only a contiguous tensor whose storage is one stored member is read by offset;
 anything else is a `DcpFormatError` naming what was found.
 """
 
@@ -93,6 +95,15 @@ class _StorageType:
     dtype: str
 
 
+_UNTYPED = "UNTYPED"  # torch.storage.UntypedStorage: its numel counts bytes; the tensor names the dtype
+_TORCH_DTYPES = {d.torch_name: d.name for d in dtypes.DTYPES.values() if d.torch_name is not None}
+
+
+@dataclass(frozen=True, eq=False)
+class _DType:
+    dtype: str
+
+
 @dataclass(frozen=True, eq=False)
 class _Storage:
     dtype: str
@@ -109,21 +120,40 @@ class _Rebuilt:
 
 
 def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _Rebuilt:
-    if not isinstance(storage, _Storage) or not _uint(offset):
+    if not isinstance(storage, _Storage) or storage.dtype == _UNTYPED or not _uint(offset):
         raise DcpFormatError("a tensor record that is not a tensor of one storage")
     if not all(isinstance(t, tuple) and all(_uint(d) for d in t) for t in (size, stride)):
         raise DcpFormatError("a tensor record with a malformed size or stride")
     return _Rebuilt(storage, offset, size, stride)
 
 
+def _rebuild_tensor_v3(
+    storage: Any, offset: Any, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_rest: Any
+) -> _Rebuilt:
+    """torch's form for a dtype without a typed storage class: the storage in bytes, the dtype apart."""
+    if not isinstance(storage, _Storage) or storage.dtype != _UNTYPED or not isinstance(dtype, _DType):
+        raise DcpFormatError("a tensor record that is not a tensor of one storage")
+    item = dtypes.lookup(dtype.dtype).bits // 8
+    if not item or storage.numel % item:
+        raise DcpFormatError(f"a {dtype.dtype} tensor record whose storage is {storage.numel} bytes")
+    typed = _Storage(dtype.dtype, storage.key, storage.numel // item)
+    return _rebuild_tensor_v2(typed, offset, size, stride)
+
+
 class _RecordUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor_v2
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_tensor_v3
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _StorageType(_UNTYPED)
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _DType(_TORCH_DTYPES[name])
         raise DcpFormatError(f"refusing to unpickle {module}.{name} in a tensor record")
 
     def persistent_load(self, pid: Any) -> Any:
