@@ -31,18 +31,19 @@ class Discovery(JournalGate):
     async def _scan(self) -> int:
         """Journal every committed step under ROOT that the journal does not know yet, and every new save
         of a step it knows (a step number saved again)."""
-        known = await self._j(self._journal.saves)
-
         Found = list[tuple[int, Path, float, str]]
 
-        def find() -> tuple[Found, Found, list[str]]:
-            new: Found = []
-            resaved: Found = []
+        def listing() -> tuple[list[tuple[int, Path]], list[str]]:
             try:
                 odd = [n for n in os.listdir(self.root) if layout.looks_like_a_step_dir(n)]
             except FileNotFoundError:
                 odd = []
-            for step, path in layout.iter_step_dirs(self.root):
+            return list(layout.iter_step_dirs(self.root)), odd
+
+        def find(dirs: list[tuple[int, Path]], known: dict[int, tuple[float, str | None]]) -> tuple[Found, Found]:
+            new: Found = []
+            resaved: Found = []
+            for step, path in dirs:
                 try:
                     mtime = (path / layout.MARKER_NAME).stat().st_mtime
                     if step in known and known[step][0] == mtime:
@@ -51,9 +52,12 @@ class Discovery(JournalGate):
                 except (FileNotFoundError, MarkerError):
                     continue  # not committed: never touched
                 (resaved if step in known else new).append((step, path, mtime, identity))
-            return new, resaved, odd
+            return new, resaved
 
-        new, resaved, odd = await self._io(find)
+        dirs, odd = await self._io(listing)
+        known = await self._j(self._journal.saves, [step for step, _ in dirs])
+        new, resaved = await self._io(find, dirs, known)
+        self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
         for name in sorted(set(odd) - self._odd_names):
             self._odd_names.add(name)
             log.warning(

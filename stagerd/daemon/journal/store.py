@@ -198,11 +198,15 @@ class JournalStore:
         rows = self._query(f"SELECT {columns(StepRow)} FROM steps WHERE step = ?", (step,))
         return self._step_row(rows[0]) if rows else None
 
-    def lanes(self, step: int | None = None) -> list[LaneRow]:
+    def lanes(self, step: int | None = None, *, include_retired: bool = True) -> list[LaneRow]:
+        """Lanes, of one step or all; `include_retired=False`: only live steps' (a long run's journal keeps
+        every retired step's lanes, which a scan, a `--once` check or `status` must not read each time)."""
         sql = f"SELECT {columns(LaneRow)} FROM lanes"
         args: tuple = ()
         if step is not None:
             sql, args = sql + " WHERE step = ?", (step,)
+        elif not include_retired:
+            sql += f" WHERE step IN (SELECT step FROM steps WHERE state != '{RETIRED}')"
         return [LaneRow(*r) for r in self._query(sql + " ORDER BY step, sink", args)]
 
     def events(self, step: int | None = None) -> list[Event]:
@@ -211,6 +215,10 @@ class JournalStore:
         if step is not None:
             sql, args = sql + " WHERE step = ?", (step,)
         return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
+
+    def retired_steps(self) -> list[int]:
+        """The retired steps' numbers alone, in order (their rows, thousands in a long run, are not needed)."""
+        return [r[0] for r in self._query("SELECT step FROM steps WHERE state = ? ORDER BY step", (RETIRED,))]
 
     def known_steps(self) -> set[int]:
         return {r[0] for r in self._query("SELECT step FROM steps")}
