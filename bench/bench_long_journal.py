@@ -23,8 +23,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_root(root: Path, n: int, sinks: list[str]) -> None:
-    sys.path.insert(0, str(REPO))
+def make_root(root: Path, n: int, sinks: list[str], repo: Path) -> None:
+    """The journal, set up by `repo`'s code (its schema, its indexes), in a child process."""
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_long_journal as b; "
+    code += f"b.fill({str(root)!r}, {n}, {sinks!r})"
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=True)
+
+
+def fill(root: str, n: int, sinks: list[str]) -> None:
     from stagerd.contract import layout
     from stagerd.daemon.journal import Journal
 
@@ -40,6 +47,23 @@ def make_root(root: Path, n: int, sinks: list[str]) -> None:
             [(s, k, now) for s in range(n + 1) for k in sinks],
         )
     j.close()
+
+
+# What an idle daemon's schedule pass asks the journal once a second (two sinks), 100 times; the journal
+# is opened (and, by this checkout, set up) first, outside the timing.
+IDLE_PASSES = """
+import sys, time
+from stagerd.daemon.journal import Journal
+root, sinks = sys.argv[1], sys.argv[2:]
+j = Journal.open(root)
+now = time.time()
+t0 = time.perf_counter()
+for _ in range(100):
+    j.next_export(now, ())
+    for s in sinks:
+        j.next_publish(s, now, ())
+    j.next_retry_time()
+"""
 
 
 def timed(cmd: list[str], repo: Path) -> tuple[float, float]:
@@ -61,24 +85,30 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stagerd-longjournal-"))
     try:
-        root, sink_a, sink_b = work / "root", work / "a", work / "b"
-        for d in (root, sink_a, sink_b):
-            d.mkdir()
+        sink_a, sink_b = work / "a", work / "b"
         sinks = [f"file://{sink_a}", f"file://{sink_b}"]
-        make_root(root, args.steps, sinks)
-        py = [sys.executable, "-m", "stagerd.cli"]
-        tools = {
-            "watch --once": [*py, "watch", str(root), *(x for s in sinks for x in ("--sink", s)), "--once"],
-            "status": [*py, "status", str(root)],
-            "status --json": [*py, "status", str(root), "--json"],
-        }
         repos = {"this": REPO, **({"other": args.compare.resolve()} if args.compare else {})}
+        roots = {name: work / f"root-{name}" for name in repos}  # a checkout may add indexes to its own
+        for d in (sink_a, sink_b, *roots.values()):
+            d.mkdir()
+        for name, root in roots.items():
+            make_root(root, args.steps, sinks, repos[name])
+        py = [sys.executable, "-m", "stagerd.cli"]
+
+        def tools(root: Path) -> dict[str, list[str]]:
+            return {
+                "watch --once": [*py, "watch", str(root), *(x for s in sinks for x in ("--sink", s)), "--once"],
+                "status": [*py, "status", str(root)],
+                "status --json": [*py, "status", str(root), "--json"],
+                "idle schedule pass x100": [sys.executable, "-c", IDLE_PASSES, str(root), sinks[0], sinks[1]],
+            }
+
         got: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for rnd in range(args.repeat):
             order = list(repos.items()) if rnd % 2 == 0 else list(reversed(repos.items()))
-            for tool, cmd in tools.items():
+            for tool in tools(work):
                 for name, repo in order:
-                    got.setdefault((tool, name), []).append(timed(cmd, repo))
+                    got.setdefault((tool, name), []).append(timed(tools(roots[name])[tool], repo))
         load = os.getloadavg()
         print(f"{args.steps:,} retired steps x {len(sinks)} sinks, {args.repeat} rounds, load {load[0]:.1f}")
         print("| tool | checkout | median s | min-max s | peak RSS MiB median | min-max |")
@@ -90,7 +120,7 @@ def main() -> None:
                 f"| {statistics.median(m):.0f} | {min(m):.0f}-{max(m):.0f} |"
             )
         if args.compare:
-            for tool in tools:
+            for tool in tools(work):
                 this = statistics.median(r[0] for r in got[(tool, "this")])
                 other = statistics.median(r[0] for r in got[(tool, "other")])
                 print(f"{tool}: this / other time {this / other:.2f}x")

@@ -122,3 +122,34 @@ def test_names_warned_about_once_are_forgotten_when_gone(tmp_path):
         assert d._odd_names == set()  # before: all 50 kept for good, one more per name ever seen
     finally:
         d._journal.close()
+
+
+def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(long_root):
+    """An idle daemon's schedule pass runs each second: its queries look the live rows up by state."""
+    j = Journal.open(long_root)
+    ops = [0]
+
+    def tick() -> int:
+        ops[0] += 1
+        return 0
+
+    j._conn.set_progress_handler(tick, 100)  # SQLite calls it every 100 virtual machine instructions
+    now = time.time()
+    cost: dict[str, int] = {}
+    try:
+        for name, query in {
+            "next_export": lambda: j.next_export(now, ()),
+            "next_publish": lambda: j.next_publish(SINKS[0], now, ()),
+            "next_raw": lambda: j.next_raw("raw:" + SINKS[0], now, ()),
+            "next_retry_time": j.next_retry_time,
+            "lane_counts": j.lane_counts,
+            "live steps": lambda: j.steps(include_retired=False),
+            "live lanes": lambda: j.lanes(include_retired=False),
+        }.items():
+            ops[0] = 0
+            query()
+            cost[name] = ops[0]
+    finally:
+        j.close()
+    # before: 600 to 9,200 ticks each (next_publish 2,400), reading all 20,001 steps or 40,002 lanes
+    assert max(cost.values()) < 10, cost
