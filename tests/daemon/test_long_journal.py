@@ -10,6 +10,7 @@ Reads are counted at the one place the journal returns rows (`JournalStore._quer
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -153,3 +154,30 @@ def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(l
         j.close()
     # before: 600 to 9,200 ticks each (next_publish 2,400), reading all 20,001 steps or 40,002 lanes
     assert max(cost.values()) < 10, cost
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_adopted_preset_cache_follows_the_checkpoints_in_root(tmp_path):
+    """`--adopt` caches each checkpoint's preset by name; a trainer that rotates checkpoints away must not
+    leave one entry per checkpoint ever seen."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "root"
+    for n in (1, 2, 3):  # a plain single-process DCP save each
+        dcp.save({"model.w": torch.full((4,), float(n))}, checkpoint_id=root / f"checkpoint-{n}")
+    d = Daemon(
+        Settings(root=str(root), sinks=[f"file://{tmp_path}/sink"], once=True, metrics_port=0, adopt="auto")
+    )
+    d._journal = Journal.open(root)
+    d._jpool, d._iopool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    d._wake, d._housekeep, d._stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    try:
+        assert asyncio.run(d._scan()) == 3
+        assert sorted(d._adopt_presets) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+        shutil.rmtree(root / "checkpoint-1")
+        shutil.rmtree(root / "checkpoint-2")
+        asyncio.run(d._scan())
+        assert sorted(d._adopt_presets) == ["checkpoint-3"]  # before: all three kept for good
+    finally:
+        d._journal.close()
