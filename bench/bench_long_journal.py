@@ -39,8 +39,12 @@ def fill(root: str, n: int, sinks: list[str]) -> None:
     now = time.time()
     with j._tx() as c:
         c.executemany(
-            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) VALUES (?, ?, ?, ?, ?, ?)",
-            [(s, layout.step_dir_name(s), "retired" if s < n else "published", now, now, now) for s in range(n + 1)],
+            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (s, layout.step_dir_name(s), "retired" if s < n else "published", now, now, now)
+                for s in range(n + 1)
+            ],
         )
         c.executemany(
             "INSERT INTO lanes (step, sink, state, updated) VALUES (?, ?, 'published', ?)",
@@ -97,7 +101,13 @@ def main() -> None:
 
         def tools(root: Path) -> dict[str, list[str]]:
             return {
-                "watch --once": [*py, "watch", str(root), *(x for s in sinks for x in ("--sink", s)), "--once"],
+                "watch --once": [
+                    *py,
+                    "watch",
+                    str(root),
+                    *(x for s in sinks for x in ("--sink", s)),
+                    "--once",
+                ],
                 "status": [*py, "status", str(root)],
                 "status --json": [*py, "status", str(root), "--json"],
                 "idle schedule pass x100": [sys.executable, "-c", IDLE_PASSES, str(root), sinks[0], sinks[1]],

@@ -205,7 +205,7 @@ class Adoption(Discovery):
         return out, odd
 
     def _adopted_steps_here(self) -> list[int]:
-        """The step numbers ROOT's checkpoint names give now (io thread): what a scan asks the journal about."""
+        """The step numbers the names in ROOT give now (io thread): what a scan asks the journal about."""
         custom = compile_step_regex(self.settings.adopt_step)
         try:
             names = os.listdir(self.root)

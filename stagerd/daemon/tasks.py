@@ -22,6 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.daemon.adopt import Adoption
+from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
@@ -317,7 +318,7 @@ class Tasks(FleetTasks, Health, Adoption):
         row = await self._j(self._journal.step, step)
         try:
             identity: str | None = await self._io(
-                layout.marker_identity if self._adopt_root is None else self._adopted_identity, step_dir
+                save_identity if self._adopt_root is None else self._adopted_identity, step_dir
             )
         except MarkerError:
             identity = None

@@ -37,7 +37,8 @@ def long_root(tmp_path_factory) -> Path:
     live = RETIRED_STEPS
     with j._tx() as c:
         c.executemany(
-            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
             [
                 (s, layout.step_dir_name(s), "retired" if s < live else "published", now, now, now)
                 for s in range(live + 1)

@@ -220,7 +220,7 @@ class JournalStore:
         return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
 
     def retired_steps(self) -> list[int]:
-        """The retired steps' numbers alone, in order (their rows, thousands in a long run, are not needed)."""
+        """The retired steps' numbers alone, in order (not their rows: thousands in a long run)."""
         return [r[0] for r in self._query("SELECT step FROM steps WHERE state = ? ORDER BY step", (RETIRED,))]
 
     def known_steps(self) -> set[int]:
