@@ -175,6 +175,10 @@ class Tasks(FleetTasks, Health, Adoption):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        if f.quarantine and sink is not None:
+            # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
+            # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
+            self._marker_metadata.pop(step, None)
         if self._adopt_root is None:
             on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
         else:

@@ -182,3 +182,26 @@ def test_the_adopted_preset_cache_follows_the_checkpoints_in_root(tmp_path):
         assert sorted(d._adopt_presets) == ["checkpoint-3"]  # before: all three kept for good
     finally:
         d._journal.close()
+
+
+def test_a_quarantined_lane_does_not_keep_its_steps_marker_metadata(tmp_path):
+    """The marker's metadata is cached per step until every lane has published it; a lane quarantined for
+    good never does: before, each such step kept its entry for the daemon's life."""
+    from stagerd.errors import VerifyError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    d = _daemon(root)
+    sink = next(iter(d.settings.sinks))
+    j = d._journal
+    try:
+        for step in (1, 2):
+            j.add_step(step, root / layout.step_dir_name(step), 1.0, "sha256:x")
+            j.begin_export(step)
+            j.finish_export(step, [sink], seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+            j.begin_publish(step, sink)
+            d._marker_metadata[step] = {"run": "r"}
+            asyncio.run(d._work_failed(step, sink, 1, VerifyError("torn upload", path=root)))
+        assert d._marker_metadata == {}
+    finally:
+        j.close()
