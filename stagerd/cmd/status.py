@@ -56,7 +56,7 @@ def _read_journal(root: Path, *, include_retired: bool) -> _Read:
         return (
             journal.meta(),
             journal.steps(include_retired=include_retired),
-            journal.lanes(),
+            journal.lanes(include_retired=include_retired),  # never read what is not shown
             journal.counts(),
             journal.waits(),
         )

@@ -178,6 +178,7 @@ class Adoption(Discovery):
         except FileNotFoundError:
             return [], []
         work = adopt_root(self.root, s.export_dir).resolve()
+        here: set[str] = set()
         for e in entries:
             if e.name in skip or e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
                 continue
@@ -187,6 +188,7 @@ class Adoption(Discovery):
             if step is None:
                 odd.append(e.name)
                 continue
+            here.add(e.name)
             preset = self._preset_of(Path(e.path))
             mtime = None if preset is None else finished(Path(e.path), preset)
             if preset is None or mtime is None:
@@ -198,12 +200,25 @@ class Adoption(Discovery):
                 out.append((step, Path(e.path), mtime, identity(Path(e.path), preset)))
             except (OSError, StagerdError):
                 continue  # gone meanwhile: the next scan sees what is there
+        # a checkpoint rotated away is forgotten: the cache follows ROOT, not every checkpoint ever seen
+        self._adopt_presets = {k: v for k, v in self._adopt_presets.items() if k in here}
         return out, odd
 
+    def _adopted_steps_here(self) -> list[int]:
+        """The step numbers the names in ROOT give now (io thread): what a scan asks the journal about."""
+        custom = compile_step_regex(self.settings.adopt_step)
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted({s for s in (parse_step_name(n, custom) for n in names) if s is not None})
+
     async def _scan_adopted(self) -> int:
-        known = await self._j(self._journal.saves)
-        rows = {r.step: r for r in await self._j(self._journal.steps, include_retired=True)}
+        here = await self._io(self._adopted_steps_here)
+        known = await self._j(self._journal.saves, here)
+        rows = await self._j(lambda: {s: r for s in known if (r := self._journal.step(s)) is not None})
         found, odd = await self._io(self._find_adopted, known)
+        self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
         for name in sorted(set(odd) - self._odd_names):
             self._odd_names.add(name)
             log.info("%s gives no step number; --adopt ignores it", self.root / name, extra={"ignored": name})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -27,33 +28,53 @@ from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
 
+def save_identity(step_dir: Path) -> str:
+    """`layout.marker_identity`, except for a marker no export would read (over `read_marker`'s 64 MiB
+    limit, or not a regular file): reading it whole took the memory it claimed (1 TiB sparse: MemoryError,
+    the daemon gone) or, a FIFO, held the scan for good. Such a step gets an identity from its size, so
+    that it is journaled and its export names the `MarkerError` (quarantined) while the others go on."""
+    try:
+        st = (step_dir / layout.MARKER_NAME).stat()
+    except FileNotFoundError:
+        raise MarkerError("no commit marker: the step is not committed", path=step_dir) from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > layout.MAX_MARKER_BYTES:
+        return f"unreadable:{stat.S_IFMT(st.st_mode)}:{st.st_size}"
+    return layout.marker_identity(step_dir)
+
+
 class Discovery(JournalGate):
     async def _scan(self) -> int:
         """Journal every committed step under ROOT that the journal does not know yet, and every new save
         of a step it knows (a step number saved again)."""
-        known = await self._j(self._journal.saves)
-
         Found = list[tuple[int, Path, float, str]]
 
-        def find() -> tuple[Found, Found, list[str]]:
-            new: Found = []
-            resaved: Found = []
+        def listing() -> tuple[list[tuple[int, Path]], list[str]]:
             try:
                 odd = [n for n in os.listdir(self.root) if layout.looks_like_a_step_dir(n)]
             except FileNotFoundError:
                 odd = []
-            for step, path in layout.iter_step_dirs(self.root):
+            return list(layout.iter_step_dirs(self.root)), odd
+
+        Known = dict[int, tuple[float, str | None]]
+
+        def find(dirs: list[tuple[int, Path]], known: Known) -> tuple[Found, Found]:
+            new: Found = []
+            resaved: Found = []
+            for step, path in dirs:
                 try:
                     mtime = (path / layout.MARKER_NAME).stat().st_mtime
                     if step in known and known[step][0] == mtime:
                         continue  # the save the journal has: no need to read its marker
-                    identity = layout.marker_identity(path)
+                    identity = save_identity(path)
                 except (FileNotFoundError, MarkerError):
                     continue  # not committed: never touched
                 (resaved if step in known else new).append((step, path, mtime, identity))
-            return new, resaved, odd
+            return new, resaved
 
-        new, resaved, odd = await self._io(find)
+        dirs, odd = await self._io(listing)
+        known = await self._j(self._journal.saves, [step for step, _ in dirs])
+        new, resaved = await self._io(find, dirs, known)
+        self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
         for name in sorted(set(odd) - self._odd_names):
             self._odd_names.add(name)
             log.warning(

@@ -9,9 +9,9 @@ import errno
 import shutil
 from pathlib import Path
 
-from stagerd.contract import layout
 from stagerd.contract.step_lock import StepLock
 from stagerd.daemon.adopt import Adoption
+from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.health import Health
 from stagerd.daemon.journal import PUBLISHED, RETIRED
 from stagerd.daemon.retention import (
@@ -71,7 +71,7 @@ class Housekeeping(Health, Adoption):
             if step_dir.is_dir():
                 try:
                     ident = (
-                        layout.marker_identity(step_dir)
+                        save_identity(step_dir)
                         if self._adopt_root is None
                         else self._adopted_identity(step_dir)
                     )

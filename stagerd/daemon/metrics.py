@@ -6,6 +6,7 @@ The server runs in its own thread; `/healthz` answers 503 when the event loop ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -79,11 +80,14 @@ class Metrics:
             registry=r,
         )
         self.up_since = Gauge("stagerd_start_time_seconds", "When this daemon started.", registry=r)
-        self.fleet_waiting = Gauge(
-            "stagerd_fleet_waiting_nodes",
-            "Node-locally staged steps: the other nodes this node is waiting for, by step (0: not waiting).",
-            ["step"],
-            registry=r,
+        self.fleet_waiting = StepGauge(
+            Gauge(
+                "stagerd_fleet_waiting_nodes",
+                "Node-locally staged steps: the other nodes this node is waiting for, by step (only steps "
+                "waiting now).",
+                ["step"],
+                registry=r,
+            )
         )
         self.up_since.set(time.time())
 
@@ -98,6 +102,31 @@ class Metrics:
         for sink in sinks:
             for state in LANE_STATES:
                 self.lanes.labels(sink=sink, state=state).set(lanes.get((sink, state), 0))
+
+
+class StepGauge:
+    """A gauge labeled by step, where 0 means "nothing to report": setting 0 removes the step's series.
+
+    A series per step number kept at 0 forever would grow the scrape, and Prometheus' storage, by one
+    series per step a long-running daemon has seen; this way it holds the steps waiting now."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self._gauge = gauge
+
+    def labels(self, *, step: str) -> _StepSeries:
+        return _StepSeries(self._gauge, step)
+
+
+class _StepSeries:
+    def __init__(self, gauge: Gauge, step: str) -> None:
+        self._gauge, self._step = gauge, step
+
+    def set(self, value: float) -> None:
+        if value:
+            self._gauge.labels(step=self._step).set(value)
+        else:
+            with contextlib.suppress(KeyError):  # never set, or removed already
+                self._gauge.remove(self._step)
 
 
 class _QuietHandler(WSGIRequestHandler):

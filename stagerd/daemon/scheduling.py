@@ -79,7 +79,7 @@ class Scheduling(RawTasks):
         rows = await self._j(self._journal.steps, include_retired=False)
         if any(r.state == COMMITTED or (r.state == FAILED and r.next_try is not None) for r in rows):
             return False
-        lanes = await self._j(self._journal.lanes)
+        lanes = await self._j(self._journal.lanes, include_retired=False)
         live = {r.step for r in rows if r.state == EXPORTED}
         return not any(
             ln.step in live

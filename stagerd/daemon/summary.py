@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from stagerd import errors
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import FAILED, PUBLISHED, RETIRED, StepRow
+from stagerd.daemon.journal import FAILED, PUBLISHED, LaneRow, StepRow
 from stagerd.daemon.state import log
 
 
@@ -24,11 +24,13 @@ class Summary:
 
 class OnceSummary(JournalGate):
     async def _summary(self) -> Summary:
-        rows = await self._j(self._journal.steps)
-        lanes = await self._j(self._journal.lanes)
-        out = Summary()
+        rows = await self._j(self._journal.steps, include_retired=False)
+        lanes: dict[int, list[LaneRow]] = {}
+        for ln in await self._j(self._journal.lanes, include_retired=False):  # a retired step's are done
+            lanes.setdefault(ln.step, []).append(ln)
+        out = Summary(published=await self._j(self._journal.retired_steps))
         for r in rows:
-            if r.state in (PUBLISHED, RETIRED):
+            if r.state == PUBLISHED:
                 out.published.append(r.step)
                 continue
             why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
@@ -36,10 +38,11 @@ class OnceSummary(JournalGate):
                 why = [f"still waiting (not quarantined): {r.error_class}: {r.error_message}; {_hint(r)}"]
             why += [
                 f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
-                for ln in lanes
-                if ln.step == r.step and ln.state != PUBLISHED
+                for ln in lanes.get(r.step, ())
+                if ln.state != PUBLISHED
             ]
             out.unpublished.append((r.step, "; ".join(why)))
+        out.published.sort()
         return out
 
     def _report(self, summary: Summary) -> int:

@@ -22,6 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.daemon.adopt import Adoption
+from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
@@ -174,6 +175,10 @@ class Tasks(FleetTasks, Health, Adoption):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        if f.quarantine and sink is not None:
+            # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
+            # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
+            self._marker_metadata.pop(step, None)
         if self._adopt_root is None:
             on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
         else:
@@ -317,7 +322,7 @@ class Tasks(FleetTasks, Health, Adoption):
         row = await self._j(self._journal.step, step)
         try:
             identity: str | None = await self._io(
-                layout.marker_identity if self._adopt_root is None else self._adopted_identity, step_dir
+                save_identity if self._adopt_root is None else self._adopted_identity, step_dir
             )
         except MarkerError:
             identity = None

@@ -50,3 +50,18 @@ def test_idle_connections_are_closed_and_give_their_threads_back(server):
         for s in idle:
             s.close()
     assert _get(server, "/healthz") == 200
+
+
+def test_the_fleet_wait_gauge_holds_the_steps_waiting_now_not_every_step_ever():
+    """The fleet's calls as made for each step (waiting, then done): before, a series per step number stayed
+    at 0 for good, one more series on every scrape for every fleet step the daemon ever exported."""
+    from prometheus_client import generate_latest
+
+    m = Metrics()
+    for step in range(1000):
+        m.fleet_waiting.labels(step=str(step)).set(2)  # waiting for 2 nodes
+        m.fleet_waiting.labels(step=str(step)).set(0)  # the wait is over
+    m.fleet_waiting.labels(step="1000").set(1)
+    m.fleet_waiting.labels(step="1001").set(0)  # over before it waited: nothing to remove
+    lines = [ln for ln in generate_latest(m.registry).decode().splitlines() if ln.startswith("stagerd_fleet")]
+    assert lines == ['stagerd_fleet_waiting_nodes{step="1000"} 1.0']

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -94,16 +95,21 @@ def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_g
     (deep / layout.MARKER_NAME).write_text("[" * 100_000)
     with pytest.raises(MarkerError, match="nested too deep"):
         layout.read_marker(deep)
-    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
-    assert "1 step(s) published, 1 not" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert "MarkerError" in run_cli(["status", root]).stdout
-    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
-    big = tmp_path / "big" / layout.step_dir_name(1)
-    big.mkdir(parents=True)
+    big = stage_copy(root, 1, model, world=2)
     with open(big / layout.MARKER_NAME, "wb") as f:
         f.truncate(1 << 40)  # sparse: 1 TiB that takes no disk, and would take 1 TiB of memory to read
     with pytest.raises(MarkerError, match="larger than 64 MiB"):
         layout.read_marker(big)
+    fifo = stage_copy(root, 2, model, world=2)
+    (fifo / layout.MARKER_NAME).unlink()
+    os.mkfifo(fifo / layout.MARKER_NAME)
+    # Before: the daemon's scan read each marker whole for its identity: MemoryError, exit 1, nothing
+    # published, for the big one; the FIFO held the scan (and every step) for good.
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()], timeout=60)
+    assert "1 step(s) published, 3 not" in r.stdout, r.stdout + r.stderr[-3000:]
+    status = run_cli(["status", root]).stdout
+    assert "larger than 64 MiB" in status and "not a regular file" in status, status
+    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
 
 
 @pytest.mark.parametrize("shape", [[float("inf")], [2.5], [True], [-3], "12", [1e300]])

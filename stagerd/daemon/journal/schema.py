@@ -101,6 +101,10 @@ CREATE TABLE IF NOT EXISTS events (
     message         TEXT
 );
 CREATE INDEX IF NOT EXISTS events_step ON events(step);
+-- A long run's journal is mostly retired steps: the scheduler's queries, run every second, look up the
+-- few live ones by state instead of reading every step and lane ever recorded.
+CREATE INDEX IF NOT EXISTS steps_state ON steps(state);
+CREATE INDEX IF NOT EXISTS lanes_state ON lanes(state);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 

@@ -36,6 +36,9 @@ from stagerd.daemon.journal.schema import (
 from stagerd.daemon.lock import file_replaced
 from stagerd.errors import JournalError
 
+# Live: not retired. Spelled as the states it is, so that SQLite looks them up by the state index
+# instead of reading every retired row (`!=` cannot use an index).
+_LIVE = ", ".join(f"'{s}'" for s in STEP_STATES if s != RETIRED)
 _WAIT = "fleet_wait:"  # meta key prefix of a fleet step's wait, `fleet_wait:N`
 
 
@@ -188,7 +191,7 @@ class JournalStore:
     # -- reading -----------------------------------------------------------------------------------------
 
     def steps(self, *, include_retired: bool = True) -> list[StepRow]:
-        where = "" if include_retired else f"WHERE state != '{RETIRED}'"
+        where = "" if include_retired else f"WHERE state IN ({_LIVE})"
         return [
             self._step_row(r)
             for r in self._query(f"SELECT {columns(StepRow)} FROM steps {where} ORDER BY step")
@@ -198,11 +201,15 @@ class JournalStore:
         rows = self._query(f"SELECT {columns(StepRow)} FROM steps WHERE step = ?", (step,))
         return self._step_row(rows[0]) if rows else None
 
-    def lanes(self, step: int | None = None) -> list[LaneRow]:
+    def lanes(self, step: int | None = None, *, include_retired: bool = True) -> list[LaneRow]:
+        """Lanes, of one step or all; `include_retired=False`: only live steps' (a long run's journal keeps
+        every retired step's lanes, which a scan, a `--once` check or `status` must not read each time)."""
         sql = f"SELECT {columns(LaneRow)} FROM lanes"
         args: tuple = ()
         if step is not None:
             sql, args = sql + " WHERE step = ?", (step,)
+        elif not include_retired:
+            sql += f" WHERE step IN (SELECT step FROM steps WHERE state IN ({_LIVE}))"
         return [LaneRow(*r) for r in self._query(sql + " ORDER BY step, sink", args)]
 
     def events(self, step: int | None = None) -> list[Event]:
@@ -211,6 +218,10 @@ class JournalStore:
         if step is not None:
             sql, args = sql + " WHERE step = ?", (step,)
         return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
+
+    def retired_steps(self) -> list[int]:
+        """The retired steps' numbers alone, in order (not their rows: thousands in a long run)."""
+        return [r[0] for r in self._query("SELECT step FROM steps WHERE state = ? ORDER BY step", (RETIRED,))]
 
     def known_steps(self) -> set[int]:
         return {r[0] for r in self._query("SELECT step FROM steps")}
@@ -260,8 +271,7 @@ class JournalStore:
         """(sink, state) -> lanes, for lanes of steps not yet retired."""
         rows = self._query(
             "SELECT l.sink, l.state, COUNT(*) FROM lanes l JOIN steps s ON s.step = l.step "
-            "WHERE s.state != ? GROUP BY l.sink, l.state",
-            (RETIRED,),
+            f"WHERE s.state IN ({_LIVE}) GROUP BY l.sink, l.state"
         )
         return {(sink, state): n for sink, state, n in rows}
 

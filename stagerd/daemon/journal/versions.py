@@ -12,10 +12,11 @@ earlier checkpoint saves the same numbers again, with other data. It is never ig
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from stagerd.daemon.journal.schema import LaneState, StepState
@@ -29,10 +30,14 @@ _NO_NEXT_TRY = "SELECT {} FROM {} WHERE state = ? AND next_try IS NULL"
 
 
 class StepVersions(JournalStore):
-    def saves(self) -> dict[int, tuple[float, str | None]]:
-        """step -> (marker mtime, marker identity) as recorded, for every step the journal knows."""
-        rows = self._query("SELECT step, marker_mtime, marker_id FROM steps")
-        return {step: (mtime, identity) for step, mtime, identity in rows}
+    def saves(self, steps: Iterable[int] | None = None) -> dict[int, tuple[float, str | None]]:
+        """step -> (marker mtime, marker identity) as recorded, for `steps` (those a scan found on disk) or
+        every step the journal knows: a scan's work follows ROOT's directories, not the steps ever seen."""
+        sql = "SELECT step, marker_mtime, marker_id FROM steps"
+        args: tuple = ()
+        if steps is not None:
+            sql, args = sql + " WHERE step IN (SELECT value FROM json_each(?))", (json.dumps(list(steps)),)
+        return {step: (mtime, identity) for step, mtime, identity in self._query(sql, args)}
 
     def note_save(self, step: int, marker_mtime: float, marker_id: str) -> None:
         """The recorded save, seen again with another mtime (or for the first time by identity): no move."""

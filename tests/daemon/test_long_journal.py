@@ -1,0 +1,207 @@
+"""A long-running daemon's journal: work per scan, `--once` check and `status` follows the live steps.
+
+A run that saves every few minutes for months leaves tens of thousands of retired steps in the journal
+(and a lane row per sink for each). What the daemon does over and over (the scan on every filesystem
+event and rescan, the `--once` settle check, the gauges) and what `stagerd status` shows must read only
+the live steps, not every step ever seen; likewise the names warned about once are forgotten when gone.
+Reads are counted at the one place the journal returns rows (`JournalStore._query`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from stagerd.cmd.status import collect
+from stagerd.config import Settings
+from stagerd.contract import layout
+from stagerd.daemon.core import Daemon
+from stagerd.daemon.journal import Journal
+from stagerd.daemon.journal.store import JournalStore
+
+RETIRED_STEPS = 20_000
+SINKS = ("file:///a", "file:///b")
+
+
+@pytest.fixture(scope="module")
+def long_root(tmp_path_factory) -> Path:
+    """ROOT with a journal of 20,000 retired steps (2 lanes each) and one live, published step."""
+    root = tmp_path_factory.mktemp("long")
+    j = Journal.open(root)
+    now = time.time()
+    live = RETIRED_STEPS
+    with j._tx() as c:
+        c.executemany(
+            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (s, layout.step_dir_name(s), "retired" if s < live else "published", now, now, now)
+                for s in range(live + 1)
+            ],
+        )
+        c.executemany(
+            "INSERT INTO lanes (step, sink, state, updated) VALUES (?, ?, 'published', ?)",
+            [(s, k, now) for s in range(live + 1) for k in SINKS],
+        )
+    j.close()
+    return root
+
+
+class RowCount:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows = 0
+        real = JournalStore._query
+
+        def counted(store: JournalStore, sql: str, args=()) -> list[tuple]:
+            out = real(store, sql, args)
+            self.rows += len(out)
+            return out
+
+        monkeypatch.setattr(JournalStore, "_query", counted)
+
+
+def _daemon(root: Path) -> Daemon:
+    d = Daemon(Settings(root=str(root), sinks=[f"file://{root.parent}/sink"], once=True, metrics_port=0))
+    d._journal = Journal.open(root)
+    d._jpool = ThreadPoolExecutor(1)
+    d._iopool = ThreadPoolExecutor(1)
+    d._wake, d._housekeep, d._stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    return d
+
+
+def test_scan_settle_summary_and_gauges_read_the_live_steps_not_every_step_ever(long_root, monkeypatch):
+    counter = RowCount(monkeypatch)
+    d = _daemon(long_root)
+    read: dict[str, int] = {}
+
+    async def each() -> None:
+        jobs = (("scan", d._scan), ("settled", d._settled), ("summary", d._summary), ("gauges", d._refresh))
+        for name, job in jobs:
+            before = counter.rows
+            await job()
+            read[name] = counter.rows - before
+
+    try:
+        asyncio.run(each())
+        summary = asyncio.run(d._summary())
+    finally:
+        d._journal.close()
+    # before: the scan read all 20,001 saves; the settle check 20,001 + 40,002 lanes; the summary 60,003
+    # rows. The summary still lists the retired steps as published: their numbers alone, one column.
+    assert read["summary"] < RETIRED_STEPS + 100, read
+    del read["summary"]
+    assert max(read.values()) < 100, read
+    assert summary.ok and len(summary.published) == RETIRED_STEPS + 1  # retired steps still count
+    assert summary.published[:2] == [0, 1] and summary.published[-1] == RETIRED_STEPS
+
+
+def test_status_reads_only_the_steps_it_shows(long_root, monkeypatch):
+    counter = RowCount(monkeypatch)
+    doc = collect(long_root, include_retired=False)
+    assert [s["step"] for s in doc["steps"]] == [RETIRED_STEPS]
+    assert len(doc["steps"][0]["lanes"]) == len(SINKS)
+    assert counter.rows < 100, counter.rows  # before: 40,002 lanes of retired steps read and dropped
+    assert doc["counts"]["retired"] == RETIRED_STEPS
+
+
+def test_names_warned_about_once_are_forgotten_when_gone(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    for i in range(50):
+        (root / f"step-{i}").mkdir()  # too few digits: warned about, never read
+    d = _daemon(root)
+    try:
+        asyncio.run(d._scan())
+        assert len(d._odd_names) == 50
+        for i in range(50):
+            (root / f"step-{i}").rmdir()
+        asyncio.run(d._scan())
+        assert d._odd_names == set()  # before: all 50 kept for good, one more per name ever seen
+    finally:
+        d._journal.close()
+
+
+def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(long_root):
+    """An idle daemon's schedule pass runs each second: its queries look the live rows up by state."""
+    j = Journal.open(long_root)
+    ops = [0]
+
+    def tick() -> int:
+        ops[0] += 1
+        return 0
+
+    j._conn.set_progress_handler(tick, 100)  # SQLite calls it every 100 virtual machine instructions
+    now = time.time()
+    cost: dict[str, int] = {}
+    try:
+        for name, query in {
+            "next_export": lambda: j.next_export(now, ()),
+            "next_publish": lambda: j.next_publish(SINKS[0], now, ()),
+            "next_raw": lambda: j.next_raw("raw:" + SINKS[0], now, ()),
+            "next_retry_time": j.next_retry_time,
+            "lane_counts": j.lane_counts,
+            "live steps": lambda: j.steps(include_retired=False),
+            "live lanes": lambda: j.lanes(include_retired=False),
+        }.items():
+            ops[0] = 0
+            query()
+            cost[name] = ops[0]
+    finally:
+        j.close()
+    # before: 600 to 9,200 ticks each (next_publish 2,400), reading all 20,001 steps or 40,002 lanes
+    assert max(cost.values()) < 10, cost
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_adopted_preset_cache_follows_the_checkpoints_in_root(tmp_path):
+    """`--adopt` caches each checkpoint's preset by name; a trainer that rotates checkpoints away must not
+    leave one entry per checkpoint ever seen."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "root"
+    for n in (1, 2, 3):  # a plain single-process DCP save each
+        dcp.save({"model.w": torch.full((4,), float(n))}, checkpoint_id=root / f"checkpoint-{n}")
+    d = Daemon(
+        Settings(root=str(root), sinks=[f"file://{tmp_path}/sink"], once=True, metrics_port=0, adopt="auto")
+    )
+    d._journal = Journal.open(root)
+    d._jpool, d._iopool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    d._wake, d._housekeep, d._stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    try:
+        assert asyncio.run(d._scan()) == 3
+        assert sorted(d._adopt_presets) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+        shutil.rmtree(root / "checkpoint-1")
+        shutil.rmtree(root / "checkpoint-2")
+        asyncio.run(d._scan())
+        assert sorted(d._adopt_presets) == ["checkpoint-3"]  # before: all three kept for good
+    finally:
+        d._journal.close()
+
+
+def test_a_quarantined_lane_does_not_keep_its_steps_marker_metadata(tmp_path):
+    """The marker's metadata is cached per step until every lane has published it; a lane quarantined for
+    good never does: before, each such step kept its entry for the daemon's life."""
+    from stagerd.errors import VerifyError
+
+    root = tmp_path / "root"
+    root.mkdir()
+    d = _daemon(root)
+    sink = next(iter(d.settings.sinks))
+    j = d._journal
+    try:
+        for step in (1, 2):
+            j.add_step(step, root / layout.step_dir_name(step), 1.0, "sha256:x")
+            j.begin_export(step)
+            j.finish_export(step, [sink], seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+            j.begin_publish(step, sink)
+            d._marker_metadata[step] = {"run": "r"}
+            asyncio.run(d._work_failed(step, sink, 1, VerifyError("torn upload", path=root)))
+        assert d._marker_metadata == {}
+    finally:
+        j.close()
