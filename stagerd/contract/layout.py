@@ -259,15 +259,7 @@ def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path
 def read_marker(step_dir: str | os.PathLike[str]) -> CommitMarker:
     """Read and validate the commit marker of `step_dir`."""
     path = Path(step_dir) / MARKER_NAME
-    try:
-        with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
-            raw = f.read(MAX_MARKER_BYTES + 1)
-    except FileNotFoundError:
-        raise MarkerError("no commit marker: the step is not committed", path=path) from None
-    except OSError as e:
-        raise MarkerError(f"cannot read the commit marker: {e.strerror}", path=path) from None
-    if len(raw) > MAX_MARKER_BYTES:
-        raise MarkerError("commit marker is larger than 64 MiB", path=path)
+    raw = _marker_bytes(path)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -291,11 +283,20 @@ def marker_identity(step_dir: str | os.PathLike[str]) -> str:
     The marker names the save's creation time and every file, so a step saved again (a run restarted from
     an earlier checkpoint) has a new identity, while a restored or re-read step keeps its own.
     """
-    path = Path(step_dir) / MARKER_NAME
+    return identity_of(_marker_bytes(Path(step_dir) / MARKER_NAME))
+
+
+def _marker_bytes(path: Path) -> bytes:
     try:
-        return identity_of(path.read_bytes())
+        with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
+            raw = f.read(MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
+    except OSError as e:
+        raise MarkerError(f"cannot read the commit marker: {e.strerror}", path=path) from None
+    if len(raw) > MAX_MARKER_BYTES:
+        raise MarkerError("commit marker is larger than 64 MiB", path=path)
+    return raw
 
 
 def identity_of(marker_bytes: bytes) -> str:
