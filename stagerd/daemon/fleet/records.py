@@ -1,0 +1,72 @@
+"""What the fleet's nodes write on the exchange about the files they build, and what they compare.
+
+A record (`fleet/step-N/done/SINK/NAME.json`) says a file is uploaded to a sink: its size, sha256, the
+store's checksum, its owner, and the sha256 of its header as the owner's plan writes it, so the leader
+commits only files built from its own plan (a daemon run with other export settings builds a file of
+the same name, even of the same size, with other bytes). `save_of` is what every node's marker of one save
+holds alike, so a node part of another save is never built into this one's export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet.build import Artefact
+from stagerd.engine.file_header import file_header
+from stagerd.engine.plan_types import OutputFile
+from stagerd.sinks.objects import Uploaded
+
+
+def sink_id(url: str) -> str:
+    """A sink's name in the exchange's record keys: every node passes the same --sink URLs."""
+    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def uploaded(d: dict[str, Any] | None) -> Uploaded:
+    assert d is not None  # waited for
+    return Uploaded(d["rel"], int(d["size"]), d["sha256"], d.get("checksum"))
+
+
+def record_bytes(up: Uploaded, node: int, planned: dict[str, object]) -> bytes:
+    return json.dumps(
+        {
+            "rel": up.rel,
+            "sha256": up.sha256,
+            "checksum": up.checksum,
+            "owner": node,
+            **planned,
+            "size": up.size,
+        }
+    ).encode()
+
+
+def planned_file(art: Artefact, f: OutputFile) -> dict[str, object]:
+    """What the plan says file `f` is: its size and the sha256 of its header (names, dtypes, shapes,
+    offsets), so that a file built under other export settings is told apart even at the same size."""
+    header = file_header(art.plan, art.plan.files.index(f))
+    return {"size": f.size, "header": hashlib.sha256(header).hexdigest()}
+
+
+def same_plan(record: dict[str, Any] | None, planned: dict[str, object]) -> bool:
+    """A record of the file this plan builds (a record by an older stagerd names no header)."""
+    return (
+        record is not None
+        and record.get("size") == planned["size"]
+        and record.get("header", planned["header"]) == planned["header"]
+    )
+
+
+def plan_text(d: dict[str, Any] | None) -> str:
+    d = d or {}
+    return f"{d.get('size')} bytes, header sha256 {str(d.get('header'))[:12]}"
+
+
+def save_of(m: layout.CommitMarker) -> dict[str, Any]:
+    """What every node's marker of one save holds alike (all but its own files and node id)."""
+    d = m.to_json()
+    d.pop("files")
+    d.pop("staging_node")
+    return d

@@ -1,0 +1,129 @@
+"""The nodes of a fleet step must agree before anything is committed: one save (every node's marker has
+rank 0's `created` and the same global fields), one node count, one plan (the same export settings on
+every daemon). A part or a record that disagrees is a named error and no manifest is written; a leader
+restarted after its commit still records the step done, so remote retention is never blocked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet.node import FleetResult
+from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, StepConflictError
+from tests.daemon.fleet.test_protocol import STEP, _node, _run_all, _stage
+
+NAME = layout.step_dir_name(STEP)
+
+
+def _manifest(sink: Path) -> Path:
+    return sink / NAME / layout.MANIFEST_NAME
+
+
+def test_a_leader_restarted_after_its_commit_still_records_the_step_done(tmp_path, dcp_mixed2):
+    """The state a leader killed at `fleet.manifest` leaves: manifest committed, no `latest`, no
+    `done.json`. The restart used to move `latest` only, so `done.json` never came and remote retention
+    kept the step's raw parts and records forever."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    assert all(isinstance(r, FleetResult) for r in _run_all(node_dirs, sink.as_uri()))
+    done = sink / "fleet" / NAME / "done.json"
+    done.unlink()
+    (sink / "latest").unlink()
+    node, _ = _node(node_dirs[0], sink.as_uri())
+    assert not node.run().built
+    assert (sink / "latest").read_text() == NAME and done.is_file()
+
+
+def test_a_node_part_of_another_save_is_never_built_into_the_export(tmp_path, dcp_mixed2):
+    """Node 1 staged save A of step 7 and sent its raw part, then the run was restarted from an earlier
+    checkpoint and node 0 holds save B of step 7. Node 0 owns the only output file: it used to build it
+    from its own B shards and node 1's A shards and commit the manifest, one export of two saves."""
+    _, a_dirs = _stage(tmp_path / "a", dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    node1, _ = _node(a_dirs[1], sink.as_uri(), max_shard_size=1 << 30, wait_seconds=0.2)
+    with pytest.raises(FleetWaitError):
+        node1.run()
+    _, b_dirs = _stage(tmp_path / "b", dcp_mixed2[0], 2, dtype="bf16")
+    node0, _ = _node(b_dirs[0], sink.as_uri(), max_shard_size=1 << 30, wait_seconds=5)
+    with pytest.raises(StepConflictError, match=r"node-00001-of-00002 .* another save"):
+        node0.run()
+    assert not _manifest(sink).exists() and not (sink / NAME).exists()
+
+
+def test_node_parts_of_another_node_count_are_a_named_error_not_a_wait(tmp_path, dcp_mixed2):
+    """A 3-node save's node 2 sent its part where a 2-node save of the same step meets: the 2-node fleet
+    can never see one whole set of parts. It used to wait, retried forever, "waiting for node  (seen:
+    ...)"; now every node says which part disagrees, at once."""
+    _, three = _stage(tmp_path / "three", dcp_mixed2[0], 3)
+    sink = tmp_path / "sink"
+    stray, _ = _node(three[2], sink.as_uri(), wait_seconds=0.2)
+    with pytest.raises(FleetWaitError):
+        stray.run()
+    _, two = _stage(tmp_path / "two", dcp_mixed2[0], 2)
+    results = _run_all(two, sink.as_uri(), wait_seconds=20)
+    for r in results:
+        assert isinstance(r, FleetNodeConflictError) and not r.retryable, r
+        assert "node-00002-of-00003" in str(r) and "2 nodes" in str(r)
+    assert not _manifest(sink).exists()
+
+
+def test_a_file_built_with_other_export_settings_is_never_committed(tmp_path, dcp_mixed2):
+    """Node 1's daemon runs with --dtype fp16, node 0's with bf16 (a rolling config change): same file
+    names, same sizes. The leader used to commit node 1's fp16 files under its bf16 index. Now it refuses
+    by name; with node 1's settings fixed and the records deleted (the hint), the step commits the bytes
+    of a fleet that always agreed."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, good = tmp_path / "sink", tmp_path / "good"
+    ok = _run_all(node_dirs, good.as_uri(), dtype="bf16")
+    assert all(isinstance(r, FleetResult) for r in ok), ok
+    shutil.rmtree(node_dirs[0].parent / ".stagerd", ignore_errors=True)
+
+    out: dict[int, object] = {}
+
+    def one(k: int, dtype: str) -> None:
+        try:
+            out[k] = _node(node_dirs[k], sink.as_uri(), dtype=dtype, wait_seconds=1)[0].run()
+        except Exception as e:
+            out[k] = e
+
+    ts = [threading.Thread(target=one, args=(k, d)) for k, d in ((1, "fp16"), (0, "bf16"))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert isinstance(out[0], ConfigError) and "node 1" in str(out[0]), out
+    assert not _manifest(sink).exists()
+    shutil.rmtree(sink / "fleet" / NAME / "done")  # as the hint says, once node 1's settings are fixed
+    results = _run_all(node_dirs, sink.as_uri(), dtype="bf16")
+    assert all(isinstance(r, FleetResult) for r in results), results
+    assert results[1].built  # type: ignore[union-attr]
+
+    def tree(root: Path) -> dict[str, bytes]:
+        d = root / NAME
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != layout.MANIFEST_NAME}
+
+    assert tree(sink) == tree(good)
+    assert (
+        json.loads(_manifest(sink).read_text())["files"] == json.loads(_manifest(good).read_text())["files"]
+    )
+
+
+def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done(tmp_path, dcp_mixed2):
+    """Node 0's Hub lane killed between `hub.json` and `done.json`: the restart found the Hub record and
+    returned, so `done.json` never came and remote retention kept the step's raw parts forever."""
+    from stagerd.daemon.fleet.hub import hub_record_key, publish_to_hub
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex = tmp_path / "exchange"
+    exchange, staging = (FsspecSink.from_url(u) for u in (ex.as_uri(), (ex / "export").as_uri()))
+    exchange.backend.create(hub_record_key(STEP), b'{"location": "hf://acme/fleet"}')
+    done = ex / "fleet" / NAME / "done.json"
+    for k in (1, 0):  # a Sink that is never called: the Hub already holds the step
+        r = publish_to_hub(STEP, node_dirs[k], tmp_path / "w", staging, staging, exchange, staging.url)
+        assert r.skipped and done.is_file() == (k == 0)
