@@ -126,7 +126,6 @@ class FleetNode:
         self.save = layout.marker_identity(step_dir)  # which save of this step number: `_claim` names it
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
-        self.deadline = 0.0
         self.waited = 0.0
 
     def run(self) -> FleetResult:
@@ -137,7 +136,6 @@ class FleetNode:
 
     def _run(self) -> FleetResult:
         t0 = time.monotonic()
-        self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
         if all(s.is_published(self.step) for s in self.sinks) and self._same_save_on_exchange():
             if self.me == 0:  # a leader killed between the manifest and `latest`, or before `done.json`
@@ -416,11 +414,13 @@ class FleetNode:
         reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
         if done():
             return
+        # each wait its own: the raw upload and the builds before it may take longer than the setting
+        deadline = time.monotonic() + self.opt.wait_seconds
         while not done():
             text = what()
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
             self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
-            if time.monotonic() >= self.deadline:
+            if time.monotonic() >= deadline:
                 raise FleetWaitError(
                     f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",
                     path=self.exchange.url,

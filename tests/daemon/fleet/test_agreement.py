@@ -127,3 +127,34 @@ def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done
     for k in (1, 0):  # a Sink that is never called: the Hub already holds the step
         r = publish_to_hub(STEP, node_dirs[k], tmp_path / "w", staging, staging, exchange, staging.url)
         assert r.skipped and done.is_file() == (k == 0)
+
+
+def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
+    """The leader waits 1 s of its 1.5 s for node 1's raw part, builds its files, then waits for node 1's:
+    a new wait, with the whole setting, as documented. It used to share one deadline with everything
+    before it (its raw upload and its builds too, minutes on a large step), so it gave up 0.5 s into this
+    wait, before node 1 even started, and a `--once` run failed the step."""
+    import time
+
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    out: list[object] = []
+    leader = threading.Thread(target=lambda: out.append(_run_one(node_dirs[0], sink, 1.5)))
+    t0 = time.monotonic()
+    leader.start()
+    time.sleep(1.0)
+    FsspecSink.from_url(sink.as_uri()).publish_raw(node_dirs[1], STEP)  # node 1's part, no node 1 yet
+    time.sleep(max(0.0, 1.6 - (time.monotonic() - t0)))
+    late = _run_one(node_dirs[1], sink, 5)
+    leader.join(30)
+    assert isinstance(late, FleetResult) and isinstance(out[0], FleetResult), (late, out)
+    assert out[0].committed and _manifest(sink).is_file()
+
+
+def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception:
+    try:
+        return _node(step_dir, sink.as_uri(), wait_seconds=wait)[0].run()
+    except Exception as e:
+        return e
