@@ -23,6 +23,7 @@ every sink's bytes) and each sink gets its own commit, so every sink ends with t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -147,6 +148,7 @@ class FleetNode:
         raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
         res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
+        self._same_settings()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
         p, units = self._plan(mirror, listed)
@@ -197,9 +199,15 @@ class FleetNode:
         return found is not None and layout.identity_of(found) == self.save
 
     def _claim(self) -> None:
-        key = f"{self.base}/node-{self.me:05d}.json"
+        key = self._claim_key(self.me)
         mine = json.dumps(
-            {"root": self.root_id, "node": self.me, "nodes": self.nodes, "save": self.save}
+            {
+                "root": self.root_id,
+                "node": self.me,
+                "nodes": self.nodes,
+                "save": self.save,
+                **self._settings(),
+            }
         ).encode()
         if self._create(key, mine):
             return
@@ -220,6 +228,45 @@ class FleetNode:
                 f"{step_prefix(self.step, raw=True)}/ from the exchange, then run "
                 f"`stagerd retry ROOT --step {self.step}`; to keep what was published, delete the new save",
             )
+        if theirs.get("settings", self._settings()["settings"]) != self._settings()["settings"]:
+            self.exchange.backend.write(key, mine)  # restarted with other settings: the others compare these
+
+    def _claim_key(self, node: int) -> str:
+        return f"{self.base}/node-{node:05d}.json"
+
+    def _settings(self) -> dict[str, Any]:
+        """What every node's daemon must agree on, named in its claim: the sinks (their record keys) and
+        what decides the plan."""
+        mapping = self.opt.mapping if self.marker.hub_plan is None else None
+        return {
+            "settings": {
+                "sinks": [sink_id(s.url) for s in self.sinks],
+                "dtype": self._target_dtype(),
+                "keep_dtype": self.opt.keep_dtype,
+                "max_shard_size": self.opt.max_shard_size,
+                "mapping": None if mapping is None else hashlib.sha256(mapping.read_bytes()).hexdigest(),
+                "hub": self.opt.hub,
+            }
+        }
+
+    def _same_settings(self) -> None:
+        """Every other node's claim (each made before its raw part) names the settings this node has."""
+        mine = self._settings()["settings"]
+        for k in range(self.nodes):
+            key = self._claim_key(k)
+            theirs = json.loads(self.exchange.backend.read(key) or b"{}").get("settings")
+            if k != self.me and theirs is not None and theirs != mine:  # an older stagerd names none
+                diff = ", ".join(
+                    f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v
+                )
+                raise ConfigError(
+                    f"step {self.step}: node {k}'s daemon runs with other settings than node {self.me}'s "
+                    f"({diff})",
+                    path=f"{self.exchange.url}/{key}",
+                    hint="every node's daemon must run with the same --sink URLs (in order), --dtype, "
+                    "--keep-dtype, --max-shard-size and --mapping; fix it and restart it (its claim is "
+                    f"rewritten), then run `stagerd retry ROOT --step {self.step}` on every node",
+                )
 
     def _record_done(self) -> None:
         """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,

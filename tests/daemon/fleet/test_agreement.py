@@ -72,17 +72,21 @@ def test_node_parts_of_another_node_count_are_a_named_error_not_a_wait(tmp_path,
     assert not _manifest(sink).exists()
 
 
-def test_a_file_built_with_other_export_settings_is_never_committed(tmp_path, dcp_mixed2):
-    """Node 1's daemon runs with --dtype fp16, node 0's with bf16 (a rolling config change): same file
-    names, same sizes. The leader used to commit node 1's fp16 files under its bf16 index. Now it refuses
-    by name; with node 1's settings fixed and the records deleted (the hint), the step commits the bytes
-    of a fleet that always agreed."""
+def test_a_file_built_from_another_plan_is_never_committed(tmp_path, dcp_mixed2):
+    """Node 1's daemon runs with --dtype fp16, node 0's with bf16, and the claims name no settings
+    (written by an older stagerd; or any plan difference the settings do not name): same file names,
+    same sizes. The leader used to commit node 1's fp16 files under its bf16 index. Now each record
+    names the sha256 of the file's header in its owner's plan and the leader refuses another by name;
+    with the records deleted (the hint), the step commits the bytes of a fleet that always agreed."""
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     sink, good = tmp_path / "sink", tmp_path / "good"
     ok = _run_all(node_dirs, good.as_uri(), dtype="bf16")
     assert all(isinstance(r, FleetResult) for r in ok), ok
     shutil.rmtree(node_dirs[0].parent / ".stagerd", ignore_errors=True)
-
+    (sink / "fleet" / NAME).mkdir(parents=True)
+    for k, d in enumerate(node_dirs):  # claims as an older stagerd writes them: no settings to compare
+        claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d)}
+        (sink / "fleet" / NAME / f"node-{k:05d}.json").write_text(json.dumps(claim))
     out: dict[int, object] = {}
 
     def one(k: int, dtype: str) -> None:
@@ -96,7 +100,7 @@ def test_a_file_built_with_other_export_settings_is_never_committed(tmp_path, dc
         t.start()
     for t in ts:
         t.join(60)
-    assert isinstance(out[0], ConfigError) and "node 1" in str(out[0]), out
+    assert isinstance(out[0], ConfigError) and "node 1 built" in str(out[0]), out
     assert not _manifest(sink).exists()
     shutil.rmtree(sink / "fleet" / NAME / "done")  # as the hint says, once node 1's settings are fixed
     results = _run_all(node_dirs, sink.as_uri(), dtype="bf16")
@@ -158,3 +162,57 @@ def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception
         return _node(step_dir, sink.as_uri(), wait_seconds=wait)[0].run()
     except Exception as e:
         return e
+
+
+@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype"])
+def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build(
+    tmp_path, dcp_mixed2, differs
+):
+    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size. Before, the
+    leader waited forever for files nobody would build (records on the second sink; names of another
+    plan) while node 1 uploaded files of its own plan, and, with one sink, saw that sink committed and
+    called the step published: its retention could delete the staged step the second sink still needed.
+    Now both nodes name the difference from the claims, before anything is built."""
+    from stagerd.daemon.fleet.node import FleetNode, FleetOptions
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
+    out: dict[int, object] = {}
+
+    def one(k: int, fixed: bool = False) -> None:
+        k_ = 0 if fixed else k  # fixed: node 1 restarted with node 0's settings
+        sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
+        shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
+        dtype = "fp16" if k_ == 1 and differs == "dtype" else "bf16"
+        opts = FleetOptions(dtype=dtype, max_shard_size=shard, wait_seconds=3, poll_seconds=0.05)
+        node = FleetNode(
+            node_dirs[k],
+            node_dirs[k].parent / ".stagerd" / "fleet",
+            sinks,
+            FsspecSink.from_url(urls[0]),
+            RemoteStore.open(urls[0]),
+            str(node_dirs[k].parent),
+            opts,
+        )
+        try:
+            out[k] = node.run()
+        except Exception as e:
+            out[k] = e
+
+    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for k, r in out.items():
+        assert isinstance(r, ConfigError) and f"node {1 - k}" in str(r) and differs in str(r), out
+    assert not list((tmp_path / "a").glob(f"{NAME}/*.safetensors"))  # nothing built
+    ts = [threading.Thread(target=one, args=(k, True)) for k in (1, 0)]  # its claim is rewritten
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert all(isinstance(r, FleetResult) for r in out.values()), out
+    assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
