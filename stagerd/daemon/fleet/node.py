@@ -40,10 +40,10 @@ from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.daemon.fleet.plan import Mirror, NodePart, extras_of, owners
 from stagerd.daemon.fleet.records import (
-    plan_text,
     planned_file,
     record_bytes,
-    same_plan,
+    same_plans,
+    same_settings,
     save_of,
     sink_id,
     uploaded,
@@ -53,13 +53,7 @@ from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import (
-    ConfigError,
-    FleetNodeConflictError,
-    FleetWaitError,
-    MarkerError,
-    StepConflictError,
-)
+from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
@@ -148,7 +142,12 @@ class FleetNode:
         raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
         res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
-        self._same_settings()
+        mine = self._settings()["settings"]
+        for k in range(self.nodes):
+            if k != self.me:
+                key = self._claim_key(k)
+                claim = json.loads(self.exchange.backend.read(key) or b"{}")
+                same_settings(self.step, k, self.me, claim, mine, f"{self.exchange.url}/{key}")
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
         p, units = self._plan(mirror, listed)
@@ -248,25 +247,6 @@ class FleetNode:
                 "hub": self.opt.hub,
             }
         }
-
-    def _same_settings(self) -> None:
-        """Every other node's claim (each made before its raw part) names the settings this node has."""
-        mine = self._settings()["settings"]
-        for k in range(self.nodes):
-            key = self._claim_key(k)
-            theirs = json.loads(self.exchange.backend.read(key) or b"{}").get("settings")
-            if k != self.me and theirs is not None and theirs != mine:  # an older stagerd names none
-                diff = ", ".join(
-                    f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v
-                )
-                raise ConfigError(
-                    f"step {self.step}: node {k}'s daemon runs with other settings than node {self.me}'s "
-                    f"({diff})",
-                    path=f"{self.exchange.url}/{key}",
-                    hint="every node's daemon must run with the same --sink URLs (in order), --dtype, "
-                    "--keep-dtype, --max-shard-size and --mapping; fix it and restart it (its claim is "
-                    f"rewritten), then run `stagerd retry ROOT --step {self.step}` on every node",
-                )
 
     def _record_done(self) -> None:
         """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,
@@ -400,7 +380,7 @@ class FleetNode:
 
             def missing(sink: FsspecSink = sink) -> list[str]:
                 got = {n: self._record_data(sink, n) for n in names}
-                self._other_plan(sink, owner, planned, got)
+                same_plans(self.step, owner, planned, got, self._records_at(sink))
                 return [n for n in names if got[n] is None]
 
             self._wait(
@@ -410,30 +390,10 @@ class FleetNode:
                 ),
             )
             got = {n: self._record_data(sink, n) for n in names}
-            self._other_plan(sink, owner, planned, got)
+            same_plans(self.step, owner, planned, got, self._records_at(sink))
             digests += [uploaded(got[n]) for n in names]
             sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
         return sent
-
-    def _other_plan(
-        self,
-        sink: FsspecSink,
-        owner: dict[str, int],
-        planned: dict[str, dict[str, object]],
-        got: dict[str, dict[str, Any] | None],
-    ) -> None:
-        """Raise if a file's record is of another plan than this one's: its owner's daemon runs with other
-        export settings (a file of the same name and size would hold other bytes than the index says)."""
-        for n, rec in got.items():
-            if rec is not None and not same_plan(rec, planned[n]):
-                raise ConfigError(
-                    f"step {self.step}: node {owner[n]} built {n} from another plan than node 0's "
-                    f"({plan_text(rec)} against {plan_text(planned[n])})",
-                    path=f"{self.exchange.url}/{self._record_key(sink, n)}",
-                    hint="every node's daemon must run with the same --dtype, --keep-dtype, --max-shard-size "
-                    f"and --mapping; fix them, delete {self.base}/done/ from the exchange (every node "
-                    f"rebuilds its files), then run `stagerd retry ROOT --step {self.step}` on every node",
-                )
 
     # -- the exchange ------------------------------------------------------------------------------------
 
@@ -444,6 +404,9 @@ class FleetNode:
     def _record_key(self, sink: FsspecSink, name: str) -> str:
         """One record per sink and file: the store checksum it holds is that sink's."""
         return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
+
+    def _records_at(self, sink: FsspecSink) -> str:
+        return f"{self.exchange.url}/{self._record_key(sink, '')[: -len('.json')]}"
 
     def _record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
         data = self.exchange.backend.read(self._record_key(sink, name))

@@ -1,4 +1,5 @@
-"""What the fleet's nodes write on the exchange about the files they build, and what they compare.
+"""What the fleet's nodes write on the exchange about themselves and their files, and the checks that
+they agree (the same settings, the same plan, the same save).
 
 A record (`fleet/step-N/done/SINK/NAME.json`) says a file is uploaded to a sink: its size, sha256, the
 store's checksum, its owner, and the sha256 of its header as the owner's plan writes it, so the leader
@@ -17,6 +18,7 @@ from stagerd.contract import layout
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.engine.file_header import file_header
 from stagerd.engine.plan_types import OutputFile
+from stagerd.errors import ConfigError
 from stagerd.sinks.objects import Uploaded
 
 
@@ -70,3 +72,42 @@ def save_of(m: layout.CommitMarker) -> dict[str, Any]:
     d.pop("files")
     d.pop("staging_node")
     return d
+
+
+def same_settings(
+    step: int, k: int, me: int, claim: dict[str, Any], mine: dict[str, Any], where: str
+) -> None:
+    """Node `k`'s claim (made before its raw part) names the settings node `me` has (`node._settings`)."""
+    theirs = claim.get("settings")
+    if theirs is None or theirs == mine:  # an older stagerd names none
+        return
+    diff = ", ".join(f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v)
+    raise ConfigError(
+        f"step {step}: node {k}'s daemon runs with other settings than node {me}'s ({diff})",
+        path=where,
+        hint="every node's daemon must run with the same --sink URLs (in order), --dtype, --keep-dtype, "
+        "--max-shard-size and --mapping; fix it and restart it (its claim is rewritten), then run "
+        f"`stagerd retry ROOT --step {step}` on every node",
+    )
+
+
+def same_plans(
+    step: int,
+    owner: dict[str, int],
+    planned: dict[str, dict[str, object]],
+    got: dict[str, dict[str, Any] | None],
+    where: str,
+) -> None:
+    """Raise if a file's record (`got`, by file) is of another plan than `planned`: its owner built other
+    bytes under the same name than the leader's index describes. `where`: the records' folder."""
+    for n, rec in got.items():
+        if rec is not None and not same_plan(rec, planned[n]):
+            raise ConfigError(
+                f"step {step}: node {owner[n]} built {n} from another plan than node 0's "
+                f"({plan_text(rec)} against {plan_text(planned[n])})",
+                path=f"{where}{n}.json",
+                hint="every node's daemon must run with the same stagerd, --dtype, --keep-dtype, "
+                f"--max-shard-size and --mapping; fix them, delete {where.rsplit('/done/', 1)[0]}/done/ "
+                f"from the exchange (every node rebuilds its files), then run `stagerd retry ROOT --step "
+                f"{step}` on every node",
+            )
