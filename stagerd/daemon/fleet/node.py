@@ -23,7 +23,6 @@ every sink's bytes) and each sink gets its own commit, so every sink ends with t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -43,8 +42,9 @@ from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
     same_plans,
-    same_settings,
     save_of,
+    settings_errors,
+    settings_of,
     sink_id,
     uploaded,
 )
@@ -53,7 +53,7 @@ from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
+from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
@@ -142,12 +142,7 @@ class FleetNode:
         raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
         res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
-        mine = self._settings()["settings"]
-        for k in range(self.nodes):
-            if k != self.me:
-                key = self._claim_key(k)
-                claim = json.loads(self.exchange.backend.read(key) or b"{}")
-                same_settings(self.step, k, self.me, claim, mine, f"{self.exchange.url}/{key}")
+        self._wait_settings()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
         p, units = self._plan(mirror, listed)
@@ -156,9 +151,7 @@ class FleetNode:
         for rel, (art, f) in units.items():
             if owner[rel] != self.me:
                 continue
-            # recorded files are never redone: the leader may be committing them (one of another plan is
-            # the leader's ConfigError)
-            todo = [s for s in self.sinks if self._record_data(s, rel) is None]
+            todo = [s for s in self.sinks if self._record_data(s, rel) is None]  # never redone once recorded
             if not todo:
                 continue
             out = self.work / "out"
@@ -234,19 +227,29 @@ class FleetNode:
         return f"{self.base}/node-{node:05d}.json"
 
     def _settings(self) -> dict[str, Any]:
-        """What every node's daemon must agree on, named in its claim: the sinks (their record keys) and
-        what decides the plan."""
+        """What every node's daemon must agree on, named in its claim."""
         mapping = self.opt.mapping if self.marker.hub_plan is None else None
-        return {
-            "settings": {
-                "sinks": [sink_id(s.url) for s in self.sinks],
-                "dtype": self._target_dtype(),
-                "keep_dtype": self.opt.keep_dtype,
-                "max_shard_size": self.opt.max_shard_size,
-                "mapping": None if mapping is None else hashlib.sha256(mapping.read_bytes()).hexdigest(),
-                "hub": self.opt.hub,
-            }
-        }
+        o = self.opt
+        return settings_of(self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub)
+
+    def _wait_settings(self) -> None:
+        """Every other node's claim names this node's settings. A node restarted with fixed ones rewrites
+        its claim, so a difference is waited out first; one that stays is the ConfigError."""
+        found: list[tuple[int, ConfigError]] = []
+
+        def agreed() -> bool:
+            keys = {k: self._claim_key(k) for k in range(self.nodes) if k != self.me}
+            claims = {k: json.loads(self.exchange.backend.read(key) or b"{}") for k, key in keys.items()}
+            where = f"{self.exchange.url}/{self.base}"
+            found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
+            return not found
+
+        try:
+            self._wait(agreed, lambda: f"waiting for node {found[0][0]} to run with this node's settings")
+        except FleetWaitError as e:
+            if found:
+                raise found[0][1] from e
+            raise
 
     def _record_done(self) -> None:
         """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,
@@ -378,9 +381,11 @@ class FleetNode:
             digests = self._upload(sink, files)
             sent += sum(f.size for f in files)
 
-            def missing(sink: FsspecSink = sink) -> list[str]:
+            at = f"{self.exchange.url}/{self.base}/done/{sink_id(sink.url)}/"  # the records, for an error
+
+            def missing(sink: FsspecSink = sink, at: str = at) -> list[str]:
                 got = {n: self._record_data(sink, n) for n in names}
-                same_plans(self.step, owner, planned, got, self._records_at(sink))
+                same_plans(self.step, owner, planned, got, at)
                 return [n for n in names if got[n] is None]
 
             self._wait(
@@ -390,7 +395,7 @@ class FleetNode:
                 ),
             )
             got = {n: self._record_data(sink, n) for n in names}
-            same_plans(self.step, owner, planned, got, self._records_at(sink))
+            same_plans(self.step, owner, planned, got, at)
             digests += [uploaded(got[n]) for n in names]
             sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
         return sent
@@ -404,9 +409,6 @@ class FleetNode:
     def _record_key(self, sink: FsspecSink, name: str) -> str:
         """One record per sink and file: the store checksum it holds is that sink's."""
         return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
-
-    def _records_at(self, sink: FsspecSink) -> str:
-        return f"{self.exchange.url}/{self._record_key(sink, '')[: -len('.json')]}"
 
     def _record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
         data = self.exchange.backend.read(self._record_key(sink, name))

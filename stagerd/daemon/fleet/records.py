@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
@@ -19,6 +21,7 @@ from stagerd.daemon.fleet.build import Artefact
 from stagerd.engine.file_header import file_header
 from stagerd.engine.plan_types import OutputFile
 from stagerd.errors import ConfigError
+from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import Uploaded
 
 
@@ -74,21 +77,49 @@ def save_of(m: layout.CommitMarker) -> dict[str, Any]:
     return d
 
 
-def same_settings(
-    step: int, k: int, me: int, claim: dict[str, Any], mine: dict[str, Any], where: str
-) -> None:
-    """Node `k`'s claim (made before its raw part) names the settings node `me` has (`node._settings`)."""
-    theirs = claim.get("settings")
-    if theirs is None or theirs == mine:  # an older stagerd names none
-        return
-    diff = ", ".join(f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v)
-    raise ConfigError(
-        f"step {step}: node {k}'s daemon runs with other settings than node {me}'s ({diff})",
-        path=where,
-        hint="every node's daemon must run with the same --sink URLs (in order), --dtype, --keep-dtype, "
-        "--max-shard-size and --mapping; fix it and restart it (its claim is rewritten), then run "
-        f"`stagerd retry ROOT --step {step}` on every node",
-    )
+def settings_of(
+    sinks: Sequence[FsspecSink],
+    dtype: str | None,
+    keep_dtype: str | None,
+    max_shard_size: int,
+    mapping: Path | None,
+    hub: bool,
+) -> dict[str, Any]:
+    """A claim's settings: the sinks (their record ids, in order) and what decides the plan."""
+    return {
+        "settings": {
+            "sinks": [sink_id(s.url) for s in sinks],
+            "dtype": dtype,
+            "keep_dtype": keep_dtype,
+            "max_shard_size": max_shard_size,
+            "mapping": None if mapping is None else hashlib.sha256(mapping.read_bytes()).hexdigest(),
+            "hub": hub,
+        }
+    }
+
+
+def settings_errors(
+    step: int, me: int, claims: dict[int, dict[str, Any]], mine: dict[str, Any], where: str
+) -> list[tuple[int, ConfigError]]:
+    """Each node whose claim (`claims`, by node) names other settings than node `me`'s, with its error;
+    `where`: the step's folder on the exchange. A claim by an older stagerd names none: not compared."""
+    out = []
+    for k, claim in sorted(claims.items()):
+        theirs = claim.get("settings")
+        if theirs is None or theirs == mine:
+            continue
+        diff = ", ".join(
+            f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v
+        )
+        err = ConfigError(
+            f"step {step}: node {k}'s daemon runs with other settings than node {me}'s ({diff})",
+            path=f"{where}/node-{k:05d}.json",
+            hint="every node's daemon must run with the same --sink URLs (in order), --dtype, --keep-dtype, "
+            "--max-shard-size and --mapping; fix it and restart it (its claim is rewritten), then run "
+            f"`stagerd retry ROOT --step {step}` on every node",
+        )
+        out.append((k, err))
+    return out
 
 
 def same_plans(

@@ -172,7 +172,9 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
     leader waited forever for files nobody would build (records on the second sink; names of another
     plan) while node 1 uploaded files of its own plan, and, with one sink, saw that sink committed and
     called the step published: its retention could delete the staged step the second sink still needed.
-    Now both nodes name the difference from the claims, before anything is built."""
+    Now both nodes name the difference from the claims, before anything is built, once it has lasted
+    fleet_wait_seconds (a node restarted with fixed settings rewrites its claim: the other may read the
+    old one first, and must not fail the step on it)."""
     from stagerd.daemon.fleet.node import FleetNode, FleetOptions
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
@@ -186,7 +188,9 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
         sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
         shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
         dtype = "fp16" if k_ == 1 and differs == "dtype" else "bf16"
-        opts = FleetOptions(dtype=dtype, max_shard_size=shard, wait_seconds=3, poll_seconds=0.05)
+        opts = FleetOptions(
+            dtype=dtype, max_shard_size=shard, wait_seconds=5 if fixed else 0.5, poll_seconds=0.05
+        )
         node = FleetNode(
             node_dirs[k],
             node_dirs[k].parent / ".stagerd" / "fleet",
