@@ -20,7 +20,7 @@ from stagerd.contract import layout
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.engine.file_header import file_header
 from stagerd.engine.plan_types import OutputFile
-from stagerd.errors import ConfigError
+from stagerd.errors import ConfigError, HubPlanError
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import Uploaded
 
@@ -92,10 +92,17 @@ def settings_of(
             "dtype": dtype,
             "keep_dtype": keep_dtype,
             "max_shard_size": max_shard_size,
-            "mapping": None if mapping is None else hashlib.sha256(mapping.read_bytes()).hexdigest(),
+            "mapping": None if mapping is None else _sha256_of(mapping),
             "hub": hub,
         }
     }
+
+
+def _sha256_of(mapping: Path) -> str:
+    try:
+        return hashlib.sha256(mapping.read_bytes()).hexdigest()
+    except OSError as e:  # as `engine.export.mapped_plan` says it
+        raise HubPlanError(f"cannot read the key mapping: {e.strerror}", path=mapping) from None
 
 
 def settings_errors(

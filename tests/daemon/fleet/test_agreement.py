@@ -220,3 +220,14 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
         t.join(60)
     assert all(isinstance(r, FleetResult) for r in out.values()), out
     assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
+
+
+def test_an_unreadable_mapping_is_still_a_hub_plan_error(tmp_path, dcp_mixed2):
+    """The claim names the --mapping file's sha256: a file that cannot be read is the named error the
+    plan gives it (guard), never an OSError traceback."""
+    from stagerd.errors import HubPlanError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    node, _ = _node(node_dirs[0], (tmp_path / "sink").as_uri(), mapping=tmp_path / "missing.json")
+    with pytest.raises(HubPlanError, match="cannot read the key mapping"):
+        node.run()
