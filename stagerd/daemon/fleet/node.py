@@ -37,7 +37,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
-from stagerd.daemon.fleet.plan import Mirror, NodePart, extras_of, owners
+from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, extras_of, owners
 from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
@@ -138,6 +138,7 @@ class FleetNode:
                     s.move_latest(self.step)
                 self._record_done()
             return res
+        check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         self._claim()
         raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
         res.bytes_raw = raw.bytes_uploaded
