@@ -129,8 +129,7 @@ def commit_step(step_dir: Path, world: int, **marker_fields) -> layout.CommitMar
         step=layout.parse_step_dir(step_dir.name) or 0,
         world_size=world,
         files=files,
-        created=time.time(),
-        **marker_fields,
+        **{"created": time.time(), **marker_fields},  # a node-local save's markers share rank 0's time
     )
     layout.write_marker(step_dir, marker)
     return marker

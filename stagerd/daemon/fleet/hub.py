@@ -42,6 +42,8 @@ def publish_to_hub(
     t0 = time.monotonic()
     marker = layout.read_marker(step_dir)
     if exchange.backend.read(hub_record_key(step)) is not None:
+        if marker.staging_node == 0:  # a leader killed between the Hub record and `done.json`
+            exchange.backend.create(f"fleet/{layout.step_dir_name(step)}/{FLEET_DONE}", b"{}")
         return _skipped(hub.url, step, t0)
     claim = f"fleet/{layout.step_dir_name(step)}/node-{marker.staging_node:05d}.json"
     if marker.staging_node != 0 and exchange.backend.read(claim) is None:

@@ -23,7 +23,6 @@ every sink's bytes) and each sink gets its own commit, so every sink ends with t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -31,19 +30,30 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
-from stagerd.daemon.fleet.plan import Mirror, NodePart, extras_of, owners
+from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, extras_of, owners
+from stagerd.daemon.fleet.records import (
+    planned_file,
+    record_bytes,
+    same_plans,
+    save_of,
+    settings_errors,
+    settings_of,
+    sink_id,
+    uploaded,
+)
 from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
+from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
@@ -111,7 +121,6 @@ class FleetNode:
         self.save = layout.marker_identity(step_dir)  # which save of this step number: `_claim` names it
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
-        self.deadline = 0.0
         self.waited = 0.0
 
     def run(self) -> FleetResult:
@@ -122,24 +131,29 @@ class FleetNode:
 
     def _run(self) -> FleetResult:
         t0 = time.monotonic()
-        self.deadline = t0 + self.opt.wait_seconds
         res = FleetResult(self.step, self.me, self.nodes, [])
         if all(s.is_published(self.step) for s in self.sinks) and self._same_save_on_exchange():
-            if self.me == 0:  # a leader killed between the manifest and `latest`
+            if self.me == 0:  # a leader killed between the manifest and `latest`, or before `done.json`
                 for s in self.sinks:
                     s.move_latest(self.step)
+                self._record_done()
             return res
+        check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         self._claim()
         raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
         res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
+        self._wait_settings()
         mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
         listed = mirror.build()
         p, units = self._plan(mirror, listed)
         owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+        planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
         for rel, (art, f) in units.items():
-            todo = [s for s in self.sinks if self._record(s, rel) is None]
-            if owner[rel] != self.me or not todo:
+            if owner[rel] != self.me:
+                continue
+            todo = [s for s in self.sinks if self._record_data(s, rel) is None]  # never redone once recorded
+            if not todo:
                 continue
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
@@ -148,16 +162,15 @@ class FleetNode:
             for sink in todo:
                 up = self._upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
                 crash_point("fleet.built")
-                self._create(self._record_key(sink, rel), _record_bytes(up, self.me))
+                self._create(self._record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
                 res.bytes_uploaded += f.size
             res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
-            res.bytes_uploaded += self._lead(p, parts, owner)
+            res.bytes_uploaded += self._lead(p, parts, owner, planned)
             res.committed = True
-            if not self.opt.hub:  # nothing reads the raw parts again: remote retention may take them
-                self._create(f"{self.base}/{FLEET_DONE}", b"{}")
+            self._record_done()
         else:
             self._wait(
                 lambda: all(s.is_published(self.step) for s in self.sinks),
@@ -179,9 +192,15 @@ class FleetNode:
         return found is not None and layout.identity_of(found) == self.save
 
     def _claim(self) -> None:
-        key = f"{self.base}/node-{self.me:05d}.json"
+        key = self._claim_key(self.me)
         mine = json.dumps(
-            {"root": self.root_id, "node": self.me, "nodes": self.nodes, "save": self.save}
+            {
+                "root": self.root_id,
+                "node": self.me,
+                "nodes": self.nodes,
+                "save": self.save,
+                **self._settings(),
+            }
         ).encode()
         if self._create(key, mine):
             return
@@ -202,12 +221,59 @@ class FleetNode:
                 f"{step_prefix(self.step, raw=True)}/ from the exchange, then run "
                 f"`stagerd retry ROOT --step {self.step}`; to keep what was published, delete the new save",
             )
+        if theirs.get("settings", self._settings()["settings"]) != self._settings()["settings"]:
+            self.exchange.backend.write(key, mine)  # restarted with other settings: the others compare these
+
+    def _claim_key(self, node: int) -> str:
+        return f"{self.base}/node-{node:05d}.json"
+
+    def _settings(self) -> dict[str, Any]:
+        """What every node's daemon must agree on, named in its claim."""
+        mapping = self.opt.mapping if self.marker.hub_plan is None else None
+        o = self.opt
+        return settings_of(self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub)
+
+    def _wait_settings(self) -> None:
+        """Every other node's claim names this node's settings. A node restarted with fixed ones rewrites
+        its claim, so a difference is waited out first; one that stays is the ConfigError."""
+        found: list[tuple[int, ConfigError]] = []
+
+        def agreed() -> bool:
+            keys = {k: self._claim_key(k) for k in range(self.nodes) if k != self.me}
+            claims = {k: json.loads(self.exchange.backend.read(key) or b"{}") for k, key in keys.items()}
+            where = f"{self.exchange.url}/{self.base}"
+            found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
+            return not found
+
+        try:
+            self._wait(agreed, lambda: f"waiting for node {found[0][0]} to run with this node's settings")
+        except FleetWaitError as e:
+            if found:
+                raise found[0][1] from e
+            raise
+
+    def _record_done(self) -> None:
+        """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,
+        `fleet/hub.py` records it after the Hub commit)."""
+        if not self.opt.hub:
+            self._create(f"{self.base}/{FLEET_DONE}", b"{}")
 
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)
+        of = f"-of-{self.nodes:05d}"
 
         def seen() -> list[str]:
-            return node_parts(self.store.sizes(raw))[0]
+            names = node_parts(self.store.sizes(raw))[0]
+            other = [n for n in names if not n.endswith(of)]
+            if other:  # never one whole set of parts: waiting cannot help
+                raise FleetNodeConflictError(
+                    f"step {self.step}: the exchange holds node parts of another node count "
+                    f"({', '.join(other)}) where this node's marker says {self.nodes} nodes",
+                    path=f"{self.exchange.url}/{raw}",
+                    hint="every node of a step stages one save with one node count; delete the other "
+                    f"save's parts from {raw}/ (and its claims from {self.base}/), then retry",
+                )
+            return names
 
         def missing() -> str:
             have = seen()
@@ -223,6 +289,17 @@ class FleetNode:
             if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
                 raise MarkerError(
                     f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key
+                )
+            if save_of(m) != save_of(self.marker):
+                # Every node's marker of one save carries rank 0's `created` and the same global fields:
+                # a part of a save made before a restart would be built into this save's export.
+                raise StepConflictError(
+                    f"step {self.step}: node part {name} on the exchange is of another save than this "
+                    f"node's (saved at {m.created:.3f}, this one at {self.marker.created:.3f})",
+                    path=f"{self.exchange.url}/{key}",
+                    hint=f"every node must stage the same save; to publish this one, remove {raw}/ and "
+                    f"{self.base}/ from the exchange, then run `stagerd retry ROOT --step {self.step}` on "
+                    "every node",
                 )
             parts.append(NodePart(k, m, f"{raw}/{name}"))
         return parts
@@ -265,9 +342,15 @@ class FleetNode:
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
 
-    def _lead(self, p: ExportPlan, parts: list[NodePart], owner: dict[str, int]) -> int:
+    def _lead(
+        self,
+        p: ExportPlan,
+        parts: list[NodePart],
+        owner: dict[str, int],
+        planned: dict[str, dict[str, object]],
+    ) -> int:
         """Index and extras, then every file's record checked, then the commit: on each sink in turn.
-        `owner`: every built file's owner."""
+        `owner`: every built file's owner; `planned`: what this plan says each file is."""
         names = list(owner)
         lead = self.work / "lead"
         shutil.rmtree(lead, ignore_errors=True)
@@ -299,8 +382,12 @@ class FleetNode:
             digests = self._upload(sink, files)
             sent += sum(f.size for f in files)
 
-            def missing(sink: FsspecSink = sink) -> list[str]:
-                return [n for n in names if self._record(sink, n) is None]
+            at = f"{self.exchange.url}/{self.base}/done/{sink_id(sink.url)}/"  # the records, for an error
+
+            def missing(sink: FsspecSink = sink, at: str = at) -> list[str]:
+                got = {n: self._record_data(sink, n) for n in names}
+                same_plans(self.step, owner, planned, got, at)
+                return [n for n in names if got[n] is None]
 
             self._wait(
                 lambda: not missing(),
@@ -308,7 +395,9 @@ class FleetNode:
                     "waiting for the files of node " + ", ".join(sorted({str(owner[n]) for n in missing()}))
                 ),
             )
-            digests += [self._record(sink, n) for n in names]  # type: ignore[misc]
+            got = {n: self._record_data(sink, n) for n in names}
+            same_plans(self.step, owner, planned, got, at)
+            digests += [uploaded(got[n]) for n in names]
             sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
         return sent
 
@@ -322,12 +411,9 @@ class FleetNode:
         """One record per sink and file: the store checksum it holds is that sink's."""
         return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
 
-    def _record(self, sink: FsspecSink, name: str) -> Uploaded | None:
+    def _record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
         data = self.exchange.backend.read(self._record_key(sink, name))
-        if data is None:
-            return None
-        d = json.loads(data)
-        return Uploaded(d["rel"], int(d["size"]), d["sha256"], d.get("checksum"))
+        return None if data is None else dict(json.loads(data))
 
     def _create(self, key: str, data: bytes) -> bool:
         return self.exchange.backend.create(key, data)
@@ -341,11 +427,13 @@ class FleetNode:
         reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
         if done():
             return
+        # each wait its own: the raw upload and the builds before it may take longer than the setting
+        deadline = time.monotonic() + self.opt.wait_seconds
         while not done():
             text = what()
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
             self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
-            if time.monotonic() >= self.deadline:
+            if time.monotonic() >= deadline:
                 raise FleetWaitError(
                     f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",
                     path=self.exchange.url,
@@ -360,14 +448,3 @@ def _crash_at(point: str) -> Callable[[int, int], None]:
         crash_point(point)
 
     return report
-
-
-def sink_id(url: str) -> str:
-    """A sink's name in the exchange's record keys: every node passes the same --sink URLs."""
-    return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-
-
-def _record_bytes(up: Uploaded, node: int) -> bytes:
-    return json.dumps(
-        {"rel": up.rel, "size": up.size, "sha256": up.sha256, "checksum": up.checksum, "owner": node}
-    ).encode()

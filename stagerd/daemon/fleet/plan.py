@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagerd.contract import dtypes, layout
+from stagerd.engine.export import PARSED_EXTRAS, read_json_object
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan, MoveKind
 from stagerd.errors import ShardError
@@ -157,6 +158,15 @@ def owners(sizes: Iterable[tuple[str, int]], nodes: int) -> dict[str, int]:
         out[name] = k
         load[k] += size
     return out
+
+
+def check_extras(step_dir: Path, marker: layout.CommitMarker) -> None:
+    """The extras this node staged that the export parses (`config.json`, ...) are JSON objects, as
+    `export_step` checks them before anything is written (`ExtrasError`)."""
+    pre = layout.EXTRAS_DIR + "/"
+    for f in marker.files:
+        if f.path.startswith(pre) and f.path[len(pre) :] in PARSED_EXTRAS:
+            read_json_object(step_dir / f.path)
 
 
 def extras_of(parts: list[NodePart]) -> Mapping[str, NodePart]:

@@ -114,6 +114,8 @@ def test_a_node_killed_at_a_fleet_point_completes_the_step_once_on_restart(
     assert s3.get("fleet/latest") == layout.step_dir_name(STEP).encode()
     puts = [k for k in _keys(s3) if k.endswith(layout.MANIFEST_NAME) and k.startswith("fleet/step-")]
     assert puts == [manifest]
+    # nothing reads the raw parts again: remote retention may take them (kept forever without it)
+    assert f"fleet/fleet/{layout.step_dir_name(STEP)}/done.json" in _keys(s3)
 
 
 def test_a_node_that_never_starts_times_out_once_and_stays_waiting(tmp_path, dcp_mixed2, s3):  # noqa: F811

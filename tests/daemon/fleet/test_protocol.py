@@ -47,7 +47,15 @@ def _stage(
             shutil.copy(s, d / "model" / s.name)
         if k == 0:
             shutil.copytree(shared / "extras", d / "extras")
-        commit_step(d, len(shards), dtype=dtype, tensors=whole.tensors, staging_node=k, staging_nodes=nodes)
+        commit_step(
+            d,
+            len(shards),
+            dtype=dtype,
+            tensors=whole.tensors,
+            created=whole.created,  # one save: every node's marker has rank 0's time
+            staging_node=k,
+            staging_nodes=nodes,
+        )
         node_dirs.append(d)
     return shared, node_dirs
 

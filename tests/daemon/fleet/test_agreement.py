@@ -1,0 +1,247 @@
+"""The nodes of a fleet step must agree before anything is committed: one save (every node's marker has
+rank 0's `created` and the same global fields), one node count, one plan (the same export settings on
+every daemon). A part or a record that disagrees is a named error and no manifest is written; a leader
+restarted after its commit still records the step done, so remote retention is never blocked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet.node import FleetResult
+from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, StepConflictError
+from tests.daemon.fleet.test_protocol import STEP, _node, _run_all, _stage
+
+NAME = layout.step_dir_name(STEP)
+
+
+def _manifest(sink: Path) -> Path:
+    return sink / NAME / layout.MANIFEST_NAME
+
+
+def test_a_leader_restarted_after_its_commit_still_records_the_step_done(tmp_path, dcp_mixed2):
+    """The state a leader killed at `fleet.manifest` leaves: manifest committed, no `latest`, no
+    `done.json`. The restart used to move `latest` only, so `done.json` never came and remote retention
+    kept the step's raw parts and records forever."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    assert all(isinstance(r, FleetResult) for r in _run_all(node_dirs, sink.as_uri()))
+    done = sink / "fleet" / NAME / "done.json"
+    done.unlink()
+    (sink / "latest").unlink()
+    node, _ = _node(node_dirs[0], sink.as_uri())
+    assert not node.run().built
+    assert (sink / "latest").read_text() == NAME and done.is_file()
+
+
+def test_a_node_part_of_another_save_is_never_built_into_the_export(tmp_path, dcp_mixed2):
+    """Node 1 staged save A of step 7 and sent its raw part, then the run was restarted from an earlier
+    checkpoint and node 0 holds save B of step 7. Node 0 owns the only output file: it used to build it
+    from its own B shards and node 1's A shards and commit the manifest, one export of two saves."""
+    _, a_dirs = _stage(tmp_path / "a", dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    node1, _ = _node(a_dirs[1], sink.as_uri(), max_shard_size=1 << 30, wait_seconds=0.2)
+    with pytest.raises(FleetWaitError):
+        node1.run()
+    _, b_dirs = _stage(tmp_path / "b", dcp_mixed2[0], 2, dtype="bf16")
+    node0, _ = _node(b_dirs[0], sink.as_uri(), max_shard_size=1 << 30, wait_seconds=5)
+    with pytest.raises(StepConflictError, match=r"node-00001-of-00002 .* another save"):
+        node0.run()
+    assert not _manifest(sink).exists() and not (sink / NAME).exists()
+
+
+def test_node_parts_of_another_node_count_are_a_named_error_not_a_wait(tmp_path, dcp_mixed2):
+    """A 3-node save's node 2 sent its part where a 2-node save of the same step meets: the 2-node fleet
+    can never see one whole set of parts. It used to wait, retried forever, "waiting for node  (seen:
+    ...)"; now every node says which part disagrees, at once."""
+    _, three = _stage(tmp_path / "three", dcp_mixed2[0], 3)
+    sink = tmp_path / "sink"
+    stray, _ = _node(three[2], sink.as_uri(), wait_seconds=0.2)
+    with pytest.raises(FleetWaitError):
+        stray.run()
+    _, two = _stage(tmp_path / "two", dcp_mixed2[0], 2)
+    results = _run_all(two, sink.as_uri(), wait_seconds=20)
+    for r in results:
+        assert isinstance(r, FleetNodeConflictError) and not r.retryable, r
+        assert "node-00002-of-00003" in str(r) and "2 nodes" in str(r)
+    assert not _manifest(sink).exists()
+
+
+def test_a_file_built_from_another_plan_is_never_committed(tmp_path, dcp_mixed2):
+    """Node 1's daemon runs with --dtype fp16, node 0's with bf16, and the claims name no settings
+    (written by an older stagerd; or any plan difference the settings do not name): same file names,
+    same sizes. The leader used to commit node 1's fp16 files under its bf16 index. Now each record
+    names the sha256 of the file's header in its owner's plan and the leader refuses another by name;
+    with the records deleted (the hint), the step commits the bytes of a fleet that always agreed."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, good = tmp_path / "sink", tmp_path / "good"
+    ok = _run_all(node_dirs, good.as_uri(), dtype="bf16")
+    assert all(isinstance(r, FleetResult) for r in ok), ok
+    shutil.rmtree(node_dirs[0].parent / ".stagerd", ignore_errors=True)
+    (sink / "fleet" / NAME).mkdir(parents=True)
+    for k, d in enumerate(node_dirs):  # claims as an older stagerd writes them: no settings to compare
+        claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d)}
+        (sink / "fleet" / NAME / f"node-{k:05d}.json").write_text(json.dumps(claim))
+    out: dict[int, object] = {}
+
+    def one(k: int, dtype: str) -> None:
+        try:
+            out[k] = _node(node_dirs[k], sink.as_uri(), dtype=dtype, wait_seconds=1)[0].run()
+        except Exception as e:
+            out[k] = e
+
+    ts = [threading.Thread(target=one, args=(k, d)) for k, d in ((1, "fp16"), (0, "bf16"))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert isinstance(out[0], ConfigError) and "node 1 built" in str(out[0]), out
+    assert not _manifest(sink).exists()
+    shutil.rmtree(sink / "fleet" / NAME / "done")  # as the hint says, once node 1's settings are fixed
+    results = _run_all(node_dirs, sink.as_uri(), dtype="bf16")
+    assert all(isinstance(r, FleetResult) for r in results), results
+    assert results[1].built  # type: ignore[union-attr]
+
+    def tree(root: Path) -> dict[str, bytes]:
+        d = root / NAME
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != layout.MANIFEST_NAME}
+
+    assert tree(sink) == tree(good)
+    assert (
+        json.loads(_manifest(sink).read_text())["files"] == json.loads(_manifest(good).read_text())["files"]
+    )
+
+
+def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done(tmp_path, dcp_mixed2):
+    """Node 0's Hub lane killed between `hub.json` and `done.json`: the restart found the Hub record and
+    returned, so `done.json` never came and remote retention kept the step's raw parts forever."""
+    from stagerd.daemon.fleet.hub import hub_record_key, publish_to_hub
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex = tmp_path / "exchange"
+    exchange, staging = (FsspecSink.from_url(u) for u in (ex.as_uri(), (ex / "export").as_uri()))
+    exchange.backend.create(hub_record_key(STEP), b'{"location": "hf://acme/fleet"}')
+    done = ex / "fleet" / NAME / "done.json"
+    for k in (1, 0):  # a Sink that is never called: the Hub already holds the step
+        r = publish_to_hub(STEP, node_dirs[k], tmp_path / "w", staging, staging, exchange, staging.url)
+        assert r.skipped and done.is_file() == (k == 0)
+
+
+def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
+    """The leader waits 1 s of its 1.5 s for node 1's raw part, builds its files, then waits for node 1's:
+    a new wait, with the whole setting, as documented. It used to share one deadline with everything
+    before it (its raw upload and its builds too, minutes on a large step), so it gave up 0.5 s into this
+    wait, before node 1 even started, and a `--once` run failed the step."""
+    import time
+
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    out: list[object] = []
+    leader = threading.Thread(target=lambda: out.append(_run_one(node_dirs[0], sink, 1.5)))
+    t0 = time.monotonic()
+    leader.start()
+    time.sleep(1.0)
+    FsspecSink.from_url(sink.as_uri()).publish_raw(node_dirs[1], STEP)  # node 1's part, no node 1 yet
+    time.sleep(max(0.0, 1.6 - (time.monotonic() - t0)))
+    late = _run_one(node_dirs[1], sink, 5)
+    leader.join(30)
+    assert isinstance(late, FleetResult) and isinstance(out[0], FleetResult), (late, out)
+    assert out[0].committed and _manifest(sink).is_file()
+
+
+def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception:
+    try:
+        return _node(step_dir, sink.as_uri(), wait_seconds=wait)[0].run()
+    except Exception as e:
+        return e
+
+
+@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype"])
+def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build(
+    tmp_path, dcp_mixed2, differs
+):
+    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size. Before, the
+    leader waited forever for files nobody would build (records on the second sink; names of another
+    plan) while node 1 uploaded files of its own plan, and, with one sink, saw that sink committed and
+    called the step published: its retention could delete the staged step the second sink still needed.
+    Now both nodes name the difference from the claims, before anything is built, once it has lasted
+    fleet_wait_seconds (a node restarted with fixed settings rewrites its claim: the other may read the
+    old one first, and must not fail the step on it)."""
+    from stagerd.daemon.fleet.node import FleetNode, FleetOptions
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
+    out: dict[int, object] = {}
+
+    def one(k: int, fixed: bool = False) -> None:
+        k_ = 0 if fixed else k  # fixed: node 1 restarted with node 0's settings
+        sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
+        shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
+        dtype = "fp16" if k_ == 1 and differs == "dtype" else "bf16"
+        opts = FleetOptions(
+            dtype=dtype, max_shard_size=shard, wait_seconds=5 if fixed else 0.5, poll_seconds=0.05
+        )
+        node = FleetNode(
+            node_dirs[k],
+            node_dirs[k].parent / ".stagerd" / "fleet",
+            sinks,
+            FsspecSink.from_url(urls[0]),
+            RemoteStore.open(urls[0]),
+            str(node_dirs[k].parent),
+            opts,
+        )
+        try:
+            out[k] = node.run()
+        except Exception as e:
+            out[k] = e
+
+    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for k, r in out.items():
+        assert isinstance(r, ConfigError) and f"node {1 - k}" in str(r) and differs in str(r), out
+    assert not list((tmp_path / "a").glob(f"{NAME}/*.safetensors"))  # nothing built
+    ts = [threading.Thread(target=one, args=(k, True)) for k in (1, 0)]  # its claim is rewritten
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert all(isinstance(r, FleetResult) for r in out.values()), out
+    assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
+
+
+def test_an_unreadable_mapping_is_still_a_hub_plan_error(tmp_path, dcp_mixed2):
+    """The claim names the --mapping file's sha256: a file that cannot be read is the named error the
+    plan gives it (guard), never an OSError traceback."""
+    from stagerd.errors import HubPlanError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    node, _ = _node(node_dirs[0], (tmp_path / "sink").as_uri(), mapping=tmp_path / "missing.json")
+    with pytest.raises(HubPlanError, match="cannot read the key mapping"):
+        node.run()
+
+
+def test_a_malformed_config_extra_is_refused_as_one_daemon_refuses_it(tmp_path, dcp_mixed2):
+    """`generation_config.json` staged as `{not json`: one daemon's export is an `ExtrasError` before
+    anything is written; the fleet used to publish it as is. Node 0, which holds the extras, now refuses
+    the step before claiming it or sending its raw part."""
+    from stagerd.errors import ExtrasError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2, extras={"generation_config.json": "{not json"})
+    sink = tmp_path / "sink"
+    results = _run_all(node_dirs, sink.as_uri(), wait_seconds=0.5)
+    assert isinstance(results[0], ExtrasError) and "generation_config.json" in str(results[0]), results
+    assert isinstance(results[1], FleetWaitError), results
+    assert not (sink / "fleet" / NAME / "node-00000.json").exists() and not (sink / NAME).exists()
