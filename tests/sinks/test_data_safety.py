@@ -309,6 +309,31 @@ def test_restore_leases_are_judged_on_the_stores_clock_and_renewed(tmp_path):
     store.close()
 
 
+def _node_parts(tmp_path: Path, steps: tuple[int, ...]) -> Path:
+    """A file:// sink holding node-local raw `steps`, each staged on 2 nodes and published by both."""
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    for s in steps:
+        for node in range(2):
+            d = tmp_path / f"n{node}" / layout.step_dir_name(s)
+            (d / "model").mkdir(parents=True)
+            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
+            commit_step(d, 2, staging_node=node, staging_nodes=2)
+            sink.publish_raw(d, s)
+    return sink_dir
+
+
+def _fleet_steps(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, Path]:
+    """`_node_parts` with the records of a finished fleet build for each step, and for step 0 (gone)."""
+    sink_dir = _node_parts(tmp_path, steps)
+    for s in (0, *steps):
+        records = sink_dir / "fleet" / layout.step_dir_name(s)
+        records.mkdir(parents=True)
+        for name in ("node-00000.json", "node-00001.json", "done.json"):
+            (records / name).write_text("{}")
+    return sink_dir, sink_dir / "fleet"
+
+
 def test_a_fleets_raw_parts_stay_until_its_build_is_done_and_go_with_its_records(tmp_path):
     """Node-local raw steps 1-3, each with its fleet records: step 2's build has not recorded that it is
     done, so its parts stay however old; step 1's go, with `fleet/step-1/`; records whose raw step is gone
@@ -316,15 +341,7 @@ def test_a_fleets_raw_parts_stay_until_its_build_is_done_and_go_with_its_records
     grew."""
     from stagerd.sinks.prune import Policy, prune
 
-    sink_dir = tmp_path / "sink"
-    sink = FsspecSink.from_url(sink_dir.as_uri())
-    for s in (1, 2, 3):
-        for node in range(2):
-            d = tmp_path / f"n{node}" / layout.step_dir_name(s)
-            (d / "model").mkdir(parents=True)
-            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
-            commit_step(d, 2, staging_node=node, staging_nodes=2)
-            sink.publish_raw(d, s)
+    sink_dir = _node_parts(tmp_path, (1, 2, 3))
     fleet = sink_dir / "fleet"
     for s, done in ((0, True), (1, True), (2, False), (3, False)):
         (fleet / layout.step_dir_name(s) / "done" / "abc").mkdir(parents=True)
@@ -339,25 +356,6 @@ def test_a_fleets_raw_parts_stay_until_its_build_is_done_and_go_with_its_records
     assert _steps(fleet) == [2, 3]
     why = {(d.tree, d.step): d.reason for d in decisions}
     assert "fleet build" in why[("raw", 2)]
-
-
-def _fleet_steps(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, Path]:
-    """Node-local raw `steps` on a file:// sink, each with the records of a finished fleet build."""
-    sink_dir = tmp_path / "sink"
-    sink = FsspecSink.from_url(sink_dir.as_uri())
-    for s in steps:
-        for node in range(2):
-            d = tmp_path / f"n{node}" / layout.step_dir_name(s)
-            (d / "model").mkdir(parents=True)
-            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
-            commit_step(d, 2, staging_node=node, staging_nodes=2)
-            sink.publish_raw(d, s)
-    for s in (0, *steps):
-        records = sink_dir / "fleet" / layout.step_dir_name(s)
-        records.mkdir(parents=True)
-        for name in ("node-00000.json", "node-00001.json", "done.json"):
-            (records / name).write_text("{}")
-    return sink_dir, sink_dir / "fleet"
 
 
 def test_fleet_records_written_since_the_listing_are_never_deleted(tmp_path):
