@@ -20,6 +20,7 @@ from pydantic_settings import (
 
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.contract.key_mapping import KeyMapping
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE, FLEET_MAX_SHARD_SIZE
 from stagerd.errors import ConfigError, StagerdError
 
 ENV_PREFIX = "STAGERD_"
@@ -50,8 +51,12 @@ class Settings(BaseSettings):
         description="Key mapping (JSON: renames, splits, merges, RoPE rows) for steps saved without a to-Hub "
         "plan, e.g. examples/torchtitan_llama_to_hf.json.",
     )
-    max_shard_size: ByteSize = Field(
-        ByteSize(5_000_000_000), gt=0, description="Largest output safetensors file: bytes, or 5GB, 500MiB."
+    max_shard_size: ByteSize | None = Field(
+        None,
+        gt=0,
+        description="Largest output safetensors file: bytes, or 5GB, 500MiB. Unset: 50GB, as save_pretrained "
+        "(most models are then one model.safetensors); with exchange, 5GB, since the nodes share the work "
+        "by file.",
     )
     export_threads: int = Field(2, ge=1, le=MAX_WORKERS, description="Copy threads inside one export.")
     export_workers: int = Field(
@@ -191,6 +196,12 @@ class Settings(BaseSettings):
         "keep_last once published on every sink. Unset: stagerd never deletes a trainer's checkpoint "
         "(keep_last then removes only stagerd's exports of them).",
     )
+
+    def shard_size(self) -> int:
+        """max_shard_size, or its default for this daemon: a fleet's nodes share the work by file."""
+        if self.max_shard_size is not None:
+            return int(self.max_shard_size)
+        return FLEET_MAX_SHARD_SIZE if self.exchange else DEFAULT_MAX_SHARD_SIZE
 
     @model_validator(mode="after")
     def _check_adopt(self) -> Settings:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.cli_helpers import REPO, STAGERD, clean_env
+from tests.export_index import export_index
 from tests.gloo import join, launch
 
 
@@ -157,7 +158,7 @@ def read_published(step_dir: Path) -> dict[str, Any]:
     """Every tensor of a published step, read with safetensors (no pickle)."""
     from safetensors.torch import load_file
 
-    index = json.loads((step_dir / "model.safetensors.index.json").read_text())
+    index = export_index(step_dir)
     tensors: dict[str, Any] = {}
     for name in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(step_dir / name))

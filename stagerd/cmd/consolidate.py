@@ -30,9 +30,10 @@ def threads_default() -> int:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
     p = sub.add_parser(
         name,
-        help="turn a step's DCP shards into HF safetensors + model.safetensors.index.json",
+        help="turn a step's DCP shards into HF safetensors, as save_pretrained writes them",
         description=(
-            "Write SRC's weights to OUT as Hugging Face safetensors files with an index, plus the step's "
+            "Write SRC's weights to OUT as save_pretrained does (model.safetensors, or numbered files and "
+            "their index when over --max-shard-size), plus the step's "
             "extras (config.json, tokenizer...). OUT appears only when it is complete; SRC is never changed. "
             "Exit 0 on success, 2 on bad input (a damaged step, a used OUT), 3 when retrying may help "
             "(a full disk)."
@@ -55,7 +56,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.add_argument(
         "--reference-index", type=Path, metavar="FILE", help="group tensors into files as this index does"
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        default="50GB",
+        help="largest output file (default 50GB, as save_pretrained: one model.safetensors when it fits)",
+    )
     p.add_argument("--threads", type=int, default=threads_default(), metavar="N", help="copy threads")
     add_adopt_flags(p)
     p.set_defaults(func=run)

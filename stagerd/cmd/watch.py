@@ -56,7 +56,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         metavar="FILE",
         help="key mapping (JSON) for steps saved without a to-Hub plan",
     )
-    p.add_argument("--max-shard-size", metavar="SIZE", help="largest output file, e.g. 5GB")
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB (default 50GB; 5GB with --exchange)",
+    )
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps' staged data")
     p.add_argument(
         "--once",

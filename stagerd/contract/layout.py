@@ -34,6 +34,7 @@ EXPORT_TMP_DIR = "export.tmp"
 EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
 MAX_MARKER_BYTES = 64 << 20
 
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
@@ -411,3 +412,9 @@ class ExportManifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed manifest: {e!r}", path=path) from None
+
+
+def export_is_whole(export_dir: Path) -> bool:
+    """Whether `export_dir` holds an export's weights: its index, or the one `model.safetensors` of an
+    export that fits one file (only stagerd writes `export/`, always by rename, so either means whole)."""
+    return (export_dir / INDEX_NAME).is_file() or (export_dir / WEIGHTS_NAME).is_file()

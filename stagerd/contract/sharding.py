@@ -11,7 +11,11 @@ from collections.abc import Mapping, Sequence
 
 from stagerd.errors import ReferenceIndexError
 
-DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+# save_pretrained's default since transformers 5 (the Hub's largest file): most models are one file.
+DEFAULT_MAX_SHARD_SIZE = 50_000_000_000
+# A fleet's unit of work is an output file, so it packs smaller files that its nodes can share (the
+# default of transformers 4 and of huggingface_hub's own splitter).
+FLEET_MAX_SHARD_SIZE = 5_000_000_000
 _DIGITS = re.compile(r"(\d+)")
 _OF = re.compile(r"(\d+)-of-(\d+)")
 
@@ -28,7 +32,9 @@ def natural_key(name: str) -> tuple[object, ...]:
 
 
 def output_file_names(n: int) -> list[str]:
-    """`model-00001-of-0000N.safetensors`, ..., for n files."""
+    """`model.safetensors` for one file; else `model-00001-of-0000N.safetensors`, ..., as save_pretrained."""
+    if n == 1:
+        return ["model.safetensors"]
     width = max(5, len(str(n)))
     return [f"model-{i:0{width}d}-of-{n:0{width}d}.safetensors" for i in range(1, n + 1)]
 

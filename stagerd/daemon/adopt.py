@@ -276,7 +276,7 @@ class Adoption(Discovery):
             step=step,
             dtype=s.dtype,
             keep_dtype=s.keep_dtype,
-            max_shard_size=int(s.max_shard_size),
+            max_shard_size=s.shard_size(),
             threads=s.export_threads,
             progress=progress,
             rebuild=rebuild,

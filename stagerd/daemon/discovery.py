@@ -200,8 +200,8 @@ class Discovery(JournalGate):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):
                 continue
             if row.state == EXPORTED and self._adopt_root is not None:
-                export = self._work_dir(Path(row.path)) / layout.EXPORT_DIR / layout.INDEX_NAME
-                if await self._io(export.is_file):
+                export = self._work_dir(Path(row.path)) / layout.EXPORT_DIR
+                if await self._io(layout.export_is_whole, export):
                     continue  # a trainer rotated its checkpoint away: the whole export is still published
             if row.state == PUBLISHED:  # retention moved it to the trash, then the daemon died
                 await self._j(self._journal.retire, row.step, "staged data already removed")

@@ -150,7 +150,7 @@ class Tasks(FleetTasks, Health, Adoption):
                 dtype=s.dtype,
                 keep_dtype=s.keep_dtype,
                 mapping=s.mapping,
-                max_shard_size=int(s.max_shard_size),
+                max_shard_size=s.shard_size(),
                 threads=s.export_threads,
                 progress=report,
                 rebuild=rebuild,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from stagerd.contract import layout
 from stagerd.demo.fetch import published_copy
 from stagerd.demo.plan import DemoPlan, DemoResult
+from stagerd.engine.export_map import read_weight_map
 from stagerd.errors import VerifyError
 from stagerd.ops.progress import progress
 
@@ -27,15 +27,15 @@ def _check_step(plan: DemoPlan, result: DemoResult, step: int) -> None:
     from safetensors import safe_open
 
     where, label = published_copy(plan, step)
-    index = json.loads((where / layout.INDEX_NAME).read_text())
+    weight_map, _ = read_weight_map(where)
     expected_file = plan.expected / f"{layout.step_dir_name(step)}.safetensors"
     with safe_open(str(expected_file), framework="pt") as exp:
         names = set(exp.keys())
-        if set(index["weight_map"]) != names:
-            diff = sorted(names ^ set(index["weight_map"]))
+        if set(weight_map) != names:
+            diff = sorted(names ^ set(weight_map))
             raise VerifyError(f"step {step}: the export's tensors differ from training's: {diff}", path=where)
         for name in sorted(names):
-            with safe_open(str(where / index["weight_map"][name]), framework="pt") as got:
+            with safe_open(str(where / weight_map[name]), framework="pt") as got:
                 if not _bit_equal(got.get_tensor(name), exp.get_tensor(name)):
                     raise VerifyError(f"step {step}: {name} differs from the trained weights", path=where)
     result.checked[step] = label

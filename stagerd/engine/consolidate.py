@@ -31,13 +31,13 @@ from stagerd.engine.shard_scan import scan_shards
 
 @dataclass(frozen=True)
 class ConsolidateResult:
-    """The safetensors files written (name, size), the tensor count and bytes, the index's size, and the
-    bytes written per output dtype (safetensors name)."""
+    """The safetensors files written (name, size), the tensor count and bytes, the index (name, size)
+    where there is one, and the bytes written per output dtype (safetensors name)."""
 
     files: tuple[tuple[str, int], ...]
     tensors: int
     total_size: int
-    index_size: int
+    index: tuple[str, int] | None
     dtype_bytes: tuple[tuple[str, int], ...] = ()
 
 
@@ -56,7 +56,8 @@ def consolidate_into(
     progress: ProgressFn | None = None,
     scan: Callable[[], Iterable[Header]] | None = None,
 ) -> ConsolidateResult:
-    """Plan from the shards in `src` and write the safetensors files plus the index into `out_dir`.
+    """Plan from the shards in `src` and write the safetensors files into `out_dir`, as save_pretrained
+    does: `model.safetensors` alone when they fit one file, else the numbered files and their index.
 
     `scan` gives the source's validated headers when they are not `src`'s DCP safetensors shards (an
     adopted FileSystemWriter checkpoint: `engine/adopt/`)."""
@@ -73,14 +74,16 @@ def consolidate_into(
             views=views,
         )
         execute(p, out_dir, threads=threads, progress=progress)
-    index = out_dir / INDEX_NAME
-    try:
-        write_bytes_atomic(index, index_json(p))
-        index_size = index.stat().st_size
-    except OSError as e:
-        raise output_error(e, index) from None
+    written = None
+    if len(p.files) != 1:  # no tensors at all still get an index: it is what marks the export whole
+        index = out_dir / INDEX_NAME
+        try:
+            write_bytes_atomic(index, index_json(p))
+            written = (INDEX_NAME, index.stat().st_size)
+        except OSError as e:
+            raise output_error(e, index) from None
     return ConsolidateResult(
-        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, index_size, p.dtype_bytes()
+        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, written, p.dtype_bytes()
     )
 
 

@@ -26,6 +26,7 @@ from stagerd.contract.regular_file import open_regular
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
+from stagerd.engine.export_map import read_weight_map
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
 from stagerd.engine.source import Source, open_source
@@ -87,7 +88,7 @@ def build_export(
         progress=progress,
         scan=source.scan,
     )
-    files = [*res.files, (layout.INDEX_NAME, res.index_size)]
+    files = [*res.files, *([res.index] if res.index else [])]
     if source.marker is not None and source.marker.adapter_plan is not None:
         files.append(_build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
     for rel in source.extras():
@@ -143,7 +144,6 @@ def _build_adapter(
         )
         ((name, size),) = res.files
         os.rename(out / name, out / ADAPTER_WEIGHTS)
-        os.unlink(out / layout.INDEX_NAME)
         layout.fsync_dir(out)
     except OSError as e:
         raise OutputError(f"cannot write the adapter: {e.strerror}", path=out) from None
@@ -180,13 +180,10 @@ def list_files(d: Path) -> tuple[tuple[str, int], ...]:
 
 
 def _existing(d: Path) -> ExportResult:
-    """What an export finished earlier holds, read back from its index (nothing was planned this time)."""
-    import json
-
-    index = json.loads((d / layout.INDEX_NAME).read_text())
-    return ExportResult(
-        d, list_files(d), int(index["metadata"]["total_size"]), len(index["weight_map"]), 0.0, True
-    )
+    """What an export finished earlier holds, read back from its index or its one file (nothing was
+    planned this time)."""
+    weight_map, total_size = read_weight_map(d)
+    return ExportResult(d, list_files(d), total_size, len(weight_map), 0.0, True)
 
 
 def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
@@ -297,7 +294,7 @@ def export_source(
                 f"step {step} was exported with other options ({changed}) and a sink holds that export",
                 path=work_dir / layout.EXPORT_OPTIONS_NAME,
             )
-    elif (final / layout.INDEX_NAME).is_file():
+    elif layout.export_is_whole(final):
         return _existing(final)
     reference = source.reference()
     tmp = work_dir / layout.EXPORT_TMP_DIR
@@ -309,9 +306,9 @@ def export_source(
             log.info("removing %s, a LoRA merge's scratch left by a killed export", scratch)
             shutil.rmtree(scratch)
         if final.exists():
-            # Only stagerd writes export/, always by rename; without an index it is not ours to trust,
+            # Only stagerd writes export/, always by rename; without its weights it is not ours to trust,
             # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).
-            why = "made with other options" if (final / layout.INDEX_NAME).is_file() else "it has no index"
+            why = "made with other options" if layout.export_is_whole(final) else "it has no weights"
             log.warning("removing %s: %s (%s); exporting again", final, why, recorded)
             shutil.rmtree(final)
         tmp.mkdir()

@@ -9,6 +9,7 @@ single byte moves. Its per-tensor data lives in flat read-only arrays (a few doz
 from __future__ import annotations
 
 import enum
+import math
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -250,13 +251,18 @@ class ExportPlan:
             )
 
     def weight_map(self) -> dict[str, str]:
-        """Tensor name -> output file name, in natural key order."""
+        """Tensor name -> output file name, in code point order (save_pretrained's `sort_keys`)."""
         pairs = [
             (self.chunks.names[self.tensor[r]], f.name) for f in self.files for r in range(f.first, f.stop)
         ]
-        if not in_natural_order(name for name, _ in pairs):
-            pairs.sort(key=lambda p: order_key(p[0]))
+        pairs.sort()
         return dict(pairs)
+
+    @property
+    def total_parameters(self) -> int:
+        """Elements over every output tensor: save_pretrained's `num_parameters()` of the model they are
+        (tied duplicates are left out of both)."""
+        return sum(math.prod(self.shape(self.tensor[r])) for r in range(len(self.tensor)))
 
     def dtype_bytes(self) -> tuple[tuple[str, int], ...]:
         """(safetensors dtype name, bytes written in it), per output dtype present."""
@@ -268,4 +274,5 @@ class ExportPlan:
 
     def index(self) -> dict[str, object]:
         """`model.safetensors.index.json`, derived from the same plan as the headers."""
-        return {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map()}
+        metadata = {"total_parameters": self.total_parameters, "total_size": self.total_size}
+        return {"metadata": metadata, "weight_map": self.weight_map()}

@@ -4,14 +4,13 @@ byte equals what the shards give."""
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagerd.contract import layout
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.engine.consolidate import compare, plan
+from stagerd.engine.export_map import read_weight_map
 from stagerd.engine.merge import lora_merges
 from stagerd.engine.source import Source, open_source
 from stagerd.errors import StagerdError, VerifyError
@@ -24,20 +23,6 @@ class VerifyReport:
     tensors: int
     total_size: int
     compared_with: Path | None
-
-
-def _read_index(export_dir: Path) -> tuple[dict[str, str], int]:
-    path = export_dir / layout.INDEX_NAME
-    try:
-        index = json.loads(path.read_text())
-        weight_map, total = index["weight_map"], index["metadata"]["total_size"]
-    except FileNotFoundError:
-        raise VerifyError("no model.safetensors.index.json: not a complete export", path=path) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise VerifyError(f"unreadable index: {e!r}", path=path) from None
-    if not isinstance(weight_map, dict) or not isinstance(total, int):
-        raise VerifyError("index must hold a weight_map and an integer metadata.total_size", path=path)
-    return weight_map, total
 
 
 def _check_file(path: Path, h: Header, names: set[str]) -> None:
@@ -68,7 +53,7 @@ def verify_export(
     `source`: the opened source, where `against` is not a step or shard directory (an adopted checkpoint,
     `engine/adopt/`)."""
     export_dir = Path(export_dir)
-    weight_map, total = _read_index(export_dir)
+    weight_map, total = read_weight_map(export_dir)
     by_file: dict[str, set[str]] = {}
     for name, fname in weight_map.items():
         if not isinstance(fname, str) or "/" in fname or fname.startswith("."):

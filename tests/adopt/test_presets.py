@@ -190,7 +190,7 @@ def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_pa
     (ckpt / ".incomplete").unlink()
     assert finished(ckpt, preset) is not None
     r = export_adopted(ckpt, tmp_path / "work")
-    got = load_file(r.export_dir / "model-00001-of-00001.safetensors")
+    got = load_file(r.export_dir / "model.safetensors")
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "float32"  # most bytes F32
 

@@ -22,7 +22,7 @@ def test_defaults():
     assert s.sinks == [] and s.keep_last is None and s.once is False
     assert (s.nice, s.io_class) == (10, "idle")
     assert (s.metrics_host, s.metrics_port) == ("127.0.0.1", 9464)
-    assert s.max_shard_size == 5_000_000_000
+    assert s.max_shard_size is None and s.shard_size() == 50_000_000_000  # save_pretrained's
 
 
 def test_toml_then_env_then_flags(tmp_path, monkeypatch):

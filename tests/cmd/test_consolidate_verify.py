@@ -81,7 +81,7 @@ def test_consolidate_into_an_empty_dir_then_verify(step_dir: Path, tmp_path: Pat
     out.mkdir()
     proc = run_cli(["consolidate", step_dir, out])
     assert proc.returncode == 0, proc.stderr
-    assert (out / layout.INDEX_NAME).is_file()
+    assert (out / layout.WEIGHTS_NAME).is_file() and not (out / layout.INDEX_NAME).exists()
     check = run_cli(["verify", out, "--against", step_dir])
     assert check.returncode == 0, check.stderr
     assert check.stdout.startswith("ok: ") and f"every byte equal to {step_dir}" in check.stdout

@@ -59,7 +59,7 @@ def test_demo_output_is_real(demo_run) -> None:
         remote = published / layout.step_dir_name(step)
         manifest = json.loads((remote / layout.MANIFEST_NAME).read_text())
         names = {f["path"] for f in manifest["files"]}
-        assert layout.INDEX_NAME in names and "config.json" in names
+        assert layout.WEIGHTS_NAME in names and "config.json" in names
     status = run_cli(["status", staging, "--json"], timeout=60)
     assert status.returncode == 0
     assert {s["step"]: s["state"] for s in json.loads(status.stdout)["steps"]} == {
@@ -79,7 +79,7 @@ def test_demo_check_catches_a_flipped_bit(demo_run, tmp_path: Path) -> None:
     shutil.copytree(workdir / "expected", plan.expected)
     check(plan, DemoResult(plan=plan))  # the copy is intact
 
-    shard = sorted((plan.published / layout.step_dir_name(2)).glob("model-*.safetensors"))[0]
+    shard = plan.published / layout.step_dir_name(2) / layout.WEIGHTS_NAME
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01  # the last byte belongs to a tensor's data, never to the header
     shard.write_bytes(bytes(data))

@@ -15,6 +15,7 @@ from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
 from tests.cli_helpers import run_cli
+from tests.export_index import export_index
 
 CASTABLE = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
@@ -24,7 +25,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def load_export(d: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((d / layout.INDEX_NAME).read_text())
+    index = export_index(d)
     out = {}
     for name, fname in index["weight_map"].items():
         with safe_open(d / fname, "pt") as f:
@@ -84,7 +85,7 @@ def test_gathered_tensors_cast_through_bounded_buffers(dcp_mixed, tmp_path, monk
 def test_output_files_and_index_agree(dcp_mixed, tmp_path):
     src, full = dcp_mixed
     res = consolidate_into(src, tmp_path, max_shard_size=2000)
-    index = json.loads((tmp_path / layout.INDEX_NAME).read_text())
+    index = export_index(tmp_path)
     names = sorted({f for f in index["weight_map"].values()})
     n = len(names)
     assert n == len(res.files) > 1
@@ -102,6 +103,19 @@ def test_output_files_and_index_agree(dcp_mixed, tmp_path):
     verify_export(tmp_path, src)
 
 
+def test_index_is_what_save_pretrained_writes(dcp_mixed, tmp_path):
+    """save_pretrained's index: `total_parameters` (its num_parameters(): the elements of what it saves) and
+    `total_size`, keys in code point order (`sort_keys`), two-space indent. Before: no total_parameters,
+    the weight_map in natural order."""
+    src, full = dcp_mixed
+    consolidate_into(src, tmp_path, max_shard_size=2000)
+    raw = (tmp_path / layout.INDEX_NAME).read_text()
+    index = json.loads(raw)
+    assert index["metadata"]["total_parameters"] == sum(t.numel() for t in full.values())
+    assert raw == json.dumps(index, indent=2, sort_keys=True) + "\n"
+    assert list(index["weight_map"]) == sorted(full)
+
+
 def test_one_file_is_the_bytes_safetensors_writes(dcp_mixed, tmp_path):
     """save_pretrained writes each file with safetensors' `save_file(..., metadata={"format": "pt"})`: dtypes
     in its enum order (I64 before F64, BF16 before F16, I32 after F32), names in code point order
@@ -110,7 +124,8 @@ def test_one_file_is_the_bytes_safetensors_writes(dcp_mixed, tmp_path):
 
     src, full = dcp_mixed
     consolidate_into(src, tmp_path, max_shard_size=1 << 40)
-    (got,) = tmp_path.glob("model-*.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # and no index, as theirs
+    got = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in full.items()}, tmp_path / "ref.st", metadata={"format": "pt"})
     assert got.read_bytes() == (tmp_path / "ref.st").read_bytes()
     verify_export(tmp_path, src)
@@ -125,7 +140,7 @@ def test_packing_is_natural_order_and_deterministic(dcp_mixed, tmp_path):
     consolidate_into(src, b, max_shard_size=1500)
     for f in sorted(p.name for p in a.iterdir()):
         assert (a / f).read_bytes() == (b / f).read_bytes()
-    wm = json.loads((a / layout.INDEX_NAME).read_text())["weight_map"]
+    wm = export_index(a)["weight_map"]
     file_of = {k: int(v.split("-")[1]) for k, v in wm.items()}
     assert file_of["model.layers.2.conv.weight"] <= file_of["model.layers.10.mlp.down_proj.weight"]
 
@@ -148,7 +163,7 @@ def test_reference_index_grouping_kept(dcp_mixed, tmp_path, pattern):
     out = tmp_path / "out"
     out.mkdir()
     consolidate_into(src, out, reference=wm, max_shard_size=10**9)
-    got = json.loads((out / layout.INDEX_NAME).read_text())["weight_map"]
+    got = export_index(out)["weight_map"]
     # parsed k-of-N indices give the order; otherwise the sorted file names do
     order = [0, 1, 2] if "{i" in pattern else sorted(range(3), key=lambda gi: names[gi])
     for pos, gi in enumerate(order):
@@ -192,7 +207,7 @@ def test_export_step_rebuilds_after_a_crash(step_dir, dcp_mixed):
     _, full = dcp_mixed
     stale = step_dir / layout.EXPORT_TMP_DIR
     stale.mkdir()
-    (stale / "model-00001-of-00001.safetensors").write_bytes(b"half")
+    (stale / "model.safetensors").write_bytes(b"half")
     export_step(step_dir)
     assert not stale.exists()
     assert_bit_exact(load_export(step_dir / layout.EXPORT_DIR), full)
@@ -210,7 +225,7 @@ def test_verify_catches_a_flipped_byte(step_dir):
 
     export_step(step_dir)
     exp = step_dir / layout.EXPORT_DIR
-    f = exp / "model-00001-of-00001.safetensors"
+    f = exp / "model.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-3] ^= 0xFF
     f.write_bytes(bytes(raw))
@@ -234,7 +249,7 @@ def test_matches_torch_consolidation_on_float_tensors(tmp_path):
     consolidate_safetensors_files(
         str(src), str(theirs), fqn_to_index_mapping=dict.fromkeys(float_tensors(), 1)
     )
-    with safe_open(theirs / "model-00001-of-00001.safetensors", "pt") as f:
+    with safe_open(theirs / "model-00001-of-00001.safetensors", "pt") as f:  # torch's own naming
         ref = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     got = load_export(ours)
     # torch 2.13 writes zeros for 0-dim tensors; ours hold the saved value (test_keep_dtype_is_bit_exact).

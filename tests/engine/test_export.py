@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from stagerd.contract import layout
 from stagerd.engine.export import export_step, list_files
+from tests.export_index import export_index
 
 
 def test_export_result_matches_the_directory(step_dir):
@@ -13,7 +12,7 @@ def test_export_result_matches_the_directory(step_dir):
     final = step_dir / layout.EXPORT_DIR
     assert res.export_dir == final and not res.skipped and res.seconds > 0
     assert res.files == list_files(final)
-    index = json.loads((final / layout.INDEX_NAME).read_text())
+    index = export_index(final)
     assert res.tensor_bytes == index["metadata"]["total_size"]
     assert res.tensors == len(index["weight_map"])
     again = export_step(step_dir, dtype="bf16")
@@ -30,4 +29,4 @@ def test_a_killed_merges_scratch_is_removed_by_the_next_export(step_dir):
     export_step(step_dir)
 
     assert not scratch.exists() and not (step_dir / layout.EXPORT_TMP_DIR).exists()
-    assert (step_dir / layout.EXPORT_DIR / layout.INDEX_NAME).is_file()
+    assert (step_dir / layout.EXPORT_DIR / layout.WEIGHTS_NAME).is_file()

@@ -4,7 +4,6 @@ in tests/engine/test_hostile_input.py.)"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 from stagerd.contract import layout
 from tests.cli_helpers import clean_env, run_cli
 from tests.dcp_fixtures import commit_step
+from tests.export_index import export_index
 
 
 def _restage(step_dir) -> None:
@@ -63,4 +63,4 @@ def test_a_huge_extra_is_streamed(step_dir, tmp_path):
     assert (out / "tokenizer.model").stat().st_size == 512 << 20
     peak_mib = int(r.stdout.split()[-1]) >> 10
     assert peak_mib < 256, f"peak RSS {peak_mib} MiB: the extra was read whole"
-    assert json.loads((out / layout.INDEX_NAME).read_text())["weight_map"]
+    assert export_index(out)["weight_map"]

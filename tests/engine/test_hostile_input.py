@@ -24,6 +24,7 @@ from stagerd.engine.verify import verify_export
 from stagerd.errors import MarkerError, PlanError, ShardError
 from tests.cli_helpers import run_cli
 from tests.dcp_fixtures import commit_step, dcp_save
+from tests.export_index import export_index
 
 HOSTILE_NAMES = [
     "../../escape.weight",
@@ -37,7 +38,7 @@ HOSTILE_NAMES = [
     ".",
     "",
     "model.safetensors.index.json",  # the name of a file the export writes
-    "model-00001-of-00001.safetensors",
+    "model.safetensors",
     "é漢字🙂",
     "x" * 70_000,  # far past NAME_MAX and PATH_MAX
 ]
@@ -71,7 +72,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def load_all(export: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((export / layout.INDEX_NAME).read_text())
+    index = export_index(export)
     out = {}
     for fname in sorted(set(index["weight_map"].values())):  # one open per file: headers can be huge
         with safe_open(export / fname, "pt") as f:
@@ -99,7 +100,7 @@ def test_hostile_names_go_into_json_only_and_round_trip(hostile_step, tmp_path):
     step, want = hostile_step
     before = _tree(tmp_path)
 
-    result = export_step(step)
+    result = export_step(step, max_shard_size=1)  # a file per tensor: every name goes into the index too
 
     export = step / layout.EXPORT_DIR
     created = _tree(tmp_path) - before
@@ -108,7 +109,10 @@ def test_hostile_names_go_into_json_only_and_round_trip(hostile_step, tmp_path):
         str(Path("root") / step.name / layout.EXPORT_DIR),
         str(Path("root") / step.name / layout.EXPORT_OPTIONS_NAME),
     }
-    assert {f for f, _ in result.files} == {layout.INDEX_NAME, "model-00001-of-00001.safetensors"}
+    n = len(want)
+    assert {f for f, _ in result.files} == {layout.INDEX_NAME} | {
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    }
     got = load_all(export)
     assert set(got) == set(want)
     for name, ref in want.items():
@@ -127,7 +131,7 @@ def test_hostile_names_through_the_cli(hostile_step, tmp_path):
     assert r.returncode == 0, r.stderr
     created = _tree(tmp_path) - before
     assert created == {"out", *(f"out/{f}" for f in _tree(out))}
-    assert _tree(out) == {layout.INDEX_NAME, "model-00001-of-00001.safetensors"}
+    assert _tree(out) == {"model.safetensors"}  # one file, no index, as save_pretrained
     assert set(load_all(out)) == set(want)
     v = _cli("verify", str(out), "--against", str(step))
     assert v.returncode == 0, v.stderr

@@ -59,7 +59,7 @@ def test_daemon_commands_never_import_torch(no_torch, step_dir, tmp_path):
         watched,
         root,
     )
-    assert (root / step_dir.name / layout.EXPORT_DIR / layout.INDEX_NAME).is_file()
+    assert (root / step_dir.name / layout.EXPORT_DIR / layout.WEIGHTS_NAME).is_file()
     no_torch("status", root)
     no_torch("restore", watched, tmp_path / "restored")  # issue 13's commands too
     no_torch("prune", watched, "--keep-last", "1", "--dry-run")

@@ -75,6 +75,22 @@ def assert_same_tensors(export_dir: Path, ref_dir: Path) -> None:
         assert got[name][2] == data, f"{name}: bytes differ"
 
 
+def weight_files(d: Path) -> dict[str, bytes]:
+    """The files save_pretrained writes the weights to: its safetensors and, when several, their index."""
+    return {
+        p.name: p.read_bytes() for p in d.iterdir() if p.suffix == ".safetensors" or p.name == layout.INDEX_NAME
+    }
+
+
+def assert_same_weight_files(export_dir: Path, ref_dir: Path) -> None:
+    """The export's weight files are save_pretrained's, by name and byte for byte (one `model.safetensors`
+    and no index for a model that fits one file)."""
+    got, want = weight_files(export_dir), weight_files(ref_dir)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], f"{name}: bytes differ from save_pretrained's"
+
+
 def load_and_logits(export_dir: Path, dtype: str) -> Any:
     """from_pretrained of the export (nothing missing, unexpected or mismatched) and its logits."""
     import torch
@@ -96,6 +112,7 @@ def check_all(r: Run) -> None:
     for mode, dtype in (("keep", "float32"), ("bf16", "bfloat16")):
         out, ref = r.exports[mode], r.ref / mode
         assert_same_tensors(out, ref)
+        assert_same_weight_files(out, ref)
         assert config_dtype(out) == config_dtype(ref) == dtype
         logits = load_and_logits(out, dtype)
         # The trained model's logits; in bf16, those of its save_pretrained copy loaded the same way (a

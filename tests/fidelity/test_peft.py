@@ -133,7 +133,7 @@ def test_a_fleet_of_two_nodes_publishes_the_same_merged_export_and_adapter(lora,
     results = run_fleet(node_dirs, sink.as_uri(), exchange=(tmp_path / "exchange").as_uri())
     assert all(isinstance(r, FleetResult) for r in results), results
     assert [sorted(r.built) for r in results] == [  # type: ignore[union-attr]
-        ["model-00001-of-00001.safetensors"],
+        ["model.safetensors"],
         ["adapter/adapter_model.safetensors"],
     ]
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stagerd.contract import layout
+from tests.export_index import export_index
 from tests.gloo import join, launch
 from tests.training.gloo_run import WORLD, record
 
@@ -161,7 +162,7 @@ def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
         }
         assert marker.tensors["model.scale"] == layout.TensorInfo("F32", ())
         result = export_step(step_dir, dtype="keep")
-        index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+        index = export_index(result.export_dir)
         with safe_open(out / f"expected-{step}.safetensors", "pt") as f:
             want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         assert set(index["weight_map"]) == set(want)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.errors import StepExistsError
+from tests.export_index import export_index
 from tests.gloo import join, launch
 from tests.training.gloo_run import (
     SLOW_NUMEL,
@@ -54,7 +55,7 @@ def _main_run(rank: int, world: int, init_file: str, root: str, out: str) -> Non
             "README.md": b"# tiny\n",
             "tokenizer.json": str(out_p / "tokenizer.json"),
         }
-        ref = {k: "model-00001-of-00001.safetensors" for k in params(world)}
+        ref = {k: "model.safetensors" for k in params(world)}
         stager = Stager(root)
         buffers = []
         for step in (1, 2):
@@ -211,7 +212,7 @@ def test_marker_lists_every_file_with_its_size(run):
     assert marker.step == 1 and marker.world_size == WORLD
     assert (marker.staging_node, marker.staging_nodes) == (0, 1)
     assert marker.dtype == "bf16" and marker.metadata == {"run": "test"}
-    assert marker.reference_index == {k: "model-00001-of-00001.safetensors" for k in params(WORLD)}
+    assert marker.reference_index == {k: "model.safetensors" for k in params(WORLD)}
     want = {
         k: layout.TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, (v, _) in params(WORLD).items()
     }
@@ -228,7 +229,7 @@ def test_shards_export_to_exactly_the_saved_weights(run):
     for step in (1, 2):
         result = export_step(root / layout.step_dir_name(step), dtype="keep")
         want = _expected(out, step)
-        index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+        index = export_index(result.export_dir)
         assert set(index["weight_map"]) == set(want)
         for name, ref in want.items():
             with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
@@ -314,7 +315,7 @@ def test_example_trains_and_commits(tmp_path):
     assert "committed [3, 6]" in proc.stdout
     assert [s for s, _ in layout.committed_steps(root)] == [3, 6]
     result = export_step(root / "step-00000006", dtype="keep")
-    index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+    index = export_index(result.export_dir)
     with safe_open(final, "pt") as f:
         names = list(f.keys())
         assert set(index["weight_map"]) == set(names)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from stagerd.contract import layout
+from tests.export_index import export_index
 from tests.gloo import join, launch
 from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, train_step
 
@@ -91,7 +92,7 @@ def test_node_local_roots_write_a_marker_per_node(tmp_path):
     result = export_step(merged)
     with safe_open(tmp_path / "expected.safetensors", "pt") as f:
         want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    index = json.loads((result.export_dir / layout.INDEX_NAME).read_text())
+    index = export_index(result.export_dir)
     for name, ref in want.items():
         with safe_open(result.export_dir / index["weight_map"][name], "pt") as f:
             assert torch.equal(f.get_tensor(name).view(torch.uint8), ref.view(torch.uint8)), name

@@ -35,7 +35,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
-from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, extras_of, owners
 from stagerd.daemon.fleet.records import (
@@ -72,7 +72,7 @@ class FleetOptions:
     dtype: str | None = None
     keep_dtype: str | None = None
     mapping: Path | None = None  # for a step whose marker has no to-Hub plan of its own, as export_step
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE  # as export_step and the daemon's setting
+    max_shard_size: int = FLEET_MAX_SHARD_SIZE  # as the daemon's setting with an exchange
     wait_seconds: float = 600.0
     poll_seconds: float = 0.5
     threads: int = 2

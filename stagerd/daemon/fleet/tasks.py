@@ -114,7 +114,7 @@ class FleetTasks(DaemonState):
                     dtype=s.dtype,
                     keep_dtype=s.keep_dtype,
                     mapping=s.mapping,
-                    max_shard_size=int(s.max_shard_size),
+                    max_shard_size=s.shard_size(),
                     wait_seconds=s.fleet_wait_seconds,
                     threads=s.export_threads,
                     hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),

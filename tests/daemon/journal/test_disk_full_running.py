@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -140,10 +141,11 @@ async def test_a_running_daemon_waits_out_a_full_journal_disk_then_publishes_eve
         await w.wait_for(lambda r: r.get("test_pause") == where and r.get("step") == 1)
         filler = fill(fs)  # step 1's work is under way and step 2 waits: neither can be recorded now
         stage_copy(root, 3, src, 4)  # found by the watcher, but the journal cannot take it either
-        done = root / layout.step_dir_name(1) / layout.EXPORT_DIR / layout.INDEX_NAME
+        export = root / layout.step_dir_name(1) / layout.EXPORT_DIR
+        done = partial(layout.export_is_whole, export)
         if where == "publish":
-            done = sink / layout.step_dir_name(1) / layout.MANIFEST_NAME
-        await wait_until(done.exists, w)  # the work finished; recording it is what waits
+            done = (sink / layout.step_dir_name(1) / layout.MANIFEST_NAME).exists
+        await wait_until(done, w)  # the work finished; recording it is what waits
         await w.wait_for(is_journal_error)
 
         await assert_quiet_while_the_journal_is_full(w, port)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from stagerd.errors import HubPlanError
@@ -93,10 +94,11 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
             out.mkdir()
             build_export(
                 open_source(step_dir), out, dtype=dtype, keep_dtype=None, reference=None,
-                max_shard_size=1 << 40, threads=1, progress=None,
+                max_shard_size=DEFAULT_MAX_SHARD_SIZE, threads=1, progress=None,
             )  # fmt: skip
             (model if dtype is None else model.to(torch.bfloat16)).save_pretrained(ref)
             harness.assert_same_tensors(out, ref)
+            harness.assert_same_weight_files(out, ref)
             assert harness.config_dtype(out) == harness.config_dtype(ref), mode
     finally:
         shutil.rmtree(step_dir, ignore_errors=True)

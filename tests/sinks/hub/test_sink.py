@@ -46,20 +46,21 @@ def hub(monkeypatch):
 
 
 def write_export(out: Path, *, seed: int = 0, shards: int = 2) -> Path:
-    """A small HF export: `shards` safetensors files (the first over the multipart threshold), an
-    index, a config.json."""
+    """A small HF export as save_pretrained lays it out: `shards` safetensors files (the first over the
+    multipart threshold) with an index, or one `model.safetensors` without, and a config.json."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     weight_map, total = {}, 0
     for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
         rows = 160 if i == 0 else 10
         tensors = {f"layers.{i}.w": rng.standard_normal((rows, 1024), dtype=np.float32).astype(np.float16)}
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         total += sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
     return out
 
@@ -248,10 +249,9 @@ def test_main_holds_exactly_the_latest_step(hub, tmp_path):
         ".gitattributes",
         "README.md",
         "config.json",
-        "model-00001-of-00001.safetensors",
-        "model.safetensors.index.json",
+        "model.safetensors",
     }
-    assert "model-00002-of-00002.safetensors" in remote_paths(hub, "step-20")
+    assert {"model-00002-of-00002.safetensors", "model.safetensors.index.json"} <= remote_paths(hub, "step-20")
     assert hub.stats.commits[REPO] == 2
 
 

@@ -1,0 +1,44 @@
+"""Which file of an export holds which tensor: its index, or the header of its one `model.safetensors`.
+
+An export that fits one file has no index (save_pretrained writes none), so every reader of an export's
+tensor list comes here rather than to the index.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stagerd.contract import layout
+from stagerd.contract.safetensors_format import read_header
+from stagerd.errors import StagerdError, VerifyError
+
+
+def read_weight_map(export_dir: Path) -> tuple[dict[str, str], int]:
+    """(tensor name -> file name, total tensor bytes) of the export in `export_dir`."""
+    path = export_dir / layout.INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+        weight_map, total = index["weight_map"], index["metadata"]["total_size"]
+    except FileNotFoundError:
+        return _single_file(export_dir)
+    except RecursionError:
+        raise VerifyError("unreadable index: nested too deep", path=path) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise VerifyError(f"unreadable index: {e!r}", path=path) from None
+    if not isinstance(weight_map, dict) or not isinstance(total, int) or isinstance(total, bool):
+        raise VerifyError("index must hold a weight_map and an integer metadata.total_size", path=path)
+    return weight_map, total
+
+
+def _single_file(export_dir: Path) -> tuple[dict[str, str], int]:
+    path = export_dir / layout.WEIGHTS_NAME
+    if not path.is_file():
+        raise VerifyError(
+            f"neither {layout.INDEX_NAME} nor {layout.WEIGHTS_NAME}: not a complete export", path=export_dir
+        )
+    try:
+        h = read_header(path)
+    except StagerdError as e:
+        raise VerifyError(f"invalid header: {e.message}", path=path) from None
+    return dict.fromkeys(h.tensors, layout.WEIGHTS_NAME), h.file_size - h.data_start
