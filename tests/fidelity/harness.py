@@ -77,9 +77,8 @@ def assert_same_tensors(export_dir: Path, ref_dir: Path) -> None:
 
 def weight_files(d: Path) -> dict[str, bytes]:
     """The files save_pretrained writes the weights to: its safetensors and, when several, their index."""
-    return {
-        p.name: p.read_bytes() for p in d.iterdir() if p.suffix == ".safetensors" or p.name == layout.INDEX_NAME
-    }
+    names = [p for p in d.iterdir() if p.suffix == ".safetensors" or p.name == layout.INDEX_NAME]
+    return {p.name: p.read_bytes() for p in names}
 
 
 def assert_same_weight_files(export_dir: Path, ref_dir: Path) -> None:

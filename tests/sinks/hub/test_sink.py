@@ -251,7 +251,8 @@ def test_main_holds_exactly_the_latest_step(hub, tmp_path):
         "config.json",
         "model.safetensors",
     }
-    assert {"model-00002-of-00002.safetensors", "model.safetensors.index.json"} <= remote_paths(hub, "step-20")
+    sharded = {"model-00002-of-00002.safetensors", "model.safetensors.index.json"}
+    assert sharded <= remote_paths(hub, "step-20")
     assert hub.stats.commits[REPO] == 2
 
 
