@@ -41,6 +41,14 @@ HUB_PLAN_FORMAT = "stagerd.hub/1"
 
 
 @dataclass(frozen=True, slots=True)
+class SharedStorage:
+    """Outputs that are views of one storage of `numel` elements in the saving library's state dict."""
+
+    names: tuple[str, ...]
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
 class TensorView:
     """Output tensor `name`: the box `start`/`size` of staged tensor `source`, as `shape`."""
 
@@ -117,9 +125,16 @@ class HubPlan:
     format: str = HUB_PLAN_FORMAT
     merges: tuple[LoraMerge, ...] = ()
     zeros: tuple[ZeroFill, ...] = ()
+    # How the library's own save (save_pretrained) splits the outputs into files, so that a sharded export
+    # is its files too: every output name in the order its state dict walks them (empty: natural key
+    # order); the outputs that share one storage there (a split's views), which its splitter sizes by
+    # that storage and keeps in one file; and the index's `total_parameters` (its num_parameters()).
+    order: tuple[str, ...] = ()
+    shared: tuple[SharedStorage, ...] = ()
+    parameters: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = {
+        d: dict[str, Any] = {
             "format": self.format,
             "origin": self.origin,
             "views": [_view_json(v) for v in self.views],
@@ -133,6 +148,12 @@ class HubPlan:
             ]
         if self.zeros:
             d["zeros"] = [{"name": z.name, "dtype": z.dtype, "shape": list(z.shape)} for z in self.zeros]
+        if self.order:
+            d["order"] = list(self.order)
+        if self.shared:
+            d["shared"] = [{"names": list(g.names), "numel": g.numel} for g in self.shared]
+        if self.parameters is not None:
+            d["parameters"] = self.parameters
         return d
 
     @classmethod
@@ -170,7 +191,20 @@ class HubPlan:
                 ZeroFill(_str(z["name"]), _str(z["dtype"]), _ints(z["shape"])) for z in d.get("zeros", ())
             )
             drop = tuple(_str(n) for n in d.get("drop", ()))
-            return cls(views, drop, _str(d.get("origin", "aliases")), merges=merges, zeros=zeros)
+            order = _strs(d.get("order", []))
+            shared = tuple(SharedStorage(_strs(g["names"]), _int(g["numel"])) for g in d.get("shared", ()))
+            parameters = None if d.get("parameters") is None else _int(d["parameters"])
+            origin = _str(d.get("origin", "aliases"))
+            return cls(
+                views,
+                drop,
+                origin,
+                merges=merges,
+                zeros=zeros,
+                order=order,
+                shared=shared,
+                parameters=parameters,
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
 
@@ -335,6 +369,18 @@ def _bool(x: Any) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"expected true or false, got {x!r}")
     return x
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise TypeError(f"expected a non-negative integer, got {x!r}")
+    return x
+
+
+def _strs(x: Any) -> tuple[str, ...]:
+    if not isinstance(x, list):
+        raise TypeError(f"expected a list of strings, got {type(x).__name__}")
+    return tuple(_str(n) for n in x)
 
 
 def _ints(x: Any) -> tuple[int, ...]:

@@ -74,6 +74,46 @@ def pack_by_size(sizes: Mapping[str, int], max_shard_size: int = DEFAULT_MAX_SHA
     return files
 
 
+def pack_in_order(
+    names: Sequence[str],
+    sizes: Mapping[str, int],
+    max_shard_size: int,
+    shared: Sequence[tuple[Sequence[str], int]] = (),
+) -> list[list[str]]:
+    """huggingface_hub's `split_state_dict_into_shards_factory`, which save_pretrained runs: tensors in the
+    given order fill a file up to max_shard_size; one bigger than that gets a file of its own, placed
+    before the file being filled, which goes on filling after it. `shared`: groups of names that are views
+    of one storage of the given bytes there; a group is sized by that storage, at its first name in the
+    order, and its other names join that name's file."""
+    at = {n: i for i, n in enumerate(names)}
+    size = dict(sizes)
+    follow: dict[str, list[str]] = {}
+    for group, nbytes in shared:
+        first, *rest = sorted(group, key=at.__getitem__)
+        size[first] = nbytes
+        follow[first] = rest
+    later = {n for rest in follow.values() for n in rest}
+    files: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name in names:
+        if name in later:
+            continue
+        if size[name] > max_shard_size:
+            files.append([name])
+            continue
+        if used + size[name] > max_shard_size:
+            files.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size[name]
+    if current:
+        files.append(current)
+    for f in files:
+        f.extend([n for first in f if first in follow for n in follow[first]])
+    return files
+
+
 def reference_file_order(files: Sequence[str]) -> list[str]:
     """Reference files in order: by parsed `k-of-N` index if those are exactly 1..N, else by name."""
     parsed = {}

@@ -205,6 +205,7 @@ class ExportPlan:
     shape_ndim: memoryview
     dims: memoryview
     total_size: int
+    parameters: int | None = None  # the saver's own num_parameters(), where the to-Hub plan records it
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -260,8 +261,10 @@ class ExportPlan:
 
     @property
     def total_parameters(self) -> int:
-        """Elements over every output tensor: save_pretrained's `num_parameters()` of the model they are
-        (tied duplicates are left out of both)."""
+        """The index's `total_parameters`: the saver's num_parameters() where the plan records it (it
+        leaves out buffers), else the elements over every output tensor."""
+        if self.parameters is not None:
+            return self.parameters
         return sum(math.prod(self.shape(self.tensor[r])) for r in range(len(self.tensor)))
 
     def dtype_bytes(self) -> tuple[tuple[str, int], ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import HubPlan
@@ -19,6 +19,7 @@ from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,
     natural_key,
     output_file_names,
+    pack_in_order,
 )
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.file_header import header_size
@@ -35,7 +36,7 @@ from stagerd.engine.plan_types import (
 )
 from stagerd.engine.tiling import check_tiling
 from stagerd.engine.views import apply_views
-from stagerd.errors import DTypeError, PlanError
+from stagerd.errors import DTypeError, HubPlanError, PlanError
 
 
 def plan(
@@ -95,7 +96,11 @@ def plan(
         n: dtypes.lookup(DTYPE_NAMES[out_code[t]]).nbytes(math.prod(shape(t))) for t, n in enumerate(names)
     }
     if reference is None:
-        groups = pack_in_natural_order(sizes, max_shard_size)
+        order = _save_order(names, views, expected, where)
+        if order is None:
+            groups = pack_in_natural_order(sizes, max_shard_size)
+        else:
+            groups = pack_in_order(order, sizes, max_shard_size, _shared(views, ids, out_code, where))
     else:
         groups = assign_in_natural_order(sizes, reference, max_shard_size)
         for group in groups:
@@ -135,9 +140,38 @@ def plan(
         shape_ndim=frozen(shape_ndim),
         dims=frozen(dims),
         total_size=sum(sizes.values()),
+        parameters=views.parameters if views is not None else None,
     )
     _check_byte_addressable(p)
     return p
+
+
+def _save_order(
+    names: list[str], views: HubPlan | None, expected: Mapping[str, TensorInfo] | None, where: str
+) -> Sequence[str] | None:
+    """The order the trainer's own save fills its files in: the to-Hub plan's (save_pretrained's state
+    dict), else the marker's (the state dict as saved); None where neither is known: natural key order."""
+    if views is not None:
+        if not views.order:
+            return None
+        if len(views.order) != len(names) or set(views.order) != set(names):
+            raise HubPlanError("the plan's save order does not name exactly its output tensors", path=where)
+        return views.order
+    if expected is None or len(expected) != len(names):
+        return None
+    return list(expected)
+
+
+def _shared(
+    views: HubPlan | None, ids: Mapping[str, int], out_code: array, where: str
+) -> list[tuple[tuple[str, ...], int]]:
+    """The plan's shared storages, each with its bytes in the output dtype."""
+    out = []
+    for g in views.shared if views is not None else ():
+        if not g.names or any(n not in ids for n in g.names):
+            raise HubPlanError("a shared storage of the plan names a tensor it does not write", path=where)
+        out.append((g.names, dtypes.lookup(DTYPE_NAMES[out_code[ids[g.names[0]]]]).nbytes(g.numel)))
+    return out
 
 
 def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, array]:

@@ -178,7 +178,7 @@ class Committer:
                 reference_index=reference_index,
                 dtype=dtype,
                 metadata=metadata,
-                tensors=dict(sorted(tensors.items())),
+                tensors=tensors,  # in the order saved (rank 0's first): the export fills files in it
                 staging_node=self._node,
                 staging_nodes=self._topology.num_nodes,
                 hub_plan=hub_plan,

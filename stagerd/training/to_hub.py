@@ -163,7 +163,9 @@ def prefixed_plan(
             views.append(TensorView(k, staged, (0,) * len(shape), shape, shape))
     outside = [k for k in sd if not k.startswith(p)]
     drop = [staged_of[k] for k in plan.drop if staged_of[k].startswith(p)]
-    return HubPlan(tuple(views), tuple(dict.fromkeys([*drop, *outside])), origin=plan.origin)
+    return HubPlan(
+        tuple(views), tuple(dict.fromkeys([*drop, *outside])), origin=plan.origin, order=plan.order
+    )
 
 
 def mapping_plan(mapping: KeyMapping, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:

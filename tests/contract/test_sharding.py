@@ -12,6 +12,7 @@ from stagerd.contract.sharding import (
     natural_key,
     output_file_names,
     pack_by_size,
+    pack_in_order,
     parse_size,
     reference_file_order,
 )
@@ -73,7 +74,34 @@ def test_load_weight_map_accepts_full_index_or_bare_map():
         load_weight_map({"weight_map": {"a": 3}})
 
 
+@given(
+    st.lists(st.integers(0, 90), min_size=1, max_size=30),
+    st.lists(st.integers(0, 4), max_size=30),
+    st.integers(1, 100),
+)
+def test_pack_in_order_is_huggingface_hubs_splitter(sizes, groups, limit):
+    """save_pretrained's own splitter, run on the same names, sizes and shared storages: the same files in
+    the same order. Group g > 0 is one storage of 50 + g bytes that every tensor marked g is a view of."""
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+    names = [f"t{i:02d}" for i in range(len(sizes))][::-1]  # an order that is not the names' own
+    group = {n: groups[i] if i < len(groups) else 0 for i, n in enumerate(names)}
+    sd = {n: (sizes[i], group[n]) for i, n in enumerate(names)}
+    theirs = split_state_dict_into_shards_factory(
+        sd,
+        get_storage_size=lambda t: 50 + t[1] if t[1] else t[0],
+        get_storage_id=lambda t: t[1] or None,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=limit,
+    )
+    shared = [([n for n in names if group[n] == g], 50 + g) for g in sorted(set(group.values()) - {0})]
+    ours = pack_in_order(names, {n: sd[n][0] for n in names}, limit, shared)
+    assert [sorted(f) for f in ours] == [sorted(f) for f in theirs.filename_to_tensors.values()]
+    assert output_file_names(len(ours)) == list(theirs.filename_to_tensors)
+
+
 def test_names_and_sizes():
+    assert output_file_names(1) == ["model.safetensors"]  # save_pretrained's name for one file
     assert output_file_names(2) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1.5MiB") == 1572864 and parse_size("77") == 77
     with pytest.raises(ValueError):

@@ -4,12 +4,13 @@ tensor, cut from blocks sharded along any dim or a 2-D mesh, copied or cast, com
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.hub_plan import HubPlan, SharedStorage, TensorView
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.planner import plan
 from stagerd.engine.shard_scan import scan_shards
@@ -117,6 +118,10 @@ def test_a_plan_the_checkpoint_contradicts_is_a_named_error_before_any_output(sa
         "reshape .-8, -6. is negative": HubPlan(
             (TensorView("x", "tied", (0, 0), (6, 8), (8, 6), (-8, -6), (1, 0)),)
         ),
+        "save order does not name exactly": HubPlan((), order=("tied", "qkv")),
+        "shared storage of the plan names": HubPlan(
+            (), order=tuple(fused()), shared=(SharedStorage(("nope",), 3),)
+        ),
     }
     for words, hub in bad.items():
         with pytest.raises(HubPlanError, match=words):
@@ -126,8 +131,34 @@ def test_a_plan_the_checkpoint_contradicts_is_a_named_error_before_any_output(sa
 def test_the_plan_round_trips_through_the_marker_json():
     hub = hub_plan()
     assert HubPlan.from_json(json.loads(json.dumps(hub.to_json()))) == hub
-    with pytest.raises(HubPlanError, match="malformed"):
-        HubPlan.from_json({"format": "stagerd.hub/1", "views": [{"name": 1}]})
+    split = replace(hub, order=("b", "a"), shared=(SharedStorage(("a", "b"), 7),), parameters=12)
+    assert HubPlan.from_json(json.loads(json.dumps(split.to_json()))) == split
+    for bad in ({"views": [{"name": 1}]}, {"views": [], "order": "ab"}, {"views": [], "parameters": -1}):
+        with pytest.raises(HubPlanError, match="malformed"):
+            HubPlan.from_json({"format": "stagerd.hub/1", **bad})
+
+
+def test_a_plan_with_a_save_order_fills_files_as_save_pretrained(tmp_path, saved):
+    """The plan's order, shared storages and parameter count (save_pretrained's state dict walk, a split's
+    views of one storage, num_parameters()): files filled as its splitter fills them, and its index."""
+    src, _ = saved
+    order = ("tied", "norm", "qkv", "experts.down", "experts.gate_up")
+    hub = HubPlan((), order=order, shared=(SharedStorage(("norm", "experts.down"), 100),), parameters=5)
+    out = tmp_path / "out"
+    out.mkdir()
+    consolidate_into(src, out, views=hub, max_shard_size=300)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == 5
+    # tied (192 B) opens a file; norm, sized as its storage (100 F32 elements: 400 B), and qkv (384 B) and
+    # experts.gate_up (480 B) are each over the limit: a file of their own, ahead of tied's; experts.down
+    # joins norm, whose storage it shares.
+    assert index["weight_map"] == {
+        "experts.down": "model-00001-of-00004.safetensors",
+        "experts.gate_up": "model-00003-of-00004.safetensors",
+        "norm": "model-00001-of-00004.safetensors",
+        "qkv": "model-00002-of-00004.safetensors",
+        "tied": "model-00004-of-00004.safetensors",
+    }
 
 
 def test_a_marker_plan_the_shards_contradict_publishes_nothing(tmp_path, saved):

@@ -7,6 +7,7 @@ twice with `stagerd watch ROOT --sink file://... --once`: with the dtype kept, a
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 import struct
@@ -87,6 +88,11 @@ def assert_same_weight_files(export_dir: Path, ref_dir: Path) -> None:
     got, want = weight_files(export_dir), weight_files(ref_dir)
     assert sorted(got) == sorted(want)
     for name in want:
+        if name == layout.INDEX_NAME and got[name] != want[name]:
+            diff = difflib.unified_diff(
+                want[name].decode().splitlines(), got[name].decode().splitlines(), n=0
+            )
+            raise AssertionError(f"{name} differs from save_pretrained's:\n" + "\n".join(list(diff)[2:12]))
         assert got[name] == want[name], f"{name}: bytes differ from save_pretrained's"
 
 

@@ -131,3 +131,26 @@ def test_a_new_save_into_an_uncommitted_step_never_keeps_the_old_export(tmp_path
     (shard,) = (step / layout.EXPORT_DIR).glob("*.safetensors")
     with safe_open(shard, "pt") as f:
         assert torch.equal(f.get_tensor("w"), torch.ones(4))
+
+
+def test_a_plain_state_dict_is_sharded_in_its_own_order(tmp_path):
+    """Without a model, the export fills its files in the order the state dict was saved, as
+    huggingface_hub's `save_torch_state_dict` of it does (its oversized tensor in a file of its own,
+    ahead). Before: the marker listed the tensors sorted, and the export packed in natural order."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+    from tests.export_index import export_index
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        name: torch.randn(n, generator=g)
+        for name, n in (("z", 40), ("layers.10.w", 90), ("a", 30), ("b", 20))
+    }
+    with Stager(tmp_path) as stager:
+        marker = stager.save(sd, 1).result()
+    assert list(marker.tensors or {}) == list(sd)
+    export = export_step(tmp_path / layout.step_dir_name(1), max_shard_size=300).export_dir
+    theirs = split_torch_state_dict_into_shards(sd, max_shard_size=300)
+    assert export_index(export)["weight_map"] == theirs.tensor_to_filename

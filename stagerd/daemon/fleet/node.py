@@ -355,10 +355,10 @@ class FleetNode:
         lead = self.work / "lead"
         shutil.rmtree(lead, ignore_errors=True)
         lead.mkdir(parents=True)
-        (lead / layout.INDEX_NAME).write_bytes(index_json(p))
-        files = [
-            LocalFile(layout.INDEX_NAME, lead / layout.INDEX_NAME, (lead / layout.INDEX_NAME).stat().st_size)
-        ]
+        files = []
+        if len(p.files) != 1:  # as consolidate_into: one file needs no index
+            (lead / layout.INDEX_NAME).write_bytes(index := index_json(p))
+            files.append(LocalFile(layout.INDEX_NAME, lead / layout.INDEX_NAME, len(index)))
         for rel, part in sorted(extras_of(parts).items()):
             if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
                 continue  # as export_step: our index and weights are the export's

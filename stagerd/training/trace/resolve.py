@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.contract.hub_plan import HubPlan, TensorView, ZeroFill
+from stagerd.contract.hub_plan import HubPlan, SharedStorage, TensorView, ZeroFill
 from stagerd.errors import HubPlanError
 from stagerd.training.trace import parts as trace_parts
 from stagerd.training.trace.boxes import box_of, flat_box
@@ -252,9 +252,14 @@ def traced_plan(
     aliases: Mapping[str, str],
     convert: Callable[[dict[str, torch.Tensor]], Mapping[str, Any]],
     origin: str,
+    *,
+    keys: Sequence[str] = (),
+    parameters: int | None = None,
 ) -> HubPlan:
     """Run `convert` (a library's own save-time conversion) on traced meta tensors standing for the staged
-    `sd` (plus its `aliases`, the same tensor under each key) and turn what it returns into a plan."""
+    `sd` (plus its `aliases`, the same tensor under each key) and turn what it returns into a plan.
+    `keys`: the order the library's own state dict walks them, which its splitter fills files in;
+    `parameters`: its num_parameters(), for the index."""
     roots = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in sd.items()}
     root_ids = frozenset(id(r) for r in roots.values())
     source_of = {id(r): k for k, r in roots.items()}
@@ -263,7 +268,11 @@ def traced_plan(
         t = torch.empty(r.shape, dtype=r.dtype, device="meta").as_subclass(_Traced)
         t.prov, t.roots = r, root_ids
         traced[k] = t
-    meta: dict[str, torch.Tensor] = {k: traced[aliases.get(k, k)] for k in [*sd, *aliases]}
+    staged = [*sd, *aliases]
+    known = set(staged)
+    walk = [k for k in keys if k in known]
+    walk += [k for k in staged if k not in set(walk)]
+    meta: dict[str, torch.Tensor] = {k: traced[aliases.get(k, k)] for k in walk}
     try:
         reverted = convert(meta)
     except Exception as e:
@@ -317,9 +326,34 @@ def traced_plan(
     read = {v.source for v in views if not (v.name == v.source and v.is_whole(tuple(sd[v.source].shape)))}
     kept = [v for v in views if v.source in read or v.name != v.source]
     written = {v.source for v in views}
-    plan = HubPlan(tuple(kept), tuple(k for k in sd if k not in written), origin=origin, zeros=tuple(zeros))
+    plan = HubPlan(
+        tuple(kept),
+        tuple(k for k in sd if k not in written),
+        origin=origin,
+        zeros=tuple(zeros),
+        order=tuple(reverted),
+        shared=_shared_storages(reverted),
+        parameters=parameters,
+    )
     plan.outputs({**{k: tuple(v.shape) for k, v in sd.items()}, **{z.name: z.shape for z in zeros}})
     return plan
+
+
+def _shared_storages(reverted: Mapping[str, Any]) -> tuple[SharedStorage, ...]:
+    """Outputs that are views of one storage (a split's parts), or of part of one: the splitter sizes a
+    tensor by its whole storage and keeps the tensors of one storage in one file."""
+    names: dict[int, list[str]] = {}
+    numel: dict[int, int] = {}
+    for name, o in reverted.items():
+        if isinstance(o, torch.Tensor) and o.element_size():
+            storage = o.untyped_storage()
+            names.setdefault(storage._cdata, []).append(name)
+            numel[storage._cdata] = storage.nbytes() // o.element_size()
+    return tuple(
+        SharedStorage(tuple(ns), numel[key])
+        for key, ns in names.items()
+        if len(ns) > 1 or numel[key] != reverted[ns[0]].numel()
+    )
 
 
 # A zero fill is named after the output it pads: "<output>#zeros<n>", never a name a model saves.
@@ -335,7 +369,9 @@ def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mappi
         with _transformers_classes(model):
             return revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
 
-    return traced_plan(sd, aliases, convert, "transformers")
+    # save_pretrained walks model.state_dict() and writes num_parameters() into its index
+    keys = list(model.state_dict(keep_vars=True))
+    return traced_plan(sd, aliases, convert, "transformers", keys=keys, parameters=model.num_parameters())
 
 
 @contextlib.contextmanager

@@ -99,10 +99,20 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
             (model if dtype is None else model.to(torch.bfloat16)).save_pretrained(ref)
             harness.assert_same_tensors(out, ref)
             harness.assert_same_weight_files(out, ref)
+            if dtype is None:  # sharded as save_pretrained shards it: its splitter, its order, its index
+                limit = max(1, sum(f.stat().st_size for f in out.glob("*.safetensors")) // 3)
+                out_n, ref_n = tmp / "export-sharded", tmp / "ref-sharded"
+                out_n.mkdir()
+                build_export(
+                    open_source(step_dir), out_n, dtype=None, keep_dtype=None, reference=None,
+                    max_shard_size=limit, threads=1, progress=None,
+                )  # fmt: skip
+                model.save_pretrained(ref_n, max_shard_size=limit)
+                harness.assert_same_weight_files(out_n, ref_n)
             assert harness.config_dtype(out) == harness.config_dtype(ref), mode
     finally:
         shutil.rmtree(step_dir, ignore_errors=True)
-        for mode in ("keep", "bf16"):
+        for mode in ("keep", "bf16", "sharded"):
             shutil.rmtree(tmp / f"export-{mode}", ignore_errors=True)
             shutil.rmtree(tmp / f"ref-{mode}", ignore_errors=True)
     return model
