@@ -18,7 +18,7 @@ from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.journal import PUBLISHING
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.state import log
-from stagerd.daemon.tasks import Tasks, _test_pause
+from stagerd.daemon.tasks import STAGED_PARTS, Tasks, _test_pause
 from stagerd.errors import JournalError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
@@ -81,6 +81,7 @@ class RawTasks(Tasks):
         """Worker thread: one raw publish, with progress and the test pause hook."""
         from stagerd.ops.progress import progress
 
+        self._refuse_links(step, step_dir, STAGED_PARTS)
         with contextlib.ExitStack() as stack:
             bar: Callable[[int, int], None] | None = None
 

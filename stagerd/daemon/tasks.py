@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.filesize import decimal
 
 from stagerd.contract import layout
+from stagerd.contract.regular_file import refuse_links
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 # report of every export ("export") or publish ("publish"), so a test can kill the daemon mid-way.
 TEST_PAUSE_AT_ENV = "STAGERD_TEST_PAUSE_AT"
 TEST_PAUSE_SECONDS_ENV = "STAGERD_TEST_PAUSE_SECONDS"
+
+# What of a step directory the daemon reads, writes or deletes: the staged parts, and its export's.
+STAGED_PARTS = (layout.MARKER_NAME, layout.MODEL_DIR, layout.EXTRAS_DIR, layout.OPTIM_DIR)
+EXPORT_PARTS = (layout.EXPORT_DIR, layout.EXPORT_TMP_DIR, layout.EXPORT_OPTIONS_NAME)
 
 
 def _test_pause(where: str, step: int) -> None:
@@ -127,6 +132,7 @@ class Tasks(FleetTasks, Health, Adoption):
         step is this node's part of the fleet export instead."""
         from stagerd.engine.export import export_step
 
+        self._refuse_links(step, step_dir, STAGED_PARTS, EXPORT_PARTS)
         if is_fleet_step(step_dir):
             return self._run_fleet(step, step_dir)
         from stagerd.ops.progress import progress
@@ -155,6 +161,24 @@ class Tasks(FleetTasks, Health, Adoption):
                 progress=report,
                 rebuild=rebuild,
             )
+
+    def _refuse_links(
+        self, step: int, step_dir: Path, staged: tuple[str, ...], built: tuple[str, ...] = ()
+    ) -> None:
+        """`SymlinkError` where the step's directory, or a part of it (`staged`) or of its export's (`built`)
+        that the daemon reads, writes or deletes, is now a symbolic link. The scan journals only a real
+        directory; one replaced by a link since would lead every read, write and delete outside ROOT."""
+        why = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
+        hint = (
+            "replace the link by the real directory or file it stands for (its target was left as it is), "
+            f"then `stagerd retry ROOT --step {step}`"
+        )
+        work = self._work_dir(step_dir)
+        if work == step_dir:
+            refuse_links(step_dir, (*staged, *built), why=why, hint=hint)
+            return
+        refuse_links(step_dir, why=why, hint=hint)  # an adopted checkpoint: the trainer's own layout
+        refuse_links(work, built, why=why, hint=hint)
 
     async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
         """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
@@ -249,6 +273,7 @@ class Tasks(FleetTasks, Health, Adoption):
         self._log_step(step, sink, PUBLISHING, attempt=attempt)
         await self._try_refresh()
         try:
+            await self._io(self._refuse_links, step, Path(row.path), (layout.MARKER_NAME,), EXPORT_PARTS)
             metadata = await self._io(self._metadata, step, Path(row.path))
             work = (
                 partial(self._fleet_publish, step, sink)

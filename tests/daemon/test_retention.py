@@ -153,3 +153,17 @@ def test_a_trash_on_another_filesystem_never_leaves_half_a_step_in_root(tmp_path
     left = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))  # a killed holder's lock
     assert left == [layout.STATE_DIR, layout.step_dir_name(2)]
     assert layout.is_committed(root / layout.step_dir_name(2))
+
+
+def test_retention_of_a_step_replaced_by_a_link_removes_only_the_link(tmp_path):
+    """A published step moved elsewhere and linked back: retention renames the link, never its target's
+    files, and the trash removes the link alone (guard: this held before)."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "model").mkdir(parents=True)
+    (elsewhere / "model" / "shard").write_bytes(b"x" * 10)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / layout.step_dir_name(1)).symlink_to(elsewhere, target_is_directory=True)
+    assert move_to_trash(root, root / layout.step_dir_name(1)) is not None
+    assert empty_trash(root) == 1
+    assert list(root.glob("step-*")) == [] and (elsewhere / "model" / "shard").read_bytes() == b"x" * 10

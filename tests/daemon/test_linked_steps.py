@@ -1,0 +1,112 @@
+"""A step the daemon journaled as a real directory, later replaced by a symbolic link (the whole step, or
+its `export/`): the daemon exported through the link (reading, deleting and writing outside ROOT) and
+published what the link led to. Now such a step is refused with a SymlinkError naming the link, nothing the
+link leads to is read, written or published, and the other steps go on. The journal is the real SQLite
+file of a real `stagerd watch` run killed at a crash point; the sink is a real directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.contract.regular_file import refuse_links
+from stagerd.errors import SymlinkError
+from tests.cli_helpers import run_cli
+from tests.daemon_helpers import fast_flags, stage_copy
+
+
+def _watch(root: Path, sink: Path, *extra: str, crash: str | None = None):
+    env = {"STAGERD_CRASH_AT": crash} if crash else None
+    args = ["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags(), *extra]
+    return run_cli(args, env=env, timeout=120)
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    """Every file under `d` and its bytes, links not followed: what must not change."""
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _published(sink: Path) -> list[str]:
+    return sorted(p.name for p in sink.glob("step-*") if (p / layout.MANIFEST_NAME).is_file())
+
+
+def test_a_step_replaced_by_a_link_is_neither_exported_nor_published(tmp_path, dcp_mixed2):
+    """Step 1 journaled and its export begun (the daemon killed mid-way), then moved to another disk and
+    linked back. The next run removed the export.tmp/ the link led to, built an export there (outside
+    ROOT) and published it (and its raw files). Now: SymlinkError for step 1 (its export and its raw lane),
+    its target untouched, step 2 goes on."""
+    model, _ = dcp_mixed2
+    root, sink, elsewhere = tmp_path / "root", tmp_path / "sink", tmp_path / "elsewhere"
+    step1 = stage_copy(root, 1, model, world=2)
+    killed = _watch(root, sink, crash="export.move:1")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    stage_copy(root, 2, model, world=2)
+    elsewhere.mkdir()
+    shutil.move(step1, elsewhere / step1.name)
+    step1.symlink_to(elsewhere / step1.name, target_is_directory=True)
+    before = _tree(elsewhere)
+
+    r = _watch(root, sink, "--publish-raw")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "SymlinkError" in r.stderr and str(step1) in r.stderr, r.stderr[-3000:]
+    assert _tree(elsewhere) == before  # nothing removed, nothing written where the link leads
+    assert _published(sink) == [layout.step_dir_name(2)]
+    assert not (sink / "raw" / layout.step_dir_name(1)).exists()
+    assert (sink / "raw" / layout.step_dir_name(2) / layout.MANIFEST_NAME).is_file()
+    assert step1.is_symlink()  # the link is left for the user to put right
+
+
+def test_an_export_replaced_by_a_link_is_never_published(tmp_path, dcp_mixed2):
+    """Step 1 exported, the daemon killed before it published (the export recorded as the daemon records
+    it), then its `export/` replaced by a link to a directory holding the same export and a private file:
+    the next run published that directory, private file and all. Now: SymlinkError for step 1 on the sink,
+    nothing of it published, the directory untouched, step 2 goes on."""
+    from stagerd.daemon.journal import Journal
+
+    model, _ = dcp_mixed2
+    root, sink, private = tmp_path / "root", tmp_path / "sink", tmp_path / "private"
+    step1 = stage_copy(root, 1, model, world=2)
+    killed = _watch(root, sink, crash="export.renamed:1")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    journal = Journal.open(root)
+    try:
+        journal.finish_export(
+            1, [sink.as_uri()], seconds=0.1, export_bytes=1, tensor_bytes=1, files=2, skipped=False
+        )
+    finally:
+        journal.close()
+    export = step1 / layout.EXPORT_DIR
+    shutil.move(export, private)
+    (private / "id_ed25519").write_bytes(b"not for the hub")
+    export.symlink_to(private, target_is_directory=True)
+    stage_copy(root, 2, model, world=2)
+    before = _tree(private)
+
+    r = _watch(root, sink)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "SymlinkError" in r.stderr and str(export) in r.stderr, r.stderr[-3000:]
+    assert not list(sink.rglob("id_ed25519"))
+    assert _published(sink) == [layout.step_dir_name(2)]
+    assert _tree(private) == before
+
+
+@pytest.mark.parametrize(
+    "part", [layout.MARKER_NAME, layout.MODEL_DIR, layout.EXPORT_DIR, layout.EXPORT_TMP_DIR]
+)
+def test_each_part_the_daemon_touches_is_checked_from_the_directory_itself(tmp_path, part):
+    """A real step directory one of whose parts is a link: refused by name, the target not opened."""
+    step, target = tmp_path / layout.step_dir_name(1), tmp_path / "target"
+    step.mkdir()
+    target.mkdir()
+    (step / part).symlink_to(target, target_is_directory=True)
+    args = {"why": "test", "hint": "put it back"}
+    with pytest.raises(SymlinkError) as e:
+        refuse_links(step, [layout.EXTRAS_DIR, part], **args)
+    assert e.value.path == str(step / part) and e.value.hint == "put it back"
+    assert f"-> {target}" in e.value.message
+    assert refuse_links(step, [layout.EXTRAS_DIR], **args)  # a part that is not there is not checked
+    assert not refuse_links(tmp_path / "gone", [part], **args)  # a step gone: its caller names that
