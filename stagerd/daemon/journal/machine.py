@@ -265,6 +265,7 @@ class Journal(RawLanes):
                 (RETIRED, now, now, step),
             )
             self._event(c, step, None, old, RETIRED, message=reason, now=now)
+            self._prune_history(c)
 
     def recover(self) -> list[Recovered]:
         """At start: exporting -> committed and publishing -> pending, each recorded as a crash recovery."""
