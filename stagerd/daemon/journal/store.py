@@ -24,13 +24,13 @@ from stagerd.daemon.journal.schema import (
     RETIRED,
     RETIRED_WITH_HISTORY,
     SCHEMA_VERSION,
+    STEP_COUNTS,
     STEP_STATES,
     Event,
     LaneRow,
     StepRow,
     columns,
     connect,
-    has_step_counts,
     journal_error,
     journal_path,
     remove_journal_files,
@@ -53,7 +53,7 @@ class JournalStore:
         self.path = path
         self.readonly = readonly
         self._opened = None if readonly else os.stat(path)  # the file this connection writes
-        self._counted = has_step_counts(conn)
+        self._counted: bool | None = None  # whether the journal keeps `step_counts`; asked once
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Self:
@@ -289,6 +289,8 @@ class JournalStore:
     def counts(self) -> dict[str, int]:
         """Steps per state (every state present, zeros included)."""
         out: dict[str, int] = dict.fromkeys(STEP_STATES, 0)
+        if self._counted is None:
+            self._counted = bool(self._query("SELECT 1 FROM sqlite_master WHERE name = ?", (STEP_COUNTS,)))
         sql = (
             "SELECT state, n FROM step_counts"
             if self._counted
