@@ -62,10 +62,10 @@ class OnceSummary(JournalGate):
             )
             return 0
         log.error(
-            "--once: %d step(s) published%s, %d NOT published",
+            "--once: %d step(s) published, %d NOT published%s",
             summary.published_count,
-            _newest(summary),
             len(summary.unpublished),
+            _newest(summary),
             extra={
                 "published": summary.published_count,
                 "newest_published": summary.published,
@@ -78,12 +78,12 @@ class OnceSummary(JournalGate):
 
 
 def _newest(summary: Summary) -> str:
-    """` (newest: 7, 8, 9)`, or ` (newest 10: ...)` when more were published than named; "" for none."""
+    """` (published: 7, 8, 9)`, or ` (newest 10 published: ...)` when more were; "" for none."""
     if not summary.published:
         return ""
     shown = ", ".join(map(str, summary.published))
     more = summary.published_count > len(summary.published)
-    return f" (newest {len(summary.published)}: {shown})" if more else f" ({shown})"
+    return f" (newest {len(summary.published)} published: {shown})" if more else f" (published: {shown})"
 
 
 def _hint(row: StepRow) -> str:

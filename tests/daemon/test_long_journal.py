@@ -221,7 +221,7 @@ def test_the_once_summary_line_names_the_newest_steps_not_every_one(long_root, c
         assert d._report(summary) == 0
     line = JsonFormatter().format(caplog.records[-1])
     assert len(line) < 500, len(line)
-    assert f"all {RETIRED_STEPS + 1} step(s) published (newest {NEWEST_LISTED}: " in line
+    assert f"all {RETIRED_STEPS + 1} step(s) published (newest {NEWEST_LISTED} published: " in line
     assert f"{RETIRED_STEPS - 1}, {RETIRED_STEPS})" in line
 
 
