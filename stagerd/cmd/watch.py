@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
-        print(f"stagerd watch --once: {len(s.published)} step(s) published, {len(s.unpublished)} not")
+        print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
     if daemon.left_threads_running:

@@ -1,4 +1,6 @@
-"""The end of a `--once` run: which steps were published, which were not and why, and the exit code."""
+"""The end of a `--once` run: how many steps were published (and the newest few), which were not and why,
+and the exit code. A daemon's ROOT collects retired steps for months: the summary names only the newest
+`NEWEST_LISTED` published ones, so its line does not grow with every step ever seen."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import FAILED, PUBLISHED, LaneRow, StepRow
 from stagerd.daemon.state import log
 
+NEWEST_LISTED = 10  # published steps named in the summary line, newest first dropped last
+
 
 @dataclass
 class Summary:
     """What a `--once` run leaves behind."""
 
-    published: list[int] = field(default_factory=list)
+    published_count: int = 0  # steps published, retired ones included
+    published: list[int] = field(default_factory=list)  # the newest `NEWEST_LISTED` of them, ascending
     unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
 
     @property
@@ -28,9 +33,11 @@ class OnceSummary(JournalGate):
         lanes: dict[int, list[LaneRow]] = {}
         for ln in await self._j(self._journal.lanes, include_retired=False):  # a retired step's are done
             lanes.setdefault(ln.step, []).append(ln)
-        out = Summary(published=await self._j(self._journal.retired_steps))
+        retired, newest = await self._j(self._journal.retired_summary, NEWEST_LISTED)
+        out = Summary(published_count=retired, published=newest)
         for r in rows:
             if r.state == PUBLISHED:
+                out.published_count += 1
                 out.published.append(r.step)
                 continue
             why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
@@ -42,26 +49,41 @@ class OnceSummary(JournalGate):
                 if ln.state != PUBLISHED
             ]
             out.unpublished.append((r.step, "; ".join(why)))
-        out.published.sort()
+        out.published = sorted(out.published)[-NEWEST_LISTED:]
         return out
 
     def _report(self, summary: Summary) -> int:
         if summary.ok:
             log.info(
-                "--once: all %d step(s) published",
-                len(summary.published),
-                extra={"published": summary.published},
+                "--once: all %d step(s) published%s",
+                summary.published_count,
+                _newest(summary),
+                extra={"published": summary.published_count, "newest_published": summary.published},
             )
             return 0
         log.error(
-            "--once: %d step(s) published, %d NOT published",
-            len(summary.published),
+            "--once: %d step(s) published, %d NOT published%s",
+            summary.published_count,
             len(summary.unpublished),
-            extra={"published": summary.published, "unpublished": [s for s, _ in summary.unpublished]},
+            _newest(summary),
+            extra={
+                "published": summary.published_count,
+                "newest_published": summary.published,
+                "unpublished": [s for s, _ in summary.unpublished],
+            },
         )
         for step, why in summary.unpublished:
             log.error("step %d not published: %s", step, why, extra={"step": step, "state": "unpublished"})
         return 1
+
+
+def _newest(summary: Summary) -> str:
+    """` (published: 7, 8, 9)`, or ` (newest 10 published: ...)` when more were; "" for none."""
+    if not summary.published:
+        return ""
+    shown = ", ".join(map(str, summary.published))
+    more = summary.published_count > len(summary.published)
+    return f" (newest {len(summary.published)} published: {shown})" if more else f" (published: {shown})"
 
 
 def _hint(row: StepRow) -> str:

@@ -23,6 +23,7 @@ from stagerd.contract import layout
 from stagerd.daemon.core import Daemon
 from stagerd.daemon.journal import Journal
 from stagerd.daemon.journal.store import JournalStore
+from stagerd.daemon.summary import NEWEST_LISTED
 
 RETIRED_STEPS = 20_000
 SINKS = ("file:///a", "file:///b")
@@ -92,12 +93,10 @@ def test_scan_settle_summary_and_gauges_read_the_live_steps_not_every_step_ever(
     finally:
         d._journal.close()
     # before: the scan read all 20,001 saves; the settle check 20,001 + 40,002 lanes; the summary 60,003
-    # rows. The summary still lists the retired steps as published: their numbers alone, one column.
-    assert read["summary"] < RETIRED_STEPS + 100, read
-    del read["summary"]
+    # rows, then (the retired steps' numbers alone) 20,001, every one of them named in its log line.
     assert max(read.values()) < 100, read
-    assert summary.ok and len(summary.published) == RETIRED_STEPS + 1  # retired steps still count
-    assert summary.published[:2] == [0, 1] and summary.published[-1] == RETIRED_STEPS
+    assert summary.ok and summary.published_count == RETIRED_STEPS + 1  # retired steps still count
+    assert summary.published == list(range(RETIRED_STEPS - NEWEST_LISTED + 1, RETIRED_STEPS + 1))
 
 
 def test_status_reads_only_the_steps_it_shows(long_root, monkeypatch):
@@ -145,6 +144,7 @@ def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(l
             "next_raw": lambda: j.next_raw("raw:" + SINKS[0], now, ()),
             "next_retry_time": j.next_retry_time,
             "lane_counts": j.lane_counts,
+            "counts": j.counts,  # the gauges', every disk_check_seconds and after each publish
             "live steps": lambda: j.steps(include_retired=False),
             "live lanes": lambda: j.lanes(include_retired=False),
         }.items():
@@ -153,7 +153,8 @@ def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(l
             cost[name] = ops[0]
     finally:
         j.close()
-    # before: 600 to 9,200 ticks each (next_publish 2,400), reading all 20,001 steps or 40,002 lanes
+    # before: 600 to 9,200 ticks each (next_publish 2,400), reading all 20,001 steps or 40,002 lanes;
+    # counts 1,400, walking every step's state
     assert max(cost.values()) < 10, cost
 
 
@@ -205,3 +206,171 @@ def test_a_quarantined_lane_does_not_keep_its_steps_marker_metadata(tmp_path):
         assert d._marker_metadata == {}
     finally:
         j.close()
+
+
+def test_the_once_summary_line_names_the_newest_steps_not_every_one(long_root, caplog):
+    """`--once`'s last line, as JSON: before, it listed every published step, 20,001 numbers (~140 KB)."""
+    from stagerd.ops.logs import JsonFormatter
+
+    d = _daemon(long_root)
+    try:
+        summary = asyncio.run(d._summary())
+    finally:
+        d._journal.close()
+    with caplog.at_level("INFO", logger="stagerd"):
+        assert d._report(summary) == 0
+    line = JsonFormatter().format(caplog.records[-1])
+    assert len(line) < 500, len(line)
+    assert f"all {RETIRED_STEPS + 1} step(s) published (newest {NEWEST_LISTED} published: " in line
+    assert f"{RETIRED_STEPS - 1}, {RETIRED_STEPS})" in line
+
+
+def _run_steps(j: Journal, root: Path, steps: range, sinks: tuple[str, ...]) -> None:
+    """Each step's whole life as a daemon journals it: found, exported, published on each sink, retired."""
+    for s in steps:
+        j.add_step(s, root / layout.step_dir_name(s), 1.0, f"sha256:{s}")
+        j.begin_export(s)
+        j.finish_export(s, sinks, seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+        for k in sinks:
+            j.begin_publish(s, k)
+            j.finish_publish(
+                s,
+                k,
+                sinks=sinks,
+                seconds=1,
+                bytes_total=1,
+                bytes_uploaded=1,
+                location=f"{k}/{s}",
+                skipped=False,
+            )
+        j.retire(s, "retention: keep_last=1")
+
+
+def test_retired_steps_history_is_kept_for_the_newest_ones_only(tmp_path, monkeypatch):
+    """The events and lanes of a retired step go once RETIRED_WITH_HISTORY newer steps are retired; a live
+    step keeps all of its own, however old; `status` shows live steps as before."""
+    import stagerd.daemon.journal.store as store
+
+    RETIRED_WITH_HISTORY = 100  # 1,000 in use: fewer steps to run through here
+    monkeypatch.setattr(store, "RETIRED_WITH_HISTORY", RETIRED_WITH_HISTORY)
+    j = Journal.open(tmp_path)
+    try:
+        j.add_step(0, tmp_path / layout.step_dir_name(0), 1.0, "sha256:0")
+        j.quarantine_step(0, "MarkerError", "bad marker")  # live for good, older than everything retired
+        _run_steps(j, tmp_path, range(1, 2 * RETIRED_WITH_HISTORY + 51), SINKS)
+        j.add_step(10_000, tmp_path / layout.step_dir_name(10_000), 1.0, "sha256:live")
+        j.begin_export(10_000)
+        j.finish_export(10_000, SINKS, seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+        retired = [r.step for r in j.steps() if r.state == "retired"]
+        kept = set(retired[-RETIRED_WITH_HISTORY:]) | {0, 10_000}
+        # before: every event (11 per step) and every lane of all 250 retired steps stayed for good
+        assert {e.step for e in j.events()} == kept
+        assert {ln.step for ln in j.lanes()} == kept - {0}
+        assert len(j.events(retired[-1])) == 11 and [e.to_state for e in j.events(0)] == [
+            "committed",
+            "quarantined",
+        ]
+        assert len(j.steps()) == len(retired) + 2  # every step's own row stays: a save again is checked
+        assert j.step(retired[0]) is not None and j.step(retired[0]).marker_id == f"sha256:{retired[0]}"
+    finally:
+        j.close()
+    doc = collect(tmp_path, include_retired=False)
+    assert [s["step"] for s in doc["steps"]] == [0, 10_000]
+    assert [ln["sink"] for ln in doc["steps"][1]["lanes"]] == list(SINKS)
+    assert doc["counts"]["retired"] == 2 * RETIRED_WITH_HISTORY + 50
+
+
+def test_step_counts_follow_every_move_and_an_older_journal_gets_them_at_open(tmp_path):
+    """The per-state counts the triggers keep equal a count of the rows, through every kind of move, and a
+    journal from before them (no table, no triggers) is read as before, then counted at the next open."""
+    import sqlite3
+
+    from stagerd.daemon.journal import journal_path
+
+    def by_rows() -> dict[str, int]:
+        with sqlite3.connect(journal_path(tmp_path)) as c:
+            return dict(c.execute("SELECT state, COUNT(*) FROM steps GROUP BY state").fetchall())
+
+    j = Journal.open(tmp_path)
+    try:
+        _run_steps(j, tmp_path, range(1, 4), SINKS)
+        j.add_step(5, tmp_path / layout.step_dir_name(5), 1.0, "sha256:5")
+        j.begin_export(5)
+        j.fail_export(5, "SinkError", "down", next_try=1.0, quarantine=False)
+        j.new_save(3, tmp_path / layout.step_dir_name(3), 2.0, "sha256:again", "sha256:3")  # -> quarantined
+        j.record_restored(7, tmp_path / layout.step_dir_name(7), "sha256:7", "file:///x")
+        assert (
+            {k: n for k, n in j.counts().items() if n}
+            == by_rows()
+            == {
+                "retired": 3,
+                "failed": 1,
+                "quarantined": 1,
+            }
+        )
+    finally:
+        j.close()
+    with sqlite3.connect(journal_path(tmp_path)) as c:  # as a stagerd from before the counts left it
+        for trigger in ("insert", "delete", "update"):
+            c.execute(f"DROP TRIGGER step_counts_{trigger}")
+        c.execute("DROP TABLE step_counts")
+        c.execute("UPDATE steps SET state = 'committed' WHERE step = 5")
+    assert collect(tmp_path, include_retired=False)["counts"]["committed"] == 1
+    j = Journal.open(tmp_path)
+    try:
+        assert {k: n for k, n in j.counts().items() if n} == by_rows()
+        assert j.counts()["committed"] == 1 and j.retired_summary(2) == (3, [2, 7])
+    finally:
+        j.close()
+
+
+def test_the_wal_shrinks_back_after_a_big_transaction(tmp_path):
+    """An older journal's first pruning is one big transaction; its WAL must not stay that size for good."""
+    from stagerd.daemon.journal.schema import WAL_SIZE_LIMIT
+
+    j = Journal.open(tmp_path)
+    wal = j.path.with_name(j.path.name + "-wal")
+    try:
+        with j._tx() as c:  # about 10 MiB of WAL
+            c.executemany(
+                "INSERT INTO events (ts, step, to_state, message) VALUES (0, ?, 'committed', ?)",
+                [(s, "x" * 200) for s in range(40_000)],
+            )
+        assert wal.stat().st_size > 2 * WAL_SIZE_LIMIT
+        j._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # what SQLite's autocheckpoint does
+        j.set_meta(after=1)  # the next write starts the WAL over
+        assert wal.stat().st_size <= WAL_SIZE_LIMIT  # before: 10 MiB for the life of the daemon
+    finally:
+        j.close()
+
+
+def test_a_steps_life_costs_the_same_on_a_long_journal(long_root, tmp_path):
+    """Found, exported and published on two sinks, on a copy of the 20,000-step journal: every transaction
+    looks the step up by its key. Before, a publish's check of the step's other lanes went down the state
+    index through every published lane ever (40,002 here; 0.1 s per step at 100,000 steps)."""
+    from stagerd.daemon.journal import journal_path
+
+    journal_path(tmp_path).parent.mkdir()
+    shutil.copyfile(journal_path(long_root), journal_path(tmp_path))
+    j = Journal.open(tmp_path)
+    ops = [0]
+
+    def tick() -> int:
+        ops[0] += 1
+        return 0
+
+    j._conn.set_progress_handler(tick, 100)
+    s = RETIRED_STEPS + 1
+    try:
+        j.add_step(s, tmp_path / layout.step_dir_name(s), 1.0, "sha256:new")
+        j.begin_export(s)
+        j.finish_export(s, SINKS, seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+        for k in SINKS:
+            j.begin_publish(s, k)
+            j.finish_publish(
+                s, k, sinks=SINKS, seconds=1, bytes_total=1, bytes_uploaded=1, location="x", skipped=False
+            )
+        assert j.step(s).state == "published"
+    finally:
+        j.close()
+    assert ops[0] < 100, ops[0]  # before: 4,005 (two publishes' checks of 40,002 lanes)

@@ -7,6 +7,10 @@ once its attempts run out. Every transition is one `BEGIN IMMEDIATE` transaction
 leaves and appends an `events` row, so a crash leaves either the old state or the new one. A step is
 `published` when every configured sink's lane is.
 
+The transaction that retires a step also deletes the events and lanes of the retired steps older than
+the newest `RETIRED_WITH_HISTORY` (their `steps` rows stay), so a daemon's journal does not grow by a
+step's whole history for every step it ever saw; `step_counts`, kept by triggers, counts steps per state.
+
 Intent is recorded before the work: a step in `exporting` or a lane in `publishing` at start means the
 daemon died mid-way; `recover()` moves them back (the export engine and the sinks are idempotent).
 

@@ -193,8 +193,12 @@ class Journal(RawLanes):
 
     def _maybe_published(self, c: sqlite3.Connection, step: int, sinks: Iterable[str], now: float) -> bool:
         wanted = set(sinks)
+        # The step's lanes by its key, their states compared here: `AND state = ?` would send SQLite down
+        # the state index, through every published lane ever recorded, in every publish's transaction.
         done = {
-            r[0] for r in c.execute("SELECT sink FROM lanes WHERE step = ? AND state = ?", (step, PUBLISHED))
+            sink
+            for sink, s in c.execute("SELECT sink, state FROM lanes WHERE step = ?", (step,))
+            if s == PUBLISHED
         }
         state = c.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()[0]
         if state == EXPORTED and wanted <= done:
@@ -265,6 +269,7 @@ class Journal(RawLanes):
                 (RETIRED, now, now, step),
             )
             self._event(c, step, None, old, RETIRED, message=reason, now=now)
+            self._prune_history(c)
 
     def recover(self) -> list[Recovered]:
         """At start: exporting -> committed and publishing -> pending, each recorded as a crash recovery."""

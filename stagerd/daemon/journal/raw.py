@@ -103,6 +103,7 @@ class RawLanes(StepVersions):
                 )
             message = f"{RESTORED_NOTE} {source}; not exported or published again"
             self._event(c, step, None, None if row is None else row[0], RETIRED, message=message, now=now)
+            self._prune_history(c)
 
     def raw_lanes(self, step: int) -> list[LaneRow]:
         """The raw lanes of one step."""

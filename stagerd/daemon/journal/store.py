@@ -22,7 +22,9 @@ from stagerd.daemon.journal.schema import (
     FAILED,
     PENDING,
     RETIRED,
+    RETIRED_WITH_HISTORY,
     SCHEMA_VERSION,
+    STEP_COUNTS,
     STEP_STATES,
     Event,
     LaneRow,
@@ -51,6 +53,7 @@ class JournalStore:
         self.path = path
         self.readonly = readonly
         self._opened = None if readonly else os.stat(path)  # the file this connection writes
+        self._counted: bool | None = None  # whether the journal keeps `step_counts`; asked once
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Self:
@@ -170,6 +173,24 @@ class JournalStore:
             (now if now is not None else time.time(), step, sink, from_state, to_state, error_class, message),
         )
 
+    @staticmethod
+    def _prune_history(c: sqlite3.Connection) -> None:
+        """Delete the events and lanes of the retired steps older than the newest `RETIRED_WITH_HISTORY`.
+
+        Run in the transaction that retires a step. Both deletes walk the `step` index below the cut, where
+        after the first run only live steps' rows remain (a step quarantined long ago): the cost follows
+        what is live, not every step ever retired.
+        """
+        row = c.execute(
+            "SELECT step FROM steps WHERE state = ? ORDER BY step DESC LIMIT 1 OFFSET ?",
+            (RETIRED, RETIRED_WITH_HISTORY),
+        ).fetchone()
+        if row is None:
+            return
+        live = f"SELECT step FROM steps WHERE state IN ({_LIVE})"
+        for table in ("events", "lanes"):
+            c.execute(f"DELETE FROM {table} WHERE step <= ? AND step NOT IN ({live})", (row[0],))
+
     def _step_state(self, c: sqlite3.Connection, step: int, allowed: tuple[str, ...]) -> str:
         row = c.execute("SELECT state FROM steps WHERE step = ?", (step,)).fetchone()
         if row is None:
@@ -219,9 +240,14 @@ class JournalStore:
             sql, args = sql + " WHERE step = ?", (step,)
         return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
 
-    def retired_steps(self) -> list[int]:
-        """The retired steps' numbers alone, in order (not their rows: thousands in a long run)."""
-        return [r[0] for r in self._query("SELECT step FROM steps WHERE state = ? ORDER BY step", (RETIRED,))]
+    def retired_summary(self, newest: int) -> tuple[int, list[int]]:
+        """How many steps are retired, and the numbers of the newest `newest` of them, ascending (never all:
+        a long run retires tens of thousands)."""
+        count = self.counts()[RETIRED]
+        rows = self._query(
+            "SELECT step FROM steps WHERE state = ? ORDER BY step DESC LIMIT ?", (RETIRED, newest)
+        )
+        return count, sorted(r[0] for r in rows)
 
     def known_steps(self) -> set[int]:
         return {r[0] for r in self._query("SELECT step FROM steps")}
@@ -263,7 +289,14 @@ class JournalStore:
     def counts(self) -> dict[str, int]:
         """Steps per state (every state present, zeros included)."""
         out: dict[str, int] = dict.fromkeys(STEP_STATES, 0)
-        for state, n in self._query("SELECT state, COUNT(*) FROM steps GROUP BY state"):
+        if self._counted is None:
+            self._counted = bool(self._query("SELECT 1 FROM sqlite_master WHERE name = ?", (STEP_COUNTS,)))
+        sql = (
+            "SELECT state, n FROM step_counts"
+            if self._counted
+            else "SELECT state, COUNT(*) FROM steps GROUP BY state"
+        )
+        for state, n in self._query(sql):
             out[state] = n
         return out
 

@@ -32,6 +32,7 @@ from stagerd.daemon.journal import (
     RETIRED,
     Journal,
 )
+from stagerd.daemon.journal.schema import RETIRED_WITH_HISTORY
 
 BASE_SINKS = ["file:///a", "s3://bucket/run"]
 SETUP_STEPS = 300  # published steps that each sink change sends through one big transaction
@@ -167,6 +168,16 @@ class Model:
 
     def _retire(self, step: int) -> None:
         self._move((step, None), (PUBLISHED,), RETIRED)
+        retired = self.where(RETIRED)
+        if len(retired) <= RETIRED_WITH_HISTORY:
+            return
+        # the journal keeps the events and lanes of the newest RETIRED_WITH_HISTORY retired steps only
+        cut = retired[-RETIRED_WITH_HISTORY - 1][0]
+        gone = {s for s, _ in retired if s <= cut}
+        for key in [k for k in self.history if k[0] in gone]:
+            del self.history[key]
+        for key in [k for k in self.states if k[1] is not None and k[0] in gone]:
+            self.index[(True, self.states.pop(key))].discard(key)
 
     def _recover(self) -> None:
         for key in self.where(EXPORTING):
