@@ -20,9 +20,16 @@ from stagerd.errors import DcpFormatError
 DEEP = b"\x80\x04}" + b")" + b"\x85" * 1_000_000 + b"K\x01s."
 
 
+try:
+    from stagerd.contract._pickle_depth import scan as c_scan
+except ImportError:  # built without a C compiler: the Python scan alone
+    c_scan = None
+
+
 def _both(data: bytes, limit: int = pd.MAX_DEPTH) -> tuple[int, int, int]:
-    got = pytest.importorskip("stagerd.contract._pickle_depth").scan(data, pd._TABLE, limit)
-    assert got == pd.scan_py(data, limit), data
+    got = pd.scan_py(data, limit)
+    if c_scan is not None:
+        assert c_scan(data, pd._TABLE, limit) == got, data
     return got
 
 
