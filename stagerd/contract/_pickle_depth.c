@@ -252,10 +252,15 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*L", &data, &table, &limit)) {
         return NULL;
     }
-    if (table.len != 256 * ROW || limit < 0) {
+    int bad_row = 0;
+    for (Py_ssize_t i = 0; table.len == 256 * ROW && i < 256; i++) {
+        const unsigned char *row = (const unsigned char *)table.buf + i * ROW;
+        bad_row |= row[0] != K_UNKNOWN && (row[0] > K_LEN8U || row[1] > 8 || row[2] > A_STOP || row[3] > 3);
+    }
+    if (table.len != 256 * ROW || bad_row || limit < 0) {
         PyBuffer_Release(&data);
         PyBuffer_Release(&table);
-        PyErr_SetString(PyExc_ValueError, "scan: the table must be 256 rows of 8 bytes, the limit >= 0");
+        PyErr_SetString(PyExc_ValueError, "scan: the table must be 256 valid rows of 8 bytes, the limit >= 0");
         return NULL;
     }
     result r;
