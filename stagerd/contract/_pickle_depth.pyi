@@ -1,0 +1,3 @@
+# The compiled pickle depth scan (_pickle_depth.c): the same verdicts as pickle_depth.scan_py, GIL released.
+
+def scan(data: bytes | bytearray | memoryview, table: bytes, limit: int, /) -> tuple[int, int, int]: ...
