@@ -128,3 +128,33 @@ def test_a_record_is_checked_before_torch_load_reads_it(saved, tmp_path, fqn, re
     assert re.fullmatch(
         f"rank 0: LoadError: {tmp_path}: refusing the record at 0 of other.distcp: {refused}", why
     )
+
+
+def test_the_optimizers_leaves_file_is_checked_before_torch_load_reads_it(tmp_path):
+    """The Stager's own optim format keeps each rank's non-tensor leaves in `optim/shard-RRRRR.objects.pt`,
+    read with `torch.load(weights_only=True)`: a replaced one whose pickle nests a key a million deep
+    killed the resuming trainer (SIGSEGV). Now refused by name; the file as saved still loads."""
+    import dataclasses
+
+    from stagerd import Stager
+    from stagerd.contract import layout
+    from stagerd.errors import StagerdError
+
+    optim = {"state": {}, "param_groups": [{"lr": 0.5}]}
+    with Stager(tmp_path) as stager:
+        stager.save({"w": torch.randn(3)}, 1, optimizer_state=optim).result()
+        got = {"state": {}, "param_groups": [{"lr": 0.0}]}
+        stager.load({"w": torch.zeros(3)}, got)
+        assert got["param_groups"] == optim["param_groups"]
+        step_dir = tmp_path / layout.step_dir_name(1)
+        (leaves,) = step_dir.glob("optim/*.objects.pt")
+        leaves.write_bytes(_with_pickle(leaves.read_bytes(), DEEP))
+        marker = layout.read_marker(step_dir)  # listing the new size: a replaced file, not a torn one
+        files = [
+            layout.StagedFile(f.path, leaves.stat().st_size) if f.path.endswith(".objects.pt") else f
+            for f in marker.files
+        ]
+        (step_dir / layout.MARKER_NAME).unlink()
+        layout.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
+        with pytest.raises(StagerdError, match="refusing the optimizer's leaves: PickleShapeError: nests"):
+            stager.load({"w": torch.zeros(3)}, {"state": {}, "param_groups": [{"lr": 0.0}]})
