@@ -394,7 +394,8 @@ class Stager:
         self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str], extras: Any
     ) -> ToHub:
         config = (extras or {}).get("config.json") if mapping is None else None
-        return self._hub_plans.get(model, sd, aliases, mapping, config)
+        given = frozenset(extras or ())
+        return self._hub_plans.get(model, sd, aliases, mapping, config, given)
 
     def _wait_previous(self, step: int) -> None:
         h = self._inflight

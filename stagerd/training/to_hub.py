@@ -30,6 +30,7 @@ from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import HubPlanError
 from stagerd.training import config_model, peft_plan
+from stagerd.training.hf_config_files import saved_config_files
 from stagerd.training.trace import resolve as trace
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ def resolve(
     aliases: Mapping[str, str],
     mapping: Any = None,
     config: Any = None,
+    given: frozenset[str] = frozenset(),
 ) -> ToHub:
-    """`config`: the save's `extras["config.json"]` (a dict, JSON bytes or a path), or None."""
+    """`config`: the save's `extras["config.json"]` (a dict, JSON bytes or a path), or None; `given`: the
+    names of the save's extras. A transformers model's config files that are not given are written as
+    its save_pretrained writes them."""
     if mapping is not None:
         if model is not None:
             raise HubPlanError("pass model= or mapping=, not both: each decides the export's names")
@@ -66,12 +70,13 @@ def resolve(
         except HubPlanError as e:  # the adapter still exports; the main export keeps PEFT's names
             log.warning("the export keeps the PEFT model's own names, unmerged: %s", e.message)
             main = trace.alias_plan(sd, aliases)
-        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, adapter_config),))
+        base = saved_config_files(model.get_base_model(), given)  # what merge_and_unload() saves
+        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, adapter_config), *base))
     if model is not None and trace.is_transformers_model(model):
-        return ToHub(trace.transformers_plan(model, sd, aliases))
+        return ToHub(trace.transformers_plan(model, sd, aliases), extras=saved_config_files(model, given))
     inner = config_model.inner_model(model) if model is not None else None
     if inner is not None:
-        return ToHub(prefixed_plan(inner, sd, aliases))
+        return ToHub(prefixed_plan(inner, sd, aliases), extras=saved_config_files(inner.model, given))
     flat = all(isinstance(v, torch.Tensor) for v in sd.values())
     cfg = config_model.config_dict(config) if config is not None and flat else None
     found = config_model.from_config(cfg, [*sd, *aliases]) if cfg is not None else None
@@ -99,10 +104,17 @@ class PlanCache:
         self._last: tuple[Callable[[], Any], tuple[Any, ...], ToHub] | None = None  # (model, key, plan)
 
     def get(
-        self, model: Any, sd: Mapping[str, Any], aliases: Mapping[str, str], mapping: Any, config: Any
+        self,
+        model: Any,
+        sd: Mapping[str, Any],
+        aliases: Mapping[str, str],
+        mapping: Any,
+        config: Any,
+        given: frozenset[str] = frozenset(),
     ) -> ToHub:
         key = (
             repr(config),
+            tuple(sorted(given)),
             json.dumps(mapping, sort_keys=True) if isinstance(mapping, Mapping) else str(mapping),
             tuple((k, v.shape, v.dtype) if isinstance(v, torch.Tensor) else (k,) for k, v in sd.items()),
             tuple(aliases.items()),
@@ -110,7 +122,7 @@ class PlanCache:
         last = self._last
         if last is not None and last[1] == key and last[0]() is model:
             return last[2]
-        plan = resolve(model, sd, aliases, mapping, config)
+        plan = resolve(model, sd, aliases, mapping, config, given)
         self._last = (_held(model), key, plan)
         return plan
 

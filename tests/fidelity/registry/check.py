@@ -79,9 +79,8 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
 
     if model is None:
         model = build(case)  # a tied case of a class that cannot tie: the model as its config builds it
-    extras = {"config.json": model.config.to_dict()}
-    try:
-        stager.save(model.state_dict(), step=step, model=model, extras=extras)
+    try:  # no extras: the config files are the model's, as save_pretrained writes them
+        stager.save(model.state_dict(), step=step, model=model)
     except HubPlanError as e:  # name the registry ops whose conversion could not be planned
         raise AssertionError(
             f"{case.id}: {e.message} (registry ops: {', '.join(ops_of(model, e.message))})"
@@ -99,6 +98,10 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
             (model if dtype is None else model.to(torch.bfloat16)).save_pretrained(ref)
             harness.assert_same_tensors(out, ref)
             harness.assert_same_weight_files(out, ref)
+            for name in ("config.json", "generation_config.json"):
+                assert (out / name).is_file() == (ref / name).is_file(), name
+                if (ref / name).is_file():
+                    assert (out / name).read_bytes() == (ref / name).read_bytes(), (mode, name)
             if dtype is None:  # sharded as save_pretrained shards it: its splitter, its order, its index
                 limit = max(1, sum(f.stat().st_size for f in out.glob("*.safetensors")) // 3)
                 out_n, ref_n = tmp / "export-sharded", tmp / "ref-sharded"
