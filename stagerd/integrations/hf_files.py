@@ -5,12 +5,12 @@ generates, and the tokenizer's (or processor's) files."""
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from stagerd.training import config_model, peft_plan
+from stagerd.training.hf_config_files import saved_config_files
 
 
 def transformers_model(model: Any) -> Any | None:
@@ -26,17 +26,7 @@ def transformers_model(model: Any) -> Any | None:
 def model_files(model: Any) -> dict[str, bytes]:
     """`config.json` and `generation_config.json` of the transformers model behind `model` ({} if none)."""
     hf = transformers_model(model)
-    if hf is None:
-        return {}
-    config = copy.deepcopy(hf.config)
-    config.dtype = str(hf.dtype).removeprefix("torch.")
-    config.architectures = [type(hf).__name__.removeprefix("FSDP")]
-    with tempfile.TemporaryDirectory(prefix="stagerd-config-") as tmp:
-        config.save_pretrained(tmp)
-        generation = getattr(hf, "generation_config", None)
-        if generation is not None and hf.can_generate():
-            generation.save_pretrained(tmp)
-        return _read_all(Path(tmp))
+    return {} if hf is None else dict(saved_config_files(hf, frozenset()))
 
 
 def tokenizer_files(processing_class: Any) -> dict[str, bytes]:
