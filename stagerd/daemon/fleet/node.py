@@ -13,7 +13,8 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    each such sink upload it under the sink's `step-N/`, then create
    `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
 5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
-   commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`);
+   commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`:
+   `fleet/lead.py`);
    the others wait for every sink's manifest. A dead node's files are not reassigned: the step waits for it
    (`FleetWaitError`).
 
@@ -37,32 +38,21 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
-from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, extras_of, owners
-from stagerd.daemon.fleet.records import (
-    planned_file,
-    record_bytes,
-    same_plans,
-    save_of,
-    settings_errors,
-    settings_of,
-    sink_id,
-    uploaded,
-)
+from stagerd.daemon.fleet.exchange import StepExchange
+from stagerd.daemon.fleet.lead import lead
+from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, owners
+from stagerd.daemon.fleet.records import planned_file, record_bytes, save_of, settings_errors, settings_of
 from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
-from stagerd.engine.hub_config import CONFIG_NAME, exported_config
-from stagerd.engine.index_json import index_json
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
+from stagerd.sinks.objects import LocalFile
 from stagerd.sinks.prune import FLEET_DONE
 
 log = logging.getLogger("stagerd.fleet")
-
-FLEET_DIR = "fleet"
 
 Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
 
@@ -120,8 +110,11 @@ class FleetNode:
         self.marker = layout.read_marker(step_dir)
         self.save = layout.marker_identity(step_dir)  # which save of this step number: `_claim` names it
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
-        self.base = f"{FLEET_DIR}/{layout.step_dir_name(self.step)}"
-        self.waited = 0.0
+        o = options  # the step's records on the exchange, and the waits for other nodes:
+        self.x = StepExchange(
+            exchange, store, self.step, self.me, self.nodes, o.wait_seconds, o.poll_seconds, self.status
+        )
+        self.base = self.x.base
 
     def run(self) -> FleetResult:
         try:
@@ -144,7 +137,7 @@ class FleetNode:
         res.bytes_raw = raw.bytes_uploaded
         parts = self._wait_parts()
         self._wait_settings()
-        mirror = Mirror(self.work, self.step_dir, parts, self.me, self._read)
+        mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read)
         listed = mirror.build()
         p, units = self._plan(mirror, listed)
         owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
@@ -152,7 +145,7 @@ class FleetNode:
         for rel, (art, f) in units.items():
             if owner[rel] != self.me:
                 continue
-            todo = [s for s in self.sinks if self._record_data(s, rel) is None]  # never redone once recorded
+            todo = [s for s in self.sinks if self.x.record_data(s, rel) is None]  # never redone once recorded
             if not todo:
                 continue
             out = self.work / "out"
@@ -160,24 +153,26 @@ class FleetNode:
             out.mkdir()
             art.build(f.name, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
             for sink in todo:
-                up = self._upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
+                up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
                 crash_point("fleet.built")
-                self._create(self._record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
+                self.x.create(self.x.record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
                 res.bytes_uploaded += f.size
             res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
-            res.bytes_uploaded += self._lead(p, parts, owner, planned)
+            res.bytes_uploaded += lead(
+                self.x, self.sinks, self.work, self.step_dir, self._target_dtype(), p, parts, owner, planned
+            )
             res.committed = True
             self._record_done()
         else:
-            self._wait(
+            self.x.wait(
                 lambda: all(s.is_published(self.step) for s in self.sinks),
                 lambda: "waiting for the leader (node 0)",
             )
         shutil.rmtree(self.work, ignore_errors=True)
-        res.seconds, res.waited = time.monotonic() - t0, self.waited
+        res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -192,7 +187,7 @@ class FleetNode:
         return found is not None and layout.identity_of(found) == self.save
 
     def _claim(self) -> None:
-        key = self._claim_key(self.me)
+        key = self.x.claim_key(self.me)
         mine = json.dumps(
             {
                 "root": self.root_id,
@@ -202,7 +197,7 @@ class FleetNode:
                 **self._settings(),
             }
         ).encode()
-        if self._create(key, mine):
+        if self.x.create(key, mine):
             return
         theirs = json.loads(self.exchange.backend.read(key) or b"{}")
         if theirs.get("root") != self.root_id:
@@ -224,9 +219,6 @@ class FleetNode:
         if theirs.get("settings", self._settings()["settings"]) != self._settings()["settings"]:
             self.exchange.backend.write(key, mine)  # restarted with other settings: the others compare these
 
-    def _claim_key(self, node: int) -> str:
-        return f"{self.base}/node-{node:05d}.json"
-
     def _settings(self) -> dict[str, Any]:
         """What every node's daemon must agree on, named in its claim."""
         mapping = self.opt.mapping if self.marker.hub_plan is None else None
@@ -239,14 +231,14 @@ class FleetNode:
         found: list[tuple[int, ConfigError]] = []
 
         def agreed() -> bool:
-            keys = {k: self._claim_key(k) for k in range(self.nodes) if k != self.me}
+            keys = {k: self.x.claim_key(k) for k in range(self.nodes) if k != self.me}
             claims = {k: json.loads(self.exchange.backend.read(key) or b"{}") for k, key in keys.items()}
             where = f"{self.exchange.url}/{self.base}"
             found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
             return not found
 
         try:
-            self._wait(agreed, lambda: f"waiting for node {found[0][0]} to run with this node's settings")
+            self.x.wait(agreed, lambda: f"waiting for node {found[0][0]} to run with this node's settings")
         except FleetWaitError as e:
             if found:
                 raise found[0][1] from e
@@ -256,7 +248,7 @@ class FleetNode:
         """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,
         `fleet/hub.py` records it after the Hub commit)."""
         if not self.opt.hub:
-            self._create(f"{self.base}/{FLEET_DONE}", b"{}")
+            self.x.create(f"{self.base}/{FLEET_DONE}", b"{}")
 
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)
@@ -281,7 +273,7 @@ class FleetNode:
             gone = [str(k) for k, n in enumerate(want) if n not in have]
             return f"waiting for node {', '.join(gone)} (seen: {', '.join(have) or 'none'})"
 
-        self._wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
+        self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
         parts = []
         for k, name in enumerate(seen()):
             key = f"{raw}/{name}/{layout.MARKER_NAME}"
@@ -341,106 +333,6 @@ class FleetNode:
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
-
-    def _lead(
-        self,
-        p: ExportPlan,
-        parts: list[NodePart],
-        owner: dict[str, int],
-        planned: dict[str, dict[str, object]],
-    ) -> int:
-        """Index and extras, then every file's record checked, then the commit: on each sink in turn.
-        `owner`: every built file's owner; `planned`: what this plan says each file is."""
-        names = list(owner)
-        lead = self.work / "lead"
-        shutil.rmtree(lead, ignore_errors=True)
-        lead.mkdir(parents=True)
-        files = []
-        if len(p.files) != 1:  # as consolidate_into: one file needs no index
-            (lead / layout.INDEX_NAME).write_bytes(index := index_json(p))
-            files.append(LocalFile(layout.INDEX_NAME, lead / layout.INDEX_NAME, len(index)))
-        for rel, part in sorted(extras_of(parts).items()):
-            if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
-                continue  # as export_step: our index and weights are the export's
-            dst = lead / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            src = self.step_dir / layout.EXTRAS_DIR / rel
-            if part.node == self.me:
-                shutil.copyfile(src, dst)
-            else:
-                dst.write_bytes(self.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
-            if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
-                config = exported_config(dst, dict(p.dtype_bytes()), self._target_dtype())
-                if config is not None:
-                    dst.write_bytes(config)
-            files.append(LocalFile(rel, dst, dst.stat().st_size))
-        sent = 0
-        for sink in self.sinks:
-            if sink.is_published(self.step):  # a leader killed between two sinks' commits
-                sink.move_latest(self.step)
-                continue
-            digests = self._upload(sink, files)
-            sent += sum(f.size for f in files)
-
-            at = f"{self.exchange.url}/{self.base}/done/{sink_id(sink.url)}/"  # the records, for an error
-
-            def missing(sink: FsspecSink = sink, at: str = at) -> list[str]:
-                got = {n: self._record_data(sink, n) for n in names}
-                same_plans(self.step, owner, planned, got, at)
-                return [n for n in names if got[n] is None]
-
-            self._wait(
-                lambda: not missing(),
-                lambda: (
-                    "waiting for the files of node " + ", ".join(sorted({str(owner[n]) for n in missing()}))
-                ),
-            )
-            got = {n: self._record_data(sink, n) for n in names}
-            same_plans(self.step, owner, planned, got, at)
-            digests += [uploaded(got[n]) for n in names]
-            sink.commit_uploaded(self.step, digests, {"fleet_nodes": self.nodes})
-        return sent
-
-    # -- the exchange ------------------------------------------------------------------------------------
-
-    def _upload(self, sink: FsspecSink, files: list[LocalFile]) -> list[Uploaded]:
-        prefix = layout.step_dir_name(self.step)
-        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
-
-    def _record_key(self, sink: FsspecSink, name: str) -> str:
-        """One record per sink and file: the store checksum it holds is that sink's."""
-        return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
-
-    def _record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
-        data = self.exchange.backend.read(self._record_key(sink, name))
-        return None if data is None else dict(json.loads(data))
-
-    def _create(self, key: str, data: bytes) -> bool:
-        return self.exchange.backend.create(key, data)
-
-    def _read(self, key: str, start: int, end: int) -> bytes:
-        data: bytes = self.store.fs.cat_file(self.store.path(key), start=start, end=end)
-        return data
-
-    def _wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
-        """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
-        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
-        if done():
-            return
-        # each wait its own: the raw upload and the builds before it may take longer than the setting
-        deadline = time.monotonic() + self.opt.wait_seconds
-        while not done():
-            text = what()
-            named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
-            self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
-            if time.monotonic() >= deadline:
-                raise FleetWaitError(
-                    f"step {self.step}, node {self.me}: {text} after {self.opt.wait_seconds:g} s",
-                    path=self.exchange.url,
-                )
-            time.sleep(self.opt.poll_seconds)
-            self.waited += self.opt.poll_seconds
-        self.status("", 0)
 
 
 def _crash_at(point: str) -> Callable[[int, int], None]:
