@@ -63,18 +63,22 @@ class StepExchange:
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
-        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over."""
+        reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over. It
+        fails once `wait_seconds` pass with `what` unchanged: a new part, record or claim is progress."""
         if done():
             return
-        # each wait its own: the raw upload and the builds before it may take longer than the setting
-        deadline = time.monotonic() + self.wait_seconds
+        # each wait its own: the raw upload and the builds before it may take longer than the setting;
+        # and each change its own: 8 owners' records arriving a minute apart are no node that never comes
+        last, deadline = None, 0.0
         while not done():
             text = what()
+            if text != last:
+                last, deadline = text, time.monotonic() + self.wait_seconds
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
             self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
             if time.monotonic() >= deadline:
                 raise FleetWaitError(
-                    f"step {self.step}, node {self.me}: {text} after {self.wait_seconds:g} s",
+                    f"step {self.step}, node {self.me}: {text}: nothing new for {self.wait_seconds:g} s",
                     path=self.exchange.url,
                 )
             time.sleep(self.poll_seconds)

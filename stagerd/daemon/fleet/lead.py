@@ -4,7 +4,7 @@ turn every file's record awaited and checked against this node's plan, and the c
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stagerd.contract import layout
@@ -70,10 +70,12 @@ def lead(
             same_plans(x.step, owner, planned, got, at)
             return [n for n in names if got[n] is None]
 
-        x.wait(
-            lambda: not missing(),
-            lambda: "waiting for the files of node " + ", ".join(sorted({str(owner[n]) for n in missing()})),
-        )
+        def waiting(missing: Callable[[], list[str]] = missing) -> str:
+            gone = missing()  # its count changes with each record: progress for the wait's deadline
+            of = ", ".join(sorted({str(owner[n]) for n in gone}))
+            return f"waiting for the files of node {of} ({len(names) - len(gone)} of {len(names)} recorded)"
+
+        x.wait(lambda: not missing(), waiting)
         got = {n: x.record_data(sink, n) for n in names}
         same_plans(x.step, owner, planned, got, at)
         digests += [uploaded(got[n]) for n in names]

@@ -157,6 +157,32 @@ def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
     assert out[0].committed and _manifest(sink).is_file()
 
 
+def test_a_wait_ends_only_after_the_setting_passes_with_nothing_new(tmp_path):
+    """Five records arrive 0.3 s apart under a 0.5 s wait: 1.5 s in all, yet never 0.5 s without one. The
+    wait used to give up at 0.5 s however much had arrived (a leader awaiting 8 owners' files, one a
+    minute, failed the step at `--fleet-wait-seconds`); a wait that sees nothing new still ends then."""
+    import time
+
+    from stagerd.daemon.fleet.exchange import StepExchange
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    url, seen = tmp_path.as_uri(), []
+    status = lambda text, n: seen.append(text)  # noqa: E731
+    x = StepExchange(FsspecSink.from_url(url), RemoteStore.open(url), STEP, 0, 2, 0.5, 0.05, status)
+    t0 = time.monotonic()
+
+    def got() -> int:
+        return min(5, int((time.monotonic() - t0) / 0.3))
+
+    x.wait(lambda: got() == 5, lambda: f"waiting for the files of node 1 ({got()} of 5 recorded)")
+    assert time.monotonic() - t0 >= 1.5 and seen[-1] == "" and "(4 of 5" in seen[-2]
+    t1 = time.monotonic()
+    with pytest.raises(FleetWaitError, match=r"waiting for node 1: nothing new for 0.5 s"):
+        x.wait(lambda: False, lambda: "waiting for node 1")
+    assert 0.5 <= time.monotonic() - t1 < 1.0
+
+
 def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception:
     try:
         return _node(step_dir, sink.as_uri(), wait_seconds=wait)[0].run()
