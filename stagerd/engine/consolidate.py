@@ -75,7 +75,7 @@ def consolidate_into(
         )
         execute(p, out_dir, threads=threads, progress=progress)
     written = None
-    if len(p.files) != 1:  # no tensors at all still get an index: it is what marks the export whole
+    if p.has_index:
         index = out_dir / INDEX_NAME
         try:
             write_bytes_atomic(index, index_json(p))

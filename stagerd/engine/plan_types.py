@@ -260,6 +260,12 @@ class ExportPlan:
         return dict(pairs)
 
     @property
+    def has_index(self) -> bool:
+        """Whether the export writes `model.safetensors.index.json`: not for one file (save_pretrained
+        writes none), but for no tensors at all, where the index is what marks the export whole."""
+        return len(self.files) != 1
+
+    @property
     def total_parameters(self) -> int:
         """The index's `total_parameters`: the saver's num_parameters() where the plan records it (it
         leaves out buffers), else the elements over every output tensor."""

@@ -47,7 +47,12 @@ from stagerd.contract import layout
 from stagerd.errors import LoadError, StagerdError
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
-from stagerd.training.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, check_torch_save
+from stagerd.training.safe_metadata import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_torch_save,
+    why_refused,
+)
 from stagerd.training.shard_files import objects_file
 from stagerd.training.state_tree import set_objects, split_leaves
 
@@ -196,8 +201,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
             try:  # a key nested a million deep crashes torch.load's unpickler: refused before it
                 check_torch_save(f)
             except Exception as e:
-                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-                raise LoadError(f"refusing the optimizer's leaves: {why}", path=path) from None
+                raise LoadError(f"refusing the optimizer's leaves: {why_refused(e)}", path=path) from None
             saved = torch.load(f, map_location="cpu", weights_only=True)
         if not isinstance(saved, dict):
             raise LoadError(f"holds a {type(saved).__name__}, not the optimizer's leaves", path=path)

@@ -94,6 +94,11 @@ def read_dcp_metadata(data: bytes, where: str) -> Metadata:
     return meta
 
 
+def why_refused(e: BaseException) -> str:
+    """`check_torch_save`'s refusal on one line: its kind and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def check_torch_save(f: IO[bytes]) -> None:
     """Raise unless `f`, from where it stands, is a torch.save archive whose `data.pkl` (found by torch's
     own zip reader, as `torch.load` finds it) nests at most 100 deep; `f` is left where it stood."""
@@ -132,9 +137,8 @@ class SafeFileSystemReader(FileSystemReader):
                 raise ValueError(f"it is transformed ({', '.join(sinfo.transform_descriptors)})")
             check_torch_save(view)
         except Exception as e:
-            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
             raise LoadError(
-                f"refusing the record at {sinfo.offset} of {sinfo.relative_path}: {why}",
+                f"refusing the record at {sinfo.offset} of {sinfo.relative_path}: {why_refused(e)}",
                 path=self.path,
                 hint=_NOT_DCP_OPTIM,
             ) from None

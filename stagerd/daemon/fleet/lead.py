@@ -37,7 +37,7 @@ def lead(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     files = []
-    if len(p.files) != 1:  # as consolidate_into: one file needs no index
+    if p.has_index:
         (out / layout.INDEX_NAME).write_bytes(index := index_json(p))
         files.append(LocalFile(layout.INDEX_NAME, out / layout.INDEX_NAME, len(index)))
     for rel, part in sorted(extras_of(parts).items()):
