@@ -280,6 +280,7 @@ class Adoption(Discovery):
             threads=s.export_threads,
             progress=progress,
             rebuild=rebuild,
+            default_shard_size=s.max_shard_size is None,
         )
 
     def _adopted_identity(self, step_dir: Path) -> str | None:

@@ -160,6 +160,7 @@ class Tasks(FleetTasks, Health, Adoption):
                 threads=s.export_threads,
                 progress=report,
                 rebuild=rebuild,
+                default_shard_size=s.max_shard_size is None,
             )
 
     def _refuse_links(

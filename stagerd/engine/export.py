@@ -224,6 +224,7 @@ def export_step(
     progress: ProgressFn | None = None,
     rebuild: bool = True,
     mapping: Path | None = None,
+    default_shard_size: bool = False,
 ) -> ExportResult:
     """Export a committed step into `<step_dir>/export/`; a no-op (`skipped`) if that already exists.
 
@@ -231,7 +232,9 @@ def export_step(
     export was made with are kept beside it: asked for others, it is rebuilt, or with `rebuild` False (a
     sink already holds the old one) an ExportMismatchError, before anything is touched. `mapping`: a key
     mapping file (`contract/key_mapping.py`) for a step whose marker has no to-Hub plan of its own (the
-    trainer's plan wins); its content is one of the recorded options.
+    trainer's plan wins); its content is one of the recorded options. `default_shard_size`: the size is
+    the default, not the user's: an export a sink holds keeps the size it was made with (an upgrade may
+    change the default).
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
@@ -256,6 +259,7 @@ def export_step(
         progress=progress,
         rebuild=rebuild,
         views=views,
+        default_shard_size=default_shard_size,
     )
     return built if built.skipped else replace(built, seconds=time.monotonic() - t0)
 
@@ -274,15 +278,19 @@ def export_source(
     rebuild: bool,
     views: HubPlan | None,
     before_commit: Callable[[], None] | None = None,
+    default_shard_size: bool = False,
 ) -> ExportResult:
     """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with its
     options (`dtype`, `keep_dtype`, `max_shard_size`, then the source's own `options`) recorded beside it;
     a no-op (`skipped`) when an export with those options is there. `dtype` is the target (None: keep).
     `before_commit` runs after the files are durable and before the rename (an adopted checkpoint checks
-    that its source did not change meanwhile)."""
+    that its source did not change meanwhile). `default_shard_size`: as in `export_step`."""
     wanted = {"dtype": dtype or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size, **options}
     final = work_dir / layout.EXPORT_DIR
     recorded = _recorded_options(work_dir)
+    if recorded is not None and default_shard_size and not rebuild:
+        # the sinks' copies were cut at the recorded size; a rebuild for another sink must match them
+        max_shard_size = wanted["max_shard_size"] = recorded.get("max_shard_size", max_shard_size)
     if recorded is not None and recorded != wanted:
         if not rebuild:
             changed = ", ".join(

@@ -55,3 +55,24 @@ def test_once_a_sink_holds_the_export_other_options_are_a_named_error(tmp_path, 
     assert r.returncode == 1 and "ExportMismatchError" in r.stderr, r.stderr[-3000:]
     assert "dtype 'keep' -> 'BF16'" in r.stderr
     assert not (second / "step-00000100").exists()  # the two sinks never hold different weights
+
+
+def test_a_shard_size_left_to_the_default_keeps_the_size_a_sink_holds(tmp_path, dcp_mixed2):
+    """A daemon upgraded to another default size, and given a new sink, publishes there the files the first
+    sink holds, even once the export is gone from staging, instead of refusing the step."""
+    model, _ = dcp_mixed2
+    root, first, second = tmp_path / "root", tmp_path / "first", tmp_path / "second"
+    stage_copy(root, 100, model, world=2)
+    old = run_cli(
+        ["watch", root, "--sink", first.as_uri(), "--once", "--max-shard-size", "2KB", *fast_flags()]
+    )
+    assert old.returncode == 0, old.stderr[-3000:]
+    held = sorted(p.name for p in (first / "step-00000100").iterdir())
+    assert len([n for n in held if n.endswith(".safetensors")]) > 1
+    shutil.rmtree(root / "step-00000100" / layout.EXPORT_DIR)
+
+    r = run_cli(["watch", root, "--sink", first.as_uri(), "--sink", second.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in (second / "step-00000100").iterdir()) == held
+    for name in (n for n in held if n.endswith((".safetensors", ".json")) and "manifest" not in n):
+        assert (second / "step-00000100" / name).read_bytes() == (first / "step-00000100" / name).read_bytes()

@@ -71,9 +71,11 @@ def export_adopted(
     threads: int = 2,
     progress: ProgressFn | None = None,
     rebuild: bool = True,
+    default_shard_size: bool = False,
 ) -> ExportResult:
     """Export the finished checkpoint `ckpt` into `<work_dir>/export/` (created as needed; never inside
-    `ckpt`). A no-op (`skipped`) when an export of this save with these options is there."""
+    `ckpt`). A no-op (`skipped`) when an export of this save with these options is there.
+    `default_shard_size`: as in `export_step`."""
     ckpt, work_dir = Path(ckpt), Path(work_dir)
     real, inside = ckpt.resolve(), work_dir.resolve()
     if inside == real or real in inside.parents:
@@ -103,6 +105,7 @@ def export_adopted(
             rebuild=rebuild,
             views=source.plan,
             before_commit=lambda: check_unchanged(source, before),
+            default_shard_size=default_shard_size,
         )
     except SourceChangedError:
         raise
