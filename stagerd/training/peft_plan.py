@@ -138,7 +138,11 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
             aliases2[n] = _unwrapped(aliases[k])
         else:
             src_of[n], sd2[n] = k, sd[k]
-    plan = trace.transformers_plan(model.get_base_model(), sd2, aliases2)
+    base = model.get_base_model()
+    # merge_and_unload() puts each base layer where its LoRA layer was, and drops the LoRA matrices
+    keys = [_unwrapped(k) for k in base.state_dict(keep_vars=True) if ".lora_" not in k]
+    parameters = sum(p.numel() for n, p in base.named_parameters() if ".lora_" not in n)
+    plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     views = []
     for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
         views.append(replace(v, source=src_of[v.source]))
@@ -146,7 +150,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
     # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
-    return HubPlan(tuple(views), tuple(drop), origin="peft", merges=tuple(merges))
+    return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
 
 
 def _unwrapped(key: str) -> str:

@@ -360,8 +360,17 @@ def _shared_storages(reverted: Mapping[str, Any]) -> tuple[SharedStorage, ...]:
 ZERO_SUFFIX = "#zeros"
 
 
-def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
-    """The plan that makes the staged `sd` (aliases removed) what `model.save_pretrained` writes."""
+def transformers_plan(
+    model: Any,
+    sd: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    *,
+    keys: Sequence[str] | None = None,
+    parameters: int | None = None,
+) -> HubPlan:
+    """The plan that makes the staged `sd` (aliases removed) what `model.save_pretrained` writes. `keys`
+    and `parameters`: the state-dict order and num_parameters() of the model that is saved, where that is
+    not `model` itself (a LoRA model's `merge_and_unload()`)."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -370,8 +379,11 @@ def transformers_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mappi
             return revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
 
     # save_pretrained walks model.state_dict() and writes num_parameters() into its index
-    keys = list(model.state_dict(keep_vars=True))
-    return traced_plan(sd, aliases, convert, "transformers", keys=keys, parameters=model.num_parameters())
+    if keys is None:
+        keys = list(model.state_dict(keep_vars=True))
+    if parameters is None:
+        parameters = model.num_parameters()
+    return traced_plan(sd, aliases, convert, "transformers", keys=keys, parameters=parameters)
 
 
 @contextlib.contextmanager

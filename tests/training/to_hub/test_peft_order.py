@@ -1,0 +1,53 @@
+"""A LoRA model's merged export is sharded as `save_pretrained` of `merge_and_unload()` shards it: files
+filled in the merged model's state-dict order, and its `num_parameters()` (without the LoRA matrices) in
+the index. Before, the merged weights were packed last and the index counted the LoRA parameters too."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from stagerd.contract import layout
+
+peft = pytest.importorskip("peft")
+
+
+def _lora_llama() -> torch.nn.Module:
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    base = tf.LlamaForCausalLM(config)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return peft.get_peft_model(base, lora)
+
+
+def test_the_merged_export_is_sharded_as_save_pretrained_of_the_merged_model(tmp_path):
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+
+    model = _lora_llama()
+    limit = 3000  # a few tensors per file, so order decides which file each lands in
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=limit).export_dir
+
+    ref = tmp_path / "ref"
+    copy.deepcopy(model).merge_and_unload().save_pretrained(ref, max_shard_size=limit)
+    index = "model.safetensors.index.json"
+    assert len(json.loads((ref / index).read_text())["weight_map"]) > 10
+    assert (export / index).read_bytes() == (ref / index).read_bytes()
+    for f in sorted(ref.glob("*.safetensors")):  # the merged values differ by float rounding, not the layout
+        n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        assert (export / f.name).read_bytes()[:n] == f.read_bytes()[:n], f.name
