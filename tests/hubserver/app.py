@@ -25,7 +25,7 @@ from tests.hubserver.commit import CommitEndpoints
 from tests.hubserver.faults import Fault, FaultPlan
 from tests.hubserver.lfs import LfsEndpoints, _Upload
 from tests.hubserver.routes import URLS
-from tests.hubserver.store import HubStore, Repo, folder_oid, hub_date, list_tree
+from tests.hubserver.store import HubStore, Repo, folder_oid, hub_date, list_tree, valid_ref_name
 from tests.hubserver.wire import (
     HubConfig,
     HubFail,
@@ -328,8 +328,11 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
                     raise HubFail(404, f"tag {rev} not found", "RevisionNotFound")
                 return _json({})
             tag = self._body(request).get("tag")
-            if not tag or not re.fullmatch(r"[\w.-]+", tag):
+            if not tag or not valid_ref_name(tag):
                 raise HubFail(400, f"invalid tag name {tag!r}")
+            nested = [t for t in repo.tags if t.startswith(f"{tag}/") or tag.startswith(f"{t}/")]
+            if nested:  # git keeps refs as paths: `a` and `a/b` cannot both be tags
+                raise HubFail(400, f"tag {tag} conflicts with the existing tag {nested[0]}")
             if tag in repo.tags:
                 raise HubFail(409, f"Tag {tag} already exists")
             repo.tags[tag] = self._rev(repo, rev).oid

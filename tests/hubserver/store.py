@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+
+_BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|^/|/$|\.$|(^|/)\.|\.lock(/|$)")
+
+
+def valid_ref_name(name: str) -> bool:
+    """git's `check-ref-format` rules, which the Hub's git refs follow: `/` separates folders of refs."""
+    return name != "@" and _BAD_REF.search(name) is None
+
 
 LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n"
 

@@ -8,7 +8,8 @@ false: each step is committed to `REVISION`, `main` by default), and the retry k
 Hub may keep any one request waiting, default 60) and `connect_timeout` (default 10).
 
 One publish is exactly one `HfApi.create_commit` (never `upload_folder`, which may split a folder into
-several commits) with the message `stagerd: step N`, then the tag `step-N` on that commit. The commit
+several commits) with the message `stagerd: step N`, then the tag `step-N` on that commit (off main, both
+scoped to the revision: see below). The commit
 names its `parent_commit`, so a concurrent writer makes it fail (and be re-planned) instead of being
 overwritten, and it deletes files of the previous step that the export lacks, so the revision holds
 exactly the export (plus `.gitattributes` and the generated `README.md`).
@@ -18,15 +19,24 @@ out of the commit's operations, which keeps it from the parent. The rest goes th
 installed (the sink runs that upload itself, bounded by its timeouts: `upload.py`, `xet.py`), else
 through LFS inside `create_commit`. `bytes_uploaded` is what went over the wire.
 
-Idempotence is read from the repo itself: the tag `step-N` means published; a commit titled
-`stagerd: step N` without the tag (a crash between commit and tag) gets the tag and nothing else. Before
-returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
-git blob id.
+A sink's steps are scoped to its revision (`url.py`), so sinks on two branches of one repo never take
+each other's step: on `main`, the tag `step-N`, the title `stagerd: step N` and the step branch
+`stagerd/step-N`; on any other revision R, the tag `R/step-N`, the title `stagerd: step N on R` and the
+step branch `stagerd/R/step-N`.
+
+Idempotence is read from the repo itself: the sink's tag for step N means published only when it marks the
+commit titled for step N found on the sink's own branches (its revision, its step branch); a tag that marks
+anything else is a `SinkConflictError` naming the tag, never "already published". A commit titled for the
+step without the tag (a crash between commit and tag) gets the tag and nothing else. The sink deletes no tag
+or branch. Before returning, the tree at the commit is listed and compared with the export: names, sizes,
+LFS sha256 or the git blob id.
 
 A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
 increasing order), so the history is read newest first, page by page, only until that commit, a stagerd
-commit of an earlier step, or `_HISTORY_CAP` commits, so that walk does not grow with the history (the refs
-listing still does: it names every `step-N` tag).
+commit of an earlier step (or of another revision: the history a branch was created from), or `_HISTORY_CAP`
+commits, so that walk does not grow with the history (the refs listing still does: it names every tag).
+The same walk checks an existing tag, so a tag of a step older than the newest `_HISTORY_CAP` commits of
+the branch is not recognised as this sink's.
 
 Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
 no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds

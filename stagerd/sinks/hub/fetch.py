@@ -1,7 +1,8 @@
 """A published step's HF export back from the Hub (`stagerd restore hf://ORG/REPO[@step-N] OUT --export`).
 
-The revision is the step's tag (`--step N`, or `@step-N` in the URL), else the URL's revision, else `main`
-(which holds the newest step). Every file of the Hub's tree at that revision (but `.gitattributes`) is
+The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
+the sink tags steps off main; or that tag in the URL), else the URL's revision, else `main` (which holds the
+newest step). Every file of the Hub's tree at that revision (but `.gitattributes`) is
 downloaded with huggingface_hub (through Xet where the file is stored there) into a temporary sibling of
 OUT and checked against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git
 blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a
@@ -12,15 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.hub.url import GITATTRIBUTES, parse_hub_url, step_tag
+from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, step_tag
 
 _CHUNK = 8 << 20
+_STEP_REF = re.compile(r"(?:^|/)step-(\d+)$")
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
@@ -33,12 +36,16 @@ def _digests(path: Path, size: int) -> tuple[str, str]:
 
 
 def _revision(url_revision: str | None, step: int | None) -> str:
-    if step is not None:
-        tag = step_tag(step)
-        if url_revision not in (None, tag):
-            raise ConfigError(f"the URL names revision {url_revision!r} and --step names {tag!r}")
-        return tag
-    return url_revision or "main"
+    """The revision to read: the step's tag on the URL's revision (`step-N` on main, `REVISION/step-N` on
+    another, as the sink tags it), else the URL's revision, else `main`."""
+    if step is None:
+        return url_revision or DEFAULT_REVISION
+    m = _STEP_REF.search(url_revision or "")
+    if m is None:
+        return step_tag(step, url_revision)
+    if int(m.group(1)) != step:  # the URL already names a step's tag
+        raise ConfigError(f"the URL names revision {url_revision!r} and --step names step {step}")
+    return str(url_revision)
 
 
 def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:

@@ -141,7 +141,8 @@ class HubSink:
         metadata: Mapping[str, Any] | None = None,
         progress: ProgressFn | None = None,
     ) -> PublishResult:
-        """Commit `export_dir` as `step` (or find it already there), verify the tree, tag `step-N`.
+        """Commit `export_dir` as `step` (or find it already there), verify the tree, tag it (`step-N`,
+        or `REVISION/step-N` off main).
 
         `metadata` feeds the model card: `dtype` and `base_model` by name, every other key as run
         metadata. Progress counts files the parent commit already holds as done, then the bytes hf_xet
@@ -185,7 +186,8 @@ class HubSink:
         return result
 
     def is_published(self, step: int) -> bool:
-        """True when the repo has the tag `step-N` (set only after a verified commit)."""
+        """True when the repo has this sink's tag for `step` (set only after a verified commit) and it marks
+        this sink's own commit of the step: a tag that marks anything else is not this sink's step."""
         from huggingface_hub.errors import RepositoryNotFoundError
 
         def check() -> bool:
@@ -195,7 +197,11 @@ class HubSink:
                 if e.response is not None and e.response.status_code == 404:
                     return False
                 raise
-            return step_tag(step) in {t.name for t in refs.tags}
+            tagged = {t.name: t.target_commit for t in refs.tags}.get(self._tag_name(step))
+            if tagged is None:
+                return False
+            _, found = self._search_commits(step, {b.name: b.target_commit for b in refs.branches})
+            return found == tagged
 
         return self._with_retries(step, check)
 
@@ -222,11 +228,13 @@ class HubSink:
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
 
-        if step_tag(step) in tags:
-            self._verify(step, tags[step_tag(step)], local, card, existing=True)
-            return _Outcome(tags[step_tag(step)], skipped=True, uploaded=0)
-
         head_step, found = self._search_commits(step, branches)
+        tagged = tags.get(self._tag_name(step))
+        if tagged is not None:
+            if tagged != found:
+                raise self._foreign_tag(step, tagged)
+            self._verify(step, tagged, local, card, existing=True)
+            return _Outcome(tagged, skipped=True, uploaded=0)
         if found is not None:
             log.info("%s: step %d was committed as %s but not tagged; tagging it", self.url, step, found)
             self._verify(step, found, local, card, existing=True)
@@ -251,7 +259,7 @@ class HubSink:
         info = self._api.create_commit(
             self.repo_id,
             [*additions, *deletes],
-            commit_message=commit_message(step),
+            commit_message=commit_message(step, self.revision),
             commit_description=f"{files} files, {size} bytes, published by stagerd.",
             revision=branch,
             parent_commit=parent,
@@ -279,13 +287,20 @@ class HubSink:
         with self._lock:
             self._repo_ready = True
 
+    def _tag_name(self, step: int) -> str:
+        return step_tag(step, self.revision)
+
+    def _step_branch(self, step: int) -> str:
+        return step_branch(step, self.revision)
+
     def _search_commits(self, step: int, branches: Mapping[str, str]) -> tuple[int | None, str | None]:
-        """(step of the revision's head commit if stagerd made it, id of a commit titled for `step`)."""
+        """(step of the revision's newest stagerd commit, id of this sink's commit for `step`), read only
+        from this sink's branches (its revision and its step branch) and its own commit titles."""
         head_step, found = None, None
-        for branch in dict.fromkeys((self.revision, step_branch(step))):
+        for branch in dict.fromkeys((self.revision, self._step_branch(step))):
             if branch not in branches:
                 continue
-            head, hit = scan_history(self._history(branch), step)
+            head, hit = scan_history(self._history(branch), step, revision=self.revision)
             if branch == self.revision:
                 head_step = head
             found = found or hit
@@ -325,9 +340,9 @@ class HubSink:
                 self.revision,
                 head_step,
                 step,
-                step_branch(step),
+                self._step_branch(step),
             )
-        branch = step_branch(step)
+        branch = self._step_branch(step)
         if branch not in branches:
             self._api.create_branch(
                 self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
@@ -364,9 +379,25 @@ class HubSink:
             f"{self.url}: step {step}: the tree at commit {commit} disagrees with the export: {shown}"
         )
 
+    def _foreign_tag(self, step: int, commit: str) -> SinkConflictError:
+        """The error for this sink's tag of `step` marking a commit that is not its commit of the step."""
+        tag = self._tag_name(step)
+        where = " or ".join(dict.fromkeys((self.revision, self._step_branch(step))))
+        return SinkConflictError(
+            f"step {step}: the tag {tag} marks commit {commit}, which is not a "
+            f"'{commit_message(step, self.revision)}' commit of {where}",
+            path=self.url,
+            hint=f"the tag {tag} of {self.repo_id} was not set by a publish to {self.revision}: inspect it, "
+            f"and delete that tag (HfApi.delete_tag) to let this sink publish step {step}",
+        )
+
     def _tag(self, step: int, commit: str) -> None:
         self._api.create_tag(
-            self.repo_id, tag=step_tag(step), revision=commit, tag_message=commit_message(step), exist_ok=True
+            self.repo_id,
+            tag=self._tag_name(step),
+            revision=commit,
+            tag_message=commit_message(step, self.revision),
+            exist_ok=True,
         )
 
     # --- retries ----------------------------------------------------------------------------------------

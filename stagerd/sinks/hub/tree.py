@@ -21,8 +21,9 @@ from stagerd.sinks.hub.url import (
     _GIT_OID_MAX,
     _HASH_CHUNK,
     _HISTORY_CAP,
-    _STEP_TITLE,
     GITATTRIBUTES,
+    revision_scope,
+    title_step,
 )
 
 if TYPE_CHECKING:
@@ -153,22 +154,26 @@ def compare_tree(
 
 
 def scan_history(
-    commits: Iterable[tuple[str, str]], step: int, *, cap: int = _HISTORY_CAP
+    commits: Iterable[tuple[str, str]], step: int, *, revision: str | None = None, cap: int = _HISTORY_CAP
 ) -> tuple[int | None, str | None]:
-    """(step of the newest commit stagerd made, id of the commit titled for `step`) from (id, title) pairs,
-    newest first.
+    """(step of the newest commit stagerd made for `revision`, id of its commit titled for `step`) from
+    (id, title) pairs, newest first.
 
     The newest stagerd commit counts, not only the head: a person's commit on top of step 50 (a card
     edited on the Hub) must not let step 40 onto the branch over step 50's weights. Reading stops at the
     sought commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps in increasing
-    order, so the sought one cannot be older), or after `cap` commits.
+    order, so the sought one cannot be older), at a stagerd commit for another revision (the history this
+    branch was created from: main's step N is not this revision's), or after `cap` commits.
     """
+    scope = revision_scope(revision)
     head_step: int | None = None
     read = 0
     for oid, title in islice(commits, cap):
         read += 1
-        m = _STEP_TITLE.match(title)
-        seen = int(m.group(1)) if m else None
+        found = title_step(title)
+        if found is not None and found[1] != scope:
+            return head_step, None
+        seen = None if found is None else found[0]
         if head_step is None:
             head_step = seen
         if seen == step:

@@ -29,21 +29,45 @@ GITATTRIBUTES = ".gitattributes"
 _GIT_OID_MAX = 10 * 1024 * 1024
 _FORBIDDEN_DIRS = {".git", ".cache", ".huggingface"}
 _HASH_CHUNK = 8 << 20
-_STEP_TITLE = re.compile(r"^stagerd: step (\d+)$")
+# `stagerd: step N` on the default revision; `stagerd: step N on REVISION` elsewhere (a ref has no spaces)
+_STEP_TITLE = re.compile(r"^stagerd: step (\d+)(?: on (\S+))?$")
+DEFAULT_REVISION = "main"
 _HISTORY_PAGE = 50  # commits per request while looking for a step's commit
 _HISTORY_CAP = 1000  # commits read at most per branch and publish
 
 
-def commit_message(step: int) -> str:
-    return f"stagerd: step {step}"
+# A sink's steps are scoped to its revision: two runs publishing to two branches of one repo share no tag,
+# no step branch and no commit title, so neither can take the other's step for its own. The default revision
+# keeps the unscoped names (existing repos, `hf://ORG/REPO@step-N`).
 
 
-def step_tag(step: int) -> str:
-    return f"step-{step}"
+def revision_scope(revision: str | None) -> str | None:
+    """None for the default revision, else the revision: what a step's names are scoped to."""
+    return None if revision in (None, DEFAULT_REVISION) else revision
 
 
-def step_branch(step: int) -> str:
-    return f"stagerd/step-{step}"
+def commit_message(step: int, revision: str | None = None) -> str:
+    scope = revision_scope(revision)
+    return f"stagerd: step {step}" + (f" on {scope}" if scope else "")
+
+
+def step_tag(step: int, revision: str | None = None) -> str:
+    """`step-N` on main, `REVISION/step-N` on another revision (the Hub takes `/` in refs, as git does)."""
+    scope = revision_scope(revision)
+    return f"{scope}/step-{step}" if scope else f"step-{step}"
+
+
+def step_branch(step: int, revision: str | None = None) -> str:
+    """`stagerd/step-N` from main, `stagerd/REVISION/step-N` from another revision (never under
+    `REVISION/`: a branch cannot be both a ref and a folder of refs)."""
+    scope = revision_scope(revision)
+    return f"stagerd/{scope}/step-{step}" if scope else f"stagerd/step-{step}"
+
+
+def title_step(title: str) -> tuple[int, str | None] | None:
+    """(step, scope) of a commit title stagerd wrote, or None."""
+    m = _STEP_TITLE.match(title)
+    return None if m is None else (int(m.group(1)), m.group(2))
 
 
 # --- the URL ------------------------------------------------------------------------------------------

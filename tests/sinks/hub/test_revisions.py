@@ -1,0 +1,137 @@
+"""Hub sinks on different revisions of one repo: each sink's steps (tags, step branches, commit titles) are
+its own, so neither takes the other's step for published, nor refuses its own step for the other's.
+
+Against the Hub-protocol test server, driven by the real huggingface_hub client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stagerd.errors import ConfigError, SinkConflictError
+from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
+from stagerd.sinks.hub.fetch import _revision, restore_hub_export
+from tests.hubserver import HubConfig, HubServer, use_xet
+from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    use_xet(monkeypatch, False)  # the upload path does not matter here; LFS is the quicker one
+    with HubServer(config=HubConfig()) as server:
+        yield server
+
+
+def export(tmp_path: Path, seed: int) -> Path:
+    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
+
+
+def test_two_revisions_publish_the_same_step_each_its_own(hub, tmp_path, monkeypatch):
+    """Before, the tag `step-5` was repo-wide: run B found run A's tag, took step 5 for published
+    (`is_published` True: the fleet skipped it, a silent loss), and `publish` raised "the Hub already holds
+    step 5" for ever."""
+    main, a, b = make_sink(hub), make_sink(hub, f"hf://{REPO}@exp-a"), make_sink(hub, f"hf://{REPO}@exp-b")
+    main.publish(export(tmp_path, 1), 5)
+
+    assert not a.is_published(5) and not b.is_published(5)
+    ra = a.publish(export(tmp_path, 2), 5)
+    rb = b.publish(export(tmp_path, 3), 5)
+
+    assert not ra.skipped and not rb.skipped and hub.stats.commits[REPO] == 3
+    assert main.is_published(5) and a.is_published(5) and b.is_published(5)
+    assert not b.is_published(6)
+    repo = hub.store.repos[REPO]
+    assert set(repo.tags) == {"step-5", "exp-a/step-5", "exp-b/step-5"}
+    for rev, tag in (("exp-a", "exp-a/step-5"), ("exp-b", "exp-b/step-5")):
+        assert repo.tags[tag] == repo.branches[rev]
+        assert repo.commits[repo.tags[tag]].title == f"stagerd: step 5 on {rev}"
+    assert b.publish(export(tmp_path, 3), 5).skipped  # a rerun finds its own step
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    for url, seed in ((f"hf://{REPO}@exp-b", 3), (f"hf://{REPO}", 1), (f"hf://{REPO}@exp-a/step-5", 2)):
+        out = restore_hub_export(f"{url}?endpoint={hub.endpoint}", tmp_path / f"out-{seed}", 5)
+        got = export_files(out)
+        assert {k: v for k, v in got.items() if k != "README.md"} == export_files(export(tmp_path, seed))
+
+
+def test_a_revision_made_from_main_starts_with_no_steps_of_its_own(hub, tmp_path):
+    """`@exp-b` is created from main, whose history holds main's steps. Before, exp-b's sink read main's
+    `stagerd: step 9` as its own newest step, so its steps 1-9 went to `stagerd/step-N` branches (main's), and
+    main's untagged step-5 commit (a crash before its tag) was taken and tagged as exp-b's step 5."""
+    main = make_sink(hub)
+    main.publish(export(tmp_path, 1), 5)
+    del hub.store.repos[REPO].tags["step-5"]  # main's sink crashed between its commit and its tag
+    main.publish(export(tmp_path, 2), 9)
+    b = make_sink(hub, f"hf://{REPO}@exp-b")
+
+    result = b.publish(export(tmp_path, 3), 5)
+
+    repo = hub.store.repos[REPO]
+    assert not result.skipped and hub.stats.commits[REPO] == 3
+    assert repo.commits[repo.branches["exp-b"]].title == "stagerd: step 5 on exp-b"
+    assert repo.tags["exp-b/step-5"] == repo.branches["exp-b"] and "step-5" not in repo.tags
+    assert "stagerd/step-5" not in repo.branches
+    assert main.publish(export(tmp_path, 1), 5).skipped  # main's own crash recovery still tags its commit
+    assert repo.commits[repo.tags["step-5"]].title == "stagerd: step 5"
+
+
+def test_branch_per_step_on_two_revisions(hub, tmp_path):
+    """Before, both sinks used the branch `stagerd/step-7`: the second found the first's commit there and
+    took it for its own (a conflict, or the other run's weights tagged as its step)."""
+    a = make_sink(hub, f"hf://{REPO}@exp-a", branch_per_step=True)
+    b = make_sink(hub, f"hf://{REPO}@exp-b", branch_per_step=True)
+    a.publish(export(tmp_path, 1), 7)
+
+    assert not b.publish(export(tmp_path, 2), 7).skipped
+
+    repo = hub.store.repos[REPO]
+    assert {"stagerd/exp-a/step-7", "stagerd/exp-b/step-7"} <= set(repo.branches)
+    assert repo.tags["exp-b/step-7"] == repo.branches["stagerd/exp-b/step-7"]
+    assert a.is_published(7) and b.is_published(7) and a.publish(export(tmp_path, 1), 7).skipped
+
+
+@pytest.mark.parametrize("target", ["other branch", "not a step commit"])
+def test_a_tag_that_marks_another_commit_is_not_published(hub, tmp_path, target):
+    """The tag `step-4` exists, but marks a commit of another branch (an older stagerd published exp-b's step
+    4 under the repo-wide tag) or a commit that is no step (a person's tag). Before, `is_published` said True
+    and `publish` of the same files returned "already published": step 4 never reached main."""
+    data = export(tmp_path, 1)
+    make_sink(hub, f"hf://{REPO}@exp-b").publish(data, 4)
+    repo = hub.store.repos[REPO]
+    initial = repo.history(repo.commits[repo.branches["main"]])[-1].oid
+    commit = repo.branches["exp-b"] if target == "other branch" else initial
+    with hub.store.lock:
+        repo.tags["step-4"] = commit
+    sink = make_sink(hub)
+
+    assert not sink.is_published(4)
+    with pytest.raises(SinkConflictError) as info:
+        sink.publish(data, 4)
+
+    err = info.value
+    assert err.path == f"hf://{REPO}" and f"the tag step-4 marks commit {commit}" in str(err)
+    assert "step-4" in err.hint and not err.retryable
+    assert hub.stats.commits[REPO] == 1 and repo.tags["step-4"] == commit
+
+
+def test_names_are_scoped_to_the_revision():
+    assert step_tag(3) == step_tag(3, "main") == "step-3" and step_tag(3, "exp/a") == "exp/a/step-3"
+    assert step_branch(3, "main") == "stagerd/step-3" and step_branch(3, "exp-a") == "stagerd/exp-a/step-3"
+    assert commit_message(3) == "stagerd: step 3" and commit_message(3, "exp-a") == "stagerd: step 3 on exp-a"
+    commits = [
+        ("d", "stagerd: step 9 on exp"),
+        ("c", "edit"),
+        ("b", "stagerd: step 8"),
+        ("a", "stagerd: step 5"),
+    ]
+    assert scan_history(iter(commits), 9, revision="exp") == (9, "d")
+    assert scan_history(iter(commits), 5, revision="exp") == (9, None)  # main's step 5 is not exp's
+    assert scan_history(iter(commits[2:]), 5, revision="exp") == (None, None)
+    assert scan_history(iter(commits), 5) == (None, None)  # exp's commit on top: where main's own ends
+    assert scan_history(iter(commits[1:]), 5) == (8, "a")
+    assert _revision(None, 4) == "step-4" and _revision("exp-a", 4) == "exp-a/step-4"
+    assert _revision("step-4", 4) == "step-4" and _revision("exp-a/step-4", 4) == "exp-a/step-4"
+    assert _revision("exp-a", None) == "exp-a" and _revision(None, None) == "main"
+    for bad in ("step-3", "exp-a/step-3"):
+        with pytest.raises(ConfigError):
+            _revision(bad, 4)
