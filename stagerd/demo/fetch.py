@@ -34,11 +34,12 @@ def published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
 def _from_hub(url: str, repo_id: str, step: int, local: Path) -> tuple[Path, str]:
     from huggingface_hub import snapshot_download
 
-    from stagerd.sinks.hub import step_tag
+    from stagerd.sinks.hub import parse_hub_url, step_tag
 
     endpoint = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get("endpoint", [None])[0]
-    snapshot_download(repo_id, revision=step_tag(step), local_dir=local, endpoint=endpoint)
-    return local, f"{redact_url(url)}@{step_tag(step)} (downloaded to {local})"
+    tag = step_tag(step, parse_hub_url(url).revision)  # a sink on @REVISION tags its steps there
+    snapshot_download(repo_id, revision=tag, local_dir=local, endpoint=endpoint)
+    return local, f"{redact_url(url)}@{tag} (downloaded to {local})"
 
 
 def _from_store(url: str, step: int, local: Path) -> tuple[Path, str]:
