@@ -23,7 +23,7 @@ from pathlib import Path
 from stagerd.contract.regular_file import linked
 from stagerd.errors import StagerdError
 
-WHY = "the daemon journaled a real directory here and never writes or deletes through a link"
+WHY = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
 _FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -146,3 +146,11 @@ def _is_link(name: str | os.PathLike[str], dir_fd: int | None) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def held_child(path: Path) -> Iterator[HeldDir]:
+    """The directory `path` held through its parent (a step's `export/` through the step), neither opened
+    through a link: what is read through it stays the directory that was checked."""
+    with HeldDir.open(path.parent) as parent, parent.child(path.name) as held:
+        yield held
