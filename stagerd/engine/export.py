@@ -395,8 +395,8 @@ def _prepared(held: HeldDir, tmp: Path, final: Path, recorded: object) -> Iterat
             with contextlib.suppress(OSError):
                 if held.holds(layout.EXPORT_TMP_DIR, out):
                     held.rmtree(layout.EXPORT_TMP_DIR)
-                else:  # moved away, a link put in its place: empty what we wrote, wherever it now is
-                    out.clear()
+                elif not held.holds(layout.EXPORT_DIR, out):  # moved away, a link put in its place:
+                    out.clear()  # empty what we wrote, wherever it now is (never an export committed)
             raise
 
 
