@@ -112,3 +112,16 @@ def test_a_directory_linked_away_mid_export_leads_no_write_elsewhere(step_dir, t
     else:  # the export.tmp/ the export held, moved: emptied; the link is left to the user
         assert not list(aside.iterdir()) and not (step_dir / layout.EXPORT_DIR).exists()
         assert (step_dir / layout.EXPORT_TMP_DIR).is_symlink()
+
+
+def test_an_error_read_through_the_held_step_names_its_real_path(step_dir):
+    """The export reads the step through /proc/self/fd/N; its errors still name the step's own path
+    (guard: by-path reads named it before)."""
+    from stagerd.errors import ExtrasError
+
+    config = step_dir / "extras" / "config.json"
+    config.write_text("[" + " " * (config.stat().st_size - 3) + "]\n")  # the size the marker lists
+    with pytest.raises(ExtrasError) as e:
+        export_step(step_dir)
+    assert e.value.path == str(config) and "/proc/" not in str(e.value)
+    assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
