@@ -35,7 +35,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         raise
 
 
-def _linked(path: Path, why: str, hint: str) -> SymlinkError:
+def linked(path: Path, why: str, hint: str) -> SymlinkError:
     try:
         target = f" (-> {os.readlink(path)})"
     except OSError:
@@ -55,7 +55,7 @@ def refuse_links(
         return False
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
-            raise _linked(directory, why, hint) from None
+            raise linked(directory, why, hint) from None
         raise
     try:
         for part in parts:
@@ -64,7 +64,7 @@ def refuse_links(
             except FileNotFoundError:
                 continue
             if stat.S_ISLNK(st.st_mode):
-                raise _linked(directory / part, why, hint)
+                raise linked(directory / part, why, hint)
     finally:
         os.close(fd)
     return True

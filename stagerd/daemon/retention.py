@@ -11,17 +11,19 @@ ROOT, never half there), then removes the trash. Leftovers from a crash are remo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import layout
-from stagerd.errors import SymlinkError
+from stagerd.contract.step_dir import HeldDir
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd")
@@ -74,32 +76,33 @@ def trash_dir(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / TRASH_DIR
 
 
-def _refuse_a_linked_trash(trash: Path) -> None:
-    """Everything in the trash is deleted: a trash that is a link would take retired steps elsewhere and
-    empty whatever directory it points to."""
-    if trash.is_symlink():
-        raise SymlinkError(
-            f"is a symbolic link (-> {os.readlink(trash)}); stagerd deletes everything in its trash",
-            path=trash,
-            hint="remove the link (its target is left as it is); stagerd makes its own trash directory",
-        )
+def _held_trash(trash: Path) -> HeldDir:
+    """The trash, held open: everything in it is deleted, so every rename into it and every delete in it
+    is made from this handle. A trash that is a link (now, or put there later) would otherwise take retired
+    steps elsewhere and empty whatever directory it points to."""
+    return HeldDir.open(
+        trash,
+        why="stagerd deletes everything in its trash",
+        hint="remove the link (its target is left as it is); stagerd makes its own trash directory",
+    )
 
 
 def move_to_trash(root: str | os.PathLike[str], step_dir: str | os.PathLike[str]) -> Path | None:
     """Atomically take `step_dir` out of ROOT; returns its trash path (None if it was already gone)."""
     trash = trash_dir(root)
-    _refuse_a_linked_trash(trash)
-    trash.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # a link there too: refused as the trash is held
+        trash.mkdir(parents=True, exist_ok=True)
     src = Path(step_dir)
-    dst = trash / f"{src.name}.{os.getpid()}.{time.time_ns()}"
-    try:
-        os.rename(src, dst)
-    except FileNotFoundError:
-        return None
-    layout.fsync_dir(src.parent)
-    layout.fsync_dir(trash)
+    name = f"{src.name}.{os.getpid()}.{time.time_ns()}"
+    with _held_trash(trash) as held:
+        try:
+            os.rename(src, name, dst_dir_fd=held.fd)
+        except FileNotFoundError:
+            return None
+        layout.fsync_dir(src.parent)
+        held.fsync()
     crash_point("retention.trashed")
-    return dst
+    return trash / name
 
 
 def set_aside(path: Path) -> Path | None:
@@ -120,22 +123,31 @@ def empty_trash(root: str | os.PathLike[str], *elsewhere: Path) -> int:
     """Remove everything in the trash (retired steps, crash leftovers), and what was set aside in ROOT or
     `elsewhere` (an adopted checkpoints' export directory); returns the entries removed."""
     trash = trash_dir(root)
-    _refuse_a_linked_trash(trash)
-    entries = list(os.scandir(trash)) if trash.is_dir() else []
-    for place, names in ((Path(root), _ASIDE_STEP), *((Path(p), _ASIDE_ANY) for p in elsewhere)):
-        if place.is_dir():  # only directories under the names set_aside gives
-            entries += [
-                e for e in os.scandir(place) if names.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-            ]
-    n = 0
-    for entry in entries:
-        crash_point("retention.rmtree")
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
-            n += 1
-        except OSError as e:
-            log.warning("cannot remove %s from the trash: %s", entry.path, e)
+    try:
+        held: HeldDir | None = _held_trash(trash)
+    except (FileNotFoundError, NotADirectoryError):
+        held = None
+    with held or contextlib.nullcontext():
+        # (path named in messages, name, directory fd or None): the trash's entries relative to its handle
+        entries: list[tuple[Path, str, int | None]] = (
+            [(trash / e.name, e.name, held.fd) for e in os.scandir(held.fd)] if held else []
+        )
+        for place, names in ((Path(root), _ASIDE_STEP), *((Path(p), _ASIDE_ANY) for p in elsewhere)):
+            if place.is_dir():  # only directories under the names set_aside gives
+                entries += [
+                    (Path(e.path), e.path, None)
+                    for e in os.scandir(place)
+                    if names.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+                ]
+        n = 0
+        for path, name, dir_fd in entries:
+            crash_point("retention.rmtree")
+            try:
+                if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=dir_fd)  # fd-based: it follows no link it meets
+                else:
+                    os.unlink(name, dir_fd=dir_fd)
+                n += 1
+            except OSError as e:
+                log.warning("cannot remove %s from the trash: %s", path, e)
     return n

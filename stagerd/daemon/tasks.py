@@ -22,6 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.contract.regular_file import refuse_links
+from stagerd.contract.step_dir import held_child
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
@@ -382,4 +383,12 @@ class Tasks(FleetTasks, Health, Adoption):
                     _test_pause("publish", step)
                 bar(done, total)
 
-            return self._sinks[sink].publish(export_dir, step, metadata=dict(metadata), progress=report)
+            def publish(path: Path) -> PublishResult:
+                return self._sinks[sink].publish(path, step, metadata=dict(metadata), progress=report)
+
+            try:  # read through held handles: a link put at the step or export/ later is not followed
+                held = stack.enter_context(held_child(export_dir))
+            except FileNotFoundError:
+                return publish(export_dir)  # gone meanwhile: the sink names that as it always did
+            with held.naming():
+                return publish(held.proc)

@@ -55,15 +55,18 @@ def consolidate_into(
     threads: int = 2,
     progress: ProgressFn | None = None,
     scan: Callable[[], Iterable[Header]] | None = None,
+    scratch_parent: Path | None = None,
 ) -> ConsolidateResult:
     """Plan from the shards in `src` and write the safetensors files into `out_dir`, as save_pretrained
     does: `model.safetensors` alone when they fit one file, else the numbered files and their index.
 
     `scan` gives the source's validated headers when they are not `src`'s DCP safetensors shards (an
-    adopted FileSystemWriter checkpoint: `engine/adopt/`)."""
+    adopted FileSystemWriter checkpoint: `engine/adopt/`). `scratch_parent`: where a LoRA merge's scratch
+    goes, default beside `out_dir` (an `out_dir` given as a held directory's /proc path has no parent)."""
     headers = scan if scan is not None else lambda: scan_shards(src, listed)
     # A to-Hub plan's LoRA merges are computed first, into a scratch shard beside out_dir (engine/merge.py).
-    with lora_merges(headers(), views, expected, out_dir.parent) as (merged, expected):
+    scratch = out_dir.parent if scratch_parent is None else scratch_parent
+    with lora_merges(headers(), views, expected, scratch) as (merged, expected):
         p = plan(
             itertools.chain(headers(), merged),
             dtype=dtype,

@@ -6,13 +6,14 @@ once it is complete.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,9 @@ from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import linked, open_regular
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.contract.step_dir import HINT, WHY, HeldDir
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.export_map import read_weight_map
@@ -35,6 +37,7 @@ from stagerd.errors import (
     ExtrasError,
     HubPlanError,
     OutputError,
+    StagerdError,
 )
 from stagerd.ops.crashpoints import crash_point
 
@@ -64,9 +67,11 @@ def build_export(
     threads: int,
     progress: ProgressFn | None,
     views: HubPlan | None = None,
+    scratch_parent: Path | None = None,
 ) -> ExportResult:
     """Consolidate `source` and copy its extras into the empty directory `tmp`, everything fsynced.
-    `views`: the to-Hub plan; default the marker's.
+    `views`: the to-Hub plan; default the marker's. `scratch_parent`: where a LoRA merge's scratch goes,
+    default beside `tmp`.
 
     The result describes `tmp` as written, from the plan and the copies, so no caller re-reads it.
     """
@@ -87,6 +92,7 @@ def build_export(
         threads=threads,
         progress=progress,
         scan=source.scan,
+        scratch_parent=scratch_parent,
     )
     files = [*res.files, *([res.index] if res.index else [])]
     if source.marker is not None and source.marker.adapter_plan is not None:
@@ -238,7 +244,43 @@ def export_step(
     """
     t0 = time.monotonic()
     step_dir = Path(step_dir)
-    source = open_source(step_dir)
+    # Read through the held directory: a link put at its path later leads nothing read elsewhere.
+    try:
+        held = HeldDir.open(step_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        from stagerd.errors import MarkerError
+
+        raise MarkerError(
+            "no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME
+        ) from None
+    with held, held.naming():
+        return _export_opened(
+            open_source(held.proc),
+            step_dir,
+            t0,
+            dtype=dtype,
+            keep_dtype=keep_dtype,
+            max_shard_size=max_shard_size,
+            threads=threads,
+            progress=progress,
+            rebuild=rebuild,
+            mapping=mapping,
+        )
+
+
+def _export_opened(
+    source: Source,
+    step_dir: Path,
+    t0: float,
+    *,
+    dtype: str | None,
+    keep_dtype: str | None,
+    max_shard_size: int,
+    threads: int,
+    progress: ProgressFn | None,
+    rebuild: bool,
+    mapping: Path | None,
+) -> ExportResult:
     if source.marker is None:
         from stagerd.errors import MarkerError
 
@@ -306,26 +348,16 @@ def export_source(
         return _existing(final)
     reference = source.reference()
     tmp = work_dir / layout.EXPORT_TMP_DIR
+    # Every write and delete below is made from held handles of work_dir and export.tmp/: a link put at
+    # either path meanwhile leads none of them elsewhere, and is refused before anything is committed.
     try:
-        if tmp.exists():
-            log.info("removing a stale %s from an interrupted export", tmp)
-            shutil.rmtree(tmp)
-        for scratch in work_dir.glob(f"{MERGE_SCRATCH_PREFIX}*"):
-            log.info("removing %s, a LoRA merge's scratch left by a killed export", scratch)
-            shutil.rmtree(scratch)
-        if final.exists():
-            # Only stagerd writes export/, always by rename; without its weights it is not ours to trust,
-            # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).
-            why = "made with other options" if layout.export_is_whole(final) else "it has no weights"
-            log.warning("removing %s: %s (%s); exporting again", final, why, recorded)
-            shutil.rmtree(final)
-        tmp.mkdir()
+        held = HeldDir.open(work_dir)
     except OSError as e:
         raise OutputError(f"cannot prepare the export directory: {e.strerror}", path=tmp) from None
-    try:
+    with held, held.naming(), _prepared(held, tmp, final, recorded) as out, out.naming():
         built = build_export(
             source,
-            tmp,
+            out.proc,
             dtype=dtype,
             keep_dtype=keep_dtype,
             reference=reference,
@@ -333,18 +365,70 @@ def export_source(
             threads=threads,
             progress=progress,
             views=views,
+            scratch_parent=held.proc,
         )
         if before_commit is not None:
             before_commit()
-        options_path = work_dir / layout.EXPORT_OPTIONS_NAME
-        try:
-            layout.write_json_atomic(options_path, wanted)
-        except OSError as e:
-            raise output_error(e, options_path) from None
-        os.rename(tmp, final)
-        layout.fsync_dir(work_dir)
-        crash_point("export.renamed")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _commit(held, out, wanted)
     return replace(built, export_dir=final)
+
+
+@contextlib.contextmanager
+def _prepared(held: HeldDir, tmp: Path, final: Path, recorded: object) -> Iterator[HeldDir]:
+    """A new, empty export.tmp/ in `held`, held open (a stale one, a killed merge's scratch and an export
+    to rebuild removed first); removed again if the export fails."""
+    try:
+        if held.lexists(layout.EXPORT_TMP_DIR):
+            log.info("removing a stale %s from an interrupted export", tmp)
+            held.rmtree(layout.EXPORT_TMP_DIR)
+        for name in held.names():
+            if name.startswith(MERGE_SCRATCH_PREFIX):
+                log.info("removing %s, a LoRA merge's scratch left by a killed export", held.path / name)
+                held.rmtree(name)
+        if held.lexists(layout.EXPORT_DIR):
+            # Only stagerd writes export/, always by rename; without its weights it is not ours to trust,
+            # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).
+            whole = layout.export_is_whole(held.proc / layout.EXPORT_DIR)
+            why = "made with other options" if whole else "it has no weights"
+            log.warning("removing %s: %s (%s); exporting again", final, why, recorded)
+            held.rmtree(layout.EXPORT_DIR)
+        held.mkdir(layout.EXPORT_TMP_DIR)
+        out = held.child(layout.EXPORT_TMP_DIR)
+    except OSError as e:
+        raise OutputError(f"cannot prepare the export directory: {e.strerror}", path=tmp) from None
+    with out:
+        try:
+            yield out
+        except BaseException:
+            with contextlib.suppress(OSError):
+                if held.holds(layout.EXPORT_TMP_DIR, out):
+                    held.rmtree(layout.EXPORT_TMP_DIR)
+                elif not held.holds(layout.EXPORT_DIR, out):  # moved away, a link put in its place:
+                    out.clear()  # empty what we wrote, wherever it now is (never an export committed)
+            raise
+
+
+def _commit(held: HeldDir, out: HeldDir, wanted: Mapping[str, Any]) -> None:
+    """Record the options and rename export.tmp/ to export/, only while both are still where they were."""
+    if held.replaced():
+        raise _moved(held.path, "the step directory")
+    if not held.holds(layout.EXPORT_TMP_DIR, out):
+        raise _moved(out.path, "the export being built")
+    options_path = held.proc / layout.EXPORT_OPTIONS_NAME
+    try:
+        layout.write_json_atomic(options_path, wanted)
+    except OSError as e:
+        raise output_error(e, options_path) from None
+    held.rename(layout.EXPORT_TMP_DIR, layout.EXPORT_DIR)
+    held.fsync()
+    crash_point("export.renamed")
+
+
+def _moved(path: Path, what: str) -> StagerdError:
+    if os.path.islink(path):
+        return linked(path, WHY, HINT)
+    return OutputError(
+        f"{what} was moved or replaced while it was exported; nothing was committed",
+        path=path,
+        hint="leave the step directory in place until it is exported, then retry",
+    )

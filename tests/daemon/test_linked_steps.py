@@ -110,3 +110,39 @@ def test_each_part_the_daemon_touches_is_checked_from_the_directory_itself(tmp_p
     assert f"-> {target}" in e.value.message
     assert refuse_links(step, [layout.EXTRAS_DIR], **args)  # a part that is not there is not checked
     assert not refuse_links(tmp_path / "gone", [part], **args)  # a step gone: its caller names that
+
+
+@pytest.mark.parametrize("part", [".", layout.EXPORT_DIR])
+def test_a_step_linked_away_mid_publish_publishes_only_the_export_checked(tmp_path, step_dir, part):
+    """The step (or its export/) checked, then swapped for a link to a directory whose export holds a
+    private file, while the sink reads it: the sink published that, private file and all. Now the sink
+    reads the export/ the daemon holds open (the one it checked): it is published, nothing of the link's."""
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+    from stagerd.engine.export import export_step
+    from stagerd.sinks import open_sink
+
+    export_step(step_dir)
+    export, swapped, sink = step_dir / layout.EXPORT_DIR, (step_dir / part).resolve(), tmp_path / "sink"
+    private = tmp_path / "private"
+    shutil.copytree(swapped, private)
+    (private / export.relative_to(swapped) / "id_ed25519").write_bytes(b"not for the hub")
+    before = _tree(private)
+    d = Daemon(Settings(root=str(tmp_path), sinks=[sink.as_uri()], once=True, metrics_port=0))
+    s = open_sink(sink.as_uri())
+    publish = s.publish
+
+    def swap_then_publish(export_dir: Path, *args, **kwargs):
+        swapped.rename(tmp_path / "aside")
+        swapped.symlink_to(private, target_is_directory=True)
+        return publish(export_dir, *args, **kwargs)
+
+    s.publish = swap_then_publish  # type: ignore[method-assign]
+    d._sinks[s.url] = s
+    try:
+        d._run_publish(100, s.url, export, {})
+    finally:
+        s.close()
+    assert not list(sink.rglob("id_ed25519"))
+    assert _published(sink) == [step_dir.name]
+    assert _tree(private) == before

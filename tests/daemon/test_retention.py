@@ -4,6 +4,7 @@ atomic (a step is renamed into ROOT/.stagerd/trash, then removed; a crash in bet
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -167,3 +168,59 @@ def test_retention_of_a_step_replaced_by_a_link_removes_only_the_link(tmp_path):
     assert move_to_trash(root, root / layout.step_dir_name(1)) is not None
     assert empty_trash(root) == 1
     assert list(root.glob("step-*")) == [] and (elsewhere / "model" / "shard").read_bytes() == b"x" * 10
+
+
+def _link_trash_away(root, victim) -> None:
+    """The trash moved aside and a link to another directory put in its place, at one instant."""
+    trash = trash_dir(root)
+    trash.rename(trash.with_name("trash-aside"))
+    trash.symlink_to(victim, target_is_directory=True)
+
+
+def test_a_trash_linked_away_as_a_step_goes_into_it_takes_nothing_elsewhere(tmp_path, monkeypatch):
+    """The trash checked, then swapped for a link before the step is renamed into it: the step went into
+    the directory the link led to (out of ROOT and out of the trash's reach). Now the rename is made into
+    the trash held open: the step is in stagerd's trash, wherever it went, and nothing in the target."""
+    root, victim = tmp_path / "root", tmp_path / "datasets"
+    victim.mkdir()
+    step = root / layout.step_dir_name(1)
+    (step / "model").mkdir(parents=True)
+    move_to_trash(root, root / "absent")  # the trash exists, as after an earlier retention
+    rename = os.rename
+
+    def swap_then_rename(*args, **kwargs):
+        monkeypatch.setattr(os, "rename", rename)
+        _link_trash_away(root, victim)
+        return rename(*args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", swap_then_rename)
+    move_to_trash(root, step)
+    assert list(victim.iterdir()) == []
+    assert [p.name.split(".")[0] for p in (root / layout.STATE_DIR / "trash-aside").iterdir()] == [step.name]
+    with pytest.raises(SymlinkError):  # the link is refused from then on, its target left as it is
+        empty_trash(root)
+
+
+def test_a_trash_linked_away_while_it_is_emptied_empties_nothing_elsewhere(tmp_path, monkeypatch):
+    """The trash listed, then swapped for a link to a directory holding entries of the same names (a copy
+    of the trash): those were deleted. Now each entry is removed from the trash held open."""
+    from stagerd.daemon import retention
+
+    root, victim = tmp_path / "root", tmp_path / "copy"
+    step = root / layout.step_dir_name(1)
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "shard").write_bytes(b"x")
+    moved = move_to_trash(root, step)
+    assert moved is not None
+    shutil.copytree(trash_dir(root), victim)
+    point = retention.crash_point
+
+    def swap_at(name: str) -> None:
+        if name == "retention.rmtree" and not trash_dir(root).is_symlink():
+            _link_trash_away(root, victim)
+        point(name)
+
+    monkeypatch.setattr(retention, "crash_point", swap_at)
+    assert empty_trash(root) == 1
+    assert (victim / moved.name / "model" / "shard").read_bytes() == b"x"
+    assert list((root / layout.STATE_DIR / "trash-aside").iterdir()) == []

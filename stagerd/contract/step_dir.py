@@ -1,0 +1,156 @@
+"""A step directory held open: every write and delete in it made from that handle, not by its path.
+
+A step directory checked to be real (`regular_file.refuse_links`) may be replaced by a symbolic link (or
+have its `export.tmp/` replaced) a moment later: a by-path `mkdir`, `rmtree` or `rename` would then write
+or delete wherever the link leads. `HeldDir` opens the directory with O_NOFOLLOW (a link is a SymlinkError)
+and makes every change relative to that descriptor, so it lands in that very directory whatever is put at
+its path meanwhile. A library that needs a path gets `proc` (`/proc/self/fd/N`, which the kernel resolves
+to the held directory itself); errors are named by the real path again (`naming`). `replaced` tells whether
+the path still names the held directory, so that nothing is committed into a step that is no longer there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from stagerd.contract.regular_file import linked
+from stagerd.errors import StagerdError
+
+WHY = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
+HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
+_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class HeldDir:
+    """An open directory (see the module): `path` names it in messages, `fd` and `proc` reach it."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, why: str = WHY, hint: str = HINT) -> HeldDir:
+        """Hold `path`; SymlinkError if it is a link, FileNotFoundError if it is gone."""
+        return cls._open(Path(path), path, None, why, hint)
+
+    def child(self, name: str, *, why: str = WHY, hint: str = HINT) -> HeldDir:
+        """Hold the directory `name` in this one, refusing a link there."""
+        return self._open(self.path / name, name, self.fd, why, hint)
+
+    @classmethod
+    def _open(
+        cls, path: Path, name: str | os.PathLike[str], dir_fd: int | None, why: str, hint: str
+    ) -> HeldDir:
+        try:
+            return cls(path, os.open(name, _FLAGS, dir_fd=dir_fd))
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, dir_fd):
+                raise linked(path, why, hint) from None
+            raise
+
+    @property
+    def proc(self) -> Path:
+        return Path(f"/proc/self/fd/{self.fd}")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> HeldDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lexists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.fd))
+
+    def mkdir(self, name: str) -> None:
+        os.mkdir(name, dir_fd=self.fd)
+
+    def rmtree(self, name: str, *, why: str = WHY, hint: str = HINT) -> None:
+        """Remove `name` and what is under it; a link there is refused, its target untouched (shutil's
+        fd-based rmtree opens each directory it enters without following links)."""
+        if _is_link(name, self.fd):
+            raise linked(self.path / name, why, hint)
+        shutil.rmtree(name, dir_fd=self.fd)
+
+    def clear(self) -> None:
+        """Remove everything in the held directory, which stays (empty) wherever it now is."""
+        for name in os.listdir(self.fd):
+            if stat.S_ISDIR(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=self.fd)
+            else:
+                os.unlink(name, dir_fd=self.fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def holds(self, name: str, other: HeldDir) -> bool:
+        """Whether `name` in this directory is (still) the directory `other` holds, not a link."""
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return os.path.samestat(st, os.fstat(other.fd))
+
+    def replaced(self) -> bool:
+        """Whether `path` no longer names the held directory (moved, deleted, or a link put there)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        return not os.path.samestat(st, os.fstat(self.fd))
+
+    def real(self, text: str) -> str:
+        """`text` with this handle's `proc` path put back as the real one."""
+        return re.sub(re.escape(str(self.proc)) + r"(?![0-9])", lambda _: str(self.path), text)
+
+    @contextlib.contextmanager
+    def naming(self) -> Iterator[None]:
+        """Errors raised inside name the real path, not `proc`."""
+        try:
+            yield
+        except StagerdError as e:
+            e.message = self.real(e.message)
+            e.args = (e.message, *e.args[1:])
+            if e.path is not None:
+                e.path = self.real(e.path)
+            raise
+        except OSError as e:
+            if isinstance(e.filename, str):
+                e.filename = self.real(e.filename)
+            raise
+
+
+def _is_link(name: str | os.PathLike[str], dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def held_child(path: Path) -> Iterator[HeldDir]:
+    """The directory `path` held through its parent (a step's `export/` through the step), neither opened
+    through a link: what is read through it stays the directory that was checked."""
+    with HeldDir.open(path.parent) as parent, parent.child(path.name) as held:
+        yield held
