@@ -265,6 +265,7 @@ def export_step(
             progress=progress,
             rebuild=rebuild,
             mapping=mapping,
+            default_shard_size=default_shard_size,
         )
 
 
@@ -280,6 +281,7 @@ def _export_opened(
     progress: ProgressFn | None,
     rebuild: bool,
     mapping: Path | None,
+    default_shard_size: bool,
 ) -> ExportResult:
     if source.marker is None:
         from stagerd.errors import MarkerError
