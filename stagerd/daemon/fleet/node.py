@@ -224,6 +224,10 @@ class FleetNode:
                 f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
                 f"({theirs.get('root')!r}, this one is {self.root_id!r})",
                 path=self.exchange.url + "/" + key,
+                hint="give each node its own STAGERD_NODE_ID (0..N-1), one daemon per node and ROOT; if this "
+                "ROOT made that claim under its old identity (its daemon's log says its fleet-root-id was "
+                f"'taken for a copy': ROOT moved, remounted or its host renamed), remove {key} from the "
+                f"exchange and run `stagerd retry ROOT --step {self.step}`",
             )
         if theirs.get("save", self.save) != self.save:  # a claim by an older stagerd names no save
             # A run restarted from an earlier checkpoint saved this step again: the exchange's records
