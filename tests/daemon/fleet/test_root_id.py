@@ -19,7 +19,7 @@ from stagerd.errors import ConfigError
 
 
 def _id(root: Path) -> str:
-    return FleetTasks._fleet_root_id(SimpleNamespace(root=root))  # type: ignore[arg-type]
+    return FleetTasks._fleet_root_id(SimpleNamespace(root=root))  # the method reads `root` alone
 
 
 def _root(tmp_path: Path) -> Path:
