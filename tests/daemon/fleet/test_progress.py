@@ -64,7 +64,7 @@ def test_a_leader_still_building_keeps_a_non_leaders_wait_alive(tmp_path, dcp_mi
     _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     sink, out = tmp_path / "sink", {}
     _slow_builds(monkeypatch, "node0", before=0.3)
-    threads = [_run(dirs[1], sink, 0.6, out, 1), _run(dirs[0], sink, 10, out, 0)]
+    threads = [_run(dirs[1], sink, 0.6, out, 1), _run(dirs[0], sink, 0.6, out, 0)]
     for t in threads:
         t.join(30)
     assert isinstance(out[1], FleetResult) and isinstance(out[0], FleetResult), out
@@ -95,7 +95,7 @@ def test_a_stuck_leader_still_times_a_non_leader_out(tmp_path, dcp_mixed2, monke
 
 
 def test_a_raw_upload_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, monkeypatch):
-    """Node 1 sends its raw part in pieces 0.2 s apart, 1.6 s in all; the leader waits 0.6 s at most for
+    """Node 1 sends its raw part in pieces 0.15 s apart, 1.2 s in all; the leader waits 0.6 s at most for
     anything new. It saw a node's part only once its manifest landed, so it used to give up mid-upload;
     now node 1 reports the bytes it has sent (`fleet/step-N/progress/`), and the leader shows them."""
     iter_file = local.iter_file
@@ -106,7 +106,7 @@ def test_a_raw_upload_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, mon
                 yield view
                 continue
             for i in range(0, len(view), -(-len(view) // 4)):
-                time.sleep(0.2)
+                time.sleep(0.15)
                 yield view[i : i + -(-len(view) // 4)]
 
     monkeypatch.setattr(local, "iter_file", slow)
