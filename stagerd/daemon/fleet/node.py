@@ -226,8 +226,8 @@ class FleetNode:
                 path=self.exchange.url + "/" + key,
                 hint="give each node its own STAGERD_NODE_ID (0..N-1), one daemon per node and ROOT; if this "
                 "ROOT made that claim under its old identity (its daemon's log says its fleet-root-id was "
-                f"'taken for a copy': ROOT moved, remounted or its host renamed), remove {key} from the "
-                f"exchange and run `stagerd retry ROOT --step {self.step}`",
+                "'taken for a copy': ROOT restored, moved to another disk, or its host renamed), remove "
+                f"{key} from the exchange and run `stagerd retry ROOT --step {self.step}`",
             )
         if theirs.get("save", self.save) != self.save:  # a claim by an older stagerd names no save
             # A run restarted from an earlier checkpoint saved this step again: the exchange's records

@@ -3,11 +3,12 @@ so that two ROOTs acting as one node id are told apart (`FleetNodeConflictError`
 
 An id alone would travel with a copy of ROOT (a node image with a staging directory in it, `cp -a` to
 another node or path), and the copy would pass for the original. So the file also records where its id
-was made: the host name, ROOT's real path and ROOT's inode. When they no longer match, this ROOT is
-taken for a copy and makes a fresh id (with a warning): safe, since the worst a false alarm does (a ROOT
-moved, remounted elsewhere, restored from a backup, or its host renamed) is that the steps it claimed
-before are refused by name, with a hint (`FleetNodeConflictError`), instead of two ROOTs building as one
-node. The device number is left out: it may change with a reboot or a remount of the same disk."""
+was made: the host name and ROOT's inode. When they no longer match, this ROOT is taken for a copy and
+makes a fresh id (with a warning): safe, since the worst a false alarm does (a ROOT restored from a
+backup, moved to another filesystem, or whose host was renamed) is that the steps it claimed before are
+refused by name, with a hint (`FleetNodeConflictError`), instead of two ROOTs building as one node.
+Left out, as they change for the same directory: its path (`mv` within a filesystem, another mount
+point) and its device number (a reboot or a remount may renumber the same disk)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ _lock = threading.Lock()
 
 def where(root: Path) -> dict[str, Any]:
     """What tells this ROOT directory from a copy of it."""
-    return {"host": socket.gethostname(), "path": os.path.realpath(root), "ino": os.stat(root).st_ino}
+    return {"host": socket.gethostname(), "ino": os.stat(root).st_ino}
 
 
 def root_id(root: Path) -> str:

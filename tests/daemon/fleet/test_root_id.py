@@ -30,7 +30,8 @@ def _root(tmp_path: Path) -> Path:
 
 def test_a_copied_root_gets_its_own_identity_and_the_original_keeps_its(tmp_path, caplog):
     """`cp -a ROOT` used to carry `fleet-root-id` along: both ROOTs then claimed node K of a step as one
-    ROOT, and both built and uploaded its files."""
+    ROOT, and both built and uploaded its files (and shared one --export-dir). A ROOT moved with `mv`
+    keeps its identity."""
     root = _root(tmp_path)
     first = _id(root)
     clone = tmp_path / "clone"
@@ -39,6 +40,10 @@ def test_a_copied_root_gets_its_own_identity_and_the_original_keeps_its(tmp_path
         copied = _id(clone)
         assert _id(clone) == copied  # made once: later restarts of the copy keep the new one
     assert copied != first and _id(root) == first
+    moved = tmp_path / "moved"
+    root.rename(moved)  # `mv` within a filesystem: the same directory
+    assert _id(moved) == first
+    moved.rename(root)
     warned = [r for r in caplog.records if "taken for a copy" in r.getMessage()]
     assert len(warned) == 1 and str(clone) in warned[0].getMessage()
     claim_export_dir(root, tmp_path / "exports", first)
