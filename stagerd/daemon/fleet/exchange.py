@@ -1,22 +1,31 @@
 """One fleet step on the exchange, as one node sees it: the keys of its claims and file records, their
 conditional creates and reads, the byte ranges of other nodes' parts, the files sent to a sink's
-`step-N/`, and the waits for other nodes (`wait`)."""
+`step-N/`, the waits for other nodes (`wait`), and what each node reports of its own progress while the
+others wait for it (`Progress`, `progress_of`)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import FleetWaitError
+from stagerd.errors import FleetWaitError, StagerdError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 
 FLEET_DIR = "fleet"
+PROGRESS_DIR = "progress"
+RECORDS_DIR = "done"  # one record per sink and built file
+MAX_PROGRESS_BYTES = 4096
+
+log = logging.getLogger("stagerd.fleet")
 
 
 class StepExchange:
@@ -38,17 +47,48 @@ class StepExchange:
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
         self.waited = 0.0  # seconds asleep in `wait`
+        self._reports: dict[int, tuple[object, str]] = {}  # node -> its report's listing, what it says
 
     def claim_key(self, node: int) -> str:
         return f"{self.base}/node-{node:05d}.json"
 
     def record_key(self, sink: FsspecSink, name: str) -> str:
         """One record per sink and file: the store checksum it holds is that sink's."""
-        return f"{self.base}/done/{sink_id(sink.url)}/{name}.json"
+        return f"{self.base}/{RECORDS_DIR}/{sink_id(sink.url)}/{name}.json"
 
     def record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
         data = self.exchange.backend.read(self.record_key(sink, name))
         return None if data is None else dict(json.loads(data))
+
+    def progress_key(self, node: int) -> str:
+        return f"{self.base}/{PROGRESS_DIR}/node-{node:05d}.json"
+
+    def progress_of(self, nodes: Iterable[int]) -> str:
+        """What `nodes` last reported of their work (`Progress`), for a wait's text ("; node 1 sending its
+        raw part: 4096 bytes"); "" when none did. One listing a poll, and a read only of a report that
+        changed. A report is only ever shown: it says a node is busy, never that anything it made is there."""
+        listed = self.store.objects(f"{self.base}/{PROGRESS_DIR}")
+        out = []
+        for k in nodes:
+            o = listed.get(f"node-{k:05d}.json")
+            if o is None:
+                continue
+            tag = (o.tag, o.size, o.mtime)
+            if self._reports.get(k, (None, ""))[0] != tag:
+                self._reports[k] = (tag, self._report(k))
+            if self._reports[k][1]:
+                out.append(f"; node {k} {self._reports[k][1]}")
+        return "".join(out)
+
+    def _report(self, node: int) -> str:
+        try:
+            d = json.loads(self.store.read(self.progress_key(node), limit=MAX_PROGRESS_BYTES) or b"null")
+        except (StagerdError, ValueError):
+            return ""  # gone since the listing, or not a report: nothing to show
+        if not isinstance(d, dict) or not isinstance(d.get("doing"), str) or type(d.get("bytes")) is not int:
+            return ""
+        doing = "".join(c if c.isprintable() else "?" for c in d["doing"][:200])
+        return f"{doing}: {d['bytes']} bytes"
 
     def create(self, key: str, data: bytes) -> bool:
         return self.exchange.backend.create(key, data)
@@ -57,9 +97,11 @@ class StepExchange:
         data: bytes = self.store.fs.cat_file(self.store.path(key), start=start, end=end)
         return data
 
-    def upload(self, sink: FsspecSink, files: list[LocalFile]) -> list[Uploaded]:
+    def upload(
+        self, sink: FsspecSink, files: list[LocalFile], progress: Callable[[int, int], None] | None = None
+    ) -> list[Uploaded]:
         prefix = layout.step_dir_name(self.step)
-        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), None))
+        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), progress))
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
@@ -84,3 +126,63 @@ class StepExchange:
             time.sleep(self.poll_seconds)
             self.waited += self.poll_seconds
         self.status("", 0)
+
+
+class Progress:
+    """What this node is doing, and how many bytes of it are done, for the waits of the other nodes
+    (`StepExchange.progress_of`): a raw upload or a build longer than `wait_seconds` is no node that never
+    comes. Written to `fleet/step-N/progress/node-K.json` whenever it changed, at most every quarter of
+    `wait_seconds` (10 s at most), by a thread of its own: an upload's progress may be reported on the
+    store's event loop, where a write to the same store would wait for itself. A node that only waits
+    reports nothing new, so two waiting nodes never keep each other's waits alive."""
+
+    def __init__(self, x: StepExchange) -> None:
+        self.x = x
+        self.now: tuple[str, int] = ("", 0)  # replaced whole: the writer reads it from its own thread
+        self.every = max(x.poll_seconds, min(x.wait_seconds / 4, 10.0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"fleet-progress-{x.step}", daemon=True)
+        self._warned = False
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reporting; once this returns no report is written (nor in flight)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def doing(self, what: str, crash: str | None = None) -> Callable[[int, int], None]:
+        """A progress callback (`done`, `total` bytes) for the work `what` ("building NAME")."""
+
+        def report(done: int, total: int) -> None:
+            if crash is not None:
+                crash_point(crash)
+            self.now = (what, done)
+
+        return report
+
+    def _run(self) -> None:
+        written = self.now
+        while not self._stop.wait(self.every):
+            now = self.now
+            if now == written:
+                continue
+            try:
+                data = json.dumps({"doing": now[0], "bytes": now[1]}).encode()
+                self.x.exchange.backend.write(self.x.progress_key(self.x.me), data)
+                written = now
+            except Exception as e:  # a report of progress must never fail the step
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "step %d: could not report this node's progress on the exchange: %s",
+                        self.x.step,
+                        e,
+                        extra={"step": self.x.step},
+                    )

@@ -72,8 +72,10 @@ def lead(
 
         def waiting(missing: Callable[[], list[str]] = missing) -> str:
             gone = missing()  # its count changes with each record: progress for the wait's deadline
-            of = ", ".join(sorted({str(owner[n]) for n in gone}))
-            return f"waiting for the files of node {of} ({len(names) - len(gone)} of {len(names)} recorded)"
+            nodes = sorted({owner[n] for n in gone})
+            of, doing = ", ".join(map(str, nodes)), x.progress_of(nodes)  # a long build is progress too
+            recorded = f"{len(names) - len(gone)} of {len(names)} recorded"
+            return f"waiting for the files of node {of} ({recorded}{doing})"
 
         x.wait(lambda: not missing(), waiting)
         got = {n: x.record_data(sink, n) for n in names}

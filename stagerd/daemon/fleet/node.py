@@ -38,10 +38,17 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
-from stagerd.daemon.fleet.exchange import StepExchange
+from stagerd.daemon.fleet.exchange import RECORDS_DIR, Progress, StepExchange
 from stagerd.daemon.fleet.lead import lead
 from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, owners
-from stagerd.daemon.fleet.records import planned_file, record_bytes, save_of, settings_errors, settings_of
+from stagerd.daemon.fleet.records import (
+    planned_file,
+    record_bytes,
+    save_of,
+    settings_errors,
+    settings_of,
+    sink_id,
+)
 from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
@@ -133,32 +140,20 @@ class FleetNode:
             return res
         check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         self._claim()
-        raw = self.exchange.publish_raw(self.step_dir, self.step, progress=_crash_at("fleet.raw_upload"))
-        res.bytes_raw = raw.bytes_uploaded
-        parts = self._wait_parts()
-        self._wait_settings()
-        mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read)
-        listed = mirror.build()
-        p, units = self._plan(mirror, listed)
-        owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
-        planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
-        for rel, (art, f) in units.items():
-            if owner[rel] != self.me:
-                continue
-            todo = [s for s in self.sinks if self.x.record_data(s, rel) is None]  # never redone once recorded
-            if not todo:
-                continue
-            out = self.work / "out"
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            art.build(f.name, out, threads=self.opt.threads, progress=_crash_at("fleet.build"))
-            for sink in todo:
-                up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)])[0]
-                crash_point("fleet.built")
-                self.x.create(self.x.record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
-                res.bytes_uploaded += f.size
-            res.built.append(rel)
-            shutil.rmtree(out, ignore_errors=True)
+        with Progress(self.x) as progress:  # until this node's part and its files are on the stores
+            sending = progress.doing("sending its raw part", "fleet.raw_upload")
+            res.bytes_raw = self.exchange.publish_raw(
+                self.step_dir, self.step, progress=sending
+            ).bytes_uploaded
+            parts = self._wait_parts()
+            self._wait_settings()
+            mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read)
+            p, units = self._plan(mirror, mirror.build())
+            owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+            planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
+            self._build(
+                [(rel, *units[rel]) for rel in units if owner[rel] == self.me], planned, progress, res
+            )
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
             res.bytes_uploaded += lead(
@@ -167,15 +162,39 @@ class FleetNode:
             res.committed = True
             self._record_done()
         else:
-            self.x.wait(
-                lambda: all(s.is_published(self.step) for s in self.sinks),
-                lambda: "waiting for the leader (node 0)",
-            )
+            self._wait_leader(owner)
         shutil.rmtree(self.work, ignore_errors=True)
         res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
 
     # -- steps -------------------------------------------------------------------------------------------
+
+    def _build(
+        self,
+        mine: list[tuple[str, Artefact, OutputFile]],
+        planned: dict[str, dict[str, object]],
+        progress: Progress,
+        res: FleetResult,
+    ) -> None:
+        """Build each file this node owns that some sink has no record of, send it to those sinks, and
+        record it there: never redone once recorded."""
+        for rel, art, f in mine:
+            todo = [s for s in self.sinks if self.x.record_data(s, rel) is None]
+            if not todo:
+                continue
+            out = self.work / "out"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            building = progress.doing(f"building {rel}", "fleet.build")
+            art.build(f.name, out, threads=self.opt.threads, progress=building)
+            for sink in todo:
+                sent = progress.doing(f"uploading {rel}")
+                up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)], sent)[0]
+                crash_point("fleet.built")
+                self.x.create(self.x.record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
+                res.bytes_uploaded += f.size
+            res.built.append(rel)
+            shutil.rmtree(out, ignore_errors=True)
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
@@ -205,6 +224,10 @@ class FleetNode:
                 f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
                 f"({theirs.get('root')!r}, this one is {self.root_id!r})",
                 path=self.exchange.url + "/" + key,
+                hint="give each node its own STAGERD_NODE_ID (0..N-1), one daemon per node and ROOT; if this "
+                "ROOT made that claim under its old identity (its daemon's log says its fleet-root-id was "
+                "'taken for a copy': ROOT restored, moved to another disk, or its host renamed), remove "
+                f"{key} from the exchange and run `stagerd retry ROOT --step {self.step}`",
             )
         if theirs.get("save", self.save) != self.save:  # a claim by an older stagerd names no save
             # A run restarted from an earlier checkpoint saved this step again: the exchange's records
@@ -250,6 +273,27 @@ class FleetNode:
         if not self.opt.hub:
             self.x.create(f"{self.base}/{FLEET_DONE}", b"{}")
 
+    def _wait_leader(self, owner: dict[str, int]) -> None:
+        """Until the leader has committed every sink. Its text counts what the leader is seen doing: every
+        file's record on each sink (its own builds, and the other owners' it waits for), the reports
+        (`Progress`) of the leader and of the owners of files not yet recorded, and each sink's commit; so
+        the wait fails only once the leader (or an owner it waits for) makes no progress for the setting."""
+        want = {f"{sink_id(s.url)}/{n}.json": owner[n] for s in self.sinks for n in owner}
+        committed = [0]
+
+        def published() -> bool:
+            committed[0] = sum(s.is_published(self.step) for s in self.sinks)
+            return committed[0] == len(self.sinks)
+
+        def what() -> str:
+            gone = want.keys() - self.store.sizes(f"{self.base}/{RECORDS_DIR}").keys()
+            doing = self.x.progress_of(sorted({0} | {want[k] for k in gone}))
+            sinks = f"{committed[0]} of {len(self.sinks)} sinks committed"
+            done = f"{len(want) - len(gone)} of {len(want)} files recorded"
+            return f"waiting for the leader (node 0: {done}, {sinks}{doing})"
+
+        self.x.wait(published, what)
+
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)
         of = f"-of-{self.nodes:05d}"
@@ -270,8 +314,9 @@ class FleetNode:
         def missing() -> str:
             have = seen()
             want = [node_part(k, self.nodes) for k in range(self.nodes)]
-            gone = [str(k) for k, n in enumerate(want) if n not in have]
-            return f"waiting for node {', '.join(gone)} (seen: {', '.join(have) or 'none'})"
+            gone = [k for k, n in enumerate(want) if n not in have]
+            doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
+            return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
 
         self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
         parts = []
@@ -333,10 +378,3 @@ class FleetNode:
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
-
-
-def _crash_at(point: str) -> Callable[[int, int], None]:
-    def report(done: int, total: int) -> None:
-        crash_point(point)
-
-    return report

@@ -11,12 +11,12 @@ URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then p
 from __future__ import annotations
 
 import time
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagerd.contract import layout
+from stagerd.daemon.fleet.root_id import root_id
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
@@ -25,8 +25,6 @@ from stagerd.sinks.fsspec import FsspecSink
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
     from stagerd.sinks.fetch import RemoteStore
-
-ROOT_ID_NAME = "fleet-root-id"
 
 
 def is_fleet_step(step_dir: Path) -> bool:
@@ -63,13 +61,9 @@ class FleetTasks(DaemonState):
         )
 
     def _fleet_root_id(self) -> str:
-        """This ROOT's identity on the exchange, made once: two ROOTs claiming one node id are told apart."""
-        path = self.root / ".stagerd" / ROOT_ID_NAME
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            layout.write_bytes_atomic(path, uuid.uuid4().hex.encode())
-            return path.read_text().strip()
+        """This ROOT's identity on the exchange (`fleet/root_id.py`): two ROOTs claiming one node id, a copy
+        of a ROOT among them, are told apart."""
+        return root_id(self.root)
 
     def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
         """The exchange as a sink (raw parts, records) and as a store (ranged reads); close both after."""

@@ -128,8 +128,10 @@ def test_two_roots_claiming_one_node_id_is_a_named_error(tmp_path, dcp_mixed2, s
     with pytest.raises(FleetWaitError):
         first.run()
     second, _ = _node(node_dirs[0], s3.url("fleet"), root_id="root-b", wait_seconds=0.1)
-    with pytest.raises(FleetNodeConflictError, match="node 0 of 2 is already claimed by another ROOT"):
+    with pytest.raises(FleetNodeConflictError, match="node 0 of 2 is already claimed by another ROOT") as e:
         second.run()
+    # the copy of a ROOT, or a ROOT whose identity was made again (test_root_id.py), is told how to go on
+    assert "taken for a copy" in e.value.hint and "fleet/step-00000007/node-00000.json" in e.value.hint
     assert issubclass(FleetNodeConflictError, StagerdError) and not FleetNodeConflictError.retryable
 
 

@@ -1,0 +1,86 @@
+"""This ROOT's identity on the exchange (`ROOT/.stagerd/fleet-root-id`): a node's claim of a step names it,
+so that two ROOTs acting as one node id are told apart (`FleetNodeConflictError`).
+
+An id alone would travel with a copy of ROOT (a node image with a staging directory in it, `cp -a` to
+another node or path), and the copy would pass for the original. So the file also records where its id
+was made: the host name and ROOT's inode. When they no longer match, this ROOT is taken for a copy and
+makes a fresh id (with a warning): safe, since the worst a false alarm does (a ROOT restored from a
+backup, moved to another filesystem, or whose host was renamed) is that the steps it claimed before are
+refused by name, with a hint (`FleetNodeConflictError`), instead of two ROOTs building as one node.
+Left out, as they change for the same directory: its path (`mv` within a filesystem, another mount
+point) and its device number (a reboot or a remount may renumber the same disk)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import layout
+
+ROOT_ID_NAME = "fleet-root-id"
+
+log = logging.getLogger("stagerd.fleet")
+_OLD_ID = re.compile(r"[0-9a-f]{32}")  # the id alone, as an older stagerd wrote it
+_lock = threading.Lock()
+
+
+def where(root: Path) -> dict[str, Any]:
+    """What tells this ROOT directory from a copy of it."""
+    return {"host": socket.gethostname(), "ino": os.stat(root).st_ino}
+
+
+def root_id(root: Path) -> str:
+    """ROOT's identity, made once per ROOT directory (and again in a copy of it)."""
+    path = root / ".stagerd" / ROOT_ID_NAME
+    with _lock:  # one process's threads make one id
+        here = where(root)
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            text = None
+        found = _parse(text)
+        if found is not None and found.get("where") in (here, None):
+            if found.get("where") is None:  # written before ids recorded where: adopt it for this ROOT
+                _write(path, found["id"], here)
+            return str(found["id"])
+        if found is not None or text is not None:
+            made = found.get("where") if found is not None else "unreadable"
+            log.warning(
+                "ROOT %s: %s was made for another ROOT directory (%s; this one is %s): taken for a copy, "
+                "this ROOT gets a new fleet identity; a fleet step it claimed before is refused "
+                "(FleetNodeConflictError)",
+                root,
+                path,
+                made,
+                here,
+            )
+        new = uuid.uuid4().hex
+        _write(path, new, here)
+        return new
+
+
+def _parse(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if _OLD_ID.fullmatch(text):
+        return {"id": text, "where": None}
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not _OLD_ID.fullmatch(d["id"]):
+        return None
+    if not isinstance(d.get("where"), dict):
+        return None
+    return d
+
+
+def _write(path: Path, id_: str, here: dict[str, Any]) -> None:
+    layout.write_bytes_atomic(path, json.dumps({"id": id_, "where": here}).encode() + b"\n")

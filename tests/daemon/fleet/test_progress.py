@@ -1,0 +1,134 @@
+"""A fleet wait fails only after `fleet_wait_seconds` with nothing new, and what is new includes the awaited
+node's own progress: a leader still building, a raw upload or a build longer than the setting. A node that
+makes no progress still times the wait out, named and retryable. Nodes are threads, as in
+test_protocol.py; their work is slowed by wrapping the real build or upload, never replaced."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet.build import Artefact
+from stagerd.daemon.fleet.node import FleetResult
+from stagerd.errors import FleetWaitError
+from stagerd.sinks import local
+from tests.daemon.fleet.test_protocol import STEP, _node, _stage
+
+
+def _run(step_dir: Path, sink: Path, wait: float, out: dict[int, object], k: int) -> threading.Thread:
+    def one() -> None:
+        try:
+            out[k] = _node(step_dir, sink.as_uri(), wait_seconds=wait)[0].run()
+        except Exception as e:
+            out[k] = e
+
+    t = threading.Thread(target=one)
+    t.start()
+    return t
+
+
+def _slow_builds(monkeypatch, node: str, before: float = 0.0, each: float = 0.0, gate=None) -> None:
+    """Node `node`'s builds (its work dir is under `node{K}/`) wait `before` s, or for `gate`, first, and
+    `each` s before each progress report of the real build."""
+    build = Artefact.build
+
+    def slow(self, name, out, *, threads, progress):
+        if f"/{node}/" in str(out):
+            if gate is not None:
+                gate.wait(20)
+            time.sleep(before)
+            real = progress
+
+            def progress(done: int, total: int) -> None:
+                time.sleep(each)
+                real(done, total)
+
+        return build(self, name, out, threads=threads, progress=progress)
+
+    monkeypatch.setattr(Artefact, "build", slow)
+
+
+def _published(sink: Path) -> bool:
+    return (sink / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file()
+
+
+def test_a_leader_still_building_keeps_a_non_leaders_wait_alive(tmp_path, dcp_mixed2, monkeypatch):
+    """The leader owns 3 of the 5 files and builds each in 0.3 s more than it takes; node 1, done with its
+    2, waits 0.6 s at most for anything new. Its text used to be "waiting for the leader (node 0)" however
+    many of the leader's files were recorded, so a `--once` run failed the step while the leader worked."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, out = tmp_path / "sink", {}
+    _slow_builds(monkeypatch, "node0", before=0.3)
+    threads = [_run(dirs[1], sink, 0.6, out, 1), _run(dirs[0], sink, 0.6, out, 0)]
+    for t in threads:
+        t.join(30)
+    assert isinstance(out[1], FleetResult) and isinstance(out[0], FleetResult), out
+    assert out[0].committed and len(out[0].built) == 3 and _published(sink)
+
+
+def test_a_stuck_leader_still_times_a_non_leader_out(tmp_path, dcp_mixed2, monkeypatch):
+    """The leader hangs before its builds: node 1's wait sees nothing new for its 0.4 s and fails,
+    retryable and naming the leader and what it has seen; once the leader goes on, node 1's retry ends."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, out, gate = tmp_path / "sink", {}, threading.Event()
+    _slow_builds(monkeypatch, "node0", gate=gate)
+    leader = _run(dirs[0], sink, 0.4, out, 0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(
+            FleetWaitError,
+            match=r"waiting for the leader \(node 0: 2 of 5 files recorded, "
+            r"0 of 1 sinks committed; node 0 sending its raw part: \d+ bytes\): nothing new",
+        ) as e:
+            _node(dirs[1], sink.as_uri(), wait_seconds=0.4)[0].run()
+    finally:
+        gate.set()
+    assert e.value.retryable and time.monotonic() - t0 < 5
+    leader.join(30)
+    assert isinstance(out[0], FleetResult) and out[0].committed, out
+    assert isinstance(_node(dirs[1], sink.as_uri(), wait_seconds=0.4)[0].run(), FleetResult)
+
+
+def test_a_raw_upload_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, monkeypatch):
+    """Node 1 sends its raw part in pieces 0.15 s apart, 1.2 s in all; the leader waits 0.6 s at most for
+    anything new. It saw a node's part only once its manifest landed, so it used to give up mid-upload;
+    now node 1 reports the bytes it has sent (`fleet/step-N/progress/`), and the leader shows them."""
+    iter_file = local.iter_file
+
+    def slow(path, *a, **kw) -> Iterator[memoryview]:
+        for view in iter_file(path, *a, **kw):
+            if f"/node1/{layout.step_dir_name(STEP)}/" not in str(path):  # its raw part only
+                yield view
+                continue
+            for i in range(0, len(view), -(-len(view) // 4)):
+                time.sleep(0.15)
+                yield view[i : i + -(-len(view) // 4)]
+
+    monkeypatch.setattr(local, "iter_file", slow)
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, out = tmp_path / "sink", {}
+    node0, seen = _node(dirs[0], sink.as_uri(), wait_seconds=0.6)
+    t = _run(dirs[1], sink, 0.6, out, 1)  # a node reports every quarter of its own setting
+    assert node0.run().committed
+    t.join(30)
+    assert isinstance(out[1], FleetResult), out
+    assert any("; node 1 sending its raw part: " in s for s in seen), seen
+
+
+def test_a_build_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, monkeypatch):
+    """Node 1's build of one file takes 1.6 s (0.1 s before each of its 16 progress reports); the leader
+    waits 0.6 s at most for anything new. Its text counted records only, so it used to give up mid-build."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, out = tmp_path / "sink", {}
+    _slow_builds(monkeypatch, "node1", each=0.1)
+    node0, seen = _node(dirs[0], sink.as_uri(), wait_seconds=0.6)
+    t = _run(dirs[1], sink, 0.6, out, 1)  # a node reports every quarter of its own setting
+    assert node0.run().committed
+    t.join(30)
+    assert isinstance(out[1], FleetResult), out
+    assert any("; node 1 building model-" in s for s in seen), seen
