@@ -1,14 +1,13 @@
 """This ROOT's identity on the exchange (`ROOT/.stagerd/fleet-root-id`): a node's claim of a step names it,
 so that two ROOTs acting as one node id are told apart (`FleetNodeConflictError`).
 
-An id alone would travel with a copy of ROOT (a node image with a staging directory in it, `cp -a` to
-another node or path), and the copy would pass for the original. So the file also records where its id
-was made: the host name and ROOT's inode. When they no longer match, this ROOT is taken for a copy and
-makes a fresh id (with a warning): safe, since the worst a false alarm does (a ROOT restored from a
-backup, moved to another filesystem, or whose host was renamed) is that the steps it claimed before are
-refused by name, with a hint (`FleetNodeConflictError`), instead of two ROOTs building as one node.
-Left out, as they change for the same directory: its path (`mv` within a filesystem, another mount
-point) and its device number (a reboot or a remount may renumber the same disk)."""
+An id alone would travel with a copy of ROOT (`cp -a` to another node or path), and the copy would pass for
+the original. So the file also records ROOT's inode: when it no longer matches, this ROOT is taken for a
+copy and makes a fresh id (with a warning). Left out, as they change for the same directory: its path
+(`mv`, another mount point), its device number (a reboot may renumber a disk) and the host name (a pod
+recreated under a new name, on the same node-local ROOT, must keep its in-flight fleet steps). A copy the
+inode cannot tell (a block-level clone of a disk) keeps the id; it then acts for the same saves, and a
+save of its own is told apart by the claim's save identity (`StepConflictError`)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import uuid
 from pathlib import Path
@@ -33,7 +31,7 @@ _lock = threading.Lock()
 
 def where(root: Path) -> dict[str, Any]:
     """What tells this ROOT directory from a copy of it."""
-    return {"host": socket.gethostname(), "ino": os.stat(root).st_ino}
+    return {"ino": os.stat(root).st_ino}
 
 
 def root_id(root: Path) -> str:
@@ -46,12 +44,13 @@ def root_id(root: Path) -> str:
         except FileNotFoundError:
             text = None
         found = _parse(text)
-        if found is not None and found.get("where") in (here, None):
-            if found.get("where") is None:  # written before ids recorded where: adopt it for this ROOT
+        made = None if found is None else found.get("where")
+        if found is not None and (made is None or made.get("ino") == here["ino"]):
+            if made != here:  # written before ids recorded where: adopt it for this ROOT
                 _write(path, found["id"], here)
             return str(found["id"])
         if found is not None or text is not None:
-            made = found.get("where") if found is not None else "unreadable"
+            made = made if found is not None else "unreadable"
             log.warning(
                 "ROOT %s: %s was made for another ROOT directory (%s; this one is %s): taken for a copy, "
                 "this ROOT gets a new fleet identity; a fleet step it claimed before is refused "

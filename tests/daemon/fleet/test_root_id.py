@@ -51,13 +51,15 @@ def test_a_copied_root_gets_its_own_identity_and_the_original_keeps_its(tmp_path
         claim_export_dir(clone, tmp_path / "exports", copied)
 
 
-def test_a_root_cloned_in_place_on_another_host_gets_its_own_identity(tmp_path, monkeypatch, caplog):
-    """A node image holding ROOT, booted on another host: same path, same inode, another host name."""
+def test_a_root_whose_host_is_renamed_keeps_its_identity(tmp_path, monkeypatch, caplog):
+    """A pod recreated under a new name on the same node-local ROOT (same directory, another host name)
+    is the same ROOT: its in-flight fleet steps stay its own."""
     root = _root(tmp_path)
     first = _id(root)
-    monkeypatch.setattr(socket, "gethostname", lambda: "another-node")
+    monkeypatch.setattr(socket, "gethostname", lambda: "another-pod")
     with caplog.at_level(logging.WARNING, "stagerd.fleet"):
-        assert _id(root) != first
+        assert _id(root) == first
+    assert not caplog.records
 
 
 def test_an_identity_made_by_an_older_stagerd_is_kept(tmp_path, caplog):
