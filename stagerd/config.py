@@ -136,8 +136,8 @@ class Settings(BaseSettings):
         gt=0,
         le=WEEK,
         description="A node-locally staged step: how long this node's daemon waits with nothing new from "
-        "the other nodes (a part, a file's record, the leader's commit) before the try ends as "
-        "FleetWaitError; never "
+        "the other nodes (a part, a file's record, the leader's commit, a node's reported progress) before "
+        "the try ends as FleetWaitError; never "
         "quarantined: a running daemon waits again, --once exits 1 leaving the step waiting for the next "
         "start.",
     )
