@@ -42,6 +42,7 @@ the calling frame), or to the one `resume()` is given, and wraps a few of its me
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import sys
@@ -85,6 +86,7 @@ class StagerdCallback(TrainerCallback):
         self.stager: Stager | None = None
         self._trainer: Trainer | None = None
         self._restored: hf_trainer.Restored | None = None
+        self._resumed_step: int | None = None  # the step this train() resumed from, until on_train_begin
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
 
@@ -120,6 +122,9 @@ class StagerdCallback(TrainerCallback):
         self._model_files = None
         if getattr(trainer, "is_deepspeed_enabled", False):
             raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
+        resumed, self._resumed_step = self._resumed_step, None
+        if args.load_best_model_at_end and resumed is not None:
+            self._best_of_resumed(trainer, resumed)
         if args.load_best_model_at_end:
             self._say("load_best_model_at_end: the best step is loaded from ROOT at the end of training; a "
                       "daemon run with --keep-last may delete it before: run it without --keep-last until "
@@ -295,6 +300,7 @@ class StagerdCallback(TrainerCallback):
             trainer = self._bound()
             if name == "_load_optimizer_and_scheduler":  # the model is prepared and the optimizer made
                 self._restored = hf_trainer.load(trainer, self._stager(), step)
+                self._resumed_step = step
                 log.info("resumed from step %d under %s", step, self.root)
                 return original(checkpoint, *args, **kwargs)  # a subclass's own files, in extras/
             if name == "_load_scaler" and self._restored is not None:
@@ -307,6 +313,19 @@ class StagerdCallback(TrainerCallback):
 
     def _step_path(self, step: int) -> Path:
         return self.root.absolute() / layout.step_dir_name(step)
+
+    def _best_of_resumed(self, trainer: Trainer, resumed: int) -> None:
+        """The best step a resumed run recorded is this ROOT's step of that number: the recorded path may
+        be another ROOT's (moved or copied; the Trainer's own loader would find no weights there), or
+        dropped by the Trainer as no directory (the step deleted; it would end with the last weights).
+        Loaded at the end if it is here, a `LoadError` if not."""
+        recorded = trainer.state.best_model_checkpoint
+        if recorded is None:
+            state = self._step_path(resumed) / layout.EXTRAS_DIR / _STATE_FILE
+            recorded = json.loads(state.read_text()).get("best_model_checkpoint")
+        step = layout.parse_step_dir(Path(recorded).name) if isinstance(recorded, str) else None
+        if step is not None:  # the Trainer's own checkpoints are `checkpoint-N`
+            trainer.state.best_model_checkpoint = str(self._step_path(step))
 
     def _load_best_model(self, original: Any) -> None:
         """At the end of training: the best step's model weights, from ROOT (the Trainer's own loader for

@@ -1,8 +1,8 @@
 """What each gloo rank of the best-model test does (`load_best_model_at_end`), in the launch of `hf_ranks`.
 
-Under DDP and under Accelerate FSDP2, two trainings of one tiny Llama from the same seed, 4 steps, an
-evaluation and a save every 2 steps, `metric_for_best_model="loss"` with `greater_is_better=True`: the loss
-falls, so the best step is step 2, not the last. One run saves through `StagerdCallback`, the other is the
+Under DDP and under Accelerate FSDP2, two trainings of one tiny Llama from the same seed, 2 steps, an
+evaluation and a save at each, `metric_for_best_model="loss"` with `greater_is_better=True`: the loss
+falls, so the best step is step 1, not the last. One run saves through `StagerdCallback`, the other is the
 plain Trainer saving its own checkpoints. Rank 0 writes `best-<mode>.json`: the best steps and paths, and
 whether the final weights are the best step's (recorded at its save), not the last step's, and the plain
 run's.
@@ -17,6 +17,7 @@ from typing import Any
 from tests.integrations import hf_ranks
 
 MODES = ("fsdp2", "ddp")
+STEPS = 2
 
 
 def run(rank: int, out: Path) -> None:
@@ -33,7 +34,7 @@ def _mode(rank: int, mode: str, out: Path) -> None:
         return
     state = staged.state
     best = json.loads((Path(state.best_model_checkpoint) / "extras" / "trainer_state.json").read_text())
-    last = Path(state.best_model_checkpoint).parent / "step-00000004" / "extras" / "trainer_state.json"
+    last = Path(state.best_model_checkpoint).parent / f"step-{STEPS:08d}" / "extras" / "trainer_state.json"
     result = {
         "best_global_step": state.best_global_step,
         "plain_best_global_step": plain.state.best_global_step,
@@ -41,7 +42,7 @@ def _mode(rank: int, mode: str, out: Path) -> None:
         "recorded_in_the_last_step": json.loads(last.read_text())["best_model_checkpoint"],
         "recorded_in_the_best_step": best["best_model_checkpoint"],
         "final_is_best": _same(final, seen.at[state.best_global_step]),
-        "final_is_last": _same(final, seen.at[hf_ranks.STEPS]),
+        "final_is_last": _same(final, seen.at[STEPS]),
         "final_is_plain": _same(final, other),
         "sharded": hf_ranks._sharded(staged.model),
         "output": sorted(p.name for p in (out / "stagerd").glob("*")),
@@ -55,7 +56,7 @@ def train(mode: str, out: Path, stagerd: Path | None, callbacks: list[Any]) -> A
     from stagerd.integrations.transformers import StagerdCallback
 
     args = dict(
-        output_dir=str(out), max_steps=hf_ranks.STEPS, save_steps=2, eval_strategy="steps", eval_steps=2,
+        output_dir=str(out), max_steps=STEPS, save_steps=1, eval_strategy="steps", eval_steps=1,
         logging_steps=1, per_device_train_batch_size=2, per_device_eval_batch_size=4, learning_rate=1e-2,
         use_cpu=True, report_to=[], disable_tqdm=True, seed=7, load_best_model_at_end=True,
         metric_for_best_model="loss", greater_is_better=True, save_total_limit=1,
