@@ -19,7 +19,9 @@ What keeps its meaning, and what maps to the daemon:
 - `save_strategy`, `save_steps`, `save_only_model` (then the model alone is saved), `save_strategy="best"`:
   as in the Trainer; the step is `global_step`.
 - `save_total_limit`: nothing is written under `output_dir`, so there is nothing to rotate; staged steps
-  are the daemon's: `stagerd watch ROOT --keep-last N` (and `--remote-keep-last` on a sink).
+  are the daemon's: `stagerd watch ROOT --keep-last N` (and `--remote-keep-last` on a sink). It is unset
+  while the training runs: with 1 and a best checkpoint, the Trainer would delete at the end every other
+  `checkpoint-*` folder under `output_dir`, none of them this run's.
 - `load_best_model_at_end` (with `metric_for_best_model`): the Trainer tracks the best metric as always;
   `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
   too), and at the end of training the model's weights are loaded from that staged step, on every rank,
@@ -89,6 +91,7 @@ class StagerdCallback(TrainerCallback):
         self._resumed_step: int | None = None  # the step this train() resumed from, until on_train_begin
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
+        self._limit: int | None = None  # the user's save_total_limit, unset while training
 
     # -- the documented call -----------------------------------------------------------------------
 
@@ -133,9 +136,12 @@ class StagerdCallback(TrainerCallback):
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
+        self._limit, args.save_total_limit = args.save_total_limit, None
         self._attach(trainer)  # before the first step: its buffers are reserved after it
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._limit is not None:
+            args.save_total_limit, self._limit = self._limit, None
         stager, self.stager = self.stager, None
         if stager is not None:
             stager.close()  # every save committed, or its SaveError raised here

@@ -16,7 +16,7 @@ from stagerd.contract import layout
 from stagerd.errors import LoadError
 
 
-def trainer(root: Path, out: Path, steps: int, callbacks: list[Any]) -> Any:
+def trainer(root: Path, out: Path, steps: int, callbacks: list[Any], limit: int | None = None) -> Any:
     import transformers as tf
 
     from stagerd.integrations.transformers import StagerdCallback
@@ -26,6 +26,7 @@ def trainer(root: Path, out: Path, steps: int, callbacks: list[Any]) -> Any:
         output_dir=str(out), max_steps=steps, eval_strategy="steps", save_steps=1, eval_steps=1,
         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True, use_cpu=True,
         report_to=[], disable_tqdm=True, per_device_train_batch_size=2, learning_rate=1e-2,
+        save_total_limit=limit,
     )  # fmt: skip
     ds, collator = hf_ranks.dataset(), tf.DataCollatorForLanguageModeling(hf_ranks.tokenizer(), mlm=False)
     return tf.Trainer(model=hf_ranks.model(0), args=args, data_collator=collator, train_dataset=ds,
@@ -45,12 +46,17 @@ def weights(t: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
-    """Two steps under ROOT; the model ends with step 1's weights."""
+    """Two steps under ROOT; the model ends with step 1's weights. `save_total_limit=1` with a best
+    checkpoint: the Trainer deletes every other `checkpoint-*` under output_dir at the end, and none
+    is this run's: another run's stays."""
     tmp = tmp_path_factory.mktemp("best")
-    t = trainer(tmp / "root", tmp / "out", 2, [])
+    (tmp / "out" / "checkpoint-9").mkdir(parents=True)
+    t = trainer(tmp / "root", tmp / "out", 2, [], limit=1)
     t.train()
     assert t.state.best_global_step == 1
     assert t.state.best_model_checkpoint == str((tmp / "root" / layout.step_dir_name(1)).absolute())
+    assert [p.name for p in (tmp / "out").iterdir()] == ["checkpoint-9"]
+    assert t.args.save_total_limit == 1  # the user's, back
     return tmp, weights(t)
 
 
