@@ -136,7 +136,8 @@ class StagerdCallback(TrainerCallback):
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
-        self._limit, args.save_total_limit = args.save_total_limit, None
+        if args.save_total_limit is not None:  # else still unset by a train() that raised: kept
+            self._limit, args.save_total_limit = args.save_total_limit, None
         self._attach(trainer)  # before the first step: its buffers are reserved after it
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
