@@ -4,8 +4,8 @@ Under DDP and under Accelerate FSDP2, two trainings of one tiny Llama from the s
 evaluation and a save at each, `metric_for_best_model="loss"` with `greater_is_better=True`: the loss
 falls, so the best step is step 1, not the last. One run saves through `StagerdCallback`, the other is the
 plain Trainer saving its own checkpoints. Rank 0 writes `best-<mode>.json`: the best steps and paths, and
-whether the final weights are the best step's (recorded at its save), not the last step's, and the plain
-run's.
+whether each rank's final weights are the best step's (recorded at its save), not the last step's, and the
+plain run's.
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ def _mode(rank: int, mode: str, out: Path) -> None:
     seen = _Weights()
     staged = train(mode, out / "stagerd", stagerd=out / "root", callbacks=[seen])
     plain = train(mode, out / "plain", stagerd=None, callbacks=[])
-    final, other = hf_ranks._full(staged.model), hf_ranks._full(plain.model)
+    import torch.distributed as dist
+
+    final, other, state = hf_ranks._full(staged.model), hf_ranks._full(plain.model), staged.state
+    mine = [_same(final, seen.at[state.best_global_step]), _same(final, seen.at[STEPS]), _same(final, other)]
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)  # each rank's weights: DDP's replicas, FSDP2's gathered shards
     if rank != 0:
         return
-    state = staged.state
     best = json.loads((Path(state.best_model_checkpoint) / "extras" / "trainer_state.json").read_text())
     last = Path(state.best_model_checkpoint).parent / f"step-{STEPS:08d}" / "extras" / "trainer_state.json"
     result = {
@@ -41,9 +45,9 @@ def _mode(rank: int, mode: str, out: Path) -> None:
         "best_model_checkpoint": state.best_model_checkpoint,
         "recorded_in_the_last_step": json.loads(last.read_text())["best_model_checkpoint"],
         "recorded_in_the_best_step": best["best_model_checkpoint"],
-        "final_is_best": _same(final, seen.at[state.best_global_step]),
-        "final_is_last": _same(final, seen.at[STEPS]),
-        "final_is_plain": _same(final, other),
+        "final_is_best": [r[0] for r in ranks],
+        "final_is_last": [r[1] for r in ranks],
+        "final_is_plain": [r[2] for r in ranks],
         "sharded": hf_ranks._sharded(staged.model),
         "output": sorted(p.name for p in (out / "stagerd").glob("*")),
     }
