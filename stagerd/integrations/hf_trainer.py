@@ -90,9 +90,7 @@ def load(trainer: Any, stager: Any, step: int) -> Restored:
     model = trainer.model
     optimizer = torch_optimizer(trainer.optimizer)
     if not (step_dir / layout.OPTIM_DIR).is_dir():  # saved with save_only_model: the model alone
-        msd = get_model_state_dict(model)
-        stager.load(split_aliases(msd)[0], step=step)
-        set_model_state_dict(model, msd)
+        load_model(trainer, stager, step)
         return Restored({}, None)
     specs = optim_specs(step_dir)
     if BLOB not in specs:
@@ -119,6 +117,13 @@ def load(trainer: Any, stager: Any, step: int) -> Restored:
         scheduler.load_state_dict(state_tree.join(blob["scheduler"], templates.__getitem__))
     scaler = None if blob.get("scaler") is None else state_tree.join(blob["scaler"], templates.__getitem__)
     return Restored({k: templates[k] for k in rng.keys_of(rank, set(specs))}, scaler)
+
+
+def load_model(trainer: Any, stager: Any, step: int) -> None:
+    """Load the model weights of `step` alone, as sharded or replicated as trained (collective)."""
+    msd = get_model_state_dict(trainer.model)
+    stager.load(split_aliases(msd)[0], step=step)
+    set_model_state_dict(trainer.model, msd)
 
 
 def restore_scaler(trainer: Any, state: Any) -> None:

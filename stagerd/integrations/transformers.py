@@ -19,10 +19,17 @@ What keeps its meaning, and what maps to the daemon:
 - `save_strategy`, `save_steps`, `save_only_model` (then the model alone is saved), `save_strategy="best"`:
   as in the Trainer; the step is `global_step`.
 - `save_total_limit`: nothing is written under `output_dir`, so there is nothing to rotate; staged steps
-  are the daemon's: `stagerd watch ROOT --keep-last N` (and `--remote-keep-last` on a sink).
+  are the daemon's: `stagerd watch ROOT --keep-last N` (and `--remote-keep-last` on a sink). It is unset
+  while the training runs: with 1 and a best checkpoint, the Trainer would delete at the end every other
+  `checkpoint-*` folder under `output_dir`, none of them this run's.
+- `load_best_model_at_end` (with `metric_for_best_model`): the Trainer tracks the best metric as always;
+  `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
+  too), and at the end of training the model's weights are loaded from that staged step, on every rank,
+  once every save is committed. The daemon's `--keep-last` does not know which step is the best: a best
+  step it deleted is a `LoadError` at the end, never the last weights kept in silence.
 - `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
   Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
-- `load_best_model_at_end` and DeepSpeed are refused at the start of training (a `ConfigError`).
+- DeepSpeed is refused at the start of training (a `ConfigError`).
 
 Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
 e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
@@ -37,6 +44,7 @@ the calling frame), or to the one `resume()` is given, and wraps a few of its me
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import sys
@@ -49,7 +57,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
-from stagerd.errors import ConfigError, SaveInputError, StepExistsError
+from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, hf_trainer, rng
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
@@ -59,6 +67,8 @@ log = logging.getLogger("stagerd.integrations")
 _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+_WRAPPED = ("_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
+_STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
 
 class StagerdCallback(TrainerCallback):
@@ -78,8 +88,10 @@ class StagerdCallback(TrainerCallback):
         self.stager: Stager | None = None
         self._trainer: Trainer | None = None
         self._restored: hf_trainer.Restored | None = None
+        self._resumed_step: int | None = None  # the step this train() resumed from, until on_train_begin
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
+        self._limit: int | None = None  # the user's save_total_limit, unset while training
 
     # -- the documented call -----------------------------------------------------------------------
 
@@ -87,15 +99,20 @@ class StagerdCallback(TrainerCallback):
         """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
         under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
         self._bind(trainer)
+        seen = self._committed_on_every_rank()
+        if step is None and not any(seen):
+            return None
+        chosen = choose_step(seen, step)
+        return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
+
+    def _committed_on_every_rank(self) -> list[list[int]]:
+        """Each rank's committed steps under ROOT (collective)."""
         mine = [s for s, _ in layout.committed_steps(self.root)]
         seen = [mine]
         if dist.is_available() and dist.is_initialized():
             seen = [[] for _ in range(dist.get_world_size())]
             dist.all_gather_object(seen, mine)
-        if step is None and not any(seen):
-            return None
-        chosen = choose_step(seen, step)
-        return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
+        return seen
 
     # -- callback events ---------------------------------------------------------------------------
 
@@ -106,21 +123,26 @@ class StagerdCallback(TrainerCallback):
         self._bind_caller()
         trainer = self._bound()
         self._model_files = None
-        if args.load_best_model_at_end:
-            raise ConfigError(
-                "StagerdCallback does not load the best model at the end",
-                hint="set load_best_model_at_end=False; load a chosen step with "
-                "trainer.train(resume_from_checkpoint=callback.resume(trainer, step=N)) or Stager.load",
-            )
         if getattr(trainer, "is_deepspeed_enabled", False):
             raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
-        if args.save_total_limit:
+        resumed, self._resumed_step = self._resumed_step, None
+        if args.load_best_model_at_end and resumed is not None:
+            self._best_of_resumed(trainer, resumed)
+        if args.load_best_model_at_end:
+            self._say("load_best_model_at_end: the best step is loaded from ROOT at the end of training; a "
+                      "daemon run with --keep-last may delete it before: run it without --keep-last until "
+                      "the training ends")  # fmt: skip
+        elif args.save_total_limit:
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
+        if args.save_total_limit is not None:  # else still unset by a train() that raised: kept
+            self._limit, args.save_total_limit = args.save_total_limit, None
         self._attach(trainer)  # before the first step: its buffers are reserved after it
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._limit is not None:
+            args.save_total_limit, self._limit = self._limit, None
         stager, self.stager = self.stager, None
         if stager is not None:
             stager.close()  # every save committed, or its SaveError raised here
@@ -143,8 +165,7 @@ class StagerdCallback(TrainerCallback):
             return
         if self._trainer is not None:
             raise ConfigError("a StagerdCallback serves one Trainer; give each Trainer its own")
-        missing = [n for n in ("_save_checkpoint", "save_model", "_get_output_dir", *_SAVE_WRITERS, *_LOADERS)
-                   if not callable(getattr(trainer, n, None))]  # fmt: skip
+        missing = [n for n in (*_WRAPPED, *_LOADERS) if not callable(getattr(trainer, n, None))]
         if missing:
             raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")
         self._trainer = trainer
@@ -153,6 +174,8 @@ class StagerdCallback(TrainerCallback):
         for name in _LOADERS:
             original = getattr(trainer, name)
             setattr(trainer, name, self._loader(name, original))
+        load_best = trainer._load_best_model
+        trainer._load_best_model = lambda: self._load_best_model(load_best)  # type: ignore[method-assign]
 
     def _bound(self) -> Trainer:
         if self._trainer is None:
@@ -183,6 +206,7 @@ class StagerdCallback(TrainerCallback):
         try:
             with self._writes_captured(trainer, captured, scratch):
                 save(model, trial)
+            self._name_best_step(trainer, scratch)
             # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
             folder = scratch / f"checkpoint-{trainer.state.global_step}"
             files = {
@@ -194,6 +218,18 @@ class StagerdCallback(TrainerCallback):
             self._say("push_to_hub: the Trainer's per-save push is skipped; the daemon publishes every "
                       "committed step: stagerd watch ROOT --sink hf://ORG/NAME")  # fmt: skip
         self._start_save(trainer, captured, files)
+
+    def _name_best_step(self, trainer: Trainer, scratch: Path) -> None:
+        """The Trainer names the best checkpoint after the folder it saved in when this step is the best:
+        here one in `scratch`, gone after the save. It is this step's directory under ROOT instead, in
+        the state and in the `trainer_state.json` the step keeps (a resumed run then knows it)."""
+        best = trainer.state.best_model_checkpoint
+        if best is None or Path(best).parent != scratch:
+            return
+        trainer.state.best_model_checkpoint = str(self._step_path(trainer.state.global_step))
+        written = scratch / Path(best).name / _STATE_FILE
+        if written.is_file():
+            trainer.state.save_to_json(str(written))
 
     @contextlib.contextmanager
     def _writes_captured(
@@ -271,6 +307,7 @@ class StagerdCallback(TrainerCallback):
             trainer = self._bound()
             if name == "_load_optimizer_and_scheduler":  # the model is prepared and the optimizer made
                 self._restored = hf_trainer.load(trainer, self._stager(), step)
+                self._resumed_step = step
                 log.info("resumed from step %d under %s", step, self.root)
                 return original(checkpoint, *args, **kwargs)  # a subclass's own files, in extras/
             if name == "_load_scaler" and self._restored is not None:
@@ -280,6 +317,47 @@ class StagerdCallback(TrainerCallback):
             return None  # `_load_from_checkpoint`: the model loads with the optimizer, above
 
         return load
+
+    def _step_path(self, step: int) -> Path:
+        return self.root.absolute() / layout.step_dir_name(step)
+
+    def _best_of_resumed(self, trainer: Trainer, resumed: int) -> None:
+        """The best step a resumed run recorded is this ROOT's step of that number: the recorded path may
+        be another ROOT's (moved or copied; the Trainer's own loader would find no weights there), or
+        dropped by the Trainer as no directory (the step deleted; it would end with the last weights).
+        Loaded at the end if it is here, a `LoadError` if not."""
+        recorded = trainer.state.best_model_checkpoint
+        if recorded is None:
+            state = self._step_path(resumed) / layout.EXTRAS_DIR / _STATE_FILE
+            recorded = json.loads(state.read_text()).get("best_model_checkpoint")
+        step = layout.parse_step_dir(Path(recorded).name) if isinstance(recorded, str) else None
+        if step is not None:  # the Trainer's own checkpoints are `checkpoint-N`
+            trainer.state.best_model_checkpoint = str(self._step_path(step))
+
+    def _load_best_model(self, original: Any) -> None:
+        """At the end of training: the best step's model weights, from ROOT (the Trainer's own loader for
+        a checkpoint of its own, e.g. named by the state of a run resumed from one). Collective."""
+        trainer = self._bound()
+        best = Path(str(trainer.state.best_model_checkpoint))  # the Trainer calls it only when set
+        step = layout.parse_step_dir(best.name)
+        if step is None or best.parent.resolve() != self.root.resolve():
+            return original()
+        stager = self._stager()
+        stager.wait()  # the best step may be the newest save, still being written: committed first
+        try:
+            choose_step(self._committed_on_every_rank(), step)
+        except LoadError as e:
+            self.on_train_end(trainer.args, trainer.state, trainer.control)  # the Trainer will not call it
+            metric = f"{trainer.args.metric_for_best_model}={trainer.state.best_metric}"
+            raise LoadError(
+                f"cannot load the best model ({metric}): {e.message}; the model keeps the last weights",
+                path=best,
+                hint="run the daemon without --keep-last until the training ends; a step it deleted was "
+                f"published first: `stagerd restore URL DIR --export --step {step}` fetches its weights",
+            ) from None
+        hf_trainer.load_model(trainer, stager, step)
+        log.info("loaded the best model (step %d, %s=%s) from %s", step,
+                 trainer.args.metric_for_best_model, trainer.state.best_metric, best)  # fmt: skip
 
     def _restore_rng(self) -> None:
         assert self._restored is not None

@@ -109,12 +109,18 @@ def fsdp_on_cpu() -> None:
 
 
 def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -> None:
-    """Each of `kinds` ("trainer", "sft") in turn, under `out_dir/<kind>/` (one launch: one import)."""
+    """Each of `kinds` ("trainer", "sft", "best": `hf_best_ranks`) in turn, under `out_dir/<kind>/` (one
+    launch: one import)."""
+    from tests.integrations import hf_best_ranks
+
     env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)  # as torchrun sets
     os.environ.update({k: str(v) for k, v in env.items()})
     join(rank, world, init_file)
     for kind in kinds:
-        _run(rank, kind, Path(out_dir) / kind)
+        if kind == "best":
+            hf_best_ranks.run(rank, Path(out_dir) / kind)
+        else:
+            _run(rank, kind, Path(out_dir) / kind)
 
 
 def _run(rank: int, kind: str, out: Path) -> None:

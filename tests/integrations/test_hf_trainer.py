@@ -6,19 +6,22 @@ resumed from its step 2 alone.
 - the resumed run's losses and final weights are the uninterrupted run's, bit for bit;
 - `stagerd watch --once` exports and publishes every step, and each export is what `save_pretrained`
   writes of that step's weights, with config, generation config and tokenizer beside it;
-- nothing is written under the Trainer's output_dir (its save is skipped).
+- nothing is written under the Trainer's output_dir (its save is skipped);
+- with `load_best_model_at_end`, under FSDP2 and DDP, the model ends with the best step's weights, loaded
+  from ROOT, as the plain Trainer's does from its own checkpoint (`hf_best_ranks`).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from stagerd.contract import layout
 from tests.fidelity import harness
 from tests.gloo import launch
-from tests.integrations import hf_ranks
+from tests.integrations import hf_best_ranks, hf_ranks
 
 pytestmark = pytest.mark.slow
 KINDS = ["trainer", "sft"]
@@ -27,7 +30,7 @@ KINDS = ["trainer", "sft"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
-    launch(hf_ranks.run, KINDS, str(out), deadline_s=400)
+    launch(hf_ranks.run, [*KINDS, "best"], str(out), deadline_s=400)
     return out
 
 
@@ -56,3 +59,17 @@ def test_the_daemon_exports_every_step_as_save_pretrained(runs, kind):
         assert (published / "tokenizer.json").is_file()
     state = json.loads((sink / layout.step_dir_name(hf_ranks.STEPS) / "trainer_state.json").read_text())
     assert state["global_step"] == hf_ranks.STEPS
+
+
+@pytest.mark.parametrize("mode", hf_best_ranks.MODES)
+def test_load_best_model_at_end_loads_the_best_staged_step_as_the_trainer_does(runs, mode):
+    result = json.loads((runs / "best" / f"best-{mode}.json").read_text())
+    assert result["best_global_step"] == result["plain_best_global_step"] == 1  # of 2: not the last
+    assert result["final_is_best"] == [True, True]  # bit for bit, on each rank
+    assert result["final_is_last"] == [False, False]
+    assert result["final_is_plain"] == [True, True]  # what the plain Trainer ends with, from its checkpoint
+    best = (runs / "best" / mode / "root" / layout.step_dir_name(1)).resolve()
+    for key in ("best_model_checkpoint", "recorded_in_the_best_step", "recorded_in_the_last_step"):
+        assert Path(result[key]).resolve() == best, key  # a path a user can load, in trainer_state.json too
+    assert result["sharded"] == (mode == "fsdp2")
+    assert result["output"] == []  # nothing under output_dir
