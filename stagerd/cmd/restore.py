@@ -208,7 +208,7 @@ def refuse_links(path: Path) -> None:
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
     from stagerd.contract import layout
-    from stagerd.contract.step_lock import StepLock
+    from stagerd.contract.step.lock import StepLock
     from stagerd.daemon.journal import Journal
     from stagerd.daemon.lock import RootLock
     from stagerd.errors import RestoreError, StepExistsError

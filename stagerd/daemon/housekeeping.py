@@ -9,7 +9,8 @@ import errno
 import shutil
 from pathlib import Path
 
-from stagerd.contract.step_lock import StepLock
+from stagerd.contract.step.lock import StepLock
+from stagerd.contract.step.pin import Unpinned, pinned
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.health import Health
@@ -26,15 +27,20 @@ from stagerd.errors import JournalError, MarkerError, StagerdError, StepBusyErro
 
 
 class Housekeeping(Health, Adoption):
-    _retention_kept: set[int]  # steps retention skipped because ROOT holds another save of them
+    _retention_kept: set[int]  # steps retention kept (said once): another save of them, or pinned
 
     async def _retain(self) -> None:
         """Delete the staged data that retention allows, oldest first."""
         if self.settings.keep_last is None:
             return
         rows = await self._j(self._journal.steps, include_retired=False)
-        views = [StepView(r.step, r.state == PUBLISHED) for r in rows]
+        views = [StepView(r.step, r.state == PUBLISHED, pinned(self.root, r.step)) for r in rows]
         by_step = {r.step: r for r in rows}
+        for v in views:
+            if v.pinned and v.step not in self._retention_kept:
+                self._retention_kept.add(v.step)
+                log.info("step %d: kept while a trainer pins it (its best model), beside the newest %d",
+                         v.step, self.settings.keep_last)  # fmt: skip
         for step in plan_retention(views, self.settings.keep_last):
             if self._stopping:
                 return
@@ -43,9 +49,7 @@ class Housekeeping(Health, Adoption):
             if kept is not None:
                 if step not in self._retention_kept:
                     self._retention_kept.add(step)
-                    log.warning(
-                        "step %d: staged data kept (%s); it is not the save the sinks hold", step, kept
-                    )
+                    log.warning("step %d: staged data kept: %s", step, kept)
                 continue
             self._retention_kept.discard(step)
             await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
@@ -68,27 +72,32 @@ class Housekeeping(Health, Adoption):
         try:
             if lock is not None:
                 lock.acquire()
-            if step_dir.is_dir():
-                try:
-                    ident = (
-                        save_identity(step_dir)
-                        if self._adopt_root is None
-                        else self._adopted_identity(step_dir)
-                    )
-                except (FileNotFoundError, MarkerError):
-                    ident = None
-                if ident is None:
-                    return "its directory holds no committed save: a save of it may be in progress"
-                if marker_id is not None and ident != marker_id:
-                    return "its directory holds another save of it, saved since it was published"
-            for path in paths:
-                remove_step_data(self.root, path)
-            return None
+            with Unpinned(self.root, step) as free:
+                if not free:
+                    return "a trainer holds it (its best model, read back when training ends)"
+                return self._remove_save(step_dir, marker_id, paths)
         except StepBusyError as e:
             return str(e)
         finally:
             if lock is not None:
                 lock.release()
+
+    def _remove_save(self, step_dir: Path, marker_id: str | None, paths: list[Path]) -> str | None:
+        """Under the step's lock: delete a published step's data while it holds the save the sinks have."""
+        if step_dir.is_dir():
+            try:
+                ident = (
+                    save_identity(step_dir) if self._adopt_root is None else self._adopted_identity(step_dir)
+                )
+            except (FileNotFoundError, MarkerError):
+                ident = None
+            if ident is None:
+                return "its directory holds no committed save: a save of it may be in progress"
+            if marker_id is not None and ident != marker_id:
+                return "its directory holds another save of it, made since the one the sinks hold"
+        for path in paths:
+            remove_step_data(self.root, path)
+        return None
 
     def _set_aside_places(self) -> list[Path]:
         """Where retention may set a step's data aside besides ROOT: the adopted checkpoints' exports."""

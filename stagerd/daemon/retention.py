@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import layout
-from stagerd.contract.step_dir import HeldDir
+from stagerd.contract.step.held import HeldDir
 from stagerd.ops.crashpoints import crash_point
 
 log = logging.getLogger("stagerd")
@@ -40,13 +40,15 @@ class StepView:
 
     step: int
     published: bool
+    pinned: bool = False  # a trainer holds it (`contract/step/pin.py`)
 
 
 def plan_retention(steps: Sequence[StepView], keep_last: int | None) -> list[int]:
-    """Steps whose staged data may be deleted now, oldest first. `keep_last=None` keeps everything."""
+    """Steps whose staged data may be deleted now, oldest first. `keep_last=None` keeps everything. A pinned
+    step is kept, and is not one of the `keep_last`: those are the newest others."""
     if keep_last is None:
         return []
-    ordered = sorted(steps, key=lambda s: s.step)
+    ordered = sorted((s for s in steps if not s.pinned), key=lambda s: s.step)
     older = ordered[: max(0, len(ordered) - keep_last)]
     return [s.step for s in older if s.published]
 

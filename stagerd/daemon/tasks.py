@@ -22,7 +22,7 @@ from rich.filesize import decimal
 
 from stagerd.contract import layout
 from stagerd.contract.regular_file import refuse_links
-from stagerd.contract.step_dir import held_child
+from stagerd.contract.step.held import held_child
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step

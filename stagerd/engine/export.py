@@ -25,7 +25,7 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.regular_file import linked, open_regular
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
-from stagerd.contract.step_dir import HINT, WHY, HeldDir
+from stagerd.contract.step.held import HINT, WHY, HeldDir
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.export_map import read_weight_map

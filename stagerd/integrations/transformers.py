@@ -25,8 +25,9 @@ What keeps its meaning, and what maps to the daemon:
 - `load_best_model_at_end` (with `metric_for_best_model`): the Trainer tracks the best metric as always;
   `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
   too), and at the end of training the model's weights are loaded from that staged step, on every rank,
-  once every save is committed. The daemon's `--keep-last` does not know which step is the best: a best
-  step it deleted is a `LoadError` at the end, never the last weights kept in silence.
+  once every save is committed. Every rank pins the best step (`contract/step/pin.py`) until a better one
+  is named or the training ends, so the daemon's `--keep-last` keeps it; a best step gone anyway is a
+  `LoadError` at the end, never the last weights kept in silence.
 - `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
   Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
 - DeepSpeed is refused at the start of training (a `ConfigError`).
@@ -57,6 +58,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
+from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, hf_trainer, rng
 from stagerd.training.loader import choose_step
@@ -92,6 +94,7 @@ class StagerdCallback(TrainerCallback):
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
         self._limit: int | None = None  # the user's save_total_limit, unset while training
+        self._pin: StepPin | None = None  # on the best step, against the daemon's retention
 
     # -- the documented call -----------------------------------------------------------------------
 
@@ -143,6 +146,9 @@ class StagerdCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._limit is not None:
             args.save_total_limit, self._limit = self._limit, None
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
         stager, self.stager = self.stager, None
         if stager is not None:
             stager.close()  # every save committed, or its SaveError raised here
@@ -227,6 +233,7 @@ class StagerdCallback(TrainerCallback):
         if best is None or Path(best).parent != scratch:
             return
         trainer.state.best_model_checkpoint = str(self._step_path(trainer.state.global_step))
+        self._pin_best(trainer.state.global_step)
         written = scratch / Path(best).name / _STATE_FILE
         if written.is_file():
             trainer.state.save_to_json(str(written))
@@ -333,6 +340,14 @@ class StagerdCallback(TrainerCallback):
         step = layout.parse_step_dir(Path(recorded).name) if isinstance(recorded, str) else None
         if step is not None:  # the Trainer's own checkpoints are `checkpoint-N`
             trainer.state.best_model_checkpoint = str(self._step_path(step))
+            self._pin_best(step)
+
+    def _pin_best(self, step: int) -> None:
+        """Hold the best step against the daemon's retention, and let the previous best go."""
+        pin = StepPin(self.root, step).hold()
+        if self._pin is not None:
+            self._pin.release()
+        self._pin = pin
 
     def _load_best_model(self, original: Any) -> None:
         """At the end of training: the best step's model weights, from ROOT (the Trainer's own loader for
@@ -352,8 +367,8 @@ class StagerdCallback(TrainerCallback):
             raise LoadError(
                 f"cannot load the best model ({metric}): {e.message}; the model keeps the last weights",
                 path=best,
-                hint="run the daemon without --keep-last until the training ends; a step it deleted was "
-                f"published first: `stagerd restore URL DIR --export --step {step}` fetches its weights",
+                hint="the daemon keeps a pinned best step: this one was deleted by hand or by an older "
+                f"stagerd; if published, `stagerd restore URL DIR --export --step {step}` fetches it",
             ) from None
         hf_trainer.load_model(trainer, stager, step)
         log.info("loaded the best model (step %d, %s=%s) from %s", step,

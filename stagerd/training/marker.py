@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.contract.step_lock import StepLock
+from stagerd.contract.step.lock import StepLock
 from stagerd.errors import SaveError, StepExistsError, SymlinkError
 from stagerd.ops.crashpoints import delay_point
 from stagerd.training.save_inputs import Extra
@@ -30,7 +30,7 @@ log = logging.getLogger("stagerd.stage")
 
 
 _SAVED = (layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR)  # what a save writes in its step directory
-_held: dict[Path, StepLock] = {}  # step dir -> the lock its save holds until its marker (step_lock.py)
+_held: dict[Path, StepLock] = {}  # step dir -> the lock its save holds until its marker (step/lock.py)
 
 
 def _hold(step_dir: Path) -> None:

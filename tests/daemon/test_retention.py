@@ -79,7 +79,7 @@ def test_retention_never_deletes_a_step_being_saved_again(tmp_path, dcp_mixed2):
     rename it into the trash by the journal's word that step 100 was published: the new save was lost."""
     import shutil
 
-    from stagerd.contract.step_lock import StepLock
+    from stagerd.contract.step.lock import StepLock
     from tests.daemon_helpers import stage_copy
     from tests.dcp_fixtures import commit_step
 

@@ -98,8 +98,26 @@ def test_a_best_step_deleted_before_the_end_is_a_load_error_not_the_last_weights
     stagerd = callback(t)
     with pytest.raises(LoadError, match=r"cannot load the best model \(loss=.*step 1 is not committed") as e:
         t.train()
-    assert "--keep-last" in e.value.hint and "--step 1" in e.value.hint
+    assert "pinned" in e.value.hint and "--step 1" in e.value.hint
     assert t.state.best_global_step == 1
     assert [s for s, _ in layout.committed_steps(root)] == [2]
     assert stagerd.stager is None  # closed: the Trainer ends without on_train_end
     assert not list((tmp_path / "out").glob("*"))
+
+
+def test_the_best_step_is_pinned_against_retention_while_the_training_runs(tmp_path):
+    """Pinned from its save until a better step is named or the training ends, so the daemon's
+    `--keep-last` keeps it (`tests/daemon/test_step_pin.py`)."""
+    import transformers as tf
+
+    from stagerd.contract.step.pin import pinned
+
+    root, seen = tmp_path / "root", []
+
+    class Probe(tf.TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append((state.global_step, pinned(root, 1), pinned(root, 2)))
+
+    trainer(root, tmp_path / "out", 2, [Probe()]).train()
+    assert seen == [(1, True, False), (2, True, False)]  # step 1 is the best throughout
+    assert not pinned(root, 1)

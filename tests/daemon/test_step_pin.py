@@ -1,0 +1,63 @@
+"""A step a trainer pins (the HF Trainer's best checkpoint, read back at the end of training) is kept by the
+daemon's retention, beside the newest `keep_last` others, for as long as the trainer holds it, and no
+longer: a pin is a `flock`, released with its holder's file descriptor."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from stagerd.contract import layout
+from stagerd.contract.step.pin import StepPin, pinned
+from stagerd.daemon.retention import StepView, plan_retention
+from tests.cli_helpers import REPO, clean_env, run_cli
+from tests.daemon_helpers import fast_flags, stage_copy
+
+
+def test_a_pinned_step_is_kept_and_is_not_one_of_the_newest_kept():
+    steps = [StepView(1, True, pinned=True), StepView(2, True), StepView(3, True), StepView(4, True)]
+    assert plan_retention(steps, 2) == [2]
+    assert plan_retention(steps, 0) == [2, 3, 4]
+
+
+def test_the_daemon_keeps_a_pinned_step_until_the_pin_is_released(tmp_path, dcp_mixed2):
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    for step in (100, 200, 300):
+        stage_copy(root, step, model, world=2)
+    args = ["watch", root, "--sink", sink.as_uri(), "--once", "--keep-last", "1", *fast_flags()]
+    pin = StepPin(root, 100).hold()
+    try:
+        held = run_cli(args)
+        assert held.returncode == 0, held.stderr[-3000:]
+        assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000100", "step-00000300"]
+        assert "step 100: kept while a trainer pins it" in held.stderr
+    finally:
+        pin.release()
+    released = run_cli(args)
+    assert released.returncode == 0, released.stderr[-3000:]
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000300"]
+    assert (sink / layout.step_dir_name(100) / layout.MANIFEST_NAME).is_file()  # published before it went
+    assert not (root / ".step-00000100.pin").exists()
+
+
+def test_a_pin_dies_with_its_holder(tmp_path):
+    code = "import sys; from stagerd.contract.step.pin import StepPin; StepPin(sys.argv[1], 7).hold(); "
+    code += "print('held', flush=True); sys.stdin.read()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"held\n"
+        assert pinned(tmp_path, 7) and not pinned(tmp_path, 8)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert not pinned(tmp_path, 7)
+    finally:
+        child.kill()
+        child.wait()
