@@ -388,7 +388,7 @@ class S3Env:
 
 def steps_log(env: S3Env) -> list[Request]:
     """The requests the proxy saw, less a backend's probe of its conditional requests (`s3/conditions.py`:
-    five requests on a scratch key, before its first conditional one)."""
+    seven requests on two scratch keys, from before its first conditional one)."""
     with env.proxy._lock:
         return [r for r in env.proxy.log if "/.stagerd-probe-" not in r.key]
 

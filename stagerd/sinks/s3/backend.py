@@ -82,6 +82,7 @@ class S3Backend(LatestMixin):
         self._latest_reads: dict[str, asyncio.Future[Latest]] = {}  # prefetches not yet used
         self._hooked: Any = None
         self._conditions: asyncio.Future[Conditions] | None = None  # the probe's, once it has run
+        self._tidy: asyncio.Future[None] | None = None  # the deletion of the probe's scratch keys
         self.signs_payload = False  # until the client is known: hash every file here, as always safe
 
     @classmethod
@@ -132,15 +133,24 @@ class S3Backend(LatestMixin):
         except Exception as e:
             raise s3_error(e, where) from None
 
-    async def conditions(self) -> Conditions:
-        """What the store does with conditional requests, probed before the first (`s3/conditions.py`)."""
+    async def conditions(self, *, tidied: bool = False) -> Conditions:
+        """What the store does with conditional requests, probed before the first (`s3/conditions.py`);
+        `tidied`: once the probe's scratch keys are deleted too."""
         if self._conditions is None:
-            self._conditions = asyncio.ensure_future(probe(self))
+
+            async def probed() -> Conditions:
+                found, self._tidy = await probe(self)
+                return found
+
+            self._conditions = asyncio.ensure_future(probed())
         try:
-            return await asyncio.shield(self._conditions)
+            found = await asyncio.shield(self._conditions)
         except Exception:
             self._conditions = None  # a probe that failed is run again by the next caller
             raise
+        if tidied and self._tidy is not None:
+            await self._tidy
+        return found
 
     # -- small operations ----------------------------------------------------------------------------------
 
@@ -249,13 +259,18 @@ class S3Backend(LatestMixin):
 
         async def go() -> StepOpening:
             nonlocal eager, small
-            if eager and (await self.conditions()).create is not Support.HONOURED:
-                eager, small = [], False  # a PUT would overwrite whatever the key holds
-            puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
-            claimed = asyncio.ensure_future(claiming())
-            self._prefetch_latest(latest_key)  # after the PUTs: they go out first
             try:
-                return await opened(puts, claimed)
+                if eager and (self._conditions is None or not self._conditions.done()):
+                    self._prefetch_latest(latest_key)  # beside the probe, which the PUTs wait for
+                if eager and (await self.conditions()).create is not Support.HONOURED:
+                    eager, small = [], False  # a PUT would overwrite whatever the key holds
+                puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
+                claimed = asyncio.ensure_future(claiming())
+                self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+                opening = await opened(puts, claimed)
+                if self._tidy is not None:  # the probe's scratch keys, deleted beside the opening
+                    await self._tidy
+                return opening
             except Exception:
                 read = self._latest_reads.get(latest_key)
                 if read is not None:  # a failed opening leaves nothing it started in flight
@@ -398,6 +413,8 @@ class S3Backend(LatestMixin):
     def close(self) -> None:
         import s3fs
 
+        if (tidy := self._tidy) is not None and not tidy.done():
+            self._run(asyncio.wait, [tidy])
         if getattr(self.fs, "_s3", None) is not None:
             s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
             self.fs._s3 = None

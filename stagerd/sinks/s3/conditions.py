@@ -11,13 +11,15 @@ on it would change a key another writer may hold, so:
   (`S3Backend.discard`);
 - a prune refuses (`ConditionsIgnoredError`) before it changes anything: its claim would not be exclusive.
 
-**The probe**, before the backend's first conditional request: a scratch key under the sink's own root
-(`.stagerd-probe-<random>`), written plainly; then, together, a PUT of it with `If-None-Match: *` and one
-with `If-Match` on an ETag it cannot have; then a DELETE with that `If-Match`; then its plain DELETE if that
-one was refused. Each conditional request must be refused (412) by a store that honours it. Five requests
-in four round trips (one fewer where the DELETE was done), all on that one exact key. (RustFS, for one,
-parses `If-Match` on DELETE and ignores it.) A kill mid-probe leaves that tiny object, which no listing
-of steps, claims or records reads.
+**The probe**, before the backend's first conditional request: two scratch keys under the sink's own root
+(`.stagerd-probe-<random>-put` and `-delete`), written plainly; then, together, a PUT of the first with
+`If-None-Match: *`, one with `If-Match` on an ETag it cannot have, and a DELETE of the second with that
+`If-Match`: a store that honours a condition refuses its request (412). Seven requests (six where the
+DELETE was done), all on those two exact keys, in two round trips before the answer: the scratch keys'
+plain DELETEs go out beside the step's first requests, and the step's opening waits for them (a prune's
+first change, before it). A kill mid-probe leaves those tiny objects, which no listing of steps, claims or
+records reads. (RustFS, for one, parses `If-Match` on DELETE and ignores
+it.)
 """
 
 from __future__ import annotations
@@ -101,12 +103,14 @@ def leave(b: S3Backend, keys: list[str], support: Support) -> None:
         )
 
 
-async def probe(b: S3Backend) -> Conditions:
-    """Find the store's `Conditions` (module docstring)."""
+async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
+    """Find the store's `Conditions` (module docstring), and the deletion of the scratch keys, still going
+    on: it need not hold up the step's first requests."""
     s3 = await b._client()
-    key = b.key(f"{PROBE_PREFIX}{uuid.uuid4().hex}")
-    where = f"s3://{b.bucket}/{key}"
-    body = {"Key": key, "Body": b"stagerd probe\n"}
+    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    put, delete = b.key(f"{name}-put"), b.key(f"{name}-delete")
+    where = f"s3://{b.bucket}/{put}"
+    body = b"stagerd probe\n"
 
     async def answer(method: str, **kwargs: Any) -> Support:
         try:
@@ -119,22 +123,36 @@ async def probe(b: S3Backend) -> Conditions:
                 return Support.NOT_IMPLEMENTED
             raise s3_error(e, where) from None
 
-    try:
-        await s3.put_object(Bucket=b.bucket, **body)
-    except Exception as e:
-        raise s3_error(e, where) from None
-    create, replace = await asyncio.gather(
-        answer("put_object", **body, IfNoneMatch="*"), answer("put_object", **body, IfMatch=_NO_SUCH_ETAG)
+    async def settled(*requests: Any) -> list[Any]:
+        """Every request's answer; a failure is raised once all are done, so none is left in flight."""
+        done = await asyncio.gather(*requests, return_exceptions=True)
+        failed = next((d for d in done if isinstance(d, BaseException)), None)
+        if failed is not None:
+            raise s3_error(failed, where) if isinstance(failed, Exception) else failed
+        return done
+
+    await settled(*(s3.put_object(Bucket=b.bucket, Key=k, Body=body) for k in (put, delete)))
+    create, replace, removal = await settled(
+        answer("put_object", Key=put, Body=body, IfNoneMatch="*"),
+        answer("put_object", Key=put, Body=body, IfMatch=_NO_SUCH_ETAG),
+        answer("delete_object", Key=delete, IfMatch=_NO_SUCH_ETAG),
     )
-    delete = await answer("delete_object", Key=key, IfMatch=_NO_SUCH_ETAG)
-    if delete is not Support.IGNORED:  # still there: our own scratch key, by its exact name
-        await b.call(where, "delete_object", Key=key)
-    found = Conditions(create, replace, delete)
+    left = [put] if removal is Support.IGNORED else [put, delete]  # our own scratch keys, exact names
+    found = Conditions(create, replace, removal)
     if found.ignored():
         then = ["prunes are refused"]
         if create is Support.IGNORED:
             then.insert(0, "no PUT before a step's listing, claims and manifests are exists-then-put")
-        if delete is Support.IGNORED:
+        if removal is Support.IGNORED:
             then.insert(0, "a losing publisher leaves what it created")
         log.warning("%s ignores %s: %s", b.base, ", ".join(found.ignored()), "; ".join(then))
-    return found
+    return found, asyncio.ensure_future(_tidy(b, left))
+
+
+async def _tidy(b: S3Backend, keys: list[str]) -> None:
+    """Best effort: a key left is a few bytes that nothing lists."""
+    s3 = await b._client()
+    gone = (s3.delete_object(Bucket=b.bucket, Key=k) for k in keys)
+    for key, done in zip(keys, await asyncio.gather(*gone, return_exceptions=True), strict=True):
+        if isinstance(done, Exception):
+            log.warning("left the probe's scratch key s3://%s/%s: %s", b.bucket, key, s3_error(done, ""))
