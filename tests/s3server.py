@@ -7,7 +7,10 @@ the way:
 - logs every request by S3 operation, so a test can count what a client really sent;
 - injects faults by rule: N answers of a status (500 InternalError, 503 SlowDown, 429 with Retry-After),
   a connection dropped after part of the request body, and a server that is down (listener closed, open
-  connections cut) and comes back up.
+  connections cut) and comes back up;
+- models a store that ignores conditional requests (`ignores`: the If-Match / If-None-Match headers of
+  the operations named are dropped on the way to moto, after the signature check), as some S3-compatible
+  stores do: they answer 2xx and overwrite or delete anyway.
 
 Nothing here touches a client: clients are real s3fs/boto3 pointed at `proxy.endpoint`.
 
@@ -34,6 +37,7 @@ import pytest
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 
 ACCESS_KEY = "stagerd-test-key"
+IGNORE_ALL = {("PutObject", "if-none-match"), ("PutObject", "if-match"), ("DeleteObject", "if-match")}
 SECRET_KEY = "stagerd-test-secret-do-not-log"
 REGION = "us-east-1"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
@@ -108,6 +112,7 @@ class FaultProxy:
     faults: list[Fault] = field(default_factory=list)
     log: list[Request] = field(default_factory=list)
     is_down: bool = False
+    ignores: set[tuple[str, str]] = field(default_factory=set)  # (operation, lower-case header) dropped
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- test helpers --------------------------------------------------------------------------------------
@@ -121,6 +126,7 @@ class FaultProxy:
         with self._lock:
             self.faults.clear()
             self.log.clear()
+            self.ignores.clear()
 
     def count(self, *ops: str, key_contains: str = "") -> int:
         with self._lock:
@@ -162,6 +168,7 @@ class FaultProxy:
         signed = headers.get("x-amz-content-sha256", "")
         if len(signed) == 64 and signed != hashlib.sha256(body).hexdigest():  # as S3 checks it
             return self._error(start_response, op, key, len(body), 400, "XAmzContentSHA256Mismatch", None)
+        headers = {k: v for k, v in headers.items() if (op, k) not in self.ignores}
         status, out_headers, data = self._forward(method, raw_uri, headers, body)
         self._record(op, key, len(body), status, signed)
         start_response(f"{status} {http.client.responses.get(status, '')}", out_headers)
@@ -377,6 +384,13 @@ class S3Env:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
         return out
+
+
+def steps_log(env: S3Env) -> list[Request]:
+    """The requests the proxy saw, less a backend's probe of its conditional requests (`s3/conditions.py`:
+    seven requests on two scratch keys, from before its first conditional one)."""
+    with env.proxy._lock:
+        return [r for r in env.proxy.log if "/.stagerd-probe-" not in r.key]
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,10 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   second prune's replace fails, so it leaves the step to the first (each step is counted once).
 - **A killed prune's** claim is taken over the same way by the next prune, which finishes the deletion:
   killed means its pid is gone on this host, or it is older than `PRUNE_STALE_S` by the store's clock.
+
+An S3 store that ignores these conditions (2xx, the key overwritten or deleted) is found by a probe
+(`s3/conditions.py`): there a publisher's claim is exists-then-put, a loser deletes nothing, and a prune
+is refused (`ConditionsIgnoredError`) before it changes anything.
 """
 
 from __future__ import annotations

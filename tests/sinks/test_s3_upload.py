@@ -19,6 +19,7 @@ from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.s3.backend import S3Backend
 from stagerd.sinks.s3.client import signs_payload
 from tests import s3server
+from tests.s3server import steps_log
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
 
@@ -42,7 +43,7 @@ def sink(env: Any, concurrency: int = 4) -> FsspecSink:
 def uploads(env: Any) -> list[tuple[str, str]]:
     """(operation, file name) of every upload request the store answered, in arrival order."""
     ops = ("PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")
-    return [(r.op, r.key.rsplit("/", 1)[-1]) for r in env.proxy.log if r.op in ops and r.status == 200]
+    return [(r.op, r.key.rsplit("/", 1)[-1]) for r in steps_log(env) if r.op in ops and r.status == 200]
 
 
 def test_small_files_go_first_and_parts_go_in_file_order(s3, tmp_path):
@@ -165,14 +166,14 @@ def test_a_small_step_opens_with_its_puts_alone(s3, tmp_path):
     export = make_export(tmp_path / "e", SMALL)
     first = sink(s3)
     assert not first.publish(export, 8).skipped
-    ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
+    ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in steps_log(s3)]
     claim = ("PutObject", "step-00000008")  # ckpt/claims/step-00000008
     opening = sorted([("GetObject", "latest"), claim, *(("PutObject", n) for n in SMALL)])
     assert sorted(ops[: len(opening)]) == opening
     assert ops[len(opening) :] == [("PutObject", layout.MANIFEST_NAME), ("PutObject", "latest")]
     s3.proxy.reset()
     assert sink(s3).publish(export, 8).skipped
-    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [412] * (len(SMALL) + 1)
+    assert [r.status for r in steps_log(s3) if r.op == "PutObject"] == [412] * (len(SMALL) + 1)
     assert s3.proxy.count("ListObjects") >= 1  # the opening's, then the published step's verification
     assert s3.proxy.count("GetObject", key_contains=layout.MANIFEST_NAME) == 1
     s3.proxy.reset()

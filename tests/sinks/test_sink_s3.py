@@ -15,7 +15,7 @@ from stagerd.sinks import open_sink
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.hashing import hash_file
 from tests import s3server
-from tests.s3server import ACCESS_KEY, SECRET_KEY, Fault
+from tests.s3server import ACCESS_KEY, SECRET_KEY, Fault, steps_log
 from tests.sinks.test_sink_fsspec import make_export, tree_bytes
 
 s3_server, s3 = s3server.s3_server, s3server.s3  # the fixtures
@@ -75,7 +75,7 @@ def test_s3_publish_downloads_back_and_rerun_uploads_nothing(s3, tmp_path, algor
     fresh = s3_sink(s3, checksum=algorithm)
     again = fresh.publish(export, 12)
     assert again.skipped and again.bytes_uploaded == 0
-    writes = [(r.op, r.status, r.key) for r in s3.proxy.log if r.op in WRITES]
+    writes = [(r.op, r.status, r.key) for r in steps_log(s3) if r.op in WRITES]
     assert writes and all(w[:2] == ("PutObject", 412) for w in writes), writes
     # the three files under two parts and the step's claim; the multipart one is never re-sent
     assert sorted(w[2].rsplit("/", 1)[-1] for w in writes) == sorted(
@@ -231,7 +231,7 @@ def test_s3_manifest_write_is_conditional(s3):
     assert backend.create("k/m.json", b"one") is True
     assert backend.create("k/m.json", b"two") is False
     assert s3.get("ckpt/k/m.json") == b"one"
-    assert [r.status for r in s3.proxy.log if r.op == "PutObject"] == [200, 412]
+    assert [r.status for r in steps_log(s3) if r.op == "PutObject"] == [200, 412]
 
 
 def test_s3_connection_from_storage_options_and_generic_endpoint_env(s3, tmp_path, monkeypatch):

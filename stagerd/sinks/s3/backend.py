@@ -34,6 +34,7 @@ from stagerd.sinks.s3.client import (
     s3_error,
     signs_payload,
 )
+from stagerd.sinks.s3.conditions import Conditions, Support, leave, probe
 from stagerd.sinks.s3.latest import LatestMixin
 from stagerd.sinks.s3.upload import S3Api, one_put, put_new_files, upload_files
 
@@ -80,6 +81,8 @@ class S3Backend(LatestMixin):
         self._latest: dict[str, Latest] = {}  # each `latest` key as last read or written here
         self._latest_reads: dict[str, asyncio.Future[Latest]] = {}  # prefetches not yet used
         self._hooked: Any = None
+        self._conditions: asyncio.Future[Conditions] | None = None  # the probe's, once it has run
+        self._tidy: asyncio.Future[None] | None = None  # the deletion of the probe's scratch keys
         self.signs_payload = False  # until the client is known: hash every file here, as always safe
 
     @classmethod
@@ -129,6 +132,25 @@ class S3Backend(LatestMixin):
             return await getattr(s3, method)(Bucket=self.bucket, **kwargs)
         except Exception as e:
             raise s3_error(e, where) from None
+
+    async def conditions(self, *, tidied: bool = False) -> Conditions:
+        """What the store does with conditional requests, probed before the first (`s3/conditions.py`);
+        `tidied`: once the probe's scratch keys are deleted too."""
+        if self._conditions is None:
+
+            async def probed() -> Conditions:
+                found, self._tidy = await probe(self)
+                return found
+
+            self._conditions = asyncio.ensure_future(probed())
+        try:
+            found = await asyncio.shield(self._conditions)
+        except Exception:
+            self._conditions = None  # a probe that failed is run again by the next caller
+            raise
+        if tidied and self._tidy is not None:
+            await self._tidy
+        return found
 
     # -- small operations ----------------------------------------------------------------------------------
 
@@ -202,9 +224,10 @@ class S3Backend(LatestMixin):
         """The step's first round trip, all at once: the step's claim (a create-only PUT, `claims.py`), the
         object listing, the read of `latest` (unless this backend wrote it last), and create-only PUTs
         (`If-None-Match: *`) of the files under two parts, which cannot overwrite anything and so need not
-        wait for the listing. The manifest is then fetched only if the listing shows one (S3 lists
-        consistently). A prefix this backend opened before (a retry) sends nothing early: its files are
-        likely there, and the checked path reuses them without sending their bytes again.
+        wait for the listing (none where the probe found that condition not honoured). The manifest is
+        then fetched only if the listing shows one (S3 lists consistently). A prefix this backend opened
+        before (a retry) sends nothing early: its files are likely there, and the checked path reuses them
+        without sending their bytes again.
 
         A claim found taken is read, with the manifest, in a second round trip: this publisher's own (a
         restart or a retry) is followed by the sweep of pending multipart uploads (what a killed run of it
@@ -235,11 +258,19 @@ class S3Backend(LatestMixin):
             return None if await self._create(claim.key, claim.data) else b""
 
         async def go() -> StepOpening:
-            puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
-            claimed = asyncio.ensure_future(claiming())
-            self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+            nonlocal eager, small
             try:
-                return await opened(puts, claimed)
+                if eager and (self._conditions is None or not self._conditions.done()):
+                    self._prefetch_latest(latest_key)  # beside the probe, which the PUTs wait for
+                if eager and (await self.conditions()).create is not Support.HONOURED:
+                    eager, small = [], False  # a PUT would overwrite whatever the key holds
+                puts = asyncio.ensure_future(put_new_files(self, prefix, eager, progress))
+                claimed = asyncio.ensure_future(claiming())
+                self._prefetch_latest(latest_key)  # after the PUTs: they go out first
+                opening = await opened(puts, claimed)
+                if self._tidy is not None:  # the probe's scratch keys, deleted beside the opening
+                    await self._tidy
+                return opening
             except Exception:
                 read = self._latest_reads.get(latest_key)
                 if read is not None:  # a failed opening leaves nothing it started in flight
@@ -276,7 +307,9 @@ class S3Backend(LatestMixin):
 
     def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
         """Delete what this publisher created, each only while it still holds our version (`If-Match` on
-        the ETag the store gave our PUT): another publisher's object written there since stays."""
+        the ETag the store gave our PUT): another publisher's object written there since stays. A store
+        without that condition keeps them all, named in one warning: a plain DELETE could remove a file
+        another publisher wrote there since."""
 
         async def one(key: str, etag: str | None) -> None:
             if etag is None:
@@ -289,6 +322,9 @@ class S3Backend(LatestMixin):
                     log.warning("left %s in place: %s", self.where(key), s3_error(e, self.where(key)))
 
         async def go() -> None:
+            support = (await self.conditions()).delete
+            if support is not Support.HONOURED:
+                return leave(self, [k for k, t in keys if t is not None], support)
             await asyncio.gather(*(one(k, t) for k, t in keys))
 
         self._run(go)
@@ -326,9 +362,12 @@ class S3Backend(LatestMixin):
         return bool(self._run(self._create, key, data))
 
     async def _create(self, key: str, data: bytes) -> bool:
-        """`PutObject` with `If-None-Match: *`; a store that does not implement it gets exists-then-put."""
+        """`PutObject` with `If-None-Match: *`; a store that does not implement it, or ignores it, gets
+        exists-then-put."""
         s3 = await self._client()
         args = self._put_args(key, data)
+        if (await self.conditions()).create is Support.IGNORED:  # the probe said so, once
+            return await self._exists_then_put(key, args)
         try:
             await s3.put_object(Bucket=self.bucket, IfNoneMatch="*", **args)
             return True
@@ -338,6 +377,9 @@ class S3Backend(LatestMixin):
             if not not_implemented(e):
                 raise s3_error(e, self.where(key)) from None
         log.warning("%s does not support conditional writes; using exists-then-put", self.base)
+        return await self._exists_then_put(key, args)
+
+    async def _exists_then_put(self, key: str, args: dict[str, Any]) -> bool:
         if await self._exists(key):
             return False
         await self.call(self.where(key), "put_object", **args)
@@ -371,6 +413,8 @@ class S3Backend(LatestMixin):
     def close(self) -> None:
         import s3fs
 
+        if (tidy := self._tidy) is not None and not tidy.done():
+            self._run(asyncio.wait, [tidy])
         if getattr(self.fs, "_s3", None) is not None:
             s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
             self.fs._s3 = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stagerd.errors import SinkError
 from stagerd.sinks.objects import StoredObject
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+from stagerd.sinks.s3.conditions import refuse
 
 if TYPE_CHECKING:
     from stagerd.sinks.s3.backend import S3Backend
@@ -98,11 +99,21 @@ def put(b: S3Backend, key: str, data: bytes) -> None:
     b.write(key, data)
 
 
+async def _exclusive(b: S3Backend, key: str) -> None:
+    """Refuse a claim's change on a store that ignores any of the conditions a prune relies on: it takes a
+    claim by `put_if`, and gives it back by `delete_if`, so each must hold for the claim to be its own."""
+    conditions = await b.conditions(tidied=True)  # a prune is not in a hurry; a kill leaves no probe key
+    if conditions.ignored():
+        raise refuse(b, conditions, "a change of a claim or record", b.where(key))
+
+
 def put_if(b: S3Backend, key: str, data: bytes, tag: str | None) -> str | None:
     """Write `key` only if it is absent (`tag` None) or still holds the version `tag`: the new ETag, or
-    None when the condition failed."""
+    None when the condition failed. `ConditionsIgnoredError` on a store that ignores a condition a claim
+    needs (`s3/conditions.py`), before anything is written."""
 
     async def go() -> str | None:
+        await _exclusive(b, key)
         s3 = await b._client()
         cond = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
         try:
@@ -133,9 +144,11 @@ def put_if(b: S3Backend, key: str, data: bytes, tag: str | None) -> str | None:
 
 
 def delete_if(b: S3Backend, key: str, tag: str) -> bool:
-    """Delete `key` only while it still holds the version `tag` (`If-Match`); False if it changed or went."""
+    """Delete `key` only while it still holds the version `tag` (`If-Match`); False if it changed or went.
+    `ConditionsIgnoredError` as in `put_if`."""
 
     async def go() -> bool:
+        await _exclusive(b, key)
         s3 = await b._client()
         try:
             await s3.delete_object(Bucket=b.bucket, Key=b.key(key), IfMatch=tag)

@@ -159,7 +159,8 @@ def assert_recovered(
                 for name in expected[step]
             }
             assert got == expected[step]
-        objects = s3env.keys(base)
+        # a kill inside a backend's probe of the store (`s3/conditions.py`) may leave its scratch keys
+        objects = {k for k in s3env.keys(base) if not k.startswith(f"{base}.stagerd-probe-")}
         assert set(objects) == {f"{base}latest"} | {
             f"{base}{layout.step_dir_name(s)}/{f}"
             for s in case.steps

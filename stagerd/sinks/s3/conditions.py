@@ -1,0 +1,162 @@
+"""Whether an S3 store honours the conditional requests claims rely on, found once per backend by a probe.
+
+Some S3-compatible stores answer `PutObject` with `If-None-Match: *` or `If-Match`, and `DeleteObject` with
+`If-Match`, as if the header were absent: 2xx, the key overwritten or deleted. Others answer 501 (their
+answer is handled where each request is made). On a store that ignores a condition, a request that relies
+on it would change a key another writer may hold, so:
+
+- a publisher sends no create-only PUTs before its listing (each would overwrite a published file), and
+  creates its claim and manifest by exists-then-put, as on a store that answers 501 (`S3Backend._create`);
+- a losing publisher leaves what it created early in another publisher's step, and logs those keys
+  (`S3Backend.discard`);
+- a prune refuses (`ConditionsIgnoredError`) before it changes anything: its claim would not be exclusive.
+
+**The probe**, before the backend's first conditional request: two scratch keys under the sink's own root
+(`.stagerd-probe-<random>-put` and `-delete`), written plainly; then, together, a PUT of the first with
+`If-None-Match: *`, one with `If-Match` on an ETag it cannot have, and a DELETE of the second with that
+`If-Match`: a store that honours a condition refuses its request (412). Seven requests (six where the
+DELETE was done), all on those two exact keys, in two round trips before the answer: the scratch keys'
+plain DELETEs go out beside the step's first requests, and the step's opening waits for them (a prune's
+first change, before it). A kill mid-probe leaves those tiny objects, which no listing of steps, claims or
+records reads. (RustFS, for one, parses `If-Match` on DELETE and ignores
+it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from stagerd.errors import SinkError
+from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+
+log = logging.getLogger("stagerd.sinks.s3")
+
+PROBE_PREFIX = ".stagerd-probe-"
+_NO_SUCH_ETAG = '"00000000000000000000000000000000"'  # no body's MD5 we write: If-Match on it must fail
+_NAMES = {"create": "If-None-Match on PUT", "replace": "If-Match on PUT", "delete": "If-Match on DELETE"}
+HINT = (
+    "use a store that honours If-None-Match and If-Match on PUT and If-Match on DELETE (AWS S3 does); until "
+    "then delete old steps by hand, manifest first, while nothing publishes to or prunes the sink"
+)
+
+
+class S3Backend(Protocol):
+    """What the probe uses of `s3/backend.S3Backend` (which imports this module)."""
+
+    bucket: str
+    base: str
+
+    async def _client(self) -> Any: ...
+    async def call(self, where: str, method: str, **kwargs: Any) -> Any: ...
+    def key(self, key: str) -> str: ...
+    def where(self, key: str) -> str: ...
+
+
+class Support(enum.Enum):
+    HONOURED = "honoured"  # refused when the condition fails (412)
+    IGNORED = "ignored"  # done as if the header were absent
+    NOT_IMPLEMENTED = "not implemented"  # 501: the request is refused, nothing changed
+    DENIED = "denied"  # 403: this user may not (an append-only policy without DeleteObject), nothing changed
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the store does with each conditional request stagerd makes."""
+
+    create: Support  # PutObject, If-None-Match: *
+    replace: Support  # PutObject, If-Match
+    delete: Support  # DeleteObject, If-Match
+
+    def ignored(self) -> list[str]:
+        return [_NAMES[k] for k, v in vars(self).items() if v is Support.IGNORED]
+
+
+class ConditionsIgnoredError(SinkError):
+    """The store ignores a conditional request that makes a change exclusive: nothing was changed."""
+
+    retryable = False
+    hint = HINT
+
+
+def refuse(b: S3Backend, conditions: Conditions, what: str, where: str) -> ConditionsIgnoredError:
+    return ConditionsIgnoredError(
+        f"{b.base} ignores {' and '.join(conditions.ignored())}: {what} would not be exclusive; nothing "
+        "was changed",
+        path=where,
+    )
+
+
+def leave(b: S3Backend, keys: list[str], support: Support) -> None:
+    """A loser's cleanup on a store without `If-Match` on DELETE: nothing deleted, every key named once."""
+    if keys:
+        log.warning(
+            "%s: If-Match on DELETE is %s, so %d object(s) this publish created in a step another publisher "
+            "holds stay: %s (delete them by hand once that step's manifest is there and does not name them)",
+            b.base,
+            support.value,
+            len(keys),
+            ", ".join(b.where(k) for k in keys),
+        )
+
+
+async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
+    """Find the store's `Conditions` (module docstring), and the deletion of the scratch keys, still going
+    on: it need not hold up the step's first requests."""
+    s3 = await b._client()
+    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    put, delete = b.key(f"{name}-put"), b.key(f"{name}-delete")
+    where = f"s3://{b.bucket}/{put}"
+    body = b"stagerd probe\n"
+
+    async def answer(method: str, **kwargs: Any) -> Support:
+        try:
+            await getattr(s3, method)(Bucket=b.bucket, **kwargs)
+            return Support.IGNORED
+        except Exception as e:
+            if precondition_failed(e):
+                return Support.HONOURED
+            if not_implemented(e):
+                return Support.NOT_IMPLEMENTED
+            code, status = error_code(e)
+            if status == 403 or code == "AccessDenied":  # publishing needs no delete: it goes on
+                return Support.DENIED
+            raise s3_error(e, where) from None
+
+    async def settled(*requests: Any) -> list[Any]:
+        """Every request's answer; a failure is raised once all are done, so none is left in flight."""
+        done = await asyncio.gather(*requests, return_exceptions=True)
+        failed = next((d for d in done if isinstance(d, BaseException)), None)
+        if failed is not None:
+            raise s3_error(failed, where) if isinstance(failed, Exception) else failed
+        return done
+
+    await settled(*(s3.put_object(Bucket=b.bucket, Key=k, Body=body) for k in (put, delete)))
+    create, replace, removal = await settled(
+        answer("put_object", Key=put, Body=body, IfNoneMatch="*"),
+        answer("put_object", Key=put, Body=body, IfMatch=_NO_SUCH_ETAG),
+        answer("delete_object", Key=delete, IfMatch=_NO_SUCH_ETAG),
+    )
+    left = [put] if removal is Support.IGNORED else [put, delete]  # our own scratch keys, exact names
+    found = Conditions(create, replace, removal)
+    if found.ignored():
+        then = ["prunes are refused"]
+        if create is Support.IGNORED:
+            then.insert(0, "no PUT before a step's listing, claims and manifests are exists-then-put")
+        if removal is Support.IGNORED:
+            then.insert(0, "a losing publisher leaves what it created")
+        log.warning("%s ignores %s: %s", b.base, ", ".join(found.ignored()), "; ".join(then))
+    return found, asyncio.ensure_future(_tidy(b, left))
+
+
+async def _tidy(b: S3Backend, keys: list[str]) -> None:
+    """Best effort: a key left is a few bytes that nothing lists."""
+    s3 = await b._client()
+    gone = (s3.delete_object(Bucket=b.bucket, Key=k) for k in keys)
+    for key, done in zip(keys, await asyncio.gather(*gone, return_exceptions=True), strict=True):
+        if isinstance(done, Exception):
+            log.warning("left the probe's scratch key s3://%s/%s: %s", b.bucket, key, s3_error(done, ""))
