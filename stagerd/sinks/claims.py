@@ -7,8 +7,9 @@ another node while the old daemon still publishes, two prunes) must never both c
 with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`):
 
 - **A publisher** creates it (S3 `If-None-Match: *`, file:// `link()`) together with the step's first
-  requests, naming itself by host and the real path of what it publishes (`publish_claim`): the same
-  publisher restarted on the same host owns it again, any other does not. Until it is known to hold it, a
+  requests, naming itself by host, the real path of what it publishes and its step directory's inode
+  (`publish_claim`): the same publisher restarted on the same host owns it again, any other does not
+  (two containers sharing a host name see their own directories at one path). Until it is known to hold it, a
   publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
   long as the step, so a step's prefix has one publisher for its whole life.
   - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
@@ -60,6 +61,7 @@ class Claim:
     owner: str  # a publisher: host:real path of its local tree; a prune: host:pid:random
     host: str
     pid: int
+    tree: str = ""  # a publisher: its step directory's inode ("" in an older stagerd's claim)
 
     def encode(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
@@ -73,9 +75,18 @@ class Claim:
 
 
 def publish_claim(local_root: Path) -> Claim:
-    """This publisher's claim: the same on a restart of the same tree on the same host."""
+    """This publisher's claim: the same on a restart of the same tree on the same host. Host and path
+    alone are not one tree: two containers sharing the host's name (host networking) see their own
+    directories at one path, so the step directory's inode (`export/`'s parent, which a rebuilt export
+    keeps) tells them apart."""
     host = socket.gethostname()
-    return Claim(PUBLISH, f"{host}:{os.path.realpath(local_root)}", host, os.getpid())
+    real = Path(os.path.realpath(local_root))
+    step_dir = real.parent if real.name == layout.EXPORT_DIR else real
+    try:
+        tree = str(os.stat(step_dir).st_ino)
+    except OSError:
+        tree = ""
+    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree)
 
 
 def prune_claim() -> Claim:
@@ -88,7 +99,13 @@ def decode(data: bytes | None) -> Claim | None:
         return None
     try:
         d = json.loads(data)
-        return Claim(str(d["kind"]), str(d["owner"]), str(d.get("host", "")), int(d.get("pid", 0)))
+        return Claim(
+            str(d["kind"]),
+            str(d["owner"]),
+            str(d.get("host", "")),
+            int(d.get("pid", 0)),
+            str(d.get("tree", "")),
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         return Claim("unknown", repr(data[:80]), "", 0)
 
@@ -96,7 +113,9 @@ def decode(data: bytes | None) -> Claim | None:
 def owned_by(data: bytes | None, mine: Claim) -> bool:
     """Whether the claim read back (`data`) is held by the publisher `mine` (itself, or its restart)."""
     theirs = decode(data)
-    return theirs is not None and theirs.kind == mine.kind == PUBLISH and theirs.owner == mine.owner
+    if theirs is None or not theirs.kind == mine.kind == PUBLISH or theirs.owner != mine.owner:
+        return False
+    return theirs.tree in ("", mine.tree)  # an older stagerd's claim names no tree: host and path decide
 
 
 def prune_is_dead(claim: Claim, age: float | None) -> bool:

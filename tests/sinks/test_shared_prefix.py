@@ -107,3 +107,32 @@ def test_another_tools_latest_at_the_sink_root_is_never_overwritten(request, tmp
     assert read() == foreign
     assert "names no step" in caplog.text
     assert sink.is_published(1)
+
+
+def test_two_trees_at_one_path_on_one_host_are_two_publishers(s3, tmp_path):  # noqa: F811
+    """Two containers with host networking (one host name), each with its own ROOT mounted at one path,
+    publish step 7 to one prefix. Before, the second took the first's claim (host and path) for its own
+    restart: it swept the first's multipart uploads and wrote into a step the first was publishing. Now
+    the step directory's inode is part of the claim: the second is told the step is claimed."""
+    import shutil
+
+    from stagerd.errors import StepClaimedError
+    from stagerd.sinks.claims import claim_key, decode, owned_by, publish_claim
+
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    root = tmp_path / "ckpt"
+    first = make_export(root / "step-00000007" / "export", sizes, seed=1)
+    claim = publish_claim(first).encode()  # the first container, publishing (no manifest yet)
+    s3.client.put_object(Bucket=s3.bucket, Key=f"run/{claim_key('step-00000007')}", Body=claim)
+    assert owned_by(claim, publish_claim(first))  # its own restart still holds it
+    old = json.loads(claim)
+    del old["tree"]  # a claim an older stagerd wrote: host and path decide, as they did
+    assert owned_by(json.dumps(old).encode(), publish_claim(first))
+
+    root.rename(tmp_path / "first")  # kept: the second directory cannot reuse its inode
+    second = make_export(root / "step-00000007" / "export", sizes, seed=2)
+    assert decode(claim).owner == publish_claim(second).owner  # the same host and path
+    with pytest.raises(StepClaimedError):
+        FsspecSink.from_url(s3.url("run")).publish(second, 7)
+    assert layout.MANIFEST_NAME not in str(s3.keys("run/"))
+    shutil.rmtree(tmp_path / "first")
