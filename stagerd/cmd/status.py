@@ -96,7 +96,8 @@ def _cannot_write(directory: Path) -> bool:
 
 def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
-    from stagerd.daemon.journal import journal_path
+    from stagerd.contract.step.pin import pinned
+    from stagerd.daemon.journal import RETIRED, journal_path
     from stagerd.daemon.lock import running_holder
     from stagerd.daemon.retention import disk_state
 
@@ -132,6 +133,9 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d["lanes"] = by_step.get(s.step, [])
         d["waiting"] = waits.get(s.step)  # a fleet step: "waiting for node k (seen: ...)"
         d["age_seconds"] = round(now - s.marker_mtime, 3)
+        d["pinned"] = s.state != RETIRED and pinned(
+            root, s.step
+        )  # retention keeps it while a trainer holds it
         out_steps.append(d)
     return {
         "root": str(root),

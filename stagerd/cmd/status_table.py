@@ -93,7 +93,7 @@ def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list
             first, errors = ("", s["waiting"], None), [("", s["waiting"], None), *errors]
         row = {
             "step": str(s["step"]),
-            "state": f"[{color}]{state}[/]" if color else state,
+            "state": (f"[{color}]{state}[/]" if color else state) + " (pinned)" * bool(s.get("pinned")),
             "age": secs(s["age_seconds"]),
             "export": secs(s["export_seconds"]),
             "size": size(s["export_bytes"]),

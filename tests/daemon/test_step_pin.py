@@ -4,6 +4,7 @@ longer: a pin is a `flock`, released with its holder's file descriptor."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -33,6 +34,8 @@ def test_the_daemon_keeps_a_pinned_step_until_the_pin_is_released(tmp_path, dcp_
         assert held.returncode == 0, held.stderr[-3000:]
         assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000100", "step-00000300"]
         assert "step 100: kept while a trainer pins it" in held.stderr
+        status = json.loads(run_cli(["status", root, "--json"]).stdout)
+        assert {s["step"]: s["pinned"] for s in status["steps"]} == {100: True, 300: False}
     finally:
         pin.release()
     released = run_cli(args)

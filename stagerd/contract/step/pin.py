@@ -71,15 +71,16 @@ class Unpinned:
     """Retention's side: `with Unpinned(root, step) as free:` ... `free` is False while a trainer holds the
     step; while True, no hold can begin until the block ends."""
 
-    def __init__(self, root: str | os.PathLike[str], step: int) -> None:
-        self.path = pin_path(root, step)
+    def __init__(self, root: str | os.PathLike[str], step: int, *, tidy: bool = True) -> None:
+        self.path, self.tidy = pin_path(root, step), tidy
         self._fd: int | None = None
 
     def __enter__(self) -> bool:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # read-only: the trainer's user made the file, and a lock needs no write access
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return True  # never pinned
         except OSError as e:
@@ -94,15 +95,17 @@ class Unpinned:
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            try:
-                os.unlink(self.path)  # no holder is left, and none can begin while we hold it
-            except OSError:
-                pass
+            if self.tidy:
+                try:
+                    os.unlink(self.path)  # no holder is left, and none can begin while we hold it
+                except OSError:
+                    pass
             os.close(self._fd)
             self._fd = None
 
 
 def pinned(root: str | os.PathLike[str], step: int) -> bool:
-    """Whether a trainer holds `step` now (retention's plan; `Unpinned` decides under the step's lock)."""
-    with Unpinned(root, step) as free:
+    """Whether a trainer holds `step` now (retention's plan, `status`; `Unpinned` decides under the step's
+    lock). Changes nothing."""
+    with Unpinned(root, step, tidy=False) as free:
         return not free
