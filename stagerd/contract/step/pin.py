@@ -40,7 +40,7 @@ class StepPin:
             return self
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o664)
+                fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o664)
             except OSError as e:
                 return self._skipped(e)
             try:
@@ -79,7 +79,8 @@ class Unpinned:
         import fcntl
 
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # read-only: a flock needs no write access, and the trainer's file may be another user's
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return True  # never pinned
         except OSError as e:
