@@ -32,6 +32,7 @@ is refused (`ConditionsIgnoredError`) before it changes anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -78,14 +79,16 @@ def publish_claim(local_root: Path) -> Claim:
     """This publisher's claim: the same on a restart of the same tree on the same host. Host and path
     alone are not one tree: two containers sharing the host's name (host networking) see their own
     directories at one path, so the step directory's inode (`export/`'s parent, which a rebuilt export
-    keeps) tells them apart."""
+    keeps) tells them apart. Only in ROOT's layout (a step's `export/`, or the step directory itself): a
+    directory of the user's (`stagerd publish ./hf-7`) may be made again between a failed publish and its
+    rerun, so there host and path decide, as they did."""
     host = socket.gethostname()
     real = Path(os.path.realpath(local_root))
     step_dir = real.parent if real.name == layout.EXPORT_DIR else real
-    try:
-        tree = str(os.stat(step_dir).st_ino)
-    except OSError:
-        tree = ""
+    tree = ""
+    if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
+        with contextlib.suppress(OSError):
+            tree = str(os.stat(step_dir).st_ino)
     return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree)
 
 

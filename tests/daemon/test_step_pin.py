@@ -64,3 +64,34 @@ def test_a_pin_dies_with_its_holder(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_pin_file_of_another_user_still_keeps_the_step():
+    """The trainer and the daemon may run as different users: the pin file the trainer made (umask 022:
+    read-only to others) is still locked by retention, which needs no write access for a `flock`."""
+    import os
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(dir="/tmp")  # not under pytest's 0700 tmp: another user must reach it
+    try:
+        os.chmod(root, 0o755)
+        pin = StepPin(root, 5).hold()
+        try:
+            os.chmod(pin.path, 0o444)  # what the daemon's user may do with another user's pin file
+            euid = os.geteuid()
+            if euid == 0:  # root may write anything: check as another user
+                os.seteuid(65534)
+            try:
+                assert pinned(root, 5)
+                other = StepPin(root, 5).hold()  # another rank, as that other user: held too
+                assert other._fd is not None
+                other.release()
+            finally:
+                if euid == 0:
+                    os.seteuid(0)
+        finally:
+            pin.release()
+        assert not pinned(root, 5)
+    finally:
+        shutil.rmtree(root)

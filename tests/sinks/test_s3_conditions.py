@@ -168,3 +168,17 @@ def test_a_user_who_may_not_delete_still_publishes(s3, tmp_path):  # noqa: F811
     sink.publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
     sink.close()
     _published_intact(s3, "run/step-00000001")
+
+
+@pytest.mark.parametrize(("status", "code"), [(400, "InvalidArgument"), (405, "MethodNotAllowed")])
+def test_a_store_that_refuses_if_match_on_delete_still_publishes(s3, tmp_path, status, code):  # noqa: F811
+    """A store that refuses a conditional DELETE it does not support with a client error (not 501). A
+    publisher never sent one before the probe; the probe took the refusal for a failure, so every publish
+    failed on a store where publishing had worked. It is an answer: nothing was changed."""
+    from tests.s3server import Fault
+
+    s3.proxy.add(Fault(("DeleteObject",), times=1, status=status, code=code, key_contains="-delete"))
+    sink = FsspecSink.from_url(s3.url("run"))
+    sink.publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
+    sink.close()
+    _published_intact(s3, "run/step-00000001")

@@ -136,3 +136,26 @@ def test_two_trees_at_one_path_on_one_host_are_two_publishers(s3, tmp_path):  # 
         FsspecSink.from_url(s3.url("run")).publish(second, 7)
     assert layout.MANIFEST_NAME not in str(s3.keys("run/"))
     shutil.rmtree(tmp_path / "first")
+
+
+def test_a_recreated_export_outside_a_step_still_owns_its_claim(tmp_path):
+    """`stagerd publish ./hf-7 --step 7` failed after its claim (no manifest yet); the user made ./hf-7
+    again (the same files) and publishes again. Before the inode was in every claim, the rerun (same host
+    and path) finished the step; with it, the new directory's inode took the rerun for another publisher:
+    `StepClaimedError` for ever, for the path the claim itself names. Outside ROOT's layout only host and
+    path decide, as they did."""
+    import shutil
+
+    from stagerd.sinks.claims import claim_key, publish_claim
+
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    export, sink = tmp_path / "hf-7", tmp_path / "sink"
+    make_export(export, sizes, seed=1)
+    claim = sink / claim_key("step-00000007")
+    claim.parent.mkdir(parents=True)
+    claim.write_bytes(publish_claim(export).encode())  # the first run's, left by its failure
+    export.rename(tmp_path / "old")  # deleted once the new one is made: its inode is not reused
+    make_export(export, sizes, seed=1)
+    shutil.rmtree(tmp_path / "old")
+    assert not FsspecSink.from_url(sink.as_uri()).publish(export, 7).skipped
+    assert (sink / "step-00000007" / layout.MANIFEST_NAME).is_file()

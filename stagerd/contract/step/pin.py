@@ -40,7 +40,7 @@ class StepPin:
             return self
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o664)
+                fd = _open(self.path, os.O_CREAT)
             except OSError as e:
                 return self._skipped(e)
             try:
@@ -79,8 +79,7 @@ class Unpinned:
         import fcntl
 
         try:
-            # read-only: the trainer's user made the file, and a lock needs no write access
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = _open(self.path)
         except FileNotFoundError:
             return True  # never pinned
         except OSError as e:
@@ -102,6 +101,17 @@ class Unpinned:
                     pass
             os.close(self._fd)
             self._fd = None
+
+
+def _open(path: Path, create: int = 0) -> int:
+    """The pin file, read-write where this user may (NFS's emulated `flock` wants a writable descriptor
+    for an exclusive lock), else read-only: the trainer's file may be another user's, and a local `flock`
+    needs no write access."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | create
+    try:
+        return os.open(path, os.O_RDWR | flags, 0o664)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | flags, 0o664)
 
 
 def pinned(root: str | os.PathLike[str], step: int) -> bool:

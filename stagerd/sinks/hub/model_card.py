@@ -30,6 +30,7 @@ class CardInfo:
     dtype: str | None = None
     base_model: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    tag: str | None = None  # the step's tag (`REVISION/step-N` off main); default `step-N`
 
 
 def export_dtypes(export_dir: Path, files: Sequence[str]) -> list[str]:
@@ -70,6 +71,7 @@ def render_model_card(info: CardInfo) -> str:
         tags=["stagerd", "checkpoint"],
     )
     weights = [(p, s) for p, s in info.files if p.endswith(".safetensors")]
+    tag = info.tag or f"step-{info.step}"
     total = sum(s for _, s in info.files)
     rows = [
         ("step", str(info.step)),
@@ -88,7 +90,7 @@ def render_model_card(info: CardInfo) -> str:
         f"# {info.repo_id} at step {info.step}",
         "",
         f"Checkpoint of training step **{info.step}**, exported to Hugging Face safetensors and published by",
-        f"stagerd. The tag `step-{info.step}` marks this commit.",
+        f"stagerd. The tag `{tag}` marks this commit.",
         "",
         "| | |",
         "|---|---|",
@@ -109,7 +111,7 @@ def render_model_card(info: CardInfo) -> str:
         "```python",
         "from transformers import AutoModel",
         "",
-        f'model = AutoModel.from_pretrained("{info.repo_id}", revision="step-{info.step}")',
+        f'model = AutoModel.from_pretrained("{info.repo_id}", revision="{tag}")',
         "```",
         "",
     ]
@@ -117,10 +119,16 @@ def render_model_card(info: CardInfo) -> str:
 
 
 def card_for_export(
-    export_dir: Path, repo_id: str, files: Sequence[tuple[str, int]], step: int, metadata: dict[str, Any]
+    export_dir: Path,
+    repo_id: str,
+    files: Sequence[tuple[str, int]],
+    step: int,
+    metadata: dict[str, Any],
+    tag: str | None = None,
 ) -> str:
     """The card of a step: `metadata`'s `dtype` (else the export's safetensors dtypes) and `base_model` by
-    name, every other key as run metadata. A corrupt safetensors header is a VerifyError."""
+    name, every other key as run metadata; `tag` the step's tag. A corrupt safetensors header is a
+    VerifyError."""
     dtype = metadata.pop("dtype", None)
     if dtype is None:
         try:
@@ -135,5 +143,6 @@ def card_for_export(
         dtype=str(dtype) if dtype is not None else None,
         base_model=metadata.pop("base_model", None),
         metadata=metadata,
+        tag=tag,
     )
     return render_model_card(info)

@@ -156,7 +156,10 @@ class HubSink:
         card_bytes = None
         if CARD_NAME not in {f.path for f in local}:
             files = [(f.path, f.size) for f in local]
-            card_bytes = card_for_export(export_dir, self.repo_id, files, step, dict(metadata or {})).encode()
+            card = card_for_export(
+                export_dir, self.repo_id, files, step, dict(metadata or {}), self._tag_name(step)
+            )
+            card_bytes = card.encode()
         total = sum(f.size for f in local) + len(card_bytes or b"")
         if progress is not None:
             progress(0, total)

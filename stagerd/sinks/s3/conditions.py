@@ -60,7 +60,7 @@ class S3Backend(Protocol):
 class Support(enum.Enum):
     HONOURED = "honoured"  # refused when the condition fails (412)
     IGNORED = "ignored"  # done as if the header were absent
-    NOT_IMPLEMENTED = "not implemented"  # 501: the request is refused, nothing changed
+    NOT_IMPLEMENTED = "not implemented"  # 501 (or 400/405, a header refused): the request is refused
     DENIED = "denied"  # 403: this user may not (an append-only policy without DeleteObject), nothing changed
 
 
@@ -120,9 +120,9 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
         except Exception as e:
             if precondition_failed(e):
                 return Support.HONOURED
-            if not_implemented(e):
-                return Support.NOT_IMPLEMENTED
             code, status = error_code(e)
+            if not_implemented(e) or status in (400, 405):  # a header it refuses: nothing changed
+                return Support.NOT_IMPLEMENTED
             if status == 403 or code == "AccessDenied":  # publishing needs no delete: it goes on
                 return Support.DENIED
             raise s3_error(e, where) from None

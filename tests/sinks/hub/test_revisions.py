@@ -135,3 +135,14 @@ def test_names_are_scoped_to_the_revision():
     for bad in ("step-3", "exp-a/step-3"):
         with pytest.raises(ConfigError):
             _revision(bad, 4)
+
+
+def test_the_card_of_a_step_off_main_names_its_own_tag(hub, tmp_path, monkeypatch):
+    """The README.md published with a step tells how to load it. Before, a step of `@exp-a` said the tag
+    `step-5` marks it and loaded `revision="step-5"`: main's step 5, other weights (or no such tag)."""
+    make_sink(hub, f"hf://{REPO}@exp-a").publish(export(tmp_path, 2), 5)
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    out = restore_hub_export(f"hf://{REPO}@exp-a?endpoint={hub.endpoint}", tmp_path / "out", 5)
+    card = (out / "README.md").read_text()
+    assert 'revision="exp-a/step-5"' in card and "The tag `exp-a/step-5` marks this commit." in card
+    assert '"step-5"' not in card and "`step-5`" not in card
