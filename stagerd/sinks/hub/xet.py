@@ -92,21 +92,30 @@ class XetUploader:
         watch = _Watch(progress)
         cas_headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
         outcome: dict[str, Any] = {}
+        # An upload given up on before it had a commit to abort must never start later: its paths may be
+        # read through a step handle the daemon closes once this call returns.
+        given_up = threading.Event()
+        handover = threading.Lock()
 
         def finish() -> None:
             try:
                 # Getting the CAS token is a request too: inside the watched thread.
-                commit = outcome["commit"] = session.new_upload_commit(
+                commit = session.new_upload_commit(
                     token_refresh_url=token_refresh_url,
                     token_refresh_headers=headers,
                     custom_headers=cas_headers,
                     progress_callback=watch.update,
                 )
-                for f in files:
-                    if isinstance(f.source, bytes):
-                        commit.start_upload_bytes(f.source, sha256=f.sha256)
-                    else:
-                        commit.start_upload_file(f.source, sha256=f.sha256)
+                with handover:
+                    if given_up.is_set():
+                        commit.abort()
+                        return
+                    outcome["commit"] = commit
+                    for f in files:
+                        if isinstance(f.source, bytes):
+                            commit.start_upload_bytes(f.source, sha256=f.sha256)
+                        else:
+                            commit.start_upload_file(f.source, sha256=f.sha256)
                 outcome["report"] = commit.wait_to_finish()
             except BaseException as e:  # handed to the caller's thread below
                 outcome["error"] = e
@@ -118,7 +127,9 @@ class XetUploader:
             worker.join(min(0.25, limit / 4))
             if worker.is_alive() and watch.idle() > limit:
                 log.warning("Xet upload: no progress for %.0f s; abandoning it", watch.idle())
-                if "commit" in outcome:  # else still getting its CAS token: nothing to abort
+                with handover:
+                    given_up.set()  # still getting its CAS token: it aborts once it has one
+                if "commit" in outcome:
                     outcome["commit"].abort()
                     worker.join(min(1.0, limit))  # let it unwind; a worker that does not is left behind
                 raise XetStalled(

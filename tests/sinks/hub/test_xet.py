@@ -202,3 +202,17 @@ def test_a_request_the_server_does_not_serve_fails_the_test():
     assert get_session().get(f"{hub.endpoint}/api/not-a-route").status_code == 404
     with pytest.raises(AssertionError, match="does not serve: \\['GET /api/not-a-route'\\]"):
         hub.stop()
+
+
+def test_an_upload_abandoned_while_getting_its_token_never_starts_later(hub, tmp_path):
+    """The publish gave up while hf_xet still waited for its CAS token; the worker thread it left behind
+    got the token later and uploaded, reading through a step handle the daemon had closed since (and
+    whose number another step's handle may hold by then)."""
+    export = write_export(tmp_path / "export")
+    sink = make_sink(hub, timeout=SHORT, connect_timeout=SHORT, max_attempts=1)
+    hub.hang(r"/xet-write-token/")
+    with pytest.raises(SinkError, match="Xet storage did not answer"):
+        sink.publish(export, 4)
+    hub.unhang()
+    time.sleep(4 * SHORT)  # the token now comes at once: a worker left running would upload meanwhile
+    assert hub.stats.count("POST", r"/v1/xorbs/") == 0 and hub.stats.commits[REPO] == 0
