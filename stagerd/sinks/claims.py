@@ -7,7 +7,7 @@ another node while the old daemon still publishes, two prunes) must never both c
 with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`):
 
 - **A publisher** creates it (S3 `If-None-Match: *`, file:// `link()`) together with the step's first
-  requests, naming itself by host, the real path of what it publishes and its step directory's inode
+  requests, naming itself by host, the real path of what it publishes and its ROOT's device and inode
   (`publish_claim`): the same publisher restarted on the same host owns it again, any other does not
   (two containers sharing a host name see their own directories at one path). Until it is known to hold it, a
   publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
@@ -62,7 +62,7 @@ class Claim:
     owner: str  # a publisher: host:real path of its local tree; a prune: host:pid:random
     host: str
     pid: int
-    tree: str = ""  # a publisher: its step directory's inode ("" in an older stagerd's claim)
+    tree: str = ""  # a publisher: its ROOT's device and inode ("" in an older stagerd's claim)
 
     def encode(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
@@ -77,18 +77,19 @@ class Claim:
 
 def publish_claim(local_root: Path) -> Claim:
     """This publisher's claim: the same on a restart of the same tree on the same host. Host and path
-    alone are not one tree: two containers sharing the host's name (host networking) see their own
-    directories at one path, so the step directory's inode (`export/`'s parent, which a rebuilt export
-    keeps) tells them apart. Only in ROOT's layout (a step's `export/`, or the step directory itself): a
-    directory of the user's (`stagerd publish ./hf-7`) may be made again between a failed publish and its
-    rerun, so there host and path decide, as they did."""
+    alone are not one tree: two containers sharing the host's name (host networking) see their own ROOTs at
+    one path, so ROOT's device and inode tell them apart. ROOT, not the step directory: a step saved again
+    (a new directory) is published by the same daemon, which must find its claim its own. Only in ROOT's
+    layout (a step's `export/`, or the step directory itself) or beside an `export/` of the user's, whose
+    parent may be made again between a failed publish and its rerun."""
     host = socket.gethostname()
     real = Path(os.path.realpath(local_root))
     step_dir = real.parent if real.name == layout.EXPORT_DIR else real
     tree = ""
     if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
         with contextlib.suppress(OSError):
-            tree = str(os.stat(step_dir).st_ino)
+            st = os.stat(step_dir.parent)
+            tree = f"{st.st_dev}:{st.st_ino}"
     return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree)
 
 

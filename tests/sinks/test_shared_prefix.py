@@ -113,7 +113,7 @@ def test_two_trees_at_one_path_on_one_host_are_two_publishers(s3, tmp_path):  # 
     """Two containers with host networking (one host name), each with its own ROOT mounted at one path,
     publish step 7 to one prefix. Before, the second took the first's claim (host and path) for its own
     restart: it swept the first's multipart uploads and wrote into a step the first was publishing. Now
-    the step directory's inode is part of the claim: the second is told the step is claimed."""
+    ROOT's device and inode are part of the claim: the second is told the step is claimed."""
     import shutil
 
     from stagerd.errors import StepClaimedError
