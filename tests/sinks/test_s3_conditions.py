@@ -182,3 +182,20 @@ def test_a_store_that_refuses_if_match_on_delete_still_publishes(s3, tmp_path, s
     sink.publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
     sink.close()
     _published_intact(s3, "run/step-00000001")
+
+
+def test_a_probe_that_fails_leaves_no_scratch_keys(s3, tmp_path):  # noqa: F811
+    """A store failing now and then: each failed probe used to leave its two scratch keys, and each retry
+    of the publish two more."""
+    from stagerd.errors import SinkError
+    from tests.s3server import Fault
+
+    s3.proxy.add(
+        Fault(
+            ("PutObject",), times=50, status=409, code="OperationAborted", key_contains=PROBE_PREFIX, after=2
+        )
+    )
+    with pytest.raises(SinkError):
+        FsspecSink.from_url(s3.url("run")).publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
+    assert s3.proxy.count("PutObject", key_contains=PROBE_PREFIX) > 2  # the probe's conditional PUTs failed
+    assert not [k for k in s3.keys("") if PROBE_PREFIX in k]

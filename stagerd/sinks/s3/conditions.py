@@ -136,11 +136,15 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
         return done
 
     await settled(*(s3.put_object(Bucket=b.bucket, Key=k, Body=body) for k in (put, delete)))
-    create, replace, removal = await settled(
-        answer("put_object", Key=put, Body=body, IfNoneMatch="*"),
-        answer("put_object", Key=put, Body=body, IfMatch=_NO_SUCH_ETAG),
-        answer("delete_object", Key=delete, IfMatch=_NO_SUCH_ETAG),
-    )
+    try:
+        create, replace, removal = await settled(
+            answer("put_object", Key=put, Body=body, IfNoneMatch="*"),
+            answer("put_object", Key=put, Body=body, IfMatch=_NO_SUCH_ETAG),
+            answer("delete_object", Key=delete, IfMatch=_NO_SUCH_ETAG),
+        )
+    except Exception:
+        await _tidy(b, [put, delete])  # a store failing now and then must not gather two keys a retry
+        raise
     left = [put] if removal is Support.IGNORED else [put, delete]  # our own scratch keys, exact names
     found = Conditions(create, replace, removal)
     if found.ignored():
