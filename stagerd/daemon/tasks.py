@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 from rich.filesize import decimal
 
 from stagerd.contract import layout
-from stagerd.contract.regular_file import refuse_links
-from stagerd.contract.step.held import held_child
+from stagerd.contract.step.held import held_child, refuse_links
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
-from stagerd.contract.regular_file import refuse_links
+from stagerd.contract.step.held import refuse_links
 from stagerd.errors import SymlinkError
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags, stage_copy

@@ -1,6 +1,6 @@
 """A step directory held open: every write and delete in it made from that handle, not by its path.
 
-A step directory checked to be real (`regular_file.refuse_links`) may be replaced by a symbolic link (or
+A step directory checked to be real (`refuse_links`) may be replaced by a symbolic link (or
 have its `export.tmp/` replaced) a moment later: a by-path `mkdir`, `rmtree` or `rename` would then write
 or delete wherever the link leads. `HeldDir` opens the directory with O_NOFOLLOW (a link is a SymlinkError)
 and makes every change relative to that descriptor, so it lands in that very directory whatever is put at
@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from stagerd.contract.regular_file import linked
@@ -139,6 +139,23 @@ class HeldDir:
             if isinstance(e.filename, str):
                 e.filename = self.real(e.filename)
             raise
+
+
+def refuse_links(
+    directory: str | os.PathLike[str], parts: Iterable[str] = (), *, why: str, hint: str
+) -> bool:
+    """`SymlinkError` if `directory` or any of `parts` (names in it) that exists is a symbolic link; True
+    when the directory is there and real, False when it is gone (its caller names that its own way). Each
+    part is looked at from the directory's own descriptor, so it is one of that very directory."""
+    try:
+        held = HeldDir.open(directory, why=why, hint=hint)
+    except FileNotFoundError:
+        return False
+    with held:
+        for part in parts:
+            if _is_link(part, held.fd):
+                raise linked(held.path / part, why, hint)
+    return True
 
 
 def _is_link(name: str | os.PathLike[str], dir_fd: int | None) -> bool:
