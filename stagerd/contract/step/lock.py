@@ -60,11 +60,7 @@ class StepLock:
                     ) from None
                 log.warning("no lock on %s (%s): %s goes on without it", self.path, e.strerror, self.who)
                 return self
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if still_at(fd, self.path):
                 break
             os.close(fd)  # unlinked by its last holder between our open and our lock: take the new one
         os.ftruncate(fd, 0)
@@ -87,3 +83,12 @@ class StepLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def still_at(fd: int, path: Path) -> bool:
+    """Whether the file locked through `fd` is still the one at `path`: a holder unlinks its lock file
+    while it holds it, so a file opened just before that is no longer anyone's lock."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return False

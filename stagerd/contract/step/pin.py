@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.step.lock import still_at
 
 log = logging.getLogger("stagerd")
 
@@ -48,11 +49,7 @@ class StepPin:
             except OSError as e:
                 os.close(fd)
                 return self._skipped(e)
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if still_at(fd, self.path):
                 self._fd = fd
                 return self
             os.close(fd)  # unlinked by retention between our open and our lock: pin the new file
