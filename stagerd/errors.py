@@ -128,6 +128,17 @@ class StepClaimedError(SinkError):
     )
 
 
+class ConditionsIgnoredError(SinkError):
+    """An S3-compatible store that ignores a conditional request a change relies on to be exclusive
+    (`If-None-Match` or `If-Match`): nothing was changed."""
+
+    retryable = False
+    hint = (
+        "use a store that honours If-None-Match and If-Match on PUT and If-Match on DELETE (AWS S3 does); "
+        "until then delete old steps by hand, manifest first, while nothing publishes to or prunes the sink"
+    )
+
+
 class StepBusyError(StagerdError):
     """A step directory that a `stagerd restore` or a Stager save of the same step is writing now."""
 

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from stagerd.contract import layout
-from stagerd.errors import SinkConflictError
+from stagerd.errors import ConditionsIgnoredError, SinkConflictError
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import Policy, prune
 from stagerd.sinks.s3.backend import S3Backend
-from stagerd.sinks.s3.conditions import PROBE_PREFIX, ConditionsIgnoredError
+from stagerd.sinks.s3.conditions import PROBE_PREFIX
 from tests.s3server import IGNORE_ALL, s3, s3_server  # noqa: F401  (fixtures)
 from tests.sinks.test_sink_fsspec import make_export
 

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stagerd.errors import SinkError
+from stagerd.errors import ConditionsIgnoredError
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
 
 log = logging.getLogger("stagerd.sinks.s3")
@@ -39,10 +39,6 @@ log = logging.getLogger("stagerd.sinks.s3")
 PROBE_PREFIX = ".stagerd-probe-"
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'  # no body's MD5 we write: If-Match on it must fail
 _NAMES = {"create": "If-None-Match on PUT", "replace": "If-Match on PUT", "delete": "If-Match on DELETE"}
-HINT = (
-    "use a store that honours If-None-Match and If-Match on PUT and If-Match on DELETE (AWS S3 does); until "
-    "then delete old steps by hand, manifest first, while nothing publishes to or prunes the sink"
-)
 
 
 class S3Backend(Protocol):
@@ -74,13 +70,6 @@ class Conditions:
 
     def ignored(self) -> list[str]:
         return [_NAMES[k] for k, v in vars(self).items() if v is Support.IGNORED]
-
-
-class ConditionsIgnoredError(SinkError):
-    """The store ignores a conditional request that makes a change exclusive: nothing was changed."""
-
-    retryable = False
-    hint = HINT
 
 
 def refuse(b: S3Backend, conditions: Conditions, what: str, where: str) -> ConditionsIgnoredError:
