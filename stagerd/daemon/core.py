@@ -102,6 +102,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._marker_metadata = {}
         self._odd_names = set()
         self._retention_kept = set()
+        self._retention_pinned = set()
         self._adopt_clashes = set()
         self._adopt_presets = {}
         self._adopt_root = None if settings.adopt is None else adopt_root(self.root, settings.export_dir)

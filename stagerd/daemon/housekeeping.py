@@ -27,7 +27,8 @@ from stagerd.errors import JournalError, MarkerError, StagerdError, StepBusyErro
 
 
 class Housekeeping(Health, Adoption):
-    _retention_kept: set[int]  # steps retention kept (said once): another save of them, or pinned
+    _retention_pinned: set[int]  # steps retention kept while pinned (said once)
+    _retention_kept: set[int]  # steps retention kept for another save of them (said once)
 
     async def _retain(self) -> None:
         """Delete the staged data that retention allows, oldest first."""
@@ -37,8 +38,8 @@ class Housekeeping(Health, Adoption):
         views = [StepView(r.step, r.state == PUBLISHED, pinned(self.root, r.step)) for r in rows]
         by_step = {r.step: r for r in rows}
         for v in views:
-            if v.pinned and v.step not in self._retention_kept:
-                self._retention_kept.add(v.step)
+            if v.pinned and v.step not in self._retention_pinned:
+                self._retention_pinned.add(v.step)
                 log.info("step %d: kept while a trainer pins it (its best model), beside the newest %d",
                          v.step, self.settings.keep_last)  # fmt: skip
         for step in plan_retention(views, self.settings.keep_last):
@@ -52,6 +53,7 @@ class Housekeeping(Health, Adoption):
                     log.warning("step %d: staged data kept: %s", step, kept)
                 continue
             self._retention_kept.discard(step)
+            self._retention_pinned.discard(step)
             await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
             self._log_step(
                 step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"

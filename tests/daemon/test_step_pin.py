@@ -95,3 +95,33 @@ def test_a_pin_file_of_another_user_still_keeps_the_step():
         assert not pinned(root, 5)
     finally:
         shutil.rmtree(root)
+
+
+async def test_a_step_kept_for_its_pin_then_for_a_save_says_both(tmp_path, dcp_mixed2):
+    """A running daemon says once why it keeps a step. A step kept while pinned, then (pin released) kept
+    because a Stager is saving it again, must say the second reason too: the two share no "said" mark."""
+    import asyncio
+
+    from stagerd.contract.step.lock import StepLock
+    from tests.cli_helpers import clean_env
+    from tests.daemon_helpers import start_watch
+
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    for step in (100, 200, 300):
+        stage_copy(root, step, model, world=2)
+    pin = StepPin(root, 100).hold()
+    env = clean_env({"STAGERD_DISK_CHECK_SECONDS": "0.2"})
+    args = ["--sink", sink.as_uri(), "--keep-last", "1", *fast_flags()]
+    w = await start_watch(root, *args, log_dir=tmp_path / "log", env=env)
+    try:
+        await w.wait_for(lambda r: "step 100: kept while a trainer pins it" in r.get("msg", ""))
+        with StepLock(root, 100, "a Stager save"):
+            pin.release()
+            await w.wait_for(lambda r: "step 100: staged data kept" in r.get("msg", ""))
+        await w.wait_for(lambda r: r.get("step") == 100 and r.get("state") == "retired")
+    finally:
+        pin.release()
+        w.kill(signal.SIGTERM)
+        await asyncio.wait_for(w.proc.wait(), 30)
+    assert not (root / layout.step_dir_name(100)).exists()
