@@ -18,7 +18,11 @@ At `path` itself, a small JSON file names the step (ROOT and step), so `ModelChe
 (`last`, `best_model_path`, `save_top_k`) works on paths as always. `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
-or delete (`stagerd watch --keep-last N`).
+or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
+`best_model_path` names is pinned (`contract/step/pin.py`) from the save that makes it the best until
+another step is the best or the process ends, so `--keep-last` keeps it beside the newest N and
+`trainer.test(ckpt_path="best")` after `fit` finds it. The other top-k are not pinned (`save_top_k=-1`
+would keep every step). A best step gone anyway (deleted by hand) fails to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -44,6 +48,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from stagerd.contract import layout
+from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, state_tree, step_files
 from stagerd.training.aliases import split_aliases
@@ -81,6 +86,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
         self._saved: int | None = None
+        self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -97,6 +103,7 @@ class StagerdCheckpointIO(CheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
+        self._pin_best()  # ModelCheckpoint names its new best before it saves it
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -160,20 +167,45 @@ class StagerdCheckpointIO(CheckpointIO):
         for optimizer in optimizers or ():
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
+    def _pin_best(self) -> None:
+        """Hold the step each `ModelCheckpoint`'s `best_model_path` points at (its pointer file is read
+        again: a fixed file name is rewritten for each new best), and let a step that is no longer one go."""
+        module = getattr(self._strategy(), "lightning_module", None)
+        trainer = getattr(module, "_trainer", None) or getattr(self.model, "_trainer", None)
+        if trainer is None:  # a save outside a Trainer: there is no best
+            return
+        best: dict[tuple[Path, int], StepPin] = {}
+        for callback in trainer.checkpoint_callbacks:
+            path = getattr(callback, "best_model_path", "")
+            try:
+                located = _pointer(Path(path)) if path else None
+            except LoadError:
+                located = None
+            if located is not None:
+                best[located] = self._pins.get(located) or StepPin(*located).hold()
+        for key, pin in self._pins.items():
+            if key not in best:
+                pin.release()
+        self._pins = best
+
     def _optimizers(self) -> list[Any] | None:
-        """The torch optimizers of the strategy saving this checkpoint (the caller of `save_checkpoint`),
-        else of the `model`'s trainer; None when neither is found."""
+        """The torch optimizers of the strategy saving this checkpoint, None when there is none."""
+        strategy = self._strategy()
+        return None if strategy is None else list(strategy.optimizers)
+
+    def _strategy(self) -> Any:
+        """The strategy saving this checkpoint (the caller of `save_checkpoint`), else the `model`'s
+        trainer's; None when neither is found."""
         from lightning.pytorch.strategies import Strategy
 
         frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self")
             if isinstance(owner, Strategy):
-                return list(owner.optimizers)
+                return owner
             frame = frame.f_back  # type: ignore[assignment]
         trainer = getattr(self.model, "_trainer", None)
-        strategy = getattr(trainer, "strategy", None)
-        return None if strategy is None else list(strategy.optimizers)
+        return getattr(trainer, "strategy", None)
 
     def _stager(self) -> Stager:
         if self.stager is None:
