@@ -19,10 +19,11 @@ At `path` itself, a small JSON file names the step (ROOT and step), so `ModelChe
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
 or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
-`best_model_path` names is pinned (`contract/step/pin.py`) from the save that makes it the best until
-another step is the best or the process ends, so `--keep-last` keeps it beside the newest N and
-`trainer.test(ckpt_path="best")` after `fit` finds it. The other top-k are not pinned (`save_top_k=-1`
-would keep every step). A best step gone anyway (deleted by hand) fails to load with a `MarkerError`.
+`best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
+best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best or
+the process ends, so `--keep-last` keeps it beside the newest N and `trainer.test(ckpt_path="best")`
+after `fit` finds it. The other top-k are not pinned (`save_top_k=-1` would keep every step). A best
+step gone anyway (deleted by hand) fails to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -129,6 +130,13 @@ class StagerdCheckpointIO(CheckpointIO):
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
         log.info("loaded step %d from %s", step, step_dir)
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
+            # resuming: each ModelCheckpoint takes back the best it recorded; the saving rank holds it
+            # from now, not from the resumed run's first save
+            callbacks = checkpoint.get("callbacks")
+            states = callbacks.values() if isinstance(callbacks, dict) else ()
+            self._pin([s.get("best_model_path") for s in states if isinstance(s, dict)])
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -168,17 +176,18 @@ class StagerdCheckpointIO(CheckpointIO):
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
     def _pin_best(self) -> None:
-        """Hold the step each `ModelCheckpoint`'s `best_model_path` points at (its pointer file is read
-        again: a fixed file name is rewritten for each new best), and let a step that is no longer one go."""
-        module = getattr(self._strategy(), "lightning_module", None)
-        trainer = getattr(module, "_trainer", None) or getattr(self.model, "_trainer", None)
-        if trainer is None:  # a save outside a Trainer: there is no best
-            return
+        """Hold the step each `ModelCheckpoint`'s `best_model_path` points at now."""
+        trainer = self._trainer()
+        if trainer is not None:  # else a save outside a Trainer: there is no best
+            self._pin([getattr(c, "best_model_path", None) for c in trainer.checkpoint_callbacks])
+
+    def _pin(self, paths: list[Any]) -> None:
+        """Hold the steps these checkpoint paths point at (each pointer file read again: a fixed file name
+        is rewritten for each new best), and let a step that is no longer one of them go."""
         best: dict[tuple[Path, int], StepPin] = {}
-        for callback in trainer.checkpoint_callbacks:
-            path = getattr(callback, "best_model_path", "")
+        for path in paths:
             try:
-                located = _pointer(Path(path)) if path else None
+                located = _pointer(Path(path)) if isinstance(path, str) and path else None
             except LoadError:
                 located = None
             if located is not None:
@@ -187,6 +196,10 @@ class StagerdCheckpointIO(CheckpointIO):
             if key not in best:
                 pin.release()
         self._pins = best
+
+    def _trainer(self) -> Any:
+        module = getattr(self._strategy(), "lightning_module", None)
+        return getattr(module, "_trainer", None) or getattr(self.model, "_trainer", None)
 
     def _optimizers(self) -> list[Any] | None:
         """The torch optimizers of the strategy saving this checkpoint, None when there is none."""

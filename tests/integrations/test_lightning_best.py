@@ -98,3 +98,24 @@ def test_the_pin_moves_with_the_best_and_holds_only_it(fitted):
     best.best_model_path = str(Path(best.dirpath) / "step=3.ckpt")  # as a better score at step 3 would
     trainer.save_checkpoint(Path(best.dirpath) / "last.ckpt")
     assert pinned(root, 3) and not pinned(root, 2)
+
+
+def test_a_resumed_fit_pins_the_best_it_recorded_before_its_first_save(fitted):
+    """`last.ckpt` (step 4) recorded step 2 as the best; the first run's plugin now pins step 3 alone (the
+    test above). A second trainer resumed from it saves nothing (already at `max_steps`), and still holds
+    step 2, as its `ModelCheckpoint` names it again."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.contract.step.pin import pinned
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    _, _, first, root, _ = fitted
+    assert not pinned(root, 2)
+    best = ModelCheckpoint(dirpath=first.dirpath, monitor="score", mode="min", every_n_train_steps=1)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[best],
+                         plugins=[StagerdCheckpointIO(root)])  # fmt: skip
+    trainer.fit(module(), loader(), ckpt_path=Path(first.dirpath) / "last.ckpt")
+    assert Path(best.best_model_path).name == "step=2.ckpt"
+    assert pinned(root, 2)
