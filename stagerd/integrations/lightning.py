@@ -207,7 +207,7 @@ class StagerdCheckpointIO(CheckpointIO):
         return None if strategy is None else list(strategy.optimizers)
 
     def _strategy(self) -> Any:
-        """The strategy saving this checkpoint (the caller of `save_checkpoint`), else the `model`'s
+        """The strategy calling this plugin (found on the call stack), else the `model`'s
         trainer's; None when neither is found."""
         from lightning.pytorch.strategies import Strategy
 
