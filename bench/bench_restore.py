@@ -8,16 +8,21 @@ before the clock starts. stagerd does more than the others: it reads the manifes
 checks every file's sha256 while it downloads, fsyncs every file and directory, writes the journal and
 lands the step atomically, marker last.
 
-Load: a single-process `Stager` saves a model of `--load-mib` fp32 parameters and an AdamW-shaped
-optimizer state (two moments per parameter); each round loads it with `Stager.load` (step agreement,
-checks, HF reader, allowlist unpickler) and with `dcp.load` through `HuggingFaceStorageReader` and
-`FileSystemReader` directly.
+Load: a model of `--load-mib` fp32 parameters (8 tensors) and an AdamW-shaped optimizer state (two
+moments per parameter) saved twice: by a single-process `Stager` (a stagerd step: safetensors under
+`model/` and `optim/`, the marker) and by torch's own `dcp.save` of the same state dicts (DCP's format,
+`FileSystemWriter`). Each round loads both into fresh tensors: `Stager.load` (step agreement, marker and
+file-size checks, DCP's HF reader) and `dcp.load` of the `dcp.save` directory, alternating which goes
+first; both read from the page cache (each is loaded once, untimed, first). Every load is checked equal
+to what was saved, after the clock.
 
     python bench/bench_restore.py                                  # 2 GB, 3 rounds, 256 MiB model
     python bench/bench_restore.py --size-gb 0.5 --rounds 5 --json bench/out/restore.json
 
-Ratios are the best peer's median over stagerd's median (>= 1: stagerd is faster). moto is a Python server:
-these rank clients against one slow server on this machine, they are not S3's speed.
+Ratios are the best peer's median over stagerd's median (>= 1: stagerd is faster), and the same ratio
+round by round (median, min-max); a markdown table per part and the load average are printed at the end.
+moto is a Python server: these rank clients against one slow server on this machine, they are not S3's
+speed.
 """
 
 from __future__ import annotations
@@ -188,11 +193,12 @@ def bench_restore(
 
 
 def bench_load(work: Path, rounds: int, mib: int) -> dict[str, list[float]]:
+    """`Stager.load` of a stagerd step against torch's own `dcp.load` of a `dcp.save` of the same state
+    dicts: the same tensors, each read back by its own writer's reader, both from the page cache."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 
     from stagerd import Stager
 
@@ -200,37 +206,41 @@ def bench_load(work: Path, rounds: int, mib: int) -> dict[str, list[float]]:
     n = mib * MiB // 4 // 8
     model = {f"layers.{i}.weight": torch.randn(n) for i in range(8)}
     optim = {f"state.{k}.{m}": torch.randn(n) for k in model for m in ("exp_avg", "exp_avg_sq")}
-    root = work / "load-root"
+    root, peer = work / "load-root", work / "load-dcp"
     with Stager(root) as stager:
         stager.save(model, 1, optimizer_state=optim)
-    step = root / "step-00000001"
+    dcp.save({"model": model, "optim": optim}, checkpoint_id=str(peer), no_dist=True)
 
-    def fresh() -> tuple[dict, dict]:
+    def fresh() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         return {k: torch.empty_like(v) for k, v in model.items()}, {
             k: torch.empty_like(v) for k, v in optim.items()
         }
 
     loader = Stager(root)  # built once, as a trainer builds it once per process
 
-    def run_stagerd() -> None:
+    def run_stagerd() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         m, o = fresh()
-        loader.load(m, o)
-        assert all(torch.equal(m[k], model[k]) for k in model)
+        loader.load(m, o, step=1)
+        return m, o
 
-    def run_dcp() -> None:
+    def run_dcp() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         m, o = fresh()
-        dcp.load(m, storage_reader=HuggingFaceStorageReader(str(step / "model")), no_dist=True)
-        dcp.load(o, storage_reader=FileSystemReader(str(step / "optim")), no_dist=True)
-        assert all(torch.equal(m[k], model[k]) for k in model)
+        dcp.load({"model": m, "optim": o}, checkpoint_id=str(peer), no_dist=True)
+        return m, o
 
     runs = {"Stager.load": run_stagerd, "dcp.load": run_dcp}
     times: dict[str, list[float]] = {k: [] for k in runs}
     names = list(runs)
+    for name in names:  # once each, untimed: imports, the page cache
+        runs[name]()
     for r in range(rounds):
         for name in names[r % 2 :] + names[: r % 2]:
             t0 = time.perf_counter()
-            runs[name]()
+            m, o = runs[name]()
             times[name].append(time.perf_counter() - t0)
+            assert all(torch.equal(m[k], model[k]) for k in model), name
+            assert all(torch.equal(o[k], optim[k]) for k in optim), name
+            del m, o
             print(f"  round {r + 1} {name}: {times[name][-1]:.3f} s", flush=True)
     loader.close()
     return times
@@ -239,13 +249,31 @@ def bench_load(work: Path, rounds: int, mib: int) -> dict[str, list[float]]:
 def summary(times: dict[str, list[float]], ours: str) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     best = min((k for k in med if k != ours), key=lambda k: med[k])
+    paired = [peer / mine for peer, mine in zip(times[best], times[ours], strict=True)]  # round by round
     return {
         "median_s": med,
         "min_max_s": {k: (min(v), max(v)) for k, v in times.items()},
         "best_peer": best,
         "ratio": med[best] / med[ours],
+        "paired_ratio": {"median": statistics.median(paired), "min": min(paired), "max": max(paired)},
         "runs": times,
     }
+
+
+def table(s: dict[str, Any], ours: str) -> str:
+    """A markdown table of one part's figures, ready to paste."""
+    rows = ["| contender | median s | min-max s |", "|---|---|---|"]
+    for k, v in s["median_s"].items():
+        lo, hi = s["min_max_s"][k]
+        name = f"`{k}`"
+        rows.append(f"| {name} | {f'**{v:.3f}**' if k == ours else f'{v:.3f}'} | {lo:.3f}-{hi:.3f} |")
+    pr = s["paired_ratio"]
+    rows.append("")
+    rows.append(
+        f"Ratio {s['best_peer']} / {ours}: {s['ratio']:.2f}x of the medians; paired, round by round: median "
+        f"{pr['median']:.2f}x ({pr['min']:.2f}-{pr['max']:.2f}x). >= 1: stagerd is faster."
+    )
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -255,10 +283,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8, help="parallel downloads for every contender")
     ap.add_argument("--load-mib", type=int, default=256, help="model size for the load bench (fp32 MiB)")
     ap.add_argument("--skip-restore", action="store_true")
-    # The dcp.load peer reads optim/ as DCP's own format, which the Stager no longer writes.
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
+    load_start = os.getloadavg()
     out: dict[str, Any] = {
         "size_gb": a.size_gb,
         "rounds": a.rounds,
@@ -283,13 +311,13 @@ def main() -> None:
                 proc.wait()
         if not a.skip_load:
             out["load"] = summary(bench_load(work, a.rounds, a.load_mib), "Stager.load")
-    for part in ("restore", "load"):
+    load_end = os.getloadavg()
+    out["load_average"] = {"start": load_start, "end": load_end}
+    for part, ours in (("restore", "stagerd restore"), ("load", "Stager.load")):
         if part in out:
-            s = out[part]
-            for k, v in s["median_s"].items():
-                lo, hi = s["min_max_s"][k]
-                print(f"{part:8} {k:24} median {v:7.3f} s  (min {lo:.3f}, max {hi:.3f})")
-            print(f"{part:8} ratio best peer ({s['best_peer']}) / stagerd: {s['ratio']:.2f}x")
+            print(f"\n{part}, {a.rounds} interleaved rounds:\n\n{table(out[part], ours)}")
+    print("\nload average (1, 5, 15 min) at the start: {:.2f}, {:.2f}, {:.2f}".format(*load_start))
+    print("load average (1, 5, 15 min) at the end: {:.2f}, {:.2f}, {:.2f}".format(*load_end))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=2))

@@ -18,7 +18,12 @@ At `path` itself, a small JSON file names the step (ROOT and step), so `ModelChe
 (`last`, `best_model_path`, `save_top_k`) works on paths as always. `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
-or delete (`stagerd watch --keep-last N`).
+or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
+`best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
+best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best or
+the process ends, so `--keep-last` keeps it beside the newest N and `trainer.test(ckpt_path="best")`
+after `fit` finds it. The other top-k are not pinned (`save_top_k=-1` would keep every step). A best
+step gone anyway (deleted by hand) fails to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -44,6 +49,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from stagerd.contract import layout
+from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, state_tree, step_files
 from stagerd.training.aliases import split_aliases
@@ -81,6 +87,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
         self._saved: int | None = None
+        self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -97,6 +104,7 @@ class StagerdCheckpointIO(CheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
+        self._pin_best()  # ModelCheckpoint names its new best before it saves it
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -122,6 +130,13 @@ class StagerdCheckpointIO(CheckpointIO):
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
         log.info("loaded step %d from %s", step, step_dir)
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
+            # resuming: each ModelCheckpoint takes back the best it recorded; the saving rank holds it
+            # from now, not from the resumed run's first save
+            callbacks = checkpoint.get("callbacks")
+            states = callbacks.values() if isinstance(callbacks, dict) else ()
+            self._pin([s.get("best_model_path") for s in states if isinstance(s, dict)])
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -160,20 +175,50 @@ class StagerdCheckpointIO(CheckpointIO):
         for optimizer in optimizers or ():
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
+    def _pin_best(self) -> None:
+        """Hold the step each `ModelCheckpoint`'s `best_model_path` points at now."""
+        trainer = self._trainer()
+        if trainer is not None:  # else a save outside a Trainer: there is no best
+            self._pin([getattr(c, "best_model_path", None) for c in trainer.checkpoint_callbacks])
+
+    def _pin(self, paths: list[Any]) -> None:
+        """Hold the steps these checkpoint paths point at (each pointer file read again: a fixed file name
+        is rewritten for each new best), and let a step that is no longer one of them go."""
+        best: dict[tuple[Path, int], StepPin] = {}
+        for path in paths:
+            try:
+                located = _pointer(Path(path)) if isinstance(path, str) and path else None
+            except LoadError:
+                located = None
+            if located is not None:
+                best[located] = self._pins.get(located) or StepPin(*located).hold()
+        for key, pin in self._pins.items():
+            if key not in best:
+                pin.release()
+        self._pins = best
+
+    def _trainer(self) -> Any:
+        module = getattr(self._strategy(), "lightning_module", None)
+        return getattr(module, "_trainer", None) or getattr(self.model, "_trainer", None)
+
     def _optimizers(self) -> list[Any] | None:
-        """The torch optimizers of the strategy saving this checkpoint (the caller of `save_checkpoint`),
-        else of the `model`'s trainer; None when neither is found."""
+        """The torch optimizers of the strategy saving this checkpoint, None when there is none."""
+        strategy = self._strategy()
+        return None if strategy is None else list(strategy.optimizers)
+
+    def _strategy(self) -> Any:
+        """The strategy calling this plugin (found on the call stack), else the `model`'s
+        trainer's; None when neither is found."""
         from lightning.pytorch.strategies import Strategy
 
         frame = sys._getframe(1)
         while frame is not None:
             owner = frame.f_locals.get("self")
             if isinstance(owner, Strategy):
-                return list(owner.optimizers)
+                return owner
             frame = frame.f_back  # type: ignore[assignment]
         trainer = getattr(self.model, "_trainer", None)
-        strategy = getattr(trainer, "strategy", None)
-        return None if strategy is None else list(strategy.optimizers)
+        return getattr(trainer, "strategy", None)
 
     def _stager(self) -> Stager:
         if self.stager is None:

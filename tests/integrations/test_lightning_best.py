@@ -1,0 +1,121 @@
+"""`ModelCheckpoint(monitor=..., save_top_k=...)` through `StagerdCheckpointIO`: the step `best_model_path`
+points at is pinned against the daemon's retention, so `stagerd watch --keep-last 1` keeps it beside the
+newest step and `trainer.test(ckpt_path="best")` after `fit` loads it. One process, a real Lightning
+Trainer on CPU, a linear model, a logged score that makes step 2 the best of 4, and the real daemon.
+(DDP on 2 ranks, resuming: `test_lightning.py`.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stagerd.contract import layout
+from tests.cli_helpers import run_cli
+from tests.daemon_helpers import fast_flags
+
+pytestmark = pytest.mark.slow  # the daemon runs as a child process
+
+SCORES = {1: 3.0, 2: 1.0, 3: 2.0, 4: 4.0}  # mode="min": step 2 is the best, then step 3 is second
+
+
+def module() -> Any:
+    import lightning.pytorch as pl
+
+    class Linear(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 2)
+            self.tested: dict[str, torch.Tensor] = {}
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("score", SCORES[self.global_step + 1])
+            return self.layer(batch[0]).pow(2).mean()
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.tested = {k: v.clone() for k, v in self.state_dict().items()}
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Linear()
+
+
+def loader() -> Any:
+    data = torch.utils.data.TensorDataset(torch.arange(16.0).reshape(4, 4) / 16)
+    return torch.utils.data.DataLoader(data, batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """Four steps, each saved; the trainer, its `ModelCheckpoint`, ROOT, and the weights at each step."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    tmp = tmp_path_factory.mktemp("best")
+    root, weights = tmp / "root", {}
+
+    class Weights(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            weights[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    best = ModelCheckpoint(dirpath=tmp / "ckpts", monitor="score", mode="min", save_top_k=2,
+                           save_last=True, every_n_train_steps=1, filename="{step}")  # fmt: skip
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Weights(), best],
+                         plugins=[StagerdCheckpointIO(root)])  # fmt: skip
+    model = module()
+    trainer.fit(model, loader())
+    return trainer, model, best, root, weights
+
+
+def test_the_best_step_survives_keep_last_1_and_loads_back_as_best(fitted, tmp_path):
+    trainer, model, best, root, weights = fitted
+    assert Path(best.best_model_path).name == "step=2.ckpt"
+    assert sorted(p.name for p in Path(best.dirpath).iterdir()) == ["last.ckpt", "step=2.ckpt", "step=3.ckpt"]
+    args = ["watch", root, "--sink", (tmp_path / "sink").as_uri(), "--once", "--keep-last", "1"]
+    done = run_cli([*args, *fast_flags()])
+    assert done.returncode == 0, done.stderr[-3000:]
+    trainer.test(model, loader(), ckpt_path="best", verbose=False)
+    assert model.tested.keys() == weights[2].keys()
+    assert all(v.equal(weights[2][k]) for k, v in model.tested.items())
+    assert not any(v.equal(weights[4][k]) for k, v in model.tested.items())
+    assert "step 2: kept while a trainer pins it" in done.stderr
+    assert [s for s, _ in layout.committed_steps(root)] == [2, 4]  # the best, and the newest (step 3 is
+    # in the top 2, but only the best is pinned: save_top_k=-1 must not keep every step)
+
+
+def test_the_pin_moves_with_the_best_and_holds_only_it(fitted):
+    from stagerd.contract.step.pin import pinned
+
+    trainer, _, best, root, _ = fitted
+    assert pinned(root, 2) and not pinned(root, 3) and not pinned(root, 4)
+    best.best_model_path = str(Path(best.dirpath) / "step=3.ckpt")  # as a better score at step 3 would
+    trainer.save_checkpoint(Path(best.dirpath) / "last.ckpt")
+    assert pinned(root, 3) and not pinned(root, 2)
+
+
+def test_a_resumed_fit_pins_the_best_it_recorded_before_its_first_save(fitted):
+    """`last.ckpt` (step 4) recorded step 2 as the best; the first run's plugin now pins step 3 alone (the
+    test above). A second trainer resumed from it saves nothing (already at `max_steps`), and still holds
+    step 2, as its `ModelCheckpoint` names it again."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.contract.step.pin import pinned
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    _, _, first, root, _ = fitted
+    assert not pinned(root, 2)
+    best = ModelCheckpoint(dirpath=first.dirpath, monitor="score", mode="min", every_n_train_steps=1)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[best],
+                         plugins=[StagerdCheckpointIO(root)])  # fmt: skip
+    trainer.fit(module(), loader(), ckpt_path=Path(first.dirpath) / "last.ckpt")
+    assert Path(best.best_model_path).name == "step=2.ckpt"
+    assert pinned(root, 2)
