@@ -1,5 +1,6 @@
 """A trainer's hold on one staged step that the daemon's retention must not delete: the Hugging Face
-Trainer's best checkpoint, which `load_best_model_at_end` reads back at the end of training.
+Trainer's best checkpoint, which `load_best_model_at_end` reads back at the end of training, and the step
+a Lightning `ModelCheckpoint`'s `best_model_path` names, which `ckpt_path="best"` reads after `fit`.
 
 Each process that needs the step holds a shared `flock` on `ROOT/.step-N.pin` (beside the step lock: the
 trainer and the daemon may run as different users, and a dot name is no step). Retention takes an
