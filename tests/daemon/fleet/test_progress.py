@@ -134,3 +134,48 @@ def _leader_beside_node1(dirs: list[Path], sink: Path) -> list[str]:
     t.join(30)
     assert isinstance(out[1], FleetResult), out
     return seen
+
+
+class _Crash(Exception):
+    """Node 1 dying mid-upload: its run ends there, and its daemon starts it again."""
+
+
+def test_a_node_in_a_crash_loop_still_times_the_wait_out(tmp_path, dcp_mixed2, monkeypatch):
+    """Node 1 dies halfway through each file of its raw part (0.5 s in) and is started again at once, for
+    as long as the leader waits: it sends the same bytes again on every run, never more. Its reports
+    changed with every run, so the leader (waiting 0.6 s at most for anything new) took each for progress
+    and waited for as long as the loop lasted; a report counts now only when the node's work advanced."""
+    iter_file = local.iter_file
+
+    def dying(path, *a, **kw) -> Iterator[memoryview]:
+        for view in iter_file(path, *a, **kw):
+            if f"/node1/{layout.step_dir_name(STEP)}/" not in str(path):  # its raw part only
+                yield view
+                continue
+            for i in range(2):  # its first two quarters, each reported (the reporter writes every 0.15 s)
+                yield view[i * len(view) // 4 : (i + 1) * len(view) // 4]
+                time.sleep(0.25)
+            raise _Crash(path)
+
+    monkeypatch.setattr(local, "iter_file", dying)
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, over, runs = tmp_path / "sink", threading.Event(), [0]
+
+    def crash_loop() -> None:
+        deadline = time.monotonic() + 6
+        while not over.is_set() and time.monotonic() < deadline:
+            runs[0] += 1
+            with pytest.raises(_Crash):
+                _node(dirs[1], sink.as_uri(), wait_seconds=0.6)[0].run()
+
+    loop = threading.Thread(target=crash_loop)
+    loop.start()
+    node0, seen = _node(dirs[0], sink.as_uri(), wait_seconds=0.6)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FleetWaitError, match=r"waiting for node 1 \(seen: node-00000-of-00002; node 1 "):
+            node0.run()
+    finally:
+        over.set()
+        loop.join(30)
+    assert time.monotonic() - t0 < 3.5 and runs[0] >= 2, (runs, seen)
