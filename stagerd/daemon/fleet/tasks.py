@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagerd.contract import layout
-from stagerd.daemon.fleet.root_id import root_id
+from stagerd.contract.root_id import root_id
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
@@ -62,8 +62,8 @@ class FleetTasks(DaemonState):
         )
 
     def _fleet_root_id(self) -> str:
-        """This ROOT's identity on the exchange (`fleet/root_id.py`): two ROOTs claiming one node id, a copy
-        of a ROOT among them, are told apart."""
+        """This ROOT's identity on the exchange (`contract/root_id.py`): two ROOTs claiming one node id, a
+        copy of a ROOT among them, are told apart."""
         return root_id(self.root)
 
     def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
