@@ -7,9 +7,10 @@ another node while the old daemon still publishes, two prunes) must never both c
 with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`):
 
 - **A publisher** creates it (S3 `If-None-Match: *`, file:// `link()`) together with the step's first
-  requests, naming itself by host, the real path of what it publishes and its ROOT's device and inode
-  (`publish_claim`): the same publisher restarted on the same host owns it again, any other does not
-  (two containers sharing a host name see their own directories at one path). Until it is known to hold it, a
+  requests, naming itself by host, the real path of what it publishes and its ROOT's identity
+  (`publish_claim`, `contract/root_id.py`): the same publisher restarted on the same host owns it again,
+  after a reboot too, any other does not (two containers sharing a host name see their own directories at
+  one path). Until it is known to hold it, a
   publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
   long as the step, so a step's prefix has one publisher for its whole life.
   - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
@@ -37,10 +38,11 @@ import json
 import os
 import socket
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.root_id import root_id
 from stagerd.errors import StepClaimedError
 
 CLAIMS_DIR = "claims"
@@ -62,10 +64,15 @@ class Claim:
     owner: str  # a publisher: host:real path of its local tree; a prune: host:pid:random
     host: str
     pid: int
-    tree: str = ""  # a publisher: its ROOT's device and inode ("" in an older stagerd's claim)
+    # a publisher: its ROOT's identity; in an older stagerd's claim ROOT's "device:inode", or ""
+    tree: str = ""
+    # never written: this ROOT's "device:inode" now, which an older stagerd's claim names it by
+    device_inode: str = field(default="", compare=False)
 
     def encode(self) -> bytes:
-        return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
+        d = asdict(self)
+        del d["device_inode"]
+        return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     def describe(self) -> str:
         if self.kind == PUBLISH:
@@ -78,19 +85,28 @@ class Claim:
 def publish_claim(local_root: Path) -> Claim:
     """This publisher's claim: the same on a restart of the same tree on the same host. Host and path
     alone are not one tree: two containers sharing the host's name (host networking) see their own ROOTs at
-    one path, so ROOT's device and inode tell them apart. ROOT, not the step directory: a step saved again
-    (a new directory) is published by the same daemon, which must find its claim its own. Only in ROOT's
-    layout (a step's `export/`, or the step directory itself) or beside an `export/` of the user's, whose
-    parent may be made again between a failed publish and its rerun."""
+    one path, so ROOT's identity tells them apart. ROOT, not the step directory: a step saved again (a new
+    directory) is published by the same daemon, which must find its claim its own. Only in ROOT's layout
+    (a step's `export/`, or the step directory itself) or beside an `export/` of the user's, whose parent
+    may be made again between a failed publish and its rerun.
+
+    The identity is `ROOT/.stagerd/fleet-root-id` (`root_id`, made there if need be) where ROOT has the
+    daemon's `.stagerd/`: ROOT's device number changes with a reboot that renumbers its disk, and its inode
+    alone is no identity (two mount points' roots are both inode 2 on many filesystems). Elsewhere (nothing
+    is written into a directory of the user's), or where the id cannot be written, it is ROOT's
+    "device:inode", as an older stagerd named every ROOT."""
     host = socket.gethostname()
     real = Path(os.path.realpath(local_root))
     step_dir = real.parent if real.name == layout.EXPORT_DIR else real
-    tree = ""
+    tree = device_inode = ""
     if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
+        root = step_dir.parent
         with contextlib.suppress(OSError):
-            st = os.stat(step_dir.parent)
-            tree = f"{st.st_dev}:{st.st_ino}"
-    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree)
+            st = os.stat(root)
+            tree = device_inode = f"{st.st_dev}:{st.st_ino}"
+            if (root / layout.STATE_DIR).is_dir():
+                tree = root_id(root)
+    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, device_inode)
 
 
 def prune_claim() -> Claim:
@@ -119,7 +135,11 @@ def owned_by(data: bytes | None, mine: Claim) -> bool:
     theirs = decode(data)
     if theirs is None or not theirs.kind == mine.kind == PUBLISH or theirs.owner != mine.owner:
         return False
-    return theirs.tree in ("", mine.tree)  # an older stagerd's claim names no tree: host and path decide
+    if not theirs.tree:  # an older stagerd's claim names no tree: host and path decide
+        return True
+    if ":" in theirs.tree:  # ROOT's "device:inode" (an older stagerd's, or where no id could be written)
+        return theirs.tree == mine.device_inode
+    return theirs.tree == mine.tree
 
 
 def prune_is_dead(claim: Claim, age: float | None) -> bool:

@@ -159,3 +159,64 @@ def test_a_recreated_export_outside_a_step_still_owns_its_claim(tmp_path):
     shutil.rmtree(tmp_path / "old")
     assert not FsspecSink.from_url(sink.as_uri()).publish(export, 7).skipped
     assert (sink / "step-00000007" / layout.MANIFEST_NAME).is_file()
+
+
+def _stat_as(monkeypatch, path: Path, dev: int | None = None, ino: int | None = None) -> None:
+    """Every `os.stat` of `path` answers device `dev` and inode `ino` (a reboot that renumbered the disk;
+    another volume's root, inode 2 as every one's)."""
+    import os
+
+    real = os.stat
+
+    def stat(p, *a, **kw):
+        st = real(p, *a, **kw)
+        if os.fspath(p) != str(path):
+            return st
+        fields = list(st[:10])
+        fields[1], fields[2] = st.st_ino if ino is None else ino, st.st_dev if dev is None else dev
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+def test_a_publishers_claim_is_still_its_own_after_a_reboot_renumbers_the_disk(tmp_path, monkeypatch):
+    """A daemon's publish of step 7 was killed after its claim (no manifest yet); the machine rebooted and
+    the kernel gave ROOT's disk another device number. The claim named ROOT's "device:inode", so the
+    restarted daemon found its own claim foreign: `StepClaimedError` (retryable) on every retry, for ever.
+    It names ROOT's identity now (`ROOT/.stagerd/fleet-root-id`), which a reboot keeps; a claim an older
+    stagerd wrote keeps its meaning, and another ROOT at the same path, on another volume with the same
+    device and inode numbers, is still another publisher."""
+    import os
+    import shutil
+
+    from stagerd.errors import StepClaimedError
+    from stagerd.sinks.claims import claim_key, owned_by, publish_claim
+
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    root, sink = tmp_path / "ckpt", tmp_path / "sink"
+    (root / layout.STATE_DIR).mkdir(parents=True)  # a daemon's ROOT
+    export = make_export(root / "step-00000007" / "export", sizes, seed=1)
+    claim = sink / claim_key("step-00000007")
+    claim.parent.mkdir(parents=True)
+    claim.write_bytes(publish_claim(export).encode())  # the killed publish's
+    st = os.stat(root)
+    older = {"kind": "publish", "owner": json.loads(claim.read_bytes())["owner"], "host": "", "pid": 1}
+    before = json.dumps({**older, "tree": f"{st.st_dev}:{st.st_ino}"}).encode()
+    assert owned_by(before, publish_claim(export))  # an older stagerd's claim, no reboot: its own
+
+    _stat_as(monkeypatch, root, dev=st.st_dev + 1)  # the reboot
+    assert owned_by(claim.read_bytes(), publish_claim(export))
+    assert not owned_by(before, publish_claim(export))  # an older stagerd's claim: as it always was
+    assert not FsspecSink.from_url(sink.as_uri()).publish(export, 7).skipped
+    assert (sink / "step-00000007" / layout.MANIFEST_NAME).is_file()
+
+    root.rename(tmp_path / "first")  # another container's ROOT at the same path, on its own volume
+    (root / layout.STATE_DIR).mkdir(parents=True)
+    second = make_export(root / "step-00000007" / "export", sizes, seed=2)
+    _stat_as(monkeypatch, root, dev=st.st_dev, ino=st.st_ino)  # both volumes' roots: the same numbers
+    assert not owned_by(claim.read_bytes(), publish_claim(second))
+    claim8 = sink / claim_key("step-00000008")
+    claim8.write_bytes(claim.read_bytes())  # the first's claim of a step it is still publishing
+    with pytest.raises(StepClaimedError):
+        FsspecSink.from_url(sink.as_uri()).publish(second, 8)
+    shutil.rmtree(tmp_path / "first")

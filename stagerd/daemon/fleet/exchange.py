@@ -47,7 +47,9 @@ class StepExchange:
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
         self.waited = 0.0  # seconds asleep in `wait`
-        self._reports: dict[int, tuple[object, str]] = {}  # node -> its report's listing, what it says
+        self._listed: dict[int, object] = {}  # node -> its report's listing when last read
+        self._best: dict[tuple[int, str], int] = {}  # (node, what it does) -> the most bytes seen done
+        self._shown: dict[int, str] = {}  # node -> its furthest report: "building NAME: 4096 bytes"
 
     def claim_key(self, node: int) -> str:
         return f"{self.base}/node-{node:05d}.json"
@@ -66,7 +68,12 @@ class StepExchange:
     def progress_of(self, nodes: Iterable[int]) -> str:
         """What `nodes` last reported of their work (`Progress`), for a wait's text ("; node 1 sending its
         raw part: 4096 bytes"); "" when none did. One listing a poll, and a read only of a report that
-        changed. A report is only ever shown: it says a node is busy, never that anything it made is there."""
+        changed. A report is only ever shown: it says a node is busy, never that anything it made is there.
+
+        A report counts (and is shown) only when the node's work advanced: more bytes of a work than it was
+        ever seen to have done, or a work not seen before. A node in a crash loop sends its part again on
+        every restart, reporting the same bytes again: the text then keeps its furthest report, so the
+        wait (which starts again only when its text changes) still ends after the setting."""
         listed = self.store.objects(f"{self.base}/{PROGRESS_DIR}")
         out = []
         for k in nodes:
@@ -74,21 +81,27 @@ class StepExchange:
             if o is None:
                 continue
             tag = (o.tag, o.size, o.mtime)
-            if self._reports.get(k, (None, ""))[0] != tag:
-                self._reports[k] = (tag, self._report(k))
-            if self._reports[k][1]:
-                out.append(f"; node {k} {self._reports[k][1]}")
+            if self._listed.get(k) != tag:
+                self._listed[k] = tag
+                self._advanced(k, self._report(k))
+            if self._shown.get(k):
+                out.append(f"; node {k} {self._shown[k]}")
         return "".join(out)
 
-    def _report(self, node: int) -> str:
+    def _advanced(self, node: int, report: tuple[str, int] | None) -> None:
+        if report is None or report[1] <= self._best.get((node, report[0]), -1):
+            return  # nothing, or what the node was already seen to have done (a restart doing it again)
+        self._best[(node, report[0])] = report[1]
+        self._shown[node] = f"{report[0]}: {report[1]} bytes"
+
+    def _report(self, node: int) -> tuple[str, int] | None:
         try:
             d = json.loads(self.store.read(self.progress_key(node), limit=MAX_PROGRESS_BYTES) or b"null")
         except (StagerdError, ValueError):
-            return ""  # gone since the listing, or not a report: nothing to show
+            return None  # gone since the listing, or not a report: nothing to show
         if not isinstance(d, dict) or not isinstance(d.get("doing"), str) or type(d.get("bytes")) is not int:
-            return ""
-        doing = "".join(c if c.isprintable() else "?" for c in d["doing"][:200])
-        return f"{doing}: {d['bytes']} bytes"
+            return None
+        return "".join(c if c.isprintable() else "?" for c in d["doing"][:200]), d["bytes"]
 
     def create(self, key: str, data: bytes) -> bool:
         return self.exchange.backend.create(key, data)
@@ -106,7 +119,8 @@ class StepExchange:
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
         reported as soon as it is found missing and cleared (`status("", 0)`) once the wait is over. It
-        fails once `wait_seconds` pass with `what` unchanged: a new part, record or claim is progress."""
+        fails once `wait_seconds` pass with `what` unchanged: a new part, record or claim is progress, and
+        so is an awaited node's work that advanced (`progress_of`), never the same work done again."""
         if done():
             return
         # each wait its own: the raw upload and the builds before it may take longer than the setting;

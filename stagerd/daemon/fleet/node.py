@@ -187,8 +187,10 @@ class FleetNode:
             out.mkdir()
             building = progress.doing(f"building {rel}", "fleet.build")
             art.build(f.name, out, threads=self.opt.threads, progress=building)
-            for sink in todo:
-                sent = progress.doing(f"uploading {rel}")
+            n = len(self.sinks)
+            for sink in todo:  # each sink its own work: a second upload of the same bytes is progress too
+                to = f" to sink {self.sinks.index(sink) + 1} of {n}" if n > 1 else ""
+                sent = progress.doing(f"uploading {rel}{to}")
                 up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)], sent)[0]
                 crash_point("fleet.built")
                 self.x.create(self.x.record_key(sink, rel), record_bytes(up, self.me, planned[rel]))

@@ -11,12 +11,13 @@ URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagerd.contract import layout
-from stagerd.daemon.fleet.root_id import root_id
+from stagerd.contract.root_id import root_id
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
@@ -61,8 +62,8 @@ class FleetTasks(DaemonState):
         )
 
     def _fleet_root_id(self) -> str:
-        """This ROOT's identity on the exchange (`fleet/root_id.py`): two ROOTs claiming one node id, a copy
-        of a ROOT among them, are told apart."""
+        """This ROOT's identity on the exchange (`contract/root_id.py`): two ROOTs claiming one node id, a
+        copy of a ROOT among them, are told apart."""
         return root_id(self.root)
 
     def _fleet_exchange(self) -> tuple[FsspecSink, RemoteStore]:
@@ -81,20 +82,6 @@ class FleetTasks(DaemonState):
         sinks = [sink for _, sink in self._fleet_sinks()]
         s = self.settings
         exchange, store = self._fleet_exchange()
-
-        said = [""]
-
-        def status(text: str, missing: int) -> None:
-            if not text:
-                self._fleet_wait_over(step)
-            else:
-                self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
-                # replaced whole, never mutated: /healthz serializes it from the event loop's thread
-                self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
-            if text != said[0]:  # a journal commit per change, not per poll
-                said[0] = text
-                self._note_wait(step, text)
-
         still_waiting = False
         try:
             res = FleetNode(
@@ -113,7 +100,7 @@ class FleetTasks(DaemonState):
                     threads=s.export_threads,
                     hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
                 ),
-                status,
+                self._fleet_status(step),
             ).run()
         except FleetWaitError:
             still_waiting = True  # the step keeps waiting (retried, never quarantined): keep reporting it
@@ -136,6 +123,23 @@ class FleetTasks(DaemonState):
         from stagerd.engine.export import ExportResult
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _fleet_status(self, step: int) -> Callable[[str, int], None]:
+        """Where a fleet wait of `step` reports (`StepExchange.wait`): /healthz, the metrics, the journal."""
+        said = [""]
+
+        def status(text: str, missing: int) -> None:
+            if not text:
+                self._fleet_wait_over(step)
+            else:
+                self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
+                # replaced whole, never mutated: /healthz serializes it from the event loop's thread
+                self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+            if text != said[0]:  # a journal commit per change, not per poll
+                said[0] = text
+                self._note_wait(step, text)
+
+        return status
 
     def _note_wait(self, step: int, text: str) -> None:
         """Worker thread: record the wait in the journal (for `stagerd status`), on the journal's thread;
@@ -172,13 +176,30 @@ class FleetTasks(DaemonState):
             from stagerd.daemon.fleet.hub import publish_to_hub
 
             exchange, store = self._fleet_exchange()
-            store.close()
+            still_waiting = False
             try:
                 step_dir = self.root / layout.step_dir_name(step)
                 work = self.root / ".stagerd" / "fleet-hub" / layout.step_dir_name(step)
-                return publish_to_hub(step, step_dir, work, target, sink, exchange, url)
+                return publish_to_hub(
+                    step,
+                    step_dir,
+                    work,
+                    target,
+                    sink,
+                    exchange,
+                    url,
+                    exchange_store=store,
+                    wait_seconds=self.settings.fleet_wait_seconds,
+                    status=self._fleet_status(step),
+                )
+            except FleetWaitError:
+                still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
+                raise
             finally:
+                store.close()
                 exchange.close()
+                if not still_waiting:
+                    self._fleet_wait_over(step, journal=True)
         if not isinstance(target, FsspecSink):
             raise SinkError(
                 f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url

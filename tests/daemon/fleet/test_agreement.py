@@ -121,6 +121,7 @@ def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done
     """Node 0's Hub lane killed between `hub.json` and `done.json`: the restart found the Hub record and
     returned, so `done.json` never came and remote retention kept the step's raw parts forever."""
     from stagerd.daemon.fleet.hub import hub_record_key, publish_to_hub
+    from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
@@ -129,7 +130,17 @@ def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done
     exchange.backend.create(hub_record_key(STEP), b'{"location": "hf://acme/fleet"}')
     done = ex / "fleet" / NAME / "done.json"
     for k in (1, 0):  # a Sink that is never called: the Hub already holds the step
-        r = publish_to_hub(STEP, node_dirs[k], tmp_path / "w", staging, staging, exchange, staging.url)
+        r = publish_to_hub(
+            STEP,
+            node_dirs[k],
+            tmp_path / "w",
+            staging,
+            staging,
+            exchange,
+            staging.url,
+            exchange_store=RemoteStore.open(ex.as_uri()),
+            wait_seconds=1,
+        )
         assert r.skipped and done.is_file() == (k == 0)
 
 

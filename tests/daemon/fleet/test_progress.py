@@ -134,3 +134,120 @@ def _leader_beside_node1(dirs: list[Path], sink: Path) -> list[str]:
     t.join(30)
     assert isinstance(out[1], FleetResult), out
     return seen
+
+
+class _Crash(Exception):
+    """Node 1 dying mid-upload: its run ends there, and its daemon starts it again."""
+
+
+def test_a_node_in_a_crash_loop_still_times_the_wait_out(tmp_path, dcp_mixed2, monkeypatch):
+    """Node 1 dies halfway through each file of its raw part (0.5 s in) and is started again at once, for
+    as long as the leader waits: it sends the same bytes again on every run, never more. Its reports
+    changed with every run, so the leader (waiting 0.6 s at most for anything new) took each for progress
+    and waited for as long as the loop lasted; a report counts now only when the node's work advanced."""
+    iter_file = local.iter_file
+
+    def dying(path, *a, **kw) -> Iterator[memoryview]:
+        for view in iter_file(path, *a, **kw):
+            if f"/node1/{layout.step_dir_name(STEP)}/" not in str(path):  # its raw part only
+                yield view
+                continue
+            for i in range(2):  # its first two quarters, each reported (the reporter writes every 0.15 s)
+                yield view[i * len(view) // 4 : (i + 1) * len(view) // 4]
+                time.sleep(0.25)
+            raise _Crash(path)
+
+    monkeypatch.setattr(local, "iter_file", dying)
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink, over, runs = tmp_path / "sink", threading.Event(), [0]
+
+    def crash_loop() -> None:
+        deadline = time.monotonic() + 6
+        while not over.is_set() and time.monotonic() < deadline:
+            runs[0] += 1
+            with pytest.raises(_Crash):
+                _node(dirs[1], sink.as_uri(), wait_seconds=0.6)[0].run()
+
+    loop = threading.Thread(target=crash_loop)
+    loop.start()
+    node0, seen = _node(dirs[0], sink.as_uri(), wait_seconds=0.6)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FleetWaitError, match=r"waiting for node 1 \(seen: node-00000-of-00002; node 1 "):
+            node0.run()
+    finally:
+        over.set()
+        loop.join(30)
+    assert time.monotonic() - t0 < 3.5 and runs[0] >= 2, (runs, seen)
+
+
+def test_a_hub_lane_waits_for_the_leaders_hub_publish_while_it_advances(tmp_path, dcp_mixed2, monkeypatch):
+    """Only a Hub sink: the fleet commits the export on the exchange, then node 0's Hub lane downloads it
+    and publishes it (here to a file:// sink standing for the Hub, each file sent in 4 pieces 0.25 s apart,
+    over 1 s in all) while node 1's Hub lane waits 0.5 s at most for anything new. Node 1 raised "waiting
+    for node 0" at once, a retry each time, and a `--once` run quarantined the step after --max-attempts
+    however far node 0 had got; it now waits as every fleet wait does: alone, it times out, named; beside
+    the leader's publish, whose reports advance, it ends with the leader's Hub record."""
+    from stagerd.daemon.fleet.hub import EXPORT_PREFIX, hub_record_key, publish_to_hub
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+    from tests.fleet_helpers import run_fleet
+
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex = tmp_path / "exchange"
+    staging = (ex / EXPORT_PREFIX).as_uri()
+    assert all(isinstance(r, FleetResult) for r in run_fleet(dirs, staging, exchange=ex.as_uri(), hub=True))
+    iter_file = local.iter_file
+
+    def slow(path, *a, **kw) -> Iterator[memoryview]:
+        for view in iter_file(path, *a, **kw):
+            if "/hub-work0/" not in str(path):  # the leader's Hub upload only
+                yield view
+                continue
+            for i in range(4):
+                time.sleep(0.25)
+                yield view[i * len(view) // 4 : (i + 1) * len(view) // 4]
+
+    monkeypatch.setattr(local, "iter_file", slow)
+    hub = FsspecSink.from_url((tmp_path / "hub").as_uri())
+
+    def lane(k: int) -> object:
+        exchange, store = FsspecSink.from_url(ex.as_uri()), RemoteStore.open(ex.as_uri())
+        s = FsspecSink.from_url(staging)
+        w = tmp_path / f"hub-work{k}"
+        try:
+            return publish_to_hub(
+                STEP,
+                dirs[k],
+                w,
+                hub,
+                s,
+                exchange,
+                staging,
+                exchange_store=store,
+                wait_seconds=0.5,
+                poll_seconds=0.05,
+            )
+        except Exception as e:
+            return e
+        finally:
+            store.close()
+
+    t0 = time.monotonic()
+    alone = lane(1)
+    assert isinstance(alone, FleetWaitError), alone
+    assert "waiting for node 0 to publish step 7 to the Hub" in str(alone) and time.monotonic() - t0 < 2
+    out: dict[int, object] = {}
+
+    def node1() -> None:
+        t0 = time.monotonic()
+        out[1] = lane(1)
+        out[2] = time.monotonic() - t0
+
+    t = threading.Thread(target=node1)
+    t.start()
+    lead = lane(0)
+    t.join(30)
+    assert out[2] > 1.0, out  # twice its setting: kept waiting by the leader's reports
+    assert not getattr(lead, "skipped", True) and getattr(out[1], "skipped", False), (lead, out)
+    assert (ex / hub_record_key(STEP)).is_file() and hub.is_published(STEP)

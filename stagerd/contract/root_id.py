@@ -1,5 +1,8 @@
-"""This ROOT's identity on the exchange (`ROOT/.stagerd/fleet-root-id`): a node's claim of a step names it,
-so that two ROOTs acting as one node id are told apart (`FleetNodeConflictError`).
+"""This ROOT's identity (`ROOT/.stagerd/fleet-root-id`), stable across restarts and reboots, and new in a
+copy of ROOT. A fleet node's claim of a step on the exchange names it, so that two ROOTs acting as one node
+id are told apart (`FleetNodeConflictError`); so does a publisher's claim of a step on a sink
+(`sinks/claims.py`), so that two ROOTs at one path on one host name (two containers) are two publishers,
+and a publisher restarted after a reboot that renumbered its disk is still the same one.
 
 An id alone would travel with a copy of ROOT (`cp -a` to another node or path), and the copy would pass for
 the original. So the file also records ROOT's inode: when it no longer matches, this ROOT is taken for a
@@ -53,8 +56,8 @@ def root_id(root: Path) -> str:
             made = made if found is not None else "unreadable"
             log.warning(
                 "ROOT %s: %s was made for another ROOT directory (%s; this one is %s): taken for a copy, "
-                "this ROOT gets a new fleet identity; a fleet step it claimed before is refused "
-                "(FleetNodeConflictError)",
+                "this ROOT gets a new identity; a fleet step it claimed before is refused "
+                "(FleetNodeConflictError), and so is a step whose publish it began (StepClaimedError)",
                 root,
                 path,
                 made,
