@@ -78,8 +78,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write to a temp name, fsync, rename over `path`, fsync the directory.
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False) -> None:
+    """Write to a temp name, fsync, rename over `path`, fsync the directory. `exclusive`: link instead of
+    rename, so a `path` already there stays and `FileExistsError` says so.
 
     The temp name holds the thread too: two threads of one process writing one path (a fleet node's raw
     part moving `raw/latest` beside another's) must not rename each other's temp file away."""
@@ -98,7 +99,13 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         # A full disk must leave no half-written temp file behind to hold its last pages.
         with contextlib.suppress(OSError):

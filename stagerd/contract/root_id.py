@@ -64,7 +64,16 @@ def root_id(root: Path) -> str:
                 here,
             )
         new = uuid.uuid4().hex
-        _write(path, new, here)
+        if text is not None:
+            _write(path, new, here)
+            return new
+        try:  # the first id: another process making it now must not have its id replaced by ours
+            _write(path, new, here, exclusive=True)
+        except FileExistsError:
+            found = _parse(path.read_text().strip())
+            if found is None:
+                raise
+            return str(found["id"])
         return new
 
 
@@ -84,5 +93,6 @@ def _parse(text: str | None) -> dict[str, Any] | None:
     return d
 
 
-def _write(path: Path, id_: str, here: dict[str, Any]) -> None:
-    layout.write_bytes_atomic(path, json.dumps({"id": id_, "where": here}).encode() + b"\n")
+def _write(path: Path, id_: str, here: dict[str, Any], *, exclusive: bool = False) -> None:
+    data = json.dumps({"id": id_, "where": here}).encode() + b"\n"
+    layout.write_bytes_atomic(path, data, exclusive=exclusive)

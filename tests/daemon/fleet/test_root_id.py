@@ -70,3 +70,25 @@ def test_an_identity_made_by_an_older_stagerd_is_kept(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "stagerd.fleet"):
         assert _id(root) == old and _id(root) == old
     assert not caplog.records
+
+
+def test_two_processes_making_the_first_identity_agree_on_one(tmp_path, monkeypatch):
+    """The daemon and a `stagerd publish` starting together both found no id: each wrote its own, the last
+    one won, and the other's claims (which name the id) read as foreign. The first id is created only
+    where none is, so the later process takes the id already there."""
+    from stagerd.contract import root_id as rid
+
+    root = _root(tmp_path)
+    path = root / ".stagerd" / rid.ROOT_ID_NAME
+    theirs = uuid.uuid4().hex
+    real_read = Path.read_text
+
+    def read_then_lose_the_race(self: Path, *a, **k) -> str:
+        if self == path and not path.exists():
+            rid._write(path, theirs, rid.where(root))  # the other process, right after this one's read
+            raise FileNotFoundError(path)
+        return real_read(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", read_then_lose_the_race)
+    assert rid.root_id(root) == theirs
+    assert rid._parse(real_read(path).strip())["id"] == theirs
