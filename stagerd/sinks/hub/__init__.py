@@ -51,9 +51,10 @@ bounded exponential backoff; other failures raise `SinkError`. The token never a
 
 from __future__ import annotations
 
+from stagerd.sinks.hub.history import MainHistory, Scan, scan_history
 from stagerd.sinks.hub.sink import HubSink
 from stagerd.sinks.hub.timeouts import HubTimeouts
-from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit, scan_export, scan_history
+from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit, scan_export
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -69,7 +70,9 @@ __all__ = [
     "HubFile",
     "HubSink",
     "HubTimeouts",
+    "MainHistory",
     "RemoteFile",
+    "Scan",
     "commit_message",
     "compare_tree",
     "parse_hub_url",
