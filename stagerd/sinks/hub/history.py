@@ -7,8 +7,11 @@ and anything older than `cap` commits, which is never read. Two answers reach pa
 - a tag whose commit lies beyond the cap is this sink's when that commit's own title is this revision's
   title for the step (one request: `tag_title_is_ours`);
 - on a revision R other than main, an older stagerd titled its steps `stagerd: step N` (unscoped, as on
-  main). Such a commit on R's branch is R's own when it is not in main's history (`MainHistory`): a branch
-  made from main holds main's `stagerd: step N` commits too, and those are main's steps, never R's.
+  main). Such a commit on R's branch is R's own when it is newer than where R's history meets main's
+  (`above_fork`): a branch made from main holds main's `stagerd: step N` commits too, and those are main's
+  steps, never R's. Every other branch a person made (not `stagerd/...`) is checked alike, since R may
+  have been made from one an older stagerd published to. A meeting point must be seen within the cap: after
+  main's history is squashed, or where another branch holds the commit too, it is not R's, loudly.
 """
 
 from __future__ import annotations
@@ -101,35 +104,32 @@ def scan_history(
     return Scan(head_step, None, capped=read == cap)
 
 
-class MainHistory:
-    """Whether a commit is in main's history, read newest first only as far as a question needs and never
-    past `cap` commits in all (the answers of one publish share the reading)."""
-
-    def __init__(self, commits: Iterable[tuple[str, str]], cap: int = _HISTORY_CAP) -> None:
-        self._commits = iter(islice(commits, cap))
-        self._cap = cap
-        self._seen: set[str] = set()
-        self._lowest: int | None = None  # the lowest step of main's stagerd commits read so far
-        self._ended: bool | None = None  # None: more to read; else whether reading ended at the cap
-
-    def holds(self, oid: str, step: int) -> bool | None:
-        """True when `oid` (titled for `step`) is in main's history, False when it is not, None when the
-        newest `cap` commits cannot tell. Main's steps are committed in increasing order, so once main's
-        stagerd commit of an earlier step is read, main's commit of `step` would have been read already."""
-        while oid not in self._seen:
-            if self._lowest is not None and self._lowest < step:
-                return False
-            if self._ended is not None:
-                return None if self._ended else False
-            item = next(self._commits, None)
+def above_fork(
+    branch: Iterable[tuple[str, str]], other: Iterable[tuple[str, str]], cap: int = _HISTORY_CAP
+) -> set[str] | None:
+    """The commits of `branch` newer than where its history meets `other`'s (the newest commit both hold),
+    from (id, title) pairs newest first, both read in step and only until they meet; None when the newest
+    `cap` commits of each do not meet (a squashed main, or one far ahead)."""
+    walks = (iter(islice(branch, cap)), iter(islice(other, cap)))
+    seen: tuple[set[str], set[str]] = (set(), set())
+    read: list[str] = []  # the branch's, in order
+    live, met = [True, True], False
+    while not met and any(live):
+        for side in (0, 1):
+            item = next(walks[side], None) if live[side] else None
             if item is None:
-                self._ended = len(self._seen) == self._cap
+                live[side] = False
                 continue
-            self._seen.add(item[0])
-            found = title_step(item[1])
-            if found is not None and found[1] is None:
-                self._lowest = found[0] if self._lowest is None else min(self._lowest, found[0])
-        return True
+            seen[side].add(item[0])
+            if side == 0:
+                read.append(item[0])
+            if item[0] in seen[1 - side]:
+                met = True
+                break
+    if not met:
+        return None
+    fork = next(i for i, oid in enumerate(read) if oid in seen[1])
+    return set(read[:fork])
 
 
 def find_step(
@@ -137,36 +137,44 @@ def find_step(
 ) -> Scan:
     """The step's commit on the sink's own branches (its revision, its step branch), and the revision's
     newest step. `capped` only when no branch answered and one walk ended at the cap."""
-    main: MainHistory | None = None
+    forks: dict[str, set[str] | None] = {}  # branch -> the revision's commits above where they meet
+
+    def fork(other: str) -> set[str] | None:
+        if other not in forks:
+            forks[other] = above_fork(pages(revision, page), pages(other, page), cap)
+        return forks[other]
 
     def own_unscoped(oid: str, k: int) -> bool:
-        nonlocal main
-        if DEFAULT_REVISION not in branches:
-            return False
-        if main is None:
-            main = MainHistory(pages(DEFAULT_REVISION, page), cap)
-        held = main.holds(oid, k)
-        if held is None:
+        if DEFAULT_REVISION in branches:  # the common case ends here, quietly, reading main alone
+            main_above = fork(DEFAULT_REVISION)
+            if main_above is not None and oid not in main_above:
+                return False  # main's: at or below where the revision left main
+        others = [b for b in branches if b != revision and not b.startswith("stagerd/")]
+        shared = [b for b in others if (above := fork(b)) is None or oid not in above]
+        if shared:
             log.warning(
                 "%s holds the commit %s titled 'stagerd: step %d' (an older stagerd's name for step %d on "
-                "any branch), and main's newest %d commits do not tell whether it is main's: taking it as "
-                "main's. If an older stagerd published it to %s, tag it %s (HfApi.create_tag)",
+                "any branch), and its newest %d commits do not show it is %s's own rather than %s's: taking "
+                "it as not %s's. If an older stagerd published it to %s, tag it %s (HfApi.create_tag)",
                 revision,
                 oid,
                 k,
                 k,
                 cap,
                 revision,
+                " or ".join(shared),
+                revision,
+                revision,
                 step_tag(k, revision),
             )
-        return held is False
+        return bool(others) and not shared
 
     head_step, found, capped, legacy = None, None, False, False
     for branch in dict.fromkeys((revision, step_branch(step, revision))):
         if branch not in branches:
             continue
-        own = own_unscoped if branch == revision and revision_scope(revision) else None
-        scan = scan_history(pages(branch, page), step, revision=revision, cap=cap, own_unscoped=own)
+        judge = own_unscoped if branch == revision and revision_scope(revision) else None
+        scan = scan_history(pages(branch, page), step, revision=revision, cap=cap, own_unscoped=judge)
         if branch == revision:
             head_step = scan.head_step
         if found is None and scan.found is not None:

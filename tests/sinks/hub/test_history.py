@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from stagerd.errors import RestoreError, SinkConflictError
-from stagerd.sinks.hub import _HISTORY_CAP, MainHistory, commit_message, scan_history
+from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
+from stagerd.sinks.hub.history import find_step
 from tests.hubserver import HubConfig, HubServer, use_xet
 from tests.sinks.hub.test_hang import grow_history
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
@@ -95,19 +96,25 @@ def test_an_older_stagerds_steps_on_a_revision_stay_its_own(hub, tmp_path, monke
     assert main.is_published(3) and not main.is_published(5)  # exp's old tag step-5 is not main's
 
 
-def test_main_history_tells_inherited_commits_from_a_revisions_own():
-    main = [("m9", "stagerd: step 9"), ("e", "edit"), ("m5", "stagerd: step 5"), ("root", "init")]
-    history = MainHistory(iter(main))
-    assert history.holds("m5", 5) is True and history.holds("r7", 7) is False  # main's 5, then 9 > 7
-    assert MainHistory(iter(main)).holds("r2", 2) is False  # main's whole history read
-    assert MainHistory(iter(main), cap=2).holds("m5", 5) is None  # the cap: cannot tell
+def test_an_unscoped_commit_is_the_revisions_only_above_where_it_left_every_other_branch(caplog):
+    main = [("m3", "stagerd: step 3"), ("e", "edit"), ("root", "init")]
+    exp = [("x6", "stagerd: step 6"), ("x5", "stagerd: step 5"), *main]
+    assert above_fork(iter(exp), iter([("m4", "stagerd: step 4"), *main])) == {"x6", "x5"}
+    assert above_fork(iter(main), iter(main)) == set()  # made from main's head: nothing of its own
+    assert above_fork(iter(exp), iter([("sq", "Super-squash branch 'main'")])) is None
+    assert above_fork(iter(exp), iter([("m9", "edit"), ("m8", "edit"), *main]), cap=2) is None
 
-    exp = [("r7", "stagerd: step 7"), ("x", "stagerd: step 6 on exp"), *main]
-    own = lambda oid, k: MainHistory(iter(main)).holds(oid, k) is False  # noqa: E731
-    assert scan_history(iter(exp), 7, revision="exp", own_unscoped=own) == (7, "r7", False, True)
-    assert scan_history(iter(exp), 6, revision="exp", own_unscoped=own)[:2] == (7, "x")
-    assert scan_history(iter(exp[2:]), 5, revision="exp", own_unscoped=own)[:2] == (None, None)
-    assert scan_history(iter(exp), 7, revision="exp")[:2] == (None, None)  # no judge: as before
+    def find(step, **more):
+        hist = {"main": main, "exp": exp, "stagerd/exp/step-4": [("s4", "x"), *exp], **more}
+        pages = lambda rev, n: iter(hist[rev])  # noqa: E731
+        return find_step(pages, step, "exp", dict.fromkeys(hist, ""), cap=_HISTORY_CAP, page=50)
+
+    assert find(5) == (6, "x5", False, True) and find(3)[:2] == (6, None)  # main's step 3 is not exp's
+    assert not caplog.text
+    with caplog.at_level(logging.WARNING, logger="stagerd.sinks.hub"):
+        assert find(5, backup=exp[1:])[:2] == (6, None)  # a branch made from exp at step 5: not told apart
+        assert "x5" in caplog.text and "backup" in caplog.text and "tag it exp/step-5" in caplog.text
+        assert find(5, main=[("sq", "Super-squash")])[:2] == (None, None)  # nothing shows where exp left
 
 
 def test_a_commit_main_cannot_vouch_for_is_taken_as_mains_loudly(hub, tmp_path, caplog):
