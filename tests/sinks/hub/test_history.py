@@ -14,7 +14,7 @@ import pytest
 from stagerd.errors import RestoreError, SinkConflictError
 from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
-from stagerd.sinks.hub.history import find_step
+from stagerd.sinks.hub.history import find_step, tag_title_is_ours
 from tests.hubserver import HubConfig, HubServer, use_xet
 from tests.sinks.hub.test_hang import grow_history
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
@@ -115,6 +115,15 @@ def test_an_unscoped_commit_is_the_revisions_only_above_where_it_left_every_othe
         assert find(5, backup=exp[1:])[:2] == (6, None)  # a branch made from exp at step 5: not told apart
         assert "x5" in caplog.text and "backup" in caplog.text and "tag it exp/step-5" in caplog.text
         assert find(5, main=[("sq", "Super-squash")])[:2] == (None, None)  # nothing shows where exp left
+
+
+def test_a_tag_beyond_the_cap_counts_by_its_commits_title_on_the_revision():
+    titles = {"c1": "stagerd: step 1 on exp", "c2": "stagerd: step 1", "c3": "stagerd: step 1 on other"}
+    pages = lambda rev, n: iter([(rev, titles[rev])])  # noqa: E731
+    assert tag_title_is_ours(pages, "c1", 1, "exp") and not tag_title_is_ours(pages, "c1", 2, "exp")
+    assert tag_title_is_ours(pages, "c2", 1, "exp")  # exp's tag on an older stagerd's commit it took
+    assert not tag_title_is_ours(pages, "c3", 1, "exp") and not tag_title_is_ours(pages, "c1", 1, "main")
+    assert tag_title_is_ours(pages, "c2", 1, "main")
 
 
 def test_a_commit_main_cannot_vouch_for_is_taken_as_mains_loudly(hub, tmp_path, caplog):
