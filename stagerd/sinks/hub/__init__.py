@@ -35,8 +35,21 @@ A crash between commit and tag leaves the step's commit near the head of its bra
 increasing order), so the history is read newest first, page by page, only until that commit, a stagerd
 commit of an earlier step (or of another revision: the history a branch was created from), or `_HISTORY_CAP`
 commits, so that walk does not grow with the history (the refs listing still does: it names every tag).
-The same walk checks an existing tag, so a tag of a step older than the newest `_HISTORY_CAP` commits of
-the branch is not recognised as this sink's.
+Where the walk ends at the cap without an answer (a long run's old step), the tag's own commit is read, one
+request, and counts when it is titled for the step on this revision (`history.py`).
+
+Upgrades: an older stagerd named a step on revision R as on main (`stagerd: step N`, tag `step-N`, branch
+`stagerd/step-N`). Such a commit on R's own branch is R's step N when it is newer than where R's history
+meets main's, and meets every other branch a person made (not `stagerd/...`): a branch made from main holds
+main's `stagerd: step N` commits too, and those stay main's. The histories are read newest first, in step,
+until they meet or the cap (`history.py`). The sink then tags such a commit `R/step-N` with no new commit,
+counts it published when the old tag `step-N` marks it, and commits later steps in order after it;
+`restore @R --step N` reads it there. Where a meeting point is not seen within the cap (main's history
+squashed, or far ahead), or another branch holds the commit too, it is not R's, and a warning names the
+commit and the tag to set by hand. Not recognised: an old step on the old step branch `stagerd/step-N`
+(main's step branches have that name too): the step gets a new commit. Not told apart: on main, a tag
+beyond the cap is judged by its commit's title alone, so where main's walk ends at the cap, an older
+stagerd's repo-wide tag `step-N` on another revision's commit reads as main's step N.
 
 Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
 no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds
@@ -51,9 +64,10 @@ bounded exponential backoff; other failures raise `SinkError`. The token never a
 
 from __future__ import annotations
 
+from stagerd.sinks.hub.history import Scan, above_fork, scan_history
 from stagerd.sinks.hub.sink import HubSink
 from stagerd.sinks.hub.timeouts import HubTimeouts
-from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit, scan_export, scan_history
+from stagerd.sinks.hub.tree import HubFile, RemoteFile, compare_tree, plan_commit, scan_export
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -70,6 +84,8 @@ __all__ = [
     "HubSink",
     "HubTimeouts",
     "RemoteFile",
+    "Scan",
+    "above_fork",
     "commit_message",
     "compare_tree",
     "parse_hub_url",

@@ -2,11 +2,12 @@
 
 The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
 the sink tags steps off main; or that tag in the URL), else the URL's revision, else `main` (which holds the
-newest step). Every file of the Hub's tree at that revision (but `.gitattributes`) is
-downloaded with huggingface_hub (through Xet where the file is stored there) into a temporary sibling of
-OUT and checked against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git
-blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a
-`RestoreError` naming the file; nothing is left behind.
+newest step). A step an older stagerd published on REVISION under the unscoped names (`stagerd: step N`, tag
+`step-N`) is read at its commit, found by the sink's own rule (`history.py`). Every file of the Hub's tree at
+that revision (but `.gitattributes`) is downloaded with huggingface_hub (through Xet where the file is stored
+there) into a temporary sibling of OUT and checked against the tree: its size, and its LFS sha256 or, for a
+small file kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data
+that does not rebuild, is a `RestoreError` naming the file; nothing is left behind.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 
 from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, step_tag
+from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
+from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 
 _CHUNK = 8 << 20
 _STEP_REF = re.compile(r"(?:^|/)step-(\d+)$")
@@ -59,6 +61,9 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     where = f"hf://{target.repo_id}@{revision}"
     api = HfApi(endpoint=endpoint)
     try:
+        if step is not None and revision == step_tag(step, target.revision):
+            revision = _older_stagerds_commit(api, target.repo_id, target.revision, step) or revision
+            where = f"hf://{target.repo_id}@{revision}"
         tree: list[Any] = [
             e
             for e in api.list_repo_tree(target.repo_id, revision=revision, recursive=True)
@@ -112,6 +117,21 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
+    """The commit of `step` an older stagerd published on `revision` under unscoped names, where the
+    revision holds no tag of the step (`REVISION/step-N`)."""
+    from huggingface_hub.utils import build_hf_headers
+
+    if revision is None or not revision_scope(revision):
+        return None
+
+    refs = api.list_repo_refs(repo_id)
+    tags = {t.name: t.target_commit for t in refs.tags}
+    branches = {b.name: b.target_commit for b in refs.branches}
+    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(library_name="stagerd"))
+    return older_stagerds_step(pages, step, revision, branches, tags)
 
 
 def _xet_download_error(err: BaseException, path: str) -> Exception:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 from stagerd.errors import (
     ConfigError,
@@ -19,6 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.history import Scan, commit_pages, find_step, tag_title_is_ours
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.retries import with_retries
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
@@ -28,10 +29,10 @@ from stagerd.sinks.hub.tree import (
     compare_tree,
     plan_commit,
     scan_export,
-    scan_history,
 )
 from stagerd.sinks.hub.upload import commit_operations, send_additions
 from stagerd.sinks.hub.url import (
+    _HISTORY_CAP,
     _HISTORY_PAGE,
     HubTarget,
     RetryPolicy,
@@ -59,6 +60,8 @@ class _Outcome:
 
 class HubSink:
     """Publishes exports to one Hub repo. Thread-safe; see the module docstring for the protocol."""
+
+    history_cap = _HISTORY_CAP  # commits read at most per branch and publish
 
     def __init__(
         self,
@@ -200,11 +203,12 @@ class HubSink:
                 if e.response is not None and e.response.status_code == 404:
                     return False
                 raise
-            tagged = {t.name: t.target_commit for t in refs.tags}.get(self._tag_name(step))
-            if tagged is None:
-                return False
-            _, found = self._search_commits(step, {b.name: b.target_commit for b in refs.branches})
-            return found == tagged
+            tags = {t.name: t.target_commit for t in refs.tags}
+            tagged = tags.get(self._tag_name(step))
+            scan = self._search_commits(step, {b.name: b.target_commit for b in refs.branches})
+            if tagged is None:  # an older stagerd's step on this revision: its unscoped tag marks it
+                return scan.legacy and tags.get(step_tag(step)) == scan.found
+            return self._tag_is_ours(step, tagged, scan)
 
         return self._with_retries(step, check)
 
@@ -231,19 +235,28 @@ class HubSink:
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
 
-        head_step, found = self._search_commits(step, branches)
+        head_step, found, capped, legacy = scan = self._search_commits(step, branches)
         tagged = tags.get(self._tag_name(step))
         if tagged is not None:
-            if tagged != found:
+            if not self._tag_is_ours(step, tagged, scan):
                 raise self._foreign_tag(step, tagged)
             self._verify(step, tagged, local, card, existing=True)
             return _Outcome(tagged, skipped=True, uploaded=0)
         if found is not None:
-            log.info("%s: step %d was committed as %s but not tagged; tagging it", self.url, step, found)
+            how = "published by an older stagerd (unscoped names)" if legacy else "committed"
+            tag = self._tag_name(step)
+            log.info("%s: step %d was %s as %s, not tagged %s; tagging it", self.url, step, how, found, tag)
             self._verify(step, found, local, card, existing=True)
             self._tag(step, found)
             return _Outcome(found, skipped=True, uploaded=0)
 
+        if capped:
+            log.warning(
+                "%s: step %d: no commit for it in the newest %d commits; taking it as not committed",
+                self.url,
+                step,
+                self.history_cap,
+            )
         branch, parent = self._target(step, branches, head_step)
         plan = plan_commit(local, card, self._tree(parent))
         size = sum(f.size for f in local) + (card.size if card else 0)
@@ -296,31 +309,23 @@ class HubSink:
     def _step_branch(self, step: int) -> str:
         return step_branch(step, self.revision)
 
-    def _search_commits(self, step: int, branches: Mapping[str, str]) -> tuple[int | None, str | None]:
-        """(step of the revision's newest stagerd commit, id of this sink's commit for `step`), read only
-        from this sink's branches (its revision and its step branch) and its own commit titles."""
-        head_step, found = None, None
-        for branch in dict.fromkeys((self.revision, self._step_branch(step))):
-            if branch not in branches:
-                continue
-            head, hit = scan_history(self._history(branch), step, revision=self.revision)
-            if branch == self.revision:
-                head_step = head
-            found = found or hit
-        return head_step, found
+    def _search_commits(self, step: int, branches: Mapping[str, str]) -> Scan:
+        """The revision's newest step and this sink's commit of `step`, read only from this sink's branches
+        (its revision and its step branch) and its own commit titles (`history.py`)."""
+        return find_step(
+            self._history, step, self.revision, branches, cap=self.history_cap, page=_HISTORY_PAGE
+        )
 
-    def _history(self, branch: str) -> Iterator[tuple[str, str]]:
-        """(commit id, title) of `branch`, newest first; each page is requested only when it is reached.
+    def _tag_is_ours(self, step: int, tagged: str, scan: Scan) -> bool:
+        """Whether this sink's tag of `step` marks its own commit of the step: the one the walk found, or,
+        where the walk ended at the cap without an answer, a commit titled for the step (the tag's)."""
+        if scan.found is not None or not scan.capped:
+            return tagged == scan.found
+        return tag_title_is_ours(self._history, tagged, step, self.revision)
 
-        `list_repo_commits` would fetch the whole history first; this is the same endpoint and protocol
-        (`limit`, then the `Link` header's next page) through the library's own lazy `paginate`.
-        """
-        from huggingface_hub.utils import paginate
-
-        url = f"{self._api.endpoint}/api/models/{self.repo_id}/commits/{quote(branch, safe='')}"
-        headers = self._headers()
-        for item in paginate(url, params={"limit": _HISTORY_PAGE}, headers=headers):
-            yield item["id"], item["title"]
+    def _history(self, branch: str, page: int = _HISTORY_PAGE) -> Iterator[tuple[str, str]]:
+        """(commit id, title) of `branch` (or a commit), newest first, each page read when reached."""
+        return commit_pages(self._api.endpoint, self.repo_id, self._headers())(branch, page)
 
     def _headers(self) -> dict[str, str]:
         from huggingface_hub.utils import build_hf_headers

@@ -1,14 +1,12 @@
-"""The export as the Hub sees it, and the pure planning of one commit: what to add, keep and delete, and how
-to find a step's commit in the history without reading all of it."""
+"""The export as the Hub sees it, and the pure planning of one commit: what to add, keep and delete."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,10 +18,7 @@ from stagerd.sinks.hub.url import (
     _FORBIDDEN_DIRS,
     _GIT_OID_MAX,
     _HASH_CHUNK,
-    _HISTORY_CAP,
     GITATTRIBUTES,
-    revision_scope,
-    title_step,
 )
 
 if TYPE_CHECKING:
@@ -151,37 +146,3 @@ def compare_tree(
             problems.append(f"{card.path}: content differs from the generated model card")
     problems += [f"{p}: not in the export" for p in sorted(set(remote) - expected)]
     return problems
-
-
-def scan_history(
-    commits: Iterable[tuple[str, str]], step: int, *, revision: str | None = None, cap: int = _HISTORY_CAP
-) -> tuple[int | None, str | None]:
-    """(step of the newest commit stagerd made for `revision`, id of its commit titled for `step`) from
-    (id, title) pairs, newest first.
-
-    The newest stagerd commit counts, not only the head: a person's commit on top of step 50 (a card
-    edited on the Hub) must not let step 40 onto the branch over step 50's weights. Reading stops at the
-    sought commit, at a stagerd commit of an earlier step (stagerd commits a branch's steps in increasing
-    order, so the sought one cannot be older), at a stagerd commit for another revision (the history this
-    branch was created from: main's step N is not this revision's), or after `cap` commits.
-    """
-    scope = revision_scope(revision)
-    head_step: int | None = None
-    read = 0
-    for oid, title in islice(commits, cap):
-        read += 1
-        found = title_step(title)
-        if found is not None and found[1] != scope:
-            return head_step, None
-        seen = None if found is None else found[0]
-        if head_step is None:
-            head_step = seen
-        if seen == step:
-            return head_step, oid
-        if seen is not None and seen < step:
-            return head_step, None
-    if read == cap:
-        log.warning(
-            "step %d: no commit for it in the newest %d commits; taking it as not committed", step, cap
-        )
-    return head_step, None

@@ -183,10 +183,11 @@ def test_scan_history_is_pure():
             read.append(c[0])
             yield c
 
-    assert scan_history(lazy(), 7) == (9, "c") and read == ["e", "d", "c"]
+    assert scan_history(lazy(), 7)[:2] == (9, "c") and read == ["e", "d", "c"]
     read.clear()
-    assert scan_history(lazy(), 6) == (9, None) and read == ["e", "d", "c", "b"]  # stops at step 5
+    assert scan_history(lazy(), 6)[:2] == (9, None) and read == ["e", "d", "c", "b"]  # stops at step 5
     read.clear()
-    assert scan_history(lazy(), 10) == (9, None) and read == ["e"]  # the head is an earlier step
-    assert scan_history(iter([("x", "edit")] * 5), 3, cap=2) == (None, None)
-    assert scan_history(iter([]), 3) == (None, None)
+    assert scan_history(lazy(), 10)[:2] == (9, None) and read == ["e"]  # the head is an earlier step
+    assert scan_history(iter([("x", "edit")] * 5), 3, cap=2) == (None, None, True, False)  # capped
+    assert scan_history(iter([("x", "edit")] * 2), 3, cap=2).capped  # the cap reached, whatever follows
+    assert scan_history(iter([]), 3) == (None, None, False, False)  # the whole history: not capped
