@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
+from stagerd.contract.step.held import HeldDir
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.journal import PUBLISHING
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
@@ -92,4 +93,11 @@ class RawTasks(Tasks):
                     _test_pause("publish", step)
                 bar(done, total)
 
-            return self._raw_sinks[key].publish_raw(step_dir, step, progress=report)
+            # Read through the step held open: a link put at its path after the check leads no read
+            # elsewhere (a gone step is named by the sink as before).
+            try:
+                held = stack.enter_context(HeldDir.open(step_dir))
+            except FileNotFoundError:
+                return self._raw_sinks[key].publish_raw(step_dir, step, progress=report)
+            with held.naming():
+                return self._raw_sinks[key].publish_raw(held.proc, step, progress=report)

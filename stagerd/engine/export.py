@@ -31,7 +31,7 @@ from stagerd.engine.execute import output_error
 from stagerd.engine.export_map import read_weight_map
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
-from stagerd.engine.source import Source, open_source
+from stagerd.engine.source import Source, held_source
 from stagerd.errors import (
     ExportMismatchError,
     ExtrasError,
@@ -78,7 +78,7 @@ def build_export(
     t0 = time.monotonic()
     for rel in source.extras():  # before any byte is written
         if rel in PARSED_EXTRAS:
-            read_json_object(source.extra_path(rel))
+            read_json_object(source.extra_path(rel), named=source.extra_name(rel))
     res = consolidate_into(
         source.model_dir,
         tmp,
@@ -147,6 +147,7 @@ def _build_adapter(
             expected=source.marker.tensors if source.marker else None,
             views=plan,
             threads=threads,
+            scan=source.scan,
         )
         ((name, size),) = res.files
         os.rename(out / name, out / ADAPTER_WEIGHTS)
@@ -161,23 +162,25 @@ PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_con
 MAX_PARSED_EXTRA_BYTES = 16 << 20
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError."""
+def read_json_object(path: Path, *, named: Path | None = None) -> dict[str, Any]:
+    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError naming `named`
+    (default `path`: a held file is read by its proc path)."""
+    shown = path if named is None else named
     try:
         with open_regular(path) as f:  # a FIFO would hold the export forever
             raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
     except OSError as e:
-        raise ExtrasError(f"cannot read {path.name}: {e.strerror}", path=path) from None
+        raise ExtrasError(f"cannot read {shown.name}: {e.strerror}", path=shown) from None
     if len(raw) > MAX_PARSED_EXTRA_BYTES:
-        raise ExtrasError(f"{path.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=path)
+        raise ExtrasError(f"{shown.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=shown)
     try:
         parsed = json.loads(raw)
     except RecursionError:
-        raise ExtrasError(f"{path.name} is not valid JSON: nested too deep", path=path) from None
+        raise ExtrasError(f"{shown.name} is not valid JSON: nested too deep", path=shown) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise ExtrasError(f"{path.name} is not valid JSON: {e}", path=path) from None
+        raise ExtrasError(f"{shown.name} is not valid JSON: {e}", path=shown) from None
     if not isinstance(parsed, dict):
-        raise ExtrasError(f"{path.name} must hold a JSON object, not {type(parsed).__name__}", path=path)
+        raise ExtrasError(f"{shown.name} must hold a JSON object, not {type(parsed).__name__}", path=shown)
     return parsed
 
 
@@ -253,9 +256,9 @@ def export_step(
         raise MarkerError(
             "no commit marker: the step is not committed", path=step_dir / layout.MARKER_NAME
         ) from None
-    with held, held.naming():
+    with held, held.naming(), held_source(held) as source:
         return _export_opened(
-            open_source(held.proc),
+            source,
             step_dir,
             t0,
             dtype=dtype,

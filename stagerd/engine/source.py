@@ -1,11 +1,19 @@
 """Where an export's shards come from: a committed step directory (its marker read and every listed file
 checked) or a bare DCP shard directory; and what the source says about them (the tensors' global shapes,
 its to-Hub plan, its dtype hint, its reference index, its extras). `engine/adopt/source.py` is the same
-seam for a trainer's own checkpoint."""
+seam for a trainer's own checkpoint.
+
+`held_source` reads a step the export holds open (`contract/step/held.py`) through handles: its `model/`
+and `extras/` held from the step's descriptor, each shard and extra opened from theirs, none through a
+link, and read again by its `/proc/self/fd/N` path. A `model/` (or a file in it) swapped for a link to
+another save of the same shapes after the check would pass every check by size, header and plan; read by
+name, its bytes would be exported and published as this step's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import errno
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +21,13 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
-from stagerd.contract.safetensors_format import Header
-from stagerd.engine.shard_scan import scan_shards
-from stagerd.errors import ReferenceIndexError, ShardError
+from stagerd.contract.safetensors_format import Header, read_header
+from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.engine.shard_scan import scan_shards, shard_paths
+from stagerd.errors import ExtrasError, ReferenceIndexError, ShardError
+
+WHY = "a step's inputs are read only from the directories and files the trainer wrote, never through a link"
+HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,10 @@ class Source:
     def extra_path(self, rel: str) -> Path:
         """The file an extra (relative to the export) is copied from."""
         return self.step_dir / layout.EXTRAS_DIR / rel  # type: ignore[operator]
+
+    def extra_name(self, rel: str) -> Path:
+        """The path that names an extra in messages."""
+        return self.extra_path(rel)
 
     def scan(self) -> Iterable[Header]:
         """The source's validated shard headers, read one at a time as they are taken."""
@@ -97,3 +113,55 @@ def open_source(src: Path) -> Source:
     if (src / layout.MODEL_DIR).is_dir():
         return Source(src / layout.MODEL_DIR, None, src)
     return Source(src, None, None)
+
+
+@dataclass(frozen=True)
+class HeldSource(Source):
+    """A committed step read through handles (see the module): `model_dir` and `step_dir` are proc paths."""
+
+    model: HeldDir
+    extras_dir: HeldDir | None
+    files: HeldFiles
+
+    def scan(self) -> Iterable[Header]:
+        # Names checked in the held model/; each header read from the file opened then, which the plan's
+        # copies open again by the same proc path.
+        return (self._header(p.name) for p in shard_paths(self.model_dir, self.listed))
+
+    def _header(self, name: str) -> Header:
+        try:
+            return read_header(self.files.open(self.model, name, why=WHY, hint=HINT))
+        except OSError as e:
+            raise ShardError(f"cannot open: {e.strerror}", path=self.model.path / name) from None
+
+    def extra_path(self, rel: str) -> Path:
+        if self.extras_dir is None:
+            raise ExtrasError("is missing", path=self.extra_name(rel))
+        *dirs, name = rel.split("/")
+        where = self.extras_dir
+        try:
+            for d in dirs:
+                where = self.files.hold(where, d, why=WHY, hint=HINT)
+            return self.files.open(where, name, why=WHY, hint=HINT)
+        except OSError as e:
+            why = "is missing" if e.errno == errno.ENOENT else f"cannot open: {e.strerror}"
+            raise ExtrasError(why, path=self.extra_name(rel)) from None
+
+    def extra_name(self, rel: str) -> Path:
+        return self.model.path.parent / layout.EXTRAS_DIR / rel
+
+
+@contextlib.contextmanager
+def held_source(step: HeldDir) -> Iterator[Source]:
+    """The source of the step directory `step` holds (see the module); a step without a marker (which the
+    export refuses) as `open_source` gives it. Errors name the real paths."""
+    source = open_source(step.proc)
+    if source.marker is None:
+        yield source
+        return
+    extras = any(f.path.startswith(layout.EXTRAS_DIR + "/") for f in source.marker.files)
+    with HeldFiles() as files, files.naming():
+        model = files.hold(step, layout.MODEL_DIR, why=WHY, hint=HINT)
+        extras_dir = files.hold(step, layout.EXTRAS_DIR, why=WHY, hint=HINT) if extras else None
+        marker = source.marker
+        yield HeldSource(model.proc, marker, step.proc, model=model, extras_dir=extras_dir, files=files)

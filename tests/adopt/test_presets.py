@@ -214,3 +214,38 @@ def test_a_checkpoint_already_in_hf_files_is_published_with_its_dtype(tmp_path):
     for f in r.export_dir.glob("*.safetensors"):
         got.update(load_file(f))
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k].bfloat16()) for k in sd)
+
+
+def test_a_checkpoint_linked_away_while_it_is_read_is_not_what_is_exported(tmp_path, monkeypatch):
+    """The checkpoint swapped for a link to another save of the same shapes (its .metadata the same) while
+    its shards are read, and put back before the check that it did not change: the export held the other
+    save's bytes. Now the export reads the directory it opened: the checkpoint's own bytes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from stagerd.engine import export as export_mod
+    from stagerd.engine.adopt.export import export_adopted
+
+    ckpt, other, aside = tmp_path / "step-1", tmp_path / "other", tmp_path / "aside"
+    sd = {"model": {"w": torch.arange(32.0).reshape(8, 4)}}
+    dcp.save(sd, checkpoint_id=str(ckpt), no_dist=True)
+    shutil.copytree(ckpt, other)
+    for f in other.glob("*.distcp"):  # the tensor's bytes, in place in the record
+        f.write_bytes(
+            f.read_bytes().replace(sd["model"]["w"].numpy().tobytes(), (-sd["model"]["w"]).numpy().tobytes())
+        )
+    consolidate = export_mod.consolidate_into
+
+    def swapped_while_read(*args: object, **kwargs: object) -> object:
+        ckpt.rename(aside)
+        ckpt.symlink_to(other, target_is_directory=True)
+        try:
+            return consolidate(*args, **kwargs)
+        finally:
+            ckpt.unlink()
+            aside.rename(ckpt)
+
+    monkeypatch.setattr(export_mod, "consolidate_into", swapped_while_read)
+    r = export_adopted(ckpt, tmp_path / "work")
+    assert torch.equal(load_file(r.export_dir / "model.safetensors")["w"], sd["model"]["w"])

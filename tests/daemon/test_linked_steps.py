@@ -146,3 +146,36 @@ def test_a_step_linked_away_mid_publish_publishes_only_the_export_checked(tmp_pa
     assert not list(sink.rglob("id_ed25519"))
     assert _published(sink) == [step_dir.name]
     assert _tree(private) == before
+
+
+def test_a_step_linked_away_mid_raw_publish_sends_only_the_step_checked(tmp_path, step_dir):
+    """The step checked, then swapped for a link to a copy whose shard holds other bytes of the same size
+    (every check by name and size passes), while the raw lane reads it: that copy's bytes were published as
+    the step's. Now the raw lane reads the step it holds open: its own bytes are sent."""
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+    from stagerd.daemon.journal.raw import raw_lane
+    from stagerd.sinks import open_sink
+
+    shard = sorted((step_dir / layout.MODEL_DIR).glob("*.safetensors"))[0].relative_to(step_dir)
+    want = (step_dir / shard).read_bytes()
+    other, sink = tmp_path / "other", tmp_path / "sink"
+    shutil.copytree(step_dir, other)
+    (other / shard).write_bytes(want[:-64] + bytes(b ^ 0x5A for b in want[-64:]))
+    d = Daemon(Settings(root=str(tmp_path), sinks=[sink.as_uri()], once=True, metrics_port=0))
+    s = open_sink(sink.as_uri())
+    publish_raw = s.publish_raw  # type: ignore[attr-defined]
+
+    def swap_then_publish(step_path: Path, *args, **kwargs):
+        step_dir.rename(tmp_path / "aside")
+        step_dir.symlink_to(other, target_is_directory=True)
+        return publish_raw(step_path, *args, **kwargs)
+
+    s.publish_raw = swap_then_publish  # type: ignore[attr-defined]
+    key = raw_lane(s.url)
+    d._raw_sinks[key] = s  # type: ignore[assignment]
+    try:
+        d._run_raw(100, key, step_dir)
+    finally:
+        s.close()
+    assert (sink / "raw" / step_dir.name / shard).read_bytes() == want

@@ -125,3 +125,67 @@ def test_an_error_read_through_the_held_step_names_its_real_path(step_dir):
         export_step(step_dir)
     assert e.value.path == str(config) and "/proc/" not in str(e.value)
     assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
+
+
+def _another_save(model: Path, d: Path) -> None:
+    """Another save of the same tensors, shapes and file sizes (each shard's first data bytes changed):
+    every check by size, header and plan passes on it."""
+    shutil.copytree(model, d)
+    for shard in d.glob("*.safetensors"):
+        data = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[start : start + 64] = bytes(b ^ 0x5A for b in data[start : start + 64])
+        shard.write_bytes(bytes(data))
+
+
+def _reference_export(step_dir: Path, tmp_path: Path) -> dict[str, bytes]:
+    ref = tmp_path / "reference" / step_dir.name
+    shutil.copytree(step_dir, ref)
+    export_step(ref)
+    return _tree(ref / layout.EXPORT_DIR)
+
+
+@pytest.mark.parametrize("part", [layout.MODEL_DIR, layout.EXTRAS_DIR, "shard"])
+def test_inputs_linked_away_mid_export_are_not_read(step_dir, tmp_path, monkeypatch, part):
+    """The step's model/ (or extras/, or one shard) swapped for a link to another save of the same shapes
+    after the step was checked, before its bytes are read: the export read, and would have published,
+    the other save's bytes. Now the export reads the directories and files it opened when it checked them."""
+    from stagerd.engine import consolidate as consolidate_mod
+    from stagerd.engine import export as export_mod
+
+    want = _reference_export(step_dir, tmp_path)
+    other = tmp_path / "other"
+    _another_save(step_dir / layout.MODEL_DIR, other / layout.MODEL_DIR)
+    shutil.copytree(step_dir / layout.EXTRAS_DIR, other / layout.EXTRAS_DIR)
+    (other / layout.EXTRAS_DIR / "tokenizer.json").write_text('{"version": "6.6"}\n')  # same size
+    shard = sorted((step_dir / layout.MODEL_DIR).glob("*.safetensors"))[0].relative_to(step_dir)
+    swapped = shard if part == "shard" else Path(part)
+    # A shard is read by name when the plan's files are opened; the directories' files before that.
+    mod, name = (consolidate_mod, "execute") if part == "shard" else (export_mod, "consolidate_into")
+    call = getattr(mod, name)
+
+    def swap_then_read(*args: object, **kwargs: object) -> object:
+        (step_dir / swapped).rename(tmp_path / "aside")
+        (step_dir / swapped).symlink_to(other / swapped, target_is_directory=part != "shard")
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(mod, name, swap_then_read)
+    export_step(step_dir)
+    assert _tree(step_dir / layout.EXPORT_DIR) == want
+
+
+@pytest.mark.parametrize("part", [layout.MODEL_DIR, layout.EXTRAS_DIR, "shard"])
+def test_a_link_in_place_of_an_input_is_a_symlink_error(step_dir, tmp_path, part):
+    """model/, extras/ or a shard that is a link (here to a copy inside the step, which passes the marker's
+    checks) when the export opens it: a SymlinkError naming it, nothing written."""
+    shard = sorted((step_dir / layout.MODEL_DIR).glob("*.safetensors"))[0].relative_to(step_dir)
+    linked = step_dir / (shard if part == "shard" else part)
+    copy = step_dir / "copy"
+    (shutil.copy2 if part == "shard" else shutil.copytree)(linked, copy)
+    (shutil.rmtree if part != "shard" else Path.unlink)(linked)
+    linked.symlink_to(copy, target_is_directory=part != "shard")
+    with pytest.raises(SymlinkError) as e:
+        export_step(step_dir)
+    assert e.value.path == str(linked) and "/proc/" not in str(e.value) and e.value.hint
+    assert len(str(e.value).splitlines()) == 1
+    assert not (step_dir / layout.EXPORT_DIR).exists() and not (step_dir / layout.EXPORT_TMP_DIR).exists()

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from stagerd.contract.regular_file import linked
@@ -26,6 +26,8 @@ from stagerd.errors import StagerdError
 WHY = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
 _FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_PROC_FD = re.compile(r"/proc/self/fd/([0-9]+)(?![0-9])")
 
 
 class HeldDir:
@@ -124,21 +126,87 @@ class HeldDir:
         """`text` with this handle's `proc` path put back as the real one."""
         return re.sub(re.escape(str(self.proc)) + r"(?![0-9])", lambda _: str(self.path), text)
 
-    @contextlib.contextmanager
-    def naming(self) -> Iterator[None]:
+    def naming(self) -> contextlib.AbstractContextManager[None]:
         """Errors raised inside name the real path, not `proc`."""
+        return renaming(self.real)
+
+    def open_file(self, name: str, *, why: str = WHY, hint: str = HINT) -> int:
+        """The file `name` in this directory opened for reading, refusing a link there (SymlinkError); an
+        OSError (EINVAL) if it is not a regular file (a FIFO is opened without waiting on a writer)."""
         try:
-            yield
-        except StagerdError as e:
-            e.message = self.real(e.message)
-            e.args = (e.message, *e.args[1:])
-            if e.path is not None:
-                e.path = self.real(e.path)
-            raise
+            fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
         except OSError as e:
-            if isinstance(e.filename, str):
-                e.filename = self.real(e.filename)
+            if e.errno == errno.ELOOP and _is_link(name, self.fd):
+                raise linked(self.path / name, why, hint) from None
             raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "is not a regular file", str(self.path / name))
+        os.set_blocking(fd, True)
+        return fd
+
+
+class HeldFiles:
+    """Files and directories opened through held directories without following a link, each reached by
+    its `/proc/self/fd/N` path (the kernel opens that very file again, whatever is put at its name since)
+    until `close`; `naming` puts their real paths back in errors."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}  # the real path of each: opened once, however often it is read
+        self._real: dict[str, str] = {}
+
+    def open(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> Path:
+        """The `/proc/self/fd/N` path of the file `name` in `where` (see `HeldDir.open_file`)."""
+        real = where.path / name
+        if real not in self._fds:
+            self._add(real, where.open_file(name, why=why, hint=hint))
+        return Path(f"/proc/self/fd/{self._fds[real]}")
+
+    def hold(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> HeldDir:
+        """The directory `name` in `where`, held (see `HeldDir.child`) until `close`."""
+        real = where.path / name
+        if real not in self._fds:
+            self._add(real, where.child(name, why=why, hint=hint).fd)
+        return HeldDir(real, self._fds[real])
+
+    def _add(self, real: Path, fd: int) -> None:
+        self._fds[real] = fd
+        self._real[str(fd)] = str(real)
+
+    def real(self, text: str) -> str:
+        return _PROC_FD.sub(lambda m: self._real.get(m[1], m[0]), text)
+
+    def naming(self) -> contextlib.AbstractContextManager[None]:
+        return renaming(self.real)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._real.clear()
+
+    def __enter__(self) -> HeldFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def renaming(real: Callable[[str], str]) -> Iterator[None]:
+    """Errors raised inside have `real` applied to their message and path (proc paths named again)."""
+    try:
+        yield
+    except StagerdError as e:
+        e.message = real(e.message)
+        e.args = (e.message, *e.args[1:])
+        if e.path is not None:
+            e.path = real(e.path)
+        raise
+    except OSError as e:
+        if isinstance(e.filename, str):
+            e.filename = real(e.filename)
+        raise
 
 
 def refuse_links(

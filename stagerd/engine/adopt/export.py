@@ -5,6 +5,8 @@ recorded, rename to `export/`). Around it, the files it reads are watched: their
 device before and after, and `.metadata`'s bytes, and no data file may be newer than `.metadata` (DCP
 writes the data first, so a newer one is the next save overwriting this checkpoint in place). Any
 difference, or a file gone, is a `SourceChangedError` before the rename: nothing of it is published.
+The checkpoint is read through its directory held open (`contract/step/held.py`): swapped for a link to
+another save of the same shapes while it is read, and put back before that check, it led the reads there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
+from stagerd.contract.step.held import HeldDir
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
 from stagerd.engine.export import ExportResult, export_source
 from stagerd.errors import ShardError, SourceChangedError, StagerdError
@@ -45,8 +48,11 @@ def snapshot(source: AdoptedSource, *, first: bool = True) -> Snapshot:
     return out
 
 
-def check_unchanged(source: AdoptedSource, before: Snapshot) -> None:
-    """The files `before` describes are still those, and `.metadata` is still the one the plan read."""
+def check_unchanged(source: AdoptedSource, before: Snapshot, held: HeldDir | None = None) -> None:
+    """The files `before` describes are still those, and `.metadata` is still the one the plan read; the
+    checkpoint's path still names the directory `held` (a save renamed into its place is the next one)."""
+    if held is not None and held.replaced():
+        raise SourceChangedError("was moved, deleted or replaced while it was exported", path=held.path)
     after = snapshot(source, first=False)
     for p, st in before.items():
         if after.get(p) != st:
@@ -81,37 +87,42 @@ def export_adopted(
     if inside == real or real in inside.parents:
         raise StagerdError(f"the export directory {work_dir} is inside the checkpoint", path=ckpt)
     options = options or AdoptOptions()
-    source = open_adopted(ckpt, options)
-    before = snapshot(source)
-    target = source.target_dtype(dtype)
-    recorded = {
-        "source": source.identity,
-        "preset": source.preset.name,
-        "select": options.select,
-        "mapping": None if options.mapping is None else _sha256(options.mapping),
-    }
-    work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return export_source(
-            source,
-            work_dir,
-            recorded,
-            step=step,
-            dtype=target,
-            keep_dtype=keep_dtype,
-            max_shard_size=max_shard_size,
-            threads=threads,
-            progress=progress,
-            rebuild=rebuild,
-            views=source.plan,
-            before_commit=lambda: check_unchanged(source, before),
-            default_shard_size=default_shard_size,
-        )
-    except SourceChangedError:
+        held = HeldDir.open(ckpt)
+    except (FileNotFoundError, NotADirectoryError):
+        open_adopted(ckpt, options)  # names what is not there, as it always did
         raise
-    except (StagerdError, OSError):
-        check_unchanged(source, before)  # a read that failed because the trainer deleted the checkpoint
-        raise
+    with held, held.naming():
+        source = open_adopted(held.proc, options, parent=ckpt.parent)
+        before = snapshot(source)
+        recorded = {
+            "source": source.identity,
+            "preset": source.preset.name,
+            "select": options.select,
+            "mapping": None if options.mapping is None else _sha256(options.mapping),
+        }
+        work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return export_source(
+                source,
+                work_dir,
+                recorded,
+                step=step,
+                dtype=source.target_dtype(dtype),
+                keep_dtype=keep_dtype,
+                max_shard_size=max_shard_size,
+                threads=threads,
+                progress=progress,
+                rebuild=rebuild,
+                views=source.plan,
+                before_commit=lambda: check_unchanged(source, before, held),
+                default_shard_size=default_shard_size,
+            )
+        except SourceChangedError:
+            raise
+        except (StagerdError, OSError):
+            check_unchanged(source, before, held)  # a read failed: the trainer deleted the checkpoint?
+            raise
 
 
 def _sha256(path: Path) -> str:

@@ -226,11 +226,11 @@ def whole_headers(files: list[Path]) -> Iterator[Header]:
         yield DcpFileHeader(h.path, h.file_size, h.data_start, h.tensors, h.metadata, offsets=offsets)
 
 
-def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str, Path]:
+def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None, parent: Path) -> dict[str, Path]:
     """Each HF extra from the first place that has it: where the trainer keeps them (the preset's
     `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent."""
     places = [*(ckpt / d for d in preset.extras_dirs), ckpt]
-    places += [*([extras_dir] if extras_dir is not None else []), ckpt.parent]
+    places += [*([extras_dir] if extras_dir is not None else []), parent]
     found: dict[str, Path] = {}
     for name in HF_EXTRAS:
         for d in places:
@@ -244,8 +244,12 @@ def read_config(path: Path | None) -> dict[str, Any] | None:
     return None if path is None else read_json_object(path)
 
 
-def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSource:
-    """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read."""
+def open_adopted(
+    ckpt: Path, options: AdoptOptions | None = None, *, parent: Path | None = None
+) -> AdoptedSource:
+    """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read.
+    `parent`: the directory the checkpoint is in (where extras may be), when `ckpt` is a held one's proc
+    path."""
     ckpt, options = Path(ckpt), options or AdoptOptions()
     preset = choose_preset(ckpt, options.preset)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
@@ -268,7 +272,7 @@ def open_adopted(ckpt: Path, options: AdoptOptions | None = None) -> AdoptedSour
     else:
         ident = save_identity(ckpt, preset)
         shapes = shard_shapes(model_dir)
-    extras = find_extras(ckpt, preset, options.extras)
+    extras = find_extras(ckpt, preset, options.extras, ckpt.parent if parent is None else parent)
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
