@@ -69,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from stagerd.ops.fdlimit import raise_open_files_limit
     from stagerd.ops.logs import setup_logging
 
     setup_logging(debug=args.debug)
+    raise_open_files_limit()
     try:
         return int(args.func(args) or 0)
     except StagerdError as e:

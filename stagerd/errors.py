@@ -6,6 +6,8 @@ header): the journal quarantines a non-retryable failure at once instead of burn
 
 from __future__ import annotations
 
+import errno
+
 
 class StagerdError(Exception):
     """Base of every error stagerd raises on purpose."""
@@ -26,6 +28,27 @@ class StagerdError(Exception):
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ResourceError(StagerdError):
+    """The process, not its input, is short of something (open files, memory): the input is fine, and a
+    later try may get what it needs."""
+
+    retryable = True
+    hint = (
+        "stagerd ran out of open files or memory: raise its open-files limit (`ulimit -n`, LimitNOFILE= in "
+        "a systemd unit) or free memory; the step is tried again"
+    )
+
+
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def open_failed(e: OSError, path: object, error: type[StagerdError]) -> StagerdError:
+    """`error` for an input that cannot be opened, or a `ResourceError` when the process is out of
+    descriptors or memory: that says nothing of the file, which must not be quarantined as broken."""
+    kind = ResourceError if e.errno in _EXHAUSTED else error
+    return kind(f"cannot open: {e.strerror or e}", path=path)
 
 
 class HeaderError(StagerdError):

@@ -12,7 +12,7 @@ from stagerd.engine.file_header import file_header
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.engine.runner import Runner, pwrite_all, run_moves
-from stagerd.errors import OutputError, ShardError, VerifyError
+from stagerd.errors import OutputError, ShardError, VerifyError, open_failed
 
 
 def _open_sources(p: ExportPlan) -> list[int]:
@@ -23,7 +23,7 @@ def _open_sources(p: ExportPlan) -> list[int]:
     except OSError as e:
         for fd in fds:
             os.close(fd)
-        raise ShardError(f"cannot open: {e.strerror}", path=e.filename) from None
+        raise open_failed(e, e.filename, ShardError) from None
     return fds
 
 

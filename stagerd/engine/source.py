@@ -24,7 +24,7 @@ from stagerd.contract.reference_index import load_weight_map, read_reference_ind
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.shard_scan import scan_shards, shard_paths
-from stagerd.errors import ExtrasError, ReferenceIndexError, ShardError
+from stagerd.errors import ExtrasError, ReferenceIndexError, ShardError, open_failed
 
 WHY = "a step's inputs are read only from the directories and files the trainer wrote, never through a link"
 HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
@@ -132,7 +132,7 @@ class HeldSource(Source):
         try:
             return read_header(self.files.open(self.model, name, why=WHY, hint=HINT))
         except OSError as e:
-            raise ShardError(f"cannot open: {e.strerror}", path=self.model.path / name) from None
+            raise open_failed(e, self.model.path / name, ShardError) from None
 
     def extra_path(self, rel: str) -> Path:
         if self.extras_dir is None:
@@ -144,8 +144,9 @@ class HeldSource(Source):
                 where = self.files.hold(where, d, why=WHY, hint=HINT)
             return self.files.open(where, name, why=WHY, hint=HINT)
         except OSError as e:
-            why = "is missing" if e.errno == errno.ENOENT else f"cannot open: {e.strerror}"
-            raise ExtrasError(why, path=self.extra_name(rel)) from None
+            if e.errno == errno.ENOENT:
+                raise ExtrasError("is missing", path=self.extra_name(rel)) from None
+            raise open_failed(e, self.extra_name(rel), ExtrasError) from None
 
     def extra_name(self, rel: str) -> Path:
         return self.model.path.parent / layout.EXTRAS_DIR / rel
