@@ -39,9 +39,11 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     try:
         cfg = json.loads(source.read_bytes())
     except (OSError, ValueError) as e:  # checked before the export began; a change since is an error
-        raise ExtrasError(f"cannot read {source.name}: {e}", path=source) from None
+        # `source` may be a held file's /proc/self/fd path: the message names the file, not the number
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ExtrasError(f"cannot read {CONFIG_NAME}: {why}", path=source) from None
     if not isinstance(cfg, dict):
-        raise ExtrasError(f"{source.name} must hold a JSON object", path=source)
+        raise ExtrasError(f"{CONFIG_NAME} must hold a JSON object", path=source)
     present = [f for f in _FIELDS if f in cfg]
     for field in present or ["dtype"]:
         cfg[field] = name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,23 @@ def test_a_huge_extra_is_streamed(step_dir, tmp_path):
     peak_mib = int(r.stdout.split()[-1]) >> 10
     assert peak_mib < 256, f"peak RSS {peak_mib} MiB: the extra was read whole"
     assert export_index(out)["weight_map"]
+
+
+def test_a_config_changed_under_a_held_handle_is_named_by_its_name(tmp_path):
+    """The export reads config.json through its held descriptor's /proc/self/fd path: a config rewritten
+    since its check said `cannot read 7: Expecting value...`, naming the descriptor, not the file."""
+    import os
+
+    from stagerd.engine.hub_config import exported_config
+    from stagerd.errors import ExtrasError
+
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b"{not json")
+    fd = os.open(cfg, os.O_RDONLY)
+    try:
+        with pytest.raises(ExtrasError) as e:
+            exported_config(Path(f"/proc/self/fd/{fd}"), {"F32": 16}, "BF16")
+    finally:
+        os.close(fd)
+    assert e.value.message.startswith("cannot read config.json: ")
+    assert f"/fd/{fd}" not in e.value.message and f"read {fd}" not in e.value.message
