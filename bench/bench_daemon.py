@@ -209,11 +209,14 @@ def paced(work: Path, model: Path, world: int, steps: int, interval: float, idle
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    early = [k for t, k in samples if k and visible[min(5, steps)] <= t <= visible[min(10, steps)]]
-    mid = [
-        k for t, k in samples if k and visible[max(1, steps // 2 - 3)] <= t <= visible[max(1, steps // 2 + 3)]
-    ]
-    late = [k for t, k in samples if k and t >= visible[max(1, steps - 5)]]
+
+    def at(step: int) -> float:  # a short run's windows overlap rather than name a step it never saved
+        return visible[min(max(1, step), steps)]
+
+    every = [k for _, k in samples if k]
+    early = [k for t, k in samples if k and at(5) <= t <= at(10)] or every
+    mid = [k for t, k in samples if k and at(steps // 2 - 3) <= t <= at(steps // 2 + 3)] or every
+    late = [k for t, k in samples if k and t >= at(steps - 5)] or every
     pickups = [times[s]["export_started"] - visible[s] for s in visible]
     from_mtime = [times[s]["pickup"] for s in visible]
     out = {
