@@ -48,7 +48,9 @@ def timed(cmd: list[str], pythonpath: Path) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of a child process running `cmd` with `pythonpath` first."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, cwd=pythonpath)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=pythonpath
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
@@ -71,16 +73,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="stagerd-bench-verify-", dir=args.work))
     try:
         src = work / "src"
-        write_source(src, args.tensors)
+        # In a child: a forked child's peak RSS starts at its parent's, so the parent must stay small.
+        subprocess.run([sys.executable, __file__, "--generate", str(src), str(args.tensors)], check=True)
         stagerd = [sys.executable, "-m", "stagerd.cli"]
         exports = {"1 file": work / "one", "4 files": work / "four"}
-        subprocess.run([*stagerd, "consolidate", src, exports["1 file"]], check=True, cwd=ROOT)
+
+        def export(out: Path, *more: str) -> None:
+            cmd = [*stagerd, "consolidate", str(src), str(out), *more]
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        export(exports["1 file"])
         size = sum(f.stat().st_size for f in exports["1 file"].glob("*.safetensors"))
-        subprocess.run(
-            [*stagerd, "consolidate", src, exports["4 files"], "--max-shard-size", str(size // 4 + 1)],
-            check=True,
-            cwd=ROOT,
-        )
+        export(exports["4 files"], "--max-shard-size", str(size // 4 + 1))
         trees = {"this": ROOT} | ({"other": args.compare.resolve()} if args.compare else {})
         cases = {}
         for what, out in exports.items():
@@ -99,10 +103,9 @@ def main() -> None:
         print(f"\n{args.tensors} tensors, {args.repeat} interleaved rounds, {args.threads} threads")
         head = "| case | checkout | median s | min s | max s | peak RSS MiB, median | min | max |"
         print(f"\n{head}\n|---|---|---|---|---|---|---|---|")
-        for (case, tree), got in found.items():
-            print(
-                f"| {case} | {tree} | {spread([g[0] for g in got], 2)} | {spread([g[1] for g in got], 0)} |"
-            )
+        for (case, tree), runs in found.items():
+            walls, peaks = [g[0] for g in runs], [g[1] for g in runs]
+            print(f"| {case} | {tree} | {spread(walls, 2)} | {spread(peaks, 0)} |")
         if args.compare:
             print("\n| case | time this/other, median | min | max | RSS this/other, median |")
             print("|---|---|---|---|---|")
@@ -117,4 +120,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--generate"]:
+        write_source(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

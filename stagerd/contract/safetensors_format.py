@@ -269,13 +269,9 @@ def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
 
 
 _WS = re.compile(r"[ \t\n\r]*")
-_DECODER = json.JSONDecoder()
-
-
-def _skip(text: str, i: int) -> int:
-    """The index of the first character from `i` on that is not JSON whitespace."""
-    m = _WS.match(text, i)
-    return i if m is None else m.end()
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # json.loads's own C scanner
 
 
 def _members(path: object, text: str) -> Iterator[tuple[str, Any]]:
@@ -290,28 +286,36 @@ def _members(path: object, text: str) -> Iterator[tuple[str, Any]]:
             raise _fail(path, "header is not a JSON object")
         i = _skip(text, i + 1)
         if text[i : i + 1] == "}":
-            i += 1
+            i = _skip(text, i + 1)
         else:
             while True:
                 if text[i : i + 1] != '"':
                     raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
                 name, i = scanstring(text, i + 1, True)
-                i = _skip(text, i)
-                if text[i : i + 1] != ":":
+                m = _COLON.match(text, i)
+                if m is None:
                     raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-                value, i = _DECODER.raw_decode(text, _skip(text, i + 1))
+                try:
+                    value, i = _SCAN(text, m.end())
+                except StopIteration as e:
+                    raise json.JSONDecodeError("Expecting value", text, e.value) from None
                 yield name, value
-                i = _skip(text, i)
-                sep = text[i : i + 1]
-                i = _skip(text, i + 1)
-                if sep == "}":
-                    break
-                if sep != ",":
+                m = _NEXT.match(text, i)
+                if m is None:
                     raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-        if _skip(text, i) != len(text):
+                i = m.end()
+                if m.group(1) == "}":
+                    break
+        if i != len(text):
             raise json.JSONDecodeError("Extra data", text, i)
     except (ValueError, RecursionError) as e:
         raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first character from `i` on that is not JSON whitespace."""
+    m = _WS.match(text, i)
+    return i if m is None else m.end()
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
