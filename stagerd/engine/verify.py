@@ -89,9 +89,7 @@ def _check_file(
     if s.metadata.get("format") != "pt":
         raise VerifyError('__metadata__ lacks {"format": "pt"}', path=path)
     if names:
-        raise VerifyError(
-            f"index and file disagree: only in file [], only in index {sorted(names)[:3]}", path=path
-        )
+        raise VerifyError(f"index and file disagree: only in index {sorted(names)[:3]}", path=path)
     if total != s.file_size - s.data_start:
         raise VerifyError("data section has bytes no tensor accounts for", path=path)
     return s.file_size, s.file_size - s.data_start, in_data_order and not writer_order
