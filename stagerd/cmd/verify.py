@@ -51,4 +51,10 @@ def run(args: argparse.Namespace) -> int:
         r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
     against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
     print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}")
+    if r.older_order:
+        print(
+            f"note: {len(r.older_order)} of {r.files} files lay their tensors out in an older stagerd's"
+            " order, not the one save_pretrained writes (loaders read them the same; a new export gives"
+            " save_pretrained's bytes)"
+        )
     return 0

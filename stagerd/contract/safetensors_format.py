@@ -10,10 +10,13 @@ import itertools
 import json
 import math
 import os
+import re
 import stat
 import struct
-from collections.abc import Mapping
+from array import array
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +80,19 @@ def _is_uint(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _check_length(path: object, n: int, file_size: int) -> None:
+    if n > MAX_HEADER_BYTES:
+        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or hostile)")
+    if 8 + n > file_size:
+        raise _fail(path, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
+
+
 def parse_header_bytes(path: object, prefix: bytes, file_size: int) -> tuple[int, dict[str, Any]]:
     """Validate the 8-byte length and decode the JSON header. `prefix` holds at least 8+len bytes."""
     if file_size < 8 or len(prefix) < 8:
         raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES:
-        raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or hostile)")
-    if 8 + n > file_size:
-        raise _fail(path, f"header length {n} runs past the end of the {file_size}-byte file (truncated?)")
+    _check_length(path, n, file_size)
     raw = prefix[8 : 8 + n]
     if len(raw) != n:
         raise _fail(path, "short read of the header")
@@ -99,6 +106,89 @@ def parse_header_bytes(path: object, prefix: bytes, file_size: int) -> tuple[int
     return n, obj
 
 
+def _check_metadata(path: object, info: Any) -> dict[str, str]:
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in info.items()
+    ):
+        raise _fail(path, "__metadata__ must map strings to strings")
+    if not all(_utf8(k) and _utf8(v) for k, v in info.items()):
+        raise _fail(path, "__metadata__ holds text that is not valid UTF-8")
+    return dict(info)
+
+
+def _check_entry(path: object, name: str, info: Any, data_len: int) -> TensorEntry:
+    """One tensor's entry, every field checked against the data section's length."""
+    if not isinstance(info, dict):
+        raise _fail(path, f"tensor {name!r}: entry is not an object")
+    if not _utf8(name):
+        raise _fail(path, f"tensor name {name!r} is not valid UTF-8")
+    try:
+        dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    except KeyError as e:
+        raise _fail(path, f"tensor {name!r}: missing {e.args[0]!r}") from None
+    try:
+        dt = dtypes.lookup(dtype_name)
+    except DTypeError:
+        raise DTypeError(f"tensor {name!r}: unknown dtype {dtype_name!r}", path=path) from None
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
+        raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise _fail(path, f"tensor {name!r}: data_offsets must be two non-negative integers")
+    begin, end = offsets
+    if begin > end or end > data_len:
+        raise _fail(
+            path,
+            f"tensor {name!r}: data_offsets [{begin}, {end}] run past the {data_len}-byte data section"
+            " (truncated?)"
+            if end > data_len
+            else f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed",
+        )
+    try:
+        want = dt.nbytes(math.prod(shape))
+    except StagerdError:
+        raise _fail(path, f"tensor {name!r}: shape {shape} does not fill whole bytes of {dt.name}") from None
+    if end - begin != want:
+        raise _fail(path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{shape} needs {want}")
+    return TensorEntry(name, dt.name, tuple(shape), begin, end)
+
+
+class _Overlaps:
+    """Finds two tensors sharing data bytes from two integers per tensor: pair by pair while the entries
+    come in data order (as every writer puts them), else by one sort of the offsets at the end."""
+
+    def __init__(self, path: object) -> None:
+        self.path = path
+        self.begin, self.end = array("q"), array("q")
+        self.last: TensorEntry | None = None
+        self.in_order = True
+
+    def add(self, t: TensorEntry) -> None:
+        if t.end == t.begin:
+            return
+        last = self.last
+        if last is not None and self.in_order:
+            if t.begin < last.begin:
+                self.in_order = False
+            elif t.begin < last.end:
+                raise _fail(self.path, f"tensors {last.name!r} and {t.name!r} overlap in the data section")
+        self.begin.append(t.begin)
+        self.end.append(t.end)
+        self.last = t
+
+    def check(self) -> None:
+        if self.in_order:
+            return
+        begin, end = self.begin, self.end
+        order = sorted(range(len(begin)), key=begin.__getitem__)
+        for a, b in itertools.pairwise(order):
+            if begin[b] < end[a]:
+                raise _fail(
+                    self.path,
+                    f"tensors at data_offsets [{begin[a]}, {end[a]}] and [{begin[b]}, {end[b]}] overlap"
+                    " in the data section",
+                )
+
+
 def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -> Header:
     """Check every entry of a decoded header against the file; return the typed Header."""
     data_start = 8 + n
@@ -107,48 +197,9 @@ def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -
     tensors: dict[str, TensorEntry] = {}
     for name, info in obj.items():
         if name == METADATA_KEY:
-            if not isinstance(info, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in info.items()
-            ):
-                raise _fail(path, "__metadata__ must map strings to strings")
-            if not all(_utf8(k) and _utf8(v) for k, v in info.items()):
-                raise _fail(path, "__metadata__ holds text that is not valid UTF-8")
-            metadata = dict(info)
+            metadata = _check_metadata(path, info)
             continue
-        if not isinstance(info, dict):
-            raise _fail(path, f"tensor {name!r}: entry is not an object")
-        if not _utf8(name):
-            raise _fail(path, f"tensor name {name!r} is not valid UTF-8")
-        try:
-            dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        except KeyError as e:
-            raise _fail(path, f"tensor {name!r}: missing {e.args[0]!r}") from None
-        try:
-            dt = dtypes.lookup(dtype_name)
-        except DTypeError:
-            raise DTypeError(f"tensor {name!r}: unknown dtype {dtype_name!r}", path=path) from None
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
-            raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-            raise _fail(path, f"tensor {name!r}: data_offsets must be two non-negative integers")
-        begin, end = offsets
-        if begin > end or end > data_len:
-            raise _fail(
-                path,
-                f"tensor {name!r}: data_offsets [{begin}, {end}] run past the {data_len}-byte data section"
-                " (truncated?)"
-                if end > data_len
-                else f"tensor {name!r}: data_offsets [{begin}, {end}] are reversed",
-            )
-        try:
-            want = dt.nbytes(math.prod(shape))
-        except StagerdError:
-            raise _fail(
-                path, f"tensor {name!r}: shape {shape} does not fill whole bytes of {dt.name}"
-            ) from None
-        if end - begin != want:
-            raise _fail(path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{shape} needs {want}")
-        tensors[name] = TensorEntry(name, dt.name, tuple(shape), begin, end)
+        tensors[name] = _check_entry(path, name, info, data_len)
     ordered = sorted((t for t in tensors.values() if t.end > t.begin), key=lambda t: t.begin)
     for a, b in itertools.pairwise(ordered):
         if b.begin < a.end:
@@ -156,8 +207,35 @@ def validate_header(path: object, n: int, obj: dict[str, Any], file_size: int) -
     return Header(str(path), file_size, data_start, tensors, metadata)
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
-    """Read and validate the header of a safetensors file."""
+class HeaderStream:
+    """A file's header, decoded and checked one entry at a time: the JSON object's members are taken one
+    by one by the stdlib's own decoder, so no tree of the whole header is ever built. The header's text
+    is held (bounded by `MAX_HEADER_BYTES`); offsets are trustworthy only once `entries()` has finished,
+    which is when tensors sharing bytes are found."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self.metadata: dict[str, str] = {}
+        self.file_size, n, self._text = _read_text(path)
+        self.data_start = 8 + n
+
+    def entries(self) -> Iterator[TensorEntry]:
+        """Every tensor entry in header order, each checked; `metadata` is set once they are all read."""
+        path, data_len = self.path, self.file_size - self.data_start
+        overlaps = _Overlaps(path)
+        for name, info in _members(path, self._text):
+            if name == METADATA_KEY:
+                self.metadata = _check_metadata(path, info)
+                continue
+            t = _check_entry(path, name, info, data_len)
+            overlaps.add(t)
+            yield t
+        overlaps.check()
+        self._text = ""
+
+
+def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
+    """(file size, header length, header text), every length checked against the file before reading."""
     from stagerd.errors import ShardError
 
     try:
@@ -178,11 +256,79 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         if len(head) < 8:
             raise _fail(path, f"file is {file_size} bytes, too short for a safetensors header")
         (n,) = struct.unpack("<Q", head)
-        body = os.pread(fd, min(n, MAX_HEADER_BYTES + 1, max(file_size - 8, 0)), 8)
+        _check_length(path, n, file_size)
+        raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
-    n, obj = parse_header_bytes(path, head + body, file_size)
-    return validate_header(path, n, obj, file_size)
+    if len(raw) != n:
+        raise _fail(path, "short read of the header")
+    try:
+        return file_size, n, raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
+_NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # json.loads's own C scanner
+
+
+def _members(path: object, text: str) -> Iterator[tuple[str, Any]]:
+    """The (name, value) members of the JSON object `text`, in order, each value decoded on its own.
+
+    Accepts exactly what `json.loads` accepts as an object (the same whitespace, strings and values:
+    each is the stdlib decoder's work); where it would give something else, it is a `HeaderError`."""
+    try:
+        i = _skip(text, 0)
+        if text[i : i + 1] != "{":
+            json.loads(text)  # raises for what is not JSON
+            raise _fail(path, "header is not a JSON object")
+        i = _skip(text, i + 1)
+        if text[i : i + 1] == "}":
+            i = _skip(text, i + 1)
+        else:
+            while True:
+                if text[i : i + 1] != '"':
+                    raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+                name, i = scanstring(text, i + 1, True)
+                m = _COLON.match(text, i)
+                if m is None:
+                    raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+                try:
+                    value, i = _SCAN(text, m.end())
+                except StopIteration as e:
+                    raise json.JSONDecodeError("Expecting value", text, e.value) from None
+                yield name, value
+                m = _NEXT.match(text, i)
+                if m is None:
+                    raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+                i = m.end()
+                if m.group(1) == "}":
+                    break
+        if i != len(text):
+            raise json.JSONDecodeError("Extra data", text, i)
+    except (ValueError, RecursionError) as e:
+        raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first character from `i` on that is not JSON whitespace."""
+    m = _WS.match(text, i)
+    return i if m is None else m.end()
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of a safetensors file."""
+    s = HeaderStream(path)
+    tensors: dict[str, TensorEntry] = {}
+    count = 0
+    for t in s.entries():
+        tensors[t.name] = t
+        count += 1
+    if count != len(tensors):
+        raise _fail(path, f"{count - len(tensors)} tensor names appear twice in the header")
+    return Header(str(path), s.file_size, s.data_start, tensors, s.metadata)
 
 
 def parse_dcp_sharding_info(header: Header) -> dict[str, tuple[int, ...]]:

@@ -3,41 +3,96 @@ byte equals what the shards give."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagerd.contract.safetensors_format import Header, read_header
+from stagerd.contract import dtypes
+from stagerd.contract.safetensors_format import HeaderStream, TensorEntry
 from stagerd.engine.consolidate import compare, plan
 from stagerd.engine.export_map import read_weight_map
+from stagerd.engine.file_header import header_size
 from stagerd.engine.merge import lora_merges
+from stagerd.engine.plan_types import DTYPE_NAMES, ExportPlan, OutputFile, frozen
 from stagerd.engine.source import Source, open_source
 from stagerd.errors import StagerdError, VerifyError
 
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """`older_order`: the files whose tensors lie in another order than safetensors' writer order (the
+    one save_pretrained writes), as a stagerd before that order wrote them: their bytes are right."""
+
     export_dir: Path
     files: int
     tensors: int
     total_size: int
     compared_with: Path | None
+    older_order: tuple[str, ...] = ()
 
 
-def _check_file(path: Path, h: Header, names: set[str]) -> None:
-    if h.data_start % 8:
-        raise VerifyError(f"header is not padded to 8 bytes (data starts at {h.data_start})", path=path)
-    if h.metadata.get("format") != "pt":
+def _entries(path: Path) -> tuple[HeaderStream, Iterator[TensorEntry]]:
+    """The file's header, streamed entry by entry (no object per tensor is held), its errors named as
+    verify's."""
+    try:
+        s = HeaderStream(path)
+    except StagerdError as e:
+        raise VerifyError(f"invalid header: {e.message}", path=path) from None
+
+    def each() -> Iterator[TensorEntry]:
+        it = s.entries()
+        while True:
+            try:
+                t = next(it)
+            except StopIteration:
+                return
+            except StagerdError as e:
+                raise VerifyError(f"invalid header: {e.message}", path=path) from None
+            yield t
+
+    return s, each()
+
+
+def _check_file(
+    path: Path, names: set[str], weight_map: dict[str, str], out_dtypes: dict[str, str] | None
+) -> tuple[int, int, bool]:
+    """Check one export file against the index, its header read one entry at a time; `names` (the
+    index's names for it) is emptied. (file size, data bytes, whether its layout is an older stagerd's)."""
+    s, entries = _entries(path)
+    if s.data_start % 8:
+        raise VerifyError(f"header is not padded to 8 bytes (data starts at {s.data_start})", path=path)
+    pos = total = 0  # in data order so far: each entry starts where the one before ends
+    in_data_order = writer_order = True
+    last: tuple[int, str] | None = None
+    for t in entries:
+        try:
+            names.remove(t.name)
+        except KeyError:
+            twice = weight_map.get(t.name) == path.name
+            raise VerifyError(
+                f"the header names {t.name!r} twice"
+                if twice
+                else f"index and file disagree: only in file [{t.name!r}]",
+                path=path,
+            ) from None
+        in_data_order = in_data_order and t.begin == pos
+        pos = t.end
+        total += t.nbytes
+        key = (-dtypes.writer_rank(t.dtype), t.name)
+        writer_order = writer_order and (last is None or last <= key)
+        last = key
+        if out_dtypes is not None:
+            out_dtypes[t.name] = t.dtype
+    if s.metadata.get("format") != "pt":
         raise VerifyError('__metadata__ lacks {"format": "pt"}', path=path)
-    if set(h.tensors) != names:
-        only_file = sorted(set(h.tensors) - names)[:3]
-        only_index = sorted(names - set(h.tensors))[:3]
-        raise VerifyError(
-            f"index and file disagree: only in file {only_file}, only in index {only_index}", path=path
-        )
-    if sum(t.nbytes for t in h.tensors.values()) != h.file_size - h.data_start:
+    if names:
+        raise VerifyError(f"index and file disagree: only in index {sorted(names)[:3]}", path=path)
+    if total != s.file_size - s.data_start:
         raise VerifyError("data section has bytes no tensor accounts for", path=path)
+    return s.file_size, s.file_size - s.data_start, in_data_order and not writer_order
 
 
 def verify_export(
@@ -60,22 +115,20 @@ def verify_export(
             raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
         by_file.setdefault(fname, set()).add(name)
     file_names = set(by_file)
-    # Each export header is checked and reduced to what the comparison needs before the next is read:
-    # holding every header's entries at once would cost an object per tensor.
+    # Each export header is streamed and reduced to what the comparison needs: holding a header's entries
+    # (or its decoded JSON) at once would cost objects per tensor.
     file_sizes: list[int] = []
     size = 0
-    out_dtypes: dict[str, str] = {}
+    older: list[str] = []
+    out_dtypes: dict[str, str] | None = {} if against is not None else None
     for fname in sorted(by_file):
-        path = export_dir / fname
-        try:
-            h = read_header(path)
-        except StagerdError as e:
-            raise VerifyError(f"invalid header: {e.message}", path=path) from None
-        _check_file(path, h, by_file.pop(fname))
-        file_sizes.append(h.file_size)
-        size += h.file_size - h.data_start
-        out_dtypes.update((n, t.dtype) for n, t in h.tensors.items())
-        del h
+        file_size, data, is_older = _check_file(
+            export_dir / fname, by_file.pop(fname), weight_map, out_dtypes
+        )
+        file_sizes.append(file_size)
+        size += data
+        if is_older:
+            older.append(fname)
     stray = sorted(p.name for p in export_dir.glob("*.safetensors") if p.name not in file_names)
     if stray:
         raise VerifyError(f"safetensors files not in the index: {stray[:3]}", path=export_dir)
@@ -104,5 +157,60 @@ def verify_export(
             # equal counts mean equal tensor sets.
             if {f.name for f in p.files} != file_names or p.tensor_count != len(weight_map):
                 raise VerifyError("the source holds different tensors than the export", path=export_dir)
+            if older:
+                p = _relaid(p, export_dir, set(older))
             compare(p, export_dir, threads=threads, progress=progress)
-    return VerifyReport(export_dir, len(file_names), len(weight_map), total, against)
+    return VerifyReport(export_dir, len(file_names), len(weight_map), total, against, tuple(older))
+
+
+def _relaid(p: ExportPlan, export_dir: Path, older: set[str]) -> ExportPlan:
+    """`p` with the tensors of the files in `older` laid out as the export's files lay them (an older
+    stagerd's order), so that `compare` checks the header and every byte where they really are. Any
+    other difference from the source (a dtype, a shape) is named here."""
+    tensor, dst, begin, end = array("i"), array("B"), array("q"), array("q")
+    files: list[OutputFile] = []
+    for f in p.files:
+        first = len(tensor)
+        if f.name not in older:
+            for r in range(f.first, f.stop):
+                tensor.append(p.tensor[r])
+                dst.append(p.dst_dtype[r])
+                begin.append(p.begin[r])
+                end.append(p.end[r])
+            files.append(OutputFile(f.name, f.header_size, f.size, first, len(tensor)))
+            continue
+        rows = {p.chunks.names[p.tensor[r]]: r for r in range(f.first, f.stop)}
+        path = export_dir / f.name
+        for t in _entries(path)[1]:
+            r = rows.pop(t.name, -1)
+            if r < 0:
+                raise VerifyError(f"tensor {t.name!r} is not one the source puts in this file", path=path)
+            want = (DTYPE_NAMES[p.dst_dtype[r]], p.shape(p.tensor[r]))
+            if (t.dtype, t.shape) != want:
+                raise VerifyError(
+                    f"tensor {t.name!r} is {t.dtype} of shape {list(t.shape)}, the source gives"
+                    f" {want[0]} of shape {list(want[1])}",
+                    path=path,
+                )
+            tensor.append(p.tensor[r])
+            dst.append(p.dst_dtype[r])
+            begin.append(t.begin)
+            end.append(t.end)
+        if rows:
+            raise VerifyError(
+                f"tensors the source puts in this file are missing: {sorted(rows)[:3]}", path=path
+            )
+        entries = (
+            (p.chunks.names[tensor[r]], DTYPE_NAMES[dst[r]], p.shape(tensor[r]), begin[r], end[r])
+            for r in range(first, len(tensor))
+        )
+        size = header_size(entries)
+        files.append(OutputFile(f.name, size, size + f.data_size, first, len(tensor)))
+    return dataclasses.replace(
+        p,
+        files=tuple(files),
+        tensor=frozen(tensor),
+        dst_dtype=frozen(dst),
+        begin=frozen(begin),
+        end=frozen(end),
+    )
