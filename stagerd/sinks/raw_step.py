@@ -69,7 +69,7 @@ def _open(files: HeldFiles, step: HeldDir, rel: str) -> Path:
         return files.open(where, name, why=WHY, hint=HINT)
     except OSError as e:
         why = "listed in the commit marker but missing" if e.errno == errno.ENOENT else e.strerror
-        raise ShardError(f"{why}", path=step.path / rel) from None
+        raise ShardError(why, path=step.path / rel) from None
 
 
 def _same_marker(held: Path, marker: CommitMarker, named: Path) -> None:

@@ -313,3 +313,36 @@ def test_a_data_file_that_is_a_link_is_a_symlink_error(tmp_path):
         export_adopted(ckpt, tmp_path / "work", AdoptOptions("hf-trainer"))
     assert e.value.path == str(data) and len(str(e.value).splitlines()) == 1 and "/proc/" not in str(e.value)
     assert not (tmp_path / "work" / "export").exists()
+
+
+def test_a_subdirectory_left_a_link_after_it_was_read_is_a_source_changed_error(tmp_path, monkeypatch):
+    """AutoModel's `model/` (HF shards, no `.metadata`) swapped for a link to a copy (the same names, sizes
+    and mtimes) while it is read, and left there: read through the directory held, the export is the
+    checkpoint's own, but its path now names another directory, which no stat by name tells (the copy's
+    are the same). The held directory no longer at its name is a SourceChangedError (guard: the stats by
+    name caught it while the reads were by name)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from stagerd.engine import consolidate as consolidate_mod
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import AdoptOptions
+    from stagerd.errors import SourceChangedError
+
+    ckpt, other = tmp_path / "epoch_0_step_2", tmp_path / "other"
+    model = ckpt / "model"
+    writer = HuggingFaceStorageWriter(str(model), save_distributed=True)
+    dcp.save({"model.w": torch.ones(8, 4)}, storage_writer=writer, no_dist=True)
+    shutil.copytree(ckpt, other)  # copy2: the same mtimes
+    execute = consolidate_mod.execute
+
+    def swapped_for_good(*args: object, **kwargs: object) -> object:
+        model.rename(tmp_path / "aside")
+        model.symlink_to(other / model.name, target_is_directory=True)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(consolidate_mod, "execute", swapped_for_good)
+    with pytest.raises(SourceChangedError) as e:
+        export_adopted(ckpt, tmp_path / "work", AdoptOptions("automodel"))
+    assert e.value.path.startswith(str(model)) and not (tmp_path / "work" / "export").exists()
