@@ -68,7 +68,8 @@ def _open(files: HeldFiles, step: HeldDir, rel: str) -> Path:
             where = files.hold(where, d, why=WHY, hint=HINT)
         return files.open(where, name, why=WHY, hint=HINT)
     except OSError as e:
-        why = "listed in the commit marker but missing" if e.errno == errno.ENOENT else e.strerror
+        missing = e.errno == errno.ENOENT
+        why = "listed in the commit marker but missing" if missing else f"cannot open: {e.strerror}"
         raise ShardError(why, path=step.path / rel) from None
 
 
