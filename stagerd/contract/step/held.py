@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
+import resource
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -152,6 +154,7 @@ class HeldFiles:
     until `close`; `naming` puts their real paths back in errors."""
 
     def __init__(self) -> None:
+        _room()
         self._fds: dict[Path, int] = {}  # the real path of each: opened once, however often it is read
         self._real: dict[str, str] = {}
         self._at: dict[Path, tuple[int, str]] = {}  # the directory each was opened from, and its name there
@@ -205,6 +208,18 @@ class HeldFiles:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _room() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, once: the files of a step are held until its export
+    or publish ends (and the export opens each again while it copies), and a soft 1,024 (a common default,
+    the hard one often far higher) is below the files of a large world's step."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default fs.nr_open
+    if soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 @contextlib.contextmanager
