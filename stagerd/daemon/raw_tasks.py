@@ -99,5 +99,5 @@ class RawTasks(Tasks):
                 held = stack.enter_context(HeldDir.open(step_dir))
             except FileNotFoundError:
                 return self._raw_sinks[key].publish_raw(step_dir, step, progress=report)
-            with held.naming():
-                return self._raw_sinks[key].publish_raw(held.proc, step, progress=report)
+            # the sink opens each listed file from it (and its subdirectories), none through a link
+            return self._raw_sinks[key].publish_raw(held, step, progress=report)

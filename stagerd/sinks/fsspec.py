@@ -29,6 +29,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.layout import ExportManifest, ManifestFile
+from stagerd.contract.step.held import HeldDir
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
@@ -58,6 +59,7 @@ from stagerd.sinks.objects import (
     scan_dir,
     verify_listing,
 )
+from stagerd.sinks.raw_step import held_raw_step
 from stagerd.sinks.s3.backend import S3Backend
 
 log = logging.getLogger("stagerd.sinks.fsspec")
@@ -134,30 +136,21 @@ class FsspecSink:
         files = scan_dir(export_dir)
         return self._publish_tree(files, layout.step_dir_name(step), step, metadata, progress, export_dir)
 
-    def publish_raw(self, step_dir: Path, step: int, *, progress: ProgressFn | None = None) -> PublishResult:
+    def publish_raw(
+        self, step_dir: Path | HeldDir, step: int, *, progress: ProgressFn | None = None
+    ) -> PublishResult:
         """Publish the raw staged step (DCP shards, `optim/`, extras, commit marker) under
         `PREFIX/raw/step-XXXXXXXX/` for resume, separately from the HF export.
 
         Exactly the files the commit marker lists, and the marker: never `export/` or what the daemon
-        writes beside it, so the raw manifest is the same whether it is sent before or after the export."""
-        step_dir = Path(step_dir)
-        if not layout.is_committed(step_dir):
-            raise VerifyError("has no commit marker: only committed steps are published raw", path=step_dir)
-        marker = layout.read_marker(step_dir)
-        layout.check_staged_files(step_dir, marker)
-        listed = [*((f.path, f.size) for f in marker.files), (layout.MARKER_NAME, None)]
-        files = sorted(
-            (
-                LocalFile(rel, step_dir / rel, (step_dir / rel).stat().st_size if size is None else size)
-                for rel, size in listed
-            ),
-            key=lambda f: f.rel,
-        )
-        prefix = f"{RAW_DIR}/{layout.step_dir_name(step)}"
-        nodes = getattr(marker, "staging_nodes", 1)
-        if nodes > 1:  # each staging node holds only its own shards: one raw tree per node
-            prefix = f"{prefix}/{node_part(marker.staging_node, nodes)}"
-        return self._publish_tree(files, prefix, step, {"raw": True}, progress, step_dir)
+        writes beside it, so the raw manifest is the same whether it is sent before or after the export.
+        Each is read through handles held from the step directory (`raw_step.py`), the caller's if given."""
+        with held_raw_step(step_dir) as (marker, files, local_root):
+            prefix = f"{RAW_DIR}/{layout.step_dir_name(step)}"
+            nodes = getattr(marker, "staging_nodes", 1)
+            if nodes > 1:  # each staging node holds only its own shards: one raw tree per node
+                prefix = f"{prefix}/{node_part(marker.staging_node, nodes)}"
+            return self._publish_tree(files, prefix, step, {"raw": True}, progress, local_root)
 
     def is_published(self, step: int) -> bool:
         """True when the step's manifest exists and the listing matches it by name and size."""

@@ -249,3 +249,100 @@ def test_a_checkpoint_linked_away_while_it_is_read_is_not_what_is_exported(tmp_p
     monkeypatch.setattr(export_mod, "consolidate_into", swapped_while_read)
     r = export_adopted(ckpt, tmp_path / "work")
     assert torch.equal(load_file(r.export_dir / "model.safetensors")["w"], sd["model"]["w"])
+
+
+@pytest.mark.parametrize("part", ["pytorch_model_fsdp_0", "pytorch_model_fsdp_0/__0_0.distcp"])
+def test_a_subdirectory_or_data_file_linked_away_while_read_is_not_what_is_exported(
+    tmp_path, monkeypatch, part
+):
+    """An HF Trainer checkpoint whose `pytorch_model_fsdp_0/` (or one data file in it) is swapped for a link
+    to another save of the same shapes while it is read, and put back before the check that it held still:
+    the export held the other save's tensor (every stat and `.metadata` matched again). Now the export
+    reads the directory and files it opened: the checkpoint's own bytes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from stagerd.engine import consolidate as consolidate_mod
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import AdoptOptions
+
+    ckpt, other, aside = tmp_path / "checkpoint-1", tmp_path / "other", tmp_path / "aside"
+    w = torch.arange(32.0).reshape(8, 4)
+    dcp.save({"model": {"w": w}}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    shutil.copytree(ckpt, other)
+    for f in other.rglob("*.distcp"):  # the tensor's bytes, in place in the record
+        f.write_bytes(f.read_bytes().replace(w.numpy().tobytes(), (-w).numpy().tobytes()))
+    execute = consolidate_mod.execute  # the data files are read here; their headers before
+
+    def swapped_while_read(*args: object, **kwargs: object) -> object:
+        (ckpt / part).rename(aside)
+        (ckpt / part).symlink_to(other / part, target_is_directory=(other / part).is_dir())
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            (ckpt / part).unlink()
+            aside.rename(ckpt / part)
+
+    monkeypatch.setattr(consolidate_mod, "execute", swapped_while_read)
+    r = export_adopted(ckpt, tmp_path / "work", AdoptOptions("hf-trainer"))
+    assert torch.equal(load_file(r.export_dir / "model.safetensors")["w"], w)
+
+
+def test_a_data_file_that_is_a_link_is_a_symlink_error(tmp_path):
+    """A data file of the checkpoint that is a link to another save's (other bytes, the same shapes): its
+    bytes were exported as this checkpoint's, every check passing. Now a SymlinkError naming it, one line."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import AdoptOptions
+    from stagerd.errors import SymlinkError
+
+    ckpt, other = tmp_path / "checkpoint-1", tmp_path / "other"
+    dcp.save(
+        {"model": {"w": torch.ones(8, 4)}}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True
+    )
+    (ckpt / "trainer_state.json").write_text("{}")
+    shutil.copytree(ckpt, other)
+    data = ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    data.unlink()
+    data.symlink_to(other / data.relative_to(ckpt))
+    with pytest.raises(SymlinkError) as e:
+        export_adopted(ckpt, tmp_path / "work", AdoptOptions("hf-trainer"))
+    assert e.value.path == str(data) and len(str(e.value).splitlines()) == 1 and "/proc/" not in str(e.value)
+    assert not (tmp_path / "work" / "export").exists()
+
+
+def test_a_subdirectory_left_a_link_after_it_was_read_is_a_source_changed_error(tmp_path, monkeypatch):
+    """AutoModel's `model/` (HF shards, no `.metadata`) swapped for a link to a copy (the same names, sizes
+    and mtimes) while it is read, and left there: read through the directory held, the export is the
+    checkpoint's own, but its path now names another directory, which no stat by name tells (the copy's
+    are the same). The held directory no longer at its name is a SourceChangedError (guard: the stats by
+    name caught it while the reads were by name)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from stagerd.engine import consolidate as consolidate_mod
+    from stagerd.engine.adopt.export import export_adopted
+    from stagerd.engine.adopt.source import AdoptOptions
+    from stagerd.errors import SourceChangedError
+
+    ckpt, other = tmp_path / "epoch_0_step_2", tmp_path / "other"
+    model = ckpt / "model"
+    writer = HuggingFaceStorageWriter(str(model), save_distributed=True)
+    dcp.save({"model.w": torch.ones(8, 4)}, storage_writer=writer, no_dist=True)
+    shutil.copytree(ckpt, other)  # copy2: the same mtimes
+    execute = consolidate_mod.execute
+
+    def swapped_for_good(*args: object, **kwargs: object) -> object:
+        model.rename(tmp_path / "aside")
+        model.symlink_to(other / model.name, target_is_directory=True)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(consolidate_mod, "execute", swapped_for_good)
+    with pytest.raises(SourceChangedError) as e:
+        export_adopted(ckpt, tmp_path / "work", AdoptOptions("automodel"))
+    assert e.value.path.startswith(str(model)) and not (tmp_path / "work" / "export").exists()

@@ -7,6 +7,10 @@ file of a real `stagerd watch` run killed at a crash point; the sink is a real d
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -179,3 +183,84 @@ def test_a_step_linked_away_mid_raw_publish_sends_only_the_step_checked(tmp_path
     finally:
         s.close()
     assert (sink / "raw" / step_dir.name / shard).read_bytes() == want
+
+
+def _raw_daemon(tmp_path: Path, sink: Path):
+    """A daemon whose one raw lane publishes to the file:// sink `sink`, and that lane's key and sink."""
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+    from stagerd.daemon.journal.raw import raw_lane
+    from stagerd.sinks import open_sink
+
+    d = Daemon(Settings(root=str(tmp_path), sinks=[sink.as_uri()], once=True, metrics_port=0))
+    s = open_sink(sink.as_uri())
+    key = raw_lane(s.url)
+    d._raw_sinks[key] = s  # type: ignore[assignment]
+    return d, key, s
+
+
+def _with_optim(step_dir: Path) -> None:
+    """The step with an optimizer shard too, listed in its marker as the Stager lists it."""
+    (step_dir / layout.OPTIM_DIR).mkdir()
+    (step_dir / layout.OPTIM_DIR / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    m = layout.read_marker(step_dir)
+    listed = layout.StagedFile(f"{layout.OPTIM_DIR}/__0_0.distcp", 2048)
+    layout.write_marker(step_dir, dataclasses.replace(m, files=(*m.files, listed)))
+
+
+@pytest.mark.parametrize("part", [layout.MODEL_DIR, layout.OPTIM_DIR, "shard"])
+def test_a_part_linked_away_mid_raw_publish_sends_only_the_steps_bytes(tmp_path, step_dir, part):
+    """`model/`, `optim/` or one shard swapped for a link to a copy of other bytes of the same sizes after
+    `publish_raw` checked the step, before it read it: the copy's bytes went up under this step's raw prefix
+    and its manifest vouched for them (a resume would restore other weights or another optimizer). Now
+    every listed file is read through handles held from the step: its own bytes are sent."""
+    _with_optim(step_dir)
+    if part == "shard":
+        part = str(sorted((step_dir / layout.MODEL_DIR).glob("*.safetensors"))[0].relative_to(step_dir))
+    want = _tree(step_dir)
+    other, sink = tmp_path / "other", tmp_path / "sink"
+    (shutil.copytree if (step_dir / part).is_dir() else shutil.copyfile)(step_dir / part, other)
+    for p in [other] if other.is_file() else [p for p in other.rglob("*") if p.is_file()]:
+        p.write_bytes(bytes(b ^ 0x5A for b in p.read_bytes()))
+    d, key, s = _raw_daemon(tmp_path, sink)
+    publish_tree = s._publish_tree  # type: ignore[attr-defined]
+
+    def swap_then_send(*args, **kwargs):
+        (step_dir / part).rename(tmp_path / "aside")
+        (step_dir / part).symlink_to(other, target_is_directory=other.is_dir())
+        return publish_tree(*args, **kwargs)
+
+    s._publish_tree = swap_then_send  # type: ignore[attr-defined]
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        d._run_raw(100, key, step_dir)
+        assert len(os.listdir("/proc/self/fd")) == fds  # every handle closed with the publish
+    finally:
+        s.close()
+    sent = sink / "raw" / step_dir.name
+    assert {k: v for k, v in _tree(sent).items() if k != layout.MANIFEST_NAME} == want
+    manifest = layout.ExportManifest.from_json(json.loads((sent / layout.MANIFEST_NAME).read_bytes()))
+    assert {f.path: f.sha256 for f in manifest.files} == {
+        k: hashlib.sha256(v).hexdigest() for k, v in want.items()
+    }
+
+
+def test_a_listed_file_that_is_a_link_inside_the_step_is_never_sent_raw(tmp_path, step_dir):
+    """A shard that is a link to a copy inside the step (the marker's "resolves inside the step" check
+    passes, and the daemon's own check looks only at the step's parts): the copy was sent as the shard. Now
+    a SymlinkError naming it, in one line with a hint; nothing of the step published."""
+    shard = sorted((step_dir / layout.MODEL_DIR).glob("*.safetensors"))[0]
+    copy = step_dir / ".copy"
+    shutil.copyfile(shard, copy)
+    shard.unlink()
+    shard.symlink_to(copy)
+    sink = tmp_path / "sink"
+    d, key, s = _raw_daemon(tmp_path, sink)
+    try:
+        with pytest.raises(SymlinkError) as e:
+            d._run_raw(100, key, step_dir)
+    finally:
+        s.close()
+    assert e.value.path == str(shard) and "\n" not in str(e.value) and e.value.hint
+    assert not (sink / "raw").exists() or not list((sink / "raw").rglob("*.safetensors"))
+    assert not (sink / "raw" / step_dir.name / layout.MANIFEST_NAME).exists()

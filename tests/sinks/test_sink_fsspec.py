@@ -277,6 +277,36 @@ def test_publish_raw_step(tmp_path):
     assert sink.publish_raw(step_dir, 11).skipped
 
 
+_RAW_UNDER_A_LOW_SOFT_LIMIT = """
+import resource, sys
+from pathlib import Path
+from stagerd.sinks.fsspec import FsspecSink
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(FsspecSink.from_url(Path(sys.argv[2]).as_uri()).publish_raw(Path(sys.argv[1]), 1).files)
+"""
+
+
+def test_a_raw_step_of_more_files_than_the_soft_descriptor_limit_is_published(tmp_path):
+    """The raw lane holds every listed file open until the publish ends (so that a link swapped in leads
+    no read elsewhere): a step of 300 files under a soft RLIMIT_NOFILE of 256 (the hard one higher, as it
+    usually is) failed with `Too many open files`. Now the first held files raise the soft limit to the
+    hard one. (Guard against the held reads: it passed when each file was opened by name as it was read.)"""
+    import resource
+    import subprocess
+    import sys
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1024:
+        pytest.skip("a hard RLIMIT_NOFILE under 1024 leaves no room to raise")
+    step_dir = tmp_path / "step-00000001"
+    rels = sorted(f"{kind}/__{r}_0.distcp" for kind in ("model", "optim") for r in range(150))
+    make_export(step_dir, dict.fromkeys(rels, 64))
+    listed = tuple(layout.StagedFile(rel, 64) for rel in rels)
+    layout.write_marker(step_dir, layout.CommitMarker(step=1, world_size=150, files=listed))
+    cmd = [sys.executable, "-c", _RAW_UNDER_A_LOW_SOFT_LIMIT, str(step_dir), str(tmp_path / "sink")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "301", r.stderr[-600:]
+
+
 def test_raw_latest_waits_for_every_staging_nodes_part(tmp_path):
     """A node-locally staged step is restorable only once every node's part is up. Before the fix the
     first node's part moved `raw/latest`, so `restore --step latest` failed ("not every staging node's")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
+import resource
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -152,26 +154,41 @@ class HeldFiles:
     until `close`; `naming` puts their real paths back in errors."""
 
     def __init__(self) -> None:
+        _room()
         self._fds: dict[Path, int] = {}  # the real path of each: opened once, however often it is read
         self._real: dict[str, str] = {}
+        self._at: dict[Path, tuple[int, str]] = {}  # the directory each was opened from, and its name there
 
     def open(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> Path:
         """The `/proc/self/fd/N` path of the file `name` in `where` (see `HeldDir.open_file`)."""
         real = where.path / name
         if real not in self._fds:
-            self._add(real, where.open_file(name, why=why, hint=hint))
+            self._add(real, where.open_file(name, why=why, hint=hint), where, name)
         return Path(f"/proc/self/fd/{self._fds[real]}")
 
     def hold(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> HeldDir:
         """The directory `name` in `where`, held (see `HeldDir.child`) until `close`."""
         real = where.path / name
         if real not in self._fds:
-            self._add(real, where.child(name, why=why, hint=hint).fd)
+            self._add(real, where.child(name, why=why, hint=hint).fd, where, name)
         return HeldDir(real, self._fds[real])
 
-    def _add(self, real: Path, fd: int) -> None:
+    def _add(self, real: Path, fd: int, where: HeldDir, name: str) -> None:
         self._fds[real] = fd
         self._real[str(fd)] = str(real)
+        self._at[real] = (where.fd, name)
+
+    def replaced(self) -> Path | None:
+        """The first of them whose name no longer names it (moved, deleted, or a link put there), while
+        the directories they were opened from are held; None when every one is still in its place."""
+        for real, (dir_fd, name) in self._at.items():
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return real
+            if not os.path.samestat(st, os.fstat(self._fds[real])):
+                return real
+        return None
 
     def real(self, text: str) -> str:
         return _PROC_FD.sub(lambda m: self._real.get(m[1], m[0]), text)
@@ -184,12 +201,25 @@ class HeldFiles:
             os.close(fd)
         self._fds.clear()
         self._real.clear()
+        self._at.clear()
 
     def __enter__(self) -> HeldFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _room() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, once: the files of a step are held until its export
+    or publish ends (and the export opens each again while it copies), and a soft 1,024 (a common default,
+    the hard one often far higher) is below the files of a large world's step."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default fs.nr_open
+    if soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 @contextlib.contextmanager

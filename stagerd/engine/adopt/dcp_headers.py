@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,18 +30,25 @@ class DcpFileHeader(Header):
         return self.offsets
 
 
-def dcp_headers(model_dir: Path, meta: DcpMetadata, keys: Iterable[str]) -> Iterator[Header]:
-    """Headers of `keys`' chunks, file by file in name order (each file's records read when reached)."""
+def dcp_headers(
+    model_dir: Path, meta: DcpMetadata, keys: Iterable[str], opened: Callable[[str], Path] | None = None
+) -> Iterator[Header]:
+    """Headers of `keys`' chunks, file by file in name order (each file's records read when reached).
+    `opened`: the path each data file (by name) is read by, when it is opened through a held directory."""
     by_file: dict[str, list[tuple[str, DcpChunk]]] = {}
     for key in keys:
         for c in meta.tensors[key].chunks:
             by_file.setdefault(c.file, []).append((key, c))
     for name in sorted(by_file):
-        yield from _file_headers(model_dir / name, by_file.pop(name))
+        yield from _file_headers(model_dir / name, by_file.pop(name), opened)
 
 
-def _file_headers(path: Path, chunks: list[tuple[str, DcpChunk]]) -> Iterator[Header]:
+def _file_headers(
+    path: Path, chunks: list[tuple[str, DcpChunk]], opened: Callable[[str], Path] | None
+) -> Iterator[Header]:
     try:
+        if opened is not None:
+            path = opened(path.name)  # the plan reads the file again by this path: the one opened here
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShardError("a data file .metadata lists is missing", path=path) from None

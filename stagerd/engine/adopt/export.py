@@ -5,8 +5,10 @@ recorded, rename to `export/`). Around it, the files it reads are watched: their
 device before and after, and `.metadata`'s bytes, and no data file may be newer than `.metadata` (DCP
 writes the data first, so a newer one is the next save overwriting this checkpoint in place). Any
 difference, or a file gone, is a `SourceChangedError` before the rename: nothing of it is published.
-The checkpoint is read through its directory held open (`contract/step/held.py`): swapped for a link to
-another save of the same shapes while it is read, and put back before that check, it led the reads there.
+The checkpoint is read through its directory held open (`contract/step/held.py`), and its model directory
+and data files through handles held from it (`source.py`): swapped for a link to another save of the same
+shapes while it is read, and put back before that check, any of them led the reads there. One of them no
+longer at its name at the check (moved, deleted, a link left there) is a `SourceChangedError` too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
-from stagerd.contract.step.held import HeldDir
+from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
 from stagerd.engine.export import ExportResult, export_source
 from stagerd.errors import ShardError, SourceChangedError, StagerdError
@@ -53,6 +55,9 @@ def check_unchanged(source: AdoptedSource, before: Snapshot, held: HeldDir | Non
     checkpoint's path still names the directory `held` (a save renamed into its place is the next one)."""
     if held is not None and held.replaced():
         raise SourceChangedError("was moved, deleted or replaced while it was exported", path=held.path)
+    moved = None if source.files is None else source.files.replaced()
+    if moved is not None:  # the model's directory or a data file (a link swapped in stays unread)
+        raise SourceChangedError("was moved, deleted or replaced while it was exported", path=moved)
     after = snapshot(source, first=False)
     for p, st in before.items():
         if after.get(p) != st:
@@ -92,8 +97,8 @@ def export_adopted(
     except (FileNotFoundError, NotADirectoryError):
         open_adopted(ckpt, options)  # names what is not there, as it always did
         raise
-    with held, held.naming():
-        source = open_adopted(held.proc, options, parent=ckpt.parent)
+    with held, held.naming(), HeldFiles() as files, files.naming():
+        source = open_adopted(held.proc, options, parent=ckpt.parent, held=(held, files))
         before = snapshot(source)
         recorded = {
             "source": source.identity,

@@ -4,6 +4,12 @@ chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found b
 `open_adopted` reads only `.metadata` (through the allowlist reader) and the small JSON extras; the data
 files are read by the plan, chunk by chunk. The checkpoint is never written: every path here is opened
 read-only, and the export goes to a directory outside it.
+
+Opened through a held checkpoint directory (`export_adopted`), the model's subdirectory is held from it
+and each data file opened from that when its header is read (`HeldFiles`, none through a link), then read
+again by its own `/proc/self/fd/N`: a `pytorch_model_fsdp_0/` (or a data file) swapped for a link to
+another save of the same shapes while it is read, and put back before the check that it held still, led
+the reads there.
 """
 
 from __future__ import annotations
@@ -40,12 +46,15 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
 from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
+from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
 from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError
 
+WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
+HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
 HF_EXTRAS = (
     "config.json",
@@ -86,6 +95,8 @@ class AdoptedSource(Source):
     plan: HubPlan
     extra_files: Mapping[str, Path]
     identity: str  # see `save_identity`
+    model: HeldDir | None = None  # `model_dir` held (its proc path), and the files opened from it
+    files: HeldFiles | None = None
 
     @property
     def listed(self) -> list[str] | None:
@@ -98,11 +109,26 @@ class AdoptedSource(Source):
         return self.extra_files[rel]
 
     def scan(self) -> Iterable[Header]:
+        held = self.files is not None
         if self.preset.format is Format.HF_FILES:
-            return whole_headers(hf_files(self.model_dir))
+            parts = hf_files(self.model_dir)
+            return whole_headers((self._opened(p) for p in parts) if held else parts)
         if self.meta is None:
+            if held:
+                return (read_header(self._opened(p)) for p in shard_paths(self.model_dir))
             return scan_shards(self.model_dir)
-        return dcp_headers(self.model_dir, self.meta, self.keys)
+        return dcp_headers(self.model_dir, self.meta, self.keys, self._open if held else None)
+
+    def _open(self, name: str) -> Path:
+        """The file `name` of the held model directory, opened once, by its proc path."""
+        assert self.files is not None and self.model is not None
+        return self.files.open(self.model, name, why=WHY, hint=HINT)
+
+    def _opened(self, path: Path) -> Path:
+        try:
+            return self._open(path.name)
+        except OSError as e:
+            raise ShardError(f"cannot open: {e.strerror}", path=path) from None
 
     def expected(self) -> Mapping[str, layout.TensorInfo] | None:
         if self.meta is None:
@@ -218,7 +244,7 @@ def hf_files(model_dir: Path) -> list[Path]:
     return [single]
 
 
-def whole_headers(files: list[Path]) -> Iterator[Header]:
+def whole_headers(files: Iterable[Path]) -> Iterator[Header]:
     """Each HF file's header, every tensor a whole block (offsets 0), read one at a time."""
     for f in files:
         h = read_header(f)
@@ -245,11 +271,15 @@ def read_config(path: Path | None) -> dict[str, Any] | None:
 
 
 def open_adopted(
-    ckpt: Path, options: AdoptOptions | None = None, *, parent: Path | None = None
+    ckpt: Path,
+    options: AdoptOptions | None = None,
+    *,
+    parent: Path | None = None,
+    held: tuple[HeldDir, HeldFiles] | None = None,
 ) -> AdoptedSource:
     """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read.
     `parent`: the directory the checkpoint is in (where extras may be), when `ckpt` is a held one's proc
-    path."""
+    path; `held`: that directory, and where the model's directory and data files are held (see the module)."""
     ckpt, options = Path(ckpt), options or AdoptOptions()
     preset = choose_preset(ckpt, options.preset)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
@@ -260,6 +290,12 @@ def open_adopted(
             path=ckpt,
             hint="stagerd exports a checkpoint only once its trainer has finished writing it",
         )
+    model = None
+    if held is not None:
+        model, files = held
+        for part in [] if preset.model_dir == "." else preset.model_dir.split("/"):
+            model = files.hold(model, part, why=WHY, hint=HINT)
+        model_dir = model.proc
     meta = None
     if preset.format is Format.DCP:
         raw = read_metadata_bytes(model_dir / METADATA_NAME)
@@ -288,6 +324,8 @@ def open_adopted(
         plan=plan,
         extra_files=extras,
         identity=ident,
+        model=model,
+        files=None if held is None else held[1],
     )
 
 
