@@ -236,7 +236,7 @@ class HeaderStream:
 
 def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
     """(file size, header length, header text), every length checked against the file before reading."""
-    from stagerd.errors import ShardError
+    from stagerd.errors import ShardError, open_failed
 
     try:
         # O_NONBLOCK: opening a FIFO planted in the staging dir must not hang the daemon.
@@ -246,7 +246,7 @@ def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
     except IsADirectoryError:
         raise _fail(path, "is a directory, not a safetensors file") from None
     except OSError as e:
-        raise ShardError(f"cannot open: {e.strerror}", path=path) from None
+        raise open_failed(e, path, ShardError) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

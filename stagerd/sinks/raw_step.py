@@ -21,7 +21,7 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.layout import CommitMarker
 from stagerd.contract.step.held import HeldDir, HeldFiles
-from stagerd.errors import MarkerError, ShardError, VerifyError
+from stagerd.errors import MarkerError, ShardError, VerifyError, open_failed
 from stagerd.sinks.objects import LocalFile
 
 WHY = "a raw step is sent only from the files the trainer wrote in it, never through a link"
@@ -68,9 +68,9 @@ def _open(files: HeldFiles, step: HeldDir, rel: str) -> Path:
             where = files.hold(where, d, why=WHY, hint=HINT)
         return files.open(where, name, why=WHY, hint=HINT)
     except OSError as e:
-        missing = e.errno == errno.ENOENT
-        why = "listed in the commit marker but missing" if missing else f"cannot open: {e.strerror}"
-        raise ShardError(why, path=step.path / rel) from None
+        if e.errno == errno.ENOENT:
+            raise ShardError("listed in the commit marker but missing", path=step.path / rel) from None
+        raise open_failed(e, step.path / rel, ShardError) from None
 
 
 def _same_marker(held: Path, marker: CommitMarker, named: Path) -> None:

@@ -16,7 +16,6 @@ import errno
 import functools
 import os
 import re
-import resource
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from stagerd.contract.regular_file import linked
 from stagerd.errors import StagerdError
+from stagerd.ops.fdlimit import raise_open_files_limit
 
 WHY = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
@@ -212,14 +212,9 @@ class HeldFiles:
 
 @functools.cache
 def _room() -> None:
-    """Raise the soft RLIMIT_NOFILE to the hard one, once: the files of a step are held until its export
-    or publish ends (and the export opens each again while it copies), and a soft 1,024 (a common default,
-    the hard one often far higher) is below the files of a large world's step."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default fs.nr_open
-    if soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    """Once: the files of a step are held until its export or publish ends (and the export opens each
+    again while it copies), more than a soft limit of 1,024 allows for a large world's step."""
+    raise_open_files_limit()
 
 
 @contextlib.contextmanager

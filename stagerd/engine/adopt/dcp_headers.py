@@ -17,7 +17,7 @@ from pathlib import Path
 from stagerd.contract.adopt.dcp_metadata import DcpChunk, DcpMetadata
 from stagerd.contract.safetensors_format import Header, TensorEntry
 from stagerd.engine.adopt.torch_record import read_record
-from stagerd.errors import DcpFormatError, ShardError
+from stagerd.errors import DcpFormatError, ShardError, open_failed
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _file_headers(
     except FileNotFoundError:
         raise ShardError("a data file .metadata lists is missing", path=path) from None
     except OSError as e:
-        raise ShardError(f"cannot open: {e.strerror}", path=path) from None
+        raise open_failed(e, path, ShardError) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

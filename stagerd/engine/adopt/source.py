@@ -51,7 +51,7 @@ from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
-from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError
+from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError, open_failed
 
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
 HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
@@ -128,7 +128,7 @@ class AdoptedSource(Source):
         try:
             return self._open(path.name)
         except OSError as e:
-            raise ShardError(f"cannot open: {e.strerror}", path=path) from None
+            raise open_failed(e, path, ShardError) from None
 
     def expected(self) -> Mapping[str, layout.TensorInfo] | None:
         if self.meta is None:
