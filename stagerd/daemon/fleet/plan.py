@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagerd.contract import dtypes, layout
+from stagerd.contract.regular_file import linked
+from stagerd.contract.step.held import HINT, WHY, HeldDir
 from stagerd.engine.export import PARSED_EXTRAS, read_json_object
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan, MoveKind
@@ -59,6 +62,10 @@ class Mirror:
         if self.model.exists():
             shutil.rmtree(self.model)
         self.model.mkdir(parents=True)
+        with HeldDir.open(self.own_step) as step, step.child(layout.MODEL_DIR) as model, model.naming():
+            return self._lay_out(model)
+
+    def _lay_out(self, model: HeldDir) -> list[str]:
         names: list[str] = []
         for part in self.parts:
             for name, size in shard_names(part.marker).items():
@@ -67,7 +74,7 @@ class Mirror:
                     raise ShardError("two nodes list the same shard", path=dst)
                 names.append(name)
                 if part.node == self.me:
-                    os.link(self.own_step / layout.MODEL_DIR / name, dst)
+                    _link_own(model, name, dst)
                     continue
                 key = f"{part.prefix}/{layout.MODEL_DIR}/{name}"
                 self.remote[str(dst)] = key
@@ -104,6 +111,16 @@ class Mirror:
                     self.have[src] = have
             finally:
                 os.close(fd)
+
+
+def _link_own(model: HeldDir, name: str, dst: Path) -> None:
+    """Hard-link the shard `name` of the held `model/` to `dst`, never a link's target: the shard may have
+    been replaced by a link since the raw part was sent (os.link follows one by default). Linked without
+    following, `dst` is whatever was at the name; anything but a regular file there is refused."""
+    os.link(name, dst, src_dir_fd=model.fd, follow_symlinks=False)
+    if not stat.S_ISREG(os.lstat(dst).st_mode):
+        os.unlink(dst)
+        raise linked(model.path / name, WHY, HINT)
 
 
 def reads(p: ExportPlan) -> Iterator[tuple[str, int, int]]:

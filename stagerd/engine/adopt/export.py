@@ -25,6 +25,7 @@ from stagerd.engine.export import ExportResult, export_source
 from stagerd.errors import ShardError, SourceChangedError, StagerdError
 
 Snapshot = dict[str, tuple[int, int, int, int]]
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 def snapshot(source: AdoptedSource, *, first: bool = True) -> Snapshot:
@@ -97,8 +98,15 @@ def export_adopted(
     except (FileNotFoundError, NotADirectoryError):
         open_adopted(ckpt, options)  # names what is not there, as it always did
         raise
-    with held, held.naming(), HeldFiles() as files, files.naming():
-        source = open_adopted(held.proc, options, parent=ckpt.parent, held=(held, files))
+    # The parent (ROOT, whose path the operator gave) followed to its directory, the extras in it not.
+    with (
+        held,
+        HeldDir(ckpt.parent, os.open(ckpt.parent, _DIR_FLAGS)) as parent,
+        held.naming(),
+        HeldFiles() as files,
+        files.naming(),
+    ):
+        source = open_adopted(held.proc, options, parent=parent, held=(held, files))
         before = snapshot(source)
         recorded = {
             "source": source.identity,

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -44,17 +46,21 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import linked, open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
-from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError, open_failed
+from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError, StagerdError, open_failed
 
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
 HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
+# The daemon often runs as another, more privileged user than the trainer: an extra that is a link in the
+# trainer's places (`tokenizer.model -> /root/.ssh/id_ed25519`) would be copied into the export and published.
+EXTRA_WHY = "extras are read from the trainer's own files, never through a link (the daemon may read more)"
+EXTRA_HINT = "copy the file itself in place of the link, or pass --extras DIR holding it; nothing was sent"
 # What from_pretrained and tokenizers read beside the weights; copied into the export where found.
 HF_EXTRAS = (
     "config.json",
@@ -252,18 +258,70 @@ def whole_headers(files: Iterable[Path]) -> Iterator[Header]:
         yield DcpFileHeader(h.path, h.file_size, h.data_start, h.tensors, h.metadata, offsets=offsets)
 
 
-def find_extras(ckpt: Path, preset: Preset, extras_dir: Path | None, parent: Path) -> dict[str, Path]:
+def find_extras(
+    ckpt: Path | HeldDir,
+    preset: Preset,
+    extras_dir: Path | None,
+    parent: Path | HeldDir,
+    files: HeldFiles | None = None,
+) -> dict[str, Path]:
     """Each HF extra from the first place that has it: where the trainer keeps them (the preset's
-    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent."""
-    places = [*(ckpt / d for d in preset.extras_dirs), ckpt]
+    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent. In the trainer's places an
+    extra that is a link is a SymlinkError (see EXTRA_WHY); held (`ckpt` and `parent` HeldDirs, `files`
+    given), each is opened there without following a link and read by its proc path. --extras DIR is the
+    operator's own and followed: a Hugging Face cache snapshot is links into its `blobs/`."""
+    places: list[Path | HeldDir | None] = [*(_place(ckpt, d, files) for d in preset.extras_dirs), ckpt]
     places += [*([extras_dir] if extras_dir is not None else []), parent]
     found: dict[str, Path] = {}
     for name in HF_EXTRAS:
         for d in places:
-            if (d / name).is_file():
-                found[name] = d / name
+            if d is None:
+                continue
+            p = d / name if isinstance(d, Path) and d is extras_dir else _trainers(d, name, files)
+            if p is not None and p.is_file():
+                found[name] = p
                 break
     return found
+
+
+def _place(ckpt: Path | HeldDir, sub: str, files: HeldFiles | None) -> Path | HeldDir | None:
+    """The trainer's extras directory `sub` of the checkpoint: held from it where the checkpoint is
+    held (None where it is not there), its path otherwise; a link on the way is a SymlinkError."""
+    if not isinstance(ckpt, HeldDir):
+        return ckpt / sub
+    assert files is not None
+    where = ckpt
+    try:
+        for part in sub.split("/"):
+            where = files.hold(where, part, why=EXTRA_WHY, hint=EXTRA_HINT)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return where
+
+
+def _trainers(d: Path | HeldDir, name: str, files: HeldFiles | None) -> Path | None:
+    """The extra `name` in the trainer's place `d`: None where there is no regular file of that name, a
+    SymlinkError where it is a link; held, the file opened from `d` (O_NOFOLLOW), by its proc path."""
+    real = d.path / name if isinstance(d, HeldDir) else d / name
+    try:
+        st = os.stat(name, dir_fd=d.fd, follow_symlinks=False) if isinstance(d, HeldDir) else real.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise open_failed(e, real, ExtrasError) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise linked(real, EXTRA_WHY, EXTRA_HINT)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    if not isinstance(d, HeldDir):
+        return real
+    assert files is not None
+    try:
+        return files.open(d, name, why=EXTRA_WHY, hint=EXTRA_HINT)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise open_failed(e, real, ExtrasError) from None
 
 
 def read_config(path: Path | None) -> dict[str, Any] | None:
@@ -274,12 +332,13 @@ def open_adopted(
     ckpt: Path,
     options: AdoptOptions | None = None,
     *,
-    parent: Path | None = None,
+    parent: Path | HeldDir | None = None,
     held: tuple[HeldDir, HeldFiles] | None = None,
 ) -> AdoptedSource:
     """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read.
-    `parent`: the directory the checkpoint is in (where extras may be), when `ckpt` is a held one's proc
-    path; `held`: that directory, and where the model's directory and data files are held (see the module)."""
+    `parent`: the directory the checkpoint is in (where extras may be; held, its extras are read through
+    it), when `ckpt` is a held one's proc path; `held`: that directory, and where the model's directory,
+    data files and extras are held (see the module)."""
     ckpt, options = Path(ckpt), options or AdoptOptions()
     preset = choose_preset(ckpt, options.preset)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
@@ -308,7 +367,11 @@ def open_adopted(
     else:
         ident = save_identity(ckpt, preset)
         shapes = shard_shapes(model_dir)
-    extras = find_extras(ckpt, preset, options.extras, ckpt.parent if parent is None else parent)
+    where = ckpt.parent if parent is None else parent
+    if held is None:
+        extras = find_extras(ckpt, preset, options.extras, where)
+    else:
+        extras = find_extras(held[0], preset, options.extras, where, held[1])
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)

@@ -305,3 +305,24 @@ def test_the_mirror_fetches_a_byte_once_however_often_it_is_read(tmp_path):
     mirror.fill([(str(shard), 0, 40), (str(shard), 50, 4)])
     assert calls == [(8, 20), (0, 8), (20, 40), (50, 54)]
     assert mirror.fetched == 44 and shard.read_bytes()[:54] == data[:40] + bytes(10) + data[50:54]
+
+
+def test_the_mirror_never_links_a_shard_through_a_link(tmp_path):
+    """The node's own shard replaced by a link (here to a private file outside ROOT) after the raw part
+    was sent, while the node waited for the others: `os.link` followed it, hard-linking the target into
+    the mirror, and the plan read it as the shard. Now the shard is opened without following a link from
+    the step held open: a SymlinkError naming it, nothing in the mirror."""
+    from stagerd.daemon.fleet.plan import Mirror, NodePart
+    from stagerd.errors import SymlinkError
+
+    step, secret = tmp_path / "root" / "step-7", tmp_path / "id_ed25519"
+    (step / "model").mkdir(parents=True)
+    secret.write_bytes(b"\x08" + bytes(7) + b"{}      " + b"private key")
+    shard = step / "model" / "model-rank0.safetensors"
+    shard.symlink_to(secret)
+    marker = layout.CommitMarker(STEP, 1, (layout.StagedFile("model/model-rank0.safetensors", 27),))
+    mirror = Mirror(tmp_path / "work", step, [NodePart(0, marker, "raw")], 0, lambda *a: b"")
+    with pytest.raises(SymlinkError) as e:
+        mirror.build()
+    assert e.value.path == str(shard) and len(str(e.value).splitlines()) == 1, e.value
+    assert not (tmp_path / "work" / "model" / shard.name).exists()
