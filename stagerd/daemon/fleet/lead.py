@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.plan import NodePart, extras_of
 from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
@@ -40,21 +41,23 @@ def lead(
     if p.has_index:
         (out / layout.INDEX_NAME).write_bytes(index := index_json(p))
         files.append(LocalFile(layout.INDEX_NAME, out / layout.INDEX_NAME, len(index)))
-    for rel, part in sorted(extras_of(parts).items()):
-        if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
-            continue  # as export_step: our index and weights are the export's
-        dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        src = step_dir / layout.EXTRAS_DIR / rel
-        if part.node == x.me:
-            shutil.copyfile(src, dst)
-        else:
-            dst.write_bytes(x.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
-        if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
-            config = exported_config(dst, dict(p.dtype_bytes()), dtype)
-            if config is not None:
-                dst.write_bytes(config)
-        files.append(LocalFile(rel, dst, dst.stat().st_size))
+    # this node's extras read from its step held open: a link put in extras/ since the raw part was sent
+    # must not have the leader publish what it points at
+    with HeldDir.open(step_dir) as step, HeldFiles() as held, held.naming():
+        for rel, part in sorted(extras_of(parts).items()):
+            if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
+                continue  # as export_step: our index and weights are the export's
+            dst = out / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if part.node == x.me:
+                shutil.copyfile(_own_extra(held, step, rel), dst)
+            else:
+                dst.write_bytes(x.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
+            if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
+                config = exported_config(dst, dict(p.dtype_bytes()), dtype)
+                if config is not None:
+                    dst.write_bytes(config)
+            files.append(LocalFile(rel, dst, dst.stat().st_size))
     sent = 0
     for sink in sinks:
         if sink.is_published(x.step):  # a leader killed between two sinks' commits
@@ -83,3 +86,13 @@ def lead(
         digests += [uploaded(got[n]) for n in names]
         sink.commit_uploaded(x.step, digests, {"fleet_nodes": x.nodes})
     return sent
+
+
+def _own_extra(held: HeldFiles, step: HeldDir, rel: str) -> Path:
+    """The proc path of this node's extra `rel`, each directory on the way opened without following a
+    link (a link is a `SymlinkError` naming it)."""
+    *dirs, name = f"{layout.EXTRAS_DIR}/{rel}".split("/")
+    where = step
+    for d in dirs:
+        where = held.hold(where, d)
+    return held.open(where, name)

@@ -326,3 +326,31 @@ def test_the_mirror_never_links_a_shard_through_a_link(tmp_path):
         mirror.build()
     assert e.value.path == str(shard) and len(str(e.value).splitlines()) == 1, e.value
     assert not (tmp_path / "work" / "model" / shard.name).exists()
+
+
+def test_the_leader_never_publishes_an_extra_through_a_link(tmp_path, dcp_mixed2, s3, monkeypatch):  # noqa: F811
+    """Node 0's `extras/config.json` replaced by a link (to a private file outside ROOT) after its raw part
+    was sent, while it waited for the others: the leader copied it with `shutil.copyfile`, which follows
+    the link, and published the private file as the model's config. Now it is opened without following a
+    link from the step held open: a SymlinkError naming it, nothing published."""
+    import stagerd.daemon.fleet.lead as lead_mod
+    from stagerd.errors import SymlinkError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2, extras={"tokenizer.json": '{"v": 1}'})
+    secret = tmp_path / "id_ed25519"
+    secret.write_text('{"private": "key"}')
+    real = lead_mod.extras_of
+
+    def swapped(parts):
+        tok = node_dirs[0] / layout.EXTRAS_DIR / "tokenizer.json"
+        tok.unlink()
+        tok.symlink_to(secret)
+        return real(parts)
+
+    monkeypatch.setattr(lead_mod, "extras_of", swapped)
+    results = _run_all(node_dirs, s3.url("fleet"), wait_seconds=1)
+    assert isinstance(results[0], SymlinkError), results
+    assert str(node_dirs[0] / layout.EXTRAS_DIR / "tokenizer.json") in str(results[0])
+    published = [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
+    assert not any(b"private" in (s3.get(k) or b"") for k in published)
+    assert f"fleet/{layout.step_dir_name(STEP)}/{layout.MANIFEST_NAME}" not in published
