@@ -137,12 +137,8 @@ class HeldSource(Source):
     def extra_path(self, rel: str) -> Path:
         if self.extras_dir is None:
             raise ExtrasError("is missing", path=self.extra_name(rel))
-        *dirs, name = rel.split("/")
-        where = self.extras_dir
         try:
-            for d in dirs:
-                where = self.files.hold(where, d, why=WHY, hint=HINT)
-            return self.files.open(where, name, why=WHY, hint=HINT)
+            return self.files.open_at(self.extras_dir, rel, why=WHY, hint=HINT)
         except OSError as e:
             if e.errno == errno.ENOENT:
                 raise ExtrasError("is missing", path=self.extra_name(rel)) from None

@@ -61,12 +61,8 @@ def held_raw_step(step_dir: Path | HeldDir) -> Iterator[tuple[CommitMarker, list
 
 def _open(files: HeldFiles, step: HeldDir, rel: str) -> Path:
     """The proc path of the file `rel` (a marker's safe relative path) opened through held directories."""
-    *dirs, name = rel.split("/")
-    where = step
     try:
-        for d in dirs:
-            where = files.hold(where, d, why=WHY, hint=HINT)
-        return files.open(where, name, why=WHY, hint=HINT)
+        return files.open_at(step, rel, why=WHY, hint=HINT)
     except OSError as e:
         if e.errno == errno.ENOENT:
             raise ShardError("listed in the commit marker but missing", path=step.path / rel) from None

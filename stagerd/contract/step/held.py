@@ -173,6 +173,21 @@ class HeldFiles:
             self._add(real, where.child(name, why=why, hint=hint).fd, where, name)
         return HeldDir(real, self._fds[real])
 
+    def hold_at(self, where: HeldDir, rel: str, *, why: str = WHY, hint: str = HINT) -> HeldDir:
+        """The directory at the relative path `rel` under `where`, each one on the way held from its
+        parent (see `hold`)."""
+        for name in rel.split("/"):
+            where = self.hold(where, name, why=why, hint=hint)
+        return where
+
+    def open_at(self, where: HeldDir, rel: str, *, why: str = WHY, hint: str = HINT) -> Path:
+        """The proc path of the file at the relative path `rel` under `where`, each directory on the way
+        held from its parent (see `hold_at`, `open`)."""
+        parent, _, name = rel.rpartition("/")
+        if parent:
+            where = self.hold_at(where, parent, why=why, hint=hint)
+        return self.open(where, name, why=why, hint=hint)
+
     def _add(self, real: Path, fd: int, where: HeldDir, name: str) -> None:
         self._fds[real] = fd
         self._real[str(fd)] = str(real)

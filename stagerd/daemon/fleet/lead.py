@@ -91,8 +91,4 @@ def lead(
 def _own_extra(held: HeldFiles, step: HeldDir, rel: str) -> Path:
     """The proc path of this node's extra `rel`, each directory on the way opened without following a
     link (a link is a `SymlinkError` naming it)."""
-    *dirs, name = f"{layout.EXTRAS_DIR}/{rel}".split("/")
-    where = step
-    for d in dirs:
-        where = held.hold(where, d)
-    return held.open(where, name)
+    return held.open_at(step, f"{layout.EXTRAS_DIR}/{rel}")

@@ -290,13 +290,10 @@ def _place(ckpt: Path | HeldDir, sub: str, files: HeldFiles | None) -> Path | He
     if not isinstance(ckpt, HeldDir):
         return ckpt / sub
     assert files is not None
-    where = ckpt
     try:
-        for part in sub.split("/"):
-            where = files.hold(where, part, why=EXTRA_WHY, hint=EXTRA_HINT)
+        return files.hold_at(ckpt, sub, why=EXTRA_WHY, hint=EXTRA_HINT)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return where
 
 
 def _trainers(d: Path | HeldDir, name: str, files: HeldFiles | None) -> Path | None:
@@ -352,8 +349,8 @@ def open_adopted(
     model = None
     if held is not None:
         model, files = held
-        for part in [] if preset.model_dir == "." else preset.model_dir.split("/"):
-            model = files.hold(model, part, why=WHY, hint=HINT)
+        if preset.model_dir != ".":
+            model = files.hold_at(model, preset.model_dir, why=WHY, hint=HINT)
         model_dir = model.proc
     meta = None
     if preset.format is Format.DCP:
