@@ -95,6 +95,12 @@ def test_a_stuck_leader_still_times_a_non_leader_out(tmp_path, dcp_mixed2, monke
     assert isinstance(_node(dirs[1], sink.as_uri(), wait_seconds=0.4)[0].run(), FleetResult)
 
 
+def _node1_raw(path: object) -> bool:
+    """Whether an upload reads a file of node 1's raw part: by its held /proc/self/fd path, so by the
+    file that path names."""
+    return f"/node1/{layout.step_dir_name(STEP)}/" in os.path.realpath(str(path))
+
+
 def test_a_raw_upload_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, monkeypatch):
     """Node 1 sends its raw part in pieces 0.15 s apart, 1.2 s in all; the leader waits 0.6 s at most for
     anything new. It saw a node's part only once its manifest landed, so it used to give up mid-upload;
@@ -103,8 +109,7 @@ def test_a_raw_upload_longer_than_the_wait_is_progress(tmp_path, dcp_mixed2, mon
 
     def slow(path, *a, **kw) -> Iterator[memoryview]:
         for view in iter_file(path, *a, **kw):
-            # the raw part is read by its held /proc/self/fd path: the file it names tells node 1's
-            if f"/node1/{layout.step_dir_name(STEP)}/" not in os.path.realpath(path):
+            if not _node1_raw(path):
                 yield view
                 continue
             for i in range(0, len(view), -(-len(view) // 4)):
@@ -151,8 +156,7 @@ def test_a_node_in_a_crash_loop_still_times_the_wait_out(tmp_path, dcp_mixed2, m
 
     def dying(path, *a, **kw) -> Iterator[memoryview]:
         for view in iter_file(path, *a, **kw):
-            # the raw part is read by its held /proc/self/fd path: the file it names tells node 1's
-            if f"/node1/{layout.step_dir_name(STEP)}/" not in os.path.realpath(path):
+            if not _node1_raw(path):
                 yield view
                 continue
             for i in range(2):  # its first two quarters, each reported (the reporter writes every 0.15 s)
