@@ -13,7 +13,6 @@ round runs OTHER's verify right before this checkout's, on the same files: paire
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -28,18 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def write_source(src: Path, n: int) -> None:
-    from stagerd.contract.safetensors_format import encode_header
+    from tests.engine.test_plan_memory import synthetic_header_bytes
 
     src.mkdir(parents=True)
     for rank in range(2):
-        entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        info = {}
-        for i in range(n):
-            name = f"model.layers.{i // 256}.mlp.experts.{i % 256}.weight"
-            on_dim1 = i % 4 == 3
-            entries[name] = ("F32", (4, 4) if on_dim1 else (2, 8), i * 64, (i + 1) * 64)
-            info[name] = {"saved_offsets": [0, 4 * rank] if on_dim1 else [2 * rank, 0]}
-        head = encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+        head = synthetic_header_bytes(rank, n)
         data = bytes(range(256)) * (n * 64 // 256) + bytes(n * 64 % 256)
         (src / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors").write_bytes(head + data)
 

@@ -29,9 +29,9 @@ N_TENSORS = 20_000
 RANKS = 2
 
 
-def synthetic_header(rank: int, n: int, ranks: int = RANKS) -> Header:
-    """Rank `rank`'s DCP shard of `n` F32 tensors of 16 elements each: three in four split on dim 0
-    ([2, 8] blocks), every fourth on dim 1 ([4, 4] blocks), like a row-parallel projection."""
+def synthetic_header_bytes(rank: int, n: int) -> bytes:
+    """The header of rank `rank`'s DCP shard of `n` F32 tensors of 16 elements each: three in four split
+    on dim 0 ([2, 8] blocks), every fourth on dim 1 ([4, 4] blocks), like a row-parallel projection."""
     entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     info = {}
     for i in range(n):
@@ -39,7 +39,12 @@ def synthetic_header(rank: int, n: int, ranks: int = RANKS) -> Header:
         on_dim1 = i % 4 == 3
         entries[name] = ("F32", (4, 4) if on_dim1 else (2, 8), i * 64, (i + 1) * 64)
         info[name] = {"saved_offsets": [0, 4 * rank] if on_dim1 else [2 * rank, 0]}
-    blob = encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+    return encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+
+
+def synthetic_header(rank: int, n: int, ranks: int = RANKS) -> Header:
+    """`synthetic_header_bytes`, parsed and validated as the planner takes it."""
+    blob = synthetic_header_bytes(rank, n)
     size = len(blob) + n * 64
     hn, obj = parse_header_bytes(f"/shards/shard-{rank + 1:05d}.safetensors", blob, size)
     return validate_header(f"/shards/shard-{rank + 1:05d}.safetensors", hn, obj, size)
