@@ -34,23 +34,20 @@ from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkEr
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
-from stagerd.sinks.fetch import node_part, node_parts
+from stagerd.sinks.fetch import RAW_DIR, node_part
 from stagerd.sinks.generic import FsspecBackend
+from stagerd.sinks.latest import LatestMixin
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
-    MAX_LATEST_BYTES,
     Backend,
     BatchingStore,
     ByteProgress,
     Claiming,
-    LatestStore,
     LocalFile,
     RemoteObject,
     StepOpening,
     Uploaded,
-    foreign_latest,
     manifest_bytes,
-    newer_latest,
     parse_manifest,
     plan_reuse,
     redact_url,
@@ -64,11 +61,8 @@ from stagerd.sinks.s3.backend import S3Backend
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-LATEST_NAME = "latest"
-RAW_DIR = "raw"
 
-
-class FsspecSink:
+class FsspecSink(LatestMixin):
     """Publishes steps to `PREFIX/step-XXXXXXXX/` on any fsspec store, the manifest last."""
 
     def __init__(self, url: str, backend: Backend) -> None:
@@ -169,10 +163,6 @@ class FsspecSink:
     def backend(self) -> Backend:
         """The store under this sink: the fleet uploads its files and writes its records through it."""
         return self._backend
-
-    def move_latest(self, step: int) -> None:
-        """Point `latest` at a committed `step` unless it names a newer one (a commit killed before it)."""
-        self._move_latest(layout.step_dir_name(step), step)
 
     def commit_uploaded(
         self, step: int, digests: list[Uploaded], metadata: Mapping[str, Any] | None = None
@@ -379,35 +369,6 @@ class FsspecSink:
                 + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""),
                 path=self._where(prefix),
             )
-
-    @staticmethod
-    def _latest_key(prefix: str) -> str:
-        return f"{RAW_DIR}/{LATEST_NAME}" if prefix.startswith(f"{RAW_DIR}/") else LATEST_NAME
-
-    def _move_latest(self, prefix: str, step: int) -> None:
-        """Point `latest` at `step` unless it names a newer one, or the step is not whole yet."""
-        if not self._whole(prefix):
-            return
-        key = self._latest_key(prefix)
-        b = self._backend
-        name = layout.step_dir_name(step).encode()
-        if isinstance(b, LatestStore):
-            atomic = b
-            self._call(lambda: atomic.move_latest(key, name, step), key)
-            return
-        current = self._call(lambda: b.read(key, MAX_LATEST_BYTES + 1), key)
-        foreign_latest(current, self._where(key))
-        if newer_latest(current, step) and current != name:
-            self._call(lambda: b.write(key, name), key)
-
-    def _whole(self, prefix: str) -> bool:
-        """False for one staging node's part of a raw step (`raw/step-N/node-K-of-M`) while another node's
-        part has no manifest: `restore` needs every node's part, so `raw/latest` must not name the step
-        yet. Each node lists after creating its own manifest, so the last of them sees them all."""
-        step_prefix = prefix.rpartition("/")[0]
-        if not step_prefix.startswith(f"{RAW_DIR}/") or step_prefix.count("/") != 1:
-            return True
-        return node_parts(self._call(lambda: self._backend.list(step_prefix), step_prefix))[1]
 
     def _result(
         self, prefix: str, step: int, files: list[LocalFile], sent: int, skipped: bool, t0: float
