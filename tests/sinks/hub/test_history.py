@@ -141,3 +141,27 @@ def test_a_commit_main_cannot_vouch_for_is_taken_as_mains_loudly(hub, tmp_path, 
 
     assert repo.commits[repo.branches["exp"]].title == "stagerd: step 1 on exp"
     assert "tag it exp/step-1" in caplog.text
+
+
+def test_an_older_stagerds_step_branch_of_a_revision_stays_its_own(hub, tmp_path):
+    """An older stagerd put exp's step 4 (older than exp's head, step 6) on the step branch `stagerd/step-4`,
+    the name main's step branches have. Before, a sink on exp looked only at `stagerd/exp/step-4`: step 4
+    was not published and got a second commit. Main's own step branch of a step stays main's."""
+    main, exp = make_sink(hub), make_sink(hub, f"hf://{REPO}@exp")
+    main.publish(export(tmp_path, 0), 3)
+    exp.publish(export(tmp_path, 6), 6)
+    six = old_stagerd_step(hub, "exp", 6, tagged=True)
+    exp.publish(export(tmp_path, 4), 4)
+    four = old_stagerd_step(hub, "exp", 4, tagged=True)
+    repo = hub.store.repos[REPO]
+    with hub.store.lock:  # the older stagerd's step branch name
+        repo.branches["stagerd/step-4"] = repo.branches.pop("stagerd/exp/step-4")
+    main.publish(export(tmp_path, 2), 2)  # main's own step branch `stagerd/step-2`, made from main at step 3
+    commits = len(repo.commits)
+
+    assert exp.is_published(4) and exp.is_published(6)
+    assert exp.publish(export(tmp_path, 4), 4).skipped and len(repo.commits) == commits
+    assert repo.tags["exp/step-4"] == four and repo.branches["exp"] == six
+    assert not exp.is_published(2)
+    assert not exp.publish(export(tmp_path, 2), 2).skipped  # main's step 2 is not exp's
+    assert repo.tags["exp/step-2"] == repo.branches["stagerd/exp/step-2"] != repo.tags["step-2"]
