@@ -15,16 +15,19 @@ from stagerd.errors import RestoreError, SinkConflictError
 from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
 from stagerd.sinks.hub.history import find_step, tag_title_is_ours
-from tests.hubserver import HubConfig, HubServer, use_xet
+from tests.hubserver import HubConfig, HubServer
 from tests.sinks.hub.test_hang import grow_history
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    use_xet(monkeypatch, False)  # the upload path does not matter here; LFS is the quicker one
-    with HubServer(config=HubConfig()) as server:
-        yield server
+def xet():
+    return False  # the upload path does not matter here; LFS is the quicker one
+
+
+@pytest.fixture
+def hub_config():
+    return HubConfig()
 
 
 def export(tmp_path: Path, seed: int) -> Path:

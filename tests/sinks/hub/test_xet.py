@@ -19,20 +19,17 @@ from stagerd.errors import RestoreError, SinkAuthError, SinkError
 from stagerd.sinks.hub import step_tag
 from stagerd.sinks.hub.fetch import _xet_download_error
 from stagerd.sinks.hub.upload import LIBRARY_SEAMS, OPERATION_SEAMS
-from tests.hubserver import Fault, HubServer, use_xet
+from tests.hubserver import Fault, HubServer
 from tests.hubserver.xet_format import Term, XetFormatError, hash_hex, hash_raw, parse_shard
 from tests.hubserver.xet_store import merged_fetch_ranges
-from tests.sinks.hub.test_sink import CONFIG, REPO, export_files, make_sink, write_export
+from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 SHORT = 0.5  # seconds: the read and connect timeouts the stall tests give their sink
 
 
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    use_xet(monkeypatch, True)
+@pytest.fixture(autouse=True)
+def _cold_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_XET_CACHE", str(tmp_path / "xet-cache"))  # this test's sinks start cold
-    with HubServer(config=CONFIG) as server:
-        yield server
 
 
 def downloaded(hub: HubServer, revision: str, dest: Path) -> dict[str, bytes]:
