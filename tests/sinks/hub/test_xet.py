@@ -162,6 +162,9 @@ def test_a_stalled_cas_fails_the_attempt_as_retryable_in_bounded_time_then_publi
     hub.unhang()
     assert not sink.publish(export, 4).skipped
     assert holds_export(downloaded(hub, step_tag(4), tmp_path / "dl"), export)
+    # hf_xet's abort only cancels (its tasks end at their next await, a few ms later): what decides is that
+    # an abandoned attempt's shard, which maps its files to the xorbs, never lands after it
+    assert hub.stats.count("POST", r"/v1/shards$", 200) == 1
 
 
 def test_a_cas_answering_503_is_retried_by_hf_xet_then_gives_up_as_retryable(hub, tmp_path):
