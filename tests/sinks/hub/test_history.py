@@ -118,6 +118,9 @@ def test_an_unscoped_commit_is_the_revisions_only_above_where_it_left_every_othe
         assert find(5, backup=exp[1:])[:2] == (6, None)  # a branch made from exp at step 5: not told apart
         assert "x5" in caplog.text and "backup" in caplog.text and "tag it exp/step-5" in caplog.text
         assert find(5, main=[("sq", "Super-squash")])[:2] == (None, None)  # nothing shows where exp left
+    old4 = [("o4", "stagerd: step 4"), *exp]  # an older stagerd's step branch off exp, made at exp's step 6
+    assert find(4, **{"stagerd/step-4": old4})[1:] == ("o4", False, True)
+    assert find(4, **{"stagerd/step-4": [("o4", "stagerd: step 4"), *main]})[1] is None  # main's own
 
 
 def test_a_tag_beyond_the_cap_counts_by_its_commits_title_on_the_revision():
