@@ -64,14 +64,16 @@ class Claim:
     owner: str  # a publisher: host:real path of its local tree; a prune: host:pid:random
     host: str
     pid: int
-    # a publisher: its ROOT's identity; in an older stagerd's claim ROOT's "device:inode", or ""
+    # a publisher: its ROOT's identity; in an older stagerd's claim ROOT's "device:inode", its step
+    # directory's inode (no colon), or ""
     tree: str = ""
-    # never written: this ROOT's "device:inode" now, which an older stagerd's claim names it by
-    device_inode: str = field(default="", compare=False)
+    # never written: the names older stagerds gave this publisher's tree (ROOT's "device:inode" and the
+    # step directory's inode, now); None outside ROOT's layout, where host and path alone decide
+    former: frozenset[str] | None = field(default=frozenset(), compare=False)
 
     def encode(self) -> bytes:
         d = asdict(self)
-        del d["device_inode"]
+        del d["former"]
         return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     def describe(self) -> str:
@@ -94,19 +96,26 @@ def publish_claim(local_root: Path) -> Claim:
     daemon's `.stagerd/`: ROOT's device number changes with a reboot that renumbers its disk, and its inode
     alone is no identity (two mount points' roots are both inode 2 on many filesystems). Elsewhere (nothing
     is written into a directory of the user's), or where the id cannot be written, it is ROOT's
-    "device:inode", as an older stagerd named every ROOT."""
+    "device:inode", as an older stagerd named every ROOT.
+
+    `former` holds the names older stagerds gave this tree, so that a publish in flight across an upgrade
+    finds its claim its own: ROOT's "device:inode", and the step directory's inode (the stagerd before
+    that; its own rule, host, path and that inode). Outside ROOT's layout host and path alone decide, for
+    every claim, as they do for this stagerd's own there."""
     host = socket.gethostname()
     real = Path(os.path.realpath(local_root))
     step_dir = real.parent if real.name == layout.EXPORT_DIR else real
-    tree = device_inode = ""
+    tree = ""
+    former: frozenset[str] | None = None
     if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
-        root = step_dir.parent
+        root, former = step_dir.parent, frozenset()
         with contextlib.suppress(OSError):
             st = os.stat(root)
-            tree = device_inode = f"{st.st_dev}:{st.st_ino}"
+            tree = f"{st.st_dev}:{st.st_ino}"
+            former = frozenset({tree, str(os.stat(step_dir).st_ino)})
             if (root / layout.STATE_DIR).is_dir():
                 tree = root_id(root)
-    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, device_inode)
+    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, former)
 
 
 def prune_claim() -> Claim:
@@ -135,11 +144,9 @@ def owned_by(data: bytes | None, mine: Claim) -> bool:
     theirs = decode(data)
     if theirs is None or not theirs.kind == mine.kind == PUBLISH or theirs.owner != mine.owner:
         return False
-    if not theirs.tree:  # an older stagerd's claim names no tree: host and path decide
+    if not theirs.tree or mine.former is None:  # no tree named, or outside ROOT's layout: host and path
         return True
-    if ":" in theirs.tree:  # ROOT's "device:inode" (an older stagerd's, or where no id could be written)
-        return theirs.tree == mine.device_inode
-    return theirs.tree == mine.tree
+    return theirs.tree == mine.tree or theirs.tree in mine.former  # an older stagerd's names for it too
 
 
 def prune_is_dead(claim: Claim, age: float | None) -> bool:

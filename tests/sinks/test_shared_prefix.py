@@ -220,3 +220,49 @@ def test_a_publishers_claim_is_still_its_own_after_a_reboot_renumbers_the_disk(t
     with pytest.raises(StepClaimedError):
         FsspecSink.from_url(sink.as_uri()).publish(second, 8)
     shutil.rmtree(tmp_path / "first")
+
+
+def test_a_claim_naming_the_step_directorys_inode_is_still_its_publishers(tmp_path):
+    """An older stagerd's publish of step 7 was killed after its claim (no manifest yet); that stagerd named
+    the tree by the step directory's inode alone. Before, the upgraded daemon on the same host and tree
+    found the claim foreign: `StepClaimedError` (retryable) on every retry, until someone deleted it. Now
+    that inode is one of the tree's older names; another ROOT at the same path is still another publisher,
+    and outside ROOT's layout host and path decide, as for this stagerd's own claims there."""
+    import os
+    import shutil
+
+    from stagerd.errors import StepClaimedError
+    from stagerd.sinks.claims import claim_key, owned_by, publish_claim
+
+    sizes = {"model.safetensors": 5000, "config.json": 300}
+    root, sink = tmp_path / "ckpt", tmp_path / "sink"
+    (root / layout.STATE_DIR).mkdir(parents=True)  # a daemon's ROOT
+    export = make_export(root / "step-00000007" / "export", sizes, seed=1)
+    owner = json.loads(publish_claim(export).encode())["owner"]
+    older = {"kind": "publish", "owner": owner, "host": "h", "pid": 1}
+    claim = sink / claim_key("step-00000007")
+    claim.parent.mkdir(parents=True)
+    claim.write_text(json.dumps({**older, "tree": str(os.stat(export.parent).st_ino)}))
+    eight = make_export(root / "step-00000008" / "export", sizes, seed=2)  # a step it still publishes
+    claim8 = {**older, "owner": json.loads(publish_claim(eight).encode())["owner"]}
+    (sink / claim_key("step-00000008")).write_text(
+        json.dumps({**claim8, "tree": str(os.stat(eight.parent).st_ino)})
+    )
+
+    assert not FsspecSink.from_url(sink.as_uri()).publish(export, 7).skipped
+    assert (sink / "step-00000007" / layout.MANIFEST_NAME).is_file()
+
+    root.rename(tmp_path / "first")  # another container's ROOT at the same path: its own step directory
+    (root / layout.STATE_DIR).mkdir(parents=True)
+    second = make_export(root / "step-00000008" / "export", sizes, seed=2)
+    assert publish_claim(second).owner == claim8["owner"]
+    assert not owned_by((sink / claim_key("step-00000008")).read_bytes(), publish_claim(second))
+    with pytest.raises(StepClaimedError):
+        FsspecSink.from_url(sink.as_uri()).publish(second, 8)
+    shutil.rmtree(tmp_path / "first")
+
+    mine = tmp_path / "hf-5"  # `stagerd publish ./hf-5 --step 5`, killed; ./hf-5 made again since
+    make_export(mine, sizes, seed=3)
+    old = {**older, "owner": json.loads(publish_claim(mine).encode())["owner"], "tree": "1"}
+    (sink / claim_key("step-00000005")).write_text(json.dumps(old))
+    assert not FsspecSink.from_url(sink.as_uri()).publish(mine, 5).skipped

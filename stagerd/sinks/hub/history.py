@@ -12,6 +12,9 @@ and anything older than `cap` commits, which is never read. Two answers reach pa
   steps, never R's. Every other branch a person made (not `stagerd/...`) is checked alike, since R may
   have been made from one an older stagerd published to. A meeting point must be seen within the cap: after
   main's history is squashed, or where another branch holds the commit too, it is not R's, loudly.
+  That stagerd's step branch off R was `stagerd/step-N`, the name main's step branches have: its
+  `stagerd: step N` is R's when the branch was made from one of R's own commits (as above), since main's
+  are made from main's head.
 """
 
 from __future__ import annotations
@@ -144,13 +147,19 @@ def find_step(
             forks[other] = above_fork(pages(revision, page), pages(other, page), cap)
         return forks[other]
 
-    def own_unscoped(oid: str, k: int) -> bool:
+    def shared_with(oid: str) -> list[str] | None:
+        """The other branches `oid` (a commit of the revision) may be theirs too; None for main's."""
         if DEFAULT_REVISION in branches:  # the common case ends here, quietly, reading main alone
             main_above = fork(DEFAULT_REVISION)
             if main_above is not None and oid not in main_above:
-                return False  # main's: at or below where the revision left main
+                return None  # main's: at or below where the revision left main
         others = [b for b in branches if b != revision and not b.startswith("stagerd/")]
-        shared = [b for b in others if (above := fork(b)) is None or oid not in above]
+        if not others:
+            return None
+        return [b for b in others if (above := fork(b)) is None or oid not in above]
+
+    def own_unscoped(oid: str, k: int) -> bool:
+        shared = shared_with(oid)
         if shared:
             log.warning(
                 "%s holds the commit %s titled 'stagerd: step %d' (an older stagerd's name for step %d on "
@@ -167,7 +176,20 @@ def find_step(
                 revision,
                 step_tag(k, revision),
             )
-        return bool(others) and not shared
+        return shared is not None and not shared
+
+    def own_old_branch(oid: str, k: int) -> bool:
+        """An older stagerd's step branch `stagerd/step-N` (main's step branches have that name too) holds
+        the revision's step when it was made from one of the revision's own commits: main's are made from
+        main's head, which is never the revision's own."""
+        if k != step:
+            return False
+        branch = step_branch(k)
+        above = above_fork(pages(branch, page), pages(revision, page), cap)
+        if above is None:
+            return False
+        base = next((c for c, _ in islice(pages(branch, page), cap) if c not in above), None)
+        return base is not None and shared_with(base) == []
 
     head_step, found, capped, legacy = None, None, False, False
     for branch in dict.fromkeys((revision, step_branch(step, revision))):
@@ -180,6 +202,12 @@ def find_step(
         if found is None and scan.found is not None:
             found, legacy = scan.found, scan.legacy
         capped = capped or scan.capped
+    old_branch = step_branch(step)
+    if found is None and revision_scope(revision) and old_branch in branches:
+        scan = scan_history(
+            pages(old_branch, page), step, revision=revision, cap=cap, own_unscoped=own_old_branch
+        )
+        found, legacy = scan.found, scan.found is not None
     return Scan(head_step, found, capped and found is None, legacy)
 
 

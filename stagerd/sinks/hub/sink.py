@@ -21,6 +21,7 @@ from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.hub.history import Scan, commit_pages, find_step, tag_title_is_ours
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
+from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import with_retries
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
@@ -37,18 +38,13 @@ from stagerd.sinks.hub.url import (
     HubTarget,
     RetryPolicy,
     T,
-    _as_bool,
-    _number,
     commit_message,
-    parse_hub_url,
     step_branch,
     step_tag,
 )
 from stagerd.sinks.hub.xet import XetUploader
 
 log = logging.getLogger("stagerd.sinks.hub")
-
-# --- the sink -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -98,36 +94,8 @@ class HubSink:
     @classmethod
     def from_url(cls, url: str, **options: Any) -> HubSink:
         """Build a sink from `hf://ORG/REPO[@REVISION][?opts]`; keyword options override the query."""
-        target = parse_hub_url(url)
-        opts: dict[str, Any] = {**target.options, **options}
-        known = {"token", "endpoint", "private", "branch_per_step", "max_attempts", "backoff_base"}
-        known |= {"backoff_max", "max_retry_after", "hash_threads", "num_threads", "retry"}
-        known |= {"timeout", "connect_timeout"}
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise ConfigError(f"unknown Hub sink option(s) {', '.join(unknown)} for {target.redacted}")
-        retry = opts.get("retry") or RetryPolicy(
-            max_attempts=_number(opts, "max_attempts", RetryPolicy.max_attempts, int),
-            backoff_base=_number(opts, "backoff_base", RetryPolicy.backoff_base, float),
-            backoff_max=_number(opts, "backoff_max", RetryPolicy.backoff_max, float),
-            max_retry_after=_number(opts, "max_retry_after", RetryPolicy.max_retry_after, float),
-        )
-        timeouts = HubTimeouts(
-            read=_number(opts, "timeout", HubTimeouts.read, float),
-            connect=_number(opts, "connect_timeout", HubTimeouts.connect, float),
-        )
-        return cls(
-            target.repo_id,
-            revision=target.revision,
-            token=opts.get("token"),
-            endpoint=opts.get("endpoint"),
-            private=_as_bool("private", opts.get("private", True)),
-            branch_per_step=_as_bool("branch_per_step", opts.get("branch_per_step", False)),
-            retry=retry,
-            hash_threads=_number(opts, "hash_threads", 2, int),
-            num_threads=_number(opts, "num_threads", 5, int),
-            timeouts=timeouts,
-        )
+        repo_id, arguments = sink_arguments(url, options)
+        return cls(repo_id, **arguments)
 
     def __repr__(self) -> str:
         e = urlsplit(self._api.endpoint)

@@ -40,9 +40,8 @@ def _xet(monkeypatch):
 
 
 @pytest.fixture
-def hub():
-    with HubServer(config=CONFIG) as server:
-        yield server
+def hub_config():
+    return CONFIG
 
 
 def downloaded(hub: HubServer, revision: str, dest: Path) -> dict[str, bytes]:

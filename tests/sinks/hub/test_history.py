@@ -15,16 +15,19 @@ from stagerd.errors import RestoreError, SinkConflictError
 from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
 from stagerd.sinks.hub.history import find_step, tag_title_is_ours
-from tests.hubserver import HubConfig, HubServer, use_xet
+from tests.hubserver import HubConfig, HubServer
 from tests.sinks.hub.test_hang import grow_history
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    use_xet(monkeypatch, False)  # the upload path does not matter here; LFS is the quicker one
-    with HubServer(config=HubConfig()) as server:
-        yield server
+def xet():
+    return False  # the upload path does not matter here; LFS is the quicker one
+
+
+@pytest.fixture
+def hub_config():
+    return HubConfig()
 
 
 def export(tmp_path: Path, seed: int) -> Path:
@@ -115,6 +118,9 @@ def test_an_unscoped_commit_is_the_revisions_only_above_where_it_left_every_othe
         assert find(5, backup=exp[1:])[:2] == (6, None)  # a branch made from exp at step 5: not told apart
         assert "x5" in caplog.text and "backup" in caplog.text and "tag it exp/step-5" in caplog.text
         assert find(5, main=[("sq", "Super-squash")])[:2] == (None, None)  # nothing shows where exp left
+    old4 = [("o4", "stagerd: step 4"), *exp]  # an older stagerd's step branch off exp, made at exp's step 6
+    assert find(4, **{"stagerd/step-4": old4})[1:] == ("o4", False, True)
+    assert find(4, **{"stagerd/step-4": [("o4", "stagerd: step 4"), *main]})[1] is None  # main's own
 
 
 def test_a_tag_beyond_the_cap_counts_by_its_commits_title_on_the_revision():
@@ -141,3 +147,27 @@ def test_a_commit_main_cannot_vouch_for_is_taken_as_mains_loudly(hub, tmp_path, 
 
     assert repo.commits[repo.branches["exp"]].title == "stagerd: step 1 on exp"
     assert "tag it exp/step-1" in caplog.text
+
+
+def test_an_older_stagerds_step_branch_of_a_revision_stays_its_own(hub, tmp_path):
+    """An older stagerd put exp's step 4 (older than exp's head, step 6) on the step branch `stagerd/step-4`,
+    the name main's step branches have. Before, a sink on exp looked only at `stagerd/exp/step-4`: step 4
+    was not published and got a second commit. Main's own step branch of a step stays main's."""
+    main, exp = make_sink(hub), make_sink(hub, f"hf://{REPO}@exp")
+    main.publish(export(tmp_path, 0), 3)
+    exp.publish(export(tmp_path, 6), 6)
+    six = old_stagerd_step(hub, "exp", 6, tagged=True)
+    exp.publish(export(tmp_path, 4), 4)
+    four = old_stagerd_step(hub, "exp", 4, tagged=True)
+    repo = hub.store.repos[REPO]
+    with hub.store.lock:  # the older stagerd's step branch name
+        repo.branches["stagerd/step-4"] = repo.branches.pop("stagerd/exp/step-4")
+    main.publish(export(tmp_path, 2), 2)  # main's own step branch `stagerd/step-2`, made from main at step 3
+    commits = len(repo.commits)
+
+    assert exp.is_published(4) and exp.is_published(6)
+    assert exp.publish(export(tmp_path, 4), 4).skipped and len(repo.commits) == commits
+    assert repo.tags["exp/step-4"] == four and repo.branches["exp"] == six
+    assert not exp.is_published(2)
+    assert not exp.publish(export(tmp_path, 2), 2).skipped  # main's step 2 is not exp's
+    assert repo.tags["exp/step-2"] == repo.branches["stagerd/exp/step-2"] != repo.tags["step-2"]

@@ -14,15 +14,13 @@ from huggingface_hub import hf_hub_download, snapshot_download
 
 from stagerd.errors import SinkError
 from stagerd.sinks.hub import step_tag
-from tests.hubserver import Fault, HubServer, use_xet
-from tests.sinks.hub.test_sink import CONFIG, REPO, export_files, make_sink, write_export
+from tests.hubserver import Fault
+from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    use_xet(monkeypatch, False)
-    with HubServer(config=CONFIG) as server:
-        yield server
+def xet():
+    return False
 
 
 def test_lfs_publish_multipart_and_basic_then_a_step_sends_only_what_changed(hub, tmp_path):

@@ -12,15 +12,18 @@ import pytest
 from stagerd.errors import ConfigError, SinkConflictError
 from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
-from tests.hubserver import HubConfig, HubServer, use_xet
+from tests.hubserver import HubConfig
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    use_xet(monkeypatch, False)  # the upload path does not matter here; LFS is the quicker one
-    with HubServer(config=HubConfig()) as server:
-        yield server
+def xet():
+    return False  # the upload path does not matter here; LFS is the quicker one
+
+
+@pytest.fixture
+def hub_config():
+    return HubConfig()
 
 
 def export(tmp_path: Path, seed: int) -> Path:

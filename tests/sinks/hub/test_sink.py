@@ -28,7 +28,7 @@ from stagerd.sinks.hub import (
     step_branch,
 )
 from tests.cli_helpers import run_cli
-from tests.hubserver import Fault, HubConfig, HubServer, use_xet
+from tests.hubserver import Fault, HubConfig, HubServer
 
 REPO = "acme/llm"
 # Small enough for a fast test, big enough that the large shard goes multipart (3 parts) and the
@@ -36,13 +36,6 @@ REPO = "acme/llm"
 CONFIG = HubConfig(
     multipart_threshold=256 * 1024, multipart_chunk_size=120 * 1024, tree_page_size=3, commits_page_size=2
 )
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    use_xet(monkeypatch, True)
-    with HubServer(config=CONFIG) as server:
-        yield server
 
 
 def write_export(out: Path, *, seed: int = 0, shards: int = 2) -> Path:
