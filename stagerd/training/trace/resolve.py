@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from stagerd.errors import HubPlanError
 from stagerd.training.trace import parts as trace_parts
 from stagerd.training.trace.boxes import box_of, flat_box
 from stagerd.training.trace.parts import Part
+from stagerd.training.trace.storages import StorageKey, kept_storages
 
 # Functions that return their (single) input's values in the same shape and dtype, copied.
 _COPIES = frozenset({"contiguous", "clone", "detach", "to", "cpu", "requires_grad_", "detach_"})
@@ -255,11 +256,13 @@ def traced_plan(
     *,
     keys: Sequence[str] = (),
     parameters: int | None = None,
+    storages: Mapping[str, tuple[StorageKey, int]] | None = None,
 ) -> HubPlan:
     """Run `convert` (a library's own save-time conversion) on traced meta tensors standing for the staged
     `sd` (plus its `aliases`, the same tensor under each key) and turn what it returns into a plan.
     `keys`: the order the library's own state dict walks them, which its splitter fills files in;
-    `parameters`: its num_parameters(), for the index."""
+    `parameters`: its num_parameters(), for the index; `storages`: the real storages its splitter sizes
+    some of them by (`storages.kept_storages`)."""
     roots = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in sd.items()}
     root_ids = frozenset(id(r) for r in roots.values())
     source_of = {id(r): k for k, r in roots.items()}
@@ -273,6 +276,12 @@ def traced_plan(
     walk = [k for k in keys if k in known]
     walk += [k for k in staged if k not in set(walk)]
     meta: dict[str, torch.Tensor] = {k: traced[aliases.get(k, k)] for k in walk}
+    # each traced tensor's meta storage -> the real one it stands for, where that is not its own
+    real = {
+        traced[aliases.get(k, k)].untyped_storage()._cdata: s
+        for k, s in (storages or {}).items()
+        if k in known
+    }
     try:
         reverted = convert(meta)
     except Exception as e:
@@ -332,23 +341,27 @@ def traced_plan(
         origin=origin,
         zeros=tuple(zeros),
         order=tuple(reverted),
-        shared=_shared_storages(reverted),
+        shared=_shared_storages(reverted, real),
         parameters=parameters,
     )
     plan.outputs({**{k: tuple(v.shape) for k, v in sd.items()}, **{z.name: z.shape for z in zeros}})
     return plan
 
 
-def _shared_storages(reverted: Mapping[str, Any]) -> tuple[SharedStorage, ...]:
+def _shared_storages(
+    reverted: Mapping[str, Any], real: Mapping[int, tuple[StorageKey, int]]
+) -> tuple[SharedStorage, ...]:
     """Outputs that are views of one storage (a split's parts), or of part of one: the splitter sizes a
-    tensor by its whole storage and keeps the tensors of one storage in one file."""
-    names: dict[int, list[str]] = {}
-    numel: dict[int, int] = {}
+    tensor by its whole storage and keeps the tensors of one storage in one file. A traced tensor's
+    storage is the `real` one it stands for, where the model's is not its own (a flat buffer's)."""
+    names: dict[Hashable, list[str]] = {}
+    numel: dict[Hashable, int] = {}
     for name, o in reverted.items():
         if isinstance(o, torch.Tensor) and o.element_size():
             storage = o.untyped_storage()
-            names.setdefault(storage._cdata, []).append(name)
-            numel[storage._cdata] = storage.nbytes() // o.element_size()
+            key, nbytes = real.get(storage._cdata, (storage._cdata, storage.nbytes()))
+            names.setdefault(key, []).append(name)
+            numel[key] = nbytes // o.element_size()
     return tuple(
         SharedStorage(tuple(ns), numel[key])
         for key, ns in names.items()
@@ -379,11 +392,15 @@ def transformers_plan(
             return revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
 
     # save_pretrained walks model.state_dict() and writes num_parameters() into its index
+    storages = None
     if keys is None:
-        keys = list(model.state_dict(keep_vars=True))
+        own = model.state_dict(keep_vars=True)
+        keys, storages = list(own), kept_storages(own)
     if parameters is None:
         parameters = model.num_parameters()
-    return traced_plan(sd, aliases, convert, "transformers", keys=keys, parameters=parameters)
+    return traced_plan(
+        sd, aliases, convert, "transformers", keys=keys, parameters=parameters, storages=storages
+    )
 
 
 @contextlib.contextmanager
