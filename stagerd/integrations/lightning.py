@@ -20,10 +20,11 @@ a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) o
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
 or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
 `best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
-best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best or
-the process ends, so `--keep-last` keeps it beside the newest N and `trainer.test(ckpt_path="best")`
-after `fit` finds it. The other top-k are not pinned (`save_top_k=-1` would keep every step). A best
-step gone anyway (deleted by hand) fails to load with a `MarkerError`.
+best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best,
+`release_pins()`, or the plugin is let go (its trainer dropped) or the process ends, so `--keep-last`
+keeps it beside the newest N and `trainer.test(ckpt_path="best")` after `fit` finds it. The other top-k
+are not pinned (`save_top_k=-1` would keep every step). A best step gone anyway (deleted by hand) fails
+to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -40,6 +41,7 @@ import json
 import logging
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,8 @@ class StagerdCheckpointIO(CheckpointIO):
         self._group: Any = None  # rank 0's own gloo group, made once
         self._saved: int | None = None
         self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
+        # a plugin let go (a sweep's finished trial) lets its pins go with it, not at the process's end
+        weakref.finalize(self, _release, self._pins)
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -144,6 +148,11 @@ class StagerdCheckpointIO(CheckpointIO):
         if _pointer(target) is not None:
             target.unlink()
 
+    def release_pins(self) -> None:
+        """Let the daemon's retention delete the best steps again, once the run needs them no more (after
+        `trainer.test(ckpt_path="best")`); a later save or resumed `fit` pins its best again."""
+        _release(self._pins)
+
     def teardown(self) -> None:
         stager, self.stager = self.stager, None
         if stager is not None:
@@ -195,7 +204,8 @@ class StagerdCheckpointIO(CheckpointIO):
         for key, pin in self._pins.items():
             if key not in best:
                 pin.release()
-        self._pins = best
+        self._pins.clear()  # in place: the finalizer holds this dict
+        self._pins.update(best)
 
     def _trainer(self) -> Any:
         module = getattr(self._strategy(), "lightning_module", None)
@@ -237,6 +247,12 @@ class StagerdCheckpointIO(CheckpointIO):
                 options.setdefault("process_group", self._group)
             self.stager = Stager(self.root, **options)
         return self.stager
+
+
+def _release(pins: dict[tuple[Path, int], StepPin]) -> None:
+    for pin in pins.values():
+        pin.release()
+    pins.clear()
 
 
 def locate(path: Path) -> tuple[Path, int]:

@@ -30,17 +30,15 @@ into the state dicts in place and returns its step; `stager.loaded` holds its ex
 the step first, so a step some ranks cannot see fails alike everywhere (`loader`).
 
 Only one save is in flight at a time: a `save()` issued while the previous one is still writing waits for
-it first (and logs how long), because both use the same host buffers and the same group. The Stager owns
-a gloo process group of its own, so its background collectives never interleave with the training's.
+it first (and logs how long), because both use the same host buffers and the same group (`inflight`). The
+Stager owns a gloo process group of its own, so its background collectives never interleave with the
+training's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -60,9 +58,10 @@ from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
-from stagerd.training.handle import SaveHandle, outcomes
+from stagerd.training.handle import SaveHandle
 from stagerd.training.host_copy import HostCopier, Staging, reserve_keys, settle
 from stagerd.training.host_pool import HostPool
+from stagerd.training.inflight import Inflight
 from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
@@ -72,10 +71,6 @@ from stagerd.training.to_hub import ToHub
 from stagerd.training.topology import StagingTopology, discover, node_id
 
 __all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
-
-
-log = logging.getLogger("stagerd.stage")
-
 
 CHECKPOINTERS = ("thread", "process")
 
@@ -147,10 +142,8 @@ class Stager:
         )
         self._committer = Committer(self._comm, self.topology, self._writer)
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-commit")
-        self._inflight: SaveHandle | None = None
+        self._saves = Inflight()
         self._hub_plans = to_hub.PlanCache()
-        self._unreported: list[SaveHandle] = []
-        self._lock = threading.Lock()
         self._closed = False
         self.loaded: LoadedStep | None = None  # what the last `load()` loaded: step, marker, extras
         shutdown.opened(self, gloo=self._group is not None)
@@ -185,7 +178,7 @@ class Stager:
         """
         if self._closed:
             raise SaveError("the Stager is closed")
-        self._wait_previous(step)
+        self._saves.wait_previous(step)
         error: StagerdError | None = None
         spec: SaveSpec | None = None
         optim_sd = None
@@ -237,7 +230,9 @@ class Stager:
                 clear_stale(spec.step_dir)
             except Exception as e:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
-        return self._launch(spec, staging, objects, early)
+        committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
+        futures = tuple(st.future for st in staging.values())
+        return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed))
 
     def load(
         self,
@@ -256,7 +251,7 @@ class Stager:
         """
         if self._closed:
             raise LoadError("the Stager is closed")
-        if (h := self._inflight) is not None:  # a save still writing: load what it commits too
+        if (h := self._saves.latest) is not None:  # a save still writing: load what it commits too
             with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
                 h.committed.result()
         self.loaded = load_step(self._comm, self.root, state_dict, optimizer_state, step)
@@ -274,7 +269,7 @@ class Stager:
         """Block until the latest save's host copy is complete: call it right before the next
         `optimizer.step()` (the copy then runs under the forward and backward in between), or let
         `attach(optimizer)` call it. Raises SaveError if the copy failed."""
-        h = self._inflight
+        h = self._saves.latest
         if h is not None:
             h.wait_staged(timeout)
 
@@ -323,19 +318,7 @@ class Stager:
 
     def wait(self) -> list[layout.CommitMarker]:
         """Block until every save is durable and committed. Raises SaveError if any failed since last wait."""
-        with self._lock:
-            handles, self._unreported = self._unreported, []
-        markers, errors = outcomes(handles)
-        del handles
-        if not errors:
-            return markers
-        for extra in errors[1:]:
-            log.error("another save failed too: %s", extra)
-        first, errors = errors[0], []
-        try:
-            raise first
-        finally:  # no cycle through this frame's locals (see the refusal in save())
-            del first
+        return self._saves.report()
 
     def close(self) -> None:
         """Wait for pending saves, then release the staging buffers, threads and process group.
@@ -381,9 +364,7 @@ class Stager:
         self._writer.close()
         for pool in self._pools.values():
             pool.close()
-        # A failed save's handle holds its error, whose frames may still reach the caller's state dict.
-        self._inflight = None
-        self._unreported = []
+        self._saves.forget()
         if self._group is not None:
             with contextlib.suppress(Exception):  # already destroyed by destroy_process_group()
                 dist.destroy_process_group(self._group)
@@ -396,31 +377,3 @@ class Stager:
         config = (extras or {}).get("config.json") if mapping is None else None
         given = frozenset(extras or ())
         return self._hub_plans.get(model, sd, aliases, mapping, config, given)
-
-    def _wait_previous(self, step: int) -> None:
-        h = self._inflight
-        if h is None or h.done():
-            return
-        t0 = time.monotonic()
-        with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
-            h.committed.result()
-        log.warning(
-            "save of step %d waited %.2f s for step %d to finish writing; save less often or write faster",
-            step,
-            time.monotonic() - t0,
-            h.step,
-        )
-
-    def _launch(
-        self,
-        spec: SaveSpec,
-        staging: dict[str, Staging],
-        objects: dict[str, Any] | None,
-        early: RankFailure | None,
-    ) -> SaveHandle:
-        committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
-        handle = SaveHandle(spec.step, spec.step_dir, tuple(st.future for st in staging.values()), committed)
-        with self._lock:
-            self._inflight = handle
-            self._unreported.append(handle)
-        return handle

@@ -167,7 +167,8 @@ def prefixed_plan(
             staged_of[dup[len(p) :]] = src
     sub_sd = {k: sd[staged] for k, staged in staged_of.items()}
     plan = trace.transformers_plan(found.model, sub_sd, sub_aliases)
-    views = [replace(v, source=staged_of[v.source]) for v in plan.views]
+    zeros = {z.name for z in plan.zeros}  # a zero fill is read by its own name
+    views = [v if v.source in zeros else replace(v, source=staged_of[v.source]) for v in plan.views]
     read, dropped = {v.source for v in plan.views}, set(plan.drop)
     for k, staged in staged_of.items():
         if k not in read and k not in dropped:
@@ -175,9 +176,8 @@ def prefixed_plan(
             views.append(TensorView(k, staged, (0,) * len(shape), shape, shape))
     outside = [k for k in sd if not k.startswith(p)]
     drop = [staged_of[k] for k in plan.drop if staged_of[k].startswith(p)]
-    return HubPlan(
-        tuple(views), tuple(dict.fromkeys([*drop, *outside])), origin=plan.origin, order=plan.order
-    )
+    # the outputs keep the model's names: its order, shared storages and parameter count hold as they are
+    return replace(plan, views=tuple(views), drop=tuple(dict.fromkeys([*drop, *outside])))
 
 
 def mapping_plan(mapping: KeyMapping, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:

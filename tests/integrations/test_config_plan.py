@@ -92,3 +92,45 @@ def test_a_config_of_another_model_says_nothing(tmp_path):
         warnings.simplefilter("always")
         _save_and_export(tmp_path, {"w": torch.ones(2), "v": torch.ones(3)}, {"model_type": "tiny"})
     assert not _ours(caught)
+
+
+@pytest.mark.parametrize("given", ["config", "model"])
+def test_a_wrapped_moe_model_is_sharded_as_save_pretrained_shards_it(tmp_path, given):
+    """Under a prefix too, the experts split from one fused tensor share a file and are sized by it, and
+    the index counts the model's parameters. Before, the prefixed plan kept only the views and the order:
+    7 files where save_pretrained writes 9."""
+    torch.manual_seed(0)
+    model = models.build("qwen3_moe")
+    wrapper = torch.nn.Module()
+    wrapper.net = model
+    with Stager(tmp_path / "root", checkpointer="thread") as stager:
+        if given == "model":
+            stager.save(wrapper.state_dict(), step=1, model=wrapper)
+        else:
+            stager.save(wrapper.state_dict(), step=1, extras={"config.json": model.config.to_dict()})
+        stager.wait()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=20_000).export_dir
+    model.save_pretrained(tmp_path / "ref", max_shard_size=20_000)
+    harness.assert_same_weight_files(export, tmp_path / "ref")
+
+
+def test_a_wrapped_model_whose_conversion_pads_with_zeros_saves_and_exports(tmp_path):
+    """Inkling2's checkpoint pads the vocabulary with zero rows. Before, the prefixed plan looked the zero
+    fill up among the staged keys: the save was refused (`SaveInputError: KeyError: '...#zeros0'`)."""
+    import transformers as tf
+
+    from tests.fidelity.registry import cases as registry
+    from tests.fidelity.registry.check import build
+
+    if not hasattr(tf, "Inkling2LoopForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no Inkling2")
+    case = registry.Case("inkling2_loop_text", "Inkling2LoopForCausalLM", over=(("unpadded_vocab_size", 56),))
+    model = build(case)
+    wrapper = torch.nn.Module()
+    wrapper.net = model
+    with Stager(tmp_path / "root", checkpointer="thread") as stager:
+        stager.save(wrapper.state_dict(), step=1, model=wrapper)
+        stager.wait()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    model.save_pretrained(tmp_path / "ref")
+    harness.assert_same_weight_files(export, tmp_path / "ref")

@@ -19,6 +19,7 @@ from tests.daemon_helpers import fast_flags
 pytestmark = pytest.mark.slow  # the daemon runs as a child process
 
 SCORES = {1: 3.0, 2: 1.0, 3: 2.0, 4: 4.0}  # mode="min": step 2 is the best, then step 3 is second
+PINS: dict[int, list[int]] = {}  # global step -> the steps pinned at its batch's end, before its save
 
 
 def module() -> Any:
@@ -51,10 +52,12 @@ def loader() -> Any:
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    """Four steps, each saved; the trainer, its `ModelCheckpoint`, ROOT, and the weights at each step."""
+    """Four steps, each saved; the trainer, its `ModelCheckpoint`, ROOT, the weights at each step and the
+    steps pinned before its save (`ModelCheckpoint` runs last: the steps before it are saved)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from stagerd.contract.step.pin import pinned
     from stagerd.integrations.lightning import StagerdCheckpointIO
 
     tmp = tmp_path_factory.mktemp("best")
@@ -63,6 +66,7 @@ def fitted(tmp_path_factory):
     class Weights(pl.Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             weights[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            PINS[trainer.global_step] = [s for s in SCORES if pinned(root, s)]
 
     best = ModelCheckpoint(dirpath=tmp / "ckpts", monitor="score", mode="min", save_top_k=2,
                            save_last=True, every_n_train_steps=1, filename="{step}")  # fmt: skip
@@ -94,6 +98,7 @@ def test_the_pin_moves_with_the_best_and_holds_only_it(fitted):
     from stagerd.contract.step.pin import pinned
 
     trainer, _, best, root, _ = fitted
+    assert PINS == {1: [], 2: [1], 3: [2], 4: [2]}  # step 1 the best, then ModelCheckpoint chose step 2
     assert pinned(root, 2) and not pinned(root, 3) and not pinned(root, 4)
     best.best_model_path = str(Path(best.dirpath) / "step=3.ckpt")  # as a better score at step 3 would
     trainer.save_checkpoint(Path(best.dirpath) / "last.ckpt")
@@ -103,19 +108,43 @@ def test_the_pin_moves_with_the_best_and_holds_only_it(fitted):
 def test_a_resumed_fit_pins_the_best_it_recorded_before_its_first_save(fitted):
     """`last.ckpt` (step 4) recorded step 2 as the best; the first run's plugin now pins step 3 alone (the
     test above). A second trainer resumed from it saves nothing (already at `max_steps`), and still holds
-    step 2, as its `ModelCheckpoint` names it again."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    step 2, as its `ModelCheckpoint` names it again, until `release_pins()`."""
     from stagerd.contract.step.pin import pinned
-    from stagerd.integrations.lightning import StagerdCheckpointIO
 
     _, _, first, root, _ = fitted
     assert not pinned(root, 2)
+    io = _resumed(first, root)
+    assert pinned(root, 2)
+    io.release_pins()  # the run needs its best no more: retention may have it
+    assert not pinned(root, 2)
+
+
+def test_a_plugin_let_go_lets_its_pins_go(fitted):
+    """A sweep of trainers in one process: each finished trial's best is not held until the process ends."""
+    import gc
+
+    from stagerd.contract.step.pin import pinned
+
+    _, _, first, root, _ = fitted
+    io = _resumed(first, root)
+    assert pinned(root, 2)
+    del io
+    gc.collect()  # the trainer, its module and the plugin refer to each other
+    assert not pinned(root, 2)
+
+
+def _resumed(first: Any, root: Path) -> Any:
+    """A second trainer resumed from the first's `last.ckpt` (step 4, already `max_steps`: nothing saved);
+    its plugin."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
     best = ModelCheckpoint(dirpath=first.dirpath, monitor="score", mode="min", every_n_train_steps=1)
+    io = StagerdCheckpointIO(root)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[best],
-                         plugins=[StagerdCheckpointIO(root)])  # fmt: skip
+                         enable_model_summary=False, callbacks=[best], plugins=[io])  # fmt: skip
     trainer.fit(module(), loader(), ckpt_path=Path(first.dirpath) / "last.ckpt")
     assert Path(best.best_model_path).name == "step=2.ckpt"
-    assert pinned(root, 2)
+    return io

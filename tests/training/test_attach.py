@@ -59,7 +59,7 @@ def test_the_wait_comes_after_the_steps_closure_and_before_the_update(tmp_path):
 
         def wait_staged(timeout: float | None = None) -> None:
             real(timeout)
-            log.append(f"copied {stager._inflight is not None and stager._inflight.staged()}")
+            log.append(f"copied {(h := stager._saves.latest) is not None and h.staged()}")
 
         stager.wait_staged = wait_staged  # type: ignore[method-assign]
         assert stager.attach(opt) is stager.attach(opt)  # attached once
