@@ -1,7 +1,7 @@
 """The staging contract, shared by the training side and the daemon.
 
-Step directories, the commit marker, the export manifest, and atomic JSON writes. This module must not
-import torch: the daemon reads it on every scan.
+Step directories, the commit marker, and atomic JSON writes (the export manifest: `manifest.py`). This module
+must not import torch: the daemon reads it on every scan.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,6 @@ MAX_MARKER_BYTES = 64 << 20
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def step_dir_name(step: int) -> str:
@@ -199,12 +198,12 @@ class CommitMarker:
             if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
                 raise MarkerError(f"not a {MARKER_FORMAT} marker", path=path)
             step, ws = d["step"], d["world_size"]
-            if not (_is_int(step) and 0 <= step <= MAX_STEP and _is_int(ws) and ws >= 1):
+            if not (is_int(step) and 0 <= step <= MAX_STEP and is_int(ws) and ws >= 1):
                 raise MarkerError("step must be an integer in [0, 2^63) and world_size one >= 1", path=path)
             files = []
             for f in d["files"]:
                 rel = safe_relpath(f["path"], what="file", path=path)
-                if not (_is_int(f["size"]) and f["size"] >= 0):
+                if not (is_int(f["size"]) and f["size"] >= 0):
                     raise MarkerError(f"file {rel!r} has a bad size", path=path)
                 files.append(StagedFile(rel, f["size"]))
             check_file_tree([f.path for f in files], what="file", path=path)
@@ -215,7 +214,7 @@ class CommitMarker:
                     dtype, shape = v["dtype"], v["shape"]
                     # int() would take 2.5, true and 1e300, and raise OverflowError on Infinity (valid here)
                     if not (isinstance(dtype, str) and isinstance(shape, list)) or not all(
-                        _is_int(x) and x >= 0 for x in shape
+                        is_int(x) and x >= 0 for x in shape
                     ):
                         raise MarkerError(
                             f"tensor {k[:200]!r}: its dtype and shape must be a string and non-negative "
@@ -233,7 +232,7 @@ class CommitMarker:
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
-            if not (_is_int(node) and _is_int(nodes) and 0 <= node < nodes):
+            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
                 raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
             return cls(
                 step=step,
@@ -253,7 +252,7 @@ class CommitMarker:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -357,68 +356,6 @@ def iter_step_dirs(root: str | os.PathLike[str]) -> Iterator[tuple[int, Path]]:
 def committed_steps(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """(step, path) of every committed step under root, in step order."""
     return [(s, p) for s, p in iter_step_dirs(root) if is_committed(p)]
-
-
-@dataclass(frozen=True)
-class ManifestFile:
-    """One published file: path relative to the export, size, sha256 hex digest."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class ExportManifest:
-    """`stagerd.manifest.json`: what one published step holds. Written last; its presence is the commit."""
-
-    step: int
-    files: tuple[ManifestFile, ...]
-    created: float = field(default_factory=time.time)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    format: str = MANIFEST_FORMAT
-
-    @property
-    def total_size(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["files"] = [asdict(f) for f in self.files]
-        return {"format": d.pop("format"), **d}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], *, path: object = None) -> ExportManifest:
-        try:
-            if d.get("format") != MANIFEST_FORMAT:
-                raise MarkerError(f"not a {MANIFEST_FORMAT} manifest", path=path)
-            files = tuple(
-                ManifestFile(safe_relpath(f["path"], what="file", path=path), f["size"], f["sha256"])
-                for f in d["files"]
-            )
-            step = d["step"]
-            if not (_is_int(step) and 0 <= step <= MAX_STEP):
-                raise MarkerError(f"step {step!r} is not an integer in [0, 2^63)", path=path)
-            for f in files:
-                if not (_is_int(f.size) and f.size >= 0 and isinstance(f.sha256, str)):
-                    raise MarkerError(
-                        f"file {f.path!r}: its size and sha256 are a {type(f.size).__name__} and a "
-                        f"{type(f.sha256).__name__}, not a non-negative integer and a string",
-                        path=path,
-                    )
-                if not _SHA256_RE.fullmatch(f.sha256):
-                    raise MarkerError(
-                        f"file {f.path!r}: sha256 {f.sha256[:80]!r} is not 64 hex digits", path=path
-                    )
-            check_file_tree([f.path for f in files], what="file", path=path)
-            return cls(
-                step=step,
-                files=files,
-                created=float(d.get("created", 0.0)),
-                metadata=dict(d.get("metadata") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise MarkerError(f"malformed manifest: {e!r}", path=path) from None
 
 
 def export_is_whole(export_dir: Path) -> bool:
