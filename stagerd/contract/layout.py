@@ -7,6 +7,7 @@ must not import torch: the daemon reads it on every scan.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -14,11 +15,12 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.marker_json import decode_plan, decode_tensors, encode_plan, encode_tensors
 from stagerd.contract.regular_file import open_regular
 from stagerd.errors import HubPlanError, MarkerError, ShardError
 
@@ -183,17 +185,30 @@ class CommitMarker:
     format: str = MARKER_FORMAT
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["files"] = [asdict(f) for f in self.files]
-        d["hub_plan"] = None if self.hub_plan is None else self.hub_plan.to_json()
-        d["adapter_plan"] = None if self.adapter_plan is None else self.adapter_plan.to_json()
+        """The marker's JSON, its tensors and plans in the compact form of `marker_json.py`."""
+        names = [] if self.tensors is None else list(self.tensors)
+        tensors = None
         if self.tensors is not None:
-            d["tensors"] = {k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.tensors.items()}
-        return {"format": d.pop("format"), **d}
+            tensors = encode_tensors(names, ((v.dtype, v.shape) for v in self.tensors.values()))
+        return {
+            "format": self.format,
+            "step": self.step,
+            "world_size": self.world_size,
+            "files": [{"path": f.path, "size": f.size} for f in self.files],
+            "created": self.created,
+            "reference_index": copy.deepcopy(self.reference_index),
+            "dtype": self.dtype,
+            "metadata": copy.deepcopy(self.metadata),
+            "tensors": tensors,
+            "staging_node": self.staging_node,
+            "staging_nodes": self.staging_nodes,
+            "hub_plan": None if self.hub_plan is None else encode_plan(self.hub_plan, names),
+            "adapter_plan": None if self.adapter_plan is None else encode_plan(self.adapter_plan, names),
+        }
 
     @classmethod
     def from_json(cls, d: Any, *, path: object = None) -> CommitMarker:
-        """Parse and validate a marker; any defect is a MarkerError."""
+        """Parse and validate a marker, in either form (`marker_json.py`); any defect is a MarkerError."""
         try:
             if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
                 raise MarkerError(f"not a {MARKER_FORMAT} marker", path=path)
@@ -207,28 +222,16 @@ class CommitMarker:
                     raise MarkerError(f"file {rel!r} has a bad size", path=path)
                 files.append(StagedFile(rel, f["size"]))
             check_file_tree([f.path for f in files], what="file", path=path)
-            tensors = None
-            if d.get("tensors") is not None:
-                tensors = {}
-                for k, v in d["tensors"].items():
-                    dtype, shape = v["dtype"], v["shape"]
-                    # int() would take 2.5, true and 1e300, and raise OverflowError on Infinity (valid here)
-                    if not (isinstance(dtype, str) and isinstance(shape, list)) or not all(
-                        is_int(x) and x >= 0 for x in shape
-                    ):
-                        raise MarkerError(
-                            f"tensor {k[:200]!r}: its dtype and shape must be a string and non-negative "
-                            "integers",
-                            path=path,
-                        )
-                    tensors[k] = TensorInfo(dtype, tuple(shape))
+            tensors = d.get("tensors")
+            tensors = None if tensors is None else decode_tensors(tensors, TensorInfo, path=path)
+            names = list(tensors or ())
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)
             hub, adapter = d.get("hub_plan"), d.get("adapter_plan")
             try:
-                hub_plan = None if hub is None else HubPlan.from_json(hub, path=path)
-                adapter_plan = None if adapter is None else HubPlan.from_json(adapter, path=path)
+                hub_plan = None if hub is None else decode_plan(hub, names, path=path)
+                adapter_plan = None if adapter is None else decode_plan(adapter, names, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
@@ -259,7 +262,8 @@ def is_int(x: Any) -> bool:
 def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path:
     """Atomically write the commit marker of `step_dir`. Call only after every file is durable."""
     path = Path(step_dir) / MARKER_NAME
-    write_json_atomic(path, marker.to_json())
+    # One line: indented, every dim of every shape took a line of its own
+    write_bytes_atomic(path, (json.dumps(marker.to_json(), separators=(",", ":")) + "\n").encode())
     return path
 
 
@@ -296,7 +300,11 @@ def marker_identity(step_dir: str | os.PathLike[str]) -> str:
 def _marker_bytes(path: Path) -> bytes:
     try:
         with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
-            raw = f.read(MAX_MARKER_BYTES + 1)
+            # read(limit) would allocate the whole limit first, for a marker of any size
+            want = min(os.fstat(f.fileno()).st_size, MAX_MARKER_BYTES) + 1
+            raw = f.read(want)
+            if len(raw) == want:  # it grew since, or it is past the limit: on to the limit
+                raw += f.read(MAX_MARKER_BYTES + 1 - len(raw))
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
     except OSError as e:
