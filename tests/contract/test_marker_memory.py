@@ -170,12 +170,14 @@ def test_every_plan_field_round_trips(tmp_path):
         parameters=3,
     )
     infos = {"qkv": TensorInfo("F32", (12, 8)), "a": TensorInfo("F32", (3,)), "b": TensorInfo("I8", ())}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "__0_0.distcp").write_bytes(b"abc")
+    files = (StagedFile("model/__0_0.distcp", 3),)
     for tensors in (infos, None):
-        marker = CommitMarker(
-            step=1, world_size=1, files=(), tensors=tensors, hub_plan=plan, adapter_plan=plan
-        )
+        marker = CommitMarker(1, 1, files, tensors=tensors, hub_plan=plan, adapter_plan=plan)
         layout.write_marker(tmp_path, marker)
         assert layout.read_marker(tmp_path) == marker
+        layout.check_staged_files(tmp_path, layout.read_marker(tmp_path))
         assert CommitMarker.from_json(json.loads(old_form(marker))) == marker
 
 
