@@ -29,6 +29,7 @@ from stagerd.errors import HubPlanError, MarkerError
 
 COMPACT_PLAN_FORMAT = "stagerd.hub/2"
 _BOX_FIELDS = 7  # start, size, shape, reshape, perm, at, whole
+_Box = tuple[tuple[int, ...], ...]
 
 Info = TypeVar("Info")
 
@@ -120,10 +121,8 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
         ):
             raise HubPlanError("the plan's view columns are not lists of one length", path=path)
         boxes = [_box(b) for b in v["boxes"]]
-        views = tuple(
-            _view(n, s, b, tensors, boxes, path) for n, s, b in zip(names, sources, box, strict=True)
-        )
-        table = _NameTable(tensors, views)
+        views = _views(names, sources, box, tensors, boxes, path)
+        table = _NameTable(tensors, [v.name for v in views])
         return replace(
             base,
             views=views,
@@ -170,39 +169,47 @@ def _box(b: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(f) for f in fields)
 
 
-_Box = tuple[tuple[int, ...], ...]
-
-
-def _view(
-    name: Any,
-    source: Any,
-    box: Any,
-    names: Sequence[str],
+def _views(
+    names: list[Any],
+    sources: list[Any],
+    box: list[Any],
+    tensors: Sequence[str],
     boxes: list[_Box],
     path: object,
-) -> TensorView:
-    if is_dim(source) and source < len(names):
-        source = names[source]
-    if not isinstance(source, str) or not (name is None or isinstance(name, str)):
-        raise HubPlanError(f"a view reads {str(source)[:200]!r}, not a saved tensor's name", path=path)
-    if not (is_dim(box) and box < len(boxes)):
-        raise HubPlanError(f"view of {source[:200]!r}: box {box!r} is not in the plan's boxes", path=path)
-    return TensorView(source if name is None else name, source, *boxes[box])
+) -> tuple[TensorView, ...]:
+    out = []
+    n, nb = len(tensors), len(boxes)
+    for name, source, b in zip(names, sources, box, strict=True):
+        if type(source) is int and 0 <= source < n:  # type(), not isinstance(): JSON's true is no index
+            source = tensors[source]
+        elif not isinstance(source, str):
+            raise HubPlanError(f"a view reads {str(source)[:200]!r}, not a saved tensor's name", path=path)
+        if name is None:
+            name = source
+        elif not isinstance(name, str):
+            raise HubPlanError(f"a view of {source[:200]!r} is named {str(name)[:200]}", path=path)
+        if not (type(b) is int and 0 <= b < nb):
+            raise HubPlanError(f"view {name[:200]!r}: box {b!r} is not in the plan's boxes", path=path)
+        out.append(TensorView(name, source, *boxes[b]))
+    return tuple(out)
 
 
 class _NameTable:
     """The names a plan's name lists index: the marker's tensor names, then its views' names."""
 
-    def __init__(self, tensors: Sequence[str], views: Sequence[TensorView]) -> None:
+    def __init__(self, tensors: Sequence[str], views: list[str]) -> None:
         self.tensors, self.views = tensors, views
 
     def __len__(self) -> int:
         return len(self.tensors) + len(self.views)
 
-    def run(self, first: int, count: int) -> Iterable[str]:
-        n = len(self.tensors)
-        for i in range(first, first + count):
-            yield self.tensors[i] if i < n else self.views[i - n].name
+    def run(self, first: int, count: int) -> Sequence[str]:
+        n, end = len(self.tensors), first + count
+        if end <= n:
+            return self.tensors[first:end]
+        if first >= n:
+            return self.views[first - n : end - n]
+        return [*self.tensors[first:], *self.views[: end - n]]
 
 
 def _encode_names(names: Iterable[str], index: Mapping[str, int]) -> list[str | list[int]]:
