@@ -88,14 +88,15 @@ def encode_plan(plan: HubPlan, tensors: Sequence[str]) -> dict[str, Any]:
     index: dict[str, int] = {}
     for i, n in enumerate(tensors):
         index.setdefault(n, i)
-    boxes: dict[tuple[tuple[int, ...], ...], int] = {}
+    boxes: dict[_Box, int] = {}
     names: list[str | None] = []
     sources: list[int | str] = []
     box: list[int] = []
     for v in plan.views:
         names.append(None if v.name == v.source else v.name)
         sources.append(index.get(v.source, v.source))
-        box.append(boxes.setdefault((v.start, v.size, v.shape, v.reshape, v.perm, v.at, v.whole), len(boxes)))
+        fields = (v.start, v.size, v.shape, v.reshape, v.perm, v.at, v.whole)
+        box.append(boxes.setdefault(tuple(tuple(f) for f in fields), len(boxes)))
     for i, v in enumerate(plan.views):
         index.setdefault(v.name, len(tensors) + i)
     d["views"] = {"names": names, "sources": sources, "box": box, "boxes": [_box_json(b) for b in boxes]}
@@ -152,14 +153,14 @@ def _count(x: Any) -> int:
     return int(x)
 
 
-def _box_json(b: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+def _box_json(b: _Box) -> list[list[int]]:
     out = [list(f) for f in b]
     while len(out) > 3 and not out[-1]:
         out.pop()
     return out
 
 
-def _box(b: Any) -> tuple[tuple[int, ...], ...]:
+def _box(b: Any) -> _Box:
     if not isinstance(b, list) or not 3 <= len(b) <= _BOX_FIELDS:
         raise TypeError(f"expected a box of 3 to {_BOX_FIELDS} lists of integers, got {str(b)[:200]}")
     fields = [*b, *([[]] * (_BOX_FIELDS - len(b)))]
