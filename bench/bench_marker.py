@@ -95,21 +95,24 @@ def main() -> None:
                         f"{n} round {rnd + 1} {case:30s} {got['s']:.3f} s {got['rss'] / 2**20:7.1f} MiB",
                         flush=True,
                     )
+            base = found[next(iter(cases))]
             for case, (_, step) in cases.items():
                 runs = found[case]
+                paired = [r["s"] / b["s"] for r, b in zip(runs, base, strict=True)]
                 size = (step / "stagerd.commit.json").stat().st_size
                 rss, traced = ([r[k] / 2**20 for r in runs] for k in ("rss", "traced"))
                 rows.append(
                     f"| {n:,} | {case} | {size / 2**20:.1f} MiB ({size / n:.0f} B/output) | "
-                    f"{spread(rss, 1)} | {spread(traced, 1)} | {spread([r['s'] * 1000 for r in runs])} |"
+                    f"{spread(rss, 1)} | {spread(traced, 1)} | {spread([r['s'] * 1000 for r in runs])} | "
+                    f"{spread(paired, 2)} |"
                 )
         print(f"\n{args.repeat} interleaved rounds; each read in its own process; median (min-max)\n")
         print(
             "| outputs | reader, marker | marker bytes | read peak RSS added, MiB | tracemalloc peak, MiB ",
             end="",
         )
-        print("| read ms |")
-        print("|---|---|---|---|---|---|")
+        print("| read ms | time / the first row's, paired |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(rows))
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end (a shared machine)")
     finally:
