@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.contract.marker_json import decode_plan, decode_tensors, encode_plan, encode_tensors
+from stagerd.contract.marker_json import (
+    decode_plan,
+    decode_tensors,
+    decode_weight_map,
+    encode_plan,
+    encode_tensors,
+    encode_weight_map,
+)
 from stagerd.contract.regular_file import open_regular
 from stagerd.errors import HubPlanError, MarkerError, ShardError
 
@@ -196,7 +203,9 @@ class CommitMarker:
             "world_size": self.world_size,
             "files": [{"path": f.path, "size": f.size} for f in self.files],
             "created": self.created,
-            "reference_index": copy.deepcopy(self.reference_index),
+            "reference_index": encode_weight_map(self.reference_index, names, self.hub_plan)
+            if isinstance(self.reference_index, dict)
+            else self.reference_index,
             "dtype": self.dtype,
             "metadata": copy.deepcopy(self.metadata),
             "tensors": tensors,
@@ -232,6 +241,7 @@ class CommitMarker:
             try:
                 hub_plan = None if hub is None else decode_plan(hub, names, path=path)
                 adapter_plan = None if adapter is None else decode_plan(adapter, names, path=path)
+                ref = ref if not isinstance(ref, dict) else decode_weight_map(ref, names, hub_plan, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)

@@ -11,11 +11,14 @@ keeps both to a few dozen bytes per tensor beyond the names themselves, which ar
   fields at the end left out; `drop`, `order` and each `shared` storage's names are name lists, whose items
   are names or runs `[first, count]` of the tensor names followed by the views' names, so a save order
   that walks the tensors and the views in runs is a few numbers. Merges, zero fills, `origin` and
-  `parameters` are as in `stagerd.hub/1` (`HubPlan.to_json`).
+  `parameters` are as in `stagerd.hub/1` (`HubPlan.to_json`);
+- `reference_index`, where it is a weight_map: `{"files": [...], "names": [name list per file]}`, over the
+  tensor names followed by the hub plan's view names.
 
-The reader takes the older form as well (a dict of `{"dtype", "shape"}` per tensor, a `stagerd.hub/1` plan),
-section by section. Equal dtype/shape pairs and boxes are one object once read, so what a marker keeps in
-memory is its names, one dict entry per tensor and one `TensorView` per view.
+The reader takes the older form as well (a dict of `{"dtype", "shape"}` per tensor, a `stagerd.hub/1` plan,
+a weight_map of a file name per tensor name), section by section. Equal dtype/shape pairs and boxes are one
+object once read, so what a marker keeps in memory is its names, one dict entry per tensor and one
+`TensorView` per view.
 """
 
 from __future__ import annotations
@@ -136,6 +139,31 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
+
+
+def encode_weight_map(wm: Mapping[str, str], tensors: Sequence[str], plan: HubPlan | None) -> dict[str, Any]:
+    """A reference index's weight_map as `{"files": [...], "names": [name list per file]}`, its names as
+    runs over the tensor names followed by the plan's view names."""
+    index: dict[str, int] = {}
+    for i, n in enumerate([*tensors, *(v.name for v in plan.views)] if plan is not None else tensors):
+        index.setdefault(n, i)
+    by_file: dict[str, list[str]] = {}
+    for name, file in wm.items():
+        by_file.setdefault(file, []).append(name)
+    return {"files": list(by_file), "names": [_encode_names(ns, index) for ns in by_file.values()]}
+
+
+def decode_weight_map(
+    d: dict[str, Any], tensors: Sequence[str], plan: HubPlan | None, *, path: object
+) -> Any:
+    """A marker's weight_map in either form (an older marker's maps each name to its file)."""
+    if not isinstance(d.get("files"), list):
+        return d
+    files, names = d["files"], d["names"]
+    if not (isinstance(names, list) and len(names) == len(files) and all(isinstance(f, str) for f in files)):
+        raise HubPlanError("the reference index's files and names do not match up", path=path)
+    table = _NameTable(tensors, [v.name for v in plan.views] if plan is not None else [])
+    return {n: f for f, ns in zip(files, names, strict=True) for n in _decode_names(ns, table, path)}
 
 
 def is_dim(x: Any) -> bool:

@@ -30,11 +30,12 @@ _LAYER = (
 )
 
 
-def synthetic_marker(n: int, ranks: int = 64) -> CommitMarker:
+def synthetic_marker(n: int, ranks: int = 64, reference: bool = False) -> CommitMarker:
     """The marker the training side writes for a MoE model saved under a wrapper's `model.` prefix, with
     about `n` output tensors: every staged key renamed (a whole-tensor view), each layer's fused experts
     split into a gate and an up view per expert (one shared storage), the embedding tied to the LM head,
-    and the save order naming every output."""
+    and the save order naming every output. `reference`: with the weight_map of a reference index over
+    4 files (sorted by name, as `save_pretrained` writes it), as the Stager records one it is given."""
     tensors: dict[str, TensorInfo] = {}
     views: list[TensorView] = []
     order: list[str] = []
@@ -70,7 +71,21 @@ def synthetic_marker(n: int, ranks: int = 64) -> CommitMarker:
         parameters=1 << 40,
     )
     files = tuple(StagedFile(f"model/__{r}_0.distcp", 1 << 30) for r in range(ranks))
-    return CommitMarker(step=7, world_size=ranks, files=files, created=1.5, tensors=tensors, hub_plan=plan)
+    ref = None
+    if reference:
+        ref = {
+            k: f"model-{1 + 4 * i // len(order):05d}-of-00004.safetensors"
+            for i, k in enumerate(sorted(order))
+        }
+    return CommitMarker(
+        step=7,
+        world_size=ranks,
+        files=files,
+        created=1.5,
+        tensors=tensors,
+        hub_plan=plan,
+        reference_index=ref,
+    )
 
 
 def old_form(marker: CommitMarker) -> bytes:
@@ -99,7 +114,7 @@ def old_form(marker: CommitMarker) -> bytes:
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> tuple[CommitMarker, Path, Path]:
     """The marker of N_OUTPUTS outputs, written by this stagerd and in the old form."""
-    marker = synthetic_marker(N_OUTPUTS)
+    marker = synthetic_marker(N_OUTPUTS, reference=True)
     new, old = (tmp_path_factory.mktemp(w) / "step-00000007" for w in ("new", "old"))
     new.mkdir()
     old.mkdir()
@@ -117,7 +132,7 @@ def test_the_marker_costs_a_few_dozen_bytes_per_output_beyond_its_names(big):
     marker, new, old = big
     names = sum(len(v.name) for v in marker.hub_plan.views) + sum(len(n) for n in marker.tensors)
     size = (new / layout.MARKER_NAME).stat().st_size
-    # Measured 74 B per output in all (names 58 B of it); the old form was 490 B, 100k tensors 49 MB.
+    # Measured 76 B per output in all, 16 beyond the names; the old form was 575 B (515 beyond the names).
     assert (size - names) / _outputs(marker) < 30, (size, names)
     assert (old / layout.MARKER_NAME).stat().st_size > 5 * size
 
@@ -135,8 +150,8 @@ def test_reading_the_marker_costs_a_few_hundred_bytes_per_output(big):
         tracemalloc.stop()
     assert read == marker
     n = _outputs(marker)
-    # Measured 265 B kept and 410 B at the peak per output (its names' strings ~120 B of each); reading
-    # the old form peaked at 1,380 B and kept 860 B, and the 64 MiB read buffer came on top, at any size.
+    # Measured 289 B kept and 500 B at the peak per output (its names' strings ~120 B of each). The old
+    # reader kept 1,093 B and peaked at 6,703 B: its 64 MiB read buffer came on top, at any marker size.
     assert (kept - before) / n < 400, (kept - before) / n
     assert (peak - before) / n < 700, (peak - before) / n
 
@@ -173,8 +188,11 @@ def test_every_plan_field_round_trips(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "__0_0.distcp").write_bytes(b"abc")
     files = (StagedFile("model/__0_0.distcp", 3),)
+    ref = {"q": "a.safetensors", "qkv": "b.safetensors", "elsewhere": "a.safetensors", "b": "a.safetensors"}
     for tensors in (infos, None):
-        marker = CommitMarker(1, 1, files, tensors=tensors, hub_plan=plan, adapter_plan=plan)
+        marker = CommitMarker(
+            1, 1, files, tensors=tensors, hub_plan=plan, adapter_plan=plan, reference_index=ref
+        )
         layout.write_marker(tmp_path, marker)
         assert layout.read_marker(tmp_path) == marker
         layout.check_staged_files(tmp_path, layout.read_marker(tmp_path))
@@ -188,11 +206,12 @@ def _mangled(**change: Any) -> dict[str, Any]:
         files=(),
         tensors={"a": TensorInfo("F32", (2,)), "b": TensorInfo("F32", (2,))},
         hub_plan=HubPlan((TensorView("c", "a", (0,), (2,), (2,)),), order=("c", "b"), shared=()),
+        reference_index={"c": "x.safetensors", "b": "x.safetensors"},
     )
     d = json.loads(json.dumps(marker.to_json()))
     for where, value in change.items():
         section, key = where.split("__")
-        target = d[section] if section == "tensors" else d["hub_plan"]
+        target = {"tensors": d["tensors"], "ref": d["reference_index"]}.get(section, d["hub_plan"])
         if section == "views":
             target = target["views"]
         target[key] = value
@@ -214,6 +233,8 @@ def _mangled(**change: Any) -> dict[str, Any]:
         ({"plan__order": [[1, 9]]}, "not a name, nor a run of names"),
         ({"plan__order": [[-1, 1]]}, "not a name, nor a run of names"),
         ({"plan__drop": "a"}, "malformed to-Hub plan"),
+        ({"ref__files": ["a.safetensors", "b.safetensors"]}, "files and names do not match up"),
+        ({"ref__names": [[[0, 7]]]}, "not a name, nor a run of names"),
     ],
 )
 def test_a_bad_compact_marker_is_a_marker_error(change, match):
