@@ -29,7 +29,7 @@ from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError
 
 if TYPE_CHECKING:
-    from stagerd.contract.layout import ExportManifest
+    from stagerd.contract.manifest import ExportManifest
     from stagerd.sinks.fetch import RemoteStore
 
 EXAMPLES = """examples:

@@ -1,24 +1,33 @@
 """The staging contract, shared by the training side and the daemon.
 
-Step directories, the commit marker, the export manifest, and atomic JSON writes. This module must not
-import torch: the daemon reads it on every scan.
+Step directories, the commit marker, and atomic JSON writes (the export manifest: `manifest.py`). This module
+must not import torch: the daemon reads it on every scan.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.marker_json import (
+    decode_plan,
+    decode_tensors,
+    decode_weight_map,
+    encode_plan,
+    encode_tensors,
+    encode_weight_map,
+)
 from stagerd.contract.regular_file import open_regular
 from stagerd.errors import HubPlanError, MarkerError, ShardError
 
@@ -40,7 +49,6 @@ MAX_MARKER_BYTES = 64 << 20
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def step_dir_name(step: int) -> str:
@@ -184,56 +192,60 @@ class CommitMarker:
     format: str = MARKER_FORMAT
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["files"] = [asdict(f) for f in self.files]
-        d["hub_plan"] = None if self.hub_plan is None else self.hub_plan.to_json()
-        d["adapter_plan"] = None if self.adapter_plan is None else self.adapter_plan.to_json()
+        """The marker's JSON, its tensors and plans in the compact form of `marker_json.py`."""
+        names = [] if self.tensors is None else list(self.tensors)
+        tensors = None
         if self.tensors is not None:
-            d["tensors"] = {k: {"dtype": v.dtype, "shape": list(v.shape)} for k, v in self.tensors.items()}
-        return {"format": d.pop("format"), **d}
+            tensors = encode_tensors(names, ((v.dtype, v.shape) for v in self.tensors.values()))
+        return {
+            "format": self.format,
+            "step": self.step,
+            "world_size": self.world_size,
+            "files": [{"path": f.path, "size": f.size} for f in self.files],
+            "created": self.created,
+            "reference_index": encode_weight_map(self.reference_index, names, self.hub_plan)
+            if isinstance(self.reference_index, dict)
+            else self.reference_index,
+            "dtype": self.dtype,
+            "metadata": copy.deepcopy(self.metadata),
+            "tensors": tensors,
+            "staging_node": self.staging_node,
+            "staging_nodes": self.staging_nodes,
+            "hub_plan": None if self.hub_plan is None else encode_plan(self.hub_plan, names),
+            "adapter_plan": None if self.adapter_plan is None else encode_plan(self.adapter_plan, names),
+        }
 
     @classmethod
     def from_json(cls, d: Any, *, path: object = None) -> CommitMarker:
-        """Parse and validate a marker; any defect is a MarkerError."""
+        """Parse and validate a marker, in either form (`marker_json.py`); any defect is a MarkerError."""
         try:
             if not isinstance(d, dict) or d.get("format") != MARKER_FORMAT:
                 raise MarkerError(f"not a {MARKER_FORMAT} marker", path=path)
             step, ws = d["step"], d["world_size"]
-            if not (_is_int(step) and 0 <= step <= MAX_STEP and _is_int(ws) and ws >= 1):
+            if not (is_int(step) and 0 <= step <= MAX_STEP and is_int(ws) and ws >= 1):
                 raise MarkerError("step must be an integer in [0, 2^63) and world_size one >= 1", path=path)
             files = []
             for f in d["files"]:
                 rel = safe_relpath(f["path"], what="file", path=path)
-                if not (_is_int(f["size"]) and f["size"] >= 0):
+                if not (is_int(f["size"]) and f["size"] >= 0):
                     raise MarkerError(f"file {rel!r} has a bad size", path=path)
                 files.append(StagedFile(rel, f["size"]))
             check_file_tree([f.path for f in files], what="file", path=path)
-            tensors = None
-            if d.get("tensors") is not None:
-                tensors = {}
-                for k, v in d["tensors"].items():
-                    dtype, shape = v["dtype"], v["shape"]
-                    # int() would take 2.5, true and 1e300, and raise OverflowError on Infinity (valid here)
-                    if not (isinstance(dtype, str) and isinstance(shape, list)) or not all(
-                        _is_int(x) and x >= 0 for x in shape
-                    ):
-                        raise MarkerError(
-                            f"tensor {k[:200]!r}: its dtype and shape must be a string and non-negative "
-                            "integers",
-                            path=path,
-                        )
-                    tensors[k] = TensorInfo(dtype, tuple(shape))
+            tensors = d.get("tensors")
+            tensors = None if tensors is None else decode_tensors(tensors, TensorInfo, path=path)
+            names = list(tensors or ())
             ref = d.get("reference_index")
             if ref is not None and not isinstance(ref, str | dict):
                 raise MarkerError("reference_index must be a path or a weight_map", path=path)
             hub, adapter = d.get("hub_plan"), d.get("adapter_plan")
             try:
-                hub_plan = None if hub is None else HubPlan.from_json(hub, path=path)
-                adapter_plan = None if adapter is None else HubPlan.from_json(adapter, path=path)
+                hub_plan = None if hub is None else decode_plan(hub, names, path=path)
+                adapter_plan = None if adapter is None else decode_plan(adapter, names, path=path)
+                ref = ref if not isinstance(ref, dict) else decode_weight_map(ref, names, hub_plan, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
-            if not (_is_int(node) and _is_int(nodes) and 0 <= node < nodes):
+            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
                 raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
             return cls(
                 step=step,
@@ -253,14 +265,15 @@ class CommitMarker:
             raise MarkerError(f"malformed marker: {e!r}", path=path) from None
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path:
     """Atomically write the commit marker of `step_dir`. Call only after every file is durable."""
     path = Path(step_dir) / MARKER_NAME
-    write_json_atomic(path, marker.to_json())
+    # One line: indented, every dim of every shape took a line of its own
+    write_bytes_atomic(path, (json.dumps(marker.to_json(), separators=(",", ":")) + "\n").encode())
     return path
 
 
@@ -297,7 +310,11 @@ def marker_identity(step_dir: str | os.PathLike[str]) -> str:
 def _marker_bytes(path: Path) -> bytes:
     try:
         with open_regular(path) as f:  # never more than the limit in memory, never a FIFO's wait
-            raw = f.read(MAX_MARKER_BYTES + 1)
+            # read(limit) would allocate the whole limit first, for a marker of any size
+            want = min(os.fstat(f.fileno()).st_size, MAX_MARKER_BYTES) + 1
+            raw = f.read(want)
+            if len(raw) == want:  # it grew since, or it is past the limit: on to the limit
+                raw += f.read(MAX_MARKER_BYTES + 1 - len(raw))
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=path) from None
     except OSError as e:
@@ -357,68 +374,6 @@ def iter_step_dirs(root: str | os.PathLike[str]) -> Iterator[tuple[int, Path]]:
 def committed_steps(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """(step, path) of every committed step under root, in step order."""
     return [(s, p) for s, p in iter_step_dirs(root) if is_committed(p)]
-
-
-@dataclass(frozen=True)
-class ManifestFile:
-    """One published file: path relative to the export, size, sha256 hex digest."""
-
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class ExportManifest:
-    """`stagerd.manifest.json`: what one published step holds. Written last; its presence is the commit."""
-
-    step: int
-    files: tuple[ManifestFile, ...]
-    created: float = field(default_factory=time.time)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    format: str = MANIFEST_FORMAT
-
-    @property
-    def total_size(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["files"] = [asdict(f) for f in self.files]
-        return {"format": d.pop("format"), **d}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any], *, path: object = None) -> ExportManifest:
-        try:
-            if d.get("format") != MANIFEST_FORMAT:
-                raise MarkerError(f"not a {MANIFEST_FORMAT} manifest", path=path)
-            files = tuple(
-                ManifestFile(safe_relpath(f["path"], what="file", path=path), f["size"], f["sha256"])
-                for f in d["files"]
-            )
-            step = d["step"]
-            if not (_is_int(step) and 0 <= step <= MAX_STEP):
-                raise MarkerError(f"step {step!r} is not an integer in [0, 2^63)", path=path)
-            for f in files:
-                if not (_is_int(f.size) and f.size >= 0 and isinstance(f.sha256, str)):
-                    raise MarkerError(
-                        f"file {f.path!r}: its size and sha256 are a {type(f.size).__name__} and a "
-                        f"{type(f.sha256).__name__}, not a non-negative integer and a string",
-                        path=path,
-                    )
-                if not _SHA256_RE.fullmatch(f.sha256):
-                    raise MarkerError(
-                        f"file {f.path!r}: sha256 {f.sha256[:80]!r} is not 64 hex digits", path=path
-                    )
-            check_file_tree([f.path for f in files], what="file", path=path)
-            return cls(
-                step=step,
-                files=files,
-                created=float(d.get("created", 0.0)),
-                metadata=dict(d.get("metadata") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise MarkerError(f"malformed manifest: {e!r}", path=path) from None
 
 
 def export_is_whole(export_dir: Path) -> bool:

@@ -22,7 +22,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from stagerd.contract import layout
-from stagerd.contract.layout import ExportManifest, ManifestFile
+from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.errors import RestoreError, SinkConflictError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn

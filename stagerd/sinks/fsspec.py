@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.contract.layout import ExportManifest, ManifestFile
+from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.contract.step.held import HeldDir
 from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point, delay_point

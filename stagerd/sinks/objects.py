@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
-from stagerd.contract.layout import ExportManifest
+from stagerd.contract.manifest import ExportManifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
 

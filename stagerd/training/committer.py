@@ -162,6 +162,9 @@ class Committer:
         payloads = check_in(
             comm, spec, "writing", local, (files, tensors, extras, time.time(), described), on_failure=cleanup
         )
+        # In rank order on every rank (its own first, each rank's differed): every node's leader writes
+        # one marker of the save, whose tensor order is the order the export fills its files in.
+        tensors = {}
         for f, t, _, _, _ in payloads:
             files.update(f)
             tensors.update(t)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
+from stagerd.contract.manifest import ExportManifest
 from stagerd.contract.step.held import refuse_links
 from stagerd.errors import SymlinkError
 from tests.cli_helpers import run_cli
@@ -239,7 +240,7 @@ def test_a_part_linked_away_mid_raw_publish_sends_only_the_steps_bytes(tmp_path,
         s.close()
     sent = sink / "raw" / step_dir.name
     assert {k: v for k, v in _tree(sent).items() if k != layout.MANIFEST_NAME} == want
-    manifest = layout.ExportManifest.from_json(json.loads((sent / layout.MANIFEST_NAME).read_bytes()))
+    manifest = ExportManifest.from_json(json.loads((sent / layout.MANIFEST_NAME).read_bytes()))
     assert {f.path: f.sha256 for f in manifest.files} == {
         k: hashlib.sha256(v).hexdigest() for k, v in want.items()
     }

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract import layout
+from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.sinks import PublishResult, Sink, open_sink
 from stagerd.sinks.fsspec import FsspecSink
@@ -53,12 +54,12 @@ def test_redact_url_hides_passwords_and_secret_params():
 
 
 def test_verify_listing_names_every_problem():
-    m = layout.ExportManifest(
+    m = ExportManifest(
         step=3,
         files=(
-            layout.ManifestFile("a", 1, "00"),
-            layout.ManifestFile("b", 2, "00"),
-            layout.ManifestFile("c", 3, "00"),
+            ManifestFile("a", 1, "00"),
+            ManifestFile("b", 2, "00"),
+            ManifestFile("c", 3, "00"),
         ),
     )
     remote = {"a": RemoteObject(1, "X"), "b": RemoteObject(5)}
