@@ -144,6 +144,48 @@ def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done
         assert r.skipped and done.is_file() == (k == 0)
 
 
+def test_two_hub_sinks_each_have_their_own_record_and_done_waits_for_both(tmp_path, dcp_mixed2):
+    """With Hub sinks a and b, a's record says nothing of b: node 1's lane for b still waits (it took the one
+    `hub.json` for b's too and retired its step), and `done.json`, after which retention may take node 1's
+    claim (which its lanes take for done), comes only once b's record is there as well."""
+    from stagerd.daemon.fleet.hub import hub_record_key, publish_to_hub
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex = tmp_path / "exchange"
+    exchange, staging = (FsspecSink.from_url(u) for u in (ex.as_uri(), (ex / "export").as_uri()))
+    hubs = [FsspecSink.from_url((tmp_path / h).as_uri()) for h in ("a", "b")]  # never called: recorded
+    exchange.backend.create(f"fleet/{NAME}/node-00001.json", b"{}")  # node 1's claim, as its export made
+    done = ex / "fleet" / NAME / "done.json"
+
+    def lane(k: int, hub: FsspecSink) -> object:
+        try:
+            return publish_to_hub(
+                STEP,
+                node_dirs[k],
+                tmp_path / "w",
+                hub,
+                staging,
+                exchange,
+                staging.url,
+                exchange_store=RemoteStore.open(ex.as_uri()),
+                wait_seconds=0.3,
+                poll_seconds=0.05,
+                hubs=[h.url for h in hubs],
+            )
+        except FleetWaitError as e:
+            return e
+
+    exchange.backend.create(hub_record_key(STEP, hubs[0].url), b'{"location": "a"}')
+    assert getattr(lane(1, hubs[0]), "skipped", False) and getattr(lane(0, hubs[0]), "skipped", False)
+    assert not done.exists() and not (ex / hub_record_key(STEP)).exists()
+    assert "to the Hub sink " + hubs[1].url in str(lane(1, hubs[1]))
+    exchange.backend.create(hub_record_key(STEP, hubs[1].url), b'{"location": "b"}')
+    assert getattr(lane(0, hubs[1]), "skipped", False) and done.is_file()
+    assert getattr(lane(1, hubs[1]), "skipped", False)
+
+
 def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
     """The leader waits 1 s of its 1.5 s for node 1's raw part, builds its files, then waits for node 1's:
     a new wait, with the whole setting, as documented. It used to share one deadline with everything

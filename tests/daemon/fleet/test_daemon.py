@@ -151,14 +151,15 @@ def _status(root: Path) -> str:
     return r.stdout
 
 
-def _await_status(root: Path, text: str, timeout: float = 60) -> str:
+def _await_status(root: Path, text: str, timeout: float = 60, without: str | None = None) -> str:
     deadline, out = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
-        out = _status(root)
-        if text in out:
+        r = run_cli(["status", root], env={"COLUMNS": "200"})
+        out = r.stdout + r.stderr  # no journal yet, until the daemon has started
+        if text in out and (without is None or without not in out):
             return out
         time.sleep(0.3)
-    raise AssertionError(f"`stagerd status` never showed {text!r}; last:\n{out}")
+    raise AssertionError(f"`stagerd status` never showed {text!r} (without {without!r}); last:\n{out}")
 
 
 def test_three_node_daemons_one_late_show_the_wait_in_status_then_publish_the_single_export(
@@ -276,3 +277,47 @@ def test_the_wait_for_a_node_is_in_healthz_detail_and_the_metrics(tmp_path, dcp_
     finally:
         p.terminate()
         p.communicate(timeout=60)
+
+
+def test_two_hub_sinks_each_get_the_step_and_each_wait_is_shown_on_its_own(tmp_path, dcp_mixed2):
+    """Two Hub sinks: node 0's two lanes each download and publish the step (they once shared one work
+    directory and one `hub.json`, so one lane removed the other's download and sink b never got the step,
+    while node 1 took b's record for a's and retired its step). With b's commits held, node 1's lane for a
+    is done while its lane for b waits: /healthz and `stagerd status` show that wait, keyed by sink, and
+    a's ending has not cleared it. Released, b gets its commit and tag too."""
+    import json
+    import urllib.request
+
+    from huggingface_hub import HfApi
+
+    from tests.daemon_helpers import free_port
+    from tests.hubserver import HubServer
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex, port = tmp_path / "exchange", free_port()
+    with HubServer() as hub:
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}
+        hub.hang(r"/acme/b/commit/", method="POST")
+        args = ["--sink", "hf://acme/b", "--exchange", ex.as_uri(), "--fleet-wait-seconds", "60"]
+        procs = [
+            _watch(d.parent, "hf://acme/a", *args, *(["--metrics-port", str(port)] * k), env=env)
+            for k, d in enumerate(node_dirs)
+        ]
+        try:
+            wait_b = f"waiting for node 0 to publish step {STEP} to the Hub sink hf://acme/b"
+            # a's lane ends first: b's wait is still there, on its own line
+            shown = _await_status(node_dirs[1].parent, f"step {STEP} [2]: {wait_b}", without="[1] waiting")
+            assert "published" in shown, shown
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                fleet = json.loads(r.read())["fleet"]
+            assert list(fleet) == [f"{STEP} on hf://acme/b"] and fleet[f"{STEP} on hf://acme/b"].startswith(
+                wait_b
+            ), fleet
+        finally:
+            hub.unhang()
+        results = [_done(p) for p in procs]
+        assert [rc for rc, _ in results] == [0, 0], results
+        api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        for repo in ("acme/a", "acme/b"):
+            assert {t.name for t in api.list_repo_refs(repo).tags} == {f"step-{STEP}"}, repo
+    assert "waiting" not in _status(node_dirs[1].parent)
