@@ -107,9 +107,11 @@ def publish_to_hub(
         check_listing(store, prefix, manifest)
         files = tuple(f for f in manifest.files if f.path != layout.MANIFEST_NAME)
         with Progress(x) as progress:  # for the other nodes' Hub lanes, waiting for the record
-            fetched = progress.doing("downloading the export for the Hub")
+            # each named by its sink: a report counts only when its work advanced, and the bytes of a second
+            # Hub sink are the first's again, yet new work
+            fetched = progress.doing(f"downloading the export for {hub.url}")
             download(store, prefix, files, work, progress=fetched)
-            sent = progress.doing("publishing it to the Hub")
+            sent = progress.doing(f"publishing it to {hub.url}")
             result = hub.publish(work, step, metadata=dict(marker.metadata), progress=sent)
     finally:
         store.close()
