@@ -74,6 +74,7 @@ class FleetOptions:
     poll_seconds: float = 0.5
     threads: int = 2
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
+    hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
 
 
 @dataclass
@@ -248,7 +249,9 @@ class FleetNode:
         """What every node's daemon must agree on, named in its claim."""
         mapping = self.opt.mapping if self.marker.hub_plan is None else None
         o = self.opt
-        return settings_of(self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub)
+        return settings_of(
+            self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub, o.hubs
+        )
 
     def _wait_settings(self) -> None:
         """Every other node's claim names this node's settings. A node restarted with fixed ones rewrites

@@ -109,6 +109,7 @@ class FleetTasks(DaemonState):
                     wait_seconds=s.fleet_wait_seconds,
                     threads=s.export_threads,
                     hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
+                    hubs=tuple(u for u, sink in self._sinks.items() if not isinstance(sink, FsspecSink)),
                 ),
                 self._fleet_status(step),
             ).run()

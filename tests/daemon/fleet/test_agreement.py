@@ -243,11 +243,12 @@ def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception
         return e
 
 
-@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype"])
+@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype", "hubs"])
 def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build(
     tmp_path, dcp_mixed2, differs
 ):
-    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size. Before, the
+    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size, or a Hub sink
+    node 0 has not (its lane for it waited for ever for node 0's publish to it). Before, the
     leader waited forever for files nobody would build (records on the second sink; names of another
     plan) while node 1 uploaded files of its own plan, and, with one sink, saw that sink committed and
     called the step published: its retention could delete the staged step the second sink still needed.
@@ -267,8 +268,15 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
         sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
         shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
         dtype = "fp16" if k_ == 1 and differs == "dtype" else "bf16"
+        # Hub sinks: node 1's lane for b would wait for ever for a leader that publishes to a alone
+        hubs = ("hf://acme/a", "hf://acme/b")[: 1 if k_ == 0 and differs == "hubs" else 2]
         opts = FleetOptions(
-            dtype=dtype, max_shard_size=shard, wait_seconds=5 if fixed else 0.5, poll_seconds=0.05
+            dtype=dtype,
+            max_shard_size=shard,
+            wait_seconds=5 if fixed else 0.5,
+            poll_seconds=0.05,
+            hub=True,
+            hubs=hubs,
         )
         node = FleetNode(
             node_dirs[k],
@@ -299,6 +307,19 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
         t.join(60)
     assert all(isinstance(r, FleetResult) for r in out.values()), out
     assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
+
+
+def test_a_claim_by_an_older_stagerd_naming_no_hub_sinks_still_agrees():
+    """An older stagerd's claim names no `hubs`: not compared (a fleet mid-upgrade goes on); one that
+    names others is the ConfigError."""
+    from stagerd.daemon.fleet.records import settings_errors, settings_of
+
+    mine = settings_of([], "bf16", None, 1500, None, True, ["hf://acme/a"])["settings"]
+    older = {n: v for n, v in mine.items() if n != "hubs"}
+    assert settings_errors(STEP, 0, {1: {"settings": older}}, mine, "x") == []
+    other = settings_of([], "bf16", None, 1500, None, True, ["hf://acme/b"])
+    ((k, err),) = settings_errors(STEP, 0, {1: other}, mine, "x")
+    assert k == 1 and "hubs: " in str(err)
 
 
 def test_an_unreadable_mapping_is_still_a_hub_plan_error(tmp_path, dcp_mixed2):
