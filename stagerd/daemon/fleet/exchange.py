@@ -14,7 +14,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import FleetWaitError, StagerdError
+from stagerd.errors import FleetWaitError, SinkConflictError, StagerdError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
@@ -59,8 +59,26 @@ class StepExchange:
         return f"{self.base}/{RECORDS_DIR}/{sink_id(sink.url)}/{name}.json"
 
     def record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
-        data = self.exchange.backend.read(self.record_key(sink, name))
-        return None if data is None else dict(json.loads(data))
+        return self.read_json(self.record_key(sink, name))
+
+    def read_json(self, key: str) -> dict[str, Any] | None:
+        """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by
+        another tool, or damaged) is a named error naming it, never taken for a claim or a record."""
+        data = self.exchange.backend.read(key)
+        if data is None:
+            return None
+        try:
+            d = json.loads(data)
+        except ValueError:
+            d = None
+        if not isinstance(d, dict):
+            raise SinkConflictError(
+                f"step {self.step}: {key} on the exchange is not JSON of a fleet claim or record",
+                path=f"{self.exchange.url}/{key}",
+                hint="stagerd did not write it; remove it from the exchange (the node it names writes its "
+                f"own again), then run `stagerd retry ROOT --step {self.step}` on every node",
+            )
+        return d
 
     def progress_key(self, node: int) -> str:
         return f"{self.base}/{PROGRESS_DIR}/node-{node:05d}.json"

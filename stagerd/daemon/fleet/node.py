@@ -221,7 +221,7 @@ class FleetNode:
         ).encode()
         if self.x.create(key, mine):
             return
-        theirs = json.loads(self.exchange.backend.read(key) or b"{}")
+        theirs = self.x.read_json(key) or {}
         if theirs.get("root") != self.root_id:
             raise FleetNodeConflictError(
                 f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
@@ -260,7 +260,7 @@ class FleetNode:
 
         def agreed() -> bool:
             keys = {k: self.x.claim_key(k) for k in range(self.nodes) if k != self.me}
-            claims = {k: json.loads(self.exchange.backend.read(key) or b"{}") for k, key in keys.items()}
+            claims = {k: self.x.read_json(key) or {} for k, key in keys.items()}
             where = f"{self.exchange.url}/{self.base}"
             found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
             return not found

@@ -14,7 +14,13 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetResult
-from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, StepConflictError
+from stagerd.errors import (
+    ConfigError,
+    FleetNodeConflictError,
+    FleetWaitError,
+    StagerdError,
+    StepConflictError,
+)
 from tests.daemon.fleet.test_protocol import STEP, _node, _run_all, _stage
 
 NAME = layout.step_dir_name(STEP)
@@ -345,3 +351,26 @@ def test_a_malformed_config_extra_is_refused_as_one_daemon_refuses_it(tmp_path, 
     assert isinstance(results[0], ExtrasError) and "generation_config.json" in str(results[0]), results
     assert isinstance(results[1], FleetWaitError), results
     assert not (sink / "fleet" / NAME / "node-00000.json").exists() and not (sink / NAME).exists()
+
+
+@pytest.mark.parametrize("what", ["claim", "record"])
+def test_an_unreadable_claim_or_record_on_the_exchange_is_a_named_error(tmp_path, dcp_mixed2, what):
+    """Node 1's claim, or the record of a file it builds, is not JSON on the exchange (written by another
+    tool, or damaged): each daemon that read it failed with a bare `JSONDecodeError` ("Expecting property
+    name enclosed in double quotes"), no path nor hint, retried for ever. Now a named error naming the key, and nothing
+    is committed."""
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    url = sink.as_uri()
+    from stagerd.daemon.fleet.records import sink_id
+
+    key = f"fleet/{NAME}/node-00001.json"
+    if what == "record":
+        key = f"fleet/{NAME}/done/{sink_id(url)}/model-00001-of-00005.safetensors.json"
+    FsspecSink.from_url(url).backend.write(key, b"{not json")
+    out = _run_all(node_dirs, url, wait_seconds=1)
+    assert all(isinstance(r, StagerdError) for r in out), out  # each named; node 0 may only wait
+    assert any(key in str(r) and "not JSON" in str(r) and not r.retryable for r in out), out
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()
