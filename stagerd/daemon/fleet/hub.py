@@ -43,9 +43,18 @@ def hub_record_key(step: int, url: str | None = None) -> str:
 
 
 def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) -> bool:
-    """Hub sink `url` holds `step`: its record, or an older stagerd's if it is the fleet's one Hub sink."""
-    keys = [hub_record_key(step, url)] + ([hub_record_key(step)] if len(hubs) == 1 else [])
-    return any(exchange.backend.read(k) is not None for k in keys)
+    """Hub sink `url` holds `step`: its record, or (the fleet's one Hub sink) the record an older stagerd
+    knows, unless that names another sink (the fleet's Hub sink since changed)."""
+    if exchange.backend.read(hub_record_key(step, url)) is not None:
+        return True
+    old = exchange.backend.read(hub_record_key(step)) if len(hubs) == 1 else None
+    if old is None:
+        return False
+    try:
+        named = json.loads(old).get("sink") or url  # an older stagerd's names none
+    except (ValueError, AttributeError):
+        named = url
+    return bool(sink_id(str(named)) == sink_id(url))
 
 
 def _done_if_all(x: StepExchange, exchange: FsspecSink, step: int, hubs: Sequence[str]) -> None:

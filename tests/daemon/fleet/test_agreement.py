@@ -165,7 +165,7 @@ def test_two_hub_sinks_each_have_their_own_record_and_done_waits_for_both(tmp_pa
     exchange.backend.create(f"fleet/{NAME}/node-00001.json", b"{}")  # node 1's claim, as its export made
     done = ex / "fleet" / NAME / "done.json"
 
-    def lane(k: int, hub: FsspecSink) -> object:
+    def lane(k: int, hub: FsspecSink, of: list[FsspecSink] = hubs) -> object:
         try:
             return publish_to_hub(
                 STEP,
@@ -178,7 +178,7 @@ def test_two_hub_sinks_each_have_their_own_record_and_done_waits_for_both(tmp_pa
                 exchange_store=RemoteStore.open(ex.as_uri()),
                 wait_seconds=0.3,
                 poll_seconds=0.05,
-                hubs=[h.url for h in hubs],
+                hubs=[h.url for h in of],
             )
         except FleetWaitError as e:
             return e
@@ -190,6 +190,12 @@ def test_two_hub_sinks_each_have_their_own_record_and_done_waits_for_both(tmp_pa
     exchange.backend.create(hub_record_key(STEP, hubs[1].url), b'{"location": "b"}')
     assert getattr(lane(0, hubs[1]), "skipped", False) and done.is_file()
     assert getattr(lane(1, hubs[1]), "skipped", False)
+    # one Hub sink: the record an older stagerd knows stands for it, unless it names another sink
+    exchange.backend.create(hub_record_key(STEP), json.dumps({"location": "x", "sink": hubs[0].url}).encode())
+    c = FsspecSink.from_url((tmp_path / "c").as_uri())
+    assert isinstance(lane(1, c, [c]), FleetWaitError)
+    exchange.backend.write(hub_record_key(STEP), b'{"location": "x"}')
+    assert getattr(lane(1, c, [c]), "skipped", False)
 
 
 def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
@@ -357,8 +363,8 @@ def test_a_malformed_config_extra_is_refused_as_one_daemon_refuses_it(tmp_path, 
 def test_an_unreadable_claim_or_record_on_the_exchange_is_a_named_error(tmp_path, dcp_mixed2, what):
     """Node 1's claim, or the record of a file it builds, is not JSON on the exchange (written by another
     tool, or damaged): each daemon that read it failed with a bare `JSONDecodeError` ("Expecting property
-    name enclosed in double quotes"), no path nor hint, retried for ever. Now a named error naming the key, and nothing
-    is committed."""
+    name enclosed in double quotes"), no path nor hint, retried for ever. Now a named error naming the key,
+    and nothing is committed."""
     from stagerd.sinks.fsspec import FsspecSink
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
