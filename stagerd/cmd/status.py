@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.set_defaults(func=run)
 
 
-_Read = tuple[dict[str, Any], list[Any], list[Any], dict[str, int], dict[int, str]]
+_Read = tuple[dict[str, Any], list[Any], list[Any], dict[str, int], dict[int, dict[str | None, str]]]
 
 
 def _read_journal(root: Path, *, include_retired: bool) -> _Read:
@@ -123,15 +123,15 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         low_bytes=int(meta.get("low_disk_free_bytes", 0)),
     )
     by_step: dict[int, list[dict[str, Any]]] = {}
-    for ln in lanes:
-        by_step.setdefault(ln.step, []).append(asdict(ln))
+    for ln in lanes:  # a lane's "waiting": a Hub lane of a fleet step, for the leader's publish
+        by_step.setdefault(ln.step, []).append({**asdict(ln), "waiting": waits.get(ln.step, {}).get(ln.sink)})
     now = time.time()
     out_steps = []
     for s in steps:
         d = asdict(s)
         d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
-        d["waiting"] = waits.get(s.step)  # a fleet step: "waiting for node k (seen: ...)"
+        d["waiting"] = waits.get(s.step, {}).get(None)  # a fleet step: "waiting for node k (seen: ...)"
         d["age_seconds"] = round(now - s.marker_mtime, 3)
         d["pinned"] = s.state != RETIRED and pinned(
             root, s.step

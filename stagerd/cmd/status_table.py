@@ -68,6 +68,12 @@ def _errors(step: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str
     return out
 
 
+def _waits(step: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str]]:
+    """(where, what) of each wait of the step: its export's, then each Hub lane's, each on its own."""
+    out = [("", step["waiting"])] if step.get("waiting") else []
+    return out + [(labels[ln["sink"]], ln["waiting"]) for ln in step["lanes"] if ln.get("waiting")]
+
+
 def _plain(markup: str) -> str:
     return re.sub(r"\[/?[a-z ]*\]", "", markup)
 
@@ -89,8 +95,9 @@ def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list
         state = s["state"]
         color = _STATE_COLOR.get(state)
         first = errors[0] if errors else None
-        if s.get("waiting"):  # what the step waits for says more than the error its last wait ended in
-            first, errors = ("", s["waiting"], None), [("", s["waiting"], None), *errors]
+        waits = [(where, text, None) for where, text in _waits(s, labels)]
+        if waits:  # what the step waits for says more than the error its last wait ended in
+            first, errors = waits[0], [*waits, *errors]
         row = {
             "step": str(s["step"]),
             "state": (f"[{color}]{state}[/]" if color else state) + " (pinned)" * bool(s.get("pinned")),
@@ -181,11 +188,12 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
     console.print(counts or "no steps yet")
-    waiting = [(s["step"], s["waiting"]) for s in doc["steps"] if s.get("waiting")]
+    waiting = [(s["step"], w) for s in doc["steps"] for w in _waits(s, labels)]
     if waiting:
         console.print("\nwaiting:")
-        for step, text in waiting:
-            console.print(escape(f"  step {step}: {text}"), overflow="fold")
+        for step, (where, text) in waiting:
+            place = f" {where}" if where else ""
+            console.print(escape(f"  step {step}{place}: {text}"), overflow="fold")
     failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels)]
     if failed:
         console.print("\nerrors:")

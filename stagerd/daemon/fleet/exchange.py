@@ -10,11 +10,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import FleetWaitError, StagerdError
+from stagerd.errors import FleetWaitError, SinkAuthError, SinkConflictError, SinkError, StagerdError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
@@ -26,6 +26,7 @@ RECORDS_DIR = "done"  # one record per sink and built file
 MAX_PROGRESS_BYTES = 4096
 
 log = logging.getLogger("stagerd.fleet")
+T = TypeVar("T")
 
 
 class StepExchange:
@@ -59,8 +60,26 @@ class StepExchange:
         return f"{self.base}/{RECORDS_DIR}/{sink_id(sink.url)}/{name}.json"
 
     def record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
-        data = self.exchange.backend.read(self.record_key(sink, name))
-        return None if data is None else dict(json.loads(data))
+        return self.read_json(self.record_key(sink, name))
+
+    def read_json(self, key: str) -> dict[str, Any] | None:
+        """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by
+        another tool, or damaged) is a named error naming it, never taken for a claim or a record."""
+        data = _named(self.exchange.url, key, lambda: self.exchange.backend.read(key))
+        if data is None:
+            return None
+        try:
+            d = json.loads(data)
+        except ValueError:
+            d = None
+        if not isinstance(d, dict):
+            raise SinkConflictError(
+                f"step {self.step}: {key} on the exchange is not JSON of a fleet claim or record",
+                path=f"{self.exchange.url}/{key}",
+                hint="stagerd did not write it; remove it from the exchange (the node it names writes its "
+                f"own again), then run `stagerd retry ROOT --step {self.step}` on every node",
+            )
+        return d
 
     def progress_key(self, node: int) -> str:
         return f"{self.base}/{PROGRESS_DIR}/node-{node:05d}.json"
@@ -104,17 +123,21 @@ class StepExchange:
         return "".join(c if c.isprintable() else "?" for c in d["doing"][:200]), d["bytes"]
 
     def create(self, key: str, data: bytes) -> bool:
-        return self.exchange.backend.create(key, data)
+        return _named(self.exchange.url, key, lambda: self.exchange.backend.create(key, data))
 
     def read(self, key: str, start: int, end: int) -> bytes:
-        data: bytes = self.store.fs.cat_file(self.store.path(key), start=start, end=end)
+        data: bytes = _named(
+            self.exchange.url, key, lambda: self.store.fs.cat_file(self.store.path(key), start=start, end=end)
+        )
         return data
 
     def upload(
         self, sink: FsspecSink, files: list[LocalFile], progress: Callable[[int, int], None] | None = None
     ) -> list[Uploaded]:
         prefix = layout.step_dir_name(self.step)
-        return sink.backend.upload(prefix, files, ByteProgress(sum(f.size for f in files), progress))
+        sent = ByteProgress(sum(f.size for f in files), progress)
+        out: list[Uploaded] = _named(sink.url, prefix, lambda: sink.backend.upload(prefix, files, sent))
+        return out
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),
@@ -140,6 +163,19 @@ class StepExchange:
             time.sleep(self.poll_seconds)
             self.waited += self.poll_seconds
         self.status("", 0)
+
+
+def _named(url: str, key: str, fn: Callable[[], T]) -> T:
+    """One store operation of the fleet (which calls the backends directly, not through a sink's publish):
+    an OS-level failure is the named sink error a single daemon's publish gives it, naming the key."""
+    try:
+        return fn()
+    except StagerdError:
+        raise
+    except PermissionError as e:
+        raise SinkAuthError(f"permission denied: {e.strerror or e}", path=f"{url}/{key}") from None
+    except OSError as e:
+        raise SinkError(f"{type(e).__name__}: {e.strerror or e}", path=f"{url}/{key}") from None
 
 
 class Progress:

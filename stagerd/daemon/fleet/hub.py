@@ -3,10 +3,14 @@
 With only a Hub sink, the fleet builds the export on the exchange (`EXCHANGE/export/step-N/`, manifest
 last) exactly as it would on an fsspec sink. Node 0's Hub lane then downloads it, checked against its
 manifest, and hands it to `HubSink.publish`: one commit and one tag per step, as for one daemon. It then
-creates `fleet/step-N/hub.json` on the exchange; the other nodes' Hub lanes wait for that record, so no
-node's staged step is retired before the Hub holds the step. They wait as every fleet wait does
-(`StepExchange.wait`): until `fleet_wait_seconds` pass with node 0's work not advancing, which node 0
-reports (`Progress`) while it downloads the export and while the Hub takes it; then `FleetWaitError`.
+creates that Hub sink's record, `fleet/step-N/hub/SINK.json`, on the exchange; the other nodes' lanes for
+that sink wait for it, so no node's staged step is retired before every Hub sink holds the step. Each Hub
+sink has its own record and its own download: with two, one sink's record never stands for the other's.
+`done.json` (retention may take the step's records) follows only once every Hub sink's record is there.
+A fleet with one Hub sink also writes, and accepts, the record an older stagerd knows (`hub.json`).
+The other nodes wait as every fleet wait does (`StepExchange.wait`): until `fleet_wait_seconds` pass with
+node 0's work not advancing, which node 0 reports (`Progress`) while it downloads the export and while the
+Hub takes it; then `FleetWaitError`.
 **Limit**: the leader downloads the whole export for the Hub (the Hub takes a commit from one client), so
 this lane is not split over the nodes.
 """
@@ -16,11 +20,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.exchange import Progress, StepExchange
+from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkError
 from stagerd.sinks.base import PublishResult, Sink
 from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manifest, step_prefix
@@ -30,8 +35,33 @@ from stagerd.sinks.prune import FLEET_DONE
 EXPORT_PREFIX = "export"
 
 
-def hub_record_key(step: int) -> str:
-    return f"fleet/{layout.step_dir_name(step)}/hub.json"
+def hub_record_key(step: int, url: str | None = None) -> str:
+    """Hub sink `url`'s record that it holds `step`; None: the one record of an older stagerd, which knew a
+    single Hub sink."""
+    base = f"fleet/{layout.step_dir_name(step)}"
+    return f"{base}/hub.json" if url is None else f"{base}/hub/{sink_id(url)}.json"
+
+
+def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) -> bool:
+    """Hub sink `url` holds `step`: its record, or (the fleet's one Hub sink) the record an older stagerd
+    knows, unless that names another sink (the fleet's Hub sink since changed)."""
+    if exchange.backend.read(hub_record_key(step, url)) is not None:
+        return True
+    old = exchange.backend.read(hub_record_key(step)) if len(hubs) == 1 else None
+    if old is None:
+        return False
+    try:
+        named = json.loads(old).get("sink") or url  # an older stagerd's names none
+    except (ValueError, AttributeError):
+        named = url
+    return bool(sink_id(str(named)) == sink_id(url))
+
+
+def _done_if_all(x: StepExchange, exchange: FsspecSink, step: int, hubs: Sequence[str]) -> None:
+    """Node 0: `done.json` (retention may take the step's records, node 1..N's claims among them, which
+    their lanes take for done) once every Hub sink's record is there; the last lane to record writes it."""
+    if all(_recorded(exchange, step, u, hubs) for u in hubs):
+        exchange.backend.create(f"{x.base}/{FLEET_DONE}", b"{}")
 
 
 def publish_to_hub(
@@ -47,28 +77,32 @@ def publish_to_hub(
     wait_seconds: float,
     poll_seconds: float = 0.5,
     status: Callable[[str, int], None] | None = None,
+    hubs: Sequence[str] = (),
 ) -> PublishResult:
-    """Node 0: the committed export from `staging` to `hub`, then the record; the others: the record,
-    awaited on the exchange (read through `exchange_store`) as every fleet wait is."""
+    """Node 0: the committed export from `staging` to `hub`, then its record; the others: that record,
+    awaited on the exchange (read through `exchange_store`) as every fleet wait is. `hubs`: the URL of
+    every Hub sink of the fleet (`hub`'s alone when empty); `work` must be this sink's own."""
     t0 = time.monotonic()
+    hubs = tuple(hubs) or (hub.url,)
     marker = layout.read_marker(step_dir)
     me = marker.staging_node
     x = StepExchange(
         exchange, exchange_store, step, me, marker.staging_nodes, wait_seconds, poll_seconds, status or _quiet
     )
-    if exchange.backend.read(hub_record_key(step)) is not None:
+    if _recorded(exchange, step, hub.url, hubs):
         if me == 0:  # a leader killed between the Hub record and `done.json`
-            exchange.backend.create(f"{x.base}/{FLEET_DONE}", b"{}")
+            _done_if_all(x, exchange, step, hubs)
         return _skipped(hub.url, step, t0)
     if me != 0:
         # done too once this node's own claim, made before its export ended, is gone: remote retention took
-        # the step's records, which it does only once the leader recorded it done, after the Hub record
+        # the step's records, which it does only once the leader recorded it done, after every Hub record
         x.wait(
             lambda: (
-                exchange.backend.read(hub_record_key(step)) is not None
-                or exchange.backend.read(x.claim_key(me)) is None
+                _recorded(exchange, step, hub.url, hubs) or exchange.backend.read(x.claim_key(me)) is None
             ),
-            lambda: f"waiting for node 0 to publish step {step} to the Hub{x.progress_of([0])}",
+            lambda: (
+                f"waiting for node 0 to publish step {step} to the Hub sink {hub.url}{x.progress_of([0])}"
+            ),
         )
         return _skipped(hub.url, step, t0)
     if not staging.is_published(step):
@@ -82,15 +116,20 @@ def publish_to_hub(
         check_listing(store, prefix, manifest)
         files = tuple(f for f in manifest.files if f.path != layout.MANIFEST_NAME)
         with Progress(x) as progress:  # for the other nodes' Hub lanes, waiting for the record
-            fetched = progress.doing("downloading the export for the Hub")
+            # each named by its sink: a report counts only when its work advanced, and the bytes of a second
+            # Hub sink are the first's again, yet new work
+            fetched = progress.doing(f"downloading the export for {hub.url}")
             download(store, prefix, files, work, progress=fetched)
-            sent = progress.doing("publishing it to the Hub")
+            sent = progress.doing(f"publishing it to {hub.url}")
             result = hub.publish(work, step, metadata=dict(marker.metadata), progress=sent)
     finally:
         store.close()
         shutil.rmtree(work, ignore_errors=True)
-    exchange.backend.create(hub_record_key(step), json.dumps({"location": result.location}).encode())
-    exchange.backend.create(f"{x.base}/{FLEET_DONE}", b"{}")  # retention may go on
+    record = json.dumps({"location": result.location, "sink": hub.url}).encode()
+    exchange.backend.create(hub_record_key(step, hub.url), record)
+    if len(hubs) == 1:  # what an older node's lane waits for
+        exchange.backend.create(hub_record_key(step), record)
+    _done_if_all(x, exchange, step, hubs)  # retention may go on
     return result
 
 

@@ -74,6 +74,7 @@ class FleetOptions:
     poll_seconds: float = 0.5
     threads: int = 2
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
+    hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
 
 
 @dataclass
@@ -220,7 +221,7 @@ class FleetNode:
         ).encode()
         if self.x.create(key, mine):
             return
-        theirs = json.loads(self.exchange.backend.read(key) or b"{}")
+        theirs = self.x.read_json(key) or {}
         if theirs.get("root") != self.root_id:
             raise FleetNodeConflictError(
                 f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
@@ -248,7 +249,9 @@ class FleetNode:
         """What every node's daemon must agree on, named in its claim."""
         mapping = self.opt.mapping if self.marker.hub_plan is None else None
         o = self.opt
-        return settings_of(self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub)
+        return settings_of(
+            self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub, o.hubs
+        )
 
     def _wait_settings(self) -> None:
         """Every other node's claim names this node's settings. A node restarted with fixed ones rewrites
@@ -257,7 +260,7 @@ class FleetNode:
 
         def agreed() -> bool:
             keys = {k: self.x.claim_key(k) for k in range(self.nodes) if k != self.me}
-            claims = {k: json.loads(self.exchange.backend.read(key) or b"{}") for k, key in keys.items()}
+            claims = {k: self.x.read_json(key) or {} for k, key in keys.items()}
             where = f"{self.exchange.url}/{self.base}"
             found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
             return not found

@@ -84,8 +84,12 @@ def settings_of(
     max_shard_size: int,
     mapping: Path | None,
     hub: bool,
+    hubs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """A claim's settings: the sinks (their record ids, in order) and what decides the plan."""
+    """A claim's settings: the sinks (their record ids, in order), the Hub sinks' (where there are any:
+    each node's lanes wait for the leader's publish to its own, which a leader without that sink never
+    makes), and what decides the plan."""
+    hub_ids = {"hubs": [sink_id(u) for u in hubs]} if hubs else {}
     return {
         "settings": {
             "sinks": [sink_id(s.url) for s in sinks],
@@ -94,8 +98,12 @@ def settings_of(
             "max_shard_size": max_shard_size,
             "mapping": None if mapping is None else _sha256_of(mapping),
             "hub": hub,
+            **hub_ids,
         }
     }
+
+
+_NEWER = ("hubs",)  # settings a claim by an older stagerd does not name: compared only where both do
 
 
 def _sha256_of(mapping: Path) -> str:
@@ -113,15 +121,21 @@ def settings_errors(
     out = []
     for k, claim in sorted(claims.items()):
         theirs = claim.get("settings")
-        if theirs is None or theirs == mine:
+        if theirs is None:
+            continue
+        both = {n for n in _NEWER if n in theirs and n in mine}
+        theirs = {n: v for n, v in theirs.items() if n not in _NEWER or n in both}
+        ours = {n: v for n, v in mine.items() if n not in _NEWER or n in both}
+        if theirs == ours:
             continue
         diff = ", ".join(
-            f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in mine.items() if theirs.get(n) != v
+            f"{n}: {theirs.get(n)!r} against {v!r}" for n, v in ours.items() if theirs.get(n) != v
         )
         err = ConfigError(
             f"step {step}: node {k}'s daemon runs with other settings than node {me}'s ({diff})",
             path=f"{where}/node-{k:05d}.json",
-            hint="every node's daemon must run with the same --sink URLs (in order), --dtype, --keep-dtype, "
+            hint="every node's daemon must run with the same --sink URLs (in order, Hub sinks too), --dtype, "
+            "--keep-dtype, "
             "--max-shard-size and --mapping; fix it and restart it (its claim is rewritten), then run "
             f"`stagerd retry ROOT --step {step}` on every node",
         )

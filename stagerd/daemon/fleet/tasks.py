@@ -10,6 +10,7 @@ URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then p
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,15 @@ from stagerd.sinks.fsspec import FsspecSink
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
     from stagerd.sinks.fetch import RemoteStore
+
+
+# One lock for every daemon of the process (there is one, but for tests): the waits change rarely.
+_WAITS_LOCK = threading.Lock()
+
+
+def wait_key(step: int, sink: str | None) -> str:
+    """A wait's key in /healthz's `fleet`: "7" for the export's, "7 on hf://org/a" for a Hub lane's."""
+    return str(step) if sink is None else f"{step} on {sink}"
 
 
 def is_fleet_step(step_dir: Path) -> bool:
@@ -99,6 +109,7 @@ class FleetTasks(DaemonState):
                     wait_seconds=s.fleet_wait_seconds,
                     threads=s.export_threads,
                     hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
+                    hubs=tuple(u for u, sink in self._sinks.items() if not isinstance(sink, FsspecSink)),
                 ),
                 self._fleet_status(step),
             ).run()
@@ -124,24 +135,43 @@ class FleetTasks(DaemonState):
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
 
-    def _fleet_status(self, step: int) -> Callable[[str, int], None]:
-        """Where a fleet wait of `step` reports (`StepExchange.wait`): /healthz, the metrics, the journal."""
+    def _fleet_status(self, step: int, sink: str | None = None) -> Callable[[str, int], None]:
+        """Where a fleet wait of `step` reports (`StepExchange.wait`): /healthz, the metrics, the journal.
+        `sink`: a Hub lane's wait for that sink, kept apart from the export's and from every other sink's
+        (`wait_key`), so that one lane's wait ending never clears another's."""
         said = [""]
 
         def status(text: str, missing: int) -> None:
             if not text:
-                self._fleet_wait_over(step)
+                self._fleet_wait_over(step, sink)
             else:
-                self.metrics.fleet_waiting.labels(step=str(step)).set(missing)
-                # replaced whole, never mutated: /healthz serializes it from the event loop's thread
-                self._health["fleet"] = {**self._health.get("fleet", {}), str(step): text}
+                with _WAITS_LOCK:  # lanes of one step report from their own threads
+                    self._fleet_missing()[(step, sink)] = missing
+                    self._fleet_waits_changed(step, {wait_key(step, sink): text})
             if text != said[0]:  # a journal commit per change, not per poll
                 said[0] = text
-                self._note_wait(step, text)
+                self._note_wait(step, sink, text)
 
         return status
 
-    def _note_wait(self, step: int, text: str) -> None:
+    def _fleet_waits_changed(self, step: int, health: dict[str, str], gone: str | None = None) -> None:
+        """Under `_WAITS_LOCK`: /healthz's `fleet` entries (replaced whole, never mutated: /healthz serializes
+        it from the event loop's thread) and the step's gauge, the most nodes any of its waits awaits."""
+        left = {k: v for k, v in self._health.get("fleet", {}).items() if k != gone}
+        left.update(health)
+        if left:
+            self._health["fleet"] = left
+        else:
+            self._health.pop("fleet", None)
+        most = max((n for (s, _), n in self._fleet_missing().items() if s == step), default=0)
+        self.metrics.fleet_waiting.labels(step=str(step)).set(most)
+
+    def _fleet_missing(self) -> dict[tuple[int, str | None], int]:
+        """Under `_WAITS_LOCK`: (step, sink) -> the nodes that wait awaits now."""
+        missing: dict[tuple[int, str | None], int] = vars(self).setdefault("_fleet_waiting", {})
+        return missing
+
+    def _note_wait(self, step: int, sink: str | None, text: str) -> None:
         """Worker thread: record the wait in the journal (for `stagerd status`), on the journal's thread;
         a failed write is only logged (the wait goes on, and /healthz still shows it)."""
 
@@ -150,19 +180,16 @@ class FleetTasks(DaemonState):
                 log.warning("step %d: could not record the fleet wait: %s", step, f.exception())
 
         try:
-            self._jpool.submit(self._journal.set_wait, step, text or None).add_done_callback(done)
+            self._jpool.submit(self._journal.set_wait, step, text or None, sink).add_done_callback(done)
         except RuntimeError:  # the journal's pool is shut down: a worker abandoned at shutdown, still running
             log.debug("step %d: fleet wait not recorded, the daemon has stopped", step)
 
-    def _fleet_wait_over(self, step: int, *, journal: bool = False) -> None:
+    def _fleet_wait_over(self, step: int, sink: str | None = None, *, journal: bool = False) -> None:
         if journal:
-            self._note_wait(step, "")
-        self.metrics.fleet_waiting.labels(step=str(step)).set(0)
-        left = {k: v for k, v in self._health.get("fleet", {}).items() if k != str(step)}
-        if left:
-            self._health["fleet"] = left
-        else:
-            self._health.pop("fleet", None)
+            self._note_wait(step, sink, "")
+        with _WAITS_LOCK:
+            self._fleet_missing().pop((step, sink), None)
+            self._fleet_waits_changed(step, {}, gone=wait_key(step, sink))
 
     def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
         """Lane worker: the fleet committed the step on this fsspec sink, or (a Hub sink) node 0 publishes
@@ -174,12 +201,16 @@ class FleetTasks(DaemonState):
         target = self._sinks[sink_url]
         if sink_url != url and isinstance(target, HubSink):
             from stagerd.daemon.fleet.hub import publish_to_hub
+            from stagerd.daemon.fleet.records import sink_id
 
             exchange, store = self._fleet_exchange()
             still_waiting = False
             try:
                 step_dir = self.root / layout.step_dir_name(step)
-                work = self.root / ".stagerd" / "fleet-hub" / layout.step_dir_name(step)
+                # each Hub sink its own download: two lanes of one step run at once
+                work = (
+                    self.root / ".stagerd" / "fleet-hub" / f"{layout.step_dir_name(step)}.{sink_id(sink_url)}"
+                )
                 return publish_to_hub(
                     step,
                     step_dir,
@@ -190,7 +221,8 @@ class FleetTasks(DaemonState):
                     url,
                     exchange_store=store,
                     wait_seconds=self.settings.fleet_wait_seconds,
-                    status=self._fleet_status(step),
+                    status=self._fleet_status(step, sink_url),
+                    hubs=[u for u, s in self._sinks.items() if isinstance(s, HubSink)],
                 )
             except FleetWaitError:
                 still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
@@ -199,7 +231,7 @@ class FleetTasks(DaemonState):
                 store.close()
                 exchange.close()
                 if not still_waiting:
-                    self._fleet_wait_over(step, journal=True)
+                    self._fleet_wait_over(step, sink_url, journal=True)
         if not isinstance(target, FsspecSink):
             raise SinkError(
                 f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url

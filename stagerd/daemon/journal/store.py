@@ -41,7 +41,10 @@ from stagerd.errors import JournalError
 # Live: not retired. Spelled as the states it is, so that SQLite looks them up by the state index
 # instead of reading every retired row (`!=` cannot use an index).
 _LIVE = ", ".join(f"'{s}'" for s in STEP_STATES if s != RETIRED)
-_WAIT = "fleet_wait:"  # meta key prefix of a fleet step's wait, `fleet_wait:N`
+_WAIT = "fleet_wait:"  # meta key prefix of a fleet step's export wait, `fleet_wait:N`
+# ... and of a Hub lane's, `fleet_lane_wait:N:SINK`: outside `fleet_wait:%`, whose suffix an older stagerd
+# reads as a step number, so that it still reads a journal with lane waits (and shows the export's)
+_LANE_WAIT = "fleet_lane_wait:"
 
 
 class JournalStore:
@@ -309,22 +312,36 @@ class JournalStore:
         return {(sink, state): n for sink, state, n in rows}
 
     def meta(self) -> dict[str, Any]:
-        rows = self._query("SELECT key, value FROM meta WHERE key NOT LIKE ?", (f"{_WAIT}%",))
+        rows = self._query(
+            "SELECT key, value FROM meta WHERE key NOT LIKE ? AND key NOT LIKE ?",
+            (f"{_WAIT}%", f"{_LANE_WAIT}%"),
+        )
         return {k: json.loads(v) for k, v in rows}
 
-    def set_wait(self, step: int, text: str | None) -> None:
+    def set_wait(self, step: int, text: str | None, sink: str | None = None) -> None:
         """What a fleet step waits for as it happens ("waiting for node 1 (seen: ...)"); None: it does not.
+        `sink`: the wait of the step's lane for that sink, apart from the export's and each other lane's.
 
         Kept beside the step's state rather than as one: the step stays exporting, or failed with its
         `FleetWaitError`, while `stagerd status` shows what it waits for."""
+        key = f"{_WAIT}{step}" if sink is None else f"{_LANE_WAIT}{step}:{sink}"
         with self._tx() as c:
             if text:
-                key = f"{_WAIT}{step}"
                 c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(text)))
             else:
-                c.execute("DELETE FROM meta WHERE key = ?", (f"{_WAIT}{step}",))
+                c.execute("DELETE FROM meta WHERE key = ?", (key,))
 
-    def waits(self) -> dict[int, str]:
-        """step -> what it waits for, for every fleet step waiting now (or left waiting by `--once`)."""
-        rows = self._query("SELECT key, value FROM meta WHERE key LIKE ?", (f"{_WAIT}%",))
-        return {int(k[len(_WAIT) :]): json.loads(v) for k, v in rows}
+    def waits(self) -> dict[int, dict[str | None, str]]:
+        """step -> {sink: what its lane waits for; None: what its export waits for}, for every fleet step
+        waiting now (or left waiting by `--once`)."""
+        out: dict[int, dict[str | None, str]] = {}
+        rows = self._query(
+            "SELECT key, value FROM meta WHERE key LIKE ? OR key LIKE ?", (f"{_WAIT}%", f"{_LANE_WAIT}%")
+        )
+        for k, v in rows:
+            if k.startswith(_WAIT):
+                out.setdefault(int(k[len(_WAIT) :]), {})[None] = json.loads(v)
+            else:
+                step, sink = k[len(_LANE_WAIT) :].split(":", 1)
+                out.setdefault(int(step), {})[sink] = json.loads(v)
+        return out

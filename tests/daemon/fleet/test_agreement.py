@@ -14,7 +14,13 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetResult
-from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, StepConflictError
+from stagerd.errors import (
+    ConfigError,
+    FleetNodeConflictError,
+    FleetWaitError,
+    StagerdError,
+    StepConflictError,
+)
 from tests.daemon.fleet.test_protocol import STEP, _node, _run_all, _stage
 
 NAME = layout.step_dir_name(STEP)
@@ -144,6 +150,54 @@ def test_a_hub_leader_restarted_after_the_hub_record_still_records_the_step_done
         assert r.skipped and done.is_file() == (k == 0)
 
 
+def test_two_hub_sinks_each_have_their_own_record_and_done_waits_for_both(tmp_path, dcp_mixed2):
+    """With Hub sinks a and b, a's record says nothing of b: node 1's lane for b still waits (it took the one
+    `hub.json` for b's too and retired its step), and `done.json`, after which retention may take node 1's
+    claim (which its lanes take for done), comes only once b's record is there as well."""
+    from stagerd.daemon.fleet.hub import hub_record_key, publish_to_hub
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    ex = tmp_path / "exchange"
+    exchange, staging = (FsspecSink.from_url(u) for u in (ex.as_uri(), (ex / "export").as_uri()))
+    hubs = [FsspecSink.from_url((tmp_path / h).as_uri()) for h in ("a", "b")]  # never called: recorded
+    exchange.backend.create(f"fleet/{NAME}/node-00001.json", b"{}")  # node 1's claim, as its export made
+    done = ex / "fleet" / NAME / "done.json"
+
+    def lane(k: int, hub: FsspecSink, of: list[FsspecSink] = hubs) -> object:
+        try:
+            return publish_to_hub(
+                STEP,
+                node_dirs[k],
+                tmp_path / "w",
+                hub,
+                staging,
+                exchange,
+                staging.url,
+                exchange_store=RemoteStore.open(ex.as_uri()),
+                wait_seconds=0.3,
+                poll_seconds=0.05,
+                hubs=[h.url for h in of],
+            )
+        except FleetWaitError as e:
+            return e
+
+    exchange.backend.create(hub_record_key(STEP, hubs[0].url), b'{"location": "a"}')
+    assert getattr(lane(1, hubs[0]), "skipped", False) and getattr(lane(0, hubs[0]), "skipped", False)
+    assert not done.exists() and not (ex / hub_record_key(STEP)).exists()
+    assert "to the Hub sink " + hubs[1].url in str(lane(1, hubs[1]))
+    exchange.backend.create(hub_record_key(STEP, hubs[1].url), b'{"location": "b"}')
+    assert getattr(lane(0, hubs[1]), "skipped", False) and done.is_file()
+    assert getattr(lane(1, hubs[1]), "skipped", False)
+    # one Hub sink: the record an older stagerd knows stands for it, unless it names another sink
+    exchange.backend.create(hub_record_key(STEP), json.dumps({"location": "x", "sink": hubs[0].url}).encode())
+    c = FsspecSink.from_url((tmp_path / "c").as_uri())
+    assert isinstance(lane(1, c, [c]), FleetWaitError)
+    exchange.backend.write(hub_record_key(STEP), b'{"location": "x"}')
+    assert getattr(lane(1, c, [c]), "skipped", False)
+
+
 def test_each_wait_gets_the_whole_fleet_wait_seconds(tmp_path, dcp_mixed2):
     """The leader waits 1 s of its 1.5 s for node 1's raw part, builds its files, then waits for node 1's:
     a new wait, with the whole setting, as documented. It used to share one deadline with everything
@@ -201,11 +255,12 @@ def _run_one(step_dir: Path, sink: Path, wait: float) -> FleetResult | Exception
         return e
 
 
-@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype"])
+@pytest.mark.parametrize("differs", ["sinks", "max_shard_size", "dtype", "hubs"])
 def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build(
     tmp_path, dcp_mixed2, differs
 ):
-    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size. Before, the
+    """Node 1's daemon has only the first of node 0's two sinks, or another --max-shard-size, or a Hub sink
+    node 0 has not (its lane for it waited for ever for node 0's publish to it). Before, the
     leader waited forever for files nobody would build (records on the second sink; names of another
     plan) while node 1 uploaded files of its own plan, and, with one sink, saw that sink committed and
     called the step published: its retention could delete the staged step the second sink still needed.
@@ -225,8 +280,15 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
         sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
         shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
         dtype = "fp16" if k_ == 1 and differs == "dtype" else "bf16"
+        # Hub sinks: node 1's lane for b would wait for ever for a leader that publishes to a alone
+        hubs = ("hf://acme/a", "hf://acme/b")[: 1 if k_ == 0 and differs == "hubs" else 2]
         opts = FleetOptions(
-            dtype=dtype, max_shard_size=shard, wait_seconds=5 if fixed else 0.5, poll_seconds=0.05
+            dtype=dtype,
+            max_shard_size=shard,
+            wait_seconds=5 if fixed else 0.5,
+            poll_seconds=0.05,
+            hub=True,
+            hubs=hubs,
         )
         node = FleetNode(
             node_dirs[k],
@@ -259,6 +321,19 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
     assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
 
 
+def test_a_claim_by_an_older_stagerd_naming_no_hub_sinks_still_agrees():
+    """An older stagerd's claim names no `hubs`: not compared (a fleet mid-upgrade goes on); one that
+    names others is the ConfigError."""
+    from stagerd.daemon.fleet.records import settings_errors, settings_of
+
+    mine = settings_of([], "bf16", None, 1500, None, True, ["hf://acme/a"])["settings"]
+    older = {n: v for n, v in mine.items() if n != "hubs"}
+    assert settings_errors(STEP, 0, {1: {"settings": older}}, mine, "x") == []
+    other = settings_of([], "bf16", None, 1500, None, True, ["hf://acme/b"])
+    ((k, err),) = settings_errors(STEP, 0, {1: other}, mine, "x")
+    assert k == 1 and "hubs: " in str(err)
+
+
 def test_an_unreadable_mapping_is_still_a_hub_plan_error(tmp_path, dcp_mixed2):
     """The claim names the --mapping file's sha256: a file that cannot be read is the named error the
     plan gives it (guard), never an OSError traceback."""
@@ -282,3 +357,26 @@ def test_a_malformed_config_extra_is_refused_as_one_daemon_refuses_it(tmp_path, 
     assert isinstance(results[0], ExtrasError) and "generation_config.json" in str(results[0]), results
     assert isinstance(results[1], FleetWaitError), results
     assert not (sink / "fleet" / NAME / "node-00000.json").exists() and not (sink / NAME).exists()
+
+
+@pytest.mark.parametrize("what", ["claim", "record"])
+def test_an_unreadable_claim_or_record_on_the_exchange_is_a_named_error(tmp_path, dcp_mixed2, what):
+    """Node 1's claim, or the record of a file it builds, is not JSON on the exchange (written by another
+    tool, or damaged): each daemon that read it failed with a bare `JSONDecodeError` ("Expecting property
+    name enclosed in double quotes"), no path nor hint, retried for ever. Now a named error naming the key,
+    and nothing is committed."""
+    from stagerd.sinks.fsspec import FsspecSink
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    url = sink.as_uri()
+    from stagerd.daemon.fleet.records import sink_id
+
+    key = f"fleet/{NAME}/node-00001.json"
+    if what == "record":
+        key = f"fleet/{NAME}/done/{sink_id(url)}/model-00001-of-00005.safetensors.json"
+    FsspecSink.from_url(url).backend.write(key, b"{not json")
+    out = _run_all(node_dirs, url, wait_seconds=1)
+    assert all(isinstance(r, StagerdError) for r in out), out  # each named; node 0 may only wait
+    assert any(key in str(r) and "not JSON" in str(r) and not r.retryable for r in out), out
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()

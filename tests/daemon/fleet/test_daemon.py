@@ -151,14 +151,15 @@ def _status(root: Path) -> str:
     return r.stdout
 
 
-def _await_status(root: Path, text: str, timeout: float = 60) -> str:
+def _await_status(root: Path, text: str, timeout: float = 60, without: str | None = None) -> str:
     deadline, out = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
-        out = _status(root)
-        if text in out:
+        r = run_cli(["status", root], env={"COLUMNS": "200"})
+        out = r.stdout + r.stderr  # no journal yet, until the daemon has started
+        if text in out and (without is None or without not in out):
             return out
         time.sleep(0.3)
-    raise AssertionError(f"`stagerd status` never showed {text!r}; last:\n{out}")
+    raise AssertionError(f"`stagerd status` never showed {text!r} (without {without!r}); last:\n{out}")
 
 
 def test_three_node_daemons_one_late_show_the_wait_in_status_then_publish_the_single_export(
@@ -218,38 +219,6 @@ def test_an_exchange_apart_from_two_sinks_each_holding_the_single_export(tmp_pat
     assert not any(d.exists() for d in node_dirs)  # published everywhere: then, and only then, retired
 
 
-def test_a_hub_sink_with_a_file_exchange_gets_one_commit_and_tag(tmp_path, dcp_mixed2):
-    from huggingface_hub import HfApi, hf_hub_download
-
-    from tests.hubserver import HubServer
-
-    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    from stagerd.engine.export import export_step
-
-    want = export_step(shared, max_shard_size=SHARD).export_dir
-    ex = tmp_path / "exchange"
-    with HubServer() as hub:
-        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
-        procs = [_watch(d.parent, "hf://acme/fleet", "--exchange", ex.as_uri(), env=env) for d in node_dirs]
-        results = [_done(p) for p in procs]
-        assert [rc for rc, _ in results] == [0, 0], results
-        api = HfApi(endpoint=hub.endpoint, token=hub.token)
-        assert {t.name for t in api.list_repo_refs("acme/fleet").tags} == {f"step-{STEP}"}
-        commits = [c.title for c in api.list_repo_commits("acme/fleet") if c.title.startswith("stagerd:")]
-        assert commits == [f"stagerd: step {STEP}"]
-        for p in sorted(want.iterdir()):
-            got = hf_hub_download(
-                "acme/fleet",
-                p.name,
-                revision=f"step-{STEP}",
-                endpoint=hub.endpoint,
-                token=hub.token,
-                cache_dir=tmp_path / "hf-cache",
-            )
-            assert Path(got).read_bytes() == p.read_bytes(), p.name
-    assert (ex / "fleet" / layout.step_dir_name(STEP) / "hub.json").is_file()
-
-
 def test_the_wait_for_a_node_is_in_healthz_detail_and_the_metrics(tmp_path, dcp_mixed2, s3):  # noqa: F811
     import json
     import urllib.request
@@ -276,3 +245,62 @@ def test_the_wait_for_a_node_is_in_healthz_detail_and_the_metrics(tmp_path, dcp_
     finally:
         p.terminate()
         p.communicate(timeout=60)
+
+
+def test_two_hub_sinks_each_get_the_step_and_each_wait_is_shown_on_its_own(tmp_path, dcp_mixed2):
+    """Two Hub sinks with a file:// exchange: each gets one commit and one tag, every file equal to the
+    single-node export. Node 0's two lanes each download and publish the step (they once shared one work
+    directory and one `hub.json`, so one lane removed the other's download and sink b never got the step,
+    while node 1 took b's record for a's and retired its step). With b's commits held, node 1's lane for a
+    is done while its lane for b waits: /healthz and `stagerd status` show that wait, keyed by sink, and
+    a's ending has not cleared it. Released, b gets its commit and tag too."""
+    import json
+    import urllib.request
+
+    from huggingface_hub import HfApi, hf_hub_download
+
+    from stagerd.engine.export import export_step
+    from tests.daemon_helpers import free_port
+    from tests.hubserver import HubServer
+
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    want = export_step(shared, max_shard_size=SHARD).export_dir
+    ex, port = tmp_path / "exchange", free_port()
+    with HubServer() as hub:
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}
+        hub.hang(r"/acme/b/commit/", method="POST")
+        args = ["--sink", "hf://acme/b", "--exchange", ex.as_uri(), "--fleet-wait-seconds", "60"]
+        procs = [
+            _watch(d.parent, "hf://acme/a", *args, *(["--metrics-port", str(port)] * k), env=env)
+            for k, d in enumerate(node_dirs)
+        ]
+        try:
+            wait_b = f"waiting for node 0 to publish step {STEP} to the Hub sink hf://acme/b"
+            # a's lane ends first: b's wait is still there, on its own line
+            shown = _await_status(node_dirs[1].parent, f"step {STEP} [2]: {wait_b}", without="[1] waiting")
+            assert "published" in shown, shown
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                fleet = json.loads(r.read())["fleet"]
+            assert list(fleet) == [f"{STEP} on hf://acme/b"] and fleet[f"{STEP} on hf://acme/b"].startswith(
+                wait_b
+            ), fleet
+        finally:
+            hub.unhang()
+        results = [_done(p) for p in procs]
+        assert [rc for rc, _ in results] == [0, 0], results
+        api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        for repo in ("acme/a", "acme/b"):
+            assert {t.name for t in api.list_repo_refs(repo).tags} == {f"step-{STEP}"}, repo
+            commits = [c.title for c in api.list_repo_commits(repo) if c.title.startswith("stagerd:")]
+            assert commits == [f"stagerd: step {STEP}"], repo
+            for p in sorted(want.iterdir()):
+                got = hf_hub_download(
+                    repo,
+                    p.name,
+                    revision=f"step-{STEP}",
+                    endpoint=hub.endpoint,
+                    token=hub.token,
+                    cache_dir=tmp_path / "hf-cache",
+                )
+                assert Path(got).read_bytes() == p.read_bytes(), (repo, p.name)
+    assert "waiting" not in _status(node_dirs[1].parent)

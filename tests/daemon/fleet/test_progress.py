@@ -188,27 +188,26 @@ def test_a_node_in_a_crash_loop_still_times_the_wait_out(tmp_path, dcp_mixed2, m
     assert time.monotonic() - t0 < 3.5 and runs[0] >= 2, (runs, seen)
 
 
-def test_a_hub_lane_waits_for_the_leaders_hub_publish_while_it_advances(tmp_path, dcp_mixed2, monkeypatch):
-    """Only a Hub sink: the fleet commits the export on the exchange, then node 0's Hub lane downloads it
-    and publishes it (here to a file:// sink standing for the Hub, each file sent in 4 pieces 0.25 s apart,
-    over 1 s in all) while node 1's Hub lane waits 0.5 s at most for anything new. Node 1 raised "waiting
-    for node 0" at once, a retry each time, and a `--once` run quarantined the step after --max-attempts
-    however far node 0 had got; it now waits as every fleet wait does: alone, it times out, named; beside
-    the leader's publish, whose reports advance, it ends with the leader's Hub record."""
-    from stagerd.daemon.fleet.hub import EXPORT_PREFIX, hub_record_key, publish_to_hub
-    from stagerd.sinks.fetch import RemoteStore
-    from stagerd.sinks.fsspec import FsspecSink
+def _hub_export(tmp_path: Path, model: Path) -> tuple[list[Path], Path, str]:
+    """Only Hub sinks: the fleet's export committed on the exchange (`EXCHANGE/export`), as the Hub lanes
+    find it. Returns the node dirs, the exchange and the export's URL."""
+    from stagerd.daemon.fleet.hub import EXPORT_PREFIX
     from tests.fleet_helpers import run_fleet
 
-    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    _, dirs = _stage(tmp_path, model, 2)
     ex = tmp_path / "exchange"
     staging = (ex / EXPORT_PREFIX).as_uri()
     assert all(isinstance(r, FleetResult) for r in run_fleet(dirs, staging, exchange=ex.as_uri(), hub=True))
+    return dirs, ex, staging
+
+
+def _slow_hub_uploads(monkeypatch, work: str) -> None:
+    """Each file uploaded from a work dir named `work` sent in 4 pieces 0.25 s apart."""
     iter_file = local.iter_file
 
     def slow(path, *a, **kw) -> Iterator[memoryview]:
         for view in iter_file(path, *a, **kw):
-            if "/hub-work0/" not in str(path):  # the leader's Hub upload only
+            if f"/{work}/" not in str(path):
                 yield view
                 continue
             for i in range(4):
@@ -216,29 +215,51 @@ def test_a_hub_lane_waits_for_the_leaders_hub_publish_while_it_advances(tmp_path
                 yield view[i * len(view) // 4 : (i + 1) * len(view) // 4]
 
     monkeypatch.setattr(local, "iter_file", slow)
+
+
+def _hub_lane(dirs: list[Path], ex: Path, staging: str, k: int, hub, work: Path, hubs=()) -> object:
+    """Node `k`'s Hub lane for `hub` (a file:// sink standing for the Hub), waiting 0.5 s at most."""
+    from stagerd.daemon.fleet.hub import publish_to_hub
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+
+    exchange, store = FsspecSink.from_url(ex.as_uri()), RemoteStore.open(ex.as_uri())
+    try:
+        return publish_to_hub(
+            STEP,
+            dirs[k],
+            work,
+            hub,
+            FsspecSink.from_url(staging),
+            exchange,
+            staging,
+            exchange_store=store,
+            wait_seconds=0.5,
+            poll_seconds=0.05,
+            hubs=[h.url for h in hubs],
+        )
+    except Exception as e:
+        return e
+    finally:
+        store.close()
+
+
+def test_a_hub_lane_waits_for_the_leaders_hub_publish_while_it_advances(tmp_path, dcp_mixed2, monkeypatch):
+    """Only a Hub sink: the fleet commits the export on the exchange, then node 0's Hub lane downloads it
+    and publishes it (here to a file:// sink standing for the Hub, each file sent in 4 pieces 0.25 s apart,
+    over 1 s in all) while node 1's Hub lane waits 0.5 s at most for anything new. Node 1 raised "waiting
+    for node 0" at once, a retry each time, and a `--once` run quarantined the step after --max-attempts
+    however far node 0 had got; it now waits as every fleet wait does: alone, it times out, named; beside
+    the leader's publish, whose reports advance, it ends with the leader's Hub record."""
+    from stagerd.daemon.fleet.hub import hub_record_key
+    from stagerd.sinks.fsspec import FsspecSink
+
+    dirs, ex, staging = _hub_export(tmp_path, dcp_mixed2[0])
+    _slow_hub_uploads(monkeypatch, "hub-work0")  # the leader's Hub upload only
     hub = FsspecSink.from_url((tmp_path / "hub").as_uri())
 
     def lane(k: int) -> object:
-        exchange, store = FsspecSink.from_url(ex.as_uri()), RemoteStore.open(ex.as_uri())
-        s = FsspecSink.from_url(staging)
-        w = tmp_path / f"hub-work{k}"
-        try:
-            return publish_to_hub(
-                STEP,
-                dirs[k],
-                w,
-                hub,
-                s,
-                exchange,
-                staging,
-                exchange_store=store,
-                wait_seconds=0.5,
-                poll_seconds=0.05,
-            )
-        except Exception as e:
-            return e
-        finally:
-            store.close()
+        return _hub_lane(dirs, ex, staging, k, hub, tmp_path / f"hub-work{k}")
 
     t0 = time.monotonic()
     alone = lane(1)
@@ -258,3 +279,27 @@ def test_a_hub_lane_waits_for_the_leaders_hub_publish_while_it_advances(tmp_path
     assert out[2] > 1.0, out  # twice its setting: kept waiting by the leader's reports
     assert not getattr(lead, "skipped", True) and getattr(out[1], "skipped", False), (lead, out)
     assert (ex / hub_record_key(STEP)).is_file() and hub.is_published(STEP)
+
+
+def test_a_second_hub_sinks_publish_is_progress_after_the_first_ended(tmp_path, dcp_mixed2, monkeypatch):
+    """Hub sinks a and b: node 0 publishes to a over 1 s, then (its lane for b retried, or started late)
+    downloads and publishes the same bytes to b over 1 s, while node 1's lane for b waits 0.5 s at most.
+    Both of node 0's lanes reported "publishing it to the Hub", so b's bytes counted as the same work done
+    again (a report counts only when work advanced): node 1 gave up on b while node 0 was sending it."""
+    from stagerd.sinks.fsspec import FsspecSink
+
+    dirs, ex, staging = _hub_export(tmp_path, dcp_mixed2[0])
+    hubs = [FsspecSink.from_url((tmp_path / h).as_uri()) for h in ("a", "b")]
+    _slow_hub_uploads(monkeypatch, "w-0")
+    out: dict[int, object] = {}
+    t = threading.Thread(
+        target=lambda: out.update({1: _hub_lane(dirs, ex, staging, 1, hubs[1], tmp_path, hubs)})
+    )
+    t.start()
+    lead = [_hub_lane(dirs, ex, staging, 0, h, tmp_path / "w-0", hubs) for h in hubs]
+    t.join(30)
+    assert not any(getattr(r, "skipped", True) for r in lead) and getattr(out[1], "skipped", False), (
+        lead,
+        out,
+    )
+    assert all(h.is_published(STEP) for h in hubs)

@@ -217,6 +217,37 @@ def test_meta_round_trips(j):
     assert j.meta() == {"pid": 12, "sinks": [A, B], "keep_last": None}
 
 
+def test_fleet_waits_are_kept_per_sink_and_read_both_ways(tmp_path, j):
+    """The export's wait and each Hub lane's are apart: one ending leaves the others. The export's row is
+    the one an older stagerd wrote and reads (`fleet_wait:N`, its suffix a step number); the lanes' rows
+    are outside that prefix, so that an older `stagerd status` still reads this journal."""
+    j.set_meta(sinks=[A, B])
+    j.set_wait(7, "waiting for node 1 (seen: node-00000-of-00002)")
+    j.set_wait(7, "waiting for node 0 to publish step 7 to the Hub sink A", A)
+    j.set_wait(7, "waiting for node 0 to publish step 7 to the Hub sink B", B)
+    j.set_wait(8, "waiting for node 0 to publish step 8 to the Hub sink B", B)
+    j.set_wait(7, None, A)
+    assert j.waits() == {
+        7: {
+            None: "waiting for node 1 (seen: node-00000-of-00002)",
+            B: "waiting for node 0 to publish step 7 to the Hub sink B",
+        },
+        8: {B: "waiting for node 0 to publish step 8 to the Hub sink B"},
+    }
+    assert j.meta() == {"sinks": [A, B]}
+    old = sqlite3.connect(j.path)  # an older stagerd's `waits()`, reading this journal
+    rows = old.execute("SELECT key, value FROM meta WHERE key LIKE ?", ("fleet_wait:%",)).fetchall()
+    assert {int(k[len("fleet_wait:") :]) for k, _ in rows} == {7}
+    old.execute(
+        "INSERT INTO meta (key, value) VALUES ('fleet_wait:9', '\"waiting for node 2\"')"
+    )  # an older row
+    old.commit()
+    old.close()
+    assert j.waits()[9] == {None: "waiting for node 2"}
+    j.set_wait(7, None)
+    assert 7 in j.waits() and None not in j.waits()[7]
+
+
 def test_a_journal_that_was_never_set_up_says_so_and_the_next_start_sets_it_up(tmp_path):
     path = journal_path(tmp_path)
     path.parent.mkdir(parents=True)
