@@ -55,9 +55,7 @@ def held_raw_step(step_dir: Path | HeldDir) -> Iterator[tuple[CommitMarker, list
         sent = [LocalFile(layout.MARKER_NAME, marker_path, os.stat(marker_path).st_size)]
         for f in marker.files:
             path = _open(files, held, f.path, bounded=True)
-            with reading(path) as now:  # closed for want of descriptors: opened again, the same file
-                size = os.stat(now).st_size
-            if size != f.size:
+            if (size := _size(path, held.path / f.path)) != f.size:
                 raise ShardError(f"is {size} bytes, the commit marker lists {f.size}", path=path)
             sent.append(LocalFile(f.path, path, size))
         yield marker, sorted(sent, key=lambda f: f.rel), held.proc
@@ -72,6 +70,16 @@ def _open(files: HeldFiles, step: HeldDir, rel: str, *, bounded: bool = False) -
         if e.errno == errno.ENOENT:
             raise ShardError("listed in the commit marker but missing", path=step.path / rel) from None
         raise open_failed(e, step.path / rel, ShardError) from None
+
+
+def _size(path: Path, named: Path) -> int:
+    """The size of the file `path` opened; one closed for want of descriptors is opened again (the same
+    file, else a SourceChangedError)."""
+    try:
+        with reading(path) as now:
+            return os.stat(now).st_size
+    except OSError as e:
+        raise open_failed(e, named, ShardError) from None
 
 
 def _same_marker(held: Path, marker: CommitMarker, named: Path) -> None:

@@ -268,7 +268,11 @@ def reading(path: str | os.PathLike[str]) -> Iterator[Path]:
     if c is None:
         yield Path(path)
         return
-    fd = reopen(c)
+    try:
+        fd = reopen(c)
+    except OSError as e:  # out of descriptors: named by the file's real path
+        e.filename = str(c.real)
+        raise
     proc = f"/proc/self/fd/{fd}"
     try:
         with renaming(lambda text: re.sub(re.escape(proc) + r"(?![0-9])", lambda _: str(c.real), text)):

@@ -262,8 +262,11 @@ def whole_headers(files: Iterable[Path]) -> Iterator[Header]:
 
 def _header(path: Path) -> Header:
     """`read_header`, of a file closed for want of descriptors too (opened again, the same file)."""
-    with reading(path) as now:
-        h = read_header(now)
+    try:
+        with reading(path) as now:
+            h = read_header(now)
+    except OSError as e:
+        raise open_failed(e, e.filename or path, ShardError) from None
     return h if now == path else replace(h, path=str(path))
 
 
