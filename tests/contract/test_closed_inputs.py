@@ -224,3 +224,48 @@ def test_a_raw_file_swapped_while_closed_is_not_sent(tmp_path, step_dir, budget)
     assert e.value.path == str(shard) and "/proc/" not in str(e.value)
     assert not (sink / "raw" / step_dir.name / layout.MANIFEST_NAME).exists()
     assert not list(sink.rglob(shard.name)) or all(p.read_bytes() == data for p in sink.rglob(shard.name))
+
+
+def _adoptable(ckpt: Path) -> list[Path]:
+    """A trainer's FileSystemWriter checkpoint of four data files (one per writer thread)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {f"layers.{i}.weight": torch.randn(16, 8, generator=g) for i in range(8)}}
+    dcp.save(state, storage_writer=FileSystemWriter(str(ckpt), thread_count=4), no_dist=True)
+    return sorted(ckpt.glob("*.distcp"))
+
+
+def test_an_adopted_checkpoint_of_data_files_closed_for_want_of_descriptors(tmp_path, monkeypatch, budget):
+    """Exported the same as with every data file held; a data file swapped while closed (after its records
+    were read, before the plan copies it, and put back before the end's check) is a SourceChangedError
+    naming it, nothing read through the link."""
+    from stagerd.engine import consolidate as consolidate_mod
+    from stagerd.engine.adopt.export import export_adopted
+
+    ckpt = tmp_path / "step-1"
+    data = _adoptable(ckpt)
+    assert len(data) == 4
+    want = _tree(export_adopted(ckpt, tmp_path / "held").export_dir)
+    budget(2)
+    assert _tree(export_adopted(ckpt, tmp_path / "closed").export_dir) == want
+    assert reopen.held() == 0
+    other = tmp_path / "other.distcp"
+    other.write_bytes(bytes(b ^ 0x5A for b in data[-1].read_bytes()))
+    execute = consolidate_mod.execute
+
+    def swap_then_read(*args: object, **kwargs: object) -> object:
+        data[-1].rename(tmp_path / "aside")
+        data[-1].symlink_to(other)
+        try:
+            return execute(*args, **kwargs)
+        finally:  # put back before the check that the checkpoint held still
+            data[-1].unlink()
+            (tmp_path / "aside").rename(data[-1])
+
+    monkeypatch.setattr(consolidate_mod, "execute", swap_then_read)
+    with pytest.raises(SourceChangedError) as e:
+        export_adopted(ckpt, tmp_path / "swapped")
+    assert e.value.path == str(data[-1]) and "/proc/" not in str(e.value)
