@@ -7,24 +7,13 @@ import os
 from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
+from stagerd.contract.step.input_fds import close_inputs, open_inputs
 from stagerd.engine.durability import Flusher, reserve
 from stagerd.engine.file_header import file_header
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.engine.runner import Runner, pwrite_all, run_moves
-from stagerd.errors import OutputError, ShardError, VerifyError, open_failed
-
-
-def _open_sources(p: ExportPlan) -> list[int]:
-    fds: list[int] = []
-    try:
-        for path in p.sources:
-            fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
-    except OSError as e:
-        for fd in fds:
-            os.close(fd)
-        raise open_failed(e, e.filename, ShardError) from None
-    return fds
+from stagerd.errors import OutputError, VerifyError
 
 
 def output_error(e: OSError, path: object) -> OutputError:
@@ -44,7 +33,7 @@ def execute(
     p: ExportPlan, out_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None, fsync: bool = True
 ) -> None:
     """Write the plan's files into `out_dir` (an empty directory the caller renames into place)."""
-    src_fds = _open_sources(p)
+    src_fds = open_inputs(p.sources)
     dst_fds: list[int] = []
     dst_paths = [str(out_dir / f.name) for f in p.files]
     try:
@@ -69,13 +58,14 @@ def execute(
         except OSError as e:
             raise output_error(e, out_dir) from None
     finally:
-        for fd in src_fds + dst_fds:
+        close_inputs(src_fds)
+        for fd in dst_fds:
             os.close(fd)
 
 
 def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None) -> None:
     """Re-derive every output byte from the sources and check the export holds exactly that."""
-    src_fds = _open_sources(p)
+    src_fds = open_inputs(p.sources)
     dst_fds: list[int] = []
     dst_paths = [str(export_dir / f.name) for f in p.files]
     try:
@@ -97,5 +87,6 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
             p.bytes_to_write,
         )
     finally:
-        for fd in src_fds + dst_fds:
+        close_inputs(src_fds)
+        for fd in dst_fds:
             os.close(fd)

@@ -39,6 +39,7 @@ from stagerd.contract.safetensors_format import (
     Header,
     read_header,
 )
+from stagerd.contract.step.reopen import open_held
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.plan_types import ChunkTable
 from stagerd.engine.runner import pread_into, pwrite_all
@@ -234,7 +235,7 @@ def _read_rows(table: ChunkTable, t: int, lo: int, hi: int, dt: np.dtype[Any]) -
             continue
         buf = bytearray((b - a) * k * dt.itemsize)
         path = table.sources[c.src]
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             pread_into(fd, memoryview(buf), c.offset + (a - r0) * k * dt.itemsize, path)
         finally:

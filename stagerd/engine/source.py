@@ -7,14 +7,16 @@ seam for a trainer's own checkpoint.
 and `extras/` held from the step's descriptor, each shard and extra opened from theirs, none through a
 link, and read again by its `/proc/self/fd/N` path. A `model/` (or a file in it) swapped for a link to
 another save of the same shapes after the check would pass every check by size, header and plan; read by
-name, its bytes would be exported and published as this step's."""
+name, its bytes would be exported and published as this step's. Shards beyond the descriptors the process
+may hold are closed once their header is read and opened again only from the held `model/`, as the same
+files (`contract/step/reopen.py`): a step of more ranks than the hard open-files limit is exported."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stagerd.contract import layout
@@ -22,7 +24,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.contract.safetensors_format import Header, read_header
-from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.errors import ExtrasError, ReferenceIndexError, ShardError, open_failed
 
@@ -130,9 +132,12 @@ class HeldSource(Source):
 
     def _header(self, name: str) -> Header:
         try:
-            return read_header(self.files.open(self.model, name, why=WHY, hint=HINT))
+            path = self.files.open(self.model, name, why=WHY, hint=HINT, bounded=True)
+            with reading(path) as now:  # a shard closed for want of descriptors: opened again, the same
+                header = read_header(now)
         except OSError as e:
             raise open_failed(e, self.model.path / name, ShardError) from None
+        return header if now == path else replace(header, path=str(path))
 
     def extra_path(self, rel: str) -> Path:
         if self.extras_dir is None:

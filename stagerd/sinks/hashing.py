@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from stagerd.contract.step.reopen import open_held
+
 CHUNK = 8 << 20
 ALGORITHMS = ("CRC32", "SHA256")
 
@@ -89,7 +91,7 @@ class FileDigest:
 
 def iter_file(path: str | os.PathLike[str], chunk: int = CHUNK) -> Iterator[memoryview]:
     """Yield the bytes of `path` in order through one reused buffer; a view is valid until the next one."""
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0, opener=open_held) as f:
         # no 8 MiB buffer for a 2 kB config.json: glibc keeps freed big buffers, so the daemon's RSS would
         # sit well above its live memory
         buf = bytearray(max(1, min(chunk, os.fstat(f.fileno()).st_size)))
@@ -168,7 +170,7 @@ def hash_file(
     that fits one part) or of a multipart upload in `part_size` parts."""
     h = ObjectHasher(algorithm)
     if part_size:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb", buffering=0, opener=open_held) as f:
             while data := read_full(f, part_size):
                 h.update(data, part=True)
     else:

@@ -6,7 +6,9 @@ Exactly the commit marker and the files it lists, each opened from the step dire
 read by its own `/proc/self/fd/N`, which the kernel resolves to that very file. A `model/` or `optim/` (or
 one shard) swapped for a link to another directory after the step was checked would otherwise send that
 directory's bytes under this step's raw prefix, and its manifest vouch for them: a resume would restore
-other weights or another optimizer. One descriptor per listed file and per directory, until the publish ends.
+other weights or another optimizer. One descriptor per directory and per listed file, until the publish ends,
+for as many files as the process's budget lets stay open: the rest are opened again when sent, each
+checked to be the same file (`contract/step/reopen.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.layout import CommitMarker
-from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.errors import MarkerError, ShardError, VerifyError, open_failed
 from stagerd.sinks.objects import LocalFile
 
@@ -52,21 +54,32 @@ def held_raw_step(step_dir: Path | HeldDir) -> Iterator[tuple[CommitMarker, list
         layout.check_staged_files(held.proc, marker)  # missing, resized, or a link out of the step: named
         sent = [LocalFile(layout.MARKER_NAME, marker_path, os.stat(marker_path).st_size)]
         for f in marker.files:
-            path = _open(files, held, f.path)
-            if (size := os.stat(path).st_size) != f.size:
+            path = _open(files, held, f.path, bounded=True)
+            if (size := _size(path, held.path / f.path)) != f.size:
                 raise ShardError(f"is {size} bytes, the commit marker lists {f.size}", path=path)
             sent.append(LocalFile(f.path, path, size))
         yield marker, sorted(sent, key=lambda f: f.rel), held.proc
 
 
-def _open(files: HeldFiles, step: HeldDir, rel: str) -> Path:
-    """The proc path of the file `rel` (a marker's safe relative path) opened through held directories."""
+def _open(files: HeldFiles, step: HeldDir, rel: str, *, bounded: bool = False) -> Path:
+    """The proc path of the file `rel` (a marker's safe relative path) opened through held directories
+    (`bounded`: see `HeldFiles`; the sinks open every file with `reopen.open_held`)."""
     try:
-        return files.open_at(step, rel, why=WHY, hint=HINT)
+        return files.open_at(step, rel, why=WHY, hint=HINT, bounded=bounded)
     except OSError as e:
         if e.errno == errno.ENOENT:
             raise ShardError("listed in the commit marker but missing", path=step.path / rel) from None
         raise open_failed(e, step.path / rel, ShardError) from None
+
+
+def _size(path: Path, named: Path) -> int:
+    """The size of the file `path` opened; one closed for want of descriptors is opened again (the same
+    file, else a SourceChangedError)."""
+    try:
+        with reading(path) as now:
+            return os.stat(now).st_size
+    except OSError as e:
+        raise open_failed(e, named, ShardError) from None
 
 
 def _same_marker(held: Path, marker: CommitMarker, named: Path) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from stagerd.contract.regular_file import linked
+from stagerd.contract.step.reopen import Closed, closed, give, park, reopen, take, unpark
 from stagerd.errors import StagerdError
 from stagerd.ops.fdlimit import raise_open_files_limit
 
@@ -151,19 +152,40 @@ class HeldDir:
 class HeldFiles:
     """Files and directories opened through held directories without following a link, each reached by
     its `/proc/self/fd/N` path (the kernel opens that very file again, whatever is put at its name since)
-    until `close`; `naming` puts their real paths back in errors."""
+    until `close`; `naming` puts their real paths back in errors.
+
+    A file opened `bounded` (a step's shards and raw files: as many as it has ranks) stays open only while
+    every holder's together fit the process's budget (`reopen.take`); beyond it, it is closed once its
+    identity is noted and named by a path only `reopen.open_held` (or `reading`) opens: through the held
+    directory, without following a link, and only if it is the same file."""
 
     def __init__(self) -> None:
         _room()
         self._fds: dict[Path, int] = {}  # the real path of each: opened once, however often it is read
         self._real: dict[str, str] = {}
         self._at: dict[Path, tuple[int, str]] = {}  # the directory each was opened from, and its name there
+        self._closed: dict[Path, Closed] = {}  # the bounded ones beyond the budget
+        self._taken = 0
 
-    def open(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> Path:
-        """The `/proc/self/fd/N` path of the file `name` in `where` (see `HeldDir.open_file`)."""
+    def open(
+        self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT, bounded: bool = False
+    ) -> Path:
+        """The `/proc/self/fd/N` path of the file `name` in `where` (see `HeldDir.open_file`); `bounded`
+        (see the class), that of a closed one beyond the budget."""
         real = where.path / name
-        if real not in self._fds:
-            self._add(real, where.open_file(name, why=why, hint=hint), where, name)
+        if bounded and real in self._closed:
+            return self._closed[real].path
+        if real not in self._fds:  # (one asked for unbounded is held, closed before or not)
+            fd = where.open_file(name, why=why, hint=hint)
+            if bounded and not take():
+                try:
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                self._closed[real] = c = park(where.fd, name, real, st)
+                return c.path
+            self._taken += bounded
+            self._add(real, fd, where, name)
         return Path(f"/proc/self/fd/{self._fds[real]}")
 
     def hold(self, where: HeldDir, name: str, *, why: str = WHY, hint: str = HINT) -> HeldDir:
@@ -180,13 +202,15 @@ class HeldFiles:
             where = self.hold(where, name, why=why, hint=hint)
         return where
 
-    def open_at(self, where: HeldDir, rel: str, *, why: str = WHY, hint: str = HINT) -> Path:
-        """The proc path of the file at the relative path `rel` under `where`, each directory on the way
-        held from its parent (see `hold_at`, `open`)."""
+    def open_at(
+        self, where: HeldDir, rel: str, *, why: str = WHY, hint: str = HINT, bounded: bool = False
+    ) -> Path:
+        """The path of the file at the relative path `rel` under `where`, each directory on the way held
+        from its parent (see `hold_at`, `open`)."""
         parent, _, name = rel.rpartition("/")
         if parent:
             where = self.hold_at(where, parent, why=why, hint=hint)
-        return self.open(where, name, why=why, hint=hint)
+        return self.open(where, name, why=why, hint=hint, bounded=bounded)
 
     def _add(self, real: Path, fd: int, where: HeldDir, name: str) -> None:
         self._fds[real] = fd
@@ -196,12 +220,14 @@ class HeldFiles:
     def replaced(self) -> Path | None:
         """The first of them whose name no longer names it (moved, deleted, or a link put there), while
         the directories they were opened from are held; None when every one is still in its place."""
-        for real, (dir_fd, name) in self._at.items():
+        ids = [(r, d, n, _dev_ino(os.fstat(self._fds[r]))) for r, (d, n) in self._at.items()]
+        ids += [(r, c.dir_fd, c.name, c.ident[:2]) for r, c in self._closed.items()]
+        for real, d, name, ident in ids:
             try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                now = os.stat(name, dir_fd=d, follow_symlinks=False)
             except FileNotFoundError:
                 return real
-            if not os.path.samestat(st, os.fstat(self._fds[real])):
+            if _dev_ino(now) != ident:
                 return real
         return None
 
@@ -212,17 +238,47 @@ class HeldFiles:
         return renaming(self.real)
 
     def close(self) -> None:
+        for c in self._closed.values():
+            unpark(c)
+        give(self._taken)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._real.clear()
         self._at.clear()
+        self._closed.clear()
+        self._taken = 0
 
     def __enter__(self) -> HeldFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _dev_ino(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A path by which the input `path` may be opened by name inside the block: itself, or for a closed
+    one (`reopen`) the proc path of that file opened again, named by its real path in errors."""
+    c = closed(path)
+    if c is None:
+        yield Path(path)
+        return
+    try:
+        fd = reopen(c)
+    except OSError as e:  # out of descriptors: named by the file's real path
+        e.filename = str(c.real)
+        raise
+    proc = f"/proc/self/fd/{fd}"
+    try:
+        with renaming(lambda text: re.sub(re.escape(proc) + r"(?![0-9])", lambda _: str(c.real), text)):
+            yield Path(proc)
+    finally:
+        os.close(fd)
 
 
 @functools.cache

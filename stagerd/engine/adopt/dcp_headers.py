@@ -16,6 +16,7 @@ from pathlib import Path
 
 from stagerd.contract.adopt.dcp_metadata import DcpChunk, DcpMetadata
 from stagerd.contract.safetensors_format import Header, TensorEntry
+from stagerd.contract.step.reopen import open_held
 from stagerd.engine.adopt.torch_record import read_record
 from stagerd.errors import DcpFormatError, ShardError, open_failed
 
@@ -49,7 +50,7 @@ def _file_headers(
     try:
         if opened is not None:
             path = opened(path.name)  # the plan reads the file again by this path: the one opened here
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_held(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShardError("a data file .metadata lists is missing", path=path) from None
     except OSError as e:

@@ -9,7 +9,8 @@ Opened through a held checkpoint directory (`export_adopted`), the model's subdi
 and each data file opened from that when its header is read (`HeldFiles`, none through a link), then read
 again by its own `/proc/self/fd/N`: a `pytorch_model_fsdp_0/` (or a data file) swapped for a link to
 another save of the same shapes while it is read, and put back before the check that it held still, led
-the reads there.
+the reads there. Data files beyond the descriptors the process may hold are closed once checked and opened
+again only as the same files (`contract/step/reopen.py`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
 from stagerd.contract.regular_file import linked, open_regular
 from stagerd.contract.safetensors_format import Header, read_header
-from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
@@ -121,14 +122,15 @@ class AdoptedSource(Source):
             return whole_headers((self._opened(p) for p in parts) if held else parts)
         if self.meta is None:
             if held:
-                return (read_header(self._opened(p)) for p in shard_paths(self.model_dir))
+                return (_header(self._opened(p)) for p in shard_paths(self.model_dir))
             return scan_shards(self.model_dir)
         return dcp_headers(self.model_dir, self.meta, self.keys, self._open if held else None)
 
     def _open(self, name: str) -> Path:
-        """The file `name` of the held model directory, opened once, by its proc path."""
+        """The file `name` of the held model directory, opened once, by its proc path (or, beyond the
+        descriptors the process may hold, the path `reopen.open_held` opens it by)."""
         assert self.files is not None and self.model is not None
-        return self.files.open(self.model, name, why=WHY, hint=HINT)
+        return self.files.open(self.model, name, why=WHY, hint=HINT, bounded=True)
 
     def _opened(self, path: Path) -> Path:
         try:
@@ -253,9 +255,19 @@ def hf_files(model_dir: Path) -> list[Path]:
 def whole_headers(files: Iterable[Path]) -> Iterator[Header]:
     """Each HF file's header, every tensor a whole block (offsets 0), read one at a time."""
     for f in files:
-        h = read_header(f)
+        h = _header(f)
         offsets = {n: (0,) * len(e.shape) for n, e in h.tensors.items()}
         yield DcpFileHeader(h.path, h.file_size, h.data_start, h.tensors, h.metadata, offsets=offsets)
+
+
+def _header(path: Path) -> Header:
+    """`read_header`, of a file closed for want of descriptors too (opened again, the same file)."""
+    try:
+        with reading(path) as now:
+            h = read_header(now)
+    except OSError as e:
+        raise open_failed(e, e.filename or path, ShardError) from None
+    return h if now == path else replace(h, path=str(path))
 
 
 def find_extras(

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from stagerd.contract.step.reopen import open_held
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.hashing import RunningHash, b64, composite_checksum, read_hashed
@@ -222,7 +223,7 @@ class Uploads:
         parts: list[asyncio.Future[dict[str, Any]]] = []
         raws: list[bytes] = []
         size = 0
-        with open(f.path, "rb", buffering=0) as fh:
+        with open(f.path, "rb", buffering=0, opener=open_held) as fh:
             while True:
                 await self._slot()
                 spares = self.spares.get(part_size)
@@ -330,7 +331,7 @@ def one_put(size: int, part_size: int) -> bool:
 def _read_whole(f: LocalFile, algorithm: str) -> tuple[bytearray, bytes, str]:
     """A file that goes in one PUT, its raw store checksum and its sha256 hex (also the signed one)."""
     data = bytearray(f.size + 1)  # one byte more: a file that grew is caught here
-    with open(f.path, "rb", buffering=0) as fh:
+    with open(f.path, "rb", buffering=0, opener=open_held) as fh:
         read = read_hashed(fh, data, algorithm, part_sha256=True)  # the part is the whole file
     del data[read.size :]
     if len(data) != f.size:
