@@ -64,3 +64,42 @@ def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_p
     assert (tmp_path / "b" / "latest").read_text() == step
     assert done.is_file()
 
+
+def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_until_healed(
+    tmp_path, dcp_mixed2
+):
+    """Through `stagerd watch`: sink b's lane (not the step) fails with its `SinkError` in the journal and
+    `stagerd status`, while a holds the step; a restart once b is healed commits b by its lane alone, and
+    only then is each node's staged step retired."""
+    from stagerd.daemon.journal import Journal
+    from tests.cli_helpers import run_cli
+    from tests.daemon.fleet.test_daemon import _done, _watch
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    (tmp_path / "b").write_text("a file: every write under it fails")
+    a, b = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    env = {"STAGERD_RETRY_BASE_SECONDS": "0.1"}
+
+    def both() -> list[tuple[int, str]]:
+        procs = [_watch(d.parent, a, "--sink", b, "--keep-last", "0", env=env) for d in node_dirs]
+        return [_done(p) for p in procs]
+
+    logs = both()
+    assert (tmp_path / "a" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs
+    for d in node_dirs:
+        j = Journal.open_readonly(d.parent)
+        try:
+            lanes = {ln.sink: ln for ln in j.lanes(STEP)}
+        finally:
+            j.close()
+        assert str(lanes[a].state) == "published", logs
+        assert lanes[b].error_class == "SinkError" and lanes[b].attempts == 2, logs  # its own tries
+        assert d.is_dir()  # b lacks it: kept
+        status = run_cli(["status", d.parent])
+        assert "SinkError" in status.stdout + status.stderr, status
+
+    (tmp_path / "b").unlink()
+    logs = both()
+    assert [rc for rc, _ in logs] == [0, 0], logs
+    assert (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs
+    assert not any(d.exists() for d in node_dirs), logs  # published everywhere: then, and only then
