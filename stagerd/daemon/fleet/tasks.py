@@ -3,7 +3,9 @@
 instead of by `export_step`, which would refuse it. The step's export task runs this node's part of the
 protocol; its publish lane only confirms the sink holds the step the fleet committed.
 
-The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each);
+The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each
+as soon as its files are there); a sink that fails in the export is left to its own publish lane, which
+fails first with that error and then runs the fleet for that sink alone until it commits (`_fleet_lane`);
 the first is also the exchange (its `raw/` and `fleet/` prefixes) unless `exchange` names another fsspec
 URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then publishes it to the Hub).
 """
