@@ -9,6 +9,7 @@ single byte moves. Its per-tensor data lives in flat read-only arrays (a few doz
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -146,9 +147,9 @@ class ChunkTable:
     first: memoryview
     strided: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # block -> its `Chunk.strides`
 
-    @property
+    @functools.cached_property
     def where(self) -> str:
-        """The shard directory, for errors about the checkpoint as a whole."""
+        """The shard directory, for errors about the checkpoint as a whole (kept: moves use it per tensor)."""
         return str(Path(self.sources[0]).parent) if self.sources else "."
 
     def dtype_name(self, t: int) -> str:
