@@ -4,11 +4,12 @@ assembled in one buffer from their source runs and written (or compared) with on
 A move costs tens of microseconds of Python (a thread hand-off, a syscall, the flusher's bookkeeping)
 whatever its size, so at 100k tensors of a few KiB one move per block made the export per-move bound.
 A pack is an ordinary `GATHER` move whose slab is the pack's bytes as one row of elements (`slab_shape ==
-(n,)`): each piece places one contiguous source run at `box[0]`. Its pieces are listed in source order,
+(n,)`): each piece places one source block's contiguous bytes at `box[0]`, or, for a block split inside
+its rows (`Shard(1)`), as `rows` evenly spaced runs from there. Its pieces are listed in source order,
 so the runner reads each stretch of back-to-back runs with one `preadv` (`iov.gather_read`).
 
 Only what a one-row slab can say is packed: byte-sized dtypes, row-major blocks (no transposed view),
-and few runs per tensor; anything else keeps its own moves (`moves.tensor_moves`).
+and few pieces per tensor; anything else keeps its own moves (`moves.tensor_moves`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Pack:
 
     def __init__(self, p: ExportPlan, file: int, data_start: int) -> None:
         self.p, self.file, self.data_start = p, file, data_start
-        self.pieces: list[tuple[int, int, int, int, int]] = []  # src, src offset, bytes, slab lo, hi
+        # src, src offset, bytes, slab lo, hi of the first run, runs, elements from one run to the next
+        self.pieces: list[tuple[int, int, int, int, int, int, int]] = []
         self.begin = self.end = 0  # the pack's data-section byte range
         self.n = 0  # slab elements so far
         self.pair = (-1, -1)  # (source, output) dtype codes
@@ -62,8 +64,8 @@ class Pack:
         else:
             self.pair, self.begin, self.end = pair, begin, begin
         base, isz = self.n, sbits // 8
-        for src, src_offset, lo, count in runs:
-            self.pieces.append((src, src_offset, count * isz, base + lo, base + lo + count))
+        for src, src_offset, lo, ln, count, step in runs:
+            self.pieces.append((src, src_offset, ln * count * isz, base + lo, base + lo + ln, count, step))
         self.n += elems
         self.end = end
         return True
@@ -83,7 +85,10 @@ class Pack:
             src_dtype=sdt,
             dst_dtype=ddt,
             slab_shape=(self.n,),
-            pieces=tuple(Piece(s, off, ln, ((lo, hi),)) for s, off, ln, lo, hi in self.pieces),
+            pieces=tuple(
+                Piece(s, off, ln, ((lo, hi),), (), (count, step))
+                for s, off, ln, lo, hi, count, step in self.pieces
+            ),
         )
         self.pieces.clear()
         self.begin = self.end
@@ -91,15 +96,16 @@ class Pack:
         return m
 
 
-def _runs(p: ExportPlan, t: int, isz: int) -> list[tuple[int, int, int, int]] | None:
-    """(source, source byte offset, first element in the tensor, elements) of each contiguous run of
-    tensor `t`'s blocks (`isz` bytes an element at the source), or None where it is not packable: a
-    transposed block, or more than `limits.PACK_RUNS` runs."""
+def _runs(p: ExportPlan, t: int, isz: int) -> list[tuple[int, int, int, int, int, int]] | None:
+    """(source, source byte offset, first element in the tensor, elements a run, runs, elements from one
+    run to the next) of each source block of tensor `t` (`isz` bytes an element at the source), a block
+    whose runs are not evenly spaced given run by run; None where `t` is not packable: a transposed
+    block, or more than `limits.PACK_RUNS` entries."""
     c_ = p.chunks
     dims, order, strided = c_.dims, c_.order, c_.strided
     shape = p.shape(t)
     nd = len(shape)
-    out: list[tuple[int, int, int, int]] = []
+    out: list[tuple[int, int, int, int, int, int]] = []
     for i in range(c_.first[t], c_.first[t + 1]):
         c = order[i]
         if strided and c in strided:
@@ -115,15 +121,19 @@ def _runs(p: ExportPlan, t: int, isz: int) -> list[tuple[int, int, int, int]] | 
         k = nd - 1
         while k > 0 and cs[k] == shape[k]:
             k -= 1
-        if k <= 0 or all(x == 1 for x in cs[:k]):
-            out.append((c_.src[c], c_.offset[c], start, n))
+        outer = [d for d in range(k) if cs[d] > 1]
+        if k <= 0 or not outer:
+            out.append((c_.src[c], c_.offset[c], start, n, 1, 0))
             continue
         ln = math.prod(cs[k:])
+        gs = strides(shape)
+        if len(outer) == 1:  # evenly spaced: one entry
+            out.append((c_.src[c], c_.offset[c], start, ln, n // ln, gs[outer[0]]))
+            continue
         if len(out) + n // ln > limits.PACK_RUNS:
             return None
-        src, at_src, gs = c_.src[c], c_.offset[c], strides(shape)
-        outer = itertools.product(*(range(x) for x in cs[:k]))
-        for j, idx in enumerate(outer):
+        src, at_src = c_.src[c], c_.offset[c]
+        for j, idx in enumerate(itertools.product(*(range(x) for x in cs[:k]))):
             elem = start + sum(i_ * s for i_, s in zip(idx, gs, strict=False))
-            out.append((src, at_src + j * ln * isz, elem, ln))
+            out.append((src, at_src + j * ln * isz, elem, ln, 1, 0))
     return out if len(out) <= limits.PACK_RUNS else None

@@ -68,13 +68,16 @@ class TensorPlan:
 class Piece:
     """Part of a gather: `length` contiguous source bytes, placed at `box` ([start, stop) per dim) in
     row-major order; with `strides` (source bytes per box dim), the box's elements lie at those strides
-    from `src_offset` instead, inside the `length` bytes from there (a strided block, read tile-wise)."""
+    from `src_offset` instead, inside the `length` bytes from there (a strided block, read tile-wise).
+    In a pack's one-row slab (`engine/pack.py`), `rows` (count, step) says the `length` bytes are `count`
+    equal runs, the first at `box` and each next `step` elements further (a block split inside its rows)."""
 
     src: int
     src_offset: int
     length: int
     box: tuple[tuple[int, int], ...]
     strides: tuple[int, ...] = ()
+    rows: tuple[int, int] = (1, 0)
 
 
 @dataclass(frozen=True, slots=True)

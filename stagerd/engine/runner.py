@@ -8,6 +8,7 @@ instead of written, so verify re-derives exactly what execute wrote.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import threading
@@ -172,12 +173,19 @@ class Runner:
                 left.append(pc)
                 i += 1
                 continue
-            offsets, lengths = [pc.box[0][0] * isz], [pc.length]
-            end = pc.src_offset + pc.length
-            i += 1
+            offsets: list[int] = []
+            lengths: list[int] = []
+            end = pc.src_offset
             while i < n and (q := pieces[i]).src == pc.src and q.src_offset == end and not q.strides:
-                offsets.append(q.box[0][0] * isz)
-                lengths.append(q.length)
+                count, step = q.rows
+                lo = q.box[0][0] * isz
+                if count == 1:
+                    offsets.append(lo)
+                    lengths.append(q.length)
+                else:  # evenly spaced runs of a block split inside its rows
+                    run = q.length // count
+                    offsets.extend(range(lo, lo + count * step * isz, step * isz))
+                    lengths.extend(itertools.repeat(run, count))
                 end += q.length
                 i += 1
             gather_read(self.src_fds[pc.src], slab, offsets, lengths, pc.src_offset, self.src_paths[pc.src])
