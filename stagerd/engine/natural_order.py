@@ -58,10 +58,12 @@ def pack_in_natural_order(sizes: Mapping[str, int], max_shard_size: int) -> list
 
 
 def assign_in_natural_order(
-    sizes: Mapping[str, int], weight_map: Mapping[str, str], max_shard_size: int
+    sizes: Mapping[str, int], weight_map: Mapping[str, str], max_shard_size: int, *, ordered: bool = True
 ) -> list[list[str]]:
     """`assign_with_reference`: the reference's files in its order, each in natural key order; keys it
-    lacks packed into the last file, then new ones; reference keys absent from the shards are an error."""
+    lacks packed into the last file, then new ones; reference keys absent from the shards are an error.
+    `ordered=False` leaves each reference file's keys in the reference's order: the same files, for a
+    caller that orders each file's keys itself (a sort key per name is the dearest part)."""
     missing = [k for k in weight_map if k not in sizes]
     if missing:
         missing.sort(key=order_key)
@@ -72,7 +74,10 @@ def assign_in_natural_order(
     groups: dict[str, list[str]] = {}
     for key, fname in weight_map.items():
         groups.setdefault(fname, []).append(key)
-    files = [sorted(groups.pop(f), key=order_key) for f in reference_file_order(list(groups))]
+    files = [
+        sorted(groups.pop(f), key=order_key) if ordered else groups.pop(f)
+        for f in reference_file_order(list(groups))
+    ]
     extra = sorted((k for k in sizes if k not in weight_map), key=order_key)
     return _pack(extra, sizes, max_shard_size, files)
 

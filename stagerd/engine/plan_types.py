@@ -12,12 +12,11 @@ import enum
 import functools
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagerd.contract import dtypes
-from stagerd.engine.natural_order import order_key
 
 # dtype code (the index here) <-> safetensors name; a code fits one byte.
 DTYPE_NAMES: tuple[str, ...] = tuple(dtypes.DTYPES)
@@ -94,18 +93,6 @@ class Move:
     dst_dtype: str = ""
     slab_shape: tuple[int, ...] = ()
     pieces: tuple[Piece, ...] = ()
-
-
-def in_natural_order(names: Iterable[str]) -> bool:
-    """Whether `names` are already in natural key order, checked pair by pair, so that a sort (one key per
-    name held at once) is paid only where the order is not already right."""
-    prev: bytes | None = None
-    for name in names:
-        key = order_key(name)
-        if prev is not None and key < prev:
-            return False
-        prev = key
-    return True
 
 
 def frozen(a: array) -> memoryview:

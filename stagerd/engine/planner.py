@@ -24,7 +24,7 @@ from stagerd.contract.sharding import (
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.file_header import header_size
 from stagerd.engine.moves import tensor_moves
-from stagerd.engine.natural_order import assign_in_natural_order, order_key, pack_in_natural_order
+from stagerd.engine.natural_order import assign_in_natural_order, pack_in_natural_order
 from stagerd.engine.plan_types import (
     DTYPE_CODE,
     DTYPE_NAMES,
@@ -32,7 +32,6 @@ from stagerd.engine.plan_types import (
     ExportPlan,
     OutputFile,
     frozen,
-    in_natural_order,
 )
 from stagerd.engine.tiling import check_tiling, tiles_simply
 from stagerd.engine.views import apply_views
@@ -103,10 +102,8 @@ def plan(
         else:
             groups = pack_in_order(order, sizes, max_shard_size, _shared(views, ids, out_code, where))
     else:
-        groups = assign_in_natural_order(sizes, reference, max_shard_size)
-        for group in groups:
-            if not in_natural_order(group):  # the last file: reference keys, then the new ones
-                group.sort(key=order_key)
+        # each file's rows are sorted into the writer's order below, so the reference's own order is kept
+        groups = assign_in_natural_order(sizes, reference, max_shard_size, ordered=False)
     file_names = output_file_names(len(groups))
     row_tensor, row_dst, row_begin, row_end = array("i"), array("B"), array("q"), array("q")
     files: list[OutputFile] = []
