@@ -180,11 +180,17 @@ def _shared(
     where one is (`Holds`)."""
     holds = (Holds.ALWAYS, Holds.CAST if cast else Holds.KEPT)
     out = []
+    seen: set[str] = set()
     for g in views.shared if views is not None else ():
         if g.holds not in holds:
             continue
         if not g.names or any(n not in ids for n in g.names):
             raise HubPlanError("a shared storage of the plan names a tensor it does not write", path=where)
+        # the splitter would place a name's file twice, or a group's followers never (a tensor lost)
+        twice = next((n for i, n in enumerate(g.names) if n in seen or n in g.names[:i]), None)
+        if twice is not None:
+            raise HubPlanError(f"two shared storages of the plan hold {twice!r}", path=where)
+        seen.update(g.names)
         nbytes = dtypes.lookup(DTYPE_NAMES[out_code[ids[g.names[0]]]]).nbytes(g.numel)
         if any(sizes[n] > nbytes for n in g.names):
             raise HubPlanError(f"a shared storage of the plan is smaller than {g.names[0]!r}", path=where)
