@@ -10,7 +10,8 @@ paired figure.
     python bench/bench_consolidate.py --size-gb 6 --ranks 4 --files 4 --threads 2
     python bench/bench_consolidate.py --size-gb 1 --ranks 2 --files 2 --mixed   # cast / keep pairs
     python bench/bench_consolidate.py --many-tensors 100000 --ranks 2 --files 4 --keep   # memory flat in
-        # tensor count: peak RSS of plan, export (keep and every cast) and verify; plan bytes per tensor
+        # tensor count: peak RSS of plan, export (keep and every cast) and verify; plan bytes per tensor;
+        # torch's consolidation right before the keep export in every round (keep / torch paired)
     python bench/bench_consolidate.py --bar --size-gb 3.3 --ranks 4 --files 2 --mixed --repeat 5
         # the casts right after a keep export, as a daemon runs them (bench/consolidate_bar.py)
 """
@@ -187,21 +188,23 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
             str(threads),
         ],
     }
-    found: dict[str, list[tuple[float, float]]] = {name: [] for name in [*runs, "stagerd verify --against"]}
-    for rnd in range(repeat):
-        for name, cmd in runs.items():
-            if rnd and name.startswith("torch"):
-                continue  # slow and far from the others; one round is enough to rank it
+    found: dict[str, list[tuple[float, float, float]]] = {
+        name: [] for name in [*runs, "stagerd verify --against"]
+    }
+    load = [os.getloadavg()[0]]
+    for _ in range(repeat):
+        # torch right before the keep export in every round: keep / torch is a paired figure
+        for name in ["torch consolidate_safetensors_files", *(n for n in runs if not n.startswith("torch"))]:
+            cmd = runs[name]
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=True)
             found[name].append(timed(cmd))
             if name == "stagerd consolidate":
                 verify = [*stagerd, "verify", "--against", str(src), "--threads", str(threads), str(out)]
                 found["stagerd verify --against"].append(timed(verify))
-            print(
-                f"round {rnd + 1} {name:40s} {found[name][-1][0]:7.2f} s {found[name][-1][1]:7.0f} MiB",
-                flush=True,
-            )
+            wall, peak = found[name][-1][:2]
+            print(f"round {len(found[name])} {name:40s} {wall:7.2f} s {peak:7.0f} MiB", flush=True)
+            load.append(os.getloadavg()[0])
     shutil.rmtree(out, ignore_errors=True)
     mem = json.loads(
         subprocess.run(
@@ -223,7 +226,17 @@ def many_tensors(src: Path, work: Path, threads: int, repeat: int) -> dict[str, 
             [g[0] for g in found[f"stagerd consolidate --dtype {c}"]],
             [g[0] for g in found["stagerd consolidate"]],
         )
-    print(f"\n{repeat} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end")
+    pairs = sorted(
+        k[0] / t[0]
+        for k, t in zip(
+            found["stagerd consolidate"], found["torch consolidate_safetensors_files"], strict=True
+        )
+    )
+    print(
+        f"stagerd consolidate (keep) / torch, paired by round: median {statistics.median(pairs):.2f}x "
+        f"(range {pairs[0]:.2f}x - {pairs[-1]:.2f}x over {len(pairs)} rounds)"
+    )
+    print(f"\n{repeat} interleaved rounds, load average {min(load):.1f}-{max(load):.1f} during the run")
     print(
         f"plan: {mem['tensors']} tensors, {mem['files']} files, {mem['moves']} moves; "
         f"{mem['plan_bytes_per_tensor']:.0f} B/tensor kept (tracemalloc), "

@@ -9,7 +9,7 @@ from pathlib import Path
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.step.input_fds import close_inputs, open_inputs
 from stagerd.engine.durability import Flusher, reserve
-from stagerd.engine.file_header import file_header
+from stagerd.engine.file_header import file_header, header_difference
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.engine.runner import Runner, pwrite_all, run_moves
@@ -63,6 +63,12 @@ def execute(
             os.close(fd)
 
 
+_HEADER_HINT = (
+    "the export's header does not describe what its source gives (another export, or edited?): re-run "
+    "`stagerd consolidate`; never publish an export that fails verify"
+)
+
+
 def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None) -> None:
     """Re-derive every output byte from the sources and check the export holds exactly that."""
     src_fds = open_inputs(p.sources)
@@ -78,7 +84,7 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
             if os.fstat(fd).st_size != f.size:
                 raise VerifyError(f"is {os.fstat(fd).st_size} bytes, the source gives {f.size}", path=path)
             if os.pread(fd, f.header_size, 0) != file_header(p, fi):
-                raise VerifyError("header differs from the one the source gives", path=path)
+                raise VerifyError(header_difference(p, fi, path), path=path, hint=_HEADER_HINT)
         run_moves(
             Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True),
             plan_moves(p),

@@ -16,12 +16,18 @@ from stagerd.errors import StagerdError, VerifyError
 
 def read_weight_map(export_dir: Path) -> tuple[dict[str, str], int]:
     """(tensor name -> file name, total tensor bytes) of the export in `export_dir`."""
+    listed = read_index(export_dir)
+    return _single_file(export_dir) if listed is None else listed
+
+
+def read_index(export_dir: Path) -> tuple[dict[str, str], int] | None:
+    """The index's (weight_map, total_size), checked for shape; None where the export has no index."""
     path = export_dir / layout.INDEX_NAME
     try:
         index = json.loads(path.read_text())
         weight_map, total = index["weight_map"], index["metadata"]["total_size"]
     except FileNotFoundError:
-        return _single_file(export_dir)
+        return None
     except RecursionError:
         raise VerifyError("unreadable index: nested too deep", path=path) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -31,12 +37,18 @@ def read_weight_map(export_dir: Path) -> tuple[dict[str, str], int]:
     return weight_map, total
 
 
-def _single_file(export_dir: Path) -> tuple[dict[str, str], int]:
+def one_file(export_dir: Path) -> Path:
+    """The `model.safetensors` of an export without an index, or the error that it is not complete."""
     path = export_dir / layout.WEIGHTS_NAME
     if not path.is_file():
         raise VerifyError(
             f"neither {layout.INDEX_NAME} nor {layout.WEIGHTS_NAME}: not a complete export", path=export_dir
         )
+    return path
+
+
+def _single_file(export_dir: Path) -> tuple[dict[str, str], int]:
+    path = one_file(export_dir)
     try:
         h = read_header(path)
     except StagerdError as e:

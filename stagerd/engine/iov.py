@@ -56,6 +56,41 @@ def scatter_read(
         src_offset += want
 
 
+def gather_read(
+    fd: int, buf: bytearray, offsets: Sequence[int], lengths: Sequence[int], src_offset: int, path: str
+) -> None:
+    """Read `sum(lengths)` contiguous bytes from `fd` at `src_offset` into `buf`, the k-th `lengths[k]`
+    of them at `offsets[k]`: a pack's back-to-back source runs, one `preadv` per `limits.IOV_MAX`."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(offs) and ((offs < 0).any() or (offs + lens).max() > len(buf) or (lens < 0).any()):
+        raise ValueError("gather_read: a segment lies outside the buffer")
+    if _PREADV is None:
+        view = memoryview(buf)
+        _finish(
+            fd, [view[o : o + n] for o, n in zip(offs.tolist(), lens.tolist(), strict=True)], src_offset, path
+        )
+        return
+    iov = np.empty((len(offs), 2), dtype=np.uint64)
+    iov[:, 0] = offs.astype(np.uint64) + np.uint64(address(buf))
+    iov[:, 1] = lens.astype(np.uint64)
+    for i in range(0, len(offs), limits.IOV_MAX):
+        n = min(limits.IOV_MAX, len(offs) - i)
+        want = int(lens[i : i + n].sum())
+        got = _PREADV(fd, iov[i : i + n].ctypes.data, n, src_offset)
+        if got < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), path)
+        if got < want:  # short read: finish segment by segment, so truncation is still caught
+            view = memoryview(buf)
+            segs = [
+                view[o : o + k]
+                for o, k in zip(offs[i : i + n].tolist(), lens[i : i + n].tolist(), strict=True)
+            ]
+            _finish(fd, segs, src_offset, path, skip=got)
+        src_offset += want
+
+
 def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
     """Fill `view` from `fd` at `offset`; a file that ends first is a `ShardError`, not a short buffer."""
     done = 0

@@ -13,3 +13,6 @@ DIRECT_MIN_RUN = 1 << 20  # strided runs at least this long are copied run by ru
 MAX_GRID_CELLS = 1 << 22  # tilings with more grid cells than this are checked pair by pair
 SCATTER_MIN_SEGMENT = 512  # gather segments at least this long are read in place with preadv
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024)
+PACK_TENSOR = 256 << 10  # tensors this small are packed, many to one move (engine/pack.py)
+PACK_PIECES = 1024  # source blocks per pack: what one pack move holds as objects (a few hundred kB)
+PACK_RUNS = 64  # a tensor split into more runs than this gets its own moves

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from stagerd.contract import dtypes
 from stagerd.engine import limits
+from stagerd.engine.pack import Pack
 from stagerd.engine.plan_types import Chunk, ExportPlan, Move, MoveKind, Piece, TensorPlan
 from stagerd.engine.tiling import runs, strides
 from stagerd.errors import PlanError
@@ -133,28 +134,45 @@ def _gather_moves(t: TensorPlan, dst_base: int, sdt: dtypes.DType, ddt: dtypes.D
     return moves
 
 
-def plan_moves(p: ExportPlan) -> Iterator[Move]:
-    """Every move of `p`, file by file in destination order: tiny back-to-back copies coalesced, big runs
-    split so threads share the work."""
-    pending: Move | None = None
+def _in_order(p: ExportPlan) -> Iterator[Move]:
+    """Every tensor's moves in destination order: runs of tiny tensors as one pack each (`engine/pack.py`),
+    the others tensor by tensor."""
+    where = p.chunks.where
     for fi, f in enumerate(p.files):
+        pack = Pack(p, fi, f.header_size)
         for r in range(f.first, f.stop):
-            moves = tensor_moves(p.row(r, fi), f.header_size, p.chunks.where)
+            taken = pack.take(r)
+            if taken:
+                continue
+            if (m := pack.flush()) is not None:
+                yield m
+            if taken is False and pack.take(r):
+                continue
+            moves = tensor_moves(p.row(r, fi), f.header_size, where)
             moves.sort(key=lambda m: m.dst_offset)
-            for m in moves:
-                if pending is not None and _mergeable(pending, m):
-                    pending = Move(
-                        MoveKind.COPY,
-                        m.file,
-                        pending.dst_offset,
-                        pending.length + m.length,
-                        m.src,
-                        pending.src_offset,
-                    )
-                    continue
-                if pending is not None:
-                    yield from _split(pending)
-                pending = m
+            yield from moves
+        if (m := pack.flush()) is not None:
+            yield m
+
+
+def plan_moves(p: ExportPlan) -> Iterator[Move]:
+    """Every move of `p`, file by file in destination order: tiny tensors packed, tiny back-to-back copies
+    coalesced, big runs split so threads share the work."""
+    pending: Move | None = None
+    for m in _in_order(p):
+        if pending is not None and _mergeable(pending, m):
+            pending = Move(
+                MoveKind.COPY,
+                m.file,
+                pending.dst_offset,
+                pending.length + m.length,
+                m.src,
+                pending.src_offset,
+            )
+            continue
+        if pending is not None:
+            yield from _split(pending)
+        pending = m
     if pending is not None:
         yield from _split(pending)
 

@@ -9,14 +9,14 @@ single byte moves. Its per-tensor data lives in flat read-only arrays (a few doz
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagerd.contract import dtypes
-from stagerd.engine.natural_order import order_key
 
 # dtype code (the index here) <-> safetensors name; a code fits one byte.
 DTYPE_NAMES: tuple[str, ...] = tuple(dtypes.DTYPES)
@@ -67,13 +67,16 @@ class TensorPlan:
 class Piece:
     """Part of a gather: `length` contiguous source bytes, placed at `box` ([start, stop) per dim) in
     row-major order; with `strides` (source bytes per box dim), the box's elements lie at those strides
-    from `src_offset` instead, inside the `length` bytes from there (a strided block, read tile-wise)."""
+    from `src_offset` instead, inside the `length` bytes from there (a strided block, read tile-wise).
+    In a pack's one-row slab (`engine/pack.py`), `rows` (count, step) says the `length` bytes are `count`
+    equal runs, the first at `box` and each next `step` elements further (a block split inside its rows)."""
 
     src: int
     src_offset: int
     length: int
     box: tuple[tuple[int, int], ...]
     strides: tuple[int, ...] = ()
+    rows: tuple[int, int] = (1, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +93,6 @@ class Move:
     dst_dtype: str = ""
     slab_shape: tuple[int, ...] = ()
     pieces: tuple[Piece, ...] = ()
-
-
-def in_natural_order(names: Iterable[str]) -> bool:
-    """Whether `names` are already in natural key order, checked pair by pair, so that a sort (one key per
-    name held at once) is paid only where the order is not already right."""
-    prev: bytes | None = None
-    for name in names:
-        key = order_key(name)
-        if prev is not None and key < prev:
-            return False
-        prev = key
-    return True
 
 
 def frozen(a: array) -> memoryview:
@@ -146,9 +137,9 @@ class ChunkTable:
     first: memoryview
     strided: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # block -> its `Chunk.strides`
 
-    @property
+    @functools.cached_property
     def where(self) -> str:
-        """The shard directory, for errors about the checkpoint as a whole."""
+        """The shard directory, for errors about the checkpoint as a whole (kept: moves use it per tensor)."""
         return str(Path(self.sources[0]).parent) if self.sources else "."
 
     def dtype_name(self, t: int) -> str:

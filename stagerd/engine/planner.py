@@ -24,7 +24,7 @@ from stagerd.contract.sharding import (
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.file_header import header_size
 from stagerd.engine.moves import tensor_moves
-from stagerd.engine.natural_order import assign_in_natural_order, order_key, pack_in_natural_order
+from stagerd.engine.natural_order import assign_in_natural_order, pack_in_natural_order
 from stagerd.engine.plan_types import (
     DTYPE_CODE,
     DTYPE_NAMES,
@@ -32,9 +32,8 @@ from stagerd.engine.plan_types import (
     ExportPlan,
     OutputFile,
     frozen,
-    in_natural_order,
 )
-from stagerd.engine.tiling import check_tiling
+from stagerd.engine.tiling import check_tiling, tiles_simply
 from stagerd.engine.views import apply_views
 from stagerd.errors import DTypeError, HubPlanError, PlanError
 
@@ -67,7 +66,7 @@ def plan(
     table, ids = build_chunk_table(headers)
     where = table.where
     names = list(ids)  # the dict's own keys, in id order: no second str per name
-    shape_at, shape_ndim, dims = _global_shapes(table, names)
+    shape_at, shape_ndim, dims, simple = _global_shapes(table, names)
 
     def shape(t: int) -> tuple[int, ...]:
         return tuple(dims[shape_at[t] : shape_at[t] + shape_ndim[t]])
@@ -75,11 +74,12 @@ def plan(
     if expected is not None:
         _check_expected(table, ids, shape, expected)
     for t in range(len(names)):
-        check_tiling(names[t], shape(t), table.chunks_of(t), where)
+        if not simple[t]:  # the common layouts are checked by `_global_shapes` in passing
+            check_tiling(names[t], shape(t), table.chunks_of(t), where)
     if views is not None:
         table, ids = apply_views(table, ids, shape, views)
         names = list(ids)
-        shape_at, shape_ndim, dims = _global_shapes(table, names)
+        shape_at, shape_ndim, dims, _ = _global_shapes(table, names)
 
     out_code = array(
         "B", (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep)] for t, n in enumerate(names))
@@ -107,10 +107,8 @@ def plan(
         else:
             groups = pack_in_order(order, sizes, max_shard_size, shared)
     else:
-        groups = assign_in_natural_order(sizes, reference, max_shard_size)
-        for group in groups:
-            if not in_natural_order(group):  # the last file: reference keys, then the new ones
-                group.sort(key=order_key)
+        # each file's rows are sorted into the writer's order below, so the reference's own order is kept
+        groups = assign_in_natural_order(sizes, reference, max_shard_size, ordered=False)
     file_names = output_file_names(len(groups))
     row_tensor, row_dst, row_begin, row_end = array("i"), array("B"), array("q"), array("q")
     files: list[OutputFile] = []
@@ -198,24 +196,39 @@ def _shared(
     return out
 
 
-def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, array]:
-    """Each tensor's global shape, `max(offset + local shape)` per dimension over its blocks."""
+def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, array, bytearray]:
+    """Each tensor's global shape, `max(offset + local shape)` per dimension over its blocks, read from
+    the table's columns (no `Chunk` per block: this runs once per tensor of the checkpoint); and per
+    tensor whether its blocks tile it simply (`tiling.tiles_simply`), decided from the same reads."""
     shape_at, shape_ndim, dims = array("q"), array("B"), array("q")
-    for t, name in enumerate(names):
-        chunks = table.chunks_of(t)
-        ndims = {len(c.shape) for c in chunks}
-        if len(ndims) != 1:
-            raise PlanError(
-                f"tensor {name!r} has chunks of different ranks {sorted(ndims)}", path=table.where
-            )
-        nd = ndims.pop()
+    simple = bytearray(len(names))
+    first, order, at, ndim, cdims = table.first, table.order, table.at, table.ndim, table.dims
+    for t in range(len(names)):
+        blocks = order[first[t] : first[t + 1]]
+        nd = ndim[blocks[0]] if len(blocks) else 0
+        boxes = []
+        for c in blocks:
+            if ndim[c] != nd:
+                ranks = sorted({ndim[b] for b in blocks})
+                raise PlanError(
+                    f"tensor {names[t]!r} has chunks of different ranks {ranks}", path=table.where
+                )
+            a = at[c]
+            boxes.append((cdims[a : a + nd].tolist(), cdims[a + nd : a + 2 * nd].tolist()))
+        if len(boxes) == 1:
+            ext = [o + n for o, n in zip(*boxes[0], strict=True)]
+        else:
+            ext = [max(b[0][d] + b[1][d] for b in boxes) for d in range(nd)]
         shape_at.append(len(dims))
         shape_ndim.append(nd)
         try:
-            dims.extend(max(c.global_offset[d] + c.shape[d] for c in chunks) for d in range(nd))
+            dims.extend(ext)
         except OverflowError:
-            raise PlanError(f"tensor {name!r}: its extent does not fit 64 bits", path=table.where) from None
-    return shape_at, shape_ndim, dims
+            raise PlanError(
+                f"tensor {names[t]!r}: its extent does not fit 64 bits", path=table.where
+            ) from None
+        simple[t] = tiles_simply(boxes, ext)
+    return shape_at, shape_ndim, dims, simple
 
 
 def _check_byte_addressable(p: ExportPlan) -> None:

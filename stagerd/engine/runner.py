@@ -8,6 +8,7 @@ instead of written, so verify re-derives exactly what execute wrote.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import os
 import threading
@@ -20,8 +21,8 @@ from stagerd.contract import dtypes
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.engine import limits
 from stagerd.engine.cast import cast_into
-from stagerd.engine.iov import pread_into, scatter_read
-from stagerd.engine.plan_types import Move, MoveKind
+from stagerd.engine.iov import gather_read, pread_into, scatter_read
+from stagerd.engine.plan_types import Move, MoveKind, Piece
 from stagerd.engine.strided import place, read_piece
 from stagerd.engine.tiling import strides
 from stagerd.errors import ShardError, VerifyError
@@ -130,7 +131,10 @@ class Runner:
         slab = np.frombuffer(a, dtype=np.uint8, count=n * isz).reshape(*m.slab_shape, isz)
         whole, scratch = memoryview(a), memoryview(b)
         slab_strides = [s * isz for s in strides(m.slab_shape)]
-        for pc in m.pieces:
+        pieces: Sequence[Piece] = m.pieces
+        if len(m.slab_shape) == 1:  # a pack (engine/pack.py): back-to-back runs read by one preadv
+            pieces = self._read_runs(m.pieces, a, isz)
+        for pc in pieces:
             path = self.src_paths[pc.src]
             if pc.strides:  # a strided block (a transpose): read, then placed tile-wise
                 corner = sum(lo * s for (lo, _), s in zip(pc.box, slab_strides, strict=True))
@@ -157,6 +161,35 @@ class Runner:
             dv = scratch[: ddt.nbytes(k)]
             cast_into(whole[sdt.nbytes(i) : sdt.nbytes(i + k)], dv, sdt.name, ddt.name)
             self._emit(m, dv, m.dst_offset + ddt.nbytes(i))
+
+    def _read_runs(self, pieces: Sequence[Piece], slab: bytearray, isz: int) -> list[Piece]:
+        """Read the row-major pieces of a one-row slab, each stretch of back-to-back source runs with one
+        preadv; the strided ones (a transposed view) are returned for the tile-wise path."""
+        left: list[Piece] = []
+        i, n = 0, len(pieces)
+        while i < n:
+            pc = pieces[i]
+            if pc.strides:
+                left.append(pc)
+                i += 1
+                continue
+            offsets: list[int] = []
+            lengths: list[int] = []
+            end = pc.src_offset
+            while i < n and (q := pieces[i]).src == pc.src and q.src_offset == end and not q.strides:
+                count, step = q.rows
+                lo = q.box[0][0] * isz
+                if count == 1:
+                    offsets.append(lo)
+                    lengths.append(q.length)
+                else:  # evenly spaced runs of a block split inside its rows
+                    run = q.length // count
+                    offsets.extend(range(lo, lo + count * step * isz, step * isz))
+                    lengths.extend(itertools.repeat(run, count))
+                end += q.length
+                i += 1
+            gather_read(self.src_fds[pc.src], slab, offsets, lengths, pc.src_offset, self.src_paths[pc.src])
+        return left
 
 
 def _segments(box: Sequence[tuple[int, int]], slab_shape: Sequence[int], isz: int) -> tuple[np.ndarray, int]:

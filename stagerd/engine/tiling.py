@@ -63,6 +63,37 @@ def check_tiling(name: str, shape: tuple[int, ...], chunks: Sequence[Chunk], whe
                 raise PlanError(f"tensor {name!r}: chunks overlap", path=where)
 
 
+def tiles_simply(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], shape: Sequence[int]) -> bool:
+    """Whether the blocks `boxes` ((global offset, shape) each) tile `shape` in the way nearly every
+    checkpoint does: one whole block, or non-empty blocks that span every dimension but one and lie back
+    to back along it from 0 to its end. False says only "not simply": `check_tiling` then decides (and
+    names what is wrong)."""
+    if 0 in shape:
+        return False
+    if len(boxes) == 1:
+        off, n = boxes[0]
+        return not any(off) and list(n) == list(shape)
+    split = -1
+    spans: list[tuple[int, int]] = []
+    for off, n in boxes:
+        for d, g in enumerate(shape):
+            if off[d] == 0 and n[d] == g:
+                continue
+            if split not in (-1, d):
+                return False
+            split = d
+        if split < 0 or 0 in n:
+            return False
+        spans.append((off[split], off[split] + n[split]))
+    spans.sort()
+    pos = 0
+    for lo, hi in spans:
+        if lo != pos:
+            return False
+        pos = hi
+    return pos == shape[split]
+
+
 def runs(chunk: Chunk, shape: tuple[int, ...]) -> tuple[int, int]:
     """(number of contiguous destination runs, elements per run) of a chunk."""
     n = len(shape)

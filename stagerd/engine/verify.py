@@ -13,7 +13,7 @@ from pathlib import Path
 from stagerd.contract import dtypes
 from stagerd.contract.safetensors_format import HeaderStream, TensorEntry
 from stagerd.engine.consolidate import compare, plan
-from stagerd.engine.export_map import read_weight_map
+from stagerd.engine.export_map import one_file, read_index
 from stagerd.engine.file_header import header_size
 from stagerd.engine.merge import lora_merges
 from stagerd.engine.plan_types import DTYPE_NAMES, ExportPlan, OutputFile, frozen
@@ -57,27 +57,34 @@ def _entries(path: Path) -> tuple[HeaderStream, Iterator[TensorEntry]]:
 
 
 def _check_file(
-    path: Path, names: set[str], weight_map: dict[str, str], out_dtypes: dict[str, str] | None
+    path: Path, names: set[str] | None, weight_map: dict[str, str], out_dtypes: dict[str, str] | None
 ) -> tuple[int, int, bool]:
     """Check one export file against the index, its header read one entry at a time; `names` (the
-    index's names for it) is emptied. (file size, data bytes, whether its layout is an older stagerd's)."""
+    index's names for it) is emptied; with no index (`names` None), `weight_map` is filled from the
+    header instead. (file size, data bytes, whether its layout is an older stagerd's)."""
     s, entries = _entries(path)
     if s.data_start % 8:
         raise VerifyError(f"header is not padded to 8 bytes (data starts at {s.data_start})", path=path)
     pos = total = 0  # in data order so far: each entry starts where the one before ends
     in_data_order = writer_order = True
     last: tuple[int, str] | None = None
+    fname = path.name
     for t in entries:
-        try:
-            names.remove(t.name)
-        except KeyError:
-            twice = weight_map.get(t.name) == path.name
-            raise VerifyError(
-                f"the header names {t.name!r} twice"
-                if twice
-                else f"index and file disagree: only in file [{t.name!r}]",
-                path=path,
-            ) from None
+        if names is None:  # the one file of an export without an index: the header is the list
+            if t.name in weight_map:
+                raise VerifyError(f"the header names {t.name!r} twice", path=path)
+            weight_map[t.name] = fname
+        else:
+            try:
+                names.remove(t.name)
+            except KeyError:
+                twice = weight_map.get(t.name) == fname
+                raise VerifyError(
+                    f"the header names {t.name!r} twice"
+                    if twice
+                    else f"index and file disagree: only in file [{t.name!r}]",
+                    path=path,
+                ) from None
         in_data_order = in_data_order and t.begin == pos
         pos = t.end
         total += t.nbytes
@@ -108,27 +115,31 @@ def verify_export(
     `source`: the opened source, where `against` is not a step or shard directory (an adopted checkpoint,
     `engine/adopt/`)."""
     export_dir = Path(export_dir)
-    weight_map, total = read_weight_map(export_dir)
-    by_file: dict[str, set[str]] = {}
-    for name, fname in weight_map.items():
-        if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
-            raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
-        by_file.setdefault(fname, set()).add(name)
-    file_names = set(by_file)
     # Each export header is streamed and reduced to what the comparison needs: holding a header's entries
     # (or its decoded JSON) at once would cost objects per tensor.
-    file_sizes: list[int] = []
-    size = 0
-    older: list[str] = []
     out_dtypes: dict[str, str] | None = {} if against is not None else None
-    for fname in sorted(by_file):
-        file_size, data, is_older = _check_file(
-            export_dir / fname, by_file.pop(fname), weight_map, out_dtypes
-        )
-        file_sizes.append(file_size)
-        size += data
-        if is_older:
-            older.append(fname)
+    checked: list[tuple[str, int, int, bool]] = []  # file name, file size, data bytes, older order
+    listed = read_index(export_dir)
+    if listed is None:  # one model.safetensors: its names come from the same streamed read that checks it
+        path = one_file(export_dir)
+        weight_map: dict[str, str] = {}
+        checked.append((path.name, *_check_file(path, None, weight_map, out_dtypes)))
+        total = checked[0][2]
+    else:
+        weight_map, total = listed
+        by_file: dict[str, set[str]] = {}
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+                raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
+            by_file.setdefault(fname, set()).add(name)
+        for fname in sorted(by_file):
+            checked.append(
+                (fname, *_check_file(export_dir / fname, by_file.pop(fname), weight_map, out_dtypes))
+            )
+    file_names = {c[0] for c in checked}
+    file_sizes = [c[1] for c in checked]
+    size = sum(c[2] for c in checked)
+    older = [c[0] for c in checked if c[3]]
     stray = sorted(p.name for p in export_dir.glob("*.safetensors") if p.name not in file_names)
     if stray:
         raise VerifyError(f"safetensors files not in the index: {stray[:3]}", path=export_dir)

@@ -82,6 +82,34 @@ def test_gathered_tensors_cast_through_bounded_buffers(dcp_mixed, tmp_path, monk
     assert_bit_exact(load_export(tmp_path), expected_cast(full, torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [None, "BF16"])
+def test_packed_tiny_tensors_write_the_bytes_of_one_move_each(dcp_mixed, tmp_path, monkeypatch, dtype):
+    """Every tensor here is tiny, so runs of them go as one move each (engine/pack.py); the files equal
+    those written with packing off (a move per block), packs cut at a few pieces or at any size."""
+    from stagerd.engine import limits
+    from stagerd.engine.consolidate import plan, scan_shards
+    from stagerd.engine.moves import plan_moves
+
+    src, _ = dcp_mixed
+    outs = {}
+    for case, tensor, pieces in (("off", 0, 4096), ("few pieces", 1 << 18, 3), ("default", 1 << 18, 4096)):
+        monkeypatch.setattr(limits, "PACK_TENSOR", tensor)
+        monkeypatch.setattr(limits, "PACK_PIECES", pieces)
+        outs[case] = tmp_path / case.replace(" ", "-")
+        outs[case].mkdir()
+        consolidate_into(src, outs[case], dtype=dtype, max_shard_size=4096)
+        p = plan(scan_shards(src), dtype=dtype, max_shard_size=4096)
+        outs[case, "moves"] = sum(1 for _ in plan_moves(p))
+        verify_export(outs[case], src)  # compare() runs the same packs
+    assert outs["default", "moves"] < outs["few pieces", "moves"] < outs["off", "moves"]
+    for f in sorted(outs["off"].iterdir()):
+        assert (
+            f.read_bytes()
+            == (outs["default"] / f.name).read_bytes()
+            == (outs["few pieces"] / f.name).read_bytes()
+        )
+
+
 def test_output_files_and_index_agree(dcp_mixed, tmp_path):
     src, full = dcp_mixed
     res = consolidate_into(src, tmp_path, max_shard_size=2000)

@@ -45,3 +45,28 @@ def test_a_segment_outside_the_buffer_is_refused(src):
     fd, _, path = src
     with pytest.raises(ValueError):
         iov.scatter_read(fd, bytearray(100), [0, 50], 64, 0, path)
+
+
+@pytest.mark.parametrize("libc", [True, False])
+def test_runs_of_any_length_land_at_their_offsets_in_batches(monkeypatch, src, libc):
+    """A pack's back-to-back source runs: one contiguous range, the k-th `lengths[k]` bytes of it at
+    `offsets[k]`."""
+    fd, data, path = src
+    monkeypatch.setattr(limits, "IOV_MAX", 3)
+    if not libc:
+        monkeypatch.setattr(iov, "_PREADV", None)
+    buf = bytearray(1000)
+    offsets, lengths = [900, 0, 500, 100, 300, 700, 200], [64, 8, 100, 1, 0, 200, 50]
+    iov.gather_read(fd, buf, offsets, lengths, 1000, path)
+    pos = 1000
+    for o, n in zip(offsets, lengths, strict=True):
+        assert buf[o : o + n] == data[pos : pos + n]
+        pos += n
+
+
+def test_a_truncated_source_under_runs_is_a_shard_error(src):
+    fd, _, path = src
+    with pytest.raises(ShardError, match="ends early"):
+        iov.gather_read(fd, bytearray(1024), [0, 256, 300], [256, 44, 500], 3500, path)
+    with pytest.raises(ValueError):
+        iov.gather_read(fd, bytearray(100), [0, 50], [10, 51], 0, path)

@@ -75,3 +75,5 @@ def test_assignment_equals_assign_with_reference(sizes, data, max_size):
         assert got.value.message == e.message
         return
     assert assign_in_natural_order(sizes, weight_map, max_size) == want
+    unordered = assign_in_natural_order(sizes, weight_map, max_size, ordered=False)
+    assert [sorted(f) for f in unordered] == [sorted(f) for f in want]  # the same files

@@ -135,3 +135,33 @@ def test_cli_says_it_once(old):
     assert proc.returncode == 0, proc.stderr
     notes = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "older stagerd" in ln]
     assert len(notes) == 1 and "save_pretrained" in notes[0], proc.stdout + proc.stderr
+
+
+def test_a_current_export_with_a_wrong_shape_names_the_tensor_and_both_shapes(current, tmp_path):
+    """In the writer's own order one tensor's shape transposed (same bytes): before, only "header
+    differs"; now the message names the tensor, both shapes, and the hint says what to do."""
+    src, new = current
+    out = tmp_path / "out"
+    shutil.copytree(new, out)
+    changed = {}
+
+    def transpose(entries):
+        name, (dt, shape, b, e) = next(
+            (n, v) for n, v in entries.items() if len(v[1]) == 2 and v[1][0] != v[1][1]
+        )
+        entries[name] = (dt, shape[::-1], b, e)
+        changed.update(name=name, shape=list(shape))
+
+    f = next(
+        f
+        for f in sorted(out.glob("model-*.safetensors"))
+        if any(len(set(t.shape)) == 2 for t in read_header(f).tensors.values())
+    )
+    rewrite(f, lambda name, dtype: (-dtypes.writer_rank(dtype), name), transpose)
+    with pytest.raises(VerifyError) as e:
+        verify_export(out, src)
+    msg = e.value.message
+    name, shape = changed["name"], changed["shape"]
+    assert e.value.path == str(f)
+    assert repr(name) in msg and str(shape[::-1]) in msg and str(shape) in msg, msg
+    assert "\n" not in msg and "consolidate" in e.value.hint

@@ -23,6 +23,7 @@ from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 FLEET_DIR = "fleet"
 PROGRESS_DIR = "progress"
 RECORDS_DIR = "done"  # one record per sink and built file
+FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
 MAX_PROGRESS_BYTES = 4096
 
 log = logging.getLogger("stagerd.fleet")
@@ -61,6 +62,37 @@ class StepExchange:
 
     def record_data(self, sink: FsspecSink, name: str) -> dict[str, Any] | None:
         return self.read_json(self.record_key(sink, name))
+
+    def failure_key(self, sink: FsspecSink, node: int) -> str:
+        return f"{self.base}/{FAILED_DIR}/{sink_id(sink.url)}/node-{node:05d}.json"
+
+    def record_failure(self, sink: FsspecSink, err: StagerdError | None) -> None:
+        """This node's try of `sink` failed with `err` (None: a new try begins, which clears a failure), so
+        that the nodes waiting on it for that sink stop waiting and leave the sink to its own lane."""
+        key = self.failure_key(sink, self.me)
+        if err is None and not (self.read_json(key) or {}).get("error"):
+            return  # nothing to clear: no write on the way of a healthy sink
+        msg = None if err is None else str(err).splitlines()[0][:500]
+        data = json.dumps({"node": self.me, "error": None if err is None else err.name, "message": msg})
+        _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
+
+    def failure_of(self, sink: FsspecSink, nodes: Iterable[int]) -> SinkError | None:
+        """Where one of `nodes` (other than this one) failed its last try of `sink`: the `SinkError` that
+        stops this node's work for that sink too (retryable: the sink's lane tries again); else None."""
+        listed = self.store.sizes(f"{self.base}/{FAILED_DIR}/{sink_id(sink.url)}")
+        for k in sorted(set(nodes) - {self.me}):
+            if f"node-{k:05d}.json" not in listed:
+                continue
+            d = self.read_json(self.failure_key(sink, k)) or {}
+            if d.get("error"):
+                return SinkError(
+                    f"step {self.step}: node {k} could not publish its part to this sink "
+                    f"({d['error']}: {d.get('message')})",
+                    path=sink.url,
+                    hint=f"node {k}'s daemon log and `stagerd status` name the cause; its lane for this sink "
+                    "retries by itself, and so does this one",
+                )
+        return None
 
     def read_json(self, key: str) -> dict[str, Any] | None:
         """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by

@@ -57,11 +57,26 @@ def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) ->
     return bool(sink_id(str(named)) == sink_id(url))
 
 
-def _done_if_all(x: StepExchange, exchange: FsspecSink, step: int, hubs: Sequence[str]) -> None:
+def all_hubs_recorded(exchange: FsspecSink, step: int, hubs: Sequence[str]) -> bool:
+    """Every Hub sink of the fleet (`hubs`, none: not known) holds `step`."""
+    return bool(hubs) and all(_recorded(exchange, step, u, hubs) for u in hubs)
+
+
+def _done_if_all(
+    x: StepExchange, exchange: FsspecSink, step: int, hubs: Sequence[str], sinks: Sequence[FsspecSink]
+) -> None:
     """Node 0: `done.json` (retention may take the step's records, node 1..N's claims among them, which
-    their lanes take for done) once every Hub sink's record is there; the last lane to record writes it."""
-    if all(_recorded(exchange, step, u, hubs) for u in hubs):
+    their lanes take for done) once every Hub sink's record is there and every fsspec sink (`sinks`) holds
+    the step (a failed one's lane still builds from the raw parts); the last lane to get there writes it."""
+    if all_hubs_recorded(exchange, step, hubs) and all(_holds(s, step) for s in sinks):
         exchange.backend.create(f"{x.base}/{FLEET_DONE}", b"{}")
+
+
+def _holds(sink: FsspecSink, step: int) -> bool:
+    try:
+        return sink.is_published(step)
+    except SinkError:
+        return False  # unreachable: its own lane says so, and this one's publish stands
 
 
 def publish_to_hub(
@@ -78,10 +93,13 @@ def publish_to_hub(
     poll_seconds: float = 0.5,
     status: Callable[[str, int], None] | None = None,
     hubs: Sequence[str] = (),
+    sinks: Sequence[FsspecSink] = (),
 ) -> PublishResult:
     """Node 0: the committed export from `staging` to `hub`, then its record; the others: that record,
     awaited on the exchange (read through `exchange_store`) as every fleet wait is. `hubs`: the URL of
-    every Hub sink of the fleet (`hub`'s alone when empty); `work` must be this sink's own."""
+    every Hub sink of the fleet (`hub`'s alone when empty); `sinks`: its fsspec sinks, each of which must
+    hold the step before `done.json` (none: a Hub record follows `staging`'s commit, which is the only
+    one); `work` must be this sink's own."""
     t0 = time.monotonic()
     hubs = tuple(hubs) or (hub.url,)
     marker = layout.read_marker(step_dir)
@@ -91,7 +109,7 @@ def publish_to_hub(
     )
     if _recorded(exchange, step, hub.url, hubs):
         if me == 0:  # a leader killed between the Hub record and `done.json`
-            _done_if_all(x, exchange, step, hubs)
+            _done_if_all(x, exchange, step, hubs, sinks)
         return _skipped(hub.url, step, t0)
     if me != 0:
         # done too once this node's own claim, made before its export ended, is gone: remote retention took
@@ -129,7 +147,7 @@ def publish_to_hub(
     exchange.backend.create(hub_record_key(step, hub.url), record)
     if len(hubs) == 1:  # what an older node's lane waits for
         exchange.backend.create(hub_record_key(step), record)
-    _done_if_all(x, exchange, step, hubs)  # retention may go on
+    _done_if_all(x, exchange, step, hubs, sinks)  # retention may go on
     return result
 
 

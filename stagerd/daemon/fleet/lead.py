@@ -1,5 +1,7 @@
-"""The leader's (node 0's) end of a fleet step: the index and extras built once, then on each sink in
-turn every file's record awaited and checked against this node's plan, and the commit."""
+"""The leader's (node 0's) end of a fleet step: the index and extras built once and sent to each sink, then
+every file's record awaited and checked against this node's plan, and each sink's commit as soon as its
+own records are all there: a sink that fails, here or on a node owning a file it lacks, is left to its
+lane and never holds up another's commit."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
+from stagerd.errors import SinkError, StagerdError
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.objects import LocalFile
+from stagerd.sinks.objects import LocalFile, Uploaded
 
 
 def lead(
@@ -29,10 +32,12 @@ def lead(
     parts: list[NodePart],
     owner: dict[str, int],
     planned: dict[str, dict[str, object]],
+    failed: Callable[[FsspecSink, StagerdError], None],
 ) -> int:
-    """Index and extras, then every file's record checked, then the commit: on each sink in turn.
-    `dtype`: the export's; `owner`: every built file's owner; `planned`: what this plan says each file is.
-    Returns the bytes sent."""
+    """Index and extras on each sink, then each sink committed as soon as every file's record on it is
+    there and checked, whatever the other sinks do. `dtype`: the export's; `owner`: every built file's
+    owner; `planned`: what this plan says each file is; `failed`: told of each sink dropped from this run
+    (its lane tries it again). Returns the bytes sent."""
     names = list(owner)
     out = work / "lead"
     shutil.rmtree(out, ignore_errors=True)
@@ -59,32 +64,55 @@ def lead(
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
     sent = 0
+    pending: dict[str, tuple[FsspecSink, list[Uploaded]]] = {}  # sink URL -> the sink, what it was sent
     for sink in sinks:
-        if sink.is_published(x.step):  # a leader killed between two sinks' commits
-            sink.move_latest(x.step)
+        try:
+            if sink.is_published(x.step):  # a leader killed between two sinks' commits
+                sink.move_latest(x.step)
+                continue
+            pending[sink.url] = (sink, x.upload(sink, files))
+        except SinkError as e:
+            failed(sink, e)
             continue
-        digests = x.upload(sink, files)
         sent += sum(f.size for f in files)
 
-        at = f"{x.exchange.url}/{x.base}/done/{sink_id(sink.url)}/"  # the records, for an error
+    def at(sink: FsspecSink) -> str:  # the records, for an error
+        return f"{x.exchange.url}/{x.base}/done/{sink_id(sink.url)}/"
 
-        def missing(sink: FsspecSink = sink, at: str = at) -> list[str]:
-            got = {n: x.record_data(sink, n) for n in names}
-            same_plans(x.step, owner, planned, got, at)
-            return [n for n in names if got[n] is None]
-
-        def waiting(missing: Callable[[], list[str]] = missing) -> str:
-            gone = missing()  # its count changes with each record: progress for the wait's deadline
-            nodes = sorted({owner[n] for n in gone})
-            of, doing = ", ".join(map(str, nodes)), x.progress_of(nodes)  # a long build is progress too
-            recorded = f"{len(names) - len(gone)} of {len(names)} recorded"
-            return f"waiting for the files of node {of} ({recorded}{doing})"
-
-        x.wait(lambda: not missing(), waiting)
+    def missing(sink: FsspecSink) -> list[str]:
         got = {n: x.record_data(sink, n) for n in names}
-        same_plans(x.step, owner, planned, got, at)
-        digests += [uploaded(got[n]) for n in names]
-        sink.commit_uploaded(x.step, digests, {"fleet_nodes": x.nodes})
+        same_plans(x.step, owner, planned, got, at(sink))
+        return [n for n in names if got[n] is None]
+
+    def committed() -> bool:
+        """Commit each sink whose files are all recorded; drop one that fails, or that a node owning a file
+        it lacks failed (that node's lane, and this one's, try it again)."""
+        for url, (sink, digests) in list(pending.items()):
+            gone = missing(sink)
+            try:
+                why = x.failure_of(sink, {owner[n] for n in gone}) if gone else None
+                if why is None and not gone:
+                    got = {n: x.record_data(sink, n) for n in names}
+                    same_plans(x.step, owner, planned, got, at(sink))
+                    sink.commit_uploaded(
+                        x.step, digests + [uploaded(got[n]) for n in names], {"fleet_nodes": x.nodes}
+                    )
+            except SinkError as e:
+                why = e
+            if why is not None:
+                failed(sink, why)
+            if why is not None or not gone:
+                del pending[url]
+        return not pending
+
+    def waiting() -> str:
+        gone = [n for sink, _ in pending.values() for n in missing(sink)]  # progress: its count changes
+        nodes = sorted({owner[n] for n in gone})
+        of, doing = ", ".join(map(str, nodes)), x.progress_of(nodes)  # a long build is progress too
+        recorded = f"{len(names) * len(pending) - len(gone)} of {len(names) * len(pending)} recorded"
+        return f"waiting for the files of node {of} ({recorded}{doing})"
+
+    x.wait(committed, waiting)
     return sent
 
 

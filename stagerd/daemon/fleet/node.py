@@ -19,7 +19,13 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    (`FleetWaitError`).
 
 With several fsspec sinks each owner uploads its files to every one (each node still sends about 1/N of
-every sink's bytes) and each sink gets its own commit, so every sink ends with the same export.
+every sink's bytes) and each sink gets its own commit, so every sink ends with the same export. Each sink is
+its own lane, as for one daemon: a sink that fails on a node (its upload, the leader's commit) is dropped
+from that node's run with its `SinkError` (`FleetResult.failed`) and a record of it on the exchange
+(`fleet/step-N/failed/SINK/node-K.json`), so that the leader commits every other sink as soon as its files
+are there, and the nodes waiting on the failed sink stop; the sink's lane then runs this protocol for it
+alone (`lanes`), retried as any publish is. `done.json` waits for every sink's commit: a sink's lane still
+reads the raw parts.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,9 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
-from stagerd.daemon.fleet.exchange import RECORDS_DIR, Progress, StepExchange
+from stagerd.daemon.fleet.exchange import Progress, StepExchange
+from stagerd.daemon.fleet.hub import all_hubs_recorded
+from stagerd.daemon.fleet.lanes import Lanes, published
 from stagerd.daemon.fleet.lead import lead
 from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, owners
 from stagerd.daemon.fleet.records import (
@@ -47,12 +55,19 @@ from stagerd.daemon.fleet.records import (
     save_of,
     settings_errors,
     settings_of,
-    sink_id,
 )
 from stagerd.engine.export import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS, mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, MarkerError, StepConflictError
+from stagerd.errors import (
+    ConfigError,
+    FleetNodeConflictError,
+    FleetWaitError,
+    MarkerError,
+    SinkError,
+    StagerdError,
+    StepConflictError,
+)
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
@@ -91,6 +106,7 @@ class FleetResult:
     seconds: float = 0.0
     waited: float = 0.0  # of `seconds`, asleep waiting for other nodes
     committed: bool = False
+    failed: dict[str, StagerdError] = field(default_factory=dict)  # sink URL -> what stopped it on this run
 
 
 class FleetNode:
@@ -106,7 +122,10 @@ class FleetNode:
         root_id: str,
         options: FleetOptions = FleetOptions(),
         status: Callable[[str, int], None] | None = None,
+        lanes: Sequence[FsspecSink] | None = None,
     ) -> None:
+        """`sinks`: every fsspec sink of the fleet (the claim names them all); `lanes`: those this run
+        publishes to (a failed sink's lane retrying it: that one), all of them by default."""
         self.step_dir, self.work, self.sinks, self.exchange, self.store = (
             step_dir,
             work,
@@ -123,6 +142,7 @@ class FleetNode:
             exchange, store, self.step, self.me, self.nodes, o.wait_seconds, o.poll_seconds, self.status
         )
         self.base = self.x.base
+        self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
 
     def run(self) -> FleetResult:
         try:
@@ -132,15 +152,17 @@ class FleetNode:
 
     def _run(self) -> FleetResult:
         t0 = time.monotonic()
-        res = FleetResult(self.step, self.me, self.nodes, [])
-        if all(s.is_published(self.step) for s in self.sinks) and self._same_save_on_exchange():
+        res = FleetResult(self.step, self.me, self.nodes, [], failed=self.lanes.failed)
+        if all(published(s, self.step) for s in self.lanes.all) and self._same_save_on_exchange():
             if self.me == 0:  # a leader killed between the manifest and `latest`, or before `done.json`
-                for s in self.sinks:
+                for s in self.lanes.all:
                     s.move_latest(self.step)
                 self._record_done()
             return res
         check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         self._claim()
+        for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
+            self.x.record_failure(s, None)
         with Progress(self.x) as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
             res.bytes_raw = self.exchange.publish_raw(
@@ -158,12 +180,22 @@ class FleetNode:
         res.bytes_fetched = mirror.fetched
         if self.me == 0:
             res.bytes_uploaded += lead(
-                self.x, self.sinks, self.work, self.step_dir, self._target_dtype(), p, parts, owner, planned
+                self.x,
+                self.lanes.live(),
+                self.work,
+                self.step_dir,
+                self._target_dtype(),
+                p,
+                parts,
+                owner,
+                planned,
+                self.lanes.fail,
             )
+            self.lanes.check()
             res.committed = True
             self._record_done()
         else:
-            self._wait_leader(owner)
+            self.lanes.wait_leader(owner)
         shutil.rmtree(self.work, ignore_errors=True)
         res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
@@ -180,7 +212,7 @@ class FleetNode:
         """Build each file this node owns that some sink has no record of, send it to those sinks, and
         record it there: never redone once recorded."""
         for rel, art, f in mine:
-            todo = [s for s in self.sinks if self.x.record_data(s, rel) is None]
+            todo = [s for s in self.lanes.live() if self.x.record_data(s, rel) is None]
             if not todo:
                 continue
             out = self.work / "out"
@@ -188,16 +220,21 @@ class FleetNode:
             out.mkdir()
             building = progress.doing(f"building {rel}", "fleet.build")
             art.build(f.name, out, threads=self.opt.threads, progress=building)
-            n = len(self.sinks)
+            n, urls = len(self.sinks), [s.url for s in self.sinks]
             for sink in todo:  # each sink its own work: a second upload of the same bytes is progress too
-                to = f" to sink {self.sinks.index(sink) + 1} of {n}" if n > 1 else ""
+                to = f" to sink {urls.index(sink.url) + 1} of {n}" if n > 1 else ""
                 sent = progress.doing(f"uploading {rel}{to}")
-                up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)], sent)[0]
+                try:
+                    up = self.x.upload(sink, [LocalFile(rel, out / f.name, f.size)], sent)[0]
+                except SinkError as e:  # that sink's lane alone: the others go on
+                    self.lanes.fail(sink, e)
+                    continue
                 crash_point("fleet.built")
                 self.x.create(self.x.record_key(sink, rel), record_bytes(up, self.me, planned[rel]))
                 res.bytes_uploaded += f.size
             res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
+        self.lanes.check()
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
@@ -273,31 +310,12 @@ class FleetNode:
             raise
 
     def _record_done(self) -> None:
-        """Leader: nothing reads the raw parts again, so remote retention may take them (with a Hub lane,
-        `fleet/hub.py` records it after the Hub commit)."""
-        if not self.opt.hub:
+        """Leader: once every sink holds the step nothing reads the raw parts again, so remote retention may
+        take them (with a Hub lane, once every Hub sink's record is there too: `fleet/hub.py`)."""
+        if not all(published(s, self.step) for s in self.sinks):
+            return  # a failed sink's lane still builds from the raw parts
+        if not self.opt.hub or all_hubs_recorded(self.exchange, self.step, self.opt.hubs):
             self.x.create(f"{self.base}/{FLEET_DONE}", b"{}")
-
-    def _wait_leader(self, owner: dict[str, int]) -> None:
-        """Until the leader has committed every sink. Its text counts what the leader is seen doing: every
-        file's record on each sink (its own builds, and the other owners' it waits for), the reports
-        (`Progress`) of the leader and of the owners of files not yet recorded, and each sink's commit; so
-        the wait fails only once the leader (or an owner it waits for) makes no progress for the setting."""
-        want = {f"{sink_id(s.url)}/{n}.json": owner[n] for s in self.sinks for n in owner}
-        committed = [0]
-
-        def published() -> bool:
-            committed[0] = sum(s.is_published(self.step) for s in self.sinks)
-            return committed[0] == len(self.sinks)
-
-        def what() -> str:
-            gone = want.keys() - self.store.sizes(f"{self.base}/{RECORDS_DIR}").keys()
-            doing = self.x.progress_of(sorted({0} | {want[k] for k in gone}))
-            sinks = f"{committed[0]} of {len(self.sinks)} sinks committed"
-            done = f"{len(want) - len(gone)} of {len(want)} files recorded"
-            return f"waiting for the leader (node 0: {done}, {sinks}{doing})"
-
-        self.x.wait(published, what)
 
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)

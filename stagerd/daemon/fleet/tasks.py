@@ -3,7 +3,9 @@
 instead of by `export_step`, which would refuse it. The step's export task runs this node's part of the
 protocol; its publish lane only confirms the sink holds the step the fleet committed.
 
-The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each);
+The fleet publishes to every fsspec sink (each owner uploads its files to each, the leader commits each
+as soon as its files are there); a sink that fails in the export is left to its own publish lane, which
+fails first with that error and then runs the fleet for that sink alone until it commits (`_fleet_lane`);
 the first is also the exchange (its `raw/` and `fleet/` prefixes) unless `exchange` names another fsspec
 URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then publishes it to the Hub).
 """
@@ -25,6 +27,7 @@ from stagerd.sinks.base import PublishResult
 from stagerd.sinks.fsspec import FsspecSink
 
 if TYPE_CHECKING:
+    from stagerd.daemon.fleet.node import FleetNode
     from stagerd.engine.export import ExportResult
     from stagerd.sinks.fetch import RemoteStore
 
@@ -86,33 +89,16 @@ class FleetTasks(DaemonState):
         return exchange, RemoteStore.open(ex or url)
 
     def _run_fleet(self, step: int, step_dir: Path) -> ExportResult:
-        """Worker thread: this node's part of the fleet export of `step`, until the step is committed."""
-        from stagerd.daemon.fleet.node import FleetNode, FleetOptions
-
-        sinks = [sink for _, sink in self._fleet_sinks()]
-        s = self.settings
+        """Worker thread: this node's part of the fleet export of `step`, until the step is committed on
+        every fsspec sink but those that failed on the way: each of those its own lane (`_fleet_lane`)."""
         exchange, store = self._fleet_exchange()
         still_waiting = False
         try:
-            res = FleetNode(
-                step_dir,
-                self.root / ".stagerd" / "fleet" / step_dir.name,
-                sinks,
-                exchange,
-                store,
-                self._fleet_root_id(),
-                FleetOptions(
-                    dtype=s.dtype,
-                    keep_dtype=s.keep_dtype,
-                    mapping=s.mapping,
-                    max_shard_size=s.shard_size(),
-                    wait_seconds=s.fleet_wait_seconds,
-                    threads=s.export_threads,
-                    hub=any(not isinstance(sink, FsspecSink) for sink in self._sinks.values()),
-                    hubs=tuple(u for u, sink in self._sinks.items() if not isinstance(sink, FsspecSink)),
-                ),
-                self._fleet_status(step),
-            ).run()
+            work = self.root / ".stagerd" / "fleet" / step_dir.name
+            res = self._fleet_node(step_dir, work, exchange, store, self._fleet_status(step)).run()
+            urls = {sink.url: url for url, sink in self._fleet_sinks()}
+            for url, err in res.failed.items():  # that sink's lane: its first try says why, then retries
+                self._fleet_failed()[(step, urls.get(url, url))] = err
         except FleetWaitError:
             still_waiting = True  # the step keeps waiting (retried, never quarantined): keep reporting it
             raise
@@ -134,6 +120,62 @@ class FleetTasks(DaemonState):
         from stagerd.engine.export import ExportResult
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _fleet_node(
+        self,
+        step_dir: Path,
+        work: Path,
+        exchange: FsspecSink,
+        store: RemoteStore,
+        status: Callable[[str, int], None],
+        lanes: list[FsspecSink] | None = None,
+    ) -> FleetNode:
+        """This node's FleetNode for `step_dir`: every fsspec sink, or the sinks `lanes` alone."""
+        from stagerd.daemon.fleet.node import FleetNode, FleetOptions
+
+        s, sinks = self.settings, [sink for _, sink in self._fleet_sinks()]
+        hubs = tuple(u for u, sink in self._sinks.items() if not isinstance(sink, FsspecSink))
+        options = FleetOptions(
+            dtype=s.dtype,
+            keep_dtype=s.keep_dtype,
+            mapping=s.mapping,
+            max_shard_size=s.shard_size(),
+            wait_seconds=s.fleet_wait_seconds,
+            threads=s.export_threads,
+            hub=bool(hubs),
+            hubs=hubs,
+        )
+        root = self._fleet_root_id()
+        return FleetNode(step_dir, work, sinks, exchange, store, root, options, status, lanes)
+
+    def _fleet_failed(self) -> dict[tuple[int, str], BaseException]:
+        """(step, sink URL) -> what stopped that sink in the step's fleet export, for its lane's first try."""
+        failed: dict[tuple[int, str], BaseException] = vars(self).setdefault("_fleet_sink_failed", {})
+        return failed
+
+    def _fleet_lane(self, step: int, sink_url: str, target: FsspecSink) -> None:
+        """Lane worker: this node's part of the fleet export of `step` for one fsspec sink that failed in
+        it (`FleetNode`'s `lanes`), retried as any publish: the other sinks' commits stand."""
+        err = self._fleet_failed().pop((step, sink_url), None)
+        if err is not None:
+            raise err
+        from stagerd.daemon.fleet.records import sink_id
+
+        step_dir = self.root / layout.step_dir_name(step)
+        work = self.root / ".stagerd" / "fleet" / f"{step_dir.name}.{sink_id(sink_url)}"
+        exchange, store = self._fleet_exchange()
+        status = self._fleet_status(step, sink_url)
+        still_waiting = False
+        try:
+            self._fleet_node(step_dir, work, exchange, store, status, [target]).run()
+        except FleetWaitError:
+            still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
+            raise
+        finally:
+            store.close()
+            exchange.close()
+            if not still_waiting:
+                self._fleet_wait_over(step, sink_url, journal=True)
 
     def _fleet_status(self, step: int, sink: str | None = None) -> Callable[[str, int], None]:
         """Where a fleet wait of `step` reports (`StepExchange.wait`): /healthz, the metrics, the journal.
@@ -192,8 +234,9 @@ class FleetTasks(DaemonState):
             self._fleet_waits_changed(step, {}, gone=wait_key(step, sink))
 
     def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
-        """Lane worker: the fleet committed the step on this fsspec sink, or (a Hub sink) node 0 publishes
-        the step the fleet committed on the first."""
+        """Lane worker: the fleet committed the step on this fsspec sink (else this sink failed in it, and
+        its lane runs the fleet for it: `_fleet_lane`), or (a Hub sink) node 0 publishes the step the fleet
+        committed on the first fsspec sink that holds it."""
         t0 = time.monotonic()
         url, sink = self._fleet_sink()
         from stagerd.sinks.hub.sink import HubSink
@@ -201,8 +244,11 @@ class FleetTasks(DaemonState):
         target = self._sinks[sink_url]
         if sink_url != url and isinstance(target, HubSink):
             from stagerd.daemon.fleet.hub import publish_to_hub
+            from stagerd.daemon.fleet.lanes import published
             from stagerd.daemon.fleet.records import sink_id
 
+            # from a sink that holds the step: a failed one's lane may still be at work
+            url, sink = next(((u, s) for u, s in self._fleet_sinks() if published(s, step)), (url, sink))
             exchange, store = self._fleet_exchange()
             still_waiting = False
             try:
@@ -223,6 +269,7 @@ class FleetTasks(DaemonState):
                     wait_seconds=self.settings.fleet_wait_seconds,
                     status=self._fleet_status(step, sink_url),
                     hubs=[u for u, s in self._sinks.items() if isinstance(s, HubSink)],
+                    sinks=[s for _, s in self._fleet_sinks()],
                 )
             except FleetWaitError:
                 still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
@@ -237,7 +284,7 @@ class FleetTasks(DaemonState):
                 f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url
             )
         if not target.is_published(step):
-            raise SinkError(f"step {step} is not committed on the sink yet", path=sink_url)
+            self._fleet_lane(step, sink_url, target)
         return PublishResult(
             sink=sink_url,
             step=step,

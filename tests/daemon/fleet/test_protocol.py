@@ -135,39 +135,6 @@ def test_two_roots_claiming_one_node_id_is_a_named_error(tmp_path, dcp_mixed2, s
     assert issubclass(FleetNodeConflictError, StagerdError) and not FleetNodeConflictError.retryable
 
 
-def test_a_sink_that_cannot_be_written_is_a_named_sink_error_naming_it(tmp_path, dcp_mixed2):
-    """The second of two sinks is a path under a regular file: each node's upload of its files to it
-    failed with a bare `NotADirectoryError` (no sink, no key, no hint), as a single daemon's publish never
-    does. Now the `SinkError` (retryable) of a single daemon's publish, naming the sink's key."""
-    import threading
-
-    from stagerd.daemon.fleet.node import FleetNode, FleetOptions
-    from stagerd.errors import SinkError
-    from stagerd.sinks.fetch import RemoteStore
-
-    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "b").write_text("a file: every write under it fails")
-    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
-    out: dict[int, object] = {}
-
-    def one(k: int) -> None:
-        sinks = [FsspecSink.from_url(u) for u in urls]
-        opts = FleetOptions(max_shard_size=SHARD, wait_seconds=1, poll_seconds=0.05)
-        ex, store = FsspecSink.from_url(urls[0]), RemoteStore.open(urls[0])
-        try:
-            out[k] = FleetNode(node_dirs[k], tmp_path / f"w{k}", sinks, ex, store, str(k), opts).run()
-        except Exception as e:
-            out[k] = e
-
-    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    where = f"{urls[1]}/{layout.step_dir_name(STEP)}"
-    assert all(isinstance(r, SinkError) and r.retryable and where in str(r) for r in out.values()), out
-
-
 @pytest.mark.parametrize("pruned", [False, True], ids=["published", "pruned"])
 def test_a_step_saved_again_is_never_taken_for_the_first_save(tmp_path, dcp_mixed2, pruned):
     """A run restarted from an earlier checkpoint saves step 7 again, into the same ROOTs, with other data

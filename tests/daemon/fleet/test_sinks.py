@@ -1,0 +1,105 @@
+"""Each fsspec sink of a fleet is its own lane, as a single daemon's sinks are: a sink that cannot be
+written stops only itself. The healthy sink's step commits with its `latest`; the dead one's failure is the
+named, retryable `SinkError` of a single daemon's publish, naming the sink's key; once it heals, its lane
+(`FleetNode`'s `lanes`) commits it alone, and only then is the step recorded done on the exchange."""
+
+from __future__ import annotations
+
+import threading
+
+from stagerd.contract import layout
+from stagerd.daemon.fleet.node import FleetNode, FleetOptions
+from stagerd.errors import SinkError
+from stagerd.sinks.fetch import RemoteStore
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.prune import FLEET_DONE
+from tests.daemon.fleet.test_protocol import SHARD, STEP, _stage
+
+
+def _run(node_dirs, tmp_path, urls, lanes=None):
+    out: dict[int, object] = {}
+
+    def one(k: int) -> None:
+        sinks = [FsspecSink.from_url(u) for u in urls]
+        mine = None if lanes is None else [s for s in sinks if s.url in lanes]
+        opts = FleetOptions(max_shard_size=SHARD, wait_seconds=5, poll_seconds=0.05)
+        ex, store = FsspecSink.from_url(urls[0]), RemoteStore.open(urls[0])
+        node = FleetNode(node_dirs[k], tmp_path / f"w{k}", sinks, ex, store, str(k), opts, lanes=mine)
+        try:
+            out[k] = node.run()
+        except Exception as e:
+            out[k] = e
+
+    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out
+
+
+def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_path, dcp_mixed2):
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    (tmp_path / "b").write_text("a file: every write under it fails")
+    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
+    step = layout.step_dir_name(STEP)
+    done = tmp_path / "a" / "fleet" / step / FLEET_DONE
+
+    out = _run(node_dirs, tmp_path, urls)
+    # the healthy sink: committed, with its `latest`, whatever the other does
+    assert (tmp_path / "a" / step / layout.MANIFEST_NAME).is_file(), out
+    assert (tmp_path / "a" / "latest").read_text() == step
+    for r in out.values():  # the dead one: each node's run names it, retryably, as one daemon's publish
+        err = getattr(r, "failed", {}).get(urls[1])
+        assert isinstance(err, SinkError) and err.retryable and urls[1] in str(err), out
+    assert not done.exists()  # its lane still builds from the raw parts: retention must not take them
+
+    (tmp_path / "b").unlink()  # healed: the sink's lane alone publishes it on each node
+    healed = _run(node_dirs, tmp_path, urls, lanes={urls[1]})
+    assert all(not getattr(r, "failed", True) for r in healed.values()), healed
+    a, b = tmp_path / "a" / step, tmp_path / "b" / step
+    files = {p.name: p.read_bytes() for p in a.iterdir() if p.name != layout.MANIFEST_NAME}
+    assert {p.name: p.read_bytes() for p in b.iterdir() if p.name != layout.MANIFEST_NAME} == files
+    assert (b / layout.MANIFEST_NAME).is_file()
+    assert (tmp_path / "b" / "latest").read_text() == step
+    assert done.is_file()
+
+
+def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_until_healed(
+    tmp_path, dcp_mixed2
+):
+    """Through `stagerd watch`: sink b's lane (not the step) fails with its `SinkError` in the journal and
+    `stagerd status`, while a holds the step; a restart once b is healed commits b by its lane alone, and
+    only then is each node's staged step retired."""
+    from stagerd.daemon.journal import Journal
+    from tests.cli_helpers import run_cli
+    from tests.daemon.fleet.test_daemon import _done, _watch
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    (tmp_path / "b").write_text("a file: every write under it fails")
+    a, b = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    env = {"STAGERD_RETRY_BASE_SECONDS": "0.1"}
+
+    def both() -> list[tuple[int, str]]:
+        procs = [_watch(d.parent, a, "--sink", b, "--keep-last", "0", env=env) for d in node_dirs]
+        return [_done(p) for p in procs]
+
+    logs = both()
+    assert (tmp_path / "a" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs
+    for d in node_dirs:
+        j = Journal.open_readonly(d.parent)
+        try:
+            lanes = {ln.sink: ln for ln in j.lanes(STEP)}
+        finally:
+            j.close()
+        assert str(lanes[a].state) == "published", logs
+        assert lanes[b].error_class == "SinkError" and lanes[b].attempts == 2, logs  # its own tries
+        assert d.is_dir()  # b lacks it: kept
+        status = run_cli(["status", d.parent])
+        assert "SinkError" in status.stdout + status.stderr, status
+
+    (tmp_path / "b").unlink()
+    logs = both()
+    assert [rc for rc, _ in logs] == [0, 0], logs
+    assert (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs
+    assert not any(d.exists() for d in node_dirs), logs  # published everywhere: then, and only then
