@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from stagerd.contract import dtypes
@@ -40,12 +41,25 @@ from stagerd.errors import DTypeError, HubPlanError
 HUB_PLAN_FORMAT = "stagerd.hub/1"
 
 
+class Holds(StrEnum):
+    """When a shared storage holds: always (a split's views of one tensor: a cast keeps them one storage);
+    only while the dtype is kept (the trainer's memory layout: a flat buffer, which a cast, as
+    `model.to(dtype)`, gives each parameter a storage of its own); only under a cast (what a group of the
+    kept layout becomes then)."""
+
+    ALWAYS = "always"
+    KEPT = "kept"
+    CAST = "cast"
+
+
 @dataclass(frozen=True, slots=True)
 class SharedStorage:
-    """Outputs that are views of one storage of `numel` elements in the saving library's state dict."""
+    """Outputs that are views of one storage of `numel` elements in the saving library's state dict,
+    where `holds` says (a marker without it: always)."""
 
     names: tuple[str, ...]
     numel: int
+    holds: Holds = Holds.ALWAYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +142,9 @@ class HubPlan:
     # How the library's own save (save_pretrained) splits the outputs into files, so that a sharded export
     # is its files too: every output name in the order its state dict walks them (empty: natural key
     # order); the outputs that share one storage there (a split's views), which its splitter sizes by
-    # that storage and keeps in one file; and the index's `total_parameters` (its num_parameters()).
+    # that storage (in the index's `total_size` too) and keeps in one file, each with when it holds (a
+    # flat buffer's grouping only while the dtype is kept); and the index's `total_parameters` (its
+    # num_parameters()).
     order: tuple[str, ...] = ()
     shared: tuple[SharedStorage, ...] = ()
     parameters: int | None = None
@@ -151,7 +167,11 @@ class HubPlan:
         if self.order:
             d["order"] = list(self.order)
         if self.shared:
-            d["shared"] = [{"names": list(g.names), "numel": g.numel} for g in self.shared]
+            d["shared"] = [
+                {"names": list(g.names), "numel": g.numel}
+                | ({"holds": g.holds.value} if g.holds is not Holds.ALWAYS else {})
+                for g in self.shared
+            ]
         if self.parameters is not None:
             d["parameters"] = self.parameters
         return d
@@ -192,7 +212,10 @@ class HubPlan:
             )
             drop = tuple(_str(n) for n in d.get("drop", ()))
             order = _strs(d.get("order", []))
-            shared = tuple(SharedStorage(_strs(g["names"]), _int(g["numel"])) for g in d.get("shared", ()))
+            shared = tuple(
+                SharedStorage(_strs(g["names"]), _int(g["numel"]), _holds(g.get("holds", Holds.ALWAYS)))
+                for g in d.get("shared", ())
+            )
             parameters = None if d.get("parameters") is None else _int(d["parameters"])
             origin = _str(d.get("origin", "aliases"))
             return cls(
@@ -363,6 +386,11 @@ def _float(x: Any) -> float:
     if not isinstance(x, int | float) or isinstance(x, bool):
         raise TypeError(f"expected a number, got {x!r}")
     return float(x)
+
+
+def _holds(x: Any) -> Holds:
+    """A shared storage's `holds`; an unknown one is a ValueError (a malformed plan)."""
+    return Holds(_str(x))
 
 
 def _bool(x: Any) -> bool:

@@ -10,8 +10,9 @@ keeps both to a few dozen bytes per tensor beyond the names themselves, which ar
   names, or a name) through box `boxes[box[k]]` = `[start, size, shape, reshape, perm, at, whole]`, empty
   fields at the end left out; `drop`, `order` and each `shared` storage's names are name lists, whose items
   are names or runs `[first, count]` of the tensor names followed by the views' names, so a save order
-  that walks the tensors and the views in runs is a few numbers. Merges, zero fills, `origin` and
-  `parameters` are as in `stagerd.hub/1` (`HubPlan.to_json`);
+  that walks the tensors and the views in runs is a few numbers. A shared storage is `[numel, names]`, or
+  `[numel, names, holds]` where it does not always hold (`Holds`; one without it always holds). Merges,
+  zero fills, `origin` and `parameters` are as in `stagerd.hub/1` (`HubPlan.to_json`);
 - `reference_index`, where it is a weight_map: `{"files": [...], "names": [name list per file]}`, over the
   tensor names followed by the hub plan's view names.
 
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from stagerd.contract.hub_plan import HUB_PLAN_FORMAT, HubPlan, SharedStorage, TensorView
+from stagerd.contract.hub_plan import HUB_PLAN_FORMAT, Holds, HubPlan, SharedStorage, TensorView
 from stagerd.errors import HubPlanError, MarkerError
 
 COMPACT_PLAN_FORMAT = "stagerd.hub/2"
@@ -107,7 +108,7 @@ def encode_plan(plan: HubPlan, tensors: Sequence[str]) -> dict[str, Any]:
     if plan.order:
         d["order"] = _encode_names(plan.order, index)
     if plan.shared:
-        d["shared"] = [[g.numel, _encode_names(g.names, index)] for g in plan.shared]
+        d["shared"] = [_shared_json(g, index) for g in plan.shared]
     return d
 
 
@@ -132,13 +133,24 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
             views=views,
             drop=_decode_names(d.get("drop", []), table, path),
             order=_decode_names(d.get("order", []), table, path),
-            shared=tuple(
-                SharedStorage(_decode_names(names, table, path), _count(numel))
-                for numel, names in d.get("shared", ())
-            ),
+            shared=tuple(_shared(g, table, path) for g in d.get("shared", ())),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
+
+
+def _shared_json(g: SharedStorage, index: Mapping[str, int]) -> list[Any]:
+    out: list[Any] = [g.numel, _encode_names(g.names, index)]
+    return out if g.holds is Holds.ALWAYS else [*out, g.holds.value]
+
+
+def _shared(g: Any, table: _NameTable, path: object) -> SharedStorage:
+    """`[numel, names]`, or `[numel, names, holds]` where it does not always hold (an older reader refuses
+    that as a malformed plan rather than apply a grouping that does not hold)."""
+    if not isinstance(g, list) or len(g) not in (2, 3) or not all(isinstance(h, str) for h in g[2:]):
+        raise TypeError(f"expected [numel, names] or [numel, names, holds], got {str(g)[:200]}")
+    holds = Holds(g[2]) if len(g) == 3 else Holds.ALWAYS  # an unknown one: ValueError
+    return SharedStorage(_decode_names(g[1], table, path), _count(g[0]), holds)
 
 
 def encode_weight_map(wm: Mapping[str, str], tensors: Sequence[str], plan: HubPlan | None) -> dict[str, Any]:

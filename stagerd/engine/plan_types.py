@@ -208,8 +208,9 @@ class ExportPlan:
 
     @property
     def bytes_to_write(self) -> int:
-        """The moves tile every tensor exactly once, so they write the data sections and nothing else."""
-        return self.total_size
+        """The moves tile every tensor exactly once, so they write the data sections and nothing else (not
+        `total_size`, which counts a shared storage's bytes, as save_pretrained's index does)."""
+        return sum(f.data_size for f in self.files)
 
     def shape(self, t: int) -> tuple[int, ...]:
         at = self.shape_at[t]

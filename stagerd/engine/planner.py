@@ -12,7 +12,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from stagerd.contract import dtypes
-from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.hub_plan import Holds, HubPlan
 from stagerd.contract.layout import TensorInfo
 from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
@@ -95,12 +95,17 @@ def plan(
     sizes = {
         n: dtypes.lookup(DTYPE_NAMES[out_code[t]]).nbytes(math.prod(shape(t))) for t, n in enumerate(names)
     }
+    cast = any(out_code[t] != DTYPE_CODE[table.dtype_name(t)] for t in range(len(names)))
+    shared = _shared(views, ids, out_code, sizes, cast, where)
+    # save_pretrained's splitter counts each storage once, by its bytes (huggingface_hub's total_size)
+    in_shared = {n for group, _ in shared for n in group}
+    total_size = sum(b for n, b in sizes.items() if n not in in_shared) + sum(b for _, b in shared)
     if reference is None:
         order = _save_order(names, views, expected, where)
         if order is None:
             groups = pack_in_natural_order(sizes, max_shard_size)
         else:
-            groups = pack_in_order(order, sizes, max_shard_size, _shared(views, ids, out_code, where))
+            groups = pack_in_order(order, sizes, max_shard_size, shared)
     else:
         # each file's rows are sorted into the writer's order below, so the reference's own order is kept
         groups = assign_in_natural_order(sizes, reference, max_shard_size, ordered=False)
@@ -137,7 +142,7 @@ def plan(
         shape_at=frozen(shape_at),
         shape_ndim=frozen(shape_ndim),
         dims=frozen(dims),
-        total_size=sum(sizes.values()),
+        total_size=total_size,
         parameters=views.parameters if views is not None else None,
     )
     _check_byte_addressable(p)
@@ -161,14 +166,33 @@ def _save_order(
 
 
 def _shared(
-    views: HubPlan | None, ids: Mapping[str, int], out_code: array, where: str
+    views: HubPlan | None,
+    ids: Mapping[str, int],
+    out_code: array,
+    sizes: Mapping[str, int],
+    cast: bool,
+    where: str,
 ) -> list[tuple[tuple[str, ...], int]]:
-    """The plan's shared storages, each with its bytes in the output dtype."""
+    """The plan's shared storages that hold for this export, each with its bytes in the output dtype:
+    those of the trainer's memory layout only where no tensor is cast (`cast`), those of a cast only
+    where one is (`Holds`)."""
+    holds = (Holds.ALWAYS, Holds.CAST if cast else Holds.KEPT)
     out = []
+    seen: set[str] = set()
     for g in views.shared if views is not None else ():
+        if g.holds not in holds:
+            continue
         if not g.names or any(n not in ids for n in g.names):
             raise HubPlanError("a shared storage of the plan names a tensor it does not write", path=where)
-        out.append((g.names, dtypes.lookup(DTYPE_NAMES[out_code[ids[g.names[0]]]]).nbytes(g.numel)))
+        # the splitter would place a name's file twice, or a group's followers never (a tensor lost)
+        twice = next((n for i, n in enumerate(g.names) if n in seen or n in g.names[:i]), None)
+        if twice is not None:
+            raise HubPlanError(f"two shared storages of the plan hold {twice!r}", path=where)
+        seen.update(g.names)
+        nbytes = dtypes.lookup(DTYPE_NAMES[out_code[ids[g.names[0]]]]).nbytes(g.numel)
+        if any(sizes[n] > nbytes for n in g.names):
+            raise HubPlanError(f"a shared storage of the plan is smaller than {g.names[0]!r}", path=where)
+        out.append((g.names, nbytes))
     return out
 
 

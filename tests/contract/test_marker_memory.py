@@ -5,6 +5,7 @@ tensor and per view, indented) still reads the same. Targets live in bench/bench
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import tracemalloc
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from stagerd.contract import layout
-from stagerd.contract.hub_plan import HubPlan, LoraMerge, SharedStorage, TensorView, ZeroFill
+from stagerd.contract.hub_plan import Holds, HubPlan, LoraMerge, SharedStorage, TensorView, ZeroFill
 from stagerd.contract.layout import CommitMarker, StagedFile, TensorInfo
 from stagerd.errors import MarkerError
 
@@ -181,7 +182,11 @@ def test_every_plan_field_round_trips(tmp_path):
         merges=(LoraMerge("merged", "base", "la", "lb", 0.5, fan_in_fan_out=True),),
         zeros=(ZeroFill("a#zeros0", "F32", (2,)),),
         order=("cat", "q", "elsewhere", "qkv", "m"),
-        shared=(SharedStorage(("q", "qkv", "nowhere"), 96),),
+        shared=(
+            SharedStorage(("q", "qkv", "nowhere"), 96),
+            SharedStorage(("cat",), 40, Holds.KEPT),
+            SharedStorage(("m", "cat"), 9, Holds.CAST),
+        ),
         parameters=3,
     )
     infos = {"qkv": TensorInfo("F32", (12, 8)), "a": TensorInfo("F32", (3,)), "b": TensorInfo("I8", ())}
@@ -233,6 +238,9 @@ def _mangled(**change: Any) -> dict[str, Any]:
         ({"plan__order": [[1, 9]]}, "not a name, nor a run of names"),
         ({"plan__order": [[-1, 1]]}, "not a name, nor a run of names"),
         ({"plan__drop": "a"}, "malformed to-Hub plan"),
+        ({"plan__shared": [[2, [[0, 1]], "sometimes"]]}, "malformed to-Hub plan"),
+        ({"plan__shared": [[2, [[0, 1]], 1]]}, "malformed to-Hub plan"),
+        ({"plan__shared": [[2, [[0, 1]], "kept", "cast"]]}, "malformed to-Hub plan"),
         ({"ref__files": ["a.safetensors", "b.safetensors"]}, "files and names do not match up"),
         ({"ref__names": [[[0, 7]]]}, "not a name, nor a run of names"),
     ],
@@ -240,3 +248,17 @@ def _mangled(**change: Any) -> dict[str, Any]:
 def test_a_bad_compact_marker_is_a_marker_error(change, match):
     with pytest.raises(MarkerError, match=match):
         CommitMarker.from_json(_mangled(**change))
+
+
+def test_a_shared_storage_without_holds_always_holds():
+    """A marker from before `holds` (compact `[numel, names]`, or `stagerd.hub/1`'s object without it): each
+    shared storage holds always, as it did; one that always holds is still written that way."""
+    plan = HubPlan((), order=("a", "b"), shared=(SharedStorage(("a", "b"), 4),))
+    marker = CommitMarker(1, 1, (), tensors={"a": TensorInfo("F32", (2,)), "b": TensorInfo("F32", (2,))})
+    marker = dataclasses.replace(marker, hub_plan=plan)
+    d = json.loads(json.dumps(marker.to_json()))
+    assert d["hub_plan"]["shared"] == [[4, [[0, 2]]]]
+    assert CommitMarker.from_json(d).hub_plan == plan
+    old = json.loads(old_form(marker))
+    assert old["hub_plan"]["shared"] == [{"names": ["a", "b"], "numel": 4}]
+    assert CommitMarker.from_json(old).hub_plan.shared[0].holds is Holds.ALWAYS

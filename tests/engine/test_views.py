@@ -122,6 +122,19 @@ def test_a_plan_the_checkpoint_contradicts_is_a_named_error_before_any_output(sa
         "shared storage of the plan names": HubPlan(
             (), order=tuple(fused()), shared=(SharedStorage(("nope",), 3),)
         ),
+        # before: `tied` in no file (it follows `norm`, which follows `qkv`): exported without it, no error
+        "two shared storages of the plan hold 'norm'": HubPlan(
+            (),
+            order=tuple(fused()),
+            shared=(SharedStorage(("tied", "norm"), 200), SharedStorage(("norm", "qkv"), 200)),
+        ),
+        "two shared storages of the plan hold 'tied'": HubPlan(
+            (), order=tuple(fused()), shared=(SharedStorage(("tied", "tied"), 200),)
+        ),
+        # before: packed by 4 bytes for 192; now it would be the index's total_size too
+        "shared storage of the plan is smaller than 'tied'": HubPlan(
+            (), order=tuple(fused()), shared=(SharedStorage(("tied", "norm"), 1),)
+        ),
     }
     for words, hub in bad.items():
         with pytest.raises(HubPlanError, match=words):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.contract.hub_plan import HubPlan, SharedStorage, TensorView, ZeroFill
+from stagerd.contract.hub_plan import Holds, HubPlan, SharedStorage, TensorView, ZeroFill
 from stagerd.errors import HubPlanError
 from stagerd.training.trace import parts as trace_parts
 from stagerd.training.trace.boxes import box_of, flat_box
@@ -147,8 +147,23 @@ def _shared_storages(
     reverted: Mapping[str, Any], real: Mapping[int, tuple[StorageKey, int]]
 ) -> tuple[SharedStorage, ...]:
     """Outputs that are views of one storage (a split's parts), or of part of one: the splitter sizes a
-    tensor by its whole storage and keeps the tensors of one storage in one file. A traced tensor's
-    storage is the `real` one it stands for, where the model's is not its own (a flat buffer's)."""
+    tensor by its whole storage and keeps the tensors of one storage in one file. Where the model's storage
+    is not a tensor's own (a flat buffer's: `real`), that holds only while the dtype is kept: a cast
+    (`model.to(dtype)`) gives each parameter a storage of its own, and then the traced tensors' own
+    storages (a split's views stay one) are what holds. Each group is marked with when it holds."""
+    kept, cast = _storage_groups(reverted, real), _storage_groups(reverted, {})
+    both = set(kept) & set(cast)
+    return (
+        *(replace(g, holds=Holds.ALWAYS if g in both else Holds.KEPT) for g in kept),
+        *(replace(g, holds=Holds.CAST) for g in cast if g not in both),
+    )
+
+
+def _storage_groups(
+    reverted: Mapping[str, Any], real: Mapping[int, tuple[StorageKey, int]]
+) -> list[SharedStorage]:
+    """The groups of outputs by storage: a traced tensor's storage is the `real` one it stands for, where
+    `real` names it, else its own."""
     names: dict[Hashable, list[str]] = {}
     numel: dict[Hashable, int] = {}
     for name, o in reverted.items():
@@ -157,11 +172,11 @@ def _shared_storages(
             key, nbytes = real.get(storage._cdata, (storage._cdata, storage.nbytes()))
             names.setdefault(key, []).append(name)
             numel[key] = nbytes // o.element_size()
-    return tuple(
+    return [
         SharedStorage(tuple(ns), numel[key])
         for key, ns in names.items()
         if len(ns) > 1 or numel[key] != reverted[ns[0]].numel()
-    )
+    ]
 
 
 # A zero fill is named after the output it pads: "<output>#zeros<n>", never a name a model saves.
