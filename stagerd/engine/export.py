@@ -23,18 +23,19 @@ from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
-from stagerd.contract.regular_file import linked, open_regular
+from stagerd.contract.regular_file import linked
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.contract.step.held import HINT, WHY, HeldDir
+from stagerd.engine.adapter import build_adapter
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.export_map import read_weight_map
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
+from stagerd.engine.parsed_extras import PARSED_EXTRAS, read_json_object
 from stagerd.engine.source import Source, held_source
 from stagerd.errors import (
     ExportMismatchError,
-    ExtrasError,
     HubPlanError,
     OutputError,
     StagerdError,
@@ -96,7 +97,7 @@ def build_export(
     )
     files = [*res.files, *([res.index] if res.index else [])]
     if source.marker is not None and source.marker.adapter_plan is not None:
-        files.append(_build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
+        files.append(build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
     for rel in source.extras():
         if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
             continue  # our index and weights are the export's; a stray copy would contradict them
@@ -122,66 +123,6 @@ def build_export(
     return ExportResult(
         tmp, tuple(sorted(files)), res.total_size, res.tensors, time.monotonic() - t0, skipped=False
     )
-
-
-ADAPTER_DIR = "adapter"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_MAX_SHARD_SIZE = 1 << 62  # PEFT writes the adapter as one file, whatever its size
-
-
-def _build_adapter(
-    source: Source, tmp: Path, plan: HubPlan, dtype: str | None, keep_dtype: str | None, threads: int
-) -> tuple[str, int]:
-    """A PEFT model's adapter-only artefact: `adapter/adapter_model.safetensors`, one file, no index,
-    as `PeftModel.save_pretrained` writes it (its config comes with the extras)."""
-    out = tmp / ADAPTER_DIR
-    try:
-        out.mkdir()
-        res = consolidate_into(
-            source.model_dir,
-            out,
-            listed=source.listed,
-            dtype=dtype,
-            keep_dtype=keep_dtype,
-            max_shard_size=ADAPTER_MAX_SHARD_SIZE,
-            expected=source.marker.tensors if source.marker else None,
-            views=plan,
-            threads=threads,
-            scan=source.scan,
-        )
-        ((name, size),) = res.files
-        os.rename(out / name, out / ADAPTER_WEIGHTS)
-        layout.fsync_dir(out)
-    except OSError as e:
-        raise OutputError(f"cannot write the adapter: {e.strerror}", path=out) from None
-    return f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", size
-
-
-# Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
-PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_config.json"})
-MAX_PARSED_EXTRA_BYTES = 16 << 20
-
-
-def read_json_object(path: Path, *, named: Path | None = None) -> dict[str, Any]:
-    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError naming `named`
-    (default `path`: a held file is read by its proc path)."""
-    shown = path if named is None else named
-    try:
-        with open_regular(path) as f:  # a FIFO would hold the export forever
-            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
-    except OSError as e:
-        raise ExtrasError(f"cannot read {shown.name}: {e.strerror}", path=shown) from None
-    if len(raw) > MAX_PARSED_EXTRA_BYTES:
-        raise ExtrasError(f"{shown.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=shown)
-    try:
-        parsed = json.loads(raw)
-    except RecursionError:
-        raise ExtrasError(f"{shown.name} is not valid JSON: nested too deep", path=shown) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ExtrasError(f"{shown.name} is not valid JSON: {e}", path=shown) from None
-    if not isinstance(parsed, dict):
-        raise ExtrasError(f"{shown.name} must hold a JSON object, not {type(parsed).__name__}", path=shown)
-    return parsed
 
 
 def list_files(d: Path) -> tuple[tuple[str, int], ...]:

@@ -21,8 +21,8 @@ from pathlib import Path
 from stagerd.contract import dtypes, layout
 from stagerd.contract.regular_file import linked
 from stagerd.contract.step.held import HINT, WHY, HeldDir
-from stagerd.engine.export import PARSED_EXTRAS, read_json_object
 from stagerd.engine.moves import plan_moves
+from stagerd.engine.parsed_extras import PARSED_EXTRAS, read_json_object
 from stagerd.engine.plan_types import ExportPlan, MoveKind
 from stagerd.errors import ShardError
 

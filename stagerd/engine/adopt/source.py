@@ -51,7 +51,7 @@ from stagerd.contract.regular_file import linked, open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
-from stagerd.engine.export import MAX_PARSED_EXTRA_BYTES, read_json_object
+from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES, read_json_object
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
 from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError, StagerdError, open_failed

@@ -1,0 +1,36 @@
+"""The extras a client parses (config.json and its kin), read bounded and checked to hold a JSON object."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract.regular_file import open_regular
+from stagerd.errors import ExtrasError
+
+# Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
+PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_config.json"})
+MAX_PARSED_EXTRA_BYTES = 16 << 20
+
+
+def read_json_object(path: Path, *, named: Path | None = None) -> dict[str, Any]:
+    """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError naming `named`
+    (default `path`: a held file is read by its proc path)."""
+    shown = path if named is None else named
+    try:
+        with open_regular(path) as f:  # a FIFO would hold the export forever
+            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
+    except OSError as e:
+        raise ExtrasError(f"cannot read {shown.name}: {e.strerror}", path=shown) from None
+    if len(raw) > MAX_PARSED_EXTRA_BYTES:
+        raise ExtrasError(f"{shown.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=shown)
+    try:
+        parsed = json.loads(raw)
+    except RecursionError:
+        raise ExtrasError(f"{shown.name} is not valid JSON: nested too deep", path=shown) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExtrasError(f"{shown.name} is not valid JSON: {e}", path=shown) from None
+    if not isinstance(parsed, dict):
+        raise ExtrasError(f"{shown.name} must hold a JSON object, not {type(parsed).__name__}", path=shown)
+    return parsed
