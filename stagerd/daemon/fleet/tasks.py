@@ -12,12 +12,13 @@ URL. With only Hub sinks it builds on the exchange (`daemon/fleet/hub.py` then p
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stagerd.contract import layout
 from stagerd.contract.root_id import root_id
@@ -164,16 +165,23 @@ class FleetTasks(DaemonState):
         step_dir = self.root / layout.step_dir_name(step)
         work = self.root / ".stagerd" / "fleet" / f"{step_dir.name}.{sink_id(sink_url)}"
         exchange, store = self._fleet_exchange()
-        status = self._fleet_status(step, sink_url)
+        with self._lane_waiting(step, sink_url, store, exchange):
+            status = self._fleet_status(step, sink_url)
+            self._fleet_node(step_dir, work, exchange, store, status, [target]).run()
+
+    @contextlib.contextmanager
+    def _lane_waiting(self, step: int, sink_url: str, *closing: Any) -> Iterator[None]:
+        """A lane's fleet work: `closing` closed after it, and its wait entry cleared unless it still
+        waits (`FleetWaitError`, as the export task's wait: the step keeps waiting, and says so)."""
         still_waiting = False
         try:
-            self._fleet_node(step_dir, work, exchange, store, status, [target]).run()
+            yield
         except FleetWaitError:
-            still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
+            still_waiting = True
             raise
         finally:
-            store.close()
-            exchange.close()
+            for c in closing:
+                c.close()
             if not still_waiting:
                 self._fleet_wait_over(step, sink_url, journal=True)
 
@@ -250,8 +258,7 @@ class FleetTasks(DaemonState):
             # from a sink that holds the step: a failed one's lane may still be at work
             url, sink = next(((u, s) for u, s in self._fleet_sinks() if published(s, step)), (url, sink))
             exchange, store = self._fleet_exchange()
-            still_waiting = False
-            try:
+            with self._lane_waiting(step, sink_url, store, exchange):
                 step_dir = self.root / layout.step_dir_name(step)
                 # each Hub sink its own download: two lanes of one step run at once
                 work = (
@@ -271,14 +278,6 @@ class FleetTasks(DaemonState):
                     hubs=[u for u, s in self._sinks.items() if isinstance(s, HubSink)],
                     sinks=[s for _, s in self._fleet_sinks()],
                 )
-            except FleetWaitError:
-                still_waiting = True  # as the export task's wait: the step keeps waiting, and says so
-                raise
-            finally:
-                store.close()
-                exchange.close()
-                if not still_waiting:
-                    self._fleet_wait_over(step, sink_url, journal=True)
         if not isinstance(target, FsspecSink):
             raise SinkError(
                 f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url
