@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -52,6 +53,7 @@ class StepExchange:
         self._listed: dict[int, object] = {}  # node -> its report's listing when last read
         self._best: dict[tuple[int, str], int] = {}  # (node, what it does) -> the most bytes seen done
         self._shown: dict[int, str] = {}  # node -> its furthest report: "building NAME: 4096 bytes"
+        self._past: dict[str, bytes] = {}  # failure key -> the record a past try left there (`past_failures`)
 
     def claim_key(self, node: int) -> str:
         return f"{self.base}/node-{node:05d}.json"
@@ -73,7 +75,9 @@ class StepExchange:
         if err is None and not (self.read_json(key) or {}).get("error"):
             return  # nothing to clear: no write on the way of a healthy sink
         msg = None if err is None else str(err).splitlines()[0][:500]
-        data = json.dumps({"node": self.me, "error": None if err is None else err.name, "message": msg})
+        error = None if err is None else err.name
+        # `try`: a failure of this try never reads as the same bytes as a past try's (`past_failures`)
+        data = json.dumps({"node": self.me, "error": error, "message": msg, "try": uuid.uuid4().hex})
         _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
 
     def failure_of(self, sink: FsspecSink, nodes: Iterable[int]) -> SinkError | None:
@@ -83,7 +87,11 @@ class StepExchange:
         for k in sorted(set(nodes) - {self.me}):
             if f"node-{k:05d}.json" not in listed:
                 continue
-            d = self.read_json(self.failure_key(sink, k)) or {}
+            key = self.failure_key(sink, k)
+            data = self._read(key)
+            if data is None or data == self._past.get(key):
+                continue  # a past try's, which that node's new try clears
+            d = self._parse(key, data)
             if d.get("error"):
                 return SinkError(
                     f"step {self.step}: node {k} could not publish its part to this sink "
@@ -97,9 +105,26 @@ class StepExchange:
     def read_json(self, key: str) -> dict[str, Any] | None:
         """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by
         another tool, or damaged) is a named error naming it, never taken for a claim or a record."""
-        data = _named(self.exchange.url, key, lambda: self.exchange.backend.read(key))
-        if data is None:
-            return None
+        data = self._read(key)
+        return None if data is None else self._parse(key, data)
+
+    def past_failures(self, sinks: Iterable[FsspecSink]) -> None:
+        """The other nodes' failure records of `sinks` as this try begins: left by past tries, whose nodes
+        clear them as their own new tries begin, perhaps after this one reads them. Until a node writes
+        its record again, `failure_of` takes it for no failure: a healed sink's lane is not stopped by the
+        failure that sent it there, and a node that is gone shows as one to wait for."""
+        for sink in sinks:
+            prefix = f"{self.base}/{FAILED_DIR}/{sink_id(sink.url)}"
+            for name in self.store.sizes(prefix):
+                key = f"{prefix}/{name}"
+                if key != self.failure_key(sink, self.me) and (data := self._read(key)) is not None:
+                    self._past[key] = data
+
+    def _read(self, key: str) -> bytes | None:
+        data: bytes | None = _named(self.exchange.url, key, lambda: self.exchange.backend.read(key))
+        return data
+
+    def _parse(self, key: str, data: bytes) -> dict[str, Any]:
         try:
             d = json.loads(data)
         except ValueError:

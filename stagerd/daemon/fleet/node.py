@@ -164,6 +164,7 @@ class FleetNode:
         self._claim()
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
+        self.x.past_failures(self.lanes.all)
         with Progress(self.x) as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
             res.bytes_raw = self.exchange.publish_raw(

@@ -103,3 +103,29 @@ def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_unt
     assert [rc for rc, _ in logs] == [0, 0], logs
     assert (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs
     assert not any(d.exists() for d in node_dirs), logs  # published everywhere: then, and only then
+
+
+def test_a_failure_a_past_try_left_stops_no_new_try_until_written_again(tmp_path):
+    """Node 1's record of its failed try of sink b is still on the exchange when node 0's new try begins
+    (node 1's new try, which clears it, may begin later): it must not stop node 0's try, which would fail a
+    healed sink's lane again with the old error. A failure node 1 writes in its new try does stop it."""
+    from stagerd.daemon.fleet.exchange import StepExchange
+
+    url = (tmp_path / "x").as_uri()
+    sink_b = FsspecSink.from_url((tmp_path / "b").as_uri())
+
+    def view(me: int) -> StepExchange:
+        return StepExchange(
+            FsspecSink.from_url(url), RemoteStore.open(url), STEP, me, 2, 5, 0.05, lambda s, n: None
+        )
+
+    node1 = view(1)
+    node1.record_failure(sink_b, SinkError("NotADirectoryError: Not a directory", path=sink_b.url))
+    node0 = view(0)
+    node0.past_failures([sink_b])
+    assert node0.failure_of(sink_b, [1]) is None  # a past try's
+    node1.record_failure(sink_b, None)  # node 1's new try begins...
+    assert node0.failure_of(sink_b, [1]) is None
+    node1.record_failure(sink_b, SinkError("NotADirectoryError: Not a directory", path=sink_b.url))
+    err = node0.failure_of(sink_b, [1])  # ...and fails again, the same way
+    assert isinstance(err, SinkError) and "node 1" in str(err), err
