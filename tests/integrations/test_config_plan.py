@@ -46,6 +46,16 @@ def test_the_config_alone_gives_what_save_pretrained_writes(tmp_path, kind):
     assert plan is not None and plan.origin == "transformers"
 
 
+def _save_wrapped(tmp_path, wrapper, model, given: str) -> None:
+    """Step 1 of `wrapper`, which holds `model`: given as model=, or described by the model's config."""
+    with Stager(tmp_path / "root", checkpointer="thread") as stager:
+        if given == "model":
+            stager.save(wrapper.state_dict(), step=1, model=wrapper)
+        else:
+            stager.save(wrapper.state_dict(), step=1, extras={"config.json": model.config.to_dict()})
+        stager.wait()
+
+
 @pytest.mark.parametrize("given", ["config", "model"])
 def test_a_wrapped_model_is_found_under_its_prefix(tmp_path, given):
     """A LightningModule-like wrapper, given as model= or described by its config: its keys carry the
@@ -55,12 +65,7 @@ def test_a_wrapped_model_is_found_under_its_prefix(tmp_path, given):
     wrapper = torch.nn.Module()
     wrapper.net = model
     wrapper.head = torch.nn.Linear(2, 2)
-    with Stager(tmp_path / "root", checkpointer="thread") as stager:
-        if given == "model":
-            stager.save(wrapper.state_dict(), step=1, model=wrapper)
-        else:
-            stager.save(wrapper.state_dict(), step=1, extras={"config.json": model.config.to_dict()})
-        stager.wait()
+    _save_wrapped(tmp_path, wrapper, model, given)
     step_dir = tmp_path / "root" / layout.step_dir_name(1)
     export_step(step_dir)
     model.save_pretrained(tmp_path / "ref")
@@ -103,12 +108,7 @@ def test_a_wrapped_moe_model_is_sharded_as_save_pretrained_shards_it(tmp_path, g
     model = models.build("qwen3_moe")
     wrapper = torch.nn.Module()
     wrapper.net = model
-    with Stager(tmp_path / "root", checkpointer="thread") as stager:
-        if given == "model":
-            stager.save(wrapper.state_dict(), step=1, model=wrapper)
-        else:
-            stager.save(wrapper.state_dict(), step=1, extras={"config.json": model.config.to_dict()})
-        stager.wait()
+    _save_wrapped(tmp_path, wrapper, model, given)
     export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=20_000).export_dir
     model.save_pretrained(tmp_path / "ref", max_shard_size=20_000)
     harness.assert_same_weight_files(export, tmp_path / "ref")
