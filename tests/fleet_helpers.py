@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,16 +43,22 @@ def fleet_node(
 
 
 def run_fleet(node_dirs: list[Path], url: str, **kw: Any) -> list[FleetResult | BaseException]:
-    """Every node at once, the last started first; each one's result or what it raised."""
-    out: list[FleetResult | BaseException] = [RuntimeError("not run")] * len(node_dirs)
+    """Every node at once (`run_nodes`), each `fleet_node` publishing to `url`."""
+    return run_nodes(lambda k: fleet_node(node_dirs[k], url, **kw)[0], len(node_dirs))
+
+
+def run_nodes(node: Callable[[int], FleetNode], n: int) -> list[FleetResult | BaseException]:
+    """Nodes `node(0)` to `node(n - 1)` at once, each made and run in its own thread, the last started
+    first; each one's result or what it raised."""
+    out: list[FleetResult | BaseException] = [RuntimeError("not run")] * n
 
     def one(k: int) -> None:
         try:
-            out[k] = fleet_node(node_dirs[k], url, **kw)[0].run()
+            out[k] = node(k).run()
         except BaseException as e:
             out[k] = e
 
-    threads = [threading.Thread(target=one, args=(k,)) for k in reversed(range(len(node_dirs)))]
+    threads = [threading.Thread(target=one, args=(k,)) for k in reversed(range(n))]
     for t in threads:
         t.start()
     for t in threads:

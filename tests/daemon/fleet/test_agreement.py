@@ -22,6 +22,7 @@ from stagerd.errors import (
     StepConflictError,
 )
 from tests.daemon.fleet.test_protocol import STEP, _node, _run_all, _stage
+from tests.fleet_helpers import run_nodes
 
 NAME = layout.step_dir_name(STEP)
 
@@ -93,19 +94,8 @@ def test_a_file_built_from_another_plan_is_never_committed(tmp_path, dcp_mixed2)
     for k, d in enumerate(node_dirs):  # claims as an older stagerd writes them: no settings to compare
         claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d)}
         (sink / "fleet" / NAME / f"node-{k:05d}.json").write_text(json.dumps(claim))
-    out: dict[int, object] = {}
-
-    def one(k: int, dtype: str) -> None:
-        try:
-            out[k] = _node(node_dirs[k], sink.as_uri(), dtype=dtype, wait_seconds=1)[0].run()
-        except Exception as e:
-            out[k] = e
-
-    ts = [threading.Thread(target=one, args=(k, d)) for k, d in ((1, "fp16"), (0, "bf16"))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    dtypes = ("bf16", "fp16")
+    out = run_nodes(lambda k: _node(node_dirs[k], sink.as_uri(), dtype=dtypes[k], wait_seconds=1)[0], 2)
     assert isinstance(out[0], ConfigError) and "node 1 built" in str(out[0]), out
     assert not _manifest(sink).exists()
     shutil.rmtree(sink / "fleet" / NAME / "done")  # as the hint says, once node 1's settings are fixed
@@ -273,9 +263,8 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
-    out: dict[int, object] = {}
 
-    def one(k: int, fixed: bool = False) -> None:
+    def node(k: int, fixed: bool = False) -> FleetNode:
         k_ = 0 if fixed else k  # fixed: node 1 restarted with node 0's settings
         sinks = [FsspecSink.from_url(u) for u in (urls if k_ == 0 or differs != "sinks" else urls[:1])]
         shard = 1500 if k_ == 0 or differs != "max_shard_size" else 4000
@@ -290,7 +279,7 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
             hub=True,
             hubs=hubs,
         )
-        node = FleetNode(
+        return FleetNode(
             node_dirs[k],
             node_dirs[k].parent / ".stagerd" / "fleet",
             sinks,
@@ -299,25 +288,13 @@ def test_daemons_with_other_sinks_or_settings_are_a_named_error_before_any_build
             str(node_dirs[k].parent),
             opts,
         )
-        try:
-            out[k] = node.run()
-        except Exception as e:
-            out[k] = e
 
-    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    for k, r in out.items():
+    out = run_nodes(node, 2)
+    for k, r in enumerate(out):
         assert isinstance(r, ConfigError) and f"node {1 - k}" in str(r) and differs in str(r), out
     assert not list((tmp_path / "a").glob(f"{NAME}/*.safetensors"))  # nothing built
-    ts = [threading.Thread(target=one, args=(k, True)) for k in (1, 0)]  # its claim is rewritten
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert all(isinstance(r, FleetResult) for r in out.values()), out
+    out = run_nodes(lambda k: node(k, fixed=True), 2)  # node 1's claim is rewritten
+    assert all(isinstance(r, FleetResult) for r in out), out
     assert all((tmp_path / s / NAME / layout.MANIFEST_NAME).is_file() for s in ("a", "b"))
 
 

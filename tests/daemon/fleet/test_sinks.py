@@ -5,8 +5,6 @@ named, retryable `SinkError` of a single daemon's publish, naming the sink's key
 
 from __future__ import annotations
 
-import threading
-
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions
 from stagerd.errors import SinkError
@@ -14,28 +12,18 @@ from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import FLEET_DONE
 from tests.daemon.fleet.test_protocol import SHARD, STEP, _stage
+from tests.fleet_helpers import run_nodes
 
 
 def _run(node_dirs, tmp_path, urls, lanes=None):
-    out: dict[int, object] = {}
-
-    def one(k: int) -> None:
+    def node(k: int) -> FleetNode:
         sinks = [FsspecSink.from_url(u) for u in urls]
         mine = None if lanes is None else [s for s in sinks if s.url in lanes]
         opts = FleetOptions(max_shard_size=SHARD, wait_seconds=5, poll_seconds=0.05)
         ex, store = FsspecSink.from_url(urls[0]), RemoteStore.open(urls[0])
-        node = FleetNode(node_dirs[k], tmp_path / f"w{k}", sinks, ex, store, str(k), opts, lanes=mine)
-        try:
-            out[k] = node.run()
-        except Exception as e:
-            out[k] = e
+        return FleetNode(node_dirs[k], tmp_path / f"w{k}", sinks, ex, store, str(k), opts, lanes=mine)
 
-    ts = [threading.Thread(target=one, args=(k,)) for k in (1, 0)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return out
+    return run_nodes(node, len(node_dirs))
 
 
 def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_path, dcp_mixed2):
@@ -49,14 +37,14 @@ def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_p
     # the healthy sink: committed, with its `latest`, whatever the other does
     assert (tmp_path / "a" / step / layout.MANIFEST_NAME).is_file(), out
     assert (tmp_path / "a" / "latest").read_text() == step
-    for r in out.values():  # the dead one: each node's run names it, retryably, as one daemon's publish
+    for r in out:  # the dead one: each node's run names it, retryably, as one daemon's publish
         err = getattr(r, "failed", {}).get(urls[1])
         assert isinstance(err, SinkError) and err.retryable and urls[1] in str(err), out
     assert not done.exists()  # its lane still builds from the raw parts: retention must not take them
 
     (tmp_path / "b").unlink()  # healed: the sink's lane alone publishes it on each node
     healed = _run(node_dirs, tmp_path, urls, lanes={urls[1]})
-    assert all(not getattr(r, "failed", True) for r in healed.values()), healed
+    assert all(not getattr(r, "failed", True) for r in healed), healed
     a, b = tmp_path / "a" / step, tmp_path / "b" / step
     files = {p.name: p.read_bytes() for p in a.iterdir() if p.name != layout.MANIFEST_NAME}
     assert {p.name: p.read_bytes() for p in b.iterdir() if p.name != layout.MANIFEST_NAME} == files
