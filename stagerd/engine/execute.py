@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
@@ -69,6 +70,20 @@ _HEADER_HINT = (
 )
 
 
+def _tensor_at(p: ExportPlan) -> Callable[[int, int], str]:
+    """The tensor that holds byte `offset` of output file `file`, by name, for compare's error."""
+
+    def where(file: int, offset: int) -> str:
+        f = p.files[file]
+        at = offset - f.header_size
+        for r in range(f.first, f.stop):
+            if p.begin[r] <= at < p.end[r]:
+                return f"tensor {p.chunks.names[p.tensor[r]]!r} (its byte {at - p.begin[r]})"
+        return "a byte"
+
+    return where
+
+
 def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: ProgressFn | None = None) -> None:
     """Re-derive every output byte from the sources and check the export holds exactly that."""
     src_fds = open_inputs(p.sources)
@@ -86,7 +101,7 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
             if os.pread(fd, f.header_size, 0) != file_header(p, fi):
                 raise VerifyError(header_difference(p, fi, path), path=path, hint=_HEADER_HINT)
         run_moves(
-            Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True),
+            Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True, where=_tensor_at(p)),
             plan_moves(p),
             threads,
             progress,

@@ -57,10 +57,14 @@ class Runner:
         dst_fds: Sequence[int],
         dst_paths: Sequence[str],
         compare: bool,
+        where: Callable[[int, int], str] | None = None,
     ):
+        """`where(file, offset)`: what a differing byte at that offset of output file `file` belongs to
+        (a tensor's name), for compare's error; a move (a pack above all) spans many tensors."""
         self.src_fds, self.src_paths = src_fds, src_paths
         self.dst_fds, self.dst_paths = dst_fds, dst_paths
         self.compare = compare
+        self.where = where
         self.buffers = _Buffers()
         self.copy_file_range = hasattr(os, "copy_file_range") and not compare
 
@@ -79,7 +83,13 @@ class Runner:
             return
         got = os.pread(fd, len(data), offset)
         if got != data:
-            raise VerifyError(f"bytes at offset {offset} differ from the source", path=self.dst_paths[m.file])
+            at = offset + next(
+                (i for i, (x, y) in enumerate(zip(got, data, strict=False)) if x != y), len(got)
+            )
+            what = self.where(m.file, at) if self.where is not None else "a byte"
+            raise VerifyError(
+                f"{what} differs from the source, at file offset {at}", path=self.dst_paths[m.file]
+            )
 
     def _copy(self, m: Move) -> None:
         src_fd, dst_fd = self.src_fds[m.src], self.dst_fds[m.file]

@@ -262,6 +262,30 @@ def test_verify_catches_a_flipped_byte(step_dir):
         verify_export(exp, step_dir)
 
 
+def test_verify_names_the_tensor_of_a_wrong_byte_inside_a_pack(step_dir):
+    """Runs of tiny tensors are compared as one move (engine/pack.py): a wrong byte is named by the tensor
+    that holds it, and where in it, not only by its file offset."""
+    from stagerd.errors import VerifyError
+
+    export_step(step_dir)
+    f = step_dir / layout.EXPORT_DIR / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__")
+    name, begin = sorted(
+        (k, v["data_offsets"][0])
+        for k, v in header.items()
+        if v["data_offsets"][1] > v["data_offsets"][0] + 3
+    )[-1]
+    raw[8 + n + begin + 3] ^= 0x01
+    f.write_bytes(bytes(raw))
+    with pytest.raises(VerifyError) as e:
+        verify_export(f.parent, step_dir)
+    assert f"tensor {name!r} (its byte 3) differs" in e.value.message
+    assert f"file offset {8 + n + begin + 3}" in e.value.message
+
+
 def test_matches_torch_consolidation_on_float_tensors(tmp_path):
     """Same values as torch's own consolidate_safetensors_files where torch can run (floats only)."""
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
