@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from stagerd.contract.progress_fn import ProgressFn
-from stagerd.contract.step.input_fds import close_inputs, open_inputs
+from stagerd.contract.step.input_fds import LazyFds, close_inputs, open_inputs
 from stagerd.engine.durability import Flusher, reserve
 from stagerd.engine.file_header import file_header, header_difference
-from stagerd.engine.moves import plan_moves
-from stagerd.engine.plan_types import ExportPlan
+from stagerd.engine.moves import by_source, plan_moves
+from stagerd.engine.plan_types import ExportPlan, Move
 from stagerd.engine.runner import Runner, pwrite_all, run_moves
 from stagerd.errors import OutputError, VerifyError
 
@@ -49,12 +49,12 @@ def execute(
         runner = Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=False)
         try:
             if not fsync:
-                run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write)
+                run_moves(runner, _moves(p, src_fds), threads, progress, p.bytes_to_write)
                 return
             with Flusher(
                 dst_fds, [f.header_size for f in p.files], [f.data_size for f in p.files]
             ) as flusher:
-                run_moves(runner, plan_moves(p), threads, progress, p.bytes_to_write, flusher.done)
+                run_moves(runner, _moves(p, src_fds), threads, progress, p.bytes_to_write, flusher.done)
                 flusher.finish()
         except OSError as e:
             raise output_error(e, out_dir) from None
@@ -62,6 +62,13 @@ def execute(
         close_inputs(src_fds)
         for fd in dst_fds:
             os.close(fd)
+
+
+def _moves(p: ExportPlan, src_fds: Sequence[int]) -> Iterator[Move]:
+    """The plan's moves; grouped by source a batch at a time where its inputs are more than may stay open
+    (each file then opened again once a batch, not once a piece: `moves.by_source`)."""
+    moves = plan_moves(p)
+    return by_source(moves) if isinstance(src_fds, LazyFds) else moves
 
 
 _HEADER_HINT = (
@@ -102,7 +109,7 @@ def compare(p: ExportPlan, export_dir: Path, *, threads: int = 2, progress: Prog
                 raise VerifyError(header_difference(p, fi, path), path=path, hint=_HEADER_HINT)
         run_moves(
             Runner(src_fds, list(p.sources), dst_fds, dst_paths, compare=True, where=_tensor_at(p)),
-            plan_moves(p),
+            _moves(p, src_fds),
             threads,
             progress,
             p.bytes_to_write,

@@ -16,3 +16,7 @@ IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names
 PACK_TENSOR = 256 << 10  # tensors this small are packed, many to one move (engine/pack.py)
 PACK_PIECES = 1024  # source blocks per pack: what one pack move holds as objects (a few hundred kB)
 PACK_RUNS = 64  # a tensor split into more runs than this gets its own moves
+# Inputs beyond the descriptor budget (contract/step/input_fds.LazyFds): moves are taken this many (and
+# bytes) at a time and run grouped by source file, so each file is opened again at most once a batch
+SOURCE_BATCH = 4096  # moves, a gather counted by its pieces
+SOURCE_BATCH_BYTES = 256 << 20

@@ -201,3 +201,31 @@ def _split(m: Move) -> Iterator[Move]:
         yield Move(
             m.kind, m.file, m.dst_offset + off, n, m.src, m.src_offset + src_off, m.src_dtype, m.dst_dtype
         )
+
+
+def by_source(moves: Iterable[Move]) -> Iterator[Move]:
+    """`moves` in batches of at most `limits.SOURCE_BATCH` moves or gather pieces (a pack holds up to
+    `limits.PACK_PIECES`: what a batch holds as objects) and `limits.SOURCE_BATCH_BYTES` bytes,
+    each batch's moves grouped by source file (a gather by its first piece's), in order within a file.
+
+    For inputs beyond the descriptor budget: in destination order, a tensor gathered from every rank
+    reads every file in turn, so keeping the most recently read open reopened a file for every piece.
+    Grouped, each file is opened at most once a batch. Writes then land out of order within a batch,
+    which the flusher takes (it tracks the written prefix), and a batch bounds what waits behind it."""
+    batch: list[Move] = []
+    size = items = 0
+    for m in moves:
+        batch.append(m)
+        size += m.length
+        items += max(1, len(m.pieces))
+        if items >= limits.SOURCE_BATCH or size >= limits.SOURCE_BATCH_BYTES:
+            batch.sort(key=_source)
+            yield from batch
+            batch.clear()
+            size = items = 0
+    batch.sort(key=_source)
+    yield from batch
+
+
+def _source(m: Move) -> int:
+    return m.pieces[0].src if m.pieces else m.src

@@ -269,3 +269,85 @@ def test_an_adopted_checkpoint_of_data_files_closed_for_want_of_descriptors(tmp_
     with pytest.raises(SourceChangedError) as e:
         export_adopted(ckpt, tmp_path / "swapped")
     assert e.value.path == str(data[-1]) and "/proc/" not in str(e.value)
+
+
+def _row_sharded(src: Path, ranks: int, tensors: int, rows: int, cols: int) -> dict[str, bytes]:
+    """A DCP save of `ranks` shard files, each tensor split on dim 0 over every rank (FSDP's layout), as
+    HuggingFaceStorageWriter writes it; the tensors' bytes, by name."""
+    import json
+
+    import numpy as np
+
+    from stagerd.contract.safetensors_format import encode_header
+
+    src.mkdir()
+    names = [f"layers.{i}.weight" for i in range(tensors)]
+    full = {
+        n: np.arange(ranks * rows * cols, dtype=np.float32).reshape(-1, cols) + i for i, n in enumerate(names)
+    }
+    size = rows * cols * 4
+    for r in range(ranks):
+        entries = {n: ("F32", (rows, cols), i * size, (i + 1) * size) for i, n in enumerate(names)}
+        info = {n: {"saved_offsets": [r * rows, 0]} for n in names}
+        head = encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+        data = b"".join(full[n][r * rows : (r + 1) * rows].tobytes() for n in names)
+        (src / f"shard-{r + 1:05d}-model-00001-of-00001.safetensors").write_bytes(head + data)
+    return {n: v.tobytes() for n, v in full.items()}
+
+
+def test_an_export_gathered_from_every_rank_beyond_the_limit_opens_each_file_once_a_batch(
+    tmp_path, monkeypatch
+):
+    """More shard files than the process may hold open (a lowered RLIMIT_NOFILE), each tensor gathered from
+    every rank: in destination order the most recently read files kept open are never the next one, so
+    every piece opened its file again (48 files, 8 tensors: 384 opens). Grouped by source a batch at a time,
+    each file is opened once; the export and its verify are the bytes of the tensors."""
+    import resource
+
+    from safetensors.numpy import load_file
+
+    from stagerd.engine.consolidate import consolidate_into
+    from stagerd.engine.verify import verify_export
+
+    want = _row_sharded(tmp_path / "src", ranks=48, tensors=8, rows=4, cols=8192)  # 128 KiB a block
+    (tmp_path / "out").mkdir()
+    opened: list[str] = []
+    real_open = reopen.open_held
+
+    def counted(path: str, flags: int = os.O_RDONLY, mode: int = 0o777) -> int:
+        opened.append(os.path.basename(path))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(reopen, "open_held", counted)
+    input_fds._room()  # raises the soft limit once a process: before it is lowered here
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # 24 inputs may stay open
+    try:
+        consolidate_into(tmp_path / "src", tmp_path / "out")
+        exported = len(opened)
+        verify_export(tmp_path / "out", tmp_path / "src")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert {n: v.tobytes() for n, v in got.items()} == want
+    assert exported == 48 and len(opened) == 96, (exported, len(opened))
+
+
+@pytest.mark.parametrize("dtype", [None, "BF16"])
+def test_moves_grouped_by_source_write_the_same_bytes(dcp_mixed, tmp_path, monkeypatch, dtype):
+    """Every kind of move (copies, casts, gathers, transposed blocks, packs) run grouped by source in small
+    batches, through two lazily opened descriptors: the same files as in destination order, verified."""
+    from stagerd.engine import execute, limits
+    from stagerd.engine.consolidate import consolidate_into
+    from stagerd.engine.verify import verify_export
+
+    src, _ = dcp_mixed
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir()
+    out.mkdir()
+    consolidate_into(src, ref, dtype=dtype, max_shard_size=4096)
+    monkeypatch.setattr(limits, "SOURCE_BATCH", 7)
+    monkeypatch.setattr(execute, "open_inputs", lambda paths: input_fds.LazyFds(paths, 2))
+    consolidate_into(src, out, dtype=dtype, max_shard_size=4096)
+    verify_export(out, src)
+    assert _tree(out) == _tree(ref)
