@@ -89,6 +89,20 @@ def _uints(xs: list[Any]) -> bool:
     return True
 
 
+def empty_overflows(shape: list[int] | tuple[int, ...]) -> bool:
+    """Whether safetensors' loader refuses this shape of no elements: it multiplies the dims left to
+    right in 64 bits, so dims before the 0 whose product passes 2**64 fail the load (a file of a
+    non-empty shape that large could not hold its bytes, which every reader checks)."""
+    n = 1
+    for d in shape:
+        if d == 0:
+            return False
+        n *= d
+        if n >= 1 << 64:
+            return True
+    return False
+
+
 def _check_length(path: object, n: int, file_size: int) -> None:
     if n > MAX_HEADER_BYTES:
         raise _fail(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt or hostile)")
@@ -158,6 +172,8 @@ def _check_entry(path: object, name: str, info: Any, data_len: int) -> TensorEnt
         raise _fail(path, f"tensor {name!r}: shape {shape} does not fill whole bytes of {dt.name}") from None
     if end - begin != want:
         raise _fail(path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{shape} needs {want}")
+    if not want and empty_overflows(shape):
+        raise _fail(path, f"tensor {name!r}: shape {shape} overflows 64 bits before its 0 dim")
     return TensorEntry(name, dt.name, tuple(shape), begin, end)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import Holds, HubPlan
 from stagerd.contract.layout import TensorInfo
-from stagerd.contract.safetensors_format import Header
+from stagerd.contract.safetensors_format import Header, empty_overflows
 from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,
     natural_key,
@@ -227,6 +227,12 @@ def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, a
             raise PlanError(
                 f"tensor {names[t]!r}: its extent does not fit 64 bits", path=table.where
             ) from None
+        if 0 in ext and empty_overflows(ext):  # each block's shape fits, their extent not
+            raise PlanError(
+                f"tensor {names[t]!r}: shape {ext} overflows 64 bits before its 0 dim (safetensors"
+                " refuses to load it)",
+                path=table.where,
+            )
         simple[t] = tiles_simply(boxes, ext)
     return shape_at, shape_ndim, dims, simple
 

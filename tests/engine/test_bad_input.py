@@ -71,6 +71,18 @@ def past_end(step: Path) -> None:
     recommit(step)
 
 
+def empty_shape_overflows(step: Path) -> None:
+    """No elements, but dims before the 0 that multiply past 64 bits: safetensors' loader refuses it."""
+
+    def edit(h):
+        name = next(k for k in h if k != "__metadata__")
+        b, _ = h[name]["data_offsets"]
+        h[name]["shape"], h[name]["data_offsets"] = [2**40, 2**40, 0], [b, b]
+
+    rewrite_header(first_shard(step), edit)
+    recommit(step)
+
+
 def missing_shard(step: Path) -> None:
     first_shard(step).unlink()
 
@@ -104,6 +116,7 @@ CASES = [
     (absurd_length, HeaderError, "header length"),
     (overlap, HeaderError, "overlap"),
     (past_end, HeaderError, "run past"),
+    (empty_shape_overflows, HeaderError, "overflows 64 bits"),
     (missing_shard, ShardError, "missing"),
     (missing_dcp_metadata, HeaderError, "DCP_SHARDING_INFO"),
     (unknown_dtype, DTypeError, "F12"),
@@ -183,3 +196,24 @@ def test_symlinked_shard_pointing_outside_is_refused(step_dir, tmp_path):
     victim.symlink_to(outside)
     with pytest.raises(MarkerError, match="outside"):
         export_step(step_dir)
+
+
+def test_an_empty_tensor_whose_blocks_add_up_past_64_bits_is_refused(tmp_path):
+    """Each rank's block of no elements has a shape safetensors loads; the tensor they make, [2**32, 2**32,
+    0], it refuses ("overflow computing buffer size"): a PlanError before anything is written, not an
+    export that verify called good and no loader can open."""
+    from stagerd.contract.safetensors_format import encode_header
+    from stagerd.engine.consolidate import consolidate_into
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    for r in range(2):
+        entries = {"w": ("F32", (2**31, 2**32, 0), 0, 0), "b": ("F32", (1,), 0, 4)}
+        info = {"w": {"saved_offsets": [r * 2**31, 0, 0]}, "b": {"saved_offsets": [0] if r == 0 else [1]}}
+        head = encode_header(entries, {"DCP_SHARDING_INFO": json.dumps(info), "format": "pt"})
+        (src / f"shard-{r + 1:05d}-model-00001-of-00001.safetensors").write_bytes(head + bytes(4))
+    with pytest.raises(PlanError, match=r"'w': shape \[4294967296, 4294967296, 0\] overflows 64 bits") as e:
+        consolidate_into(src, out)
+    assert not e.value.retryable and "\n" not in str(e.value)
+    assert list(out.iterdir()) == []
