@@ -36,8 +36,9 @@ def write_source(src: Path, n: int) -> None:
         (src / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors").write_bytes(head + data)
 
 
-def timed(cmd: list[str], pythonpath: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of a child process running `cmd` with `pythonpath` first."""
+def timed(cmd: list[str], pythonpath: Path) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS MiB, CPU seconds: user + system) of a child process running `cmd` with
+    `pythonpath` first. CPU seconds hold still on a shared machine, where wall time follows the load."""
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -47,7 +48,7 @@ def timed(cmd: list[str], pythonpath: Path) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed ({pythonpath}): {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def spread(xs: list[float], digits: int) -> str:
@@ -83,29 +84,41 @@ def main() -> None:
             plain = [*stagerd, "verify", str(out), "--threads", str(args.threads)]
             cases[f"verify ({what})"] = plain
             cases[f"verify --against ({what})"] = [*plain, "--against", str(src)]
-        found: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         for rnd in range(args.repeat):
             for case, cmd in cases.items():
                 for tree in reversed(trees):  # the other checkout first: "this" runs right after it
                     got = timed(cmd, trees[tree])
                     found.setdefault((case, tree), []).append(got)
                     print(
-                        f"round {rnd + 1} {case:28s} {tree:5s} {got[0]:6.2f} s {got[1]:6.0f} MiB", flush=True
+                        f"round {rnd + 1} {case:28s} {tree:5s} {got[0]:6.2f} s {got[1]:6.0f} MiB"
+                        f" {got[2]:6.2f} s CPU",
+                        flush=True,
                     )
         print(f"\n{args.tensors} tensors, {args.repeat} interleaved rounds, {args.threads} threads")
-        head = "| case | checkout | median s | min s | max s | peak RSS MiB, median | min | max |"
-        print(f"\n{head}\n|---|---|---|---|---|---|---|---|")
+        head = (
+            "| case | checkout | median s | min s | max s | peak RSS MiB, median | min | max"
+            " | CPU s, median | min | max |"
+        )
+        print(f"\n{head}\n|---|---|---|---|---|---|---|---|---|---|---|")
         for (case, tree), runs in found.items():
-            walls, peaks = [g[0] for g in runs], [g[1] for g in runs]
-            print(f"| {case} | {tree} | {spread(walls, 2)} | {spread(peaks, 0)} |")
+            walls, peaks, cpus = [g[0] for g in runs], [g[1] for g in runs], [g[2] for g in runs]
+            print(f"| {case} | {tree} | {spread(walls, 2)} | {spread(peaks, 0)} | {spread(cpus, 2)} |")
         if args.compare:
-            print("\n| case | time this/other, median | min | max | RSS this/other, median |")
-            print("|---|---|---|---|---|")
+            print(
+                "\n| case | time this/other, median | min | max | RSS this/other, median"
+                " | CPU this/other, median |"
+            )
+            print("|---|---|---|---|---|---|")
             for case in cases:
                 this, other = found[(case, "this")], found[(case, "other")]
                 t = sorted(a[0] / b[0] for a, b in zip(this, other, strict=True))
                 m = statistics.median(a[1] / b[1] for a, b in zip(this, other, strict=True))
-                print(f"| {case} | {statistics.median(t):.2f}x | {t[0]:.2f}x | {t[-1]:.2f}x | {m:.2f}x |")
+                c = statistics.median(a[2] / b[2] for a, b in zip(this, other, strict=True))
+                print(
+                    f"| {case} | {statistics.median(t):.2f}x | {t[0]:.2f}x | {t[-1]:.2f}x | {m:.2f}x"
+                    f" | {c:.2f}x |"
+                )
         print(f"\nload average {os.getloadavg()[0]:.1f} at the end (a shared machine)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
