@@ -31,7 +31,7 @@ from stagerd.sinks.hub.tree import (
     plan_commit,
     scan_export,
 )
-from stagerd.sinks.hub.upload import commit_operations, send_additions
+from stagerd.sinks.hub.upload import commit_operations, send_additions, unchanged_operation
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -240,6 +240,12 @@ class HubSink:
             headers=self._headers(),
             progress=None if progress is None else lambda n: progress(min(total, done + n), total),
         )
+        if not additions and not deletes:
+            additions = [
+                unchanged_operation(
+                    self._api, self.repo_id, branch, export_dir, local, card_bytes, self._headers()
+                )
+            ]
         info = self._api.create_commit(
             self.repo_id,
             [*additions, *deletes],
