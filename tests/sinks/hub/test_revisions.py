@@ -8,10 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
 
 from stagerd.errors import ConfigError, SinkConflictError
 from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
+from stagerd.sinks.hub.url import parse_hub_url
 from tests.hubserver import HubConfig
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
@@ -149,3 +152,23 @@ def test_the_card_of_a_step_off_main_names_its_own_tag(hub, tmp_path, monkeypatc
     card = (out / "README.md").read_text()
     assert 'revision="exp-a/step-5"' in card and "The tag `exp-a/step-5` marks this commit." in card
     assert '"step-5"' not in card and "`step-5`" not in card
+
+
+def test_a_revision_git_cannot_name_is_a_config_error_before_anything_is_written(hub, tmp_path):
+    """Before, `hf://ORG/REPO@my branch` created the repo and the branch and committed the step, then every
+    try failed to tag it (`my branch/step-1`: 400) as a retryable error; the Hub refuses such a branch too."""
+    for rev in ("my branch", "a..b", "x.lock", "a@{b", "a//b", "x~1", "a:b", ".x", "a/.b", "x."):
+        with pytest.raises(ConfigError, match="not a valid branch name") as info:
+            make_sink(hub, f"hf://{REPO}@{rev}")
+        assert repr(rev) in str(info.value) and "?" not in str(info.value)
+    assert REPO not in hub.store.repos and not hub.stats.count("*", "")
+    for rev in ("exp/run-1", "v1.0", "-x", "release_2"):
+        assert parse_hub_url(f"hf://{REPO}@{rev}").revision == rev
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_repo(REPO)
+    with pytest.raises(HfHubHTTPError, match="invalid branch name"):
+        api.create_branch(REPO, branch="my branch")
+    api.create_branch(REPO, branch="exp")
+    with pytest.raises(HfHubHTTPError, match="conflicts with the existing branch exp"):
+        api.create_branch(REPO, branch="exp/a")
+    assert {b.name for b in api.list_repo_refs(REPO).branches} == {"main", "exp"}
