@@ -172,3 +172,24 @@ def test_a_revision_git_cannot_name_is_a_config_error_before_anything_is_written
     with pytest.raises(HfHubHTTPError, match="conflicts with the existing branch exp"):
         api.create_branch(REPO, branch="exp/a")
     assert {b.name for b in api.list_repo_refs(REPO).branches} == {"main", "exp"}
+
+
+def test_a_restore_of_a_branch_reads_one_commit_while_a_step_lands(hub, tmp_path, monkeypatch):
+    """Before, each file was downloaded at the branch's head of that moment: a step published to main
+    during a restore of main failed it on the next file (its tree listed the step before)."""
+    sink = make_sink(hub)
+    first = write_export(tmp_path / "a", seed=1, shards=2)
+    sink.publish(first, 5)
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+
+    def land_step_6(done: int, total: int) -> None:
+        if hub.stats.commits[REPO] == 1:
+            sink.publish(write_export(tmp_path / "b", seed=2, shards=2), 6)
+
+    out = restore_hub_export(
+        f"hf://{REPO}?endpoint={hub.endpoint}", tmp_path / "out", None, progress=land_step_6
+    )
+
+    assert hub.stats.commits[REPO] == 2
+    assert {k: v for k, v in export_files(out).items() if k != "README.md"} == export_files(first)
+    assert "step **5**" in (out / "README.md").read_text()
