@@ -58,9 +58,9 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
-    endpoint = target.options.get("endpoint")
+    endpoint, token = target.options.get("endpoint"), target.options.get("token")
     where = f"hf://{target.repo_id}@{revision}"
-    api = HfApi(endpoint=endpoint)
+    api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
     try:
         if step is not None and revision == step_tag(step, target.revision):
             revision = _older_stagerds_commit(api, target.repo_id, target.revision, step) or revision
@@ -73,7 +73,8 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             if hasattr(e, "size")
         ]
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise RestoreError(f"not found: {type(e).__name__}", path=where) from None
+        hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
+        raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
@@ -91,7 +92,12 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             try:
                 got = Path(
                     hf_hub_download(
-                        target.repo_id, entry.path, revision=commit, endpoint=endpoint, local_dir=tmp
+                        target.repo_id,
+                        entry.path,
+                        revision=commit,
+                        endpoint=endpoint,
+                        token=token,
+                        local_dir=tmp,
                     )
                 )
             except HfHubHTTPError as err:
@@ -133,7 +139,7 @@ def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: i
     refs = api.list_repo_refs(repo_id)
     tags = {t.name: t.target_commit for t in refs.tags}
     branches = {b.name: b.target_commit for b in refs.branches}
-    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(library_name="stagerd"))
+    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
     return older_stagerds_step(pages, step, revision, branches, tags)
 
 

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-from stagerd.errors import ConfigError, SinkConflictError
+from stagerd.errors import ConfigError, RestoreError, SinkConflictError
 from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
 from stagerd.sinks.hub.url import parse_hub_url
@@ -193,3 +193,21 @@ def test_a_restore_of_a_branch_reads_one_commit_while_a_step_lands(hub, tmp_path
     assert hub.stats.commits[REPO] == 2
     assert {k: v for k, v in export_files(out).items() if k != "README.md"} == export_files(first)
     assert "step **5**" in (out / "README.md").read_text()
+
+
+def test_a_restore_takes_the_token_the_sink_url_names(hub, tmp_path, monkeypatch):
+    """`?token=` publishes to a private repo; before, restore of that same URL ignored it and answered
+    "not found" (the Hub hides a private repo from anonymous readers)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+    url = f"hf://{REPO}@exp-a?endpoint={hub.endpoint}&token={hub.read_token}"
+    make_sink(hub, url).publish(export(tmp_path, 2), 5)
+
+    out = restore_hub_export(url, tmp_path / "out", 5)
+
+    assert {k: v for k, v in export_files(out).items() if k != "README.md"} == export_files(
+        export(tmp_path, 2)
+    )
+    with pytest.raises(RestoreError, match="not found") as info:
+        restore_hub_export(url.split("&")[0], tmp_path / "out-2", 5)
+    assert "HF_TOKEN" in info.value.hint and "private" in info.value.hint
