@@ -46,10 +46,11 @@ until they meet or the cap (`history.py`). The sink then tags such a commit `R/s
 counts it published when the old tag `step-N` marks it, and commits later steps in order after it;
 `restore @R --step N` reads it there. Where a meeting point is not seen within the cap (main's history
 squashed, or far ahead), or another branch holds the commit too, it is not R's, and a warning names the
-commit and the tag to set by hand. Not recognised: an old step on the old step branch `stagerd/step-N`
-(main's step branches have that name too): the step gets a new commit. Not told apart: on main, a tag
-beyond the cap is judged by its commit's title alone, so where main's walk ends at the cap, an older
-stagerd's repo-wide tag `step-N` on another revision's commit reads as main's step N.
+commit and the tag to set by hand. That stagerd's step branch for an older step of R was `stagerd/step-N`,
+main's name: its commit is R's when the branch was made from one of R's own commits (`own_old_branch`),
+and main's only when made from main's history (`made_from`). Not told apart: on main, a tag beyond the cap
+is judged by its commit's title alone, so where main's walk ends at the cap, an older stagerd's repo-wide
+tag `step-N` on another revision's commit reads as main's step N.
 
 Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
 no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds
