@@ -374,13 +374,20 @@ class HubSink:
         )
 
     def _tag(self, step: int, commit: str) -> None:
-        self._api.create_tag(
-            self.repo_id,
-            tag=self._tag_name(step),
-            revision=commit,
-            tag_message=commit_message(step, self.revision),
-            exist_ok=True,
-        )
+        """Tag `commit` as the step; a tag someone set meanwhile counts only where it marks `commit` too."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        tag = self._tag_name(step)
+        try:
+            self._api.create_tag(
+                self.repo_id, tag=tag, revision=commit, tag_message=commit_message(step, self.revision)
+            )
+        except HfHubHTTPError as e:
+            if e.response is None or e.response.status_code != 409:
+                raise
+            marked = {t.name: t.target_commit for t in self._api.list_repo_refs(self.repo_id).tags}.get(tag)
+            if marked != commit:
+                raise self._foreign_tag(step, str(marked)) from None
 
     # --- retries ----------------------------------------------------------------------------------------
 

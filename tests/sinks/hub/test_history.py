@@ -153,7 +153,7 @@ def test_an_older_stagerds_step_branch_of_a_revision_stays_its_own(hub, tmp_path
     """An older stagerd put exp's step 4 (older than exp's head, step 6) on the step branch `stagerd/step-4`,
     the name main's step branches have. Before, a sink on exp looked only at `stagerd/exp/step-4`: step 4
     was not published and got a second commit. Main's own step branch of a step stays main's, and exp's
-stays exp's: before, main took it (and the older repo-wide tag `step-4` on it) for main's step 4."""
+    stays exp's: before, main took it (and the older repo-wide tag `step-4` on it) for main's step 4."""
     main, exp = make_sink(hub), make_sink(hub, f"hf://{REPO}@exp")
     main.publish(export(tmp_path, 0), 3)
     exp.publish(export(tmp_path, 6), 6)

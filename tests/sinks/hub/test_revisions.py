@@ -211,3 +211,21 @@ def test_a_restore_takes_the_token_the_sink_url_names(hub, tmp_path, monkeypatch
     with pytest.raises(RestoreError, match="not found") as info:
         restore_hub_export(url.split("&")[0], tmp_path / "out-2", 5)
     assert "HF_TOKEN" in info.value.hint and "private" in info.value.hint
+
+
+def test_a_tag_set_by_someone_else_during_the_upload_is_a_conflict(hub, tmp_path):
+    """A person (or an older stagerd's repo-wide tag) sets `step-4` on another commit while the step
+    uploads. Before, the sink's tag call took the Hub's "already exists" for its own tag: the publish
+    reported step 4 published, and `restore --step 4` read that other commit."""
+    make_sink(hub).publish(export(tmp_path, 1), 3)
+    repo = hub.store.repos[REPO]
+    other = repo.branches["main"]
+
+    def tag_by_hand() -> None:
+        with hub.store.lock:
+            repo.tags["step-4"] = other
+
+    hub.on_lfs_body(1, tag_by_hand)
+    with pytest.raises(SinkConflictError, match=f"the tag step-4 marks commit {other}"):
+        make_sink(hub).publish(export(tmp_path, 2), 4)
+    assert repo.tags["step-4"] == other and repo.commits[repo.branches["main"]].title == "stagerd: step 4"
