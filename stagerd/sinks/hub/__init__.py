@@ -28,8 +28,10 @@ Idempotence is read from the repo itself: the sink's tag for step N means publis
 commit titled for step N found on the sink's own branches (its revision, its step branch); a tag that marks
 anything else is a `SinkConflictError` naming the tag, never "already published". A commit titled for the
 step without the tag (a crash between commit and tag) gets the tag and nothing else. The sink deletes no tag
-or branch. Before returning, the tree at the commit is listed and compared with the export: names, sizes,
-LFS sha256 or the git blob id.
+or branch, and commits onto an existing step branch only while it holds nothing the revision does not (one
+it made before a crash): a person's commits there are a `SinkConflictError` naming the branch. Before
+returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
+git blob id.
 
 A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
 increasing order), so the history is read newest first, page by page, only until that commit, a stagerd

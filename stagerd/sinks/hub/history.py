@@ -234,6 +234,13 @@ def made_from(pages: Pages, branch: str, oid: str, revision: str, *, cap: int, p
     return parent is None or parent not in above
 
 
+def holds_only(pages: Pages, branch: str, revision: str, *, cap: int, page: int) -> bool:
+    """Whether the step branch `branch`, holding no commit of its step, holds nothing `revision` does not:
+    then it is one the sink made before a crash and may commit onto. A person's commits on it, or an older
+    stagerd's for another revision (its step branches had main's names), are never committed over."""
+    return above_fork(pages(branch, page), pages(revision, page), cap) == set()
+
+
 def tag_title_is_ours(pages: Pages, commit: str, step: int, revision: str) -> bool:
     """Whether the commit a tag marks is titled as this revision's commit of `step` (one request). Off main
     the unscoped title counts too: the revision's tag on it was set by a sink on the revision (taking an

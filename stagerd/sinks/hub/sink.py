@@ -19,7 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.hub.history import Scan, commit_pages, find_step, tag_title_is_ours
+from stagerd.sinks.hub.history import Scan, commit_pages, find_step, holds_only, tag_title_is_ours
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import with_retries
@@ -330,7 +330,20 @@ class HubSink:
                 self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
             )
             branches[branch] = self._branch_head(branch)
+        else:
+            self._check_own_branch(step, branch)
         return branch, branches[branch]
+
+    def _check_own_branch(self, step: int, branch: str) -> None:
+        if holds_only(self._history, branch, self.revision, cap=self.history_cap, page=_HISTORY_PAGE):
+            return
+        raise SinkConflictError(
+            f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
+            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
+            path=self.url,
+            hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
+            f"to let this sink publish step {step} there",
+        )
 
     def _branch_head(self, branch: str) -> str:
         refs = self._api.list_repo_refs(self.repo_id)

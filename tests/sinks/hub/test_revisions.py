@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from huggingface_hub import HfApi
+from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
 from stagerd.errors import ConfigError, RestoreError, SinkConflictError
@@ -229,3 +229,25 @@ def test_a_tag_set_by_someone_else_during_the_upload_is_a_conflict(hub, tmp_path
     with pytest.raises(SinkConflictError, match=f"the tag step-4 marks commit {other}"):
         make_sink(hub).publish(export(tmp_path, 2), 4)
     assert repo.tags["step-4"] == other and repo.commits[repo.branches["main"]].title == "stagerd: step 4"
+
+
+def test_a_step_branch_someone_else_made_is_a_conflict_not_overwritten(hub, tmp_path):
+    """Main holds step 5; a person made `stagerd/step-4` by hand and committed a file of their own on it.
+    Before, the sink committed step 4 on top of that branch, deleting the person's file from its head."""
+    sink = make_sink(hub)
+    sink.publish(export(tmp_path, 5), 5)
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_branch(REPO, branch="stagerd/step-4")
+    api.create_commit(
+        REPO, [CommitOperationAdd("mine.bin", b"x")], commit_message="mine", revision="stagerd/step-4"
+    )
+    repo = hub.store.repos[REPO]
+    head = repo.branches["stagerd/step-4"]
+
+    with pytest.raises(SinkConflictError, match="stagerd/step-4 holds commits that are not on main") as info:
+        sink.publish(export(tmp_path, 4), 4)
+    assert "stagerd/step-4" in info.value.hint and not info.value.retryable
+    assert repo.branches["stagerd/step-4"] == head and "step-4" not in repo.tags
+
+    api.create_branch(REPO, branch="stagerd/step-3")  # made from main, nothing on it: a sink's own leftover
+    assert not sink.publish(export(tmp_path, 3), 3).skipped and sink.is_published(3)
