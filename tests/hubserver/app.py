@@ -345,8 +345,13 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
                 if rev == "main" or repo.branches.pop(rev, None) is None:
                     raise HubFail(404 if rev != "main" else 403, f"cannot delete branch {rev}")
                 return _json({})
+            if not valid_ref_name(rev):
+                raise HubFail(400, f"invalid branch name {rev!r}")
             if rev in repo.branches:
                 raise HubFail(409, f"Reference already exists: refs/heads/{rev}")
+            nested = [b for b in repo.branches if b.startswith(f"{rev}/") or rev.startswith(f"{b}/")]
+            if nested:  # as for tags: `a` and `a/b` cannot both be branches
+                raise HubFail(400, f"branch {rev} conflicts with the existing branch {nested[0]}")
             start = self._body(request).get("startingPoint") or "main"
             repo.branches[rev] = self._rev(repo, start).oid
         return _json({})

@@ -28,8 +28,10 @@ Idempotence is read from the repo itself: the sink's tag for step N means publis
 commit titled for step N found on the sink's own branches (its revision, its step branch); a tag that marks
 anything else is a `SinkConflictError` naming the tag, never "already published". A commit titled for the
 step without the tag (a crash between commit and tag) gets the tag and nothing else. The sink deletes no tag
-or branch. Before returning, the tree at the commit is listed and compared with the export: names, sizes,
-LFS sha256 or the git blob id.
+or branch, and commits onto an existing step branch only while it holds nothing the revision does not (one
+it made before a crash): a person's commits there are a `SinkConflictError` naming the branch. Before
+returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
+git blob id.
 
 A crash between commit and tag leaves the step's commit near the head of its branch (steps are committed in
 increasing order), so the history is read newest first, page by page, only until that commit, a stagerd
@@ -46,10 +48,11 @@ until they meet or the cap (`history.py`). The sink then tags such a commit `R/s
 counts it published when the old tag `step-N` marks it, and commits later steps in order after it;
 `restore @R --step N` reads it there. Where a meeting point is not seen within the cap (main's history
 squashed, or far ahead), or another branch holds the commit too, it is not R's, and a warning names the
-commit and the tag to set by hand. Not recognised: an old step on the old step branch `stagerd/step-N`
-(main's step branches have that name too): the step gets a new commit. Not told apart: on main, a tag
-beyond the cap is judged by its commit's title alone, so where main's walk ends at the cap, an older
-stagerd's repo-wide tag `step-N` on another revision's commit reads as main's step N.
+commit and the tag to set by hand. That stagerd's step branch for an older step of R was `stagerd/step-N`,
+main's name: its commit is R's when the branch was made from one of R's own commits (`own_old_branch`),
+and main's only when made from main's history (`made_from`). Not told apart: on main, a tag beyond the cap
+is judged by its commit's title alone, so where main's walk ends at the cap, an older stagerd's repo-wide
+tag `step-N` on another revision's commit reads as main's step N.
 
 Every request is bounded: huggingface_hub 2.4 shares one HTTP client per process with no timeout and offers
 no per-`HfApi` client, so the sink installs (once, through `set_client_factory`) a request hook that bounds

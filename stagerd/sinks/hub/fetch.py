@@ -3,11 +3,12 @@
 The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
 the sink tags steps off main; or that tag in the URL), else the URL's revision, else `main` (which holds the
 newest step). A step an older stagerd published on REVISION under the unscoped names (`stagerd: step N`, tag
-`step-N`) is read at its commit, found by the sink's own rule (`history.py`). Every file of the Hub's tree at
-that revision (but `.gitattributes`) is downloaded with huggingface_hub (through Xet where the file is stored
-there) into a temporary sibling of OUT and checked against the tree: its size, and its LFS sha256 or, for a
-small file kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data
-that does not rebuild, is a `RestoreError` naming the file; nothing is left behind.
+`step-N`) is read at its commit, found by the sink's own rule (`history.py`). The revision is resolved to
+its commit once, so a step published to the branch during the restore mixes nothing in. Every file of the
+Hub's tree at that commit (but `.gitattributes`) is downloaded with huggingface_hub (through Xet where the
+file is stored there) into a temporary sibling of OUT and checked against the tree: its size, and its LFS
+sha256 or, for a small file kept in git, its git blob id. Only then is the directory renamed to OUT. A
+mismatch, or Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind.
 """
 
 from __future__ import annotations
@@ -57,20 +58,23 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
-    endpoint = target.options.get("endpoint")
+    endpoint, token = target.options.get("endpoint"), target.options.get("token")
     where = f"hf://{target.repo_id}@{revision}"
-    api = HfApi(endpoint=endpoint)
+    api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
     try:
         if step is not None and revision == step_tag(step, target.revision):
             revision = _older_stagerds_commit(api, target.repo_id, target.revision, step) or revision
             where = f"hf://{target.repo_id}@{revision}"
+        # one commit for every file: a step published to the branch meanwhile must not mix in
+        commit = api.repo_info(target.repo_id, revision=revision).sha or revision
         tree: list[Any] = [
             e
-            for e in api.list_repo_tree(target.repo_id, revision=revision, recursive=True)
+            for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
             if hasattr(e, "size")
         ]
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise RestoreError(f"not found: {type(e).__name__}", path=where) from None
+        hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
+        raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
@@ -88,7 +92,12 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             try:
                 got = Path(
                     hf_hub_download(
-                        target.repo_id, entry.path, revision=revision, endpoint=endpoint, local_dir=tmp
+                        target.repo_id,
+                        entry.path,
+                        revision=commit,
+                        endpoint=endpoint,
+                        token=token,
+                        local_dir=tmp,
                     )
                 )
             except HfHubHTTPError as err:
@@ -130,7 +139,7 @@ def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: i
     refs = api.list_repo_refs(repo_id)
     tags = {t.name: t.target_commit for t in refs.tags}
     branches = {b.name: b.target_commit for b in refs.branches}
-    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(library_name="stagerd"))
+    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
     return older_stagerds_step(pages, step, revision, branches, tags)
 
 

@@ -14,7 +14,8 @@ and anything older than `cap` commits, which is never read. Two answers reach pa
   main's history is squashed, or where another branch holds the commit too, it is not R's, loudly.
   That stagerd's step branch off R was `stagerd/step-N`, the name main's step branches have: its
   `stagerd: step N` is R's when the branch was made from one of R's own commits (as above), since main's
-  are made from main's head.
+  are made from main's head; so, for main, a commit on `stagerd/step-N` is main's only when the commit
+  under it is in main's history (`made_from`), not above where the branch meets main.
 """
 
 from __future__ import annotations
@@ -199,6 +200,13 @@ def find_step(
         scan = scan_history(pages(branch, page), step, revision=revision, cap=cap, own_unscoped=judge)
         if branch == revision:
             head_step = scan.head_step
+        mains_step_branch = branch != revision and not revision_scope(revision)
+        if (
+            scan.found is not None
+            and mains_step_branch
+            and not made_from(pages, branch, scan.found, revision, cap=cap, page=page)
+        ):
+            scan = scan._replace(found=None)  # an older stagerd's step branch of another revision
         if found is None and scan.found is not None:
             found, legacy = scan.found, scan.legacy
         capped = capped or scan.capped
@@ -209,6 +217,28 @@ def find_step(
         )
         found, legacy = scan.found, scan.found is not None
     return Scan(head_step, found, capped and found is None, legacy)
+
+
+def made_from(pages: Pages, branch: str, oid: str, revision: str, *, cap: int, page: int) -> bool:
+    """Whether the commit under `oid` on the step branch `branch` is in `revision`'s history: a sink makes
+    its step branch from its revision's head. An older stagerd gave a revision R's step branches main's
+    names (`stagerd/step-N`), made from R's own commits, which lie above where R meets main. Where the
+    two histories do not meet within the cap, the branch counts as the revision's (as it always did)."""
+    above = above_fork(pages(branch, page), pages(revision, page), cap)
+    if above is None:
+        return True
+    walk = (c for c, _ in islice(pages(branch, page), cap))
+    if oid not in walk:
+        return True
+    parent = next(walk, None)
+    return parent is None or parent not in above
+
+
+def holds_only(pages: Pages, branch: str, revision: str, *, cap: int, page: int) -> bool:
+    """Whether the step branch `branch`, holding no commit of its step, holds nothing `revision` does not:
+    then it is one the sink made before a crash and may commit onto. A person's commits on it, or an older
+    stagerd's for another revision (its step branches had main's names), are never committed over."""
+    return above_fork(pages(branch, page), pages(revision, page), cap) == set()
 
 
 def tag_title_is_ours(pages: Pages, commit: str, step: int, revision: str) -> bool:

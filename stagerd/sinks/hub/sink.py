@@ -19,7 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.hub.history import Scan, commit_pages, find_step, tag_title_is_ours
+from stagerd.sinks.hub.history import Scan, commit_pages, find_step, holds_only, tag_title_is_ours
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import with_retries
@@ -31,7 +31,7 @@ from stagerd.sinks.hub.tree import (
     plan_commit,
     scan_export,
 )
-from stagerd.sinks.hub.upload import commit_operations, send_additions
+from stagerd.sinks.hub.upload import commit_operations, send_additions, unchanged_operation
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -240,6 +240,12 @@ class HubSink:
             headers=self._headers(),
             progress=None if progress is None else lambda n: progress(min(total, done + n), total),
         )
+        if not additions and not deletes:
+            additions = [
+                unchanged_operation(
+                    self._api, self.repo_id, branch, export_dir, local, card_bytes, self._headers()
+                )
+            ]
         info = self._api.create_commit(
             self.repo_id,
             [*additions, *deletes],
@@ -324,7 +330,20 @@ class HubSink:
                 self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
             )
             branches[branch] = self._branch_head(branch)
+        else:
+            self._check_own_branch(step, branch)
         return branch, branches[branch]
+
+    def _check_own_branch(self, step: int, branch: str) -> None:
+        if holds_only(self._history, branch, self.revision, cap=self.history_cap, page=_HISTORY_PAGE):
+            return
+        raise SinkConflictError(
+            f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
+            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
+            path=self.url,
+            hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
+            f"to let this sink publish step {step} there",
+        )
 
     def _branch_head(self, branch: str) -> str:
         refs = self._api.list_repo_refs(self.repo_id)
@@ -368,13 +387,20 @@ class HubSink:
         )
 
     def _tag(self, step: int, commit: str) -> None:
-        self._api.create_tag(
-            self.repo_id,
-            tag=self._tag_name(step),
-            revision=commit,
-            tag_message=commit_message(step, self.revision),
-            exist_ok=True,
-        )
+        """Tag `commit` as the step; a tag someone set meanwhile counts only where it marks `commit` too."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        tag = self._tag_name(step)
+        try:
+            self._api.create_tag(
+                self.repo_id, tag=tag, revision=commit, tag_message=commit_message(step, self.revision)
+            )
+        except HfHubHTTPError as e:
+            if e.response is None or e.response.status_code != 409:
+                raise
+            marked = {t.name: t.target_commit for t in self._api.list_repo_refs(self.repo_id).tags}.get(tag)
+            if marked != commit:
+                raise self._foreign_tag(step, str(marked)) from None
 
     # --- retries ----------------------------------------------------------------------------------------
 

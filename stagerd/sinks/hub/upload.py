@@ -29,7 +29,7 @@ LIBRARY_SEAMS = (
     ("huggingface_hub._commit_api", "_fetch_upload_modes"),
     ("huggingface_hub.utils._xet", "xet_connection_info_refresh_url"),
 )
-OPERATION_SEAMS = ("_upload_mode", "_should_ignore", "_is_uploaded")  # fields of CommitOperationAdd
+OPERATION_SEAMS = ("_upload_mode", "_should_ignore", "_is_uploaded", "_remote_oid")  # of CommitOperationAdd
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,45 @@ def commit_operations(
         additions.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card_bytes))
     deletes = [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.deletes]
     return additions, deletes
+
+
+def unchanged_operation(
+    api: Any,
+    repo_id: str,
+    branch: str,
+    export_dir: Path,
+    local: Sequence[HubFile],
+    card_bytes: bytes | None,
+    headers: dict[str, str],
+) -> Any:
+    """An add of the export's smallest file, which the parent holds unchanged, that `create_commit` sends.
+
+    For a step whose every file equals its parent's, `create_commit` drops each add as a no-op and, left
+    with none, makes no commit and answers with the branch head: the step would be tagged on another
+    commit (the last step's), which no later run counts as this step. Re-adding one file makes the step
+    its own commit, with the parent's tree. Its upload mode is asked here, and its remote oid left unset
+    so that it is not dropped; a file in LFS or Xet needs no upload, as the parent holds its object.
+    """
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub._commit_api import _fetch_upload_modes
+
+    files = [(f.size, f.path) for f in local]
+    if card_bytes is not None:
+        files.append((len(card_bytes), CARD_NAME))
+    _, path = min(files)
+    content = card_bytes if path == CARD_NAME and card_bytes is not None else str(export_dir / path)
+    op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=content)
+    _fetch_upload_modes(
+        additions=[op],
+        repo_type="model",
+        repo_id=repo_id,
+        headers=headers,
+        revision=quote(branch, safe=""),
+        endpoint=api.endpoint,
+    )
+    op._remote_oid = None
+    op._is_uploaded = op._upload_mode == "lfs"
+    return op
 
 
 def send_additions(

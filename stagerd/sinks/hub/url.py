@@ -34,6 +34,9 @@ _STEP_TITLE = re.compile(r"^stagerd: step (\d+)(?: on (\S+))?$")
 DEFAULT_REVISION = "main"
 _HISTORY_PAGE = 50  # commits per request while looking for a step's commit
 _HISTORY_CAP = 1000  # commits read at most per branch and publish
+# git's `check-ref-format` rules, which the Hub's refs follow; a revision is checked as the prefix of the
+# names derived from it (`R/step-N`, `stagerd/R/step-N`), so `/` separates folders of refs
+_BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|^/|/$|\.$|(^|/)\.|\.lock(/|$)")
 
 
 # A sink's steps are scoped to its revision: two runs publishing to two branches of one repo share no tag,
@@ -120,6 +123,12 @@ def parse_hub_url(url: str) -> HubTarget:
         validate_repo_id(repo_id)
     except HFValidationError as e:
         raise ConfigError(f"bad repo id in {shown!r}: {e}") from None
+    if revision and (revision == "@" or _BAD_REF.search(revision)):
+        raise ConfigError(
+            f"bad Hub sink URL {shown!r}: the revision {revision!r} is not a valid branch name",
+            hint="git's ref rules apply: no spaces, '..', '~^:?*[\\', '@{', '//', no part starting "
+            "with '.' or ending with '.lock', no '.' or '/' at the end",
+        )
     return HubTarget(repo_id, revision or None, dict(parse_qsl(parts.query)))
 
 

@@ -152,7 +152,8 @@ def test_a_commit_main_cannot_vouch_for_is_taken_as_mains_loudly(hub, tmp_path, 
 def test_an_older_stagerds_step_branch_of_a_revision_stays_its_own(hub, tmp_path):
     """An older stagerd put exp's step 4 (older than exp's head, step 6) on the step branch `stagerd/step-4`,
     the name main's step branches have. Before, a sink on exp looked only at `stagerd/exp/step-4`: step 4
-    was not published and got a second commit. Main's own step branch of a step stays main's."""
+    was not published and got a second commit. Main's own step branch of a step stays main's, and exp's
+    stays exp's: before, main took it (and the older repo-wide tag `step-4` on it) for main's step 4."""
     main, exp = make_sink(hub), make_sink(hub, f"hf://{REPO}@exp")
     main.publish(export(tmp_path, 0), 3)
     exp.publish(export(tmp_path, 6), 6)
@@ -166,6 +167,10 @@ def test_an_older_stagerds_step_branch_of_a_revision_stays_its_own(hub, tmp_path
     commits = len(repo.commits)
 
     assert exp.is_published(4) and exp.is_published(6)
+    assert not main.is_published(4)  # exp's, though on a branch of main's name and tagged `step-4`
+    with pytest.raises(SinkConflictError, match=f"the tag step-4 marks commit {four}"):
+        main.publish(export(tmp_path, 9), 4)
+    assert main.is_published(2)
     assert exp.publish(export(tmp_path, 4), 4).skipped and len(repo.commits) == commits
     assert repo.tags["exp/step-4"] == four and repo.branches["exp"] == six
     assert not exp.is_published(2)

@@ -8,10 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.errors import HfHubHTTPError
 
-from stagerd.errors import ConfigError, SinkConflictError
+from stagerd.errors import ConfigError, RestoreError, SinkConflictError
 from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
+from stagerd.sinks.hub.url import parse_hub_url
 from tests.hubserver import HubConfig
 from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
@@ -149,3 +152,102 @@ def test_the_card_of_a_step_off_main_names_its_own_tag(hub, tmp_path, monkeypatc
     card = (out / "README.md").read_text()
     assert 'revision="exp-a/step-5"' in card and "The tag `exp-a/step-5` marks this commit." in card
     assert '"step-5"' not in card and "`step-5`" not in card
+
+
+def test_a_revision_git_cannot_name_is_a_config_error_before_anything_is_written(hub, tmp_path):
+    """Before, `hf://ORG/REPO@my branch` created the repo and the branch and committed the step, then every
+    try failed to tag it (`my branch/step-1`: 400) as a retryable error; the Hub refuses such a branch too."""
+    for rev in ("my branch", "a..b", "x.lock", "a@{b", "a//b", "x~1", "a:b", ".x", "a/.b", "x."):
+        with pytest.raises(ConfigError, match="not a valid branch name") as info:
+            make_sink(hub, f"hf://{REPO}@{rev}")
+        assert repr(rev) in str(info.value) and "?" not in str(info.value)
+    assert REPO not in hub.store.repos and not hub.stats.count("*", "")
+    for rev in ("exp/run-1", "v1.0", "-x", "release_2"):
+        assert parse_hub_url(f"hf://{REPO}@{rev}").revision == rev
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_repo(REPO)
+    with pytest.raises(HfHubHTTPError, match="invalid branch name"):
+        api.create_branch(REPO, branch="my branch")
+    api.create_branch(REPO, branch="exp")
+    with pytest.raises(HfHubHTTPError, match="conflicts with the existing branch exp"):
+        api.create_branch(REPO, branch="exp/a")
+    assert {b.name for b in api.list_repo_refs(REPO).branches} == {"main", "exp"}
+
+
+def test_a_restore_of_a_branch_reads_one_commit_while_a_step_lands(hub, tmp_path, monkeypatch):
+    """Before, each file was downloaded at the branch's head of that moment: a step published to main
+    during a restore of main failed it on the next file (its tree listed the step before)."""
+    sink = make_sink(hub)
+    first = write_export(tmp_path / "a", seed=1, shards=2)
+    sink.publish(first, 5)
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+
+    def land_step_6(done: int, total: int) -> None:
+        if hub.stats.commits[REPO] == 1:
+            sink.publish(write_export(tmp_path / "b", seed=2, shards=2), 6)
+
+    out = restore_hub_export(
+        f"hf://{REPO}?endpoint={hub.endpoint}", tmp_path / "out", None, progress=land_step_6
+    )
+
+    assert hub.stats.commits[REPO] == 2
+    assert {k: v for k, v in export_files(out).items() if k != "README.md"} == export_files(first)
+    assert "step **5**" in (out / "README.md").read_text()
+
+
+def test_a_restore_takes_the_token_the_sink_url_names(hub, tmp_path, monkeypatch):
+    """`?token=` publishes to a private repo; before, restore of that same URL ignored it and answered
+    "not found" (the Hub hides a private repo from anonymous readers)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+    url = f"hf://{REPO}@exp-a?endpoint={hub.endpoint}&token={hub.read_token}"
+    make_sink(hub, url).publish(export(tmp_path, 2), 5)
+
+    out = restore_hub_export(url, tmp_path / "out", 5)
+
+    assert {k: v for k, v in export_files(out).items() if k != "README.md"} == export_files(
+        export(tmp_path, 2)
+    )
+    with pytest.raises(RestoreError, match="not found") as info:
+        restore_hub_export(url.split("&")[0], tmp_path / "out-2", 5)
+    assert "HF_TOKEN" in info.value.hint and "private" in info.value.hint
+
+
+def test_a_tag_set_by_someone_else_during_the_upload_is_a_conflict(hub, tmp_path):
+    """A person (or an older stagerd's repo-wide tag) sets `step-4` on another commit while the step
+    uploads. Before, the sink's tag call took the Hub's "already exists" for its own tag: the publish
+    reported step 4 published, and `restore --step 4` read that other commit."""
+    make_sink(hub).publish(export(tmp_path, 1), 3)
+    repo = hub.store.repos[REPO]
+    other = repo.branches["main"]
+
+    def tag_by_hand() -> None:
+        with hub.store.lock:
+            repo.tags["step-4"] = other
+
+    hub.on_lfs_body(1, tag_by_hand)
+    with pytest.raises(SinkConflictError, match=f"the tag step-4 marks commit {other}"):
+        make_sink(hub).publish(export(tmp_path, 2), 4)
+    assert repo.tags["step-4"] == other and repo.commits[repo.branches["main"]].title == "stagerd: step 4"
+
+
+def test_a_step_branch_someone_else_made_is_a_conflict_not_overwritten(hub, tmp_path):
+    """Main holds step 5; a person made `stagerd/step-4` by hand and committed a file of their own on it.
+    Before, the sink committed step 4 on top of that branch, deleting the person's file from its head."""
+    sink = make_sink(hub)
+    sink.publish(export(tmp_path, 5), 5)
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_branch(REPO, branch="stagerd/step-4")
+    api.create_commit(
+        REPO, [CommitOperationAdd("mine.bin", b"x")], commit_message="mine", revision="stagerd/step-4"
+    )
+    repo = hub.store.repos[REPO]
+    head = repo.branches["stagerd/step-4"]
+
+    with pytest.raises(SinkConflictError, match="stagerd/step-4 holds commits that are not on main") as info:
+        sink.publish(export(tmp_path, 4), 4)
+    assert "stagerd/step-4" in info.value.hint and not info.value.retryable
+    assert repo.branches["stagerd/step-4"] == head and "step-4" not in repo.tags
+
+    api.create_branch(REPO, branch="stagerd/step-3")  # made from main, nothing on it: a sink's own leftover
+    assert not sink.publish(export(tmp_path, 3), 3).skipped and sink.is_published(3)

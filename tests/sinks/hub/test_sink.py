@@ -321,6 +321,25 @@ def test_export_readme_is_kept(hub, tmp_path):
     assert Path(path).read_text() == "---\nlicense: apache-2.0\n---\n# mine\n"
 
 
+@pytest.mark.parametrize("xet", [True, False], ids=["xet", "lfs"])
+def test_a_step_whose_files_all_equal_the_last_steps_gets_its_own_commit(hub, tmp_path, xet):
+    # huggingface_hub skips a commit whose every file is unchanged and answers with the branch head:
+    # tagging that would mark step 90's commit as step 91, which no later run then counts as published.
+    export = write_export(tmp_path / "export", shards=1)
+    (export / "README.md").write_text("# mine\n")  # the export's own card: nothing names the step
+    sink = make_sink(hub)
+    sink.publish(export, 90)
+
+    result = sink.publish(export, 91)
+
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    tags = {t.name: t.target_commit for t in api.list_repo_refs(REPO).tags}
+    assert tags["step-91"] != tags["step-90"] and result.location.endswith(tags["step-91"])
+    assert [c.title for c in api.list_repo_commits(REPO)][:2] == ["stagerd: step 91", "stagerd: step 90"]
+    assert remote_paths(hub, "step-91") == remote_paths(hub, "step-90")
+    assert make_sink(hub).is_published(91) and make_sink(hub).publish(export, 91).skipped
+
+
 def test_bad_exports_are_named_errors(hub, tmp_path):
     sink = make_sink(hub)
     assert not sink.is_published(1)  # no repo yet: not published, and not created by asking
