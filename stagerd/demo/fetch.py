@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.parse
 from pathlib import Path
 
 from stagerd.contract import layout
@@ -36,10 +35,12 @@ def _from_hub(url: str, repo_id: str, step: int, local: Path) -> tuple[Path, str
 
     from stagerd.sinks.hub import parse_hub_url, step_tag
 
-    endpoint = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get("endpoint", [None])[0]
-    tag = step_tag(step, parse_hub_url(url).revision)  # a sink on @REVISION tags its steps there
-    snapshot_download(repo_id, revision=tag, local_dir=local, endpoint=endpoint)
-    return local, f"{redact_url(url)}@{tag} (downloaded to {local})"
+    target = parse_hub_url(url)
+    tag = step_tag(step, target.revision)  # a sink on @REVISION tags its steps there
+    # no token in the URL: HF_TOKEN or the login, as the sink itself
+    token, endpoint = target.options.get("token"), target.options.get("endpoint")
+    snapshot_download(repo_id, revision=tag, local_dir=local, endpoint=endpoint, token=token)
+    return local, f"hf://{repo_id}@{tag} (downloaded to {local})"
 
 
 def _from_store(url: str, step: int, local: Path) -> tuple[Path, str]:

@@ -107,7 +107,8 @@ def test_demo_publishes_to_s3(s3, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
-    """`--sink hf://...`: one commit and tag per step on the Hub-protocol test server, read back by tag."""
+    """`--sink hf://ORG/REPO@REVISION?token=...`: one commit and tag per step on the Hub-protocol test server,
+    in a private repo, read back by tag with the URL's token (no HF_TOKEN)."""
     from huggingface_hub import HfApi
 
     from tests.hubserver import HubServer
@@ -115,17 +116,19 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
     with HubServer() as hub:
         env = {
             "HF_ENDPOINT": hub.endpoint,
-            "HF_TOKEN": hub.token,
+            "HF_TOKEN": None,
             "HF_HUB_DISABLE_XET": None,  # Xet, the production upload path, against the server's CAS
             "HF_HOME": str(tmp_path / "hf-home"),
         }
-        argv = ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", "hf://acme/demo"]
+        url = f"hf://acme/demo@run/a?token={hub.token}"
+        argv = ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", url]
         proc = run_cli(argv, env=env, timeout=240)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
         api = HfApi(endpoint=hub.endpoint, token=hub.token)
+        assert api.repo_info("acme/demo").private
         tags = {t.name for t in api.list_repo_refs("acme/demo").tags}
-        assert {"step-1", "step-2"} <= tags
-        assert "hf://acme/demo@step-2 (downloaded to" in proc.stdout
+        assert {"run/a/step-1", "run/a/step-2"} <= tags
+        assert "hf://acme/demo@run/a/step-2 (downloaded to" in proc.stdout
         assert hub.token not in proc.stdout + proc.stderr
 
 
