@@ -81,8 +81,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     Each LoRA `Linear` of the one adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's own
     `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named as
     the unwrapped module's weight; every other key loses PEFT's `base_model.model.` prefix and `.base_layer`.
-    The base model's own save-time conversion (`trace.transformers_plan`) then runs on those names.
-    Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions, modules_to_save) is a
+    A module of `modules_to_save` is its adapter's trained copy under the module's own name, its original
+    left out. The base model's own save-time conversion (`trace.transformers_plan`) then runs on those
+    names. Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions) is a
     HubPlanError."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
@@ -95,9 +96,8 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     staged = {k: aliases.get(k, k) for k in keys}
     merges: list[LoraMerge] = []
     consumed: set[str] = set()
+    saved = _modules_to_save(model, name, staged, aliases)
     for mname, mod in model.named_modules():
-        if type(mod).__name__ == "ModulesToSaveWrapper":
-            raise HubPlanError(f"{mname!r}: modules_to_save is not merged by the export")
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
             continue
         if type(mod) is not LoraLinear or mod.use_dora.get(name) or mod.lora_bias.get(name):
@@ -125,32 +125,72 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     sd2: dict[str, torch.Tensor] = {m.name: sd[m.base] for m in merges}
     aliases2: dict[str, str] = {}
     for k in keys:
-        if k in consumed:
+        n = _merged_name(k, saved)
+        if k in consumed or n is None:
             continue
         if ".lora_" in k:
             raise HubPlanError(f"{k!r}: a LoRA tensor of no merged layer")
-        n = _unwrapped(k)
         if n in src_of:
             raise HubPlanError(f"{k!r} and another key both become {n!r} once merged")
         if k in aliases:
             if aliases[k] in consumed:
                 raise HubPlanError(f"{k!r} is tied to {aliases[k]!r}, which the merge changes")
-            aliases2[n] = _unwrapped(aliases[k])
+            aliases2[n] = _merged_name(aliases[k], saved) or aliases[k]
         else:
             src_of[n], sd2[n] = k, sd[k]
     base = model.get_base_model()
     # merge_and_unload() puts each base layer where its LoRA layer was, and drops the LoRA matrices
     keys = [_unwrapped(k) for k in base.state_dict(keep_vars=True) if ".lora_" not in k]
-    parameters = sum(p.numel() for n, p in base.named_parameters() if ".lora_" not in n)
+    keys = [n for k in keys if (n := _merged_name(k, saved)) is not None]
+    parameters = sum(
+        p.numel() for n, p in base.named_parameters() if ".lora_" not in n and _merged_name(n, saved)
+    )
     plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     views = []
     for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
         views.append(replace(v, source=src_of[v.source]))
     drop = [src_of[n] for n in plan.drop]
+    drop += [k for k in sd if k not in consumed and _merged_name(k, saved) is None]  # modules_to_save's
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
     # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
     return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
+
+
+def _modules_to_save(
+    model: Any, name: str, staged: Mapping[str, str], aliases: Mapping[str, str]
+) -> dict[str, str]:
+    """Each `modules_to_save` wrapper's path in the base model -> the path of the copy merge_and_unload()
+    puts in its place (`lm_head` -> `lm_head.modules_to_save.default`): the adapter's trained copy."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    out: dict[str, str] = {}
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, ModulesToSaveWrapper):
+            continue
+        copies = mod.modules_to_save  # a ModuleDict: no `get`
+        if mod.active_adapter != name or name not in copies or hasattr(copies[name], "base_layer"):
+            raise HubPlanError(f"{mname!r}: only a modules_to_save copy of the active adapter is merged")
+        inside = [k for k in staged if k.startswith(f"{mname}.")]
+        # A tied original (an output layer sharing the input embeddings) is no longer tied once merged:
+        # save_pretrained then writes both, which the base model's plan would leave out.
+        if any(k in aliases or k in aliases.values() for k in inside):
+            raise HubPlanError(f"{mname!r}: a modules_to_save copy of a tied weight is not merged")
+        path = mname.removeprefix(_PREFIX)
+        out[path] = f"{path}.modules_to_save.{name}"
+    return out
+
+
+def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:
+    """`key`'s name in merge_and_unload()'s model (see `_unwrapped`), or None for a key it drops: a
+    modules_to_save wrapper's original module or another adapter's copy."""
+    n = _unwrapped(key)
+    for path, kept in saved.items():
+        if n.startswith(f"{kept}."):
+            return f"{path}.{n[len(kept) + 1 :]}"
+        if n.startswith(f"{path}."):
+            return None
+    return n
 
 
 def _unwrapped(key: str) -> str:

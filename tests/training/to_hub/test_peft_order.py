@@ -15,7 +15,7 @@ from stagerd.contract import layout
 peft = pytest.importorskip("peft")
 
 
-def _lora_llama() -> torch.nn.Module:
+def _lora_llama(**lora_kw) -> torch.nn.Module:
     import transformers as tf
 
     config = tf.LlamaConfig(
@@ -29,7 +29,9 @@ def _lora_llama() -> torch.nn.Module:
     )
     torch.manual_seed(0)
     base = tf.LlamaForCausalLM(config)
-    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **lora_kw
+    )
     return peft.get_peft_model(base, lora)
 
 
@@ -51,3 +53,37 @@ def test_the_merged_export_is_sharded_as_save_pretrained_of_the_merged_model(tmp
     for f in sorted(ref.glob("*.safetensors")):  # the merged values differ by float rounding, not the layout
         n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
         assert (export / f.name).read_bytes()[:n] == f.read_bytes()[:n], f.name
+
+
+def test_a_modules_to_save_copy_is_exported_as_the_merged_models_own_module(tmp_path):
+    """LoRA with `modules_to_save=["lm_head"]` (a head trained in full): merge_and_unload() puts the trained
+    copy in the module's place. Before, the main export kept PEFT's names (`base_model.model.lm_head.
+    modules_to_save.default.weight`, ...), which from_pretrained does not load: a model of random weights."""
+    import transformers as tf
+
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+    from tests.fidelity import harness
+
+    model = _lora_llama(modules_to_save=["lm_head"])
+    with torch.no_grad():  # trained: the copy and the LoRA B matrices are no longer what they started as
+        for n, p in model.named_parameters():
+            if "modules_to_save" in n or "lora_B" in n:
+                p.add_(torch.randn_like(p))
+    limit = 3000
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=limit).export_dir
+    ref = tmp_path / "ref"
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(ref, max_shard_size=limit)
+    index = "model.safetensors.index.json"
+    assert (export / index).read_bytes() == (ref / index).read_bytes()
+    got, want = harness.tensors(export), harness.tensors(ref)
+    assert sorted(got) == sorted(want)
+    assert got["lm_head.weight"] == want["lm_head.weight"]  # the trained copy, bit for bit
+    loaded, info = tf.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
