@@ -29,6 +29,7 @@ from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
 
 ADAPTER_CONFIG = "adapter/adapter_config.json"
+DEFAULT = "default"  # the adapter PEFT saves at the root of its folder
 
 
 def is_peft_model(model: Any) -> bool:
@@ -36,16 +37,21 @@ def is_peft_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def adapter_plan(
-    model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
-) -> tuple[HubPlan, bytes]:
-    """The plan of `adapter_model.safetensors` and the bytes of `adapter_config.json`."""
-    from peft.utils.save_and_load import get_peft_model_state_dict
-
+def exported_adapter(model: Any) -> str | None:
+    """The adapter `export/adapter/` holds: the model's one adapter or, among several, `default`, which
+    `PeftModel.save_pretrained` writes at its root (the others go to subfolders, not exported); None
+    where there is no `default` among several."""
     adapters = list(model.peft_config)
-    if len(adapters) != 1:
-        raise HubPlanError(f"a PEFT model with one adapter can be exported as one, this one has {adapters}")
-    name = adapters[0]
+    if len(adapters) == 1:
+        return adapters[0]
+    return DEFAULT if DEFAULT in adapters else None
+
+
+def adapter_plan(
+    model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], name: str
+) -> tuple[HubPlan, bytes]:
+    """The plan of adapter `name`'s `adapter_model.safetensors` and the bytes of its `adapter_config.json`."""
+    from peft.utils.save_and_load import get_peft_model_state_dict
 
     def convert(meta: dict[str, torch.Tensor]) -> Mapping[str, Any]:
         return get_peft_model_state_dict(model, state_dict=meta, adapter_name=name)
@@ -78,21 +84,23 @@ _PREFIX = "base_model.model."
 def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
     """The main export of a LoRA model: what `save_pretrained` of `model.merge_and_unload()` writes.
 
-    Each LoRA `Linear` of the one adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's own
-    `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named as
-    the unwrapped module's weight; every other key loses PEFT's `base_model.model.` prefix and `.base_layer`.
-    A module of `modules_to_save` is its adapter's trained copy under the module's own name, its original
-    left out. The base model's own save-time conversion (`trace.transformers_plan`) then runs on those
-    names. Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions) is a
-    HubPlanError."""
+    Each LoRA `Linear` of the one active adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's
+    own `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named
+    as the unwrapped module's weight; other adapters' tensors are left out; every other key loses PEFT's
+    `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is its adapter's trained
+    copy under the module's own name, its original left out. The base model's own save-time conversion
+    (`trace.transformers_plan`) then runs on those names. Anything PEFT merges otherwise (DoRA, LoRA
+    biases, embeddings, convolutions) is a HubPlanError."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
 
-    adapters = list(model.peft_config)
-    if len(adapters) != 1 or model.peft_config[adapters[0]].peft_type.value != "LORA":
-        raise HubPlanError(f"a merged export needs one LoRA adapter, this model has {adapters}")
-    name = adapters[0]
+    adapters, active = list(model.peft_config), list(model.active_adapters)
+    if len(active) != 1 or model.peft_config[active[0]].peft_type.value != "LORA":
+        raise HubPlanError(f"a merged export needs one active LoRA adapter, this model has {active}")
+    name = active[0]
     keys = [*sd, *aliases]
+    # merge_and_unload() merges the active adapter and drops every adapter's own tensors
+    others = {k for k in keys if ".lora_" in k and any(f".{o}." in f"{k}." for o in adapters if o != name)}
     staged = {k: aliases.get(k, k) for k in keys}
     merges: list[LoraMerge] = []
     consumed: set[str] = set()
@@ -126,7 +134,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     aliases2: dict[str, str] = {}
     for k in keys:
         n = _merged_name(k, saved)
-        if k in consumed or n is None:
+        if k in consumed or k in others or n is None:
             continue
         if ".lora_" in k:
             raise HubPlanError(f"{k!r}: a LoRA tensor of no merged layer")
@@ -150,7 +158,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
         views.append(replace(v, source=src_of[v.source]))
     drop = [src_of[n] for n in plan.drop]
-    drop += [k for k in sd if k not in consumed and _merged_name(k, saved) is None]  # modules_to_save's
+    drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
     # Keys the merged model does not hold (only aliases of consumed keys here): none is written.

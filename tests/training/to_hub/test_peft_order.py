@@ -87,3 +87,38 @@ def test_a_modules_to_save_copy_is_exported_as_the_merged_models_own_module(tmp_
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_with_a_second_adapter_saves_and_exports_the_active_one(tmp_path):
+    """A reference adapter beside the trained one (TRL's `ref_adapter_name`). Before, `Stager.save(...,
+    model=)` raised HubPlanError on every save: the training stopped. Now adapter/ is what
+    `PeftModel.save_pretrained` writes at its root (`default`; the other goes to a subfolder there, and is
+    not exported, said in a warning), and the main export is `merge_and_unload()`: the active adapter
+    merged, the other's tensors left out."""
+    import transformers as tf
+
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+    from tests.fidelity import harness
+
+    model = _lora_llama()
+    ref_lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "o_proj"], task_type="CAUSAL_LM")
+    model.add_adapter("reference", ref_lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p))
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (export / "adapter" / name).read_bytes() == (ref / name).read_bytes(), name
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    assert sorted(harness.tensors(export)) == sorted(harness.tensors(tmp_path / "merged"))
+    loaded = tf.AutoModelForCausalLM.from_pretrained(export)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
