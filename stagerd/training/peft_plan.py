@@ -64,7 +64,9 @@ def adapter_plan(
 
 def _config_bytes(model: Any, name: str) -> bytes:
     """adapter_config.json as `PeftModel.save_pretrained` writes it."""
-    cfg = copy.deepcopy(model.peft_config[name])
+    # Shallow: PEFT writes a set field (`target_modules`) as list(deepcopy(set)), and a set copied twice
+    # may iterate in another order than one copied once.
+    cfg = copy.copy(model.peft_config[name])
     if cfg.base_model_name_or_path is None:
         base = model.base_model if cfg.is_prompt_learning else model.base_model.model
         cfg.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None

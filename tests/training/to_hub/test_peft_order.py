@@ -122,3 +122,39 @@ def test_a_model_with_a_second_adapter_saves_and_exports_the_active_one(tmp_path
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _reordered_by_a_second_copy() -> set[str] | None:
+    """A set of module names that iterates in another order once copied twice than once (two of its names
+    collide in the hash table, and each copy swaps them), or None (never seen) for this hash seed. Only
+    the config is written with it: the names need not be the model's."""
+    import itertools
+
+    stems = ("q", "k", "v", "o", "gate", "up", "down", "in", "out", "fc1", "fc2", "w1", "w2", "w3", "qkv")
+    names = [f"{p}_proj" for p in stems]
+    for n in (4, 5, 6):
+        for chosen in itertools.combinations(names, n):
+            s = set(chosen)
+            if list(copy.deepcopy(s)) != list(copy.deepcopy(copy.deepcopy(s))):
+                return s
+    return None
+
+
+def test_adapter_config_lists_target_modules_in_save_pretraineds_order(tmp_path):
+    """PEFT writes `target_modules` (a set) as list(deepcopy(set)). Before, the config was deep-copied
+    first, so the set was copied twice, and the list could come out in another order than in the
+    adapter_config.json that `PeftModel.save_pretrained` writes in the same process."""
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+
+    targets = _reordered_by_a_second_copy()
+    if targets is None:
+        pytest.skip("no set of these names reorders under this hash seed")
+    model = _lora_llama()
+    model.peft_config["default"].target_modules = targets
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    model.save_pretrained(tmp_path / "ref")
+    name = "adapter_config.json"
+    assert (export / "adapter" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
