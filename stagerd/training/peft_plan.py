@@ -86,13 +86,14 @@ _PREFIX = "base_model.model."
 def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
     """The main export of a LoRA model: what `save_pretrained` of `model.merge_and_unload()` writes.
 
-    Each LoRA `Linear` of the one active adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's
-    own `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named
-    as the unwrapped module's weight; other adapters' tensors are left out; every other key loses PEFT's
-    `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is its adapter's trained
-    copy under the module's own name, its original left out. The base model's own save-time conversion
-    (`trace.transformers_plan`) then runs on those names. Anything PEFT merges otherwise (DoRA, LoRA
-    biases, embeddings, convolutions) is a HubPlanError."""
+    Each LoRA `Linear` or `Embedding` of the one active adapter becomes a `LoraMerge` (its base weight, A,
+    B, and PEFT's own `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT
+    computed them), named as the unwrapped module's weight; other adapters' tensors are left out; every
+    other key loses PEFT's `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is
+    its adapter's trained copy under the module's own name, its original left out. The base model's own
+    save-time conversion (`trace.transformers_plan`) then runs on those names. Anything PEFT merges
+    otherwise (DoRA, LoRA biases, convolutions) is a HubPlanError."""
+    from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
 
@@ -110,21 +111,20 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     for mname, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
             continue
-        if type(mod) is not LoraLinear or mod.use_dora.get(name) or mod.lora_bias.get(name):
-            raise HubPlanError(f"{mname!r}: only plain LoRA Linear layers are merged by the export")
-        base, a, b = (f"{mname}.{p}.weight" for p in ("base_layer", f"lora_A.{name}", f"lora_B.{name}"))
+        kind = type(mod)
+        if kind not in (LoraLinear, LoraEmbedding) or mod.use_dora.get(name) or mod.lora_bias.get(name):
+            raise HubPlanError(f"{mname!r}: only plain LoRA Linear and Embedding layers are merged")
+        base = f"{mname}.base_layer.weight"
+        if kind is LoraEmbedding:  # PEFT's delta is (B @ A).T: an (embeddings x dim) weight is in x out
+            a, b = (f"{mname}.lora_embedding_{p}.{name}" for p in "AB")
+            transposed = True
+        else:
+            a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
+            transposed = bool(getattr(mod, "fan_in_fan_out", False))
         if not all(k in staged for k in (base, a, b)):
             raise HubPlanError(f"{mname!r}: its base weight, lora_A or lora_B is not in the state dict")
-        merges.append(
-            LoraMerge(
-                _unwrapped(base),
-                staged[base],
-                staged[a],
-                staged[b],
-                float(mod.scaling[name]),
-                bool(getattr(mod, "fan_in_fan_out", False)),
-            )
-        )
+        scaling = float(mod.scaling[name])
+        merges.append(LoraMerge(_unwrapped(base), staged[base], staged[a], staged[b], scaling, transposed))
         consumed.update((base, a, b))
     if not merges:
         raise HubPlanError(f"the PEFT model's adapter {name!r} has no LoRA Linear layer to merge")

@@ -29,9 +29,8 @@ def _lora_llama(**lora_kw) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     base = tf.LlamaForCausalLM(config)
-    lora = peft.LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **lora_kw
-    )
+    lora_kw.setdefault("target_modules", ["q_proj", "v_proj"])
+    lora = peft.LoraConfig(r=2, lora_alpha=4, task_type="CAUSAL_LM", **lora_kw)
     return peft.get_peft_model(base, lora)
 
 
@@ -158,3 +157,33 @@ def test_adapter_config_lists_target_modules_in_save_pretraineds_order(tmp_path)
     model.save_pretrained(tmp_path / "ref")
     name = "adapter_config.json"
     assert (export / "adapter" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def test_a_lora_embedding_is_merged_as_merge_and_unload_merges_it(tmp_path):
+    """LoRA on the input embeddings (new tokens learnt): W + scaling * (B @ A).T, A being (r x vocab).
+    Before, the main export kept PEFT's names (`...embed_tokens.base_layer.weight`, `lora_embedding_A`),
+    which from_pretrained does not load."""
+    import transformers as tf
+
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+    from tests.fidelity import harness
+
+    model = _lora_llama(target_modules=["q_proj", "embed_tokens"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn_like(p))
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(tmp_path / "ref")
+    got, want = harness.tensors(export), harness.tensors(tmp_path / "ref")
+    assert sorted(got) == sorted(want)
+    assert got["model.embed_tokens.weight"][:2] == want["model.embed_tokens.weight"][:2]
+    loaded = tf.AutoModelForCausalLM.from_pretrained(export)
+    torch.testing.assert_close(loaded.model.embed_tokens.weight, merged.model.embed_tokens.weight)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
