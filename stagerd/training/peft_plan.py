@@ -156,9 +156,11 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
         p.numel() for n, p in base.named_parameters() if ".lora_" not in n and _merged_name(n, saved)
     )
     plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
+    shapes = {n: tuple(t.shape) for n, t in sd2.items()}
+    zeros = {z.name: z.shape for z in plan.zeros}  # a conversion's padding: read by its own name
     views = []
-    for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
-        views.append(replace(v, source=src_of[v.source]))
+    for v in plan.outputs({**shapes, **zeros}):
+        views.append(v if v.source in zeros else replace(v, source=src_of[v.source]))
     drop = [src_of[n] for n in plan.drop]
     drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):

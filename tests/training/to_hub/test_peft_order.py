@@ -187,3 +187,28 @@ def test_a_lora_embedding_is_merged_as_merge_and_unload_merges_it(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_model_whose_conversion_pads_with_zeros_is_merged(tmp_path):
+    """Inkling2's checkpoint pads the vocabulary with zero rows. Before, the merged plan looked the zero
+    fill up among the merged model's tensors: the main export fell back to PEFT's own names."""
+    import transformers as tf
+
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+    from tests.fidelity import harness
+    from tests.fidelity.registry import cases as registry
+    from tests.fidelity.registry.check import build
+
+    if not hasattr(tf, "Inkling2ForCausalLM"):
+        pytest.skip(f"transformers {tf.__version__} has no Inkling2")
+    base = build(registry.Case("inkling2_text", "Inkling2ForCausalLM", over=(("unpadded_vocab_size", 56),)))
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj.linear"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, lora)
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    copy.deepcopy(model).merge_and_unload().save_pretrained(tmp_path / "ref")
+    got, want = harness.tensors(export), harness.tensors(tmp_path / "ref")
+    assert sorted(got) == sorted(want)
+    assert all(got[k] == want[k] for k in want if "q_proj" not in k)  # the LoRA B is zero: all bit for bit
