@@ -103,6 +103,7 @@ def from_config(config: Mapping[str, Any], keys: Collection[str]) -> Found | str
         return f"config.json is not a valid {config_class.__name__}: {type(e).__name__}: {e}"
     wanted = set(keys)
     tried = []
+    under: Found | None = None  # the first model found under a prefix
     for cls in _candidates(tf, config, model_type):
         try:
             with torch.device("meta"):
@@ -111,8 +112,14 @@ def from_config(config: Mapping[str, Any], keys: Collection[str]) -> Found | str
             continue  # a head this config cannot build (a missing num_labels, say): not this model
         tried.append(cls.__name__)
         prefix = _prefix(set(model.state_dict()), wanted)
-        if prefix is not None:
+        if prefix == "":
             return Found(model, prefix)
+        # A head model's keys hold its base model's under a prefix (`model.`): the model whose keys are
+        # all the saved keys comes first, else the head (`lm_head.weight`) would be left out.
+        if prefix is not None and under is None:
+            under = Found(model, prefix)
+    if under is not None:
+        return under
     if not tried:
         return f"no transformers model could be built from config.json ({model_type})"
     return f"the saved keys are not those of {', '.join(tried)} built from config.json"

@@ -29,6 +29,7 @@ from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
 
 ADAPTER_CONFIG = "adapter/adapter_config.json"
+DEFAULT = "default"  # the adapter PEFT saves at the root of its folder
 
 
 def is_peft_model(model: Any) -> bool:
@@ -36,16 +37,21 @@ def is_peft_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def adapter_plan(
-    model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
-) -> tuple[HubPlan, bytes]:
-    """The plan of `adapter_model.safetensors` and the bytes of `adapter_config.json`."""
-    from peft.utils.save_and_load import get_peft_model_state_dict
-
+def exported_adapter(model: Any) -> str | None:
+    """The adapter `export/adapter/` holds: the model's one adapter or, among several, `default`, which
+    `PeftModel.save_pretrained` writes at its root (the others go to subfolders, not exported); None
+    where there is no `default` among several."""
     adapters = list(model.peft_config)
-    if len(adapters) != 1:
-        raise HubPlanError(f"a PEFT model with one adapter can be exported as one, this one has {adapters}")
-    name = adapters[0]
+    if len(adapters) == 1:
+        return adapters[0]
+    return DEFAULT if DEFAULT in adapters else None
+
+
+def adapter_plan(
+    model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str], name: str
+) -> tuple[HubPlan, bytes]:
+    """The plan of adapter `name`'s `adapter_model.safetensors` and the bytes of its `adapter_config.json`."""
+    from peft.utils.save_and_load import get_peft_model_state_dict
 
     def convert(meta: dict[str, torch.Tensor]) -> Mapping[str, Any]:
         return get_peft_model_state_dict(model, state_dict=meta, adapter_name=name)
@@ -58,7 +64,9 @@ def adapter_plan(
 
 def _config_bytes(model: Any, name: str) -> bytes:
     """adapter_config.json as `PeftModel.save_pretrained` writes it."""
-    cfg = copy.deepcopy(model.peft_config[name])
+    # Shallow: PEFT writes a set field (`target_modules`) as list(deepcopy(set)), and a set copied twice
+    # may iterate in another order than one copied once.
+    cfg = copy.copy(model.peft_config[name])
     if cfg.base_model_name_or_path is None:
         base = model.base_model if cfg.is_prompt_learning else model.base_model.model
         cfg.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
@@ -78,43 +86,45 @@ _PREFIX = "base_model.model."
 def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
     """The main export of a LoRA model: what `save_pretrained` of `model.merge_and_unload()` writes.
 
-    Each LoRA `Linear` of the one adapter becomes a `LoraMerge` (its base weight, A, B, and PEFT's own
-    `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT computed them), named as
-    the unwrapped module's weight; every other key loses PEFT's `base_model.model.` prefix and `.base_layer`.
-    The base model's own save-time conversion (`trace.transformers_plan`) then runs on those names.
-    Anything PEFT merges otherwise (DoRA, LoRA biases, embeddings, convolutions, modules_to_save) is a
-    HubPlanError."""
+    Each LoRA `Linear` or `Embedding` of the one active adapter becomes a `LoraMerge` (its base weight, A,
+    B, and PEFT's own `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT
+    computed them), named as the unwrapped module's weight; other adapters' tensors are left out; every
+    other key loses PEFT's `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is
+    its adapter's trained copy under the module's own name, its original left out. The base model's own
+    save-time conversion (`trace.transformers_plan`) then runs on those names. Anything PEFT merges
+    otherwise (DoRA, LoRA biases, convolutions) is a HubPlanError."""
+    from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
 
-    adapters = list(model.peft_config)
-    if len(adapters) != 1 or model.peft_config[adapters[0]].peft_type.value != "LORA":
-        raise HubPlanError(f"a merged export needs one LoRA adapter, this model has {adapters}")
-    name = adapters[0]
+    adapters, active = list(model.peft_config), list(model.active_adapters)
+    if len(active) != 1 or model.peft_config[active[0]].peft_type.value != "LORA":
+        raise HubPlanError(f"a merged export needs one active LoRA adapter, this model has {active}")
+    name = active[0]
     keys = [*sd, *aliases]
+    # merge_and_unload() merges the active adapter and drops every adapter's own tensors
+    others = {k for k in keys if ".lora_" in k and any(f".{o}." in f"{k}." for o in adapters if o != name)}
     staged = {k: aliases.get(k, k) for k in keys}
     merges: list[LoraMerge] = []
     consumed: set[str] = set()
+    saved = _modules_to_save(model, name, staged, aliases)
     for mname, mod in model.named_modules():
-        if type(mod).__name__ == "ModulesToSaveWrapper":
-            raise HubPlanError(f"{mname!r}: modules_to_save is not merged by the export")
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
             continue
-        if type(mod) is not LoraLinear or mod.use_dora.get(name) or mod.lora_bias.get(name):
-            raise HubPlanError(f"{mname!r}: only plain LoRA Linear layers are merged by the export")
-        base, a, b = (f"{mname}.{p}.weight" for p in ("base_layer", f"lora_A.{name}", f"lora_B.{name}"))
+        kind = type(mod)
+        if kind not in (LoraLinear, LoraEmbedding) or mod.use_dora.get(name) or mod.lora_bias.get(name):
+            raise HubPlanError(f"{mname!r}: only plain LoRA Linear and Embedding layers are merged")
+        base = f"{mname}.base_layer.weight"
+        if kind is LoraEmbedding:  # PEFT's delta is (B @ A).T: an (embeddings x dim) weight is in x out
+            a, b = (f"{mname}.lora_embedding_{p}.{name}" for p in "AB")
+            transposed = True
+        else:
+            a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
+            transposed = bool(getattr(mod, "fan_in_fan_out", False))
         if not all(k in staged for k in (base, a, b)):
             raise HubPlanError(f"{mname!r}: its base weight, lora_A or lora_B is not in the state dict")
-        merges.append(
-            LoraMerge(
-                _unwrapped(base),
-                staged[base],
-                staged[a],
-                staged[b],
-                float(mod.scaling[name]),
-                bool(getattr(mod, "fan_in_fan_out", False)),
-            )
-        )
+        scaling = float(mod.scaling[name])
+        merges.append(LoraMerge(_unwrapped(base), staged[base], staged[a], staged[b], scaling, transposed))
         consumed.update((base, a, b))
     if not merges:
         raise HubPlanError(f"the PEFT model's adapter {name!r} has no LoRA Linear layer to merge")
@@ -125,32 +135,74 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     sd2: dict[str, torch.Tensor] = {m.name: sd[m.base] for m in merges}
     aliases2: dict[str, str] = {}
     for k in keys:
-        if k in consumed:
+        n = _merged_name(k, saved)
+        if k in consumed or k in others or n is None:
             continue
         if ".lora_" in k:
             raise HubPlanError(f"{k!r}: a LoRA tensor of no merged layer")
-        n = _unwrapped(k)
         if n in src_of:
             raise HubPlanError(f"{k!r} and another key both become {n!r} once merged")
         if k in aliases:
             if aliases[k] in consumed:
                 raise HubPlanError(f"{k!r} is tied to {aliases[k]!r}, which the merge changes")
-            aliases2[n] = _unwrapped(aliases[k])
+            aliases2[n] = _merged_name(aliases[k], saved) or aliases[k]
         else:
             src_of[n], sd2[n] = k, sd[k]
     base = model.get_base_model()
     # merge_and_unload() puts each base layer where its LoRA layer was, and drops the LoRA matrices
     keys = [_unwrapped(k) for k in base.state_dict(keep_vars=True) if ".lora_" not in k]
-    parameters = sum(p.numel() for n, p in base.named_parameters() if ".lora_" not in n)
+    keys = [n for k in keys if (n := _merged_name(k, saved)) is not None]
+    parameters = sum(
+        p.numel() for n, p in base.named_parameters() if ".lora_" not in n and _merged_name(n, saved)
+    )
     plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
+    shapes = {n: tuple(t.shape) for n, t in sd2.items()}
+    zeros = {z.name: z.shape for z in plan.zeros}  # a conversion's padding: read by its own name
     views = []
-    for v in plan.outputs({n: tuple(t.shape) for n, t in sd2.items()}):
-        views.append(replace(v, source=src_of[v.source]))
+    for v in plan.outputs({**shapes, **zeros}):
+        views.append(v if v.source in zeros else replace(v, source=src_of[v.source]))
     drop = [src_of[n] for n in plan.drop]
+    drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
     # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
     return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
+
+
+def _modules_to_save(
+    model: Any, name: str, staged: Mapping[str, str], aliases: Mapping[str, str]
+) -> dict[str, str]:
+    """Each `modules_to_save` wrapper's path in the base model -> the path of the copy merge_and_unload()
+    puts in its place (`lm_head` -> `lm_head.modules_to_save.default`): the adapter's trained copy."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    out: dict[str, str] = {}
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, ModulesToSaveWrapper):
+            continue
+        copies = mod.modules_to_save  # a ModuleDict: no `get`
+        if mod.active_adapter != name or name not in copies or hasattr(copies[name], "base_layer"):
+            raise HubPlanError(f"{mname!r}: only a modules_to_save copy of the active adapter is merged")
+        inside = [k for k in staged if k.startswith(f"{mname}.")]
+        # A tied original (an output layer sharing the input embeddings) is no longer tied once merged:
+        # save_pretrained then writes both, which the base model's plan would leave out.
+        if any(k in aliases or k in aliases.values() for k in inside):
+            raise HubPlanError(f"{mname!r}: a modules_to_save copy of a tied weight is not merged")
+        path = mname.removeprefix(_PREFIX)
+        out[path] = f"{path}.modules_to_save.{name}"
+    return out
+
+
+def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:
+    """`key`'s name in merge_and_unload()'s model (see `_unwrapped`), or None for a key it drops: a
+    modules_to_save wrapper's original module or another adapter's copy."""
+    n = _unwrapped(key)
+    for path, kept in saved.items():
+        if n.startswith(f"{kept}."):
+            return f"{path}.{n[len(kept) + 1 :]}"
+        if n.startswith(f"{path}."):
+            return None
+    return n
 
 
 def _unwrapped(key: str) -> str:

@@ -3,7 +3,7 @@
 - a transformers model: `save_pretrained`'s names and layout (`trace.transformers_plan`);
 - a PEFT LoRA model: the merged model as `save_pretrained` of `merge_and_unload()` writes it (LoRA merges
   the engine computes), plus the adapter-only artefact (`peft_plan`); a model PEFT would merge otherwise
-  (DoRA, modules_to_save, ...) keeps its keys as staged, with a warning;
+  (DoRA, LoRA biases or convolutions, ...) keeps its keys as staged, with a warning;
 - a declarative key `mapping` (`contract/key_mapping.py`; torchtitan and other trainers): its renames,
   splits and RoPE permutations;
 - a module that holds one transformers model (a LightningModule, a wrapper): that model's export, its keys
@@ -63,7 +63,15 @@ def resolve(
     if model is not None and not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise HubPlanError("model= needs a flat state dict of tensors, as model.state_dict() gives")
     if model is not None and peft_plan.is_peft_model(model):
-        adapter, adapter_config = peft_plan.adapter_plan(model, sd, aliases)
+        adapter: HubPlan | None = None
+        config_file: tuple[tuple[str, bytes], ...] = ()
+        name = peft_plan.exported_adapter(model)
+        if name is not None:
+            adapter, adapter_config = peft_plan.adapter_plan(model, sd, aliases, name)
+            config_file = ((peft_plan.ADAPTER_CONFIG, adapter_config),)
+        if len(model.peft_config) > 1:  # a reference adapter beside the trained one, say: the save goes on
+            left = [a for a in model.peft_config if a != name]
+            log.warning("the export's adapter/ holds %s; the adapters %s are not exported", name, left)
         main: HubPlan | None
         try:
             main = peft_plan.merged_plan(model, sd, aliases)
@@ -71,7 +79,7 @@ def resolve(
             log.warning("the export keeps the PEFT model's own names, unmerged: %s", e.message)
             main = trace.alias_plan(sd, aliases)
         base = saved_config_files(model.get_base_model(), given)  # what merge_and_unload() saves
-        return ToHub(main, adapter, ((peft_plan.ADAPTER_CONFIG, adapter_config), *base))
+        return ToHub(main, adapter, (*config_file, *base))
     if model is not None and trace.is_transformers_model(model):
         return ToHub(trace.transformers_plan(model, sd, aliases), extras=saved_config_files(model, given))
     inner = config_model.inner_model(model) if model is not None else None
