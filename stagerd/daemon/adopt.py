@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.contract.adopt.presets import PRESETS, Preset
+from stagerd.contract.adopt.presets import LAYOUTS, PRESETS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
@@ -142,7 +142,7 @@ class Adoption(Discovery):
 
         name = self.settings.adopt or "auto"
         try:
-            key = _layout_key(ckpt) if name == "auto" else ()
+            key = _layout_key(ckpt) if name == "auto" or len(LAYOUTS.get(name, ())) > 1 else ()
             cached = self._adopt_presets.get(ckpt.name)
             if cached is not None and cached[0] == key:
                 return cached[1]

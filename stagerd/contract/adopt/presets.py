@@ -87,6 +87,7 @@ class Preset:
     tied: tuple[str, ...] = ()  # output names save_pretrained leaves out when tie_word_embeddings is set
     detect_paths: tuple[str, ...] = ()  # auto: one of these exists in the checkpoint directory
     detect_key: str | None = None  # auto: a key of the checkpoint's `.metadata` matches this whole
+    detect_name: str | None = None  # the checkpoint directory's name matches this whole
     extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
     description: str = ""
 
@@ -153,6 +154,24 @@ PRESETS: dict[str, Preset] = {
             description="any dcp.save / dcp.async_save: the tensors under `model.`, else every tensor",
         ),
     )
+}
+# The HF Trainer without FSDP (DDP, one process) writes `save_pretrained`'s files first, then the
+# tokenizer, optimizer and RNG states, and `trainer_state.json` last: whole safetensors in a `checkpoint-N`
+# are a save still being written, which exported then would lack the tokenizer and never get it.
+HF_TRAINER_FILES = Preset(
+    "hf-trainer",
+    format=Format.HF_FILES,
+    complete=("trainer_state.json",),
+    jsons=("trainer_state.json",),
+    tied=("lm_head.weight",),
+    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    detect_name=r"checkpoint-[0-9]+",
+    description="HF Trainer without FSDP (DDP, one process): checkpoint-N/model.safetensors",
+)
+# The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
+LAYOUTS: dict[str, tuple[Preset, ...]] = {
+    **{name: (p,) for name, p in PRESETS.items()},
+    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
