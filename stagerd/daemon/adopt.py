@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.contract.adopt.presets import LAYOUTS, PRESETS, Preset
+from stagerd.contract.adopt.presets import LAYOUTS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
@@ -34,8 +34,8 @@ ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
 # Files whose creation (or, for `.incomplete`, removal) may finish a checkpoint: a scan on their events.
 COMPLETION_NAMES = frozenset(
     {".metadata"}
-    | {Path(f).name for p in PRESETS.values() for f in p.complete}
-    | {p.incomplete for p in PRESETS.values() if p.incomplete}
+    | {Path(f).name for ps in LAYOUTS.values() for p in ps for f in (*p.complete, *p.detect_also)}
+    | {p.incomplete for ps in LAYOUTS.values() for p in ps if p.incomplete}
 )
 Found = tuple[int, Path, float, str]
 

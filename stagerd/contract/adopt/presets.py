@@ -88,6 +88,7 @@ class Preset:
     detect_paths: tuple[str, ...] = ()  # auto: one of these exists in the checkpoint directory
     detect_key: str | None = None  # auto: a key of the checkpoint's `.metadata` matches this whole
     detect_name: str | None = None  # the checkpoint directory's name matches this whole
+    detect_also: tuple[str, ...] = ()  # auto: each of these exists too
     extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
     description: str = ""
 
@@ -168,23 +169,44 @@ HF_TRAINER_FILES = Preset(
     detect_name=r"checkpoint-[0-9]+",
     description="HF Trainer without FSDP (DDP, one process): checkpoint-N/model.safetensors",
 )
+# Accelerate's own `save_state` (a loop of the user's): the model first, its FSDP SHARDED directory or
+# `model.safetensors`, then the optimizer, and every rank's `random_states_R.pkl`; no trainer_state.json,
+# so the Trainer's completion rule would wait for good. Its `.metadata` (its whole files) finishes it.
+ACCELERATE = Preset(
+    "accelerate",
+    model_dir="pytorch_model_fsdp_0",
+    select=r"model\.(?P<name>.+)",
+    tied=("lm_head.weight",),
+    detect_paths=("pytorch_model_fsdp_0",),
+    detect_also=("random_states_0.pkl",),
+    description="Accelerate save_state, FSDP SHARDED_STATE_DICT: DIR/pytorch_model_fsdp_0",
+)
+ACCELERATE_FILES = replace(
+    ACCELERATE,
+    model_dir=".",
+    format=Format.HF_FILES,
+    select=r"(?P<name>.+)",
+    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    description="Accelerate save_state without FSDP: DIR/model.safetensors",
+)
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
     "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
+    "accelerate": (ACCELERATE, ACCELERATE_FILES),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
-AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
+AUTO_ORDER = ("accelerate", "hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
 
 
 def preset_names() -> tuple[str, ...]:
-    return (AUTO, *PRESETS)
+    return (AUTO, *LAYOUTS)
 
 
 def get_preset(name: str) -> Preset:
     try:
-        return PRESETS[name]
+        return LAYOUTS[name][0]
     except KeyError:
         raise ConfigError(
             f"no adopt preset {name!r}; the presets are {', '.join(preset_names())}",

@@ -168,7 +168,7 @@ def choose_preset(ckpt: Path, name: str, dir_name: str | None = None) -> Preset:
     `.metadata`'s keys where the preset names a key; never by its completion files). `dir_name`: the
     checkpoint directory's name, where `ckpt` is a held one's proc path."""
     if name != AUTO:
-        layouts = LAYOUTS.get(name) or (get_preset(name),)
+        layouts = LAYOUTS[get_preset(name).name]
         return next((p for p in layouts if _has_paths(ckpt, p)), layouts[0])
     keys: dict[Path, set[str] | None] = {}  # each `.metadata` read once, whichever presets look at it
     for p in (p for candidate in AUTO_ORDER for p in LAYOUTS[candidate]):
@@ -194,7 +194,9 @@ def choose_preset(ckpt: Path, name: str, dir_name: str | None = None) -> Preset:
 
 
 def _has_paths(ckpt: Path, p: Preset) -> bool:
-    return not p.detect_paths or any((ckpt / d).exists() for d in p.detect_paths)
+    if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
+        return False
+    return all((ckpt / d).exists() for d in p.detect_also)
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:

@@ -40,6 +40,8 @@ def trained(tmp_path_factory):
         model=model(0), args=args, train_dataset=dataset(), processing_class=tok, data_collator=collator
     )
     trainer.train()
+    # a loop of the user's saving with Accelerate, under the Trainer's kind of name: no trainer_state.json
+    trainer.accelerator.save_state(str(out / "accelerate" / f"checkpoint-{STEP}"))
     return out
 
 
@@ -68,3 +70,10 @@ def test_a_checkpoint_still_being_saved_is_not_exported_the_finished_one_is_whol
     options = json.loads((watched / ".stagerd" / "adopted" / ckpt.name / "export.options.json").read_text())
     assert options["preset"] == "hf-trainer"
     assert tree_digest(watched) == before  # the Trainer's files only read
+
+
+def test_accelerates_save_state_is_exported_under_a_trainers_name_too(trained, tmp_path):
+    watched = trained / "accelerate"
+    res = watch_once(watched, tmp_path / "sink")
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert_same_tensors(published(tmp_path / "sink", STEP), trained / "run" / f"checkpoint-{STEP}")
