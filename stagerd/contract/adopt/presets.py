@@ -189,11 +189,23 @@ ACCELERATE_FILES = replace(
     detect_paths=("model.safetensors.index.json", "model.safetensors"),
     description="Accelerate save_state without FSDP: DIR/model.safetensors",
 )
+# AutoModel with `model_save_format: torch_save`: `model/` is a FileSystemWriter save of the HF names (no
+# `.hf_metadata/`, so no config.json of its own), finished, as its safetensors are, when `.incomplete` goes.
+AUTOMODEL_DCP = Preset(
+    "automodel",
+    model_dir="model",
+    incomplete=".incomplete",
+    tied=("lm_head.weight",),
+    detect_paths=("model/.metadata",),
+    detect_name=r"epoch_[0-9]+_step_[0-9]+",
+    description="NeMo AutoModel, model_save_format: torch_save: epoch_E_step_S/model (DCP)",
+)
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
     "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
+    "automodel": (AUTOMODEL_DCP, PRESETS["automodel"]),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
