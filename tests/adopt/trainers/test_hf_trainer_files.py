@@ -77,3 +77,27 @@ def test_accelerates_save_state_is_exported_under_a_trainers_name_too(trained, t
     res = watch_once(watched, tmp_path / "sink")
     assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
     assert_same_tensors(published(tmp_path / "sink", STEP), trained / "run" / f"checkpoint-{STEP}")
+
+
+def test_a_peft_adapters_checkpoint_is_named_as_never_exported(trained, tmp_path):
+    """The Trainer saves a PEFT model's adapter alone (`adapter_model.safetensors`): no preset reads it.
+    Before, the daemon waited for it in silence; now it says why, once, and the trainer's files stay."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model(0), LoraConfig(r=2, target_modules=["q_proj"]))
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        max_steps=1,
+        save_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    tf.Trainer(model=lora, args=args, train_dataset=dataset(), data_collator=collator).train()
+    assert (tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    res = watch_once(tmp_path / "run", tmp_path / "sink")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count("checkpoint-1 holds a PEFT adapter alone") == 1, out
