@@ -113,6 +113,12 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     return finished(ckpt, preset)
 
 
+SINGLE_FILE = (
+    "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
+    "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
+)
+
+
 def _unadoptable(ckpt: Path) -> str | None:
     """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a PEFT
     adapter alone, or the HF Trainer's trainer_state.json beside no model a preset reads); else None."""
@@ -194,7 +200,11 @@ class Adoption(Discovery):
         work = adopt_root(self.root, s.export_dir).resolve()
         here: set[str] = set()
         for e in entries:
-            if e.name in skip or e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+            if e.name in skip or e.name.startswith("."):
+                continue
+            if not e.is_dir(follow_symlinks=False):
+                if e.is_file(follow_symlinks=False) and parse_step_name(e.name, custom) is not None:
+                    odd.append((e.name, SINGLE_FILE))  # Lightning's DDP `epoch=0-step=2.ckpt`
                 continue
             if Path(e.path).resolve() == work:
                 continue
