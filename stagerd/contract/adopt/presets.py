@@ -205,7 +205,7 @@ LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
     "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
-    "automodel": (AUTOMODEL_DCP, PRESETS["automodel"]),
+    "automodel": (PRESETS["automodel"], AUTOMODEL_DCP),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
