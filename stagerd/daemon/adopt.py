@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.config import Settings
 from stagerd.contract import layout
-from stagerd.contract.adopt.presets import PRESETS, Preset
+from stagerd.contract.adopt.presets import LAYOUTS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
@@ -34,8 +34,8 @@ ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
 # Files whose creation (or, for `.incomplete`, removal) may finish a checkpoint: a scan on their events.
 COMPLETION_NAMES = frozenset(
     {".metadata"}
-    | {Path(f).name for p in PRESETS.values() for f in p.complete}
-    | {p.incomplete for p in PRESETS.values() if p.incomplete}
+    | {Path(f).name for ps in LAYOUTS.values() for p in ps for f in (*p.complete, *p.detect_also)}
+    | {p.incomplete for ps in LAYOUTS.values() for p in ps if p.incomplete}
 )
 Found = tuple[int, Path, float, str]
 
@@ -113,6 +113,23 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     return finished(ckpt, preset)
 
 
+SINGLE_FILE = (
+    "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
+    "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
+)
+
+
+def _unadoptable(ckpt: Path) -> str | None:
+    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a PEFT
+    adapter alone, or the HF Trainer's trainer_state.json beside no model a preset reads); else None."""
+    if (ckpt / "adapter_model.safetensors").is_file():
+        return ("holds a PEFT adapter alone (adapter_model.safetensors): --adopt exports whole models; "
+                "save the merged model, or save through StagerdCallback, which exports both")  # fmt: skip
+    if (ckpt / "trainer_state.json").is_file():
+        return "is finished (trainer_state.json) but holds no model layout an --adopt preset reads"
+    return None
+
+
 def _layout_key(ckpt: Path) -> tuple[int, ...]:
     """What auto's choice of preset depends on: the directory's entries (its mtime) and `.metadata`'s."""
     out = [ckpt.stat().st_mtime_ns]
@@ -142,7 +159,7 @@ class Adoption(Discovery):
 
         name = self.settings.adopt or "auto"
         try:
-            key = _layout_key(ckpt) if name == "auto" else ()
+            key = _layout_key(ckpt) if name == "auto" or len(LAYOUTS.get(name, ())) > 1 else ()
             cached = self._adopt_presets.get(ckpt.name)
             if cached is not None and cached[0] == key:
                 return cached[1]
@@ -165,14 +182,17 @@ class Adoption(Discovery):
         name = os.path.basename(path)
         return name in COMPLETION_NAMES or parse_step_name(name) is not None
 
-    def _find_adopted(self, known: dict[int, tuple[float, str | None]]) -> tuple[list[Found], list[str]]:
+    def _find_adopted(
+        self, known: dict[int, tuple[float, str | None]]
+    ) -> tuple[list[Found], list[tuple[str, str]]]:
         """(step, path, mtime, identity) of every finished checkpoint whose save the journal may not have,
-        and the names that give no step. Read in the io thread."""
+        and the names ignored (no step, or a finished layout no preset reads), each with why. Read in the
+        io thread."""
         s = self.settings
         custom = compile_step_regex(s.adopt_step)
         skip = {layout.STATE_DIR}
         out: list[Found] = []
-        odd: list[str] = []
+        odd: list[tuple[str, str]] = []
         try:
             entries = sorted(os.scandir(self.root), key=lambda e: e.name)
         except FileNotFoundError:
@@ -180,16 +200,22 @@ class Adoption(Discovery):
         work = adopt_root(self.root, s.export_dir).resolve()
         here: set[str] = set()
         for e in entries:
-            if e.name in skip or e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+            if e.name in skip or e.name.startswith("."):
+                continue
+            if not e.is_dir(follow_symlinks=False):
+                if e.is_file(follow_symlinks=False) and parse_step_name(e.name, custom) is not None:
+                    odd.append((e.name, SINGLE_FILE))  # Lightning's DDP `epoch=0-step=2.ckpt`
                 continue
             if Path(e.path).resolve() == work:
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                odd.append(e.name)
+                odd.append((e.name, "gives no step number; --adopt ignores it"))
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
+            if preset is None and (why := _unadoptable(Path(e.path))) is not None:
+                odd.append((e.name, why))
             mtime = None if preset is None else finished(Path(e.path), preset)
             if preset is None or mtime is None:
                 continue  # not finished (or not a DCP checkpoint): never touched
@@ -218,10 +244,12 @@ class Adoption(Discovery):
         known = await self._j(self._journal.saves, here)
         rows = await self._j(lambda: {s: r for s in known if (r := self._journal.step(s)) is not None})
         found, odd = await self._io(self._find_adopted, known)
-        self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
-        for name in sorted(set(odd) - self._odd_names):
-            self._odd_names.add(name)
-            log.info("%s gives no step number; --adopt ignores it", self.root / name, extra={"ignored": name})
+        self._odd_names &= {name for name, _ in odd}  # said once while there: one gone is forgotten
+        for name, why in sorted(odd):
+            if name not in self._odd_names:
+                self._odd_names.add(name)
+                level = logging.INFO if why.startswith("gives no step") else logging.WARNING
+                log.log(level, "%s %s", self.root / name, why, extra={"ignored": name})
         by_step: dict[int, list[Found]] = {}
         for f in found:
             by_step.setdefault(f[0], []).append(f)

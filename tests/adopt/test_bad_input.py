@@ -21,6 +21,7 @@ from stagerd.errors import DcpFormatError
 from tests.adopt import ranks
 from tests.adopt.helpers import published, tree_digest, watch_once
 from tests.cli_helpers import run_cli
+from tests.fidelity import models
 
 EVIL = b"cos\nsystem\n(S'touch /tmp/stagerd-pwned'\ntR."
 # A dict keyed by a tuple nested a million deep: 1 MB of opcodes no allowlist sees (no global), and
@@ -54,6 +55,20 @@ def _titan(path: Path, extra: bool) -> None:
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
+def _peft(path: Path) -> None:
+    """What a PEFT LoRA model's own loop (or the HF Trainer's FSDP save of one) writes: its state dict under
+    `model.`, PEFT's names (`...q_proj.base_layer.weight`, `...lora_A.default.weight`). Published as they
+    are, from_pretrained of the base model would find none of its weights and load it at random."""
+    import torch.distributed.checkpoint as dcp
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tf.LlamaForCausalLM(models.config("llama")), LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad") / "root"
@@ -75,6 +90,7 @@ def root(tmp_path_factory):
         shutil.copytree(root / "step-1", root / f"checkpoint-{n}" / "pytorch_model_fsdp_0")
     os.mkfifo(root / "checkpoint-11" / "trainer_state.json")
     (root / "checkpoint-12" / "trainer_state.json").write_text("[" * 100_000)
+    _peft(root / "step-5")
     _titan(root / "step-7", extra=False)
     _titan(root / "step-8", extra=True)
     cfg = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8}
@@ -86,13 +102,14 @@ def test_each_bad_checkpoint_is_a_named_error_and_the_good_ones_are_published(ro
     before = tree_digest(root)
     res = watch_once(root, tmp_path / "out")
     assert res.returncode != 0
-    assert "2 step(s) published, 6 not" in res.stdout, res.stdout + res.stderr
+    assert "2 step(s) published, 7 not" in res.stdout, res.stdout + res.stderr
     assert published(tmp_path / "out", 1).is_dir() and published(tmp_path / "out", 7).is_dir()
     assert not Path("/tmp/stagerd-pwned").exists()
     status = run_cli(["status", root]).stdout
     rows = [ln.split() for ln in status.splitlines() if ln.strip()[:1].isdigit()]
     lines = {int(r[0]): " ".join(r) for r in rows if r[1] in ("published", "quarantined")}
     want = {2: "DcpFormatError", 3: "DcpFormatError", 4: "ShardError", 6: "AdoptError", 8: "HubPlanError"}
+    want[5] = "AdoptError"  # a PEFT model's names: before, published, and loaded as a random model
     want[9] = "DcpFormatError"  # the daemon lives on: before, its process died of SIGSEGV
     for step, error in want.items():
         assert "quarantined" in lines[step] and error in lines[step], (step, lines[step])

@@ -87,6 +87,8 @@ class Preset:
     tied: tuple[str, ...] = ()  # output names save_pretrained leaves out when tie_word_embeddings is set
     detect_paths: tuple[str, ...] = ()  # auto: one of these exists in the checkpoint directory
     detect_key: str | None = None  # auto: a key of the checkpoint's `.metadata` matches this whole
+    detect_name: str | None = None  # the checkpoint directory's name matches this whole
+    detect_also: tuple[str, ...] = ()  # auto: each of these exists too
     extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
     description: str = ""
 
@@ -154,18 +156,69 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
+# The HF Trainer without FSDP (DDP, one process) writes `save_pretrained`'s files first, then the
+# tokenizer, optimizer and RNG states, and `trainer_state.json` last: whole safetensors in a `checkpoint-N`
+# are a save still being written, which exported then would lack the tokenizer and never get it.
+HF_TRAINER_FILES = Preset(
+    "hf-trainer",
+    format=Format.HF_FILES,
+    complete=("trainer_state.json",),
+    jsons=("trainer_state.json",),
+    tied=("lm_head.weight",),
+    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    detect_name=r"checkpoint-[0-9]+",
+    description="HF Trainer without FSDP (DDP, one process): checkpoint-N/model.safetensors",
+)
+# Accelerate's own `save_state` (a loop of the user's): the model first, its FSDP SHARDED directory or
+# `model.safetensors`, then the optimizer, and every rank's `random_states_R.pkl`; no trainer_state.json,
+# so the Trainer's completion rule would wait for good. Its `.metadata` (its whole files) finishes it.
+ACCELERATE = Preset(
+    "accelerate",
+    model_dir="pytorch_model_fsdp_0",
+    select=r"model\.(?P<name>.+)",
+    tied=("lm_head.weight",),
+    detect_paths=("pytorch_model_fsdp_0",),
+    detect_also=("random_states_0.pkl",),
+    description="Accelerate save_state, FSDP SHARDED_STATE_DICT: DIR/pytorch_model_fsdp_0",
+)
+ACCELERATE_FILES = replace(
+    ACCELERATE,
+    model_dir=".",
+    format=Format.HF_FILES,
+    select=r"(?P<name>.+)",
+    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    description="Accelerate save_state without FSDP: DIR/model.safetensors",
+)
+# AutoModel with `model_save_format: torch_save`: `model/` is a FileSystemWriter save of the HF names (no
+# `.hf_metadata/`, so no config.json of its own), finished, as its safetensors are, when `.incomplete` goes.
+AUTOMODEL_DCP = Preset(
+    "automodel",
+    model_dir="model",
+    incomplete=".incomplete",
+    tied=("lm_head.weight",),
+    detect_paths=("model/.metadata",),
+    detect_name=r"epoch_[0-9]+_step_[0-9]+",
+    description="NeMo AutoModel, model_save_format: torch_save: epoch_E_step_S/model (DCP)",
+)
+# The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
+LAYOUTS: dict[str, tuple[Preset, ...]] = {
+    **{name: (p,) for name, p in PRESETS.items()},
+    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
+    "accelerate": (ACCELERATE, ACCELERATE_FILES),
+    "automodel": (PRESETS["automodel"], AUTOMODEL_DCP),
+}
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
-AUTO_ORDER = ("hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
+AUTO_ORDER = ("accelerate", "hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
 
 
 def preset_names() -> tuple[str, ...]:
-    return (AUTO, *PRESETS)
+    return (AUTO, *LAYOUTS)
 
 
 def get_preset(name: str) -> Preset:
     try:
-        return PRESETS[name]
+        return LAYOUTS[name][0]
     except KeyError:
         raise ConfigError(
             f"no adopt preset {name!r}; the presets are {', '.join(preset_names())}",
@@ -254,9 +307,27 @@ def resolve_selection(
     views += [_whole(name, chosen[name], named[name]) for name in chosen if name not in viewed]
     if config is not None and config.get("tie_word_embeddings") is True:
         views = [v for v in views if v.name not in preset.tied]  # save_pretrained leaves the head out
+    _refuse_peft_names([v.name for v in views])
     hub = HubPlan(tuple(views), (), origin="mapping")
     hub.outputs({key: tuple(shapes[key]) for key in chosen.values()})  # two outputs of one name: now
     return sorted({v.source for v in views}), hub
+
+
+# A PEFT model's own names: its LoRA factors and the frozen layers they wrap. Published under them, no
+# `from_pretrained` of the base model finds its weights (it initialises them at random, with a warning).
+_PEFT_NAME = re.compile(r".*\.(?:base_layer|lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?:\.|$).*")
+
+
+def _refuse_peft_names(names: list[str]) -> None:
+    peft = sorted(n for n in names if _PEFT_NAME.fullmatch(n))
+    if peft:
+        raise AdoptError(
+            f"these are a PEFT model's tensors ({peft[0]!r} and {len(peft) - 1} more): exported under these "
+            "names, from_pretrained would load none of the model's weights",
+            hint="save the merged model (merge_and_unload) in the checkpoint, or save through "
+            "stagerd.Stager / StagerdCallback with model=, which export the merged model and the adapter; "
+            "the trainer's files were not touched",
+        )
 
 
 def _whole(name: str, key: str, shape: tuple[int, ...]) -> TensorView:

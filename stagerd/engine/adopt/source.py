@@ -37,7 +37,7 @@ from stagerd.contract.adopt.dcp_metadata import (
 from stagerd.contract.adopt.presets import (
     AUTO,
     AUTO_ORDER,
-    PRESETS,
+    LAYOUTS,
     Format,
     Preset,
     get_preset,
@@ -162,15 +162,19 @@ class AdoptedSource(Source):
         return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data)), *extras]
 
 
-def choose_preset(ckpt: Path, name: str) -> Preset:
-    """The named preset, or with `auto` the first of AUTO_ORDER whose layout this checkpoint has (judged
-    by paths, and by `.metadata`'s keys where the preset names a key; never by its completion files)."""
+def choose_preset(ckpt: Path, name: str, dir_name: str | None = None) -> Preset:
+    """The named preset (of its layouts, the one whose paths this checkpoint has), or with `auto` the
+    first of AUTO_ORDER whose layout this checkpoint has (judged by its name and paths, and by
+    `.metadata`'s keys where the preset names a key; never by its completion files). `dir_name`: the
+    checkpoint directory's name, where `ckpt` is a held one's proc path."""
     if name != AUTO:
-        return get_preset(name)
+        layouts = LAYOUTS[get_preset(name).name]
+        return next((p for p in layouts if _has_paths(ckpt, p)), layouts[0])
     keys: dict[Path, set[str] | None] = {}  # each `.metadata` read once, whichever presets look at it
-    for candidate in AUTO_ORDER:
-        p = PRESETS[candidate]
-        if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
+    for p in (p for candidate in AUTO_ORDER for p in LAYOUTS[candidate]):
+        if p.detect_name is not None and re.fullmatch(p.detect_name, dir_name or ckpt.name) is None:
+            continue
+        if not _has_paths(ckpt, p):
             continue
         if p.format is Format.DCP:
             meta = ckpt / p.metadata_file()
@@ -187,6 +191,12 @@ def choose_preset(ckpt: Path, name: str) -> Preset:
                     continue
         return p
     raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
+
+
+def _has_paths(ckpt: Path, p: Preset) -> bool:
+    if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
+        return False
+    return all((ckpt / d).exists() for d in p.detect_also)
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:
@@ -349,7 +359,7 @@ def open_adopted(
     it), when `ckpt` is a held one's proc path; `held`: that directory, and where the model's directory,
     data files and extras are held (see the module)."""
     ckpt, options = Path(ckpt), options or AdoptOptions()
-    preset = choose_preset(ckpt, options.preset)
+    preset = choose_preset(ckpt, options.preset, None if held is None else held[0].path.name)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
     if finished(ckpt, preset) is None:
         raise AdoptError(

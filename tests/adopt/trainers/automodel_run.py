@@ -8,7 +8,8 @@ So this drives its own pieces, as its recipe does, in-process: the registry's Ll
 real `BaseRecipe.save_checkpoint` with a real `Checkpointer(save_consolidated=False)`. Nothing of its
 layout is re-created here: `OUT/epoch_0_step_2/` (`model/` HuggingFaceStorageWriter shards and
 `.hf_metadata/`, `optim/`, `rng/`, `losses.json`, `config.yaml`, the `.incomplete` marker removed last)
-and `OUT/LATEST` are AutoModel's.
+and `OUT/LATEST` are AutoModel's. Then the same state saved again with `model_save_format: torch_save`
+into `OUT-torch_save/` (`model/` a FileSystemWriter save: `.metadata`, `__R_0.distcp`).
 """
 
 from __future__ import annotations
@@ -71,5 +72,18 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
         {"step_scheduler": {"max_steps": tiny.STEPS}, "checkpoint": {"save_consolidated": False}}
     )
     recipe.rng = StatefulRNG(seed=1, ranked=True)
+    recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
+    # the same state with `model_save_format: torch_save` (`model/` a FileSystemWriter save), beside it
+    recipe.checkpointer = Checkpointer(
+        CheckpointingConfig(
+            checkpoint_dir=f"{out}-torch_save",
+            model_save_format="torch_save",
+            save_consolidated=False,
+            model_cache_dir=f"{out}.hf_cache",
+        ),
+        dp_rank=rank,
+        tp_rank=0,
+        pp_rank=0,
+    )
     recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
     tiny.save_reference(rank, model, cfg, ref, DTYPE)

@@ -2,6 +2,8 @@
 
 It writes `OUT/checkpoint-2/pytorch_model_fsdp_0/` (DCP, FileSystemWriter) beside `optimizer_0/`,
 `scheduler.pt`, `rng_state_R.pth` and `trainer_state.json`, with the Trainer's own `_save_checkpoint`.
+Then Accelerate's own `save_state`, as a loop of the user's calls it, of the same trained model:
+`OUT/../accelerate/step-2/` (`pytorch_model_fsdp_0/`, `optimizer_0/`, `random_states_R.pkl`).
 
 CPU: Accelerate enables FSDP only for accelerator distributed types (MULTI_GPU, XPU, ...) and silently
 trains plain data-parallel as MULTI_CPU, although FSDP2 (`fully_shard`) itself runs on CPU with gloo.
@@ -12,6 +14,7 @@ sharding, training and every byte of the checkpoint, is the libraries' own code.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tests.adopt.trainers import tiny
@@ -56,4 +59,5 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
     trainer = tf.Trainer(model=model, args=args, train_dataset=data)
     assert trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 2
     trainer.train()
+    trainer.accelerator.save_state(os.path.join(os.path.dirname(out), "accelerate", f"step-{tiny.STEPS}"))
     tiny.save_reference(rank, trainer.model, cfg, ref)

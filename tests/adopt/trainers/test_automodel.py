@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.adopt.trainers import checks
+from tests.adopt.helpers import published, watch_once
+from tests.adopt.trainers import checks, tiny
+from tests.fidelity.harness import assert_same_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +51,11 @@ def test_a_checkpoint_still_marked_incomplete_is_not_exported(adopted):
 
 def test_the_trainers_checkpoints_are_untouched(adopted):
     checks.check_untouched(adopted)
+
+
+def test_a_torch_save_checkpoint_is_exported_as_save_pretrained(adopted, tmp_path):
+    watched = adopted.run.root.with_name(adopted.run.root.name + "-torch_save")
+    assert (watched / f"epoch_0_step_{tiny.STEPS}" / "model" / ".metadata").is_file()
+    res = watch_once(watched, tmp_path / "sink", "--extras", str(adopted.run.ref))
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert_same_tensors(published(tmp_path / "sink", tiny.STEPS), adopted.run.ref)

@@ -1,6 +1,7 @@
 """`stagerd watch --adopt` on what a real HF `Trainer` writes under Accelerate FSDP2 with
 `SHARDED_STATE_DICT` (2 gloo CPU ranks; see hf_trainer.py for the one line that lets Accelerate shard on
-CPU): `checkpoint-2/pytorch_model_fsdp_0/` beside `optimizer_0/`, finished by `trainer_state.json`."""
+CPU): `checkpoint-2/pytorch_model_fsdp_0/` beside `optimizer_0/`, finished by `trainer_state.json`; and on
+what Accelerate's own `save_state` writes of the same model (no trainer_state.json ever comes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 
 import pytest
 
+from tests.adopt.helpers import published, watch_once
 from tests.adopt.trainers import checks, tiny
+from tests.fidelity.harness import assert_same_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +40,11 @@ def test_a_checkpoint_without_trainer_state_is_not_exported(adopted):
 
 def test_the_trainers_checkpoints_are_untouched(adopted):
     checks.check_untouched(adopted)
+
+
+def test_accelerates_own_save_state_is_exported_as_save_pretrained(adopted, tmp_path):
+    watched = adopted.run.root.parent / "accelerate"
+    assert (watched / f"step-{tiny.STEPS}" / "random_states_1.pkl").is_file()
+    res = watch_once(watched, tmp_path / "sink", "--extras", str(adopted.run.extras))
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert_same_tensors(published(tmp_path / "sink", tiny.STEPS), adopted.run.ref)

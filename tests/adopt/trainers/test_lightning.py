@@ -35,3 +35,26 @@ def test_a_checkpoint_without_meta_pt_is_not_exported(adopted):
 
 def test_the_trainers_checkpoints_are_untouched(adopted):
     checks.check_untouched(adopted)
+
+
+def test_a_single_file_checkpoint_is_named_as_never_exported(tmp_path):
+    """Lightning's DDP and single-device strategies save `epoch=E-step=S.ckpt` as one torch.save file,
+    which stagerd never unpickles. Before, `watch --adopt` passed it over in silence; now it says why,
+    once, and publishes nothing."""
+    import lightning.pytorch as pl
+    import torch
+
+    from tests.adopt.helpers import watch_once
+    from tests.integrations.lightning_ranks import TinyLM
+
+    ids = torch.randint(3, 96, (4, 12), generator=torch.Generator().manual_seed(3))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, default_root_dir=tmp_path / "run",
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(TinyLM(0), data)
+    watched = tmp_path / "run" / "checkpoints"
+    assert (watched / "epoch=0-step=1.ckpt").is_file()
+    res = watch_once(watched, tmp_path / "sink")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count("epoch=0-step=1.ckpt is one file") == 1, out

@@ -1,0 +1,103 @@
+"""`stagerd watch --adopt` on what a real HF `Trainer` writes without FSDP (one process here; DDP writes
+the same from rank 0): `checkpoint-N/` holding `save_pretrained`'s files, then the tokenizer's, the
+optimizer, RNG and scheduler, and `trainer_state.json` last. A copy cut before the tokenizer (as a daemon
+finds it while the Trainer still writes) must not be exported: done then, it would lack the tokenizer and
+trainer state for good, the save's model files being the same once it finishes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.adopt.helpers import published, tree_digest, watch_once
+from tests.fidelity.harness import assert_same_tensors
+from tests.integrations.hf_ranks import dataset, model, tokenizer
+
+pytestmark = pytest.mark.slow
+STEP = 2
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")  # save_pretrained's
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    import transformers as tf
+
+    out = tmp_path_factory.mktemp("plain")
+    args = tf.TrainingArguments(
+        output_dir=str(out / "run"),
+        use_cpu=True,
+        max_steps=STEP,
+        save_steps=STEP,
+        per_device_train_batch_size=2,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    tok = tokenizer()
+    collator = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+    trainer = tf.Trainer(
+        model=model(0), args=args, train_dataset=dataset(), processing_class=tok, data_collator=collator
+    )
+    trainer.train()
+    # a loop of the user's saving with Accelerate, under the Trainer's kind of name: no trainer_state.json
+    trainer.accelerator.save_state(str(out / "accelerate" / f"checkpoint-{STEP}"))
+    return out
+
+
+def test_a_checkpoint_still_being_saved_is_not_exported_the_finished_one_is_whole(trained, tmp_path):
+    ckpt = trained / "run" / f"checkpoint-{STEP}"
+    watched = tmp_path / "run"
+    mid = watched / ckpt.name
+    mid.mkdir(parents=True)
+    for name in MODEL_FILES:  # the model saved; the tokenizer, optimizer and trainer_state.json not yet
+        shutil.copy2(ckpt / name, mid / name)
+    sink = tmp_path / "sink"
+    res = watch_once(watched, sink)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not published(sink, STEP).exists()
+
+    for p in ckpt.iterdir():  # the Trainer finishes its save
+        if not (mid / p.name).exists():
+            shutil.copy2(p, mid / p.name)
+    before = tree_digest(watched)
+    res = watch_once(watched, sink)
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    out = published(sink, STEP)
+    assert_same_tensors(out, ckpt)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (ckpt / name).read_bytes(), name
+    options = json.loads((watched / ".stagerd" / "adopted" / ckpt.name / "export.options.json").read_text())
+    assert options["preset"] == "hf-trainer"
+    assert tree_digest(watched) == before  # the Trainer's files only read
+
+
+def test_accelerates_save_state_is_exported_under_a_trainers_name_too(trained, tmp_path):
+    watched = trained / "accelerate"
+    res = watch_once(watched, tmp_path / "sink")
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert_same_tensors(published(tmp_path / "sink", STEP), trained / "run" / f"checkpoint-{STEP}")
+
+
+def test_a_peft_adapters_checkpoint_is_named_as_never_exported(trained, tmp_path):
+    """The Trainer saves a PEFT model's adapter alone (`adapter_model.safetensors`): no preset reads it.
+    Before, the daemon waited for it in silence; now it says why, once, and the trainer's files stay."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model(0), LoraConfig(r=2, target_modules=["q_proj"]))
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        max_steps=1,
+        save_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    tf.Trainer(model=lora, args=args, train_dataset=dataset(), data_collator=collator).train()
+    assert (tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    res = watch_once(tmp_path / "run", tmp_path / "sink")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count("checkpoint-1 holds a PEFT adapter alone") == 1, out
