@@ -166,8 +166,8 @@ class Settings(BaseSettings):
     adopt: str | None = Field(
         None,
         description="Export the DCP checkpoints a trainer already writes under ROOT, with no Stager and no "
-        "marker: auto (recognise each by its layout), hf-trainer, automodel, lightning, torchtitan, "
-        "dcp or hf (HF safetensors already). Unset: only steps saved through stagerd.Stager.",
+        "marker: auto (recognise each by its layout), hf-trainer, accelerate, automodel, lightning, "
+        "torchtitan, dcp or hf (HF safetensors already). Unset: only steps saved through stagerd.Stager.",
     )
     adopt_select: str | None = Field(
         None,

@@ -72,7 +72,8 @@ def add_adopt_flags(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="auto",
         metavar="PRESET",
-        help="SRC is a trainer's own checkpoint: auto, hf-trainer, automodel, lightning, torchtitan, dcp, hf",
+        help="SRC is a trainer's own checkpoint: auto, hf-trainer, accelerate, automodel, lightning, "
+        "torchtitan, dcp, hf",
     )
     p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
     p.add_argument("--mapping", type=Path, metavar="FILE", help="adopt: key mapping (JSON) after selection")

@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         const="auto",
         metavar="PRESET",
         help="export the DCP checkpoints a trainer already writes under ROOT (no Stager): auto (default), "
-        "hf-trainer, automodel, lightning, torchtitan, dcp, hf",
+        "hf-trainer, accelerate, automodel, lightning, torchtitan, dcp, hf",
     )
     p.add_argument("--adopt-select", metavar="REGEX", help="adopt: the tensor keys that are the model")
     p.add_argument("--adopt-step", metavar="REGEX", help="adopt: the step number in a directory name")
