@@ -27,7 +27,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import StoredObject, redact_url
+from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -93,6 +93,22 @@ class RemoteStore:
             raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
         if len(data) > limit:
             raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
+        return data
+
+    def read_latest(self, key: str) -> bytes | None:
+        """At most `MAX_LATEST_BYTES + 1` bytes of a `latest` pointer (None: absent), whatever its size.
+
+        A sink shared with other tools may hold their `latest` there: a large file, or on file:// a
+        directory or a link to one (a common name for the newest checkpoint). It names no step (b"" for
+        a directory), so it protects none and is never touched; failing on it would stop retention."""
+        if self.local and os.path.isdir(self._local(key)):
+            return b""
+        try:
+            data: bytes = self.fs.cat_file(self.path(key), start=0, end=MAX_LATEST_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
         return data
 
     def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
