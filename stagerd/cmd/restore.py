@@ -83,15 +83,16 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in args.url and not args.url.startswith("/"):  # hf:// included
         raise ConfigError(f"{args.url!r} is not a sink URL", hint="use s3://BUCKET/PREFIX or file:///PATH")
     step = _step(args.step)
+    root = Path(os.path.abspath(args.root))  # `.` or `./` (the empty directory one is in) has a name then
     if args.url.startswith("hf://"):
-        print(f"restored {restore_from_hub(args.url, Path(args.root), step, export=args.export)}")
+        print(f"restored {restore_from_hub(args.url, root, step, export=args.export)}")
         return 0
     store = RemoteStore.open(args.url, workers=args.workers)
     try:
         if args.export:
-            out = restore_export(store, Path(args.root), step, workers=args.workers)
+            out = restore_export(store, root, step, workers=args.workers)
         else:
-            out = restore_raw(store, Path(args.root), step, workers=args.workers)
+            out = restore_raw(store, root, step, workers=args.workers)
     finally:
         store.close()
     print(f"restored {out}")

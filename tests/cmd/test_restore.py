@@ -410,3 +410,20 @@ def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, mon
         store.close()
     assert e.value.retryable == (case == "cut-for-good") and key in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing landed, no temp left
+
+
+@pytest.mark.parametrize("out", [".", "./"])
+def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeypatch, capsys, out):
+    """`mkdir eval && cd eval && stagerd restore URL . --export`. Before the fix: a raw `ValueError:
+    PosixPath('.') has an empty name` traceback (exit 1), for file://, S3 and the Hub alike."""
+    from stagerd.cli import main
+
+    export, here = tmp_path / "export", tmp_path / "eval"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    FsspecSink.from_url((tmp_path / "sink").as_uri()).publish(export, 3)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
+    assert f"restored {here}" in capsys.readouterr().out
+    assert _tree(here) == _tree(export)
