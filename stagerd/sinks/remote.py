@@ -176,7 +176,8 @@ class RemoteStore:
             return s3_store.clock(self.s3)
         if self.local:
             probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
-            probe.parent.mkdir(parents=True, exist_ok=True)
+            if not probe.parent.is_dir():
+                return time.time()  # no sink here yet, so nothing has an age: never made by a prune
             try:
                 probe.write_bytes(b"")
                 return probe.stat().st_mtime
