@@ -263,7 +263,7 @@ def _stream_s3(
             loop = asyncio.get_running_loop()
             pos, etag, cuts = 0, None, 0
             while True:
-                rest = {} if etag is None else {"IfMatch": etag, "Range": f"bytes={pos}-"}
+                rest: dict[str, str] = {} if etag is None else {"IfMatch": etag, "Range": f"bytes={pos}-"}
                 try:
                     r = await s3.get_object(Bucket=backend.bucket, Key=backend.key(key), **rest)
                 except Exception as e:
