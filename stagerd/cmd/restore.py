@@ -112,6 +112,7 @@ def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    make_dir(out.parent)
     with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
         return restore_hub_export(url, out, step, progress=bar)
 
@@ -206,6 +207,17 @@ def refuse_links(path: Path) -> None:
             )
 
 
+def make_dir(path: Path) -> None:
+    """`path` as a directory (made if missing), or a ConfigError naming it: a file where a directory must
+    be (ROOT, or a directory above OUT) or one that may not be made is bad input, not a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot be a directory: {e.strerror or type(e).__name__}", path=path, hint="give another path"
+        ) from None
+
+
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
     from stagerd.contract import layout
@@ -218,7 +230,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.sinks.leases import Lease
 
     refuse_links(root)
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)
     lock = RootLock(root)
     lock.acquire()  # LockError while a daemon watches ROOT
     try:
@@ -289,6 +301,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    make_dir(out.parent)
     step = resolve_step(store, step, raw=False)
     prefix = step_prefix(step, raw=False)
     manifest = read_manifest(store, prefix, step)

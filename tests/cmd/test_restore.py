@@ -427,3 +427,21 @@ def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeyp
     assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
     assert f"restored {here}" in capsys.readouterr().out
     assert _tree(here) == _tree(export)
+
+
+def test_a_file_where_the_target_directory_must_be_is_a_config_error(tmp_path, capsys):
+    """Before the fix: raw `FileExistsError` (ROOT a file) and `NotADirectoryError` (OUT below a file)
+    tracebacks, exit 1."""
+    from stagerd.cli import main
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    FsspecSink.from_url((tmp_path / "sink").as_uri()).publish(export, 3)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for target, flags in ((a_file, []), (a_file / "eval", ["--export"])):
+        assert main(["restore", (tmp_path / "sink").as_uri(), str(target), *flags]) == 2
+        assert "ConfigError" in capsys.readouterr().err
+    assert a_file.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes.txt", "sink"]
