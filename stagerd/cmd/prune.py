@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.prune import Policy, prune
+    from stagerd.sinks.urls import parse_sink_url
 
     if args.url.startswith("hf://"):
         raise ConfigError(
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "give --keep-last N and/or --keep-every M", hint="add --dry-run to see what would go"
         )
+    # The parser `watch --sink` uses: a typo (`s3:/bkt/run`, `file://relative`) is named, never taken
+    # for a local path under the working directory that holds no step (a "successful" prune of nothing).
+    parse_sink_url(args.url)
     store = RemoteStore.open(args.url)
     try:
         decisions = prune(store, policy, dry_run=args.dry_run)

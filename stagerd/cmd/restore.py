@@ -83,15 +83,16 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in args.url and not args.url.startswith("/"):  # hf:// included
         raise ConfigError(f"{args.url!r} is not a sink URL", hint="use s3://BUCKET/PREFIX or file:///PATH")
     step = _step(args.step)
+    root = Path(os.path.abspath(args.root))  # `.` or `./` (the empty directory one is in) has a name then
     if args.url.startswith("hf://"):
-        print(f"restored {restore_from_hub(args.url, Path(args.root), step, export=args.export)}")
+        print(f"restored {restore_from_hub(args.url, root, step, export=args.export)}")
         return 0
     store = RemoteStore.open(args.url, workers=args.workers)
     try:
         if args.export:
-            out = restore_export(store, Path(args.root), step, workers=args.workers)
+            out = restore_export(store, root, step, workers=args.workers)
         else:
-            out = restore_raw(store, Path(args.root), step, workers=args.workers)
+            out = restore_raw(store, root, step, workers=args.workers)
     finally:
         store.close()
     print(f"restored {out}")
@@ -111,6 +112,7 @@ def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    make_dir(out.parent)
     with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
         return restore_hub_export(url, out, step, progress=bar)
 
@@ -205,6 +207,17 @@ def refuse_links(path: Path) -> None:
             )
 
 
+def make_dir(path: Path) -> None:
+    """`path` as a directory (made if missing), or a ConfigError naming it: a file where a directory must
+    be (ROOT, or a directory above OUT) or one that may not be made is bad input, not a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot be a directory: {e.strerror or type(e).__name__}", path=path, hint="give another path"
+        ) from None
+
+
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
     from stagerd.contract import layout
@@ -217,7 +230,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.sinks.leases import Lease
 
     refuse_links(root)
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root)
     lock = RootLock(root)
     lock.acquire()  # LockError while a daemon watches ROOT
     try:
@@ -288,6 +301,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    make_dir(out.parent)
     step = resolve_step(store, step, raw=False)
     prefix = step_prefix(step, raw=False)
     manifest = read_manifest(store, prefix, step)

@@ -14,6 +14,7 @@ files come down as parallel ranged reads (`chunk_size` pieces, `workers` at a ti
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -30,6 +31,8 @@ from stagerd.sinks.objects import ByteProgress, parse_manifest
 from stagerd.sinks.remote import MAX_MANIFEST_BYTES, RemoteStore, StoredObject
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]  # the store lives in remote.py
+
+log = logging.getLogger("stagerd.sinks.fetch")
 
 RAW_DIR = "raw"
 LATEST_NAME = "latest"
@@ -222,6 +225,8 @@ def download(
 
 
 STREAM_CHUNK = 8 << 20
+STREAM_RETRIES = 5  # cuts of one object's body survived, each going on from the byte it reached
+STREAM_BACKOFF_S = 0.1  # doubled after each cut
 
 
 def _stream_s3(
@@ -236,11 +241,18 @@ def _stream_s3(
 
     One GET per object rather than ranged pieces: a ranged GET costs some stores (moto among them) a read
     of the whole object, and a raw step has one file per rank and kind to spread over the connections.
+    botocore retries a request only until its answer starts: a body cut after that (a reset connection, a
+    read timeout) goes on from the byte it reached, `If-Match` the ETag first read (an object replaced
+    meanwhile is a `RestoreError`), up to `STREAM_RETRIES` times, then a retryable `SinkError`.
     """
     import asyncio
 
-    from stagerd.sinks.s3.client import s3_error
+    import aiohttp
+    from botocore.exceptions import BotoCoreError
 
+    from stagerd.sinks.s3.client import precondition_failed, s3_error
+
+    cut_errors = (aiohttp.ClientError, BotoCoreError, asyncio.TimeoutError, ConnectionError)
     backend = store.s3
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagerd-restore")
 
@@ -249,19 +261,46 @@ def _stream_s3(
         async with gate:
             s3 = await backend._client()
             loop = asyncio.get_running_loop()
-            try:
-                r = await s3.get_object(Bucket=backend.bucket, Key=backend.key(key))
-            except Exception as e:
-                raise s3_error(e, store.where(key)) from None
-            pos = 0
-            async with r["Body"] as body:
-                while chunk := await body.read(STREAM_CHUNK):
-                    if pos + len(chunk) > f.size:
+            pos, etag, cuts = 0, None, 0
+            while True:
+                rest: dict[str, str] = {} if etag is None else {"IfMatch": etag, "Range": f"bytes={pos}-"}
+                try:
+                    r = await s3.get_object(Bucket=backend.bucket, Key=backend.key(key), **rest)
+                except Exception as e:
+                    if precondition_failed(e):
                         raise RestoreError(
-                            f"is longer than the manifest's {f.size} bytes", path=store.where(key)
-                        )
-                    await loop.run_in_executor(pool, land, f, pos, chunk)
-                    pos += len(chunk)
+                            "changed on the sink during the restore", path=store.where(key)
+                        ) from None
+                    raise s3_error(e, store.where(key)) from None
+                etag = etag or r.get("ETag")
+                cut: BaseException | None = None
+                async with r["Body"] as body:
+                    while True:
+                        try:
+                            chunk = await body.read(STREAM_CHUNK)
+                        except cut_errors as e:
+                            cut = e
+                            break
+                        if not chunk:
+                            break
+                        if pos + len(chunk) > f.size:
+                            raise RestoreError(
+                                f"is longer than the manifest's {f.size} bytes", path=store.where(key)
+                            )
+                        await loop.run_in_executor(pool, land, f, pos, chunk)
+                        pos += len(chunk)
+                if cut is None or pos == f.size:
+                    break
+                cuts += 1
+                if etag is None or cuts > STREAM_RETRIES:  # no ETag: a resumed read could mix two objects
+                    raise SinkError(
+                        f"the download was cut {cuts} time(s), last at byte {pos}: {type(cut).__name__}",
+                        path=store.where(key),
+                    )
+                log.warning(
+                    "%s: download cut at byte %d (%s); going on from there", store.where(key), pos, cut
+                )
+                await asyncio.sleep(min(STREAM_BACKOFF_S * 2**cuts, 5.0))
             if pos != f.size:
                 raise RestoreError(f"ended after {pos} bytes, expected {f.size}", path=store.where(key))
 

@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -28,6 +29,8 @@ from stagerd.sinks.objects import (
     foreign_latest,
     newer_latest,
 )
+
+log = logging.getLogger("stagerd.sinks.fsspec")
 
 # `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
 _TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
@@ -101,6 +104,13 @@ class LocalBackend:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.parent):
+            if path.is_dir():  # another tool's `latest/`, or a link to its newest checkpoint: names no step
+                log.warning(
+                    "%s is a directory: another tool's, left as it is; latest is not moved",
+                    path,
+                    extra={"sink": str(path)},
+                )
+                return
             current = self.read(key, MAX_LATEST_BYTES + 1)
             foreign_latest(current, str(path))
             if newer_latest(current, step) and current != name:

@@ -106,7 +106,7 @@ def scan(
             if records and FLEET_DONE not in records:
                 busy = f"a fleet build may still read its node parts (no {FLEET_DIR}/step-N/{FLEET_DONE})"
         steps.append(RemoteStep(step, complete, pruning, busy))
-    latest_raw = store.read(f"{tree.base}{LATEST_NAME}", limit=1024)
+    latest_raw = store.read_latest(f"{tree.base}{LATEST_NAME}")  # another tool's names no step
     latest = layout.parse_step_dir(latest_raw.decode(errors="replace").strip()) if latest_raw else None
     return steps, latest
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import StoredObject, redact_url
+from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -85,15 +85,33 @@ class RemoteStore:
     # -- reading ------------------------------------------------------------------------------------------
 
     def read(self, key: str, limit: int = MAX_MANIFEST_BYTES) -> bytes | None:
+        data = self._head(key, limit + 1)
+        if data is not None and len(data) > limit:
+            raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
+        return data
+
+    def _head(self, key: str, n: int) -> bytes | None:
+        """At most `n` bytes of `key`; None if it is absent."""
+        if self.s3 is not None:
+            head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
+            return head
         try:
-            data: bytes = self.fs.cat_file(self.path(key), start=0, end=limit + 1)
+            data: bytes = self.fs.cat_file(self.path(key), start=0, end=n)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
-        if len(data) > limit:
-            raise RestoreError(f"is larger than {limit} bytes", path=self.where(key))
         return data
+
+    def read_latest(self, key: str) -> bytes | None:
+        """At most `MAX_LATEST_BYTES + 1` bytes of a `latest` pointer (None: absent), whatever its size.
+
+        A sink shared with other tools may hold their `latest` there: a large or empty file, or on file:// a
+        directory or a link to one (a common name for the newest checkpoint). It names no step (b"" for
+        a directory), so it protects none and is never touched; failing on it would stop retention."""
+        if self.local and os.path.isdir(self._local(key)):
+            return b""
+        return self._head(key, MAX_LATEST_BYTES + 1)
 
     def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
         """Every object under `prefix/` ("" the whole sink) whose name relative to it starts with `start`
@@ -160,7 +178,8 @@ class RemoteStore:
             return s3_store.clock(self.s3)
         if self.local:
             probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
-            probe.parent.mkdir(parents=True, exist_ok=True)
+            if not probe.parent.is_dir():
+                return time.time()  # no sink here yet, so nothing has an age: never made by a prune
             try:
                 probe.write_bytes(b"")
                 return probe.stat().st_mtime

@@ -140,6 +140,14 @@ def _local(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
         raise _refuse(text, "has a ?query, which a local directory cannot take", f"file://{parts.path}")
     if not parts.path:
         raise _refuse(text, "names no directory", "file:///ABSOLUTE/PATH")
+    if urllib.parse.unquote(parts.path) != parts.path:
+        # `Path.as_uri()` writes a space as %20; the stores read the path as it is, so the step would go to
+        # a directory named `my%20run` beside `my run`. The bare path says either one exactly.
+        raise _refuse(
+            text,
+            "has %-escapes, which the stores do not decode: it names a directory with '%' in its name",
+            os.path.normpath(urllib.parse.unquote(parts.path)),
+        )
     return SinkUrl(text, SinkKind.LOCAL, "file", "", _checked_local_path(text, parts.path))
 
 

@@ -341,3 +341,107 @@ def test_a_stager_save_and_a_restore_of_one_step_exclude_each_other(published, t
     marker = layout.read_marker(root / layout.step_dir_name(3))
     assert marker.world_size == 1  # the save's own step (the published one was saved by 2 ranks)
     layout.check_staged_files(root / layout.step_dir_name(3), marker)
+
+
+def _cut_bodies(monkeypatch, key_part: str, times: int, between=lambda: None) -> list[str]:
+    """The test proxy sends the first `times` GETs of a key containing `key_part` only half their body,
+    then drops the connection (`between` runs before each cut); the ranges asked for are returned."""
+    from tests.s3server import FaultProxy
+
+    forward, ranges = FaultProxy.__call__, []
+
+    def call(self, environ, start_response):
+        out = forward(self, environ, start_response)
+        if environ["REQUEST_METHOD"] != "GET" or key_part not in environ.get("RAW_URI", ""):
+            return out
+        ranges.append(environ.get("HTTP_RANGE", ""))
+        if len(ranges) > times:
+            return out
+        data = b"".join(out)
+        between()
+
+        def half():
+            yield data[: len(data) // 2]
+            raise ConnectionResetError("cut by the test")
+
+        return half()
+
+    monkeypatch.setattr(FaultProxy, "__call__", call)
+    return ranges
+
+
+@pytest.mark.parametrize("case", ["resumed", "cut-for-good", "replaced"])
+def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, monkeypatch, case):  # noqa: F811
+    """A connection reset after an S3 GET's answer began (botocore retries only until then). Before the
+    fix, a raw `aiohttp.ClientPayloadError` ended the restore (a traceback, exit 1) at the first cut."""
+    from stagerd.cmd.restore import restore_export
+    from stagerd.errors import RestoreError, SinkError
+    from stagerd.sinks import fetch
+    from stagerd.sinks.remote import RemoteStore
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(bytes(range(256)) * (4 << 10))  # 1 MiB
+    (export / "config.json").write_text("{}")
+    sink = FsspecSink.from_url(s3.url("run"))
+    sink.publish(export, 4)
+    sink.close()
+    key = f"run/{layout.step_dir_name(4)}/model.safetensors"
+    other = lambda: s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"x" * (1 << 20))  # noqa: E731
+    times = {"resumed": 2, "cut-for-good": 9, "replaced": 1}[case]
+    ranges = _cut_bodies(
+        monkeypatch, "model.safetensors", times, other if case == "replaced" else lambda: None
+    )
+    monkeypatch.setattr(fetch, "STREAM_RETRIES", 2)
+    monkeypatch.setattr(fetch, "STREAM_BACKOFF_S", 0.0)
+    out = tmp_path / "eval"
+    store = RemoteStore.open(s3.url("run"))
+    try:
+        if case == "resumed":
+            restore_export(store, out, 4)
+            assert _tree(out) == _tree(export)
+            half = (1 << 20) // 2
+            assert ranges == ["", f"bytes={half}-", f"bytes={half + half // 2}-"]
+            return
+        error = SinkError if case == "cut-for-good" else RestoreError
+        with pytest.raises(error, match=r"cut 3 time|changed on the sink") as e:
+            restore_export(store, out, 4)
+    finally:
+        store.close()
+    assert e.value.retryable == (case == "cut-for-good") and key in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing landed, no temp left
+
+
+@pytest.mark.parametrize("out", [".", "./"])
+def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeypatch, capsys, out):
+    """`mkdir eval && cd eval && stagerd restore URL . --export`. Before the fix: a raw `ValueError:
+    PosixPath('.') has an empty name` traceback (exit 1), for file://, S3 and the Hub alike."""
+    from stagerd.cli import main
+
+    export, here = tmp_path / "export", tmp_path / "eval"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    FsspecSink.from_url((tmp_path / "sink").as_uri()).publish(export, 3)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
+    assert f"restored {here}" in capsys.readouterr().out
+    assert _tree(here) == _tree(export)
+
+
+def test_a_file_where_the_target_directory_must_be_is_a_config_error(tmp_path, capsys):
+    """Before the fix: raw `FileExistsError` (ROOT a file) and `NotADirectoryError` (OUT below a file)
+    tracebacks, exit 1."""
+    from stagerd.cli import main
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    FsspecSink.from_url((tmp_path / "sink").as_uri()).publish(export, 3)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for target, flags in ((a_file, []), (a_file / "eval", ["--export"])):
+        assert main(["restore", (tmp_path / "sink").as_uri(), str(target), *flags]) == 2
+        assert "ConfigError" in capsys.readouterr().err
+    assert a_file.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes.txt", "sink"]

@@ -108,6 +108,22 @@ def test_the_hub_and_no_policy_are_refused(sink_dir):
     assert r.returncode == 2 and "--keep-last N and/or --keep-every M" in r.stderr
 
 
+@pytest.mark.parametrize("url", ["s3:/bkt/run", "file://exports/run", "S3://bkt/run", "memory://bkt/run"])
+def test_a_mistyped_prune_url_is_refused_and_nothing_is_made(tmp_path, monkeypatch, capsys, url):
+    """Before the fix, `stagerd prune s3:/bkt/run --keep-last 1 --dry-run` printed "0 step(s) would delete"
+    (exit 0: retention looked applied) and made the directories `s3:/bkt/run` under the working directory
+    (and a file:// prune of a directory that does not exist made it)."""
+    from stagerd.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["prune", url, "--keep-last", "1", "--dry-run"]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+    absent = tmp_path / "absent"
+    assert main(["prune", absent.as_uri(), "--keep-last", "1", "--dry-run"]) == 0
+    assert "0 step(s) would delete" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "point", ["prune.tombstone:1", "prune.tombstone:3", "prune.manifest:1", "prune.manifest:2"]
 )

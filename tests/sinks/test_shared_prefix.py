@@ -17,6 +17,8 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.prune import Policy, prune
+from stagerd.sinks.remote import RemoteStore
 from stagerd.sinks.s3.backend import S3Backend
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 from tests.sinks.test_data_safety import MiB, _held_sink
@@ -266,3 +268,52 @@ def test_a_claim_naming_the_step_directorys_inode_is_still_its_publishers(tmp_pa
     old = {**older, "owner": json.loads(publish_claim(mine).encode())["owner"], "tree": "1"}
     (sink / claim_key("step-00000005")).write_text(json.dumps(old))
     assert not FsspecSink.from_url(sink.as_uri()).publish(mine, 5).skipped
+
+
+@pytest.mark.parametrize("store", ["s3", "s3-empty", "file-large", "file-dir", "file-link"])
+def test_retention_goes_on_beside_another_tools_latest(request, tmp_path, store, caplog):
+    """`--remote-keep-last` at a sink that holds another tool's `latest`: a file over 1 KiB, an empty one
+    (S3), a directory, or (a common convention) a link to the tool's newest checkpoint directory. Before the
+    fix, prune raised `RestoreError` ("larger than 1024 bytes") or `SinkError` (`IsADirectoryError`; S3's
+    416 to a ranged read of an empty object) on every run, so retention never deleted a step; on file://
+    every publish failed after its manifest, for ever."""
+    foreign = b"" if store == "s3-empty" else b"build 2026-11-26\n" * 100
+    sink_dir = tmp_path / "sink"
+    sink_dir.mkdir()
+    if store.startswith("s3"):
+        env = request.getfixturevalue("s3")
+        env.client.put_object(Bucket=env.bucket, Key="shared/latest", Body=foreign)
+        url = f"s3://{env.bucket}/shared"
+    else:
+        url = sink_dir.as_uri()
+        if store == "file-large":
+            (sink_dir / "latest").write_bytes(foreign)
+        else:
+            (sink_dir / "ckpt-9").mkdir()
+            (sink_dir / "ckpt-9" / "model.bin").write_bytes(foreign)
+            if store == "file-dir":
+                (sink_dir / "latest").mkdir()
+                (sink_dir / "latest" / "model.bin").write_bytes(foreign)
+            else:
+                (sink_dir / "latest").symlink_to("ckpt-9")
+    sink = FsspecSink.from_url(url)
+    try:
+        for step in (1, 2):
+            assert not sink.publish(make_export(tmp_path / f"e{step}", {"m": step}), step).skipped
+    finally:
+        sink.close()
+    store_ = RemoteStore.open(url)
+    try:
+        fates = {d.step: d.delete for d in prune(store_, Policy(keep_last=1))}
+        assert fates == {1: True, 2: False}
+        assert [s for s in (1, 2) if store_.objects(layout.step_dir_name(s))] == [2]
+    finally:
+        store_.close()
+    if store.startswith("s3"):
+        assert env.get("shared/latest") == foreign
+    elif store == "file-large":
+        assert (sink_dir / "latest").read_bytes() == foreign
+    else:
+        assert (sink_dir / "latest" / "model.bin").read_bytes() == foreign
+        assert (sink_dir / "latest").is_symlink() == (store == "file-link")
+        assert (sink_dir / "ckpt-9" / "model.bin").read_bytes() == foreign

@@ -162,3 +162,15 @@ def test_an_object_store_prefix_with_glob_characters_is_refused(url: str) -> Non
     with pytest.raises(ConfigError, match="glob character"):
         RemoteStore.open(url)  # `stagerd prune` and `restore` open stores without the parser
     assert parse_sink_url("file:///srv/run*").path == "/srv/run*"  # local paths are exact os calls
+
+
+def test_a_file_url_with_percent_escapes_is_refused(tmp_path: Path) -> None:
+    """`Path("/data/my run").as_uri()` is `file:///data/my%20run`. Before the fix it was accepted and the
+    stores, which do not decode it, published into a new directory `my%20run` beside `my run`."""
+    wanted = tmp_path / "my run"
+    with pytest.raises(ConfigError, match="%-escapes") as e:
+        open_sink(wanted.as_uri())
+    assert e.value.hint == f"did you mean {str(wanted)!r}?"
+    assert list(tmp_path.iterdir()) == []
+    assert parse_sink_url(str(tmp_path / "my%20run")).path == str(tmp_path / "my%20run")  # bare: exact
+    assert parse_sink_url("file:///srv/100%").path == "/srv/100%"  # no escape in it

@@ -243,7 +243,12 @@ class S3Backend(OpeningMixin, LatestMixin):
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
             async with r["Body"] as body:  # leaving it unread past `limit` drops the connection
-                return bytes(await (body.read() if limit is None else body.read(limit)))
+                if limit is None:
+                    return bytes(await body.read())
+                out = bytearray()  # read(n) gives what has arrived, up to n: a large object takes several
+                while len(out) < limit and (chunk := await body.read(limit - len(out))):
+                    out += chunk
+                return bytes(out)
         except s3.exceptions.NoSuchKey:
             return None
         except Exception as e:
