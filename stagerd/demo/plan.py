@@ -76,5 +76,5 @@ def make_plan(root: Path | None, sinks: list[str] | None, steps: int = 3) -> Dem
                 hint="pass a new --root, or delete that directory first",
             )
     workdir = Path(tempfile.mkdtemp(prefix="stagerd-demo-")) if root is None else root.resolve()
-    chosen = list(sinks or []) or [(workdir / "published").as_uri()]
+    chosen = list(sinks or []) or [str(workdir / "published")]  # a bare path: as_uri() escapes a space
     return DemoPlan(workdir=workdir, sinks=tuple(chosen), steps=steps)
