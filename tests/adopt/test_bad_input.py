@@ -240,3 +240,37 @@ def test_a_pickled_path_cannot_make_memory_grow_past_its_bytes():
         finally:
             tracemalloc.stop()
         assert peak < 8 * len(data) + (1 << 20), peak
+
+
+def test_a_chunk_memoized_many_times_is_refused_not_multiplied():
+    """Before: one chunk record referenced again through the pickle memo (two bytes a reference) became a
+    new chunk per reference: 200k chunks from 400 kB, 12 GB at the size limit."""
+    import tracemalloc
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), [chunk] * 200_000)
+    storage = {MetadataIndex("w", torch.Size([0])): _StorageInfo("__0_0.distcp", 0, 16)}
+    data = pickle.dumps(Metadata({"w": md}, storage_data=storage))
+    assert len(data) < 600_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(DcpFormatError, match=r"'w'.*chunk at \[0\] recorded twice"):
+            parse_dcp_metadata(data, "x")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(data) + (1 << 20), peak
+    one = pickle.dumps(
+        Metadata({"w": TensorStorageMetadata(md.properties, md.size, [chunk])}, storage_data=storage)
+    )
+    assert parse_dcp_metadata(one, "x").tensors["w"].chunks[0].sizes == (4,)

@@ -264,6 +264,9 @@ def _tensor(
         )
     shape = _size(md.get("size"))
     chunks = []
+    # A memo reference costs the pickle two bytes: without this, one record repeated would be a new chunk
+    # each time, memory out of all proportion to the file's bytes.
+    seen: set[tuple[int, ...]] = set()
     for c in md.get("chunks") or ():
         if not isinstance(c, _Record) or c.kind != "ChunkStorageMetadata":
             raise DcpFormatError(f"tensor {fqn!r}: a chunk is a {type(c).__name__}", path=where)
@@ -282,6 +285,9 @@ def _tensor(
             raise DcpFormatError(
                 f"tensor {fqn!r}: no storage recorded for its chunk at {list(offs)}", path=where
             )
+        if offs in seen:
+            raise DcpFormatError(f"tensor {fqn!r}: chunk at {list(offs)} recorded twice", path=where)
+        seen.add(offs)
         chunks.append(DcpChunk(offs, sizes, *place))
     name = _TORCH_DTYPES[dt.name]
     return DcpTensor(name, shape, tuple(chunks))
