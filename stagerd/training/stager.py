@@ -62,6 +62,7 @@ from stagerd.training.handle import SaveHandle
 from stagerd.training.host_copy import HostCopier, Staging, reserve_keys, settle
 from stagerd.training.host_pool import HostPool
 from stagerd.training.inflight import Inflight
+from stagerd.training.leaf_check import check_tensors, check_values
 from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
@@ -190,6 +191,8 @@ class Stager:
             model_tensors, _ = split_leaves(model_sd, "state_dict")
             if optim_sd is not None:
                 optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
+                check_tensors(optim_tensors, "optimizer_state")
+                check_values(objects, "optimizer_state")
             # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
             # written to disk before the check-in; a refused save only filled our own staging buffers.
             staging["model"] = self._copiers["model"].start(model_tensors)
