@@ -59,7 +59,7 @@ from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle
-from stagerd.training.host_copy import HostCopier, Staging, reserve_keys, settle
+from stagerd.training.host_copy import HostCopier, Staging, completion, reserve_keys, settle
 from stagerd.training.host_pool import HostPool
 from stagerd.training.inflight import Inflight
 from stagerd.training.leaf_check import check_tensors, check_values
@@ -234,7 +234,7 @@ class Stager:
             except Exception as e:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
         committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
-        futures = tuple(st.future for st in staging.values())
+        futures = tuple(completion(st.future) for st in staging.values())
         return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed))
 
     def load(
