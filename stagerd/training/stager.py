@@ -195,6 +195,8 @@ class Stager:
                 check_values(objects, "optimizer_state")
             # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
             # written to disk before the check-in; a refused save only filled our own staging buffers.
+            if optim_sd is None:  # ahead of the copy on its thread, so the save ends after it
+                self._copy_thread.submit(self._pools["optim"].release)
             staging["model"] = self._copiers["model"].start(model_tensors)
             if optim_sd is not None:
                 staging["optim"] = self._copiers["optim"].start(optim_tensors)
