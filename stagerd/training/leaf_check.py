@@ -24,7 +24,7 @@ from stagerd.errors import DTypeError, SaveInputError
 
 # numpy's own names for them, taken from its reducers: numpy 2 moved them from numpy.core to numpy._core.
 # numpy 2 builds each dtype through its class (`numpy.dtypes.Int64DType`).
-_NUMPY_GLOBALS = [
+_NUMPY_GLOBALS: list[Any] = [
     np.dtype,
     np.ndarray,
     np.zeros(1).__reduce__()[0],
@@ -105,4 +105,3 @@ def check_tensor(name: str, t: torch.Tensor, what: str) -> None:
 def check_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None:
     for name, t in tensors.items():
         check_tensor(name, t, what)
-

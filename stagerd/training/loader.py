@@ -199,8 +199,9 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
         if dropped:
             raise LoadError(
-                f"optimizer_state has no place for {len(dropped)} tensors optim/ holds ({dropped[0]!r}, ...): "
-                "the load would drop them; an optimizer that never stepped has no state yet: build the "
+                f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
+                f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
+                "no state yet: build the "
                 "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
                 "which creates it",
                 path=optim_dir,

@@ -329,9 +329,8 @@ def test_optim_specs_lists_every_tensor_of_either_format_with_its_global_shape(r
 
 
 def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.01, "weight_decay": 0.0}]
-    )
+    second = {"params": model[1].parameters(), "lr": 0.01, "weight_decay": 0.0}
+    return torch.optim.AdamW([{"params": model[0].parameters()}, second])
 
 
 def test_an_optimizer_state_with_no_room_for_the_saved_moments_is_refused(tmp_path):
@@ -353,7 +352,7 @@ def test_an_optimizer_state_with_no_room_for_the_saved_moments_is_refused(tmp_pa
         fresh_opt = _adamw(fresh)
         with pytest.raises(LoadError, match=r"no place for 12 tensors optim/ holds \('optim\.state\.0\."):
             stager.load(fresh.state_dict(), {"optim": fresh_opt.state_dict()})
-        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)  # creates the state, as the README loads
+        get_state_dict(fresh, fresh_opt)  # creates the optimizer's state, as the README's load does
         plain = {"optim": fresh_opt.state_dict()}  # now it has a place for every moment
         assert stager.load(fresh.state_dict(), plain) == 1
     fresh_opt.load_state_dict(plain["optim"])
