@@ -87,6 +87,12 @@ def check_tensor(name: str, t: torch.Tensor, what: str) -> None:
     """A tensor leaf the writer can store: it has data and a dtype safetensors names."""
     if t.is_meta:
         raise SaveInputError(f"{what} entry {name!r} is a meta tensor (never materialized): it has no data")
+    if t.is_conj() or t.is_neg():  # a lazy view: its storage holds the values before the conj or neg
+        raise SaveInputError(
+            f"{what} entry {name!r} is a lazy {'conjugate' if t.is_conj() else 'negative'} view: its "
+            "storage does not hold its values",
+            hint="save t.resolve_conj().resolve_neg() (a copy holding its values) instead",
+        )
     storable = _STORABLE.get(t.dtype)
     if storable is None:
         try:

@@ -159,8 +159,9 @@ def test_a_plain_state_dict_is_sharded_in_its_own_order(tmp_path):
 def test_optimizer_values_a_resume_cannot_read_back_are_refused_at_save(tmp_path):
     """The optimizer state's non-tensor leaves are read back with `torch.load(weights_only=True)`: a
     `Path`, an object or numpy's RNG state was once committed, and only the resume failed, with an
-    `UnpicklingError` (a meta or complex128 tensor failed after save() returned). Now save() refuses each,
-    naming it, and numpy arrays and scalars load back as numpy."""
+    `UnpicklingError` (a meta or complex128 tensor failed after save() returned; a lazy conjugate or
+    negative view was committed with its storage's values, not its own). Now save() refuses each, naming
+    it, and numpy arrays and scalars load back as numpy."""
     import pathlib
     import random
 
@@ -182,6 +183,11 @@ def test_optimizer_values_a_resume_cannot_read_back_are_refused_at_save(tmp_path
                 stager.save(sd, 1, optimizer_state=bad)
         with pytest.raises(SaveInputError, match=r"model state dict entry 'z' is torch\.complex128"):
             stager.save({"z": torch.ones(1, dtype=torch.complex128)}, 1)
+        # a lazy view's storage holds the values before it: it saved them, silently
+        with pytest.raises(SaveInputError, match=r"entry 'c' is a lazy conjugate view"):
+            stager.save({"c": torch.tensor([1 + 2j], dtype=torch.complex64).conj()}, 1)
+        with pytest.raises(SaveInputError, match=r"entry 'n' is a lazy negative view"):
+            stager.save(sd, 1, optimizer_state={"n": torch._neg_view(torch.ones(2))})
         assert not (tmp_path / "step-00000001").exists()
         stager.save(sd, 1, optimizer_state=saved).result()
         got = {"np": None, "scalar": None, "py": None, "lr": None}
