@@ -110,7 +110,14 @@ class Stager:
         compatibility and changes nothing: the write always runs on the writer's threads, whose
         `pwrite`s and fsyncs run without the GIL."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot use it as the Stager's root: {e.strerror or e}",
+                path=root,
+                hint="pass a directory (or a path one can be made at) on the node's staging disk",
+            ) from None
         self.checkpointer = _checkpointer(checkpointer)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group: dist.ProcessGroup | None = None

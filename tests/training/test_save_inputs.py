@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from stagerd.contract import layout
-from stagerd.errors import DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
+from stagerd.errors import ConfigError, DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
 
 
 def test_single_process_save_and_bad_arguments(tmp_path):
@@ -195,3 +195,14 @@ def test_optimizer_values_a_resume_cannot_read_back_are_refused_at_save(tmp_path
     assert got["np"][0] == "MT19937" and np.array_equal(got["np"][1], rng[1]) and got["np"][2:] == rng[2:]
     assert type(got["scalar"]) is np.float32 and got["scalar"] == 1.5
     assert got["py"] == saved["py"] and got["lr"] == 0.1
+
+
+def test_a_root_that_cannot_be_a_directory_is_a_named_error(tmp_path):
+    """A ROOT naming a file, or under one, was a bare FileExistsError / NotADirectoryError."""
+    from stagerd import Stager
+
+    (tmp_path / "file").write_text("")
+    for root in (tmp_path / "file", tmp_path / "file" / "ckpt"):
+        with pytest.raises(ConfigError, match="cannot use it as the Stager's root") as e:
+            Stager(root)
+        assert e.value.path == str(root)
