@@ -108,6 +108,13 @@ def check_tensor(name: str, t: torch.Tensor, what: str) -> None:
         )
 
 
+def plain_tensor(t: torch.Tensor) -> bool:
+    """The common case, tested in one expression (this runs inside the stall, once per tensor)."""
+    return _STORABLE.get(t.dtype) is True and not (t.is_meta or t.is_neg() or t.is_conj())
+
+
 def check_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    storable = _STORABLE
     for name, t in tensors.items():
-        check_tensor(name, t, what)
+        if storable.get(t.dtype) is not True or t.is_meta or t.is_neg() or t.is_conj():
+            check_tensor(name, t, what)
