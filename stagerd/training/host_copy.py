@@ -144,6 +144,22 @@ def reserve_keys(tensors: Any) -> list[StorageKey]:
     return [storage_key(local_tensor(t)) for t in tensors]
 
 
+def completion(future: Future[Any]) -> Future[None]:
+    """A Future that ends as `future` does, without its result: a save's handle lives until `wait()`,
+    and the staged views would keep host buffers alive that the pool has freed since."""
+    out: Future[None] = Future()
+
+    def relay(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is None:
+            out.set_result(None)
+        else:
+            out.set_exception(error)
+
+    future.add_done_callback(relay)
+    return out
+
+
 def settle(staging: Iterable[Staging]) -> None:
     """Wait for host copies that still read the caller's tensors, whatever their outcome."""
     for st in staging:

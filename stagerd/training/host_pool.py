@@ -54,6 +54,7 @@ class HostPool:
         self._reserving: list[Future[None]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._name = name
+        self._released = 0  # how many times `release` ran: a reservation older than that keeps nothing
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -79,18 +80,20 @@ class HostPool:
         missing = [k for k in dict.fromkeys(keys) if k not in self._buffers and k[2] > 0]
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stagerd-reserve-{self._name}")
-        fut = self._executor.submit(self._reserve, missing)
+        fut = self._executor.submit(self._reserve, missing, self._released)
         with self._lock:
             self._reserving.append(fut)
         return fut
 
-    def _reserve(self, keys: list[StorageKey]) -> None:
+    def _reserve(self, keys: list[StorageKey], released: int) -> None:
         for k in keys:
+            if self._released != released:
+                return
             if k not in self._buffers:
                 buf = self._allocate(k[2])
                 with self._lock:
-                    kept = self._buffers.setdefault(k, buf)
-                if kept is not buf:  # a save allocated it meanwhile
+                    kept = self._buffers.setdefault(k, buf) if self._released == released else None
+                if kept is not buf:  # a save allocated it meanwhile, or the pool was released
                     self._free([buf])
 
     def wait_reserved(self) -> None:
@@ -108,6 +111,14 @@ class HostPool:
         with self._lock:
             stale = [k for k in self._buffers if k not in used]
             freed = [self._buffers.pop(k) for k in stale]
+        self._free(freed)
+
+    def release(self) -> None:
+        """Free every buffer, and drop what reservations in flight make: a save staged nothing of this
+        kind (a loop that saves the model alone must not keep the optimizer state's host copy)."""
+        with self._lock:
+            self._released += 1
+            freed, self._buffers = list(self._buffers.values()), {}
         self._free(freed)
 
     def sizes(self) -> dict[int, int]:

@@ -47,6 +47,7 @@ from stagerd.contract import layout
 from stagerd.errors import LoadError, StagerdError
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
+from stagerd.training.leaf_check import load_values
 from stagerd.training.safe_metadata import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -54,7 +55,7 @@ from stagerd.training.safe_metadata import (
     why_refused,
 )
 from stagerd.training.shard_files import objects_file
-from stagerd.training.state_tree import set_objects, split_leaves
+from stagerd.training.state_tree import set_objects, split_leaves, unplaced
 
 log = logging.getLogger("stagerd.load")
 
@@ -195,6 +196,16 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
     error = None
     try:
         tensors, _ = split_leaves(optimizer_state, "optimizer_state")
+        dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
+        if dropped:
+            raise LoadError(
+                f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
+                f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
+                "no state yet: build the "
+                "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
+                "which creates it",
+                path=optim_dir,
+            )
         mine = optim_dir.parent / objects_file(comm.rank)
         path = mine if mine.is_file() else optim_dir.parent / objects_file(0)
         with open(path, "rb") as f:
@@ -202,7 +213,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
                 check_torch_save(f)
             except Exception as e:
                 raise LoadError(f"refusing the optimizer's leaves: {why_refused(e)}", path=path) from None
-            saved = torch.load(f, map_location="cpu", weights_only=True)
+            saved = load_values(f)
         if not isinstance(saved, dict):
             raise LoadError(f"holds a {type(saved).__name__}, not the optimizer's leaves", path=path)
         missing = set_objects(optimizer_state, saved)

@@ -23,6 +23,7 @@ from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
+from stagerd.training.leaf_check import check_tensor, plain_tensor
 from stagerd.training.to_hub import ToHub
 
 
@@ -65,10 +66,8 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
         if not isinstance(k, str):
             raise SaveInputError(f"state dict key {name!r} is not a string")
         if isinstance(v, torch.Tensor):
-            if v.is_meta:
-                raise SaveInputError(
-                    f"model state dict entry {name!r} is a meta tensor (never materialized): it has no data"
-                )
+            if not plain_tensor(v):
+                check_tensor(name, v, "model state dict")
             n += 1
         elif isinstance(v, Mapping):
             n += _check_tensors(v, f"{name}.")

@@ -59,9 +59,10 @@ from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle
-from stagerd.training.host_copy import HostCopier, Staging, reserve_keys, settle
+from stagerd.training.host_copy import HostCopier, Staging, completion, reserve_keys, settle
 from stagerd.training.host_pool import HostPool
 from stagerd.training.inflight import Inflight
+from stagerd.training.leaf_check import check_tensors, check_values
 from stagerd.training.loader import LoadedStep, load_export, load_step
 from stagerd.training.marker import clear_stale
 from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
@@ -109,7 +110,14 @@ class Stager:
         compatibility and changes nothing: the write always runs on the writer's threads, whose
         `pwrite`s and fsyncs run without the GIL."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"cannot use it as the Stager's root: {e.strerror or e}",
+                path=root,
+                hint="pass a directory (or a path one can be made at) on the node's staging disk",
+            ) from None
         self.checkpointer = _checkpointer(checkpointer)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group: dist.ProcessGroup | None = None
@@ -190,8 +198,12 @@ class Stager:
             model_tensors, _ = split_leaves(model_sd, "state_dict")
             if optim_sd is not None:
                 optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
+                check_tensors(optim_tensors, "optimizer_state")
+                check_values(objects, "optimizer_state")
             # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
             # written to disk before the check-in; a refused save only filled our own staging buffers.
+            if optim_sd is None:  # ahead of the copy on its thread, so the save ends after it
+                self._copy_thread.submit(self._pools["optim"].release)
             staging["model"] = self._copiers["model"].start(model_tensors)
             if optim_sd is not None:
                 staging["optim"] = self._copiers["optim"].start(optim_tensors)
@@ -231,7 +243,7 @@ class Stager:
             except Exception as e:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
         committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
-        futures = tuple(st.future for st in staging.values())
+        futures = tuple(completion(st.future) for st in staging.values())
         return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed))
 
     def load(

@@ -10,7 +10,7 @@ are what an optimizer's state dict holds besides its tensors (numbers, strings, 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,3 +69,27 @@ def set_objects(target: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str
         elif isinstance(parent, dict | list):
             parent[key] = saved[name]
     return missing
+
+
+def _containers(obj: Any, path: str, out: set[str]) -> None:
+    if isinstance(obj, torch.Tensor) or not _container(obj):
+        return
+    if path:
+        out.add(path)
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+    for k, v in items:
+        _containers(v, f"{path}.{k}" if path else str(k), out)
+
+
+def unplaced(target: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """The saved `names` that `target` has no leaf for, though it has a container above them (the empty
+    `state` of an optimizer that never stepped): a load into `target` would drop them."""
+    leaves = {name for name, _, _, _ in walk(target)}
+    held: set[str] = set()
+    _containers(target, "", held)
+    out = []
+    for name in names:
+        parts = name.split(".")
+        if name not in leaves and any(".".join(parts[:i]) in held for i in range(1, len(parts))):
+            out.append(name)
+    return out

@@ -78,3 +78,24 @@ def test_the_wait_comes_after_the_steps_closure_and_before_the_update(tmp_path):
         "copied True",  # no closure: at once
     ]
     assert torch.equal(saved["p"], torch.ones(2))
+
+
+def test_a_save_without_optimizer_state_keeps_no_optimizer_buffers(tmp_path):
+    """`attach` reserves the optimizer state's host buffers after the first step (twice the model for
+    Adam; page-locked with CUDA). A loop that saves the model alone (the Trainer's `save_only_model`)
+    kept them for the whole run; now the first save without `optimizer_state` frees them."""
+    from stagerd import Stager
+
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    with Stager(tmp_path) as stager:
+        stager.attach(optim)
+        model(torch.randn(2, 64)).sum().backward()
+        optim.step()
+        stager.reserve({}, wait=True)
+        model_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+        assert sum(stager.staging_buffers().values()) > 2 * model_bytes  # model and Adam's moments
+        stager.save(model.state_dict(), 1).result()
+        assert sum(stager.staging_buffers().values()) == model_bytes
+        stager.save(model.state_dict(), 2, optimizer_state=optim.state_dict()).result()
+        assert sum(stager.staging_buffers().values()) > 2 * model_bytes  # a full save still stages it

@@ -185,3 +185,27 @@ def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
         assert first == second, "the second save allocated new staging buffers"
         # one host buffer per source storage: views of one storage share it, nothing else is copied
         assert sum(n for _, n in first) == rec["storage_bytes"]
+
+
+def _rss_mib() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 >> 20
+
+
+def test_finished_saves_hold_no_host_buffers_until_wait(tmp_path):
+    """A state whose tensors are new at each save (a changed shape, `get_state_dict(...,
+    full_state_dict=True)`, a trainer's RNG and state tensors) gets new host buffers, and the pool frees
+    the old ones. A loop that calls `wait()` only at the end (as the README's does) kept every finished
+    save's host copy alive through its handle: one more state dict of host memory per save. Now a
+    finished save holds none: the process holds one state's buffers, however many saves it made."""
+    from stagerd import Stager
+
+    mib = 34  # above glibc's largest mmap threshold, so a freed buffer leaves the resident set
+    with Stager(tmp_path) as stager:
+        grown = []
+        for step in range(1, 4):
+            w = torch.ones((mib << 18) + step)  # a new tensor, one element longer each save
+            stager.save({"w": w}, step).result()
+            del w
+            grown.append(_rss_mib())
+        assert len(stager.wait()) == 3
+    assert grown[-1] - grown[0] < mib, f"resident MiB after each save: {grown}"

@@ -326,3 +326,38 @@ def test_optim_specs_lists_every_tensor_of_either_format_with_its_global_shape(r
         "state.w.exp_avg": (torch.float32, (3,))
     }
     assert optim_specs(root / "no-such-step") == {}
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    second = {"params": model[1].parameters(), "lr": 0.01, "weight_decay": 0.0}
+    return torch.optim.AdamW([{"params": model[0].parameters()}, second])
+
+
+def test_an_optimizer_state_with_no_room_for_the_saved_moments_is_refused(tmp_path):
+    """`optimizer.state_dict()` of an optimizer that never stepped has an empty `state`: loading a step
+    into it loaded the learning rates and dropped every saved moment and step count in silence, so the
+    resumed run started Adam from zero. Now a `LoadError` says so; a state that has them loads bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from stagerd import Stager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = _adamw(model)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    with Stager(tmp_path) as stager:
+        stager.save(model.state_dict(), 1, optimizer_state={"optim": opt.state_dict()}).result()
+        fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        fresh_opt = _adamw(fresh)
+        with pytest.raises(LoadError, match=r"no place for 12 tensors optim/ holds \('optim\.state\.0\."):
+            stager.load(fresh.state_dict(), {"optim": fresh_opt.state_dict()})
+        get_state_dict(fresh, fresh_opt)  # creates the optimizer's state, as the README's load does
+        plain = {"optim": fresh_opt.state_dict()}  # now it has a place for every moment
+        assert stager.load(fresh.state_dict(), plain) == 1
+    fresh_opt.load_state_dict(plain["optim"])
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for i, state in want["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, got["state"][i][k]), (i, k)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from stagerd.contract import layout
-from stagerd.errors import DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
+from stagerd.errors import ConfigError, DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
 
 
 def test_single_process_save_and_bad_arguments(tmp_path):
@@ -154,3 +154,55 @@ def test_a_plain_state_dict_is_sharded_in_its_own_order(tmp_path):
     export = export_step(tmp_path / layout.step_dir_name(1), max_shard_size=300).export_dir
     theirs = split_torch_state_dict_into_shards(sd, max_shard_size=300)
     assert export_index(export)["weight_map"] == theirs.tensor_to_filename
+
+
+def test_optimizer_values_a_resume_cannot_read_back_are_refused_at_save(tmp_path):
+    """The optimizer state's non-tensor leaves are read back with `torch.load(weights_only=True)`: a
+    `Path`, an object or numpy's RNG state was once committed, and only the resume failed, with an
+    `UnpicklingError` (a meta or complex128 tensor failed after save() returned; a lazy conjugate or
+    negative view was committed with its storage's values, not its own). Now save() refuses each, naming
+    it, and numpy arrays and scalars load back as numpy."""
+    import pathlib
+    import random
+
+    import numpy as np
+
+    from stagerd import Stager
+
+    sd = {"w": torch.ones(2)}
+    rng = np.random.RandomState(3).get_state()
+    saved = {"np": rng, "scalar": np.float32(1.5), "py": random.Random(4).getstate(), "lr": 0.1}
+    with Stager(tmp_path) as stager:
+        for bad, match in [
+            ({"p": pathlib.Path("/data")}, r"value 'p' is a PosixPath.*refuses pathlib\.PosixPath"),
+            ({"g": [{"fn": lambda: 1}]}, r"value 'g\.0\.fn' is a function"),
+            ({"m": torch.empty(3, device="meta")}, r"entry 'm' is a meta tensor"),
+            ({"c": torch.ones(2, dtype=torch.complex128)}, r"entry 'c' is torch\.complex128"),
+        ]:
+            with pytest.raises(SaveInputError, match=match):
+                stager.save(sd, 1, optimizer_state=bad)
+        with pytest.raises(SaveInputError, match=r"model state dict entry 'z' is torch\.complex128"):
+            stager.save({"z": torch.ones(1, dtype=torch.complex128)}, 1)
+        # a lazy view's storage holds the values before it: it saved them, silently
+        with pytest.raises(SaveInputError, match=r"entry 'c' is a lazy conjugate view"):
+            stager.save({"c": torch.tensor([1 + 2j], dtype=torch.complex64).conj()}, 1)
+        with pytest.raises(SaveInputError, match=r"entry 'n' is a lazy negative view"):
+            stager.save(sd, 1, optimizer_state={"n": torch._neg_view(torch.ones(2))})
+        assert not (tmp_path / "step-00000001").exists()
+        stager.save(sd, 1, optimizer_state=saved).result()
+        got = {"np": None, "scalar": None, "py": None, "lr": None}
+        stager.load({"w": torch.zeros(2)}, got)
+    assert got["np"][0] == "MT19937" and np.array_equal(got["np"][1], rng[1]) and got["np"][2:] == rng[2:]
+    assert type(got["scalar"]) is np.float32 and got["scalar"] == 1.5
+    assert got["py"] == saved["py"] and got["lr"] == 0.1
+
+
+def test_a_root_that_cannot_be_a_directory_is_a_named_error(tmp_path):
+    """A ROOT naming a file, or under one, was a bare FileExistsError / NotADirectoryError."""
+    from stagerd import Stager
+
+    (tmp_path / "file").write_text("")
+    for root in (tmp_path / "file", tmp_path / "file" / "ckpt"):
+        with pytest.raises(ConfigError, match="cannot use it as the Stager's root") as e:
+            Stager(root)
+        assert e.value.path == str(root)
