@@ -69,7 +69,7 @@ def resolve_step(store: RemoteStore, step: int | None, *, raw: bool) -> int:
     if step is not None:
         return step
     key = f"{RAW_DIR}/{LATEST_NAME}" if raw else LATEST_NAME
-    data = store.read(key, limit=1024)
+    data = store.read_latest(key)  # another tool's latest (a directory, a large file) names no step
     if data is None:
         raise RestoreError("is missing: no step was published here", path=store.where(key))
     found = layout.parse_step_dir(data.decode(errors="replace").strip())

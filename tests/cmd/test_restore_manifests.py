@@ -142,3 +142,26 @@ def test_a_step_flag_that_is_not_an_ascii_step_number_is_a_config_error(text):
     with pytest.raises(ConfigError, match="--step must be"):
         _step(text)
     assert _step("latest") is None and _step(str(2**63 - 1)) == 2**63 - 1
+
+
+@pytest.mark.parametrize("latest", ["directory", "link", "large"])
+def test_a_latest_another_tool_wrote_is_a_restore_error_naming_it(tmp_path, latest):
+    """Before: `latest` a directory (or a link to one) on file:// was a retryable SinkError (exit 3), as if
+    the store were down."""
+    from stagerd.sinks.fetch import resolve_step
+
+    sink = tmp_path / "sink"
+    (sink / "ckpt-9").mkdir(parents=True)
+    if latest == "directory":
+        (sink / "latest").mkdir()
+    elif latest == "link":
+        (sink / "latest").symlink_to("ckpt-9")
+    else:
+        (sink / "latest").write_text("x" * 2048)
+    store = RemoteStore.open(sink.as_uri())
+    try:
+        with pytest.raises(RestoreError, match="names no step") as e:
+            resolve_step(store, None, raw=False)
+    finally:
+        store.close()
+    assert e.value.retryable is False and str(sink / "latest") in str(e.value)
