@@ -102,6 +102,27 @@ class StepExchange:
                 )
         return None
 
+    def failure(self, err: SinkError) -> SinkError:
+        """`err` said as the exchange's failure where it is one (a key of its `fleet/` or `raw/`, not a sink's
+        `step-N/`): every node meets there, so no sink of the step goes on without it, and no node moves to
+        another place the others would not agree on. The hint names `--exchange`, which keeps a dead sink
+        from being the exchange too."""
+        where, path = self.exchange.url.rstrip("/") + "/", err.path or ""
+        if type(err) not in (SinkError, SinkAuthError) or not path.startswith(where):
+            return err
+        if path[len(where) :].startswith(layout.step_dir_name(self.step)):
+            return err  # the exchange is this sink too, and the failure was its upload's: that sink's lane
+        auth = isinstance(err, SinkAuthError)
+        what = "check its credentials and write permission" if auth else "stagerd retries with backoff"
+        return (SinkAuthError if auth else SinkError)(
+            f"step {self.step}: the fleet's exchange failed, no sink of the step goes on without it: "
+            f"{err.message}",
+            path=path,
+            hint=f"{what}; every node meets on the exchange, the first fsspec sink unless --exchange names "
+            "another: to keep the other sinks publishing when one sink dies, give every node's daemon the "
+            "same --exchange URL, a store or prefix no sink uses",
+        )
+
     def read_json(self, key: str) -> dict[str, Any] | None:
         """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by
         another tool, or damaged) is a named error naming it, never taken for a claim or a record."""

@@ -53,6 +53,22 @@ def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_p
     assert done.is_file()
 
 
+def test_a_dead_first_sink_that_is_the_exchange_is_named_as_the_exchange(tmp_path, dcp_mixed2):
+    """The exchange (by default the first sink) is the one place every node meets: no node may move to
+    another the others would not agree on, so its failure stops every sink of the step. It says so: the
+    retryable `SinkError` names the exchange and the `--exchange` that keeps a dead sink from stopping
+    the others; nothing is published anywhere."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    (tmp_path / "a").write_text("a file: every write under it fails")
+    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
+    out = _run(node_dirs, tmp_path, urls)
+    for r in out:
+        assert isinstance(r, SinkError) and r.retryable, out
+        assert "the fleet's exchange failed" in str(r) and urls[0] in str(r), r
+        assert "--exchange" in r.hint and "\n" not in str(r), r.hint
+    assert not (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).exists()
+
+
 def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_until_healed(
     tmp_path, dcp_mixed2
 ):
