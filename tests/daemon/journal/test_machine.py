@@ -248,6 +248,37 @@ def test_fleet_waits_are_kept_per_sink_and_read_both_ways(tmp_path, j):
     assert 7 in j.waits() and None not in j.waits()[7]
 
 
+def test_a_wait_ends_with_its_step_or_lane_quarantined_or_retired(j):
+    """A fleet step a `--once` run left waiting whose directory is then removed is quarantined at the next
+    start (`MissingStep`), not by its wait's end: `stagerd status` must not go on showing what it waited
+    for. Likewise a lane's wait with the lane quarantined, and every wait of a retired step; a row an older
+    stagerd left for such a step is not shown either."""
+    j.add_step(7, "/root/step-00000007", 1.0)
+    j.begin_export(7)
+    j.set_wait(7, "waiting for node 1 (seen: node-00000-of-00002)")
+    j.fail_export(7, "FleetWaitError", "nothing new for 600 s", next_try=None, quarantine=False)
+    assert j.waits() == {7: {None: "waiting for node 1 (seen: node-00000-of-00002)"}}  # --once: shown
+    j.quarantine_step(7, "MissingStep", "the step directory disappeared")
+    exported(j, 8)
+    j.set_wait(8, "waiting for node 0 to publish step 8 to the Hub sink A", A)
+    j.set_wait(8, "waiting for node 0 to publish step 8 to the Hub sink B", B)
+    j.begin_publish(8, A)
+    j.fail_publish(8, A, "SinkAuthError", "denied", next_try=None, quarantine=True)
+    assert j.waits() == {8: {B: "waiting for node 0 to publish step 8 to the Hub sink B"}}
+    publish(j, 8, B)
+    exported(j, 9, sinks=(A,))
+    j.set_wait(9, "waiting for node 0 to publish step 9 to the Hub sink A", A)
+    publish(j, 9, A, sinks=(A,))
+    j.retire(9, "retention")
+    assert j.waits() == {}
+    old = sqlite3.connect(j.path)  # rows an older stagerd left behind
+    old.execute("INSERT INTO meta (key, value) VALUES ('fleet_wait:7', '\"waiting for node 1\"')")
+    old.execute("INSERT INTO meta (key, value) VALUES ('fleet_lane_wait:9:file:///a', '\"waiting\"')")
+    old.commit()
+    old.close()
+    assert j.waits() == {}
+
+
 def test_a_journal_that_was_never_set_up_says_so_and_the_next_start_sets_it_up(tmp_path):
     path = journal_path(tmp_path)
     path.parent.mkdir(parents=True)
