@@ -212,6 +212,30 @@ def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
         Journal.open(tmp_path)
 
 
+def test_a_damaged_or_locked_journal_says_what_to_do(tmp_path, j):
+    """Not the default hint (that `stagerd watch` creates the journal): a damaged one is moved aside (the
+    next start finds the steps again, and the sinks skip what they hold); a lock held by another process
+    is ended."""
+    from stagerd.daemon.journal.schema import journal_error
+
+    holder = sqlite3.connect(j.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # an operator's sqlite3 shell, mid-transaction
+    other = sqlite3.connect(j.path, timeout=0)
+    with pytest.raises(sqlite3.OperationalError) as busy:
+        other.execute("BEGIN IMMEDIATE")
+    other.close()
+    holder.close()
+    assert "another process holds the journal's write lock" in journal_error(busy.value, j.path, "write").hint
+    j.close()
+    root = tmp_path / "damaged"
+    journal_path(root).parent.mkdir(parents=True)
+    journal_path(root).write_bytes(b"this is not a database" * 100)
+    for opening in (Journal.open, Journal.open_readonly):
+        with pytest.raises(JournalError) as e:
+            opening(root)
+        assert "move it aside" in e.value.hint, e.value.hint
+
+
 def test_meta_round_trips(j):
     j.set_meta(pid=12, sinks=[A, B], keep_last=None)
     assert j.meta() == {"pid": 12, "sinks": [A, B], "keep_last": None}
