@@ -31,6 +31,12 @@ log = logging.getLogger("stagerd.fleet")
 T = TypeVar("T")
 
 
+class Stopped(Exception):
+    """The daemon is stopping: a wait for other nodes ends at once rather than holding the shutdown for
+    its whole grace period (it holds nothing the step needs: the step is abandoned as the drain abandons
+    work, and the next start waits again)."""
+
+
 class StepExchange:
     """Node `me` of `nodes`' view of step `step` on `exchange` (read through `store`)."""
 
@@ -44,8 +50,10 @@ class StepExchange:
         wait_seconds: float,
         poll_seconds: float,
         status: Callable[[str, int], None],
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         self.exchange, self.store = exchange, store
+        self.stopping = stopping or (lambda: False)
         self.step, self.me, self.nodes = step, me, nodes
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
@@ -233,6 +241,8 @@ class StepExchange:
                 last, deadline = text, time.monotonic() + self.wait_seconds
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
             self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
+            if self.stopping():
+                raise Stopped(f"step {self.step}, node {self.me}: {text}")
             if time.monotonic() >= deadline:
                 raise FleetWaitError(
                     f"step {self.step}, node {self.me}: {text}: nothing new for {self.wait_seconds:g} s",

@@ -89,6 +89,7 @@ class FleetOptions:
     threads: int = 2
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
     hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
+    stopping: Callable[[], bool] | None = None  # the daemon is stopping: a wait ends (`exchange.Stopped`)
 
 
 @dataclass
@@ -138,7 +139,15 @@ class FleetNode:
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         o = options  # the step's records on the exchange, and the waits for other nodes:
         self.x = StepExchange(
-            exchange, store, self.step, self.me, self.nodes, o.wait_seconds, o.poll_seconds, self.status
+            exchange,
+            store,
+            self.step,
+            self.me,
+            self.nodes,
+            o.wait_seconds,
+            o.poll_seconds,
+            self.status,
+            o.stopping,
         )
         self.base = self.x.base
         self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
