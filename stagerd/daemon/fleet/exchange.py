@@ -110,16 +110,21 @@ class StepExchange:
                 )
         return None
 
-    def failure(self, err: SinkError) -> SinkError:
+    def failure(self, err: SinkError, sinks: Iterable[FsspecSink] = ()) -> SinkError:
         """`err` said as the exchange's failure where it is one (a key of its `fleet/` or `raw/`, not a sink's
         `step-N/`): every node meets there, so no sink of the step goes on without it, and no node moves to
         another place the others would not agree on. The hint names `--exchange`, which keeps a dead sink
         from being the exchange too."""
-        where, path = self.exchange.url.rstrip("/") + "/", err.path or ""
-        if type(err) not in (SinkError, SinkAuthError) or not path.startswith(where):
+        path, step = err.path or "", layout.step_dir_name(self.step)
+        if type(err) not in (SinkError, SinkAuthError) or not path.startswith(
+            self.exchange.url.rstrip("/") + "/"
+        ):
             return err
-        if path[len(where) :].startswith(layout.step_dir_name(self.step)):
-            return err  # the exchange is this sink too, and the failure was its upload's: that sink's lane
+        # a sink's upload (the exchange may be a sink too, or hold one) is that sink's lane's
+        if any(
+            path.startswith(f"{u.rstrip('/')}/{step}") for u in [s.url for s in sinks] + [self.exchange.url]
+        ):
+            return err
         auth = isinstance(err, SinkAuthError)
         what = "check its credentials and write permission" if auth else "stagerd retries with backoff"
         return (SinkAuthError if auth else SinkError)(

@@ -156,7 +156,7 @@ class FleetNode:
         try:
             return self._run()
         except SinkError as e:
-            if (named := self.x.failure(e)) is e:
+            if (named := self.x.failure(e, self.sinks)) is e:
                 raise
             raise named from None
         finally:  # the mirror's hard links would keep this node's shards on disk past retention
