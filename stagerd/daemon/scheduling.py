@@ -10,6 +10,7 @@ from pathlib import Path
 
 from stagerd.daemon.journal import COMMITTED, EXPORTED, FAILED, PENDING, PUBLISHING
 from stagerd.daemon.raw_tasks import RawTasks
+from stagerd.daemon.state import log
 from stagerd.errors import JournalError
 
 
@@ -61,6 +62,16 @@ class Scheduling(RawTasks):
             return True
         timeout = 1.0
         next_try = await self._j(self._journal.next_retry_time)
+        latest = time.time() + self.settings.retry_max_seconds
+        if next_try is not None and next_try > latest + 1.0:  # set by a clock that has since gone back
+            n = await self._j(self._journal.pull_in, latest)
+            log.warning(
+                "%d retr%s set past the longest retry delay from now (the clock went back, or "
+                "retry_max_seconds was longer): due now",
+                n,
+                "ies" if n != 1 else "y",
+            )
+            next_try = 0.0
         if next_try is not None:
             timeout = min(timeout, max(0.0, next_try - time.time()))
         with contextlib.suppress(TimeoutError):

@@ -24,6 +24,7 @@ from stagerd.contract import layout
 from stagerd.contract.step.held import held_child, refuse_links
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
+from stagerd.daemon.fleet.exchange import Stopped
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
 from stagerd.daemon.gate import Abandoned
 from stagerd.daemon.health import Health
@@ -96,6 +97,8 @@ class Tasks(FleetTasks, Health, Adoption):
             )
         except asyncio.CancelledError:
             raise
+        except Stopped:
+            return await self._fleet_stopped(step, None)
         except Exception as e:
             await self._work_failed(step, None, attempt, e)
             return
@@ -284,6 +287,8 @@ class Tasks(FleetTasks, Health, Adoption):
             result = await asyncio.get_running_loop().run_in_executor(self._lane_pools[sink], work)
         except asyncio.CancelledError:
             raise
+        except Stopped:
+            return await self._fleet_stopped(step, sink)
         except Exception as e:
             await self._work_failed(step, sink, attempt, e)
             return

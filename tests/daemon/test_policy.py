@@ -47,3 +47,27 @@ def test_a_fleet_wait_is_never_quarantined_and_ends_a_once_run_at_the_first_time
     running = load_settings(None, retry_base_seconds=2.0, max_attempts=1)
     f = decide_failure(FleetWaitError("waiting for node 1"), 50, running, now=100.0)
     assert not f.quarantine and f.next_try is not None and f.next_try > 100.0  # backs off, waits again
+
+
+async def test_a_retry_set_by_a_clock_that_went_back_since_is_due_now(tmp_path, dcp_mixed2):
+    """A failed try records its next try by the wall clock. A clock that then goes back (NTP corrects one
+    that ran a day ahead, a VM resumes) must not hold the retry back by the jump: the policy never sets one
+    later than `retry_max_seconds` from now, so one found later is due now."""
+    import time
+
+    from stagerd.daemon.discovery import save_identity
+    from stagerd.daemon.journal import Journal
+    from tests.daemon_helpers import fast_flags, manifests, run_cli, stage_copy
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    step_dir = stage_copy(root, 1, dcp_mixed2[0], 2)
+    j = Journal.open(root)  # what a daemon whose clock ran a day ahead recorded for its retry
+    j.add_step(1, step_dir, time.time(), save_identity(step_dir))
+    j.begin_export(1)
+    j.fail_export(1, "OutputError", "No space left", next_try=time.time() + 86400, quarantine=False)
+    j.close()
+    rc, _, err = await run_cli(
+        "watch", str(root), "--sink", sink.as_uri(), "--once", *fast_flags(), timeout=30
+    )
+    assert rc == 0 and list(manifests(sink)) == [1], err
+    assert "the clock went back" in err, err  # said once, in the log

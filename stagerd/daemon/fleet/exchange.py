@@ -31,6 +31,12 @@ log = logging.getLogger("stagerd.fleet")
 T = TypeVar("T")
 
 
+class Stopped(Exception):
+    """The daemon is stopping: a wait for other nodes ends at once rather than holding the shutdown for
+    its whole grace period (it holds nothing the step needs: the step is abandoned as the drain abandons
+    work, and the next start waits again)."""
+
+
 class StepExchange:
     """Node `me` of `nodes`' view of step `step` on `exchange` (read through `store`)."""
 
@@ -44,8 +50,10 @@ class StepExchange:
         wait_seconds: float,
         poll_seconds: float,
         status: Callable[[str, int], None],
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         self.exchange, self.store = exchange, store
+        self.stopping = stopping or (lambda: False)
         self.step, self.me, self.nodes = step, me, nodes
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
@@ -101,6 +109,32 @@ class StepExchange:
                     "retries by itself, and so does this one",
                 )
         return None
+
+    def failure(self, err: SinkError, sinks: Iterable[FsspecSink] = ()) -> SinkError:
+        """`err` said as the exchange's failure where it is one (a key of its `fleet/` or `raw/`, not a sink's
+        `step-N/`): every node meets there, so no sink of the step goes on without it, and no node moves to
+        another place the others would not agree on. The hint names `--exchange`, which keeps a dead sink
+        from being the exchange too."""
+        path, step = err.path or "", layout.step_dir_name(self.step)
+        if type(err) not in (SinkError, SinkAuthError) or not path.startswith(
+            self.exchange.url.rstrip("/") + "/"
+        ):
+            return err
+        # a sink's upload (the exchange may be a sink too, or hold one) is that sink's lane's
+        if any(
+            path.startswith(f"{u.rstrip('/')}/{step}") for u in [s.url for s in sinks] + [self.exchange.url]
+        ):
+            return err
+        auth = isinstance(err, SinkAuthError)
+        what = "check its credentials and write permission" if auth else "stagerd retries with backoff"
+        return (SinkAuthError if auth else SinkError)(
+            f"step {self.step}: the fleet's exchange failed, no sink of the step goes on without it: "
+            f"{err.message}",
+            path=path,
+            hint=f"{what}; every node meets on the exchange, the first fsspec sink unless --exchange names "
+            "another: to keep the other sinks publishing when one sink dies, give every node's daemon the "
+            "same --exchange URL, a store or prefix no sink uses",
+        )
 
     def read_json(self, key: str) -> dict[str, Any] | None:
         """A claim or record on the exchange; None: there is none. One that is not a JSON object (written by
@@ -212,6 +246,8 @@ class StepExchange:
                 last, deadline = text, time.monotonic() + self.wait_seconds
             named = text.split(" (", 1)[0].rsplit("node ", 1)[-1]
             self.status(text, len([n for n in named.split(", ") if n.isdigit()]) or 1)
+            if self.stopping():
+                raise Stopped(f"step {self.step}, node {self.me}: {text}")
             if time.monotonic() >= deadline:
                 raise FleetWaitError(
                     f"step {self.step}, node {self.me}: {text}: nothing new for {self.wait_seconds:g} s",

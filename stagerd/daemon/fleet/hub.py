@@ -94,6 +94,7 @@ def publish_to_hub(
     status: Callable[[str, int], None] | None = None,
     hubs: Sequence[str] = (),
     sinks: Sequence[FsspecSink] = (),
+    stopping: Callable[[], bool] | None = None,
 ) -> PublishResult:
     """Node 0: the committed export from `staging` to `hub`, then its record; the others: that record,
     awaited on the exchange (read through `exchange_store`) as every fleet wait is. `hubs`: the URL of
@@ -105,7 +106,15 @@ def publish_to_hub(
     marker = layout.read_marker(step_dir)
     me = marker.staging_node
     x = StepExchange(
-        exchange, exchange_store, step, me, marker.staging_nodes, wait_seconds, poll_seconds, status or _quiet
+        exchange,
+        exchange_store,
+        step,
+        me,
+        marker.staging_nodes,
+        wait_seconds,
+        poll_seconds,
+        status or _quiet,
+        stopping,
     )
     if _recorded(exchange, step, hub.url, hubs):
         if me == 0:  # a leader killed between the Hub record and `done.json`

@@ -2,8 +2,8 @@
 
 The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"), for node k of M:
 
-1. claim `fleet/step-N/node-K.json` on the exchange (a conditional create naming this ROOT's identity; a
-   claim by another ROOT is `FleetNodeConflictError`), then publish the raw part to
+1. claim `fleet/step-N/node-K.json` on the exchange (`claim.py`: a conditional create naming this ROOT's
+   identity; a claim by another ROOT is `FleetNodeConflictError`), then publish the raw part to
    `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
 2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
@@ -44,6 +44,7 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
+from stagerd.daemon.fleet.claim import claim, wait_agreed
 from stagerd.daemon.fleet.exchange import Progress, StepExchange
 from stagerd.daemon.fleet.hub import all_hubs_recorded
 from stagerd.daemon.fleet.lanes import Lanes, published
@@ -53,7 +54,6 @@ from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
     save_of,
-    settings_errors,
     settings_of,
 )
 from stagerd.engine.adapter import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS
@@ -61,9 +61,7 @@ from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import (
-    ConfigError,
     FleetNodeConflictError,
-    FleetWaitError,
     MarkerError,
     SinkError,
     StagerdError,
@@ -91,6 +89,7 @@ class FleetOptions:
     threads: int = 2
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
     hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
+    stopping: Callable[[], bool] | None = None  # the daemon is stopping: a wait ends (`exchange.Stopped`)
 
 
 @dataclass
@@ -136,11 +135,19 @@ class FleetNode:
         )
         self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
         self.marker = layout.read_marker(step_dir)
-        self.save = layout.marker_identity(step_dir)  # which save of this step number: `_claim` names it
+        self.save = layout.marker_identity(step_dir)  # which save of this step number: its claim names it
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         o = options  # the step's records on the exchange, and the waits for other nodes:
         self.x = StepExchange(
-            exchange, store, self.step, self.me, self.nodes, o.wait_seconds, o.poll_seconds, self.status
+            exchange,
+            store,
+            self.step,
+            self.me,
+            self.nodes,
+            o.wait_seconds,
+            o.poll_seconds,
+            self.status,
+            o.stopping,
         )
         self.base = self.x.base
         self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
@@ -148,6 +155,10 @@ class FleetNode:
     def run(self) -> FleetResult:
         try:
             return self._run()
+        except SinkError as e:
+            if (named := self.x.failure(e, self.sinks)) is e:
+                raise
+            raise named from None
         finally:  # the mirror's hard links would keep this node's shards on disk past retention
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -161,7 +172,7 @@ class FleetNode:
                 self._record_done()
             return res
         check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
-        self._claim()
+        claim(self.x, self.root_id, self.save, self._settings())
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
@@ -171,7 +182,7 @@ class FleetNode:
                 self.step_dir, self.step, progress=sending
             ).bytes_uploaded
             parts = self._wait_parts()
-            self._wait_settings()
+            wait_agreed(self.x, self._settings())
             mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read)
             p, units = self._plan(mirror, mirror.build())
             owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
@@ -240,49 +251,12 @@ class FleetNode:
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
-        from an earlier checkpoint) is not, and must not pass for published: it goes on to `_claim`, which
-        refuses it by name. A step whose raw part is gone goes on too: it is built again, and a sink that
-        holds the same export keeps it."""
+        from an earlier checkpoint) is not, and must not pass for published: it goes on to its claim
+        (`claim.py`), which refuses it by name. A step whose raw part is gone goes on too: it is built
+        again, and a sink that holds the same export keeps it."""
         key = f"{step_prefix(self.step, raw=True)}/{node_part(self.me, self.nodes)}/{layout.MARKER_NAME}"
         found = self.store.read(key)
         return found is not None and layout.identity_of(found) == self.save
-
-    def _claim(self) -> None:
-        key = self.x.claim_key(self.me)
-        mine = json.dumps(
-            {
-                "root": self.root_id,
-                "node": self.me,
-                "nodes": self.nodes,
-                "save": self.save,
-                **self._settings(),
-            }
-        ).encode()
-        if self.x.create(key, mine):
-            return
-        theirs = self.x.read_json(key) or {}
-        if theirs.get("root") != self.root_id:
-            raise FleetNodeConflictError(
-                f"step {self.step}: node {self.me} of {self.nodes} is already claimed by another ROOT "
-                f"({theirs.get('root')!r}, this one is {self.root_id!r})",
-                path=self.exchange.url + "/" + key,
-                hint="give each node its own STAGERD_NODE_ID (0..N-1), one daemon per node and ROOT; if this "
-                "ROOT made that claim under its old identity (its daemon's log says its fleet-root-id was "
-                "'taken for a copy': ROOT restored, moved to another disk, or its host renamed), remove "
-                f"{key} from the exchange and run `stagerd retry ROOT --step {self.step}`",
-            )
-        if theirs.get("save", self.save) != self.save:  # a claim by an older stagerd names no save
-            # A run restarted from an earlier checkpoint saved this step again: the exchange's records
-            # (which files are built, and `done.json`) are the other save's and would pass for this one's.
-            raise StepConflictError(
-                f"step {self.step}: the exchange's {self.base}/ belongs to another save of this step",
-                path=self.exchange.url + "/" + key,
-                hint=f"to publish the new save, remove step {self.step} from each sink and {self.base}/ and "
-                f"{step_prefix(self.step, raw=True)}/ from the exchange, then run "
-                f"`stagerd retry ROOT --step {self.step}`; to keep what was published, delete the new save",
-            )
-        if theirs.get("settings", self._settings()["settings"]) != self._settings()["settings"]:
-            self.exchange.backend.write(key, mine)  # restarted with other settings: the others compare these
 
     def _settings(self) -> dict[str, Any]:
         """What every node's daemon must agree on, named in its claim."""
@@ -291,25 +265,6 @@ class FleetNode:
         return settings_of(
             self.sinks, self._target_dtype(), o.keep_dtype, o.max_shard_size, mapping, o.hub, o.hubs
         )
-
-    def _wait_settings(self) -> None:
-        """Every other node's claim names this node's settings. A node restarted with fixed ones rewrites
-        its claim, so a difference is waited out first; one that stays is the ConfigError."""
-        found: list[tuple[int, ConfigError]] = []
-
-        def agreed() -> bool:
-            keys = {k: self.x.claim_key(k) for k in range(self.nodes) if k != self.me}
-            claims = {k: self.x.read_json(key) or {} for k, key in keys.items()}
-            where = f"{self.exchange.url}/{self.base}"
-            found[:] = settings_errors(self.step, self.me, claims, self._settings()["settings"], where)
-            return not found
-
-        try:
-            self.x.wait(agreed, lambda: f"waiting for node {found[0][0]} to run with this node's settings")
-        except FleetWaitError as e:
-            if found:
-                raise found[0][1] from e
-            raise
 
     def _record_done(self) -> None:
         """Leader: once every sink holds the step nothing reads the raw parts again, so remote retention may

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagerd.contract import layout
 from stagerd.contract.root_id import root_id
+from stagerd.daemon.journal import COMMITTED, PENDING
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
@@ -145,9 +146,16 @@ class FleetTasks(DaemonState):
             threads=s.export_threads,
             hub=bool(hubs),
             hubs=hubs,
+            stopping=lambda: self._stopping,
         )
         root = self._fleet_root_id()
         return FleetNode(step_dir, work, sinks, exchange, store, root, options, status, lanes)
+
+    async def _fleet_stopped(self, step: int, sink: str | None) -> None:
+        """A fleet wait ended by the shutdown (`exchange.Stopped`): abandoned, as the drain abandons work
+        still running at its end (the attempt given back), without holding the shutdown for its grace."""
+        await self._j(self._journal.abandon, step, sink, "abandoned at shutdown")
+        self._log_step(step, sink, COMMITTED if sink is None else PENDING, note="abandoned at shutdown")
 
     def _fleet_failed(self) -> dict[tuple[int, str], BaseException]:
         """(step, sink URL) -> what stopped that sink in the step's fleet export, for its lane's first try."""
@@ -277,6 +285,7 @@ class FleetTasks(DaemonState):
                     status=self._fleet_status(step, sink_url),
                     hubs=[u for u, s in self._sinks.items() if isinstance(s, HubSink)],
                     sinks=[s for _, s in self._fleet_sinks()],
+                    stopping=lambda: self._stopping,
                 )
         if not isinstance(target, FsspecSink):
             raise SinkError(

@@ -134,6 +134,8 @@ class Journal(RawLanes):
                 (new, error_class, message, None if quarantine else next_try, now, step),
             )
             self._event(c, step, None, old, new, error_class, message, now=now)
+            if quarantine:  # by any way (a vanished step directory among them): it waits for nothing
+                self._clear_waits(c, step)
         return new
 
     def begin_publish(self, step: int, sink: str) -> int:
@@ -247,6 +249,8 @@ class Journal(RawLanes):
                 (new, error_class, message, None if quarantine else next_try, now, step, sink),
             )
             self._event(c, step, sink, old, new, error_class, message, now=now)
+            if quarantine:
+                self._clear_waits(c, step, sink)
         return new
 
     def reexport(self, step: int, reason: str) -> None:
@@ -269,6 +273,7 @@ class Journal(RawLanes):
                 (RETIRED, now, now, step),
             )
             self._event(c, step, None, old, RETIRED, message=reason, now=now)
+            self._clear_waits(c, step)
             self._prune_history(c)
 
     def recover(self) -> list[Recovered]:

@@ -253,6 +253,22 @@ def space_shortage(directory: str | os.PathLike[str], *, inodes_only: bool = Fal
     return None
 
 
+_DAMAGED = (
+    "the journal is damaged: with no daemon running, move it aside (with its -wal and -shm files) and start "
+    "`stagerd watch ROOT` again: it finds the staged steps again, and each sink skips what it already holds"
+)
+_LOCKED = (
+    "another process holds the journal's write lock (an sqlite3 shell, a backup tool): end it; a running "
+    "daemon goes on by itself, `stagerd status` reads it meanwhile"
+)
+_HINTS = {
+    sqlite3.SQLITE_CORRUPT: _DAMAGED,
+    sqlite3.SQLITE_NOTADB: _DAMAGED,
+    sqlite3.SQLITE_BUSY: _LOCKED,
+    sqlite3.SQLITE_LOCKED: _LOCKED,
+}
+
+
 def journal_error(e: sqlite3.Error, path: Path, doing: str) -> JournalError:
     """The named error for an SQLite failure on `path`: JournalFullError when its filesystem is full.
 
@@ -267,7 +283,7 @@ def journal_error(e: sqlite3.Error, path: Path, doing: str) -> JournalError:
     elif code == sqlite3.SQLITE_CANTOPEN:
         shortage = space_shortage(path.parent, inodes_only=True)
     if shortage is None:
-        return JournalError(f"cannot {doing}: {e}", path=path)
+        return JournalError(f"cannot {doing}: {e}", path=path, hint=_HINTS.get(code))
     return JournalFullError(
         f"the disk is full ({shortage} on {path.parent}): cannot {doing} (SQLite: {e})", path=path
     )

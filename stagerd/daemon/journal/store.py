@@ -21,6 +21,8 @@ from stagerd.daemon.journal.schema import (
     EXPORTED,
     FAILED,
     PENDING,
+    PUBLISHED,
+    QUARANTINED,
     RETIRED,
     RETIRED_WITH_HISTORY,
     SCHEMA_VERSION,
@@ -45,6 +47,7 @@ _WAIT = "fleet_wait:"  # meta key prefix of a fleet step's export wait, `fleet_w
 # ... and of a Hub lane's, `fleet_lane_wait:N:SINK`: outside `fleet_wait:%`, whose suffix an older stagerd
 # reads as a step number, so that it still reads a journal with lane waits (and shows the export's)
 _LANE_WAIT = "fleet_lane_wait:"
+_OVER = "SELECT step FROM steps WHERE state IN (?, ?)"
 
 
 class JournalStore:
@@ -331,17 +334,36 @@ class JournalStore:
             else:
                 c.execute("DELETE FROM meta WHERE key = ?", (key,))
 
+    @staticmethod
+    def _clear_waits(c: sqlite3.Connection, step: int, sink: str | None = None) -> None:
+        """The step's waits (`sink`: that lane's alone) are over: it was quarantined or retired."""
+        if sink is None:
+            c.execute(
+                "DELETE FROM meta WHERE key = ? OR key LIKE ?",
+                (f"{_WAIT}{step}", f"{_LANE_WAIT}{step}:%"),
+            )
+        else:
+            c.execute("DELETE FROM meta WHERE key = ?", (f"{_LANE_WAIT}{step}:{sink}",))
+
     def waits(self) -> dict[int, dict[str | None, str]]:
         """step -> {sink: what its lane waits for; None: what its export waits for}, for every fleet step
-        waiting now (or left waiting by `--once`)."""
+        waiting now (or left waiting by `--once`); never one of a step quarantined or retired, nor of a
+        lane quarantined or published (their rows left by an older stagerd, or by a daemon killed)."""
         out: dict[int, dict[str | None, str]] = {}
         rows = self._query(
             "SELECT key, value FROM meta WHERE key LIKE ? OR key LIKE ?", (f"{_WAIT}%", f"{_LANE_WAIT}%")
         )
+        if not rows:
+            return out  # the common case: no query of a journal's every retired step
+        over = {(step, None) for (step,) in self._query(_OVER, (QUARANTINED, RETIRED))}
+        lanes = "SELECT step, sink FROM lanes WHERE state IN (?, ?)"
+        over |= set(self._query(lanes, (QUARANTINED, PUBLISHED)))
         for k, v in rows:
             if k.startswith(_WAIT):
-                out.setdefault(int(k[len(_WAIT) :]), {})[None] = json.loads(v)
+                step, sink = int(k[len(_WAIT) :]), None
             else:
-                step, sink = k[len(_LANE_WAIT) :].split(":", 1)
-                out.setdefault(int(step), {})[sink] = json.loads(v)
+                n, sink = k[len(_LANE_WAIT) :].split(":", 1)
+                step = int(n)
+            if (step, None) not in over and (step, sink) not in over:
+                out.setdefault(step, {})[sink] = json.loads(v)
         return out

@@ -155,6 +155,20 @@ class StepVersions(JournalStore):
                     out.append((step, sink))
         return out
 
+    def pull_in(self, latest: float) -> int:
+        """Failed steps and lanes whose next try is later than `latest` -> due now; returns how many. The
+        policy never sets one later than its longest delay from now: one found later was set by a clock
+        that has since gone back (NTP correcting one that ran ahead, a VM resumed), and would otherwise
+        hold its retry back by the whole jump."""
+        now, n = time.time(), 0
+        with self._tx() as c:
+            for table in ("steps", "lanes"):
+                n += c.execute(
+                    f"UPDATE {table} SET next_try = ?, updated = ? WHERE state = ? AND next_try > ?",
+                    (now, now, FAILED, latest),
+                ).rowcount
+        return n
+
     def _set_step(
         self,
         c: sqlite3.Connection,

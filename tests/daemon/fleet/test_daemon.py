@@ -14,7 +14,7 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
-from stagerd.errors import FleetWaitError
+from stagerd.errors import FleetWaitError, JournalError
 from stagerd.ops.crashpoints import ENV
 from tests.cli_helpers import run_cli, start_cli
 from tests.daemon.fleet.test_protocol import SHARD, STEP, _keys, _stage, _tree
@@ -143,6 +143,43 @@ def test_a_node_that_never_starts_times_out_once_and_stays_waiting(tmp_path, dcp
         j.close()
     # left waiting, not quarantined: failed with no next try, which the next start makes due again
     assert (row.state, row.error_class, row.next_try) == ("failed", "FleetWaitError", None)
+
+
+def test_a_sigterm_while_a_node_waits_for_another_stops_at_once(tmp_path, dcp_mixed2):
+    """A running daemon's fleet wait (up to `fleet_wait_seconds`, 600 by default) only polls the exchange:
+    a SIGTERM ends it at once, abandoned as the drain abandons work (the attempt given back), rather than
+    holding the shutdown for the whole grace period (60 s; past a pod's 30 s that is a SIGKILL)."""
+    import signal
+
+    from tests.cli_helpers import start_cli
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    root, url = node_dirs[0].parent, (tmp_path / "sink").as_uri()
+    p = start_cli(["watch", root, "--sink", url, "--max-shard-size", str(SHARD), *fast_flags()])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            j = Journal.open_readonly(root)
+        except JournalError:
+            time.sleep(0.2)  # not made yet, or not set up yet
+            continue
+        try:
+            if STEP in j.waits():
+                break
+        finally:
+            j.close()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    rc, log = _done(p, timeout=90)
+    assert rc == 0 and time.monotonic() - t0 < 20, log
+    j = Journal.open_readonly(root)
+    try:
+        (row,) = j.steps()
+    finally:
+        j.close()
+    assert (row.state, row.attempts) == ("committed", 0), log  # resumed by the next start
+    assert "abandoned at shutdown" in log
 
 
 def _status(root: Path) -> str:

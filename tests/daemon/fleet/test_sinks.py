@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions
-from stagerd.errors import SinkError
+from stagerd.errors import SinkAuthError, SinkError
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import FLEET_DONE
@@ -51,6 +51,22 @@ def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_p
     assert (b / layout.MANIFEST_NAME).is_file()
     assert (tmp_path / "b" / "latest").read_text() == step
     assert done.is_file()
+
+
+def test_a_dead_first_sink_that_is_the_exchange_is_named_as_the_exchange(tmp_path, dcp_mixed2):
+    """The exchange (by default the first sink) is the one place every node meets: no node may move to
+    another the others would not agree on, so its failure stops every sink of the step. It says so: the
+    retryable `SinkError` names the exchange and the `--exchange` that keeps a dead sink from stopping
+    the others; nothing is published anywhere."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    (tmp_path / "a").write_text("a file: every write under it fails")
+    urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
+    out = _run(node_dirs, tmp_path, urls)
+    for r in out:
+        assert isinstance(r, SinkError) and r.retryable, out
+        assert "the fleet's exchange failed" in str(r) and urls[0] in str(r), r
+        assert "--exchange" in r.hint and "\n" not in str(r), r.hint
+    assert not (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).exists()
 
 
 def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_until_healed(
@@ -117,3 +133,25 @@ def test_a_failure_a_past_try_left_stops_no_new_try_until_written_again(tmp_path
     node1.record_failure(sink_b, SinkError("NotADirectoryError: Not a directory", path=sink_b.url))
     err = node0.failure_of(sink_b, [1])  # ...and fails again, the same way
     assert isinstance(err, SinkError) and "node 1" in str(err), err
+
+
+def test_only_the_exchanges_own_keys_are_named_its_failure(tmp_path):
+    """A sink's upload (under its `step-N/`) stays that sink's error, also where the exchange is that sink
+    or holds it (a sink URL under the exchange's); a claim, record or raw part is the exchange's."""
+    from stagerd.daemon.fleet.exchange import StepExchange
+
+    url = (tmp_path / "x").as_uri()
+    x = StepExchange(FsspecSink.from_url(url), RemoteStore.open(url), STEP, 0, 2, 5, 0.05, lambda s, n: None)
+    nested = FsspecSink.from_url(f"{url}/sink")
+    step = layout.step_dir_name(STEP)
+    for path in (
+        f"{url}/{step}",
+        f"{url}/sink/{step}/model.safetensors",
+        f"{url}2/fleet/{step}/node-00000.json",
+    ):
+        e = SinkError("NotADirectoryError: Not a directory", path=path)
+        assert x.failure(e, [nested]) is e
+    for key in (x.claim_key(0), f"raw/{step}/node-00000-of-00002/model/a.safetensors"):
+        named = x.failure(SinkAuthError("permission denied", path=f"{url}/{key}"), [nested])
+        assert isinstance(named, SinkAuthError) and "the fleet's exchange failed" in str(named), named
+        assert "--exchange" in named.hint

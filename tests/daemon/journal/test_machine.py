@@ -212,6 +212,30 @@ def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
         Journal.open(tmp_path)
 
 
+def test_a_damaged_or_locked_journal_says_what_to_do(tmp_path, j):
+    """Not the default hint (that `stagerd watch` creates the journal): a damaged one is moved aside (the
+    next start finds the steps again, and the sinks skip what they hold); a lock held by another process
+    is ended."""
+    from stagerd.daemon.journal.schema import journal_error
+
+    holder = sqlite3.connect(j.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # an operator's sqlite3 shell, mid-transaction
+    other = sqlite3.connect(j.path, timeout=0)
+    with pytest.raises(sqlite3.OperationalError) as busy:
+        other.execute("BEGIN IMMEDIATE")
+    other.close()
+    holder.close()
+    assert "another process holds the journal's write lock" in journal_error(busy.value, j.path, "write").hint
+    j.close()
+    root = tmp_path / "damaged"
+    journal_path(root).parent.mkdir(parents=True)
+    journal_path(root).write_bytes(b"this is not a database" * 100)
+    for opening in (Journal.open, Journal.open_readonly):
+        with pytest.raises(JournalError) as e:
+            opening(root)
+        assert "move it aside" in e.value.hint, e.value.hint
+
+
 def test_meta_round_trips(j):
     j.set_meta(pid=12, sinks=[A, B], keep_last=None)
     assert j.meta() == {"pid": 12, "sinks": [A, B], "keep_last": None}
@@ -246,6 +270,37 @@ def test_fleet_waits_are_kept_per_sink_and_read_both_ways(tmp_path, j):
     assert j.waits()[9] == {None: "waiting for node 2"}
     j.set_wait(7, None)
     assert 7 in j.waits() and None not in j.waits()[7]
+
+
+def test_a_wait_ends_with_its_step_or_lane_quarantined_or_retired(j):
+    """A fleet step a `--once` run left waiting whose directory is then removed is quarantined at the next
+    start (`MissingStep`), not by its wait's end: `stagerd status` must not go on showing what it waited
+    for. Likewise a lane's wait with the lane quarantined, and every wait of a retired step; a row an older
+    stagerd left for such a step is not shown either."""
+    j.add_step(7, "/root/step-00000007", 1.0)
+    j.begin_export(7)
+    j.set_wait(7, "waiting for node 1 (seen: node-00000-of-00002)")
+    j.fail_export(7, "FleetWaitError", "nothing new for 600 s", next_try=None, quarantine=False)
+    assert j.waits() == {7: {None: "waiting for node 1 (seen: node-00000-of-00002)"}}  # --once: shown
+    j.quarantine_step(7, "MissingStep", "the step directory disappeared")
+    exported(j, 8)
+    j.set_wait(8, "waiting for node 0 to publish step 8 to the Hub sink A", A)
+    j.set_wait(8, "waiting for node 0 to publish step 8 to the Hub sink B", B)
+    j.begin_publish(8, A)
+    j.fail_publish(8, A, "SinkAuthError", "denied", next_try=None, quarantine=True)
+    assert j.waits() == {8: {B: "waiting for node 0 to publish step 8 to the Hub sink B"}}
+    publish(j, 8, B)
+    exported(j, 9, sinks=(A,))
+    j.set_wait(9, "waiting for node 0 to publish step 9 to the Hub sink A", A)
+    publish(j, 9, A, sinks=(A,))
+    j.retire(9, "retention")
+    assert j.waits() == {}
+    old = sqlite3.connect(j.path)  # rows an older stagerd left behind
+    old.execute("INSERT INTO meta (key, value) VALUES ('fleet_wait:7', '\"waiting for node 1\"')")
+    old.execute("INSERT INTO meta (key, value) VALUES ('fleet_lane_wait:9:file:///a', '\"waiting\"')")
+    old.commit()
+    old.close()
+    assert j.waits() == {}
 
 
 def test_a_journal_that_was_never_set_up_says_so_and_the_next_start_sets_it_up(tmp_path):
