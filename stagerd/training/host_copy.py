@@ -6,7 +6,9 @@ buffers missing from the pool are allocated, and each source storage is copied o
 `non_blocking` on a side stream that first waits for that event (a DMA into page-locked memory, beside
 the next forward and backward), or with a plain copy for host tensors. The copy's Future resolves once
 every byte has landed; `wait_staged()` waits for it, and the parameters may change only after that
-(the optimizer's next step).
+(the optimizer's next step). The tensors a forward may update in place (`eager`: buffers such as
+BatchNorm's running statistics) are snapshotted on their device first, before `save()` returns and (with
+CUDA) ahead of the next forward on the current stream; their buffers are filled from that snapshot.
 
 The tensors are the local tensors of DTensors (their `_local_tensor`, without `to_local()`'s autograd
 node): views of one storage share one buffer, a tensor under two keys (tied weights) is copied once, and
@@ -57,6 +59,13 @@ class Staging:
         return self.future.result()
 
 
+Job = tuple[
+    list[tuple[str, torch.Tensor, DTensor | None]],  # (name, local tensor, its DTensor) of each leaf
+    dict[torch.device, torch.cuda.Event],  # the compute stream's state at save(), per device
+    dict[StorageKey, torch.Tensor],  # the snapshots of the storages copied at save() (`eager`)
+]
+
+
 class HostCopier:
     """Copies state dicts into one `HostPool` on the Stager's copy thread."""
 
@@ -65,40 +74,43 @@ class HostCopier:
         self._executor = executor
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def start(self, tensors: dict[str, torch.Tensor]) -> Staging:
-        """Start copying `tensors` (name -> tensor or DTensor); returns at once."""
+    def start(self, tensors: dict[str, torch.Tensor], eager: Iterable[str] = ()) -> Staging:
+        """Start copying `tensors` (name -> tensor or DTensor); returns once those named in `eager` are
+        snapshotted (`eager`), the rest is copied later."""
         leaves = [
             (name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()
         ]
+        wanted = set(eager)
+        snaps = _snapshot(local for name, local, _ in leaves if name in wanted)
         ready: dict[torch.device, torch.cuda.Event] = {}
         for _, local, _ in leaves:
             if local.is_cuda and local.device not in ready:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(local.device))
                 ready[local.device] = ev
-        return Staging(self._executor.submit(self._copy, leaves, ready))
+        return Staging(self._executor.submit(self._copy, [(leaves, ready, snaps)]))
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def _copy(
-        self,
-        leaves: list[tuple[str, torch.Tensor, DTensor | None]],
-        ready: dict[torch.device, torch.cuda.Event],
-    ) -> list[Staged]:
+    def _copy(self, job: list[Job]) -> list[Staged]:
+        # The executor's work item keeps its arguments until after the Future resolves: taken out of
+        # it, the sources are let go before, and a waiter finds nothing of the caller's state held.
+        leaves, ready, snaps = job.pop()
         with torch.no_grad():
-            return self._copy_all(leaves, ready)
+            return self._copy_all(leaves, ready, snaps)
 
     def _copy_all(
         self,
         leaves: list[tuple[str, torch.Tensor, DTensor | None]],
         ready: dict[torch.device, torch.cuda.Event],
+        snaps: dict[StorageKey, torch.Tensor],
     ) -> list[Staged]:
         self.pool.wait_reserved()
         staged: list[Staged] = []
-        copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (buffer, its bytes)
         for name, local, dt in leaves:
             key = storage_key(local)
             if key[2] == 0:  # nothing to copy (an empty tensor): a host tensor of its shape
@@ -106,32 +118,52 @@ class HostCopier:
                 continue
             buf = self.pool.get(key)
             if key not in copies:
-                copies[key] = (buf, local)
+                copies[key] = (buf, snaps[key] if key in snaps else _bytes_of(local))
             host = torch.empty(0, dtype=local.dtype).set_(
                 buf.untyped_storage(), local.storage_offset(), local.shape, local.stride()
             )
             staged.append(Staged(name, host, dt))
         done: list[torch.cuda.Event] = []
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for buf, local in copies.values():
-            by_device.setdefault(local.device, []).append((buf, local))
+        for buf, src in copies.values():
+            by_device.setdefault(src.device, []).append((buf, src))
         for device, pairs in by_device.items():
             if device.type == "cuda":
                 side = self._stream(device)
                 side.wait_event(ready[device])
                 with torch.cuda.stream(side):
-                    for buf, local in pairs:
-                        buf.copy_(_bytes_of(local), non_blocking=True)
+                    for buf, src in pairs:
+                        buf.copy_(src, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(side)
                 done.append(ev)
             else:
-                for buf, local in pairs:
-                    buf.copy_(_bytes_of(local))
+                for buf, src in pairs:
+                    buf.copy_(src)
         for ev in done:
             ev.synchronize()
         self.pool.keep_only(set(copies))
         return staged
+
+
+def _snapshot(tensors: Iterable[torch.Tensor]) -> dict[StorageKey, torch.Tensor]:
+    """A copy of each storage under `tensors`, made now: one concatenation per device, queued on its
+    current stream with CUDA (ahead of whatever the caller queues next), so later in-place updates of
+    the sources do not reach it (`eager`)."""
+    by_device: dict[torch.device, dict[StorageKey, torch.Tensor]] = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key[2]:
+            by_device.setdefault(t.device, {}).setdefault(key, _bytes_of(t))
+    out: dict[StorageKey, torch.Tensor] = {}
+    for device, flats in by_device.items():
+        with (
+            torch.no_grad(),
+            torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(),
+        ):
+            whole = torch.cat(list(flats.values()))
+        out.update(zip(flats, whole.split([f.numel() for f in flats.values()]), strict=True))
+    return out
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,11 @@ def tensors_in(states: Iterable[Any]) -> list[torch.Tensor]:
     return [t for s in states if isinstance(s, Mapping) for t in s.values() if isinstance(t, torch.Tensor)]
 
 
+def hooked(handle: RemovableHandle) -> bool:
+    """Whether the wait hook `handle` is still registered (not removed since)."""
+    return handle.id in (handle.hooks_dict_ref() or {})
+
+
 def install(stager: Attachable, optimizer: torch.optim.Optimizer) -> tuple[RemovableHandle, RemovableHandle]:
     """(the wait's pre-hook, the one-shot reservation's post-hook) on `optimizer`."""
     me = weakref.ref(stager)

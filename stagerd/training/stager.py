@@ -13,14 +13,15 @@
 
 `save()` takes the tensors and returns; the device-to-host copy (`host_copy`, into the Stager's own host
 buffers, `host_pool`) runs on a side stream under the next forward and backward, since nothing changes
-the parameters before the next optimizer step. `wait_staged()` blocks until the copy is done: call it
-right before the next `optimizer.step()`, or let `attach(optimizer)` make the optimizer call it. While
-the copy runs, `save()` checks the arguments and the step (`save_inputs`) and checks in with the other
-ranks (one small gloo all_reduce, `failures`) before anything is written. Everything else runs behind it,
-on the committer thread (`committer`): one write per rank of its model shard, optimizer state and extras
-(`shard_files`, at the disk's speed), then the commit marker (`marker`). How the root is shared between
-nodes is probed at construction (`topology`); what `close()` and the process's exit stop is in
-`shutdown`. Nothing here uses torch's private checkpoint staging or async-save machinery.
+the parameters before the next optimizer step; the buffers a forward updates in place (BatchNorm's
+running statistics) are copied before `save()` returns (`eager`). `wait_staged()` blocks until the copy
+is done: call it right before the next `optimizer.step()`, or let `attach(optimizer)` make the optimizer
+call it. While the copy runs, `save()` checks the arguments and the step (`save_inputs`) and checks in
+with the other ranks (one small gloo all_reduce, `failures`) before anything is written. Everything else
+runs behind it, on the committer thread (`committer`): one write per rank of its model shard, optimizer
+state and extras (`shard_files`, at the disk's speed), then the commit marker (`marker`). How the root is
+shared between nodes is probed at construction (`topology`); what `close()` and the process's exit stop
+is in `shutdown`. Nothing here uses torch's private checkpoint staging or async-save machinery.
 
 Host buffers are allocated (and, with CUDA, page-locked) on first use and reused by every later save of
 the same tensors; `attach()` and `reserve()` allocate them in the background ahead of the first save.
@@ -57,6 +58,7 @@ from stagerd.training import optimizer_hook, shutdown, to_hub
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
+from stagerd.training.eager import Owners
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle
 from stagerd.training.host_copy import HostCopier, Staging, completion, reserve_keys, settle
@@ -204,9 +206,11 @@ class Stager:
             # written to disk before the check-in; a refused save only filled our own staging buffers.
             if optim_sd is None:  # ahead of the copy on its thread, so the save ends after it
                 self._copy_thread.submit(self._pools["optim"].release)
-            staging["model"] = self._copiers["model"].start(model_tensors)
+            # What no waiting optimizer step owns is copied now, before the next forward (`eager`).
+            owners = Owners.of(model, [o for o, h in self._attached.items() if optimizer_hook.hooked(h)])
+            staging["model"] = self._copiers["model"].start(model_tensors, owners.eager(model_tensors))
             if optim_sd is not None:
-                staging["optim"] = self._copiers["optim"].start(optim_tensors)
+                staging["optim"] = self._copiers["optim"].start(optim_tensors, owners.eager(optim_tensors))
             spec = describe_save(
                 step,
                 self.step_dir(step),
@@ -298,7 +302,7 @@ class Stager:
         (`optimizer_hook`).
         """
         held = self._attached.get(optimizer)
-        if held is not None and held.id in (held.hooks_dict_ref() or {}):  # not removed since
+        if held is not None and optimizer_hook.hooked(held):
             return held
         wait, reserve = optimizer_hook.install(self, optimizer)
         self._hooks += [wait, reserve]
