@@ -21,6 +21,11 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 } 2>&1 | tee "$OUT/machine.txt"
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || echo "C kernels not built: numpy casts" | tee -a "$OUT/machine.txt"
 python3 -c "import stagerd.cmd.watch, stagerd.training" || exit 1
+# The forward-updated buffers (BatchNorm) saved as at save() on CUDA, where stream order guarantees it.
+if python3 -c "import pytest" 2> /dev/null; then
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+        tests/training/test_forward_buffers.py -k cuda 2>&1 | tail -3 | tee "$OUT/buffers.log"
+fi
 if [ $# -eq 0 ]; then
     set -- --preset 1b --long 18 --short 4 --saves 4 --slow-saves 2 --base-steps 24
 fi

@@ -13,20 +13,27 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
 
 
+CUDA = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: bench/device_goodput.sh")
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("known", ["attach", "model", "neither"])
-def test_buffers_the_next_forward_updates_are_saved_as_at_save(tmp_path, known):
+def test_buffers_the_next_forward_updates_are_saved_as_at_save(tmp_path, known, device):
     """The README's loop: save, then the next forward and backward run while the host copy does, and the
     wait comes before the optimizer step. BatchNorm's forward updates running_mean, running_var and
     num_batches_tracked in place (without bumping their versions), so a copy that reached them after
     that forward saved them one forward later than the parameters: a resume was not bit for bit. The
     copy thread is held until the forward is done, as a large tensor copied first holds it; every saved
     tensor must be the value at save(), whether the Stager knows the parameters from an attached
-    optimizer, from `model=`, or not at all."""
+    optimizer, from `model=`, or not at all. On CUDA the snapshot is ordered before that forward by the
+    compute stream."""
     from stagerd import Stager
 
-    model = _model()
+    model = _model().to(device)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(6, 8)
+    x = torch.randn(6, 8, device=device)
 
     def forward_backward() -> None:
         model(x).pow(2).sum().backward()
