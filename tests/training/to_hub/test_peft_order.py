@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,15 +35,21 @@ def _lora_llama(**lora_kw) -> torch.nn.Module:
     return peft.get_peft_model(base, lora)
 
 
-def test_the_merged_export_is_sharded_as_save_pretrained_of_the_merged_model(tmp_path):
+def _saved_and_exported(model: torch.nn.Module, tmp_path: Path, **export_kw) -> Path:
+    """Step 1 of `model` saved through the Stager with `model=`, then exported: the export's directory."""
     from stagerd import Stager
     from stagerd.engine.export import export_step
 
-    model = _lora_llama()
-    limit = 3000  # a few tensors per file, so order decides which file each lands in
     with Stager(tmp_path / "root") as stager:
         stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=limit).export_dir
+    return export_step(tmp_path / "root" / layout.step_dir_name(1), **export_kw).export_dir
+
+
+def test_the_merged_export_is_sharded_as_save_pretrained_of_the_merged_model(tmp_path):
+
+    model = _lora_llama()
+    limit = 3000  # a few tensors per file, so order decides which file each lands in
+    export = _saved_and_exported(model, tmp_path, max_shard_size=limit)
 
     ref = tmp_path / "ref"
     copy.deepcopy(model).merge_and_unload().save_pretrained(ref, max_shard_size=limit)
@@ -60,8 +67,6 @@ def test_a_modules_to_save_copy_is_exported_as_the_merged_models_own_module(tmp_
     modules_to_save.default.weight`, ...), which from_pretrained does not load: a model of random weights."""
     import transformers as tf
 
-    from stagerd import Stager
-    from stagerd.engine.export import export_step
     from tests.fidelity import harness
 
     model = _lora_llama(modules_to_save=["lm_head"])
@@ -70,9 +75,7 @@ def test_a_modules_to_save_copy_is_exported_as_the_merged_models_own_module(tmp_
             if "modules_to_save" in n or "lora_B" in n:
                 p.add_(torch.randn_like(p))
     limit = 3000
-    with Stager(tmp_path / "root") as stager:
-        stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1), max_shard_size=limit).export_dir
+    export = _saved_and_exported(model, tmp_path, max_shard_size=limit)
     ref = tmp_path / "ref"
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(ref, max_shard_size=limit)
@@ -96,8 +99,6 @@ def test_a_model_with_a_second_adapter_saves_and_exports_the_active_one(tmp_path
     merged, the other's tensors left out."""
     import transformers as tf
 
-    from stagerd import Stager
-    from stagerd.engine.export import export_step
     from tests.fidelity import harness
 
     model = _lora_llama()
@@ -107,9 +108,7 @@ def test_a_model_with_a_second_adapter_saves_and_exports_the_active_one(tmp_path
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.add_(torch.randn_like(p))
-    with Stager(tmp_path / "root") as stager:
-        stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    export = _saved_and_exported(model, tmp_path)
     ref = tmp_path / "ref"
     model.save_pretrained(ref)
     for name in ("adapter_model.safetensors", "adapter_config.json"):
@@ -143,17 +142,13 @@ def test_adapter_config_lists_target_modules_in_save_pretraineds_order(tmp_path)
     """PEFT writes `target_modules` (a set) as list(deepcopy(set)). Before, the config was deep-copied
     first, so the set was copied twice, and the list could come out in another order than in the
     adapter_config.json that `PeftModel.save_pretrained` writes in the same process."""
-    from stagerd import Stager
-    from stagerd.engine.export import export_step
 
     targets = _reordered_by_a_second_copy()
     if targets is None:
         pytest.skip("no set of these names reorders under this hash seed")
     model = _lora_llama()
     model.peft_config["default"].target_modules = targets
-    with Stager(tmp_path / "root") as stager:
-        stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    export = _saved_and_exported(model, tmp_path)
     model.save_pretrained(tmp_path / "ref")
     name = "adapter_config.json"
     assert (export / "adapter" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
@@ -165,8 +160,6 @@ def test_a_lora_embedding_is_merged_as_merge_and_unload_merges_it(tmp_path):
     which from_pretrained does not load."""
     import transformers as tf
 
-    from stagerd import Stager
-    from stagerd.engine.export import export_step
     from tests.fidelity import harness
 
     model = _lora_llama(target_modules=["q_proj", "embed_tokens"])
@@ -174,9 +167,7 @@ def test_a_lora_embedding_is_merged_as_merge_and_unload_merges_it(tmp_path):
         for n, p in model.named_parameters():
             if ".lora_" in n:
                 p.add_(torch.randn_like(p))
-    with Stager(tmp_path / "root") as stager:
-        stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    export = _saved_and_exported(model, tmp_path)
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(tmp_path / "ref")
     got, want = harness.tensors(export), harness.tensors(tmp_path / "ref")
@@ -194,8 +185,6 @@ def test_a_lora_model_whose_conversion_pads_with_zeros_is_merged(tmp_path):
     fill up among the merged model's tensors: the main export fell back to PEFT's own names."""
     import transformers as tf
 
-    from stagerd import Stager
-    from stagerd.engine.export import export_step
     from tests.fidelity import harness
     from tests.fidelity.registry import cases as registry
     from tests.fidelity.registry.check import build
@@ -205,9 +194,7 @@ def test_a_lora_model_whose_conversion_pads_with_zeros_is_merged(tmp_path):
     base = build(registry.Case("inkling2_text", "Inkling2ForCausalLM", over=(("unpadded_vocab_size", 56),)))
     lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj.linear"], task_type="CAUSAL_LM")
     model = peft.get_peft_model(base, lora)
-    with Stager(tmp_path / "root") as stager:
-        stager.save(model.state_dict(), 1, model=model).result()
-    export = export_step(tmp_path / "root" / layout.step_dir_name(1)).export_dir
+    export = _saved_and_exported(model, tmp_path)
     copy.deepcopy(model).merge_and_unload().save_pretrained(tmp_path / "ref")
     got, want = harness.tensors(export), harness.tensors(tmp_path / "ref")
     assert sorted(got) == sorted(want)
