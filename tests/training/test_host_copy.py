@@ -202,10 +202,12 @@ def test_finished_saves_hold_no_host_buffers_until_wait(tmp_path):
     mib = 34  # above glibc's largest mmap threshold, so a freed buffer leaves the resident set
     with Stager(tmp_path) as stager:
         grown = []
-        for step in range(1, 4):
+        for step in range(1, 5):
             w = torch.ones((mib << 18) + step)  # a new tensor, one element longer each save
             stager.save({"w": w}, step).result()
             del w
             grown.append(_rss_mib())
-        assert len(stager.wait()) == 3
-    assert grown[-1] - grown[0] < mib, f"resident MiB after each save: {grown}"
+        assert len(stager.wait()) == 4
+    # From the second save on: in a long-lived test worker, the first save's rise can hold one more
+    # buffer-sized block (seen once in CI, [1548, 1582, 1582]); what grew before was every save.
+    assert grown[-1] - grown[1] < mib, f"resident MiB after each save: {grown}"
