@@ -67,22 +67,27 @@ class LocalBackend:
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
-    def sweep(self, prefix: str) -> None:
+    def sweep(self, prefix: str, *, settled: bool = False) -> None:
         """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
-        those: the sink's directory may hold other tools' files, and temp names like ours)."""
+        those: the sink's directory may hold other tools' files, and temp names like ours). `settled`:
+        under `prefix/`, every other host's too (see `Backend.sweep`)."""
         base = self.root / prefix
-        found = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        inside = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        beside = []
         for top in {self.root, base.parent}:
             names = os.listdir(top) if top.is_dir() else []
-            found += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
+            beside += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
         now: float | None = None
-        for p in found:
+        for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
             m = _TEMP_NAME.fullmatch(p.name)
             if m is None:
                 continue
             if m["host"] == HOST:
                 if not pid_alive(int(m["pid"])):
                     p.unlink(missing_ok=True)
+                continue
+            if settled and under:
+                p.unlink(missing_ok=True)
                 continue
             # Another host's pid says nothing here, and an older stagerd's name says no host: either may
             # be a live writer on another host, so only what nobody has written for long goes.

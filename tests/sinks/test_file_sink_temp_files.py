@@ -97,3 +97,22 @@ def test_a_link_at_latests_temp_name_is_never_written_through(tmp_path):
     LocalBackend(dest).write("latest", b"step-00000001")
     assert victim.read_bytes() == b"not stagerd's"
     assert (dest / "latest").read_bytes() == b"step-00000001" and not tmp.exists()
+
+
+def test_the_fleets_commit_sweeps_a_killed_owners_temp_file_from_any_host(tmp_path):
+    """The fleet's leader commits a step its owners uploaded: none of them writes under it any more, so a
+    killed owner's partial file (another host's, fresh) goes; beside `latest` another host's stays."""
+    from stagerd.sinks.fsspec import FsspecSink
+
+    dest = tmp_path / "dest"
+    sink = FsspecSink.from_url(dest.as_uri())
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(b"x" * 1000)
+    up = sink.backend.upload(STEP, [LocalFile("model.safetensors", src, 1000)], ByteProgress(1000, None))
+    killed = dest / STEP / ".model.safetensors.tmp-node_7-999999999-1"
+    writing = dest / ".latest.tmp-node_7-999999999-2"
+    for p in (killed, writing):
+        p.write_bytes(b"partial")
+    assert sink.commit_uploaded(2, up)
+    assert not killed.exists() and writing.exists()
+    assert (dest / "latest").read_text() == STEP
