@@ -46,7 +46,7 @@ class Housekeeping(Health, Adoption):
             if self._stopping:
                 return
             row = by_step[step]
-            kept = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
+            kept, deleted = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
             if kept is not None:
                 if step not in self._retention_kept:
                     self._retention_kept.add(step)
@@ -54,37 +54,38 @@ class Housekeeping(Health, Adoption):
                 continue
             self._retention_kept.discard(step)
             self._retention_pinned.discard(step)
-            await self._j(self._journal.retire, step, f"retention: keep_last={self.settings.keep_last}")
-            self._log_step(
-                step, None, RETIRED, note=f"staged data deleted (keep_last={self.settings.keep_last})"
-            )
+            # an operator may have moved or removed the directory by hand: say so, not that we deleted it
+            what = "staged data deleted" if deleted else "its directory was already gone: nothing deleted"
+            why = f"keep_last={self.settings.keep_last}"
+            await self._j(self._journal.retire, step, f"retention: {why}" + ("" if deleted else f"; {what}"))
+            self._log_step(step, None, RETIRED, note=f"{what} ({why})")
         await self._trash(empty_trash, self.root, *self._set_aside_places())
 
-    def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> str | None:
+    def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> tuple[str | None, bool]:
         """Trash thread: delete what retention may of a published step, under the step's lock, and only
-        while the directory still holds the save the sinks have; else why it was kept. A step deleted by
-        hand and saved again (a run restarted from an earlier checkpoint) is a new save that no sink has,
-        or one being written."""
+        while the directory still holds the save the sinks have; returns why it was kept (or None), and
+        whether anything was deleted. A step deleted by hand and saved again (a run restarted from an
+        earlier checkpoint) is a new save that no sink has, or one being written."""
         paths = self._retired_paths(step_dir)
         if step_dir not in paths:  # an adopted checkpoint stays: only stagerd's export of it goes
-            for path in paths:
-                remove_step_data(self.root, path)
-            return None
+            return None, _remove_all(self.root, paths)
         lock = StepLock(self.root, step, "retention") if self._adopt_root is None else None
         try:
             if lock is not None:
                 lock.acquire()
             with Unpinned(self.root, step) as free:
                 if not free:
-                    return "a trainer holds it (its best model, read back when training ends)"
+                    return "a trainer holds it (its best model, read back when training ends)", False
                 return self._remove_save(step_dir, marker_id, paths)
         except StepBusyError as e:
-            return str(e)
+            return str(e), False
         finally:
             if lock is not None:
                 lock.release()
 
-    def _remove_save(self, step_dir: Path, marker_id: str | None, paths: list[Path]) -> str | None:
+    def _remove_save(
+        self, step_dir: Path, marker_id: str | None, paths: list[Path]
+    ) -> tuple[str | None, bool]:
         """Under the step's lock: delete a published step's data while it holds the save the sinks have."""
         if step_dir.is_dir():
             try:
@@ -94,12 +95,10 @@ class Housekeeping(Health, Adoption):
             except (FileNotFoundError, MarkerError):
                 ident = None
             if ident is None:
-                return "its directory holds no committed save: a save of it may be in progress"
+                return "its directory holds no committed save: a save of it may be in progress", False
             if marker_id is not None and ident != marker_id:
-                return "its directory holds another save of it, made since the one the sinks hold"
-        for path in paths:
-            remove_step_data(self.root, path)
-        return None
+                return "its directory holds another save of it, made since the one the sinks hold", False
+        return None, _remove_all(self.root, paths)
 
     def _set_aside_places(self) -> list[Path]:
         """Where retention may set a step's data aside besides ROOT: the adopted checkpoints' exports."""
@@ -132,14 +131,24 @@ class Housekeeping(Health, Adoption):
                 log.warning("housekeeping failed: %s", e)
 
 
-def remove_step_data(root: Path, path: Path) -> None:
+def _remove_all(root: Path, paths: list[Path]) -> bool:
+    """Remove each of `paths`; whether any was there to remove."""
+    removed = False
+    for path in paths:
+        removed = remove_step_data(root, path) or removed
+    return removed
+
+
+def remove_step_data(root: Path, path: Path) -> bool:
     """Into ROOT's trash by one rename when it is on ROOT's filesystem, else set aside by one rename beside
-    it and removed there (`ROOT/.stagerd` or an export directory on another disk)."""
+    it and removed there (`ROOT/.stagerd` or an export directory on another disk). False when `path` was
+    already gone."""
     try:
-        move_to_trash(root, path)
+        return move_to_trash(root, path) is not None
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
         aside = set_aside(path)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+        return aside is not None

@@ -182,7 +182,7 @@ class FsspecSink(LatestMixin):
             self._check_same(parse_manifest(raw, self._where(key)), manifest, key)
         crash_point("fleet.manifest")
         self._move_latest(prefix, step)
-        self._call(lambda: b.sweep(prefix), prefix)
+        self._call(lambda: b.sweep(prefix, settled=True), prefix)  # a killed owner's, on any host
         return bool(created)
 
     # -- the algorithm -----------------------------------------------------------------------------------

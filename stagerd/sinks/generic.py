@@ -41,7 +41,7 @@ class FsspecBackend:
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
-    def sweep(self, prefix: str) -> None:
+    def sweep(self, prefix: str, *, settled: bool = False) -> None:
         """Nothing: writes through fsspec leave no temp names of ours."""
 
     def read(self, key: str, limit: int | None = None) -> bytes | None:

@@ -9,7 +9,9 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,15 @@ from stagerd.sinks.objects import (
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-# `.NAME.tmp-PID[-TID]`: LocalBackend's and layout.write_bytes_atomic's temp names
-_TEMP_NAME = re.compile(r"\..+\.tmp-(\d+)(?:-\d+)?")
+# A file:// sink may be one directory that many hosts (NFS) write: a temp name says which host's process
+# writes it, `.NAME.tmp-HOST-PID-TID`, HOST with no `-` so the name parses one way. An older stagerd's
+# (and layout.write_bytes_atomic's) `.NAME.tmp-PID[-TID]` says no host.
+HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
+_TEMP_NAME = re.compile(r"\..+\.tmp-(?:(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-\d+|(?P<old>\d+)(?:-\d+)?)")
+# A temp file not ours (another host's, or one naming no host) whose writer stopped writing it this long
+# ago by the store's clock: a live writer renames `latest`'s within milliseconds and writes an upload's
+# without pause, so it is a killed one's (or a lost host's), left for good otherwise.
+TEMP_STALE_S = 3600.0
 
 
 class LocalBackend:
@@ -58,17 +67,38 @@ class LocalBackend:
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
 
-    def sweep(self, prefix: str) -> None:
+    def sweep(self, prefix: str, *, settled: bool = False) -> None:
         """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
-        those: the sink's directory may hold other tools' files, and temp names like ours)."""
+        those: the sink's directory may hold other tools' files, and temp names like ours). `settled`:
+        under `prefix/`, every other host's too (see `Backend.sweep`)."""
         base = self.root / prefix
-        found = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        inside = [Path(d) / n for d, _, names in os.walk(base) for n in names]
+        beside = []
         for top in {self.root, base.parent}:
             names = os.listdir(top) if top.is_dir() else []
-            found += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
-        for p in found:
+            beside += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
+        now: float | None = None
+        for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
             m = _TEMP_NAME.fullmatch(p.name)
-            if m and not pid_alive(int(m.group(1))):
+            if m is None:
+                continue
+            if m["host"] == HOST:
+                if not pid_alive(int(m["pid"])):
+                    p.unlink(missing_ok=True)
+                continue
+            if settled and under:
+                p.unlink(missing_ok=True)
+                continue
+            # Another host's pid says nothing here, and an older stagerd's name says no host: either may
+            # be a live writer on another host, so only what nobody has written for long goes.
+            if m["old"] is not None and pid_alive(int(m["old"])):
+                continue
+            try:
+                mtime = p.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            now = _store_now(self.root) if now is None else now
+            if now - mtime > TEMP_STALE_S:
                 p.unlink(missing_ok=True)
 
     def read(self, key: str, limit: int | None = None) -> bytes | None:
@@ -81,12 +111,31 @@ class LocalBackend:
     def write(self, key: str, data: bytes) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        layout.write_bytes_atomic(path, data)
+        tmp = _temp_name(path)
+        # The name is predictable: whatever has it (a killed writer's, a link placed there) is removed,
+        # never written through; O_EXCL then makes the file ours (as layout.write_bytes_atomic does).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a full disk must not keep a half-written temp file
+            raise
+        layout.fsync_dir(path.parent)
 
     def create(self, key: str, data: bytes) -> bool:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        tmp = _temp_name(path)
         self._write_fsync(tmp, [memoryview(data)])
         try:
             os.link(tmp, path)
@@ -128,7 +177,7 @@ class LocalBackend:
         for f in files:
             dst = self.root / prefix / f.rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+            tmp = _temp_name(dst)
             h = hashlib.sha256()
 
             def chunks(f: LocalFile = f, h: Any = h) -> Any:
@@ -166,6 +215,23 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}-{threading.get_ident()}")
+
+
+def _store_now(root: Path) -> float:
+    """The store's time now: the mtime of a file written now (on NFS, the server's), so an age never
+    compares two machines' clocks."""
+    probe = _temp_name(root / ".stagerd-clock")
+    try:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime
+    except OSError:
+        return time.time()  # a read-only sink: nothing of ours to sweep there anyway
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 _THREAD_LOCKS: dict[str, threading.Lock] = {}

@@ -123,8 +123,10 @@ class Backend(Protocol):
         """Upload `files` under `prefix/`, hashing while streaming."""
         ...
 
-    def sweep(self, prefix: str) -> None:
-        """Remove what a killed publisher left of `prefix/`: temp files, pending multipart uploads."""
+    def sweep(self, prefix: str, *, settled: bool = False) -> None:
+        """Remove what a killed publisher left of `prefix/`: temp files, pending multipart uploads.
+        `settled`: the step's manifest is there and none of its writers is left (the fleet's commit, once
+        every owner recorded its files), so a file:// temp file there goes whoever's host wrote it."""
         ...
 
     def close(self) -> None: ...

@@ -224,3 +224,51 @@ def test_a_trash_linked_away_while_it_is_emptied_empties_nothing_elsewhere(tmp_p
     assert empty_trash(root) == 1
     assert (victim / moved.name / "model" / "shard").read_bytes() == b"x"
     assert list((root / layout.STATE_DIR / "trash-aside").iterdir()) == []
+
+
+def _published(journal, step: int, path, sink: str) -> None:
+    journal.add_step(step, path, 0.0)
+    journal.begin_export(step)
+    journal.finish_export(step, [sink], seconds=0, export_bytes=0, tensor_bytes=0, files=0, skipped=False)
+    journal.begin_publish(step, sink)
+    journal.finish_publish(
+        step, sink, sinks=[sink], seconds=0, bytes_total=0, bytes_uploaded=0, location=sink, skipped=False
+    )
+
+
+def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_path, caplog):
+    """Steps 1-3 published, keep 1; an operator renamed step 1's directory and removed step 2's by hand
+    while the daemon ran. Retention logged both "retired (staged data deleted)", though it deleted nothing
+    (the renamed copy is still on disk): the log and the journal now say the directory was already gone."""
+    import asyncio
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+    from stagerd.daemon.journal import Journal
+
+    root, sink = tmp_path / "root", (tmp_path / "sink").as_uri()
+    dirs = {s: root / layout.step_dir_name(s) for s in (1, 2, 3)}
+    for path in dirs.values():
+        (path / "model").mkdir(parents=True)
+    d = Daemon(Settings(root=str(root), sinks=[sink], keep_last=1, once=True, metrics_port=0))
+    d._journal = Journal.open(root)
+    d._jpool, d._trashpool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    try:
+        for s, path in dirs.items():
+            _published(d._journal, s, path, sink)
+        dirs[1].rename(root / "step-1-kept-by-hand")
+        shutil.rmtree(dirs[2])
+        with caplog.at_level(logging.INFO, logger="stagerd"):
+            asyncio.run(d._retain())
+        retired = {r.step: r for r in d._journal.steps(include_retired=True)}
+    finally:
+        d._journal.close()
+        d._jpool.shutdown()
+        d._trashpool.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
+    gone = "retired (its directory was already gone: nothing deleted (keep_last=1))"
+    assert lines == [f"step 1: {gone}", f"step 2: {gone}"], lines
+    assert (root / "step-1-kept-by-hand" / "model").is_dir()
+    assert retired[1].state == retired[2].state == "retired" and retired[3].state == "published"

@@ -16,6 +16,7 @@ from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.sinks import PublishResult, Sink, open_sink
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.hashing import composite_checksum, hash_file, raw_checksum
+from stagerd.sinks.local import HOST
 from stagerd.sinks.objects import RemoteObject, newer_latest, plan_reuse, redact_url, scan_dir, verify_listing
 
 
@@ -382,7 +383,7 @@ def test_a_file_sink_sweeps_only_its_own_temp_files_beside_latest(tmp_path):
     dest.mkdir()
     other = dest / ".notes.txt.tmp-999999999"
     other.write_text("another tool's")
-    killed = dest / ".latest.tmp-999999999-1"  # a killed stagerd's write of `latest`
+    killed = dest / f".latest.tmp-{HOST}-999999999-1"  # a killed stagerd's write of `latest` on this host
     killed.write_text("step-")
     FsspecSink.from_url(dest.as_uri()).publish(make_export(tmp_path / "e", {"m": 10}), 1)
     assert other.read_text() == "another tool's"

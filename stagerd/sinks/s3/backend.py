@@ -187,8 +187,8 @@ class S3Backend(OpeningMixin, LatestMixin):
 
         return self._run(go)
 
-    def sweep(self, prefix: str) -> None:
-        self._run(self._sweep, prefix)
+    def sweep(self, prefix: str, *, settled: bool = False) -> None:
+        self._run(self._sweep, prefix)  # every pending upload under it: one publisher owns a step
 
     async def _sweep(self, prefix: str) -> None:
         """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).

@@ -138,11 +138,13 @@ def assert_recovered(
         for step in case.steps:
             assert dir_files_except_manifest(d / layout.step_dir_name(step)) == expected[step]
         assert (d / "latest").read_text().strip() == last
-        # Temp names (`.NAME.tmp-PID[-TID]`) are invisible to a reader. The restart must leave none of its
-        # own; the killed daemon's are removed only once the sink sweeps them (a file.upload kill leaves
-        # one every time: its case asserts none is left; other kills leave one only by timing).
+        # Temp names (`.NAME.tmp-HOST-PID-TID`, `.NAME.tmp-PID[-TID]`) are invisible to a reader. The restart
+        # must leave none of its own; the killed daemon's are removed only once the sink sweeps them (a
+        # file.upload kill leaves one every time: its case asserts none is left; other kills leave one only
+        # by timing).
         leftovers = sorted(str(p.relative_to(d)) for p in d.rglob(".*"))
-        assert all(any(f".tmp-{pid}" in name for pid in killed) for name in leftovers), leftovers
+        ours = [(f"-{pid}-", f".tmp-{pid}") for pid in killed]
+        assert all(any(a in name or b in name for a, b in ours) for name in leftovers), leftovers
         if case.point == "file.upload":
             assert not leftovers, f"temp files the killed daemon left in the file:// sink: {leftovers}"
         now = file_manifests(d)
