@@ -131,7 +131,7 @@ def test_a_peft_adapters_checkpoint_is_exported_as_peft_saves_it_and_loads(lora_
     res = watch_once(out / "run", tmp_path / "sink")
     log = res.stdout + res.stderr
     assert res.returncode == 0 and "1 step(s) published, 0 not" in log, log
-    assert "left alone" not in log and "PEFT adapter alone" not in log, log
+    assert "PEFT adapter" not in log, log
     pub = published(tmp_path / "sink", 1)
     for name in (
         "adapter_model.safetensors",
@@ -148,3 +148,17 @@ def test_a_peft_adapters_checkpoint_is_exported_as_peft_saves_it_and_loads(lora_
     assert not torch.allclose(_logits(base), want)  # the adapter changes the model
     torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, pub).eval()), want)
     torch.testing.assert_close(_logits(tf.AutoModelForCausalLM.from_pretrained(pub).eval()), want)
+
+
+def test_an_adapter_saved_as_a_pickle_is_named_once_and_left_alone(lora_run, tmp_path):
+    """`save_pretrained(safe_serialization=False)` writes `adapter_model.bin`, a pickle stagerd never
+    reads: the finished checkpoint is named once in a warning, nothing is published, its files stay."""
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    shutil.copytree(lora_run[0] / "run" / "checkpoint-1", ckpt)
+    (ckpt / "adapter_model.safetensors").rename(ckpt / "adapter_model.bin")  # never opened: any bytes
+    before = tree_digest(tmp_path / "run")
+    res = watch_once(tmp_path / "run", tmp_path / "sink")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count("checkpoint-1 holds a PEFT adapter as adapter_model.bin") == 1, out
+    assert tree_digest(tmp_path / "run") == before
