@@ -219,7 +219,8 @@ def test_a_checkpoint_already_in_hf_files_is_published_with_its_dtype(tmp_path):
 def test_a_peft_adapter_needs_its_config_and_is_cast_when_asked(tmp_path):
     """A Trainer's checkpoint of a PEFT model (the adapter alone, written by safetensors' `save_file` as
     PEFT does): without its adapter_config.json an AdoptError and nothing exported; with it, PEFT's names
-    kept (never refused as a PEFT model's) and `--dtype bf16` casting the one `adapter_model.safetensors`."""
+    kept (never refused as a PEFT model's), no README.md but its own, and `--dtype bf16` casting the one
+    `adapter_model.safetensors`."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -235,6 +236,7 @@ def test_a_peft_adapter_needs_its_config_and_is_cast_when_asked(tmp_path):
         export_adopted(ckpt, tmp_path / "work")
     assert not (tmp_path / "work" / "export").exists()
     (ckpt / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2}')
+    (tmp_path / "README.md").write_text("the user's own project")  # ROOT's: never the adapter's card
     r = export_adopted(ckpt, tmp_path / "work", dtype="bf16")
     assert [f for f, _ in r.files] == ["adapter_config.json", "adapter_model.safetensors"]
     got = load_file(r.export_dir / "adapter_model.safetensors")

@@ -25,6 +25,9 @@ from stagerd.errors import AdoptError, ConfigError, HubPlanError
 METADATA = ".metadata"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PeftModel.save_pretrained's one file
 ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's model card (`library_name: peft`, `base_model`), what push_to_hub publishes: taken from the
+# checkpoint only (ROOT's README.md may be the user's own).
+ADAPTER_CARD = "README.md"
 
 # torchtitan's Llama 3 names -> transformers' LlamaForCausalLM. torchtitan 0.3 calls the projections
 # `attention.qkv_linear.wq` and the head `lm_head`; earlier releases `attention.wq` and `output`. Also in
@@ -249,6 +252,7 @@ HF_EXTRAS = (
 ADAPTER_EXTRAS = (
     ADAPTER_CONFIG,
     *(n for n in HF_EXTRAS if n not in ("config.json", "generation_config.json")),
+    ADAPTER_CARD,
 )
 
 

@@ -35,6 +35,7 @@ from stagerd.contract.adopt.dcp_metadata import (
     read_metadata_bytes,
 )
 from stagerd.contract.adopt.presets import (
+    ADAPTER_CARD,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AUTO,
@@ -288,7 +289,7 @@ def find_extras(
     places += [*([extras_dir] if extras_dir is not None else []), parent]
     found: dict[str, Path] = {}
     for name in extra_names(preset):
-        for d in places:
+        for d in places if name != ADAPTER_CARD else [ckpt]:
             if d is None:
                 continue
             p = d / name if isinstance(d, Path) and d is extras_dir else _trainers(d, name, files)

@@ -136,6 +136,7 @@ def test_a_peft_adapters_checkpoint_is_exported_as_peft_saves_it_and_loads(lora_
     for name in (
         "adapter_model.safetensors",
         "adapter_config.json",
+        "README.md",  # PEFT's card: library_name peft, base_model
         "tokenizer.json",
         "tokenizer_config.json",
     ):
