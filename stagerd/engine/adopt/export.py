@@ -126,7 +126,7 @@ def export_adopted(
         def commit_check() -> None:
             check_unchanged(source, before, held)
             if adapter:
-                _name_adapter(work_dir / layout.EXPORT_TMP_DIR)
+                name_adapter(work_dir / layout.EXPORT_TMP_DIR)
 
         try:
             built = export_source(
@@ -155,7 +155,7 @@ def export_adopted(
     return replace(built, files=tuple(sorted(named)))
 
 
-def _name_adapter(tmp: Path) -> None:
+def name_adapter(tmp: Path) -> None:
     """The adapter's one file under PEFT's name (`PeftModel.from_pretrained` reads no other), before the
     export is committed."""
     try:
