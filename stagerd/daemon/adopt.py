@@ -121,10 +121,14 @@ SINGLE_FILE = (
 
 def _unadoptable(ckpt: Path) -> str | None:
     """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a PEFT
-    adapter alone, or the HF Trainer's trainer_state.json beside no model a preset reads); else None."""
+    adapter where no layout reads it, or the HF Trainer's trainer_state.json beside no model a preset
+    reads); else None."""
+    if (ckpt / "adapter_model.bin").is_file():
+        return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
+                "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
     if (ckpt / "adapter_model.safetensors").is_file():
-        return ("holds a PEFT adapter alone (adapter_model.safetensors): --adopt exports whole models; "
-                "save the merged model, or save through StagerdCallback, which exports both")  # fmt: skip
+        return ("holds a PEFT adapter in no layout of this --adopt preset: --adopt hf-trainer (or auto) "
+                "exports one from the HF Trainer's checkpoint-N, finished by trainer_state.json")  # fmt: skip
     if (ckpt / "trainer_state.json").is_file():
         return "is finished (trainer_state.json) but holds no model layout an --adopt preset reads"
     return None

@@ -216,6 +216,34 @@ def test_a_checkpoint_already_in_hf_files_is_published_with_its_dtype(tmp_path):
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k].bfloat16()) for k in sd)
 
 
+def test_a_peft_adapter_needs_its_config_and_is_cast_when_asked(tmp_path):
+    """A Trainer's checkpoint of a PEFT model (the adapter alone, written by safetensors' `save_file` as
+    PEFT does): without its adapter_config.json an AdoptError and nothing exported; with it, PEFT's names
+    kept (never refused as a PEFT model's), no README.md but its own, and `--dtype bf16` casting the one
+    `adapter_model.safetensors`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from stagerd.engine.adopt.export import export_adopted
+
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    sd = {name: torch.randn(2, 8), name.replace("lora_A", "lora_B"): torch.randn(8, 2)}
+    save_file(sd, ckpt / "adapter_model.safetensors", metadata={"format": "pt"})
+    (ckpt / "trainer_state.json").write_text("{}")
+    with pytest.raises(AdoptError, match=r"without its adapter_config\.json"):
+        export_adopted(ckpt, tmp_path / "work")
+    assert not (tmp_path / "work" / "export").exists()
+    (ckpt / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2}')
+    (tmp_path / "README.md").write_text("the user's own project")  # ROOT's: never the adapter's card
+    r = export_adopted(ckpt, tmp_path / "work", dtype="bf16")
+    assert [f for f, _ in r.files] == ["adapter_config.json", "adapter_model.safetensors"]
+    got = load_file(r.export_dir / "adapter_model.safetensors")
+    assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k].bfloat16()) for k in sd)
+    assert (r.export_dir / "adapter_config.json").read_bytes() == (ckpt / "adapter_config.json").read_bytes()
+
+
 def test_a_checkpoint_linked_away_while_it_is_read_is_not_what_is_exported(tmp_path, monkeypatch):
     """The checkpoint swapped for a link to another save of the same shapes (its .metadata the same) while
     its shards are read, and put back before the check that it did not change: the export held the other

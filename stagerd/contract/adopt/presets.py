@@ -23,6 +23,11 @@ from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import AdoptError, ConfigError, HubPlanError
 
 METADATA = ".metadata"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PeftModel.save_pretrained's one file
+ADAPTER_CONFIG = "adapter_config.json"
+# PEFT's model card (`library_name: peft`, `base_model`), what push_to_hub publishes: taken from the
+# checkpoint only (ROOT's README.md may be the user's own).
+ADAPTER_CARD = "README.md"
 
 # torchtitan's Llama 3 names -> transformers' LlamaForCausalLM. torchtitan 0.3 calls the projections
 # `attention.qkv_linear.wq` and the head `lm_head`; earlier releases `attention.wq` and `output`. Also in
@@ -90,6 +95,7 @@ class Preset:
     detect_name: str | None = None  # the checkpoint directory's name matches this whole
     detect_also: tuple[str, ...] = ()  # auto: each of these exists too
     extras_dirs: tuple[str, ...] = ()  # where the trainer keeps config.json (relative), searched first
+    adapter: bool = False  # HF files that are a PEFT adapter: `adapter_model.safetensors`, no index
     description: str = ""
 
     def metadata_file(self) -> str:
@@ -169,6 +175,17 @@ HF_TRAINER_FILES = Preset(
     detect_name=r"checkpoint-[0-9]+",
     description="HF Trainer without FSDP (DDP, one process): checkpoint-N/model.safetensors",
 )
+# The Trainer (or TRL's SFTTrainer) training a PeftModel saves the adapter alone, as
+# `PeftModel.save_pretrained` writes it (`adapter_model.safetensors`, `adapter_config.json`), then the
+# tokenizer, optimizer and RNG states, and `trainer_state.json` last. Its tensors carry PEFT's own names:
+# published as they are, `PeftModel.from_pretrained(base, DIR)` loads them.
+HF_TRAINER_ADAPTER = replace(
+    HF_TRAINER_FILES,
+    tied=(),
+    detect_paths=(ADAPTER_WEIGHTS,),
+    adapter=True,
+    description="HF Trainer / TRL with a PEFT model: checkpoint-N/adapter_model.safetensors",
+)
 # Accelerate's own `save_state` (a loop of the user's): the model first, its FSDP SHARDED directory or
 # `model.safetensors`, then the optimizer, and every rank's `random_states_R.pkl`; no trainer_state.json,
 # so the Trainer's completion rule would wait for good. Its `.metadata` (its whole files) finishes it.
@@ -203,13 +220,45 @@ AUTOMODEL_DCP = Preset(
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
-    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES),
+    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
     "automodel": (PRESETS["automodel"], AUTOMODEL_DCP),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
 AUTO_ORDER = ("accelerate", "hf-trainer", "automodel", "lightning", "torchtitan", "dcp", "hf")
+
+
+# What from_pretrained and tokenizers read beside the weights; copied into the export where found.
+HF_EXTRAS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+# A PEFT adapter's export is what `PeftModel.save_pretrained` writes (its config, no base config.json: the
+# adapter's config names the base model) with the tokenizer the Trainer saved beside it.
+ADAPTER_EXTRAS = (
+    ADAPTER_CONFIG,
+    *(n for n in HF_EXTRAS if n not in ("config.json", "generation_config.json")),
+    ADAPTER_CARD,
+)
+
+
+def extra_names(preset: Preset) -> tuple[str, ...]:
+    """The files copied beside the weights where found (see `find_extras`)."""
+    return ADAPTER_EXTRAS if preset.adapter else HF_EXTRAS
 
 
 def preset_names() -> tuple[str, ...]:
@@ -307,7 +356,8 @@ def resolve_selection(
     views += [_whole(name, chosen[name], named[name]) for name in chosen if name not in viewed]
     if config is not None and config.get("tie_word_embeddings") is True:
         views = [v for v in views if v.name not in preset.tied]  # save_pretrained leaves the head out
-    _refuse_peft_names([v.name for v in views])
+    if not preset.adapter:
+        _refuse_peft_names([v.name for v in views])
     hub = HubPlan(tuple(views), (), origin="mapping")
     hub.outputs({key: tuple(shapes[key]) for key in chosen.values()})  # two outputs of one name: now
     return sorted({v.source for v in views}), hub

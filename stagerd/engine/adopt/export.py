@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 from pathlib import Path
 
+from stagerd.contract import layout
+from stagerd.contract.adopt.presets import ADAPTER_WEIGHTS
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
 from stagerd.engine.export import ExportResult, export_source
-from stagerd.errors import ShardError, SourceChangedError, StagerdError
+from stagerd.errors import OutputError, ShardError, SourceChangedError, StagerdError
 
 Snapshot = dict[str, tuple[int, int, int, int]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -115,8 +119,17 @@ def export_adopted(
             "mapping": None if options.mapping is None else _sha256(options.mapping),
         }
         work_dir.mkdir(parents=True, exist_ok=True)
+        adapter = source.preset.adapter
+        if adapter:  # one file, as PEFT writes it, whatever its size
+            max_shard_size, default_shard_size = ADAPTER_MAX_SHARD_SIZE, False
+
+        def commit_check() -> None:
+            check_unchanged(source, before, held)
+            if adapter:
+                name_adapter(work_dir / layout.EXPORT_TMP_DIR)
+
         try:
-            return export_source(
+            built = export_source(
                 source,
                 work_dir,
                 recorded,
@@ -128,7 +141,7 @@ def export_adopted(
                 progress=progress,
                 rebuild=rebuild,
                 views=source.plan,
-                before_commit=lambda: check_unchanged(source, before, held),
+                before_commit=commit_check,
                 default_shard_size=default_shard_size,
             )
         except SourceChangedError:
@@ -136,6 +149,20 @@ def export_adopted(
         except (StagerdError, OSError):
             check_unchanged(source, before, held)  # a read failed: the trainer deleted the checkpoint?
             raise
+    if not adapter or built.skipped:
+        return built
+    named = ((ADAPTER_WEIGHTS if rel == layout.WEIGHTS_NAME else rel, size) for rel, size in built.files)
+    return replace(built, files=tuple(sorted(named)))
+
+
+def name_adapter(tmp: Path) -> None:
+    """The adapter's one file under PEFT's name (`PeftModel.from_pretrained` reads no other), before the
+    export is committed."""
+    try:
+        os.rename(tmp / layout.WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS)
+        layout.fsync_dir(tmp)
+    except OSError as e:
+        raise OutputError(f"cannot name the adapter's file: {e.strerror}", path=tmp) from None
 
 
 def _sha256(path: Path) -> str:

@@ -35,11 +35,15 @@ from stagerd.contract.adopt.dcp_metadata import (
     read_metadata_bytes,
 )
 from stagerd.contract.adopt.presets import (
+    ADAPTER_CARD,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     AUTO,
     AUTO_ORDER,
     LAYOUTS,
     Format,
     Preset,
+    extra_names,
     get_preset,
     resolve_selection,
 )
@@ -62,24 +66,6 @@ HINT = "replace the link by the directory or file it stands for (its target was 
 # trainer's places (`tokenizer.model -> /root/.ssh/id_ed25519`) would be copied into the export and published.
 EXTRA_WHY = "extras are read from the trainer's own files, never through a link (the daemon may read more)"
 EXTRA_HINT = "copy the file itself in place of the link, or pass --extras DIR holding it; nothing was sent"
-# What from_pretrained and tokenizers read beside the weights; copied into the export where found.
-HF_EXTRAS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
 
 
 @dataclass(frozen=True)
@@ -118,7 +104,7 @@ class AdoptedSource(Source):
     def scan(self) -> Iterable[Header]:
         held = self.files is not None
         if self.preset.format is Format.HF_FILES:
-            parts = hf_files(self.model_dir)
+            parts = hf_files(self.model_dir, adapter=self.preset.adapter)
             return whole_headers((self._opened(p) for p in parts) if held else parts)
         if self.meta is None:
             if held:
@@ -212,7 +198,7 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
         if preset.format is Format.HF_SHARDS and not shard_paths(ckpt / preset.model_dir):
             return None
         if preset.format is Format.HF_FILES:  # whole: the index parses, every header fits its file
-            for part in hf_files(ckpt / preset.model_dir):
+            for part in hf_files(ckpt / preset.model_dir, adapter=preset.adapter):
                 read_header(part)
                 times.append(part.stat().st_mtime)
         # A FIFO in a completion file's place would hold the scan for good, and JSON nested too deep
@@ -244,12 +230,19 @@ def data_files(model_dir: Path, preset: Preset) -> list[Path]:
     """The safetensors files of an HF-shards or HF-files checkpoint (with the index, for HF files)."""
     if preset.format is Format.HF_FILES:
         index = model_dir / layout.INDEX_NAME
+        if preset.adapter:
+            return hf_files(model_dir, adapter=True)
         return [*hf_files(model_dir), *([index] if index.is_file() else [])]
     return shard_paths(model_dir)
 
 
-def hf_files(model_dir: Path) -> list[Path]:
-    """The files of an HF checkpoint: those its index names, else `model.safetensors` alone."""
+def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
+    """The files of an HF checkpoint: those its index names, else `model.safetensors` alone; of a PEFT
+    adapter, its one `adapter_model.safetensors` (PEFT writes no index)."""
+    if adapter:
+        if not (model_dir / ADAPTER_WEIGHTS).is_file():
+            raise ShardError(f"no {ADAPTER_WEIGHTS}", path=model_dir)
+        return [model_dir / ADAPTER_WEIGHTS]
     index = model_dir / layout.INDEX_NAME
     if index.is_file():
         names = set(read_reference_index(index).values())
@@ -287,7 +280,7 @@ def find_extras(
     parent: Path | HeldDir,
     files: HeldFiles | None = None,
 ) -> dict[str, Path]:
-    """Each HF extra from the first place that has it: where the trainer keeps them (the preset's
+    """Each extra (`extra_names`) from the first place that has it: where the trainer keeps them (the preset's
     `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent. In the trainer's places an
     extra that is a link is a SymlinkError (see EXTRA_WHY); held (`ckpt` and `parent` HeldDirs, `files`
     given), each is opened there without following a link and read by its proc path. --extras DIR is the
@@ -295,8 +288,8 @@ def find_extras(
     places: list[Path | HeldDir | None] = [*(_place(ckpt, d, files) for d in preset.extras_dirs), ckpt]
     places += [*([extras_dir] if extras_dir is not None else []), parent]
     found: dict[str, Path] = {}
-    for name in HF_EXTRAS:
-        for d in places:
+    for name in extra_names(preset):
+        for d in places if name != ADAPTER_CARD else [ckpt]:
             if d is None:
                 continue
             p = d / name if isinstance(d, Path) and d is extras_dir else _trainers(d, name, files)
@@ -382,7 +375,8 @@ def open_adopted(
         shapes = {k: t.shape for k, t in meta.tensors.items()}
     elif preset.format is Format.HF_FILES:
         ident = save_identity(ckpt, preset)
-        shapes = {n: e.shape for h in whole_headers(hf_files(model_dir)) for n, e in h.tensors.items()}
+        parts = hf_files(model_dir, adapter=preset.adapter)
+        shapes = {n: e.shape for h in whole_headers(parts) for n, e in h.tensors.items()}
     else:
         ident = save_identity(ckpt, preset)
         shapes = shard_shapes(model_dir)
@@ -391,6 +385,12 @@ def open_adopted(
         extras = find_extras(ckpt, preset, options.extras, where)
     else:
         extras = find_extras(held[0], preset, options.extras, where, held[1])
+    if preset.adapter and ADAPTER_CONFIG not in extras:
+        raise AdoptError(
+            f"a PEFT adapter without its {ADAPTER_CONFIG}: PeftModel.from_pretrained could not load it",
+            path=ckpt,
+            hint=f"save it with PeftModel.save_pretrained, or pass --extras DIR holding its {ADAPTER_CONFIG}",
+        )
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)

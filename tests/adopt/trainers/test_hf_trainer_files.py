@@ -79,25 +79,87 @@ def test_accelerates_save_state_is_exported_under_a_trainers_name_too(trained, t
     assert_same_tensors(published(tmp_path / "sink", STEP), trained / "run" / f"checkpoint-{STEP}")
 
 
-def test_a_peft_adapters_checkpoint_is_named_as_never_exported(trained, tmp_path):
-    """The Trainer saves a PEFT model's adapter alone (`adapter_model.safetensors`): no preset reads it.
-    Before, the daemon waited for it in silence; now it says why, once, and the trainer's files stay."""
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A real Trainer run of a PEFT LoRA model: `checkpoint-1/` holds what `PeftModel.save_pretrained`
+    writes (the adapter alone), the tokenizer, and `trainer_state.json` last. The base model is saved
+    first, so `adapter_config.json` names a directory `from_pretrained` reads."""
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(model(0), LoraConfig(r=2, target_modules=["q_proj"]))
+    out = tmp_path_factory.mktemp("lora")
+    model(0).save_pretrained(out / "base")
+    base = tf.AutoModelForCausalLM.from_pretrained(out / "base")
+    lora = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     args = tf.TrainingArguments(
-        output_dir=str(tmp_path / "run"),
+        output_dir=str(out / "run"),
         use_cpu=True,
         max_steps=1,
         save_steps=1,
+        learning_rate=5e-2,
         report_to=[],
         disable_tqdm=True,
     )
-    collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
-    tf.Trainer(model=lora, args=args, train_dataset=dataset(), data_collator=collator).train()
-    assert (tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors").is_file()
+    tok = tokenizer()
+    collator = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+    tf.Trainer(
+        model=lora, args=args, train_dataset=dataset(), processing_class=tok, data_collator=collator
+    ).train()
+    return out, lora.eval()
+
+
+def _logits(m):
+    import torch
+
+    with torch.no_grad():
+        return m(torch.arange(3, 19).reshape(2, 8)).logits
+
+
+def test_a_peft_adapters_checkpoint_is_exported_as_peft_saves_it_and_loads(lora_run, tmp_path):
+    """The Trainer saves a PEFT model's adapter alone (`adapter_model.safetensors`). It is published as
+    `PeftModel.save_pretrained` / `push_to_hub` would put it: the same bytes, its config, the tokenizer,
+    and no base weights; `PeftModel.from_pretrained` and `AutoModelForCausalLM.from_pretrained` (which
+    reads the base's path from adapter_config.json) give the trained model's logits."""
+    import torch
+    import transformers as tf
+    from peft import PeftModel
+
+    out, trained = lora_run
+    ckpt = out / "run" / "checkpoint-1"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    before = tree_digest(out / "run")
+    res = watch_once(out / "run", tmp_path / "sink")
+    log = res.stdout + res.stderr
+    assert res.returncode == 0 and "1 step(s) published, 0 not" in log, log
+    assert "PEFT adapter" not in log, log
+    pub = published(tmp_path / "sink", 1)
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "README.md",  # PEFT's card: library_name peft, base_model
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (pub / name).read_bytes() == (ckpt / name).read_bytes(), name
+    assert not list(pub.glob("model*.safetensors*")) and not (pub / "config.json").exists()
+    assert tree_digest(out / "run") == before  # the Trainer's files only read
+
+    want = _logits(trained)
+    base = tf.AutoModelForCausalLM.from_pretrained(out / "base")
+    assert not torch.allclose(_logits(base), want)  # the adapter changes the model
+    torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, pub).eval()), want)
+    torch.testing.assert_close(_logits(tf.AutoModelForCausalLM.from_pretrained(pub).eval()), want)
+
+
+def test_an_adapter_saved_as_a_pickle_is_named_once_and_left_alone(lora_run, tmp_path):
+    """`save_pretrained(safe_serialization=False)` writes `adapter_model.bin`, a pickle stagerd never
+    reads: the finished checkpoint is named once in a warning, nothing is published, its files stay."""
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    shutil.copytree(lora_run[0] / "run" / "checkpoint-1", ckpt)
+    (ckpt / "adapter_model.safetensors").rename(ckpt / "adapter_model.bin")  # never opened: any bytes
+    before = tree_digest(tmp_path / "run")
     res = watch_once(tmp_path / "run", tmp_path / "sink")
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "0 step(s) published" in out, out
-    assert out.count("checkpoint-1 holds a PEFT adapter alone") == 1, out
+    assert out.count("checkpoint-1 holds a PEFT adapter as adapter_model.bin") == 1, out
+    assert tree_digest(tmp_path / "run") == before
