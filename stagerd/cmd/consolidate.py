@@ -95,6 +95,13 @@ def adopted_source(args: argparse.Namespace, src: Path) -> Source | None:
     return open_adopted(src, AdoptOptions(args.adopt, args.adopt_select, args.mapping, args.extras))
 
 
+def _is_adapter(source: Source) -> bool:
+    """An adopted PEFT adapter alone: its one file is named as PEFT names it."""
+    from stagerd.engine.adopt.source import AdoptedSource
+
+    return isinstance(source, AdoptedSource) and source.preset.adapter
+
+
 def check_out(src: Path, model_dir: Path, out: Path) -> None:
     """OUT must be a new or empty directory outside SRC: writing into the step would mix the export with
     the shards it is read from, and retention deletes the step with everything in it."""
@@ -144,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
     source = adopted_source(args, args.src) or open_source(args.src)
     check_out(args.src, source.model_dir, args.out)
     dtype = source.target_dtype(args.dtype)
+    adapter = _is_adapter(source)
+    if adapter:  # one file, as PEFT writes it
+        from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
+
+        max_size = ADAPTER_MAX_SHARD_SIZE
     reference = read_reference_index(args.reference_index) if args.reference_index else source.reference()
     tmp = _prepare_out(args.out)
     try:
@@ -159,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
                 progress=bar,
                 views=source.views(),
             )
+        if adapter:
+            from stagerd.engine.adopt.export import name_adapter
+
+            name_adapter(tmp)
         if args.out.exists():
             args.out.rmdir()
         os.rename(tmp, args.out)

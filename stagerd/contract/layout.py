@@ -43,6 +43,7 @@ EXPORT_TMP_DIR = "export.tmp"
 EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # an adopted PEFT adapter's export: that one file
 WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
 MAX_MARKER_BYTES = 64 << 20
 
@@ -379,4 +380,4 @@ def committed_steps(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def export_is_whole(export_dir: Path) -> bool:
     """Whether `export_dir` holds an export's weights: its index, or the one `model.safetensors` of an
     export that fits one file (only stagerd writes `export/`, always by rename, so either means whole)."""
-    return (export_dir / INDEX_NAME).is_file() or (export_dir / WEIGHTS_NAME).is_file()
+    return any((export_dir / n).is_file() for n in (INDEX_NAME, WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))

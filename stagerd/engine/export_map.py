@@ -40,6 +40,8 @@ def read_index(export_dir: Path) -> tuple[dict[str, str], int] | None:
 def one_file(export_dir: Path) -> Path:
     """The `model.safetensors` of an export without an index, or the error that it is not complete."""
     path = export_dir / layout.WEIGHTS_NAME
+    if not path.is_file() and (export_dir / layout.ADAPTER_WEIGHTS_NAME).is_file():
+        return export_dir / layout.ADAPTER_WEIGHTS_NAME
     if not path.is_file():
         raise VerifyError(
             f"neither {layout.INDEX_NAME} nor {layout.WEIGHTS_NAME}: not a complete export", path=export_dir

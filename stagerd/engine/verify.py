@@ -166,6 +166,9 @@ def verify_export(
                 views=views,
             )
             del out_dtypes
+            if listed is None and len(p.files) == 1 and p.files[0].name != checked[0][0]:
+                # an adopted PEFT adapter's one file is PEFT's `adapter_model.safetensors`
+                p = dataclasses.replace(p, files=(dataclasses.replace(p.files[0], name=checked[0][0]),))
             # The plan keeps the reference's grouping and refuses reference keys absent from the shards, so
             # equal counts mean equal tensor sets.
             if {f.name for f in p.files} != file_names or p.tensor_count != len(weight_map):

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from tests.adopt.helpers import published, tree_digest, watch_once
+from tests.cli_helpers import run_cli
 from tests.fidelity.harness import assert_same_tensors
 from tests.integrations.hf_ranks import dataset, model, tokenizer
 
@@ -149,6 +150,17 @@ def test_a_peft_adapters_checkpoint_is_exported_as_peft_saves_it_and_loads(lora_
     assert not torch.allclose(_logits(base), want)  # the adapter changes the model
     torch.testing.assert_close(_logits(PeftModel.from_pretrained(base, pub).eval()), want)
     torch.testing.assert_close(_logits(tf.AutoModelForCausalLM.from_pretrained(pub).eval()), want)
+
+    # The export is whole to the daemon, and verify and consolidate read it as it is named.
+    again = watch_once(out / "run", tmp_path / "sink2")
+    assert again.returncode == 0 and "has no weights" not in again.stdout + again.stderr, again.stderr
+    assert published(tmp_path / "sink2", 1).joinpath("adapter_model.safetensors").is_file()
+    checked = run_cli(["verify", pub, "--against", ckpt, "--adopt"])
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    made = run_cli(["consolidate", ckpt, tmp_path / "made", "--adopt"])
+    assert made.returncode == 0, made.stdout + made.stderr
+    made_file = tmp_path / "made" / "adapter_model.safetensors"
+    assert made_file.read_bytes() == (ckpt / "adapter_model.safetensors").read_bytes()
 
 
 def test_an_adapter_saved_as_a_pickle_is_named_once_and_left_alone(lora_run, tmp_path):
