@@ -87,14 +87,18 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False) -> None:
+def write_bytes_atomic(
+    path: str | os.PathLike[str], data: bytes, *, exclusive: bool = False, tmp: Path | None = None
+) -> None:
     """Write to a temp name, fsync, rename over `path`, fsync the directory. `exclusive`: link instead of
-    rename, so a `path` already there stays and `FileExistsError` says so.
+    rename, so a `path` already there stays and `FileExistsError` says so. `tmp`: the temp name, where
+    its writer must be told apart from others' (a sink shared by several hosts).
 
     The temp name holds the thread too: two threads of one process writing one path (a fleet node's raw
     part moving `raw/latest` beside another's) must not rename each other's temp file away."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    if tmp is None:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     # The name is predictable: one already there (a dead writer's of this pid and thread, or a link placed
     # there) is removed, never written through; O_EXCL then makes the file ours.
     with contextlib.suppress(FileNotFoundError):

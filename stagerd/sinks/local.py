@@ -111,26 +111,7 @@ class LocalBackend:
     def write(self, key: str, data: bytes) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_name(path)
-        # The name is predictable: whatever has it (a killed writer's, a link placed there) is removed,
-        # never written through; O_EXCL then makes the file ours (as layout.write_bytes_atomic does).
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)  # a full disk must not keep a half-written temp file
-            raise
-        layout.fsync_dir(path.parent)
+        layout.write_bytes_atomic(path, data, tmp=_temp_name(path))  # the host in the name: see sweep
 
     def create(self, key: str, data: bytes) -> bool:
         path = self.root / key
