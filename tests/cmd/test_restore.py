@@ -400,8 +400,11 @@ def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, mon
         if case == "resumed":
             restore_export(store, out, 4)
             assert _tree(out) == _tree(export)
-            half = (1 << 20) // 2
-            assert ranges == ["", f"bytes={half}-", f"bytes={half + half // 2}-"]
+            # each GET goes on from the byte the last one reached: at most the half the proxy sent (a
+            # cut can land before the client has read all of it)
+            first, second = (int(r.removeprefix("bytes=").removesuffix("-")) for r in ranges[1:])
+            assert ranges[0] == "" and len(ranges) == 3, ranges
+            assert 0 < first <= (1 << 19) and first < second <= first + ((1 << 20) - first) // 2, ranges
             return
         error = SinkError if case == "cut-for-good" else RestoreError
         with pytest.raises(error, match=r"cut 3 time|changed on the sink") as e:
