@@ -30,6 +30,7 @@ from stagerd.sinks.objects import (
     changed_error,
     foreign_latest,
     newer_latest,
+    probe_clock,
 )
 
 log = logging.getLogger("stagerd.sinks.fsspec")
@@ -203,16 +204,11 @@ def _temp_name(path: Path) -> Path:
 
 
 def _store_now(root: Path) -> float:
-    """The store's time now: the mtime of a file written now (on NFS, the server's), so an age never
-    compares two machines' clocks."""
-    probe = _temp_name(root / ".stagerd-clock")
+    """The store's time now (`probe_clock`), or this host's where nothing can be written."""
     try:
-        probe.write_bytes(b"")
-        return probe.stat().st_mtime
+        return probe_clock(_temp_name(root / ".stagerd-clock"))
     except OSError:
         return time.time()  # a read-only sink: nothing of ours to sweep there anyway
-    finally:
-        probe.unlink(missing_ok=True)
 
 
 _THREAD_LOCKS: dict[str, threading.Lock] = {}

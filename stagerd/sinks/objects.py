@@ -228,6 +228,16 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def probe_clock(probe: Path) -> float:
+    """The store's time now: the mtime of `probe`, written now and removed (on NFS, the server's), so an
+    age on the store never compares two machines' clocks."""
+    try:
+        probe.write_bytes(b"")
+        return probe.stat().st_mtime
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def scan_dir(root: Path, *, skip_dirs: frozenset[str] | set[str] = frozenset()) -> list[LocalFile]:
     """Every regular file under `root` (sorted, relative, `/`-separated), except a manifest at its top."""
     if not root.is_dir():

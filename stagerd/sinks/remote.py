@@ -27,7 +27,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, redact_url
+from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -180,11 +180,7 @@ class RemoteStore:
             probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
             if not probe.parent.is_dir():
                 return time.time()  # no sink here yet, so nothing has an age: never made by a prune
-            try:
-                probe.write_bytes(b"")
-                return probe.stat().st_mtime
-            finally:
-                probe.unlink(missing_ok=True)
+            return probe_clock(probe)
         return time.time()  # other fsspec stores: no portable server time (documented)
 
     # -- writing ------------------------------------------------------------------------------------------
