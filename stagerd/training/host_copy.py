@@ -21,6 +21,7 @@ The source tensors are held until the copy is done, so their memory cannot be re
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ Job = tuple[
     dict[torch.device, torch.cuda.Event],  # the compute stream's state at save(), per device
     dict[StorageKey, torch.Tensor],  # the snapshots of the storages copied at save() (`eager`)
 ]
+
+
+COPY_CHUNK_BYTES = 32 << 20
+COPY_WINDOW = 4  # pieces queued ahead: the engine stays busy through a few ms of waiting for the GIL
 
 
 class HostCopier:
@@ -131,12 +136,7 @@ class HostCopier:
             if device.type == "cuda":
                 side = self._stream(device)
                 side.wait_event(ready[device])
-                with torch.cuda.stream(side):
-                    for buf, src in pairs:
-                        buf.copy_(src, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(side)
-                done.append(ev)
+                done.append(_paced(side, pairs))
             else:
                 for buf, src in pairs:
                     buf.copy_(src)
@@ -144,6 +144,37 @@ class HostCopier:
             ev.synchronize()
         self.pool.keep_only(set(copies))
         return staged
+
+
+def _paced(side: torch.cuda.Stream, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    """Queue the copies of `pairs` on `side` in `COPY_CHUNK_BYTES` pieces, at most `COPY_WINDOW` pieces
+    ahead of the copy engine; the event of the last piece.
+
+    A device-to-host copy the loop queues meanwhile on its own stream (`loss.item()` right after the
+    step) waits behind what this stream already queued on the copy engine: a whole state queued at once
+    held that sync for the whole copy (35 ms of a 1.9 GB model on an H200, every save). Paced, it waits
+    for at most the window (2.3 ms at 55 GB/s), and the engine is never idle while this thread runs."""
+    pending: deque[torch.cuda.Event] = deque()
+    queued = 0
+    with torch.cuda.stream(side):
+        for buf, src in pairs:
+            n = src.numel()
+            for at in range(0, n, COPY_CHUNK_BYTES):
+                end = min(n, at + COPY_CHUNK_BYTES)
+                buf[at:end].copy_(src[at:end], non_blocking=True)
+                queued += end - at
+                if queued >= COPY_CHUNK_BYTES:
+                    queued = 0
+                    pending.append(_recorded(side))
+                    if len(pending) >= COPY_WINDOW:
+                        pending.popleft().synchronize()
+        return _recorded(side)
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
 
 
 def _snapshot(tensors: Iterable[torch.Tensor]) -> dict[StorageKey, torch.Tensor]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -211,3 +212,51 @@ def test_finished_saves_hold_no_host_buffers_until_wait(tmp_path):
     # From the second save on: in a long-lived test worker, the first save's rise can hold one more
     # buffer-sized block (seen once in CI, [1548, 1582, 1582]); what grew before was every save.
     assert grown[-1] - grown[1] < mib, f"resident MiB after each save: {grown}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: bench/device_goodput.sh")
+@pytest.mark.parametrize("window", [1, 2, 1 << 30])
+def test_cuda_paced_copy_is_exact_and_sees_the_queued_step(monkeypatch, window):
+    """The side stream's copy goes out in pieces of `COPY_CHUNK_BYTES`, `COPY_WINDOW` ahead: pieces
+    that straddle tensors, a tensor of many pieces and views of one storage must land byte for byte,
+    and the copy must read the values the compute stream wrote before `start()` even when that work is
+    still queued (the step the loop just launched)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import stagerd.training.host_copy as hc
+    from stagerd.training.host_pool import HostPool
+
+    monkeypatch.setattr(hc, "COPY_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(hc, "COPY_WINDOW", window)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    big = torch.empty(5 * (1 << 20) + 7, dtype=torch.uint8, device=dev)
+    tensors = {
+        "big": big,
+        "half": torch.empty(3000, 700, dtype=torch.bfloat16, device=dev),
+        "view": big[1000:5000],
+        "tiny": torch.empty((), dtype=torch.float32, device=dev),
+        **{f"w{i}": torch.empty(300, 300, device=dev) for i in range(12)},
+    }
+    a = torch.randn(4096, 4096, device=dev)
+    for _ in range(40):  # keeps the compute stream busy, so the writes below are still queued at start()
+        a = a @ a / 64
+    for name, t in tensors.items():
+        if name != "view":
+            raw = _raw(t)
+            raw.copy_(torch.randint(0, 255, raw.shape, generator=g, device=dev, dtype=torch.uint8))
+    want = {name: _raw(t).cpu() for name, t in tensors.items()}
+    pool = HostPool(pin=True, name="test")
+    copier = hc.HostCopier(pool, ThreadPoolExecutor(1))
+    try:
+        for _ in range(2):
+            staged = {s.name: s.host for s in copier.start(tensors).result()}
+            for name, ref in want.items():
+                assert torch.equal(_raw(staged[name]), ref), name
+    finally:
+        pool.close()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a flat uint8 view of it."""
+    return t.detach().reshape(-1).view(torch.uint8)
