@@ -18,9 +18,11 @@ whole run (so only the first save of each pays its start-up), runs interleaved:
 
 stagerd and torch's best run at a long save interval (hidden: the copy under the next forward and
 backward), a short one (shorter than the write), and unhidden (waiting right after the save: the copy's
-own speed against the pinned D2H peak; stagerd's unhidden saves go to a root no daemon watches, so their
-time to durable is the write's alone, as torch's always is). Every step ends with `loss.item()`, as a
-loop that logs does.
+own speed against the pinned D2H peak: the device is synchronized before these saves, off the stall's
+clock, so the stall is the copy's and not the queued step's; stagerd's unhidden saves go to a root no
+daemon watches, so their time to durable is the write's alone, as torch's always is). Every step ends
+with `loss.item()`, as a loop that logs does. After each stagerd run the bench waits for the daemon to
+publish its last step, so its backlog does not slow the next method's run.
 
 Reported per method: stall per save (the loop blocked in save and its waits), loop time lost per save
 (the save's K-step window against K baseline steps; first save apart), time to durable (save until the
@@ -150,6 +152,8 @@ def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int
         t0 = time.perf_counter()
         loss = train_step(model, optim, x, method, hidden)
         if method is not None and i % k == 0 and i <= k * saves:
+            if not hidden:  # off the stall's clock: what the loop queued, so the stall is the copy alone
+                _sync_device()
             method.save(step0 + i)
             if not hidden:
                 method.settle()
@@ -168,6 +172,26 @@ def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int
         "starts": starts,
         "saves": [dataclasses.asdict(r) for r in method.saves] if method else [],
     }
+
+
+def _sync_device() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def settle_daemon(root: Path, sink: Path, step: int, timeout: float = 120.0) -> float:
+    """Wait until the daemon has published `step` and exports nothing: its backlog is not left to slow the
+    next method's run, which it has nothing to do with. Seconds waited."""
+    from stagerd.contract.layout import step_dir_name
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if (sink / step_dir_name(step)).is_dir() and not any(root.glob("step-*/export.tmp")):
+            break
+        time.sleep(0.1)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -266,6 +290,9 @@ def main() -> None:
                 raw["base"].append(r["times"])
             else:
                 raw["runs"][key] = {"k": k, **r}
+            if m is ours and daemon is not None and r["saves"]:
+                waited = settle_daemon(stagerd_root, sink, r["saves"][-1]["step"])
+                say(f"the daemon's backlog settled in {waited:.1f} s")
             keep()
 
         measure("none", None, args.base_steps, 0, True)

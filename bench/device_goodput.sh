@@ -21,11 +21,15 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 } 2>&1 | tee "$OUT/machine.txt"
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || echo "C kernels not built: numpy casts" | tee -a "$OUT/machine.txt"
 python3 -c "import stagerd.cmd.watch, stagerd.training" || exit 1
-# The forward-updated buffers (BatchNorm) saved as at save() on CUDA, where stream order guarantees it.
+# On CUDA, where stream order guarantees them: the forward-updated buffers (BatchNorm) saved as at
+# save(), and the paced side-stream copy exact and ordered after the step queued before save().
 if python3 -c "import pytest" 2> /dev/null; then
-    timeout 60 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
-        tests/training/test_forward_buffers.py -k cuda 2>&1 | tail -3 | tee "$OUT/buffers.log"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -p no:xdist -o addopts="" \
+        tests/training/test_forward_buffers.py tests/training/test_host_copy.py -k cuda 2>&1 | tail -3 \
+        | tee "$OUT/cuda-tests.log"
 fi
+# How long the loop's own `.item()` waits behind a save's copy, queued whole against paced.
+timeout 90 python3 bench/bench_copy_pacing.py 2>&1 | tee "$OUT/pacing.log"
 if [ $# -eq 0 ]; then
     set -- --preset 1b --long 18 --short 4 --saves 4 --slow-saves 2 --base-steps 24
 fi
