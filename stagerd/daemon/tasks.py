@@ -38,7 +38,7 @@ from stagerd.daemon.journal import (
     LaneState,
     StepState,
 )
-from stagerd.daemon.policy import Failure, decide_failure
+from stagerd.daemon.policy import Failure, decide_failure, failure_note
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError
 from stagerd.ops.crashpoints import crash_point
@@ -225,22 +225,12 @@ class Tasks(FleetTasks, Health, Adoption):
         *,
         on_disk: bool,
     ) -> None:
-        if f.quarantine:
-            # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
-            kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"
-            note = (
-                f"{f.error_class}: {f.message}; {kept}; not retried until `stagerd retry ROOT --step {step}`"
-            )
-        elif f.next_try is None:
-            note = f"{f.error_class}: {f.message}; still waiting, not quarantined: the next start tries again"
-        else:
-            note = f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - time.time():.0f}s"
         self._log_step(
             step,
             sink,
             state,
             error_class=f.error_class,
-            note=note,
+            note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
             level=logging.ERROR if f.quarantine else logging.WARNING,
             attempt=attempt,
             hint=getattr(err, "hint", None)
