@@ -68,6 +68,14 @@ class Settings(BaseSettings):
         le=MAX_WORKERS,
         description="Publishes that may run at once per sink; every sink is its own lane.",
     )
+    yield_seconds: float = Field(
+        30.0,
+        ge=0,
+        le=DAY,
+        description="While a save is being written in ROOT (a step without its marker, written in the "
+        "last 3 s), exports and file:// publishes pause between their moves and chunks, at most this long "
+        "in total each; then they run regardless. 0: never pause.",
+    )
     keep_last: int | None = Field(
         None,
         ge=0,

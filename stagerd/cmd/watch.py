@@ -109,6 +109,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     )
     p.add_argument("--export-workers", type=int, metavar="N", help="exports at once (default 1)")
     p.add_argument("--publish-workers", type=int, metavar="N", help="publishes at once per sink (default 1)")
+    p.add_argument(
+        "--yield-seconds",
+        type=float,
+        metavar="S",
+        help="most an export or file:// publish pauses for saves being written (default 30; 0 off)",
+    )
     p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
     p.add_argument("--grace-seconds", type=float, metavar="S", help="drain time on SIGTERM (default 60)")
     p.add_argument("--rescan-seconds", type=float, metavar="S", help="full rescan period (default 5)")
@@ -147,6 +153,7 @@ _FLAGS = (
     "sink_retention",
     "export_workers",
     "publish_workers",
+    "yield_seconds",
     "max_attempts",
     "grace_seconds",
     "rescan_seconds",

@@ -70,6 +70,13 @@ class Metrics:
             ["stage", "error_class"],
             registry=r,
         )
+        self.yield_seconds = Counter(
+            "stagerd_yield_seconds",
+            "Seconds exports (stage=export) and file:// publishes (stage=publish) paused for saves being "
+            "written in ROOT.",
+            ["stage"],
+            registry=r,
+        )
         self.disk_free = Gauge("stagerd_disk_free_bytes", "Free bytes on ROOT's filesystem.", registry=r)
         self.disk_low = Gauge(
             "stagerd_disk_low", "1 when ROOT's free space is below the threshold.", registry=r

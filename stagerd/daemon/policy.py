@@ -47,6 +47,17 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
     return Failure(cls, msg, False, now + backoff_delay(attempts, settings))
 
 
+def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:
+    """The log's account of a failed attempt: what failed, and when (or whether) it is tried again."""
+    if f.quarantine:
+        # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
+        kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"
+        return f"{f.error_class}: {f.message}; {kept}; not retried until `stagerd retry ROOT --step {step}`"
+    if f.next_try is None:
+        return f"{f.error_class}: {f.message}; still waiting, not quarantined: the next start tries again"
+    return f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - now:.0f}s"
+
+
 def rearmable(error_class: str | None) -> bool:
     """Whether a quarantine recorded under `error_class` was a retryable failure that ran out of tries
     (re-armed when the daemon starts again) rather than one no retry can fix."""

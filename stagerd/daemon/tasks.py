@@ -38,8 +38,9 @@ from stagerd.daemon.journal import (
     LaneState,
     StepState,
 )
-from stagerd.daemon.policy import Failure, decide_failure
+from stagerd.daemon.policy import Failure, decide_failure, failure_note
 from stagerd.daemon.state import log
+from stagerd.daemon.yielding import Yielder, Yielding
 from stagerd.errors import JournalError, MarkerError, StagerdError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
@@ -63,7 +64,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(FleetTasks, Health, Adoption):
+class Tasks(FleetTasks, Health, Adoption, Yielding):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -90,10 +91,10 @@ class Tasks(FleetTasks, Health, Adoption):
         # An export made with other options may be rebuilt only while no sink holds it.
         lanes = await self._j(self._journal.lanes, step)
         rebuild = not any(ln.state in (LaneState.PUBLISHED, LaneState.PUBLISHING) for ln in lanes)
-        t0 = time.monotonic()
+        t0, pause = time.monotonic(), self._yielder("export", step)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._export_pool, self._run_export, step, step_dir, rebuild
+                self._export_pool, self._run_export, step, step_dir, rebuild, pause
             )
         except asyncio.CancelledError:
             raise
@@ -124,13 +125,15 @@ class Tasks(FleetTasks, Health, Adoption):
             None,
             EXPORTED,
             note=f"{decimal(export_bytes)} in {seconds:.2f}s"
-            + (", already complete" if result.skipped else ""),
+            + (", already complete" if result.skipped else "")
+            + (f", {pause.spent:.2f}s of it yielding to a save" if pause.spent else ""),
             seconds=round(seconds, 3),
             bytes=export_bytes,
             skipped=result.skipped,
+            yielded_seconds=round(pause.spent, 3),
         )
 
-    def _run_export(self, step: int, step_dir: Path, rebuild: bool) -> ExportResult:
+    def _run_export(self, step: int, step_dir: Path, rebuild: bool, pause: Yielder) -> ExportResult:
         """Worker thread: the export engine, with progress and the test pause hook; a node-locally staged
         step is this node's part of the fleet export instead."""
         from stagerd.engine.export import export_step
@@ -150,6 +153,7 @@ class Tasks(FleetTasks, Health, Adoption):
                     bar = stack.enter_context(progress(f"export step {step}", total))
                     _test_pause("export", step)
                 bar(done, total)
+                pause()  # between moves: a save being written on this disk goes first
 
             s = self.settings
             if s.adopt is not None:
@@ -225,22 +229,12 @@ class Tasks(FleetTasks, Health, Adoption):
         *,
         on_disk: bool,
     ) -> None:
-        if f.quarantine:
-            # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
-            kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"
-            note = (
-                f"{f.error_class}: {f.message}; {kept}; not retried until `stagerd retry ROOT --step {step}`"
-            )
-        elif f.next_try is None:
-            note = f"{f.error_class}: {f.message}; still waiting, not quarantined: the next start tries again"
-        else:
-            note = f"{f.error_class}: {f.message}; retry {attempt + 1} in {f.next_try - time.time():.0f}s"
         self._log_step(
             step,
             sink,
             state,
             error_class=f.error_class,
-            note=note,
+            note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
             level=logging.ERROR if f.quarantine else logging.WARNING,
             attempt=attempt,
             hint=getattr(err, "hint", None)
@@ -377,6 +371,7 @@ class Tasks(FleetTasks, Health, Adoption):
         """Worker thread: one sink's publish, with progress and the test pause hook."""
         from stagerd.ops.progress import progress
 
+        pause = self._yielder("publish", step, sink)  # a no-op but for file:// sinks
         with contextlib.ExitStack() as stack:
             bar: Callable[[int, int], None] | None = None
 
@@ -386,6 +381,7 @@ class Tasks(FleetTasks, Health, Adoption):
                     bar = stack.enter_context(progress(f"publish step {step} to {sink}", total))
                     _test_pause("publish", step)
                 bar(done, total)
+                pause()
 
             def publish(path: Path) -> PublishResult:
                 return self._sinks[sink].publish(path, step, metadata=dict(metadata), progress=report)

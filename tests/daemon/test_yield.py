@@ -1,0 +1,215 @@
+"""The daemon yields the disk to a save being written in ROOT, for at most `--yield-seconds`.
+
+The detection and the pause run here on real directories; the daemon runs as a real `stagerd watch`
+process over a real DCP step, while a thread of this test writes the next step's files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.daemon.yielding import SavesInFlight, Yielder, writing_steps, written_within, yields_disk
+from tests.daemon_helpers import WatchProc, fast_flags, free_port, is_state, stage_copy, start_watch
+from tests.dcp_fixtures import commit_step
+
+OLD = time.time() - 3600
+
+
+def _fresh_step(root: Path, step: int, part: str = layout.MODEL_DIR) -> Path:
+    d = root / layout.step_dir_name(step)
+    (d / part).mkdir(parents=True)
+    (d / part / "shard.safetensors").write_bytes(b"x" * 64)
+    return d
+
+
+def _age(d: Path) -> None:
+    """Every entry under `d` (and `d`) last written an hour ago."""
+    for p in [*sorted(d.rglob("*"), reverse=True), d]:
+        os.utime(p, (OLD, OLD), follow_symlinks=False)
+
+
+# -- detection ----------------------------------------------------------------------------------------------
+
+
+def test_only_uncommitted_steps_written_just_now_count(tmp_path):
+    _fresh_step(tmp_path, 1)
+    commit_step(tmp_path / layout.step_dir_name(1), 1)  # committed: its save is over
+    _age(_fresh_step(tmp_path, 2))  # abandoned long ago
+    _fresh_step(tmp_path, 3, layout.OPTIM_DIR)
+    (tmp_path / "not-a-step").mkdir()
+    assert writing_steps(tmp_path) == (3,)
+    _age(tmp_path / layout.step_dir_name(3))
+    assert writing_steps(tmp_path) == ()
+    assert SavesInFlight(tmp_path).writing(skip=3) is None
+
+
+def test_a_step_being_exported_is_not_its_own_save(tmp_path):
+    _fresh_step(tmp_path, 5)
+    saves = SavesInFlight(tmp_path)
+    assert saves.writing(skip=5) is None
+    assert saves.writing(skip=4) == 5
+
+
+def test_links_are_not_followed_and_a_vanished_dir_is_not_busy(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "fresh").write_bytes(b"x")  # written now, but only reached through a link
+    step = tmp_path / "root" / layout.step_dir_name(7)
+    step.mkdir(parents=True)
+    (step / layout.MODEL_DIR).symlink_to(elsewhere, target_is_directory=True)
+    _age(step)
+    assert writing_steps(tmp_path / "root") == ()
+    assert not written_within(tmp_path / "gone", 0, float("inf"))
+    shutil.rmtree(step)
+    assert writing_steps(tmp_path / "root") == ()
+
+
+def test_only_file_sinks_yield():
+    assert yields_disk("file:///mnt/exports") and yields_disk("/mnt/exports")
+    assert not yields_disk("s3://bucket/run") and not yields_disk("hf://org/model")
+
+
+def test_the_daemon_gives_exports_and_file_publishes_the_budget_and_remote_publishes_none(tmp_path):
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+
+    local = (tmp_path / "sink").as_uri()
+    settings = Settings(root=tmp_path, sinks=[local, "s3://bucket/run"], yield_seconds=7, metrics_port=0)
+    d = Daemon(settings)
+    assert d._yielder("export", 1).budget == 7
+    assert d._yielder("publish", 1, local).budget == 7
+    assert d._yielder("publish", 1, "s3://bucket/run").budget == 0
+
+
+def test_a_pause_ends_at_its_budget_or_at_stop(tmp_path):
+    saves = SavesInFlight(tmp_path)
+    _fresh_step(tmp_path, 2)
+    y = Yielder(saves, "export", 1, 0.5, lambda: False)
+    t0 = time.monotonic()
+    y()
+    assert 0.45 <= time.monotonic() - t0 < 2.0 and 0.45 <= y.spent < 2.0
+    t0 = time.monotonic()
+    y()  # the budget is spent: no second wait
+    assert time.monotonic() - t0 < 0.2
+    stopping = Yielder(saves, "export", 1, 30.0, lambda: True)
+    t0 = time.monotonic()
+    stopping()
+    assert time.monotonic() - t0 < 0.2
+
+
+# -- the daemon ---------------------------------------------------------------------------------------------
+
+
+class Writer:
+    """A save in flight: appends to `step/optim/blob` every 50 ms until stopped."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.path = step_dir / layout.OPTIM_DIR / "blob"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open(self.path, "ab") as f:
+                f.write(b"\0" * 65536)
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def staged(tmp_path, dcp_mixed2) -> Iterator[tuple[Path, Path, Writer]]:
+    """ROOT with committed step 100 and step 101 being written (its model copied, its optim/ growing)."""
+    src, _ = dcp_mixed2
+    root = tmp_path / "root"
+    root.mkdir()
+    stage_copy(root, 100, src, 2)
+    shutil.copytree(src, root / layout.step_dir_name(101) / layout.MODEL_DIR)
+    writer = Writer(root / layout.step_dir_name(101))
+    yield root, tmp_path / "sink", writer
+    writer.stop()
+
+
+async def _watch(root: Path, sink: Path, tmp_path: Path, *flags: str, port: int = 0) -> WatchProc:
+    return await start_watch(
+        root, "--sink", sink.as_uri(), *fast_flags(metrics_port=port), *flags, log_dir=tmp_path
+    )
+
+
+async def _stop(w: WatchProc) -> None:
+    w.kill(15)
+    assert await w.wait(30) == 0
+
+
+def _yields(step: int, stage: str):
+    return lambda r: r.get("step") == step and r.get("stage") == stage and "yields_to" in r
+
+
+async def test_export_waits_until_the_save_commits(staged, tmp_path):
+    root, sink, writer = staged
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "30")
+    try:
+        rec = await w.wait_for(_yields(100, "export"), timeout=60)
+        assert rec["yields_to"] == 101
+        await asyncio.sleep(1.5)
+        assert not (root / layout.step_dir_name(100) / layout.EXPORT_DIR).exists()
+        assert not any(is_state(100, "exported")(r) for r in w.records())
+        writer.stop()
+        commit_step(root / layout.step_dir_name(101), 2)
+        committed = time.time()
+        done = await w.wait_for(is_state(100, "exported"), timeout=30)
+        # The marker ends the wait at once, not the mtimes going stale (3 s).
+        assert done["ts"] - committed < 2.5, done["ts"] - committed
+        assert done["yielded_seconds"] >= 1.5
+        await w.wait_for(is_state(101, "published"), timeout=60)
+    finally:
+        await _stop(w)
+
+
+async def test_a_save_that_never_ends_holds_export_and_publish_only_for_the_budget(staged, tmp_path):
+    root, sink, _ = staged
+    port = free_port()
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "2", port=port)
+    try:
+        start = await w.wait_for(_yields(100, "export"), timeout=60)
+        done = await w.wait_for(is_state(100, "exported"), timeout=30)
+        assert 1.9 <= done["ts"] - start["ts"] < 6.0
+        await w.wait_for(_yields(100, "publish"), timeout=30)
+        resumed = await w.wait_for(lambda r: r.get("stage") == "publish" and "yielded_seconds" in r, 30)
+        assert "budget is spent" in resumed["msg"]
+        await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=30)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for stage in ("export", "publish"):
+            line = next(
+                ln
+                for ln in body.splitlines()
+                if ln.startswith(f'stagerd_yield_seconds_total{{stage="{stage}"}}')
+            )
+            assert 1.9 <= float(line.split()[-1]) < 3.0
+    finally:
+        await _stop(w)
+
+
+async def test_yield_seconds_0_exports_at_once(staged, tmp_path):
+    root, sink, _ = staged
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "0")
+    try:
+        await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=60)
+        assert not any("yields_to" in r for r in w.records())
+        assert w.records() and not any("yielded_seconds" in r and r["yielded_seconds"] for r in w.records())
+    finally:
+        await _stop(w)
