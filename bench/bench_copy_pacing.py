@@ -1,25 +1,80 @@
 """How long the loop's own small device-to-host copy (`loss.item()`) waits behind a save's host copy.
 
-    python bench/bench_copy_pacing.py               # CUDA only: 1.9 GB in 131 MB and 12 MB tensors
+    python bench/bench_copy_pacing.py [--json out.json]    # CUDA only: 2 GB in 131 MB and 12 MB tensors
 
-Per trial: ~60 ms of matrix products queued on the compute stream, then the save's host copy started on
+Per trial: ~80 ms of matrix products queued on the compute stream, then the save's host copy started on
 the Stager's side stream (it waits for the products), then one more product and `.item()` on the compute
-stream, as a loop that logs its loss does right after `optimizer.step()` and `save()`. Reported: how much
-longer `.item()` took than without a copy, and the copy's own rate, for the copy queued whole
-(`COPY_WINDOW` unbounded) and paced (`host_copy`'s window), with the main thread either waiting in
-`.item()` (the GIL free) or busy launching small kernels (the GIL contended).
+stream, as a loop that logs its loss does right after `optimizer.step()` and `save()`. Reported per way of
+issuing the copy (`VARIANTS`: `host_copy`'s piece size, pieces ahead, how its thread waits): how much
+longer `.item()` took than without a copy, and the copy's own rate, with the main thread waiting in
+`.item()` (the GIL free) or busy launching small kernels (the GIL contended). `--json` keeps the figures
+for `bench_goodput.py --copy-variant best:FILE`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _polled(ev: Any) -> None:
+    while not ev.query():
+        time.sleep(0.0002)
+
+
+def _blocking(stream: Any) -> Any:
+    import torch
+
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    return ev
+
+
+# host_copy's module attributes each way sets; the rest keep the module's own values.
+WHOLE = 1 << 40
+VARIANTS: dict[str, dict[str, Any]] = {
+    "whole": {"COPY_WINDOW": WHOLE},
+    "paced 4 x 32 MB": {"COPY_WINDOW": 4, "COPY_CHUNK_BYTES": 32 << 20},
+    "gapped 1 x 32 MB": {"COPY_WINDOW": 1, "COPY_CHUNK_BYTES": 32 << 20},  # host_copy's own
+    "gapped 1 x 8 MB": {"COPY_WINDOW": 1, "COPY_CHUNK_BYTES": 8 << 20},
+    "whole, polled": {"COPY_WINDOW": WHOLE, "_wait": _polled},
+    "whole, blocking-sync events": {"COPY_WINDOW": WHOLE, "_recorded": _blocking},
+    "gapped 1 x 32 MB, polled": {"COPY_WINDOW": 1, "COPY_CHUNK_BYTES": 32 << 20, "_wait": _polled},
+}
+
+
+def apply(name: str) -> dict[str, Any]:
+    """Set host_copy's attributes to variant `name`; the previous values, for `restore`."""
+    import stagerd.training.host_copy as hc
+
+    old = {k: getattr(hc, k) for k in VARIANTS[name]}
+    for k, v in VARIANTS[name].items():
+        setattr(hc, k, v)
+    return old
+
+
+def restore(old: dict[str, Any]) -> None:
+    import stagerd.training.host_copy as hc
+
+    for k, v in old.items():
+        setattr(hc, k, v)
+
+
+def best(results: list[dict[str, Any]]) -> str:
+    """The variant whose `.item()` waits least while the main thread waits, among those copying at 95% or
+    more of the whole copy's rate."""
+    rows = [r for r in results if not r["busy"]]
+    whole = next(r["rate_gbs"] for r in rows if r["variant"] == "whole")
+    fast = [r for r in rows if r["rate_gbs"] >= 0.95 * whole]
+    return min(fast, key=lambda r: r["extra_ms"])["variant"]
 
 
 def main() -> None:
@@ -30,6 +85,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -42,7 +98,6 @@ def main() -> None:
     pool = HostPool(pin=True, name="bench")
     copier = hc.HostCopier(pool, ThreadPoolExecutor(1))
     copier.start(tensors).result()  # buffers allocated and page-locked, off the clock
-    window = hc.COPY_WINDOW
 
     def busy_launching() -> None:  # the next step's Python launching kernels: the GIL contended
         y = torch.zeros(1, device=dev)
@@ -78,20 +133,36 @@ def main() -> None:
 
     gb = nbytes / 1e9
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; {gb:.2f} GB in {len(sizes)} tensors")
-    print("| copy | main thread | .item() extra wait, ms (min-max) | copy GB/s (min-max) |")
+    print("| copy issued | main thread | .item() extra wait, ms (min-max) | copy GB/s (min-max) |")
     print("|---|---|---|---|")
+    results = []
     for busy in (False, True):
         base = statistics.median([item_wait(False, busy) for _ in range(args.trials)])
-        paced = f"paced ({window} x {hc.COPY_CHUNK_BYTES >> 20} MB)"
-        for label, w in (("queued whole", 1 << 30), (paced, window)):
-            hc.COPY_WINDOW = w
-            item_wait(True, busy)
-            extra = [(item_wait(True, busy) - base) * 1e3 for _ in range(args.trials)]
-            rate = [copy_rate(busy) for _ in range(args.trials)]
+        for name in VARIANTS:
+            old = apply(name)
+            try:
+                item_wait(True, busy)
+                extra = [(item_wait(True, busy) - base) * 1e3 for _ in range(args.trials)]
+                rate = [copy_rate(busy) for _ in range(args.trials)]
+            finally:
+                restore(old)
             where = "launching kernels" if busy else "waiting"
-            print(f"| {label} | {where} | {cell(extra, '{:.2f}')} | {cell(rate, '{:.1f}')} |", flush=True)
-        hc.COPY_WINDOW = window
+            print(f"| {name} | {where} | {cell(extra, '{:.2f}')} | {cell(rate, '{:.1f}')} |", flush=True)
+            results.append(
+                {
+                    "variant": name,
+                    "busy": busy,
+                    "extra_ms": statistics.median(extra),
+                    "extra_ms_all": extra,
+                    "rate_gbs": statistics.median(rate),
+                    "rate_gbs_all": rate,
+                }
+            )
     pool.close()
+    chosen = best(results)
+    print(f"least .item() wait at >= 95% of the whole copy's rate: {chosen}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "best": chosen}, indent=1))
 
 
 if __name__ == "__main__":

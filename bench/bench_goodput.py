@@ -209,6 +209,12 @@ def main() -> None:
     p.add_argument("--no-daemon", action="store_true", help="stagerd without its daemon beside it")
     p.add_argument("--runs", default="long,short,unhidden,slow", help="which runs (comma-separated)")
     p.add_argument("--report", default=None, help="print the report of a --json file, measure nothing")
+    p.add_argument(
+        "--copy-variant",
+        default=None,
+        help="issue stagerd's host copy as bench_copy_pacing.py's VARIANTS[NAME], or best:FILE for the one "
+        "its --json FILE found best (a comparison of ways, not the library's setting)",
+    )
     args = p.parse_args()
     if args.report:
         from report_goodput import report
@@ -249,6 +255,16 @@ def main() -> None:
         peak = pinned_peak(min(nbytes, 2 << 30))
         say(f"disk floor {floors[0]:.2f} s, pinned peak {peak} GB/s")
         patch = gm.torch_stager_closes_after_each_save()
+        variant = args.copy_variant
+        if variant is not None:
+            import bench_copy_pacing
+
+            found = Path(variant[5:]) if variant.startswith("best:") else None
+            if found is not None:  # no file: the pacing bench did not finish, the library's own way
+                variant = json.loads(found.read_text())["best"] if found.is_file() else None
+            if variant is not None:
+                bench_copy_pacing.apply(variant)
+            say(f"stagerd's host copy issued as: {variant or 'the library default'}")
         raw["meta"] = {
             "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
             "torch": torch.__version__,
@@ -262,6 +278,7 @@ def main() -> None:
             "long": args.long,
             "short": args.short,
             "threads": args.threads,
+            "copy_variant": variant,
         }
         stagerd_root, sink = root / "stagerd", root / "sink"
         stagerd_root.mkdir(exist_ok=True)

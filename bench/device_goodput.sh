@@ -29,7 +29,7 @@ if python3 -c "import pytest" 2> /dev/null; then
         | tee "$OUT/cuda-tests.log"
 fi
 # How long the loop's own `.item()` waits behind a save's copy, queued whole against paced.
-timeout 90 python3 bench/bench_copy_pacing.py 2>&1 | tee "$OUT/pacing.log"
+timeout 90 python3 bench/bench_copy_pacing.py --json "$OUT/pacing.json" 2>&1 | tee "$OUT/pacing.log"
 if [ $# -eq 0 ]; then
     set -- --preset 1b --long 18 --short 4 --saves 4 --slow-saves 2 --base-steps 24
 fi

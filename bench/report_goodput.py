@@ -71,7 +71,8 @@ def report(raw: dict) -> str:
     lines = [
         f"{meta['device']}, torch {meta['torch']}, Python {meta['python']}; "
         f"Llama {meta['params'] / 1e6:.0f}M params, {nbytes / 1e9:.2f} GB per save "
-        f"(model + AdamW state); writer threads {meta['threads']}; load average {load}",
+        f"(model + AdamW state); writer threads {meta['threads']}; load average {load}"
+        + (f"; stagerd's host copy issued as: {meta['copy_variant']}" if meta.get("copy_variant") else ""),
         f"step time without saves: {base:.4f} s (min-max {min(base_times):.4f}-{max(base_times):.4f}); "
         f"disk floor (same bytes, one stream, fsynced): {floor:.2f} s ({nbytes / floor / 1e9:.2f} GB/s; runs "
         f"{', '.join(f'{f:.2f}' for f in meta['disk_floors'])})"
