@@ -170,8 +170,15 @@ class Adoption(Discovery):
             preset = choose_preset(ckpt, name)
         except (OSError, StagerdError):
             return None  # no DCP checkpoint here yet, or a .metadata the export will name
-        self._adopt_presets[ckpt.name] = (key, preset)
+        # replaced whole, never changed in place: the yield scan's threads ask too, beside the io thread
+        self._adopt_presets = {**self._adopt_presets, ckpt.name: (key, preset)}
         return preset
+
+    def _finished_at(self, ckpt: Path) -> float | None:
+        """When the checkpoint was finished by its preset's rule (the mtime its journal row gets), or None
+        while it is not (or no preset reads it yet). Any thread."""
+        preset = self._preset_of(ckpt)
+        return None if preset is None else finished(ckpt, preset)
 
     async def _scan(self) -> int:
         if self.settings.adopt is None:

@@ -36,7 +36,6 @@ from stagerd.daemon.retention import empty_trash
 from stagerd.daemon.scheduling import Scheduling
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import OnceSummary, Summary
-from stagerd.daemon.yielding import SavesInFlight
 from stagerd.errors import ConfigError, JournalError
 from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
@@ -102,7 +101,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._inflight_publishes = {}
         self._marker_metadata = {}
         self._odd_names = set()
-        self._saves = SavesInFlight(self.root)
+        self._saves = self._saves_in_flight()
         self._retention_kept = set()
         self._retention_pinned = set()
         self._adopt_clashes = set()

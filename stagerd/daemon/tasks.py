@@ -140,7 +140,7 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
 
         self._refuse_links(step, step_dir, STAGED_PARTS, EXPORT_PARTS)
         if is_fleet_step(step_dir):
-            return self._run_fleet(step, step_dir)
+            return self._run_fleet(step, step_dir, pause)
         from stagerd.ops.progress import progress
 
         with contextlib.ExitStack() as stack:

@@ -5,12 +5,18 @@ and they compete for the same disk. So while some step directory in ROOT is bein
 marker, a file under its staged parts changed moments ago), their worker threads pause between moves or
 chunks, for at most `yield_seconds` in total per export or publish, so a save that never ends cannot starve
 the daemon. Nothing of the Stager's protocol is needed: mtimes alone tell a save in flight.
+
+With `--adopt` the saves are the trainer's own checkpoints (`writing_checkpoints`): a directory of ROOT
+whose name gives a step, not finished by its preset's rule (the rule the daemon's scan follows), with a file
+anywhere under it changed moments ago. Those trainers save on the training ranks themselves, so there the
+disk the export takes is taken from the training loop directly.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import threading
 import time
@@ -18,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
@@ -29,13 +36,26 @@ WRITE_WINDOW_SECONDS = 3.0
 CACHE_SECONDS = 0.1  # every worker thread asks after each move or chunk: one scan answers them all
 SLICE_SECONDS = 0.05
 MAX_ENTRIES = 256  # per step directory: a Stager save has a few files per rank; a huge tree is not walked
+# A file of a checkpoint written this long after its preset's last completion file is a save still going
+# on (see `writing_checkpoints`); within it, the other ranks' own small files of the same save.
+AFTER_FINISH_SECONDS = 1.0
+# A trainer saves its newest step: the older checkpoints (every one, without a save_total_limit) are only
+# walked for the newest few, since no marker tells a finished one without reading it.
+MAX_CHECKPOINTS = 8
 _PARTS = frozenset((layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR))
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def written_within(step_dir: Path, lo: float, hi: float, max_entries: int = MAX_ENTRIES) -> bool:
-    """Whether an entry under the step's staged parts has an mtime in [lo, hi]. Links are never followed;
-    a directory that vanished or cannot be read counts as not written."""
+def written_within(
+    step_dir: Path,
+    lo: float,
+    hi: float,
+    max_entries: int = MAX_ENTRIES,
+    parts: frozenset[str] | None = _PARTS,
+) -> bool:
+    """Whether an entry under the step's staged parts (`parts` None: anywhere under it) has an mtime in
+    [lo, hi]. Links are never followed; a directory that vanished or cannot be read counts as not written,
+    and so does one of more than `max_entries` entries."""
     try:
         top = os.open(step_dir, _DIR_FLAGS)
     except OSError:
@@ -47,7 +67,7 @@ def written_within(step_dir: Path, lo: float, hi: float, max_entries: int = MAX_
             try:
                 with os.scandir(fd) as it:
                     for e in it:
-                        if fd == top and e.name not in _PARTS:
+                        if fd == top and parts is not None and e.name not in parts:
                             continue
                         seen += 1
                         if seen > max_entries:
@@ -82,11 +102,61 @@ def writing_steps(root: Path, window: float = WRITE_WINDOW_SECONDS) -> tuple[int
     )
 
 
-class SavesInFlight:
-    """`writing_steps` of one ROOT, answered from a scan at most `CACHE_SECONDS` old, for any thread."""
+def writing_checkpoints(
+    root: Path,
+    window: float,
+    finished_at: Callable[[Path], float | None],
+    custom: re.Pattern[str] | None = None,
+) -> tuple[int, ...]:
+    """`--adopt`: the trainer's checkpoint directories in ROOT (named as the scan names them, the newest
+    `MAX_CHECKPOINTS` by step) with an entry anywhere under them written within the last `window` seconds
+    while not finished (`finished_at`, the daemon's own rule: None until then), or more than
+    `AFTER_FINISH_SECONDS` after it was; newest first.
 
-    def __init__(self, root: Path, window: float = WRITE_WINDOW_SECONDS) -> None:
-        self.root, self.window = root, window
+    The HF Trainer (`Trainer._save_checkpoint`, transformers 5.24) writes `save_model`'s files, then the
+    optimizer (FSDP: the model's DCP again, then the optimizer's), scheduler, scaler and each rank's
+    `rng_state_R.pth`, and rank 0's `trainer_state.json` last: its preset's completion file ends the save
+    but for the other ranks' RNG states (a few KB, at that moment). After it come only the rotation's
+    deletes of older checkpoints, which touch their directories: a moment's yield to the trainer's own
+    disk work. Lightning's `meta.pt`, DCP's `.metadata` (torchtitan) and AutoModel's `.incomplete`
+    removal end theirs too. Accelerate's `save_state` is finished by the model's own files, written
+    before its optimizer (several times the model's bytes): those writes after the finish keep the
+    exports yielding, that checkpoint's own included, until they go quiet (`window`)."""
+    now = time.time()
+    lo, hi = now - window, now + window
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return ()
+    named = []
+    for e in entries:
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+            continue  # `.stagerd/`, where the exports are built, and single-file checkpoints
+        step = parse_step_name(e.name, custom)
+        if step is not None:
+            named.append((step, Path(e.path)))
+    found = []
+    for step, d in sorted(named, key=lambda sd: sd[0], reverse=True)[:MAX_CHECKPOINTS]:
+        if not written_within(d, lo, hi, parts=None):
+            continue
+        done = finished_at(d)
+        if done is None or written_within(d, max(lo, done + AFTER_FINISH_SECONDS), hi, parts=None):
+            found.append(step)
+    return tuple(found)
+
+
+class SavesInFlight:
+    """`writing_steps` of one ROOT (or what `scan` finds there), answered from a scan at most
+    `CACHE_SECONDS` old, for any thread. `own`: a step's own save counts for its export too."""
+
+    def __init__(
+        self,
+        root: Path,
+        window: float = WRITE_WINDOW_SECONDS,
+        scan: Callable[[Path, float], tuple[int, ...]] = writing_steps,
+        own: bool = False,
+    ) -> None:
+        self.root, self.window, self.scan, self.own = root, window, scan, own
         self._lock = threading.Lock()
         self._at = -float("inf")
         self._steps: tuple[int, ...] = ()
@@ -95,10 +165,10 @@ class SavesInFlight:
         """A step other than `skip` whose save is being written, or None."""
         with self._lock:
             if time.monotonic() - self._at >= CACHE_SECONDS:
-                self._steps = writing_steps(self.root, self.window)
+                self._steps = self.scan(self.root, self.window)
                 self._at = time.monotonic()
             steps = self._steps
-        return next((s for s in steps if s != skip), None)
+        return next((s for s in steps if s != skip or self.own), None)
 
 
 class Yielder:
@@ -191,6 +261,21 @@ def yields_disk(sink: str) -> bool:
 
 class Yielding(DaemonState):
     _saves: SavesInFlight
+
+    def _finished_at(self, ckpt: Path) -> float | None:
+        raise NotImplementedError  # `Adoption`'s
+
+    def _saves_in_flight(self) -> SavesInFlight:
+        if self.settings.adopt is None:
+            return SavesInFlight(self.root)
+        custom = compile_step_regex(self.settings.adopt_step)
+        # A checkpoint is exported once its preset finds it finished: still written, it is a save of its own
+        # being finished (accelerate's optimizer after the model), and its export yields to it as well.
+        return SavesInFlight(
+            self.root,
+            scan=lambda root, window: writing_checkpoints(root, window, self._finished_at, custom),
+            own=True,
+        )
 
     def _yielder(self, what: str, step: int, sink: str | None = None) -> Yielder:
         """The pause hook of one export (`sink` None) or one publish to `sink`."""

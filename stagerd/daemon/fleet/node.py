@@ -90,6 +90,7 @@ class FleetOptions:
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
     hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
     stopping: Callable[[], bool] | None = None  # the daemon is stopping: a wait ends (`exchange.Stopped`)
+    pause: Callable[[], None] | None = None  # after each move of a build: the daemon's yield to a save
 
 
 @dataclass
@@ -232,6 +233,8 @@ class FleetNode:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             building = progress.doing(f"building {rel}", "fleet.build")
+            if self.opt.pause is not None:
+                building = _then(building, self.opt.pause)
             art.build(f.name, out, threads=self.opt.threads, progress=building)
             n, urls = len(self.sinks), [s.url for s in self.sinks]
             for sink in todo:  # each sink its own work: a second upload of the same bytes is progress too
@@ -358,3 +361,11 @@ class FleetNode:
 
     def _target_dtype(self) -> str | None:
         return parse_export_dtype(self.opt.dtype if self.opt.dtype is not None else self.marker.dtype)
+
+
+def _then(report: Callable[[int, int], None], pause: Callable[[], None]) -> Callable[[int, int], None]:
+    def both(done: int, total: int) -> None:
+        report(done, total)
+        pause()
+
+    return both

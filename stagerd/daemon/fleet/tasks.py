@@ -30,6 +30,7 @@ from stagerd.sinks.fsspec import FsspecSink
 
 if TYPE_CHECKING:
     from stagerd.daemon.fleet.node import FleetNode
+    from stagerd.daemon.yielding import Yielder
     from stagerd.engine.export import ExportResult
     from stagerd.sinks.fetch import RemoteStore
 
@@ -90,14 +91,22 @@ class FleetTasks(DaemonState):
         exchange = FsspecSink.from_url(ex) if ex is not None else FsspecSink.from_url(url)
         return exchange, RemoteStore.open(ex or url)
 
-    def _run_fleet(self, step: int, step_dir: Path) -> ExportResult:
+    def _run_fleet(self, step: int, step_dir: Path, pause: Yielder | None = None) -> ExportResult:
         """Worker thread: this node's part of the fleet export of `step`, until the step is committed on
-        every fsspec sink but those that failed on the way: each of those its own lane (`_fleet_lane`)."""
+        every fsspec sink but those that failed on the way: each of those its own lane (`_fleet_lane`).
+        `pause`: the export's yield to a save on this node, between the moves of the files it builds."""
         exchange, store = self._fleet_exchange()
         still_waiting = False
+        if pause is not None:
+            # The other nodes wait on this one's files. The trainer saves on every node at once, so each
+            # node's build pauses for its own node's save, and the training (whose ranks meet again after
+            # it) is what gains. The raw part and the uploads are the network's: never paused. Half the
+            # fleet wait at most, so a pause alone never ends another node's wait (`FleetWaitError`).
+            pause.budget = min(pause.budget, self.settings.fleet_wait_seconds / 2)
         try:
             work = self.root / ".stagerd" / "fleet" / step_dir.name
-            res = self._fleet_node(step_dir, work, exchange, store, self._fleet_status(step)).run()
+            node = self._fleet_node(step_dir, work, exchange, store, self._fleet_status(step), pause=pause)
+            res = node.run()
             urls = {sink.url: url for url, sink in self._fleet_sinks()}
             for url, err in res.failed.items():  # that sink's lane: its first try says why, then retries
                 self._fleet_failed()[(step, urls.get(url, url))] = err
@@ -131,6 +140,7 @@ class FleetTasks(DaemonState):
         store: RemoteStore,
         status: Callable[[str, int], None],
         lanes: list[FsspecSink] | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> FleetNode:
         """This node's FleetNode for `step_dir`: every fsspec sink, or the sinks `lanes` alone."""
         from stagerd.daemon.fleet.node import FleetNode, FleetOptions
@@ -147,6 +157,7 @@ class FleetTasks(DaemonState):
             hub=bool(hubs),
             hubs=hubs,
             stopping=lambda: self._stopping,
+            pause=pause,
         )
         root = self._fleet_root_id()
         return FleetNode(step_dir, work, sinks, exchange, store, root, options, status, lanes)

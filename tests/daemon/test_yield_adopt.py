@@ -1,0 +1,238 @@
+"""With `--adopt`, the daemon yields the disk to the trainer's own checkpoint being written.
+
+The saves here are HF Trainer `checkpoint-N/` directories (`save_pretrained` of a tiny Llama, built in
+memory, then `trainer_state.json` last, as `Trainer._save_checkpoint` writes them), judged by the daemon's
+own preset rule. The daemon runs as a real `stagerd watch --adopt hf-trainer` process while a thread of
+this test keeps writing the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import WatchProc, fast_flags, free_port, is_state, start_watch
+
+OLD = time.time() - 3600
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A finished HF Trainer checkpoint (DDP layout: whole safetensors, `trainer_state.json`)."""
+    import transformers as tf
+
+    from tests.fidelity import models
+
+    d = tmp_path_factory.mktemp("trained") / "checkpoint-1"
+    tf.LlamaForCausalLM(models.config("llama")).save_pretrained(d)
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": 1, "log_history": []}))
+    return d
+
+
+def _checkpoint(root: Path, step: int, saved: Path, *, finished: bool = True) -> Path:
+    d = root / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    for name in MODEL_FILES:
+        shutil.copy(saved / name, d / name)
+    if finished:
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return d
+
+
+def _age(d: Path) -> None:
+    for p in [*sorted(d.rglob("*"), reverse=True), d]:
+        os.utime(p, (OLD, OLD), follow_symlinks=False)
+
+
+def _writing(root: Path, skip: int = -1, preset: str = "hf-trainer") -> int | None:
+    """What a fresh daemon over ROOT (`watch --adopt PRESET`) finds being written, `skip` aside."""
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+
+    settings = Settings(root=root, sinks=[(root.parent / "sink").as_uri()], adopt=preset, metrics_port=0)
+    return Daemon(settings)._saves.writing(skip=skip)
+
+
+# -- detection ----------------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_not_finished_by_its_preset_and_written_just_now_is_a_save(tmp_path, saved):
+    root = tmp_path / "run"
+    _checkpoint(root, 1, saved)  # finished (trainer_state.json) just now: its save is over
+    assert _writing(root) is None
+    mid = _checkpoint(root, 2, saved, finished=False)  # the model written, the rest not yet
+    assert _writing(root) == 2
+    _age(mid)  # a save that died an hour ago
+    assert _writing(root) is None
+    (mid / "trainer_state.json").write_text("{")  # written in place, not parsed yet: not finished
+    assert _writing(root) == 2
+    (root / "checkpoint-3.tmp").mkdir()
+    (root / "checkpoint-3.tmp" / "x").write_bytes(b"x")  # a name that gives no step
+    (root / ".stagerd" / "adopted" / "checkpoint-9").mkdir(parents=True)  # the exports built
+    (root / ".stagerd" / "adopted" / "checkpoint-9" / "model.safetensors").write_bytes(b"x")
+    _age(mid)
+    assert _writing(root) is None
+
+
+def test_files_in_nested_directories_count_and_links_are_not_followed(tmp_path, saved):
+    root = tmp_path / "run"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "fresh").write_bytes(b"x")  # written now, but reached only through a link
+    mid = _checkpoint(root, 4, saved, finished=False)
+    (mid / "global_step4").symlink_to(elsewhere, target_is_directory=True)
+    (mid / "optimizer.pt").symlink_to(elsewhere / "fresh")
+    (mid / "pytorch_model_fsdp_0" / "sub").mkdir(parents=True)
+    _age(mid)
+    assert _writing(root) is None
+    (mid / "pytorch_model_fsdp_0" / "sub" / "__0_0.distcp").write_bytes(b"x" * 64)
+    os.utime(mid / "pytorch_model_fsdp_0" / "sub", (OLD, OLD))
+    os.utime(mid / "pytorch_model_fsdp_0", (OLD, OLD))
+    assert _writing(root) == 4  # two directories down, their own mtimes an hour old
+    shutil.rmtree(mid)
+    assert _writing(root) is None
+
+
+def test_a_huge_tree_is_not_walked(tmp_path, saved):
+    from stagerd.daemon.yielding import MAX_ENTRIES
+
+    root = tmp_path / "run"
+    mid = _checkpoint(root, 5, saved, finished=False)
+    (mid / "optimizer_0").mkdir()
+    _age(mid)
+    fresh = mid / "optimizer_0" / "__0_0.distcp"
+    with open(fresh, "ab") as f:
+        f.write(b"x")
+    os.utime(mid / "optimizer_0", (OLD, OLD))
+    assert _writing(root) == 5
+    for i in range(MAX_ENTRIES):  # every rank's own files, beside it: read before any directory's
+        (mid / f"rng_state_{i}.pth").write_bytes(b"")
+    _age(mid)
+    with open(fresh, "ab") as f:  # still being written: its directory's mtime stays old
+        f.write(b"x")
+    assert _writing(root) is None
+
+
+def test_a_save_going_on_after_its_preset_finished_it_holds_its_own_export_too(tmp_path, saved):
+    """Accelerate's `save_state` without FSDP: finished by the model's file, its optimizer written after."""
+    root = tmp_path / "run"
+    d = root / "checkpoint-6"
+    d.mkdir(parents=True)
+    shutil.copy(saved / "model.safetensors", d / "model.safetensors")
+    (d / "random_states_0.pkl").write_bytes(b"x")
+    _age(d)
+    assert _writing(root, skip=6, preset="accelerate") is None
+    (d / "optimizer.bin").write_bytes(b"x" * 64)  # written now, an hour after the model
+    assert _writing(root, skip=6, preset="accelerate") == 6
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+
+    daemon = Daemon(Settings(root=root, sinks=[(tmp_path / "sink").as_uri()], adopt="accelerate"))
+    assert daemon._finished_at(d) == OLD  # finished, by the daemon's own rule, an hour ago
+
+
+# -- the daemon ---------------------------------------------------------------------------------------------
+
+
+class Writer:
+    """A checkpoint in flight: appends to `ckpt/optimizer.pt` every 50 ms until stopped."""
+
+    def __init__(self, ckpt: Path) -> None:
+        self.path = ckpt / "optimizer.pt"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open(self.path, "ab") as f:
+                f.write(b"\0" * 65536)
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def training(tmp_path, saved) -> Iterator[tuple[Path, Path, Writer]]:
+    """The Trainer's output dir: checkpoint-100 finished, checkpoint-101 being written."""
+    root = tmp_path / "run"
+    _checkpoint(root, 100, saved)
+    writer = Writer(_checkpoint(root, 101, saved, finished=False))
+    yield root, tmp_path / "sink", writer
+    writer.stop()
+
+
+async def _watch(root: Path, sink: Path, tmp_path: Path, *flags: str, port: int = 0) -> WatchProc:
+    return await start_watch(
+        root,
+        "--adopt",
+        "hf-trainer",
+        "--sink",
+        sink.as_uri(),
+        *fast_flags(metrics_port=port),
+        *flags,
+        log_dir=tmp_path / "logs",
+    )
+
+
+async def _stop(w: WatchProc) -> None:
+    w.kill(15)
+    assert await w.wait(30) == 0
+
+
+def _yields(step: int, stage: str):
+    return lambda r: r.get("step") == step and r.get("stage") == stage and "yields_to" in r
+
+
+def _metric(port: int, stage: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    prefix = f'stagerd_yield_seconds_total{{stage="{stage}"}}'
+    return float(next(ln for ln in body.splitlines() if ln.startswith(prefix)).split()[-1])
+
+
+async def test_the_export_of_a_checkpoint_waits_until_the_next_one_is_finished(training, tmp_path):
+    root, sink, writer = training
+    port = free_port()
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "30", port=port)
+    try:
+        rec = await w.wait_for(_yields(100, "export"), timeout=30)
+        assert rec["yields_to"] == 101
+        await asyncio.sleep(1.5)
+        assert not any(is_state(100, "exported")(r) for r in w.records())
+        writer.stop()
+        (root / "checkpoint-101" / "trainer_state.json").write_text(json.dumps({"global_step": 101}))
+        finished = time.time()
+        done = await w.wait_for(is_state(100, "exported"), timeout=30)
+        # trainer_state.json ends the wait at once, not the mtimes going stale (3 s).
+        assert done["ts"] - finished < 2.5, done["ts"] - finished
+        assert done["yielded_seconds"] >= 1.5
+        assert _metric(port, "export") >= 1.5
+        await w.wait_for(is_state(101, "published", sink.as_uri()), timeout=60)
+    finally:
+        await _stop(w)
+
+
+async def test_a_checkpoint_never_finished_holds_the_export_only_for_the_budget(training, tmp_path):
+    root, sink, _ = training
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "1.5")
+    try:
+        start = await w.wait_for(_yields(100, "export"), timeout=30)
+        resumed = await w.wait_for(lambda r: r.get("stage") == "export" and "yielded_seconds" in r, 30)
+        assert "budget is spent" in resumed["msg"]
+        done = await w.wait_for(is_state(100, "exported"), timeout=30)
+        assert 1.4 <= done["ts"] - start["ts"] < 6.0
+        await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=30)
+    finally:
+        await _stop(w)
