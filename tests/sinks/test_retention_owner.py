@@ -155,3 +155,43 @@ def test_two_daemons_on_one_prefix_keep_each_others_steps(tmp_path, dcp_mixed2):
     steps = sorted(s for p in sink.glob("step-*") if (s := layout.parse_step_dir(p.name)) is not None)
     assert steps == [3, 7, 8]
     assert "another ROOT" in r.stderr
+
+
+def test_a_step_whose_publisher_is_not_recorded_is_left_only_where_another_root_publishes():
+    """The plan, pure: a step with no publisher recorded (UNKNOWN: a fleet leader's commit) is this ROOT's
+    as before where no other ROOT publishes (a single run's bucket still shrinks), and left alone, never
+    counted, where one does. Another ROOT's step is never deleted nor counted."""
+    from stagerd.sinks.claims import FOREIGN, OWN, UNKNOWN
+    from stagerd.sinks.prune_plan import RemoteStep, plan_prune
+
+    owners = {1: UNKNOWN, 2: OWN, 3: UNKNOWN, 4: OWN, 5: FOREIGN}
+    steps = [RemoteStep(s, True, owner=o) for s, o in owners.items()]
+    alone = {d.step: d.delete for d in plan_prune(steps[:4], Policy(keep_last=1), None, set())}
+    assert alone == {1: True, 2: True, 3: True, 4: False}
+    shared = {d.step: d.delete for d in plan_prune(steps, Policy(keep_last=1), None, set(), shared=True)}
+    assert shared == {1: False, 2: True, 3: False, 4: False, 5: False}  # 4: its own newest
+    shared = {d.step: d for d in plan_prune(steps, Policy(keep_last=1), 2, set(), shared=True)}
+    assert [s for s, d in shared.items() if d.foreign] == [1, 3, 5]
+
+
+def test_a_node_locally_staged_raw_step_is_each_of_its_nodes_own(tmp_path):
+    """A 2-node fleet's raw step: each node's part is claimed by that node's ROOT, and each node's daemon
+    prunes the step (it is its own if one part is). Guards what already held: a fleet's own raw steps
+    still go."""
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    roots = [_root(tmp_path / f"n{node}") for node in range(2)]
+    for s in (1, 2):
+        for node, root in enumerate(roots):
+            d = root / layout.step_dir_name(s)
+            (d / "model").mkdir(parents=True)
+            (d / "model" / f"shard-{node}.safetensors").write_bytes(bytes([s, node]) * 100)
+            commit_step(d, 2, staging_node=node, staging_nodes=2)
+            sink.publish_raw(d, s)
+    remote = RemoteStore.open(sink_dir.as_uri())
+    try:
+        fates = {d.step: d.delete for d in prune(remote, Policy(keep_last=1), owner=Owner.of(roots[1]))}
+    finally:
+        remote.close()
+    assert fates == {1: True, 2: False}
+    assert not (sink_dir / "raw" / layout.step_dir_name(1)).exists()
