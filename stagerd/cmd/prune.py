@@ -5,18 +5,28 @@ are set (`stagerd/sinks/prune.py`): it never deletes the step `latest` names, a 
 (not published or not verified), a step newer than the newest complete one, or a step a restore is
 reading; each deleted step loses its manifest first, then its files. `--dry-run` lists every step with
 its fate and the reason, and deletes nothing. The Hub is not pruned: its history is immutable.
+
+Every step is listed with its publisher (host and ROOT, from its claim). A person cleaning a prefix counts
+every step, as before; `--root ROOT` applies the daemon's rule instead: only ROOT's steps are counted and
+deleted, so two runs that share a prefix can each be cleaned without touching the other's.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError
 
+if TYPE_CHECKING:
+    from stagerd.sinks.claims import Publisher
+
 EXAMPLES = """examples:
   stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000 --dry-run   # what would go
   stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000
+  stagerd prune s3://ckpts/shared --keep-last 3 --root /local_nvme/ckpt   # only that ROOT's steps
 """
 
 
@@ -28,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
             "Apply remote retention to the HF exports (PREFIX/step-N/) and raw steps (PREFIX/raw/step-N/) "
             "of one s3://, file:// or fsspec sink: keep the newest --keep-last complete steps and every "
             "--keep-every-th step; never the step latest names, an unverified step, a step newer than the "
-            "newest complete one, or one a restore is reading. A deleted step loses its manifest first."
+            "newest complete one, or one a restore is reading. A deleted step loses its manifest first. "
+            "Each step is shown with its publisher; --root limits the prune to one ROOT's steps."
         ),
         epilog=EXAMPLES,
         formatter_class=UserHelpFormatter,
@@ -36,13 +47,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.add_argument("url", metavar="URL", help="the sink: s3://BUCKET/PREFIX, file:///PATH, any fsspec URL")
     p.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N complete steps")
     p.add_argument("--keep-every", type=int, metavar="M", help="keep every step that is a multiple of M")
+    p.add_argument(
+        "--root",
+        metavar="ROOT",
+        help="count and delete only the steps this ROOT's daemon published (a prefix two runs share)",
+    )
     p.add_argument("--dry-run", action="store_true", help="show what would go; delete nothing")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
-    from stagerd.sinks.prune import Policy, prune
+    from stagerd.sinks.prune import Owner, Policy, prune
     from stagerd.sinks.urls import parse_sink_url
 
     if args.url.startswith("hf://"):
@@ -58,14 +74,32 @@ def run(args: argparse.Namespace) -> int:
     # The parser `watch --sink` uses: a typo (`s3:/bkt/run`, `file://relative`) is named, never taken
     # for a local path under the working directory that holds no step (a "successful" prune of nothing).
     parse_sink_url(args.url)
+    owner = Owner(None if args.root is None else _publisher(Path(args.root)))
     store = RemoteStore.open(args.url)
     try:
-        decisions = prune(store, policy, dry_run=args.dry_run)
+        decisions = prune(store, policy, owner=owner, dry_run=args.dry_run)
     finally:
         store.close()
     verb = "would delete" if args.dry_run else "deleted"
     for d in decisions:
-        print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {d.reason}")
+        who = f"  [{d.publisher}]" if d.publisher else ""
+        print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {d.reason}{who}")
     gone = sum(d.delete for d in decisions)
     print(f"{gone} step(s) {verb}, {len(decisions) - gone} kept")
+    publishers = {d.publisher for d in decisions if d.publisher}
+    if args.root is None and len(publishers) > 1:
+        print(
+            f"note: {len(publishers)} publishers share this prefix and their steps were counted together; "
+            "add --root ROOT to count and delete only one ROOT's steps"
+        )
     return 0
+
+
+def _publisher(root: Path) -> Publisher:
+    from stagerd.sinks.claims import publisher_of
+
+    if not root.is_dir():
+        raise ConfigError(
+            f"--root {root} is not a directory", hint="give the ROOT the daemon watched (stagerd watch ROOT)"
+        )
+    return publisher_of(root)

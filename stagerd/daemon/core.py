@@ -222,7 +222,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             if server is not None:
                 server.close()
             closers = [s.close for s in self._sinks.values()] + [
-                s.close for s, _ in self._prune_stores.values()
+                s.close for s, *_ in self._prune_stores.values()
             ]
             for close in closers:
                 with contextlib.suppress(Exception):
@@ -248,7 +248,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
     def _open_prune_stores(self) -> None:
         """Remote retention: a store per fsspec sink to list and delete with (the Hub is never pruned)."""
         from stagerd.sinks.fetch import RemoteStore
-        from stagerd.sinks.prune import Policy, parse_policy
+        from stagerd.sinks.prune import Owner, Policy, parse_policy
 
         s = self.settings
         given = {u.rstrip("/"): text for u, text in s.sink_retention.items()}
@@ -261,7 +261,9 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)
             if policy.active and parse_sink_url(url).kind is not SinkKind.HUB:
                 store = RemoteStore.open(url)
-                self._prune_stores[store.url] = (store, policy)
+                # its own ROOT's steps only: a run sharing the prefix by mistake keeps its own
+                roots = [] if self._adopt_root is None else [self._adopt_root]
+                self._prune_stores[store.url] = (store, policy, Owner.of(self.root, *roots))
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

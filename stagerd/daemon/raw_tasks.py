@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,9 +68,10 @@ class RawTasks(Tasks):
             return
         from stagerd.sinks.prune import prune
 
-        store, policy = self._prune_stores[url]
+        store, policy, owner = self._prune_stores[url]
+        run = functools.partial(prune, store, policy, owner=owner)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], prune, store, policy)
+            await asyncio.get_running_loop().run_in_executor(self._lane_pools[lane], run)
         except Exception as e:
             log.warning(
                 "remote retention on %s failed: %s; tried again after the next publish or start",

@@ -26,7 +26,7 @@ from stagerd.sinks.base import Sink
 if TYPE_CHECKING:
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
-    from stagerd.sinks.prune import Policy
+    from stagerd.sinks.prune import Owner, Policy
 
 log = logging.getLogger("stagerd")
 
@@ -43,7 +43,7 @@ class DaemonState:
     _sinks: dict[str, Sink]
     _raw_sinks: dict[str, FsspecSink]  # raw lane key (`raw:<url>`) -> its fsspec sink (--publish-raw)
     _lane_pools: dict[str, ThreadPoolExecutor]
-    _prune_stores: dict[str, tuple[RemoteStore, Policy]]  # sink url -> store and policy, where one is set
+    _prune_stores: dict[str, tuple[RemoteStore, Policy, Owner]]  # sink url -> store, policy, whose steps
     _journal: Journal
     _jpool: ThreadPoolExecutor
     _iopool: ThreadPoolExecutor

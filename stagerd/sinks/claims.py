@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -112,7 +113,10 @@ def publish_claim(local_root: Path) -> Claim:
         with contextlib.suppress(OSError):
             st = os.stat(root)
             tree = f"{st.st_dev}:{st.st_ino}"
-            former = frozenset({tree, str(os.stat(step_dir).st_ino)})
+            former = frozenset({tree})
+            # retention judges a step whose local directory its own keep-last deleted: ROOT still names it
+            with contextlib.suppress(OSError):
+                former |= {str(os.stat(step_dir).st_ino)}
             if (root / layout.STATE_DIR).is_dir():
                 tree = root_id(root)
     return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, former)
@@ -147,6 +151,53 @@ def owned_by(data: bytes | None, mine: Claim) -> bool:
     if not theirs.tree or mine.former is None:  # no tree named, or outside ROOT's layout: host and path
         return True
     return theirs.tree == mine.tree or theirs.tree in mine.former  # an older stagerd's names for it too
+
+
+OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"  # who published a step, as retention judges it
+ROOT_ID = re.compile(r"[0-9a-f]{32}")  # `root_id`'s form; an older stagerd's names have a colon or none
+
+
+@dataclass(frozen=True)
+class Publisher:
+    """A ROOT as retention sees the steps on a store: its daemon may delete only the steps it published."""
+
+    host: str
+    roots: frozenset[Path]  # real paths of the trees it publishes from: ROOT (and `--adopt`'s export root)
+    tree: str  # ROOT's identity (`root_id`), or its "device:inode" where ROOT has no `.stagerd/`
+
+    def describe(self) -> str:
+        return f"{self.host}:{','.join(sorted(map(str, self.roots)))}"
+
+
+def publisher_of(root: Path, *others: Path) -> Publisher:
+    """ROOT's `Publisher`, named as `publish_claim` names it in the claims it writes."""
+    real = Path(os.path.realpath(root))
+    st = os.stat(real)
+    tree = root_id(real) if (real / layout.STATE_DIR).is_dir() else f"{st.st_dev}:{st.st_ino}"
+    roots = frozenset({real, *(Path(os.path.realpath(o)) for o in others)})
+    return Publisher(socket.gethostname(), roots, tree)
+
+
+def whose(data: bytes | None, me: Publisher) -> str:
+    """Who published the step whose claim read back is `data`: `me` (OWN), another ROOT (FOREIGN), or
+    UNKNOWN where the claim cannot tell (none: a fleet leader's commit, a stagerd before claims; a prune's;
+    unreadable; an older stagerd's name of this host and path that cannot be checked any more: the step's
+    inode once its directory is gone, ROOT's "device:inode" after a reboot renumbered its disk).
+
+    A ROOT's identity decides alone: it stays with ROOT moved to another path, and two ROOTs at one path
+    (two containers) have two. Without one, the publisher's own rule does (`owned_by`, older claims
+    included), on the claim this ROOT would write for the path the claim names."""
+    theirs = decode(data)
+    if theirs is None or theirs.kind != PUBLISH:
+        return UNKNOWN
+    if ROOT_ID.fullmatch(theirs.tree):
+        return OWN if theirs.tree == me.tree else FOREIGN
+    host, _, path = theirs.owner.partition(":")
+    local = Path(path)
+    step_dir = local.parent if local.name == layout.EXPORT_DIR else local
+    if host != me.host or step_dir.parent not in me.roots:
+        return FOREIGN
+    return OWN if owned_by(data, publish_claim(local)) else UNKNOWN
 
 
 def prune_is_dead(claim: Claim, age: float | None) -> bool:

@@ -13,12 +13,16 @@ prefix valid for readers at every moment and never a key of a step another proce
   claims last, each only while it is still ours. A kill at any
   point leaves a complete step or one without a manifest under a prune's claim, which the next prune
   takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
+- **Whose** (`Owner`): the claim of every complete step is read (once per version) and judged for the
+  ROOT pruning (`claims.whose`), an input of the plan: a daemon's retention deletes only its own ROOT's
+  steps. A prefix two runs share by mistake must never cost one run the other's checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.errors import SinkError
@@ -29,13 +33,14 @@ from stagerd.sinks.leases import RESTORING_DIR, Lease, live_leases
 from stagerd.sinks.prune_plan import Decision, Policy, RemoteStep, parse_policy, plan_prune
 from stagerd.sinks.remote import RemoteStore, StoredObject
 
-__all__ = ["Decision", "Lease", "Policy", "RemoteStep", "parse_policy", "plan_prune", "prune"]
+__all__ = ["Decision", "Lease", "Owner", "Policy", "RemoteStep", "parse_policy", "plan_prune", "prune"]
 
 log = logging.getLogger("stagerd.sinks.prune")
 
 TOMBSTONE = "stagerd.pruning"  # an older stagerd's mark of a prune in progress
 FLEET_DIR = "fleet"
 FLEET_DONE = "done.json"  # written by the fleet's leader once nothing reads the step's raw parts again
+_JUDGED_MAX = 100_000  # claims judged a daemon remembers: one per complete step and part it has seen
 
 
 @dataclass
@@ -59,6 +64,58 @@ class Tree:
         return [(own, self.claims.get(name))] + [
             (f"{self.base}{claims.CLAIMS_DIR}/{r}", self.claims[r]) for r in parts
         ]
+
+
+@dataclass
+class Owner:
+    """The ROOT a prune deletes for (`publisher`; None: every step counts, as for a person cleaning a
+    prefix), and what it keeps between prunes: the judgement of each claim version read, and the steps
+    already logged as another's."""
+
+    publisher: claims.Publisher | None = None
+    warned: set[tuple[str, str, int]] = field(default_factory=set)
+    # (claim key, version) -> judgement: a claim does not change while its step is complete, so retention
+    # after each publish reads only the new steps' claims
+    judged: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, root: Path, *others: Path) -> Owner:
+        return cls(claims.publisher_of(root, *others))
+
+    def judge(self, data: bytes | None) -> tuple[str, str]:
+        """(claims.OWN, FOREIGN or UNKNOWN; who, for a person) of one claim read back."""
+        held = claims.decode(data)
+        who = _who(held) if held is not None and held.kind == claims.PUBLISH else ""
+        if self.publisher is None:
+            return claims.OWN, who
+        return claims.whose(data, self.publisher), who
+
+    def claim(self, store: RemoteStore, key: str, obj: StoredObject) -> tuple[str, str]:
+        k = (key, obj.tag or "")
+        got = self.judged.get(k) if obj.tag else None
+        if got is None:
+            if len(self.judged) > _JUDGED_MAX:
+                self.judged.clear()
+            got = self.judged[k] = self.judge(store.read(key, limit=4096))
+        return got
+
+
+def _who(claim: claims.Claim) -> str:
+    """A publisher's claim as a person knows it: HOST:ROOT, and ROOT's identity where it names one."""
+    host, _, path = claim.owner.partition(":")
+    local = Path(path)
+    step_dir = local.parent if local.name == layout.EXPORT_DIR else local
+    root = step_dir.parent if layout.parse_step_dir(step_dir.name) is not None else step_dir
+    return f"{host}:{root}" + (f" (id {claim.tree[:8]})" if claims.ROOT_ID.fullmatch(claim.tree) else "")
+
+
+def _owner(store: RemoteStore, tree: Tree, step: int, owner: Owner) -> tuple[str, str]:
+    """Who published a complete step: its claim's publisher, or for a node-locally staged raw step its
+    parts' (the step is this ROOT's if one part is: each node of one fleet prunes it)."""
+    found = [owner.claim(store, key, obj) for key, obj in tree.claims_of(step) if obj is not None]
+    kinds = {k for k, _ in found}
+    kind = next((k for k in (claims.OWN, claims.FOREIGN) if k in kinds), claims.UNKNOWN)
+    return kind, ", ".join(sorted({w for _, w in found if w}))
 
 
 def _by_step(objects: dict[str, StoredObject]) -> dict[int, dict[str, StoredObject]]:
@@ -92,7 +149,11 @@ def _state(store: RemoteStore, tree: Tree, step: int, now: float) -> tuple[bool,
 
 
 def scan(
-    store: RemoteStore, tree: Tree, fleet: dict[int, dict[str, StoredObject]], now: float
+    store: RemoteStore,
+    tree: Tree,
+    fleet: dict[int, dict[str, StoredObject]],
+    now: float,
+    owner: Owner | None = None,
 ) -> tuple[list[RemoteStep], int | None]:
     """The steps of one tree (those with objects, and those with only a claim left) and `latest`'s."""
     claimed = {s for r in tree.claims if (s := layout.parse_step_dir(r.split(".", 1)[0])) is not None}
@@ -105,7 +166,8 @@ def scan(
             records = fleet.get(step, {})
             if records and FLEET_DONE not in records:
                 busy = f"a fleet build may still read its node parts (no {FLEET_DIR}/step-N/{FLEET_DONE})"
-        steps.append(RemoteStep(step, complete, pruning, busy))
+        kind, who = _owner(store, tree, step, owner) if complete and owner is not None else (claims.OWN, "")
+        steps.append(RemoteStep(step, complete, pruning, busy, kind, who))
     latest_raw = store.read_latest(f"{tree.base}{LATEST_NAME}")  # another tool's names no step
     latest = layout.parse_step_dir(latest_raw.decode(errors="replace").strip()) if latest_raw else None
     return steps, latest
@@ -173,11 +235,17 @@ def _give_back(
 
 
 def prune(
-    store: RemoteStore, policy: Policy, *, dry_run: bool = False, now: float | None = None
+    store: RemoteStore,
+    policy: Policy,
+    *,
+    owner: Owner | None = None,
+    dry_run: bool = False,
+    now: float | None = None,
 ) -> list[Decision]:
     """Apply `policy` to both trees of `store`; returns every step's decision (deleted unless `dry_run`; a
     step another process held meanwhile is reported kept, so two prunes at once count each step once).
-    `now`: the store's time (its own clock when not given)."""
+    `owner`: the ROOT whose steps alone may go, and each step's publisher is read (None: every step counts,
+    none is read). `now`: the store's time (its own clock when not given)."""
     if not policy.active:
         return []
     try:
@@ -188,16 +256,19 @@ def prune(
             tree.claims = store.objects(f"{tree.base}{claims.CLAIMS_DIR}", start="step-")
         fleet = _by_step(store.objects(FLEET_DIR, start="step-"))
         restoring = live_leases(store.objects(RESTORING_DIR), now)
-        plans = [(tree, *scan(store, tree, fleet, now)) for tree in trees]
+        plans = [(tree, *scan(store, tree, fleet, now, owner)) for tree in trees]
     except OSError as e:
         raise SinkError(f"cannot list the steps: {type(e).__name__}: {e}", path=store.url) from None
+    shared = any(s.complete and s.owner == claims.FOREIGN for _, steps, _ in plans for s in steps)
     decisions = []
     for tree, steps, latest in plans:
-        for d in plan_prune(steps, policy, latest, restoring):
+        for d in plan_prune(steps, policy, latest, restoring, shared=shared):
             d.tree = tree.name
             decisions.append(d)
             if d.delete and not dry_run:
                 _delete(store, tree, d, now, fleet)
+            elif d.foreign and owner is not None and not dry_run:
+                _left_alone(store, owner, d)
     decisions += _orphan_records(store, fleet, trees[1], plans[1][1], dry_run)
     return decisions
 
@@ -223,6 +294,24 @@ def _delete(
         store.url,
         d.reason,
         extra={"step": d.step, "sink": store.url, "tree": tree.name},
+    )
+
+
+def _left_alone(store: RemoteStore, owner: Owner, d: Decision) -> None:
+    """Another ROOT's step, logged once per step for as long as this `owner` lives (a daemon)."""
+    if (store.url, d.tree, d.step) in owner.warned:
+        return
+    owner.warned.add((store.url, d.tree, d.step))
+    log.warning(
+        "%s step %d on %s: %s (%s); remote retention leaves it alone. Hint: two runs share this prefix; give "
+        "each run its own sink prefix, and see every step's publisher with `stagerd prune URL --keep-last N "
+        "--dry-run`",
+        d.tree,
+        d.step,
+        store.url,
+        d.reason,
+        d.publisher or "no publisher recorded",
+        extra={"step": d.step, "sink": store.url, "tree": d.tree},
     )
 
 

@@ -10,7 +10,10 @@ part's manifest): the publisher writes it only after every file is uploaded and 
 - the step `latest` names, and everything newer than the newest complete step;
 - the newest `keep_last` complete steps, and every step that is a multiple of `keep_every` (alone,
   `keep_every` keeps only those, the newest complete step and `latest`'s);
-- every step a `stagerd restore` is reading now (a live lease, `leases.py`).
+- every step a `stagerd restore` is reading now (a live lease, `leases.py`);
+- every complete step another publisher's claim names (`claims.whose`, read by the caller: an input here),
+  where the caller judges for one ROOT: never deleted and never counted, so a ROOT keeping 1 keeps its own
+  newest whatever another ROOT sharing the prefix published since.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from stagerd.errors import ConfigError
+from stagerd.sinks.claims import FOREIGN, OWN, UNKNOWN
+
+FOREIGN_REASON = "published by another ROOT: never deleted or counted by this one"
+UNKNOWN_REASON = "its publisher is not recorded and another ROOT publishes here: never deleted by this one"
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,8 @@ class RemoteStep:
     complete: bool  # its manifest exists
     pruning: bool = False  # a killed prune's claim (or an older stagerd's tombstone) is there
     busy: str | None = None  # why nothing may touch it now
+    owner: str = OWN  # claims.OWN, FOREIGN or UNKNOWN: who published it, for the ROOT judging
+    publisher: str = ""  # who published it, for a person: "HOST:ROOT (id ...)", "" where not read
 
 
 @dataclass(frozen=True)
@@ -69,14 +78,26 @@ class Decision:
     step: int
     delete: bool
     reason: str
+    publisher: str = ""  # RemoteStep.publisher
+    foreign: bool = False  # another publisher's: left alone (logged once by the daemon)
 
 
 def plan_prune(
-    steps: Iterable[RemoteStep], policy: Policy, latest: int | None, restoring: set[int]
+    steps: Iterable[RemoteStep],
+    policy: Policy,
+    latest: int | None,
+    restoring: set[int],
+    *,
+    shared: bool = False,
 ) -> list[Decision]:
-    """The fate of every step of one tree (see the module docstring)."""
+    """The fate of every step of one tree (see the module docstring). `shared`: another ROOT's steps are
+    under this prefix too; then a step whose publisher is UNKNOWN is left alone as well. Without another
+    ROOT there, UNKNOWN steps are this ROOT's as they always were: a fleet's export (its leader commits it
+    with no claim) and the steps an older stagerd published must still go, or an upgraded user's bucket
+    grows for ever; with one, they may be its, and leaving a step costs space where deleting it loses it."""
     steps = sorted(steps, key=lambda s: s.step)
-    complete = [s.step for s in steps if s.complete]
+    foreign = {s.step for s in steps if s.complete and _foreign(s, shared)}
+    complete = [s.step for s in steps if s.complete and s.step not in foreign]
     newest = complete[-1] if complete else None
     keep_last = set(complete[-policy.keep_last :]) if policy.keep_last else set()
     out = []
@@ -87,6 +108,8 @@ def plan_prune(
             why, delete = "a killed prune's leftovers (no manifest)", True
         elif not s.complete:
             why, delete = "no manifest: not published or not verified", False
+        elif s.step in foreign:
+            why, delete = FOREIGN_REASON if s.owner == FOREIGN else UNKNOWN_REASON, False
         elif s.step == latest:
             why, delete = "named by latest", False
         elif newest is None or s.step >= newest:
@@ -99,5 +122,9 @@ def plan_prune(
             why, delete = f"a multiple of {policy.keep_every}", False
         else:
             why, delete = "older than what the policy keeps", True
-        out.append(Decision("", s.step, delete, why))
+        out.append(Decision("", s.step, delete, why, s.publisher, s.step in foreign))
     return out
+
+
+def _foreign(s: RemoteStep, shared: bool) -> bool:
+    return s.owner == FOREIGN or (shared and s.owner == UNKNOWN)
