@@ -14,10 +14,11 @@ needs the model or transformers. Every output tensor is a box of one staged tens
   tile it exactly;
 - a staged tensor that no view reads and `drop` does not name is written as it is, under its own name;
 - `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out);
-- `merges`: LoRA merges (`LoraMerge`), the one thing that is arithmetic, not a byte move: the engine
-  computes `name` = base + scaling * (B @ A) (transposed with `fan_in_fan_out`) with numpy, in row blocks,
-  into a scratch shard before planning, so `name` is then a staged tensor the views may read; the base, A
-  and B it consumes are not written unless a view reads them;
+- `merges`: LoRA merges (`LoraMerge`, `contract/lora_merge.py`), the one thing that is arithmetic, not a
+  byte move: the engine computes `name` = base + scaling * (B @ A) (transposed with `fan_in_fan_out`; for
+  DoRA times its magnitude over the norm per output; a LoRA bias: base + scaling * B's bias) with numpy,
+  in row blocks, into a scratch shard before planning, so `name` is then a staged tensor the views may
+  read; the inputs it consumes are not written unless a view reads them;
 - `zeros`: tensors of zeros (`ZeroFill`: name, dtype, shape) the views may read like staged tensors: the
   padding a conversion appends (`new_zeros` then `cat`) is a part whose source is one. The engine gives
   them a place in the same scratch shard, a sparse hole that reads as zeros, so they are copied like any
@@ -36,6 +37,8 @@ from enum import StrEnum
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.contract.json_fields import as_int, as_ints, as_str, as_strs
+from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.errors import DTypeError, HubPlanError
 
 HUB_PLAN_FORMAT = "stagerd.hub/1"
@@ -79,35 +82,6 @@ class TensorView:
     def is_whole(self, source_shape: tuple[int, ...]) -> bool:
         whole = tuple(self.size) == tuple(source_shape) and tuple(self.shape) == tuple(source_shape)
         return whole and not self.perm and not self.at
-
-
-@dataclass(frozen=True, slots=True)
-class LoraMerge:
-    """Staged tensor `name` (computed by the engine): `base` + `scaling` * (`b` @ `a`), or its transpose
-    added with `fan_in_fan_out` (`base` is then in x out), as PEFT's `merge_and_unload` computes it."""
-
-    name: str
-    base: str
-    a: str
-    b: str
-    scaling: float
-    fan_in_fan_out: bool = False
-
-    def check(self, shapes: Mapping[str, tuple[int, ...]], *, path: object = None) -> None:
-        """Its inputs were saved, are matrices, and their shapes agree."""
-        got = [shapes.get(n) for n in (self.base, self.a, self.b)]
-        if any(s is None for s in got):
-            raise HubPlanError(f"merge {self.name!r} reads a tensor that was not saved", path=path)
-        w, a, b = (tuple(s) for s in got if s is not None)
-        if len(w) != 2 or len(a) != 2 or len(b) != 2:
-            raise HubPlanError(f"merge {self.name!r}: base, A and B must be matrices", path=path)
-        out, inp = (w[1], w[0]) if self.fan_in_fan_out else w
-        if a != (b[1], inp) or b[0] != out:
-            raise HubPlanError(
-                f"merge {self.name!r}: A {list(a)} and B {list(b)} do not fit base {list(w)}", path=path
-            )
-        if not math.isfinite(self.scaling):
-            raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +130,11 @@ class HubPlan:
             "views": [_view_json(v) for v in self.views],
             "drop": list(self.drop),
         }  # fmt: skip
-        if self.merges:
-            d["merges"] = [
-                {"name": m.name, "base": m.base, "a": m.a, "b": m.b, "scaling": m.scaling}
-                | ({"fan_in_fan_out": True} if m.fan_in_fan_out else {})
-                for m in self.merges
-            ]
+        if self.merges:  # the other kinds apart: an older stagerd must not take them for plain LoRA
+            plain = [m.to_json() for m in self.merges if m.kind is MergeKind.LORA]
+            variants = [m.to_json() for m in self.merges if m.kind is not MergeKind.LORA]
+            d |= {"merges": plain} if plain else {}
+            d |= {"variant_merges": variants} if variants else {}
         if self.zeros:
             d["zeros"] = [{"name": z.name, "dtype": z.dtype, "shape": list(z.shape)} for z in self.zeros]
         if self.order:
@@ -184,40 +157,37 @@ class HubPlan:
                 raise HubPlanError(f"not a {HUB_PLAN_FORMAT} plan", path=path)
             views = tuple(
                 TensorView(
-                    _str(v["name"]),
-                    _str(v["source"]),
-                    _ints(v["start"]),
-                    _ints(v["size"]),
-                    _ints(v["shape"]),
-                    _ints(v.get("reshape", [])),
-                    _ints(v.get("perm", [])),
-                    _ints(v.get("at", [])),
-                    _ints(v.get("whole", [])),
+                    as_str(v["name"]),
+                    as_str(v["source"]),
+                    as_ints(v["start"]),
+                    as_ints(v["size"]),
+                    as_ints(v["shape"]),
+                    as_ints(v.get("reshape", [])),
+                    as_ints(v.get("perm", [])),
+                    as_ints(v.get("at", [])),
+                    as_ints(v.get("whole", [])),
                 )
                 for v in d["views"]
             )
-            merges = tuple(
-                LoraMerge(
-                    _str(m["name"]),
-                    _str(m["base"]),
-                    _str(m["a"]),
-                    _str(m["b"]),
-                    _float(m["scaling"]),
-                    _bool(m.get("fan_in_fan_out", False)),
-                )
-                for m in d.get("merges", ())
-            )
+            merges = tuple(LoraMerge.from_json(m) for m in d.get("merges", ()))
+            variants = tuple(LoraMerge.from_json(m) for m in d.get("variant_merges", ()))
+            if any(m.kind is not MergeKind.LORA for m in merges) or any(
+                m.kind is MergeKind.LORA for m in variants
+            ):
+                raise ValueError("a merge listed among those of another kind")
+            merges += variants
             zeros = tuple(
-                ZeroFill(_str(z["name"]), _str(z["dtype"]), _ints(z["shape"])) for z in d.get("zeros", ())
+                ZeroFill(as_str(z["name"]), as_str(z["dtype"]), as_ints(z["shape"]))
+                for z in d.get("zeros", ())
             )
-            drop = tuple(_str(n) for n in d.get("drop", ()))
-            order = _strs(d.get("order", []))
+            drop = tuple(as_str(n) for n in d.get("drop", ()))
+            order = as_strs(d.get("order", []))
             shared = tuple(
-                SharedStorage(_strs(g["names"]), _int(g["numel"]), _holds(g.get("holds", Holds.ALWAYS)))
+                SharedStorage(as_strs(g["names"]), as_int(g["numel"]), _holds(g.get("holds", Holds.ALWAYS)))
                 for g in d.get("shared", ())
             )
-            parameters = None if d.get("parameters") is None else _int(d["parameters"])
-            origin = _str(d.get("origin", "aliases"))
+            parameters = None if d.get("parameters") is None else as_int(d["parameters"])
+            origin = as_str(d.get("origin", "aliases"))
             return cls(
                 views,
                 drop,
@@ -247,7 +217,7 @@ class HubPlan:
             m.check(shapes, path=path)
             if m.name not in shapes:
                 raise HubPlanError(f"the merge {m.name!r} was not computed", path=path)
-            read.update((m.base, m.a, m.b))
+            read.update(m.inputs)
         for v in self.views:
             src = shapes.get(v.source)
             if src is None:
@@ -376,42 +346,6 @@ def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> No
         )
 
 
-def _str(x: Any) -> str:
-    if not isinstance(x, str):
-        raise TypeError(f"expected a string, got {type(x).__name__}")
-    return x
-
-
-def _float(x: Any) -> float:
-    if not isinstance(x, int | float) or isinstance(x, bool):
-        raise TypeError(f"expected a number, got {x!r}")
-    return float(x)
-
-
 def _holds(x: Any) -> Holds:
     """A shared storage's `holds`; an unknown one is a ValueError (a malformed plan)."""
-    return Holds(_str(x))
-
-
-def _bool(x: Any) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"expected true or false, got {x!r}")
-    return x
-
-
-def _int(x: Any) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise TypeError(f"expected a non-negative integer, got {x!r}")
-    return x
-
-
-def _strs(x: Any) -> tuple[str, ...]:
-    if not isinstance(x, list):
-        raise TypeError(f"expected a list of strings, got {type(x).__name__}")
-    return tuple(_str(n) for n in x)
-
-
-def _ints(x: Any) -> tuple[int, ...]:
-    if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
-        raise TypeError(f"expected a list of integers, got {x!r}")
-    return tuple(x)
+    return Holds(as_str(x))

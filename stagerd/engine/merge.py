@@ -4,11 +4,14 @@ A merge is arithmetic, not a byte move: W' = W + scaling * (B @ A) (its transpos
 as PEFT's `merge_and_unload` computes it. It runs here with numpy, never torch, in bounded memory: A and B
 (rank r, so r x in and out x r) are read whole, W in row blocks of at most `block_bytes` (B's matching rows,
 or A's matching columns with `fan_in_fan_out`), each block computed in float32 (float64 if an input is
-F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. The merged tensors are
-written, block by block, into one scratch shard (a DCP-style safetensors file beside the output); its
-header joins the staged shards' for the planner, so the views, casts and file packing treat a merged
-tensor like any staged one. numpy's matmul sums in another order than torch's: the merged values agree
-with `merge_and_unload` to float rounding, not bit for bit.
+F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. DoRA scales each
+output of W + delta by its magnitude over its L2 norm; with `fan_in_fan_out` an output is a column, so its
+norms take a first pass over the row blocks. A LoRA bias (base + scaling * B's bias) is a vector, read
+whole. The merged tensors are written, block by block, into one scratch shard (a DCP-style safetensors
+file beside the output); its header joins the staged shards' for the planner, so the views, casts and
+file packing treat a merged tensor like any staged one. numpy's matmul sums in another order than torch's
+(and a DoRA norm is summed in float64): the merged values agree with `merge_and_unload` to float
+rounding, not bit for bit.
 
 A zero fill (`ZeroFill`: the padding a conversion appends) has its place in the same scratch shard and is
 never written: the file is extended to its full size with ftruncate, so its bytes are a hole that reads
@@ -31,8 +34,9 @@ import ml_dtypes
 import numpy as np
 
 from stagerd.contract import dtypes
-from stagerd.contract.hub_plan import HubPlan, LoraMerge, ZeroFill
+from stagerd.contract.hub_plan import HubPlan, ZeroFill
 from stagerd.contract.layout import TensorInfo
+from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.contract.safetensors_format import (
     DCP_SHARDING_INFO_KEY,
     SAVED_OFFSETS_KEY,
@@ -129,7 +133,7 @@ def write_scratch_header(
         if m.name in ids or m.name in entries:
             raise HubPlanError(f"the merge {m.name!r} would replace a tensor of that name", path=where)
         dt = table.dtype_name(ids[m.base])
-        for n in (m.base, m.a, m.b):
+        for n in m.inputs:
             if table.dtype_name(ids[n]) not in _NP:
                 raise HubPlanError(f"merge {m.name!r}: {n!r} is not floating point", path=where)
         size = _NP[dt].itemsize * math.prod(shapes[m.base])
@@ -186,7 +190,7 @@ def merge_into(
 
 def merge_reads(table: ChunkTable, ids: Mapping[str, int], m: LoraMerge) -> Iterator[tuple[str, int, int]]:
     """(shard path, byte offset, length) of every staged block that the merge `m` reads."""
-    for n in (m.base, m.a, m.b):
+    for n in m.inputs:
         t = ids[n]
         size = _NP[table.dtype_name(t)].itemsize
         for c in table.chunks_of(t):
@@ -202,20 +206,71 @@ def _merge_one(
     at: int,
     block_bytes: int,
 ) -> None:
-    wdt, adt, bdt = (_NP[table.dtype_name(ids[n])] for n in (m.base, m.a, m.b))
-    wide = np.dtype(np.float64) if np.dtype(np.float64) in (wdt, adt, bdt) else np.dtype(np.float32)
+    dts = [_NP[table.dtype_name(ids[n])] for n in m.inputs]
+    wdt, bdt = dts[0], dts[-1] if m.kind is MergeKind.BIAS else dts[2]
+    wide = np.dtype(np.float64) if np.dtype(np.float64) in dts else np.dtype(np.float32)
+    scaling = np.asarray(m.scaling, dtype=wide)
+    if m.kind is MergeKind.BIAS:  # PEFT: base.bias += lora_B.bias * scaling, the product in B's dtype
+        w, b = (_read_vector(table, ids[n], dt) for n, dt in zip(m.inputs, dts, strict=True))
+        delta = np.multiply(b.astype(wide), scaling).astype(bdt)
+        pwrite_all(fd, memoryview(np.add(w.astype(wide), delta.astype(wide)).astype(wdt).tobytes()), at)
+        return
     rows, cols = shapes[m.base]
-    a = _read_rows(table, ids[m.a], 0, shapes[m.a][0], adt).astype(wide)
+    a = _read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
     b = _read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
     step = max(1, block_bytes // max(1, cols * wide.itemsize))
-    for lo in range(0, rows, step):
-        hi = min(rows, lo + step)
+    blocks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+    def merged(lo: int, hi: int) -> np.ndarray:
+        """W + scaling * (B @ A) on rows [lo, hi) in `wide`, the delta rounded to B's dtype as PEFT does."""
         w = _read_rows(table, ids[m.base], lo, hi, wdt)
         # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
         delta = np.matmul(b, a[:, lo:hi]).T if m.fan_in_fan_out else np.matmul(b[lo:hi], a)
-        delta = np.multiply(delta, np.asarray(m.scaling, dtype=wide)).astype(bdt)
-        out = np.add(w.astype(wide), delta.astype(wide)).astype(wdt)
-        pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded
+        delta = np.multiply(delta, scaling).astype(bdt)
+        return np.add(w.astype(wide), delta.astype(wide))
+
+    if m.kind is MergeKind.LORA:
+        for lo, hi in blocks:
+            out = merged(lo, hi).astype(wdt)
+            pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded
+        return
+    # DoRA (PEFT's DoraLinearVariant.merge_unsafe): W + delta and its norm per output in torch's promoted
+    # dtype of W and the delta, magnitude / norm in that of the magnitude and the norm, the product
+    # rounded there, then to W's dtype. The norm is summed in float64: torch's own order is not numpy's.
+    summed = _promoted(wdt, bdt)
+    factor_dt = _promoted(dts[3], summed)
+    mag = _read_vector(table, ids[m.magnitude], dts[3]).astype(wide)
+
+    def factor(sq: np.ndarray, mag: np.ndarray) -> np.ndarray:
+        norm = _rounded(np.sqrt(sq).astype(wide), summed)
+        return _rounded(np.divide(mag, norm), factor_dt)
+
+    if m.fan_in_fan_out:  # each output is a column of W: its norm needs every row block first
+        sq = np.zeros(cols, dtype=np.float64)
+        for lo, hi in blocks:
+            sq += np.square(_rounded(merged(lo, hi), summed), dtype=np.float64).sum(axis=0)
+        by_column = factor(sq, mag)[None, :]
+    for lo, hi in blocks:
+        s = _rounded(merged(lo, hi), summed)
+        f = (
+            by_column
+            if m.fan_in_fan_out
+            else factor(np.square(s, dtype=np.float64).sum(axis=1), mag[lo:hi])[:, None]
+        )
+        out = _rounded(np.multiply(f, s), factor_dt).astype(wdt)
+        pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)
+
+
+def _promoted(*dts: np.dtype[Any]) -> np.dtype[Any]:
+    """torch's result dtype of an elementwise op on floating tensors of `dts` (F16 with BF16 is F32)."""
+    if np.dtype(np.float64) in dts:
+        return np.dtype(np.float64)
+    return dts[0] if len(set(dts)) == 1 else np.dtype(np.float32)
+
+
+def _rounded(x: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
+    """`x` rounded to `dt` (as torch stores an op's result), kept in `x`'s wider dtype."""
+    return x if dt == x.dtype else x.astype(dt).astype(x.dtype)
 
 
 def _shape(table: ChunkTable, t: int) -> tuple[int, ...]:
@@ -241,4 +296,23 @@ def _read_rows(table: ChunkTable, t: int, lo: int, hi: int, dt: np.dtype[Any]) -
         finally:
             os.close(fd)
         out[a - lo : b - lo, c0 : c0 + k] = np.frombuffer(buf, dtype=dt).reshape(b - a, k)
+    return out
+
+
+def _read_vector(table: ChunkTable, t: int, dt: np.dtype[Any]) -> np.ndarray:
+    """The whole 1-dim staged tensor `t` (a bias, a DoRA magnitude: one value per output)."""
+    chunks = table.chunks_of(t)
+    out = np.empty(max(c.global_offset[0] + c.shape[0] for c in chunks), dtype=dt)
+    for c in chunks:
+        (r0,), (n,) = c.global_offset, c.shape
+        if n == 0:
+            continue
+        buf = bytearray(n * dt.itemsize)
+        path = table.sources[c.src]
+        fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pread_into(fd, memoryview(buf), c.offset, path)
+        finally:
+            os.close(fd)
+        out[r0 : r0 + n] = np.frombuffer(buf, dtype=dt)
     return out

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from stagerd.contract.hub_plan import HubPlan, LoraMerge
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.errors import HubPlanError
 from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
@@ -91,10 +92,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     computed them), named as the unwrapped module's weight; other adapters' tensors are left out; every
     other key loses PEFT's `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is
     its adapter's trained copy under the module's own name, its original left out. The base model's own
-    save-time conversion (`trace.transformers_plan`) then runs on those names. Anything PEFT merges
-    otherwise (DoRA, LoRA biases, convolutions) is a HubPlanError."""
-    from peft.tuners.lora.layer import Embedding as LoraEmbedding
-    from peft.tuners.lora.layer import Linear as LoraLinear
+    save-time conversion (`trace.transformers_plan`) then runs on those names. A DoRA layer's merge
+    also reads its magnitude vector; a LoRA bias (`lora_bias=True`) is a merge of the base layer's bias.
+    Anything PEFT merges otherwise (convolutions, other LoRA variants) is a HubPlanError."""
     from peft.tuners.lora.layer import LoraLayer
 
     adapters, active = list(model.peft_config), list(model.active_adapters)
@@ -111,21 +111,18 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     for mname, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
             continue
-        kind = type(mod)
-        if kind not in (LoraLinear, LoraEmbedding) or mod.use_dora.get(name) or mod.lora_bias.get(name):
-            raise HubPlanError(f"{mname!r}: only plain LoRA Linear and Embedding layers are merged")
-        base = f"{mname}.base_layer.weight"
-        if kind is LoraEmbedding:  # PEFT's delta is (B @ A).T: an (embeddings x dim) weight is in x out
-            a, b = (f"{mname}.lora_embedding_{p}.{name}" for p in "AB")
-            transposed = True
-        else:
-            a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
-            transposed = bool(getattr(mod, "fan_in_fan_out", False))
-        if not all(k in staged for k in (base, a, b)):
-            raise HubPlanError(f"{mname!r}: its base weight, lora_A or lora_B is not in the state dict")
-        scaling = float(mod.scaling[name])
-        merges.append(LoraMerge(_unwrapped(base), staged[base], staged[a], staged[b], scaling, transposed))
-        consumed.update((base, a, b))
+        for m in _layer_merges(mod, mname, name):
+            if not all(k in staged for k in m.inputs):
+                raise HubPlanError(
+                    f"{mname!r}: its base layer or a LoRA tensor of it is not in the state dict"
+                )
+            consumed.update(m.inputs)
+            on = staged.get  # a tied key reads its original; "" (a bias merge's A, no magnitude) stays
+            merges.append(
+                replace(m, base=on(m.base, ""), a=on(m.a, ""), b=on(m.b, ""), magnitude=on(m.magnitude, ""))
+            )
+    # Plain LoRA first: the marker lists the other kinds apart, and a plan reads back in that order.
+    merges.sort(key=lambda m: m.kind is not MergeKind.LORA)
     if not merges:
         raise HubPlanError(f"the PEFT model's adapter {name!r} has no LoRA Linear layer to merge")
     if any(m.name in sd for m in merges):
@@ -167,6 +164,37 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
     # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
     return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
+
+
+def _layer_merges(mod: Any, mname: str, name: str) -> list[LoraMerge]:
+    """The merges of adapter `name` in the LoRA layer `mname`, on its own keys, as its `merge` computes
+    them: the weight (plain LoRA or DoRA, its magnitude vector read too) and, with `lora_bias`, the bias."""
+    from peft.tuners.lora.layer import Embedding as LoraEmbedding
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.variants import DoraEmbeddingVariant, DoraLinearVariant
+
+    kind, variant = type(mod), mod.lora_variant.get(name)
+    dora = isinstance(variant, DoraLinearVariant | DoraEmbeddingVariant)
+    if kind not in (LoraLinear, LoraEmbedding) or (variant is not None and not dora):
+        raise HubPlanError(f"{mname!r}: only LoRA and DoRA Linear and Embedding layers are merged")
+    base, scaling = f"{mname}.base_layer.weight", float(mod.scaling[name])
+    if kind is LoraEmbedding:  # PEFT's delta is (B @ A).T: an (embeddings x dim) weight is in x out
+        a, b = (f"{mname}.lora_embedding_{p}.{name}" for p in "AB")
+        weight = LoraMerge(_unwrapped(base), base, a, b, scaling, fan_in_fan_out=True)
+    else:
+        a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
+        weight = LoraMerge(_unwrapped(base), base, a, b, scaling, bool(getattr(mod, "fan_in_fan_out", False)))
+    if dora:
+        weight = replace(
+            weight, kind=MergeKind.DORA, magnitude=f"{mname}.lora_magnitude_vector.{name}.weight"
+        )
+    if not mod.lora_bias.get(name):
+        return [weight]
+    if getattr(mod.get_base_layer(), "bias", None) is None:
+        raise HubPlanError(f"{mname!r}: a LoRA bias on a layer without one, which PEFT cannot merge")
+    bias = f"{mname}.base_layer.bias"
+    lora_b = f"{mname}.lora_B.{name}.bias"
+    return [weight, LoraMerge(_unwrapped(bias), bias, "", lora_b, scaling, kind=MergeKind.BIAS)]
 
 
 def _modules_to_save(

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stagerd.contract.hub_plan import HubPlan, LoraMerge, TensorView
+from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.engine import merge
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.planner import plan
@@ -35,6 +36,16 @@ def lora() -> Spec:
         "h.A": (torch.randn(2, 8, generator=g).bfloat16(), "S0"),
         "h.B": (torch.randn(6, 2, generator=g).bfloat16(), "S0"),
         "norm": (torch.randn(8, generator=g), "R"),
+        "d.base": (torch.randn(12, 8, generator=g), "S0"),  # DoRA: its magnitude split by rank too
+        "d.A": (torch.randn(2, 8, generator=g), "S0"),
+        "d.B": (torch.randn(12, 2, generator=g), "S0"),
+        "d.m": (torch.rand(12, generator=g) + 0.5, "S0"),
+        "e.base": (torch.randn(8, 12, generator=g).bfloat16(), "B01"),  # DoRA, fan_in_fan_out, bf16 W
+        "e.A": (torch.randn(2, 8, generator=g), "R"),
+        "e.B": (torch.randn(12, 2, generator=g), "S1"),
+        "e.m": (torch.rand(12, generator=g) + 0.5, "S0"),
+        "q.bias": (torch.randn(12, generator=g), "S0"),  # a LoRA bias
+        "q.B.bias": (torch.randn(12, generator=g), "S0"),
     }
 
 
@@ -43,6 +54,9 @@ def hub() -> HubPlan:
         LoraMerge("q", "q.base", "q.A", "q.B", 2.0),
         LoraMerge("c", "c.base", "c.A", "c.B", 0.5 / 2**0.5, fan_in_fan_out=True),  # rslora-like
         LoraMerge("h", "h.base", "h.A", "h.B", 4.0),
+        LoraMerge("d", "d.base", "d.A", "d.B", 0.5, kind=MergeKind.DORA, magnitude="d.m"),
+        LoraMerge("e", "e.base", "e.A", "e.B", 2.0, True, MergeKind.DORA, "e.m"),
+        LoraMerge("q_bias", "q.bias", "", "q.B.bias", 2.0, kind=MergeKind.BIAS),
     )
     # a merged tensor read by a view like any staged one: renamed
     return HubPlan((TensorView("q_proj", "q", (0, 0), (12, 8), (12, 8)),), (), "peft", merges=merges)
@@ -54,6 +68,17 @@ def peft_merge(w, a, b, s, fifo=False):
     delta = (b.to(wide.dtype) @ wide) * s
     delta = (delta.T if fifo else delta).to(b.dtype)
     return w + delta.to(w.dtype)
+
+
+def peft_dora(w, a, b, m, s, fifo=False):
+    """PEFT's DoraLinearVariant.merge_unsafe: the norm per output of W + delta, in their promoted dtype."""
+    wide = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a
+    delta = (b.to(wide.dtype) @ wide) * s
+    delta = (delta.T if fifo else delta).to(b.dtype)
+    summed = (w.T + delta.T) if fifo else (w + delta)
+    norm = torch.linalg.norm(summed, dim=1).to(summed.dtype)
+    factor = (m / norm).view(-1, 1)
+    return ((factor.T if fifo else factor) * (w + delta)).to(w.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +99,14 @@ def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
     got: dict[str, torch.Tensor] = {}
     for name, _ in res.files:
         got.update(load_file(out / name))
-    assert sorted(got) == ["c", "h", "norm", "q_proj"]  # inputs consumed, not written
+    assert sorted(got) == ["c", "d", "e", "h", "norm", "q_bias", "q_proj"]  # inputs consumed, not written
     want = {
         "q_proj": peft_merge(full["q.base"], full["q.A"], full["q.B"], 2.0),
         "c": peft_merge(full["c.base"], full["c.A"], full["c.B"], 0.5 / 2**0.5, fifo=True),
         "h": peft_merge(full["h.base"], full["h.A"], full["h.B"], 4.0),
+        "d": peft_dora(full["d.base"], full["d.A"], full["d.B"], full["d.m"], 0.5),
+        "e": peft_dora(full["e.base"], full["e.A"], full["e.B"], full["e.m"], 2.0, fifo=True),
+        "q_bias": full["q.bias"] + full["q.B.bias"] * 2.0,
     }
     for name, w in want.items():
         w = w if dtype is None else w.to(torch.bfloat16)
@@ -97,6 +125,11 @@ def test_a_merge_the_checkpoint_contradicts_is_a_named_error(saved, tmp_path):
         "matrices": LoraMerge("x", "norm", "q.A", "q.B", 1.0),
         "would replace": LoraMerge("norm", "q.base", "q.A", "q.B", 1.0),
         "not finite": LoraMerge("x", "q.base", "q.A", "q.B", float("inf")),
+        "not one value per output": LoraMerge(
+            "x", "d.base", "d.A", "d.B", 1.0, False, MergeKind.DORA, "norm"
+        ),
+        "not a dora merge": LoraMerge("x", "d.base", "d.A", "d.B", 1.0, kind=MergeKind.DORA),
+        "does not fit base bias": LoraMerge("x", "q.bias", "", "norm", 1.0, kind=MergeKind.BIAS),
     }
     for words, m in bad.items():
         (tmp_path / words).mkdir()
@@ -111,6 +144,12 @@ def test_merges_round_trip_through_the_marker_json():
     d = json.loads(json.dumps(h.to_json()))
     assert HubPlan.from_json(d) == h
     assert "merges" not in HubPlan().to_json()  # plans without merges are written as before
+    assert [m["kind"] for m in d["variant_merges"]] == ["dora", "dora", "bias"]  # apart from plain LoRA
+    assert "a" not in d["variant_merges"][2]
+    d["variant_merges"][0]["kind"] = "lora"
+    with pytest.raises(HubPlanError, match="malformed"):
+        HubPlan.from_json(d)
+    d = json.loads(json.dumps(h.to_json()))
     d["merges"][0]["scaling"] = "2"
     with pytest.raises(HubPlanError, match="malformed"):
         HubPlan.from_json(d)

@@ -1,0 +1,41 @@
+"""Typed fields of a marker's JSON: each returns the value or raises TypeError (a malformed record)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def as_str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def as_float(x: Any) -> float:
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        raise TypeError(f"expected a number, got {x!r}")
+    return float(x)
+
+
+def as_bool(x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"expected true or false, got {x!r}")
+    return x
+
+
+def as_int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise TypeError(f"expected a non-negative integer, got {x!r}")
+    return x
+
+
+def as_strs(x: Any) -> tuple[str, ...]:
+    if not isinstance(x, list):
+        raise TypeError(f"expected a list of strings, got {type(x).__name__}")
+    return tuple(as_str(n) for n in x)
+
+
+def as_ints(x: Any) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        raise TypeError(f"expected a list of integers, got {x!r}")
+    return tuple(x)

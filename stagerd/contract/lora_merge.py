@@ -1,0 +1,114 @@
+"""A LoRA merge of a to-Hub plan (`HubPlan.merges`): a tensor the export engine computes from staged ones,
+as PEFT's `merge_and_unload` computes it for each kind of LoRA layer.
+
+- `LORA`: `base` + scaling * (`b` @ `a`), its transpose added with `fan_in_fan_out` (`base` is then in x
+  out; a LoRA embedding is such a merge);
+- `DORA`: W + delta as above, times `magnitude` / its L2 norm, one factor per output (a row of `base`, a
+  column with `fan_in_fan_out`): PEFT's `lora_magnitude_vector` over the norm of the merged weight;
+- `BIAS`: `base` + scaling * `b`, vectors (the base layer's bias and `lora_B`'s, `lora_bias=True`); no `a`.
+
+In the marker, plain LoRA merges are written under `merges` as before; the others under
+`variant_merges`, which an older stagerd ignores: it then refuses the views that read their outputs (not
+saved) rather than computing a DoRA merge as a plain one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from stagerd.contract.json_fields import as_bool, as_float, as_str
+from stagerd.errors import HubPlanError
+
+
+class MergeKind(StrEnum):
+    LORA = "lora"
+    DORA = "dora"
+    BIAS = "bias"
+
+
+@dataclass(frozen=True, slots=True)
+class LoraMerge:
+    """Staged tensor `name` (computed by the engine) of `kind` (see the module docstring), of `base`'s
+    dtype and shape."""
+
+    name: str
+    base: str
+    a: str
+    b: str
+    scaling: float
+    fan_in_fan_out: bool = False
+    kind: MergeKind = MergeKind.LORA
+    magnitude: str = ""
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The staged tensors it reads, base first."""
+        if self.kind is MergeKind.BIAS:
+            return (self.base, self.b)
+        if self.kind is MergeKind.DORA:
+            return (self.base, self.a, self.b, self.magnitude)
+        return (self.base, self.a, self.b)
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]], *, path: object = None) -> None:
+        """Its inputs were saved, have the ranks its kind reads, and their shapes agree."""
+        if not math.isfinite(self.scaling):
+            raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
+        dora, bias = self.kind is MergeKind.DORA, self.kind is MergeKind.BIAS
+        if bool(self.magnitude) != dora or bool(self.a) == bias:
+            raise HubPlanError(f"merge {self.name!r}: its inputs are not a {self.kind} merge's", path=path)
+        got = [shapes.get(n) for n in self.inputs]
+        if any(s is None for s in got):
+            raise HubPlanError(f"merge {self.name!r} reads a tensor that was not saved", path=path)
+        dims = [tuple(s) for s in got if s is not None]
+        if self.kind is MergeKind.BIAS:
+            if len(dims[0]) != 1 or dims[1] != dims[0]:
+                raise HubPlanError(
+                    f"merge {self.name!r}: bias {list(dims[1])} does not fit base bias {list(dims[0])}",
+                    path=path,
+                )
+            return
+        w, a, b = dims[:3]
+        if len(w) != 2 or len(a) != 2 or len(b) != 2:
+            raise HubPlanError(f"merge {self.name!r}: base, A and B must be matrices", path=path)
+        out, inp = (w[1], w[0]) if self.fan_in_fan_out else w
+        if a != (b[1], inp) or b[0] != out:
+            raise HubPlanError(
+                f"merge {self.name!r}: A {list(a)} and B {list(b)} do not fit base {list(w)}", path=path
+            )
+        if self.kind is MergeKind.DORA and dims[3] != (out,):
+            raise HubPlanError(
+                f"merge {self.name!r}: magnitude {list(dims[3])} is not one value per output ({out})",
+                path=path,
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "base": self.base, "a": self.a, "b": self.b}
+        d["scaling"] = self.scaling
+        if self.fan_in_fan_out:
+            d["fan_in_fan_out"] = True
+        if self.kind is not MergeKind.LORA:
+            d["kind"] = self.kind.value
+        if self.kind is MergeKind.BIAS:
+            del d["a"]
+        if self.magnitude:
+            d["magnitude"] = self.magnitude
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> LoraMerge:
+        """One entry of `merges` or `variant_merges`; a defect is a KeyError, TypeError or ValueError."""
+        kind = MergeKind(as_str(d.get("kind", MergeKind.LORA.value)))
+        return cls(
+            as_str(d["name"]),
+            as_str(d["base"]),
+            "" if kind is MergeKind.BIAS else as_str(d["a"]),
+            as_str(d["b"]),
+            as_float(d["scaling"]),
+            as_bool(d.get("fan_in_fan_out", False)),
+            kind,
+            as_str(d.get("magnitude", "")),
+        )

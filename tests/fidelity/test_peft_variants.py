@@ -1,0 +1,201 @@
+"""DoRA and LoRA biases, saved through the Stager with `model=` and exported: the main export is
+`save_pretrained` of `merge_and_unload()` (its keys, index and layout; merged tensors to float rounding,
+every other tensor bit for bit), which `from_pretrained` loads; `adapter/` is what
+`PeftModel.save_pretrained` writes, which `PeftModel.from_pretrained` loads bit for bit. Before, the main
+export kept PEFT's in-memory names (`...q_proj.base_layer.weight`, `lora_magnitude_vector`) with a
+warning, so `from_pretrained` loaded a model without the trained weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stagerd.contract import layout
+from stagerd.engine import merge
+from tests.fidelity import harness
+
+peft = pytest.importorskip("peft")
+tf = pytest.importorskip("transformers")
+
+INDEX = "model.safetensors.index.json"
+SHARD = 6000  # a few tensors per file: the index and each file's place are save_pretrained's
+# numpy's matmul (and the DoRA norm, summed in float64) sums in another order than torch's: F32 within 4
+# float32 ulps of the largest value; BF16 within one bf16 ulp of each value (a rounding boundary crossed).
+_ULPS = {"F32": 4, "BF16": 1}
+IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
+# (base dtype, PEFT's autocast of the adapter to float32): the merge's promotions and roundings differ
+DTYPES = {"f32": (torch.float32, True), "bf16_base": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
+
+
+def _model(dtype: str, **lora_kw) -> torch.nn.Module:
+    config = tf.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        attention_bias=True,  # a base bias for lora_bias to merge into
+    )
+    torch.manual_seed(0)
+    base_dtype, autocast = DTYPES[dtype]
+    base = tf.LlamaForCausalLM(config).to(base_dtype)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **lora_kw)
+    model = peft.get_peft_model(base, lora, autocast_adapter_dtype=autocast)
+    with torch.no_grad():  # trained: B is no longer zero, the magnitude no longer the base's norm
+        for n, p in model.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.2 * torch.rand_like(p))
+            elif ".lora_" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def _saved_and_exported(model, tmp: Path, block_bytes: int | None = None) -> tuple[Path, Path]:
+    from stagerd import Stager
+    from stagerd.engine.export import export_step
+
+    with Stager(tmp / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    step = tmp / "root" / layout.step_dir_name(1)
+    plan = layout.read_marker(step).hub_plan  # merged, not the fallback to PEFT's own names
+    assert plan is not None and plan.origin == "peft" and plan.merges
+    with pytest.MonkeyPatch.context() as mp:
+        if block_bytes is not None:
+            mp.setattr(merge, "BLOCK_BYTES", block_bytes)
+        return export_step(step, max_shard_size=SHARD).export_dir, step
+
+
+def _values(entry) -> np.ndarray:
+    import ml_dtypes
+
+    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[entry[0]]
+    return np.frombuffer(entry[2], dtype=dt).astype(np.float64).reshape(entry[1])
+
+
+def _ulps(got, want) -> float:
+    """How far apart in units of the last place: of the largest value (F32), of each value (BF16)."""
+    g, w = _values(got), _values(want)
+    if got[0] == "F32":
+        return float(np.abs(g - w).max() / (2.0**-23 * np.abs(w).max()))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0**-126))) - 7)
+    return float((np.abs(g - w) / ulp).max())
+
+
+def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...]) -> float:
+    """Every claim for one model; the largest distance in ulps of a merged tensor from PEFT's."""
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(tmp / "ref", max_shard_size=SHARD)
+    assert (export / INDEX).read_bytes() == (tmp / "ref" / INDEX).read_bytes()
+    got, want = harness.tensors(export), harness.tensors(tmp / "ref")
+    assert sorted(got) == sorted(want)
+    names = [k for k in want if k.endswith(merged_suffixes)]
+    assert names
+    worst = 0.0
+    for name, entry in want.items():
+        assert got[name][:2] == entry[:2], name
+        if name not in names:
+            assert got[name][2] == entry[2], f"{name}: bytes differ"
+            continue
+        worst = max(worst, d := _ulps(got[name], entry))
+        assert d <= _ULPS[entry[0]], (name, d)
+    for f in sorted((tmp / "ref").glob("*.safetensors")):  # each tensor in save_pretrained's file and place
+        n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        assert (export / f.name).read_bytes()[:n] == f.read_bytes()[:n], f.name
+    loaded, info = tf.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        logits = loaded.eval()(IDS).logits.float()
+        tol = 1e-4 if loaded.dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(logits, merged(IDS).logits.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(logits, model(IDS).logits.float(), rtol=tol, atol=tol)
+    _check_adapter(model, export / "adapter", tmp / "adapter_ref")
+    return worst
+
+
+def _check_adapter(model, adapter: Path, ref: Path) -> None:
+    """adapter/ is PeftModel.save_pretrained's, magnitude vectors and LoRA biases included, and loads."""
+    model.save_pretrained(ref)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (adapter / name).read_bytes() == (ref / name).read_bytes(), name
+    saved = harness.tensors(ref)
+    torch.manual_seed(1)  # another base init: only the adapter's tensors are compared
+    wrapped = model.get_base_model()
+    base = type(wrapped)(copy.deepcopy(wrapped.config)).to(wrapped.dtype)
+    loaded = peft.PeftModel.from_pretrained(base, adapter)
+    want = {k.replace(".default", ""): v for k, v in model.state_dict().items() if ".lora_" in k}
+    got = {k.replace(".default", ""): v for k, v in loaded.state_dict().items() if ".lora_" in k}
+    assert sorted(got) == sorted(want) and len(saved) == len(got)
+    for k, v in want.items():  # PEFT may load a bf16 adapter as float32: exactly, then
+        assert torch.equal(got[k], v.to(got[k].dtype)), k
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_dora_model_exports_as_merge_and_unload_writes_it(tmp_path, dtype):
+    model = _model(dtype, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)
+    assert any("lora_magnitude_vector" in k for k in model.state_dict())
+    export, _ = _saved_and_exported(model, tmp_path, block_bytes=200)  # several row blocks per weight
+    worst = _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "down_proj.weight"))
+    print(f"DoRA {dtype}: {worst:.2f} ulps")
+
+
+def test_a_dora_embedding_and_fan_in_fan_out_layer_are_merged(tmp_path):
+    """GPT-2's Conv1D (in x out, `fan_in_fan_out`) and its input embeddings: each output is a column of
+    the weight, whose norm is summed over every row block before any row is written."""
+    config = tf.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "wte"], use_dora=True, fan_in_fan_out=True
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT on Conv1D and embeddings says what it sets
+        model = peft.get_peft_model(tf.GPT2LMHeadModel(config), lora)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.2 * torch.rand_like(p))
+            elif ".lora_" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    model.eval()
+    export, _ = _saved_and_exported(model, tmp_path, block_bytes=200)
+    worst = _check(model, export, tmp_path, ("c_attn.weight", "wte.weight"))
+    print(f"DoRA GPT-2: {worst:.2f} ulps")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_lora_biases_are_merged_into_the_base_bias(tmp_path, dtype):
+    model = _model(dtype, target_modules=["q_proj", "v_proj"], lora_bias=True)
+    assert any(".lora_B.default.bias" in k for k in model.state_dict())
+    export, _ = _saved_and_exported(model, tmp_path)
+    worst = _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "q_proj.bias", "v_proj.bias"))
+    print(f"LoRA bias {dtype}: {worst:.2f} ulps")
+
+
+def test_verify_recomputes_dora_and_bias_merges_and_names_a_flipped_byte(tmp_path):
+    from stagerd.engine.verify import verify_export
+    from stagerd.errors import VerifyError
+
+    for kind, kw in {"dora": {"use_dora": True}, "bias": {"lora_bias": True}}.items():
+        model = _model("f32", target_modules=["q_proj", "v_proj"], **kw)
+        export, step = _saved_and_exported(model, tmp_path / kind)
+        verify_export(export, step)
+        weight_map = json.loads((export / INDEX).read_text())["weight_map"]
+        name = "model.layers.1.self_attn.v_proj." + ("bias" if kind == "bias" else "weight")
+        f = export / weight_map[name]
+        raw = bytearray(f.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        begin = json.loads(raw[8 : 8 + n])[name]["data_offsets"][0]
+        raw[8 + n + begin + 5] ^= 0x01
+        f.write_bytes(bytes(raw))
+        with pytest.raises(VerifyError) as e:
+            verify_export(export, step)
+        assert f"tensor {name!r} (its byte 5) differs" in e.value.message, (kind, e.value.message)
