@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,3 +228,24 @@ if __name__ == "__main__":
     t.add_argument("--every", type=float, default=0.5)
     a = ap.parse_args()
     train(a.root, a.steps, a.world, a.every)
+
+
+class Appender:
+    """A save in flight: appends 64 KiB to `path` every 50 ms until stopped (the daemon's yield tests)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with open(self.path, "ab") as f:
+                f.write(b"\0" * 65536)
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

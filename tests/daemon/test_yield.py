@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.yielding import SavesInFlight, Yielder, writing_steps, written_within, yields_disk
-from tests.daemon_helpers import WatchProc, fast_flags, free_port, is_state, stage_copy, start_watch
+from tests.daemon_helpers import Appender, WatchProc, fast_flags, free_port, is_state, stage_copy, start_watch
 from tests.dcp_fixtures import commit_step
 
 OLD = time.time() - 3600
@@ -110,36 +109,15 @@ def test_a_pause_ends_at_its_budget_or_at_stop(tmp_path):
 # -- the daemon ---------------------------------------------------------------------------------------------
 
 
-class Writer:
-    """A save in flight: appends to `step/optim/blob` every 50 ms until stopped."""
-
-    def __init__(self, step_dir: Path) -> None:
-        self.path = step_dir / layout.OPTIM_DIR / "blob"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with open(self.path, "ab") as f:
-                f.write(b"\0" * 65536)
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.fixture
-def staged(tmp_path, dcp_mixed2) -> Iterator[tuple[Path, Path, Writer]]:
+def staged(tmp_path, dcp_mixed2) -> Iterator[tuple[Path, Path, Appender]]:
     """ROOT with committed step 100 and step 101 being written (its model copied, its optim/ growing)."""
     src, _ = dcp_mixed2
     root = tmp_path / "root"
     root.mkdir()
     stage_copy(root, 100, src, 2)
     shutil.copytree(src, root / layout.step_dir_name(101) / layout.MODEL_DIR)
-    writer = Writer(root / layout.step_dir_name(101))
+    writer = Appender(root / layout.step_dir_name(101) / layout.OPTIM_DIR / "blob")
     yield root, tmp_path / "sink", writer
     writer.stop()
 

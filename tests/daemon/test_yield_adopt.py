@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import shutil
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import WatchProc, fast_flags, free_port, is_state, start_watch
+from tests.daemon_helpers import Appender, WatchProc, fast_flags, free_port, is_state, start_watch
 
 OLD = time.time() - 3600
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
@@ -144,32 +143,12 @@ def test_a_save_going_on_after_its_preset_finished_it_holds_its_own_export_too(t
 # -- the daemon ---------------------------------------------------------------------------------------------
 
 
-class Writer:
-    """A checkpoint in flight: appends to `ckpt/optimizer.pt` every 50 ms until stopped."""
-
-    def __init__(self, ckpt: Path) -> None:
-        self.path = ckpt / "optimizer.pt"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with open(self.path, "ab") as f:
-                f.write(b"\0" * 65536)
-            self._stop.wait(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.fixture
-def training(tmp_path, saved) -> Iterator[tuple[Path, Path, Writer]]:
+def training(tmp_path, saved) -> Iterator[tuple[Path, Path, Appender]]:
     """The Trainer's output dir: checkpoint-100 finished, checkpoint-101 being written."""
     root = tmp_path / "run"
     _checkpoint(root, 100, saved)
-    writer = Writer(_checkpoint(root, 101, saved, finished=False))
+    writer = Appender(_checkpoint(root, 101, saved, finished=False) / "optimizer.pt")
     yield root, tmp_path / "sink", writer
     writer.stop()
 

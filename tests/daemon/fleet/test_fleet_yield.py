@@ -10,14 +10,15 @@ from stagerd.daemon.yielding import SavesInFlight, Yielder
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from tests.daemon.fleet.test_protocol import SHARD, STEP, _stage
-from tests.daemon.test_yield import Writer
+from tests.daemon_helpers import Appender
 from tests.fleet_helpers import run_nodes
 
 
 def test_each_nodes_build_pauses_for_its_own_save_then_the_step_commits(tmp_path, dcp_mixed2):
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     url = (tmp_path / "sink").as_uri()
-    writers = [Writer(d.parent / layout.step_dir_name(STEP + 1)) for d in node_dirs]
+    blobs = [d.parent / layout.step_dir_name(STEP + 1) / layout.OPTIM_DIR / "blob" for d in node_dirs]
+    writers = [Appender(b) for b in blobs]
     pauses = [Yielder(SavesInFlight(d.parent), "export", STEP, 1.0, lambda: False) for d in node_dirs]
 
     def node(k: int) -> FleetNode:
