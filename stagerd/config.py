@@ -155,8 +155,9 @@ class Settings(BaseSettings):
         ge=1,
         le=MAX_COUNT,
         description="Remote retention, per fsspec sink, separate from keep_last: after each publish, keep "
-        "the newest N complete steps this ROOT published on that sink (exports and raw steps; another "
-        "run's steps there are never counted or deleted), never the one latest names. "
+        "the newest N complete steps this ROOT published on that sink, or a ROOT it resumed from through "
+        "`stagerd restore` (exports and raw steps; another run's steps there are never counted or "
+        "deleted), never the one latest names. "
         "Unset: delete nothing. The Hub is never pruned.",
     )
     remote_keep_every: int | None = Field(

@@ -9,7 +9,9 @@
    they arrive: a corrupt object is a `RestoreError` naming it), fsynced, with progress.
 4. The directory is renamed to `ROOT/step-N` without its marker (a daemon ignores it), the journal records
    the step as restored (`retired`: the daemon never exports, publishes or deletes it, and a scan takes
-   its marker for this save), and the marker is written last, atomically.
+   its marker for this save), the ROOT that published the step joins ROOT's lineage (a run resumed on
+   another node: its daemon's retention prunes that ROOT's steps as its own; `sinks/restored_from.py`),
+   and the marker is written last, atomically.
 
 A kill at any point leaves nothing that looks committed; running the command again lands the step once.
 `--export OUT` restores the published HF export of the step (`PREFIX/step-N/`) into a plain directory,
@@ -226,6 +228,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.daemon.lock import RootLock
     from stagerd.errors import RestoreError, StepExistsError
     from stagerd.ops.crashpoints import crash_point, delay_point
+    from stagerd.sinks import restored_from
     from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
     from stagerd.sinks.leases import Lease
 
@@ -262,6 +265,8 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
                     for part, manifest in parts:
                         dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
                         _download(store, part, manifest, dest, workers, f"restore step {step}")
+                    # read under the lease: a prune deletes the claim with the step
+                    publishers = restored_from.publishers(store, [p for p, _ in parts])
                 if len(parts) > 1:
                     _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
                 marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
@@ -286,6 +291,7 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
             finally:
                 journal.close()
             crash_point("restore.journaled")
+            restored_from.record(root, step, publishers, store.url)
             layout.write_bytes_atomic(step_dir / layout.MARKER_NAME, marker_bytes)
         return step_dir
     finally:

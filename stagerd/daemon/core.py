@@ -256,6 +256,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         if unknown:
             named = sorted(redact_url(u) for u in unknown)  # a URL may carry a password
             raise ConfigError(f"sink_retention names sinks that are not --sink: {named}")
+        told = False
         for url in s.sinks:
             text = given.get(url.rstrip("/"))
             policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)
@@ -263,7 +264,17 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 store = RemoteStore.open(url)
                 # its own ROOT's steps only: a run sharing the prefix by mistake keeps its own
                 roots = [] if self._adopt_root is None else [self._adopt_root]
-                self._prune_stores[store.url] = (store, policy, Owner.of(self.root, *roots))
+                owner = Owner.of(self.root, *roots)
+                self._prune_stores[store.url] = (store, policy, owner)
+                ancestors = owner.publisher.ancestors if owner.publisher is not None else frozenset()
+                if ancestors and not told:
+                    told = True
+                    log.info(
+                        "remote retention also counts and prunes the steps of %d earlier ROOT(s) this ROOT "
+                        "resumed from with `stagerd restore` (%s)",
+                        len(ancestors),
+                        ", ".join(sorted(a[:8] for a in ancestors)),
+                    )
 
     def _serve_metrics(self) -> MetricsServer | None:
         if not self.settings.metrics_port:

@@ -36,13 +36,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import layout, lineage
 from stagerd.contract.root_id import root_id
 from stagerd.errors import StepClaimedError
 
@@ -154,7 +153,7 @@ def owned_by(data: bytes | None, mine: Claim) -> bool:
 
 
 OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"  # who published a step, as retention judges it
-ROOT_ID = re.compile(r"[0-9a-f]{32}")  # `root_id`'s form; an older stagerd's names have a colon or none
+ROOT_ID = lineage.ROOT_ID  # `root_id`'s form; an older stagerd's names have a colon or none
 
 
 @dataclass(frozen=True)
@@ -164,6 +163,9 @@ class Publisher:
     host: str
     roots: frozenset[Path]  # real paths of the trees it publishes from: ROOT (and `--adopt`'s export root)
     tree: str  # ROOT's identity (`root_id`), or its "device:inode" where ROOT has no `.stagerd/`
+    # the identities of the ROOTs this ROOT resumed from through `stagerd restore` (`contract/lineage.py`):
+    # the same run, so their steps are counted and pruned as this ROOT's
+    ancestors: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         return f"{self.host}:{','.join(sorted(map(str, self.roots)))}"
@@ -173,9 +175,14 @@ def publisher_of(root: Path, *others: Path) -> Publisher:
     """ROOT's `Publisher`, named as `publish_claim` names it in the claims it writes."""
     real = Path(os.path.realpath(root))
     st = os.stat(real)
-    tree = root_id(real) if (real / layout.STATE_DIR).is_dir() else f"{st.st_dev}:{st.st_ino}"
+    ancestors: frozenset[str] = frozenset()
+    if (real / layout.STATE_DIR).is_dir():
+        tree = root_id(real)
+        ancestors = frozenset(lineage.ancestors(real)) - {tree}
+    else:
+        tree = f"{st.st_dev}:{st.st_ino}"
     roots = frozenset({real, *(Path(os.path.realpath(o)) for o in others)})
-    return Publisher(socket.gethostname(), roots, tree)
+    return Publisher(socket.gethostname(), roots, tree, ancestors)
 
 
 def whose(data: bytes | None, me: Publisher) -> str:
@@ -185,13 +192,14 @@ def whose(data: bytes | None, me: Publisher) -> str:
     inode once its directory is gone, ROOT's "device:inode" after a reboot renumbered its disk).
 
     A ROOT's identity decides alone: it stays with ROOT moved to another path, and two ROOTs at one path
-    (two containers) have two. Without one, the publisher's own rule does (`owned_by`, older claims
-    included), on the claim this ROOT would write for the path the claim names."""
+    (two containers) have two. A ROOT this one resumed from (`me.ancestors`) is this one: the same run.
+    Without one, the publisher's own rule does (`owned_by`, older claims included), on the claim this ROOT
+    would write for the path the claim names."""
     theirs = decode(data)
     if theirs is None or theirs.kind != PUBLISH:
         return UNKNOWN
     if ROOT_ID.fullmatch(theirs.tree):
-        return OWN if theirs.tree == me.tree else FOREIGN
+        return OWN if theirs.tree == me.tree or theirs.tree in me.ancestors else FOREIGN
     host, _, path = theirs.owner.partition(":")
     local = Path(path)
     step_dir = local.parent if local.name == layout.EXPORT_DIR else local

@@ -303,9 +303,10 @@ def _left_alone(store: RemoteStore, owner: Owner, d: Decision) -> None:
         return
     owner.warned.add((store.url, d.tree, d.step))
     log.warning(
-        "%s step %d on %s: %s (%s); remote retention leaves it alone. Hint: two runs share this prefix; give "
-        "each run its own sink prefix, and see every step's publisher with `stagerd prune URL --keep-last N "
-        "--dry-run`",
+        "%s step %d on %s: %s (%s); remote retention leaves it alone. Hint: two runs share this prefix (give "
+        "each run its own sink prefix), or this run resumed on a new ROOT without `stagerd restore` (a "
+        "plain `stagerd prune URL --keep-last N` counts every step under the prefix); see every step's "
+        "publisher with `stagerd prune URL --keep-last N --dry-run`",
         d.tree,
         d.step,
         store.url,
