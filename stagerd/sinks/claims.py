@@ -19,6 +19,9 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   - What a loser created on free keys before it knew is deleted once the winner's manifest is there, only
     where the manifest does not name it and it still holds the loser's version (S3 `If-Match` on its
     ETag): the same bytes have the same ETag, so the winner may have kept such an object as its own.
+- **A fleet's leader** creates it just before its commit of an export the nodes built together (the owners
+  upload without one), naming every node's ROOT (`fleet_claim`), so each node's retention counts the export
+  as its own and every other ROOT's leaves it (`whose`).
 - **A prune** replaces the claim by its own, conditionally on the version it listed (S3 `If-Match`, or
   `If-None-Match: *` where a step has none; file:// under `flock`), before it deletes anything of a step,
   and deletes it last. A publisher meanwhile finds a prune's claim (`StepClaimedError`, retried), and a
@@ -38,7 +41,8 @@ import json
 import os
 import socket
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from stagerd.contract import layout, lineage
@@ -67,6 +71,9 @@ class Claim:
     # a publisher: its ROOT's identity; in an older stagerd's claim ROOT's "device:inode", its step
     # directory's inode (no colon), or ""
     tree: str = ""
+    # a fleet export's leader: the ROOT identities of every node that built it (`fleet_claim`); written
+    # only where there are some, so a single publisher's claim is the bytes an older stagerd wrote
+    trees: tuple[str, ...] = ()
     # never written: the names older stagerds gave this publisher's tree (ROOT's "device:inode" and the
     # step directory's inode, now); None outside ROOT's layout, where host and path alone decide
     former: frozenset[str] | None = field(default=frozenset(), compare=False)
@@ -74,6 +81,8 @@ class Claim:
     def encode(self) -> bytes:
         d = asdict(self)
         del d["former"]
+        if not self.trees:
+            del d["trees"]
         return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     def describe(self) -> str:
@@ -118,7 +127,28 @@ def publish_claim(local_root: Path) -> Claim:
                 former |= {str(os.stat(step_dir).st_ino)}
             if (root / layout.STATE_DIR).is_dir():
                 tree = root_id(root)
-    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, former)
+    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, former=former)
+
+
+def fleet_claim(step_dir: Path, trees: Iterable[str]) -> Claim:
+    """The claim a fleet's leader records with its commit of an export its nodes built together: its own
+    publish claim (`publish_claim` of its step), naming in `trees` the ROOT identities of every node (the
+    leader's among them). Each node's daemon applies remote retention to the sink, so `whose` judges the
+    export its own on each of them; an older stagerd reads `tree` alone (the leader's) and so keeps the
+    export on every other ROOT, the fleet's other nodes included."""
+    mine = publish_claim(step_dir)
+    ids = tuple(dict.fromkeys(t for t in trees if ROOT_ID.fullmatch(t)))
+    return replace(mine, trees=ids)
+
+
+def fleet_owned(data: bytes | None, mine: Claim) -> bool:
+    """Whether the claim read back (`data`) is this fleet leader's (`fleet_claim`), made by an earlier try
+    of its commit: ROOT's identity decides, as it does for the fleet's node claims (a pod recreated under
+    another host name is the same leader); without one, the publisher's own rule (`owned_by`)."""
+    theirs = decode(data)
+    if theirs is None or theirs.kind != PUBLISH:
+        return False
+    return (bool(ROOT_ID.fullmatch(mine.tree)) and theirs.tree == mine.tree) or owned_by(data, mine)
 
 
 def prune_claim() -> Claim:
@@ -131,12 +161,16 @@ def decode(data: bytes | None) -> Claim | None:
         return None
     try:
         d = json.loads(data)
+        trees = d.get("trees", [])
+        if not isinstance(trees, list):
+            raise TypeError("trees")
         return Claim(
             str(d["kind"]),
             str(d["owner"]),
             str(d.get("host", "")),
             int(d.get("pid", 0)),
             str(d.get("tree", "")),
+            tuple(str(t) for t in trees),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return Claim("unknown", repr(data[:80]), "", 0)
@@ -187,17 +221,21 @@ def publisher_of(root: Path, *others: Path) -> Publisher:
 
 def whose(data: bytes | None, me: Publisher) -> str:
     """Who published the step whose claim read back is `data`: `me` (OWN), another ROOT (FOREIGN), or
-    UNKNOWN where the claim cannot tell (none: a fleet leader's commit, a stagerd before claims; a prune's;
-    unreadable; an older stagerd's name of this host and path that cannot be checked any more: the step's
-    inode once its directory is gone, ROOT's "device:inode" after a reboot renumbered its disk).
+    UNKNOWN where the claim cannot tell (none: an older fleet leader's commit, a stagerd before claims; a
+    prune's; unreadable; an older stagerd's name of this host and path that cannot be checked any more: the
+    step's inode once its directory is gone, ROOT's "device:inode" after a reboot renumbered its disk).
 
     A ROOT's identity decides alone: it stays with ROOT moved to another path, and two ROOTs at one path
-    (two containers) have two. A ROOT this one resumed from (`me.ancestors`) is this one: the same run.
+    (two containers) have two. A fleet export's claim names every node's (`fleet_claim`): it is OWN for each
+    node of that fleet. A ROOT this one resumed from (`me.ancestors`) is this one: the same run.
     Without one, the publisher's own rule does (`owned_by`, older claims included), on the claim this ROOT
     would write for the path the claim names."""
     theirs = decode(data)
     if theirs is None or theirs.kind != PUBLISH:
         return UNKNOWN
+    fleet = {t for t in (theirs.tree, *theirs.trees) if ROOT_ID.fullmatch(t)} if theirs.trees else set()
+    if fleet:  # a fleet export: each of its nodes published it
+        return OWN if fleet & {me.tree, *me.ancestors} else FOREIGN
     if ROOT_ID.fullmatch(theirs.tree):
         return OWN if theirs.tree == me.tree or theirs.tree in me.ancestors else FOREIGN
     host, _, path = theirs.owner.partition(":")

@@ -101,12 +101,16 @@ class Owner:
 
 
 def _who(claim: claims.Claim) -> str:
-    """A publisher's claim as a person knows it: HOST:ROOT, and ROOT's identity where it names one."""
+    """A publisher's claim as a person knows it: HOST:ROOT, and ROOT's identity where it names one; a fleet
+    export's, its leader's and how many nodes built it."""
     host, _, path = claim.owner.partition(":")
     local = Path(path)
     step_dir = local.parent if local.name == layout.EXPORT_DIR else local
     root = step_dir.parent if layout.parse_step_dir(step_dir.name) is not None else step_dir
-    return f"{host}:{root}" + (f" (id {claim.tree[:8]})" if claims.ROOT_ID.fullmatch(claim.tree) else "")
+    fleet = f", a fleet of {len(claim.trees)} nodes" if claim.trees else ""
+    return f"{host}:{root}" + (
+        f" (id {claim.tree[:8]}{fleet})" if claims.ROOT_ID.fullmatch(claim.tree) else ""
+    )
 
 
 def _owner(store: RemoteStore, tree: Tree, step: int, owner: Owner) -> tuple[str, str]:

@@ -92,8 +92,8 @@ def plan_prune(
 ) -> list[Decision]:
     """The fate of every step of one tree (see the module docstring). `shared`: another ROOT's steps are
     under this prefix too; then a step whose publisher is UNKNOWN is left alone as well. Without another
-    ROOT there, UNKNOWN steps are this ROOT's as they always were: a fleet's export (its leader commits it
-    with no claim) and the steps an older stagerd published must still go, or an upgraded user's bucket
+    ROOT there, UNKNOWN steps are this ROOT's as they always were: a fleet's export an older leader committed
+    with no claim, and the steps an older stagerd published, must still go, or an upgraded user's bucket
     grows for ever; with one, they may be its, and leaving a step costs space where deleting it loses it."""
     steps = sorted(steps, key=lambda s: s.step)
     foreign = {s.step for s in steps if s.complete and _foreign(s, shared)}

@@ -17,6 +17,7 @@ from stagerd.contract import layout
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import FleetWaitError, SinkAuthError, SinkConflictError, SinkError, StagerdError
 from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.claims import Claim, claim_key, claimed_error, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
@@ -229,6 +230,20 @@ class StepExchange:
         sent = ByteProgress(sum(f.size for f in files), progress)
         out: list[Uploaded] = _named(sink.url, prefix, lambda: sink.backend.upload(prefix, files, sent))
         return out
+
+    def claim_step(self, sink: FsspecSink, mine: Claim) -> None:
+        """The leader's claim of the export on `sink` (`claims.fleet_claim`), made before its manifest so
+        that remote retention finds who published a complete step. Kept where an earlier try of this
+        leader made it, or where the step has a manifest (the commit compares it with this one's, as
+        before); another publisher's claim of a step without one is `StepClaimedError` (retried)."""
+        prefix = layout.step_dir_name(self.step)
+        key, manifest, b = claim_key(prefix), f"{prefix}/{layout.MANIFEST_NAME}", sink.backend
+        if _named(sink.url, key, lambda: b.create(key, mine.encode())):
+            return
+        held = _named(sink.url, key, lambda: b.read(key))
+        if fleet_owned(held, mine) or _named(sink.url, manifest, lambda: b.read(manifest)) is not None:
+            return
+        raise claimed_error(f"{sink.url}/{key}", held, self.step)
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),

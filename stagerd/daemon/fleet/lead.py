@@ -1,7 +1,8 @@
 """The leader's (node 0's) end of a fleet step: the index and extras built once and sent to each sink, then
 every file's record awaited and checked against this node's plan, and each sink's commit as soon as its
 own records are all there: a sink that fails, here or on a node owning a file it lacks, is left to its
-lane and never holds up another's commit."""
+lane and never holds up another's commit. Each commit is preceded by the export's claim naming every
+node's ROOT (`claims.fleet_claim`): each node's retention counts the export as its own."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.errors import SinkError, StagerdError
+from stagerd.sinks.claims import fleet_claim
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import LocalFile, Uploaded
 
@@ -63,6 +65,9 @@ def lead(
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
+    # who published the export, for remote retention on every node: each node's ROOT as its claim names it
+    roots = [str((x.read_json(x.claim_key(k)) or {}).get("root", "")) for k in range(x.nodes)]
+    publisher = fleet_claim(step_dir, roots)
     sent = 0
     pending: dict[str, tuple[FsspecSink, list[Uploaded]]] = {}  # sink URL -> the sink, what it was sent
     for sink in sinks:
@@ -94,6 +99,7 @@ def lead(
                 if why is None and not gone:
                     got = {n: x.record_data(sink, n) for n in names}
                     same_plans(x.step, owner, planned, got, at(sink))
+                    x.claim_step(sink, publisher)
                     sink.commit_uploaded(
                         x.step, digests + [uploaded(got[n]) for n in names], {"fleet_nodes": x.nodes}
                     )

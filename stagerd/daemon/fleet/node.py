@@ -14,7 +14,7 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
 5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
    commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`:
-   `fleet/lead.py`);
+   `fleet/lead.py`; before it, the export's claim naming every node's ROOT, for remote retention);
    the others wait for every sink's manifest. A dead node's files are not reassigned: the step waits for it
    (`FleetWaitError`).
 
