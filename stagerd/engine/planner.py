@@ -22,7 +22,7 @@ from stagerd.contract.sharding import (
     pack_in_order,
 )
 from stagerd.engine.chunk_table import build_chunk_table
-from stagerd.engine.file_header import header_size
+from stagerd.engine.file_header import header_size, rows_header_size
 from stagerd.engine.moves import tensor_moves
 from stagerd.engine.natural_order import assign_in_natural_order, pack_in_natural_order
 from stagerd.engine.plan_types import (
@@ -126,11 +126,11 @@ def plan(
             row_begin.append(pos)
             pos += sizes[n]
             row_end.append(pos)
-        entries = (
-            (names[row_tensor[r]], DTYPE_NAMES[row_dst[r]], shape(row_tensor[r]), row_begin[r], row_end[r])
-            for r in range(first, len(row_tensor))
-        )
-        size = header_size(entries)
+        rows = (row_tensor[first:], row_dst[first:], row_begin[first:], row_end[first:])
+        size = rows_header_size(table.names, dims, shape_at, shape_ndim, rows)
+        if size is None:
+            entries = ((names[t], DTYPE_NAMES[d], shape(t), b, e) for t, d, b, e in zip(*rows, strict=True))
+            size = header_size(entries)
         files.append(OutputFile(file_names[fi], size, size + pos, first, len(row_tensor)))
         group.clear()  # the rows hold it now
     p = ExportPlan(
