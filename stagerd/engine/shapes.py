@@ -24,19 +24,37 @@ def global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, ar
     """(shape_at, shape_ndim, dims, simple) per tensor: its global shape, `max(offset + local shape)` per
     dimension over its blocks, is `dims[shape_at[t] : shape_at[t] + shape_ndim[t]]`; `simple[t]` is
     `tiling.tiles_simply` of its blocks (False: `check_tiling` decides)."""
-    found = _vectorised(table, len(names))
+    found = _batched(table, len(names))
     return found if found is not None else _per_tensor(table, names)
 
 
-def _vectorised(table: ChunkTable, n: int) -> tuple[array, array, array, bytearray] | None:
-    """`global_shapes` of a table with nothing unusual in it, else None."""
-    if n == 0:
-        return None
-    first = np.frombuffer(table.first, dtype=np.int64)
+_BATCH = 8192  # tensors per numpy pass: its arrays, a few per block dimension, stay a few MiB
+
+
+def _batched(table: ChunkTable, n: int) -> tuple[array, array, array, bytearray] | None:
+    shape_at, shape_ndim, dims, simple = array("q"), array("B"), array("q"), bytearray()
+    for lo in range(0, n, _BATCH):
+        found = _vectorised(table, lo, min(n, lo + _BATCH))
+        if found is None:
+            return None
+        at, nd, ext, easy = found
+        shape_at.frombytes((at + len(dims)).tobytes())
+        shape_ndim.frombytes(nd.astype(np.uint8).tobytes())
+        dims.frombytes(ext.tobytes())
+        simple += easy.astype(np.uint8).tobytes()
+    return shape_at, shape_ndim, dims, simple
+
+
+def _vectorised(table: ChunkTable, lo: int, hi: int) -> tuple[np.ndarray, ...] | None:
+    """(shape_at, ndim, dims, simple) of tensors `lo` to `hi` (shape_at from 0) where nothing is unusual
+    about them, else None."""
+    n = hi - lo
+    whole = np.frombuffer(table.first, dtype=np.int64)
+    first = whole[lo : hi + 1] - whole[lo]
     count = np.diff(first)
     if not count.all():
         return None
-    order = np.frombuffer(table.order, dtype=np.int32).astype(np.int64)
+    order = np.frombuffer(table.order, dtype=np.int32)[whole[lo] : whole[hi]].astype(np.int64)
     blocks = len(order)
     tid = np.repeat(np.arange(n), count)  # the tensor of each block, blocks in tensor order
     nd_c = np.frombuffer(table.ndim, dtype=np.uint8)[order].astype(np.int64)
@@ -64,29 +82,23 @@ def _vectorised(table: ChunkTable, n: int) -> tuple[array, array, array, bytearr
     ndiff = np.bincount(k[differ], minlength=blocks)
     empty = np.bincount(k[length == 0], minlength=blocks) > 0
     split = np.full(blocks, -1, dtype=np.int64)
-    lo = np.zeros(blocks, dtype=np.int64)
-    hi = np.zeros(blocks, dtype=np.int64)
-    split[k[differ]], lo[k[differ]], hi[k[differ]] = d[differ], off[differ], end[differ]
+    span_lo = np.zeros(blocks, dtype=np.int64)
+    span_hi = np.zeros(blocks, dtype=np.int64)
+    split[k[differ]], span_lo[k[differ]], span_hi[k[differ]] = d[differ], off[differ], end[differ]
     starts = first[:-1]
     one_dim = ((ndiff == 1) & ~empty).astype(np.int8)
     multi = (np.minimum.reduceat(one_dim, starts) == 1) & (
         np.minimum.reduceat(split, starts) == np.maximum.reduceat(split, starts)
     )
-    by_lo = np.lexsort((lo, tid))
-    lo_s, hi_s, tid_s = lo[by_lo], hi[by_lo], tid[by_lo]
+    by_lo = np.lexsort((span_lo, tid))
+    lo_s, hi_s, tid_s = span_lo[by_lo], span_hi[by_lo], tid[by_lo]
     gap = np.zeros(blocks, dtype=bool)  # a block that does not start where the one before it ends
     gap[1:] = (lo_s[1:] != hi_s[:-1]) & (tid_s[1:] == tid_s[:-1])
     gap[starts] = lo_s[starts] != 0
-    whole = np.append(ext, 0)[np.minimum(shape_at + np.maximum(split[starts], 0), len(ext))]
-    ends_short = hi_s[first[1:] - 1] != whole  # (a scalar's index is past `ext`: it is never `multi`)
+    full = np.append(ext, 0)[np.minimum(shape_at + np.maximum(split[starts], 0), len(ext))]
+    ends_short = hi_s[first[1:] - 1] != full  # (a scalar's index is past `ext`: it is never `multi`)
     multi &= (np.maximum.reduceat(gap.astype(np.int8), starts) == 0) & ~ends_short
-    simple = np.where(count == 1, ndiff[starts] == 0, multi)
-    return (
-        array("q", shape_at.tobytes()),
-        array("B", nd_t.astype(np.uint8).tobytes()),
-        array("q", ext.tobytes()),
-        bytearray(simple.astype(np.uint8).tobytes()),
-    )
+    return shape_at, nd_t, ext, np.where(count == 1, ndiff[starts] == 0, multi)
 
 
 def _per_tensor(table: ChunkTable, names: list[str]) -> tuple[array, array, array, bytearray]:
