@@ -59,29 +59,37 @@ _ESCAPED = re.compile(rb'[\x00-\x1f"\\]')  # what encode_basestring writes other
 _DTYPE_LEN = np.array([len(n) for n in DTYPE_NAMES], dtype=np.int64)
 
 
+_ROWS = 16384  # rows per numpy pass: a few arrays of this length, whatever the file holds
+
+
 def rows_header_size(
     names: Names, dims: array, shape_at: array, shape_ndim: array, rows: tuple[array, array, array, array]
 ) -> int | None:
-    """`header_size` of the plan rows `rows` (tensor, output dtype, begin, end) from the arrays, in a few
+    """`header_size` of the plan rows `rows` (tensor, output dtype, begin, end) from the arrays, in
     numpy passes (the entries one by one were a tenth of a second per 100k tensors); None where a name
     needs escaping in JSON (then `header_size` counts it)."""
     if _ESCAPED.search(names.blob):
         return None
-    tensor, dst, begin, end = (np.frombuffer(a, dtype=a.typecode) for a in rows)
-    if not len(tensor):
-        return header_size(())
-    tensor = tensor.astype(np.int64)
     name_end = np.frombuffer(names.end, dtype=np.int64)
-    name_len = name_end[tensor] - np.where(tensor > 0, name_end[tensor - 1], 0)
-    dim_digits = 1 + np.searchsorted(_POW10, np.frombuffer(dims, dtype=np.int64), "right")
-    digits = np.concatenate(([0], np.cumsum(dim_digits)))
-    at = np.frombuffer(shape_at, dtype=np.int64)[tensor]
-    nd = np.frombuffer(shape_ndim, dtype=np.uint8)[tensor].astype(np.int64)
-    shape_len = digits[at + nd] - digits[at] + np.maximum(nd - 1, 0)
-    offsets_len = 2 + np.searchsorted(_POW10, begin, "right") + np.searchsorted(_POW10, end, "right")
-    n = 8 + len(_OPEN) + 1 + len(tensor) * _FIXED
-    n += int(name_len.sum() + _DTYPE_LEN[dst].sum() + shape_len.sum() + offsets_len.sum())
+    all_dims = np.frombuffer(dims, dtype=np.int64)
+    n = 8 + len(_OPEN) + 1 + len(rows[0]) * _FIXED
+    for lo in range(0, len(rows[0]), _ROWS):
+        tensor, dst, begin, end = (np.frombuffer(a, dtype=a.typecode)[lo : lo + _ROWS] for a in rows)
+        tensor = tensor.astype(np.int64)
+        n += int((name_end[tensor] - np.where(tensor > 0, name_end[tensor - 1], 0)).sum())
+        n += int(_DTYPE_LEN[dst].sum())
+        n += 2 * len(tensor) + int(_ten_powers(begin).sum() + _ten_powers(end).sum())  # digits
+        at = np.frombuffer(shape_at, dtype=np.int64)[tensor]
+        nd = np.frombuffer(shape_ndim, dtype=np.uint8)[tensor]
+        for d in range(int(nd.max(initial=0))):  # a shape's digits and the commas between them
+            has = nd > d
+            n += int((_ten_powers(all_dims[at[has] + d]) + 1 + (d > 0)).sum())
     return n + (-n % 8)
+
+
+def _ten_powers(x: np.ndarray) -> np.ndarray:
+    """The number of digits of each of `x` (all non-negative) less one."""
+    return np.searchsorted(_POW10, x, "right")
 
 
 def file_header(p: ExportPlan, file: int) -> bytearray:
