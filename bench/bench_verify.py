@@ -6,8 +6,11 @@ this checkout's `stagerd consolidate` (one `model.safetensors`, and a 4-file exp
 runs `stagerd verify EXPORT` and `stagerd verify EXPORT --against SRC` each in its own process (peak RSS
 from wait4). With `--compare OTHER` (another checkout, e.g. `git worktree add /tmp/old main`), every
 round runs OTHER's verify right before this checkout's, on the same files: paired before / after figures.
+`--shards DIR` takes a checkpoint made earlier instead (`bench_consolidate.py --many-tensors N --keep`'s
+real gloo save), and also times the one-file export itself (`consolidate`), the same plan's other user.
 
     python bench/bench_verify.py --tensors 100000 --repeat 3 --compare /tmp/old
+    python bench/bench_verify.py --shards bench/data/many-100000/shards --repeat 5 --compare /tmp/old
 """
 
 from __future__ import annotations
@@ -62,12 +65,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare", type=Path, help="another checkout, run first in every round")
     ap.add_argument("--work", type=Path, help="where the files go (default: a temp dir, removed)")
+    ap.add_argument("--shards", type=Path, help="an existing DCP checkpoint instead of synthetic shards")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stagerd-bench-verify-", dir=args.work))
     try:
         src = work / "src"
-        # In a child: a forked child's peak RSS starts at its parent's, so the parent must stay small.
-        subprocess.run([sys.executable, __file__, "--generate", str(src), str(args.tensors)], check=True)
+        if args.shards:
+            src = args.shards.resolve()
+        else:
+            # In a child: a forked child's peak RSS starts at its parent's, so the parent must stay small.
+            subprocess.run([sys.executable, __file__, "--generate", str(src), str(args.tensors)], check=True)
         stagerd = [sys.executable, "-m", "stagerd.cli"]
         exports = {"1 file": work / "one", "4 files": work / "four"}
 
@@ -80,22 +87,28 @@ def main() -> None:
         export(exports["4 files"], "--max-shard-size", str(size // 4 + 1))
         trees = {"this": ROOT} | ({"other": args.compare.resolve()} if args.compare else {})
         cases = {}
+        if args.shards:
+            cases["consolidate (1 file)"] = [*stagerd, "consolidate", str(src), str(work / "again")]
         for what, out in exports.items():
             plain = [*stagerd, "verify", str(out), "--threads", str(args.threads)]
             cases[f"verify ({what})"] = plain
             cases[f"verify --against ({what})"] = [*plain, "--against", str(src)]
         found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        load = [os.getloadavg()[0]]
         for rnd in range(args.repeat):
             for case, cmd in cases.items():
                 for tree in reversed(trees):  # the other checkout first: "this" runs right after it
+                    shutil.rmtree(work / "again", ignore_errors=True)
                     got = timed(cmd, trees[tree])
                     found.setdefault((case, tree), []).append(got)
+                    load.append(os.getloadavg()[0])
                     print(
                         f"round {rnd + 1} {case:28s} {tree:5s} {got[0]:6.2f} s {got[1]:6.0f} MiB"
-                        f" {got[2]:6.2f} s CPU",
+                        f" {got[2]:6.2f} s CPU, load {load[-1]:.1f}",
                         flush=True,
                     )
-        print(f"\n{args.tensors} tensors, {args.repeat} interleaved rounds, {args.threads} threads")
+        what = src if args.shards else f"{args.tensors} tensors"
+        print(f"\n{what}, {args.repeat} interleaved rounds, {args.threads} threads")
         head = (
             "| case | checkout | median s | min s | max s | peak RSS MiB, median | min | max"
             " | CPU s, median | min | max |"
@@ -119,7 +132,7 @@ def main() -> None:
                     f"| {case} | {statistics.median(t):.2f}x | {t[0]:.2f}x | {t[-1]:.2f}x | {m:.2f}x"
                     f" | {c:.2f}x |"
                 )
-        print(f"\nload average {os.getloadavg()[0]:.1f} at the end (a shared machine)")
+        print(f"\nload average {min(load):.1f}-{max(load):.1f} during the runs (a shared machine)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

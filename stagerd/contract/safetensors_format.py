@@ -16,11 +16,11 @@ import struct
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from json.decoder import scanstring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from stagerd.contract import dtypes
+from stagerd.contract.json_members import members
 from stagerd.errors import DTypeError, HeaderError, StagerdError
 
 # safetensors itself refuses headers above 100 MB; so do we.
@@ -149,15 +149,24 @@ def _check_entry(path: object, name: str, info: Any, data_len: int) -> TensorEnt
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     except KeyError as e:
         raise _fail(path, f"tensor {name!r}: missing {e.args[0]!r}") from None
-    try:
-        dt = dtypes.lookup(dtype_name)
-    except DTypeError:
-        raise DTypeError(f"tensor {name!r}: unknown dtype {dtype_name!r}", path=path) from None
+    dt = _dtype(path, name, dtype_name)
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not _uints(shape):
         raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
     if not (isinstance(offsets, list) and len(offsets) == 2 and _uints(offsets)):
         raise _fail(path, f"tensor {name!r}: data_offsets must be two non-negative integers")
-    begin, end = offsets
+    return _entry(path, name, dt, tuple(shape), offsets[0], offsets[1], data_len)
+
+
+def _dtype(path: object, name: str, dtype_name: Any) -> dtypes.DType:
+    try:
+        return dtypes.lookup(dtype_name)
+    except DTypeError:
+        raise DTypeError(f"tensor {name!r}: unknown dtype {dtype_name!r}", path=path) from None
+
+
+def _entry(
+    path: object, name: str, dt: dtypes.DType, shape: tuple[int, ...], begin: int, end: int, data_len: int
+) -> TensorEntry:
     if begin > end or end > data_len:
         raise _fail(
             path,
@@ -169,12 +178,46 @@ def _check_entry(path: object, name: str, info: Any, data_len: int) -> TensorEnt
     try:
         want = dt.nbytes(math.prod(shape))
     except StagerdError:
-        raise _fail(path, f"tensor {name!r}: shape {shape} does not fill whole bytes of {dt.name}") from None
+        raise _fail(
+            path, f"tensor {name!r}: shape {list(shape)} does not fill whole bytes of {dt.name}"
+        ) from None
     if end - begin != want:
-        raise _fail(path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{shape} needs {want}")
+        raise _fail(
+            path, f"tensor {name!r}: {end - begin} data bytes, but {dt.name}{list(shape)} needs {want}"
+        )
     if not want and empty_overflows(shape):
-        raise _fail(path, f"tensor {name!r}: shape {shape} overflows 64 bits before its 0 dim")
-    return TensorEntry(name, dt.name, tuple(shape), begin, end)
+        raise _fail(path, f"tensor {name!r}: shape {list(shape)} overflows 64 bits before its 0 dim")
+    return TensorEntry(name, dt.name, shape, begin, end)
+
+
+_KNOWN_PAIRS = 4096  # distinct (dtype, shape) pairs remembered per header: a hostile one may make each new
+
+
+def _matched_entry(
+    path: object, name: str, m: re.Match[str], data_len: int, known: dict[tuple[str, str], TensorEntry]
+) -> TensorEntry:
+    """`_check_entry` of an entry read by `json_members.ENTRY` (its form is checked): the same checks
+    with the same errors; an entry of a (dtype, shape) pair seen before (`known`) needs only its
+    offsets checked, and shares that entry's shape tuple."""
+    _, dtype_name, shape_text, b, e, _ = m.groups()
+    key = (dtype_name, shape_text or "")
+    seen = known.get(key)
+    try:  # as json.loads decodes them: past int()'s digit limit is a ValueError there too
+        begin, end = int(b), int(e)
+        shape = (
+            seen.shape if seen is not None else tuple(map(int, shape_text.split(","))) if shape_text else ()
+        )
+    except ValueError as err:
+        raise _fail(path, f"header is not valid UTF-8 JSON: {type(err).__name__}") from None
+    if seen is not None and begin <= end <= data_len and end - begin == seen.end - seen.begin:
+        return TensorEntry(name, seen.dtype, shape, begin, end)
+    dt = _dtype(path, name, dtype_name)
+    if len(shape) > MAX_NDIM:
+        raise _fail(path, f"tensor {name!r}: shape must be a list of non-negative integers")
+    t = _entry(path, name, dt, shape, begin, end, data_len)
+    if len(known) < _KNOWN_PAIRS:
+        known[key] = t
+    return t
 
 
 class _Overlaps:
@@ -248,11 +291,15 @@ class HeaderStream:
         """Every tensor entry in header order, each checked; `metadata` is set once they are all read."""
         path, data_len = self.path, self.file_size - self.data_start
         overlaps = _Overlaps(path)
-        for name, info in _members(path, self._text):
+        known: dict[tuple[str, str], TensorEntry] = {}
+        for name, info in members(path, self._text):
             if name == METADATA_KEY:
                 self.metadata = _check_metadata(path, info)
                 continue
-            t = _check_entry(path, name, info, data_len)
+            if type(info) is re.Match:
+                t = _matched_entry(path, name, info, data_len, known)
+            else:
+                t = _check_entry(path, name, info, data_len)
             overlaps.add(t)
             yield t
         overlaps.check()
@@ -291,56 +338,6 @@ def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
         return file_size, n, raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
-
-
-_WS = re.compile(r"[ \t\n\r]*")
-_COLON = re.compile(r"[ \t\n\r]*:[ \t\n\r]*")
-_NEXT = re.compile(r"[ \t\n\r]*([,}])[ \t\n\r]*")
-_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # json.loads's own C scanner
-
-
-def _members(path: object, text: str) -> Iterator[tuple[str, Any]]:
-    """The (name, value) members of the JSON object `text`, in order, each value decoded on its own.
-
-    Accepts exactly what `json.loads` accepts as an object (the same whitespace, strings and values:
-    each is the stdlib decoder's work); where it would give something else, it is a `HeaderError`."""
-    try:
-        i = _skip(text, 0)
-        if text[i : i + 1] != "{":
-            json.loads(text)  # raises for what is not JSON
-            raise _fail(path, "header is not a JSON object")
-        i = _skip(text, i + 1)
-        if text[i : i + 1] == "}":
-            i = _skip(text, i + 1)
-        else:
-            while True:
-                if text[i : i + 1] != '"':
-                    raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
-                name, i = scanstring(text, i + 1, True)
-                m = _COLON.match(text, i)
-                if m is None:
-                    raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-                try:
-                    value, i = _SCAN(text, m.end())
-                except StopIteration as e:
-                    raise json.JSONDecodeError("Expecting value", text, e.value) from None
-                yield name, value
-                m = _NEXT.match(text, i)
-                if m is None:
-                    raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-                i = m.end()
-                if m.group(1) == "}":
-                    break
-        if i != len(text):
-            raise json.JSONDecodeError("Extra data", text, i)
-    except (ValueError, RecursionError) as e:
-        raise _fail(path, f"header is not valid UTF-8 JSON: {type(e).__name__}") from None
-
-
-def _skip(text: str, i: int) -> int:
-    """The index of the first character from `i` on that is not JSON whitespace."""
-    m = _WS.match(text, i)
-    return i if m is None else m.end()
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:

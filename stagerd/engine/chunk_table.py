@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
+import numpy as np
+
 from stagerd.contract.safetensors_format import Header
 from stagerd.engine.plan_types import DTYPE_CODE, DTYPE_NAMES, ChunkTable, Names, frozen
 from stagerd.errors import PlanError
@@ -93,15 +95,10 @@ def freeze_table(
 
 
 def group_by_tensor(tensor: Sequence[int], n: int) -> tuple[array, array]:
-    """A counting sort of block indices by tensor id, stable, so shard order stays within a tensor."""
-    first = array("q", bytes(8 * (n + 1)))
-    for t in tensor:
-        first[t + 1] += 1
-    for t in range(n):
-        first[t + 1] += first[t]
-    fill = array("q", first[:-1]) if n else array("q")
-    order = array("i", bytes(4 * len(tensor)))
-    for c, t in enumerate(tensor):
-        order[fill[t]] = c
-        fill[t] += 1
-    return order, first
+    """A counting sort of block indices by tensor id, stable, so shard order stays within a tensor (in
+    numpy: a loop per block was a tenth of a second per 100k blocks)."""
+    ids = np.asarray(tensor, dtype=np.int64)
+    first = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(ids, minlength=n), out=first[1:])
+    order = np.argsort(ids, kind="stable").astype(np.int32)
+    return array("i", order.tobytes()), array("q", first.tobytes())

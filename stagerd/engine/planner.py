@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import Holds, HubPlan
 from stagerd.contract.layout import TensorInfo
-from stagerd.contract.safetensors_format import Header, empty_overflows
+from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,
     natural_key,
@@ -22,7 +22,7 @@ from stagerd.contract.sharding import (
     pack_in_order,
 )
 from stagerd.engine.chunk_table import build_chunk_table
-from stagerd.engine.file_header import header_size
+from stagerd.engine.file_header import header_size, rows_header_size
 from stagerd.engine.moves import tensor_moves
 from stagerd.engine.natural_order import assign_in_natural_order, pack_in_natural_order
 from stagerd.engine.plan_types import (
@@ -33,7 +33,8 @@ from stagerd.engine.plan_types import (
     OutputFile,
     frozen,
 )
-from stagerd.engine.tiling import check_tiling, tiles_simply
+from stagerd.engine.shapes import global_shapes
+from stagerd.engine.tiling import check_tiling
 from stagerd.engine.views import apply_views
 from stagerd.errors import DTypeError, HubPlanError, PlanError
 
@@ -66,7 +67,7 @@ def plan(
     table, ids = build_chunk_table(headers)
     where = table.where
     names = list(ids)  # the dict's own keys, in id order: no second str per name
-    shape_at, shape_ndim, dims, simple = _global_shapes(table, names)
+    shape_at, shape_ndim, dims, simple = global_shapes(table, names)
 
     def shape(t: int) -> tuple[int, ...]:
         return tuple(dims[shape_at[t] : shape_at[t] + shape_ndim[t]])
@@ -74,12 +75,12 @@ def plan(
     if expected is not None:
         _check_expected(table, ids, shape, expected)
     for t in range(len(names)):
-        if not simple[t]:  # the common layouts are checked by `_global_shapes` in passing
+        if not simple[t]:  # the common layouts are checked by `global_shapes` in passing
             check_tiling(names[t], shape(t), table.chunks_of(t), where)
     if views is not None:
         table, ids = apply_views(table, ids, shape, views)
         names = list(ids)
-        shape_at, shape_ndim, dims, _ = _global_shapes(table, names)
+        shape_at, shape_ndim, dims, _ = global_shapes(table, names)
 
     out_code = array(
         "B", (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep)] for t, n in enumerate(names))
@@ -125,11 +126,11 @@ def plan(
             row_begin.append(pos)
             pos += sizes[n]
             row_end.append(pos)
-        entries = (
-            (names[row_tensor[r]], DTYPE_NAMES[row_dst[r]], shape(row_tensor[r]), row_begin[r], row_end[r])
-            for r in range(first, len(row_tensor))
-        )
-        size = header_size(entries)
+        rows = (row_tensor[first:], row_dst[first:], row_begin[first:], row_end[first:])
+        size = rows_header_size(table.names, dims, shape_at, shape_ndim, rows)
+        if size is None:
+            entries = ((names[t], DTYPE_NAMES[d], shape(t), b, e) for t, d, b, e in zip(*rows, strict=True))
+            size = header_size(entries)
         files.append(OutputFile(file_names[fi], size, size + pos, first, len(row_tensor)))
         group.clear()  # the rows hold it now
     p = ExportPlan(
@@ -194,47 +195,6 @@ def _shared(
             raise HubPlanError(f"a shared storage of the plan is smaller than {g.names[0]!r}", path=where)
         out.append((g.names, nbytes))
     return out
-
-
-def _global_shapes(table: ChunkTable, names: list[str]) -> tuple[array, array, array, bytearray]:
-    """Each tensor's global shape, `max(offset + local shape)` per dimension over its blocks, read from
-    the table's columns (no `Chunk` per block: this runs once per tensor of the checkpoint); and per
-    tensor whether its blocks tile it simply (`tiling.tiles_simply`), decided from the same reads."""
-    shape_at, shape_ndim, dims = array("q"), array("B"), array("q")
-    simple = bytearray(len(names))
-    first, order, at, ndim, cdims = table.first, table.order, table.at, table.ndim, table.dims
-    for t in range(len(names)):
-        blocks = order[first[t] : first[t + 1]]
-        nd = ndim[blocks[0]] if len(blocks) else 0
-        boxes = []
-        for c in blocks:
-            if ndim[c] != nd:
-                ranks = sorted({ndim[b] for b in blocks})
-                raise PlanError(
-                    f"tensor {names[t]!r} has chunks of different ranks {ranks}", path=table.where
-                )
-            a = at[c]
-            boxes.append((cdims[a : a + nd].tolist(), cdims[a + nd : a + 2 * nd].tolist()))
-        if len(boxes) == 1:
-            ext = [o + n for o, n in zip(*boxes[0], strict=True)]
-        else:
-            ext = [max(b[0][d] + b[1][d] for b in boxes) for d in range(nd)]
-        shape_at.append(len(dims))
-        shape_ndim.append(nd)
-        try:
-            dims.extend(ext)
-        except OverflowError:
-            raise PlanError(
-                f"tensor {names[t]!r}: its extent does not fit 64 bits", path=table.where
-            ) from None
-        if 0 in ext and empty_overflows(ext):  # each block's shape fits, their extent not
-            raise PlanError(
-                f"tensor {names[t]!r}: shape {ext} overflows 64 bits before its 0 dim (safetensors"
-                " refuses to load it)",
-                path=table.where,
-            )
-        simple[t] = tiles_simply(boxes, ext)
-    return shape_at, shape_ndim, dims, simple
 
 
 def _check_byte_addressable(p: ExportPlan) -> None:

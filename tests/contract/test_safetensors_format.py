@@ -223,3 +223,41 @@ def test_read_header_builds_no_tree_of_the_whole_header(tmp_path):
         tracemalloc.stop()
     assert len(h.tensors) == n
     assert peak - base < 1.8 * (kept - base), (peak - base, kept - base)
+
+
+_E = '"dtype":"F32","shape":[2,2],"data_offsets":[0,16]'
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        f'"w":{{{_E}}}',  # the form every writer uses: one regular-expression match
+        ' "w" :\n{ "dtype" : "F32" , "shape" : [ 2 , 2 ] , "data_offsets" : [ 0 , 16 ] } ',
+        f'"w\\u0041":{{{_E}}}',  # escapes, a float, another key order or a fourth key: the scanner
+        '"w":{"dtype":"F\\u00332","shape":[2,2],"data_offsets":[0,16]}',
+        '"w":{"dtype":"F32","shape":[2.0,2],"data_offsets":[0,16]}',
+        '"w":{"shape":[2,2],"dtype":"F32","data_offsets":[0,16]}',
+        f'"w":{{{_E},"x":1}}',
+        '"w":{"dtype":"F32","shape":[02,2],"data_offsets":[0,16]}',  # refused either way
+        '"w":{"dtype":"F32","shape":[-2,2],"data_offsets":[0,16]}',
+        '"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,1' + "0" * 5000 + "]}",
+        '"w":{"dtype":"F32","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,4]}',
+        '"w":{"dtype":"F33","shape":[2,2],"data_offsets":[0,16]}',
+        '"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}',
+        '"w":{"dtype":"F32","shape":[2,2],"data_offsets":[16,0]}',
+        '"w":{"dtype":"F4","shape":[3],"data_offsets":[0,1]}',
+        '"w":{"dtype":"F32","shape":[' + ",".join(["65536"] * 4) + ',0],"data_offsets":[0,0]}',
+        '"__metadata__":{' + _E + "}",
+        f'"w":{{{_E}}},"v":{{{_E}}}',  # two names at the same bytes
+        f'"w":{{{_E}}}}}',  # extra data
+    ],
+)
+def test_each_form_of_an_entry_reads_as_json_loads_reads_it(tmp_path, entry):
+    """An entry in the writers' own form is read by one match (`json_members.ENTRY`), any other by the
+    stdlib's scanner: either way the outcome is json.loads' with validate_header's checks."""
+    body = ("{" + entry + "}").encode()
+    blob = struct.pack("<Q", len(body)) + body + bytes(16)
+    f = tmp_path / "h.safetensors"
+    f.write_bytes(blob)
+    want, got = _outcome(lambda: parse(blob)), _outcome(lambda: read_header(f))
+    assert got == want

@@ -183,3 +183,15 @@ def test_the_index_equals_json_of_the_plans_weight_map(max_shard_size):
     assert list(json.loads(index_json(p))["weight_map"]) == list(p.weight_map())
     empty = plan([])
     assert index_json(empty) == (json.dumps(empty.index(), indent=2) + "\n").encode()
+
+
+@pytest.mark.parametrize(
+    "names", [["layers.10.w", "ünï.1", "layers.2.w", "\u00e9", "a.007", "b"], ["plain", 'q"uote', "\x01x"]]
+)
+@pytest.mark.parametrize("max_shard_size", [1 << 30, 20])
+def test_each_header_size_is_the_length_of_its_header(names, max_shard_size):
+    """The plan counts its headers' bytes from the arrays (`rows_header_size`; a name JSON escapes is
+    counted by encoding it): every count must be the length of the header `execute` writes."""
+    pinned = {n: "BF16" for n in names[::2]}
+    p = plan([one_rank_header(names)], max_shard_size=max_shard_size, out_dtypes=pinned)
+    assert [f.header_size for f in p.files] == [len(file_header(p, fi)) for fi in range(len(p.files))]
