@@ -17,6 +17,7 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,18 +219,6 @@ def train(root: Path, steps: list[int], world: int = 2, every: float = 0.5) -> N
     launch(_train_rank, str(root), steps, every, world=world)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train")
-    t.add_argument("root", type=Path)
-    t.add_argument("--steps", type=int, nargs="+", default=[10, 20, 30])
-    t.add_argument("--world", type=int, default=2)
-    t.add_argument("--every", type=float, default=0.5)
-    a = ap.parse_args()
-    train(a.root, a.steps, a.world, a.every)
-
-
 class Appender:
     """A save in flight: appends 64 KiB to `path` every 50 ms until stopped (the daemon's yield tests)."""
 
@@ -249,3 +238,39 @@ class Appender:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def aged(d: Path, when: float) -> None:
+    """Every entry under `d`, and `d`, last written at `when` (links themselves, not what they name)."""
+    for p in [*sorted(d.rglob("*"), reverse=True), d]:
+        os.utime(p, (when, when), follow_symlinks=False)
+
+
+def yields(step: int, stage: str) -> Callable[[dict[str, Any]], bool]:
+    """The log record of `stage` of `step` yielding to a save."""
+    return lambda r: r.get("step") == step and r.get("stage") == stage and "yields_to" in r
+
+
+def yield_seconds(port: int, stage: str) -> float:
+    """`stagerd_yield_seconds_total` of `stage` on the daemon's metrics port."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    prefix = f'stagerd_yield_seconds_total{{stage="{stage}"}}'
+    return float(next(ln for ln in body.splitlines() if ln.startswith(prefix)).split()[-1])
+
+
+async def stop_cleanly(w: WatchProc) -> None:
+    """SIGTERM, and the daemon exits 0 within 30 s."""
+    w.kill(15)
+    assert await w.wait(30) == 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("root", type=Path)
+    t.add_argument("--steps", type=int, nargs="+", default=[10, 20, 30])
+    t.add_argument("--world", type=int, default=2)
+    t.add_argument("--every", type=float, default=0.5)
+    a = ap.parse_args()
+    train(a.root, a.steps, a.world, a.every)

@@ -7,10 +7,8 @@ process over a real DCP step, while a thread of this test writes the next step's
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +16,19 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.yielding import SavesInFlight, Yielder, writing_steps, written_within, yields_disk
-from tests.daemon_helpers import Appender, WatchProc, fast_flags, free_port, is_state, stage_copy, start_watch
+from tests.daemon_helpers import (
+    Appender,
+    WatchProc,
+    aged,
+    fast_flags,
+    free_port,
+    is_state,
+    stage_copy,
+    start_watch,
+    stop_cleanly,
+    yield_seconds,
+    yields,
+)
 from tests.dcp_fixtures import commit_step
 
 OLD = time.time() - 3600
@@ -31,23 +41,17 @@ def _fresh_step(root: Path, step: int, part: str = layout.MODEL_DIR) -> Path:
     return d
 
 
-def _age(d: Path) -> None:
-    """Every entry under `d` (and `d`) last written an hour ago."""
-    for p in [*sorted(d.rglob("*"), reverse=True), d]:
-        os.utime(p, (OLD, OLD), follow_symlinks=False)
-
-
 # -- detection ----------------------------------------------------------------------------------------------
 
 
 def test_only_uncommitted_steps_written_just_now_count(tmp_path):
     _fresh_step(tmp_path, 1)
     commit_step(tmp_path / layout.step_dir_name(1), 1)  # committed: its save is over
-    _age(_fresh_step(tmp_path, 2))  # abandoned long ago
+    aged(_fresh_step(tmp_path, 2), OLD)  # abandoned long ago
     _fresh_step(tmp_path, 3, layout.OPTIM_DIR)
     (tmp_path / "not-a-step").mkdir()
     assert writing_steps(tmp_path) == (3,)
-    _age(tmp_path / layout.step_dir_name(3))
+    aged(tmp_path / layout.step_dir_name(3), OLD)
     assert writing_steps(tmp_path) == ()
     assert SavesInFlight(tmp_path).writing(skip=3) is None
 
@@ -66,7 +70,7 @@ def test_links_are_not_followed_and_a_vanished_dir_is_not_busy(tmp_path):
     step = tmp_path / "root" / layout.step_dir_name(7)
     step.mkdir(parents=True)
     (step / layout.MODEL_DIR).symlink_to(elsewhere, target_is_directory=True)
-    _age(step)
+    aged(step, OLD)
     assert writing_steps(tmp_path / "root") == ()
     assert not written_within(tmp_path / "gone", 0, float("inf"))
     shutil.rmtree(step)
@@ -128,20 +132,11 @@ async def _watch(root: Path, sink: Path, tmp_path: Path, *flags: str, port: int 
     )
 
 
-async def _stop(w: WatchProc) -> None:
-    w.kill(15)
-    assert await w.wait(30) == 0
-
-
-def _yields(step: int, stage: str):
-    return lambda r: r.get("step") == step and r.get("stage") == stage and "yields_to" in r
-
-
 async def test_export_waits_until_the_save_commits(staged, tmp_path):
     root, sink, writer = staged
     w = await _watch(root, sink, tmp_path, "--yield-seconds", "30")
     try:
-        rec = await w.wait_for(_yields(100, "export"), timeout=60)
+        rec = await w.wait_for(yields(100, "export"), timeout=60)
         assert rec["yields_to"] == 101
         await asyncio.sleep(1.5)
         assert not (root / layout.step_dir_name(100) / layout.EXPORT_DIR).exists()
@@ -155,7 +150,7 @@ async def test_export_waits_until_the_save_commits(staged, tmp_path):
         assert done["yielded_seconds"] >= 1.5
         await w.wait_for(is_state(101, "published"), timeout=60)
     finally:
-        await _stop(w)
+        await stop_cleanly(w)
 
 
 async def test_a_save_that_never_ends_holds_export_and_publish_only_for_the_budget(staged, tmp_path):
@@ -163,23 +158,17 @@ async def test_a_save_that_never_ends_holds_export_and_publish_only_for_the_budg
     port = free_port()
     w = await _watch(root, sink, tmp_path, "--yield-seconds", "2", port=port)
     try:
-        start = await w.wait_for(_yields(100, "export"), timeout=60)
+        start = await w.wait_for(yields(100, "export"), timeout=60)
         done = await w.wait_for(is_state(100, "exported"), timeout=30)
         assert 1.9 <= done["ts"] - start["ts"] < 6.0
-        await w.wait_for(_yields(100, "publish"), timeout=30)
+        await w.wait_for(yields(100, "publish"), timeout=30)
         resumed = await w.wait_for(lambda r: r.get("stage") == "publish" and "yielded_seconds" in r, 30)
         assert "budget is spent" in resumed["msg"]
         await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=30)
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         for stage in ("export", "publish"):
-            line = next(
-                ln
-                for ln in body.splitlines()
-                if ln.startswith(f'stagerd_yield_seconds_total{{stage="{stage}"}}')
-            )
-            assert 1.9 <= float(line.split()[-1]) < 3.0
+            assert 1.9 <= yield_seconds(port, stage) < 3.0
     finally:
-        await _stop(w)
+        await stop_cleanly(w)
 
 
 async def test_yield_seconds_0_exports_at_once(staged, tmp_path):
@@ -190,4 +179,4 @@ async def test_yield_seconds_0_exports_at_once(staged, tmp_path):
         assert not any("yields_to" in r for r in w.records())
         assert w.records() and not any("yielded_seconds" in r and r["yielded_seconds"] for r in w.records())
     finally:
-        await _stop(w)
+        await stop_cleanly(w)

@@ -13,13 +13,23 @@ import json
 import os
 import shutil
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Appender, WatchProc, fast_flags, free_port, is_state, start_watch
+from tests.daemon_helpers import (
+    Appender,
+    WatchProc,
+    aged,
+    fast_flags,
+    free_port,
+    is_state,
+    start_watch,
+    stop_cleanly,
+    yield_seconds,
+    yields,
+)
 
 OLD = time.time() - 3600
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
@@ -48,11 +58,6 @@ def _checkpoint(root: Path, step: int, saved: Path, *, finished: bool = True) ->
     return d
 
 
-def _age(d: Path) -> None:
-    for p in [*sorted(d.rglob("*"), reverse=True), d]:
-        os.utime(p, (OLD, OLD), follow_symlinks=False)
-
-
 def _writing(root: Path, skip: int = -1, preset: str = "hf-trainer") -> int | None:
     """What a fresh daemon over ROOT (`watch --adopt PRESET`) finds being written, `skip` aside."""
     from stagerd.config import Settings
@@ -71,7 +76,7 @@ def test_a_checkpoint_not_finished_by_its_preset_and_written_just_now_is_a_save(
     assert _writing(root) is None
     mid = _checkpoint(root, 2, saved, finished=False)  # the model written, the rest not yet
     assert _writing(root) == 2
-    _age(mid)  # a save that died an hour ago
+    aged(mid, OLD)  # a save that died an hour ago
     assert _writing(root) is None
     (mid / "trainer_state.json").write_text("{")  # written in place, not parsed yet: not finished
     assert _writing(root) == 2
@@ -79,7 +84,7 @@ def test_a_checkpoint_not_finished_by_its_preset_and_written_just_now_is_a_save(
     (root / "checkpoint-3.tmp" / "x").write_bytes(b"x")  # a name that gives no step
     (root / ".stagerd" / "adopted" / "checkpoint-9").mkdir(parents=True)  # the exports built
     (root / ".stagerd" / "adopted" / "checkpoint-9" / "model.safetensors").write_bytes(b"x")
-    _age(mid)
+    aged(mid, OLD)
     assert _writing(root) is None
 
 
@@ -92,7 +97,7 @@ def test_files_in_nested_directories_count_and_links_are_not_followed(tmp_path, 
     (mid / "global_step4").symlink_to(elsewhere, target_is_directory=True)
     (mid / "optimizer.pt").symlink_to(elsewhere / "fresh")
     (mid / "pytorch_model_fsdp_0" / "sub").mkdir(parents=True)
-    _age(mid)
+    aged(mid, OLD)
     assert _writing(root) is None
     (mid / "pytorch_model_fsdp_0" / "sub" / "__0_0.distcp").write_bytes(b"x" * 64)
     os.utime(mid / "pytorch_model_fsdp_0" / "sub", (OLD, OLD))
@@ -108,7 +113,7 @@ def test_a_huge_tree_is_not_walked(tmp_path, saved):
     root = tmp_path / "run"
     mid = _checkpoint(root, 5, saved, finished=False)
     (mid / "optimizer_0").mkdir()
-    _age(mid)
+    aged(mid, OLD)
     fresh = mid / "optimizer_0" / "__0_0.distcp"
     with open(fresh, "ab") as f:
         f.write(b"x")
@@ -116,7 +121,7 @@ def test_a_huge_tree_is_not_walked(tmp_path, saved):
     assert _writing(root) == 5
     for i in range(MAX_ENTRIES):  # every rank's own files, beside it: read before any directory's
         (mid / f"rng_state_{i}.pth").write_bytes(b"")
-    _age(mid)
+    aged(mid, OLD)
     with open(fresh, "ab") as f:  # still being written: its directory's mtime stays old
         f.write(b"x")
     assert _writing(root) is None
@@ -129,7 +134,7 @@ def test_a_save_going_on_after_its_preset_finished_it_holds_its_own_export_too(t
     d.mkdir(parents=True)
     shutil.copy(saved / "model.safetensors", d / "model.safetensors")
     (d / "random_states_0.pkl").write_bytes(b"x")
-    _age(d)
+    aged(d, OLD)
     assert _writing(root, skip=6, preset="accelerate") is None
     (d / "optimizer.bin").write_bytes(b"x" * 64)  # written now, an hour after the model
     assert _writing(root, skip=6, preset="accelerate") == 6
@@ -166,27 +171,12 @@ async def _watch(root: Path, sink: Path, tmp_path: Path, *flags: str, port: int 
     )
 
 
-async def _stop(w: WatchProc) -> None:
-    w.kill(15)
-    assert await w.wait(30) == 0
-
-
-def _yields(step: int, stage: str):
-    return lambda r: r.get("step") == step and r.get("stage") == stage and "yields_to" in r
-
-
-def _metric(port: int, stage: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    prefix = f'stagerd_yield_seconds_total{{stage="{stage}"}}'
-    return float(next(ln for ln in body.splitlines() if ln.startswith(prefix)).split()[-1])
-
-
 async def test_the_export_of_a_checkpoint_waits_until_the_next_one_is_finished(training, tmp_path):
     root, sink, writer = training
     port = free_port()
     w = await _watch(root, sink, tmp_path, "--yield-seconds", "30", port=port)
     try:
-        rec = await w.wait_for(_yields(100, "export"), timeout=30)
+        rec = await w.wait_for(yields(100, "export"), timeout=30)
         assert rec["yields_to"] == 101
         await asyncio.sleep(1.5)
         assert not any(is_state(100, "exported")(r) for r in w.records())
@@ -197,21 +187,21 @@ async def test_the_export_of_a_checkpoint_waits_until_the_next_one_is_finished(t
         # trainer_state.json ends the wait at once, not the mtimes going stale (3 s).
         assert done["ts"] - finished < 2.5, done["ts"] - finished
         assert done["yielded_seconds"] >= 1.5
-        assert _metric(port, "export") >= 1.5
+        assert yield_seconds(port, "export") >= 1.5
         await w.wait_for(is_state(101, "published", sink.as_uri()), timeout=60)
     finally:
-        await _stop(w)
+        await stop_cleanly(w)
 
 
 async def test_a_checkpoint_never_finished_holds_the_export_only_for_the_budget(training, tmp_path):
     root, sink, _ = training
     w = await _watch(root, sink, tmp_path, "--yield-seconds", "1.5")
     try:
-        start = await w.wait_for(_yields(100, "export"), timeout=30)
+        start = await w.wait_for(yields(100, "export"), timeout=30)
         resumed = await w.wait_for(lambda r: r.get("stage") == "export" and "yielded_seconds" in r, 30)
         assert "budget is spent" in resumed["msg"]
         done = await w.wait_for(is_state(100, "exported"), timeout=30)
         assert 1.4 <= done["ts"] - start["ts"] < 6.0
         await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=30)
     finally:
-        await _stop(w)
+        await stop_cleanly(w)
