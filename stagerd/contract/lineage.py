@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.regular_file import open_regular
+from stagerd.contract.root_id import ROOT_ID
 
 LINEAGE_NAME = "lineage.json"
 LINEAGE_FORMAT = "stagerd.lineage/1"
 MAX_ANCESTORS = 64
 MAX_LINEAGE_BYTES = 64 << 10  # 64 entries of a few hundred bytes each
-ROOT_ID = re.compile(r"[0-9a-f]{32}")  # `root_id`'s form: no other name travels between nodes
 
 log = logging.getLogger("stagerd.lineage")
 

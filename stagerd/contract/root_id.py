@@ -28,7 +28,9 @@ from stagerd.contract import layout
 ROOT_ID_NAME = "fleet-root-id"
 
 log = logging.getLogger("stagerd.fleet")
-_OLD_ID = re.compile(r"[0-9a-f]{32}")  # the id alone, as an older stagerd wrote it
+# An identity's form (uuid4's hex), also the whole file as an older stagerd wrote it; no other name of a
+# ROOT travels between nodes, and an older stagerd's names of a tree have a colon or none.
+ROOT_ID = re.compile(r"[0-9a-f]{32}")
 _lock = threading.Lock()
 
 
@@ -80,13 +82,13 @@ def root_id(root: Path) -> str:
 def _parse(text: str | None) -> dict[str, Any] | None:
     if text is None:
         return None
-    if _OLD_ID.fullmatch(text):
+    if ROOT_ID.fullmatch(text):
         return {"id": text, "where": None}
     try:
         d = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not _OLD_ID.fullmatch(d["id"]):
+    if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not ROOT_ID.fullmatch(d["id"]):
         return None
     if not isinstance(d.get("where"), dict):
         return None

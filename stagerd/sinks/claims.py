@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from stagerd.contract import layout, lineage
-from stagerd.contract.root_id import root_id
+from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import StepClaimedError
 
 CLAIMS_DIR = "claims"
@@ -85,12 +85,22 @@ class Claim:
             del d["trees"]
         return (json.dumps(d, sort_keys=True) + "\n").encode()
 
+    def published_from(self) -> tuple[str, Path]:
+        """A publisher's host and the local tree it published (a step's `export/`, its directory, ...)."""
+        host, _, path = self.owner.partition(":")
+        return host, Path(path)
+
     def describe(self) -> str:
         if self.kind == PUBLISH:
             return f"a publish of {self.owner} (pid {self.pid})"
         if self.kind == PRUNE:
             return f"a prune on {self.host} (pid {self.pid})"
         return f"an unreadable claim ({self.owner})"
+
+
+def step_dir_of(local: Path) -> Path:
+    """The step directory of a published local tree: a step's `export/` is its step's."""
+    return local.parent if local.name == layout.EXPORT_DIR else local
 
 
 def publish_claim(local_root: Path) -> Claim:
@@ -113,7 +123,7 @@ def publish_claim(local_root: Path) -> Claim:
     every claim, as they do for this stagerd's own there."""
     host = socket.gethostname()
     real = Path(os.path.realpath(local_root))
-    step_dir = real.parent if real.name == layout.EXPORT_DIR else real
+    step_dir = step_dir_of(real)
     tree = ""
     former: frozenset[str] | None = None
     if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
@@ -187,7 +197,6 @@ def owned_by(data: bytes | None, mine: Claim) -> bool:
 
 
 OWN, FOREIGN, UNKNOWN = "own", "foreign", "unknown"  # who published a step, as retention judges it
-ROOT_ID = lineage.ROOT_ID  # `root_id`'s form; an older stagerd's names have a colon or none
 
 
 @dataclass(frozen=True)
@@ -238,10 +247,8 @@ def whose(data: bytes | None, me: Publisher) -> str:
         return OWN if fleet & {me.tree, *me.ancestors} else FOREIGN
     if ROOT_ID.fullmatch(theirs.tree):
         return OWN if theirs.tree == me.tree or theirs.tree in me.ancestors else FOREIGN
-    host, _, path = theirs.owner.partition(":")
-    local = Path(path)
-    step_dir = local.parent if local.name == layout.EXPORT_DIR else local
-    if host != me.host or step_dir.parent not in me.roots:
+    host, local = theirs.published_from()
+    if host != me.host or step_dir_of(local).parent not in me.roots:
         return FOREIGN
     return OWN if owned_by(data, publish_claim(local)) else UNKNOWN
 

@@ -103,9 +103,8 @@ class Owner:
 def _who(claim: claims.Claim) -> str:
     """A publisher's claim as a person knows it: HOST:ROOT, and ROOT's identity where it names one; a fleet
     export's, its leader's and how many nodes built it."""
-    host, _, path = claim.owner.partition(":")
-    local = Path(path)
-    step_dir = local.parent if local.name == layout.EXPORT_DIR else local
+    host, local = claim.published_from()
+    step_dir = claims.step_dir_of(local)
     root = step_dir.parent if layout.parse_step_dir(step_dir.name) is not None else step_dir
     fleet = f", a fleet of {len(claim.trees)} nodes" if claim.trees else ""
     return f"{host}:{root}" + (
