@@ -45,7 +45,7 @@ from stagerd.contract.safetensors_format import (
 )
 from stagerd.contract.step.reopen import open_held
 from stagerd.engine.chunk_table import build_chunk_table
-from stagerd.engine.plan_types import ChunkTable
+from stagerd.engine.plan_types import Chunk, ChunkTable
 from stagerd.engine.runner import pread_into, pwrite_all
 from stagerd.errors import HubPlanError, OutputError
 
@@ -288,31 +288,28 @@ def _read_rows(table: ChunkTable, t: int, lo: int, hi: int, dt: np.dtype[Any]) -
         a, b = max(lo, r0), min(hi, r0 + n)
         if a >= b or k == 0:
             continue
-        buf = bytearray((b - a) * k * dt.itemsize)
-        path = table.sources[c.src]
-        fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            pread_into(fd, memoryview(buf), c.offset + (a - r0) * k * dt.itemsize, path)
-        finally:
-            os.close(fd)
+        buf = _read_block(table, c, (a - r0) * k * dt.itemsize, (b - a) * k * dt.itemsize)
         out[a - lo : b - lo, c0 : c0 + k] = np.frombuffer(buf, dtype=dt).reshape(b - a, k)
     return out
 
 
 def _read_vector(table: ChunkTable, t: int, dt: np.dtype[Any]) -> np.ndarray:
     """The whole 1-dim staged tensor `t` (a bias, a DoRA magnitude: one value per output)."""
-    chunks = table.chunks_of(t)
-    out = np.empty(max(c.global_offset[0] + c.shape[0] for c in chunks), dtype=dt)
-    for c in chunks:
+    out = np.empty(_shape(table, t)[0], dtype=dt)
+    for c in table.chunks_of(t):
         (r0,), (n,) = c.global_offset, c.shape
-        if n == 0:
-            continue
-        buf = bytearray(n * dt.itemsize)
-        path = table.sources[c.src]
-        fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            pread_into(fd, memoryview(buf), c.offset, path)
-        finally:
-            os.close(fd)
-        out[r0 : r0 + n] = np.frombuffer(buf, dtype=dt)
+        if n:
+            out[r0 : r0 + n] = np.frombuffer(_read_block(table, c, 0, n * dt.itemsize), dtype=dt)
     return out
+
+
+def _read_block(table: ChunkTable, c: Chunk, skip: int, nbytes: int) -> bytearray:
+    """`nbytes` of the staged block `c`, from its byte `skip`."""
+    buf = bytearray(nbytes)
+    path = table.sources[c.src]
+    fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        pread_into(fd, memoryview(buf), c.offset + skip, path)
+    finally:
+        os.close(fd)
+    return buf
