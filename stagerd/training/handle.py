@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ class SaveHandle:
     step_dir: Path
     staging: tuple[Future[Any], ...]
     committed: Future[layout.CommitMarker] = field(repr=False)
+    hurry: Callable[[], None] = field(default=lambda: None, repr=False)  # someone waits for the copy
 
     def staged(self) -> bool:
         return all(f.done() for f in self.staging)
@@ -30,6 +32,7 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the host copy is complete; the source tensors may then change."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.hurry()
         for f in self.staging:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -46,6 +49,7 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> layout.CommitMarker:
         committed = self.committed
+        self.hurry()
         try:
             return committed.result(timeout)
         finally:  # as Future.result does: the raised error's traceback must not lead back to the future

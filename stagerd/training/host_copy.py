@@ -1,12 +1,14 @@
 """The device-to-host copy of a save's tensors into the Stager's host buffers (`host_pool`).
 
 `save()` only takes the tensors and, with CUDA, records an event on each device's current stream: the
-state as the compute queued so far leaves it. Everything else runs on the Stager's copy thread: the
-buffers missing from the pool are allocated, and each source storage is copied once into its buffer,
-`non_blocking` on a side stream that first waits for that event (a DMA into page-locked memory, beside
-the next forward and backward), or with a plain copy for host tensors. The copy's Future resolves once
-every byte has landed; `wait_staged()` waits for it, and the parameters may change only after that
-(the optimizer's next step). The tensors a forward may update in place (`eager`: buffers such as
+state as the compute queued so far leaves it. Everything else runs on the Stager's copy thread, as one
+job for the model and the optimizer state: the buffers missing from each pool are allocated, and each
+source storage is copied once into its buffer, `non_blocking` on a side stream that first waits for that
+event (a DMA into page-locked memory, beside the next forward and backward), or with a plain copy for
+host tensors. The optimizer's copies are queued behind the model's without waiting for them to land, so
+the copy engine never idles between the two. Each kind's Future resolves once its bytes have landed;
+`wait_staged()` waits for them, and the parameters may change only after that (the optimizer's next
+step). How many pieces are in flight follows who waits (`Pace`). The tensors a forward may update in place (`eager`: buffers such as
 BatchNorm's running statistics) are snapshotted on their device first, before `save()` returns and (with
 CUDA) ahead of the next forward on the current stream; their buffers are filled from that snapshot.
 
@@ -21,8 +23,9 @@ The source tensors are held until the copy is done, so their memory cannot be re
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -60,60 +63,136 @@ class Staging:
         return self.future.result()
 
 
+Leaves = list[tuple[str, torch.Tensor, DTensor | None]]  # (name, local tensor, its DTensor) of each leaf
+Part = tuple[str, Leaves, "Future[list[Staged]]"]  # a pool's kind, its leaves, the Future of its copy
 Job = tuple[
-    list[tuple[str, torch.Tensor, DTensor | None]],  # (name, local tensor, its DTensor) of each leaf
+    list[Part],
     dict[torch.device, torch.cuda.Event],  # the compute stream's state at save(), per device
     dict[StorageKey, torch.Tensor],  # the snapshots of the storages copied at save() (`eager`)
+    "Pace",
 ]
 
 
 COPY_CHUNK_BYTES = 32 << 20  # 0.6 ms at 55 GB/s: the most a copy the loop queues waits for this one
-COPY_WINDOW = 1  # pieces in flight (`_paced`)
+COPY_WINDOW = 1  # pieces in flight once `save()` has returned (`_Sender`)
+COPY_LEAD = 8  # pieces in flight while `save()` still runs, where the device had nothing queued before it
+_ALL = 1 << 62  # every piece at once: the caller waits for the copy
+
+
+class Pace:
+    """How many pieces of one save's copy may be in flight (`_Sender`).
+
+    While `save()` still runs Python after starting the copy, the copy thread waits for the GIL after
+    each piece, up to the interpreter's switch interval (5 ms), so one piece in flight leaves the copy
+    engine idle: `COPY_LEAD` pieces are queued ahead then, unless the device still had work queued at
+    `save()` (the loop's step: its next `.item()` would wait behind them). Once `save()` returns,
+    `COPY_WINDOW` (`steady`). Once anyone waits for the copy (`wait_staged()`, the optimizer's hook, a
+    refused save settling), nothing of the loop's can need the copy engine before it ends: the rest is
+    queued at once (`hurry`), at the queued-whole rate."""
+
+    def __init__(self) -> None:
+        self._window = COPY_LEAD
+        self._lock = threading.Lock()
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    def steady(self) -> None:
+        with self._lock:
+            if self._window != _ALL:
+                self._window = COPY_WINDOW
+
+    def hurry(self) -> None:
+        with self._lock:
+            self._window = _ALL
+
+
+@dataclass
+class Copy:
+    """One save's host copies in flight: a `Staging` per kind, and their shared `Pace`."""
+
+    staging: dict[str, Staging]
+    pace: Pace
 
 
 class HostCopier:
-    """Copies state dicts into one `HostPool` on the Stager's copy thread."""
+    """Copies a save's state dicts into their `HostPool`s on the Stager's copy thread, as one job."""
 
-    def __init__(self, pool: HostPool, executor: ThreadPoolExecutor) -> None:
-        self.pool = pool
+    def __init__(self, pools: Mapping[str, HostPool], executor: ThreadPoolExecutor) -> None:
+        self.pools = pools
         self._executor = executor
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def start(self, tensors: dict[str, torch.Tensor], eager: Iterable[str] = ()) -> Staging:
-        """Start copying `tensors` (name -> tensor or DTensor); returns once those named in `eager` are
-        snapshotted (`eager`), the rest is copied later."""
-        leaves = [
-            (name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()
-        ]
-        wanted = set(eager)
-        snaps = _snapshot(local for name, local, _ in leaves if name in wanted)
+    def start(self, parts: Mapping[str, tuple[Mapping[str, torch.Tensor], Iterable[str]]]) -> Copy:
+        """Start copying each kind's tensors (kind -> (name -> tensor or DTensor, the names to snapshot
+        now)) into the pool of that kind, in order; returns once the `eager` ones are snapshotted, the
+        rest is copied later. One job for all: the copy engine goes on from one kind to the next without
+        waiting for the first to land."""
+        leaves: dict[str, Leaves] = {}
+        wanted: list[torch.Tensor] = []
+        for kind, (tensors, eager) in parts.items():
+            leaves[kind] = [
+                (name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()
+            ]
+            names = set(eager)
+            wanted += [local for name, local, _ in leaves[kind] if name in names]
+        snaps = _snapshot(wanted)
         ready: dict[torch.device, torch.cuda.Event] = {}
-        for _, local, _ in leaves:
-            if local.is_cuda and local.device not in ready:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(local.device))
-                ready[local.device] = ev
-        return Staging(self._executor.submit(self._copy, [(leaves, ready, snaps)]))
+        for kind_leaves in leaves.values():
+            for _, local, _ in kind_leaves:
+                if local.is_cuda and local.device not in ready:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(local.device))
+                    ready[local.device] = ev
+        futures: dict[str, Future[list[Staged]]] = {kind: Future() for kind in leaves}
+        pace = Pace()
+        job: list[Job] = [([(k, leaves[k], futures[k]) for k in leaves], ready, snaps, pace)]
+        del leaves, wanted, snaps, ready
+        self._executor.submit(self._copy, job)
+        return Copy({kind: Staging(f) for kind, f in futures.items()}, pace)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def _copy(self, job: list[Job]) -> list[Staged]:
-        # The executor's work item keeps its arguments until after the Future resolves: taken out of
-        # it, the sources are let go before, and a waiter finds nothing of the caller's state held.
-        leaves, ready, snaps = job.pop()
-        with torch.no_grad():
-            return self._copy_all(leaves, ready, snaps)
+    def _copy(self, job: list[Job]) -> None:
+        # The executor's work item keeps its arguments until it returns: taken out of it, the sources
+        # are let go as each kind's copy lands, and a waiter finds nothing of the caller's state held.
+        parts, ready, snaps, pace = job.pop()
+        futures = [f for _, _, f in parts]
+        sender: _Sender | None = None
+        try:
+            for f in futures:
+                f.set_running_or_notify_cancel()
+            if ready and not all(ev.query() for ev in ready.values()):
+                pace.steady()  # the loop's step is still queued: no piece ahead of its `.item()`
+            sender = _Sender(self._stream, ready, pace)
+            with torch.no_grad():
+                while parts:
+                    kind, leaves, future = parts.pop(0)
+                    self._send(sender, self.pools[kind], leaves, snaps, future)
+                    del leaves
+                del snaps
+                sender.finish()
+        except BaseException as e:
+            if sender is not None:
+                sender.drain()  # copies queued before the failure still read the sources held here
+            for f in futures:
+                if not f.done():
+                    f.set_exception(e)
 
-    def _copy_all(
+    def _send(
         self,
-        leaves: list[tuple[str, torch.Tensor, DTensor | None]],
-        ready: dict[torch.device, torch.cuda.Event],
+        sender: _Sender,
+        pool: HostPool,
+        leaves: Leaves,
         snaps: dict[StorageKey, torch.Tensor],
-    ) -> list[Staged]:
-        self.pool.wait_reserved()
+        future: Future[list[Staged]],
+    ) -> None:
+        """Queue one kind's copies on `sender`; `future` gets its staged views once they have landed."""
+        pool.wait_reserved()
         staged: list[Staged] = []
         copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (buffer, its bytes)
         for name, local, dt in leaves:
@@ -121,34 +200,30 @@ class HostCopier:
             if key[2] == 0:  # nothing to copy (an empty tensor): a host tensor of its shape
                 staged.append(Staged(name, torch.empty(local.shape, dtype=local.dtype), dt))
                 continue
-            buf = self.pool.get(key)
+            buf = pool.get(key)
             if key not in copies:
                 copies[key] = (buf, snaps[key] if key in snaps else _bytes_of(local))
             host = torch.empty(0, dtype=local.dtype).set_(
                 buf.untyped_storage(), local.storage_offset(), local.shape, local.stride()
             )
             staged.append(Staged(name, host, dt))
-        done: list[torch.cuda.Event] = []
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for buf, src in copies.values():
-            by_device.setdefault(src.device, []).append((buf, src))
-        for device, pairs in by_device.items():
-            if device.type == "cuda":
-                side = self._stream(device)
-                side.wait_event(ready[device])
-                done.append(_paced(side, pairs))
-            else:
-                for buf, src in pairs:
-                    buf.copy_(src)
-        for ev in done:
-            _wait(ev)
-        self.pool.keep_only(set(copies))
-        return staged
+        del leaves
+        used = set(copies)
+        held = list(copies.values())  # the sources stay referenced until their copy has landed
+        del copies
+
+        def landed() -> None:
+            held.clear()
+            pool.keep_only(used)
+            future.set_result(staged)
+
+        sender.send(held, landed)
 
 
-def _paced(side: torch.cuda.Stream, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
-    """Queue the copies of `pairs` on `side` in `COPY_CHUNK_BYTES` pieces, each issued once fewer than
-    `COPY_WINDOW` are in flight; the event of the last piece.
+class _Sender:
+    """Queues a job's copies: host tensors at once, device tensors on their device's side stream (after
+    the compute stream's state at `save()`), in `COPY_CHUNK_BYTES` pieces, each issued once fewer than
+    `pace.window` are in flight; calls each kind's `landed` once its copies have.
 
     The copy engine keeps serving a stream that always has a copy queued: a device-to-host copy the loop
     queues on its own stream meanwhile (`loss.item()` right after the step) waited for the whole save's
@@ -156,21 +231,75 @@ def _paced(side: torch.cuda.Stream, pairs: list[tuple[torch.Tensor, torch.Tensor
     flight the engine is free for a moment between pieces and that copy goes first: it waited no longer
     than without a save, and the save's copy ran at 99% of its queued-whole rate with the loop waiting,
     92% with it launching kernels (`bench/bench_copy_pacing.py`)."""
-    pending: deque[torch.cuda.Event] = deque()
-    queued = 0
-    with torch.cuda.stream(side):
+
+    def __init__(
+        self,
+        stream: Callable[[torch.device], torch.cuda.Stream],
+        ready: dict[torch.device, torch.cuda.Event],
+        pace: Pace,
+    ) -> None:
+        self._stream = stream
+        self._ready = ready
+        self._waited: set[torch.device] = set()
+        self._pace = pace
+        self._pending: deque[torch.cuda.Event] = deque()
+        self._queued = 0
+        self._marks: deque[tuple[list[torch.cuda.Event], Callable[[], None]]] = deque()
+
+    def send(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], landed: Callable[[], None]) -> None:
+        devices: list[torch.device] = []
         for buf, src in pairs:
-            n = src.numel()
+            if src.device.type != "cuda":
+                buf.copy_(src)
+                continue
+            if src.device not in devices:
+                devices.append(src.device)
+            self._device_copy(buf, src)
+        if not devices:
+            landed()
+            return
+        self._marks.append(([_recorded(self._stream(d)) for d in devices], landed))
+
+    def _device_copy(self, buf: torch.Tensor, src: torch.Tensor) -> None:
+        side = self._stream(src.device)
+        if src.device not in self._waited:
+            side.wait_event(self._ready[src.device])
+            self._waited.add(src.device)
+        n = src.numel()
+        with torch.cuda.stream(side):
             for at in range(0, n, COPY_CHUNK_BYTES):
                 end = min(n, at + COPY_CHUNK_BYTES)
                 buf[at:end].copy_(src[at:end], non_blocking=True)
-                queued += end - at
-                if queued >= COPY_CHUNK_BYTES:
-                    queued = 0
-                    pending.append(_recorded(side))
-                    if len(pending) >= COPY_WINDOW:
-                        _wait(pending.popleft())
-        return _recorded(side)
+                self._queued += end - at
+                if self._queued >= COPY_CHUNK_BYTES:
+                    self._queued = 0
+                    self._pending.append(_recorded(side))
+                    while len(self._pending) >= self._pace.window:
+                        _wait(self._pending.popleft())
+                        self._fire()
+
+    def _fire(self) -> None:
+        """Call `landed` of the kinds whose copies are all done, in order."""
+        while self._marks and all(ev.query() for ev in self._marks[0][0]):
+            self._marks.popleft()[1]()
+
+    def finish(self) -> None:
+        """Wait for every copy queued; each kind's `landed` in order."""
+        while self._marks:
+            events, landed = self._marks.popleft()
+            for ev in events:
+                _wait(ev)
+            landed()
+        self._pending.clear()
+
+    def drain(self) -> None:
+        """After a failure: wait for whatever was queued, as far as the device lets us."""
+        for events in [list(self._pending), *(evs for evs, _ in self._marks)]:
+            for ev in events:
+                with contextlib.suppress(Exception):
+                    _wait(ev)
+        self._pending.clear()
+        self._marks.clear()
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

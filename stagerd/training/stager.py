@@ -61,7 +61,7 @@ from stagerd.training.committer import Committer
 from stagerd.training.eager import Owners
 from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle
-from stagerd.training.host_copy import HostCopier, Staging, completion, reserve_keys, settle
+from stagerd.training.host_copy import HostCopier, Pace, Staging, completion, reserve_keys, settle
 from stagerd.training.host_pool import HostPool
 from stagerd.training.inflight import Inflight
 from stagerd.training.leaf_check import check_tensors, check_values
@@ -144,7 +144,7 @@ class Stager:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pools = {kind: HostPool(pin=self.pin_memory, name=kind) for kind in ("model", "optim")}
         self._copy_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stagerd-copy")
-        self._copiers = {kind: HostCopier(pool, self._copy_thread) for kind, pool in self._pools.items()}
+        self._copier = HostCopier(self._pools, self._copy_thread)
         self._writer = ShardWriter(writer_threads or default_writer_threads())
         self._hooks: list[RemovableHandle] = []
         self._attached: weakref.WeakKeyDictionary[torch.optim.Optimizer, RemovableHandle] = (
@@ -194,6 +194,7 @@ class Stager:
         optim_sd = None
         objects: dict[str, Any] | None = None
         staging: dict[str, Staging] = {}
+        pace: Pace | None = None
         try:
             model_sd, optim_sd = resolve_state(state_dict, step, optimizer_state)
             model_sd, aliases = split_aliases(model_sd)
@@ -208,9 +209,11 @@ class Stager:
                 self._copy_thread.submit(self._pools["optim"].release)
             # What no waiting optimizer step owns is copied now, before the next forward (`eager`).
             owners = Owners.of(model, [o for o, h in self._attached.items() if optimizer_hook.hooked(h)])
-            staging["model"] = self._copiers["model"].start(model_tensors, owners.eager(model_tensors))
+            parts = {"model": (model_tensors, owners.eager(model_tensors))}
             if optim_sd is not None:
-                staging["optim"] = self._copiers["optim"].start(optim_tensors, owners.eager(optim_tensors))
+                parts["optim"] = (optim_tensors, owners.eager(optim_tensors))
+            copy = self._copier.start(parts)
+            staging, pace = copy.staging, copy.pace
             spec = describe_save(
                 step,
                 self.step_dir(step),
@@ -232,6 +235,8 @@ class Stager:
         try:
             check_in_to_start(self._comm, step, error, optim_sd is not None)
         except BaseException as refused:
+            if pace is not None:
+                pace.hurry()
             settle(staging.values())
             # Raised from this frame, `refused` (and `error`) would be kept by its own traceback: a cycle
             # holding the caller's state dict, its mesh and process groups (see `shutdown`).
@@ -248,7 +253,9 @@ class Stager:
                 early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
         committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
         futures = tuple(completion(st.future) for st in staging.values())
-        return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed))
+        assert pace is not None
+        pace.steady()
+        return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed, pace.hurry))
 
     def load(
         self,

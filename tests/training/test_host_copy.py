@@ -216,11 +216,13 @@ def test_finished_saves_hold_no_host_buffers_until_wait(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: bench/device_goodput.sh")
 @pytest.mark.parametrize("window", [1, 2, 1 << 30])
-def test_cuda_paced_copy_is_exact_and_sees_the_queued_step(monkeypatch, window):
-    """The side stream's copy goes out in pieces of `COPY_CHUNK_BYTES`, `COPY_WINDOW` ahead: pieces
-    that straddle tensors, a tensor of many pieces and views of one storage must land byte for byte,
-    and the copy must read the values the compute stream wrote before `start()` even when that work is
-    still queued (the step the loop just launched)."""
+@pytest.mark.parametrize("pace", ["steady", "hurried", "ahead"])
+def test_cuda_paced_copy_is_exact_and_sees_the_queued_step(monkeypatch, window, pace):
+    """The side stream's copy goes out in pieces of `COPY_CHUNK_BYTES`, `COPY_WINDOW` ahead (or every
+    piece at once once hurried, or `COPY_LEAD` ahead while `save()` runs): pieces that straddle tensors
+    and the two kinds of one job, a tensor of many pieces and views of one storage must land byte for
+    byte, each kind's Future resolving with its own, and the copy must read the values the compute stream
+    wrote before `start()` even when that work is still queued (the step the loop just launched)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import stagerd.training.host_copy as hc
@@ -228,6 +230,7 @@ def test_cuda_paced_copy_is_exact_and_sees_the_queued_step(monkeypatch, window):
 
     monkeypatch.setattr(hc, "COPY_CHUNK_BYTES", 1 << 20)
     monkeypatch.setattr(hc, "COPY_WINDOW", window)
+    monkeypatch.setattr(hc, "COPY_LEAD", window + 3)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
     big = torch.empty(5 * (1 << 20) + 7, dtype=torch.uint8, device=dev)
@@ -246,15 +249,25 @@ def test_cuda_paced_copy_is_exact_and_sees_the_queued_step(monkeypatch, window):
             raw = _raw(t)
             raw.copy_(torch.randint(0, 255, raw.shape, generator=g, device=dev, dtype=torch.uint8))
     want = {name: _raw(t).cpu() for name, t in tensors.items()}
-    pool = HostPool(pin=True, name="test")
-    copier = hc.HostCopier(pool, ThreadPoolExecutor(1))
+    model = ["big", "view", "w0", "w1", "w2"]
+    kinds = {"model": model, "optim": [n for n in tensors if n not in model]}
+    pools = {kind: HostPool(pin=True, name=kind) for kind in kinds}
+    copier = hc.HostCopier(pools, ThreadPoolExecutor(1))
     try:
         for _ in range(2):
-            staged = {s.name: s.host for s in copier.start(tensors).result()}
-            for name, ref in want.items():
-                assert torch.equal(_raw(staged[name]), ref), name
+            copy = copier.start({kind: ({n: tensors[n] for n in names}, ()) for kind, names in kinds.items()})
+            if pace == "steady":
+                copy.pace.steady()
+            elif pace == "hurried":
+                copy.pace.hurry()
+            for kind, names in kinds.items():
+                staged = {s.name: s.host for s in copy.staging[kind].result()}
+                assert sorted(staged) == sorted(names)
+                for name in names:
+                    assert torch.equal(_raw(staged[name]), want[name]), name
     finally:
-        pool.close()
+        for pool in pools.values():
+            pool.close()
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
