@@ -198,7 +198,7 @@ def test_restores_a_published_hf_export_into_a_plain_directory(tmp_path, dcp_mix
 
 def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
     from tests.hubserver import HubConfig, HubServer
-    from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+    from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
     with HubServer(config=HubConfig()) as hub:
         export = write_export(tmp_path / "export")
