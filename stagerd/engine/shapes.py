@@ -12,7 +12,7 @@ from array import array
 
 import numpy as np
 
-from stagerd.contract.safetensors_format import empty_overflows
+from stagerd.contract.header_entries import empty_overflows
 from stagerd.engine.plan_types import ChunkTable
 from stagerd.engine.tiling import tiles_simply
 from stagerd.errors import PlanError

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import dtypes
-from stagerd.contract.safetensors_format import HeaderStream, TensorEntry
+from stagerd.contract.header_entries import TensorEntry
+from stagerd.contract.safetensors_format import HeaderStream
 from stagerd.engine.consolidate import compare, plan
 from stagerd.engine.export_map import one_file, read_index
 from stagerd.engine.file_header import header_size

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagerd.contract.adopt.dcp_metadata import DcpChunk, DcpMetadata
-from stagerd.contract.safetensors_format import Header, TensorEntry
+from stagerd.contract.header_entries import TensorEntry
+from stagerd.contract.safetensors_format import Header
 from stagerd.contract.step.reopen import open_held
 from stagerd.engine.adopt.torch_record import read_record
 from stagerd.errors import DcpFormatError, ShardError, open_failed

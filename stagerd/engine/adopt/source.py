@@ -1,5 +1,5 @@
 """A trainer's finished DCP checkpoint as an export source: which preset reads it, its metadata, the
-chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found beside it.
+chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found beside it (`extras.py`).
 
 `open_adopted` reads only `.metadata` (through the allowlist reader) and the small JSON extras; the data
 files are read by the plan, chunk by chunk. The checkpoint is never written: every path here is opened
@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import stat
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.adopt.dcp_metadata import (
@@ -35,7 +32,6 @@ from stagerd.contract.adopt.dcp_metadata import (
     read_metadata_bytes,
 )
 from stagerd.contract.adopt.presets import (
-    ADAPTER_CARD,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AUTO,
@@ -43,7 +39,6 @@ from stagerd.contract.adopt.presets import (
     LAYOUTS,
     Format,
     Preset,
-    extra_names,
     get_preset,
     resolve_selection,
 )
@@ -51,21 +46,18 @@ from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.reference_index import read_reference_index
-from stagerd.contract.regular_file import linked, open_regular
+from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
-from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES, read_json_object
+from stagerd.engine.adopt.extras import find_extras, read_config
+from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
-from stagerd.errors import AdoptError, DcpFormatError, ExtrasError, ShardError, StagerdError, open_failed
+from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError, open_failed
 
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
 HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
-# The daemon often runs as another, more privileged user than the trainer: an extra that is a link in the
-# trainer's places (`tokenizer.model -> /root/.ssh/id_ed25519`) would be copied into the export and published.
-EXTRA_WHY = "extras are read from the trainer's own files, never through a link (the daemon may read more)"
-EXTRA_HINT = "copy the file itself in place of the link, or pass --extras DIR holding it; nothing was sent"
 
 
 @dataclass(frozen=True)
@@ -271,73 +263,6 @@ def _header(path: Path) -> Header:
     except OSError as e:
         raise open_failed(e, e.filename or path, ShardError) from None
     return h if now == path else replace(h, path=str(path))
-
-
-def find_extras(
-    ckpt: Path | HeldDir,
-    preset: Preset,
-    extras_dir: Path | None,
-    parent: Path | HeldDir,
-    files: HeldFiles | None = None,
-) -> dict[str, Path]:
-    """Each extra (`extra_names`) from the first place that has it: where the trainer keeps them (the preset's
-    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent. In the trainer's places an
-    extra that is a link is a SymlinkError (see EXTRA_WHY); held (`ckpt` and `parent` HeldDirs, `files`
-    given), each is opened there without following a link and read by its proc path. --extras DIR is the
-    operator's own and followed: a Hugging Face cache snapshot is links into its `blobs/`."""
-    places: list[Path | HeldDir | None] = [*(_place(ckpt, d, files) for d in preset.extras_dirs), ckpt]
-    places += [*([extras_dir] if extras_dir is not None else []), parent]
-    found: dict[str, Path] = {}
-    for name in extra_names(preset):
-        for d in places if name != ADAPTER_CARD else [ckpt]:
-            if d is None:
-                continue
-            p = d / name if isinstance(d, Path) and d is extras_dir else _trainers(d, name, files)
-            if p is not None and p.is_file():
-                found[name] = p
-                break
-    return found
-
-
-def _place(ckpt: Path | HeldDir, sub: str, files: HeldFiles | None) -> Path | HeldDir | None:
-    """The trainer's extras directory `sub` of the checkpoint: held from it where the checkpoint is
-    held (None where it is not there), its path otherwise; a link on the way is a SymlinkError."""
-    if not isinstance(ckpt, HeldDir):
-        return ckpt / sub
-    assert files is not None
-    try:
-        return files.hold_at(ckpt, sub, why=EXTRA_WHY, hint=EXTRA_HINT)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _trainers(d: Path | HeldDir, name: str, files: HeldFiles | None) -> Path | None:
-    """The extra `name` in the trainer's place `d`: None where there is no regular file of that name, a
-    SymlinkError where it is a link; held, the file opened from `d` (O_NOFOLLOW), by its proc path."""
-    real = d.path / name if isinstance(d, HeldDir) else d / name
-    try:
-        st = os.stat(name, dir_fd=d.fd, follow_symlinks=False) if isinstance(d, HeldDir) else real.lstat()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        raise open_failed(e, real, ExtrasError) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise linked(real, EXTRA_WHY, EXTRA_HINT)
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    if not isinstance(d, HeldDir):
-        return real
-    assert files is not None
-    try:
-        return files.open(d, name, why=EXTRA_WHY, hint=EXTRA_HINT)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise open_failed(e, real, ExtrasError) from None
-
-
-def read_config(path: Path | None) -> dict[str, Any] | None:
-    return None if path is None else read_json_object(path)
 
 
 def open_adopted(

@@ -19,9 +19,10 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.hub.history import Scan, commit_pages, find_step, holds_only, tag_title_is_ours
+from stagerd.sinks.hub.history import commit_pages
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
+from stagerd.sinks.hub.refs import StepRefs
 from stagerd.sinks.hub.retries import with_retries
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
@@ -39,7 +40,6 @@ from stagerd.sinks.hub.url import (
     RetryPolicy,
     T,
     commit_message,
-    step_branch,
     step_tag,
 )
 from stagerd.sinks.hub.xet import XetUploader
@@ -90,6 +90,9 @@ class HubSink:
         self._num_threads = num_threads
         self._repo_ready = False
         self._lock = threading.Lock()
+        self._refs = StepRefs(
+            self._api, repo_id, self.revision, branch_per_step, self.url, self._history, self.history_cap
+        )
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> HubSink:
@@ -128,7 +131,7 @@ class HubSink:
         if CARD_NAME not in {f.path for f in local}:
             files = [(f.path, f.size) for f in local]
             card = card_for_export(
-                export_dir, self.repo_id, files, step, dict(metadata or {}), self._tag_name(step)
+                export_dir, self.repo_id, files, step, dict(metadata or {}), self._refs.tag_name(step)
             )
             card_bytes = card.encode()
         total = sum(f.size for f in local) + len(card_bytes or b"")
@@ -172,11 +175,11 @@ class HubSink:
                     return False
                 raise
             tags = {t.name: t.target_commit for t in refs.tags}
-            tagged = tags.get(self._tag_name(step))
-            scan = self._search_commits(step, {b.name: b.target_commit for b in refs.branches})
+            tagged = tags.get(self._refs.tag_name(step))
+            scan = self._refs.search(step, {b.name: b.target_commit for b in refs.branches})
             if tagged is None:  # an older stagerd's step on this revision: its unscoped tag marks it
                 return scan.legacy and tags.get(step_tag(step)) == scan.found
-            return self._tag_is_ours(step, tagged, scan)
+            return self._refs.tag_is_ours(step, tagged, scan)
 
         return self._with_retries(step, check)
 
@@ -203,19 +206,19 @@ class HubSink:
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
 
-        head_step, found, capped, legacy = scan = self._search_commits(step, branches)
-        tagged = tags.get(self._tag_name(step))
+        head_step, found, capped, legacy = scan = self._refs.search(step, branches)
+        tagged = tags.get(self._refs.tag_name(step))
         if tagged is not None:
-            if not self._tag_is_ours(step, tagged, scan):
-                raise self._foreign_tag(step, tagged)
+            if not self._refs.tag_is_ours(step, tagged, scan):
+                raise self._refs.foreign_tag(step, tagged)
             self._verify(step, tagged, local, card, existing=True)
             return _Outcome(tagged, skipped=True, uploaded=0)
         if found is not None:
             how = "published by an older stagerd (unscoped names)" if legacy else "committed"
-            tag = self._tag_name(step)
+            tag = self._refs.tag_name(step)
             log.info("%s: step %d was %s as %s, not tagged %s; tagging it", self.url, step, how, found, tag)
             self._verify(step, found, local, card, existing=True)
-            self._tag(step, found)
+            self._refs.tag(step, found)
             return _Outcome(found, skipped=True, uploaded=0)
 
         if capped:
@@ -225,7 +228,7 @@ class HubSink:
                 step,
                 self.history_cap,
             )
-        branch, parent = self._target(step, branches, head_step)
+        branch, parent = self._refs.target(step, branches, head_step)
         plan = plan_commit(local, card, self._tree(parent))
         size = sum(f.size for f in local) + (card.size if card else 0)
         files = len(local) + (card is not None)
@@ -257,7 +260,7 @@ class HubSink:
         )
         self._verify(step, info.oid, local, card, existing=False)
         crash_point("hub.commit")
-        self._tag(step, info.oid)
+        self._refs.tag(step, info.oid)
         log.debug(
             "%s: step %d: %d files sent (%d bytes over the wire, %s), %d kept from the parent commit",
             self.url,
@@ -277,26 +280,6 @@ class HubSink:
         with self._lock:
             self._repo_ready = True
 
-    def _tag_name(self, step: int) -> str:
-        return step_tag(step, self.revision)
-
-    def _step_branch(self, step: int) -> str:
-        return step_branch(step, self.revision)
-
-    def _search_commits(self, step: int, branches: Mapping[str, str]) -> Scan:
-        """The revision's newest step and this sink's commit of `step`, read only from this sink's branches
-        (its revision and its step branch) and its own commit titles (`history.py`)."""
-        return find_step(
-            self._history, step, self.revision, branches, cap=self.history_cap, page=_HISTORY_PAGE
-        )
-
-    def _tag_is_ours(self, step: int, tagged: str, scan: Scan) -> bool:
-        """Whether this sink's tag of `step` marks its own commit of the step: the one the walk found, or,
-        where the walk ended at the cap without an answer, a commit titled for the step (the tag's)."""
-        if scan.found is not None or not scan.capped:
-            return tagged == scan.found
-        return tag_title_is_ours(self._history, tagged, step, self.revision)
-
     def _history(self, branch: str, page: int = _HISTORY_PAGE) -> Iterator[tuple[str, str]]:
         """(commit id, title) of `branch` (or a commit), newest first, each page read when reached."""
         return commit_pages(self._api.endpoint, self.repo_id, self._headers())(branch, page)
@@ -305,49 +288,6 @@ class HubSink:
         from huggingface_hub.utils import build_hf_headers
 
         return build_hf_headers(token=self._token, library_name="stagerd")
-
-    def _target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
-        """(branch to commit to, its head as the parent commit), creating the branch if needed."""
-        if self.revision not in branches:
-            self._api.create_branch(
-                self.repo_id, branch=self.revision, revision=branches["main"], exist_ok=True
-            )
-            branches[self.revision] = self._branch_head(self.revision)
-        if not self.branch_per_step and (head_step is None or head_step < step):
-            return self.revision, branches[self.revision]
-        if not self.branch_per_step:
-            log.warning(
-                "%s: %s already holds step %d; step %d goes to branch %s",
-                self.url,
-                self.revision,
-                head_step,
-                step,
-                self._step_branch(step),
-            )
-        branch = self._step_branch(step)
-        if branch not in branches:
-            self._api.create_branch(
-                self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
-            )
-            branches[branch] = self._branch_head(branch)
-        else:
-            self._check_own_branch(step, branch)
-        return branch, branches[branch]
-
-    def _check_own_branch(self, step: int, branch: str) -> None:
-        if holds_only(self._history, branch, self.revision, cap=self.history_cap, page=_HISTORY_PAGE):
-            return
-        raise SinkConflictError(
-            f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
-            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
-            path=self.url,
-            hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
-            f"to let this sink publish step {step} there",
-        )
-
-    def _branch_head(self, branch: str) -> str:
-        refs = self._api.list_repo_refs(self.repo_id)
-        return next(b.target_commit for b in refs.branches if b.name == branch)
 
     def _tree(self, commit: str) -> dict[str, RemoteFile]:
         from huggingface_hub.hf_api import RepoFile
@@ -373,34 +313,6 @@ class HubSink:
         raise SinkError(
             f"{self.url}: step {step}: the tree at commit {commit} disagrees with the export: {shown}"
         )
-
-    def _foreign_tag(self, step: int, commit: str) -> SinkConflictError:
-        """The error for this sink's tag of `step` marking a commit that is not its commit of the step."""
-        tag = self._tag_name(step)
-        where = " or ".join(dict.fromkeys((self.revision, self._step_branch(step))))
-        return SinkConflictError(
-            f"step {step}: the tag {tag} marks commit {commit}, which is not a "
-            f"'{commit_message(step, self.revision)}' commit of {where}",
-            path=self.url,
-            hint=f"the tag {tag} of {self.repo_id} was not set by a publish to {self.revision}: inspect it, "
-            f"and delete that tag (HfApi.delete_tag) to let this sink publish step {step}",
-        )
-
-    def _tag(self, step: int, commit: str) -> None:
-        """Tag `commit` as the step; a tag someone set meanwhile counts only where it marks `commit` too."""
-        from huggingface_hub.errors import HfHubHTTPError
-
-        tag = self._tag_name(step)
-        try:
-            self._api.create_tag(
-                self.repo_id, tag=tag, revision=commit, tag_message=commit_message(step, self.revision)
-            )
-        except HfHubHTTPError as e:
-            if e.response is None or e.response.status_code != 409:
-                raise
-            marked = {t.name: t.target_commit for t in self._api.list_repo_refs(self.repo_id).tags}.get(tag)
-            if marked != commit:
-                raise self._foreign_tag(step, str(marked)) from None
 
     # --- retries ----------------------------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.contract.header_entries import MAX_NDIM
 from stagerd.contract.safetensors_format import (
     MAX_HEADER_BYTES,
-    MAX_NDIM,
     METADATA_KEY,
     Header,
 )

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.contract.header_entries import MAX_NDIM
 from stagerd.contract.safetensors_format import (
-    MAX_NDIM,
     Header,
     encode_header,
     parse_dcp_sharding_info,

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stagerd.contract.header_entries import MAX_NDIM
 from stagerd.contract.safetensors_format import (
     MAX_HEADER_BYTES,
-    MAX_NDIM,
     METADATA_KEY,
 )
 from tests.contract.fuzz.inputs import alone, mutants_of, mutate, random_bytes, random_json_blob, sweep

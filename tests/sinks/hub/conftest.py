@@ -1,6 +1,6 @@
 """The Hub-protocol test server each Hub test gets as `hub`, driven by the real huggingface_hub client.
 
-By default the sink uploads through Xet (the production path) to a server with `test_sink.CONFIG` (small
+By default the sink uploads through Xet (the production path) to a server with `hub_helpers.CONFIG` (small
 multipart parts, short pages). A module changes either by defining its own `xet` or `hub_config` fixture.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.hubserver import HubConfig, HubServer, use_xet
-from tests.sinks.hub.test_sink import CONFIG
+from tests.sinks.hub.hub_helpers import CONFIG
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from stagerd.sinks.hub import (
 )
 from tests.hubserver import HubConfig, HubServer, use_xet
 from tests.hubserver.store import Blob
-from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
 CONFIG = HubConfig(multipart_threshold=256 * 1024, multipart_chunk_size=120 * 1024)
 SHORT = 0.5  # seconds: the read timeout the hang tests give their sink

@@ -16,8 +16,8 @@ from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
 from stagerd.sinks.hub.history import find_step, tag_title_is_ours
 from tests.hubserver import HubConfig, HubServer
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 from tests.sinks.hub.test_hang import grow_history
-from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture

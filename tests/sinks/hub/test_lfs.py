@@ -15,7 +15,7 @@ from huggingface_hub import hf_hub_download, snapshot_download
 from stagerd.errors import SinkError
 from stagerd.sinks.hub import step_tag
 from tests.hubserver import Fault
-from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture

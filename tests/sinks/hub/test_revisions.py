@@ -16,7 +16,7 @@ from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_ta
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
 from stagerd.sinks.hub.url import parse_hub_url
 from tests.hubserver import HubConfig
-from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
 
 @pytest.fixture

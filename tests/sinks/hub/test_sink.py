@@ -1,15 +1,13 @@
 """HubSink against the Hub-protocol test server, driven by the real huggingface_hub and hf_xet clients.
 
-Uploads take the production path, Xet; the LFS path has its own tests in tests/sinks/hub/test_lfs.py."""
+Uploads take the production path, Xet; the LFS path has its own tests in tests/sinks/hub/test_lfs.py, and
+the Hub's failures and refusals theirs in tests/sinks/hub/test_failures.py."""
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 from huggingface_hub import (
     HfApi,
@@ -19,58 +17,15 @@ from huggingface_hub import (
     snapshot_download,
 )
 from huggingface_hub.utils import get_session
-from safetensors.numpy import save_file
 
-from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import Sink
 from stagerd.sinks.hub import (
-    HubSink,
     step_branch,
 )
 from tests.cli_helpers import run_cli
-from tests.hubserver import Fault, HubConfig, HubServer
-
-REPO = "acme/llm"
-# Small enough for a fast test, big enough that the large shard goes multipart (3 parts) and the
-# tree and commit listings span several pages.
-CONFIG = HubConfig(
-    multipart_threshold=256 * 1024, multipart_chunk_size=120 * 1024, tree_page_size=3, commits_page_size=2
-)
-
-
-def write_export(out: Path, *, seed: int = 0, shards: int = 2) -> Path:
-    """A small HF export as save_pretrained lays it out: `shards` safetensors files (the first over the
-    multipart threshold) with an index, or one `model.safetensors` without, and a config.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    weight_map, total = {}, 0
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
-        rows = 160 if i == 0 else 10
-        tensors = {f"layers.{i}.w": rng.standard_normal((rows, 1024), dtype=np.float32).astype(np.float16)}
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        total += sum(t.nbytes for t in tensors.values())
-    if shards > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
-    return out
-
-
-def make_sink(hub: HubServer, url: str = f"hf://{REPO}", **options) -> HubSink:
-    options = {
-        "token": hub.token,
-        "endpoint": hub.endpoint,
-        "backoff_base": 0.01,
-        "backoff_max": 0.05,
-        **options,
-    }
-    return HubSink.from_url(url, **options)
-
-
-def export_files(export: Path) -> dict[str, bytes]:
-    return {p.relative_to(export).as_posix(): p.read_bytes() for p in export.rglob("*") if p.is_file()}
+from tests.hubserver import Fault, HubServer
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
 
 def remote_paths(hub: HubServer, revision: str) -> set[str]:
@@ -154,83 +109,6 @@ def test_commit_whose_answer_is_lost_is_not_committed_twice(hub, tmp_path):
     assert hub.stats.count("POST", r"/commit/") == 1 and hub.stats.commits[REPO] == 1
     assert result.skipped  # the retry found the commit by its message and only tagged it
     assert make_sink(hub).is_published(8)
-
-
-def test_5xx_and_429_with_retry_after_are_retried(hub, tmp_path):
-    export = write_export(tmp_path / "export")
-    hub.faults.add(Fault("GET", r"/refs$", status=429, headers={"Retry-After": "1"}))
-    hub.faults.add(Fault("POST", r"/commit/", status=500, times=2))
-    hub.faults.add(Fault("POST", r"/repos/create", status=502))
-
-    make_sink(hub).publish(export, 11)
-
-    refs_times = hub.stats.times("GET", r"/refs$")
-    assert refs_times[1] - refs_times[0] >= 1.0  # waited for Retry-After, not the 0.01 s backoff
-    assert hub.stats.count("POST", r"/commit/", status=500) == 2
-    assert hub.stats.commits[REPO] == 1
-    assert [t.name for t in HfApi(endpoint=hub.endpoint, token=hub.token).list_repo_refs(REPO).tags] == [
-        "step-11"
-    ]
-
-
-def test_server_down_then_up(hub, tmp_path):
-    export = write_export(tmp_path / "export")
-    hub.down_for(0.6)
-
-    result = make_sink(hub, backoff_base=0.2, backoff_max=0.4).publish(export, 13)
-
-    assert not result.skipped and hub.stats.commits[REPO] == 1
-
-
-def test_bad_token_is_a_clear_auth_error_without_the_token(hub, tmp_path, caplog, capfd):
-    export = write_export(tmp_path / "export")
-    bad = "hf_" + "Zq9" * 12
-    caplog.set_level(logging.DEBUG)
-
-    with pytest.raises(SinkAuthError) as info:
-        make_sink(hub, token=bad).publish(export, 14)
-
-    err = info.value
-    assert not err.retryable and "401" in str(err) and "hf://acme/llm: step 14" in str(err)
-    assert "Invalid credentials" in str(err)
-    out, errout = capfd.readouterr()
-    for text in (str(err), err.hint, repr(err), caplog.text, out, errout):
-        assert bad not in text
-    assert hub.stats.count("POST", r"/repos/create") == 1  # not retried
-    assert REPO not in hub.store.repos
-
-
-def test_read_only_token_is_an_auth_error(hub, tmp_path):
-    HfApi(endpoint=hub.endpoint, token=hub.token).create_repo(REPO, private=True)
-    with pytest.raises(SinkAuthError, match="403"):
-        make_sink(hub, token=hub.read_token).publish(write_export(tmp_path / "export"), 15)
-    assert hub.stats.commits[REPO] == 0
-
-
-def test_permanent_failure_is_a_sink_error_and_nothing_is_tagged(hub, tmp_path):
-    export = write_export(tmp_path / "export")
-    before = export_files(export)
-    hub.faults.add(Fault("POST", r"/commit/", status=503, times=1000))
-
-    with pytest.raises(SinkError, match=r"step 16: gave up after 3 attempts: HTTP 503 on POST") as info:
-        make_sink(hub, max_attempts=3).publish(export, 16)
-
-    assert info.value.retryable
-    assert hub.stats.count("POST", r"/commit/") == 3
-    assert not make_sink(hub).is_published(16)
-    assert export_files(export) == before
-
-
-def test_token_comes_from_hf_token_and_never_shows_in_the_url(hub, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_TOKEN", hub.token)
-    sink = HubSink.from_url(f"hf://{REPO}@main?endpoint={hub.endpoint}&private=false")
-    assert sink.url == f"hf://{REPO}@main" and hub.token not in repr(sink)
-
-    sink.publish(write_export(tmp_path / "export"), 17)
-
-    assert not hub.store.repos[REPO].private
-    in_query = HubSink.from_url(f"hf://{REPO}?token={hub.token}&endpoint={hub.endpoint}")
-    assert in_query.url == f"hf://{REPO}" and hub.token not in repr(in_query)
 
 
 def test_main_holds_exactly_the_latest_step(hub, tmp_path):

@@ -22,7 +22,7 @@ from stagerd.sinks.hub.upload import LIBRARY_SEAMS, OPERATION_SEAMS
 from tests.hubserver import Fault, HubServer
 from tests.hubserver.xet_format import Term, XetFormatError, hash_hex, hash_raw, parse_shard
 from tests.hubserver.xet_store import merged_fetch_ranges
-from tests.sinks.hub.test_sink import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
 SHORT = 0.5  # seconds: the read and connect timeouts the stall tests give their sink
 

@@ -1,0 +1,121 @@
+"""A Hub sink's refs in its repo: the tag that marks a published step and the branch a step is committed
+to, each trusted or moved only once it is found to be the sink's own (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stagerd.errors import SinkConflictError
+from stagerd.sinks.hub.history import Pages, Scan, find_step, holds_only, tag_title_is_ours
+from stagerd.sinks.hub.url import _HISTORY_PAGE, commit_message, step_branch, step_tag
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+
+log = logging.getLogger("stagerd.sinks.hub")
+
+
+@dataclass(frozen=True)
+class StepRefs:
+    """The refs of `repo_id` that a sink on `revision` reads and sets; `url` names the sink in messages,
+    `history` reads a branch's commits newest first, and no walk of it goes past `cap` commits."""
+
+    api: HfApi
+    repo_id: str
+    revision: str
+    branch_per_step: bool
+    url: str
+    history: Pages
+    cap: int
+
+    def tag_name(self, step: int) -> str:
+        return step_tag(step, self.revision)
+
+    def step_branch(self, step: int) -> str:
+        return step_branch(step, self.revision)
+
+    def search(self, step: int, branches: Mapping[str, str]) -> Scan:
+        """The revision's newest step and this sink's commit of `step`, read only from this sink's branches
+        (its revision and its step branch) and its own commit titles (`history.py`)."""
+        return find_step(self.history, step, self.revision, branches, cap=self.cap, page=_HISTORY_PAGE)
+
+    def tag_is_ours(self, step: int, tagged: str, scan: Scan) -> bool:
+        """Whether this sink's tag of `step` marks its own commit of the step: the one the walk found, or,
+        where the walk ended at the cap without an answer, a commit titled for the step (the tag's)."""
+        if scan.found is not None or not scan.capped:
+            return tagged == scan.found
+        return tag_title_is_ours(self.history, tagged, step, self.revision)
+
+    def target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
+        """(branch to commit to, its head as the parent commit), creating the branch if needed."""
+        if self.revision not in branches:
+            self.api.create_branch(
+                self.repo_id, branch=self.revision, revision=branches["main"], exist_ok=True
+            )
+            branches[self.revision] = self._branch_head(self.revision)
+        if not self.branch_per_step and (head_step is None or head_step < step):
+            return self.revision, branches[self.revision]
+        if not self.branch_per_step:
+            log.warning(
+                "%s: %s already holds step %d; step %d goes to branch %s",
+                self.url,
+                self.revision,
+                head_step,
+                step,
+                self.step_branch(step),
+            )
+        branch = self.step_branch(step)
+        if branch not in branches:
+            self.api.create_branch(
+                self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
+            )
+            branches[branch] = self._branch_head(branch)
+        else:
+            self._check_own_branch(step, branch)
+        return branch, branches[branch]
+
+    def _check_own_branch(self, step: int, branch: str) -> None:
+        if holds_only(self.history, branch, self.revision, cap=self.cap, page=_HISTORY_PAGE):
+            return
+        raise SinkConflictError(
+            f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
+            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
+            path=self.url,
+            hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
+            f"to let this sink publish step {step} there",
+        )
+
+    def _branch_head(self, branch: str) -> str:
+        refs = self.api.list_repo_refs(self.repo_id)
+        return next(b.target_commit for b in refs.branches if b.name == branch)
+
+    def foreign_tag(self, step: int, commit: str) -> SinkConflictError:
+        """The error for this sink's tag of `step` marking a commit that is not its commit of the step."""
+        tag = self.tag_name(step)
+        where = " or ".join(dict.fromkeys((self.revision, self.step_branch(step))))
+        return SinkConflictError(
+            f"step {step}: the tag {tag} marks commit {commit}, which is not a "
+            f"'{commit_message(step, self.revision)}' commit of {where}",
+            path=self.url,
+            hint=f"the tag {tag} of {self.repo_id} was not set by a publish to {self.revision}: inspect it, "
+            f"and delete that tag (HfApi.delete_tag) to let this sink publish step {step}",
+        )
+
+    def tag(self, step: int, commit: str) -> None:
+        """Tag `commit` as the step; a tag someone set meanwhile counts only where it marks `commit` too."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        tag = self.tag_name(step)
+        try:
+            self.api.create_tag(
+                self.repo_id, tag=tag, revision=commit, tag_message=commit_message(step, self.revision)
+            )
+        except HfHubHTTPError as e:
+            if e.response is None or e.response.status_code != 409:
+                raise
+            marked = {t.name: t.target_commit for t in self.api.list_repo_refs(self.repo_id).tags}.get(tag)
+            if marked != commit:
+                raise self.foreign_tag(step, str(marked)) from None

@@ -1,0 +1,144 @@
+"""`stagerd restore --export`: a published HF export from a file://, S3 or Hub sink back into a plain
+directory, checked against what the sink lists; a download cut midway goes on or is a named error, and
+nothing lands on a refusal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.sinks.fsspec import FsspecSink
+from tests.cli_helpers import run_cli
+from tests.cmd.restore_helpers import raw_step, run_restore, tree
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+
+def test_restores_a_published_hf_export_into_a_plain_directory(tmp_path, dcp_mixed2):
+    from stagerd.engine.export import export_step
+
+    step_dir = raw_step(tmp_path / "orig", 5, dcp_mixed2[0])
+    export_step(step_dir)
+    sink_dir = tmp_path / "sink"
+    FsspecSink.from_url(sink_dir.as_uri()).publish(step_dir / layout.EXPORT_DIR, 5)
+    out = tmp_path / "eval-5"
+    r = run_restore(sink_dir.as_uri(), out, "--export")
+    assert r.returncode == 0, r.stderr
+    assert tree(out) == tree(step_dir / layout.EXPORT_DIR)
+    r = run_cli(["verify", out])
+    assert r.returncode == 0, r.stderr
+    r = run_restore(sink_dir.as_uri(), out, "--export")
+    assert r.returncode == 2 and "not an empty directory" in r.stderr
+
+
+def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
+    from tests.hubserver import HubConfig, HubServer
+    from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+
+    with HubServer(config=HubConfig()) as hub:
+        export = write_export(tmp_path / "export")
+        make_sink(hub).publish(export, 7)
+        url = f"hf://{REPO}?endpoint={hub.endpoint}"
+        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
+        r = run_restore(url, tmp_path / "eval-7", "--export", "--step", "7", env=env)
+        assert r.returncode == 0, r.stderr
+        got = tree(tmp_path / "eval-7")
+        assert {k: v for k, v in got.items() if k != "README.md"} == export_files(export)  # + the card
+        r = run_restore(url, tmp_path / "raw", "--step", "7", env=env)
+        assert r.returncode == 2 and "--export" in r.stderr
+        big = max(export.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        hub.tamper(hashlib.sha256(big.read_bytes()).hexdigest(), at=100)
+        r = run_restore(url, tmp_path / "bad", "--export", env=env)
+        assert r.returncode == 2 and "RestoreError" in r.stderr and big.name in r.stderr, r.stderr
+        assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.restore-*"))
+
+
+def _cut_bodies(monkeypatch, key_part: str, times: int, between=lambda: None) -> list[str]:
+    """The test proxy sends the first `times` GETs of a key containing `key_part` only half their body,
+    then drops the connection (`between` runs before each cut); the ranges asked for are returned."""
+    from tests.s3server import FaultProxy
+
+    forward, ranges = FaultProxy.__call__, []
+
+    def call(self, environ, start_response):
+        out = forward(self, environ, start_response)
+        if environ["REQUEST_METHOD"] != "GET" or key_part not in environ.get("RAW_URI", ""):
+            return out
+        ranges.append(environ.get("HTTP_RANGE", ""))
+        if len(ranges) > times:
+            return out
+        data = b"".join(out)
+        between()
+
+        def half():
+            yield data[: len(data) // 2]
+            raise ConnectionResetError("cut by the test")
+
+        return half()
+
+    monkeypatch.setattr(FaultProxy, "__call__", call)
+    return ranges
+
+
+@pytest.mark.parametrize("case", ["resumed", "cut-for-good", "replaced"])
+def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, monkeypatch, case):  # noqa: F811
+    """A connection reset after an S3 GET's answer began (botocore retries only until then). Before the
+    fix, a raw `aiohttp.ClientPayloadError` ended the restore (a traceback, exit 1) at the first cut."""
+    from stagerd.cmd.restore import restore_export
+    from stagerd.errors import RestoreError, SinkError
+    from stagerd.sinks import fetch
+    from stagerd.sinks.remote import RemoteStore
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(bytes(range(256)) * (4 << 10))  # 1 MiB
+    (export / "config.json").write_text("{}")
+    sink = FsspecSink.from_url(s3.url("run"))
+    sink.publish(export, 4)
+    sink.close()
+    key = f"run/{layout.step_dir_name(4)}/model.safetensors"
+    other = lambda: s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"x" * (1 << 20))  # noqa: E731
+    times = {"resumed": 2, "cut-for-good": 9, "replaced": 1}[case]
+    ranges = _cut_bodies(
+        monkeypatch, "model.safetensors", times, other if case == "replaced" else lambda: None
+    )
+    monkeypatch.setattr(fetch, "STREAM_RETRIES", 2)
+    monkeypatch.setattr(fetch, "STREAM_BACKOFF_S", 0.0)
+    out = tmp_path / "eval"
+    store = RemoteStore.open(s3.url("run"))
+    try:
+        if case == "resumed":
+            restore_export(store, out, 4)
+            assert tree(out) == tree(export)
+            # each GET goes on from the byte the last one reached: at most the half the proxy sent (a
+            # cut can land before the client has read all of it)
+            first, second = (int(r.removeprefix("bytes=").removesuffix("-")) for r in ranges[1:])
+            assert ranges[0] == "" and len(ranges) == 3, ranges
+            assert 0 < first <= (1 << 19) and first < second <= first + ((1 << 20) - first) // 2, ranges
+            return
+        error = SinkError if case == "cut-for-good" else RestoreError
+        with pytest.raises(error, match=r"cut 3 time|changed on the sink") as e:
+            restore_export(store, out, 4)
+    finally:
+        store.close()
+    assert e.value.retryable == (case == "cut-for-good") and key in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing landed, no temp left
+
+
+@pytest.mark.parametrize("out", [".", "./"])
+def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeypatch, capsys, out):
+    """`mkdir eval && cd eval && stagerd restore URL . --export`. Before the fix: a raw `ValueError:
+    PosixPath('.') has an empty name` traceback (exit 1), for file://, S3 and the Hub alike."""
+    from stagerd.cli import main
+
+    export, here = tmp_path / "export", tmp_path / "eval"
+    export.mkdir()
+    (export / "config.json").write_text("{}")
+    FsspecSink.from_url((tmp_path / "sink").as_uri()).publish(export, 3)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
+    assert f"restored {here}" in capsys.readouterr().out
+    assert tree(here) == tree(export)

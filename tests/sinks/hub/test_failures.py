@@ -1,0 +1,92 @@
+"""HubSink when the Hub fails or refuses: 5xx and 429 retried (after `Retry-After`), a server down for a
+while, a bad or read-only token an auth error that never shows the token, a permanent failure a
+retryable `SinkError` with nothing tagged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from huggingface_hub import HfApi
+
+from stagerd.errors import SinkAuthError, SinkError
+from stagerd.sinks.hub import HubSink
+from tests.hubserver import Fault
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+
+
+def test_5xx_and_429_with_retry_after_are_retried(hub, tmp_path):
+    export = write_export(tmp_path / "export")
+    hub.faults.add(Fault("GET", r"/refs$", status=429, headers={"Retry-After": "1"}))
+    hub.faults.add(Fault("POST", r"/commit/", status=500, times=2))
+    hub.faults.add(Fault("POST", r"/repos/create", status=502))
+
+    make_sink(hub).publish(export, 11)
+
+    refs_times = hub.stats.times("GET", r"/refs$")
+    assert refs_times[1] - refs_times[0] >= 1.0  # waited for Retry-After, not the 0.01 s backoff
+    assert hub.stats.count("POST", r"/commit/", status=500) == 2
+    assert hub.stats.commits[REPO] == 1
+    assert [t.name for t in HfApi(endpoint=hub.endpoint, token=hub.token).list_repo_refs(REPO).tags] == [
+        "step-11"
+    ]
+
+
+def test_server_down_then_up(hub, tmp_path):
+    export = write_export(tmp_path / "export")
+    hub.down_for(0.6)
+
+    result = make_sink(hub, backoff_base=0.2, backoff_max=0.4).publish(export, 13)
+
+    assert not result.skipped and hub.stats.commits[REPO] == 1
+
+
+def test_bad_token_is_a_clear_auth_error_without_the_token(hub, tmp_path, caplog, capfd):
+    export = write_export(tmp_path / "export")
+    bad = "hf_" + "Zq9" * 12
+    caplog.set_level(logging.DEBUG)
+
+    with pytest.raises(SinkAuthError) as info:
+        make_sink(hub, token=bad).publish(export, 14)
+
+    err = info.value
+    assert not err.retryable and "401" in str(err) and "hf://acme/llm: step 14" in str(err)
+    assert "Invalid credentials" in str(err)
+    out, errout = capfd.readouterr()
+    for text in (str(err), err.hint, repr(err), caplog.text, out, errout):
+        assert bad not in text
+    assert hub.stats.count("POST", r"/repos/create") == 1  # not retried
+    assert REPO not in hub.store.repos
+
+
+def test_read_only_token_is_an_auth_error(hub, tmp_path):
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_repo(REPO, private=True)
+    with pytest.raises(SinkAuthError, match="403"):
+        make_sink(hub, token=hub.read_token).publish(write_export(tmp_path / "export"), 15)
+    assert hub.stats.commits[REPO] == 0
+
+
+def test_permanent_failure_is_a_sink_error_and_nothing_is_tagged(hub, tmp_path):
+    export = write_export(tmp_path / "export")
+    before = export_files(export)
+    hub.faults.add(Fault("POST", r"/commit/", status=503, times=1000))
+
+    with pytest.raises(SinkError, match=r"step 16: gave up after 3 attempts: HTTP 503 on POST") as info:
+        make_sink(hub, max_attempts=3).publish(export, 16)
+
+    assert info.value.retryable
+    assert hub.stats.count("POST", r"/commit/") == 3
+    assert not make_sink(hub).is_published(16)
+    assert export_files(export) == before
+
+
+def test_token_comes_from_hf_token_and_never_shows_in_the_url(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    sink = HubSink.from_url(f"hf://{REPO}@main?endpoint={hub.endpoint}&private=false")
+    assert sink.url == f"hf://{REPO}@main" and hub.token not in repr(sink)
+
+    sink.publish(write_export(tmp_path / "export"), 17)
+
+    assert not hub.store.repos[REPO].private
+    in_query = HubSink.from_url(f"hf://{REPO}?token={hub.token}&endpoint={hub.endpoint}")
+    assert in_query.url == f"hf://{REPO}" and hub.token not in repr(in_query)
