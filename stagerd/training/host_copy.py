@@ -8,9 +8,10 @@ event (a DMA into page-locked memory, beside the next forward and backward), or 
 host tensors. The optimizer's copies are queued behind the model's without waiting for them to land, so
 the copy engine never idles between the two. Each kind's Future resolves once its bytes have landed;
 `wait_staged()` waits for them, and the parameters may change only after that (the optimizer's next
-step). How many pieces are in flight follows who waits (`Pace`). The tensors a forward may update in place (`eager`: buffers such as
-BatchNorm's running statistics) are snapshotted on their device first, before `save()` returns and (with
-CUDA) ahead of the next forward on the current stream; their buffers are filled from that snapshot.
+step). How many pieces are in flight follows who waits (`Pace`). The tensors a forward may update in
+place (`eager`: buffers such as BatchNorm's running statistics) are snapshotted on their device first,
+before `save()` returns and (with CUDA) ahead of the next forward on the current stream; their buffers
+are filled from that snapshot.
 
 The tensors are the local tensors of DTensors (their `_local_tensor`, without `to_local()`'s autograd
 node): views of one storage share one buffer, a tensor under two keys (tied weights) is copied once, and
