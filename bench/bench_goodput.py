@@ -34,164 +34,21 @@ pinned copy, and the step time while the daemon exports. `--json FILE` keeps eve
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PRESETS = {
-    "tiny": {"hidden": 128, "layers": 2, "inter": 344, "heads": 4, "vocab": 2048, "seq": 128, "batch": 4},
-    "small": {"hidden": 512, "layers": 4, "inter": 1376, "heads": 8, "vocab": 8192, "seq": 256, "batch": 4},
-    "1b": {"hidden": 2048, "layers": 16, "inter": 5632, "heads": 16, "vocab": 32000, "seq": 2048, "batch": 8},
-}
-
-
-T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def build(preset: dict, cuda: bool):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=preset["hidden"],
-        num_hidden_layers=preset["layers"],
-        intermediate_size=preset["inter"],
-        num_attention_heads=preset["heads"],
-        num_key_value_heads=preset["heads"],
-        vocab_size=preset["vocab"],
-        max_position_embeddings=preset["seq"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    device = torch.device("cuda" if cuda else "cpu")
-    with device:
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if cuda else torch.float32)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-    x = torch.randint(0, preset["vocab"], (preset["batch"], preset["seq"]), device=device)
-    return model, optim, x
-
-
-def train_step(model, optim, x, method, hidden: bool) -> float:
-    loss = model(input_ids=x, labels=x).loss
-    loss.backward()
-    if method is not None and hidden:
-        method.before_step()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return loss
-
-
-def state_bytes(model, optim) -> int:
-    import torch
-
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in optim.state.values():
-        n += sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor))
-    return n
-
-
-def disk_floor(root: Path, nbytes: int) -> float:
-    """Seconds to write `nbytes` sequentially (64 MiB writes) and fsync them: the disk's floor."""
-    chunk = os.urandom(1 << 20) * 64
-    path = root / "disk-floor.bin"
-    os.sync()
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(memoryview(chunk)[: min(left, len(chunk))])
-        os.fsync(f.fileno())
-    took = time.perf_counter() - t0
-    path.unlink()
-    return took
-
-
-class ExportWatch(threading.Thread):
-    """Polls ROOT for a step being exported (`export.tmp/`): the intervals the daemon was exporting."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(daemon=True)
-        self.root, self.stop, self.intervals, self._since = root, threading.Event(), [], None
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            busy = any(self.root.glob("step-*/export.tmp"))
-            now = time.perf_counter()
-            if busy and self._since is None:
-                self._since = now
-            elif not busy and self._since is not None:
-                self.intervals.append((self._since, now))
-                self._since = None
-            time.sleep(0.05)
-
-    def busy(self, a: float, b: float) -> bool:
-        return any(s < b and a < e for s, e in self.intervals)
-
-
-def run(model, optim, x, method, *, k: int, saves: int, hidden: bool, step0: int) -> dict:
-    """K * (saves + 1) steps, a save at the end of every K-th; per step its start and duration."""
-    if method is not None:
-        method.saves = []
-    times, starts = [], []
-    for i in range(1, k * (saves + 1) + 1):
-        t0 = time.perf_counter()
-        loss = train_step(model, optim, x, method, hidden)
-        if method is not None and i % k == 0 and i <= k * saves:
-            if not hidden:  # off the stall's clock: what the loop queued, so the stall is the copy alone
-                _sync_device()
-            method.save(step0 + i)
-            if not hidden:
-                method.settle()
-        loss.item()
-        starts.append(t0)
-        times.append(time.perf_counter() - t0)
-    if method is not None:
-        method.before_step()
-        method.drain()
-        time.sleep(0.5)  # the done-callbacks have run; the disk settles
-    say(
-        f"{method.name if method else 'no saves'}: K={k}, {saves} saves, {'hidden' if hidden else 'unhidden'}"
-    )
-    return {
-        "times": times,
-        "starts": starts,
-        "saves": [dataclasses.asdict(r) for r in method.saves] if method else [],
-    }
-
-
-def _sync_device() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def settle_daemon(root: Path, sink: Path, step: int, timeout: float = 120.0) -> float:
-    """Wait until the daemon has published `step` and exports nothing: its backlog is not left to slow the
-    next method's run, which it has nothing to do with. Seconds waited."""
-    from stagerd.contract.layout import step_dir_name
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if (sink / step_dir_name(step)).is_dir() and not any(root.glob("step-*/export.tmp")):
-            break
-        time.sleep(0.1)
-    return time.perf_counter() - t0
+from goodput.daemon import ExportWatch, settle_daemon, start_daemon
+from goodput.disk import disk_floor
+from goodput.loop import run, say
+from goodput.model import PRESETS, build, state_bytes, train_step
 
 
 def main() -> None:
@@ -217,14 +74,14 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.report:
-        from report_goodput import report
+        from goodput.report import report
 
         print(report(json.loads(Path(args.report).read_text())))
         return
-    import goodput_methods as gm
+    import goodput.methods as gm
     import torch
     import torch.distributed as dist
-    from report_goodput import report
+    from goodput.report import report
 
     cuda = torch.cuda.is_available() and not args.cpu
     preset = PRESETS[args.preset or ("1b" if cuda else "tiny")]
@@ -343,25 +200,6 @@ def main() -> None:
         dist.destroy_process_group()
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
-
-
-def start_daemon(root: Path, sink: Path, log: Path) -> subprocess.Popen:
-    """`stagerd watch ROOT --sink file://SINK --keep-last 1`, as a node would run it beside training."""
-    here = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "stagerd.cli", "watch", str(root), "--sink", sink.as_uri()]
-    cmd += ["--keep-last", "1", "--remote-keep-last", "1", "--metrics-port", "0", "--grace-seconds", "5"]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"), preexec_fn=_die_with_parent
-    )
-
-
-def _die_with_parent() -> None:
-    """The daemon gets SIGTERM when the bench dies, however it dies (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
 if __name__ == "__main__":
