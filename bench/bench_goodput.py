@@ -25,10 +25,14 @@ with `loss.item()`, as a loop that logs does. After each stagerd run the bench w
 publish its last step, so its backlog does not slow the next method's run.
 
 Reported per method: stall per save (the loop blocked in save and its waits), loop time lost per save
-(the save's K-step window against K baseline steps; first save apart), time to durable (save until the
-marker or torch's upload future) against the disk floor (the same bytes written sequentially with one
-`write` stream and fsynced, measured in the same run), the D2H rate of unhidden saves against one large
-pinned copy, and the step time while the daemon exports. `--json FILE` keeps everything.
+(the save's K-step window against K baseline steps, against K of the run's own median step, and against K
+of the median of the `--adjacent-steps` no-save steps measured right before and right after the run;
+first save apart), time to durable (save until the marker or torch's upload future) against the disk
+floor (the same bytes written sequentially with one `write` stream and fsynced, measured in the same run),
+the D2H rate of unhidden saves against one large pinned copy, and the step time while the daemon exports.
+For each stagerd run the daemon watched, its steps while the daemon exported or published against while
+it was idle (in the run, and in the no-save steps right after it): the daemon's effect apart from drift.
+`--json FILE` keeps everything; `--report FILE` prints the tables from it.
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from goodput.daemon import ExportWatch, settle_daemon, start_daemon
+from goodput.daemon import DaemonWatch, settle_daemon, start_daemon
 from goodput.disk import disk_floor
-from goodput.loop import run, say
+from goodput.loop import Adjacent, run, say
 from goodput.model import PRESETS, build, state_bytes, train_step
 
 
@@ -60,6 +64,12 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=4, help="saves per run (the first is reported apart)")
     p.add_argument("--slow-saves", type=int, default=2, help="saves of the blocking torch methods")
     p.add_argument("--base-steps", type=int, default=30, help="steps without saves, before and after")
+    p.add_argument(
+        "--adjacent-steps",
+        type=int,
+        default=12,
+        help="steps without saves right before and right after each method's run (0: none)",
+    )
     p.add_argument("--threads", type=int, default=8, help="writer threads (stagerd and torch's writer)")
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="write every figure to this file")
@@ -93,10 +103,14 @@ def main() -> None:
     dist.init_process_group(
         "cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1
     )
-    daemon = None
-    raw: dict = {"meta": {}, "base": [], "runs": {}, "export_intervals": [], "published": [], "errors": []}
+    daemon, watch = None, None
+    raw: dict = {"meta": {}, "base": [], "runs": {}, "export_intervals": [], "publish_intervals": []}
+    raw |= {"published": [], "errors": []}
 
     def keep() -> None:  # after every run: a run cut short still leaves what it measured
+        if watch is not None:  # copies: the watch thread appends to its lists
+            raw["export_intervals"] = list(watch.intervals["export"])
+            raw["publish_intervals"] = list(watch.intervals["publish"])
         if args.json:
             Path(args.json).write_text(json.dumps(raw, indent=1))
 
@@ -139,7 +153,7 @@ def main() -> None:
         }
         stagerd_root, sink = root / "stagerd", root / "sink"
         stagerd_root.mkdir(exist_ok=True)
-        watch = ExportWatch(stagerd_root)
+        watch = DaemonWatch(stagerd_root, sink)
         watch.start()
         if not args.no_daemon:
             daemon = start_daemon(stagerd_root, sink, root / "daemon.log")
@@ -153,7 +167,12 @@ def main() -> None:
         )
         best = gm.TorchBest(model, optim, root, args.threads, patch_close=patch)
 
+        windows = Adjacent(
+            args.adjacent_steps, lambda n: run(model, optim, x, None, k=n, saves=0, hidden=True, step0=0)
+        )
+
         def measure(key: str, m, k: int, saves: int, hidden: bool, step0: int = 0) -> None:
+            adjacent = windows.before() if m is not None else None
             try:
                 r = run(model, optim, x, m, k=k, saves=saves, hidden=hidden, step0=step0)
             except Exception as e:  # the other methods still run; the error is in the report
@@ -162,8 +181,9 @@ def main() -> None:
                 return
             if m is None:
                 raw["base"].append(r["times"])
+                windows.took(r)
             else:
-                raw["runs"][key] = {"k": k, **r}
+                raw["runs"][key] = {"k": k, **r} | ({"adjacent": adjacent} if adjacent else {})
             if m is ours and daemon is not None and r["saves"]:
                 waited = settle_daemon(stagerd_root, sink, r["saves"][-1]["step"])
                 say(f"the daemon's backlog settled in {waited:.1f} s")
@@ -179,6 +199,7 @@ def main() -> None:
         for n, (label, k, saves, hidden) in enumerate(plan):
             for m in (alone if label == "unhidden" else ours, best):
                 measure(f"{m.name}|{label}", m, k, saves, hidden, 100_000 * (n + 1))
+        windows.interrupt()
         for m in {id(m): m for m in (ours, alone, best)}.values():
             m.close()
         floors.append(disk_floor(root, nbytes))
@@ -188,7 +209,7 @@ def main() -> None:
             m.close()
         measure("none", None, args.base_steps, 0, True)
         watch.stop.set()
-        raw["export_intervals"] = watch.intervals
+        watch.join()
         raw["published"] = sorted(p.name for p in sink.glob("step-*")) if sink.exists() else []
         raw["meta"]["load_avg"] = os.getloadavg()
         keep()

@@ -1,4 +1,5 @@
-"""`stagerd watch` beside the loop: starting it, seeing when it exports, waiting for its backlog."""
+"""`stagerd watch` beside the loop: starting it, seeing when it exports and publishes, waiting for its
+backlog."""
 
 from __future__ import annotations
 
@@ -29,24 +30,39 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
-class ExportWatch(threading.Thread):
-    """Polls ROOT for a step being exported (`export.tmp/`): the intervals the daemon was exporting."""
+class DaemonWatch(threading.Thread):
+    """Polls what the daemon is doing, every 50 ms: exporting a step (`step-*/export.tmp/` in ROOT, paused
+    yields included) and publishing one (a temp file in the `file://` sink). Per activity, the intervals
+    it was seen; two seen less than `GAP` apart are one, as a publish moves from one file to the next."""
 
-    def __init__(self, root: Path) -> None:
+    GAP = 0.15
+
+    def __init__(self, root: Path, sink: Path) -> None:
         super().__init__(daemon=True)
-        self.root, self.stop, self._since = root, threading.Event(), None
-        self.intervals: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        self._probes = {
+            "export": lambda: any(root.glob("step-*/export.tmp")),
+            "publish": lambda: any(sink.glob("step-*/**/.*.tmp-*")),
+        }
+        self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in self._probes}
 
     def run(self) -> None:
+        since: dict[str, float | None] = dict.fromkeys(self._probes)
         while not self.stop.is_set():
-            busy = any(self.root.glob("step-*/export.tmp"))
-            now = time.perf_counter()
-            if busy and self._since is None:
-                self._since = now
-            elif not busy and self._since is not None:
-                self.intervals.append((self._since, now))
-                self._since = None
+            for name, probe in self._probes.items():
+                busy, now, seen = probe(), time.perf_counter(), self.intervals[name]
+                if busy and since[name] is None:
+                    if seen and now - seen[-1][1] < self.GAP:
+                        since[name] = seen.pop()[0]
+                    else:
+                        since[name] = now
+                elif not busy and since[name] is not None:
+                    seen.append((since[name], now))  # type: ignore[arg-type]
+                    since[name] = None
             time.sleep(0.05)
+        for name, t in since.items():  # still busy at the end: the interval so far
+            if t is not None:
+                self.intervals[name].append((t, time.perf_counter()))
 
 
 def settle_daemon(root: Path, sink: Path, step: int, timeout: float = 120.0) -> float:

@@ -1,10 +1,11 @@
-"""A method's run: K-step windows, each ending in a save, every step timed."""
+"""A method's run: K-step windows, each ending in a save, every step timed; the no-save windows beside it."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .model import sync_device, train_step
@@ -45,3 +46,46 @@ def run(model: Any, optim: Any, x: Any, method: Any, *, k: int, saves: int, hidd
         "starts": starts,
         "saves": [dataclasses.asdict(r) for r in method.saves] if method else [],
     }
+
+
+class Adjacent:
+    """The no-save windows beside each method's run, `n` steps right before it and right after it in the
+    same process and warm state: a loss against them is not a drift since a baseline measured minutes away.
+    One window serves as one run's after and the next run's before, and the no-save baselines count as
+    windows, so the extra steps are about one window per run."""
+
+    def __init__(self, n: int, measure: Callable[[int], dict]) -> None:
+        self.n, self._measure = n, measure
+        self._fresh: dict | None = None  # the last window, if nothing has run since
+        self._waiting: list[dict] = []  # the runs whose after-window is the next window
+
+    def took(self, r: dict) -> None:
+        """A no-save run ended: its first steps are the waiting runs' after, its last the next's before."""
+        if not self.n:
+            return
+        for entry in self._waiting:
+            entry["after"] = _cut(r, slice(None, self.n))
+        self._waiting = []
+        self._fresh = _cut(r, slice(-self.n, None))
+
+    def before(self) -> dict | None:
+        """A method's run is about to start: its windows (the after one filled in later), None if disabled."""
+        if not self.n:
+            return None
+        if self._fresh is None:
+            self.took(self._measure(self.n))
+        entry = {"before": self._fresh, "after": None}
+        self._waiting.append(entry)
+        self._fresh = None
+        return entry
+
+    def interrupt(self) -> None:
+        """Something other than training runs next (methods closing, the disk floor): the waiting runs' after
+        windows are measured now, and the next run gets a window of its own."""
+        if self.n and self._waiting:
+            self.took(self._measure(self.n))
+        self._fresh = None
+
+
+def _cut(r: dict, part: slice) -> dict:
+    return {"times": r["times"][part], "starts": r["starts"][part]}
