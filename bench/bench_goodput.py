@@ -204,9 +204,9 @@ def main() -> None:
             m.close()
         floors.append(disk_floor(root, nbytes))
         for cls in (gm.TorchAsyncDefault, gm.TorchSave) if "slow" in runs else ():
-            m = cls(model, optim, root, args.threads)
-            measure(f"{m.name}|long", m, args.long, args.slow_saves, True)
-            m.close()
+            slow = cls(model, optim, root, args.threads)
+            measure(f"{slow.name}|long", slow, args.long, args.slow_saves, True)
+            slow.close()
         measure("none", None, args.base_steps, 0, True)
         watch.stop.set()
         watch.join()

@@ -28,7 +28,8 @@ def build(preset: dict, cuda: bool) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     device = torch.device("cuda" if cuda else "cpu")
     with device:
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if cuda else torch.float32)
+        model: Any = LlamaForCausalLM(cfg)
+    model = model.to(torch.bfloat16 if cuda else torch.float32)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
     x = torch.randint(0, preset["vocab"], (preset["batch"], preset["seq"]), device=device)
     return model, optim, x
