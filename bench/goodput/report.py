@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from .split import table
+
 
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -29,9 +31,16 @@ LABELS = {
 def summarize(r: dict, base: float, nbytes: int, floor: float) -> dict:
     """Per save: blocked seconds, loop time lost over its K-step window, time to durable; first apart."""
     k, times, saves = r["k"], r["times"], r["saves"]
-    lost = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * base for j in range(1, len(saves) + 1)]
+    windows = [sum(times[k * j - 1 : k * (j + 1) - 1]) for j in range(1, len(saves) + 1)]
+    lost = [w - k * base for w in windows]
     steady = _med(times)  # the run's own step: robust to a loop whose speed drifted from the baseline's
-    lost_self = [sum(times[k * j - 1 : k * (j + 1) - 1]) - k * steady for j in range(1, len(saves) + 1)]
+    lost_self = [w - k * steady for w in windows]
+    # The no-save steps right before and after the run: drift-free like its own step, without counting
+    # what the saves (and the daemon they feed) do to the steps between them. Absent from older JSON.
+    adj = r.get("adjacent") or {}
+    before, after = ((adj.get(side) or {}).get("times", []) for side in ("before", "after"))
+    adjacent = _med(before + after)
+    lost_adj = [w - k * adjacent for w in windows] if before or after else []
     blocked = [s["blocked"] for s in saves]
     durable = [s["durable_at"] - s["t0"] for s in saves if s["durable_at"] is not None]
     return {
@@ -42,10 +51,21 @@ def summarize(r: dict, base: float, nbytes: int, floor: float) -> dict:
         "lost_self": lost_self[1:],
         "first_lost_self": lost_self[0] if lost_self else None,
         "steady_step": steady,
+        "lost_adj": lost_adj[1:],
+        "first_lost_adj": lost_adj[0] if lost_adj else None,
+        "adjacent_before": _med(before),
+        "adjacent_after": _med(after),
+        "adjacent_steps": len(before) + len(after),
         "durable": durable[1:],
         "durable_x_floor": [d / floor for d in durable[1:]],
         "d2h_gbs": [nbytes / b / 1e9 for b in blocked[1:] if b > 0],
     }
+
+
+def _adjacent(s: dict) -> str:
+    if not s["adjacent_steps"]:
+        return "-"
+    return f"{_cell(s['lost_adj'])} (steps {s['adjacent_before']:.4f} / {s['adjacent_after']:.4f})"
 
 
 def _busy(intervals: list, a: float, b: float) -> bool:
@@ -79,12 +99,14 @@ def report(raw: dict) -> str:
         + (f"; pinned D2H peak {peak:.1f} GB/s" if peak else ""),
         "",
         "Medians over the saves after the first, (min-max); the first save apart. Stall: the loop blocked in "
-        "save() and its waits. Lost: the save's K-step window against K steps without saves.",
+        "save() and its waits. Lost: the save's K-step window against K steps without saves: the baseline "
+        "(before and after all runs), the run's own median step, and the median of the no-save steps right "
+        "before and right after the run (their medians: before / after).",
         "",
         "| method | interval | stall per save (s) | lost per save vs no saves (s) | lost per save vs the "
-        "run's own step (s) | first save: stall / lost (s) | time to durable (s) | durable / disk floor "
-        "| D2H GB/s (% peak) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "run's own step (s) | lost per save vs adjacent no-save steps (s) | first save: stall / lost vs own "
+        "step (s) | time to durable (s) | durable / disk floor | D2H GB/s (% peak) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, s in summary.items():
         name, label = key.split("|")
@@ -94,7 +116,7 @@ def report(raw: dict) -> str:
             d2h = f"{rate:.1f}" + (f" ({rate / peak:.0%})" if peak else "")
         lines.append(
             f"| {name} | {LABELS[label].format(**meta)} | {_cell(s['stall'])} | {_cell(s['lost'])} | "
-            f"{_cell(s['lost_self'])} (step {s['steady_step']:.3f}) | "
+            f"{_cell(s['lost_self'])} (step {s['steady_step']:.3f}) | {_adjacent(s)} | "
             f"{_one(s['first_stall'])} / {_one(s['first_lost_self'])} | {_cell(s['durable'], '{:.2f}')} | "
             f"{_cell(s['durable_x_floor'], '{:.2f}x')} | {d2h} |"
         )
@@ -103,6 +125,7 @@ def report(raw: dict) -> str:
         f"step time while the daemon exported: {_med(during):.4f} s over {len(during)} steps "
         f"(without saves {base:.4f} s); the daemon's sink holds {raw['published'] or 'nothing'}",
     ]
+    lines += table(raw)
     if meta["torch_close_patched"]:
         lines.append(
             "torch's StateDictStager.close() was made a no-op for torch's best mode (torch 2.11's bug)"
@@ -125,6 +148,12 @@ def targets(base: float, peak: float | None, summary: dict) -> list[str]:
         f"- loop time lost per save, hidden, long interval: {hidden:.4f} s = {hidden / base:.1%} of a step "
         "(target <= 5%)"
     )
+    adjacent = _med(get(ours, "long", "lost_adj"))
+    if get(ours, "long", "lost_adj"):
+        out.append(
+            f"- the same against the no-save steps right before and after the run: {adjacent:.4f} s = "
+            f"{adjacent / base:.1%} of a step"
+        )
     for label in ("long", "short"):
         a, b = _med(get(ours, label, "lost_self")), _med(get(best, label, "lost_self"))
         out.append(
