@@ -192,33 +192,41 @@ class HostCopier:
         snaps: dict[StorageKey, torch.Tensor],
         future: Future[list[Staged]],
     ) -> None:
-        """Queue one kind's copies on `sender`; `future` gets its staged views once they have landed."""
+        """Queue one kind's copies on `sender`; `future` gets its staged views once they have landed.
+        The views are made after the copies are queued, while they run."""
         pool.wait_reserved()
-        staged: list[Staged] = []
         copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (buffer, its bytes)
-        for name, local, dt in leaves:
+        bufs: list[torch.Tensor | None] = []  # each leaf's buffer, None for an empty tensor
+        for _, local, _ in leaves:
             key = storage_key(local)
-            if key[2] == 0:  # nothing to copy (an empty tensor): a host tensor of its shape
-                staged.append(Staged(name, torch.empty(local.shape, dtype=local.dtype), dt))
+            if key[2] == 0:
+                bufs.append(None)
                 continue
             buf = pool.get(key)
+            bufs.append(buf)
             if key not in copies:
                 copies[key] = (buf, snaps[key] if key in snaps else _bytes_of(local))
-            host = torch.empty(0, dtype=local.dtype).set_(
-                buf.untyped_storage(), local.storage_offset(), local.shape, local.stride()
-            )
-            staged.append(Staged(name, host, dt))
-        del leaves
         used = set(copies)
         held = list(copies.values())  # the sources stay referenced until their copy has landed
         del copies
+        devices = sender.issue(held)
+        staged: list[Staged] = []
+        for (name, local, dt), into in zip(leaves, bufs, strict=True):
+            if into is None:  # nothing to copy (an empty tensor): a host tensor of its shape
+                host = torch.empty(local.shape, dtype=local.dtype)
+            else:
+                host = torch.empty(0, dtype=local.dtype).set_(
+                    into.untyped_storage(), local.storage_offset(), local.shape, local.stride()
+                )
+            staged.append(Staged(name, host, dt))
+        del leaves, bufs
 
         def landed() -> None:
             held.clear()
             pool.keep_only(used)
             future.set_result(staged)
 
-        sender.send(held, landed)
+        sender.mark(devices, landed)
 
 
 class _Sender:
@@ -247,7 +255,9 @@ class _Sender:
         self._queued = 0
         self._marks: deque[tuple[list[torch.cuda.Event], Callable[[], None]]] = deque()
 
-    def send(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], landed: Callable[[], None]) -> None:
+    def issue(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
+        """Queue the copies of `pairs` (buffer, source); the devices they were queued on (host ones are
+        done when this returns)."""
         devices: list[torch.device] = []
         for buf, src in pairs:
             if src.device.type != "cuda":
@@ -256,6 +266,10 @@ class _Sender:
             if src.device not in devices:
                 devices.append(src.device)
             self._device_copy(buf, src)
+        return devices
+
+    def mark(self, devices: list[torch.device], landed: Callable[[], None]) -> None:
+        """Call `landed` once everything queued so far on `devices` has landed (now, for none)."""
         if not devices:
             landed()
             return
