@@ -6,7 +6,7 @@ marker, a file under its staged parts changed moments ago), their worker threads
 chunks, for at most `yield_seconds` in total per export or publish, so a save that never ends cannot starve
 the daemon. Nothing of the Stager's protocol is needed: mtimes alone tell a save in flight.
 
-With `--adopt` the saves are the trainer's own checkpoints (`writing_checkpoints`): a directory of ROOT
+With `--adopt` the saves are the trainer's own checkpoints (`WritingCheckpoints`): a directory of ROOT
 whose name gives a step, not finished by its preset's rule (the rule the daemon's scan follows), with a file
 anywhere under it changed moments ago. Those trainers save on the training ranks themselves, so there the
 disk the export takes is taken from the training loop directly.
@@ -26,6 +26,7 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.state import DaemonState, log
+from stagerd.daemon.tree_scan import Trees
 from stagerd.errors import ConfigError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
@@ -35,13 +36,15 @@ from stagerd.sinks.urls import SinkKind, parse_sink_url
 WRITE_WINDOW_SECONDS = 3.0
 CACHE_SECONDS = 0.1  # every worker thread asks after each move or chunk: one scan answers them all
 SLICE_SECONDS = 0.05
-MAX_ENTRIES = 256  # per step directory: a Stager save has a few files per rank; a huge tree is not walked
+MAX_ENTRIES = 256  # per Stager step directory: a few files per rank; a huge tree is not walked
 # A file of a checkpoint written this long after its preset's last completion file is a save still going
-# on (see `writing_checkpoints`); within it, the other ranks' own small files of the same save.
+# on (see `WritingCheckpoints`); within it, the other ranks' own small files of the same save.
 AFTER_FINISH_SECONDS = 1.0
-# A trainer saves its newest step: the older checkpoints (every one, without a save_total_limit) are only
-# walked for the newest few, since no marker tells a finished one without reading it.
+# A trainer saves its newest step (see `WritingCheckpoints`): the older checkpoints, every one without a
+# save_total_limit, would each hold their entries in memory and share the stats of a scan.
 MAX_CHECKPOINTS = 8
+OLDER_PER_SCAN = 64
+STATS_PER_SCAN = 256  # of files, per scan, among the walked checkpoints: about 1 ms (RELIABILITY.md)
 _PARTS = frozenset((layout.MODEL_DIR, layout.OPTIM_DIR, layout.EXTRAS_DIR))
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -102,16 +105,17 @@ def writing_steps(root: Path, window: float = WRITE_WINDOW_SECONDS) -> tuple[int
     )
 
 
-def writing_checkpoints(
-    root: Path,
-    window: float,
-    finished_at: Callable[[Path], float | None],
-    custom: re.Pattern[str] | None = None,
-) -> tuple[int, ...]:
-    """`--adopt`: the trainer's checkpoint directories in ROOT (named as the scan names them, the newest
-    `MAX_CHECKPOINTS` by step) with an entry anywhere under them written within the last `window` seconds
-    while not finished (`finished_at`, the daemon's own rule: None until then), or more than
-    `AFTER_FINISH_SECONDS` after it was; newest first.
+class WritingCheckpoints:
+    """`--adopt`: the trainer's checkpoint directories in ROOT (named as the scan names them) with an entry
+    under them written within the last `window` seconds while not finished (`finished_at`, the daemon's
+    own rule: None until then), or more than `AFTER_FINISH_SECONDS` after it was; newest first. Called
+    as a `SavesInFlight` scan; each checkpoint's entries are remembered between calls (`tree_scan.Trees`),
+    so a call's cost is bounded however many files a checkpoint holds.
+
+    The newest `MAX_CHECKPOINTS` by step are walked: a trainer saves the step it is at, above every one it
+    saved before. An older one is walked too while written (a run restarted from an earlier checkpoint
+    saves below the abandoned run's leftovers): its directory's own mtime, `OLDER_PER_SCAN` of them stat'ed
+    a call in turn, shows a save creating its files.
 
     The HF Trainer (`Trainer._save_checkpoint`, transformers 5.24) writes `save_model`'s files, then the
     optimizer (FSDP: the model's DCP again, then the optimizer's), scheduler, scaler and each rank's
@@ -122,27 +126,59 @@ def writing_checkpoints(
     removal end theirs too. Accelerate's `save_state` is finished by the model's own files, written
     before its optimizer (several times the model's bytes): those writes after the finish keep the
     exports yielding, that checkpoint's own included, until they go quiet (`window`)."""
-    now = time.time()
-    lo, hi = now - window, now + window
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return ()
-    named = []
-    for e in entries:
-        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
-            continue  # `.stagerd/`, where the exports are built, and single-file checkpoints
-        step = parse_step_name(e.name, custom)
-        if step is not None:
-            named.append((step, Path(e.path)))
-    found = []
-    for step, d in sorted(named, key=lambda sd: sd[0], reverse=True)[:MAX_CHECKPOINTS]:
-        if not written_within(d, lo, hi, parts=None):
-            continue
-        done = finished_at(d)
-        if done is None or written_within(d, max(lo, done + AFTER_FINISH_SECONDS), hi, parts=None):
-            found.append(step)
-    return tuple(found)
+
+    def __init__(
+        self,
+        finished_at: Callable[[Path], float | None],
+        custom: re.Pattern[str] | None = None,
+        stats: int = STATS_PER_SCAN,
+    ) -> None:
+        self.finished_at, self.custom, self.stats = finished_at, custom, stats
+        self._trees = Trees()
+        self._older: set[Path] = set()  # older checkpoints found written: walked until they go quiet
+        self._older_pos = 0
+
+    def __call__(self, root: Path, window: float) -> tuple[int, ...]:
+        now = time.time()
+        lo, hi = now - window, now + window
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            return ()
+        named = []
+        for e in entries:
+            if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                continue  # `.stagerd/`, where the exports are built, and single-file checkpoints
+            step = parse_step_name(e.name, self.custom)
+            if step is not None:
+                named.append((step, Path(e.path)))
+        named.sort(key=lambda sd: sd[0], reverse=True)
+        self._find_older(named[MAX_CHECKPOINTS:], lo, hi)
+        walked = [sd for i, sd in enumerate(named) if i < MAX_CHECKPOINTS or sd[1] in self._older]
+        newest = self._trees.newest([d for _, d in walked], lo, hi, self.stats)
+        self._older.intersection_update(newest)
+        found = []
+        for step, d in walked:
+            m = newest.get(d)
+            if m is None:
+                continue
+            done = self.finished_at(d)
+            if done is None or m >= done + AFTER_FINISH_SECONDS:
+                found.append(step)
+        return tuple(found)
+
+    def _find_older(self, older: list[tuple[int, Path]], lo: float, hi: float) -> None:
+        if not older:
+            return
+        start = self._older_pos % len(older)
+        self._older_pos = start + OLDER_PER_SCAN
+        for _, d in (older[start:] + older[:start])[:OLDER_PER_SCAN]:
+            try:
+                m = os.stat(d, follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if lo <= m <= hi:
+                self._older.add(d)
 
 
 class SavesInFlight:
@@ -273,7 +309,7 @@ class Yielding(DaemonState):
         # being finished (accelerate's optimizer after the model), and its export yields to it as well.
         return SavesInFlight(
             self.root,
-            scan=lambda root, window: writing_checkpoints(root, window, self._finished_at, custom),
+            scan=WritingCheckpoints(self._finished_at, custom),
             own=True,
         )
 
