@@ -91,7 +91,8 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         # An export made with other options may be rebuilt only while no sink holds it.
         lanes = await self._j(self._journal.lanes, step)
         rebuild = not any(ln.state in (LaneState.PUBLISHED, LaneState.PUBLISHING) for ln in lanes)
-        t0, pause = time.monotonic(), self._yielder("export", step)
+        identity = None if row is None else row.marker_id
+        t0, pause = time.monotonic(), self._yielder("export", step, identity=identity)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self._export_pool, self._run_export, step, step_dir, rebuild, pause
@@ -207,6 +208,8 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        if f.quarantine:
+            self._yield_ledger.forget(step, sink)
         if f.quarantine and sink is not None:
             # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
             # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
@@ -321,6 +324,7 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         await self._after_publish(lane)
         if done:
             self._marker_metadata.pop(step, None)
+            self._yield_ledger.forget(step, every_lane=True)
             total = time.time() - marker_mtime
             self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
             self._housekeep.set()

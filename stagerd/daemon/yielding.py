@@ -3,8 +3,9 @@
 A trainer's save is on the training's critical path; the daemon's export and a `file://` publish are not,
 and they compete for the same disk. So while some step directory in ROOT is being written (no commit
 marker, a file under its staged parts changed moments ago), their worker threads pause between moves or
-chunks, for at most `yield_seconds` in total per export or publish, so a save that never ends cannot starve
-the daemon. Nothing of the Stager's protocol is needed: mtimes alone tell a save in flight.
+chunks, for at most `yield_seconds` in total per export or publish, its retries included (`YieldLedger`),
+so a save that never ends cannot starve the daemon. Nothing of the Stager's protocol is needed: mtimes
+alone tell a save in flight.
 
 With `--adopt` the saves are the trainer's own checkpoints (`WritingCheckpoints`): a directory of ROOT
 whose name gives a step, not finished by its preset's rule (the rule the daemon's scan follows), with a file
@@ -207,15 +208,54 @@ class SavesInFlight:
         return next((s for s in steps if s != skip or self.own), None)
 
 
+YieldKey = tuple[str, int, "str | None", "str | None"]  # (stage, step, lane or None, the save's identity)
+
+
+class YieldLedger:
+    """The seconds each export or publish has yielded in this daemon's life, over all its tries: a step
+    whose export keeps failing gets one budget in all, not one per retry. A new save of the step (another
+    identity) starts afresh. In memory: a restart starts every budget afresh, so a daemon restarted in a
+    loop could yield for ever; each of its lives still yields at most the budget."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spent: dict[YieldKey, float] = {}
+
+    def spent(self, key: YieldKey) -> float:
+        with self._lock:
+            return self._spent.get(key, 0.0)
+
+    def add(self, key: YieldKey, seconds: float) -> None:
+        with self._lock:
+            self._spent[key] = self._spent.get(key, 0.0) + seconds
+
+    def forget(self, step: int, lane: str | None = None, *, every_lane: bool = False) -> None:
+        """A step published everywhere (`every_lane`), or quarantined on `lane` (None: its export), has no
+        retry left to budget for (`stagerd retry` then starts afresh)."""
+        with self._lock:
+            for k in [k for k in self._spent if k[1] == step and (every_lane or k[2] == lane)]:
+                del self._spent[k]
+
+
 class Yielder:
     """One export's or publish's pauses, called after each move or chunk by any of its threads. The budget
-    is wall time during which at least one of its threads paused."""
+    is wall time during which at least one of its threads paused, counted in `ledger` under `key` with its
+    earlier tries'. `spent`: this try's."""
 
     def __init__(
-        self, saves: SavesInFlight, what: str, step: int, budget: float, stopping: Callable[[], bool]
+        self,
+        saves: SavesInFlight,
+        what: str,
+        step: int,
+        budget: float,
+        stopping: Callable[[], bool],
+        ledger: YieldLedger | None = None,
+        key: YieldKey | None = None,
     ) -> None:
         self.saves, self.what, self.step, self.budget, self.stopping = saves, what, step, budget, stopping
         self.on_waited: Callable[[float], None] = lambda seconds: None
+        self.ledger, self.key = ledger or YieldLedger(), key or (what, step, None, None)
+        self.before = self.ledger.spent(self.key)
         self.spent = 0.0
         self._lock = threading.Lock()
         self._paused = 0  # threads pausing now
@@ -224,7 +264,7 @@ class Yielder:
 
     def _left(self) -> float:
         running = time.monotonic() - self._since if self._paused else 0.0
-        return self.budget - self.spent - running
+        return self.budget - self.before - self.spent - running
 
     def __call__(self) -> None:
         if self.budget <= 0 or self.stopping():
@@ -255,13 +295,14 @@ class Yielder:
             self._since = time.monotonic()
             self._episodes += 1
             first = self._episodes == 1
+            left = self.budget - self.before - self.spent
         if first:
             log.info(
                 "%s of step %d yields the disk to the save of step %d being written (at most %.0fs)",
                 self.what,
                 self.step,
                 busy,
-                self.budget,
+                left,
                 extra={"step": self.step, "yields_to": busy, "stage": self.what},
             )
 
@@ -272,6 +313,7 @@ class Yielder:
                 return
             waited = time.monotonic() - self._since
             self.spent += waited
+            self.ledger.add(self.key, waited)
             first = self._episodes == 1
             why = "its yield budget is spent" if self._left() <= 0 else "stopping"
         self.on_waited(waited)
@@ -297,6 +339,7 @@ def yields_disk(sink: str) -> bool:
 
 class Yielding(DaemonState):
     _saves: SavesInFlight
+    _yield_ledger: YieldLedger
 
     def _finished_at(self, ckpt: Path) -> float | None:
         raise NotImplementedError  # `Adoption`'s
@@ -313,9 +356,18 @@ class Yielding(DaemonState):
             own=True,
         )
 
-    def _yielder(self, what: str, step: int, sink: str | None = None) -> Yielder:
-        """The pause hook of one export (`sink` None) or one publish to `sink`."""
+    def _yielder(
+        self,
+        what: str,
+        step: int,
+        sink: str | None = None,
+        *,
+        identity: str | None = None,
+    ) -> Yielder:
+        """The pause hook of one export (`sink` None) or one publish to `sink` (a lane's key), its budget
+        shared by its retries of the save `identity`."""
         budget = self.settings.yield_seconds if sink is None or yields_disk(sink) else 0.0
-        y = Yielder(self._saves, what, step, budget, lambda: self._stopping)
+        key = (what, step, sink, identity)
+        y = Yielder(self._saves, what, step, budget, lambda: self._stopping, self._yield_ledger, key)
         y.on_waited = self.metrics.yield_seconds.labels(stage=what).inc
         return y
