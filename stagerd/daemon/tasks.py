@@ -276,10 +276,13 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         try:
             await self._io(self._refuse_links, step, Path(row.path), (layout.MARKER_NAME,), EXPORT_PARTS)
             metadata = await self._io(self._metadata, step, Path(row.path))
+            # a no-op but for file:// sinks, and a fleet lane's own run, which builds on this node's disk
+            local = True if fleet else None
+            pause = self._yielder("publish", step, sink, identity=row.marker_id, local=local)
             work = (
-                partial(self._fleet_publish, step, sink)
+                partial(self._fleet_publish, step, sink, pause)
                 if fleet
-                else partial(self._run_publish, step, sink, export_dir, metadata)
+                else partial(self._run_publish, step, sink, export_dir, metadata, pause)
             )
             result = await asyncio.get_running_loop().run_in_executor(self._lane_pools[sink], work)
         except asyncio.CancelledError:
@@ -370,12 +373,11 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         self._log_step(step, None, COMMITTED, note="export/ disappeared; exporting again")
 
     def _run_publish(
-        self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any]
+        self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any], pause: Yielder
     ) -> PublishResult:
-        """Worker thread: one sink's publish, with progress and the test pause hook."""
+        """Worker thread: one sink's publish, with progress, its yield and the test pause hook."""
         from stagerd.ops.progress import progress
 
-        pause = self._yielder("publish", step, sink)  # a no-op but for file:// sinks
         with contextlib.ExitStack() as stack:
             bar: Callable[[int, int], None] | None = None
 

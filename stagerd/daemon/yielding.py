@@ -303,7 +303,7 @@ class Yielder:
                 self.step,
                 busy,
                 left,
-                extra={"step": self.step, "yields_to": busy, "stage": self.what},
+                extra={"step": self.step, "yields_to": busy, "stage": self.what, "sink": self.key[2]},
             )
 
     def _leave(self, busy: int | None) -> None:
@@ -325,7 +325,12 @@ class Yielder:
             self.step,
             waited,
             why,
-            extra={"step": self.step, "stage": self.what, "yielded_seconds": round(waited, 3)},
+            extra={
+                "step": self.step,
+                "stage": self.what,
+                "sink": self.key[2],
+                "yielded_seconds": round(waited, 3),
+            },
         )
 
 
@@ -363,10 +368,14 @@ class Yielding(DaemonState):
         sink: str | None = None,
         *,
         identity: str | None = None,
+        local: bool | None = None,
     ) -> Yielder:
         """The pause hook of one export (`sink` None) or one publish to `sink` (a lane's key), its budget
-        shared by its retries of the save `identity`."""
-        budget = self.settings.yield_seconds if sink is None or yields_disk(sink) else 0.0
+        shared by its retries of the save `identity`. `local`: whether its writes go to this node's disk
+        (default: an export, or a publish to a `file://` sink)."""
+        if local is None:
+            local = sink is None or yields_disk(sink)
+        budget = self.settings.yield_seconds if local else 0.0
         key = (what, step, sink, identity)
         y = Yielder(self._saves, what, step, budget, lambda: self._stopping, self._yield_ledger, key)
         y.on_waited = self.metrics.yield_seconds.labels(stage=what).inc

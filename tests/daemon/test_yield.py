@@ -210,6 +210,18 @@ async def test_a_retried_export_yields_only_what_its_earlier_tries_left_of_the_b
         await stop_cleanly(w)
 
 
+async def test_a_raw_publish_to_a_file_sink_yields_as_a_publish_does(staged, tmp_path):
+    root, sink, _ = staged
+    raw = f"raw:{sink.as_uri()}"
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "1", "--publish-raw")
+    try:
+        rec = await w.wait_for(lambda r: yields(100, "publish")(r) and r.get("sink") == raw, timeout=30)
+        assert rec["yields_to"] == 101
+        await w.wait_for(is_state(100, "published", raw), timeout=60)
+    finally:
+        await stop_cleanly(w)
+
+
 async def test_yield_seconds_0_exports_at_once(staged, tmp_path):
     root, sink, _ = staged
     w = await _watch(root, sink, tmp_path, "--yield-seconds", "0")
