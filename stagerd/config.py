@@ -74,8 +74,8 @@ class Settings(BaseSettings):
         le=DAY,
         description="While a save is being written in ROOT (a step without its marker, or with --adopt a "
         "checkpoint its preset does not find finished, written in the last 3 s), exports and file:// "
-        "publishes pause between their moves and chunks, at most this long in total each; then they run "
-        "regardless. 0: never pause.",
+        "publishes pause between their moves and chunks, at most this long in total each, over all its "
+        "retries; then they run regardless. 0: never pause.",
     )
     keep_last: int | None = Field(
         None,

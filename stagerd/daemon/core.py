@@ -36,6 +36,7 @@ from stagerd.daemon.retention import empty_trash
 from stagerd.daemon.scheduling import Scheduling
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import OnceSummary, Summary
+from stagerd.daemon.yielding import YieldLedger
 from stagerd.errors import ConfigError, JournalError
 from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
@@ -102,6 +103,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._marker_metadata = {}
         self._odd_names = set()
         self._saves = self._saves_in_flight()
+        self._yield_ledger = YieldLedger()
         self._retention_kept = set()
         self._retention_pinned = set()
         self._adopt_clashes = set()

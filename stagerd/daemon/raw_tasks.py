@@ -21,6 +21,7 @@ from stagerd.daemon.journal import PUBLISHING
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.state import log
 from stagerd.daemon.tasks import STAGED_PARTS, Tasks, _test_pause
+from stagerd.daemon.yielding import yields_disk
 from stagerd.errors import JournalError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
@@ -48,7 +49,7 @@ class RawTasks(Tasks):
         self._log_step(step, key, PUBLISHING, attempt=attempt)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._lane_pools[key], self._run_raw, step, key, Path(row.path)
+                self._lane_pools[key], self._run_raw, step, key, Path(row.path), row.marker_id
             )
         except asyncio.CancelledError:
             raise
@@ -80,11 +81,13 @@ class RawTasks(Tasks):
                 extra={"sink": url, "error_class": type(e).__name__},
             )
 
-    def _run_raw(self, step: int, key: str, step_dir: Path) -> PublishResult:
+    def _run_raw(self, step: int, key: str, step_dir: Path, identity: str | None = None) -> PublishResult:
         """Worker thread: one raw publish, with progress and the test pause hook."""
         from stagerd.ops.progress import progress
 
         self._refuse_links(step, step_dir, STAGED_PARTS)
+        local = yields_disk(key.removeprefix(RAW_LANE_PREFIX))  # a file:// raw prefix writes this disk
+        pause = self._yielder("publish", step, key, identity=identity, local=local)
         with contextlib.ExitStack() as stack:
             bar: Callable[[int, int], None] | None = None
 
@@ -94,6 +97,7 @@ class RawTasks(Tasks):
                     bar = stack.enter_context(progress(f"raw publish of step {step} to {key}", total))
                     _test_pause("publish", step)
                 bar(done, total)
+                pause()
 
             # Read through the step held open: a link put at its path after the check leads no read
             # elsewhere (a gone step is named by the sink as before).

@@ -91,7 +91,8 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         # An export made with other options may be rebuilt only while no sink holds it.
         lanes = await self._j(self._journal.lanes, step)
         rebuild = not any(ln.state in (LaneState.PUBLISHED, LaneState.PUBLISHING) for ln in lanes)
-        t0, pause = time.monotonic(), self._yielder("export", step)
+        identity = None if row is None else row.marker_id
+        t0, pause = time.monotonic(), self._yielder("export", step, identity=identity)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self._export_pool, self._run_export, step, step_dir, rebuild, pause
@@ -207,6 +208,8 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
             quarantine=f.quarantine,
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        if f.quarantine:
+            self._yield_ledger.forget(step, sink)
         if f.quarantine and sink is not None:
             # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
             # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
@@ -273,10 +276,13 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         try:
             await self._io(self._refuse_links, step, Path(row.path), (layout.MARKER_NAME,), EXPORT_PARTS)
             metadata = await self._io(self._metadata, step, Path(row.path))
+            # a no-op but for file:// sinks, and a fleet lane's own run, which builds on this node's disk
+            local = True if fleet else None
+            pause = self._yielder("publish", step, sink, identity=row.marker_id, local=local)
             work = (
-                partial(self._fleet_publish, step, sink)
+                partial(self._fleet_publish, step, sink, pause)
                 if fleet
-                else partial(self._run_publish, step, sink, export_dir, metadata)
+                else partial(self._run_publish, step, sink, export_dir, metadata, pause)
             )
             result = await asyncio.get_running_loop().run_in_executor(self._lane_pools[sink], work)
         except asyncio.CancelledError:
@@ -321,6 +327,7 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         await self._after_publish(lane)
         if done:
             self._marker_metadata.pop(step, None)
+            self._yield_ledger.forget(step, every_lane=True)
             total = time.time() - marker_mtime
             self._log_step(step, None, PUBLISHED, note=f"on every sink, {total:.2f}s after its marker")
             self._housekeep.set()
@@ -366,12 +373,11 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         self._log_step(step, None, COMMITTED, note="export/ disappeared; exporting again")
 
     def _run_publish(
-        self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any]
+        self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any], pause: Yielder
     ) -> PublishResult:
-        """Worker thread: one sink's publish, with progress and the test pause hook."""
+        """Worker thread: one sink's publish, with progress, its yield and the test pause hook."""
         from stagerd.ops.progress import progress
 
-        pause = self._yielder("publish", step, sink)  # a no-op but for file:// sinks
         with contextlib.ExitStack() as stack:
             bar: Callable[[int, int], None] | None = None
 

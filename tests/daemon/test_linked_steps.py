@@ -145,7 +145,7 @@ def test_a_step_linked_away_mid_publish_publishes_only_the_export_checked(tmp_pa
     s.publish = swap_then_publish  # type: ignore[method-assign]
     d._sinks[s.url] = s
     try:
-        d._run_publish(100, s.url, export, {})
+        d._run_publish(100, s.url, export, {}, d._yielder("publish", 100, s.url))
     finally:
         s.close()
     assert not list(sink.rglob("id_ed25519"))

@@ -94,6 +94,27 @@ def test_the_daemon_gives_exports_and_file_publishes_the_budget_and_remote_publi
     assert d._yielder("publish", 1, "s3://bucket/run").budget == 0
 
 
+def test_a_budget_is_shared_by_the_tries_of_one_save_and_not_by_another(tmp_path):
+    from stagerd.daemon.yielding import YieldLedger
+
+    saves, ledger = SavesInFlight(tmp_path), YieldLedger()
+    _fresh_step(tmp_path, 2)
+    first = Yielder(saves, "export", 1, 0.3, lambda: False, ledger, ("export", 1, None, "save-a"))
+    first()
+    assert first.spent >= 0.3
+    retry = Yielder(saves, "export", 1, 0.3, lambda: False, ledger, ("export", 1, None, "save-a"))
+    t0 = time.monotonic()
+    retry()
+    assert time.monotonic() - t0 < 0.2 and retry.spent == 0
+    resaved = Yielder(saves, "export", 1, 0.3, lambda: False, ledger, ("export", 1, None, "save-b"))
+    resaved()
+    assert resaved.spent >= 0.3
+    ledger.forget(1, every_lane=True)
+    again = Yielder(saves, "export", 1, 0.3, lambda: False, ledger, ("export", 1, None, "save-a"))
+    again()
+    assert again.spent >= 0.3
+
+
 def test_a_pause_ends_at_its_budget_or_at_stop(tmp_path):
     saves = SavesInFlight(tmp_path)
     _fresh_step(tmp_path, 2)
@@ -167,6 +188,36 @@ async def test_a_save_that_never_ends_holds_export_and_publish_only_for_the_budg
         await w.wait_for(is_state(100, "published", sink.as_uri()), timeout=30)
         for stage in ("export", "publish"):
             assert 1.9 <= yield_seconds(port, stage) < 3.0
+    finally:
+        await stop_cleanly(w)
+
+
+async def test_a_retried_export_yields_only_what_its_earlier_tries_left_of_the_budget(staged, tmp_path):
+    root, sink, _ = staged
+    port = free_port()
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "3", port=port)
+    try:
+        await w.wait_for(yields(100, "export"), timeout=60)
+        step = root / layout.step_dir_name(100)
+        (step / layout.EXPORT_TMP_DIR).rename(step / "aside")  # its commit fails, retryably, after the pause
+        failed = await w.wait_for(lambda r: r.get("step") == 100 and r.get("error_class"), timeout=30)
+        assert failed["error_class"] == "OutputError", failed
+        done = await w.wait_for(is_state(100, "exported"), timeout=60)
+        assert done["yielded_seconds"] == 0  # the save is still being written: the budget was spent
+        assert len([r for r in w.records() if yields(100, "export")(r)]) == 1
+        assert 2.9 <= yield_seconds(port, "export") < 4.0
+    finally:
+        await stop_cleanly(w)
+
+
+async def test_a_raw_publish_to_a_file_sink_yields_as_a_publish_does(staged, tmp_path):
+    root, sink, _ = staged
+    raw = f"raw:{sink.as_uri()}"
+    w = await _watch(root, sink, tmp_path, "--yield-seconds", "1", "--publish-raw")
+    try:
+        rec = await w.wait_for(lambda r: yields(100, "publish")(r) and r.get("sink") == raw, timeout=30)
+        assert rec["yields_to"] == 101
+        await w.wait_for(is_state(100, "published", raw), timeout=60)
     finally:
         await stop_cleanly(w)
 

@@ -107,24 +107,61 @@ def test_files_in_nested_directories_count_and_links_are_not_followed(tmp_path, 
     assert _writing(root) is None
 
 
-def test_a_huge_tree_is_not_walked(tmp_path, saved):
-    from stagerd.daemon.yielding import MAX_ENTRIES
+def _daemon_saves(root: Path):
+    """The saves in flight of one daemon over ROOT (`watch --adopt hf-trainer`), asked again and again."""
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+
+    sink = (root.parent / "sink").as_uri()
+    return Daemon(Settings(root=root, sinks=[sink], adopt="hf-trainer", metrics_port=0))._saves
+
+
+def test_a_file_written_in_place_among_thousands_is_seen_within_a_few_scans(tmp_path, saved):
+    from stagerd.daemon.yielding import CACHE_SECONDS, STATS_PER_SCAN
 
     root = tmp_path / "run"
     mid = _checkpoint(root, 5, saved, finished=False)
     (mid / "optimizer_0").mkdir()
+    for i in range(5000):  # every rank's shards, beside the model's files
+        (mid / "optimizer_0" / f"__{i}_0.distcp").write_bytes(b"")
     aged(mid, OLD)
-    fresh = mid / "optimizer_0" / "__0_0.distcp"
-    with open(fresh, "ab") as f:
-        f.write(b"x")
+    saves = _daemon_saves(root)
+    assert saves.writing(skip=-1) is None
+    fresh = mid / "optimizer_0" / "__4321_0.distcp"
+    scans = 0
+    while saves.writing(skip=-1) is None:  # written in place: its directory's mtime stays an hour old
+        assert scans <= 5000 // STATS_PER_SCAN + 2, scans
+        with open(fresh, "ab") as f:
+            f.write(b"x")
+        time.sleep(CACHE_SECONDS)
+        scans += 1
+    # One scan stats a bounded batch: with every file written just now, it knows of that many alone.
+    from stagerd.daemon.tree_scan import Tree
+
     os.utime(mid / "optimizer_0", (OLD, OLD))
-    assert _writing(root) == 5
-    for i in range(MAX_ENTRIES):  # every rank's own files, beside it: read before any directory's
-        (mid / f"rng_state_{i}.pth").write_bytes(b"")
-    aged(mid, OLD)
-    with open(fresh, "ab") as f:  # still being written: its directory's mtime stays old
-        f.write(b"x")
-    assert _writing(root) is None
+    for p in (mid / "optimizer_0").iterdir():
+        os.utime(p)
+    tree, fd = Tree((0, 0)), os.open(mid, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        now = time.time()
+        assert tree.scan(fd, now - 3, now + 3, STATS_PER_SCAN) is not None
+        assert 0 < len([p for p in tree.hot if p.startswith("optimizer_0/")]) <= STATS_PER_SCAN
+    finally:
+        os.close(fd)
+
+
+def test_an_older_checkpoint_being_written_is_seen_beyond_the_newest_few(tmp_path, saved):
+    """A run restarted from an earlier checkpoint saves below the abandoned run's leftovers."""
+    from stagerd.daemon.yielding import MAX_CHECKPOINTS
+
+    root = tmp_path / "run"
+    for k in range(MAX_CHECKPOINTS + 2):
+        aged(_checkpoint(root, 100 + 10 * k, saved), OLD)
+    saves = _daemon_saves(root)
+    assert saves.writing(skip=-1) is None
+    _checkpoint(root, 105, saved, finished=False)
+    time.sleep(0.1)
+    assert saves.writing(skip=-1) == 105
 
 
 def test_a_save_going_on_after_its_preset_finished_it_holds_its_own_export_too(tmp_path, saved):

@@ -95,12 +95,14 @@ def publish_to_hub(
     hubs: Sequence[str] = (),
     sinks: Sequence[FsspecSink] = (),
     stopping: Callable[[], bool] | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> PublishResult:
     """Node 0: the committed export from `staging` to `hub`, then its record; the others: that record,
     awaited on the exchange (read through `exchange_store`) as every fleet wait is. `hubs`: the URL of
     every Hub sink of the fleet (`hub`'s alone when empty); `sinks`: its fsspec sinks, each of which must
     hold the step before `done.json` (none: a Hub record follows `staging`'s commit, which is the only
-    one); `work` must be this sink's own."""
+    one); `work` must be this sink's own. `pause`: after each piece downloaded into `work` (this node's
+    disk), never in the upload to the Hub (the network's)."""
     t0 = time.monotonic()
     hubs = tuple(hubs) or (hub.url,)
     marker = layout.read_marker(step_dir)
@@ -146,7 +148,7 @@ def publish_to_hub(
             # each named by its sink: a report counts only when its work advanced, and the bytes of a second
             # Hub sink are the first's again, yet new work
             fetched = progress.doing(f"downloading the export for {hub.url}")
-            download(store, prefix, files, work, progress=fetched)
+            download(store, prefix, files, work, progress=_then(fetched, pause))
             sent = progress.doing(f"publishing it to {hub.url}")
             result = hub.publish(work, step, metadata=dict(marker.metadata), progress=sent)
     finally:
@@ -158,6 +160,17 @@ def publish_to_hub(
         exchange.backend.create(hub_record_key(step), record)
     _done_if_all(x, exchange, step, hubs, sinks)  # retention may go on
     return result
+
+
+def _then(report: Callable[[int, int], None], pause: Callable[[], None] | None) -> Callable[[int, int], None]:
+    if pause is None:
+        return report
+
+    def both(done: int, total: int) -> None:
+        report(done, total)
+        pause()
+
+    return both
 
 
 def _quiet(text: str, missing: int) -> None:

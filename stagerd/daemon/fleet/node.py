@@ -90,7 +90,8 @@ class FleetOptions:
     hub: bool = False  # a Hub lane follows: it records the step done (`fleet/hub.py`)
     hubs: tuple[str, ...] = ()  # the Hub sinks' URLs, which every node must name alike
     stopping: Callable[[], bool] | None = None  # the daemon is stopping: a wait ends (`exchange.Stopped`)
-    pause: Callable[[], None] | None = None  # after each move of a build: the daemon's yield to a save
+    # after each move of a build and each range its mirror fetches: the daemon's yield to a save
+    pause: Callable[[], None] | None = None
 
 
 @dataclass
@@ -184,7 +185,7 @@ class FleetNode:
             ).bytes_uploaded
             parts = self._wait_parts()
             wait_agreed(self.x, self._settings())
-            mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read)
+            mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
             p, units = self._plan(mirror, mirror.build())
             owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
             planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}

@@ -45,14 +45,24 @@ def shard_names(marker: layout.CommitMarker) -> dict[str, int]:
 
 
 class Mirror:
-    """Every shard of the step under `root/model/`: own ones linked, others sparse, filled on demand."""
+    """Every shard of the step under `root/model/`: own ones linked, others sparse, filled on demand.
+    `pause`: after each range written into the mirror (the daemon's yield to a save on this node)."""
 
-    def __init__(self, root: Path, own_step: Path, parts: list[NodePart], me: int, read: ReadRange) -> None:
+    def __init__(
+        self,
+        root: Path,
+        own_step: Path,
+        parts: list[NodePart],
+        me: int,
+        read: ReadRange,
+        pause: Callable[[], None] | None = None,
+    ) -> None:
         self.model = root / layout.MODEL_DIR
         self.own_step = own_step
         self.parts = parts
         self.me = me
         self.read = read
+        self.pause = pause
         self.remote: dict[str, str] = {}  # mirror path -> exchange key, for the shards of other nodes
         self.have: dict[str, list[tuple[int, int]]] = {}  # mirror path -> ranges fetched, merged
         self.fetched = 0
@@ -109,6 +119,8 @@ class Mirror:
                     self.fetched += len(data)
                     have = _merged([*have, (a, b)])
                     self.have[src] = have
+                    if self.pause is not None:
+                        self.pause()
             finally:
                 os.close(fd)
 

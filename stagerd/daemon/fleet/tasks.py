@@ -97,12 +97,7 @@ class FleetTasks(DaemonState):
         `pause`: the export's yield to a save on this node, between the moves of the files it builds."""
         exchange, store = self._fleet_exchange()
         still_waiting = False
-        if pause is not None:
-            # The other nodes wait on this one's files. The trainer saves on every node at once, so each
-            # node's build pauses for its own node's save, and the training (whose ranks meet again after
-            # it) is what gains. The raw part and the uploads are the network's: never paused. Half the
-            # fleet wait at most, so a pause alone never ends another node's wait (`FleetWaitError`).
-            pause.budget = min(pause.budget, self.settings.fleet_wait_seconds / 2)
+        self._fleet_budget(pause)
         try:
             work = self.root / ".stagerd" / "fleet" / step_dir.name
             node = self._fleet_node(step_dir, work, exchange, store, self._fleet_status(step), pause=pause)
@@ -131,6 +126,15 @@ class FleetTasks(DaemonState):
         from stagerd.engine.export import ExportResult
 
         return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+
+    def _fleet_budget(self, pause: Yielder | None) -> None:
+        """The other nodes wait on this one's files. The trainer saves on every node at once, so each node's
+        fleet work pauses for its own node's save (between the moves of its builds and its mirror's range
+        fetches, the downloads of a Hub lane), and the training (whose ranks meet again after it) is what
+        gains. The raw part and the uploads are the network's: never paused. Half the fleet wait at most,
+        so a pause alone never ends another node's wait (`FleetWaitError`)."""
+        if pause is not None:
+            pause.budget = min(pause.budget, self.settings.fleet_wait_seconds / 2)
 
     def _fleet_node(
         self,
@@ -173,9 +177,10 @@ class FleetTasks(DaemonState):
         failed: dict[tuple[int, str], BaseException] = vars(self).setdefault("_fleet_sink_failed", {})
         return failed
 
-    def _fleet_lane(self, step: int, sink_url: str, target: FsspecSink) -> None:
+    def _fleet_lane(self, step: int, sink_url: str, target: FsspecSink, pause: Yielder | None = None) -> None:
         """Lane worker: this node's part of the fleet export of `step` for one fsspec sink that failed in
-        it (`FleetNode`'s `lanes`), retried as any publish: the other sinks' commits stand."""
+        it (`FleetNode`'s `lanes`), retried as any publish: the other sinks' commits stand. `pause`: as
+        the export's, its budget the lane's over its retries."""
         err = self._fleet_failed().pop((step, sink_url), None)
         if err is not None:
             raise err
@@ -186,7 +191,7 @@ class FleetTasks(DaemonState):
         exchange, store = self._fleet_exchange()
         with self._lane_waiting(step, sink_url, store, exchange):
             status = self._fleet_status(step, sink_url)
-            self._fleet_node(step_dir, work, exchange, store, status, [target]).run()
+            self._fleet_node(step_dir, work, exchange, store, status, [target], pause=pause).run()
 
     @contextlib.contextmanager
     def _lane_waiting(self, step: int, sink_url: str, *closing: Any) -> Iterator[None]:
@@ -260,11 +265,13 @@ class FleetTasks(DaemonState):
             self._fleet_missing().pop((step, sink), None)
             self._fleet_waits_changed(step, {}, gone=wait_key(step, sink))
 
-    def _fleet_publish(self, step: int, sink_url: str) -> PublishResult:
+    def _fleet_publish(self, step: int, sink_url: str, pause: Yielder | None = None) -> PublishResult:
         """Lane worker: the fleet committed the step on this fsspec sink (else this sink failed in it, and
         its lane runs the fleet for it: `_fleet_lane`), or (a Hub sink) node 0 publishes the step the fleet
-        committed on the first fsspec sink that holds it."""
+        committed on the first fsspec sink that holds it. `pause`: the lane's yield, for the work it does
+        on this node's disk (its fleet run's builds, a Hub lane's download), never for its uploads."""
         t0 = time.monotonic()
+        self._fleet_budget(pause)
         url, sink = self._fleet_sink()
         from stagerd.sinks.hub.sink import HubSink
 
@@ -297,13 +304,14 @@ class FleetTasks(DaemonState):
                     hubs=[u for u, s in self._sinks.items() if isinstance(s, HubSink)],
                     sinks=[s for _, s in self._fleet_sinks()],
                     stopping=lambda: self._stopping,
+                    pause=pause,
                 )
         if not isinstance(target, FsspecSink):
             raise SinkError(
                 f"step {step} was staged node-locally: the fleet cannot serve this sink", path=sink_url
             )
         if not target.is_published(step):
-            self._fleet_lane(step, sink_url, target)
+            self._fleet_lane(step, sink_url, target, pause)
         return PublishResult(
             sink=sink_url,
             step=step,
