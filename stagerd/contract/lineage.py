@@ -8,9 +8,10 @@ step's claim on the sink (`sinks/restored_from.py`); retention takes the steps o
 ROOT's own (`sinks/claims.py`, `Publisher.ancestors`). A ROOT that never restored has no file, and a run
 sharing the prefix by mistake stays another publisher.
 
-Only the one id a restored step's claim names is known: whom that ROOT had resumed from is not on the sink.
-Each restore adds its id (again: moved to the end), and only the newest `MAX_ANCESTORS` stay, so a file
-written by hand or a run moved a thousand times stays small. An unreadable file reads as no ancestors (with
+A publisher's claims also name the newest ROOTs it had resumed from (`claims.CLAIM_ANCESTORS`), so a restore
+records those too and a run moved twice prunes what its first ROOT published. Each restore adds its ids
+(again: moved to the end), and only the newest `MAX_ANCESTORS` stay, so a file written by hand or a run
+moved a thousand times stays small. An unreadable file reads as no ancestors (with
 a warning): retention then keeps more, never less.
 """
 

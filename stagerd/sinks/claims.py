@@ -10,9 +10,10 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   requests, naming itself by host, the real path of what it publishes and its ROOT's identity
   (`publish_claim`, `contract/root_id.py`): the same publisher restarted on the same host owns it again,
   after a reboot too, any other does not (two containers sharing a host name see their own directories at
-  one path). Until it is known to hold it, a
-  publisher writes nothing but create-only PUTs of free keys. It never releases it: the claim stays as
-  long as the step, so a step's prefix has one publisher for its whole life.
+  one path). It also names the ROOTs it resumed from (`contract/lineage.py`), which a restore of the step
+  records. Until it is known to hold it, a publisher writes nothing but create-only PUTs of free keys.
+  It never releases it: the claim stays as long as the step, so a step's prefix has one publisher for
+  its whole life.
   - Another publisher's claim, and a manifest: the manifests are compared (the same files: done; other
     files: `SinkConflictError`). No manifest: `StepClaimedError` (retryable): the holder is still
     publishing, or died before its commit (then an operator deletes the claim object; see the hint).
@@ -47,11 +48,16 @@ from pathlib import Path
 
 from stagerd.contract import layout, lineage
 from stagerd.contract.root_id import ROOT_ID, root_id
-from stagerd.errors import StepClaimedError
+from stagerd.errors import RestoreError, StepClaimedError
+from stagerd.sinks.remote import RemoteStore
 
 CLAIMS_DIR = "claims"
 PUBLISH, PRUNE = "publish", "prune"
 PRUNE_STALE_S = 600.0  # a prune deletes a step in seconds; one this old by the store's clock is dead
+# A fleet's claim names every node's ROOT (33 bytes each in JSON) and a publisher's the ROOTs it resumed
+# from: 4 kB was 110 nodes, and past it every prune of the prefix failed. 128 kB holds 3,000 nodes.
+MAX_CLAIM_BYTES = 128 << 10
+CLAIM_ANCESTORS = 16  # the newest ROOTs a publisher resumed from, named in its claims
 
 
 def claim_key(prefix: str) -> str:
@@ -74,6 +80,9 @@ class Claim:
     # a fleet export's leader: the ROOT identities of every node that built it (`fleet_claim`); written
     # only where there are some, so a single publisher's claim is the bytes an older stagerd wrote
     trees: tuple[str, ...] = ()
+    # a publisher: the ROOTs its own resumed from (`contract/lineage.py`), newest last; written only where
+    # there are some. A restore of its step records them with it, so a run moved twice keeps pruning all.
+    ancestors: tuple[str, ...] = ()
     # never written: the names older stagerds gave this publisher's tree (ROOT's "device:inode" and the
     # step directory's inode, now); None outside ROOT's layout, where host and path alone decide
     former: frozenset[str] | None = field(default=frozenset(), compare=False)
@@ -81,8 +90,9 @@ class Claim:
     def encode(self) -> bytes:
         d = asdict(self)
         del d["former"]
-        if not self.trees:
-            del d["trees"]
+        for optional in ("trees", "ancestors"):
+            if not d[optional]:
+                del d[optional]
         return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     def published_from(self) -> tuple[str, Path]:
@@ -125,6 +135,7 @@ def publish_claim(local_root: Path) -> Claim:
     real = Path(os.path.realpath(local_root))
     step_dir = step_dir_of(real)
     tree = ""
+    ancestors: tuple[str, ...] = ()
     former: frozenset[str] | None = None
     if layout.parse_step_dir(step_dir.name) is not None or real.name == layout.EXPORT_DIR:
         root, former = step_dir.parent, frozenset()
@@ -137,7 +148,8 @@ def publish_claim(local_root: Path) -> Claim:
                 former |= {str(os.stat(step_dir).st_ino)}
             if (root / layout.STATE_DIR).is_dir():
                 tree = root_id(root)
-    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, former=former)
+                ancestors = lineage.ancestors(root)[-CLAIM_ANCESTORS:]
+    return Claim(PUBLISH, f"{host}:{real}", host, os.getpid(), tree, ancestors=ancestors, former=former)
 
 
 def fleet_claim(step_dir: Path, trees: Iterable[str]) -> Claim:
@@ -171,8 +183,8 @@ def decode(data: bytes | None) -> Claim | None:
         return None
     try:
         d = json.loads(data)
-        trees = d.get("trees", [])
-        if not isinstance(trees, list):
+        trees, ancestors = d.get("trees", []), d.get("ancestors", [])
+        if not isinstance(trees, list) or not isinstance(ancestors, list):
             raise TypeError("trees")
         return Claim(
             str(d["kind"]),
@@ -181,9 +193,20 @@ def decode(data: bytes | None) -> Claim | None:
             int(d.get("pid", 0)),
             str(d.get("tree", "")),
             tuple(str(t) for t in trees),
+            tuple(a for a in ancestors if isinstance(a, str) and ROOT_ID.fullmatch(a))[-CLAIM_ANCESTORS:],
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return Claim("unknown", repr(data[:80]), "", 0)
+
+
+def read_claim(store: RemoteStore, key: str) -> bytes | None:
+    """The claim at `key` (None: there is none). One larger than `MAX_CLAIM_BYTES` reads as unreadable
+    (an "unknown" claim, judged as retention judges any it cannot read): it must not stop the prune of
+    every other step."""
+    try:
+        return store.read(key, limit=MAX_CLAIM_BYTES)
+    except RestoreError:
+        return b""
 
 
 def owned_by(data: bytes | None, mine: Claim) -> bool:

@@ -96,7 +96,7 @@ class Owner:
         if got is None:
             if len(self.judged) > _JUDGED_MAX:
                 self.judged.clear()
-            got = self.judged[k] = self.judge(store.read(key, limit=4096))
+            got = self.judged[k] = self.judge(claims.read_claim(store, key))
         return got
 
 
@@ -143,7 +143,7 @@ def _state(store: RemoteStore, tree: Tree, step: int, now: float) -> tuple[bool,
     if not listed:
         return TOMBSTONE in tree.steps.get(step, {}), None  # an older stagerd's killed prune, or nothing
     for key, obj in listed:
-        held = claims.decode(store.read(key, limit=4096))
+        held = claims.decode(claims.read_claim(store, key))
         if held is None or held.kind != claims.PRUNE:
             return False, None  # a publish in progress: never touched
         if not claims.prune_is_dead(held, None if obj.mtime is None else now - obj.mtime):

@@ -22,17 +22,22 @@ log = logging.getLogger("stagerd.restore")
 
 def publishers(store: RemoteStore, parts: list[str]) -> list[str]:
     """The ROOT identities named by the claims of a raw step's `parts` (the step's prefix, or each node's
-    part of a node-locally staged step), in order, without repeats; [] where none names one."""
+    part of a node-locally staged step): each publisher, after the ROOTs its claim says it resumed from;
+    in order, without repeats; [] where none names one."""
     found: list[str] = []
     for part in parts:
         try:
-            held = claims.decode(store.read(claims.claim_key(part), limit=4096))
+            held = claims.decode(claims.read_claim(store, claims.claim_key(part)))
         except (OSError, StagerdError):
             continue
         if held is None or held.kind != claims.PUBLISH or not claims.ROOT_ID.fullmatch(held.tree):
             continue  # no claim, a prune's, unreadable, or an older stagerd's name that stays on its node
-        if held.tree not in found:
-            found.append(held.tree)
+        for ident in (
+            *held.ancestors,
+            held.tree,
+        ):  # whom it had resumed from, then the publisher: newest last
+            if ident not in found:
+                found.append(ident)
     return found
 
 

@@ -106,6 +106,26 @@ def test_a_root_that_never_restored_still_leaves_the_resumed_runs_steps_alone(tm
     assert all(_raw_keys(prefix, s) for s in (4, 7))
 
 
+def test_a_run_moved_twice_prunes_what_its_first_root_published(tmp_path):
+    """A -> B -> C, each move a fresh ROOT and a restore. B's claims name A, whom B resumed from, so C's
+    restore of B's step records both, and C's keep-last 1 prunes A's steps too. Before, C knew only B:
+    A's steps were another publisher's to C and stayed for ever."""
+    prefix = _Prefix(None, tmp_path, "file")  # type: ignore[arg-type]
+    a, b, c = _root(tmp_path / "a"), tmp_path / "b", tmp_path / "c"
+    _publish(a, prefix, 1, 2)
+    _restore(prefix, b)
+    _publish(b, prefix, 3)
+    held = json.loads((tmp_path / "sink" / claim_key(f"raw/{layout.step_dir_name(3)}")).read_bytes())
+    assert held["ancestors"] == [root_id(a)] and held["tree"] == root_id(b)
+    _restore(prefix, c)
+    assert lineage.ancestors(c) == (root_id(a), root_id(b))
+    _publish(c, prefix, 4)
+    assert _prune(prefix, c, 1) == {1: True, 2: True, 3: True, 4: False}
+    assert [_raw_keys(prefix, s) for s in (1, 2, 3)] == [set(), set(), set()]
+    claim_a = json.loads((tmp_path / "sink" / claim_key(f"raw/{layout.step_dir_name(4)}")).read_bytes())
+    assert claim_a["ancestors"] == [root_id(a), root_id(b)]
+
+
 @pytest.mark.parametrize("claim", ["missing", "unreadable"])
 def test_a_restore_whose_claim_cannot_be_read_records_nothing_and_lands_the_step(tmp_path, claim):
     """No publisher to record (a stagerd before claims; a damaged claim): the restore lands the step, warns

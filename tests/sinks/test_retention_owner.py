@@ -195,3 +195,32 @@ def test_a_node_locally_staged_raw_step_is_each_of_its_nodes_own(tmp_path):
         remote.close()
     assert fates == {1: True, 2: False}
     assert not (sink_dir / "raw" / layout.step_dir_name(1)).exists()
+
+
+@pytest.mark.parametrize("store", ["file", "s3"])
+def test_a_large_fleets_claim_is_read_and_an_oversized_one_stops_no_prune(request, tmp_path, store):
+    """A fleet of 128 nodes: the export's claim names 128 ROOTs (4.7 kB). Claims were read 4 kB at most:
+    every prune of the prefix then failed (`RestoreError: is larger than 4096 bytes`), for every node. Now
+    it is read, and a node of that fleet prunes it as its own; a claim larger than any fleet's reads as
+    unreadable, that step alone judged as such, and the prune of the rest goes on."""
+    import uuid
+
+    from stagerd.contract.root_id import root_id
+
+    prefix = _Prefix(request, tmp_path, store)
+    a, _ = _publish_both(tmp_path, prefix)
+    remote = RemoteStore.open(prefix.url)
+    try:
+        key1 = claim_key(layout.step_dir_name(1))
+        fleet = json.loads(remote.read(key1) or b"")
+        fleet["trees"] = [root_id(a), *(uuid.uuid4().hex for _ in range(127))]
+        prefix.put(key1, json.dumps(fleet).encode())
+        key3 = claim_key(layout.step_dir_name(3))
+        huge = json.loads(remote.read(key3) or b"")
+        huge["trees"] = [uuid.uuid4().hex for _ in range(5000)]
+        prefix.put(key3, json.dumps(huge).encode())
+        fates = {d.step: d.delete for d in prune(remote, Policy(keep_last=1), owner=Owner.of(a))}
+    finally:
+        remote.close()
+    assert fates[1] is True and fates[3] is False and fates[5] is False
+    assert prefix.step_keys(1) == set() and len(prefix.step_keys(3)) == 4
