@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -65,13 +66,6 @@ class Staging:
 
 
 Leaves = list[tuple[str, torch.Tensor, DTensor | None]]  # (name, local tensor, its DTensor) of each leaf
-Part = tuple[str, Leaves, "Future[list[Staged]]"]  # a pool's kind, its leaves, the Future of its copy
-Job = tuple[
-    list[Part],
-    dict[torch.device, torch.cuda.Event],  # the compute stream's state at save(), per device
-    dict[StorageKey, torch.Tensor],  # the snapshots of the storages copied at save() (`eager`)
-    "Pace",
-]
 
 
 COPY_CHUNK_BYTES = 32 << 20  # 0.6 ms at 55 GB/s: the most a copy the loop queues waits for this one
@@ -110,11 +104,49 @@ class Pace:
 
 
 @dataclass
-class Copy:
-    """One save's host copies in flight: a `Staging` per kind, and their shared `Pace`."""
+class _Part:
+    """One kind's share of a save's copy, as `save()` hands it to the copy thread."""
 
-    staging: dict[str, Staging]
-    pace: Pace
+    kind: str
+    leaves: Leaves
+    ready: dict[torch.device, torch.cuda.Event]  # the compute stream's state at save(), per device
+    snaps: dict[StorageKey, torch.Tensor]  # the snapshots of the storages copied at save() (`eager`)
+    future: Future[list[Staged]]
+
+
+def _part(kind: str, tensors: Mapping[str, torch.Tensor], eager: Iterable[str]) -> _Part:
+    """Take `tensors` (name -> tensor or DTensor) for the copy thread; those named in `eager` are
+    snapshotted now."""
+    leaves = [(name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()]
+    names = set(eager)
+    snaps = _snapshot(local for name, local, _ in leaves if name in names)
+    ready: dict[torch.device, torch.cuda.Event] = {}
+    for _, local, _ in leaves:
+        if local.is_cuda and local.device not in ready:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(local.device))
+            ready[local.device] = ev
+    return _Part(kind, leaves, ready, snaps, Future())
+
+
+class Copy:
+    """One save's host copies in flight: a `Staging` per kind, and their shared `Pace`. More kinds may
+    follow the first (`add`) until `close()`; the copy thread waits for them, so whoever starts a copy
+    with `more` must close it."""
+
+    def __init__(self, pace: Pace) -> None:
+        self.staging: dict[str, Staging] = {}
+        self.pace = pace
+        self._parts: SimpleQueue[_Part | None] = SimpleQueue()
+
+    def add(self, kind: str, tensors: Mapping[str, torch.Tensor], eager: Iterable[str] = ()) -> None:
+        """Copy `tensors` into the pool of `kind` too, after what was added before."""
+        part = _part(kind, tensors, eager)
+        self.staging[kind] = Staging(part.future)
+        self._parts.put(part)
+
+    def close(self) -> None:
+        self._parts.put(None)
 
 
 class HostCopier:
@@ -125,75 +157,63 @@ class HostCopier:
         self._executor = executor
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def start(self, parts: Mapping[str, tuple[Mapping[str, torch.Tensor], Iterable[str]]]) -> Copy:
+    def start(
+        self, parts: Mapping[str, tuple[Mapping[str, torch.Tensor], Iterable[str]]], *, more: bool = False
+    ) -> Copy:
         """Start copying each kind's tensors (kind -> (name -> tensor or DTensor, the names to snapshot
         now)) into the pool of that kind, in order; returns once the `eager` ones are snapshotted, the
         rest is copied later. One job for all: the copy engine goes on from one kind to the next without
-        waiting for the first to land."""
-        leaves: dict[str, Leaves] = {}
-        wanted: list[torch.Tensor] = []
+        waiting for the first to land. `more`: kinds may follow (`Copy.add`) until `Copy.close()`."""
+        copy = Copy(Pace())
         for kind, (tensors, eager) in parts.items():
-            leaves[kind] = [
-                (name, local_tensor(t), t if isinstance(t, DTensor) else None) for name, t in tensors.items()
-            ]
-            names = set(eager)
-            wanted += [local for name, local, _ in leaves[kind] if name in names]
-        snaps = _snapshot(wanted)
-        ready: dict[torch.device, torch.cuda.Event] = {}
-        for kind_leaves in leaves.values():
-            for _, local, _ in kind_leaves:
-                if local.is_cuda and local.device not in ready:
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(local.device))
-                    ready[local.device] = ev
-        futures: dict[str, Future[list[Staged]]] = {kind: Future() for kind in leaves}
-        pace = Pace()
-        job: list[Job] = [([(k, leaves[k], futures[k]) for k in leaves], ready, snaps, pace)]
-        del leaves, wanted, snaps, ready
-        self._executor.submit(self._copy, job)
-        return Copy({kind: Staging(f) for kind, f in futures.items()}, pace)
+            copy.add(kind, tensors, eager)
+        if not more:
+            copy.close()
+        self._executor.submit(self._copy, copy._parts, copy.pace)
+        return copy
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def _copy(self, job: list[Job]) -> None:
-        # The executor's work item keeps its arguments until it returns: taken out of it, the sources
-        # are let go as each kind's copy lands, and a waiter finds nothing of the caller's state held.
-        parts, ready, snaps, pace = job.pop()
-        futures = [f for _, _, f in parts]
-        sender: _Sender | None = None
+    def _copy(self, parts: SimpleQueue[_Part | None], pace: Pace) -> None:
+        sender = _Sender(self._stream, pace)
+        first, closed = True, False
+        futures: list[Future[list[Staged]]] = []
         try:
-            for f in futures:
-                f.set_running_or_notify_cancel()
-            if ready and not all(ev.query() for ev in ready.values()):
-                pace.steady()  # the loop's step is still queued: no piece ahead of its `.item()`
-            sender = _Sender(self._stream, ready, pace)
             with torch.no_grad():
-                while parts:
-                    kind, leaves, future = parts.pop(0)
-                    self._send(sender, self.pools[kind], leaves, snaps, future)
-                    del leaves
-                del snaps
+                while True:
+                    part = parts.get()
+                    if part is None:
+                        closed = True
+                        break
+                    futures.append(part.future)
+                    part.future.set_running_or_notify_cancel()
+                    if first and part.ready and not all(ev.query() for ev in part.ready.values()):
+                        pace.steady()  # the loop's step is still queued: no piece ahead of its `.item()`
+                    first = False
+                    self._send(sender, part)
+                    # the part is let go here, its sources held until they land (`_send`): a waiter
+                    # finds nothing of the caller's state held
+                    del part
                 sender.finish()
         except BaseException as e:
-            if sender is not None:
-                sender.drain()  # copies queued before the failure still read the sources held here
+            sender.drain()  # copies queued before the failure still read the sources held here
             for f in futures:
                 if not f.done():
                     f.set_exception(e)
+            while not closed:  # kinds added after the failure fail with it
+                later = parts.get()
+                if later is None:
+                    break
+                later.future.set_exception(e)
 
-    def _send(
-        self,
-        sender: _Sender,
-        pool: HostPool,
-        leaves: Leaves,
-        snaps: dict[StorageKey, torch.Tensor],
-        future: Future[list[Staged]],
-    ) -> None:
-        """Queue one kind's copies on `sender`; `future` gets its staged views once they have landed.
+    def _send(self, sender: _Sender, part: _Part) -> None:
+        """Queue one kind's copies on `sender`; its Future gets the staged views once they have landed.
         The views are made after the copies are queued, while they run."""
+        pool, leaves, snaps, future = self.pools[part.kind], part.leaves, part.snaps, part.future
+        part.leaves, part.snaps = [], {}
         pool.wait_reserved()
         copies: dict[StorageKey, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (buffer, its bytes)
         bufs: list[torch.Tensor | None] = []  # each leaf's buffer, None for an empty tensor
@@ -208,8 +228,8 @@ class HostCopier:
                 copies[key] = (buf, snaps[key] if key in snaps else _bytes_of(local))
         used = set(copies)
         held = list(copies.values())  # the sources stay referenced until their copy has landed
-        del copies
-        devices = sender.issue(held)
+        del copies, snaps
+        devices = sender.issue(held, part.ready)
         staged: list[Staged] = []
         for (name, local, dt), into in zip(leaves, bufs, strict=True):
             if into is None:  # nothing to copy (an empty tensor): a host tensor of its shape
@@ -241,23 +261,18 @@ class _Sender:
     than without a save, and the save's copy ran at 99% of its queued-whole rate with the loop waiting,
     92% with it launching kernels (`bench/bench_copy_pacing.py`)."""
 
-    def __init__(
-        self,
-        stream: Callable[[torch.device], torch.cuda.Stream],
-        ready: dict[torch.device, torch.cuda.Event],
-        pace: Pace,
-    ) -> None:
+    def __init__(self, stream: Callable[[torch.device], torch.cuda.Stream], pace: Pace) -> None:
         self._stream = stream
-        self._ready = ready
-        self._waited: set[torch.device] = set()
         self._pace = pace
         self._pending: deque[torch.cuda.Event] = deque()
         self._queued = 0
         self._marks: deque[tuple[list[torch.cuda.Event], Callable[[], None]]] = deque()
 
-    def issue(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
-        """Queue the copies of `pairs` (buffer, source); the devices they were queued on (host ones are
-        done when this returns)."""
+    def issue(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: dict[torch.device, torch.cuda.Event]
+    ) -> list[torch.device]:
+        """Queue the copies of `pairs` (buffer, source), each device's after its `ready` event; the
+        devices they were queued on (host ones are done when this returns)."""
         devices: list[torch.device] = []
         for buf, src in pairs:
             if src.device.type != "cuda":
@@ -265,6 +280,7 @@ class _Sender:
                 continue
             if src.device not in devices:
                 devices.append(src.device)
+                self._stream(src.device).wait_event(ready[src.device])
             self._device_copy(buf, src)
         return devices
 
@@ -277,9 +293,6 @@ class _Sender:
 
     def _device_copy(self, buf: torch.Tensor, src: torch.Tensor) -> None:
         side = self._stream(src.device)
-        if src.device not in self._waited:
-            side.wait_event(self._ready[src.device])
-            self._waited.add(src.device)
         n = src.numel()
         with torch.cuda.stream(side):
             for at in range(0, n, COPY_CHUNK_BYTES):

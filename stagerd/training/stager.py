@@ -199,21 +199,25 @@ class Stager:
             model_sd, optim_sd = resolve_state(state_dict, step, optimizer_state)
             model_sd, aliases = split_aliases(model_sd)
             model_tensors, _ = split_leaves(model_sd, "state_dict")
-            if optim_sd is not None:
-                optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
-                check_tensors(optim_tensors, "optimizer_state")
-                check_values(objects, "optimizer_state")
-            # Start the host copy first: the checks and the check-in below then overlap it. Nothing is
-            # written to disk before the check-in; a refused save only filled our own staging buffers.
+            # Start the host copy first: the optimizer state's walk, the checks and the check-in below
+            # then overlap it. Nothing is written to disk before the check-in; a refused save only filled
+            # our own staging buffers.
             if optim_sd is None:  # ahead of the copy on its thread, so the save ends after it
                 self._copy_thread.submit(self._pools["optim"].release)
             # What no waiting optimizer step owns is copied now, before the next forward (`eager`).
             owners = Owners.of(model, [o for o, h in self._attached.items() if optimizer_hook.hooked(h)])
-            parts = {"model": (model_tensors, owners.eager(model_tensors))}
-            if optim_sd is not None:
-                parts["optim"] = (optim_tensors, owners.eager(optim_tensors))
-            copy = self._copier.start(parts)
+            copy = self._copier.start(
+                {"model": (model_tensors, owners.eager(model_tensors))}, more=optim_sd is not None
+            )
             staging, pace = copy.staging, copy.pace
+            if optim_sd is not None:
+                try:
+                    optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
+                    check_tensors(optim_tensors, "optimizer_state")
+                    check_values(objects, "optimizer_state")
+                    copy.add("optim", optim_tensors, owners.eager(optim_tensors))
+                finally:
+                    copy.close()
             spec = describe_save(
                 step,
                 self.step_dir(step),
