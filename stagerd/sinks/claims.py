@@ -20,9 +20,10 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   - What a loser created on free keys before it knew is deleted once the winner's manifest is there, only
     where the manifest does not name it and it still holds the loser's version (S3 `If-Match` on its
     ETag): the same bytes have the same ETag, so the winner may have kept such an object as its own.
-- **A fleet's leader** creates it just before its commit of an export the nodes built together (the owners
-  upload without one), naming every node's ROOT (`fleet_claim`), so each node's retention counts the export
-  as its own and every other ROOT's leaves it (`whose`).
+- **A fleet's leader** creates it for an export the nodes build together before any node writes under the
+  step (`daemon/fleet/stake.py`; each owner first sees it recorded on the exchange and held by the sink),
+  naming every node's ROOT (`fleet_claim`), so each node's retention counts the export as its own and
+  every other ROOT's leaves it (`whose`).
 - **A prune** replaces the claim by its own, conditionally on the version it listed (S3 `If-Match`, or
   `If-None-Match: *` where a step has none; file:// under `flock`), before it deletes anything of a step,
   and deletes it last. A publisher meanwhile finds a prune's claim (`StepClaimedError`, retried), and a
@@ -153,7 +154,7 @@ def publish_claim(local_root: Path) -> Claim:
 
 
 def fleet_claim(step_dir: Path, trees: Iterable[str]) -> Claim:
-    """The claim a fleet's leader records with its commit of an export its nodes built together: its own
+    """The claim a fleet's leader makes before its nodes write an export they build together: its own
     publish claim (`publish_claim` of its step), naming in `trees` the ROOT identities of every node (the
     leader's among them). Each node's daemon applies remote retention to the sink, so `whose` judges the
     export its own on each of them; an older stagerd reads `tree` alone (the leader's) and so keeps the

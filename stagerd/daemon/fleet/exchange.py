@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import FleetWaitError, SinkAuthError, SinkConflictError, SinkError, StagerdError
+from stagerd.errors import (
+    FleetWaitError,
+    SinkAuthError,
+    SinkConflictError,
+    SinkError,
+    StagerdError,
+    StepClaimedError,
+)
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
@@ -217,6 +224,9 @@ class StepExchange:
     def create(self, key: str, data: bytes) -> bool:
         return _named(self.exchange.url, key, lambda: self.exchange.backend.create(key, data))
 
+    def write(self, key: str, data: bytes) -> None:
+        _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data))
+
     def read(self, key: str, start: int, end: int) -> bytes:
         data: bytes = _named(
             self.exchange.url, key, lambda: self.store.fs.cat_file(self.store.path(key), start=start, end=end)
@@ -231,19 +241,39 @@ class StepExchange:
         out: list[Uploaded] = _named(sink.url, prefix, lambda: sink.backend.upload(prefix, files, sent))
         return out
 
-    def claim_step(self, sink: FsspecSink, mine: Claim) -> None:
-        """The leader's claim of the export on `sink` (`claims.fleet_claim`), made before its manifest so
-        that remote retention finds who published a complete step. Kept where an earlier try of this
-        leader made it, or where the step has a manifest (the commit compares it with this one's, as
-        before); another publisher's claim of a step without one is `StepClaimedError` (retried)."""
+    def claim_step(self, sink: FsspecSink, mine: Claim) -> bytes:
+        """The leader's claim of the export on `sink` (`claims.fleet_claim`), made before any node writes
+        under its `step-N/` (`fleet/stake.py`) and again before its manifest. Kept where an earlier try of
+        this leader made it, or where the step has a manifest (the commit compares it with this one's, as
+        before); another publisher's claim of a step without one is `StepClaimedError` (retried). Returns
+        the claim the sink holds."""
         prefix = layout.step_dir_name(self.step)
         key, manifest, b = claim_key(prefix), f"{prefix}/{layout.MANIFEST_NAME}", sink.backend
         if _named(sink.url, key, lambda: b.create(key, mine.encode())):
-            return
+            return mine.encode()
         held = _named(sink.url, key, lambda: b.read(key))
         if fleet_owned(held, mine) or _named(sink.url, manifest, lambda: b.read(manifest)) is not None:
-            return
+            return held or b""
         raise claimed_error(f"{sink.url}/{key}", held, self.step)
+
+    def claim_error(self, sink: FsspecSink, held: bytes | None) -> StepClaimedError | None:
+        """Before this node writes under `sink`'s `step-N/`: None where the sink holds the claim the leader
+        recorded (`held`; None: it recorded none), or where the step has a manifest (the commit compares
+        it, as before). Else the `StepClaimedError` of a publish that finds another's claim: nothing of
+        this publish was written there."""
+        prefix = layout.step_dir_name(self.step)
+        key, manifest, b = claim_key(prefix), f"{prefix}/{layout.MANIFEST_NAME}", sink.backend
+        now = _named(sink.url, key, lambda: b.read(key))
+        if now == held or _named(sink.url, manifest, lambda: b.read(manifest)) is not None:
+            return None
+        if now is None:  # taken since the leader claimed it (by hand, or a prune): its next try claims again
+            return StepClaimedError(
+                f"step {self.step}: the claim the fleet's leader made is gone from this sink; nothing of "
+                "this publish was written there",
+                path=f"{sink.url}/{key}",
+                hint="the leader claims the step again on the retry, which stagerd makes by itself",
+            )
+        return claimed_error(f"{sink.url}/{key}", now, self.step)
 
     def wait(self, done: Callable[[], bool], what: Callable[[], str]) -> None:
         """Poll `done` until it holds; `what` says what is awaited ("waiting for node 1, 2 (seen: ...)"),

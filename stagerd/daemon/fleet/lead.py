@@ -1,8 +1,9 @@
 """The leader's (node 0's) end of a fleet step: the index and extras built once and sent to each sink, then
 every file's record awaited and checked against this node's plan, and each sink's commit as soon as its
 own records are all there: a sink that fails, here or on a node owning a file it lacks, is left to its
-lane and never holds up another's commit. Each commit is preceded by the export's claim naming every
-node's ROOT (`claims.fleet_claim`): each node's retention counts the export as its own."""
+lane and never holds up another's commit. The export's claim naming every node's ROOT
+(`claims.fleet_claim`: each node's retention counts the export as its own) was made before any node wrote
+under a sink's `step-N/` (`stake.py`); each commit makes it again, where it is gone, or finds it kept."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.plan import NodePart, extras_of
 from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
+from stagerd.daemon.fleet.stake import publisher
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.errors import SinkError, StagerdError
-from stagerd.sinks.claims import fleet_claim
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import LocalFile, Uploaded
 
@@ -65,9 +66,7 @@ def lead(
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
-    # who published the export, for remote retention on every node: each node's ROOT as its claim names it
-    roots = [str((x.read_json(x.claim_key(k)) or {}).get("root", "")) for k in range(x.nodes)]
-    publisher = fleet_claim(step_dir, roots)
+    mine = publisher(x, step_dir)
     sent = 0
     pending: dict[str, tuple[FsspecSink, list[Uploaded]]] = {}  # sink URL -> the sink, what it was sent
     for sink in sinks:
@@ -99,7 +98,7 @@ def lead(
                 if why is None and not gone:
                     got = {n: x.record_data(sink, n) for n in names}
                     same_plans(x.step, owner, planned, got, at(sink))
-                    x.claim_step(sink, publisher)
+                    x.claim_step(sink, mine)
                     sink.commit_uploaded(
                         x.step, digests + [uploaded(got[n]) for n in names], {"fleet_nodes": x.nodes}
                     )

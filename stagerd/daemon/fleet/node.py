@@ -7,25 +7,30 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
    `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
 2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
-   byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`);
-4. for each file it owns that some sink has no record of: fetch the byte ranges its moves read (and
-   compute the LoRA merges it reads, from their fetched inputs), build it once with `execute`, and for
-   each such sink upload it under the sink's `step-N/`, then create
-   `fleet/step-N/done/SINK/NAME.json` (size, sha256, that store's checksum; SINK names the sink URL);
-5. the leader (node 0), sink by sink, uploads the index and extras, waits for every file's record, and
-   commits through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`:
-   `fleet/lead.py`; before it, the export's claim naming every node's ROOT, for remote retention);
+   byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`). Before
+   that the leader (node 0) claims the step on every sink (`fleet/stake.py`: the export's claim, naming
+   every node's ROOT, for remote retention) and records each claim on the exchange
+   (`fleet/step-N/claimed/SINK.json`): a step another publisher claimed is not the fleet's;
+4. for each file it owns that some sink has no record of: wait for the leader's record of each such sink's
+   claim and check the sink holds it (once a run: another's claim, or the leader's failure, fails the
+   sink here, nothing written there), fetch the byte ranges its moves read (and compute the LoRA merges
+   it reads, from their fetched inputs), build it once with `execute`, and for each such sink upload it
+   under the sink's `step-N/`, then create `fleet/step-N/done/SINK/NAME.json` (size, sha256, that
+   store's checksum; SINK names the sink URL);
+5. the leader, sink by sink, uploads the index and extras, waits for every file's record, and commits
+   through `FsspecSink.commit_uploaded` (listing and checksums verified, manifest last, `latest`:
+   `fleet/lead.py`; its claim of 3 checked again, and kept, just before);
    the others wait for every sink's manifest. A dead node's files are not reassigned: the step waits for it
    (`FleetWaitError`).
 
 With several fsspec sinks each owner uploads its files to every one (each node still sends about 1/N of
 every sink's bytes) and each sink gets its own commit, so every sink ends with the same export. Each sink is
-its own lane, as for one daemon: a sink that fails on a node (its upload, the leader's commit) is dropped
-from that node's run with its `SinkError` (`FleetResult.failed`) and a record of it on the exchange
-(`fleet/step-N/failed/SINK/node-K.json`), so that the leader commits every other sink as soon as its files
-are there, and the nodes waiting on the failed sink stop; the sink's lane then runs this protocol for it
-alone (`lanes`), retried as any publish is. `done.json` waits for every sink's commit: a sink's lane still
-reads the raw parts.
+its own lane, as for one daemon: a sink that fails on a node (the leader's claim, an upload, the commit)
+is dropped from that node's run with its `SinkError` (`FleetResult.failed`) and a record of it on the
+exchange (`fleet/step-N/failed/SINK/node-K.json`), so that the leader commits every other sink as soon as
+its files are there, and the nodes waiting on the failed sink stop; the sink's lane then runs this
+protocol for it alone (`lanes`), retried as any publish is. `done.json` waits for every sink's commit: a
+sink's lane still reads the raw parts.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from stagerd.daemon.fleet.records import (
     save_of,
     settings_of,
 )
+from stagerd.daemon.fleet.stake import Stakes, stake
 from stagerd.engine.adapter import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS
 from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
@@ -153,6 +159,7 @@ class FleetNode:
         )
         self.base = self.x.base
         self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
+        self.stakes = Stakes(self.x, self.lanes.fail)
 
     def run(self) -> FleetResult:
         try:
@@ -185,6 +192,9 @@ class FleetNode:
             ).bytes_uploaded
             parts = self._wait_parts()
             wait_agreed(self.x, self._settings())
+            if self.me == 0:  # before any node writes under a sink's step-N/: another's step is not ours
+                stake(self.x, self.step_dir, self.lanes.live(), self.lanes.fail)
+                self.lanes.check()
             mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
             p, units = self._plan(mirror, mirror.build())
             owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
@@ -228,7 +238,7 @@ class FleetNode:
         record it there: never redone once recorded."""
         for rel, art, f in mine:
             todo = [s for s in self.lanes.live() if self.x.record_data(s, rel) is None]
-            if not todo:
+            if not (todo := self.stakes.ready(todo)):  # the fleet's claim of each, seen once
                 continue
             out = self.work / "out"
             shutil.rmtree(out, ignore_errors=True)
