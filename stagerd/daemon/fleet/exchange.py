@@ -24,7 +24,7 @@ from stagerd.errors import (
     StepClaimedError,
 )
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.claims import Claim, claim_key, claimed_error, fleet_owned
+from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
@@ -109,7 +109,9 @@ class StepExchange:
                 continue  # a past try's, which that node's new try clears
             d = self._parse(key, data)
             if d.get("error"):
-                return SinkError(
+                # another publisher's complete step is no passing fault: every node stops on it, unretried
+                kind = SinkConflictError if d["error"] == SinkConflictError.__name__ else SinkError
+                return kind(
                     f"step {self.step}: node {k} could not publish its part to this sink "
                     f"({d['error']}: {d.get('message')})",
                     path=sink.url,
@@ -244,27 +246,53 @@ class StepExchange:
     def claim_step(self, sink: FsspecSink, mine: Claim) -> bytes:
         """The leader's claim of the export on `sink` (`claims.fleet_claim`), made before any node writes
         under its `step-N/` (`fleet/stake.py`) and again before its manifest. Kept where an earlier try of
-        this leader made it, or where the step has a manifest (the commit compares it with this one's, as
-        before); another publisher's claim of a step without one is `StepClaimedError` (retried). Returns
-        the claim the sink holds."""
+        this leader made it. Another publisher's claim of a step without a manifest is `StepClaimedError`
+        (retried); with one, the step is that publisher's and `SinkConflictError`: nothing of the fleet
+        goes there. Returns the claim the sink holds."""
         prefix = layout.step_dir_name(self.step)
-        key, manifest, b = claim_key(prefix), f"{prefix}/{layout.MANIFEST_NAME}", sink.backend
+        key, b = claim_key(prefix), sink.backend
         if _named(sink.url, key, lambda: b.create(key, mine.encode())):
             return mine.encode()
         held = _named(sink.url, key, lambda: b.read(key))
-        if fleet_owned(held, mine) or _named(sink.url, manifest, lambda: b.read(manifest)) is not None:
+        if fleet_owned(held, mine):
             return held or b""
+        if self._committed(sink):
+            raise self._theirs(sink, held)
         raise claimed_error(f"{sink.url}/{key}", held, self.step)
+
+    def committed_here(self, sink: FsspecSink, mine: Claim) -> bytes | None:
+        """Where `sink` holds the step complete (its manifest): the claim there, the fleet's own (an
+        earlier try committed it) or none (a commit from before claims); nothing is to be written there
+        again. Another publisher's is `SinkConflictError`. None where the step has no manifest."""
+        if not self._committed(sink):
+            return None
+        key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
+        held = _named(sink.url, key, lambda: b.read(key))
+        if held is None or fleet_owned(held, mine):
+            return held or b""
+        raise self._theirs(sink, held)
+
+    def _committed(self, sink: FsspecSink) -> bool:
+        manifest, b = f"{layout.step_dir_name(self.step)}/{layout.MANIFEST_NAME}", sink.backend
+        return _named(sink.url, manifest, lambda: b.read(manifest)) is not None
+
+    def _theirs(self, sink: FsspecSink, held: bytes | None) -> SinkConflictError:
+        who = decode(held)
+        return SinkConflictError(
+            f"step {self.step} is {who.describe() if who else 'another publisher'}'s complete step on this "
+            "sink; nothing of the fleet's export was written there",
+            path=f"{sink.url}/{layout.step_dir_name(self.step)}",
+            hint="two runs publish to one prefix: give each its own prefix; to publish the fleet's export "
+            "there instead, delete that step (`stagerd prune`), then `stagerd retry ROOT --step N`",
+        )
 
     def claim_error(self, sink: FsspecSink, held: bytes | None) -> StepClaimedError | None:
         """Before this node writes under `sink`'s `step-N/`: None where the sink holds the claim the leader
-        recorded (`held`; None: it recorded none), or where the step has a manifest (the commit compares
-        it, as before). Else the `StepClaimedError` of a publish that finds another's claim: nothing of
+        recorded (`held`). Else the `StepClaimedError` of a publish that finds another's claim: nothing of
         this publish was written there."""
-        prefix = layout.step_dir_name(self.step)
-        key, manifest, b = claim_key(prefix), f"{prefix}/{layout.MANIFEST_NAME}", sink.backend
+        key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
         now = _named(sink.url, key, lambda: b.read(key))
-        if now == held or _named(sink.url, manifest, lambda: b.read(manifest)) is not None:
+        if now == held:
             return None
         if now is None:  # taken since the leader claimed it (by hand, or a prune): its next try claims again
             return StepClaimedError(

@@ -9,7 +9,9 @@ ROOT: `StepExchange.claim_step`) and records what the sink then holds on the exc
 and checks the sink still holds that claim (`StepExchange.claim_error`): a node that is not the leader
 cannot make the leader's claim itself (its ROOT's identity, host and path), but can compare bytes. A sink
 the leader could not claim is left to its lane on the leader, and then on every owner, with the
-`StepClaimedError` naming the holder: nothing of the fleet is written there, the other sinks go on."""
+`StepClaimedError` naming the holder: nothing of the fleet is written there, the other sinks go on. A step a
+sink already holds complete is never written into: the fleet's own (an earlier try's commit) is recorded as
+complete, and owners skip it; another publisher's is `SinkConflictError` on every node."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import SinkError, StagerdError
+from stagerd.errors import SinkConflictError, SinkError, StagerdError
 from stagerd.sinks.claims import Claim, fleet_claim
 from stagerd.sinks.fsspec import FsspecSink
 
@@ -45,12 +47,17 @@ def stake(x: StepExchange, step_dir: Path, sinks: Sequence[FsspecSink], failed: 
     mine = publisher(x, step_dir)
     for sink in sinks:
         try:
-            held = x.claim_step(sink, mine)
+            # A step the sink holds complete is written no more: the fleet's own (a leader killed between
+            # two sinks' commits) needs only `latest`; another publisher's is its conflict.
+            held = x.committed_here(sink, mine)
+            complete = held is not None
+            if held is None:
+                held = x.claim_step(sink, mine)
         except SinkError as e:
             failed(sink, e)
             continue
         key = claimed_key(x, sink)
-        data = json.dumps({"claim": held.decode(errors="replace")}).encode()
+        data = json.dumps({"claim": held.decode(errors="replace"), "complete": complete}).encode()
         x.write(key, data)  # overwritten: a claim made again after a prune replaces it
 
 
@@ -60,12 +67,14 @@ class Stakes:
     def __init__(self, x: StepExchange, failed: Fail) -> None:
         self.x, self.failed = x, failed
         self.seen: set[str] = set()
+        self.complete: set[str] = set()  # the step is already there: nothing is uploaded to it
 
     def ready(self, sinks: Sequence[FsspecSink]) -> list[FsspecSink]:
-        """Those of `sinks` whose step is the fleet's: waits until the leader recorded its claim of each, or
-        left it to its lane (`failure_of`). A sink whose claim is another publisher's, or the leader's
-        failure, is `failed` here too and dropped."""
-        x, todo = self.x, [s for s in sinks if s.url not in self.seen]
+        """Those of `sinks` whose step is the fleet's to write: waits until the leader recorded its claim of
+        each, found the step complete there (nothing to upload), or left it to its lane (`failure_of`). A
+        sink whose claim is another publisher's, or the leader's failure, is `failed` here too and
+        dropped."""
+        x, todo = self.x, [s for s in sinks if s.url not in self.seen | self.complete]
         held: dict[str, bytes] = {}
         gone: dict[str, StagerdError] = {}
 
@@ -74,18 +83,27 @@ class Stakes:
                 if s.url in held or s.url in gone:
                     continue
                 rec = x.read_json(claimed_key(x, s))
-                if rec is not None:
+                if rec is not None and rec.get("complete") is True:
+                    self.complete.add(s.url)
+                elif rec is not None:
                     held[s.url] = str(rec.get("claim", "")).encode()
                 elif (why := x.failure_of(s, [0])) is not None:
                     gone[s.url] = why
-            return len(held) + len(gone) == len(todo)
+            return all(s.url in held or s.url in gone or s.url in self.complete for s in todo)
 
         def waiting() -> str:  # the count, and the leader's reports, are its progress
-            of = f"{len(held) + len(gone)} of {len(todo)} sinks claimed"
-            return f"waiting for the leader (node 0: {of}{x.progress_of([0])})"
+            known = sum(s.url in held or s.url in gone or s.url in self.complete for s in todo)
+            return (
+                f"waiting for the leader (node 0: {known} of {len(todo)} sinks claimed{x.progress_of([0])})"
+            )
 
         x.wait(decided, waiting)
         for s in todo:
+            if s.url in self.complete:
+                continue
+            if isinstance(gone.get(s.url), SinkConflictError):  # another's complete step: the leader's word
+                self.failed(s, gone[s.url])
+                continue
             try:  # the leader's failure is named by the claim that caused it, where another holds one
                 why: StagerdError | None = x.claim_error(s, held.get(s.url)) or gone.get(s.url)
             except SinkError as e:

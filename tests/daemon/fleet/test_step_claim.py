@@ -14,7 +14,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions, FleetResult
 from stagerd.engine.export import export_step
-from stagerd.errors import StepClaimedError
+from stagerd.errors import SinkConflictError, StepClaimedError
 from stagerd.sinks.claims import claim_key, publish_claim
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
@@ -87,9 +87,9 @@ def _get(prefix: _Prefix, key: str) -> bytes:
 
 
 def test_an_owner_uploads_only_where_the_sink_still_holds_the_claim_the_leader_recorded(tmp_path):
-    """The owner's check (`StepExchange.claim_error`): the recorded claim on the sink, or a step with a
-    manifest (the commit compares it, as before), lets it write; a claim replaced since, or gone (by hand,
-    or a prune), is the retryable `StepClaimedError` naming the key, and nothing is written."""
+    """The owner's check (`StepExchange.claim_error`): the recorded claim on the sink lets it write; a claim
+    replaced since, or gone (by hand, or a prune), is the retryable `StepClaimedError` naming the key,
+    whatever else the step holds, and nothing is written."""
     from stagerd.daemon.fleet.exchange import StepExchange
 
     url = (tmp_path / "x").as_uri()
@@ -109,6 +109,43 @@ def test_an_owner_uploads_only_where_the_sink_still_holds_the_claim_the_leader_r
     err = x.claim_error(sink, ours)
     assert isinstance(err, StepClaimedError) and "is gone" in str(err) and key in str(err), err
 
-    sink.backend.write(f"{step}/{layout.MANIFEST_NAME}", b"{}")  # committed: as before
-    assert x.claim_error(sink, ours) is None
+    sink.backend.write(f"{step}/{layout.MANIFEST_NAME}", b"{}")  # a manifest lets nothing in either
+    assert isinstance(x.claim_error(sink, ours), StepClaimedError)
     assert sorted(p.name for p in (tmp_path / "b" / step).iterdir()) == [layout.MANIFEST_NAME]
+
+
+@pytest.mark.parametrize("store", ["file", "s3"])
+def test_a_step_another_root_committed_on_one_sink_is_not_written_into(request, tmp_path, dcp_mixed2, store):
+    """Another ROOT published step 7 on sink b completely (claim, files, manifest) under the fleet's own
+    file names. Before, the fleet's early claim passed any step with a manifest and its owners uploaded
+    over that run's files (the commit then found the step published and only moved `latest`). Now every
+    object of b stays byte for byte, `latest` included; each node names b's `SinkConflictError` (not
+    retried: the step is the other run's); sink a commits."""
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    for d in node_dirs:
+        (d.parent / layout.STATE_DIR).mkdir(exist_ok=True)
+    export_step(shared, max_shard_size=SHARD)
+    names = sorted(p.name for p in (shared / layout.EXPORT_DIR).iterdir())
+    b = _Prefix(request, tmp_path, store)
+    a = (tmp_path / "a").as_uri()
+    step = layout.step_dir_name(STEP)
+    theirs = _root(tmp_path / "other") / step / layout.EXPORT_DIR
+    theirs.mkdir(parents=True)
+    for n in names:
+        (theirs / n).write_bytes(f"another run's {n}".encode())
+    other = FsspecSink.from_url(b.url)
+    try:
+        assert not other.publish(theirs, STEP).skipped
+    finally:
+        other.close()
+    before = {k: _get(b, k) for k in b.keys()}  # noqa: SIM118 (b.keys is a function)
+
+    out = _run(node_dirs, [a, b.url], (tmp_path / "exchange").as_uri())
+    assert all(isinstance(r, FleetResult) for r in out), out
+    assert {k: _get(b, k) for k in b.keys()} == before  # noqa: SIM118
+    for r in out:
+        err = r.failed.get(b.url)  # type: ignore[union-attr]
+        assert isinstance(err, SinkConflictError) and not err.retryable, out
+        assert "complete step" in str(err) and str(theirs) in str(err), err
+    assert (tmp_path / "a" / step / layout.MANIFEST_NAME).is_file()
+    assert out[0].committed  # type: ignore[union-attr]
