@@ -146,7 +146,36 @@ def torch_stager_closes_after_each_save() -> bool:
         st.close()
 
 
-class TorchBest(Method):
+class _TorchAsync(Method):
+    """A torch async save in flight (`pending`), its directory removed once the next one is durable."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.deleter = _Deleter()
+        self.pending: Any = None
+        self.last: Path | None = None
+
+    def _wait_previous(self, rec: Save) -> None:
+        if self.pending is not None:  # torchtitan waits for the previous upload first
+            self._blocked(rec, self.pending.result)
+            self._drop_last()
+
+    def _drop_last(self) -> None:
+        if self.last is not None:
+            self.deleter.remove(self.last)
+            self.last = None
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+
+    def close(self) -> None:
+        self.drain()
+        self._drop_last()
+        self.deleter.join()
+
+
+class TorchBest(_TorchAsync):
     """dcp.async_save, PROCESS checkpointer + DefaultStager(pinned, shared, async): torchtitan's
     async_with_pinned_mem, with its FileSystemWriter given as many threads as stagerd's writer."""
 
@@ -173,10 +202,7 @@ class TorchBest(Method):
                 use_non_blocking_copy=cuda,
             )
         )
-        self.deleter = _Deleter()
-        self.pending: Any = None
         self.staging: Any = None
-        self.last: Path | None = None
 
     def save(self, step: int) -> Save:
         import torch.distributed.checkpoint as dcp
@@ -185,9 +211,7 @@ class TorchBest(Method):
 
         rec = Save(step, time.perf_counter())
         self.saves.append(rec)
-        if self.pending is not None:  # torchtitan waits for the previous upload first
-            self._blocked(rec, self.pending.result)
-            self._drop_last()
+        self._wait_previous(rec)
         path = self.root / f"best-{step}"
         sd = {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
         resp = self._blocked(
@@ -205,11 +229,6 @@ class TorchBest(Method):
         _when(resp.upload_completion, rec, "durable_at")
         return rec
 
-    def _drop_last(self) -> None:
-        if self.last is not None:
-            self.deleter.remove(self.last)
-            self.last = None
-
     def before_step(self) -> None:
         if self.staging is not None:
             staging, self.staging = self.staging, None
@@ -217,16 +236,9 @@ class TorchBest(Method):
 
     settle = before_step
 
-    def drain(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-            self._drop_last()
+        super().close()
         self.stager.close()
-        self.deleter.join()
         if self._unpatch is not None:
             self._unpatch()
         from torch.distributed.checkpoint import _async_process_executor as executor
@@ -234,25 +246,17 @@ class TorchBest(Method):
         executor._CHECKPOINT_PROCESS = None  # its __del__ stops the checkpoint process
 
 
-class TorchAsyncDefault(Method):
+class TorchAsyncDefault(_TorchAsync):
     """dcp.async_save with torch's defaults (thread checkpointer; it copies to host before it returns)."""
 
     name = "dcp.async_save defaults"
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.deleter = _Deleter()
-        self.pending: Any = None
-        self.last: Path | None = None
 
     def save(self, step: int) -> Save:
         import torch.distributed.checkpoint as dcp
 
         rec = Save(step, time.perf_counter())
         self.saves.append(rec)
-        if self.pending is not None:
-            self._blocked(rec, self.pending.result)
-            self.deleter.remove(self.last)  # type: ignore[arg-type]
+        self._wait_previous(rec)
         path = self.root / f"async-{step}"
         sd = {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
         fut = self._blocked(rec, functools.partial(dcp.async_save, sd, checkpoint_id=path))
@@ -260,16 +264,6 @@ class TorchAsyncDefault(Method):
         self.pending, self.last = fut, path
         _when(fut, rec, "durable_at")
         return rec
-
-    def drain(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-
-    def close(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-            self.deleter.remove(self.last)  # type: ignore[arg-type]
-        self.deleter.join()
 
 
 class TorchSave(Method):
