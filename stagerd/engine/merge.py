@@ -7,11 +7,12 @@ or A's matching columns with `fan_in_fan_out`), each block computed in float32 (
 F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. DoRA scales each
 output of W + delta by its magnitude over its L2 norm; with `fan_in_fan_out` an output is a column, so its
 norms take a first pass over the row blocks. A LoRA bias (base + scaling * B's bias) is a vector, read
-whole. The merged tensors are written, block by block, into one scratch shard (a DCP-style safetensors
-file beside the output); its header joins the staged shards' for the planner, so the views, casts and
-file packing treat a merged tensor like any staged one. numpy's matmul sums in another order than torch's
-(and a DoRA norm is summed in float64): the merged values agree with `merge_and_unload` to float
-rounding, not bit for bit.
+whole. A MoE's fused experts adapted with `target_parameters` merge one expert at a time
+(`engine/expert_merge.py`). The merged tensors are written, block by block, into one scratch shard (a
+DCP-style safetensors file beside the output); its header joins the staged shards' for the planner, so
+the views, casts and file packing treat a merged tensor like any staged one. numpy's matmul sums in
+another order than torch's (and a DoRA norm is summed in float64): the merged values agree with
+`merge_and_unload` to float rounding, not bit for bit; an expert merge sums as torch does, bit for bit.
 
 A zero fill (`ZeroFill`: the padding a conversion appends) has its place in the same scratch shard and is
 never written: the file is extended to its full size with ftruncate, so its bytes are a hole that reads
@@ -43,6 +44,7 @@ from stagerd.contract.safetensors_format import (
     read_header,
 )
 from stagerd.engine.chunk_table import build_chunk_table
+from stagerd.engine.expert_merge import merge_experts
 from stagerd.engine.merge_inputs import NP, promoted, read_rows, read_vector, rounded, shape_of
 from stagerd.engine.plan_types import ChunkTable
 from stagerd.engine.runner import pwrite_all
@@ -199,6 +201,9 @@ def _merge_one(
     at: int,
     block_bytes: int,
 ) -> None:
+    if m.kind is MergeKind.EXPERTS:
+        merge_experts(table, ids, shapes, m, fd, at, block_bytes)
+        return
     dts = [NP[table.dtype_name(ids[n])] for n in m.inputs]
     wdt, bdt = dts[0], dts[-1] if m.kind is MergeKind.BIAS else dts[2]
     wide = np.dtype(np.float64) if np.dtype(np.float64) in dts else np.dtype(np.float32)

@@ -30,6 +30,11 @@ def promoted(*dts: np.dtype[Any]) -> np.dtype[Any]:
     return dts[0] if len(set(dts)) == 1 else np.dtype(np.float32)
 
 
+def opmath(dt: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype torch computes an elementwise op of `dt` tensors in: float32 for the half types."""
+    return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+
+
 def rounded(x: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
     """`x` rounded to `dt` (as torch stores an op's result), kept in `x`'s wider dtype."""
     return x if dt == x.dtype else x.astype(dt).astype(x.dtype)
