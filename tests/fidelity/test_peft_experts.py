@@ -17,6 +17,7 @@ import copy
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ SHARD = 20000  # a few tensors per file: the index and each file's place are sav
 # (base dtype, PEFT's autocast of the adapter to float32)
 DTYPES = {"f32": (torch.float32, True), "bf16_base": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+_LINEAR = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o"))
 _LINEAR_ULPS = {"F32": 4, "BF16": 1}  # as tests/fidelity/test_peft_variants.py measured them
 
 
@@ -60,17 +62,16 @@ def _base(kind: str) -> torch.nn.Module:
     return tf.GptOssForCausalLM(config)
 
 
-def _trained(kind: str, dtype: str, params: list[str]) -> torch.nn.Module:
+def _trained(
+    kind: str, dtype: str, params: list[str], modules: Any = ("q_proj", "v_proj")
+) -> torch.nn.Module:
     """`kind`'s LoRA model after a few AdamW steps: B is no longer zero."""
     torch.manual_seed(0)
     base_dtype, autocast = DTYPES[dtype]
     base = _base(kind).to(base_dtype)
+    targets = modules if isinstance(modules, str) else list(modules)
     lora = peft.LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=["q_proj", "v_proj"],
-        target_parameters=params,
-        task_type="CAUSAL_LM",
+        r=4, lora_alpha=8, target_modules=targets, target_parameters=params, task_type="CAUSAL_LM"
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT says target_parameters is experimental
@@ -126,7 +127,7 @@ def _check(model, export: Path, tmp: Path) -> set[str]:
     changed = set()
     for name, entry in want.items():
         assert got[name][:2] == entry[:2], name
-        if name.endswith(("q_proj.weight", "v_proj.weight")):  # a Linear's merge: numpy's matmul order
+        if name.endswith(_LINEAR):  # a Linear's merge: numpy's matmul order
             assert _ulps(got[name], entry) <= _LINEAR_ULPS[entry[0]], name
             continue
         # an expert merge sums as torch does (engine/expert_merge.py): bit for bit, as every other tensor
@@ -168,6 +169,15 @@ def test_lora_on_fused_experts_exports_as_merge_and_unload_writes_it(tmp_path, k
     assert experts == layouts.get(kind, {(True, ExpertLayout.EIO)})
     changed = _check(model, export, tmp_path)
     assert kind != "qwen3_moe" or any(n.endswith("mlp.gate.weight") for n in changed)  # the router too
+
+
+def test_all_linear_on_a_moe_merges_its_experts_too(tmp_path):
+    """PEFT's `all-linear` wraps the fused experts too (a `ParamWrapper` each): merged like the rest."""
+    model = _trained("qwen3_moe", "f32", [], modules="all-linear")
+    export, step = _saved_and_exported(model, tmp_path)
+    plan = layout.read_marker(step).hub_plan
+    assert plan is not None and any(m.kind is MergeKind.EXPERTS for m in plan.merges)
+    _check(model, export, tmp_path)
 
 
 def test_verify_recomputes_expert_merges_and_names_a_flipped_byte(tmp_path):
