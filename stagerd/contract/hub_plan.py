@@ -38,7 +38,7 @@ from typing import Any
 
 from stagerd.contract import dtypes
 from stagerd.contract.json_fields import as_int, as_ints, as_str, as_strs
-from stagerd.contract.lora_merge import LoraMerge, MergeKind
+from stagerd.contract.lora_merge import MARKER_LISTS, LoraMerge
 from stagerd.errors import DTypeError, HubPlanError
 
 HUB_PLAN_FORMAT = "stagerd.hub/1"
@@ -130,11 +130,9 @@ class HubPlan:
             "views": [_view_json(v) for v in self.views],
             "drop": list(self.drop),
         }  # fmt: skip
-        if self.merges:  # the other kinds apart: an older stagerd must not take them for plain LoRA
-            plain = [m.to_json() for m in self.merges if m.kind is MergeKind.LORA]
-            variants = [m.to_json() for m in self.merges if m.kind is not MergeKind.LORA]
-            d |= {"merges": plain} if plain else {}
-            d |= {"variant_merges": variants} if variants else {}
+        for key, kinds in MARKER_LISTS.items():  # apart: an older stagerd must not take them for plain LoRA
+            listed = [m.to_json() for m in self.merges if m.kind in kinds]
+            d |= {key: listed} if listed else {}
         if self.zeros:
             d["zeros"] = [{"name": z.name, "dtype": z.dtype, "shape": list(z.shape)} for z in self.zeros]
         if self.order:
@@ -169,13 +167,12 @@ class HubPlan:
                 )
                 for v in d["views"]
             )
-            merges = tuple(LoraMerge.from_json(m) for m in d.get("merges", ()))
-            variants = tuple(LoraMerge.from_json(m) for m in d.get("variant_merges", ()))
-            if any(m.kind is not MergeKind.LORA for m in merges) or any(
-                m.kind is MergeKind.LORA for m in variants
-            ):
-                raise ValueError("a merge listed among those of another kind")
-            merges += variants
+            merges: tuple[LoraMerge, ...] = ()
+            for key, kinds in MARKER_LISTS.items():
+                listed = tuple(LoraMerge.from_json(m) for m in d.get(key, ()))
+                if any(m.kind not in kinds for m in listed):
+                    raise ValueError("a merge listed among those of another kind")
+                merges += listed
             zeros = tuple(
                 ZeroFill(as_str(z["name"]), as_str(z["dtype"]), as_ints(z["shape"]))
                 for z in d.get("zeros", ())

@@ -5,11 +5,16 @@ as PEFT's `merge_and_unload` computes it for each kind of LoRA layer.
   out; a LoRA embedding is such a merge);
 - `DORA`: W + delta as above, times `magnitude` / its L2 norm, one factor per output (a row of `base`, a
   column with `fan_in_fan_out`): PEFT's `lora_magnitude_vector` over the norm of the merged weight;
-- `BIAS`: `base` + scaling * `b`, vectors (the base layer's bias and `lora_B`'s, `lora_bias=True`); no `a`.
+- `BIAS`: `base` + scaling * `b`, vectors (the base layer's bias and `lora_B`'s, `lora_bias=True`); no `a`;
+- `EXPERTS`: a parameter PEFT adapts with `target_parameters` (its `ParamWrapper`): `base` is `experts`
+  fused matrices, [experts, out, in] (`layout` `eoi`) or [experts, in, out] (`eio`), or one (out x in)
+  matrix with `experts` 1; expert e's A is rows e*r..(e+1)*r of `a` (r*experts x in), its B the columns
+  e, e+experts, ... of `b` (out x r*experts), and it gains scaling * (B_e @ A_e) (transposed for `eio`).
 
-In the marker, plain LoRA merges are written under `merges` as before; the others under
-`variant_merges`, which an older stagerd ignores: it then refuses the views that read their outputs (not
-saved) rather than computing a DoRA merge as a plain one.
+In the marker, plain LoRA merges are written under `merges` as before; DoRA and bias merges under
+`variant_merges`, expert merges under `expert_merges` (`MARKER_LISTS`). An older stagerd ignores a list
+it does not know: it then refuses the views that read their outputs (not saved) rather than computing a
+DoRA merge as a plain one, or failing to read the whole marker on a kind it has no name for.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from stagerd.contract.json_fields import as_bool, as_float, as_str
+from stagerd.contract.json_fields import as_bool, as_float, as_int, as_str
 from stagerd.errors import HubPlanError
 
 
@@ -28,6 +33,27 @@ class MergeKind(StrEnum):
     LORA = "lora"
     DORA = "dora"
     BIAS = "bias"
+    EXPERTS = "experts"
+
+
+class ExpertLayout(StrEnum):
+    """How an `EXPERTS` merge's base holds each expert's matrix (PEFT's `_did_swap_in_out_features`)."""
+
+    EOI = "eoi"  # [experts, out, in]: transformers' fused experts (Mixtral, Qwen3-MoE)
+    EIO = "eio"  # [experts, in, out]: an experts module with `is_transposed` (GPT-OSS)
+
+
+# The marker's list of each kind, in the order a plan reads them back.
+MARKER_LISTS: dict[str, tuple[MergeKind, ...]] = {
+    "merges": (MergeKind.LORA,),
+    "variant_merges": (MergeKind.DORA, MergeKind.BIAS),
+    "expert_merges": (MergeKind.EXPERTS,),
+}
+
+
+def marker_list(kind: MergeKind) -> int:
+    """The place in `MARKER_LISTS` of the list that holds merges of `kind`."""
+    return next(i for i, kinds in enumerate(MARKER_LISTS.values()) if kind in kinds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +69,8 @@ class LoraMerge:
     fan_in_fan_out: bool = False
     kind: MergeKind = MergeKind.LORA
     magnitude: str = ""
+    experts: int = 0
+    layout: ExpertLayout | None = None
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -58,7 +86,12 @@ class LoraMerge:
         if not math.isfinite(self.scaling):
             raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
         dora, bias = self.kind is MergeKind.DORA, self.kind is MergeKind.BIAS
-        if bool(self.magnitude) != dora or bool(self.a) == bias:
+        experts = self.kind is MergeKind.EXPERTS
+        if (
+            bool(self.magnitude) != dora
+            or bool(self.a) == bias
+            or (self.layout is not None, bool(self.experts)) != (experts, experts)
+        ):
             raise HubPlanError(f"merge {self.name!r}: its inputs are not a {self.kind} merge's", path=path)
         got = [shapes.get(n) for n in self.inputs]
         if any(s is None for s in got):
@@ -70,6 +103,9 @@ class LoraMerge:
                     f"merge {self.name!r}: bias {list(dims[1])} does not fit base bias {list(dims[0])}",
                     path=path,
                 )
+            return
+        if experts:
+            self._check_experts(*dims, path=path)
             return
         w, a, b = dims[:3]
         if len(w) != 2 or len(a) != 2 or len(b) != 2:
@@ -85,6 +121,25 @@ class LoraMerge:
                 path=path,
             )
 
+    def _check_experts(
+        self, w: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...], *, path: object
+    ) -> None:
+        n = w[0] if len(w) == 3 else 1
+        # PEFT merges one expert as a Linear, its delta out x in: an in x out base would not take it.
+        eio_of_one = n == 1 and self.layout is not ExpertLayout.EOI
+        if len(w) not in (2, 3) or self.experts != n or n < 1 or eio_of_one or self.fan_in_fan_out:
+            raise HubPlanError(
+                f"merge {self.name!r}: base {list(w)} is not {self.experts} experts' {self.layout} matrices",
+                path=path,
+            )
+        rows, cols = w[-2:]
+        out, inp = (rows, cols) if self.layout is ExpertLayout.EOI else (cols, rows)
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1] or a[0] % n or a[1] != inp or b[0] != out:
+            raise HubPlanError(
+                f"merge {self.name!r}: A {list(a)} and B {list(b)} do not fit {n} experts of base {list(w)}",
+                path=path,
+            )
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "base": self.base, "a": self.a, "b": self.b}
         d["scaling"] = self.scaling
@@ -96,6 +151,8 @@ class LoraMerge:
             del d["a"]
         if self.magnitude:
             d["magnitude"] = self.magnitude
+        if self.layout is not None:
+            d["experts"], d["layout"] = self.experts, self.layout.value
         return d
 
     @classmethod
@@ -111,4 +168,6 @@ class LoraMerge:
             as_bool(d.get("fan_in_fan_out", False)),
             kind,
             as_str(d.get("magnitude", "")),
+            as_int(d.get("experts", 0)),
+            ExpertLayout(as_str(d["layout"])) if kind is MergeKind.EXPERTS else None,
         )

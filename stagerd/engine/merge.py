@@ -7,11 +7,12 @@ or A's matching columns with `fan_in_fan_out`), each block computed in float32 (
 F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. DoRA scales each
 output of W + delta by its magnitude over its L2 norm; with `fan_in_fan_out` an output is a column, so its
 norms take a first pass over the row blocks. A LoRA bias (base + scaling * B's bias) is a vector, read
-whole. The merged tensors are written, block by block, into one scratch shard (a DCP-style safetensors
-file beside the output); its header joins the staged shards' for the planner, so the views, casts and
-file packing treat a merged tensor like any staged one. numpy's matmul sums in another order than torch's
-(and a DoRA norm is summed in float64): the merged values agree with `merge_and_unload` to float
-rounding, not bit for bit.
+whole. A MoE's fused experts adapted with `target_parameters` merge one expert at a time
+(`engine/expert_merge.py`). The merged tensors are written, block by block, into one scratch shard (a
+DCP-style safetensors file beside the output); its header joins the staged shards' for the planner, so
+the views, casts and file packing treat a merged tensor like any staged one. numpy's matmul sums in
+another order than torch's (and a DoRA norm is summed in float64): the merged values agree with
+`merge_and_unload` to float rounding, not bit for bit; an expert merge sums as torch does, bit for bit.
 
 A zero fill (`ZeroFill`: the padding a conversion appends) has its place in the same scratch shard and is
 never written: the file is extended to its full size with ftruncate, so its bytes are a hole that reads
@@ -30,7 +31,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from stagerd.contract import dtypes
@@ -43,18 +43,13 @@ from stagerd.contract.safetensors_format import (
     Header,
     read_header,
 )
-from stagerd.contract.step.reopen import open_held
 from stagerd.engine.chunk_table import build_chunk_table
-from stagerd.engine.plan_types import Chunk, ChunkTable
-from stagerd.engine.runner import pread_into, pwrite_all
+from stagerd.engine.expert_merge import merge_experts
+from stagerd.engine.merge_inputs import NP, promoted, read_rows, read_vector, rounded, shape_of
+from stagerd.engine.plan_types import ChunkTable
+from stagerd.engine.runner import pwrite_all
 from stagerd.errors import HubPlanError, OutputError
 
-_NP: dict[str, np.dtype[Any]] = {
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64),
-}
 BLOCK_BYTES = 32 << 20
 SCRATCH_NAME = "merged.safetensors"
 
@@ -125,7 +120,7 @@ def write_scratch_header(
     (`merge_into`), which a fleet node computes for its own files alone. The zero fills' bytes stay a
     hole: every node's scratch reads them as zeros."""
     where = table.where
-    shapes = {n: _shape(table, t) for n, t in ids.items()}
+    shapes = {n: shape_of(table, t) for n, t in ids.items()}
     entries: dict[str, Any] = {}
     pos = 0
     for m in merges:
@@ -134,9 +129,9 @@ def write_scratch_header(
             raise HubPlanError(f"the merge {m.name!r} would replace a tensor of that name", path=where)
         dt = table.dtype_name(ids[m.base])
         for n in m.inputs:
-            if table.dtype_name(ids[n]) not in _NP:
+            if table.dtype_name(ids[n]) not in NP:
                 raise HubPlanError(f"merge {m.name!r}: {n!r} is not floating point", path=where)
-        size = _NP[dt].itemsize * math.prod(shapes[m.base])
+        size = NP[dt].itemsize * math.prod(shapes[m.base])
         entries[m.name] = {"dtype": dt, "shape": list(shapes[m.base]), "data_offsets": [pos, pos + size]}
         pos += size
     for z in zeros:
@@ -173,7 +168,7 @@ def merge_into(
     block_bytes: int = BLOCK_BYTES,
 ) -> None:
     """Compute `merges` (some or all of the scratch file's) into their places in `path`."""
-    shapes = {n: _shape(table, t) for n, t in ids.items()}
+    shapes = {n: shape_of(table, t) for n, t in ids.items()}
     try:
         fd = os.open(path, os.O_WRONLY)
     except OSError as e:
@@ -192,7 +187,7 @@ def merge_reads(table: ChunkTable, ids: Mapping[str, int], m: LoraMerge) -> Iter
     """(shard path, byte offset, length) of every staged block that the merge `m` reads."""
     for n in m.inputs:
         t = ids[n]
-        size = _NP[table.dtype_name(t)].itemsize
+        size = NP[table.dtype_name(t)].itemsize
         for c in table.chunks_of(t):
             yield table.sources[c.src], c.offset, size * math.prod(c.shape)
 
@@ -206,24 +201,27 @@ def _merge_one(
     at: int,
     block_bytes: int,
 ) -> None:
-    dts = [_NP[table.dtype_name(ids[n])] for n in m.inputs]
+    if m.kind is MergeKind.EXPERTS:
+        merge_experts(table, ids, shapes, m, fd, at, block_bytes)
+        return
+    dts = [NP[table.dtype_name(ids[n])] for n in m.inputs]
     wdt, bdt = dts[0], dts[-1] if m.kind is MergeKind.BIAS else dts[2]
     wide = np.dtype(np.float64) if np.dtype(np.float64) in dts else np.dtype(np.float32)
     scaling = np.asarray(m.scaling, dtype=wide)
     if m.kind is MergeKind.BIAS:  # PEFT: base.bias += lora_B.bias * scaling, the product in B's dtype
-        w, b = (_read_vector(table, ids[n], dt) for n, dt in zip(m.inputs, dts, strict=True))
+        w, b = (read_vector(table, ids[n], dt) for n, dt in zip(m.inputs, dts, strict=True))
         delta = np.multiply(b.astype(wide), scaling).astype(bdt)
         pwrite_all(fd, memoryview(np.add(w.astype(wide), delta.astype(wide)).astype(wdt).tobytes()), at)
         return
     rows, cols = shapes[m.base]
-    a = _read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
-    b = _read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
+    a = read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
+    b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
     step = max(1, block_bytes // max(1, cols * wide.itemsize))
     blocks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def merged(lo: int, hi: int) -> np.ndarray:
         """W + scaling * (B @ A) on rows [lo, hi) in `wide`, the delta rounded to B's dtype as PEFT does."""
-        w = _read_rows(table, ids[m.base], lo, hi, wdt)
+        w = read_rows(table, ids[m.base], lo, hi, wdt)
         # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
         delta = np.matmul(b, a[:, lo:hi]).T if m.fan_in_fan_out else np.matmul(b[lo:hi], a)
         delta = np.multiply(delta, scaling).astype(bdt)
@@ -237,79 +235,25 @@ def _merge_one(
     # DoRA (PEFT's DoraLinearVariant.merge_unsafe): W + delta and its norm per output in torch's promoted
     # dtype of W and the delta, magnitude / norm in that of the magnitude and the norm, the product
     # rounded there, then to W's dtype. The norm is summed in float64: torch's own order is not numpy's.
-    summed = _promoted(wdt, bdt)
-    factor_dt = _promoted(dts[3], summed)
-    mag = _read_vector(table, ids[m.magnitude], dts[3]).astype(wide)
+    summed = promoted(wdt, bdt)
+    factor_dt = promoted(dts[3], summed)
+    mag = read_vector(table, ids[m.magnitude], dts[3]).astype(wide)
 
     def factor(sq: np.ndarray, mag: np.ndarray) -> np.ndarray:
-        norm = _rounded(np.sqrt(sq).astype(wide), summed)
-        return _rounded(np.divide(mag, norm), factor_dt)
+        norm = rounded(np.sqrt(sq).astype(wide), summed)
+        return rounded(np.divide(mag, norm), factor_dt)
 
     if m.fan_in_fan_out:  # each output is a column of W: its norm needs every row block first
         sq = np.zeros(cols, dtype=np.float64)
         for lo, hi in blocks:
-            sq += np.square(_rounded(merged(lo, hi), summed), dtype=np.float64).sum(axis=0)
+            sq += np.square(rounded(merged(lo, hi), summed), dtype=np.float64).sum(axis=0)
         by_column = factor(sq, mag)[None, :]
     for lo, hi in blocks:
-        s = _rounded(merged(lo, hi), summed)
+        s = rounded(merged(lo, hi), summed)
         f = (
             by_column
             if m.fan_in_fan_out
             else factor(np.square(s, dtype=np.float64).sum(axis=1), mag[lo:hi])[:, None]
         )
-        out = _rounded(np.multiply(f, s), factor_dt).astype(wdt)
+        out = rounded(np.multiply(f, s), factor_dt).astype(wdt)
         pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)
-
-
-def _promoted(*dts: np.dtype[Any]) -> np.dtype[Any]:
-    """torch's result dtype of an elementwise op on floating tensors of `dts` (F16 with BF16 is F32)."""
-    if np.dtype(np.float64) in dts:
-        return np.dtype(np.float64)
-    return dts[0] if len(set(dts)) == 1 else np.dtype(np.float32)
-
-
-def _rounded(x: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
-    """`x` rounded to `dt` (as torch stores an op's result), kept in `x`'s wider dtype."""
-    return x if dt == x.dtype else x.astype(dt).astype(x.dtype)
-
-
-def _shape(table: ChunkTable, t: int) -> tuple[int, ...]:
-    chunks = table.chunks_of(t)
-    return tuple(max(c.global_offset[d] + c.shape[d] for c in chunks) for d in range(len(chunks[0].shape)))
-
-
-def _read_rows(table: ChunkTable, t: int, lo: int, hi: int, dt: np.dtype[Any]) -> np.ndarray:
-    """Rows [lo, hi) of the 2-dim staged tensor `t`, from the blocks that hold them (tiling checked)."""
-    chunks = table.chunks_of(t)
-    cols = max(c.global_offset[1] + c.shape[1] for c in chunks)
-    out = np.empty((hi - lo, cols), dtype=dt)
-    for c in chunks:
-        (r0, c0), (n, k) = c.global_offset, c.shape
-        a, b = max(lo, r0), min(hi, r0 + n)
-        if a >= b or k == 0:
-            continue
-        buf = _read_block(table, c, (a - r0) * k * dt.itemsize, (b - a) * k * dt.itemsize)
-        out[a - lo : b - lo, c0 : c0 + k] = np.frombuffer(buf, dtype=dt).reshape(b - a, k)
-    return out
-
-
-def _read_vector(table: ChunkTable, t: int, dt: np.dtype[Any]) -> np.ndarray:
-    """The whole 1-dim staged tensor `t` (a bias, a DoRA magnitude: one value per output)."""
-    out = np.empty(_shape(table, t)[0], dtype=dt)
-    for c in table.chunks_of(t):
-        (r0,), (n,) = c.global_offset, c.shape
-        if n:
-            out[r0 : r0 + n] = np.frombuffer(_read_block(table, c, 0, n * dt.itemsize), dtype=dt)
-    return out
-
-
-def _read_block(table: ChunkTable, c: Chunk, skip: int, nbytes: int) -> bytearray:
-    """`nbytes` of the staged block `c`, from its byte `skip`."""
-    buf = bytearray(nbytes)
-    path = table.sources[c.src]
-    fd = open_held(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        pread_into(fd, memoryview(buf), c.offset + skip, path)
-    finally:
-        os.close(fd)
-    return buf

@@ -13,10 +13,12 @@ writes, its LoRA merges declared in the plan and computed by the export engine (
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.contract.lora_merge import LoraMerge, MergeKind
+from stagerd.contract.lora_merge import ExpertLayout, LoraMerge, MergeKind, marker_list
 from stagerd.errors import HubPlanError
 from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
@@ -82,6 +84,7 @@ def _config_bytes(model: Any, name: str) -> bytes:
 
 
 _PREFIX = "base_model.model."
+_BASE_LAYER = re.compile(r"\.base_layer(?=\.)")
 
 
 def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> HubPlan:
@@ -93,8 +96,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     other key loses PEFT's `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is
     its adapter's trained copy under the module's own name, its original left out. The base model's own
     save-time conversion (`trace.transformers_plan`) then runs on those names. A DoRA layer's merge
-    also reads its magnitude vector; a LoRA bias (`lora_bias=True`) is a merge of the base layer's bias.
-    Anything PEFT merges otherwise (convolutions, other LoRA variants) is a HubPlanError."""
+    also reads its magnitude vector; a LoRA bias (`lora_bias=True`) is a merge of the base layer's bias; a
+    parameter of `target_parameters` (a MoE's fused experts) is an `EXPERTS` merge. Anything PEFT merges
+    otherwise (convolutions, other LoRA variants) is a HubPlanError."""
     from peft.tuners.lora.layer import LoraLayer
 
     adapters, active = list(model.peft_config), list(model.active_adapters)
@@ -121,8 +125,8 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
             merges.append(
                 replace(m, base=on(m.base, ""), a=on(m.a, ""), b=on(m.b, ""), magnitude=on(m.magnitude, ""))
             )
-    # Plain LoRA first: the marker lists the other kinds apart, and a plan reads back in that order.
-    merges.sort(key=lambda m: m.kind is not MergeKind.LORA)
+    # In the marker's order of kinds: it lists them apart, and a plan reads back in that order.
+    merges.sort(key=lambda m: marker_list(m.kind))
     if not merges:
         raise HubPlanError(f"the PEFT model's adapter {name!r} has no LoRA Linear layer to merge")
     if any(m.name in sd for m in merges):
@@ -152,7 +156,8 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     parameters = sum(
         p.numel() for n, p in base.named_parameters() if ".lora_" not in n and _merged_name(n, saved)
     )
-    plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
+    with _params_unwrapped(base):
+        plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     shapes = {n: tuple(t.shape) for n, t in sd2.items()}
     zeros = {z.name: z.shape for z in plan.zeros}  # a conversion's padding: read by its own name
     views = []
@@ -171,8 +176,11 @@ def _layer_merges(mod: Any, mname: str, name: str) -> list[LoraMerge]:
     them: the weight (plain LoRA or DoRA, its magnitude vector read too) and, with `lora_bias`, the bias."""
     from peft.tuners.lora.layer import Embedding as LoraEmbedding
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import ParamWrapper
     from peft.tuners.lora.variants import DoraEmbeddingVariant, DoraLinearVariant
 
+    if type(mod) is ParamWrapper:
+        return [_param_merge(mod, mname, name)]
     kind, variant = type(mod), mod.lora_variant.get(name)
     dora = isinstance(variant, DoraLinearVariant | DoraEmbeddingVariant)
     if kind not in (LoraLinear, LoraEmbedding) or (variant is not None and not dora):
@@ -195,6 +203,48 @@ def _layer_merges(mod: Any, mname: str, name: str) -> list[LoraMerge]:
     bias = f"{mname}.base_layer.bias"
     lora_b = f"{mname}.lora_B.{name}.bias"
     return [weight, LoraMerge(_unwrapped(bias), bias, "", lora_b, scaling, kind=MergeKind.BIAS)]
+
+
+def _param_merge(mod: Any, mname: str, name: str) -> LoraMerge:
+    """The merge of adapter `name` into the parameter the `ParamWrapper` `mname` adapts, as its `merge`
+    computes it: per expert, PEFT's einsum of A and B reshaped by expert."""
+    n, param = int(mod.num_experts), mod.get_param()
+    layout = ExpertLayout.EOI if mod._did_swap_in_out_features or param.dim() == 2 else ExpertLayout.EIO
+    if mod.lora_variant.get(name) is not None or mod.lora_bias.get(name) or mod.fan_in_fan_out:
+        raise HubPlanError(f"{mname!r}: only plain LoRA on a parameter of target_parameters is merged")
+    if param.dim() not in (2, 3) or (n == 1 and layout is ExpertLayout.EIO):
+        # PEFT merges one expert as a Linear, out x in: it does not fit an [1, in, out] parameter.
+        raise HubPlanError(f"{mname!r}: a {list(param.shape)} parameter is not one PEFT merges by expert")
+    # Targeting two parameters of one module nests the wrappers: the parameter is under each's base_layer.
+    inner, depth = mod, 0
+    while hasattr(inner, "base_layer"):
+        inner, depth = inner.base_layer, depth + 1
+    base = f"{mname}{'.base_layer' * depth}.{mod.parameter_name}"
+    a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
+    scaling = float(mod.scaling[name])
+    return LoraMerge(_unwrapped(base), base, a, b, scaling, kind=MergeKind.EXPERTS, experts=n, layout=layout)
+
+
+@contextlib.contextmanager
+def _params_unwrapped(base: Any) -> Iterator[None]:
+    """The base model with each `ParamWrapper` replaced by the module it wraps, as merge_and_unload()
+    leaves it: transformers' conversion looks its parameters up by their merged names (`experts.down_proj`),
+    which a wrapper, unlike a LoRA Linear's `weight`, does not answer. Nothing runs on the model meanwhile."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    swapped = []
+    for parent in list(base.modules()):
+        if isinstance(parent, ParamWrapper):
+            continue  # a nested wrapper goes with its outermost one
+        for attr, child in list(parent.named_children()):
+            if isinstance(child, ParamWrapper):
+                swapped.append((parent, attr, child))
+                setattr(parent, attr, child.get_base_layer())
+    try:
+        yield
+    finally:
+        for parent, attr, child in reversed(swapped):
+            setattr(parent, attr, child)
 
 
 def _modules_to_save(
@@ -234,5 +284,6 @@ def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:
 
 
 def _unwrapped(key: str) -> str:
-    """A staged key's name in `merge_and_unload()`'s model: no PEFT prefix, no `.base_layer`."""
-    return key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+    """A staged key's name in `merge_and_unload()`'s model: no PEFT prefix, no `.base_layer` (several where
+    `target_parameters` nests wrappers)."""
+    return _BASE_LAYER.sub("", key.removeprefix(_PREFIX))

@@ -2,8 +2,9 @@
 
 - a transformers model: `save_pretrained`'s names and layout (`trace.transformers_plan`);
 - a PEFT LoRA model: the merged model as `save_pretrained` of `merge_and_unload()` writes it (LoRA merges
-  the engine computes, DoRA and LoRA biases included), plus the adapter-only artefact (`peft_plan`); a
-  model PEFT would merge otherwise (convolutions, ...) keeps its keys as staged, with a warning;
+  the engine computes, DoRA, LoRA biases and a MoE's fused experts included), plus the adapter-only
+  artefact (`peft_plan`); a model PEFT would merge otherwise (convolutions, ...) keeps its keys as staged,
+  with a warning;
 - a declarative key `mapping` (`contract/key_mapping.py`; torchtitan and other trainers): its renames,
   splits and RoPE permutations;
 - a module that holds one transformers model (a LightningModule, a wrapper): that model's export, its keys

@@ -17,6 +17,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.contract.hub_plan import Holds, HubPlan, LoraMerge, SharedStorage, TensorView, ZeroFill
 from stagerd.contract.layout import CommitMarker, StagedFile, TensorInfo
+from stagerd.contract.lora_merge import ExpertLayout, MergeKind
 from stagerd.errors import MarkerError
 
 N_OUTPUTS = 10_000
@@ -179,7 +180,19 @@ def test_every_plan_field_round_trips(tmp_path):
     plan = HubPlan(
         views,
         ("b",),
-        merges=(LoraMerge("merged", "base", "la", "lb", 0.5, fan_in_fan_out=True),),
+        merges=(
+            LoraMerge("merged", "base", "la", "lb", 0.5, fan_in_fan_out=True),
+            LoraMerge(
+                "experts",
+                "fused",
+                "ea",
+                "eb",
+                2.0,
+                kind=MergeKind.EXPERTS,
+                experts=8,
+                layout=ExpertLayout.EIO,
+            ),
+        ),
         zeros=(ZeroFill("a#zeros0", "F32", (2,)),),
         order=("cat", "q", "elsewhere", "qkv", "m"),
         shared=(

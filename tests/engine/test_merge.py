@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
-from stagerd.contract.lora_merge import LoraMerge, MergeKind
+from stagerd.contract.lora_merge import ExpertLayout, LoraMerge, MergeKind
 from stagerd.engine import merge
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.planner import plan
@@ -21,6 +21,7 @@ from stagerd.errors import HubPlanError
 from tests.dcp_fixtures import Spec, dcp_save
 
 pytestmark = pytest.mark.slow
+EOI, EIO = ExpertLayout.EOI, ExpertLayout.EIO
 
 
 def lora() -> Spec:
@@ -46,6 +47,17 @@ def lora() -> Spec:
         "e.m": (torch.rand(12, generator=g) + 0.5, "S0"),
         "q.bias": (torch.randn(12, generator=g), "S0"),  # a LoRA bias
         "q.B.bias": (torch.randn(12, generator=g), "S0"),
+        # fused experts [e, out, in], rows by rank; rank x out x in >= 400: torch's bmm sums it in BLAS
+        "x.base": (torch.randn(4, 10, 12, generator=g), "S1"),
+        "x.A": (torch.randn(4 * 4, 12, generator=g), "S0"),
+        "x.B": (torch.randn(10, 4 * 4, generator=g), "S1"),
+        # [e, in, out], experts by rank (6 over 4); under 400: torch's own loop, unfused
+        "y.base": (torch.randn(6, 8, 5, generator=g), "S0"),
+        "y.A": (torch.randn(6 * 3, 8, generator=g), "S0"),
+        "y.B": (torch.randn(5, 3 * 6, generator=g), "R"),
+        "z.base": (torch.randn(5, 8, generator=g).bfloat16(), "S0"),  # one matrix: a router's weight
+        "z.A": (torch.randn(2, 8, generator=g), "R"),
+        "z.B": (torch.randn(5, 2, generator=g), "S0"),
     }
 
 
@@ -57,6 +69,9 @@ def hub() -> HubPlan:
         LoraMerge("d", "d.base", "d.A", "d.B", 0.5, kind=MergeKind.DORA, magnitude="d.m"),
         LoraMerge("e", "e.base", "e.A", "e.B", 2.0, True, MergeKind.DORA, "e.m"),
         LoraMerge("q_bias", "q.bias", "", "q.B.bias", 2.0, kind=MergeKind.BIAS),
+        LoraMerge("x", "x.base", "x.A", "x.B", 2.0, kind=MergeKind.EXPERTS, experts=4, layout=EOI),
+        LoraMerge("y", "y.base", "y.A", "y.B", 0.5, kind=MergeKind.EXPERTS, experts=6, layout=EIO),
+        LoraMerge("z", "z.base", "z.A", "z.B", 4.0, kind=MergeKind.EXPERTS, experts=1, layout=EOI),
     )
     # a merged tensor read by a view like any staged one: renamed
     return HubPlan((TensorView("q_proj", "q", (0, 0), (12, 8), (12, 8)),), (), "peft", merges=merges)
@@ -81,6 +96,19 @@ def peft_dora(w, a, b, m, s, fifo=False):
     return ((factor.T if fifo else factor) * (w + delta)).to(w.dtype)
 
 
+def peft_experts(w, a, b, s, layout):
+    """PEFT's ParamWrapper.merge: one matrix as a Linear's delta, experts as its einsum (in the adapter's
+    dtype, times scaling rounded there too); the delta cast to W's dtype before it is added."""
+    n = w.shape[0] if w.dim() == 3 else 1
+    if n == 1:
+        wide = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a
+        delta = ((b.to(wide.dtype) @ wide) * s).to(b.dtype)
+    else:
+        a3, b3 = a.reshape(n, -1, a.shape[-1]), b.reshape(b.shape[0], -1, n)
+        delta = torch.einsum(f"o r e, e r i -> {' '.join(layout)}", b3, a3) * s
+    return w + delta.to(w.dtype)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     src = tmp_path_factory.mktemp("merge") / "shards"
@@ -99,7 +127,18 @@ def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
     got: dict[str, torch.Tensor] = {}
     for name, _ in res.files:
         got.update(load_file(out / name))
-    assert sorted(got) == ["c", "d", "e", "h", "norm", "q_bias", "q_proj"]  # inputs consumed, not written
+    assert sorted(got) == [
+        "c",
+        "d",
+        "e",
+        "h",
+        "norm",
+        "q_bias",
+        "q_proj",
+        "x",
+        "y",
+        "z",
+    ]  # inputs consumed, not written
     want = {
         "q_proj": peft_merge(full["q.base"], full["q.A"], full["q.B"], 2.0),
         "c": peft_merge(full["c.base"], full["c.A"], full["c.B"], 0.5 / 2**0.5, fifo=True),
@@ -107,10 +146,17 @@ def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
         "d": peft_dora(full["d.base"], full["d.A"], full["d.B"], full["d.m"], 0.5),
         "e": peft_dora(full["e.base"], full["e.A"], full["e.B"], full["e.m"], 2.0, fifo=True),
         "q_bias": full["q.bias"] + full["q.B.bias"] * 2.0,
+        "x": peft_experts(full["x.base"], full["x.A"], full["x.B"], 2.0, "eoi"),
+        "y": peft_experts(full["y.base"], full["y.A"], full["y.B"], 0.5, "eio"),
+        "z": peft_experts(full["z.base"], full["z.A"], full["z.B"], 4.0, "eoi"),
     }
+    exact = {"x", "y", "z"}  # summed as torch sums: bit for bit
     for name, w in want.items():
         w = w if dtype is None else w.to(torch.bfloat16)
         assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
+        if name in exact:
+            assert torch.equal(got[name], w), name
+            continue
         ulp = torch.finfo(w.dtype).eps * w.float().abs().max()
         torch.testing.assert_close(got[name].float(), w.float(), rtol=0, atol=float(4 * ulp))
     assert torch.equal(got["norm"], full["norm"] if dtype is None else full["norm"].bfloat16())
@@ -130,6 +176,18 @@ def test_a_merge_the_checkpoint_contradicts_is_a_named_error(saved, tmp_path):
         ),
         "not a dora merge": LoraMerge("x", "d.base", "d.A", "d.B", 1.0, kind=MergeKind.DORA),
         "does not fit base bias": LoraMerge("x", "q.bias", "", "norm", 1.0, kind=MergeKind.BIAS),
+        "is not 3 experts' eoi": LoraMerge(
+            "w", "x.base", "x.A", "x.B", 1.0, kind=MergeKind.EXPERTS, experts=3, layout=EOI
+        ),
+        "do not fit 4 experts": LoraMerge(
+            "w", "x.base", "x.A", "x.B", 1.0, kind=MergeKind.EXPERTS, experts=4, layout=EIO
+        ),
+        "is not 1 experts' eio": LoraMerge(
+            "w", "z.base", "z.A", "z.B", 1.0, kind=MergeKind.EXPERTS, experts=1, layout=EIO
+        ),
+        "not a experts merge": LoraMerge(
+            "w", "x.base", "x.A", "x.B", 1.0, kind=MergeKind.EXPERTS, layout=EOI
+        ),
     }
     for words, m in bad.items():
         (tmp_path / words).mkdir()
@@ -146,6 +204,7 @@ def test_merges_round_trip_through_the_marker_json():
     assert "merges" not in HubPlan().to_json()  # plans without merges are written as before
     assert [m["kind"] for m in d["variant_merges"]] == ["dora", "dora", "bias"]  # apart from plain LoRA
     assert "a" not in d["variant_merges"][2]
+    assert [(m["experts"], m["layout"]) for m in d["expert_merges"]] == [(4, "eoi"), (6, "eio"), (1, "eoi")]
     d["variant_merges"][0]["kind"] = "lora"
     with pytest.raises(HubPlanError, match="malformed"):
         HubPlan.from_json(d)
