@@ -57,17 +57,34 @@ def summed(x: np.ndarray, y: np.ndarray, *, fused: bool) -> np.ndarray:
     multiply-add (its BLAS: the product exact in float64, the sum rounded once) or, `fused` False, the
     product rounded first (its own loop for a small bmm)."""
     f32 = np.dtype(np.float32)
+    xs, ys = x.T.astype(np.float64), y.T.astype(np.float64)  # a rank step's vectors contiguous
     acc = np.zeros(x.shape[0], dtype=np.float64)
     for k in range(x.shape[1]):
-        product = x[:, k].astype(np.float64) * y[:, k].astype(np.float64)
-        acc = _to_odd(acc, product if fused else rounded(product, f32)).astype(f32).astype(np.float64)
+        product = np.multiply(xs[k], ys[k], out=xs[k])
+        acc = _once(acc, product if fused else rounded(product, f32)).astype(f32).astype(np.float64)
     return acc.astype(np.float32)
 
 
+_LOW, _MID = np.uint64((1 << 29) - 1), np.uint64(1 << 28)  # float64's bits below float32's, a midpoint's
+_SUBNORMAL = np.uint64(897 << 52)  # float64's exponent field of float32's least normal, 2^-126
+
+
+def _once(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b in float64 such that rounded to float32 it is a + b rounded once, as an FMA rounds it. Rounded
+    to nearest in float64 first, a sum that lands on a float32 midpoint would round twice (1 + 2^-23 plus
+    a product just under 2^-24 gives 1 + 2^-22, not 1 + 2^-23): there, and below float32's normal range
+    where its midpoints are coarser, the sum is rounded to odd instead, which rounds on correctly."""
+    s = a + b
+    bits = s.view(np.uint64)
+    risky = np.flatnonzero(((bits & _LOW) == _MID) | ((bits & ~np.uint64(1 << 63)) < _SUBNORMAL))
+    if len(risky):
+        s[risky] = _to_odd(a[risky], b[risky])
+    return s
+
+
 def _to_odd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a + b rounded to odd in float64: then rounded to float32 it is a + b rounded once, as an FMA rounds
-    it. Rounded to nearest instead, a float64 sum that lands on a float32 midpoint would round twice
-    (1 + 2^-23 plus a product just under 2^-24 gives 1 + 2^-22, not 1 + 2^-23)."""
+    """a + b rounded to odd in float64: where the sum is inexact, its neighbour with an odd last bit on
+    the side of the exact sum."""
     s = a + b
     t = s - a
     err = (a - (s - t)) + (b - t)  # the sum's rounding error, exact (TwoSum)
