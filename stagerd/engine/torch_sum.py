@@ -1,12 +1,12 @@
-"""A LoRA product B @ A summed as torch sums it on CPU, bit for bit, at nearly BLAS's speed: the merges of
-`engine/merge.py` (a Linear's, an Embedding's) and `engine/expert_merge.py` (fused experts) are PEFT's
-only if their sums are torch's, and numpy's matmul sums in an order of its own, which depends on the
-block's shape.
+"""A LoRA product B @ A summed as torch sums it on CPU, bit for bit: the merges of `engine/merge.py` (a
+Linear's, an Embedding's) and `engine/expert_merge.py` (fused experts) are PEFT's only if their sums are
+torch's, and numpy's matmul sums in an order of its own, which depends on the block's shape.
 
 BLAS's float32 product and a bound on any order's error bracket torch's sum; a merge is monotone in the
 product, so where both ends of the bracket merge to the same bits so does torch's sum, and only the
-other elements are summed in torch's order, one rank step at a time (in bf16 about one in two thousand,
-in float32 nearly all)."""
+other elements are summed in torch's order, one rank step at a time: in bf16 about one in two thousand
+(a 4096 x 4096 rank-16 merge takes 1.4x a numpy-matmul merge's time with bf16 adapters, 1.15x with
+float32 ones), in float32 nearly all (16x)."""
 
 from __future__ import annotations
 
