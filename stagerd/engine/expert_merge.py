@@ -49,7 +49,7 @@ def merge_experts(
     wide, add = opmath(ddt), opmath(wdt)
     scaling = np.asarray(m.scaling, dtype=wide)  # torch casts a Python scalar to the op's compute dtype
     b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
-    step = max(1, block_bytes // max(1, cols * 8))  # a block's bounds are float64
+    step = max(1, block_bytes // max(1, cols * 8))  # the bracket holds several float32 copies of a block
     # torch's bmm (the einsum's) runs rank x out x in under 400 in a loop of its own, the rest in BLAS;
     # one matrix is a Linear's mm, always BLAS.
     fused = n == 1 or r * rows * cols >= 400

@@ -218,7 +218,7 @@ def _merge_one(
     rows, cols = shapes[m.base]
     a = read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
     b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
-    step = max(1, block_bytes // max(1, cols * 8))  # a LoRA block's bounds are float64
+    step = max(1, block_bytes // max(1, cols * 8))  # the bracket, DoRA's float64 squares: 8 bytes a value
     blocks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def merged(lo: int, hi: int) -> np.ndarray:
