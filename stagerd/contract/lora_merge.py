@@ -2,7 +2,8 @@
 as PEFT's `merge_and_unload` computes it for each kind of LoRA layer.
 
 - `LORA`: `base` + scaling * (`b` @ `a`), its transpose added with `fan_in_fan_out` (`base` is then in x
-  out; a LoRA embedding is such a merge);
+  out; a LoRA embedding is such a merge, with `delta_to_base`: PEFT's Embedding casts the delta to the
+  base's dtype before adding it, a Linear adds it as it is, rounding once);
 - `DORA`: W + delta as above, times `magnitude` / its L2 norm, one factor per output (a row of `base`, a
   column with `fan_in_fan_out`): PEFT's `lora_magnitude_vector` over the norm of the merged weight;
 - `BIAS`: `base` + scaling * `b`, vectors (the base layer's bias and `lora_B`'s, `lora_bias=True`); no `a`;
@@ -71,6 +72,7 @@ class LoraMerge:
     magnitude: str = ""
     experts: int = 0
     layout: ExpertLayout | None = None
+    delta_to_base: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -91,6 +93,7 @@ class LoraMerge:
             bool(self.magnitude) != dora
             or bool(self.a) == bias
             or (self.layout is not None, bool(self.experts)) != (experts, experts)
+            or (self.delta_to_base and self.kind is not MergeKind.LORA)
         ):
             raise HubPlanError(f"merge {self.name!r}: its inputs are not a {self.kind} merge's", path=path)
         got = [shapes.get(n) for n in self.inputs]
@@ -153,6 +156,8 @@ class LoraMerge:
             d["magnitude"] = self.magnitude
         if self.layout is not None:
             d["experts"], d["layout"] = self.experts, self.layout.value
+        if self.delta_to_base:  # an older stagerd ignores it: its merge was to float rounding anyway
+            d["delta_to_base"] = True
         return d
 
     @classmethod
@@ -170,4 +175,5 @@ class LoraMerge:
             as_str(d.get("magnitude", "")),
             as_int(d.get("experts", 0)),
             ExpertLayout(as_str(d["layout"])) if kind is MergeKind.EXPERTS else None,
+            as_bool(d.get("delta_to_base", False)),
         )

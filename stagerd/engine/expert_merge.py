@@ -12,15 +12,14 @@ times scaling rounded again (torch's einsum sums in float32 for the half types, 
 delta is cast to the base's dtype before it is added (`get_delta_weight`'s `.to(param.dtype)`), which a
 Linear's merge does not do: a float32 adapter on a bf16 base rounds twice here.
 
-The sums are torch's too (`_merged`): BLAS's float32 product, fast, brackets torch's, and only the
-elements whose bracket ends merge differently are summed in torch's order, one rank step at a time. A
-bf16 merge re-sums about one element in two thousand (about 1.6x a plain BLAS merge's time); a float32
-merge, whose every ulp shows, nearly all (about 20x).
+The sums are torch's too (`engine/torch_sum.py`): BLAS's float32 product, fast, brackets torch's, and
+only the elements whose bracket ends merge differently are summed in torch's order: in bf16 about one
+in two thousand, in float32, whose every ulp shows, nearly all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from stagerd.contract.lora_merge import ExpertLayout, LoraMerge
 from stagerd.engine.merge_inputs import NP, opmath, promoted, read_rows, rounded
 from stagerd.engine.plan_types import ChunkTable
 from stagerd.engine.runner import pwrite_all
+from stagerd.engine.torch_sum import merged
 
 
 def merge_experts(
@@ -49,7 +49,7 @@ def merge_experts(
     wide, add = opmath(ddt), opmath(wdt)
     scaling = np.asarray(m.scaling, dtype=wide)  # torch casts a Python scalar to the op's compute dtype
     b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
-    step = max(1, block_bytes // max(1, cols * 8))  # a block's bounds are float64
+    step = max(1, block_bytes // max(1, cols * 8))  # the bracket holds several float32 copies of a block
     # torch's bmm (the einsum's) runs rank x out x in under 400 in a loop of its own, the rest in BLAS;
     # one matrix is a Linear's mm, always BLAS.
     fused = n == 1 or r * rows * cols >= 400
@@ -67,54 +67,8 @@ def merge_experts(
             w = read_rows(table, ids[m.base], lo, hi, wdt, e if len(base) == 3 else None)
             # Each expert's matrix is in x out with `eio`: its rows are the product's columns.
             left, right = (b_e[lo:hi], a) if m.layout is ExpertLayout.EOI else (a[:, lo:hi].T, b_e.T)
-            out = _merged(left, right, w, finish, fused=fused)
+            out = merged(left, right, w, finish, fused=fused)
             pwrite_all(fd, memoryview(out.tobytes()), at + ((e * rows + lo) * cols) * wdt.itemsize)
-
-
-_U, _TINY = 2.0**-24, 2.0**-149  # float32's unit roundoff and least subnormal
-
-
-def _merged(
-    left: np.ndarray,
-    right: np.ndarray,
-    w: np.ndarray,
-    finish: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    *,
-    fused: bool,
-) -> np.ndarray:
-    """finish(left @ right, w), the product summed as torch sums it on CPU: along the rank in order, in
-    float32. BLAS sums it fast in an order of its own; any two orders' sums lie within 2(r+1) ulps of the
-    sum of the products' magnitudes, which brackets torch's. Where both ends of that bracket finish the
-    same, so does torch's sum (`finish` is monotone); only the other elements are summed in torch's order,
-    one rank step at a time: in bf16 a few, in float32 most."""
-    guess = np.matmul(left, right)
-    if left.dtype != np.float32:  # float64 adapters: BLAS's order, within an ulp of torch's
-        return finish(guess, w)
-    r = left.shape[1]
-    size = np.matmul(np.abs(left), np.abs(right)).astype(np.float64)
-    bound = size * ((2 * r + 4) * _U * 1.01) + (2 * r + 4) * _TINY
-    down = np.nextafter((guess - bound).astype(np.float32), np.float32(-np.inf))
-    up = np.nextafter((guess + bound).astype(np.float32), np.float32(np.inf))
-    out, other = finish(down, w), finish(up, w)
-    bits = np.dtype(f"u{out.dtype.itemsize}")
-    ii, jj = np.nonzero(out.view(bits) != other.view(bits))
-    chunk = max(1, (8 << 20) // (8 * r))  # gathered rank vectors of at most 8 MiB each
-    for s in range(0, len(ii), chunk):
-        i, j = ii[s : s + chunk], jj[s : s + chunk]
-        out[i, j] = finish(_summed(left[i], right[:, j].T, fused=fused), w[i, j])
-    return out
-
-
-def _summed(x: np.ndarray, y: np.ndarray, *, fused: bool) -> np.ndarray:
-    """sum over k of x[:, k] * y[:, k] as torch sums it: in order, in float32, each step a fused
-    multiply-add (its BLAS: the product exact in float64, the sum rounded once) or, `fused` False, the
-    product rounded first (its own loop for a small bmm)."""
-    f32 = np.dtype(np.float32)
-    acc = np.zeros(x.shape[0], dtype=np.float64)
-    for k in range(x.shape[1]):
-        product = x[:, k].astype(np.float64) * y[:, k].astype(np.float64)
-        acc = rounded(acc + (product if fused else rounded(product, f32)), f32)
-    return acc.astype(np.float32)
 
 
 def _delta(product: np.ndarray, scaling: np.ndarray, ddt: np.dtype[Any], *, several: bool) -> np.ndarray:

@@ -3,16 +3,17 @@
 A merge is arithmetic, not a byte move: W' = W + scaling * (B @ A) (its transpose with `fan_in_fan_out`),
 as PEFT's `merge_and_unload` computes it. It runs here with numpy, never torch, in bounded memory: A and B
 (rank r, so r x in and out x r) are read whole, W in row blocks of at most `block_bytes` (B's matching rows,
-or A's matching columns with `fan_in_fan_out`), each block computed in float32 (float64 if an input is
-F64), the delta rounded to B's dtype as PEFT does, added, and rounded to W's dtype. DoRA scales each
-output of W + delta by its magnitude over its L2 norm; with `fan_in_fan_out` an output is a column, so its
-norms take a first pass over the row blocks. A LoRA bias (base + scaling * B's bias) is a vector, read
-whole. A MoE's fused experts adapted with `target_parameters` merge one expert at a time
-(`engine/expert_merge.py`). The merged tensors are written, block by block, into one scratch shard (a
+or A's matching columns with `fan_in_fan_out`). A plain merge is PEFT's bit for bit (`_merge_lora`): B @ A
+summed as torch sums it (`engine/torch_sum.py`), in float32 (float64 if an input is F64), the delta
+rounded to B's dtype, added in place as a Linear adds it (rounded once to W's dtype) or cast to W's dtype
+first as an Embedding does (`delta_to_base`). DoRA scales each output of W + delta by its magnitude over
+its L2 norm; with `fan_in_fan_out` an output is a column, so its norms take a first pass over the row
+blocks. Its delta is numpy's matmul and its norm is summed in float64, not in torch's order: it agrees
+with `merge_and_unload` to float rounding. A LoRA bias (base + scaling * B's bias) is a vector, read whole,
+bit for bit. A MoE's fused experts adapted with `target_parameters` merge one expert at a time, bit for
+bit (`engine/expert_merge.py`). The merged tensors are written, block by block, into one scratch shard (a
 DCP-style safetensors file beside the output); its header joins the staged shards' for the planner, so
-the views, casts and file packing treat a merged tensor like any staged one. numpy's matmul sums in
-another order than torch's (and a DoRA norm is summed in float64): the merged values agree with
-`merge_and_unload` to float rounding, not bit for bit; an expert merge sums as torch does, bit for bit.
+the views, casts and file packing treat a merged tensor like any staged one.
 
 A zero fill (`ZeroFill`: the padding a conversion appends) has its place in the same scratch shard and is
 never written: the file is extended to its full size with ftruncate, so its bytes are a hole that reads
@@ -43,6 +44,7 @@ from stagerd.contract.safetensors_format import (
     Header,
     read_header,
 )
+from stagerd.engine import torch_sum
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.expert_merge import merge_experts
 from stagerd.engine.merge_inputs import NP, promoted, read_rows, read_vector, rounded, shape_of
@@ -216,21 +218,19 @@ def _merge_one(
     rows, cols = shapes[m.base]
     a = read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
     b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
-    step = max(1, block_bytes // max(1, cols * wide.itemsize))
+    step = max(1, block_bytes // max(1, cols * 8))  # the bracket, DoRA's float64 squares: 8 bytes a value
     blocks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
 
     def merged(lo: int, hi: int) -> np.ndarray:
         """W + scaling * (B @ A) on rows [lo, hi) in `wide`, the delta rounded to B's dtype as PEFT does."""
-        w = read_rows(table, ids[m.base], lo, hi, wdt)
+        w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)  # widened once, not per finish
         # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
         delta = np.matmul(b, a[:, lo:hi]).T if m.fan_in_fan_out else np.matmul(b[lo:hi], a)
         delta = np.multiply(delta, scaling).astype(bdt)
         return np.add(w.astype(wide), delta.astype(wide))
 
     if m.kind is MergeKind.LORA:
-        for lo, hi in blocks:
-            out = merged(lo, hi).astype(wdt)
-            pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded
+        _merge_lora(table, ids, m, a, b, (wdt, bdt), scaling, blocks, fd, at)
         return
     # DoRA (PEFT's DoraLinearVariant.merge_unsafe): W + delta and its norm per output in torch's promoted
     # dtype of W and the delta, magnitude / norm in that of the magnitude and the norm, the product
@@ -257,3 +257,38 @@ def _merge_one(
         )
         out = rounded(np.multiply(f, s), factor_dt).astype(wdt)
         pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)
+
+
+def _merge_lora(
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    m: LoraMerge,
+    a: np.ndarray,
+    b: np.ndarray,
+    dts: tuple[np.dtype[Any], np.dtype[Any]],
+    scaling: np.ndarray,
+    blocks: list[tuple[int, int]],
+    fd: int,
+    at: int,
+) -> None:
+    """PEFT's `Linear.merge` (or `Embedding.merge`, `delta_to_base`) bit for bit, a row block at a time:
+    the delta is `get_delta_weight`'s, B @ A summed as torch sums it (`engine/torch_sum.py`), times
+    scaling, rounded to B's dtype; a Linear adds it to W in place, the sum rounded once to W's dtype, an
+    Embedding first casts it to W's dtype."""
+    wdt, bdt = dts
+    wide = scaling.dtype
+
+    def finish(product: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The merged values from the product's and W's, widened: each step monotone in the product."""
+        delta = rounded(np.multiply(product, scaling, out=product), bdt)
+        if m.delta_to_base:
+            delta = rounded(delta, wdt)
+        return np.add(w, delta, out=delta).astype(wdt)
+
+    cols = a.shape[1] if not m.fan_in_fan_out else b.shape[0]
+    for lo, hi in blocks:
+        w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)  # widened once, not per finish
+        # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
+        left, right = (a[:, lo:hi].T, b.T) if m.fan_in_fan_out else (b[lo:hi], a)
+        out = torch_sum.merged(left, right, w, finish, fused=True)
+        pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded

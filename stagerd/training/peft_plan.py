@@ -188,7 +188,8 @@ def _layer_merges(mod: Any, mname: str, name: str) -> list[LoraMerge]:
     base, scaling = f"{mname}.base_layer.weight", float(mod.scaling[name])
     if kind is LoraEmbedding:  # PEFT's delta is (B @ A).T: an (embeddings x dim) weight is in x out
         a, b = (f"{mname}.lora_embedding_{p}.{name}" for p in "AB")
-        weight = LoraMerge(_unwrapped(base), base, a, b, scaling, fan_in_fan_out=True)
+        # its merge casts the delta to the base's dtype before adding it (its DoRA variant does not)
+        weight = LoraMerge(_unwrapped(base), base, a, b, scaling, fan_in_fan_out=True, delta_to_base=not dora)
     else:
         a, b = (f"{mname}.lora_{p}.{name}.weight" for p in "AB")
         weight = LoraMerge(_unwrapped(base), base, a, b, scaling, bool(getattr(mod, "fan_in_fan_out", False)))

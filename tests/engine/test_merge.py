@@ -1,7 +1,7 @@
 """A to-Hub plan's LoRA merges carried out by the engine (engine/merge.py): W + scaling * (B @ A), with
 numpy in row blocks, from blocks sharded along either dim or a 2-D mesh, `fan_in_fan_out`, bf16, cast on
-export; compared with PEFT's own arithmetic in torch. numpy's matmul sums in another order than torch's,
-so merged values agree to float rounding (a few float32 ulps), not bit for bit."""
+export; compared with PEFT's own arithmetic in torch: bit for bit, but DoRA, whose norm is summed in
+another order than torch's (a few float32 ulps)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,13 @@ def lora() -> Spec:
         "z.base": (torch.randn(5, 8, generator=g).bfloat16(), "S0"),  # one matrix: a router's weight
         "z.A": (torch.randn(2, 8, generator=g), "R"),
         "z.B": (torch.randn(5, 2, generator=g), "S0"),
+        # float32 adapters on bf16 bases: a Linear rounds once, an Embedding (in x out) twice
+        "l.base": (torch.randn(12, 8, generator=g).bfloat16(), "S1"),
+        "l.A": (torch.randn(4, 8, generator=g), "R"),
+        "l.B": (torch.randn(12, 4, generator=g), "S0"),
+        "v.base": (torch.randn(8, 12, generator=g).bfloat16(), "S0"),
+        "v.A": (torch.randn(2, 8, generator=g), "S1"),
+        "v.B": (torch.randn(12, 2, generator=g), "R"),
     }
 
 
@@ -66,6 +73,8 @@ def hub() -> HubPlan:
         LoraMerge("q", "q.base", "q.A", "q.B", 2.0),
         LoraMerge("c", "c.base", "c.A", "c.B", 0.5 / 2**0.5, fan_in_fan_out=True),  # rslora-like
         LoraMerge("h", "h.base", "h.A", "h.B", 4.0),
+        LoraMerge("l", "l.base", "l.A", "l.B", 0.75),
+        LoraMerge("v", "v.base", "v.A", "v.B", 2.0, fan_in_fan_out=True, delta_to_base=True),
         LoraMerge("d", "d.base", "d.A", "d.B", 0.5, kind=MergeKind.DORA, magnitude="d.m"),
         LoraMerge("e", "e.base", "e.A", "e.B", 2.0, True, MergeKind.DORA, "e.m"),
         LoraMerge("q_bias", "q.bias", "", "q.B.bias", 2.0, kind=MergeKind.BIAS),
@@ -77,12 +86,15 @@ def hub() -> HubPlan:
     return HubPlan((TensorView("q_proj", "q", (0, 0), (12, 8), (12, 8)),), (), "peft", merges=merges)
 
 
-def peft_merge(w, a, b, s, fifo=False):
-    """PEFT's Linear.merge: delta in float32 for half types on CPU, rounded to B's dtype, added."""
+def peft_merge(w, a, b, s, fifo=False, embedding=False):
+    """PEFT's Linear.merge: delta in float32 for half types on CPU, rounded to B's dtype, added in place
+    (rounded once to W's dtype); Embedding.merge casts the delta to W's dtype first."""
     wide = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a
     delta = (b.to(wide.dtype) @ wide) * s
     delta = (delta.T if fifo else delta).to(b.dtype)
-    return w + delta.to(w.dtype)
+    out = w.clone()
+    out += delta.to(w.dtype) if embedding else delta
+    return out
 
 
 def peft_dora(w, a, b, m, s, fifo=False):
@@ -132,9 +144,11 @@ def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
         "d",
         "e",
         "h",
+        "l",
         "norm",
         "q_bias",
         "q_proj",
+        "v",
         "x",
         "y",
         "z",
@@ -149,8 +163,11 @@ def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
         "x": peft_experts(full["x.base"], full["x.A"], full["x.B"], 2.0, "eoi"),
         "y": peft_experts(full["y.base"], full["y.A"], full["y.B"], 0.5, "eio"),
         "z": peft_experts(full["z.base"], full["z.A"], full["z.B"], 4.0, "eoi"),
+        "l": peft_merge(full["l.base"], full["l.A"], full["l.B"], 0.75),
+        "v": peft_merge(full["v.base"], full["v.A"], full["v.B"], 2.0, fifo=True, embedding=True),
     }
-    exact = {"x", "y", "z"}  # summed as torch sums: bit for bit
+    # summed as torch sums (engine/torch_sum.py): bit for bit; DoRA's norm is summed in numpy's order
+    exact = {"q_proj", "c", "h", "q_bias", "x", "y", "z", "l", "v"}
     for name, w in want.items():
         w = w if dtype is None else w.to(torch.bfloat16)
         assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
@@ -185,6 +202,9 @@ def test_a_merge_the_checkpoint_contradicts_is_a_named_error(saved, tmp_path):
         "is not 1 experts' eio": LoraMerge(
             "w", "z.base", "z.A", "z.B", 1.0, kind=MergeKind.EXPERTS, experts=1, layout=EIO
         ),
+        "not a dora merge's": LoraMerge(
+            "w", "d.base", "d.A", "d.B", 1.0, kind=MergeKind.DORA, magnitude="d.m", delta_to_base=True
+        ),
         "not a experts merge": LoraMerge(
             "w", "x.base", "x.A", "x.B", 1.0, kind=MergeKind.EXPERTS, layout=EOI
         ),
@@ -204,6 +224,7 @@ def test_merges_round_trip_through_the_marker_json():
     assert "merges" not in HubPlan().to_json()  # plans without merges are written as before
     assert [m["kind"] for m in d["variant_merges"]] == ["dora", "dora", "bias"]  # apart from plain LoRA
     assert "a" not in d["variant_merges"][2]
+    assert d["merges"][-1]["delta_to_base"] is True and "delta_to_base" not in d["merges"][0]
     assert [(m["experts"], m["layout"]) for m in d["expert_merges"]] == [(4, "eoi"), (6, "eio"), (1, "eoi")]
     d["variant_merges"][0]["kind"] = "lora"
     with pytest.raises(HubPlanError, match="malformed"):
