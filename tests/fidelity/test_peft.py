@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.fidelity import harness, models, ranks
+from tests.fidelity.ulps import values
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +60,6 @@ def _config(path):
     return config
 
 
-def _values(entry):
-    import ml_dtypes
-    import numpy as np
-
-    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[entry[0]]
-    return np.frombuffer(entry[2], dtype=dt).astype(np.float64).reshape(entry[1])
-
-
 def test_the_main_export_is_save_pretrained_of_the_merged_model(lora):
     import numpy as np
     import torch
@@ -85,7 +78,7 @@ def test_the_main_export_is_save_pretrained_of_the_merged_model(lora):
             # W + scaling * (B @ A) summed as torch sums it (engine/torch_sum.py): bit for bit, as the rest
             assert got[name][2] == data, f"{name}: bytes differ"
             if name in merged:  # the merge happened: far from the (frozen) base weight
-                g, w = _values(got[name]), _values(want[name])
+                g, w = values(got[name]), values(want[name])
                 assert np.abs(g - base[name]).max() > 0.1 * np.abs(w).max(), name
         assert harness.config_dtype(lora.exports[mode]) == harness.config_dtype(lora.ref / f"merged_{mode}")
 

@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ from stagerd.contract import layout
 from stagerd.contract.lora_merge import ExpertLayout, MergeKind
 from stagerd.engine import merge
 from tests.fidelity import harness, models
+from tests.fidelity.ulps import ulps
 
 peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")
@@ -97,22 +97,6 @@ def _saved_and_exported(model, tmp: Path) -> tuple[Path, Path]:
         return export_step(step, max_shard_size=SHARD).export_dir, step
 
 
-def _values(entry) -> np.ndarray:
-    import ml_dtypes
-
-    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[entry[0]]
-    return np.frombuffer(entry[2], dtype=dt).astype(np.float64).reshape(entry[1])
-
-
-def _ulps(got, want) -> float:
-    """How far apart in units of the last place: of the largest value (F32), of each value (BF16)."""
-    g, w = _values(got), _values(want)
-    if got[0] == "F32":
-        return float(np.abs(g - w).max() / (2.0**-23 * np.abs(w).max()))
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0**-126))) - 7)
-    return float((np.abs(g - w) / ulp).max())
-
-
 def _check(model, export: Path, tmp: Path) -> set[str]:
     """Every claim for one model; the tensors the merge changed."""
     merged = copy.deepcopy(model).merge_and_unload()
@@ -126,7 +110,7 @@ def _check(model, export: Path, tmp: Path) -> set[str]:
     for name, entry in want.items():
         assert got[name][:2] == entry[:2], name
         # expert and Linear merges sum as torch does (engine/torch_sum.py): bit for bit, as every other one
-        assert got[name][2] == entry[2], f"{name}: {_ulps(got[name], entry):.2f} ulps from PEFT's"
+        assert got[name][2] == entry[2], f"{name}: {ulps(got[name], entry):.2f} ulps from PEFT's"
         if before[name][2] != entry[2]:
             changed.add(name)
     assert any(".experts." in n for n in changed), "the merge changed no expert"

@@ -13,13 +13,13 @@ import json
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from stagerd.contract import layout
 from stagerd.engine import merge
 from tests.fidelity import harness
+from tests.fidelity.ulps import ulps
 
 peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")
@@ -74,22 +74,6 @@ def _saved_and_exported(model, tmp: Path, block_bytes: int | None = None) -> tup
         return export_step(step, max_shard_size=SHARD).export_dir, step
 
 
-def _values(entry) -> np.ndarray:
-    import ml_dtypes
-
-    dt = {"F32": np.float32, "BF16": ml_dtypes.bfloat16}[entry[0]]
-    return np.frombuffer(entry[2], dtype=dt).astype(np.float64).reshape(entry[1])
-
-
-def _ulps(got, want) -> float:
-    """How far apart in units of the last place: of the largest value (F32), of each value (BF16)."""
-    g, w = _values(got), _values(want)
-    if got[0] == "F32":
-        return float(np.abs(g - w).max() / (2.0**-23 * np.abs(w).max()))
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(w), 2.0**-126))) - 7)
-    return float((np.abs(g - w) / ulp).max())
-
-
 def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, dora: bool = False) -> float:
     """Every claim for one model; the largest distance in ulps of a merged tensor from PEFT's, which is 0
     (bit for bit) unless the model is a `dora` one."""
@@ -106,7 +90,7 @@ def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, 
         if name not in names:
             assert got[name][2] == entry[2], f"{name}: bytes differ"
             continue
-        worst = max(worst, d := _ulps(got[name], entry))
+        worst = max(worst, d := ulps(got[name], entry))
         assert d <= _ULPS[entry[0]] if dora else got[name][2] == entry[2], (name, d)
     for f in sorted((tmp / "ref").glob("*.safetensors")):  # each tensor in save_pretrained's file and place
         n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
