@@ -32,6 +32,7 @@ class Inflight:
         if h is None or h.done():
             return
         t0 = time.monotonic()
+        h.hurry()  # the loop waits: the copy, if still running, need not leave the copy engine to it
         with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
             h.committed.result()
         log.warning(
