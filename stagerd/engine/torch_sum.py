@@ -3,13 +3,13 @@ Linear's, an Embedding's) and `engine/expert_merge.py` (fused experts) are PEFT'
 torch's, and numpy's matmul sums in an order of its own, which depends on the block's shape.
 
 Where setup.py built `_torchsum.c` (optional C), every element is summed in torch's order there, the rank
-steps in order, each a C99 fmaf (a rounded product added, unfused): a 4096 x 4096 rank-16 merge takes
+steps in order, each a C99 fmaf (unfused: the product rounded, then added): a 4096 x 4096 rank-16 merge takes
 about 1.1x a numpy-matmul merge's time, float32 or bf16. Without it, numpy: BLAS's float32 product and a
 bound on any order's error bracket torch's sum; a merge is monotone in the product, so where both ends of
 the bracket merge to the same bits so does torch's sum, and only the other elements are summed in torch's
-order, one rank step at a time in float64 (`summed`): in bf16 about one in two thousand (1.4x a
-numpy-matmul merge's time with bf16 adapters, 1.15x with float32 ones on a bf16 base), in float32 nearly
-all (16x to 30x). Both give the same bits."""
+order, one rank step at a time in float64 (`summed`): in bf16 about one in two thousand (1.4x-1.8x
+a numpy-matmul merge's time with bf16 adapters, 1.15x-1.5x with float32 ones on a bf16 base), in float32
+nearly all (16x-30x). Both give the same bits."""
 
 from __future__ import annotations
 
