@@ -75,8 +75,8 @@ def summed(x: np.ndarray, y: np.ndarray, *, fused: bool) -> np.ndarray:
     """sum over k of x[:, k] * y[:, k] as torch sums it: in order, in float32, each step a fused
     multiply-add (its BLAS: the product exact in float64, the sum rounded once) or, `fused` False, the
     product rounded first (its own loop for a small bmm). In C where `_torchsum` was built: the same bits."""
-    if _torchsum is not None:
-        x, y = np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.float32)
+    if _torchsum is not None and x.dtype == y.dtype == np.float32:
+        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
         out = np.empty(x.shape[0], dtype=np.float32)
         _torchsum.rows(x, y, out, x.shape[0], x.shape[1], fused)
         return out
