@@ -12,9 +12,10 @@ times scaling rounded again (torch's einsum sums in float32 for the half types, 
 delta is cast to the base's dtype before it is added (`get_delta_weight`'s `.to(param.dtype)`), which a
 Linear's merge does not do: a float32 adapter on a bf16 base rounds twice here.
 
-The sums are torch's too (`engine/torch_sum.py`): BLAS's float32 product, fast, brackets torch's, and
-only the elements whose bracket ends merge differently are summed in torch's order: in bf16 about one
-in two thousand, in float32, whose every ulp shows, nearly all.
+The sums are torch's too (`engine/torch_sum.py`): in C (`_torchsum.c`) where it was built, every element
+in torch's order; else BLAS's float32 product, fast, brackets torch's, and only the elements whose
+bracket ends merge differently are summed in torch's order: in bf16 about one in two thousand, in
+float32, whose every ulp shows, nearly all.
 """
 
 from __future__ import annotations
