@@ -63,6 +63,17 @@ def tensors(d: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     return out
 
 
+def flip_byte(export: Path, name: str, at: int = 5) -> None:
+    """Flip one bit of byte `at` of tensor `name` in the export's file of it, for `verify` to find."""
+    weight_map = json.loads((export / layout.INDEX_NAME).read_text())["weight_map"]
+    f = export / weight_map[name]
+    raw = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin = json.loads(raw[8 : 8 + n])[name]["data_offsets"][0]
+    raw[8 + n + begin + at] ^= 0x01
+    f.write_bytes(bytes(raw))
+
+
 def config_dtype(d: Path) -> Any:
     cfg = json.loads((d / "config.json").read_text())
     return cfg.get("dtype", cfg.get("torch_dtype"))

@@ -14,7 +14,6 @@ differently."""
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ tf = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-INDEX = "model.safetensors.index.json"
 SHARD = 20000  # a few tensors per file: the index and each file's place are save_pretrained's
 # (base dtype, PEFT's autocast of the adapter to float32)
 DTYPES = {"f32": (torch.float32, True), "bf16_base": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
@@ -101,7 +99,7 @@ def _check(model, export: Path, tmp: Path) -> set[str]:
     """Every claim for one model; the tensors the merge changed."""
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(tmp / "ref", max_shard_size=SHARD)
-    assert (export / INDEX).read_bytes() == (tmp / "ref" / INDEX).read_bytes()
+    assert (export / layout.INDEX_NAME).read_bytes() == (tmp / "ref" / layout.INDEX_NAME).read_bytes()
     got, want = harness.tensors(export), harness.tensors(tmp / "ref")
     assert sorted(got) == sorted(want)
     copy.deepcopy(model).unload().save_pretrained(tmp / "unmerged", max_shard_size=SHARD)
@@ -167,13 +165,7 @@ def test_verify_recomputes_expert_merges_and_names_a_flipped_byte(tmp_path):
     export, step = _saved_and_exported(model, tmp_path)
     verify_export(export, step)
     name = "model.layers.1.mlp.experts.down_proj"
-    weight_map = json.loads((export / INDEX).read_text())["weight_map"]
-    f = export / weight_map[name]
-    raw = bytearray(f.read_bytes())
-    n = int.from_bytes(raw[:8], "little")
-    begin = json.loads(raw[8 : 8 + n])[name]["data_offsets"][0]
-    raw[8 + n + begin + 5] ^= 0x01
-    f.write_bytes(bytes(raw))
+    harness.flip_byte(export, name)
     with pytest.raises(VerifyError) as e:
         verify_export(export, step)
     assert f"tensor {name!r} (its byte 5) differs" in e.value.message, e.value.message

@@ -9,7 +9,6 @@ weights."""
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from tests.fidelity.ulps import ulps
 peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")
 
-INDEX = "model.safetensors.index.json"
 SHARD = 6000  # a few tensors per file: the index and each file's place are save_pretrained's
 # DoRA's norm is summed in float64, not in torch's order: F32 within 4 float32 ulps of the largest value;
 # BF16 within one bf16 ulp of each value (a rounding boundary crossed). Every other merge is bit for bit.
@@ -50,7 +48,12 @@ def _model(dtype: str, **lora_kw) -> torch.nn.Module:
     base = tf.LlamaForCausalLM(config).to(base_dtype)
     lora = peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM", **lora_kw)
     model = peft.get_peft_model(base, lora, autocast_adapter_dtype=autocast)
-    with torch.no_grad():  # trained: B is no longer zero, the magnitude no longer the base's norm
+    return _trained(model)
+
+
+def _trained(model: torch.nn.Module) -> torch.nn.Module:
+    """As if trained: B no longer zero, the magnitude no longer the base's norm."""
+    with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_magnitude_vector" in n:
                 p.mul_(1 + 0.2 * torch.rand_like(p))
@@ -79,7 +82,7 @@ def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, 
     (bit for bit) unless the model is a `dora` one."""
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(tmp / "ref", max_shard_size=SHARD)
-    assert (export / INDEX).read_bytes() == (tmp / "ref" / INDEX).read_bytes()
+    assert (export / layout.INDEX_NAME).read_bytes() == (tmp / "ref" / layout.INDEX_NAME).read_bytes()
     got, want = harness.tensors(export), harness.tensors(tmp / "ref")
     assert sorted(got) == sorted(want)
     names = [k for k in want if k.endswith(merged_suffixes)]
@@ -147,13 +150,7 @@ def _gpt2(dtype: str, **lora_kw) -> torch.nn.Module:
         model = peft.get_peft_model(
             tf.GPT2LMHeadModel(config).to(base_dtype), lora, autocast_adapter_dtype=autocast
         )
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_magnitude_vector" in n:
-                p.mul_(1 + 0.2 * torch.rand_like(p))
-            elif ".lora_" in n:
-                p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
+    return _trained(model)
 
 
 def test_a_dora_embedding_and_fan_in_fan_out_layer_are_merged(tmp_path):
@@ -191,14 +188,8 @@ def test_verify_recomputes_dora_and_bias_merges_and_names_a_flipped_byte(tmp_pat
         model = _model("f32", target_modules=["q_proj", "v_proj"], **kw)
         export, step = _saved_and_exported(model, tmp_path / kind)
         verify_export(export, step)
-        weight_map = json.loads((export / INDEX).read_text())["weight_map"]
         name = "model.layers.1.self_attn.v_proj." + ("bias" if kind == "bias" else "weight")
-        f = export / weight_map[name]
-        raw = bytearray(f.read_bytes())
-        n = int.from_bytes(raw[:8], "little")
-        begin = json.loads(raw[8 : 8 + n])[name]["data_offsets"][0]
-        raw[8 + n + begin + 5] ^= 0x01
-        f.write_bytes(bytes(raw))
+        harness.flip_byte(export, name)
         with pytest.raises(VerifyError) as e:
             verify_export(export, step)
         assert f"tensor {name!r} (its byte 5) differs" in e.value.message, (kind, e.value.message)
