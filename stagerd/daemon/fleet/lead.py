@@ -16,11 +16,11 @@ from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.plan import NodePart, extras_of
 from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
-from stagerd.daemon.fleet.stake import publisher
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
 from stagerd.errors import SinkError, StagerdError
+from stagerd.sinks.claims import Claim
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import LocalFile, Uploaded
 
@@ -36,11 +36,13 @@ def lead(
     owner: dict[str, int],
     planned: dict[str, dict[str, object]],
     failed: Callable[[FsspecSink, StagerdError], None],
+    mine: Claim,
 ) -> int:
     """Index and extras on each sink, then each sink committed as soon as every file's record on it is
     there and checked, whatever the other sinks do. `dtype`: the export's; `owner`: every built file's
     owner; `planned`: what this plan says each file is; `failed`: told of each sink dropped from this run
-    (its lane tries it again). Returns the bytes sent."""
+    (its lane tries it again); `mine`: the export's claim (`stake.publisher`), checked again before each
+    commit. Returns the bytes sent."""
     names = list(owner)
     out = work / "lead"
     shutil.rmtree(out, ignore_errors=True)
@@ -66,7 +68,6 @@ def lead(
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))
-    mine = publisher(x, step_dir)
     sent = 0
     pending: dict[str, tuple[FsspecSink, list[Uploaded]]] = {}  # sink URL -> the sink, what it was sent
     for sink in sinks:

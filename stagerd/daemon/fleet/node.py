@@ -61,7 +61,7 @@ from stagerd.daemon.fleet.records import (
     save_of,
     settings_of,
 )
-from stagerd.daemon.fleet.stake import Stakes, stake
+from stagerd.daemon.fleet.stake import Stakes, publisher, stake
 from stagerd.engine.adapter import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS
 from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
@@ -192,8 +192,11 @@ class FleetNode:
             ).bytes_uploaded
             parts = self._wait_parts()
             wait_agreed(self.x, self._settings())
-            if self.me == 0:  # before any node writes under a sink's step-N/: another's step is not ours
-                stake(self.x, self.step_dir, self.lanes.live(), self.lanes.fail)
+            # the leader's claim of the export, made before any node writes under a sink's step-N/ (another's
+            # step is not ours) and again before each commit
+            mine = publisher(self.x, self.step_dir) if self.me == 0 else None
+            if mine is not None:
+                stake(self.x, mine, self.lanes.live(), self.lanes.fail)
                 self.lanes.check()
             mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
             p, units = self._plan(mirror, mirror.build())
@@ -203,7 +206,7 @@ class FleetNode:
                 [(rel, *units[rel]) for rel in units if owner[rel] == self.me], planned, progress, res
             )
         res.bytes_fetched = mirror.fetched
-        if self.me == 0:
+        if mine is not None:  # the leader
             res.bytes_uploaded += lead(
                 self.x,
                 self.lanes.live(),
@@ -215,6 +218,7 @@ class FleetNode:
                 owner,
                 planned,
                 self.lanes.fail,
+                mine,
             )
             self.lanes.check()
             res.committed = True

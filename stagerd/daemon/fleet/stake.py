@@ -41,10 +41,10 @@ def claimed_key(x: StepExchange, sink: FsspecSink) -> str:
     return f"{x.base}/{CLAIMED_DIR}/{sink_id(sink.url)}.json"
 
 
-def stake(x: StepExchange, step_dir: Path, sinks: Sequence[FsspecSink], failed: Fail) -> None:
-    """Leader: claim the step on each of `sinks` and record the claim held there; a sink that refuses
-    (another publisher's claim, a dead store) is `failed`, which the owners waiting on it read."""
-    mine = publisher(x, step_dir)
+def stake(x: StepExchange, mine: Claim, sinks: Sequence[FsspecSink], failed: Fail) -> None:
+    """Leader: claim the step on each of `sinks` with `mine` (`publisher`) and record the claim held there;
+    a sink that refuses (another publisher's claim, a dead store) is `failed`, which the owners waiting on
+    it read."""
     for sink in sinks:
         try:
             # A step the sink holds complete is written no more: the fleet's own (a leader killed between
