@@ -34,7 +34,8 @@ What keeps its meaning, and what maps to the daemon:
 
 Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
 e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
-`trainer_state.json` (global step, epoch, which batches to skip). The callback then loads the model,
+`trainer_state.json` (global step, epoch, which batches to skip). `train(resume_from_checkpoint=True)`
+means the same step (the callback given to the Trainer's constructor; without a step, the Trainer's own). The callback then loads the model,
 optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
 
 Callback events do not receive the Trainer, and the save must run inside the Trainer's
@@ -69,7 +70,7 @@ log = logging.getLogger("stagerd.integrations")
 _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
-_WRAPPED = ("_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
+_WRAPPED = ("train", "_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
 _STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
 
@@ -175,6 +176,8 @@ class StagerdCallback(TrainerCallback):
         if missing:
             raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")
         self._trainer = trainer
+        train = trainer.train
+        trainer.train = lambda *a, **kw: self._train(train, *a, **kw)  # type: ignore[method-assign]
         save = trainer._save_checkpoint  # the class's, a subclass's override included
         trainer._save_checkpoint = lambda model, trial: self._save_checkpoint(save, model, trial)  # type: ignore[method-assign]
         for name in _LOADERS:
@@ -182,6 +185,16 @@ class StagerdCallback(TrainerCallback):
             setattr(trainer, name, self._loader(name, original))
         load_best = trainer._load_best_model
         trainer._load_best_model = lambda: self._load_best_model(load_best)  # type: ignore[method-assign]
+
+    def _train(self, train: Any, *args: Any, **kwargs: Any) -> Any:
+        """`train(resume_from_checkpoint=True)` means the newest checkpoint: here the newest step committed
+        under ROOT (the Trainer would look for `checkpoint-*` under output_dir, where the callback writes
+        nothing, and raise). Without one, True goes on to the Trainer: its own checkpoints, or its error."""
+        if args and args[0] is True:
+            args = (self.resume(self._bound()) or True, *args[1:])
+        elif kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = self.resume(self._bound()) or True
+        return train(*args, **kwargs)
 
     def _bound(self) -> Trainer:
         if self._trainer is None:
