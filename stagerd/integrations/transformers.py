@@ -35,8 +35,9 @@ What keeps its meaning, and what maps to the daemon:
 Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
 e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
 `trainer_state.json` (global step, epoch, which batches to skip). `train(resume_from_checkpoint=True)`
-means the same step (the callback given to the Trainer's constructor; without a step, the Trainer's own). The callback then loads the model,
-optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
+means the same step (the callback given to the Trainer's constructor; without a step, the Trainer's
+own). The callback then loads the model, optimizer, scheduler, scaler and RNG states where the Trainer
+would load its own files.
 
 Callback events do not receive the Trainer, and the save must run inside the Trainer's
 `_save_checkpoint`; so the callback binds itself to the Trainer that fires its first event (the `self` of
