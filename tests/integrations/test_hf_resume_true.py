@@ -1,8 +1,9 @@
-"""`StagerdCallback` in one process, as a script that already resumes with the Trainer's own
-`train(resume_from_checkpoint=True)`: True finds the newest step committed under ROOT (the Trainer alone
-looks for `checkpoint-*` under output_dir, where nothing is written, and raises), and the run goes on as
-the uninterrupted one would, bit for bit, with gradient accumulation, a warmup-cosine schedule, dropout,
-and the save in the middle of an epoch."""
+"""`StagerdCallback` in one process, as a script that resumes with the Trainer's own
+`train(resume_from_checkpoint=...)` rather than `resume()`: True and ROOT find the newest step committed
+under ROOT, and a step directory ROOT/step-N (what `best_model_checkpoint` names) that step (the Trainer
+alone looks for `checkpoint-*` under output_dir, where nothing is written, or for its own files in the
+step directory, and raises). The run goes on as the uninterrupted one would, bit for bit, with gradient
+accumulation, a warmup-cosine schedule, dropout, and the save in the middle of an epoch."""
 
 from __future__ import annotations
 
@@ -42,19 +43,29 @@ def _losses(trainer: Any) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
 
-def test_resume_from_checkpoint_true_goes_on_from_the_newest_staged_step(tmp_path):
-    full = _trainer(tmp_path / "out", tmp_path / "full", seed=0)
-    full.train()
-    name = layout.step_dir_name(EVERY)
-    shutil.copytree(tmp_path / "full" / name, tmp_path / "resumed" / name)  # as a preempted run leaves it
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> tuple[Path, Any]:
+    tmp = tmp_path_factory.mktemp("full")
+    trainer = _trainer(tmp / "out", tmp / "root", seed=0)
+    trainer.train()
+    return tmp / "root", trainer
 
-    resumed = _trainer(tmp_path / "out", tmp_path / "resumed", seed=1)
-    resumed.train(resume_from_checkpoint=True)
+
+@pytest.mark.parametrize("given", ["True", "ROOT", "ROOT/step-N"])
+def test_the_trainers_resume_argument_goes_on_from_the_staged_step(full, tmp_path, given):
+    full_root, uninterrupted = full
+    name = layout.step_dir_name(EVERY)
+    root = tmp_path / "root"
+    shutil.copytree(full_root / name, root / name)  # as a preempted run leaves it
+    checkpoint = {"True": True, "ROOT": str(root), "ROOT/step-N": str(root / name)}[given]
+
+    resumed = _trainer(tmp_path / "out", root, seed=1)
+    resumed.train(resume_from_checkpoint=checkpoint)
 
     assert sorted(_losses(resumed)) == list(range(1, STEPS + 1))  # steps 1-2 from the step's trainer_state
-    assert _losses(resumed) == _losses(full)
-    assert resumed.state.epoch == full.state.epoch == 1.5
-    a, b = full.model.state_dict(), resumed.model.state_dict()
+    assert _losses(resumed) == _losses(uninterrupted)
+    assert resumed.state.epoch == uninterrupted.state.epoch == 1.5
+    a, b = uninterrupted.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
