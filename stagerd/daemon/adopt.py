@@ -119,10 +119,19 @@ SINGLE_FILE = (
 )
 
 
+# torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
+# FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
+PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
+
+
 def _unadoptable(ckpt: Path) -> str | None:
-    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a PEFT
-    adapter where no layout reads it, or the HF Trainer's trainer_state.json beside no model a preset
-    reads); else None."""
+    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a model or
+    a PEFT adapter pickled, an adapter where no layout reads it, or the HF Trainer's trainer_state.json
+    beside no model a preset reads); else None."""
+    pickled = [n for n in PICKLED_MODELS if (ckpt / n).is_file()]
+    if pickled:
+        return (f"holds the model as {pickled[0]} (a pickle, never read): save safetensors "
+                "(safe_serialization=True, the default) or a sharded (DCP) checkpoint")  # fmt: skip
     if (ckpt / "adapter_model.bin").is_file():
         return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
                 "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip

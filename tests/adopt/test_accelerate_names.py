@@ -55,3 +55,23 @@ def test_accelerates_automatic_checkpoint_names_are_published_as_steps(project, 
     ref = tf.AutoModelForCausalLM.from_pretrained(project / "ref").state_dict()
     assert all(torch.equal(loaded[k], ref[k]) for k in ref)
     assert tree_digest(watched) == before
+
+
+def test_a_model_saved_as_a_pickle_is_named_once_and_left_alone(tmp_path):
+    """`save_state(safe_serialization=False)` writes `pytorch_model.bin`, a pickle stagerd never reads:
+    named once in a warning (not passed over in silence), nothing published, its files untouched."""
+    import transformers as tf
+    from accelerate import Accelerator
+
+    model = tf.AutoModelForCausalLM.from_config(models.config("llama"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.save_state(str(tmp_path / "run" / "checkpoint_0"), safe_serialization=False)
+    assert (tmp_path / "run" / "checkpoint_0" / "pytorch_model.bin").is_file()
+    before = tree_digest(tmp_path / "run")
+    res = watch_once(tmp_path / "run", tmp_path / "sink")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count("checkpoint_0 holds the model as pytorch_model.bin (a pickle, never read)") == 1, out
+    assert tree_digest(tmp_path / "run") == before
