@@ -331,6 +331,33 @@ class Adoption(Discovery):
             default_shard_size=s.max_shard_size is None,
         )
 
+    def _trainers_best(self) -> set[int]:
+        """With --delete-adopted: the step of the checkpoint the HF Trainer names its best
+        (`best_model_checkpoint` in the newest `trainer_state.json`), which `load_best_model_at_end`
+        reads back when the training ends and the Trainer's own rotation keeps: retention keeps it as a
+        pinned step (deleted, the Trainer would end with the last weights and a warning). Io thread."""
+        from stagerd.engine.parsed_extras import read_json_object
+
+        custom = compile_step_regex(self.settings.adopt_step)
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return set()
+        states = sorted(
+            (step, name) for name in names if (step := parse_step_name(name, custom)) is not None
+            and (self.root / name / "trainer_state.json").is_file()
+        )  # fmt: skip
+        for _, name in reversed(states):  # the newest that parses: one still being written is skipped
+            try:
+                best = read_json_object(self.root / name / "trainer_state.json").get("best_model_checkpoint")
+            except StagerdError:
+                continue
+            if not isinstance(best, str):
+                return set()
+            step = parse_step_name(Path(best).name, custom)
+            return {step} if step is not None and (self.root / Path(best).name).is_dir() else set()
+        return set()
+
     def _adopted_identity(self, step_dir: Path) -> str | None:
         preset = self._preset_of(step_dir)
         if preset is None or finished(step_dir, preset) is None:
