@@ -163,9 +163,11 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     else:
         labels = {s: f"[{i}]" for i, s in enumerate(sinks, 1)}
         rows, header = _rows(doc, sinks, labels), labels
-    if any(header[s] != s for s in sinks):
+    gone = [s for s in sinks if doc["sinks"] and s not in doc["sinks"]]
+    if any(header[s] != s for s in sinks) or gone:
         for s in sinks:
-            console.print(f"{escape(header[s])} {escape(s)}", overflow="fold")
+            note = "  (no longer a --sink: left as it was)" * (s in gone)
+            console.print(f"{escape(header[s])} {escape(s)}{escape(note)}", overflow="fold")
     for drop in range(len(OPTIONAL) + 1):
         kept = [c for c in optional if c[0] not in OPTIONAL[:drop]]
         chosen = base + kept + [(f"sink:{s}", header[s]) for s in sinks]
@@ -200,3 +202,16 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         for step, (where, cls, message) in failed:
             place = f" {where}" if where else ""
             console.print(escape(f"  step {step}{place}: {cls}: {message or ''}"), overflow="fold")
+    stuck = [s["step"] for s in doc["steps"] if _stuck(s)]
+    if stuck:
+        console.print(
+            escape(
+                f"what to do: a quarantined step stays so, even across restarts of `stagerd watch`; fix its "
+                f"cause, then `stagerd retry {doc['root']}` (or --step N)"
+            ),
+            overflow="fold",
+        )
+
+
+def _stuck(step: dict[str, Any]) -> bool:
+    return step["state"] == "quarantined" or any(ln["state"] == "quarantined" for ln in step["lanes"])

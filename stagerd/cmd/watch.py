@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
+
+log = logging.getLogger("stagerd")
 
 DESCRIPTION = (
     "Run beside training on each node. Every step a trainer commits under ROOT is converted to Hugging "
@@ -115,7 +118,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         metavar="S",
         help="most an export or file:// publish pauses for saves being written (default 30; 0 off)",
     )
-    p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        metavar="N",
+        help="tries of a failing stage in a --once run; crashes mid-stage before quarantine (default 5)",
+    )
     p.add_argument("--grace-seconds", type=float, metavar="S", help="drain time on SIGTERM (default 60)")
     p.add_argument("--rescan-seconds", type=float, metavar="S", help="full rescan period (default 5)")
     p.add_argument(
@@ -165,6 +173,45 @@ _FLAGS = (
 )
 
 
+def retry_hint(root: Path) -> str:
+    return (
+        "a quarantined step is never tried again by itself, not even by a new `stagerd watch`: fix its "
+        f"cause (`stagerd status {root}` shows it), then `stagerd retry {root}`"
+    )
+
+
+def quarantined_steps(root: Path) -> list[int]:
+    """The steps ROOT's journal holds quarantined, the step or one of its lanes; none without a journal."""
+    from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
+    from stagerd.errors import JournalError
+
+    if not journal_path(root).is_file():
+        return []
+    try:
+        journal = Journal.open_readonly(root)
+    except JournalError:
+        return []
+    try:
+        steps = {s.step for s in journal.steps(include_retired=False) if s.state == QUARANTINED}
+        steps |= {ln.step for ln in journal.lanes(include_retired=False) if ln.state == QUARANTINED}
+    finally:
+        journal.close()
+    return sorted(steps)
+
+
+def _warn_quarantined(root: Path) -> None:
+    """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
+    they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck."""
+    from stagerd.daemon.lock import running_holder
+
+    if running_holder(root) is not None:
+        return  # the daemon start is refused with LockError; this one reads nothing
+    steps = quarantined_steps(root)
+    if steps:
+        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+        log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -178,12 +225,16 @@ def run(args: argparse.Namespace) -> int:
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     daemon = Daemon(settings)
+    if settings.root is not None:
+        _warn_quarantined(Path(settings.root))
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
+        if settings.root is not None and quarantined_steps(Path(settings.root)):
+            print(f"  what to do: {retry_hint(Path(settings.root))}")
     if daemon.left_threads_running:
         # Work abandoned at shutdown is recorded in the journal; its threads cannot be interrupted, and
         # waiting for them would break the grace period. The next start redoes that work.
