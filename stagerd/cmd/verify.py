@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stagerd.cmd.consolidate import add_adopt_flags, adopted_source, threads_default
+from stagerd.cmd.consolidate import add_adopt_flags, adopted_source, refuse_a_root, threads_default
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError
 
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if path is not None and not path.exists():
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")
+    if args.against is not None and args.adopt is None:
+        refuse_a_root(args.against, "--against")
     source = adopted_source(args, args.against) if args.against is not None else None
     with progress(f"verify {args.export_dir.name}", 0) as bar:
         r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
