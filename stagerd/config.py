@@ -223,6 +223,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{', '.join(given) or 'delete_adopted'} needs adopt (--adopt)")
         elif self.publish_raw:
             raise ValueError("publish_raw is not available with adopt: the raw files are the trainer's own")
+        if self.delete_adopted and self.keep_last is None:
+            # alone it deletes nothing, which a user who asked for deletion would find out only on a full disk
+            raise ValueError("delete_adopted needs keep_last (--keep-last N): it deletes beyond the newest N")
         return self
 
     @field_validator("adopt")

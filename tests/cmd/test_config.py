@@ -63,6 +63,7 @@ def test_env_accepts_a_json_list_and_port_off(monkeypatch):
         ({"exchange": "file://relative/x"}, "relative path"),  # was taken, under the daemon's cwd
         ({"exchange": "hf://org/repo"}, "not the Hub"),
         ({"exchange": "s3://b/run*"}, "glob"),
+        ({"adopt": "auto", "delete_adopted": True}, "delete_adopted needs keep_last"),  # deleted nothing
     ],
 )
 def test_bad_values_are_config_errors(flags, match):
