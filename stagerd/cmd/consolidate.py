@@ -131,6 +131,22 @@ def _prepare_out(out: Path) -> Path:
     return tmp
 
 
+def warn_uncommitted(src: Path) -> None:
+    """A step directory without its marker is a save still being written, or one that failed: its shards
+    are read as they are, which the daemon never does; say so rather than pass a torn step for a step."""
+    import logging
+
+    from stagerd.contract import layout
+
+    if layout.parse_step_dir(src.resolve().name) is not None and not (src / layout.MARKER_NAME).exists():
+        logging.getLogger("stagerd").warning(
+            "%s has no %s: the step is not committed (a save still being written, or one that failed); its "
+            "shards are read as they are now. Wait for the save (stager.wait()) to export a whole step",
+            src,
+            layout.MARKER_NAME,
+        )
+
+
 def refuse_a_root(src: Path, what: str) -> None:
     """A staging ROOT given where a step is meant reads as a step with no shards, whose hint (re-save it, or
     delete it) would be wrong and dangerous: name the ROOT and its newest step instead."""
@@ -167,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
     if args.adopt is None:
         refuse_a_root(args.src, "SRC")
+        warn_uncommitted(args.src)
         if any((args.src / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
             raise ConfigError(
                 "SRC is already a Hugging Face export, not a staged step",

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stagerd.cmd.consolidate import add_adopt_flags, adopted_source, refuse_a_root, threads_default
+from stagerd.cmd.consolidate import (
+    add_adopt_flags,
+    adopted_source,
+    refuse_a_root,
+    threads_default,
+    warn_uncommitted,
+)
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.errors import ConfigError
 
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")
     if args.against is not None and args.adopt is None:
         refuse_a_root(args.against, "--against")
+        warn_uncommitted(args.against)
     source = adopted_source(args, args.against) if args.against is not None else None
     with progress(f"verify {args.export_dir.name}", 0) as bar:
         r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)

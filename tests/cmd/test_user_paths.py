@@ -132,3 +132,17 @@ def test_a_step_the_hub_repo_lacks_is_named_as_such(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr
     assert "has no revision step-9: that step was never published" in r.stderr, r.stderr
     assert "private repo" not in r.stderr and not (tmp_path / "eval").exists()
+
+
+def test_consolidate_of_a_step_not_yet_committed_says_so(staged: tuple[Path, Path], tmp_path: Path) -> None:
+    import shutil
+
+    root, _ = staged
+    unmarked = tmp_path / "copy" / "step-00000003"
+    shutil.copytree(root / "step-00000003", unmarked)
+    (unmarked / "stagerd.commit.json").unlink()
+    r = run_cli(["consolidate", unmarked, tmp_path / "out"])
+    assert r.returncode == 0, r.stderr
+    assert "the step is not committed" in r.stderr, r.stderr
+    r = run_cli(["consolidate", root / "step-00000003", tmp_path / "out2"])
+    assert r.returncode == 0 and "not committed" not in r.stderr, r.stderr
