@@ -146,3 +146,21 @@ def test_consolidate_of_a_step_not_yet_committed_says_so(staged: tuple[Path, Pat
     assert "the step is not committed" in r.stderr, r.stderr
     r = run_cli(["consolidate", root / "step-00000003", tmp_path / "out2"])
     assert r.returncode == 0 and "not committed" not in r.stderr, r.stderr
+
+
+def test_verify_checks_a_published_copy_against_its_manifest(
+    staged: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, export = staged
+    sink = tmp_path / "sink"
+    assert run_cli(["publish", export, "--step", "3", "--sink", sink.as_uri()]).returncode == 0
+    copy = sink / "step-00000003"
+    r = run_cli(["verify", copy])
+    assert r.returncode == 0 and "sha256 as stagerd.manifest.json lists" in r.stdout, r.stdout + r.stderr
+    weights = max(copy.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # inside a tensor: the headers and index still agree
+    weights.write_bytes(bytes(data))
+    r = run_cli(["verify", copy])
+    assert r.returncode == 2 and "sha256 differs from the manifest" in r.stderr, r.stdout + r.stderr
+    assert weights.name in r.stderr and "stagerd restore" in r.stderr
