@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
+from stagerd.cmd.watch_hints import quarantined_steps, retry_hint, warn_quarantined, warn_unadopted
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
-
-log = logging.getLogger("stagerd")
 
 DESCRIPTION = (
     "Run beside training on each node. Every step a trainer commits under ROOT is converted to Hugging "
@@ -173,45 +171,6 @@ _FLAGS = (
 )
 
 
-def retry_hint(root: Path) -> str:
-    return (
-        "a quarantined step is never tried again by itself, not even by a new `stagerd watch`: fix its "
-        f"cause (`stagerd status {root}` shows it), then `stagerd retry {root}`"
-    )
-
-
-def quarantined_steps(root: Path) -> list[int]:
-    """The steps ROOT's journal holds quarantined, the step or one of its lanes; none without a journal."""
-    from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
-    from stagerd.errors import JournalError
-
-    if not journal_path(root).is_file():
-        return []
-    try:
-        journal = Journal.open_readonly(root)
-    except JournalError:
-        return []
-    try:
-        steps = {s.step for s in journal.steps(include_retired=False) if s.state == QUARANTINED}
-        steps |= {ln.step for ln in journal.lanes(include_retired=False) if ln.state == QUARANTINED}
-    finally:
-        journal.close()
-    return sorted(steps)
-
-
-def _warn_quarantined(root: Path) -> None:
-    """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
-    they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck."""
-    from stagerd.daemon.lock import running_holder
-
-    if running_holder(root) is not None:
-        return  # the daemon start is refused with LockError; this one reads nothing
-    steps = quarantined_steps(root)
-    if steps:
-        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
-        log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
-
-
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -226,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     daemon = Daemon(settings)
     if settings.root is not None:
-        _warn_quarantined(Path(settings.root))
+        warn_quarantined(Path(settings.root))
+        if settings.adopt is None:
+            warn_unadopted(Path(settings.root))
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary

@@ -164,3 +164,20 @@ def test_verify_checks_a_published_copy_against_its_manifest(
     r = run_cli(["verify", copy])
     assert r.returncode == 2 and "sha256 differs from the manifest" in r.stderr, r.stdout + r.stderr
     assert weights.name in r.stderr and "stagerd restore" in r.stderr
+
+
+def test_watch_names_a_trainers_own_checkpoints_without_adopt(
+    staged: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root = tmp_path / "outputs"
+    (root / "checkpoint-500" / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (root / "checkpoint-500" / "pytorch_model_fsdp_0" / ".metadata").write_bytes(b"not read")
+    (root / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    argv = ["watch", root, "--once", "--sink", (tmp_path / "sink").as_uri(), *fast_flags()]
+    r = run_cli(argv)
+    assert r.returncode == 0 and "0 step(s) published" in r.stdout, r.stdout + r.stderr
+    assert "holds checkpoints a trainer saved itself (checkpoint-500)" in r.stderr, r.stderr
+    assert "--adopt" in r.stderr
+    stager_root, _ = staged  # steps saved through the Stager: nothing to say
+    r = run_cli(["watch", stager_root, "--once", "--sink", (tmp_path / "sink2").as_uri(), *fast_flags()])
+    assert r.returncode == 0 and "trainer saved itself" not in r.stderr, r.stderr
