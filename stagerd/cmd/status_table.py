@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
+
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
 _STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
 _LEADING_PLACE = re.compile(r"^(?:\S*[/\\]\S*|\[[^\]]*\]): ")  # "/path/to/file: " or "s3://b/k: "
@@ -163,7 +165,8 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     else:
         labels = {s: f"[{i}]" for i, s in enumerate(sinks, 1)}
         rows, header = _rows(doc, sinks, labels), labels
-    gone = [s for s in sinks if doc["sinks"] and s not in doc["sinks"]]
+    # a raw lane (`raw:URL`) belongs to its sink URL
+    gone = [s for s in sinks if doc["sinks"] and s.removeprefix(RAW_LANE_PREFIX) not in doc["sinks"]]
     if any(header[s] != s for s in sinks) or gone:
         for s in sinks:
             note = "  (no longer a --sink: left as it was)" * (s in gone)

@@ -181,3 +181,14 @@ def test_watch_names_a_trainers_own_checkpoints_without_adopt(
     stager_root, _ = staged  # steps saved through the Stager: nothing to say
     r = run_cli(["watch", stager_root, "--once", "--sink", (tmp_path / "sink2").as_uri(), *fast_flags()])
     assert r.returncode == 0 and "trainer saved itself" not in r.stderr, r.stderr
+
+
+def test_status_keeps_raw_lanes_of_a_configured_sink(
+    staged: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root, _ = staged
+    sink = (tmp_path / "sink").as_uri()
+    r = run_cli(["watch", root, "--once", "--publish-raw", "--sink", sink, *fast_flags()])
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_cli(["status", root], env={"COLUMNS": "200"})
+    assert f"raw:{sink}" in r.stdout and "no longer" not in r.stdout, r.stdout
