@@ -183,9 +183,7 @@ def test_watch_names_a_trainers_own_checkpoints_without_adopt(
     assert r.returncode == 0 and "trainer saved itself" not in r.stderr, r.stderr
 
 
-def test_status_keeps_raw_lanes_of_a_configured_sink(
-    staged: tuple[Path, Path], tmp_path: Path
-) -> None:
+def test_status_keeps_raw_lanes_of_a_configured_sink(staged: tuple[Path, Path], tmp_path: Path) -> None:
     root, _ = staged
     sink = (tmp_path / "sink").as_uri()
     r = run_cli(["watch", root, "--once", "--publish-raw", "--sink", sink, *fast_flags()])
