@@ -11,6 +11,7 @@ from stagerd.cli import main
 from tests.cli_helpers import run_cli
 from tests.cmd.restore_helpers import run_restore, tree
 from tests.daemon_helpers import fast_flags, stage_copy, truncate_a_shard
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize(
@@ -29,6 +30,14 @@ def test_a_config_error_sends_to_the_help_of_the_command_run(
     err = capsys.readouterr().err
     assert "stagerd: ConfigError: " in err, err
     assert f"what to do: see `stagerd {command} --help`" in err and "watch" not in err, err
+
+
+def test_a_restore_without_credentials_asks_for_read_access(s3, tmp_path: Path) -> None:  # noqa: F811
+    env = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}  # the fixture's files are absent
+    r = run_restore(f"s3://{s3.bucket}/run", tmp_path / "root", env=env)
+    assert r.returncode == 2 and "SinkAuthError" in r.stderr, r.stderr
+    assert "can read the sink" in r.stderr and "write permission" not in r.stderr, r.stderr
+    assert not (tmp_path / "root").exists()
 
 
 def test_a_failed_restore_leaves_no_new_directory(tmp_path: Path) -> None:
