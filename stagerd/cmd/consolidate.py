@@ -227,8 +227,9 @@ def run(args: argparse.Namespace) -> int:
     files = list_files(args.out)
     total = sum(s for _, s in files)
     secs = time.monotonic() - t0
-    rate = total / 1e9 / max(secs, 1e-9)
     from stagerd.cmd.status_table import size
 
-    print(f"wrote {len(files)} files, {size(total)}, to {args.out} in {secs:.2f} s ({rate:.2f} GB/s)")
+    print(
+        f"wrote {len(files)} files, {size(total)}, to {args.out} in {secs:.2f} s ({size(total / max(secs, 1e-9))}/s)"
+    )
     return 0

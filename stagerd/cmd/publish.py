@@ -99,11 +99,13 @@ def run(args: argparse.Namespace) -> int:
         elif res.skipped:
             print(f"{res.sink}: step {step} already published at {res.location}", flush=True)
         else:
-            rate = res.bytes_uploaded / res.seconds / 1e6 if res.seconds > 0 else 0.0
+            from stagerd.cmd.status_table import size
+
+            rate = size(res.bytes_uploaded / res.seconds) + "/s" if res.seconds > 0 else "-"
             print(
                 f"{res.sink}: published step {step} to {res.location}: {res.files} files, "
                 f"{res.bytes_uploaded} of {res.bytes_total} bytes sent in {res.seconds:.1f} s "
-                f"({rate:.0f} MB/s)",
+                f"({rate})",
                 flush=True,
             )
     if not failures:
