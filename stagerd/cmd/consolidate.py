@@ -229,7 +229,6 @@ def run(args: argparse.Namespace) -> int:
     secs = time.monotonic() - t0
     from stagerd.cmd.status_table import size
 
-    print(
-        f"wrote {len(files)} files, {size(total)}, to {args.out} in {secs:.2f} s ({size(total / max(secs, 1e-9))}/s)"
-    )
+    rate = size(total / max(secs, 1e-9))
+    print(f"wrote {len(files)} files, {size(total)}, to {args.out} in {secs:.2f} s ({rate}/s)")
     return 0
