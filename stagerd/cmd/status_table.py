@@ -141,7 +141,13 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     pid, disk = doc["daemon_pid"], doc["disk"]
     console.print(
         f"[bold]{escape(doc['root'])}[/]: daemon "
-        + (f"running (pid {pid})" if pid else "[yellow]not running[/]")
+        + (
+            f"running (pid {pid})"
+            if pid and doc.get("holder") != "restore"
+            else f"not running; a `stagerd restore` holds ROOT (pid {pid})"
+            if pid
+            else "[yellow]not running[/]"
+        )
         + f"; {size(disk['free'])} free ({disk['free_percent']:.1f}%)"
         + (
             " [bold red]LOW DISK: unpublished steps are kept; publishing must catch up[/]"

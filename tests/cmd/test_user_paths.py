@@ -199,3 +199,31 @@ def test_status_keeps_raw_lanes_of_a_configured_sink(staged: tuple[Path, Path], 
     assert r.returncode == 0, r.stdout + r.stderr
     r = run_cli(["status", root], env={"COLUMNS": "200"})
     assert f"raw:{sink}" in r.stdout and "no longer" not in r.stdout, r.stdout
+
+
+def test_a_root_a_restore_holds_is_named_so_not_watched(staged: tuple[Path, Path], tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.cli_helpers import STAGERD, clean_env
+
+    root, _ = staged
+    sink = (tmp_path / "sink").as_uri()
+    assert run_cli(["watch", root, "--once", "--publish-raw", "--sink", sink, *fast_flags()]).returncode == 0
+    target, go_on, other = tmp_path / "target", tmp_path / "go-on", (tmp_path / "other").as_uri()
+    target.mkdir()
+    assert run_cli(["watch", target, "--once", "--sink", other, *fast_flags()]).returncode == 0  # a journal
+    env = clean_env({"STAGERD_DELAY_AT": "restore.landing:60", "STAGERD_DELAY_RELEASE": str(go_on)})
+    restore = subprocess.Popen(
+        [*STAGERD, "restore", sink, str(target)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while "delay point restore.landing" not in (line := restore.stderr.readline()):
+            assert line or restore.poll() is None, "the restore ended before its delay point"
+        r = run_cli(["watch", target, "--once", "--sink", other, *fast_flags()])
+        assert r.returncode == 2 and "held by a running `stagerd restore`" in r.stderr, r.stderr
+        assert "wait for the restore to end" in r.stderr and "watched" not in r.stderr
+        r = run_cli(["status", target], env={"COLUMNS": "200"})
+        assert "daemon not running; a `stagerd restore` holds ROOT" in r.stdout, r.stdout
+    finally:
+        go_on.touch()
+        assert restore.wait(60) == 0, restore.stderr.read()
