@@ -139,6 +139,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(args)
 
 
+def _memory_cap() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
 @pytest.mark.parametrize(("damage", "error", "words"), CASES[:4], ids=[c[0].__name__ for c in CASES[:4]])
 def test_cli_prints_one_line_and_leaves_no_output(step_dir, tmp_path, damage, error, words):
     damage(step_dir)
@@ -166,6 +172,26 @@ def test_raw_shard_dir_with_a_gap_is_a_missing_shard(dcp_mixed, tmp_path):
     sorted((tmp_path / "model").glob("shard-00002-*"))[0].unlink()
     r = _cli("consolidate", str(tmp_path / "model"), str(tmp_path / "out"))
     assert r.returncode != 0 and "ShardError" in r.stderr and "[2]" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "number, words",
+    [("99999999999999", "[1, 2, 3, 4, 5] are missing"), ("00000", "number 0"), ("\u0661", "unexpected file")],
+)
+def test_a_shard_number_that_no_rank_writes_is_refused_at_once(tmp_path, number, words):
+    """Before: the gap check built a set of every number up to the largest, so one file named
+    shard-99999999999999-... held `consolidate` for good growing toward 10^14 ints; shard 0 (DCP numbers
+    from 1) and other scripts' digits (`\\d` matched U+0661) were taken as ranks."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src = tmp_path / "src"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (1,), 0, 4)}, {"DCP_SHARDING_INFO": info, "format": "pt"})
+    (src / f"shard-{number}-model-00001-of-00001.safetensors").write_bytes(head + bytes(4))
+    r = run_cli(["consolidate", src, tmp_path / "out"], preexec=_memory_cap)  # MemoryError, not a swap storm
+    assert r.returncode == 2 and "ShardError" in r.stderr and words in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
 
 
