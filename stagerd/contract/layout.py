@@ -10,6 +10,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -249,6 +250,15 @@ class CommitMarker:
                 ref = ref if not isinstance(ref, dict) else decode_weight_map(ref, names, hub_plan, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
+            created, dtype, metadata = d.get("created", 0.0), d.get("dtype"), d.get("metadata")
+            # Each of these reaches code that takes it for its type (`dtype.lower()`, `sorted(metadata)`):
+            # one of another type was a raw AttributeError out of the export
+            if not (is_int(created) or type(created) is float) or not math.isfinite(created):
+                raise MarkerError(f"created must be a number of seconds, not {created!r}", path=path)
+            if dtype is not None and not isinstance(dtype, str):
+                raise MarkerError(f"dtype must be a dtype's name, not {dtype!r}", path=path)
+            if metadata is not None and not isinstance(metadata, dict):
+                raise MarkerError("metadata must be a JSON object", path=path)
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
             if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
                 raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
@@ -256,10 +266,10 @@ class CommitMarker:
                 step=step,
                 world_size=ws,
                 files=tuple(files),
-                created=float(d.get("created", 0.0)),
+                created=float(created),
                 reference_index=ref,
-                dtype=d.get("dtype"),
-                metadata=dict(d.get("metadata") or {}),
+                dtype=dtype,
+                metadata=dict(metadata or {}),
                 tensors=tensors,
                 staging_node=node,
                 staging_nodes=nodes,
