@@ -250,15 +250,11 @@ class CommitMarker:
                 ref = ref if not isinstance(ref, dict) else decode_weight_map(ref, names, hub_plan, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
-            created, dtype, metadata = d.get("created", 0.0), d.get("dtype"), d.get("metadata")
-            # Each of these reaches code that takes it for its type (`dtype.lower()`, `sorted(metadata)`):
-            # one of another type was a raw AttributeError out of the export
-            if not (is_int(created) or type(created) is float) or not math.isfinite(created):
-                raise MarkerError(f"created must be a number of seconds, not {created!r}", path=path)
+            created, metadata = created_and_metadata(d, path=path)
+            dtype = d.get("dtype")
+            # It reaches `dtype.lower()`: an int there was a raw AttributeError out of the export
             if dtype is not None and not isinstance(dtype, str):
                 raise MarkerError(f"dtype must be a dtype's name, not {dtype!r}", path=path)
-            if metadata is not None and not isinstance(metadata, dict):
-                raise MarkerError("metadata must be a JSON object", path=path)
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
             if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
                 raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
@@ -266,10 +262,10 @@ class CommitMarker:
                 step=step,
                 world_size=ws,
                 files=tuple(files),
-                created=float(created),
+                created=created,
                 reference_index=ref,
                 dtype=dtype,
-                metadata=dict(metadata or {}),
+                metadata=metadata,
                 tensors=tensors,
                 staging_node=node,
                 staging_nodes=nodes,
@@ -282,6 +278,18 @@ class CommitMarker:
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def created_and_metadata(d: dict[str, Any], *, path: object) -> tuple[float, dict[str, Any]]:
+    """A marker's or manifest's `created` (finite seconds) and `metadata` (an object), or a MarkerError:
+    `float("nan")` of a string, or `dict()` of a list of pairs with keys of any type, let through what
+    the readers then sort and format."""
+    created, metadata = d.get("created", 0.0), d.get("metadata")
+    if not (is_int(created) or type(created) is float) or not math.isfinite(created):
+        raise MarkerError(f"created must be a number of seconds, not {created!r}", path=path)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MarkerError("metadata must be a JSON object", path=path)
+    return float(created), dict(metadata or {})
 
 
 def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path:

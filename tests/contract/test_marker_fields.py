@@ -1,4 +1,4 @@
-"""Every field of a commit marker, given any JSON value, is read as its type or refused as a MarkerError:
+"""Every field of a commit marker or a published manifest, given any JSON value, is read as its type or refused as a MarkerError:
 nothing of another type reaches the code that uses it."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.contract.safetensors_format import encode_header
 from stagerd.errors import MarkerError, StagerdError
 from tests.cli_helpers import run_cli
@@ -50,6 +51,19 @@ def test_any_value_of_any_field_is_its_type_or_a_marker_error(field, value):
         parse_export_dtype(m.dtype)
     except StagerdError:
         pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from(["step", "files", "created", "metadata"]), value=json_values)
+def test_any_value_of_any_manifest_field_is_its_type_or_a_marker_error(field, value):
+    """A manifest is read from a store other tools write to."""
+    d = ExportManifest(step=1, files=(ManifestFile("model.safetensors", 4, "0" * 64),)).to_json()
+    try:
+        m = ExportManifest.from_json(json.loads(json.dumps(d | {field: value})))
+    except MarkerError:
+        return
+    assert isinstance(m.created, float) and math.isfinite(m.created)
+    assert isinstance(m.metadata, dict) and all(isinstance(k, str) for k in m.metadata)
 
 
 @pytest.mark.parametrize(
