@@ -1,5 +1,5 @@
-"""Every field of a commit marker or a published manifest, given any JSON value, is read as its type or refused as a MarkerError:
-nothing of another type reaches the code that uses it."""
+"""Every field of a commit marker or a published manifest, given any JSON value, is read as its type or
+refused as a MarkerError: nothing of another type reaches the code that uses it."""
 
 from __future__ import annotations
 
