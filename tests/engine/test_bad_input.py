@@ -243,3 +243,21 @@ def test_an_empty_tensor_whose_blocks_add_up_past_64_bits_is_refused(tmp_path):
         consolidate_into(src, out)
     assert not e.value.retryable and "\n" not in str(e.value)
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("fname", ["a\x00b", "", "..", ".hidden", "sub/x.safetensors"])
+def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, fname):
+    """Before: a NUL in the index's file name reached os.open as a raw ValueError (a traceback, exit 1)."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
+    (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
+    assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    index = json.loads((out / layout.INDEX_NAME).read_text())
+    index["weight_map"]["w"] = fname
+    (out / layout.INDEX_NAME).write_text(json.dumps(index))
+    r = _cli("verify", str(out))
+    assert r.returncode == 2 and "VerifyError" in r.stderr and "unsafe file name" in r.stderr, r.stderr
