@@ -204,6 +204,8 @@ class FsspecSink(LatestMixin):
         total = sum(f.size for f in files)
         prog = ByteProgress(total, progress)
 
+        if isinstance(b, LocalBackend):
+            b.refuse_links(manifest_key)  # before the claim: nothing written for a step linked elsewhere
         mine = publish_claim(local_root)
         claim = Claiming(claim_key(prefix), mine.encode(), lambda data: owned_by(data, mine))
         opening = self._open_step(prefix, manifest_key, files, prog, claim)

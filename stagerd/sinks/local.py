@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.errors import SymlinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.fetch import LATEST_NAME
@@ -55,6 +57,7 @@ class LocalBackend:
         self.root = root
 
     def list(self, prefix: str) -> dict[str, RemoteObject]:
+        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
         base = self.root / prefix
         out = {}
         for dirpath, _dirs, names in os.walk(base):
@@ -72,6 +75,7 @@ class LocalBackend:
         """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
         those: the sink's directory may hold other tools' files, and temp names like ours). `settled`:
         under `prefix/`, every other host's too (see `Backend.sweep`)."""
+        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
         base = self.root / prefix
         inside = [Path(d) / n for d, _, names in os.walk(base) for n in names]
         beside = []
@@ -102,20 +106,39 @@ class LocalBackend:
             if now - mtime > TEMP_STALE_S:
                 p.unlink(missing_ok=True)
 
+    def refuse_links(self, key: str) -> Path:
+        """`root/key`, or a SymlinkError where a directory on the way to it below the sink's root is a
+        link: a step or `claims/` linked out of the sink would have its files written, replaced and swept
+        wherever the link points (the sink's own root may be a link: the operator named it)."""
+        path = self.root / key
+        at = self.root
+        for part in Path(key).parts[:-1]:
+            at = at / part
+            try:
+                st = os.lstat(at)
+            except FileNotFoundError:
+                break  # made below here by mkdir: real directories
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkError(
+                    f"is a link (to {os.readlink(at)!r}): a publish through it would write outside the sink",
+                    path=at,
+                )
+        return path
+
     def read(self, key: str, limit: int | None = None) -> bytes | None:
         try:
-            with open(self.root / key, "rb") as f:
+            with open(self.refuse_links(key), "rb") as f:
                 return f.read(-1 if limit is None else limit)
         except FileNotFoundError:
             return None
 
     def write(self, key: str, data: bytes) -> None:
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(path, data, tmp=_temp_name(path))  # the host in the name: see sweep
 
     def create(self, key: str, data: bytes) -> bool:
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_name(path)
         self._write_fsync(tmp, [memoryview(data)])
@@ -132,7 +155,7 @@ class LocalBackend:
         """Read-judge-write `latest` under a lock on its directory: two publishes of this sink at once
         (`publish_workers`, two daemons) could otherwise read the same old value and write in the wrong
         order, leaving `latest` behind a published step."""
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.parent):
             if path.is_dir():  # another tool's `latest/`, or a link to its newest checkpoint: names no step
@@ -157,7 +180,7 @@ class LocalBackend:
         out = []
         dirs = set()
         for f in files:
-            dst = self.root / prefix / f.rel
+            dst = self.refuse_links(f"{prefix}/{f.rel}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = _temp_name(dst)
             h = hashlib.sha256()
