@@ -50,6 +50,9 @@ MAX_MARKER_BYTES = 64 << 20
 
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
+# Each daemon of a node-locally staged step keeps a few objects per node (a claim key, a load count): a
+# marker naming 10^9 nodes took the daemon's memory; 65536 nodes are half a million GPUs.
+MAX_STAGING_NODES = 1 << 16
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
 
 
@@ -256,8 +259,10 @@ class CommitMarker:
             if dtype is not None and not isinstance(dtype, str):
                 raise MarkerError(f"dtype must be a dtype's name, not {dtype!r}", path=path)
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
-            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
-                raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
+            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes <= MAX_STAGING_NODES):
+                raise MarkerError(
+                    f"bad staging node {node!r} of {nodes!r} (at most {MAX_STAGING_NODES} nodes)", path=path
+                )
             return cls(
                 step=step,
                 world_size=ws,

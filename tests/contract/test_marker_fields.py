@@ -74,6 +74,8 @@ def test_any_value_of_any_manifest_field_is_its_type_or_a_marker_error(field, va
         ("created", "nan", "created must be"),  # before: float("nan"), taken as the save's time
         ("created", True, "created must be"),
         ("metadata", [["a", "b"]], "metadata must be"),  # before: dict() of pairs, keys of any type
+        # before: taken, and the daemon's fleet export of the step made a dict of 10^9 claim keys
+        ("staging_nodes", 10**9, "at most 65536 nodes"),
     ],
 )
 def test_consolidate_of_a_marker_field_of_another_type_is_exit_2_and_writes_nothing(
