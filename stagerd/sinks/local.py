@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import socket
-import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.errors import SymlinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.fetch import LATEST_NAME
@@ -33,6 +31,7 @@ from stagerd.sinks.objects import (
     foreign_latest,
     newer_latest,
     probe_clock,
+    refuse_links,
 )
 
 log = logging.getLogger("stagerd.sinks.fsspec")
@@ -107,23 +106,8 @@ class LocalBackend:
                 p.unlink(missing_ok=True)
 
     def refuse_links(self, key: str) -> Path:
-        """`root/key`, or a SymlinkError where a directory on the way to it below the sink's root is a
-        link: a step or `claims/` linked out of the sink would have its files written, replaced and swept
-        wherever the link points (the sink's own root may be a link: the operator named it)."""
-        path = self.root / key
-        at = self.root
-        for part in Path(key).parts[:-1]:
-            at = at / part
-            try:
-                st = os.lstat(at)
-            except FileNotFoundError:
-                break  # made below here by mkdir: real directories
-            if stat.S_ISLNK(st.st_mode):
-                raise SymlinkError(
-                    f"is a link (to {os.readlink(at)!r}): a publish through it would write outside the sink",
-                    path=at,
-                )
-        return path
+        """`root/key`, never through a link below the sink's root (`objects.refuse_links`)."""
+        return refuse_links(self.root, key)
 
     def read(self, key: str, limit: int | None = None) -> bytes | None:
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import builtins
 import json
 import logging
+import os
+import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -19,7 +21,7 @@ from typing import Protocol, runtime_checkable
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.manifest import ExportManifest
-from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import MarkerError, SinkConflictError, SinkError, SymlinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
 
 log = logging.getLogger("stagerd.sinks.fsspec")
@@ -337,3 +339,22 @@ def parse_manifest(data: bytes, where: str) -> ExportManifest:
         raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
     except MarkerError as e:
         raise SinkConflictError(f"remote manifest is malformed: {e.message}", path=where) from None
+
+
+def refuse_links(root: Path, key: str) -> Path:
+    """`root/key`, or a SymlinkError where a directory on the way to it below a file:// sink's root is a
+    link: a step, `raw/` or `claims/` linked out of the sink would have files written, replaced, swept and
+    deleted wherever the link points (the sink's own root may be a link: the operator named it)."""
+    at = root
+    for part in Path(key).parts[:-1]:
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except FileNotFoundError:
+            break  # made below here by mkdir: real directories
+        if stat.S_ISLNK(st.st_mode):
+            raise SymlinkError(
+                f"is a link (to {os.readlink(at)!r}): stagerd writes and deletes only inside the sink",
+                path=at,
+            )
+    return root / key

@@ -27,7 +27,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
+from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url, refuse_links
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -80,7 +80,9 @@ class RemoteStore:
         return f"{self.url.rstrip('/')}/{key}"
 
     def _local(self, key: str) -> Path:
-        return Path(self.path(key))
+        """A file:// key's path, never through a link below the sink's root (SymlinkError)."""
+        base = Path(self.path(""))
+        return refuse_links(base, key) if key else base
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -96,7 +98,8 @@ class RemoteStore:
             head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
             return head
         try:
-            data: bytes = self.fs.cat_file(self.path(key), start=0, end=n)
+            path = str(self._local(key)) if self.local else self.path(key)
+            data: bytes = self.fs.cat_file(path, start=0, end=n)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -122,7 +125,7 @@ class RemoteStore:
 
                 return s3_store.objects(self.s3, prefix, start)
             if self.local:
-                return _local_objects(self._local(prefix) if prefix else Path(self.path("")), start)
+                return _local_objects(self._local(f"{prefix}/-").parent if prefix else self._local(""), start)
             found = self._fsspec_objects(prefix)
             return {rel: o for rel, o in found.items() if rel.startswith(start)}
         except SinkError:
@@ -261,7 +264,7 @@ class RemoteStore:
         directory someone writes into again is not empty and stays). Object stores have none."""
         if not self.local:
             return
-        top = self._local(prefix)
+        top = self._local(f"{prefix}/-").parent  # the prefix itself too: never rmdir through a link
         for dirpath, _dirs, _names in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)

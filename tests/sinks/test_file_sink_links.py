@@ -1,9 +1,12 @@
-"""A file:// sink whose step or `claims/` directory is a link out of the sink: publishing there is a
-SymlinkError with nothing written through the link or beside it, and the sink's other steps go on."""
+"""A file:// sink whose step, `raw/` or `claims/` directory is a link out of the sink: publishing or
+pruning there is a SymlinkError with nothing written or deleted through the link, and the sink's other
+steps go on."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.errors import SymlinkError
 from stagerd.sinks.fsspec import FsspecSink
+from tests.cli_helpers import run_cli
 from tests.sinks.test_sink_fsspec import make_export
 
 
@@ -35,7 +39,7 @@ def test_a_step_linked_out_of_the_sink_is_refused_and_nothing_outside_changes(tm
     os.symlink(victim, sink_dir / linked)
     before, names_before = _tree(victim), sorted(os.listdir(victim))
     export = make_export(tmp_path / "e2", {"a.safetensors": 100, "b/c.json": 10}, seed=2)
-    with pytest.raises(SymlinkError, match="outside the sink"):
+    with pytest.raises(SymlinkError, match="only inside the sink"):
         if linked.startswith("raw/"):  # as a raw step's and the fleet's writes go
             sink.backend.write(f"{linked}/{layout.MARKER_NAME}", b"{}")
         else:
@@ -45,3 +49,33 @@ def test_a_step_linked_out_of_the_sink_is_refused_and_nothing_outside_changes(tm
     if linked != "claims":  # the sink's other steps go on
         sink.publish(make_export(tmp_path / "e3", {"a.safetensors": 100}, seed=3), 3)
         assert (sink_dir / layout.step_dir_name(3) / layout.MANIFEST_NAME).is_file()
+
+
+def test_a_prune_never_deletes_through_a_tree_linked_out_of_the_sink(tmp_path: Path):
+    """Sink A's `raw/` is a link to sink B: before, `stagerd prune A --keep-last 1` took B's steps for A's
+    raw steps and deleted all but B's newest."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for sink_dir in (a, b):
+        sink = FsspecSink.from_url(f"file://{sink_dir}")
+        for step in (1, 2, 3):
+            sink.publish(make_export(tmp_path / f"e-{sink_dir.name}{step}", {"a.safetensors": 100}), step)
+    os.symlink(b, a / "raw")
+    before = _tree(b)
+    r = run_cli(["prune", f"file://{a}", "--keep-last", "1"])
+    assert r.returncode == 2 and "SymlinkError" in r.stderr and "raw" in r.stderr, r.stderr
+    assert _tree(b) == before
+    # a step linked out of the sink whose claim is a dead prune's (what it left half done): left alone
+    os.unlink(a / "raw")
+    victim = tmp_path / "victim"
+    os.rename(a / layout.step_dir_name(1), victim)
+    os.symlink(victim, a / layout.step_dir_name(1))
+    dead = {"kind": "prune", "owner": "h:1:x", "host": socket.gethostname(), "pid": 2**22 + 1}
+    (a / "claims" / layout.step_dir_name(1)).write_text(json.dumps(dead))
+    kept = _tree(victim)
+    r = run_cli(["prune", f"file://{a}", "--keep-last", "1"])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert _tree(victim) == kept
+    assert sorted(p.name for p in a.iterdir() if p.name.startswith("step-")) == [
+        layout.step_dir_name(1),
+        layout.step_dir_name(3),
+    ]
