@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 from pathlib import Path
@@ -261,3 +262,26 @@ def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, f
     (out / layout.INDEX_NAME).write_text(json.dumps(index))
     r = _cli("verify", str(out))
     assert r.returncode == 2 and "VerifyError" in r.stderr and "unsafe file name" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("index", ["fifo", "huge"])
+def test_verify_of_an_index_that_is_a_fifo_or_huge_is_a_verify_error_at_once(tmp_path, index):
+    """Before: verify of an export whose index was a FIFO waited for a writer for good, and one whose index
+    was a sparse 1 TiB file read it whole (MemoryError)."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
+    (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
+    assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    (out / layout.INDEX_NAME).unlink()
+    if index == "fifo":
+        os.mkfifo(out / layout.INDEX_NAME)
+    else:
+        with open(out / layout.INDEX_NAME, "wb") as f:
+            f.truncate(1 << 40)
+    r = run_cli(["verify", out], timeout=60, preexec=_memory_cap)
+    assert r.returncode == 2 and "VerifyError" in r.stderr, r.stderr
+    assert ("not a regular file" if index == "fifo" else "larger than 64 MiB") in r.stderr
