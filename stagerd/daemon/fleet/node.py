@@ -321,10 +321,10 @@ class FleetNode:
         for k, name in enumerate(seen()):
             key = f"{raw}/{name}/{layout.MARKER_NAME}"
             try:
-                raw = loads(self.store.read(key) or b"{}")
+                part = loads(self.store.read(key) or b"{}")
             except ValueError as e:  # another node's marker on a shared store: torn or not a marker
                 raise MarkerError(f"node part {name}'s commit marker is not JSON: {e}", path=key) from None
-            m = layout.CommitMarker.from_json(raw, path=key)
+            m = layout.CommitMarker.from_json(part, path=key)
             if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
                 raise MarkerError(
                     f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key
