@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.regular_file import read_regular
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import pid_alive
 from stagerd.sinks.fetch import LATEST_NAME
@@ -110,9 +111,8 @@ class LocalBackend:
         return refuse_links(self.root, key)
 
     def read(self, key: str, limit: int | None = None) -> bytes | None:
-        try:
-            with open(self.refuse_links(key), "rb") as f:
-                return f.read(-1 if limit is None else limit)
+        try:  # a FIFO at a claim's or a manifest's key held the publish for good
+            return read_regular(self.refuse_links(key), limit)
         except FileNotFoundError:
             return None
 

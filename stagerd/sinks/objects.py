@@ -294,6 +294,10 @@ def verify_listing(
 
 
 MAX_LATEST_BYTES = 1024  # what is read of `latest`: a step name, or a sign that the object is not ours
+# What is read of a step's manifest and of a claim: anyone may put an object of any size at those keys,
+# and a publish read each whole (a FIFO on file:// held it for good)
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_CLAIM_BYTES = 128 << 10
 
 
 def _latest_step(current: bytes) -> int | None:
@@ -331,6 +335,8 @@ def manifest_bytes(manifest: ExportManifest) -> bytes:
 
 
 def parse_manifest(data: bytes, where: str) -> ExportManifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SinkConflictError(f"remote manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=where)
     try:
         return ExportManifest.from_json(json.loads(data), path=where)
     except RecursionError:

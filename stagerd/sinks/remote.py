@@ -26,13 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.regular_file import open_regular, read_regular
 from stagerd.errors import ConfigError, RestoreError, SinkError
-from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url, refuse_links
+from stagerd.sinks.objects import (
+    MAX_LATEST_BYTES,
+    MAX_MANIFEST_BYTES,
+    StoredObject,
+    probe_clock,
+    redact_url,
+    refuse_links,
+)
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
-
-MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclass
@@ -97,9 +103,10 @@ class RemoteStore:
         if self.s3 is not None:
             head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
             return head
-        try:
-            path = str(self._local(key)) if self.local else self.path(key)
-            data: bytes = self.fs.cat_file(path, start=0, end=n)
+        try:  # file://: never a FIFO's wait (a claim read by a prune), never more than `n` in memory
+            data: bytes = (
+                read_regular(self._local(key), n) if self.local else self.fs.cat_file(self.path(key), 0, n)
+            )
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -159,8 +166,9 @@ class RemoteStore:
             return s3_store.read_tagged(self.s3, key)
         if self.local:
             try:
-                with open(self._local(key), "rb") as f:
-                    return f.read(MAX_MANIFEST_BYTES), _tag(os.fstat(f.fileno()))
+                with open_regular(self._local(key)) as f:  # a FIFO's wait held a prune for good
+                    st = os.fstat(f.fileno())
+                    return f.read(min(st.st_size, MAX_MANIFEST_BYTES)), _tag(st)
             except FileNotFoundError:
                 return None
         data = self.read(key)
