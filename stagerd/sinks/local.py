@@ -142,9 +142,10 @@ class LocalBackend:
         path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.parent):
-            if path.is_dir():  # another tool's `latest/`, or a link to its newest checkpoint: names no step
+            # another tool's `latest/`, a link to its newest checkpoint, or a FIFO: names no step
+            if path.exists() and not path.is_file():
                 log.warning(
-                    "%s is a directory: another tool's, left as it is; latest is not moved",
+                    "%s is not a file: another tool's, left as it is; latest is not moved",
                     path,
                     extra={"sink": str(path)},
                 )

@@ -119,8 +119,8 @@ class RemoteStore:
         A sink shared with other tools may hold their `latest` there: a large or empty file, or on file:// a
         directory or a link to one (a common name for the newest checkpoint). It names no step (b"" for
         a directory), so it protects none and is never touched; failing on it would stop retention."""
-        if self.local and os.path.isdir(self._local(key)):
-            return b""
+        if self.local and os.path.exists(self._local(key)) and not os.path.isfile(self._local(key)):
+            return b""  # a directory, or a FIFO that would fail the read
         return self._head(key, MAX_LATEST_BYTES + 1)
 
     def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
