@@ -208,7 +208,8 @@ class FsspecSink(LatestMixin):
         prog = ByteProgress(total, progress)
 
         if isinstance(b, LocalBackend):
-            b.refuse_links(manifest_key)  # before the claim: nothing written for a step linked elsewhere
+            # before the claim: nothing written for a step linked elsewhere
+            self._call(lambda: b.refuse_links(manifest_key), manifest_key)
         mine = publish_claim(local_root)
         claim = Claiming(claim_key(prefix), mine.encode(), lambda data: owned_by(data, mine))
         opening = self._open_step(prefix, manifest_key, files, prog, claim)

@@ -356,8 +356,8 @@ def refuse_links(root: Path, key: str) -> Path:
         at = at / part
         try:
             st = os.lstat(at)
-        except FileNotFoundError:
-            break  # made below here by mkdir: real directories
+        except (FileNotFoundError, NotADirectoryError):
+            break  # made below here by mkdir (real directories), or the write fails as it would have
         if stat.S_ISLNK(st.st_mode):
             raise SymlinkError(
                 f"is a link (to {os.readlink(at)!r}): stagerd writes and deletes only inside the sink",
