@@ -26,7 +26,7 @@ from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 
 _CHUNK = 8 << 20
-_STEP_REF = re.compile(r"(?:^|/)step-(\d+)$")
+_STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
