@@ -322,8 +322,11 @@ def select_keys(preset: Preset, keys: list[str], select: str | None = None) -> d
             chosen[name] = key
         if chosen:
             return chosen
+    what = f"--adopt-select {select!r}" if select is not None else f"preset {preset.name}"
     raise AdoptError(
-        f"preset {preset.name} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})"
+        f"{what} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})",
+        hint="name the model's keys with --adopt-select REGEX, the model's tensor name its group 1 or "
+        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net",
     )
 
 
