@@ -75,7 +75,7 @@ def test_an_exchange_url_error_names_the_exchange_not_a_sink():
     with pytest.raises(ConfigError) as e:
         load_settings(exchange="file://relative/x", sinks=["file:///tmp/out"])
     assert str(e.value).startswith("--exchange URL 'file://relative/x'"), str(e.value)
-    with pytest.raises(ConfigError, match="^sink URL 'file://relative/x'"):  # a sink's says sink
+    with pytest.raises(ConfigError, match=r"^sink URL 'file://relative/x'"):  # a sink's says sink
         load_settings(sinks=["file://relative/x"])
 
 
