@@ -277,10 +277,11 @@ class Settings(BaseSettings):
     @field_validator("sinks")
     @classmethod
     def _check_sinks(cls, v: list[str]) -> list[str]:
-        from stagerd.sinks.urls import parse_sink_url
+        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates
 
         for url in v:
             parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created
+        refuse_duplicates(v)
         return v
 
     @field_validator("exchange")
@@ -289,7 +290,7 @@ class Settings(BaseSettings):
         from stagerd.sinks.urls import SinkKind, parse_sink_url
 
         # As strict as a sink's: `file://relative` would put the nodes' exchange under each daemon's cwd.
-        if v is not None and parse_sink_url(v).kind is SinkKind.HUB:
+        if v is not None and parse_sink_url(v, what="--exchange URL").kind is SinkKind.HUB:
             raise ValueError("the exchange is an fsspec URL (S3, GCS, a shared mount), not the Hub")
         return v
 

@@ -45,20 +45,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.set_defaults(func=run)
 
 
-_Read = tuple[dict[str, Any], list[Any], list[Any], dict[str, int], dict[int, dict[str | None, str]]]
+_Read = tuple[
+    dict[str, Any],
+    list[Any],
+    list[Any],
+    dict[str, int],
+    dict[int, dict[str | None, str]],
+    dict[str, tuple[int, list[int]]],
+]
 
 
 def _read_journal(root: Path, *, include_retired: bool) -> _Read:
     from stagerd.daemon.journal import Journal
+    from stagerd.daemon.summary import NEWEST_LISTED
 
     journal = Journal.open_readonly(root)
     try:
+        meta = journal.meta()
         return (
-            journal.meta(),
+            meta,
             journal.steps(include_retired=include_retired),
             journal.lanes(include_retired=include_retired),  # never read what is not shown
             journal.counts(),
             journal.waits(),
+            # the retired steps a sink of the last run never got (retired before it was configured)
+            journal.missed(meta.get("lanes", meta.get("sinks", [])), NEWEST_LISTED),
         )
     finally:
         journal.close()
@@ -110,12 +121,12 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         )
     note = None
     try:
-        meta, steps, lanes, counts, waits = _read_journal(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits, missed = _read_journal(root, include_retired=include_retired)
     except JournalError:
         path = journal_path(root)
         if not (path.is_file() and _cannot_write(path.parent)):
             raise
-        meta, steps, lanes, counts, waits = _read_a_copy(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits, missed = _read_a_copy(root, include_retired=include_retired)
         note = f"{path.parent} is read-only for this user: read from a copy of the journal"
     holder = running_holder(root)
     disk = disk_state(
@@ -151,6 +162,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
             "low": disk.low,
         },
         "counts": counts,
+        "missed": {sink: {"count": n, "newest": newest} for sink, (n, newest) in missed.items()},
         "steps": out_steps,
         "note": note,
     }

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
+from stagerd.daemon.summary import missed_text
 
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
 _STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
@@ -158,6 +159,8 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     )
     if doc.get("note"):
         console.print(escape(doc["note"]), overflow="fold")
+    for sink, m in doc.get("missed", {}).items():
+        console.print(f"[yellow]{escape(missed_text(sink, m['count'], m['newest']))}[/]", overflow="fold")
     sinks = _sinks(doc)
     base = [("step", "step"), ("state", "state")]
     optional = [(k, k) for k in OPTIONAL]

@@ -194,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
+        from stagerd.daemon.summary import missed_text
+
+        for sink, (count, steps) in s.missed.items():
+            print(f"  {missed_text(sink, count, steps)}")
         if settings.root is not None and quarantined_steps(Path(settings.root)):
             print(f"  what to do: {retry_hint(Path(settings.root))}")
     if daemon.left_threads_running:

@@ -188,6 +188,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 pid=os.getpid(),
                 started=time.time(),
                 sinks=list(self._sinks),
+                lanes=self._lane_keys(),  # what a later start compares its own with (a sink added since)
                 low_disk_free_percent=self.settings.low_disk_free_percent,
                 low_disk_free_bytes=self.settings.low_disk_free_bytes,
                 keep_last=self.settings.keep_last,

@@ -25,6 +25,7 @@ from stagerd.daemon.journal import (
 from stagerd.daemon.journal.versions import CONFLICT, REARMED
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
+from stagerd.daemon.summary import NEWEST_LISTED, missed_text
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
 
@@ -178,6 +179,17 @@ class Discovery(JournalGate):
             await asyncio.sleep(self.settings.rescan_seconds)
             await self._scan_safely()
 
+    async def _say_missed(self) -> None:
+        """A sink added since the last run: name the retired steps it will never get (said once, at the start
+        that adds it; the `--once` summary says it each time)."""
+        meta = await self._j(self._journal.meta)
+        before = meta.get("lanes", meta.get("sinks"))
+        if before is None or self.settings.once:  # a new ROOT; `--once` says it in its summary
+            return
+        new = [k for k in self._lane_keys() if k not in before]
+        for sink, (count, steps) in (await self._j(self._journal.missed, new, NEWEST_LISTED)).items():
+            log.warning(missed_text(sink, count, steps), extra={"sink": sink, "missed": steps})
+
     async def _recover(self) -> None:
         """Resume after a crash: put in-flight work back, lanes for new sinks, and vanished steps aside."""
         for r in await self._j(self._journal.recover):
@@ -196,6 +208,7 @@ class Discovery(JournalGate):
             self._log_step(step, sink, FAILED, note=REARMED)
         for step, sink in await self._j(self._journal.ensure_lanes, self._lane_keys()):
             self._log_step(step, sink, PENDING, note="new sink")
+        await self._say_missed()
         for row in await self._j(self._journal.steps, include_retired=False):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):
                 continue

@@ -62,7 +62,45 @@ class Housekeeping(Health, Adoption):
             why = f"keep_last={self.settings.keep_last}"
             await self._j(self._journal.retire, step, f"retention: {why}" + ("" if deleted else f"; {what}"))
             self._log_step(step, None, RETIRED, note=f"{what} ({why})")
+        if self.settings.delete_adopted:
+            await self._retain_retired_checkpoints(views, best)
         await self._trash(empty_trash, self.root, *self._set_aside_places())
+
+    async def _retain_retired_checkpoints(self, live: list[StepView], best: set[int]) -> None:
+        """--delete-adopted given after retention retired steps without it: their exports went, the trainer's
+        checkpoints stayed. Delete those the same plan would (beyond keep_last, published on every sink the
+        daemon has now, not pinned or the trainer's best), under the same checks; the live steps' plan is
+        left as it was."""
+        here = await self._io(self._adopted_steps_here)
+        rows = await self._j(lambda: [r for s in here if (r := self._journal.step(s)) and r.state == RETIRED])
+        rows = [r for r in rows if await self._io(Path(r.path).is_dir)]
+        if not rows:
+            return
+        keys = self._lane_keys()
+        views = []
+        for r in rows:
+            lanes = {ln.sink: ln.state for ln in await self._j(self._journal.lanes, r.step)}
+            everywhere = all(lanes.get(k) == PUBLISHED for k in keys)  # none known: kept (history pruned)
+            views.append(StepView(r.step, everywhere, r.step in best or pinned(self.root, r.step)))
+        by_step = {r.step: r for r in rows}
+        for step in set(plan_retention([*live, *views], self.settings.keep_last)) & set(by_step):
+            if self._stopping:
+                return
+            row = by_step[step]
+            kept, deleted = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
+            if kept is not None:
+                if step not in self._retention_kept:
+                    self._retention_kept.add(step)
+                    log.warning("step %d: the trainer's checkpoint kept: %s", step, kept)
+            elif deleted:
+                self._retention_kept.discard(step)
+                why = f"keep_last={self.settings.keep_last}, --delete-adopted; retired before without it"
+                self._log_step(
+                    step,
+                    None,
+                    RETIRED,
+                    note=f"the trainer's checkpoint {Path(row.path).name} deleted ({why})",
+                )
 
     def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> tuple[str | None, bool]:
         """Trash thread: delete what retention may of a published step, under the step's lock, and only

@@ -21,6 +21,8 @@ class Summary:
     published_count: int = 0  # steps published, retired ones included
     published: list[int] = field(default_factory=list)  # the newest `NEWEST_LISTED` of them, ascending
     unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
+    # sink -> (count, newest) of the retired steps it never got: retired before it was configured
+    missed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -35,6 +37,7 @@ class OnceSummary(JournalGate):
             lanes.setdefault(ln.step, []).append(ln)
         retired, newest = await self._j(self._journal.retired_summary, NEWEST_LISTED)
         out = Summary(published_count=retired, published=newest)
+        out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         for r in rows:
             if r.state == PUBLISHED:
                 out.published_count += 1
@@ -53,11 +56,21 @@ class OnceSummary(JournalGate):
         return out
 
     def _report(self, summary: Summary) -> int:
+        code = self._report_steps(summary)
+        # Not a failure: no later run can send those steps, so an exit code of 1 would fail every run after.
+        for sink, (count, steps) in summary.missed.items():
+            log.warning(missed_text(sink, count, steps), extra={"sink": sink, "missed": steps})
+        return code
+
+    def _report_steps(self, summary: Summary) -> int:
         if summary.ok:
+            lacking = ", ".join(f"{s} lacks {n}" for s, (n, _) in summary.missed.items())
             log.info(
-                "--once: all %d step(s) published%s",
+                "--once: %s%d step(s) published%s%s",
+                "" if summary.missed else "all ",
                 summary.published_count,
                 _newest(summary),
+                f", not all on every sink: {lacking} (retired before it was configured)" if lacking else "",
                 extra={"published": summary.published_count, "newest_published": summary.published},
             )
             return 0
@@ -75,6 +88,17 @@ class OnceSummary(JournalGate):
         for step, why in summary.unpublished:
             log.error("step %d not published: %s", step, why, extra={"step": step, "state": "unpublished"})
         return 1
+
+
+def missed_text(sink: str, count: int, steps: list[int]) -> str:
+    """One line: which retired steps `sink` never got, and why."""
+    shown = ", ".join(map(str, steps))
+    which = f"newest {len(steps)}: {shown}" if count > len(steps) else shown
+    return (
+        f"{sink} never got {count} step(s) ({which}): retention deleted their staged data before this "
+        "sink was configured, so stagerd cannot publish them there; "
+        "copy them from a sink that holds them if need be"
+    )
 
 
 def _newest(summary: Summary) -> str:

@@ -82,9 +82,40 @@ class SinkUrl:
             raise ValueError(f"{self.url} is not a local sink")
         return Path(self.path)
 
+    @property
+    def place(self) -> tuple[str, str, str, str]:
+        """Where it writes, whatever the spelling: `file:///x/` and `/x`, `s3a://b/p` and `s3://b/p/`, a Hub
+        repo with and without options are each one place."""
+        protocol = "s3" if self.kind is SinkKind.S3 else self.protocol
+        return (self.kind.value, protocol, self.location, self.path)
 
-def parse_sink_url(text: str) -> SinkUrl:
-    """Check `text` strictly and say what it names; any doubt is a ConfigError with the closest valid form."""
+
+def parse_sink_url(text: str, *, what: str = "sink URL") -> SinkUrl:
+    """Check `text` strictly and say what it names; any doubt is a ConfigError with the closest valid form.
+    `what` names the URL in the message (`--exchange URL`): the option the user gave."""
+    try:
+        return _parse(text)
+    except ConfigError as e:
+        if what == "sink URL" or not e.message.startswith("sink URL "):
+            raise
+        raise ConfigError(what + e.message.removeprefix("sink URL"), path=e.path, hint=e.hint) from None
+
+
+def refuse_duplicates(urls: list[str]) -> None:
+    """Two URLs for one place would be two lanes writing the same files, each step published twice."""
+    seen: dict[tuple[str, str, str, str], str] = {}
+    for url in urls:
+        place = parse_sink_url(url).place
+        if place in seen:
+            raise ConfigError(
+                f"sinks {_shown(seen[place])} and {_shown(url)} are the same place: each step would be "
+                "published there twice, by two lanes at once",
+                hint="give each destination once",
+            )
+        seen[place] = url
+
+
+def _parse(text: str) -> SinkUrl:
     if not isinstance(text, str) or not text.strip():
         raise _refuse(
             text if isinstance(text, str) else repr(text),

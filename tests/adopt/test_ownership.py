@@ -24,10 +24,39 @@ def test_keep_last_deletes_a_trainers_checkpoint_only_when_asked(tmp_path):
     ranks.write(str(root / "step-3"))
     res = watch_once(root, tmp_path / "out", "--keep-last", "1", "--delete-adopted")
     assert res.returncode == 0, res.stdout + res.stderr
-    # step-2 was live and is now beyond keep-last: deleted; step-1 was retired by the first run, without
-    # the flag, and stays the trainer's
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step-1", "step-3"]
+    # step-2 was live and is now beyond keep-last: deleted; so is step-1, which the first run retired
+    # without the flag (its export deleted, the checkpoint left): it is as far beyond keep-last, and published
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step-3"]
     assert all(published(tmp_path / "out", s).is_dir() for s in (1, 2, 3))
+
+
+def test_delete_adopted_given_later_keeps_what_a_sink_lacks_or_a_trainer_pins(tmp_path):
+    from stagerd.contract.step.pin import StepPin
+
+    root, out, late = tmp_path / "root", tmp_path / "out", tmp_path / "late"
+    ranks.write(str(root / "step-1"))
+    shutil.copytree(root / "step-1", root / "step-2")
+    assert watch_once(root, out, "--keep-last", "1").returncode == 0  # step 1 retired, its checkpoint kept
+    names = lambda: sorted(p.name for p in root.iterdir() if p.name.startswith("step"))  # noqa: E731
+
+    # a sink added since never got step 1, and no run can send it there but from this checkpoint
+    res = watch_once(root, out, "--sink", late.as_uri(), "--keep-last", "1", "--delete-adopted")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert names() == ["step-1", "step-2"] and not published(late, 1).exists()
+
+    pin = StepPin(root, 1).hold()  # a trainer holds it (its best model)
+    try:
+        res = watch_once(root, out, "--keep-last", "1", "--delete-adopted")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert names() == ["step-1", "step-2"], res.stderr
+    finally:
+        pin.release()
+
+    res = watch_once(root, out, "--keep-last", "1", "--delete-adopted")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert names() == ["step-2"], res.stderr
+    assert "the trainer's checkpoint step-1 deleted" in res.stderr
+    assert published(out, 1).is_dir() and published(out, 2).is_dir()
 
 
 def test_an_export_directory_inside_a_checkpoint_is_refused(tmp_path):

@@ -71,6 +71,36 @@ def test_bad_values_are_config_errors(flags, match):
         load_settings(**flags)
 
 
+def test_an_exchange_url_error_names_the_exchange_not_a_sink():
+    with pytest.raises(ConfigError) as e:
+        load_settings(exchange="file://relative/x", sinks=["file:///tmp/out"])
+    assert str(e.value).startswith("--exchange URL 'file://relative/x'"), str(e.value)
+    with pytest.raises(ConfigError, match=r"^sink URL 'file://relative/x'"):  # a sink's says sink
+        load_settings(sinks=["file://relative/x"])
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("file:///srv/out", "/srv/out"),
+        ("/srv/out/", "file:///srv/out"),
+        ("s3://bkt/run1", "s3a://bkt/run1/"),
+        ("hf://org/repo", "hf://org/repo?private=true"),
+        ("/srv/out", "/srv/out"),
+    ],
+)
+def test_two_spellings_of_one_sink_are_refused_naming_both(first, second):
+    # two lanes to one place: each step written there twice, by two publishes at once
+    with pytest.raises(ConfigError) as e:
+        load_settings(sinks=[first, second])
+    assert repr(first) in str(e.value) and repr(second) in str(e.value), str(e.value)
+
+
+def test_different_places_are_not_duplicates():
+    sinks = ["file:///srv/out", "/srv/out2", "s3://bkt/run1", "s3://bkt/run1/sub", "hf://org/repo@dev"]
+    assert load_settings(sinks=[*sinks, "hf://org/repo"]).sinks == [*sinks, "hf://org/repo"]
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "missing.toml")

@@ -255,6 +255,23 @@ class JournalStore:
         )
         return count, sorted(r[0] for r in rows)
 
+    def missed(self, sinks: Iterable[str], newest: int) -> dict[str, tuple[int, list[int]]]:
+        """sink -> (how many, the newest `newest` ascending) of the retired steps it never got a lane for:
+        retired before the sink was configured, their staged data gone, so nothing can publish them there.
+        Only steps that keep their history (lanes) can be told: the newest `RETIRED_WITH_HISTORY`."""
+        out = {}
+        for sink in sinks:
+            rows = self._query(
+                "SELECT s.step FROM steps s WHERE s.state = ? "
+                "AND EXISTS (SELECT 1 FROM lanes l WHERE l.step = s.step) "
+                "AND NOT EXISTS (SELECT 1 FROM lanes l WHERE l.step = s.step AND l.sink = ?) "
+                "ORDER BY s.step",
+                (RETIRED, sink),
+            )
+            if rows:
+                out[sink] = (len(rows), [r[0] for r in rows[-newest:]])
+        return out
+
     def known_steps(self) -> set[int]:
         return {r[0] for r in self._query("SELECT step FROM steps")}
 
