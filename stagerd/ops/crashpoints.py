@@ -33,6 +33,7 @@ POINTS = {
     "export.renamed": "export: export.tmp/ renamed to export/, before the journal records it",
     "s3.part": "S3 sink: a multipart part uploaded, the upload not completed",
     "file.upload": "file:// sink: a file written to its temp name, not yet renamed into the step",
+    "file.create": "file:// sink: a claim or manifest written to its temp name, not yet linked into place",
     "fsspec.manifest": "fsspec sink: the manifest written, `latest` not yet moved",
     "hub.commit": "Hub sink: the commit made and verified, the step-N tag not yet created",
     "publish.done": "daemon: a sink returned a verified publish, before the journal records it",

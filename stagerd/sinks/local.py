@@ -18,7 +18,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.claims import pid_alive
+from stagerd.sinks.claims import claim_key, pid_alive
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import (
@@ -78,6 +78,12 @@ class LocalBackend:
         for top in {self.root, base.parent}:
             names = os.listdir(top) if top.is_dir() else []
             beside += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
+        # A claim, or a prune's, is written to a temp name in `claims/` too: a killed writer's stays there
+        # after its step is published again or pruned, one more file every kill, unless swept here.
+        if any(layout.parse_step_dir(part) is not None for part in prefix.split("/")):
+            claims_dir = (self.root / claim_key(prefix)).parent
+            names = os.listdir(claims_dir) if claims_dir.is_dir() else []
+            beside += [claims_dir / n for n in names if n.startswith(".step-")]
         now: float | None = None
         for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
             m = _TEMP_NAME.fullmatch(p.name)
@@ -119,6 +125,7 @@ class LocalBackend:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_name(path)
         self._write_fsync(tmp, [memoryview(data)])
+        crash_point("file.create")
         try:
             os.link(tmp, path)
             layout.fsync_dir(path.parent)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -27,6 +26,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
@@ -324,12 +324,15 @@ def _locked(path: Path, tag: str) -> Iterator[bool]:
 
 
 def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
+    from stagerd.sinks.local import _temp_name  # local imports claims, which imports this module
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # swept when dead
+    tmp = _temp_name(path)  # names its host: a sweep there removes it once its writer is dead
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    crash_point("file.create")
     try:
         if tag is None:
             try:

@@ -140,12 +140,12 @@ def assert_recovered(
         assert (d / "latest").read_text().strip() == last
         # Temp names (`.NAME.tmp-HOST-PID-TID`, `.NAME.tmp-PID[-TID]`) are invisible to a reader. The restart
         # must leave none of its own; the killed daemon's are removed only once the sink sweeps them (a
-        # file.upload kill leaves one every time: its case asserts none is left; other kills leave one only
+        # file.upload or file.create kill leaves one every time: its case asserts none is left; other kills leave one only
         # by timing).
         leftovers = sorted(str(p.relative_to(d)) for p in d.rglob(".*"))
         ours = [(f"-{pid}-", f".tmp-{pid}") for pid in killed]
         assert all(any(a in name or b in name for a, b in ours) for name in leftovers), leftovers
-        if case.point == "file.upload":
+        if case.point in ("file.upload", "file.create"):
             assert not leftovers, f"temp files the killed daemon left in the file:// sink: {leftovers}"
         now = file_manifests(d)
         assert set(now) == set(case.steps)

@@ -129,6 +129,8 @@ CASES = [
     Case("export.renamed", 2, sinks=("file", "s3")),
     Case("file.upload", 1),
     Case("file.upload", 5, sinks=("file", "hub")),  # step 2's first file (4 files a step)
+    Case("file.create", 1),  # step 1's claim
+    Case("file.create", 2, sinks=("file", "s3")),  # step 1's manifest
     Case("s3.part", 1, sinks=("s3", "file"), kind="big"),
     Case("s3.part", 4, sinks=("s3", "file"), kind="big"),  # step 2's first part, step 1 on S3 already
     Case("fsspec.manifest", 1, sinks=("file", "s3")),
