@@ -32,6 +32,7 @@ POINTS = {
     "export.extra": "export: between files, before an extra (config, tokenizer) is copied",
     "export.renamed": "export: export.tmp/ renamed to export/, before the journal records it",
     "s3.part": "S3 sink: a multipart part uploaded, the upload not completed",
+    "s3.probe": "S3 sink: the conditions probe's scratch keys written, not yet answered or deleted",
     "file.upload": "file:// sink: a file written to its temp name, not yet renamed into the step",
     "file.create": "file:// sink: a claim or manifest written to its temp name, not yet linked into place",
     "fsspec.manifest": "fsspec sink: the manifest written, `latest` not yet moved",
