@@ -8,8 +8,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.claims import claim_key, pid_alive
+from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import (
@@ -32,14 +30,11 @@ from stagerd.sinks.objects import (
     newer_latest,
     probe_clock,
 )
+from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-# A file:// sink may be one directory that many hosts (NFS) write: a temp name says which host's process
-# writes it, `.NAME.tmp-HOST-PID-TID`, HOST with no `-` so the name parses one way. An older stagerd's
-# (and layout.write_bytes_atomic's) `.NAME.tmp-PID[-TID]` says no host.
-HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
-_TEMP_NAME = re.compile(r"\..+\.tmp-(?:(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-\d+|(?P<old>\d+)(?:-\d+)?)")
+_TEMP_NAME = TEMP_NAME  # whose a temp file is: `temp_names.py`
 # A temp file not ours (another host's, or one naming no host) whose writer stopped writing it this long
 # ago by the store's clock: a live writer renames `latest`'s within milliseconds and writes an upload's
 # without pause, so it is a killed one's (or a lost host's), left for good otherwise.
@@ -207,7 +202,7 @@ class LocalBackend:
 
 
 def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}-{threading.get_ident()}")
+    return temp_name(path, HOST)
 
 
 def _store_now(root: Path) -> float:

@@ -28,6 +28,7 @@ from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
+from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -324,10 +325,8 @@ def _locked(path: Path, tag: str) -> Iterator[bool]:
 
 
 def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
-    from stagerd.sinks.local import _temp_name  # local imports claims, which imports this module
-
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_name(path)  # names its host: a sweep there removes it once its writer is dead
+    tmp = temp_name(path)  # names its host: a sweep there removes it once its writer is dead
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

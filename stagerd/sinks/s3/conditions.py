@@ -37,9 +37,8 @@ from typing import Any, Protocol
 
 from stagerd.errors import ConditionsIgnoredError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.claims import pid_alive
-from stagerd.sinks.local import HOST
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+from stagerd.sinks.temp_names import HOST, pid_alive
 
 log = logging.getLogger("stagerd.sinks.s3")
 
