@@ -118,6 +118,31 @@ def settle(soak: Soak, n: int, timeout: float) -> tuple[int, str]:
     return d.proc.returncode, d.log.read_text()[-4000:]
 
 
+def tamper(soak: Soak) -> list[tuple[str, str]]:
+    """Break one thing of each kind the checks look for: (what, a word its failure message holds)."""
+    from soak_kill_checks import PREFIX, SENTINELS
+
+    sink = soak.fsink / PREFIX
+    newest = f"step-{soak.last_step:08d}"
+    (soak.fsink / "run10" / "latest").write_bytes(b"step-00000002\n")
+    (sink / newest / ".model.safetensors.tmp-1-2").write_bytes(b"partial")
+    (soak.root / ".stagerd" / "trash").mkdir(exist_ok=True)
+    (soak.root / ".stagerd" / "trash" / "step-00000001").mkdir()
+    client = soak.s3.client()
+    client.delete_object(Bucket=soak.bucket, Key="run1-old/latest")
+    client.put_object(Bucket=soak.bucket, Key="run1x", Body=b"a key that shares the prefix's letters")
+    client.put_object(Bucket=soak.bucket, Key=f"{PREFIX}/latest", Body=b"step-00000001\n")
+    assert "run1-old/latest" in SENTINELS
+    return [
+        ("file sentinel rewritten", "run10/latest"),
+        ("file temp left", "unexpected files"),
+        ("ROOT trash left", "ROOT leftovers"),
+        ("S3 sentinel deleted", "run1-old/latest"),
+        ("S3 sentinel written again", "written again (same bytes)"),
+        ("S3 latest behind", "S3 latest"),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -127,6 +152,11 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=1.5, help="mean seconds between new steps")
     ap.add_argument("--settle-timeout", type=float, default=300)
     ap.add_argument("--work", type=Path, help="work directory (kept); default a temporary one")
+    ap.add_argument(
+        "--tamper",
+        action="store_true",
+        help="check the checks: after settling, break one thing of each kind; exit 0 only if all are caught",
+    )
     a = ap.parse_args()
 
     rng = random.Random(a.seed)
@@ -156,6 +186,7 @@ def main() -> int:
             d.proc.wait()
             if d.proc.returncode not in (-signal.SIGKILL,):
                 print(f"kill {n}: daemon exited {d.proc.returncode} by itself\n{d.log.read_text()[-3000:]}")
+            soak.note_manifests()
             for _ in range(rng.choice((0, 0, 1, 2))):  # steps committed while the daemon is dead
                 soak.commit_next()
             time.sleep(rng.uniform(0, 0.5))
@@ -167,6 +198,12 @@ def main() -> int:
         feeder.stop()
         rc, tail = settle(soak, a.kills, a.settle_timeout)
         failures = [] if rc == 0 else [f"settling daemon exited {rc}:\n{tail}"]
+        if a.tamper:
+            broken = tamper(soak)
+            failures += check_all(soak)
+            missed = [what for what, sign in broken if not any(sign in f for f in failures)]
+            print(f"tamper: {len(broken) - len(missed)}/{len(broken)} caught; missed: {missed}")
+            return 1 if missed else 0
         failures += check_all(soak)
         print(
             json.dumps(

@@ -16,6 +16,7 @@ After the run settles, each of these must hold:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sqlite3
 import subprocess
@@ -72,6 +73,9 @@ class Soak:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _inodes: dict[str, int] = field(default_factory=dict)
     _etags: dict[str, tuple[str, Any]] = field(default_factory=dict)  # S3 sentinel -> (ETag, LastModified)
+    # each manifest as first seen after a kill: (sink, step) -> its version (file:// inode and bytes, S3 ETag
+    # and LastModified); a published step's manifest is never written again
+    manifests: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     @classmethod
     def create(cls, work: Path, s3: Any, bucket: str, keep_last: int, remote_keep_last: int) -> Soak:
@@ -131,6 +135,15 @@ class Soak:
             stage(self.root, step, self.model_of(step))
             return step
 
+    def note_manifests(self) -> None:
+        """Record every manifest now on the sinks, where not seen before (`check_manifests` compares)."""
+        for m in (self.fsink / PREFIX).glob(f"step-*/{layout.MANIFEST_NAME}"):
+            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                version = (m.stat().st_ino, m.read_bytes())
+                self.manifests.setdefault(("file", layout.parse_step_dir(m.parent.name) or 0), version)
+        for key, version in s3_manifests(self).items():
+            self.manifests.setdefault(("s3", key), version)
+
     def all_done(self) -> bool:
         """Every committed step is published on every sink (or retired) and retention has caught up."""
         try:
@@ -152,6 +165,18 @@ class Soak:
         return sum(s == "published" for s in states.values()) <= self.keep_last
 
 
+def s3_manifests(soak: Soak) -> dict[int, tuple[str, Any]]:
+    client = soak.s3.client()
+    out = {}
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=soak.bucket, Prefix=f"{PREFIX}/step-")
+    for page in pages:
+        for o in page.get("Contents", []):
+            if o["Key"].endswith("/" + layout.MANIFEST_NAME):
+                step = layout.parse_step_dir(o["Key"].split("/")[1]) or 0
+                out[step] = (o["ETag"], o["LastModified"])
+    return out
+
+
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([*STAGERD, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
@@ -159,6 +184,7 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def check_all(soak: Soak) -> list[str]:
     fails: list[str] = []
     fails += check_journal(soak)
+    fails += check_once(soak)
     fails += check_root(soak)
     ref = reference_exports(soak)
     fails += check_file_sink(soak, ref)
@@ -191,6 +217,32 @@ def check_journal(soak: Soak) -> list[str]:
             s: (states.get(s), want.get(s)) for s in set(states) | set(want) if states.get(s) != want.get(s)
         }
         fails.append(f"journal states (got, want): {diff}")
+    return fails
+
+
+def check_once(soak: Soak) -> list[str]:
+    """Each step, and each of its lanes, recorded `published` exactly once; no manifest written twice."""
+    j = Journal.open_readonly(soak.root)
+    try:
+        events = [e for e in j.events() if e.to_state == "published"]
+    finally:
+        j.close()
+    counts: dict[tuple[int, str | None], int] = {}
+    for e in events:
+        counts[(e.step, e.sink)] = counts.get((e.step, e.sink), 0) + 1
+    want = {(s, u): 1 for s in range(1, soak.last_step + 1) for u in [None, *soak.sink_urls]}
+    fails = []
+    if counts != want:
+        diff = {k: counts.get(k) for k in {*counts, *want} if counts.get(k) != want.get(k)}
+        fails.append(f"`published` events not once per step and lane: {dict(sorted(diff.items())[:10])}")
+    soak.note_manifests()
+    now: dict[tuple[str, int], Any] = {}
+    for m in (soak.fsink / PREFIX).glob(f"step-*/{layout.MANIFEST_NAME}"):
+        now[("file", layout.parse_step_dir(m.parent.name) or 0)] = (m.stat().st_ino, m.read_bytes())
+    now.update({("s3", s): v for s, v in s3_manifests(soak).items()})
+    rewritten = sorted(k for k, v in now.items() if soak.manifests.get(k) != v)
+    if rewritten:
+        fails.append(f"manifests written again after a kill: {rewritten[:10]}")
     return fails
 
 
