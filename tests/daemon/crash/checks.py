@@ -130,6 +130,9 @@ def assert_recovered(
         assert not (step_dir / layout.EXPORT_TMP_DIR).exists()
     trash = root / layout.STATE_DIR / "trash"
     assert not trash.exists() or not any(trash.iterdir())
+    # retention holds a step's lock while it trashes the step: a kill then leaves the lock file, which
+    # nobody takes again once the step is retired
+    assert not sorted(p.name for p in root.glob(".step-*.lock")), "a killed holder's step lock file is left"
 
     # -- every sink: each step once, byte-identical to the clean export --------------------------------------
     last = layout.step_dir_name(max(case.steps))
