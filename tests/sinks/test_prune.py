@@ -125,7 +125,8 @@ def test_a_mistyped_prune_url_is_refused_and_nothing_is_made(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    "point", ["prune.tombstone:1", "prune.tombstone:3", "prune.manifest:1", "prune.manifest:2"]
+    "point",
+    ["prune.tombstone:1", "prune.tombstone:3", "prune.manifest:1", "prune.manifest:2", "prune.files:1"],
 )
 def test_a_prune_killed_anywhere_leaves_the_prefix_valid_and_the_next_one_finishes(sink_dir, point):
     url = sink_dir.as_uri()
