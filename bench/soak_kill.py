@@ -38,6 +38,7 @@ PHASES = {  # phase -> (log record that starts it, longest random sleep after it
     "export": (lambda r: r.get("state") == "exporting", 0.6),
     "publish": (lambda r: r.get("state") == "publishing", 1.2),
     "retention": (lambda r: r.get("state") == "published" and r.get("sink") is None, 0.08),
+    "prune": (lambda r: r.get("logger") == "stagerd.sinks.prune", 0.05),  # remote retention, mid-prefix
     "any": (lambda r: True, 3.0),
 }
 
@@ -128,6 +129,8 @@ def tamper(soak: Soak) -> list[tuple[str, str]]:
     (sink / newest / ".model.safetensors.tmp-1-2").write_bytes(b"partial")
     (soak.root / ".stagerd" / "trash").mkdir(exist_ok=True)
     (soak.root / ".stagerd" / "trash" / "step-00000001").mkdir()
+    (soak.root / ".step-00000001.lock").write_bytes(b"retention (pid 1)")
+    (sink / "step-00000001").mkdir()
     client = soak.s3.client()
     client.delete_object(Bucket=soak.bucket, Key="run1-old/latest")
     client.put_object(Bucket=soak.bucket, Key="run1x", Body=b"a key that shares the prefix's letters")
@@ -136,7 +139,9 @@ def tamper(soak: Soak) -> list[tuple[str, str]]:
     return [
         ("file sentinel rewritten", "run10/latest"),
         ("file temp left", "unexpected files"),
-        ("ROOT trash left", "ROOT leftovers"),
+        ("ROOT trash left", "trash/step-00000001"),
+        ("ROOT step lock left", ".step-00000001.lock"),
+        ("file sink empty step dir", "step-00000001/ (empty)"),
         ("S3 sentinel deleted", "run1-old/latest"),
         ("S3 sentinel written again", "written again (same bytes)"),
         ("S3 latest behind", "S3 latest"),
@@ -150,6 +155,7 @@ def main() -> int:
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--remote-keep-last", type=int, default=3)
     ap.add_argument("--every", type=float, default=1.5, help="mean seconds between new steps")
+    ap.add_argument("--workers", type=int, default=1, help="--export-workers and --publish-workers")
     ap.add_argument("--settle-timeout", type=float, default=300)
     ap.add_argument("--work", type=Path, help="work directory (kept); default a temporary one")
     ap.add_argument(
@@ -168,6 +174,7 @@ def main() -> int:
     ok = False
     try:
         soak = Soak.create(work, server, f"soak-{uuid.uuid4().hex[:8]}", a.keep_last, a.remote_keep_last)
+        soak.workers = a.workers
         for _ in range(3):
             soak.commit_next()
         feeder = Feeder(soak, random.Random(a.seed + 1000), a.every)

@@ -70,6 +70,7 @@ class Soak:
     remote_keep_last: int
     env: dict[str, str]
     last_step: int = 0
+    workers: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _inodes: dict[str, int] = field(default_factory=dict)
     _etags: dict[str, tuple[str, Any]] = field(default_factory=dict)  # S3 sentinel -> (ETag, LastModified)
@@ -120,6 +121,7 @@ class Soak:
     def watch_cmd(self) -> list[str]:
         cmd = [*STAGERD, "watch", str(self.root), *fast_flags(), "--keep-last", str(self.keep_last)]
         cmd += ["--remote-keep-last", str(self.remote_keep_last)]
+        cmd += ["--export-workers", str(self.workers), "--publish-workers", str(self.workers)]
         for url in self.sink_urls:
             cmd += ["--sink", url]
         return cmd
@@ -266,6 +268,18 @@ def check_root(soak: Soak) -> list[str]:
             odd.append(rel)
         if p.parent == soak.root / layout.STATE_DIR / "trash":
             odd.append(rel)
+    top = {
+        layout.STATE_DIR,
+        *(layout.step_dir_name(s) for s in newest),
+        *(r.split("/")[0] for r in ROOT_SENTINELS),
+    }
+    odd += [p.name for p in soak.root.iterdir() if p.name not in top]  # a step lock file left, say
+    state = {"journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm", "fleet-root-id", "lock", "trash"}
+    odd += [
+        f"{layout.STATE_DIR}/{p.name}"
+        for p in (soak.root / layout.STATE_DIR).iterdir()
+        if p.name not in state
+    ]
     if odd:
         fails.append(f"ROOT leftovers: {sorted(odd)[:20]}")
     fails += sentinels_intact(soak, soak.root, ROOT_SENTINELS)
@@ -330,6 +344,9 @@ def check_file_sink(soak: Soak, ref: dict[int, Path]) -> list[str]:
     allowed = {"latest", "notes/readme.txt", "step-00000000/foreign.bin"}
     allowed |= {f"{layout.step_dir_name(s)}/{f}" for s in kept for f in [*tree(ref[s]), layout.MANIFEST_NAME]}
     extra = sorted(k for k in tree(sink) if k not in allowed and not k.startswith("claims/"))
+    extra += sorted(
+        f"{p.relative_to(sink)}/ (empty)" for p in sink.rglob("*") if p.is_dir() and not any(p.iterdir())
+    )
     if extra:
         fails.append(f"file sink: unexpected files under the prefix: {extra[:20]}")
     claims = sorted(k for k in tree(sink) if k.startswith("claims/"))
