@@ -10,7 +10,8 @@ and some while the daemon is dead. The sinks are a file:// directory and moto S3
 literal prefix `run1` and sentinels beside and under it that nothing may touch: `run10/`, `run1-old/`, a
 non-step directory and a foreign step directory under `run1/`.
 
-After the last kill a clean daemon settles the run; then `checks.py` asserts the invariants (see there).
+After the last kill a clean daemon settles the run; then `soak_kill_checks.py` checks the
+invariants (listed there).
 Exit 0 when every one holds; else the failures are printed and the work directory is kept.
 """
 
@@ -32,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from soak_kill_checks import Soak, check_all  # noqa: E402  (bench/ is sys.path[0])
+from soak_kill_checks import check_all  # noqa: E402  (bench/ is sys.path[0])
+from soak_kill_setup import Soak  # noqa: E402
 
 PHASES = {  # phase -> (log record that starts it, longest random sleep after it)
     "export": (lambda r: r.get("state") == "exporting", 0.6),
@@ -121,7 +123,7 @@ def settle(soak: Soak, n: int, timeout: float) -> tuple[int, str]:
 
 def tamper(soak: Soak) -> list[tuple[str, str]]:
     """Break one thing of each kind the checks look for: (what, a word its failure message holds)."""
-    from soak_kill_checks import PREFIX, SENTINELS
+    from soak_kill_setup import PREFIX, SENTINELS
 
     sink = soak.fsink / PREFIX
     newest = f"step-{soak.last_step:08d}"
