@@ -45,6 +45,7 @@ POINTS = {
     "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
     "prune.tombstone": "remote prune: the step's claims taken (its tombstone), its manifest not yet deleted",
     "prune.manifest": "remote prune: a step's manifest deleted, its files not yet",
+    "prune.clock": "remote prune (file://): the store's time read from a file written there, not yet removed",
     "prune.files": "remote prune: a step's files deleted, its empty directories (file://) and claim not yet",
     "fleet.raw_upload": "fleet export: part of this node's raw part on the exchange, no raw manifest yet",
     "fleet.build": "fleet export: an owned file being built (a byte move into it done), not yet uploaded",

@@ -208,7 +208,7 @@ def _temp_name(path: Path) -> Path:
 def _store_now(root: Path) -> float:
     """The store's time now (`probe_clock`), or this host's where nothing can be written."""
     try:
-        return probe_clock(_temp_name(root / ".stagerd-clock"))
+        return probe_clock(root)
     except OSError:
         return time.time()  # a read-only sink: nothing of ours to sweep there anyway
 

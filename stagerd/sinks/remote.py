@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
+from stagerd.sinks.objects import CLOCK_NAME, MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
@@ -178,10 +177,10 @@ class RemoteStore:
 
             return s3_store.clock(self.s3)
         if self.local:
-            probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
-            if not probe.parent.is_dir():
+            top = Path(self.path(CLOCK_NAME)).parent
+            if not top.is_dir():
                 return time.time()  # no sink here yet, so nothing has an age: never made by a prune
-            return probe_clock(probe)
+            return probe_clock(top)
         return time.time()  # other fsspec stores: no portable server time (documented)
 
     # -- writing ------------------------------------------------------------------------------------------
