@@ -3,13 +3,13 @@
     python bench/soak_kill.py [--seed 1] [--kills 40] [--keep-last 2] [--remote-keep-last 3] [--every 1.5]
                               [--workers 1] [--work DIR] [--tamper]
 
-Beyond the named crash points of `tests/daemon/crash/` (one kill at one exact place), this kills a
-long-running daemon at seeded random wall-clock moments: a kill picks a phase (export, publish, retention,
-remote prune or any time), waits for the daemon's log to show that phase starting, sleeps a random slice and SIGKILLs it. A
-feeder commits new real DCP steps (copies of two gloo saves, each with extras naming its step) throughout,
-and some while the daemon is dead. The sinks are a file:// directory and moto S3 (127.0.0.1), both with a
-literal prefix `run1` and sentinels beside and under it that nothing may touch: `run10/`, `run1-old/`, a
-non-step directory and a foreign step directory under `run1/`.
+Beyond the named crash points of `tests/daemon/crash/` (one kill at one exact place), this kills a long-
+running daemon at seeded random wall-clock moments: a kill picks a phase (export, publish, retention, remote
+prune or any time), waits for the daemon's log to show that phase starting, sleeps a random slice and
+SIGKILLs it. A feeder commits new real DCP steps (copies of two gloo saves, each with extras naming its
+step) throughout, and some while the daemon is dead. The sinks are a file:// directory and moto S3
+(127.0.0.1), both with a literal prefix `run1` and sentinels beside and under it that nothing may touch:
+`run10/`, `run1-old/`, a non-step directory and a foreign step directory under `run1/`.
 
 After the last kill a clean daemon settles the run; then `soak_kill_checks.py` checks the invariants (listed
 there). Exit 0 when every one holds; else the failures are printed and the work directory is kept.
