@@ -13,7 +13,7 @@ import logging
 import sys
 
 from stagerd import __version__
-from stagerd.errors import StagerdError
+from stagerd.errors import ConfigError, SinkAuthError, StagerdError
 
 # subcommand -> module under stagerd.cmd; imported lazily so `stagerd status` never pays for torch.
 COMMANDS = {
@@ -80,11 +80,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             log.exception("%s", e)
         print(f"stagerd: {e.name}: {e}", file=sys.stderr)
-        print(f"  what to do: {e.hint}", file=sys.stderr)
+        print(f"  what to do: {_hint(e, args.command)}", file=sys.stderr)
         return 2 if not e.retryable else 3
     except KeyboardInterrupt:
         print("stagerd: interrupted", file=sys.stderr)
         return 130
+
+
+def _hint(e: StagerdError, command: str) -> str:
+    """A ConfigError's generic hint names `stagerd watch`, whose settings most of them are; under another
+    command it would send the user to the wrong help."""
+    if isinstance(e, ConfigError) and e.hint == ConfigError.hint and command != "watch":
+        return f"see `stagerd {command} --help`"
+    if isinstance(e, SinkAuthError) and e.hint == SinkAuthError.hint and command == "restore":
+        return "check the credentials (AWS_* variables or profile, HF_TOKEN) and that they can read the sink"
+    return e.hint
 
 
 if __name__ == "__main__":

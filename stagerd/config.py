@@ -5,6 +5,9 @@ Every field carries its description: `settings_table()` renders them for the REA
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -223,6 +226,9 @@ class Settings(BaseSettings):
                 raise ValueError(f"{', '.join(given) or 'delete_adopted'} needs adopt (--adopt)")
         elif self.publish_raw:
             raise ValueError("publish_raw is not available with adopt: the raw files are the trainer's own")
+        if self.delete_adopted and self.keep_last is None:
+            # alone it deletes nothing, which a user who asked for deletion would find out only on a full disk
+            raise ValueError("delete_adopted needs keep_last (--keep-last N): it deletes beyond the newest N")
         return self
 
     @field_validator("adopt")
@@ -343,6 +349,7 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settin
                 sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
             return tuple(sources)
 
+    _warn_unknown_env()
     try:
         return _Sourced(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
@@ -352,6 +359,32 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settin
         raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
     except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
         raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+
+
+# STAGERD_* variables that are read elsewhere, not settings: the fault-injection and test hooks, a fleet
+# node's id, the switch of the C cast kernel
+_NOT_SETTINGS = (
+    "STAGERD_TEST_",
+    "STAGERD_CRASH_",
+    "STAGERD_DELAY_",
+    "STAGERD_NODE_ID",
+    "STAGERD_NO_HALFCAST",
+)
+
+
+def _warn_unknown_env() -> None:
+    """A TOML key that is not a setting is refused; a variable is only warned about (the environment is
+    shared with other tools), but never ignored in silence: STAGERD_SINK=... would publish nowhere."""
+    known = [f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields]
+    for name in sorted(os.environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(_NOT_SETTINGS):
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        logging.getLogger("stagerd").warning(
+            "%s is not a stagerd setting and is ignored%s",
+            name,
+            f" (did you mean {close[0]}?)" if close else "",
+        )
 
 
 def settings_table() -> list[tuple[str, str, str, str]]:

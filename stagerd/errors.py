@@ -27,7 +27,16 @@ class StagerdError(Exception):
         return type(self).__name__
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.path else self.message
+        return one_line(f"{self.path}: {self.message}" if self.path else self.message)
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (a newline, an escape sequence's ESC) written as
+    its escape: a message quotes text from files, pickles and servers, and must stay one line in a
+    terminal, a log and `status`."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class ResourceError(StagerdError):

@@ -131,6 +131,39 @@ def _prepare_out(out: Path) -> Path:
     return tmp
 
 
+def warn_uncommitted(src: Path) -> None:
+    """A step directory without its marker is a save still being written, or one that failed: its shards
+    are read as they are, which the daemon never does; say so rather than pass a torn step for a step."""
+    import logging
+
+    from stagerd.contract import layout
+
+    if layout.parse_step_dir(src.resolve().name) is not None and not (src / layout.MARKER_NAME).exists():
+        logging.getLogger("stagerd").warning(
+            "%s has no %s: the step is not committed (a save still being written, or one that failed); its "
+            "shards are read as they are now. Wait for the save (stager.wait()) to export a whole step",
+            src,
+            layout.MARKER_NAME,
+        )
+
+
+def refuse_a_root(src: Path, what: str) -> None:
+    """A staging ROOT given where a step is meant reads as a step with no shards, whose hint (re-save it, or
+    delete it) would be wrong and dangerous: name the ROOT and its newest step instead."""
+    from stagerd.contract import layout
+
+    if not src.is_dir() or (src / layout.MARKER_NAME).exists():
+        return
+    steps = sorted(n for n in os.listdir(src) if layout.parse_step_dir(n) is not None and (src / n).is_dir())
+    if steps or (src / layout.STATE_DIR).is_dir():
+        example = src / (steps[-1] if steps else layout.step_dir_name(100))
+        raise ConfigError(
+            f"{what} is a staging ROOT, not a step: give one of its step directories",
+            path=src,
+            hint=f"e.g. {example}",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from stagerd.contract.layout import fsync_dir
     from stagerd.contract.reference_index import read_reference_index
@@ -148,6 +181,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     if not args.src.exists():
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
+    if args.adopt is None:
+        refuse_a_root(args.src, "SRC")
+        warn_uncommitted(args.src)
+        if any((args.src / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
+            raise ConfigError(
+                "SRC is already a Hugging Face export, not a staged step",
+                path=args.src,
+                hint=f"check it with `stagerd verify {args.src}`, or re-shard or cast it with --adopt hf",
+            )
     source = adopted_source(args, args.src) or open_source(args.src)
     check_out(args.src, source.model_dir, args.out)
     dtype = source.target_dtype(args.dtype)
@@ -185,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     files = list_files(args.out)
     total = sum(s for _, s in files)
     secs = time.monotonic() - t0
-    rate = total / 1e9 / max(secs, 1e-9)
-    print(f"wrote {len(files)} files, {total / 1e9:.3f} GB, to {args.out} in {secs:.2f} s ({rate:.2f} GB/s)")
+    from stagerd.cmd.status_table import size
+
+    rate = size(total / max(secs, 1e-9))
+    print(f"wrote {len(files)} files, {size(total)}, to {args.out} in {secs:.2f} s ({rate}/s)")
     return 0

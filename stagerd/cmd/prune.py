@@ -14,6 +14,7 @@ deleted, so two runs that share a prefix can each be cleaned without touching th
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,12 @@ def run(args: argparse.Namespace) -> int:
     for d in decisions:
         who = f"  [{d.publisher}]" if d.publisher else ""
         print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {d.reason}{who}")
+    if not decisions:
+        print(
+            f"nothing to prune: no published step under {args.url} (check the URL: it is the --sink the "
+            "daemon publishes to)",
+            file=sys.stderr,
+        )
     gone = sum(d.delete for d in decisions)
     print(f"{gone} step(s) {verb}, {len(decisions) - gone} kept")
     publishers = {d.publisher for d in decisions if d.publisher}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,10 +62,10 @@ def step_from_path(export_dir: Path) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from stagerd.ops.progress import progress
-    from stagerd.sinks import open_sink, parse_sink_url
+    from stagerd.sinks import open_sink
 
     for url in args.sink:
-        parse_sink_url(url)  # every URL is checked before any sink is touched
+        _refuse_staging_areas(url)  # every URL is checked before any sink is touched
     export_dir: Path = args.export_dir
     if not export_dir.is_dir():
         raise VerifyError("is not an export directory", path=export_dir)
@@ -98,16 +99,58 @@ def run(args: argparse.Namespace) -> int:
         elif res.skipped:
             print(f"{res.sink}: step {step} already published at {res.location}", flush=True)
         else:
-            rate = res.bytes_uploaded / res.seconds / 1e6 if res.seconds > 0 else 0.0
+            from stagerd.cmd.status_table import size
+
+            rate = size(res.bytes_uploaded / res.seconds) + "/s" if res.seconds > 0 else "-"
             print(
                 f"{res.sink}: published step {step} to {res.location}: {res.files} files, "
                 f"{res.bytes_uploaded} of {res.bytes_total} bytes sent in {res.seconds:.1f} s "
-                f"({rate:.0f} MB/s)",
+                f"({rate})",
                 flush=True,
             )
     if not failures:
         return 0
     return 3 if all(e.retryable for e in failures) else 2
+
+
+def _refuse_staging_areas(url: str) -> None:
+    """A local sink that is a staging ROOT, or lies in one of its step directories or its `.stagerd`, would
+    put `step-N/` among the staged steps: a step directory without a marker that the daemon takes for a
+    save in progress and never deletes, or files inside a committed step. `watch` refuses its own ROOT;
+    publish has no ROOT, so it looks for one above the sink."""
+    from stagerd.sinks.urls import SinkKind, parse_sink_url
+
+    target = parse_sink_url(url)
+    if target.kind is not SinkKind.LOCAL:
+        return
+    where = Path(target.local_path).resolve()
+    for d in [where, *where.parents]:
+        if (d / layout.MARKER_NAME).is_file() or d.name == layout.STATE_DIR:
+            inside = f"inside the staged step or state directory {d}"
+        elif not _is_a_root(d):
+            continue
+        elif d == where:
+            inside = f"the staging ROOT {d}"
+        elif layout.parse_step_dir(where.relative_to(d).parts[0]) is not None:
+            inside = f"inside a step directory of the staging ROOT {d}"
+        else:
+            return  # another directory under a ROOT, as `watch` allows
+        raise ConfigError(
+            f"sink {url} is {inside}: its step-N/ directories would land among the staged steps",
+            hint="publish to a directory outside the staging ROOT, e.g. file:///mnt/models/run1; nothing "
+            "was written",
+        )
+
+
+def _is_a_root(d: Path) -> bool:
+    """A daemon ran here, or a trainer committed a step here."""
+    if (d / layout.STATE_DIR).is_dir():
+        return True
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return False
+    return any(layout.parse_step_dir(n) is not None and (d / n / layout.MARKER_NAME).is_file() for n in names)
 
 
 def _check_is_an_export(export_dir: Path) -> None:

@@ -222,6 +222,32 @@ def make_dir(path: Path) -> None:
 
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
+    refuse_links(root)
+    made = not os.path.lexists(root)
+    make_dir(root)
+    try:
+        return _land_raw(store, root, step, workers)
+    except BaseException:
+        if made:
+            _unmake_root(root)
+        raise
+
+
+def _unmake_root(root: Path) -> None:
+    """Remove the ROOT a failed restore made, when it holds only the lock the restore took: a wrong URL or
+    step must not leave a new, empty staging ROOT behind it."""
+    from stagerd.contract import layout
+    from stagerd.daemon.lock import LOCK_NAME
+
+    state = root / layout.STATE_DIR
+    try:
+        if os.listdir(root) == [layout.STATE_DIR] and set(os.listdir(state)) <= {LOCK_NAME, RESTORE_DIR}:
+            shutil.rmtree(root)
+    except OSError:
+        pass  # left as it is: someone else uses it now
+
+
+def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) -> Path:
     from stagerd.contract import layout
     from stagerd.contract.step.lock import StepLock
     from stagerd.daemon.journal import Journal
@@ -232,8 +258,6 @@ def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: in
     from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
     from stagerd.sinks.leases import Lease
 
-    refuse_links(root)
-    make_dir(root)
     lock = RootLock(root)
     lock.acquire()  # LockError while a daemon watches ROOT
     try:
@@ -307,11 +331,11 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
-    make_dir(out.parent)
     step = resolve_step(store, step, raw=False)
     prefix = step_prefix(step, raw=False)
     manifest = read_manifest(store, prefix, step)
     check_listing(store, prefix, manifest)
+    make_dir(out.parent)  # only now: a wrong URL or step leaves no new directory behind
     tmp = out.with_name(f".{out.name}.restore-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

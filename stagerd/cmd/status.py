@@ -98,7 +98,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
     from stagerd.contract.step.pin import pinned
     from stagerd.daemon.journal import RETIRED, journal_path
-    from stagerd.daemon.lock import running_holder
+    from stagerd.daemon.lock import holder_command, running_holder
     from stagerd.daemon.retention import disk_state
 
     if not root.is_dir():
@@ -117,6 +117,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
             raise
         meta, steps, lanes, counts, waits = _read_a_copy(root, include_retired=include_retired)
         note = f"{path.parent} is read-only for this user: read from a copy of the journal"
+    holder = running_holder(root)
     disk = disk_state(
         root,
         low_percent=float(meta.get("low_disk_free_percent", 10.0)),
@@ -139,7 +140,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         out_steps.append(d)
     return {
         "root": str(root),
-        "daemon_pid": running_holder(root),
+        "daemon_pid": holder,
+        "holder": holder_command(holder) if holder else None,  # `restore` takes the lock too
         "sinks": meta.get("sinks", []),
         "keep_last": meta.get("keep_last"),
         "disk": {

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
+
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
 _STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
 _LEADING_PLACE = re.compile(r"^(?:\S*[/\\]\S*|\[[^\]]*\]): ")  # "/path/to/file: " or "s3://b/k: "
@@ -139,7 +141,13 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     pid, disk = doc["daemon_pid"], doc["disk"]
     console.print(
         f"[bold]{escape(doc['root'])}[/]: daemon "
-        + (f"running (pid {pid})" if pid else "[yellow]not running[/]")
+        + (
+            f"running (pid {pid})"
+            if pid and doc.get("holder") != "restore"
+            else f"not running; a `stagerd restore` holds ROOT (pid {pid})"
+            if pid
+            else "[yellow]not running[/]"
+        )
         + f"; {size(disk['free'])} free ({disk['free_percent']:.1f}%)"
         + (
             " [bold red]LOW DISK: unpublished steps are kept; publishing must catch up[/]"
@@ -163,9 +171,12 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     else:
         labels = {s: f"[{i}]" for i, s in enumerate(sinks, 1)}
         rows, header = _rows(doc, sinks, labels), labels
-    if any(header[s] != s for s in sinks):
+    # a raw lane (`raw:URL`) belongs to its sink URL
+    gone = [s for s in sinks if doc["sinks"] and s.removeprefix(RAW_LANE_PREFIX) not in doc["sinks"]]
+    if any(header[s] != s for s in sinks) or gone:
         for s in sinks:
-            console.print(f"{escape(header[s])} {escape(s)}", overflow="fold")
+            note = "  (no longer a --sink: left as it was)" * (s in gone)
+            console.print(f"{escape(header[s])} {escape(s)}{escape(note)}", overflow="fold")
     for drop in range(len(OPTIONAL) + 1):
         kept = [c for c in optional if c[0] not in OPTIONAL[:drop]]
         chosen = base + kept + [(f"sink:{s}", header[s]) for s in sinks]
@@ -200,3 +211,16 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         for step, (where, cls, message) in failed:
             place = f" {where}" if where else ""
             console.print(escape(f"  step {step}{place}: {cls}: {message or ''}"), overflow="fold")
+    stuck = [s["step"] for s in doc["steps"] if _stuck(s)]
+    if stuck:
+        console.print(
+            escape(
+                f"what to do: a quarantined step stays so, even across restarts of `stagerd watch`; fix its "
+                f"cause, then `stagerd retry {doc['root']}` (or --step N)"
+            ),
+            overflow="fold",
+        )
+
+
+def _stuck(step: dict[str, Any]) -> bool:
+    return step["state"] == "quarantined" or any(ln["state"] == "quarantined" for ln in step["lanes"])

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stagerd.cmd.consolidate import add_adopt_flags, adopted_source, threads_default
+from stagerd.cmd.consolidate import (
+    add_adopt_flags,
+    adopted_source,
+    refuse_a_root,
+    threads_default,
+    warn_uncommitted,
+)
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.errors import ConfigError
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, MarkerError, VerifyError
 
 EXAMPLES = """examples:
   stagerd verify ./hf-1000
@@ -21,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
         name,
         help="check an export: its index, every file header, and (with --against) every byte",
         description=(
-            "Re-read EXPORT_DIR and check that its index and safetensors files agree and are complete. "
+            "Re-read EXPORT_DIR and check that its index and safetensors files agree and are complete; a "
+            "published copy's stagerd.manifest.json is checked too (each file's size and sha256). "
             "With --against, also compare every tensor with the step it was made from. Exit 0 when the "
             "export is good, 2 when it is not (the message names the file)."
         ),
@@ -37,6 +45,44 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     p.set_defaults(func=run)
 
 
+_DAMAGED = (
+    "this copy differs from what was published: fetch it again (`stagerd restore URL OUT --export --step N`)"
+)
+
+
+def check_manifest(export_dir: Path) -> int:
+    """A published copy (a sink's step directory, or one downloaded from it) carries the manifest the
+    publisher wrote: check every listed file's size and sha256, which the headers and index alone cannot
+    (a flipped byte inside a tensor passes them). The number of files checked; 0 without a manifest."""
+    import hashlib
+    import json
+
+    from stagerd.contract.manifest import ExportManifest
+
+    path = export_dir / layout.MANIFEST_NAME
+    if not path.is_file():
+        return 0
+    try:
+        manifest = ExportManifest.from_json(json.loads(path.read_bytes()), path=path)
+    except (ValueError, OSError, MarkerError) as e:
+        raise VerifyError(f"cannot read the manifest: {e}", path=path, hint=_DAMAGED) from None
+    for f in manifest.files:
+        file = export_dir / f.path
+        if not file.is_file() or file.stat().st_size != f.size:
+            raise VerifyError(
+                f"missing or not {f.size} bytes, as the manifest lists", path=file, hint=_DAMAGED
+            )
+        digest = hashlib.sha256()
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+        if digest.hexdigest() != f.sha256:
+            raise VerifyError(
+                f"sha256 differs from the manifest's ({f.sha256[:12]}...)", path=file, hint=_DAMAGED
+            )
+    return len(manifest.files)
+
+
 def run(args: argparse.Namespace) -> int:
     from stagerd.engine.verify import verify_export
     from stagerd.ops.progress import progress
@@ -46,11 +92,16 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if path is not None and not path.exists():
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")
+    if args.against is not None and args.adopt is None:
+        refuse_a_root(args.against, "--against")
+        warn_uncommitted(args.against)
     source = adopted_source(args, args.against) if args.against is not None else None
     with progress(f"verify {args.export_dir.name}", 0) as bar:
         r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
+    hashed = check_manifest(args.export_dir)
     against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
-    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}")
+    listed = f", {hashed} files' sha256 as {layout.MANIFEST_NAME} lists" if hashed else ""
+    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}{listed}")
     if r.older_order:
         print(
             f"note: {len(r.older_order)} of {r.files} files lay their tensors out in an older stagerd's"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
+from stagerd.cmd.watch_hints import quarantined_steps, retry_hint, warn_quarantined, warn_unadopted
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
 
@@ -115,7 +116,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         metavar="S",
         help="most an export or file:// publish pauses for saves being written (default 30; 0 off)",
     )
-    p.add_argument("--max-attempts", type=int, metavar="N", help="tries before quarantine (default 5)")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        metavar="N",
+        help="tries of a failing stage in a --once run; crashes mid-stage before quarantine (default 5)",
+    )
     p.add_argument("--grace-seconds", type=float, metavar="S", help="drain time on SIGTERM (default 60)")
     p.add_argument("--rescan-seconds", type=float, metavar="S", help="full rescan period (default 5)")
     p.add_argument(
@@ -178,12 +184,18 @@ def run(args: argparse.Namespace) -> int:
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     daemon = Daemon(settings)
+    if settings.root is not None:
+        warn_quarantined(Path(settings.root))
+        if settings.adopt is None:
+            warn_unadopted(Path(settings.root))
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
+        if settings.root is not None and quarantined_steps(Path(settings.root)):
+            print(f"  what to do: {retry_hint(Path(settings.root))}")
     if daemon.left_threads_running:
         # Work abandoned at shutdown is recorded in the journal; its threads cannot be interrupted, and
         # waiting for them would break the grace period. The next start redoes that work.

@@ -27,7 +27,6 @@ one name are an error. No torch here: `stagerd watch --mapping` could resolve it
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.contract.json_fields import loads
 from stagerd.errors import HubPlanError
 
 
@@ -66,7 +66,7 @@ class KeyMapping:
             return spec
         if not isinstance(spec, Mapping):
             try:
-                spec = json.loads(Path(spec).read_text())
+                spec = loads(Path(spec).read_text())
             except (OSError, ValueError) as e:
                 raise HubPlanError(f"cannot read the key mapping: {e}", path=spec) from None
         if not isinstance(spec, Mapping) or not isinstance(spec.get("rules"), list):

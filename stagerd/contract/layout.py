@@ -10,6 +10,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -49,6 +50,9 @@ MAX_MARKER_BYTES = 64 << 20
 
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
+# Each daemon of a node-locally staged step keeps a few objects per node (a claim key, a load count): a
+# marker naming 10^9 nodes took the daemon's memory; 65536 nodes are half a million GPUs.
+MAX_STAGING_NODES = 1 << 16
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
 
 
@@ -249,17 +253,24 @@ class CommitMarker:
                 ref = ref if not isinstance(ref, dict) else decode_weight_map(ref, names, hub_plan, path=path)
             except HubPlanError as e:
                 raise MarkerError(e.message, path=path) from None
+            created, metadata = created_and_metadata(d, path=path)
+            dtype = d.get("dtype")
+            # It reaches `dtype.lower()`: an int there was a raw AttributeError out of the export
+            if dtype is not None and not isinstance(dtype, str):
+                raise MarkerError(f"dtype must be a dtype's name, not {dtype!r}", path=path)
             node, nodes = d.get("staging_node", 0), d.get("staging_nodes", 1)
-            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes):
-                raise MarkerError(f"bad staging node {node!r} of {nodes!r}", path=path)
+            if not (is_int(node) and is_int(nodes) and 0 <= node < nodes <= MAX_STAGING_NODES):
+                raise MarkerError(
+                    f"bad staging node {node!r} of {nodes!r} (at most {MAX_STAGING_NODES} nodes)", path=path
+                )
             return cls(
                 step=step,
                 world_size=ws,
                 files=tuple(files),
-                created=float(d.get("created", 0.0)),
+                created=created,
                 reference_index=ref,
-                dtype=d.get("dtype"),
-                metadata=dict(d.get("metadata") or {}),
+                dtype=dtype,
+                metadata=metadata,
                 tensors=tensors,
                 staging_node=node,
                 staging_nodes=nodes,
@@ -272,6 +283,18 @@ class CommitMarker:
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def created_and_metadata(d: dict[str, Any], *, path: object) -> tuple[float, dict[str, Any]]:
+    """A marker's or manifest's `created` (finite seconds) and `metadata` (an object), or a MarkerError:
+    `float("nan")` of a string, or `dict()` of a list of pairs with keys of any type, let through what
+    the readers then sort and format."""
+    created, metadata = d.get("created", 0.0), d.get("metadata")
+    if not (is_int(created) or type(created) is float) or not math.isfinite(created):
+        raise MarkerError(f"created must be a number of seconds, not {created!r}", path=path)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MarkerError("metadata must be a JSON object", path=path)
+    return float(created), dict(metadata or {})
 
 
 def write_marker(step_dir: str | os.PathLike[str], marker: CommitMarker) -> Path:

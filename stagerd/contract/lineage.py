@@ -17,12 +17,12 @@ a warning): retention then keeps more, never less.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.json_fields import loads
 from stagerd.contract.regular_file import open_regular
 from stagerd.contract.root_id import ROOT_ID
 
@@ -67,7 +67,7 @@ def _entries(path: Path) -> list[dict[str, Any]]:
     if len(data) > MAX_LINEAGE_BYTES:
         return _unreadable(path, f"larger than {MAX_LINEAGE_BYTES} bytes")
     try:
-        d = json.loads(data)
+        d = loads(data)
     except ValueError:
         return _unreadable(path, "not JSON")
     listed = d.get("ancestors") if isinstance(d, dict) and d.get("format") == LINEAGE_FORMAT else None

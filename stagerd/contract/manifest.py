@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagerd.contract.layout import MANIFEST_FORMAT, MAX_STEP, check_file_tree, is_int, safe_relpath
+from stagerd.contract.layout import (
+    MANIFEST_FORMAT,
+    MAX_STEP,
+    check_file_tree,
+    created_and_metadata,
+    is_int,
+    safe_relpath,
+)
 from stagerd.errors import MarkerError
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -66,11 +73,7 @@ class ExportManifest:
                         f"file {f.path!r}: sha256 {f.sha256[:80]!r} is not 64 hex digits", path=path
                     )
             check_file_tree([f.path for f in files], what="file", path=path)
-            return cls(
-                step=step,
-                files=files,
-                created=float(d.get("created", 0.0)),
-                metadata=dict(d.get("metadata") or {}),
-            )
+            created, metadata = created_and_metadata(dict(d), path=path)
+            return cls(step=step, files=files, created=created, metadata=metadata)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed manifest: {e!r}", path=path) from None

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.json_fields import loads
 
 ROOT_ID_NAME = "fleet-root-id"
 
@@ -85,7 +86,7 @@ def _parse(text: str | None) -> dict[str, Any] | None:
     if ROOT_ID.fullmatch(text):
         return {"id": text, "where": None}
     try:
-        d = json.loads(text)
+        d = loads(text)
     except ValueError:
         return None
     if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not ROOT_ID.fullmatch(d["id"]):

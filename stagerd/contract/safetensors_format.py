@@ -143,6 +143,8 @@ def _read_text(path: str | os.PathLike[str]) -> tuple[int, int, str]:
         raise header_error(path, "is a directory, not a safetensors file") from None
     except OSError as e:
         raise open_failed(e, path, ShardError) from None
+    except ValueError:  # a NUL in a name read from a file (an index): no file has it
+        raise ShardError("a file name with a NUL byte", path=repr(str(path))) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -119,10 +119,19 @@ SINGLE_FILE = (
 )
 
 
+# torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
+# FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
+PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
+
+
 def _unadoptable(ckpt: Path) -> str | None:
-    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a PEFT
-    adapter where no layout reads it, or the HF Trainer's trainer_state.json beside no model a preset
-    reads); else None."""
+    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a model or
+    a PEFT adapter pickled, an adapter where no layout reads it, or the HF Trainer's trainer_state.json
+    beside no model a preset reads); else None."""
+    pickled = [n for n in PICKLED_MODELS if (ckpt / n).is_file()]
+    if pickled:
+        return (f"holds the model as {pickled[0]} (a pickle, never read): save safetensors "
+                "(safe_serialization=True, the default) or a sharded (DCP) checkpoint")  # fmt: skip
     if (ckpt / "adapter_model.bin").is_file():
         return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
                 "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
@@ -321,6 +330,33 @@ class Adoption(Discovery):
             rebuild=rebuild,
             default_shard_size=s.max_shard_size is None,
         )
+
+    def _trainers_best(self) -> set[int]:
+        """With --delete-adopted: the step of the checkpoint the HF Trainer names its best
+        (`best_model_checkpoint` in the newest `trainer_state.json`), which `load_best_model_at_end`
+        reads back when the training ends and the Trainer's own rotation keeps: retention keeps it as a
+        pinned step (deleted, the Trainer would end with the last weights and a warning). Io thread."""
+        from stagerd.engine.parsed_extras import read_json_object
+
+        custom = compile_step_regex(self.settings.adopt_step)
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return set()
+        states = sorted(
+            (step, name) for name in names if (step := parse_step_name(name, custom)) is not None
+            and (self.root / name / "trainer_state.json").is_file()
+        )  # fmt: skip
+        for _, name in reversed(states):  # the newest that parses: one still being written is skipped
+            try:
+                best = read_json_object(self.root / name / "trainer_state.json").get("best_model_checkpoint")
+            except StagerdError:
+                continue
+            if not isinstance(best, str):
+                return set()
+            step = parse_step_name(Path(best).name, custom)
+            return {step} if step is not None and (self.root / Path(best).name).is_dir() else set()
+        return set()
 
     def _adopted_identity(self, step_dir: Path) -> str | None:
         preset = self._preset_of(step_dir)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -157,6 +158,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             loop.add_signal_handler(sig, self._on_signal, sig)
         server = None
         try:
+            # Before anything is written or recovered: a port in use fails a second daemon with nothing done.
+            server = self._serve_metrics()
             self._journal = await self._io(Journal.open, self.root)
             for url in self.settings.sinks:
                 sink = await self._io(open_sink, url)
@@ -191,7 +194,6 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             )
             await self._check_disk()
             await self._refresh()
-            server = self._serve_metrics()
             notify.notify_ready(f"watching {self.root}")
             if not self._stopping:
                 self._health["status"] = "ok"
@@ -285,9 +287,15 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         try:
             server = MetricsServer(self.metrics, host, port, self._healthz)
         except OSError as e:
+            unresolved = isinstance(e, socket.gaierror)
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
-                hint="pick a free --metrics-port, or 0 to turn the metrics server off",
+                hint=(
+                    "give --metrics-host an address of this machine (default 127.0.0.1)"
+                    if unresolved
+                    else "pick a free --metrics-port"
+                )
+                + ", or --metrics-port 0 to turn the metrics server off",
             ) from None
         server.start()
         self.metrics_address = (str(server.host), server.port)

@@ -35,7 +35,10 @@ class Housekeeping(Health, Adoption):
         if self.settings.keep_last is None:
             return
         rows = await self._j(self._journal.steps, include_retired=False)
-        views = [StepView(r.step, r.state == PUBLISHED, pinned(self.root, r.step)) for r in rows]
+        best = await self._io(self._trainers_best) if self.settings.delete_adopted else set()
+        views = [
+            StepView(r.step, r.state == PUBLISHED, r.step in best or pinned(self.root, r.step)) for r in rows
+        ]
         by_step = {r.step: r for r in rows}
         for v in views:
             if v.pinned and v.step not in self._retention_pinned:

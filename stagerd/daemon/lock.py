@@ -66,9 +66,14 @@ class RootLock:
             holder = named_holder(self.path.parent.parent)
             os.close(fd)
             who = f"pid {holder}" if holder else "another process"
-            raise LockError(
-                f"ROOT is already watched by stagerd ({who})", path=self.path.parent.parent
-            ) from None
+            root = self.path.parent.parent
+            if holder is not None and holder_command(holder) == "restore":
+                raise LockError(
+                    f"ROOT is held by a running `stagerd restore` ({who})",
+                    path=root,
+                    hint="wait for the restore to end, then run this again",
+                ) from None
+            raise LockError(f"ROOT is already watched by stagerd ({who})", path=root) from None
         self._fd = fd
         self._write_pid(fd)
 
@@ -151,6 +156,18 @@ def flock_holder(path: str | os.PathLike[str]) -> int | None:
 def named_holder(root: str | os.PathLike[str]) -> int | None:
     """The pid the lock file of `root` names, else the one the kernel says holds its flock, or None."""
     return read_holder(root) or flock_holder(lock_path(root))
+
+
+def holder_command(pid: int) -> str | None:
+    """The stagerd command the lock holder runs (`watch`, `restore`), from /proc; None where unknown. The
+    lock is taken by both, and a user told "watched" looks for a daemon that is not there."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(4096).split(b"\0")
+    except OSError:
+        return None
+    # the first one: ROOT itself may be a directory named `restore`
+    return next((a.decode() for a in argv if a in (b"restore", b"watch")), None)
 
 
 def running_holder(root: str | os.PathLike[str]) -> int | None:

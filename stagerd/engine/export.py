@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.json_fields import loads
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.regular_file import linked
@@ -138,7 +138,7 @@ def _existing(d: Path) -> ExportResult:
 
 def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
     try:
-        recorded = json.loads((step_dir / layout.EXPORT_OPTIONS_NAME).read_text())
+        recorded = loads((step_dir / layout.EXPORT_OPTIONS_NAME).read_text())
     except (FileNotFoundError, ValueError):
         return None  # an export from before options were recorded, or a torn write: trusted as it is
     return recorded if isinstance(recorded, dict) else None
@@ -157,7 +157,7 @@ def mapped_plan(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> t
     except OSError as e:
         raise HubPlanError(f"cannot read the key mapping: {e.strerror}", path=mapping) from None
     try:
-        spec = json.loads(raw)
+        spec = loads(raw)
     except ValueError as e:
         raise HubPlanError(f"the key mapping is not JSON: {e}", path=mapping) from None
     plan = KeyMapping.load(spec).resolve({k: v.shape for k, v in marker.tensors.items()})

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from stagerd.contract import dtypes
+from stagerd.contract.json_fields import loads
 from stagerd.errors import ExtrasError
 
 CONFIG_NAME = "config.json"
@@ -37,7 +38,7 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     if name is None:
         return None
     try:
-        cfg = json.loads(source.read_bytes())
+        cfg = loads(source.read_bytes())
     except (OSError, ValueError) as e:  # checked before the export began; a change since is an error
         # `source` may be a held file's /proc/self/fd path: the message names the file, not the number
         why = e.strerror if isinstance(e, OSError) and e.strerror else e

@@ -7,9 +7,9 @@ or A's matching columns with `fan_in_fan_out`). A plain merge is PEFT's bit for 
 summed as torch sums it (`engine/torch_sum.py`), in float32 (float64 if an input is F64), the delta
 rounded to B's dtype, added in place as a Linear adds it (rounded once to W's dtype) or cast to W's dtype
 first as an Embedding does (`delta_to_base`). DoRA scales each output of W + delta by its magnitude over
-its L2 norm; with `fan_in_fan_out` an output is a column, so its norms take a first pass over the row
-blocks. Its delta is numpy's matmul and its norm is summed in float64, not in torch's order: it agrees
-with `merge_and_unload` to float rounding. A LoRA bias (base + scaling * B's bias) is a vector, read whole,
+its L2 norm, the delta a Linear's and the norm summed as torch sums it (`engine/torch_norm.py`), bit for
+bit too; with `fan_in_fan_out` an output is a column, so its norms take a first pass over the row
+blocks. A LoRA bias (base + scaling * B's bias) is a vector, read whole,
 bit for bit. A MoE's fused experts adapted with `target_parameters` merge one expert at a time, bit for
 bit (`engine/expert_merge.py`). The merged tensors are written, block by block, into one scratch shard (a
 DCP-style safetensors file beside the output); its header joins the staged shards' for the planner, so
@@ -28,7 +28,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from stagerd.contract.safetensors_format import (
     Header,
     read_header,
 )
-from stagerd.engine import torch_sum
+from stagerd.engine import torch_norm, torch_sum
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.expert_merge import merge_experts
 from stagerd.engine.merge_inputs import NP, promoted, read_rows, read_vector, rounded, shape_of
@@ -218,45 +218,74 @@ def _merge_one(
     rows, cols = shapes[m.base]
     a = read_rows(table, ids[m.a], 0, shapes[m.a][0], dts[1]).astype(wide)
     b = read_rows(table, ids[m.b], 0, shapes[m.b][0], bdt).astype(wide)
-    step = max(1, block_bytes // max(1, cols * 8))  # the bracket, DoRA's float64 squares: 8 bytes a value
+    step = max(1, block_bytes // max(1, cols * 8))  # the bracket's float64 at most: 8 bytes a value
     blocks = [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
-
-    def merged(lo: int, hi: int) -> np.ndarray:
-        """W + scaling * (B @ A) on rows [lo, hi) in `wide`, the delta rounded to B's dtype as PEFT does."""
-        w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)  # widened once, not per finish
-        # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
-        delta = np.matmul(b, a[:, lo:hi]).T if m.fan_in_fan_out else np.matmul(b[lo:hi], a)
-        delta = np.multiply(delta, scaling).astype(bdt)
-        return np.add(w.astype(wide), delta.astype(wide))
 
     if m.kind is MergeKind.LORA:
         _merge_lora(table, ids, m, a, b, (wdt, bdt), scaling, blocks, fd, at)
         return
-    # DoRA (PEFT's DoraLinearVariant.merge_unsafe): W + delta and its norm per output in torch's promoted
-    # dtype of W and the delta, magnitude / norm in that of the magnitude and the norm, the product
-    # rounded there, then to W's dtype. The norm is summed in float64: torch's own order is not numpy's.
-    summed = promoted(wdt, bdt)
-    factor_dt = promoted(dts[3], summed)
-    mag = read_vector(table, ids[m.magnitude], dts[3]).astype(wide)
+    _merge_dora(table, ids, m, a, b, (wdt, bdt, dts[3]), scaling, blocks, fd, at)
 
-    def factor(sq: np.ndarray, mag: np.ndarray) -> np.ndarray:
-        norm = rounded(np.sqrt(sq).astype(wide), summed)
+
+def _merge_dora(
+    table: ChunkTable,
+    ids: Mapping[str, int],
+    m: LoraMerge,
+    a: np.ndarray,
+    b: np.ndarray,
+    dts: tuple[np.dtype[Any], np.dtype[Any], np.dtype[Any]],
+    scaling: np.ndarray,
+    blocks: list[tuple[int, int]],
+    fd: int,
+    at: int,
+) -> None:
+    """PEFT's `DoraLinearVariant.merge_unsafe` (or its Embedding's) bit for bit: the delta as a Linear's
+    (`_merge_lora`), W + delta and its norm per output in torch's promoted dtype of the two, the norm
+    summed as torch sums it (`engine/torch_norm.py`), magnitude / norm in the promoted dtype of the
+    magnitude and the norm, times W + delta rounded there, then to W's dtype. With `fan_in_fan_out` (and an
+    Embedding) an output is a column of W: its norms take a first pass over the row blocks."""
+    wdt, bdt, mdt = dts
+    wide = scaling.dtype
+    summed = promoted(wdt, bdt)
+    factor_dt = promoted(mdt, summed)
+    mag = read_vector(table, ids[m.magnitude], mdt).astype(wide)
+    cols = a.shape[1] if not m.fan_in_fan_out else b.shape[0]
+
+    def block(lo: int, hi: int) -> np.ndarray:
+        """W + delta on rows [lo, hi) rounded to `summed`, in `wide`."""
+        w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)
+        left, right = (a[:, lo:hi].T, b.T) if m.fan_in_fan_out else (b[lo:hi], a)
+        delta = torch_sum.merged(left, right, w, _delta_of(scaling, bdt), fused=True)
+        return rounded(np.add(w, delta, out=delta), summed)
+
+    def factor(norm: np.ndarray, mag: np.ndarray) -> np.ndarray:
         return rounded(np.divide(mag, norm), factor_dt)
 
     if m.fan_in_fan_out:  # each output is a column of W: its norm needs every row block first
-        sq = np.zeros(cols, dtype=np.float64)
+        columns = torch_norm.Columns(cols, summed)
         for lo, hi in blocks:
-            sq += np.square(rounded(merged(lo, hi), summed), dtype=np.float64).sum(axis=0)
-        by_column = factor(sq, mag)[None, :]
+            columns.add(block(lo, hi))
+        by_column = factor(columns.norms(wide), mag)[None, :]
     for lo, hi in blocks:
-        s = rounded(merged(lo, hi), summed)
-        f = (
-            by_column
-            if m.fan_in_fan_out
-            else factor(np.square(s, dtype=np.float64).sum(axis=1), mag[lo:hi])[:, None]
-        )
+        s = block(lo, hi)
+        if m.fan_in_fan_out:
+            f = by_column
+        elif torch_norm.vectorized(summed):
+            f = factor(torch_norm.rows(s, summed), mag[lo:hi])[:, None]
+        else:
+            f = factor(torch_norm.sequential_rows(s, summed), mag[lo:hi])[:, None]
         out = rounded(np.multiply(f, s), factor_dt).astype(wdt)
         pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)
+
+
+def _delta_of(scaling: np.ndarray, bdt: np.dtype[Any]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """`torch_sum.merged`'s finish for the delta alone: the product times scaling, rounded to B's dtype
+    (PEFT's `get_delta_weight`); monotone in the product."""
+
+    def finish(product: np.ndarray, _w: np.ndarray) -> np.ndarray:
+        return rounded(np.multiply(product, scaling, out=product), bdt)
+
+    return finish
 
 
 def _merge_lora(

@@ -9,7 +9,8 @@ from pathlib import Path
 from stagerd.contract.safetensors_format import Header, find_shards, read_header
 from stagerd.errors import ShardError
 
-_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+# ASCII digits only: `\d` would take other scripts' digits, which no writer puts in a name.
+_SHARD_NAME = re.compile(r"shard-([0-9]+)-model-([0-9]+)-of-([0-9]+)\.safetensors")
 
 
 def scan_shards(src: Path, listed: Iterable[str] | None = None) -> Iterator[Header]:
@@ -40,7 +41,7 @@ def shard_paths(src: Path, listed: Iterable[str] | None = None) -> list[Path]:
     shard_ids: set[int] = set()
     counts: set[int] = set()
     for p in paths:
-        m = _SHARD_NAME.match(p.name)
+        m = _SHARD_NAME.fullmatch(p.name)
         if m is None:
             raise ShardError(
                 "unexpected file name; DCP shards are named shard-XXXXX-model-YYYYY-of-ZZZZZ.safetensors",
@@ -51,9 +52,22 @@ def shard_paths(src: Path, listed: Iterable[str] | None = None) -> list[Path]:
     if len(counts) > 1:
         raise ShardError(f"shards disagree on the file count (-of-{sorted(counts)}): mixed saves?", path=src)
     if listed is None:
-        gaps = sorted(set(range(1, max(shard_ids) + 1)) - shard_ids)
-        if gaps:
-            raise ShardError(
-                f"shard numbers {gaps[:5]} are missing (found {len(shard_ids)} of {max(shard_ids)})", path=src
-            )
+        _check_no_gaps(src, shard_ids)
     return paths
+
+
+def _check_no_gaps(src: Path, shard_ids: set[int]) -> None:
+    """Shard numbers run 1..S. Never a set of every number up to the largest: a file named
+    `shard-99999999999999-...` would make one of 10^14 ints."""
+    if 0 in shard_ids:
+        raise ShardError("shard number 0 is no rank's: DCP numbers its shards from 1", path=src)
+    top = max(shard_ids)
+    if top == len(shard_ids):
+        return
+    gaps: list[int] = []
+    i = 1
+    while len(gaps) < 5 and i < top:  # five are found within len(shard_ids) + 5 numbers
+        if i not in shard_ids:
+            gaps.append(i)
+        i += 1
+    raise ShardError(f"shard numbers {gaps} are missing (found {len(shard_ids)} of {top})", path=src)

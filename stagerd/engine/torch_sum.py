@@ -85,7 +85,7 @@ def summed(x: np.ndarray, y: np.ndarray, *, fused: bool) -> np.ndarray:
     acc = np.zeros(x.shape[0], dtype=np.float64)
     for k in range(x.shape[1]):
         product = np.multiply(xs[k], ys[k], out=xs[k])
-        acc = _once(acc, product if fused else rounded(product, f32)).astype(f32).astype(np.float64)
+        acc = rounded_once(acc, product if fused else rounded(product, f32)).astype(f32).astype(np.float64)
     return acc.astype(np.float32)
 
 
@@ -93,7 +93,7 @@ _LOW, _MID = np.uint64((1 << 29) - 1), np.uint64(1 << 28)  # float64's bits belo
 _SUBNORMAL = np.uint64(897 << 52)  # float64's exponent field of float32's least normal, 2^-126
 
 
-def _once(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def rounded_once(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a + b in float64 such that rounded to float32 it is a + b rounded once, as an FMA rounds it. Rounded
     to nearest in float64 first, a sum that lands on a float32 midpoint would round twice (1 + 2^-23 plus
     a product just under 2^-24 gives 1 + 2^-22, not 1 + 2^-23): there, and below float32's normal range

@@ -130,7 +130,8 @@ def verify_export(
         weight_map, total = listed
         by_file: dict[str, set[str]] = {}
         for name, fname in weight_map.items():
-            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+            # a NUL reached os.open as a raw ValueError; "" named the export directory itself
+            if not isinstance(fname, str) or not fname or "/" in fname or "\x00" in fname or fname[0] == ".":
                 raise VerifyError(f"index maps {name!r} to an unsafe file name {fname!r}", path=export_dir)
             by_file.setdefault(fname, set()).add(name)
         for fname in sorted(by_file):

@@ -82,6 +82,8 @@ class StagerdCheckpointIO(CheckpointIO):
     ) -> None:
         if "optimizer_state" in save_options:
             raise SaveInputError("StagerdCheckpointIO saves Lightning's optimizer state itself")
+        if model is not None:
+            _check_hyper_parameters(model)
         self.root = Path(root)
         self.model = model
         self.save_options = save_options
@@ -247,6 +249,22 @@ class StagerdCheckpointIO(CheckpointIO):
                 options.setdefault("process_group", self._group)
             self.stager = Stager(self.root, **options)
         return self.stager
+
+
+def _check_hyper_parameters(module: Any) -> None:
+    """Every checkpoint holds the module's hyper-parameters: one JSON cannot hold (a transformers config
+    given to `save_hyperparameters()`) would fail the first save, after every step before it."""
+    hparams = getattr(module, "hparams", None)
+    if not isinstance(hparams, Mapping):
+        return
+    try:
+        state_tree.split({"hyper_parameters": dict(hparams)}, "lightning")
+    except SaveInputError as e:
+        raise SaveInputError(
+            f"{e.message} (the LightningModule's hyper-parameters, in every checkpoint)",
+            hint="leave it out with save_hyperparameters(ignore=[...]), or give it as numbers, strings, "
+            "lists and dicts (a config as config.to_dict()); stagerd never pickles",
+        ) from None
 
 
 def _release(pins: dict[tuple[Path, int], StepPin]) -> None:

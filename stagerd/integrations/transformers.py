@@ -34,8 +34,10 @@ What keeps its meaning, and what maps to the daemon:
 
 Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
 e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
-`trainer_state.json` (global step, epoch, which batches to skip). The callback then loads the model,
-optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
+`trainer_state.json` (global step, epoch, which batches to skip). With the callback given to the
+Trainer's constructor, `train(resume_from_checkpoint=...)` also takes True or ROOT (the newest step; True
+with none: the Trainer's own checkpoints) and a step directory ROOT/step-N. The callback then loads the
+model, optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
 
 Callback events do not receive the Trainer, and the save must run inside the Trainer's
 `_save_checkpoint`; so the callback binds itself to the Trainer that fires its first event (the `self` of
@@ -47,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -69,7 +72,7 @@ log = logging.getLogger("stagerd.integrations")
 _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
-_WRAPPED = ("_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
+_WRAPPED = ("train", "_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
 _STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
 
@@ -175,6 +178,8 @@ class StagerdCallback(TrainerCallback):
         if missing:
             raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")
         self._trainer = trainer
+        train = trainer.train
+        trainer.train = lambda *a, **kw: self._train(train, *a, **kw)  # type: ignore[method-assign]
         save = trainer._save_checkpoint  # the class's, a subclass's override included
         trainer._save_checkpoint = lambda model, trial: self._save_checkpoint(save, model, trial)  # type: ignore[method-assign]
         for name in _LOADERS:
@@ -182,6 +187,33 @@ class StagerdCallback(TrainerCallback):
             setattr(trainer, name, self._loader(name, original))
         load_best = trainer._load_best_model
         trainer._load_best_model = lambda: self._load_best_model(load_best)  # type: ignore[method-assign]
+
+    def _train(self, train: Any, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, its `resume_from_checkpoint` read as this callback's (`_checkpoint`)."""
+        if args:
+            args = (self._checkpoint(args[0]), *args[1:])
+        elif "resume_from_checkpoint" in kwargs:
+            kwargs["resume_from_checkpoint"] = self._checkpoint(kwargs["resume_from_checkpoint"])
+        return train(*args, **kwargs)
+
+    def _checkpoint(self, given: Any) -> Any:
+        """`True` (the newest checkpoint), ROOT (its newest step) and a step directory ROOT/step-N (as
+        `best_model_checkpoint` names it, or `stagerd restore` lands it) mean that committed step, as
+        `resume()` gives it: the Trainer alone would look for `checkpoint-*` under output_dir, where
+        nothing is written, or for its own files in the step directory, and raise. Without a committed
+        step, True goes on to the Trainer: its own checkpoints, or its error. Anything else is the
+        Trainer's."""
+        if given is True:
+            return self.resume(self._bound()) or True
+        if not isinstance(given, str | os.PathLike):
+            return given
+        path, root = Path(given).resolve(), self.root.resolve()
+        if path == root:
+            return self.resume(self._bound()) or given
+        step = layout.parse_step_dir(path.name)
+        if step is not None and path.parent == root:
+            return self.resume(self._bound(), step=step)
+        return given
 
     def _bound(self) -> Trainer:
         if self._trainer is None:

@@ -50,6 +50,7 @@ from pathlib import Path
 from stagerd.contract import layout, lineage
 from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import RestoreError, StepClaimedError
+from stagerd.sinks.objects import MAX_CLAIM_BYTES
 from stagerd.sinks.remote import RemoteStore
 from stagerd.sinks.temp_names import pid_alive
 
@@ -58,7 +59,6 @@ PUBLISH, PRUNE = "publish", "prune"
 PRUNE_STALE_S = 600.0  # a prune deletes a step in seconds; one this old by the store's clock is dead
 # A fleet's claim names every node's ROOT (33 bytes each in JSON) and a publisher's the ROOTs it resumed
 # from: 4 kB was 110 nodes, and past it every prune of the prefix failed. 128 kB holds 3,000 nodes.
-MAX_CLAIM_BYTES = 128 << 10
 CLAIM_ANCESTORS = 16  # the newest ROOTs a publisher resumed from, named in its claims
 
 
@@ -197,7 +197,9 @@ def decode(data: bytes | None) -> Claim | None:
             tuple(str(t) for t in trees),
             tuple(a for a in ancestors if isinstance(a, str) and ROOT_ID.fullmatch(a))[-CLAIM_ANCESTORS:],
         )
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+        # a pid of Infinity (int() overflows) or arrays nested 100k deep (the JSON decoder recurses) stopped
+        # every prune of the prefix with a traceback: a claim is anyone's bytes on a shared store
         return Claim("unknown", repr(data[:80]), "", 0)
 
 

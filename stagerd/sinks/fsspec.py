@@ -39,6 +39,8 @@ from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.latest import LatestMixin
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
+    MAX_CLAIM_BYTES,
+    MAX_MANIFEST_BYTES,
     Backend,
     BatchingStore,
     ByteProgress,
@@ -60,6 +62,7 @@ from stagerd.sinks.raw_step import held_raw_step
 from stagerd.sinks.s3.backend import S3Backend
 
 log = logging.getLogger("stagerd.sinks.fsspec")
+_MANIFEST = MAX_MANIFEST_BYTES + 1  # read of a manifest: one past the limit, which parse_manifest refuses
 
 
 class FsspecSink(LatestMixin):
@@ -149,7 +152,7 @@ class FsspecSink(LatestMixin):
     def is_published(self, step: int) -> bool:
         """True when the step's manifest exists and the listing matches it by name and size."""
         prefix = layout.step_dir_name(step)
-        data = self._call(lambda: self._backend.read(f"{prefix}/{layout.MANIFEST_NAME}"), prefix)
+        data = self._call(lambda: self._backend.read(f"{prefix}/{layout.MANIFEST_NAME}", _MANIFEST), prefix)
         if data is None:
             return False
         manifest = parse_manifest(data, self._where(prefix, layout.MANIFEST_NAME))
@@ -178,7 +181,7 @@ class FsspecSink(LatestMixin):
         crash_point("fleet.commit")
         created = self._call(lambda: b.create(key, manifest_bytes(manifest)), key)
         if not created:
-            raw = self._call(lambda: b.read(key), key) or b""
+            raw = self._call(lambda: b.read(key, _MANIFEST), key) or b""
             self._check_same(parse_manifest(raw, self._where(key)), manifest, key)
         crash_point("fleet.manifest")
         self._move_latest(prefix, step)
@@ -204,6 +207,9 @@ class FsspecSink(LatestMixin):
         total = sum(f.size for f in files)
         prog = ByteProgress(total, progress)
 
+        if isinstance(b, LocalBackend):
+            # before the claim: nothing written for a step linked elsewhere
+            self._call(lambda: b.refuse_links(manifest_key), manifest_key)
         mine = publish_claim(local_root)
         claim = Claiming(claim_key(prefix), mine.encode(), lambda data: owned_by(data, mine))
         opening = self._open_step(prefix, manifest_key, files, prog, claim)
@@ -264,7 +270,7 @@ class FsspecSink(LatestMixin):
         if not created_manifest:
             # the step was published before (a listing was skipped or raced): by another publisher, or
             # by this one before a restart
-            raw = self._call(lambda: b.read(manifest_key), manifest_key) or b""
+            raw = self._call(lambda: b.read(manifest_key, _MANIFEST), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
             try:
                 self._check_same(other, manifest, manifest_key)
@@ -318,9 +324,10 @@ class FsspecSink(LatestMixin):
         claimed = self._call(lambda: b.create(claim.key, claim.data), claim.key)
         held = None
         if not claimed:
-            held = self._call(lambda: b.read(claim.key), claim.key)
+            held = self._call(lambda: b.read(claim.key, MAX_CLAIM_BYTES + 1), claim.key)
             claimed = claim.owns(held)
-        existing = self._call(lambda: b.read(manifest_key), manifest_key)  # read after the claim settled
+        # read after the claim settled
+        existing = self._call(lambda: b.read(manifest_key, _MANIFEST), manifest_key)
         if claimed:
             self._call(lambda: b.sweep(prefix), prefix)
         return StepOpening(existing, None, [], [], claimed, held)

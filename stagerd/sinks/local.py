@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.regular_file import read_regular
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
@@ -29,6 +30,7 @@ from stagerd.sinks.objects import (
     foreign_latest,
     newer_latest,
     probe_clock,
+    refuse_links,
 )
 from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
@@ -50,6 +52,7 @@ class LocalBackend:
         self.root = root
 
     def list(self, prefix: str) -> dict[str, RemoteObject]:
+        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
         base = self.root / prefix
         out = {}
         for dirpath, _dirs, names in os.walk(base):
@@ -67,6 +70,7 @@ class LocalBackend:
         """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
         those: the sink's directory may hold other tools' files, and temp names like ours). `settled`:
         under `prefix/`, every other host's too (see `Backend.sweep`)."""
+        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
         base = self.root / prefix
         inside = [Path(d) / n for d, _, names in os.walk(base) for n in names]
         beside = []
@@ -103,20 +107,23 @@ class LocalBackend:
             if now - mtime > TEMP_STALE_S:
                 p.unlink(missing_ok=True)
 
+    def refuse_links(self, key: str) -> Path:
+        """`root/key`, never through a link below the sink's root (`objects.refuse_links`)."""
+        return refuse_links(self.root, key)
+
     def read(self, key: str, limit: int | None = None) -> bytes | None:
-        try:
-            with open(self.root / key, "rb") as f:
-                return f.read(-1 if limit is None else limit)
+        try:  # a FIFO at a claim's or a manifest's key held the publish for good
+            return read_regular(self.refuse_links(key), limit)
         except FileNotFoundError:
             return None
 
     def write(self, key: str, data: bytes) -> None:
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(path, data, tmp=_temp_name(path))  # the host in the name: see sweep
 
     def create(self, key: str, data: bytes) -> bool:
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_name(path)
         self._write_fsync(tmp, [memoryview(data)])
@@ -134,12 +141,13 @@ class LocalBackend:
         """Read-judge-write `latest` under a lock on its directory: two publishes of this sink at once
         (`publish_workers`, two daemons) could otherwise read the same old value and write in the wrong
         order, leaving `latest` behind a published step."""
-        path = self.root / key
+        path = self.refuse_links(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path.parent):
-            if path.is_dir():  # another tool's `latest/`, or a link to its newest checkpoint: names no step
+            # another tool's `latest/`, a link to its newest checkpoint, or a FIFO: names no step
+            if path.exists() and not path.is_file():
                 log.warning(
-                    "%s is a directory: another tool's, left as it is; latest is not moved",
+                    "%s is not a file: another tool's, left as it is; latest is not moved",
                     path,
                     extra={"sink": str(path)},
                 )
@@ -159,7 +167,7 @@ class LocalBackend:
         out = []
         dirs = set()
         for f in files:
-            dst = self.root / prefix / f.rel
+            dst = self.refuse_links(f"{prefix}/{f.rel}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = _temp_name(dst)
             h = hashlib.sha256()

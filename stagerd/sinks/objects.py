@@ -10,6 +10,7 @@ import builtins
 import json
 import logging
 import os
+import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from typing import Protocol, runtime_checkable
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.manifest import ExportManifest
-from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import MarkerError, SinkConflictError, SinkError, SymlinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
@@ -303,6 +304,10 @@ def verify_listing(
 
 
 MAX_LATEST_BYTES = 1024  # what is read of `latest`: a step name, or a sign that the object is not ours
+# What is read of a step's manifest and of a claim: anyone may put an object of any size at those keys,
+# and a publish read each whole (a FIFO on file:// held it for good)
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_CLAIM_BYTES = 128 << 10
 
 
 def _latest_step(current: bytes) -> int | None:
@@ -340,6 +345,8 @@ def manifest_bytes(manifest: ExportManifest) -> bytes:
 
 
 def parse_manifest(data: bytes, where: str) -> ExportManifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SinkConflictError(f"remote manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=where)
     try:
         return ExportManifest.from_json(json.loads(data), path=where)
     except RecursionError:
@@ -348,3 +355,22 @@ def parse_manifest(data: bytes, where: str) -> ExportManifest:
         raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
     except MarkerError as e:
         raise SinkConflictError(f"remote manifest is malformed: {e.message}", path=where) from None
+
+
+def refuse_links(root: Path, key: str) -> Path:
+    """`root/key`, or a SymlinkError where a directory on the way to it below a file:// sink's root is a
+    link: a step, `raw/` or `claims/` linked out of the sink would have files written, replaced, swept and
+    deleted wherever the link points (the sink's own root may be a link: the operator named it)."""
+    at = root
+    for part in Path(key).parts[:-1]:
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except (FileNotFoundError, NotADirectoryError):
+            break  # made below here by mkdir (real directories), or the write fails as it would have
+        if stat.S_ISLNK(st.st_mode):
+            raise SymlinkError(
+                f"is a link (to {os.readlink(at)!r}): stagerd writes and deletes only inside the sink",
+                path=at,
+            )
+    return root / key

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagerd.contract import layout
-from stagerd.errors import SinkError
+from stagerd.errors import SinkError, SymlinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks import claims
 from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, node_parts
@@ -289,6 +289,10 @@ def _delete(
             store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
     except OSError as e:
         raise SinkError(f"cannot delete: {type(e).__name__}: {e}", path=store.where(prefix)) from None
+    except SymlinkError as e:  # a step linked out of a file:// sink: never deleted through; the others go on
+        d.delete, d.reason = False, str(e)
+        log.warning("%s step %d on %s left: %s", tree.name, d.step, store.url, e, extra={"step": d.step})
+        return
     if not done:
         d.delete, d.reason = False, "another prune or a publisher held it meanwhile: left to it"
         return

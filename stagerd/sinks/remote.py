@@ -24,15 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
+from stagerd.contract.regular_file import open_regular, read_regular
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.objects import CLOCK_NAME, MAX_LATEST_BYTES, StoredObject, probe_clock, redact_url
+from stagerd.sinks.objects import (
+    CLOCK_NAME,
+    MAX_LATEST_BYTES,
+    MAX_MANIFEST_BYTES,
+    StoredObject,
+    probe_clock,
+    redact_url,
+    refuse_links,
+)
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
-
-MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclass
@@ -80,7 +87,9 @@ class RemoteStore:
         return f"{self.url.rstrip('/')}/{key}"
 
     def _local(self, key: str) -> Path:
-        return Path(self.path(key))
+        """A file:// key's path, never through a link below the sink's root (SymlinkError)."""
+        base = Path(self.path(""))
+        return refuse_links(base, key) if key else base
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -95,8 +104,10 @@ class RemoteStore:
         if self.s3 is not None:
             head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
             return head
-        try:
-            data: bytes = self.fs.cat_file(self.path(key), start=0, end=n)
+        try:  # file://: never a FIFO's wait (a claim read by a prune), never more than `n` in memory
+            data: bytes = (
+                read_regular(self._local(key), n) if self.local else self.fs.cat_file(self.path(key), 0, n)
+            )
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -109,8 +120,8 @@ class RemoteStore:
         A sink shared with other tools may hold their `latest` there: a large or empty file, or on file:// a
         directory or a link to one (a common name for the newest checkpoint). It names no step (b"" for
         a directory), so it protects none and is never touched; failing on it would stop retention."""
-        if self.local and os.path.isdir(self._local(key)):
-            return b""
+        if self.local and os.path.exists(self._local(key)) and not os.path.isfile(self._local(key)):
+            return b""  # a directory, or a FIFO that would fail the read
         return self._head(key, MAX_LATEST_BYTES + 1)
 
     def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
@@ -122,7 +133,7 @@ class RemoteStore:
 
                 return s3_store.objects(self.s3, prefix, start)
             if self.local:
-                return _local_objects(self._local(prefix) if prefix else Path(self.path("")), start)
+                return _local_objects(self._local(f"{prefix}/-").parent if prefix else self._local(""), start)
             found = self._fsspec_objects(prefix)
             return {rel: o for rel, o in found.items() if rel.startswith(start)}
         except SinkError:
@@ -156,8 +167,9 @@ class RemoteStore:
             return s3_store.read_tagged(self.s3, key)
         if self.local:
             try:
-                with open(self._local(key), "rb") as f:
-                    return f.read(MAX_MANIFEST_BYTES), _tag(os.fstat(f.fileno()))
+                with open_regular(self._local(key)) as f:  # a FIFO's wait held a prune for good
+                    st = os.fstat(f.fileno())
+                    return f.read(min(st.st_size, MAX_MANIFEST_BYTES)), _tag(st)
             except FileNotFoundError:
                 return None
         data = self.read(key)
@@ -261,7 +273,7 @@ class RemoteStore:
         directory someone writes into again is not empty and stays). Object stores have none."""
         if not self.local:
             return
-        top = self._local(prefix)
+        top = self._local(f"{prefix}/-").parent  # the prefix itself too: never rmdir through a link
         for dirpath, _dirs, _names in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
             with contextlib.suppress(OSError):
                 os.rmdir(dirpath)

@@ -23,10 +23,15 @@ def temp_name(path: Path, host: str = HOST) -> Path:
     return path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{threading.get_ident()}")
 
 
+_PID_MAX = 2**22  # Linux's largest pid_max
+
+
 def pid_alive(pid: int) -> bool:
     """Whether `pid` is a live process on this host (ours counts as alive)."""
     if pid == os.getpid():
         return True
+    if not 0 < pid <= _PID_MAX:
+        return False  # no process has it (os.kill would overflow past a C int)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -134,7 +134,7 @@ def _local(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
         raise _refuse(
             text,
             "names a host or relative path after file://; a local sink is file:///ABSOLUTE/PATH",
-            f"file://{os.path.abspath(parts.netloc + parts.path)}",
+            _local_guess(parts.netloc + parts.path),
         )
     if parts.query:
         raise _refuse(text, "has a ?query, which a local directory cannot take", f"file://{parts.path}")
@@ -149,6 +149,15 @@ def _local(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
             os.path.normpath(urllib.parse.unquote(parts.path)),
         )
     return SinkUrl(text, SinkKind.LOCAL, "file", "", _checked_local_path(text, parts.path))
+
+
+def _local_guess(path: str) -> str:
+    """`file://tmp/run` is most often `/tmp/run` with a slash lost; a relative path only when no top-level
+    directory of that name exists."""
+    top = path.split("/", 1)[0]
+    if os.path.isdir(os.path.join("/", top)):
+        return f"file:///{path}"
+    return f"file://{os.path.abspath(path)}"
 
 
 def _checked_local_path(text: str, path: str) -> str:

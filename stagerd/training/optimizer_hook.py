@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from stagerd.errors import ConfigError
+
 
 class Attachable(Protocol):
     _closed: bool
@@ -37,6 +39,21 @@ def tensors_in(states: Iterable[Any]) -> list[torch.Tensor]:
 def hooked(handle: RemovableHandle) -> bool:
     """Whether the wait hook `handle` is still registered (not removed since)."""
     return handle.id in (handle.hooks_dict_ref() or {})
+
+
+def hookable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose step runs its hooks: Accelerate's `AcceleratedOptimizer` (what
+    `accelerator.prepare` returns) is an Optimizer made without `Optimizer.__init__`, so its step runs
+    none, and the torch optimizer it wraps (`.optimizer`) steps only when the gradients are synced."""
+    inner: Any = optimizer
+    while not hasattr(inner, "_optimizer_step_pre_hooks"):
+        inner = getattr(inner, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigError(
+                f"cannot attach a {type(optimizer).__name__}: its step runs no optimizer hooks",
+                hint="attach the torch optimizer it wraps, or call stager.wait_staged() before each step",
+            )
+    return inner
 
 
 def install(stager: Attachable, optimizer: torch.optim.Optimizer) -> tuple[RemovableHandle, RemovableHandle]:

@@ -308,10 +308,11 @@ class Stager:
         The step is the one place the parameters and the optimizer state change, so a save's host copy
         runs under the forward and backward that follow it; a step given a closure (Lightning runs
         forward and backward in it) waits after the closure. Attach every optimizer whose state or
-        parameters are saved, the innermost torch optimizer where a trainer wraps it; attaching one twice
-        does nothing more. Returns the wait hook's handle (`.remove()`); `close()` removes it too
-        (`optimizer_hook`).
+        parameters are saved (of Accelerate's prepared optimizer, the torch optimizer inside it, whose
+        step runs its hooks); attaching one twice does nothing more. Returns the wait hook's handle
+        (`.remove()`); `close()` removes it too (`optimizer_hook`).
         """
+        optimizer = optimizer_hook.hookable(optimizer)
         held = self._attached.get(optimizer)
         if held is not None and optimizer_hook.hooked(held):
             return held

@@ -60,6 +60,20 @@ def test_selection_takes_the_model_and_names_it():
         select_keys(PRESETS["hf-trainer"], ["optimizer.state.x"])
 
 
+def test_a_selection_of_nothing_hints_at_a_regex_that_works():
+    """A LightningModule holding its model as `self.net`: the hint's own example selects it."""
+    keys = ["state_dict.net.layer.weight", "state_dict.net.layer.bias", "optimizer_states.0.state"]
+    with pytest.raises(AdoptError, match="selects no tensor") as e:
+        select_keys(PRESETS["hf-trainer"], keys)
+    example = e.value.hint.split("e.g. '", 1)[1].split("'", 1)[0]
+    assert select_keys(PRESETS["hf-trainer"], keys, example) == {
+        "layer.weight": "state_dict.net.layer.weight",
+        "layer.bias": "state_dict.net.layer.bias",
+    }
+    with pytest.raises(AdoptError, match=r"--adopt-select .*nope.* selects no tensor"):
+        select_keys(PRESETS["hf-trainer"], keys, r"nope\.(.+)")
+
+
 def test_a_tied_head_is_left_out_as_save_pretrained_does():
     shapes = {"model.model.embed_tokens.weight": (8, 4), "model.lm_head.weight": (8, 4)}
     keys, plan = resolve_selection(PRESETS["hf-trainer"], shapes, config={"tie_word_embeddings": True})

@@ -63,6 +63,7 @@ def test_env_accepts_a_json_list_and_port_off(monkeypatch):
         ({"exchange": "file://relative/x"}, "relative path"),  # was taken, under the daemon's cwd
         ({"exchange": "hf://org/repo"}, "not the Hub"),
         ({"exchange": "s3://b/run*"}, "glob"),
+        ({"adopt": "auto", "delete_adopted": True}, "delete_adopted needs keep_last"),  # deleted nothing
     ],
 )
 def test_bad_values_are_config_errors(flags, match):
@@ -89,3 +90,14 @@ def test_every_setting_is_documented():
     for name, env, _default, description in rows:
         assert env == f"STAGERD_{name.upper()}"
         assert len(description) > 15, name
+
+
+def test_a_misspelt_variable_is_named_not_ignored_in_silence(monkeypatch, caplog):
+    monkeypatch.setenv("STAGERD_SINK", "file:///srv/a")  # STAGERD_SINKS meant: it would publish nowhere
+    monkeypatch.setenv("STAGERD_TEST_PAUSE_AT", "export")  # a test hook, not a setting: no warning
+    with caplog.at_level("WARNING", logger="stagerd"):
+        s = load_settings()
+    assert s.sinks == []
+    warned = [r.getMessage() for r in caplog.records]
+    assert "STAGERD_SINK is not a stagerd setting and is ignored (did you mean STAGERD_SINKS?)" in warned
+    assert not any("STAGERD_TEST_PAUSE_AT" in w for w in warned)

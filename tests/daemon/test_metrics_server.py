@@ -65,3 +65,38 @@ def test_the_fleet_wait_gauge_holds_the_steps_waiting_now_not_every_step_ever():
     m.fleet_waiting.labels(step="1001").set(0)  # over before it waited: nothing to remove
     lines = [ln for ln in generate_latest(m.registry).decode().splitlines() if ln.startswith("stagerd_fleet")]
     assert lines == ['stagerd_fleet_waiting_nodes{step="1000"} 1.0']
+
+
+@pytest.mark.parametrize("where", ["port", "host"])
+def test_a_metrics_address_that_cannot_be_served_stops_watch_before_anything_is_written(tmp_path, where):
+    """A second daemon on another ROOT, its metrics port taken by the first (or its host unresolvable):
+    the ConfigError came only after the journal was made and every sink's lane recorded, and after the
+    start-up's recovery and prunes had run."""
+    from stagerd.daemon.journal.schema import journal_path
+    from tests.cli_helpers import run_cli
+
+    root = tmp_path / "root"
+    root.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        host = "127.0.0.1" if where == "port" else "no-such-host.invalid"
+        r = run_cli(
+            [
+                "watch",
+                root,
+                "--once",
+                "--sink",
+                (tmp_path / "sink").as_uri(),
+                "--metrics-host",
+                host,
+                "--metrics-port",
+                str(port),
+            ]
+        )
+    assert r.returncode == 2, r.stderr
+    assert "cannot serve metrics" in r.stderr, r.stderr
+    assert ("--metrics-host" in r.stderr) == (where == "host"), r.stderr
+    assert not journal_path(root).exists()
+    assert not (tmp_path / "sink").exists()

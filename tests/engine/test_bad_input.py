@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 from pathlib import Path
@@ -139,6 +140,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(args)
 
 
+def _memory_cap() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
 @pytest.mark.parametrize(("damage", "error", "words"), CASES[:4], ids=[c[0].__name__ for c in CASES[:4]])
 def test_cli_prints_one_line_and_leaves_no_output(step_dir, tmp_path, damage, error, words):
     damage(step_dir)
@@ -166,6 +173,26 @@ def test_raw_shard_dir_with_a_gap_is_a_missing_shard(dcp_mixed, tmp_path):
     sorted((tmp_path / "model").glob("shard-00002-*"))[0].unlink()
     r = _cli("consolidate", str(tmp_path / "model"), str(tmp_path / "out"))
     assert r.returncode != 0 and "ShardError" in r.stderr and "[2]" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "number, words",
+    [("99999999999999", "[1, 2, 3, 4, 5] are missing"), ("00000", "number 0"), ("\u0661", "unexpected file")],
+)
+def test_a_shard_number_that_no_rank_writes_is_refused_at_once(tmp_path, number, words):
+    """Before: the gap check built a set of every number up to the largest, so one file named
+    shard-99999999999999-... held `consolidate` for good growing toward 10^14 ints; shard 0 (DCP numbers
+    from 1) and other scripts' digits (`\\d` matched U+0661) were taken as ranks."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src = tmp_path / "src"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (1,), 0, 4)}, {"DCP_SHARDING_INFO": info, "format": "pt"})
+    (src / f"shard-{number}-model-00001-of-00001.safetensors").write_bytes(head + bytes(4))
+    r = run_cli(["consolidate", src, tmp_path / "out"], preexec=_memory_cap)  # MemoryError, not a swap storm
+    assert r.returncode == 2 and "ShardError" in r.stderr and words in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -217,3 +244,44 @@ def test_an_empty_tensor_whose_blocks_add_up_past_64_bits_is_refused(tmp_path):
         consolidate_into(src, out)
     assert not e.value.retryable and "\n" not in str(e.value)
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("fname", ["a\x00b", "", "..", ".hidden", "sub/x.safetensors"])
+def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, fname):
+    """Before: a NUL in the index's file name reached os.open as a raw ValueError (a traceback, exit 1)."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
+    (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
+    assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    index = json.loads((out / layout.INDEX_NAME).read_text())
+    index["weight_map"]["w"] = fname
+    (out / layout.INDEX_NAME).write_text(json.dumps(index))
+    r = _cli("verify", str(out))
+    assert r.returncode == 2 and "VerifyError" in r.stderr and "unsafe file name" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("index", ["fifo", "huge"])
+def test_verify_of_an_index_that_is_a_fifo_or_huge_is_a_verify_error_at_once(tmp_path, index):
+    """Before: verify of an export whose index was a FIFO waited for a writer for good, and one whose index
+    was a sparse 1 TiB file read it whole (MemoryError)."""
+    from stagerd.contract.safetensors_format import encode_header
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    info = json.dumps({"w": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}})
+    head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
+    (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
+    assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    (out / layout.INDEX_NAME).unlink()
+    if index == "fifo":
+        os.mkfifo(out / layout.INDEX_NAME)
+    else:
+        with open(out / layout.INDEX_NAME, "wb") as f:
+            f.truncate(1 << 40)
+    r = run_cli(["verify", out], timeout=60, preexec=_memory_cap)
+    assert r.returncode == 2 and "VerifyError" in r.stderr, r.stderr
+    assert ("not a regular file" if index == "fifo" else "larger than 64 MiB") in r.stderr

@@ -1,6 +1,6 @@
 """DoRA, LoRA biases and plain LoRA on GPT-2's Conv1D and embeddings, saved through the Stager with
 `model=` and exported: the main export is `save_pretrained` of `merge_and_unload()` (its keys, index,
-layout, every tensor bit for bit but DoRA's, to float rounding), which `from_pretrained` loads;
+layout, every tensor bit for bit, DoRA's too), which `from_pretrained` loads;
 `adapter/` is what `PeftModel.save_pretrained` writes, which `PeftModel.from_pretrained` loads bit for
 bit. Before, the main export kept PEFT's in-memory names (`...q_proj.base_layer.weight`,
 `lora_magnitude_vector`) with a warning, so `from_pretrained` loaded a model without the trained
@@ -24,9 +24,6 @@ peft = pytest.importorskip("peft")
 tf = pytest.importorskip("transformers")
 
 SHARD = 6000  # a few tensors per file: the index and each file's place are save_pretrained's
-# DoRA's norm is summed in float64, not in torch's order: F32 within 4 float32 ulps of the largest value;
-# BF16 within one bf16 ulp of each value (a rounding boundary crossed). Every other merge is bit for bit.
-_ULPS = {"F32": 4, "BF16": 1}
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
 # (base dtype, PEFT's autocast of the adapter to float32): the merge's promotions and roundings differ
 DTYPES = {"f32": (torch.float32, True), "bf16_base": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
@@ -36,7 +33,7 @@ def _model(dtype: str, **lora_kw) -> torch.nn.Module:
     config = tf.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
-        intermediate_size=48,
+        intermediate_size=52,  # down_proj's rows end in a tail after torch's last whole vector (8 or 16)
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -77,9 +74,8 @@ def _saved_and_exported(model, tmp: Path, block_bytes: int | None = None) -> tup
         return export_step(step, max_shard_size=SHARD).export_dir, step
 
 
-def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, dora: bool = False) -> float:
-    """Every claim for one model; the largest distance in ulps of a merged tensor from PEFT's, which is 0
-    (bit for bit) unless the model is a `dora` one."""
+def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...]) -> None:
+    """Every claim for one model: each merged tensor bit for bit as PEFT's."""
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(tmp / "ref", max_shard_size=SHARD)
     assert (export / layout.INDEX_NAME).read_bytes() == (tmp / "ref" / layout.INDEX_NAME).read_bytes()
@@ -87,14 +83,9 @@ def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, 
     assert sorted(got) == sorted(want)
     names = [k for k in want if k.endswith(merged_suffixes)]
     assert names
-    worst = 0.0
     for name, entry in want.items():
         assert got[name][:2] == entry[:2], name
-        if name not in names:
-            assert got[name][2] == entry[2], f"{name}: bytes differ"
-            continue
-        worst = max(worst, d := ulps(got[name], entry))
-        assert d <= _ULPS[entry[0]] if dora else got[name][2] == entry[2], (name, d)
+        assert got[name][2] == entry[2], (f"{name}: bytes differ", name in names and ulps(got[name], entry))
     for f in sorted((tmp / "ref").glob("*.safetensors")):  # each tensor in save_pretrained's file and place
         n = 8 + int.from_bytes(f.read_bytes()[:8], "little")
         assert (export / f.name).read_bytes()[:n] == f.read_bytes()[:n], f.name
@@ -106,7 +97,6 @@ def _check(model, export: Path, tmp: Path, merged_suffixes: tuple[str, ...], *, 
         torch.testing.assert_close(logits, merged(IDS).logits.float(), rtol=tol, atol=tol)
         torch.testing.assert_close(logits, model(IDS).logits.float(), rtol=tol, atol=tol)
     _check_adapter(model, export / "adapter", tmp / "adapter_ref")
-    return worst
 
 
 def _check_adapter(model, adapter: Path, ref: Path) -> None:
@@ -131,8 +121,7 @@ def test_a_dora_model_exports_as_merge_and_unload_writes_it(tmp_path, dtype):
     model = _model(dtype, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)
     assert any("lora_magnitude_vector" in k for k in model.state_dict())
     export, _ = _saved_and_exported(model, tmp_path, block_bytes=200)  # several row blocks per weight
-    worst = _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "down_proj.weight"), dora=True)
-    print(f"DoRA {dtype}: {worst:.2f} ulps")
+    _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "down_proj.weight"))
 
 
 def _gpt2(dtype: str, **lora_kw) -> torch.nn.Module:
@@ -153,13 +142,13 @@ def _gpt2(dtype: str, **lora_kw) -> torch.nn.Module:
     return _trained(model)
 
 
-def test_a_dora_embedding_and_fan_in_fan_out_layer_are_merged(tmp_path):
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_a_dora_embedding_and_fan_in_fan_out_layer_are_merged(tmp_path, dtype):
     """Each output of GPT-2's Conv1D and embeddings is a column of the weight, whose norm is summed over
     every row block before any row is written."""
-    model = _gpt2("f32", use_dora=True)
+    model = _gpt2(dtype, use_dora=True)
     export, _ = _saved_and_exported(model, tmp_path, block_bytes=200)
-    worst = _check(model, export, tmp_path, ("c_attn.weight", "wte.weight"), dora=True)
-    print(f"DoRA GPT-2: {worst:.2f} ulps")
+    _check(model, export, tmp_path, ("c_attn.weight", "wte.weight"))
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -176,8 +165,7 @@ def test_lora_biases_are_merged_into_the_base_bias(tmp_path, dtype):
     model = _model(dtype, target_modules=["q_proj", "v_proj"], lora_bias=True)
     assert any(".lora_B.default.bias" in k for k in model.state_dict())
     export, _ = _saved_and_exported(model, tmp_path)
-    worst = _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "q_proj.bias", "v_proj.bias"))
-    print(f"LoRA bias {dtype}: {worst:.2f} ulps")
+    _check(model, export, tmp_path, ("q_proj.weight", "v_proj.weight", "q_proj.bias", "v_proj.bias"))
 
 
 def test_verify_recomputes_dora_and_bias_merges_and_names_a_flipped_byte(tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -270,13 +272,13 @@ def test_a_claim_naming_the_step_directorys_inode_is_still_its_publishers(tmp_pa
     assert not FsspecSink.from_url(sink.as_uri()).publish(mine, 5).skipped
 
 
-@pytest.mark.parametrize("store", ["s3", "s3-empty", "file-large", "file-dir", "file-link"])
+@pytest.mark.parametrize("store", ["s3", "s3-empty", "file-large", "file-dir", "file-link", "file-fifo"])
 def test_retention_goes_on_beside_another_tools_latest(request, tmp_path, store, caplog):
     """`--remote-keep-last` at a sink that holds another tool's `latest`: a file over 1 KiB, an empty one
     (S3), a directory, or (a common convention) a link to the tool's newest checkpoint directory. Before the
     fix, prune raised `RestoreError` ("larger than 1024 bytes") or `SinkError` (`IsADirectoryError`; S3's
     416 to a ranged read of an empty object) on every run, so retention never deleted a step; on file://
-    every publish failed after its manifest, for ever."""
+    every publish failed after its manifest, for ever. A FIFO named `latest` held each publish for good."""
     foreign = b"" if store == "s3-empty" else b"build 2026-11-26\n" * 100
     sink_dir = tmp_path / "sink"
     sink_dir.mkdir()
@@ -288,6 +290,8 @@ def test_retention_goes_on_beside_another_tools_latest(request, tmp_path, store,
         url = sink_dir.as_uri()
         if store == "file-large":
             (sink_dir / "latest").write_bytes(foreign)
+        elif store == "file-fifo":
+            os.mkfifo(sink_dir / "latest")
         else:
             (sink_dir / "ckpt-9").mkdir()
             (sink_dir / "ckpt-9" / "model.bin").write_bytes(foreign)
@@ -313,6 +317,8 @@ def test_retention_goes_on_beside_another_tools_latest(request, tmp_path, store,
         assert env.get("shared/latest") == foreign
     elif store == "file-large":
         assert (sink_dir / "latest").read_bytes() == foreign
+    elif store == "file-fifo":
+        assert stat.S_ISFIFO(os.lstat(sink_dir / "latest").st_mode)
     else:
         assert (sink_dir / "latest" / "model.bin").read_bytes() == foreign
         assert (sink_dir / "latest").is_symlink() == (store == "file-link")

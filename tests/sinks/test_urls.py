@@ -24,6 +24,7 @@ REFUSED = [
     ("s3:/bucket/run", "s3://bucket/run"),
     ("hf:/org/repo", "hf://org/repo"),
     ("file://relative/dir", "file://{cwd}/relative/dir"),
+    ("file://tmp/run", "file:///tmp/run"),  # a slash lost, not a path under the working directory
     ("file:relative", "file://{cwd}/relative"),
     ("file://", "file:///ABSOLUTE/PATH"),
     ("file:///", None),

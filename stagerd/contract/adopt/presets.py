@@ -217,12 +217,27 @@ AUTOMODEL_DCP = Preset(
     detect_name=r"epoch_[0-9]+_step_[0-9]+",
     description="NeMo AutoModel, model_save_format: torch_save: epoch_E_step_S/model (DCP)",
 )
+# AutoModel training a PEFT model (`is_peft`) saves the adapter alone, as PEFT's `save_pretrained` names it,
+# in `model/` beside its adapter_config.json and the tokenizer, with no `.hf_metadata/`; `.incomplete` goes
+# last, as for its other saves.
+AUTOMODEL_ADAPTER = replace(
+    HF_TRAINER_ADAPTER,
+    name="automodel",
+    model_dir="model",
+    complete=(),
+    jsons=(),
+    incomplete=".incomplete",
+    detect_paths=(f"model/{ADAPTER_WEIGHTS}",),
+    detect_name=r"epoch_[0-9]+_step_[0-9]+",
+    extras_dirs=("model",),
+    description="NeMo AutoModel with PEFT: epoch_E_step_S/model/adapter_model.safetensors",
+)
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
     "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
-    "automodel": (PRESETS["automodel"], AUTOMODEL_DCP),
+    "automodel": (PRESETS["automodel"], AUTOMODEL_DCP, AUTOMODEL_ADAPTER),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
@@ -307,8 +322,11 @@ def select_keys(preset: Preset, keys: list[str], select: str | None = None) -> d
             chosen[name] = key
         if chosen:
             return chosen
+    what = f"--adopt-select {select!r}" if select is not None else f"preset {preset.name}"
     raise AdoptError(
-        f"preset {preset.name} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})"
+        f"{what} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})",
+        hint="name the model's keys with --adopt-select REGEX, the model's tensor name its group 1 or "
+        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net",
     )
 
 

@@ -1,8 +1,9 @@
 """The step number of a trainer's checkpoint directory, from its name.
 
 The names trainers write (each matched whole): torchtitan `step-N`, `step_N`, the HF Trainer's
-`checkpoint-N`, DeepSpeed's `global_step_N` (and `global_stepN`), NeMo AutoModel's `epoch_E_step_S`,
-Lightning's `epoch=E-step=S` (with its `-v1` style suffixes and an optional `.ckpt`). An operator's regex
+`checkpoint-N`, Accelerate's `checkpoint_I` (`automatic_checkpoint_naming`: I counts its saves),
+DeepSpeed's `global_step_N` (and `global_stepN`), NeMo AutoModel's `epoch_E_step_S`, Lightning's
+`epoch=E-step=S` (with its `-v1` style suffixes and an optional `.ckpt`). An operator's regex
 (`--adopt-step`) is tried first: its group named `step`, else its first group.
 """
 
@@ -17,6 +18,7 @@ BUILTIN_STEP_NAMES = (
     r"step-(?P<step>[0-9]+)",
     r"step_(?P<step>[0-9]+)",
     r"checkpoint-(?P<step>[0-9]+)",
+    r"checkpoint_(?P<step>[0-9]+)",
     r"global_step_?(?P<step>[0-9]+)",
     r"epoch_[0-9]+_step_(?P<step>[0-9]+)",
     r"epoch=[0-9]+-step=(?P<step>[0-9]+)(?:-[^/]*)?(?:\.ckpt)?",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from stagerd.contract import layout
+from stagerd.contract.json_fields import loads
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import (
     FleetWaitError,
@@ -170,7 +171,7 @@ class StepExchange:
 
     def _parse(self, key: str, data: bytes) -> dict[str, Any]:
         try:
-            d = json.loads(data)
+            d = loads(data)
         except ValueError:
             d = None
         if not isinstance(d, dict):
@@ -216,7 +217,7 @@ class StepExchange:
 
     def _report(self, node: int) -> tuple[str, int] | None:
         try:
-            d = json.loads(self.store.read(self.progress_key(node), limit=MAX_PROGRESS_BYTES) or b"null")
+            d = loads(self.store.read(self.progress_key(node), limit=MAX_PROGRESS_BYTES) or b"null")
         except (StagerdError, ValueError):
             return None  # gone since the listing, or not a report: nothing to show
         if not isinstance(d, dict) or not isinstance(d.get("doing"), str) or type(d.get("bytes")) is not int:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.json_fields import loads
 from stagerd.daemon.fleet.exchange import Progress, StepExchange
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkError
@@ -51,7 +52,7 @@ def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) ->
     if old is None:
         return False
     try:
-        named = json.loads(old).get("sink") or url  # an older stagerd's names none
+        named = loads(old).get("sink") or url  # an older stagerd's names none
     except (ValueError, AttributeError):
         named = url
     return bool(sink_id(str(named)) == sink_id(url))

@@ -35,7 +35,6 @@ sink's lane still reads the raw parts.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import parse_export_dtype
+from stagerd.contract.json_fields import loads
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
@@ -320,7 +320,11 @@ class FleetNode:
         parts = []
         for k, name in enumerate(seen()):
             key = f"{raw}/{name}/{layout.MARKER_NAME}"
-            m = layout.CommitMarker.from_json(json.loads(self.store.read(key) or b"{}"), path=key)
+            try:
+                part = loads(self.store.read(key) or b"{}")
+            except ValueError as e:  # another node's marker on a shared store: torn or not a marker
+                raise MarkerError(f"node part {name}'s commit marker is not JSON: {e}", path=key) from None
+            m = layout.CommitMarker.from_json(part, path=key)
             if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
                 raise MarkerError(
                     f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key

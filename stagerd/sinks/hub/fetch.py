@@ -26,7 +26,7 @@ from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 
 _CHUNK = 8 << 20
-_STEP_REF = re.compile(r"(?:^|/)step-(\d+)$")
+_STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
@@ -72,7 +72,14 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
             if hasattr(e, "size")
         ]
-    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+    except RevisionNotFoundError:
+        # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
+        raise RestoreError(
+            f"the repo has no revision {revision}: that step was never published to it",
+            path=where,
+            hint="check the step number (each published step is a tag step-N); nothing was written",
+        ) from None
+    except RepositoryNotFoundError as e:
         hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
         raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
     except HfHubHTTPError as e:

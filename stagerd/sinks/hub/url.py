@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from stagerd.contract.layout import MAX_STEP
 from stagerd.errors import (
     ConfigError,
 )
@@ -30,7 +31,9 @@ _GIT_OID_MAX = 10 * 1024 * 1024
 _FORBIDDEN_DIRS = {".git", ".cache", ".huggingface"}
 _HASH_CHUNK = 8 << 20
 # `stagerd: step N` on the default revision; `stagerd: step N on REVISION` elsewhere (a ref has no spaces)
-_STEP_TITLE = re.compile(r"^stagerd: step (\d+)(?: on (\S+))?$")
+# ASCII digits as `commit_message` writes them: `\d` took U+0661 for 1, and 5,000 digits were a raw
+# ValueError out of int() (a commit title is anyone's with write access to the repo)
+_STEP_TITLE = re.compile(r"stagerd: step (0|[1-9][0-9]{0,18})(?: on (\S+))?")
 DEFAULT_REVISION = "main"
 _HISTORY_PAGE = 50  # commits per request while looking for a step's commit
 _HISTORY_CAP = 1000  # commits read at most per branch and publish
@@ -69,8 +72,10 @@ def step_branch(step: int, revision: str | None = None) -> str:
 
 def title_step(title: str) -> tuple[int, str | None] | None:
     """(step, scope) of a commit title stagerd wrote, or None."""
-    m = _STEP_TITLE.match(title)
-    return None if m is None else (int(m.group(1)), m.group(2))
+    m = _STEP_TITLE.fullmatch(title)
+    if m is None or int(m.group(1)) > MAX_STEP:
+        return None
+    return int(m.group(1)), m.group(2)
 
 
 # --- the URL ------------------------------------------------------------------------------------------

@@ -7,9 +7,19 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from stagerd.sinks.objects import ByteProgress, Claiming, LocalFile, RemoteObject, StepOpening
+from stagerd.sinks.objects import (
+    MAX_CLAIM_BYTES,
+    MAX_MANIFEST_BYTES,
+    ByteProgress,
+    Claiming,
+    LocalFile,
+    RemoteObject,
+    StepOpening,
+)
 from stagerd.sinks.s3.conditions import Conditions, Support
 from stagerd.sinks.s3.upload import S3Api, one_put, put_new_files
+
+_MANIFEST, _CLAIM = MAX_MANIFEST_BYTES + 1, MAX_CLAIM_BYTES + 1  # one past each limit: the readers refuse it
 
 
 class OpeningMixin:
@@ -66,12 +76,13 @@ class OpeningMixin:
         async def listed() -> tuple[dict[str, RemoteObject], bytes | None]:
             objects = await self._list(prefix)
             name = manifest_key[len(prefix) + 1 :] if manifest_key.startswith(prefix + "/") else None
-            return objects, await self._get(manifest_key) if name is None or name in objects else None
+            found = name is None or name in objects
+            return objects, await self._get(manifest_key, _MANIFEST) if found else None
 
         async def claiming() -> bytes | None:
             """None: created now; else the claim there (read back only if this backend claimed it before,
             so a retry writes nothing)."""
-            if prefix in self._claimed and claim.owns(held := await self._get(claim.key)):
+            if prefix in self._claimed and claim.owns(held := await self._get(claim.key, _CLAIM)):
                 return held
             return None if await self._create(claim.key, claim.data) else b""
 
@@ -111,7 +122,7 @@ class OpeningMixin:
                 return StepOpening(None, None, created, [], claimed=True)
             ours = held is None or claim.owns(held)
             if not ours:  # a restart of ours, or another publisher: read it, and the manifest again
-                held, (objects, existing) = await asyncio.gather(self._get(claim.key), listed())
+                held, (objects, existing) = await asyncio.gather(self._get(claim.key, _CLAIM), listed())
                 ours = claim.owns(held)
             elif objects is None:
                 objects, existing = await listed()

@@ -54,3 +54,15 @@ def test_plan_and_compare_are_pure():
         "b.json: 4 bytes on the Hub, 3 in the export",
         "extra.bin: not in the export",
     ]
+
+
+def test_only_titles_stagerd_writes_name_a_step():
+    """Before: U+0661 read as step 1, and 5,000 digits raised ValueError out of the history's read."""
+    from stagerd.contract.layout import MAX_STEP
+    from stagerd.sinks.hub.url import commit_message, title_step
+
+    assert title_step(commit_message(7)) == (7, None)
+    assert title_step(commit_message(MAX_STEP, "dev")) == (MAX_STEP, "dev")
+    for title in ["stagerd: step \u0661", "stagerd: step " + "9" * 5000, f"stagerd: step {MAX_STEP + 1}"]:
+        assert title_step(title) is None
+    assert title_step("stagerd: step 7\n") is None and title_step("stagerd: step 07") is None

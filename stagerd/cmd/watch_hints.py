@@ -1,0 +1,88 @@
+"""What `stagerd watch` says at its start and end about a ROOT that will not make progress by itself:
+quarantined steps that only `stagerd retry` re-arms, and a trainer's own checkpoints without --adopt."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("stagerd")
+
+
+def retry_hint(root: Path) -> str:
+    return (
+        "a quarantined step is never tried again by itself, not even by a new `stagerd watch`: fix its "
+        f"cause (`stagerd status {root}` shows it), then `stagerd retry {root}`"
+    )
+
+
+def quarantined_steps(root: Path) -> list[int]:
+    """The steps ROOT's journal holds quarantined, the step or one of its lanes; none without a journal."""
+    from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
+    from stagerd.errors import JournalError
+
+    if not journal_path(root).is_file():
+        return []
+    try:
+        journal = Journal.open_readonly(root)
+    except JournalError:
+        return []
+    try:
+        steps = {s.step for s in journal.steps(include_retired=False) if s.state == QUARANTINED}
+        steps |= {ln.step for ln in journal.lanes(include_retired=False) if ln.state == QUARANTINED}
+    finally:
+        journal.close()
+    return sorted(steps)
+
+
+def warn_quarantined(root: Path) -> None:
+    """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
+    they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck."""
+    from stagerd.daemon.lock import running_holder
+
+    if running_holder(root) is not None:
+        return  # the daemon start is refused with LockError; this one reads nothing
+    steps = quarantined_steps(root)
+    if steps:
+        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+        log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
+
+
+_TRAINER_FILES = (".metadata", "trainer_state.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def warn_unadopted(root: Path) -> None:
+    """Checkpoints a trainer saved itself, and no step saved through stagerd.Stager: without --adopt the
+    daemon waits for Stager steps that never come, and a --once run reports "0 step(s)" as a success."""
+    from stagerd.contract import layout
+
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return
+    if any(layout.parse_step_dir(n) is not None for n in names):
+        return
+    found = []
+    for n in names:
+        d = root / n
+        if n.startswith(".") or not d.is_dir():
+            continue
+        inner = [d, *(c for c in _subdirs(d))]
+        if any((c / f).is_file() for c in inner for f in _TRAINER_FILES):
+            found.append(n)
+    if found:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        log.warning(
+            "%s holds checkpoints a trainer saved itself (%s) and no step saved through stagerd.Stager: "
+            "they are exported only with --adopt (see `stagerd watch --help`)",
+            root,
+            shown,
+        )
+
+
+def _subdirs(d: Path) -> list[Path]:
+    try:
+        return [d / n for n in os.listdir(d) if (d / n).is_dir()]
+    except OSError:
+        return []
