@@ -145,6 +145,8 @@ class FaultProxy:
         query = urllib.parse.parse_qs(query_string, keep_blank_values=True)
         op = classify(method, urllib.parse.unquote(path), query)
         key = urllib.parse.unquote(path).lstrip("/")
+        if op == "ListObjects" and query.get("prefix"):
+            key = f"{key}/{query['prefix'][0]}"  # which listing: a probe's tidy-up lists its scratch keys
         headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
         for k in ("CONTENT_TYPE", "CONTENT_LENGTH"):
             if environ.get(k):
@@ -388,7 +390,7 @@ class S3Env:
 
 def steps_log(env: S3Env) -> list[Request]:
     """The requests the proxy saw, less a backend's probe of its conditional requests (`s3/conditions.py`:
-    seven requests on two scratch keys, from before its first conditional one)."""
+    seven requests on two scratch keys, from before its first conditional one, and its listing of them)."""
     with env.proxy._lock:
         return [r for r in env.proxy.log if "/.stagerd-probe-" not in r.key]
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.step.lock import clear_stale
 from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import (
     COMMITTED,
@@ -217,6 +218,7 @@ class Discovery(JournalGate):
                 if await self._io(layout.export_is_whole, export):
                     continue  # a trainer rotated its checkpoint away: the whole export is still published
             if row.state == PUBLISHED:  # retention moved it to the trash, then the daemon died
+                await self._io(clear_stale, self.root, row.step)  # holding the step's lock: its file stays
                 await self._j(self._journal.retire, row.step, "staged data already removed")
                 self._log_step(row.step, None, RETIRED, note="removed before the last restart")
             else:

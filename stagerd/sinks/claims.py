@@ -52,6 +52,7 @@ from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import RestoreError, StepClaimedError
 from stagerd.sinks.objects import MAX_CLAIM_BYTES
 from stagerd.sinks.remote import RemoteStore
+from stagerd.sinks.temp_names import pid_alive
 
 CLAIMS_DIR = "claims"
 PUBLISH, PRUNE = "publish", "prune"
@@ -287,24 +288,6 @@ def prune_is_dead(claim: Claim, age: float | None) -> bool:
     if claim.host == socket.gethostname() and claim.pid > 0 and not pid_alive(claim.pid):
         return True
     return age is not None and age > PRUNE_STALE_S
-
-
-_PID_MAX = 2**22  # Linux's largest pid_max
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live process on this host (ours counts as alive)."""
-    if pid == os.getpid():
-        return True
-    if not 0 < pid <= _PID_MAX:
-        return False  # no process has it (os.kill would overflow past a C int)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def claimed_error(where: str, data: bytes | None, step: int) -> StepClaimedError:

@@ -8,8 +8,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.regular_file import read_regular
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.claims import pid_alive
+from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
 from stagerd.sinks.objects import (
@@ -34,14 +32,11 @@ from stagerd.sinks.objects import (
     probe_clock,
     refuse_links,
 )
+from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-# A file:// sink may be one directory that many hosts (NFS) write: a temp name says which host's process
-# writes it, `.NAME.tmp-HOST-PID-TID`, HOST with no `-` so the name parses one way. An older stagerd's
-# (and layout.write_bytes_atomic's) `.NAME.tmp-PID[-TID]` says no host.
-HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
-_TEMP_NAME = re.compile(r"\..+\.tmp-(?:(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-\d+|(?P<old>\d+)(?:-\d+)?)")
+_TEMP_NAME = TEMP_NAME  # whose a temp file is: `temp_names.py`
 # A temp file not ours (another host's, or one naming no host) whose writer stopped writing it this long
 # ago by the store's clock: a live writer renames `latest`'s within milliseconds and writes an upload's
 # without pause, so it is a killed one's (or a lost host's), left for good otherwise.
@@ -82,6 +77,12 @@ class LocalBackend:
         for top in {self.root, base.parent}:
             names = os.listdir(top) if top.is_dir() else []
             beside += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
+        # A claim, or a prune's, is written to a temp name in `claims/` too: a killed writer's stays there
+        # after its step is published again or pruned, one more file every kill, unless swept here.
+        if any(layout.parse_step_dir(part) is not None for part in prefix.split("/")):
+            claims_dir = (self.root / claim_key(prefix)).parent
+            names = os.listdir(claims_dir) if claims_dir.is_dir() else []
+            beside += [claims_dir / n for n in names if n.startswith(".step-")]
         now: float | None = None
         for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
             m = _TEMP_NAME.fullmatch(p.name)
@@ -126,6 +127,7 @@ class LocalBackend:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_name(path)
         self._write_fsync(tmp, [memoryview(data)])
+        crash_point("file.create")
         try:
             os.link(tmp, path)
             layout.fsync_dir(path.parent)
@@ -208,13 +210,13 @@ class LocalBackend:
 
 
 def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}-{threading.get_ident()}")
+    return temp_name(path, HOST)
 
 
 def _store_now(root: Path) -> float:
     """The store's time now (`probe_clock`), or this host's where nothing can be written."""
     try:
-        return probe_clock(_temp_name(root / ".stagerd-clock"))
+        return probe_clock(root)
     except OSError:
         return time.time()  # a read-only sink: nothing of ours to sweep there anyway
 

@@ -22,10 +22,13 @@ from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.manifest import ExportManifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, SymlinkError, VerifyError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
+CLOCK_NAME = ".stagerd-clock"  # `probe_clock`'s file, under a temp name
 _SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 
 
@@ -230,11 +233,18 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def probe_clock(probe: Path) -> float:
-    """The store's time now: the mtime of `probe`, written now and removed (on NFS, the server's), so an
-    age on the store never compares two machines' clocks."""
+def probe_clock(directory: Path) -> float:
+    """The store's time now: the mtime of a file written now in `directory` and removed (on NFS, the
+    server's), so an age on the store never compares two machines' clocks. Its name says whose
+    (`temp_names.py`): a prober of this host killed between the two left its file, which goes first."""
+    for name in os.listdir(directory):
+        m = TEMP_NAME.fullmatch(name) if name.startswith(f".{CLOCK_NAME}.tmp-") else None
+        if m is not None and m["host"] == HOST and not pid_alive(int(m["pid"])):
+            (directory / name).unlink(missing_ok=True)
+    probe = temp_name(directory / CLOCK_NAME)
     try:
         probe.write_bytes(b"")
+        crash_point("prune.clock")
         return probe.stat().st_mtime
     finally:
         probe.unlink(missing_ok=True)

@@ -9,8 +9,9 @@ prefix valid for readers at every moment and never a key of a step another proce
   node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
   another prune holds it: not counted); then the manifests (from here the step is absent to every
   reader), then a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a
-  raw step's `fleet/step-N/` records (re-listed under the claims: the step is left if they changed); the
-  claims last, each only while it is still ours. A kill at any
+  raw step's `fleet/step-N/` records (re-listed under the claims: the step is left if they changed); on
+  file:// the step's emptied directories; the claims last, each only while it is still ours (a claim gone
+  before the directories would leave a kill between an empty directory nothing lists again). A kill at any
   point leaves a complete step or one without a manifest under a prune's claim, which the next prune
   takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
 - **Whose** (`Owner`): the claim of every complete step is read (once per version) and judged for the
@@ -213,8 +214,9 @@ def delete_step(
     crash_point("prune.manifest")
     extra = [f"{fleet}/{rel}" for rel in sorted(records or {})]
     store.delete([*(f"{prefix}/{rel}" for rel in sorted(store.objects(prefix))), *extra])
-    ours = _give_back(store, taken, delete=True)
+    crash_point("prune.files")
     store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
+    ours = _give_back(store, taken, delete=True)
     return ours
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,9 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.regular_file import open_regular, read_regular
 from stagerd.errors import ConfigError, RestoreError, SinkError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.objects import (
+    CLOCK_NAME,
     MAX_LATEST_BYTES,
     MAX_MANIFEST_BYTES,
     StoredObject,
@@ -36,6 +36,7 @@ from stagerd.sinks.objects import (
     redact_url,
     refuse_links,
 )
+from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
 __all__ = ["MAX_MANIFEST_BYTES", "RemoteStore", "StoredObject"]
@@ -188,10 +189,10 @@ class RemoteStore:
 
             return s3_store.clock(self.s3)
         if self.local:
-            probe = Path(self.path(f".stagerd-clock-{uuid.uuid4().hex}"))
-            if not probe.parent.is_dir():
+            top = Path(self.path(CLOCK_NAME)).parent
+            if not top.is_dir():
                 return time.time()  # no sink here yet, so nothing has an age: never made by a prune
-            return probe_clock(probe)
+            return probe_clock(top)
         return time.time()  # other fsspec stores: no portable server time (documented)
 
     # -- writing ------------------------------------------------------------------------------------------
@@ -336,11 +337,12 @@ def _locked(path: Path, tag: str) -> Iterator[bool]:
 
 def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")  # swept when dead
+    tmp = temp_name(path)  # names its host: a sweep there removes it once its writer is dead
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    crash_point("file.create")
     try:
         if tag is None:
             try:

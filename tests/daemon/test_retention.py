@@ -272,3 +272,26 @@ def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_pat
     assert lines == [f"step 1: {gone}", f"step 2: {gone}"], lines
     assert (root / "step-1-kept-by-hand" / "model").is_dir()
     assert retired[1].state == retired[2].state == "retired" and retired[3].state == "published"
+
+
+def test_clear_stale_removes_a_dead_holders_step_lock_and_never_a_held_one(tmp_path):
+    """A daemon killed while retention holds a step's lock leaves `ROOT/.step-N.lock`; once the step is
+    retired nobody takes that lock again, so the restart removes it, but only where nobody holds it."""
+    import subprocess
+    import sys
+
+    from stagerd.contract.step.lock import StepLock, clear_stale, lock_path
+    from tests.cli_helpers import REPO, clean_env
+
+    killed = (
+        "import os, signal, sys\n"
+        "from stagerd.contract.step.lock import StepLock\n"
+        "StepLock(sys.argv[1], 7, 'retention').acquire()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", killed, str(tmp_path)], env=clean_env(), cwd=REPO, timeout=60)
+    assert r.returncode == -9 and lock_path(tmp_path, 7).exists()
+    with StepLock(tmp_path, 8, "a Stager save"):
+        assert not clear_stale(tmp_path, 8) and lock_path(tmp_path, 8).exists()
+    assert clear_stale(tmp_path, 7) and not lock_path(tmp_path, 7).exists()
+    assert not clear_stale(tmp_path, 9)  # none there

@@ -125,7 +125,15 @@ def test_a_mistyped_prune_url_is_refused_and_nothing_is_made(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    "point", ["prune.tombstone:1", "prune.tombstone:3", "prune.manifest:1", "prune.manifest:2"]
+    "point",
+    [
+        "prune.clock:1",
+        "prune.tombstone:1",
+        "prune.tombstone:3",
+        "prune.manifest:1",
+        "prune.manifest:2",
+        "prune.files:1",
+    ],
 )
 def test_a_prune_killed_anywhere_leaves_the_prefix_valid_and_the_next_one_finishes(sink_dir, point):
     url = sink_dir.as_uri()
@@ -136,6 +144,7 @@ def test_a_prune_killed_anywhere_leaves_the_prefix_valid_and_the_next_one_finish
     assert r.returncode == 0, r.stderr
     assert _steps(sink_dir) == [6] and _steps(sink_dir, "raw") == [6]
     _valid(sink_dir)
+    assert not [p.name for p in sink_dir.iterdir() if "stagerd-clock" in p.name]  # the store's time, read
 
 
 def test_prune_on_s3(tmp_path, s3):  # noqa: F811

@@ -71,7 +71,8 @@ def test_store_answers_verify_without_a_head_per_file(s3, tmp_path):
         assert log.index(("CompleteMultipartUpload", name)) < log.index(("HeadObject", name))
         assert log.index(("HeadObject", name)) < log.index(("PutObject", layout.MANIFEST_NAME))
     ops = [(r.op, r.key.rsplit("/", 1)[-1]) for r in s3.proxy.log]
-    assert [op for op, _ in ops].count("ListObjects") == 1, "one listing, at the start: the answers verified"
+    listings = [r for r in steps_log(s3) if r.op == "ListObjects"]  # less the probe's of its scratch keys
+    assert len(listings) == 1, "one listing, at the start: the answers verified"
     assert ops.index(("PutObject", layout.MANIFEST_NAME)) < ops.index(("PutObject", "latest"))
     manifest = json.loads(s3.get(f"ckpt/step-00000002/{layout.MANIFEST_NAME}"))
     assert {f["path"]: f["sha256"] for f in manifest["files"]} == {

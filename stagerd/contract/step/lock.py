@@ -85,6 +85,29 @@ class StepLock:
         self.release()
 
 
+def clear_stale(root: str | os.PathLike[str], step: int) -> bool:
+    """Unlink step's lock file where nobody holds it: a holder killed (SIGKILL, OOM) leaves it, and once the
+    step is retired nobody takes it again. Removed under its own lock, as a holder removes it, so a taker
+    that opened it meanwhile finds it gone and takes a new one. Whether a file was removed."""
+    import fcntl
+
+    path = lock_path(root, step)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not still_at(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False  # held (a save or a restore of the step), or gone
+    finally:
+        os.close(fd)
+
+
 def still_at(fd: int, path: Path) -> bool:
     """Whether the file locked through `fd` is still the one at `path`: a holder unlinks its lock file
     while it holds it, so a file opened just before that is no longer anyone's lock."""

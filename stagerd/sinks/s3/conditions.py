@@ -12,14 +12,16 @@ on it would change a key another writer may hold, so:
 - a prune refuses (`ConditionsIgnoredError`) before it changes anything: its claim would not be exclusive.
 
 **The probe**, before the backend's first conditional request: two scratch keys under the sink's own root
-(`.stagerd-probe-<random>-put` and `-delete`), written plainly; then, together, a PUT of the first with
-`If-None-Match: *`, one with `If-Match` on an ETag it cannot have, and a DELETE of the second with that
-`If-Match`: a store that honours a condition refuses its request (412). Seven requests (six where the
-DELETE was done), all on those two exact keys, in two round trips before the answer: the scratch keys'
-plain DELETEs go out beside the step's first requests, and the step's opening waits for them (a prune's
-first change, before it). A kill mid-probe leaves those tiny objects, which no listing of steps, claims or
-records reads. (RustFS, for one, parses `If-Match` on DELETE and ignores
-it.)
+(`.stagerd-probe-HOST-PID-<random>-put` and `-delete`), written plainly; then, together, a PUT of the first
+with `If-None-Match: *`, one with `If-Match` on an ETag it cannot have, and a DELETE of the second with that
+`If-Match`: a store that honours a condition refuses its request (412). Seven requests (six where the DELETE
+was done), all on those two exact keys, in two round trips before the answer: the scratch keys' plain
+DELETEs go out beside the step's first requests, and the step's opening waits for them (a prune's first
+change, before it). A kill mid-probe leaves those tiny objects, which no listing of steps, claims or records
+reads; the next probe's tidy-up lists the scratch keys (an eighth request, beside the step's first ones) and
+deletes a dead probe's: one of this host whose pid is gone (the names say `HOST-PID`), or any older than
+`PROBE_STALE_S` by the store's clock (its own key's LastModified), so kills never make them pile up.
+(RustFS, for one, parses `If-Match` on DELETE and ignores it.)
 """
 
 from __future__ import annotations
@@ -27,16 +29,26 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stagerd.errors import ConditionsIgnoredError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+from stagerd.sinks.temp_names import HOST, pid_alive
 
 log = logging.getLogger("stagerd.sinks.s3")
 
 PROBE_PREFIX = ".stagerd-probe-"
+# A probe's keys live for two round trips; one this much older than a fresh probe's is a killed one's.
+PROBE_STALE_S = 3600.0
+# `HOST-PID-` since the names say whose: an older stagerd's name has no host, judged by age alone
+_PROBE_KEY = re.compile(
+    re.escape(PROBE_PREFIX) + r"(?:(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-)?[0-9a-f]{32}-(?:put|delete)"
+)
 _NO_SUCH_ETAG = '"00000000000000000000000000000000"'  # no body's MD5 we write: If-Match on it must fail
 _NAMES = {"create": "If-None-Match on PUT", "replace": "If-Match on PUT", "delete": "If-Match on DELETE"}
 
@@ -97,7 +109,7 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
     """Find the store's `Conditions` (module docstring), and the deletion of the scratch keys, still going
     on: it need not hold up the step's first requests."""
     s3 = await b._client()
-    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    name = f"{PROBE_PREFIX}{HOST}-{os.getpid()}-{uuid.uuid4().hex}"
     put, delete = b.key(f"{name}-put"), b.key(f"{name}-delete")
     where = f"s3://{b.bucket}/{put}"
     body = b"stagerd probe\n"
@@ -125,6 +137,7 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
         return done
 
     await settled(*(s3.put_object(Bucket=b.bucket, Key=k, Body=body) for k in (put, delete)))
+    crash_point("s3.probe")
     try:
         create, replace, removal = await settled(
             answer("put_object", Key=put, Body=body, IfNoneMatch="*"),
@@ -132,7 +145,7 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
             answer("delete_object", Key=delete, IfMatch=_NO_SUCH_ETAG),
         )
     except Exception:
-        await _tidy(b, [put, delete])  # a store failing now and then must not gather two keys a retry
+        await _tidy(b, [put, delete], put)  # a store failing now and then must not gather two keys a retry
         raise
     left = [put] if removal is Support.IGNORED else [put, delete]  # our own scratch keys, exact names
     found = Conditions(create, replace, removal)
@@ -143,13 +156,34 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
         if removal is Support.IGNORED:
             then.insert(0, "a losing publisher leaves what it created")
         log.warning("%s ignores %s: %s", b.base, ", ".join(found.ignored()), "; ".join(then))
-    return found, asyncio.ensure_future(_tidy(b, left))
+    return found, asyncio.ensure_future(_tidy(b, left, put))
 
 
-async def _tidy(b: S3Backend, keys: list[str]) -> None:
-    """Best effort: a key left is a few bytes that nothing lists."""
+async def _tidy(b: S3Backend, keys: list[str], own: str) -> None:
+    """Best effort: a key left is a few bytes that nothing lists. With ours go a dead probe's (docstring)."""
     s3 = await b._client()
+    try:
+        keys = keys + await _dead_probes(b, s3, own)
+    except Exception as e:
+        log.warning("left old probes' scratch keys beside s3://%s/%s: %s", b.bucket, own, s3_error(e, ""))
     gone = (s3.delete_object(Bucket=b.bucket, Key=k) for k in keys)
     for key, done in zip(keys, await asyncio.gather(*gone, return_exceptions=True), strict=True):
         if isinstance(done, Exception):
             log.warning("left the probe's scratch key s3://%s/%s: %s", b.bucket, key, s3_error(done, ""))
+
+
+async def _dead_probes(b: S3Backend, s3: Any, own: str) -> list[str]:
+    """The scratch keys of probes that will never delete them: this host's dead pids', and the stale."""
+    prefix = b.key(PROBE_PREFIX)
+    page = await s3.list_objects_v2(Bucket=b.bucket, Prefix=prefix)
+    found = {o["Key"]: o["LastModified"] for o in page.get("Contents", [])}
+    now = found.get(own)
+    dead = []
+    for key, when in found.items():
+        m = _PROBE_KEY.fullmatch(key[len(prefix) - len(PROBE_PREFIX) :])
+        if key == own or m is None:
+            continue
+        killed_here = m["host"] == HOST and not pid_alive(int(m["pid"]))
+        if killed_here or (now is not None and (now - when).total_seconds() > PROBE_STALE_S):
+            dead.append(key)
+    return dead

@@ -129,8 +129,12 @@ CASES = [
     Case("export.renamed", 2, sinks=("file", "s3")),
     Case("file.upload", 1),
     Case("file.upload", 5, sinks=("file", "hub")),  # step 2's first file (4 files a step)
+    Case("file.create", 1),  # step 1's claim
+    Case("file.create", 2, sinks=("file", "s3")),  # step 1's manifest
     Case("s3.part", 1, sinks=("s3", "file"), kind="big"),
     Case("s3.part", 4, sinks=("s3", "file"), kind="big"),  # step 2's first part, step 1 on S3 already
+    Case("s3.probe", 1, sinks=("s3", "file")),
+    Case("s3.probe", 1, sinks=("s3",), then=("s3.probe:1",)),  # two killed probes' keys, both swept
     Case("fsspec.manifest", 1, sinks=("file", "s3")),
     Case("fsspec.manifest", 2, sinks=("file", "s3")),
     Case("fsspec.manifest", 4, sinks=("file", "s3")),  # the last manifest of the run
