@@ -113,6 +113,7 @@ class FaultProxy:
     log: list[Request] = field(default_factory=list)
     is_down: bool = False
     ignores: set[tuple[str, str]] = field(default_factory=set)  # (operation, lower-case header) dropped
+    slow: dict[str, float] = field(default_factory=dict)  # operation -> seconds each waits before it goes on
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- test helpers --------------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class FaultProxy:
             self.faults.clear()
             self.log.clear()
             self.ignores.clear()
+            self.slow.clear()
 
     def count(self, *ops: str, key_contains: str = "") -> int:
         with self._lock:
@@ -161,6 +163,8 @@ class FaultProxy:
             got = len(stream.read(min(fault.drop_after, length))) if length else 0
             return self._drop(environ, op, key, got)
         body = stream.read(length) if length else b""
+        if op in self.slow:
+            time.sleep(self.slow[op])
         if fault is not None:
             f = fault
             return self._error(start_response, op, key, len(body), f.status, f.code, f.retry_after)

@@ -199,3 +199,29 @@ def test_a_probe_that_fails_leaves_no_scratch_keys(s3, tmp_path):  # noqa: F811
         FsspecSink.from_url(s3.url("run")).publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
     assert s3.proxy.count("PutObject", key_contains=PROBE_PREFIX) > 2  # the probe's conditional PUTs failed
     assert not [k for k in s3.keys("") if PROBE_PREFIX in k]
+
+
+def test_closing_waits_for_a_probe_no_caller_waits_for_any_more(s3, caplog):  # noqa: F811
+    """A missing bucket: the first caller of the probe is cancelled (as a failed gather cancels its
+    siblings) while the probe goes on, shielded. Closing the sink left it to fail alone, and its
+    NoSuchBucket was printed at exit as a task exception never retrieved."""
+    import asyncio
+    import gc
+
+    s3.proxy.slow["PutObject"] = 0.5  # the probe's first requests still out when the sink closes
+    backend = FsspecSink.from_url(s3.url("run").replace(s3.bucket, "no-such-bucket", 1)).backend
+    assert isinstance(backend, S3Backend)
+
+    async def cancelled_caller(b: S3Backend) -> None:
+        caller = asyncio.ensure_future(b.conditions())
+        await asyncio.sleep(0)  # the probe has started: its first requests are out
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        assert b._conditions is not None and not b._conditions.done()
+
+    backend._run(cancelled_caller, backend)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        backend.close()
+        del backend
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text

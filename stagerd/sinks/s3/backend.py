@@ -324,8 +324,15 @@ class S3Backend(OpeningMixin, LatestMixin):
     def close(self) -> None:
         import s3fs
 
-        if (tidy := self._tidy) is not None and not tidy.done():
-            self._run(asyncio.wait, [tidy])
+        # A probe whose caller was cancelled (a failed gather's sibling) goes on alone: waited for, its
+        # failure taken, so closing never destroys it pending nor leaves its exception unretrieved.
+        for pending in (self._conditions, self._tidy):
+            if pending is None:
+                continue
+            if not pending.done():
+                self._run(asyncio.wait, [pending])
+            if pending.done() and not pending.cancelled():
+                pending.exception()
         if getattr(self.fs, "_s3", None) is not None:
             s3fs.S3FileSystem.close_session(self.fs.loop, self.fs._s3)
             self.fs._s3 = None
