@@ -14,7 +14,7 @@ from stagerd.contract.step.pin import Unpinned, pinned
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.health import Health
-from stagerd.daemon.journal import PUBLISHED, RETIRED
+from stagerd.daemon.journal import PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.retention import (
     StepView,
     empty_trash,
@@ -48,14 +48,9 @@ class Housekeeping(Health, Adoption):
         for step in plan_retention(views, self.settings.keep_last):
             if self._stopping:
                 return
-            row = by_step[step]
-            kept, deleted = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
-            if kept is not None:
-                if step not in self._retention_kept:
-                    self._retention_kept.add(step)
-                    log.warning("step %d: staged data kept: %s", step, kept)
+            deleted = await self._retire_one(step, by_step[step], "staged data")
+            if deleted is None:
                 continue
-            self._retention_kept.discard(step)
             self._retention_pinned.discard(step)
             # an operator may have moved or removed the directory by hand: say so, not that we deleted it
             what = "staged data deleted" if deleted else "its directory was already gone: nothing deleted"
@@ -83,17 +78,11 @@ class Housekeeping(Health, Adoption):
             everywhere = all(lanes.get(k) == PUBLISHED for k in keys)  # none known: kept (history pruned)
             views.append(StepView(r.step, everywhere, r.step in best or pinned(self.root, r.step)))
         by_step = {r.step: r for r in rows}
-        for step in set(plan_retention([*live, *views], self.settings.keep_last)) & set(by_step):
+        for step in sorted(set(plan_retention([*live, *views], self.settings.keep_last)) & set(by_step)):
             if self._stopping:
                 return
             row = by_step[step]
-            kept, deleted = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
-            if kept is not None:
-                if step not in self._retention_kept:
-                    self._retention_kept.add(step)
-                    log.warning("step %d: the trainer's checkpoint kept: %s", step, kept)
-            elif deleted:
-                self._retention_kept.discard(step)
+            if await self._retire_one(step, row, "the trainer's checkpoint"):
                 why = f"keep_last={self.settings.keep_last}, --delete-adopted; retired before without it"
                 self._log_step(
                     step,
@@ -101,6 +90,18 @@ class Housekeeping(Health, Adoption):
                     RETIRED,
                     note=f"the trainer's checkpoint {Path(row.path).name} deleted ({why})",
                 )
+
+    async def _retire_one(self, step: int, row: StepRow, what: str) -> bool | None:
+        """Retention's delete of one step's data under `_remove_published`'s checks: None where it is kept
+        (said once a step), else whether anything was there to delete."""
+        kept, deleted = await self._trash(self._remove_published, step, Path(row.path), row.marker_id)
+        if kept is not None:
+            if step not in self._retention_kept:
+                self._retention_kept.add(step)
+                log.warning("step %d: %s kept: %s", step, what, kept)
+            return None
+        self._retention_kept.discard(step)
+        return deleted
 
     def _remove_published(self, step: int, step_dir: Path, marker_id: str | None) -> tuple[str | None, bool]:
         """Trash thread: delete what retention may of a published step, under the step's lock, and only
