@@ -7,12 +7,11 @@ tensor list comes here rather than to the index.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.reference_index import MAX_INDEX_BYTES
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import read_regular
 from stagerd.contract.safetensors_format import read_header
 from stagerd.errors import StagerdError, VerifyError
 
@@ -29,8 +28,7 @@ def read_index(export_dir: Path) -> tuple[dict[str, str], int] | None:
     try:
         # never a FIFO's wait (verify of an export someone else made held for good), never a read of
         # more than an index can be (a 1 TiB sparse file was a MemoryError)
-        with open_regular(path) as f:  # read(limit) would allocate the limit first, for an index of any size
-            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_INDEX_BYTES) + 1)
+        raw = read_regular(path, MAX_INDEX_BYTES + 1)
         if len(raw) > MAX_INDEX_BYTES:
             raise VerifyError(f"index is larger than {MAX_INDEX_BYTES >> 20} MiB", path=path)
         index = json.loads(raw)

@@ -250,12 +250,12 @@ def _merge_dora(
     factor_dt = promoted(mdt, summed)
     mag = read_vector(table, ids[m.magnitude], mdt).astype(wide)
     cols = a.shape[1] if not m.fan_in_fan_out else b.shape[0]
+    delta_of = _delta_of(scaling, bdt)
 
     def block(lo: int, hi: int) -> np.ndarray:
         """W + delta on rows [lo, hi) rounded to `summed`, in `wide`."""
         w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)
-        left, right = (a[:, lo:hi].T, b.T) if m.fan_in_fan_out else (b[lo:hi], a)
-        delta = torch_sum.merged(left, right, w, _delta_of(scaling, bdt), fused=True)
+        delta = torch_sum.merged(*_operands(m, a, b, lo, hi), w, delta_of, fused=True)
         return rounded(np.add(w, delta, out=delta), summed)
 
     def factor(norm: np.ndarray, mag: np.ndarray) -> np.ndarray:
@@ -268,12 +268,7 @@ def _merge_dora(
         by_column = factor(columns.norms(wide), mag)[None, :]
     for lo, hi in blocks:
         s = block(lo, hi)
-        if m.fan_in_fan_out:
-            f = by_column
-        elif torch_norm.vectorized(summed):
-            f = factor(torch_norm.rows(s, summed), mag[lo:hi])[:, None]
-        else:
-            f = factor(torch_norm.sequential_rows(s, summed), mag[lo:hi])[:, None]
+        f = by_column if m.fan_in_fan_out else factor(torch_norm.rows(s, summed), mag[lo:hi])[:, None]
         out = rounded(np.multiply(f, s), factor_dt).astype(wdt)
         pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)
 
@@ -286,6 +281,12 @@ def _delta_of(scaling: np.ndarray, bdt: np.dtype[Any]) -> Callable[[np.ndarray, 
         return rounded(np.multiply(product, scaling, out=product), bdt)
 
     return finish
+
+
+def _operands(m: LoraMerge, a: np.ndarray, b: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(left, right) whose product is B @ A's for W's rows [lo, hi): with fan_in_fan_out W is in x out, its
+    rows (B @ A)'s columns."""
+    return (a[:, lo:hi].T, b.T) if m.fan_in_fan_out else (b[lo:hi], a)
 
 
 def _merge_lora(
@@ -306,10 +307,11 @@ def _merge_lora(
     Embedding first casts it to W's dtype."""
     wdt, bdt = dts
     wide = scaling.dtype
+    delta_of = _delta_of(scaling, bdt)
 
     def finish(product: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The merged values from the product's and W's, widened: each step monotone in the product."""
-        delta = rounded(np.multiply(product, scaling, out=product), bdt)
+        delta = delta_of(product, w)
         if m.delta_to_base:
             delta = rounded(delta, wdt)
         return np.add(w, delta, out=delta).astype(wdt)
@@ -317,7 +319,5 @@ def _merge_lora(
     cols = a.shape[1] if not m.fan_in_fan_out else b.shape[0]
     for lo, hi in blocks:
         w = read_rows(table, ids[m.base], lo, hi, wdt).astype(wide)  # widened once, not per finish
-        # With fan_in_fan_out W is in x out: its rows are (B @ A)'s columns.
-        left, right = (a[:, lo:hi].T, b.T) if m.fan_in_fan_out else (b[lo:hi], a)
-        out = torch_sum.merged(left, right, w, finish, fused=True)
+        out = torch_sum.merged(*_operands(m, a, b, lo, hi), w, finish, fused=True)
         pwrite_all(fd, memoryview(out.tobytes()), at + lo * cols * wdt.itemsize)  # one block: bounded

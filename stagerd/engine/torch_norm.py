@@ -36,14 +36,14 @@ from stagerd.engine.torch_sum import rounded_once
 _LANES = {np.dtype(np.float32): (8, 8), np.dtype(np.float64): (4, 4), np.dtype(ml_dtypes.bfloat16): (16, 8)}
 
 
-def vectorized(dt: np.dtype[Any]) -> bool:
-    """Whether torch sums a contiguous row of `dt` in lanes (`rows`), not in order (`Columns`)."""
-    return dt in _LANES
-
-
 def rows(s: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
     """The norm of each row of `s` (values of `dt`, held in a wider float dtype or in `dt`'s opmath), as
-    torch's vectorized kernel sums a contiguous row of `dt`; rounded to `dt`, in `s`'s dtype."""
+    torch sums a contiguous row of `dt`: in lanes, or in order where it has no vectorized kernel
+    (float16); rounded to `dt`, in `s`'s dtype."""
+    if dt not in _LANES:
+        in_order = Columns(s.shape[0], dt)
+        in_order.add(s.T)
+        return in_order.norms(s.dtype)
     load, lanes = _LANES[dt]
     acc_dt = opmath(dt)
     x = s.astype(acc_dt, copy=False)
@@ -82,13 +82,6 @@ class Columns:
 
     def norms(self, like: np.dtype[Any]) -> np.ndarray:
         return rounded(np.sqrt(self._acc), self.dt).astype(like, copy=False)
-
-
-def sequential_rows(s: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
-    """The norm of each row of `s` summed in order (float16's rows, which torch does not vectorize)."""
-    cols = Columns(s.shape[0], dt)
-    cols.add(s.T)
-    return cols.norms(s.dtype)
 
 
 @functools.cache

@@ -36,7 +36,6 @@ from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-_TEMP_NAME = TEMP_NAME  # whose a temp file is: `temp_names.py`
 # A temp file not ours (another host's, or one naming no host) whose writer stopped writing it this long
 # ago by the store's clock: a live writer renames `latest`'s within milliseconds and writes an upload's
 # without pause, so it is a killed one's (or a lost host's), left for good otherwise.
@@ -57,7 +56,7 @@ class LocalBackend:
         out = {}
         for dirpath, _dirs, names in os.walk(base):
             for name in names:
-                if _TEMP_NAME.fullmatch(name):
+                if TEMP_NAME.fullmatch(name):
                     continue  # our own temp files
                 p = Path(dirpath) / name
                 out[p.relative_to(base).as_posix()] = RemoteObject(p.stat().st_size)
@@ -85,7 +84,7 @@ class LocalBackend:
             beside += [claims_dir / n for n in names if n.startswith(".step-")]
         now: float | None = None
         for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
-            m = _TEMP_NAME.fullmatch(p.name)
+            m = TEMP_NAME.fullmatch(p.name)
             if m is None:
                 continue
             if m["host"] == HOST:
@@ -210,7 +209,7 @@ class LocalBackend:
 
 
 def _temp_name(path: Path) -> Path:
-    return temp_name(path, HOST)
+    return temp_name(path, HOST)  # this module's HOST, read at each call
 
 
 def _store_now(root: Path) -> float:

@@ -32,10 +32,7 @@ def publishers(store: RemoteStore, parts: list[str]) -> list[str]:
             continue
         if held is None or held.kind != claims.PUBLISH or not claims.ROOT_ID.fullmatch(held.tree):
             continue  # no claim, a prune's, unreadable, or an older stagerd's name that stays on its node
-        for ident in (
-            *held.ancestors,
-            held.tree,
-        ):  # whom it had resumed from, then the publisher: newest last
+        for ident in (*held.ancestors, held.tree):  # whom it had resumed from, then itself: newest last
             if ident not in found:
                 found.append(ident)
     return found

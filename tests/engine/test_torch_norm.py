@@ -49,7 +49,7 @@ def test_row_norms_are_torchs(name):
         t = _values(64, size, tdt, seed)
         want = torch.linalg.norm(t, dim=1)
         s = _held(t)
-        got = torch_norm.rows(s, dt) if torch_norm.vectorized(dt) else torch_norm.sequential_rows(s, dt)
+        got = torch_norm.rows(s, dt)
         assert got.dtype == s.dtype
         assert np.array_equal(_bits(got, dt), _bits(_held(want), dt)), (name, size)
 
