@@ -246,9 +246,8 @@ def test_an_empty_tensor_whose_blocks_add_up_past_64_bits_is_refused(tmp_path):
     assert list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("fname", ["a\x00b", "", "..", ".hidden", "sub/x.safetensors"])
-def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, fname):
-    """Before: a NUL in the index's file name reached os.open as a raw ValueError (a traceback, exit 1)."""
+def _two_file_export(tmp_path: Path) -> Path:
+    """An export of two one-tensor files, consolidated from a one-rank step: its index to damage."""
     from stagerd.contract.safetensors_format import encode_header
 
     src, out = tmp_path / "src", tmp_path / "out"
@@ -257,6 +256,13 @@ def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, f
     head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
     (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
     assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    return out
+
+
+@pytest.mark.parametrize("fname", ["a\x00b", "", "..", ".hidden", "sub/x.safetensors"])
+def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, fname):
+    """Before: a NUL in the index's file name reached os.open as a raw ValueError (a traceback, exit 1)."""
+    out = _two_file_export(tmp_path)
     index = json.loads((out / layout.INDEX_NAME).read_text())
     index["weight_map"]["w"] = fname
     (out / layout.INDEX_NAME).write_text(json.dumps(index))
@@ -268,14 +274,7 @@ def test_an_index_naming_a_file_no_export_can_hold_is_a_verify_error(tmp_path, f
 def test_verify_of_an_index_that_is_a_fifo_or_huge_is_a_verify_error_at_once(tmp_path, index):
     """Before: verify of an export whose index was a FIFO waited for a writer for good, and one whose index
     was a sparse 1 TiB file read it whole (MemoryError)."""
-    from stagerd.contract.safetensors_format import encode_header
-
-    src, out = tmp_path / "src", tmp_path / "out"
-    src.mkdir()
-    info = json.dumps({"w": {"saved_offsets": [0]}, "b": {"saved_offsets": [0]}})
-    head = encode_header({"w": ("F32", (2,), 0, 8), "b": ("F32", (2,), 8, 16)}, {"DCP_SHARDING_INFO": info})
-    (src / "shard-00001-model-00001-of-00001.safetensors").write_bytes(head + bytes(16))
-    assert _cli("consolidate", str(src), str(out), "--max-shard-size", "8").returncode == 0
+    out = _two_file_export(tmp_path)
     (out / layout.INDEX_NAME).unlink()
     if index == "fifo":
         os.mkfifo(out / layout.INDEX_NAME)
