@@ -19,6 +19,7 @@ from stagerd.contract.step import input_fds, reopen
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.contract.step.reopen import open_held
 from stagerd.errors import SourceChangedError
+from tests.open_fds import open_fds
 
 
 @pytest.fixture
@@ -30,10 +31,6 @@ def budget(monkeypatch):
         monkeypatch.setattr(input_fds, "descriptor_budget", lambda: n)
 
     return set_budget
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _files(d: Path, n: int) -> dict[str, bytes]:
@@ -52,10 +49,10 @@ def _read(path: Path) -> bytes:
 def test_files_beyond_the_budget_are_closed_and_read_as_themselves(tmp_path, budget):
     budget(2)  # one file held open; the others closed once checked
     want = _files(tmp_path / "d", 5)
-    before = _fds()
+    before = open_fds(tmp_path)
     with HeldDir.open(tmp_path / "d") as d, HeldFiles() as files:
         paths = {name: files.open(d, name, bounded=True) for name in want}
-        assert _fds() == before + 2  # the directory and one file
+        assert open_fds(tmp_path) == before + 2  # the directory and one file
         assert sum(reopen.closed(p) is not None for p in paths.values()) == 4
         assert {name: _read(p) for name, p in paths.items()} == want
         for name, p in paths.items():
@@ -65,7 +62,7 @@ def test_files_beyond_the_budget_are_closed_and_read_as_themselves(tmp_path, bud
         assert files.replaced() is None
         (tmp_path / "d" / "f4").rename(tmp_path / "aside")
         assert files.replaced() == tmp_path / "d" / "f4"
-    assert _fds() == before and all(reopen.closed(p) is None for p in paths.values())
+    assert open_fds(tmp_path) == before and all(reopen.closed(p) is None for p in paths.values())
     assert reopen.held() == 0
 
 
@@ -102,7 +99,7 @@ def test_lazy_descriptors_read_each_input_right_from_many_threads(tmp_path):
     want = _files(tmp_path / "d", 12)
     paths = [str(tmp_path / "d" / name) for name in want]
     data = list(want.values())
-    before = _fds()
+    before = open_fds(tmp_path)
     fds = input_fds.LazyFds(paths, cap=3)
     errors: list[str] = []
 
@@ -112,7 +109,7 @@ def test_lazy_descriptors_read_each_input_right_from_many_threads(tmp_path):
             i = rng.randrange(len(paths))
             if os.pread(fds[i], len(data[i]), 0) != data[i]:
                 errors.append(paths[i])
-            if _fds() > before + 3 + 2:
+            if open_fds(tmp_path) > before + 3:
                 errors.append("over the cap")
 
     threads = [threading.Thread(target=reader, args=(s,)) for s in range(2)]
@@ -121,7 +118,7 @@ def test_lazy_descriptors_read_each_input_right_from_many_threads(tmp_path):
     for t in threads:
         t.join()
     input_fds.close_inputs(fds)
-    assert errors == [] and _fds() == before
+    assert errors == [] and open_fds(tmp_path) == before
 
 
 def test_lazy_descriptors_out_of_room_close_their_spares_and_go_on(tmp_path, monkeypatch):
@@ -161,10 +158,10 @@ def test_an_export_of_shards_closed_for_want_of_descriptors_is_the_same(step_dir
     shutil.copytree(step_dir, ref)
     export_step(ref)
     budget(2)
-    before = _fds()
+    before = open_fds(tmp_path)
     export_step(step_dir)
     assert _tree(step_dir / layout.EXPORT_DIR) == _tree(ref / layout.EXPORT_DIR)
-    assert _fds() == before and reopen.held() == 0
+    assert open_fds(tmp_path) == before and reopen.held() == 0
 
 
 def test_a_shard_swapped_while_closed_fails_the_export(step_dir, tmp_path, monkeypatch, budget):
@@ -322,7 +319,7 @@ def test_an_export_gathered_from_every_rank_beyond_the_limit_opens_each_file_onc
     input_fds._room()  # raises the soft limit once a process: before it is lowered here
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # 64 more than are open now (a test worker holds some): about 40 inputs may stay open, not all 48
-    resource.setrlimit(resource.RLIMIT_NOFILE, (_fds() + 64, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_fds() + 64, hard))
     try:
         assert input_fds.descriptor_budget() * 3 // 4 < 48  # the lazy path, not all opened at once
         consolidate_into(tmp_path / "src", tmp_path / "out")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from stagerd.contract.step.held import refuse_links
 from stagerd.errors import SymlinkError
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags, stage_copy
+from tests.open_fds import open_fds
 
 
 def _watch(root: Path, sink: Path, *extra: str, crash: str | None = None):
@@ -232,10 +232,10 @@ def test_a_part_linked_away_mid_raw_publish_sends_only_the_steps_bytes(tmp_path,
         return publish_tree(*args, **kwargs)
 
     s._publish_tree = swap_then_send  # type: ignore[attr-defined]
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = open_fds(tmp_path)
     try:
         d._run_raw(100, key, step_dir)
-        assert len(os.listdir("/proc/self/fd")) == fds  # every handle closed with the publish
+        assert open_fds(tmp_path) == fds  # every handle closed with the publish
     finally:
         s.close()
     sent = sink / "raw" / step_dir.name
