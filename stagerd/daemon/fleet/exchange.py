@@ -1,13 +1,11 @@
 """One fleet step on the exchange, as one node sees it: the keys of its claims and file records, their
 conditional creates and reads, the byte ranges of other nodes' parts, the files sent to a sink's
-`step-N/`, the waits for other nodes (`wait`), and what each node reports of its own progress while the
-others wait for it (`Progress`, `progress_of`)."""
+`step-N/`, and the waits for other nodes (`wait`), which show what the nodes they await report of their
+work (`progress_of`; the reports themselves are `progress.py`'s)."""
 
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -15,6 +13,7 @@ from typing import Any, TypeVar
 
 from stagerd.contract import layout
 from stagerd.contract.json_fields import loads
+from stagerd.daemon.fleet.progress import Progress, Reports, progress_key
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import (
     FleetWaitError,
@@ -24,19 +23,14 @@ from stagerd.errors import (
     StagerdError,
     StepClaimedError,
 )
-from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 
 FLEET_DIR = "fleet"
-PROGRESS_DIR = "progress"
 RECORDS_DIR = "done"  # one record per sink and built file
 FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
-MAX_PROGRESS_BYTES = 4096
-
-log = logging.getLogger("stagerd.fleet")
 T = TypeVar("T")
 
 
@@ -67,9 +61,7 @@ class StepExchange:
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
         self.waited = 0.0  # seconds asleep in `wait`
-        self._listed: dict[int, object] = {}  # node -> its report's listing when last read
-        self._best: dict[tuple[int, str], int] = {}  # (node, what it does) -> the most bytes seen done
-        self._shown: dict[int, str] = {}  # node -> its furthest report: "building NAME: 4096 bytes"
+        self.reports = Reports(store, self.base)  # the other nodes' reports of their work
         self._past: dict[str, bytes] = {}  # failure key -> the record a past try left there (`past_failures`)
 
     def claim_key(self, node: int) -> str:
@@ -183,46 +175,14 @@ class StepExchange:
             )
         return d
 
-    def progress_key(self, node: int) -> str:
-        return f"{self.base}/{PROGRESS_DIR}/node-{node:05d}.json"
-
     def progress_of(self, nodes: Iterable[int]) -> str:
-        """What `nodes` last reported of their work (`Progress`), for a wait's text ("; node 1 sending its
-        raw part: 4096 bytes"); "" when none did. One listing a poll, and a read only of a report that
-        changed. A report is only ever shown: it says a node is busy, never that anything it made is there.
+        """What `nodes` last reported of their work, for a wait's text (`Reports.of`)."""
+        return self.reports.of(nodes)
 
-        A report counts (and is shown) only when the node's work advanced: more bytes of a work than it was
-        ever seen to have done, or a work not seen before. A node in a crash loop sends its part again on
-        every restart, reporting the same bytes again: the text then keeps its furthest report, so the
-        wait (which starts again only when its text changes) still ends after the setting."""
-        listed = self.store.objects(f"{self.base}/{PROGRESS_DIR}")
-        out = []
-        for k in nodes:
-            o = listed.get(f"node-{k:05d}.json")
-            if o is None:
-                continue
-            tag = (o.tag, o.size, o.mtime)
-            if self._listed.get(k) != tag:
-                self._listed[k] = tag
-                self._advanced(k, self._report(k))
-            if self._shown.get(k):
-                out.append(f"; node {k} {self._shown[k]}")
-        return "".join(out)
-
-    def _advanced(self, node: int, report: tuple[str, int] | None) -> None:
-        if report is None or report[1] <= self._best.get((node, report[0]), -1):
-            return  # nothing, or what the node was already seen to have done (a restart doing it again)
-        self._best[(node, report[0])] = report[1]
-        self._shown[node] = f"{report[0]}: {report[1]} bytes"
-
-    def _report(self, node: int) -> tuple[str, int] | None:
-        try:
-            d = loads(self.store.read(self.progress_key(node), limit=MAX_PROGRESS_BYTES) or b"null")
-        except (StagerdError, ValueError):
-            return None  # gone since the listing, or not a report: nothing to show
-        if not isinstance(d, dict) or not isinstance(d.get("doing"), str) or type(d.get("bytes")) is not int:
-            return None
-        return "".join(c if c.isprintable() else "?" for c in d["doing"][:200]), d["bytes"]
+    def reporting(self) -> Progress:
+        """This node's reports of its work for the others' waits, at most every quarter of the wait."""
+        every = max(self.poll_seconds, min(self.wait_seconds / 4, 10.0))
+        return Progress(self.exchange, progress_key(self.base, self.me), self.step, every)
 
     def create(self, key: str, data: bytes) -> bool:
         return _named(self.exchange.url, key, lambda: self.exchange.backend.create(key, data))
@@ -343,63 +303,3 @@ def _named(url: str, key: str, fn: Callable[[], T]) -> T:
         raise SinkAuthError(f"permission denied: {e.strerror or e}", path=f"{url}/{key}") from None
     except OSError as e:
         raise SinkError(f"{type(e).__name__}: {e.strerror or e}", path=f"{url}/{key}") from None
-
-
-class Progress:
-    """What this node is doing, and how many bytes of it are done, for the waits of the other nodes
-    (`StepExchange.progress_of`): a raw upload or a build longer than `wait_seconds` is no node that never
-    comes. Written to `fleet/step-N/progress/node-K.json` whenever it changed, at most every quarter of
-    `wait_seconds` (10 s at most), by a thread of its own: an upload's progress may be reported on the
-    store's event loop, where a write to the same store would wait for itself. A node that only waits
-    reports nothing new, so two waiting nodes never keep each other's waits alive."""
-
-    def __init__(self, x: StepExchange) -> None:
-        self.x = x
-        self.now: tuple[str, int] = ("", 0)  # replaced whole: the writer reads it from its own thread
-        self.every = max(x.poll_seconds, min(x.wait_seconds / 4, 10.0))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"fleet-progress-{x.step}", daemon=True)
-        self._warned = False
-
-    def __enter__(self) -> Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop reporting; once this returns no report is written (nor in flight)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def doing(self, what: str, crash: str | None = None) -> Callable[[int, int], None]:
-        """A progress callback (`done`, `total` bytes) for the work `what` ("building NAME")."""
-
-        def report(done: int, total: int) -> None:
-            if crash is not None:
-                crash_point(crash)
-            self.now = (what, done)
-
-        return report
-
-    def _run(self) -> None:
-        written = self.now
-        while not self._stop.wait(self.every):
-            now = self.now
-            if now == written:
-                continue
-            try:
-                data = json.dumps({"doing": now[0], "bytes": now[1]}).encode()
-                self.x.exchange.backend.write(self.x.progress_key(self.x.me), data)
-                written = now
-            except Exception as e:  # a report of progress must never fail the step
-                if not self._warned:
-                    self._warned = True
-                    log.warning(
-                        "step %d: could not report this node's progress on the exchange: %s",
-                        self.x.step,
-                        e,
-                        extra={"step": self.x.step},
-                    )

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.json_fields import loads
-from stagerd.daemon.fleet.exchange import Progress, StepExchange
+from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkError
 from stagerd.sinks.base import PublishResult, Sink
@@ -145,7 +145,7 @@ def publish_to_hub(
         manifest = read_manifest(store, prefix, step)
         check_listing(store, prefix, manifest)
         files = tuple(f for f in manifest.files if f.path != layout.MANIFEST_NAME)
-        with Progress(x) as progress:  # for the other nodes' Hub lanes, waiting for the record
+        with x.reporting() as progress:  # for the other nodes' Hub lanes, waiting for the record
             # each named by its sink: a report counts only when its work advanced, and the bytes of a second
             # Hub sink are the first's again, yet new work
             fetched = progress.doing(f"downloading the export for {hub.url}")

@@ -50,11 +50,12 @@ from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.daemon.fleet.claim import claim, wait_agreed
-from stagerd.daemon.fleet.exchange import Progress, StepExchange
+from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.hub import all_hubs_recorded
 from stagerd.daemon.fleet.lanes import Lanes, published
 from stagerd.daemon.fleet.lead import lead
 from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, owners
+from stagerd.daemon.fleet.progress import Progress
 from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
@@ -185,7 +186,7 @@ class FleetNode:
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
-        with Progress(self.x) as progress:  # until this node's part and its files are on the stores
+        with self.x.reporting() as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
             res.bytes_raw = self.exchange.publish_raw(
                 self.step_dir, self.step, progress=sending
