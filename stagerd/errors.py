@@ -286,6 +286,18 @@ class FleetWaitError(StagerdError):
     )
 
 
+class FleetVersionError(FleetWaitError):
+    """The nodes of a fleet step run stagerd builds that speak different fleet protocols (the format of what
+    they write on the exchange), as during a rolling upgrade: they could never finish the step together.
+    The step waits for one build on every node as for a node that never comes: retried, never quarantined."""
+
+    hint = (
+        "run the same stagerd version on every node: upgrade the node named as running the older build and "
+        "restart its daemon (the rolling upgrade finished); the step waits for it, is never published "
+        "partially, and is retried by itself"
+    )
+
+
 class FleetNodeConflictError(StagerdError):
     """Two daemons (two ROOTs) claimed the same staging node id for one step on the exchange."""
 

@@ -3,6 +3,7 @@ running `FleetNode` as the daemon's export task does."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -64,6 +65,23 @@ def run_nodes(node: Callable[[int], FleetNode], n: int) -> list[FleetResult | Ba
     for t in threads:
         t.join(120)
     return out
+
+
+def older_node(step_dir: Path, url: str, root_id: str, claim: dict[str, Any]) -> None:
+    """What node `step_dir` of another stagerd build writes on the exchange `url` before it looks at any
+    other node's writes, byte for byte: its claim (`claim`'s fields added to what every build names), as a
+    conditional create, then its raw part. `claim` = the settings alone is a build from before fleet
+    protocol versions: its claim is what that build's `fleet/claim.py` wrote."""
+    m = layout.read_marker(step_dir)
+    save = layout.marker_identity(step_dir)
+    mine = {"root": root_id, "node": m.staging_node, "nodes": m.staging_nodes, "save": save, **claim}
+    sink = FsspecSink.from_url(url)
+    try:
+        key = f"fleet/{layout.step_dir_name(m.step)}/node-{m.staging_node:05d}.json"
+        assert sink.backend.create(key, json.dumps(mine).encode()), key
+        sink.publish_raw(step_dir, m.step)
+    finally:
+        sink.close()
 
 
 def split_step(step_dir: Path, dest: Path, nodes: int, *, link: bool = False) -> list[Path]:

@@ -1,5 +1,6 @@
 """A node's claim of its part of a fleet step on the exchange (`fleet/step-N/node-K.json`, naming its ROOT,
-its save and its settings), and its wait until every other node's claim names the same settings."""
+its save, its settings and its build's fleet protocol: `version.py`), and its wait until every other
+node's claim names the same settings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.records import settings_errors
+from stagerd.daemon.fleet.version import build, same_build
 from stagerd.errors import ConfigError, FleetNodeConflictError, FleetWaitError, StepConflictError
 from stagerd.sinks.fetch import step_prefix
 
@@ -15,9 +17,11 @@ from stagerd.sinks.fetch import step_prefix
 def claim(x: StepExchange, root_id: str, save: str, settings: dict[str, Any]) -> None:
     """Claim node `x.me` for this ROOT and save (a conditional create); another ROOT's claim is
     `FleetNodeConflictError`, another save's `StepConflictError`; this ROOT's claim with other settings
-    (restarted with fixed ones) is rewritten, for the other nodes to compare."""
+    (restarted with fixed ones) or of another build (restarted on an upgraded stagerd) is rewritten, for
+    the other nodes to compare."""
     key, step, me, nodes = x.claim_key(x.me), x.step, x.me, x.nodes
-    mine = json.dumps({"root": root_id, "node": me, "nodes": nodes, "save": save, **settings}).encode()
+    body = {"root": root_id, "node": me, "nodes": nodes, "save": save, **settings, **build()}
+    mine = json.dumps(body).encode()
     if x.create(key, mine):
         return
     theirs = x.read_json(key) or {}
@@ -41,8 +45,9 @@ def claim(x: StepExchange, root_id: str, save: str, settings: dict[str, Any]) ->
             f"{step_prefix(step, raw=True)}/ from the exchange, then run "
             f"`stagerd retry ROOT --step {step}`; to keep what was published, delete the new save",
         )
-    if theirs.get("settings", settings["settings"]) != settings["settings"]:
-        x.exchange.backend.write(key, mine)  # restarted with other settings: the others compare these
+    if theirs.get("settings", settings["settings"]) != settings["settings"] or not same_build(theirs):
+        # restarted with other settings, or on another stagerd: the others compare these
+        x.exchange.backend.write(key, mine)
 
 
 def wait_agreed(x: StepExchange, settings: dict[str, Any]) -> None:

@@ -63,6 +63,7 @@ from stagerd.daemon.fleet.records import (
     settings_of,
 )
 from stagerd.daemon.fleet.stake import Stakes, publisher, stake
+from stagerd.daemon.fleet.version import same_protocol
 from stagerd.engine.adapter import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS
 from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
@@ -192,6 +193,7 @@ class FleetNode:
                 self.step_dir, self.step, progress=sending
             ).bytes_uploaded
             parts = self._wait_parts()
+            same_protocol(self.x, self.lanes.all)  # before anything is claimed or written on a sink
             wait_agreed(self.x, self._settings())
             # the leader's claim of the export, made before any node writes under a sink's step-N/ (another's
             # step is not ours) and again before each commit

@@ -14,6 +14,7 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetResult
+from stagerd.daemon.fleet.version import build
 from stagerd.errors import (
     ConfigError,
     FleetNodeConflictError,
@@ -80,19 +81,20 @@ def test_node_parts_of_another_node_count_are_a_named_error_not_a_wait(tmp_path,
 
 
 def test_a_file_built_from_another_plan_is_never_committed(tmp_path, dcp_mixed2):
-    """Node 1's daemon runs with --dtype fp16, node 0's with bf16, and the claims name no settings
-    (written by an older stagerd; or any plan difference the settings do not name): same file names,
-    same sizes. The leader used to commit node 1's fp16 files under its bf16 index. Now each record
-    names the sha256 of the file's header in its owner's plan and the leader refuses another by name;
-    with the records deleted (the hint), the step commits the bytes of a fleet that always agreed."""
+    """Node 1's daemon runs with --dtype fp16, node 0's with bf16, and the claims name no settings (any
+    plan difference the settings do not name; a claim by a stagerd from before settings is now refused by
+    its protocol, `test_versions.py`): same file names, same sizes. The leader used to commit node 1's
+    fp16 files under its bf16 index. Now each record names the sha256 of the file's header in its owner's
+    plan and the leader refuses another by name; with the records deleted (the hint), the step commits the
+    bytes of a fleet that always agreed."""
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
     sink, good = tmp_path / "sink", tmp_path / "good"
     ok = _run_all(node_dirs, good.as_uri(), dtype="bf16")
     assert all(isinstance(r, FleetResult) for r in ok), ok
     shutil.rmtree(node_dirs[0].parent / ".stagerd", ignore_errors=True)
     (sink / "fleet" / NAME).mkdir(parents=True)
-    for k, d in enumerate(node_dirs):  # claims as an older stagerd writes them: no settings to compare
-        claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d)}
+    for k, d in enumerate(node_dirs):  # claims of this build with no settings to compare
+        claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d), **build()}
         (sink / "fleet" / NAME / f"node-{k:05d}.json").write_text(json.dumps(claim))
     dtypes = ("bf16", "fp16")
     out = run_nodes(lambda k: _node(node_dirs[k], sink.as_uri(), dtype=dtypes[k], wait_seconds=1)[0], 2)
