@@ -36,6 +36,7 @@ from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 NAME = layout.step_dir_name(STEP)
 OLD = "a stagerd from before fleet protocol versions (protocol 1)"
 NEW = f"stagerd {__version__} (fleet protocol {PROTOCOL})"
+WAIT = ("--fleet-wait-seconds", "60")  # a wait, where a node should have said what is wrong, ends in a minute
 
 
 def _settings(url: str) -> dict:
@@ -69,7 +70,7 @@ def test_a_node_of_an_older_stagerd_is_named_at_once_and_the_step_exports_once_i
     older_node(node_dirs[older], url, root_id(old_root), _settings(url))  # claim and raw part, then it waits
 
     # a wait of the setting would end as FleetWaitError, not as the version's error
-    rc, log = _done(_watch(new_root, url, "--fleet-wait-seconds", "60"))
+    rc, log = _done(_watch(new_root, url, *WAIT))
     line = [ln for ln in log.splitlines() if ln.startswith(f"  step {STEP}: ")]
     assert rc == 1 and len(line) == 1, log
     assert "still waiting (not quarantined): FleetVersionError: " in line[0], log
@@ -96,13 +97,19 @@ def test_a_node_of_an_older_stagerd_is_named_at_once_and_the_step_exports_once_i
     assert "(FleetVersionError: " in str(seen) and f"node {older} runs {OLD}" in str(seen), seen
 
     # the rolling upgrade finished: the old node restarts on this build and rewrites its claim
-    upgraded = _watch(old_root, url)
-    deadline = time.monotonic() + 60
-    while not _claim_names_protocol(s3, older, upgraded) and upgraded.poll() is None:
-        assert time.monotonic() < deadline, "the upgraded node never rewrote its claim"
-        time.sleep(0.1)
-    again = _watch(new_root, url)
-    (rc_u, log_u), (rc_a, log_a) = _done(upgraded), _done(again)
+    daemons = [_watch(old_root, url, *WAIT)]
+    try:
+        deadline = time.monotonic() + 60
+        while not _claim_names_protocol(s3, older, daemons[0]) and daemons[0].poll() is None:
+            assert time.monotonic() < deadline, "the upgraded node never rewrote its claim"
+            time.sleep(0.1)
+        daemons.append(_watch(new_root, url, *WAIT))
+        (rc_u, log_u), (rc_a, log_a) = (_done(p) for p in daemons)
+    finally:
+        for p in daemons:  # a failed assert leaves none behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert (rc_u, rc_a) == (0, 0), log_u + log_a
     assert _tree(_keys(s3), s3, "fleet") == single
     assert s3.get("fleet/latest") == NAME.encode()
