@@ -61,7 +61,7 @@ from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_best, hf_files, hf_trainer, rng
+from stagerd.integrations import best_step, hf_files, hf_trainer, rng
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -94,7 +94,7 @@ class StagerdCallback(TrainerCallback):
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
         self._limit: int | None = None  # the user's save_total_limit, unset while training
-        self._best = hf_best.BestStep(self.root)  # pinned against the daemon's retention
+        self._best = best_step.BestStep(self.root)  # pinned against the daemon's retention
 
     # -- the documented call -----------------------------------------------------------------------
 
