@@ -212,11 +212,12 @@ class Settings(BaseSettings):
         "(keep_last then removes only stagerd's exports of them).",
     )
 
-    def shard_size(self) -> int:
-        """max_shard_size, or its default for this daemon: a fleet's nodes share the work by file."""
+    def shard_size(self, fleet: bool = False) -> int:
+        """max_shard_size, or its default for a step: the nodes of a fleet (a step staged on several nodes,
+        or any step of a daemon given an exchange) share the work by output file, so smaller files."""
         if self.max_shard_size is not None:
             return int(self.max_shard_size)
-        return FLEET_MAX_SHARD_SIZE if self.exchange else DEFAULT_MAX_SHARD_SIZE
+        return FLEET_MAX_SHARD_SIZE if fleet or self.exchange else DEFAULT_MAX_SHARD_SIZE
 
     @model_validator(mode="after")
     def _check_adopt(self) -> Settings:

@@ -47,7 +47,6 @@ the calling frame), or to the one `resume()` is given, and wraps a few of its me
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -61,9 +60,8 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
-from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_files, hf_trainer, rng
+from stagerd.integrations import best_step, hf_files, hf_trainer, rng
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -73,7 +71,6 @@ _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
 _WRAPPED = ("train", "_save_checkpoint", "save_model", "_get_output_dir", "_load_best_model", *_SAVE_WRITERS)
-_STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
 
 class StagerdCallback(TrainerCallback):
@@ -97,7 +94,7 @@ class StagerdCallback(TrainerCallback):
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
         self._said: set[str] = set()
         self._limit: int | None = None  # the user's save_total_limit, unset while training
-        self._pin: StepPin | None = None  # on the best step, against the daemon's retention
+        self._best = best_step.BestStep(self.root)  # pinned against the daemon's retention
 
     # -- the documented call -----------------------------------------------------------------------
 
@@ -133,7 +130,7 @@ class StagerdCallback(TrainerCallback):
             raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
         resumed, self._resumed_step = self._resumed_step, None
         if args.load_best_model_at_end and resumed is not None:
-            self._best_of_resumed(trainer, resumed)
+            self._best.of_resumed(trainer, resumed)
         if args.load_best_model_at_end:
             self._say("load_best_model_at_end: the best step is loaded from ROOT at the end of training; a "
                       "daemon run with --keep-last may delete it before: run it without --keep-last until "
@@ -149,9 +146,7 @@ class StagerdCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._limit is not None:
             args.save_total_limit, self._limit = self._limit, None
-        if self._pin is not None:
-            self._pin.release()
-            self._pin = None
+        self._best.release()
         stager, self.stager = self.stager, None
         if stager is not None:
             stager.close()  # every save committed, or its SaveError raised here
@@ -244,7 +239,7 @@ class StagerdCallback(TrainerCallback):
         try:
             with self._writes_captured(trainer, captured, scratch):
                 save(model, trial)
-            self._name_best_step(trainer, scratch)
+            self._best.named_in(trainer, scratch)
             # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
             folder = scratch / f"checkpoint-{trainer.state.global_step}"
             files = {
@@ -256,19 +251,6 @@ class StagerdCallback(TrainerCallback):
             self._say("push_to_hub: the Trainer's per-save push is skipped; the daemon publishes every "
                       "committed step: stagerd watch ROOT --sink hf://ORG/NAME")  # fmt: skip
         self._start_save(trainer, captured, files)
-
-    def _name_best_step(self, trainer: Trainer, scratch: Path) -> None:
-        """The Trainer names the best checkpoint after the folder it saved in when this step is the best:
-        here one in `scratch`, gone after the save. It is this step's directory under ROOT instead, in
-        the state and in the `trainer_state.json` the step keeps (a resumed run then knows it)."""
-        best = trainer.state.best_model_checkpoint
-        if best is None or Path(best).parent != scratch:
-            return
-        trainer.state.best_model_checkpoint = str(self._step_path(trainer.state.global_step))
-        self._pin_best(trainer.state.global_step)
-        written = scratch / Path(best).name / _STATE_FILE
-        if written.is_file():
-            trainer.state.save_to_json(str(written))
 
     @contextlib.contextmanager
     def _writes_captured(
@@ -356,30 +338,6 @@ class StagerdCallback(TrainerCallback):
             return None  # `_load_from_checkpoint`: the model loads with the optimizer, above
 
         return load
-
-    def _step_path(self, step: int) -> Path:
-        return self.root.absolute() / layout.step_dir_name(step)
-
-    def _best_of_resumed(self, trainer: Trainer, resumed: int) -> None:
-        """The best step a resumed run recorded is this ROOT's step of that number: the recorded path may
-        be another ROOT's (moved or copied; the Trainer's own loader would find no weights there), or
-        dropped by the Trainer as no directory (the step deleted; it would end with the last weights).
-        Loaded at the end if it is here, a `LoadError` if not."""
-        recorded = trainer.state.best_model_checkpoint
-        if recorded is None:
-            state = self._step_path(resumed) / layout.EXTRAS_DIR / _STATE_FILE
-            recorded = json.loads(state.read_text()).get("best_model_checkpoint")
-        step = layout.parse_step_dir(Path(recorded).name) if isinstance(recorded, str) else None
-        if step is not None:  # the Trainer's own checkpoints are `checkpoint-N`
-            trainer.state.best_model_checkpoint = str(self._step_path(step))
-            self._pin_best(step)
-
-    def _pin_best(self, step: int) -> None:
-        """Hold the best step against the daemon's retention, and let the previous best go."""
-        pin = StepPin(self.root, step).hold()
-        if self._pin is not None:
-            self._pin.release()
-        self._pin = pin
 
     def _load_best_model(self, original: Any) -> None:
         """At the end of training: the best step's model weights, from ROOT (the Trainer's own loader for

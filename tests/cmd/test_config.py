@@ -25,6 +25,17 @@ def test_defaults():
     assert s.max_shard_size is None and s.shard_size() == 50_000_000_000  # save_pretrained's
 
 
+def test_a_fleet_step_packs_smaller_files_by_default_whether_or_not_an_exchange_is_given():
+    """The nodes of a fleet share the work by output file: 50GB files would leave a model under 50GB to
+    one node. The nodes meet on the first fsspec sink when no exchange is given: 5GB files all the same."""
+    on_sink = load_settings(None, sinks=["s3://b/run"])
+    assert on_sink.shard_size() == 50_000_000_000  # a step staged on one node: save_pretrained's
+    assert on_sink.shard_size(fleet=True) == 5_000_000_000
+    assert load_settings(None, sinks=["s3://b/run"], exchange="s3://b/x").shard_size() == 5_000_000_000
+    given = load_settings(None, sinks=["s3://b/run"], max_shard_size="2GB")
+    assert given.shard_size(fleet=True) == given.shard_size() == 2_000_000_000
+
+
 def test_toml_then_env_then_flags(tmp_path, monkeypatch):
     cfg = tmp_path / "stagerd.toml"
     cfg.write_text(

@@ -155,7 +155,7 @@ class FleetTasks(DaemonState):
             dtype=s.dtype,
             keep_dtype=s.keep_dtype,
             mapping=s.mapping,
-            max_shard_size=s.shard_size(),
+            max_shard_size=s.shard_size(fleet=True),
             wait_seconds=s.fleet_wait_seconds,
             threads=s.export_threads,
             hub=bool(hubs),

@@ -208,7 +208,7 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
 
 def save_identity(ckpt: Path, preset: Preset) -> str:
     """Which save a finished checkpoint is: `dcp:` + the sha256 of `.metadata` (a new save has a new
-    save_id in it); for HF shards, `shards:` + the sha256 of their names, sizes and mtimes."""
+    save_id in it); for HF shards and files, `files:` + the sha256 of their names, sizes and mtimes."""
     if preset.format is Format.DCP:
         return "dcp:" + hashlib.sha256(read_metadata_bytes(ckpt / preset.metadata_file())).hexdigest()
     h = hashlib.sha256()
