@@ -84,7 +84,7 @@ class LocalBackend:
 
     def refuse_links(self, key: str) -> Path:
         """`root/key`; a SymlinkError where a directory on the way to it below the sink's root is a link."""
-        with contextlib.suppress(FileNotFoundError), self.tree.parent(key)[0]:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), self.tree.parent(key)[0]:
             pass
         return self.root / key
 

@@ -300,7 +300,7 @@ class LocalTree:
         not entered (nor is any link); a directory that turns into a link while walked is a SymlinkError."""
         try:
             h = self.held(rel)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # another tool's file there: none of ours under it
             return
         with h:
             for fd, sub, entries in _walk(h.fd, "", h.path, start):

@@ -241,7 +241,10 @@ class RemoteStore:
 
             return s3_store.delete_if(self.s3, key, tag)
         if self.local:
-            h, name = self.tree.parent(key)
+            try:
+                h, name = self.tree.parent(key)
+            except FileNotFoundError:
+                return False
             with h, _locked(h, name, tag) as same:
                 if same:
                     os.unlink(name, dir_fd=h.fd)
