@@ -78,8 +78,8 @@ class LocalBackend:
         if any(layout.parse_step_dir(part) is not None for part in prefix.split("/")):
             beside.append((claim_key(prefix).rpartition("/")[0], ".step-"))
         for rel, start in beside:
-            for fd, _rel, name, st in self.tree.files(rel, start):
-                if "/" not in _rel and _stale(name, st, settled=False, clock=clock):
+            for fd, found, name, st in self.tree.files(rel, start):
+                if "/" not in found and _stale(name, st, settled=False, clock=clock):
                     _unlink_at(fd, name)
 
     def refuse_links(self, key: str) -> Path:
