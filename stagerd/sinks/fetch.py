@@ -165,7 +165,7 @@ def download(
         try:
             key = f"{prefix}/{f.path}"
             try:
-                data = store.fs.cat_file(store.path(key), start=offset, end=offset + length)
+                data = store.read_range(key, offset, length)
             except FileNotFoundError:
                 raise RestoreError(
                     "disappeared from the sink during the restore", path=store.where(key)

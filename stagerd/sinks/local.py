@@ -1,4 +1,5 @@
-"""The `file://` backend: fsync'd writes renamed into place, the manifest created by `link()`."""
+"""The `file://` backend: fsync'd writes renamed into place, the manifest created by `link()`, each made
+through the sink's directories held open from its root (`local_dirs.py`), never through a link."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import builtins
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -15,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.contract.regular_file import read_regular
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
+from stagerd.sinks.local_dirs import Held, LocalTree
 from stagerd.sinks.objects import (
     MAX_LATEST_BYTES,
     ByteProgress,
@@ -29,8 +32,6 @@ from stagerd.sinks.objects import (
     changed_error,
     foreign_latest,
     newer_latest,
-    probe_clock,
-    refuse_links,
 )
 from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
@@ -43,24 +44,21 @@ TEMP_STALE_S = 3600.0
 
 
 class LocalBackend:
-    """`file:///PATH`: fsync'd writes, each file renamed into place, the manifest created by `link`."""
+    """`file:///PATH`: fsync'd writes, each file renamed into place, the manifest created by `link`; every
+    one made through the sink's directories held from its root, never through a link (`local_dirs.py`)."""
 
     has_checksums = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.tree = LocalTree(root)
 
     def list(self, prefix: str) -> dict[str, RemoteObject]:
-        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
-        base = self.root / prefix
-        out = {}
-        for dirpath, _dirs, names in os.walk(base):
-            for name in names:
-                if TEMP_NAME.fullmatch(name):
-                    continue  # our own temp files
-                p = Path(dirpath) / name
-                out[p.relative_to(base).as_posix()] = RemoteObject(p.stat().st_size)
-        return out
+        return {
+            rel: RemoteObject(st.st_size)
+            for _fd, rel, name, st in self.tree.files(prefix)
+            if not TEMP_NAME.fullmatch(name)  # our own temp files
+        }
 
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:
         return dict.fromkeys(rels)
@@ -69,92 +67,70 @@ class LocalBackend:
         """Unlink temp files whose writer is dead: under `prefix/`, and those of `latest` next to it (only
         those: the sink's directory may hold other tools' files, and temp names like ours). `settled`:
         under `prefix/`, every other host's too (see `Backend.sweep`)."""
-        self.refuse_links(f"{prefix}/-")  # the prefix's own directories too
-        base = self.root / prefix
-        inside = [Path(d) / n for d, _, names in os.walk(base) for n in names]
-        beside = []
-        for top in {self.root, base.parent}:
-            names = os.listdir(top) if top.is_dir() else []
-            beside += [top / n for n in names if n.startswith(f".{LATEST_NAME}.tmp-")]
+        clock = _Clock(self.tree)
+        for fd, _rel, name, st in self.tree.files(prefix):
+            if _stale(name, st, settled=settled, clock=clock):
+                _unlink_at(fd, name)
+        parent = prefix.rpartition("/")[0]
+        beside = [("", f".{LATEST_NAME}.tmp-")] + ([(parent, f".{LATEST_NAME}.tmp-")] if parent else [])
         # A claim, or a prune's, is written to a temp name in `claims/` too: a killed writer's stays there
         # after its step is published again or pruned, one more file every kill, unless swept here.
         if any(layout.parse_step_dir(part) is not None for part in prefix.split("/")):
-            claims_dir = (self.root / claim_key(prefix)).parent
-            names = os.listdir(claims_dir) if claims_dir.is_dir() else []
-            beside += [claims_dir / n for n in names if n.startswith(".step-")]
-        now: float | None = None
-        for p, under in [(p, True) for p in inside] + [(p, False) for p in beside]:
-            m = TEMP_NAME.fullmatch(p.name)
-            if m is None:
-                continue
-            if m["host"] == HOST:
-                if not pid_alive(int(m["pid"])):
-                    p.unlink(missing_ok=True)
-                continue
-            if settled and under:
-                p.unlink(missing_ok=True)
-                continue
-            # Another host's pid says nothing here, and an older stagerd's name says no host: either may
-            # be a live writer on another host, so only what nobody has written for long goes.
-            if m["old"] is not None and pid_alive(int(m["old"])):
-                continue
-            try:
-                mtime = p.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            now = _store_now(self.root) if now is None else now
-            if now - mtime > TEMP_STALE_S:
-                p.unlink(missing_ok=True)
+            beside.append((claim_key(prefix).rpartition("/")[0], ".step-"))
+        for rel, start in beside:
+            for fd, found, name, st in self.tree.files(rel, start):
+                if "/" not in found and _stale(name, st, settled=False, clock=clock):
+                    _unlink_at(fd, name)
 
     def refuse_links(self, key: str) -> Path:
-        """`root/key`, never through a link below the sink's root (`objects.refuse_links`)."""
-        return refuse_links(self.root, key)
+        """`root/key`; a SymlinkError where a directory on the way to it below the sink's root is a link."""
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError), self.tree.parent(key)[0]:
+            pass
+        return self.root / key
 
     def read(self, key: str, limit: int | None = None) -> bytes | None:
-        try:  # a FIFO at a claim's or a manifest's key held the publish for good
-            return read_regular(self.refuse_links(key), limit)
-        except FileNotFoundError:
-            return None
+        return self.tree.read(key, limit)  # never a FIFO's wait (a claim's or a manifest's key)
 
     def write(self, key: str, data: bytes) -> None:
-        path = self.refuse_links(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        layout.write_bytes_atomic(path, data, tmp=_temp_name(path))  # the host in the name: see sweep
+        name = key.rpartition("/")[2]
+        self.tree.write(key, data, _temp_name(Path(name)).name)  # the host in the name: see sweep
 
     def create(self, key: str, data: bytes) -> bool:
-        path = self.refuse_links(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_name(path)
-        self._write_fsync(tmp, [memoryview(data)])
-        crash_point("file.create")
-        try:
-            os.link(tmp, path)
-            layout.fsync_dir(path.parent)
+        h, name = self.tree.parent(key, create=True)
+        with h:
+            tmp = _temp_name(Path(name)).name
+            h.new_file(tmp, [memoryview(data)])
+            crash_point("file.create")
+            try:
+                h.link(tmp, name)
+            except FileExistsError:
+                return False
+            finally:
+                h.unlink(tmp)
+            h.fsync()
+            h.check()
             return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def move_latest(self, key: str, name: bytes, step: int) -> None:
         """Read-judge-write `latest` under a lock on its directory: two publishes of this sink at once
         (`publish_workers`, two daemons) could otherwise read the same old value and write in the wrong
         order, leaving `latest` behind a published step."""
-        path = self.refuse_links(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path.parent):
+        h, base = self.tree.parent(key, create=True)
+        with h, _locked(h):
             # another tool's `latest/`, a link to its newest checkpoint, or a FIFO: names no step
-            if path.exists() and not path.is_file():
+            st = h.lstat(base)
+            if st is not None and not stat.S_ISREG(st.st_mode):
                 log.warning(
                     "%s is not a file: another tool's, left as it is; latest is not moved",
-                    path,
-                    extra={"sink": str(path)},
+                    h.path / base,
+                    extra={"sink": str(h.path / base)},
                 )
                 return
-            current = self.read(key, MAX_LATEST_BYTES + 1)
-            foreign_latest(current, str(path))
+            current = None if st is None else self.read(key, MAX_LATEST_BYTES + 1)
+            foreign_latest(current, str(h.path / base))
             if newer_latest(current, step) and current != name:
                 self.write(key, name)
+            h.check()
 
     def digest(self, f: LocalFile) -> Uploaded:
         d = hash_file(f.path)
@@ -164,79 +140,98 @@ class LocalBackend:
         self, prefix: str, files: builtins.list[LocalFile], progress: ByteProgress
     ) -> builtins.list[Uploaded]:
         out = []
-        dirs = set()
-        for f in files:
-            dst = self.refuse_links(f"{prefix}/{f.rel}")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = _temp_name(dst)
-            h = hashlib.sha256()
-
-            def chunks(f: LocalFile = f, h: Any = h) -> Any:
-                for view in iter_file(f.path):
-                    h.update(view)
-                    progress(len(view))
-                    yield view
-
-            size = self._write_fsync(tmp, chunks())
-            if size != f.size:
-                tmp.unlink(missing_ok=True)
-                raise changed_error(f, size)
-            crash_point("file.upload")
-            os.replace(tmp, dst)
-            dirs.add(dst.parent)
-            out.append(Uploaded(f.rel, size, h.hexdigest(), None))
-        for d in sorted(dirs):
-            layout.fsync_dir(d)
+        # consecutive files of one directory share its descriptors and its fsync
+        for rel, group in itertools.groupby(files, key=lambda f: f"{prefix}/{f.rel}".rpartition("/")[0]):
+            with self.tree.held(rel, create=True) as h:
+                out += [_upload_one(h, f, progress) for f in group]
+                h.fsync()
         return out
-
-    @staticmethod
-    def _write_fsync(path: Path, chunks: Any) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        size = 0
-        try:
-            for view in chunks:
-                while view:
-                    n = os.write(fd, view)
-                    size += n
-                    view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return size
 
     def close(self) -> None:
         pass
+
+
+def _upload_one(h: Held, f: LocalFile, progress: ByteProgress) -> Uploaded:
+    name = f.rel.rpartition("/")[2]
+    tmp = _temp_name(Path(name)).name
+    sha = hashlib.sha256()
+
+    def chunks() -> Any:
+        for view in iter_file(f.path):
+            sha.update(view)
+            progress(len(view))
+            yield view
+
+    size = h.new_file(tmp, chunks())
+    if size != f.size:
+        h.unlink(tmp)
+        raise changed_error(f, size)
+    crash_point("file.upload")
+    h.rename(tmp, name)
+    h.check()
+    return Uploaded(f.rel, size, sha.hexdigest(), None)
 
 
 def _temp_name(path: Path) -> Path:
     return temp_name(path, HOST)  # this module's HOST, read at each call
 
 
-def _store_now(root: Path) -> float:
-    """The store's time now (`probe_clock`), or this host's where nothing can be written."""
-    try:
-        return probe_clock(root)
-    except OSError:
-        return time.time()  # a read-only sink: nothing of ours to sweep there anyway
+def _unlink_at(fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
 
 
-_THREAD_LOCKS: dict[str, threading.Lock] = {}
+class _Clock:
+    """The store's time (`Held.clock` at the root), read once and only when first asked for; this host's
+    where nothing can be written (a read-only sink: nothing of ours to sweep there anyway)."""
+
+    def __init__(self, tree: LocalTree) -> None:
+        self.tree = tree
+        self.now: float | None = None
+
+    def __call__(self) -> float:
+        if self.now is None:
+            try:
+                with self.tree.held("") as h:
+                    self.now = h.clock()
+            except OSError:
+                self.now = time.time()
+        return self.now
+
+
+def _stale(name: str, st: os.stat_result, *, settled: bool, clock: _Clock) -> bool:
+    """Whether the file `name` is a temp file whose writer is gone (see `LocalBackend.sweep`)."""
+    m = TEMP_NAME.fullmatch(name)
+    if m is None or not stat.S_ISREG(st.st_mode):
+        return False
+    if m["host"] == HOST:
+        return not pid_alive(int(m["pid"]))
+    if settled:
+        return True
+    # Another host's pid says nothing here, and an older stagerd's name says no host: either may be a
+    # live writer on another host, so only what nobody has written for long goes.
+    if m["old"] is not None and pid_alive(int(m["old"])):
+        return False
+    return clock() - st.st_mtime > TEMP_STALE_S
+
+
+_THREAD_LOCKS: dict[tuple[int, int], threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on `directory`: a thread lock within this process, and `flock` on the directory
+def _locked(held: Held) -> Iterator[None]:
+    """An exclusive lock on the held directory: a thread lock within this process, and `flock` on it
     against other processes. A filesystem without `flock` on directories (some NFS mounts) keeps only the
     thread lock, the read-then-write other fsspec stores have."""
-    name = os.path.realpath(directory)
+    st = os.fstat(held.fd)
     with _THREAD_LOCKS_GUARD:
-        lock = _THREAD_LOCKS.setdefault(name, threading.Lock())
+        lock = _THREAD_LOCKS.setdefault((st.st_dev, st.st_ino), threading.Lock())
     with lock:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.suppress(OSError):
+            fcntl.flock(held.fd, fcntl.LOCK_EX)
         try:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # releases the flock
+            with contextlib.suppress(OSError):
+                fcntl.flock(held.fd, fcntl.LOCK_UN)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import builtins
 import json
 import logging
-import os
-import stat
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -21,14 +19,12 @@ from typing import Protocol, runtime_checkable
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.manifest import ExportManifest
-from stagerd.errors import MarkerError, SinkConflictError, SinkError, SymlinkError, VerifyError
-from stagerd.ops.crashpoints import crash_point
+from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
-CLOCK_NAME = ".stagerd-clock"  # `probe_clock`'s file, under a temp name
+CLOCK_NAME = ".stagerd-clock"  # the file:// store's clock probe (`local_dirs.Held.clock`), under a temp name
 _SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 
 
@@ -233,23 +229,6 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
-def probe_clock(directory: Path) -> float:
-    """The store's time now: the mtime of a file written now in `directory` and removed (on NFS, the
-    server's), so an age on the store never compares two machines' clocks. Its name says whose
-    (`temp_names.py`): a prober of this host killed between the two left its file, which goes first."""
-    for name in os.listdir(directory):
-        m = TEMP_NAME.fullmatch(name) if name.startswith(f".{CLOCK_NAME}.tmp-") else None
-        if m is not None and m["host"] == HOST and not pid_alive(int(m["pid"])):
-            (directory / name).unlink(missing_ok=True)
-    probe = temp_name(directory / CLOCK_NAME)
-    try:
-        probe.write_bytes(b"")
-        crash_point("prune.clock")
-        return probe.stat().st_mtime
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 def scan_dir(root: Path, *, skip_dirs: frozenset[str] | set[str] = frozenset()) -> list[LocalFile]:
     """Every regular file under `root` (sorted, relative, `/`-separated), except a manifest at its top."""
     if not root.is_dir():
@@ -355,22 +334,3 @@ def parse_manifest(data: bytes, where: str) -> ExportManifest:
         raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
     except MarkerError as e:
         raise SinkConflictError(f"remote manifest is malformed: {e.message}", path=where) from None
-
-
-def refuse_links(root: Path, key: str) -> Path:
-    """`root/key`, or a SymlinkError where a directory on the way to it below a file:// sink's root is a
-    link: a step, `raw/` or `claims/` linked out of the sink would have files written, replaced, swept and
-    deleted wherever the link points (the sink's own root may be a link: the operator named it)."""
-    at = root
-    for part in Path(key).parts[:-1]:
-        at = at / part
-        try:
-            st = os.lstat(at)
-        except (FileNotFoundError, NotADirectoryError):
-            break  # made below here by mkdir (real directories), or the write fails as it would have
-        if stat.S_ISLNK(st.st_mode):
-            raise SymlinkError(
-                f"is a link (to {os.readlink(at)!r}): stagerd writes and deletes only inside the sink",
-                path=at,
-            )
-    return root / key

@@ -16,26 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract import layout
-from stagerd.contract.regular_file import open_regular, read_regular
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.objects import (
-    CLOCK_NAME,
-    MAX_LATEST_BYTES,
-    MAX_MANIFEST_BYTES,
-    StoredObject,
-    probe_clock,
-    redact_url,
-    refuse_links,
-)
+from stagerd.sinks.local_dirs import Held, LocalTree
+from stagerd.sinks.objects import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 
@@ -86,10 +79,10 @@ class RemoteStore:
     def where(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
 
-    def _local(self, key: str) -> Path:
-        """A file:// key's path, never through a link below the sink's root (SymlinkError)."""
-        base = Path(self.path(""))
-        return refuse_links(base, key) if key else base
+    @functools.cached_property
+    def tree(self) -> LocalTree:
+        """file://: the sink's directories, each reached from its root without following a link."""
+        return LocalTree(Path(self.path("")))
 
     # -- reading ------------------------------------------------------------------------------------------
 
@@ -105,13 +98,21 @@ class RemoteStore:
             head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
             return head
         try:  # file://: never a FIFO's wait (a claim read by a prune), never more than `n` in memory
-            data: bytes = (
-                read_regular(self._local(key), n) if self.local else self.fs.cat_file(self.path(key), 0, n)
+            data: bytes | None = (
+                self.tree.read(key, n) if self.local else self.fs.cat_file(self.path(key), 0, n)
             )
         except FileNotFoundError:
             return None
         except OSError as e:
             raise SinkError(f"{type(e).__name__}: {e}", path=self.where(key)) from None
+        return data
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of `key` from `start` (fewer at its end); FileNotFoundError if it is absent."""
+        if self.local:
+            with self.tree.opened(key) as f:
+                return os.pread(f.fileno(), length, start)
+        data: bytes = self.fs.cat_file(self.path(key), start=start, end=start + length)
         return data
 
     def read_latest(self, key: str) -> bytes | None:
@@ -120,8 +121,8 @@ class RemoteStore:
         A sink shared with other tools may hold their `latest` there: a large or empty file, or on file:// a
         directory or a link to one (a common name for the newest checkpoint). It names no step (b"" for
         a directory), so it protects none and is never touched; failing on it would stop retention."""
-        if self.local and os.path.exists(self._local(key)) and not os.path.isfile(self._local(key)):
-            return b""  # a directory, or a FIFO that would fail the read
+        if self.local and (st := self.tree.lstat(key)) is not None and not stat.S_ISREG(st.st_mode):
+            return b""  # a directory, a link, or a FIFO that would fail the read
         return self._head(key, MAX_LATEST_BYTES + 1)
 
     def objects(self, prefix: str = "", start: str = "") -> dict[str, StoredObject]:
@@ -133,7 +134,8 @@ class RemoteStore:
 
                 return s3_store.objects(self.s3, prefix, start)
             if self.local:
-                return _local_objects(self._local(f"{prefix}/-").parent if prefix else self._local(""), start)
+                walked = self.tree.files(prefix, start)  # never entering a link
+                return {rel: StoredObject(st.st_size, st.st_mtime, _tag(st)) for _, rel, _, st in walked}
             found = self._fsspec_objects(prefix)
             return {rel: o for rel, o in found.items() if rel.startswith(start)}
         except SinkError:
@@ -167,7 +169,7 @@ class RemoteStore:
             return s3_store.read_tagged(self.s3, key)
         if self.local:
             try:
-                with open_regular(self._local(key)) as f:  # a FIFO's wait held a prune for good
+                with self.tree.opened(key) as f:  # a FIFO's wait held a prune for good
                     st = os.fstat(f.fileno())
                     return f.read(min(st.st_size, MAX_MANIFEST_BYTES)), _tag(st)
             except FileNotFoundError:
@@ -189,10 +191,11 @@ class RemoteStore:
 
             return s3_store.clock(self.s3)
         if self.local:
-            top = Path(self.path(CLOCK_NAME)).parent
-            if not top.is_dir():
+            try:
+                with self.tree.held("") as top:
+                    return top.clock()
+            except FileNotFoundError:
                 return time.time()  # no sink here yet, so nothing has an age: never made by a prune
-            return probe_clock(top)
         return time.time()  # other fsspec stores: no portable server time (documented)
 
     # -- writing ------------------------------------------------------------------------------------------
@@ -205,9 +208,8 @@ class RemoteStore:
             s3_store.put(self.s3, key, data)
         elif self.local:
             for attempt in (1, 2):  # a prune may remove the empty parent between mkdir and write
-                self._local(key).parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    layout.write_bytes_atomic(self._local(key), data)
+                    self.tree.write(key, data, temp_name(Path(key)).name)
                     return
                 except FileNotFoundError:
                     if attempt == 2:
@@ -223,7 +225,7 @@ class RemoteStore:
 
             return s3_store.put_if(self.s3, key, data, tag)
         if self.local:
-            return _local_put_if(self._local(key), data, tag)
+            return _local_put_if(self.tree, key, data, tag)
         current = self.read_tagged(key)  # no portable condition: read, compare, write (weaker)
         if (current is None) != (tag is None) or (current is not None and current[1] != tag):
             return None
@@ -239,10 +241,15 @@ class RemoteStore:
 
             return s3_store.delete_if(self.s3, key, tag)
         if self.local:
-            with _locked(self._local(key), tag) as held:
-                if held:
-                    os.unlink(self._local(key))
-                return held
+            try:
+                h, name = self.tree.parent(key)
+            except FileNotFoundError:
+                return False
+            with h, _locked(h, name, tag) as same:
+                if same:
+                    os.unlink(name, dir_fd=h.fd)
+                    h.check()
+                return same
         current = self.read_tagged(key)
         if current is None or current[1] != tag:
             return False
@@ -256,15 +263,15 @@ class RemoteStore:
 
             s3_store.delete(self.s3, keys)
             return
+        if self.local:
+            self.tree.delete(keys)
+            return
         for key in keys:
-            if not self.local and any(c in key for c in PATTERN_CHARS):
+            if any(c in key for c in PATTERN_CHARS):
                 # an async fsspec store without its own `_rm_file` deletes through `_rm`, which expands
                 raise SinkError("has glob characters: not deleted through fsspec", path=self.where(key))
             try:
-                if self.local:
-                    os.unlink(self._local(key))
-                else:
-                    self.fs.rm_file(self.path(key))
+                self.fs.rm_file(self.path(key))
             except FileNotFoundError:
                 pass
 
@@ -273,10 +280,7 @@ class RemoteStore:
         directory someone writes into again is not empty and stays). Object stores have none."""
         if not self.local:
             return
-        top = self._local(f"{prefix}/-").parent  # the prefix itself too: never rmdir through a link
-        for dirpath, _dirs, _names in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
-            with contextlib.suppress(OSError):
-                os.rmdir(dirpath)
+        self.tree.remove_empty_dirs(prefix)  # the prefix itself too
 
     def close(self) -> None:
         for b in self.owns:
@@ -299,35 +303,21 @@ def _tag(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
-def _local_objects(base: Path, start: str = "") -> dict[str, StoredObject]:
-    out = {}
-    for dirpath, dirs, names in os.walk(base):  # never follows a link to a directory
-        if start and Path(dirpath) == base:
-            dirs[:] = [d for d in dirs if d.startswith(start)]
-            names = [n for n in names if n.startswith(start)]
-        for name in names:
-            p = Path(dirpath) / name
-            try:
-                st = p.lstat()
-            except FileNotFoundError:
-                continue  # deleted while listing
-            out[p.relative_to(base).as_posix()] = StoredObject(st.st_size, st.st_mtime, _tag(st))
-    return out
-
-
 @contextlib.contextmanager
-def _locked(path: Path, tag: str) -> Iterator[bool]:
-    """Hold an exclusive `flock` on `path` while it is still the file `tag` names: yields whether it is.
-    Every replacer and deleter of a claim takes it, so a check and its change are one step."""
+def _locked(h: Held, name: str, tag: str) -> Iterator[bool]:
+    """Hold an exclusive `flock` on the file `name` in `h` while it is still the file `tag` names: yields
+    whether it is. Every replacer and deleter of a claim takes it, so a check and its change are one step."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except (FileNotFoundError, OSError):
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=h.fd)
+    except OSError:
         yield False
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            same = _tag(os.fstat(fd)) == tag and _tag(os.stat(path, follow_symlinks=False)) == tag
+            same = (
+                _tag(os.fstat(fd)) == tag and _tag(os.stat(name, dir_fd=h.fd, follow_symlinks=False)) == tag
+            )
         except FileNotFoundError:
             same = False  # replaced or removed while we waited for the lock
         yield same
@@ -335,26 +325,26 @@ def _locked(path: Path, tag: str) -> Iterator[bool]:
         os.close(fd)
 
 
-def _local_put_if(path: Path, data: bytes, tag: str | None) -> str | None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)  # names its host: a sweep there removes it once its writer is dead
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    crash_point("file.create")
-    try:
-        if tag is None:
-            try:
-                os.link(tmp, path)  # cannot replace: exactly one creator wins
-            except FileExistsError:
-                return None
-        else:
-            with _locked(path, tag) as held:
-                if not held:
+def _local_put_if(tree: LocalTree, key: str, data: bytes, tag: str | None) -> str | None:
+    h, name = tree.parent(key, create=True)
+    with h:
+        tmp = temp_name(Path(name)).name  # names its host: a sweep there removes it once its writer is dead
+        h.new_file(tmp, [memoryview(data)])
+        crash_point("file.create")
+        try:
+            if tag is None:
+                try:
+                    h.link(tmp, name)  # cannot replace: exactly one creator wins
+                except FileExistsError:
                     return None
-                os.replace(tmp, path)  # a new inode: a replacer waiting on the old one then sees the change
-        layout.fsync_dir(path.parent)
-        return _tag(os.stat(path, follow_symlinks=False))
-    finally:
-        tmp.unlink(missing_ok=True)
+            else:
+                with _locked(h, name, tag) as same:
+                    if not same:
+                        return None
+                    h.rename(tmp, name)  # a new inode: a replacer waiting on the old one then sees the change
+            h.fsync()
+            st = h.lstat(name)
+            h.check()
+            return None if st is None else _tag(st)
+        finally:
+            h.unlink(tmp)
