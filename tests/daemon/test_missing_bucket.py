@@ -24,7 +24,7 @@ s3_server, s3 = s3server.s3_server, s3server.s3  # moto behind a fault proxy on 
 MANIFEST = f"run/{layout.step_dir_name(100)}/{layout.MANIFEST_NAME}"
 
 
-def _missing(s3: s3server.S3Env) -> tuple[str, str]:
+def _missing() -> tuple[str, str]:
     bucket = f"stagerd-missing-{uuid.uuid4().hex[:12]}"
     return bucket, f"s3://{bucket}/run"
 
@@ -33,7 +33,7 @@ async def test_once_names_a_missing_bucket_at_once_and_leaves_the_step_waiting(t
     src, _ = dcp_mixed2
     root = tmp_path / "root"
     stage_copy(root, 100, src, world=2)
-    bucket, url = _missing(s3)
+    bucket, url = _missing()
     args = ["watch", str(root), "--sink", url, "--once", *fast_flags()]
 
     rc, out, err = await run_cli(*args)
@@ -48,7 +48,9 @@ async def test_once_names_a_missing_bucket_at_once_and_leaves_the_step_waiting(t
     # one try, not `max_attempts` with backoff, and not quarantined: the next start tries again
     assert lane["state"] == "failed" and lane["error_class"] == "SinkMissingError", lane
     assert lane["attempts"] == 1, lane
-    assert s3.proxy.count("CreateBucket") == 0  # nothing was written anywhere, not even a bucket
+    # every request the store got was refused: nothing was written
+    assert s3.proxy.log and {r.status for r in s3.proxy.log} == {404}
+    assert s3.proxy.count("CreateBucket") == 0  # nor a bucket made
 
     s3.client.create_bucket(Bucket=bucket)
     rc, out, err = await run_cli(*args)
@@ -60,7 +62,7 @@ async def test_a_running_daemon_publishes_once_the_bucket_is_created(tmp_path, d
     src, _ = dcp_mixed2
     root = tmp_path / "root"
     stage_copy(root, 100, src, world=2)
-    bucket, url = _missing(s3)
+    bucket, url = _missing()
     # the slow cadence of a missing bucket's checks is `retry_max_seconds`: short here
     env = clean_env({"STAGERD_RETRY_MAX_SECONDS": "1"})
     w = await start_watch(root, "--sink", url, *fast_flags(), log_dir=tmp_path / "logs", env=env)
