@@ -147,7 +147,7 @@ class SinkMissingError(SinkError):
     stops trying at once, leaving the step waiting for the next start."""
 
     retryable = True  # the destination may be created; until then the step waits
-    hint = "create the bucket (e.g. `aws s3 mb s3://BUCKET`), or fix the sink URL; the step waits for it"
+    hint = "create the bucket (e.g. `aws s3 mb s3://BUCKET`), or fix the sink URL"
 
 
 class SinkConflictError(SinkError):

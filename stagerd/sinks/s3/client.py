@@ -206,9 +206,9 @@ def s3_error(e: BaseException, where: str) -> SinkError:
 def missing_bucket(bucket: str, where: str, operation: str) -> SinkMissingError:
     """A store's `NoSuchBucket`: the sink's bucket is absent, which no retry of the request fixes."""
     return SinkMissingError(
-        f"bucket {bucket!r} does not exist (NoSuchBucket from {operation}); nothing was written",
+        f"bucket {bucket!r} does not exist (NoSuchBucket from {operation})",
         path=where,
-        hint=f"create the bucket (`aws s3 mb s3://{bucket}`), or fix the sink URL; the step waits for it",
+        hint=f"create the bucket (`aws s3 mb s3://{bucket}`), or fix the sink URL",
     )
 
 
