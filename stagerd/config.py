@@ -278,11 +278,12 @@ class Settings(BaseSettings):
     @field_validator("sinks")
     @classmethod
     def _check_sinks(cls, v: list[str]) -> list[str]:
-        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates
+        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates, refuse_nested
 
         for url in v:
             parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created
         refuse_duplicates(v)
+        refuse_nested(v)
         return v
 
     @field_validator("exchange")

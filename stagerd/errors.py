@@ -141,6 +141,15 @@ class SinkAuthError(SinkError):
     hint = "check the token (HF_TOKEN or AWS credentials) and its write permission on the destination"
 
 
+class SinkMissingError(SinkError):
+    """The sink's destination itself does not exist (an S3 bucket): nothing was written. The step is fine,
+    so it is never quarantined: a running daemon checks again every `retry_max_seconds`, and a `--once` run
+    stops trying at once, leaving the step waiting for the next start."""
+
+    retryable = True  # the destination may be created; until then the step waits
+    hint = "create the bucket (e.g. `aws s3 mb s3://BUCKET`), or fix the sink URL"
+
+
 class SinkConflictError(SinkError):
     """The destination already holds different content for this step."""
 

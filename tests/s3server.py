@@ -2,8 +2,8 @@
 
 The proxy is a small threaded WSGI server (werkzeug) that forwards every request to moto over HTTP, and on
 the way:
-- checks the AWS SigV4 signature against the keys it knows (`InvalidAccessKeyId` / `SignatureDoesNotMatch`,
-  both 403, as S3 answers), so a test can prove how bad credentials end;
+- checks the AWS SigV4 signature against the keys it knows (`tests/sigv4.py`: `InvalidAccessKeyId` /
+  `SignatureDoesNotMatch`, both 403, as S3 answers), so a test can prove how bad credentials end;
 - logs every request by S3 operation, so a test can count what a client really sent;
 - injects faults by rule: N answers of a status (500 InternalError, 503 SlowDown, 429 with Retry-After),
   a connection dropped after part of the request body, and a server that is down (listener closed, open
@@ -21,7 +21,6 @@ credentials in the environment, a fresh bucket). Import both into a test module 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import http.client
 import logging
 import socket
@@ -35,6 +34,8 @@ from typing import Any
 
 import pytest
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+
+from tests.sigv4 import sigv4_denied
 
 ACCESS_KEY = "stagerd-test-key"
 IGNORE_ALL = {("PutObject", "if-none-match"), ("PutObject", "if-match"), ("DeleteObject", "if-match")}
@@ -168,7 +169,7 @@ class FaultProxy:
         if fault is not None:
             f = fault
             return self._error(start_response, op, key, len(body), f.status, f.code, f.retry_after)
-        denied = self._check_auth(method, path, query_string, headers)
+        denied = sigv4_denied(self.keys, method, path, query_string, headers)
         if denied is not None:
             return self._error(start_response, op, key, len(body), 403, denied, None)
         signed = headers.get("x-amz-content-sha256", "")
@@ -226,42 +227,6 @@ class FaultProxy:
             headers.append(("Retry-After", str(retry_after)))
         start_response(f"{status} {http.client.responses.get(status, 'Error')}", headers)
         return [body]
-
-    def _check_auth(self, method: str, path: str, query_string: str, headers: dict[str, str]) -> str | None:
-        """None if the SigV4 signature is good; else the S3 error code."""
-        auth = headers.get("authorization", "")
-        if not auth.startswith("AWS4-HMAC-SHA256 "):
-            return "AccessDenied"
-        fields = dict(p.strip().split("=", 1) for p in auth[len("AWS4-HMAC-SHA256 ") :].split(","))
-        akid, date, region, service, _ = fields["Credential"].split("/")
-        secret = self.keys.get(akid)
-        if secret is None:
-            return "InvalidAccessKeyId"
-        signed = fields["SignedHeaders"].split(";")
-        pairs = sorted(urllib.parse.parse_qsl(query_string, keep_blank_values=True))
-        canonical_query = "&".join(
-            f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}" for k, v in pairs
-        )
-        canonical_headers = "".join(f"{h}:{' '.join(headers.get(h, '').split())}\n" for h in signed)
-        canonical = "\n".join(
-            [
-                method,
-                path,
-                canonical_query,
-                canonical_headers,
-                fields["SignedHeaders"],
-                headers.get("x-amz-content-sha256", "UNSIGNED-PAYLOAD"),
-            ]
-        )
-        scope = f"{date}/{region}/{service}/aws4_request"
-        to_sign = "\n".join(
-            ["AWS4-HMAC-SHA256", headers["x-amz-date"], scope, hashlib.sha256(canonical.encode()).hexdigest()]
-        )
-        k = f"AWS4{secret}".encode()
-        for part in (date, region, service, "aws4_request"):
-            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
-        good = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-        return None if hmac.compare_digest(good, fields["Signature"]) else "SignatureDoesNotMatch"
 
     def _forward(
         self, method: str, raw_uri: str, headers: dict[str, str], body: bytes

@@ -74,6 +74,33 @@ def _refuse_sinks_inside_root(root: Path, sinks: list[str]) -> None:
             )
 
 
+def _refuse_root_inside_sinks(root: Path, sinks: list[str]) -> None:
+    """ROOT inside a local sink's own places (its step directories, `raw/`, `claims/`, `latest`...): the
+    sink's publishes would write among the staged steps (`SINK/raw/step-N` is ROOT's `step-N` when ROOT is
+    `SINK/raw`) and its retention would delete them. (ROOT in another directory of the sink is left alone:
+    a sink touches only names of its own.)"""
+    from stagerd.sinks.claims import CLAIMS_DIR
+    from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR
+    from stagerd.sinks.leases import RESTORING_DIR
+    from stagerd.sinks.prune import FLEET_DIR
+
+    own = {RAW_DIR, CLAIMS_DIR, FLEET_DIR, RESTORING_DIR, LATEST_NAME}
+    real_root = root.resolve()
+    for url in sinks:
+        target = parse_sink_url(url)
+        where = target.local_path.resolve() if target.kind is SinkKind.LOCAL else None
+        if where is None or where not in real_root.parents:
+            continue
+        top = real_root.relative_to(where).parts[0]
+        if top in own or top.startswith("step-"):
+            raise ConfigError(
+                f"ROOT {root} is inside sink {url}, under its {top}: the sink's publishes and retention "
+                "would write and delete among the staged steps",
+                hint="stage outside the sink's directory, or in a directory of it that the sink does not use "
+                "(e.g. SINK/staging); nothing was written",
+            )
+
+
 def _warm_engine() -> None:
     """Import the export engine (numpy, safetensors) before the first step, not inside its pickup."""
     import stagerd.engine.export  # noqa: F401
@@ -122,6 +149,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
         _refuse_sinks_inside_root(self.root, self.settings.sinks)
+        _refuse_root_inside_sinks(self.root, self.settings.sinks)
         if self._adopt_root is not None:
             check_adopt_places(self.root, self._adopt_root, self.settings)
         lock = self._root_lock = RootLock(self.root)

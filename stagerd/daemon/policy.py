@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from stagerd import errors
 from stagerd.config import Settings
-from stagerd.errors import FleetWaitError, StagerdError
+from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
 
 # Quarantines the daemon records itself, which no wait or restart fixes by itself.
 _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
@@ -35,9 +35,13 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
 
     A fleet step's wait for other nodes that timed out in a `--once` run is given up for this run at once
     (the wait was the setting; waiting again changes nothing) but never quarantined: failed with no next
-    try, the step still waits, and the next start tries it again."""
+    try, the step still waits, and the next start tries it again. So is a publish to a sink whose
+    destination is missing (`SinkMissingError`), which a running daemon checks again only every
+    `retry_max_seconds`: the step is fine, and waits for the bucket to be created."""
     if isinstance(err, FleetWaitError) and settings.once:
         return Failure(err.name, str(err), False, None)
+    if isinstance(err, SinkMissingError):  # the step is fine, its destination absent: it waits for it
+        return Failure(err.name, str(err), False, None if settings.once else now + settings.retry_max_seconds)
     if isinstance(err, StagerdError):
         retryable, cls, msg = err.retryable, err.name, str(err)
     else:  # an unexpected exception: a bug or an unwrapped OSError; retrying is the safe default

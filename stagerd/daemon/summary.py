@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from stagerd import errors
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import FAILED, PUBLISHED, LaneRow, StepRow
+from stagerd.daemon.journal import FAILED, PUBLISHED, LaneRow
 from stagerd.daemon.state import log
 
 NEWEST_LISTED = 10  # published steps named in the summary line, newest first dropped last
@@ -45,12 +45,8 @@ class OnceSummary(JournalGate):
                 continue
             why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
             if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
-                why = [f"still waiting (not quarantined): {r.error_class}: {r.error_message}; {_hint(r)}"]
-            why += [
-                f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
-                for ln in lanes.get(r.step, ())
-                if ln.state != PUBLISHED
-            ]
+                why = [_waiting(r.error_class, r.error_message)]
+            why += [_lane_why(ln) for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED]
             out.unpublished.append((r.step, "; ".join(why)))
         out.published = sorted(out.published)[-NEWEST_LISTED:]
         return out
@@ -110,7 +106,17 @@ def _newest(summary: Summary) -> str:
     return f" (newest {len(summary.published)} published: {shown})" if more else f" (published: {shown})"
 
 
-def _hint(row: StepRow) -> str:
-    cls = getattr(errors, row.error_class or "", None)
+def _lane_why(ln: LaneRow) -> str:
+    if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits for it
+        return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
+    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
+
+
+def _waiting(error_class: str | None, message: str | None) -> str:
+    return f"still waiting (not quarantined): {error_class}: {message}; {_hint(error_class)}"
+
+
+def _hint(error_class: str | None) -> str:
+    cls = getattr(errors, error_class or "", None)
     hint = getattr(cls, "hint", None)
     return f"hint: {hint}" if isinstance(hint, str) else "the next start tries again"

@@ -30,12 +30,12 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.contract.step.held import HeldDir
-from stagerd.errors import ConfigError, SinkAuthError, SinkConflictError, SinkError, VerifyError
+from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point, delay_point
+from stagerd.sinks.backends import open_backend
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
 from stagerd.sinks.fetch import RAW_DIR, node_part
-from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.latest import LatestMixin
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
@@ -59,7 +59,6 @@ from stagerd.sinks.objects import (
     verify_listing,
 )
 from stagerd.sinks.raw_step import held_raw_step
-from stagerd.sinks.s3.backend import S3Backend
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 _MANIFEST = MAX_MANIFEST_BYTES + 1  # read of a manifest: one past the limit, which parse_manifest refuses
@@ -90,32 +89,10 @@ class FsspecSink(LatestMixin):
         `secret`, `endpoint_url`, `profile`, `client_kwargs`, `config_kwargs`...); the AWS environment
         and config files apply to S3 as usual. S3 only: `part_size` and `max_concurrency` (parts in
         flight, so memory is about their product), `checksum` (CRC32 or SHA256) the store verifies."""
-        import fsspec
-
-        from stagerd.sinks.urls import refuse_patterns
-
-        refuse_patterns(url)  # also where a sink is opened without the parser (the fleet's exchange)
         opts = {**dict(storage_options or {}), **options}
-        protocol, path = fsspec.core.split_protocol(url)
-        try:
-            if protocol in (None, "file", "local"):
-                backend: Backend = LocalBackend(Path(path or "/"))
-            elif protocol in ("s3", "s3a"):
-                backend = S3Backend.open(
-                    url, opts, part_size=part_size, max_concurrency=max_concurrency, checksum=checksum
-                )
-            else:
-                fs, root = fsspec.core.url_to_fs(url, **opts)
-                backend = FsspecBackend(fs, root)
-        except (ValueError, ImportError, TypeError) as e:
-            raise ConfigError(
-                f"cannot open sink {redact_url(url)}: {type(e).__name__}: {e}",
-                hint="use s3://BUCKET/PREFIX, file:///PATH, hf://ORG/REPO or an fsspec URL whose "
-                "package is installed (gcsfs for gs://, adlfs for az://)",
-            ) from None
-        except OSError as e:  # stores that connect on open (ftp, sftp) and are down: retry later
-            why = e.strerror or "connection failed"
-            raise SinkError(f"cannot reach sink {redact_url(url)}: {type(e).__name__}: {why}") from None
+        backend = open_backend(
+            url, opts, part_size=part_size, max_concurrency=max_concurrency, checksum=checksum
+        )
         return cls(url, backend)
 
     # -- Sink protocol -----------------------------------------------------------------------------------

@@ -115,6 +115,32 @@ def refuse_duplicates(urls: list[str]) -> None:
         seen[place] = url
 
 
+def refuse_nested(urls: list[str]) -> None:
+    """One sink inside another (`file:///x` and `file:///x/sub`, `s3://b` or `s3://b/p` and `s3://b/p/sub`;
+    not `s3://b/p` and `s3://b/p2`): the outer sink's listings, claims and retention would meet the inner
+    one's files under its own names, and could delete them. Checked on the URLs as written, as duplicates
+    are (`refuse_duplicates` first: one place is not nested in itself)."""
+    checked = [(parse_sink_url(url), url) for url in urls]
+    for outer, outer_url in checked:
+        for inner, inner_url in checked:
+            if outer.kind is SinkKind.HUB or outer.place[:3] != inner.place[:3]:
+                continue  # a Hub repo's revisions are branches, not directories; other stores never nest
+            if _nested(inner.path, outer.path):
+                raise ConfigError(
+                    f"sink {_shown(inner_url)} lies inside sink {_shown(outer_url)}: the outer sink's "
+                    "listings and retention would take the inner one's files for its own, and could delete "
+                    "them",
+                    hint="give each sink a directory or prefix of its own, side by side (e.g. s3://BUCKET/a "
+                    "and s3://BUCKET/b); nothing was written",
+                )
+
+
+def _nested(inner: str, outer: str) -> bool:
+    """`inner` strictly below `outer`, at a path-component boundary ("" is a bucket's or host's top)."""
+    inner, outer = inner.strip("/"), outer.strip("/")
+    return inner != outer and (not outer or inner.startswith(outer + "/"))
+
+
 def _parse(text: str) -> SinkUrl:
     if not isinstance(text, str) or not text.strip():
         raise _refuse(

@@ -108,8 +108,29 @@ def test_two_spellings_of_one_sink_are_refused_naming_both(first, second):
 
 
 def test_different_places_are_not_duplicates():
-    sinks = ["file:///srv/out", "/srv/out2", "s3://bkt/run1", "s3://bkt/run1/sub", "hf://org/repo@dev"]
+    sinks = ["file:///srv/out", "/srv/out2", "s3://bkt/run1", "s3://bkt/run10", "hf://org/repo@dev"]
+    sinks += ["s3://other/run1/sub", "ftp://host/run1/sub"]  # same prefixes, another bucket or store
     assert load_settings(sinks=[*sinks, "hf://org/repo"]).sinks == [*sinks, "hf://org/repo"]
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("file:///srv/out", "file:///srv/out/sub"),
+        ("/srv/out", "file:///srv/out/a/b"),
+        ("s3://bkt/run1", "s3://bkt/run1/sub"),
+        ("s3a://bkt/run1/", "s3://bkt/run1/sub/deeper"),
+        ("s3://bkt", "s3://bkt/run1"),  # the whole bucket holds every prefix
+        ("ftp://host/run1", "ftp://host/run1/raw"),
+    ],
+)
+def test_a_sink_inside_another_is_refused_naming_both(outer, inner):
+    # the outer sink's listings and retention would meet the inner one's steps; either order is refused
+    for sinks in ([outer, inner], [inner, outer]):
+        with pytest.raises(ConfigError, match="lies inside sink") as e:
+            load_settings(sinks=sinks)
+        assert f"sink {inner!r} lies inside sink {outer!r}" in str(e.value), str(e.value)
+        assert "side by side" in e.value.hint
 
 
 def test_bad_files(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from stagerd.config import load_settings
 from stagerd.daemon.policy import backoff_delay, decide_failure, rearmable
-from stagerd.errors import FleetWaitError, ShardError, SinkAuthError, SinkError
+from stagerd.errors import FleetWaitError, ShardError, SinkAuthError, SinkError, SinkMissingError
 
 
 def test_retry_policy_quarantines_non_retryable_at_once_and_backs_off_otherwise():
@@ -71,3 +71,14 @@ async def test_a_retry_set_by_a_clock_that_went_back_since_is_due_now(tmp_path, 
     )
     assert rc == 0 and list(manifests(sink)) == [1], err
     assert "the clock went back" in err, err  # said once, in the log
+
+
+def test_a_missing_bucket_is_never_quarantined_and_checked_again_only_slowly():
+    """The step is fine, its sink's bucket absent: a `--once` run stops at the first try (it used to back off
+    through `max_attempts` tries, then quarantine), a running daemon looks again every `retry_max_seconds`."""
+    missing = SinkMissingError("bucket 'b' does not exist", path="s3://b/run")
+    f = decide_failure(missing, 1, load_settings(None, max_attempts=5, once=True), now=0)
+    assert (f.error_class, f.quarantine, f.next_try) == ("SinkMissingError", False, None)  # left waiting
+    running = load_settings(None, retry_base_seconds=2.0, retry_max_seconds=300.0)
+    assert decide_failure(missing, 1, running, now=100.0).next_try == 400.0  # not 2 s, then 4 s...
+    assert decide_failure(missing, 1000, running, now=100.0).quarantine is False

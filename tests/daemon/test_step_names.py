@@ -127,3 +127,38 @@ def test_a_marker_created_past_any_float_is_a_marker_error():
     marker = {**layout.CommitMarker(step=1, world_size=1, files=()).to_json(), "created": 10**400}
     with pytest.raises(MarkerError, match="OverflowError"):
         layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
+
+
+@pytest.mark.parametrize("where", ["raw", "step-00000100", "claims/x", "latest"])
+def test_root_inside_a_local_sinks_own_places_is_refused_before_anything_is_written(tmp_path, where):
+    """ROOT at `SINK/raw`: the sink's raw publish of step N would write into `SINK/raw/step-N`, the staged
+    step itself, and the sink's retention delete it. A directory of the sink it never uses is left alone."""
+    sink = tmp_path / "sink"
+    root = sink / where
+    root.mkdir(parents=True)
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", "--publish-raw", *fast_flags()])
+    assert r.returncode == 2, r.stderr
+    assert (
+        f"ConfigError: ROOT {root} is inside sink {sink.as_uri()}, under its {where.split('/')[0]}"
+        in r.stderr
+    )
+    assert "nothing was written" in r.stderr
+    assert list(root.iterdir()) == []  # no journal, no lock
+    staging = sink / "staging"
+    staging.mkdir()
+    r = run_cli(["watch", staging, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_nested_sinks_are_refused_before_anything_is_written(tmp_path):
+    """`--sink file:///x --sink file:///x/sub`: the outer sink's listings and retention meet the inner
+    one's steps (`x/raw` as the inner sink is the outer's raw tree)."""
+    root, outer = tmp_path / "root", tmp_path / "x"
+    root.mkdir()
+    inner = outer / "raw"
+    r = run_cli(["watch", root, "--sink", outer.as_uri(), "--sink", inner.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 2, r.stderr
+    said = f"stagerd: ConfigError: sink {inner.as_uri()!r} lies inside sink {outer.as_uri()!r}"
+    assert said in r.stderr, r.stderr
+    assert "side by side" in r.stderr  # the hint
+    assert list(root.iterdir()) == [] and not outer.exists()

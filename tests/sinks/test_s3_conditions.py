@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from stagerd.contract import layout
-from stagerd.errors import ConditionsIgnoredError, SinkConflictError
+from stagerd.errors import ConditionsIgnoredError, SinkAuthError, SinkConflictError, SinkError
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import Policy, prune
 from stagerd.sinks.s3.backend import S3Backend
 from stagerd.sinks.s3.conditions import PROBE_PREFIX
-from tests.s3server import IGNORE_ALL, s3, s3_server  # noqa: F401  (fixtures)
+from tests.s3server import IGNORE_ALL, Fault, s3, s3_server  # noqa: F401  (fixtures)
 from tests.sinks.test_sink_fsspec import make_export
 
 SIZES = {"model.safetensors": 5000, "config.json": 300}
@@ -161,7 +161,6 @@ def test_a_prune_on_a_store_that_ignores_if_match_refuses_before_changing_anythi
 def test_a_user_who_may_not_delete_still_publishes(s3, tmp_path):  # noqa: F811
     """An append-only policy (PutObject, no DeleteObject): the probe's conditional DELETE is a 403. The
     probe takes it as an answer, not a failure, so publishing goes on as before the probe existed."""
-    from tests.s3server import Fault
 
     s3.proxy.add(Fault(("DeleteObject",), times=10, status=403, code="AccessDenied"))
     sink = FsspecSink.from_url(s3.url("run"))
@@ -175,7 +174,6 @@ def test_a_store_that_refuses_if_match_on_delete_still_publishes(s3, tmp_path, s
     """A store that refuses a conditional DELETE it does not support with a client error (not 501). A
     publisher never sent one before the probe; the probe took the refusal for a failure, so every publish
     failed on a store where publishing had worked. It is an answer: nothing was changed."""
-    from tests.s3server import Fault
 
     s3.proxy.add(Fault(("DeleteObject",), times=1, status=status, code=code, key_contains="-delete"))
     sink = FsspecSink.from_url(s3.url("run"))
@@ -187,8 +185,6 @@ def test_a_store_that_refuses_if_match_on_delete_still_publishes(s3, tmp_path, s
 def test_a_probe_that_fails_leaves_no_scratch_keys(s3, tmp_path):  # noqa: F811
     """A store failing now and then: each failed probe used to leave its two scratch keys, and each retry
     of the publish two more."""
-    from stagerd.errors import SinkError
-    from tests.s3server import Fault
 
     s3.proxy.add(
         Fault(
@@ -225,3 +221,23 @@ def test_closing_waits_for_a_probe_no_caller_waits_for_any_more(s3, caplog):  # 
         del backend
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize(
+    ("after", "status", "code", "error"),
+    [(0, 403, "AccessDenied", SinkAuthError), (2, 409, "OperationAborted", SinkError)],
+    ids=["plain-put", "conditional-put"],
+)
+def test_a_probe_that_fails_names_the_sink_not_its_scratch_key(s3, tmp_path, after, status, code, error):  # noqa: F811
+    """The probe is the backend's first request, so its failure is often the first a user sees: it named
+    `s3://BUCKET/run/.stagerd-probe-HOST-PID-...-put`, a key nobody chose, instead of the sink."""
+    fault = Fault(("PutObject",), times=50, status=status, code=code, key_contains=PROBE_PREFIX, after=after)
+    s3.proxy.add(fault)
+    with pytest.raises(error) as caught:
+        FsspecSink.from_url(s3.url("run")).publish(make_export(tmp_path / "e", SIZES, seed=1), 1)
+    assert caught.value.path == s3.url("run"), caught.value
+    assert str(caught.value).startswith(f"{s3.url('run')}: {code} (HTTP {status}) from PutObject"), (
+        caught.value
+    )
+    assert "scratch key .stagerd-probe-" in caught.value.message  # the key stays, as the message's detail
+    assert not s3.keys("run/step-")  # the probe goes first: nothing of the step was written

@@ -13,7 +13,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagerd.errors import ConfigError
+from stagerd.errors import ConfigError, SinkMissingError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
 from stagerd.sinks.objects import (
     ByteProgress,
@@ -115,7 +115,10 @@ class S3Backend(OpeningMixin, LatestMixin):
     def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         from fsspec.asyn import sync
 
-        return sync(self.fs.loop, fn, *args, **kwargs)
+        try:
+            return sync(self.fs.loop, fn, *args, **kwargs)
+        except SinkMissingError as e:  # whichever request met it first: the sink is what is missing
+            raise SinkMissingError(e.message, path=self.base, hint=e.hint) from None
 
     async def _client(self) -> Any:
         s3 = await self.fs.set_session()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from stagerd.errors import SinkAuthError, SinkError
+from stagerd.errors import SinkAuthError, SinkError, SinkMissingError
 
 if TYPE_CHECKING:
     from aiohttp.abc import AbstractStreamWriter
@@ -196,8 +196,21 @@ def s3_error(e: BaseException, where: str) -> SinkError:
         if code in _AUTH_CODES or status == 403:
             return SinkAuthError(msg, path=where)
         if code == "NoSuchBucket":
-            return SinkError(msg, path=where, hint="create the bucket, or fix the sink URL")
+            return missing_bucket(str(err.get("BucketName") or _bucket_of(where)), where, e.operation_name)
         return SinkError(f"{msg} (after the client's retries)", path=where)
     if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
         return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
     return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
+
+
+def missing_bucket(bucket: str, where: str, operation: str) -> SinkMissingError:
+    """A store's `NoSuchBucket`: the sink's bucket is absent, which no retry of the request fixes."""
+    return SinkMissingError(
+        f"bucket {bucket!r} does not exist (NoSuchBucket from {operation})",
+        path=where,
+        hint=f"create the bucket (`aws s3 mb s3://{bucket}`), or fix the sink URL",
+    )
+
+
+def _bucket_of(where: str) -> str:
+    return where.removeprefix("s3://").removeprefix("s3a://").split("/", 1)[0]

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stagerd.errors import ConditionsIgnoredError
+from stagerd.errors import ConditionsIgnoredError, SinkError, SinkMissingError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
 from stagerd.sinks.temp_names import HOST, pid_alive
@@ -111,8 +111,15 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
     s3 = await b._client()
     name = f"{PROBE_PREFIX}{HOST}-{os.getpid()}-{uuid.uuid4().hex}"
     put, delete = b.key(f"{name}-put"), b.key(f"{name}-delete")
-    where = f"s3://{b.bucket}/{put}"
     body = b"stagerd probe\n"
+
+    def failed(e: Exception) -> SinkError:
+        """The sink named, not a scratch key the user never chose; the key only as the message's detail."""
+        err = s3_error(e, b.base)
+        if isinstance(err, SinkMissingError):  # the bucket, not the key, is what is wrong
+            return err
+        detail = f"{err.message} (probing its conditional requests on the scratch key {name}-put)"
+        return type(err)(detail, path=b.base, hint=err.hint)
 
     async def answer(method: str, **kwargs: Any) -> Support:
         try:
@@ -126,14 +133,14 @@ async def probe(b: S3Backend) -> tuple[Conditions, asyncio.Future[None]]:
                 return Support.NOT_IMPLEMENTED
             if status == 403 or code == "AccessDenied":  # publishing needs no delete: it goes on
                 return Support.DENIED
-            raise s3_error(e, where) from None
+            raise failed(e) from None
 
     async def settled(*requests: Any) -> list[Any]:
         """Every request's answer; a failure is raised once all are done, so none is left in flight."""
         done = await asyncio.gather(*requests, return_exceptions=True)
-        failed = next((d for d in done if isinstance(d, BaseException)), None)
-        if failed is not None:
-            raise s3_error(failed, where) if isinstance(failed, Exception) else failed
+        first = next((d for d in done if isinstance(d, BaseException)), None)
+        if first is not None:
+            raise failed(first) if isinstance(first, Exception) else first
         return done
 
     await settled(*(s3.put_object(Bucket=b.bucket, Key=k, Body=body) for k in (put, delete)))
