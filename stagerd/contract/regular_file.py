@@ -43,6 +43,31 @@ def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> byte
         return data if len(data) < want else data + f.read(limit - want)  # it grew since: on to the limit
 
 
+def open_regular_at(dir_fd: int, name: str, path: Path, why: str, hint: str) -> int:
+    """The regular file `name` in the directory `dir_fd` (`path` names it in errors) opened for reading
+    without following a link: a link there is a SymlinkError (`linked`), anything but a regular file an
+    OSError (EINVAL; a FIFO is opened without waiting on a writer)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP and is_link_at(name, dir_fd):
+            raise linked(path, why, hint) from None
+        e.filename = str(path)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "is not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def is_link_at(name: str | os.PathLike[str], dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
 def linked(path: Path, why: str, hint: str) -> SymlinkError:
     try:
         target = f" (-> {os.readlink(path)})"

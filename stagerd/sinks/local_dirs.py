@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from stagerd.errors import SinkError, SymlinkError
+from stagerd.contract.regular_file import is_link_at, linked, open_regular_at
+from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.objects import CLOCK_NAME
 from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
@@ -29,33 +30,17 @@ from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
 WHY = "stagerd writes and deletes only inside the sink"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # A temp name is predictable: one there already (a dead writer's, or a link or hard link put there) is
 # removed first, never written through; O_EXCL then makes the file ours.
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def linked(path: Path, dir_fd: int, name: str) -> SymlinkError:
-    try:
-        target = os.readlink(name, dir_fd=dir_fd)
-    except OSError:
-        target = "?"
-    return SymlinkError(f"is a link (to {target!r}): {WHY}", path=path, hint=HINT)
-
-
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 def _open_dir(parent: int, name: str, path: Path) -> int:
     try:
         return os.open(name, _DIR, dir_fd=parent)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, parent):
-            raise linked(path, parent, name) from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and is_link_at(name, parent):
+            raise linked(path, WHY, HINT) from None
         e.filename = str(path)
         raise
 
@@ -93,7 +78,7 @@ class Held:
             except FileNotFoundError:
                 st = None
             if st is not None and stat.S_ISLNK(st.st_mode):
-                raise linked(at, self.fds[i], name)
+                raise linked(at, WHY, HINT)
             if st is None or _ident(st) != self._ids[i + 1]:
                 raise SinkError(
                     "was moved or replaced while written in; nothing went outside the sink", path=at
@@ -108,18 +93,7 @@ class Held:
     def open_file(self, name: str) -> int:
         """The regular file `name` opened for reading: a link there is a SymlinkError, anything else but a
         regular file an OSError (EINVAL; a FIFO is never waited on)."""
-        try:
-            fd = os.open(name, _READ, dir_fd=self.fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP and _is_link(name, self.fd):
-                raise linked(self.path / name, self.fd, name) from None
-            e.filename = str(self.path / name)
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "is not a regular file", str(self.path / name))
-        os.set_blocking(fd, True)
-        return fd
+        return open_regular_at(self.fd, name, self.path / name, WHY, HINT)
 
     def new_file(self, tmp: str, chunks: Iterable[memoryview]) -> int:
         """Write `chunks` to a new file `tmp` here and fsync it: its size. Removed again on failure."""

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from stagerd.contract.regular_file import linked
+from stagerd.contract.regular_file import is_link_at, linked, open_regular_at
 from stagerd.contract.step.reopen import Closed, closed, give, park, reopen, take, unpark
 from stagerd.errors import StagerdError
 from stagerd.ops.fdlimit import raise_open_files_limit
@@ -29,7 +29,6 @@ from stagerd.ops.fdlimit import raise_open_files_limit
 WHY = "the daemon journaled a real directory here and never reads, writes or deletes through a link"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"
 _FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _PROC_FD = re.compile(r"/proc/self/fd/([0-9]+)(?![0-9])")
 
 
@@ -56,7 +55,7 @@ class HeldDir:
         try:
             return cls(path, os.open(name, _FLAGS, dir_fd=dir_fd))
         except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, dir_fd):
+            if e.errno in (errno.ELOOP, errno.ENOTDIR) and is_link_at(name, dir_fd):
                 raise linked(path, why, hint) from None
             raise
 
@@ -91,7 +90,7 @@ class HeldDir:
     def rmtree(self, name: str, *, why: str = WHY, hint: str = HINT) -> None:
         """Remove `name` and what is under it; a link there is refused, its target untouched (shutil's
         fd-based rmtree opens each directory it enters without following links)."""
-        if _is_link(name, self.fd):
+        if is_link_at(name, self.fd):
             raise linked(self.path / name, why, hint)
         shutil.rmtree(name, dir_fd=self.fd)
 
@@ -136,17 +135,7 @@ class HeldDir:
     def open_file(self, name: str, *, why: str = WHY, hint: str = HINT) -> int:
         """The file `name` in this directory opened for reading, refusing a link there (SymlinkError); an
         OSError (EINVAL) if it is not a regular file (a FIFO is opened without waiting on a writer)."""
-        try:
-            fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP and _is_link(name, self.fd):
-                raise linked(self.path / name, why, hint) from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "is not a regular file", str(self.path / name))
-        os.set_blocking(fd, True)
-        return fd
+        return open_regular_at(self.fd, name, self.path / name, why, hint)
 
 
 class HeldFiles:
@@ -317,16 +306,9 @@ def refuse_links(
         return False
     with held:
         for part in parts:
-            if _is_link(part, held.fd):
+            if is_link_at(part, held.fd):
                 raise linked(held.path / part, why, hint)
     return True
-
-
-def _is_link(name: str | os.PathLike[str], dir_fd: int | None) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
