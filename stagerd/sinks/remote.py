@@ -207,7 +207,8 @@ class RemoteStore:
             for attempt in (1, 2):  # a prune may remove the empty parent between mkdir and write
                 self._local(key).parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    layout.write_bytes_atomic(self._local(key), data)
+                    # its temp name says its writer: a killed one's is swept (`leases.dead_leases`)
+                    layout.write_bytes_atomic(self._local(key), data, tmp=temp_name(self._local(key)))
                     return
                 except FileNotFoundError:
                     if attempt == 2:
