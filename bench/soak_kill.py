@@ -1,8 +1,8 @@
 """Crash soak: SIGKILL `stagerd watch` at random times while steps keep arriving, then check what it left.
 
     python bench/soak_kill.py [--seed 1] [--kills 40] [--keep-last 2] [--remote-keep-last 3] [--every 1.5]
-                              [--workers 1] [--hub xet|lfs|off] [--phases any,point,...] [--restores 30]
-                              [--work DIR] [--tamper]
+                              [--workers 1] [--hub xet|lfs|off] [--phases any,point,...]
+                              [--first-body-kills 4] [--restores 30] [--work DIR] [--tamper]
 
 Beyond the named crash points of `tests/daemon/crash/` (one kill at one exact place), this kills a long-
 running daemon at seeded random wall-clock moments: a kill picks a phase (export, publish, retention, remote
@@ -221,6 +221,7 @@ def main() -> int:
     ap.add_argument(
         "--phases", default=",".join(PHASES), help=f"kill phases to draw from (of {','.join(PHASES)})"
     )
+    ap.add_argument("--first-body-kills", type=int, default=4, help="with --hub: the first kills' phase")
     ap.add_argument("--restores", type=int, default=30, help="kills of `stagerd restore` after settling")
     ap.add_argument("--work", type=Path, help="work directory (kept); default a temporary one")
     ap.add_argument(
@@ -254,7 +255,8 @@ def main() -> int:
         points = WATCH_POINTS + (["hub.commit"] if soak.hub is not None else [])
         t0 = time.monotonic()
         for n in range(a.kills):
-            phase = rng.choice(phases)
+            # only a model's first steps upload much (later ones dedup): the first kills go inside those
+            phase = "body" if soak.hub is not None and n < a.first_body_kills else rng.choice(phases)
             pred, longest = PHASES[phase]
             env = {}
             if phase == "point":
