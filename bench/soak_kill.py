@@ -2,7 +2,8 @@
 
     python bench/soak_kill.py [--seed 1] [--kills 40] [--keep-last 2] [--remote-keep-last 3] [--every 1.5]
                               [--workers 1] [--hub xet|lfs|off] [--phases any,point,...]
-                              [--first-body-kills 4] [--restores 30] [--work DIR] [--tamper]
+                              [--first-body-kills 4] [--restores 30] [--raw-restores 20]
+                              [--work DIR] [--tamper]
 
 Beyond the named crash points of `tests/daemon/crash/` (one kill at one exact place), this kills a long-
 running daemon at seeded random wall-clock moments: a kill picks a phase (export, publish, retention, remote
@@ -20,7 +21,8 @@ repo's Hub test server, huggingface_hub's Xet or LFS path: `soak_kill_hub.py`).
 
 After the last kill a clean daemon settles the run; then `soak_kill_checks.py` checks the invariants (listed
 there), and `soak_kill_hub.py` the Hub repo. Then `--restores N` kills `stagerd restore --export` N times
-(`soak_kill_restore.py`, file://, S3 and the Hub) and the sinks are checked again. Exit 0 when every one
+(`soak_kill_restore.py`, file://, S3 and the Hub) and the sinks are checked again, and `--raw-restores N`
+kills raw restores from file:// and S3 into fresh ROOTs. Exit 0 when every one
 holds; else the failures are printed and the work directory is kept.
 """
 
@@ -49,7 +51,7 @@ from soak_kill_checks import (  # noqa: E402  (bench/ is sys.path[0])
     reference_exports,
 )
 from soak_kill_hub import HubSide, check_hub  # noqa: E402
-from soak_kill_restore import restore_soak  # noqa: E402
+from soak_kill_restore import raw_restore_soak, restore_soak  # noqa: E402
 from soak_kill_setup import Soak  # noqa: E402
 
 
@@ -223,6 +225,7 @@ def main() -> int:
     )
     ap.add_argument("--first-body-kills", type=int, default=4, help="with --hub: the first kills' phase")
     ap.add_argument("--restores", type=int, default=30, help="kills of `stagerd restore` after settling")
+    ap.add_argument("--raw-restores", type=int, default=20, help="kills of raw `stagerd restore`s")
     ap.add_argument("--work", type=Path, help="work directory (kept); default a temporary one")
     ap.add_argument(
         "--tamper",
@@ -320,6 +323,10 @@ def main() -> int:
             )
             ref = reference_exports(soak)
             failures += fails + check_file_sink(soak, ref) + check_s3_sink(soak, ref)
+        raw_kills: dict[str, int] = {}
+        if a.raw_restores and not failures:
+            raw_kills, fails = raw_restore_soak(soak, random.Random(a.seed + 8), a.raw_restores)
+            failures += fails
         print(
             json.dumps(
                 dict(
@@ -328,6 +335,7 @@ def main() -> int:
                     kills=kills,
                     body_kills=soak.hub.body_kills if soak.hub is not None else 0,
                     restore_kills=restore_kills,
+                    raw_restore_kills=raw_kills,
                     steps=soak.last_step,
                     seconds=round(t1 - t0),
                     restore_seconds=round(time.monotonic() - t1),
