@@ -147,10 +147,10 @@ def sentinels_intact(soak: Soak, base: Path, items: dict[str, bytes]) -> list[st
     return fails
 
 
-def reference_exports(soak: Soak) -> dict[int, Path]:
-    """Each step the sinks should hold, staged again and consolidated cleanly: step -> (ref step, export)."""
+def reference_exports(soak: Soak, steps: list[int] | None = None) -> dict[int, Path]:
+    """Each step the sinks should hold (or `steps`), staged again and consolidated cleanly: step -> export."""
     out = {}
-    for s in kept_on_sinks(soak):
+    for s in kept_on_sinks(soak) if steps is None else steps:
         ref_root = soak.work / "ref"
         step_dir = ref_root / layout.step_dir_name(s)
         exp = soak.work / "ref-export" / layout.step_dir_name(s)

@@ -56,6 +56,7 @@ class Soak:
     env: dict[str, str]
     last_step: int = 0
     workers: int = 1
+    hub: Any = None  # soak_kill_hub.HubSide, when the run has a Hub sink
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _inodes: dict[str, int] = field(default_factory=dict)
     _etags: dict[str, tuple[str, Any]] = field(default_factory=dict)  # S3 sentinel -> (ETag, LastModified)
@@ -101,7 +102,12 @@ class Soak:
 
     @property
     def sink_urls(self) -> list[str]:
-        return [(self.fsink / PREFIX).as_uri(), f"s3://{self.bucket}/{PREFIX}"]
+        urls = [(self.fsink / PREFIX).as_uri(), f"s3://{self.bucket}/{PREFIX}"]
+        return urls + ([self.hub.url] if self.hub is not None else [])
+
+    def add_hub(self, hub: Any) -> None:
+        self.hub = hub
+        self.env.update(hub.env)
 
     def watch_cmd(self) -> list[str]:
         cmd = [*STAGERD, "watch", str(self.root), *fast_flags(), "--keep-last", str(self.keep_last)]

@@ -327,6 +327,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     from stagerd.errors import OutputError
     from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
     from stagerd.sinks.leases import Lease
+    from stagerd.sinks.temp_names import restore_temp
 
     refuse_links(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -336,8 +337,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     manifest = read_manifest(store, prefix, step)
     check_listing(store, prefix, manifest)
     make_dir(out.parent)  # only now: a wrong URL or step leaves no new directory behind
-    tmp = out.with_name(f".{out.name}.restore-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = restore_temp(out)
     try:
         tmp.mkdir(parents=True)
         with Lease(store, step):

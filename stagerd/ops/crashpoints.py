@@ -40,7 +40,7 @@ POINTS = {
     "publish.done": "daemon: a sink returned a verified publish, before the journal records it",
     "retention.trashed": "retention: a step renamed into the trash, before the journal retires it",
     "retention.rmtree": "retention: before a trash entry is removed",
-    "restore.piece": "restore: a piece of a file downloaded and written, the file not complete",
+    "restore.piece": "restore: a piece of a file (from the Hub: a file) downloaded and written, not all yet",
     "restore.landed": "restore: the step renamed into ROOT without its marker, the journal not written",
     "restore.journaled": "restore: the journal records the step as restored, its marker not yet written",
     "prune.tombstone": "remote prune: the step's claims taken (its tombstone), its manifest not yet deleted",

@@ -1,12 +1,18 @@
 """Restore leases: while `stagerd restore` reads a step, remote retention leaves it alone.
 
-A lease is an object `PREFIX/restoring/step-N.<random>` that the restore writes when it starts, writes
-again every `LEASE_RENEW_S` while it runs (a thread of its own), and deletes when it ends. A prune judges
+A lease is an object `PREFIX/restoring/step-N.HOST-PID-TID` (its holder, as temp names say it:
+`temp_names.py`) that the restore writes when it starts, writes again every `LEASE_RENEW_S` while it runs
+(a thread of its own), and deletes when it ends. A prune judges
 a lease by its age on the **store's** clock: the lease's LastModified (file://: its mtime) against the
 store's time now (`RemoteStore.clock`: S3's `Date`, or the mtime of a file written now), so a pruner and
 a restorer whose clocks disagree by hours still agree on it, and a restore longer than the TTL stays
 protected because its renewals keep the lease young. A lease not renewed for `LEASE_TTL_S` (the restore
-was killed) no longer protects anything.
+was killed) no longer protects anything; nor does one whose holder was a process of this host now gone.
+
+A killed restore's lease is removed by the next restore of the sink (`sweep`): at once when it was this
+host's (its pid is dead), else once its TTL is over on the store's clock (the new lease's LastModified is
+that clock's now); with it go the temp files a killed lease write left on file://. An older stagerd's
+`step-N.<random>` says no holder: only its age counts.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ import logging
 import os
 import socket
 import threading
-import uuid
 from collections.abc import Mapping
 
 from stagerd.contract import layout
 from stagerd.errors import SinkError
 from stagerd.sinks.remote import RemoteStore, StoredObject
+from stagerd.sinks.temp_names import OWNER, TEMP_NAME, killed_here, owner
 
 log = logging.getLogger("stagerd.sinks.prune")
 
@@ -30,13 +36,32 @@ LEASE_TTL_S = 900.0
 LEASE_RENEW_S = 120.0
 
 
+def _holder_dead(rel: str) -> bool:
+    m = OWNER.fullmatch(rel.split(".", 1)[1]) if "." in rel else None
+    return m is not None and killed_here(m["host"], m["pid"])
+
+
 def live_leases(leases: Mapping[str, StoredObject], now: float, ttl: float = LEASE_TTL_S) -> set[int]:
-    """Steps with a lease younger than `ttl` on the store's clock (`now` and each LastModified)."""
+    """Steps with a lease younger than `ttl` on the store's clock (`now` and each LastModified), whose
+    holder is not a dead process of this host."""
     out = set()
     for rel, obj in leases.items():
         step = layout.parse_step_dir(rel.split(".", 1)[0])
-        if step is not None and (obj.mtime is None or now - obj.mtime < ttl):
+        if step is not None and (obj.mtime is None or now - obj.mtime < ttl) and not _holder_dead(rel):
             out.add(step)
+    return out
+
+
+def dead_leases(leases: Mapping[str, StoredObject], now: float | None, ttl: float = LEASE_TTL_S) -> list[str]:
+    """What killed restores left under `restoring/` (relative names): leases and file:// temp files of a
+    dead process of this host, and any older than `ttl` on the store's clock (`now`; None: unknown)."""
+    out = []
+    for rel, obj in leases.items():
+        m = TEMP_NAME.fullmatch(rel)
+        dead = _holder_dead(rel) if m is None else killed_here(m["host"], m["pid"])
+        stale = now is not None and obj.mtime is not None and now - obj.mtime > ttl
+        if "/" not in rel and (dead or stale):
+            out.append(rel)
     return out
 
 
@@ -45,7 +70,7 @@ class Lease:
 
     def __init__(self, store: RemoteStore, step: int, *, renew: float = LEASE_RENEW_S) -> None:
         self.store, self.step, self.renew = store, step, renew
-        self.key = f"{RESTORING_DIR}/{layout.step_dir_name(step)}.{uuid.uuid4().hex}"
+        self.key = f"{RESTORING_DIR}/{layout.step_dir_name(step)}.{owner()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,7 +98,24 @@ class Lease:
         if self._write():
             self._thread = threading.Thread(target=self._renew, name="stagerd-lease", daemon=True)
             self._thread.start()
+            self.sweep()
         return self
+
+    def sweep(self) -> None:
+        """Delete the leases killed restores left (`dead_leases`); a failure only warns."""
+        try:
+            found = self.store.objects(RESTORING_DIR)
+            own = found.get(self.key.split("/", 1)[1])
+            dead = dead_leases(found, own.mtime if own is not None else None)
+            if dead:
+                self.store.delete([f"{RESTORING_DIR}/{rel}" for rel in dead])
+                log.info(
+                    "removed %d lease(s) of killed restores under %s",
+                    len(dead),
+                    self.store.where(RESTORING_DIR),
+                )
+        except (OSError, SinkError) as e:
+            log.warning("cannot remove the leases of killed restores: %s", e)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

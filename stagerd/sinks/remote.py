@@ -209,6 +209,7 @@ class RemoteStore:
         elif self.local:
             for attempt in (1, 2):  # a prune may remove the empty parent between mkdir and write
                 try:
+                    # its temp name says its writer: a killed one's is swept (`leases.dead_leases`)
                     self.tree.write(key, data, temp_name(Path(key)).name)
                     return
                 except FileNotFoundError:

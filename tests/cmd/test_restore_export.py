@@ -52,7 +52,7 @@ def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
         hub.tamper(hashlib.sha256(big.read_bytes()).hexdigest(), at=100)
         r = run_restore(url, tmp_path / "bad", "--export", env=env)
         assert r.returncode == 2 and "RestoreError" in r.stderr and big.name in r.stderr, r.stderr
-        assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.restore-*"))
+        assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
 
 
 def _cut_bodies(monkeypatch, key_part: str, times: int, between=lambda: None) -> list[str]:

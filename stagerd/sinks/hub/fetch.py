@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
+from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
+from stagerd.sinks.temp_names import restore_temp
 
 _CHUNK = 8 << 20
 _STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
@@ -90,8 +92,7 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
         raise RestoreError("holds no files", path=where)
-    tmp = out.with_name(f".{out.name}.restore-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = restore_temp(out)
     total, done = sum(int(f.size) for f in files), 0
     try:
         tmp.mkdir(parents=True)
@@ -126,6 +127,7 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             done += size
             if progress is not None:
                 progress(done, total)
+            crash_point("restore.piece")
         shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
         if out.exists():
             out.rmdir()
