@@ -58,8 +58,8 @@ class Settings(BaseSettings):
         None,
         gt=0,
         description="Largest output safetensors file: bytes, or 5GB, 500MiB. Unset: 50GB, as save_pretrained "
-        "(most models are then one model.safetensors); with exchange, 5GB, since the nodes share the work "
-        "by file.",
+        "(most models are then one model.safetensors); 5GB for a step staged on several nodes (or with "
+        "exchange), since the nodes share the work by file.",
     )
     export_threads: int = Field(2, ge=1, le=MAX_WORKERS, description="Copy threads inside one export.")
     export_workers: int = Field(
