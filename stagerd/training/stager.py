@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
 from stagerd.training import optimizer_hook, shutdown, to_hub
 from stagerd.training.aliases import split_aliases
@@ -344,7 +344,7 @@ class Stager:
         keys = reserve_keys(t for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta)
         self._pools[kind].reserve(keys)
 
-    def wait(self) -> list[layout.CommitMarker]:
+    def wait(self) -> list[commit_marker.CommitMarker]:
         """Block until every save is durable and committed. Raises SaveError if any failed since last wait."""
         return self._saves.report()
 
