@@ -3,10 +3,11 @@
 The marker is `tests/contract/test_marker_memory.synthetic_marker` (a MoE model saved under a wrapper's
 prefix: every staged key renamed, fused experts split per expert, tied embeddings, the save order naming
 every output), written by this checkout and in the older form (`old_form`: indented, an object per tensor
-and per view). Each read runs in its own process: `layout.read_marker` once, timed, with the peak RSS it
-added over the process before it (ru_maxrss after minus RSS before) and, in a second read, tracemalloc's
-peak. With `--compare OTHER` (another checkout, e.g. `git worktree add /tmp/old main`), every round reads
-the old form with OTHER's reader right before this checkout reads both forms: paired before / after.
+and per view). Each read runs in its own process: `commit_marker.read_marker` once, timed, with the peak
+RSS it added over the process before it (ru_maxrss after minus RSS before) and, in a second read,
+tracemalloc's peak. With `--compare OTHER` (another checkout, e.g. `git worktree add /tmp/old main`),
+every round reads the old form with OTHER's reader right before this checkout reads both forms: paired
+before / after.
 
     python bench/bench_marker.py --outputs 10000 100000 --repeat 3 --compare /tmp/old
 """
@@ -28,32 +29,35 @@ sys.path.insert(0, str(ROOT))
 
 CHILD = """
 import gc, json, resource, sys, time, tracemalloc
-from stagerd.contract import layout
+try:
+    from stagerd.contract.commit_marker import read_marker
+except ImportError:  # --compare with a checkout from before the marker had a module of its own
+    from stagerd.contract.layout import read_marker
 step = sys.argv[1]
 gc.collect()
 rss = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 t = time.perf_counter()
-m = layout.read_marker(step)
+m = read_marker(step)
 t = time.perf_counter() - t
 peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss
 del m
 gc.collect()
 tracemalloc.start()
-m = layout.read_marker(step)
+m = read_marker(step)
 peak = tracemalloc.get_traced_memory()[1]
 print(json.dumps({"s": t, "rss": peak_rss, "traced": peak}))
 """
 
 
 def write_steps(work: Path, n: int) -> dict[str, Path]:
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from tests.contract.test_marker_memory import old_form, synthetic_marker
 
     marker = synthetic_marker(n)
     steps = {"new form": work / "new" / "step-00000007", "old form": work / "old" / "step-00000007"}
     for d in steps.values():
         d.mkdir(parents=True)
-    layout.write_marker(steps["new form"], marker)
+    commit_marker.write_marker(steps["new form"], marker)
     (steps["old form"] / layout.MARKER_NAME).write_bytes(old_form(marker))
     return steps
 

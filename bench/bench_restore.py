@@ -73,7 +73,7 @@ def storage_options(endpoint: str) -> dict[str, Any]:
 
 def make_step(root: Path, total: int) -> Path:
     """A committed raw step of about `total` bytes: 4 model shards, one optimizer file, extras, marker."""
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
 
     step_dir = root / layout.step_dir_name(100)
     block = os.urandom(4 * MiB)
@@ -90,11 +90,13 @@ def make_step(root: Path, total: int) -> Path:
     (step_dir / "extras").mkdir()
     (step_dir / "extras" / "config.json").write_text('{"model_type": "bench"}\n')
     listed = [
-        layout.StagedFile(p.relative_to(step_dir).as_posix(), p.stat().st_size)
+        commit_marker.StagedFile(p.relative_to(step_dir).as_posix(), p.stat().st_size)
         for p in sorted(step_dir.rglob("*"))
         if p.is_file()
     ]
-    layout.write_marker(step_dir, layout.CommitMarker(step=100, world_size=1, files=tuple(listed)))
+    commit_marker.write_marker(
+        step_dir, commit_marker.CommitMarker(step=100, world_size=1, files=tuple(listed))
+    )
     return step_dir
 
 

@@ -58,8 +58,8 @@ def step_dir(tmp_path, dcp_mixed) -> Path:
     (step / "extras").mkdir()
     (step / "extras" / "config.json").write_text('{"model_type": "tiny"}\n')
     (step / "extras" / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    from stagerd.contract.commit_marker import TensorInfo
     from stagerd.contract.dtypes import safetensors_name
-    from stagerd.contract.layout import TensorInfo
 
     tensors = {k: TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in full.items()}
     commit_step(step, world=4, tensors=tensors)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.gloo import join, launch
 
 Spec = dict[str, tuple[torch.Tensor, str]]  # name -> (full tensor, placement code)
@@ -118,20 +118,20 @@ def dcp_save(
     return {k: v for k, (v, _) in builder().items()}
 
 
-def commit_step(step_dir: Path, world: int, **marker_fields) -> layout.CommitMarker:
+def commit_step(step_dir: Path, world: int, **marker_fields) -> commit_marker.CommitMarker:
     """Write a commit marker listing every file under step_dir, as the Stager would."""
     files = tuple(
-        layout.StagedFile(str(p.relative_to(step_dir)), p.stat().st_size)
+        commit_marker.StagedFile(str(p.relative_to(step_dir)), p.stat().st_size)
         for p in sorted(step_dir.rglob("*"))
         if p.is_file() and p.name != layout.MARKER_NAME
     )
-    marker = layout.CommitMarker(
+    marker = commit_marker.CommitMarker(
         step=layout.parse_step_dir(step_dir.name) or 0,
         world_size=world,
         files=files,
         **{"created": time.time(), **marker_fields},  # a node-local save's markers share rank 0's time
     )
-    layout.write_marker(step_dir, marker)
+    commit_marker.write_marker(step_dir, marker)
     return marker
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions, FleetResult
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
@@ -72,8 +72,8 @@ def older_node(step_dir: Path, url: str, root_id: str, claim: dict[str, Any]) ->
     other node's writes, byte for byte: its claim (`claim`'s fields added to what every build names), as a
     conditional create, then its raw part. `claim` = the settings alone is a build from before fleet
     protocol versions: its claim is what that build's `fleet/claim.py` wrote."""
-    m = layout.read_marker(step_dir)
-    save = layout.marker_identity(step_dir)
+    m = commit_marker.read_marker(step_dir)
+    save = commit_marker.marker_identity(step_dir)
     mine = {"root": root_id, "node": m.staging_node, "nodes": m.staging_nodes, "save": save, **claim}
     sink = FsspecSink.from_url(url)
     try:
@@ -88,7 +88,7 @@ def split_step(step_dir: Path, dest: Path, nodes: int, *, link: bool = False) ->
     """A step staged to one ROOT, as `nodes` node-local ROOTs under `dest` would hold it: the model shards
     dealt round-robin, every other file on node 0, each marker listing its node's files. `link`: hard links
     instead of copies (a benchmark's GBs; the node dirs must then not be damaged)."""
-    marker = layout.read_marker(step_dir)
+    marker = commit_marker.read_marker(step_dir)
     shards = sorted(
         (f for f in marker.files if f.path.startswith(layout.MODEL_DIR + "/")), key=lambda f: f.path
     )
@@ -99,6 +99,6 @@ def split_step(step_dir: Path, dest: Path, nodes: int, *, link: bool = False) ->
         for f in mine:
             (d / f.path).parent.mkdir(parents=True, exist_ok=True)
             (os.link if link else shutil.copyfile)(step_dir / f.path, d / f.path)
-        layout.write_marker(d, replace(marker, files=tuple(mine), staging_node=k, staging_nodes=nodes))
+        commit_marker.write_marker(d, replace(marker, files=tuple(mine), staging_node=k, staging_nodes=nodes))
         out.append(d)
     return out

@@ -151,15 +151,15 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
     """Node-local staging: every node's files into one whole step, under one marker listing them all."""
     import dataclasses
 
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from stagerd.errors import MarkerError, RestoreError, ShardError
 
     # The markers came from the sink (their sha256 is only the manifest's word): each is read strictly and
     # must describe its node's files before one file moves, and together they must fit in one directory.
     try:
-        markers = [layout.read_marker(d) for d in node_dirs]
+        markers = [commit_marker.read_marker(d) for d in node_dirs]
         for d, m in zip(node_dirs, markers, strict=True):
-            layout.check_staged_files(d, m)
+            commit_marker.check_staged_files(d, m)
         layout.check_file_tree([f.path for m in markers for f in m.files], what="file", path=where)
     except (MarkerError, ShardError) as e:
         local = Path(str(e.path))  # named as it is on the sink: the temp copy is gone once this raises
@@ -173,7 +173,7 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
         raise RestoreError(
             "the staging nodes' markers disagree on the step, world size or node count", path=where
         )
-    files: dict[str, layout.StagedFile] = {}
+    files: dict[str, commit_marker.StagedFile] = {}
     for d, m in zip(node_dirs, markers, strict=True):
         for f in m.files:
             files[f.path] = f
@@ -190,7 +190,7 @@ def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
     )
     for d in sorted({(tmp / f).parent for f in files}, key=lambda p: -len(p.parts)):
         layout.fsync_dir(d)
-    layout.write_marker(tmp, whole)
+    commit_marker.write_marker(tmp, whole)
 
 
 def refuse_links(path: Path) -> None:
@@ -248,7 +248,7 @@ def _unmake_root(root: Path) -> None:
 
 
 def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) -> Path:
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from stagerd.contract.step.lock import StepLock
     from stagerd.daemon.journal import Journal
     from stagerd.daemon.lock import RootLock
@@ -293,10 +293,11 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
                     publishers = restored_from.publishers(store, [p for p, _ in parts])
                 if len(parts) > 1:
                     _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
-                marker = layout.read_marker(tmp)  # its directory name is the step's: checked against it
+                # its directory name is the step's: checked against it
+                marker = commit_marker.read_marker(tmp)
                 if marker.step != step:
                     raise RestoreError(f"the marker is for step {marker.step}", path=store.where(prefix))
-                layout.check_staged_files(tmp, marker)
+                commit_marker.check_staged_files(tmp, marker)
                 marker_bytes = (tmp / layout.MARKER_NAME).read_bytes()
                 os.unlink(tmp / layout.MARKER_NAME)
                 delay_point("restore.landing")

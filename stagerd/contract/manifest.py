@@ -8,14 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagerd.contract.layout import (
-    MANIFEST_FORMAT,
-    MAX_STEP,
-    check_file_tree,
-    created_and_metadata,
-    is_int,
-    safe_relpath,
-)
+from stagerd.contract.commit_marker import created_and_metadata, is_int
+from stagerd.contract.layout import MANIFEST_FORMAT, MAX_STEP, check_file_tree, safe_relpath
 from stagerd.errors import MarkerError
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")

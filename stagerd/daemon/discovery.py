@@ -10,7 +10,7 @@ import stat
 import time
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.lock import clear_stale
 from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import (
@@ -31,7 +31,7 @@ from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflict
 
 
 def save_identity(step_dir: Path) -> str:
-    """`layout.marker_identity`, except for a marker no export would read (over `read_marker`'s 64 MiB
+    """`commit_marker.marker_identity`, except for a marker no export would read (over `read_marker`'s 64 MiB
     limit, or not a regular file): reading it whole took the memory it claimed (1 TiB sparse: MemoryError,
     the daemon gone) or, a FIFO, held the scan for good. Such a step gets an identity from its size, so
     that it is journaled and its export names the `MarkerError` (quarantined) while the others go on."""
@@ -39,9 +39,9 @@ def save_identity(step_dir: Path) -> str:
         st = (step_dir / layout.MARKER_NAME).stat()
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=step_dir) from None
-    if not stat.S_ISREG(st.st_mode) or st.st_size > layout.MAX_MARKER_BYTES:
+    if not stat.S_ISREG(st.st_mode) or st.st_size > commit_marker.MAX_MARKER_BYTES:
         return f"unreadable:{stat.S_IFMT(st.st_mode)}:{st.st_size}"
-    return layout.marker_identity(step_dir)
+    return commit_marker.marker_identity(step_dir)
 
 
 class Discovery(JournalGate):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.filesize import decimal
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.held import held_child, refuse_links
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.discovery import save_identity
@@ -341,7 +341,7 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         if known is None and self._adopt_root is not None:
             known = self._marker_metadata[step] = {"adopted_from": step_dir.name}
         if known is None:
-            known = self._marker_metadata[step] = dict(layout.read_marker(step_dir).metadata)
+            known = self._marker_metadata[step] = dict(commit_marker.read_marker(step_dir).metadata)
         return known
 
     async def _export_vanished(self, step: int, step_dir: Path) -> None:

@@ -8,7 +8,7 @@ import tempfile
 import time
 import warnings
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.demo.plan import WORLD, DemoError, DemoPlan, DemoResult
 from stagerd.ops.progress import progress
 
@@ -95,6 +95,6 @@ def train(plan: DemoPlan, result: DemoResult) -> None:
     result.train_seconds = time.perf_counter() - t0
     result.save_stall_seconds = json.loads(report.read_text())["save_stall_seconds"]
     for step, step_dir in layout.committed_steps(plan.staging):
-        result.staged_bytes[step] = sum(f.size for f in layout.read_marker(step_dir).files)
+        result.staged_bytes[step] = sum(f.size for f in commit_marker.read_marker(step_dir).files)
     if sorted(result.staged_bytes) != list(range(1, plan.steps + 1)):
         raise DemoError(f"expected steps 1..{plan.steps} committed, found {sorted(result.staged_bytes)}")

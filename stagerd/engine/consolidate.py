@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagerd.contract.commit_marker import TensorInfo
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.contract.layout import INDEX_NAME, TensorInfo, write_bytes_atomic
+from stagerd.contract.layout import INDEX_NAME, write_bytes_atomic
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.json_fields import loads
@@ -144,7 +144,7 @@ def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def mapped_plan(marker: layout.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
+def mapped_plan(marker: commit_marker.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
     """The plan of `mapping` for this step's tensors, and the sha256 of the mapping file (an option)."""
     if marker.tensors is None:
         raise HubPlanError(

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from stagerd.contract import dtypes
+from stagerd.contract.commit_marker import TensorInfo
 from stagerd.contract.hub_plan import HubPlan, ZeroFill
-from stagerd.contract.layout import TensorInfo
 from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.contract.safetensors_format import (
     DCP_SHARDING_INFO_KEY,

@@ -12,8 +12,8 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from stagerd.contract import dtypes
+from stagerd.contract.commit_marker import TensorInfo
 from stagerd.contract.hub_plan import Holds, HubPlan
-from stagerd.contract.layout import TensorInfo
 from stagerd.contract.safetensors_format import Header
 from stagerd.contract.sharding import (
     DEFAULT_MAX_SHARD_SIZE,

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
@@ -37,7 +37,7 @@ class Source:
     """Where shards come from: a step directory (with its marker) or a bare DCP shard directory."""
 
     model_dir: Path
-    marker: layout.CommitMarker | None
+    marker: commit_marker.CommitMarker | None
     step_dir: Path | None
 
     @property
@@ -71,7 +71,7 @@ class Source:
         """The source's validated shard headers, read one at a time as they are taken."""
         return scan_shards(self.model_dir, self.listed)
 
-    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+    def expected(self) -> Mapping[str, commit_marker.TensorInfo] | None:
         """The global dtype and shape of every tensor, as the trainer saved them, where known."""
         return self.marker.tensors if self.marker else None
 
@@ -107,8 +107,8 @@ def open_source(src: Path) -> Source:
     """A step directory (committed: its marker is read and every listed file checked) or a shard directory."""
     src = Path(src)
     if (src / layout.MARKER_NAME).exists():
-        marker = layout.read_marker(src)
-        layout.check_staged_files(src, marker)
+        marker = commit_marker.read_marker(src)
+        commit_marker.check_staged_files(src, marker)
         if not any(f.path.startswith(layout.MODEL_DIR + "/") for f in marker.files):
             raise ShardError("the commit marker lists no model/ shards", path=src / layout.MARKER_NAME)
         return Source(src / layout.MODEL_DIR, marker, src)

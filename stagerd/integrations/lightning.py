@@ -50,7 +50,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, state_tree, step_files
@@ -119,7 +119,7 @@ class StagerdCheckpointIO(CheckpointIO):
         if (h := self.stager) is not None:
             h.wait()  # a save of ours still writing: load what it commits
         step_dir = root / layout.step_dir_name(step)
-        marker = layout.read_marker(step_dir)
+        marker = commit_marker.read_marker(step_dir)
         model = step_files.empty(step_files.model_specs(marker))
         specs = optim_specs(step_dir)
         if BLOB not in specs:

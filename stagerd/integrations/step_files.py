@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.errors import DTypeError, LoadError
 
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def model_specs(marker: layout.CommitMarker) -> Specs:
+def model_specs(marker: commit_marker.CommitMarker) -> Specs:
     """The model tensors the marker lists: name -> (dtype, global shape)."""
     if marker.tensors is None:
         raise LoadError("the commit marker lists no tensors", hint="re-save the step with this stagerd")

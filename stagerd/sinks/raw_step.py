@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from stagerd.contract import layout
-from stagerd.contract.layout import CommitMarker
+from stagerd.contract import commit_marker, layout
+from stagerd.contract.commit_marker import CommitMarker
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.errors import MarkerError, ShardError, VerifyError, open_failed
 from stagerd.sinks.objects import LocalFile
@@ -49,9 +49,10 @@ def held_raw_step(step_dir: Path | HeldDir) -> Iterator[tuple[CommitMarker, list
         if not layout.is_committed(held.proc):
             raise VerifyError(UNCOMMITTED, path=held.path)
         marker_path = _open(files, held, layout.MARKER_NAME)
-        marker = layout.read_marker(held.proc)
+        marker = commit_marker.read_marker(held.proc)
         _same_marker(marker_path, marker, held.path / layout.MARKER_NAME)
-        layout.check_staged_files(held.proc, marker)  # missing, resized, or a link out of the step: named
+        # missing, resized, or a link out of the step: named
+        commit_marker.check_staged_files(held.proc, marker)
         sent = [LocalFile(layout.MARKER_NAME, marker_path, os.stat(marker_path).st_size)]
         for f in marker.files:
             path = _open(files, held, f.path, bounded=True)
@@ -86,7 +87,7 @@ def _same_marker(held: Path, marker: CommitMarker, named: Path) -> None:
     """The marker file sent (`held`) says what the marker parsed by name said: never another's beside the
     files of this one."""
     with open(held, "rb") as f:
-        raw = f.read(layout.MAX_MARKER_BYTES + 1)
+        raw = f.read(commit_marker.MAX_MARKER_BYTES + 1)
     try:
         same = CommitMarker.from_json(json.loads(raw)).to_json() == marker.to_json()
     except (ValueError, RecursionError, MarkerError):

@@ -19,7 +19,7 @@ import time
 from functools import partial
 from typing import Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
@@ -48,10 +48,10 @@ def _nbytes(blocks: list[Block]) -> int:
     return sum(b.host.numel() * b.host.element_size() for b in blocks)
 
 
-def _tensor_infos(blocks: list[Block]) -> dict[str, layout.TensorInfo]:
+def _tensor_infos(blocks: list[Block]) -> dict[str, commit_marker.TensorInfo]:
     """Global dtype and shape of each tensor whose first block this rank writes (each is named once)."""
     return {
-        b.name: layout.TensorInfo(safetensors_name(b.host.dtype), b.global_shape)
+        b.name: commit_marker.TensorInfo(safetensors_name(b.host.dtype), b.global_shape)
         for b in blocks
         if not any(b.offsets)
     }
@@ -75,7 +75,7 @@ class Committer:
         staging: dict[str, Staging],
         objects: dict[str, Any] | None,
         early: RankFailure | None,
-    ) -> layout.CommitMarker:
+    ) -> commit_marker.CommitMarker:
         """Committer thread: the save's commit marker for this rank's node, or SaveError on every rank."""
         # A failure's traceback would keep the committer's frames, which hold the Stager, the staged
         # state dict and (in `check_in`) the error itself: a cycle that lives until the cyclic collector
@@ -119,7 +119,7 @@ class Committer:
         staging: dict[str, Staging],
         objects: dict[str, Any] | None,
         early: RankFailure | None,
-    ) -> layout.CommitMarker:
+    ) -> commit_marker.CommitMarker:
         comm, rank = self._comm, self._rank
         local = early
         if early is not None:
@@ -173,10 +173,10 @@ class Committer:
         mine = {p: s for p, (s, r) in files.items() if self._topology.node(r) == self._node}
         local = None
         try:
-            marker = layout.CommitMarker(
+            marker = commit_marker.CommitMarker(
                 step=spec.step,
                 world_size=comm.world,
-                files=tuple(layout.StagedFile(p, s) for p, s in sorted(mine.items())),
+                files=tuple(commit_marker.StagedFile(p, s) for p, s in sorted(mine.items())),
                 created=created,  # rank 0's clock: every rank returns the same marker
                 reference_index=reference_index,
                 dtype=dtype,

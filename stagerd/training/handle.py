@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker
 from stagerd.errors import SaveError
 from stagerd.training.failures import describe
 
@@ -23,7 +23,7 @@ class SaveHandle:
     step: int
     step_dir: Path
     staging: tuple[Future[Any], ...]
-    committed: Future[layout.CommitMarker] = field(repr=False)
+    committed: Future[commit_marker.CommitMarker] = field(repr=False)
     hurry: Callable[[], None] = field(default=lambda: None, repr=False)  # someone waits for the copy
 
     def staged(self) -> bool:
@@ -47,7 +47,7 @@ class SaveHandle:
     def done(self) -> bool:
         return self.committed.done()
 
-    def result(self, timeout: float | None = None) -> layout.CommitMarker:
+    def result(self, timeout: float | None = None) -> commit_marker.CommitMarker:
         committed = self.committed
         self.hurry()
         try:
@@ -59,9 +59,9 @@ class SaveHandle:
         return self.committed.exception(timeout)
 
 
-def outcomes(handles: list[SaveHandle]) -> tuple[list[layout.CommitMarker], list[BaseException]]:
+def outcomes(handles: list[SaveHandle]) -> tuple[list[commit_marker.CommitMarker], list[BaseException]]:
     """Every handle's marker or error, the errors without tracebacks (see `Stager.wait`)."""
-    markers: list[layout.CommitMarker] = []
+    markers: list[commit_marker.CommitMarker] = []
     errors: list[BaseException] = []
     for handle in handles:
         try:

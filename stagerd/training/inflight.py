@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker
 from stagerd.training.handle import SaveHandle, outcomes
 
 log = logging.getLogger("stagerd.stage")
@@ -42,7 +42,7 @@ class Inflight:
             h.step,
         )
 
-    def report(self) -> list[layout.CommitMarker]:
+    def report(self) -> list[commit_marker.CommitMarker]:
         """Every unreported save's marker, once all are committed; else the first failure, raised."""
         with self._lock:
             handles, self._unreported = self._unreported, []

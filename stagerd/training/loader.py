@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError, StagerdError
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
@@ -68,7 +68,7 @@ class LoadedStep:
 
     step: int
     step_dir: Path
-    marker: layout.CommitMarker
+    marker: commit_marker.CommitMarker
     extras: Mapping[str, bytes] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -116,8 +116,8 @@ def agree(comm: Collectives, error: str | None, what: str) -> None:
         raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}")
 
 
-def _check_step(step_dir: Path, want_optim: bool) -> layout.CommitMarker:
-    marker = layout.read_marker(step_dir)
+def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
+    marker = commit_marker.read_marker(step_dir)
     if marker.staging_nodes > 1:
         raise LoadError(
             f"holds only staging node {marker.staging_node} of {marker.staging_nodes}'s shards, "
@@ -125,14 +125,14 @@ def _check_step(step_dir: Path, want_optim: bool) -> layout.CommitMarker:
             path=step_dir,
             hint="publish the step raw and `stagerd restore` it whole onto every node, then load it",
         )
-    layout.check_staged_files(step_dir, marker)
+    commit_marker.check_staged_files(step_dir, marker)
     has_optim = any(f.path.startswith(f"{layout.OPTIM_DIR}/") for f in marker.files)
     if want_optim and not has_optim:
         raise LoadError("has no optim/: it was saved without optimizer_state", path=step_dir)
     return marker
 
 
-def _read_extras(step_dir: Path, marker: layout.CommitMarker) -> dict[str, bytes]:
+def _read_extras(step_dir: Path, marker: commit_marker.CommitMarker) -> dict[str, bytes]:
     prefix = f"{layout.EXTRAS_DIR}/"
     out = {}
     for f in marker.files:
@@ -244,7 +244,7 @@ def load_step(
         raise LoadError(f"ranks asked for different loads (step, optimizer_state given): {asks}")
     chosen = choose_step(comm.all_gather(mine), step)
     step_dir = root / layout.step_dir_name(chosen)
-    marker: layout.CommitMarker | None = None
+    marker: commit_marker.CommitMarker | None = None
     error = None
     try:
         marker = _check_step(step_dir, optimizer_state is not None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.contract.step.lock import StepLock
 from stagerd.errors import SaveError, StepExistsError, SymlinkError
@@ -111,24 +111,26 @@ def write_extras(step_dir: Path, extras: tuple[Extra, ...]) -> dict[str, tuple[i
     return out
 
 
-def tensor_infos(meta: Metadata) -> dict[str, layout.TensorInfo]:
+def tensor_infos(meta: Metadata) -> dict[str, commit_marker.TensorInfo]:
     """Global dtype and shape of every model tensor, from DCP's global metadata."""
     out = {}
     for fqn, md in meta.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             raise SaveError(f"model state dict entry {fqn!r} is not a tensor")
-        out[fqn] = layout.TensorInfo(safetensors_name(md.properties.dtype), tuple(int(x) for x in md.size))
+        out[fqn] = commit_marker.TensorInfo(
+            safetensors_name(md.properties.dtype), tuple(int(x) for x in md.size)
+        )
     return out
 
 
-def write_commit(step_dir: Path, marker: layout.CommitMarker) -> None:
+def write_commit(step_dir: Path, marker: commit_marker.CommitMarker) -> None:
     """Node leader: make the step durable, then write its marker."""
     # The writers fsynced their files and model/ optim/ extras/; the step dir's own entries and its entry
     # in the root are made durable here, off the training's critical path.
     layout.fsync_dir(step_dir)
     layout.fsync_dir(step_dir.parent)
     delay_point("save.marker")
-    layout.write_marker(step_dir, marker)
+    commit_marker.write_marker(step_dir, marker)
     if (held := _held.pop(step_dir, None)) is not None:
         held.release()
     sizes = [f.size for f in marker.files]

@@ -16,12 +16,13 @@ buffers, `host_pool`) runs on a side stream under the next forward and backward,
 the parameters before the next optimizer step; the buffers a forward updates in place (BatchNorm's
 running statistics) are copied before `save()` returns (`eager`). `wait_staged()` blocks until the copy
 is done: call it right before the next `optimizer.step()`, or let `attach(optimizer)` make the optimizer
-call it. While the copy runs, `save()` checks the arguments and the step (`save_inputs`) and checks in
-with the other ranks (one small gloo all_reduce, `failures`) before anything is written. Everything else
-runs behind it, on the committer thread (`committer`): one write per rank of its model shard, optimizer
-state and extras (`shard_files`, at the disk's speed), then the commit marker (`marker`). How the root is
-shared between nodes is probed at construction (`topology`); what `close()` and the process's exit stop
-is in `shutdown`. Nothing here uses torch's private checkpoint staging or async-save machinery.
+call it. While the copy runs, `save()` (`save_start`) checks the arguments and the step (`save_inputs`)
+and checks in with the other ranks (one small gloo all_reduce, `failures`) before anything is written.
+Everything else runs behind it, on the committer thread (`committer`): one write per rank of its model
+shard, optimizer state and extras (`shard_files`, at the disk's speed), then the commit marker (`marker`).
+How the root is shared between nodes is probed at construction (`topology`); what `close()` and the
+process's exit stop is in `shutdown`. Nothing here uses torch's private checkpoint staging or async-save
+machinery.
 
 Host buffers are allocated (and, with CUDA, page-locked) on first use and reused by every later save of
 the same tensors; `attach()` and `reserve()` allocate them in the background ahead of the first save.
@@ -52,25 +53,19 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from stagerd.contract import layout
-from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StagerdError, StepExistsError
+from stagerd.contract import commit_marker, layout
+from stagerd.errors import ConfigError, LoadError, SaveError
 from stagerd.training import optimizer_hook, shutdown, to_hub
-from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.committer import Committer
-from stagerd.training.eager import Owners
-from stagerd.training.failures import RankFailure, check_in_to_start, raise_without_cycle
 from stagerd.training.handle import SaveHandle
-from stagerd.training.host_copy import HostCopier, Pace, Staging, completion, reserve_keys, settle
+from stagerd.training.host_copy import HostCopier, reserve_keys
 from stagerd.training.host_pool import HostPool
 from stagerd.training.inflight import Inflight
-from stagerd.training.leaf_check import check_tensors, check_values
 from stagerd.training.loader import LoadedStep, load_export, load_step
-from stagerd.training.marker import clear_stale
-from stagerd.training.save_inputs import SaveSpec, describe_save, resolve_state
+from stagerd.training.save_start import start_save
 from stagerd.training.shard_files import ShardWriter
 from stagerd.training.state_tree import split_leaves
-from stagerd.training.to_hub import ToHub
 from stagerd.training.topology import StagingTopology, discover, node_id
 
 __all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
@@ -189,77 +184,20 @@ class Stager:
         if self._closed:
             raise SaveError("the Stager is closed")
         self._saves.wait_previous(step)
-        error: StagerdError | None = None
-        spec: SaveSpec | None = None
-        optim_sd = None
-        objects: dict[str, Any] | None = None
-        staging: dict[str, Staging] = {}
-        pace: Pace | None = None
-        try:
-            model_sd, optim_sd = resolve_state(state_dict, step, optimizer_state)
-            model_sd, aliases = split_aliases(model_sd)
-            model_tensors, _ = split_leaves(model_sd, "state_dict")
-            # Start the host copy first: the optimizer state's walk, the checks and the check-in below
-            # then overlap it. Nothing is written to disk before the check-in; a refused save only filled
-            # our own staging buffers.
-            if optim_sd is None:  # ahead of the copy on its thread, so the save ends after it
-                self._copy_thread.submit(self._pools["optim"].release)
-            # What no waiting optimizer step owns is copied now, before the next forward (`eager`).
-            owners = Owners.of(model, [o for o, h in self._attached.items() if optimizer_hook.hooked(h)])
-            copy = self._copier.start(
-                {"model": (model_tensors, owners.eager(model_tensors))}, more=optim_sd is not None
-            )
-            staging, pace = copy.staging, copy.pace
-            if optim_sd is not None:
-                try:
-                    optim_tensors, objects = split_leaves(optim_sd, "optimizer_state")
-                    check_tensors(optim_tensors, "optimizer_state")
-                    check_values(objects, "optimizer_state")
-                    copy.add("optim", optim_tensors, owners.eager(optim_tensors))
-                finally:
-                    copy.close()
-            spec = describe_save(
+        return self._saves.add(
+            start_save(
+                self,
+                state_dict,
                 step,
-                self.step_dir(step),
-                rank=self.rank,
                 extras=extras,
                 reference_index=reference_index,
                 dtype=dtype,
+                optimizer_state=optimizer_state,
                 metadata=metadata,
-                to_hub=self._to_hub(model, mapping, model_sd, aliases, extras) if self.rank == 0 else None,
+                model=model,
+                mapping=mapping,
             )
-            if self._is_leader and layout.is_committed(spec.step_dir):
-                raise StepExistsError(
-                    "step is already committed; refusing to overwrite it", path=spec.step_dir
-                )
-        except StagerdError as e:
-            error = e
-        except Exception as e:  # anything unexpected must still reach the check-in below, or ranks hang
-            error = SaveInputError(f"cannot save step {step!r}: {type(e).__name__}: {e}")
-        try:
-            check_in_to_start(self._comm, step, error, optim_sd is not None)
-        except BaseException as refused:
-            if pace is not None:
-                pace.hurry()
-            settle(staging.values())
-            # Raised from this frame, `refused` (and `error`) would be kept by its own traceback: a cycle
-            # holding the caller's state dict, its mesh and process groups (see `shutdown`).
-            error = None
-            raise_without_cycle(refused)
-        assert spec is not None  # no rank refused, this one included
-        # From here on a failure on one rank must not leave the others waiting in a collective it never
-        # enters: it is carried into the committer's check-ins, which every rank reaches.
-        early: RankFailure | None = None
-        if self._is_leader:
-            try:  # before any rank writes: the writes wait for the committer's staging check-in
-                clear_stale(spec.step_dir)
-            except Exception as e:
-                early = RankFailure.of(f"clearing an uncommitted earlier save of {spec.step_dir.name}", e)
-        committed = self._commit_thread.submit(self._committer.commit, spec, staging, objects, early)
-        futures = tuple(completion(st.future) for st in staging.values())
-        assert pace is not None
-        pace.steady()
-        return self._saves.add(SaveHandle(spec.step, spec.step_dir, futures, committed, pace.hurry))
+        )
 
     def load(
         self,
@@ -344,7 +282,7 @@ class Stager:
         keys = reserve_keys(t for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta)
         self._pools[kind].reserve(keys)
 
-    def wait(self) -> list[layout.CommitMarker]:
+    def wait(self) -> list[commit_marker.CommitMarker]:
         """Block until every save is durable and committed. Raises SaveError if any failed since last wait."""
         return self._saves.report()
 
@@ -398,10 +336,3 @@ class Stager:
                 dist.destroy_process_group(self._group)
             self._group = None
             self._comm.group = None
-
-    def _to_hub(
-        self, model: Any, mapping: Any, sd: dict[str, Any], aliases: dict[str, str], extras: Any
-    ) -> ToHub:
-        config = (extras or {}).get("config.json") if mapping is None else None
-        given = frozenset(extras or ())
-        return self._hub_plans.get(model, sd, aliases, mapping, config, given)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.daemon.journal import Journal
 from stagerd.daemon.lock import RootLock
 from stagerd.sinks.fsspec import FsspecSink
@@ -181,12 +181,12 @@ def test_a_node_locally_staged_step_comes_back_whole(tmp_path, dcp_mixed2):
     r = run_restore(sink_dir.as_uri(), new, "--step", "4")
     assert r.returncode == 0, r.stderr
     step_dir = new / layout.step_dir_name(4)
-    marker = layout.read_marker(step_dir)
+    marker = commit_marker.read_marker(step_dir)
     assert (marker.staging_node, marker.staging_nodes) == (0, 1)
     assert sorted(f.path for f in marker.files) == sorted(
         [f"model/{s.name}" for s in shards] + ["optim/.metadata"]
     )
-    layout.check_staged_files(step_dir, marker)
+    commit_marker.check_staged_files(step_dir, marker)
     assert export_step(step_dir).files  # the whole model: it exports
     shutil.rmtree(sink_dir / "raw" / layout.step_dir_name(4) / "node-00001-of-00002")
     r = run_restore(sink_dir.as_uri(), tmp_path / "other", "--step", "4")
@@ -279,9 +279,9 @@ def test_a_stager_save_and_a_restore_of_one_step_exclude_each_other(published, t
     finally:
         go_on.touch()
         assert save.wait(120) == 0, save.stderr.read()
-    marker = layout.read_marker(root / layout.step_dir_name(3))
+    marker = commit_marker.read_marker(root / layout.step_dir_name(3))
     assert marker.world_size == 1  # the save's own step (the published one was saved by 2 ranks)
-    layout.check_staged_files(root / layout.step_dir_name(3), marker)
+    commit_marker.check_staged_files(root / layout.step_dir_name(3), marker)
 
 
 def test_a_file_where_the_target_directory_must_be_is_a_config_error(tmp_path, capsys):

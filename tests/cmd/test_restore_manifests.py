@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.cmd.restore import restore_raw
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import RestoreError
 from stagerd.sinks.fetch import RemoteStore
 from tests.cli_helpers import run_cli
@@ -22,8 +22,10 @@ STEP = 3
 
 
 def _marker(files: dict[str, bytes], node: int = 0, nodes: int = 1) -> bytes:
-    staged = tuple(layout.StagedFile(p, len(b)) for p, b in files.items())
-    m = layout.CommitMarker(step=STEP, world_size=1, files=staged, staging_node=node, staging_nodes=nodes)
+    staged = tuple(commit_marker.StagedFile(p, len(b)) for p, b in files.items())
+    m = commit_marker.CommitMarker(
+        step=STEP, world_size=1, files=staged, staging_node=node, staging_nodes=nodes
+    )
     return json.dumps(m.to_json()).encode()
 
 

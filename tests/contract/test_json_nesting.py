@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout, lineage, root_id
+from stagerd.contract import commit_marker, layout, lineage, root_id
 from stagerd.contract.json_fields import loads
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.engine.export import mapped_plan
@@ -45,7 +45,7 @@ def test_a_nested_key_mapping_is_a_hub_plan_error(tmp_path: Path):
     """Before: `watch --mapping` of such a file raised RecursionError at each step's export."""
     mapping = tmp_path / "mapping.json"
     mapping.write_text(NESTED)
-    marker = layout.CommitMarker(1, 1, (), tensors={"w": layout.TensorInfo("F32", (2,))})
+    marker = commit_marker.CommitMarker(1, 1, (), tensors={"w": commit_marker.TensorInfo("F32", (2,))})
     with pytest.raises(HubPlanError, match="not JSON"):
         mapped_plan(marker, mapping, tmp_path)
     with pytest.raises(HubPlanError, match="nested too deep"):

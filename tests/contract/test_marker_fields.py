@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.contract.safetensors_format import encode_header
@@ -33,7 +33,9 @@ json_values = st.recursive(
 
 
 def _marker() -> dict:
-    return layout.CommitMarker(step=1, world_size=1, files=(layout.StagedFile("model/a", 4),)).to_json()
+    return commit_marker.CommitMarker(
+        step=1, world_size=1, files=(commit_marker.StagedFile("model/a", 4),)
+    ).to_json()
 
 
 @settings(max_examples=400, deadline=None)
@@ -41,7 +43,7 @@ def _marker() -> dict:
 def test_any_value_of_any_field_is_its_type_or_a_marker_error(field, value):
     d = _marker() | {field: value}
     try:
-        m = layout.CommitMarker.from_json(json.loads(json.dumps(d)))
+        m = commit_marker.CommitMarker.from_json(json.loads(json.dumps(d)))
     except MarkerError:
         return
     assert isinstance(m.created, float) and math.isfinite(m.created)
@@ -87,8 +89,8 @@ def test_consolidate_of_a_marker_field_of_another_type_is_exit_2_and_writes_noth
     head = encode_header({"w": ("F32", (1,), 0, 4)}, {"DCP_SHARDING_INFO": info, "format": "pt"})
     shard = step / "model" / "shard-00001-model-00001-of-00001.safetensors"
     shard.write_bytes(head + bytes(4))
-    files = (layout.StagedFile(f"model/{shard.name}", len(head) + 4),)
-    m = layout.CommitMarker(step=1, world_size=1, files=files)
+    files = (commit_marker.StagedFile(f"model/{shard.name}", len(head) + 4),)
+    m = commit_marker.CommitMarker(step=1, world_size=1, files=files)
     (step / layout.MARKER_NAME).write_text(json.dumps(m.to_json() | {field: value}))
     r = run_cli(["consolidate", step, tmp_path / "out"])
     assert r.returncode == 2 and "MarkerError" in r.stderr and words in r.stderr, r.stderr

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
+from stagerd.contract.commit_marker import CommitMarker, StagedFile, TensorInfo
 from stagerd.contract.hub_plan import Holds, HubPlan, LoraMerge, SharedStorage, TensorView, ZeroFill
-from stagerd.contract.layout import CommitMarker, StagedFile, TensorInfo
 from stagerd.contract.lora_merge import ExpertLayout, MergeKind
 from stagerd.errors import MarkerError
 
@@ -120,7 +120,7 @@ def big(tmp_path_factory) -> tuple[CommitMarker, Path, Path]:
     new, old = (tmp_path_factory.mktemp(w) / "step-00000007" for w in ("new", "old"))
     new.mkdir()
     old.mkdir()
-    layout.write_marker(new, marker)
+    commit_marker.write_marker(new, marker)
     (old / layout.MARKER_NAME).write_bytes(old_form(marker))
     return marker, new, old
 
@@ -145,7 +145,7 @@ def test_reading_the_marker_costs_a_few_hundred_bytes_per_output(big):
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        read = layout.read_marker(new)
+        read = commit_marker.read_marker(new)
         gc.collect()
         kept, peak = tracemalloc.get_traced_memory()
     finally:
@@ -160,11 +160,13 @@ def test_reading_the_marker_costs_a_few_hundred_bytes_per_output(big):
 
 def test_a_marker_in_the_old_form_reads_the_same(big):
     marker, new, old = big
-    assert layout.read_marker(old) == layout.read_marker(new) == marker
+    assert commit_marker.read_marker(old) == commit_marker.read_marker(new) == marker
     # the identity is still the sha256 of the bytes on disk: the same save written two ways is two files
     for d in (new, old):
-        assert layout.marker_identity(d) == layout.identity_of((d / layout.MARKER_NAME).read_bytes())
-    assert layout.marker_identity(new) != layout.marker_identity(old)
+        assert commit_marker.marker_identity(d) == commit_marker.identity_of(
+            (d / layout.MARKER_NAME).read_bytes()
+        )
+    assert commit_marker.marker_identity(new) != commit_marker.marker_identity(old)
 
 
 def test_every_plan_field_round_trips(tmp_path):
@@ -211,9 +213,9 @@ def test_every_plan_field_round_trips(tmp_path):
         marker = CommitMarker(
             1, 1, files, tensors=tensors, hub_plan=plan, adapter_plan=plan, reference_index=ref
         )
-        layout.write_marker(tmp_path, marker)
-        assert layout.read_marker(tmp_path) == marker
-        layout.check_staged_files(tmp_path, layout.read_marker(tmp_path))
+        commit_marker.write_marker(tmp_path, marker)
+        assert commit_marker.read_marker(tmp_path) == marker
+        commit_marker.check_staged_files(tmp_path, commit_marker.read_marker(tmp_path))
         assert CommitMarker.from_json(json.loads(old_form(marker))) == marker
 
 

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import MarkerError
 
 
-@pytest.mark.parametrize("read", [layout.read_marker, layout.marker_identity])
+@pytest.mark.parametrize("read", [commit_marker.read_marker, commit_marker.marker_identity])
 def test_a_huge_or_fifo_marker_is_a_marker_error(tmp_path, read):
     huge = tmp_path / "step-00000001"
     huge.mkdir()

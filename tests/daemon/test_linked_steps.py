@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.manifest import ExportManifest
 from stagerd.contract.step.held import refuse_links
 from stagerd.errors import SymlinkError
@@ -204,9 +204,9 @@ def _with_optim(step_dir: Path) -> None:
     """The step with an optimizer shard too, listed in its marker as the Stager lists it."""
     (step_dir / layout.OPTIM_DIR).mkdir()
     (step_dir / layout.OPTIM_DIR / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
-    m = layout.read_marker(step_dir)
-    listed = layout.StagedFile(f"{layout.OPTIM_DIR}/__0_0.distcp", 2048)
-    layout.write_marker(step_dir, dataclasses.replace(m, files=(*m.files, listed)))
+    m = commit_marker.read_marker(step_dir)
+    listed = commit_marker.StagedFile(f"{layout.OPTIM_DIR}/__0_0.distcp", 2048)
+    commit_marker.write_marker(step_dir, dataclasses.replace(m, files=(*m.files, listed)))
 
 
 @pytest.mark.parametrize("part", [layout.MODEL_DIR, layout.OPTIM_DIR, "shard"])

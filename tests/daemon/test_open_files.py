@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags
 from tests.dcp_fixtures import commit_step
@@ -89,7 +89,7 @@ def test_a_step_of_more_shards_than_the_hard_limit_allows_is_exported_and_sent_r
     assert got.keys() == many[1].keys() and all(torch.equal(got[k], v) for k, v in many[1].items())
     raw = sink / "raw" / step.name
     assert (raw / layout.MANIFEST_NAME).is_file()
-    for f in layout.read_marker(step).files:
+    for f in commit_marker.read_marker(step).files:
         assert (raw / f.path).read_bytes() == (step / f.path).read_bytes()
 
 

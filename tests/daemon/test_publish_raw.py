@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
+from stagerd.contract.commit_marker import TensorInfo
 from stagerd.contract.dtypes import safetensors_name
-from stagerd.contract.layout import TensorInfo
 from stagerd.daemon.journal import Journal
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags
@@ -89,7 +89,7 @@ def test_every_committed_step_goes_raw_with_its_manifest_last(tmp_path, dcp_mixe
 
 
 def _local_files(step_dir: Path):
-    marker = layout.read_marker(step_dir)
+    marker = commit_marker.read_marker(step_dir)
     for rel in [f.path for f in marker.files] + [layout.MARKER_NAME]:
         data = (step_dir / rel).read_bytes()
         yield rel, (len(data), hashlib.sha256(data).hexdigest())

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import MarkerError
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags, stage_copy
@@ -39,15 +39,15 @@ def test_a_marker_for_another_step_than_its_directory_is_a_marker_error(tmp_path
     marker = json.loads((step_dir / layout.MARKER_NAME).read_text())
     (step_dir / layout.MARKER_NAME).write_text(json.dumps({**marker, "step": 777}))
     with pytest.raises(MarkerError, match="for step 777, but its directory is step 100"):
-        layout.read_marker(step_dir)
+        commit_marker.read_marker(step_dir)
     r = run_cli(["consolidate", step_dir, tmp_path / "out"])
     assert r.returncode == 2 and "MarkerError" in r.stderr and not (tmp_path / "out").exists()
 
 
 def test_a_marker_step_past_int64_is_refused():
-    marker = layout.CommitMarker(step=1, world_size=1, files=()).to_json()
+    marker = commit_marker.CommitMarker(step=1, world_size=1, files=()).to_json()
     with pytest.raises(MarkerError, match=r"\[0, 2\^63\)"):
-        layout.CommitMarker.from_json({**marker, "step": 2**63})
+        commit_marker.CommitMarker.from_json({**marker, "step": 2**63})
 
 
 def test_the_daemon_warns_about_odd_names_and_goes_on_with_real_steps(tmp_path, dcp_mixed2):
@@ -94,12 +94,12 @@ def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_g
     deep = stage_copy(root, 101, model, world=2)
     (deep / layout.MARKER_NAME).write_text("[" * 100_000)
     with pytest.raises(MarkerError, match="nested too deep"):
-        layout.read_marker(deep)
+        commit_marker.read_marker(deep)
     big = stage_copy(root, 1, model, world=2)
     with open(big / layout.MARKER_NAME, "wb") as f:
         f.truncate(1 << 40)  # sparse: 1 TiB that takes no disk, and would take 1 TiB of memory to read
     with pytest.raises(MarkerError, match="larger than 64 MiB"):
-        layout.read_marker(big)
+        commit_marker.read_marker(big)
     fifo = stage_copy(root, 2, model, world=2)
     (fifo / layout.MARKER_NAME).unlink()
     os.mkfifo(fifo / layout.MARKER_NAME)
@@ -116,17 +116,17 @@ def test_a_marker_nested_too_deep_or_too_big_is_a_marker_error_and_other_steps_g
 def test_a_marker_tensor_shape_that_is_not_non_negative_integers_is_a_marker_error(shape):
     """Before: Infinity (valid to json.loads) raised a raw OverflowError; 2.5, true, -3 and 1e300 were
     taken as shapes 2, 1, -3 and a 301-digit integer; "12" as (1, 2)."""
-    marker = layout.CommitMarker(step=1, world_size=1, files=()).to_json()
+    marker = commit_marker.CommitMarker(step=1, world_size=1, files=()).to_json()
     marker["tensors"] = {"w": {"dtype": "F32", "shape": shape}}
     with pytest.raises(MarkerError, match="non-negative integers"):
-        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
+        commit_marker.CommitMarker.from_json(json.loads(json.dumps(marker)))
 
 
 def test_a_marker_created_past_any_float_is_a_marker_error():
     """Before: float() of a 401-digit integer raised a raw OverflowError out of CommitMarker.from_json."""
-    marker = {**layout.CommitMarker(step=1, world_size=1, files=()).to_json(), "created": 10**400}
+    marker = {**commit_marker.CommitMarker(step=1, world_size=1, files=()).to_json(), "created": 10**400}
     with pytest.raises(MarkerError, match="OverflowError"):
-        layout.CommitMarker.from_json(json.loads(json.dumps(marker)))
+        commit_marker.CommitMarker.from_json(json.loads(json.dumps(marker)))
 
 
 @pytest.mark.parametrize("where", ["raw", "step-00000100", "claims/x", "latest"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.engine.export import export_step
 from stagerd.errors import DTypeError, HeaderError, PlanError, ShardError
 from tests.cli_helpers import run_cli
@@ -31,9 +31,9 @@ def rewrite_header(path: Path, edit) -> None:
 
 def recommit(step: Path) -> None:
     """Refresh the marker's sizes so only the damage under test is wrong."""
-    m = layout.read_marker(step)
-    files = tuple(layout.StagedFile(f.path, (step / f.path).stat().st_size) for f in m.files)
-    layout.write_marker(step, layout.CommitMarker(**{**m.__dict__, "files": files}))
+    m = commit_marker.read_marker(step)
+    files = tuple(commit_marker.StagedFile(f.path, (step / f.path).stat().st_size) for f in m.files)
+    commit_marker.write_marker(step, commit_marker.CommitMarker(**{**m.__dict__, "files": files}))
 
 
 def truncate(step: Path) -> None:
@@ -106,9 +106,9 @@ def missing_trailing_shard(step: Path) -> None:
     """Drop the last rank's file from disk and marker: headers alone would give smaller tensors."""
     last = sorted((step / "model").glob("*.safetensors"))[-1]
     last.unlink()
-    m = layout.read_marker(step)
+    m = commit_marker.read_marker(step)
     files = tuple(f for f in m.files if not f.path.endswith(last.name))
-    layout.write_marker(step, layout.CommitMarker(**{**m.__dict__, "files": files}))
+    commit_marker.write_marker(step, commit_marker.CommitMarker(**{**m.__dict__, "files": files}))
 
 
 CASES = [
@@ -206,8 +206,8 @@ def test_non_writable_out(step_dir, tmp_path):
 def test_marker_listing_outside_the_step_is_refused(step_dir):
     from stagerd.errors import MarkerError
 
-    m = layout.read_marker(step_dir)
-    files = (*m.files, layout.StagedFile("../../etc/passwd", 10))
+    m = commit_marker.read_marker(step_dir)
+    files = (*m.files, commit_marker.StagedFile("../../etc/passwd", 10))
     raw = m.to_json() | {"files": [f.__dict__ for f in files]}
     (step_dir / layout.MARKER_NAME).write_text(json.dumps(raw))
     with pytest.raises(MarkerError, match="escapes"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
@@ -242,8 +242,8 @@ def test_export_step_rebuilds_after_a_crash(step_dir, dcp_mixed):
 
 
 def test_marker_dtype_hint_applies(step_dir, dcp_mixed):
-    m = layout.read_marker(step_dir)
-    layout.write_marker(step_dir, layout.CommitMarker(**{**m.__dict__, "dtype": "fp16"}))
+    m = commit_marker.read_marker(step_dir)
+    commit_marker.write_marker(step_dir, commit_marker.CommitMarker(**{**m.__dict__, "dtype": "fp16"}))
     export_step(step_dir)
     assert load_export(step_dir / layout.EXPORT_DIR)["lm_head.weight"].dtype == torch.float16
 

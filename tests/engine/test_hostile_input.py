@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
@@ -91,7 +91,9 @@ def hostile_step(tmp_path, dcp_mixed2) -> tuple[Path, dict[str, torch.Tensor]]:
     shutil.copytree(src, step / "model")
     rename_tensors(step / "model", mapping)
     renamed = {mapping.get(k, k): v for k, v in full.items()}
-    tensors = {k: layout.TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in renamed.items()}
+    tensors = {
+        k: commit_marker.TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, v in renamed.items()
+    }
     commit_step(step, world=2, tensors=tensors)
     return step, renamed
 
@@ -142,9 +144,9 @@ def test_hostile_names_in_an_error_stay_on_one_escaped_line(hostile_step, tmp_pa
     step, _ = hostile_step
     last = sorted((step / "model").glob("*.safetensors"))[-1]
     last.unlink()
-    m = layout.read_marker(step)
+    m = commit_marker.read_marker(step)
     files = tuple(f for f in m.files if not f.path.endswith(last.name))
-    layout.write_marker(step, layout.CommitMarker(**{**m.__dict__, "files": files}))
+    commit_marker.write_marker(step, commit_marker.CommitMarker(**{**m.__dict__, "files": files}))
 
     with pytest.raises(PlanError):
         export_step(step)
@@ -241,7 +243,7 @@ ESCAPES = [
 
 @pytest.mark.parametrize("bad", ESCAPES, ids=[repr(e) for e in ESCAPES])
 def test_marker_entries_outside_the_step_are_refused(step_dir, tmp_path, bad):
-    m = layout.read_marker(step_dir)
+    m = commit_marker.read_marker(step_dir)
     raw = m.to_json()
     raw["files"].append({"path": bad, "size": 10})
     (step_dir / layout.MARKER_NAME).write_text(json.dumps(raw))
@@ -281,7 +283,7 @@ def test_a_fifo_listed_in_the_marker_is_refused(step_dir):
     size = shard.stat().st_size
     shard.unlink()
     os.mkfifo(shard)
-    m = layout.read_marker(step_dir)
+    m = commit_marker.read_marker(step_dir)
     assert any(f.size == size for f in m.files)
 
     with pytest.raises(ShardError):

@@ -215,14 +215,16 @@ def test_watch_applies_a_key_mapping_to_a_step_saved_without_a_plan(tmp_path, sa
 
     from safetensors.torch import load_file as load
 
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from stagerd.contract.dtypes import safetensors_name
     from tests.cli_helpers import run_cli
     from tests.daemon_helpers import fast_flags
     from tests.dcp_fixtures import commit_step
 
     src, full = saved
-    tensors = {k: layout.TensorInfo(safetensors_name(t.dtype), tuple(t.shape)) for k, t in full.items()}
+    tensors = {
+        k: commit_marker.TensorInfo(safetensors_name(t.dtype), tuple(t.shape)) for k, t in full.items()
+    }
     results = {}
     for case, sizes in (("good", (4, 4, 4)), ("bad", (4, 4, 3))):
         root, sink, mapping = tmp_path / case, tmp_path / f"sink-{case}", tmp_path / f"{case}.json"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stagerd import Stager
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
 from tests.fidelity import harness
@@ -32,7 +32,7 @@ def test_inkling2_loop_exports_what_save_pretrained_writes_and_loads_back(tmp_pa
         stager.save(model.state_dict(), step=1, model=model, extras={"config.json": model.config.to_dict()})
         stager.wait()
     step = tmp_path / "root" / layout.step_dir_name(1)
-    marker = layout.read_marker(step)
+    marker = commit_marker.read_marker(step)
     assert marker.hub_plan is not None and len(marker.hub_plan.zeros) == (unpadded < 64)
     kept = export_step(step).export_dir
     model.save_pretrained(tmp_path / "ref")

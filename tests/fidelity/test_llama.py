@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.fidelity import harness
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def test_tied_weights_of_a_model_not_from_transformers_are_each_written(tmp_path
         assert set(got) == {*want, "lm_head.weight"}
         assert got["lm_head.weight"] == want["model.embed_tokens.weight"]
         assert {k: got[k] for k in want} == want
-    marker = layout.read_marker(run.root / layout.step_dir_name(3))
+    marker = commit_marker.read_marker(run.root / layout.step_dir_name(3))
     assert marker.tensors is not None and "lm_head.weight" not in marker.tensors  # staged once
 
 

@@ -102,12 +102,12 @@ def test_a_fleet_of_two_nodes_publishes_the_same_merged_export_and_adapter(lora,
     """The trained step staged node-locally on 2 nodes (issue 14): the fleet carries out PEFT's own plans,
     every LoRA merge computed by the main file's owner from blocks of both nodes, and publishes every file,
     `adapter/` included, byte for byte as the single daemon did."""
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from stagerd.daemon.fleet.node import FleetResult
     from tests.fleet_helpers import run_fleet, split_step
 
     step = lora.root / layout.step_dir_name(ranks.STEP)
-    marker = layout.read_marker(step)
+    marker = commit_marker.read_marker(step)
     assert marker.hub_plan is not None and marker.hub_plan.merges and marker.adapter_plan is not None
     node_dirs = split_step(step, tmp_path, 2)
     assert all(any((d / layout.MODEL_DIR).iterdir()) for d in node_dirs)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.lora_merge import ExpertLayout, MergeKind
 from stagerd.engine import merge
 from tests.fidelity import harness, models
@@ -136,7 +136,7 @@ def test_lora_on_fused_experts_exports_as_merge_and_unload_writes_it(tmp_path, k
     params = EXPERTS + (["mlp.gate.weight"] if kind == "qwen3_moe" else [])
     model = _trained(kind, dtype, params)
     export, step = _saved_and_exported(model, tmp_path)
-    plan = layout.read_marker(step).hub_plan  # merged, not the fallback to PEFT's own names
+    plan = commit_marker.read_marker(step).hub_plan  # merged, not the fallback to PEFT's own names
     assert plan is not None and plan.origin == "peft"
     experts = {(m.experts > 1, m.layout) for m in plan.merges if m.kind is MergeKind.EXPERTS}
     layouts = {
@@ -152,7 +152,7 @@ def test_all_linear_on_a_moe_merges_its_experts_too(tmp_path):
     """PEFT's `all-linear` wraps the fused experts too (a `ParamWrapper` each): merged like the rest."""
     model = _trained("qwen3_moe", "f32", [], modules="all-linear")
     export, step = _saved_and_exported(model, tmp_path)
-    plan = layout.read_marker(step).hub_plan
+    plan = commit_marker.read_marker(step).hub_plan
     assert plan is not None and any(m.kind is MergeKind.EXPERTS for m in plan.merges)
     _check(model, export, tmp_path)
 
@@ -231,6 +231,6 @@ def test_a_lora_stagerd_does_not_merge_keeps_peft_names_with_a_warning(tmp_path,
         model = build()
     with Stager(tmp_path / "root") as stager:
         stager.save(model.state_dict(), 1, model=model).result()
-    plan = layout.read_marker(tmp_path / "root" / layout.step_dir_name(1)).hub_plan
+    plan = commit_marker.read_marker(tmp_path / "root" / layout.step_dir_name(1)).hub_plan
     assert plan is None or not plan.merges
     assert any("keeps the PEFT model's own names" in r.message and words in r.message for r in caplog.records)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.engine import merge
 from tests.fidelity import harness
 from tests.fidelity.ulps import ulps
@@ -66,7 +66,7 @@ def _saved_and_exported(model, tmp: Path, block_bytes: int | None = None) -> tup
     with Stager(tmp / "root") as stager:
         stager.save(model.state_dict(), 1, model=model).result()
     step = tmp / "root" / layout.step_dir_name(1)
-    plan = layout.read_marker(step).hub_plan  # merged, not the fallback to PEFT's own names
+    plan = commit_marker.read_marker(step).hub_plan  # merged, not the fallback to PEFT's own names
     assert plan is not None and plan.origin == "peft" and plan.merges
     with pytest.MonkeyPatch.context() as mp:
         if block_bytes is not None:

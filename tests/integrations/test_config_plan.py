@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stagerd import Stager
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.engine.export import export_step
 from tests.fidelity import harness, models
 
@@ -42,7 +42,7 @@ def test_the_config_alone_gives_what_save_pretrained_writes(tmp_path, kind):
     assert not _ours(caught)  # no warning: the plan was found
     model.save_pretrained(tmp_path / "ref")
     harness.assert_same_tensors(step_dir / layout.EXPORT_DIR, tmp_path / "ref")
-    plan = layout.read_marker(step_dir).hub_plan
+    plan = commit_marker.read_marker(step_dir).hub_plan
     assert plan is not None and plan.origin == "transformers"
 
 
@@ -70,7 +70,7 @@ def test_a_wrapped_model_is_found_under_its_prefix(tmp_path, given):
     export_step(step_dir)
     model.save_pretrained(tmp_path / "ref")
     harness.assert_same_tensors(step_dir / layout.EXPORT_DIR, tmp_path / "ref")
-    assert "net.model.embed_tokens.weight" in layout.read_marker(step_dir).tensors  # staged as named
+    assert "net.model.embed_tokens.weight" in commit_marker.read_marker(step_dir).tensors  # staged as named
 
 
 def test_keys_the_config_does_not_describe_warn_once_naming_model(tmp_path):

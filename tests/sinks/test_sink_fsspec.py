@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.manifest import ExportManifest, ManifestFile
 from stagerd.errors import SinkConflictError, SinkError, VerifyError
 from stagerd.sinks import PublishResult, Sink, open_sink
@@ -256,16 +256,17 @@ def test_publish_raw_step(tmp_path):
         {"model/shard-00001.safetensors": 1000, "optim/__0_0.distcp": 500, "optim/.metadata": 70},
     )
     make_export(step_dir / "export", {"model.safetensors": 900})
-    marker = layout.CommitMarker(
+    marker = commit_marker.CommitMarker(
         step=11,
         world_size=1,
         files=(
-            layout.StagedFile("model/shard-00001.safetensors", 1000),
-            layout.StagedFile("optim/__0_0.distcp", 500),
-            layout.StagedFile("optim/.metadata", 70),  # a dot file, not a temp file: listed and verified
+            commit_marker.StagedFile("model/shard-00001.safetensors", 1000),
+            commit_marker.StagedFile("optim/__0_0.distcp", 500),
+            # a dot file, not a temp file: listed and verified
+            commit_marker.StagedFile("optim/.metadata", 70),
         ),
     )
-    layout.write_marker(step_dir, marker)
+    commit_marker.write_marker(step_dir, marker)
     (step_dir / "export.options.json").write_text("{}")  # the daemon's, never published raw
     dest = tmp_path / "dest"
     sink = FsspecSink.from_url(f"file://{dest}")
@@ -302,8 +303,8 @@ def test_a_raw_step_of_more_files_than_the_soft_descriptor_limit_is_published(tm
     step_dir = tmp_path / "step-00000001"
     rels = sorted(f"{kind}/__{r}_0.distcp" for kind in ("model", "optim") for r in range(150))
     make_export(step_dir, dict.fromkeys(rels, 64))
-    listed = tuple(layout.StagedFile(rel, 64) for rel in rels)
-    layout.write_marker(step_dir, layout.CommitMarker(step=1, world_size=150, files=listed))
+    listed = tuple(commit_marker.StagedFile(rel, 64) for rel in rels)
+    commit_marker.write_marker(step_dir, commit_marker.CommitMarker(step=1, world_size=150, files=listed))
     cmd = [sys.executable, "-c", _RAW_UNDER_A_LOW_SOFT_LIMIT, str(step_dir), str(tmp_path / "sink")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "301", r.stderr[-600:]

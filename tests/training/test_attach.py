@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 
 
 def test_attached_optimizer_waits_for_the_copy_and_buffers_are_reserved(tmp_path):
@@ -31,7 +31,7 @@ def test_attached_optimizer_waits_for_the_copy_and_buffers_are_reserved(tmp_path
         assert stager.staging_buffers() == reserved, "the first save allocated buffers of its own"
         assert len(reserved) == 4 + 4 * 3  # weights and biases; exp_avg, exp_avg_sq, step of each
         marker = stager.wait()[0]
-        layout.check_staged_files(tmp_path / layout.step_dir_name(1), marker)
+        commit_marker.check_staged_files(tmp_path / layout.step_dir_name(1), marker)
         got = {k: torch.zeros_like(v) for k, v in at_save.items()}
         stager.load(got)
         hook.remove()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.gloo import join, launch
 from tests.training.gloo_run import (
     WORLD,
@@ -162,8 +162,8 @@ def test_failed_saves_leave_no_marker_and_the_ranks_stay_in_step(failures):
         assert rec["committed"] == {str(s): False for s in range(11, 19)}
         assert rec["retry"] == [11, 13]
     for s in (11, 13):
-        layout.check_staged_files(
-            root / layout.step_dir_name(s), layout.read_marker(root / layout.step_dir_name(s))
+        commit_marker.check_staged_files(
+            root / layout.step_dir_name(s), commit_marker.read_marker(root / layout.step_dir_name(s))
         )
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.export_index import export_index
 from tests.gloo import join, launch
 from tests.training.gloo_run import WORLD, record
@@ -152,8 +152,8 @@ def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for step in (1, 2):
         step_dir = root / layout.step_dir_name(step)
-        marker = layout.read_marker(step_dir)
-        layout.check_staged_files(step_dir, marker)
+        marker = commit_marker.read_marker(step_dir)
+        commit_marker.check_staged_files(step_dir, marker)
         assert {"model.embed_tokens.weight", "model.scale"} <= set(marker.tensors)
         # The tied key is staged once, and the export writes it with its own bytes (checked below).
         assert "lm_head.weight" not in marker.tensors
@@ -161,7 +161,7 @@ def test_views_tied_noncontiguous_and_scalars_save_exactly(tmp_path):
             "lm_head.weight",
             "model.embed_tokens.weight",
         }
-        assert marker.tensors["model.scale"] == layout.TensorInfo("F32", ())
+        assert marker.tensors["model.scale"] == commit_marker.TensorInfo("F32", ())
         result = export_step(step_dir, dtype="keep")
         index = export_index(result.export_dir)
         with safe_open(out / f"expected-{step}.safetensors", "pt") as f:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError
 from tests.gloo import join, launch
 from tests.training.gloo_run import dtensors, full_state, params, record, train_step
@@ -253,15 +253,16 @@ def _save_with_dcp_optim(root: Path, optim: dict) -> None:
     for p in step_dir.glob("*.objects.pt"):
         p.unlink()
     dcp.save(optim, checkpoint_id=str(step_dir / "optim"), no_dist=True)
-    marker = layout.read_marker(step_dir)
+    marker = commit_marker.read_marker(step_dir)
     files = [
         f for f in marker.files if not f.path.startswith("optim/") and not f.path.endswith(".objects.pt")
     ]
     files += [
-        layout.StagedFile(f"optim/{p.name}", p.stat().st_size) for p in sorted((step_dir / "optim").iterdir())
+        commit_marker.StagedFile(f"optim/{p.name}", p.stat().st_size)
+        for p in sorted((step_dir / "optim").iterdir())
     ]
     (step_dir / layout.MARKER_NAME).unlink()
-    layout.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
+    commit_marker.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
     assert (step_dir / "optim" / ".metadata").is_file()
 
 

@@ -137,7 +137,7 @@ def test_the_optimizers_leaves_file_is_checked_before_torch_load_reads_it(tmp_pa
     import dataclasses
 
     from stagerd import Stager
-    from stagerd.contract import layout
+    from stagerd.contract import commit_marker, layout
     from stagerd.errors import StagerdError
 
     optim = {"state": {}, "param_groups": [{"lr": 0.5}]}
@@ -149,12 +149,12 @@ def test_the_optimizers_leaves_file_is_checked_before_torch_load_reads_it(tmp_pa
         step_dir = tmp_path / layout.step_dir_name(1)
         (leaves,) = step_dir.glob("optim/*.objects.pt")
         leaves.write_bytes(_with_pickle(leaves.read_bytes(), DEEP))
-        marker = layout.read_marker(step_dir)  # listing the new size: a replaced file, not a torn one
+        marker = commit_marker.read_marker(step_dir)  # listing the new size: a replaced file, not a torn one
         files = [
-            layout.StagedFile(f.path, leaves.stat().st_size) if f.path.endswith(".objects.pt") else f
+            commit_marker.StagedFile(f.path, leaves.stat().st_size) if f.path.endswith(".objects.pt") else f
             for f in marker.files
         ]
         (step_dir / layout.MARKER_NAME).unlink()
-        layout.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
+        commit_marker.write_marker(step_dir, dataclasses.replace(marker, files=tuple(files)))
         with pytest.raises(StagerdError, match="refusing the optimizer's leaves: PickleShapeError: nests"):
             stager.load({"w": torch.zeros(3)}, {"state": {}, "param_groups": [{"lr": 0.0}]})

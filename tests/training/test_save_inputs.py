@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.errors import ConfigError, DTypeError, ReferenceIndexError, SaveInputError, StepExistsError
 
 
@@ -31,7 +31,7 @@ def test_single_process_save_and_bad_arguments(tmp_path):
         assert not (tmp_path / "step-00000001").exists()  # a refused save writes nothing
         marker = stager.save(sd, 1, dtype="fp16").result()
         assert marker.files[0].path == "model/shard-00001-model-00001-of-00001.safetensors"
-        assert marker.dtype == "fp16" and marker.tensors == {"w": layout.TensorInfo("F32", (2, 3))}
+        assert marker.dtype == "fp16" and marker.tensors == {"w": commit_marker.TensorInfo("F32", (2, 3))}
         with pytest.raises(StepExistsError):
             stager.save(sd, 1)
     with safe_open(tmp_path / "step-00000001" / marker.files[0].path, "pt") as f:

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.errors import StepExistsError
 from tests.export_index import export_index
@@ -144,7 +144,7 @@ class _Watcher(threading.Thread):
                         self.sizes[rel], self.last_change[rel] = size, now
             if layout.is_committed(self.step_dir):
                 self.marker_seen = time.monotonic()
-                marker = layout.read_marker(self.step_dir)
+                marker = commit_marker.read_marker(self.step_dir)
                 for f in marker.files:
                     p = self.step_dir / f.path
                     if not p.is_file() or p.stat().st_size != f.size:
@@ -188,8 +188,8 @@ def test_marker_appears_only_after_every_rank_finished(run):
 def test_marker_lists_every_file_with_its_size(run):
     root, _out, recs, _w = run
     step_dir = root / "step-00000001"
-    marker = layout.read_marker(step_dir)
-    layout.check_staged_files(step_dir, marker)
+    marker = commit_marker.read_marker(step_dir)
+    commit_marker.check_staged_files(step_dir, marker)
     on_disk = {
         str(p.relative_to(step_dir)): p.stat().st_size
         for p in step_dir.rglob("*")
@@ -214,9 +214,10 @@ def test_marker_lists_every_file_with_its_size(run):
     assert marker.dtype == "bf16" and marker.metadata == {"run": "test"}
     assert marker.reference_index == {k: "model.safetensors" for k in params(WORLD)}
     want = {
-        k: layout.TensorInfo(safetensors_name(v.dtype), tuple(v.shape)) for k, (v, _) in params(WORLD).items()
+        k: commit_marker.TensorInfo(safetensors_name(v.dtype), tuple(v.shape))
+        for k, (v, _) in params(WORLD).items()
     }
-    want["slow.rank1"] = layout.TensorInfo("F32", (SLOW_NUMEL,))
+    want["slow.rank1"] = commit_marker.TensorInfo("F32", (SLOW_NUMEL,))
     assert marker.tensors == want
     # every rank's handle returned the marker that rank 0 wrote
     assert recs[0]["marker1"] == recs[1]["marker1"] == marker.to_json()
@@ -253,7 +254,7 @@ def test_duplicate_step_is_refused(run):
     root, _out, recs, _w = run
     assert "already committed" in recs[0]["dup"]
     assert "rank 0 refused" in recs[1]["dup"]
-    assert layout.read_marker(root / "step-00000001").to_json() == recs[0]["marker1"]  # untouched
+    assert commit_marker.read_marker(root / "step-00000001").to_json() == recs[0]["marker1"]  # untouched
 
 
 def test_optimizer_state_on_some_ranks_only_is_refused(run):
@@ -270,8 +271,8 @@ def test_failed_save_leaves_no_marker(run):
         assert rec["fail_wait"] == rec["fail_handle"]
         assert rec["committed_after_failure"] is False
         assert rec["retry"] == [7]
-    marker = layout.read_marker(root / "step-00000007")
-    layout.check_staged_files(root / "step-00000007", marker)
+    marker = commit_marker.read_marker(root / "step-00000007")
+    commit_marker.check_staged_files(root / "step-00000007", marker)
 
 
 def test_import_stagerd_does_not_import_torch():

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.export_index import export_index
 from tests.gloo import join, launch
 from tests.training.gloo_run import WORLD, attempt, dtensors, full_state, params, train_step
@@ -54,10 +54,10 @@ def test_node_local_roots_write_a_marker_per_node(tmp_path):
         assert "step 2 was not committed" in failed["handle"], failed["handle"]
         assert "NotADirectoryError" in failed["handle"] and "(reported by rank 1)" in failed["handle"]
         assert not layout.is_committed(tmp_path / f"node{r}" / "step-00000002")
-    markers = [layout.read_marker(tmp_path / f"node{r}" / "step-00000003") for r in range(WORLD)]
+    markers = [commit_marker.read_marker(tmp_path / f"node{r}" / "step-00000003") for r in range(WORLD)]
     for r, m in enumerate(markers):
         step_dir = tmp_path / f"node{r}" / "step-00000003"
-        layout.check_staged_files(step_dir, m)
+        commit_marker.check_staged_files(step_dir, m)
         assert (m.staging_node, m.staging_nodes, m.world_size) == (r, 2, WORLD)
         assert set(m.tensors) == set(params(WORLD))
     assert {f.path for f in markers[0].files} == {
@@ -78,9 +78,9 @@ def test_node_local_roots_write_a_marker_per_node(tmp_path):
         for f in m.files:
             if f.path.startswith("model/"):
                 os.link(tmp_path / f"node{r}" / "step-00000003" / f.path, merged / f.path)
-    layout.write_marker(
+    commit_marker.write_marker(
         merged,
-        layout.CommitMarker(
+        commit_marker.CommitMarker(
             step=3,
             world_size=WORLD,
             files=tuple(f for m in markers for f in m.files if f.path.startswith("model/")),

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 
 # On a GPU machine the same test runs the CUDA path: page-locked buffers, side-stream copies.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,7 +86,7 @@ def test_nested_optimizer_state_saves_three_times_and_loads(tmp_path, closing_af
             stager.wait_staged()
         assert [m.step for m in stager.wait()] == [1, 2, 3]
         for step in (1, 2, 3):
-            layout.check_staged_files(tmp_path / layout.step_dir_name(step), layout.read_marker(
+            commit_marker.check_staged_files(tmp_path / layout.step_dir_name(step), commit_marker.read_marker(
                 tmp_path / layout.step_dir_name(step)))  # fmt: skip
         got_model = {k: torch.zeros_like(v) for k, v in model.items()}
         got_optim = _nested_optimizer_state(0.0)

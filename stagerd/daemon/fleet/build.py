@@ -16,8 +16,8 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from stagerd.contract.commit_marker import TensorInfo
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.contract.layout import TensorInfo
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.safetensors_format import Header
 from stagerd.daemon.fleet.plan import Mirror, only_file, reads

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.json_fields import loads
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.records import sink_id
@@ -106,7 +106,7 @@ def publish_to_hub(
     disk), never in the upload to the Hub (the network's)."""
     t0 = time.monotonic()
     hubs = tuple(hubs) or (hub.url,)
-    marker = layout.read_marker(step_dir)
+    marker = commit_marker.read_marker(step_dir)
     me = marker.staging_node
     x = StepExchange(
         exchange,

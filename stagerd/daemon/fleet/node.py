@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.json_fields import loads
 from stagerd.contract.reference_index import load_weight_map
@@ -144,8 +144,9 @@ class FleetNode:
             store,
         )
         self.root_id, self.opt, self.status = root_id, options, status or (lambda s, n: None)
-        self.marker = layout.read_marker(step_dir)
-        self.save = layout.marker_identity(step_dir)  # which save of this step number: its claim names it
+        self.marker = commit_marker.read_marker(step_dir)
+        # which save of this step number: its claim names it
+        self.save = commit_marker.marker_identity(step_dir)
         self.step, self.me, self.nodes = self.marker.step, self.marker.staging_node, self.marker.staging_nodes
         o = options  # the step's records on the exchange, and the waits for other nodes:
         self.x = StepExchange(
@@ -277,7 +278,7 @@ class FleetNode:
         again, and a sink that holds the same export keeps it."""
         key = f"{step_prefix(self.step, raw=True)}/{node_part(self.me, self.nodes)}/{layout.MARKER_NAME}"
         found = self.store.read(key)
-        return found is not None and layout.identity_of(found) == self.save
+        return found is not None and commit_marker.identity_of(found) == self.save
 
     def _settings(self) -> dict[str, Any]:
         """What every node's daemon must agree on, named in its claim."""
@@ -327,7 +328,7 @@ class FleetNode:
                 part = loads(self.store.read(key) or b"{}")
             except ValueError as e:  # another node's marker on a shared store: torn or not a marker
                 raise MarkerError(f"node part {name}'s commit marker is not JSON: {e}", path=key) from None
-            m = layout.CommitMarker.from_json(part, path=key)
+            m = commit_marker.CommitMarker.from_json(part, path=key)
             if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
                 raise MarkerError(
                     f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key

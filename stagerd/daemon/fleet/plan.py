@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stagerd.contract import dtypes, layout
+from stagerd.contract import commit_marker, dtypes, layout
 from stagerd.contract.regular_file import linked
 from stagerd.contract.step.held import HINT, WHY, HeldDir
 from stagerd.engine.moves import plan_moves
@@ -34,11 +34,11 @@ class NodePart:
     """One node's marker and where its raw part lives on the exchange (`raw/step-N/node-K-of-M`)."""
 
     node: int
-    marker: layout.CommitMarker
+    marker: commit_marker.CommitMarker
     prefix: str
 
 
-def shard_names(marker: layout.CommitMarker) -> dict[str, int]:
+def shard_names(marker: commit_marker.CommitMarker) -> dict[str, int]:
     """The model shards a marker lists: file name -> size."""
     pre = layout.MODEL_DIR + "/"
     return {f.path[len(pre) :]: f.size for f in marker.files if f.path.startswith(pre)}
@@ -189,7 +189,7 @@ def owners(sizes: Iterable[tuple[str, int]], nodes: int) -> dict[str, int]:
     return out
 
 
-def check_extras(step_dir: Path, marker: layout.CommitMarker) -> None:
+def check_extras(step_dir: Path, marker: commit_marker.CommitMarker) -> None:
     """The extras this node staged that the export parses (`config.json`, ...) are JSON objects, as
     `export_step` checks them before anything is written (`ExtrasError`)."""
     pre = layout.EXTRAS_DIR + "/"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.engine.file_header import file_header
 from stagerd.engine.plan_types import OutputFile
@@ -69,7 +69,7 @@ def plan_text(d: dict[str, Any] | None) -> str:
     return f"{d.get('size')} bytes, header sha256 {str(d.get('header'))[:12]}"
 
 
-def save_of(m: layout.CommitMarker) -> dict[str, Any]:
+def save_of(m: commit_marker.CommitMarker) -> dict[str, Any]:
     """What every node's marker of one save holds alike (all but its own files and node id)."""
     d = m.to_json()
     d.pop("files")

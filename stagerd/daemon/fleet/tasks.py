@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.root_id import root_id
 from stagerd.daemon.journal import COMMITTED, PENDING
 from stagerd.daemon.state import DaemonState, log
@@ -48,7 +48,7 @@ def is_fleet_step(step_dir: Path) -> bool:
     """Staged node-locally on several nodes (False for a whole step, or one whose marker cannot be read:
     the export names that)."""
     try:
-        return layout.read_marker(step_dir).staging_nodes > 1
+        return commit_marker.read_marker(step_dir).staging_nodes > 1
     except (MarkerError, OSError):
         return False
 

@@ -177,7 +177,7 @@ class StepRow:
     published_at: float | None
     retired_at: float | None
     updated: float
-    marker_id: str | None  # `layout.marker_identity` of the save; None for a row from schema 1
+    marker_id: str | None  # `commit_marker.marker_identity` of the save; None for a row from schema 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", StepState(self.state))

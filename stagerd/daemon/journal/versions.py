@@ -1,6 +1,6 @@
 """Which save each step is, and what an operator may re-arm: a step saved again, and `stagerd retry`.
 
-A step's row carries the identity of the save it was found with (`layout.marker_identity`). A committed
+A step's row carries the identity of the save it was found with (`commit_marker.marker_identity`). A committed
 step directory whose marker is another save is a new version of that step number: a run restarted from an
 earlier checkpoint saves the same numbers again, with other data. It is never ignored:
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.adopt.dcp_metadata import (
     METADATA_NAME,
     DcpMetadata,
@@ -116,11 +116,11 @@ class AdoptedSource(Source):
         except OSError as e:
             raise open_failed(e, path, ShardError) from None
 
-    def expected(self) -> Mapping[str, layout.TensorInfo] | None:
+    def expected(self) -> Mapping[str, commit_marker.TensorInfo] | None:
         if self.meta is None:
             return None  # HF shards record no global shapes
         t = self.meta.tensors
-        return {k: layout.TensorInfo(t[k].dtype, t[k].shape) for k in self.keys}
+        return {k: commit_marker.TensorInfo(t[k].dtype, t[k].shape) for k in self.keys}
 
     def views(self) -> HubPlan:
         return self.plan

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.daemon.fleet.node import FleetResult
 from stagerd.daemon.fleet.version import build
 from stagerd.errors import (
@@ -94,7 +94,13 @@ def test_a_file_built_from_another_plan_is_never_committed(tmp_path, dcp_mixed2)
     shutil.rmtree(node_dirs[0].parent / ".stagerd", ignore_errors=True)
     (sink / "fleet" / NAME).mkdir(parents=True)
     for k, d in enumerate(node_dirs):  # claims of this build with no settings to compare
-        claim = {"root": str(d.parent), "node": k, "nodes": 2, "save": layout.marker_identity(d), **build()}
+        claim = {
+            "root": str(d.parent),
+            "node": k,
+            "nodes": 2,
+            "save": commit_marker.marker_identity(d),
+            **build(),
+        }
         (sink / "fleet" / NAME / f"node-{k:05d}.json").write_text(json.dumps(claim))
     dtypes = ("bf16", "fp16")
     out = run_nodes(lambda k: _node(node_dirs[k], sink.as_uri(), dtype=dtypes[k], wait_seconds=1)[0], 2)

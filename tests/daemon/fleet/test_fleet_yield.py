@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions
 from stagerd.daemon.fleet.plan import Mirror, NodePart
 from stagerd.daemon.yielding import SavesInFlight, Yielder
@@ -48,7 +48,7 @@ def test_a_mirrors_range_fetches_pause_for_the_nodes_save(tmp_path, dcp_mixed2):
     writer = Appender(node_dirs[0].parent / layout.step_dir_name(STEP + 1) / layout.OPTIM_DIR / "blob")
     pause = Yielder(SavesInFlight(node_dirs[0].parent), "export", STEP, 1.0, lambda: False)
     parts = [
-        NodePart(k, layout.read_marker(d), f"{step_prefix(STEP, raw=True)}/{node_part(k, 2)}")
+        NodePart(k, commit_marker.read_marker(d), f"{step_prefix(STEP, raw=True)}/{node_part(k, 2)}")
         for k, d in enumerate(node_dirs)
     ]
 

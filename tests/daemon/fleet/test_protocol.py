@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.daemon.fleet.node import FleetResult
 from stagerd.engine.export import export_step
@@ -320,7 +320,9 @@ def test_the_mirror_never_links_a_shard_through_a_link(tmp_path):
     secret.write_bytes(b"\x08" + bytes(7) + b"{}      " + b"private key")
     shard = step / "model" / "model-rank0.safetensors"
     shard.symlink_to(secret)
-    marker = layout.CommitMarker(STEP, 1, (layout.StagedFile("model/model-rank0.safetensors", 27),))
+    marker = commit_marker.CommitMarker(
+        STEP, 1, (commit_marker.StagedFile("model/model-rank0.safetensors", 27),)
+    )
     mirror = Mirror(tmp_path / "work", step, [NodePart(0, marker, "raw")], 0, lambda *a: b"")
     with pytest.raises(SymlinkError) as e:
         mirror.build()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from stagerd import Stager
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.fidelity import models
 
 
@@ -38,7 +38,7 @@ def test_a_new_model_in_a_freed_models_place_gets_its_own_plan(tmp_path):
                 break
         assert plain is not None, "the allocator never reused the freed model's memory"
         marker = stager.save(sd, step=100, model=plain).result()
-    before = layout.read_marker(tmp_path / layout.step_dir_name(step)).hub_plan
+    before = commit_marker.read_marker(tmp_path / layout.step_dir_name(step)).hub_plan
     assert before is not None and marker.hub_plan is not None
     assert "lm.model.embed_tokens.weight" not in {v.name for v in before.views}  # the wrapper's: lm. off
     assert "lm.model.embed_tokens.weight" in {v.name for v in marker.hub_plan.views}  # every key as is
