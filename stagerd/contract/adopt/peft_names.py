@@ -1,5 +1,16 @@
 """Which tensor names an adopted export may carry, judged by PEFT's loader: a full model's export must not
-carry a PEFT model's names (no `from_pretrained` of the base model would find its weights).
+carry a PEFT model's names (no `from_pretrained` of the base model would find its weights), and an
+adapter's must carry only names `PeftModel.from_pretrained` loads.
+
+NeMo AutoModel trains LoRA on a MoE's grouped experts as four tensors of its own per layer
+(`GroupedExpertsLoRA`: `lora_gate_and_up_A` [experts, in, rank], `lora_gate_and_up_B` [experts, rank,
+out], and `lora_down_A`/`_B`). For the models it validated (Qwen3-MoE among them) its save turns them into
+PEFT's fused-expert layout (`experts.lora_A.weight` [rank * experts, in], `target_parameters` in
+adapter_config.json), which is published as it is. For the others it writes them under these names: PEFT
+drops keys it did not create without a word, so the published adapter would load with every expert left
+untrained. Which transformers parameter each factor belongs to, and in what order its rows are, depends
+on the model (a rename, a transpose, an interleaving of gate and up rows, a scale folded into the
+experts), which the checkpoint does not say: stagerd cannot convert them exactly, so it refuses them.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from stagerd.errors import AdoptError
 # A PEFT model's own names: its LoRA factors and the frozen layers they wrap. Published under them, no
 # `from_pretrained` of the base model finds its weights (it initialises them at random, with a warning).
 _PEFT_NAME = re.compile(r".*\.(?:base_layer|lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?:\.|$).*")
+_GROUPED_EXPERT_LORA = re.compile(r".*\.lora_(?:gate_and_up|down)_[AB]")
 
 
 def refuse_peft_names(names: list[str]) -> None:
@@ -23,4 +35,18 @@ def refuse_peft_names(names: list[str]) -> None:
             hint="save the merged model (merge_and_unload) in the checkpoint, or save through "
             "stagerd.Stager / StagerdCallback with model=, which export the merged model and the adapter; "
             "the trainer's files were not touched",
+        )
+
+
+def refuse_grouped_expert_lora(names: list[str]) -> None:
+    """An adapter's export: none of its names may be AutoModel's grouped-expert LoRA (see the module)."""
+    grouped = sorted(n for n in names if _GROUPED_EXPERT_LORA.fullmatch(n))
+    if grouped:
+        raise AdoptError(
+            f"{grouped[0]!r} and {len(grouped) - 1} more are NeMo AutoModel's grouped-expert LoRA factors, "
+            "which PeftModel.from_pretrained drops without a word (the experts would load untrained); "
+            "their model's fused expert layout is not in the checkpoint, so they cannot be converted exactly",
+            hint="train a model whose AutoModel export writes PEFT's fused-expert layout (target_parameters "
+            "in adapter_config.json), or leave the experts out of the adapter's target_modules; the "
+            "trainer's files were not touched",
         )

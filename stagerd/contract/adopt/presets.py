@@ -7,8 +7,8 @@ every other key (optimizer state, schedulers, RNG, dataloader) is left alone. Th
 key mapping (`contract/key_mapping.py`, strict where the preset knows the model's names), whose
 `rope_heads` may name a config.json field instead of a number. `resolve_selection` turns all of it into
 the to-Hub plan the export engine carries out, or a named error at plan time: nothing selected, two keys
-giving one name, a selected key the strict mapping leaves unmapped, a PEFT model's names where the
-model's are expected (`peft_names.py`).
+giving one name, a selected key the strict mapping leaves unmapped, names PEFT's loader would not take
+(`peft_names.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from stagerd.contract.adopt.peft_names import refuse_peft_names
+from stagerd.contract.adopt.peft_names import refuse_grouped_expert_lora, refuse_peft_names
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import AdoptError, ConfigError, HubPlanError
@@ -376,7 +376,9 @@ def resolve_selection(
     views += [_whole(name, chosen[name], named[name]) for name in chosen if name not in viewed]
     if config is not None and config.get("tie_word_embeddings") is True:
         views = [v for v in views if v.name not in preset.tied]  # save_pretrained leaves the head out
-    if not preset.adapter:
+    if preset.adapter:
+        refuse_grouped_expert_lora([v.name for v in views])
+    else:
         refuse_peft_names([v.name for v in views])
     hub = HubPlan(tuple(views), (), origin="mapping")
     hub.outputs({key: tuple(shapes[key]) for key in chosen.values()})  # two outputs of one name: now
