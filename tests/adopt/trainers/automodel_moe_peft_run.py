@@ -9,6 +9,7 @@ trained LoRA factors by AutoModel's own names and layout (`REF/lora.safetensors`
 `hf_names=False` builds the model without its state-dict adapter (`enable_hf_state_dict_adapter`): the save
 then keeps the experts' factors as AutoModel holds them, as it does for every MoE whose adapter it did not
 validate for PEFT's fused layout (GPT-OSS, Qwen3-VL-MoE and others, which do not run on CPU); no reference.
+`moe_rank_scaling=True` trains the experts at rank RANK / experts per token (its PeftConfig option).
 
 The model's `RotaryEmbedding` and `initialize_weights` ask `torch.cuda.current_device()` for a default
 device they are then given explicitly (CPU): the only CUDA call on this path.
@@ -50,7 +51,14 @@ def config() -> Any:
 
 
 def train(
-    rank: int, world: int, init_file: str, out: str, ref: str, port: int, hf_names: bool = True
+    rank: int,
+    world: int,
+    init_file: str,
+    out: str,
+    ref: str,
+    port: int,
+    hf_names: bool = True,
+    moe_rank_scaling: bool = False,
 ) -> None:
     tiny.rank_env(rank, world, port)
     join(rank, world, init_file)
@@ -87,7 +95,8 @@ def train(
     model = Qwen3MoeForCausalLM(cfg, backend=backend)
     model.model.rotary_emb.device = cpu
     model.initialize_weights(buffer_device=cpu)
-    peft = PeftConfig(target_modules=["*_proj", "*.experts"], dim=RANK, alpha=ALPHA)
+    targets = ["*_proj", "*.experts"]
+    peft = PeftConfig(target_modules=targets, dim=RANK, alpha=ALPHA, moe_rank_scaling=moe_rank_scaling)
     assert apply_lora_to_linear_modules(model, peft) > 0
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = parallelize_model(model, MeshContext.build(FSDP2Config(mp_policy=policy), world_size=world))
@@ -127,7 +136,7 @@ def train(
     recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0 or not hf_names:
+    if rank != 0 or not hf_names or moe_rank_scaling:
         return
     lora = {k: v.contiguous() for k, v in full.items() if ".lora_" in k}
     Path(ref).mkdir(parents=True, exist_ok=True)

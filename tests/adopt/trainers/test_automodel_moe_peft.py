@@ -6,7 +6,9 @@ layout (`experts.lora_A.weight` [rank * experts, in], `target_parameters`): publ
 `PeftModel.from_pretrained` on transformers' Qwen3-MoE loads every trained factor, none missing or left
 over, and reads them back as AutoModel trained them. Without it (the layout AutoModel keeps for the
 models it did not validate) the factors keep AutoModel's own names and shapes, which PEFT drops without a
-word: the adoption refuses them by name, publishes nothing and leaves the trainer's files as they were."""
+word: the adoption refuses them by name, publishes nothing and leaves the trainer's files as they were.
+So it does where AutoModel's `moe_rank_scaling` gave the experts a rank adapter_config.json does not state
+(PEFT would fail on their sizes)."""
 
 from __future__ import annotations
 
@@ -83,16 +85,28 @@ def test_fused_expert_factors_are_published_as_written_and_load_as_trained(run, 
     assert len(seen) == 4 * moe.config().num_hidden_layers  # A and B of both projections, every layer
 
 
-def test_automodels_own_grouped_expert_factors_are_refused_by_name(tmp_path):
-    launch(moe.train, str(tmp_path / "train"), str(tmp_path / "ref"), free_port(), False, world=1)
+@pytest.mark.parametrize(
+    ("hf_names", "moe_rank_scaling", "said"),
+    [
+        (
+            False,
+            False,
+            "'base_model.model.model.layers.0.mlp.experts.lora_down_A' and 7 more are NeMo AutoModel's",
+        ),
+        (True, True, "AutoModel's moe_rank_scaling trained 'base_model.model.model.layers.0.mlp.experts."),
+    ],
+    ids=["grouped-layout", "moe-rank-scaling"],
+)
+def test_expert_factors_peft_would_not_load_are_refused_by_name(tmp_path, hf_names, moe_rank_scaling, said):
+    launch(moe.train, str(tmp_path / "train"), "", free_port(), hf_names, moe_rank_scaling, world=1)
     ckpt = tmp_path / "train" / f"epoch_0_step_{tiny.STEPS}"
     config = json.loads((ckpt / "model" / "adapter_config.json").read_text())
-    assert "target_parameters" not in config
+    assert ("target_parameters" in config) is hf_names and "rank_pattern" not in config
     before = tree_digest(tmp_path / "train")
 
     res = watch_once(tmp_path / "train", tmp_path / "sink")
     out = res.stdout + res.stderr
     assert "0 step(s) published, 1 not" in out, out
-    assert "AdoptError" in out and "lora_down_A" in out and "grouped-expert LoRA" in out, out
+    assert f"AdoptError: {said}" in out, out
     assert not published(tmp_path / "sink", tiny.STEPS).exists()
     assert tree_digest(tmp_path / "train") == before
