@@ -7,7 +7,8 @@ every other key (optimizer state, schedulers, RNG, dataloader) is left alone. Th
 key mapping (`contract/key_mapping.py`, strict where the preset knows the model's names), whose
 `rope_heads` may name a config.json field instead of a number. `resolve_selection` turns all of it into
 the to-Hub plan the export engine carries out, or a named error at plan time: nothing selected, two keys
-giving one name, a selected key the strict mapping leaves unmapped.
+giving one name, a selected key the strict mapping leaves unmapped, names PEFT's loader would not take
+(`peft_names.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from stagerd.contract.adopt.peft_names import refuse_grouped_expert_lora, refuse_peft_names
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.errors import AdoptError, ConfigError, HubPlanError
@@ -374,28 +376,13 @@ def resolve_selection(
     views += [_whole(name, chosen[name], named[name]) for name in chosen if name not in viewed]
     if config is not None and config.get("tie_word_embeddings") is True:
         views = [v for v in views if v.name not in preset.tied]  # save_pretrained leaves the head out
-    if not preset.adapter:
-        _refuse_peft_names([v.name for v in views])
+    if preset.adapter:
+        refuse_grouped_expert_lora([v.name for v in views])
+    else:
+        refuse_peft_names([v.name for v in views])
     hub = HubPlan(tuple(views), (), origin="mapping")
     hub.outputs({key: tuple(shapes[key]) for key in chosen.values()})  # two outputs of one name: now
     return sorted({v.source for v in views}), hub
-
-
-# A PEFT model's own names: its LoRA factors and the frozen layers they wrap. Published under them, no
-# `from_pretrained` of the base model finds its weights (it initialises them at random, with a warning).
-_PEFT_NAME = re.compile(r".*\.(?:base_layer|lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?:\.|$).*")
-
-
-def _refuse_peft_names(names: list[str]) -> None:
-    peft = sorted(n for n in names if _PEFT_NAME.fullmatch(n))
-    if peft:
-        raise AdoptError(
-            f"these are a PEFT model's tensors ({peft[0]!r} and {len(peft) - 1} more): exported under these "
-            "names, from_pretrained would load none of the model's weights",
-            hint="save the merged model (merge_and_unload) in the checkpoint, or save through "
-            "stagerd.Stager / StagerdCallback with model=, which export the merged model and the adapter; "
-            "the trainer's files were not touched",
-        )
 
 
 def _whole(name: str, key: str, shape: tuple[int, ...]) -> TensorView:

@@ -47,6 +47,19 @@ def find_extras(
     return found
 
 
+def find_trainers_file(
+    ckpt: Path | HeldDir, preset: Preset, name: str, files: HeldFiles | None = None
+) -> Path | None:
+    """`name` where the trainer keeps its extras (the preset's `extras_dirs`), read there only, as
+    `find_extras` reads them (a link is a SymlinkError): a file of the trainer's that is never published."""
+    for sub in preset.extras_dirs:
+        d = _place(ckpt, sub, files)
+        p = None if d is None else _trainers(d, name, files)
+        if p is not None:
+            return p
+    return None
+
+
 def _place(ckpt: Path | HeldDir, sub: str, files: HeldFiles | None) -> Path | HeldDir | None:
     """The trainer's extras directory `sub` of the checkpoint: held from it where the checkpoint is
     held (None where it is not there), its path otherwise; a link on the way is a SymlinkError."""

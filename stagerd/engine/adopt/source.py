@@ -31,6 +31,7 @@ from stagerd.contract.adopt.dcp_metadata import (
     read_dcp_metadata,
     read_metadata_bytes,
 )
+from stagerd.contract.adopt.peft_names import AUTOMODEL_PEFT_CONFIG, refuse_scaled_expert_rank
 from stagerd.contract.adopt.presets import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -50,7 +51,7 @@ from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
-from stagerd.engine.adopt.extras import find_extras, read_config
+from stagerd.engine.adopt.extras import find_extras, find_trainers_file, read_config
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
@@ -319,6 +320,11 @@ def open_adopted(
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
+    if preset.adapter:
+        at = ckpt if held is None else held[0]
+        automodel = find_trainers_file(at, preset, AUTOMODEL_PEFT_CONFIG, None if held is None else held[1])
+        adapter_config = read_config(extras[ADAPTER_CONFIG]) or {}
+        refuse_scaled_expert_rank(read_config(automodel), adapter_config, [v.name for v in plan.views])
     if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
         plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
     return AdoptedSource(

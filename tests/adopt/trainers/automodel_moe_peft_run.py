@@ -1,0 +1,165 @@
+"""One rank of NeMo AutoModel 0.7 training LoRA on a tiny Qwen3-MoE, driven in-process as in
+automodel_peft_run.py: its own `Qwen3MoeForCausalLM` (grouped experts, the per-expert loop on CPU), its
+`apply_lora_to_linear_modules` on the attention projections and the experts (`GroupedExpertsLoRA`: one A
+and B per expert for the fused gate+up, one for down), its FSDP2 on a CPU gloo mesh, two optimizer steps,
+then the recipe's `save_checkpoint` with a real `Checkpointer(is_peft=True)`. Rank 0 writes the reference:
+the base weights as transformers' `Qwen3MoeForCausalLM.save_pretrained` writes them (`REF/base/`), and the
+trained LoRA factors by AutoModel's own names and layout (`REF/lora.safetensors`).
+
+`hf_names=False` builds the model without its state-dict adapter (`enable_hf_state_dict_adapter`): the save
+then keeps the experts' factors as AutoModel holds them, as it does for every MoE whose adapter it did not
+validate for PEFT's fused layout (GPT-OSS, Qwen3-VL-MoE and others, which do not run on CPU); no reference.
+`moe_rank_scaling=True` trains the experts at rank RANK / experts per token (its PeftConfig option).
+
+The model's `RotaryEmbedding` and `initialize_weights` ask `torch.cuda.current_device()` for a default
+device they are then given explicitly (CPU): the only CUDA call on this path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.adopt.trainers import tiny
+from tests.gloo import join
+
+DTYPE = "bfloat16"
+RANK, ALPHA = 4, 8
+EXPERTS, HIDDEN, MOE_INTER = 4, 32, 12  # hidden != moe_inter, != 2 * moe_inter: every layout tells apart
+
+
+def config() -> Any:
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        moe_intermediate_size=MOE_INTER,
+        tie_word_embeddings=False,
+        dtype=DTYPE,
+    )
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg
+
+
+def train(
+    rank: int,
+    world: int,
+    init_file: str,
+    out: str,
+    ref: str,
+    port: int,
+    hf_names: bool = True,
+    moe_rank_scaling: bool = False,
+) -> None:
+    tiny.rank_env(rank, world, port)
+    join(rank, world, init_file)
+    import torch
+    import transformers as tf
+    from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+    from nemo_automodel.components.training.rng import StatefulRNG
+    from nemo_automodel.recipes.base_recipe import BaseRecipe
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.cuda.current_device = lambda: 0  # only named as a default device; CPU is passed in its place
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    cfg = config()
+    backend = BackendConfig(
+        attn="sdpa",
+        linear="torch",
+        rms_norm="torch",
+        experts="torch",
+        dispatcher="torch",
+        rope_fusion=False,
+        enable_hf_state_dict_adapter=hf_names,
+    )
+    model = Qwen3MoeForCausalLM(cfg, backend=backend)
+    model.model.rotary_emb.device = cpu
+    model.initialize_weights(buffer_device=cpu)
+    targets = ["*_proj", "*.experts"]
+    peft = PeftConfig(target_modules=targets, dim=RANK, alpha=ALPHA, moe_rank_scaling=moe_rank_scaling)
+    assert apply_lora_to_linear_modules(model, peft) > 0
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = parallelize_model(model, MeshContext.build(FSDP2Config(mp_policy=policy), world_size=world))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rows = tiny.token_rows(4 * world * tiny.STEPS).view(tiny.STEPS, world, 4, -1)
+    for step in range(tiny.STEPS):
+        batch = rows[step, rank]
+        logits = model(input_ids=batch).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    class Recipe(BaseRecipe):
+        """The recipe's tracked state, as its finetune recipe's `setup` leaves it with a `peft:` section."""
+
+    recipe = Recipe()
+    recipe.checkpointer = Checkpointer(
+        CheckpointingConfig(
+            checkpoint_dir=out,
+            model_save_format="safetensors",
+            save_consolidated=False,
+            model_cache_dir=f"{out}.hf_cache",
+            is_peft=True,
+        ),
+        dp_rank=rank,
+        tp_rank=0,
+        pp_rank=0,
+    )
+    recipe.peft_config = peft
+    recipe.model = model
+    recipe.optimizer = optimizer
+    recipe.cfg = ConfigNode(
+        {"step_scheduler": {"max_steps": tiny.STEPS}, "checkpoint": {"save_consolidated": False}}
+    )
+    recipe.rng = StatefulRNG(seed=1, ranked=True)
+    recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0 or not hf_names or moe_rank_scaling:
+        return
+    lora = {k: v.contiguous() for k, v in full.items() if ".lora_" in k}
+    Path(ref).mkdir(parents=True, exist_ok=True)
+    save_file(lora, str(Path(ref) / "lora.safetensors"))
+    hf = model.state_dict_adapter.to_hf({k: v for k, v in full.items() if k not in lora})
+    base = tf.Qwen3MoeForCausalLM(cfg).to(getattr(torch, DTYPE))
+    missing, unexpected = base.load_state_dict(_fused(hf), strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    base.save_pretrained(Path(ref) / "base")
+
+
+def _fused(hf: dict[str, Any]) -> dict[str, Any]:
+    """AutoModel's per-expert HF names (`experts.E.gate_proj.weight`) stacked as transformers 5 holds them:
+    `gate_up_proj` [experts, 2 * inter, hidden] (gate rows first), `down_proj` [experts, hidden, inter]."""
+    import torch
+
+    out = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
+    layers = {k.split(".mlp.experts.")[0] for k in hf if ".mlp.experts." in k}
+    for layer in layers:
+
+        def stack(proj: str, layer: str = layer) -> Any:
+            return torch.stack([hf[f"{layer}.mlp.experts.{e}.{proj}.weight"] for e in range(EXPERTS)])
+
+        out[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
+        out[f"{layer}.mlp.experts.down_proj"] = stack("down_proj")
+    return out
