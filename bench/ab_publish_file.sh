@@ -1,6 +1,6 @@
 #!/bin/bash
 # Paired A/B of `stagerd publish` to a file:// sink: base tree vs HEAD, alternated, with `cp -r` + sync of
-# the same export as the peer. usage: publish_ab.sh BASE_TREE HEAD_TREE ROUNDS
+# the same export as the peer. usage: bench/ab_publish_file.sh BASE_TREE HEAD_TREE [ROUNDS] (two checkouts, C extensions built)
 set -eu
 BASE=$1; HEAD=$2; N=${3:-7}
 D=$(mktemp -d "${TMPDIR:-/tmp}/ab-publish.XXXX")
