@@ -217,7 +217,7 @@ class StepExchange:
         held = _named(sink.url, key, lambda: b.read(key))
         if fleet_owned(held, mine):
             return held or b""
-        if self._committed(sink):
+        if self.committed(sink):
             raise self._theirs(sink, held)
         raise claimed_error(f"{sink.url}/{key}", held, self.step)
 
@@ -225,7 +225,7 @@ class StepExchange:
         """Where `sink` holds the step complete (its manifest): the claim there, the fleet's own (an
         earlier try committed it) or none (a commit from before claims); nothing is to be written there
         again. Another publisher's is `SinkConflictError`. None where the step has no manifest."""
-        if not self._committed(sink):
+        if not self.committed(sink):
             return None
         key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
         held = _named(sink.url, key, lambda: b.read(key))
@@ -233,7 +233,8 @@ class StepExchange:
             return held or b""
         raise self._theirs(sink, held)
 
-    def _committed(self, sink: FsspecSink) -> bool:
+    def committed(self, sink: FsspecSink) -> bool:
+        """`sink` holds the step's manifest."""
         manifest, b = f"{layout.step_dir_name(self.step)}/{layout.MANIFEST_NAME}", sink.backend
         return _named(sink.url, manifest, lambda: b.read(manifest)) is not None
 

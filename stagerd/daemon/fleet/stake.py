@@ -108,6 +108,16 @@ class Stakes:
                 why: StagerdError | None = x.claim_error(s, held.get(s.url)) or gone.get(s.url)
             except SinkError as e:
                 why = gone.get(s.url, e)
+            if why is None and s.url in held:
+                try:
+                    # a past try's record (the new try's may not be written yet) of a step that try
+                    # committed since: the fleet's complete step, never written into, whatever files
+                    # this try's plan names (an older build's plan may name others)
+                    if x.committed(s):
+                        self.complete.add(s.url)
+                        continue
+                except SinkError as e:
+                    why = e
             if why is None:
                 self.seen.add(s.url)
             else:
