@@ -6,10 +6,13 @@ other sink gets this build's plan.
 
 The old try's state is made at test scale: the nodes run once with a shard size that makes one file of
 the model (the old default, for a model below it), the second sink failing, then again with a small one
-(the new default, for a model above it). What that try leaves on the exchange and the sink (claims, the
-`claimed/` record, `done/` records, the manifest) is in the same formats in both builds."""
+(the new default, for a model above it). What that try leaves on the exchange and the sink (the
+`claimed/` record, `done/` records, the sink's claim and manifest) is in the same formats in both builds;
+its nodes' claims are made the previous build's (no `protocol`, no `stagerd`)."""
 
 from __future__ import annotations
+
+import json
 
 from stagerd.contract import layout
 from stagerd.daemon.fleet.node import FleetNode, FleetOptions
@@ -38,6 +41,12 @@ def test_a_sink_committed_under_the_old_plan_is_not_written_into(tmp_path, dcp_m
     a, b = tmp_path / "a" / layout.step_dir_name(STEP), tmp_path / "b" / layout.step_dir_name(STEP)
     old = _run(node_dirs, tmp_path, urls, ONE_FILE)
     assert (a / layout.MANIFEST_NAME).is_file(), old
+    claims = sorted((tmp_path / "a" / "fleet" / layout.step_dir_name(STEP)).glob("node-*.json"))
+    assert len(claims) == 2, claims
+    for claim in claims:
+        body = json.loads(claim.read_text())
+        assert body.pop("protocol") and body.pop("stagerd"), body
+        claim.write_text(json.dumps(body))
     before = {p.name: p.read_bytes() for p in a.iterdir()}
     assert "model.safetensors" in before
 
