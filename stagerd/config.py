@@ -278,7 +278,8 @@ class Settings(BaseSettings):
     @field_validator("sinks")
     @classmethod
     def _check_sinks(cls, v: list[str]) -> list[str]:
-        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates, refuse_nested
+        from stagerd.sinks.own_places import refuse_nested
+        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates
 
         for url in v:
             parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created

@@ -43,6 +43,7 @@ from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
 from stagerd.sinks.objects import redact_url
+from stagerd.sinks.own_places import own_name
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 if TYPE_CHECKING:
@@ -79,12 +80,6 @@ def _refuse_root_inside_sinks(root: Path, sinks: list[str]) -> None:
     sink's publishes would write among the staged steps (`SINK/raw/step-N` is ROOT's `step-N` when ROOT is
     `SINK/raw`) and its retention would delete them. (ROOT in another directory of the sink is left alone:
     a sink touches only names of its own.)"""
-    from stagerd.sinks.claims import CLAIMS_DIR
-    from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR
-    from stagerd.sinks.leases import RESTORING_DIR
-    from stagerd.sinks.prune import FLEET_DIR
-
-    own = {RAW_DIR, CLAIMS_DIR, FLEET_DIR, RESTORING_DIR, LATEST_NAME}
     real_root = root.resolve()
     for url in sinks:
         target = parse_sink_url(url)
@@ -92,7 +87,7 @@ def _refuse_root_inside_sinks(root: Path, sinks: list[str]) -> None:
         if where is None or where not in real_root.parents:
             continue
         top = real_root.relative_to(where).parts[0]
-        if top in own or top.startswith("step-"):
+        if own_name(top):
             raise ConfigError(
                 f"ROOT {root} is inside sink {url}, under its {top}: the sink's publishes and retention "
                 "would write and delete among the staged steps",

@@ -108,37 +108,11 @@ def refuse_duplicates(urls: list[str]) -> None:
         place = parse_sink_url(url).place
         if place in seen:
             raise ConfigError(
-                f"sinks {_shown(seen[place])} and {_shown(url)} are the same place: each step would be "
+                f"sinks {shown(seen[place])} and {shown(url)} are the same place: each step would be "
                 "published there twice, by two lanes at once",
                 hint="give each destination once",
             )
         seen[place] = url
-
-
-def refuse_nested(urls: list[str]) -> None:
-    """One sink inside another (`file:///x` and `file:///x/sub`, `s3://b` or `s3://b/p` and `s3://b/p/sub`;
-    not `s3://b/p` and `s3://b/p2`): the outer sink's listings, claims and retention would meet the inner
-    one's files under its own names, and could delete them. Checked on the URLs as written, as duplicates
-    are (`refuse_duplicates` first: one place is not nested in itself)."""
-    checked = [(parse_sink_url(url), url) for url in urls]
-    for outer, outer_url in checked:
-        for inner, inner_url in checked:
-            if outer.kind is SinkKind.HUB or outer.place[:3] != inner.place[:3]:
-                continue  # a Hub repo's revisions are branches, not directories; other stores never nest
-            if _nested(inner.path, outer.path):
-                raise ConfigError(
-                    f"sink {_shown(inner_url)} lies inside sink {_shown(outer_url)}: the outer sink's "
-                    "listings and retention would take the inner one's files for its own, and could delete "
-                    "them",
-                    hint="give each sink a directory or prefix of its own, side by side (e.g. s3://BUCKET/a "
-                    "and s3://BUCKET/b); nothing was written",
-                )
-
-
-def _nested(inner: str, outer: str) -> bool:
-    """`inner` strictly below `outer`, at a path-component boundary ("" is a bucket's or host's top)."""
-    inner, outer = inner.strip("/"), outer.strip("/")
-    return inner != outer and (not outer or inner.startswith(outer + "/"))
 
 
 def _parse(text: str) -> SinkUrl:
@@ -327,7 +301,7 @@ def refuse_patterns(url: str) -> None:
         return
     found = "".join(c for c in PATTERN_CHARS if c in rest)
     raise ConfigError(
-        f"sink URL {_shown(url)} holds the glob character(s) {found!r}: object stores and their tools read "
+        f"sink URL {shown(url)} holds the glob character(s) {found!r}: object stores and their tools read "
         "them as patterns, so one delete could reach other prefixes; stagerd refuses such prefixes",
         hint="publish to a prefix of letters, digits, '-', '_', '.' and '/'; to read one written before, "
         "copy it to such a prefix first (e.g. `aws s3 cp --recursive 's3://BUCKET/run[1]/' s3://BUCKET/run1/`)",
@@ -366,12 +340,12 @@ def _without_fragment(scheme: str, text: str) -> str:
 
 
 def _refuse(text: str, why: str, suggestion: str | None) -> ConfigError:
-    shown = _shown(text)
-    hint = f"did you mean {_shown(suggestion)}?" if suggestion else f"use {FORMS}"
-    return ConfigError(f"sink URL {shown} {why}", hint=hint)
+    quoted = shown(text)
+    hint = f"did you mean {shown(suggestion)}?" if suggestion else f"use {FORMS}"
+    return ConfigError(f"sink URL {quoted} {why}", hint=hint)
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """The URL quoted on one line, with any password or token in it masked."""
     from stagerd.sinks.objects import redact_url
 

@@ -116,21 +116,29 @@ def test_different_places_are_not_duplicates():
 @pytest.mark.parametrize(
     ("outer", "inner"),
     [
-        ("file:///srv/out", "file:///srv/out/sub"),
-        ("/srv/out", "file:///srv/out/a/b"),
-        ("s3://bkt/run1", "s3://bkt/run1/sub"),
-        ("s3a://bkt/run1/", "s3://bkt/run1/sub/deeper"),
-        ("s3://bkt", "s3://bkt/run1"),  # the whole bucket holds every prefix
-        ("ftp://host/run1", "ftp://host/run1/raw"),
+        ("file:///srv/out", "file:///srv/out/step-00000100"),
+        ("/srv/out", "file:///srv/out/raw/b"),
+        ("s3://bkt/run1", "s3://bkt/run1/claims"),
+        ("s3a://bkt/run1/", "s3://bkt/run1/fleet/deeper"),
+        ("s3://bkt", "s3://bkt/restoring"),  # the whole bucket is a sink at the bucket's top
+        ("ftp://host/run1", "ftp://host/run1/latest"),
     ],
 )
-def test_a_sink_inside_another_is_refused_naming_both(outer, inner):
-    # the outer sink's listings and retention would meet the inner one's steps; either order is refused
+def test_a_sink_inside_another_sinks_own_places_is_refused_naming_both(outer, inner):
+    # the outer sink's listings and retention would meet the inner one's files; either order is refused
     for sinks in ([outer, inner], [inner, outer]):
         with pytest.raises(ConfigError, match="lies inside sink") as e:
             load_settings(sinks=sinks)
-        assert f"sink {inner!r} lies inside sink {outer!r}" in str(e.value), str(e.value)
+        assert f"sink {inner!r} lies inside sink {outer!r}, under its " in str(e.value), str(e.value)
         assert "side by side" in e.value.hint
+
+
+def test_a_sink_in_another_folder_of_a_sink_is_its_own():
+    """A sink touches only its steps, raw/, claims/, fleet/, restoring/ and latest: a sink in any other
+    folder of it (a layout that ran before nesting was checked) meets none of its files."""
+    sinks = ["file:///srv/out", "file:///srv/out/sub", "s3://bkt/run1", "s3://bkt/run1/sub/deeper"]
+    sinks += ["s3://whole", "s3://whole/run1", "file:///srv/out/stepping"]
+    assert load_settings(sinks=sinks).sinks == sinks
 
 
 def test_bad_files(tmp_path):
