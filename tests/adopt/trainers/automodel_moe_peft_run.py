@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.adopt.trainers import tiny
+from tests.adopt.trainers.automodel_peft_run import save_as_recipe
 from tests.gloo import join
 
 DTYPE = "bfloat16"
@@ -65,16 +66,11 @@ def train(
     import torch
     import transformers as tf
     from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
-    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
-    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
-    from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
-    from nemo_automodel.components.training.rng import StatefulRNG
-    from nemo_automodel.recipes.base_recipe import BaseRecipe
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -110,30 +106,7 @@ def train(
         optimizer.step()
         optimizer.zero_grad()
 
-    class Recipe(BaseRecipe):
-        """The recipe's tracked state, as its finetune recipe's `setup` leaves it with a `peft:` section."""
-
-    recipe = Recipe()
-    recipe.checkpointer = Checkpointer(
-        CheckpointingConfig(
-            checkpoint_dir=out,
-            model_save_format="safetensors",
-            save_consolidated=False,
-            model_cache_dir=f"{out}.hf_cache",
-            is_peft=True,
-        ),
-        dp_rank=rank,
-        tp_rank=0,
-        pp_rank=0,
-    )
-    recipe.peft_config = peft
-    recipe.model = model
-    recipe.optimizer = optimizer
-    recipe.cfg = ConfigNode(
-        {"step_scheduler": {"max_steps": tiny.STEPS}, "checkpoint": {"save_consolidated": False}}
-    )
-    recipe.rng = StatefulRNG(seed=1, ranked=True)
-    recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
+    save_as_recipe(out, rank, peft, model, optimizer, loss)
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0 or not hf_names or moe_rank_scaling:

@@ -10,6 +10,7 @@ removes `.incomplete` last. Rank 0 writes the reference: the base weights as `sa
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tests.adopt.trainers import tiny
 from tests.gloo import join
@@ -24,15 +25,10 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
     import torch
     import transformers as tf
     from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
-    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
-    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
-    from nemo_automodel.components.config.loader import ConfigNode
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from nemo_automodel.components.models.llama.model import LlamaForCausalLM
-    from nemo_automodel.components.training.rng import StatefulRNG
-    from nemo_automodel.recipes.base_recipe import BaseRecipe
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -52,6 +48,29 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+
+    save_as_recipe(out, rank, peft, model, optimizer, loss)
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    lora = {k: v.contiguous() for k, v in full.items() if ".lora_" in k}
+    Path(ref).mkdir(parents=True, exist_ok=True)
+    save_file(lora, str(Path(ref) / "lora.safetensors"))
+    base = tf.LlamaForCausalLM(cfg).to(getattr(torch, DTYPE))
+    missing, unexpected = base.load_state_dict({k: v for k, v in full.items() if k not in lora}, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    base.save_pretrained(Path(ref) / "base")
+
+
+def save_as_recipe(out: str, rank: int, peft: Any, model: Any, optimizer: Any, loss: Any) -> None:
+    """AutoModel's recipe `save_checkpoint` with a real `Checkpointer(is_peft=True)`, the recipe's tracked
+    state as its finetune recipe's `setup` leaves it with a `peft:` section."""
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.components.training.rng import StatefulRNG
+    from nemo_automodel.recipes.base_recipe import BaseRecipe
 
     class Recipe(BaseRecipe):
         """The recipe's tracked state, as its finetune recipe's `setup` leaves it with a `peft:` section."""
@@ -77,14 +96,3 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
     )
     recipe.rng = StatefulRNG(seed=1, ranked=True)
     recipe.save_checkpoint(epoch=0, step=tiny.STEPS, train_loss=loss.detach())
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
-    lora = {k: v.contiguous() for k, v in full.items() if ".lora_" in k}
-    Path(ref).mkdir(parents=True, exist_ok=True)
-    save_file(lora, str(Path(ref) / "lora.safetensors"))
-    base = tf.LlamaForCausalLM(cfg).to(getattr(torch, DTYPE))
-    missing, unexpected = base.load_state_dict({k: v for k, v in full.items() if k not in lora}, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
-    base.save_pretrained(Path(ref) / "base")
