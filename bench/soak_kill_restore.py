@@ -38,6 +38,16 @@ def _restore(soak: Soak, url: str, out: Path, step: int, crash: str | None) -> s
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _finish(p: subprocess.Popen, rng: random.Random | None) -> tuple[str, str]:
+    """Its output once it ends; with `rng`, killed at a random moment (0.1-1.5 s in) if still running."""
+    if rng is not None:
+        try:
+            p.wait(rng.uniform(0.1, 1.5))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return p.communicate(timeout=300)
+
+
 def _same(out: Path, ref: Path, hub: bool) -> bool:
     got = tree(out)
     if hub:
@@ -69,12 +79,7 @@ def restore_soak(soak: Soak, refs: dict[int, Path], rng: random.Random, n: int) 
             how = rng.choice(("time", "piece"))
             crash = f"restore.piece:{rng.randint(1, 3)}" if how == "piece" else None
             p = _restore(soak, urls[kind], out, step, crash)
-            if how == "time":
-                try:
-                    p.wait(rng.uniform(0.1, 1.5))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            _, err = p.communicate(timeout=300)
+            _, err = _finish(p, rng if how == "time" else None)
             if p.returncode == 0:
                 how = "finished first"
             elif p.returncode != -signal.SIGKILL:
@@ -173,12 +178,7 @@ def raw_restore_soak(soak: Soak, rng: random.Random, n: int) -> tuple[dict, list
             p = subprocess.Popen(
                 args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
-            if how == "time":
-                try:
-                    p.wait(rng.uniform(0.1, 1.5))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            _, err = p.communicate(timeout=300)
+            _, err = _finish(p, rng if how == "time" else None)
             killed = p.returncode == -signal.SIGKILL
             if not killed and p.returncode != 0:
                 fails.append(
