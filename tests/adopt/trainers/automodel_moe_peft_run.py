@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.adopt.trainers import tiny
-from tests.adopt.trainers.automodel_peft_run import save_as_recipe
+from tests.adopt.trainers.automodel_recipe import fit, save_as_recipe
 from tests.gloo import join
 
 DTYPE = "bfloat16"
@@ -66,14 +66,10 @@ def train(
     import torch
     import transformers as tf
     from nemo_automodel.components._peft.lora import PeftConfig, apply_lora_to_linear_modules
-    from nemo_automodel.components.distributed.config import FSDP2Config
-    from nemo_automodel.components.distributed.mesh import MeshContext
-    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.cuda.current_device = lambda: 0  # only named as a default device; CPU is passed in its place
     cpu = torch.device("cpu")
@@ -94,19 +90,13 @@ def train(
     targets = ["*_proj", "*.experts"]
     peft = PeftConfig(target_modules=targets, dim=RANK, alpha=ALPHA, moe_rank_scaling=moe_rank_scaling)
     assert apply_lora_to_linear_modules(model, peft) > 0
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = parallelize_model(model, MeshContext.build(FSDP2Config(mp_policy=policy), world_size=world))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    rows = tiny.token_rows(4 * world * tiny.STEPS).view(tiny.STEPS, world, 4, -1)
-    for step in range(tiny.STEPS):
-        batch = rows[step, rank]
-        logits = model(input_ids=batch).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
-    save_as_recipe(out, rank, peft, model, optimizer, loss)
+    def next_token_loss(model: Any, batch: Any) -> Any:
+        logits = model(input_ids=batch).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    model, optimizer, loss = fit(model, rank, world, next_token_loss)
+    save_as_recipe(out, rank, model, optimizer, loss, peft=peft)
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0 or not hf_names or moe_rank_scaling:
