@@ -45,7 +45,7 @@ def main() -> int:
     from tests.test_load import STEADY_ALLOCATOR, run_load
 
     from tests.dcp_fixtures import dcp_save
-    from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Env, S3TestServer
+    from tests.s3server import S3Env, S3TestServer
 
     with tempfile.TemporaryDirectory(prefix="stagerd-soak-") as tmp_s:
         tmp = Path(tmp_s)
@@ -53,15 +53,7 @@ def main() -> int:
         dcp_save(model, world=2)
         server = S3TestServer()
         try:
-            os.environ.update(
-                AWS_ACCESS_KEY_ID=ACCESS_KEY,
-                AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                AWS_DEFAULT_REGION=REGION,
-                AWS_ENDPOINT_URL_S3=server.endpoint,
-                AWS_CONFIG_FILE=str(tmp / "absent"),
-                AWS_SHARED_CREDENTIALS_FILE=str(tmp / "absent"),
-                AWS_EC2_METADATA_DISABLED="true",
-            )
+            os.environ.update(server.aws_env(tmp / "absent"))
             client = server.client()
             bucket = f"stagerd-soak-{uuid.uuid4().hex[:8]}"
             client.create_bucket(Bucket=bucket)

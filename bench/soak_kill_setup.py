@@ -16,7 +16,6 @@ from tests.cli_helpers import STAGERD, clean_env
 from tests.daemon.crash.test_injection import big_tensors, stage
 from tests.daemon_helpers import fast_flags
 from tests.dcp_fixtures import dcp_save
-from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY
 
 PREFIX = "run1"
 # Beside the prefix (a literal prefix, so `run10/` and `run1-old/` are other trees) and under it (a directory
@@ -73,13 +72,7 @@ class Soak:
             dcp_save(models[1], world=2, builder=big_tensors)
         env = clean_env(
             dict(
-                AWS_ACCESS_KEY_ID=ACCESS_KEY,
-                AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                AWS_DEFAULT_REGION=REGION,
-                AWS_ENDPOINT_URL_S3=s3.endpoint,
-                AWS_CONFIG_FILE=str(work / "absent"),
-                AWS_SHARED_CREDENTIALS_FILE=str(work / "absent"),
-                AWS_EC2_METADATA_DISABLED="true",
+                **s3.aws_env(work / "absent"),
                 STAGERD_RETRY_BASE_SECONDS="0.1",
                 STAGERD_RETRY_MAX_SECONDS="1",
                 STAGERD_MAX_ATTEMPTS="10000",

@@ -30,6 +30,7 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -277,6 +278,19 @@ class S3TestServer:
         """The proxy: what clients under test talk to."""
         return f"http://127.0.0.1:{self._port}"
 
+    def aws_env(self, absent: Path) -> dict[str, str]:
+        """The AWS environment of a client of this server: dummy credentials, the proxy's endpoint, and no
+        config, credentials file (`absent`: a path that does not exist) or instance metadata to read."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_ENDPOINT_URL_S3": self.endpoint,
+            "AWS_CONFIG_FILE": str(absent),
+            "AWS_SHARED_CREDENTIALS_FILE": str(absent),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
     @property
     def moto_endpoint(self) -> str:
         """moto itself, with no faults and no auth check: for setup and for reading back."""
@@ -376,13 +390,8 @@ def s3(s3_server: S3TestServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) 
     """Dummy credentials and the proxy endpoint in the AWS environment, a fresh bucket, no faults."""
     for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config-absent"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials-absent"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for var, value in s3_server.aws_env(tmp_path / "aws-absent").items():
+        monkeypatch.setenv(var, value)
     if s3_server.proxy.is_down:
         s3_server.up()
     s3_server.proxy.reset()
