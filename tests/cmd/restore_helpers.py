@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from stagerd.contract import layout
 from tests.cli_helpers import run_cli
@@ -21,6 +24,20 @@ def raw_step(root: Path, s: int, model_src: Path) -> Path:
     shutil.copytree(model_src, step_dir / "model")
     commit_step(step_dir, 2)
     return step_dir
+
+
+@contextmanager
+def hub_with_step(tmp_path: Path, step: int = 7) -> Iterator[tuple[Any, str, dict, Path]]:
+    """The repo's Hub server holding an HF export published as `step` by the Hub sink: (the server, its
+    `hf://` URL, the environment of a `stagerd restore` child (token, Xet uploads), the export)."""
+    from tests.hubserver import HubConfig, HubServer
+    from tests.sinks.hub.hub_helpers import REPO, make_sink, write_export
+
+    with HubServer(config=HubConfig()) as hub:
+        export = write_export(tmp_path / "export")
+        make_sink(hub).publish(export, step)
+        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
+        yield hub, f"hf://{REPO}?endpoint={hub.endpoint}", env, export
 
 
 def tree(d: Path) -> dict[str, bytes]:

@@ -12,7 +12,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.sinks.fsspec import FsspecSink
 from tests.cli_helpers import run_cli
-from tests.cmd.restore_helpers import raw_step, run_restore, tree
+from tests.cmd.restore_helpers import hub_with_step, raw_step, run_restore, tree
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
@@ -34,14 +34,9 @@ def test_restores_a_published_hf_export_into_a_plain_directory(tmp_path, dcp_mix
 
 
 def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
-    from tests.hubserver import HubConfig, HubServer
-    from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+    from tests.sinks.hub.hub_helpers import export_files
 
-    with HubServer(config=HubConfig()) as hub:
-        export = write_export(tmp_path / "export")
-        make_sink(hub).publish(export, 7)
-        url = f"hf://{REPO}?endpoint={hub.endpoint}"
-        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
+    with hub_with_step(tmp_path) as (hub, url, env, export):
         r = run_restore(url, tmp_path / "eval-7", "--export", "--step", "7", env=env)
         assert r.returncode == 0, r.stderr
         got = tree(tmp_path / "eval-7")

@@ -22,7 +22,7 @@ from stagerd.sinks.leases import RESTORING_DIR, Lease
 from stagerd.sinks.remote import RemoteStore
 from stagerd.sinks.temp_names import HOST
 from tests.cli_helpers import run_cli
-from tests.cmd.restore_helpers import run_restore, tree
+from tests.cmd.restore_helpers import hub_with_step, run_restore, tree
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 CRASH = {"STAGERD_CRASH_AT": "restore.piece:2"}
@@ -97,14 +97,9 @@ def test_a_lease_write_killed_before_its_rename_is_swept_by_the_next_lease(tmp_p
 
 
 def test_a_restore_from_the_hub_killed_midway_leaves_no_temp_dir_for_good(tmp_path):
-    from tests.hubserver import HubConfig, HubServer
-    from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+    from tests.sinks.hub.hub_helpers import export_files
 
-    with HubServer(config=HubConfig()) as hub:
-        export = write_export(tmp_path / "export")
-        make_sink(hub).publish(export, 7)
-        url = f"hf://{REPO}?endpoint={hub.endpoint}"
-        env = {"HF_TOKEN": hub.token, "HF_HUB_DISABLE_XET": None}  # Xet
+    with hub_with_step(tmp_path) as (_, url, env, export):
         out = tmp_path / "outs" / "eval"
         killed = run_restore(url, out, "--export", "--step", "7", env={**env, **CRASH})
         assert killed.returncode == -signal.SIGKILL, killed.stderr
