@@ -36,11 +36,16 @@ def read_regular(path: str | os.PathLike[str], limit: int | None = None) -> byte
     """At most `limit` bytes (None: all) of the regular file `path` (`open_regular`), never allocating more
     than the file holds: `read(limit)` allocates the limit first."""
     with open_regular(path) as f:
-        if limit is None:
-            return f.read()
-        want = min(os.fstat(f.fileno()).st_size + 1, limit)
-        data = f.read(want)
-        return data if len(data) < want else data + f.read(limit - want)  # it grew since: on to the limit
+        return read_bounded(f, limit)
+
+
+def read_bounded(f: BinaryIO, limit: int | None = None) -> bytes:
+    """At most `limit` bytes (None: all) of the open file `f`, never allocating more than it holds."""
+    if limit is None:
+        return f.read()
+    want = min(os.fstat(f.fileno()).st_size + 1, limit)
+    data = f.read(want)
+    return data if len(data) < want else data + f.read(limit - want)  # it grew since: on to the limit
 
 
 def open_regular_at(dir_fd: int, name: str, path: Path, why: str, hint: str) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from stagerd.contract.regular_file import is_link_at, linked, open_regular_at
+from stagerd.contract.regular_file import is_link_at, linked, open_regular_at, read_bounded
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.objects import CLOCK_NAME
@@ -224,11 +224,7 @@ class LocalTree:
         """At most `limit` bytes of `key` (None: all), never allocating more than it holds; None if absent."""
         try:
             with self.opened(key) as f:
-                if limit is None:
-                    return f.read()
-                want = min(os.fstat(f.fileno()).st_size + 1, limit)
-                data = f.read(want)
-                return data if len(data) < want else data + f.read(limit - want)  # it grew since
+                return read_bounded(f, limit)
         except FileNotFoundError:
             return None
 
