@@ -171,6 +171,8 @@ def raw_restore_soak(soak: Soak, rng: random.Random, n: int) -> tuple[dict, list
         step_dir = root / layout.step_dir_name(step)
         args = [*STAGERD, "restore", urls[kind], str(root), "--step", str(step), "--workers", "4"]
         for _ in range(min(rng.choice((1, 2, 3)), n - done)):
+            if layout.is_committed(step_dir):  # a kill after its marker: the next run finds it committed
+                break
             how = rng.choice(("time", *RAW_POINTS))
             env = dict(soak.env)
             if how != "time":
