@@ -37,3 +37,13 @@ def watch_once(root: Path, sink: Path, *flags: str, env: dict[str, str | None] |
 
 def published(sink: Path, step: int) -> Path:
     return sink / layout.step_dir_name(step)
+
+
+def assert_passed_over_once(run: Path, sink: Path, said: str) -> None:
+    """A watch of `run` publishes nothing, names why exactly once (`said`), and leaves `run` as it was."""
+    before = tree_digest(run)
+    res = watch_once(run, sink)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "0 step(s) published" in out, out
+    assert out.count(said) == 1, out
+    assert tree_digest(run) == before

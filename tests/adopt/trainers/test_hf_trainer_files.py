@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.adopt.helpers import published, tree_digest, watch_once
+from tests.adopt.helpers import assert_passed_over_once, published, tree_digest, watch_once
 from tests.cli_helpers import run_cli
 from tests.fidelity.harness import assert_same_tensors
 from tests.integrations.hf_ranks import dataset, model, tokenizer
@@ -169,9 +169,5 @@ def test_an_adapter_saved_as_a_pickle_is_named_once_and_left_alone(lora_run, tmp
     ckpt = tmp_path / "run" / "checkpoint-1"
     shutil.copytree(lora_run[0] / "run" / "checkpoint-1", ckpt)
     (ckpt / "adapter_model.safetensors").rename(ckpt / "adapter_model.bin")  # never opened: any bytes
-    before = tree_digest(tmp_path / "run")
-    res = watch_once(tmp_path / "run", tmp_path / "sink")
-    out = res.stdout + res.stderr
-    assert res.returncode == 0 and "0 step(s) published" in out, out
-    assert out.count("checkpoint-1 holds a PEFT adapter as adapter_model.bin") == 1, out
-    assert tree_digest(tmp_path / "run") == before
+    said = "checkpoint-1 holds a PEFT adapter as adapter_model.bin"
+    assert_passed_over_once(tmp_path / "run", tmp_path / "sink", said)
