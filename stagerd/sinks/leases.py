@@ -8,11 +8,13 @@ store's time now (`RemoteStore.clock`: S3's `Date`, or the mtime of a file writt
 a restorer whose clocks disagree by hours still agree on it, and a restore longer than the TTL stays
 protected because its renewals keep the lease young. A lease not renewed for `LEASE_TTL_S` (the restore
 was killed) no longer protects anything; nor does one whose holder was a process of this host now gone.
+"This host" is its name and its pid namespace (HOST, `temp_names.py`): a restore in the next container
+of a pod (the same host name, other pids) is judged by its lease's age, as another host's is.
 
 A killed restore's lease is removed by the next restore of the sink (`sweep`): at once when it was this
 host's (its pid is dead), else once its TTL is over on the store's clock (the new lease's LastModified is
 that clock's now); with it go the temp files a killed lease write left on file://. An older stagerd's
-`step-N.<random>` says no holder: only its age counts.
+`step-N.<random>`, or its `step-N.HOSTNAME-PID-TID` (no namespace), is judged by its age alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Mapping
 from stagerd.contract import layout
 from stagerd.errors import SinkError
 from stagerd.sinks.remote import RemoteStore, StoredObject
-from stagerd.sinks.temp_names import OWNER, TEMP_NAME, killed_here, owner
+from stagerd.sinks.temp_names import OWNER, PID_NS, TEMP_NAME, killed_here, owner
 
 log = logging.getLogger("stagerd.sinks.prune")
 
@@ -75,7 +77,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _write(self) -> bool:
-        body = {"step": self.step, "host": socket.gethostname(), "pid": os.getpid()}
+        body = {"step": self.step, "host": socket.gethostname(), "pid": os.getpid(), "pidns": PID_NS}
         try:
             self.store.put(self.key, json.dumps(body).encode())
             return True
