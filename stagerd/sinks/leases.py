@@ -15,6 +15,12 @@ A killed restore's lease is removed by the next restore of the sink (`sweep`): a
 host's (its pid is dead), else once its TTL is over on the store's clock (the new lease's LastModified is
 that clock's now); with it go the temp files a killed lease write left on file://. An older stagerd's
 `step-N.<random>`, or its `step-N.HOSTNAME-PID-TID` (no namespace), is judged by its age alone.
+
+A restore writes its lease before it reads anything of the step, then reads the step's claim and stops
+where a prune holds it (`refuse_pruning`); a prune takes the step's claims, then lists `restoring/` once
+more before it deletes (`prune.delete_step`). Whichever comes second sees the other's write, so a restore
+never reads a step a prune deletes: the prune leaves the step, or the restore fails before it read any of
+it (`StepVanishedError`, retryable: a restore without --step then takes the newest step).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import threading
 from collections.abc import Mapping
 
 from stagerd.contract import layout
-from stagerd.errors import SinkError
+from stagerd.errors import SinkError, StepVanishedError
+from stagerd.sinks import claims
 from stagerd.sinks.remote import RemoteStore, StoredObject
 from stagerd.sinks.temp_names import OWNER, PID_NS, TEMP_NAME, killed_here, owner
 
@@ -65,6 +72,17 @@ def dead_leases(leases: Mapping[str, StoredObject], now: float | None, ttl: floa
         if "/" not in rel and (dead or stale):
             out.append(rel)
     return out
+
+
+def refuse_pruning(store: RemoteStore, prefix: str, step: int) -> None:
+    """`StepVanishedError` where a prune holds the claim of the step at `prefix` (live or killed: either
+    way the step is on its way out); read with this restore's lease written (module docstring)."""
+    held = claims.decode(claims.read_claim(store, claims.claim_key(prefix)))
+    if held is not None and held.kind == claims.PRUNE:
+        raise StepVanishedError(
+            f"step {step} is being deleted by {held.describe()}; nothing of it was read",
+            path=store.where(prefix),
+        )
 
 
 class Lease:

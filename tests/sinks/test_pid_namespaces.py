@@ -29,7 +29,7 @@ from stagerd.sinks.objects import CLOCK_NAME
 from stagerd.sinks.remote import RemoteStore, StoredObject
 from stagerd.sinks.s3.conditions import PROBE_PREFIX
 from stagerd.sinks.temp_names import HOST, STALE_S, pid_alive, restore_temp
-from tests.cli_helpers import REPO, run_cli
+from tests.cli_helpers import clean_env, run_cli
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 NAME = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
@@ -207,7 +207,7 @@ def test_a_restore_in_another_pid_namespace_keeps_its_step_from_a_prune(tmp_path
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=clean_env(),
     )
     try:
         assert holder.stdout is not None and holder.stdin is not None
