@@ -274,6 +274,18 @@ class RestoreError(StagerdError):
     hint = "nothing was landed in ROOT; check the step on the sink, or restore another step with --step N"
 
 
+class StepVanishedError(RestoreError):
+    """The step was deleted from the sink (a prune) while it was restored, or is being deleted: nothing was
+    landed. A prune leaves a step alone while a restore's lease on it is live, so this is a prune that had
+    decided before the lease was written, one of an older stagerd, or another tool."""
+
+    retryable = True
+    hint = (
+        "nothing was landed; a prune deleted the step (keep more steps, or restore another): run the restore "
+        "again, without --step it takes the newest step"
+    )
+
+
 class HubPlanError(StagerdError):
     """A to-Hub plan (the conversion of the trainer's names and layout to the checkpoint's) that cannot be
     carried out as byte moves: an op that is not a permutation of elements, two tensors given one name, a

@@ -256,7 +256,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
     from stagerd.ops.crashpoints import crash_point, delay_point
     from stagerd.sinks import restored_from
     from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
-    from stagerd.sinks.leases import Lease
+    from stagerd.sinks.leases import Lease, refuse_pruning
 
     lock = RootLock(root)
     lock.acquire()  # LockError while a daemon watches ROOT
@@ -272,20 +272,22 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
                     f"step {step} is already committed in ROOT; not overwritten", path=step_dir
                 )
             prefix = step_prefix(step, raw=True)
-            parts = _raw_parts(store, prefix, step)
-            for part, manifest in parts:
-                if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
-                    f.path for f in manifest.files
-                }:
-                    raise RestoreError(
-                        "is not a raw step's manifest (no commit marker listed)", path=store.where(part)
-                    )
-                check_listing(store, part, manifest)
             shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
             tmp = work / step_dir.name
-            tmp.mkdir(parents=True)
             try:
-                with Lease(store, step):  # a prune meanwhile leaves the step alone
+                with Lease(store, step):  # before the step's first read: a prune meanwhile leaves it
+                    refuse_pruning(store, prefix, step)
+                    parts = _raw_parts(store, prefix, step)
+                    for part, manifest in parts:
+                        if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
+                            f.path for f in manifest.files
+                        }:
+                            raise RestoreError(
+                                "is not a raw step's manifest (no commit marker listed)",
+                                path=store.where(part),
+                            )
+                        check_listing(store, part, manifest)
+                    tmp.mkdir(parents=True)
                     for part, manifest in parts:
                         dest = tmp if part == prefix else tmp / part.rsplit("/", 1)[1]
                         _download(store, part, manifest, dest, workers, f"restore step {step}")
@@ -327,7 +329,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     """The published HF export of a step into the new directory `out`, checked against its manifest."""
     from stagerd.errors import OutputError
     from stagerd.sinks.fetch import check_listing, read_manifest, resolve_step, step_prefix
-    from stagerd.sinks.leases import Lease
+    from stagerd.sinks.leases import Lease, refuse_pruning
     from stagerd.sinks.temp_names import restore_temp
 
     refuse_links(out)
@@ -335,19 +337,20 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
         raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
     step = resolve_step(store, step, raw=False)
     prefix = step_prefix(step, raw=False)
-    manifest = read_manifest(store, prefix, step)
-    check_listing(store, prefix, manifest)
-    make_dir(out.parent)  # only now: a wrong URL or step leaves no new directory behind
-    tmp = restore_temp(out)
-    try:
-        tmp.mkdir(parents=True)
-        with Lease(store, step):
+    with Lease(store, step):  # before the step's first read: a prune meanwhile leaves it (`leases.py`)
+        refuse_pruning(store, prefix, step)
+        manifest = read_manifest(store, prefix, step)
+        check_listing(store, prefix, manifest)
+        make_dir(out.parent)  # only now: a wrong URL or step leaves no new directory behind
+        tmp = restore_temp(out)
+        try:
+            tmp.mkdir(parents=True)
             _download(store, prefix, manifest, tmp, workers, f"restore the export of step {step}")
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except FileExistsError:
-        raise OutputError("appeared while restoring; not overwritten", path=out) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            if out.exists():
+                out.rmdir()
+            os.rename(tmp, out)
+        except FileExistsError:
+            raise OutputError("appeared while restoring; not overwritten", path=out) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -62,6 +62,9 @@ DELAYS = {
     "publish.opened": "fsspec sink: a step opened (claim settled, manifest looked for), nothing uploaded yet",
     "save.marker": "Stager: every part of a save written, holding the step's lock, the marker not yet",
     "restore.landing": "restore: the step downloaded and checked, holding the step's lock, not yet landed",
+    "restore.piece": "restore: a piece of a file downloaded and written under the step's lease, not all yet",
+    "prune.decided": "remote prune: restore leases listed and a step's fate decided, before it is acted on",
+    "prune.tombstone": "remote prune: the step's claims taken and its leases read again, nothing deleted",
 }
 
 

@@ -29,7 +29,9 @@ with the store's own conditional writes (`RemoteStore.put_if`, `Backend.create`)
   and deletes it last. A publisher meanwhile finds a prune's claim (`StepClaimedError`, retried), and a
   second prune's replace fails, so it leaves the step to the first (each step is counted once).
 - **A killed prune's** claim is taken over the same way by the next prune, which finishes the deletion:
-  killed means its pid is gone on this host, or it is older than `PRUNE_STALE_S` by the store's clock.
+  killed means its pid is gone on this host in this pid namespace (the claim names it: `pidns`; the
+  containers of one pod share a host name, not their pids), or it is older than `PRUNE_STALE_S` by the
+  store's clock. An older stagerd's prune claim names no namespace: its age alone counts.
 
 An S3 store that ignores these conditions (2xx, the key overwritten or deleted) is found by a probe
 (`s3/conditions.py`): there a publisher's claim is exists-then-put, a loser deletes nothing, and a prune
@@ -52,7 +54,7 @@ from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import RestoreError, StepClaimedError
 from stagerd.sinks.objects import MAX_CLAIM_BYTES
 from stagerd.sinks.remote import RemoteStore
-from stagerd.sinks.temp_names import pid_alive
+from stagerd.sinks.temp_names import PID_NS, pid_alive
 
 CLAIMS_DIR = "claims"
 PUBLISH, PRUNE = "publish", "prune"
@@ -88,6 +90,9 @@ class Claim:
     # never written: the names older stagerds gave this publisher's tree (ROOT's "device:inode" and the
     # step directory's inode, now); None outside ROOT's layout, where host and path alone decide
     former: frozenset[str] | None = field(default=frozenset(), compare=False)
+    # a prune: its pid namespace (`temp_names.PID_NS`), without which its pid says nothing here; written
+    # only by a prune, so a publisher's claim is the bytes an older stagerd wrote
+    pidns: str | None = None
 
     def encode(self) -> bytes:
         d = asdict(self)
@@ -95,6 +100,8 @@ class Claim:
         for optional in ("trees", "ancestors"):
             if not d[optional]:
                 del d[optional]
+        if d["pidns"] is None:
+            del d["pidns"]
         return (json.dumps(d, sort_keys=True) + "\n").encode()
 
     def published_from(self) -> tuple[str, Path]:
@@ -177,7 +184,7 @@ def fleet_owned(data: bytes | None, mine: Claim) -> bool:
 
 def prune_claim() -> Claim:
     host = socket.gethostname()
-    return Claim(PRUNE, f"{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}", host, os.getpid())
+    return Claim(PRUNE, f"{host}:{os.getpid()}:{uuid.uuid4().hex[:12]}", host, os.getpid(), pidns=PID_NS)
 
 
 def decode(data: bytes | None) -> Claim | None:
@@ -196,6 +203,7 @@ def decode(data: bytes | None) -> Claim | None:
             str(d.get("tree", "")),
             tuple(str(t) for t in trees),
             tuple(a for a in ancestors if isinstance(a, str) and ROOT_ID.fullmatch(a))[-CLAIM_ANCESTORS:],
+            pidns=None if d.get("pidns") is None else str(d["pidns"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
         # a pid of Infinity (int() overflows) or arrays nested 100k deep (the JSON decoder recurses) stopped
@@ -281,11 +289,13 @@ def whose(data: bytes | None, me: Publisher) -> str:
 
 
 def prune_is_dead(claim: Claim, age: float | None) -> bool:
-    """A prune's claim that no live prune holds: its pid is gone on this host, or it is `PRUNE_STALE_S`
-    old by the store's clock (`age`). A publisher's claim never is (see the module docstring)."""
+    """A prune's claim that no live prune holds: its pid is gone on this host and in this pid namespace,
+    or it is `PRUNE_STALE_S` old by the store's clock (`age`). A publisher's claim never is (see the
+    module docstring)."""
     if claim.kind != PRUNE:
         return False
-    if claim.host == socket.gethostname() and claim.pid > 0 and not pid_alive(claim.pid):
+    here = claim.host == socket.gethostname() and claim.pidns == PID_NS
+    if here and claim.pid > 0 and not pid_alive(claim.pid):
         return True
     return age is not None and age > PRUNE_STALE_S
 

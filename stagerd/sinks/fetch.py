@@ -24,8 +24,8 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.manifest import ExportManifest, ManifestFile
-from stagerd.errors import RestoreError, SinkConflictError, SinkError
-from stagerd.ops.crashpoints import crash_point
+from stagerd.errors import RestoreError, SinkConflictError, SinkError, StepVanishedError
+from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.objects import ByteProgress, parse_manifest
 from stagerd.sinks.remote import MAX_MANIFEST_BYTES, RemoteStore, StoredObject
@@ -160,6 +160,7 @@ def download(
         hashes[f.path].add(offset, data)
         prog(len(data))
         crash_point("restore.piece")
+        delay_point("restore.piece")
 
     def piece(f: ManifestFile, offset: int, length: int) -> None:
         try:
@@ -167,7 +168,7 @@ def download(
             try:
                 data = store.read_range(key, offset, length)
             except FileNotFoundError:
-                raise RestoreError(
+                raise StepVanishedError(
                     "disappeared from the sink during the restore", path=store.where(key)
                 ) from None
             except OSError as e:
@@ -250,7 +251,7 @@ def _stream_s3(
     import aiohttp
     from botocore.exceptions import BotoCoreError
 
-    from stagerd.sinks.s3.client import precondition_failed, s3_error
+    from stagerd.sinks.s3.client import error_code, precondition_failed, s3_error
 
     cut_errors = (aiohttp.ClientError, BotoCoreError, asyncio.TimeoutError, ConnectionError)
     backend = store.s3
@@ -270,6 +271,10 @@ def _stream_s3(
                     if precondition_failed(e):
                         raise RestoreError(
                             "changed on the sink during the restore", path=store.where(key)
+                        ) from None
+                    if error_code(e)[0] == "NoSuchKey":  # listed at the start: deleted since
+                        raise StepVanishedError(
+                            "disappeared from the sink during the restore", path=store.where(key)
                         ) from None
                     raise s3_error(e, store.where(key)) from None
                 etag = etag or r.get("ETag")

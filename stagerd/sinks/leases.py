@@ -8,11 +8,19 @@ store's time now (`RemoteStore.clock`: S3's `Date`, or the mtime of a file writt
 a restorer whose clocks disagree by hours still agree on it, and a restore longer than the TTL stays
 protected because its renewals keep the lease young. A lease not renewed for `LEASE_TTL_S` (the restore
 was killed) no longer protects anything; nor does one whose holder was a process of this host now gone.
+"This host" is its name and its pid namespace (HOST, `temp_names.py`): a restore in the next container
+of a pod (the same host name, other pids) is judged by its lease's age, as another host's is.
 
 A killed restore's lease is removed by the next restore of the sink (`sweep`): at once when it was this
 host's (its pid is dead), else once its TTL is over on the store's clock (the new lease's LastModified is
 that clock's now); with it go the temp files a killed lease write left on file://. An older stagerd's
-`step-N.<random>` says no holder: only its age counts.
+`step-N.<random>`, or its `step-N.HOSTNAME-PID-TID` (no namespace), is judged by its age alone.
+
+A restore writes its lease before it reads anything of the step, then reads the step's claim and stops
+where a prune holds it (`refuse_pruning`); a prune takes the step's claims, then lists `restoring/` once
+more before it deletes (`prune.delete_step`). Whichever comes second sees the other's write, so a restore
+never reads a step a prune deletes: the prune leaves the step, or the restore fails before it read any of
+it (`StepVanishedError`, retryable: a restore without --step then takes the newest step).
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import threading
 from collections.abc import Mapping
 
 from stagerd.contract import layout
-from stagerd.errors import SinkError
+from stagerd.errors import SinkError, StepVanishedError
+from stagerd.sinks import claims
 from stagerd.sinks.remote import RemoteStore, StoredObject
-from stagerd.sinks.temp_names import OWNER, TEMP_NAME, killed_here, owner
+from stagerd.sinks.temp_names import OWNER, PID_NS, TEMP_NAME, killed_here, owner
 
 log = logging.getLogger("stagerd.sinks.prune")
 
@@ -65,6 +74,17 @@ def dead_leases(leases: Mapping[str, StoredObject], now: float | None, ttl: floa
     return out
 
 
+def refuse_pruning(store: RemoteStore, prefix: str, step: int) -> None:
+    """`StepVanishedError` where a prune holds the claim of the step at `prefix` (live or killed: either
+    way the step is on its way out); read with this restore's lease written (module docstring)."""
+    held = claims.decode(claims.read_claim(store, claims.claim_key(prefix)))
+    if held is not None and held.kind == claims.PRUNE:
+        raise StepVanishedError(
+            f"step {step} is being deleted by {held.describe()}; nothing of it was read",
+            path=store.where(prefix),
+        )
+
+
 class Lease:
     """A restore's lease on one step, renewed while it is held (a context manager)."""
 
@@ -75,7 +95,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _write(self) -> bool:
-        body = {"step": self.step, "host": socket.gethostname(), "pid": os.getpid()}
+        body = {"step": self.step, "host": socket.gethostname(), "pid": os.getpid(), "pidns": PID_NS}
         try:
             self.store.put(self.key, json.dumps(body).encode())
             return True

@@ -7,13 +7,18 @@ prefix valid for readers at every moment and never a key of a step another proce
   has not recorded `fleet/step-N/done.json` is busy: the build may still read its parts.
 - **Delete one step** (`delete_step`): take every claim of the step (`claims.py`: the step's, and each
   node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
-  another prune holds it: not counted); then the manifests (from here the step is absent to every
-  reader), then a fresh listing's files by exact key (`DeleteObjects` on S3, `rm_file` elsewhere), with a
-  raw step's `fleet/step-N/` records (re-listed under the claims: the step is left if they changed); on
-  file:// the step's emptied directories; the claims last, each only while it is still ours (a claim gone
-  before the directories would leave a kill between an empty directory nothing lists again). A kill at any
-  point leaves a complete step or one without a manifest under a prune's claim, which the next prune
-  takes over and finishes; a publisher meanwhile finds that claim and waits (`StepClaimedError`).
+  another prune holds it: not counted); then `restoring/` once more, and the step is left (its claims
+  given back) where a restore's lease on it was written since the scan; then the manifests (from here the
+  step is absent to every reader), then a fresh listing's files by exact key (`DeleteObjects` on S3,
+  `rm_file` elsewhere), with a raw step's `fleet/step-N/` records (re-listed under the claims: the step is
+  left if they changed); on file:// the step's emptied directories; the claims last, each only while it is
+  still ours (a claim gone before the directories would leave a kill between an empty directory nothing
+  lists again). A kill at any point leaves a complete step or one without a manifest under a prune's
+  claim, which the next prune takes over and finishes; a publisher meanwhile finds that claim and waits
+  (`StepClaimedError`). A restore writes its lease, then reads the step's claim (`leases.refuse_pruning`):
+  a lease written before the prune's second look at `restoring/` keeps the step, and one written after it
+  finds the prune's claim and stops before reading anything (`StepVanishedError`), so no restore reads a
+  step that a prune deletes.
 - **Whose** (`Owner`): the claim of every complete step is read (once per version) and judged for the
   ROOT pruning (`claims.whose`), an input of the plan: a daemon's retention deletes only its own ROOT's
   steps. A prefix two runs share by mistake must never cost one run the other's checkpoints.
@@ -27,7 +32,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.errors import SinkError, SymlinkError
-from stagerd.ops.crashpoints import crash_point
+from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks import claims
 from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, node_parts
 from stagerd.sinks.leases import RESTORING_DIR, Lease, live_leases
@@ -208,7 +213,11 @@ def delete_step(
         # Deleted (another prune finished it and gave its claim back) or written since the listing: a
         # stale listing decides nothing, and counting it would count one step twice.
         return _give_back(store, taken) and False
+    if step in live_leases(store.objects(RESTORING_DIR), now):  # written since the scan: see the docstring
+        _give_back(store, taken)
+        raise _Leased
     crash_point("prune.tombstone")
+    delay_point("prune.tombstone")
     manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
     store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
     crash_point("prune.manifest")
@@ -218,6 +227,10 @@ def delete_step(
     store.remove_empty_dirs(prefix)  # file://: the step's directories, now empty
     ours = _give_back(store, taken, delete=True)
     return ours
+
+
+class _Leased(Exception):  # not an error: `_delete` reports the step kept
+    """A restore's lease on the step appeared after the scan: the step is left (`delete_step`)."""
 
 
 def _tags(objects: dict[str, StoredObject]) -> dict[str, str | None]:
@@ -270,6 +283,7 @@ def prune(
         for d in plan_prune(steps, policy, latest, restoring, shared=shared):
             d.tree = tree.name
             decisions.append(d)
+            delay_point("prune.decided")
             if d.delete and not dry_run:
                 _delete(store, tree, d, now, fleet)
             elif d.foreign and owner is not None and not dry_run:
@@ -289,6 +303,9 @@ def _delete(
             store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
     except OSError as e:
         raise SinkError(f"cannot delete: {type(e).__name__}: {e}", path=store.where(prefix)) from None
+    except _Leased:
+        d.delete, d.reason = False, "a restore is reading it"
+        return
     except SymlinkError as e:  # a step linked out of a file:// sink: never deleted through; the others go on
         d.delete, d.reason = False, str(e)
         log.warning("%s step %d on %s left: %s", tree.name, d.step, store.url, e, extra={"step": d.step})

@@ -53,6 +53,7 @@ def test_a_claim_nested_deep_or_with_an_infinite_pid_is_unknown_not_a_traceback(
 def test_a_prune_claim_of_this_host_with_a_pid_past_any_process_is_dead():
     """Before: os.kill(10**20, 0) raised OverflowError; no process has such a pid, so the prune is dead."""
     raw = {"kind": claims.PRUNE, "owner": "x", "host": socket.gethostname(), "pid": 10**20}
+    raw["pidns"] = claims.PID_NS  # this pid namespace: its pid is judged here
     assert claims.prune_is_dead(claims.decode(json.dumps(raw).encode()), 1.0)
     assert not claims.pid_alive(0) and not claims.pid_alive(-1)
 

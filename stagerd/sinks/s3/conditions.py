@@ -19,7 +19,8 @@ was done), all on those two exact keys, in two round trips before the answer: th
 DELETEs go out beside the step's first requests, and the step's opening waits for them (a prune's first
 change, before it). A kill mid-probe leaves those tiny objects, which no listing of steps, claims or records
 reads; the next probe's tidy-up lists the scratch keys (an eighth request, beside the step's first ones) and
-deletes a dead probe's: one of this host whose pid is gone (the names say `HOST-PID`), or any older than
+deletes a dead probe's: one of this host and pid namespace whose pid is gone (the names say `HOST-PID`,
+HOST as `temp_names.py` says it: the next container of a pod is another host here), or any older than
 `PROBE_STALE_S` by the store's clock (its own key's LastModified), so kills never make them pile up.
 (RustFS, for one, parses `If-Match` on DELETE and ignores it.)
 """

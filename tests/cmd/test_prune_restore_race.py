@@ -1,0 +1,159 @@
+"""`stagerd prune --keep-last 1` against a live `stagerd restore` of the step it would delete, on file://
+and S3: real processes, each held at a delay point (`ops/crashpoints.py`) where the race is.
+
+- A restore mid-read holds its lease: the prune leaves the step, the restore lands every byte, and a
+  prune after it deletes the step.
+- A restore that writes its lease after the prune listed `restoring/` (the prune held between its plan
+  and its deletion): before the fix the prune deleted the step under the restore, which read the manifest
+  before it wrote its lease; now the prune looks at the leases again once it holds the step's claims.
+- A restore that starts once the prune holds the step's claims and has looked again: it stops before
+  reading anything, `StepVanishedError` (retryable), and leaves nothing behind.
+- A step deleted under a restore by something that honours no lease (an older stagerd's prune, a
+  person): the restore fails with `StepVanishedError`, never a partial OUT."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.leases import RESTORING_DIR
+from stagerd.sinks.remote import RemoteStore
+from tests.cli_helpers import run_cli, start_cli
+from tests.cmd.restore_helpers import tree
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+MANIFEST = f"{layout.step_dir_name(3)}/{layout.MANIFEST_NAME}"
+
+
+def _export(d: Path, step: int) -> Path:
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(bytes(range(256)) * (12 << 10) + bytes([step]))  # 3 MiB
+    (d / "config.json").write_text(f'{{"step": {step}}}')
+    return d
+
+
+@pytest.fixture(params=["file", "s3"])
+def sink(request, tmp_path, s3):  # noqa: F811
+    """(URL, the store, the exports by step) of a sink holding steps 3 and 4."""
+    url = (tmp_path / "sink").as_uri() if request.param == "file" else s3.url("run")
+    exports = {}
+    publisher = FsspecSink.from_url(url)
+    for step in (3, 4):
+        exports[step] = _export(tmp_path / "exports" / str(step), step)
+        publisher.publish(exports[step], step)
+    publisher.close()
+    store = RemoteStore.open(url)
+    yield url, store, exports
+    store.close()
+
+
+def _held(args: list[str], point: str, release: Path) -> subprocess.Popen[str]:
+    return start_cli(args, env={"STAGERD_DELAY_AT": f"{point}:120", "STAGERD_DELAY_RELEASE": str(release)})
+
+
+def _wait_for(proc: subprocess.Popen[str], text: str, seconds: float = 60) -> None:
+    """Read the child's stderr up to the line holding `text` (it is then held at a delay point)."""
+    assert proc.stderr is not None
+    seen = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        seen.append(line)
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"{text!r} never came: {''.join(seen)[-2000:]}")
+
+
+def _finish(proc: subprocess.Popen[str], release: Path) -> tuple[int, str, str]:
+    release.touch()
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def _pruned_after(url: str, store: RemoteStore) -> None:
+    """A prune once no restore runs deletes step 3, and no lease is left."""
+    r = run_cli(["prune", url, "--keep-last", "1"])
+    assert r.returncode == 0, r.stderr
+    assert store.read(MANIFEST) is None, r.stdout
+    assert store.objects(RESTORING_DIR) == {}
+
+
+def test_a_prune_leaves_the_step_a_restore_is_reading(sink, tmp_path):
+    url, store, exports = sink
+    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
+    restore = _held(["restore", url, out, "--export", "--step", "3"], "restore.piece", go_on)
+    try:
+        _wait_for(restore, "delay point restore.piece")
+        r = run_cli(["prune", url, "--keep-last", "1"])
+        assert r.returncode == 0, r.stderr
+        assert "a restore is reading it" in r.stdout, r.stdout
+        assert store.read(MANIFEST) is not None
+    finally:
+        rc, _, err = _finish(restore, go_on)
+    assert rc == 0, err
+    assert tree(out) == tree(exports[3])
+    _pruned_after(url, store)
+
+
+def test_a_lease_written_after_the_prune_listed_the_leases_keeps_the_step(sink, tmp_path):
+    url, store, exports = sink
+    out, prune_on, restore_on = tmp_path / "outs" / "eval", tmp_path / "prune-on", tmp_path / "restore-on"
+    prune = _held(["prune", url, "--keep-last", "1"], "prune.decided", prune_on)
+    restore = None
+    try:
+        _wait_for(prune, "delay point prune.decided")  # leases listed, step 3 to go
+        restore = _held(["restore", url, out, "--export", "--step", "3"], "restore.piece", restore_on)
+        _wait_for(restore, "delay point restore.piece")  # its lease written, the step half read
+        rc, stdout, err = _finish(prune, prune_on)
+        assert rc == 0, err
+        assert store.read(MANIFEST) is not None, f"the prune deleted the step a restore reads: {stdout}"
+        assert "a restore is reading it" in stdout, stdout
+    finally:
+        if prune.poll() is None:
+            _finish(prune, prune_on)
+        if restore is not None:
+            rc, _, err = _finish(restore, restore_on)
+    assert rc == 0, err
+    assert tree(out) == tree(exports[3])
+    _pruned_after(url, store)
+
+
+def test_a_restore_that_starts_while_a_prune_deletes_the_step_stops_before_reading(sink, tmp_path):
+    url, store, _ = sink
+    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
+    prune = _held(["prune", url, "--keep-last", "1"], "prune.tombstone", go_on)
+    try:
+        _wait_for(prune, "delay point prune.tombstone")  # step 3's claims taken, leases looked at again
+        r = run_cli(["restore", url, out, "--export", "--step", "3"])
+        assert r.returncode == 3, r.stderr  # retryable
+        assert "StepVanishedError" in r.stderr and "being deleted by a prune" in r.stderr, r.stderr
+        assert not out.parent.exists() or not list(out.parent.iterdir())  # no OUT, no temp directory
+    finally:
+        rc, stdout, err = _finish(prune, go_on)
+    assert rc == 0, err
+    assert store.read(MANIFEST) is None, stdout
+    assert store.objects(RESTORING_DIR) == {}
+
+
+def test_a_step_deleted_under_a_restore_by_what_honours_no_lease_fails_it_cleanly(sink, tmp_path):
+    url, store, _ = sink
+    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
+    # one file at a time: the other file is read only after the deletion
+    args = ["restore", url, out, "--export", "--step", "3", "--workers", "1"]
+    restore = _held(args, "restore.piece", go_on)
+    try:
+        _wait_for(restore, "delay point restore.piece")
+        step = layout.step_dir_name(3)
+        store.delete([f"{step}/{rel}" for rel in store.objects(step)])  # as an older stagerd's prune does
+    finally:
+        rc, _, err = _finish(restore, go_on)
+    assert rc == 3, err
+    assert "StepVanishedError" in err and "disappeared from the sink during the restore" in err, err
+    assert not out.exists() and not list(out.parent.iterdir())  # nothing partial, no temp directory
