@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -278,23 +278,22 @@ class Settings(BaseSettings):
     @field_validator("sinks")
     @classmethod
     def _check_sinks(cls, v: list[str]) -> list[str]:
-        from stagerd.sinks.own_places import refuse_nested
-        from stagerd.sinks.urls import parse_sink_url, refuse_duplicates
+        from stagerd.sinks.own_places import check_sinks
 
-        for url in v:
-            parse_sink_url(url)  # a ConfigError with the closest valid form, before anything is created
-        refuse_duplicates(v)
-        refuse_nested(v)
+        check_sinks(v)  # parsed, none twice, none nested: a ConfigError before anything is created
         return v
 
     @field_validator("exchange")
     @classmethod
-    def _check_exchange(cls, v: str | None) -> str | None:
+    def _check_exchange(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from stagerd.daemon.fleet.exchange_places import refuse_exchange_among_sinks
         from stagerd.sinks.urls import SinkKind, parse_sink_url
 
         # As strict as a sink's: `file://relative` would put the nodes' exchange under each daemon's cwd.
         if v is not None and parse_sink_url(v, what="--exchange URL").kind is SinkKind.HUB:
             raise ValueError("the exchange is an fsspec URL (S3, GCS, a shared mount), not the Hub")
+        if v is not None:  # `sinks` is validated first (declared first), and absent here if it failed
+            refuse_exchange_among_sinks(v, info.data.get("sinks", []))
         return v
 
     @field_validator("dtype")

@@ -63,7 +63,9 @@ def step_from_path(export_dir: Path) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from stagerd.ops.progress import progress
     from stagerd.sinks import open_sink
+    from stagerd.sinks.own_places import check_sinks
 
+    check_sinks(args.sink)  # as `watch` checks its sinks: parsed, none twice, none inside another's places
     for url in args.sink:
         _refuse_staging_areas(url)  # every URL is checked before any sink is touched
     export_dir: Path = args.export_dir

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
-from stagerd.contract import layout
 from stagerd.daemon.adopt import adopt_root, check_adopt_places, claim_export_dir
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
@@ -34,6 +33,7 @@ from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics, MetricsServer
 from stagerd.daemon.policy import Failure, backoff_delay, decide_failure
 from stagerd.daemon.retention import empty_trash
+from stagerd.daemon.root_places import check_root_places
 from stagerd.daemon.scheduling import Scheduling
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import OnceSummary, Summary
@@ -43,7 +43,6 @@ from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
 from stagerd.sinks.objects import redact_url
-from stagerd.sinks.own_places import own_name
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 if TYPE_CHECKING:
@@ -52,48 +51,6 @@ if TYPE_CHECKING:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 __all__ = ["Daemon", "Failure", "Summary", "backoff_delay", "decide_failure"]
-
-
-def _refuse_sinks_inside_root(root: Path, sinks: list[str]) -> None:
-    """A local sink that is ROOT, or inside a step directory or the daemon's state, would write its copies
-    among the staged data that retention then deletes: the published steps would exist nowhere. (A sink in
-    another subdirectory of ROOT is left alone: nothing of stagerd's lives there.)"""
-    real_root = root.resolve()
-    for url in sinks:
-        target = parse_sink_url(url)
-        if target.kind is not SinkKind.LOCAL:
-            continue
-        where = target.local_path.resolve()
-        if where != real_root and real_root not in where.parents:
-            continue
-        top = where.relative_to(real_root).parts[:1]
-        if not top or top[0] == layout.STATE_DIR or top[0].startswith("step-"):
-            raise ConfigError(
-                f"sink {url} is ROOT {root} or inside its step or state directories: its copies would "
-                "land among the staged steps",
-                hint="publish to a directory outside ROOT, e.g. file:///mnt/models/run1",
-            )
-
-
-def _refuse_root_inside_sinks(root: Path, sinks: list[str]) -> None:
-    """ROOT inside a local sink's own places (its step directories, `raw/`, `claims/`, `latest`...): the
-    sink's publishes would write among the staged steps (`SINK/raw/step-N` is ROOT's `step-N` when ROOT is
-    `SINK/raw`) and its retention would delete them. (ROOT in another directory of the sink is left alone:
-    a sink touches only names of its own.)"""
-    real_root = root.resolve()
-    for url in sinks:
-        target = parse_sink_url(url)
-        where = target.local_path.resolve() if target.kind is SinkKind.LOCAL else None
-        if where is None or where not in real_root.parents:
-            continue
-        top = real_root.relative_to(where).parts[0]
-        if own_name(top):
-            raise ConfigError(
-                f"ROOT {root} is inside sink {url}, under its {top}: the sink's publishes and retention "
-                "would write and delete among the staged steps",
-                hint="stage outside the sink's directory, or in a directory of it that the sink does not use "
-                "(e.g. SINK/staging); nothing was written",
-            )
 
 
 def _warm_engine() -> None:
@@ -143,8 +100,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
-        _refuse_sinks_inside_root(self.root, self.settings.sinks)
-        _refuse_root_inside_sinks(self.root, self.settings.sinks)
+        check_root_places(self.root, self.settings.sinks, self.settings.exchange)
         if self._adopt_root is not None:
             check_adopt_places(self.root, self._adopt_root, self.settings)
         lock = self._root_lock = RootLock(self.root)

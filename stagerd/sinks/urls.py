@@ -84,8 +84,9 @@ class SinkUrl:
 
     @property
     def place(self) -> tuple[str, str, str, str]:
-        """Where it writes, whatever the spelling: `file:///x/` and `/x`, `s3a://b/p` and `s3://b/p/`, a Hub
-        repo with and without options are each one place."""
+        """Where it writes, as spelt: `file:///x/` and `/x`, `s3a://b/p` and `s3://b/p/`, a Hub repo with and
+        without options are each one place. `places.place_of` also follows symlinks and defaults the
+        revision: what sinks are compared by."""
         protocol = "s3" if self.kind is SinkKind.S3 else self.protocol
         return (self.kind.value, protocol, self.location, self.path)
 
@@ -99,20 +100,6 @@ def parse_sink_url(text: str, *, what: str = "sink URL") -> SinkUrl:
         if what == "sink URL" or not e.message.startswith("sink URL "):
             raise
         raise ConfigError(what + e.message.removeprefix("sink URL"), path=e.path, hint=e.hint) from None
-
-
-def refuse_duplicates(urls: list[str]) -> None:
-    """Two URLs for one place would be two lanes writing the same files, each step published twice."""
-    seen: dict[tuple[str, str, str, str], str] = {}
-    for url in urls:
-        place = parse_sink_url(url).place
-        if place in seen:
-            raise ConfigError(
-                f"sinks {shown(seen[place])} and {shown(url)} are the same place: each step would be "
-                "published there twice, by two lanes at once",
-                hint="give each destination once",
-            )
-        seen[place] = url
 
 
 def _parse(text: str) -> SinkUrl:

@@ -132,3 +132,19 @@ def test_publish_refuses_what_is_not_a_finished_export(tmp_path, step_dir, capsy
     assert main(["publish", str(torn_export), "--sink", dest.as_uri()]) == 2
     assert "not published:" in capsys.readouterr().err
     assert not dest.exists()
+
+
+def test_publish_refuses_one_place_twice_or_a_sink_inside_another_as_watch_does(tmp_path, capsys):
+    """Before: `publish` checked each URL alone, so a sink given twice (here through a symlink) published the
+    step twice into one directory, and one inside another's `raw/` was written among its files."""
+    export = export_at(tmp_path / "root", 4)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (tmp_path / "alias").symlink_to(dest)
+    twice = [dest.as_uri(), (tmp_path / "alias").as_uri()]
+    nested = [dest.as_uri(), (dest / "raw" / "inner").as_uri()]
+    for sinks, said in [(twice, "are the same place"), (nested, "lies inside sink")]:
+        assert main(["publish", str(export), *(a for s in sinks for a in ("--sink", s))]) == 2
+        err = capsys.readouterr().err
+        assert said in err and repr(sinks[0]) in err and repr(sinks[1]) in err, err
+        assert list(dest.iterdir()) == []  # nothing was written

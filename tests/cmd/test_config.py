@@ -171,3 +171,47 @@ def test_a_misspelt_variable_is_named_not_ignored_in_silence(monkeypatch, caplog
     warned = [r.getMessage() for r in caplog.records]
     assert "STAGERD_SINK is not a stagerd setting and is ignored (did you mean STAGERD_SINKS?)" in warned
     assert not any("STAGERD_TEST_PAUSE_AT" in w for w in warned)
+
+
+@pytest.mark.parametrize(
+    ("sink", "exchange", "said"),
+    [
+        (
+            "s3://bkt/run1",
+            "s3://bkt/run1/raw/x",
+            "exchange 's3://bkt/run1/raw/x' lies inside sink 's3://bkt/run1'",
+        ),
+        ("/srv/out", "file:///srv/out/fleet", "exchange 'file:///srv/out/fleet' lies inside sink '/srv/out'"),
+        ("s3://bkt/x/raw", "s3a://bkt/x/", "sink 's3://bkt/x/raw' lies inside exchange 's3a://bkt/x/'"),
+        ("s3://bkt/x/fleet/a", "s3://bkt/x", "sink 's3://bkt/x/fleet/a' lies inside exchange 's3://bkt/x'"),
+        ("file:///srv/x/export", "file:///srv/x", "sink 'file:///srv/x/export' lies inside exchange"),
+    ],
+)
+def test_an_exchange_among_a_sinks_own_places_or_a_sink_among_its_is_refused(sink, exchange, said):
+    """Before: the exchange was never compared with the sinks. The fleet writes `raw/step-N/node-K-of-M/`
+    and `fleet/step-N/` on the exchange: a sink's steps there, or the exchange in a sink's `raw/`, would meet
+    under the same names."""
+    with pytest.raises(ConfigError, match="lies inside") as e:
+        load_settings(sinks=["hf://org/repo", sink], exchange=exchange)
+    assert said in str(e.value), str(e.value)
+    assert "--exchange" in e.value.hint and "nothing was written" in e.value.hint
+
+
+def test_an_exchange_through_a_symlink_into_a_sinks_raw_is_refused(tmp_path):
+    (tmp_path / "sink" / "raw").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "sink" / "raw")
+    with pytest.raises(ConfigError, match="under its raw"):
+        load_settings(sinks=[(tmp_path / "sink").as_uri()], exchange=(tmp_path / "alias").as_uri())
+
+
+def test_an_exchange_on_a_sink_or_beside_the_sinks_is_allowed():
+    """A sink's very place is the default exchange (the first fsspec sink: its `raw/` and `fleet/` are laid
+    out to be shared), so naming it, or another sink, is allowed; so are folders the other does not use."""
+    for sinks, exchange in [
+        (["s3://bkt/run1", "s3://bkt/run2"], "s3a://bkt/run2/"),
+        (["s3://bkt/run1"], "s3://bkt/exchange"),
+        (["s3://bkt/run1"], "s3://bkt/run1/exchange"),
+        (["s3://bkt/x/sinks/run1", "hf://org/repo"], "s3://bkt/x"),
+        (["hf://org/repo"], "s3://bkt/x"),
+    ]:
+        assert load_settings(sinks=sinks, exchange=exchange).exchange == exchange

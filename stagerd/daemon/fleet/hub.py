@@ -33,8 +33,6 @@ from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manif
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import FLEET_DONE
 
-EXPORT_PREFIX = "export"
-
 
 def hub_record_key(step: int, url: str | None = None) -> str:
     """Hub sink `url`'s record that it holds `step`; None: the one record of an older stagerd, which knew a

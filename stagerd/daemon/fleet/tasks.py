@@ -67,7 +67,7 @@ class FleetTasks(DaemonState):
             return mine
         if self.settings.exchange is not None:
             if self._fleet_staging is None:
-                from stagerd.daemon.fleet.hub import EXPORT_PREFIX
+                from stagerd.daemon.fleet.exchange_places import EXPORT_PREFIX
 
                 url = f"{self.settings.exchange.rstrip('/')}/{EXPORT_PREFIX}"
                 self._fleet_staging = (url, FsspecSink.from_url(url))

@@ -191,7 +191,7 @@ def test_a_node_in_a_crash_loop_still_times_the_wait_out(tmp_path, dcp_mixed2, m
 def _hub_export(tmp_path: Path, model: Path) -> tuple[list[Path], Path, str]:
     """Only Hub sinks: the fleet's export committed on the exchange (`EXCHANGE/export`), as the Hub lanes
     find it. Returns the node dirs, the exchange and the export's URL."""
-    from stagerd.daemon.fleet.hub import EXPORT_PREFIX
+    from stagerd.daemon.fleet.exchange_places import EXPORT_PREFIX
     from tests.fleet_helpers import run_fleet
 
     _, dirs = _stage(tmp_path, model, 2)

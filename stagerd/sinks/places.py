@@ -1,0 +1,61 @@
+"""Where a sink URL writes, resolved, so that two spellings of one place compare equal.
+
+- `file://` (and a bare path): the directory's real path, every symlink on the way followed and any part
+  that does not exist yet kept as written (`os.path.realpath`: a sink directory may not exist before its
+  first publish), so `file:///link/run` and `file:///data/run` are one place when `/link` -> `/data`.
+- S3 and other fsspec stores: the store, the bucket or host and the prefix as the parser tidied it. s3fs
+  strips a trailing `/` and writes `PREFIX/KEY` (`s3/backend.py`), as the other stores' backend writes
+  `ROOT/KEY` (`generic.py`); the parser refuses empty, `.` and `..` parts, so no two accepted spellings of
+  a prefix write different keys, and none is collapsed here that would write other keys. Bucket and key
+  are case-sensitive: `s3://b/Run` is another place than `s3://b/run`.
+- The Hub: the repo and the revision, none meaning `main`, as the Hub sink reads it (`hub/sink.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from stagerd.errors import ConfigError
+from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
+
+_HUB_DEFAULT_REVISION = "main"  # `HubSink`'s revision when the URL names none (`hub/url.py`)
+
+
+@dataclass(frozen=True)
+class Place:
+    """`store`: (kind, protocol, bucket/host/repo), places in two stores never meet; `path`: the resolved
+    directory, the prefix, or the Hub revision."""
+
+    store: tuple[str, str, str]
+    path: str
+
+
+def place_of(url: str, *, what: str = "sink URL") -> Place:
+    """The resolved place of `url` (module docstring); `what` names the URL in a parse error."""
+    target = parse_sink_url(url, what=what)
+    kind, protocol, location, path = target.place
+    if target.kind is SinkKind.LOCAL:
+        path = real_dir(path)
+    elif target.kind is SinkKind.HUB:
+        path = path or _HUB_DEFAULT_REVISION
+    return Place((kind, protocol, location), path)
+
+
+def real_dir(path: str | os.PathLike[str]) -> str:
+    """The directory a local path names once symlinks are followed; parts that do not exist yet are kept."""
+    return os.path.realpath(path)
+
+
+def refuse_duplicates(urls: list[str]) -> None:
+    """Two URLs for one place would be two lanes writing the same files, each step published twice."""
+    seen: dict[Place, str] = {}
+    for url in urls:
+        place = place_of(url)
+        if place in seen:
+            raise ConfigError(
+                f"sinks {shown(seen[place])} and {shown(url)} are the same place: each step would be "
+                "published there twice, by two lanes at once",
+                hint="give each destination once; nothing was written",
+            )
+        seen[place] = url
