@@ -8,7 +8,9 @@
   `ROOT/KEY` (`generic.py`); the parser refuses empty, `.` and `..` parts, so no two accepted spellings of
   a prefix write different keys, and none is collapsed here that would write other keys. Bucket and key
   are case-sensitive: `s3://b/Run` is another place than `s3://b/run`.
-- The Hub: the repo and the revision, none meaning `main`, as the Hub sink reads it (`hub/sink.py`).
+- The Hub: the repo and the revision, none meaning `main`, as the Hub sink reads it (`hub/sink.py`). The Hub
+  finds a repo whatever the case of its id (`Org/Repo` is `org/repo`); a revision is a git ref, whose
+  case counts.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def place_of(url: str, *, what: str = "sink URL") -> Place:
     if target.kind is SinkKind.LOCAL:
         path = real_dir(path)
     elif target.kind is SinkKind.HUB:
-        path = path or _HUB_DEFAULT_REVISION
+        location, path = location.casefold(), path or _HUB_DEFAULT_REVISION
     return Place((kind, protocol, location), path)
 
 

@@ -76,8 +76,15 @@ def test_a_hub_repo_without_a_revision_is_its_main():
     with pytest.raises(ConfigError, match="are the same place") as e:
         load_settings(sinks=["hf://org/repo", "hf://org/repo@main?private=true"])
     assert "'hf://org/repo' and 'hf://org/repo@main?private=true'" in str(e.value)
-    sinks = ["hf://org/repo", "hf://org/repo@dev", "hf://org/other@main"]
+    sinks = ["hf://org/repo", "hf://org/repo@dev", "hf://org/other@main", "hf://org/repo@Dev"]
     assert load_settings(sinks=sinks).sinks == sinks
+
+
+def test_a_hub_repo_id_in_another_case_is_the_same_repo():
+    """The Hub finds a repo whatever the case of its id, so `hf://Org/Repo` and `hf://org/repo` would be two
+    lanes committing each step twice to one branch; a revision is a git ref, whose case counts (above)."""
+    with pytest.raises(ConfigError, match="are the same place"):
+        load_settings(sinks=["hf://Org/Repo", "hf://org/repo@main"])
 
 
 def test_s3_spellings_are_one_place_exactly_when_they_write_the_same_keys(s3, tmp_path):
