@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,17 @@ def test_an_older_builds_export_is_rebuilt_for_a_new_sink_and_this_builds_is_sen
     assert CHECKS_KEY in recorded
     sent = [published(tmp_path / s, tiny.STEPS) / ADAPTER_WEIGHTS for s in "abc"]
     assert len({p.read_bytes() for p in sent}) == 1  # the rebuild gives the bytes the first sinks hold
+
+
+def test_an_older_builds_export_whose_checkpoint_is_gone_is_sent_nowhere_new(tmp_path):
+    ckpt = train(tmp_path / "train", moe_rank_scaling=False)
+    res = watch_once(tmp_path / "train", tmp_path / "a")
+    assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
+    as_an_older_build_left_it(tmp_path / "train")
+    shutil.rmtree(ckpt)  # the trainer's own rotation
+
+    res = watch_once(tmp_path / "train", tmp_path / "a", "--sink", f"file://{tmp_path / 'b'}")
+    out = res.stdout + res.stderr
+    assert "AdoptError: export/ was made by a stagerd build whose checks differ, and the trainer" in out, out
+    assert out.count('"state": "quarantined"') == 1, out  # once: never tried again
+    assert not published(tmp_path / "b", tiny.STEPS).exists()
