@@ -22,7 +22,8 @@ from rich.filesize import decimal
 
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.held import held_child, refuse_links
-from stagerd.daemon.adopt import OTHER_CHECKS, Adoption, unexportable
+from stagerd.daemon.adopt import OTHER_CHECKS, unexportable
+from stagerd.daemon.adopt_retired import RetiredAdoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.exchange import Stopped
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
@@ -64,7 +65,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(FleetTasks, Health, Adoption, Yielding):
+class Tasks(FleetTasks, Health, RetiredAdoption, Yielding):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
