@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from stagerd.config import Settings
 from stagerd.contract import layout
+from stagerd.contract.adopt.checks import made_by_these_checks
 from stagerd.contract.adopt.presets import LAYOUTS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
@@ -30,6 +31,7 @@ from stagerd.errors import AdoptError, ConfigError, StagerdError
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
 
+OTHER_CHECKS = "export/ was made by a stagerd build whose checks differ"
 ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
 # Files whose creation (or, for `.incomplete`, removal) may finish a checkpoint: a scan on their events.
 COMPLETION_NAMES = frozenset(
@@ -105,6 +107,13 @@ def claim_export_dir(root: Path, work_root: Path, root_id: str) -> None:
             path=owner,
             hint="give each ROOT its own --export-dir (e.g. ROOT-exports beside ROOT), or leave it unset",
         )
+
+
+def unexportable(step_dir: Path, why: str) -> tuple[str, str]:
+    """The error class and message of a step whose export cannot be made (again): its directory is gone."""
+    if why == OTHER_CHECKS:  # never sent as it is: what this build refuses may be in it
+        return AdoptError.__name__, f"{why}, and the trainer's checkpoint {step_dir} to check again is gone"
+    return "MissingStep", f"the step directory {step_dir} disappeared before the step was published"
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:
@@ -357,6 +366,15 @@ class Adoption(Discovery):
             step = parse_step_name(Path(best).name, custom)
             return {step} if step is not None and (self.root / Path(best).name).is_dir() else set()
         return set()
+
+    def _checked_otherwise(self, step_dir: Path) -> bool:
+        """Io thread: the checkpoint's cached export was made by a stagerd build whose checks differ from
+        this one's (`contract/adopt/checks.py`), so no sink may get it before it is exported again."""
+        from stagerd.engine.export import recorded_options
+
+        if self.settings.adopt is None:
+            return False
+        return not made_by_these_checks(recorded_options(self._work_dir(step_dir)))
 
     def _adopted_identity(self, step_dir: Path) -> str | None:
         preset = self._preset_of(step_dir)

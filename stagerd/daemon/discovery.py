@@ -180,6 +180,9 @@ class Discovery(JournalGate):
             await asyncio.sleep(self.settings.rescan_seconds)
             await self._scan_safely()
 
+    async def _revive_missed(self) -> None:
+        """Retired steps a sink lacks, exported again where their data is still there (`--adopt`)."""
+
     async def _say_missed(self) -> None:
         """A sink added since the last run: name the retired steps it will never get (said once, at the start
         that adds it; the `--once` summary says it each time)."""
@@ -209,6 +212,7 @@ class Discovery(JournalGate):
             self._log_step(step, sink, FAILED, note=REARMED)
         for step, sink in await self._j(self._journal.ensure_lanes, self._lane_keys()):
             self._log_step(step, sink, PENDING, note="new sink")
+        await self._revive_missed()
         await self._say_missed()
         for row in await self._j(self._journal.steps, include_retired=False):
             if row.state == QUARANTINED or await self._io(Path(row.path).is_dir):

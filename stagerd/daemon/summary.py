@@ -92,7 +92,8 @@ def missed_text(sink: str, count: int, steps: list[int]) -> str:
     which = f"newest {len(steps)}: {shown}" if count > len(steps) else shown
     return (
         f"{sink} never got {count} step(s) ({which}): retention deleted their staged data before this "
-        "sink was configured, so stagerd cannot publish them there; "
+        "sink was configured (of an adopted checkpoint, the trainer's checkpoint is gone or saved again "
+        "too), so stagerd cannot publish them there; "
         "copy them from a sink that holds them if need be"
     )
 

@@ -22,7 +22,8 @@ from rich.filesize import decimal
 
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.held import held_child, refuse_links
-from stagerd.daemon.adopt import Adoption
+from stagerd.daemon.adopt import OTHER_CHECKS, unexportable
+from stagerd.daemon.adopt_retired import RetiredAdoption
 from stagerd.daemon.discovery import save_identity
 from stagerd.daemon.fleet.exchange import Stopped
 from stagerd.daemon.fleet.tasks import FleetTasks, is_fleet_step
@@ -64,7 +65,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(FleetTasks, Health, Adoption, Yielding):
+class Tasks(FleetTasks, Health, RetiredAdoption, Yielding):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -269,6 +270,9 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
         if not fleet and not await self._io(export_dir.is_dir):
             await self._export_vanished(step, Path(row.path))
             return
+        if await self._io(self._checked_otherwise, Path(row.path)):
+            await self._export_vanished(step, Path(row.path), OTHER_CHECKS)
+            return
         attempt = await self._j(self._journal.begin_publish, step, sink)
         self._journal_up()
         self._log_step(step, sink, PUBLISHING, attempt=attempt)
@@ -344,12 +348,13 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
             known = self._marker_metadata[step] = dict(commit_marker.read_marker(step_dir).metadata)
         return known
 
-    async def _export_vanished(self, step: int, step_dir: Path) -> None:
-        """export/ is gone before every sink had it: export again, or quarantine if the step is gone too."""
+    async def _export_vanished(self, step: int, step_dir: Path, why: str = "export/ disappeared") -> None:
+        """export/ is gone (or was made under other checks) before every sink had it: export again, or
+        quarantine if the step is gone too."""
         if not await self._io(step_dir.is_dir):
-            msg = f"the step directory {step_dir} disappeared before the step was published"
-            await self._j(self._journal.quarantine_step, step, "MissingStep", msg)
-            self._log_step(step, None, QUARANTINED, error_class="MissingStep", note=msg)
+            error, msg = unexportable(step_dir, why)
+            await self._j(self._journal.quarantine_step, step, error, msg)
+            self._log_step(step, None, QUARANTINED, error_class=error, note=msg)
             return
         row = await self._j(self._journal.step, step)
         try:
@@ -364,13 +369,13 @@ class Tasks(FleetTasks, Health, Adoption, Yielding):
             await self._scan()
             return
         try:
-            await self._j(self._journal.reexport, step, "export/ disappeared; exporting again")
+            await self._j(self._journal.reexport, step, f"{why}; exporting again")
         except JournalError:
             row = await self._j(self._journal.step, step)
             if row is not None and row.state in (EXPORTED, PUBLISHED):
                 raise  # not another lane sending it back first: a real journal failure
             return
-        self._log_step(step, None, COMMITTED, note="export/ disappeared; exporting again")
+        self._log_step(step, None, COMMITTED, note=f"{why}; exporting again")
 
     def _run_publish(
         self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any], pause: Yielder

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import commit_marker, layout
+from stagerd.contract.adopt.checks import CHECKS_KEY, made_by_these_checks
 from stagerd.contract.export_tree import regular_files
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.json_fields import loads
@@ -136,7 +137,7 @@ def _existing(d: Path) -> ExportResult:
     return ExportResult(d, list_files(d), total_size, len(weight_map), 0.0, True)
 
 
-def _recorded_options(step_dir: Path) -> dict[str, Any] | None:
+def recorded_options(step_dir: Path) -> dict[str, Any] | None:
     try:
         recorded = loads((step_dir / layout.EXPORT_OPTIONS_NAME).read_text())
     except (FileNotFoundError, ValueError):
@@ -275,22 +276,25 @@ def export_source(
     that its source did not change meanwhile). `default_shard_size`: as in `export_step`."""
     wanted = {"dtype": dtype or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size, **options}
     final = work_dir / layout.EXPORT_DIR
-    recorded = _recorded_options(work_dir)
+    recorded = recorded_options(work_dir)
     if recorded is not None and default_shard_size and not rebuild:
         # the sinks' copies were cut at the recorded size; a rebuild for another sink must match them
         max_shard_size = wanted["max_shard_size"] = recorded.get("max_shard_size", max_shard_size)
-    if recorded is not None and recorded != wanted:
+    # made under other checks (an adopted export: `contract/adopt/checks.py`): rebuilt even where a sink
+    # holds it, as the same options make the same bytes; what this build refuses is refused then
+    recheck = CHECKS_KEY in wanted and not made_by_these_checks(recorded)
+    if recorded is not None and _without_checks(recorded) != _without_checks(wanted):
         if not rebuild:
             changed = ", ".join(
                 f"{key} {recorded.get(key)!r} -> {value!r}"
                 for key, value in wanted.items()
-                if recorded.get(key) != value
+                if recorded.get(key) != value and key != CHECKS_KEY
             )
             raise ExportMismatchError(
                 f"step {step} was exported with other options ({changed}) and a sink holds that export",
                 path=work_dir / layout.EXPORT_OPTIONS_NAME,
             )
-    elif layout.export_is_whole(final):
+    elif layout.export_is_whole(final) and not recheck:
         return _existing(final)
     reference = source.reference()
     tmp = work_dir / layout.EXPORT_TMP_DIR
@@ -300,7 +304,8 @@ def export_source(
         held = HeldDir.open(work_dir)
     except OSError as e:
         raise OutputError(f"cannot prepare the export directory: {e.strerror}", path=tmp) from None
-    with held, held.naming(), _prepared(held, tmp, final, recorded) as out, out.naming():
+    why = "made by a stagerd build whose checks differ" if recheck else None
+    with held, held.naming(), _prepared(held, tmp, final, recorded, why) as out, out.naming():
         built = build_export(
             source,
             out.proc,
@@ -320,9 +325,11 @@ def export_source(
 
 
 @contextlib.contextmanager
-def _prepared(held: HeldDir, tmp: Path, final: Path, recorded: object) -> Iterator[HeldDir]:
+def _prepared(
+    held: HeldDir, tmp: Path, final: Path, recorded: object, why: str | None = None
+) -> Iterator[HeldDir]:
     """A new, empty export.tmp/ in `held`, held open (a stale one, a killed merge's scratch and an export
-    to rebuild removed first); removed again if the export fails."""
+    to rebuild, for `why` or its options, removed first); removed again if the export fails."""
     try:
         if held.lexists(layout.EXPORT_TMP_DIR):
             log.info("removing a stale %s from an interrupted export", tmp)
@@ -335,7 +342,7 @@ def _prepared(held: HeldDir, tmp: Path, final: Path, recorded: object) -> Iterat
             # Only stagerd writes export/, always by rename; without its weights it is not ours to trust,
             # and one made with other options than these is rebuilt (no sink holds it: see `rebuild`).
             whole = layout.export_is_whole(held.proc / layout.EXPORT_DIR)
-            why = "made with other options" if whole else "it has no weights"
+            why = (why or "made with other options") if whole else "it has no weights"
             log.warning("removing %s: %s (%s); exporting again", final, why, recorded)
             held.rmtree(layout.EXPORT_DIR)
         held.mkdir(layout.EXPORT_TMP_DIR)
@@ -352,6 +359,10 @@ def _prepared(held: HeldDir, tmp: Path, final: Path, recorded: object) -> Iterat
                 elif not held.holds(layout.EXPORT_DIR, out):  # moved away, a link put in its place:
                     out.clear()  # empty what we wrote, wherever it now is (never an export committed)
             raise
+
+
+def _without_checks(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != CHECKS_KEY}
 
 
 def _commit(held: HeldDir, out: HeldDir, wanted: Mapping[str, Any]) -> None:

@@ -30,7 +30,7 @@ def test_keep_last_deletes_a_trainers_checkpoint_only_when_asked(tmp_path):
     assert all(published(tmp_path / "out", s).is_dir() for s in (1, 2, 3))
 
 
-def test_delete_adopted_given_later_keeps_what_a_sink_lacks_or_a_trainer_pins(tmp_path):
+def test_delete_adopted_given_later_keeps_what_a_trainer_pins_and_sends_a_new_sink_first(tmp_path):
     from stagerd.contract.step.pin import StepPin
 
     root, out, late = tmp_path / "root", tmp_path / "out", tmp_path / "late"
@@ -38,11 +38,6 @@ def test_delete_adopted_given_later_keeps_what_a_sink_lacks_or_a_trainer_pins(tm
     shutil.copytree(root / "step-1", root / "step-2")
     assert watch_once(root, out, "--keep-last", "1").returncode == 0  # step 1 retired, its checkpoint kept
     names = lambda: sorted(p.name for p in root.iterdir() if p.name.startswith("step"))  # noqa: E731
-
-    # a sink added since never got step 1, and no run can send it there but from this checkpoint
-    res = watch_once(root, out, "--sink", late.as_uri(), "--keep-last", "1", "--delete-adopted")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert names() == ["step-1", "step-2"] and not published(late, 1).exists()
 
     pin = StepPin(root, 1).hold()  # a trainer holds it (its best model)
     try:
@@ -52,11 +47,38 @@ def test_delete_adopted_given_later_keeps_what_a_sink_lacks_or_a_trainer_pins(tm
     finally:
         pin.release()
 
-    res = watch_once(root, out, "--keep-last", "1", "--delete-adopted")
+    # a sink added since never got step 1: sent there from this checkpoint first, then deleted
+    res = watch_once(root, out, "--sink", late.as_uri(), "--keep-last", "1", "--delete-adopted")
     assert res.returncode == 0, res.stdout + res.stderr
     assert names() == ["step-2"], res.stderr
-    assert "the trainer's checkpoint step-1 deleted" in res.stderr
-    assert published(out, 1).is_dir() and published(out, 2).is_dir()
+    assert all(published(s, n).is_dir() for s in (out, late) for n in (1, 2))
+
+
+def test_a_sink_added_later_gets_the_retired_steps_whose_checkpoints_are_still_there(tmp_path):
+    root, a, b = tmp_path / "root", tmp_path / "a", tmp_path / "b"
+    for n in (1, 2, 3):
+        ranks.write(str(root / f"step-{n}"))
+    res = watch_once(root, a, "--keep-last", "1")
+    assert res.returncode == 0 and "3 step(s) published" in res.stdout, res.stdout + res.stderr
+    adopted = root / ".stagerd" / "adopted"
+    assert sorted(p.name for p in adopted.iterdir() if p.is_dir()) == ["step-3"]  # 1 and 2 retired
+    shutil.rmtree(root / "step-1")  # the trainer's own rotation
+    before = tree_digest(root)
+
+    res = watch_once(root, a, "--sink", b.as_uri(), "--keep-last", "1")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert not published(b, 1).exists() and published(b, 2).is_dir() and published(b, 3).is_dir()
+    assert "exported again from the trainer's checkpoint for " + b.as_uri() in out, out
+    assert out.count(f"{b.as_uri()} never got 1 step(s) (1)") == 2, out  # the --once summary's two reports
+    assert (published(b, 2) / "model.safetensors").read_bytes() == (
+        published(a, 2) / "model.safetensors"
+    ).read_bytes()
+    assert sorted(p.name for p in adopted.iterdir() if p.is_dir()) == ["step-3"]  # retired again
+    assert tree_digest(root) == before
+
+    res = watch_once(root, a, "--sink", b.as_uri(), "--keep-last", "1")
+    assert res.returncode == 0 and "exported again" not in res.stdout + res.stderr, res.stdout + res.stderr
 
 
 def test_an_export_directory_inside_a_checkpoint_is_refused(tmp_path):

@@ -13,15 +13,18 @@ on the model (a rename, a transpose, an interleaving of gate and up rows, a scal
 experts), which the checkpoint does not say: stagerd cannot convert them exactly, so it refuses them.
 
 With `moe_rank_scaling` (in its own automodel_peft_config.json beside the adapter) AutoModel trains the
-experts' factors at rank r / experts per token, yet writes r alone in adapter_config.json, no
-`rank_pattern`: PEFT builds them at rank r and fails on the sizes. The experts' rank is in the tensors but
-their number is not, so no `rank_pattern` can be written exactly: that adapter is refused too.
+experts' factors at rank r // experts per token (`apply_lora_to_linear_modules`: `dim //
+n_activated_experts`, the model's top-k), yet writes r alone in adapter_config.json, no `rank_pattern`:
+PEFT builds them at rank r and fails on the sizes. The experts' rank is in the tensors but their number
+is not, so no `rank_pattern` can be written exactly: that adapter is refused too, unless the base model's
+config.json (the trainer's, --extras or ROOT; read, never published with an adapter) routes each token to
+one expert: r // 1 is r, and PEFT loads it as trained.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from stagerd.errors import AdoptError
@@ -31,6 +34,10 @@ AUTOMODEL_PEFT_CONFIG = "automodel_peft_config.json"  # read, never published (P
 # A PEFT model's own names: its LoRA factors and the frozen layers they wrap. Published under them, no
 # `from_pretrained` of the base model finds its weights (it initialises them at random, with a warning).
 _PEFT_NAME = re.compile(r".*\.(?:base_layer|lora_(?:A|B|embedding_A|embedding_B|magnitude_vector))(?:\.|$).*")
+# The base config's experts per token, by the names AutoModel's models read (`n_activated_experts`).
+TOP_K_FIELDS = (
+    "num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "moe_top_k", "top_k_experts"
+)  # fmt: skip
 _GROUPED_EXPERT_LORA = re.compile(r".*\.lora_(?:gate_and_up|down)_[AB]")
 
 
@@ -61,10 +68,27 @@ def refuse_grouped_expert_lora(names: list[str]) -> None:
         )
 
 
+def experts_per_token(config: Mapping[str, Any] | None) -> int | None:
+    """The top-k of a MoE's config.json, under the names AutoModel's models read it by; None if none."""
+    text = None if config is None else config.get("text_config")  # a vision-language MoE's
+    for c in (config, text):
+        if not isinstance(c, Mapping):
+            continue
+        for field in TOP_K_FIELDS:
+            k = c.get(field)
+            if isinstance(k, int) and not isinstance(k, bool):
+                return k
+    return None
+
+
 def refuse_scaled_expert_rank(
-    automodel: Mapping[str, Any] | None, adapter_config: Mapping[str, Any], names: list[str]
+    automodel: Mapping[str, Any] | None,
+    adapter_config: Mapping[str, Any],
+    names: list[str],
+    base_config: Callable[[], Mapping[str, Any] | None],
 ) -> None:
-    """An AutoModel adapter whose experts' rank its adapter_config.json misstates (see the module)."""
+    """An AutoModel adapter whose experts' rank its adapter_config.json misstates (see the module);
+    `base_config` reads the base model's config.json, where there is one."""
     if (
         automodel is None
         or automodel.get("moe_rank_scaling") is not True
@@ -72,11 +96,17 @@ def refuse_scaled_expert_rank(
     ):
         return
     experts = sorted(n for n in names if ".experts." in n)
-    if experts:
-        raise AdoptError(
-            f"AutoModel's moe_rank_scaling trained {experts[0]!r} and {len(experts) - 1} more at rank r / "
-            f"experts per token, but adapter_config.json gives them r={adapter_config.get('r')!r} and no "
-            "rank_pattern: PeftModel.from_pretrained would fail on their sizes",
-            hint="train without moe_rank_scaling (give peft.dim the rank the experts should have); the "
-            "trainer's files were not touched",
-        )
+    if not experts:
+        return
+    k, r = experts_per_token(base_config()), adapter_config.get("r")
+    if k == 1:
+        return  # trained at r // 1 = r, the rank adapter_config.json gives them
+    rank = f"r // {k} = {r // k}" if isinstance(r, int) and k else "r // experts per token"
+    one = "" if k else "; one routing each token to one expert is published given its config.json in --extras"
+    raise AdoptError(
+        f"AutoModel's moe_rank_scaling trained {experts[0]!r} and {len(experts) - 1} more at rank {rank}, "
+        f"but adapter_config.json gives them r={r!r} and no rank_pattern: PeftModel.from_pretrained would "
+        "fail on their sizes",
+        hint=f"train without moe_rank_scaling (give peft.dim the rank the experts should have){one}; "
+        "the trainer's files were not touched",
+    )

@@ -276,6 +276,18 @@ class Journal(RawLanes):
             self._clear_waits(c, step)
             self._prune_history(c)
 
+    def revive(self, step: int, reason: str) -> None:
+        """retired -> committed: an adopted step exported again from the trainer's checkpoint for a sink
+        added since it was retired (its lanes on the other sinks stay published)."""
+        now = time.time()
+        with self._tx() as c:
+            old = self._step_state(c, step, (RETIRED,))
+            c.execute(
+                "UPDATE steps SET state = ?, attempts = 0, retired_at = NULL, updated = ? WHERE step = ?",
+                (COMMITTED, now, step),
+            )
+            self._event(c, step, None, old, COMMITTED, message=reason, now=now)
+
     def recover(self) -> list[Recovered]:
         """At start: exporting -> committed and publishing -> pending, each recorded as a crash recovery."""
         now = time.time()

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from stagerd.contract import layout
+from stagerd.contract.adopt.checks import CHECKS, CHECKS_KEY
 from stagerd.contract.adopt.presets import ADAPTER_WEIGHTS
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
@@ -117,6 +118,7 @@ def export_adopted(
             "preset": source.preset.name,
             "select": options.select,
             "mapping": None if options.mapping is None else _sha256(options.mapping),
+            CHECKS_KEY: CHECKS,
         }
         work_dir.mkdir(parents=True, exist_ok=True)
         adapter = source.preset.adapter

@@ -27,16 +27,18 @@ def find_extras(
     extras_dir: Path | None,
     parent: Path | HeldDir,
     files: HeldFiles | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> dict[str, Path]:
-    """Each extra (`extra_names`) from the first place that has it: where the trainer keeps them (the preset's
-    `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent. In the trainer's places an
-    extra that is a link is a SymlinkError (see EXTRA_WHY); held (`ckpt` and `parent` HeldDirs, `files`
-    given), each is opened there without following a link and read by its proc path. --extras DIR is the
-    operator's own and followed: a Hugging Face cache snapshot is links into its `blobs/`."""
+    """Each extra (`names`, else `extra_names`) from the first place that has it: where the trainer keeps
+    them (the preset's `extras_dirs`), the checkpoint, --extras DIR, the checkpoint's parent. In the
+    trainer's places an extra that is a link is a SymlinkError (see EXTRA_WHY); held (`ckpt` and `parent`
+    HeldDirs, `files` given), each is opened there without following a link and read by its proc path.
+    --extras DIR is the operator's own and followed: a Hugging Face cache snapshot is links into its
+    `blobs/`."""
     places: list[Path | HeldDir | None] = [*(_place(ckpt, d, files) for d in preset.extras_dirs), ckpt]
     places += [*([extras_dir] if extras_dir is not None else []), parent]
     found: dict[str, Path] = {}
-    for name in extra_names(preset):
+    for name in names or extra_names(preset):
         for d in places if name != ADAPTER_CARD else [ckpt]:
             if d is None:
                 continue

@@ -324,7 +324,14 @@ def open_adopted(
         at = ckpt if held is None else held[0]
         automodel = find_trainers_file(at, preset, AUTOMODEL_PEFT_CONFIG, None if held is None else held[1])
         adapter_config = read_config(extras[ADAPTER_CONFIG]) or {}
-        refuse_scaled_expert_rank(read_config(automodel), adapter_config, [v.name for v in plan.views])
+
+        def base_config() -> Mapping[str, object] | None:  # the base model's: only its experts per token
+            files = None if held is None else held[1]
+            found = find_extras(at, preset, options.extras, where, files, ("config.json",))
+            return read_config(found.get("config.json"))
+
+        views = [v.name for v in plan.views]
+        refuse_scaled_expert_rank(read_config(automodel), adapter_config, views, base_config)
     if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
         plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
     return AdoptedSource(

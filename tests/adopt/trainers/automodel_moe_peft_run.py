@@ -9,7 +9,8 @@ trained LoRA factors by AutoModel's own names and layout (`REF/lora.safetensors`
 `hf_names=False` builds the model without its state-dict adapter (`enable_hf_state_dict_adapter`): the save
 then keeps the experts' factors as AutoModel holds them, as it does for every MoE whose adapter it did not
 validate for PEFT's fused layout (GPT-OSS, Qwen3-VL-MoE and others, which do not run on CPU); no reference.
-`moe_rank_scaling=True` trains the experts at rank RANK / experts per token (its PeftConfig option).
+`moe_rank_scaling=True` trains the experts at rank RANK // experts per token (its PeftConfig option), which
+`top_k` sets (the model's `num_experts_per_tok`).
 
 The model's `RotaryEmbedding` and `initialize_weights` ask `torch.cuda.current_device()` for a default
 device they are then given explicitly (CPU): the only CUDA call on this path.
@@ -29,7 +30,7 @@ RANK, ALPHA = 4, 8
 EXPERTS, HIDDEN, MOE_INTER = 4, 32, 12  # hidden != moe_inter, != 2 * moe_inter: every layout tells apart
 
 
-def config() -> Any:
+def config(top_k: int = 2) -> Any:
     import transformers as tf
 
     cfg = tf.Qwen3MoeConfig(
@@ -42,7 +43,7 @@ def config() -> Any:
         head_dim=8,
         max_position_embeddings=64,
         num_experts=EXPERTS,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         moe_intermediate_size=MOE_INTER,
         tie_word_embeddings=False,
         dtype=DTYPE,
@@ -60,6 +61,7 @@ def train(
     port: int,
     hf_names: bool = True,
     moe_rank_scaling: bool = False,
+    top_k: int = 2,
 ) -> None:
     tiny.rank_env(rank, world, port)
     join(rank, world, init_file)
@@ -74,7 +76,7 @@ def train(
     torch.cuda.current_device = lambda: 0  # only named as a default device; CPU is passed in its place
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    cfg = config()
+    cfg = config(top_k)
     backend = BackendConfig(
         attn="sdpa",
         linear="torch",

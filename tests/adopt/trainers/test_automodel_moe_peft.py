@@ -13,6 +13,7 @@ So it does where AutoModel's `moe_rank_scaling` gave the experts a rank adapter_
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -111,3 +112,53 @@ def test_expert_factors_peft_would_not_load_are_refused_by_name(tmp_path, hf_nam
     assert f"AdoptError: {said}" in out, out
     assert not published(tmp_path / "sink", tiny.STEPS).exists()
     assert tree_digest(tmp_path / "train") == before
+
+
+def test_moe_rank_scaling_with_one_expert_per_token_keeps_r_and_is_published_given_the_config(tmp_path):
+    """AutoModel trains the experts at `dim // n_activated_experts`: with top-1 routing that is r, which
+    PEFT builds from adapter_config.json. Told so by the base's config.json, the adapter is published and
+    loads; without it the rank is unknown, and refused."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    launch(moe.train, str(tmp_path / "train"), "", free_port(), True, True, 1, world=1)
+    shutil.copytree(tmp_path / "train", tmp_path / "again")
+    base_dir = tmp_path / "base"
+    moe.config(top_k=1).save_pretrained(base_dir)
+
+    res = watch_once(tmp_path / "train", tmp_path / "refused")
+    out = res.stdout + res.stderr
+    assert "AdoptError: AutoModel's moe_rank_scaling trained" in out and "config.json in --extras" in out, out
+
+    res = watch_once(tmp_path / "again", tmp_path / "sink", "--extras", str(base_dir))
+    out = res.stdout + res.stderr
+    assert "1 step(s) published, 0 not" in out, out
+    export = published(tmp_path / "sink", tiny.STEPS)
+    assert not (export / "config.json").exists()  # read for its experts per token, never published
+    written = load_file(export / "adapter_model.safetensors")
+    experts = written["base_model.model.model.layers.0.mlp.experts.lora_A.weight"]
+    assert experts.shape[0] == moe.RANK * moe.EXPERTS  # rank r: what PEFT builds
+
+    import transformers as tf
+
+    base = tf.Qwen3MoeForCausalLM(moe.config(top_k=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, export)
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "key" in m.lower() or "shape" in m.lower()], said
+    loaded = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert set(loaded) == set(written)
+    assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in written.items())
+
+
+def test_moe_rank_scaling_with_two_experts_per_token_is_refused_though_the_config_says_so(tmp_path):
+    launch(moe.train, str(tmp_path / "train"), "", free_port(), True, True, 2, world=1)
+    moe.config(top_k=2).save_pretrained(tmp_path / "base")
+
+    res = watch_once(tmp_path / "train", tmp_path / "sink", "--extras", str(tmp_path / "base"))
+    out = res.stdout + res.stderr
+    assert "0 step(s) published, 1 not" in out, out
+    assert f"at rank r // 2 = {moe.RANK // 2}, but adapter_config.json gives them r={moe.RANK}" in out, out
+    assert not published(tmp_path / "sink", tiny.STEPS).exists()

@@ -161,6 +161,22 @@ def test_a_new_sink_reopens_published_steps_that_are_still_staged(j):
     assert publish(j, 1, B)
 
 
+def test_a_retired_step_revived_for_a_new_sink_keeps_its_published_lanes(j):
+    exported(j, 1, sinks=[A])
+    publish(j, 1, A, sinks=[A])
+    with pytest.raises(JournalError):
+        j.revive(1, "not retired yet")
+    j.retire(1, "retention")
+    assert j.missed([A, B], 10) == {B: (1, [1])}
+    j.revive(1, "for a new sink")
+    row = j.step(1)
+    assert row.state == "committed" and row.retired_at is None and j.missed([A, B], 10) == {}
+    j.begin_export(1)
+    j.finish_export(1, [A, B], seconds=1.0, export_bytes=10, tensor_bytes=8, files=2, skipped=False)
+    assert {ln.sink: ln.state for ln in j.lanes(1)} == {A: "published", B: "pending"}
+    assert publish(j, 1, B) and j.step(1).state == "published"
+
+
 def test_a_removed_sink_completes_steps_waiting_only_for_it(j):
     exported(j, 1)
     publish(j, 1, A)

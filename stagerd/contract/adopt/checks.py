@@ -1,0 +1,17 @@
+"""Which checks an adopted export was made under, recorded with its options (`export.options.json`).
+
+An export cached by a build whose checks differ (or by one from before this was recorded) may hold what
+this build refuses, such as an adapter PEFT would load wrong (`peft_names.py`). It is rebuilt from the
+trainer's checkpoint, and so checked again, before any sink gets it; one made by this build is reused.
+Raise CHECKS whenever an adopted export's refusals or conversion change.
+"""
+
+from __future__ import annotations
+
+CHECKS_KEY = "adopt_checks"  # its key among the recorded options
+CHECKS = 2  # 2: AutoModel's MoE LoRA refusals (grouped experts, a scaled rank); 1: any build before them
+
+
+def made_by_these_checks(recorded: object) -> bool:
+    """Whether recorded options (None: no options file) say this build's checks made the export."""
+    return isinstance(recorded, dict) and recorded.get(CHECKS_KEY) == CHECKS
