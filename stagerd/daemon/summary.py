@@ -93,7 +93,7 @@ def missed_text(sink: str, count: int, steps: list[int]) -> str:
     return (
         f"{sink} never got {count} step(s) ({which}): retention deleted their staged data before this "
         "sink was configured (of an adopted checkpoint, the trainer's checkpoint is gone or saved again "
-        "too), so stagerd cannot publish them there; "
+        "too, or the sink's remote retention would not keep it), so stagerd cannot publish them there; "
         "copy them from a sink that holds them if need be"
     )
 

@@ -18,7 +18,7 @@ part's manifest): the publisher writes it only after every file is uploaded and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from stagerd.errors import ConfigError
@@ -54,6 +54,15 @@ class Policy:
     @property
     def active(self) -> bool:
         return self.keep_last is not None or self.keep_every is not None
+
+    def keeps(self, step: int, steps: Sequence[int]) -> bool:
+        """Whether this policy alone would keep `step` among `steps` (ascending): the newest, one of the
+        newest `keep_last`, or a multiple of `keep_every` (`plan_prune`'s reasons to keep a step)."""
+        if not self.active or not steps or step >= steps[-1]:
+            return True
+        return (self.keep_last is not None and step in steps[-self.keep_last :]) or (
+            self.keep_every is not None and step % self.keep_every == 0
+        )
 
 
 def parse_policy(text: str) -> Policy:

@@ -81,6 +81,27 @@ def test_a_sink_added_later_gets_the_retired_steps_whose_checkpoints_are_still_t
     assert res.returncode == 0 and "exported again" not in res.stdout + res.stderr, res.stdout + res.stderr
 
 
+def test_a_sink_added_later_gets_only_the_retired_steps_its_retention_keeps(tmp_path):
+    """A step the new sink's remote retention would delete at its next publish is not exported again to
+    be sent there: with last=1,every=2 of steps 1-4, the sink gets 2 (a multiple) and 4 (the newest)."""
+    root, a, b = tmp_path / "root", tmp_path / "a", tmp_path / "b"
+    for n in (1, 2, 3, 4):
+        ranks.write(str(root / f"step-{n}"))
+    res = watch_once(root, a, "--keep-last", "1")
+    assert res.returncode == 0 and "4 step(s) published" in res.stdout, res.stdout + res.stderr
+
+    res = watch_once(
+        root, a, "--sink", b.as_uri(), "--keep-last", "1", "--sink-retention", f"{b.as_uri()}=last=1,every=2"
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert sorted(p.name for p in b.glob("step-*")) == ["step-00000002", "step-00000004"], out
+    assert (
+        "2 retired step(s) not exported again for it, its remote retention would not keep them (1, 3)" in out
+    )
+    assert out.count("exported again from the trainer's checkpoint for ") == 1, out  # step 2 alone
+
+
 def test_an_export_directory_inside_a_checkpoint_is_refused(tmp_path):
     root = tmp_path / "root"
     ranks.write(str(root / "step-1"))
