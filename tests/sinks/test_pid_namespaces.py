@@ -30,6 +30,7 @@ from stagerd.sinks.remote import RemoteStore, StoredObject
 from stagerd.sinks.s3.conditions import PROBE_PREFIX
 from stagerd.sinks.temp_names import HOST, STALE_S, pid_alive, restore_temp
 from tests.cli_helpers import clean_env, run_cli
+from tests.pid_namespaces import UNSHARE, unshare_works
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 NAME = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
@@ -155,17 +156,6 @@ def test_an_s3_probe_key_of_another_pid_namespace_stays_while_young(s3, tmp_path
     assert set(keys) <= left, "a live probe's keys of the next container were deleted"
 
 
-UNSHARE = ("unshare", "--user", "--pid", "--fork", "--map-root-user")
-
-
-def _unshare_works() -> bool:
-    try:
-        r = subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
-
-
 # Run in a new pid namespace (this host name): fork until this process has `pid`, dead in the parent's
 # namespace, then hold a restore lease on step 3 until stdin closes.
 _HOLDER = """
@@ -189,7 +179,7 @@ with Lease(RemoteStore.open(sys.argv[1]), 3) as lease:
 """
 
 
-@pytest.mark.skipif(not _unshare_works(), reason="no unprivileged user and pid namespaces here")
+@pytest.mark.skipif(not unshare_works(), reason="no unprivileged user and pid namespaces here")
 def test_a_restore_in_another_pid_namespace_keeps_its_step_from_a_prune(tmp_path):
     """A real process in another pid namespace, with a pid dead in this one, holds a restore lease: a
     real `stagerd prune` here keeps its step, and takes it once the lease is released."""
