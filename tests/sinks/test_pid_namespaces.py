@@ -28,7 +28,7 @@ from stagerd.sinks.local_dirs import LocalTree
 from stagerd.sinks.objects import CLOCK_NAME
 from stagerd.sinks.remote import RemoteStore, StoredObject
 from stagerd.sinks.s3.conditions import PROBE_PREFIX
-from stagerd.sinks.temp_names import HOST, STALE_S, pid_alive, restore_temp
+from stagerd.sinks.temp_names import CLOCK_PROBE, HOST, STALE_S, pid_alive, restore_temp
 from tests.cli_helpers import clean_env, run_cli
 from tests.pid_namespaces import UNSHARE, unshare_works
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -136,6 +136,27 @@ def test_a_restore_temp_dir_of_another_pid_namespace_or_an_older_stagerd_goes_on
     os.utime(out.parent / theirs[0] / "model" / "part")  # written just now: its writer is alive
     restore_temp(out)
     assert [p.name for p in out.parent.iterdir()] == [theirs[0]]
+
+
+def test_a_killed_restores_clock_probe_goes_as_its_temp_dir_does(tmp_path):
+    """A restore killed while it read the clock beside OUT (`temp_names._clock`) left its probe, which
+    no sweep removed: this container's went never, another's never either."""
+    out = tmp_path / "outs" / "eval"
+    out.parent.mkdir()
+    dead = _dead_pid()
+    theirs = [f".{CLOCK_PROBE}.tmp-{o}-{dead}-1" for o in OTHERS]
+    ours = f".{CLOCK_PROBE}.tmp-{HOST}-{dead}-1"
+    for n in (*theirs, ours):
+        (out.parent / n).mkdir()
+    (out.parent / f".eval.tmp-{OTHERS[0]}-{dead}-1").mkdir()  # another's temp dir: the clock is read
+    restore_temp(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
+        [*theirs, f".eval.tmp-{OTHERS[0]}-{dead}-1"]
+    )
+    for n in theirs:
+        _age(out.parent / n, STALE_S + 60)
+    restore_temp(out)
+    assert [p.name for p in out.parent.iterdir()] == [f".eval.tmp-{OTHERS[0]}-{dead}-1"]
 
 
 def test_an_s3_probe_key_of_another_pid_namespace_stays_while_young(s3, tmp_path):  # noqa: F811
