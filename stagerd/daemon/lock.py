@@ -162,14 +162,17 @@ def _try_flock(fd: int, kind: int) -> bool:
 
 def _record(root: str | os.PathLike[str]) -> tuple[int | None, str | None]:
     """(the pid, the command) the lock file of `root` says: the pid only where it is of this pid
-    namespace; an older stagerd's file (the pid alone) says no namespace, so its pid is believed."""
+    namespace. An older stagerd's file (the pid alone) says no namespace: its pid is believed only while
+    it is a `stagerd watch` or `restore` here, not some process of this namespace that has that number."""
     try:
         f = lock_path(root).read_text().split()
     except (OSError, UnicodeDecodeError):
         return None, None
     if not f or not f[0].isdigit():
         return None, None
-    pid = int(f[0]) if len(f) == 1 or f[1] == _pid_ns() else None
+    if len(f) == 1:
+        return (int(f[0]), None) if holder_command(int(f[0])) else (None, None)
+    pid = int(f[0]) if f[1] == _pid_ns() else None
     return pid, next((c for c in f[2:3] if c in COMMANDS), None)
 
 
