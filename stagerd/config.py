@@ -256,10 +256,11 @@ class Settings(BaseSettings):
     @classmethod
     def _check_sink_retention(cls, v: dict[str, str]) -> dict[str, str]:
         from stagerd.sinks.prune import parse_policy
+        from stagerd.sinks.urls import shown
 
         for url, text in v.items():
             if url.startswith("hf://"):
-                raise ValueError(f"{url}: the Hub is not pruned (its history is immutable)")
+                raise ValueError(f"{shown(url)}: the Hub is not pruned (its history is immutable)")
             parse_policy(text)
         return v
 

@@ -120,7 +120,7 @@ def _refuse_staging_areas(url: str) -> None:
     put `step-N/` among the staged steps: a step directory without a marker that the daemon takes for a
     save in progress and never deletes, or files inside a committed step. `watch` refuses its own ROOT;
     publish has no ROOT, so it looks for one above the sink."""
-    from stagerd.sinks.urls import SinkKind, parse_sink_url
+    from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
 
     target = parse_sink_url(url)
     if target.kind is not SinkKind.LOCAL:
@@ -138,7 +138,7 @@ def _refuse_staging_areas(url: str) -> None:
         else:
             return  # another directory under a ROOT, as `watch` allows
         raise ConfigError(
-            f"sink {url} is {inside}: its step-N/ directories would land among the staged steps",
+            f"sink {shown(url)} is {inside}: its step-N/ directories would land among the staged steps",
             hint="publish to a directory outside the staging ROOT, e.g. file:///mnt/models/run1; nothing "
             "was written",
         )

@@ -258,7 +258,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
     from stagerd.sinks.fetch import check_listing, resolve_step, step_prefix
     from stagerd.sinks.leases import Lease, refuse_pruning
 
-    lock = RootLock(root)
+    lock = RootLock(root, "restore")
     lock.acquire()  # LockError while a daemon watches ROOT
     try:
         step = resolve_step(store, step, raw=True)

@@ -109,7 +109,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
     from stagerd.contract.step.pin import pinned
     from stagerd.daemon.journal import RETIRED, journal_path
-    from stagerd.daemon.lock import holder_command, running_holder
+    from stagerd.daemon.lock import root_holder
     from stagerd.daemon.retention import disk_state
 
     if not root.is_dir():
@@ -128,7 +128,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
             raise
         meta, steps, lanes, counts, waits, missed = _read_a_copy(root, include_retired=include_retired)
         note = f"{path.parent} is read-only for this user: read from a copy of the journal"
-    holder = running_holder(root)
+    holder = root_holder(root)
     disk = disk_state(
         root,
         low_percent=float(meta.get("low_disk_free_percent", 10.0)),
@@ -151,8 +151,10 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         out_steps.append(d)
     return {
         "root": str(root),
-        "daemon_pid": holder,
-        "holder": holder_command(holder) if holder else None,  # `restore` takes the lock too
+        "daemon_pid": holder.pid if holder else None,
+        "holder": holder.command if holder else None,  # `restore` takes the lock too
+        # held by a process of another pid namespace (the next container of a pod): no pid to show here
+        "held_elsewhere": holder is not None and holder.pid is None,
         "sinks": meta.get("sinks", []),
         "keep_last": meta.get("keep_last"),
         "disk": {

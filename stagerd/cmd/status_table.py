@@ -135,20 +135,22 @@ def _clip(markup: str, room: int) -> str:
     return escape(plain[: max(room - 1, 0)] + "…")
 
 
+def _daemon(doc: dict[str, Any]) -> str:
+    pid, restore = doc["daemon_pid"], doc.get("holder") == "restore"
+    where = f"pid {pid}" if pid else "in another container (pid namespace)"
+    if not pid and not doc.get("held_elsewhere"):
+        return "[yellow]not running[/]"
+    return f"not running; a `stagerd restore` holds ROOT ({where})" if restore else f"running ({where})"
+
+
 def render(doc: dict[str, Any], console: Console | None = None) -> None:
     """The status on `console` (stdout at the terminal's width, or $COLUMNS off a terminal)."""
     console = console or Console()
     width = console.width
-    pid, disk = doc["daemon_pid"], doc["disk"]
+    disk = doc["disk"]
     console.print(
         f"[bold]{escape(doc['root'])}[/]: daemon "
-        + (
-            f"running (pid {pid})"
-            if pid and doc.get("holder") != "restore"
-            else f"not running; a `stagerd restore` holds ROOT (pid {pid})"
-            if pid
-            else "[yellow]not running[/]"
-        )
+        + _daemon(doc)
         + f"; {size(disk['free'])} free ({disk['free_percent']:.1f}%)"
         + (
             " [bold red]LOW DISK: unpublished steps are kept; publishing must catch up[/]"

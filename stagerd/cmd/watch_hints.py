@@ -39,9 +39,9 @@ def quarantined_steps(root: Path) -> list[int]:
 def warn_quarantined(root: Path) -> None:
     """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
     they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck."""
-    from stagerd.daemon.lock import running_holder
+    from stagerd.daemon.lock import root_holder
 
-    if running_holder(root) is not None:
+    if root_holder(root) is not None:
         return  # the daemon start is refused with LockError; this one reads nothing
     steps = quarantined_steps(root)
     if steps:

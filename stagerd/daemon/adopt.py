@@ -49,7 +49,7 @@ def adopt_root(root: Path, export_dir: Path | None) -> Path:
 def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
     """The export root and every local sink lie outside every checkpoint (a trainer's directory is only
     read, and its own retention deletes it whole), and --extras is a directory."""
-    from stagerd.sinks.urls import SinkKind, parse_sink_url
+    from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
 
     custom = compile_step_regex(settings.adopt_step)
     real_root = root.resolve()
@@ -57,7 +57,7 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
     for url in settings.sinks:
         target = parse_sink_url(url)
         if target.kind is SinkKind.LOCAL:
-            places.append((f"sink {url}", target.local_path))
+            places.append((f"sink {shown(url)}", target.local_path))
     for what, place in places:
         where = Path(place).resolve()
         if where == real_root:

@@ -1,8 +1,15 @@
-"""One daemon per ROOT: an advisory `flock` on `ROOT/.stagerd/lock`, which holds the owner's pid.
+"""One daemon per ROOT: an advisory `flock` on `ROOT/.stagerd/lock`, which says who holds it.
 
 The kernel drops the lock when the process dies, SIGKILL included, so a stale lock file never blocks a
-restart. The pid inside is informative only (the error message, `stagerd status`): the flock is the lock, so
-a disk too full to take the pid is a warning, and the holder is then found in /proc/locks instead.
+restart. What the file says, `PID PIDNS COMMAND` (`watch` or `restore`), is informative only (the error
+message, `stagerd status`): the flock is the lock, so a disk too full to take it is a warning, and the
+holder is then found in /proc/locks instead.
+
+A pid means something only in its own pid namespace: the containers of a Kubernetes pod share ROOT, not
+their pids. So the file's pid is believed only when its PIDNS is this process's, and /proc/locks lists
+only the locks of processes this /proc's namespace sees (their pids translated to it). Whether the lock
+is held at all is the kernel's word, asked with a shared flock for an instant (`held`): held, and no
+holder to name here, is a daemon (or restore) in another container.
 """
 
 from __future__ import annotations
@@ -12,12 +19,17 @@ import errno
 import fcntl
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.errors import LockError, SymlinkError
 
 LOCK_NAME = "lock"
+COMMANDS = ("watch", "restore")
+# `held` takes a shared flock for an instant: a daemon starting then tries again for this long
+_PROBE_GRACE_S = 0.5
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 log = logging.getLogger("stagerd")
@@ -53,21 +65,20 @@ def lock_path(root: str | os.PathLike[str]) -> Path:
 class RootLock:
     """The exclusive lock of one ROOT, held until `release()` or process exit."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], command: str = "watch") -> None:
         self.path = lock_path(root)
+        self.command = command  # what the file says holds ROOT: `watch` or `restore`
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise LockError naming the pid that holds it."""
+        """Take the lock or raise LockError naming who holds it."""
         fd = self._open()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = named_holder(self.path.parent.parent)
-            os.close(fd)
-            who = f"pid {holder}" if holder else "another process"
+        if not _try_flock(fd, fcntl.LOCK_EX):
             root = self.path.parent.parent
-            if holder is not None and holder_command(holder) == "restore":
+            holder = root_holder(root)
+            os.close(fd)
+            who = holder.who if holder else "another process"
+            if holder is not None and holder.command == "restore":
                 raise LockError(
                     f"ROOT is held by a running `stagerd restore` ({who})",
                     path=root,
@@ -93,8 +104,8 @@ class RootLock:
             raise LockFileError(e, self.path) from None
 
     def _write_pid(self, fd: int) -> None:
-        """Write our pid over the old one in place (no new block needed), then cut what is left after it."""
-        data = f"{os.getpid()}\n".encode()
+        """Write who we are over the old holder in place (no new block needed), then cut what is left."""
+        data = f"{os.getpid()} {_pid_ns()} {self.command}\n".encode()
         try:
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -128,17 +139,69 @@ class RootLock:
         self.release()
 
 
-def read_holder(root: str | os.PathLike[str]) -> int | None:
-    """The pid written by the daemon that holds (or last held) the lock of `root`, if any."""
+def _pid_ns() -> str:
     try:
-        text = lock_path(root).read_text().strip()
-    except (FileNotFoundError, PermissionError):
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    """Take a flock of `kind` without waiting; False while another holds it. Tried again for a moment:
+    another process's `held` may hold a shared one for an instant."""
+    deadline = time.monotonic() + _PROBE_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if kind == fcntl.LOCK_SH or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
+def _record(root: str | os.PathLike[str]) -> tuple[int | None, str | None]:
+    """(the pid, the command) the lock file of `root` says: the pid only where it is of this pid
+    namespace. An older stagerd's file (the pid alone) says no namespace: its pid is believed only while
+    it is a `stagerd watch` or `restore` here, not some process of this namespace that has that number."""
+    try:
+        f = lock_path(root).read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None, None
+    if not f or not f[0].isdigit():
+        return None, None
+    if len(f) == 1:
+        return (int(f[0]), None) if holder_command(int(f[0])) else (None, None)
+    pid = int(f[0]) if f[1] == _pid_ns() else None
+    return pid, next((c for c in f[2:3] if c in COMMANDS), None)
+
+
+def read_holder(root: str | os.PathLike[str]) -> int | None:
+    """The pid (in this pid namespace) the lock file of `root` names, if any: its holder's, or the last."""
+    return _record(root)[0]
+
+
+def held(path: str | os.PathLike[str]) -> bool | None:
+    """Whether a process holds the flock on `path`, whichever pid namespace it is in (None where the file
+    cannot be opened): a shared flock taken and let go at once, which a held lock refuses."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    try:
+        return not _try_flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # lets the shared flock go
 
 
 def flock_holder(path: str | os.PathLike[str]) -> int | None:
-    """The pid holding a flock on `path` according to the kernel (/proc/locks), or None."""
+    """The pid holding a flock on `path` according to the kernel (/proc/locks), or None. The kernel lists
+    only the locks of processes this /proc's pid namespace sees, their pids in it: another container's
+    daemon is not there (an older kernel lists it with pid 0)."""
     try:
         st = os.stat(path)
         table = Path("/proc/locks").read_text()
@@ -154,7 +217,8 @@ def flock_holder(path: str | os.PathLike[str]) -> int | None:
 
 
 def named_holder(root: str | os.PathLike[str]) -> int | None:
-    """The pid the lock file of `root` names, else the one the kernel says holds its flock, or None."""
+    """The pid (in this pid namespace) the lock file of `root` names, else the one the kernel says holds
+    its flock, or None."""
     return read_holder(root) or flock_holder(lock_path(root))
 
 
@@ -170,15 +234,46 @@ def holder_command(pid: int) -> str | None:
     return next((a.decode() for a in argv if a in (b"restore", b"watch")), None)
 
 
-def running_holder(root: str | os.PathLike[str]) -> int | None:
-    """The pid of the daemon watching `root` now, or None. Probes without taking the lock."""
+@dataclass(frozen=True)
+class Holder:
+    """Who holds ROOT's lock now: `pid` None where it is a process of another pid namespace (container)."""
+
+    pid: int | None
+    command: str | None  # `watch`, `restore`, or None where unknown
+
+    @property
+    def who(self) -> str:
+        return f"pid {self.pid}" if self.pid else "a process in another container (pid namespace)"
+
+
+def root_holder(root: str | os.PathLike[str]) -> Holder | None:
+    """Who holds the lock of `root` now, or None. Probes without taking the lock (a shared flock for an
+    instant, which keeps no daemon out: `acquire` tries again meanwhile)."""
+    path = lock_path(root)
+    locked = held(path)
     pid = named_holder(root)
-    if pid is None:
+    if locked is None:  # the file cannot be opened here: the pid, if alive, is all there is to go by
+        return Holder(pid, holder_command(pid)) if pid is not None and _alive(pid) else None
+    if not locked:
         return None
+    if pid is not None and not _alive(pid):
+        pid = flock_holder(path)  # the file's pid is gone: the holder is another (its pid unwritten)
+    said = _record(root)[1]
+    return Holder(pid, (holder_command(pid) if pid else None) or said)
+
+
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:
-        return pid  # alive, another user's
-    return pid
+        return True  # alive, another user's
+    return True
+
+
+def running_holder(root: str | os.PathLike[str]) -> int | None:
+    """The pid (in this pid namespace) of the process holding the lock of `root` now, or None: None too
+    where a process of another container holds it (`root_holder` says so)."""
+    h = root_holder(root)
+    return h.pid if h else None

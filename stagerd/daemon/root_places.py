@@ -11,7 +11,7 @@ from stagerd.daemon.fleet.exchange_places import exchange_area
 from stagerd.errors import ConfigError
 from stagerd.sinks.own_places import Area, owner_of, sink_area
 from stagerd.sinks.places import real_dir
-from stagerd.sinks.urls import SinkKind, parse_sink_url
+from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
 
 
 def check_root_places(root: Path, sinks: list[str], exchange: str | None) -> None:
@@ -38,7 +38,7 @@ def _refuse_inside_root(root: Path, areas: list[Area]) -> None:
         top = where.relative_to(real_root).parts[:1]
         if not top or top[0] == layout.STATE_DIR or top[0].startswith("step-"):
             raise ConfigError(
-                f"{area.what} {area.url} is ROOT {root} or inside its step or state directories: its "
+                f"{area.what} {shown(area.url)} is ROOT {root} or inside its step or state directories: its "
                 "copies would land among the staged steps",
                 hint="publish to a directory outside ROOT, e.g. file:///mnt/models/run1",
             )
@@ -53,8 +53,8 @@ def _refuse_root_inside(root: Path, areas: list[Area]) -> None:
     if found is not None:
         area, top = found
         raise ConfigError(
-            f"ROOT {root} is inside {area.what} {area.url}, under its {top}: the {area.what} would write "
-            "and delete among the staged steps",
+            f"ROOT {root} is inside {area.what} {shown(area.url)}, under its {top}: the {area.what} would "
+            "write and delete among the staged steps",
             hint=f"stage outside the {area.what}'s directory, or in a directory of it that it does not use "
             f"(e.g. {area.what.upper()}/staging); nothing was written",
         )

@@ -28,6 +28,7 @@ from pathlib import Path
 # A restore writes its temp directory without pause: one unwritten for an hour is a killed restore's (as
 # `local.TEMP_STALE_S` judges a file:// sink's temp files).
 STALE_S = 3600.0
+CLOCK_PROBE = "stagerd-clock"  # `_clock`'s probe, `.stagerd-clock.tmp-HOST-PID-TID`
 
 
 def _pid_ns() -> str:
@@ -66,14 +67,16 @@ def sweep_beside(path: Path) -> None:
     this host's and pid namespace's (`.NAME.tmp-HOST-PID-TID`, its pid dead) at once; another host's or
     container's, and an older stagerd's (its host name alone, or `.NAME.restore-PID`: either may be the
     next container's live restore), once nothing in them was written for `STALE_S` by the clock of the
-    directory they are in (the mtime of a directory made there now). A live writer's stays."""
+    directory they are in (the mtime of a directory made there now). A live writer's stays. The clock's
+    own probes (`_clock`) are judged so too: a process killed while it read the clock left its own."""
     try:
         names = os.listdir(path.parent)
     except OSError:
         return
     now: float | None = None
+    prefixes = (f".{path.name}.tmp-", f".{CLOCK_PROBE}.tmp-")
     for name in names:
-        m = TEMP_NAME.fullmatch(name) if name.startswith(f".{path.name}.tmp-") else None
+        m = TEMP_NAME.fullmatch(name) if name.startswith(prefixes) else None
         old = _OLD_RESTORE.fullmatch(name.removeprefix(f".{path.name}")) is not None
         other = old or (m is not None and m["host"] != HOST)
         p = path.parent / name
@@ -91,7 +94,7 @@ def sweep_beside(path: Path) -> None:
 
 def _clock(where: Path) -> float:
     """The time now by `where`'s filesystem (on NFS, the server's): the mtime of a directory made there."""
-    probe = temp_name(where / "stagerd-clock")
+    probe = temp_name(where / CLOCK_PROBE)
     try:
         probe.mkdir()
         try:

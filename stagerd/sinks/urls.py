@@ -79,7 +79,7 @@ class SinkUrl:
     @property
     def local_path(self) -> Path:
         if self.kind is not SinkKind.LOCAL:
-            raise ValueError(f"{self.url} is not a local sink")
+            raise ValueError(f"{shown(self.url)} is not a local sink")
         return Path(self.path)
 
     @property

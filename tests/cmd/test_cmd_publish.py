@@ -148,3 +148,14 @@ def test_publish_refuses_one_place_twice_or_a_sink_inside_another_as_watch_does(
         err = capsys.readouterr().err
         assert said in err and repr(sinks[0]) in err and repr(sinks[1]) in err, err
         assert list(dest.iterdir()) == []  # nothing was written
+
+
+def test_a_sink_that_is_a_staging_root_is_refused_and_named_quoted(tmp_path, capsys):
+    """Every sink URL in a message is quoted and has its secrets hidden (`urls.shown`): one form for all."""
+    root = tmp_path / "staging"
+    (root / ".stagerd").mkdir(parents=True)
+    url = root.as_uri()
+    assert main(["publish", str(export_at(tmp_path, 1)), "--sink", url]) == 2
+    err = capsys.readouterr().err
+    assert f"sink {url!r} is the staging ROOT {root}" in err, err
+    assert list(root.iterdir()) == [root / ".stagerd"]

@@ -1,5 +1,6 @@
 """`stagerd prune --keep-last 1` against a live `stagerd restore` of the step it would delete, on file://
-and S3: real processes, each held at a delay point (`ops/crashpoints.py`) where the race is.
+and S3, of its HF export (`--export`) and of its raw step (into a ROOT): real processes, each held at a
+delay point (`ops/crashpoints.py`) where the race is.
 
 - A restore mid-read holds its lease: the prune leaves the step, the restore lands every byte, and a
   prune after it deletes the step.
@@ -25,9 +26,8 @@ from stagerd.sinks.leases import RESTORING_DIR
 from stagerd.sinks.remote import RemoteStore
 from tests.cli_helpers import run_cli, start_cli
 from tests.cmd.restore_helpers import tree
+from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
-
-MANIFEST = f"{layout.step_dir_name(3)}/{layout.MANIFEST_NAME}"
 
 
 def _export(d: Path, step: int) -> Path:
@@ -37,19 +37,57 @@ def _export(d: Path, step: int) -> Path:
     return d
 
 
+def _raw(root: Path, step: int) -> Path:
+    """A committed raw step (its shards' bytes only: a raw restore reads no tensor) of 3 MiB."""
+    d = root / layout.step_dir_name(step)
+    (d / "model").mkdir(parents=True)
+    (d / "model" / "__0_0.distcp").write_bytes(bytes(range(256)) * (12 << 10) + bytes([step]))
+    (d / "extras").mkdir()
+    (d / "extras" / "loader.json").write_text(f'{{"pos": {step}}}')
+    commit_step(d, 1)
+    return d
+
+
+@pytest.fixture(params=["export", "raw"])
+def kind(request) -> str:
+    """What the sink holds and the restore lands: HF exports (`--export`), or raw steps (into a ROOT)."""
+    return request.param
+
+
 @pytest.fixture(params=["file", "s3"])
-def sink(request, tmp_path, s3):  # noqa: F811
-    """(URL, the store, the exports by step) of a sink holding steps 3 and 4."""
+def sink(request, kind, tmp_path, s3):  # noqa: F811
+    """(URL, the store, the steps sent by number) of a sink holding steps 3 and 4 of `kind`."""
     url = (tmp_path / "sink").as_uri() if request.param == "file" else s3.url("run")
-    exports = {}
+    sent = {}
     publisher = FsspecSink.from_url(url)
     for step in (3, 4):
-        exports[step] = _export(tmp_path / "exports" / str(step), step)
-        publisher.publish(exports[step], step)
+        if kind == "export":
+            sent[step] = _export(tmp_path / "exports" / str(step), step)
+            publisher.publish(sent[step], step)
+        else:
+            sent[step] = _raw(tmp_path / "orig", step)
+            publisher.publish_raw(sent[step], step)
     publisher.close()
     store = RemoteStore.open(url)
-    yield url, store, exports
+    yield url, store, sent
     store.close()
+
+
+def _prefix(kind: str) -> str:
+    return ("raw/" if kind == "raw" else "") + layout.step_dir_name(3)
+
+
+def _restore(kind: str, url: str, tmp_path: Path, *more: str) -> tuple[list, Path]:
+    """(the `stagerd restore` arguments of step 3 of `kind`, where it lands)."""
+    if kind == "export":
+        out = tmp_path / "outs" / "eval"
+        return ["restore", url, out, "--export", "--step", "3", *more], out
+    root = tmp_path / "root"
+    return ["restore", url, root, "--step", "3", *more], root / layout.step_dir_name(3)
+
+
+def _kept(store: RemoteStore, kind: str) -> bool:
+    return store.read(f"{_prefix(kind)}/{layout.MANIFEST_NAME}") is not None
 
 
 def _held(args: list[str], point: str, release: Path) -> subprocess.Popen[str]:
@@ -77,43 +115,54 @@ def _finish(proc: subprocess.Popen[str], release: Path) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def _pruned_after(url: str, store: RemoteStore) -> None:
+def _pruned_after(url: str, store: RemoteStore, kind: str) -> None:
     """A prune once no restore runs deletes step 3, and no lease is left."""
     r = run_cli(["prune", url, "--keep-last", "1"])
     assert r.returncode == 0, r.stderr
-    assert store.read(MANIFEST) is None, r.stdout
+    assert not _kept(store, kind), r.stdout
     assert store.objects(RESTORING_DIR) == {}
 
 
-def test_a_prune_leaves_the_step_a_restore_is_reading(sink, tmp_path):
-    url, store, exports = sink
-    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
-    restore = _held(["restore", url, out, "--export", "--step", "3"], "restore.piece", go_on)
+def _nothing_landed(out: Path) -> None:
+    """No OUT (a raw step's: no step directory in ROOT) and no temp directory left beside it."""
+    assert not out.exists()
+    left = [] if not out.parent.exists() else [p.name for p in out.parent.iterdir()]
+    assert [n for n in left if n != layout.STATE_DIR] == [], left
+    state = out.parent / layout.STATE_DIR
+    assert not state.exists() or {p.name for p in state.iterdir()} <= {"lock"}, list(state.iterdir())
+
+
+def test_a_prune_leaves_the_step_a_restore_is_reading(sink, kind, tmp_path):
+    url, store, sent = sink
+    go_on = tmp_path / "go-on"
+    args, out = _restore(kind, url, tmp_path)
+    restore = _held(args, "restore.piece", go_on)
     try:
         _wait_for(restore, "delay point restore.piece")
         r = run_cli(["prune", url, "--keep-last", "1"])
         assert r.returncode == 0, r.stderr
         assert "a restore is reading it" in r.stdout, r.stdout
-        assert store.read(MANIFEST) is not None
+        assert _kept(store, kind)
     finally:
         rc, _, err = _finish(restore, go_on)
     assert rc == 0, err
-    assert tree(out) == tree(exports[3])
-    _pruned_after(url, store)
+    assert tree(out) == tree(sent[3])
+    _pruned_after(url, store, kind)
 
 
-def test_a_lease_written_after_the_prune_listed_the_leases_keeps_the_step(sink, tmp_path):
-    url, store, exports = sink
-    out, prune_on, restore_on = tmp_path / "outs" / "eval", tmp_path / "prune-on", tmp_path / "restore-on"
+def test_a_lease_written_after_the_prune_listed_the_leases_keeps_the_step(sink, kind, tmp_path):
+    url, store, sent = sink
+    prune_on, restore_on = tmp_path / "prune-on", tmp_path / "restore-on"
+    args, out = _restore(kind, url, tmp_path)
     prune = _held(["prune", url, "--keep-last", "1"], "prune.decided", prune_on)
     restore = None
     try:
         _wait_for(prune, "delay point prune.decided")  # leases listed, step 3 to go
-        restore = _held(["restore", url, out, "--export", "--step", "3"], "restore.piece", restore_on)
+        restore = _held(args, "restore.piece", restore_on)
         _wait_for(restore, "delay point restore.piece")  # its lease written, the step half read
         rc, stdout, err = _finish(prune, prune_on)
         assert rc == 0, err
-        assert store.read(MANIFEST) is not None, f"the prune deleted the step a restore reads: {stdout}"
+        assert _kept(store, kind), f"the prune deleted the step a restore reads: {stdout}"
         assert "a restore is reading it" in stdout, stdout
     finally:
         if prune.poll() is None:
@@ -121,39 +170,40 @@ def test_a_lease_written_after_the_prune_listed_the_leases_keeps_the_step(sink, 
         if restore is not None:
             rc, _, err = _finish(restore, restore_on)
     assert rc == 0, err
-    assert tree(out) == tree(exports[3])
-    _pruned_after(url, store)
+    assert tree(out) == tree(sent[3])
+    _pruned_after(url, store, kind)
 
 
-def test_a_restore_that_starts_while_a_prune_deletes_the_step_stops_before_reading(sink, tmp_path):
+def test_a_restore_that_starts_while_a_prune_deletes_the_step_stops_before_reading(sink, kind, tmp_path):
     url, store, _ = sink
-    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
+    go_on = tmp_path / "go-on"
+    args, out = _restore(kind, url, tmp_path)
     prune = _held(["prune", url, "--keep-last", "1"], "prune.tombstone", go_on)
     try:
         _wait_for(prune, "delay point prune.tombstone")  # step 3's claims taken, leases looked at again
-        r = run_cli(["restore", url, out, "--export", "--step", "3"])
+        r = run_cli(args)
         assert r.returncode == 3, r.stderr  # retryable
         assert "StepVanishedError" in r.stderr and "being deleted by a prune" in r.stderr, r.stderr
-        assert not out.parent.exists() or not list(out.parent.iterdir())  # no OUT, no temp directory
+        _nothing_landed(out)
     finally:
         rc, stdout, err = _finish(prune, go_on)
     assert rc == 0, err
-    assert store.read(MANIFEST) is None, stdout
+    assert not _kept(store, kind), stdout
     assert store.objects(RESTORING_DIR) == {}
 
 
-def test_a_step_deleted_under_a_restore_by_what_honours_no_lease_fails_it_cleanly(sink, tmp_path):
+def test_a_step_deleted_under_a_restore_by_what_honours_no_lease_fails_it_cleanly(sink, kind, tmp_path):
     url, store, _ = sink
-    out, go_on = tmp_path / "outs" / "eval", tmp_path / "go-on"
-    # one file at a time: the other file is read only after the deletion
-    args = ["restore", url, out, "--export", "--step", "3", "--workers", "1"]
+    go_on = tmp_path / "go-on"
+    # one file at a time: the other files are read only after the deletion
+    args, out = _restore(kind, url, tmp_path, "--workers", "1")
     restore = _held(args, "restore.piece", go_on)
     try:
         _wait_for(restore, "delay point restore.piece")
-        step = layout.step_dir_name(3)
+        step = _prefix(kind)
         store.delete([f"{step}/{rel}" for rel in store.objects(step)])  # as an older stagerd's prune does
     finally:
         rc, _, err = _finish(restore, go_on)
     assert rc == 3, err
     assert "StepVanishedError" in err and "disappeared from the sink during the restore" in err, err
-    assert not out.exists() and not list(out.parent.iterdir())  # nothing partial, no temp directory
+    _nothing_landed(out)

@@ -106,3 +106,15 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path
         RootLock(root).acquire()
     assert str(lock_path(root)) in str(err.value) and err.value.hint
     assert victim.read_bytes() == b"someone's notes\n" * 100
+
+
+def test_a_lock_file_pid_of_another_namespace_or_no_stagerd_is_not_named(tmp_path):
+    """The file's pid is believed only in its own pid namespace; an older stagerd's bare pid only while it
+    is a stagerd here. Otherwise the kernel names the holder: before, a pid of the next container (its
+    pid 1) named this namespace's init as the daemon."""
+    with RootLock(tmp_path):
+        assert lock_path(tmp_path).read_text().split()[2] == "watch"
+        for text in ("1 1 watch\n", f"{os.getppid()}\n"):  # another namespace's; a bare pid of no stagerd
+            lock_path(tmp_path).write_text(text)
+            assert read_holder(tmp_path) is None, text
+            assert running_holder(tmp_path) == os.getpid(), text

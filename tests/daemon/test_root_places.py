@@ -19,7 +19,8 @@ def test_root_through_a_symlink_into_a_sinks_step_directory_is_refused(tmp_path)
     for url in (sink.as_uri(), (tmp_path / "sink-link").as_uri()):
         r = run_cli(["watch", root, "--sink", url, "--once", *fast_flags()])
         assert r.returncode == 2, r.stderr
-        assert f"ConfigError: ROOT {root} is inside sink {url}, under its step-00000003" in r.stderr, r.stderr
+        said = f"ConfigError: ROOT {root} is inside sink {url!r}, under its step-00000003"
+        assert said in r.stderr, r.stderr
         assert "nothing was written" in r.stderr
         assert list(root.iterdir()) == []  # no journal, no lock
 
@@ -34,7 +35,7 @@ def test_root_inside_a_file_exchanges_own_places_is_refused(tmp_path):
     flags = ["--once", "--exchange", exchange.as_uri(), *fast_flags()]
     r = run_cli(["watch", root, "--sink", sink.as_uri(), *flags])
     assert r.returncode == 2, r.stderr
-    assert f"ConfigError: ROOT {root} is inside exchange {exchange.as_uri()}, under its raw" in r.stderr
+    assert f"ConfigError: ROOT {root} is inside exchange {exchange.as_uri()!r}, under its raw" in r.stderr
     assert list(root.iterdir()) == [] and not sink.exists()
 
 
@@ -56,5 +57,5 @@ def test_a_file_exchange_in_a_step_directory_of_root_is_refused(tmp_path):
     flags = ["--once", "--exchange", exchange.as_uri(), *fast_flags()]
     r = run_cli(["watch", root, "--sink", (tmp_path / "sink").as_uri(), *flags])
     assert r.returncode == 2, r.stderr
-    assert f"ConfigError: exchange {exchange.as_uri()} is ROOT {root} or inside its step" in r.stderr
+    assert f"ConfigError: exchange {exchange.as_uri()!r} is ROOT {root} or inside its step" in r.stderr
     assert list(root.iterdir()) == []

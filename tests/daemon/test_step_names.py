@@ -139,7 +139,7 @@ def test_root_inside_a_local_sinks_own_places_is_refused_before_anything_is_writ
     r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", "--publish-raw", *fast_flags()])
     assert r.returncode == 2, r.stderr
     assert (
-        f"ConfigError: ROOT {root} is inside sink {sink.as_uri()}, under its {where.split('/')[0]}"
+        f"ConfigError: ROOT {root} is inside sink {sink.as_uri()!r}, under its {where.split('/')[0]}"
         in r.stderr
     )
     assert "nothing was written" in r.stderr

@@ -28,8 +28,9 @@ from stagerd.sinks.local_dirs import LocalTree
 from stagerd.sinks.objects import CLOCK_NAME
 from stagerd.sinks.remote import RemoteStore, StoredObject
 from stagerd.sinks.s3.conditions import PROBE_PREFIX
-from stagerd.sinks.temp_names import HOST, STALE_S, pid_alive, restore_temp
+from stagerd.sinks.temp_names import CLOCK_PROBE, HOST, STALE_S, pid_alive, restore_temp
 from tests.cli_helpers import clean_env, run_cli
+from tests.pid_namespaces import UNSHARE, unshare_works
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 NAME = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "_"
@@ -137,6 +138,27 @@ def test_a_restore_temp_dir_of_another_pid_namespace_or_an_older_stagerd_goes_on
     assert [p.name for p in out.parent.iterdir()] == [theirs[0]]
 
 
+def test_a_killed_restores_clock_probe_goes_as_its_temp_dir_does(tmp_path):
+    """A restore killed while it read the clock beside OUT (`temp_names._clock`) left its probe, which
+    no sweep removed: this container's went never, another's never either."""
+    out = tmp_path / "outs" / "eval"
+    out.parent.mkdir()
+    dead = _dead_pid()
+    theirs = [f".{CLOCK_PROBE}.tmp-{o}-{dead}-1" for o in OTHERS]
+    ours = f".{CLOCK_PROBE}.tmp-{HOST}-{dead}-1"
+    for n in (*theirs, ours):
+        (out.parent / n).mkdir()
+    (out.parent / f".eval.tmp-{OTHERS[0]}-{dead}-1").mkdir()  # another's temp dir: the clock is read
+    restore_temp(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
+        [*theirs, f".eval.tmp-{OTHERS[0]}-{dead}-1"]
+    )
+    for n in theirs:
+        _age(out.parent / n, STALE_S + 60)
+    restore_temp(out)
+    assert [p.name for p in out.parent.iterdir()] == [f".eval.tmp-{OTHERS[0]}-{dead}-1"]
+
+
 def test_an_s3_probe_key_of_another_pid_namespace_stays_while_young(s3, tmp_path):  # noqa: F811
     client = s3.client
     dead = _dead_pid()
@@ -153,17 +175,6 @@ def test_an_s3_probe_key_of_another_pid_namespace_stays_while_young(s3, tmp_path
     left = set(s3.keys("run/"))
     assert ours not in left
     assert set(keys) <= left, "a live probe's keys of the next container were deleted"
-
-
-UNSHARE = ("unshare", "--user", "--pid", "--fork", "--map-root-user")
-
-
-def _unshare_works() -> bool:
-    try:
-        r = subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
 
 
 # Run in a new pid namespace (this host name): fork until this process has `pid`, dead in the parent's
@@ -189,7 +200,7 @@ with Lease(RemoteStore.open(sys.argv[1]), 3) as lease:
 """
 
 
-@pytest.mark.skipif(not _unshare_works(), reason="no unprivileged user and pid namespaces here")
+@pytest.mark.skipif(not unshare_works(), reason="no unprivileged user and pid namespaces here")
 def test_a_restore_in_another_pid_namespace_keeps_its_step_from_a_prune(tmp_path):
     """A real process in another pid namespace, with a pid dead in this one, holds a restore lease: a
     real `stagerd prune` here keeps its step, and takes it once the lease is released."""

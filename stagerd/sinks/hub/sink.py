@@ -43,6 +43,7 @@ from stagerd.sinks.hub.url import (
     step_tag,
 )
 from stagerd.sinks.hub.xet import XetUploader
+from stagerd.sinks.urls import shown as url_shown
 
 log = logging.getLogger("stagerd.sinks.hub")
 
@@ -307,11 +308,12 @@ class HubSink:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         if existing:
             raise SinkConflictError(
-                f"{self.url}: step {step}: the Hub already holds step {step} at commit {commit}, "
+                f"{url_shown(self.url)}: step {step}: the Hub already holds step {step} at commit {commit}, "
                 f"with different content: {shown}"
             )
         raise SinkError(
-            f"{self.url}: step {step}: the tree at commit {commit} disagrees with the export: {shown}"
+            f"{url_shown(self.url)}: step {step}: the tree at commit {commit} disagrees with the export: "
+            f"{shown}"
         )
 
     # --- retries ----------------------------------------------------------------------------------------
