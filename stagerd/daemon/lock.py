@@ -25,6 +25,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.errors import LockError, SymlinkError
+from stagerd.ops.processes import PID_NS, pid_alive
 
 LOCK_NAME = "lock"
 COMMANDS = ("watch", "restore")
@@ -105,7 +106,7 @@ class RootLock:
 
     def _write_pid(self, fd: int) -> None:
         """Write who we are over the old holder in place (no new block needed), then cut what is left."""
-        data = f"{os.getpid()} {_pid_ns()} {self.command}\n".encode()
+        data = f"{os.getpid()} {PID_NS} {self.command}\n".encode()
         try:
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -139,13 +140,6 @@ class RootLock:
         self.release()
 
 
-def _pid_ns() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
 def _try_flock(fd: int, kind: int) -> bool:
     """Take a flock of `kind` without waiting; False while another holds it. Tried again for a moment:
     another process's `held` may hold a shared one for an instant."""
@@ -172,7 +166,7 @@ def _record(root: str | os.PathLike[str]) -> tuple[int | None, str | None]:
         return None, None
     if len(f) == 1:
         return (int(f[0]), None) if holder_command(int(f[0])) else (None, None)
-    pid = int(f[0]) if f[1] == _pid_ns() else None
+    pid = int(f[0]) if f[1] == PID_NS else None
     return pid, next((c for c in f[2:3] if c in COMMANDS), None)
 
 
@@ -253,23 +247,13 @@ def root_holder(root: str | os.PathLike[str]) -> Holder | None:
     locked = held(path)
     pid = named_holder(root)
     if locked is None:  # the file cannot be opened here: the pid, if alive, is all there is to go by
-        return Holder(pid, holder_command(pid)) if pid is not None and _alive(pid) else None
+        return Holder(pid, holder_command(pid)) if pid is not None and pid_alive(pid) else None
     if not locked:
         return None
-    if pid is not None and not _alive(pid):
+    if pid is not None and not pid_alive(pid):
         pid = flock_holder(path)  # the file's pid is gone: the holder is another (its pid unwritten)
     said = _record(root)[1]
     return Holder(pid, (holder_command(pid) if pid else None) or said)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
 
 
 def running_holder(root: str | os.PathLike[str]) -> int | None:

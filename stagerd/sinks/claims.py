@@ -52,9 +52,9 @@ from pathlib import Path
 from stagerd.contract import layout, lineage
 from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import RestoreError, StepClaimedError
+from stagerd.ops.processes import PID_NS, pid_alive
 from stagerd.sinks.objects import MAX_CLAIM_BYTES
 from stagerd.sinks.remote import RemoteStore
-from stagerd.sinks.temp_names import PID_NS, pid_alive
 
 CLAIMS_DIR = "claims"
 PUBLISH, PRUNE = "publish", "prune"

@@ -34,9 +34,10 @@ from collections.abc import Mapping
 
 from stagerd.contract import layout
 from stagerd.errors import SinkError, StepVanishedError
+from stagerd.ops.processes import PID_NS
 from stagerd.sinks import claims
 from stagerd.sinks.remote import RemoteStore, StoredObject
-from stagerd.sinks.temp_names import OWNER, PID_NS, TEMP_NAME, killed_here, owner
+from stagerd.sinks.temp_names import OWNER, TEMP_NAME, killed_here, owner
 
 log = logging.getLogger("stagerd.sinks.prune")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from stagerd.contract import layout
 from stagerd.ops.crashpoints import crash_point
+from stagerd.ops.processes import pid_alive
 from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
@@ -33,7 +34,7 @@ from stagerd.sinks.objects import (
     foreign_latest,
     newer_latest,
 )
-from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
+from stagerd.sinks.temp_names import HOST, TEMP_NAME, temp_name
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 

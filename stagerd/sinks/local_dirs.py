@@ -24,8 +24,9 @@ from typing import BinaryIO
 from stagerd.contract.regular_file import is_link_at, linked, open_regular_at, read_bounded
 from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
+from stagerd.ops.processes import pid_alive
 from stagerd.sinks.objects import CLOCK_NAME
-from stagerd.sinks.temp_names import HOST, TEMP_NAME, pid_alive, temp_name
+from stagerd.sinks.temp_names import HOST, TEMP_NAME, temp_name
 
 WHY = "stagerd writes and deletes only inside the sink"
 HINT = "replace the link by the real directory it stands for (its target was left as it is), then retry"

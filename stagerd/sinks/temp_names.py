@@ -25,20 +25,14 @@ import threading
 import time
 from pathlib import Path
 
+from stagerd.ops.processes import PID_NS, pid_alive
+
 # A restore writes its temp directory without pause: one unwritten for an hour is a killed restore's (as
 # `local.TEMP_STALE_S` judges a file:// sink's temp files).
 STALE_S = 3600.0
 CLOCK_PROBE = "stagerd-clock"  # `_clock`'s probe, `.stagerd-clock.tmp-HOST-PID-TID`
 
 
-def _pid_ns() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""  # no /proc: no pid namespaces to tell apart (an older stagerd's HOST still never matches)
-
-
-PID_NS = _pid_ns()
 # a host name alone is what an older stagerd wrote: with `_pidns` always there, its names are never this HOST
 HOST = f"{re.sub(r'[^A-Za-z0-9.]', '_', socket.gethostname())[:64] or '_'}_pidns{PID_NS}"
 OWNER = re.compile(r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-\d+")
@@ -125,21 +119,3 @@ def restore_temp(out: Path) -> Path:
     tmp = temp_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
     return tmp
-
-
-_PID_MAX = 2**22  # Linux's largest pid_max
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` is a live process on this host (ours counts as alive)."""
-    if pid == os.getpid():
-        return True
-    if not 0 < pid <= _PID_MAX:
-        return False  # no process has it (os.kill would overflow past a C int)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

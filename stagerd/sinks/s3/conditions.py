@@ -38,8 +38,9 @@ from typing import Any, Protocol
 
 from stagerd.errors import ConditionsIgnoredError, SinkError, SinkMissingError
 from stagerd.ops.crashpoints import crash_point
+from stagerd.ops.processes import pid_alive
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
-from stagerd.sinks.temp_names import HOST, pid_alive
+from stagerd.sinks.temp_names import HOST
 
 log = logging.getLogger("stagerd.sinks.s3")
 
