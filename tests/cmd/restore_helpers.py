@@ -1,10 +1,12 @@
 """What the `stagerd restore` tests share: a committed raw step to publish, a directory's files, and one
-run of the `stagerd restore` child."""
+run of the `stagerd restore` child, and the wait for the line a child held at a delay point says."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,3 +48,18 @@ def tree(d: Path) -> dict[str, bytes]:
 
 def run_restore(url: str, root: Path, *args: str, env: dict | None = None):
     return run_cli(["restore", url, root, *args], env=env, timeout=120)
+
+
+def wait_for_line(proc: subprocess.Popen[str], text: str, seconds: float = 60) -> str:
+    """The child's stderr up to the line holding `text` (it is then held at a delay point)."""
+    assert proc.stderr is not None
+    seen = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"{text!r} never came: {''.join(seen)[-2000:]}")

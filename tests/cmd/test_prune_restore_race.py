@@ -15,7 +15,6 @@ delay point (`ops/crashpoints.py`) where the race is.
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.leases import RESTORING_DIR
 from stagerd.sinks.remote import RemoteStore
 from tests.cli_helpers import run_cli, start_cli
-from tests.cmd.restore_helpers import tree
+from tests.cmd.restore_helpers import tree, wait_for_line
 from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
@@ -94,21 +93,6 @@ def _held(args: list[str], point: str, release: Path) -> subprocess.Popen[str]:
     return start_cli(args, env={"STAGERD_DELAY_AT": f"{point}:120", "STAGERD_DELAY_RELEASE": str(release)})
 
 
-def _wait_for(proc: subprocess.Popen[str], text: str, seconds: float = 60) -> None:
-    """Read the child's stderr up to the line holding `text` (it is then held at a delay point)."""
-    assert proc.stderr is not None
-    seen = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        seen.append(line)
-        if text in line:
-            return
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"{text!r} never came: {''.join(seen)[-2000:]}")
-
-
 def _finish(proc: subprocess.Popen[str], release: Path) -> tuple[int, str, str]:
     release.touch()
     out, err = proc.communicate(timeout=120)
@@ -138,7 +122,7 @@ def test_a_prune_leaves_the_step_a_restore_is_reading(sink, kind, tmp_path):
     args, out = _restore(kind, url, tmp_path)
     restore = _held(args, "restore.piece", go_on)
     try:
-        _wait_for(restore, "delay point restore.piece")
+        wait_for_line(restore, "delay point restore.piece")
         r = run_cli(["prune", url, "--keep-last", "1"])
         assert r.returncode == 0, r.stderr
         assert "a restore is reading it" in r.stdout, r.stdout
@@ -157,9 +141,9 @@ def test_a_lease_written_after_the_prune_listed_the_leases_keeps_the_step(sink, 
     prune = _held(["prune", url, "--keep-last", "1"], "prune.decided", prune_on)
     restore = None
     try:
-        _wait_for(prune, "delay point prune.decided")  # leases listed, step 3 to go
+        wait_for_line(prune, "delay point prune.decided")  # leases listed, step 3 to go
         restore = _held(args, "restore.piece", restore_on)
-        _wait_for(restore, "delay point restore.piece")  # its lease written, the step half read
+        wait_for_line(restore, "delay point restore.piece")  # its lease written, the step half read
         rc, stdout, err = _finish(prune, prune_on)
         assert rc == 0, err
         assert _kept(store, kind), f"the prune deleted the step a restore reads: {stdout}"
@@ -180,7 +164,7 @@ def test_a_restore_that_starts_while_a_prune_deletes_the_step_stops_before_readi
     args, out = _restore(kind, url, tmp_path)
     prune = _held(["prune", url, "--keep-last", "1"], "prune.tombstone", go_on)
     try:
-        _wait_for(prune, "delay point prune.tombstone")  # step 3's claims taken, leases looked at again
+        wait_for_line(prune, "delay point prune.tombstone")  # step 3's claims taken, leases looked at again
         r = run_cli(args)
         assert r.returncode == 3, r.stderr  # retryable
         assert "StepVanishedError" in r.stderr and "being deleted by a prune" in r.stderr, r.stderr
@@ -199,7 +183,7 @@ def test_a_step_deleted_under_a_restore_by_what_honours_no_lease_fails_it_cleanl
     args, out = _restore(kind, url, tmp_path, "--workers", "1")
     restore = _held(args, "restore.piece", go_on)
     try:
-        _wait_for(restore, "delay point restore.piece")
+        wait_for_line(restore, "delay point restore.piece")
         step = _prefix(kind)
         store.delete([f"{step}/{rel}" for rel in store.objects(step)])  # as an older stagerd's prune does
     finally:

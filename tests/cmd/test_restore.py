@@ -11,7 +11,6 @@ import contextlib
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from stagerd.daemon.journal import Journal
 from stagerd.daemon.lock import RootLock
 from stagerd.sinks.fsspec import FsspecSink
 from tests.cli_helpers import STAGERD, clean_env, run_cli
-from tests.cmd.restore_helpers import raw_step, run_restore, tree
+from tests.cmd.restore_helpers import raw_step, run_restore, tree, wait_for_line
 from tests.daemon_helpers import fast_flags
 from tests.dcp_fixtures import commit_step
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -219,20 +218,6 @@ def test_a_symlink_anywhere_in_the_target_is_refused_and_nothing_changes(publish
     assert not any((tmp_path / "other-root").iterdir())
 
 
-def _wait_for(proc: subprocess.Popen, text: str, seconds: float = 60) -> str:
-    """The child's stderr up to the line holding `text` (it is then paused at a delay point)."""
-    seen = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"{text!r} never came: {''.join(seen)[-2000:]}")
-
-
 _SAVE = """
 import sys, torch
 from stagerd import Stager
@@ -256,7 +241,7 @@ def test_a_stager_save_and_a_restore_of_one_step_exclude_each_other(published, t
     args = [*STAGERD, "restore", sink.as_uri(), str(root), "--step", "2"]
     restore = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(restore, "delay point restore.landing")
+        wait_for_line(restore, "delay point restore.landing")
         stager = Stager(root)
         with pytest.raises(SaveError, match=r"StepBusyError: .* being written by a restore"):
             stager.save({"w": torch.ones(4, 4)}, 2).result()
@@ -273,7 +258,7 @@ def test_a_stager_save_and_a_restore_of_one_step_exclude_each_other(published, t
         [sys.executable, "-c", _SAVE, str(root), "3"], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
-        _wait_for(save, "delay point save.marker")
+        wait_for_line(save, "delay point save.marker")
         r = run_restore(sink.as_uri(), root, "--step", "3")
         assert r.returncode == 3 and "StepBusyError" in r.stderr and "Stager save" in r.stderr, r.stderr
     finally:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +39,6 @@ def run(tmp_path_factory):
 def test_fused_expert_factors_are_published_as_written_and_load_as_trained(run, tmp_path):
     import torch
     import transformers as tf
-    from peft import PeftModel
     from peft.tuners.lora.layer import ParamWrapper
     from safetensors.torch import load_file
 
@@ -54,12 +55,7 @@ def test_fused_expert_factors_are_published_as_written_and_load_as_trained(run, 
     assert tree_digest(run / "train") == before
 
     base = tf.AutoModelForCausalLM.from_pretrained(run / "ref" / "base")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = PeftModel.from_pretrained(base, export)
-    said = [str(w.message) for w in caught]
-    assert not [m for m in said if "key" in m.lower() or "shape" in m.lower()], said
-    loaded = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    model, loaded = _peft_loads(base, export)
     assert set(loaded) == set(load_file(export / "adapter_model.safetensors"))  # none missing, none left over
 
     trained = load_file(run / "ref" / "lora.safetensors")
@@ -119,7 +115,6 @@ def test_moe_rank_scaling_with_one_expert_per_token_keeps_r_and_is_published_giv
     PEFT builds from adapter_config.json. Told so by the base's config.json, the adapter is published and
     loads; without it the rank is unknown, and refused."""
     import torch
-    from peft import PeftModel
     from safetensors.torch import load_file
 
     launch(moe.train, str(tmp_path / "train"), "", free_port(), True, True, 1, world=1)
@@ -143,12 +138,7 @@ def test_moe_rank_scaling_with_one_expert_per_token_keeps_r_and_is_published_giv
     import transformers as tf
 
     base = tf.Qwen3MoeForCausalLM(moe.config(top_k=1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = PeftModel.from_pretrained(base, export)
-    said = [str(w.message) for w in caught]
-    assert not [m for m in said if "key" in m.lower() or "shape" in m.lower()], said
-    loaded = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    _, loaded = _peft_loads(base, export)
     assert set(loaded) == set(written)
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in written.items())
 
@@ -162,3 +152,16 @@ def test_moe_rank_scaling_with_two_experts_per_token_is_refused_though_the_confi
     assert "0 step(s) published, 1 not" in out, out
     assert f"at rank r // 2 = {moe.RANK // 2}, but adapter_config.json gives them r={moe.RANK}" in out, out
     assert not published(tmp_path / "sink", tiny.STEPS).exists()
+
+
+def _peft_loads(base: Any, export: Path) -> tuple[Any, dict[str, Any]]:
+    """`PeftModel.from_pretrained(base, export)` and the LoRA tensors it loaded, under the file's names;
+    PEFT warning of a key or shape it dropped fails the test."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, export)
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "key" in m.lower() or "shape" in m.lower()], said
+    return model, {k.replace(".default.", "."): v for k, v in model.state_dict().items() if ".lora_" in k}
