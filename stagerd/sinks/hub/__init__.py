@@ -29,7 +29,10 @@ commit titled for step N found on the sink's own branches (its revision, its ste
 anything else is a `SinkConflictError` naming the tag, never "already published". A commit titled for the
 step without the tag (a crash between commit and tag) gets the tag and nothing else. The sink deletes no tag
 or branch, and commits onto an existing step branch only while it holds nothing the revision does not (one
-it made before a crash): a person's commits there are a `SinkConflictError` naming the branch. Before
+it made before a crash): a person's commits there are a `SinkConflictError` naming the branch, also where
+the branch appears between the sink's read of the refs and its `create_branch` (the Hub's 409 is checked,
+never taken for the sink's own). `REVISION` must be a branch (made from main if missing): a tag of the repo
+is a `SinkConflictError`, a commit id or a `refs/...` name a `ConfigError`, before anything is written. Before
 returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
 git blob id.
 

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 
 from stagerd.errors import SinkConflictError
 from stagerd.sinks.hub.history import Pages, Scan, find_step, holds_only, tag_title_is_ours
-from stagerd.sinks.hub.url import _HISTORY_PAGE, commit_message, step_branch, step_tag
+from stagerd.sinks.hub.url import (
+    _HISTORY_PAGE,
+    DEFAULT_REVISION,
+    commit_message,
+    step_branch,
+    step_tag,
+)
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
@@ -68,17 +74,41 @@ class StepRefs:
                 self.step_branch(step),
             )
         branch = self.step_branch(step)
-        if branch not in branches:
-            self.api.create_branch(
-                self.repo_id, branch=branch, revision=branches[self.revision], exist_ok=True
-            )
+        if branch in branches:
+            self._check_own_branch(step, branch, branches[branch])
+        elif self._create_branch(branch, branches[self.revision]):
             branches[branch] = self._branch_head(branch)
-        else:
-            self._check_own_branch(step, branch)
+        else:  # the Hub's 409: someone made it since the refs were read; its head is checked and committed on
+            branches[branch] = self._branch_head(branch)
+            self._check_own_branch(step, branch, branches[branch])
         return branch, branches[branch]
 
-    def _check_own_branch(self, step: int, branch: str) -> None:
-        if holds_only(self.history, branch, self.revision, cap=self.cap, page=_HISTORY_PAGE):
+    def check_revision(self, tags: Mapping[str, str]) -> None:
+        """Refuse a revision that is a tag: a branch made beside it would make the name mean two refs to
+        every reader (`revision=`, `restore @R`), and the tag blocks the sink's own tags `REVISION/step-N`."""
+        if self.revision == DEFAULT_REVISION or self.revision not in tags:
+            return
+        raise SinkConflictError(
+            f"the revision {self.revision} is a tag of {self.repo_id}, not a branch; nothing was written",
+            path=self.url,
+            hint=f"publish to a branch (hf://{self.repo_id}@BRANCH, made if missing); read the tag with "
+            f"`stagerd restore hf://{self.repo_id}@{self.revision} OUT --export`",
+        )
+
+    def _create_branch(self, branch: str, start: str) -> bool:
+        """Make `branch` from `start`; False where it exists already (the Hub's 409)."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            self.api.create_branch(self.repo_id, branch=branch, revision=start)
+        except HfHubHTTPError as e:
+            if e.response is None or e.response.status_code != 409:
+                raise
+            return False
+        return True
+
+    def _check_own_branch(self, step: int, branch: str, head: str) -> None:
+        if holds_only(self.history, head, self.revision, cap=self.cap, page=_HISTORY_PAGE):
             return
         raise SinkConflictError(
             f"step {step}: the branch {branch} holds commits that are not on {self.revision} "

@@ -39,6 +39,7 @@ from stagerd.sinks.hub.url import (
     HubTarget,
     RetryPolicy,
     T,
+    check_publish_revision,
     commit_message,
     step_tag,
 )
@@ -76,6 +77,7 @@ class HubSink:
     ) -> None:
         from huggingface_hub import HfApi, get_token
 
+        check_publish_revision(repo_id, revision)
         self.repo_id = repo_id
         self.revision = revision or "main"
         self.private = private
@@ -206,6 +208,7 @@ class HubSink:
         refs = self._api.list_repo_refs(self.repo_id)
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
+        self._refs.check_revision(tags)
 
         head_step, found, capped, legacy = scan = self._refs.search(step, branches)
         tagged = tags.get(self._refs.tag_name(step))

@@ -42,6 +42,23 @@ _HISTORY_CAP = 1000  # commits read at most per branch and publish
 _BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|^/|/$|\.$|(^|/)\.|\.lock(/|$)")
 
 
+_COMMIT_ID = re.compile(r"[0-9a-fA-F]{40}")
+
+
+def check_publish_revision(repo_id: str, revision: str | None) -> None:
+    """A revision a sink may commit to: a commit id or a full ref name (`refs/pr/1`) names no branch, and
+    one made with that name would shadow the commit or ref for everyone who reads it by that name.
+    `restore` reads them; only publishing refuses them."""
+    if revision is None or not (_COMMIT_ID.fullmatch(revision) or revision.startswith("refs/")):
+        return
+    what = "a commit id" if _COMMIT_ID.fullmatch(revision) else "a full ref name"
+    raise ConfigError(
+        f"cannot publish to hf://{repo_id}@{revision}: the revision is {what}, not a branch",
+        hint=f"publish to a branch (hf://{repo_id}@BRANCH, made from main if missing); read that revision "
+        f"with `stagerd restore hf://{repo_id}@{revision} OUT --export`",
+    )
+
+
 # A sink's steps are scoped to its revision: two runs publishing to two branches of one repo share no tag,
 # no step branch and no commit title, so neither can take the other's step for its own. The default revision
 # keeps the unscoped names (existing repos, `hf://ORG/REPO@step-N`).

@@ -1,0 +1,123 @@
+"""A person's refs and commits in the sink's repo: a revision in the URL that is a tag or a commit id, a
+step branch a person makes while the sink is about to make it, a commit a person makes while a step
+uploads. The sink never writes onto, beside or over a person's ref, and never loses a person's commit.
+
+Against the Hub-protocol test server, driven by the real huggingface_hub client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi
+
+from stagerd.errors import ConfigError, SinkConflictError
+from stagerd.sinks.hub import step_branch
+from tests.hubserver import Fault, HubConfig
+from tests.hubserver.store import Blob
+from tests.sinks.hub.hub_helpers import REPO, make_sink, write_export
+
+
+@pytest.fixture
+def xet():
+    return False  # the upload path does not matter here; LFS is the quicker one
+
+
+@pytest.fixture
+def hub_config():
+    return HubConfig()
+
+
+def export(tmp_path: Path, seed: int) -> Path:
+    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
+
+
+def refs(hub) -> tuple[dict[str, str], dict[str, str]]:
+    repo = hub.store.repos[REPO]
+    return dict(repo.branches), dict(repo.tags)
+
+
+@pytest.mark.parametrize("tag", ["v1", "step-5"])
+def test_a_revision_that_names_a_tag_is_refused_before_anything_is_written(hub, tmp_path, tag):
+    """`hf://ORG/REPO@step-5` (the form `restore` reads) or `@v1` (a person's release tag) given to a
+    publisher. Before, the sink made a branch of that name beside the tag, from main, and committed its
+    steps there: on the Hub a branch wins over a tag of the same name, so `restore @step-5` (and anyone's
+    `from_pretrained(revision="v1")`) then read the sink's newest step instead of the tagged commit."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    if tag == "v1":
+        api.create_tag(REPO, tag="v1")
+    before, commits = refs(hub), hub.stats.commits[REPO]
+
+    sink = make_sink(hub, f"hf://{REPO}@{tag}")
+    with pytest.raises(SinkConflictError, match=f"{tag} is a tag of {REPO}, not a branch") as info:
+        sink.publish(export(tmp_path, 2), 6)
+    assert not info.value.retryable and "branch" in info.value.hint
+    assert not sink.is_published(6)
+    assert refs(hub) == before and hub.stats.commits[REPO] == commits
+
+
+@pytest.mark.parametrize("what", ["a commit id", "a full ref name"])
+def test_a_revision_that_is_a_commit_id_or_a_full_ref_is_a_config_error(hub, tmp_path, what):
+    """`@<40 hex>` names a commit, `@refs/pr/1` a pull request's ref: neither is a branch. Before, the sink
+    made a branch of that name from main (which then shadows the commit for every reader of the id) and
+    committed its steps onto it."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    oid = hub.store.repos[REPO].branches["main"]
+    revision = oid if what == "a commit id" else "refs/pr/1"
+    before = refs(hub)
+    with pytest.raises(ConfigError, match=f"is {what}, not a branch") as info:
+        make_sink(hub, f"hf://{REPO}@{revision}")
+    assert "branch" in info.value.hint
+    assert refs(hub) == before
+
+
+def test_a_step_branch_a_person_makes_meanwhile_is_a_conflict_not_committed_onto(hub, tmp_path):
+    """Main holds step 5, so step 4 goes to `stagerd/step-4`, absent when the sink read the refs. A person
+    makes that branch, with a commit of their own, before the sink's `create_branch` lands (the Hub then
+    answers 409). Before, `exist_ok=True` took the 409 for the sink's own branch: step 4 was committed on
+    top of the person's commit, deleting their file from the branch's head."""
+    sink = make_sink(hub)
+    sink.publish(export(tmp_path, 5), 5)
+    repo = hub.store.repos[REPO]
+    branch = step_branch(4)
+
+    def person_makes_it() -> bool:
+        with hub.store.lock:
+            if branch not in repo.branches:
+                repo.branches[branch] = repo.branches["main"]
+                tree = {**repo.commits[repo.branches[branch]].tree, "mine.bin": Blob.regular(b"mine")}
+                hub.store.commit(repo, branch, "mine", "", "person", tree)
+        return True
+
+    conflict = '{"error": "Reference already exists: refs/heads/stagerd/step-4"}'
+    hub.faults.add(Fault("POST", r"/branch/stagerd", status=409, body=conflict, not_before=person_makes_it))
+    head_before = None
+    with pytest.raises(SinkConflictError, match=f"the branch {branch} holds commits that are not on main"):
+        head_before = repo.branches.get(branch)
+        sink.publish(export(tmp_path, 4), 4)
+    head = repo.branches[branch]
+    assert head_before is None and repo.commits[head].title == "mine"
+    assert "mine.bin" in repo.commits[head].tree and "step-4" not in repo.tags
+
+
+def test_a_persons_commit_during_the_upload_is_kept_in_the_history(hub, tmp_path):
+    """A person commits to main while step 6 uploads. The step's commit names its parent, so the Hub refuses
+    it (412) and the step is planned again on the person's commit: it stays in main's history, under the
+    step, and the step's tree is the export (the person's file removed from the head, as each step's commit
+    does). Without `parent_commit` the commit lands on the person's head with their file left in the step."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    repo = hub.store.repos[REPO]
+    mine: list[str] = []
+
+    def person_commits() -> None:
+        tree = {**repo.commits[repo.branches["main"]].tree, "notes.md": Blob.regular(b"# mine\n")}
+        mine.append(hub.store.commit(repo, "main", "notes", "", "person", tree).oid)
+
+    hub.on_lfs_body(1, person_commits)
+    result = make_sink(hub).publish(export(tmp_path, 2), 6)
+
+    step = repo.commits[repo.tags["step-6"]]
+    assert not result.skipped and repo.branches["main"] == step.oid
+    assert step.parent == mine[0] and repo.commits[mine[0]].title == "notes"
+    assert "notes.md" in repo.commits[mine[0]].tree and "notes.md" not in step.tree
