@@ -136,6 +136,12 @@ def parse_hub_url(url: str) -> HubTarget:
         raise ConfigError(f"not a Hub sink URL: {shown!r} (expected hf://ORG/REPO[@REVISION])")
     path = (parts.netloc + parts.path).strip("/")
     repo_id, _, revision = path.partition("@")
+    kind = repo_id.split("/", 1)[0]
+    if kind in ("datasets", "spaces") and repo_id.count("/") == 2:
+        raise ConfigError(
+            f"bad Hub sink URL {shown!r}: the Hub sink publishes to model repos only, not {kind}",
+            hint="name a model repo: hf://ORG/REPO[@REVISION]",
+        )
     if repo_id.count("/") != 1 or not all(repo_id.split("/")) or (revision == "" and "@" in path):
         raise ConfigError(f"bad Hub sink URL {shown!r}: expected hf://ORG/REPO[@REVISION]")
     from huggingface_hub.errors import HFValidationError

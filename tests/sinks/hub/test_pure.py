@@ -18,6 +18,9 @@ def test_url_parsing():
     for bad in ("s3://acme/llm", "hf://acme", "hf://a/b/c", "hf://acme/llm@", "hf://acme/ll m"):
         with pytest.raises(ConfigError):
             parse_hub_url(bad)
+    for kind in ("datasets", "spaces"):
+        with pytest.raises(ConfigError, match=f"model repos only, not {kind}"):
+            parse_hub_url(f"hf://{kind}/acme/llm")
     with pytest.raises(ConfigError, match="colour"):
         HubSink.from_url("hf://acme/llm?colour=blue", token="x")
     with pytest.raises(ConfigError, match="private"):
