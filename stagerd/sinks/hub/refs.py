@@ -83,17 +83,28 @@ class StepRefs:
             self._check_own_branch(step, branch, branches[branch])
         return branch, branches[branch]
 
-    def check_revision(self, tags: Mapping[str, str]) -> None:
-        """Refuse a revision that is a tag: a branch made beside it would make the name mean two refs to
-        every reader (`revision=`, `restore @R`), and the tag blocks the sink's own tags `REVISION/step-N`."""
-        if self.revision == DEFAULT_REVISION or self.revision not in tags:
-            return
-        raise SinkConflictError(
-            f"the revision {self.revision} is a tag of {self.repo_id}, not a branch; nothing was written",
-            path=self.url,
-            hint=f"publish to a branch (hf://{self.repo_id}@BRANCH, made if missing); read the tag with "
-            f"`stagerd restore hf://{self.repo_id}@{self.revision} OUT --export`",
-        )
+    def check_names(self, step: int, tags: Mapping[str, str]) -> None:
+        """Refuse, before anything is written, a revision that is a tag (a branch made beside it would make
+        the name mean two refs to every reader, `revision=` and `restore @R`), and a tag that keeps the
+        step's tag from being made: git keeps refs as paths, so `a` and `a/b` cannot both be tags."""
+        tag = self.tag_name(step)
+        if self.revision != DEFAULT_REVISION and self.revision in tags:
+            what = f"the revision {self.revision} is a tag of {self.repo_id}, not a branch"
+            hint = (
+                f"publish to a branch (hf://{self.repo_id}@BRANCH, made if missing); read the tag with "
+                f"`stagerd restore hf://{self.repo_id}@{self.revision} OUT --export`"
+            )
+        else:
+            nested = next(
+                (t for t in sorted(tags) if t.startswith(f"{tag}/") or tag.startswith(f"{t}/")), None
+            )
+            if nested is None:
+                return
+            what = (
+                f"step {step}: the tag {nested} of {self.repo_id} keeps the step's tag {tag} from being made"
+            )
+            hint = f"rename the tag {nested} (a tag and a folder of tags cannot share a name)"
+        raise SinkConflictError(f"{what}; nothing was written", path=self.url, hint=hint)
 
     def _create_branch(self, branch: str, start: str) -> bool:
         """Make `branch` from `start`; False where it exists already (the Hub's 409)."""

@@ -57,6 +57,21 @@ def test_a_revision_that_names_a_tag_is_refused_before_anything_is_written(hub, 
     assert refs(hub) == before and hub.stats.commits[REPO] == commits
 
 
+def test_a_tag_nested_with_the_steps_tag_is_refused_before_the_commit(hub, tmp_path):
+    """A person's tag `step-6/rc1`: git keeps refs as paths, so the tag `step-6` cannot be made beside it.
+    Before, step 6 was committed onto main and its tag then refused (400): main moved to an untagged step
+    that every rerun committed nothing for and failed to tag again."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_tag(REPO, tag="step-6/rc1")
+    before, commits = refs(hub), hub.stats.commits[REPO]
+    with pytest.raises(
+        SinkConflictError, match="the tag step-6/rc1 of acme/llm keeps the step's tag"
+    ) as info:
+        make_sink(hub).publish(export(tmp_path, 2), 6)
+    assert "rename the tag step-6/rc1" in info.value.hint
+    assert refs(hub) == before and hub.stats.commits[REPO] == commits
+
+
 @pytest.mark.parametrize("what", ["a commit id", "a full ref name"])
 def test_a_revision_that_is_a_commit_id_or_a_full_ref_is_a_config_error(hub, tmp_path, what):
     """`@<40 hex>` names a commit, `@refs/pr/1` a pull request's ref: neither is a branch. Before, the sink
