@@ -32,7 +32,8 @@ or branch, and commits onto an existing step branch only while it holds nothing 
 it made before a crash): a person's commits there are a `SinkConflictError` naming the branch, also where
 the branch appears between the sink's read of the refs and its `create_branch` (the Hub's 409 is checked,
 never taken for the sink's own). `REVISION` must be a branch (made from main if missing): a tag of the repo
-is a `SinkConflictError`, a commit id or a `refs/...` name a `ConfigError`, before anything is written. Before
+is a `SinkConflictError`, a commit id or a `refs/...` name a `ConfigError`, before anything is written; so is
+(a `SinkConflictError`) a tag that the step's tag cannot sit beside (`step-6/rc1`: refs are paths). Before
 returning, the tree at the commit is listed and compared with the export: names, sizes, LFS sha256 or the
 git blob id.
 
