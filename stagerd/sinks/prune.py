@@ -190,6 +190,11 @@ def delete_step(
     live prune holds it."""
     prefix, listed = tree.prefix(step), tree.steps.get(step, {})
     fleet = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
+    bad = store.undeletable(
+        [*(f"{prefix}/{rel}" for rel in listed), *(f"{fleet}/{r}" for r in records or {})]
+    )
+    if bad:  # before its claims: a step this store cannot delete whole is left whole, manifest and all
+        raise _Undeletable(f"{store.where(bad[0])} has glob characters, which this store's delete may expand")
     mine = claims.prune_claim().encode()
     taken: list[tuple[str, bytes | None, str]] = []  # (claim, what it held, our version), in order
     for key, obj in tree.claims_of(step):
@@ -231,6 +236,10 @@ def delete_step(
 
 class _Leased(Exception):  # not an error: `_delete` reports the step kept
     """A restore's lease on the step appeared after the scan: the step is left (`delete_step`)."""
+
+
+class _Undeletable(Exception):  # not an error: `_delete` reports the step kept, and why
+    """A key of the step the store cannot delete exactly (`RemoteStore.undeletable`): the step is left."""
 
 
 def _tags(objects: dict[str, StoredObject]) -> dict[str, str | None]:
@@ -306,7 +315,10 @@ def _delete(
     except _Leased:
         d.delete, d.reason = False, "a restore is reading it"
         return
-    except SymlinkError as e:  # a step linked out of a file:// sink: never deleted through; the others go on
+    except (
+        SymlinkError,
+        _Undeletable,
+    ) as e:  # a link out of a file:// sink, a name a store would expand: left
         d.delete, d.reason = False, str(e)
         log.warning("%s step %d on %s left: %s", tree.name, d.step, store.url, e, extra={"step": d.step})
         return

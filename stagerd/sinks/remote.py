@@ -267,14 +267,27 @@ class RemoteStore:
         if self.local:
             self.tree.delete(keys)
             return
+        bad = self.undeletable(keys)
+        if bad:  # the whole batch refused before any key goes: never half a step
+            raise SinkError(
+                f"has glob characters: not deleted through fsspec, nor the {len(keys) - 1} other key(s) "
+                "deleted with it",
+                path=self.where(bad[0]),
+                hint="rename or delete that object by hand; nothing was deleted",
+            )
         for key in keys:
-            if any(c in key for c in PATTERN_CHARS):
-                # an async fsspec store without its own `_rm_file` deletes through `_rm`, which expands
-                raise SinkError("has glob characters: not deleted through fsspec", path=self.where(key))
             try:
                 self.fs.rm_file(self.path(key))
             except FileNotFoundError:
                 pass
+
+    def undeletable(self, keys: list[str]) -> list[str]:
+        """The `keys` this store cannot delete exactly: on a generic fsspec store, names with glob
+        characters (an async store without its own `_rm_file` deletes through `_rm`, which expands them).
+        S3 deletes by `DeleteObjects` and file:// by `unlink`: every name is literal there."""
+        if self.s3 is not None or self.local:
+            return []
+        return [k for k in keys if any(c in k for c in PATTERN_CHARS)]
 
     def remove_empty_dirs(self, prefix: str) -> None:
         """file://: remove the empty directories under `prefix/`, and it, deepest first (`rmdir` only: a
