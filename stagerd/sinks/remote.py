@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import functools
 import os
@@ -252,7 +253,7 @@ class RemoteStore:
                     h.check()
                 return same
         current = self.read_tagged(key)
-        if current is None or current[1] != tag:
+        if current is None or current[1] != tag or self.undeletable([key]):  # see `delete`: left
             return False
         self.fs.rm_file(self.path(key))
         return True
@@ -308,8 +309,11 @@ def _str(tag: Any) -> str | None:
 def _info_tag(info: Mapping[str, Any]) -> str:
     """An fsspec store's version of an object, as far as its listing says (weaker than a real ETag)."""
     for name in ("ETag", "etag", "generation", "mtime", "LastModified", "created"):
-        if info.get(name) is not None:
-            return f"{name}:{info[name]}"
+        value = info.get(name)
+        if value is not None:
+            # one time as a listing's float and as `info`'s datetime (memory://): one tag, or no claim
+            # read back ever matched its listing and no published step was pruned
+            return f"{name}:{value.timestamp() if isinstance(value, datetime.datetime) else value}"
     return f"size:{info.get('size')}"
 
 

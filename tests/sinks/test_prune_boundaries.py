@@ -65,6 +65,8 @@ def _others(put: Callable[[str, bytes], None], *, flat: bool = True) -> dict[str
         "ü 100%25 done.txt",
         "raw/README",
         "claims-old/step-00000001",
+        "claims/step-00000001.bak",  # a person's copy of a claim: no claim of step 1 or of a node part
+        "claims/step-00000002.node-00000-of-00002.bak",
         "restoring-notes",
         "latest.bak",
     ):
@@ -275,3 +277,45 @@ def test_a_generic_stores_delete_of_a_glob_name_is_refused_before_any_is_deleted
         assert sorted(fs.find(root)) == [f"{root}/s/a", f"{root}/s/b[1]", f"{root}/s/c"]
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_a_generic_stores_fleet_record_with_a_glob_name_is_left_with_its_done_record():
+    """Orphaned `fleet/step-N/` records go by conditional deletes (`delete_if`): on a generic fsspec store a
+    record whose name has glob characters is left, and `done.json` (deleted last) with it."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = "/glob-records"
+
+    def put(key: str, data: bytes) -> None:
+        fs.pipe_file(f"{root}/{key}", data)
+
+    try:
+        _step(put, "raw", 2, ["optim.bin"])
+        records = {f"fleet/{layout.step_dir_name(1)}/{n}": b"{}" for n in ("done.json", "node [1]*.json")}
+        for k, v in records.items():
+            put(k, v)
+        store = RemoteStore.open(f"memory://{root}")
+        fleet = [d for d in prune(store, Policy(keep_last=1)) if d.tree == "fleet"]
+        assert [(d.step, d.delete) for d in fleet] == [(1, False)] and "left" in fleet[0].reason
+        assert {k: fs.cat_file(f"{root}/{k}") for k in records} == records
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_published_steps_on_a_generic_fsspec_store_are_pruned(tmp_path):
+    """Each published step has its publisher's claim, which a prune replaces only while it is the version
+    listed: the tag read back (`info`) must be the listing's (`find`), or no published step ever goes."""
+    root = "memory://prune-claims/run"
+    sink = FsspecSink.from_url(root)
+    try:
+        for s in (1, 2, 3):
+            sink.publish(make_export(tmp_path / f"e{s}", {"model.safetensors": 100}, seed=s), s)
+        store = RemoteStore.open(root)
+        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
+        assert fates == {1: True, 2: True, 3: False}
+        assert sorted(store.objects("", start="step-")) == [
+            f"step-00000003/{n}" for n in ("model.safetensors", layout.MANIFEST_NAME)
+        ]
+    finally:
+        sink.backend.fs.rm("/prune-claims", recursive=True)
