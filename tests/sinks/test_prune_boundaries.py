@@ -319,3 +319,25 @@ def test_published_steps_on_a_generic_fsspec_store_are_pruned(tmp_path):
         ]
     finally:
         sink.backend.fs.rm("/prune-claims", recursive=True)
+
+
+@pytest.mark.parametrize("prefix", ["r%41 +ü", "r%2Fx"])
+def test_a_prefix_with_percent_signs_spaces_and_unicode_is_literal(s3, prefix):  # noqa: F811
+    """The prefix is a literal key prefix: `r%41` is not `rA`, `r%2Fx` not `r/x`, `+` not a space."""
+
+    def put(key: str, data: bytes) -> None:
+        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+
+    ours = {s: _step(put, prefix, s, ["model.safetensors", HOSTILE]) for s in (1, 2)}
+    others: dict[str, bytes] = {}
+    for near in ("rA +ü", "r%41  ü", "r%41 +ü0", "r/x", "r%2Fx0", "r%2fx"):
+        for s in (1, 2):  # two steps each: a prune that read the prefix loosely would delete one
+            others |= _step(put, near, s, ["model.safetensors"])
+    store = RemoteStore.open(s3.url(prefix))
+    try:
+        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
+    finally:
+        store.close()
+    assert fates == {1: True, 2: False}
+    left = {k: s3.get(k) for k in s3.keys("")}
+    assert left == {**others, **ours[2]}
