@@ -32,7 +32,7 @@ HOSTILE = "a b/ü [1]*?{x} %41+é.bin"  # a file of a step: space, unicode, glob
 
 def _step(put: Callable[[str, bytes], None], prefix: str, step: int, names: list[str]) -> dict[str, bytes]:
     """A complete step at `prefix/step-N/` as a publisher leaves it: its files, then its manifest."""
-    base = f"{prefix}/{layout.step_dir_name(step)}"
+    base = f"{prefix}/{layout.step_dir_name(step)}".lstrip("/")  # prefix "": the bucket's root
     files = {f"{base}/{n}": f"{n}@{step}".encode() for n in names}
     manifest = {
         "format": layout.MANIFEST_FORMAT,
@@ -341,3 +341,25 @@ def test_a_prefix_with_percent_signs_spaces_and_unicode_is_literal(s3, prefix): 
     assert fates == {1: True, 2: False}
     left = {k: s3.get(k) for k in s3.keys("")}
     assert left == {**others, **ours[2]}
+
+
+def test_a_sink_at_the_buckets_root_prunes_only_its_own_steps(s3):  # noqa: F811
+    """`s3://BUCKET` with no prefix: its steps are `step-N/` at the bucket's root; every other run's
+    prefix in the bucket, and a person's `step-N.bak/`, stay."""
+
+    def put(key: str, data: bytes) -> None:
+        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+
+    ours = {s: _step(put, "", s, ["model.safetensors"]) for s in (1, 2)}
+    others: dict[str, bytes] = {}
+    for s in (1, 2):
+        others |= _step(put, "run1", s, ["model.safetensors"])
+    put("step-00000001.bak/model.safetensors", b"kept")
+    others["step-00000001.bak/model.safetensors"] = b"kept"
+    store = RemoteStore.open(s3.url("").rstrip("/"))
+    try:
+        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
+    finally:
+        store.close()
+    assert fates == {1: True, 2: False}
+    assert {k: s3.get(k) for k in s3.keys("")} == {**others, **ours[2]}
