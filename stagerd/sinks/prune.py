@@ -27,6 +27,7 @@ prefix valid for readers at every moment and never a key of a step another proce
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,9 @@ log = logging.getLogger("stagerd.sinks.prune")
 TOMBSTONE = "stagerd.pruning"  # an older stagerd's mark of a prune in progress
 FLEET_DIR = "fleet"
 FLEET_DONE = "done.json"  # written by the fleet's leader once nothing reads the step's raw parts again
+# a node part's claim is `step-N.node-K-of-M` (`claims.claim_key`, `fetch.node_part`); any other name
+# under `claims/` (a person's copy, `step-N.bak`) is no claim: never read, replaced or deleted
+_PART_CLAIM = re.compile(r"node-[0-9]{5}-of-[0-9]{5}")
 _JUDGED_MAX = 100_000  # claims judged a daemon remembers: one per complete step and part it has seen
 
 
@@ -66,7 +70,7 @@ class Tree:
         """(key, as listed) of the step's claims: its own first (None: it has none yet), then its parts'."""
         name = layout.step_dir_name(step)
         own = f"{self.base}{claims.CLAIMS_DIR}/{name}"
-        parts = sorted(r for r in self.claims if r.startswith(name + "."))
+        parts = sorted(r for r in self.claims if _claim_step(r) == step and "." in r)
         return [(own, self.claims.get(name))] + [
             (f"{self.base}{claims.CLAIMS_DIR}/{r}", self.claims[r]) for r in parts
         ]
@@ -127,6 +131,12 @@ def _owner(store: RemoteStore, tree: Tree, step: int, owner: Owner) -> tuple[str
     return kind, ", ".join(sorted({w for _, w in found if w}))
 
 
+def _claim_step(rel: str) -> int | None:
+    """The step whose claim (or node part's claim) `rel` under `claims/` is; None: not a claim's name."""
+    name, dot, part = rel.partition(".")
+    return layout.parse_step_dir(name) if not dot or _PART_CLAIM.fullmatch(part) else None
+
+
 def _by_step(objects: dict[str, StoredObject]) -> dict[int, dict[str, StoredObject]]:
     out: dict[int, dict[str, StoredObject]] = {}
     for rel, o in objects.items():
@@ -165,7 +175,7 @@ def scan(
     owner: Owner | None = None,
 ) -> tuple[list[RemoteStep], int | None]:
     """The steps of one tree (those with objects, and those with only a claim left) and `latest`'s."""
-    claimed = {s for r in tree.claims if (s := layout.parse_step_dir(r.split(".", 1)[0])) is not None}
+    claimed = {s for r in tree.claims if (s := _claim_step(r)) is not None}
     steps = []
     for step in sorted(set(tree.steps) | claimed):
         objs = tree.steps.get(step, {})
@@ -190,6 +200,11 @@ def delete_step(
     live prune holds it."""
     prefix, listed = tree.prefix(step), tree.steps.get(step, {})
     fleet = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
+    bad = store.undeletable(
+        [*(f"{prefix}/{rel}" for rel in listed), *(f"{fleet}/{r}" for r in records or {})]
+    )
+    if bad:  # before its claims: a step this store cannot delete whole is left whole, manifest and all
+        raise _Undeletable(f"{store.where(bad[0])} has glob characters, which this store's delete may expand")
     mine = claims.prune_claim().encode()
     taken: list[tuple[str, bytes | None, str]] = []  # (claim, what it held, our version), in order
     for key, obj in tree.claims_of(step):
@@ -231,6 +246,10 @@ def delete_step(
 
 class _Leased(Exception):  # not an error: `_delete` reports the step kept
     """A restore's lease on the step appeared after the scan: the step is left (`delete_step`)."""
+
+
+class _Undeletable(Exception):  # not an error: `_delete` reports the step kept, and why
+    """A key of the step the store cannot delete exactly (`RemoteStore.undeletable`): the step is left."""
 
 
 def _tags(objects: dict[str, StoredObject]) -> dict[str, str | None]:
@@ -306,7 +325,10 @@ def _delete(
     except _Leased:
         d.delete, d.reason = False, "a restore is reading it"
         return
-    except SymlinkError as e:  # a step linked out of a file:// sink: never deleted through; the others go on
+    except (
+        SymlinkError,
+        _Undeletable,
+    ) as e:  # a link out of a file:// sink, a name a store would expand: left
         d.delete, d.reason = False, str(e)
         log.warning("%s step %d on %s left: %s", tree.name, d.step, store.url, e, extra={"step": d.step})
         return

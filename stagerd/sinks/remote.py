@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import functools
 import os
@@ -252,7 +253,7 @@ class RemoteStore:
                     h.check()
                 return same
         current = self.read_tagged(key)
-        if current is None or current[1] != tag:
+        if current is None or current[1] != tag or self.undeletable([key]):  # see `delete`: left
             return False
         self.fs.rm_file(self.path(key))
         return True
@@ -267,14 +268,27 @@ class RemoteStore:
         if self.local:
             self.tree.delete(keys)
             return
+        bad = self.undeletable(keys)
+        if bad:  # the whole batch refused before any key goes: never half a step
+            raise SinkError(
+                f"has glob characters: not deleted through fsspec, nor the {len(keys) - 1} other key(s) "
+                "deleted with it",
+                path=self.where(bad[0]),
+                hint="rename or delete that object by hand; nothing was deleted",
+            )
         for key in keys:
-            if any(c in key for c in PATTERN_CHARS):
-                # an async fsspec store without its own `_rm_file` deletes through `_rm`, which expands
-                raise SinkError("has glob characters: not deleted through fsspec", path=self.where(key))
             try:
                 self.fs.rm_file(self.path(key))
             except FileNotFoundError:
                 pass
+
+    def undeletable(self, keys: list[str]) -> list[str]:
+        """The `keys` this store cannot delete exactly: on a generic fsspec store, names with glob
+        characters (an async store without its own `_rm_file` deletes through `_rm`, which expands them).
+        S3 deletes by `DeleteObjects` and file:// by `unlink`: every name is literal there."""
+        if self.s3 is not None or self.local:
+            return []
+        return [k for k in keys if any(c in k for c in PATTERN_CHARS)]
 
     def remove_empty_dirs(self, prefix: str) -> None:
         """file://: remove the empty directories under `prefix/`, and it, deepest first (`rmdir` only: a
@@ -295,8 +309,11 @@ def _str(tag: Any) -> str | None:
 def _info_tag(info: Mapping[str, Any]) -> str:
     """An fsspec store's version of an object, as far as its listing says (weaker than a real ETag)."""
     for name in ("ETag", "etag", "generation", "mtime", "LastModified", "created"):
-        if info.get(name) is not None:
-            return f"{name}:{info[name]}"
+        value = info.get(name)
+        if value is not None:
+            # one time as a listing's float and as `info`'s datetime (memory://): one tag, or no claim
+            # read back ever matched its listing and no published step was pruned
+            return f"{name}:{value.timestamp() if isinstance(value, datetime.datetime) else value}"
     return f"size:{info.get('size')}"
 
 
