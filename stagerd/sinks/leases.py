@@ -64,13 +64,17 @@ def live_leases(leases: Mapping[str, StoredObject], now: float, ttl: float = LEA
 
 def dead_leases(leases: Mapping[str, StoredObject], now: float | None, ttl: float = LEASE_TTL_S) -> list[str]:
     """What killed restores left under `restoring/` (relative names): leases and file:// temp files of a
-    dead process of this host, and any older than `ttl` on the store's clock (`now`; None: unknown)."""
+    dead process of this host, and any older than `ttl` on the store's clock (`now`; None: unknown).
+    Only a lease's name (`step-N.…`) or a temp name of one: anything else there is not a restore's."""
     out = []
     for rel, obj in leases.items():
         m = TEMP_NAME.fullmatch(rel)
+        name = rel if m is None else rel[1:].rsplit(".tmp-", 1)[0]
+        if "/" in rel or "." not in name or layout.parse_step_dir(name.split(".", 1)[0]) is None:
+            continue
         dead = _holder_dead(rel) if m is None else killed_here(m["host"], m["pid"])
         stale = now is not None and obj.mtime is not None and now - obj.mtime > ttl
-        if "/" not in rel and (dead or stale):
+        if dead or stale:
             out.append(rel)
     return out
 

@@ -104,6 +104,21 @@ def test_a_restore_lease_of_another_pid_namespace_protects_its_step_until_old():
     assert live_leases(ours, now) == set() and dead_leases(ours, now) == list(ours)
 
 
+def test_only_leases_and_their_temp_files_are_swept_from_restoring():
+    """`restoring/` is stagerd's, but a name there that is no lease (a person's README, a `step-3` without
+    a holder) was deleted once old like a killed restore's lease."""
+    dead, now = _dead_pid(), 1_000_000.0
+    old = now - LEASE_TTL_S - 1
+    leases = {
+        f"step-00000003.{HOST}-{dead}-7": StoredObject(10, old),
+        f".step-00000003.{HOST}-{dead}-7.tmp-{HOST}-{dead}-7": StoredObject(2, old),
+        "README.md": StoredObject(5, old),
+        "step-00000003": StoredObject(5, old),
+        f".notes.tmp-{HOST}-{dead}-7": StoredObject(5, old),
+    }
+    assert sorted(dead_leases(leases, now)) == sorted(list(leases)[:2])
+
+
 @pytest.mark.parametrize("other", ["", "1"])
 def test_a_prune_claim_of_another_pid_namespace_is_taken_over_only_when_old(other):
     """`other`: an older stagerd's claim (no namespace named: "") or another namespace's."""
