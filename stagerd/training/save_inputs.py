@@ -22,6 +22,7 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
+from stagerd.contract.safetensors_format import METADATA_KEY
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
 from stagerd.training.leaf_check import check_tensor, plain_tensor
 from stagerd.training.to_hub import ToHub
@@ -66,7 +67,7 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
         if not isinstance(k, str):
             raise SaveInputError(f"state dict key {name!r} is not a string")
         if isinstance(v, torch.Tensor):
-            if not plain_tensor(v):
+            if not plain_tensor(v) or name == METADATA_KEY:
                 check_tensor(name, v, "model state dict")
             n += 1
         elif isinstance(v, Mapping):
@@ -118,6 +119,14 @@ def _snapshot_extras(extras: Mapping[str, Any] | None) -> tuple[Extra, ...]:
         else:
             kind = type(value).__name__
             raise SaveInputError(f"extras {name!r} must be a dict, bytes or a file path, not {kind}")
+    names = {x.name for x in out}
+    for x in out:  # `a` and `a/b`: one path cannot be both a file and a directory
+        parts = x.name.split("/")
+        for i in range(1, len(parts)):
+            if (parent := "/".join(parts[:i])) in names:
+                raise SaveInputError(
+                    f"extras {parent!r} is a file, but extras {x.name!r} puts it a directory"
+                )
     return tuple(out)
 
 
