@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError, StagerdError
+from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
 from stagerd.training.leaf_check import load_values
@@ -254,7 +255,10 @@ def load_step(
         error = f"{step_dir}: {type(e).__name__}: {e}"
     agree(comm, error, f"checking step {chosen}")
     assert marker is not None
-    _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
+    # A key whose tensor is another key's (tied weights) was staged once, under the first: loading into
+    # that one fills both.
+    model_sd = split_aliases(dict(state_dict))[0]
+    _dcp_load(comm, model_sd, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
     if optimizer_state is not None:
         _load_optim(comm, step_dir / layout.OPTIM_DIR, optimizer_state)
     extras = _read_extras(step_dir, marker)

@@ -40,6 +40,7 @@ training's.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import warnings
 import weakref
@@ -183,6 +184,8 @@ class Stager:
         """
         if self._closed:
             raise SaveError("the Stager is closed")
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            step = int(step)  # a numpy integer; anything else is refused by every rank in `start_save`
         self._saves.wait_previous(step)
         return self._saves.add(
             start_save(
@@ -219,6 +222,8 @@ class Stager:
         if (h := self._saves.latest) is not None:  # a save still writing: load what it commits too
             with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
                 h.committed.result()
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            step = int(step)
         self.loaded = load_step(self._comm, self.root, state_dict, optimizer_state, step)
         return self.loaded.step
 
