@@ -24,7 +24,15 @@ from typing import Any, NoReturn
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from stagerd.errors import SaveError, SaveInputError, StagerdError, StepExistsError
+from stagerd.errors import (
+    DTypeError,
+    HubPlanError,
+    ReferenceIndexError,
+    SaveError,
+    SaveInputError,
+    StagerdError,
+    StepExistsError,
+)
 from stagerd.training.collectives import Collectives
 from stagerd.training.save_inputs import SaveSpec
 
@@ -117,7 +125,8 @@ def check_in_to_start(comm: Collectives, step: int, error: StagerdError | None, 
         raise SaveError(f"step {step}: lost contact with the other ranks: {type(e).__name__}: {e}") from e
     if not refused and with_optim in (0, comm.world):
         return
-    statuses = comm.all_gather((None if error is None else (error.name, str(error)), with_optimizer))
+    status = None if error is None else (error.name, str(error), error.hint)
+    statuses = comm.all_gather((status, with_optimizer))
     if error is None:
         raise _refusal_elsewhere(step, statuses)
     try:
@@ -126,11 +135,16 @@ def check_in_to_start(comm: Collectives, step: int, error: StagerdError | None, 
         error = None
 
 
+# What a refusing rank raised, raised as such on the others too, with its hint.
+_REFUSALS = (SaveInputError, StepExistsError, DTypeError, ReferenceIndexError, HubPlanError)
+
+
 def _refusal_elsewhere(step: int, statuses: list[Any]) -> StagerdError:
     for rank, (status, _) in enumerate(statuses):
         if status is not None:
-            cls = StepExistsError if status[0] == "StepExistsError" else SaveInputError
-            return cls(f"rank {rank} refused the save of step {step}: {status[0]}: {status[1]}")
+            name, text, hint = status
+            cls = next((c for c in _REFUSALS if c.__name__ == name), SaveInputError)
+            return cls(f"rank {rank} refused the save of step {step}: {name}: {text}", hint=hint)
     ranks = [r for r, (_, has_optim) in enumerate(statuses) if has_optim]
     return SaveInputError(f"step {step}: only ranks {ranks} passed optimizer_state; pass it on all")
 

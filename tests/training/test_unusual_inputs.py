@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from stagerd.contract import layout
 from stagerd.contract.dtypes import DTYPES
 from stagerd.errors import SaveInputError
+from tests.gloo import join, launch
 
 
 def _bits(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], bytes]:
@@ -160,3 +161,60 @@ def test_a_tied_models_state_dict_loads_back(tmp_path):
         assert list(marker.tensors or {}) == ["embed.weight"]
         stager.load(fresh.state_dict())
     assert torch.equal(fresh.head.weight, saved.embed.weight) and fresh.head.weight is fresh.embed.weight
+
+
+def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from stagerd import Stager
+    from stagerd.errors import StagerdError
+
+    join(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    emb = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    sd = {"emb": emb, "head": emb}
+    rec: dict[str, object] = {}
+    with Stager(root) as stager:
+        for label, kwargs in [
+            (
+                "sparse_on_1",
+                {"state_dict": {**sd, "sp": torch.ones(2).to_sparse() if rank else torch.ones(2)}},
+            ),
+            ("dtype_on_0", {"state_dict": sd, "dtype": "int3"}),  # rank 0's dtype alone is read
+        ]:
+            try:
+                stager.save(step=1, **kwargs).result()
+                rec[label] = None
+            except StagerdError as e:
+                rec[label] = [e.name, e.message, e.hint]
+        stager.save(sd, 2).result()
+        target = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
+        stager.load({"emb": target, "head": target})
+        rec["tied"] = target.full_tensor().tolist()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
+
+
+def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path):
+    """The other ranks raised a SaveInputError with its generic hint whatever the refusing rank raised (a
+    DTypeError, or the entry's own hint); now each rank raises the refusing rank's error class and hint."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    launch(_refusals_run, str(tmp_path / "root"), str(out), world=2)
+    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for label, refusing in (("sparse_on_1", 1), ("dtype_on_0", 0)):
+        own, other = recs[refusing][label], recs[1 - refusing][label]
+        assert own is not None and other is not None
+        assert other[0] == own[0] and other[2] == own[2], (label, own, other)
+        assert other[1] == f"rank {refusing} refused the save of step 1: {own[0]}: {own[1]}"
+    assert (
+        recs[1]["sparse_on_1"][0] == "SaveInputError"
+        and "'sp' is a sparse_coo tensor" in recs[1]["sparse_on_1"][1]
+    )
+    assert recs[0]["dtype_on_0"][0] == "DTypeError"
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(2)]
+    assert recs[0]["tied"] == recs[1]["tied"] == torch.arange(8.0).reshape(4, 2).tolist()
