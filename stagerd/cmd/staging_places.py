@@ -16,19 +16,6 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.errors import ConfigError
 
-# what saves, restores and the daemon write in a step directory: all an uncommitted one may hold, replaced
-_STEP_NAMES = frozenset(
-    {
-        layout.MODEL_DIR,
-        layout.OPTIM_DIR,
-        layout.EXTRAS_DIR,
-        layout.MARKER_NAME,
-        layout.EXPORT_DIR,
-        layout.EXPORT_TMP_DIR,
-        layout.EXPORT_OPTIONS_NAME,
-    }
-)
-
 
 def is_a_root(d: Path) -> bool:
     """A daemon ran here, or a trainer committed a step here."""
@@ -96,7 +83,7 @@ def refuse_foreign_files(step_dir: Path) -> None:
             "exists and is not a directory; not overwritten", path=step_dir,
             hint="move it away, then run the restore again; nothing was changed",
         )  # fmt: skip
-    foreign = sorted(set(os.listdir(step_dir)) - _STEP_NAMES)
+    foreign = layout.foreign_names(step_dir)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise StepExistsError(
