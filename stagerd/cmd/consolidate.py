@@ -104,7 +104,18 @@ def _is_adapter(source: Source) -> bool:
 
 def check_out(src: Path, model_dir: Path, out: Path) -> None:
     """OUT must be a new or empty directory outside SRC: writing into the step would mix the export with
-    the shards it is read from, and retention deletes the step with everything in it."""
+    the shards it is read from, and retention deletes the step with everything in it. Nor may it be a link
+    (OUT is replaced by one rename, which would not follow it), a mount point, or lie in another step."""
+    from stagerd.cmd.staging_places import refuse_a_mount_point, refuse_staging_area
+
+    if out.is_symlink():
+        from stagerd.errors import SymlinkError
+
+        raise SymlinkError(
+            f"OUT is a symbolic link (-> {os.readlink(out)}); consolidate never writes via links",
+            path=out,
+            hint=f"give the real path ({os.path.realpath(out)}), or remove the link; nothing was changed",
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError("OUT exists and is a file", path=out, hint="choose a new OUT directory")
     out_r, src_r, model_r = out.resolve(), src.resolve(), model_dir.resolve()
@@ -117,6 +128,8 @@ def check_out(src: Path, model_dir: Path, out: Path) -> None:
             )
     if out.is_dir() and any(out.iterdir()):
         raise ConfigError("OUT exists and is not empty", path=out, hint="choose a new OUT or empty it first")
+    refuse_a_mount_point(out, "OUT")
+    refuse_staging_area(out, "OUT")
 
 
 def _prepare_out(out: Path) -> Path:

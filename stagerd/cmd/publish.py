@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -120,39 +119,19 @@ def _refuse_staging_areas(url: str) -> None:
     put `step-N/` among the staged steps: a step directory without a marker that the daemon takes for a
     save in progress and never deletes, or files inside a committed step. `watch` refuses its own ROOT;
     publish has no ROOT, so it looks for one above the sink."""
+    from stagerd.cmd.staging_places import staging_area
     from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
 
     target = parse_sink_url(url)
     if target.kind is not SinkKind.LOCAL:
         return
-    where = Path(target.local_path).resolve()
-    for d in [where, *where.parents]:
-        if (d / layout.MARKER_NAME).is_file() or d.name == layout.STATE_DIR:
-            inside = f"inside the staged step or state directory {d}"
-        elif not _is_a_root(d):
-            continue
-        elif d == where:
-            inside = f"the staging ROOT {d}"
-        elif layout.parse_step_dir(where.relative_to(d).parts[0]) is not None:
-            inside = f"inside a step directory of the staging ROOT {d}"
-        else:
-            return  # another directory under a ROOT, as `watch` allows
+    inside = staging_area(Path(target.local_path))
+    if inside is not None:
         raise ConfigError(
             f"sink {shown(url)} is {inside}: its step-N/ directories would land among the staged steps",
             hint="publish to a directory outside the staging ROOT, e.g. file:///mnt/models/run1; nothing "
             "was written",
         )
-
-
-def _is_a_root(d: Path) -> bool:
-    """A daemon ran here, or a trainer committed a step here."""
-    if (d / layout.STATE_DIR).is_dir():
-        return True
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return False
-    return any(layout.parse_step_dir(n) is not None and (d / n / layout.MARKER_NAME).is_file() for n in names)
 
 
 def _check_is_an_export(export_dir: Path) -> None:

@@ -111,9 +111,7 @@ def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> 
             "the Hub holds HF exports only, not raw steps: add --export to restore one into a directory",
             hint="raw steps come back from the s3:// or file:// sink `watch --publish-raw` sent them to",
         )
-    refuse_links(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    check_out(out)
     make_dir(out.parent)
     with progress(f"restore {url.split('?')[0]} into {out}", 0) as bar:
         return restore_hub_export(url, out, step, progress=bar)
@@ -209,6 +207,18 @@ def refuse_links(path: Path) -> None:
             )
 
 
+def check_out(out: Path) -> None:
+    """`--export` OUT: a new or empty directory, reached through no link, that a finished directory can be
+    renamed onto (no mount point), and outside a staging ROOT's steps and state (`staging_places.py`)."""
+    from stagerd.cmd.staging_places import refuse_a_mount_point, refuse_staging_area
+
+    refuse_links(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    refuse_a_mount_point(out, "OUT")
+    refuse_staging_area(out, "OUT")
+
+
 def make_dir(path: Path) -> None:
     """`path` as a directory (made if missing), or a ConfigError naming it: a file where a directory must
     be (ROOT, or a directory above OUT) or one that may not be made is bad input, not a traceback."""
@@ -222,7 +232,10 @@ def make_dir(path: Path) -> None:
 
 def restore_raw(store: RemoteStore, root: Path, step: int | None, *, workers: int = 8) -> Path:
     """Land the raw step from `store` in `root` (see the module docstring); its directory."""
+    from stagerd.cmd.staging_places import refuse_staging_area
+
     refuse_links(root)
+    refuse_staging_area(root, "ROOT", root_ok=True)
     made = not os.path.lexists(root)
     make_dir(root)
     try:
@@ -248,6 +261,7 @@ def _unmake_root(root: Path) -> None:
 
 
 def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) -> Path:
+    from stagerd.cmd import staging_places
     from stagerd.contract import commit_marker, layout
     from stagerd.contract.step.lock import StepLock
     from stagerd.daemon.journal import Journal
@@ -271,6 +285,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
                 raise StepExistsError(
                     f"step {step} is already committed in ROOT; not overwritten", path=step_dir
                 )
+            staging_places.refuse_foreign_files(step_dir)  # before a byte downloads
             prefix = step_prefix(step, raw=True)
             shutil.rmtree(work, ignore_errors=True)  # what a killed restore left; we hold the lock
             tmp = work / step_dir.name
@@ -304,6 +319,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
                 os.unlink(tmp / layout.MARKER_NAME)
                 delay_point("restore.landing")
                 refuse_links(step_dir)
+                staging_places.refuse_foreign_files(step_dir)  # again: files put there meanwhile
                 if step_dir.exists():  # uncommitted: a crashed save, or a killed restore's landing
                     shutil.rmtree(step_dir)
                 os.rename(tmp, step_dir)
@@ -332,9 +348,7 @@ def restore_export(store: RemoteStore, out: Path, step: int | None, *, workers: 
     from stagerd.sinks.leases import Lease, refuse_pruning
     from stagerd.sinks.temp_names import restore_temp
 
-    refuse_links(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    check_out(out)
     step = resolve_step(store, step, raw=False)
     prefix = step_prefix(step, raw=False)
     with Lease(store, step):  # before the step's first read: a prune meanwhile leaves it (`leases.py`)

@@ -31,6 +31,22 @@ INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # an adopted PEFT adapter's export: that one file
 WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
 
+# What a save, a restore and the daemon write at the top of a step directory (and their temp names,
+# `.NAME.tmp-...`, and a LoRA merge's scratch, `.stagerd-merge-...`): any other name there is the user's.
+STEP_NAMES = frozenset(
+    {MODEL_DIR, OPTIM_DIR, EXTRAS_DIR, MARKER_NAME, EXPORT_DIR, EXPORT_TMP_DIR, EXPORT_OPTIONS_NAME}
+)
+_STEP_TEMP_RE = re.compile(
+    r"\.(?:" + "|".join(re.escape(n) for n in sorted(STEP_NAMES)) + r")\.tmp-.+|\.stagerd-merge-.+"
+)
+
+
+def foreign_names(step_dir: str | os.PathLike[str]) -> list[str]:
+    """The names at the top of `step_dir` that no save, restore or daemon writes (a user's own files), sorted:
+    what removes or replaces a step directory whole must leave those."""
+    return sorted(n for n in os.listdir(step_dir) if n not in STEP_NAMES and not _STEP_TEMP_RE.fullmatch(n))
+
+
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")
