@@ -82,8 +82,7 @@ def _run1(put: Callable[[str, bytes], None]) -> dict[int, dict[str, bytes]]:
 
 
 def test_pruning_run1_on_s3_deletes_its_steps_whole_and_no_other_key(s3):  # noqa: F811
-    def put(key: str, data: bytes) -> None:
-        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+    put = _putter(s3)
 
     others, steps = _others(put), _run1(put)
     r = run_cli(["prune", s3.url("run1"), "--keep-last", "1"])
@@ -136,8 +135,7 @@ def test_steps_past_the_first_listing_page_are_seen_and_deleted_whole(s3):  # no
     page would keep step 2 (step 3 unseen, step 2 the newest complete) and leave step 1's tail."""
     names = [f"shard-{i:05d}.bin" for i in range(1100)]
 
-    def put(key: str, data: bytes) -> None:
-        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+    put = _putter(s3)
 
     with ThreadPoolExecutor(16) as pool:  # the keys of step 1, written directly to moto
         base = f"run/{layout.step_dir_name(1)}"
@@ -145,11 +143,7 @@ def test_steps_past_the_first_listing_page_are_seen_and_deleted_whole(s3):  # no
     _step(put, "run", 1, [])
     for s in (2, 3):
         _step(put, "run", s, ["model.safetensors"])
-    store = RemoteStore.open(s3.url("run"))
-    try:
-        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
-    finally:
-        store.close()
+    fates = _fates(s3.url("run"))
     assert fates == {1: True, 2: True, 3: False}
     assert sorted(s3.keys("run/")) == sorted(
         f"run/step-00000003/{n}" for n in (layout.MANIFEST_NAME, "model.safetensors")
@@ -199,8 +193,7 @@ def test_a_delete_refused_per_key_inside_a_200_answer_is_an_error_and_the_next_p
     does not count the step deleted; the step is left without its manifest (absent to readers) under the
     prune's claim, which the next prune (this process gone) takes over and finishes."""
 
-    def put(key: str, data: bytes) -> None:
-        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+    put = _putter(s3)
 
     steps = {s: _step(put, "run", s, ["model.safetensors", "optim.bin"]) for s in (1, 2)}
     stop = _refusing_deletes(s3, monkeypatch, "step-00000001/optim.bin")
@@ -228,11 +221,7 @@ def test_retention_and_republish_on_a_versioned_bucket(s3, tmp_path):  # noqa: F
     }
     for s, e in exports.items():
         sink.publish(e, s)
-    store = RemoteStore.open(s3.url("run"))
-    try:
-        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
-    finally:
-        store.close()
+    fates = _fates(s3.url("run"))
     assert fates == {1: True, 2: True, 3: False}
     assert not [k for k in s3.keys("run/") if re.search(r"step-0000000[12]", k)]
     versions = s3.client.list_object_versions(Bucket=s3.bucket, Prefix="run/step-00000001/")
@@ -325,19 +314,14 @@ def test_published_steps_on_a_generic_fsspec_store_are_pruned(tmp_path):
 def test_a_prefix_with_percent_signs_spaces_and_unicode_is_literal(s3, prefix):  # noqa: F811
     """The prefix is a literal key prefix: `r%41` is not `rA`, `r%2Fx` not `r/x`, `+` not a space."""
 
-    def put(key: str, data: bytes) -> None:
-        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+    put = _putter(s3)
 
     ours = {s: _step(put, prefix, s, ["model.safetensors", HOSTILE]) for s in (1, 2)}
     others: dict[str, bytes] = {}
     for near in ("rA +ü", "r%41  ü", "r%41 +ü0", "r/x", "r%2Fx0", "r%2fx"):
         for s in (1, 2):  # two steps each: a prune that read the prefix loosely would delete one
             others |= _step(put, near, s, ["model.safetensors"])
-    store = RemoteStore.open(s3.url(prefix))
-    try:
-        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
-    finally:
-        store.close()
+    fates = _fates(s3.url(prefix))
     assert fates == {1: True, 2: False}
     left = {k: s3.get(k) for k in s3.keys("")}
     assert left == {**others, **ours[2]}
@@ -347,8 +331,7 @@ def test_a_sink_at_the_buckets_root_prunes_only_its_own_steps(s3):  # noqa: F811
     """`s3://BUCKET` with no prefix: its steps are `step-N/` at the bucket's root; every other run's
     prefix in the bucket, and a person's `step-N.bak/`, stay."""
 
-    def put(key: str, data: bytes) -> None:
-        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=data)
+    put = _putter(s3)
 
     ours = {s: _step(put, "", s, ["model.safetensors"]) for s in (1, 2)}
     others: dict[str, bytes] = {}
@@ -356,10 +339,24 @@ def test_a_sink_at_the_buckets_root_prunes_only_its_own_steps(s3):  # noqa: F811
         others |= _step(put, "run1", s, ["model.safetensors"])
     put("step-00000001.bak/model.safetensors", b"kept")
     others["step-00000001.bak/model.safetensors"] = b"kept"
-    store = RemoteStore.open(s3.url("").rstrip("/"))
-    try:
-        fates = {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
-    finally:
-        store.close()
+    fates = _fates(s3.url("").rstrip("/"))
     assert fates == {1: True, 2: False}
     assert {k: s3.get(k) for k in s3.keys("")} == {**others, **ours[2]}
+
+
+def _fates(url: str) -> dict[int, bool]:
+    """Each export step's fate (deleted: True) under a prune of `url` keeping the newest step."""
+    store = RemoteStore.open(url)
+    try:
+        return {d.step: d.delete for d in prune(store, Policy(keep_last=1)) if d.tree == "export"}
+    finally:
+        store.close()
+
+
+def _putter(env: Any) -> Callable[[str, bytes], None]:
+    """An object put straight to moto, as another tool (or a person) writes it."""
+
+    def put(key: str, data: bytes) -> None:
+        env.client.put_object(Bucket=env.bucket, Key=key, Body=data)
+
+    return put

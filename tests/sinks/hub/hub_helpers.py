@@ -51,5 +51,11 @@ def make_sink(hub: HubServer, url: str = f"hf://{REPO}", **options) -> HubSink:
     return HubSink.from_url(url, **options)
 
 
+def one_file_export(tmp_path: Path, seed: int) -> Path:
+    """`write_export` of one `model.safetensors`, under `tmp_path/export-SEED`: a step's export for the tests
+    whose upload path does not matter."""
+    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
+
+
 def export_files(export: Path) -> dict[str, bytes]:
     return {p.relative_to(export).as_posix(): p.read_bytes() for p in export.rglob("*") if p.is_file()}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,8 @@ from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
 from stagerd.sinks.hub.history import find_step, tag_title_is_ours
 from tests.hubserver import HubConfig, HubServer
-from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink
+from tests.sinks.hub.hub_helpers import one_file_export as export
 from tests.sinks.hub.test_hang import grow_history
 
 
@@ -28,10 +28,6 @@ def xet():
 @pytest.fixture
 def hub_config():
     return HubConfig()
-
-
-def export(tmp_path: Path, seed: int) -> Path:
-    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
 
 
 def test_a_step_older_than_the_history_cap_is_still_published(hub, tmp_path):

@@ -6,8 +6,6 @@ Against the Hub-protocol test server, driven by the real huggingface_hub client.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from huggingface_hub import HfApi
 
@@ -15,7 +13,8 @@ from stagerd.errors import ConfigError, SinkConflictError
 from stagerd.sinks.hub import step_branch
 from tests.hubserver import Fault, HubConfig
 from tests.hubserver.store import Blob
-from tests.sinks.hub.hub_helpers import REPO, make_sink, write_export
+from tests.sinks.hub.hub_helpers import REPO, make_sink
+from tests.sinks.hub.hub_helpers import one_file_export as export
 
 
 @pytest.fixture
@@ -26,10 +25,6 @@ def xet():
 @pytest.fixture
 def hub_config():
     return HubConfig()
-
-
-def export(tmp_path: Path, seed: int) -> Path:
-    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
 
 
 def refs(hub) -> tuple[dict[str, str], dict[str, str]]:

@@ -5,8 +5,6 @@ Against the Hub-protocol test server, driven by the real huggingface_hub client.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError
@@ -17,6 +15,7 @@ from stagerd.sinks.hub.fetch import _revision, restore_hub_export
 from stagerd.sinks.hub.url import parse_hub_url
 from tests.hubserver import HubConfig
 from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import one_file_export as export
 
 
 @pytest.fixture
@@ -27,10 +26,6 @@ def xet():
 @pytest.fixture
 def hub_config():
     return HubConfig()
-
-
-def export(tmp_path: Path, seed: int) -> Path:
-    return write_export(tmp_path / f"export-{seed}", seed=seed, shards=1)
 
 
 def test_two_revisions_publish_the_same_step_each_its_own(hub, tmp_path, monkeypatch):
