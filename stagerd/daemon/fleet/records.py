@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import commit_marker
+from stagerd.contract.commit_marker import is_int
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.engine.file_header import file_header
 from stagerd.engine.plan_types import OutputFile
-from stagerd.errors import ConfigError, HubPlanError
+from stagerd.errors import ConfigError, HubPlanError, SinkConflictError
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import Uploaded
 
@@ -30,8 +32,11 @@ def sink_id(url: str) -> str:
     return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def uploaded(d: dict[str, Any] | None) -> Uploaded:
-    assert d is not None  # waited for
+    assert d is not None  # waited for, and checked (`same_plans`)
     return Uploaded(d["rel"], int(d["size"]), d["sha256"], d.get("checksum"))
 
 
@@ -61,6 +66,18 @@ def same_plan(record: dict[str, Any] | None, planned: dict[str, object]) -> bool
         record is not None
         and record.get("size") == planned["size"]
         and record.get("header", planned["header"]) == planned["header"]
+    )
+
+
+def is_record_of(record: dict[str, Any], name: str) -> bool:
+    """`record` has the fields and types `record_bytes` writes, and is of file `name`."""
+    sha, checksum = record.get("sha256"), record.get("checksum")
+    return (
+        record.get("rel") == name
+        and is_int(record.get("size"))
+        and isinstance(sha, str)
+        and _SHA256.fullmatch(sha) is not None
+        and (checksum is None or isinstance(checksum, str))
     )
 
 
@@ -153,6 +170,17 @@ def same_plans(
     """Raise if a file's record (`got`, by file) is of another plan than `planned`: its owner built other
     bytes under the same name than the leader's index describes. `where`: the records' folder."""
     for n, rec in got.items():
+        if rec is not None and not is_record_of(rec, n):
+            # its `rel` and `sha256` go into the manifest as they are: another file's name there lists
+            # that file twice and this one never, and verification by name and size passes
+            raise SinkConflictError(
+                f"step {step}: {n}.json on the exchange is no record of {n} (rel "
+                f"{str(rec.get('rel'))[:80]!r}, sha256 {str(rec.get('sha256'))[:16]!r}, size "
+                f"{str(rec.get('size'))[:20]})",
+                path=f"{where}{n}.json",
+                hint=f"stagerd did not write it; remove it from the exchange (node {owner[n]} builds and "
+                f"uploads {n} again), then run `stagerd retry ROOT --step {step}` on every node",
+            )
         if rec is not None and not same_plan(rec, planned[n]):
             raise ConfigError(
                 f"step {step}: node {owner[n]} built {n} from another plan than node 0's "
