@@ -19,7 +19,7 @@ from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
 from stagerd.engine.index_json import index_json
 from stagerd.engine.plan_types import ExportPlan
-from stagerd.errors import SinkError, StagerdError
+from stagerd.errors import RestoreError, SinkConflictError, SinkError, StagerdError
 from stagerd.sinks.claims import Claim
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import LocalFile, Uploaded
@@ -62,7 +62,7 @@ def lead(
             if part.node == x.me:
                 shutil.copyfile(_own_extra(held, step, rel), dst)
             else:
-                dst.write_bytes(x.store.read(f"{part.prefix}/{layout.EXTRAS_DIR}/{rel}") or b"")
+                dst.write_bytes(_their_extra(x, part, rel))
             if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
                 config = exported_config(dst, dict(p.dtype_bytes()), dtype)
                 if config is not None:
@@ -126,3 +126,26 @@ def _own_extra(held: HeldFiles, step: HeldDir, rel: str) -> Path:
     """The proc path of this node's extra `rel`, each directory on the way opened without following a
     link (a link is a `SymlinkError` naming it)."""
     return held.open_at(step, f"{layout.EXTRAS_DIR}/{rel}")
+
+
+def _their_extra(x: StepExchange, part: NodePart, rel: str) -> bytes:
+    """Another node's extra `rel` from its raw part, of the size its marker lists: one gone or of another
+    size is a named error, never published as an empty or other file (nor refused for being larger than a
+    manifest may be)."""
+    path = f"{layout.EXTRAS_DIR}/{rel}"
+    key = f"{part.prefix}/{path}"
+    size = next(f.size for f in part.marker.files if f.path == path)
+    try:
+        data, got = x.store.read(key, limit=size), "missing"
+    except RestoreError:  # larger than the marker lists
+        data, got = None, "larger"
+    if data is None or len(data) != size:
+        got = got if data is None else f"{len(data)} bytes"
+        raise SinkConflictError(
+            f"step {x.step}: node {part.node}'s extra {rel} on the exchange is {got}: its marker lists "
+            f"{size} bytes",
+            path=f"{x.exchange.url}/{key}",
+            hint=f"remove {part.prefix}/ from the exchange (node {part.node} sends its part again), then run "
+            f"`stagerd retry ROOT --step {x.step}` on every node",
+        )
+    return data
