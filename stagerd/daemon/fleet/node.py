@@ -298,15 +298,16 @@ class FleetNode:
 
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)
-        of = f"-of-{self.nodes:05d}"
 
         def seen() -> list[str]:
             names = node_parts(self.store.sizes(raw))[0]
-            other = [n for n in names if not n.endswith(of)]
+            # another count's, or a node index of this count that no node has (a part made by hand)
+            want = {node_part(k, self.nodes) for k in range(self.nodes)}
+            other = [n for n in names if n not in want]
             if other:  # never one whole set of parts: waiting cannot help
                 raise FleetNodeConflictError(
-                    f"step {self.step}: the exchange holds node parts of another node count "
-                    f"({', '.join(other)}) where this node's marker says {self.nodes} nodes",
+                    f"step {self.step}: the exchange holds node parts of another node count or no node "
+                    f"of this one ({', '.join(other)}) where this node's marker says {self.nodes} nodes",
                     path=f"{self.exchange.url}/{raw}",
                     hint="every node of a step stages one save with one node count; delete the other "
                     f"save's parts from {raw}/ (and its claims from {self.base}/), then retry",
