@@ -82,6 +82,14 @@ class Mirror:
                 dst = self.model / name
                 if name in names:
                     raise ShardError("two nodes list the same shard", path=dst)
+                if "/" in name:  # was a raw FileNotFoundError out of the mirror, whichever node staged it
+                    raise ShardError(
+                        f"node {part.node}'s marker lists a shard in a folder of {layout.MODEL_DIR}/, which "
+                        "a fleet step never holds",
+                        path=f"{part.prefix}/{layout.MODEL_DIR}/{name}",
+                        hint="every node stages its shards straight under model/ (as the Stager writes "
+                        "them); stage the step again",
+                    )
                 names.append(name)
                 if part.node == self.me:
                     _link_own(model, name, dst)
