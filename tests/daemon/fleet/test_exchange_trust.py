@@ -1,0 +1,116 @@
+"""What a node reads from the exchange is written by other processes and may be damaged: a file record
+that is not the record of its file, another node's extra gone or resized, a node part no node of the step
+has. Each is a named error, at once, and nothing of it reaches a sink's manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import commit_marker, layout
+from stagerd.daemon.fleet.node import FleetResult
+from stagerd.errors import FleetNodeConflictError, SinkConflictError
+from tests.daemon.fleet.test_protocol import STEP, _run_all, _stage
+from tests.dcp_fixtures import commit_step
+
+NAME = layout.step_dir_name(STEP)
+
+
+def _unpublish(sink: Path) -> None:
+    """The sink as a leader killed before its commit leaves it: every file and record there, no manifest."""
+    (sink / NAME / layout.MANIFEST_NAME).unlink()
+    (sink / "latest").unlink()
+    (sink / "fleet" / NAME / "done.json").unlink()
+
+
+def _records(sink: Path) -> list[Path]:
+    return sorted((sink / "fleet" / NAME / "done").glob("*/*.json"))
+
+
+@pytest.mark.parametrize("damage", ["another file's rel", "no sha256", "rel escaping the step"])
+def test_a_file_record_that_is_not_its_files_record_is_never_committed(tmp_path, dcp_mixed2, damage):
+    """The leader put a record's `rel`, `size` and `sha256` into the manifest as they were: one without a
+    sha256 was a raw KeyError out of the leader; one naming another file (or `../`) a manifest listing that
+    file twice and its own never, refused only by verification as a retryable SinkError, retried forever."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    assert all(isinstance(r, FleetResult) for r in _run_all(dirs, sink.as_uri()))
+    _unpublish(sink)
+    first, second = _records(sink)[:2]
+    rec, other = json.loads(first.read_text()), json.loads(second.read_text())
+    if damage == "another file's rel":
+        rec["rel"] = other["rel"]
+    elif damage == "no sha256":
+        del rec["sha256"]
+    else:
+        rec["rel"] = f"../{rec['rel']}"
+    first.write_text(json.dumps(rec))
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=5)
+    assert isinstance(results[0], SinkConflictError), results
+    assert first.name in str(results[0]) and "no record of" in str(results[0])
+    assert results[0].hint and "remove it" in results[0].hint
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()
+
+
+def test_another_nodes_extra_gone_from_the_exchange_is_never_published_empty(
+    tmp_path, dcp_mixed2, monkeypatch
+):
+    """Node 1 staged `extras/tokenizer.txt`; its object left the exchange after node 1's raw part was
+    complete. The leader read it as `store.read(...) or b""` and committed an empty tokenizer.txt."""
+    import stagerd.daemon.fleet.lead as lead_mod
+
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    m = commit_marker.read_marker(dirs[1])
+    (dirs[1] / layout.EXTRAS_DIR).mkdir()
+    (dirs[1] / layout.EXTRAS_DIR / "tokenizer.txt").write_text("vocab")
+    commit_step(dirs[1], m.world_size, tensors=m.tensors, created=m.created, staging_node=1, staging_nodes=2)
+    sink = tmp_path / "sink"
+    gone = sink / "raw" / NAME / "node-00001-of-00002" / layout.EXTRAS_DIR / "tokenizer.txt"
+    real = lead_mod.extras_of
+
+    def removed(parts):
+        gone.unlink()
+        return real(parts)
+
+    monkeypatch.setattr(lead_mod, "extras_of", removed)
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=5)
+    assert isinstance(results[0], SinkConflictError), results
+    assert "tokenizer.txt" in str(results[0]) and "missing" in str(results[0])
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()
+
+
+def test_a_node_part_of_no_node_of_the_step_is_a_named_error_not_a_wait(tmp_path, dcp_mixed2):
+    """`raw/step-N/node-00005-of-00002/` (made by hand, or by a damaged marker) is of this node count but
+    of no node of it: the nodes waited for a whole set of parts that never comes, "waiting for node "."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    stray = sink / "raw" / NAME / "node-00005-of-00002" / layout.MANIFEST_NAME
+    stray.parent.mkdir(parents=True)
+    stray.write_text("{}")
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=3)
+    for r in results:
+        assert isinstance(r, FleetNodeConflictError) and not r.retryable, r
+        assert "node-00005-of-00002" in str(r)
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()
+
+
+def test_a_shard_in_a_folder_of_model_is_a_named_error_on_every_node(tmp_path, dcp_mixed2):
+    """Node 1's marker lists `model/sub/NAME` (a valid relative path): the mirror opened `model/sub/NAME`
+    under a folder it never made, a raw FileNotFoundError out of every node (node 1 linking its own, the
+    leader writing the sparse copy)."""
+    from stagerd.errors import ShardError
+
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    m = commit_marker.read_marker(dirs[1])
+    (shard,) = (dirs[1] / layout.MODEL_DIR).glob("*.safetensors")
+    (shard.parent / "sub").mkdir()
+    shard.rename(shard.parent / "sub" / shard.name)
+    commit_step(dirs[1], m.world_size, tensors=m.tensors, created=m.created, staging_node=1, staging_nodes=2)
+    sink = tmp_path / "sink"
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=5)
+    for r in results:
+        assert isinstance(r, ShardError), r
+        assert f"sub/{shard.name}" in str(r) and "node 1's marker" in str(r)
+    assert not (sink / NAME).exists()
