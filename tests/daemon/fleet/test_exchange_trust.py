@@ -114,3 +114,16 @@ def test_a_shard_in_a_folder_of_model_is_a_named_error_on_every_node(tmp_path, d
         assert isinstance(r, ShardError), r
         assert f"sub/{shard.name}" in str(r) and "node 1's marker" in str(r)
     assert not (sink / NAME).exists()
+
+
+def test_an_extra_named_as_the_manifest_never_lands_on_the_sinks_manifest_key(tmp_path, dcp_mixed2):
+    """A node staged `extras/stagerd.manifest.json`: one daemon's publish leaves it out (`scan_dir`), the
+    leader uploaded it to the sink's `step-N/stagerd.manifest.json`, the step's commit mark, before any
+    record was checked. Now it is left out as one daemon leaves it out, and the step is committed."""
+    fake = '{"format": "stagerd.manifest/1", "step": 7, "files": []}'
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2, extras={layout.MANIFEST_NAME: fake})
+    sink = tmp_path / "sink"
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=5)
+    assert all(isinstance(r, FleetResult) for r in results), results
+    manifest = json.loads((sink / NAME / layout.MANIFEST_NAME).read_text())
+    assert manifest["files"] and layout.MANIFEST_NAME not in {f["path"] for f in manifest["files"]}
