@@ -140,6 +140,8 @@ def settings_errors(
         theirs = claim.get("settings")
         if theirs is None:
             continue
+        if not isinstance(theirs, dict):  # damaged: every setting differs (was a raw AttributeError)
+            theirs = {}
         both = {n for n in _NEWER if n in theirs and n in mine}
         theirs = {n: v for n, v in theirs.items() if n not in _NEWER or n in both}
         ours = {n: v for n, v in mine.items() if n not in _NEWER or n in both}

@@ -127,3 +127,20 @@ def test_an_extra_named_as_the_manifest_never_lands_on_the_sinks_manifest_key(tm
     assert all(isinstance(r, FleetResult) for r in results), results
     manifest = json.loads((sink / NAME / layout.MANIFEST_NAME).read_text())
     assert manifest["files"] and layout.MANIFEST_NAME not in {f["path"] for f in manifest["files"]}
+
+
+def test_a_claim_whose_settings_are_no_object_is_a_config_error(tmp_path, dcp_mixed2):
+    """Node 1's claim on the exchange names `"settings": "damaged"` (this ROOT's, of this save): the
+    leader's comparison called `.items()` on it, a raw AttributeError out of the wait for agreement."""
+    from stagerd.errors import ConfigError, FleetWaitError
+    from tests.daemon.fleet.test_protocol import _node
+
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    with pytest.raises(FleetWaitError):  # its claim and raw part sent, it waits for node 0
+        _node(dirs[1], sink.as_uri(), wait_seconds=0.2)[0].run()
+    key = sink / "fleet" / NAME / "node-00001.json"
+    key.write_text(json.dumps({**json.loads(key.read_text()), "settings": "damaged"}))
+    with pytest.raises(ConfigError, match="node 1's daemon runs with other settings"):
+        _node(dirs[0], sink.as_uri(), wait_seconds=0.5)[0].run()
+    assert not (sink / NAME).exists()
