@@ -31,6 +31,7 @@ from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file
 FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
+MAX_RECORD_BYTES = 1 << 20  # a claim, record or failure is under 1 KiB (a claim names each sink in 16 bytes)
 T = TypeVar("T")
 
 
@@ -158,17 +159,21 @@ class StepExchange:
                     self._past[key] = data
 
     def _read(self, key: str) -> bytes | None:
-        data: bytes | None = _named(self.exchange.url, key, lambda: self.exchange.backend.read(key))
+        """At most `MAX_RECORD_BYTES` and one more: anyone may put an object of any size at a record's key,
+        and a node read it whole into memory, every poll."""
+        b = self.exchange.backend
+        data: bytes | None = _named(self.exchange.url, key, lambda: b.read(key, MAX_RECORD_BYTES + 1))
         return data
 
     def _parse(self, key: str, data: bytes) -> dict[str, Any]:
         try:
-            d = loads(data)
+            d = loads(data) if len(data) <= MAX_RECORD_BYTES else None
         except ValueError:
             d = None
         if not isinstance(d, dict):
+            big = f" (over {MAX_RECORD_BYTES} bytes)" if len(data) > MAX_RECORD_BYTES else ""
             raise SinkConflictError(
-                f"step {self.step}: {key} on the exchange is not JSON of a fleet claim or record",
+                f"step {self.step}: {key} on the exchange is not JSON of a fleet claim or record{big}",
                 path=f"{self.exchange.url}/{key}",
                 hint="stagerd did not write it; remove it from the exchange (the node it names writes its "
                 f"own again), then run `stagerd retry ROOT --step {self.step}` on every node",

@@ -144,3 +144,21 @@ def test_a_claim_whose_settings_are_no_object_is_a_config_error(tmp_path, dcp_mi
     with pytest.raises(ConfigError, match="node 1's daemon runs with other settings"):
         _node(dirs[0], sink.as_uri(), wait_seconds=0.5)[0].run()
     assert not (sink / NAME).exists()
+
+
+def test_a_record_larger_than_any_record_is_refused_not_read_whole(tmp_path, dcp_mixed2):
+    """Anyone may put an object of any size at a record's key: every node read it whole into memory, every
+    poll, and took it for the record it began with. Now at most 1 MiB and a byte is read, and more is no
+    record (a padded but valid record here, as a GiB object would be)."""
+    from stagerd.daemon.fleet.exchange import MAX_RECORD_BYTES
+
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    assert all(isinstance(r, FleetResult) for r in _run_all(dirs, sink.as_uri()))
+    _unpublish(sink)
+    first = _records(sink)[0]
+    first.write_text(json.dumps({**json.loads(first.read_text()), "pad": "x" * MAX_RECORD_BYTES}))
+    results = _run_all(dirs, sink.as_uri(), wait_seconds=5)
+    assert isinstance(results[0], SinkConflictError), results
+    assert first.name in str(results[0]) and f"over {MAX_RECORD_BYTES} bytes" in str(results[0])
+    assert not (sink / NAME / layout.MANIFEST_NAME).exists()
