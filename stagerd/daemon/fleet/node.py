@@ -54,7 +54,7 @@ from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.hub import all_hubs_recorded
 from stagerd.daemon.fleet.lanes import Lanes, published
 from stagerd.daemon.fleet.lead import lead
-from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, owners
+from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, check_part, owners
 from stagerd.daemon.fleet.progress import Progress
 from stagerd.daemon.fleet.records import (
     planned_file,
@@ -346,6 +346,7 @@ class FleetNode:
                     "every node",
                 )
             parts.append(NodePart(k, m, f"{raw}/{name}"))
+            check_part(parts[-1], self.store.sizes(parts[-1].prefix), self.exchange.url)
         return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:

@@ -24,7 +24,7 @@ from stagerd.contract.step.held import HINT, WHY, HeldDir
 from stagerd.engine.moves import plan_moves
 from stagerd.engine.parsed_extras import PARSED_EXTRAS, read_json_object
 from stagerd.engine.plan_types import ExportPlan, MoveKind
-from stagerd.errors import ShardError
+from stagerd.errors import ShardError, SinkConflictError
 
 ReadRange = Callable[[str, int, int], bytes]  # (exchange key, start, end) -> bytes
 
@@ -36,6 +36,22 @@ class NodePart:
     node: int
     marker: commit_marker.CommitMarker
     prefix: str
+
+
+def check_part(part: NodePart, listed: Mapping[str, int], url: str) -> None:
+    """Every file `part`'s marker lists is in its raw part (`listed`: name -> size) at the marker's size:
+    one gone was a retryable FileNotFoundError every try, one of another size read as its first bytes,
+    and a size no file can have a raw OSError out of the mirror."""
+    for f in part.marker.files:
+        got = listed.get(f.path)
+        if got != f.size:
+            raise SinkConflictError(
+                f"step {part.marker.step}: node {part.node}'s part on the exchange holds {f.path} "
+                f"{'nowhere' if got is None else f'at {got} bytes'}, its marker lists {f.size} bytes",
+                path=f"{url}/{part.prefix}/{f.path}",
+                hint=f"remove {part.prefix}/ from the exchange (node {part.node} sends its part again), then "
+                f"run `stagerd retry ROOT --step {part.marker.step}` on every node",
+            )
 
 
 def shard_names(marker: commit_marker.CommitMarker) -> dict[str, int]:

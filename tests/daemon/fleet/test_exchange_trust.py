@@ -162,3 +162,26 @@ def test_a_record_larger_than_any_record_is_refused_not_read_whole(tmp_path, dcp
     assert isinstance(results[0], SinkConflictError), results
     assert first.name in str(results[0]) and f"over {MAX_RECORD_BYTES} bytes" in str(results[0])
     assert not (sink / NAME / layout.MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("damage", ["gone", "shorter", "longer"])
+def test_a_raw_part_whose_shard_is_not_its_markers_is_a_named_error(tmp_path, dcp_mixed2, damage):
+    """Node 1's raw part is complete (its manifest there) but its shard object is gone or of another size
+    than its marker lists: gone was a retryable SinkError (FileNotFoundError) on every try, shorter a
+    ShardError only once a range past its end was read, longer taken as it was."""
+    _, dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = tmp_path / "sink"
+    from stagerd.errors import FleetWaitError
+    from tests.daemon.fleet.test_protocol import _node
+
+    with pytest.raises(FleetWaitError):  # its raw part sent, it waits for node 0
+        _node(dirs[1], sink.as_uri(), wait_seconds=0.2)[0].run()
+    (shard,) = (sink / "raw" / NAME / "node-00001-of-00002" / layout.MODEL_DIR).glob("*.safetensors")
+    data = shard.read_bytes()
+    if damage == "gone":
+        shard.unlink()
+    else:
+        shard.write_bytes(data[:-8] if damage == "shorter" else data + b"\0" * 8)
+    with pytest.raises(SinkConflictError, match=f"{layout.MODEL_DIR}/{shard.name} (nowhere|at [0-9]+ bytes)"):
+        _node(dirs[0], sink.as_uri(), wait_seconds=0.5)[0].run()
+    assert not (sink / NAME).exists()
