@@ -302,3 +302,22 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     assert b"stagerd" in metrics and json.loads(health)["status"] == "ok"
     assert listening == {"0100007F"}, listening  # 127.0.0.1 only
     t.assert_clean()
+
+
+MALFORMED = {  # urlsplit refuses each ("Invalid IPv6 URL"): the password must be masked without it
+    "--sink": ["--sink", "https://alice:{pw}@[::1/ckpt"],
+    "--sink-retention": ["--sink", "file://{out}", "--sink-retention", "https://alice:{pw}@[::1/x=last=1"],
+}
+
+
+@pytest.mark.parametrize("flags", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_secret_in_a_url_no_parser_reads_never_shows(tmp_path, flags):
+    """Before: `--sink` quoted the URL whole in its ConfigError, and `--sink-retention` died with a
+    ValueError traceback out of the redaction itself."""
+    t = Transcript(STATIC)
+    args = [f.format(pw=URL_PASSWORD, out=tmp_path / "out") for f in flags]
+    for debug in ([], ["--debug"]):
+        r = t.run(f"watch {debug}", *debug, "watch", str(tmp_path), *args, "--once", env=secret_env())
+        assert r.returncode == 2 and "ConfigError" in r.stderr, r.stderr
+        assert debug or "Traceback" not in r.stderr, r.stderr
+    t.assert_clean()
