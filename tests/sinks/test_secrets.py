@@ -256,6 +256,16 @@ def test_watch_status_and_journal_never_hold_a_secret(s3, hub, step_dir, tmp_pat
     lanes = {ln["sink"]: ln["state"] for s in doc["steps"] for ln in s["lanes"]}
     assert sorted(lanes.values()) == ["published", "published", "quarantined"], lanes
     t.add_tree("state", root / layout.STATE_DIR)
+    # what the sinks hold: manifests, claims, leases and data on S3; the Hub's files and commit messages
+    for key in published:
+        t.add(f"s3/{key}", s3.get(key))
+    for repo in hub.store.repos.values():
+        for c in repo.commits.values():
+            t.add(f"hub/{repo.repo_id}@{c.oid}", f"{c.title}\n{c.message}")
+            for path, blob in c.tree.items():
+                t.add(f"hub/{repo.repo_id}/{path}", blob.content or b"")
+    t.add_tree("hub-lfs", hub.store.lfs_dir)
+    assert any("hub/acme/llm/" in label for label, _ in t.pieces)
     t.assert_clean()
 
 
