@@ -137,3 +137,18 @@ def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeyp
     assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
     assert f"restored {here}" in capsys.readouterr().out
     assert tree(here) == tree(export)
+
+
+def test_a_hub_that_cannot_be_reached_is_a_named_error_not_a_traceback(tmp_path):
+    """Before: the httpx ConnectError of a Hub that refuses connections, or drops each download, came out
+    as a raw traceback (exit 1); now a retryable SinkError (exit 3)."""
+    from tests.hubserver.faults import Fault
+
+    with hub_with_step(tmp_path) as (hub, url, env, _export):
+        hub.faults.add(Fault("GET", r"/resolve/", drop=True, times=1000))
+        r = run_restore(url, tmp_path / "dropped", "--export", env=env)
+        assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "dropped").exists() and not list(tmp_path.glob(".dropped.*"))
+    r = run_restore(url, tmp_path / "down", "--export", env=env)  # the server is gone: nothing listens
+    assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "down").exists()

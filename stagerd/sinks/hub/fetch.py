@@ -23,6 +23,7 @@ from typing import Any
 from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.hub.errors import classify
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 from stagerd.sinks.temp_names import restore_temp
@@ -55,8 +56,12 @@ def _revision(url_revision: str | None, step: int | None) -> str:
 
 def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:
     """Download the export at the step's revision into the new directory `out`, checked against the tree."""
+    import httpx2
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
+    unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
@@ -89,6 +94,8 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
         if status in (401, 403):
             raise SinkAuthError(f"the Hub refused the token ({status})", path=where) from None
         raise SinkError(f"the Hub failed: {status}", path=where) from None
+    except unreachable as e:
+        raise SinkError(f"cannot reach the Hub: {classify(e).text}", path=where) from None
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
         raise RestoreError("holds no files", path=where)
@@ -111,6 +118,9 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
+            except httpx2.TransportError as err:
+                why = classify(err).text
+                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
                 raise _xet_download_error(err, f"{where}/{entry.path}") from None
             size = got.stat().st_size
