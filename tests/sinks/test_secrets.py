@@ -293,7 +293,10 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     port = _dead_port()
     sink = f"file://{tmp_path / 'published'}"
     env = secret_env(AWS_SESSION_TOKEN=SESSION_TOKEN)
-    proc = start_cli(["watch", root, "--sink", sink, "--metrics-port", str(port), *FAST_WATCH], env=env)
+    # a second sink whose token is in its URL: its lanes are metric labels
+    hub = f"hf://acme/llm?token={URL_TOKEN}&endpoint=http://127.0.0.1:{_dead_port()}&max_attempts=1"
+    flags = ["--sink", sink, "--sink", hub, "--metrics-port", str(port), *FAST_WATCH]
+    proc = start_cli(["watch", root, *flags], env=env)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (tmp_path / "published").exists():
@@ -309,7 +312,7 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     t.add("healthz", health)
     t.add("watch stdout", out)
     t.add("watch stderr", err)
-    assert b"stagerd" in metrics and json.loads(health)["status"] == "ok"
+    assert b"stagerd" in metrics and b'sink="hf://acme/llm"' in metrics and "status" in json.loads(health)
     assert listening == {"0100007F"}, listening  # 127.0.0.1 only
     t.assert_clean()
 
