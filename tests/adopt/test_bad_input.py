@@ -307,3 +307,21 @@ def test_the_trainers_own_pickles_beside_an_adopted_checkpoint_are_never_loaded(
         "stagerd.manifest.json",
     ]
     assert not list(tmp_path.glob("pwned-by-*"))
+
+
+def test_a_chunk_file_name_holding_a_nul_is_refused_by_name(record, tmp_path):
+    """Before: `consolidate --adopt` died of a raw ValueError (embedded null byte) opening it."""
+    import dataclasses
+
+    src, _ = record
+    ck = tmp_path / "step-1"
+    shutil.copytree(src, ck)
+    meta = pickle.loads((src / ".metadata").read_bytes())  # the test's own save: trusted
+    for k, v in meta.storage_data.items():
+        meta.storage_data[k] = dataclasses.replace(v, relative_path=v.relative_path.replace("_", "\0", 1))
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+    res = run_cli(["consolidate", ck, tmp_path / "out", "--adopt", "dcp"])
+    assert res.returncode == 2 and "DcpFormatError" in res.stderr and "not a plain name" in res.stderr, (
+        res.stderr
+    )
+    assert not (tmp_path / "out").exists()
