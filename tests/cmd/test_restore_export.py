@@ -152,3 +152,22 @@ def test_a_hub_that_cannot_be_reached_is_a_named_error_not_a_traceback(tmp_path)
     r = run_restore(url, tmp_path / "down", "--export", env=env)  # the server is gone: nothing listens
     assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "down").exists()
+
+
+@pytest.mark.parametrize(
+    "bad", ["../evil", "/abs/evil", "a\\..\\..\\evil", "config.json/x", ".cache/huggingface/x"]
+)
+def test_a_hub_tree_naming_a_path_no_export_holds_is_refused_before_any_download(tmp_path, bad):
+    """A hostile Hub's tree: before, `..` and absolute names came out as a raw ValueError (exit 1) from
+    huggingface_hub's own check, a file also listed as a directory as a raw FileExistsError half way, and
+    a file under `.cache/` (huggingface_hub's own) was downloaded and then deleted: the restore said done."""
+    from tests.hubserver.store import Blob
+
+    with hub_with_step(tmp_path) as (hub, url, env, _export):
+        for commit in hub.store.repos["acme/llm"].commits.values():
+            commit.tree[bad] = Blob.regular(b"evil")
+        gets = hub.stats.count("GET", r"/resolve/")
+        r = run_restore(url, tmp_path / "out", "--export", env=env)
+        assert r.returncode == 2 and "RestoreError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert hub.stats.count("GET", r"/resolve/") == gets
+    assert not (tmp_path / "out").exists() and not list(tmp_path.rglob("evil"))

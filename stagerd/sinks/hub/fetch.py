@@ -20,7 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.errors import classify
@@ -99,6 +100,7 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
         raise RestoreError("holds no files", path=where)
+    _check_tree([e.path for e in files], where)
     tmp = restore_temp(out)
     total, done = sum(int(f.size) for f in files), 0
     try:
@@ -145,6 +147,21 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_tree(rels: list[str], where: str) -> None:
+    """Refuse, before any download, a tree (the Hub's, so anyone's) that no export directory can hold: a
+    name leaving it, one listed as a file and a directory, or one under `.cache/`, where huggingface_hub
+    keeps its download metadata (removed after the download, so the file would silently go with it)."""
+    try:
+        for rel in rels:
+            layout.safe_relpath(rel, what="file", path=where)
+        layout.check_file_tree(rels, what="file", path=where)
+    except MarkerError as e:
+        raise RestoreError(f"the repo's tree is no export: {e.message}", path=where) from None
+    cached = next((r for r in rels if r.split("/", 1)[0] == ".cache"), None)
+    if cached is not None:
+        raise RestoreError(f"the repo's tree is no export: file {cached!r} is under .cache/", path=where)
 
 
 def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
