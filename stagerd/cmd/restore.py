@@ -79,11 +79,19 @@ def _step(text: str) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.objects import redact_url
+    from stagerd.sinks.urls import unwritable
 
     if not 1 <= args.workers <= 256:
         raise ConfigError(f"--workers must be between 1 and 256, got {args.workers}")
     if "://" not in args.url and not args.url.startswith("/"):  # hf:// included
         raise ConfigError(f"{args.url!r} is not a sink URL", hint="use s3://BUCKET/PREFIX or file:///PATH")
+    if not args.export and (why := unwritable(args.url)) is not None:
+        raise ConfigError(
+            f"{redact_url(args.url)} {why}: restoring a raw step writes a lease there, so that no prune "
+            "removes the step while it downloads",
+            hint="restore the step's HF export with --export, or restore from the store it was published to",
+        )
     step = _step(args.step)
     root = Path(os.path.abspath(args.root))  # `.` or `./` (the empty directory one is in) has a name then
     if args.url.startswith("hf://"):

@@ -214,8 +214,16 @@ class BatchingStore(Protocol):
 
 
 def redact_url(url: str) -> str:
-    """`url` without a password in its authority and without secret-looking query values."""
-    parts = urllib.parse.urlsplit(url)
+    """`url` without a password in its authority and without secret-looking query values. Never raises:
+    it runs on the URLs it is asked to quote in errors, malformed ones included."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # e.g. an unclosed `[` (an IPv6 host): the authority's end is unknown
+        base, query, _ = url.partition("?")
+        scheme, sep, rest = base.rpartition("://")
+        if "@" in rest:
+            rest = "***@" + rest.rsplit("@", 1)[1]
+        return scheme + sep + rest + ("?***" if query else "")
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)

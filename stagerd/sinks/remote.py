@@ -99,9 +99,10 @@ class RemoteStore:
             head: bytes | None = self.s3.read(key, n)  # a plain GET: S3 refuses a range of an empty object
             return head
         try:  # file://: never a FIFO's wait (a claim read by a prune), never more than `n` in memory
-            data: bytes | None = (
-                self.tree.read(key, n) if self.local else self.fs.cat_file(self.path(key), 0, n)
-            )
+            with _http_status(self.where(key)):
+                data: bytes | None = (
+                    self.tree.read(key, n) if self.local else self.fs.cat_file(self.path(key), 0, n)
+                )
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -113,7 +114,8 @@ class RemoteStore:
         if self.local:
             with self.tree.opened(key) as f:
                 return os.pread(f.fileno(), length, start)
-        data: bytes = self.fs.cat_file(self.path(key), start=start, end=start + length)
+        with _http_status(self.where(key)):
+            data: bytes = self.fs.cat_file(self.path(key), start=start, end=start + length)
         return data
 
     def read_latest(self, key: str) -> bytes | None:
@@ -217,7 +219,8 @@ class RemoteStore:
                     if attempt == 2:
                         raise
         else:
-            self.fs.pipe_file(self.path(key), data)
+            with _http_status(self.where(key)):
+                self.fs.pipe_file(self.path(key), data)
 
     def put_if(self, key: str, data: bytes, tag: str | None) -> str | None:
         """Write `key` only if it is absent (`tag` None) or still the version `tag`: the version written,
@@ -319,6 +322,19 @@ def _info_tag(info: Mapping[str, Any]) -> str:
 
 def _tag(st: os.stat_result) -> str:
     return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+
+@contextlib.contextmanager
+def _http_status(where: str) -> Iterator[None]:
+    """fsspec's http(s) store raises aiohttp's ClientResponseError for an error status (a 500, a PUT it
+    refuses): not an OSError, which the callers map to a SinkError, so it came out as a traceback."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("aiohttp.") or isinstance(e, OSError):
+            raise
+        status, message = getattr(e, "status", None), getattr(e, "message", "")  # never its URL
+        raise SinkError(f"{type(e).__name__}: HTTP {status} {message}".strip(), path=where) from None
 
 
 @contextlib.contextmanager

@@ -50,6 +50,15 @@ _NOT_DURABLE = {
     "blockcache": "is a local cache in front of another store; name that store instead",
 }
 
+_READ_ONLY = ("http", "https", "github", "git", "zip", "tar", "libarchive", "reference", "data")
+
+
+def unwritable(url: str) -> str | None:
+    """Why the store `url` names can never be written to (fsspec reads it only), or None."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    return _NOT_DURABLE[scheme] if scheme in _READ_ONLY else None
+
+
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.S)
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

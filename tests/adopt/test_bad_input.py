@@ -274,3 +274,54 @@ def test_a_chunk_memoized_many_times_is_refused_not_multiplied():
         Metadata({"w": TensorStorageMetadata(md.properties, md.size, [chunk])}, storage_data=storage)
     )
     assert parse_dcp_metadata(one, "x").tensors["w"].chunks[0].sizes == (4,)
+
+
+class _Touch:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_the_trainers_own_pickles_beside_an_adopted_checkpoint_are_never_loaded(tmp_path):
+    """The HF Trainer's optimizer, scheduler, scaler, RNG and arguments are pickles: each here runs code
+    when unpickled, and the step is published without any of them being loaded or sent."""
+    import torch
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "run" / "checkpoint-5"
+    ck.mkdir(parents=True)
+    w = {"model.embed_tokens.weight": torch.randn(4, 2), "lm_head.weight": torch.randn(4, 2)}
+    save_file(w, ck / "model.safetensors", metadata={"format": "pt"})
+    (ck / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    pickles = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_0.pth")
+    for n in (*pickles, "training_args.bin"):
+        torch.save({"x": _Touch(tmp_path / f"pwned-by-{n}")}, ck / n)
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
+    res = watch_once(tmp_path / "run", tmp_path / "out")
+    assert res.returncode == 0 and "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    assert sorted(p.name for p in published(tmp_path / "out", 5).iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "stagerd.manifest.json",
+    ]
+    assert not list(tmp_path.glob("pwned-by-*"))
+
+
+def test_a_chunk_file_name_holding_a_nul_is_refused_by_name(record, tmp_path):
+    """Before: `consolidate --adopt` died of a raw ValueError (embedded null byte) opening it."""
+    import dataclasses
+
+    src, _ = record
+    ck = tmp_path / "step-1"
+    shutil.copytree(src, ck)
+    meta = pickle.loads((src / ".metadata").read_bytes())  # the test's own save: trusted
+    for k, v in meta.storage_data.items():
+        meta.storage_data[k] = dataclasses.replace(v, relative_path=v.relative_path.replace("_", "\0", 1))
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+    res = run_cli(["consolidate", ck, tmp_path / "out", "--adopt", "dcp"])
+    assert res.returncode == 2 and "DcpFormatError" in res.stderr and "not a plain name" in res.stderr, (
+        res.stderr
+    )
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,8 @@ nothing lands on a refusal.
 from __future__ import annotations
 
 import hashlib
+import http.server
+import threading
 
 import pytest
 
@@ -137,3 +139,69 @@ def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeyp
     assert main(["restore", (tmp_path / "sink").as_uri(), out, "--export"]) == 0
     assert f"restored {here}" in capsys.readouterr().out
     assert tree(here) == tree(export)
+
+
+def test_a_hub_that_cannot_be_reached_is_a_named_error_not_a_traceback(tmp_path):
+    """Before: the httpx ConnectError of a Hub that refuses connections, or drops each download, came out
+    as a raw traceback (exit 1); now a retryable SinkError (exit 3)."""
+    from tests.hubserver.faults import Fault
+
+    with hub_with_step(tmp_path) as (hub, url, env, _export):
+        hub.faults.add(Fault("GET", r"/resolve/", drop=True, times=1000))
+        r = run_restore(url, tmp_path / "dropped", "--export", env=env)
+        assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "dropped").exists() and not list(tmp_path.glob(".dropped.*"))
+    r = run_restore(url, tmp_path / "down", "--export", env=env)  # the server is gone: nothing listens
+    assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "down").exists()
+
+
+@pytest.mark.parametrize(
+    "bad", ["../evil", "/abs/evil", "a\\..\\..\\evil", "config.json/x", ".cache/huggingface/x"]
+)
+def test_a_hub_tree_naming_a_path_no_export_holds_is_refused_before_any_download(tmp_path, bad):
+    """A hostile Hub's tree: before, `..` and absolute names came out as a raw ValueError (exit 1) from
+    huggingface_hub's own check, a file also listed as a directory as a raw FileExistsError half way, and
+    a file under `.cache/` (huggingface_hub's own) was downloaded and then deleted: the restore said done."""
+    from tests.hubserver.store import Blob
+
+    with hub_with_step(tmp_path) as (hub, url, env, _export):
+        for commit in hub.store.repos["acme/llm"].commits.values():
+            commit.tree[bad] = Blob.regular(b"evil")
+        gets = hub.stats.count("GET", r"/resolve/")
+        r = run_restore(url, tmp_path / "out", "--export", env=env)
+        assert r.returncode == 2 and "RestoreError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert hub.stats.count("GET", r"/resolve/") == gets
+    assert not (tmp_path / "out").exists() and not list(tmp_path.rglob("evil"))
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """Every request answered 500, as a broken web server or proxy in front of a read-only sink."""
+
+    def do_GET(self):
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_PUT = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_http_sink_that_answers_an_error_is_a_named_error_not_a_traceback(tmp_path):
+    """Before: aiohttp's ClientResponseError (not an OSError) came out raw, exit 1, reading `latest`; and a
+    raw restore, which writes a lease to the sink, failed on the read-only store with NotImplementedError."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/ckpt"
+        r = run_restore(url, tmp_path / "out", "--export")
+        raw = run_restore(url, tmp_path / "raw", "--step", "3")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 3 and "SinkError" in r.stderr and "HTTP 500" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+    assert raw.returncode == 2 and "ConfigError" in raw.stderr and "--export" in raw.stderr, raw.stderr
+    assert "Traceback" not in raw.stderr and not (tmp_path / "raw").exists()

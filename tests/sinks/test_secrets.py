@@ -256,6 +256,16 @@ def test_watch_status_and_journal_never_hold_a_secret(s3, hub, step_dir, tmp_pat
     lanes = {ln["sink"]: ln["state"] for s in doc["steps"] for ln in s["lanes"]}
     assert sorted(lanes.values()) == ["published", "published", "quarantined"], lanes
     t.add_tree("state", root / layout.STATE_DIR)
+    # what the sinks hold: manifests, claims, leases and data on S3; the Hub's files and commit messages
+    for key in published:
+        t.add(f"s3/{key}", s3.get(key))
+    for repo in hub.store.repos.values():
+        for c in repo.commits.values():
+            t.add(f"hub/{repo.repo_id}@{c.oid}", f"{c.title}\n{c.message}")
+            for path, blob in c.tree.items():
+                t.add(f"hub/{repo.repo_id}/{path}", blob.content or b"")
+    t.add_tree("hub-lfs", hub.store.lfs_dir)
+    assert any("hub/acme/llm/" in label for label, _ in t.pieces)
     t.assert_clean()
 
 
@@ -283,7 +293,10 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     port = _dead_port()
     sink = f"file://{tmp_path / 'published'}"
     env = secret_env(AWS_SESSION_TOKEN=SESSION_TOKEN)
-    proc = start_cli(["watch", root, "--sink", sink, "--metrics-port", str(port), *FAST_WATCH], env=env)
+    # a second sink whose token is in its URL: its lanes are metric labels
+    hub = f"hf://acme/llm?token={URL_TOKEN}&endpoint=http://127.0.0.1:{_dead_port()}&max_attempts=1"
+    flags = ["--sink", sink, "--sink", hub, "--metrics-port", str(port), *FAST_WATCH]
+    proc = start_cli(["watch", root, *flags], env=env)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (tmp_path / "published").exists():
@@ -299,6 +312,25 @@ def test_metrics_listen_on_loopback_and_hold_no_secret(step_dir, tmp_path):
     t.add("healthz", health)
     t.add("watch stdout", out)
     t.add("watch stderr", err)
-    assert b"stagerd" in metrics and json.loads(health)["status"] == "ok"
+    assert b"stagerd" in metrics and b'sink="hf://acme/llm"' in metrics and "status" in json.loads(health)
     assert listening == {"0100007F"}, listening  # 127.0.0.1 only
+    t.assert_clean()
+
+
+MALFORMED = {  # urlsplit refuses each ("Invalid IPv6 URL"): the password must be masked without it
+    "--sink": ["--sink", "https://alice:{pw}@[::1/ckpt"],
+    "--sink-retention": ["--sink", "file://{out}", "--sink-retention", "https://alice:{pw}@[::1/x=last=1"],
+}
+
+
+@pytest.mark.parametrize("flags", list(MALFORMED.values()), ids=list(MALFORMED))
+def test_a_secret_in_a_url_no_parser_reads_never_shows(tmp_path, flags):
+    """Before: `--sink` quoted the URL whole in its ConfigError, and `--sink-retention` died with a
+    ValueError traceback out of the redaction itself."""
+    t = Transcript(STATIC)
+    args = [f.format(pw=URL_PASSWORD, out=tmp_path / "out") for f in flags]
+    for debug in ([], ["--debug"]):
+        r = t.run(f"watch {debug}", *debug, "watch", str(tmp_path), *args, "--once", env=secret_env())
+        assert r.returncode == 2 and "ConfigError" in r.stderr, r.stderr
+        assert debug or "Traceback" not in r.stderr, r.stderr
     t.assert_clean()

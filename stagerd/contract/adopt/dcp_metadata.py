@@ -224,7 +224,14 @@ def _checked(meta: _Record, where: object) -> DcpMetadata:
         if offset is None:
             continue  # a pickled object's record
         file, at, length = info.get("relative_path"), info.get("offset"), info.get("length")
-        if not (isinstance(file, str) and file and "/" not in file and file not in (".", "..")):
+        # a NUL too: no file can be named with one (os.open raises ValueError)
+        if not (
+            isinstance(file, str)
+            and file
+            and "/" not in file
+            and "\0" not in file
+            and file not in (".", "..")
+        ):
             raise DcpFormatError(f"tensor {fqn!r}: its file {show(file)} is not a plain name", path=where)
         if not (_is_uint(at) and _is_uint(length)):
             raise DcpFormatError(f"tensor {fqn!r}: offset {show(at)} and length {show(length)}", path=where)

@@ -20,9 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from stagerd.errors import ConfigError, RestoreError, SinkAuthError, SinkError
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.hub.errors import classify
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 from stagerd.sinks.temp_names import restore_temp
@@ -55,8 +57,12 @@ def _revision(url_revision: str | None, step: int | None) -> str:
 
 def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:
     """Download the export at the step's revision into the new directory `out`, checked against the tree."""
+    import httpx2
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
+    unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
@@ -89,9 +95,12 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
         if status in (401, 403):
             raise SinkAuthError(f"the Hub refused the token ({status})", path=where) from None
         raise SinkError(f"the Hub failed: {status}", path=where) from None
+    except unreachable as e:
+        raise SinkError(f"cannot reach the Hub: {classify(e).text}", path=where) from None
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
         raise RestoreError("holds no files", path=where)
+    _check_tree([e.path for e in files], where)
     tmp = restore_temp(out)
     total, done = sum(int(f.size) for f in files), 0
     try:
@@ -111,6 +120,9 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
+            except httpx2.TransportError as err:
+                why = classify(err).text
+                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
                 raise _xet_download_error(err, f"{where}/{entry.path}") from None
             size = got.stat().st_size
@@ -135,6 +147,21 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_tree(rels: list[str], where: str) -> None:
+    """Refuse, before any download, a tree (the Hub's, so anyone's) that no export directory can hold: a
+    name leaving it, one listed as a file and a directory, or one under `.cache/`, where huggingface_hub
+    keeps its download metadata (removed after the download, so the file would silently go with it)."""
+    try:
+        for rel in rels:
+            layout.safe_relpath(rel, what="file", path=where)
+        layout.check_file_tree(rels, what="file", path=where)
+    except MarkerError as e:
+        raise RestoreError(f"the repo's tree is no export: {e.message}", path=where) from None
+    cached = next((r for r in rels if r.split("/", 1)[0] == ".cache"), None)
+    if cached is not None:
+        raise RestoreError(f"the repo's tree is no export: file {cached!r} is under .cache/", path=where)
 
 
 def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
