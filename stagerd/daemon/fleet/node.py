@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,8 +299,8 @@ class FleetNode:
     def _wait_parts(self) -> list[NodePart]:
         raw = step_prefix(self.step, raw=True)
 
-        def seen() -> list[str]:
-            names = node_parts(self.store.sizes(raw))[0]
+        def seen(listed: Mapping[str, int] | None = None) -> list[str]:
+            names = node_parts(self.store.sizes(raw) if listed is None else listed)[0]
             # another count's, or a node index of this count that no node has (a part made by hand)
             want = {node_part(k, self.nodes) for k in range(self.nodes)}
             other = [n for n in names if n not in want]
@@ -323,7 +323,8 @@ class FleetNode:
 
         self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
         parts = []
-        for k, name in enumerate(seen()):
+        listed = self.store.sizes(raw)  # once: every part's files, whose sizes `check_part` compares
+        for k, name in enumerate(seen(listed)):
             key = f"{raw}/{name}/{layout.MARKER_NAME}"
             try:
                 part = loads(self.store.read(key) or b"{}")
@@ -346,7 +347,8 @@ class FleetNode:
                     "every node",
                 )
             parts.append(NodePart(k, m, f"{raw}/{name}"))
-            check_part(parts[-1], self.store.sizes(parts[-1].prefix), self.exchange.url)
+            mine = {rel[len(name) + 1 :]: n for rel, n in listed.items() if rel.startswith(f"{name}/")}
+            check_part(parts[-1], mine, self.exchange.url)
         return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:
