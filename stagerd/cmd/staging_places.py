@@ -85,9 +85,8 @@ def refuse_foreign_files(step_dir: Path) -> None:
         )  # fmt: skip
     foreign = layout.foreign_names(step_dir)
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise StepExistsError(
-            f"is not committed and holds {shown}, which no save writes; not overwritten",
+            f"is not committed and holds {layout.a_few(foreign)}, which no save writes; not overwritten",
             path=step_dir,
             hint="move those out of it (or the directory away), then run the restore again; nothing was "
             "changed",

@@ -47,6 +47,11 @@ def foreign_names(step_dir: str | os.PathLike[str]) -> list[str]:
     return sorted(n for n in os.listdir(step_dir) if n not in STEP_NAMES and not _STEP_TEMP_RE.fullmatch(n))
 
 
+def a_few(names: list[str], most: int = 3) -> str:
+    """`a, b, c and 2 more`: the first `most` of `names`, for a one-line message."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 # Steps are SQLite INTEGERs in the daemon's journal, and int64 wherever else they travel.
 MAX_STEP = 2**63 - 1
 _STEP_DIR_RE = re.compile(r"step-([0-9]{8,19})")

@@ -9,7 +9,7 @@ import errno
 import shutil
 from pathlib import Path
 
-from stagerd.contract.layout import foreign_names
+from stagerd.contract.layout import a_few, foreign_names
 from stagerd.contract.step.lock import StepLock
 from stagerd.contract.step.pin import Unpinned, pinned
 from stagerd.daemon.adopt import Adoption
@@ -142,10 +142,9 @@ class Housekeeping(Health, Adoption):
             if marker_id is not None and ident != marker_id:
                 return "its directory holds another save of it, made since the one the sinks hold", False
             if self._adopt_root is None and (foreign := foreign_names(step_dir)):
-                shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
                 return (
-                    f"{step_dir} also holds {shown}, which no save writes: retention never deletes your own "
-                    "files; move them out of it and the step goes at the next check"
+                    f"{step_dir} also holds {a_few(foreign)}, which no save writes: retention never deletes "
+                    "your own files; move them out of it and the step goes at the next check"
                 ), False
         return None, _remove_all(self.root, paths)
 
