@@ -136,10 +136,12 @@ def check_tensor(name: str, t: torch.Tensor, what: str) -> None:
         raise SaveInputError(f"{what} entry {name!r} is {t.dtype}, {refused[0]}", hint=refused[1])
 
 
-def plain_tensor(t: torch.Tensor) -> bool:
-    """The common case, tested in one expression (this runs inside the stall, once per tensor)."""
+def plain_tensor(name: str, t: torch.Tensor) -> bool:
+    """The common case, tested in one expression (this runs inside the stall, once per tensor): a leaf
+    `check_tensor` would pass, else it is the one to say why."""
     return (
-        t.dtype in _STORABLE
+        name != METADATA_KEY
+        and t.dtype in _STORABLE
         and _STORABLE[t.dtype] is None
         and t.layout == torch.strided
         and not (t.is_nested or t.is_meta or t.is_neg() or t.is_conj())
@@ -147,8 +149,6 @@ def plain_tensor(t: torch.Tensor) -> bool:
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], what: str) -> None:
-    if METADATA_KEY in tensors:
-        check_tensor(METADATA_KEY, tensors[METADATA_KEY], what)
     for name, t in tensors.items():
-        if not plain_tensor(t):
+        if not plain_tensor(name, t):
             check_tensor(name, t, what)

@@ -22,7 +22,6 @@ from stagerd.contract import layout
 from stagerd.contract.dtypes import export_dtype_hint, parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.reference_index import load_weight_map, read_reference_index
-from stagerd.contract.safetensors_format import METADATA_KEY
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
 from stagerd.training.leaf_check import check_tensor, plain_tensor
 from stagerd.training.to_hub import ToHub
@@ -67,7 +66,7 @@ def _check_tensors(sd: Mapping[str, Any], prefix: str = "") -> int:
         if not isinstance(k, str):
             raise SaveInputError(f"state dict key {name!r} is not a string")
         if isinstance(v, torch.Tensor):
-            if not plain_tensor(v) or name == METADATA_KEY:
+            if not plain_tensor(name, v):
                 check_tensor(name, v, "model state dict")
             n += 1
         elif isinstance(v, Mapping):
