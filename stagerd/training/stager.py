@@ -184,8 +184,7 @@ class Stager:
         """
         if self._closed:
             raise SaveError("the Stager is closed")
-        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-            step = int(step)  # a numpy integer; anything else is refused by every rank in `start_save`
+        step = _plain_step(step)
         self._saves.wait_previous(step)
         return self._saves.add(
             start_save(
@@ -222,8 +221,7 @@ class Stager:
         if (h := self._saves.latest) is not None:  # a save still writing: load what it commits too
             with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
                 h.committed.result()
-        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-            step = int(step)
+        step = _plain_step(step)
         self.loaded = load_step(self._comm, self.root, state_dict, optimizer_state, step)
         return self.loaded.step
 
@@ -341,3 +339,8 @@ class Stager:
                 dist.destroy_process_group(self._group)
             self._group = None
             self._comm.group = None
+
+
+def _plain_step(step: Any) -> Any:
+    """A numpy integer as the int it is; anything else as given, for the checks that refuse it by name."""
+    return int(step) if isinstance(step, numbers.Integral) and not isinstance(step, bool) else step
