@@ -90,7 +90,7 @@ class Claim:
     # never written: the names older stagerds gave this publisher's tree (ROOT's "device:inode" and the
     # step directory's inode, now); None outside ROOT's layout, where host and path alone decide
     former: frozenset[str] | None = field(default=frozenset(), compare=False)
-    # a prune: its pid namespace (`temp_names.PID_NS`), without which its pid says nothing here; written
+    # a prune: its pid namespace (`ops.processes.PID_NS`), without which its pid says nothing here; written
     # only by a prune, so a publisher's claim is the bytes an older stagerd wrote
     pidns: str | None = None
 
