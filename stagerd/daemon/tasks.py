@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -37,12 +36,11 @@ from stagerd.daemon.journal import (
     PUBLISHING,
     QUARANTINED,
     LaneState,
-    StepState,
 )
-from stagerd.daemon.policy import Failure, decide_failure, failure_note
 from stagerd.daemon.state import log
+from stagerd.daemon.work_failures import WorkFailures
 from stagerd.daemon.yielding import Yielder, Yielding
-from stagerd.errors import JournalError, MarkerError, StagerdError
+from stagerd.errors import JournalError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
 
@@ -65,7 +63,7 @@ def _test_pause(where: str, step: int) -> None:
         time.sleep(float(os.environ.get(TEST_PAUSE_SECONDS_ENV, "3600")))
 
 
-class Tasks(FleetTasks, Health, RetiredAdoption, Yielding):
+class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
     _marker_metadata: dict[int, Mapping[str, Any]]
 
     async def _export(self, step: int, step_dir: Path) -> None:
@@ -189,65 +187,6 @@ class Tasks(FleetTasks, Health, RetiredAdoption, Yielding):
             return
         refuse_links(step_dir, why=why, hint=hint)  # an adopted checkpoint: the trainer's own layout
         refuse_links(work, built, why=why, hint=hint)
-
-    async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
-        """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
-        f = decide_failure(err, attempt, self.settings, time.time())
-        fail: Callable[..., StepState | LaneState]
-        if sink is None:
-            stage, what = "export", f"step {step}"
-            fail = partial(self._journal.fail_export, step)
-        else:
-            stage, what = "publish", f"step {step} on {sink}"
-            fail = partial(self._journal.fail_publish, step, sink)
-        state: StepState | LaneState = await self._record(
-            f"record the failed {stage} of {what}",
-            fail,
-            f.error_class,
-            f.message,
-            next_try=f.next_try,
-            quarantine=f.quarantine,
-        )
-        self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
-        if f.quarantine:
-            self._yield_ledger.forget(step, sink)
-        if f.quarantine and sink is not None:
-            # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
-            # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
-            self._marker_metadata.pop(step, None)
-        if self._adopt_root is None:
-            on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
-        else:
-            row = await self._j(self._journal.step, step)
-            on_disk = row is not None and await self._io(Path(row.path).is_dir)
-        self._log_failure(step, sink, state, f, attempt, err, on_disk=on_disk)
-
-    def _log_failure(
-        self,
-        step: int,
-        sink: str | None,
-        state: StepState | LaneState,
-        f: Failure,
-        attempt: int,
-        err: BaseException,
-        *,
-        on_disk: bool,
-    ) -> None:
-        self._log_step(
-            step,
-            sink,
-            state,
-            error_class=f.error_class,
-            note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
-            level=logging.ERROR if f.quarantine else logging.WARNING,
-            attempt=attempt,
-            hint=getattr(err, "hint", None)
-            if on_disk
-            else "the step was deleted from ROOT while in work; "
-            "save it again to export it (the new save is picked up as a new version of the step)",
-        )
-        if not isinstance(err, StagerdError):
-            log.debug("unexpected error", exc_info=err)
 
     async def _publish(self, step: int, sink: str) -> None:
         """One (step, sink) publish task: begin, publish, record; a journal error ends it quietly."""

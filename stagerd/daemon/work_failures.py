@@ -1,0 +1,83 @@
+"""What a failed export or publish leaves: the journal's record (retried later, or quarantined), the
+metric, and one log line whose hint says what to do."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from stagerd.contract import layout
+from stagerd.daemon.gate import JournalGate
+from stagerd.daemon.journal import LaneState, StepState
+from stagerd.daemon.policy import Failure, decide_failure, failure_note
+from stagerd.daemon.state import log
+from stagerd.daemon.yielding import YieldLedger
+from stagerd.errors import StagerdError
+
+
+class WorkFailures(JournalGate):
+    _marker_metadata: dict[int, Mapping[str, Any]]
+    _yield_ledger: YieldLedger
+
+    async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
+        """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
+        f = decide_failure(err, attempt, self.settings, time.time())
+        fail: Callable[..., StepState | LaneState]
+        if sink is None:
+            stage, what = "export", f"step {step}"
+            fail = partial(self._journal.fail_export, step)
+        else:
+            stage, what = "publish", f"step {step} on {sink}"
+            fail = partial(self._journal.fail_publish, step, sink)
+        state: StepState | LaneState = await self._record(
+            f"record the failed {stage} of {what}",
+            fail,
+            f.error_class,
+            f.message,
+            next_try=f.next_try,
+            quarantine=f.quarantine,
+        )
+        self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
+        if f.quarantine:
+            self._yield_ledger.forget(step, sink)
+        if f.quarantine and sink is not None:
+            # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
+            # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
+            self._marker_metadata.pop(step, None)
+        if self._adopt_root is None:
+            on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
+        else:
+            row = await self._j(self._journal.step, step)
+            on_disk = row is not None and await self._io(Path(row.path).is_dir)
+        self._log_failure(step, sink, state, f, attempt, err, on_disk=on_disk)
+
+    def _log_failure(
+        self,
+        step: int,
+        sink: str | None,
+        state: StepState | LaneState,
+        f: Failure,
+        attempt: int,
+        err: BaseException,
+        *,
+        on_disk: bool,
+    ) -> None:
+        self._log_step(
+            step,
+            sink,
+            state,
+            error_class=f.error_class,
+            note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
+            level=logging.ERROR if f.quarantine else logging.WARNING,
+            attempt=attempt,
+            hint=getattr(err, "hint", None)
+            if on_disk
+            else "the step was deleted from ROOT while in work; "
+            "save it again to export it (the new save is picked up as a new version of the step)",
+        )
+        if not isinstance(err, StagerdError):
+            log.debug("unexpected error", exc_info=err)
