@@ -80,11 +80,15 @@ class StagerdCallback(TrainerCallback):
 
     def __init__(
         self,
-        root: str | Path,
+        root: str | Path | None = None,
         *,
         stager_options: Mapping[str, Any] | None = None,
         **save_options: Any,
     ):
+        if root is None:  # `add_callback(StagerdCallback)`: transformers makes one with no arguments
+            raise ConfigError("StagerdCallback needs root=, the directory its steps are saved under",
+                              hint="give an instance: trainer.add_callback(StagerdCallback(root=ROOT)) or "
+                              "callbacks=[StagerdCallback(root=ROOT)]")  # fmt: skip
         bad = [k for k in _OURS if k in save_options]
         if bad:
             raise SaveInputError(f"StagerdCallback gives {bad} itself, from the Trainer; do not pass them")

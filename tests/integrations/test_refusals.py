@@ -22,6 +22,19 @@ def test_the_callbacks_own_arguments_are_refused():
         StagerdCallback(root="/nonexistent", model=object())
 
 
+@pytest.mark.parametrize("how", ["callbacks", "add_callback"])
+def test_the_class_itself_is_refused_with_a_hint(tmp_path, how):
+    """transformers makes a callback given as a class with no arguments: StagerdCallback needs ROOT."""
+    from stagerd.integrations.transformers import StagerdCallback
+
+    with pytest.raises(ConfigError, match="root") as e:
+        if how == "callbacks":
+            _trainer(tmp_path, callbacks=[StagerdCallback])
+        else:
+            _trainer(tmp_path).add_callback(StagerdCallback)
+    assert "StagerdCallback(root=" in e.value.hint
+
+
 def test_a_callback_serving_a_trainer_is_not_added_to_another_until_removed(tmp_path):
     from stagerd.integrations.transformers import StagerdCallback
 
