@@ -34,14 +34,15 @@ What keeps its meaning, and what maps to the daemon:
 
 Resuming: `resume(trainer)` picks the newest step committed under ROOT that every rank sees (or `step=`),
 e.g. one `stagerd restore` brought back, and returns its `extras/` folder, where the Trainer finds
-`trainer_state.json` (global step, epoch, which batches to skip). With the callback given to the
-Trainer's constructor, `train(resume_from_checkpoint=...)` also takes True or ROOT (the newest step; True
-with none: the Trainer's own checkpoints) and a step directory ROOT/step-N. The callback then loads the
-model, optimizer, scheduler, scaler and RNG states where the Trainer would load its own files.
+`trainer_state.json` (global step, epoch, which batches to skip). `train(resume_from_checkpoint=...)` also
+takes True or ROOT (the newest step; True with none: the Trainer's own checkpoints) and a step directory
+ROOT/step-N. The callback then loads the model, optimizer, scheduler, scaler and RNG states where the
+Trainer would load its own files.
 
 Callback events do not receive the Trainer, and the save must run inside the Trainer's
-`_save_checkpoint`; so the callback binds itself to the Trainer that fires its first event (the `self` of
-the calling frame), or to the one `resume()` is given, and wraps a few of its methods on the instance.
+`_save_checkpoint`; so the callback binds itself to the Trainer (`trainer_bind`): the one that fires its
+first event, the one `add_callback` adds it to, or the one `resume()` is given, and wraps a few of its
+methods on the instance until `remove_callback` or `pop_callback` takes it out.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -61,7 +61,7 @@ from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import best_step, hf_files, hf_trainer, rng
+from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -79,8 +79,16 @@ class StagerdCallback(TrainerCallback):
     `stager_options`: of `Stager(...)` (`timeout`, `checkpointer`, `pin_memory`)."""
 
     def __init__(
-        self, root: str | Path, *, stager_options: Mapping[str, Any] | None = None, **save_options: Any
+        self,
+        root: str | Path | None = None,
+        *,
+        stager_options: Mapping[str, Any] | None = None,
+        **save_options: Any,
     ):
+        if root is None:  # `add_callback(StagerdCallback)`: transformers makes one with no arguments
+            raise ConfigError("StagerdCallback needs root=, the directory its steps are saved under",
+                              hint="give an instance: trainer.add_callback(StagerdCallback(root=ROOT)) or "
+                              "callbacks=[StagerdCallback(root=ROOT)]")  # fmt: skip
         bad = [k for k in _OURS if k in save_options]
         if bad:
             raise SaveInputError(f"StagerdCallback gives {bad} itself, from the Trainer; do not pass them")
@@ -89,6 +97,7 @@ class StagerdCallback(TrainerCallback):
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._trainer: Trainer | None = None
+        self._replaced: trainer_bind.Replaced | None = None
         self._restored: hf_trainer.Restored | None = None
         self._resumed_step: int | None = None  # the step this train() resumed from, until on_train_begin
         self._model_files: dict[str, bytes] | None = None  # config and tokenizer: made once per training
@@ -154,15 +163,21 @@ class StagerdCallback(TrainerCallback):
     # -- binding to the Trainer --------------------------------------------------------------------
 
     def _bind_caller(self) -> None:
-        if self._trainer is not None:
+        trainer = None if self._trainer is not None else trainer_bind.caller()
+        if trainer is not None:
+            self._bind(trainer)
+
+    def _added_to(self, trainer: Trainer) -> None:
+        self._bind(trainer)  # before train() reads its resume_from_checkpoint: no event comes earlier
+
+    def _removed_from(self, trainer: Trainer) -> None:
+        """The Trainer's own methods back, and whatever a training left open closed."""
+        if self._trainer is not trainer:
             return
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer):
-                self._bind(owner)
-                return
-            frame = frame.f_back  # type: ignore[assignment]
+        if self._replaced is not None:
+            self._replaced.undo()
+        self._trainer, self._replaced = None, None
+        self.on_train_end(trainer.args, trainer.state, trainer.control)
 
     def _bind(self, trainer: Trainer) -> None:
         if self._trainer is trainer:
@@ -174,14 +189,15 @@ class StagerdCallback(TrainerCallback):
             raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")
         self._trainer = trainer
         train = trainer.train
-        trainer.train = lambda *a, **kw: self._train(train, *a, **kw)  # type: ignore[method-assign]
         save = trainer._save_checkpoint  # the class's, a subclass's override included
-        trainer._save_checkpoint = lambda model, trial: self._save_checkpoint(save, model, trial)  # type: ignore[method-assign]
-        for name in _LOADERS:
-            original = getattr(trainer, name)
-            setattr(trainer, name, self._loader(name, original))
         load_best = trainer._load_best_model
-        trainer._load_best_model = lambda: self._load_best_model(load_best)  # type: ignore[method-assign]
+        replacements: dict[str, Any] = {
+            "train": lambda *a, **kw: self._train(train, *a, **kw),
+            "_save_checkpoint": lambda model, trial: self._save_checkpoint(save, model, trial),
+            "_load_best_model": lambda: self._load_best_model(load_best),
+        }
+        replacements.update({n: self._loader(n, getattr(trainer, n)) for n in _LOADERS})
+        self._replaced = trainer_bind.Replaced(trainer, replacements)
 
     def _train(self, train: Any, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, its `resume_from_checkpoint` read as this callback's (`_checkpoint`)."""
@@ -275,16 +291,11 @@ class StagerdCallback(TrainerCallback):
             "_save_rng_state": save_rng,
             "_push_from_checkpoint": lambda output_dir: setattr(captured, "pushed", True),
         }
-        before = {n: trainer.__dict__[n] for n in replaced if n in trainer.__dict__}
-        trainer.__dict__.update(replaced)
+        writers = trainer_bind.Replaced(trainer, replaced)
         try:
             yield
         finally:
-            for n in replaced:
-                if n in before:
-                    trainer.__dict__[n] = before[n]
-                else:
-                    del trainer.__dict__[n]
+            writers.undo()
 
     def _start_save(self, trainer: Trainer, captured: hf_trainer.Captured, files: dict[str, bytes]) -> None:
         stager = self._attach(trainer)
@@ -378,3 +389,6 @@ class StagerdCallback(TrainerCallback):
         if message not in self._said and (not distributed or dist.get_rank() == 0):
             self._said.add(message)
             log.warning("%s", message)
+
+
+trainer_bind.install()

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from stagerd.errors import SaveInputError
+from stagerd.errors import ConfigError, SaveInputError
+from tests.integrations.hf_ranks import model
+
+
+def _trainer(tmp_path, callbacks=None):
+    import transformers as tf
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    return tf.Trainer(model=model(0), args=args, callbacks=callbacks)
 
 
 def test_the_callbacks_own_arguments_are_refused():
@@ -12,3 +20,32 @@ def test_the_callbacks_own_arguments_are_refused():
 
     with pytest.raises(SaveInputError, match=r"gives \['model'\] itself"):
         StagerdCallback(root="/nonexistent", model=object())
+
+
+@pytest.mark.parametrize("how", ["callbacks", "add_callback"])
+def test_the_class_itself_is_refused_with_a_hint(tmp_path, how):
+    """transformers makes a callback given as a class with no arguments: StagerdCallback needs ROOT."""
+    from stagerd.integrations.transformers import StagerdCallback
+
+    with pytest.raises(ConfigError, match="root") as e:
+        if how == "callbacks":
+            _trainer(tmp_path, callbacks=[StagerdCallback])
+        else:
+            _trainer(tmp_path).add_callback(StagerdCallback)
+    assert "StagerdCallback(root=" in e.value.hint
+
+
+def test_a_callback_serving_a_trainer_is_not_added_to_another_until_removed(tmp_path):
+    from stagerd.integrations.transformers import StagerdCallback
+
+    cb = StagerdCallback(root=tmp_path / "root")
+    first, second = _trainer(tmp_path, callbacks=[cb]), _trainer(tmp_path)
+    with pytest.raises(ConfigError, match="serves one Trainer"):
+        second.add_callback(cb)
+    assert cb not in second.callback_handler.callbacks  # refused: not left there, unbound
+    assert "_save_checkpoint" not in second.__dict__
+
+    first.remove_callback(cb)
+    assert "_save_checkpoint" not in first.__dict__
+    second.add_callback(cb)
+    assert "_save_checkpoint" in second.__dict__
