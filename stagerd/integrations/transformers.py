@@ -184,6 +184,11 @@ class StagerdCallback(TrainerCallback):
             return
         if self._trainer is not None:
             raise ConfigError("a StagerdCallback serves one Trainer; give each Trainer its own")
+        others = trainer.callback_handler.callbacks
+        if any(isinstance(cb, StagerdCallback) and cb._trainer is trainer for cb in others):
+            # two would each take the save over, one inside the other: two saves of one step
+            raise ConfigError("this Trainer already has a StagerdCallback; give it one",
+                              hint="pass every Stager.save option to that one callback")  # fmt: skip
         missing = [n for n in (*_WRAPPED, *_LOADERS) if not callable(getattr(trainer, n, None))]
         if missing:
             raise ConfigError(f"this Trainer has no {missing}: a transformers version stagerd does not know")

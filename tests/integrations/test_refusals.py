@@ -49,3 +49,22 @@ def test_a_callback_serving_a_trainer_is_not_added_to_another_until_removed(tmp_
     assert "_save_checkpoint" not in first.__dict__
     second.add_callback(cb)
     assert "_save_checkpoint" in second.__dict__
+
+
+@pytest.mark.parametrize("how", ["callbacks", "add_callback"])
+def test_a_second_callback_on_one_trainer_is_refused(tmp_path, how):
+    from stagerd.integrations.transformers import StagerdCallback
+
+    first, second = StagerdCallback(root=tmp_path / "a"), StagerdCallback(root=tmp_path / "b")
+    if how == "callbacks":
+        with pytest.raises(ConfigError, match="already has a StagerdCallback"):
+            _trainer(tmp_path, callbacks=[first, second])
+        return
+    trainer = _trainer(tmp_path, callbacks=[first])
+    with pytest.raises(ConfigError, match="already has a StagerdCallback"):
+        trainer.add_callback(second)
+    assert second not in trainer.callback_handler.callbacks
+    assert second._trainer is None
+    trainer.remove_callback(first)
+    trainer.add_callback(second)  # one at a time is fine
+    assert second._trainer is trainer
