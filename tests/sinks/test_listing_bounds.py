@@ -99,3 +99,32 @@ def test_an_fsspec_store_lists_no_key_outside_the_step(s3, ignoring):  # noqa: F
     fs = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": ignoring})
     found: dict[str, Any] = FsspecBackend(fs, f"{s3.bucket}/ckpt").list(layout.step_dir_name(1))
     assert set(found) == {"a.safetensors", layout.MANIFEST_NAME}
+
+
+def test_a_probe_deletes_no_scratch_key_of_another_prefix(s3, ignoring):  # noqa: F811
+    """A dead probe's scratch key under `ckpu` (another run, a name as long): before, the probe's tidy-up
+    of `ckpt` sliced it to a scratch name of its own and deleted `ckpu/...`, a key outside its prefix."""
+    from stagerd.sinks.s3.conditions import PROBE_PREFIX
+    from stagerd.sinks.temp_names import HOST
+
+    foreign = f"ckpu/{PROBE_PREFIX}{HOST}-999999999-{'0' * 32}-put"
+    s3.client.put_object(Bucket=s3.bucket, Key=foreign, Body=b"")
+    b = S3Backend.open(s3.url("ckpt"), {}, part_size=5 << 20, max_concurrency=2, checksum="CRC32")
+    try:
+        assert b.create("stagerd-claim-test", b"{}")
+    finally:
+        b.close()  # waits for the probe's tidy-up
+    assert foreign in s3.keys("ckpu/")
+
+
+def test_a_sweep_aborts_no_upload_of_a_sibling_step(s3, ignoring):  # noqa: F811
+    """A multipart upload pending under `step-10`: the sweep of `step-1` leaves it."""
+    key = f"ckpt/{layout.step_dir_name(10)}/model.safetensors"
+    upload = s3.client.create_multipart_upload(Bucket=s3.bucket, Key=key)["UploadId"]
+    b = S3Backend.open(s3.url("ckpt"), {}, part_size=5 << 20, max_concurrency=2, checksum="CRC32")
+    try:
+        b.sweep(layout.step_dir_name(1))
+    finally:
+        b.close()
+    pending = s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
+    assert [(u["Key"], u["UploadId"]) for u in pending] == [(key, upload)]
