@@ -140,7 +140,8 @@ def publish_to_hub(
         # the step's records, which it does only once the leader recorded it done, after every Hub record
         x.wait(
             lambda: (
-                _recorded(exchange, step, hub.url, hubs) or exchange.backend.read(x.claim_key(me)) is None
+                _recorded(exchange, step, hub.url, hubs)
+                or exchange.backend.read(x.claim_key(me), MAX_RECORD_BYTES + 1) is None
             ),
             lambda: (
                 f"waiting for node 0 to publish step {step} to the Hub sink {hub.url}{x.progress_of([0])}"
