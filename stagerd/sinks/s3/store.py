@@ -1,8 +1,9 @@
 """What prune, restore leases and claims need from S3 beyond publishing: exact listings with each object's
 LastModified and ETag, the store's own clock, conditional writes and deletes, and batched deletes of
-named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash, a delete
-names keys a listing returned (`DeleteObjects`, 1000 a request), and nothing here hands a path to s3fs's
-`rm`/`glob`/`expand_path`, which read `*`, `?` and `[` as patterns.
+named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash and takes
+only the keys under it, a delete names keys a listing returned (`DeleteObjects`, 1000 a request; a key
+XML cannot carry by `DeleteObject`), and nothing here hands a path to s3fs's `rm`/`glob`/`expand_path`,
+which read `*`, `?` and `[` as patterns.
 """
 
 from __future__ import annotations
