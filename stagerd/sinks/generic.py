@@ -7,6 +7,7 @@ import hashlib
 from typing import Any
 
 from stagerd.sinks.hashing import hash_file, iter_file
+from stagerd.sinks.listed import skipped, under
 from stagerd.sinks.objects import ByteProgress, LocalFile, RemoteObject, Uploaded, changed_error
 
 
@@ -31,11 +32,16 @@ class FsspecBackend:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
-        out = {}
+        out, outside = {}, []
+        strip = self.fs._strip_protocol(base).rstrip("/") + "/"
         for name, info in found.items():
-            rel = self.fs._strip_protocol(name)[len(self.fs._strip_protocol(base)) :].lstrip("/")
-            if rel and info.get("type", "file") == "file":
+            path = self.fs._strip_protocol(name)
+            rel = under(strip, path)
+            if rel is None and path != strip[:-1]:  # the base itself (a file there) is no key of the step
+                outside.append(name)
+            elif rel is not None and info.get("type", "file") == "file":
                 out[rel] = RemoteObject(int(info["size"]))
+        skipped(base, outside)
         return out
 
     def checksums(self, prefix: str, rels: builtins.list[str]) -> dict[str, str | None]:

@@ -1,7 +1,8 @@
 """A sink's store as restore, prune, leases and the fleet read and change it: exact keys, never patterns.
 
 - **Exact keys.** A listing asks for `ROOT/<prefix>/` with its slash (`run1` never lists `run10/`, and
-  `step-10000000` never lists `step-100000000/`); a delete names keys a listing returned; no sink path ever
+  `step-10000000` never lists `step-100000000/`), and takes only the names it returns that are under it
+  (`listed.py`: a store may answer with others); a delete names keys a listing returned; no sink path ever
   goes to s3fs's or fsspec's `rm`, `glob` or `expand_path`, which read `*`, `?` and `[` as patterns.
   Object-store URLs with those characters are refused when the store opens (`urls.refuse_patterns`).
 - **Conditional writes** (`put_if`, `delete_if`), for claims: S3's own `If-None-Match` / `If-Match`

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.json_fields import loads
-from stagerd.daemon.fleet.exchange import StepExchange
+from stagerd.daemon.fleet.exchange import MAX_RECORD_BYTES, StepExchange
 from stagerd.daemon.fleet.records import sink_id
-from stagerd.errors import SinkError
+from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks.base import PublishResult, Sink
 from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manifest, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
@@ -44,9 +44,9 @@ def hub_record_key(step: int, url: str | None = None) -> str:
 def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) -> bool:
     """Hub sink `url` holds `step`: its record, or (the fleet's one Hub sink) the record an older stagerd
     knows, unless that names another sink (the fleet's Hub sink since changed)."""
-    if exchange.backend.read(hub_record_key(step, url)) is not None:
+    if _read(exchange, step, hub_record_key(step, url)) is not None:
         return True
-    old = exchange.backend.read(hub_record_key(step)) if len(hubs) == 1 else None
+    old = _read(exchange, step, hub_record_key(step)) if len(hubs) == 1 else None
     if old is None:
         return False
     try:
@@ -54,6 +54,20 @@ def _recorded(exchange: FsspecSink, step: int, url: str, hubs: Sequence[str]) ->
     except (ValueError, AttributeError):
         named = url
     return bool(sink_id(str(named)) == sink_id(url))
+
+
+def _read(exchange: FsspecSink, step: int, key: str) -> bytes | None:
+    """A Hub record, at most `MAX_RECORD_BYTES` (as every lane reads the exchange): anyone may put an object
+    of any size at its key, and each waiting node read it whole into memory, every poll."""
+    data = exchange.backend.read(key, MAX_RECORD_BYTES + 1)
+    if data is not None and len(data) > MAX_RECORD_BYTES:
+        raise SinkConflictError(
+            f"step {step}: {key} on the exchange is not a Hub record (over {MAX_RECORD_BYTES} bytes)",
+            path=f"{exchange.url}/{key}",
+            hint="stagerd did not write it; remove it from the exchange (node 0 writes its own again), then "
+            f"run `stagerd retry ROOT --step {step}` on every node",
+        )
+    return data
 
 
 def all_hubs_recorded(exchange: FsspecSink, step: int, hubs: Sequence[str]) -> bool:
@@ -126,7 +140,8 @@ def publish_to_hub(
         # the step's records, which it does only once the leader recorded it done, after every Hub record
         x.wait(
             lambda: (
-                _recorded(exchange, step, hub.url, hubs) or exchange.backend.read(x.claim_key(me)) is None
+                _recorded(exchange, step, hub.url, hubs)
+                or exchange.backend.read(x.claim_key(me), MAX_RECORD_BYTES + 1) is None
             ),
             lambda: (
                 f"waiting for node 0 to publish step {step} to the Hub sink {hub.url}{x.progress_of([0])}"

@@ -57,6 +57,9 @@ class StepRefs:
 
     def target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
         """(branch to commit to, its head as the parent commit), creating the branch if needed."""
+        self._check_branch_names(
+            step, branches, self.branch_per_step or not (head_step is None or head_step < step)
+        )
         if self.revision not in branches:
             self.api.create_branch(
                 self.repo_id, branch=self.revision, revision=branches["main"], exist_ok=True
@@ -105,6 +108,35 @@ class StepRefs:
             )
             hint = f"rename the tag {nested} (a tag and a folder of tags cannot share a name)"
         raise SinkConflictError(f"{what}; nothing was written", path=self.url, hint=hint)
+
+    def _check_branch_names(self, step: int, branches: Mapping[str, str], step_branch: bool) -> None:
+        """Refuse, before any branch is made, a branch this publish must make (the revision, if missing; the
+        step's branch, where `step_branch`) that a person's branch keeps from being made: git keeps refs as
+        paths, so a branch `stagerd` leaves no room for `stagerd/step-N` (the Hub's answer was a bare 400,
+        retried, after the revision's branch was made)."""
+        wanted = [self.revision] if self.revision not in branches else []
+        if step_branch and self.step_branch(step) not in branches:
+            wanted.append(self.step_branch(step))
+        for name in wanted:
+            nested = next(
+                (b for b in sorted(branches) if b.startswith(f"{name}/") or name.startswith(f"{b}/")), None
+            )
+            if nested is None:
+                continue
+            if name == self.revision:
+                hint = f"rename the branch {nested} of {self.repo_id}, or publish to another revision"
+            else:
+                hint = (
+                    f"rename the branch {nested} of {self.repo_id} (stagerd's step branches are "
+                    f"stagerd/...), or publish without branch_per_step: steps in order then go onto "
+                    f"{self.revision} and need no step branch"
+                )
+            raise SinkConflictError(
+                f"step {step}: the branch {nested} of {self.repo_id} keeps the branch {name} from being made "
+                "(a branch and a folder of branches cannot share a name); nothing was written",
+                path=self.url,
+                hint=hint,
+            )
 
     def _create_branch(self, branch: str, start: str) -> bool:
         """Make `branch` from `start`; False where it exists already (the Hub's 409)."""

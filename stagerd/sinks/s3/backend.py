@@ -15,6 +15,7 @@ from typing import Any
 
 from stagerd.errors import ConfigError, SinkMissingError
 from stagerd.sinks.hashing import ALGORITHMS, b64, hash_file, raw_checksum
+from stagerd.sinks.listed import skipped, under
 from stagerd.sinks.objects import (
     ByteProgress,
     Latest,
@@ -165,13 +166,20 @@ class S3Backend(OpeningMixin, LatestMixin):
         s3 = await self._client()
         base = self.key(prefix) + "/"
         out: dict[str, RemoteObject] = {}
+        outside: builtins.list[str] = []
         args = {"Bucket": self.bucket, "Prefix": base}
         try:
             while True:
                 page = await s3.list_objects_v2(**args)
                 for o in page.get("Contents", []):
-                    out[o["Key"][len(base) :]] = RemoteObject(int(o["Size"]))
+                    rel = under(base, o["Key"])
+                    if rel is None:
+                        if o["Key"] != base:  # a folder marker of the step itself: no key of it
+                            outside.append(o["Key"])
+                    else:
+                        out[rel] = RemoteObject(int(o["Size"]))
                 if not page.get("IsTruncated"):
+                    skipped(self.where(prefix), outside)
                     return out
                 args["ContinuationToken"] = page["NextContinuationToken"]
         except Exception as e:
@@ -202,7 +210,10 @@ class S3Backend(OpeningMixin, LatestMixin):
         try:
             while True:  # pages by hand, as in `_list`
                 page = await s3.list_multipart_uploads(**args)
-                stale = [(u["Key"], u["UploadId"]) for u in page.get("Uploads", [])]
+                ups = page.get("Uploads", [])
+                stale = [
+                    (u["Key"], u["UploadId"]) for u in ups if under(args["Prefix"], u["Key"]) is not None
+                ]
                 await asyncio.gather(
                     *(s3.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=u) for k, u in stale)
                 )

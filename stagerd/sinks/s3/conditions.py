@@ -190,7 +190,7 @@ async def _dead_probes(b: S3Backend, s3: Any, own: str) -> list[str]:
     dead = []
     for key, when in found.items():
         m = _PROBE_KEY.fullmatch(key[len(prefix) - len(PROBE_PREFIX) :])
-        if key == own or m is None:
+        if key == own or m is None or not key.startswith(prefix):  # a store that ignores `Prefix`: not ours
             continue
         killed_here = m["host"] == HOST and not pid_alive(int(m["pid"]))
         if killed_here or (now is not None and (now - when).total_seconds() > PROBE_STALE_S):

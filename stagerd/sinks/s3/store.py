@@ -1,18 +1,21 @@
 """What prune, restore leases and claims need from S3 beyond publishing: exact listings with each object's
 LastModified and ETag, the store's own clock, conditional writes and deletes, and batched deletes of
-named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash, a delete
-names keys a listing returned (`DeleteObjects`, 1000 a request), and nothing here hands a path to s3fs's
-`rm`/`glob`/`expand_path`, which read `*`, `?` and `[` as patterns.
+named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash and takes
+only the keys under it, a delete names keys a listing returned (`DeleteObjects`, 1000 a request; a key
+XML cannot carry by `DeleteObject`), and nothing here hands a path to s3fs's `rm`/`glob`/`expand_path`,
+which read `*`, `?` and `[` as patterns.
 """
 
 from __future__ import annotations
 
 import email.utils
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
-from stagerd.errors import SinkError
+from stagerd.errors import SinkAuthError, SinkError
+from stagerd.sinks.listed import skipped, under
 from stagerd.sinks.objects import StoredObject
 from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
 from stagerd.sinks.s3.conditions import refuse
@@ -39,15 +42,20 @@ def objects(b: S3Backend, prefix: str, start: str = "") -> dict[str, StoredObjec
         s3 = await b._client()
         base = _base(b, prefix)
         out: dict[str, StoredObject] = {}
+        outside: list[str] = []
         args = {"Bucket": b.bucket, "Prefix": base + start}
         try:
             while True:
                 page = await s3.list_objects_v2(**args)
                 for o in page.get("Contents", []):
-                    out[o["Key"][len(base) :]] = StoredObject(
-                        int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag")
-                    )
+                    rel = under(base, o["Key"])
+                    if rel is None or not rel.startswith(start):
+                        if o["Key"] != base:  # a folder marker of the prefix itself: no key of it
+                            outside.append(o["Key"])
+                    else:
+                        out[rel] = StoredObject(int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag"))
                 if not page.get("IsTruncated"):
+                    skipped(b.where(prefix), outside)
                     return out
                 args["ContinuationToken"] = page["NextContinuationToken"]
         except Exception as e:
@@ -174,7 +182,8 @@ def delete_if(b: S3Backend, key: str, tag: str) -> bool:
 
 
 def delete(b: S3Backend, keys: list[str]) -> None:
-    """Delete exactly `keys` (missing ones are fine): `DeleteObjects`, 1000 keys a request."""
+    """Delete exactly `keys` (missing ones are fine): `DeleteObjects`, 1000 keys a request; a key that
+    XML 1.0 cannot carry by its own `DeleteObject` (`_xml_safe`)."""
 
     async def batch(chunk: list[str]) -> None:
         s3 = await b._client()
@@ -183,19 +192,61 @@ def delete(b: S3Backend, keys: list[str]) -> None:
                 Bucket=b.bucket, Delete={"Objects": [{"Key": b.key(k)} for k in chunk], "Quiet": True}
             )
         except Exception as e:
-            raise s3_error(e, b.where(chunk[0])) from None
+            raise _refused(b, s3_error(e, b.where(chunk[0]))) from None
         errors = [e for e in r.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
         if errors:
-            first = errors[0]
-            raise SinkError(
-                f"{len(errors)} of {len(chunk)} deletes refused, first: {first.get('Code')} "
-                f"{first.get('Message', '')}".rstrip(),
-                path=f"s3://{b.bucket}/{first.get('Key', '')}",
+            denied = [e for e in errors if e.get("Code") in _DENIED]
+            first = (denied or errors)[0]
+            kind = SinkAuthError if denied else SinkError
+            raise _refused(
+                b,
+                kind(
+                    f"{len(errors)} of {len(chunk)} deletes refused, first: {first.get('Code')} "
+                    f"{first.get('Message', '')}".rstrip(),
+                    path=f"s3://{b.bucket}/{first.get('Key', '')}",
+                ),
             )
 
+    async def one(key: str) -> None:
+        s3 = await b._client()
+        try:
+            await s3.delete_object(Bucket=b.bucket, Key=b.key(key))
+        except Exception as e:
+            if error_code(e)[0] not in ("NoSuchKey", "404"):
+                raise _refused(b, s3_error(e, b.where(key))) from None
+
     async def go() -> None:
-        for i in range(0, len(keys), DELETE_BATCH):
-            await batch(keys[i : i + DELETE_BATCH])
+        listed = [k for k in keys if _xml_safe(b.key(k))]
+        for i in range(0, len(listed), DELETE_BATCH):
+            await batch(listed[i : i + DELETE_BATCH])
+        for key in keys:
+            if not _xml_safe(b.key(key)):
+                await one(key)
 
     if keys:
         b._run(go)
+
+
+_DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem"}
+# XML 1.0's characters, less CR: a parser reads CR (and CRLF) in text as LF, so a key with one sent in
+# DeleteObjects' body would name another key (`a\nb` for `a\rb`)
+_XML_TEXT = re.compile("[\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]*")
+
+
+def _xml_safe(key: str) -> bool:
+    """Whether `key` reaches the store unchanged in an XML body. One that is not (a control character:
+    the store refuses the whole batch as malformed, and a prune stopped at that step for good; a CR: it
+    would be read as another key) goes by `DeleteObject`, whose key is in the URL, percent-encoded."""
+    return _XML_TEXT.fullmatch(key) is not None
+
+
+def _refused(b: S3Backend, e: SinkError) -> SinkError:
+    """A delete refused for want of permission names the permission: a retry cannot get it."""
+    if not isinstance(e, SinkAuthError):
+        return e
+    where = f"{b.bucket}/{b.root}/*" if b.root else f"{b.bucket}/*"
+    e.hint = (
+        f"grant these credentials s3:DeleteObject on arn:aws:s3:::{where} (remote retention deletes "
+        "pruned steps there), or turn remote retention (remote_keep_last/remote_keep_every) off"
+    )
+    return e
