@@ -26,7 +26,7 @@ from stagerd.errors import (
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.objects import ByteProgress, LocalFile, Uploaded
+from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgress, LocalFile, Uploaded
 
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file
@@ -219,7 +219,7 @@ class StepExchange:
         key, b = claim_key(prefix), sink.backend
         if _named(sink.url, key, lambda: b.create(key, mine.encode())):
             return mine.encode()
-        held = _named(sink.url, key, lambda: b.read(key))
+        held = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
         if fleet_owned(held, mine):
             return held or b""
         if self.committed(sink):
@@ -233,7 +233,7 @@ class StepExchange:
         if not self.committed(sink):
             return None
         key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
-        held = _named(sink.url, key, lambda: b.read(key))
+        held = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
         if held is None or fleet_owned(held, mine):
             return held or b""
         raise self._theirs(sink, held)
@@ -241,7 +241,8 @@ class StepExchange:
     def committed(self, sink: FsspecSink) -> bool:
         """`sink` holds the step's manifest."""
         manifest, b = f"{layout.step_dir_name(self.step)}/{layout.MANIFEST_NAME}", sink.backend
-        return _named(sink.url, manifest, lambda: b.read(manifest)) is not None
+        # capped: anyone may put an object of any size at that key
+        return _named(sink.url, manifest, lambda: b.read(manifest, MAX_MANIFEST_BYTES + 1)) is not None
 
     def _theirs(self, sink: FsspecSink, held: bytes | None) -> SinkConflictError:
         who = decode(held)
@@ -258,7 +259,7 @@ class StepExchange:
         recorded (`held`). Else the `StepClaimedError` of a publish that finds another's claim: nothing of
         this publish was written there."""
         key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
-        now = _named(sink.url, key, lambda: b.read(key))
+        now = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
         if now == held:
             return None
         if now is None:  # taken since the leader claimed it (by hand, or a prune): its next try claims again

@@ -185,3 +185,42 @@ def test_a_raw_part_whose_shard_is_not_its_markers_is_a_named_error(tmp_path, dc
     with pytest.raises(SinkConflictError, match=f"{layout.MODEL_DIR}/{shard.name} (nowhere|at [0-9]+ bytes)"):
         _node(dirs[0], sink.as_uri(), wait_seconds=0.5)[0].run()
     assert not (sink / NAME).exists()
+
+
+def test_a_sinks_claim_and_manifest_of_any_size_are_read_capped(tmp_path):
+    """Anyone may put an object of any size at a step's claim or manifest key on a sink; the fleet's leader
+    read both whole into memory when it claimed the step there. Now at most as much as a claim or a
+    manifest can be, and the step is still named another publisher's."""
+    import tracemalloc
+
+    from stagerd.daemon.fleet.exchange import StepExchange
+    from stagerd.errors import SinkConflictError
+    from stagerd.sinks.claims import claim_key, fleet_claim
+    from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.fsspec import FsspecSink
+    from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES
+
+    step, big = layout.step_dir_name(7), 24 << 20
+    claim, manifest = tmp_path / "sink" / claim_key(step), tmp_path / "sink" / step / layout.MANIFEST_NAME
+    for path, size in ((claim, big), (manifest, 2 * MAX_MANIFEST_BYTES)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:  # sparse: the test costs no disk
+            f.write(b"{")
+            f.truncate(size)
+    exchange = (tmp_path / "exchange").as_uri()
+    x = StepExchange(
+        FsspecSink.from_url(exchange), RemoteStore.open(exchange), 7, 0, 1, 1.0, 0.1, lambda *_: None
+    )
+    sink = FsspecSink.from_url((tmp_path / "sink").as_uri())
+    mine = fleet_claim(tmp_path / "root" / step, [sink.url])
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(SinkConflictError, match="complete step on this sink"):
+            x.claim_step(sink, mine)
+        with pytest.raises(SinkConflictError, match="complete step on this sink"):
+            x.committed_here(sink, mine)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MAX_MANIFEST_BYTES + 4 * MAX_CLAIM_BYTES + (2 << 20), peak  # before: both whole, 152 MiB
