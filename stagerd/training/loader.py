@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stagerd.contract import commit_marker, layout
-from stagerd.errors import LoadError, StagerdError
+from stagerd.contract.safetensors_format import read_header
+from stagerd.errors import HeaderError, LoadError, MarkerError, ShardError, StagerdError
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
@@ -106,15 +107,26 @@ def choose_step(seen: list[list[int]], step: int | None) -> int:
     return newest
 
 
-def agree(comm: Collectives, error: str | None, what: str) -> None:
-    """Every rank learns every rank's outcome; any failure is the same `LoadError` on every rank."""
-    errors = comm.all_gather(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+def damaged_hint(step_dir: Path) -> str:
+    """What to do about a committed step whose files are not what its marker and formats say."""
+    step = layout.parse_step_dir(step_dir.name)
+    n = "N" if step is None else str(step)
+    return (
+        f"the step's files are damaged: delete {step_dir} and restore it from a sink "
+        f"(`stagerd restore URL ROOT --step {n}`), or load another step (load(..., step=M))"
+    )
+
+
+def agree(comm: Collectives, error: str | None, what: str, hint: str | None = None) -> None:
+    """Every rank learns every rank's outcome; any failure is the same `LoadError` on every rank, with
+    the first failing rank's `hint` (default LoadError's)."""
+    outcomes = comm.all_gather(None if error is None else (error, hint))
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if failed:
-        first = failed[0][1]
-        same = all(e == first for _, e in failed)
-        text = first if same else "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}")
+        first = failed[0][1][0]
+        same = all(e == first for _, (e, _) in failed)
+        text = first if same else "; ".join(f"rank {r}: {e}" for r, (e, _) in failed)
+        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}", hint=failed[0][1][1])
 
 
 def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
@@ -127,6 +139,17 @@ def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
             hint="publish the step raw and `stagerd restore` it whole onto every node, then load it",
         )
     commit_marker.check_staged_files(step_dir, marker)
+    # A damaged header reaches DCP's reader as `AssertionError: metadata is None`, naming no file.
+    for f in marker.files:
+        if f.path.endswith(".safetensors"):
+            read_header(step_dir / f.path)
+    if (step_dir / layout.OPTIM_DIR / ".metadata").is_file():
+        try:
+            SafeFileSystemReader(str(step_dir / layout.OPTIM_DIR)).read_metadata()
+        except LoadError as e:
+            if e.hint == LoadError.hint:
+                e.hint = damaged_hint(step_dir)
+            raise
     has_optim = any(f.path.startswith(f"{layout.OPTIM_DIR}/") for f in marker.files)
     if want_optim and not has_optim:
         raise LoadError("has no optim/: it was saved without optimizer_state", path=step_dir)
@@ -194,7 +217,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         _dcp_load(comm, optimizer_state, reader, "loading optim/", SafeLoadPlanner())
         return
     tensors: dict[str, Any] = {}
-    error = None
+    error = hint = None
     try:
         tensors, _ = split_leaves(optimizer_state, "optimizer_state")
         dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
@@ -213,7 +236,11 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
             try:  # a key nested a million deep crashes torch.load's unpickler: refused before it
                 check_torch_save(f)
             except Exception as e:
-                raise LoadError(f"refusing the optimizer's leaves: {why_refused(e)}", path=path) from None
+                raise LoadError(
+                    f"refusing the optimizer's leaves: {why_refused(e)}",
+                    path=path,
+                    hint=damaged_hint(optim_dir.parent),
+                ) from None
             saved = load_values(f)
         if not isinstance(saved, dict):
             raise LoadError(f"holds a {type(saved).__name__}, not the optimizer's leaves", path=path)
@@ -221,10 +248,10 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         if missing:
             raise LoadError(f"optim/ has no {missing[0]!r} (nor {len(missing) - 1} more)", path=optim_dir)
     except StagerdError as e:
-        error = str(e)
+        error, hint = str(e), e.hint
     except Exception as e:
-        error = f"{optim_dir}: {type(e).__name__}: {e}"
-    agree(comm, error, "loading optim/")
+        error, hint = f"{optim_dir}: {type(e).__name__}: {e}", None
+    agree(comm, error, "loading optim/", hint)
     _dcp_load(comm, tensors, HuggingFaceStorageReader(str(optim_dir)), "loading optim/")
 
 
@@ -246,14 +273,16 @@ def load_step(
     chosen = choose_step(comm.all_gather(mine), step)
     step_dir = root / layout.step_dir_name(chosen)
     marker: commit_marker.CommitMarker | None = None
-    error = None
+    error = hint = None
     try:
         marker = _check_step(step_dir, optimizer_state is not None)
+    except (ShardError, HeaderError, MarkerError) as e:
+        error, hint = str(e), damaged_hint(step_dir)
     except StagerdError as e:
-        error = str(e)
+        error, hint = str(e), e.hint
     except OSError as e:
         error = f"{step_dir}: {type(e).__name__}: {e}"
-    agree(comm, error, f"checking step {chosen}")
+    agree(comm, error, f"checking step {chosen}", hint)
     assert marker is not None
     # A key whose tensor is another key's (tied weights) was staged once, under the first: loading into
     # that one fills both.
