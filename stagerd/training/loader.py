@@ -141,7 +141,9 @@ def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
     commit_marker.check_staged_files(step_dir, marker)
     # A damaged header reaches DCP's reader as `AssertionError: metadata is None`, naming no file.
     for f in marker.files:
-        if f.path.endswith(".safetensors"):
+        if f.path.endswith(".safetensors") and f.path.startswith(
+            (f"{layout.MODEL_DIR}/", f"{layout.OPTIM_DIR}/")
+        ):
             read_header(step_dir / f.path)
     if (step_dir / layout.OPTIM_DIR / ".metadata").is_file():
         try:

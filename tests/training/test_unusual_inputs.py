@@ -9,8 +9,9 @@ Refused by name, before anything is written: sparse, nested and mkldnn tensors (
 `NotImplementedError` from the host copy, naming no entry), a tensor named `__metadata__` (committed, then
 neither the load nor the export could read the shard's header), a dtype the installed safetensors cannot
 read back (F8_E8M0 before safetensors 0.8.x: committed, then the load failed), a frozenset among the
-optimizer's values (passed as plain, then refused by the resume's unpickler), and extras `a` beside `a/b`
-(failed after `save()` returned, with a hint to free disk space).
+optimizer's values (passed as plain, then refused by the resume's unpickler), extras `a` beside `a/b` or
+a name part too long for a file name (failed after `save()` returned, with a hint to free disk space), and
+an extra named as a file the export writes itself (left out of the export, unsaid; `test_extras_names`).
 """
 
 from __future__ import annotations
@@ -184,6 +185,14 @@ def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) ->
                 {"state_dict": {**sd, "sp": torch.ones(2).to_sparse() if rank else torch.ones(2)}},
             ),
             ("dtype_on_0", {"state_dict": sd, "dtype": "int3"}),  # rank 0's dtype alone is read
+            # rank 0's extras alone are written: a part too long for a file name failed while writing,
+            # after save() returned, with a hint to free disk space
+            ("long_extra_on_0", {"state_dict": sd, "extras": {"x" * 256: b"1"} if rank == 0 else {}}),
+            # an extra the export writes itself was left out of the export, unsaid
+            (
+                "export_name_on_0",
+                {"state_dict": sd, "extras": {"model.safetensors": b"1"} if rank == 0 else {}},
+            ),
         ]:
             try:
                 stager.save(step=1, **kwargs).result()
@@ -206,7 +215,8 @@ def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path
     out.mkdir()
     launch(_refusals_run, str(tmp_path / "root"), str(out), world=2)
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for label, refusing in (("sparse_on_1", 1), ("dtype_on_0", 0)):
+    refusals = (("sparse_on_1", 1), ("dtype_on_0", 0), ("long_extra_on_0", 0), ("export_name_on_0", 0))
+    for label, refusing in refusals:
         own, other = recs[refusing][label], recs[1 - refusing][label]
         assert own is not None and other is not None
         assert other[0] == own[0] and other[2] == own[2], (label, own, other)
@@ -216,5 +226,14 @@ def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path
         and "'sp' is a sparse_coo tensor" in recs[1]["sparse_on_1"][1]
     )
     assert recs[0]["dtype_on_0"][0] == "DTypeError"
+    assert (
+        recs[0]["long_extra_on_0"][0] == "SaveInputError"
+        and "too long (256 bytes" in recs[0]["long_extra_on_0"][1]
+    )
+    assert recs[0]["export_name_on_0"][:2] == [
+        "SaveInputError",
+        "extras 'model.safetensors' names a file the export writes itself",
+    ]
+    assert "rename the extra" in recs[1]["export_name_on_0"][2]
     assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(2)]
     assert recs[0]["tied"] == recs[1]["tied"] == torch.arange(8.0).reshape(4, 2).tolist()
