@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.safetensors_format import read_header
 from stagerd.errors import HeaderError, LoadError, MarkerError, ShardError, StagerdError
-from stagerd.training.aliases import split_aliases
+from stagerd.training.aliases import differing, split_aliases, untied_copies
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
 from stagerd.training.leaf_check import load_values
@@ -257,6 +257,26 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
     _dcp_load(comm, tensors, HuggingFaceStorageReader(str(optim_dir)), "loading optim/")
 
 
+def _check_untied(comm: Collectives, model_dir: Path, differ: list[tuple[str, str]]) -> None:
+    """A step saved untied loads into a tied model only where its two tensors are the same: otherwise
+    the tied model would silently keep the first key's and drop the other's."""
+    error = None
+    if differ:
+        first, alias = differ[0]
+        more = f" (and {len(differ) - 1} more pairs)" if len(differ) > 1 else ""
+        error = (
+            f"{model_dir}: the step holds {first!r} and {alias!r} as two different tensors{more}, and the "
+            f"model ties them: loading would keep {first!r}'s values and drop {alias!r}'s"
+        )
+    agree(comm, error, "loading model/", _UNTIED_HINT)
+
+
+_UNTIED_HINT = (
+    "load into a model with those weights untied, as the step was saved, or tie them before saving; "
+    "the model's state dict was filled with the step's other tensors"
+)
+
+
 def load_step(
     comm: Collectives,
     root: Path,
@@ -288,8 +308,11 @@ def load_step(
     assert marker is not None
     # A key whose tensor is another key's (tied weights) was staged once, under the first: loading into
     # that one fills both.
-    model_sd = split_aliases(dict(state_dict))[0]
-    _dcp_load(comm, model_sd, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
+    model_sd, aliases = split_aliases(dict(state_dict))
+    copies = untied_copies(dict(state_dict), aliases, marker.tensors)
+    model_dir = step_dir / layout.MODEL_DIR
+    _dcp_load(comm, {**model_sd, **copies}, HuggingFaceStorageReader(str(model_dir)), "loading model/")
+    _check_untied(comm, model_dir, differing(model_sd, aliases, copies))
     if optimizer_state is not None:
         _load_optim(comm, step_dir / layout.OPTIM_DIR, optimizer_state)
     extras = _read_extras(step_dir, marker)

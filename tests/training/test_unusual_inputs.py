@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import DTYPES
-from stagerd.errors import SaveInputError
+from stagerd.errors import LoadError, SaveInputError
 from tests.gloo import join, launch
 
 
@@ -164,6 +164,25 @@ def test_a_tied_models_state_dict_loads_back(tmp_path):
     assert torch.equal(fresh.head.weight, saved.embed.weight) and fresh.head.weight is fresh.embed.weight
 
 
+def test_a_step_saved_untied_loads_into_a_tied_model_only_if_both_tensors_are_the_same(tmp_path):
+    """Both keys staged (saved untied), loaded into a tied model: the tied copy was filled from the first
+    key and the other key's different values were dropped, unsaid."""
+    from stagerd import Stager
+
+    weight = torch.arange(12.0).reshape(4, 3)
+    with Stager(tmp_path) as stager:
+        stager.save({"embed.weight": weight, "head.weight": weight + 1}, 1).result()
+        stager.save({"embed.weight": weight, "head.weight": weight.clone()}, 2).result()
+        fresh = _Tied()
+        with pytest.raises(
+            LoadError, match=r"holds 'embed\.weight' and 'head\.weight' as two different"
+        ) as e:
+            stager.load(fresh.state_dict(), step=1)
+        assert "untied" in e.value.hint and "\n" not in str(e.value)
+        stager.load(fresh.state_dict(), step=2)
+    assert torch.equal(fresh.head.weight, weight) and fresh.head.weight is fresh.embed.weight
+
+
 def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     import json
 
@@ -203,6 +222,15 @@ def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) ->
         target = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
         stager.load({"emb": target, "head": target})
         rec["tied"] = target.full_tensor().tolist()
+        # saved untied, the head differing on rank 1's rows alone: every rank refuses the tied load
+        head = distribute_tensor(
+            torch.arange(8.0).reshape(4, 2) + torch.tensor([[0.0]] * 3 + [[1.0]]), mesh, [Shard(0)]
+        )
+        stager.save({"emb": emb, "head": head}, 3).result()
+        try:
+            stager.load({"emb": target, "head": target}, step=3)
+        except StagerdError as e:
+            rec["untied"] = [e.name, e.message]
     Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
 
 
@@ -235,5 +263,8 @@ def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path
         "extras 'model.safetensors' names a file the export writes itself",
     ]
     assert "rename the extra" in recs[1]["export_name_on_0"][2]
-    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(2)]
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(s) for s in (2, 3)]
     assert recs[0]["tied"] == recs[1]["tied"] == torch.arange(8.0).reshape(4, 2).tolist()
+    for rec in recs:
+        assert rec["untied"][0] == "LoadError" and "loading model/ failed on rank 1: " in rec["untied"][1]
+        assert "holds 'emb' and 'head' as two different tensors" in rec["untied"][1]
