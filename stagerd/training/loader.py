@@ -7,8 +7,10 @@ Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTe
    the newest step any rank sees must be seen by every rank. Otherwise every rank raises the same
    `LoadError` naming the ranks that cannot see it. No rank enters DCP's collectives alone, so this never
    hangs.
-2. The step is checked on every rank (its marker, every listed file at its size; one node's marker of a
-   node-locally staged step is not the whole model) and the outcome agreed on the same way.
+2. The step is checked on every rank (its marker, every listed file at its size, the headers of
+   `model/` and `optim/`, an `optim/.metadata`; one node's marker of a node-locally staged step is not the
+   whole model) and the outcome agreed on the same way: a damaged file is named, with the hint to restore
+   the step or load another.
 3. `model/` through DCP's `HuggingFaceStorageReader` (safetensors headers: nothing unpickled), and so
    are `optim/`'s tensors; its other leaves (lr, betas...) come from this rank's `.objects.pt` (rank 0's
    when the step had fewer ranks) through `torch.load(weights_only=True)`. A step whose `optim/` is in
