@@ -30,6 +30,7 @@ STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # an adopted PEFT adapter's export: that one file
 WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
+ADAPTER_DIR = "adapter"  # export/adapter/: a PEFT model's adapter-only artefact, beside its merged export
 
 # What a save, a restore and the daemon write at the top of a step directory (and their temp names,
 # `.NAME.tmp-...`, and a LoRA merge's scratch, `.stagerd-merge-...`): any other name there is the user's.

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.contract.layout import ADAPTER_DIR
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.source import Source
 from stagerd.errors import OutputError
 
-ADAPTER_DIR = "adapter"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_MAX_SHARD_SIZE = 1 << 62  # PEFT writes the adapter as one file, whatever its size
 

@@ -40,3 +40,25 @@ def split_aliases(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             first[ident] = k
         kept[k] = v
     return kept, aliases
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.detach().reshape(-1).view(torch.uint8)
+
+
+def untied_copies(sd: dict[str, Any], aliases: dict[str, str], saved: Any) -> dict[str, Any]:
+    """For each alias whose step holds both keys (it was saved untied), an empty tensor like it to load
+    the alias's own saved values into: a tied model can hold them only if they equal its first key's."""
+    if not saved:
+        return {}
+    return {a: torch.empty_like(sd[a]) for a, k in aliases.items() if a in saved and k in saved}
+
+
+def differing(
+    loaded: dict[str, Any], aliases: dict[str, str], copies: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """(first key, alias) of every pair whose saved values differ (bit for bit) in this rank's part."""
+    return [
+        (aliases[a], a) for a, c in copies.items() if not torch.equal(_bits(loaded[aliases[a]]), _bits(c))
+    ]

@@ -7,8 +7,10 @@ Every rank calls it with state dicts built for the same parallelism (FSDP2 / DTe
    the newest step any rank sees must be seen by every rank. Otherwise every rank raises the same
    `LoadError` naming the ranks that cannot see it. No rank enters DCP's collectives alone, so this never
    hangs.
-2. The step is checked on every rank (its marker, every listed file at its size; one node's marker of a
-   node-locally staged step is not the whole model) and the outcome agreed on the same way.
+2. The step is checked on every rank (its marker, every listed file at its size, the headers of
+   `model/` and `optim/`, an `optim/.metadata`; one node's marker of a node-locally staged step is not the
+   whole model) and the outcome agreed on the same way: a damaged file is named, with the hint to restore
+   the step or load another.
 3. `model/` through DCP's `HuggingFaceStorageReader` (safetensors headers: nothing unpickled), and so
    are `optim/`'s tensors; its other leaves (lr, betas...) come from this rank's `.objects.pt` (rank 0's
    when the step had fewer ranks) through `torch.load(weights_only=True)`. A step whose `optim/` is in
@@ -44,8 +46,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stagerd.contract import commit_marker, layout
-from stagerd.errors import LoadError, StagerdError
-from stagerd.training.aliases import split_aliases
+from stagerd.contract.safetensors_format import read_header
+from stagerd.errors import HeaderError, LoadError, MarkerError, ShardError, StagerdError
+from stagerd.training.aliases import differing, split_aliases, untied_copies
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import describe
 from stagerd.training.leaf_check import load_values
@@ -106,15 +109,26 @@ def choose_step(seen: list[list[int]], step: int | None) -> int:
     return newest
 
 
-def agree(comm: Collectives, error: str | None, what: str) -> None:
-    """Every rank learns every rank's outcome; any failure is the same `LoadError` on every rank."""
-    errors = comm.all_gather(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+def damaged_hint(step_dir: Path) -> str:
+    """What to do about a committed step whose files are not what its marker and formats say."""
+    step = layout.parse_step_dir(step_dir.name)
+    n = "N" if step is None else str(step)
+    return (
+        f"the step's files are damaged: delete {step_dir} and restore it from a sink "
+        f"(`stagerd restore URL ROOT --step {n}`), or load another step (load(..., step=M))"
+    )
+
+
+def agree(comm: Collectives, error: str | None, what: str, hint: str | None = None) -> None:
+    """Every rank learns every rank's outcome; any failure is the same `LoadError` on every rank, with
+    the first failing rank's `hint` (default LoadError's)."""
+    outcomes = comm.all_gather(None if error is None else (error, hint))
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
     if failed:
-        first = failed[0][1]
-        same = all(e == first for _, e in failed)
-        text = first if same else "; ".join(f"rank {r}: {e}" for r, e in failed)
-        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}")
+        first = failed[0][1][0]
+        same = all(e == first for _, (e, _) in failed)
+        text = first if same else "; ".join(f"rank {r}: {e}" for r, (e, _) in failed)
+        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}", hint=failed[0][1][1])
 
 
 def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
@@ -127,6 +141,19 @@ def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
             hint="publish the step raw and `stagerd restore` it whole onto every node, then load it",
         )
     commit_marker.check_staged_files(step_dir, marker)
+    # A damaged header reaches DCP's reader as `AssertionError: metadata is None`, naming no file.
+    for f in marker.files:
+        if f.path.endswith(".safetensors") and f.path.startswith(
+            (f"{layout.MODEL_DIR}/", f"{layout.OPTIM_DIR}/")
+        ):
+            read_header(step_dir / f.path)
+    if (step_dir / layout.OPTIM_DIR / ".metadata").is_file():
+        try:
+            SafeFileSystemReader(str(step_dir / layout.OPTIM_DIR)).read_metadata()
+        except LoadError as e:
+            if e.hint == LoadError.hint:
+                e.hint = damaged_hint(step_dir)
+            raise
     has_optim = any(f.path.startswith(f"{layout.OPTIM_DIR}/") for f in marker.files)
     if want_optim and not has_optim:
         raise LoadError("has no optim/: it was saved without optimizer_state", path=step_dir)
@@ -194,7 +221,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         _dcp_load(comm, optimizer_state, reader, "loading optim/", SafeLoadPlanner())
         return
     tensors: dict[str, Any] = {}
-    error = None
+    error = hint = None
     try:
         tensors, _ = split_leaves(optimizer_state, "optimizer_state")
         dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
@@ -213,7 +240,11 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
             try:  # a key nested a million deep crashes torch.load's unpickler: refused before it
                 check_torch_save(f)
             except Exception as e:
-                raise LoadError(f"refusing the optimizer's leaves: {why_refused(e)}", path=path) from None
+                raise LoadError(
+                    f"refusing the optimizer's leaves: {why_refused(e)}",
+                    path=path,
+                    hint=damaged_hint(optim_dir.parent),
+                ) from None
             saved = load_values(f)
         if not isinstance(saved, dict):
             raise LoadError(f"holds a {type(saved).__name__}, not the optimizer's leaves", path=path)
@@ -221,11 +252,31 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         if missing:
             raise LoadError(f"optim/ has no {missing[0]!r} (nor {len(missing) - 1} more)", path=optim_dir)
     except StagerdError as e:
-        error = str(e)
+        error, hint = str(e), e.hint
     except Exception as e:
-        error = f"{optim_dir}: {type(e).__name__}: {e}"
-    agree(comm, error, "loading optim/")
+        error, hint = f"{optim_dir}: {type(e).__name__}: {e}", None
+    agree(comm, error, "loading optim/", hint)
     _dcp_load(comm, tensors, HuggingFaceStorageReader(str(optim_dir)), "loading optim/")
+
+
+def _check_untied(comm: Collectives, model_dir: Path, differ: list[tuple[str, str]]) -> None:
+    """A step saved untied loads into a tied model only where its two tensors are the same: otherwise
+    the tied model would silently keep the first key's and drop the other's."""
+    error = None
+    if differ:
+        first, alias = differ[0]
+        more = f" (and {len(differ) - 1} more pairs)" if len(differ) > 1 else ""
+        error = (
+            f"{model_dir}: the step holds {first!r} and {alias!r} as two different tensors{more}, and the "
+            f"model ties them: loading would keep {first!r}'s values and drop {alias!r}'s"
+        )
+    agree(comm, error, "loading model/", _UNTIED_HINT)
+
+
+_UNTIED_HINT = (
+    "load into a model with those weights untied, as the step was saved, or tie them before saving; "
+    "the model's state dict was filled with the step's other tensors"
+)
 
 
 def load_step(
@@ -246,19 +297,24 @@ def load_step(
     chosen = choose_step(comm.all_gather(mine), step)
     step_dir = root / layout.step_dir_name(chosen)
     marker: commit_marker.CommitMarker | None = None
-    error = None
+    error = hint = None
     try:
         marker = _check_step(step_dir, optimizer_state is not None)
+    except (ShardError, HeaderError, MarkerError) as e:
+        error, hint = str(e), damaged_hint(step_dir)
     except StagerdError as e:
-        error = str(e)
+        error, hint = str(e), e.hint
     except OSError as e:
         error = f"{step_dir}: {type(e).__name__}: {e}"
-    agree(comm, error, f"checking step {chosen}")
+    agree(comm, error, f"checking step {chosen}", hint)
     assert marker is not None
     # A key whose tensor is another key's (tied weights) was staged once, under the first: loading into
     # that one fills both.
-    model_sd = split_aliases(dict(state_dict))[0]
-    _dcp_load(comm, model_sd, HuggingFaceStorageReader(str(step_dir / layout.MODEL_DIR)), "loading model/")
+    model_sd, aliases = split_aliases(dict(state_dict))
+    copies = untied_copies(dict(state_dict), aliases, marker.tensors)
+    model_dir = step_dir / layout.MODEL_DIR
+    _dcp_load(comm, {**model_sd, **copies}, HuggingFaceStorageReader(str(model_dir)), "loading model/")
+    _check_untied(comm, model_dir, differing(model_sd, aliases, copies))
     if optimizer_state is not None:
         _load_optim(comm, step_dir / layout.OPTIM_DIR, optimizer_state)
     extras = _read_extras(step_dir, marker)

@@ -9,7 +9,9 @@ and the plan are taken from rank 0 alone.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,25 @@ from stagerd.contract.reference_index import load_weight_map, read_reference_ind
 from stagerd.errors import ReferenceIndexError, SaveInputError, StagerdError
 from stagerd.training.leaf_check import check_tensor, plain_tensor
 from stagerd.training.to_hub import ToHub
+
+log = logging.getLogger("stagerd.stager")
+
+# Each part of an extra's name, in bytes: a file system's 255, less the longest temp name a writer of it
+# adds (a file:// sink's `.NAME.tmp-HOST-PID-TID`, up to about 115 more).
+EXTRA_PART_MAX = 128
+EXTRA_NAME_MAX = 1024
+# What the export writes itself (and a publish): an extra so named was dropped from both, unsaid.
+_EXPORT_OWN = frozenset(
+    {
+        layout.INDEX_NAME,
+        layout.WEIGHTS_NAME,
+        layout.ADAPTER_WEIGHTS_NAME,
+        f"{layout.ADAPTER_DIR}/{layout.ADAPTER_WEIGHTS_NAME}",
+        layout.MANIFEST_NAME,
+    }
+)
+_SHARD_NAME = re.compile(r"model-[0-9]+-of-[0-9]+\.safetensors")
+_RENAME = "rename the extra: the export writes that file itself (the weights, their index, the manifest)"
 
 
 @dataclass(frozen=True)
@@ -95,13 +116,36 @@ def resolve_state(
     return model_sd, optim_sd
 
 
-def _snapshot_extras(extras: Mapping[str, Any] | None) -> tuple[Extra, ...]:
+def _check_extra_name(name: Any, shard_files: frozenset[str]) -> None:
+    try:
+        layout.safe_relpath(name, what="extras name", path=None)
+    except StagerdError as e:
+        raise SaveInputError(e.message) from None
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeEncodeError:
+        raise SaveInputError(f"extras name {name!r} cannot be a file name (not encodable)") from None
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if longest > EXTRA_PART_MAX or len(encoded) > EXTRA_NAME_MAX:
+        raise SaveInputError(
+            f"extras name {name[:60]!r}{'...' if len(name) > 60 else ''} is too long ({longest} bytes in "
+            f"one part, {len(encoded)} in all)",
+            hint=f"use at most {EXTRA_PART_MAX} bytes per part of an extras name and {EXTRA_NAME_MAX} in all",
+        )
+    if name in _EXPORT_OWN or name in shard_files or _SHARD_NAME.fullmatch(name):
+        raise SaveInputError(f"extras {name!r} names a file the export writes itself", hint=_RENAME)
+    if name.endswith(".safetensors"):
+        log.warning(
+            "extras %r is kept in the step for load() but left out of its export: an export's safetensors "
+            "files are the state dict's",
+            name,
+        )
+
+
+def _snapshot_extras(extras: Mapping[str, Any] | None, shard_files: frozenset[str]) -> tuple[Extra, ...]:
     out = []
     for name, value in (extras or {}).items():
-        try:
-            layout.safe_relpath(name, what="extras name", path=None)
-        except StagerdError as e:
-            raise SaveInputError(e.message) from None
+        _check_extra_name(name, shard_files)
         if isinstance(value, Mapping | list):
             try:
                 data = (json.dumps(value, indent=2) + "\n").encode()
@@ -163,11 +207,13 @@ def describe_save(
     except (TypeError, ValueError) as e:
         raise SaveInputError(f"metadata is not JSON-serializable: {e}") from None
     hub = to_hub or ToHub()
+    ref = _reference_index(reference_index)
+    shard_files = frozenset(ref.values()) if isinstance(ref, dict) else frozenset()
     return SaveSpec(
         step=step,
         step_dir=step_dir,
-        extras=_snapshot_extras(extras) + tuple(Extra(n, b, None) for n, b in hub.extras),
-        reference_index=_reference_index(reference_index),
+        extras=_snapshot_extras(extras, shard_files) + tuple(Extra(n, b, None) for n, b in hub.extras),
+        reference_index=ref,
         dtype=export_dtype_hint(parse_export_dtype(dtype)) if dtype is not None else None,
         metadata=dict(metadata or {}),
         hub_plan=hub.plan,

@@ -9,8 +9,9 @@ Refused by name, before anything is written: sparse, nested and mkldnn tensors (
 `NotImplementedError` from the host copy, naming no entry), a tensor named `__metadata__` (committed, then
 neither the load nor the export could read the shard's header), a dtype the installed safetensors cannot
 read back (F8_E8M0 before safetensors 0.8.x: committed, then the load failed), a frozenset among the
-optimizer's values (passed as plain, then refused by the resume's unpickler), and extras `a` beside `a/b`
-(failed after `save()` returned, with a hint to free disk space).
+optimizer's values (passed as plain, then refused by the resume's unpickler), extras `a` beside `a/b` or
+a name part too long for a file name (failed after `save()` returned, with a hint to free disk space), and
+an extra named as a file the export writes itself (left out of the export, unsaid; `test_extras_names`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 
 from stagerd.contract import layout
 from stagerd.contract.dtypes import DTYPES
-from stagerd.errors import SaveInputError
+from stagerd.errors import LoadError, SaveInputError
 from tests.gloo import join, launch
 
 
@@ -163,6 +164,25 @@ def test_a_tied_models_state_dict_loads_back(tmp_path):
     assert torch.equal(fresh.head.weight, saved.embed.weight) and fresh.head.weight is fresh.embed.weight
 
 
+def test_a_step_saved_untied_loads_into_a_tied_model_only_if_both_tensors_are_the_same(tmp_path):
+    """Both keys staged (saved untied), loaded into a tied model: the tied copy was filled from the first
+    key and the other key's different values were dropped, unsaid."""
+    from stagerd import Stager
+
+    weight = torch.arange(12.0).reshape(4, 3)
+    with Stager(tmp_path) as stager:
+        stager.save({"embed.weight": weight, "head.weight": weight + 1}, 1).result()
+        stager.save({"embed.weight": weight, "head.weight": weight.clone()}, 2).result()
+        fresh = _Tied()
+        with pytest.raises(
+            LoadError, match=r"holds 'embed\.weight' and 'head\.weight' as two different"
+        ) as e:
+            stager.load(fresh.state_dict(), step=1)
+        assert "untied" in e.value.hint and "\n" not in str(e.value)
+        stager.load(fresh.state_dict(), step=2)
+    assert torch.equal(fresh.head.weight, weight) and fresh.head.weight is fresh.embed.weight
+
+
 def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) -> None:
     import json
 
@@ -184,6 +204,14 @@ def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) ->
                 {"state_dict": {**sd, "sp": torch.ones(2).to_sparse() if rank else torch.ones(2)}},
             ),
             ("dtype_on_0", {"state_dict": sd, "dtype": "int3"}),  # rank 0's dtype alone is read
+            # rank 0's extras alone are written: a part too long for a file name failed while writing,
+            # after save() returned, with a hint to free disk space
+            ("long_extra_on_0", {"state_dict": sd, "extras": {"x" * 256: b"1"} if rank == 0 else {}}),
+            # an extra the export writes itself was left out of the export, unsaid
+            (
+                "export_name_on_0",
+                {"state_dict": sd, "extras": {"model.safetensors": b"1"} if rank == 0 else {}},
+            ),
         ]:
             try:
                 stager.save(step=1, **kwargs).result()
@@ -194,6 +222,15 @@ def _refusals_run(rank: int, world: int, init_file: str, root: str, out: str) ->
         target = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
         stager.load({"emb": target, "head": target})
         rec["tied"] = target.full_tensor().tolist()
+        # saved untied, the head differing on rank 1's rows alone: every rank refuses the tied load
+        head = distribute_tensor(
+            torch.arange(8.0).reshape(4, 2) + torch.tensor([[0.0]] * 3 + [[1.0]]), mesh, [Shard(0)]
+        )
+        stager.save({"emb": emb, "head": head}, 3).result()
+        try:
+            stager.load({"emb": target, "head": target}, step=3)
+        except StagerdError as e:
+            rec["untied"] = [e.name, e.message]
     Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
 
 
@@ -206,7 +243,8 @@ def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path
     out.mkdir()
     launch(_refusals_run, str(tmp_path / "root"), str(out), world=2)
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for label, refusing in (("sparse_on_1", 1), ("dtype_on_0", 0)):
+    refusals = (("sparse_on_1", 1), ("dtype_on_0", 0), ("long_extra_on_0", 0), ("export_name_on_0", 0))
+    for label, refusing in refusals:
         own, other = recs[refusing][label], recs[1 - refusing][label]
         assert own is not None and other is not None
         assert other[0] == own[0] and other[2] == own[2], (label, own, other)
@@ -216,5 +254,17 @@ def test_a_refusal_on_one_rank_is_the_same_error_and_hint_on_every_rank(tmp_path
         and "'sp' is a sparse_coo tensor" in recs[1]["sparse_on_1"][1]
     )
     assert recs[0]["dtype_on_0"][0] == "DTypeError"
-    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(2)]
+    assert (
+        recs[0]["long_extra_on_0"][0] == "SaveInputError"
+        and "too long (256 bytes" in recs[0]["long_extra_on_0"][1]
+    )
+    assert recs[0]["export_name_on_0"][:2] == [
+        "SaveInputError",
+        "extras 'model.safetensors' names a file the export writes itself",
+    ]
+    assert "rename the extra" in recs[1]["export_name_on_0"][2]
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == [layout.step_dir_name(s) for s in (2, 3)]
     assert recs[0]["tied"] == recs[1]["tied"] == torch.arange(8.0).reshape(4, 2).tolist()
+    for rec in recs:
+        assert rec["untied"][0] == "LoadError" and "loading model/ failed on rank 1: " in rec["untied"][1]
+        assert "holds 'emb' and 'head' as two different tensors" in rec["untied"][1]
