@@ -128,6 +128,11 @@ def _parse(text: str) -> SinkUrl:
     if text != text.strip() or _CONTROL.search(text):
         raise _refuse(text, "has spaces or control characters at its ends or inside", _clean(text))
     if "::" in without_ipv6_host(text):
+        if "[" in text:  # an IPv6 host left unclosed or misspelt is no chain: say which it is
+            try:
+                urllib.parse.urlsplit(text)
+            except ValueError as e:
+                raise _refuse(text, f"has a malformed host: {e}", None) from None
         raise _refuse(text, "chains fsspec protocols; name the store itself", text.rsplit("::", 1)[-1])
     match = _SCHEME.fullmatch(text)
     if match is None:

@@ -44,6 +44,8 @@ def test_an_sftp_ipv6_host_is_no_chain(url: str) -> None:
         ("ftp://[::1]/x::memory://y", "chains fsspec protocols"),
         ("simplecache::ftp://[::1]/x", "chains fsspec protocols"),
         ("ftp://[zz]/x", "malformed host"),
+        ("ftp://[::1/x", "malformed host"),
+        ("ftp://[zz::1]/x", "malformed host"),
         ("ftp://[1.2.3.4]/x", "malformed host"),
         ("ftp://[::1]/run[1]", "glob character"),
     ],
