@@ -7,6 +7,7 @@ from pathlib import Path
 from stagerd.contract import layout
 from stagerd.demo.plan import DemoPlan
 from stagerd.errors import VerifyError
+from stagerd.sinks.fs_open import filesystem_at
 from stagerd.sinks.objects import redact_url
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
@@ -44,10 +45,8 @@ def _from_hub(url: str, repo_id: str, step: int, local: Path) -> tuple[Path, str
 
 
 def _from_store(url: str, step: int, local: Path) -> tuple[Path, str]:
-    import fsspec
-
     name = layout.step_dir_name(step)
-    fs, remote_root = fsspec.core.url_to_fs(url)
+    fs, remote_root = filesystem_at(url, {})
     remote = f"{remote_root.rstrip('/')}/{name}"
     if not fs.exists(f"{remote}/{layout.MANIFEST_NAME}"):
         raise VerifyError(f"{redact_url(url)} holds no manifest for step {step}", path=remote)

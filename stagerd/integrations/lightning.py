@@ -299,6 +299,13 @@ def _pointer(path: Path) -> tuple[Path, int] | None:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
+    except RecursionError:  # 64 KiB of `[` is JSON nested past the interpreter's stack
+        raise LoadError(
+            "a checkpoint file of JSON nested too deep to read: no StagerdCheckpointIO file",
+            path=path,
+            hint="give load_checkpoint (or fit's ckpt_path) a file StagerdCheckpointIO wrote, a step "
+            "directory or ROOT; nothing was loaded",
+        ) from None
     if not isinstance(data, dict) or data.get("format") != POINTER:
         return None
     step, root = data.get("step"), data.get("root")

@@ -25,6 +25,10 @@ from stagerd.errors import LoadError, SaveInputError
 
 TAG = "__stagerd__"
 ENCODING = "stagerd.state_tree/1"
+_TOO_DEEP = "the saved trainer state is nested too deep to rebuild"
+_TOO_DEEP_HINT = (
+    "the step's trainer state was not written by stagerd's split; load another step; nothing was loaded"
+)
 
 
 def _escape(part: str) -> str:
@@ -64,7 +68,13 @@ def split(tree: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
             "(hyper-parameters too); stagerd never pickles",
         )
 
-    skeleton = enc(tree, prefix)
+    try:
+        skeleton = enc(tree, prefix)
+    except RecursionError:
+        raise SaveInputError(
+            f"{prefix}: the checkpoint state is nested too deep to save",
+            hint="keep the trainer's state a few hundred levels deep at most; nothing was saved",
+        ) from None
     return tensors, skeleton
 
 
@@ -96,6 +106,8 @@ def join(skeleton: Any, tensor: Callable[[str], torch.Tensor]) -> Any:
         return dec(skeleton)
     except (KeyError, TypeError, ValueError) as e:
         raise LoadError(f"malformed saved trainer state: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise LoadError(_TOO_DEEP, hint=_TOO_DEEP_HINT) from None
 
 
 def tensor_specs(skeleton: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -116,7 +128,10 @@ def tensor_specs(skeleton: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]
             for x in v.values():
                 walk(x)
 
-    walk(skeleton)
+    try:
+        walk(skeleton)
+    except RecursionError:
+        raise LoadError(_TOO_DEEP, hint=_TOO_DEEP_HINT) from None
     return out
 
 
@@ -142,6 +157,8 @@ def from_blob(t: torch.Tensor, what: str) -> Any:
         return json.loads(bytes(t.numpy()))
     except (ValueError, UnicodeDecodeError) as e:
         raise LoadError(f"{what} is not JSON: {e}") from None
+    except RecursionError:
+        raise LoadError(f"{what} is JSON nested too deep to read", hint=_TOO_DEEP_HINT) from None
 
 
 def _str(v: Any) -> str:

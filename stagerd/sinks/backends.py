@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.errors import ConfigError, SinkError
+from stagerd.sinks.fs_open import filesystem_at
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import Backend, redact_url
@@ -31,7 +32,7 @@ def open_backend(
             return S3Backend.open(
                 url, opts, part_size=part_size, max_concurrency=max_concurrency, checksum=checksum
             )
-        fs, root = fsspec.core.url_to_fs(url, **opts)
+        fs, root = filesystem_at(url, opts)
         return FsspecBackend(fs, root)
     except (ValueError, ImportError, TypeError) as e:
         raise ConfigError(

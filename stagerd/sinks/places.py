@@ -7,7 +7,8 @@
   strips a trailing `/` and writes `PREFIX/KEY` (`s3/backend.py`), as the other stores' backend writes
   `ROOT/KEY` (`generic.py`); the parser refuses empty, `.` and `..` parts, so no two accepted spellings of
   a prefix write different keys, and none is collapsed here that would write other keys. Bucket and key
-  are case-sensitive: `s3://b/Run` is another place than `s3://b/run`.
+  are case-sensitive: `s3://b/Run` is another place than `s3://b/run`. An IPv6 literal host is one
+  address however it is written: `[0:0::1]` is `[::1]`.
 - The Hub: the repo and the revision, none meaning `main`, as the Hub sink reads it (`hub/sink.py`). The Hub
   finds a repo whatever the case of its id (`Org/Repo` is `org/repo`); a revision is a git ref, whose
   case counts.
@@ -19,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from stagerd.errors import ConfigError
-from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
+from stagerd.sinks.urls import SinkKind, canonical_host, parse_sink_url, shown
 
 _HUB_DEFAULT_REVISION = "main"  # `HubSink`'s revision when the URL names none (`hub/url.py`)
 
@@ -41,6 +42,8 @@ def place_of(url: str, *, what: str = "sink URL") -> Place:
         path = real_dir(path)
     elif target.kind is SinkKind.HUB:
         location, path = location.casefold(), path or _HUB_DEFAULT_REVISION
+    else:
+        location = canonical_host(location)
     return Place((kind, protocol, location), path)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from stagerd.errors import ConfigError, RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
+from stagerd.sinks.fs_open import filesystem_at
 from stagerd.sinks.local_dirs import Held, LocalTree
 from stagerd.sinks.objects import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.temp_names import temp_name
@@ -66,7 +67,7 @@ class RemoteStore:
             if protocol in (None, "file", "local"):
                 fs = fsspec.filesystem("file")
                 return cls(fs, path or "/", redact_url(url))
-            fs, root = fsspec.core.url_to_fs(url, **opts)
+            fs, root = filesystem_at(url, opts)
             return cls(fs, root.rstrip("/"), redact_url(url))
         except (ValueError, ImportError, TypeError) as e:
             raise ConfigError(f"cannot open {redact_url(url)}: {type(e).__name__}: {e}") from None

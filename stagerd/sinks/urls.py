@@ -10,7 +10,9 @@ Accepted forms:
 - `s3://BUCKET[/PREFIX]` (also `s3a://`): no credentials, port or query in the URL;
 - `hf://ORG/REPO[@REVISION][?option=value...]`;
 - `file:///ABSOLUTE/PATH`, or a bare `/ABSOLUTE/PATH`, which means the same;
-- `PROTOCOL://BUCKET-OR-HOST[/PATH]` for any other installed fsspec protocol that stores durably.
+- `PROTOCOL://BUCKET-OR-HOST[/PATH]` for any other installed fsspec protocol that stores durably; the host
+  may be an IPv6 literal in brackets (`sftp://user@[::1]:2222/PATH`), whose `::` and `[]` are no chain
+  and no pattern.
 
 An object store's prefix may not hold glob characters (`*`, `?`, `[`, `]`): s3fs and other fsspec stores
 read them as patterns in `rm`, `glob` and `expand_path`, so a delete of `s3://bkt/run*/step-1` would reach
@@ -21,6 +23,7 @@ A `file://` path may hold them: every local write, listing and delete is an exac
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import urllib.parse
@@ -62,6 +65,10 @@ def unwritable(url: str) -> str | None:
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.S)
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# `scheme://[userinfo@][IPV6]:port` up to the path: the bracketed host is group 1
+_BRACKET_HOST = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://(?:[^/?#\[\]]*@)?(\[[^\]/?#]*\])(?::[0-9]*)?(?=[/?#]|$)"
+)
 PATTERN_CHARS = "*?[]"
 
 
@@ -120,7 +127,12 @@ def _parse(text: str) -> SinkUrl:
         )
     if text != text.strip() or _CONTROL.search(text):
         raise _refuse(text, "has spaces or control characters at its ends or inside", _clean(text))
-    if "::" in text:
+    if "::" in without_ipv6_host(text):
+        if "[" in text:  # an IPv6 host left unclosed or misspelt is no chain: say which it is
+            try:
+                urllib.parse.urlsplit(text)
+            except ValueError as e:
+                raise _refuse(text, f"has a malformed host: {e}", None) from None
         raise _refuse(text, "chains fsspec protocols; name the store itself", text.rsplit("::", 1)[-1])
     match = _SCHEME.fullmatch(text)
     if match is None:
@@ -132,7 +144,10 @@ def _parse(text: str) -> SinkUrl:
         raise _refuse(text, f"needs two slashes after {scheme}:", _with_slashes(scheme, rest))
     if "#" in text:
         raise _refuse(text, "has a #fragment, which no sink reads", _without_fragment(scheme, text))
-    parts = urllib.parse.urlsplit(text)
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as e:  # a bracketed host that is no IPv6 address, or an unclosed `[`
+        raise _refuse(text, f"has a malformed host: {e}", None) from None
     if scheme in ("file", "local"):
         return _local(text, parts)
     if scheme in ("s3", "s3a"):
@@ -292,7 +307,7 @@ def refuse_patterns(url: str) -> None:
 
     Also called where a store is opened without the full parser (`stagerd prune`, `stagerd restore`, the
     sink's own constructor), so that a prefix published by an older stagerd is named, never rewritten."""
-    scheme, sep, rest = url.partition("://")
+    scheme, sep, rest = without_ipv6_host(url).partition("://")
     if not sep or scheme in ("file", "local", "hf") or not any(c in rest for c in PATTERN_CHARS):
         return
     found = "".join(c for c in PATTERN_CHARS if c in rest)
@@ -302,6 +317,33 @@ def refuse_patterns(url: str) -> None:
         hint="publish to a prefix of letters, digits, '-', '_', '.' and '/'; to read one written before, "
         "copy it to such a prefix first (e.g. `aws s3 cp --recursive 's3://BUCKET/run[1]/' s3://BUCKET/run1/`)",
     )
+
+
+def ipv6_host(url: str) -> tuple[int, int] | None:
+    """Where in `url` its host is a bracketed IPv6 literal (`[::1]`, brackets included), or None."""
+    m = _BRACKET_HOST.match(url)
+    if m is None:
+        return None
+    try:
+        ipaddress.IPv6Address(m.group(1)[1:-1])
+    except ValueError:
+        return None
+    return m.start(1), m.end(1)
+
+
+def without_ipv6_host(url: str) -> str:
+    """`url` with an IPv6 literal host left out: what the chain and pattern checks read."""
+    span = ipv6_host(url)
+    return url if span is None else url[: span[0]] + url[span[1] :]
+
+
+def canonical_host(netloc: str) -> str:
+    """`netloc` with an IPv6 literal host in its compressed form (`[0:0::01]` is `[::1]`)."""
+    span = ipv6_host("x://" + netloc)
+    if span is None:
+        return netloc
+    a, b = span[0] - 4, span[1] - 4
+    return f"{netloc[:a]}[{ipaddress.IPv6Address(netloc[a + 1 : b - 1]).compressed}]{netloc[b:]}"
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from stagerd.contract.adopt.presets import (
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
-from stagerd.contract.reference_index import read_reference_index
+from stagerd.contract.reference_index import MAX_INDEX_BYTES, read_reference_index
 from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
@@ -57,6 +57,7 @@ from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
 from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError, open_failed
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
 HINT = "replace the link by the directory or file it stands for (its target was left as it is), then retry"
 
@@ -191,8 +192,9 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
         if preset.format is Format.HF_SHARDS and not shard_paths(ckpt / preset.model_dir):
             return None
         if preset.format is Format.HF_FILES:  # whole: the index parses, every header fits its file
-            for part in hf_files(ckpt / preset.model_dir, adapter=preset.adapter):
-                read_header(part)
+            for part in _finished_files(ckpt / preset.model_dir, preset.adapter):
+                if part.name != layout.INDEX_NAME:
+                    read_header(part)
                 times.append(part.stat().st_mtime)
         # A FIFO in a completion file's place would hold the scan for good, and JSON nested too deep
         # raises RecursionError: each is a checkpoint that is not finished, never a stuck or dead daemon.
@@ -225,8 +227,32 @@ def data_files(model_dir: Path, preset: Preset) -> list[Path]:
         index = model_dir / layout.INDEX_NAME
         if preset.adapter:
             return hf_files(model_dir, adapter=True)
-        return [*hf_files(model_dir), *([index] if index.is_file() else [])]
+        listed = _finished_files(model_dir, False)
+        return listed if listed[-1:] == [index] else [*listed, *([index] if index.is_file() else [])]
     return shard_paths(model_dir)
+
+
+def _finished_files(model_dir: Path, adapter: bool) -> list[Path]:
+    """`hf_files`, or the index alone where it is whole JSON that `hf_files` refuses (a NUL or a path in a
+    file name, no weight_map): written out, so final. Such a checkpoint is finished, and its export names
+    the defect and is quarantined; waited on, it would be neither published nor named, for good."""
+    try:
+        return hf_files(model_dir, adapter=adapter)
+    except StagerdError:
+        index = model_dir / layout.INDEX_NAME
+        if adapter or not _whole_json(index):
+            raise
+        return [index]
+
+
+def _whole_json(path: Path) -> bool:
+    """Whether `path` is a regular file of JSON that parses: an index still being written never does."""
+    try:
+        with open_regular(path) as f:
+            json.loads(f.read(MAX_INDEX_BYTES + 1))
+    except (OSError, ValueError, RecursionError, StagerdError):
+        return False
+    return True
 
 
 def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
@@ -238,10 +264,16 @@ def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
         return [model_dir / ADAPTER_WEIGHTS]
     index = model_dir / layout.INDEX_NAME
     if index.is_file():
-        names = set(read_reference_index(index).values())
-        if any("/" in n or n.startswith(".") for n in names):
-            raise ShardError("the index names a file outside its directory", path=index)
-        return [model_dir / n for n in sorted(names)]
+        names = sorted(set(read_reference_index(index).values()))
+        for n in names:  # a NUL would reach os.open as a bare ValueError; `..` or `/x` another directory
+            if "/" in n or n.startswith(".") or _CONTROL.search(n):
+                raise ShardError(
+                    f"the index names the file {n!r}, which is not a plain name in its directory",
+                    path=index,
+                    hint="the index is not one a trainer wrote: re-save the checkpoint; nothing of it was "
+                    "exported or published, and the trainer's files were not touched",
+                )
+        return [model_dir / n for n in names]
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise ShardError("no model.safetensors or model.safetensors.index.json", path=model_dir)

@@ -17,7 +17,7 @@ import hashlib
 import os
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from stagerd.contract import layout
@@ -125,6 +125,10 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
                 raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
                 raise _xet_download_error(err, f"{where}/{entry.path}") from None
+            except ValueError as err:  # a name a later huggingface_hub refuses that `_check_tree` let by
+                raise RestoreError(
+                    f"huggingface_hub refuses to download it: {err}", path=f"{where}/{entry.path}"
+                ) from None
             size = got.stat().st_size
             sha, git = _digests(got, size)
             lfs = getattr(entry, "lfs", None)
@@ -159,9 +163,22 @@ def _check_tree(rels: list[str], where: str) -> None:
         layout.check_file_tree(rels, what="file", path=where)
     except MarkerError as e:
         raise RestoreError(f"the repo's tree is no export: {e.message}", path=where) from None
+    # huggingface_hub refuses, on every platform, a name Windows reads as anchored (`C:x`, `a/d:x`)
+    drive = next((r for r in rels if any(_anchored(part) for part in r.split("/"))), None)
+    if drive is not None:
+        raise RestoreError(
+            f"the repo's tree is no export: file {drive!r} names a Windows drive, which huggingface_hub "
+            "refuses to download",
+            path=where,
+        )
     cached = next((r for r in rels if r.split("/", 1)[0] == ".cache"), None)
     if cached is not None:
         raise RestoreError(f"the repo's tree is no export: file {cached!r} is under .cache/", path=where)
+
+
+def _anchored(part: str) -> bool:
+    windows = PureWindowsPath(part)
+    return bool(windows.drive or windows.root)
 
 
 def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:

@@ -1,0 +1,31 @@
+"""An fsspec filesystem for one parsed store URL, without fsspec's chain splitting.
+
+`fsspec.core.url_to_fs` splits a URL at every `::` to build a chain of filesystems, so an IPv6 literal host
+(`sftp://[::1]/x`) falls apart into `sftp://[` and `1]/x` and fails as an "Invalid IPv6 URL". The parser
+refuses real chains (`urls.py`), so a sink's URL names one store: its class reads the host, port and user
+from the URL, as `url_to_fs` would for that one link. fsspec hands the host on in its brackets, which no
+socket call resolves; the client is given the address itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from stagerd.errors import ConfigError
+from stagerd.sinks.urls import shown, without_ipv6_host
+
+
+def filesystem_at(url: str, opts: Mapping[str, Any]) -> tuple[Any, str]:
+    """The filesystem of `url`'s store and the root path in it; `opts` win over what the URL says."""
+    import fsspec
+
+    if "::" in without_ipv6_host(url):
+        raise ConfigError(f"{shown(url)} chains fsspec protocols", hint="name the store itself")
+    protocol, _ = fsspec.core.split_protocol(url)
+    cls = fsspec.get_filesystem_class(protocol)
+    kwargs = dict(cls._get_kwargs_from_urls(url))
+    host = kwargs.get("host")
+    if isinstance(host, str) and host.startswith("[") and host.endswith("]"):
+        kwargs["host"] = host[1:-1]
+    return fsspec.filesystem(protocol, **{**kwargs, **opts}), cls._strip_protocol(url)
