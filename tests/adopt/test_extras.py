@@ -105,3 +105,18 @@ def test_a_linked_extra_is_a_one_line_symlink_error(tmp_path, where):
     assert e.value.path == str(link) and len(msg.splitlines()) == 1 and "/proc/" not in msg, msg
     assert "--extras" in (e.value.hint or ""), e.value.hint
     assert not (tmp_path / "work" / "export").exists()
+
+
+def test_each_extra_comes_from_the_checkpoint_then_extras_dir_then_root(tmp_path):
+    root, extras, sink = tmp_path / "root", tmp_path / "extras", tmp_path / "out"
+    ranks.write(str(root / "step-1"))
+    extras.mkdir()
+    places = {"vocab.json": (root / "step-1", extras, root), "merges.txt": (extras, root)}
+    places["chat_template.jinja"] = (root,)
+    for name, dirs in places.items():
+        for d in dirs:
+            (d / name).write_text(f"{name} from {d.name}")
+    res = watch_once(root, sink, "--extras", str(extras))
+    assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    for name, dirs in places.items():
+        assert (published(sink, 1) / name).read_text() == f"{name} from {dirs[0].name}", name
