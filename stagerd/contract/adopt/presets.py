@@ -135,7 +135,7 @@ PRESETS: dict[str, Preset] = {
             "lightning",
             complete=("meta.pt",),
             zips=("meta.pt",),
-            select=r"state_dict\.model\.(?P<name>.+)",
+            select=r"(?:state_dict|model)\.model\.(?P<name>.+)",
             tied=("lm_head.weight",),
             detect_key=r"state_dict\..+",
             description="Lightning FSDP / ModelParallel: epoch=E-step=S.ckpt/ (the module's `model`)",
@@ -234,12 +234,18 @@ AUTOMODEL_ADAPTER = replace(
     extras_dirs=("model",),
     description="NeMo AutoModel with PEFT: epoch_E_step_S/model/adapter_model.safetensors",
 )
+# Lightning's FSDPStrategy saves the module's state dict under `model.` (ModelParallelStrategy under
+# `state_dict.`), so its keys alone look like a plain dcp.save's, whose preset needs no meta.pt and would
+# export the save before it is finished, the module's `model.` left in every name. Every Lightning save
+# is named `*.ckpt`: a DCP directory of that name holding `model.` keys is Lightning's.
+LIGHTNING_FSDP = replace(PRESETS["lightning"], detect_key=r"model\..+", detect_name=r".+\.ckpt")
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
     "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
     "automodel": (PRESETS["automodel"], AUTOMODEL_DCP, AUTOMODEL_ADAPTER),
+    "lightning": (PRESETS["lightning"], LIGHTNING_FSDP),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
