@@ -44,6 +44,15 @@ _GROUPED_EXPERT_LORA = re.compile(r".*\.lora_(?:gate_and_up|down)_[AB]")
 def refuse_peft_names(names: list[str]) -> None:
     """A full model's export: none of its names may be a PEFT model's."""
     peft = sorted(n for n in names if _PEFT_NAME.fullmatch(n))
+    if peft and len(peft) == len(names) and not any(".base_layer." in n for n in peft):
+        raise AdoptError(
+            f"this checkpoint holds a PEFT adapter alone in DCP ({peft[0]!r} and {len(peft) - 1} more), "
+            "with no adapter_config.json PEFT could load it by, as the HF Trainer saves one under FSDP's "
+            "SHARDED_STATE_DICT",
+            hint="set fsdp_config's state_dict_type to FULL_STATE_DICT: the Trainer then writes "
+            "adapter_model.safetensors and adapter_config.json, published as PEFT writes them; the "
+            "trainer's files were not touched",
+        )
     if peft:
         raise AdoptError(
             f"these are a PEFT model's tensors ({peft[0]!r} and {len(peft) - 1} more): exported under these "
