@@ -62,3 +62,8 @@ def test_an_fsdp_strategys_sharded_checkpoint_is_published_as_save_pretrained_wr
         published(tmp_path / "sink", 1), output_loading_info=True
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    again = tmp_path / "again"  # the preset by name, in a folder of its own (no export to reuse)
+    shutil.copytree(watched, again, ignore=shutil.ignore_patterns(".stagerd"))
+    named = watch_once(again, tmp_path / "named", "--adopt", "lightning")
+    assert "1 step(s) published, 0 not" in named.stdout + named.stderr, named.stdout + named.stderr
+    assert_same_tensors(published(tmp_path / "named", 1), tmp_path / "ref")
