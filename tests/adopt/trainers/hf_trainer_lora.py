@@ -1,8 +1,9 @@
-"""One rank of a real `transformers.Trainer` run of a PEFT LoRA model under Accelerate FSDP2 (2 gloo CPU
-ranks; see hf_trainer.py for the one line that lets Accelerate shard on CPU), with the `state_dict_type`
-given. `SHARDED_STATE_DICT`: `checkpoint-2/pytorch_model_fsdp_0/` is a DCP save of the adapter alone
-(`adapter_only`), and no adapter_config.json is written. `FULL_STATE_DICT`: `PeftModel.save_pretrained`'s
-`adapter_model.safetensors` and `adapter_config.json`, beside `pytorch_model_fsdp.bin`."""
+"""One rank of a real `transformers.Trainer` run of a PEFT LoRA model (`lora` false: the model itself)
+under Accelerate FSDP2 (2 gloo CPU ranks; see hf_trainer.py for the one line that lets Accelerate shard on
+CPU), with the `state_dict_type` given. `SHARDED_STATE_DICT`: `checkpoint-2/pytorch_model_fsdp_0/` is a
+DCP save of the adapter alone (`adapter_only`), and no adapter_config.json is written. `FULL_STATE_DICT`:
+`PeftModel.save_pretrained`'s `adapter_model.safetensors` and `adapter_config.json` (without LoRA,
+`save_pretrained`'s `model.safetensors`), beside `pytorch_model_fsdp.bin`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from tests.gloo import join
 LORA_SEED = 0  # the base model is LlamaForCausalLM(tiny.config()) made right after this seed
 
 
-def train(rank: int, world: int, init_file: str, out: str, state_dict_type: str, port: int) -> None:
+def train(
+    rank: int, world: int, init_file: str, out: str, state_dict_type: str, lora: bool, port: int
+) -> None:
     tiny.rank_env(rank, world, port)
     join(rank, world, init_file)
     import torch
@@ -24,9 +27,9 @@ def train(rank: int, world: int, init_file: str, out: str, state_dict_type: str,
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(LORA_SEED)
-    model = get_peft_model(
-        tf.LlamaForCausalLM(tiny.config()), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
-    )
+    model = tf.LlamaForCausalLM(tiny.config())
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     data: list[dict[str, Any]] = [
         {"input_ids": r, "labels": r} for r in tiny.token_rows(4 * world * tiny.STEPS)
     ]
