@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.adopt.helpers import published, watch_once
 from tests.fidelity import models
 from tests.fidelity.harness import assert_same_tensors
@@ -49,3 +51,14 @@ def test_without_the_step_regex_the_directory_is_not_a_step(tmp_path):
     _save(root)
     res = watch_once(root, tmp_path / "sink", "--adopt-select", r"ema\.(.+)")
     assert res.returncode == 0 and "0 step(s) published" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_an_adapter_alone_under_a_models_preset_is_named_as_one():
+    from stagerd.contract.adopt.presets import PRESETS, resolve_selection
+    from stagerd.errors import AdoptError
+
+    name = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    shapes = {name.format("A"): (2, 8), name.format("B"): (8, 2)}
+    with pytest.raises(AdoptError, match="a PEFT adapter alone") as e:
+        resolve_selection(PRESETS["dcp"], shapes)
+    assert "--adopt hf-trainer" in (e.value.hint or "")

@@ -47,11 +47,10 @@ def refuse_peft_names(names: list[str]) -> None:
     if peft and len(peft) == len(names) and not any(".base_layer." in n for n in peft):
         raise AdoptError(
             f"this checkpoint holds a PEFT adapter alone in DCP ({peft[0]!r} and {len(peft) - 1} more), "
-            "with no adapter_config.json PEFT could load it by, as the HF Trainer saves one under FSDP's "
-            "SHARDED_STATE_DICT",
-            hint="set fsdp_config's state_dict_type to FULL_STATE_DICT: the Trainer then writes "
-            "adapter_model.safetensors and adapter_config.json, published as PEFT writes them; the "
-            "trainer's files were not touched",
+            "which this preset would export as a model: from_pretrained would load none of its weights",
+            hint="--adopt hf-trainer publishes the adapter the HF Trainer saves under FSDP's "
+            "SHARDED_STATE_DICT (checkpoint-N/pytorch_model_fsdp_0) as PEFT writes it, given its "
+            "adapter_config.json (--extras DIR); the trainer's files were not touched",
         )
     if peft:
         raise AdoptError(

@@ -188,6 +188,17 @@ HF_TRAINER_ADAPTER = replace(
     adapter=True,
     description="HF Trainer / TRL with a PEFT model: checkpoint-N/adapter_model.safetensors",
 )
+# The Trainer (or TRL) training a PeftModel under FSDP with SHARDED_STATE_DICT saves the adapter alone in
+# DCP (Accelerate's `adapter_only`), under `model.` and the names `PeftModel.save_pretrained` gives, and no
+# adapter_config.json: published as PEFT writes it once one is found (--extras DIR). A PEFT model's whole
+# state dict names its factors `lora_A.default.weight`, which this layout's key never matches.
+HF_TRAINER_DCP_ADAPTER = replace(
+    PRESETS["hf-trainer"],
+    tied=(),
+    detect_key=r"model\..+\.lora_(?:A|B|embedding_A|embedding_B)\.weight",
+    adapter=True,
+    description="HF Trainer / TRL with a PEFT model under FSDP SHARDED_STATE_DICT: the adapter in DCP",
+)
 # Accelerate's own `save_state` (a loop of the user's): the model first, its FSDP SHARDED directory or
 # `model.safetensors`, then the optimizer, and every rank's `random_states_R.pkl`; no trainer_state.json,
 # so the Trainer's completion rule would wait for good. Its `.metadata` (its whole files) finishes it.
@@ -242,7 +253,7 @@ LIGHTNING_FSDP = replace(PRESETS["lightning"], detect_key=r"model\..+", detect_n
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
-    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
+    "hf-trainer": (HF_TRAINER_DCP_ADAPTER, PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
     "automodel": (PRESETS["automodel"], AUTOMODEL_DCP, AUTOMODEL_ADAPTER),
     "lightning": (PRESETS["lightning"], LIGHTNING_FSDP),
