@@ -345,7 +345,8 @@ def select_keys(preset: Preset, keys: list[str], select: str | None = None) -> d
     raise AdoptError(
         f"{what} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})",
         hint="name the model's keys with --adopt-select REGEX, the model's tensor name its group 1 or "
-        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net",
+        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net "
+        "('model\\.net\\.(.+)' under its FSDPStrategy)",
     )
 
 
