@@ -68,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
             and (r.state in (StepState.FAILED, StepState.QUARANTINED) or r.step in stuck_lanes)
         ]
         for r in wanted:
-            if r.state is not StepState.EXPORTED and not layout.is_committed(r.path):
+            # An adopted checkpoint (`watch --adopt`) is the trainer's own directory, never committed with
+            # a marker: it is there to export again while it is there at all.
+            adopted = Path(r.path).name != layout.step_dir_name(r.step)
+            there = Path(r.path).is_dir() if adopted else layout.is_committed(r.path)
+            if r.state is not StepState.EXPORTED and not there:
                 raise ConfigError(
                     f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",
                     path=r.path,

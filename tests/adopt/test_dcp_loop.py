@@ -50,6 +50,7 @@ def test_every_finished_step_is_published_once(run):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "4 step(s) published, 0 not" in res.stdout
     assert sorted(p.name for p in (tmp / "out").glob("step-*")) == [f"step-0000000{s}" for s in (1, 2, 3, 6)]
+    assert (tmp / "out" / "latest").read_text().strip() == "step-00000006"  # the newest step
     status = run_cli(["status", tmp / "root"])
     assert status.returncode == 0 and "4 published" in status.stdout, status.stdout
 

@@ -105,3 +105,36 @@ def test_a_linked_extra_is_a_one_line_symlink_error(tmp_path, where):
     assert e.value.path == str(link) and len(msg.splitlines()) == 1 and "/proc/" not in msg, msg
     assert "--extras" in (e.value.hint or ""), e.value.hint
     assert not (tmp_path / "work" / "export").exists()
+
+
+def test_each_extra_comes_from_the_checkpoint_then_extras_dir_then_root(tmp_path):
+    root, extras, sink = tmp_path / "root", tmp_path / "extras", tmp_path / "out"
+    ranks.write(str(root / "step-1"))
+    extras.mkdir()
+    places = {"vocab.json": (root / "step-1", extras, root), "merges.txt": (extras, root)}
+    places["chat_template.jinja"] = (root,)
+    for name, dirs in places.items():
+        for d in dirs:
+            (d / name).write_text(f"{name} from {d.name}")
+    res = watch_once(root, sink, "--extras", str(extras))
+    assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    for name, dirs in places.items():
+        assert (published(sink, 1) / name).read_text() == f"{name} from {dirs[0].name}", name
+
+
+def test_a_quarantined_checkpoint_is_retried_once_its_cause_is_fixed(tmp_path):
+    """What the quarantine line says to do: fix the cause, `stagerd retry ROOT`, and the next watch
+    exports the trainer's checkpoint again (it has no stagerd marker: it is there while its directory is)."""
+    root, sink, secret = tmp_path / "root", tmp_path / "out", tmp_path / "id_ed25519"
+    secret.write_bytes(SECRET)
+    ranks.write(str(root / "step-1"))
+    (root / "tokenizer.model").symlink_to(secret)
+    res = watch_once(root, sink)
+    assert "0 step(s) published, 1 not" in res.stdout and "stagerd retry" in res.stdout, res.stdout
+    (root / "tokenizer.model").unlink()
+    (root / "tokenizer.model").write_bytes(b"sentencepiece")
+    retry = run_cli(["retry", root])
+    assert retry.returncode == 0 and "re-armed" in retry.stdout, retry.stdout + retry.stderr
+    res = watch_once(root, sink)
+    assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    assert (published(sink, 1) / "tokenizer.model").read_bytes() == b"sentencepiece"

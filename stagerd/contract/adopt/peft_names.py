@@ -44,6 +44,14 @@ _GROUPED_EXPERT_LORA = re.compile(r".*\.lora_(?:gate_and_up|down)_[AB]")
 def refuse_peft_names(names: list[str]) -> None:
     """A full model's export: none of its names may be a PEFT model's."""
     peft = sorted(n for n in names if _PEFT_NAME.fullmatch(n))
+    if peft and len(peft) == len(names) and not any(".base_layer." in n for n in peft):
+        raise AdoptError(
+            f"this checkpoint holds a PEFT adapter alone in DCP ({peft[0]!r} and {len(peft) - 1} more), "
+            "which this preset would export as a model: from_pretrained would load none of its weights",
+            hint="--adopt hf-trainer publishes the adapter the HF Trainer saves under FSDP's "
+            "SHARDED_STATE_DICT (checkpoint-N/pytorch_model_fsdp_0) as PEFT writes it, given its "
+            "adapter_config.json (--extras DIR); the trainer's files were not touched",
+        )
     if peft:
         raise AdoptError(
             f"these are a PEFT model's tensors ({peft[0]!r} and {len(peft) - 1} more): exported under these "

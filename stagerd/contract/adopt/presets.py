@@ -135,7 +135,7 @@ PRESETS: dict[str, Preset] = {
             "lightning",
             complete=("meta.pt",),
             zips=("meta.pt",),
-            select=r"state_dict\.model\.(?P<name>.+)",
+            select=r"(?:state_dict|model)\.model\.(?P<name>.+)",
             tied=("lm_head.weight",),
             detect_key=r"state_dict\..+",
             description="Lightning FSDP / ModelParallel: epoch=E-step=S.ckpt/ (the module's `model`)",
@@ -188,6 +188,17 @@ HF_TRAINER_ADAPTER = replace(
     adapter=True,
     description="HF Trainer / TRL with a PEFT model: checkpoint-N/adapter_model.safetensors",
 )
+# The Trainer (or TRL) training a PeftModel under FSDP with SHARDED_STATE_DICT saves the adapter alone in
+# DCP (Accelerate's `adapter_only`), under `model.` and the names `PeftModel.save_pretrained` gives, and no
+# adapter_config.json: published as PEFT writes it once one is found (--extras DIR). A PEFT model's whole
+# state dict names its factors `lora_A.default.weight`, which this layout's key never matches.
+HF_TRAINER_DCP_ADAPTER = replace(
+    PRESETS["hf-trainer"],
+    tied=(),
+    detect_key=r"model\..+\.lora_(?:A|B|embedding_A|embedding_B)\.weight",
+    adapter=True,
+    description="HF Trainer / TRL with a PEFT model under FSDP SHARDED_STATE_DICT: the adapter in DCP",
+)
 # Accelerate's own `save_state` (a loop of the user's): the model first, its FSDP SHARDED directory or
 # `model.safetensors`, then the optimizer, and every rank's `random_states_R.pkl`; no trainer_state.json,
 # so the Trainer's completion rule would wait for good. Its `.metadata` (its whole files) finishes it.
@@ -234,12 +245,18 @@ AUTOMODEL_ADAPTER = replace(
     extras_dirs=("model",),
     description="NeMo AutoModel with PEFT: epoch_E_step_S/model/adapter_model.safetensors",
 )
+# Lightning's FSDPStrategy saves the module's state dict under `model.` (ModelParallelStrategy under
+# `state_dict.`), so its keys alone look like a plain dcp.save's, whose preset needs no meta.pt and would
+# export the save before it is finished, the module's `model.` left in every name. Every Lightning save
+# is named `*.ckpt`: a DCP directory of that name holding `model.` keys is Lightning's.
+LIGHTNING_FSDP = replace(PRESETS["lightning"], detect_key=r"model\..+", detect_name=r".+\.ckpt")
 # The layouts one preset name covers, tried in this order (the first whose paths exist, else the first).
 LAYOUTS: dict[str, tuple[Preset, ...]] = {
     **{name: (p,) for name, p in PRESETS.items()},
-    "hf-trainer": (PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
+    "hf-trainer": (HF_TRAINER_DCP_ADAPTER, PRESETS["hf-trainer"], HF_TRAINER_FILES, HF_TRAINER_ADAPTER),
     "accelerate": (ACCELERATE, ACCELERATE_FILES),
     "automodel": (PRESETS["automodel"], AUTOMODEL_DCP, AUTOMODEL_ADAPTER),
+    "lightning": (PRESETS["lightning"], LIGHTNING_FSDP),
 }
 AUTO = "auto"
 # Tried in this order by --adopt auto; the first whose layout (and key, where it names one) fits wins.
@@ -328,7 +345,8 @@ def select_keys(preset: Preset, keys: list[str], select: str | None = None) -> d
     raise AdoptError(
         f"{what} selects no tensor of this checkpoint (its keys start {sorted(keys)[:4]})",
         hint="name the model's keys with --adopt-select REGEX, the model's tensor name its group 1 or "
-        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net",
+        "(?P<name>...): e.g. 'state_dict\\.net\\.(.+)' where a LightningModule holds its model as self.net "
+        "('model\\.net\\.(.+)' under its FSDPStrategy)",
     )
 
 

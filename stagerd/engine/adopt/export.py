@@ -28,6 +28,7 @@ from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
 from stagerd.engine.export import ExportResult, export_source
 from stagerd.errors import OutputError, ShardError, SourceChangedError, StagerdError
+from stagerd.ops.crashpoints import delay_point
 
 Snapshot = dict[str, tuple[int, int, int, int]]
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -126,6 +127,7 @@ def export_adopted(
             max_shard_size, default_shard_size = ADAPTER_MAX_SHARD_SIZE, False
 
         def commit_check() -> None:
+            delay_point("adopt.built")
             check_unchanged(source, before, held)
             if adapter:
                 name_adapter(work_dir / layout.EXPORT_TMP_DIR)

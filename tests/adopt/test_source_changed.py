@@ -1,0 +1,52 @@
+"""A checkpoint the trainer saves again in place, or deletes (its rotation), while `watch --adopt` exports
+it: the daemon is held at the `adopt.built` delay point (its export built, the source not yet checked),
+the trainer acts, the daemon goes on. Nothing of that export is published; a checkpoint still finished is
+exported again and published with what is there now."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stagerd.contract import layout
+from tests.adopt import ranks
+from tests.adopt.helpers import published
+from tests.cli_helpers import start_cli
+from tests.cmd.restore_helpers import wait_for_line
+from tests.daemon_helpers import fast_flags
+
+
+def _resave(ckpt: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.ones(8, 4), "b": torch.ones(8)}}, checkpoint_id=str(ckpt), no_dist=True)
+
+
+@pytest.mark.parametrize("change", ["resaved", "deleted"])
+def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_path, change):
+    from safetensors.torch import load_file
+
+    root, sink, go_on = tmp_path / "root", tmp_path / "sink", tmp_path / "go-on"
+    ckpt = root / "step-1"
+    ranks.write(str(ckpt))
+    args = ["watch", root, "--adopt", "--sink", f"file://{sink}", "--once", *fast_flags()]
+    daemon = start_cli(args, env={"STAGERD_DELAY_AT": "adopt.built:120", "STAGERD_DELAY_RELEASE": str(go_on)})
+    try:
+        wait_for_line(daemon, "delay point adopt.built")
+        _resave(ckpt) if change == "resaved" else shutil.rmtree(ckpt)
+    finally:
+        go_on.touch()
+        out, err = daemon.communicate(timeout=120)
+    log = out + err
+    assert "SourceChangedError" in log, log
+    adopted = root / layout.STATE_DIR / "adopted" / "step-1"
+    assert not (adopted / layout.EXPORT_TMP_DIR).exists()
+    if change == "deleted":
+        assert not published(sink, 1).exists() and "0 step(s) published" in log, log
+        return
+    assert daemon.returncode == 0 and "1 step(s) published, 0 not" in log, log
+    got = load_file(published(sink, 1) / "model.safetensors")
+    assert all(bool((t == 1).all()) for t in got.values()) and sorted(got) == ["b", "w"], got
