@@ -8,6 +8,7 @@ and the plan are taken from rank 0 alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -135,11 +136,17 @@ def _check_extra_name(name: Any, shard_files: frozenset[str]) -> None:
     if name in _EXPORT_OWN or name in shard_files or _SHARD_NAME.fullmatch(name):
         raise SaveInputError(f"extras {name!r} names a file the export writes itself", hint=_RENAME)
     if name.endswith(".safetensors"):
-        log.warning(
-            "extras %r is kept in the step for load() but left out of its export: an export's safetensors "
-            "files are the state dict's",
-            name,
-        )
+        _left_out(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _left_out(name: str) -> None:
+    """Once per name: a Trainer subclass's own safetensors file rides along with every save."""
+    log.warning(
+        "extras %r is kept in the step for load() but left out of its export: an export's safetensors "
+        "files are the state dict's",
+        name,
+    )
 
 
 def _snapshot_extras(extras: Mapping[str, Any] | None, shard_files: frozenset[str]) -> tuple[Extra, ...]:

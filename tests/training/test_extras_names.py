@@ -97,3 +97,13 @@ def test_the_extras_the_export_takes_still_reach_it(tmp_path, caplog):
             assert raw == (
                 value if isinstance(value, bytes) else (json.dumps(value, indent=2) + "\n").encode()
             )
+
+
+def test_a_safetensors_extra_is_named_once_not_at_every_save(tmp_path, caplog):
+    """A Trainer subclass's own safetensors file rides along with every save: one warning, not one a save."""
+    from stagerd import Stager
+
+    with Stager(tmp_path / "root") as stager, caplog.at_level(logging.WARNING, "stagerd.stager"):
+        for step in (1, 2, 3):
+            stager.save({"w": torch.arange(4.0)}, step, extras={"ema_once.safetensors": b"e"}).result()
+    assert caplog.text.count("'ema_once.safetensors' is kept in the step for load()") == 1
