@@ -68,10 +68,12 @@ def run(args: argparse.Namespace) -> int:
             and (r.state in (StepState.FAILED, StepState.QUARANTINED) or r.step in stuck_lanes)
         ]
         for r in wanted:
-            # An adopted checkpoint (`watch --adopt`) is the trainer's own directory, never committed with
-            # a marker: it is there to export again while it is there at all.
-            adopted = Path(r.path).name != layout.step_dir_name(r.step)
-            there = Path(r.path).is_dir() if adopted else layout.is_committed(r.path)
+            # A step the Stager wrote (its name, its model/) is there once committed. An adopted checkpoint
+            # (`watch --adopt`) is the trainer's own directory, never committed with a marker, and may be
+            # named as the Stager names steps: it is there to export again while it is there at all.
+            path = Path(r.path)
+            ours = path.name == layout.step_dir_name(r.step) and (path / layout.MODEL_DIR).is_dir()
+            there = layout.is_committed(path) if ours else path.is_dir()
             if r.state is not StepState.EXPORTED and not there:
                 raise ConfigError(
                     f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",

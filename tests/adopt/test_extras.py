@@ -122,12 +122,14 @@ def test_each_extra_comes_from_the_checkpoint_then_extras_dir_then_root(tmp_path
         assert (published(sink, 1) / name).read_text() == f"{name} from {dirs[0].name}", name
 
 
-def test_a_quarantined_checkpoint_is_retried_once_its_cause_is_fixed(tmp_path):
+@pytest.mark.parametrize("name", ["step-1", "step-00000001"])
+def test_a_quarantined_checkpoint_is_retried_once_its_cause_is_fixed(tmp_path, name):
     """What the quarantine line says to do: fix the cause, `stagerd retry ROOT`, and the next watch
-    exports the trainer's checkpoint again (it has no stagerd marker: it is there while its directory is)."""
+    exports the trainer's checkpoint again (it has no stagerd marker: it is there while its directory is),
+    named as the Stager names its steps too."""
     root, sink, secret = tmp_path / "root", tmp_path / "out", tmp_path / "id_ed25519"
     secret.write_bytes(SECRET)
-    ranks.write(str(root / "step-1"))
+    ranks.write(str(root / name))
     (root / "tokenizer.model").symlink_to(secret)
     res = watch_once(root, sink)
     assert "0 step(s) published, 1 not" in res.stdout and "stagerd retry" in res.stdout, res.stdout
