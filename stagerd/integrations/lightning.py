@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -54,6 +53,7 @@ from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, state_tree, step_files
+from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.loader import load_step, optim_specs
@@ -223,12 +223,9 @@ class StagerdCheckpointIO(CheckpointIO):
         trainer's; None when neither is found."""
         from lightning.pytorch.strategies import Strategy
 
-        frame = sys._getframe(1)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Strategy):
-                return owner
-            frame = frame.f_back  # type: ignore[assignment]
+        strategy = calling_self(Strategy)  # type: ignore[type-abstract]  # an isinstance check only
+        if strategy is not None:
+            return strategy
         trainer = getattr(self.model, "_trainer", None)
         return getattr(trainer, "strategy", None)
 

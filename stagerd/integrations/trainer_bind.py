@@ -11,10 +11,11 @@ every other callback lacks.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 from transformers import Trainer
+
+from stagerd.ops.call_stack import calling_self
 
 
 class Replaced:
@@ -39,13 +40,7 @@ class Replaced:
 
 def caller() -> Trainer | None:
     """The Trainer that is `self` in the nearest calling frame."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer):
-            return owner
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return calling_self(Trainer)
 
 
 def _tell(trainer: Trainer, callbacks: list[Any], hook: str) -> None:
