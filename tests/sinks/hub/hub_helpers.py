@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from stagerd.sinks.hub import HubSink
@@ -59,3 +60,15 @@ def one_file_export(tmp_path: Path, seed: int) -> Path:
 
 def export_files(export: Path) -> dict[str, bytes]:
     return {p.relative_to(export).as_posix(): p.read_bytes() for p in export.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(name="xet")
+def lfs_only() -> bool:
+    """For a module whose tests are about refs, not the upload path: LFS, the quicker one."""
+    return False
+
+
+@pytest.fixture(name="hub_config")
+def default_hub_config() -> HubConfig:
+    """The test server as the Hub is, without the small pages of `CONFIG`."""
+    return HubConfig()

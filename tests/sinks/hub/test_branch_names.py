@@ -10,19 +10,8 @@ import pytest
 from huggingface_hub import HfApi
 
 from stagerd.errors import SinkConflictError
-from tests.hubserver import HubConfig
-from tests.sinks.hub.hub_helpers import REPO, make_sink
+from tests.sinks.hub.hub_helpers import REPO, default_hub_config, lfs_only, make_sink  # noqa: F401  (fixtures)
 from tests.sinks.hub.hub_helpers import one_file_export as export
-
-
-@pytest.fixture
-def xet():
-    return False  # the upload path does not matter here; LFS is the quicker one
-
-
-@pytest.fixture
-def hub_config():
-    return HubConfig()
 
 
 def _refs(hub) -> tuple[dict[str, str], dict[str, str], int]:

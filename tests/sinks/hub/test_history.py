@@ -14,20 +14,16 @@ from stagerd.errors import RestoreError, SinkConflictError
 from stagerd.sinks.hub import _HISTORY_CAP, above_fork, commit_message
 from stagerd.sinks.hub.fetch import restore_hub_export
 from stagerd.sinks.hub.history import find_step, tag_title_is_ours
-from tests.hubserver import HubConfig, HubServer
-from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink
+from tests.hubserver import HubServer
+from tests.sinks.hub.hub_helpers import (  # noqa: F401  (fixtures)
+    REPO,
+    default_hub_config,
+    export_files,
+    lfs_only,
+    make_sink,
+)
 from tests.sinks.hub.hub_helpers import one_file_export as export
 from tests.sinks.hub.test_hang import grow_history
-
-
-@pytest.fixture
-def xet():
-    return False  # the upload path does not matter here; LFS is the quicker one
-
-
-@pytest.fixture
-def hub_config():
-    return HubConfig()
 
 
 def test_a_step_older_than_the_history_cap_is_still_published(hub, tmp_path):

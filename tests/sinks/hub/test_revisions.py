@@ -13,19 +13,15 @@ from stagerd.errors import ConfigError, RestoreError, SinkConflictError
 from stagerd.sinks.hub import commit_message, scan_history, step_branch, step_tag
 from stagerd.sinks.hub.fetch import _revision, restore_hub_export
 from stagerd.sinks.hub.url import parse_hub_url
-from tests.hubserver import HubConfig
-from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
+from tests.sinks.hub.hub_helpers import (  # noqa: F401  (fixtures)
+    REPO,
+    default_hub_config,
+    export_files,
+    lfs_only,
+    make_sink,
+    write_export,
+)
 from tests.sinks.hub.hub_helpers import one_file_export as export
-
-
-@pytest.fixture
-def xet():
-    return False  # the upload path does not matter here; LFS is the quicker one
-
-
-@pytest.fixture
-def hub_config():
-    return HubConfig()
 
 
 def test_two_revisions_publish_the_same_step_each_its_own(hub, tmp_path, monkeypatch):
