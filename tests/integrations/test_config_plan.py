@@ -73,7 +73,10 @@ def test_a_wrapped_model_is_found_under_its_prefix(tmp_path, given):
     assert "net.model.embed_tokens.weight" in commit_marker.read_marker(step_dir).tensors  # staged as named
 
 
-def test_keys_the_config_does_not_describe_warn_once_naming_model(tmp_path):
+def test_keys_the_config_does_not_describe_warn_once_naming_model(tmp_path, monkeypatch):
+    from stagerd.training import to_hub
+
+    monkeypatch.setattr(to_hub, "_warned", set())  # once per process: another test may have said it first
     torch.manual_seed(0)
     model = models.build("llama")
     sd = {k.replace("self_attn.", "attention."): v for k, v in model.state_dict().items()}
