@@ -16,6 +16,7 @@ import torch
 
 from stagerd.contract import layout
 from stagerd.errors import SaveInputError
+from stagerd.training import save_inputs
 from tests.training.test_unusual_inputs import _export
 
 TAKEN = {
@@ -79,6 +80,7 @@ def test_the_extras_the_export_takes_still_reach_it(tmp_path, caplog):
     safetensors extra stays in the step for `load()`, with a warning that the export leaves it out."""
     from stagerd import Stager
 
+    save_inputs._left_out.cache_clear()  # once per name and process: said here, whatever ran before
     extras = {**TAKEN, "value_head.safetensors": b"head"}
     with Stager(tmp_path / "root") as stager, caplog.at_level(logging.WARNING, "stagerd.stager"):
         stager.save({"w": torch.arange(4.0)}, 1, extras=extras).result()
@@ -103,6 +105,7 @@ def test_a_safetensors_extra_is_named_once_not_at_every_save(tmp_path, caplog):
     """A Trainer subclass's own safetensors file rides along with every save: one warning, not one a save."""
     from stagerd import Stager
 
+    save_inputs._left_out.cache_clear()
     with Stager(tmp_path / "root") as stager, caplog.at_level(logging.WARNING, "stagerd.stager"):
         for step in (1, 2, 3):
             stager.save({"w": torch.arange(4.0)}, step, extras={"ema_once.safetensors": b"e"}).result()
