@@ -32,14 +32,12 @@ class FsspecBackend:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
-        out, outside = {}, []
+        out: dict[str, RemoteObject] = {}
+        outside: builtins.list[str] = []
         strip = self.fs._strip_protocol(base).rstrip("/") + "/"
         for name, info in found.items():
-            path = self.fs._strip_protocol(name)
-            rel = under(strip, path)
-            if rel is None and path != strip[:-1]:  # the base itself (a file there) is no key of the step
-                outside.append(name)
-            elif rel is not None and info.get("type", "file") == "file":
+            rel = under(strip, self.fs._strip_protocol(name), outside)
+            if rel is not None and info.get("type", "file") == "file":
                 out[rel] = RemoteObject(int(info["size"]))
         skipped(base, outside)
         return out

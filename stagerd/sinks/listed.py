@@ -14,12 +14,15 @@ import logging
 log = logging.getLogger("stagerd.sinks")
 
 
-def under(base: str, name: str) -> str | None:
+def under(base: str, name: str, outside: list[str] | None = None) -> str | None:
     """`name` relative to `base` (which ends in `/`, or is "" for a whole bucket), or None where it is
-    not under it."""
-    if not name.startswith(base) or len(name) == len(base):
-        return None
-    return name[len(base) :]
+    not under it; such a name goes to `outside`, unless it is the base itself (a folder marker, with its
+    slash or without), which is no key of it and no other's."""
+    if name.startswith(base) and len(name) > len(base):
+        return name[len(base) :]
+    if outside is not None and name not in (base, base[:-1]):
+        outside.append(name)
+    return None
 
 
 def skipped(where: str, names: list[str]) -> None:

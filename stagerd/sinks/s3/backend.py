@@ -172,11 +172,8 @@ class S3Backend(OpeningMixin, LatestMixin):
             while True:
                 page = await s3.list_objects_v2(**args)
                 for o in page.get("Contents", []):
-                    rel = under(base, o["Key"])
-                    if rel is None:
-                        if o["Key"] != base:  # a folder marker of the step itself: no key of it
-                            outside.append(o["Key"])
-                    else:
+                    rel = under(base, o["Key"], outside)
+                    if rel is not None:
                         out[rel] = RemoteObject(int(o["Size"]))
                 if not page.get("IsTruncated"):
                     skipped(self.where(prefix), outside)

@@ -48,11 +48,10 @@ def objects(b: S3Backend, prefix: str, start: str = "") -> dict[str, StoredObjec
             while True:
                 page = await s3.list_objects_v2(**args)
                 for o in page.get("Contents", []):
-                    rel = under(base, o["Key"])
-                    if rel is None or not rel.startswith(start):
-                        if o["Key"] != base:  # a folder marker of the prefix itself: no key of it
-                            outside.append(o["Key"])
-                    else:
+                    rel = under(base, o["Key"], outside)
+                    if rel is not None and not rel.startswith(start):
+                        outside.append(o["Key"])
+                    elif rel is not None:
                         out[rel] = StoredObject(int(o["Size"]), o["LastModified"].timestamp(), o.get("ETag"))
                 if not page.get("IsTruncated"):
                     skipped(b.where(prefix), outside)
