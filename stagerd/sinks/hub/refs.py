@@ -57,15 +57,14 @@ class StepRefs:
 
     def target(self, step: int, branches: dict[str, str], head_step: int | None) -> tuple[str, str]:
         """(branch to commit to, its head as the parent commit), creating the branch if needed."""
-        self._check_branch_names(
-            step, branches, self.branch_per_step or not (head_step is None or head_step < step)
-        )
+        onto_revision = not self.branch_per_step and (head_step is None or head_step < step)
+        self._check_branch_names(step, branches, step_branch=not onto_revision)
         if self.revision not in branches:
             self.api.create_branch(
                 self.repo_id, branch=self.revision, revision=branches["main"], exist_ok=True
             )
             branches[self.revision] = self._branch_head(self.revision)
-        if not self.branch_per_step and (head_step is None or head_step < step):
+        if onto_revision:
             return self.revision, branches[self.revision]
         if not self.branch_per_step:
             log.warning(
@@ -98,9 +97,7 @@ class StepRefs:
                 f"`stagerd restore hf://{self.repo_id}@{self.revision} OUT --export`"
             )
         else:
-            nested = next(
-                (t for t in sorted(tags) if t.startswith(f"{tag}/") or tag.startswith(f"{t}/")), None
-            )
+            nested = _blocking(tag, tags)
             if nested is None:
                 return
             what = (
@@ -109,7 +106,7 @@ class StepRefs:
             hint = f"rename the tag {nested} (a tag and a folder of tags cannot share a name)"
         raise SinkConflictError(f"{what}; nothing was written", path=self.url, hint=hint)
 
-    def _check_branch_names(self, step: int, branches: Mapping[str, str], step_branch: bool) -> None:
+    def _check_branch_names(self, step: int, branches: Mapping[str, str], *, step_branch: bool) -> None:
         """Refuse, before any branch is made, a branch this publish must make (the revision, if missing; the
         step's branch, where `step_branch`) that a person's branch keeps from being made: git keeps refs as
         paths, so a branch `stagerd` leaves no room for `stagerd/step-N` (the Hub's answer was a bare 400,
@@ -118,9 +115,7 @@ class StepRefs:
         if step_branch and self.step_branch(step) not in branches:
             wanted.append(self.step_branch(step))
         for name in wanted:
-            nested = next(
-                (b for b in sorted(branches) if b.startswith(f"{name}/") or name.startswith(f"{b}/")), None
-            )
+            nested = _blocking(name, branches)
             if nested is None:
                 continue
             if name == self.revision:
@@ -192,3 +187,9 @@ class StepRefs:
             marked = {t.name: t.target_commit for t in self.api.list_repo_refs(self.repo_id).tags}.get(tag)
             if marked != commit:
                 raise self.foreign_tag(step, str(marked)) from None
+
+
+def _blocking(name: str, refs: Mapping[str, str]) -> str | None:
+    """The ref among `refs` that keeps `name` from being made beside it (`a` against `a/b`, either way):
+    git keeps refs as paths, so a ref and a folder of refs cannot share a name."""
+    return next((r for r in sorted(refs) if r.startswith(f"{name}/") or name.startswith(f"{r}/")), None)
