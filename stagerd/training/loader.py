@@ -310,8 +310,9 @@ def load_step(
     assert marker is not None
     # A key whose tensor is another key's (tied weights) was staged once, under the first: loading into
     # that one fills both.
-    model_sd, aliases = split_aliases(dict(state_dict))
-    copies = untied_copies(dict(state_dict), aliases, marker.tensors)
+    given = dict(state_dict)
+    model_sd, aliases = split_aliases(given)
+    copies = untied_copies(given, aliases, marker.tensors)
     model_dir = step_dir / layout.MODEL_DIR
     _dcp_load(comm, {**model_sd, **copies}, HuggingFaceStorageReader(str(model_dir)), "loading model/")
     _check_untied(comm, model_dir, differing(model_sd, aliases, copies))
