@@ -215,11 +215,10 @@ class StepExchange:
         this leader made it. Another publisher's claim of a step without a manifest is `StepClaimedError`
         (retried); with one, the step is that publisher's and `SinkConflictError`: nothing of the fleet
         goes there. Returns the claim the sink holds."""
-        prefix = layout.step_dir_name(self.step)
-        key, b = claim_key(prefix), sink.backend
+        key, b = self._step_claim_key(), sink.backend
         if _named(sink.url, key, lambda: b.create(key, mine.encode())):
             return mine.encode()
-        held = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
+        held = self._step_claim(sink)
         if fleet_owned(held, mine):
             return held or b""
         if self.committed(sink):
@@ -232,8 +231,7 @@ class StepExchange:
         again. Another publisher's is `SinkConflictError`. None where the step has no manifest."""
         if not self.committed(sink):
             return None
-        key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
-        held = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
+        held = self._step_claim(sink)
         if held is None or fleet_owned(held, mine):
             return held or b""
         raise self._theirs(sink, held)
@@ -243,6 +241,15 @@ class StepExchange:
         manifest, b = f"{layout.step_dir_name(self.step)}/{layout.MANIFEST_NAME}", sink.backend
         # capped: anyone may put an object of any size at that key
         return _named(sink.url, manifest, lambda: b.read(manifest, MAX_MANIFEST_BYTES + 1)) is not None
+
+    def _step_claim_key(self) -> str:
+        return claim_key(layout.step_dir_name(self.step))
+
+    def _step_claim(self, sink: FsspecSink) -> bytes | None:
+        """The step's claim on `sink`, read capped: anyone may put an object of any size at its key."""
+        key, b = self._step_claim_key(), sink.backend
+        data: bytes | None = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
+        return data
 
     def _theirs(self, sink: FsspecSink, held: bytes | None) -> SinkConflictError:
         who = decode(held)
@@ -258,8 +265,7 @@ class StepExchange:
         """Before this node writes under `sink`'s `step-N/`: None where the sink holds the claim the leader
         recorded (`held`). Else the `StepClaimedError` of a publish that finds another's claim: nothing of
         this publish was written there."""
-        key, b = claim_key(layout.step_dir_name(self.step)), sink.backend
-        now = _named(sink.url, key, lambda: b.read(key, MAX_CLAIM_BYTES + 1))
+        key, now = self._step_claim_key(), self._step_claim(sink)
         if now == held:
             return None
         if now is None:  # taken since the leader claimed it (by hand, or a prune): its next try claims again
