@@ -28,7 +28,7 @@ EXPORT_TMP_DIR = "export.tmp"
 EXPORT_OPTIONS_NAME = "export.options.json"  # beside export/, never published: what the export was made with
 STATE_DIR = ".stagerd"
 INDEX_NAME = "model.safetensors.index.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # an adopted PEFT adapter's export: that one file
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PeftModel.save_pretrained's one file of weights
 WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
 ADAPTER_DIR = "adapter"  # export/adapter/: a PEFT model's adapter-only artefact, beside its merged export
 

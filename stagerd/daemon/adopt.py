@@ -144,7 +144,7 @@ def _unadoptable(ckpt: Path) -> str | None:
     if (ckpt / "adapter_model.bin").is_file():
         return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
                 "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
-    if (ckpt / "adapter_model.safetensors").is_file():
+    if (ckpt / layout.ADAPTER_WEIGHTS_NAME).is_file():
         return ("holds a PEFT adapter in no layout of this --adopt preset: --adopt hf-trainer (or auto) "
                 "exports one from the HF Trainer's checkpoint-N, finished by trainer_state.json")  # fmt: skip
     if (ckpt / "trainer_state.json").is_file():

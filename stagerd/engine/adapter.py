@@ -7,12 +7,11 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.contract.layout import ADAPTER_DIR
+from stagerd.contract.layout import ADAPTER_DIR, ADAPTER_WEIGHTS_NAME
 from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.source import Source
 from stagerd.errors import OutputError
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_MAX_SHARD_SIZE = 1 << 62  # PEFT writes the adapter as one file, whatever its size
 
 
@@ -37,8 +36,8 @@ def build_adapter(
             scan=source.scan,
         )
         ((name, size),) = res.files
-        os.rename(out / name, out / ADAPTER_WEIGHTS)
+        os.rename(out / name, out / ADAPTER_WEIGHTS_NAME)
         layout.fsync_dir(out)
     except OSError as e:
         raise OutputError(f"cannot write the adapter: {e.strerror}", path=out) from None
-    return f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", size
+    return f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS_NAME}", size

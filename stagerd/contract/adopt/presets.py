@@ -22,10 +22,10 @@ from typing import Any
 from stagerd.contract.adopt.peft_names import refuse_grouped_expert_lora, refuse_peft_names
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 from stagerd.errors import AdoptError, ConfigError, HubPlanError
 
 METADATA = ".metadata"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PeftModel.save_pretrained's one file
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's model card (`library_name: peft`, `base_model`), what push_to_hub publishes: taken from the
 # checkpoint only (ROOT's README.md may be the user's own).
@@ -184,7 +184,7 @@ HF_TRAINER_FILES = Preset(
 HF_TRAINER_ADAPTER = replace(
     HF_TRAINER_FILES,
     tied=(),
-    detect_paths=(ADAPTER_WEIGHTS,),
+    detect_paths=(ADAPTER_WEIGHTS_NAME,),
     adapter=True,
     description="HF Trainer / TRL with a PEFT model: checkpoint-N/adapter_model.safetensors",
 )
@@ -240,7 +240,7 @@ AUTOMODEL_ADAPTER = replace(
     complete=(),
     jsons=(),
     incomplete=".incomplete",
-    detect_paths=(f"model/{ADAPTER_WEIGHTS}",),
+    detect_paths=(f"model/{ADAPTER_WEIGHTS_NAME}",),
     detect_name=r"epoch_[0-9]+_step_[0-9]+",
     extras_dirs=("model",),
     description="NeMo AutoModel with PEFT: epoch_E_step_S/model/adapter_model.safetensors",

@@ -46,6 +46,7 @@ from typing import Any
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.json_fields import loads
+from stagerd.contract.layout import ADAPTER_DIR, ADAPTER_WEIGHTS_NAME
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
 from stagerd.daemon.fleet.build import Artefact
@@ -64,7 +65,7 @@ from stagerd.daemon.fleet.records import (
 )
 from stagerd.daemon.fleet.stake import Stakes, publisher, stake
 from stagerd.daemon.fleet.version import same_protocol
-from stagerd.engine.adapter import ADAPTER_DIR, ADAPTER_MAX_SHARD_SIZE, ADAPTER_WEIGHTS
+from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
 from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
@@ -383,7 +384,7 @@ class FleetNode:
                 expected=self.marker.tensors,
             )
             (f,) = adapter.files
-            units[f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"] = (adapter, f)
+            units[f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS_NAME}"] = (adapter, f)
         return main.plan, units
 
     def _target_dtype(self) -> str | None:

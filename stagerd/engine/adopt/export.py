@@ -20,7 +20,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.adopt.checks import CHECKS, CHECKS_KEY
-from stagerd.contract.adopt.presets import ADAPTER_WEIGHTS
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.contract.step.held import HeldDir, HeldFiles
@@ -155,7 +155,7 @@ def export_adopted(
             raise
     if not adapter or built.skipped:
         return built
-    named = ((ADAPTER_WEIGHTS if rel == layout.WEIGHTS_NAME else rel, size) for rel, size in built.files)
+    named = ((ADAPTER_WEIGHTS_NAME if rel == layout.WEIGHTS_NAME else rel, size) for rel, size in built.files)
     return replace(built, files=tuple(sorted(named)))
 
 
@@ -163,7 +163,7 @@ def name_adapter(tmp: Path) -> None:
     """The adapter's one file under PEFT's name (`PeftModel.from_pretrained` reads no other), before the
     export is committed."""
     try:
-        os.rename(tmp / layout.WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS)
+        os.rename(tmp / layout.WEIGHTS_NAME, tmp / ADAPTER_WEIGHTS_NAME)
         layout.fsync_dir(tmp)
     except OSError as e:
         raise OutputError(f"cannot name the adapter's file: {e.strerror}", path=tmp) from None

@@ -34,7 +34,6 @@ from stagerd.contract.adopt.dcp_metadata import (
 from stagerd.contract.adopt.peft_names import AUTOMODEL_PEFT_CONFIG, refuse_scaled_expert_rank
 from stagerd.contract.adopt.presets import (
     ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     AUTO,
     AUTO_ORDER,
     LAYOUTS,
@@ -46,6 +45,7 @@ from stagerd.contract.adopt.presets import (
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 from stagerd.contract.reference_index import MAX_INDEX_BYTES, read_reference_index
 from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
@@ -267,9 +267,9 @@ def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
     """The files of an HF checkpoint: those its index names, else `model.safetensors` alone; of a PEFT
     adapter, its one `adapter_model.safetensors` (PEFT writes no index)."""
     if adapter:
-        if not (model_dir / ADAPTER_WEIGHTS).is_file():
-            raise ShardError(f"no {ADAPTER_WEIGHTS}", path=model_dir)
-        return [model_dir / ADAPTER_WEIGHTS]
+        if not (model_dir / ADAPTER_WEIGHTS_NAME).is_file():
+            raise ShardError(f"no {ADAPTER_WEIGHTS_NAME}", path=model_dir)
+        return [model_dir / ADAPTER_WEIGHTS_NAME]
     index = model_dir / layout.INDEX_NAME
     if index.is_file():
         names = sorted(set(read_reference_index(index).values()))
@@ -282,7 +282,7 @@ def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
                     "exported or published, and the trainer's files were not touched",
                 )
         return [model_dir / n for n in names]
-    single = model_dir / "model.safetensors"
+    single = model_dir / layout.WEIGHTS_NAME
     if not single.is_file():
         raise ShardError("no model.safetensors or model.safetensors.index.json", path=model_dir)
     return [single]

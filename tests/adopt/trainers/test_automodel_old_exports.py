@@ -19,7 +19,7 @@ import pytest
 from stagerd.contract import layout
 from stagerd.contract.adopt.checks import CHECKS_KEY
 from stagerd.contract.adopt.peft_names import AUTOMODEL_PEFT_CONFIG
-from stagerd.contract.adopt.presets import ADAPTER_WEIGHTS
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 from tests.adopt.helpers import published, tree_digest, watch_once
 from tests.adopt.trainers import automodel_moe_peft_run as moe
 from tests.adopt.trainers import tiny
@@ -50,7 +50,7 @@ def as_an_older_build_left_it(root: Path) -> None:
 def weights(root: Path) -> tuple[int, int]:
     """The exported adapter file's identity: its inode and mtime (a rebuilt file may reuse the inode of
     the one it replaced)."""
-    st = (work_dir(root) / layout.EXPORT_DIR / ADAPTER_WEIGHTS).stat()
+    st = (work_dir(root) / layout.EXPORT_DIR / ADAPTER_WEIGHTS_NAME).stat()
     return st.st_ino, st.st_mtime_ns
 
 
@@ -91,7 +91,7 @@ def test_an_older_builds_export_is_rebuilt_for_a_new_sink_and_this_builds_is_sen
     assert weights(tmp_path / "train") != made
     recorded = json.loads((work_dir(tmp_path / "train") / layout.EXPORT_OPTIONS_NAME).read_text())
     assert CHECKS_KEY in recorded
-    sent = [published(tmp_path / s, tiny.STEPS) / ADAPTER_WEIGHTS for s in "abc"]
+    sent = [published(tmp_path / s, tiny.STEPS) / ADAPTER_WEIGHTS_NAME for s in "abc"]
     assert len({p.read_bytes() for p in sent}) == 1  # the rebuild gives the bytes the first sinks hold
 
 
