@@ -31,7 +31,7 @@ fi
 # How long the loop's own `.item()` waits behind a save's copy, queued whole against paced.
 timeout 90 python3 bench/bench_copy_pacing.py --json "$OUT/pacing.json" 2>&1 | tee "$OUT/pacing.log"
 if [ $# -eq 0 ]; then
-    set -- --preset 1b --long 18 --short 4 --saves 5 --slow-saves 2 --base-steps 24
+    set -- --preset 1b --long 18 --short 4 --saves 8 --slow-saves 2 --base-steps 24 --adjacent-steps 24
 fi
 timeout 500 python3 bench/bench_goodput.py "$@" --json "$OUT/goodput.json" > "$OUT/goodput.log" 2>&1
 echo "bench exit $?"
