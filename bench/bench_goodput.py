@@ -26,12 +26,14 @@ publish its last step, so its backlog does not slow the next method's run.
 
 Reported per method: stall per save (the loop blocked in save and its waits), loop time lost per save
 (the save's K-step window against K baseline steps, against K of the run's own median step, and against K
-of the median of the `--adjacent-steps` no-save steps measured right before and right after the run;
-first save apart), time to durable (save until the marker or torch's upload future) against the disk
-floor (the same bytes written sequentially with one `write` stream and fsynced, measured in the same run),
-the D2H rate of unhidden saves against one large pinned copy, and the step time while the daemon exports.
-For each stagerd run the daemon watched, its steps while the daemon exported or published against while
-it was idle (in the run, and in the no-save steps right after it): the daemon's effect apart from drift.
+of the median of the `--adjacent-steps` no-save steps measured right before and right after the run, each
+no-save window after `--warm-steps` untimed steps, since after the GPU idled (a drain, the daemon
+settling) steps run faster for a while; first save apart), time to durable (save until the marker or
+torch's upload future) against the disk floor (the same bytes written sequentially with one `write`
+stream and fsynced, measured in the same run), the D2H rate of unhidden saves against one large pinned
+copy, and the step time while the daemon exports. For each stagerd run the daemon watched, its steps
+while the daemon exported or published against while it was idle (in the run, and in the no-save steps
+right after it): the daemon's effect apart from drift.
 `--json FILE` keeps everything; `--report FILE` prints the tables from it.
 """
 
@@ -69,6 +71,12 @@ def main() -> None:
         type=int,
         default=12,
         help="steps without saves right before and right after each method's run (0: none)",
+    )
+    p.add_argument(
+        "--warm-steps",
+        type=int,
+        default=12,
+        help="untimed steps before each no-save window: steps after an idle GPU run faster for a while",
     )
     p.add_argument("--threads", type=int, default=8, help="writer threads (stagerd and torch's writer)")
     p.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir, removed)")
@@ -168,13 +176,15 @@ def main() -> None:
         best = gm.TorchBest(model, optim, root, args.threads, patch_close=patch)
 
         windows = Adjacent(
-            args.adjacent_steps, lambda n: run(model, optim, x, None, k=n, saves=0, hidden=True, step0=0)
+            args.adjacent_steps,
+            lambda n: run(model, optim, x, None, k=n, saves=0, hidden=True, step0=0, warm=args.warm_steps),
         )
 
         def measure(key: str, m, k: int, saves: int, hidden: bool, step0: int = 0) -> None:
             adjacent = windows.before() if m is not None else None
             try:
-                r = run(model, optim, x, m, k=k, saves=saves, hidden=hidden, step0=step0)
+                warm = args.warm_steps if m is None else 0  # a method's run follows its before-window
+                r = run(model, optim, x, m, k=k, saves=saves, hidden=hidden, step0=step0, warm=warm)
             except Exception as e:  # the other methods still run; the error is in the report
                 say(f"{key} failed: {type(e).__name__}: {e}")
                 raw["errors"].append(f"{key}: {type(e).__name__}: {e}")

@@ -17,10 +17,25 @@ def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def run(model: Any, optim: Any, x: Any, method: Any, *, k: int, saves: int, hidden: bool, step0: int) -> dict:
-    """K * (saves + 1) steps, a save at the end of every K-th; per step its start and duration."""
+def run(
+    model: Any,
+    optim: Any,
+    x: Any,
+    method: Any,
+    *,
+    k: int,
+    saves: int,
+    hidden: bool,
+    step0: int,
+    warm: int = 0,
+) -> dict:
+    """K * (saves + 1) steps, a save at the end of every K-th; per step its start and duration. `warm`
+    untimed steps first: after the GPU idled (a drain, the daemon settling) its steps run up to 6% faster
+    for a dozen steps, so a window measured from idle is not the sustained state a method's run is in."""
     if method is not None:
         method.saves = []
+    for _ in range(warm):
+        train_step(model, optim, x, None, hidden).item()
     times, starts = [], []
     for i in range(1, k * (saves + 1) + 1):
         t0 = time.perf_counter()
