@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from stagerd.contract.adopt.presets import get_preset
-from stagerd.engine.adopt.source import choose_preset, finished, save_identity
+from stagerd.engine.adopt.detect import choose_preset
+from stagerd.engine.adopt.source import finished, save_identity
 from tests.adopt.helpers import published, tree_digest, watch_once
 from tests.cli_helpers import run_cli
 

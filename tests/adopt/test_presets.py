@@ -186,8 +186,9 @@ def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_pa
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from stagerd.engine.adopt.detect import choose_preset
     from stagerd.engine.adopt.export import export_adopted
-    from stagerd.engine.adopt.source import choose_preset, finished
+    from stagerd.engine.adopt.source import finished
 
     ckpt = tmp_path / "epoch_0_step_2"
     (ckpt / "model" / ".hf_metadata").mkdir(parents=True)

@@ -20,9 +20,10 @@ from enum import StrEnum
 from typing import Any
 
 from stagerd.contract.adopt.peft_names import refuse_grouped_expert_lora, refuse_peft_names
+from stagerd.contract.adopt.torchtitan_names import TORCHTITAN_LLAMA_RULES
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
-from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME, INDEX_NAME, WEIGHTS_NAME
 from stagerd.errors import AdoptError, ConfigError, HubPlanError
 
 METADATA = ".metadata"
@@ -30,41 +31,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's model card (`library_name: peft`, `base_model`), what push_to_hub publishes: taken from the
 # checkpoint only (ROOT's README.md may be the user's own).
 ADAPTER_CARD = "README.md"
-
-# torchtitan's Llama 3 names -> transformers' LlamaForCausalLM. torchtitan 0.3 calls the projections
-# `attention.qkv_linear.wq` and the head `lm_head`; earlier releases `attention.wq` and `output`. Also in
-# examples/torchtitan_llama_to_hf.json (with the numbers of Llama 3 8B for rope_heads).
-TORCHTITAN_LLAMA_RULES: list[dict[str, Any]] = [
-    {"match": r"tok_embeddings\.weight", "name": "model.embed_tokens.weight"},
-    {
-        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wq\.weight",
-        "name": r"model.layers.\1.self_attn.q_proj.weight",
-        "rope_heads": "num_attention_heads",
-    },
-    {
-        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wk\.weight",
-        "name": r"model.layers.\1.self_attn.k_proj.weight",
-        "rope_heads": "num_key_value_heads",
-    },
-    {
-        "match": r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wv\.weight",
-        "name": r"model.layers.\1.self_attn.v_proj.weight",
-    },
-    {"match": r"layers\.(\d+)\.attention\.wo\.weight", "name": r"model.layers.\1.self_attn.o_proj.weight"},
-    {"match": r"layers\.(\d+)\.feed_forward\.w1\.weight", "name": r"model.layers.\1.mlp.gate_proj.weight"},
-    {"match": r"layers\.(\d+)\.feed_forward\.w2\.weight", "name": r"model.layers.\1.mlp.down_proj.weight"},
-    {"match": r"layers\.(\d+)\.feed_forward\.w3\.weight", "name": r"model.layers.\1.mlp.up_proj.weight"},
-    {
-        "match": r"layers\.(\d+)\.attention_norm\.weight",
-        "name": r"model.layers.\1.input_layernorm.weight",
-    },
-    {
-        "match": r"layers\.(\d+)\.ffn_norm\.weight",
-        "name": r"model.layers.\1.post_attention_layernorm.weight",
-    },
-    {"match": r"norm\.weight", "name": "model.norm.weight"},
-    {"match": r"(?:output|lm_head)\.weight", "name": "lm_head.weight"},
-]
 
 
 class Format(StrEnum):
@@ -152,7 +118,7 @@ PRESETS: dict[str, Preset] = {
             "hf",
             format=Format.HF_FILES,
             tied=("lm_head.weight",),
-            detect_paths=("model.safetensors.index.json", "model.safetensors"),
+            detect_paths=(INDEX_NAME, WEIGHTS_NAME),
             description="HF safetensors already (torchtitan's last_save_in_hf): cast, published as they are",
         ),
         Preset(
@@ -173,7 +139,7 @@ HF_TRAINER_FILES = Preset(
     complete=("trainer_state.json",),
     jsons=("trainer_state.json",),
     tied=("lm_head.weight",),
-    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    detect_paths=(INDEX_NAME, WEIGHTS_NAME),
     detect_name=r"checkpoint-[0-9]+",
     description="HF Trainer without FSDP (DDP, one process): checkpoint-N/model.safetensors",
 )
@@ -216,7 +182,7 @@ ACCELERATE_FILES = replace(
     model_dir=".",
     format=Format.HF_FILES,
     select=r"(?P<name>.+)",
-    detect_paths=("model.safetensors.index.json", "model.safetensors"),
+    detect_paths=(INDEX_NAME, WEIGHTS_NAME),
     description="Accelerate save_state without FSDP: DIR/model.safetensors",
 )
 # AutoModel with `model_save_format: torch_save`: `model/` is a FileSystemWriter save of the HF names (no

@@ -1,5 +1,6 @@
-"""A trainer's finished DCP checkpoint as an export source: which preset reads it, its metadata, the
-chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found beside it (`extras.py`).
+"""A trainer's finished DCP checkpoint as an export source: which preset reads it (`detect.py`), its
+metadata, the chosen tensors and their to-Hub plan, and the extras (config, tokenizer) found beside it
+(`extras.py`).
 
 `open_adopted` reads only `.metadata` (through the allowlist reader) and the small JSON extras; the data
 files are read by the plan, chunk by chunk. The checkpoint is never written: every path here is opened
@@ -28,20 +29,10 @@ from stagerd.contract.adopt.dcp_metadata import (
     METADATA_NAME,
     DcpMetadata,
     parse_dcp_metadata,
-    read_dcp_metadata,
     read_metadata_bytes,
 )
 from stagerd.contract.adopt.peft_names import AUTOMODEL_PEFT_CONFIG, refuse_scaled_expert_rank
-from stagerd.contract.adopt.presets import (
-    ADAPTER_CONFIG,
-    AUTO,
-    AUTO_ORDER,
-    LAYOUTS,
-    Format,
-    Preset,
-    get_preset,
-    resolve_selection,
-)
+from stagerd.contract.adopt.presets import ADAPTER_CONFIG, AUTO, Format, Preset, resolve_selection
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
@@ -51,11 +42,12 @@ from stagerd.contract.regular_file import open_regular
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
+from stagerd.engine.adopt.detect import choose_preset
 from stagerd.engine.adopt.extras import find_extras, find_trainers_file, read_config
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
-from stagerd.errors import AdoptError, DcpFormatError, ShardError, StagerdError, open_failed
+from stagerd.errors import AdoptError, ShardError, StagerdError, open_failed
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
@@ -140,51 +132,6 @@ class AdoptedSource(Source):
             return [*data_files(self.model_dir, self.preset), *extras]
         data = {c.file for k in self.keys for c in self.meta.tensors[k].chunks}
         return [self.model_dir / METADATA_NAME, *(self.model_dir / f for f in sorted(data)), *extras]
-
-
-def choose_preset(ckpt: Path, name: str, dir_name: str | None = None) -> Preset:
-    """The named preset (of its layouts, the first this checkpoint fits as auto judges it, else the first
-    whose paths it has that names no key), or with `auto` the first of AUTO_ORDER whose layout this
-    checkpoint has (judged by its name and paths, and by `.metadata`'s keys where the preset names a key;
-    never by its completion files). `dir_name`: the checkpoint directory's name, where `ckpt` is a held
-    one's proc path."""
-    keys: dict[Path, set[str] | None] = {}  # each `.metadata` read once, whichever presets look at it
-    if name != AUTO:
-        layouts = LAYOUTS[get_preset(name).name]
-        fit = next((p for p in layouts if _fits(ckpt, p, keys, dir_name)), None)
-        plain = (p for p in layouts if p.detect_key is None and _has_paths(ckpt, p))
-        return fit or next(plain, layouts[0])
-    for p in (p for candidate in AUTO_ORDER for p in LAYOUTS[candidate]):
-        if _fits(ckpt, p, keys, dir_name):
-            return p
-    raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
-
-
-def _fits(ckpt: Path, p: Preset, keys: dict[Path, set[str] | None], dir_name: str | None) -> bool:
-    if p.detect_name is not None and re.fullmatch(p.detect_name, dir_name or ckpt.name) is None:
-        return False
-    if not _has_paths(ckpt, p):
-        return False
-    if p.format is Format.DCP:
-        meta = ckpt / p.metadata_file()
-        if not meta.is_file():
-            return False
-        if p.detect_key is not None:
-            if meta not in keys:
-                try:
-                    keys[meta] = set(read_dcp_metadata(meta).tensors)
-                except DcpFormatError:
-                    keys[meta] = None  # the generic preset takes it, and its export names the defect
-            rx = re.compile(p.detect_key)
-            if not any(rx.fullmatch(k) for k in keys[meta] or ()):
-                return False
-    return True
-
-
-def _has_paths(ckpt: Path, p: Preset) -> bool:
-    if p.detect_paths and not any((ckpt / d).exists() for d in p.detect_paths):
-        return False
-    return all((ckpt / d).exists() for d in p.detect_also)
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:

@@ -63,7 +63,7 @@ def test_a_sharded_adapter_is_published_as_peft_writes_it_given_its_config(full,
     from peft import LoraConfig, PeftModel
     from safetensors.torch import load_file
 
-    from stagerd.engine.adopt.source import choose_preset
+    from stagerd.engine.adopt.detect import choose_preset
 
     run, ckpt = _run(tmp_path, "SHARDED_STATE_DICT")
     assert (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file() and not (
