@@ -178,7 +178,7 @@ def refuse_a_root(src: Path, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagerd.contract.layout import fsync_dir
+    from stagerd.contract.layout import INDEX_NAME, WEIGHTS_NAME, fsync_dir
     from stagerd.contract.reference_index import read_reference_index
     from stagerd.contract.sharding import parse_size
     from stagerd.engine.export import build_export, list_files
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if args.adopt is None:
         refuse_a_root(args.src, "SRC")
         warn_uncommitted(args.src)
-        if any((args.src / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json")):
+        if any((args.src / n).is_file() for n in (WEIGHTS_NAME, INDEX_NAME)):
             raise ConfigError(
                 "SRC is already a Hugging Face export, not a staged step",
                 path=args.src,

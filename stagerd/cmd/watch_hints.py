@@ -49,14 +49,12 @@ def warn_quarantined(root: Path) -> None:
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
 
 
-_TRAINER_FILES = (".metadata", "trainer_state.json", "model.safetensors", "model.safetensors.index.json")
-
-
 def warn_unadopted(root: Path) -> None:
     """Checkpoints a trainer saved itself, and no step saved through stagerd.Stager: without --adopt the
     daemon waits for Stager steps that never come, and a --once run reports "0 step(s)" as a success."""
     from stagerd.contract import layout
 
+    trainer_files = (".metadata", "trainer_state.json", layout.WEIGHTS_NAME, layout.INDEX_NAME)
     try:
         names = sorted(os.listdir(root))
     except OSError:
@@ -69,7 +67,7 @@ def warn_unadopted(root: Path) -> None:
         if n.startswith(".") or not d.is_dir():
             continue
         inner = [d, *(c for c in _subdirs(d))]
-        if any((c / f).is_file() for c in inner for f in _TRAINER_FILES):
+        if any((c / f).is_file() for c in inner for f in trainer_files):
             found.append(n)
     if found:
         shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")

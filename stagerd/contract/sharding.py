@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from stagerd.contract.layout import WEIGHTS_NAME
 from stagerd.errors import ReferenceIndexError
 
 # save_pretrained's default since transformers 5 (the Hub's largest file): most models are one file.
@@ -34,7 +35,7 @@ def natural_key(name: str) -> tuple[object, ...]:
 def output_file_names(n: int) -> list[str]:
     """`model.safetensors` for one file; else `model-00001-of-0000N.safetensors`, ..., as save_pretrained."""
     if n == 1:
-        return ["model.safetensors"]
+        return [WEIGHTS_NAME]
     width = max(5, len(str(n)))
     return [f"model-{i:0{width}d}-of-{n:0{width}d}.safetensors" for i in range(1, n + 1)]
 
