@@ -2,9 +2,12 @@
 
 transformers 5 reads `dtype`, 4.x `torch_dtype`; the field the source config used is the one written (a
 config with neither gets `dtype`). The value is the cast target after a cast, also where `--keep-dtype`
-exceptions stay in another dtype (as `save_pretrained` names a mixed-dtype model by its main dtype); when
-kept, the dtype holding most of the export's floating-point bytes. Every other key, and its order, is
-kept; the staged original is only read.
+exceptions stay in another dtype (as `save_pretrained` names a mixed-dtype model by its main dtype). When
+kept, the dtype the config names where the export holds any of it: `save_pretrained` names a model by its
+first floating parameter's dtype, which a mixed model need not have most bytes in, and the Stager stages
+config.json so named (`training/hf_config_files.py`); else (no dtype named, or a stale one the export
+holds none of) the dtype holding most of the export's floating-point bytes. Every other key, and its
+order, is kept; the staged original is only read.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `target`:
     the cast's dtype (safetensors name), None when kept."""
     cast_to = dtypes.lookup(target).torch_name if target is not None and dtype_bytes else None
-    name = cast_to or main_dtype(dtype_bytes)
-    if name is None:
+    if (cast_to or main_dtype(dtype_bytes)) is None:
         return None
     try:
         cfg = loads(source.read_bytes())
@@ -46,6 +48,13 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     if not isinstance(cfg, dict):
         raise ExtrasError(f"{CONFIG_NAME} must hold a JSON object", path=source)
     present = [f for f in _FIELDS if f in cfg]
+    name = cast_to or _held(cfg.get(present[0]) if present else None, dtype_bytes) or main_dtype(dtype_bytes)
     for field in present or ["dtype"]:
         cfg[field] = name
     return (json.dumps(cfg, indent=2) + "\n").encode()
+
+
+def _held(named: object, dtype_bytes: Mapping[str, int]) -> str | None:
+    """`named` (a config's dtype, `bfloat16`) where it is a floating dtype the export holds bytes of."""
+    held = [d for d in map(dtypes.lookup, (n for n, b in dtype_bytes.items() if b > 0)) if d.castable]
+    return named if isinstance(named, str) and named in (d.torch_name for d in held) else None

@@ -207,7 +207,8 @@ def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_pa
     r = export_adopted(ckpt, tmp_path / "work")
     got = load_file(r.export_dir / "model.safetensors")
     assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
-    assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "float32"  # most bytes F32
+    # The config's own dtype, which the files hold (save_pretrained's: the first parameter's), not F32's.
+    assert json.loads((r.export_dir / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_a_checkpoint_already_in_hf_files_is_published_with_its_dtype(tmp_path):
