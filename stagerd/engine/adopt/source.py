@@ -321,6 +321,9 @@ def open_adopted(
         refuse_scaled_expert_rank(read_config(automodel), adapter_config, views, base_config)
     if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
         plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
+    else:  # save_pretrained fills its files in its state dict's order, which `.metadata` keeps
+        place = {k: i for i, k in enumerate(meta.tensors)}
+        plan = replace(plan, order=tuple(v.name for v in sorted(plan.views, key=lambda v: place[v.source])))
     return AdoptedSource(
         model_dir,
         None,
