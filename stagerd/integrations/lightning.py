@@ -14,8 +14,11 @@ scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, ca
 versions) is a JSON skeleton in a uint8 tensor there (`state_tree`): `load_checkpoint` restores it
 without unpickling anything, and a value JSON cannot hold exactly is refused at save time.
 
-At `path` itself, a small JSON file names the step (ROOT and step), so `ModelCheckpoint`'s bookkeeping
-(`last`, `best_model_path`, `save_top_k`) works on paths as always. `load_checkpoint` accepts such a file,
+At `path` itself, a small JSON file names the step (ROOT and step) and the checkpoint's top-level keys, so
+`ModelCheckpoint`'s bookkeeping (`last`, `best_model_path`, `save_top_k`) works on paths as always, and a
+`save_weights_only` path loads the weights-only checkpoint Lightning's file would hold. A step is staged
+once: a weights-only save is staged whole while another `ModelCheckpoint` saves everything (it may save
+the same step next). `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
 or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
@@ -90,7 +93,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
-        self._saved: int | None = None
+        self._saved: tuple[int, frozenset[str]] | None = None  # the step staged last, and its keys
         self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
         # a plugin let go (a sweep's finished trial) lets its pins go with it, not at the process's end
         weakref.finalize(self, _release, self._pins)
@@ -103,10 +106,21 @@ class StagerdCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("StagerdCheckpointIO takes no storage_options")
         step = int(checkpoint["global_step"])
-        if self._saved != step:  # ModelCheckpoint's `last` and its top-k may save one step twice
-            self._save(checkpoint, step)
-            self._saved = step
-        pointer = {"format": POINTER, "root": str(self.root.resolve()), "step": step}
+        if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
+            whole = self._whole(checkpoint)
+            self._save(whole, step)
+            self._saved = (step, frozenset(whole))
+        elif not self._saved[1].issuperset(checkpoint):
+            raise SaveInputError(
+                f"step {step} was staged from a weights-only checkpoint: a full checkpoint of the same step "
+                "cannot be staged too",
+                path=path,
+                hint="save the full checkpoint at another step, or with a ModelCheckpoint: then every "
+                "weights-only save stages the whole checkpoint",
+            )
+        # the keys Lightning's own file here would hold: a weights-only path loads no training state
+        root = str(self.root.resolve())
+        pointer = {"format": POINTER, "root": root, "step": step, "keys": sorted(checkpoint)}
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
@@ -135,6 +149,9 @@ class StagerdCheckpointIO(CheckpointIO):
         aliases = blob.get("aliases") or {}
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
+        kept = _pointer_keys(Path(path))
+        if kept is not None:
+            checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
         log.info("loaded step %d from %s", step, step_dir)
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
@@ -161,6 +178,20 @@ class StagerdCheckpointIO(CheckpointIO):
             stager.close()  # every save committed, or its SaveError raised here
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _whole(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint to stage: a weights-only one (`save_weights_only`) is staged whole while another
+        ModelCheckpoint of the trainer saves everything, since that one may save this same step next and a
+        step is staged once."""
+        trainer = self._trainer()
+        if "optimizer_states" in checkpoint or trainer is None:
+            return checkpoint
+        if all(getattr(c, "save_weights_only", True) for c in trainer.checkpoint_callbacks):
+            return checkpoint
+        if any(hasattr(o, "consolidate_state_dict") for o in trainer.optimizers):
+            return checkpoint  # gathering a ZeRO optimizer's state is a collective; rank 0 alone is here
+        whole: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return whole
 
     def _save(self, checkpoint: dict[str, Any], step: int) -> None:
         state = dict(checkpoint)
@@ -290,6 +321,28 @@ def locate(path: Path) -> tuple[Path, int]:
 
 
 def _pointer(path: Path) -> tuple[Path, int] | None:
+    data = _read_pointer(path)
+    if data is None:
+        return None
+    step, root = data.get("step"), data.get("root")
+    if not isinstance(step, int) or not isinstance(root, str):
+        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
+    return Path(root), step
+
+
+def _pointer_keys(path: Path) -> set[str] | None:
+    """The top-level keys of the checkpoint saved at `path` (None: a file written before they were
+    recorded, or not a pointer: the whole step)."""
+    data = _read_pointer(path)
+    keys = None if data is None else data.get("keys")
+    if keys is None:
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
+    return set(keys)
+
+
+def _read_pointer(path: Path) -> dict[str, Any] | None:
     try:
         if not path.is_file() or path.stat().st_size > MAX_POINTER_BYTES:
             return None
@@ -305,7 +358,4 @@ def _pointer(path: Path) -> tuple[Path, int] | None:
         ) from None
     if not isinstance(data, dict) or data.get("format") != POINTER:
         return None
-    step, root = data.get("step"), data.get("root")
-    if not isinstance(step, int) or not isinstance(root, str):
-        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
-    return Path(root), step
+    return data
