@@ -84,3 +84,22 @@ def test_each_path_loads_what_lightnings_file_there_holds(tmp_path, order):
         loaded = io.load_checkpoint(tmp_path / "staged" / path)
         assert sorted(loaded) == sorted(own), path
         assert all(torch.equal(loaded["state_dict"][k], v) for k, v in own["state_dict"].items())
+
+
+def test_a_full_save_of_a_step_staged_weights_only_is_refused_by_name(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.errors import SaveInputError
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    module = _module()
+    weights = ModelCheckpoint(dirpath=tmp_path / "weights", every_n_train_steps=2, save_weights_only=True)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[weights],
+                         plugins=[StagerdCheckpointIO(tmp_path / "root")])  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.arange(16.0).reshape(4, 4) / 16)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    with pytest.raises(SaveInputError, match="step 2 was staged from a weights-only checkpoint"):
+        trainer.save_checkpoint(tmp_path / "full.ckpt")  # the same step, which holds no optimizer state
+    assert not (tmp_path / "full.ckpt").exists()  # no path that would load without it
