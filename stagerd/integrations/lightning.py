@@ -31,7 +31,11 @@ to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
-the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `model`'s trainer's).
+the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `model`'s trainer's). Where
+the parameters may change in place before that step, the save itself waits for the copy: outside `fit`
+(a `trainer.save_checkpoint` after it), and with Lightning's weight averaging (`EMAWeightAveraging`,
+`StochasticWeightAveraging`), which swaps the averaged weights in for validation and copies them in when
+training ends.
 
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
@@ -212,8 +216,8 @@ class StagerdCheckpointIO(CheckpointIO):
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
         optimizers = self._optimizers()
-        if optimizers is None:  # called outside a Lightning strategy: nothing would wait for the copy
-            stager.wait_staged()
+        if optimizers is None or not _a_step_changes_it_next(self._trainer()):
+            stager.wait_staged()  # nothing would wait for the copy before the tensors change
         for optimizer in optimizers or ():
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
@@ -277,6 +281,18 @@ class StagerdCheckpointIO(CheckpointIO):
                 options.setdefault("process_group", self._group)
             self.stager = Stager(self.root, **options)
         return self.stager
+
+
+def _a_step_changes_it_next(trainer: Any) -> bool:
+    """Whether the next change to what was saved is an optimizer step, which waits for the copy: only while
+    `fit` runs, and not with Lightning's weight averaging (EMA, SWA), which writes the parameters in place
+    for validation and when training ends, with no step in between."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+    if trainer is None or trainer.state.fn != "fit" or trainer.state.status != "running":
+        return False
+    averaging = (WeightAveraging, StochasticWeightAveraging)
+    return not any(isinstance(c, averaging) for c in trainer.callbacks)
 
 
 def _check_hyper_parameters(module: Any) -> None:
