@@ -35,7 +35,8 @@ the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `mo
 the parameters may change in place before that step, the save itself waits for the copy: outside `fit`
 (a `trainer.save_checkpoint` after it), and with Lightning's weight averaging (`EMAWeightAveraging`,
 `StochasticWeightAveraging`), which swaps the averaged weights in for validation and copies them in when
-training ends.
+training ends, and with an optimizer that has train and eval modes (schedule-free), switched for
+validation.
 
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
@@ -285,13 +286,16 @@ class StagerdCheckpointIO(CheckpointIO):
 
 def _a_step_changes_it_next(trainer: Any) -> bool:
     """Whether the next change to what was saved is an optimizer step, which waits for the copy: only while
-    `fit` runs, and not with Lightning's weight averaging (EMA, SWA), which writes the parameters in place
-    for validation and when training ends, with no step in between."""
+    `fit` runs, and not with Lightning's weight averaging (EMA, SWA) or an optimizer with train and eval
+    modes (schedule-free), which write the parameters in place for validation and when training ends,
+    with no step in between."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
     if trainer is None or trainer.state.fn != "fit" or trainer.state.status != "running":
         return False
     averaging = (WeightAveraging, StochasticWeightAveraging)
+    if any(callable(getattr(o, "train", None)) for o in trainer.optimizers):
+        return False
     return not any(isinstance(c, averaging) for c in trainer.callbacks)
 
 

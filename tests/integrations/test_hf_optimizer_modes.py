@@ -4,8 +4,8 @@ calls `optimizer.train()` at the next training step, before its forward, which w
 weights back in place: no optimizer step comes between the save and that write. Each step staged through
 `StagerdCallback` must hold the weights the Trainer's own checkpoint holds.
 
-The optimizer here is a small SGD with schedule-free's two sequences (`schedulefree` is not a dependency),
-in the real Trainer, on CPU, one process; the model is wide enough (8 MiB) for its copy to take a while."""
+The optimizer is a small SGD with schedule-free's two sequences (`schedule_free`), in the real Trainer,
+on CPU, one process; the model is wide enough (8 MiB) for its copy to take a while."""
 
 from __future__ import annotations
 
@@ -15,46 +15,9 @@ from typing import Any
 import torch
 
 from tests.integrations.hf_ranks import dataset, tokenizer
+from tests.integrations.schedule_free import ScheduleFreeSGD
 
 STEPS, EVERY = 4, 2
-
-
-class ScheduleFreeSGD(torch.optim.Optimizer):
-    """SGD on z; the parameters hold y (training) or x (evaluation), switched in place by `train`/`eval`
-    as schedule-free's optimizers switch them."""
-
-    def __init__(self, params: Any, lr: float = 1e-2, beta: float = 0.9) -> None:
-        super().__init__(params, {"lr": lr, "beta": beta, "train_mode": True})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["z"] = p.clone()
-                    state["x"] = p.clone()
-                state["z"].add_(p.grad, alpha=-group["lr"])
-                state["x"].lerp_(state["z"], 0.5)
-                p.copy_(state["x"].lerp(state["z"], 1 - group["beta"]))
-
-    @torch.no_grad()
-    def _switch(self, train: bool) -> None:
-        for group in self.param_groups:
-            if group["train_mode"] != train:
-                for p in group["params"]:
-                    if self.state[p]:
-                        p.copy_(self.state[p]["x"].lerp(self.state[p]["z"], 1 - group["beta"]) if train
-                                else self.state[p]["x"])  # fmt: skip
-                group["train_mode"] = train
-
-    def train(self) -> None:
-        self._switch(True)
-
-    def eval(self) -> None:
-        self._switch(False)
 
 
 def _trainer(out: Path, callbacks: list[Any]) -> Any:

@@ -89,3 +89,39 @@ def test_a_save_after_fit_holds_the_weights_of_its_call(tmp_path: Path):
         for p in module.parameters():
             p.add_(1.0)  # after training: a merge, a quantization, another fine-tune's start
     assert _same(io.load_checkpoint(tmp_path / "final.ckpt")["state_dict"], saved)
+
+
+def test_a_step_saved_before_a_schedule_free_switch_holds_the_saved_values(tmp_path):
+    """A schedule-free optimizer switched to eval mode for validation (in the module's hooks, as
+    schedule-free tells Lightning users to), right after a save at a training step's end."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+    from tests.integrations.schedule_free import ScheduleFreeSGD
+
+    class Switched(type(_module())):  # type: ignore[misc]
+        def configure_optimizers(self) -> Any:
+            return ScheduleFreeSGD(self.parameters(), lr=1e-3)
+
+        def on_validation_epoch_start(self) -> None:
+            self.optimizers().optimizer.eval()
+
+        def on_validation_epoch_end(self) -> None:
+            self.optimizers().optimizer.train()
+
+    assert issubclass(Switched, pl.LightningModule)
+    ios: dict[str, Any] = {}
+    for name in ("plain", "staged"):
+        module = Switched()
+        ios[name] = io = StagerdCheckpointIO(tmp_path / name / "root", model=module)
+        saves = ModelCheckpoint(
+            dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1, filename="{step}"
+        )
+        trainer = _trainer([io] if name == "staged" else [], [saves], max_steps=4, val_check_interval=2,
+                           num_sanity_val_steps=0)  # fmt: skip
+        trainer.fit(module, _data(), _data())
+    for step in (2, 4):
+        own = torch.load(tmp_path / "plain" / f"step={step}.ckpt", weights_only=False)
+        staged = ios["staged"].load_checkpoint(tmp_path / "staged" / f"step={step}.ckpt")
+        assert _same(staged["state_dict"], own["state_dict"]), step
