@@ -18,7 +18,8 @@ At `path` itself, a small JSON file names the step (ROOT and step) and the check
 `ModelCheckpoint`'s bookkeeping (`last`, `best_model_path`, `save_top_k`) works on paths as always, and a
 `save_weights_only` path loads the weights-only checkpoint Lightning's file would hold. A step is staged
 once: a weights-only save is staged whole while another `ModelCheckpoint` saves everything (it may save
-the same step next). `load_checkpoint` accepts such a file,
+the same step next), and after `fit` a save at a staged step of weights changed since is a
+`SaveInputError` (never a path that loads the weights of before). `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
 or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
@@ -53,6 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -123,6 +125,8 @@ class StagerdCheckpointIO(CheckpointIO):
                 hint="save the full checkpoint at another step, or with a ModelCheckpoint: then every "
                 "weights-only save stages the whole checkpoint",
             )
+        elif not _fitting(self._trainer()):  # within fit, two saves of one step hold the same weights
+            self._check_unchanged(checkpoint, step, Path(path))
         # the keys Lightning's own file here would hold: a weights-only path loads no training state
         root = str(self.root.resolve())
         pointer = {"format": POINTER, "root": root, "step": step, "keys": sorted(checkpoint)}
@@ -183,6 +187,20 @@ class StagerdCheckpointIO(CheckpointIO):
             stager.close()  # every save committed, or its SaveError raised here
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _check_unchanged(self, checkpoint: dict[str, Any], step: int, path: Path) -> None:
+        """A step is staged once: after `fit` (a merge, a quantization since), a path naming it must not
+        stand for other weights."""
+        staged = self.load_checkpoint(self.root / layout.step_dir_name(step))["state_dict"]
+        given = checkpoint["state_dict"]
+        if staged.keys() == given.keys() and all(torch.equal(staged[k], given[k].cpu()) for k in given):
+            return
+        raise SaveInputError(
+            f"step {step} is already staged with other weights: the weights changed since cannot be "
+            "staged at the same step",
+            path=path,
+            hint="save them under another ROOT (a StagerdCheckpointIO of its own), or with torch.save",
+        )
 
     def _whole(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint to stage: a weights-only one (`save_weights_only`) is staged whole while another
@@ -284,6 +302,10 @@ class StagerdCheckpointIO(CheckpointIO):
         return self.stager
 
 
+def _fitting(trainer: Any) -> bool:
+    return trainer is not None and trainer.state.fn == "fit" and trainer.state.status == "running"
+
+
 def _a_step_changes_it_next(trainer: Any) -> bool:
     """Whether the next change to what was saved is an optimizer step, which waits for the copy: only while
     `fit` runs, and not with Lightning's weight averaging (EMA, SWA) or an optimizer with train and eval
@@ -291,7 +313,7 @@ def _a_step_changes_it_next(trainer: Any) -> bool:
     with no step in between."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-    if trainer is None or trainer.state.fn != "fit" or trainer.state.status != "running":
+    if not _fitting(trainer):
         return False
     averaging = (WeightAveraging, StochasticWeightAveraging)
     if any(callable(getattr(o, "train", None)) for o in trainer.optimizers):

@@ -125,3 +125,28 @@ def test_a_step_saved_before_a_schedule_free_switch_holds_the_saved_values(tmp_p
         own = torch.load(tmp_path / "plain" / f"step={step}.ckpt", weights_only=False)
         staged = ios["staged"].load_checkpoint(tmp_path / "staged" / f"step={step}.ckpt")
         assert _same(staged["state_dict"], own["state_dict"]), step
+
+
+def test_a_save_after_fit_of_changed_weights_at_a_staged_step_is_refused_by_name(tmp_path):
+    """`ModelCheckpoint` staged the last step; after `fit` the weights change (a merge, a rescale) and are
+    saved again at the same global step, which cannot be staged twice: refused, not a path that loads the
+    weights of before. Unchanged, the second path names the staged step."""
+    import pytest
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.errors import SaveInputError
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    module = _module()
+    io = StagerdCheckpointIO(tmp_path / "root", model=module)
+    trainer = _trainer(
+        [io], [ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)], max_steps=2
+    )
+    trainer.fit(module, _data())
+    trainer.save_checkpoint(tmp_path / "final.ckpt")  # the weights ModelCheckpoint staged at step 2
+    assert _same(io.load_checkpoint(tmp_path / "final.ckpt")["state_dict"], module.state_dict())
+    with torch.no_grad():
+        module.layers[0].weight.mul_(0.5)
+    with pytest.raises(SaveInputError, match="step 2 is already staged with other weights"):
+        trainer.save_checkpoint(tmp_path / "changed.ckpt")
+    assert not (tmp_path / "changed.ckpt").exists()
