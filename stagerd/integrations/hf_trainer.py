@@ -60,6 +60,13 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def switches_modes(optimizer: Any) -> bool:
+    """Whether the optimizer has train and eval modes (schedule-free): the Trainer switches it to eval
+    before it evaluates and saves, and back before the next forward, each switch writing the parameters in
+    place with no optimizer step before it."""
+    return callable(getattr(torch_optimizer(optimizer), "train", None))
+
+
 def state_to_save(
     trainer: Any, captured: Captured, rank: int
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:

@@ -14,8 +14,12 @@ scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, ca
 versions) is a JSON skeleton in a uint8 tensor there (`state_tree`): `load_checkpoint` restores it
 without unpickling anything, and a value JSON cannot hold exactly is refused at save time.
 
-At `path` itself, a small JSON file names the step (ROOT and step), so `ModelCheckpoint`'s bookkeeping
-(`last`, `best_model_path`, `save_top_k`) works on paths as always. `load_checkpoint` accepts such a file,
+At `path` itself, a small JSON file names the step (ROOT and step) and the checkpoint's top-level keys, so
+`ModelCheckpoint`'s bookkeeping (`last`, `best_model_path`, `save_top_k`) works on paths as always, and a
+`save_weights_only` path loads the weights-only checkpoint Lightning's file would hold. A step is staged
+once: a weights-only save is staged whole while another `ModelCheckpoint` saves everything (it may save
+the same step next), and after `fit` a save at a staged step of weights changed since is a
+`SaveInputError` (never a path that loads the weights of before). `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
 or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
@@ -28,7 +32,12 @@ to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
-the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `model`'s trainer's).
+the strategy's optimizers: the strategy that calls `save_checkpoint`, or the `model`'s trainer's). Where
+the parameters may change in place before that step, the save itself waits for the copy: outside `fit`
+(a `trainer.save_checkpoint` after it), and with Lightning's weight averaging (`EMAWeightAveraging`,
+`StochasticWeightAveraging`), which swaps the averaged weights in for validation and copies them in when
+training ends, and with an optimizer that has train and eval modes (schedule-free), switched for
+validation.
 
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
@@ -45,6 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -90,7 +100,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
-        self._saved: int | None = None
+        self._saved: tuple[int, frozenset[str]] | None = None  # the step staged last, and its keys
         self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
         # a plugin let go (a sweep's finished trial) lets its pins go with it, not at the process's end
         weakref.finalize(self, _release, self._pins)
@@ -103,10 +113,23 @@ class StagerdCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("StagerdCheckpointIO takes no storage_options")
         step = int(checkpoint["global_step"])
-        if self._saved != step:  # ModelCheckpoint's `last` and its top-k may save one step twice
-            self._save(checkpoint, step)
-            self._saved = step
-        pointer = {"format": POINTER, "root": str(self.root.resolve()), "step": step}
+        if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
+            whole = self._whole(checkpoint)
+            self._save(whole, step)
+            self._saved = (step, frozenset(whole))
+        elif not self._saved[1].issuperset(checkpoint):
+            raise SaveInputError(
+                f"step {step} was staged from a weights-only checkpoint: a full checkpoint of the same step "
+                "cannot be staged too",
+                path=path,
+                hint="save the full checkpoint at another step, or with a ModelCheckpoint: then every "
+                "weights-only save stages the whole checkpoint",
+            )
+        elif not _fitting(self._trainer()):  # within fit, two saves of one step hold the same weights
+            self._check_unchanged(checkpoint, step, Path(path))
+        # the keys Lightning's own file here would hold: a weights-only path loads no training state
+        root = str(self.root.resolve())
+        pointer = {"format": POINTER, "root": root, "step": step, "keys": sorted(checkpoint)}
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
@@ -135,6 +158,9 @@ class StagerdCheckpointIO(CheckpointIO):
         aliases = blob.get("aliases") or {}
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
+        kept = _pointer_keys(Path(path))
+        if kept is not None:
+            checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
         log.info("loaded step %d from %s", step, step_dir)
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
@@ -162,6 +188,34 @@ class StagerdCheckpointIO(CheckpointIO):
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _check_unchanged(self, checkpoint: dict[str, Any], step: int, path: Path) -> None:
+        """A step is staged once: after `fit` (a merge, a quantization since), a path naming it must not
+        stand for other weights."""
+        staged = self.load_checkpoint(self.root / layout.step_dir_name(step))["state_dict"]
+        given = checkpoint["state_dict"]
+        if staged.keys() == given.keys() and all(torch.equal(staged[k], given[k].cpu()) for k in given):
+            return
+        raise SaveInputError(
+            f"step {step} is already staged with other weights: the weights changed since cannot be "
+            "staged at the same step",
+            path=path,
+            hint="save them under another ROOT (a StagerdCheckpointIO of its own), or with torch.save",
+        )
+
+    def _whole(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint to stage: a weights-only one (`save_weights_only`) is staged whole while another
+        ModelCheckpoint of the trainer saves everything, since that one may save this same step next and a
+        step is staged once."""
+        trainer = self._trainer()
+        if "optimizer_states" in checkpoint or trainer is None:
+            return checkpoint
+        if all(getattr(c, "save_weights_only", True) for c in trainer.checkpoint_callbacks):
+            return checkpoint
+        if any(hasattr(o, "consolidate_state_dict") for o in trainer.optimizers):
+            return checkpoint  # gathering a ZeRO optimizer's state is a collective; rank 0 alone is here
+        whole: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return whole
+
     def _save(self, checkpoint: dict[str, Any], step: int) -> None:
         state = dict(checkpoint)
         model_sd = dict(state.pop("state_dict"))
@@ -181,8 +235,8 @@ class StagerdCheckpointIO(CheckpointIO):
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
         optimizers = self._optimizers()
-        if optimizers is None:  # called outside a Lightning strategy: nothing would wait for the copy
-            stager.wait_staged()
+        if optimizers is None or not _a_step_changes_it_next(self._trainer()):
+            stager.wait_staged()  # nothing would wait for the copy before the tensors change
         for optimizer in optimizers or ():
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
@@ -248,6 +302,25 @@ class StagerdCheckpointIO(CheckpointIO):
         return self.stager
 
 
+def _fitting(trainer: Any) -> bool:
+    return trainer is not None and trainer.state.fn == "fit" and trainer.state.status == "running"
+
+
+def _a_step_changes_it_next(trainer: Any) -> bool:
+    """Whether the next change to what was saved is an optimizer step, which waits for the copy: only while
+    `fit` runs, and not with Lightning's weight averaging (EMA, SWA) or an optimizer with train and eval
+    modes (schedule-free), which write the parameters in place for validation and when training ends,
+    with no step in between."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+    if not _fitting(trainer):
+        return False
+    averaging = (WeightAveraging, StochasticWeightAveraging)
+    if any(callable(getattr(o, "train", None)) for o in trainer.optimizers):
+        return False
+    return not any(isinstance(c, averaging) for c in trainer.callbacks)
+
+
 def _check_hyper_parameters(module: Any) -> None:
     """Every checkpoint holds the module's hyper-parameters: one JSON cannot hold (a transformers config
     given to `save_hyperparameters()`) would fail the first save, after every step before it."""
@@ -290,6 +363,28 @@ def locate(path: Path) -> tuple[Path, int]:
 
 
 def _pointer(path: Path) -> tuple[Path, int] | None:
+    data = _read_pointer(path)
+    if data is None:
+        return None
+    step, root = data.get("step"), data.get("root")
+    if not isinstance(step, int) or not isinstance(root, str):
+        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
+    return Path(root), step
+
+
+def _pointer_keys(path: Path) -> set[str] | None:
+    """The top-level keys of the checkpoint saved at `path` (None: a file written before they were
+    recorded, or not a pointer: the whole step)."""
+    data = _read_pointer(path)
+    keys = None if data is None else data.get("keys")
+    if keys is None:
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
+    return set(keys)
+
+
+def _read_pointer(path: Path) -> dict[str, Any] | None:
     try:
         if not path.is_file() or path.stat().st_size > MAX_POINTER_BYTES:
             return None
@@ -305,7 +400,4 @@ def _pointer(path: Path) -> tuple[Path, int] | None:
         ) from None
     if not isinstance(data, dict) or data.get("format") != POINTER:
         return None
-    step, root = data.get("step"), data.get("root")
-    if not isinstance(step, int) or not isinstance(root, str):
-        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
-    return Path(root), step
+    return data

@@ -12,8 +12,10 @@ over its writes: the model, optimizer, LR scheduler, grad scaler and RNG saves b
 `Stager.save` of step `global_step` (`hf_trainer`), so the loop blocks only for the copy, and the copy
 itself is waited for right before the next optimizer step updates anything (`Stager.attach` on the
 Trainer's innermost torch optimizer, at the start of training), hidden under the next forward and
-backward. The export is Hub-faithful (`model=` is the Trainer's model); `config.json`,
-`generation_config.json` and the tokenizer's files go in as extras (`hf_files`).
+backward; with an optimizer that has train and eval modes (schedule-free), whose switch back before the
+next forward writes the parameters, the save waits for its copy. The export is Hub-faithful (`model=` is
+the Trainer's model); `config.json`, `generation_config.json` and the tokenizer's files go in as extras
+(`hf_files`).
 
 What keeps its meaning, and what maps to the daemon:
 - `save_strategy`, `save_steps`, `save_only_model` (then the model alone is saved), `save_strategy="best"`:
@@ -323,6 +325,9 @@ class StagerdCallback(TrainerCallback):
             self._say(
                 f"step {trainer.state.global_step} is already committed under {self.root}; not saved again"
             )
+            return
+        if hf_trainer.switches_modes(trainer.optimizer):
+            stager.wait_staged()  # the switch back to train mode writes the parameters before any step
 
     # -- loading -----------------------------------------------------------------------------------
 

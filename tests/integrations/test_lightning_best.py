@@ -97,10 +97,11 @@ def test_the_best_step_survives_keep_last_1_and_loads_back_as_best(fitted, tmp_p
 def test_the_pin_moves_with_the_best_and_holds_only_it(fitted):
     from stagerd.contract.step.pin import pinned
 
-    trainer, _, best, root, _ = fitted
+    trainer, model, best, root, weights = fitted
     assert PINS == {1: [], 2: [1], 3: [2], 4: [2]}  # step 1 the best, then ModelCheckpoint chose step 2
     assert pinned(root, 2) and not pinned(root, 3) and not pinned(root, 4)
     best.best_model_path = str(Path(best.dirpath) / "step=3.ckpt")  # as a better score at step 3 would
+    model.load_state_dict(weights[4])  # step 4's, staged: not the best that test(ckpt_path=) loaded
     trainer.save_checkpoint(Path(best.dirpath) / "last.ckpt")
     assert pinned(root, 3) and not pinned(root, 2)
 
