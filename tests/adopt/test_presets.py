@@ -100,14 +100,17 @@ def test_torchtitan_needs_its_head_counts_from_config_and_maps_every_model_key()
 
 
 def test_the_torchtitan_preset_agrees_with_the_shipped_example():
-    """examples/torchtitan_llama_to_hf.json (torchtitan's earlier names) maps as the preset does."""
+    """examples/torchtitan_llama_to_hf.json maps torchtitan 0.3's names and earlier releases' as the preset
+    does."""
     example = json.loads((REPO / "examples" / "torchtitan_llama_to_hf.json").read_text())
     parts = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1"]
     parts += ["feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm"]
+    parts += ["attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv"]
     names = [
         "tok_embeddings.weight",
         "norm.weight",
         "output.weight",
+        "lm_head.weight",
         *(f"layers.3.{n}.weight" for n in parts),
     ]
     preset_rules = PRESETS["torchtitan"].mapping["rules"]  # type: ignore[index]

@@ -102,5 +102,5 @@ def mapping(config: Any) -> dict[str, Any]:
     heads = {"wq": config.num_attention_heads, "wk": config.num_key_value_heads}
     for rule in spec["rules"]:
         if "rope_heads" in rule:
-            rule["rope_heads"] = next(h for part, h in heads.items() if f".{part}\\." in rule["match"])
+            rule["rope_heads"] = next(h for part, h in heads.items() if f"{part}\\.weight" in rule["match"])
     return spec
