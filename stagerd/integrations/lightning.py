@@ -11,8 +11,9 @@ one async `Stager.save` of step `global_step`. Its `state_dict` is the step's mo
 `model=` the LightningModule, the transformers model inside it is exported as `save_pretrained` writes it,
 and its `config.json` and `generation_config.json` go in as extras); every other tensor (optimizer state,
 scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, callbacks, hyper-parameters,
-versions) is a JSON skeleton in a uint8 tensor there (`state_tree`): `load_checkpoint` restores it
-without unpickling anything, and a value JSON cannot hold exactly is refused at save time.
+versions) is a JSON skeleton in a uint8 tensor there (`state_tree`; an OmegaConf `DictConfig` or
+`ListConfig` among the hyper-parameters, as Hydra users give them, by `omegaconf_values`): `load_checkpoint`
+restores it without unpickling anything, and a value JSON cannot hold exactly is refused at save time.
 
 At `path` itself, a small JSON file names the step (ROOT and step) and the checkpoint's top-level keys, so
 `ModelCheckpoint`'s bookkeeping (`last`, `best_model_path`, `save_top_k`) works on paths as always, and a
@@ -62,7 +63,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_files, state_tree, step_files
+from stagerd.integrations import hf_files, omegaconf_values, state_tree, step_files
 from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
@@ -154,7 +155,8 @@ class StagerdCheckpointIO(CheckpointIO):
         blob = state_tree.from_blob(optim[BLOB], "the saved Lightning state")
         if not isinstance(blob, dict) or blob.get("format") != FORMAT:
             raise LoadError("the saved Lightning state is not in a format this stagerd knows", path=step_dir)
-        checkpoint = state_tree.join(blob["checkpoint"], optim.__getitem__)
+        skeleton = omegaconf_values.restore(blob["checkpoint"], step_dir)
+        checkpoint = state_tree.join(skeleton, optim.__getitem__)
         aliases = blob.get("aliases") or {}
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
@@ -219,7 +221,7 @@ class StagerdCheckpointIO(CheckpointIO):
     def _save(self, checkpoint: dict[str, Any], step: int) -> None:
         state = dict(checkpoint)
         model_sd = dict(state.pop("state_dict"))
-        tensors, skeleton = state_tree.split(state, "lightning")
+        tensors, skeleton = omegaconf_values.split(state, "lightning")
         _, aliases = split_aliases(model_sd)
         keys = list(model_sd)
         blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases}
@@ -325,10 +327,10 @@ def _check_hyper_parameters(module: Any) -> None:
     """Every checkpoint holds the module's hyper-parameters: one JSON cannot hold (a transformers config
     given to `save_hyperparameters()`) would fail the first save, after every step before it."""
     hparams = getattr(module, "hparams", None)
-    if not isinstance(hparams, Mapping):
+    if hparams is None:
         return
-    try:
-        state_tree.split({"hyper_parameters": dict(hparams)}, "lightning")
+    try:  # as the checkpoint holds them: an OmegaConf config itself, else a dict
+        omegaconf_values.split({"hyper_parameters": hparams}, "lightning")
     except SaveInputError as e:
         raise SaveInputError(
             f"{e.message} (the LightningModule's hyper-parameters, in every checkpoint)",
