@@ -6,7 +6,9 @@ class (`hparams_type`). `state_tree` would take a `DictConfig` for a plain mappi
 interpolations, failing on a `???`) and refuses the rest, so `split` here takes each config out first: its
 content as `OmegaConf.to_container(resolve=False)` gives it (interpolations stay strings such as
 `"${a.b}"`), encoded by `state_tree` (so a value JSON cannot hold, a `Path` or `bytes`, is refused by name),
-with its type and its `struct` and `readonly` flags; `OmegaConf.create` rebuilds it. A structured config
+with its type and its `struct` and `readonly` flags; `OmegaConf.create` rebuilds it. A part of a config
+(`cfg.model`) is saved with the whole config and the keys down to it, so its interpolations into the rest
+resolve after loading as after a pickle's. A structured config
 (one backed by a dataclass or attrs class) is refused: loading it would mean importing its class by name,
 and a plain `DictConfig` in its place would drop its type checks.
 
