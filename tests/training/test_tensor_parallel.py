@@ -42,7 +42,8 @@ CASES = [("fsdp_tp", False), ("fsdp_tp", True), ("tp", False), ("hsdp", False)]
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Every case saved in one launch (starting 4 ranks costs more than a save)."""
+    """Every case saved in one launch (starting 4 ranks costs more than a save); each rank also checks
+    that a step of FSDP2 + TP with its optimizer state loads back (`tp_ranks.resume`)."""
     out = tmp_path_factory.mktemp("tp")
     launch(tp_ranks.save, CASES, str(out), world=4, deadline_s=150)
     return out
