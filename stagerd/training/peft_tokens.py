@@ -67,7 +67,10 @@ def token_rows(
         indices = tuple(int(i) for i in layer.token_indices[name])
         rows, weight = sd[delta], sd[base]
         if rows.dtype != weight.dtype:
-            raise HubPlanError(f"{mname!r}: its trainable tokens are {rows.dtype}, its weight {weight.dtype}")
+            raise HubPlanError(
+                f"{mname!r}: its trainable tokens are {rows.dtype}, its weight {weight.dtype}: merging casts"
+                " them, which the export does not"
+            )
         if weight.dim() != 2 or tuple(rows.shape) != (len(indices), weight.shape[1]):
             raise HubPlanError(
                 f"{mname!r}: {list(rows.shape)} trainable tokens of a {list(weight.shape)} weight"
