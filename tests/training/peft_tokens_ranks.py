@@ -1,7 +1,8 @@
 """What each gloo rank of a trainable-tokens save does: a tiny Llama with LoRA on q_proj and
 `trainable_token_indices` under FSDP2, its LoRA and token rows as if trained, saved through the Stager
 with the model; rank 0 then writes the references: `save_pretrained` of the gathered model's
-`merge_and_unload()` (`merged/`, and cast to bf16 after the merge, `merged_bf16/`)."""
+`merge_and_unload()` (`merged/`, in files of `SHARD` bytes `merged_sharded/`, and cast to bf16 after the
+merge, `merged_bf16/`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.gloo import join
 
 # Unsorted, adjacent runs, the first and the last row: every kind of part of the merged embedding.
 INDICES = [63, 0, 7, 6, 8, 2, 30]
+SHARD = 6000  # a few tensors per file: the index and each file's place are save_pretrained's
 
 
 def build(tied: bool, adapters: int = 1) -> Any:
@@ -72,4 +74,5 @@ def _save(rank: int, tied: bool, adapters: int, root: Path, ref: Path) -> None:
     plain.load_state_dict(full)
     merged = copy.deepcopy(plain).merge_and_unload()
     merged.save_pretrained(ref / "merged")
+    merged.save_pretrained(ref / "merged_sharded", max_shard_size=SHARD)
     merged.to(torch.bfloat16).save_pretrained(ref / "merged_bf16")

@@ -34,11 +34,15 @@ def test_the_merged_export_is_merge_and_unload_save_pretrained(tied, adapters, s
     step = d / "root" / layout.step_dir_name(1)
     plan = commit_marker.read_marker(step).hub_plan
     assert plan is not None and plan.origin == "peft"  # merged, not the fallback to PEFT's own names
-    for mode, dtype in (("merged", None), ("merged_bf16", "BF16")):
+    for mode, dtype, limit in (
+        ("merged", None, 1 << 40),
+        ("merged_sharded", None, ranks.SHARD),
+        ("merged_bf16", "BF16", 1 << 40),
+    ):
         out = tmp_path / mode
         out.mkdir()
         build_export(
-            open_source(step), out, dtype=dtype, keep_dtype=None, reference=None, max_shard_size=1 << 40,
+            open_source(step), out, dtype=dtype, keep_dtype=None, reference=None, max_shard_size=limit,
             threads=1, progress=None,
         )  # fmt: skip
         harness.assert_same_tensors(out, d / "ref" / mode)
