@@ -1,7 +1,7 @@
 """The committer: everything a save does after `save()` returns, on one background thread.
 
 Once this rank's host copy is done, the ranks check in (staging), agree which rank writes each replicated
-plain tensor (`placement`), and each rank writes all of its part in one go (`shard_files`): its model
+block (`placement`), and each rank writes all of its part in one go (`shard_files`): its model
 shard, its optimizer state and the optimizer's other leaves, and on rank 0 the extras, on the writer's
 threads, each file fsynced. The ranks then check in that all of it was written and only then the commit
 marker is written (and they check in once more that it was).
@@ -25,7 +25,7 @@ from stagerd.training.collectives import Collectives
 from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
 from stagerd.training.host_copy import Staging, settle
 from stagerd.training.marker import clear_failed, write_commit, write_extras
-from stagerd.training.placement import Assigner, Block, Local, blocks_to_write, local_blocks, plain_summary
+from stagerd.training.placement import Assigner, Block, Local, blocks_to_write, local_blocks, pooled_summary
 from stagerd.training.save_inputs import SaveSpec
 from stagerd.training.shard_files import (
     OPTIM_FILE_BYTES,
@@ -89,8 +89,8 @@ class Committer:
     def _plan(
         self, spec: SaveSpec, kinds: dict[str, Local], local: RankFailure | None
     ) -> dict[str, list[Block]]:
-        """Check in that every rank staged; agree who writes each plain tensor; this rank's blocks."""
-        digest, items, loads = plain_summary(kinds)
+        """Check in that every rank staged; agree who writes each pooled block; this rank's blocks."""
+        digest, items, loads = pooled_summary(kinds)
         payloads = check_in(self._comm, spec, "staging", local, (digest, loads))
         digests, all_loads = [p[0] for p in payloads], [p[1] for p in payloads]
         if not self._assigner.known(digests):  # the same decision on every rank: the digests are shared
@@ -127,7 +127,7 @@ class Committer:
         kinds: dict[str, Local] = {}
         if local is None:
             try:
-                kinds = {kind: local_blocks(st.result()) for kind, st in staging.items()}
+                kinds = {kind: local_blocks(st.result(), comm.world) for kind, st in staging.items()}
             except Exception as e:
                 local = failed_here(spec, rank, "staging the state dict", e)
         else:

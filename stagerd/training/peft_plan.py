@@ -28,6 +28,7 @@ import torch
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.lora_merge import ExpertLayout, LoraMerge, MergeKind, marker_list
 from stagerd.errors import HubPlanError
+from stagerd.training.peft_tokens import ADAPTER, DELTA, row_parts, token_rows, unwrapped_paths
 from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
 
@@ -97,8 +98,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     its adapter's trained copy under the module's own name, its original left out. The base model's own
     save-time conversion (`trace.transformers_plan`) then runs on those names. A DoRA layer's merge
     also reads its magnitude vector; a LoRA bias (`lora_bias=True`) is a merge of the base layer's bias; a
-    parameter of `target_parameters` (a MoE's fused experts) is an `EXPERTS` merge. Anything PEFT merges
-    otherwise (convolutions, other LoRA variants) is a HubPlanError."""
+    parameter of `target_parameters` (a MoE's fused experts) is an `EXPERTS` merge; trainable tokens
+    (`trainable_token_indices`) are their rows copied over the embedding's (`peft_tokens`). Anything PEFT
+    merges otherwise (convolutions, other LoRA variants) is a HubPlanError."""
     from peft.tuners.lora.layer import LoraLayer
 
     adapters, active = list(model.peft_config), list(model.active_adapters)
@@ -112,6 +114,11 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     merges: list[LoraMerge] = []
     consumed: set[str] = set()
     saved = _modules_to_save(model, name, staged, aliases)
+    tokens = token_rows(model, name, sd, staged)
+    # merge_and_unload() puts each trainable-tokens wrapper's base layer, its rows merged, in its place
+    saved |= unwrapped_paths(model)
+    consumed.update(t.delta for t in tokens)
+    others |= {k for k in keys if f".{DELTA}." in k and not k.endswith(f".{DELTA}.{name}")}
     for mname, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
             continue
@@ -160,9 +167,13 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
         plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     shapes = {n: tuple(t.shape) for n, t in sd2.items()}
     zeros = {z.name: z.shape for z in plan.zeros}  # a conversion's padding: read by its own name
+    rows = {_merged_name(t.base, saved): t for t in tokens}
     views = []
     for v in plan.outputs({**shapes, **zeros}):
-        views.append(v if v.source in zeros else replace(v, source=src_of[v.source]))
+        if v.source in rows:
+            views += row_parts(v, rows[v.source], shapes[v.source])
+        else:
+            views.append(v if v.source in zeros else replace(v, source=src_of[v.source]))
     drop = [src_of[n] for n in plan.drop]
     drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):
@@ -228,12 +239,14 @@ def _param_merge(mod: Any, mname: str, name: str) -> LoraMerge:
 
 @contextlib.contextmanager
 def _params_unwrapped(base: Any) -> Iterator[None]:
-    """The base model with each `ParamWrapper` replaced by the module it wraps, as merge_and_unload()
-    leaves it: transformers' conversion looks its parameters up by their merged names (`experts.down_proj`),
-    which a wrapper, unlike a LoRA Linear's `weight`, does not answer. Nothing runs on the model meanwhile."""
+    """The base model with each `ParamWrapper` and `TrainableTokensWrapper` replaced by the module it
+    wraps, as merge_and_unload() leaves it: transformers' conversion looks its parameters up by their
+    merged names (`experts.down_proj`, `embed_tokens.weight`), which a wrapper, unlike a LoRA Linear's
+    `weight`, does not answer. Nothing runs on the model meanwhile."""
     from peft.tuners.lora.layer import ParamWrapper
+    from peft.utils.other import TrainableTokensWrapper
 
-    swapped = []
+    swapped: list[tuple[Any, str, Any]] = []
     for parent in list(base.modules()):
         if isinstance(parent, ParamWrapper):
             continue  # a nested wrapper goes with its outermost one
@@ -241,6 +254,9 @@ def _params_unwrapped(base: Any) -> Iterator[None]:
             if isinstance(child, ParamWrapper):
                 swapped.append((parent, attr, child))
                 setattr(parent, attr, child.get_base_layer())
+            elif isinstance(child, TrainableTokensWrapper):
+                swapped.append((parent, attr, child))
+                setattr(parent, attr, getattr(child, ADAPTER).get_base_layer())
     try:
         yield
     finally:
@@ -276,6 +292,8 @@ def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:
     """`key`'s name in merge_and_unload()'s model (see `_unwrapped`), or None for a key it drops: a
     modules_to_save wrapper's original module or another adapter's copy."""
     n = _unwrapped(key)
+    if f".{DELTA}." in n:  # trainable tokens: merged into their weight, or another adapter's
+        return None
     for path, kept in saved.items():
         if n.startswith(f"{kept}."):
             return f"{path}.{n[len(kept) + 1 :]}"
