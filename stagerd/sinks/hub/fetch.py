@@ -24,7 +24,7 @@ from stagerd.contract import layout
 from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.hub.errors import classify
+from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
 from stagerd.sinks.temp_names import restore_temp
@@ -68,6 +68,7 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     revision = _revision(target.revision, step)
     endpoint, token = target.options.get("endpoint"), target.options.get("token")
     where = f"hf://{target.repo_id}@{revision}"
+    refuse_offline(where)
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
     try:
         if step is not None and revision == step_tag(step, target.revision):

@@ -19,6 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.errors import refuse_offline
 from stagerd.sinks.hub.history import commit_pages
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
@@ -78,6 +79,7 @@ class HubSink:
         from huggingface_hub import HfApi, get_token
 
         check_publish_revision(repo_id, revision)
+        refuse_offline(HubTarget(repo_id, revision, {}).redacted)
         self.repo_id = repo_id
         self.revision = revision or "main"
         self.private = private

@@ -11,6 +11,7 @@ from huggingface_hub import HfApi
 
 from stagerd.errors import SinkAuthError, SinkError
 from stagerd.sinks.hub import HubSink
+from tests.cli_helpers import run_cli
 from tests.hubserver import Fault
 from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
@@ -90,3 +91,20 @@ def test_token_comes_from_hf_token_and_never_shows_in_the_url(hub, tmp_path, mon
     assert not hub.store.repos[REPO].private
     in_query = HubSink.from_url(f"hf://{REPO}?token={hub.token}&endpoint={hub.endpoint}")
     assert in_query.url == f"hf://{REPO}" and hub.token not in repr(in_query)
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_mode_is_a_config_error_before_any_request_not_a_retried_outage(hub, tmp_path, offline):
+    """huggingface_hub reads offline mode once, at import, and then refuses every request: a daemon whose
+    environment sets it (often exported for the trainer) would retry each step as a Hub outage forever."""
+    make_sink(hub).publish(write_export(tmp_path / "step-00000018" / "export"), 18)
+    seen = len(hub.stats.requests)
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, offline: "1"}
+
+    published = run_cli(["publish", tmp_path / "step-00000018" / "export", "--sink", f"hf://{REPO}"], env=env)
+    restored = run_cli(["restore", f"hf://{REPO}", tmp_path / "out", "--export", "--step", "18"], env=env)
+
+    for done in (published, restored):
+        text = done.stdout + done.stderr
+        assert done.returncode == 2 and "ConfigError" in text and offline in text, text
+    assert len(hub.stats.requests) == seen and not (tmp_path / "out").exists()
