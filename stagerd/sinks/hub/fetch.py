@@ -72,8 +72,10 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
     try:
         if step is not None and revision == step_tag(step, target.revision):
-            revision = _older_stagerds_commit(api, target.repo_id, target.revision, step) or revision
-            where = f"hf://{target.repo_id}@{revision}"
+            tagged = _step_commit(api, target.repo_id, target.revision, step)
+            if tagged is None:
+                raise _never_published(revision, where)
+            revision, where = tagged, f"hf://{target.repo_id}@{revision}"
         # one commit for every file: a step published to the branch meanwhile must not mix in
         commit = api.repo_info(target.repo_id, revision=revision).sha or revision
         tree: list[Any] = [
@@ -83,11 +85,7 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
         ]
     except RevisionNotFoundError:
         # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
-        raise RestoreError(
-            f"the repo has no revision {revision}: that step was never published to it",
-            path=where,
-            hint="check the step number (each published step is a tag step-N); nothing was written",
-        ) from None
+        raise _never_published(revision, where) from None
     except RepositoryNotFoundError as e:
         hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
         raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
@@ -154,6 +152,14 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     return out
 
 
+def _never_published(revision: str, where: str) -> RestoreError:
+    return RestoreError(
+        f"the repo has no revision {revision}: that step was never published to it",
+        path=where,
+        hint="check the step number (each published step is a tag step-N); nothing was written",
+    )
+
+
 def _check_tree(rels: list[str], where: str) -> None:
     """Refuse, before any download, a tree (the Hub's, so anyone's) that no export directory can hold: a
     name leaving it, one listed as a file and a directory, or one under `.cache/`, where huggingface_hub
@@ -182,16 +188,17 @@ def _anchored(part: str) -> bool:
     return bool(windows.drive or windows.root)
 
 
-def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
-    """The commit of `step` an older stagerd published on `revision` under unscoped names, where the
-    revision holds no tag of the step (`REVISION/step-N`)."""
+def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
+    """The commit the step's tag marks, read from the refs (on the Hub a branch of the tag's name wins
+    over the tag), else the commit of `step` an older stagerd published on `revision` under unscoped
+    names; None where neither is there."""
     from huggingface_hub.utils import build_hf_headers
-
-    if revision is None or not revision_scope(revision):
-        return None
 
     refs = api.list_repo_refs(repo_id)
     tags = {t.name: t.target_commit for t in refs.tags}
+    tagged = tags.get(step_tag(step, revision))
+    if tagged is not None or revision is None or not revision_scope(revision):
+        return tagged
     branches = {b.name: b.target_commit for b in refs.branches}
     pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
     return older_stagerds_step(pages, step, revision, branches, tags)

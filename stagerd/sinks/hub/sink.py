@@ -210,7 +210,7 @@ class HubSink:
         refs = self._api.list_repo_refs(self.repo_id)
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
-        self._refs.check_names(step, tags)
+        self._refs.check_names(step, tags, branches)
 
         head_step, found, capped, legacy = scan = self._refs.search(step, branches)
         tagged = tags.get(self._refs.tag_name(step))
