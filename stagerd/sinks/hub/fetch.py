@@ -14,9 +14,12 @@ mismatch, or Xet data that does not rebuild, is a `RestoreError` naming the file
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -26,8 +29,20 @@ from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
-from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
+from stagerd.sinks.hub.options import sink_arguments
+from stagerd.sinks.hub.retries import redact
+from stagerd.sinks.hub.url import (
+    DEFAULT_REVISION,
+    GITATTRIBUTES,
+    RetryPolicy,
+    T,
+    parse_hub_url,
+    revision_scope,
+    step_tag,
+)
 from stagerd.sinks.temp_names import restore_temp
+
+log = logging.getLogger("stagerd.sinks.hub")
 
 _CHUNK = 8 << 20
 _STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
@@ -70,19 +85,26 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     where = f"hf://{target.repo_id}@{revision}"
     refuse_offline(where)
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
+    policy = sink_arguments(url, {})[1]["retry"]
+
+    def retried(fn: Callable[[], T]) -> T:
+        return _retried(fn, policy, where, token)
+
     try:
         if step is not None and revision == step_tag(step, target.revision):
-            tagged = _step_commit(api, target.repo_id, target.revision, step)
+            tagged = retried(lambda: _step_commit(api, target.repo_id, target.revision, step))
             if tagged is None:
                 raise _never_published(revision, where)
-            revision, where = tagged, f"hf://{target.repo_id}@{revision}"
+            revision = tagged
         # one commit for every file: a step published to the branch meanwhile must not mix in
-        commit = api.repo_info(target.repo_id, revision=revision).sha or revision
-        tree: list[Any] = [
-            e
-            for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
-            if hasattr(e, "size")
-        ]
+        commit = retried(lambda: api.repo_info(target.repo_id, revision=revision).sha) or revision
+        tree: list[Any] = retried(
+            lambda: [
+                e
+                for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
+                if hasattr(e, "size")
+            ]
+        )
     except RevisionNotFoundError:
         # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
         raise _never_published(revision, where) from None
@@ -107,13 +129,15 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
         for entry in files:
             try:
                 got = Path(
-                    hf_hub_download(
-                        target.repo_id,
-                        entry.path,
-                        revision=commit,
-                        endpoint=endpoint,
-                        token=token,
-                        local_dir=tmp,
+                    retried(
+                        lambda: hf_hub_download(
+                            target.repo_id,
+                            entry.path,  # noqa: B023  (called at once)
+                            revision=commit,
+                            endpoint=endpoint,
+                            token=token,
+                            local_dir=tmp,
+                        )
                     )
                 )
             except HfHubHTTPError as err:
@@ -150,6 +174,37 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _retried(fn: Callable[[], T], policy: RetryPolicy, where: str, token: str | None) -> T:
+    """`fn()`, tried again on what the sink retries (a 5xx, a 429, a dropped connection), under the URL's
+    retry policy: of a large step's many requests one such failure is to be expected, and ending the
+    restore on it would drop every file landed. A missing repo or revision is an answer; the last failure
+    is raised as it came."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            raise
+        except Exception as e:
+            failure = classify(e)
+            delay = failure.retry_after if failure.retry_after is not None else policy.delay(attempt)
+            if failure.kind != "retry" or attempt >= policy.max_attempts or delay > policy.max_retry_after:
+                raise
+            text = redact(failure.text, token)
+            log.warning(
+                "%s: attempt %d/%d failed (%s); retrying in %.2f s",
+                where,
+                attempt,
+                policy.max_attempts,
+                text,
+                delay,
+            )
+            time.sleep(delay)
 
 
 def _never_published(revision: str, where: str) -> RestoreError:

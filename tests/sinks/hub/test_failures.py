@@ -11,6 +11,7 @@ from huggingface_hub import HfApi
 
 from stagerd.errors import SinkAuthError, SinkError
 from stagerd.sinks.hub import HubSink
+from stagerd.sinks.hub.fetch import restore_hub_export
 from tests.cli_helpers import run_cli
 from tests.hubserver import Fault
 from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
@@ -108,3 +109,22 @@ def test_offline_mode_is_a_config_error_before_any_request_not_a_retried_outage(
         text = done.stdout + done.stderr
         assert done.returncode == 2 and "ConfigError" in text and offline in text, text
     assert len(hub.stats.requests) == seen and not (tmp_path / "out").exists()
+
+
+def test_a_restore_retries_what_the_sink_retries_and_lands_the_step(hub, tmp_path):
+    """One 5xx on the refs, the revision or a file's download. Before, the first one ended the restore and
+    removed every file it had landed: of a large step's many requests, one failing is to be expected."""
+    export = write_export(tmp_path / "export")
+    make_sink(hub).publish(export, 19)
+    url = f"hf://{REPO}?endpoint={hub.endpoint}&token={hub.token}&backoff_base=0.01&backoff_max=0.05"
+    for method, path in [("GET", r"/refs$"), ("GET", r"/revision/"), ("GET", r"/resolve/.*/config.json$")]:
+        hub.faults.add(Fault(method, path, status=503))
+
+    out = restore_hub_export(url, tmp_path / "out", 19)
+
+    assert hub.faults.pending == [] and export_files(export).items() <= export_files(out).items()
+    hub.faults.add(Fault("GET", r"/resolve/.*/config.json$", status=503, times=100))
+    with pytest.raises(SinkError, match=r"config.json: download failed: 503") as info:
+        restore_hub_export(f"{url}&max_attempts=3", tmp_path / "again", 19)
+    assert info.value.retryable and hub.stats.count("GET", r"/resolve/.*/config.json$", status=503) == 4
+    assert not (tmp_path / "again").exists()
