@@ -1,14 +1,15 @@
 """A published step's HF export back from the Hub (`stagerd restore hf://ORG/REPO[@step-N] OUT --export`).
 
 The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
-the sink tags steps off main; or that tag in the URL), else the URL's revision, else `main` (which holds the
-newest step). A step an older stagerd published on REVISION under the unscoped names (`stagerd: step N`, tag
-`step-N`) is read at its commit, found by the sink's own rule (`history.py`). The revision is resolved to
-its commit once, so a step published to the branch during the restore mixes nothing in. Every file of the
-Hub's tree at that commit (but `.gitattributes`) is downloaded with huggingface_hub (through Xet where the
-file is stored there) into a temporary sibling of OUT and checked against the tree: its size, and its LFS
-sha256 or, for a small file kept in git, its git blob id. Only then is the directory renamed to OUT. A
-mismatch, or Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind.
+the sink tags steps off main, its commit read from the refs; or that tag in the URL), else the URL's revision,
+else `main` (which holds the newest step). A step an older stagerd published on REVISION under the unscoped
+names (`stagerd: step N`, tag `step-N`) is read at its commit, found by the sink's own rule (`history.py`).
+The revision is resolved to its commit once, so a step published to the branch during the restore mixes
+nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded with
+huggingface_hub (through Xet where the file is stored there) into a temporary sibling of OUT and checked
+against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git blob id. Only then
+is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a `RestoreError` naming
+the file; nothing is left behind. Each request is retried as the sink retries its own (the URL's options).
 """
 
 from __future__ import annotations
