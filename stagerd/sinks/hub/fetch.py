@@ -32,6 +32,7 @@ from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import redact
+from stagerd.sinks.hub.timeouts import register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.url import (
     DEFAULT_REVISION,
     GITATTRIBUTES,
@@ -71,11 +72,33 @@ def _revision(url_revision: str | None, step: int | None) -> str:
     return str(url_revision)
 
 
+class _Restore:
+    """The owner of a restore's request bounds (`register_timeouts` holds its owners weakly)."""
+
+
 def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:
-    """Download the export at the step's revision into the new directory `out`, checked against the tree."""
+    """Download the export at the step's revision into the new directory `out`, checked against the tree,
+    every request bounded by the URL's timeouts and retried under its retry policy, as the sink's are."""
+    from huggingface_hub import HfApi
+
+    arguments = sink_arguments(url, {})[1]
+    owner = _Restore()
+    register_timeouts(owner, HfApi(endpoint=arguments["endpoint"]).endpoint, arguments["timeouts"])
+    try:
+        return _restore(url, out, step, arguments["retry"], progress)
+    finally:
+        unregister_timeouts(owner)
+
+
+def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progress: ProgressFn | None) -> Path:
     import httpx2
     from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
     unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
@@ -86,7 +109,6 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     where = f"hf://{target.repo_id}@{revision}"
     refuse_offline(where)
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
-    policy = sink_arguments(url, {})[1]["retry"]
 
     def retried(fn: Callable[[], T]) -> T:
         return _retried(fn, policy, where, token)
@@ -141,6 +163,9 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
                         )
                     )
                 )
+            except LocalEntryNotFoundError as err:  # what its HEAD request met (a timeout) is its cause
+                why = classify(err).text
+                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
