@@ -47,6 +47,9 @@ from stagerd.sinks.temp_names import restore_temp
 log = logging.getLogger("stagerd.sinks.hub")
 
 _CHUNK = 8 << 20
+# Unless the URL says: huggingface_hub already tries a download's HEAD and a tree page up to five times
+# itself, so the sink's eight on top would keep a restore from a Hub that is down going for many minutes.
+RESTORE_ATTEMPTS = 3
 _STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
 
@@ -81,7 +84,8 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     every request bounded by the URL's timeouts and retried under its retry policy, as the sink's are."""
     from huggingface_hub import HfApi
 
-    arguments = sink_arguments(url, {})[1]
+    given = parse_hub_url(url).options
+    arguments = sink_arguments(url, {} if "max_attempts" in given else {"max_attempts": RESTORE_ATTEMPTS})[1]
     owner = _Restore()
     register_timeouts(owner, HfApi(endpoint=arguments["endpoint"]).endpoint, arguments["timeouts"])
     try:
