@@ -3,6 +3,7 @@ in any message."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -11,8 +12,25 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
+from stagerd.errors import ConfigError
+
 if TYPE_CHECKING:
     import httpx2
+
+
+def refuse_offline(where: str) -> None:
+    """A `ConfigError` where huggingface_hub is in offline mode: it refuses every request for the life of
+    the process (read once, at import), so each retry would fail alike, as an outage that never ends."""
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    raise ConfigError(
+        f"huggingface_hub is in offline mode ({name}={os.environ.get(name, '')}): it sends no Hub request",
+        path=where,
+        hint=f"unset {name} in stagerd's environment (the trainer may keep it), then run stagerd again",
+    )
 
 
 # --- errors ---------------------------------------------------------------------------------------------

@@ -1,22 +1,26 @@
 """A published step's HF export back from the Hub (`stagerd restore hf://ORG/REPO[@step-N] OUT --export`).
 
 The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
-the sink tags steps off main; or that tag in the URL), else the URL's revision, else `main` (which holds the
-newest step). A step an older stagerd published on REVISION under the unscoped names (`stagerd: step N`, tag
-`step-N`) is read at its commit, found by the sink's own rule (`history.py`). The revision is resolved to
-its commit once, so a step published to the branch during the restore mixes nothing in. Every file of the
-Hub's tree at that commit (but `.gitattributes`) is downloaded with huggingface_hub (through Xet where the
-file is stored there) into a temporary sibling of OUT and checked against the tree: its size, and its LFS
-sha256 or, for a small file kept in git, its git blob id. Only then is the directory renamed to OUT. A
-mismatch, or Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind.
+the sink tags steps off main, its commit read from the refs; or that tag in the URL), else the URL's revision,
+else `main` (which holds the newest step). A step an older stagerd published on REVISION under the unscoped
+names (`stagerd: step N`, tag `step-N`) is read at its commit, found by the sink's own rule (`history.py`).
+The revision is resolved to its commit once, so a step published to the branch during the restore mixes
+nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded with
+huggingface_hub (through Xet where the file is stored there) into a temporary sibling of OUT and checked
+against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git blob id. Only then
+is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a `RestoreError` naming
+the file; nothing is left behind. Each request is retried as the sink retries its own (the URL's options).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -24,12 +28,28 @@ from stagerd.contract import layout
 from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
-from stagerd.sinks.hub.errors import classify
+from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
-from stagerd.sinks.hub.url import DEFAULT_REVISION, GITATTRIBUTES, parse_hub_url, revision_scope, step_tag
+from stagerd.sinks.hub.options import sink_arguments
+from stagerd.sinks.hub.retries import redact
+from stagerd.sinks.hub.timeouts import register_timeouts, unregister_timeouts
+from stagerd.sinks.hub.url import (
+    DEFAULT_REVISION,
+    GITATTRIBUTES,
+    RetryPolicy,
+    T,
+    parse_hub_url,
+    revision_scope,
+    step_tag,
+)
 from stagerd.sinks.temp_names import restore_temp
 
+log = logging.getLogger("stagerd.sinks.hub")
+
 _CHUNK = 8 << 20
+# Unless the URL says: huggingface_hub already tries a download's HEAD and a tree page up to five times
+# itself, so the sink's eight on top would keep a restore from a Hub that is down going for many minutes.
+RESTORE_ATTEMPTS = 3
 _STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
 
@@ -55,11 +75,34 @@ def _revision(url_revision: str | None, step: int | None) -> str:
     return str(url_revision)
 
 
+class _Restore:
+    """The owner of a restore's request bounds (`register_timeouts` holds its owners weakly)."""
+
+
 def restore_hub_export(url: str, out: Path, step: int | None, *, progress: ProgressFn | None = None) -> Path:
-    """Download the export at the step's revision into the new directory `out`, checked against the tree."""
+    """Download the export at the step's revision into the new directory `out`, checked against the tree,
+    every request bounded by the URL's timeouts and retried under its retry policy, as the sink's are."""
+    from huggingface_hub import HfApi
+
+    given = parse_hub_url(url).options
+    arguments = sink_arguments(url, {} if "max_attempts" in given else {"max_attempts": RESTORE_ATTEMPTS})[1]
+    owner = _Restore()
+    register_timeouts(owner, HfApi(endpoint=arguments["endpoint"]).endpoint, arguments["timeouts"])
+    try:
+        return _restore(url, out, step, arguments["retry"], progress)
+    finally:
+        unregister_timeouts(owner)
+
+
+def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progress: ProgressFn | None) -> Path:
     import httpx2
     from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
     unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
@@ -68,25 +111,30 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     revision = _revision(target.revision, step)
     endpoint, token = target.options.get("endpoint"), target.options.get("token")
     where = f"hf://{target.repo_id}@{revision}"
+    refuse_offline(where)
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
+
+    def retried(fn: Callable[[], T]) -> T:
+        return _retried(fn, policy, where, token)
+
     try:
         if step is not None and revision == step_tag(step, target.revision):
-            revision = _older_stagerds_commit(api, target.repo_id, target.revision, step) or revision
-            where = f"hf://{target.repo_id}@{revision}"
+            tagged = retried(lambda: _step_commit(api, target.repo_id, target.revision, step))
+            if tagged is None:
+                raise _never_published(revision, where)
+            revision = tagged
         # one commit for every file: a step published to the branch meanwhile must not mix in
-        commit = api.repo_info(target.repo_id, revision=revision).sha or revision
-        tree: list[Any] = [
-            e
-            for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
-            if hasattr(e, "size")
-        ]
+        commit = retried(lambda: api.repo_info(target.repo_id, revision=revision).sha) or revision
+        tree: list[Any] = retried(
+            lambda: [
+                e
+                for e in api.list_repo_tree(target.repo_id, revision=commit, recursive=True)
+                if hasattr(e, "size")
+            ]
+        )
     except RevisionNotFoundError:
         # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
-        raise RestoreError(
-            f"the repo has no revision {revision}: that step was never published to it",
-            path=where,
-            hint="check the step number (each published step is a tag step-N); nothing was written",
-        ) from None
+        raise _never_published(revision, where) from None
     except RepositoryNotFoundError as e:
         hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
         raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
@@ -108,15 +156,20 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
         for entry in files:
             try:
                 got = Path(
-                    hf_hub_download(
-                        target.repo_id,
-                        entry.path,
-                        revision=commit,
-                        endpoint=endpoint,
-                        token=token,
-                        local_dir=tmp,
+                    retried(
+                        lambda: hf_hub_download(
+                            target.repo_id,
+                            entry.path,  # noqa: B023  (called at once)
+                            revision=commit,
+                            endpoint=endpoint,
+                            token=token,
+                            local_dir=tmp,
+                        )
                     )
                 )
+            except LocalEntryNotFoundError as err:  # what its HEAD request met (a timeout) is its cause
+                why = classify(err).text
+                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
@@ -153,6 +206,45 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     return out
 
 
+def _retried(fn: Callable[[], T], policy: RetryPolicy, where: str, token: str | None) -> T:
+    """`fn()`, tried again on what the sink retries (a 5xx, a 429, a dropped connection), under the URL's
+    retry policy: of a large step's many requests one such failure is to be expected, and ending the
+    restore on it would drop every file landed. A missing repo or revision is an answer; the last failure
+    is raised as it came."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            raise
+        except Exception as e:
+            failure = classify(e)
+            delay = failure.retry_after if failure.retry_after is not None else policy.delay(attempt)
+            if failure.kind != "retry" or attempt >= policy.max_attempts or delay > policy.max_retry_after:
+                raise
+            text = redact(failure.text, token)
+            log.warning(
+                "%s: attempt %d/%d failed (%s); retrying in %.2f s",
+                where,
+                attempt,
+                policy.max_attempts,
+                text,
+                delay,
+            )
+            time.sleep(delay)
+
+
+def _never_published(revision: str, where: str) -> RestoreError:
+    return RestoreError(
+        f"the repo has no revision {revision}: that step was never published to it",
+        path=where,
+        hint="check the step number (each published step is a tag step-N); nothing was written",
+    )
+
+
 def _check_tree(rels: list[str], where: str) -> None:
     """Refuse, before any download, a tree (the Hub's, so anyone's) that no export directory can hold: a
     name leaving it, one listed as a file and a directory, or one under `.cache/`, where huggingface_hub
@@ -181,16 +273,17 @@ def _anchored(part: str) -> bool:
     return bool(windows.drive or windows.root)
 
 
-def _older_stagerds_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
-    """The commit of `step` an older stagerd published on `revision` under unscoped names, where the
-    revision holds no tag of the step (`REVISION/step-N`)."""
+def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str | None:
+    """The commit the step's tag marks, read from the refs (on the Hub a branch of the tag's name wins
+    over the tag), else the commit of `step` an older stagerd published on `revision` under unscoped
+    names; None where neither is there."""
     from huggingface_hub.utils import build_hf_headers
-
-    if revision is None or not revision_scope(revision):
-        return None
 
     refs = api.list_repo_refs(repo_id)
     tags = {t.name: t.target_commit for t in refs.tags}
+    tagged = tags.get(step_tag(step, revision))
+    if tagged is not None or revision is None or not revision_scope(revision):
+        return tagged
     branches = {b.name: b.target_commit for b in refs.branches}
     pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
     return older_stagerds_step(pages, step, revision, branches, tags)

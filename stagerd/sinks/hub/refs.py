@@ -85,12 +85,19 @@ class StepRefs:
             self._check_own_branch(step, branch, branches[branch])
         return branch, branches[branch]
 
-    def check_names(self, step: int, tags: Mapping[str, str]) -> None:
+    def check_names(self, step: int, tags: Mapping[str, str], branches: Mapping[str, str]) -> None:
         """Refuse, before anything is written, a revision that is a tag (a branch made beside it would make
-        the name mean two refs to every reader, `revision=` and `restore @R`), and a tag that keeps the
-        step's tag from being made: git keeps refs as paths, so `a` and `a/b` cannot both be tags."""
+        the name mean two refs to every reader, `revision=` and `restore @R`), the step's tag where a branch
+        has its name (the same, the other way), and a tag that keeps the step's tag from being made: git
+        keeps refs as paths, so `a` and `a/b` cannot both be tags."""
         tag = self.tag_name(step)
-        if self.revision != DEFAULT_REVISION and self.revision in tags:
+        if tag not in tags and tag in branches:
+            what = f"step {step}: the branch {tag} of {self.repo_id} has the name of the step's tag"
+            hint = (
+                f"rename the branch {tag} (the Hub reads a name that is a branch and a tag as the branch, "
+                f"so revision={tag} would not be step {step})"
+            )
+        elif self.revision != DEFAULT_REVISION and self.revision in tags:
             what = f"the revision {self.revision} is a tag of {self.repo_id}, not a branch"
             hint = (
                 f"publish to a branch (hf://{self.repo_id}@BRANCH, made if missing); read the tag with "

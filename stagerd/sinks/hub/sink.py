@@ -19,6 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.errors import refuse_offline
 from stagerd.sinks.hub.history import commit_pages
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
@@ -78,6 +79,7 @@ class HubSink:
         from huggingface_hub import HfApi, get_token
 
         check_publish_revision(repo_id, revision)
+        refuse_offline(HubTarget(repo_id, revision, {}).redacted)
         self.repo_id = repo_id
         self.revision = revision or "main"
         self.private = private
@@ -208,7 +210,7 @@ class HubSink:
         refs = self._api.list_repo_refs(self.repo_id)
         tags = {t.name: t.target_commit for t in refs.tags}
         branches = {b.name: b.target_commit for b in refs.branches}
-        self._refs.check_names(step, tags)
+        self._refs.check_names(step, tags, branches)
 
         head_step, found, capped, legacy = scan = self._refs.search(step, branches)
         tagged = tags.get(self._refs.tag_name(step))

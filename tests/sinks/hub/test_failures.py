@@ -11,6 +11,8 @@ from huggingface_hub import HfApi
 
 from stagerd.errors import SinkAuthError, SinkError
 from stagerd.sinks.hub import HubSink
+from stagerd.sinks.hub.fetch import restore_hub_export
+from tests.cli_helpers import run_cli
 from tests.hubserver import Fault
 from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
 
@@ -90,3 +92,39 @@ def test_token_comes_from_hf_token_and_never_shows_in_the_url(hub, tmp_path, mon
     assert not hub.store.repos[REPO].private
     in_query = HubSink.from_url(f"hf://{REPO}?token={hub.token}&endpoint={hub.endpoint}")
     assert in_query.url == f"hf://{REPO}" and hub.token not in repr(in_query)
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_mode_is_a_config_error_before_any_request_not_a_retried_outage(hub, tmp_path, offline):
+    """huggingface_hub reads offline mode once, at import, and then refuses every request: a daemon whose
+    environment sets it (often exported for the trainer) would retry each step as a Hub outage forever."""
+    make_sink(hub).publish(write_export(tmp_path / "step-00000018" / "export"), 18)
+    seen = len(hub.stats.requests)
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, offline: "1"}
+
+    published = run_cli(["publish", tmp_path / "step-00000018" / "export", "--sink", f"hf://{REPO}"], env=env)
+    restored = run_cli(["restore", f"hf://{REPO}", tmp_path / "out", "--export", "--step", "18"], env=env)
+
+    for done in (published, restored):
+        text = done.stdout + done.stderr
+        assert done.returncode == 2 and "ConfigError" in text and offline in text, text
+    assert len(hub.stats.requests) == seen and not (tmp_path / "out").exists()
+
+
+def test_a_restore_retries_what_the_sink_retries_and_lands_the_step(hub, tmp_path):
+    """One 5xx on the refs, the revision or a file's download. Before, the first one ended the restore and
+    removed every file it had landed: of a large step's many requests, one failing is to be expected."""
+    export = write_export(tmp_path / "export")
+    make_sink(hub).publish(export, 19)
+    url = f"hf://{REPO}?endpoint={hub.endpoint}&token={hub.token}&backoff_base=0.01&backoff_max=0.05"
+    for method, path in [("GET", r"/refs$"), ("GET", r"/revision/"), ("GET", r"/resolve/.*/config.json$")]:
+        hub.faults.add(Fault(method, path, status=503))
+
+    out = restore_hub_export(url, tmp_path / "out", 19)
+
+    assert hub.faults.pending == [] and export_files(export).items() <= export_files(out).items()
+    hub.faults.add(Fault("GET", r"/resolve/.*/config.json$", status=503, times=100))
+    with pytest.raises(SinkError, match=r"config.json: download failed: 503") as info:
+        restore_hub_export(f"{url}&max_attempts=3", tmp_path / "again", 19)
+    assert info.value.retryable and hub.stats.count("GET", r"/resolve/.*/config.json$", status=503) == 4
+    assert not (tmp_path / "again").exists()

@@ -26,6 +26,7 @@ from stagerd.sinks.hub import (
     scan_history,
     step_tag,
 )
+from tests.cli_helpers import run_cli
 from tests.hubserver import HubConfig, HubServer, use_xet
 from tests.hubserver.store import Blob
 from tests.sinks.hub.hub_helpers import REPO, export_files, make_sink, write_export
@@ -84,6 +85,27 @@ def test_a_hung_hub_ends_in_a_named_error_in_bounded_time_then_publishes(hub, tm
     assert hub.stats.count("POST", r"/repos/create") == 3  # two hung attempts, then the one answered
     got = downloaded(hub, step_tag(5), tmp_path / "dl")
     assert {k: v for k, v in got.items() if k in export_files(export)} == export_files(export)
+
+
+@pytest.mark.parametrize("path", [r"/refs$", r"/revision/", r"/resolve/.*/config.json$"])
+def test_a_restore_from_a_hung_hub_ends_in_a_named_error_then_restores(hub, tmp_path, path):
+    """A restore has the URL's timeouts, as the sink. Before, no request of it was bounded: a Hub that
+    stalled once left `stagerd restore` (a job's resume) waiting for good. One attempt: huggingface_hub
+    retries a download's HEAD five times itself."""
+    export = write_export(tmp_path / "export")
+    make_sink(hub).publish(export, 5)
+    url = f"hf://{REPO}?timeout={SHORT}&connect_timeout={SHORT}&max_attempts=1"
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}
+    hub.hang(path)
+
+    hung = run_cli(["restore", url, tmp_path / "hung", "--export", "--step", "5"], env=env, timeout=60)
+
+    assert hung.returncode == 3 and "SinkError" in hung.stderr and hub.token not in hung.stderr, hung.stderr
+    assert not (tmp_path / "hung").exists()
+    hub.unhang()
+    done = run_cli(["restore", url, tmp_path / "out", "--export", "--step", "5"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert export_files(export).items() <= export_files(tmp_path / "out").items()
 
 
 def test_every_request_is_bounded_even_one_that_asks_for_no_timeout(hub):

@@ -6,14 +6,23 @@ Against the Hub-protocol test server, driven by the real huggingface_hub client.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from huggingface_hub import HfApi
 
 from stagerd.errors import ConfigError, SinkConflictError
 from stagerd.sinks.hub import step_branch
+from stagerd.sinks.hub.fetch import restore_hub_export
 from tests.hubserver import Fault
 from tests.hubserver.store import Blob
-from tests.sinks.hub.hub_helpers import REPO, default_hub_config, lfs_only, make_sink  # noqa: F401  (fixtures)
+from tests.sinks.hub.hub_helpers import (  # noqa: F401  (fixtures)
+    REPO,
+    default_hub_config,
+    export_files,
+    lfs_only,
+    make_sink,
+)
 from tests.sinks.hub.hub_helpers import one_file_export as export
 
 
@@ -55,6 +64,37 @@ def test_a_tag_nested_with_the_steps_tag_is_refused_before_the_commit(hub, tmp_p
         make_sink(hub).publish(export(tmp_path, 2), 6)
     assert "rename the tag step-6/rc1" in info.value.hint
     assert refs(hub) == before and hub.stats.commits[REPO] == commits
+
+
+def test_a_branch_named_as_the_steps_tag_is_refused_before_anything_is_written(hub, tmp_path):
+    """A person's branch `step-6` (or another run's `hf://ORG/REPO@step-6` before it tagged a step): on the
+    Hub a branch wins over a tag of the same name, so the tag `step-6` made beside it would send
+    `restore --step 6` and `from_pretrained(revision="step-6")` to the branch. Before, it was made."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_branch(REPO, branch="step-6")
+    before, commits = refs(hub), hub.stats.commits[REPO]
+
+    with pytest.raises(
+        SinkConflictError, match="the branch step-6 of acme/llm has the name of the step's tag"
+    ) as info:
+        make_sink(hub).publish(export(tmp_path, 2), 6)
+    assert not info.value.retryable and "rename the branch step-6" in info.value.hint
+    assert refs(hub) == before and hub.stats.commits[REPO] == commits
+
+
+def test_a_restore_reads_the_steps_tag_not_a_branch_of_its_name(hub, tmp_path):
+    """A person makes the branch `step-6` after step 6 was tagged: the Hub reads the name as the branch.
+    Before, `restore --step 6` landed the branch's files (step 5's here) as step 6, every check passing."""
+    make_sink(hub).publish(export(tmp_path, 1), 5)
+    make_sink(hub).publish(export(tmp_path, 2), 6)
+    HfApi(endpoint=hub.endpoint, token=hub.token).create_branch(
+        REPO, branch="step-6", revision=hub.store.repos[REPO].tags["step-5"]
+    )
+
+    out = restore_hub_export(f"hf://{REPO}?endpoint={hub.endpoint}&token={hub.token}", tmp_path / "out", 6)
+
+    step6 = export_files(Path(tmp_path / "export-2"))
+    assert {rel: data for rel, data in export_files(out).items() if rel in step6} == step6
 
 
 @pytest.mark.parametrize("what", ["a commit id", "a full ref name"])
