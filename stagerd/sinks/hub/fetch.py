@@ -5,11 +5,13 @@ the sink tags steps off main, its commit read from the refs; or that tag in the 
 else `main` (which holds the newest step). A step an older stagerd published on REVISION under the unscoped
 names (`stagerd: step N`, tag `step-N`) is read at its commit, found by the sink's own rule (`history.py`).
 The revision is resolved to its commit once, so a step published to the branch during the restore mixes
-nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded with
-huggingface_hub (through Xet where the file is stored there) into a temporary sibling of OUT and checked
-against the tree: its size, and its LFS sha256 or, for a small file kept in git, its git blob id. Only then
-is the directory renamed to OUT. A mismatch, or Xet data that does not rebuild, is a `RestoreError` naming
-the file; nothing is left behind. Each request is retried as the sink retries its own (the URL's options).
+nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded (one stored in
+Xet through hf_xet on a session of the restore's own, `xet_fetch.py`; the rest with huggingface_hub) into a
+temporary sibling of OUT and checked against the tree: its size, and its LFS sha256 or, for a small file
+kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data that does
+not rebuild, is a `RestoreError` naming the file; nothing is left behind. Each request is bounded by the
+URL's timeouts and retried as the sink retries its own (the URL's options); hf_xet retries a Xet request
+itself, as often.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import redact
-from stagerd.sinks.hub.timeouts import register_timeouts, unregister_timeouts
+from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.url import (
     DEFAULT_REVISION,
     GITATTRIBUTES,
@@ -42,6 +44,8 @@ from stagerd.sinks.hub.url import (
     revision_scope,
     step_tag,
 )
+from stagerd.sinks.hub.xet import xet_enabled
+from stagerd.sinks.hub.xet_fetch import XetDownloader
 from stagerd.sinks.temp_names import restore_temp
 
 log = logging.getLogger("stagerd.sinks.hub")
@@ -89,12 +93,19 @@ def restore_hub_export(url: str, out: Path, step: int | None, *, progress: Progr
     owner = _Restore()
     register_timeouts(owner, HfApi(endpoint=arguments["endpoint"]).endpoint, arguments["timeouts"])
     try:
-        return _restore(url, out, step, arguments["retry"], progress)
+        return _restore(url, out, step, arguments["retry"], arguments["timeouts"], progress)
     finally:
         unregister_timeouts(owner)
 
 
-def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progress: ProgressFn | None) -> Path:
+def _restore(
+    url: str,
+    out: Path,
+    step: int | None,
+    policy: RetryPolicy,
+    timeouts: HubTimeouts,
+    progress: ProgressFn | None,
+) -> Path:
     import httpx2
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import (
@@ -103,6 +114,7 @@ def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progres
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import build_hf_headers
 
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
     unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
@@ -151,22 +163,38 @@ def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progres
     _check_tree([e.path for e in files], where)
     tmp = restore_temp(out)
     total, done = sum(int(f.size) for f in files), 0
+    # Xet files on a hf_xet session of the restore's own, bounded as the rest: huggingface_hub's is not.
+    # hf_xet tries each request as often as the URL says, so the call is not retried again.
+    xet = XetDownloader(
+        timeouts,
+        policy.max_attempts,
+        endpoint=api.endpoint,
+        repo_id=target.repo_id,
+        commit=commit,
+        headers=build_hf_headers(token=token, library_name="stagerd"),
+    )
+    use_xet = xet_enabled()
     try:
         tmp.mkdir(parents=True)
         for entry in files:
+            xet_hash = getattr(entry, "xet_hash", None) if use_xet else None
             try:
-                got = Path(
-                    retried(
-                        lambda: hf_hub_download(
-                            target.repo_id,
-                            entry.path,  # noqa: B023  (called at once)
-                            revision=commit,
-                            endpoint=endpoint,
-                            token=token,
-                            local_dir=tmp,
+                if xet_hash:
+                    got = tmp / entry.path
+                    xet.download(xet_hash, int(entry.size), got, f"{where}/{entry.path}")
+                else:
+                    got = Path(
+                        retried(
+                            lambda: hf_hub_download(
+                                target.repo_id,
+                                entry.path,  # noqa: B023  (called at once)
+                                revision=commit,
+                                endpoint=endpoint,
+                                token=token,
+                                local_dir=tmp,
+                            )
                         )
                     )
-                )
             except LocalEntryNotFoundError as err:  # what its HEAD request met (a timeout) is its cause
                 why = classify(err).text
                 raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
@@ -177,7 +205,7 @@ def _restore(url: str, out: Path, step: int | None, policy: RetryPolicy, progres
                 why = classify(err).text
                 raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
-                raise _xet_download_error(err, f"{where}/{entry.path}") from None
+                raise xet.error(err, f"{where}/{entry.path}") from None
             except ValueError as err:  # a name a later huggingface_hub refuses that `_check_tree` let by
                 raise RestoreError(
                     f"huggingface_hub refuses to download it: {err}", path=f"{where}/{entry.path}"
@@ -287,17 +315,3 @@ def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str
     branches = {b.name: b.target_commit for b in refs.branches}
     pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
     return older_stagerds_step(pages, step, revision, branches, tags)
-
-
-def _xet_download_error(err: BaseException, path: str) -> Exception:
-    """A failed Xet download as a named error: an HTTP failure of the CAS (after hf_xet's own retries) is a
-    `SinkError` (`SinkAuthError` for 401/403); anything else is stored data that does not rebuild."""
-    from stagerd.sinks.hub.errors import _XET_HTTP
-
-    m = _XET_HTTP.search(str(err))
-    if m is None:
-        return RestoreError(f"cannot be rebuilt from Xet storage: {err}", path=path)
-    status = int(m.group(1))
-    if status in (401, 403):
-        return SinkAuthError(f"Xet storage refused the token ({status})", path=path)
-    return SinkError(f"download failed: HTTP {status} from Xet storage", path=path)

@@ -108,6 +108,42 @@ def test_a_restore_from_a_hung_hub_ends_in_a_named_error_then_restores(hub, tmp_
     assert export_files(export).items() <= export_files(tmp_path / "out").items()
 
 
+@pytest.mark.parametrize(
+    ("path", "stall_after"),
+    [
+        (r"/v1/reconstructions/", None),
+        (r"/xorbs/default/", None),
+        (r"/xorbs/default/", 16),
+        (r"/xet-read-token/", None),
+    ],
+    ids=["reconstruction", "xorb-range", "xorb-range-stalls-mid-body", "read-token"],
+)
+def test_a_restore_from_a_stalled_xet_cas_ends_in_a_named_error_then_restores(
+    hub, tmp_path, path, stall_after
+):
+    """hf_hub_download read Xet files on huggingface_hub's own hf_xet session, which none of the URL's
+    bounds reached (five minutes a read, six tries a request): a stalled CAS held `stagerd restore` for good.
+    The child's time limit is what fails this test if a download is not bounded."""
+    export = write_export(tmp_path / "export")
+    make_sink(hub).publish(export, 5)
+    url = f"hf://{REPO}?timeout={SHORT}&connect_timeout={SHORT}&max_attempts=2"
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "HF_XET_CACHE": str(tmp_path / "xet-cache")}
+    stall = hub.hang(path, method="GET", stall_after=stall_after)
+    big = max(export.glob("*.safetensors"), key=lambda p: p.stat().st_size).name  # the first Xet file read
+
+    hung = run_cli(["restore", url, tmp_path / "hung", "--export", "--step", "5"], env=env, timeout=25)
+
+    assert hung.returncode == 3 and "SinkError" in hung.stderr, hung.stderr
+    assert "Xet storage did not answer within 0.5 s, 2 attempts" in hung.stderr, hung.stderr
+    assert big in hung.stderr and hub.token not in hung.stderr, hung.stderr
+    assert stall.fired == 2  # hf_xet tried it again, as the URL's max_attempts says, then gave up
+    assert not (tmp_path / "hung").exists() and [p.name for p in tmp_path.iterdir() if "hung" in p.name] == []
+    hub.unhang()
+    done = run_cli(["restore", url, tmp_path / "out", "--export", "--step", "5"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert export_files(export).items() <= export_files(tmp_path / "out").items()
+
+
 def test_every_request_is_bounded_even_one_that_asks_for_no_timeout(hub):
     sink = make_sink(hub, timeout=SHORT)  # its bound holds for this endpoint while the sink lives
     hub.hang()

@@ -17,8 +17,8 @@ from huggingface_hub.utils import get_session
 
 from stagerd.errors import RestoreError, SinkAuthError, SinkError
 from stagerd.sinks.hub import step_tag
-from stagerd.sinks.hub.fetch import _xet_download_error
 from stagerd.sinks.hub.upload import LIBRARY_SEAMS, OPERATION_SEAMS
+from stagerd.sinks.hub.xet_fetch import xet_download_error
 from tests.hubserver import Fault, HubServer
 from tests.hubserver.xet_format import Term, XetFormatError, hash_hex, hash_raw, parse_shard
 from tests.hubserver.xet_store import merged_fetch_ranges
@@ -186,15 +186,20 @@ def test_restore_names_hf_xet_download_failures():
     # hf_xet's own texts: it retries a chunk it cannot decode, or a CAS 5xx, for its whole retry budget (six
     # minutes by default), then raises these.
     cas = "http://127.0.0.1:1/cas/x/xorbs/default/ab"
+    task = "Task error: File reconstruction error: CAS Client Error:"
     cases = [
-        ("Task error: File reconstruction error: CAS Client Error: Format error: BlockTooBig", RestoreError),
+        (f"{task} Format error: BlockTooBig", RestoreError),
         (f"Request error: HTTP status server error (503 SERVICE UNAVAILABLE), domain: {cas}", SinkError),
         (f"Request error: HTTP status client error (403 FORBIDDEN), domain: {cas}", SinkAuthError),
+        # a request its read timeout ended, and a body that stopped mid-way: the wire's, not the data's
+        (f"{task} Request middleware error: error sending request for url ({cas})", SinkError),
+        (f"{task} Format error: I/O error: error decoding response body", SinkError),
     ]
     for text, kind in cases:
-        err = _xet_download_error(RuntimeError(text), "hf://acme/llm@step-7/a.safetensors")
+        err = xet_download_error(RuntimeError(text), "hf://acme/llm@step-7/a.safetensors")
         assert type(err) is kind and "a.safetensors" in str(err), (text, err)
-    assert _xet_download_error(RuntimeError(cases[1][0]), "p").retryable
+    for text, kind in cases:
+        assert xet_download_error(RuntimeError(text), "p").retryable is (kind is SinkError), text
 
 
 def test_a_request_the_server_does_not_serve_fails_the_test():
