@@ -64,6 +64,12 @@ from stagerd.contract import commit_marker, layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
 from stagerd.integrations import hf_files, omegaconf_values, state_tree, step_files
+from stagerd.integrations.ckpt_pointer import (
+    POINTER,
+    locate,
+    pointed,
+    pointer_keys,
+)
 from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
@@ -74,8 +80,6 @@ log = logging.getLogger("stagerd.integrations")
 
 BLOB = "stagerd/lightning"
 FORMAT = "stagerd.lightning/1"
-POINTER = "stagerd.lightning.pointer/1"
-MAX_POINTER_BYTES = 64 << 10
 
 
 class StagerdCheckpointIO(CheckpointIO):
@@ -160,7 +164,7 @@ class StagerdCheckpointIO(CheckpointIO):
         aliases = blob.get("aliases") or {}
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
-        kept = _pointer_keys(Path(path))
+        kept = pointer_keys(Path(path))
         if kept is not None:
             checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
         log.info("loaded step %d from %s", step, step_dir)
@@ -175,7 +179,7 @@ class StagerdCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: _PATH) -> None:
         target = Path(path)
-        if _pointer(target) is not None:
+        if pointed(target) is not None:
             target.unlink()
 
     def release_pins(self) -> None:
@@ -254,7 +258,7 @@ class StagerdCheckpointIO(CheckpointIO):
         best: dict[tuple[Path, int], StepPin] = {}
         for path in paths:
             try:
-                located = _pointer(Path(path)) if isinstance(path, str) and path else None
+                located = pointed(Path(path)) if isinstance(path, str) and path else None
             except LoadError:
                 located = None
             if located is not None:
@@ -343,63 +347,3 @@ def _release(pins: dict[tuple[Path, int], StepPin]) -> None:
     for pin in pins.values():
         pin.release()
     pins.clear()
-
-
-def locate(path: Path) -> tuple[Path, int]:
-    """(ROOT, step) of a pointer file, a step directory, or ROOT (its newest committed step)."""
-    pointer = _pointer(path)
-    if pointer is not None:
-        return pointer
-    step = layout.parse_step_dir(path.name)
-    if step is not None and layout.is_committed(path):
-        return path.parent, step
-    if path.is_dir():
-        steps = layout.committed_steps(path)
-        if steps:
-            return path, steps[-1][0]
-    raise LoadError(
-        "not a stagerd checkpoint: neither a StagerdCheckpointIO file, nor a committed step, nor a ROOT "
-        "with one",
-        path=path,
-    )
-
-
-def _pointer(path: Path) -> tuple[Path, int] | None:
-    data = _read_pointer(path)
-    if data is None:
-        return None
-    step, root = data.get("step"), data.get("root")
-    if not isinstance(step, int) or not isinstance(root, str):
-        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
-    return Path(root), step
-
-
-def _pointer_keys(path: Path) -> set[str] | None:
-    """The top-level keys of the checkpoint saved at `path` (None: a file written before they were
-    recorded, or not a pointer: the whole step)."""
-    data = _read_pointer(path)
-    keys = None if data is None else data.get("keys")
-    if keys is None:
-        return None
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise LoadError("a malformed StagerdCheckpointIO file", path=path)
-    return set(keys)
-
-
-def _read_pointer(path: Path) -> dict[str, Any] | None:
-    try:
-        if not path.is_file() or path.stat().st_size > MAX_POINTER_BYTES:
-            return None
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    except RecursionError:  # 64 KiB of `[` is JSON nested past the interpreter's stack
-        raise LoadError(
-            "a checkpoint file of JSON nested too deep to read: no StagerdCheckpointIO file",
-            path=path,
-            hint="give load_checkpoint (or fit's ckpt_path) a file StagerdCheckpointIO wrote, a step "
-            "directory or ROOT; nothing was loaded",
-        ) from None
-    if not isinstance(data, dict) or data.get("format") != POINTER:
-        return None
-    return data

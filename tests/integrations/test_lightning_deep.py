@@ -15,7 +15,8 @@ import torch
 from stagerd.contract import layout
 from stagerd.errors import LoadError, SaveInputError
 from stagerd.integrations import state_tree
-from stagerd.integrations.lightning import MAX_POINTER_BYTES, POINTER, StagerdCheckpointIO
+from stagerd.integrations.ckpt_pointer import MAX_POINTER_BYTES, POINTER
+from stagerd.integrations.lightning import StagerdCheckpointIO
 from tests.fidelity import models
 
 DEEP = "[" * 60_000 + "]" * 60_000  # a blob: no size cap before the parse
