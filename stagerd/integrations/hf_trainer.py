@@ -60,11 +60,22 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def switches_modes(optimizer: Any) -> bool:
-    """Whether the optimizer has train and eval modes (schedule-free): the Trainer switches it to eval
-    before it evaluates and saves, and back before the next forward, each switch writing the parameters in
-    place with no optimizer step before it."""
-    return callable(getattr(torch_optimizer(optimizer), "train", None))
+def writes_before_its_step(optimizer: Any) -> bool:
+    """Whether the parameters change before the optimizer's next step, where a save's copy is waited for:
+    an optimizer with train and eval modes (schedule-free), which the Trainer switches to eval before it
+    evaluates and saves and back before the next forward, each switch writing the parameters in place;
+    or the Trainer's layer-wise optimizers (`optim="galore_adamw_layerwise"`, ...), which update each
+    parameter from a hook during the backward, their `LayerWiseDummyOptimizer`'s step doing nothing."""
+    inner = torch_optimizer(optimizer)
+    return layer_wise(inner) or callable(getattr(inner, "train", None))
+
+
+def layer_wise(optimizer: torch.optim.Optimizer) -> bool:
+    """The Trainer's stand-in for its layer-wise optimizers: the state is the per-parameter optimizers',
+    which the Trainer's own checkpoint does not hold either, so a step holds none."""
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+
+    return isinstance(optimizer, LayerWiseDummyOptimizer)
 
 
 def state_to_save(
@@ -74,8 +85,13 @@ def state_to_save(
     model = trainer.model
     if not captured.optimizer:
         return get_model_state_dict(model), None
-    msd, osd = get_state_dict(model, torch_optimizer(trainer.optimizer))
-    out, skeleton = state_tree.split(osd, "optimizer")
+    optimizer = torch_optimizer(trainer.optimizer)
+    out: dict[str, torch.Tensor]
+    if layer_wise(optimizer):
+        msd, out, skeleton = get_model_state_dict(model), {}, None
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        out, skeleton = state_tree.split(osd, "optimizer")
     blob: dict[str, Any] = {"format": FORMAT, "optimizer": skeleton, "scheduler": None, "scaler": None}
     scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is not None:
@@ -106,8 +122,12 @@ def load(trainer: Any, stager: Any, step: int) -> Restored:
             path=step_dir,
             hint="load it with Stager.load, or resume from a step the callback saved",
         )
-    msd, osd = get_state_dict(model, optimizer)
-    templates, _ = state_tree.split(osd, "optimizer")
+    templates: dict[str, torch.Tensor]
+    if layer_wise(optimizer):
+        msd, templates = get_model_state_dict(model), {}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        templates, _ = state_tree.split(osd, "optimizer")
     _check_same_optimizer(set(templates), {k for k in specs if k.startswith("optimizer/")}, step_dir)
     rank = stager.rank
     wanted = [BLOB, *rng.keys_of(rank, set(specs))]
@@ -118,7 +138,8 @@ def load(trainer: Any, stager: Any, step: int) -> Restored:
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise LoadError("the saved trainer state is not in a format this stagerd knows", path=step_dir)
     set_model_state_dict(model, msd)
-    set_optimizer_state_dict(model, optimizer, state_tree.join(blob["optimizer"], templates.__getitem__))
+    if blob.get("optimizer") is not None:
+        set_optimizer_state_dict(model, optimizer, state_tree.join(blob["optimizer"], templates.__getitem__))
     scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is not None and blob.get("scheduler") is not None:
         scheduler.load_state_dict(state_tree.join(blob["scheduler"], templates.__getitem__))

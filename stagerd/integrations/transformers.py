@@ -326,8 +326,8 @@ class StagerdCallback(TrainerCallback):
                 f"step {trainer.state.global_step} is already committed under {self.root}; not saved again"
             )
             return
-        if hf_trainer.switches_modes(trainer.optimizer):
-            stager.wait_staged()  # the switch back to train mode writes the parameters before any step
+        if hf_trainer.writes_before_its_step(trainer.optimizer):
+            stager.wait_staged()
 
     # -- loading -----------------------------------------------------------------------------------
 
