@@ -17,11 +17,9 @@ itself, as often.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
 from typing import Any
@@ -33,7 +31,7 @@ from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.options import sink_arguments
-from stagerd.sinks.hub.retries import redact
+from stagerd.sinks.hub.retries import tried
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.url import (
     DEFAULT_REVISION,
@@ -47,8 +45,6 @@ from stagerd.sinks.hub.url import (
 from stagerd.sinks.hub.xet import xet_enabled
 from stagerd.sinks.hub.xet_fetch import XetDownloader
 from stagerd.sinks.temp_names import restore_temp
-
-log = logging.getLogger("stagerd.sinks.hub")
 
 _CHUNK = 8 << 20
 # Unless the URL says: huggingface_hub already tries a download's HEAD and a tree page up to five times
@@ -127,7 +123,10 @@ def _restore(
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
 
     def retried(fn: Callable[[], T]) -> T:
-        return _retried(fn, policy, where, token)
+        # a missing repo or revision is an answer: the restore names it
+        return tried(
+            fn, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
+        )
 
     try:
         if step is not None and revision == step_tag(step, target.revision):
@@ -232,37 +231,6 @@ def _restore(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _retried(fn: Callable[[], T], policy: RetryPolicy, where: str, token: str | None) -> T:
-    """`fn()`, tried again on what the sink retries (a 5xx, a 429, a dropped connection), under the URL's
-    retry policy: of a large step's many requests one such failure is to be expected, and ending the
-    restore on it would drop every file landed. A missing repo or revision is an answer; the last failure
-    is raised as it came."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
-
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except (RepositoryNotFoundError, RevisionNotFoundError):
-            raise
-        except Exception as e:
-            failure = classify(e)
-            delay = failure.retry_after if failure.retry_after is not None else policy.delay(attempt)
-            if failure.kind != "retry" or attempt >= policy.max_attempts or delay > policy.max_retry_after:
-                raise
-            text = redact(failure.text, token)
-            log.warning(
-                "%s: attempt %d/%d failed (%s); retrying in %.2f s",
-                where,
-                attempt,
-                policy.max_attempts,
-                text,
-                delay,
-            )
-            time.sleep(delay)
 
 
 def _never_published(revision: str, where: str) -> RestoreError:
