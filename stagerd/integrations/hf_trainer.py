@@ -78,6 +78,15 @@ def layer_wise(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, LayerWiseDummyOptimizer)
 
 
+def _state_dicts(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(the model's state dict, the optimizer's tensors, its JSON skeleton), as saved and as loaded into; a
+    layer-wise stand-in has no state (None for the skeleton)."""
+    if layer_wise(optimizer):
+        return get_model_state_dict(model), {}, None
+    msd, osd = get_state_dict(model, optimizer)
+    return msd, *state_tree.split(osd, "optimizer")
+
+
 def state_to_save(
     trainer: Any, captured: Captured, rank: int
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
@@ -85,13 +94,7 @@ def state_to_save(
     model = trainer.model
     if not captured.optimizer:
         return get_model_state_dict(model), None
-    optimizer = torch_optimizer(trainer.optimizer)
-    out: dict[str, torch.Tensor]
-    if layer_wise(optimizer):
-        msd, out, skeleton = get_model_state_dict(model), {}, None
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        out, skeleton = state_tree.split(osd, "optimizer")
+    msd, out, skeleton = _state_dicts(model, torch_optimizer(trainer.optimizer))
     blob: dict[str, Any] = {"format": FORMAT, "optimizer": skeleton, "scheduler": None, "scaler": None}
     scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is not None:
@@ -122,12 +125,7 @@ def load(trainer: Any, stager: Any, step: int) -> Restored:
             path=step_dir,
             hint="load it with Stager.load, or resume from a step the callback saved",
         )
-    templates: dict[str, torch.Tensor]
-    if layer_wise(optimizer):
-        msd, templates = get_model_state_dict(model), {}
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        templates, _ = state_tree.split(osd, "optimizer")
+    msd, templates, _ = _state_dicts(model, optimizer)
     _check_same_optimizer(set(templates), {k for k in specs if k.startswith("optimizer/")}, step_dir)
     rank = stager.rank
     wanted = [BLOB, *rng.keys_of(rank, set(specs))]
