@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from stagerd.contract import layout
 from stagerd.errors import LoadError
@@ -16,18 +16,26 @@ POINTER = "stagerd.lightning.pointer/1"
 MAX_POINTER_BYTES = 64 << 10
 
 
-def locate(path: Path) -> tuple[Path, int]:
-    """(ROOT, step) of a pointer file, a step directory, or ROOT (its newest committed step)."""
-    pointer = pointed(path)
-    if pointer is not None:
-        return pointer
+class Located(NamedTuple):
+    root: Path
+    step: int
+    keys: frozenset[str] | None  # at a pointer path, the top-level keys its checkpoint holds; else None
+
+
+def locate(path: Path) -> Located:
+    """ROOT, step and kept keys of a pointer file, a step directory, or ROOT (its newest committed step).
+    The keys are None where the whole step is meant (a step directory, ROOT, a file written before they
+    were recorded)."""
+    data = _read_pointer(path)
+    if data is not None:
+        return Located(*_where(data, path), _keys(data, path))
     step = layout.parse_step_dir(path.name)
     if step is not None and layout.is_committed(path):
-        return path.parent, step
+        return Located(path.parent, step, None)
     if path.is_dir():
         steps = layout.committed_steps(path)
         if steps:
-            return path, steps[-1][0]
+            return Located(path, steps[-1][0], None)
     raise LoadError(
         "not a stagerd checkpoint: neither a StagerdCheckpointIO file, nor a committed step, nor a ROOT "
         "with one",
@@ -36,25 +44,25 @@ def locate(path: Path) -> tuple[Path, int]:
 
 
 def pointed(path: Path) -> tuple[Path, int] | None:
+    """(ROOT, step) of a pointer file, None for any other file."""
     data = _read_pointer(path)
-    if data is None:
-        return None
+    return None if data is None else _where(data, path)
+
+
+def _where(data: dict[str, Any], path: Path) -> tuple[Path, int]:
     step, root = data.get("step"), data.get("root")
     if not isinstance(step, int) or not isinstance(root, str):
         raise LoadError("a malformed StagerdCheckpointIO file", path=path)
     return Path(root), step
 
 
-def pointer_keys(path: Path) -> set[str] | None:
-    """The top-level keys of the checkpoint saved at `path` (None: a file written before they were
-    recorded, or not a pointer: the whole step)."""
-    data = _read_pointer(path)
-    keys = None if data is None else data.get("keys")
+def _keys(data: dict[str, Any], path: Path) -> frozenset[str] | None:
+    keys = data.get("keys")
     if keys is None:
         return None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise LoadError("a malformed StagerdCheckpointIO file", path=path)
-    return set(keys)
+    return frozenset(keys)
 
 
 def _read_pointer(path: Path) -> dict[str, Any] | None:

@@ -68,7 +68,6 @@ from stagerd.integrations.ckpt_pointer import (
     POINTER,
     locate,
     pointed,
-    pointer_keys,
 )
 from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
@@ -143,7 +142,7 @@ class StagerdCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        root, step = locate(Path(path))
+        root, step, kept = locate(Path(path))
         if (h := self.stager) is not None:
             h.wait()  # a save of ours still writing: load what it commits
         step_dir = root / layout.step_dir_name(step)
@@ -164,7 +163,6 @@ class StagerdCheckpointIO(CheckpointIO):
         aliases = blob.get("aliases") or {}
         state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
         checkpoint["state_dict"] = state_dict
-        kept = pointer_keys(Path(path))
         if kept is not None:
             checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
         log.info("loaded step %d from %s", step, step_dir)
