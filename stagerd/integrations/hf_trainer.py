@@ -30,6 +30,7 @@ from stagerd.errors import LoadError
 from stagerd.integrations import rng, state_tree, step_files
 from stagerd.training.aliases import split_aliases
 from stagerd.training.loader import optim_specs
+from stagerd.training.optimizer_hook import switches_modes
 
 BLOB = "stagerd/trainer"
 FORMAT = "stagerd.hf_trainer/1"
@@ -67,7 +68,7 @@ def writes_before_its_step(optimizer: Any) -> bool:
     or the Trainer's layer-wise optimizers (`optim="galore_adamw_layerwise"`, ...), which update each
     parameter from a hook during the backward, their `LayerWiseDummyOptimizer`'s step doing nothing."""
     inner = torch_optimizer(optimizer)
-    return layer_wise(inner) or callable(getattr(inner, "train", None))
+    return layer_wise(inner) or switches_modes(inner)
 
 
 def layer_wise(optimizer: torch.optim.Optimizer) -> bool:

@@ -73,6 +73,7 @@ from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.loader import load_step, optim_specs
+from stagerd.training.optimizer_hook import switches_modes
 from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
@@ -320,7 +321,7 @@ def _a_step_changes_it_next(trainer: Any) -> bool:
     if not _fitting(trainer):
         return False
     averaging = (WeightAveraging, StochasticWeightAveraging)
-    if any(callable(getattr(o, "train", None)) for o in trainer.optimizers):
+    if any(switches_modes(o) for o in trainer.optimizers):
         return False
     return not any(isinstance(c, averaging) for c in trainer.callbacks)
 

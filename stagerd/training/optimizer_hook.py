@@ -36,6 +36,12 @@ def tensors_in(states: Iterable[Any]) -> list[torch.Tensor]:
     return [t for s in states if isinstance(s, Mapping) for t in s.values() if isinstance(t, torch.Tensor)]
 
 
+def switches_modes(optimizer: Any) -> bool:
+    """Whether the optimizer has train and eval modes (schedule-free): switching them writes the
+    parameters in place, with no optimizer step, so a save's copy cannot wait for the next step."""
+    return callable(getattr(optimizer, "train", None))
+
+
 def hooked(handle: RemovableHandle) -> bool:
     """Whether the wait hook `handle` is still registered (not removed since)."""
     return handle.id in (handle.hooks_dict_ref() or {})
