@@ -26,7 +26,7 @@ _FIELDS = ("dtype", "torch_dtype")
 
 def main_dtype(dtype_bytes: Mapping[str, int]) -> str | None:
     """The torch name (`bfloat16`) of the floating dtype with the most bytes, or None without one."""
-    floats = {n: b for n, b in dtype_bytes.items() if dtypes.lookup(n).castable and b > 0}
+    floats = _floats(dtype_bytes)
     if not floats:
         return None
     best = max(sorted(floats), key=lambda n: floats[n])
@@ -37,7 +37,8 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `target`:
     the cast's dtype (safetensors name), None when kept."""
     cast_to = dtypes.lookup(target).torch_name if target is not None and dtype_bytes else None
-    if (cast_to or main_dtype(dtype_bytes)) is None:
+    main = main_dtype(dtype_bytes)
+    if (cast_to or main) is None:
         return None
     try:
         cfg = loads(source.read_bytes())
@@ -48,7 +49,7 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     if not isinstance(cfg, dict):
         raise ExtrasError(f"{CONFIG_NAME} must hold a JSON object", path=source)
     present = [f for f in _FIELDS if f in cfg]
-    name = cast_to or _held(cfg.get(present[0]) if present else None, dtype_bytes) or main_dtype(dtype_bytes)
+    name = cast_to or _held(cfg.get(present[0]) if present else None, dtype_bytes) or main
     for field in present or ["dtype"]:
         cfg[field] = name
     return (json.dumps(cfg, indent=2) + "\n").encode()
@@ -56,5 +57,10 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
 
 def _held(named: object, dtype_bytes: Mapping[str, int]) -> str | None:
     """`named` (a config's dtype, `bfloat16`) where it is a floating dtype the export holds bytes of."""
-    held = [d for d in map(dtypes.lookup, (n for n, b in dtype_bytes.items() if b > 0)) if d.castable]
-    return named if isinstance(named, str) and named in (d.torch_name for d in held) else None
+    held = {dtypes.lookup(n).torch_name for n in _floats(dtype_bytes)}
+    return named if isinstance(named, str) and named in held else None
+
+
+def _floats(dtype_bytes: Mapping[str, int]) -> dict[str, int]:
+    """The floating dtypes (safetensors names) the export holds bytes of, and their bytes."""
+    return {n: b for n, b in dtype_bytes.items() if dtypes.lookup(n).castable and b > 0}
