@@ -14,6 +14,10 @@ from stagerd.errors import LoadError
 
 POINTER = "stagerd.lightning.pointer/1"
 MAX_POINTER_BYTES = 64 << 10
+NOT_OURS_HINT = (
+    "give a path StagerdCheckpointIO wrote (ModelCheckpoint's), a committed ROOT/step-N or ROOT; a "
+    "Lightning .ckpt file of its own loads without the plugin (with cls.load_from_checkpoint)"
+)
 
 
 class Located(NamedTuple):
@@ -40,6 +44,7 @@ def locate(path: Path) -> Located:
         "not a stagerd checkpoint: neither a StagerdCheckpointIO file, nor a committed step, nor a ROOT "
         "with one",
         path=path,
+        hint=NOT_OURS_HINT,
     )
 
 

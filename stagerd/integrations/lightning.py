@@ -22,8 +22,10 @@ once: a weights-only save is staged whole while another `ModelCheckpoint` saves 
 the same step next), and after `fit` a save at a staged step of weights changed since is a
 `SaveInputError` (never a path that loads the weights of before). `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
-committed step). `remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep
-or delete (`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
+committed step); so does `load_from_checkpoint(LitModel, path)` (`lightning_load`), what
+`LitModel.load_from_checkpoint(path)` is for Lightning's own file, with no Trainer or plugin.
+`remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep or delete
+(`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
 `best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
 best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best,
 `release_pins()`, or the plugin is let go (its trainer dropped) or the process ends, so `--keep-last`
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,26 +61,20 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from stagerd.contract import commit_marker, layout
+from stagerd.contract import layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_files, omegaconf_values, state_tree, step_files
-from stagerd.integrations.ckpt_pointer import (
-    POINTER,
-    locate,
-    pointed,
-)
+from stagerd.integrations import hf_files, lightning_load, omegaconf_values, state_tree
+from stagerd.integrations.ckpt_pointer import POINTER, pointed
+from stagerd.integrations.lightning_load import BLOB, FORMAT, load_from_checkpoint
 from stagerd.ops.call_stack import calling_self
 from stagerd.training.aliases import split_aliases
-from stagerd.training.collectives import Collectives
-from stagerd.training.loader import load_step, optim_specs
 from stagerd.training.optimizer_hook import switches_modes
 from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
 
-BLOB = "stagerd/lightning"
-FORMAT = "stagerd.lightning/1"
+__all__ = ["BLOB", "FORMAT", "StagerdCheckpointIO", "load_from_checkpoint"]
 
 
 class StagerdCheckpointIO(CheckpointIO):
@@ -143,30 +138,9 @@ class StagerdCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        root, step, kept = locate(Path(path))
         if (h := self.stager) is not None:
             h.wait()  # a save of ours still writing: load what it commits
-        step_dir = root / layout.step_dir_name(step)
-        marker = commit_marker.read_marker(step_dir)
-        model = step_files.empty(step_files.model_specs(marker))
-        specs = optim_specs(step_dir)
-        if BLOB not in specs:
-            raise LoadError("not a step saved by StagerdCheckpointIO (no Lightning state)", path=step_dir)
-        optim = step_files.empty(specs)
-        with warnings.catch_warnings():  # every rank reads the whole step by itself, on purpose
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            load_step(Collectives(None), root, model, optim, step)
-        blob = state_tree.from_blob(optim[BLOB], "the saved Lightning state")
-        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-            raise LoadError("the saved Lightning state is not in a format this stagerd knows", path=step_dir)
-        skeleton = omegaconf_values.restore(blob["checkpoint"], step_dir)
-        checkpoint = state_tree.join(skeleton, optim.__getitem__)
-        aliases = blob.get("aliases") or {}
-        state_dict = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
-        checkpoint["state_dict"] = state_dict
-        if kept is not None:
-            checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
-        log.info("loaded step %d from %s", step, step_dir)
+        checkpoint, _ = lightning_load.read(Path(path))
         trainer = self._trainer()
         if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
             # resuming: each ModelCheckpoint takes back the best it recorded; the saving rank holds it
@@ -227,7 +201,10 @@ class StagerdCheckpointIO(CheckpointIO):
         tensors, skeleton = omegaconf_values.split(state, "lightning")
         _, aliases = split_aliases(model_sd)
         keys = list(model_sd)
-        blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases}
+        device = next((str(v.device) for v in model_sd.values() if isinstance(v, torch.Tensor)), "cpu")
+        # `device`: where load_from_checkpoint puts the weights, as torch.load puts those of Lightning's file
+        blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases,
+                "device": device}  # fmt: skip
         optim = {**tensors, BLOB: state_tree.to_blob(blob)}
         options = dict(self.save_options)
         extras = {**hf_files.model_files(self.model), **(options.pop("extras", None) or {})}
