@@ -23,9 +23,10 @@ the same step next), and after `fit` a save at a staged step of weights changed 
 `SaveInputError` (never a path that loads the weights of before). `load_checkpoint` accepts such a file,
 a step directory (`ROOT/step-00000100`, or one `stagerd restore` brought back) or ROOT itself (its newest
 committed step); so does `load_from_checkpoint(LitModel, path)` (`lightning_load`), what
-`LitModel.load_from_checkpoint(path)` is for Lightning's own file, with no Trainer or plugin.
-`remove_checkpoint` removes the pointer file; the staged steps are the daemon's to keep or delete
-(`stagerd watch --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
+`LitModel.load_from_checkpoint(path)` is for Lightning's own file, with no Trainer or plugin. The check of a
+save after `fit` reads the staged model alone, a bounded run of tensors at a time. `remove_checkpoint`
+removes the pointer file; the staged steps are the daemon's to keep or delete (`stagerd watch
+--keep-last N`), all but the best: the step each `ModelCheckpoint`'s
 `best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
 best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best,
 `release_pins()`, or the plugin is let go (its trainer dropped) or the process ends, so `--keep-last`
@@ -170,9 +171,9 @@ class StagerdCheckpointIO(CheckpointIO):
     def _check_unchanged(self, checkpoint: dict[str, Any], step: int, path: Path) -> None:
         """A step is staged once: after `fit` (a merge, a quantization since), a path naming it must not
         stand for other weights."""
-        staged = self.load_checkpoint(self.root / layout.step_dir_name(step))["state_dict"]
-        given = checkpoint["state_dict"]
-        if staged.keys() == given.keys() and all(torch.equal(staged[k], given[k].cpu()) for k in given):
+        if (h := self.stager) is not None:
+            h.wait()  # the step's own save may still be writing it
+        if lightning_load.staged_weights_equal(self.root, step, checkpoint["state_dict"]):
             return
         raise SaveInputError(
             f"step {step} is already staged with other weights: the weights changed since cannot be "

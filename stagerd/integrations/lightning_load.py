@@ -14,13 +14,16 @@ overrides, `_load_state` (the class built from the hyper-parameters, `configure_
 `on_load_checkpoint`, `load_state_dict(strict=...)`) and the move to the weights' device. A
 `LightningDataModule` loads the same way.
 
+`staged_weights_equal` compares a state dict with a staged step's model a bounded chunk of tensors at a
+time (`CHUNK_BYTES`, or one tensor larger than that), reading nothing of its `optim/`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,11 +35,13 @@ from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError
 from stagerd.integrations import omegaconf_values, state_tree, step_files
 from stagerd.integrations.ckpt_pointer import NOT_OURS_HINT, locate
+from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
 from stagerd.training.loader import load_step, optim_specs
 
 BLOB = "stagerd/lightning"
 FORMAT = "stagerd.lightning/1"
+CHUNK_BYTES = 256 << 20
 
 T = TypeVar("T", bound="pl.LightningModule | pl.LightningDataModule")
 
@@ -66,6 +71,31 @@ def read(path: Path) -> tuple[dict[str, Any], str]:
         checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
     device = blob.get("device")
     return checkpoint, device if isinstance(device, str) else "cpu"
+
+
+def staged_weights_equal(root: Path, step: int, state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the committed step's model holds `state_dict` (same keys, dtypes, shapes and bytes; a tied
+    key is staged once, under the first key of its tensor)."""
+    specs = step_files.model_specs(commit_marker.read_marker(root / layout.step_dir_name(step)))
+    _, aliases = split_aliases(dict(state_dict))
+    readers: dict[str, list[str]] = {}  # staged name -> the keys of state_dict holding it
+    for key, given in state_dict.items():
+        name = key if key in specs else aliases.get(key)
+        if not isinstance(given, torch.Tensor) or name is None:
+            return False
+        if specs.get(name) != (given.dtype, tuple(given.shape)):
+            return False
+        readers.setdefault(name, []).append(key)
+    if readers.keys() != specs.keys():
+        return False
+    for names in _chunks(specs):
+        staged = step_files.empty({n: specs[n] for n in names})
+        _load(root, staged, None, step)
+        for name, tensor in staged.items():
+            if not all(_same_bits(tensor, state_dict[k]) for k in readers[name]):
+                return False
+        del staged
+    return True
 
 
 def load_from_checkpoint(
@@ -149,3 +179,23 @@ def _load(root: Path, model: dict[str, torch.Tensor], optim: dict[str, Any] | No
     with warnings.catch_warnings():  # every rank reads the whole step by itself, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         load_step(Collectives(None), root, model, optim, step)
+
+
+def _chunks(specs: step_files.Specs) -> Iterator[list[str]]:
+    """The staged names in runs of at most `CHUNK_BYTES` (a larger tensor alone)."""
+    run: list[str] = []
+    size = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = dtype.itemsize * math.prod(shape)
+        if run and size + nbytes > CHUNK_BYTES:
+            yield run
+            run, size = [], 0
+        run.append(name)
+        size += nbytes
+    if run:
+        yield run
+
+
+def _same_bits(staged: torch.Tensor, given: torch.Tensor) -> bool:
+    mine = given.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(staged.reshape(-1).view(torch.uint8), mine)
