@@ -117,7 +117,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     tokens = token_rows(model, name, sd, staged)
     # merge_and_unload() puts each trainable-tokens wrapper's base layer, its rows merged, in its place
     saved |= unwrapped_paths(model)
-    consumed.update(t.delta for t in tokens)
+    consumed.update(t.consumed for t in tokens)
     others |= {k for k in keys if f".{DELTA}." in k and not k.endswith(f".{DELTA}.{name}")}
     for mname, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
@@ -178,7 +178,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
-    # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
+    # Keys the merged model does not hold (only aliases of consumed keys here): none is written. A cast of
+    # token rows is read only by their parts: last, in the marker's order of kinds.
+    merges += [t.cast for t in tokens if t.cast is not None]
     return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
 
 
