@@ -17,20 +17,21 @@ from tests.training import peft_tokens_ranks as ranks
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
-CASES = [(False, 1), (True, 1), (False, 2)]
+# A bf16 model's float32 token rows (PEFT's default autocast) are cast as merge_and_unload() casts them.
+CASES = [(False, 1, "float32"), (True, 1, "float32"), (False, 2, "float32"), (True, 1, "bfloat16")]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Every case saved in one launch (starting the ranks costs more than a save)."""
     out = tmp_path_factory.mktemp("tokens")
-    launch(ranks.save, CASES, str(out), world=2, deadline_s=150)
+    launch(ranks.save, CASES, str(out), world=2, deadline_s=200)
     return out
 
 
-@pytest.mark.parametrize(("tied", "adapters"), CASES)
-def test_the_merged_export_is_merge_and_unload_save_pretrained(tied, adapters, saved, tmp_path):
-    d = saved / ranks.case_dir(tied, adapters)
+@pytest.mark.parametrize(("tied", "adapters", "dtype"), CASES)
+def test_the_merged_export_is_merge_and_unload_save_pretrained(tied, adapters, dtype, saved, tmp_path):
+    d = saved / ranks.case_dir(tied, adapters, dtype)
     step = d / "root" / layout.step_dir_name(1)
     plan = commit_marker.read_marker(step).hub_plan
     assert plan is not None and plan.origin == "peft"  # merged, not the fallback to PEFT's own names

@@ -73,3 +73,38 @@ def test_float32_token_rows_of_a_bf16_model_merge_as_merge_and_unload(tied, tmp_
         )  # fmt: skip
         harness.assert_same_tensors(out, tmp_path / "ref" / mode)
         harness.assert_same_weight_files(out, tmp_path / "ref" / mode)
+
+
+def test_verify_recomputes_the_cast_and_an_older_reader_refuses_it(tmp_path):
+    """verify_export casts the rows again and names a flipped byte of one; a marker read without its
+    `cast_merges` (a stagerd that does not know them) refuses the rows' parts instead of exporting them."""
+    from stagerd import Stager
+    from stagerd.contract.hub_plan import HubPlan
+    from stagerd.engine.verify import verify_export
+    from stagerd.errors import HubPlanError, VerifyError
+
+    model = _build(False)
+    with Stager(tmp_path / "root") as stager:
+        stager.save(model.state_dict(), 1, model=model).result()
+    step = tmp_path / "root" / layout.step_dir_name(1)
+    out = tmp_path / "out"
+    out.mkdir()
+    build_export(
+        open_source(step), out, dtype=None, keep_dtype=None, reference=None, max_shard_size=6000,
+        threads=1, progress=None,
+    )  # fmt: skip (sharded: an index names each tensor's file)
+    verify_export(out, step)
+    name = "model.embed_tokens.weight"
+    at = 7 * 32 * 2 + 5  # a byte of row 7, a trained row
+    harness.flip_byte(out, name, at)
+    with pytest.raises(VerifyError) as e:
+        verify_export(out, step)
+    assert f"tensor {name!r} (its byte {at}) differs" in e.value.message, e.value.message
+
+    plan = commit_marker.read_marker(step).hub_plan
+    assert plan is not None
+    older = {k: v for k, v in plan.to_json().items() if k != "cast_merges"}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes |= {m.name: shapes[m.base] for m in plan.merges if m.kind is not MergeKind.CAST}  # computed
+    with pytest.raises(HubPlanError, match="which was not saved"):
+        HubPlan.from_json(older).outputs(shapes)
