@@ -63,15 +63,25 @@ def token_rows(
     from peft.utils.other import TrainableTokensWrapper
 
     out = []
-    for mname, mod in model.named_modules():
-        if not isinstance(mod, TrainableTokensWrapper):
-            continue
-        layer = getattr(mod, ADAPTER)
+    wrappers = [
+        (n, getattr(m, ADAPTER)) for n, m in model.named_modules() if isinstance(m, TrainableTokensWrapper)
+    ]
+    followers = {
+        f"{n}.{ADAPTER}.base_layer.weight" for n, layer in wrappers if layer.tied_adapter is not None
+    }
+    for mname, layer in wrappers:
         base, delta = f"{mname}.{ADAPTER}.base_layer.weight", f"{mname}.{ADAPTER}.{DELTA}.{name}"
         if layer.tied_adapter is not None or name not in layer.token_indices:
             continue
         if base not in staged or delta not in staged:
             raise HubPlanError(f"{mname!r}: its base weight or trainable tokens are not in the state dict")
+        # Rows copied into a weight another layer shares (tied, not following these rows: other indices,
+        # or no rows of its own) change that layer too, which the trained model does not.
+        if any(k != base and k not in followers for k, v in staged.items() if v == staged[base]):
+            raise HubPlanError(
+                f"{mname!r}: trainable tokens of a tied weight whose tied layer does not share them (other"
+                " indices, or none): merge_and_unload() copies them into the one shared weight"
+            )
         base, delta = staged[base], staged[delta]
         indices = tuple(int(i) for i in layer.token_indices[name])
         rows, weight = sd[delta], sd[base]

@@ -5,7 +5,9 @@ With `ensure_weight_tying=True`, a `modules_to_save` copy of the embeddings is t
 (before, every tied copy was refused). Where merge_and_unload() does not give the trained model, the
 export keeps PEFT's names, with a warning that says why: LoRA on a tied weight is merged into the one
 shared weight, so the tied layer changes too (with `ensure_weight_tying=True` the same delta is merged
-twice); a copy without `ensure_weight_tying` is untied by the merge, which rewrites the config."""
+twice), and so are trainable tokens the tied layer does not share (other indices, or none of its own);
+a copy without `ensure_weight_tying` is untied by the merge, which rewrites the config. Before, tokens
+with other indices on the two tied layers were planned, and the export failed on the plan."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def _save(model, root):
     return step, commit_marker.read_marker(step).hub_plan
 
 
+TOKENS = "trainable tokens of a tied weight whose tied layer does not share them"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_modules_to_save_copy_merges_as_merge_and_unload(dtype, tmp_path):
     model = _build(
@@ -84,6 +89,14 @@ def test_a_tied_modules_to_save_copy_merges_as_merge_and_unload(dtype, tmp_path)
             {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
             "merge_and_unload() unties them",
         ),
+        (
+            {
+                "target_modules": ["q_proj"],
+                "trainable_token_indices": {"embed_tokens": [1, 5], "lm_head": [2, 5]},
+            },
+            TOKENS,
+        ),
+        ({"target_modules": ["q_proj"], "trainable_token_indices": {"lm_head": [2, 5]}}, TOKENS),
     ],
 )
 def test_what_merge_and_unload_would_change_keeps_peft_names_with_a_warning(lora, words, tmp_path, caplog):

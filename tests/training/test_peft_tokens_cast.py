@@ -90,8 +90,14 @@ def test_verify_recomputes_the_cast_and_an_older_reader_refuses_it(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     build_export(
-        open_source(step), out, dtype=None, keep_dtype=None, reference=None, max_shard_size=6000,
-        threads=1, progress=None,
+        open_source(step),
+        out,
+        dtype=None,
+        keep_dtype=None,
+        reference=None,
+        max_shard_size=6000,
+        threads=1,
+        progress=None,
     )  # fmt: skip (sharded: an index names each tensor's file)
     verify_export(out, step)
     name = "model.embed_tokens.weight"
