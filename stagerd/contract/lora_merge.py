@@ -10,12 +10,16 @@ as PEFT's `merge_and_unload` computes it for each kind of LoRA layer.
 - `EXPERTS`: a parameter PEFT adapts with `target_parameters` (its `ParamWrapper`): `base` is `experts`
   fused matrices, [experts, out, in] (`layout` `eoi`) or [experts, in, out] (`eio`), or one (out x in)
   matrix with `experts` 1; expert e's A is rows e*r..(e+1)*r of `a` (r*experts x in), its B the columns
-  e, e+experts, ... of `b` (out x r*experts), and it gains scaling * (B_e @ A_e) (transposed for `eio`).
+  e, e+experts, ... of `b` (out x r*experts), and it gains scaling * (B_e @ A_e) (transposed for `eio`);
+- `CAST`: `base` cast to `dtype` (torch's `.to()`, bit for bit), of its shape; no `a`, `b` or scaling:
+  the trained token rows PEFT casts to the embedding's dtype before copying them in (float32 rows of a
+  bf16 model under its default `autocast_adapter_dtype`), which the plan's views then read as parts.
 
 In the marker, plain LoRA merges are written under `merges` as before; DoRA and bias merges under
-`variant_merges`, expert merges under `expert_merges` (`MARKER_LISTS`). An older stagerd ignores a list
-it does not know: it then refuses the views that read their outputs (not saved) rather than computing a
-DoRA merge as a plain one, or failing to read the whole marker on a kind it has no name for.
+`variant_merges`, expert merges under `expert_merges`, casts under `cast_merges` (`MARKER_LISTS`). An
+older stagerd ignores a list it does not know: it then refuses the views that read their outputs (not
+saved) rather than computing a DoRA merge as a plain one, or failing to read the whole marker on a kind
+it has no name for.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class MergeKind(StrEnum):
     DORA = "dora"
     BIAS = "bias"
     EXPERTS = "experts"
+    CAST = "cast"
 
 
 class ExpertLayout(StrEnum):
@@ -49,7 +54,9 @@ MARKER_LISTS: dict[str, tuple[MergeKind, ...]] = {
     "merges": (MergeKind.LORA,),
     "variant_merges": (MergeKind.DORA, MergeKind.BIAS),
     "expert_merges": (MergeKind.EXPERTS,),
+    "cast_merges": (MergeKind.CAST,),
 }
+_CAST_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def marker_list(kind: MergeKind) -> int:
@@ -60,7 +67,7 @@ def marker_list(kind: MergeKind) -> int:
 @dataclass(frozen=True, slots=True)
 class LoraMerge:
     """Staged tensor `name` (computed by the engine) of `kind` (see the module docstring), of `base`'s
-    dtype and shape."""
+    shape and dtype (a cast's: `dtype`)."""
 
     name: str
     base: str
@@ -73,10 +80,13 @@ class LoraMerge:
     experts: int = 0
     layout: ExpertLayout | None = None
     delta_to_base: bool = False
+    dtype: str = ""
 
     @property
     def inputs(self) -> tuple[str, ...]:
         """The staged tensors it reads, base first."""
+        if self.kind is MergeKind.CAST:
+            return (self.base,)
         if self.kind is MergeKind.BIAS:
             return (self.base, self.b)
         if self.kind is MergeKind.DORA:
@@ -88,8 +98,11 @@ class LoraMerge:
         if not math.isfinite(self.scaling):
             raise HubPlanError(f"merge {self.name!r}: scaling {self.scaling!r} is not finite", path=path)
         dora, bias = self.kind is MergeKind.DORA, self.kind is MergeKind.BIAS
-        experts = self.kind is MergeKind.EXPERTS
-        if (
+        experts, cast = self.kind is MergeKind.EXPERTS, self.kind is MergeKind.CAST
+        if cast:
+            self._check_cast(shapes, path=path)
+            return
+        if self.dtype or (
             bool(self.magnitude) != dora
             or bool(self.a) == bias
             or (self.layout is not None, bool(self.experts)) != (experts, experts)
@@ -124,6 +137,17 @@ class LoraMerge:
                 path=path,
             )
 
+    def _check_cast(self, shapes: Mapping[str, tuple[int, ...]], *, path: object) -> None:
+        if self.a or self.b or self.magnitude or self.layout is not None or self.fan_in_fan_out:
+            raise HubPlanError(f"merge {self.name!r}: a cast reads one tensor", path=path)
+        if self.dtype not in _CAST_DTYPES:
+            raise HubPlanError(f"merge {self.name!r}: cannot cast to {self.dtype!r}", path=path)
+        shape = shapes.get(self.base)
+        if shape is None:
+            raise HubPlanError(f"merge {self.name!r} reads a tensor that was not saved", path=path)
+        if len(shape) != 2:  # token rows: the engine reads a matrix by rows
+            raise HubPlanError(f"merge {self.name!r}: {list(shape)} is not a matrix", path=path)
+
     def _check_experts(
         self, w: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...], *, path: object
     ) -> None:
@@ -144,6 +168,8 @@ class LoraMerge:
             )
 
     def to_json(self) -> dict[str, Any]:
+        if self.kind is MergeKind.CAST:
+            return {"name": self.name, "base": self.base, "kind": self.kind.value, "dtype": self.dtype}
         d: dict[str, Any] = {"name": self.name, "base": self.base, "a": self.a, "b": self.b}
         d["scaling"] = self.scaling
         if self.fan_in_fan_out:
@@ -162,8 +188,10 @@ class LoraMerge:
 
     @classmethod
     def from_json(cls, d: Any) -> LoraMerge:
-        """One entry of `merges` or `variant_merges`; a defect is a KeyError, TypeError or ValueError."""
+        """One entry of a marker's list of merges; a defect is a KeyError, TypeError or ValueError."""
         kind = MergeKind(as_str(d.get("kind", MergeKind.LORA.value)))
+        if kind is MergeKind.CAST:
+            return cls(as_str(d["name"]), as_str(d["base"]), "", "", 1.0, kind=kind, dtype=as_str(d["dtype"]))
         return cls(
             as_str(d["name"]),
             as_str(d["base"]),

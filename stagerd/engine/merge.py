@@ -45,6 +45,7 @@ from stagerd.contract.safetensors_format import (
     read_header,
 )
 from stagerd.engine import torch_norm, torch_sum
+from stagerd.engine.cast import cast_into
 from stagerd.engine.chunk_table import build_chunk_table
 from stagerd.engine.expert_merge import merge_experts
 from stagerd.engine.merge_inputs import NP, promoted, read_rows, read_vector, rounded, shape_of
@@ -129,7 +130,7 @@ def write_scratch_header(
         m.check(shapes, path=where)
         if m.name in ids or m.name in entries:
             raise HubPlanError(f"the merge {m.name!r} would replace a tensor of that name", path=where)
-        dt = table.dtype_name(ids[m.base])
+        dt = m.dtype if m.kind is MergeKind.CAST else table.dtype_name(ids[m.base])
         for n in m.inputs:
             if table.dtype_name(ids[n]) not in NP:
                 raise HubPlanError(f"merge {m.name!r}: {n!r} is not floating point", path=where)
@@ -206,6 +207,9 @@ def _merge_one(
     if m.kind is MergeKind.EXPERTS:
         merge_experts(table, ids, shapes, m, fd, at, block_bytes)
         return
+    if m.kind is MergeKind.CAST:
+        _cast(table, ids[m.base], shapes[m.base], m.dtype, fd, at, block_bytes)
+        return
     dts = [NP[table.dtype_name(ids[n])] for n in m.inputs]
     wdt, bdt = dts[0], dts[-1] if m.kind is MergeKind.BIAS else dts[2]
     wide = np.dtype(np.float64) if np.dtype(np.float64) in dts else np.dtype(np.float32)
@@ -225,6 +229,24 @@ def _merge_one(
         _merge_lora(table, ids, m, a, b, (wdt, bdt), scaling, blocks, fd, at)
         return
     _merge_dora(table, ids, m, a, b, (wdt, bdt, dts[3]), scaling, blocks, fd, at)
+
+
+def _cast(
+    table: ChunkTable, t: int, shape: tuple[int, ...], dtype: str, fd: int, at: int, block_bytes: int
+) -> None:
+    """The matrix `t` cast to `dtype` as torch's `.to()` casts it (`engine/cast.py`), by row blocks."""
+    src = table.dtype_name(t)
+    rows, cols = shape
+    out_size = NP[dtype].itemsize
+    step = max(1, block_bytes // max(1, cols * max(NP[src].itemsize, out_size)))
+    for lo in range(0, rows, step):
+        block = read_rows(table, t, lo, min(rows, lo + step), NP[src]).tobytes()
+        out = bytearray(len(block) // NP[src].itemsize * out_size)
+        if src == dtype:  # `.to()` of a tensor already of that dtype: the same bytes
+            out[:] = block
+        else:
+            cast_into(memoryview(block), memoryview(out), src, dtype)
+        pwrite_all(fd, memoryview(out), at + lo * cols * out_size)
 
 
 def _merge_dora(

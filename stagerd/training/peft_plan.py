@@ -113,11 +113,13 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     staged = {k: aliases.get(k, k) for k in keys}
     merges: list[LoraMerge] = []
     consumed: set[str] = set()
-    saved = _modules_to_save(model, name, staged, aliases)
+    tied = set(aliases.values())
+    saved = _modules_to_save(model, name)
     tokens = token_rows(model, name, sd, staged)
     # merge_and_unload() puts each trainable-tokens wrapper's base layer, its rows merged, in its place
     saved |= unwrapped_paths(model)
-    consumed.update(t.delta for t in tokens)
+    _check_ties(aliases, saved)
+    consumed.update(t.consumed for t in tokens)
     others |= {k for k in keys if f".{DELTA}." in k and not k.endswith(f".{DELTA}.{name}")}
     for mname, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or name not in mod.scaling:
@@ -126,6 +128,13 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
             if not all(k in staged for k in m.inputs):
                 raise HubPlanError(
                     f"{mname!r}: its base layer or a LoRA tensor of it is not in the state dict"
+                )
+            if m.base in aliases or m.base in tied:
+                # merge_and_unload() merges into the one shared weight: the tied layer changes too (twice
+                # with ensure_weight_tying=True, whose tied layer merges the same delta again)
+                raise HubPlanError(
+                    f"{mname!r}: LoRA on a tied weight, which merge_and_unload() merges into the layer tied"
+                    " to it too"
                 )
             consumed.update(m.inputs)
             on = staged.get  # a tied key reads its original; "" (a bias merge's A, no magnitude) stays
@@ -178,7 +187,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     drop += [k for k in sd if k in others or (k not in consumed and _merged_name(k, saved) is None)]
     if any(n in src_of and src_of[n] == n for n in plan.drop):
         raise HubPlanError("save_pretrained leaves out a merged LoRA weight: not planned")
-    # Keys the merged model does not hold (only aliases of consumed keys here): none is written.
+    # Keys the merged model does not hold (only aliases of consumed keys here): none is written. A cast of
+    # token rows is read only by their parts: last, in the marker's order of kinds.
+    merges += [t.cast for t in tokens if t.cast is not None]
     return replace(plan, views=tuple(views), drop=tuple(drop), origin="peft", merges=tuple(merges))
 
 
@@ -264,9 +275,7 @@ def _params_unwrapped(base: Any) -> Iterator[None]:
             setattr(parent, attr, child)
 
 
-def _modules_to_save(
-    model: Any, name: str, staged: Mapping[str, str], aliases: Mapping[str, str]
-) -> dict[str, str]:
+def _modules_to_save(model: Any, name: str) -> dict[str, str]:
     """Each `modules_to_save` wrapper's path in the base model -> the path of the copy merge_and_unload()
     puts in its place (`lm_head` -> `lm_head.modules_to_save.default`): the adapter's trained copy."""
     from peft.utils.other import ModulesToSaveWrapper
@@ -278,14 +287,23 @@ def _modules_to_save(
         copies = mod.modules_to_save  # a ModuleDict: no `get`
         if mod.active_adapter != name or name not in copies or hasattr(copies[name], "base_layer"):
             raise HubPlanError(f"{mname!r}: only a modules_to_save copy of the active adapter is merged")
-        inside = [k for k in staged if k.startswith(f"{mname}.")]
-        # A tied original (an output layer sharing the input embeddings) is no longer tied once merged:
-        # save_pretrained then writes both, which the base model's plan would leave out.
-        if any(k in aliases or k in aliases.values() for k in inside):
-            raise HubPlanError(f"{mname!r}: a modules_to_save copy of a tied weight is not merged")
         path = mname.removeprefix(_PREFIX)
         out[path] = f"{path}.modules_to_save.{name}"
     return out
+
+
+def _check_ties(aliases: Mapping[str, str], saved: Mapping[str, str]) -> None:
+    """Each tie holds in merge_and_unload()'s model too: its two keys are both kept (a modules_to_save
+    copy of the embeddings tied to the output layer's, `ensure_weight_tying=True`) or both left out.
+    Where one side is a wrapper's original and the other kept (a copy of a tied weight without
+    `ensure_weight_tying`), merge_and_unload() unties them and sets `tie_word_embeddings=False` in the
+    config, which the base model's plan and config files do not."""
+    for dup, src in aliases.items():
+        if (_merged_name(dup, saved) is None) != (_merged_name(src, saved) is None):
+            raise HubPlanError(
+                f"{dup!r} is tied to {src!r}, and merge_and_unload() unties them (a modules_to_save copy of"
+                " a tied weight without ensure_weight_tying=True)"
+            )
 
 
 def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:

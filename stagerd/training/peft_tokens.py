@@ -4,9 +4,10 @@ PEFT keeps an embedding's trained rows apart (`token_adapter.trainable_tokens_de
 index) beside its base weight (`token_adapter.base_layer.weight`); `merge_and_unload()` copies them over
 the base weight's rows (`index_copy`, cast to its dtype) and puts the base layer back in the wrapper's
 place. That is a byte move: the merged weight is the base weight's runs of rows between the indices and
-the adapter's rows at them, the parts of one output in the plan. The adapter's rows must be of the base
-weight's dtype (else the merge would round them) and the indices distinct (else which row wins is not
-defined).
+the adapter's rows at them, the parts of one output in the plan. Rows of another dtype than the base
+weight's (float32 rows of a bf16 model, under PEFT's default `autocast_adapter_dtype`) are cast as the
+merge casts them (`.to(weight)`), a `CAST` merge the engine computes, whose output the parts then read.
+The indices must be distinct (else which row wins is not defined).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 
+from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import TensorView
+from stagerd.contract.lora_merge import LoraMerge, MergeKind
 from stagerd.errors import HubPlanError
 
 _PREFIX = "base_model.model."
@@ -31,8 +34,14 @@ class TokenRows:
 
     path: str  # the wrapper's path in the merged model ("model.embed_tokens")
     base: str
-    delta: str
+    delta: str  # the staged rows, or their cast's output
     indices: tuple[int, ...]
+    cast: LoraMerge | None = None  # the rows cast to the base weight's dtype, read from the staged ones
+
+    @property
+    def consumed(self) -> str:
+        """The staged key of the trained rows."""
+        return self.cast.base if self.cast is not None else self.delta
 
 
 def unwrapped_paths(model: Any) -> dict[str, str]:
@@ -54,30 +63,39 @@ def token_rows(
     from peft.utils.other import TrainableTokensWrapper
 
     out = []
-    for mname, mod in model.named_modules():
-        if not isinstance(mod, TrainableTokensWrapper):
-            continue
-        layer = getattr(mod, ADAPTER)
+    wrappers = [
+        (n, getattr(m, ADAPTER)) for n, m in model.named_modules() if isinstance(m, TrainableTokensWrapper)
+    ]
+    followers = {
+        f"{n}.{ADAPTER}.base_layer.weight" for n, layer in wrappers if layer.tied_adapter is not None
+    }
+    for mname, layer in wrappers:
         base, delta = f"{mname}.{ADAPTER}.base_layer.weight", f"{mname}.{ADAPTER}.{DELTA}.{name}"
         if layer.tied_adapter is not None or name not in layer.token_indices:
             continue
         if base not in staged or delta not in staged:
             raise HubPlanError(f"{mname!r}: its base weight or trainable tokens are not in the state dict")
+        # Rows copied into a weight another layer shares (tied, not following these rows: other indices,
+        # or no rows of its own) change that layer too, which the trained model does not.
+        if any(k != base and k not in followers for k, v in staged.items() if v == staged[base]):
+            raise HubPlanError(
+                f"{mname!r}: trainable tokens of a tied weight whose tied layer does not share them (other"
+                " indices, or none): merge_and_unload() copies them into the one shared weight"
+            )
         base, delta = staged[base], staged[delta]
         indices = tuple(int(i) for i in layer.token_indices[name])
         rows, weight = sd[delta], sd[base]
-        if rows.dtype != weight.dtype:
-            raise HubPlanError(
-                f"{mname!r}: its trainable tokens are {rows.dtype}, its weight {weight.dtype}: merging casts"
-                " them, which the export does not"
-            )
         if weight.dim() != 2 or tuple(rows.shape) != (len(indices), weight.shape[1]):
             raise HubPlanError(
                 f"{mname!r}: {list(rows.shape)} trainable tokens of a {list(weight.shape)} weight"
             )
         if len(set(indices)) != len(indices) or not all(0 <= i < weight.shape[0] for i in indices):
             raise HubPlanError(f"{mname!r}: its token indices repeat or are out of range: {list(indices)}")
-        out.append(TokenRows(mname.removeprefix(_PREFIX), base, delta, indices))
+        cast = None
+        if rows.dtype != weight.dtype:  # merge(): `trainable_tokens_delta[name].to(weight)`
+            dt = dtypes.safetensors_name(weight.dtype)
+            cast = LoraMerge(f"{delta}:{dt}", delta, "", "", 1.0, kind=MergeKind.CAST, dtype=dt)
+        out.append(TokenRows(mname.removeprefix(_PREFIX), base, cast.name if cast else delta, indices, cast))
     return out
 
 

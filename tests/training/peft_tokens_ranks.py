@@ -2,7 +2,8 @@
 `trainable_token_indices` under FSDP2, its LoRA and token rows as if trained, saved through the Stager
 with the model; rank 0 then writes the references: `save_pretrained` of the gathered model's
 `merge_and_unload()` (`merged/`, in files of `SHARD` bytes `merged_sharded/`, and cast to bf16 after the
-merge, `merged_bf16/`)."""
+merge, `merged_bf16/`). A bf16 case keeps PEFT's float32 adapter (its default `autocast_adapter_dtype`): the
+merge casts the token rows."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ INDICES = [63, 0, 7, 6, 8, 2, 30]
 SHARD = 6000  # a few tensors per file: the index and each file's place are save_pretrained's
 
 
-def build(tied: bool, adapters: int = 1) -> Any:
+def build(tied: bool, adapters: int = 1, dtype: str = "float32") -> Any:
     import peft
     import torch
     import transformers as tf
@@ -28,7 +29,7 @@ def build(tied: bool, adapters: int = 1) -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=INDICES)
-    model = peft.get_peft_model(tf.LlamaForCausalLM(cfg), lora)
+    model = peft.get_peft_model(tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype)), lora)
     if adapters > 1:  # another adapter's token rows: merge_and_unload() leaves them out
         model.add_adapter(
             "other", peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[4])
@@ -41,26 +42,27 @@ def build(tied: bool, adapters: int = 1) -> Any:
     return model
 
 
-def save(rank: int, world: int, init_file: str, cases: list[tuple[bool, int]], out: str) -> None:
-    """Each case (tied, adapters) in `out/<tied>-<adapters>/` (`root/`, `ref/`), in one launch."""
+def save(rank: int, world: int, init_file: str, cases: list[tuple[bool, int, str]], out: str) -> None:
+    """Each case (tied, adapters, dtype) in `out/<tied>-<adapters>-<dtype>/` (`root/`, `ref/`), in one
+    launch."""
     join(rank, world, init_file)
-    for tied, adapters in cases:
-        d = Path(out) / case_dir(tied, adapters)
-        _save(rank, tied, adapters, d / "root", d / "ref")
+    for tied, adapters, dtype in cases:
+        d = Path(out) / case_dir(tied, adapters, dtype)
+        _save(rank, tied, adapters, dtype, d / "root", d / "ref")
 
 
-def case_dir(tied: bool, adapters: int) -> str:
-    return f"{'tied' if tied else 'untied'}-{adapters}"
+def case_dir(tied: bool, adapters: int, dtype: str) -> str:
+    return f"{'tied' if tied else 'untied'}-{adapters}-{dtype}"
 
 
-def _save(rank: int, tied: bool, adapters: int, root: Path, ref: Path) -> None:
+def _save(rank: int, tied: bool, adapters: int, dtype: str, root: Path, ref: Path) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from stagerd.training.stager import Stager
 
-    model = build(tied, adapters)
+    model = build(tied, adapters, dtype)
     for layer in [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
         fully_shard(layer)
     fully_shard(model)
@@ -70,7 +72,7 @@ def _save(rank: int, tied: bool, adapters: int, root: Path, ref: Path) -> None:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
-    plain = build(tied, adapters)
+    plain = build(tied, adapters, dtype)
     plain.load_state_dict(full)
     merged = copy.deepcopy(plain).merge_and_unload()
     merged.save_pretrained(ref / "merged")
