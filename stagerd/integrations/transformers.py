@@ -49,12 +49,11 @@ methods on the instance until `remove_callback` or `pop_callback` takes it out.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,7 @@ from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind
+from stagerd.integrations import best_step, hf_files, hf_trainer, hf_writes, rng, trainer_bind
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -260,7 +259,7 @@ class StagerdCallback(TrainerCallback):
         captured = hf_trainer.Captured()
         scratch = Path(tempfile.mkdtemp(prefix="stagerd-trainer-"))
         try:
-            with self._writes_captured(trainer, captured, scratch):
+            with hf_writes.captured(trainer, captured, scratch):
                 save(model, trial)
             self._best.named_in(trainer, scratch)
             # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
@@ -274,35 +273,6 @@ class StagerdCallback(TrainerCallback):
             self._say("push_to_hub: the Trainer's per-save push is skipped; the daemon publishes every "
                       "committed step: stagerd watch ROOT --sink hf://ORG/NAME")  # fmt: skip
         self._start_save(trainer, captured, files)
-
-    @contextlib.contextmanager
-    def _writes_captured(
-        self, trainer: Trainer, captured: hf_trainer.Captured, scratch: Path
-    ) -> Iterator[None]:
-        """The Trainer's writers, replaced on the instance for the duration of one `_save_checkpoint`: they
-        note what was asked for (and take the RNG states at the moment the Trainer would), and the small
-        files it still writes itself (`trainer_state.json`) land in `scratch`."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-        def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)  # where trainer_state.json goes next
-
-        def save_rng(output_dir: Any) -> None:
-            captured.rng = rng.capture(rank)
-
-        replaced: dict[str, Any] = {
-            "save_model": save_model,
-            "_get_output_dir": lambda trial=None: str(scratch),
-            "_save_optimizer_and_scheduler": lambda output_dir: setattr(captured, "optimizer", True),
-            "_save_scaler": lambda output_dir: setattr(captured, "scaler", True),
-            "_save_rng_state": save_rng,
-            "_push_from_checkpoint": lambda output_dir: setattr(captured, "pushed", True),
-        }
-        writers = trainer_bind.Replaced(trainer, replaced)
-        try:
-            yield
-        finally:
-            writers.undo()
 
     def _start_save(self, trainer: Trainer, captured: hf_trainer.Captured, files: dict[str, bytes]) -> None:
         stager = self._attach(trainer)
