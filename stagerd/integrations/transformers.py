@@ -278,17 +278,18 @@ class StagerdCallback(TrainerCallback):
         stager = self._attach(trainer)
         msd, optim = hf_trainer.state_to_save(trainer, captured, stager.rank)
         options = dict(self.save_options)
+        exported = hf_trainer.exported_model(trainer.model)
         extras: dict[str, Any] = {}
         if stager.rank == 0:
             if self._model_files is None:
                 tokenizer = hf_files.tokenizer_files(getattr(trainer, "processing_class", None))
-                self._model_files = {**hf_files.model_files(trainer.model), **tokenizer}
+                self._model_files = {**hf_files.model_files(exported), **tokenizer}
             extras.update(self._model_files)
             extras.update(files)
             extras.update(options.pop("extras", None) or {})
         options.pop("extras", None)
         if "mapping" not in options:
-            options["model"] = trainer.model
+            options["model"] = exported
         try:
             stager.save(msd, step=trainer.state.global_step, extras=extras, optimizer_state=optim, **options)
         except StepExistsError:  # raised on every rank alike: a resumed run reaching a step it had saved
