@@ -28,14 +28,16 @@ def _trainer(out: Path, root: Path, seed: int) -> Any:
     from stagerd.integrations.transformers import StagerdCallback
 
     args = tf.TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, logging_steps=1, per_device_train_batch_size=2,
-        learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True, seed=7,
+        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, logging_steps=1,
+        per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True,
+        seed=7,
         remove_unused_columns=False,  # the compiled module's forward takes (*args, **kwargs)
     )  # fmt: skip
     tok = tokenizer()
-    return tf.Trainer(model=torch.compile(model(seed), backend="aot_eager"), args=args, train_dataset=dataset(),
-                      processing_class=tok, data_collator=tf.DataCollatorForLanguageModeling(tok, mlm=False),
-                      callbacks=[StagerdCallback(root=root)])  # fmt: skip
+    compiled = torch.compile(model(seed), backend="aot_eager")
+    collator = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+    return tf.Trainer(model=compiled, args=args, train_dataset=dataset(), processing_class=tok,
+                      data_collator=collator, callbacks=[StagerdCallback(root=root)])  # fmt: skip
 
 
 def _losses(trainer: Any) -> dict[int, float]:
