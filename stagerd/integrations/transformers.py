@@ -61,7 +61,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
-from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
+from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
 from stagerd.integrations import best_step, hf_files, hf_trainer, hf_writes, rng, trainer_bind
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
@@ -112,11 +112,23 @@ class StagerdCallback(TrainerCallback):
         """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
         under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
         self._bind(trainer)
+        self._settle()
         seen = self._committed_on_every_rank()
         if step is None and not any(seen):
             return None
         chosen = choose_step(seen, step)
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
+
+    def _settle(self) -> None:
+        """This callback's saves committed (or failed) before the steps are listed: a training stopped by
+        an exception (Ctrl-C in a notebook) and resumed in the same process leaves its newest save still
+        being written."""
+        if self.stager is None:
+            return
+        try:
+            self.stager.wait()
+        except SaveError as e:  # raised on every rank alike; its step is not committed, older ones are
+            self._say(f"a save of this run failed, so it is not resumed from: {e.message}")
 
     def _committed_on_every_rank(self) -> list[list[int]]:
         """Each rank's committed steps under ROOT (collective)."""

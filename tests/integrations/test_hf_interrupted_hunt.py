@@ -24,8 +24,9 @@ def _trainer(out: Path, root: Path, more: list[Any]) -> Any:
     from stagerd.integrations.transformers import StagerdCallback
 
     args = tf.TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, logging_steps=1, per_device_train_batch_size=2,
-        learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True, seed=7,
+        output_dir=str(out), max_steps=STEPS, save_steps=EVERY, logging_steps=1,
+        per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True,
+        seed=7,
     )  # fmt: skip
     tok = tokenizer()
     return tf.Trainer(model=model(0), args=args, train_dataset=dataset(), processing_class=tok,
@@ -62,7 +63,8 @@ def test_a_run_interrupted_after_a_save_resumes_from_that_save_on_the_same_train
     assert trainer.state.global_step == EVERY
     trainer.train(resume_from_checkpoint=True)  # the step being written when it stopped: not None
 
-    assert _losses(trainer) == _losses(uninterrupted) and sorted(_losses(trainer)) == list(range(1, STEPS + 1))
+    assert _losses(trainer) == _losses(uninterrupted)
+    assert sorted(_losses(trainer)) == list(range(1, STEPS + 1))
     want, got = uninterrupted.model.state_dict(), trainer.model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert sorted(p.name for p in (tmp_path / "root").glob("step-*")) == [
