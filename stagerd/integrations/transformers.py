@@ -148,6 +148,7 @@ class StagerdCallback(TrainerCallback):
         self._bind_caller()
         trainer = self._bound()
         self._model_files = None
+        self._best.skipped.clear()
         if getattr(trainer, "is_deepspeed_enabled", False):
             raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
         resumed, self._resumed_step = self._resumed_step, None
@@ -305,6 +306,7 @@ class StagerdCallback(TrainerCallback):
         try:
             stager.save(msd, step=trainer.state.global_step, extras=extras, optimizer_state=optim, **options)
         except StepExistsError:  # raised on every rank alike: a resumed run reaching a step it had saved
+            self._best.skipped.add(trainer.state.global_step)
             self._say(
                 f"step {trainer.state.global_step} is already committed under {self.root}; not saved again"
             )
@@ -353,17 +355,13 @@ class StagerdCallback(TrainerCallback):
             return original()
         stager = self._stager()
         stager.wait()  # the best step may be the newest save, still being written: committed first
-        try:
-            choose_step(self._committed_on_every_rank(), step)
-        except LoadError as e:
+        problem = self._best.unloadable(step, self._committed_on_every_rank)
+        if problem is not None:
             self.on_train_end(trainer.args, trainer.state, trainer.control)  # the Trainer will not call it
             metric = f"{trainer.args.metric_for_best_model}={trainer.state.best_metric}"
-            raise LoadError(
-                f"cannot load the best model ({metric}): {e.message}; the model keeps the last weights",
-                path=best,
-                hint="the daemon keeps a pinned best step: this one was deleted by hand or by an older "
-                f"stagerd; if published, `stagerd restore URL DIR --export --step {step}` fetches it",
-            ) from None
+            why, hint = problem
+            raise LoadError(f"cannot load the best model ({metric}): {why}; the model keeps the last weights",
+                            path=best, hint=hint)  # fmt: skip
         hf_trainer.load_model(trainer, stager, step)
         log.info("loaded the best model (step %d, %s=%s) from %s", step,
                  trainer.args.metric_for_best_model, trainer.state.best_metric, best)  # fmt: skip

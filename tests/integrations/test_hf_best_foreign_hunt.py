@@ -35,7 +35,8 @@ def _trainer(out: Path, root: Path, lr: float = 1e-2) -> Any:
     )  # fmt: skip
     tok = tokenizer()
     collator = tf.DataCollatorForLanguageModeling(tok, mlm=False)
-    return tf.Trainer(model=model(0), args=args, train_dataset=dataset(), eval_dataset=dataset().select([0, 1]),
+    evaluated = dataset().select([0, 1])
+    return tf.Trainer(model=model(0), args=args, train_dataset=dataset(), eval_dataset=evaluated,
                       processing_class=tok, data_collator=collator,
                       callbacks=[StagerdCallback(root=root)])  # fmt: skip
 
