@@ -1,7 +1,8 @@
 """A training interrupted in the same process (Ctrl-C in a notebook: `KeyboardInterrupt` out of
-`trainer.train()`) right after a save, then resumed on the same Trainer with
-`train(resume_from_checkpoint=True)`: the save that was still being written when the training stopped
-is the step it resumes from, and the run goes on as the uninterrupted one, bit for bit."""
+`trainer.train()`) right after a save, then resumed with `train(resume_from_checkpoint=True)`, on the
+same Trainer or on a new one with a callback of its own under the same ROOT (the notebook's cell run
+again): the save that was still being written when the training stopped is the step it resumes from,
+and the run goes on as the uninterrupted one, bit for bit."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class _Interrupt:
             raise KeyboardInterrupt
 
 
-def test_a_run_interrupted_after_a_save_resumes_from_that_save_on_the_same_trainer(tmp_path):
+@pytest.mark.parametrize("again", ["same Trainer", "new Trainer"])
+def test_a_run_interrupted_after_a_save_resumes_from_that_save(tmp_path, again):
     from transformers import TrainerCallback
 
     uninterrupted = _trainer(tmp_path / "out", tmp_path / "full", [])
@@ -58,9 +60,12 @@ def test_a_run_interrupted_after_a_save_resumes_from_that_save_on_the_same_train
 
     interrupt = type("Interrupt", (_Interrupt, TrainerCallback), {})()
     trainer = _trainer(tmp_path / "out", tmp_path / "root", [interrupt])
+    new = _trainer(tmp_path / "out", tmp_path / "root", [])  # made before: it resumes right after the stop
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert trainer.state.global_step == EVERY
+    if again == "new Trainer":
+        trainer = new
     trainer.train(resume_from_checkpoint=True)  # the step being written when it stopped: not None
 
     assert _losses(trainer) == _losses(uninterrupted)
