@@ -53,6 +53,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
 
+_LIVE: weakref.WeakSet[StagerdCallback] = weakref.WeakSet()  # each with a Stager, in this process
 _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
@@ -120,15 +122,15 @@ class StagerdCallback(TrainerCallback):
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
 
     def _settle(self) -> None:
-        """This callback's saves committed (or failed) before the steps are listed: a training stopped by
-        an exception (Ctrl-C in a notebook) and resumed in the same process leaves its newest save still
-        being written."""
-        if self.stager is None:
-            return
-        try:
-            self.stager.wait()
-        except SaveError as e:  # raised on every rank alike; its step is not committed, older ones are
-            self._say(f"a save of this run failed, so it is not resumed from: {e.message}")
+        """The saves under ROOT of this process's callbacks (this one's, or one a new Trainer replaced)
+        committed (or failed) before the steps are listed: a training stopped by an exception (Ctrl-C in a
+        notebook) and resumed in the same process leaves its newest save still being written."""
+        root = self.root.resolve()
+        for stager in [s for cb in _LIVE if (s := cb.stager) is not None and cb.root.resolve() == root]:
+            try:
+                stager.wait()
+            except SaveError as e:  # raised on every rank alike; its step is not committed, older ones are
+                self._say(f"a save of this run failed, so it is not resumed from: {e.message}")
 
     def _committed_on_every_rank(self) -> list[list[int]]:
         """Each rank's committed steps under ROOT (collective)."""
@@ -254,6 +256,7 @@ class StagerdCallback(TrainerCallback):
     def _stager(self) -> Stager:
         if self.stager is None:
             self.stager = Stager(self.root, **self.stager_options)
+            _LIVE.add(self)
         return self.stager
 
     def _attach(self, trainer: Trainer) -> Stager:
