@@ -63,7 +63,7 @@ from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
-from stagerd.integrations import best_step, hf_files, hf_trainer, hf_writes, rng, trainer_bind
+from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -275,7 +275,7 @@ class StagerdCallback(TrainerCallback):
         captured = hf_trainer.Captured()
         scratch = Path(tempfile.mkdtemp(prefix="stagerd-trainer-"))
         try:
-            with hf_writes.captured(trainer, captured, scratch):
+            with trainer_writes.captured(trainer, captured, scratch):
                 save(model, trial)
             self._best.named_in(trainer, scratch)
             # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
