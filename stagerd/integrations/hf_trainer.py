@@ -179,7 +179,7 @@ def _scaler(trainer: Any) -> Any:
 def _check_model_params(model: Any, optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's state is saved by parameter name, from the model: one it steps outside the model
     has none. Checked after torch's state dict call, whose hooks put FSDP2's sharded parameters back in
-    the model (the root's stay unsharded after the backward)."""
+    the model: before it, the root module's may still be the unsharded ones."""
     mine = {id(p) for p in model.parameters()}
     outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
     if outside:
