@@ -4,11 +4,14 @@ daemon's retention until a better one is named or the training ends."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
 from stagerd.contract.step.pin import StepPin
+from stagerd.errors import LoadError
+from stagerd.training.loader import choose_step
 
 STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
@@ -19,6 +22,22 @@ class BestStep:
     def __init__(self, root: Path):
         self.root = root
         self._pin: StepPin | None = None
+        self.skipped: set[int] = set()  # this training's saves of steps ROOT held already: another run's
+
+    def unloadable(self, step: int, committed: Callable[[], list[list[int]]]) -> tuple[str, str] | None:
+        """Why the best step cannot be loaded at the end, and what to do; None when it can. `committed`:
+        each rank's committed steps (collective; `skipped` is alike on every rank)."""
+        if step in self.skipped:  # the weights there are not this run's best
+            return (f"ROOT held step {step} already, another run's, so this run's was not saved",
+                    "give a run that goes over steps already staged (a second train(), a rolled-back "
+                    "resume) a ROOT of its own")  # fmt: skip
+        try:
+            choose_step(committed(), step)
+        except LoadError as e:
+            return (e.message, "the daemon keeps a pinned best step: this one was deleted by hand or by an "
+                    "older stagerd; if published, `stagerd restore URL DIR --export --step "
+                    f"{step}` fetches it")  # fmt: skip
+        return None
 
     def path(self, step: int) -> Path:
         return self.root.absolute() / layout.step_dir_name(step)

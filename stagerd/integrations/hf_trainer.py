@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from stagerd.contract import layout
-from stagerd.errors import LoadError
+from stagerd.errors import LoadError, SaveInputError
 from stagerd.integrations import rng, state_tree, step_files
 from stagerd.training.aliases import split_aliases
 from stagerd.training.loader import optim_specs
@@ -59,6 +59,14 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def exported_model(model: Any) -> Any:
+    """The model a step exports: the Trainer's, outside `torch.compile`'s `OptimizedModule`, whose
+    `state_dict` keys carry `_orig_mod.` where the saved keys (`get_model_state_dict`'s) do not."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def writes_before_its_step(optimizer: Any) -> bool:
@@ -95,7 +103,12 @@ def state_to_save(
     model = trainer.model
     if not captured.optimizer:
         return get_model_state_dict(model), None
-    msd, out, skeleton = _state_dicts(model, torch_optimizer(trainer.optimizer))
+    optimizer = torch_optimizer(trainer.optimizer)
+    try:
+        msd, out, skeleton = _state_dicts(model, optimizer)
+    except KeyError:  # torch's, for a parameter without a name in the model
+        _check_model_params(model, optimizer)
+        raise
     blob: dict[str, Any] = {"format": FORMAT, "optimizer": skeleton, "scheduler": None, "scaler": None}
     scheduler = getattr(trainer, "lr_scheduler", None)
     if scheduler is not None:
@@ -161,6 +174,20 @@ def restore_scaler(trainer: Any, state: Any) -> None:
 
 def _scaler(trainer: Any) -> Any:
     return getattr(getattr(trainer, "accelerator", None), "scaler", None)
+
+
+def _check_model_params(model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state is saved by parameter name, from the model: one it steps outside the model
+    has none. Checked after torch's state dict call, whose hooks put FSDP2's sharded parameters back in
+    the model: before it, the root module's may still be the unsharded ones."""
+    mine = {id(p) for p in model.parameters()}
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+    if outside:
+        raise SaveInputError(
+            f"the Trainer's optimizer steps {len(outside)} parameter(s) not the model's: a step saves the "
+            "optimizer's state by the model's parameter names",
+            hint="make the parameter part of the model (a submodule or nn.Parameter attribute of it)",
+        )
 
 
 def _check_same_optimizer(mine: set[str], saved: set[str], step_dir: Path) -> None:

@@ -49,12 +49,12 @@ methods on the instance until `remove_callback` or `pop_callback` takes it out.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +62,14 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from stagerd.contract import layout
-from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind
+from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
+from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
 log = logging.getLogger("stagerd.integrations")
 
+_LIVE: weakref.WeakSet[StagerdCallback] = weakref.WeakSet()  # each with a Stager, in this process
 _OURS = ("model", "optimizer_state", "step")  # the callback's to give, from the Trainer
 _SAVE_WRITERS = ("_save_optimizer_and_scheduler", "_save_scaler", "_save_rng_state", "_push_from_checkpoint")
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
@@ -113,11 +114,23 @@ class StagerdCallback(TrainerCallback):
         """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
         under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
         self._bind(trainer)
+        self._settle()
         seen = self._committed_on_every_rank()
         if step is None and not any(seen):
             return None
         chosen = choose_step(seen, step)
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
+
+    def _settle(self) -> None:
+        """The saves under ROOT of this process's callbacks (this one's, or one a new Trainer replaced)
+        committed (or failed) before the steps are listed: a training stopped by an exception (Ctrl-C in a
+        notebook) and resumed in the same process leaves its newest save still being written."""
+        root = self.root.resolve()
+        for stager in [s for cb in _LIVE if (s := cb.stager) is not None and cb.root.resolve() == root]:
+            try:
+                stager.wait()
+            except SaveError as e:  # raised on every rank alike; its step is not committed, older ones are
+                self._say(f"a save of this run failed, so it is not resumed from: {e.message}")
 
     def _committed_on_every_rank(self) -> list[list[int]]:
         """Each rank's committed steps under ROOT (collective)."""
@@ -137,6 +150,7 @@ class StagerdCallback(TrainerCallback):
         self._bind_caller()
         trainer = self._bound()
         self._model_files = None
+        self._best.skipped.clear()
         if getattr(trainer, "is_deepspeed_enabled", False):
             raise ConfigError("StagerdCallback does not save DeepSpeed engines", hint="use FSDP2 or DDP")
         resumed, self._resumed_step = self._resumed_step, None
@@ -242,6 +256,7 @@ class StagerdCallback(TrainerCallback):
     def _stager(self) -> Stager:
         if self.stager is None:
             self.stager = Stager(self.root, **self.stager_options)
+            _LIVE.add(self)
         return self.stager
 
     def _attach(self, trainer: Trainer) -> Stager:
@@ -260,7 +275,7 @@ class StagerdCallback(TrainerCallback):
         captured = hf_trainer.Captured()
         scratch = Path(tempfile.mkdtemp(prefix="stagerd-trainer-"))
         try:
-            with self._writes_captured(trainer, captured, scratch):
+            with trainer_writes.captured(trainer, captured, scratch):
                 save(model, trial)
             self._best.named_in(trainer, scratch)
             # trainer_state.json and a subclass's files: on the ranks that save (args.should_save)
@@ -275,53 +290,26 @@ class StagerdCallback(TrainerCallback):
                       "committed step: stagerd watch ROOT --sink hf://ORG/NAME")  # fmt: skip
         self._start_save(trainer, captured, files)
 
-    @contextlib.contextmanager
-    def _writes_captured(
-        self, trainer: Trainer, captured: hf_trainer.Captured, scratch: Path
-    ) -> Iterator[None]:
-        """The Trainer's writers, replaced on the instance for the duration of one `_save_checkpoint`: they
-        note what was asked for (and take the RNG states at the moment the Trainer would), and the small
-        files it still writes itself (`trainer_state.json`) land in `scratch`."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-        def save_model(output_dir: Any = None, _internal_call: bool = False) -> None:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)  # where trainer_state.json goes next
-
-        def save_rng(output_dir: Any) -> None:
-            captured.rng = rng.capture(rank)
-
-        replaced: dict[str, Any] = {
-            "save_model": save_model,
-            "_get_output_dir": lambda trial=None: str(scratch),
-            "_save_optimizer_and_scheduler": lambda output_dir: setattr(captured, "optimizer", True),
-            "_save_scaler": lambda output_dir: setattr(captured, "scaler", True),
-            "_save_rng_state": save_rng,
-            "_push_from_checkpoint": lambda output_dir: setattr(captured, "pushed", True),
-        }
-        writers = trainer_bind.Replaced(trainer, replaced)
-        try:
-            yield
-        finally:
-            writers.undo()
-
     def _start_save(self, trainer: Trainer, captured: hf_trainer.Captured, files: dict[str, bytes]) -> None:
         stager = self._attach(trainer)
         msd, optim = hf_trainer.state_to_save(trainer, captured, stager.rank)
         options = dict(self.save_options)
+        exported = hf_trainer.exported_model(trainer.model)
         extras: dict[str, Any] = {}
         if stager.rank == 0:
             if self._model_files is None:
                 tokenizer = hf_files.tokenizer_files(getattr(trainer, "processing_class", None))
-                self._model_files = {**hf_files.model_files(trainer.model), **tokenizer}
+                self._model_files = {**hf_files.model_files(exported), **tokenizer}
             extras.update(self._model_files)
             extras.update(files)
             extras.update(options.pop("extras", None) or {})
         options.pop("extras", None)
         if "mapping" not in options:
-            options["model"] = trainer.model
+            options["model"] = exported
         try:
             stager.save(msd, step=trainer.state.global_step, extras=extras, optimizer_state=optim, **options)
         except StepExistsError:  # raised on every rank alike: a resumed run reaching a step it had saved
+            self._best.skipped.add(trainer.state.global_step)
             self._say(
                 f"step {trainer.state.global_step} is already committed under {self.root}; not saved again"
             )
@@ -370,17 +358,13 @@ class StagerdCallback(TrainerCallback):
             return original()
         stager = self._stager()
         stager.wait()  # the best step may be the newest save, still being written: committed first
-        try:
-            choose_step(self._committed_on_every_rank(), step)
-        except LoadError as e:
+        problem = self._best.unloadable(step, self._committed_on_every_rank)
+        if problem is not None:
             self.on_train_end(trainer.args, trainer.state, trainer.control)  # the Trainer will not call it
             metric = f"{trainer.args.metric_for_best_model}={trainer.state.best_metric}"
-            raise LoadError(
-                f"cannot load the best model ({metric}): {e.message}; the model keeps the last weights",
-                path=best,
-                hint="the daemon keeps a pinned best step: this one was deleted by hand or by an older "
-                f"stagerd; if published, `stagerd restore URL DIR --export --step {step}` fetches it",
-            ) from None
+            why, hint = problem
+            raise LoadError(f"cannot load the best model ({metric}): {why}; the model keeps the last weights",
+                            path=best, hint=hint)  # fmt: skip
         hf_trainer.load_model(trainer, stager, step)
         log.info("loaded the best model (step %d, %s=%s) from %s", step,
                  trainer.args.metric_for_best_model, trainer.state.best_metric, best)  # fmt: skip
