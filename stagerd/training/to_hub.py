@@ -61,6 +61,7 @@ def resolve(
         if model is not None:
             raise HubPlanError("pass model= or mapping=, not both: each decides the export's names")
         return ToHub(mapping_plan(KeyMapping.load(mapping), sd, aliases))
+    model = _outside_compile(model, [*sd, *aliases])
     if model is not None and not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise HubPlanError("model= needs a flat state dict of tensors, as model.state_dict() gives")
     if model is not None and peft_plan.is_peft_model(model):
@@ -82,10 +83,12 @@ def resolve(
         base = saved_config_files(model.get_base_model(), given)  # what merge_and_unload() saves
         return ToHub(main, adapter, (*config_file, *base))
     if model is not None and trace.is_transformers_model(model):
-        return ToHub(trace.transformers_plan(model, sd, aliases), extras=saved_config_files(model, given))
+        plan = _exporting(trace.transformers_plan(model, sd, aliases), sd)
+        return ToHub(plan, extras=saved_config_files(model, given))
     inner = config_model.inner_model(model) if model is not None else None
     if inner is not None:
-        return ToHub(prefixed_plan(inner, sd, aliases), extras=saved_config_files(inner.model, given))
+        plan = _exporting(prefixed_plan(inner, sd, aliases), sd)
+        return ToHub(plan, extras=saved_config_files(inner.model, given))
     flat = all(isinstance(v, torch.Tensor) for v in sd.values())
     cfg = config_model.config_dict(config) if config is not None and flat else None
     found = config_model.from_config(cfg, [*sd, *aliases]) if cfg is not None else None
@@ -100,6 +103,26 @@ def resolve(
             "pass the model to Stager.save(..., model=model)",
         )
     return ToHub(trace.alias_plan(sd, aliases))
+
+
+def _outside_compile(model: Any, keys: list[str]) -> Any:
+    """The model inside `torch.compile`'s wrapper where the saved keys are its own: `model.state_dict()`
+    of a compiled model carries `_orig_mod.`, `get_model_state_dict`'s does not."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        if any(k.startswith("_orig_mod.") for k in keys):
+            break
+        model = model._orig_mod
+    return model
+
+
+def _exporting(plan: HubPlan, sd: Mapping[str, torch.Tensor]) -> HubPlan:
+    """`plan`, unless it exports none of the saved tensors: `model=` is then not the model they are of."""
+    if sd and not plan.views and set(sd) <= set(plan.drop):
+        raise HubPlanError(
+            "model= exports none of the saved tensors: their keys are not the model's",
+            hint="pass the state dict of the model given as model= (its state_dict(), get_model_state_dict)",
+        )
+    return plan
 
 
 class PlanCache:
