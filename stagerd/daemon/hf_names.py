@@ -14,6 +14,7 @@ own `from_pretrained` loads them, where refusing would publish nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import threading
@@ -26,6 +27,7 @@ from stagerd.daemon.state import log
 from stagerd.errors import StagerdError
 
 Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
+HEAD = "lm_head.weight"  # the output embedding a causal LM ties to its input one
 KEPT = "the export keeps the checkpoint's own names, which may not be those save_pretrained writes"
 
 _lock = threading.Lock()  # export threads plan one at a time: one meta model built, the next reuses it
@@ -51,14 +53,17 @@ def model_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
 
 
 def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
+    names = f"config.json names a {config['model_type']} model"
+    if importlib.util.find_spec("transformers") is None:  # a sidecar without it never tries torch either
+        _say(f"{names}, but transformers is not installed beside stagerd; {KEPT}", logging.INFO)
+        return None
     try:
         import torch
         import transformers  # noqa: F401  config_model finds it among the loaded modules
-    except Exception as e:  # not installed, or an install that fails to import: the names are kept
-        _say(f"config.json names a {config['model_type']} model, but transformers cannot be imported "
-             f"({type(e).__name__}); {KEPT}", logging.INFO)  # fmt: skip
+    except Exception as e:  # an install that fails to import: the names are kept
+        _say(f"{names}, but transformers fails to import ({type(e).__name__}: {e}); {KEPT}", logging.INFO)
         return None
-    from stagerd.training import config_model, to_hub
+    from stagerd.training import to_hub
 
     sd = {}
     for name, (shape, dt) in tensors.items():
@@ -67,17 +72,46 @@ def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
             _say(f"{name!r} is {dt}, which torch has no dtype for; {KEPT}")
             return None
         sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
-    found = config_model.from_config(config, list(sd))
+    found = _whole_model(config, sd)
     if isinstance(found, str):
         _say(f"{KEPT}: {found}")
         return None
     if found is None:
         return None
     try:
-        return to_hub.prefixed_plan(found, sd, {})
+        return to_hub.prefixed_plan(found[0], sd, found[1])
     except StagerdError as e:
         _say(f"{KEPT}: {e.message}")
         return None
+
+
+def _whole_model(config: Mapping[str, Any], sd: Mapping[str, Any]) -> tuple[Any, dict[str, str]] | str | None:
+    """The model config.json describes whose keys are all the selected tensors' names, with the tied head
+    a trainer left out (AutoModel saves a tied `lm_head.weight` once, as its embedding) read from its twin;
+    why not, for a config of a transformers model; None for another config. Only the whole selection: a
+    model found under a prefix (its base model, say) is not what the checkpoint holds."""
+    from stagerd.training import config_model
+
+    found = config_model.from_config(config, list(sd))
+    if not _exact(found) and HEAD not in sd:
+        again = config_model.from_config(config, [*sd, HEAD])
+        if isinstance(again, config_model.Found) and not again.prefix:
+            own = again.model.state_dict(keep_vars=True)
+            twin = next((k for k, v in own.items() if k != HEAD and v is own[HEAD]), None)
+            if twin is not None and twin in sd:
+                return again, {HEAD: twin}
+    if isinstance(found, config_model.Found) and found.prefix:
+        name = type(found.model).__name__
+        return f"the selected tensors hold {name} under {found.prefix!r}, not the model config.json names"
+    if isinstance(found, config_model.Found):
+        return found, {}
+    return found
+
+
+def _exact(found: object) -> bool:
+    from stagerd.training import config_model
+
+    return isinstance(found, config_model.Found) and not found.prefix
 
 
 def _say(message: str, level: int = logging.WARNING) -> None:

@@ -15,8 +15,8 @@ from stagerd.daemon.hf_names import KEPT
 from tests.adopt.helpers import published, watch_once
 from tests.adopt.trainers import tiny
 from tests.adopt.trainers.hf_trainer_moe import train
-from tests.cli_helpers import REPO
-from tests.daemon_helpers import free_port
+from tests.cli_helpers import run_cli
+from tests.daemon_helpers import fast_flags, free_port
 from tests.fidelity.harness import assert_same_tensors, assert_same_weight_files, tensors
 from tests.gloo import launch
 
@@ -76,8 +76,13 @@ def test_a_daemon_without_transformers_keeps_the_checkpoints_names(run, tmp_path
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('hidden from this daemon by the test')\n")
     root = _watched(run, "without_transformers")
-    env = {"PYTHONPATH": f"{hidden.parent}:{REPO}"}
-    res = watch_once(root, tmp_path / "sink", "--extras", str(run / "extras"), env=env)
+    # `python -m stagerd.cli` imports from its working directory first: there, transformers fails to import
+    res = run_cli(
+        ["watch", root, "--adopt", "--sink", f"file://{tmp_path / 'sink'}", "--once", *fast_flags(),
+         "--extras", run / "extras"],
+        cwd=hidden.parent,
+        timeout=180,
+    )  # fmt: skip
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "1 step(s) published, 0 not" in out, out
     names = tensors(published(tmp_path / "sink", tiny.STEPS))
