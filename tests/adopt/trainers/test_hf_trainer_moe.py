@@ -100,3 +100,16 @@ def test_a_config_of_another_model_keeps_the_names_and_says_so_once(run, tmp_pat
     for step in (tiny.STEPS, 2 * tiny.STEPS):
         names = tensors(published(tmp_path / "sink", step))
         assert FUSED in names and SPLIT not in names
+
+
+def test_verify_and_consolidate_take_the_names_watch_exports(run, tmp_path):
+    ckpt, extras = run / "train" / CKPT, str(run / "extras")
+    res = watch_once(_watched(run, "verified"), tmp_path / "sink", "--extras", extras)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli(
+        ["verify", published(tmp_path / "sink", tiny.STEPS), "--against", ckpt, "--adopt", "--extras", extras]
+    )
+    assert res.returncode == 0 and "every byte equal to" in res.stdout, res.stdout + res.stderr
+    res = run_cli(["consolidate", ckpt, tmp_path / "hf", "--adopt", "--extras", extras])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_same_weight_files(tmp_path / "hf", run / "ref")
