@@ -16,6 +16,7 @@ from tests.fidelity import models
 from tests.fidelity.harness import assert_same_tensors, assert_same_weight_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+SHARD = 20_000  # bytes: several files of the tiny model
 
 
 def _saved(tmp: Path, kind: str, *, drop: tuple[str, ...] = ()) -> Path:
@@ -42,6 +43,24 @@ def test_a_moe_checkpoint_is_exported_under_save_pretrained_names(tmp_path):
     export_adopted(ckpt, tmp_path / "work", AdoptOptions(model_plan=model_plan))
     assert_same_tensors(tmp_path / "work" / "export", tmp_path / "ref")
     assert_same_weight_files(tmp_path / "work" / "export", tmp_path / "ref")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sharded_and_cast_the_files_and_index_are_save_pretrained_s(tmp_path, dtype):
+    """Cut into several files, and cast, as `model.to(dtype).save_pretrained(max_shard_size=...)`: the
+    experts' split views of one fused tensor stay together, and the index's sizes are the model's."""
+    import torch
+    import transformers as tf
+
+    ckpt = _saved(tmp_path, "qwen3_moe")
+    ref = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").to(getattr(torch, dtype))
+    ref.save_pretrained(tmp_path / "ref_sharded", max_shard_size=SHARD)
+    assert len(list((tmp_path / "ref_sharded").glob("*.safetensors"))) > 2
+    cast = None if dtype == "float32" else "bf16"
+    export_adopted(
+        ckpt, tmp_path / "work", AdoptOptions(model_plan=model_plan), dtype=cast, max_shard_size=SHARD
+    )
+    assert_same_weight_files(tmp_path / "work" / "export", tmp_path / "ref_sharded")
 
 
 def test_a_tied_head_the_trainer_left_out_is_read_from_its_twin(tmp_path):
