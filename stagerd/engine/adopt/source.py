@@ -317,9 +317,7 @@ def open_adopted(
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
-    model_names = None
-    if options.model_plan is not None and config is not None and meta is not None and mapping is None:
-        model_names = _model_named(preset, meta, options, config)
+    model_names = _model_named(preset, meta, options, config)
     if model_names is not None:
         keys, plan = model_names
     if preset.adapter:
@@ -355,12 +353,15 @@ def open_adopted(
 
 
 def _model_named(
-    preset: Preset, meta: DcpMetadata, options: AdoptOptions, config: Mapping[str, object]
+    preset: Preset, meta: DcpMetadata | None, options: AdoptOptions, config: Mapping[str, object] | None
 ) -> tuple[list[str], HubPlan] | None:
     """The keys and plan that give the names, layout and order `save_pretrained` writes, where
     config.json names the model whose live names the selected tensors have (`model_names.py`); else None.
-    A preset's own key mapping (torchtitan's) and a PEFT adapter keep their names."""
-    if preset.adapter or preset.mapping is not None or options.model_plan is None:
+    A key mapping (torchtitan's, --mapping) decides the names itself, and a PEFT adapter keeps PEFT's; HF
+    files and shards hold the names their writer chose for the Hub already."""
+    if options.model_plan is None or config is None or meta is None:
+        return None
+    if preset.adapter or preset.mapping is not None or options.mapping is not None:
         return None
     chosen = select_keys(preset, list(meta.tensors), options.select)
     t = meta.tensors
