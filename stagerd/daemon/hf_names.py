@@ -6,10 +6,13 @@ finds the model whose live names the tensors have, `training/to_hub.py` plans it
 The model is built on the meta device (no memory, no initialisation), once per checkpoint at plan time;
 the last plan is kept for the next checkpoint of the same config and tensors. transformers (and torch)
 are imported here only, and only for a config that names a model: a daemon without them keeps the
-checkpoint's names, as does a config of no transformers model. Where the config's model does not hold the
-selected tensors, or its conversion cannot be planned as byte moves, the names are kept too, with one
-warning per reason: not an error, since those names are what the trainer's model holds and transformers'
-own `from_pretrained` loads them, where refusing would publish nothing.
+checkpoint's names, as does a config of no transformers model. Only a model whose keys are all the
+selected names counts (a tied head the trainer left out read from its twin): a base model found under a
+prefix of them is not what the checkpoint holds. Names that are already what `save_pretrained` writes
+(a trainer that converts them itself) are kept as they are. Where the config's model holds neither, or its
+conversion cannot be planned as byte moves, the names are kept too, with one warning per reason: not an
+error, since those names are what the trainer's model holds and transformers' own `from_pretrained`
+loads them, where refusing would publish nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +50,11 @@ def model_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
     with _lock:
         if _last is not None and _last[0] == key:
             return _last[1]
-        plan = _resolve(tensors, config)
+        try:
+            plan = _resolve(tensors, config)
+        except Exception as e:  # transformers' own code, of any release: a failure there keeps the names
+            _say(f"{KEPT}: planning them from config.json failed: {type(e).__name__}: {e}")
+            plan = None
         _last = (key, plan)
     return plan
 
@@ -74,7 +81,8 @@ def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
         sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
     found = _whole_model(config, sd)
     if isinstance(found, str):
-        _say(f"{KEPT}: {found}")
+        if not _saved_already(config, set(sd)):  # AutoModel's own MoE models save the Hub's names
+            _say(f"{KEPT}: {found}")
         return None
     if found is None:
         return None
@@ -108,6 +116,44 @@ def _whole_model(config: Mapping[str, Any], sd: Mapping[str, Any]) -> tuple[Any,
     return found
 
 
+def _saved_already(config: Mapping[str, Any], names: set[str]) -> bool:
+    """Whether `names` are those `save_pretrained` writes of the model config.json names (its
+    `architectures`, else its model_type's causal LM or bare model; a tied head there or not): a trainer
+    that saves them needs no conversion, nor a warning."""
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config["model_type"]
+    classes: list[object] = [a for a in config.get("architectures") or () if isinstance(a, str)] or [
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+        auto.MODEL_MAPPING_NAMES.get(model_type),
+    ]
+    for name in classes:
+        cls = getattr(tf, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
+            saved = _save_names(cls, config)
+            if saved is not None and names - {HEAD} == saved - {HEAD}:
+                return True
+    return False
+
+
+def _save_names(cls: Any, config: Mapping[str, Any]) -> set[str] | None:
+    """The names `save_pretrained` writes of `cls` built from `config` on the meta device, or None."""
+    import torch
+    import transformers as tf
+
+    from stagerd.training.trace.resolve import transformers_plan
+
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(tf.CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)))
+        own = model.state_dict()
+        plan = transformers_plan(model, own, {})
+        return {v.name for v in plan.outputs({k: tuple(v.shape) for k, v in own.items()})}
+    except Exception:  # an unknown model_type, a model this config cannot build, a conversion not planned
+        return None
+
+
 def _exact(found: object) -> bool:
     from stagerd.training import config_model
 
@@ -116,6 +162,7 @@ def _exact(found: object) -> bool:
 
 def _say(message: str, level: int = logging.WARNING) -> None:
     """Once per distinct message in a daemon: every checkpoint of a training would say the same."""
+    message = " ".join(message.split())  # an exception's text may run over lines: one line in the log
     if message not in _said:
         _said.add(message)
         log.log(level, "%s", message)

@@ -5,11 +5,13 @@ Each checkpoint is a real `dcp.save` of a tiny transformers model's state dict, 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
-from stagerd.daemon.hf_names import model_plan
+from stagerd.daemon.hf_names import KEPT, model_plan
 from stagerd.engine.adopt.export import export_adopted
 from stagerd.engine.adopt.source import AdoptOptions, open_adopted
 from tests.fidelity import models
@@ -72,12 +74,14 @@ def test_a_tied_head_the_trainer_left_out_is_read_from_its_twin(tmp_path):
     assert_same_weight_files(tmp_path / "work" / "export", tmp_path / "ref")
 
 
-def test_a_selection_that_holds_the_model_under_a_prefix_keeps_its_names(tmp_path):
+def test_a_selection_that_holds_the_model_under_a_prefix_keeps_its_names(tmp_path, caplog):
     """`--adopt-select '(.+)'` keeps `model.` on every name: the model is found under that prefix, and
     its export under its own names would not be what the operator selected."""
     ckpt = _saved(tmp_path, "qwen3_moe")
     options = AdoptOptions(select="(.+)", model_plan=model_plan)
-    source = open_adopted(ckpt, options)
+    with caplog.at_level(logging.WARNING, logger="stagerd"):
+        source = open_adopted(ckpt, options)
+    assert KEPT in caplog.text and "under 'model.'" in caplog.text
     assert source.plan.origin == "mapping"
     assert {v.name for v in source.plan.views} == {v.source for v in source.plan.views}
 
@@ -89,3 +93,21 @@ def test_without_a_config_or_with_a_mapping_the_names_are_the_selections(tmp_pat
     assert open_adopted(ckpt, AdoptOptions(mapping=mapping, model_plan=model_plan)).plan.origin == "mapping"
     (ckpt / "config.json").unlink()
     assert open_adopted(ckpt, AdoptOptions(model_plan=model_plan)).plan.origin == "mapping"
+
+
+def test_a_checkpoint_of_save_pretrained_s_names_is_kept_as_it_is_and_not_warned_of(tmp_path, caplog):
+    """A trainer that saves the Hub's names itself (AutoModel's own MoE models) needs no conversion."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    ckpt = _saved(tmp_path, "qwen3_moe")
+    hubs = tmp_path / "hubs" / "step-1"
+    dcp.save(
+        {"model": load_file(tmp_path / "ref" / "model.safetensors")}, checkpoint_id=str(hubs), no_dist=True
+    )
+    shutil.copy(ckpt / "config.json", hubs)
+    with caplog.at_level(logging.INFO, logger="stagerd"):
+        assert open_adopted(hubs, AdoptOptions(model_plan=model_plan)).plan.origin == "mapping"
+    assert KEPT not in caplog.text, caplog.text
+    export_adopted(hubs, tmp_path / "work", AdoptOptions(model_plan=model_plan))
+    assert_same_tensors(tmp_path / "work" / "export", tmp_path / "ref")
