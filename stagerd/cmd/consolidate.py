@@ -88,11 +88,14 @@ def adopted_source(args: argparse.Namespace, src: Path) -> Source | None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --adopt")
         return None
     from stagerd.contract.adopt.presets import get_preset
+    from stagerd.daemon.hf_names import model_plan
     from stagerd.engine.adopt.source import AdoptOptions, open_adopted
 
     if args.adopt != "auto":
         get_preset(args.adopt)
-    return open_adopted(src, AdoptOptions(args.adopt, args.adopt_select, args.mapping, args.extras))
+    # the names `watch --adopt` exports under: what verify compares with, what consolidate writes
+    options = AdoptOptions(args.adopt, args.adopt_select, args.mapping, args.extras, model_plan)
+    return open_adopted(src, options)
 
 
 def _is_adapter(source: Source) -> bool:

@@ -321,11 +321,12 @@ class Adoption(Discovery):
         self, step: int, step_dir: Path, progress: Callable[[int, int], None], rebuild: bool
     ) -> ExportResult:
         """Worker thread: one adopted checkpoint's export into its work directory."""
+        from stagerd.daemon.hf_names import model_plan
         from stagerd.engine.adopt.export import export_adopted
         from stagerd.engine.adopt.source import AdoptOptions
 
         s = self.settings
-        options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras)
+        options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras, model_plan)
         return export_adopted(
             step_dir,
             self._work_dir(step_dir),

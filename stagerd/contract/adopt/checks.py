@@ -9,7 +9,9 @@ Raise CHECKS whenever an adopted export's refusals or conversion change.
 from __future__ import annotations
 
 CHECKS_KEY = "adopt_checks"  # its key among the recorded options
-CHECKS = 2  # 2: AutoModel's MoE LoRA refusals (grouped experts, a scaled rank); 1: any build before them
+# 3: the names, layout and order save_pretrained writes where config.json names the model (a MoE's experts
+# split); 2: AutoModel's MoE LoRA refusals (grouped experts, a scaled rank); 1: any build before them
+CHECKS = 3
 
 
 def made_by_these_checks(recorded: object) -> bool:

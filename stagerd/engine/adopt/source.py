@@ -21,7 +21,7 @@ import json
 import re
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from stagerd.contract import commit_marker, layout
@@ -32,7 +32,14 @@ from stagerd.contract.adopt.dcp_metadata import (
     read_metadata_bytes,
 )
 from stagerd.contract.adopt.peft_names import AUTOMODEL_PEFT_CONFIG, refuse_scaled_expert_rank
-from stagerd.contract.adopt.presets import ADAPTER_CONFIG, AUTO, Format, Preset, resolve_selection
+from stagerd.contract.adopt.presets import (
+    ADAPTER_CONFIG,
+    AUTO,
+    Format,
+    Preset,
+    resolve_selection,
+    select_keys,
+)
 from stagerd.contract.dtypes import parse_export_dtype
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
@@ -44,6 +51,7 @@ from stagerd.contract.step.held import HeldDir, HeldFiles, reading
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.adopt.detect import choose_preset
 from stagerd.engine.adopt.extras import find_extras, find_trainers_file, read_config
+from stagerd.engine.adopt.model_names import ModelPlan, over_keys
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
@@ -62,6 +70,8 @@ class AdoptOptions:
     select: str | None = None
     mapping: Path | None = None
     extras: Path | None = None
+    # the daemon's (or a command's) way to the model's own save names, where config.json names the model
+    model_plan: ModelPlan | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,9 @@ def open_adopted(
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
+    model_names = _model_named(preset, meta, options, config)
+    if model_names is not None:
+        keys, plan = model_names
     if preset.adapter:
         at = ckpt if held is None else held[0]
         automodel = find_trainers_file(at, preset, AUTOMODEL_PEFT_CONFIG, None if held is None else held[1])
@@ -321,7 +334,7 @@ def open_adopted(
         refuse_scaled_expert_rank(read_config(automodel), adapter_config, views, base_config)
     if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
         plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
-    else:  # save_pretrained fills its files in its state dict's order, which `.metadata` keeps
+    elif model_names is None:  # save_pretrained fills its files in its state dict's order, as `.metadata`
         place = {k: i for i, k in enumerate(meta.tensors)}
         plan = replace(plan, order=tuple(v.name for v in sorted(plan.views, key=lambda v: place[v.source])))
     return AdoptedSource(
@@ -337,6 +350,23 @@ def open_adopted(
         model=model,
         files=None if held is None else held[1],
     )
+
+
+def _model_named(
+    preset: Preset, meta: DcpMetadata | None, options: AdoptOptions, config: Mapping[str, object] | None
+) -> tuple[list[str], HubPlan] | None:
+    """The keys and plan that give the names, layout and order `save_pretrained` writes, where
+    config.json names the model whose live names the selected tensors have (`model_names.py`); else None.
+    A key mapping (torchtitan's, --mapping) decides the names itself, and a PEFT adapter keeps PEFT's; HF
+    files and shards hold the names their writer chose for the Hub already."""
+    if options.model_plan is None or config is None or meta is None:
+        return None
+    if preset.adapter or preset.mapping is not None or options.mapping is not None:
+        return None
+    chosen = select_keys(preset, list(meta.tensors), options.select)
+    t = meta.tensors
+    model = options.model_plan({n: (t[k].shape, t[k].dtype) for n, k in chosen.items()}, config)
+    return None if model is None else over_keys(model, chosen, {k: t[k].shape for k in chosen.values()})
 
 
 def shard_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,168 @@
+"""The `ModelPlan` of adopted checkpoints (`engine/adopt/model_names.py`): where config.json names a
+transformers model, the plan that makes the checkpoint's tensors what that model's `save_pretrained`
+writes, resolved as the training side resolves a save's from its config (`training/config_model.py`
+finds the model whose live names the tensors have, `training/to_hub.py` plans its conversion).
+
+The model is built on the meta device (no memory, no initialisation), once per checkpoint at plan time;
+the last plan is kept for the next checkpoint of the same config and tensors. transformers (and torch)
+are imported here only, and only for a config that names a model: a daemon without them keeps the
+checkpoint's names, as does a config of no transformers model. Only a model whose keys are all the
+selected names counts (a tied head the trainer left out read from its twin): a base model found under a
+prefix of them is not what the checkpoint holds. Names that are already what `save_pretrained` writes
+(a trainer that converts them itself) are kept as they are. Where the config's model holds neither, or its
+conversion cannot be planned as byte moves, the names are kept too, with one warning per reason: not an
+error, since those names are what the trainer's model holds and transformers' own `from_pretrained`
+loads them, where refusing would publish nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import threading
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from stagerd.contract import dtypes
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.daemon.state import log
+from stagerd.errors import StagerdError
+
+Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
+HEAD = "lm_head.weight"  # the output embedding a causal LM ties to its input one
+KEPT = "the export keeps the checkpoint's own names, which may not be those save_pretrained writes"
+
+_lock = threading.Lock()  # export threads plan one at a time: one meta model built, the next reuses it
+_last: tuple[Hashable, HubPlan | None] | None = None
+_said: set[str] = set()
+
+
+def model_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
+    """See the module docstring: the plan over `tensors`' names, or None to keep them."""
+    global _last
+    if not isinstance(config.get("model_type"), str):
+        return None  # not a transformers model's config
+    key = (
+        json.dumps(config, sort_keys=True, default=str),
+        tuple(sorted((n, tuple(s), d) for n, (s, d) in tensors.items())),
+    )
+    with _lock:
+        if _last is not None and _last[0] == key:
+            return _last[1]
+        try:
+            plan = _resolve(tensors, config)
+        except Exception as e:  # transformers' own code, of any release: a failure there keeps the names
+            _say(f"{KEPT}: planning them from config.json failed: {type(e).__name__}: {e}")
+            plan = None
+        _last = (key, plan)
+    return plan
+
+
+def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
+    names = f"config.json names a {config['model_type']} model"
+    if importlib.util.find_spec("transformers") is None:  # a sidecar without it never tries torch either
+        _say(f"{names}, but transformers is not installed beside stagerd; {KEPT}", logging.INFO)
+        return None
+    try:
+        import torch
+        import transformers  # noqa: F401  config_model finds it among the loaded modules
+    except Exception as e:  # an install that fails to import: the names are kept
+        _say(f"{names}, but transformers fails to import ({type(e).__name__}: {e}); {KEPT}", logging.INFO)
+        return None
+    from stagerd.training import to_hub
+
+    sd = {}
+    for name, (shape, dt) in tensors.items():
+        torch_name = dtypes.lookup(dt).torch_name
+        if torch_name is None:
+            _say(f"{name!r} is {dt}, which torch has no dtype for; {KEPT}")
+            return None
+        sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
+    found = _whole_model(config, sd)
+    if isinstance(found, str):
+        if not _saved_already(config, set(sd)):  # AutoModel's own MoE models save the Hub's names
+            _say(f"{KEPT}: {found}")
+        return None
+    if found is None:
+        return None
+    try:
+        return to_hub.prefixed_plan(found[0], sd, found[1])
+    except StagerdError as e:
+        _say(f"{KEPT}: {e.message}")
+        return None
+
+
+def _whole_model(config: Mapping[str, Any], sd: Mapping[str, Any]) -> tuple[Any, dict[str, str]] | str | None:
+    """The model config.json describes whose keys are all the selected tensors' names, with the tied head
+    a trainer left out (AutoModel saves a tied `lm_head.weight` once, as its embedding) read from its twin;
+    why not, for a config of a transformers model; None for another config. Only the whole selection: a
+    model found under a prefix (its base model, say) is not what the checkpoint holds."""
+    from stagerd.training import config_model
+
+    found = config_model.from_config(config, list(sd))
+    if not _exact(found) and HEAD not in sd:
+        again = config_model.from_config(config, [*sd, HEAD])
+        if isinstance(again, config_model.Found) and not again.prefix:
+            own = again.model.state_dict(keep_vars=True)
+            twin = next((k for k, v in own.items() if k != HEAD and v is own[HEAD]), None)
+            if twin is not None and twin in sd:
+                return again, {HEAD: twin}
+    if isinstance(found, config_model.Found) and found.prefix:
+        name = type(found.model).__name__
+        return f"the selected tensors hold {name} under {found.prefix!r}, not the model config.json names"
+    if isinstance(found, config_model.Found):
+        return found, {}
+    return found
+
+
+def _saved_already(config: Mapping[str, Any], names: set[str]) -> bool:
+    """Whether `names` are those `save_pretrained` writes of the model config.json names (its
+    `architectures`, else its model_type's causal LM or bare model; a tied head there or not): a trainer
+    that saves them needs no conversion, nor a warning."""
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config["model_type"]
+    classes: list[object] = [a for a in config.get("architectures") or () if isinstance(a, str)] or [
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+        auto.MODEL_MAPPING_NAMES.get(model_type),
+    ]
+    for name in classes:
+        cls = getattr(tf, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
+            saved = _save_names(cls, config)
+            if saved is not None and names - {HEAD} == saved - {HEAD}:
+                return True
+    return False
+
+
+def _save_names(cls: Any, config: Mapping[str, Any]) -> set[str] | None:
+    """The names `save_pretrained` writes of `cls` built from `config` on the meta device, or None."""
+    import torch
+    import transformers as tf
+
+    from stagerd.training.trace.resolve import transformers_plan
+
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(tf.CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)))
+        own = model.state_dict()
+        plan = transformers_plan(model, own, {})
+        return {v.name for v in plan.outputs({k: tuple(v.shape) for k, v in own.items()})}
+    except Exception:  # an unknown model_type, a model this config cannot build, a conversion not planned
+        return None
+
+
+def _exact(found: object) -> bool:
+    from stagerd.training import config_model
+
+    return isinstance(found, config_model.Found) and not found.prefix
+
+
+def _say(message: str, level: int = logging.WARNING) -> None:
+    """Once per distinct message in a daemon: every checkpoint of a training would say the same."""
+    message = " ".join(message.split())  # an exception's text may run over lines: one line in the log
+    if message not in _said:
+        _said.add(message)
+        log.log(level, "%s", message)

@@ -1,0 +1,41 @@
+"""An adopted checkpoint's names as `save_pretrained` writes them, where its config.json names the model.
+
+A trainer's DCP checkpoint holds the model's live module names. For most models they are the names
+`save_pretrained` writes; for some they are not (transformers' conversion registry: a MoE's experts fused
+into one 3D tensor per layer, which `save_pretrained` splits back per expert; prefixes a multimodal model
+moves). The plan that makes them what `save_pretrained` writes is resolved from transformers' own code by
+the training side, which the engine never imports: the daemon hands it in as a `ModelPlan`, and here that
+plan, made over the model's names, is turned into one over the checkpoint's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from stagerd.contract.hub_plan import HubPlan, TensorView
+
+# model name -> (global shape, safetensors dtype) of every selected tensor, and config.json: the plan over
+# those names that gives what `save_pretrained` writes, or None where the config does not name that model
+ModelPlan = Callable[[Mapping[str, tuple[tuple[int, ...], str]], Mapping[str, Any]], HubPlan | None]
+
+
+def over_keys(
+    model: HubPlan, chosen: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[list[str], HubPlan]:
+    """`model` (a plan over the model's names) over the checkpoint's keys (`chosen`: name -> key, whose
+    global shapes `shapes` gives): each view reads its name's key, and a name that no view reads and the
+    plan does not drop is written whole, under that name. The keys to read come back with it: a key the
+    plan drops (a tied duplicate save_pretrained leaves out) is never read."""
+    zeros = {z.name for z in model.zeros}
+    views = [v if v.source in zeros else replace(v, source=chosen[v.source]) for v in model.views]
+    read, dropped = {v.source for v in model.views}, set(model.drop)
+    for name, key in chosen.items():
+        if name not in read and name not in dropped:
+            shape = tuple(shapes[key])
+            views.append(TensorView(name, key, (0,) * len(shape), shape, shape))
+    keys = sorted({v.source for v in views if v.source not in zeros})
+    plan = replace(model, views=tuple(views), drop=())
+    plan.outputs({**{k: tuple(shapes[k]) for k in keys}, **{z.name: z.shape for z in model.zeros}})
+    return keys, plan
