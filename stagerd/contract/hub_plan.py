@@ -1,8 +1,9 @@
 """The to-Hub plan: how the trainer's tensors become the checkpoint's, declared in the commit marker.
 
 The training side resolves it once at save time (from transformers' own conversion registry, a key
-mapping, or the tied weights it saw) and the export engine carries it out as byte moves; the daemon never
-needs the model or transformers. Every output tensor is a box of one staged tensor:
+mapping, or the tied weights it saw) and the export engine carries it out as byte moves; the engine never
+needs the model or transformers (the daemon resolves an adopted checkpoint's from its config.json, as
+the training side does, where transformers is installed). Every output tensor is a box of one staged tensor:
 
 - `views`: output `name` is `source[start : start + size]` (per dim), laid out as `shape` (the box's sizes
   with unit dims added or removed, nothing else: the box is read in row-major order);
@@ -14,11 +15,12 @@ needs the model or transformers. Every output tensor is a box of one staged tens
   tile it exactly;
 - a staged tensor that no view reads and `drop` does not name is written as it is, under its own name;
 - `drop`: staged tensors not written (a tied duplicate save_pretrained leaves out);
-- `merges`: LoRA merges (`LoraMerge`, `contract/lora_merge.py`), the one thing that is arithmetic, not a
-  byte move: the engine computes `name` = base + scaling * (B @ A) (transposed with `fan_in_fan_out`; for
-  DoRA times its magnitude over the norm per output; a LoRA bias: base + scaling * B's bias) with numpy,
-  in row blocks, into a scratch shard before planning, so `name` is then a staged tensor the views may
-  read; the inputs it consumes are not written unless a view reads them;
+- `merges`: LoRA merges and casts (`LoraMerge`, `contract/lora_merge.py`), the one thing that is
+  arithmetic, not a byte move: the engine computes `name` = base + scaling * (B @ A) (transposed with
+  `fan_in_fan_out`; for DoRA times its magnitude over the norm per output; a LoRA bias: base + scaling *
+  B's bias; a cast: base in another dtype) with numpy, in row blocks, into a scratch shard before
+  planning, so `name` is then a staged tensor the views may read; the inputs it consumes are not written
+  unless a view reads them;
 - `zeros`: tensors of zeros (`ZeroFill`: name, dtype, shape) the views may read like staged tensors: the
   padding a conversion appends (`new_zeros` then `cat`) is a part whose source is one. The engine gives
   them a place in the same scratch shard, a sparse hole that reads as zeros, so they are copied like any
