@@ -95,7 +95,9 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     B, and PEFT's own `scaling` and `fan_in_fan_out`, so rslora and rank/alpha patterns come as PEFT
     computed them), named as the unwrapped module's weight; other adapters' tensors are left out; every
     other key loses PEFT's `base_model.model.` prefix and `.base_layer`. A module of `modules_to_save` is
-    its adapter's trained copy under the module's own name, its original left out. The base model's own
+    its adapter's trained copy under the module's own name, its original left out; a layer tied to that
+    original (a copy of a tied weight without `ensure_weight_tying`) keeps the original's bytes, untied, as
+    merge_and_unload() leaves it (its config then says so: `hf_config_files`). The base model's own
     save-time conversion (`trace.transformers_plan`) then runs on those names. A DoRA layer's merge
     also reads its magnitude vector; a LoRA bias (`lora_bias=True`) is a merge of the base layer's bias; a
     parameter of `target_parameters` (a MoE's fused experts) is an `EXPERTS` merge; trainable tokens
@@ -118,7 +120,6 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     tokens = token_rows(model, name, sd, staged)
     # merge_and_unload() puts each trainable-tokens wrapper's base layer, its rows merged, in its place
     saved |= unwrapped_paths(model)
-    _check_ties(aliases, saved)
     consumed.update(t.consumed for t in tokens)
     others |= {k for k in keys if f".{DELTA}." in k and not k.endswith(f".{DELTA}.{name}")}
     for mname, mod in model.named_modules():
@@ -151,6 +152,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     src_of: dict[str, str] = {m.name: m.name for m in merges}
     sd2: dict[str, torch.Tensor] = {m.name: sd[m.base] for m in merges}
     aliases2: dict[str, str] = {}
+    untied: dict[str, str] = {}  # a staged key merge_and_unload() drops -> the first kept key tied to it
     for k in keys:
         n = _merged_name(k, saved)
         if k in consumed or k in others or n is None:
@@ -159,19 +161,25 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
             raise HubPlanError(f"{k!r}: a LoRA tensor of no merged layer")
         if n in src_of:
             raise HubPlanError(f"{k!r} and another key both become {n!r} once merged")
-        if k in aliases:
-            if aliases[k] in consumed:
-                raise HubPlanError(f"{k!r} is tied to {aliases[k]!r}, which the merge changes")
-            aliases2[n] = _merged_name(aliases[k], saved) or aliases[k]
-        else:
+        src = aliases.get(k)
+        if src is None:
             src_of[n], sd2[n] = k, sd[k]
+            continue
+        if src in consumed:
+            raise HubPlanError(f"{k!r} is tied to {src!r}, which the merge changes")
+        kept = _merged_name(src, saved) or untied.get(src)
+        if kept is not None:
+            aliases2[n] = kept
+        else:
+            # Tied to a modules_to_save wrapper's original (a copy of a tied weight without
+            # ensure_weight_tying): merge_and_unload() leaves this layer on the original, untied.
+            untied[src] = n
+            src_of[n], sd2[n] = src, sd[src]
     base = model.get_base_model()
     # merge_and_unload() puts each base layer where its LoRA layer was, and drops the LoRA matrices
     keys = [_unwrapped(k) for k in base.state_dict(keep_vars=True) if ".lora_" not in k]
     keys = [n for k in keys if (n := _merged_name(k, saved)) is not None]
-    parameters = sum(
-        p.numel() for n, p in base.named_parameters() if ".lora_" not in n and _merged_name(n, saved)
-    )
+    parameters = _merged_parameters(base, saved)
     with _params_unwrapped(base):
         plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     shapes = {n: tuple(t.shape) for n, t in sd2.items()}
@@ -292,18 +300,16 @@ def _modules_to_save(model: Any, name: str) -> dict[str, str]:
     return out
 
 
-def _check_ties(aliases: Mapping[str, str], saved: Mapping[str, str]) -> None:
-    """Each tie holds in merge_and_unload()'s model too: its two keys are both kept (a modules_to_save
-    copy of the embeddings tied to the output layer's, `ensure_weight_tying=True`) or both left out.
-    Where one side is a wrapper's original and the other kept (a copy of a tied weight without
-    `ensure_weight_tying`), merge_and_unload() unties them and sets `tie_word_embeddings=False` in the
-    config, which the base model's plan and config files do not."""
-    for dup, src in aliases.items():
-        if (_merged_name(dup, saved) is None) != (_merged_name(src, saved) is None):
-            raise HubPlanError(
-                f"{dup!r} is tied to {src!r}, and merge_and_unload() unties them (a modules_to_save copy of"
-                " a tied weight without ensure_weight_tying=True)"
-            )
+def _merged_parameters(base: Any, saved: Mapping[str, str]) -> int:
+    """num_parameters() of merge_and_unload()'s model: each kept tensor once. A weight tied to a wrapper's
+    original is one of them: `named_parameters()` of the PEFT model lists it once, under the original."""
+    seen: set[int] = set()
+    total = 0
+    for n, p in base.named_parameters(remove_duplicate=False):
+        if ".lora_" not in n and _merged_name(n, saved) and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
 
 
 def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:

@@ -5,8 +5,8 @@ With `ensure_weight_tying=True`, a `modules_to_save` copy of the embeddings is t
 (before, every tied copy was refused). Where merge_and_unload() does not give the trained model, the
 export keeps PEFT's names, with a warning that says why: LoRA on a tied weight is merged into the one
 shared weight, so the tied layer changes too (with `ensure_weight_tying=True` the same delta is merged
-twice), and so are trainable tokens the tied layer does not share (other indices, or none of its own);
-a copy without `ensure_weight_tying` is untied by the merge, which rewrites the config. Before, tokens
+twice), and so are trainable tokens the tied layer does not share (other indices, or none of its own).
+(A copy without `ensure_weight_tying`, which the merge unties: test_peft_untied.py.) Before, tokens
 with other indices on the two tied layers were planned, and the export failed on the plan."""
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ def test_a_tied_modules_to_save_copy_merges_as_merge_and_unload(dtype, tmp_path)
         (
             {"target_modules": ["q_proj", "embed_tokens"], "ensure_weight_tying": True},
             "LoRA on a tied weight",
-        ),
-        (
-            {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
-            "merge_and_unload() unties them",
         ),
         (
             {
