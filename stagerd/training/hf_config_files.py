@@ -120,7 +120,12 @@ def _merge_unties(model: Any) -> bool:
     b = getattr(_merged_module(outs), "weight", None)
     if a is None or b is None or a is b:
         return False
+    from stagerd.training.host_copy import local_tensor
+
+    # PEFT's own test, on a DTensor's local shard: a DTensor's own data_ptr() is 0 (FSDP2's parameters),
+    # so two sharded weights would look tied. FSDP2 keeps a tied weight one DTensor, its shard one storage.
+    a, b = local_tensor(a), local_tensor(b)
     try:
-        return bool(a.data_ptr() != b.data_ptr())  # PEFT's own test
-    except RuntimeError:  # a tensor without storage of its own (a DTensor's): two tensors, so untied
+        return bool(a is not b and a.data_ptr() != b.data_ptr())
+    except RuntimeError:  # a tensor without storage of its own: two tensors, so untied
         return True
