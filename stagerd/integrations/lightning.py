@@ -9,7 +9,9 @@
 `trainer.save_checkpoint(path)` and `ModelCheckpoint` save through it: Lightning's checkpoint dict becomes
 one async `Stager.save` of step `global_step`. Its `state_dict` is the step's model (exported: with
 `model=` the LightningModule, the transformers model inside it is exported as `save_pretrained` writes it,
-and its `config.json` and `generation_config.json` go in as extras); every other tensor (optimizer state,
+and its `config.json` and `generation_config.json` go in as extras; a PEFT model inside it, or the
+submodule given as `model=`, is staged under its own names, the module's other tensors beside the optimizer
+state: `module_part`); every other tensor (optimizer state,
 scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, callbacks, hyper-parameters,
 versions) is a JSON skeleton in a uint8 tensor there (`state_tree`; an OmegaConf `DictConfig` or
 `ListConfig` among the hyper-parameters, as Hydra users give them, by `omegaconf_values`): `load_checkpoint`
@@ -65,7 +67,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from stagerd.contract import layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_files, lightning_load, omegaconf_values, state_tree
+from stagerd.integrations import hf_files, lightning_load, module_part, omegaconf_values, state_tree
 from stagerd.integrations.ckpt_pointer import POINTER, pointed
 from stagerd.integrations.lightning_load import BLOB, FORMAT, load_from_checkpoint
 from stagerd.ops.call_stack import calling_self
@@ -173,7 +175,8 @@ class StagerdCheckpointIO(CheckpointIO):
         stand for other weights."""
         if (h := self.stager) is not None:
             h.wait()  # the step's own save may still be writing it
-        if lightning_load.staged_weights_equal(self.root, step, checkpoint["state_dict"]):
+        part = None if "mapping" in self.save_options else module_part.find(self.model, self._module())
+        if lightning_load.staged_weights_equal(self.root, step, checkpoint["state_dict"], part):
             return
         raise SaveInputError(
             f"step {step} is already staged with other weights: the weights changed since cannot be "
@@ -206,14 +209,21 @@ class StagerdCheckpointIO(CheckpointIO):
         # `device`: where load_from_checkpoint puts the weights, as torch.load puts those of Lightning's file
         blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases,
                 "device": device}  # fmt: skip
-        optim = {**tensors, BLOB: state_tree.to_blob(blob)}
         options = dict(self.save_options)
-        extras = {**hf_files.model_files(self.model), **(options.pop("extras", None) or {})}
+        model, staged = self.model, model_sd
+        part = None if "mapping" in options else module_part.find(self.model, self._module())
+        if part is not None:  # the export is planned from the part's own names
+            staged, outside = part.split(model_sd, aliases)
+            tensors |= {name: model_sd[key] for key, name in outside.items()}
+            blob["part"] = part.to_json(outside)
+            model = part.model
+        optim = {**tensors, BLOB: state_tree.to_blob(blob)}
+        extras = {**hf_files.model_files(model), **(options.pop("extras", None) or {})}
         if "mapping" not in options:
-            options["model"] = self.model
+            options["model"] = model
         stager = self._stager()
         try:
-            stager.save(model_sd, step=step, extras=extras, optimizer_state=optim, **options)
+            stager.save(staged, step=step, extras=extras, optimizer_state=optim, **options)
         except StepExistsError:
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
@@ -245,6 +255,17 @@ class StagerdCheckpointIO(CheckpointIO):
                 pin.release()
         self._pins.clear()  # in place: the finalizer holds this dict
         self._pins.update(best)
+
+    def _module(self) -> Any:
+        """The LightningModule saved: the calling strategy's, else `model` where it is one."""
+        from lightning.pytorch import LightningModule
+
+        module = getattr(self._strategy(), "lightning_module", None)
+        return (
+            module
+            if module is not None
+            else (self.model if isinstance(self.model, LightningModule) else None)
+        )
 
     def _trainer(self) -> Any:
         module = getattr(self._strategy(), "lightning_module", None)
