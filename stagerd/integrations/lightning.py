@@ -115,6 +115,7 @@ class StagerdCheckpointIO(CheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError("StagerdCheckpointIO takes no storage_options")
+        _refuse_fabric(path)
         step = int(checkpoint["global_step"])
         if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
             whole = self._whole(checkpoint)
@@ -304,6 +305,21 @@ class StagerdCheckpointIO(CheckpointIO):
                 options.setdefault("process_group", self._group)
             self.stager = Stager(self.root, **options)
         return self.stager
+
+
+def _refuse_fabric(path: _PATH) -> None:
+    """Fabric takes any CheckpointIO, but `fabric.save` hands it a state of the user's own making: no
+    step, no LightningModule to export from."""
+    from lightning.fabric.strategies import Strategy as FabricStrategy
+
+    if calling_self(FabricStrategy) is not None:  # type: ignore[type-abstract]  # an isinstance check only
+        raise ConfigError(
+            "Lightning Fabric's save cannot go through StagerdCheckpointIO, a plugin for Lightning's "
+            "Trainer: Fabric's state names no step and no LightningModule",
+            path=path,
+            hint="in a Fabric loop, save with stagerd.Stager(ROOT): stager.save(model.state_dict(), step, "
+            "optimizer_state=optimizer.state_dict(), model=model), and stager.attach(optimizer)",
+        )
 
 
 def _fitting(trainer: Any) -> bool:
