@@ -1,8 +1,10 @@
 """A LightningModule holding a PEFT LoRA model (`self.model = get_peft_model(...)`), saved through
-`StagerdCheckpointIO` with `model=` the module or the PEFT model inside it: the daemon's export is what
-`save_pretrained` of `merge_and_unload()` writes, with the adapter PEFT's `save_pretrained` writes in
-`adapter/` (as `Stager.save(model=peft_model)` gives in a loop of one's own), and `fit(ckpt_path=...)`
-resumes bit for bit. One process, a real Lightning Trainer on CPU, a tiny Llama built from its config."""
+`StagerdCheckpointIO` with `model=` the module or the PEFT model inside it, either compiled: the daemon's
+export is what `save_pretrained` of `merge_and_unload()` writes, with the adapter PEFT's `save_pretrained`
+writes in `adapter/` (as `Stager.save(model=peft_model)` gives in a loop of one's own), and
+`fit(ckpt_path=...)` resumes bit for bit. A plain transformers model given as `model=module.model` exports
+as its `save_pretrained` writes it. One process, a real Lightning Trainer on CPU, a tiny Llama built from
+its config."""
 
 from __future__ import annotations
 
@@ -19,19 +21,21 @@ from tests.fidelity import harness
 pytestmark = pytest.mark.slow
 
 
-def _module(head: bool, compiled: bool = False) -> Any:
+def _module(head: bool, compiled: bool = False, lora: bool = True) -> Any:
     import lightning.pytorch as pl
     import transformers as tf
     from peft import LoraConfig, get_peft_model
 
     config = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
     class Lit(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = get_peft_model(tf.AutoModelForCausalLM.from_config(config), lora)
+            self.model = tf.AutoModelForCausalLM.from_config(config)
+            if lora:
+                self.model = get_peft_model(self.model, adapters)
             if compiled:  # on CPU with the `aot_eager` backend: no C compiler needed
                 self.model = torch.compile(self.model, backend="aot_eager")
             # a tensor of the module's own beside the model: saved and resumed, not exported
@@ -58,7 +62,7 @@ def _fit(out: Path, given: str, head: bool, steps: int, ckpt_path: str | None = 
     from stagerd.integrations.lightning import StagerdCheckpointIO
 
     torch.manual_seed(0)
-    module = _module(head, compiled=given == "compiled_peft")
+    module = _module(head, compiled=given == "compiled_peft", lora=given != "plain_model")
     fitted = torch.compile(module, backend="aot_eager") if given == "compiled_module" else module
     # what a user passes: the module as fitted, or the model inside it as the module holds it
     io = StagerdCheckpointIO(out / "root", model=fitted if given.endswith("module") else module.model)
@@ -80,11 +84,12 @@ CASES = [
     ("module", True),
     ("compiled_module", False),
     ("compiled_peft", False),
+    ("plain_model", False),
 ]
 
 
 @pytest.mark.parametrize(("given", "head"), CASES)
-def test_a_lora_module_exports_the_merged_model_and_adapter_and_resumes(tmp_path, given, head):
+def test_the_model_inside_a_module_exports_as_its_save_pretrained_and_resumes(tmp_path, given, head):
     full = _fit(tmp_path / "full", given, head, steps=4)
     resumed = _fit(tmp_path / "resumed", given, head, 4, str(tmp_path / "full" / "ckpts" / "step=2.ckpt"))
     assert list(resumed.losses) == [3, 4]
@@ -92,13 +97,17 @@ def test_a_lora_module_exports_the_merged_model_and_adapter_and_resumes(tmp_path
     want = full.state_dict()
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in want.items())
 
-    peft_model = getattr(full.model, "_orig_mod", full.model)
-    peft_model.save_pretrained(tmp_path / "ref" / "adapter")
-    copy.deepcopy(peft_model).merge_and_unload().save_pretrained(tmp_path / "ref")
     harness.export(tmp_path / "full" / "root", tmp_path / "sink")
     export = tmp_path / "sink" / layout.step_dir_name(4)
+    if given == "plain_model":
+        full.model.save_pretrained(tmp_path / "ref")
+        assert not (export / "adapter").exists()
+    else:
+        peft_model = getattr(full.model, "_orig_mod", full.model)
+        peft_model.save_pretrained(tmp_path / "ref" / "adapter")
+        copy.deepcopy(peft_model).merge_and_unload().save_pretrained(tmp_path / "ref")
+        harness.assert_same_tensors(export / "adapter", tmp_path / "ref" / "adapter")
     harness.assert_same_tensors(export, tmp_path / "ref")
-    harness.assert_same_tensors(export / "adapter", tmp_path / "ref" / "adapter")
     assert (export / "config.json").read_bytes() == (tmp_path / "ref" / "config.json").read_bytes()
 
 
