@@ -90,12 +90,16 @@ CASES = [
 
 @pytest.mark.parametrize(("given", "head"), CASES)
 def test_the_model_inside_a_module_exports_as_its_save_pretrained_and_resumes(tmp_path, given, head):
+    from stagerd.integrations.lightning import load_from_checkpoint
+
     full = _fit(tmp_path / "full", given, head, steps=4)
     resumed = _fit(tmp_path / "resumed", given, head, 4, str(tmp_path / "full" / "ckpts" / "step=2.ckpt"))
     assert list(resumed.losses) == [3, 4]
     assert resumed.losses == {k: full.losses[k] for k in (3, 4)}
     want = full.state_dict()
     assert all(torch.equal(resumed.state_dict()[k], v) for k, v in want.items())
+    loaded = load_from_checkpoint(type(full), tmp_path / "full" / "ckpts" / "step=4.ckpt").state_dict()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
 
     harness.export(tmp_path / "full" / "root", tmp_path / "sink")
     export = tmp_path / "sink" / layout.step_dir_name(4)
