@@ -33,7 +33,7 @@ from lightning.pytorch.core import saving
 
 from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError
-from stagerd.integrations import module_part, omegaconf_values, state_tree, step_files
+from stagerd.integrations import fabric, module_part, omegaconf_values, state_tree, step_files
 from stagerd.integrations.ckpt_pointer import NOT_OURS_HINT, locate
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
@@ -61,13 +61,14 @@ def read(path: Path) -> tuple[dict[str, Any], str]:
     optim = step_files.empty(specs)
     _load(root, model, optim, step)
     blob = state_tree.from_blob(optim[BLOB], "the saved Lightning state")
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+    if not isinstance(blob, dict) or blob.get("format") not in (FORMAT, fabric.FORMAT):
         raise LoadError("the saved Lightning state is not in a format this stagerd knows", path=step_dir)
     skeleton = omegaconf_values.restore(blob["checkpoint"], step_dir)
     checkpoint = state_tree.join(skeleton, optim.__getitem__)
     aliases = blob.get("aliases") or {}
     tensor = module_part.joined(blob, model, optim.__getitem__)
-    checkpoint["state_dict"] = {k: tensor(aliases.get(k, k)) for k in blob["state_dict_keys"]}
+    key = str(blob.get("model_key", "state_dict"))  # under Fabric, the state's entry of the model
+    checkpoint[key] = {k: tensor(aliases.get(k, k)) for k in blob["state_dict_keys"]}
     if kept is not None:
         checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
     device = blob.get("device")

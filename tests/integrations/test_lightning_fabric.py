@@ -1,30 +1,75 @@
-"""`StagerdCheckpointIO` handed to Lightning Fabric (`Fabric(plugins=[io])`): Fabric accepts any
-`CheckpointIO`, but its `fabric.save(path, state)` gives a state of the user's own making (no
-`global_step`, no LightningModule), which the plugin cannot stage. The save is refused by name, with the
-way to save from a Fabric loop, before anything is written. Real Fabric, one CPU process."""
+"""`StagerdCheckpointIO` under Lightning Fabric (`Fabric(plugins=[io])`), the loop unchanged:
+`fabric.save(path, state)` stages the state's step with its model exported as `save_pretrained` writes
+it, and `fabric.load(path, state)` resumes bit for bit, in one process and on 2 gloo ranks under DDP
+(`fabric_loop`). A state whose step or model cannot be told is refused by name before anything is
+written; a path the Trainer saved loads through Fabric as Lightning's file does."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from stagerd.errors import ConfigError
+from stagerd.contract import layout
+from stagerd.errors import ConfigError, SaveInputError
+from tests.fidelity import harness
+from tests.gloo import launch
+from tests.integrations import fabric_loop
+
+pytestmark = pytest.mark.slow
 
 
-def test_a_fabric_save_is_refused_by_name_before_anything_is_written(tmp_path):
+def test_a_fabric_loop_resumes_bit_for_bit_and_exports_as_save_pretrained(tmp_path):
+    full_losses, full_weights = fabric_loop.fit(tmp_path / "full", tmp_path / "full" / "root", None)
+    resume = tmp_path / "full" / f"step-{fabric_loop.SAVE_AT}.ckpt"
+    losses, weights = fabric_loop.fit(tmp_path / "resumed", tmp_path / "resumed" / "root", resume)
+    assert list(losses) == [3, 4] and losses == {k: full_losses[k] for k in (3, 4)}
+    assert all(torch.equal(weights[k], v) for k, v in full_weights.items())
+
+    model = fabric_loop.tiny_llama(0)
+    model.load_state_dict(full_weights)
+    model.save_pretrained(tmp_path / "ref")
+    harness.export(tmp_path / "full" / "root", tmp_path / "sink")
+    harness.assert_same_tensors(tmp_path / "sink" / layout.step_dir_name(fabric_loop.STEPS), tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_a_fabric_ddp_loop_on_two_ranks_resumes_bit_for_bit(tmp_path):
+    launch(fabric_loop.run, str(tmp_path), deadline_s=300)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert list(result["resumed"]) == ["3", "4"]
+    assert result["resumed"] == {k: result["full"][k] for k in ("3", "4")}
+    assert result["same_weights"]
+
+
+def test_a_state_with_no_step_or_no_model_is_refused_by_name_before_anything_is_written(tmp_path):
     from lightning.fabric import Fabric
 
     from stagerd.integrations.lightning import StagerdCheckpointIO
 
-    io = StagerdCheckpointIO(tmp_path / "root")
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[StagerdCheckpointIO(tmp_path / "root")])
     linear = torch.nn.Linear(4, 2)
     model, optimizer = fabric.setup(linear, torch.optim.Adam(linear.parameters()))
-    with pytest.raises(ConfigError, match="Fabric") as e:
-        fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 3})
-    assert "Stager" in (e.value.hint or "")
-    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ConfigError, match="no int step under 'step'"):
+        fabric.save(tmp_path / "a.ckpt", {"model": model, "optimizer": optimizer, "iteration": 3})
+    other = fabric.setup(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="2 entries"):
+        fabric.save(tmp_path / "b.ckpt", {"model": model, "other": other, "step": 3})
+    assert not (tmp_path / "a.ckpt").exists() and not (tmp_path / "b.ckpt").exists()
     assert not (tmp_path / "root").exists()
+    # `step_key` names another key; model= tells the model among several
+    io = StagerdCheckpointIO(tmp_path / "root", model=linear, step_key="iteration")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    fabric.save(tmp_path / "c.ckpt", {"model": model, "other": other, "iteration": 3})
+    state = {"model": model, "other": other, "iteration": 0}
+    fabric.load(tmp_path / "c.ckpt", state)
+    assert state["iteration"] == 3
+    with torch.no_grad():
+        linear.weight.add_(1.0)
+    with pytest.raises(SaveInputError, match="already staged with other weights"):
+        fabric.save(tmp_path / "d.ckpt", {"model": model, "other": other, "iteration": 3})
+    io.teardown()
 
 
 def test_fabric_load_reads_a_path_the_trainer_saved_as_lightnings_file(tmp_path):
