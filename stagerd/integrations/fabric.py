@@ -60,10 +60,14 @@ def model_key(state: Mapping[str, Any], model: Any, path: Any) -> str:
 
 
 def unwrapped(model: Any) -> Any:
-    """The user's module inside Fabric's `_FabricModule`, else `model`."""
+    """The user's module inside Fabric's `_FabricModule` and `torch.compile`'s wrapper: Fabric's state
+    holds its state dict, with no `_orig_mod.`."""
     from lightning.fabric.wrappers import _FabricModule
 
-    return model.module if isinstance(model, _FabricModule) else model
+    model = model.module if isinstance(model, _FabricModule) else model
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def _same_storage(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

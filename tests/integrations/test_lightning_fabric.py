@@ -104,3 +104,30 @@ def test_fabric_load_reads_a_path_the_trainer_saved_as_lightnings_file(tmp_path)
     rest = fabric.load(tmp_path / "ckpts" / "last.ckpt", {"state_dict": linear}, strict=False)
     assert rest["global_step"] == 2 and "optimizer_states" in rest
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in linear.state_dict().items())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_compiled_model_given_exports_as_save_pretrained(tmp_path, lora):
+    import copy
+
+    from lightning.fabric import Fabric
+    from peft import LoraConfig, get_peft_model
+
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    model = fabric_loop.tiny_llama(0)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    compiled = torch.compile(model, backend="aot_eager")  # Fabric's state names no `_orig_mod.`
+    fabric = Fabric(
+        accelerator="cpu", devices=1, plugins=[StagerdCheckpointIO(tmp_path / "root", model=compiled)]
+    )
+    wrapped, optimizer = fabric.setup(
+        compiled, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    )
+    fabric.save(tmp_path / "a.ckpt", {"model": wrapped, "optimizer": optimizer, "step": 1})
+    fabric.strategy.checkpoint_io.teardown()
+    (copy.deepcopy(model).merge_and_unload() if lora else model).save_pretrained(tmp_path / "ref")
+    harness.export(tmp_path / "root", tmp_path / "sink")
+    harness.assert_same_tensors(tmp_path / "sink" / layout.step_dir_name(1), tmp_path / "ref")
+    assert (tmp_path / "sink" / layout.step_dir_name(1) / "adapter").exists() == lora
