@@ -65,6 +65,7 @@ def test_a_state_with_no_step_or_no_model_is_refused_by_name_before_anything_is_
     state = {"model": model, "other": other, "iteration": 0}
     fabric.load(tmp_path / "c.ckpt", state)
     assert state["iteration"] == 3
+    fabric.save(tmp_path / "same.ckpt", {"model": model, "other": other, "iteration": 3})  # a second path
     with torch.no_grad():
         linear.weight.add_(1.0)
     with pytest.raises(SaveInputError, match="already staged with other weights"):
