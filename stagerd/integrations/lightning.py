@@ -9,7 +9,9 @@
 `trainer.save_checkpoint(path)` and `ModelCheckpoint` save through it: Lightning's checkpoint dict becomes
 one async `Stager.save` of step `global_step`. Its `state_dict` is the step's model (exported: with
 `model=` the LightningModule, the transformers model inside it is exported as `save_pretrained` writes it,
-and its `config.json` and `generation_config.json` go in as extras); every other tensor (optimizer state,
+and its `config.json` and `generation_config.json` go in as extras; a PEFT model inside it, or the
+submodule given as `model=`, is staged under its own names, the module's other tensors beside the optimizer
+state: `module_part`); every other tensor (optimizer state,
 scheduler, callbacks' scores) goes into `optim/`, and everything else (loops, callbacks, hyper-parameters,
 versions) is a JSON skeleton in a uint8 tensor there (`state_tree`; an OmegaConf `DictConfig` or
 `ListConfig` among the hyper-parameters, as Hydra users give them, by `omegaconf_values`): `load_checkpoint`
@@ -43,6 +45,9 @@ the parameters may change in place before that step, the save itself waits for t
 training ends, and with an optimizer that has train and eval modes (schedule-free), switched for
 validation.
 
+Under Lightning Fabric (`Fabric(plugins=[io])`), `fabric.save(path, state)` stages the state's step, its
+model the entry of `model=`'s state dict, and `fabric.load` reads it back (`fabric`).
+
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
 itself. Strategies that shard (FSDP, model parallel, DeepSpeed) do not use a CheckpointIO.
@@ -65,7 +70,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from stagerd.contract import layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
-from stagerd.integrations import hf_files, lightning_load, omegaconf_values, state_tree
+from stagerd.integrations import fabric, hf_files, lightning_load, module_part, omegaconf_values, state_tree
 from stagerd.integrations.ckpt_pointer import POINTER, pointed
 from stagerd.integrations.lightning_load import BLOB, FORMAT, load_from_checkpoint
 from stagerd.ops.call_stack import calling_self
@@ -81,7 +86,8 @@ __all__ = ["BLOB", "FORMAT", "StagerdCheckpointIO", "load_from_checkpoint"]
 class StagerdCheckpointIO(CheckpointIO):
     """See the module docstring. `model`: the LightningModule (for a Hub-faithful export of the
     transformers model inside it); `save_options`: more keyword arguments of `Stager.save` (`dtype`,
-    `extras`, `metadata`, `reference_index`, `mapping`); `stager_options`: of `Stager(...)`."""
+    `extras`, `metadata`, `reference_index`, `mapping`); `stager_options`: of `Stager(...)`; `step_key`:
+    under Fabric, the key of `fabric.save`'s state that holds the step."""
 
     def __init__(
         self,
@@ -89,6 +95,7 @@ class StagerdCheckpointIO(CheckpointIO):
         *,
         model: Any = None,
         stager_options: Mapping[str, Any] | None = None,
+        step_key: str = "step",
         **save_options: Any,
     ) -> None:
         if "optimizer_state" in save_options:
@@ -98,6 +105,7 @@ class StagerdCheckpointIO(CheckpointIO):
         self.root = Path(root)
         self.model = model
         self.save_options = save_options
+        self.step_key = step_key  # under Fabric: the state's entry that is the step
         self.stager_options = dict(stager_options or {})
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
@@ -113,10 +121,13 @@ class StagerdCheckpointIO(CheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError("StagerdCheckpointIO takes no storage_options")
+        if fabric.is_calling():
+            self._save_fabric(checkpoint, Path(path))
+            return
         step = int(checkpoint["global_step"])
         if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
             whole = self._whole(checkpoint)
-            self._save(whole, step)
+            self._save(whole, step, "state_dict", self.model, self._module())
             self._saved = (step, frozenset(whole))
         elif not self._saved[1].issuperset(checkpoint):
             raise SaveInputError(
@@ -128,13 +139,36 @@ class StagerdCheckpointIO(CheckpointIO):
             )
         elif not _fitting(self._trainer()):  # within fit, two saves of one step hold the same weights
             self._check_unchanged(checkpoint, step, Path(path))
-        # the keys Lightning's own file here would hold: a weights-only path loads no training state
+        self._point(Path(path), step, checkpoint)
+        self._pin_best()  # ModelCheckpoint names its new best before it saves it
+
+    def _save_fabric(self, state: dict[str, Any], path: Path) -> None:
+        """`fabric.save(path, state)`: its step and model found in the state (`fabric`)."""
+        step = fabric.step_of(state, self.step_key, path)
+        key = fabric.model_key(state, self.model, path)
+        if self._saved is None or self._saved[0] != step:
+            model = None if self.model is None else fabric.unwrapped(self.model)
+            self._save(state, step, key, model, None)
+            self._saved = (step, frozenset(state))
+        else:  # a second path for the step: its weights must be the staged ones
+            if (h := self.stager) is not None:
+                h.wait()
+            if not lightning_load.staged_weights_equal(self.root, step, state[key]):
+                raise SaveInputError(
+                    f"step {step} is already staged with other weights: the weights changed since cannot "
+                    "be staged at the same step",
+                    path=path,
+                    hint="save them at another step, or under another ROOT (its own StagerdCheckpointIO)",
+                )
+        self._point(path, step, state)
+
+    def _point(self, target: Path, step: int, checkpoint: Mapping[str, Any]) -> None:
+        """The pointer file at `target`, with the keys the checkpoint file there would hold: a weights-only
+        path loads no training state."""
         root = str(self.root.resolve())
         pointer = {"format": POINTER, "root": root, "step": step, "keys": sorted(checkpoint)}
-        target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         layout.write_bytes_atomic(target, (json.dumps(pointer) + "\n").encode())
-        self._pin_best()  # ModelCheckpoint names its new best before it saves it
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -173,7 +207,8 @@ class StagerdCheckpointIO(CheckpointIO):
         stand for other weights."""
         if (h := self.stager) is not None:
             h.wait()  # the step's own save may still be writing it
-        if lightning_load.staged_weights_equal(self.root, step, checkpoint["state_dict"]):
+        part = None if "mapping" in self.save_options else module_part.find(self.model, self._module())
+        if lightning_load.staged_weights_equal(self.root, step, checkpoint["state_dict"], part):
             return
         raise SaveInputError(
             f"step {step} is already staged with other weights: the weights changed since cannot be "
@@ -196,9 +231,11 @@ class StagerdCheckpointIO(CheckpointIO):
         whole: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         return whole
 
-    def _save(self, checkpoint: dict[str, Any], step: int) -> None:
+    def _save(self, checkpoint: dict[str, Any], step: int, key: str, model: Any, module: Any) -> None:
+        """Stage `checkpoint[key]` as the step's model (exported as `model`'s, `module` the LightningModule
+        it is a part of) and the rest beside it."""
         state = dict(checkpoint)
-        model_sd = dict(state.pop("state_dict"))
+        model_sd = dict(state.pop(key))
         tensors, skeleton = omegaconf_values.split(state, "lightning")
         _, aliases = split_aliases(model_sd)
         keys = list(model_sd)
@@ -206,14 +243,23 @@ class StagerdCheckpointIO(CheckpointIO):
         # `device`: where load_from_checkpoint puts the weights, as torch.load puts those of Lightning's file
         blob = {"format": FORMAT, "checkpoint": skeleton, "state_dict_keys": keys, "aliases": aliases,
                 "device": device}  # fmt: skip
-        optim = {**tensors, BLOB: state_tree.to_blob(blob)}
+        if key != "state_dict":
+            blob |= {"format": fabric.FORMAT, "model_key": key}
         options = dict(self.save_options)
-        extras = {**hf_files.model_files(self.model), **(options.pop("extras", None) or {})}
+        staged = model_sd
+        part = None if "mapping" in options else module_part.find(model, module)
+        if part is not None:  # the export is planned from the part's own names
+            staged, outside = part.split(model_sd, aliases)
+            tensors |= {name: model_sd[k] for k, name in outside.items()}
+            blob["part"] = part.to_json(outside)
+            model = part.model
+        optim = {**tensors, BLOB: state_tree.to_blob(blob)}
+        extras = {**hf_files.model_files(model), **(options.pop("extras", None) or {})}
         if "mapping" not in options:
-            options["model"] = self.model
+            options["model"] = model
         stager = self._stager()
         try:
-            stager.save(model_sd, step=step, extras=extras, optimizer_state=optim, **options)
+            stager.save(staged, step=step, extras=extras, optimizer_state=optim, **options)
         except StepExistsError:
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
@@ -245,6 +291,17 @@ class StagerdCheckpointIO(CheckpointIO):
                 pin.release()
         self._pins.clear()  # in place: the finalizer holds this dict
         self._pins.update(best)
+
+    def _module(self) -> Any:
+        """The LightningModule saved: the calling strategy's, else `model` where it is one."""
+        from lightning.pytorch import LightningModule
+
+        module = getattr(self._strategy(), "lightning_module", None)
+        return (
+            module
+            if module is not None
+            else (self.model if isinstance(self.model, LightningModule) else None)
+        )
 
     def _trainer(self) -> Any:
         module = getattr(self._strategy(), "lightning_module", None)

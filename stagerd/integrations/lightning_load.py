@@ -33,7 +33,7 @@ from lightning.pytorch.core import saving
 
 from stagerd.contract import commit_marker, layout
 from stagerd.errors import LoadError
-from stagerd.integrations import omegaconf_values, state_tree, step_files
+from stagerd.integrations import fabric, module_part, omegaconf_values, state_tree, step_files
 from stagerd.integrations.ckpt_pointer import NOT_OURS_HINT, locate
 from stagerd.training.aliases import split_aliases
 from stagerd.training.collectives import Collectives
@@ -61,21 +61,43 @@ def read(path: Path) -> tuple[dict[str, Any], str]:
     optim = step_files.empty(specs)
     _load(root, model, optim, step)
     blob = state_tree.from_blob(optim[BLOB], "the saved Lightning state")
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+    if not isinstance(blob, dict) or blob.get("format") not in (FORMAT, fabric.FORMAT):
         raise LoadError("the saved Lightning state is not in a format this stagerd knows", path=step_dir)
     skeleton = omegaconf_values.restore(blob["checkpoint"], step_dir)
     checkpoint = state_tree.join(skeleton, optim.__getitem__)
     aliases = blob.get("aliases") or {}
-    checkpoint["state_dict"] = {k: model[aliases.get(k, k)] for k in blob["state_dict_keys"]}
+    tensor = module_part.joined(blob, model, optim.__getitem__)
+    key = str(blob.get("model_key", "state_dict"))  # under Fabric, the state's entry of the model
+    checkpoint[key] = {k: tensor(aliases.get(k, k)) for k in blob["state_dict_keys"]}
     if kept is not None:
         checkpoint = {k: v for k, v in checkpoint.items() if k in kept}
     device = blob.get("device")
     return checkpoint, device if isinstance(device, str) else "cpu"
 
 
-def staged_weights_equal(root: Path, step: int, state_dict: Mapping[str, torch.Tensor]) -> bool:
-    """Whether the committed step's model holds `state_dict` (same keys, dtypes, shapes and bytes; a tied
-    key is staged once, under the first key of its tensor)."""
+def staged_weights_equal(
+    root: Path, step: int, state_dict: Mapping[str, torch.Tensor], part: module_part.Part | None = None
+) -> bool:
+    """Whether the committed step holds `state_dict` (same keys, dtypes, shapes and bytes; a tied key is
+    staged once, under the first key of its tensor): in its model, or with `part`, the part's tensors in
+    its model and the module's others beside its optimizer state."""
+    if part is None:
+        return _model_holds(root, step, state_dict)
+    if not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        return False
+    inner, outside = part.split(state_dict, split_aliases(dict(state_dict))[1])
+    if not _model_holds(root, step, inner):
+        return False
+    specs = optim_specs(root / layout.step_dir_name(step))
+    given = {name: state_dict[key] for key, name in outside.items()}
+    if any(specs.get(n) != (t.dtype, tuple(t.shape)) for n, t in given.items()):
+        return False
+    staged = step_files.empty({n: specs[n] for n in given})
+    _load(root, {}, staged, step)
+    return all(_same_bits(staged[n], t) for n, t in given.items())
+
+
+def _model_holds(root: Path, step: int, state_dict: Mapping[str, torch.Tensor]) -> bool:
     specs = step_files.model_specs(commit_marker.read_marker(root / layout.step_dir_name(step)))
     _, aliases = split_aliases(dict(state_dict))
     readers: dict[str, list[str]] = {}  # staged name -> the keys of state_dict holding it
