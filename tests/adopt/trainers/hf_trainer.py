@@ -21,17 +21,13 @@ from tests.adopt.trainers import tiny
 from tests.gloo import join
 
 
-def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) -> None:
-    tiny.rank_env(rank, world, port)
-    join(rank, world, init_file)
-    import torch
+def fsdp_trainer(model: Any, out: str, world: int, layer_cls: str) -> Any:
+    """A `transformers.Trainer` of `model` under Accelerate FSDP2 with `SHARDED_STATE_DICT` on CPU, saving
+    `OUT/checkpoint-STEPS/` at its last step (see the module docstring for the MULTI_GPU line)."""
     import transformers as tf
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    torch.manual_seed(0)
-    cfg = tiny.config()
-    model = tf.LlamaForCausalLM(cfg)
     rows = tiny.token_rows(4 * world * tiny.STEPS)
     data: list[dict[str, Any]] = [{"input_ids": r, "labels": r} for r in rows]
     args = tf.TrainingArguments(
@@ -49,7 +45,7 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
             "version": 2,
             "state_dict_type": "SHARDED_STATE_DICT",
             "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "transformer_layer_cls_to_wrap": [layer_cls],
             "reshard_after_forward": True,
         },
     )
@@ -58,6 +54,18 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
     state.distributed_type = DistributedType.MULTI_GPU  # see the module docstring
     trainer = tf.Trainer(model=model, args=args, train_dataset=data)
     assert trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 2
+    return trainer
+
+
+def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) -> None:
+    tiny.rank_env(rank, world, port)
+    join(rank, world, init_file)
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tiny.config()
+    trainer = fsdp_trainer(tf.LlamaForCausalLM(cfg), out, world, "LlamaDecoderLayer")
     trainer.train()
     trainer.accelerator.save_state(os.path.join(os.path.dirname(out), "accelerate", f"step-{tiny.STEPS}"))
     tiny.save_reference(rank, trainer.model, cfg, ref)

@@ -10,9 +10,9 @@ writes that `save_pretrained` of the gathered trained weights to REF: what the e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from tests.adopt.trainers import tiny
+from tests.adopt.trainers.hf_trainer import fsdp_trainer
 from tests.fidelity import models
 from tests.gloo import join
 
@@ -24,39 +24,11 @@ def train(rank: int, world: int, init_file: str, out: str, ref: str, port: int) 
     join(rank, world, init_file)
     import torch
     import transformers as tf
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     torch.manual_seed(0)
     cfg = models.config(KIND)
-    model = tf.MixtralForCausalLM(cfg)
-    rows = tiny.token_rows(4 * world * tiny.STEPS)
-    data: list[dict[str, Any]] = [{"input_ids": r, "labels": r} for r in rows]
-    args = tf.TrainingArguments(
-        output_dir=out,
-        use_cpu=True,
-        max_steps=tiny.STEPS,
-        save_steps=tiny.STEPS,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        fsdp=True,
-        fsdp_config={
-            "version": 2,
-            "state_dict_type": "SHARDED_STATE_DICT",
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": ["MixtralDecoderLayer"],
-            "reshard_after_forward": True,
-        },
-    )
-    state = PartialState()
-    assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
-    state.distributed_type = DistributedType.MULTI_GPU  # see hf_trainer.py
-    trainer = tf.Trainer(model=model, args=args, train_dataset=data)
-    assert trainer.is_fsdp_enabled and trainer.accelerator.state.fsdp_plugin.fsdp_version == 2
+    trainer = fsdp_trainer(tf.MixtralForCausalLM(cfg), out, world, "MixtralDecoderLayer")
     trainer.train()
     full = get_model_state_dict(
         trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
