@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.gloo import join
+from tests.training.peft_tied_model import tied_llama, trained
 
 # name -> LoraConfig arguments
 CASES: dict[str, dict[str, Any]] = {
@@ -33,24 +34,12 @@ LIMIT = 3000  # a few tensors per file: the index, with its parameter count, is 
 
 def build(case: str) -> Any:
     import peft
-    import torch
-    import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = tf.LlamaForCausalLM(cfg)
+    base = tied_llama(layers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's own warning about a tied layer without ensure_weight_tying
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, **CASES[case]))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return trained(model)
 
 
 def save(rank: int, world: int, init_file: str, cases: list[str], out: str) -> None:

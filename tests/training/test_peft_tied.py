@@ -19,28 +19,15 @@ from stagerd.contract import commit_marker, layout
 from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from tests.fidelity import harness
+from tests.training.peft_tied_model import tied_llama, trained
 
 pytest.importorskip("peft")
 
 
 def _build(dtype: str, **lora):
     import peft
-    import torch
-    import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, **lora))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return trained(peft.get_peft_model(tied_llama(dtype=dtype), peft.LoraConfig(r=4, lora_alpha=8, **lora)))
 
 
 def _save(model, root):

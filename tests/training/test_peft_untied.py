@@ -22,6 +22,7 @@ import pytest
 
 from stagerd.contract import commit_marker, layout
 from tests.fidelity import harness
+from tests.training.peft_tied_model import tied_llama, trained
 
 pytest.importorskip("peft")
 
@@ -31,14 +32,8 @@ LIMIT = 3000  # a few tensors per file: the index, with its parameter count, is 
 def _build(modules: list[str], dtype: str, copies_in: str | None):
     import peft
     import torch
-    import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    base = tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    base = tied_llama(dtype=dtype)
     base.resize_token_embeddings(66, mean_resizing=False)  # new special tokens: still tied
     assert base.lm_head.weight is base.model.embed_tokens.weight
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=modules)
@@ -49,12 +44,7 @@ def _build(modules: list[str], dtype: str, copies_in: str | None):
         for n, m in model.named_modules():
             if n.endswith("modules_to_save.default"):
                 m.to(getattr(torch, copies_in))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return trained(model)
 
 
 def _export(model, root):
