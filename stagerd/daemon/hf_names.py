@@ -12,7 +12,8 @@ prefix of them is not what the checkpoint holds. Names that are already what `sa
 (a trainer that converts them itself) are kept as they are. Where the config's model holds neither, or its
 conversion cannot be planned as byte moves, the names are kept too, with one warning per reason: not an
 error, since those names are what the trainer's model holds and transformers' own `from_pretrained`
-loads them, where refusing would publish nothing.
+loads them, where refusing would publish nothing. A trainer whose names are its own (torchtitan's) has
+them planned by its own conversion instead (`titan_names.py`), where it has one for config.json's model.
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ _last: tuple[Hashable, HubPlan | None] | None = None
 _said: set[str] = set()
 
 
-def model_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
-    """See the module docstring: the plan over `tensors`' names, or None to keep them."""
+def model_plan(tensors: Tensors, config: Mapping[str, Any], trainer: str | None = None) -> HubPlan | None:
+    """See the module docstring: the plan over `tensors`' names, or None to keep them. A trainer whose
+    names are its own (`trainer`: torchtitan's) has them planned by its own conversion (`titan_names.py`),
+    or None: its preset's mapping decides."""
     global _last
     if not isinstance(config.get("model_type"), str):
         return None  # not a transformers model's config
+    if trainer is not None and trainer != "torchtitan":
+        return None
     key = (
+        trainer,
         json.dumps(config, sort_keys=True, default=str),
         tuple(sorted((n, tuple(s), d) for n, (s, d) in tensors.items())),
     )
@@ -51,12 +57,25 @@ def model_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
         if _last is not None and _last[0] == key:
             return _last[1]
         try:
-            plan = _resolve(tensors, config)
+            plan = _resolve(tensors, config) if trainer is None else _trainers(tensors, config)
         except Exception as e:  # transformers' own code, of any release: a failure there keeps the names
             _say(f"{KEPT}: planning them from config.json failed: {type(e).__name__}: {e}")
             plan = None
         _last = (key, plan)
     return plan
+
+
+def _trainers(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
+    """torchtitan's own conversion (`titan_names.py`), where it has one for config.json's model; None
+    (with one warning where it has one but it cannot be planned) lets the preset's rules decide."""
+    from stagerd.daemon.titan_names import titan_plan
+
+    try:
+        return titan_plan(tensors, config)
+    except Exception as e:  # torchtitan's and transformers' own code, of any release
+        why = e.message if isinstance(e, StagerdError) else f"{type(e).__name__}: {e}"
+        _say(f"torchtitan's {config['model_type']} adapter could not plan its names: {why}")
+        return None
 
 
 def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:

@@ -10,15 +10,25 @@ plan, made over the model's names, is turned into one over the checkpoint's keys
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
 
-# model name -> (global shape, safetensors dtype) of every selected tensor, and config.json: the plan over
-# those names that gives what `save_pretrained` writes, or None where the config does not name that model
-ModelPlan = Callable[[Mapping[str, tuple[tuple[int, ...], str]], Mapping[str, Any]], HubPlan | None]
+
+class ModelPlan(Protocol):
+    """model name -> (global shape, safetensors dtype) of every selected tensor, and config.json: the plan
+    over those names that gives what `save_pretrained` writes, or None where the config does not name that
+    model. `trainer`: the preset of a trainer whose names are its own, not the model's (torchtitan's),
+    whose own conversion to the Hub's names is planned where it has one for config.json's model."""
+
+    def __call__(
+        self,
+        tensors: Mapping[str, tuple[tuple[int, ...], str]],
+        config: Mapping[str, Any],
+        trainer: str | None = None,
+    ) -> HubPlan | None: ...
 
 
 def over_keys(

@@ -316,9 +316,10 @@ def open_adopted(
         )
     config = read_config(extras.get("config.json"))
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
-    keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
     model_names = _model_named(preset, meta, options, config)
-    if model_names is not None:
+    if model_names is None:
+        keys, plan = resolve_selection(preset, shapes, select=options.select, mapping=mapping, config=config)
+    else:
         keys, plan = model_names
     if preset.adapter:
         at = ckpt if held is None else held[0]
@@ -357,15 +358,18 @@ def _model_named(
 ) -> tuple[list[str], HubPlan] | None:
     """The keys and plan that give the names, layout and order `save_pretrained` writes, where
     config.json names the model whose live names the selected tensors have (`model_names.py`); else None.
-    A key mapping (torchtitan's, --mapping) decides the names itself, and a PEFT adapter keeps PEFT's; HF
-    files and shards hold the names their writer chose for the Hub already."""
+    An operator's --mapping decides the names itself, and a PEFT adapter keeps PEFT's; HF files and shards
+    hold the names their writer chose for the Hub already. A trainer whose names are its own (a preset with
+    a key mapping: torchtitan's) has them planned by its own conversion where it has one for the model,
+    else by its preset's mapping."""
     if options.model_plan is None or config is None or meta is None:
         return None
-    if preset.adapter or preset.mapping is not None or options.mapping is not None:
+    if preset.adapter or options.mapping is not None:
         return None
     chosen = select_keys(preset, list(meta.tensors), options.select)
     t = meta.tensors
-    model = options.model_plan({n: (t[k].shape, t[k].dtype) for n, k in chosen.items()}, config)
+    trainer = preset.name if preset.mapping is not None else None
+    model = options.model_plan({n: (t[k].shape, t[k].dtype) for n, k in chosen.items()}, config, trainer)
     return None if model is None else over_keys(model, chosen, {k: t[k].shape for k in chosen.values()})
 
 

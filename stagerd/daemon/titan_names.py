@@ -1,0 +1,135 @@
+"""The names of a torchtitan checkpoint as `save_pretrained` writes them, planned with torchtitan's own
+`StateDictAdapter.to_hf` (what its `last_save_in_hf` runs), where config.json names a model torchtitan
+has an adapter for.
+
+`to_hf` runs, unchanged, on traced meta stand-ins of the checkpoint's tensors (global shapes from
+`.metadata`, `training/trace/`): its renames, the tied head it leaves out and its split of grouped experts
+per expert become the byte moves of a `HubPlan`; any op that is not one is refused by name. The adapter
+reads from its model config only whether the head is tied and how many experts a MoE layer has: those are
+taken from config.json, on a registry flavor of the same kind (dense or MoE). The result must be, name for
+name and shape for shape, what transformers' `save_pretrained` of config.json's model writes: otherwise
+(or where torchtitan cannot be imported) the plan is refused, and the daemon (`hf_names.py`) warns once
+and lets the preset's own rules decide. Llama 3 keeps those rules (they permute the RoPE rows as
+torchtitan's Llama adapter does). The caller holds the daemon's planning lock: one plan at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from stagerd.contract import dtypes
+from stagerd.contract.hub_plan import HubPlan
+from stagerd.errors import HubPlanError
+
+Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
+
+# config.json's model_type -> (torchtitan's model package, a registry flavor of the same kind)
+TITAN_MODELS: dict[str, tuple[str, str]] = {
+    "qwen3": ("torchtitan.models.qwen3", "debugmodel"),
+    "qwen3_moe": ("torchtitan.models.qwen3", "debugmodel_moe"),
+}
+# torchtitan's model package imports its expert-parallel dispatch, Triton kernels, on import; see
+# `stand_in_ep_kernels`.
+_EP = "torchtitan.distributed.minimal_async_ep"
+
+
+def titan_plan(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
+    """The plan over the checkpoint's torchtitan names that gives `save_pretrained`'s, or None for a model
+    torchtitan has no adapter for here. Raises where it has one but the plan cannot be made (the caller
+    warns and lets the preset's rules decide)."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in TITAN_MODELS:
+        return None
+    return _plan(tensors, config, model_type)
+
+
+def stand_in_ep_kernels() -> None:
+    """Where triton is not installed (a CPU daemon), torchtitan's expert-parallel dispatch module, which
+    imports it, is stood in by one whose functions refuse to run: converting names never dispatches."""
+    if _EP in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    def absent(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("torchtitan's MinimalAsyncEP needs triton, which is not installed")
+
+    for name in (_EP, f"{_EP}.api"):
+        m = types.ModuleType(name)
+        m.combine_op = m.dispatch_op = m.init_buffer = m.maybe_update_minimal_async_ep_config = absent  # type: ignore[attr-defined]
+        m.MinimalAsyncEPDispatchMetadata = type("MinimalAsyncEPDispatchMetadata", (), {})  # type: ignore[attr-defined]
+        sys.modules[name] = m
+
+
+def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPlan:
+    import torch
+
+    from stagerd.training.trace.resolve import traced_plan
+
+    package, flavor = TITAN_MODELS[model_type]
+    stand_in_ep_kernels()
+    titan = importlib.import_module(package)
+    spec = titan.model_registry(flavor)
+    model_config = _model_config(spec.model, config)
+    adapter = spec.state_dict_adapter(model_config, None)
+    sd = {}
+    for name, (shape, dt) in tensors.items():
+        torch_name = dtypes.lookup(dt).torch_name
+        if torch_name is None:
+            raise HubPlanError(f"{name!r} is {dt}, which torch has no dtype for")
+        sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
+    plan = traced_plan(sd, {}, adapter.to_hf, "torchtitan")
+    got = {v.name: tuple(v.shape) for v in plan.outputs({k: tuple(v.shape) for k, v in sd.items()})}
+    order, want, parameters = _saved(config)
+    if got != want:
+        extra, lacks = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        shapes = sorted(n for n in set(got) & set(want) if got[n] != want[n])
+        raise HubPlanError(
+            f"to_hf does not give what save_pretrained writes (extra {extra[:3]}, lacking {lacks[:3]}, "
+            f"other shapes {shapes[:3]})"
+        )
+    return replace(plan, order=tuple(n for n in order if n in got), parameters=parameters)
+
+
+def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
+    """The flavor's model config with what `to_hf` reads of it taken from config.json."""
+    out = copy.deepcopy(flavor)
+    out.enable_weight_tying = bool(config.get("tie_word_embeddings", False))
+    # the Hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    for layer in out.layers:
+        if getattr(layer, "moe", None) is not None:
+            if not isinstance(experts, int):
+                raise HubPlanError("a MoE model whose config.json gives no num_experts")
+            layer.moe.num_experts = experts
+    return out
+
+
+def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int]:
+    """What `save_pretrained` of config.json's causal LM writes: its names in order, their shapes, and its
+    num_parameters() (for the index)."""
+    import torch
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as auto
+
+    from stagerd.training.trace.resolve import transformers_plan
+
+    model_type = config["model_type"]
+    name = next((a for a in config.get("architectures") or () if isinstance(a, str)), None)
+    name = name or auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(tf, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel)):
+        raise HubPlanError(f"transformers has no causal LM for model_type {model_type!r}")
+    with torch.device("meta"):
+        model = cls._from_config(tf.CONFIG_MAPPING[model_type].from_dict(dict(config)))
+    own = model.state_dict()
+    plan = transformers_plan(model, own, {})
+    views = plan.outputs({k: tuple(v.shape) for k, v in own.items()})
+    shapes = {v.name: tuple(v.shape) for v in views}
+    order = [n for n in plan.order if n in shapes] or list(shapes)
+    return order, shapes, model.num_parameters()
