@@ -7,17 +7,27 @@ Fabric hands the plugin the user's own state with each module and optimizer turn
 `model=` the one entry that is a flat dict of tensors. That entry is the step's model (exported as the
 Trainer's plugin exports `model=`), everything else goes through `state_tree` into `optim/`, and `read`
 gives the state back as Fabric's own file would hold it, no pickle. Fabric saves from global rank 0 alone,
-as the Trainer's DDP does; the save waits for its host copy (no optimizer step is known to wait for it).
+as the Trainer's DDP does.
+
+The save returns before its host copy is done, as under the Trainer: the optimizers of the state the user
+gave `fabric.save` (read from its frame on the call stack: the strategy sees only their state dicts) are
+attached to the Stager, so the next `optimizer.step()` waits for the copy (`attach_to`). The save waits
+for the copy itself where no step is known to come before the saved tensors change: no optimizer in the
+state (or one with train and eval modes, switched in place), or a buffer of the state's modules that the
+Stager copies in the background (over `EAGER_MAX_BYTES`, of no `model=`) while a forward may update it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from stagerd.errors import ConfigError
+from stagerd.training.eager import EAGER_MAX_BYTES
+from stagerd.training.optimizer_hook import hookable, switches_modes
 
 FORMAT = "stagerd.fabric/1"
 
@@ -68,6 +78,51 @@ def unwrapped(model: Any) -> Any:
     while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
         model = model._orig_mod
     return model
+
+
+def attach_to(model: Any) -> list[torch.optim.Optimizer] | None:
+    """The torch optimizers of the calling `fabric.save`'s state whose next step is to wait for the save's
+    copy; None when the save must wait for it itself. `model`: the module the Stager is given (its
+    buffers are copied before the save returns)."""
+    given = _state_given()
+    if given is None:
+        return None
+    try:
+        optimizers = [hookable(o) for o in given.values() if isinstance(o, torch.optim.Optimizer)]
+    except ConfigError:  # a step that runs no optimizer hooks would not wait
+        return None
+    if not optimizers or any(switches_modes(o) for o in optimizers):
+        return None
+    copied_now = _buffer_storages(model) if isinstance(model, torch.nn.Module) else set()
+    for module in (m for m in given.values() if isinstance(m, torch.nn.Module)):
+        buffers = _buffer_storages(module) - copied_now
+        for t in module.state_dict().values():  # the saved ones (a non-persistent buffer is not)
+            if _storage(t) in buffers and t.untyped_storage().nbytes() > EAGER_MAX_BYTES:
+                return None  # copied in the background, a forward may change it before the step
+    return optimizers
+
+
+def _state_given() -> Mapping[str, Any] | None:
+    """The state given to the calling `Fabric.save`, its modules and optimizers the objects inside
+    Fabric's wrappers; None when the save did not come through it (the strategy called directly)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is Fabric.save.__code__ and isinstance(frame.f_locals.get("self"), Fabric):
+            state = frame.f_locals.get("state")
+            return _unwrap_objects(dict(state)) if isinstance(state, Mapping) else None
+        frame = frame.f_back
+    return None
+
+
+def _buffer_storages(module: torch.nn.Module) -> set[tuple[int, torch.device]]:
+    return {_storage(b) for b in module.buffers()}
+
+
+def _storage(t: torch.Tensor) -> tuple[int, torch.device]:
+    return t.untyped_storage().data_ptr(), t.device
 
 
 def _same_storage(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

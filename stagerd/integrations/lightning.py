@@ -46,7 +46,9 @@ training ends, and with an optimizer that has train and eval modes (schedule-fre
 validation.
 
 Under Lightning Fabric (`Fabric(plugins=[io])`), `fabric.save(path, state)` stages the state's step, its
-model the entry of `model=`'s state dict, and `fabric.load` reads it back (`fabric`).
+model the entry of `model=`'s state dict, and `fabric.load` reads it back (`fabric`). The save returns
+before the copy too: the next `step()` of the state's optimizers waits for it (a state without one: the
+save waits).
 
 Lightning's DDP and single-device strategies save from global rank 0 alone (the state is replicated), so
 the Stager here is rank 0's alone, on a gloo group of that one rank; every rank loads the whole step by
@@ -127,7 +129,8 @@ class StagerdCheckpointIO(CheckpointIO):
         step = int(checkpoint["global_step"])
         if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
             whole = self._whole(checkpoint)
-            self._save(whole, step, "state_dict", self.model, self._module())
+            overlap = _a_step_changes_it_next(self._trainer())
+            self._save(whole, step, "state_dict", self.model, self._module(), self._optimizers(), overlap)
             self._saved = (step, frozenset(whole))
         elif not self._saved[1].issuperset(checkpoint):
             raise SaveInputError(
@@ -148,7 +151,10 @@ class StagerdCheckpointIO(CheckpointIO):
         key = fabric.model_key(state, self.model, path)
         if self._saved is None or self._saved[0] != step:
             model = None if self.model is None else fabric.unwrapped(self.model)
-            self._save(state, step, key, model, None)
+            optimizers = fabric.attach_to(model)
+            for optimizer in optimizers or ():  # first: the save then leaves what their step changes
+                self._stager().attach(optimizer)  # to the background copy (`eager`)
+            self._save(state, step, key, model, None, optimizers, True)
             self._saved = (step, frozenset(state))
         else:  # a second path for the step: its weights must be the staged ones
             if (h := self.stager) is not None:
@@ -231,9 +237,19 @@ class StagerdCheckpointIO(CheckpointIO):
         whole: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         return whole
 
-    def _save(self, checkpoint: dict[str, Any], step: int, key: str, model: Any, module: Any) -> None:
+    def _save(
+        self,
+        checkpoint: dict[str, Any],
+        step: int,
+        key: str,
+        model: Any,
+        module: Any,
+        optimizers: list[Any] | None,
+        overlap: bool,
+    ) -> None:
         """Stage `checkpoint[key]` as the step's model (exported as `model`'s, `module` the LightningModule
-        it is a part of) and the rest beside it."""
+        it is a part of) and the rest beside it; return before the host copy is done where `overlap` and
+        `optimizers` (attached: their next step waits for it)."""
         state = dict(checkpoint)
         model_sd = dict(state.pop(key))
         tensors, skeleton = omegaconf_values.split(state, "lightning")
@@ -263,8 +279,7 @@ class StagerdCheckpointIO(CheckpointIO):
         except StepExistsError:
             log.warning("step %d is already committed under %s; not saved again", step, self.root)
             return
-        optimizers = self._optimizers()
-        if optimizers is None or not _a_step_changes_it_next(self._trainer()):
+        if optimizers is None or not overlap:
             stager.wait_staged()  # nothing would wait for the copy before the tensors change
         for optimizer in optimizers or ():
             stager.attach(optimizer)  # once each: the next step waits after its closure
