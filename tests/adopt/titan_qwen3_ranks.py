@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tests.adopt.titan_ranks import TrainState
 from tests.gloo import join
 
 STEPS = 2
@@ -61,17 +62,6 @@ def hf_config(moe: bool) -> Any:
             intermediate_size=HIDDEN, architectures=["Qwen3MoeForCausalLM"],
         )  # fmt: skip
     return tf.Qwen3Config(**shared, intermediate_size=HIDDEN, architectures=["Qwen3ForCausalLM"])
-
-
-class TrainState:
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = sd["step"]
 
 
 def save_and_reference(rank: int, world: int, init_file: str, base: str, ref: str, moe: bool) -> None:
