@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.adopt.titan_ranks import TrainState
+from tests.adopt.titan_ranks import checkpoint_manager
 from tests.gloo import join
 
 STEPS = 2
@@ -67,24 +67,11 @@ def hf_config(moe: bool) -> Any:
 def save_and_reference(rank: int, world: int, init_file: str, base: str, ref: str, moe: bool) -> None:
     join(rank, world, init_file)
     import torch
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
     config = titan_config(moe)
     torch.manual_seed(0)
     model = config.build()
-    groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]
-    optimizers = OptimizersContainer.Config(param_groups=groups, implementation="for-loop").build(
-        model_parts=[model]
-    )
-    lrs = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
-    state = TrainState()
-    ckpt = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=True,
-    ).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lrs,
-        states={"train_state": state}, sd_adapter=None, base_folder=base,
-    )  # fmt: skip
+    _, _, ckpt, state = checkpoint_manager(model, base, STEPS)
     g = torch.Generator().manual_seed(5)
     for step in range(1, STEPS + 1):
         with torch.no_grad():  # every tensor its own values (norms start as ones): a misplaced one shows

@@ -113,12 +113,9 @@ class TrainState:
         self.step = sd["step"]
 
 
-def train_and_checkpoint(rank: int, world: int, init_file: str, base: str, ref: str) -> None:
-    join(rank, world, init_file)
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+def checkpoint_manager(model: Any, base: str, steps: int, **options: Any) -> tuple[Any, Any, Any, TrainState]:
+    """torchtitan's own optimizers, LR schedulers and CheckpointManager (every step, the last model-only)
+    for `model`, as its Trainer builds them: (optimizers, lr_schedulers, manager, train_state)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import (
         LRSchedulersContainer,
@@ -126,25 +123,37 @@ def train_and_checkpoint(rank: int, world: int, init_file: str, base: str, ref: 
         ParamGroupConfig,
     )
 
+    groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]
+    optimizers = OptimizersContainer.Config(param_groups=groups, implementation="for-loop").build(
+        model_parts=[model]
+    )
+    lrs = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=steps)
+    state = TrainState()
+    ckpt = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=True, **options
+    ).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lrs,
+        states={"train_state": state}, sd_adapter=None, base_folder=base,
+    )  # fmt: skip
+    return optimizers, lrs, ckpt, state
+
+
+def train_and_checkpoint(rank: int, world: int, init_file: str, base: str, ref: str) -> None:
+    join(rank, world, init_file)
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
     config = models.config("titan")
     torch.manual_seed(0)
     model = _model(config)
     for layer in model.layers.values():
         fully_shard(layer)
     fully_shard(model)
-    groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]
-    optimizers = OptimizersContainer.Config(param_groups=groups, implementation="for-loop").build(
-        model_parts=[model]
+    optimizers, lrs, ckpt, state = checkpoint_manager(
+        model, base, STEPS, async_mode="async", export_dtype=LAST_DTYPE
     )
-    lrs = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
-    state = TrainState()
-    ckpt = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=1, async_mode="async", keep_latest_k=0,
-        last_save_model_only=True, export_dtype=LAST_DTYPE,
-    ).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lrs,
-        states={"train_state": state}, sd_adapter=None, base_folder=base,
-    )  # fmt: skip
     g = torch.Generator().manual_seed(5)
     for step in range(1, STEPS + 1):
         ids = torch.randint(0, models.VOCAB, (2, 12), generator=g)
