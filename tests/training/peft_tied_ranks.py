@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.gloo import join
-from tests.training.peft_tied_model import tied_llama, trained
+from tests.training.tiny_llama import tiny_llama, trained
 
 # name -> LoraConfig arguments
 CASES: dict[str, dict[str, Any]] = {
@@ -35,7 +35,7 @@ LIMIT = 3000  # a few tensors per file: the index, with its parameter count, is 
 def build(case: str) -> Any:
     import peft
 
-    base = tied_llama(layers=2)
+    base = tiny_llama(layers=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's own warning about a tied layer without ensure_weight_tying
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, **CASES[case]))

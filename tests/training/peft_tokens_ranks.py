@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.gloo import join
+from tests.training.tiny_llama import tiny_llama
 
 # Unsorted, adjacent runs, the first and the last row: every kind of part of the merged embedding.
 INDICES = [63, 0, 7, 6, 8, 2, 30]
@@ -21,15 +22,9 @@ SHARD = 6000  # a few tensors per file: the index and each file's place are save
 def build(tied: bool, adapters: int = 1, dtype: str = "float32") -> Any:
     import peft
     import torch
-    import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=INDICES)
-    model = peft.get_peft_model(tf.LlamaForCausalLM(cfg).to(getattr(torch, dtype)), lora)
+    model = peft.get_peft_model(tiny_llama(layers=2, dtype=dtype, tied=tied), lora)
     if adapters > 1:  # another adapter's token rows: merge_and_unload() leaves them out
         model.add_adapter(
             "other", peft.LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[4])

@@ -19,7 +19,7 @@ from stagerd.contract import commit_marker, layout
 from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from tests.fidelity import harness
-from tests.training.peft_tied_model import tied_llama, trained
+from tests.training.tiny_llama import tiny_llama, trained
 
 pytest.importorskip("peft")
 
@@ -27,7 +27,7 @@ pytest.importorskip("peft")
 def _build(dtype: str, **lora):
     import peft
 
-    return trained(peft.get_peft_model(tied_llama(dtype=dtype), peft.LoraConfig(r=4, lora_alpha=8, **lora)))
+    return trained(peft.get_peft_model(tiny_llama(dtype=dtype), peft.LoraConfig(r=4, lora_alpha=8, **lora)))
 
 
 def _save(model, root):

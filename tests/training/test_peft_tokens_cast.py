@@ -14,6 +14,7 @@ from stagerd.contract.lora_merge import MergeKind
 from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from tests.fidelity import harness
+from tests.training.tiny_llama import tiny_llama
 
 pytest.importorskip("peft")
 
@@ -24,15 +25,9 @@ INDICES = [63, 0, 7, 6, 8, 2, 30]
 def _build(tied: bool):
     import peft
     import torch
-    import transformers as tf
 
-    cfg = tf.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=INDICES)
-    model = peft.get_peft_model(tf.LlamaForCausalLM(cfg).to(torch.bfloat16), lora)
+    model = peft.get_peft_model(tiny_llama(dtype="bfloat16", tied=tied), lora)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in model.named_parameters():

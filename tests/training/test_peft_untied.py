@@ -22,7 +22,7 @@ import pytest
 
 from stagerd.contract import commit_marker, layout
 from tests.fidelity import harness
-from tests.training.peft_tied_model import tied_llama, trained
+from tests.training.tiny_llama import tiny_llama, trained
 
 pytest.importorskip("peft")
 
@@ -33,7 +33,7 @@ def _build(modules: list[str], dtype: str, copies_in: str | None):
     import peft
     import torch
 
-    base = tied_llama(dtype=dtype)
+    base = tiny_llama(dtype=dtype)
     base.resize_token_embeddings(66, mean_resizing=False)  # new special tokens: still tied
     assert base.lm_head.weight is base.model.embed_tokens.weight
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=modules)
