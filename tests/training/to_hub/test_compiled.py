@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from stagerd import Stager
@@ -16,26 +15,13 @@ from stagerd.contract import layout
 from stagerd.engine.export import export_step
 from stagerd.errors import HubPlanError
 from tests.fidelity import harness
-
-
-def _llama(tied: bool) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(config)
+from tests.training.tiny_llama import tiny_llama
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("keys", ["get_model_state_dict", "state_dict"])
 def test_a_compiled_model_exports_as_save_pretrained(tmp_path, tied, keys):
-    model = _llama(tied)
+    model = tiny_llama(layers=2, tied=tied)
     compiled = torch.compile(model)  # compiles lazily: nothing runs until a forward
     sd = get_model_state_dict(compiled) if keys == "get_model_state_dict" else compiled.state_dict()
     assert any(k.startswith("_orig_mod.") for k in sd) == (keys == "state_dict")
@@ -55,7 +41,7 @@ class _Wrapper(torch.nn.Module):
 
 
 def test_a_model_whose_keys_none_of_the_saved_are_is_refused(tmp_path):
-    model = _llama(tied=False)
+    model = tiny_llama(layers=2, tied=False)
     # the wrapper's transformers model sits under `inner.`, the saved keys are the bare model's
     with Stager(tmp_path / "root") as stager, pytest.raises(HubPlanError, match="exports none of the saved"):
         stager.save(model.state_dict(), step=1, model=_Wrapper(model))
