@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from stagerd.errors import ConfigError
+from stagerd.training.config_model import uncompiled
 from stagerd.training.eager import EAGER_MAX_BYTES
 from stagerd.training.optimizer_hook import hookable, switches_modes
 
@@ -74,10 +75,7 @@ def unwrapped(model: Any) -> Any:
     holds its state dict, with no `_orig_mod.`."""
     from lightning.fabric.wrappers import _FabricModule
 
-    model = model.module if isinstance(model, _FabricModule) else model
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-        model = model._orig_mod
-    return model
+    return uncompiled(model.module if isinstance(model, _FabricModule) else model)
 
 
 def attach_to(model: Any) -> list[torch.optim.Optimizer] | None:

@@ -61,14 +61,6 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def exported_model(model: Any) -> Any:
-    """The model a step exports: the Trainer's, outside `torch.compile`'s `OptimizedModule`, whose
-    `state_dict` keys carry `_orig_mod.` where the saved keys (`get_model_state_dict`'s) do not."""
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-        model = model._orig_mod
-    return model
-
-
 def writes_before_its_step(optimizer: Any) -> bool:
     """Whether the parameters change before the optimizer's next step, where a save's copy is waited for:
     an optimizer with train and eval modes (schedule-free), which the Trainer switches to eval before it

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from stagerd.training.config_model import inside_compile
+
 OUTSIDE = "stagerd/lightning_module"  # the optim/ prefix of the module's tensors outside the part
 
 
@@ -61,14 +63,14 @@ def find(given: Any, module: Any) -> Part | None:
     else the one outermost PEFT model inside `module`; None: stage the module's state dict as it is."""
     if module is None or not isinstance(module, torch.nn.Module):
         return None
-    if _compiled(given) is module:  # `torch.compile(module)` given, the module itself fitted
+    if inside_compile(given) is module:  # `torch.compile(module)` given, the module itself fitted
         given = module
     if given is not None and given is not module:
         name = next((n for n, m in module.named_modules() if m is given and n), None)
         if name is None:
             return None
-        while _compiled(given) is not None:  # the part's keys carry the compiled wrapper's `_orig_mod.`
-            given, name = _compiled(given), f"{name}._orig_mod"
+        while inside_compile(given) is not None:  # the part's keys carry the compiled wrapper's `_orig_mod.`
+            given, name = inside_compile(given), f"{name}._orig_mod"
         return Part(given, f"{name}.")
     peft = sys.modules.get("peft")
     if peft is None or given is None:
@@ -79,9 +81,3 @@ def find(given: Any, module: Any) -> Part | None:
         return None
     name, peft_model = outer[0]
     return Part(peft_model, f"{name}.")
-
-
-def _compiled(model: Any) -> Any:
-    """The module inside `torch.compile`'s wrapper `model`, else None."""
-    inner = getattr(model, "_orig_mod", None) if isinstance(model, torch.nn.Module) else None
-    return inner if isinstance(inner, torch.nn.Module) else None

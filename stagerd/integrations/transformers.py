@@ -64,6 +64,7 @@ from transformers import Trainer, TrainerCallback
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
 from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
+from stagerd.training.config_model import uncompiled
 from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
 
@@ -294,7 +295,7 @@ class StagerdCallback(TrainerCallback):
         stager = self._attach(trainer)
         msd, optim = hf_trainer.state_to_save(trainer, captured, stager.rank)
         options = dict(self.save_options)
-        exported = hf_trainer.exported_model(trainer.model)
+        exported = uncompiled(trainer.model)  # a model the user compiled: the one inside, as saved
         extras: dict[str, Any] = {}
         if stager.rank == 0:
             if self._model_files is None:

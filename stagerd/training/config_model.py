@@ -35,6 +35,20 @@ class Found:
     prefix: str
 
 
+def inside_compile(model: Any) -> Any:
+    """The module inside `torch.compile`'s wrapper (an `OptimizedModule`) `model`, else None."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, torch.nn.Module) else None
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def uncompiled(model: Any) -> Any:
+    """`model` outside every `torch.compile` wrapper: its `state_dict` keys carry no `_orig_mod.`, as
+    `get_model_state_dict`'s do not."""
+    while (inner := inside_compile(model)) is not None:
+        model = inner
+    return model
+
+
 def inner_model(module: Any) -> Found | None:
     """The outermost transformers model in `module`, if there is exactly one (and no PEFT model)."""
     tf = sys.modules.get("transformers")

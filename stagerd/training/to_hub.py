@@ -108,11 +108,7 @@ def resolve(
 def _outside_compile(model: Any, keys: list[str]) -> Any:
     """The model inside `torch.compile`'s wrapper where the saved keys are its own: `model.state_dict()`
     of a compiled model carries `_orig_mod.`, `get_model_state_dict`'s does not."""
-    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-        if any(k.startswith("_orig_mod.") for k in keys):
-            break
-        model = model._orig_mod
-    return model
+    return model if any(k.startswith("_orig_mod.") for k in keys) else config_model.uncompiled(model)
 
 
 def _exporting(plan: HubPlan, sd: Mapping[str, torch.Tensor]) -> HubPlan:
