@@ -25,12 +25,11 @@ import threading
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.daemon.meta_models import Tensors, saved_outputs, stand_ins
 from stagerd.daemon.state import log
-from stagerd.errors import StagerdError
+from stagerd.errors import HubPlanError, StagerdError
 
-Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
 HEAD = "lm_head.weight"  # the output embedding a causal LM ties to its input one
 KEPT = "the export keeps the checkpoint's own names, which may not be those save_pretrained writes"
 
@@ -84,20 +83,17 @@ def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
         _say(f"{names}, but transformers is not installed beside stagerd; {KEPT}", logging.INFO)
         return None
     try:
-        import torch
         import transformers  # noqa: F401  config_model finds it among the loaded modules
     except Exception as e:  # an install that fails to import: the names are kept
         _say(f"{names}, but transformers fails to import ({type(e).__name__}: {e}); {KEPT}", logging.INFO)
         return None
     from stagerd.training import to_hub
 
-    sd = {}
-    for name, (shape, dt) in tensors.items():
-        torch_name = dtypes.lookup(dt).torch_name
-        if torch_name is None:
-            _say(f"{name!r} is {dt}, which torch has no dtype for; {KEPT}")
-            return None
-        sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
+    try:
+        sd = stand_ins(tensors)
+    except HubPlanError as e:
+        _say(f"{e.message}; {KEPT}")
+        return None
     found = _whole_model(config, sd)
     if isinstance(found, str):
         if not _saved_already(config, set(sd)):  # AutoModel's own MoE models save the Hub's names
@@ -158,17 +154,8 @@ def _saved_already(config: Mapping[str, Any], names: set[str]) -> bool:
 
 def _save_names(cls: Any, config: Mapping[str, Any]) -> set[str] | None:
     """The names `save_pretrained` writes of `cls` built from `config` on the meta device, or None."""
-    import torch
-    import transformers as tf
-
-    from stagerd.training.trace.resolve import transformers_plan
-
     try:
-        with torch.device("meta"):
-            model = cls._from_config(tf.CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)))
-        own = model.state_dict()
-        plan = transformers_plan(model, own, {})
-        return {v.name for v in plan.outputs({k: tuple(v.shape) for k, v in own.items()})}
+        return set(saved_outputs(cls, config)[1])
     except Exception:  # an unknown model_type, a model this config cannot build, a conversion not planned
         return None
 

@@ -24,11 +24,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from stagerd.contract import dtypes
 from stagerd.contract.hub_plan import HubPlan
+from stagerd.daemon.meta_models import Tensors, saved_outputs, stand_ins
 from stagerd.errors import HubPlanError
-
-Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
 
 # config.json's model_type -> (torchtitan's model package, a registry flavor of the same kind)
 TITAN_MODELS: dict[str, tuple[str, str]] = {
@@ -67,8 +65,6 @@ def stand_in_ep_kernels() -> None:
 
 
 def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPlan:
-    import torch
-
     from stagerd.training.trace.resolve import traced_plan
 
     package, flavor = TITAN_MODELS[model_type]
@@ -77,12 +73,7 @@ def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPl
     spec = titan.model_registry(flavor)
     model_config = _model_config(spec.model, config)
     adapter = spec.state_dict_adapter(model_config, None)
-    sd = {}
-    for name, (shape, dt) in tensors.items():
-        torch_name = dtypes.lookup(dt).torch_name
-        if torch_name is None:
-            raise HubPlanError(f"{name!r} is {dt}, which torch has no dtype for")
-        sd[name] = torch.empty(shape, dtype=getattr(torch, torch_name), device="meta")
+    sd = stand_ins(tensors)
     plan = traced_plan(sd, {}, adapter.to_hf, "torchtitan")
     got = {v.name: tuple(v.shape) for v in plan.outputs({k: tuple(v.shape) for k, v in sd.items()})}
     order, want, parameters = _saved(config)
@@ -113,11 +104,8 @@ def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
 def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int]:
     """What `save_pretrained` of config.json's causal LM writes: its names in order, their shapes, and its
     num_parameters() (for the index)."""
-    import torch
     import transformers as tf
     from transformers.models.auto import modeling_auto as auto
-
-    from stagerd.training.trace.resolve import transformers_plan
 
     model_type = config["model_type"]
     name = next((a for a in config.get("architectures") or () if isinstance(a, str)), None)
@@ -125,11 +113,4 @@ def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, .
     cls = getattr(tf, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel)):
         raise HubPlanError(f"transformers has no causal LM for model_type {model_type!r}")
-    with torch.device("meta"):
-        model = cls._from_config(tf.CONFIG_MAPPING[model_type].from_dict(dict(config)))
-    own = model.state_dict()
-    plan = transformers_plan(model, own, {})
-    views = plan.outputs({k: tuple(v.shape) for k, v in own.items()})
-    shapes = {v.name: tuple(v.shape) for v in views}
-    order = [n for n in plan.order if n in shapes] or list(shapes)
-    return order, shapes, model.num_parameters()
+    return saved_outputs(cls, config)
