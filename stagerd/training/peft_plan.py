@@ -28,6 +28,7 @@ import torch
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.lora_merge import ExpertLayout, LoraMerge, MergeKind, marker_list
 from stagerd.errors import HubPlanError
+from stagerd.training.hf_config_files import merged_parameters
 from stagerd.training.peft_tokens import ADAPTER, DELTA, row_parts, token_rows, unwrapped_paths
 from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
@@ -179,7 +180,7 @@ def merged_plan(model: Any, sd: Mapping[str, torch.Tensor], aliases: Mapping[str
     # merge_and_unload() puts each base layer where its LoRA layer was, and drops the LoRA matrices
     keys = [_unwrapped(k) for k in base.state_dict(keep_vars=True) if ".lora_" not in k]
     keys = [n for k in keys if (n := _merged_name(k, saved)) is not None]
-    parameters = _merged_parameters(base, saved)
+    parameters = sum(p.numel() for p in merged_parameters(base))  # merge_and_unload()'s num_parameters()
     with _params_unwrapped(base):
         plan = trace.transformers_plan(base, sd2, aliases2, keys=keys, parameters=parameters)
     shapes = {n: tuple(t.shape) for n, t in sd2.items()}
@@ -298,18 +299,6 @@ def _modules_to_save(model: Any, name: str) -> dict[str, str]:
         path = mname.removeprefix(_PREFIX)
         out[path] = f"{path}.modules_to_save.{name}"
     return out
-
-
-def _merged_parameters(base: Any, saved: Mapping[str, str]) -> int:
-    """num_parameters() of merge_and_unload()'s model: each kept tensor once. A weight tied to a wrapper's
-    original is one of them: `named_parameters()` of the PEFT model lists it once, under the original."""
-    seen: set[int] = set()
-    total = 0
-    for n, p in base.named_parameters(remove_duplicate=False):
-        if ".lora_" not in n and _merged_name(n, saved) and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
 
 
 def _merged_name(key: str, saved: Mapping[str, str]) -> str | None:
