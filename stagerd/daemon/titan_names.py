@@ -2,15 +2,19 @@
 `StateDictAdapter.to_hf` (what its `last_save_in_hf` runs), where config.json names a model torchtitan
 has an adapter for.
 
-`to_hf` runs, unchanged, on traced meta stand-ins of the checkpoint's tensors (global shapes from
-`.metadata`, `training/trace/`): its renames, the tied head it leaves out and its split of grouped experts
-per expert become the byte moves of a `HubPlan`; any op that is not one is refused by name. The adapter
-reads from its model config only whether the head is tied and how many experts a MoE layer has: those are
-taken from config.json, on a registry flavor of the same kind (dense or MoE). The result must be, name for
-name and shape for shape, what transformers' `save_pretrained` of config.json's model writes: otherwise
-(or where torchtitan cannot be imported) the plan is refused, and the daemon (`hf_names.py`) warns once
-and lets the preset's own rules decide. Llama 3 keeps those rules (they permute the RoPE rows as
-torchtitan's Llama adapter does). The caller holds the daemon's planning lock: one plan at a time.
+`to_hf` runs, unchanged, on traced meta stand-ins of the checkpoint's tensors (global shapes from `.metadata`,
+`training/trace/`): its renames, the tied head it leaves out and its split of grouped experts per expert
+become the byte moves of a `HubPlan`; any op that is not one is refused by name. The adapter reads from its
+model config only whether the head is tied, how many experts a MoE layer has and (DeepSeek V3) whether the
+query is low-rank: those are taken from config.json, on a registry flavor of the same kind (dense or MoE).
+DeepSeek V3's to_hf is renames and the expert split only: its RoPE rows stay interleaved pairs, as
+transformers reads them where config.json says `rope_interleave` (its default); a config.json that says
+otherwise, or a checkpoint with multi-token prediction layers (which transformers' model lacks), is refused by
+name. The result must be, name for name and shape for shape, what transformers' `save_pretrained` of
+config.json's model writes: otherwise (or where torchtitan cannot be imported) the plan is refused, and the
+daemon (`hf_names.py`) warns once and lets the preset's own rules decide. Llama 3 keeps those rules (they
+permute the RoPE rows as torchtitan's Llama adapter does). The caller holds the daemon's planning lock: one
+plan at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from stagerd.errors import HubPlanError
 TITAN_MODELS: dict[str, tuple[str, str]] = {
     "qwen3": ("torchtitan.models.qwen3", "debugmodel"),
     "qwen3_moe": ("torchtitan.models.qwen3", "debugmodel_moe"),
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "debugmodel"),
 }
 # torchtitan's model package imports its expert-parallel dispatch, Triton kernels, on import; see
 # `stand_in_ep_kernels`.
@@ -67,6 +72,7 @@ def stand_in_ep_kernels() -> None:
 def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPlan:
     from stagerd.training.trace.resolve import traced_plan
 
+    _refuse_deepseek_v3(tensors, config, model_type)
     package, flavor = TITAN_MODELS[model_type]
     stand_in_ep_kernels()
     titan = importlib.import_module(package)
@@ -87,17 +93,39 @@ def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPl
     return replace(plan, order=tuple(n for n in order if n in got), parameters=parameters)
 
 
+def _refuse_deepseek_v3(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> None:
+    """What DeepSeek V3's to_hf gives by byte moves that transformers' model would not compute with."""
+    if model_type != "deepseek_v3":
+        return
+    if config.get("rope_interleave", True) is False:
+        # the rows would need reordering within each head's RoPE part, which to_hf does not do
+        raise HubPlanError(
+            "config.json says rope_interleave false, but torchtitan's RoPE rows are interleaved pairs"
+        )
+    if any(n.startswith("mtp_layers.") for n in tensors):
+        # to_hf numbers them on after the main layers; transformers' DeepseekV3ForCausalLM has none
+        raise HubPlanError(
+            "torchtitan's multi-token prediction layers (mtp_layers.*) are not in what save_pretrained writes"
+        )
+
+
 def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
     """The flavor's model config with what `to_hf` reads of it taken from config.json."""
     out = copy.deepcopy(flavor)
     out.enable_weight_tying = bool(config.get("tie_word_embeddings", False))
-    # the Hub's Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    # the Hub's Qwen3-MoE configs say num_experts, transformers 5 writes num_local_experts; DeepSeek V3's
+    # say n_routed_experts
+    experts = next(
+        (config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None
+    )
     for layer in out.layers:
         if getattr(layer, "moe", None) is not None:
             if not isinstance(experts, int):
                 raise HubPlanError("a MoE model whose config.json gives no num_experts")
             layer.moe.num_experts = experts
+        # DeepSeek V3's MLA: a low-rank query (wq_a, q_norm, wq_b) or one projection (wq), by q_lora_rank
+        if hasattr(getattr(layer, "attention", None), "q_lora_rank"):
+            layer.attention.q_lora_rank = config.get("q_lora_rank") or 0
     return out
 
 
