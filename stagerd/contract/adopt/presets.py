@@ -112,7 +112,7 @@ PRESETS: dict[str, Preset] = {
             mapping={"strict": True, "rules": TORCHTITAN_LLAMA_RULES},
             tied=("lm_head.weight",),
             detect_key=r"tok_embeddings\.weight",
-            description="torchtitan CheckpointManager: checkpoint.folder/step-N (Llama 3; Qwen3 by to_hf)",
+            description="torchtitan CheckpointManager: checkpoint.folder/step-N (Llama 3; Qwen3, DSV3 to_hf)",
         ),
         Preset(
             "hf",
