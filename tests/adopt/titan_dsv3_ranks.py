@@ -1,10 +1,11 @@
 """A tiny torchtitan DeepSeek V3 (MLA with or without a low-rank query, one dense layer then one MoE layer
-with shared experts and a routing bias), built from torchtitan's own model package and configs, saved by
-torchtitan's CheckpointManager (`step-N` folders, the last model-only) on one gloo rank. The reference is
-torchtitan's own `DeepSeekV3StateDictAdapter.to_hf` of the same weights with config.json (`to_hf/`), those
-loaded by transformers' `DeepseekV3ForCausalLM.from_pretrained` (nothing missing or unexpected) and written
-by `save_pretrained` (`last/`), and the torchtitan model's own forward on `tokens()` (`titan.pt`: logits and
-layer 0's output); config.json also goes into the run's folder (its HF assets).
+with shared experts and a routing bias; yarn RoPE), built from torchtitan's own model package and configs,
+saved by torchtitan's CheckpointManager (`step-N` folders, the last model-only) on one gloo rank. The
+reference is torchtitan's own `DeepSeekV3StateDictAdapter.to_hf` of the same weights with config.json
+(`to_hf/`), those loaded by transformers' `DeepseekV3ForCausalLM.from_pretrained` (nothing missing or
+unexpected) and written by `save_pretrained` (`last/`), and the torchtitan model's own forward on
+`tokens()` (`titan.pt`: logits and layer 0's output); config.json also goes into the run's folder (its HF
+assets).
 
 torchtitan's model package imports its expert-parallel Triton kernels; on a CPU without triton the
 daemon's stand-in (`titan_names.stand_in_ep_kernels`) is installed first, as the daemon does."""
@@ -23,6 +24,9 @@ VOCAB, DIM, LAYERS, DENSE_LAYERS, HEADS, HIDDEN = 256, 64, 2, 1, 4, 96
 Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 32, 16, 16, 8, 16
 EXPERTS, SHARED, TOP_K, EXPERT_HIDDEN = 4, 1, 2, 32
 THETA, SEQ = 10000.0, 128
+# torchtitan's flavors scale RoPE by yarn; its `mscale` is transformers' mscale and mscale_all_dim both
+YARN = {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0}
+MSCALE = 0.7
 
 
 def tokens() -> Any:
@@ -41,11 +45,15 @@ def titan_config(q_lora: bool) -> Any:
     layers = dsv3._build_dsv3_layers(
         n_layers=LAYERS, n_dense_layers=DENSE_LAYERS, dim=DIM, n_heads=HEADS,
         q_lora_rank=Q_LORA if q_lora else 0, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE, v_head_dim=V_HEAD, mscale=1.0, dense_hidden_dim=HIDDEN,
+        qk_rope_head_dim=ROPE, v_head_dim=V_HEAD, mscale=MSCALE, dense_hidden_dim=HIDDEN,
         moe_hidden_dim=EXPERT_HIDDEN, num_experts=EXPERTS, num_shared_experts=SHARED, router_top_k=TOP_K,
         router_score_func="sigmoid", router_route_norm=True, router_route_scale=1.5, attn_backend="flex",
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
-        rope=ComplexRoPE.Config(dim=ROPE, max_seq_len=SEQ, theta=THETA),
+        rope=ComplexRoPE.Config(
+            dim=ROPE, max_seq_len=SEQ, theta=THETA, scaling="yarn", rope_factor=YARN["factor"],
+            beta_fast=YARN["beta_fast"], beta_slow=YARN["beta_slow"],
+            original_seq_len=YARN["original_max_position_embeddings"],
+        ),
     )  # fmt: skip
     return dsv3.DeepSeekV3Model.Config(
         vocab_size=VOCAB,
@@ -64,7 +72,7 @@ def hf_config(q_lora: bool) -> Any:
     import transformers as tf
 
     # what transformers' DeepSeek V3 computes as torchtitan's does: sigmoid routing (transformers' only
-    # kind), one expert group, torchtitan's RMSNorm eps (1e-5; transformers' default is 1e-6)
+    # kind), one expert group, torchtitan's RMSNorm eps (1e-5; transformers' default is 1e-6), the same yarn
     return tf.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=HIDDEN, moe_intermediate_size=EXPERT_HIDDEN,
         num_hidden_layers=LAYERS, first_k_dense_replace=DENSE_LAYERS, num_attention_heads=HEADS,
@@ -72,7 +80,9 @@ def hf_config(q_lora: bool) -> Any:
         num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5,
         q_lora_rank=Q_LORA if q_lora else None, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE,
         qk_rope_head_dim=ROPE, v_head_dim=V_HEAD, rope_interleave=True, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": THETA}, max_position_embeddings=SEQ,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": THETA, **YARN, "mscale": MSCALE, "mscale_all_dim": MSCALE,
+        }, max_position_embeddings=SEQ,
         tie_word_embeddings=False, num_mtp_layers=0, architectures=["DeepseekV3ForCausalLM"],
     )  # fmt: skip
 
