@@ -38,12 +38,11 @@ def main() -> int:
         choices=("default", "steady"),
         default="default",
         help="steady: the daemon runs with MALLOC_ARENA_MAX=2 and a fixed 1 MiB mmap threshold, so RSS "
-        "shows live memory rather than glibc's cached arenas and 8 MiB buffers (as tests/test_load.py)",
+        "shows live memory rather than glibc's cached arenas and 8 MiB buffers (as the load test)",
     )
     a = ap.parse_args()
 
-    from tests.test_load import STEADY_ALLOCATOR, run_load
-
+    from tests.daemon.test_load import STEADY_ALLOCATOR, run_load
     from tests.dcp_fixtures import dcp_save
     from tests.s3server import S3Env, S3TestServer
 

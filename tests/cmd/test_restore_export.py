@@ -143,10 +143,12 @@ def test_an_export_restores_into_the_empty_directory_one_is_in(tmp_path, monkeyp
 
 def test_a_hub_that_cannot_be_reached_is_a_named_error_not_a_traceback(tmp_path):
     """Before: the httpx ConnectError of a Hub that refuses connections, or drops each download, came out
-    as a raw traceback (exit 1); now a retryable SinkError (exit 3)."""
+    as a raw traceback (exit 1); now a retryable SinkError (exit 3). Two attempts with a short backoff: each
+    attempt's download is already tried six times by huggingface_hub itself, a second apart."""
     from tests.hubserver.faults import Fault
 
     with hub_with_step(tmp_path) as (hub, url, env, _export):
+        url += "&max_attempts=2&backoff_base=0.05&backoff_max=0.05"
         hub.faults.add(Fault("GET", r"/resolve/", drop=True, times=1000))
         r = run_restore(url, tmp_path / "dropped", "--export", env=env)
         assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,21 @@ pytestmark = pytest.mark.slow
 NAME = f"epoch_0_step_{tiny.STEPS}"
 
 
-def train(root: Path, moe_rank_scaling: bool) -> Path:
-    launch(moe.train, str(root), "", free_port(), True, moe_rank_scaling, world=1)
-    return root / NAME
+@pytest.fixture(scope="module")
+def train(tmp_path_factory) -> Callable[[Path, bool], Path]:
+    """`train(root, moe_rank_scaling)`: a copy of its own at `root` of AutoModel's output, trained once per
+    `moe_rank_scaling` for the module (each watch writes its journal and adopted export under `root`)."""
+    runs: dict[bool, Path] = {}
+
+    def copy(root: Path, moe_rank_scaling: bool) -> Path:
+        if moe_rank_scaling not in runs:
+            run = tmp_path_factory.mktemp("automodel") / "train"
+            launch(moe.train, str(run), "", free_port(), True, moe_rank_scaling, world=1)
+            runs[moe_rank_scaling] = run
+        shutil.copytree(runs[moe_rank_scaling], root, symlinks=True)
+        return root / NAME
+
+    return copy
 
 
 def work_dir(root: Path) -> Path:
@@ -54,7 +67,7 @@ def weights(root: Path) -> tuple[int, int]:
     return st.st_ino, st.st_mtime_ns
 
 
-def test_an_older_builds_export_is_checked_again_and_refused_before_a_new_sink_gets_it(tmp_path):
+def test_an_older_builds_export_is_checked_again_and_refused_before_a_new_sink_gets_it(train, tmp_path):
     ckpt = train(tmp_path / "train", moe_rank_scaling=True)
     aside = tmp_path / AUTOMODEL_PEFT_CONFIG
     os.rename(ckpt / "model" / AUTOMODEL_PEFT_CONFIG, aside)
@@ -72,7 +85,7 @@ def test_an_older_builds_export_is_checked_again_and_refused_before_a_new_sink_g
     assert tree_digest(tmp_path / "train") == before
 
 
-def test_an_older_builds_export_is_rebuilt_for_a_new_sink_and_this_builds_is_sent_as_it_is(tmp_path):
+def test_an_older_builds_export_is_rebuilt_for_a_new_sink_and_this_builds_is_sent_as_it_is(train, tmp_path):
     train(tmp_path / "train", moe_rank_scaling=False)
     res = watch_once(tmp_path / "train", tmp_path / "a")
     assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr
@@ -95,7 +108,7 @@ def test_an_older_builds_export_is_rebuilt_for_a_new_sink_and_this_builds_is_sen
     assert len({p.read_bytes() for p in sent}) == 1  # the rebuild gives the bytes the first sinks hold
 
 
-def test_an_older_builds_export_whose_checkpoint_is_gone_is_sent_nowhere_new(tmp_path):
+def test_an_older_builds_export_whose_checkpoint_is_gone_is_sent_nowhere_new(train, tmp_path):
     ckpt = train(tmp_path / "train", moe_rank_scaling=False)
     res = watch_once(tmp_path / "train", tmp_path / "a")
     assert "1 step(s) published, 0 not" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,13 @@ def run(tmp_path_factory) -> Path:
     return tmp
 
 
+@pytest.fixture(scope="module")
+def exported(run) -> tuple[Any, Path]:
+    """`watch --once` of the Trainer's checkpoint, given the model's config.json: (the watch, its sink)."""
+    sink = run / "sink"
+    return watch_once(run / "train", sink, "--extras", str(run / "extras")), sink
+
+
 def _watched(run: Path, name: str) -> Path:
     """A ROOT of its own holding a copy of the Trainer's checkpoint: each watch keeps its own journal."""
     root = run / name
@@ -51,15 +59,15 @@ def test_the_trainers_checkpoint_holds_the_fused_live_names(run):
     assert SPLIT in tensors(run / "ref") and FUSED not in tensors(run / "ref")
 
 
-def test_the_export_is_what_save_pretrained_writes_and_loads(run, tmp_path):
+def test_the_export_is_what_save_pretrained_writes_and_loads(run, exported):
     import torch
     import transformers as tf
 
-    res = watch_once(run / "train", tmp_path / "sink", "--extras", str(run / "extras"))
+    res, sink = exported
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "1 step(s) published, 0 not" in out, out
     assert KEPT not in out, out
-    export = published(tmp_path / "sink", tiny.STEPS)
+    export = published(sink, tiny.STEPS)
     assert_same_tensors(export, run / "ref")  # names, dtypes, shapes and bytes
     assert_same_weight_files(export, run / "ref")  # and its file, header and order included
     model, info = tf.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
@@ -102,13 +110,11 @@ def test_a_config_of_another_model_keeps_the_names_and_says_so_once(run, tmp_pat
         assert FUSED in names and SPLIT not in names
 
 
-def test_verify_and_consolidate_take_the_names_watch_exports(run, tmp_path):
+def test_verify_and_consolidate_take_the_names_watch_exports(run, exported, tmp_path):
     ckpt, extras = run / "train" / CKPT, str(run / "extras")
-    res = watch_once(_watched(run, "verified"), tmp_path / "sink", "--extras", extras)
+    res, sink = exported
     assert res.returncode == 0, res.stdout + res.stderr
-    res = run_cli(
-        ["verify", published(tmp_path / "sink", tiny.STEPS), "--against", ckpt, "--adopt", "--extras", extras]
-    )
+    res = run_cli(["verify", published(sink, tiny.STEPS), "--against", ckpt, "--adopt", "--extras", extras])
     assert res.returncode == 0 and "every byte equal to" in res.stdout, res.stdout + res.stderr
     res = run_cli(["consolidate", ckpt, tmp_path / "hf", "--adopt", "--extras", extras])
     assert res.returncode == 0, res.stdout + res.stderr
