@@ -1,7 +1,7 @@
 """One registry case, end to end in this process: build the tiny model, save it through the Stager with
 `model=`, export it kept and in bf16 (the engine's own `build_export`, as the daemon runs it), and
-compare each export with `save_pretrained` of the same weights: names, dtypes, shapes, bytes, and the
-config's dtype."""
+compare each export with `save_pretrained` of the same weights (in bf16, as `from_pretrained` loads them
+in bf16: what the class keeps in float32 stays so): names, dtypes, shapes, bytes, and the config's dtype."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
                 open_source(step_dir), out, dtype=dtype, keep_dtype=None, reference=None,
                 max_shard_size=DEFAULT_MAX_SHARD_SIZE, threads=1, progress=None,
             )  # fmt: skip
-            (model if dtype is None else model.to(torch.bfloat16)).save_pretrained(ref)
+            (model if dtype is None else loaded_in(model, torch.bfloat16)).save_pretrained(ref)
             harness.assert_same_tensors(out, ref)
             harness.assert_same_weight_files(out, ref)
             for name in ("config.json", "generation_config.json"):
@@ -118,6 +118,26 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
         for mode in ("keep", "bf16", "sharded"):
             shutil.rmtree(tmp / f"export-{mode}", ignore_errors=True)
             shutil.rmtree(tmp / f"ref-{mode}", ignore_errors=True)
+    return model
+
+
+def loaded_in(model: Any, dtype: Any) -> Any:
+    """`model` cast to `dtype` in place as `from_pretrained(dtype=dtype)` of its float32 save holds it: what
+    its class keeps in float32 under that dtype (transformers' own `_get_dtype_plan`, its patterns searched
+    in each name as its loader searches them) stays as it was."""
+    import torch
+    from transformers.core_model_loading import build_glob_alternation
+
+    kept = model._get_dtype_plan(dtype)
+    pattern = build_glob_alternation(list(kept))[0] if kept else None
+    # a tied pair once, by its first name: the one save_pretrained writes and from_pretrained loads
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    held = {n: t.detach().clone() for n, t in own.items() if pattern is not None and pattern.search(n)}
+    model.to(dtype)
+    with torch.no_grad():
+        for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+            if n in held:
+                t.data = held[n]
     return model
 
 
