@@ -15,6 +15,7 @@ from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from stagerd.errors import HubPlanError
 from tests.fidelity import harness
+from tests.fidelity.loaded import loaded_in
 from tests.fidelity.registry import tiny
 from tests.fidelity.registry.cases import Case
 
@@ -118,26 +119,6 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
         for mode in ("keep", "bf16", "sharded"):
             shutil.rmtree(tmp / f"export-{mode}", ignore_errors=True)
             shutil.rmtree(tmp / f"ref-{mode}", ignore_errors=True)
-    return model
-
-
-def loaded_in(model: Any, dtype: Any) -> Any:
-    """`model` cast to `dtype` in place as `from_pretrained(dtype=dtype)` of its float32 save holds it: what
-    its class keeps in float32 under that dtype (transformers' own `_get_dtype_plan`, its patterns searched
-    in each name as its loader searches them) stays as it was."""
-    import torch
-    from transformers.core_model_loading import build_glob_alternation
-
-    kept = model._get_dtype_plan(dtype)
-    pattern = build_glob_alternation(list(kept))[0] if kept else None
-    # a tied pair once, by its first name: the one save_pretrained writes and from_pretrained loads
-    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    held = {n: t.detach().clone() for n, t in own.items() if pattern is not None and pattern.search(n)}
-    model.to(dtype)
-    with torch.no_grad():
-        for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
-            if n in held:
-                t.data = held[n]
     return model
 
 
