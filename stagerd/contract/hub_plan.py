@@ -24,7 +24,11 @@ the training side does, where transformers is installed). Every output tensor is
 - `zeros`: tensors of zeros (`ZeroFill`: name, dtype, shape) the views may read like staged tensors: the
   padding a conversion appends (`new_zeros` then `cat`) is a part whose source is one. The engine gives
   them a place in the same scratch shard, a sparse hole that reads as zeros, so they are copied like any
-  other bytes and never held; a zero fill is never written under its own name.
+  other bytes and never held; a zero fill is never written under its own name;
+- `uncast`: per cast target (`BF16`, `F16`), the outputs a cast to it leaves in their saved dtype: what
+  transformers keeps in float32 when it holds the model in that dtype (`_keep_in_fp32_modules_strict` for
+  both, `_keep_in_fp32_modules` for F16 too), so the export is what `save_pretrained` of the model loaded
+  in that dtype writes. An older stagerd ignores it and casts them.
 
 Splits (MoE experts, fused QKV or gate/up), renames, tied duplicates written with their own bytes, and
 dropped keys are all views. No torch here: the daemon reads this.
@@ -124,6 +128,11 @@ class HubPlan:
     order: tuple[str, ...] = ()
     shared: tuple[SharedStorage, ...] = ()
     parameters: int | None = None
+    uncast: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (cast target, outputs it leaves as saved)
+
+    def uncast_for(self, target: str | None) -> tuple[str, ...]:
+        """The outputs a cast to `target` (a safetensors name; None: kept) leaves in their saved dtype."""
+        return next((names for dt, names in self.uncast if dt == target), ())
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -147,6 +156,8 @@ class HubPlan:
             ]
         if self.parameters is not None:
             d["parameters"] = self.parameters
+        if self.uncast:
+            d["uncast"] = {dt: list(names) for dt, names in self.uncast}
         return d
 
     @classmethod
@@ -187,6 +198,7 @@ class HubPlan:
             )
             parameters = None if d.get("parameters") is None else as_int(d["parameters"])
             origin = as_str(d.get("origin", "aliases"))
+            uncast = uncast_targets(d.get("uncast", {}), as_strs)
             return cls(
                 views,
                 drop,
@@ -196,6 +208,7 @@ class HubPlan:
                 order=order,
                 shared=shared,
                 parameters=parameters,
+                uncast=uncast,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None
@@ -343,6 +356,23 @@ def check_box(v: TensorView, src: tuple[int, ...], *, path: object = None) -> No
             f"view {v.name!r}: shape {list(v.shape)} is not its box {list(v.size)} of {v.source!r}",
             path=path,
         )
+
+
+def uncast_targets(d: Any, names: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A marker's `uncast` (`{target: names}`, each list read by `names`); a target that is no cast target
+    is a ValueError (a malformed plan), never a list applied to another dtype."""
+    if not isinstance(d, dict):
+        raise TypeError(f"expected an object of cast targets, got {type(d).__name__}")
+    out = []
+    for dt, listed in d.items():
+        try:
+            castable = dtypes.lookup(as_str(dt)).castable
+        except DTypeError:
+            castable = False
+        if not castable:
+            raise ValueError(f"uncast names {str(dt)[:50]!r}, which is no cast target")
+        out.append((dt, tuple(names(listed))))
+    return tuple(out)
 
 
 def _holds(x: Any) -> Holds:

@@ -11,7 +11,8 @@ keeps both to a few dozen bytes per tensor beyond the names themselves, which ar
   fields at the end left out; `drop`, `order` and each `shared` storage's names are name lists, whose items
   are names or runs `[first, count]` of the tensor names followed by the views' names, so a save order
   that walks the tensors and the views in runs is a few numbers. A shared storage is `[numel, names]`, or
-  `[numel, names, holds]` where it does not always hold (`Holds`; one without it always holds). Merges,
+  `[numel, names, holds]` where it does not always hold (`Holds`; one without it always holds); `uncast`
+  is `{target: name list}`. Merges,
   zero fills, `origin` and `parameters` are as in `stagerd.hub/1` (`HubPlan.to_json`);
 - `reference_index`, where it is a weight_map: `{"files": [...], "names": [name list per file]}`, over the
   tensor names followed by the hub plan's view names.
@@ -28,7 +29,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from stagerd.contract.hub_plan import HUB_PLAN_FORMAT, Holds, HubPlan, SharedStorage, TensorView
+from stagerd.contract.hub_plan import (
+    HUB_PLAN_FORMAT,
+    Holds,
+    HubPlan,
+    SharedStorage,
+    TensorView,
+    uncast_targets,
+)
 from stagerd.errors import HubPlanError, MarkerError
 
 COMPACT_PLAN_FORMAT = "stagerd.hub/2"
@@ -87,7 +95,7 @@ def decode_tensors(d: Any, make: Callable[[str, tuple[int, ...]], Info], *, path
 
 def encode_plan(plan: HubPlan, tensors: Sequence[str]) -> dict[str, Any]:
     """`plan` in the compact form, against the marker's tensor names `tensors` (in their order)."""
-    d = replace(plan, views=(), drop=(), order=(), shared=()).to_json()
+    d = replace(plan, views=(), drop=(), order=(), shared=(), uncast=()).to_json()
     d["format"] = COMPACT_PLAN_FORMAT
     index: dict[str, int] = {}
     for i, n in enumerate(tensors):
@@ -109,6 +117,8 @@ def encode_plan(plan: HubPlan, tensors: Sequence[str]) -> dict[str, Any]:
         d["order"] = _encode_names(plan.order, index)
     if plan.shared:
         d["shared"] = [_shared_json(g, index) for g in plan.shared]
+    if plan.uncast:
+        d["uncast"] = {dt: _encode_names(names, index) for dt, names in plan.uncast}
     return d
 
 
@@ -117,7 +127,7 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
     if not (isinstance(d, dict) and d.get("format") == COMPACT_PLAN_FORMAT):
         return HubPlan.from_json(d, path=path)
     try:
-        rest = {k: v for k, v in d.items() if k not in ("views", "drop", "order", "shared")}
+        rest = {k: v for k, v in d.items() if k not in ("views", "drop", "order", "shared", "uncast")}
         base = HubPlan.from_json({**rest, "format": HUB_PLAN_FORMAT, "views": []}, path=path)
         v = d["views"]
         names, sources, box = v["names"], v["sources"], v["box"]
@@ -134,6 +144,7 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
             drop=_decode_names(d.get("drop", []), table, path),
             order=_decode_names(d.get("order", []), table, path),
             shared=tuple(_shared(g, table, path) for g in d.get("shared", ())),
+            uncast=uncast_targets(d.get("uncast", {}), lambda items: _decode_names(items, table, path)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None

@@ -57,7 +57,9 @@ def plan(
     weight_map whose grouping to keep; `expected` the global dtype and shape of every tensor as the trainer
     saw it (from the commit marker), which catches a missing trailing shard; `out_dtypes` pins the output
     dtype of named tensors (verify uses it to re-derive an existing export); `views` the commit marker's
-    to-Hub plan, applied once the staged tensors are checked (names, dtypes and files are then the Hub's).
+    to-Hub plan, applied once the staged tensors are checked (names, dtypes and files are then the Hub's);
+    the outputs it leaves uncast for `dtype` (what the model's class keeps in float32) are kept, as
+    `keep_dtype`'s are.
     """
     if dtype is not None:
         dt = dtypes.lookup(dtype)
@@ -82,8 +84,10 @@ def plan(
         names = list(ids)
         shape_at, shape_ndim, dims, _ = global_shapes(table, names)
 
+    uncast = _uncast(views, dtype, ids, where)
     out_code = array(
-        "B", (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep)] for t, n in enumerate(names))
+        "B",
+        (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep, uncast)] for t, n in enumerate(names)),
     )
     for n, dt_name in (out_dtypes or {}).items():
         pinned = ids.get(n)
@@ -249,7 +253,18 @@ def _check_expected(
             )
 
 
-def _out_dtype(name: str, src: str, target: str | None, keep: re.Pattern[str] | None) -> str:
-    if target is None or not dtypes.lookup(src).castable or (keep is not None and keep.search(name)):
+def _uncast(views: HubPlan | None, target: str | None, ids: Mapping[str, int], where: str) -> frozenset[str]:
+    """The outputs the plan leaves in their saved dtype under a cast to `target`; each must be an output."""
+    names = frozenset(views.uncast_for(target)) if views is not None and target is not None else frozenset()
+    missing = next((n for n in names if n not in ids), None)
+    if missing is not None:
+        raise HubPlanError(f"the plan keeps {missing!r} uncast, which it does not write", path=where)
+    return names
+
+
+def _out_dtype(
+    name: str, src: str, target: str | None, keep: re.Pattern[str] | None, uncast: frozenset[str]
+) -> str:
+    if target is None or not dtypes.lookup(src).castable or name in uncast:
         return src
-    return target
+    return src if keep is not None and keep.search(name) else target

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fidelity import models
+from tests.fidelity.loaded import loaded_in
 from tests.gloo import join
 
 STEPS = 3
@@ -75,11 +76,11 @@ def train_and_save(
             merged = copy.deepcopy(plain).merge_and_unload()
             torch.save(merged(input_ids=input_ids()).logits, out / "merged.logits.pt")
             merged.save_pretrained(out / "merged_keep")
-            merged.to(torch.bfloat16).save_pretrained(out / "merged_bf16")
+            loaded_in(merged, torch.bfloat16).save_pretrained(out / "merged_bf16")
         torch.save(plain(input_ids=input_ids()).logits, out / "keep.logits.pt")
         if hasattr(plain, "save_pretrained"):  # not the torchtitan-named model
             plain.save_pretrained(out / "keep")
-            plain.to(torch.bfloat16).save_pretrained(out / "bf16")
+            loaded_in(plain, torch.bfloat16).save_pretrained(out / "bf16")
 
 
 def _kwargs(save: dict[str, Any], model: Any) -> dict[str, Any]:

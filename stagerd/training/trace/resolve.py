@@ -32,6 +32,7 @@ import torch
 from stagerd.contract.dtypes import safetensors_name
 from stagerd.contract.hub_plan import Holds, HubPlan, SharedStorage, TensorView, ZeroFill
 from stagerd.errors import HubPlanError
+from stagerd.training.trace import fp32_modules
 from stagerd.training.trace import parts as trace_parts
 from stagerd.training.trace.boxes import box_of, flat_box
 from stagerd.training.trace.storages import StorageKey, kept_storages
@@ -191,7 +192,8 @@ def transformers_plan(
     keys: Sequence[str] | None = None,
     parameters: int | None = None,
 ) -> HubPlan:
-    """The plan that makes the staged `sd` (aliases removed) what `model.save_pretrained` writes. `keys`
+    """The plan that makes the staged `sd` (aliases removed) what `model.save_pretrained` writes (after a
+    cast, of the model loaded in that dtype: what it keeps in float32 is left uncast). `keys`
     and `parameters`: the state-dict order and num_parameters() of the model that is saved, where that is
     not `model` itself (a LoRA model's `merge_and_unload()`)."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -208,9 +210,11 @@ def transformers_plan(
         keys, storages = list(own), kept_storages(own)
     if parameters is None:
         parameters = model.num_parameters()
-    return traced_plan(
+    plan = traced_plan(
         sd, aliases, convert, "transformers", keys=keys, parameters=parameters, storages=storages
     )
+    shapes = {**{k: tuple(v.shape) for k, v in sd.items()}, **{z.name: z.shape for z in plan.zeros}}
+    return replace(plan, uncast=fp32_modules.uncast(model, plan, shapes))
 
 
 @contextlib.contextmanager

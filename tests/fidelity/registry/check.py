@@ -1,7 +1,7 @@
 """One registry case, end to end in this process: build the tiny model, save it through the Stager with
 `model=`, export it kept and in bf16 (the engine's own `build_export`, as the daemon runs it), and
-compare each export with `save_pretrained` of the same weights: names, dtypes, shapes, bytes, and the
-config's dtype."""
+compare each export with `save_pretrained` of the same weights (in bf16, as `from_pretrained` loads them
+in bf16: what the class keeps in float32 stays so): names, dtypes, shapes, bytes, and the config's dtype."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from stagerd.engine.export import build_export
 from stagerd.engine.source import open_source
 from stagerd.errors import HubPlanError
 from tests.fidelity import harness
+from tests.fidelity.loaded import loaded_in
 from tests.fidelity.registry import tiny
 from tests.fidelity.registry.cases import Case
 
@@ -95,7 +96,7 @@ def check(case: Case, stager: Any, step: int, tmp: Path, model: Any = None) -> A
                 open_source(step_dir), out, dtype=dtype, keep_dtype=None, reference=None,
                 max_shard_size=DEFAULT_MAX_SHARD_SIZE, threads=1, progress=None,
             )  # fmt: skip
-            (model if dtype is None else model.to(torch.bfloat16)).save_pretrained(ref)
+            (model if dtype is None else loaded_in(model, torch.bfloat16)).save_pretrained(ref)
             harness.assert_same_tensors(out, ref)
             harness.assert_same_weight_files(out, ref)
             for name in ("config.json", "generation_config.json"):
