@@ -27,9 +27,14 @@ def stand_ins(tensors: Tensors) -> dict[str, Any]:
     return sd
 
 
-def saved_outputs(cls: Any, config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int]:
-    """What `save_pretrained` of `cls` built from `config` writes: its names in order, their shapes, and its
-    num_parameters() (for the index)."""
+Uncast = tuple[tuple[str, tuple[str, ...]], ...]  # HubPlan.uncast: (cast target, outputs it leaves as saved)
+
+
+def saved_outputs(
+    cls: Any, config: Mapping[str, Any]
+) -> tuple[list[str], dict[str, tuple[int, ...]], int, Uncast]:
+    """What `save_pretrained` of `cls` built from `config` writes: its names in order, their shapes, its
+    num_parameters() (for the index), and per cast target the names the model keeps in float32 there."""
     import torch
     import transformers as tf
 
@@ -41,4 +46,4 @@ def saved_outputs(cls: Any, config: Mapping[str, Any]) -> tuple[list[str], dict[
     plan = transformers_plan(model, own, {})
     shapes = {v.name: tuple(v.shape) for v in plan.outputs({k: tuple(v.shape) for k, v in own.items()})}
     order = [n for n in plan.order if n in shapes] or list(shapes)
-    return order, shapes, model.num_parameters()
+    return order, shapes, model.num_parameters(), plan.uncast

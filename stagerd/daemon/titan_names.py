@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.daemon.meta_models import Tensors, saved_outputs, stand_ins
+from stagerd.daemon.meta_models import Tensors, Uncast, saved_outputs, stand_ins
 from stagerd.errors import HubPlanError
 
 # config.json's model_type -> (torchtitan's model package, a registry flavor of the same kind)
@@ -82,7 +82,7 @@ def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPl
     sd = stand_ins(tensors)
     plan = traced_plan(sd, {}, adapter.to_hf, "torchtitan")
     got = {v.name: tuple(v.shape) for v in plan.outputs({k: tuple(v.shape) for k, v in sd.items()})}
-    order, want, parameters = _saved(config)
+    order, want, parameters, uncast = _saved(config)
     if got != want:
         extra, lacks = sorted(set(got) - set(want)), sorted(set(want) - set(got))
         shapes = sorted(n for n in set(got) & set(want) if got[n] != want[n])
@@ -90,7 +90,8 @@ def _plan(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> HubPl
             f"to_hf does not give what save_pretrained writes (extra {extra[:3]}, lacking {lacks[:3]}, "
             f"other shapes {shapes[:3]})"
         )
-    return replace(plan, order=tuple(n for n in order if n in got), parameters=parameters)
+    # under a cast, what transformers keeps in float32 (DeepSeek V3's router), by save_pretrained's names
+    return replace(plan, order=tuple(n for n in order if n in got), parameters=parameters, uncast=uncast)
 
 
 def _refuse_deepseek_v3(tensors: Tensors, config: Mapping[str, Any], model_type: str) -> None:
@@ -129,9 +130,8 @@ def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
     return out
 
 
-def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int]:
-    """What `save_pretrained` of config.json's causal LM writes: its names in order, their shapes, and its
-    num_parameters() (for the index)."""
+def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int, Uncast]:
+    """What `save_pretrained` of config.json's causal LM writes (`meta_models.saved_outputs`)."""
     import transformers as tf
     from transformers.models.auto import modeling_auto as auto
 

@@ -83,6 +83,9 @@ def test_the_plan_is_save_pretrained_names_with_a_low_rank_query_or_not(q_lora):
     query = "q_a_proj" if q_lora else "q_proj"
     assert f"model.layers.0.self_attn.{query}.weight" in plan.order
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in plan.order
+    # a bf16 or fp16 export leaves the router as saved, as transformers keeps it in float32
+    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    assert set(plan.uncast_for("BF16")) == set(plan.uncast_for("F16")) == router
     # a config.json whose query is the other kind is not this checkpoint's model
     with pytest.raises(HubPlanError, match="KeyError"):
         titan_plan(tensors, {**config, "q_lora_rank": None if q_lora else 8})
