@@ -1,9 +1,12 @@
-"""A Hub sink's requests answered 429 or 5xx go to the sink's own retry policy, never huggingface_hub's.
+"""A Hub sink's requests answered 429 or 5xx, left unanswered or dropped go to the sink's own retry policy,
+never huggingface_hub's.
 
-huggingface_hub 2.4 retries such an answer itself inside a tree page, a history page and the upload modes
-(`http_backoff`: five more tries, each 429 slept out for its Retry-After). Before, a publish whose
-`max_retry_after` is 1 s slept through the Hub's Retry-After five times before the sink saw the 429, and
-`max_attempts=1` sent six requests. The same client outside a sink still retries as huggingface_hub does.
+huggingface_hub 2.4 retries such a request itself inside a tree page, a history page and the upload modes
+(`http_backoff`: five more tries, each 429 slept out for its Retry-After, the rest after 1 to 8 s). Before,
+a publish whose `max_retry_after` is 1 s slept through the Hub's Retry-After five times before the sink saw
+the 429, `max_attempts=1` sent six requests, and one attempt at a tree page that the Hub left unanswered
+took six read timeouts and 23 s of sleep. The same client outside a sink still retries as huggingface_hub
+does.
 """
 
 from __future__ import annotations
@@ -49,6 +52,29 @@ def test_each_5xx_answer_is_one_of_the_sinks_attempts(hub, tmp_path, method, pat
 
     assert hub.stats.count(method, path, status=503) == 2 and hub.stats.count(method, path, status=200) == 0
     assert hub.stats.commits[REPO] == 0
+
+
+def test_an_unanswered_request_is_one_attempt(hub, tmp_path):
+    export = one_file_export(tmp_path, 1)
+    hung = hub.hang(r"/tree/")
+
+    with pytest.raises(SinkError, match=r"gave up after 1 attempts: the Hub did not answer within 0\.5 s"):
+        make_sink(hub, timeout=0.5, connect_timeout=0.5, max_attempts=1).publish(export, 1)
+
+    hub.unhang()
+    assert not make_sink(hub).publish(export, 1).skipped
+    assert hung.fired == 1  # the tree requests that reached the hung Hub
+
+
+def test_a_dropped_connection_is_one_attempt(hub, tmp_path):
+    export = one_file_export(tmp_path, 1)
+    hub.faults.add(Fault("GET", r"/commits/main", drop=True))
+
+    with pytest.raises(SinkError, match="gave up after 1 attempts: connection failed"):
+        make_sink(hub, max_attempts=1).publish(export, 1)
+
+    assert hub.stats.commits[REPO] == 0
+    assert not make_sink(hub).publish(export, 1).skipped
 
 
 def test_outside_a_sink_huggingface_hub_still_retries_itself(hub, tmp_path):
