@@ -6,9 +6,11 @@ connection is tried five more times, each 429 slept out for its Retry-After and 
 failure after a backoff of 1 to 8 s. So a publish that `max_retry_after` should end at once waited five
 times the Hub's Retry-After first, one unanswered tree page held an attempt for six read timeouts and 23 s
 more, and `max_attempts` counted one request in six. Within `sink_policy_only()`, such a failure of a
-request of this thread is raised at once to the sink's retries: an answer as huggingface_hub's own error,
-a transport failure as `Unretried`, whose cause is httpx's error. Elsewhere in the process (another
-thread, a trainer's own Hub calls) huggingface_hub retries as it always does.
+Hub API request (`/api/...`) of this thread is raised at once to the sink's retries: an answer as
+huggingface_hub's own error, a transport failure as `Unretried`, whose cause is httpx's error. The LFS
+transfer keeps huggingface_hub's retries: a part answered 503 is sent again, not the whole file by the
+sink's next attempt. Elsewhere in the process (another thread, a trainer's own Hub calls)
+huggingface_hub retries as it always does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 # the answers huggingface_hub's `http_backoff` tries again
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _ACTIVE: ContextVar[bool] = ContextVar("stagerd_hub_sink_policy_only", default=False)
+
+
+def _applies(request: httpx2.Request) -> bool:
+    return _ACTIVE.get() and "/api/" in request.url.path
 
 
 class Unretried(Exception):
@@ -51,7 +57,7 @@ def attach(client: httpx2.Client) -> None:
         try:
             return send(request, **kwargs)
         except retried as e:
-            if not _ACTIVE.get():
+            if not _applies(request):
                 raise
             raise Unretried(f"{type(e).__name__} on {request.method} {request.url.path}") from e
 
@@ -60,8 +66,9 @@ def attach(client: httpx2.Client) -> None:
 
 
 def _raise_retried_answer(response: httpx2.Response) -> None:
-    """httpx response hook: inside `sink_policy_only`, a retried answer becomes huggingface_hub's error."""
-    if not _ACTIVE.get() or response.status_code not in RETRIED_STATUS:
+    """httpx response hook: inside `sink_policy_only`, a retried answer of the Hub API becomes
+    huggingface_hub's error."""
+    if response.status_code not in RETRIED_STATUS or not _applies(response.request):
         return
     from huggingface_hub.utils import hf_raise_for_status
 

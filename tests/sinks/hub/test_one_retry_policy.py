@@ -77,6 +77,20 @@ def test_a_dropped_connection_is_one_attempt(hub, tmp_path):
     assert not make_sink(hub).publish(export, 1).skipped
 
 
+@pytest.mark.parametrize("path", [r"^/_lfs/part/", r"/info/lfs/objects/batch$"])
+def test_the_lfs_transfer_keeps_huggingface_hubs_retries(hub, tmp_path, path):
+    """Only the Hub API's requests (`/api/...`) are the sink's to retry: a part of a multipart LFS upload
+    answered 503 is sent again by huggingface_hub, not the whole file by the sink's next attempt."""
+    export = one_file_export(tmp_path, 1)  # one LFS file, in three parts: uploaded in the calling thread
+    method = "PUT" if "part" in path else "POST"
+    hub.faults.add(Fault(method, path, status=503, skip=1 if "part" in path else 0))
+
+    result = make_sink(hub, max_attempts=1).publish(export, 1)
+
+    assert not result.skipped and hub.stats.count(method, path, status=503) == 1
+    assert hub.stats.count("PUT", r"^/_lfs/part/", status=200) == 3  # each part once
+
+
 def test_outside_a_sink_huggingface_hub_still_retries_itself(hub, tmp_path):
     make_sink(hub).publish(one_file_export(tmp_path, 1), 1)  # the sink's hooks are on the shared client
     hub.faults.add(Fault("GET", r"/tree/", status=503))
