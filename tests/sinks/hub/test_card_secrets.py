@@ -3,7 +3,7 @@
 `Stager.save(metadata=...)` feeds the card's "Run metadata" table, every value rendered as given: a trainer's
 arguments (`vars(args)`, whose `hub_token` the HF Trainer has) or a command line with `--token`. Before, the
 token went into the README of the step's commit, readable by anyone who can read the repo and kept in its
-history.
+history. An OAuth token (`hf_oauth_...`, a Space's login) was not recognised as one at all.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def test_a_token_in_the_run_metadata_is_masked_in_the_card(hub, tmp_path):
     metadata = {
         "args": {"hub_token": hub.token, "learning_rate": 3e-4},
         "command": f"train.py --push --token {hub.token}",
+        "space_login": "hf_oauth_0123456789abcdefghij",  # a Space's OAuth token, not the sink's
         "run": "sft-7",
     }
 
@@ -34,5 +35,5 @@ def test_a_token_in_the_run_metadata_is_masked_in_the_card(hub, tmp_path):
             cache_dir=tmp_path / "c",
         )
     ).read_text()
-    assert hub.token not in card
+    assert hub.token not in card and "0123456789abcdefghij" not in card
     assert "sft-7" in card and "learning_rate" in card and "train.py --push --token ***" in card
