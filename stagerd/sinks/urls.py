@@ -243,6 +243,11 @@ def _s3(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
 def _hub(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
     full = (parts.netloc + parts.path).rstrip("/")
     repo_id, at, revision = full.partition("@")
+    from stagerd.sinks.hub.url import repo_kind_problem
+
+    if (problem := repo_kind_problem(repo_id)) is not None:
+        why, meant = problem
+        raise _refuse(text, f"is not hf://ORG/REPO[@REVISION]: {why}", meant and meant + (at + revision))
     segments = repo_id.split("/")
     if len(segments) != 2 or not all(segments):
         guess = "/".join(s for s in segments if s)

@@ -66,7 +66,9 @@ did not answer within N s".
 
 Errors: 401/403 (or a repo the token cannot see) raise `SinkAuthError` at once; 429 waits for
 `Retry-After`; 5xx, 408, 409/412 (a moved branch), timeouts and dropped connections are retried with
-bounded exponential backoff; other failures raise `SinkError`. The token never appears in messages or logs.
+bounded exponential backoff; other failures raise `SinkError`. Each failed request is one of the sink's
+attempts: huggingface_hub does not retry the sink's requests itself (`one_policy.py`). The token never
+appears in messages or logs.
 """
 
 from __future__ import annotations

@@ -147,4 +147,5 @@ def _timeout_text(exc: httpx2.TimeoutException) -> str:
     return f"the Hub did not {what} {within} ({kind} timeout on {request.method} {request.url.path})"
 
 
-_TOKEN_RE = re.compile(r"(hf_[A-Za-z0-9]{6,}|(?i:bearer)\s+\S+)")
+# what a message or card may hold: a user access token, an OAuth one (`hf_oauth_...`), a bearer credential
+_TOKEN_RE = re.compile(r"(hf_(?:oauth_)?[A-Za-z0-9]{6,}|(?i:bearer)\s+\S+)")

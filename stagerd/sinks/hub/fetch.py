@@ -1,9 +1,10 @@
 """A published step's HF export back from the Hub (`stagerd restore hf://ORG/REPO[@step-N] OUT --export`).
 
 The revision is the step's tag (`--step N`: `step-N`, or `REVISION/step-N` for `hf://ORG/REPO@REVISION`, as
-the sink tags steps off main, its commit read from the refs; or that tag in the URL), else the URL's revision,
-else `main` (which holds the newest step). A step an older stagerd published on REVISION under the unscoped
-names (`stagerd: step N`, tag `step-N`) is read at its commit, found by the sink's own rule (`history.py`).
+the sink tags steps off main; or that tag in the URL), its commit read from the refs, never a branch of its
+name; else the URL's revision, else `main` (which holds the newest step). A step an older stagerd
+published on REVISION under the unscoped names (`stagerd: step N`, tag `step-N`) is read at its commit, found
+by the sink's own rule (`history.py`).
 The revision is resolved to its commit once, so a step published to the branch during the restore mixes
 nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded (one stored in
 Xet through hf_xet on a session of the restore's own, `xet_fetch.py`; the rest with huggingface_hub) into a
@@ -75,6 +76,16 @@ def _revision(url_revision: str | None, step: int | None) -> str:
     return str(url_revision)
 
 
+def _step_of_tag(revision: str) -> tuple[int, str | None] | None:
+    """(step, the sink revision it is scoped to) where `revision` is the name a sink tags a step with
+    (`step-N`, `R/step-N`), else None."""
+    m = _STEP_REF.search(revision)
+    if m is None:
+        return None
+    step, scope = int(m.group(1)), revision[: m.start()] or None
+    return (step, scope) if step_tag(step, scope) == revision else None
+
+
 class _Restore:
     """The owner of a restore's request bounds (`register_timeouts` holds its owners weakly)."""
 
@@ -129,11 +140,14 @@ def _restore(
         )
 
     try:
-        if step is not None and revision == step_tag(step, target.revision):
-            tagged = retried(lambda: _step_commit(api, target.repo_id, target.revision, step))
-            if tagged is None:
+        # a step's tag, from `--step N` or named in the URL (`@step-N`): read from the refs, since the Hub
+        # reads a name that is a branch and a tag as the branch
+        if (tag := _step_of_tag(revision)) is not None:
+            tag_step, scope = tag
+            tagged = retried(lambda: _step_commit(api, target.repo_id, scope, tag_step))
+            if tagged is None and step is not None:
                 raise _never_published(revision, where)
-            revision = tagged
+            revision = tagged or revision  # no such tag: the URL's revision as the Hub reads it
         # one commit for every file: a step published to the branch meanwhile must not mix in
         commit = retried(lambda: api.repo_info(target.repo_id, revision=revision).sha) or revision
         tree: list[Any] = retried(

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from stagerd.errors import SinkAuthError, SinkError, StagerdError
 from stagerd.sinks.hub.errors import _TOKEN_RE, HubFailure, classify
+from stagerd.sinks.hub.one_policy import sink_policy_only
 from stagerd.sinks.hub.url import RetryPolicy, T
 
 log = logging.getLogger("stagerd.sinks.hub")
@@ -67,8 +68,13 @@ def with_retries(
     fn: Callable[[], T], retry: RetryPolicy, *, sink: str, step: int, repo_id: str, token: str | None
 ) -> T:
     """`fn()`, tried up to `retry.max_attempts` times; `sink` is the redacted URL the messages name. What
-    is not retried, or is no longer, is a named error."""
+    is not retried, or is no longer, is a named error. huggingface_hub retries none of `fn`'s requests
+    itself (`one_policy.py`): each Hub answer counts against `retry`."""
     where = f"{sink}: step {step}"
+
+    def attempt() -> T:
+        with sink_policy_only():
+            return fn()
 
     def give_up(failure: HubFailure, attempt: int, delay: float) -> None:
         text = redact(failure.text, token)
@@ -84,4 +90,6 @@ def with_retries(
             raise SinkError(f"{where}: gave up after {attempt} attempts: {text}") from None
         raise SinkError(f"{where}: rate limited for {delay:.0f} s: {text}") from None
 
-    return tried(fn, retry, where=where, token=token, give_up=give_up, extra={"sink": sink, "step": step})
+    return tried(
+        attempt, retry, where=where, token=token, give_up=give_up, extra={"sink": sink, "step": step}
+    )

@@ -24,7 +24,7 @@ from stagerd.sinks.hub.history import commit_pages
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.refs import StepRefs
-from stagerd.sinks.hub.retries import with_retries
+from stagerd.sinks.hub.retries import redact, with_retries
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
 from stagerd.sinks.hub.tree import (
     HubFile,
@@ -138,7 +138,8 @@ class HubSink:
             card = card_for_export(
                 export_dir, self.repo_id, files, step, dict(metadata or {}), self._refs.tag_name(step)
             )
-            card_bytes = card.encode()
+            # the card is public: run metadata may hold a token (`vars(args)` with a `hub_token`, a command)
+            card_bytes = redact(card, self._token).encode()
         total = sum(f.size for f in local) + len(card_bytes or b"")
         if progress is not None:
             progress(0, total)

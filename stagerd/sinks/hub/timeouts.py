@@ -101,9 +101,12 @@ def _bound_request(request: httpx2.Request) -> None:
 
 
 def _install_request_hook() -> None:
-    """Make every client huggingface_hub creates from now on carry `_bound_request`."""
+    """Make every client huggingface_hub creates from now on carry `_bound_request`, and leave a sink's
+    failed requests to the sink's own retries (`one_policy.py`)."""
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils import _http
+
+    from stagerd.sinks.hub.one_policy import attach
 
     # Wrap the factory in place (the library's default, or one the application set for proxies or
     # certificates) instead of replacing it; 2.4 has no public getter for it.
@@ -112,6 +115,7 @@ def _install_request_hook() -> None:
     def factory() -> httpx2.Client:
         client = previous()
         client.event_hooks["request"].append(_bound_request)
+        attach(client)
         return client
 
     set_client_factory(factory)

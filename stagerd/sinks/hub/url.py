@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from stagerd.contract.layout import MAX_STEP
 from stagerd.errors import (
@@ -43,6 +43,8 @@ _BAD_REF = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//|^/|/$|\.$|(^|/)\.|\
 
 
 _COMMIT_ID = re.compile(r"[0-9a-fA-F]{40}")
+# huggingface_hub's `hf://TYPE/ORG/NAME` prefixes: names the Hub reserves, never a namespace
+_TYPE_PREFIXES = ("models", "datasets", "spaces", "kernels", "buckets")
 
 
 def check_publish_revision(repo_id: str, revision: str | None) -> None:
@@ -128,6 +130,20 @@ class HubTarget:
         return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
 
 
+def repo_kind_problem(path: str) -> tuple[str, str | None] | None:
+    """Why an `hf://` path whose first part names a repo type, as huggingface_hub's own `hf://` form does
+    (`hf://datasets/ORG/NAME`, `hf://models/ORG/NAME`), names no model repo, and the URL it may mean; None
+    for any other path. The Hub reserves those names, so no repo is in such a namespace: a dataset's short
+    form `hf://datasets/NAME` is no model repo `datasets/NAME`."""
+    kind, _, rest = path.partition("/")
+    if kind not in _TYPE_PREFIXES:
+        return None
+    if kind == "models":
+        whole = rest.count("/") == 1 and all(rest.split("/"))
+        return "stagerd's URLs name a model repo without models/", f"hf://{rest}" if whole else None
+    return f"the Hub sink publishes to model repos only, not {kind}", None
+
+
 def parse_hub_url(url: str) -> HubTarget:
     """Split `hf://ORG/REPO[@REVISION][?k=v...]`. A malformed URL is a ConfigError (without the query)."""
     parts = urlsplit(url)
@@ -136,11 +152,11 @@ def parse_hub_url(url: str) -> HubTarget:
         raise ConfigError(f"not a Hub sink URL: {shown!r} (expected hf://ORG/REPO[@REVISION])")
     path = (parts.netloc + parts.path).strip("/")
     repo_id, _, revision = path.partition("@")
-    kind = repo_id.split("/", 1)[0]
-    if kind in ("datasets", "spaces") and repo_id.count("/") == 2:
+    if (problem := repo_kind_problem(repo_id)) is not None:
+        why, meant = problem
         raise ConfigError(
-            f"bad Hub sink URL {shown!r}: the Hub sink publishes to model repos only, not {kind}",
-            hint="name a model repo: hf://ORG/REPO[@REVISION]",
+            f"bad Hub sink URL {shown!r}: {why}",
+            hint=f"did you mean {meant}?" if meant else "name a model repo: hf://ORG/REPO[@REVISION]",
         )
     if repo_id.count("/") != 1 or not all(repo_id.split("/")) or (revision == "" and "@" in path):
         raise ConfigError(f"bad Hub sink URL {shown!r}: expected hf://ORG/REPO[@REVISION]")
@@ -151,6 +167,12 @@ def parse_hub_url(url: str) -> HubTarget:
         validate_repo_id(repo_id)
     except HFValidationError as e:
         raise ConfigError(f"bad repo id in {shown!r}: {e}") from None
+    if revision and unquote(revision) != revision:  # huggingface_hub's hf:// form encodes a `/` as %2F
+        raise ConfigError(
+            f"bad Hub sink URL {shown!r}: the revision {revision!r} is percent-encoded, and stagerd takes "
+            "a revision as written",
+            hint=f"write it unencoded: hf://{repo_id}@{unquote(revision)}",
+        )
     if revision and (revision == "@" or _BAD_REF.search(revision)):
         raise ConfigError(
             f"bad Hub sink URL {shown!r}: the revision {revision!r} is not a valid branch name",
