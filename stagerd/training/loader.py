@@ -213,6 +213,32 @@ def optim_specs(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]
     }
 
 
+def _unplaced(optimizer_state: Mapping[str, Any], dropped: list[str], optim_dir: Path) -> LoadError:
+    """The error for saved optimizer tensors `optimizer_state` has no place for. A step saved from
+    `optimizer.state_dict()` keys its state by parameter index, `get_state_dict`'s by name: the usual hint
+    (build it with `get_state_dict`) is then what the caller already did, so that case says what fits."""
+    state = optimizer_state.get("state")
+    by_name = isinstance(state, Mapping) and any(isinstance(k, str) and not k.isdigit() for k in state)
+    by_index = any(name.split(".")[1].isdigit() for name in dropped if name.startswith("state."))
+    if by_name and by_index:
+        return LoadError(
+            f"optim/ holds optimizer.state_dict()'s state, keyed by parameter index ({dropped[0]!r}, ...), "
+            "and optimizer_state is keyed by parameter name, as get_state_dict(model, optimizer) gives it: "
+            "after get_state_dict(model, optimizer) (which gives the optimizer its state), load into "
+            "optimizer.state_dict() and pass that to optimizer.load_state_dict(); or save "
+            "get_state_dict(model, optimizer)[1] to load by name",
+            path=optim_dir,
+        )
+    return LoadError(
+        f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
+        f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
+        "no state yet: build the "
+        "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
+        "which creates it",
+        path=optim_dir,
+    )
+
+
 def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str, Any]) -> None:
     """optim/ as the Stager writes it (safetensors blocks and each rank's other leaves), or in DCP's own
     format (a step saved by an earlier stagerd: its `.metadata` read through the allowlist)."""
@@ -226,14 +252,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         tensors, _ = split_leaves(optimizer_state, "optimizer_state")
         dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
         if dropped:
-            raise LoadError(
-                f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
-                f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
-                "no state yet: build the "
-                "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
-                "which creates it",
-                path=optim_dir,
-            )
+            raise _unplaced(optimizer_state, dropped, optim_dir)
         mine = optim_dir.parent / objects_file(comm.rank)
         path = mine if mine.is_file() else optim_dir.parent / objects_file(0)
         with open(path, "rb") as f:
