@@ -350,4 +350,21 @@ def load_export(comm: Collectives, directory: str | os.PathLike[str], state_dict
     if not (directory / layout.INDEX_NAME).is_file() and not any(directory.glob("*.safetensors")):
         error = f"{directory}: not an HF export (no {layout.INDEX_NAME}, no .safetensors)"
     agree(comm, error, "opening the export")
-    _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(directory)), f"loading export {directory}")
+    # save_pretrained writes a tied weight once (not `lm_head.weight` beside `model.embed_tokens.weight`):
+    # the tied model's other key is filled by the load into the one the export holds.
+    try:
+        held = set(HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata)
+    except Exception:  # DCP's load below names what is wrong with the files
+        held = set()
+    given = dict(state_dict)
+    model_sd, aliases = split_aliases(given)
+    for alias in list(aliases):
+        first = aliases.get(alias)
+        if first is not None and first not in held and alias in held:  # the export kept the later key
+            model_sd[alias] = model_sd.pop(first)
+            aliases = {a: (alias if k == first else k) for a, k in aliases.items() if a != alias}
+            aliases[first] = alias
+    copies = untied_copies(given, aliases, held)
+    what = f"loading export {directory}"
+    _dcp_load(comm, {**model_sd, **copies}, HuggingFaceStorageReader(str(directory)), what)
+    _check_untied(comm, directory, differing(model_sd, aliases, copies))
