@@ -244,6 +244,8 @@ def _hub(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
     full = (parts.netloc + parts.path).rstrip("/")
     repo_id, at, revision = full.partition("@")
     segments = repo_id.split("/")
+    if segments[0] in ("datasets", "spaces"):  # huggingface_hub's prefixes of those repo types
+        raise _refuse(text, f"names {segments[0]}: the Hub sink publishes to model repos only", None)
     if len(segments) != 2 or not all(segments):
         guess = "/".join(s for s in segments if s)
         if len(segments) > 2 and all(segments):
