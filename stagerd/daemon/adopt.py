@@ -128,6 +128,28 @@ SINGLE_FILE = (
 )
 
 
+NO_STEP = "gives no step number; --adopt ignores it"
+NO_STEP_CHECKPOINT = (
+    "holds a DCP checkpoint (.metadata), but its name gives no step number, so --adopt ignores it: pass "
+    "--adopt-step REGEX, whose group `step` is the step number in such names"
+)
+
+
+def _holds_dcp(directory: Path) -> bool:
+    """A DCP `.metadata` in `directory` or one level down (the HF Trainer's `pytorch_model_fsdp_0/`,
+    AutoModel's `model/`): a checkpoint a user would expect adopted, not a folder of logs."""
+    try:
+        if (directory / ".metadata").is_file():
+            return True
+        with os.scandir(directory) as entries:
+            return any(
+                e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata"))
+                for e in entries
+            )
+    except OSError:
+        return False
+
+
 # torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
 # FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
 PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
@@ -239,7 +261,7 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                odd.append((e.name, "gives no step number; --adopt ignores it"))
+                odd.append((e.name, NO_STEP_CHECKPOINT if _holds_dcp(Path(e.path)) else NO_STEP))
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
@@ -277,7 +299,7 @@ class Adoption(Discovery):
         for name, why in sorted(odd):
             if name not in self._odd_names:
                 self._odd_names.add(name)
-                level = logging.INFO if why.startswith("gives no step") else logging.WARNING
+                level = logging.INFO if why == NO_STEP else logging.WARNING
                 log.log(level, "%s %s", self.root / name, why, extra={"ignored": name})
         by_step: dict[int, list[Found]] = {}
         for f in found:
