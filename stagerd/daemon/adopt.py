@@ -26,6 +26,7 @@ from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_nam
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
 from stagerd.daemon.state import log
+from stagerd.daemon.unadopted import NO_CONFIG, NO_STEP, NO_STEP_CHECKPOINT, SAID_NO_CONFIG, holds_dcp
 from stagerd.errors import AdoptError, ConfigError, StagerdError
 
 if TYPE_CHECKING:
@@ -126,28 +127,6 @@ SINGLE_FILE = (
     "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
     "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
 )
-
-
-NO_STEP = "gives no step number; --adopt ignores it"
-NO_STEP_CHECKPOINT = (
-    "holds a DCP checkpoint (.metadata), but its name gives no step number, so --adopt ignores it: pass "
-    "--adopt-step REGEX, whose group `step` is the step number in such names"
-)
-
-
-def _holds_dcp(directory: Path) -> bool:
-    """A DCP `.metadata` in `directory` or one level down (the HF Trainer's `pytorch_model_fsdp_0/`,
-    AutoModel's `model/`): a checkpoint a user would expect adopted, not a folder of logs."""
-    try:
-        if (directory / ".metadata").is_file():
-            return True
-        with os.scandir(directory) as entries:
-            return any(
-                e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata"))
-                for e in entries
-            )
-    except OSError:
-        return False
 
 
 # torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
@@ -261,7 +240,7 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                odd.append((e.name, NO_STEP_CHECKPOINT if _holds_dcp(Path(e.path)) else NO_STEP))
+                odd.append((e.name, NO_STEP_CHECKPOINT if holds_dcp(Path(e.path)) else NO_STEP))
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
@@ -349,7 +328,7 @@ class Adoption(Discovery):
 
         s = self.settings
         options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras, model_plan)
-        return export_adopted(
+        result = export_adopted(
             step_dir,
             self._work_dir(step_dir),
             options,
@@ -362,6 +341,11 @@ class Adoption(Discovery):
             rebuild=rebuild,
             default_shard_size=s.max_shard_size is None,
         )
+        names = {name for name, _ in result.files}
+        if not names & {"config.json", layout.ADAPTER_WEIGHTS_NAME} and self.root not in SAID_NO_CONFIG:
+            SAID_NO_CONFIG.add(self.root)
+            log.warning("%s: %s", step_dir, NO_CONFIG)
+        return result
 
     def _trainers_best(self) -> set[int]:
         """With --delete-adopted: the step of the checkpoint the HF Trainer names its best
