@@ -357,12 +357,20 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settin
     try:
         return _Sourced(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
-        )
+        problems = "; ".join(_problem(err) for err in e.errors())
         raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
     except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
         raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+
+
+def _problem(err: Any) -> str:
+    """One validation error; a TOML key that is not a setting names the closest setting, as a variable
+    does."""
+    where = ".".join(str(p) for p in err["loc"]) or "settings"
+    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+        close = difflib.get_close_matches(where, list(Settings.model_fields), n=1)
+        return f"{where}: not a setting" + (f" (did you mean {close[0]}?)" if close else "")
+    return f"{where}: {err['msg']}"
 
 
 # STAGERD_* variables that are read elsewhere, not settings: the fault-injection and test hooks, a fleet

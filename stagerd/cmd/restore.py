@@ -80,7 +80,7 @@ def _step(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.objects import redact_url
-    from stagerd.sinks.urls import unwritable
+    from stagerd.sinks.urls import parse_sink_url, unwritable
 
     if not 1 <= args.workers <= 256:
         raise ConfigError(f"--workers must be between 1 and 256, got {args.workers}")
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     step = _step(args.step)
     root = Path(os.path.abspath(args.root))  # `.` or `./` (the empty directory one is in) has a name then
     if args.url.startswith("hf://"):
+        parse_sink_url(args.url)  # the sink's own checks: a malformed or non-model repo URL is refused here
         print(f"restored {restore_from_hub(args.url, root, step, export=args.export)}")
         return 0
     store = RemoteStore.open(args.url, workers=args.workers)

@@ -26,6 +26,7 @@ from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_nam
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
 from stagerd.daemon.state import log
+from stagerd.daemon.unadopted import NO_CONFIG, NO_STEP, NO_STEP_CHECKPOINT, SAID_NO_CONFIG, holds_dcp
 from stagerd.errors import AdoptError, ConfigError, StagerdError
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                odd.append((e.name, "gives no step number; --adopt ignores it"))
+                odd.append((e.name, NO_STEP_CHECKPOINT if holds_dcp(Path(e.path)) else NO_STEP))
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
@@ -277,7 +278,7 @@ class Adoption(Discovery):
         for name, why in sorted(odd):
             if name not in self._odd_names:
                 self._odd_names.add(name)
-                level = logging.INFO if why.startswith("gives no step") else logging.WARNING
+                level = logging.INFO if why == NO_STEP else logging.WARNING
                 log.log(level, "%s %s", self.root / name, why, extra={"ignored": name})
         by_step: dict[int, list[Found]] = {}
         for f in found:
@@ -327,7 +328,7 @@ class Adoption(Discovery):
 
         s = self.settings
         options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras, model_plan)
-        return export_adopted(
+        result = export_adopted(
             step_dir,
             self._work_dir(step_dir),
             options,
@@ -340,6 +341,11 @@ class Adoption(Discovery):
             rebuild=rebuild,
             default_shard_size=s.max_shard_size is None,
         )
+        names = {name for name, _ in result.files}
+        if not names & {"config.json", layout.ADAPTER_WEIGHTS_NAME} and self.root not in SAID_NO_CONFIG:
+            SAID_NO_CONFIG.add(self.root)
+            log.warning("%s: %s", step_dir, NO_CONFIG)
+        return result
 
     def _trainers_best(self) -> set[int]:
         """With --delete-adopted: the step of the checkpoint the HF Trainer names its best

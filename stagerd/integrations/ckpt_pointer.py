@@ -36,16 +36,31 @@ def locate(path: Path) -> Located:
     step = layout.parse_step_dir(path.name)
     if step is not None and layout.is_committed(path):
         return Located(path.parent, step, None)
+    # the first run of a script that resumes from ROOT
+    fresh = ": a fresh run has nothing to load (Trainer.fit: pass ckpt_path=None)"
+    if not path.exists():
+        raise LoadError(f"does not exist{fresh}", path=path, hint=NOT_OURS_HINT)
     if path.is_dir():
         steps = layout.committed_steps(path)
         if steps:
             return Located(path, steps[-1][0], None)
+        if step is None and _only_stagerds(path):
+            raise LoadError(f"no committed step under this ROOT yet{fresh}", path=path, hint=NOT_OURS_HINT)
     raise LoadError(
         "not a stagerd checkpoint: neither a StagerdCheckpointIO file, nor a committed step, nor a ROOT "
         "with one",
         path=path,
         hint=NOT_OURS_HINT,
     )
+
+
+def _only_stagerds(path: Path) -> bool:
+    """A directory that is empty or holds only what a Stager writes (steps in progress, `.stagerd`, locks):
+    a ROOT; a directory of other files (ModelCheckpoint's own, say) is no ROOT at all."""
+    try:
+        return all(p.name.startswith((".", "step-")) for p in path.iterdir())
+    except OSError:
+        return False
 
 
 def pointed(path: Path) -> tuple[Path, int] | None:

@@ -213,6 +213,32 @@ def optim_specs(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]
     }
 
 
+def _unplaced(optimizer_state: Mapping[str, Any], dropped: list[str], optim_dir: Path) -> LoadError:
+    """The error for saved optimizer tensors `optimizer_state` has no place for. A step saved from
+    `optimizer.state_dict()` keys its state by parameter index, `get_state_dict`'s by name: the usual hint
+    (build it with `get_state_dict`) is then what the caller already did, so that case says what fits."""
+    state = optimizer_state.get("state")
+    by_name = isinstance(state, Mapping) and any(isinstance(k, str) and not k.isdigit() for k in state)
+    by_index = any(name.split(".")[1].isdigit() for name in dropped if name.startswith("state."))
+    if by_name and by_index:
+        return LoadError(
+            f"optim/ holds optimizer.state_dict()'s state, keyed by parameter index ({dropped[0]!r}, ...), "
+            "and optimizer_state is keyed by parameter name, as get_state_dict(model, optimizer) gives it: "
+            "after get_state_dict(model, optimizer) (which gives the optimizer its state), load into "
+            "optimizer.state_dict() and pass that to optimizer.load_state_dict(); or save "
+            "get_state_dict(model, optimizer)[1] to load by name",
+            path=optim_dir,
+        )
+    return LoadError(
+        f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
+        f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
+        "no state yet: build the "
+        "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
+        "which creates it",
+        path=optim_dir,
+    )
+
+
 def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str, Any]) -> None:
     """optim/ as the Stager writes it (safetensors blocks and each rank's other leaves), or in DCP's own
     format (a step saved by an earlier stagerd: its `.metadata` read through the allowlist)."""
@@ -226,14 +252,7 @@ def _load_optim(comm: Collectives, optim_dir: Path, optimizer_state: Mapping[str
         tensors, _ = split_leaves(optimizer_state, "optimizer_state")
         dropped = unplaced(optimizer_state, optim_specs(optim_dir.parent))
         if dropped:
-            raise LoadError(
-                f"optimizer_state has no place for {len(dropped)} tensors optim/ holds "
-                f"({dropped[0]!r}, ...): the load would drop them; an optimizer that never stepped has "
-                "no state yet: build the "
-                "state dict with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
-                "which creates it",
-                path=optim_dir,
-            )
+            raise _unplaced(optimizer_state, dropped, optim_dir)
         mine = optim_dir.parent / objects_file(comm.rank)
         path = mine if mine.is_file() else optim_dir.parent / objects_file(0)
         with open(path, "rb") as f:
@@ -331,4 +350,21 @@ def load_export(comm: Collectives, directory: str | os.PathLike[str], state_dict
     if not (directory / layout.INDEX_NAME).is_file() and not any(directory.glob("*.safetensors")):
         error = f"{directory}: not an HF export (no {layout.INDEX_NAME}, no .safetensors)"
     agree(comm, error, "opening the export")
-    _dcp_load(comm, state_dict, HuggingFaceStorageReader(str(directory)), f"loading export {directory}")
+    # save_pretrained writes a tied weight once (not `lm_head.weight` beside `model.embed_tokens.weight`):
+    # the tied model's other key is filled by the load into the one the export holds.
+    try:
+        held = set(HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata)
+    except Exception:  # DCP's load below names what is wrong with the files
+        held = set()
+    given = dict(state_dict)
+    model_sd, aliases = split_aliases(given)
+    for alias in list(aliases):
+        first = aliases.get(alias)
+        if first is not None and first not in held and alias in held:  # the export kept the later key
+            model_sd[alias] = model_sd.pop(first)
+            aliases = {a: (alias if k == first else k) for a, k in aliases.items() if a != alias}
+            aliases[first] = alias
+    copies = untied_copies(given, aliases, held)
+    what = f"loading export {directory}"
+    _dcp_load(comm, {**model_sd, **copies}, HuggingFaceStorageReader(str(directory)), what)
+    _check_untied(comm, directory, differing(model_sd, aliases, copies))

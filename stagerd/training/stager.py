@@ -6,8 +6,8 @@
         loss = model(batch).loss; loss.backward()
         optimizer.step(); optimizer.zero_grad()
         if step % save_every == 0:
-            stager.save(model.state_dict(), step=step, optimizer_state=optimizer.state_dict(),
-                        extras={"config.json": cfg}, dtype="bf16")
+            stager.save(model.state_dict(), step=step, extras={"config.json": cfg}, dtype="bf16",
+                        optimizer_state=get_state_dict(model, optimizer)[1])  # by name, as load() takes it
     stager.wait()    # before exit: every save durable and committed (raises SaveError on failure)
     stager.close()
 

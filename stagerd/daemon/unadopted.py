@@ -1,0 +1,35 @@
+"""What `watch --adopt` says of a checkpoint it would otherwise pass over in silence: one whose name gives
+no step number, and one exported with no config.json (the export keeps its names; no loader reads it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+NO_STEP = "gives no step number; --adopt ignores it"
+NO_STEP_CHECKPOINT = (
+    "holds a DCP checkpoint (.metadata), but its name gives no step number, so --adopt ignores it: pass "
+    "--adopt-step REGEX, whose group `step` is the step number in such names"
+)
+NO_CONFIG = (
+    "no config.json beside the checkpoint, in --extras DIR or in ROOT (the HF Trainer writes none beside a "
+    "SHARDED_STATE_DICT checkpoint), so the export keeps the checkpoint's names and from_pretrained cannot "
+    "load it: pass --extras DIR holding the model's config.json and tokenizer (their save_pretrained(DIR))"
+)
+SAID_NO_CONFIG: set[Path] = set()  # the ROOTs told, once each: every checkpoint of a run lacks it alike
+
+
+def holds_dcp(directory: Path) -> bool:
+    """A DCP `.metadata` in `directory` or one level down (the HF Trainer's `pytorch_model_fsdp_0/`,
+    AutoModel's `model/`): a checkpoint a user would expect adopted, not a folder of logs."""
+    try:
+        if (directory / ".metadata").is_file():
+            return True
+        with os.scandir(directory) as entries:
+            return any(
+                e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata"))
+                for e in entries
+            )
+    except OSError:
+        return False
