@@ -249,8 +249,6 @@ def _hub(text: str, parts: urllib.parse.SplitResult) -> SinkUrl:
         why, meant = problem
         raise _refuse(text, f"is not hf://ORG/REPO[@REVISION]: {why}", meant and meant + (at + revision))
     segments = repo_id.split("/")
-    if segments[0] in ("datasets", "spaces"):  # huggingface_hub's prefixes of those repo types
-        raise _refuse(text, f"names {segments[0]}: the Hub sink publishes to model repos only", None)
     if len(segments) != 2 or not all(segments):
         guess = "/".join(s for s in segments if s)
         if len(segments) > 2 and all(segments):
