@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 
 from stagerd import __version__
@@ -75,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(debug=args.debug)
     raise_open_files_limit()
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader gone (`| head`) is caught, not in the exit's flush
+        return rc
+    except BrokenPipeError:
+        # the reader of the output closed it: end as a command killed by SIGPIPE does, without a traceback
+        # from the interpreter's own flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except StagerdError as e:
         if args.debug:
             log.exception("%s", e)

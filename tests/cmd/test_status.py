@@ -146,3 +146,22 @@ def test_status_on_a_read_only_root(journal_root, tmp_path: Path) -> None:
         assert sorted(p.name for p in (mnt / ".stagerd").iterdir()) == before
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_reader_that_closes_the_output_ends_it_quietly(journal_root) -> None:
+    """`stagerd status --json | head -c 10`: the reader goes before the output is written; the command ends
+    as one killed by SIGPIPE (141), not with a BrokenPipeError traceback."""
+    from tests.cli_helpers import STAGERD, clean_env
+
+    root, _ = journal_root
+    proc = subprocess.Popen(
+        [*STAGERD, "status", str(root), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(None),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
