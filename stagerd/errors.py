@@ -21,6 +21,25 @@ class StagerdError(Exception):
         self.path = None if path is None else str(path)
         if hint is not None:
             self.hint = hint
+        else:
+            self._note_hint()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name == "hint":
+            self._note_hint()
+
+    def _note_hint(self) -> None:
+        """The hint as the exception's first note: a traceback in the user's own program (the training
+        side's errors surface there, not through the CLI, which prints the hint itself) shows what to do."""
+        if self.hint == StagerdError.hint:  # the CLI's own advice, meaningless in a program's traceback
+            return
+        note = f"{_NOTE}{self.hint}"
+        notes = self.__dict__.get("__notes__")
+        if notes and isinstance(notes[0], str) and notes[0].startswith(_NOTE):
+            notes[0] = note
+        else:
+            self.add_note(note)
 
     @property
     def name(self) -> str:
@@ -28,6 +47,9 @@ class StagerdError(Exception):
 
     def __str__(self) -> str:
         return one_line(f"{self.path}: {self.message}" if self.path else self.message)
+
+
+_NOTE = "what to do: "
 
 
 def one_line(text: str) -> str:
