@@ -10,7 +10,8 @@ import pytest
 
 from tests.cli_helpers import run_cli
 
-URLS = ["hf://datasets/acme/data", "hf://datasets/acme", "hf://spaces/acme/app@main"]
+# every command, once: the URL forms themselves are parse()'s (tests/sinks/hub/test_repo_type_urls.py)
+URLS = ["hf://datasets/acme"]
 
 
 def _export(d: Path) -> Path:
