@@ -107,6 +107,7 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
         """Send the status, the headers and at most `after` bytes of the body (never all of it), then hold
         the connection until released and drop it."""
         hold = self.faults.hold()
+        response.direct_passthrough = False  # a file's answer (`send_file`) is read here like any other
         body = response.get_data()
         headers = [(k, v) for k, v in response.headers.items() if k.lower() != "content-length"]
         start_response(response.status, [*headers, ("Content-Length", str(len(body)))])

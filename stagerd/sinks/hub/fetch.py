@@ -7,12 +7,13 @@ published on REVISION under the unscoped names (`stagerd: step N`, tag `step-N`)
 by the sink's own rule (`history.py`).
 The revision is resolved to its commit once, so a step published to the branch during the restore mixes
 nothing in. Every file of the Hub's tree at that commit (but `.gitattributes`) is downloaded (one stored in
-Xet through hf_xet on a session of the restore's own, `xet_fetch.py`; the rest with huggingface_hub) into a
-temporary sibling of OUT and checked against the tree: its size, and its LFS sha256 or, for a small file
-kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or Xet data that does
-not rebuild, is a `RestoreError` naming the file; nothing is left behind. Each request is bounded by the
-URL's timeouts and retried as the sink retries its own (the URL's options); hf_xet retries a Xet request
-itself, as often.
+Xet through hf_xet on a session of the restore's own, `xet_fetch.py`; the rest by one GET an attempt,
+`file_fetch.py`) into a temporary sibling of OUT and checked against the tree: its size, and its LFS sha256
+or, for a small file kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or
+Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind. Each request is
+bounded by the URL's timeouts and tried as often as the URL's `max_attempts` says, as the sink tries its own:
+the Hub API's under `sink_policy_only` (huggingface_hub retries none of them itself), a file's GET by `tried`
+alone; hf_xet tries each Xet request itself, as often.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.errors import classify, refuse_offline
+from stagerd.sinks.hub.file_fetch import fetch_once, resolve_url
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
+from stagerd.sinks.hub.one_policy import Unretried, sink_policy_only
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import tried
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
@@ -48,8 +51,8 @@ from stagerd.sinks.hub.xet_fetch import XetDownloader
 from stagerd.sinks.temp_names import restore_temp
 
 _CHUNK = 8 << 20
-# Unless the URL says: huggingface_hub already tries a download's HEAD and a tree page up to five times
-# itself, so the sink's eight on top would keep a restore from a Hub that is down going for many minutes.
+# Unless the URL says: the sink's eight, with backoff up to a minute, would keep a restore (a job's resume
+# waiting on it) from a Hub that is down going for many minutes.
 RESTORE_ATTEMPTS = 3
 _STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
@@ -114,17 +117,16 @@ def _restore(
     progress: ProgressFn | None,
 ) -> Path:
     import httpx2
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import (
         HfHubHTTPError,
-        LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
     from huggingface_hub.utils import build_hf_headers
 
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
-    unreachable = (httpx2.TransportError, ConnectionError, TimeoutError)
+    unreachable = (httpx2.TransportError, ConnectionError, TimeoutError, Unretried)
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
@@ -134,9 +136,13 @@ def _restore(
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
 
     def retried(fn: Callable[[], T]) -> T:
+        def once() -> T:
+            with sink_policy_only():  # each failed request is one of the URL's attempts
+                return fn()
+
         # a missing repo or revision is an answer: the restore names it
         return tried(
-            fn, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
+            once, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
         )
 
     try:
@@ -178,39 +184,27 @@ def _restore(
     total, done = sum(int(f.size) for f in files), 0
     # Xet files on a hf_xet session of the restore's own, bounded as the rest: huggingface_hub's is not.
     # hf_xet tries each request as often as the URL says, so the call is not retried again.
+    headers = build_hf_headers(token=token, library_name="stagerd")
     xet = XetDownloader(
         timeouts,
         policy.max_attempts,
         endpoint=api.endpoint,
         repo_id=target.repo_id,
         commit=commit,
-        headers=build_hf_headers(token=token, library_name="stagerd"),
+        headers=headers,
     )
     use_xet = xet_enabled()
     try:
         tmp.mkdir(parents=True)
         for entry in files:
             xet_hash = getattr(entry, "xet_hash", None) if use_xet else None
+            got = tmp / entry.path
             try:
                 if xet_hash:
-                    got = tmp / entry.path
                     xet.download(xet_hash, int(entry.size), got, f"{where}/{entry.path}")
-                else:
-                    got = Path(
-                        retried(
-                            lambda: hf_hub_download(
-                                target.repo_id,
-                                entry.path,  # noqa: B023  (called at once)
-                                revision=commit,
-                                endpoint=endpoint,
-                                token=token,
-                                local_dir=tmp,
-                            )
-                        )
-                    )
-            except LocalEntryNotFoundError as err:  # what its HEAD request met (a timeout) is its cause
-                why = classify(err).text
-                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
+                else:  # no HEAD: the tree names its size and hash
+                    file_url = resolve_url(api.endpoint, target.repo_id, commit, entry.path)
+                    retried(lambda: fetch_once(file_url, got, int(entry.size), headers))  # noqa: B023
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
@@ -219,10 +213,6 @@ def _restore(
                 raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
                 raise xet.error(err, f"{where}/{entry.path}") from None
-            except ValueError as err:  # a name a later huggingface_hub refuses that `_check_tree` let by
-                raise RestoreError(
-                    f"huggingface_hub refuses to download it: {err}", path=f"{where}/{entry.path}"
-                ) from None
             size = got.stat().st_size
             sha, git = _digests(got, size)
             lfs = getattr(entry, "lfs", None)
@@ -238,7 +228,6 @@ def _restore(
             if progress is not None:
                 progress(done, total)
             crash_point("restore.piece")
-        shutil.rmtree(tmp / ".cache", ignore_errors=True)  # huggingface_hub's download metadata
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -257,15 +246,16 @@ def _never_published(revision: str, where: str) -> RestoreError:
 
 def _check_tree(rels: list[str], where: str) -> None:
     """Refuse, before any download, a tree (the Hub's, so anyone's) that no export directory can hold: a
-    name leaving it, one listed as a file and a directory, or one under `.cache/`, where huggingface_hub
-    keeps its download metadata (removed after the download, so the file would silently go with it)."""
+    name leaving it, one listed as a file and a directory, one Windows cannot hold, or one under `.cache/`,
+    where huggingface_hub keeps its download metadata when the export is downloaded into a directory
+    (`local_dir`), so such a file would go with it."""
     try:
         for rel in rels:
             layout.safe_relpath(rel, what="file", path=where)
         layout.check_file_tree(rels, what="file", path=where)
     except MarkerError as e:
         raise RestoreError(f"the repo's tree is no export: {e.message}", path=where) from None
-    # huggingface_hub refuses, on every platform, a name Windows reads as anchored (`C:x`, `a/d:x`)
+    # as huggingface_hub refuses, on every platform, a name Windows reads as anchored (`C:x`, `a/d:x`)
     drive = next((r for r in rels if any(_anchored(part) for part in r.split("/"))), None)
     if drive is not None:
         raise RestoreError(

@@ -1,16 +1,16 @@
 """The sink's retry policy as the only one on its requests.
 
 huggingface_hub retries some calls itself (a tree or history page, the upload modes, an LFS batch: its
-`http_backoff`), under none of the sink's bounds: a 408, 429 or 5xx answer, a timeout or a dropped
-connection is tried five more times, each 429 slept out for its Retry-After and a second more, each other
-failure after a backoff of 1 to 8 s. So a publish that `max_retry_after` should end at once waited five
-times the Hub's Retry-After first, one unanswered tree page held an attempt for six read timeouts and 23 s
-more, and `max_attempts` counted one request in six. Within `sink_policy_only()`, such a failure of a
-Hub API request (`/api/...`) of this thread is raised at once to the sink's retries: an answer as
-huggingface_hub's own error, a transport failure as `Unretried`, whose cause is httpx's error. The LFS
-transfer keeps huggingface_hub's retries: a part answered 503 is sent again, not the whole file by the
-sink's next attempt. Elsewhere in the process (another thread, a trainer's own Hub calls)
-huggingface_hub retries as it always does.
+`http_backoff`), under none of the sink's bounds: a 408, 429 or 5xx answer, a timeout or a dropped connection
+is tried five more times, each 429 slept out for its Retry-After and a second more, each other failure after a
+backoff of 1 to 8 s. So a publish that `max_retry_after` should end at once waited five times the Hub's
+Retry-After first, one unanswered tree page held an attempt for six read timeouts and 23 s more, and
+`max_attempts` counted one request in six. Within `sink_policy_only()`, such a failure of a Hub API request
+(`/api/...`) of this thread (a sink's publish, a restore) is raised at once to the sink's retries: an answer
+as huggingface_hub's own error, a transport failure as `Unretried`, whose cause is httpx's error. The LFS
+transfer keeps huggingface_hub's retries: a part answered 503 is sent again, not the whole file by the sink's
+next attempt. Elsewhere in the process (another thread, a trainer's own Hub calls) huggingface_hub retries as
+it always does.
 """
 
 from __future__ import annotations

@@ -87,20 +87,33 @@ def test_a_hung_hub_ends_in_a_named_error_in_bounded_time_then_publishes(hub, tm
     assert {k: v for k, v in got.items() if k in export_files(export)} == export_files(export)
 
 
-@pytest.mark.parametrize("path", [r"/refs$", r"/revision/", r"/resolve/.*/config.json$"])
-def test_a_restore_from_a_hung_hub_ends_in_a_named_error_then_restores(hub, tmp_path, path):
-    """A restore has the URL's timeouts, as the sink. Before, no request of it was bounded: a Hub that
-    stalled once left `stagerd restore` (a job's resume) waiting for good. One attempt: huggingface_hub
-    retries a download's HEAD five times itself."""
+@pytest.mark.parametrize(
+    ("path", "stall_after"),
+    [
+        (r"/refs$", None),
+        (r"/revision/", None),
+        (r"/tree/", None),
+        (r"/resolve/.*/config.json$", None),
+        (r"/resolve/.*/config.json$", 16),
+    ],
+    ids=["refs", "revision", "tree-page", "file", "file-stalls-mid-body"],
+)
+def test_a_restore_from_a_hung_hub_ends_in_a_named_error_then_restores(hub, tmp_path, path, stall_after):
+    """A restore has the URL's timeouts and attempts, as the sink. Before, no request of it was bounded: a
+    Hub that stalled once left `stagerd restore` (a job's resume) waiting for good; then huggingface_hub
+    still tried a tree page six times an attempt, and a file's HEAD seven times (27 s asleep), past
+    `max_attempts`. Each attempt is now one request: the hung path sees exactly `max_attempts` of them."""
     export = write_export(tmp_path / "export")
     make_sink(hub).publish(export, 5)
-    url = f"hf://{REPO}?timeout={SHORT}&connect_timeout={SHORT}&max_attempts=1"
+    url = f"hf://{REPO}?timeout={SHORT}&connect_timeout={SHORT}&max_attempts=2&backoff_base=0.01"
     env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}
-    hub.hang(path)
+    hung_path = hub.hang(path, stall_after=stall_after)
 
     hung = run_cli(["restore", url, tmp_path / "hung", "--export", "--step", "5"], env=env, timeout=60)
 
     assert hung.returncode == 3 and "SinkError" in hung.stderr and hub.token not in hung.stderr, hung.stderr
+    assert f"did not answer within {SHORT:g} s" in hung.stderr, hung.stderr
+    assert hung_path.fired == 2  # the URL's max_attempts, and no request huggingface_hub retried itself
     assert not (tmp_path / "hung").exists()
     hub.unhang()
     done = run_cli(["restore", url, tmp_path / "out", "--export", "--step", "5"], env=env)
