@@ -152,7 +152,8 @@ def _restore(
             tag_step, scope = tag
             tagged = retried(lambda: _step_commit(api, target.repo_id, scope, tag_step))
             if tagged is None and step is not None:
-                raise _never_published(revision, where)
+                others = retried(lambda: _published_on(api, target.repo_id, tag_step, scope))
+                raise _never_published(revision, where, target.repo_id, tag_step, others)
             revision = tagged or revision  # no such tag: the URL's revision as the Hub reads it
         # one commit for every file: a step published to the branch meanwhile must not mix in
         commit = retried(lambda: api.repo_info(target.repo_id, revision=revision).sha) or revision
@@ -236,12 +237,26 @@ def _restore(
     return out
 
 
-def _never_published(revision: str, where: str) -> RestoreError:
+def _never_published(
+    revision: str, where: str, repo_id: str = "", step: int = 0, others: list[str] | None = None
+) -> RestoreError:
+    hint = "check the step number (each published step is a tag step-N); nothing was written"
+    if others:  # published with `@R`: its tag is `R/step-N`, which the URL's revision does not read
+        on = ", ".join(others)
+        hint = f"step {step} was published on {on}: restore hf://{repo_id}@{others[0]} --step {step}"
     return RestoreError(
-        f"the repo has no revision {revision}: that step was never published to it",
-        path=where,
-        hint="check the step number (each published step is a tag step-N); nothing was written",
+        f"the repo has no revision {revision}: that step was never published to it", path=where, hint=hint
     )
+
+
+def _published_on(api: Any, repo_id: str, step: int, scope: str | None) -> list[str]:
+    """The other revisions `step` was published on, by their step tags (`R/step-N`, `step-N` on main)."""
+    out = []
+    for tag in api.list_repo_refs(repo_id).tags:
+        name, _, last = tag.name.rpartition("/")
+        if last == f"step-{step}" and (name or DEFAULT_REVISION) != (scope or DEFAULT_REVISION):
+            out.append(name or DEFAULT_REVISION)
+    return sorted(out)
 
 
 def _check_tree(rels: list[str], where: str) -> None:

@@ -42,3 +42,14 @@ def test_a_step_url_without_such_a_tag_reads_the_revision_and_with_step_is_never
     assert weights(restore_hub_export(url, tmp_path / "branch", None)) == export_files(tmp_path / "export-5")
     with pytest.raises(RestoreError, match="never published"):
         restore_hub_export(url, tmp_path / "step", 7)
+
+
+def test_a_step_published_on_another_branch_is_named_in_the_hint(hub, tmp_path):
+    """`--step 4` of a step published with `@dev` (tag `dev/step-4`): not on main, and the hint says where."""
+    make_sink(hub, f"hf://{REPO}@dev").publish(one_file_export(tmp_path, 4), 4)
+
+    with pytest.raises(RestoreError, match="never published") as info:
+        restore_hub_export(f"hf://{REPO}?endpoint={hub.endpoint}&token={hub.token}", tmp_path / "o", 4)
+
+    assert info.value.hint == f"step 4 was published on dev: restore hf://{REPO}@dev --step 4"
+    assert not (tmp_path / "o").exists()
