@@ -41,6 +41,8 @@ def main() -> int:
         "shows live memory rather than glibc's cached arenas and 8 MiB buffers (as the load test)",
     )
     a = ap.parse_args()
+    if a.steps < 40:  # the early and late windows each need steps done in them to be compared
+        ap.error("--steps must be at least 40")
 
     from tests.daemon.test_load import STEADY_ALLOCATOR, run_load
     from tests.dcp_fixtures import dcp_save
