@@ -95,7 +95,7 @@ def adopted_source(args: argparse.Namespace, src: Path) -> Source | None:
         get_preset(args.adopt)
     # the names `watch --adopt` exports under: what verify compares with, what consolidate writes
     options = AdoptOptions(args.adopt, args.adopt_select, args.mapping, args.extras, model_plan)
-    return open_adopted(src, options)
+    return open_adopted(src, options, dtype=getattr(args, "dtype", None))
 
 
 def _is_adapter(source: Source) -> bool:

@@ -14,6 +14,12 @@ conversion cannot be planned as byte moves, the names are kept too, with one war
 error, since those names are what the trainer's model holds and transformers' own `from_pretrained`
 loads them, where refusing would publish nothing. A trainer whose names are its own (torchtitan's) has
 them planned by its own conversion instead (`titan_names.py`), where it has one for config.json's model.
+
+Names that no conversion is planned for (HF safetensors files, names save_pretrained's already, the
+selection's kept) get from `model_plan.uncast` what the model keeps in float32 under a cast, searched in
+them as `from_pretrained` searches its own names, so a cast export of them is what `save_pretrained` of
+the model loaded in that dtype writes too. A daemon without transformers cannot know the model's lists:
+its cast export casts every tensor, which it says once.
 """
 
 from __future__ import annotations
@@ -22,11 +28,11 @@ import importlib.util
 import json
 import logging
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.daemon.meta_models import Tensors, saved_outputs, stand_ins
+from stagerd.daemon.meta_models import Tensors, Uncast, kept_fp32, model_classes, saved_outputs, stand_ins
 from stagerd.daemon.state import log
 from stagerd.errors import HubPlanError, StagerdError
 
@@ -35,10 +41,26 @@ KEPT = "the export keeps the checkpoint's own names, which may not be those save
 
 _lock = threading.Lock()  # export threads plan one at a time: one meta model built, the next reuses it
 _last: tuple[Hashable, HubPlan | None] | None = None
+_last_kept: tuple[Hashable, Uncast] | None = None
 _said: set[str] = set()
 
 
-def model_plan(tensors: Tensors, config: Mapping[str, Any], trainer: str | None = None) -> HubPlan | None:
+class _ModelPlan:
+    """The `ModelPlan` handed to the adopted sources (`engine/adopt/model_names.py`)."""
+
+    def __call__(
+        self, tensors: Tensors, config: Mapping[str, Any], trainer: str | None = None
+    ) -> HubPlan | None:
+        return _model_plan(tensors, config, trainer)
+
+    def uncast(self, names: Sequence[str], config: Mapping[str, Any], *, casting: bool = False) -> Uncast:
+        return _uncast(names, config, casting)
+
+
+model_plan = _ModelPlan()
+
+
+def _model_plan(tensors: Tensors, config: Mapping[str, Any], trainer: str | None) -> HubPlan | None:
     """See the module docstring: the plan over `tensors`' names, or None to keep them. A trainer whose
     names are its own (`trainer`: torchtitan's) has them planned by its own conversion (`titan_names.py`),
     or None: its preset's mapping decides."""
@@ -62,6 +84,42 @@ def model_plan(tensors: Tensors, config: Mapping[str, Any], trainer: str | None 
             plan = None
         _last = (key, plan)
     return plan
+
+
+def _uncast(names: Sequence[str], config: Mapping[str, Any], casting: bool) -> Uncast:
+    """Per cast target, which of the exported `names` (kept as the checkpoint has them) the model
+    config.json names keeps in float32 there; none for another config, or where transformers cannot say
+    (said once, where the export is cast: it cannot know the model's class)."""
+    global _last_kept
+    if not isinstance(config.get("model_type"), str):
+        return ()
+    key = (json.dumps(config, sort_keys=True, default=str), tuple(names))
+    with _lock:
+        if _last_kept is not None and _last_kept[0] == key:
+            return _last_kept[1]
+        kept, why = _kept(config, names)
+        if kept is None:
+            if casting:
+                casts = "a cast export casts every tensor, those from_pretrained keeps in float32 too"
+                _say(f"config.json names a {config['model_type']} model, but {why}: {casts}", logging.INFO)
+            return ()
+        _last_kept = (key, kept)
+    return kept
+
+
+def _kept(config: Mapping[str, Any], names: Sequence[str]) -> tuple[Uncast | None, str]:
+    """`kept_fp32`, or None and why it cannot be known here."""
+    if importlib.util.find_spec("transformers") is None:  # a sidecar without it never tries torch either
+        return None, "transformers is not installed beside stagerd"
+    try:
+        import transformers  # noqa: F401
+    except Exception as e:  # an install that fails to import
+        return None, f"transformers fails to import ({type(e).__name__}: {e})"
+    try:
+        kept = kept_fp32(config, names)
+    except Exception as e:  # transformers' own code, of any release
+        return None, f"what it keeps in float32 could not be found ({type(e).__name__}: {e})"
+    return kept, "" if kept is not None else "this transformers builds no class of it"
 
 
 def _trainers(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
@@ -135,20 +193,10 @@ def _saved_already(config: Mapping[str, Any], names: set[str]) -> bool:
     """Whether `names` are those `save_pretrained` writes of the model config.json names (its
     `architectures`, else its model_type's causal LM or bare model; a tied head there or not): a trainer
     that saves them needs no conversion, nor a warning."""
-    import transformers as tf
-    from transformers.models.auto import modeling_auto as auto
-
-    model_type = config["model_type"]
-    classes: list[object] = [a for a in config.get("architectures") or () if isinstance(a, str)] or [
-        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
-        auto.MODEL_MAPPING_NAMES.get(model_type),
-    ]
-    for name in classes:
-        cls = getattr(tf, name, None) if isinstance(name, str) else None
-        if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
-            saved = _save_names(cls, config)
-            if saved is not None and names - {HEAD} == saved - {HEAD}:
-                return True
+    for cls in model_classes(config):
+        saved = _save_names(cls, config)
+        if saved is not None and names - {HEAD} == saved - {HEAD}:
+            return True
     return False
 
 

@@ -1,11 +1,12 @@
 """An adopted checkpoint's tensors and config.json's model on the meta device (no memory, no
 initialisation), for the planners that give its names as `save_pretrained` writes them (`hf_names.py`,
-`titan_names.py`): stand-ins of the checkpoint's tensors, and what that model's `save_pretrained` writes.
-torch and transformers are imported only when these are called."""
+`titan_names.py`): stand-ins of the checkpoint's tensors, what that model's `save_pretrained` writes, and
+what it keeps in float32 under a cast of names kept as they are. torch and transformers are imported only
+when these are called."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stagerd.contract import dtypes
@@ -30,20 +31,70 @@ def stand_ins(tensors: Tensors) -> dict[str, Any]:
 Uncast = tuple[tuple[str, tuple[str, ...]], ...]  # HubPlan.uncast: (cast target, outputs it leaves as saved)
 
 
+def model_classes(config: Mapping[str, Any]) -> list[Any]:
+    """The transformers classes of the model config.json names: its `architectures`, else its model_type's
+    causal LM, else its bare model."""
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config["model_type"]
+    names: list[object] = [a for a in config.get("architectures") or () if isinstance(a, str)] or [
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+        auto.MODEL_MAPPING_NAMES.get(model_type),
+    ]
+    classes = (getattr(tf, n, None) if isinstance(n, str) else None for n in names)
+    return [c for c in classes if isinstance(c, type) and issubclass(c, tf.PreTrainedModel)]
+
+
+def meta_model(cls: Any, config: Mapping[str, Any]) -> Any:
+    """`cls` built from `config` on the meta device."""
+    import torch
+    import transformers as tf
+
+    with torch.device("meta"):
+        return cls._from_config(tf.CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)))
+
+
 def saved_outputs(
     cls: Any, config: Mapping[str, Any]
 ) -> tuple[list[str], dict[str, tuple[int, ...]], int, Uncast]:
     """What `save_pretrained` of `cls` built from `config` writes: its names in order, their shapes, its
     num_parameters() (for the index), and per cast target the names the model keeps in float32 there."""
-    import torch
-    import transformers as tf
-
     from stagerd.training.trace.resolve import transformers_plan
 
-    with torch.device("meta"):
-        model = cls._from_config(tf.CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)))
+    model = meta_model(cls, config)
     own = model.state_dict()
     plan = transformers_plan(model, own, {})
     shapes = {v.name: tuple(v.shape) for v in plan.outputs({k: tuple(v.shape) for k, v in own.items()})}
     order = [n for n in plan.order if n in shapes] or list(shapes)
     return order, shapes, model.num_parameters(), plan.uncast
+
+
+def kept_fp32(config: Mapping[str, Any], names: Sequence[str]) -> Uncast | None:
+    """Per cast target, which of `names` (a checkpoint's, kept as they are: save_pretrained's, or the
+    model's own) the model config.json names keeps in float32 there, as `from_pretrained` of them does:
+    each pattern searched in the model's own name, which is the name itself unless it is one its
+    save_pretrained writes for another (a conversion's). None where no class of config.json's model
+    builds here."""
+    from stagerd.training.trace import fp32_modules
+    from stagerd.training.trace.resolve import transformers_plan
+
+    for cls in model_classes(config):
+        try:
+            model = meta_model(cls, config)
+        except Exception:  # a config this class cannot build: the next class, if any
+            continue
+        own = model.state_dict()
+        sources: dict[str, list[str]] = {}  # a saved name -> the model's names it is written from
+        try:
+            plan = transformers_plan(model, own, {})
+            zeros = {z.name: z.shape for z in plan.zeros}
+            for v in plan.outputs({**{k: tuple(t.shape) for k, t in own.items()}, **zeros}):
+                if v.source not in zeros:
+                    sources.setdefault(v.name, []).append(v.source)
+        except Exception:  # a conversion not planned as byte moves: every name is searched as it is
+            sources = {}
+        return fp32_modules.kept(
+            model, [(n, live) for n in dict.fromkeys(names) for live in sources.get(n, [n])]
+        )
+    return None

@@ -112,7 +112,7 @@ def export_adopted(
         HeldFiles() as files,
         files.naming(),
     ):
-        source = open_adopted(held.proc, options, parent=parent, held=(held, files))
+        source = open_adopted(held.proc, options, parent=parent, held=(held, files), dtype=dtype)
         before = snapshot(source)
         recorded = {
             "source": source.identity,

@@ -5,12 +5,14 @@ A trainer's DCP checkpoint holds the model's live module names. For most models 
 into one 3D tensor per layer, which `save_pretrained` splits back per expert; prefixes a multimodal model
 moves). The plan that makes them what `save_pretrained` writes is resolved from transformers' own code by
 the training side, which the engine never imports: the daemon hands it in as a `ModelPlan`, and here that
-plan, made over the model's names, is turned into one over the checkpoint's keys.
+plan, made over the model's names, is turned into one over the checkpoint's keys. Names it plans no
+conversion for (kept as the checkpoint has them) get from it what the model keeps in float32 under a
+cast (`uncast`), as `from_pretrained` in that dtype keeps it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -29,6 +31,14 @@ class ModelPlan(Protocol):
         config: Mapping[str, Any],
         trainer: str | None = None,
     ) -> HubPlan | None: ...
+
+    def uncast(
+        self, names: Sequence[str], config: Mapping[str, Any], *, casting: bool = False
+    ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """`HubPlan.uncast` over the exported `names` (kept as the checkpoint has them): per cast target,
+        those the model config.json names keeps in float32 there; none where it cannot be known (said
+        where the export is `casting` to bf16 or fp16)."""
+        ...
 
 
 def over_keys(

@@ -55,7 +55,7 @@ from stagerd.engine.adopt.model_names import ModelPlan, over_keys
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import scan_shards, shard_paths
 from stagerd.engine.source import Source
-from stagerd.errors import AdoptError, ShardError, StagerdError, open_failed
+from stagerd.errors import AdoptError, DTypeError, ShardError, StagerdError, open_failed
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 WHY = "an adopted checkpoint is read only from the files its trainer wrote, never through a link"
@@ -269,11 +269,13 @@ def open_adopted(
     *,
     parent: Path | HeldDir | None = None,
     held: tuple[HeldDir, HeldFiles] | None = None,
+    dtype: str | None = None,
 ) -> AdoptedSource:
     """Open a finished checkpoint for export; an unfinished one is an AdoptError, and nothing is read.
     `parent`: the directory the checkpoint is in (where extras may be; held, its extras are read through
     it), when `ckpt` is a held one's proc path; `held`: that directory, and where the model's directory,
-    data files and extras are held (see the module)."""
+    data files and extras are held (see the module). `dtype`: the export's (`--dtype`), only to say where
+    a cast cannot leave what the model keeps in float32; the plan is the same for every dtype."""
     ckpt, options = Path(ckpt), options or AdoptOptions()
     preset = choose_preset(ckpt, options.preset, None if held is None else held[0].path.name)
     model_dir = ckpt / preset.model_dir if preset.model_dir != "." else ckpt
@@ -338,6 +340,8 @@ def open_adopted(
     elif model_names is None:  # save_pretrained fills its files in its state dict's order, as `.metadata`
         place = {k: i for i, k in enumerate(meta.tensors)}
         plan = replace(plan, order=tuple(v.name for v in sorted(plan.views, key=lambda v: place[v.source])))
+    if model_names is None and not preset.adapter:
+        plan = _kept_fp32(plan, options, config, dtype)
     return AdoptedSource(
         model_dir,
         None,
@@ -371,6 +375,22 @@ def _model_named(
     trainer = preset.name if preset.mapping is not None else None
     model = options.model_plan({n: (t[k].shape, t[k].dtype) for n, k in chosen.items()}, config, trainer)
     return None if model is None else over_keys(model, chosen, {k: t[k].shape for k in chosen.values()})
+
+
+def _kept_fp32(
+    plan: HubPlan, options: AdoptOptions, config: Mapping[str, object] | None, dtype: str | None
+) -> HubPlan:
+    """`plan`, whose names are kept as the checkpoint has them (every output a view), with what the model
+    config.json names keeps in float32 under a cast: a cast export is then `save_pretrained` of the model
+    `from_pretrained` loads in that dtype, as where its names are planned. PEFT's adapter loads as saved."""
+    if options.model_plan is None or config is None or plan.uncast:
+        return plan
+    names = list(dict.fromkeys(v.name for v in plan.views))
+    try:
+        casting = parse_export_dtype(dtype) in ("BF16", "F16")
+    except DTypeError:  # named by the export itself
+        casting = False
+    return replace(plan, uncast=options.model_plan.uncast(names, config, casting=casting))
 
 
 def shard_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -10,7 +10,7 @@ transformers' own, run on the live model, whose lists `post_init` collected over
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
@@ -24,6 +24,17 @@ def uncast(
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Per cast target, the outputs of `plan` (over the staged `shapes`, keyed by `model`'s own names)
     that read a parameter `model` keeps in float32 under that dtype."""
+    zeros = {z.name for z in plan.zeros}  # a conversion's padding, never a parameter
+
+    def named() -> Iterator[tuple[str, str]]:  # walked only for a model that lists some
+        yield from ((v.name, v.source) for v in plan.outputs(shapes) if v.source not in zeros)
+
+    return kept(model, named())
+
+
+def kept(model: Any, named: Iterable[tuple[str, str]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per cast target, the output names of `named` (output name, the `model` parameter it reads; an
+    output of several parts once per part) whose parameter `model` keeps in float32 under that dtype."""
     import torch
 
     dtype_plan = getattr(model, "_get_dtype_plan", None)
@@ -33,15 +44,14 @@ def uncast(
         return ()
     if dtype_plan is None:
         return ()
-    outputs = plan.outputs(shapes)
-    zeros = {z.name for z in plan.zeros}  # a conversion's padding, never a parameter
+    named = list(named)
     out = []
     for target, torch_name in TARGETS.items():
-        kept = dtype_plan(getattr(torch, torch_name))
-        if not kept:
+        listed = dtype_plan(getattr(torch, torch_name))
+        if not listed:
             continue
-        pattern = build_glob_alternation(list(kept))[0]
-        names = [v.name for v in outputs if v.source not in zeros and pattern.search(v.source)]
+        pattern = build_glob_alternation(list(listed))[0]
+        names = [name for name, own in named if pattern.search(own)]
         if names:
             out.append((target, tuple(dict.fromkeys(names))))
     return tuple(out)
