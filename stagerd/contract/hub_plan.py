@@ -28,7 +28,10 @@ the training side does, where transformers is installed). Every output tensor is
 - `uncast`: per cast target (`BF16`, `F16`), the outputs a cast to it leaves in their saved dtype: what
   transformers keeps in float32 when it holds the model in that dtype (`_keep_in_fp32_modules_strict` for
   both, `_keep_in_fp32_modules` for F16 too), so the export is what `save_pretrained` of the model loaded
-  in that dtype writes. An older stagerd ignores it and casts them.
+  in that dtype writes. An older stagerd ignores it and casts them;
+- `dtype_from`: where the model's first floating parameter is among those outputs, its output:
+  `save_pretrained` names the model's dtype in config.json by that parameter (`PreTrainedModel.dtype`),
+  so a cast export whose plan leaves it uncast names its saved dtype, not the cast's.
 
 Splits (MoE experts, fused QKV or gate/up), renames, tied duplicates written with their own bytes, and
 dropped keys are all views. No torch here: the daemon reads this.
@@ -129,6 +132,7 @@ class HubPlan:
     shared: tuple[SharedStorage, ...] = ()
     parameters: int | None = None
     uncast: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (cast target, outputs it leaves as saved)
+    dtype_from: str | None = None
 
     def uncast_for(self, target: str | None) -> tuple[str, ...]:
         """The outputs a cast to `target` (a safetensors name; None: kept) leaves in their saved dtype."""
@@ -158,6 +162,8 @@ class HubPlan:
             d["parameters"] = self.parameters
         if self.uncast:
             d["uncast"] = {dt: list(names) for dt, names in self.uncast}
+        if self.dtype_from is not None:
+            d["dtype_from"] = self.dtype_from
         return d
 
     @classmethod
@@ -199,6 +205,7 @@ class HubPlan:
             parameters = None if d.get("parameters") is None else as_int(d["parameters"])
             origin = as_str(d.get("origin", "aliases"))
             uncast = uncast_targets(d.get("uncast", {}), as_strs)
+            dtype_from = None if d.get("dtype_from") is None else as_str(d["dtype_from"])
             return cls(
                 views,
                 drop,
@@ -209,6 +216,7 @@ class HubPlan:
                 shared=shared,
                 parameters=parameters,
                 uncast=uncast,
+                dtype_from=dtype_from,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise HubPlanError(f"malformed to-Hub plan: {e!r}", path=path) from None

@@ -40,6 +40,7 @@ class ConsolidateResult:
     total_size: int
     index: tuple[str, int] | None
     dtype_bytes: tuple[tuple[str, int], ...] = ()
+    named_dtype: str | None = None
 
 
 def consolidate_into(
@@ -87,7 +88,12 @@ def consolidate_into(
         except OSError as e:
             raise output_error(e, index) from None
     return ConsolidateResult(
-        tuple((f.name, f.size) for f in p.files), p.tensor_count, p.total_size, written, p.dtype_bytes()
+        tuple((f.name, f.size) for f in p.files),
+        p.tensor_count,
+        p.total_size,
+        written,
+        p.dtype_bytes(),
+        p.named_dtype,
     )
 
 

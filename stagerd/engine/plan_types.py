@@ -197,6 +197,7 @@ class ExportPlan:
     dims: memoryview
     total_size: int
     parameters: int | None = None  # the saver's own num_parameters(), where the to-Hub plan records it
+    named_dtype: str | None = None  # the dtype config.json names where it is not the cast's (`plan()`)
 
     @property
     def sources(self) -> tuple[str, ...]:

@@ -89,6 +89,7 @@ def plan(
         "B",
         (DTYPE_CODE[_out_dtype(n, table.dtype_name(t), dtype, keep, uncast)] for t, n in enumerate(names)),
     )
+    named = _named_dtype(views, ids, out_code, uncast)
     for n, dt_name in (out_dtypes or {}).items():
         pinned = ids.get(n)
         if pinned is None:
@@ -149,9 +150,21 @@ def plan(
         dims=frozen(dims),
         total_size=total_size,
         parameters=views.parameters if views is not None else None,
+        named_dtype=named,
     )
     _check_byte_addressable(p)
     return p
+
+
+def _named_dtype(
+    views: HubPlan | None, ids: Mapping[str, int], out_code: array[int], uncast: frozenset[str]
+) -> str | None:
+    """The dtype `save_pretrained` names the model by where a cast does not: its first floating parameter's
+    (`PreTrainedModel.dtype`, the plan's `dtype_from`), when the cast leaves that one uncast (a model
+    whose first module is held in float32, an audio tower say). None: the cast's."""
+    first = None if views is None else views.dtype_from
+    t = None if first is None or first not in uncast else ids.get(first)
+    return None if t is None else DTYPE_NAMES[out_code[t]]
 
 
 def _save_order(

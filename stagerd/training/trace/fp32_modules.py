@@ -55,3 +55,19 @@ def kept(model: Any, named: Iterable[tuple[str, str]]) -> tuple[tuple[str, tuple
         if names:
             out.append((target, tuple(dict.fromkeys(names))))
     return tuple(out)
+
+
+def dtype_from(
+    model: Any,
+    plan: HubPlan,
+    shapes: Mapping[str, tuple[int, ...]],
+    uncast: tuple[tuple[str, tuple[str, ...]], ...],
+) -> str | None:
+    """The output of `model`'s first floating parameter, which `save_pretrained` names the model's dtype
+    by, where some cast leaves it uncast; else None (the cast's dtype is named)."""
+    parameters = getattr(model, "named_parameters", None)
+    if not uncast or parameters is None:
+        return None
+    first = next((n for n, p in parameters() if p.is_floating_point()), None)
+    out = next((v.name for v in plan.outputs(shapes) if v.source == first), None)
+    return out if any(out in names for _, names in uncast) else None

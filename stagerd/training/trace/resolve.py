@@ -214,7 +214,8 @@ def transformers_plan(
         sd, aliases, convert, "transformers", keys=keys, parameters=parameters, storages=storages
     )
     shapes = {**{k: tuple(v.shape) for k, v in sd.items()}, **{z.name: z.shape for z in plan.zeros}}
-    return replace(plan, uncast=fp32_modules.uncast(model, plan, shapes))
+    uncast = fp32_modules.uncast(model, plan, shapes)
+    return replace(plan, uncast=uncast, dtype_from=fp32_modules.dtype_from(model, plan, shapes, uncast))
 
 
 @contextlib.contextmanager

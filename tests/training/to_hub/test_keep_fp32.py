@@ -152,10 +152,11 @@ def test_keep_dtype_adds_to_the_models_list_and_a_llama_casts_everything(tmp_pat
 
 
 def test_the_marker_carries_the_lists_in_either_form_and_refuses_a_non_target():
-    plan = HubPlan(uncast=(("BF16", ("a",)), ("F16", ("a", "b"))))
+    plan = HubPlan(uncast=(("BF16", ("a",)), ("F16", ("a", "b"))), dtype_from="a")
     for d in (plan.to_json(), encode_plan(plan, ["a", "b"])):
         back = decode_plan(json.loads(json.dumps(d)), ["a", "b"], path=None)
         assert back.uncast_for("F16") == ("a", "b") and back.uncast_for("BF16") == ("a",)
+        assert back.dtype_from == "a"
         assert back.uncast_for("F32") == () and back.uncast_for(None) == ()
     bad = {**plan.to_json(), "uncast": {"I8": ["a"]}}
     with pytest.raises(HubPlanError, match="no cast target"):
