@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from stagerd import errors
 from stagerd.contract import layout
 from stagerd.contract.json_fields import loads
 from stagerd.daemon.fleet.progress import Progress, Reports, progress_key
@@ -22,6 +23,7 @@ from stagerd.errors import (
     SinkError,
     StagerdError,
     StepClaimedError,
+    StepConflictError,
 )
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
@@ -31,6 +33,7 @@ from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgr
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file
 FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
+BROKEN_DIR = "broken"  # one record per node: its own staged step cannot be sent (a torn or missing shard)
 MAX_RECORD_BYTES = 1 << 20  # a claim, record or failure is under 1 KiB (a claim names each sink in 16 bytes)
 T = TypeVar("T")
 
@@ -89,6 +92,39 @@ class StepExchange:
         # `try`: a failure of this try never reads as the same bytes as a past try's (`past_failures`)
         data = json.dumps({"node": self.me, "error": error, "message": msg, "try": uuid.uuid4().hex})
         _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
+
+    def record_broken(self, save: str, err: StagerdError | None) -> None:
+        """This node's own staged step of `save` failed with `err`, which no wait can mend (None: a new try
+        begins, which clears it): the nodes waiting for its raw part stop at once and quarantine the step
+        too, rather than waiting again for as long as the daemons run."""
+        key = f"{self.base}/{BROKEN_DIR}/node-{self.me:05d}.json"
+        if err is None and not (self.read_json(key) or {}).get("error"):
+            return  # nothing to clear: no write on the way of a healthy step
+        msg = None if err is None else str(err).splitlines()[0][:500]
+        data = {"node": self.me, "save": save, "error": None if err is None else err.name, "message": msg}
+        self.write(key, json.dumps(data).encode())
+
+    def broken_of(self, save: str, nodes: Iterable[int]) -> StagerdError | None:
+        """Where one of `nodes` recorded that its staged step of `save` cannot be sent (`record_broken`): its
+        error, of its class where stagerd names one that no retry mends, to quarantine the step here too."""
+        prefix = f"{self.base}/{BROKEN_DIR}"
+        listed = self.store.sizes(prefix)
+        for k in sorted(set(nodes) - {self.me}):
+            key = f"{prefix}/node-{k:05d}.json"
+            if f"node-{k:05d}.json" not in listed or (d := self.read_json(key)) is None:
+                continue
+            if not d.get("error") or d.get("save") != save:  # cleared, or another save's
+                continue
+            kind = getattr(errors, str(d["error"]), None)
+            if not (isinstance(kind, type) and issubclass(kind, StagerdError)) or kind.retryable:
+                kind = StepConflictError
+            return kind(
+                f"step {self.step}: node {k} cannot send its part ({d['error']}: {d.get('message')})",
+                path=f"{self.exchange.url}/{key}",
+                hint=f"node {k}'s daemon log and `stagerd status` name the cause; fix its step, run `stagerd "
+                f"retry ROOT --step {self.step}` there, then on every other node",
+            )
+        return None
 
     def failure_of(self, sink: FsspecSink, nodes: Iterable[int]) -> SinkError | None:
         """Where one of `nodes` (other than this one) failed its last try of `sink`: the `SinkError` that

@@ -35,10 +35,11 @@ sink's lane still reads the raw parts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from stagerd.daemon.fleet.progress import Progress
 from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
+    save_id,
     save_of,
     settings_of,
 )
@@ -70,11 +72,15 @@ from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import (
+    ExtrasError,
     FleetNodeConflictError,
+    HeaderError,
     MarkerError,
+    ShardError,
     SinkError,
     StagerdError,
     StepConflictError,
+    SymlinkError,
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
@@ -184,16 +190,20 @@ class FleetNode:
                     s.move_latest(self.step)
                 self._record_done()
             return res
-        check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
+        with self._own_step():
+            check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         claim(self.x, self.root_id, self.save, self._settings())
+        # a new try: the others wait for this node's part again
+        self.x.record_broken(save_id(self.marker), None)
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
         with self.x.reporting() as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
-            res.bytes_raw = self.exchange.publish_raw(
-                self.step_dir, self.step, progress=sending
-            ).bytes_uploaded
+            with self._own_step():
+                res.bytes_raw = self.exchange.publish_raw(
+                    self.step_dir, self.step, progress=sending
+                ).bytes_uploaded
             parts = self._wait_parts()
             same_protocol(self.x, self.lanes.all)  # before anything is claimed or written on a sink
             wait_agreed(self.x, self._settings())
@@ -272,6 +282,19 @@ class FleetNode:
             shutil.rmtree(out, ignore_errors=True)
         self.lanes.check()
 
+    @contextlib.contextmanager
+    def _own_step(self) -> Iterator[None]:
+        """This node's own staged step read: an error of it (a torn or missing shard) no retry mends, and the
+        others would wait for its part for as long as they run; recorded on the exchange, they stop too."""
+        try:
+            yield
+        except (ExtrasError, HeaderError, MarkerError, ShardError, SymlinkError) as e:
+            try:
+                self.x.record_broken(save_id(self.marker), e)
+            except SinkError as w:  # the exchange's own failure: the others time out as before
+                log.warning("step %d: could not record node %d's failure: %s", self.step, self.me, w)
+            raise
+
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
         from an earlier checkpoint) is not, and must not pass for published: it goes on to its claim
@@ -319,6 +342,8 @@ class FleetNode:
             have = seen()
             want = [node_part(k, self.nodes) for k in range(self.nodes)]
             gone = [k for k, n in enumerate(want) if n not in have]
+            if (broken := self.x.broken_of(save_id(self.marker), gone)) is not None:  # waiting cannot help
+                raise broken
             doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
             return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
 

@@ -1,0 +1,60 @@
+"""A node whose own staged step cannot be sent (one rank's shard missing from its ROOT, or torn) quarantines
+the step on every node at once, by name, rather than leaving the others waiting for its raw part for as
+long as their daemons run; once the shard is back and each node retries, the step publishes the
+single-node export. Two real daemons per run, one per node-local ROOT, on the S3 test server."""
+
+from __future__ import annotations
+
+import shutil
+
+from stagerd.contract import layout
+from stagerd.daemon.journal import Journal
+from tests.cli_helpers import run_cli
+from tests.daemon.fleet.test_daemon import _done, _single, _watch
+from tests.daemon.fleet.test_protocol import STEP, _keys, _stage, _tree
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+
+def _row(root):
+    j = Journal.open_readonly(root)
+    try:
+        (row,) = j.steps()
+    finally:
+        j.close()
+    return row
+
+
+def test_a_node_missing_a_shard_quarantines_the_step_on_every_node_then_a_retry_publishes_it(
+    tmp_path,
+    dcp_mixed2,
+    s3,  # noqa: F811
+):
+    shared, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    single = _single(shared, s3)
+    shard = sorted((node_dirs[1] / "model").glob("*.safetensors"))[0]
+    kept = tmp_path / "kept"
+    shutil.move(shard, kept)  # one rank's shard gone from node 1's ROOT
+    url = s3.url("fleet")
+    # a wait long enough that node 0 timing out would be FleetWaitError, never the quarantine asserted
+    procs = [_watch(d.parent, url, "--fleet-wait-seconds", "8") for d in node_dirs]
+    (rc0, log0), (rc1, log1) = [_done(p) for p in procs]
+    assert rc1 != 0 and (_row(node_dirs[1].parent).state, _row(node_dirs[1].parent).error_class) == (
+        "quarantined",
+        "ShardError",
+    ), log1
+    row = _row(node_dirs[0].parent)
+    assert rc0 != 0 and (row.state, row.error_class) == ("quarantined", "ShardError"), log0
+    assert "node 1 cannot send its part" in (row.error_message or "") and shard.name in (
+        row.error_message or ""
+    ), row.error_message
+    assert not [k for k in _keys(s3) if k.startswith(f"fleet/{layout.step_dir_name(STEP)}/")]
+
+    shutil.move(kept, shard)  # mended: node 1 retries first, as the hint says, then node 0
+    for d in reversed(node_dirs):
+        retried = run_cli(["retry", d.parent, "--step", str(STEP)])
+        assert retried.returncode == 0, retried.stderr
+    procs = [_watch(d.parent, url) for d in node_dirs]
+    for p in procs:
+        rc, log = _done(p)
+        assert rc == 0, log
+    assert _tree(_keys(s3), s3, "fleet") == single
