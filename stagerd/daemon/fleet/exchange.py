@@ -33,7 +33,7 @@ from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgr
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file
 FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
-BROKEN_DIR = "broken"  # one record per node: its own staged step cannot be sent (a torn or missing shard)
+BROKEN_DIR = "broken"  # one record per node: its part stopped on an error no retry mends (a torn shard)
 MAX_RECORD_BYTES = 1 << 20  # a claim, record or failure is under 1 KiB (a claim names each sink in 16 bytes)
 T = TypeVar("T")
 
@@ -94,9 +94,9 @@ class StepExchange:
         _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
 
     def record_broken(self, save: str, err: StagerdError | None) -> None:
-        """This node's own staged step of `save` failed with `err`, which no wait can mend (None: a new try
-        begins, which clears it): the nodes waiting for its raw part stop at once and quarantine the step
-        too, rather than waiting again for as long as the daemons run."""
+        """This node's part of `save` stopped with `err`, which no retry mends (its own staged step torn, the
+        leader's refusal of a file; None: a new try begins, which clears it): the nodes waiting for it stop
+        at once and quarantine the step too, rather than waiting again for as long as the daemons run."""
         key = f"{self.base}/{BROKEN_DIR}/node-{self.me:05d}.json"
         if err is None and not (self.read_json(key) or {}).get("error"):
             return  # nothing to clear: no write on the way of a healthy step
@@ -105,8 +105,8 @@ class StepExchange:
         self.write(key, json.dumps(data).encode())
 
     def broken_of(self, save: str, nodes: Iterable[int]) -> StagerdError | None:
-        """Where one of `nodes` recorded that its staged step of `save` cannot be sent (`record_broken`): its
-        error, of its class where stagerd names one that no retry mends, to quarantine the step here too."""
+        """Where one of `nodes` recorded that its part of `save` stopped (`record_broken`): its error, of its
+        class where stagerd names one that no retry mends, to quarantine the step here too."""
         prefix = f"{self.base}/{BROKEN_DIR}"
         listed = self.store.sizes(prefix)
         for k in sorted(set(nodes) - {self.me}):
@@ -119,10 +119,10 @@ class StepExchange:
             if not (isinstance(kind, type) and issubclass(kind, StagerdError)) or kind.retryable:
                 kind = StepConflictError
             return kind(
-                f"step {self.step}: node {k} cannot send its part ({d['error']}: {d.get('message')})",
+                f"step {self.step}: node {k} stopped, no retry mends it ({d['error']}: {d.get('message')})",
                 path=f"{self.exchange.url}/{key}",
-                hint=f"node {k}'s daemon log and `stagerd status` name the cause; fix its step, run `stagerd "
-                f"retry ROOT --step {self.step}` there, then on every other node",
+                hint=f"node {k}'s daemon log and `stagerd status` name the cause; mend it, run `stagerd "
+                f"retry ROOT --step {self.step}` on node {k}, then on every other node",
             )
         return None
 

@@ -72,6 +72,7 @@ from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import (
+    ConfigError,
     ExtrasError,
     FleetNodeConflictError,
     HeaderError,
@@ -90,6 +91,8 @@ from stagerd.sinks.prune import FLEET_DONE
 
 log = logging.getLogger("stagerd.fleet")
 
+# errors of this node's own staged step (a shard missing or torn): no other node can send its part
+STEP_FAULTS = (ExtrasError, HeaderError, MarkerError, ShardError, SymlinkError)
 Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
 
 
@@ -190,7 +193,7 @@ class FleetNode:
                     s.move_latest(self.step)
                 self._record_done()
             return res
-        with self._own_step():
+        with self._stopped(*STEP_FAULTS):
             check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         claim(self.x, self.root_id, self.save, self._settings())
         # a new try: the others wait for this node's part again
@@ -200,7 +203,7 @@ class FleetNode:
         self.x.past_failures(self.lanes.all)
         with self.x.reporting() as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
-            with self._own_step():
+            with self._stopped(*STEP_FAULTS):
                 res.bytes_raw = self.exchange.publish_raw(
                     self.step_dir, self.step, progress=sending
                 ).bytes_uploaded
@@ -221,25 +224,16 @@ class FleetNode:
                 [(rel, *units[rel]) for rel in units if owner[rel] == self.me], planned, progress, res
             )
         res.bytes_fetched = mirror.fetched
-        if mine is not None:  # the leader
-            res.bytes_uploaded += lead(
-                self.x,
-                self.lanes.live(),
-                self.work,
-                self.step_dir,
-                self._target_dtype(),
-                p,
-                parts,
-                owner,
-                planned,
-                self.lanes.fail,
-                mine,
-            )
+        if mine is not None:  # the leader; another plan's file (ConfigError) stops the others too
+            with self._stopped(ConfigError):
+                live, dtype = self.lanes.live(), self._target_dtype()
+                args = (p, parts, owner, planned, self.lanes.fail, mine)
+                res.bytes_uploaded += lead(self.x, live, self.work, self.step_dir, dtype, *args)
             self.lanes.check()
             res.committed = True
             self._record_done()
         else:
-            self.lanes.wait_leader(owner)
+            self.lanes.wait_leader(owner, save_id(self.marker))
         shutil.rmtree(self.work, ignore_errors=True)
         res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
@@ -283,12 +277,13 @@ class FleetNode:
         self.lanes.check()
 
     @contextlib.contextmanager
-    def _own_step(self) -> Iterator[None]:
-        """This node's own staged step read: an error of it (a torn or missing shard) no retry mends, and the
-        others would wait for its part for as long as they run; recorded on the exchange, they stop too."""
+    def _stopped(self, *kinds: type[StagerdError]) -> Iterator[None]:
+        """An error of `kinds` (one no retry mends: this node's own step torn, the leader's refusal of a
+        file) quarantines the step here, and the others would wait for this node for as long as they run:
+        recorded on the exchange, they stop too."""
         try:
             yield
-        except (ExtrasError, HeaderError, MarkerError, ShardError, SymlinkError) as e:
+        except kinds as e:
             try:
                 self.x.record_broken(save_id(self.marker), e)
             except SinkError as w:  # the exchange's own failure: the others time out as before
