@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, TypeVar
 
 from stagerd import errors
@@ -66,6 +67,7 @@ class StepExchange:
         self.base = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
         self.waited = 0.0  # seconds asleep in `wait`
         self.reports = Reports(store, self.base)  # the other nodes' reports of their work
+        self._elsewhere: dict[tuple[int, ...], tuple[str, float]] = {}  # `claimed_elsewhere`: text, read at
         self._past: dict[str, bytes] = {}  # failure key -> the record a past try left there (`past_failures`)
 
     def claim_key(self, node: int) -> str:
@@ -125,6 +127,30 @@ class StepExchange:
                 f"retry ROOT --step {self.step}` on node {k}, then on every other node",
             )
         return None
+
+    def claimed_elsewhere(self, sink: FsspecSink, nodes: Iterable[int]) -> str:
+        """For a wait's text: where `sink`, not the exchange, holds this step's claim of one of `nodes`,
+        that node's daemon meets the others there (it runs with another `--exchange`, or none) and waits
+        for them as they wait for it. Read again at most as often as a node reports its progress; once
+        found, kept (the text stays the same, as the wait needs)."""
+        nodes = tuple(nodes)
+        if sink.url.rstrip("/") == self.exchange.url.rstrip("/"):
+            return ""
+        said, at = self._elsewhere.get(nodes, ("", -1e9))
+        if not said and time.monotonic() - at >= max(self.poll_seconds, min(self.wait_seconds / 4, 10.0)):
+            b, keys = sink.backend, {k: self.claim_key(k) for k in nodes}
+            there = [
+                k
+                for k, key in keys.items()
+                if _named(sink.url, key, partial(b.read, key, MAX_RECORD_BYTES + 1))
+            ]
+            if there:
+                said = (
+                    f"; node {there[0]} claimed this step on {sink.url}, not on this node's exchange "
+                    f"{self.exchange.url}: every node's daemon must pass the same --exchange"
+                )
+            self._elsewhere[nodes] = (said, time.monotonic())
+        return said
 
     def failure_of(self, sink: FsspecSink, nodes: Iterable[int]) -> SinkError | None:
         """Where one of `nodes` (other than this one) failed its last try of `sink`: the `SinkError` that

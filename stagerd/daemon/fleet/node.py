@@ -340,6 +340,7 @@ class FleetNode:
             if (broken := self.x.broken_of(save_id(self.marker), gone)) is not None:  # waiting cannot help
                 raise broken
             doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
+            doing += self.x.claimed_elsewhere(self.sinks[0], gone)  # met on another exchange: say so
             return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
 
         self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
