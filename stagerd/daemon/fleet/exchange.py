@@ -59,8 +59,10 @@ class StepExchange:
         poll_seconds: float,
         status: Callable[[str, int], None],
         stopping: Callable[[], bool] | None = None,
+        save: str = "",
     ) -> None:
-        self.exchange, self.store = exchange, store
+        """`save`: the save's digest alike on every node (`records.save_id`), which `record_broken` names."""
+        self.exchange, self.store, self.save = exchange, store, save
         self.stopping = stopping or (lambda: False)
         self.step, self.me, self.nodes = step, me, nodes
         self.wait_seconds, self.poll_seconds, self.status = wait_seconds, poll_seconds, status
@@ -95,27 +97,32 @@ class StepExchange:
         data = json.dumps({"node": self.me, "error": error, "message": msg, "try": uuid.uuid4().hex})
         _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
 
-    def record_broken(self, save: str, err: StagerdError | None) -> None:
-        """This node's part of `save` stopped with `err`, which no retry mends (its own staged step torn, the
-        leader's refusal of a file; None: a new try begins, which clears it): the nodes waiting for it stop
-        at once and quarantine the step too, rather than waiting again for as long as the daemons run."""
+    def record_broken(self, err: StagerdError | None) -> None:
+        """This node's part of the save stopped with `err`, which no retry mends (its own staged step torn,
+        the leader's refusal of a file; None: a new try begins, which clears it): the nodes waiting for it
+        stop at once and quarantine the step too, rather than waiting again for as long as they run."""
         key = f"{self.base}/{BROKEN_DIR}/node-{self.me:05d}.json"
         if err is None and not (self.read_json(key) or {}).get("error"):
             return  # nothing to clear: no write on the way of a healthy step
         msg = None if err is None else str(err).splitlines()[0][:500]
-        data = {"node": self.me, "save": save, "error": None if err is None else err.name, "message": msg}
+        data = {
+            "node": self.me,
+            "save": self.save,
+            "error": None if err is None else err.name,
+            "message": msg,
+        }
         self.write(key, json.dumps(data).encode())
 
-    def broken_of(self, save: str, nodes: Iterable[int]) -> StagerdError | None:
-        """Where one of `nodes` recorded that its part of `save` stopped (`record_broken`): its error, of its
-        class where stagerd names one that no retry mends, to quarantine the step here too."""
+    def broken_of(self, nodes: Iterable[int]) -> StagerdError | None:
+        """Where one of `nodes` recorded that its part of the save stopped (`record_broken`): its error, of
+        its class where stagerd names one that no retry mends, to quarantine the step here too."""
         prefix = f"{self.base}/{BROKEN_DIR}"
         listed = self.store.sizes(prefix)
         for k in sorted(set(nodes) - {self.me}):
             key = f"{prefix}/node-{k:05d}.json"
             if f"node-{k:05d}.json" not in listed or (d := self.read_json(key)) is None:
                 continue
-            if not d.get("error") or d.get("save") != save:  # cleared, or another save's
+            if not d.get("error") or d.get("save") != self.save:  # cleared, or another save's
                 continue
             kind = getattr(errors, str(d["error"]), None)
             if not (isinstance(kind, type) and issubclass(kind, StagerdError)) or kind.retryable:

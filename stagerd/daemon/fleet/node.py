@@ -169,6 +169,7 @@ class FleetNode:
             o.poll_seconds,
             self.status,
             o.stopping,
+            save_id(self.marker),
         )
         self.base = self.x.base
         self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
@@ -197,7 +198,7 @@ class FleetNode:
             check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         claim(self.x, self.root_id, self.save, self._settings())
         # a new try: the others wait for this node's part again
-        self.x.record_broken(save_id(self.marker), None)
+        self.x.record_broken(None)
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
@@ -216,13 +217,14 @@ class FleetNode:
             if mine is not None:
                 stake(self.x, mine, self.lanes.live(), self.lanes.fail)
                 self.lanes.check()
-            mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
-            p, units = self._plan(mirror, mirror.build())
-            owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
-            planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
-            self._build(
-                [(rel, *units[rel]) for rel in units if owner[rel] == self.me], planned, progress, res
-            )
+            # its own shards read again (a link put there since: SymlinkError); the others wait on its files
+            with self._stopped(*STEP_FAULTS):
+                mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
+                p, units = self._plan(mirror, mirror.build())
+                owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+                planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
+                built_here = [(rel, *units[rel]) for rel in units if owner[rel] == self.me]
+                self._build(built_here, planned, progress, res)
         res.bytes_fetched = mirror.fetched
         if mine is not None:  # the leader; another plan's file (ConfigError) stops the others too
             with self._stopped(ConfigError):
@@ -233,7 +235,7 @@ class FleetNode:
             res.committed = True
             self._record_done()
         else:
-            self.lanes.wait_leader(owner, save_id(self.marker))
+            self.lanes.wait_leader(owner)
         shutil.rmtree(self.work, ignore_errors=True)
         res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
@@ -285,7 +287,7 @@ class FleetNode:
             yield
         except kinds as e:
             try:
-                self.x.record_broken(save_id(self.marker), e)
+                self.x.record_broken(e)
             except SinkError as w:  # the exchange's own failure: the others time out as before
                 log.warning("step %d: could not record node %d's failure: %s", self.step, self.me, w)
             raise
@@ -337,10 +339,11 @@ class FleetNode:
             have = seen()
             want = [node_part(k, self.nodes) for k in range(self.nodes)]
             gone = [k for k, n in enumerate(want) if n not in have]
-            if (broken := self.x.broken_of(save_id(self.marker), gone)) is not None:  # waiting cannot help
+            if (broken := self.x.broken_of(gone)) is not None:  # waiting cannot help
                 raise broken
             doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
-            doing += self.x.claimed_elsewhere(self.sinks[0], gone)  # met on another exchange: say so
+            for sink in self.sinks[:1]:  # a node met on the first sink, not this exchange: say so
+                doing += self.x.claimed_elsewhere(sink, gone)
             return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
 
         self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 from stagerd.contract import commit_marker, layout
 from stagerd.daemon.fleet.version import build
@@ -86,3 +87,35 @@ def test_a_leader_refusing_another_plans_file_stops_the_node_waiting_for_its_com
         "node 1 built" in str(out[1])
         and not (sink / layout.step_dir_name(STEP) / "stagerd.manifest.json").exists()
     )
+
+
+def test_an_owner_whose_shard_became_a_link_after_its_part_was_sent_stops_the_leader(tmp_path, dcp_mixed2):
+    """Node 1's shard replaced by a link once its raw part is on the exchange, while it waits for node 0's:
+    its mirror refuses it (SymlinkError, quarantined there), and the leader, waiting for node 1's files,
+    used to wait again for as long as it ran. Now it stops with node 1's error."""
+    from stagerd.errors import SymlinkError
+
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    sink = (tmp_path / "sink").as_uri()
+    shard = sorted((node_dirs[1] / "model").glob("*.safetensors"))[0]
+    swapped = threading.Event()
+
+    def swap(text: str, n: int) -> None:  # node 1 waits for node 0's part: its own part is sent
+        if text and not swapped.is_set():
+            shutil.move(shard, tmp_path / shard.name)
+            shard.symlink_to(tmp_path / shard.name)
+            swapped.set()
+
+    def node(k: int):
+        n = _node(node_dirs[k], sink, wait_seconds=30)[0]
+        if k == 1:
+            n.x.status = swap
+        else:
+            assert swapped.wait(60)  # node 0 comes once node 1 waits for it
+        return n
+
+    # node 0 would wait 30 s for node 1's files, then FleetWaitError, unless node 1 stops it
+    out = run_nodes(node, 2)
+    assert isinstance(out[1], SymlinkError) and shard.name in str(out[1]), out
+    assert isinstance(out[0], SymlinkError) and "node 1 stopped" in str(out[0]), out
+    assert not (tmp_path / "sink" / layout.step_dir_name(STEP) / "stagerd.manifest.json").exists()
