@@ -25,6 +25,16 @@ def claim(x: StepExchange, root_id: str, save: str, settings: dict[str, Any]) ->
     if x.create(key, mine):
         return
     theirs = x.read_json(key) or {}
+    if theirs.get("root") != root_id and theirs.get("save", save) != save:
+        # another ROOT's claim of another save: not a second daemon of this run, but another run's step
+        raise FleetNodeConflictError(
+            f"step {step}: node {me} of {nodes} is already claimed by another run's save of this step "
+            f"(ROOT {theirs.get('root')!r}, this one is {root_id!r})",
+            path=x.exchange.url + "/" + key,
+            hint="two runs meet on one exchange, each with its own step numbers: give each run its own "
+            "sink prefix, or every node of each run its own --exchange URL; this run's export of the step "
+            f"then goes on with `stagerd retry ROOT --step {step}` on every node",
+        )
     if theirs.get("root") != root_id:
         raise FleetNodeConflictError(
             f"step {step}: node {me} of {nodes} is already claimed by another ROOT "

@@ -96,6 +96,8 @@ def lead(
         it lacks failed (that node's lane, and this one's, try it again)."""
         for url, (sink, digests) in list(pending.items()):
             gone = missing(sink)
+            if gone and (stopped := x.broken_of({owner[n] for n in gone})) is not None:
+                raise stopped  # its owner quarantined the step: its files never come
             try:
                 why = x.failure_of(sink, {owner[n] for n in gone}) if gone else None
                 if why is None and not gone:

@@ -35,10 +35,11 @@ sink's lane still reads the raw parts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ from stagerd.daemon.fleet.progress import Progress
 from stagerd.daemon.fleet.records import (
     planned_file,
     record_bytes,
+    save_id,
     save_of,
     settings_of,
 )
@@ -70,11 +72,16 @@ from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import (
+    ConfigError,
+    ExtrasError,
     FleetNodeConflictError,
+    HeaderError,
     MarkerError,
+    ShardError,
     SinkError,
     StagerdError,
     StepConflictError,
+    SymlinkError,
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
@@ -84,6 +91,8 @@ from stagerd.sinks.prune import FLEET_DONE
 
 log = logging.getLogger("stagerd.fleet")
 
+# errors of this node's own staged step (a shard missing or torn): no other node can send its part
+STEP_FAULTS = (ExtrasError, HeaderError, MarkerError, ShardError, SymlinkError)
 Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
 
 
@@ -160,6 +169,7 @@ class FleetNode:
             o.poll_seconds,
             self.status,
             o.stopping,
+            save_id(self.marker),
         )
         self.base = self.x.base
         self.lanes = Lanes(self.x, sinks if lanes is None else lanes)
@@ -184,16 +194,20 @@ class FleetNode:
                     s.move_latest(self.step)
                 self._record_done()
             return res
-        check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
+        with self._stopped(*STEP_FAULTS):
+            check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         claim(self.x, self.root_id, self.save, self._settings())
+        # a new try: the others wait for this node's part again
+        self.x.record_broken(None)
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
         with self.x.reporting() as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
-            res.bytes_raw = self.exchange.publish_raw(
-                self.step_dir, self.step, progress=sending
-            ).bytes_uploaded
+            with self._stopped(*STEP_FAULTS):
+                res.bytes_raw = self.exchange.publish_raw(
+                    self.step_dir, self.step, progress=sending
+                ).bytes_uploaded
             parts = self._wait_parts()
             same_protocol(self.x, self.lanes.all)  # before anything is claimed or written on a sink
             wait_agreed(self.x, self._settings())
@@ -203,28 +217,20 @@ class FleetNode:
             if mine is not None:
                 stake(self.x, mine, self.lanes.live(), self.lanes.fail)
                 self.lanes.check()
-            mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
-            p, units = self._plan(mirror, mirror.build())
-            owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
-            planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
-            self._build(
-                [(rel, *units[rel]) for rel in units if owner[rel] == self.me], planned, progress, res
-            )
+            # its own shards read again (a link put there since: SymlinkError); the others wait on its files
+            with self._stopped(*STEP_FAULTS):
+                mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
+                p, units = self._plan(mirror, mirror.build())
+                owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
+                planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
+                built_here = [(rel, *units[rel]) for rel in units if owner[rel] == self.me]
+                self._build(built_here, planned, progress, res)
         res.bytes_fetched = mirror.fetched
-        if mine is not None:  # the leader
-            res.bytes_uploaded += lead(
-                self.x,
-                self.lanes.live(),
-                self.work,
-                self.step_dir,
-                self._target_dtype(),
-                p,
-                parts,
-                owner,
-                planned,
-                self.lanes.fail,
-                mine,
-            )
+        if mine is not None:  # the leader; another plan's file (ConfigError) stops the others too
+            with self._stopped(ConfigError):
+                live, dtype = self.lanes.live(), self._target_dtype()
+                args = (p, parts, owner, planned, self.lanes.fail, mine)
+                res.bytes_uploaded += lead(self.x, live, self.work, self.step_dir, dtype, *args)
             self.lanes.check()
             res.committed = True
             self._record_done()
@@ -271,6 +277,20 @@ class FleetNode:
             res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         self.lanes.check()
+
+    @contextlib.contextmanager
+    def _stopped(self, *kinds: type[StagerdError]) -> Iterator[None]:
+        """An error of `kinds` (one no retry mends: this node's own step torn, the leader's refusal of a
+        file) quarantines the step here, and the others would wait for this node for as long as they run:
+        recorded on the exchange, they stop too."""
+        try:
+            yield
+        except kinds as e:
+            try:
+                self.x.record_broken(e)
+            except SinkError as w:  # the exchange's own failure: the others time out as before
+                log.warning("step %d: could not record node %d's failure: %s", self.step, self.me, w)
+            raise
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
@@ -319,7 +339,11 @@ class FleetNode:
             have = seen()
             want = [node_part(k, self.nodes) for k in range(self.nodes)]
             gone = [k for k, n in enumerate(want) if n not in have]
+            if (broken := self.x.broken_of(gone)) is not None:  # waiting cannot help
+                raise broken
             doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
+            for sink in self.sinks[:1]:  # a node met on the first sink, not this exchange: say so
+                doing += self.x.claimed_elsewhere(sink, gone)
             return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
 
         self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)

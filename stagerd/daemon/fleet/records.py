@@ -94,6 +94,11 @@ def save_of(m: commit_marker.CommitMarker) -> dict[str, Any]:
     return d
 
 
+def save_id(m: commit_marker.CommitMarker) -> str:
+    """`save_of` as one digest, alike on every node of one save: a record one node makes of its save."""
+    return hashlib.sha256(json.dumps(save_of(m), sort_keys=True).encode()).hexdigest()
+
+
 def settings_of(
     sinks: Sequence[FsspecSink],
     dtype: str | None,

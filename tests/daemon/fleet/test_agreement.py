@@ -333,14 +333,15 @@ def test_an_unreadable_mapping_is_still_a_hub_plan_error(tmp_path, dcp_mixed2):
 def test_a_malformed_config_extra_is_refused_as_one_daemon_refuses_it(tmp_path, dcp_mixed2):
     """`generation_config.json` staged as `{not json`: one daemon's export is an `ExtrasError` before
     anything is written; the fleet used to publish it as is. Node 0, which holds the extras, now refuses
-    the step before claiming it or sending its raw part."""
+    the step before claiming it or sending its raw part, and records why, so node 1 stops too."""
     from stagerd.errors import ExtrasError
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2, extras={"generation_config.json": "{not json"})
     sink = tmp_path / "sink"
     results = _run_all(node_dirs, sink.as_uri(), wait_seconds=0.5)
     assert isinstance(results[0], ExtrasError) and "generation_config.json" in str(results[0]), results
-    assert isinstance(results[1], FleetWaitError), results
+    # node 1 stops too (its wait used to end as FleetWaitError, again on every retry)
+    assert isinstance(results[1], ExtrasError) and "node 0 stopped" in str(results[1]), results
     assert not (sink / "fleet" / NAME / "node-00000.json").exists() and not (sink / NAME).exists()
 
 
