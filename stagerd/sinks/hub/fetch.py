@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
+from stagerd import __version__
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
@@ -185,7 +186,7 @@ def _restore(
     total, done = sum(int(f.size) for f in files), 0
     # Xet files on a hf_xet session of the restore's own, bounded as the rest: huggingface_hub's is not.
     # hf_xet tries each request as often as the URL says, so the call is not retried again.
-    headers = build_hf_headers(token=token, library_name="stagerd")
+    headers = build_hf_headers(token=token, library_name="stagerd", library_version=__version__)
     xet = XetDownloader(
         timeouts,
         policy.max_attempts,
@@ -300,5 +301,9 @@ def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str
     if tagged is not None or revision is None or not revision_scope(revision):
         return tagged
     branches = {b.name: b.target_commit for b in refs.branches}
-    pages = commit_pages(api.endpoint, repo_id, build_hf_headers(token=api.token, library_name="stagerd"))
+    pages = commit_pages(
+        api.endpoint,
+        repo_id,
+        build_hf_headers(token=api.token, library_name="stagerd", library_version=__version__),
+    )
     return older_stagerds_step(pages, step, revision, branches, tags)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from stagerd import __version__
 from stagerd.errors import (
     ConfigError,
     SinkConflictError,
@@ -87,7 +88,9 @@ class HubSink:
         self.retry = retry or RetryPolicy()
         self.url = HubTarget(repo_id, revision, {}).redacted
         self._token = token or get_token()
-        self._api = HfApi(endpoint=endpoint, token=self._token, library_name="stagerd")
+        self._api = HfApi(
+            endpoint=endpoint, token=self._token, library_name="stagerd", library_version=__version__
+        )
         self.timeouts = timeouts or HubTimeouts()
         register_timeouts(self, self._api.endpoint, self.timeouts)
         self._xet = XetUploader(self.timeouts)
@@ -294,7 +297,7 @@ class HubSink:
     def _headers(self) -> dict[str, str]:
         from huggingface_hub.utils import build_hf_headers
 
-        return build_hf_headers(token=self._token, library_name="stagerd")
+        return build_hf_headers(token=self._token, library_name="stagerd", library_version=__version__)
 
     def _tree(self, commit: str) -> dict[str, RemoteFile]:
         from huggingface_hub.hf_api import RepoFile
