@@ -73,7 +73,7 @@ def merged_parameters(model: Any) -> Iterator[Any]:
     seen: set[int] = set()
 
     def walk(module: Any) -> Iterator[Any]:
-        module = _merged_module(module)
+        module = merged_module(module)
         if id(module) in seen_modules:
             return
         seen_modules.add(id(module))
@@ -88,7 +88,7 @@ def merged_parameters(model: Any) -> Iterator[Any]:
     return walk(model)
 
 
-def _merged_module(module: Any) -> Any:
+def merged_module(module: Any) -> Any:
     """The module merge_and_unload() puts in `module`'s place (`module` itself if none): a
     `modules_to_save` wrapper's active copy (its original without one), a trainable-tokens wrapper's
     embedding, a LoRA layer's base layer. Merging changes their values in place, not which tensors."""
@@ -116,8 +116,8 @@ def _merge_unties(model: Any) -> bool:
         return False
     if ins is None or outs is None:
         return False
-    a = getattr(_merged_module(ins), "weight", None)
-    b = getattr(_merged_module(outs), "weight", None)
+    a = getattr(merged_module(ins), "weight", None)
+    b = getattr(merged_module(outs), "weight", None)
     if a is None or b is None or a is b:
         return False
     from stagerd.training.host_copy import local_tensor

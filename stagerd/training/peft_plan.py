@@ -28,7 +28,7 @@ import torch
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.lora_merge import ExpertLayout, LoraMerge, MergeKind, marker_list
 from stagerd.errors import HubPlanError
-from stagerd.training.hf_config_files import merged_parameters
+from stagerd.training.hf_config_files import merged_module, merged_parameters
 from stagerd.training.peft_tokens import ADAPTER, DELTA, row_parts, token_rows, unwrapped_paths
 from stagerd.training.trace import resolve as trace
 from stagerd.training.trace.resolve import traced_plan
@@ -259,12 +259,13 @@ def _param_merge(mod: Any, mname: str, name: str) -> LoraMerge:
 
 @contextlib.contextmanager
 def _params_unwrapped(base: Any) -> Iterator[None]:
-    """The base model with each `ParamWrapper` and `TrainableTokensWrapper` replaced by the module it
-    wraps, as merge_and_unload() leaves it: transformers' conversion looks its parameters up by their
-    merged names (`experts.down_proj`, `embed_tokens.weight`), which a wrapper, unlike a LoRA Linear's
-    `weight`, does not answer. Nothing runs on the model meanwhile."""
+    """The base model with each `ParamWrapper`, `TrainableTokensWrapper` and `ModulesToSaveWrapper`
+    replaced by the module merge_and_unload() puts in its place: transformers' conversion looks its
+    parameters and buffers up by their merged names (`experts.down_proj`, `embed_tokens.weight`, a
+    router copy's `gate.e_score_correction_bias`), which a wrapper, unlike a LoRA Linear's `weight`, does
+    not answer. Nothing runs on the model meanwhile."""
     from peft.tuners.lora.layer import ParamWrapper
-    from peft.utils.other import TrainableTokensWrapper
+    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 
     swapped: list[tuple[Any, str, Any]] = []
     for parent in list(base.modules()):
@@ -277,6 +278,9 @@ def _params_unwrapped(base: Any) -> Iterator[None]:
             elif isinstance(child, TrainableTokensWrapper):
                 swapped.append((parent, attr, child))
                 setattr(parent, attr, getattr(child, ADAPTER).get_base_layer())
+            elif isinstance(child, ModulesToSaveWrapper):
+                swapped.append((parent, attr, child))
+                setattr(parent, attr, merged_module(child))
     try:
         yield
     finally:
