@@ -7,6 +7,9 @@ Two trainings of one tiny Llama under Accelerate FSDP2 (attention dropout on, so
   leaves it), and a model from another seed: `trainer.train(resume_from_checkpoint=cb.resume(trainer))`
   goes on from step 2 to step 4.
 Rank 0 writes `result.json`: the per-step losses of each run and whether the final weights agree.
+
+`moe`: a tiny DeepSeek V3 trained in float32 under FSDP2 for one save, `StagerdCallback(dtype="bf16")`;
+rank 0 writes `ref/`: `from_pretrained(<its save_pretrained>, dtype=bfloat16).save_pretrained()`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,55 @@ def model(seed: int) -> Any:
     config = models.config("llama_tied")
     config.attention_dropout = 0.1
     return tf.AutoModelForCausalLM.from_config(config)
+
+
+def moe_model() -> Any:
+    """A dense layer, then a MoE layer whose router (gate weight, score bias) transformers keeps in float32
+    under bf16; the router drawn, so a rounding of it would show."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.DeepseekV3Config(
+        vocab_size=models.VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    model = tf.DeepseekV3ForCausalLM(config)
+    router = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        for t in (router.weight, router.e_score_correction_bias):
+            t.normal_()
+    return model
+
+
+def train_moe(rank: int, out: Path) -> None:
+    import torch
+    import transformers as tf
+
+    from stagerd.integrations.transformers import StagerdCallback
+
+    args = tf.TrainingArguments(
+        output_dir=str(out / "output"), max_steps=EVERY, save_steps=EVERY, per_device_train_batch_size=2,
+        learning_rate=1e-2, use_cpu=True, report_to=[], disable_tqdm=True, seed=7, fsdp=True,
+        fsdp_config={**FSDP2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]},
+    )  # fmt: skip
+    collator = tf.DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    fsdp_on_cpu()
+    trainer = tf.Trainer(model=moe_model(), args=args, train_dataset=dataset(), data_collator=collator,
+                         callbacks=[StagerdCallback(root=out / "root", dtype="bf16")])  # fmt: skip
+    trainer.train()
+    weights = _full(trainer.model)
+    if rank == 0:
+        with torch.random.fork_rng():
+            whole = tf.DeepseekV3ForCausalLM(trainer.model.config)
+        whole.load_state_dict(weights)
+        whole.generation_config = trainer.model.generation_config
+        whole.save_pretrained(out / "fp32")
+        loaded = tf.DeepseekV3ForCausalLM.from_pretrained(out / "fp32", dtype=torch.bfloat16)
+        loaded.save_pretrained(out / "ref")
+        (out / "result.json").write_text(json.dumps({"sharded": _sharded(trainer.model)}))
 
 
 def train(kind: str, out: Path, root: Path, seed: int, resume: bool) -> Any:
@@ -109,8 +161,8 @@ def fsdp_on_cpu() -> None:
 
 
 def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -> None:
-    """Each of `kinds` ("trainer", "sft", "best": `hf_best_ranks`) in turn, under `out_dir/<kind>/` (one
-    launch: one import)."""
+    """Each of `kinds` ("trainer", "sft", "moe", "best": `hf_best_ranks`) in turn, under `out_dir/<kind>/`
+    (one launch: one import)."""
     from tests.integrations import hf_best_ranks
 
     env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)  # as torchrun sets
@@ -119,6 +171,8 @@ def run(rank: int, world: int, init_file: str, kinds: list[str], out_dir: str) -
     for kind in kinds:
         if kind == "best":
             hf_best_ranks.run(rank, Path(out_dir) / kind)
+        elif kind == "moe":
+            train_moe(rank, Path(out_dir) / kind)
         else:
             _run(rank, kind, Path(out_dir) / kind)
 

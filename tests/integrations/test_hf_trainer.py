@@ -7,6 +7,9 @@ resumed from its step 2 alone.
 - `stagerd watch --once` exports and publishes every step, and each export is what `save_pretrained`
   writes of that step's weights, with config, generation config and tokenizer beside it;
 - nothing is written under the Trainer's output_dir (its save is skipped);
+- a tiny DeepSeek V3 trained in float32 with `dtype="bf16"`: the export is `save_pretrained` of the
+  model `from_pretrained(dtype=bfloat16)` loads from its float32 save, router kept in float32 (the plan's
+  uncast names are of the unsharded model, its state dict DTensors);
 - with `load_best_model_at_end`, under FSDP2 and DDP, the model ends with the best step's weights, loaded
   from ROOT, as the plain Trainer's does from its own checkpoint (`hf_best_ranks`).
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerd.contract import layout
+from stagerd.contract import commit_marker, layout
 from tests.fidelity import harness
 from tests.gloo import launch
 from tests.integrations import hf_best_ranks, hf_ranks
@@ -30,7 +33,7 @@ KINDS = ["trainer", "sft"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
-    launch(hf_ranks.run, [*KINDS, "best"], str(out), deadline_s=400)
+    launch(hf_ranks.run, [*KINDS, "moe", "best"], str(out), deadline_s=400)
     return out
 
 
@@ -59,6 +62,20 @@ def test_the_daemon_exports_every_step_as_save_pretrained(runs, kind):
         assert (published / "tokenizer.json").is_file()
     state = json.loads((sink / layout.step_dir_name(hf_ranks.STEPS) / "trainer_state.json").read_text())
     assert state["global_step"] == hf_ranks.STEPS
+
+
+def test_a_bf16_export_of_a_moe_keeps_its_router_as_from_pretrained_does(runs):
+    run = runs / "moe"
+    assert json.loads((run / "result.json").read_text())["sharded"]
+    harness.export(run / "root", run / "sink")
+    published = run / "sink" / layout.step_dir_name(hf_ranks.EVERY)
+    harness.assert_same_weight_files(published, run / "ref")
+    assert (published / "config.json").read_bytes() == (run / "ref" / "config.json").read_bytes()
+    f32 = sorted(n for n, (dt, _, _) in harness.tensors(published).items() if dt == "F32")
+    assert f32 == ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"]
+    plan = commit_marker.read_marker(run / "root" / layout.step_dir_name(hf_ranks.EVERY)).hub_plan
+    assert plan is not None and sorted(plan.uncast_for("BF16")) == f32  # the unsharded model's names
+    assert plan.dtype_from is None  # its first parameter, the embeddings, is cast
 
 
 @pytest.mark.parametrize("mode", hf_best_ranks.MODES)
