@@ -107,14 +107,22 @@ def _uncast(names: Sequence[str], config: Mapping[str, Any], casting: bool) -> U
     return kept
 
 
-def _kept(config: Mapping[str, Any], names: Sequence[str]) -> tuple[Uncast | None, str]:
-    """`kept_fp32`, or None and why it cannot be known here."""
+def _no_transformers() -> str | None:
+    """Why transformers cannot be used here, or None: it imports (and config_model then finds it among the
+    loaded modules)."""
     if importlib.util.find_spec("transformers") is None:  # a sidecar without it never tries torch either
-        return None, "transformers is not installed beside stagerd"
+        return "transformers is not installed beside stagerd"
     try:
         import transformers  # noqa: F401
     except Exception as e:  # an install that fails to import
-        return None, f"transformers fails to import ({type(e).__name__}: {e})"
+        return f"transformers fails to import ({type(e).__name__}: {e})"
+    return None
+
+
+def _kept(config: Mapping[str, Any], names: Sequence[str]) -> tuple[Uncast | None, str]:
+    """`kept_fp32`, or None and why it cannot be known here."""
+    if (why := _no_transformers()) is not None:
+        return None, why
     try:
         kept = kept_fp32(config, names)
     except Exception as e:  # transformers' own code, of any release
@@ -136,14 +144,8 @@ def _trainers(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
 
 
 def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
-    names = f"config.json names a {config['model_type']} model"
-    if importlib.util.find_spec("transformers") is None:  # a sidecar without it never tries torch either
-        _say(f"{names}, but transformers is not installed beside stagerd; {KEPT}", logging.INFO)
-        return None
-    try:
-        import transformers  # noqa: F401  config_model finds it among the loaded modules
-    except Exception as e:  # an install that fails to import: the names are kept
-        _say(f"{names}, but transformers fails to import ({type(e).__name__}: {e}); {KEPT}", logging.INFO)
+    if (why := _no_transformers()) is not None:
+        _say(f"config.json names a {config['model_type']} model, but {why}; {KEPT}", logging.INFO)
         return None
     from stagerd.training import to_hub
 
