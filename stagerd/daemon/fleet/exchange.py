@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
-from stagerd import errors
 from stagerd.contract import layout
 from stagerd.contract.json_fields import loads
 from stagerd.daemon.fleet.progress import Progress, Reports, progress_key
@@ -24,7 +23,6 @@ from stagerd.errors import (
     SinkError,
     StagerdError,
     StepClaimedError,
-    StepConflictError,
 )
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
 from stagerd.sinks.fetch import RemoteStore
@@ -34,7 +32,6 @@ from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgr
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file
 FAILED_DIR = "failed"  # one record per sink and node: that node's last try of that sink, failed or not
-BROKEN_DIR = "broken"  # one record per node: its part stopped on an error no retry mends (a torn shard)
 MAX_RECORD_BYTES = 1 << 20  # a claim, record or failure is under 1 KiB (a claim names each sink in 16 bytes)
 T = TypeVar("T")
 
@@ -61,7 +58,7 @@ class StepExchange:
         stopping: Callable[[], bool] | None = None,
         save: str = "",
     ) -> None:
-        """`save`: the save's digest alike on every node (`records.save_id`), which `record_broken` names."""
+        """`save`: the save's digest alike on every node (`records.save_id`), which `broken.record` names."""
         self.exchange, self.store, self.save = exchange, store, save
         self.stopping = stopping or (lambda: False)
         self.step, self.me, self.nodes = step, me, nodes
@@ -96,44 +93,6 @@ class StepExchange:
         # `try`: a failure of this try never reads as the same bytes as a past try's (`past_failures`)
         data = json.dumps({"node": self.me, "error": error, "message": msg, "try": uuid.uuid4().hex})
         _named(self.exchange.url, key, lambda: self.exchange.backend.write(key, data.encode()))
-
-    def record_broken(self, err: StagerdError | None) -> None:
-        """This node's part of the save stopped with `err`, which no retry mends (its own staged step torn,
-        the leader's refusal of a file; None: a new try begins, which clears it): the nodes waiting for it
-        stop at once and quarantine the step too, rather than waiting again for as long as they run."""
-        key = f"{self.base}/{BROKEN_DIR}/node-{self.me:05d}.json"
-        if err is None and not (self.read_json(key) or {}).get("error"):
-            return  # nothing to clear: no write on the way of a healthy step
-        msg = None if err is None else str(err).splitlines()[0][:500]
-        data = {
-            "node": self.me,
-            "save": self.save,
-            "error": None if err is None else err.name,
-            "message": msg,
-        }
-        self.write(key, json.dumps(data).encode())
-
-    def broken_of(self, nodes: Iterable[int]) -> StagerdError | None:
-        """Where one of `nodes` recorded that its part of the save stopped (`record_broken`): its error, of
-        its class where stagerd names one that no retry mends, to quarantine the step here too."""
-        prefix = f"{self.base}/{BROKEN_DIR}"
-        listed = self.store.sizes(prefix)
-        for k in sorted(set(nodes) - {self.me}):
-            key = f"{prefix}/node-{k:05d}.json"
-            if f"node-{k:05d}.json" not in listed or (d := self.read_json(key)) is None:
-                continue
-            if not d.get("error") or d.get("save") != self.save:  # cleared, or another save's
-                continue
-            kind = getattr(errors, str(d["error"]), None)
-            if not (isinstance(kind, type) and issubclass(kind, StagerdError)) or kind.retryable:
-                kind = StepConflictError
-            return kind(
-                f"step {self.step}: node {k} stopped, no retry mends it ({d['error']}: {d.get('message')})",
-                path=f"{self.exchange.url}/{key}",
-                hint=f"node {k}'s daemon log and `stagerd status` name the cause; mend it, run `stagerd "
-                f"retry ROOT --step {self.step}` on node {k}, then on every other node",
-            )
-        return None
 
     def claimed_elsewhere(self, sink: FsspecSink, nodes: Iterable[int]) -> str:
         """For a wait's text: where `sink`, not the exchange, holds this step's claim of one of `nodes`,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from stagerd.daemon.fleet.broken import broken_of
 from stagerd.daemon.fleet.exchange import RECORDS_DIR, StepExchange
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkError, StagerdError
@@ -58,13 +59,13 @@ class Lanes:
         the other owners' it waits for), the reports (`Progress`) of the leader and of the owners of files
         not yet recorded, and each sink's commit; so the wait fails only once the leader (or an owner it
         waits for) makes no progress for the setting. A node stopped by an error no retry mends
-        (`StepExchange.broken_of`), the leader or an owner, stops this node too."""
+        (`broken.broken_of`), the leader or an owner, stops this node too."""
         x, live = self.x, self.live()
         want = {f"{sink_id(s.url)}/{n}.json": owner[n] for s in live for n in owner}
         committed = [0]
 
         def committed_all() -> bool:
-            if (stopped := x.broken_of(range(x.nodes))) is not None:  # a node quarantined the step
+            if (stopped := broken_of(x, range(x.nodes))) is not None:  # a node quarantined the step
                 raise stopped
             done = 0
             for s in live:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.contract.step.held import HeldDir, HeldFiles
+from stagerd.daemon.fleet.broken import broken_of
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.plan import NodePart, extras_of
 from stagerd.daemon.fleet.records import same_plans, sink_id, uploaded
@@ -96,7 +97,7 @@ def lead(
         it lacks failed (that node's lane, and this one's, try it again)."""
         for url, (sink, digests) in list(pending.items()):
             gone = missing(sink)
-            if gone and (stopped := x.broken_of({owner[n] for n in gone})) is not None:
+            if gone and (stopped := broken_of(x, {owner[n] for n in gone})) is not None:
                 raise stopped  # its owner quarantined the step: its files never come
             try:
                 why = x.failure_of(sink, {owner[n] for n in gone}) if gone else None

@@ -35,11 +35,10 @@ sink's lane still reads the raw parts.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from stagerd.contract.json_fields import loads
 from stagerd.contract.layout import ADAPTER_DIR, ADAPTER_WEIGHTS_NAME
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
+from stagerd.daemon.fleet import broken
 from stagerd.daemon.fleet.build import Artefact
 from stagerd.daemon.fleet.claim import claim, wait_agreed
 from stagerd.daemon.fleet.exchange import StepExchange
@@ -73,15 +73,11 @@ from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
 from stagerd.errors import (
     ConfigError,
-    ExtrasError,
     FleetNodeConflictError,
-    HeaderError,
     MarkerError,
-    ShardError,
     SinkError,
     StagerdError,
     StepConflictError,
-    SymlinkError,
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
@@ -91,8 +87,6 @@ from stagerd.sinks.prune import FLEET_DONE
 
 log = logging.getLogger("stagerd.fleet")
 
-# errors of this node's own staged step (a shard missing or torn): no other node can send its part
-STEP_FAULTS = (ExtrasError, HeaderError, MarkerError, ShardError, SymlinkError)
 Unit = tuple[Artefact, OutputFile]  # a published file: its artefact and its file in that artefact's plan
 
 
@@ -194,17 +188,17 @@ class FleetNode:
                     s.move_latest(self.step)
                 self._record_done()
             return res
-        with self._stopped(*STEP_FAULTS):
+        with broken.stopping(self.x, *broken.STEP_FAULTS):
             check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
         claim(self.x, self.root_id, self.save, self._settings())
         # a new try: the others wait for this node's part again
-        self.x.record_broken(None)
+        broken.record(self.x, None)
         for s in self.lanes.all:  # a new try of each: the other nodes wait for it again
             self.x.record_failure(s, None)
         self.x.past_failures(self.lanes.all)
         with self.x.reporting() as progress:  # until this node's part and its files are on the stores
             sending = progress.doing("sending its raw part", "fleet.raw_upload")
-            with self._stopped(*STEP_FAULTS):
+            with broken.stopping(self.x, *broken.STEP_FAULTS):
                 res.bytes_raw = self.exchange.publish_raw(
                     self.step_dir, self.step, progress=sending
                 ).bytes_uploaded
@@ -218,7 +212,7 @@ class FleetNode:
                 stake(self.x, mine, self.lanes.live(), self.lanes.fail)
                 self.lanes.check()
             # its own shards read again (a link put there since: SymlinkError); the others wait on its files
-            with self._stopped(*STEP_FAULTS):
+            with broken.stopping(self.x, *broken.STEP_FAULTS):
                 mirror = Mirror(self.work, self.step_dir, parts, self.me, self.x.read, self.opt.pause)
                 p, units = self._plan(mirror, mirror.build())
                 owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
@@ -227,10 +221,20 @@ class FleetNode:
                 self._build(built_here, planned, progress, res)
         res.bytes_fetched = mirror.fetched
         if mine is not None:  # the leader; another plan's file (ConfigError) stops the others too
-            with self._stopped(ConfigError):
-                live, dtype = self.lanes.live(), self._target_dtype()
-                args = (p, parts, owner, planned, self.lanes.fail, mine)
-                res.bytes_uploaded += lead(self.x, live, self.work, self.step_dir, dtype, *args)
+            with broken.stopping(self.x, ConfigError):
+                res.bytes_uploaded += lead(
+                    self.x,
+                    self.lanes.live(),
+                    self.work,
+                    self.step_dir,
+                    self._target_dtype(),
+                    p,
+                    parts,
+                    owner,
+                    planned,
+                    self.lanes.fail,
+                    mine,
+                )
             self.lanes.check()
             res.committed = True
             self._record_done()
@@ -277,20 +281,6 @@ class FleetNode:
             res.built.append(rel)
             shutil.rmtree(out, ignore_errors=True)
         self.lanes.check()
-
-    @contextlib.contextmanager
-    def _stopped(self, *kinds: type[StagerdError]) -> Iterator[None]:
-        """An error of `kinds` (one no retry mends: this node's own step torn, the leader's refusal of a
-        file) quarantines the step here, and the others would wait for this node for as long as they run:
-        recorded on the exchange, they stop too."""
-        try:
-            yield
-        except kinds as e:
-            try:
-                self.x.record_broken(e)
-            except SinkError as w:  # the exchange's own failure: the others time out as before
-                log.warning("step %d: could not record node %d's failure: %s", self.step, self.me, w)
-            raise
 
     def _same_save_on_exchange(self) -> bool:
         """Whether this node's raw part on the exchange is this save. A step saved again (a run restarted
@@ -339,8 +329,8 @@ class FleetNode:
             have = seen()
             want = [node_part(k, self.nodes) for k in range(self.nodes)]
             gone = [k for k, n in enumerate(want) if n not in have]
-            if (broken := self.x.broken_of(gone)) is not None:  # waiting cannot help
-                raise broken
+            if (stopped := broken.broken_of(self.x, gone)) is not None:  # waiting cannot help
+                raise stopped
             doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
             for sink in self.sinks[:1]:  # a node met on the first sink, not this exchange: say so
                 doing += self.x.claimed_elsewhere(sink, gone)
