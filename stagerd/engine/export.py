@@ -107,11 +107,8 @@ def build_export(
         staged = source.extra_path(rel)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            config = (
-                exported_config(staged, dict(res.dtype_bytes), dtype, res.named_dtype)
-                if rel == CONFIG_NAME
-                else None
-            )
+            named = res.named_dtype or dtype
+            config = exported_config(staged, dict(res.dtype_bytes), named) if rel == CONFIG_NAME else None
             if config is None:
                 shutil.copyfile(staged, dst)
             else:  # names the dtype the files hold; the staged original is only read

@@ -33,14 +33,10 @@ def main_dtype(dtype_bytes: Mapping[str, int]) -> str | None:
     return dtypes.lookup(best).torch_name
 
 
-def exported_config(
-    source: Path, dtype_bytes: Mapping[str, int], target: str | None = None, named: str | None = None
-) -> bytes | None:
+def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | None = None) -> bytes | None:
     """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `target`:
-    the cast's dtype (safetensors name), None when kept; `named`: the dtype to name instead of the cast's
-    (the model's first parameter kept uncast, `ExportPlan.named_dtype`)."""
-    if target is not None and named is not None:
-        target = named
+    the dtype a cast names (safetensors name: the cast's, or `ExportPlan.named_dtype` where the model's
+    first parameter is left uncast), None when kept."""
     cast_to = dtypes.lookup(target).torch_name if target is not None and dtype_bytes else None
     main = main_dtype(dtype_bytes)
     if (cast_to or main) is None:
