@@ -12,8 +12,8 @@ Xet through hf_xet on a session of the restore's own, `xet_fetch.py`; the rest b
 or, for a small file kept in git, its git blob id. Only then is the directory renamed to OUT. A mismatch, or
 Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind. Each request is
 bounded by the URL's timeouts and tried as often as the URL's `max_attempts` says, as the sink tries its own:
-the Hub API's under `sink_policy_only` (huggingface_hub retries none of them itself), a file's GET by `tried`
-alone; hf_xet tries each Xet request itself, as often.
+each by `tried` alone (huggingface_hub retries none of the Hub API's itself: `one_policy.py`); hf_xet tries
+each Xet request itself, as often.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.file_fetch import fetch_once, resolve_url
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
-from stagerd.sinks.hub.one_policy import Unretried, sink_policy_only
+from stagerd.sinks.hub.one_policy import Unretried
 from stagerd.sinks.hub.options import sink_arguments
 from stagerd.sinks.hub.retries import tried
 from stagerd.sinks.hub.timeouts import HubTimeouts, register_timeouts, unregister_timeouts
@@ -137,13 +137,9 @@ def _restore(
     api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
 
     def retried(fn: Callable[[], T]) -> T:
-        def once() -> T:
-            with sink_policy_only():  # each failed request is one of the URL's attempts
-                return fn()
-
         # a missing repo or revision is an answer: the restore names it
         return tried(
-            once, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
+            fn, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
         )
 
     try:

@@ -35,12 +35,14 @@ def tried(
     with backoff or after the Hub's Retry-After, up to `retry.max_attempts`. Any other failure, or the
     last, goes to `give_up(failure, attempt, delay)` (which may raise a named error) and is otherwise
     raised as it came; `answers` (a missing repo, say) and stagerd's own errors are raised at once. `where`
-    names the call in the log, with no token in any message."""
+    names the call in the log, with no token in any message. huggingface_hub retries none of `fn`'s Hub API
+    requests itself (`one_policy.py`): each failed one is one of these attempts."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            return fn()
+            with sink_policy_only():
+                return fn()
         except StagerdError:
             raise
         except answers:
@@ -68,13 +70,8 @@ def with_retries(
     fn: Callable[[], T], retry: RetryPolicy, *, sink: str, step: int, repo_id: str, token: str | None
 ) -> T:
     """`fn()`, tried up to `retry.max_attempts` times; `sink` is the redacted URL the messages name. What
-    is not retried, or is no longer, is a named error. huggingface_hub retries none of `fn`'s requests
-    itself (`one_policy.py`): each Hub answer counts against `retry`."""
+    is not retried, or is no longer, is a named error."""
     where = f"{sink}: step {step}"
-
-    def attempt() -> T:
-        with sink_policy_only():
-            return fn()
 
     def give_up(failure: HubFailure, attempt: int, delay: float) -> None:
         text = redact(failure.text, token)
@@ -90,6 +87,4 @@ def with_retries(
             raise SinkError(f"{where}: gave up after {attempt} attempts: {text}") from None
         raise SinkError(f"{where}: rate limited for {delay:.0f} s: {text}") from None
 
-    return tried(
-        attempt, retry, where=where, token=token, give_up=give_up, extra={"sink": sink, "step": step}
-    )
+    return tried(fn, retry, where=where, token=token, give_up=give_up, extra={"sink": sink, "step": step})
