@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.daemon.meta_models import Tensors, Uncast, saved_outputs, stand_ins
+from stagerd.daemon.meta_models import Tensors, Uncast, model_classes, saved_outputs, stand_ins
 from stagerd.errors import HubPlanError
 
 # config.json's model_type -> (torchtitan's model package, a registry flavor of the same kind)
@@ -131,14 +131,8 @@ def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
 
 
 def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int, Uncast]:
-    """What `save_pretrained` of config.json's causal LM writes (`meta_models.saved_outputs`)."""
-    import transformers as tf
-    from transformers.models.auto import modeling_auto as auto
-
-    model_type = config["model_type"]
-    name = next((a for a in config.get("architectures") or () if isinstance(a, str)), None)
-    name = name or auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    cls = getattr(tf, name, None) if isinstance(name, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel)):
-        raise HubPlanError(f"transformers has no causal LM for model_type {model_type!r}")
-    return saved_outputs(cls, config)
+    """What `save_pretrained` of config.json's model writes (`meta_models.saved_outputs`)."""
+    classes = model_classes(config)
+    if not classes:
+        raise HubPlanError(f"transformers has no model for model_type {config['model_type']!r}")
+    return saved_outputs(classes[0], config)
