@@ -91,6 +91,7 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
                         status,
                         time.monotonic(),
                         "authorization" in request.headers,
+                        request.headers.get("User-Agent", ""),
                     )
                 )
 

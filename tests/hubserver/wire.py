@@ -54,6 +54,7 @@ class RequestLog:
     status: int
     at: float
     authorization: bool
+    user_agent: str = ""
 
 
 @dataclass

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from stagerd import __version__
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.hub.client import hub_api, hub_headers
 from stagerd.sinks.hub.errors import classify, refuse_offline
 from stagerd.sinks.hub.file_fetch import fetch_once, resolve_url
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
@@ -118,13 +118,11 @@ def _restore(
     progress: ProgressFn | None,
 ) -> Path:
     import httpx2
-    from huggingface_hub import HfApi
     from huggingface_hub.errors import (
         HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
-    from huggingface_hub.utils import build_hf_headers
 
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
     unreachable = (httpx2.TransportError, ConnectionError, TimeoutError, Unretried)
@@ -134,7 +132,7 @@ def _restore(
     endpoint, token = target.options.get("endpoint"), target.options.get("token")
     where = f"hf://{target.repo_id}@{revision}"
     refuse_offline(where)
-    api = HfApi(endpoint=endpoint, token=token)  # no token: HF_TOKEN or the login, as the sink
+    api = hub_api(endpoint, token)  # no token: HF_TOKEN or the login, as the sink
 
     def retried(fn: Callable[[], T]) -> T:
         # a missing repo or revision is an answer: the restore names it
@@ -182,7 +180,7 @@ def _restore(
     total, done = sum(int(f.size) for f in files), 0
     # Xet files on a hf_xet session of the restore's own, bounded as the rest: huggingface_hub's is not.
     # hf_xet tries each request as often as the URL says, so the call is not retried again.
-    headers = build_hf_headers(token=token, library_name="stagerd", library_version=__version__)
+    headers = hub_headers(token)
     xet = XetDownloader(
         timeouts,
         policy.max_attempts,
@@ -289,8 +287,6 @@ def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str
     """The commit the step's tag marks, read from the refs (on the Hub a branch of the tag's name wins
     over the tag), else the commit of `step` an older stagerd published on `revision` under unscoped
     names; None where neither is there."""
-    from huggingface_hub.utils import build_hf_headers
-
     refs = api.list_repo_refs(repo_id)
     tags = {t.name: t.target_commit for t in refs.tags}
     tagged = tags.get(step_tag(step, revision))
@@ -300,6 +296,6 @@ def _step_commit(api: Any, repo_id: str, revision: str | None, step: int) -> str
     pages = commit_pages(
         api.endpoint,
         repo_id,
-        build_hf_headers(token=api.token, library_name="stagerd", library_version=__version__),
+        hub_headers(api.token),
     )
     return older_stagerds_step(pages, step, revision, branches, tags)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from stagerd import __version__
 from stagerd.errors import (
     ConfigError,
     SinkConflictError,
@@ -20,6 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.client import hub_api, hub_headers
 from stagerd.sinks.hub.errors import refuse_offline
 from stagerd.sinks.hub.history import commit_pages
 from stagerd.sinks.hub.model_card import CARD_NAME, card_for_export
@@ -77,7 +77,7 @@ class HubSink:
         num_threads: int = 5,
         timeouts: HubTimeouts | None = None,
     ) -> None:
-        from huggingface_hub import HfApi, get_token
+        from huggingface_hub import get_token
 
         check_publish_revision(repo_id, revision)
         refuse_offline(HubTarget(repo_id, revision, {}).redacted)
@@ -88,9 +88,7 @@ class HubSink:
         self.retry = retry or RetryPolicy()
         self.url = HubTarget(repo_id, revision, {}).redacted
         self._token = token or get_token()
-        self._api = HfApi(
-            endpoint=endpoint, token=self._token, library_name="stagerd", library_version=__version__
-        )
+        self._api = hub_api(endpoint, self._token)
         self.timeouts = timeouts or HubTimeouts()
         register_timeouts(self, self._api.endpoint, self.timeouts)
         self._xet = XetUploader(self.timeouts)
@@ -295,9 +293,7 @@ class HubSink:
         return commit_pages(self._api.endpoint, self.repo_id, self._headers())(branch, page)
 
     def _headers(self) -> dict[str, str]:
-        from huggingface_hub.utils import build_hf_headers
-
-        return build_hf_headers(token=self._token, library_name="stagerd", library_version=__version__)
+        return hub_headers(self._token)
 
     def _tree(self, commit: str) -> dict[str, RemoteFile]:
         from huggingface_hub.hf_api import RepoFile
