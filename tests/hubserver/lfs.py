@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import pathspec
 from werkzeug.wrappers import Request, Response
 
+from tests.hubserver.store import Blob
 from tests.hubserver.wire import _HEX64, _LFS_SUFFIXES, _REGULAR_MAX, HubFail, _json
 
 
@@ -29,14 +31,29 @@ class _Upload:
     parts: dict[int, tuple[Path, str]] = field(default_factory=dict)
 
 
+def _ignore_rules(sent: Any, hosted: Blob | None) -> pathspec.GitIgnoreSpec | None:
+    """The rules the Hub answers `shouldIgnore` by: the `.gitignore` the request sends (`gitIgnore`, which
+    huggingface_hub sends where the commit adds one), else the repo's own root `.gitignore` at the revision
+    (only the root one counts, as on the Hub), read as git reads it; None where there is neither."""
+    if isinstance(sent, str):
+        text = sent
+    elif hosted is not None and hosted.content is not None:
+        text = hosted.content.decode("utf-8", "replace")
+    else:
+        return None
+    return pathspec.GitIgnoreSpec.from_lines(text.splitlines())
+
+
 class LfsEndpoints:
     """`h_preupload`, `h_lfs_*`: the endpoints huggingface_hub's `lfs.py` and `_commit_api.py` call."""
 
     def h_preupload(self, request: Request, org: str, name: str, rev: str, **_: Any) -> Response:
         repo, _user = self._repo(request, org, name, write=True)
         commit = self._rev(repo, rev)
+        body = self._body(request)
+        ignored = _ignore_rules(body.get("gitIgnore"), commit.tree.get(".gitignore"))
         out = []
-        for f in self._body(request).get("files", []):
+        for f in body.get("files", []):
             sample = base64.b64decode(f.get("sample", ""))
             lfs = f["path"].endswith(_LFS_SUFFIXES) or int(f["size"]) > _REGULAR_MAX or b"\0" in sample
             remote = commit.tree.get(f["path"])
@@ -45,7 +62,7 @@ class LfsEndpoints:
                 {
                     "path": f["path"],
                     "uploadMode": "lfs" if lfs else "regular",
-                    "shouldIgnore": False,
+                    "shouldIgnore": ignored is not None and ignored.match_file(f["path"]),
                     "oid": oid,
                 }
             )
