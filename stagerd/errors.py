@@ -202,6 +202,18 @@ class ConditionsIgnoredError(SinkError):
     )
 
 
+class IgnoredFilesError(SinkError):
+    """A Hub repo whose `.gitignore`, on the branch a step is committed to, matches files of the step: the
+    Hub marks them ignored and huggingface_hub leaves them out of the commit, which would lack them. Nothing
+    was committed or tagged, and retrying cannot help until the rule goes."""
+
+    retryable = False
+    hint = (
+        "remove the rule that matches from the repo's .gitignore on that branch, or publish to another repo "
+        "or revision; then `stagerd retry ROOT --step N`"
+    )
+
+
 class StepBusyError(StagerdError):
     """A step directory that a `stagerd restore` or a Stager save of the same step is writing now."""
 

@@ -34,7 +34,12 @@ from stagerd.sinks.hub.tree import (
     plan_commit,
     scan_export,
 )
-from stagerd.sinks.hub.upload import commit_operations, send_additions, unchanged_operation
+from stagerd.sinks.hub.upload import (
+    ask_upload_modes,
+    commit_operations,
+    send_additions,
+    unchanged_operation,
+)
 from stagerd.sinks.hub.url import (
     _HISTORY_CAP,
     _HISTORY_PAGE,
@@ -241,6 +246,8 @@ class HubSink:
         size = sum(f.size for f in local) + (card.size if card else 0)
         files = len(local) + (card is not None)
         additions, deletes = commit_operations(export_dir, local, card_bytes, plan)
+        where = f"{url_shown(self.url)}: step {step}"
+        ask_upload_modes(self._api, self.repo_id, branch, additions, self._headers(), where=where)
         done = total - plan.new_bytes  # what the parent holds already
         sent = send_additions(
             self._api,

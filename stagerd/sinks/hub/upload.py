@@ -1,11 +1,16 @@
 """The uploads of one step's commit: which files go inline in the commit and which through Xet, and the bytes
 that went over the wire.
 
-Through Xet (the default wherever hf_xet is installed) the sink does what huggingface_hub's own upload
-pipeline does before `create_commit`: it asks the Hub each file's upload mode (`_fetch_upload_modes`),
-uploads the LFS-mode files through its own `XetUploader`, and marks those operations uploaded
-(`_is_uploaded`), so `create_commit` only commits them. Those three names are private to huggingface_hub;
-`LIBRARY_SEAMS` lists them and a test fails if one moves.
+First, on either path, the sink asks the Hub each added file's upload mode (`_fetch_upload_modes`: one
+preupload request per 256 files), which also says whether the repo's `.gitignore` on the branch matches the
+file (`_should_ignore`): huggingface_hub would leave such a file out of the upload and the commit without a
+word, so the step is refused (`IgnoredFilesError`) before anything is sent. `create_commit` asks no mode
+that is already known, so this costs no request the commit would not have made.
+
+Through Xet (the default wherever hf_xet is installed) the sink then does what huggingface_hub's own upload
+pipeline does before `create_commit`: it uploads the LFS-mode files through its own `XetUploader`, and marks
+those operations uploaded (`_is_uploaded`), so `create_commit` only commits them. Those names are private
+to huggingface_hub; `LIBRARY_SEAMS` lists them and a test fails if one moves.
 
 Without Xet (`HF_HUB_DISABLE_XET=1`) `create_commit` uploads through the LFS protocol as it always has, and
 the bytes sent are counted as the files' sizes (the Hub may already hold an object, after a crash
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from stagerd.errors import IgnoredFilesError
 from stagerd.sinks.hub.model_card import CARD_NAME
 from stagerd.sinks.hub.tree import CommitPlan, HubFile
 from stagerd.sinks.hub.xet import XetFile, XetUploader, xet_enabled
@@ -38,6 +44,47 @@ class Sent:
 
     bytes: int
     via: str
+
+
+def ask_upload_modes(
+    api: Any, repo_id: str, branch: str, additions: Sequence[Any], headers: dict[str, str], *, where: str
+) -> None:
+    """Set each of `additions`' upload mode, remote oid and `_should_ignore` from the Hub's preupload
+    answer, and refuse the step if the repo's `.gitignore` on `branch` matches any of them. A `.gitignore`
+    that the step adds is sent as the rules, as `create_commit` would. `where` names the sink and step."""
+    from huggingface_hub._commit_api import _fetch_upload_modes
+
+    if not additions:
+        return
+    content = None
+    for op in additions:
+        if op.path_in_repo == ".gitignore":
+            with op.as_file() as f:
+                content = f.read().decode()
+    _fetch_upload_modes(
+        additions=list(additions),
+        repo_type="model",
+        repo_id=repo_id,
+        headers=headers,
+        revision=quote(branch, safe=""),
+        endpoint=api.endpoint,
+        gitignore_content=content,
+    )
+    ignored = [op.path_in_repo for op in additions if op._should_ignore]
+    if ignored:
+        raise _ignored_error(ignored, repo_id, branch, where)
+
+
+def _ignored_error(paths: Sequence[str], repo_id: str, branch: str, where: str) -> IgnoredFilesError:
+    shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return IgnoredFilesError(
+        f"{where}: the .gitignore of {repo_id} on branch {branch} matches {shown}, which the Hub would "
+        "leave out of the step's commit; nothing was committed",
+        hint=(
+            f"remove the rule that matches from .gitignore on branch {branch} of {repo_id}, or publish to "
+            "another repo or revision; then `stagerd retry ROOT --step N`"
+        ),
+    )
 
 
 def commit_operations(
@@ -75,7 +122,9 @@ def unchanged_operation(
     with none, makes no commit and answers with the branch head: the step would be tagged on another
     commit (the last step's), which no later run counts as this step. Re-adding one file makes the step
     its own commit, with the parent's tree. Its upload mode is asked here, and its remote oid left unset
-    so that it is not dropped; a file in LFS or Xet needs no upload, as the parent holds its object.
+    so that it is not dropped; a file in LFS or Xet needs no upload, as the parent holds its object. Where
+    the repo's `.gitignore` matches it, huggingface_hub sends the commit without it: still the step's own
+    commit with the parent's tree, so nothing of the step is lost and it is not refused.
     """
     from huggingface_hub import CommitOperationAdd
     from huggingface_hub._commit_api import _fetch_upload_modes
@@ -109,7 +158,8 @@ def send_additions(
     headers: dict[str, str],
     progress: Callable[[int], None] | None = None,
 ) -> Sent:
-    """Upload what `create_commit` would for `additions` (CommitOperationAdd), ahead of it, through Xet.
+    """Upload what `create_commit` would for `additions` (CommitOperationAdd, their modes asked by
+    `ask_upload_modes`), ahead of it, through Xet.
 
     Returns the bytes sent. Without Xet nothing is sent here and the additions' sizes are returned:
     `create_commit` sends them through LFS.
@@ -119,19 +169,10 @@ def send_additions(
         return Sent(0, "inline")
     if not xet_enabled():
         return Sent(size, "lfs")
-    from huggingface_hub._commit_api import _fetch_upload_modes
     from huggingface_hub.utils._xet import XetTokenType, xet_connection_info_refresh_url
 
     revision = quote(branch, safe="")
-    _fetch_upload_modes(
-        additions=list(additions),
-        repo_type="model",
-        repo_id=repo_id,
-        headers=headers,
-        revision=revision,
-        endpoint=api.endpoint,
-    )
-    to_xet = [op for op in additions if op._upload_mode == "lfs" and not op._should_ignore]
+    to_xet = [op for op in additions if op._upload_mode == "lfs"]
     inline = sum(op.upload_info.size for op in additions if op._upload_mode == "regular")
     if not to_xet:
         return Sent(inline, "inline")
