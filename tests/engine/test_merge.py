@@ -27,44 +27,44 @@ EOI, EIO = ExpertLayout.EOI, ExpertLayout.EIO
 def lora() -> Spec:
     g = torch.Generator().manual_seed(7)
     return {
-        "q.base": (torch.randn(12, 8, generator=g), "S0"),  # FSDP2: rows by rank
-        "q.A": (torch.randn(4, 8, generator=g), "S0"),
-        "q.B": (torch.randn(12, 4, generator=g), "S0"),
-        "c.base": (torch.randn(8, 12, generator=g), "B01"),  # Conv1D, in x out, on a 2-D mesh
-        "c.A": (torch.randn(2, 8, generator=g), "R"),
-        "c.B": (torch.randn(12, 2, generator=g), "S1"),
-        "h.base": (torch.randn(6, 8, generator=g).bfloat16(), "S1"),
-        "h.A": (torch.randn(2, 8, generator=g).bfloat16(), "S0"),
-        "h.B": (torch.randn(6, 2, generator=g).bfloat16(), "S0"),
-        "norm": (torch.randn(8, generator=g), "R"),
-        "d.base": (torch.randn(12, 8, generator=g), "S0"),  # DoRA: its magnitude split by rank too
-        "d.A": (torch.randn(2, 8, generator=g), "S0"),
-        "d.B": (torch.randn(12, 2, generator=g), "S0"),
-        "d.m": (torch.rand(12, generator=g) + 0.5, "S0"),
-        "e.base": (torch.randn(8, 12, generator=g).bfloat16(), "B01"),  # DoRA, fan_in_fan_out, bf16 W
-        "e.A": (torch.randn(2, 8, generator=g), "R"),
-        "e.B": (torch.randn(12, 2, generator=g), "S1"),
-        "e.m": (torch.rand(12, generator=g) + 0.5, "S0"),
-        "q.bias": (torch.randn(12, generator=g), "S0"),  # a LoRA bias
-        "q.B.bias": (torch.randn(12, generator=g), "S0"),
+        "q.base": (torch.randn(24, 16, generator=g), "S0"),  # FSDP2: rows by rank
+        "q.A": (torch.randn(4, 16, generator=g), "S0"),
+        "q.B": (torch.randn(24, 4, generator=g), "S0"),
+        "c.base": (torch.randn(16, 24, generator=g), "B01"),  # Conv1D, in x out, on a 2-D mesh
+        "c.A": (torch.randn(2, 16, generator=g), "R"),
+        "c.B": (torch.randn(24, 2, generator=g), "S1"),
+        "h.base": (torch.randn(16, 16, generator=g).bfloat16(), "S1"),
+        "h.A": (torch.randn(2, 16, generator=g).bfloat16(), "S0"),
+        "h.B": (torch.randn(16, 2, generator=g).bfloat16(), "S0"),
+        "norm": (torch.randn(16, generator=g), "R"),
+        "d.base": (torch.randn(24, 16, generator=g), "S0"),  # DoRA: its magnitude split by rank too
+        "d.A": (torch.randn(2, 16, generator=g), "S0"),
+        "d.B": (torch.randn(24, 2, generator=g), "S0"),
+        "d.m": (torch.rand(24, generator=g) + 0.5, "S0"),
+        "e.base": (torch.randn(16, 24, generator=g).bfloat16(), "B01"),  # DoRA, fan_in_fan_out, bf16 W
+        "e.A": (torch.randn(2, 16, generator=g), "R"),
+        "e.B": (torch.randn(24, 2, generator=g), "S1"),
+        "e.m": (torch.rand(24, generator=g) + 0.5, "S0"),
+        "q.bias": (torch.randn(24, generator=g), "S0"),  # a LoRA bias
+        "q.B.bias": (torch.randn(24, generator=g), "S0"),
         # fused experts [e, out, in], rows by rank; rank x out x in >= 400: torch's bmm sums it in BLAS
-        "x.base": (torch.randn(4, 10, 12, generator=g), "S1"),
-        "x.A": (torch.randn(4 * 4, 12, generator=g), "S0"),
-        "x.B": (torch.randn(10, 4 * 4, generator=g), "S1"),
+        "x.base": (torch.randn(4, 16, 20, generator=g), "S1"),
+        "x.A": (torch.randn(4 * 4, 20, generator=g), "S0"),
+        "x.B": (torch.randn(16, 4 * 4, generator=g), "S1"),
         # [e, in, out], experts by rank (6 over 4); under 400: torch's own loop, unfused
         "y.base": (torch.randn(6, 8, 5, generator=g), "S0"),
         "y.A": (torch.randn(6 * 3, 8, generator=g), "S0"),
         "y.B": (torch.randn(5, 3 * 6, generator=g), "R"),
-        "z.base": (torch.randn(5, 8, generator=g).bfloat16(), "S0"),  # one matrix: a router's weight
-        "z.A": (torch.randn(2, 8, generator=g), "R"),
-        "z.B": (torch.randn(5, 2, generator=g), "S0"),
+        "z.base": (torch.randn(16, 16, generator=g).bfloat16(), "S0"),  # one matrix: a router's weight
+        "z.A": (torch.randn(2, 16, generator=g), "R"),
+        "z.B": (torch.randn(16, 2, generator=g), "S0"),
         # float32 adapters on bf16 bases: a Linear rounds once, an Embedding (in x out) twice
-        "l.base": (torch.randn(12, 8, generator=g).bfloat16(), "S1"),
-        "l.A": (torch.randn(4, 8, generator=g), "R"),
-        "l.B": (torch.randn(12, 4, generator=g), "S0"),
-        "v.base": (torch.randn(8, 12, generator=g).bfloat16(), "S0"),
-        "v.A": (torch.randn(2, 8, generator=g), "S1"),
-        "v.B": (torch.randn(12, 2, generator=g), "R"),
+        "l.base": (torch.randn(24, 16, generator=g).bfloat16(), "S1"),
+        "l.A": (torch.randn(4, 16, generator=g), "R"),
+        "l.B": (torch.randn(24, 4, generator=g), "S0"),
+        "v.base": (torch.randn(16, 24, generator=g).bfloat16(), "S0"),
+        "v.A": (torch.randn(2, 16, generator=g), "S1"),
+        "v.B": (torch.randn(24, 2, generator=g), "R"),
     }
 
 
@@ -83,7 +83,7 @@ def hub() -> HubPlan:
         LoraMerge("z", "z.base", "z.A", "z.B", 4.0, kind=MergeKind.EXPERTS, experts=1, layout=EOI),
     )
     # a merged tensor read by a view like any staged one: renamed
-    return HubPlan((TensorView("q_proj", "q", (0, 0), (12, 8), (12, 8)),), (), "peft", merges=merges)
+    return HubPlan((TensorView("q_proj", "q", (0, 0), (24, 16), (24, 16)),), (), "peft", merges=merges)
 
 
 def peft_merge(w, a, b, s, fifo=False, embedding=False):
@@ -128,7 +128,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [None, "BF16"])
-@pytest.mark.parametrize("block", [None, 40])  # 40 bytes: one or two rows per block
+@pytest.mark.parametrize("block", [None, 80])  # 80 bytes: one or two rows per block
 def test_merges_are_peft_arithmetic(tmp_path, saved, monkeypatch, dtype, block):
     src, full = saved
     if block is not None:

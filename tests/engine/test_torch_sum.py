@@ -29,13 +29,17 @@ def _wide_range(g: torch.Generator, *shape: int) -> torch.Tensor:
 def test_each_rank_step_is_rounded_once_as_an_fma_rounds_it(compiled):
     # 1 + 2^-23 plus a product just under 2^-24: the float64 sum is the float32 midpoint, which rounded
     # again goes to even (1 + 2^-22); the FMA's single rounding stays at 1 + 2^-23.
+    # The case sits in a 16 x 16 product: a narrower one goes through the BLAS's small-matrix kernels,
+    # whose order depends on the CPU (MKL on AMD rounds each product first below 16 columns).
     j = 3
-    left = torch.tensor([[1 + 2.0**-23, 2.0**-12 * (1 - j * 2.0**-23)]])
-    right = torch.tensor([[1.0], [2.0**-12 * (1 + j * 2.0**-23)]])
-    want = (left @ right).numpy()[:, 0]
-    assert want[0] == np.float32(1 + 2.0**-23)
-    got = torch_sum.summed(left.numpy(), right.numpy().T, fused=True)
-    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    g = torch.Generator().manual_seed(0)
+    left, right = torch.randn(16, 2, generator=g), torch.randn(2, 16, generator=g)
+    left[0] = torch.tensor([1 + 2.0**-23, 2.0**-12 * (1 - j * 2.0**-23)])
+    right[:, 0] = torch.tensor([1.0, 2.0**-12 * (1 + j * 2.0**-23)])
+    want = (left @ right).numpy()
+    assert want[0, 0] == np.float32(1 + 2.0**-23)
+    got = torch_sum.summed(left.numpy()[:1], right.numpy().T[:1], fused=True)
+    assert got.view(np.uint32).tolist() == want[:1, 0].view(np.uint32).tolist()
 
 
 def test_the_product_is_torch_matmul_bit_for_bit(compiled):
