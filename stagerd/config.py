@@ -1,30 +1,22 @@
-"""Daemon settings: a TOML file < `STAGERD_*` environment < command-line flags, by pydantic-settings.
+"""Daemon settings: a TOML file < `STAGERD_*` environment < command-line flags, by pydantic-settings
+(read from those by `daemon/settings_sources.py`).
 
 Every field carries its description: `settings_table()` renders them for the README and `--help`.
 """
 
 from __future__ import annotations
 
-import difflib
-import logging
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    NoDecode,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE, FLEET_MAX_SHARD_SIZE
-from stagerd.errors import ConfigError, StagerdError
+from stagerd.errors import StagerdError
 
 ENV_PREFIX = "STAGERD_"
 DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
@@ -330,73 +322,6 @@ class Settings(BaseSettings):
         if isinstance(v, str) and v.strip().lower() in ("off", "none", "false", ""):
             return 0
         return v
-
-
-def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settings:
-    """Settings from `config_file` (TOML), then `STAGERD_*`, then `flags` (None values are ignored)."""
-    if config_file is not None and not Path(config_file).is_file():
-        raise ConfigError("config file not found", path=config_file)
-    toml_file = Path(config_file) if config_file is not None else None
-
-    class _Sourced(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources = [init_settings, env_settings]
-            if toml_file is not None:
-                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
-            return tuple(sources)
-
-    _warn_unknown_env()
-    try:
-        return _Sourced(**{k: v for k, v in flags.items() if v is not None})
-    except ValidationError as e:
-        problems = "; ".join(_problem(err) for err in e.errors())
-        raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
-    except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
-        raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
-
-
-def _problem(err: Any) -> str:
-    """One validation error; a TOML key that is not a setting names the closest setting, as a variable
-    does."""
-    where = ".".join(str(p) for p in err["loc"]) or "settings"
-    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
-        close = difflib.get_close_matches(where, list(Settings.model_fields), n=1)
-        return f"{where}: not a setting" + (f" (did you mean {close[0]}?)" if close else "")
-    return f"{where}: {err['msg']}"
-
-
-# STAGERD_* variables that are read elsewhere, not settings: the fault-injection and test hooks, a fleet
-# node's id, the switch of the C cast kernel
-_NOT_SETTINGS = (
-    "STAGERD_TEST_",
-    "STAGERD_CRASH_",
-    "STAGERD_DELAY_",
-    "STAGERD_NODE_ID",
-    "STAGERD_NO_HALFCAST",
-)
-
-
-def _warn_unknown_env() -> None:
-    """A TOML key that is not a setting is refused; a variable is only warned about (the environment is
-    shared with other tools), but never ignored in silence: STAGERD_SINK=... would publish nowhere."""
-    known = [f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields]
-    for name in sorted(os.environ):
-        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(_NOT_SETTINGS):
-            continue
-        close = difflib.get_close_matches(name, known, n=1)
-        logging.getLogger("stagerd").warning(
-            "%s is not a stagerd setting and is ignored%s",
-            name,
-            f" (did you mean {close[0]}?)" if close else "",
-        )
 
 
 def settings_table() -> list[tuple[str, str, str, str]]:

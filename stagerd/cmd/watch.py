@@ -174,8 +174,8 @@ _FLAGS = (
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from stagerd.config import load_settings
     from stagerd.daemon.core import Daemon
+    from stagerd.daemon.settings_sources import load_settings
 
     if args.sink_retention is not None:
         pairs = [s.partition("=") for s in args.sink_retention]

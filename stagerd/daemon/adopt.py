@@ -118,7 +118,7 @@ def unexportable(step_dir: Path, why: str) -> tuple[str, str]:
 
 
 def finished(ckpt: Path, preset: Preset) -> float | None:
-    from stagerd.engine.adopt.source import finished
+    from stagerd.engine.adopt.finished import finished
 
     return finished(ckpt, preset)
 
@@ -166,7 +166,7 @@ def _layout_key(ckpt: Path) -> tuple[int, ...]:
 
 
 def identity(ckpt: Path, preset: Preset) -> str:
-    from stagerd.engine.adopt.source import save_identity
+    from stagerd.engine.adopt.finished import save_identity
 
     return save_identity(ckpt, preset)
 

@@ -13,7 +13,7 @@ import pytest
 
 from stagerd.contract.adopt.presets import get_preset
 from stagerd.engine.adopt.detect import choose_preset
-from stagerd.engine.adopt.source import finished, save_identity
+from stagerd.engine.adopt.finished import finished, save_identity
 from tests.adopt.helpers import published, tree_digest, watch_once
 from tests.cli_helpers import run_cli
 

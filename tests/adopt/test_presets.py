@@ -191,7 +191,7 @@ def test_hf_shards_are_finished_when_the_trainers_incomplete_file_is_gone(tmp_pa
 
     from stagerd.engine.adopt.detect import choose_preset
     from stagerd.engine.adopt.export import export_adopted
-    from stagerd.engine.adopt.source import finished
+    from stagerd.engine.adopt.finished import finished
 
     ckpt = tmp_path / "epoch_0_step_2"
     (ckpt / "model" / ".hf_metadata").mkdir(parents=True)

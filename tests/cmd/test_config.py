@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stagerd.config import Settings, load_settings, settings_table
+from stagerd.config import Settings, settings_table
+from stagerd.daemon.settings_sources import load_settings
 from stagerd.errors import ConfigError
 
 

@@ -23,7 +23,8 @@ from dockerfile_parse import DockerfileParser
 from packaging.requirements import Requirement
 
 from stagerd.cli import build_parser
-from stagerd.config import Settings, load_settings
+from stagerd.config import Settings
+from stagerd.daemon.settings_sources import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD = REPO / "systemd"

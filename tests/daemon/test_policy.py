@@ -3,8 +3,8 @@ run out."""
 
 from __future__ import annotations
 
-from stagerd.config import load_settings
 from stagerd.daemon.policy import backoff_delay, decide_failure, rearmable
+from stagerd.daemon.settings_sources import load_settings
 from stagerd.errors import FleetWaitError, ShardError, SinkAuthError, SinkError, SinkMissingError
 
 

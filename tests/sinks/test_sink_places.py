@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagerd.config import load_settings
+from stagerd.daemon.settings_sources import load_settings
 from stagerd.errors import ConfigError
 from stagerd.sinks.fsspec import FsspecSink
 from tests import s3server

@@ -5,7 +5,8 @@ The protocol (ARCHITECTURE.md, "Multi-node export without a shared filesystem"),
 1. claim `fleet/step-N/node-K.json` on the exchange (`claim.py`: a conditional create naming this ROOT's
    identity; a claim by another ROOT is `FleetNodeConflictError`), then publish the raw part to
    `raw/step-N/node-K-of-M/` (manifest last): the exchange's input and the raw backup restore reads;
-2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)");
+2. wait until every node's raw manifest is there ("waiting for node j (seen: ...)"), each of this save
+   (`parts.py`);
 3. plan from every node's marker and shard headers (`fleet_plan.Mirror`): the single-node plan, byte for
    byte, and a PEFT adapter's (`fleet_build.Artefact`); owners by bytes (`fleet_plan.owners`). Before
    that the leader (node 0) claims the step on every sink (`fleet/stake.py`: the export's claim, naming
@@ -38,14 +39,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stagerd.contract import commit_marker, layout
 from stagerd.contract.dtypes import parse_export_dtype
-from stagerd.contract.json_fields import loads
 from stagerd.contract.layout import ADAPTER_DIR, ADAPTER_WEIGHTS_NAME
 from stagerd.contract.reference_index import load_weight_map
 from stagerd.contract.sharding import FLEET_MAX_SHARD_SIZE
@@ -56,31 +56,19 @@ from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.hub import all_hubs_recorded
 from stagerd.daemon.fleet.lanes import Lanes, published
 from stagerd.daemon.fleet.lead import lead
-from stagerd.daemon.fleet.plan import Mirror, NodePart, check_extras, check_part, owners
+from stagerd.daemon.fleet.parts import wait_parts
+from stagerd.daemon.fleet.plan import Mirror, check_extras, owners
 from stagerd.daemon.fleet.progress import Progress
-from stagerd.daemon.fleet.records import (
-    planned_file,
-    record_bytes,
-    save_id,
-    save_of,
-    settings_of,
-)
+from stagerd.daemon.fleet.records import planned_file, record_bytes, save_id, settings_of
 from stagerd.daemon.fleet.stake import Stakes, publisher, stake
 from stagerd.daemon.fleet.version import same_protocol
 from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
 from stagerd.engine.export import mapped_plan
 from stagerd.engine.merge import SCRATCH_NAME
 from stagerd.engine.plan_types import ExportPlan, OutputFile
-from stagerd.errors import (
-    ConfigError,
-    FleetNodeConflictError,
-    MarkerError,
-    SinkError,
-    StagerdError,
-    StepConflictError,
-)
+from stagerd.errors import ConfigError, SinkError, StagerdError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.fetch import RemoteStore, node_part, node_parts, step_prefix
+from stagerd.sinks.fetch import RemoteStore, node_part, step_prefix
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import LocalFile
 from stagerd.sinks.prune import FLEET_DONE
@@ -202,7 +190,7 @@ class FleetNode:
                 res.bytes_raw = self.exchange.publish_raw(
                     self.step_dir, self.step, progress=sending
                 ).bytes_uploaded
-            parts = self._wait_parts()
+            parts = wait_parts(self.x, self.marker, self.sinks)
             same_protocol(self.x, self.lanes.all)  # before anything is claimed or written on a sink
             wait_agreed(self.x, self._settings())
             # the leader's claim of the export, made before any node writes under a sink's step-N/ (another's
@@ -306,65 +294,6 @@ class FleetNode:
             return  # a failed sink's lane still builds from the raw parts
         if not self.opt.hub or all_hubs_recorded(self.exchange, self.step, self.opt.hubs):
             self.x.create(f"{self.base}/{FLEET_DONE}", b"{}")
-
-    def _wait_parts(self) -> list[NodePart]:
-        raw = step_prefix(self.step, raw=True)
-
-        def seen(listed: Mapping[str, int] | None = None) -> list[str]:
-            names = node_parts(self.store.sizes(raw) if listed is None else listed)[0]
-            # another count's, or a node index of this count that no node has (a part made by hand)
-            want = {node_part(k, self.nodes) for k in range(self.nodes)}
-            other = [n for n in names if n not in want]
-            if other:  # never one whole set of parts: waiting cannot help
-                raise FleetNodeConflictError(
-                    f"step {self.step}: the exchange holds node parts of another node count or no node "
-                    f"of this one ({', '.join(other)}) where this node's marker says {self.nodes} nodes",
-                    path=f"{self.exchange.url}/{raw}",
-                    hint="every node of a step stages one save with one node count; delete the other "
-                    f"save's parts from {raw}/ (and its claims from {self.base}/), then retry",
-                )
-            return names
-
-        def missing() -> str:
-            have = seen()
-            want = [node_part(k, self.nodes) for k in range(self.nodes)]
-            gone = [k for k, n in enumerate(want) if n not in have]
-            if (stopped := broken.broken_of(self.x, gone)) is not None:  # waiting cannot help
-                raise stopped
-            doing = self.x.progress_of(gone)  # a raw upload longer than the setting is progress
-            for sink in self.sinks[:1]:  # a node met on the first sink, not this exchange: say so
-                doing += self.x.claimed_elsewhere(sink, gone)
-            return f"waiting for node {', '.join(map(str, gone))} (seen: {', '.join(have) or 'none'}{doing})"
-
-        self.x.wait(lambda: len(seen()) == self.nodes and node_parts(self.store.sizes(raw))[1], missing)
-        parts = []
-        listed = self.store.sizes(raw)  # once: every part's files, whose sizes `check_part` compares
-        for k, name in enumerate(seen(listed)):
-            key = f"{raw}/{name}/{layout.MARKER_NAME}"
-            try:
-                part = loads(self.store.read(key) or b"{}")
-            except ValueError as e:  # another node's marker on a shared store: torn or not a marker
-                raise MarkerError(f"node part {name}'s commit marker is not JSON: {e}", path=key) from None
-            m = commit_marker.CommitMarker.from_json(part, path=key)
-            if (m.step, m.staging_node, m.staging_nodes) != (self.step, k, self.nodes):
-                raise MarkerError(
-                    f"node part {name} holds node {m.staging_node} of {m.staging_nodes}", path=key
-                )
-            if save_of(m) != save_of(self.marker):
-                # Every node's marker of one save carries rank 0's `created` and the same global fields:
-                # a part of a save made before a restart would be built into this save's export.
-                raise StepConflictError(
-                    f"step {self.step}: node part {name} on the exchange is of another save than this "
-                    f"node's (saved at {m.created:.3f}, this one at {self.marker.created:.3f})",
-                    path=f"{self.exchange.url}/{key}",
-                    hint=f"every node must stage the same save; to publish this one, remove {raw}/ and "
-                    f"{self.base}/ from the exchange, then run `stagerd retry ROOT --step {self.step}` on "
-                    "every node",
-                )
-            parts.append(NodePart(k, m, f"{raw}/{name}"))
-            mine = {rel[len(name) + 1 :]: n for rel, n in listed.items() if rel.startswith(f"{name}/")}
-            check_part(parts[-1], mine, self.exchange.url)
-        return parts
 
     def _plan(self, mirror: Mirror, listed: list[str]) -> tuple[ExportPlan, dict[str, Unit]]:
         """The single-node plan, the to-Hub plan (the marker's, else `--mapping`'s) included, and with a

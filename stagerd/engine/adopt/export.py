@@ -25,7 +25,8 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
-from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted, save_identity
+from stagerd.engine.adopt.finished import save_identity
+from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted
 from stagerd.engine.export import ExportResult, export_source
 from stagerd.errors import OutputError, ShardError, SourceChangedError, StagerdError
 from stagerd.ops.crashpoints import delay_point

@@ -1,0 +1,84 @@
+"""The daemon's settings read from their three sources, in order: a TOML file < `STAGERD_*` environment <
+command-line flags; what is wrong in them is one `ConfigError` naming each setting, and a key or variable
+that is not a setting names the closest one. What a setting is and what it accepts is `config.py`'s."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, TomlConfigSettingsSource
+
+from stagerd.config import ENV_PREFIX, Settings
+from stagerd.errors import ConfigError
+
+
+def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settings:
+    """Settings from `config_file` (TOML), then `STAGERD_*`, then `flags` (None values are ignored)."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise ConfigError("config file not found", path=config_file)
+    toml_file = Path(config_file) if config_file is not None else None
+
+    class _Sourced(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources = [init_settings, env_settings]
+            if toml_file is not None:
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+            return tuple(sources)
+
+    _warn_unknown_env()
+    try:
+        return _Sourced(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as e:
+        problems = "; ".join(_problem(err) for err in e.errors())
+        raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
+    except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
+        raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+
+
+def _problem(err: Any) -> str:
+    """One validation error; a TOML key that is not a setting names the closest setting, as a variable
+    does."""
+    where = ".".join(str(p) for p in err["loc"]) or "settings"
+    if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+        close = difflib.get_close_matches(where, list(Settings.model_fields), n=1)
+        return f"{where}: not a setting" + (f" (did you mean {close[0]}?)" if close else "")
+    return f"{where}: {err['msg']}"
+
+
+# STAGERD_* variables that are read elsewhere, not settings: the fault-injection and test hooks, a fleet
+# node's id, the switch of the C cast kernel
+_NOT_SETTINGS = (
+    "STAGERD_TEST_",
+    "STAGERD_CRASH_",
+    "STAGERD_DELAY_",
+    "STAGERD_NODE_ID",
+    "STAGERD_NO_HALFCAST",
+)
+
+
+def _warn_unknown_env() -> None:
+    """A TOML key that is not a setting is refused; a variable is only warned about (the environment is
+    shared with other tools), but never ignored in silence: STAGERD_SINK=... would publish nowhere."""
+    known = [f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields]
+    for name in sorted(os.environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(_NOT_SETTINGS):
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        logging.getLogger("stagerd").warning(
+            "%s is not a stagerd setting and is ignored%s",
+            name,
+            f" (did you mean {close[0]}?)" if close else "",
+        )
