@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stagerd.engine.hub_config import exported_config, main_dtype
-from tests.fidelity.harness import tensors
+from tests.fidelity.harness import dtype_fields, tensors
 
 
 def test_the_main_dtype_is_the_floating_dtype_with_the_most_bytes():
@@ -56,16 +56,6 @@ def _held(ref: Path) -> dict[str, int]:
     return out
 
 
-def _dtypes(cfg: object, at: str = "") -> dict[str, object]:
-    """Every dtype field of a config, nested ones too, by its dotted path."""
-    if not isinstance(cfg, dict):
-        return {}
-    out = {f"{at}{k}": v for k, v in cfg.items() if k in ("dtype", "torch_dtype")}
-    for k, v in cfg.items():
-        out |= _dtypes(v, f"{at}{k}.")
-    return out
-
-
 def _rest(cfg: dict[str, object]) -> dict[str, object]:
     """A config without its dtype fields."""
     return {
@@ -98,7 +88,7 @@ def test_a_composite_models_sub_configs_name_the_dtype_from_pretrained_loaded_it
     got = json.loads(exported_config(src, _held(ref), cast, named) or b"")
     # the fields save_pretrained writes, and their values; every other key is the source's (transformers'
     # round trip adds `label2id: null` to each sub-config, which the export need not)
-    assert _dtypes(got) == _dtypes(want)
+    assert dtype_fields(got) == dtype_fields(want)
     assert _rest(got) == _rest(json.loads(src.read_bytes()))
 
 
@@ -117,4 +107,4 @@ def test_a_sub_config_keeps_the_field_it_has_and_else_gets_the_models(tmp_path):
     assert "dtype" not in got and "dtype" not in got["text_config"]
     got["dtype"] = got.pop("torch_dtype")
     got["text_config"]["dtype"] = got["text_config"].pop("torch_dtype")
-    assert _dtypes(got) == _dtypes(want)
+    assert dtype_fields(got) == dtype_fields(want)
