@@ -107,8 +107,9 @@ def build_export(
         staged = source.extra_path(rel)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            named = res.named_dtype or dtype
-            config = exported_config(staged, dict(res.dtype_bytes), named) if rel == CONFIG_NAME else None
+            config = None
+            if rel == CONFIG_NAME:
+                config = exported_config(staged, dict(res.dtype_bytes), dtype, res.named_dtype)
             if config is None:
                 shutil.copyfile(staged, dst)
             else:  # names the dtype the files hold; the staged original is only read

@@ -8,6 +8,14 @@ first floating parameter's dtype, which a mixed model need not have most bytes i
 config.json so named (`training/hf_config_files.py`); else (no dtype named, or a stale one the export
 holds none of) the dtype holding most of the export's floating-point bytes. Every other key, and its
 order, is kept; the staged original is only read.
+
+A composite model's config (a multimodal or encoder-decoder model's) holds its sub-models' configs, each a
+JSON object naming its `model_type`. `from_pretrained` sets the dtype it loads in on each of them, which
+`save_pretrained` then writes there too: the cast target, also on a sub-model the model keeps in float32
+and where the model itself is named by an uncast first parameter; when kept, the dtype the model is
+named by. A sub-config names it in the field it already has, else in the one the model's config uses
+(4.x writes `torch_dtype` there too). A sub-config's own sub-configs are set only where the model's code
+builds that sub-model through `from_config`, which config.json does not say: they are left as they are.
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ def main_dtype(dtype_bytes: Mapping[str, int]) -> str | None:
     return dtypes.lookup(best).torch_name
 
 
-def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | None = None) -> bytes | None:
-    """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `target`:
-    the dtype a cast names (safetensors name: the cast's, or `ExportPlan.named_dtype` where the model's
-    first parameter is left uncast), None when kept."""
-    cast_to = dtypes.lookup(target).torch_name if target is not None and dtype_bytes else None
+def exported_config(
+    source: Path, dtype_bytes: Mapping[str, int], cast: str | None = None, named: str | None = None
+) -> bytes | None:
+    """The exported config.json's bytes, or None to copy the source unchanged (nothing to name). `cast`:
+    the cast's dtype (safetensors name), None when kept; `named`: where a cast names the model by another
+    dtype (`ExportPlan.named_dtype`, its first parameter left uncast), that one; its sub-configs still
+    name the cast's."""
+    cast_to = dtypes.lookup(cast).torch_name if cast is not None and dtype_bytes else None
     main = main_dtype(dtype_bytes)
     if (cast_to or main) is None:
         return None
@@ -50,10 +61,23 @@ def exported_config(source: Path, dtype_bytes: Mapping[str, int], target: str | 
     if not isinstance(cfg, dict):
         raise ExtrasError(f"{CONFIG_NAME} must hold a JSON object", path=source)
     present = [f for f in _FIELDS if f in cfg]
-    name = cast_to or _held(cfg.get(present[0]) if present else None, dtype_bytes) or main
-    for field in present or ["dtype"]:
+    if cast_to is not None:
+        name = dtypes.lookup(named).torch_name if named is not None else cast_to
+    else:
+        name = _held(cfg.get(present[0]) if present else None, dtype_bytes) or main
+    fields = present or ["dtype"]
+    for field in fields:
         cfg[field] = name
+    for sub in _sub_configs(cfg):
+        for field in [f for f in _FIELDS if f in sub] or fields[:1]:
+            sub[field] = cast_to or name
     return (json.dumps(cfg, indent=2) + "\n").encode()
+
+
+def _sub_configs(cfg: dict[str, object]) -> list[dict[str, object]]:
+    """The sub-model configs of a composite model's config: as transformers writes a config's
+    `sub_configs`, each an object naming its `model_type`."""
+    return [v for v in cfg.values() if isinstance(v, dict) and isinstance(v.get("model_type"), str)]
 
 
 def _held(named: object, dtype_bytes: Mapping[str, int]) -> str | None:

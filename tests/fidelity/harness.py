@@ -79,6 +79,16 @@ def config_dtype(d: Path) -> Any:
     return cfg.get("dtype", cfg.get("torch_dtype"))
 
 
+def dtype_fields(cfg: Any, at: str = "") -> dict[str, Any]:
+    """Every dtype field of a config.json's object, a sub-config's too, by its dotted path."""
+    if not isinstance(cfg, dict):
+        return {}
+    out = {f"{at}{k}": v for k, v in cfg.items() if k in ("dtype", "torch_dtype")}
+    for k, v in cfg.items():
+        out |= dtype_fields(v, f"{at}{k}.")
+    return out
+
+
 def assert_same_tensors(export_dir: Path, ref_dir: Path) -> None:
     got, want = tensors(export_dir), tensors(ref_dir)
     assert sorted(got) == sorted(want), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))

@@ -67,7 +67,7 @@ def lead(
             else:
                 dst.write_bytes(_their_extra(x, part, rel))
             if rel == CONFIG_NAME:  # as export_step: the config names the dtype the files hold
-                config = exported_config(dst, dict(p.dtype_bytes()), p.named_dtype or dtype)
+                config = exported_config(dst, dict(p.dtype_bytes()), dtype, p.named_dtype)
                 if config is not None:
                     dst.write_bytes(config)
             files.append(LocalFile(rel, dst, dst.stat().st_size))

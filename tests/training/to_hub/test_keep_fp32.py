@@ -20,7 +20,7 @@ from stagerd.engine.adopt.source import AdoptOptions
 from stagerd.engine.export import export_step
 from stagerd.engine.verify import verify_export
 from stagerd.errors import HubPlanError
-from tests.fidelity.harness import assert_same_weight_files, config_dtype, tensors
+from tests.fidelity.harness import assert_same_weight_files, config_dtype, dtype_fields, tensors
 from tests.fidelity.registry.tiny import tiny_config
 
 pytestmark = [
@@ -185,3 +185,45 @@ def test_a_lora_models_merged_export_keeps_the_base_models_router(tmp_path, save
     export = export_step(_staged(wrapped, tmp_path), dtype="BF16", threads=1).export_dir
     assert_same_weight_files(export, ref)
     assert "F32" in _dtypes(export).values()
+
+
+def test_a_composite_models_sub_configs_name_the_cast_where_the_model_is_named_float32(tmp_path):
+    """BLIP-2 keeps query_tokens, its first parameter, and its Q-Former in float32 under fp16:
+    save_pretrained names the model float32, and each sub-config (the Q-Former's too) float16, the dtype
+    from_pretrained loaded it in. Before, the export named its sub-configs no dtype."""
+    import torch
+
+    model = _model("blip-2", "Blip2ForConditionalGeneration")
+    ref = _reference(model, tmp_path, "float16")
+    export = export_step(_staged(model, tmp_path), dtype="F16", threads=1).export_dir
+    assert_same_weight_files(export, ref)
+    got, want = (json.loads((d / "config.json").read_bytes()) for d in (export, ref))
+    assert dtype_fields(got) == dtype_fields(want)
+    assert want["dtype"] == "float32" and want["qformer_config"]["dtype"] == "float16"
+    for kw in ({}, {"dtype": torch.float16}):  # as the Hub's client loads either
+        a, b = (type(model).from_pretrained(d, **kw) for d in (export, ref))
+        assert a.config.to_diff_dict() == b.config.to_diff_dict()
+        assert {n: p.dtype for n, p in a.named_parameters()} == {n: p.dtype for n, p in b.named_parameters()}
+
+
+def test_an_adopted_composite_checkpoint_names_its_sub_configs_the_cast(tmp_path):
+    """A DCP save of a Llava, its config.json beside it, exported in bf16: the config.json is
+    save_pretrained's of the model from_pretrained loads in bf16, each sub-config named bfloat16."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from stagerd.daemon.hf_names import model_plan
+
+    model = _model("llava", "LlavaForConditionalGeneration")
+    ref = _reference(model, tmp_path, "bfloat16")
+    ckpt = tmp_path / "adopted" / "step-1"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    model.config.save_pretrained(ckpt)
+    export_adopted(ckpt, tmp_path / "work", AdoptOptions(model_plan=model_plan), dtype="BF16")
+    export = tmp_path / "work" / "export"
+    assert_same_weight_files(export, ref)
+    got, want = (json.loads((d / "config.json").read_bytes()) for d in (export, ref))
+    assert dtype_fields(got) == dtype_fields(want)
+    assert {want["text_config"]["dtype"], want["vision_config"]["dtype"]} == {"bfloat16"}
+    a, b = (type(model).from_pretrained(d) for d in (export, ref))
+    assert a.config.to_diff_dict() == b.config.to_diff_dict() and a.dtype == b.dtype == torch.bfloat16
