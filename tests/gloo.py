@@ -4,11 +4,17 @@
 each rank's `fn` starts with `join(rank, world, init_file)`. Functions handed over run in spawned
 children, so they live in importable modules. A run still going at its deadline is killed and fails the
 test as a hang instead of blocking the suite.
+
+A rank whose `fn` returns ends through `end_rank()`, without the interpreter's teardown: a C++ thread
+torch leaves behind (FSDP2, a full state dict's gather, DCP's async saves, the groups' gloo workers) is
+destroyed still joinable there now and then, and the rank aborts after its work succeeded ("terminate
+called without an active exception"). A rank's exception still fails it as before, its traceback reported.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,15 +28,50 @@ def join(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
-def launch(fn: Callable[..., None], *args: Any, world: int = 2, deadline_s: float = 300.0) -> None:
-    """Run `fn(rank, world, init_file, *args)` on `world` spawned ranks; a rank's exception fails the call."""
+def end_rank() -> None:
+    """End this process now, its work done and its files written: wait for the other ranks still in the
+    default group, destroy it, flush, `os._exit(0)`. Every rank that keeps the group up to its end must
+    get here (a rank that destroyed it, or never joined, skips the barrier)."""
+    import torch.distributed as dist
+
+    _no_stager_left_open()
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # a peer left first (it raised, or ended by itself): its own exit code tells
+            pass
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _no_stager_left_open() -> None:
+    # os._exit skips stagerd's exit hook, which closes a forgotten Stager and so commits its pending saves.
+    shutdown = sys.modules.get("stagerd.training.shutdown")
+    if shutdown is not None and len(shutdown._State.open_stagers):
+        raise AssertionError("a Stager is still open: close it, or launch(..., teardown=True)")
+
+
+def _rank(rank: int, fn: Callable[..., None], teardown: bool, world: int, init_file: str, *args: Any) -> None:
+    fn(rank, world, init_file, *args)
+    if not teardown:
+        end_rank()
+
+
+def launch(
+    fn: Callable[..., None], *args: Any, world: int = 2, deadline_s: float = 300.0, teardown: bool = False
+) -> None:
+    """Run `fn(rank, world, init_file, *args)` on `world` spawned ranks; a rank's exception fails the call.
+    `teardown=True`: a rank that returns exits through the interpreter's teardown (atexit hooks and all),
+    for the tests of what happens at a process's exit."""
     import torch.multiprocessing as mp
 
     fd, init_file = tempfile.mkstemp(prefix="stagerd-test-gloo-")
     os.close(fd)
     os.unlink(init_file)  # the file rendezvous wants a path that does not exist yet
     ctx = mp.start_processes(
-        fn, args=(world, init_file, *args), nprocs=world, start_method="spawn", join=False
+        _rank, args=(fn, teardown, world, init_file, *args), nprocs=world, start_method="spawn", join=False
     )
     end = time.monotonic() + deadline_s
     try:

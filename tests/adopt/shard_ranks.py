@@ -4,8 +4,6 @@ of `{"model": ...}` into `ROOT/step-1`, nothing of stagerd's; rank 0 then writes
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 from tests.fidelity import models
@@ -35,11 +33,3 @@ def dcp_save(rank: int, world: int, init_file: str, root: str, ref: str, kind: s
         plain.save_pretrained(Path(ref) / "keep", max_shard_size=MAX_SHARD)
         plain.to(torch.bfloat16).save_pretrained(Path(ref) / "bf16", max_shard_size=MAX_SHARD)
         (Path(root) / "step-1" / "config.json").write_bytes((Path(ref) / "keep" / "config.json").read_bytes())
-    # Every file is written: end without the interpreter's teardown, where a C++ thread torch leaves behind
-    # (FSDP2 and the full state dict's gather) aborts a rank now and then ("terminate called without an
-    # active exception"), as the Trainer ranks do (trainers/hf_trainer_lora.py).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -127,8 +127,6 @@ def save_and_reference(rank: int, world: int, init_file: str, base: str, ref: st
     ckpt.close()
     if rank == 0:
         reference(config, model, hf_config(q_lora), Path(ref), Path(base))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def reference(config: Any, model: Any, hf: Any, ref: Path, base: Path) -> None:

@@ -37,3 +37,7 @@ def test_only_the_gloo_helper_spawns_ranks():
     # test_exit also runs one single-rank script as a user would, with no launcher at all.
     joined = {"tests/gloo.py", "tests/training/test_exit.py"}
     assert _tests_mentioning('init_process_group("gloo"') == joined
+    # A rank that returns ends through tests.gloo.end_rank, not lines of its own; test_failures' rank dies
+    # mid-save on purpose, and test_pid_namespaces' script is no rank.
+    ended = {"tests/gloo.py", "tests/training/test_failures.py", "tests/sinks/test_pid_namespaces.py"}
+    assert _tests_mentioning("os._exit(") == ended
