@@ -173,6 +173,10 @@ def test_verify_checks_a_published_copy_against_its_manifest(
     r = run_cli(["verify", copy])
     assert r.returncode == 2 and "sha256 differs from the manifest" in r.stderr, r.stdout + r.stderr
     assert weights.name in r.stderr and "stagerd restore" in r.stderr
+    # the sink's URL itself, as a user tries next: named as a URL, with the command that downloads it
+    r = run_cli(["verify", f"{sink.as_uri()}/step-00000003"])
+    assert r.returncode == 2 and "EXPORT_DIR is a URL" in r.stderr, r.stderr
+    assert f"{sink.as_uri()}/step-00000003" in r.stderr and "stagerd restore URL OUT --export" in r.stderr
 
 
 def test_watch_names_a_trainers_own_checkpoints_without_adopt(
