@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from stagerd.sinks.fetch import RemoteStore
 
 EXAMPLES = """examples:
-  stagerd restore s3://ckpts/run1 /local_nvme/ckpt                # the newest raw step
+  stagerd restore s3://ckpts/run1 /local_nvme/ckpt    # the newest raw step
   stagerd restore s3://ckpts/run1 /local_nvme/ckpt --step 1200
   stagerd restore file:///mnt/ckpts/run1 /local_nvme/ckpt --step latest
-  stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200   # the HF export, for evaluation
-  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200     # the same, from the Hub's tag
+  # the HF export, for evaluation; then the same from the Hub's tag
+  stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200
+  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200
 """
 
 RESTORE_DIR = "restore"
