@@ -43,7 +43,11 @@ class OnceSummary(JournalGate):
                 out.published_count += 1
                 out.published.append(r.step)
                 continue
-            why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
+            why = (
+                [f"{r.state}: {r.error_class}: {r.error_message}{_hint_of(r.error_class)}"]
+                if r.error_class
+                else [r.state]
+            )
             if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
                 why = [_waiting(r.error_class, r.error_message)]
             why += [_lane_why(ln) for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED]
@@ -110,7 +114,14 @@ def _newest(summary: Summary) -> str:
 def _lane_why(ln: LaneRow) -> str:
     if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits for it
         return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
-    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
+    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{_hint_of(ln.error_class)}"
+
+
+def _hint_of(error_class: str | None) -> str:
+    """` (hint: ...)`: what the error's class says to do (check the token, free space), for the summary's
+    line of a step left, which is all a user of `--once` may read; "" for a class without one."""
+    hint = getattr(getattr(errors, error_class or "", None), "hint", None)
+    return f" (hint: {hint})" if isinstance(hint, str) else ""
 
 
 def _waiting(error_class: str | None, message: str | None) -> str:

@@ -112,6 +112,7 @@ def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, 
     r = run_cli([*argv, "--sink", sink.as_uri()])
     assert r.returncode == 1, r.stdout + r.stderr
     assert "what to do: a quarantined step is never tried again by itself" in r.stdout, r.stdout
+    assert "(hint: the staged step is incomplete; re-save it" in r.stdout, r.stdout
     assert f"then `stagerd retry {root}`" in r.stdout
     # run again, as after fixing a token: the start says why nothing is tried
     r = run_cli([*argv, "--sink", sink.as_uri()])
