@@ -24,10 +24,10 @@ def given_up_hint() -> str:
     )
 
 
-def quarantined_steps(root: Path, *, given_up: bool = False) -> list[int]:
+def quarantined_steps(root: Path) -> list[int]:
     """The steps ROOT's journal holds quarantined for good, the step or one of its lanes; none without a
-    journal. With `given_up`, instead those a `--once` run gave up on after its tries of a failure that may
-    pass: the next start re-arms them, so telling the user to run `stagerd retry` would be wrong."""
+    journal. Not those a `--once` run gave up on after its tries of a failure that may pass: this start
+    re-arms them, so telling the user to run `stagerd retry` would be wrong."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
     from stagerd.daemon.policy import rearmable
     from stagerd.errors import JournalError
@@ -43,7 +43,7 @@ def quarantined_steps(root: Path, *, given_up: bool = False) -> list[int]:
             (s.step, s.state, s.error_class) for s in journal.steps(include_retired=False)
         ]
         rows += [(ln.step, ln.state, ln.error_class) for ln in journal.lanes(include_retired=False)]
-        steps = {step for step, state, cls in rows if state == QUARANTINED and rearmable(cls) == given_up}
+        steps = {step for step, state, cls in rows if state == QUARANTINED and not rearmable(cls)}
     finally:
         journal.close()
     return sorted(steps)

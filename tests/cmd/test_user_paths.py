@@ -131,6 +131,21 @@ def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, 
     assert "what to do" not in r.stdout, r.stdout  # nothing quarantined now: no advice
 
 
+def test_a_sink_dropped_from_the_command_leaves_no_advice_in_the_summary(tmp_path: Path, dcp_mixed2) -> None:
+    """A sink that held a step quarantined (another upload there), then left out of the command line: the next
+    `--once` run publishes everywhere it is asked to, and its summary says nothing of that old lane."""
+    root, bad, good = tmp_path / "root", tmp_path / "bad", tmp_path / "good"
+    stage_copy(root, 1, dcp_mixed2[0], 2)
+    (bad / "step-00000001").mkdir(parents=True)
+    (bad / "step-00000001" / "stagerd.manifest.json").write_text('{"format": "another"}')
+    argv = ["watch", root, "--once", *fast_flags()]
+    r = run_cli([*argv, "--sink", bad.as_uri()])
+    assert r.returncode == 1 and "SinkConflictError" in r.stdout and "what to do" in r.stdout, r.stdout
+    r = run_cli([*argv, "--sink", good.as_uri()])
+    assert r.returncode == 0 and "1 step(s) published, 0 not" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "what to do" not in r.stdout, r.stdout
+
+
 def test_a_step_the_hub_repo_lacks_is_named_as_such(tmp_path: Path) -> None:
     from tests.hubserver import HubConfig, HubServer
     from tests.sinks.hub.hub_helpers import REPO, make_sink, write_export
