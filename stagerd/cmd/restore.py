@@ -293,7 +293,10 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
         with StepLock(root, step, "a restore"):  # StepBusyError while a Stager saves this step
             if layout.is_committed(step_dir):
                 raise StepExistsError(
-                    f"step {step} is already committed in ROOT; not overwritten", path=step_dir
+                    f"step {step} is already committed in ROOT; not overwritten",
+                    path=step_dir,
+                    hint=f"`Stager.load(..., step={step})` reads it as it is; to fetch the sink's copy "
+                    "instead, delete the step directory first",
                 )
             staging_places.refuse_foreign_files(step_dir)  # before a byte downloads
             prefix = step_prefix(step, raw=True)
