@@ -41,8 +41,9 @@ sinks (--sink URL): s3://BUCKET/PREFIX, hf://ORG/REPO[@REVISION], file:///ABSOLU
 /ABSOLUTE/PATH means the same), or PROTOCOL://BUCKET/PATH of an installed fsspec package (gcsfs for gs://).
 Relative paths and memory:// are refused.
 
-Run `stagerd COMMAND --help` for each command's options. Exit status: 0 done, 2 bad input or
-configuration (retrying will not help), 3 a failure that may pass on retry, 130 interrupted.
+Run `stagerd COMMAND --help` for each command's options. Exit status: 0 done, 1 `watch --once` left a
+step unpublished, 2 bad input or configuration (retrying will not help), 3 a failure that may pass on
+retry, 130 interrupted, 141 the reader of its output closed it (`| head`).
 """
 
 log = logging.getLogger("stagerd")

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from stagerd.sinks.claims import Publisher
 
 EXAMPLES = """examples:
-  stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000 --dry-run   # what would go
+  stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000 --dry-run
   stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000
-  stagerd prune s3://ckpts/shared --keep-last 3 --root /local_nvme/ckpt   # only that ROOT's steps
+  # only the steps that ROOT's daemon published
+  stagerd prune s3://ckpts/shared --keep-last 3 --root /local_nvme/ckpt
 """
 
 

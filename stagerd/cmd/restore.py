@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from stagerd.sinks.fetch import RemoteStore
 
 EXAMPLES = """examples:
-  stagerd restore s3://ckpts/run1 /local_nvme/ckpt                # the newest raw step
+  stagerd restore s3://ckpts/run1 /local_nvme/ckpt    # the newest raw step
   stagerd restore s3://ckpts/run1 /local_nvme/ckpt --step 1200
   stagerd restore file:///mnt/ckpts/run1 /local_nvme/ckpt --step latest
-  stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200   # the HF export, for evaluation
-  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200     # the same, from the Hub's tag
+  # the HF export, for evaluation; then the same from the Hub's tag
+  stagerd restore s3://ckpts/run1 ./eval-1200 --export --step 1200
+  stagerd restore hf://acme/llm ./eval-1200 --export --step 1200
 """
 
 RESTORE_DIR = "restore"
@@ -292,7 +293,10 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
         with StepLock(root, step, "a restore"):  # StepBusyError while a Stager saves this step
             if layout.is_committed(step_dir):
                 raise StepExistsError(
-                    f"step {step} is already committed in ROOT; not overwritten", path=step_dir
+                    f"step {step} is already committed in ROOT; not overwritten",
+                    path=step_dir,
+                    hint=f"`Stager.load(..., step={step})` reads it as it is; to fetch the sink's copy "
+                    "instead, delete the step directory first",
                 )
             staging_places.refuse_foreign_files(step_dir)  # before a byte downloads
             prefix = step_prefix(step, raw=True)

@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from stagerd.cmd.watch_hints import given_up_hint
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
+from stagerd.daemon.policy import rearmable
 from stagerd.daemon.summary import missed_text
 
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
@@ -216,8 +218,9 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         for step, (where, cls, message) in failed:
             place = f" {where}" if where else ""
             console.print(escape(f"  step {step}{place}: {cls}: {message or ''}"), overflow="fold")
-    stuck = [s["step"] for s in doc["steps"] if _stuck(s)]
-    if stuck:
+    if any(_stuck(s, given_up=True) for s in doc["steps"]):
+        console.print(escape(f"what to do: {given_up_hint()}"), overflow="fold")
+    if any(_stuck(s) for s in doc["steps"]):
         console.print(
             escape(
                 f"what to do: a quarantined step stays so, even across restarts of `stagerd watch`; fix its "
@@ -227,5 +230,8 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         )
 
 
-def _stuck(step: dict[str, Any]) -> bool:
-    return step["state"] == "quarantined" or any(ln["state"] == "quarantined" for ln in step["lanes"])
+def _stuck(step: dict[str, Any], *, given_up: bool = False) -> bool:
+    """Whether the step or a lane is quarantined for good; with `given_up`, whether one is quarantined only
+    because a `--once` run ran out of tries of a failure that may pass, which the next start re-arms."""
+    rows = [step, *step["lanes"]]
+    return any(r["state"] == "quarantined" and rearmable(r["error_class"]) == given_up for r in rows)

@@ -36,10 +36,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
         epilog=EXAMPLES,
         formatter_class=UserHelpFormatter,
     )
-    p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="the directory `consolidate` wrote")
-    p.add_argument(
-        "--against", type=Path, metavar="SRC", help="step, shard or (--adopt) checkpoint directory"
-    )
+    # Strings, not Paths: a URL given here is named as one, before Path folds its `//`.
+    p.add_argument("export_dir", metavar="EXPORT_DIR", help="the directory `consolidate` wrote")
+    p.add_argument("--against", metavar="SRC", help="step, shard or (--adopt) checkpoint directory")
     p.add_argument("--threads", type=int, default=threads_default(), metavar="N", help="read threads")
     add_adopt_flags(p)
     p.set_defaults(func=run)
@@ -89,6 +88,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+    for what, given in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
+        if given is not None and "://" in given:
+            raise ConfigError(
+                f"{what} is a URL; verify reads a local directory",
+                path=given,
+                hint="download the published step first, `stagerd restore URL OUT --export --step N` (it "
+                "checks every file against the sink's manifest as it lands), or give a file:// sink's "
+                "step-N/ as its path",
+            )
+    args.export_dir = Path(args.export_dir)
+    args.against = None if args.against is None else Path(args.against)
     for what, path in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if path is not None and not path.exists():
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")

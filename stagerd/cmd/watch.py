@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.cmd.watch_hints import quarantined_steps, retry_hint, warn_quarantined, warn_unadopted
+from stagerd.cmd.watch_hints import given_up_hint, retry_hint, warn_quarantined, warn_unadopted
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
 
@@ -198,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
-        if settings.root is not None and quarantined_steps(Path(settings.root)):
+        if s.given_up:
+            print(f"  what to do: {given_up_hint()}")
+        if s.quarantined and settings.root is not None:
             print(f"  what to do: {retry_hint(Path(settings.root))}")
     if daemon.left_threads_running:
         # Work abandoned at shutdown is recorded in the journal; its threads cannot be interrupted, and

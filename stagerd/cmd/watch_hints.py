@@ -17,9 +17,19 @@ def retry_hint(root: Path) -> str:
     )
 
 
+def given_up_hint() -> str:
+    return (
+        "a failure that may pass (a sink down, a full disk) ends a --once run after --max-attempts tries; "
+        "the next `stagerd watch` tries those steps again by itself"
+    )
+
+
 def quarantined_steps(root: Path) -> list[int]:
-    """The steps ROOT's journal holds quarantined, the step or one of its lanes; none without a journal."""
+    """The steps ROOT's journal holds quarantined for good, the step or one of its lanes; none without a
+    journal. Not those a `--once` run gave up on after its tries of a failure that may pass: this start
+    re-arms them, so telling the user to run `stagerd retry` would be wrong."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
+    from stagerd.daemon.policy import rearmable
     from stagerd.errors import JournalError
 
     if not journal_path(root).is_file():
@@ -29,8 +39,11 @@ def quarantined_steps(root: Path) -> list[int]:
     except JournalError:
         return []
     try:
-        steps = {s.step for s in journal.steps(include_retired=False) if s.state == QUARANTINED}
-        steps |= {ln.step for ln in journal.lanes(include_retired=False) if ln.state == QUARANTINED}
+        rows: list[tuple[int, str, str | None]] = [
+            (s.step, s.state, s.error_class) for s in journal.steps(include_retired=False)
+        ]
+        rows += [(ln.step, ln.state, ln.error_class) for ln in journal.lanes(include_retired=False)]
+        steps = {step for step, state, cls in rows if state == QUARANTINED and not rearmable(cls)}
     finally:
         journal.close()
     return sorted(steps)

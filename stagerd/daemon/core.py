@@ -98,6 +98,13 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
 
     async def run(self) -> int:
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
+        if not self.root.exists():  # a daemon started before its trainer made the folder
+            raise ConfigError(
+                "ROOT does not exist",
+                path=self.root,
+                hint=f"create it (`mkdir -p {self.root}`) and start the daemon again: it then waits for the "
+                "trainer's steps",
+            )
         if not self.root.is_dir():
             raise ConfigError("ROOT is not a directory", path=self.root)
         check_root_places(self.root, self.settings.sinks, self.settings.exchange)

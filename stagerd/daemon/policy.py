@@ -53,6 +53,8 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
 
 def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:
     """The log's account of a failed attempt: what failed, and when (or whether) it is tried again."""
+    if f.quarantine and rearmable(f.error_class):  # a --once run's last try of what may pass
+        return f"{f.error_class}: {f.message}; given up for this --once run: the next start tries again"
     if f.quarantine:
         # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
         kept = "staged data kept on disk" if on_disk else "its staged data is no longer in ROOT"

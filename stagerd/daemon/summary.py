@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from stagerd import errors
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import FAILED, PUBLISHED, LaneRow
+from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
+from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
 
 NEWEST_LISTED = 10  # published steps named in the summary line, newest first dropped last
@@ -23,6 +24,8 @@ class Summary:
     unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
     # sink -> (count, newest) of the retired steps it never got: retired before it was configured
     missed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    quarantined: bool = False  # a step left, or a lane of a configured sink, quarantined for good
+    given_up: bool = False  # one quarantined only as this run ran out of tries: the next start re-arms it
 
     @property
     def ok(self) -> bool:
@@ -43,11 +46,23 @@ class OnceSummary(JournalGate):
                 out.published_count += 1
                 out.published.append(r.step)
                 continue
-            why = [f"{r.state}: {r.error_class}: {r.error_message}"] if r.error_class else [r.state]
+            why = (
+                [f"{r.state}: {r.error_class}: {r.error_message}{_hint_of(r.error_class)}"]
+                if r.error_class
+                else [r.state]
+            )
             if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
                 why = [_waiting(r.error_class, r.error_message)]
-            why += [_lane_why(ln) for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED]
+            # a lane of a sink no longer configured neither holds the step back nor is worked on
+            left = [
+                ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in self._lane_keys()
+            ]
+            why += [_lane_why(ln) for ln in left]
             out.unpublished.append((r.step, "; ".join(why)))
+            for state, cls in [(r.state, r.error_class), *((ln.state, ln.error_class) for ln in left)]:
+                if state == QUARANTINED:
+                    out.given_up |= rearmable(cls)
+                    out.quarantined |= not rearmable(cls)
         out.published = sorted(out.published)[-NEWEST_LISTED:]
         return out
 
@@ -110,7 +125,14 @@ def _newest(summary: Summary) -> str:
 def _lane_why(ln: LaneRow) -> str:
     if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits for it
         return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
-    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}"
+    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{_hint_of(ln.error_class)}"
+
+
+def _hint_of(error_class: str | None) -> str:
+    """` (hint: ...)`: what the error's class says to do (check the token, free space), for the summary's
+    line of a step left, which is all a user of `--once` may read; "" for a class without one."""
+    hint = getattr(getattr(errors, error_class or "", None), "hint", None)
+    return f" (hint: {hint})" if isinstance(hint, str) else ""
 
 
 def _waiting(error_class: str | None, message: str | None) -> str:

@@ -33,8 +33,11 @@ def published_copy(plan: DemoPlan, step: int) -> tuple[Path, str]:
 
 def _from_hub(url: str, repo_id: str, step: int, local: Path) -> tuple[Path, str]:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars
 
     from stagerd.sinks.hub import parse_hub_url, step_tag
+
+    disable_progress_bars()  # its tqdm bars, also off a terminal; the demo reports its own progress
 
     target = parse_hub_url(url)
     tag = step_tag(step, target.revision)  # a sink on @REVISION tags its steps there

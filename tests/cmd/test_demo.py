@@ -119,6 +119,7 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
             "HF_TOKEN": None,
             "HF_HUB_DISABLE_XET": None,  # Xet, the production upload path, against the server's CAS
             "HF_HOME": str(tmp_path / "hf-home"),
+            "HF_HUB_DISABLE_PROGRESS_BARS": None,  # as a user runs it: the demo keeps them off itself
         }
         url = f"hf://acme/demo@run/a?token={hub.token}"
         argv = ["demo", "--root", tmp_path / "run", "--steps", "2", "--sink", url]
@@ -130,6 +131,7 @@ def test_demo_publishes_to_the_hub(tmp_path: Path) -> None:
         assert {"run/a/step-1", "run/a/step-2"} <= tags
         assert "hf://acme/demo@run/a/step-2 (downloaded to" in proc.stdout
         assert hub.token not in proc.stdout + proc.stderr
+        assert "Fetching" not in proc.stderr, proc.stderr[-2000:]  # off a terminal: JSON lines only
 
 
 def test_demo_refuses_a_used_root(tmp_path: Path) -> None:

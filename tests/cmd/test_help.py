@@ -7,7 +7,7 @@ import pytest
 
 from tests.cli_helpers import run_cli
 
-COMMANDS = ["", "watch", "status", "retry", "consolidate", "verify", "publish", "demo"]
+COMMANDS = ["", "watch", "status", "retry", "consolidate", "verify", "publish", "restore", "prune", "demo"]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c or "stagerd" for c in COMMANDS])
@@ -26,3 +26,4 @@ def test_top_level_help_documents_sink_urls_and_exit_codes() -> None:
     assert "a bare /ABSOLUTE/PATH means the same" in text
     assert "Relative paths and memory:// are refused" in text
     assert "2 bad input or configuration" in text and "3 a failure that may pass on retry" in text
+    assert "1 `watch --once` left a step unpublished" in text and "141 the reader" in text

@@ -79,6 +79,7 @@ def test_refuses_a_committed_step_and_a_root_a_daemon_holds(published, tmp_path)
     before = tree(new / layout.step_dir_name(1))
     r = run_restore(sink.as_uri(), new, "--step", "1")
     assert r.returncode == 2 and "StepExistsError" in r.stderr and "already committed" in r.stderr
+    assert "Stager.load(..., step=1)" in r.stderr and "use a new step number" not in r.stderr, r.stderr
     assert tree(new / layout.step_dir_name(1)) == before
     with RootLock(new):
         r = run_restore(sink.as_uri(), new, "--step", "2")

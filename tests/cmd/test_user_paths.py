@@ -112,6 +112,7 @@ def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, 
     r = run_cli([*argv, "--sink", sink.as_uri()])
     assert r.returncode == 1, r.stdout + r.stderr
     assert "what to do: a quarantined step is never tried again by itself" in r.stdout, r.stdout
+    assert "(hint: the staged step is incomplete; re-save it" in r.stdout, r.stdout
     assert f"then `stagerd retry {root}`" in r.stdout
     # run again, as after fixing a token: the start says why nothing is tried
     r = run_cli([*argv, "--sink", sink.as_uri()])
@@ -128,6 +129,21 @@ def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, 
     assert retried.returncode == 0
     r = run_cli(["status", root], env={"COLUMNS": "200"})
     assert "what to do" not in r.stdout, r.stdout  # nothing quarantined now: no advice
+
+
+def test_a_sink_dropped_from_the_command_leaves_no_advice_in_the_summary(tmp_path: Path, dcp_mixed2) -> None:
+    """A sink that held a step quarantined (another upload there), then left out of the command line: the next
+    `--once` run publishes everywhere it is asked to, and its summary says nothing of that old lane."""
+    root, bad, good = tmp_path / "root", tmp_path / "bad", tmp_path / "good"
+    stage_copy(root, 1, dcp_mixed2[0], 2)
+    (bad / "step-00000001").mkdir(parents=True)
+    (bad / "step-00000001" / "stagerd.manifest.json").write_text('{"format": "another"}')
+    argv = ["watch", root, "--once", *fast_flags()]
+    r = run_cli([*argv, "--sink", bad.as_uri()])
+    assert r.returncode == 1 and "SinkConflictError" in r.stdout and "what to do" in r.stdout, r.stdout
+    r = run_cli([*argv, "--sink", good.as_uri()])
+    assert r.returncode == 0 and "1 step(s) published, 0 not" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "what to do" not in r.stdout, r.stdout
 
 
 def test_a_step_the_hub_repo_lacks_is_named_as_such(tmp_path: Path) -> None:
@@ -173,6 +189,10 @@ def test_verify_checks_a_published_copy_against_its_manifest(
     r = run_cli(["verify", copy])
     assert r.returncode == 2 and "sha256 differs from the manifest" in r.stderr, r.stdout + r.stderr
     assert weights.name in r.stderr and "stagerd restore" in r.stderr
+    # the sink's URL itself, as a user tries next: named as a URL, with the command that downloads it
+    r = run_cli(["verify", f"{sink.as_uri()}/step-00000003"])
+    assert r.returncode == 2 and "EXPORT_DIR is a URL" in r.stderr, r.stderr
+    assert f"{sink.as_uri()}/step-00000003" in r.stderr and "stagerd restore URL OUT --export" in r.stderr
 
 
 def test_watch_names_a_trainers_own_checkpoints_without_adopt(

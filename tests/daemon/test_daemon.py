@@ -384,7 +384,7 @@ async def test_once_exit_codes_and_config_errors(tmp_path):
     rc, _, err = await run_cli(
         "watch", str(tmp_path / "missing"), "--sink", "file:///x", "--once", *fast_flags()
     )
-    assert rc == 2 and "ROOT is not a directory" in err
+    assert rc == 2 and "ROOT does not exist" in err and f"mkdir -p {tmp_path / 'missing'}" in err, err
     (tmp_path / "bad.toml").write_text("keep_last = -1\n")
     rc, _, err = await run_cli("watch", str(root), "--config", str(tmp_path / "bad.toml"), "--once")
     assert rc == 2 and "keep_last" in err and "bad.toml" in err

@@ -22,12 +22,18 @@ def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2)
     args = ["watch", root, "--sink", sink.as_uri(), "--once", "--max-attempts", "1", *fast_flags()]
     down = run_cli(args)
     assert down.returncode == 1, down.stderr[-3000:]
+    # what the user reads says the next start tries again, never that only `stagerd retry` will
+    assert "the next `stagerd watch` tries those steps again" in down.stdout, down.stdout
+    assert "stagerd retry" not in down.stdout + down.stderr, down.stdout + down.stderr[-3000:]
     status = json.loads(run_cli(["status", root, "--json"]).stdout)
     (lane,) = status["steps"][0]["lanes"]
     assert lane["state"] == "quarantined", lane
+    text = run_cli(["status", root], env={"COLUMNS": "200"}).stdout
+    assert "tries those steps again" in text and "stagerd retry" not in text, text
 
     blocker.unlink()  # the sink is back
     back = run_cli(args)
     assert back.returncode == 0, back.stderr[-3000:]
     assert "re-armed at start" in back.stderr
+    assert "quarantined in the journal" not in back.stderr, back.stderr[-3000:]
     assert (sink / "step-00000100" / layout.MANIFEST_NAME).is_file()
