@@ -7,15 +7,18 @@ kept, the dtype the config names where the export holds any of it: `save_pretrai
 first floating parameter's dtype, which a mixed model need not have most bytes in, and the Stager stages
 config.json so named (`training/hf_config_files.py`); else (no dtype named, or a stale one the export
 holds none of) the dtype holding most of the export's floating-point bytes. Every other key, and its
-order, is kept; the staged original is only read.
+order, is kept (a field added goes where `save_pretrained`, which sorts the keys, would write it, in an
+object whose keys are sorted); the staged original is only read.
 
 A composite model's config (a multimodal or encoder-decoder model's) holds its sub-models' configs, each a
-JSON object naming its `model_type`. `from_pretrained` sets the dtype it loads in on each of them, which
-`save_pretrained` then writes there too: the cast target, also on a sub-model the model keeps in float32
-and where the model itself is named by an uncast first parameter; when kept, the dtype the model is
-named by. A sub-config names it in the field it already has, else in the one the model's config uses
-(4.x writes `torch_dtype` there too). A sub-config's own sub-configs are set only where the model's code
-builds that sub-model through `from_config`, which config.json does not say: they are left as they are.
+JSON object naming its `model_type`. `from_pretrained(dtype=...)` sets the dtype it loads in on each of
+them, which `save_pretrained` then writes there too, so a cast names its target on each: also on a
+sub-model the model keeps in float32, and where the model itself is named by an uncast first parameter.
+A sub-config names it in the field it already has, else in the one the model's config uses (4.x writes
+`torch_dtype` there too). Kept, the sub-configs are the staged ones: what `save_pretrained` of the model
+as trained wrote, a dtype on each or not (a model built by its class's constructor has none). A
+sub-config's own sub-configs are set only where the model's code builds that sub-model through
+`from_config`, which config.json does not say: they are left as they are.
 """
 
 from __future__ import annotations
@@ -66,12 +69,22 @@ def exported_config(
     else:
         name = _held(cfg.get(present[0]) if present else None, dtype_bytes) or main
     fields = present or ["dtype"]
-    for field in fields:
-        cfg[field] = name
-    for sub in _sub_configs(cfg):
-        for field in [f for f in _FIELDS if f in sub] or fields[:1]:
-            sub[field] = cast_to or name
+    _name(cfg, fields, name)
+    for sub in _sub_configs(cfg) if cast_to is not None else []:
+        _name(sub, [f for f in _FIELDS if f in sub] or fields[:1], cast_to)
     return (json.dumps(cfg, indent=2) + "\n").encode()
+
+
+def _name(obj: dict[str, object], fields: list[str], dtype: str) -> None:
+    """Set each of `fields` of `obj` to `dtype`; a new key goes where `save_pretrained` writes it (its keys
+    sorted) in an object whose keys are sorted, else last."""
+    ordered = list(obj) == sorted(obj)
+    for field in fields:
+        obj[field] = dtype
+    if ordered:
+        items = sorted(obj.items())
+        obj.clear()
+        obj.update(items)
 
 
 def _sub_configs(cfg: dict[str, object]) -> list[dict[str, object]]:

@@ -35,8 +35,8 @@ def test_the_field_the_source_used_is_written_and_every_other_key_kept(tmp_path)
 
 
 def _pair(tmp: Path, model_type: str, cls: str, dtype: str | None) -> tuple[Path, Path]:
-    """A tiny composite model's save_pretrained in float32 (the source), and save_pretrained of it as
-    from_pretrained loads it in `dtype` (its own when None): what the export's config.json must be."""
+    """A tiny composite model's save_pretrained in float32 (the source), and what the export's config.json
+    must be: save_pretrained of it as from_pretrained loads it in `dtype`; kept (None), the source."""
     import torch
     import transformers as tf
 
@@ -44,8 +44,9 @@ def _pair(tmp: Path, model_type: str, cls: str, dtype: str | None) -> tuple[Path
 
     model = getattr(tf, cls)(tiny_config(model_type))
     model.save_pretrained(tmp / "src")
-    kw = {} if dtype is None else {"dtype": getattr(torch, dtype)}
-    type(model).from_pretrained(tmp / "src", **kw).save_pretrained(tmp / "ref")
+    if dtype is None:
+        return tmp / "src" / "config.json", tmp / "src"
+    type(model).from_pretrained(tmp / "src", dtype=getattr(torch, dtype)).save_pretrained(tmp / "ref")
     return tmp / "src" / "config.json", tmp / "ref"
 
 
@@ -83,6 +84,8 @@ def test_a_composite_models_sub_configs_name_the_dtype_from_pretrained_loaded_it
     want = json.loads((ref / "config.json").read_bytes())
     subs = [k for k, v in want.items() if isinstance(v, dict) and "model_type" in v]
     assert len(subs) >= 2 and all("dtype" not in json.loads(src.read_bytes())[k] for k in subs)
+    # a cast names its target on every sub-config; kept, they stay as the model's config has them
+    assert all(("dtype" in want[k]) == (dtype is not None) for k in subs)
     cast = None if dtype is None else _TORCH[dtype]
     named = _TORCH[want["dtype"]] if dtype is not None and want["dtype"] != dtype else None
     got = json.loads(exported_config(src, _held(ref), cast, named) or b"")
