@@ -84,6 +84,7 @@ def test_refuses_a_committed_step_and_a_root_a_daemon_holds(published, tmp_path)
     with RootLock(new):
         r = run_restore(sink.as_uri(), new, "--step", "2")
     assert r.returncode == 2 and "LockError" in r.stderr
+    assert "stop that `stagerd watch`, run the restore" in r.stderr and "point this one" not in r.stderr
     assert not (new / layout.step_dir_name(2)).exists()
 
 
