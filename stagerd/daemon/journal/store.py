@@ -35,6 +35,7 @@ from stagerd.daemon.journal.schema import (
     connect,
     journal_error,
     journal_path,
+    no_journal,
     remove_journal_files,
 )
 from stagerd.daemon.lock import file_replaced
@@ -81,7 +82,7 @@ class JournalStore:
         """Open for reading only (`stagerd status`), safe while a daemon writes it."""
         path = journal_path(root)
         if not path.is_file():
-            raise JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=path)
+            raise no_journal(root)
         try:
             conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30
