@@ -194,7 +194,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
-        from stagerd.daemon.summary import missed_text
+        from stagerd.daemon.summary import missed_text, restored_text
+
+        if s.restored[0]:
+            print(f"  {restored_text(*s.restored)}")
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
