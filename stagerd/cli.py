@@ -15,7 +15,7 @@ import signal
 import sys
 
 from stagerd import __version__
-from stagerd.errors import ConfigError, SinkAuthError, StagerdError
+from stagerd.errors import ConfigError, StagerdError
 
 # subcommand -> module under stagerd.cmd; imported lazily so `stagerd status` never pays for torch.
 COMMANDS = {
@@ -102,8 +102,6 @@ def _hint(e: StagerdError, command: str) -> str:
     command it would send the user to the wrong help."""
     if isinstance(e, ConfigError) and e.hint == ConfigError.hint and command != "watch":
         return f"see `stagerd {command} --help`"
-    if isinstance(e, SinkAuthError) and e.hint == SinkAuthError.hint and command == "restore":
-        return "check the credentials (AWS_* variables or profile, HF_TOKEN) and that they can read the sink"
     return e.hint
 
 

@@ -160,7 +160,7 @@ class SinkAuthError(SinkError):
     """A bad token or a missing permission: retrying cannot help."""
 
     retryable = False
-    hint = "check the token (HF_TOKEN or AWS credentials) and its write permission on the destination"
+    hint = "check the credentials of this destination and their permission there"
 
 
 class SinkMissingError(SinkError):

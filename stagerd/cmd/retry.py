@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.errors import ConfigError, JournalError
+from stagerd.errors import ConfigError
 
 EXAMPLES = """examples:
   stagerd retry /scratch/run1               # every failed or quarantined one
@@ -44,9 +44,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 def run(args: argparse.Namespace) -> int:
     from stagerd.contract import layout
     from stagerd.daemon.journal import Journal, LaneState, StepState, journal_path
+    from stagerd.daemon.journal.schema import no_journal
 
     if not journal_path(args.root).is_file():
-        raise JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=args.root)
+        raise no_journal(args.root)
     journal = Journal.open(args.root)
     try:
         steps = {r.step: r for r in journal.steps(include_retired=False)}

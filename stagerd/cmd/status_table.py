@@ -2,7 +2,9 @@
 
 Cells never wrap: an error is shortened to its class and first words in the table and printed in full
 below it, sinks too long for a header are numbered with a legend, and the optional columns (age, export
-time, size) are dropped, in that order, while the table would not fit.
+time, size) are dropped, in that order, while the table would not fit. With more sinks than still fit, each
+lane's time or tries goes on a second line under its state, and the error column, too narrow to say
+anything, is left to the full errors below. A ROOT whose steps are all retired shows no table.
 """
 
 from __future__ import annotations
@@ -51,14 +53,15 @@ def short_error(error_class: str, message: str | None) -> str:
     return f"{error_class}: {' '.join(words[:_ERROR_WORDS])}{more}".rstrip(": ")
 
 
-def _lane_cell(lane: dict[str, Any] | None) -> str:
+def _lane_cell(lane: dict[str, Any] | None, gap: str = " ") -> str:
+    """A lane's state and its time or tries, `gap` between them (a newline in a narrow table)."""
     if lane is None:
         return "-"
     state = lane["state"]
     if state == "published":
-        return f"[green]published[/] {secs(lane['seconds'])}"
+        return f"[green]published[/]{gap}{secs(lane['seconds'])}"
     if state in ("failed", "quarantined"):
-        return f"[{_STATE_COLOR[state]}]{state}[/] {lane['attempts']}x"
+        return f"[{_STATE_COLOR[state]}]{state}[/]{gap}{lane['attempts']}x"
     return str(state)
 
 
@@ -92,7 +95,9 @@ def _sinks(doc: dict[str, Any]) -> list[str]:
     return sinks
 
 
-def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list[dict[str, str]]:
+def _rows(
+    doc: dict[str, Any], sinks: list[str], labels: dict[str, str], gap: str = " "
+) -> list[dict[str, str]]:
     rows = []
     for s in doc["steps"]:
         lanes = {ln["sink"]: ln for ln in s["lanes"]}
@@ -115,13 +120,16 @@ def _rows(doc: dict[str, Any], sinks: list[str], labels: dict[str, str]) -> list
             + (f" (+{len(errors) - 1})" if len(errors) > 1 else ""),
         }
         for sink in sinks:
-            row[f"sink:{sink}"] = _lane_cell(lanes.get(sink))
+            row[f"sink:{sink}"] = _lane_cell(lanes.get(sink), gap)
         rows.append(row)
     return rows
 
 
 def _widths(columns: list[tuple[str, str]], rows: list[dict[str, str]]) -> list[int]:
-    return [max([len(title), *(len(_plain(r[key])) for r in rows)]) for key, title in columns]
+    return [
+        max([len(title), *(len(line) for r in rows for line in _plain(r[key]).splitlines())])
+        for key, title in columns
+    ]
 
 
 def _room_for_error(columns: list[tuple[str, str]], rows: list[dict[str, str]], width: int) -> int:
@@ -189,7 +197,10 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         chosen = base + kept + [(f"sink:{s}", header[s]) for s in sinks]
         if _room_for_error(chosen, rows, width) >= _MIN_ERROR_WIDTH:
             break
-    room = max(_room_for_error(chosen, rows, width), len("error"))
+    else:  # many sinks: each lane's time or tries goes under its state, a step takes two lines
+        rows = _rows(doc, sinks, labels, gap="\n")
+    room = _room_for_error(chosen, rows, width)
+    errors = room >= len("error") or not any(r["error"] for r in rows)  # else only in full, below
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=False)
     for (key, title), w in zip(chosen, _widths(chosen, rows), strict=True):
         right = key in ("step", "age", "export", "size")
@@ -200,12 +211,16 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
             overflow="ellipsis",
             min_width=w,
         )
-    table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=room)
+    if errors:
+        room = max(room, len("error"))
+        table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=room)
     for row in rows:
-        table.add_row(*(row[key] for key, _ in chosen), _clip(row["error"], room))
-    console.print(table)
+        table.add_row(*(row[key] for key, _ in chosen), *[_clip(row["error"], room)] * errors)
+    if rows:  # a table of headers only (every step retired, none listed) says nothing
+        console.print(table)
     counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
-    console.print(counts or "no steps yet")
+    hidden = not rows and doc["counts"].get("retired")  # listed with --all
+    console.print((counts or "no steps yet") + " (`stagerd status --all` lists retired steps)" * bool(hidden))
     waiting = [(s["step"], w) for s in doc["steps"] for w in _waits(s, labels)]
     if waiting:
         console.print("\nwaiting:")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
@@ -183,18 +184,20 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--sink-retention takes URL=last=N,every=M")
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
-    daemon = Daemon(settings)
-    if settings.root is not None:
-        warn_quarantined(Path(settings.root))
-        if settings.adopt is None:
-            warn_unadopted(Path(settings.root))
+    root = settings.root
+    daemon = Daemon(settings, on_start=None if root is None else partial(warn_quarantined, Path(root)))
+    if root is not None and settings.adopt is None:
+        warn_unadopted(Path(root))
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
-        from stagerd.daemon.summary import missed_text
+        from stagerd.daemon.summary import missed_text, restored_text
+
+        if s.restored[0]:
+            print(f"  {restored_text(*s.restored)}")
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 log = logging.getLogger("stagerd")
@@ -24,10 +25,12 @@ def given_up_hint() -> str:
     )
 
 
-def quarantined_steps(root: Path) -> list[int]:
-    """The steps ROOT's journal holds quarantined for good, the step or one of its lanes; none without a
-    journal. Not those a `--once` run gave up on after its tries of a failure that may pass: this start
-    re-arms them, so telling the user to run `stagerd retry` would be wrong."""
+def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
+    """The steps ROOT's journal holds quarantined for good, the step or one of its lanes of the sinks this
+    start was given (`lanes`; a lane of a sink since dropped from the command line is never worked on, as
+    the `--once` summary says); none without a journal. Not those a `--once` run gave up on after its tries
+    of a failure that may pass: this start re-arms them, so telling the user to run `stagerd retry` would be
+    wrong."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
     from stagerd.daemon.policy import rearmable
     from stagerd.errors import JournalError
@@ -42,21 +45,22 @@ def quarantined_steps(root: Path) -> list[int]:
         rows: list[tuple[int, str, str | None]] = [
             (s.step, s.state, s.error_class) for s in journal.steps(include_retired=False)
         ]
-        rows += [(ln.step, ln.state, ln.error_class) for ln in journal.lanes(include_retired=False)]
+        rows += [
+            (ln.step, ln.state, ln.error_class)
+            for ln in journal.lanes(include_retired=False)
+            if ln.sink in lanes
+        ]
         steps = {step for step, state, cls in rows if state == QUARANTINED and not rearmable(cls)}
     finally:
         journal.close()
     return sorted(steps)
 
 
-def warn_quarantined(root: Path) -> None:
+def warn_quarantined(root: Path, lanes: Collection[str]) -> None:
     """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
-    they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck."""
-    from stagerd.daemon.lock import root_holder
-
-    if root_holder(root) is not None:
-        return  # the daemon start is refused with LockError; this one reads nothing
-    steps = quarantined_steps(root)
+    they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck. The
+    daemon calls this holding ROOT's lock, its sinks open: `lanes` are their lanes."""
+    steps = quarantined_steps(root, lanes)
     if steps:
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))

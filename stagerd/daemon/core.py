@@ -46,6 +46,8 @@ from stagerd.sinks.objects import redact_url
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from stagerd.sinks.fsspec import FsspecSink
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -61,12 +63,15 @@ def _warm_engine() -> None:
 class Daemon(Scheduling, Housekeeping, OnceSummary):
     """One ROOT's daemon. `await run()` returns the process exit code."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_start: Callable[[list[str]], None] | None = None) -> None:
+        """`on_start(lanes)` runs once ROOT is locked and the sinks are open, before any step is touched:
+        `lanes` are the lanes a step must finish to be published now (what `watch` warns of at its start)."""
         if settings.root is None:
             raise ConfigError("no ROOT given: `stagerd watch ROOT --sink URL`")
         if not settings.sinks:
             raise ConfigError("no sink: pass --sink URL (or STAGERD_SINKS, or `sinks` in the config file)")
         self.settings = settings
+        self._on_start = on_start
         self.root = Path(settings.root)
         self.metrics = Metrics()
         self.left_threads_running = False  # set when shutdown abandoned work still running in a thread
@@ -155,6 +160,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
                 )
             if self.settings.publish_raw:
                 self._open_raw_lanes()
+            if self._on_start is not None:
+                await self._io(self._on_start, self._lane_keys())
             await self._io(self._open_prune_stores)
             log.info(
                 "stagerd watching %s",

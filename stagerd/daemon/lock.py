@@ -63,6 +63,13 @@ def lock_path(root: str | os.PathLike[str]) -> Path:
     return Path(root) / layout.STATE_DIR / LOCK_NAME
 
 
+# LockError's own hint speaks to a second daemon; a restore wants the daemon out of the way for a while.
+_RESTORE_HINT = (
+    "a restore never writes into a ROOT a daemon watches: stop that `stagerd watch`, run the restore, then "
+    "start the daemon again (it leaves the restored step alone); or restore into a new ROOT"
+)
+
+
 class RootLock:
     """The exclusive lock of one ROOT, held until `release()` or process exit."""
 
@@ -85,7 +92,11 @@ class RootLock:
                     path=root,
                     hint="wait for the restore to end, then run this again",
                 ) from None
-            raise LockError(f"ROOT is already watched by stagerd ({who})", path=root) from None
+            raise LockError(
+                f"ROOT is already watched by stagerd ({who})",
+                path=root,
+                hint=_RESTORE_HINT if self.command == "restore" else None,
+            ) from None
         self._fd = fd
         self._write_pid(fd)
 

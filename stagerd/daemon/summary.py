@@ -22,6 +22,8 @@ class Summary:
     published_count: int = 0  # steps published, retired ones included
     published: list[int] = field(default_factory=list)  # the newest `NEWEST_LISTED` of them, ascending
     unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
+    # (count, newest) of the steps `stagerd restore` landed: never published by a daemon, so not counted
+    restored: tuple[int, list[int]] = (0, [])
     # sink -> (count, newest) of the retired steps it never got: retired before it was configured
     missed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     quarantined: bool = False  # a step left, or a lane of a configured sink, quarantined for good
@@ -40,6 +42,7 @@ class OnceSummary(JournalGate):
             lanes.setdefault(ln.step, []).append(ln)
         retired, newest = await self._j(self._journal.retired_summary, NEWEST_LISTED)
         out = Summary(published_count=retired, published=newest)
+        out.restored = await self._j(self._journal.retired_summary, NEWEST_LISTED, restored=True)
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         for r in rows:
             if r.state == PUBLISHED:
@@ -71,6 +74,8 @@ class OnceSummary(JournalGate):
         # Not a failure: no later run can send those steps, so an exit code of 1 would fail every run after.
         for sink, (count, steps) in summary.missed.items():
             log.warning(missed_text(sink, count, steps), extra={"sink": sink, "missed": steps})
+        if summary.restored[0]:
+            log.info(restored_text(*summary.restored), extra={"restored": summary.restored[1]})
         return code
 
     def _report_steps(self, summary: Summary) -> int:
@@ -111,6 +116,13 @@ def missed_text(sink: str, count: int, steps: list[int]) -> str:
         "too, or the sink's remote retention would not keep it), so stagerd cannot publish them there; "
         "copy them from a sink that holds them if need be"
     )
+
+
+def restored_text(count: int, steps: list[int]) -> str:
+    """One line: the steps `stagerd restore` landed, which the daemon leaves as they are."""
+    shown = ", ".join(map(str, steps))
+    which = f"newest {len(steps)}: {shown}" if count > len(steps) else shown
+    return f"{count} step(s) restored by `stagerd restore` ({which}): not published again, left as they are"
 
 
 def _newest(summary: Summary) -> str:

@@ -35,6 +35,7 @@ from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.backends import open_backend
 from stagerd.sinks.base import ProgressFn, PublishResult
 from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
+from stagerd.sinks.denied import denied_hint
 from stagerd.sinks.fetch import RAW_DIR, node_part
 from stagerd.sinks.latest import LatestMixin
 from stagerd.sinks.local import LocalBackend
@@ -378,6 +379,8 @@ class FsspecSink(LatestMixin):
         except SinkError:
             raise
         except PermissionError as e:
-            raise SinkAuthError(f"permission denied: {e.strerror or e}", path=self._where(key)) from None
+            raise SinkAuthError(
+                f"permission denied: {e.strerror or e}", path=self._where(key), hint=denied_hint(self.url)
+            ) from None
         except OSError as e:
             raise SinkError(f"{type(e).__name__}: {e.strerror or e}", path=self._where(key)) from None

@@ -63,6 +63,8 @@ def test_restores_latest_and_a_middle_step_and_the_daemon_never_republishes_them
     out = tmp_path / "out"
     r = run_cli(["watch", new, "--sink", out.as_uri(), "--publish-raw", "--once", *fast_flags()], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "--once: 0 step(s) published, 0 not" in r.stdout, r.stdout  # the run published nothing
+    assert "2 step(s) restored by `stagerd restore` (2, 3): not published again" in r.stdout, r.stdout
     assert not out.exists() or not any(out.rglob("*.json"))  # nothing published again
     assert not (new / layout.step_dir_name(3) / layout.EXPORT_DIR).exists()
     j = Journal.open_readonly(new)
@@ -70,6 +72,9 @@ def test_restores_latest_and_a_middle_step_and_the_daemon_never_republishes_them
         assert j.lanes() == [] and {r.step: r.state for r in j.steps()} == {2: "retired", 3: "retired"}
     finally:
         j.close()
+    r = run_cli(["status", new], env={"COLUMNS": "80"})  # only retired steps: no table of headers alone
+    assert r.returncode == 0 and "state" not in r.stdout, r.stdout
+    assert "2 retired (`stagerd status --all` lists retired steps)" in r.stdout, r.stdout
 
 
 def test_refuses_a_committed_step_and_a_root_a_daemon_holds(published, tmp_path):
@@ -84,6 +89,7 @@ def test_refuses_a_committed_step_and_a_root_a_daemon_holds(published, tmp_path)
     with RootLock(new):
         r = run_restore(sink.as_uri(), new, "--step", "2")
     assert r.returncode == 2 and "LockError" in r.stderr
+    assert "stop that `stagerd watch`, run the restore" in r.stderr and "point this one" not in r.stderr
     assert not (new / layout.step_dir_name(2)).exists()
 
 

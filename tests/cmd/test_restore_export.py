@@ -45,6 +45,10 @@ def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
         assert {k: v for k, v in got.items() if k != "README.md"} == export_files(export)  # + the card
         r = run_restore(url, tmp_path / "raw", "--step", "7", env=env)
         assert r.returncode == 2 and "--export" in r.stderr
+        r = run_restore(url, tmp_path / "denied", "--export", env={**env, "HF_TOKEN": "hf_" + "x" * 34})
+        assert r.returncode == 2 and "SinkAuthError" in r.stderr, r.stderr
+        hint = r.stderr.split("what to do: ", 1)[1]
+        assert "HF_TOKEN" in hint and "?token=" in hint and "AWS" not in hint, r.stderr  # the Hub's only
         big = max(export.glob("*.safetensors"), key=lambda p: p.stat().st_size)
         hub.tamper(hashlib.sha256(big.read_bytes()).hexdigest(), at=100)
         r = run_restore(url, tmp_path / "bad", "--export", env=env)
@@ -153,9 +157,18 @@ def test_a_hub_that_cannot_be_reached_is_a_named_error_not_a_traceback(tmp_path)
         r = run_restore(url, tmp_path / "dropped", "--export", env=env)
         assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not (tmp_path / "dropped").exists() and not list(tmp_path.glob(".dropped.*"))
+        _says_to_run_it_again(r.stderr)
     r = run_restore(url, tmp_path / "down", "--export", env=env)  # the server is gone: nothing listens
     assert r.returncode == 3 and "SinkError" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    _says_to_run_it_again(r.stderr)
     assert not (tmp_path / "down").exists()
+
+
+def _says_to_run_it_again(stderr: str) -> None:
+    """A restore has given up when it ends: its hint is what to do now, not the daemon's backoff."""
+    hint = stderr.split("what to do: ", 1)[1]
+    assert "run the restore again" in hint and "?max_attempts=" in hint and "?endpoint=" in hint, stderr
+    assert "stagerd retries" not in hint, stderr
 
 
 @pytest.mark.parametrize(

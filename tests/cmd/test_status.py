@@ -7,6 +7,7 @@ ShardError) and two sinks, one of which cannot be written (every lane quarantine
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -92,13 +93,16 @@ def test_status_json_is_complete(journal_root) -> None:
     assert doc["note"] is None
 
 
-@pytest.mark.parametrize("what", ["missing", "file", "no journal"])
+@pytest.mark.parametrize("what", ["missing", "file", "no journal", "a lock only"])
 def test_status_without_a_journal_says_why(tmp_path: Path, what: str) -> None:
     root = tmp_path / "root"
     if what == "file":
         root.write_text("")
     elif what == "no journal":
         root.mkdir()
+    elif what == "a lock only":  # a watch that stopped before creating its journal (a full disk)
+        (root / layout.STATE_DIR).mkdir(parents=True)
+        (root / layout.STATE_DIR / "lock").write_text("")
     proc = run_cli(["status", root])
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("stagerd:")]
@@ -107,8 +111,12 @@ def test_status_without_a_journal_says_why(tmp_path: Path, what: str) -> None:
         "missing": "ROOT does not exist",
         "file": "ROOT is not a directory",
         "no journal": "has not run",
+        "a lock only": "no journal yet: ",
     }
     assert expected[what] in lines[0]
+    if what == "a lock only":
+        assert "has not run" not in lines[0] and "holds only lock" in lines[0], lines[0]
+        assert "free space on ROOT's filesystem if it is full" in proc.stderr, proc.stderr
 
 
 def test_status_on_a_read_only_root(journal_root, tmp_path: Path) -> None:
@@ -165,3 +173,52 @@ def test_a_reader_that_closes_the_output_ends_it_quietly(journal_root) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_four_sinks_fit_80_columns_with_every_lanes_time() -> None:
+    """Four sinks' lanes at 80 columns: the fourth's cell was cut to "publi" and the error column lost; now
+    each lane's time or tries goes under its state, every cell whole."""
+    from rich.console import Console
+
+    from stagerd.cmd.status_table import render
+
+    sinks = ["file:///srv/a", "s3://bucket/run1", "hf://acme/llm", "file:///srv/d"]
+
+    def lane(sink: str, state: str) -> dict[str, Any]:
+        failed = state != "published"
+        return {
+            "sink": sink,
+            "state": state,
+            "seconds": None if failed else 12.3,
+            "attempts": 3,
+            "error_class": "SinkError" if failed else None,
+            "error_message": "the store answered 500" if failed else None,
+            "waiting": None,
+        }
+
+    steps = [
+        {
+            "step": step,
+            "state": "published",
+            "age_seconds": 100.0,
+            "export_seconds": 5.0,
+            "export_bytes": 10**9,
+            "error_class": None,
+            "error_message": None,
+            "waiting": None,
+            "pinned": False,
+            "lanes": [lane(s, "published") for s in sinks],
+        }
+        for step in (1200, 1300)
+    ]
+    steps[1]["state"], steps[1]["lanes"][3] = "quarantined", lane(sinks[3], "quarantined")
+    disk = {"free": 10**12, "total": 2 * 10**12, "free_percent": 50.0, "low": False}
+    doc = {"root": "/scratch/run1", "daemon_pid": None, "holder": None, "sinks": sinks, "disk": disk}
+    doc |= {"counts": {"published": 1, "quarantined": 1}, "missed": {}, "steps": steps, "note": None}
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    render(doc, console)
+    lines = console.export_text().splitlines()
+    assert not [ln for ln in lines if len(ln.rstrip()) > 80], "\n".join(lines)
+    table = "\n".join(lines[lines.index(next(ln for ln in lines if ln.lstrip().startswith("step"))) :])
+    assert table.count("12.3s") == 7 and "3x" in table and "quarantined" in table, table
+    assert "publi…" not in table and "SinkError: the store answered 500" in table, table

@@ -32,11 +32,12 @@ def test_a_config_error_sends_to_the_help_of_the_command_run(
     assert f"what to do: see `stagerd {command} --help`" in err and "watch" not in err, err
 
 
-def test_a_restore_without_credentials_asks_for_read_access(s3, tmp_path: Path) -> None:  # noqa: F811
+def test_a_restore_without_credentials_asks_for_s3_credentials(s3, tmp_path: Path) -> None:  # noqa: F811
     env = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}  # the fixture's files are absent
     r = run_restore(f"s3://{s3.bucket}/run", tmp_path / "root", env=env)
     assert r.returncode == 2 and "SinkAuthError" in r.stderr, r.stderr
-    assert "can read the sink" in r.stderr and "write permission" not in r.stderr, r.stderr
+    hint = r.stderr.split("what to do: ", 1)[1]
+    assert "AWS_ACCESS_KEY_ID" in hint and "HF_TOKEN" not in hint, r.stderr  # only an s3:// URL's own
     assert not (tmp_path / "root").exists()
 
 
@@ -133,7 +134,8 @@ def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, 
 
 def test_a_sink_dropped_from_the_command_leaves_no_advice_in_the_summary(tmp_path: Path, dcp_mixed2) -> None:
     """A sink that held a step quarantined (another upload there), then left out of the command line: the next
-    `--once` run publishes everywhere it is asked to, and its summary says nothing of that old lane."""
+    `--once` run publishes everywhere it is asked to, and neither its start nor its summary says anything of
+    that old lane; given again, the sink's lane is warned of at the start."""
     root, bad, good = tmp_path / "root", tmp_path / "bad", tmp_path / "good"
     stage_copy(root, 1, dcp_mixed2[0], 2)
     (bad / "step-00000001").mkdir(parents=True)
@@ -144,6 +146,9 @@ def test_a_sink_dropped_from_the_command_leaves_no_advice_in_the_summary(tmp_pat
     r = run_cli([*argv, "--sink", good.as_uri()])
     assert r.returncode == 0 and "1 step(s) published, 0 not" in r.stdout, r.stdout + r.stderr[-2000:]
     assert "what to do" not in r.stdout, r.stdout
+    assert "quarantined in the journal" not in r.stderr, r.stderr  # nor does the start warn of it
+    r = run_cli([*argv, "--sink", good.as_uri(), "--sink", bad.as_uri()])  # back on the command line
+    assert "1 step(s) quarantined in the journal (1)" in r.stderr, r.stderr
 
 
 def test_a_step_the_hub_repo_lacks_is_named_as_such(tmp_path: Path) -> None:

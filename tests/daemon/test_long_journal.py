@@ -38,10 +38,10 @@ def long_root(tmp_path_factory) -> Path:
     live = RETIRED_STEPS
     with j._tx() as c:
         c.executemany(
-            "INSERT INTO steps (step, path, state, marker_mtime, found_at, updated) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            [
-                (s, layout.step_dir_name(s), "retired" if s < live else "published", now, now, now)
+            "INSERT INTO steps (step, path, state, marker_mtime, found_at, published_at, updated) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [  # each published before it was retired, as the daemon records it
+                (s, layout.step_dir_name(s), "retired" if s < live else "published", now, now, now, now)
                 for s in range(live + 1)
             ],
         )
@@ -319,7 +319,8 @@ def test_step_counts_follow_every_move_and_an_older_journal_gets_them_at_open(tm
     j = Journal.open(tmp_path)
     try:
         assert {k: n for k, n in j.counts().items() if n} == by_rows()
-        assert j.counts()["committed"] == 1 and j.retired_summary(2) == (3, [2, 7])
+        assert j.counts()["committed"] == 1 and j.retired_summary(2) == (2, [1, 2])
+        assert j.retired_summary(2, restored=True) == (1, [7])  # landed by a restore, not published
     finally:
         j.close()
 

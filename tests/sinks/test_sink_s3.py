@@ -211,6 +211,8 @@ def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, m
     text = f"{err} {err.hint}"
     assert bad_secret not in text and SECRET_KEY not in text
     assert ("SignatureDoesNotMatch" if which == "secret" else "InvalidAccessKeyId") in text
+    # the daemon's hint names S3's credentials and the refused request, not the Hub's token
+    assert "AWS_ACCESS_KEY_ID" in err.hint and "s3:PutObject" in err.hint and "HF_TOKEN" not in err.hint
     # A small step opens with its PUT, its claim and the read of latest, together: the first 403 ends the
     # step, so a request still unsent then is never sent. None is retried.
     ops = Counter(r.op for r in s3.proxy.log)

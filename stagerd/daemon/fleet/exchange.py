@@ -25,6 +25,7 @@ from stagerd.errors import (
     StepClaimedError,
 )
 from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_owned
+from stagerd.sinks.denied import denied_hint
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgress, LocalFile, Uploaded
@@ -341,6 +342,8 @@ def _named(url: str, key: str, fn: Callable[[], T]) -> T:
     except StagerdError:
         raise
     except PermissionError as e:
-        raise SinkAuthError(f"permission denied: {e.strerror or e}", path=f"{url}/{key}") from None
+        raise SinkAuthError(
+            f"permission denied: {e.strerror or e}", path=f"{url}/{key}", hint=denied_hint(url)
+        ) from None
     except OSError as e:
         raise SinkError(f"{type(e).__name__}: {e.strerror or e}", path=f"{url}/{key}") from None

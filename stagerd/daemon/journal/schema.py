@@ -289,6 +289,27 @@ def journal_error(e: sqlite3.Error, path: Path, doing: str) -> JournalError:
     )
 
 
+def no_journal(root: str | os.PathLike[str]) -> JournalError:
+    """ROOT has no journal: what is true of it, for `status` and `retry`. A ROOT whose `.stagerd` holds a
+    lock or a journal's leftovers had a `stagerd watch` (or a restore) start there that never created its
+    journal (a full disk, a stop during its start): not one that "has not run"."""
+    path = journal_path(root)
+    try:
+        left = sorted(os.listdir(path.parent))
+    except OSError:
+        left = []
+    hint = f"start `stagerd watch {root} --sink URL`: it creates the journal on its first start"
+    if not left:
+        return JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=path, hint=hint)
+    return JournalError(
+        f"no journal yet: {path.parent} holds only {', '.join(left)}, what a `stagerd watch` or `stagerd "
+        "restore` left that stopped before creating the journal (a full disk, a stop during its start)",
+        path=path,
+        hint=f"free space on ROOT's filesystem if it is full, then {hint[0].lower()}{hint[1:]}; nothing is "
+        "lost, the daemon finds ROOT's steps again",
+    )
+
+
 def remove_journal_files(path: Path) -> None:
     for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         p.unlink(missing_ok=True)

@@ -35,6 +35,7 @@ from stagerd.daemon.journal.schema import (
     connect,
     journal_error,
     journal_path,
+    no_journal,
     remove_journal_files,
 )
 from stagerd.daemon.lock import file_replaced
@@ -81,7 +82,7 @@ class JournalStore:
         """Open for reading only (`stagerd status`), safe while a daemon writes it."""
         path = journal_path(root)
         if not path.is_file():
-            raise JournalError("no journal here: `stagerd watch` has not run on this ROOT", path=path)
+            raise no_journal(root)
         try:
             conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False, timeout=30
@@ -246,12 +247,14 @@ class JournalStore:
             sql, args = sql + " WHERE step = ?", (step,)
         return [Event(*r) for r in self._query(sql + " ORDER BY id", args)]
 
-    def retired_summary(self, newest: int) -> tuple[int, list[int]]:
-        """How many steps are retired, and the numbers of the newest `newest` of them, ascending (never all:
-        a long run retires tens of thousands)."""
-        count = self.counts()[RETIRED]
+    def retired_summary(self, newest: int, *, restored: bool = False) -> tuple[int, list[int]]:
+        """How many retired steps a daemon published, and the numbers of the newest `newest` of them,
+        ascending (never all: a long run retires tens of thousands). With `restored`, instead those
+        `stagerd restore` landed, which no daemon published: retired with no `published_at`."""
+        where = f"state = ? AND published_at IS {'' if restored else 'NOT '}NULL"
+        (count,) = self._query(f"SELECT COUNT(*) FROM steps WHERE {where}", (RETIRED,))[0]
         rows = self._query(
-            "SELECT step FROM steps WHERE state = ? ORDER BY step DESC LIMIT ?", (RETIRED, newest)
+            f"SELECT step FROM steps WHERE {where} ORDER BY step DESC LIMIT ?", (RETIRED, newest)
         )
         return count, sorted(r[0] for r in rows)
 

@@ -33,6 +33,25 @@ def refuse_offline(where: str) -> None:
     )
 
 
+def auth_hint(repo_id: str, *, write: bool) -> str:
+    """What to do about a Hub that refused the token: the Hub's own credentials only."""
+    can = "write to" if write else "read"
+    return (
+        f"check HF_TOKEN (or ?token= in the URL, or `hf auth login`) and that the token can {can} {repo_id}; "
+        "a repo the token cannot see answers 404"
+    )
+
+
+def restore_retry_hint(repo_id: str) -> str:
+    """What to do about a restore that gave up on a Hub that failed or did not answer: unlike the daemon,
+    nothing tries it again."""
+    return (
+        f"nothing was restored; check the network and the Hub endpoint (HF_ENDPOINT or ?endpoint=) and that "
+        f"{repo_id} is reachable, then run the restore again; add ?max_attempts=N to the URL (default 3) "
+        "where the link is flaky"
+    )
+
+
 # --- errors ---------------------------------------------------------------------------------------------
 
 

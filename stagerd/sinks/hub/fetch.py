@@ -31,7 +31,7 @@ from stagerd.errors import ConfigError, MarkerError, RestoreError, SinkAuthError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.client import hub_api, hub_headers
-from stagerd.sinks.hub.errors import classify, refuse_offline
+from stagerd.sinks.hub.errors import auth_hint, classify, refuse_offline, restore_retry_hint
 from stagerd.sinks.hub.file_fetch import fetch_once, resolve_url
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.one_policy import Unretried
@@ -133,6 +133,7 @@ def _restore(
     where = f"hf://{target.repo_id}@{revision}"
     refuse_offline(where)
     api = hub_api(endpoint, token)  # no token: HF_TOKEN or the login, as the sink
+    denied, again = auth_hint(target.repo_id, write=False), restore_retry_hint(target.repo_id)
 
     def retried(fn: Callable[[], T]) -> T:
         # a missing repo or revision is an answer: the restore names it
@@ -168,10 +169,10 @@ def _restore(
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
-            raise SinkAuthError(f"the Hub refused the token ({status})", path=where) from None
-        raise SinkError(f"the Hub failed: {status}", path=where) from None
+            raise SinkAuthError(f"the Hub refused the token ({status})", path=where, hint=denied) from None
+        raise SinkError(f"the Hub failed: {status}", path=where, hint=again) from None
     except unreachable as e:
-        raise SinkError(f"cannot reach the Hub: {classify(e).text}", path=where) from None
+        raise SinkError(f"cannot reach the Hub: {classify(e).text}", path=where, hint=again) from None
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
         raise RestoreError("holds no files", path=where)
@@ -203,10 +204,11 @@ def _restore(
                     retried(lambda: fetch_once(file_url, got, int(entry.size), headers))  # noqa: B023
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
-                raise SinkError(f"download failed: {status}", path=f"{where}/{entry.path}") from None
+                at = f"{where}/{entry.path}"
+                raise SinkError(f"download failed: {status}", path=at, hint=again) from None
             except httpx2.TransportError as err:
                 why = classify(err).text
-                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}") from None
+                raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}", hint=again) from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read
                 raise xet.error(err, f"{where}/{entry.path}") from None
             size = got.stat().st_size

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from stagerd.errors import SinkAuthError, SinkError, StagerdError
-from stagerd.sinks.hub.errors import _TOKEN_RE, HubFailure, classify
+from stagerd.sinks.hub.errors import _TOKEN_RE, HubFailure, auth_hint, classify
 from stagerd.sinks.hub.one_policy import sink_policy_only
 from stagerd.sinks.hub.url import RetryPolicy, T
 
@@ -78,8 +78,7 @@ def with_retries(
         if failure.kind == "auth":
             raise SinkAuthError(
                 f"{where}: the Hub refused the request ({text})",
-                hint=f"check HF_TOKEN (or `hf auth login`) and that the token can write to "
-                f"{repo_id}; a repo the token cannot see answers 404",
+                hint=auth_hint(repo_id, write=True),
             ) from None
         if failure.kind == "fatal":
             raise SinkError(f"{where}: {text}") from None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.errors import RestoreError, SinkAuthError, SinkError
-from stagerd.sinks.hub.errors import _XET_HTTP
+from stagerd.sinks.hub.errors import _XET_HTTP, auth_hint, restore_retry_hint
 from stagerd.sinks.hub.timeouts import HubTimeouts
 from stagerd.sinks.hub.xet import session_config
 
@@ -40,7 +40,7 @@ class XetDownloader:
     ) -> None:
         from huggingface_hub.utils._xet import XetTokenType, xet_connection_info_refresh_url
 
-        self.timeouts, self.attempts = timeouts, attempts
+        self.timeouts, self.attempts, self.repo_id = timeouts, attempts, repo_id
         self._refresh_url = xet_connection_info_refresh_url(
             token_type=XetTokenType.READ,
             repo_id=repo_id,
@@ -79,28 +79,35 @@ class XetDownloader:
 
     def error(self, err: BaseException, path: str) -> Exception:
         """hf_xet's failure as a named error (see `xet_download_error`), with this restore's bounds."""
-        return xet_download_error(err, path, self.timeouts, self.attempts)
+        return xet_download_error(err, path, self.timeouts, self.attempts, repo_id=self.repo_id)
 
 
 def xet_download_error(
-    err: BaseException, path: str, timeouts: HubTimeouts | None = None, attempts: int | None = None
+    err: BaseException,
+    path: str,
+    timeouts: HubTimeouts | None = None,
+    attempts: int | None = None,
+    *,
+    repo_id: str = "the repo",
 ) -> Exception:
     """A failed Xet download as a named error: an HTTP failure of the CAS, or a request it left unanswered
     (after hf_xet's own retries), is a retryable `SinkError` (`SinkAuthError` for 401/403); anything else is
     stored data that does not rebuild."""
     text = str(err)
+    denied, again = auth_hint(repo_id, write=False), restore_retry_hint(repo_id)
     if type(err).__name__ == "XetAuthenticationError":
-        return SinkAuthError("Xet storage refused the token", path=path)
+        return SinkAuthError("Xet storage refused the token", path=path, hint=denied)
     if type(err).__name__ == "XetObjectNotFoundError":
         return RestoreError("is listed in the Hub's tree but not in its Xet storage", path=path)
     if _XET_UNANSWERED.search(text) is not None:
         within = "in time" if timeouts is None else f"within {timeouts.read:g} s"
         tries = "" if attempts is None else f", {attempts} attempt{'s' if attempts != 1 else ''}"
-        return SinkError(f"download failed: Xet storage did not answer {within}{tries}", path=path)
+        said = f"download failed: Xet storage did not answer {within}{tries}"
+        return SinkError(said, path=path, hint=again)
     m = _XET_HTTP.search(text)
     if m is None:
         return RestoreError(f"cannot be rebuilt from Xet storage: {err}", path=path)
     status = int(m.group(1))
     if status in (401, 403):
-        return SinkAuthError(f"Xet storage refused the token ({status})", path=path)
-    return SinkError(f"download failed: HTTP {status} from Xet storage", path=path)
+        return SinkAuthError(f"Xet storage refused the token ({status})", path=path, hint=denied)
+    return SinkError(f"download failed: HTTP {status} from Xet storage", path=path, hint=again)

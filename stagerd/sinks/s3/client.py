@@ -26,6 +26,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from stagerd.errors import SinkAuthError, SinkError, SinkMissingError
+from stagerd.sinks.denied import s3_denied_hint
 
 if TYPE_CHECKING:
     from aiohttp.abc import AbstractStreamWriter
@@ -194,12 +195,12 @@ def s3_error(e: BaseException, where: str) -> SinkError:
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         msg = f"{code} (HTTP {status}) from {e.operation_name}: {err.get('Message', '')}".rstrip(": ")
         if code in _AUTH_CODES or status == 403:
-            return SinkAuthError(msg, path=where)
+            return SinkAuthError(msg, path=where, hint=s3_denied_hint(where, e.operation_name))
         if code == "NoSuchBucket":
             return missing_bucket(str(err.get("BucketName") or _bucket_of(where)), where, e.operation_name)
         return SinkError(f"{msg} (after the client's retries)", path=where)
     if isinstance(e, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
-        return SinkAuthError(f"{type(e).__name__}: {e}", path=where)
+        return SinkAuthError(f"{type(e).__name__}: {e}", path=where, hint=s3_denied_hint(where, None))
     return SinkError(f"{type(e).__name__}: {e} (after the client's retries)", path=where)
 
 

@@ -54,6 +54,7 @@ def test_bad_token_is_a_clear_auth_error_without_the_token(hub, tmp_path, caplog
     err = info.value
     assert not err.retryable and "401" in str(err) and "hf://acme/llm: step 14" in str(err)
     assert "Invalid credentials" in str(err)
+    assert "HF_TOKEN" in err.hint and "?token=" in err.hint and "AWS" not in err.hint, err.hint
     out, errout = capfd.readouterr()
     for text in (str(err), err.hint, repr(err), caplog.text, out, errout):
         assert bad not in text
