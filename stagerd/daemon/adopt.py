@@ -123,6 +123,16 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     return finished(ckpt, preset)
 
 
+ROTATED = (
+    "the checkpoint was deleted before its export began: the trainer's own rotation (the HF Trainer's "
+    "save_total_limit, ...) deleted it first, so this step is not published"
+)
+ROTATED_HINT = (
+    "nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete them with "
+    "`stagerd watch --adopt --delete-adopted --keep-last N` instead"
+)
+
+
 SINGLE_FILE = (
     "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
     "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
@@ -328,19 +338,26 @@ class Adoption(Discovery):
 
         s = self.settings
         options = AdoptOptions(s.adopt or "auto", s.adopt_select, s.mapping, s.extras, model_plan)
-        result = export_adopted(
-            step_dir,
-            self._work_dir(step_dir),
-            options,
-            step=step,
-            dtype=s.dtype,
-            keep_dtype=s.keep_dtype,
-            max_shard_size=s.shard_size(),
-            threads=s.export_threads,
-            progress=progress,
-            rebuild=rebuild,
-            default_shard_size=s.max_shard_size is None,
-        )
+        try:
+            result = export_adopted(
+                step_dir,
+                self._work_dir(step_dir),
+                options,
+                step=step,
+                dtype=s.dtype,
+                keep_dtype=s.keep_dtype,
+                max_shard_size=s.shard_size(),
+                threads=s.export_threads,
+                progress=progress,
+                rebuild=rebuild,
+                default_shard_size=s.max_shard_size is None,
+            )
+        except AdoptError:
+            if os.path.lexists(step_dir):
+                raise
+            # seen finished by the scan, gone before it was opened: "no preset recognises it" would
+            # send the user to --adopt flags for what the trainer's rotation did
+            raise AdoptError(ROTATED, path=step_dir, hint=ROTATED_HINT) from None
         names = {name for name, _ in result.files}
         if not names & {"config.json", layout.ADAPTER_WEIGHTS_NAME} and self.root not in SAID_NO_CONFIG:
             SAID_NO_CONFIG.add(self.root)

@@ -137,6 +137,8 @@ def _newest(summary: Summary) -> str:
 def _lane_why(ln: LaneRow) -> str:
     if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits for it
         return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
+    if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
+        return f"{ln.sink} {ln.state}"
     return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{_hint_of(ln.error_class)}"
 
 

@@ -44,6 +44,8 @@ from stagerd.errors import JournalError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
 
+OTHER_OPTIONS = "export/ was made with another --dtype or --keep-dtype than asked now"
+
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
 
@@ -212,6 +214,10 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
         if await self._io(self._checked_otherwise, Path(row.path)):
             await self._export_vanished(step, Path(row.path), OTHER_CHECKS)
             return
+        if not fleet and await self._io(self._made_otherwise, Path(row.path)):
+            # a sink added since, under another --dtype: the export task rebuilds it, or names the clash
+            await self._export_vanished(step, Path(row.path), OTHER_OPTIONS)
+            return
         attempt = await self._j(self._journal.begin_publish, step, sink)
         self._journal_up()
         self._log_step(step, sink, PUBLISHING, attempt=attempt)
@@ -315,6 +321,20 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
                 raise  # not another lane sending it back first: a real journal failure
             return
         self._log_step(step, None, COMMITTED, note=f"{why}; exporting again")
+
+    def _made_otherwise(self, step_dir: Path) -> bool:
+        """Io thread: the step's export was made with another `--dtype` or `--keep-dtype` than this daemon
+        asks (without `--dtype`, a Stager step's is its marker's hint, which the export task reads)."""
+        from stagerd.contract.dtypes import parse_export_dtype
+        from stagerd.engine.export import recorded_options
+
+        recorded = recorded_options(self._work_dir(step_dir))
+        if recorded is None:
+            return False
+        s = self.settings
+        if s.dtype is not None and recorded.get("dtype") != (parse_export_dtype(s.dtype) or "keep"):
+            return True
+        return recorded.get("keep_dtype") != s.keep_dtype
 
     def _run_publish(
         self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any], pause: Yielder

@@ -75,7 +75,7 @@ class WorkFailures(JournalGate):
             level=logging.ERROR if f.quarantine else logging.WARNING,
             attempt=attempt,
             hint=getattr(err, "hint", None)
-            if on_disk
+            if on_disk or "hint" in vars(err)  # a hint given for this case itself
             else "the step was deleted from ROOT while in work; "
             "save it again to export it (the new save is picked up as a new version of the step)",
         )

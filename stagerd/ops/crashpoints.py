@@ -65,6 +65,7 @@ DELAYS = {
     "restore.piece": "restore: a piece of a file downloaded and written under the step's lease, not all yet",
     "prune.decided": "remote prune: restore leases listed and a step's fate decided, before it is acted on",
     "prune.tombstone": "remote prune: the step's claims taken and its leases read again, nothing deleted",
+    "adopt.open": "adopt: a finished checkpoint's export begun, the checkpoint not yet opened",
     "adopt.built": "adopt: a checkpoint's export built in export.tmp/, its source not yet checked unchanged",
 }
 

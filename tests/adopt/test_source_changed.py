@@ -50,3 +50,23 @@ def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_p
     assert daemon.returncode == 0 and "1 step(s) published, 0 not" in log, log
     got = load_file(published(sink, 1) / "model.safetensors")
     assert all(bool((t == 1).all()) for t in got.values()) and sorted(got) == ["b", "w"], got
+
+
+def test_a_checkpoint_rotated_away_before_its_export_is_named_so(tmp_path):
+    """Seen finished, then deleted by the trainer's rotation (`save_total_limit`) before the export opened
+    it: the log says so, not that no preset recognises the checkpoint."""
+    root, sink, go_on = tmp_path / "root", tmp_path / "sink", tmp_path / "go-on"
+    ckpt = root / "step-1"
+    ranks.write(str(ckpt))
+    args = ["watch", root, "--adopt", "--sink", f"file://{sink}", "--once", *fast_flags()]
+    daemon = start_cli(args, env={"STAGERD_DELAY_AT": "adopt.open:120", "STAGERD_DELAY_RELEASE": str(go_on)})
+    try:
+        wait_for_line(daemon, "delay point adopt.open")
+        shutil.rmtree(ckpt)
+    finally:
+        go_on.touch()
+        out, err = daemon.communicate(timeout=120)
+    log = out + err
+    assert "deleted before its export began" in log and "save_total_limit" in log, log
+    assert "--delete-adopted --keep-last N" in log and "no preset recognises" not in log, log
+    assert not published(sink, 1).exists() and "0 step(s) published" in log, log

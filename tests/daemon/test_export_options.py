@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from safetensors import safe_open
 
 from stagerd.contract import layout
@@ -42,18 +43,23 @@ def test_an_export_of_other_options_is_rebuilt_before_anything_is_published(tmp_
     assert options["dtype"] == "BF16"
 
 
-def test_once_a_sink_holds_the_export_other_options_are_a_named_error(tmp_path, dcp_mixed2):
+@pytest.mark.parametrize("export", ["removed", "kept"])
+def test_once_a_sink_holds_the_export_other_options_are_a_named_error(tmp_path, dcp_mixed2, export):
+    """A sink added under another --dtype: whether the old export is still in staging or not, the new sink
+    never gets it as it is."""
     model, _ = dcp_mixed2
     root, first, second = tmp_path / "root", tmp_path / "first", tmp_path / "second"
     stage_copy(root, 100, model, world=2)
     done = run_cli(["watch", root, "--sink", first.as_uri(), "--once", *fast_flags()])
     assert done.returncode == 0, done.stderr[-3000:]
-    shutil.rmtree(root / "step-00000100" / layout.EXPORT_DIR)  # gone before a new sink got it
+    if export == "removed":
+        shutil.rmtree(root / "step-00000100" / layout.EXPORT_DIR)  # gone before a new sink got it
 
     args = ["watch", root, "--sink", first.as_uri(), "--sink", second.as_uri(), "--once", "--dtype", "bf16"]
     r = run_cli([*args, *fast_flags()])
     assert r.returncode == 1 and "ExportMismatchError" in r.stderr, r.stderr[-3000:]
-    assert "dtype 'keep' -> 'BF16'" in r.stderr
+    assert "dtype 'keep' -> 'BF16'" in r.stderr and f"{second.as_uri()} pending" in r.stderr
+    assert "None: None" not in r.stderr
     assert not (second / "step-00000100").exists()  # the two sinks never hold different weights
 
 

@@ -100,6 +100,7 @@ def export_adopted(
     if inside == real or real in inside.parents:
         raise StagerdError(f"the export directory {work_dir} is inside the checkpoint", path=ckpt)
     options = options or AdoptOptions()
+    delay_point("adopt.open")
     try:
         held = HeldDir.open(ckpt)
     except (FileNotFoundError, NotADirectoryError):
