@@ -64,14 +64,13 @@ def exported_config(
     if not isinstance(cfg, dict):
         raise ExtrasError(f"{CONFIG_NAME} must hold a JSON object", path=source)
     present = [f for f in _FIELDS if f in cfg]
-    if cast_to is not None:
-        name = dtypes.lookup(named).torch_name if named is not None else cast_to
-    else:
-        name = _held(cfg.get(present[0]) if present else None, dtype_bytes) or main
     fields = present or ["dtype"]
-    _name(cfg, fields, name)
-    for sub in _sub_configs(cfg) if cast_to is not None else []:
-        _name(sub, [f for f in _FIELDS if f in sub] or fields[:1], cast_to)
+    if cast_to is not None:
+        _name(cfg, fields, (dtypes.lookup(named).torch_name if named is not None else None) or cast_to)
+        for sub in _sub_configs(cfg):
+            _name(sub, [f for f in _FIELDS if f in sub] or fields[:1], cast_to)
+    elif (kept := _held(cfg.get(present[0]) if present else None, dtype_bytes) or main) is not None:
+        _name(cfg, fields, kept)
     return (json.dumps(cfg, indent=2) + "\n").encode()
 
 
