@@ -26,7 +26,16 @@ from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_nam
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
 from stagerd.daemon.state import log
-from stagerd.daemon.unadopted import NO_CONFIG, NO_STEP, NO_STEP_CHECKPOINT, SAID_NO_CONFIG, holds_dcp
+from stagerd.daemon.unadopted import (
+    NO_CONFIG,
+    NO_STEP,
+    NO_STEP_CHECKPOINT,
+    ROTATED,
+    ROTATED_HINT,
+    SAID_NO_CONFIG,
+    SINGLE_FILE,
+    holds_dcp,
+)
 from stagerd.errors import AdoptError, ConfigError, StagerdError
 
 if TYPE_CHECKING:
@@ -121,22 +130,6 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     from stagerd.engine.adopt.finished import finished
 
     return finished(ckpt, preset)
-
-
-ROTATED = (
-    "the checkpoint was deleted before its export began: the trainer's own rotation (the HF Trainer's "
-    "save_total_limit, ...) deleted it first, so this step is not published"
-)
-ROTATED_HINT = (
-    "nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete them with "
-    "`stagerd watch --adopt --delete-adopted --keep-last N` instead"
-)
-
-
-SINGLE_FILE = (
-    "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
-    "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
-)
 
 
 # torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP

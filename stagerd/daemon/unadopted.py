@@ -1,5 +1,6 @@
 """What `watch --adopt` says of a checkpoint it would otherwise pass over in silence: one whose name gives
-no step number, and one exported with no config.json (the export keeps its names; no loader reads it).
+no step number, one exported with no config.json (the export keeps its names; no loader reads it), one
+that is a single pickled file, and one the trainer's rotation deleted before its export began.
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ NO_CONFIG = (
     "no config.json beside the checkpoint, in --extras DIR or in ROOT (the HF Trainer writes none beside a "
     "SHARDED_STATE_DICT checkpoint), so the export keeps the checkpoint's names and from_pretrained cannot "
     "load it: pass --extras DIR holding the model's config.json and tokenizer (their save_pretrained(DIR))"
+)
+SINGLE_FILE = (
+    "is one file (a torch.save pickle, never read): --adopt reads checkpoint directories; save a sharded "
+    "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
+)
+ROTATED = (
+    "the checkpoint was deleted before its export began: the trainer's own rotation (the HF Trainer's "
+    "save_total_limit, ...) deleted it first, so this step is not published"
+)
+ROTATED_HINT = (
+    "nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete them with "
+    "`stagerd watch --adopt --delete-adopted --keep-last N` instead"
 )
 SAID_NO_CONFIG: set[Path] = set()  # the ROOTs told, once each: every checkpoint of a run lacks it alike
 
