@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.errors import ConfigError
+from stagerd.errors import ConfigError, SinkError
 
 if TYPE_CHECKING:
     from stagerd.contract.manifest import ExportManifest
@@ -99,16 +99,27 @@ def run(args: argparse.Namespace) -> int:
         parse_sink_url(args.url)  # the sink's own checks: a malformed or non-model repo URL is refused here
         print(f"restored {restore_from_hub(args.url, root, step, export=args.export)}")
         return 0
-    store = RemoteStore.open(args.url, workers=args.workers)
     try:
-        if args.export:
-            out = restore_export(store, root, step, workers=args.workers)
-        else:
-            out = restore_raw(store, root, step, workers=args.workers)
-    finally:
-        store.close()
+        store = RemoteStore.open(args.url, workers=args.workers)
+        try:
+            if args.export:
+                out = restore_export(store, root, step, workers=args.workers)
+            else:
+                out = restore_raw(store, root, step, workers=args.workers)
+        finally:
+            store.close()
+    except SinkError as e:
+        if e.retryable and e.hint == SinkError.hint:  # "stagerd retries with backoff": not a restore
+            e.hint = GAVE_UP
+        raise
     print(f"restored {out}")
     return 0
+
+
+GAVE_UP = (
+    "nothing was restored; check that the store answers (the network; for S3, its endpoint: "
+    "AWS_ENDPOINT_URL), then run the restore again"
+)
 
 
 def restore_from_hub(url: str, out: Path, step: int | None, *, export: bool) -> Path:

@@ -252,3 +252,19 @@ def test_a_root_a_restore_holds_is_named_so_not_watched(staged: tuple[Path, Path
     finally:
         go_on.touch()
         assert restore.wait(60) == 0, restore.stderr.read()
+
+
+def test_a_restore_from_a_store_that_does_not_answer_says_to_run_it_again(tmp_path: Path) -> None:
+    """The daemon's advice ("stagerd retries with backoff") is wrong for a restore, which has given up."""
+    env = {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9",  # the discard port: nothing listens
+        "AWS_MAX_ATTEMPTS": "1",
+    }
+    r = run_restore("s3://bucket/run", tmp_path / "root", env=env)
+    assert r.returncode == 3 and "SinkError" in r.stderr, r.stderr
+    hint = r.stderr.split("what to do: ", 1)[1]
+    assert "run the restore again" in hint and "retries with backoff" not in hint, r.stderr
+    assert not (tmp_path / "root").exists()
