@@ -52,8 +52,6 @@ def ask_upload_modes(
     """Set each of `additions`' upload mode, remote oid and `_should_ignore` from the Hub's preupload
     answer, and refuse the step if the repo's `.gitignore` on `branch` matches any of them. A `.gitignore`
     that the step adds is sent as the rules, as `create_commit` would. `where` names the sink and step."""
-    from huggingface_hub._commit_api import _fetch_upload_modes
-
     if not additions:
         return
     content = None
@@ -61,18 +59,28 @@ def ask_upload_modes(
         if op.path_in_repo == ".gitignore":
             with op.as_file() as f:
                 content = f.read().decode()
+    _modes(api, repo_id, branch, additions, headers, content)
+    ignored = [op.path_in_repo for op in additions if op._should_ignore]
+    if ignored:
+        raise _ignored_error(ignored, repo_id, branch, where)
+
+
+def _modes(
+    api: Any, repo_id: str, branch: str, ops: Sequence[Any], headers: dict[str, str], gitignore: str | None
+) -> None:
+    """Each of `ops`' upload mode, remote oid and `_should_ignore`, from the Hub's preupload answer (one
+    request per 256 files); `gitignore`: the rules a `.gitignore` the commit adds would make."""
+    from huggingface_hub._commit_api import _fetch_upload_modes
+
     _fetch_upload_modes(
-        additions=list(additions),
+        additions=list(ops),
         repo_type="model",
         repo_id=repo_id,
         headers=headers,
         revision=quote(branch, safe=""),
         endpoint=api.endpoint,
-        gitignore_content=content,
+        gitignore_content=gitignore,
     )
-    ignored = [op.path_in_repo for op in additions if op._should_ignore]
-    if ignored:
-        raise _ignored_error(ignored, repo_id, branch, where)
 
 
 def _ignored_error(paths: Sequence[str], repo_id: str, branch: str, where: str) -> IgnoredFilesError:
@@ -127,7 +135,6 @@ def unchanged_operation(
     commit with the parent's tree, so nothing of the step is lost and it is not refused.
     """
     from huggingface_hub import CommitOperationAdd
-    from huggingface_hub._commit_api import _fetch_upload_modes
 
     files = [(f.size, f.path) for f in local]
     if card_bytes is not None:
@@ -135,14 +142,7 @@ def unchanged_operation(
     _, path = min(files)
     content = card_bytes if path == CARD_NAME and card_bytes is not None else str(export_dir / path)
     op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=content)
-    _fetch_upload_modes(
-        additions=[op],
-        repo_type="model",
-        repo_id=repo_id,
-        headers=headers,
-        revision=quote(branch, safe=""),
-        endpoint=api.endpoint,
-    )
+    _modes(api, repo_id, branch, [op], headers, None)
     op._remote_oid = None
     op._is_uploaded = op._upload_mode == "lfs"
     return op
