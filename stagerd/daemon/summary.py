@@ -43,6 +43,7 @@ class OnceSummary(JournalGate):
         retired, newest = await self._j(self._journal.retired_summary, NEWEST_LISTED)
         out = Summary(published_count=retired, published=newest)
         out.restored = await self._j(self._journal.retired_summary, NEWEST_LISTED, restored=True)
+        configured = set(self._lane_keys())
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         for r in rows:
             if r.state == PUBLISHED:
@@ -57,9 +58,7 @@ class OnceSummary(JournalGate):
             if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
                 why = [_waiting(r.error_class, r.error_message)]
             # a lane of a sink no longer configured neither holds the step back nor is worked on
-            left = [
-                ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in self._lane_keys()
-            ]
+            left = [ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in configured]
             why += [_lane_why(ln) for ln in left]
             out.unpublished.append((r.step, "; ".join(why)))
             for state, cls in [(r.state, r.error_class), *((ln.state, ln.error_class) for ln in left)]:
