@@ -13,7 +13,7 @@ import torch
 from filelock import FileLock
 from hypothesis import settings
 
-from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
+from tests.dcp_fixtures import big_tensors, commit_step, dcp_save, mixed_tensors
 
 # Uploads take huggingface_hub's production path, Xet, against the Hub test server's CAS; hf_xet's chunk
 # cache and logs go to a temp dir of this test process (and its children), not the user's. No tqdm bars.
@@ -28,19 +28,19 @@ settings.register_profile("stagerd", deadline=None)
 settings.load_profile("stagerd")
 
 
-def _saved_once(tmp_path_factory, name: str, world: int) -> tuple[Path, dict]:
+def _saved_once(tmp_path_factory, name: str, world: int, builder=mixed_tensors) -> tuple[Path, dict]:
     """One gloo save per test run: under pytest-xdist the workers share it (read-only, as every session
     fixture is) through the run's common temp dir, so each worker does not pay the save again."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         out = tmp_path_factory.mktemp(name) / "model"
-        return out, dcp_save(out, world=world)
+        return out, dcp_save(out, world=world, builder=builder)
     shared = tmp_path_factory.getbasetemp().parent / name
     with FileLock(f"{shared}.lock"):
         if not (shared / "saved").exists():
             shutil.rmtree(shared, ignore_errors=True)
-            dcp_save(shared / "model", world=world)
+            dcp_save(shared / "model", world=world, builder=builder)
             (shared / "saved").touch()
-    return shared / "model", {k: v for k, (v, _) in mixed_tensors().items()}
+    return shared / "model", {k: v for k, (v, _) in builder().items()}
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +53,12 @@ def dcp_mixed(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 def dcp_mixed2(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """The same tensors saved by 2 ranks."""
     return _saved_once(tmp_path_factory, "dcp_mixed2", world=2)
+
+
+@pytest.fixture(scope="session")
+def dcp_big(tmp_path_factory) -> Path:
+    """`big_tensors` saved by 2 ranks: each rank's shard goes in one PUT, the big export file does not."""
+    return _saved_once(tmp_path_factory, "dcp_big", world=2, builder=big_tensors)[0]
 
 
 @pytest.fixture

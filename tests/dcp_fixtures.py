@@ -56,6 +56,12 @@ def mixed_tensors(seed: int = 0) -> Spec:
     }
 
 
+def big_tensors() -> Spec:
+    """`mixed_tensors` plus one 34 MB tensor: its export file goes to S3 as a 3-part multipart upload."""
+    g = torch.Generator().manual_seed(5)
+    return {**mixed_tensors(), "model.big.weight": (torch.randn(2100, 4096, generator=g), "S0")}
+
+
 def _local_block(full: torch.Tensor, code: str, mesh) -> tuple[torch.Tensor, list]:
     from torch.distributed.tensor import Replicate, Shard
 

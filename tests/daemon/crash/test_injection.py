@@ -47,7 +47,7 @@ from tests.daemon.crash.reader import (
     sha256_file,
 )
 from tests.daemon_helpers import REPO, clean_env, fast_flags
-from tests.dcp_fixtures import commit_step, dcp_save, mixed_tensors
+from tests.dcp_fixtures import commit_step
 
 s3_server, s3 = s3server.s3_server, s3server.s3
 
@@ -55,21 +55,6 @@ pytestmark = pytest.mark.slow
 
 
 # -- staging and the clean reference -------------------------------------------------------------------
-
-
-def big_tensors() -> dict:
-    """`mixed_tensors` plus one 34 MB tensor: its export file goes to S3 as a 3-part multipart upload."""
-    import torch
-
-    g = torch.Generator().manual_seed(5)
-    return {**mixed_tensors(), "model.big.weight": (torch.randn(2100, 4096, generator=g), "S0")}
-
-
-@pytest.fixture(scope="module")
-def dcp_big(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dcp_big") / "model"
-    dcp_save(out, world=2, builder=big_tensors)
-    return out
 
 
 def stage(root: Path, step: int, model: Path) -> Path:
