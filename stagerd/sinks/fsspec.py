@@ -149,8 +149,8 @@ class FsspecSink(LatestMixin):
         self, step: int, digests: list[Uploaded], metadata: Mapping[str, Any] | None = None
     ) -> bool:
         """Commit a step whose files were uploaded by others (the fleet's owners): verify the listing and
-        every store checksum against `digests`, create the manifest last, move `latest`, then sweep what a
-        killed uploader left pending. False when the step already had this very manifest."""
+        every store checksum against `digests`, create the manifest last, then `settle` it. False when the
+        step already had this very manifest."""
         prefix = layout.step_dir_name(step)
         key = f"{prefix}/{layout.MANIFEST_NAME}"
         manifest = self._manifest(step, digests, metadata)
@@ -162,9 +162,16 @@ class FsspecSink(LatestMixin):
             raw = self._call(lambda: b.read(key, _MANIFEST), key) or b""
             self._check_same(parse_manifest(raw, self._where(key)), manifest, key)
         crash_point("fleet.manifest")
-        self._move_latest(prefix, step)
-        self._call(lambda: b.sweep(prefix, settled=True), prefix)  # a killed owner's, on any host
+        self.settle(step)
         return bool(created)
+
+    def settle(self, step: int) -> None:
+        """A committed fleet step: `latest` moved to it, then what a killed owner left under it swept (its
+        pending multipart uploads, its temp files, on any host): no owner writes there once it is
+        committed. The leader's restart after its manifest comes here too, or they stay for ever."""
+        prefix = layout.step_dir_name(step)
+        self._move_latest(prefix, step)
+        self._call(lambda: self._backend.sweep(prefix, settled=True), prefix)
 
     # -- the algorithm -----------------------------------------------------------------------------------
 

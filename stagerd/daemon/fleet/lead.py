@@ -76,7 +76,7 @@ def lead(
     for sink in sinks:
         try:
             if sink.is_published(x.step):  # a leader killed between two sinks' commits
-                sink.move_latest(x.step)
+                sink.settle(x.step)
                 continue
             pending[sink.url] = (sink, x.upload(sink, files))
         except SinkError as e:

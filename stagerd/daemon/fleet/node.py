@@ -173,7 +173,7 @@ class FleetNode:
         if all(published(s, self.step) for s in self.lanes.all) and self._same_save_on_exchange():
             if self.me == 0:  # a leader killed between the manifest and `latest`, or before `done.json`
                 for s in self.lanes.all:
-                    s.move_latest(self.step)
+                    s.settle(self.step)
                 self._record_done()
             return res
         with broken.stopping(self.x, *broken.STEP_FAULTS):

@@ -13,6 +13,7 @@ from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import FLEET_DONE
 from tests.daemon.fleet.test_protocol import SHARD, STEP, _stage
 from tests.fleet_helpers import run_nodes
+from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
 def _run(node_dirs, tmp_path, urls, lanes=None):
@@ -155,3 +156,35 @@ def test_only_the_exchanges_own_keys_are_named_its_failure(tmp_path):
         named = x.failure(SinkAuthError("permission denied", path=f"{url}/{key}"), [nested])
         assert isinstance(named, SinkAuthError) and "the fleet's exchange failed" in str(named), named
         assert "--exchange" in named.hint
+
+
+def test_a_leaders_restart_after_its_manifest_aborts_what_killed_owners_left_pending(
+    tmp_path,
+    dcp_mixed2,
+    s3,  # noqa: F811
+):
+    """A killed owner's multipart upload stays pending until the leader's sweep after the manifest. A
+    leader killed between its manifest and that sweep (`fleet.manifest`) finds the step committed when it
+    restarts: on every sink, or on the first of two (killed between the sinks' commits). Either way its
+    restart sweeps each committed step, and no upload outside the step's prefix."""
+    _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
+    urls = [s3.url("a"), s3.url("b")]
+    assert all(not getattr(r, "failed", True) for r in _run(node_dirs, tmp_path, urls))
+    step = layout.step_dir_name(STEP)
+
+    def left(*keys: str) -> dict[str, str]:
+        return {s3.client.create_multipart_upload(Bucket=s3.bucket, Key=k)["UploadId"]: k for k in keys}
+
+    def pending() -> dict[str, str]:
+        ups = s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
+        return {u["UploadId"]: u["Key"] for u in ups}
+
+    beside = left(f"a/{step}0/x", f"a/{step}.bak/x", f"a/{step}", f"a-1/{step}/x", f"b/{step}0/x")
+    killed = (f"a/{step}/model-00001-of-00002.safetensors", f"b/{step}/model-00002-of-00002.safetensors")
+    left(*killed)
+    s3.client.delete_object(Bucket=s3.bucket, Key=f"b/{step}/{layout.MANIFEST_NAME}")  # b not committed yet
+    assert not getattr(_run(node_dirs[:1], tmp_path, urls)[0], "failed", True)  # the leader alone suffices
+    assert pending() == beside
+    left(*killed)
+    assert not getattr(_run(node_dirs[:1], tmp_path, urls)[0], "failed", True)  # every sink committed
+    assert pending() == beside
