@@ -1,9 +1,9 @@
 """A fleet export to S3 whose leader is SIGKILLed inside a multipart upload, then again after its manifest,
 in a bucket shared with neighbours a loose prefix match would take for its own (`run-1`, `run-10`,
-`step-00000070`, a flat `step-00000007`, glob and percent names, a folder marker) and with other prefixes'
-pending multipart uploads. The restarts finish the single-node export byte for byte, each file written
-once, no upload of the step left pending, and neither the sweeps, remote retention nor `stagerd prune`
-touches anything outside `run/`'s own steps."""
+`step-00000070`, `step-000000070`, a flat `step-00000007`, glob and percent names, a folder marker) and
+with other prefixes' pending multipart uploads. The restarts finish the single-node export byte for byte,
+each file written once, no upload of the step left pending, and neither the sweeps, remote retention nor
+`stagerd prune` touches anything outside `run/`'s own steps."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _neighbours(env) -> tuple[dict[str, bytes], dict[str, str]]:
         "/x",  # `run//x`
         f"/{STEP_DIR}/model.safetensors",  # `run//step-N/...`
         STEP_DIR,  # a flat object named as the step
-        f"{STEP_DIR}0/model.safetensors",  # step 70
+        f"{STEP_DIR}0/model.safetensors",  # step 70, one digit more
+        "step-00000070/model.safetensors",
         f"{STEP_DIR}.bak/model.safetensors",
         "step-7/model.safetensors",
         "a*b",
