@@ -37,7 +37,7 @@ def _neighbours(env) -> tuple[dict[str, bytes], dict[str, str]]:
         "/x",  # `run//x`
         f"/{STEP_DIR}/model.safetensors",  # `run//step-N/...`
         STEP_DIR,  # a flat object named as the step
-        f"{STEP_DIR}0/model.safetensors",  # step 70, one digit more
+        f"{STEP_DIR}0/model.safetensors",  # `step-000000070`: one digit more
         "step-00000070/model.safetensors",
         f"{STEP_DIR}.bak/model.safetensors",
         "step-7/model.safetensors",
