@@ -338,8 +338,8 @@ class ModelConfigError(HubPlanError):
     not the Stager's `model=` / `mapping=` advice."""
 
     hint = (
-        "put the model's config.json (the run's HF assets) in the checkpoint's directory or in ROOT, or pass "
-        "--extras DIR holding it, then `stagerd retry ROOT`; the trainer's files were not touched"
+        "put the model's config.json (the run's HF assets) in the checkpoint's directory or the one above it "
+        "(ROOT), or pass --extras DIR holding it; the trainer's files were not touched"
     )
 
 

@@ -330,7 +330,8 @@ def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMappi
             if config is None:
                 raise ModelConfigError(
                     f"preset {preset.name} needs the model's config.json (its {heads} orders the RoPE "
-                    "rows), and none was found beside the checkpoint, in --extras DIR or in ROOT"
+                    "rows), and none was found beside the checkpoint, in --extras DIR or in the directory "
+                    "above it"
                 )
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelConfigError(

@@ -106,8 +106,5 @@ def read_config(path: Path | None, name: str = "config.json") -> dict[str, Any] 
     try:
         return read_json_object(path, label=name)
     except ExtrasError as e:  # the class's hint is a Stager save's: no one saves an adopted step again
-        e.hint = (
-            f"fix {name} (or pass --extras DIR holding a good one), then `stagerd retry ROOT`; nothing was "
-            "published"
-        )
+        e.hint = f"fix {name}, or pass --extras DIR holding a good one; the trainer's files were not touched"
         raise
