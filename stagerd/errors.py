@@ -331,6 +331,18 @@ class HubPlanError(StagerdError):
     )
 
 
+class ModelConfigError(HubPlanError):
+    """An adopted checkpoint whose names become the Hub's only with the model's config.json (torchtitan's
+    RoPE rows need its head counts), where no config.json was found or it lacks what the plan needs. Its
+    own class, so the hint a `--once` summary and `stagerd status` give from the class is the one for it,
+    not the Stager's `model=` / `mapping=` advice."""
+
+    hint = (
+        "put the model's config.json (the run's HF assets) in the checkpoint's directory or the one above it "
+        "(ROOT), or pass --extras DIR holding it; the trainer's files were not touched"
+    )
+
+
 class FleetWaitError(StagerdError):
     """A node-locally staged step whose other nodes did not all arrive (or finish) within the wait."""
 

@@ -51,7 +51,7 @@ class OnceSummary(JournalGate):
                 out.published.append(r.step)
                 continue
             why = (
-                [f"{r.state}: {r.error_class}: {r.error_message}{_hint_of(r.error_class)}"]
+                [f"{r.state}: {r.error_class}: {r.error_message}{self._hint_of(r.step, None, r.error_class)}"]
                 if r.error_class
                 else [r.state]
             )
@@ -59,7 +59,7 @@ class OnceSummary(JournalGate):
                 why = [_waiting(r.error_class, r.error_message)]
             # a lane of a sink no longer configured neither holds the step back nor is worked on
             left = [ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in configured]
-            why += [_lane_why(ln) for ln in left]
+            why += [self._lane_why(ln) for ln in left]
             out.unpublished.append((r.step, "; ".join(why)))
             for state, cls in [(r.state, r.error_class), *((ln.state, ln.error_class) for ln in left)]:
                 if state == QUARANTINED:
@@ -67,6 +67,23 @@ class OnceSummary(JournalGate):
                     out.quarantined |= not rearmable(cls)
         out.published = sorted(out.published)[-NEWEST_LISTED:]
         return out
+
+    def _lane_why(self, ln: LaneRow) -> str:
+        if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits
+            return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
+        if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
+            return f"{ln.sink} {ln.state}"
+        hint = self._hint_of(ln.step, ln.sink, ln.error_class)
+        return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{hint}"
+
+    def _hint_of(self, step: int, sink: str | None, error_class: str | None) -> str:
+        """` (hint: ...)`: what to do (check the token, free space), for the summary's line of a step left,
+        which is all a user of `--once` may read: the hint this run's failure gave, else its class's (a
+        failure of an earlier run); "" for a class without one."""
+        said, hint = self._failure_hints.get((step, sink), (None, None))
+        if said != error_class:  # none this run, or the step failed otherwise since
+            hint = getattr(getattr(errors, error_class or "", None), "hint", None)
+        return f" (hint: {hint})" if isinstance(hint, str) else ""
 
     def _report(self, summary: Summary) -> int:
         code = self._report_steps(summary)
@@ -131,21 +148,6 @@ def _newest(summary: Summary) -> str:
     shown = ", ".join(map(str, summary.published))
     more = summary.published_count > len(summary.published)
     return f" (newest {len(summary.published)} published: {shown})" if more else f" (published: {shown})"
-
-
-def _lane_why(ln: LaneRow) -> str:
-    if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits for it
-        return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
-    if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
-        return f"{ln.sink} {ln.state}"
-    return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{_hint_of(ln.error_class)}"
-
-
-def _hint_of(error_class: str | None) -> str:
-    """` (hint: ...)`: what the error's class says to do (check the token, free space), for the summary's
-    line of a step left, which is all a user of `--once` may read; "" for a class without one."""
-    hint = getattr(getattr(errors, error_class or "", None), "hint", None)
-    return f" (hint: {hint})" if isinstance(hint, str) else ""
 
 
 def _waiting(error_class: str | None, message: str | None) -> str:

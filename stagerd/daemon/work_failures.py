@@ -66,6 +66,14 @@ class WorkFailures(JournalGate):
         *,
         on_disk: bool,
     ) -> None:
+        hint = (
+            getattr(err, "hint", None)
+            if on_disk or "hint" in vars(err)  # a hint given for this case itself
+            else "the step was deleted from ROOT while in work; "
+            "save it again to export it (the new save is picked up as a new version of the step)"
+        )
+        if self.settings.once and isinstance(hint, str):  # a daemon's would outlive every summary: none
+            self._failure_hints[(step, sink)] = (f.error_class, hint)
         self._log_step(
             step,
             sink,
@@ -74,10 +82,7 @@ class WorkFailures(JournalGate):
             note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
             level=logging.ERROR if f.quarantine else logging.WARNING,
             attempt=attempt,
-            hint=getattr(err, "hint", None)
-            if on_disk or "hint" in vars(err)  # a hint given for this case itself
-            else "the step was deleted from ROOT while in work; "
-            "save it again to export it (the new save is picked up as a new version of the step)",
+            hint=hint,
         )
         if not isinstance(err, StagerdError):
             log.debug("unexpected error", exc_info=err)

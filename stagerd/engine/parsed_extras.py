@@ -14,23 +14,25 @@ PARSED_EXTRAS = frozenset({"config.json", "generation_config.json", "adapter_con
 MAX_PARSED_EXTRA_BYTES = 16 << 20
 
 
-def read_json_object(path: Path, *, named: Path | None = None) -> dict[str, Any]:
+def read_json_object(path: Path, *, named: Path | None = None, label: str | None = None) -> dict[str, Any]:
     """The JSON object `path` holds, in at most MAX_PARSED_EXTRA_BYTES; else an ExtrasError naming `named`
-    (default `path`: a held file is read by its proc path)."""
+    (default `path`: a held file is read by its proc path), its message the file by `label` (default
+    `named`'s name: a proc path's is a descriptor's number)."""
     shown = path if named is None else named
+    name = label or shown.name
     try:
         with open_regular(path) as f:  # a FIFO would hold the export forever
             raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
     except OSError as e:
-        raise ExtrasError(f"cannot read {shown.name}: {e.strerror}", path=shown) from None
+        raise ExtrasError(f"cannot read {name}: {e.strerror}", path=shown) from None
     if len(raw) > MAX_PARSED_EXTRA_BYTES:
-        raise ExtrasError(f"{shown.name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=shown)
+        raise ExtrasError(f"{name} is over {MAX_PARSED_EXTRA_BYTES >> 20} MiB", path=shown)
     try:
         parsed = json.loads(raw)
     except RecursionError:
-        raise ExtrasError(f"{shown.name} is not valid JSON: nested too deep", path=shown) from None
+        raise ExtrasError(f"{name} is not valid JSON: nested too deep", path=shown) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise ExtrasError(f"{shown.name} is not valid JSON: {e}", path=shown) from None
+        raise ExtrasError(f"{name} is not valid JSON: {e}", path=shown) from None
     if not isinstance(parsed, dict):
-        raise ExtrasError(f"{shown.name} must hold a JSON object, not {type(parsed).__name__}", path=shown)
+        raise ExtrasError(f"{name} must hold a JSON object, not {type(parsed).__name__}", path=shown)
     return parsed

@@ -325,3 +325,26 @@ def test_a_chunk_file_name_holding_a_nul_is_refused_by_name(record, tmp_path):
         res.stderr
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        (None, "ModelConfigError: preset torchtitan needs the model's config.json"),
+        (b'{"model_type": "llama",', "config.json: config.json is not valid JSON"),
+    ],
+)
+def test_a_torchtitan_checkpoint_without_a_good_config_is_named_so_with_what_to_do(tmp_path, config, said):
+    """Before: "config.json gives None" where there was none, the daemon's "15 is not valid JSON" (the
+    descriptor it read the file by), and the `--once` summary's hints (the classes') told the user to fix
+    a mapping or save without model=, or to save the step again, none of which an adopting user does."""
+    _titan(tmp_path / "root" / "step-1", extra=False)
+    if config is not None:
+        (tmp_path / "root" / "config.json").write_bytes(config)
+    res = watch_once(tmp_path / "root", tmp_path / "out")
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "0 step(s) published, 1 not" in out, out
+    line = next(ln for ln in res.stdout.splitlines() if ln.strip().startswith("step 1:"))
+    assert said in line and "--extras DIR holding" in line, line
+    assert "model=" not in line and "save the step again" not in line, line
+    assert not published(tmp_path / "out", 1).exists()

@@ -70,3 +70,6 @@ def test_a_checkpoint_rotated_away_before_its_export_is_named_so(tmp_path):
     assert "deleted before its export began" in log and "save_total_limit" in log, log
     assert "--delete-adopted --keep-last N" in log and "no preset recognises" not in log, log
     assert not published(sink, 1).exists() and "0 step(s) published" in log, log
+    # the summary's hint is this case's, not its class's (before: "name the preset with --adopt PRESET")
+    said = next(ln for ln in out.splitlines() if ln.strip().startswith("step 1: quarantined"))
+    assert "--delete-adopted --keep-last N" in said and "name the preset" not in said, said

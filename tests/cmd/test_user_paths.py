@@ -159,9 +159,14 @@ def test_a_step_the_hub_repo_lacks_is_named_as_such(tmp_path: Path) -> None:
         make_sink(hub).publish(write_export(tmp_path / "export"), 7)
         url = f"hf://{REPO}?endpoint={hub.endpoint}"
         r = run_restore(url, tmp_path / "eval", "--export", "--step", "9", env={"HF_TOKEN": hub.token})
+        # a repo nothing was published to: before, the hint spoke only of a private repo and its token
+        gone = url.replace(REPO, f"{REPO}-never")
+        never = run_restore(gone, tmp_path / "eval", "--export", env={"HF_TOKEN": hub.token})
     assert r.returncode == 2, r.stderr
     assert "has no revision step-9: that step was never published" in r.stderr, r.stderr
     assert "private repo" not in r.stderr and not (tmp_path / "eval").exists()
+    assert never.returncode == 2 and "no such repo" in never.stderr, never.stderr
+    assert "check the repo's name" in never.stderr, never.stderr
 
 
 def test_consolidate_of_a_step_not_yet_committed_says_so(staged: tuple[Path, Path], tmp_path: Path) -> None:

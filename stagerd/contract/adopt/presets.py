@@ -24,7 +24,7 @@ from stagerd.contract.adopt.torchtitan_names import TORCHTITAN_LLAMA_RULES
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME, INDEX_NAME, WEIGHTS_NAME
-from stagerd.errors import AdoptError, ConfigError, HubPlanError
+from stagerd.errors import AdoptError, ConfigError, ModelConfigError
 
 METADATA = ".metadata"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -327,12 +327,16 @@ def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMappi
             value = (config or {}).get(heads)
             if heads == "num_key_value_heads" and value is None:
                 value = (config or {}).get("num_attention_heads")
+            if config is None:
+                raise ModelConfigError(
+                    f"preset {preset.name} needs the model's config.json (its {heads} orders the RoPE "
+                    "rows), and none was found beside the checkpoint, in --extras DIR or in the directory "
+                    "above it"
+                )
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise HubPlanError(
+                raise ModelConfigError(
                     f"preset {preset.name} needs config.json's {heads} (a positive integer) for the RoPE "
-                    f"row order; config.json gives {value!r}",
-                    hint="put the model's config.json in the checkpoint's directory or its parent, or "
-                    "pass --extras DIR",
+                    f"row order; config.json gives {value!r}"
                 )
             rule = {**rule, "rope_heads": value}
         rules.append(rule)

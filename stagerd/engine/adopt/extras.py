@@ -99,5 +99,12 @@ def _trainers(d: Path | HeldDir, name: str, files: HeldFiles | None) -> Path | N
         raise open_failed(e, real, ExtrasError) from None
 
 
-def read_config(path: Path | None) -> dict[str, Any] | None:
-    return None if path is None else read_json_object(path)
+def read_config(path: Path | None, name: str = "config.json") -> dict[str, Any] | None:
+    """The JSON object of the extra `name` found at `path` (a held one's proc path), None for none."""
+    if path is None:
+        return None
+    try:
+        return read_json_object(path, label=name)
+    except ExtrasError as e:  # the class's hint is a Stager save's: no one saves an adopted step again
+        e.hint = f"fix {name}, or pass --extras DIR holding a good one; the trainer's files were not touched"
+        raise

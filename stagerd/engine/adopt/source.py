@@ -218,7 +218,7 @@ def open_adopted(
     if preset.adapter:
         at = ckpt if held is None else held[0]
         automodel = find_trainers_file(at, preset, AUTOMODEL_PEFT_CONFIG, None if held is None else held[1])
-        adapter_config = read_config(extras[ADAPTER_CONFIG]) or {}
+        adapter_config = read_config(extras[ADAPTER_CONFIG], ADAPTER_CONFIG) or {}
 
         def base_config() -> Mapping[str, object] | None:  # the base model's: only its experts per token
             files = None if held is None else held[1]
@@ -226,7 +226,9 @@ def open_adopted(
             return read_config(found.get("config.json"))
 
         views = [v.name for v in plan.views]
-        refuse_scaled_expert_rank(read_config(automodel), adapter_config, views, base_config)
+        refuse_scaled_expert_rank(
+            read_config(automodel, AUTOMODEL_PEFT_CONFIG), adapter_config, views, base_config
+        )
     if meta is None:  # every tensor of the shards is planned: the ones not chosen are dropped by name
         plan = replace(plan, drop=tuple(sorted(set(shapes) - set(keys))))
     elif model_names is None:  # save_pretrained fills its files in its state dict's order, as `.metadata`

@@ -164,8 +164,15 @@ def _restore(
         # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
         raise _never_published(revision, where) from None
     except RepositoryNotFoundError as e:
-        hint = "the Hub answers 404 for a private repo the token cannot read: set HF_TOKEN (or ?token=)"
-        raise RestoreError(f"not found: {type(e).__name__}", path=where, hint=hint) from None
+        hint = (
+            "check the repo's name (it holds nothing before a daemon's first publish there); for a private "
+            "repo, set HF_TOKEN (or ?token=) to a token that can read it"
+        )  # the Hub answers 404 alike for no such repo and for a private one the token cannot read
+        raise RestoreError(
+            f"not found: {type(e).__name__} (no such repo, or a private one the token cannot read)",
+            path=where,
+            hint=hint,
+        ) from None
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
