@@ -10,10 +10,10 @@ from stagerd.config import Settings
 from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
-# A Hub sink's own tries of each request in a `--once` run, where its URL sets none: the run's own tries of
-# the sink (`max_attempts`, with backoff) ride out an outage; the sink's default (8, backing off to 60 s)
-# made every one of them last minutes, and the two multiply.
-ONCE_HUB_ATTEMPTS = 3
+# A Hub or S3 sink's own tries of each request in a `--once` run, where the user sets none: the run's own
+# tries of the sink (`max_attempts`, with backoff) ride out an outage; the sinks' defaults (the Hub's 8,
+# backing off to 60 s; botocore's 5, to 8 s) made every one of them last long, and the two multiply.
+ONCE_SINK_ATTEMPTS = 3
 
 # Quarantines the daemon records itself, which no wait or restart fixes by itself.
 _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
@@ -75,14 +75,17 @@ def gives_up_sink(f: Failure, settings: Settings) -> bool:
 
 
 def once_sink_options(url: str) -> dict[str, Any]:
-    """The options a `--once` run opens the sink at `url` with: a Hub sink's own tries of each request
-    (`ONCE_HUB_ATTEMPTS`) where its URL sets none; none for other sinks (an S3 client's retries are
-    botocore's, tuned by AWS_MAX_ATTEMPTS and AWS_RETRY_MODE)."""
-    if parse_sink_url(url).kind is not SinkKind.HUB:
+    """The options a `--once` run opens the sink at `url` with: a Hub or S3 sink's own tries of each
+    request (`ONCE_SINK_ATTEMPTS`), unless the Hub URL sets `max_attempts` (or, for S3, the AWS
+    environment or config file sets the client's retries: the sink checks); none for other sinks."""
+    kind = parse_sink_url(url).kind
+    if kind is SinkKind.S3:
+        return {"max_attempts": ONCE_SINK_ATTEMPTS}
+    if kind is not SinkKind.HUB:
         return {}
     from stagerd.sinks.hub.url import parse_hub_url
 
-    return {} if "max_attempts" in parse_hub_url(url).options else {"max_attempts": ONCE_HUB_ATTEMPTS}
+    return {} if "max_attempts" in parse_hub_url(url).options else {"max_attempts": ONCE_SINK_ATTEMPTS}
 
 
 def once_sink_seconds(settings: Settings, try_waits: float) -> float:
@@ -92,6 +95,12 @@ def once_sink_seconds(settings: Settings, try_waits: float) -> float:
     timeout) comes on top."""
     backoff = sum(backoff_delay(k, settings) for k in range(1, settings.max_attempts))
     return backoff + settings.max_attempts * try_waits
+
+
+def s3_try_waits(attempts: int) -> float:
+    """The longest an S3 request waits in botocore's retries with `attempts` tries, in its default
+    (legacy) mode: a random fraction of 1, 2, 4... seconds before each retry."""
+    return sum(2.0 ** (k - 1) for k in range(1, attempts))
 
 
 def hub_try_waits(attempts: int) -> float:

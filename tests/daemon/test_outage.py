@@ -81,7 +81,7 @@ def test_a_once_run_tries_a_down_sink_max_attempts_times_in_all_and_names_it_onc
 def test_a_once_run_against_a_hub_answering_503_keeps_the_hubs_own_tries_few(tmp_path, dcp_mixed2):
     """The Hub sink's own retries run inside each of the run's tries, and their defaults (8 tries of a
     request, backing off to 60 s) made one try of a down Hub last minutes. A `--once` run tries each
-    request `ONCE_HUB_ATTEMPTS` times (unless the URL says otherwise), in its `max_attempts` tries of the
+    request `ONCE_SINK_ATTEMPTS` times (unless the URL says otherwise), in its `max_attempts` tries of the
     sink in all: 5 x 3 requests, not 8 per try for every step."""
     model, _ = dcp_mixed2
     root = tmp_path / "root"

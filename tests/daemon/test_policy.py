@@ -11,6 +11,7 @@ from stagerd.daemon.policy import (
     once_sink_options,
     once_sink_seconds,
     rearmable,
+    s3_try_waits,
     sink_outage,
 )
 from stagerd.daemon.settings_sources import load_settings
@@ -104,9 +105,12 @@ def test_a_once_run_waits_on_a_down_sink_about_a_minute_at_most_by_default():
     hub = once_sink_options("hf://acme/model")["max_attempts"]
     assert once_sink_seconds(s, hub_try_waits(hub)) <= 60
     assert once_sink_seconds(s, hub_try_waits(RetryPolicy.max_attempts)) > 600  # the sink's own default
-    # the URL's own setting is the user's: kept; other sinks' retries are their clients'
+    s3 = once_sink_options("s3://bucket/run")["max_attempts"]
+    assert once_sink_seconds(s, s3_try_waits(s3)) <= 60
+    assert once_sink_seconds(s, s3_try_waits(5)) > 100  # botocore's own default
+    # the URL's own setting is the user's: kept (S3's, in the AWS environment, the sink keeps)
     assert once_sink_options("hf://acme/model?max_attempts=8") == {}
-    assert once_sink_options("s3://bucket/run") == once_sink_options("file:///tmp/x") == {}
+    assert once_sink_options("file:///tmp/x") == {}
 
 
 def test_only_a_once_run_gives_up_a_sink_and_only_on_what_may_pass():
