@@ -85,7 +85,9 @@ class Settings(BaseSettings):
         ge=1,
         le=MAX_COUNT,
         description="With --once: tries per stage before a retryable failure is given up for this run "
-        "(the next start tries again). A running daemon retries those for as long as they fail.",
+        "(the next start tries again); a sink's failed tries count in a row whichever steps they were for, "
+        "so a sink that is down is tried this often in all, not per step. A running daemon retries those "
+        "for as long as they fail.",
     )
     retry_base_seconds: float = Field(
         2.0, gt=0, le=WEEK, description="First retry delay; doubles per attempt."

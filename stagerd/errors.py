@@ -172,6 +172,18 @@ class SinkMissingError(SinkError):
     hint = "create the bucket (e.g. `aws s3 mb s3://BUCKET`), or fix the sink URL"
 
 
+class SinkDownError(SinkError):
+    """A sink that a `--once` run found down: its tries failed `max_attempts` times in a row, whichever
+    steps they were for, so the run tried none of its other steps. Nothing is wrong with those steps: the
+    next start tries them again."""
+
+    retryable = True  # a sink back up takes the steps: never quarantined for good
+    hint = (
+        "check that the sink is up and reachable from here (its endpoint, the network, the service's "
+        "status page); the next `stagerd watch` tries these steps again by itself"
+    )
+
+
 class SinkConflictError(SinkError):
     """The destination already holds different content for this step."""
 

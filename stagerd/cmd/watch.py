@@ -194,8 +194,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
-        from stagerd.daemon.summary import missed_text, restored_text
+        from stagerd.daemon.summary import down_text, missed_text, restored_text
 
+        for sink, (failure, steps) in s.down.items():
+            print(f"  {down_text(sink, failure, steps)}")
         if s.restored[0]:
             print(f"  {restored_text(*s.restored)}")
 

@@ -31,7 +31,7 @@ from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal.raw import raw_lane
 from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics, MetricsServer
-from stagerd.daemon.policy import Failure, backoff_delay, decide_failure
+from stagerd.daemon.policy import Failure, backoff_delay, decide_failure, once_sink_options
 from stagerd.daemon.retention import empty_trash
 from stagerd.daemon.root_places import check_root_places
 from stagerd.daemon.scheduling import Scheduling
@@ -90,6 +90,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._failure_hints = {}
         self._saves = self._saves_in_flight()
         self._yield_ledger = YieldLedger()
+        self._outages = {}
         self._retention_kept = set()
         self._retention_pinned = set()
         self._adopt_clashes = set()
@@ -154,7 +155,8 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
             server = self._serve_metrics()
             self._journal = await self._io(Journal.open, self.root)
             for url in self.settings.sinks:
-                sink = await self._io(open_sink, url)
+                options = once_sink_options(url) if self.settings.once else {}
+                sink = await self._io(open_sink, url, **options)
                 self._sinks[sink.url] = sink
                 self._lane_pools[sink.url] = ThreadPoolExecutor(
                     self.settings.publish_workers, thread_name_prefix="stagerd-publish"

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from stagerd import errors
 from stagerd.config import Settings
 from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
+from stagerd.sinks.urls import SinkKind, parse_sink_url
+
+# A Hub or S3 sink's own tries of each request in a `--once` run, where the user sets none: the run's own
+# tries of the sink (`max_attempts`, with backoff) ride out an outage; the sinks' defaults (the Hub's 8,
+# backing off to 60 s; botocore's 5, to 8 s) made every one of them last long, and the two multiply.
+ONCE_SINK_ATTEMPTS = 3
 
 # Quarantines the daemon records itself, which no wait or restart fixes by itself.
 _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
@@ -49,6 +56,60 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
     if not retryable or (settings.once and attempts >= settings.max_attempts):
         return Failure(cls, msg, True, None)
     return Failure(cls, msg, False, now + backoff_delay(attempts, settings))
+
+
+def sink_outage(f: Failure) -> bool:
+    """Whether a publish's failure counts as one of its sink's failed tries in a row: what is retried or
+    given up for a `--once` run may be the sink being down. What is quarantined for good was an answer
+    about the step (a conflict, a refusal), and a sink left waiting (`SinkMissingError`) or a fleet wait
+    has its own rule."""
+    return f.next_try is not None or (f.quarantine and rearmable(f.error_class))
+
+
+def gives_up_sink(f: Failure, settings: Settings) -> bool:
+    """Whether a publish's failure, decided with the sink's tries in a row as its `attempts`, ends a
+    `--once` run's tries of that sink: it ran out of tries on what may pass, so the sink is down for this
+    run and its other steps are left for the next start (`SinkDownError`), not each tried `max_attempts`
+    times more. A running daemon never gives up a sink."""
+    return settings.once and f.quarantine and rearmable(f.error_class)
+
+
+def once_sink_options(url: str) -> dict[str, Any]:
+    """The options a `--once` run opens the sink at `url` with: a Hub or S3 sink's own tries of each
+    request (`ONCE_SINK_ATTEMPTS`), unless the Hub URL sets `max_attempts` (or, for S3, the AWS
+    environment or config file sets the client's retries: the sink checks); none for other sinks."""
+    kind = parse_sink_url(url).kind
+    if kind is SinkKind.S3:
+        return {"max_attempts": ONCE_SINK_ATTEMPTS}
+    if kind is not SinkKind.HUB:
+        return {}
+    from stagerd.sinks.hub.url import parse_hub_url
+
+    return {} if "max_attempts" in parse_hub_url(url).options else {"max_attempts": ONCE_SINK_ATTEMPTS}
+
+
+def once_sink_seconds(settings: Settings, try_waits: float) -> float:
+    """The longest a `--once` run waits on a sink that stays down, where one try of it waits at most
+    `try_waits` seconds in the sink's own retries: `max_attempts` tries of the sink in all, whichever steps
+    they are for, with the run's backoff between them. Time spent in requests themselves (a connect
+    timeout) comes on top."""
+    backoff = sum(backoff_delay(k, settings) for k in range(1, settings.max_attempts))
+    return backoff + settings.max_attempts * try_waits
+
+
+def s3_try_waits(attempts: int) -> float:
+    """The longest an S3 request waits in botocore's retries with `attempts` tries, in its default
+    (legacy) mode: a random fraction of 1, 2, 4... seconds before each retry."""
+    return sum(2.0 ** (k - 1) for k in range(1, attempts))
+
+
+def hub_try_waits(attempts: int) -> float:
+    """The longest a Hub sink's request waits in its own retries with `attempts` tries (default backoff,
+    no Retry-After from the Hub)."""
+    from stagerd.sinks.hub.url import RetryPolicy
+
+    policy = RetryPolicy(max_attempts=attempts)
+    return sum(min(policy.backoff_max, policy.backoff_base * 2 ** (k - 1)) for k in range(1, attempts))
 
 
 def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:

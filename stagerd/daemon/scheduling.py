@@ -39,7 +39,10 @@ class Scheduling(RawTasks):
             if row is None:
                 break
             self._inflight_exports[row.step] = asyncio.create_task(self._export(row.step, Path(row.path)))
+        await self._leave_for_next_start()  # the steps of a sink this --once run gave up
         for sink in self._sinks:
+            if self._sink_waits(sink):
+                continue
             busy = [s for (s, k) in self._inflight_publishes if k == sink]
             while len(busy) < self.settings.publish_workers and not self._journal_backing_off():
                 lane = await self._j(self._journal.next_publish, sink, now, busy)
@@ -50,6 +53,8 @@ class Scheduling(RawTasks):
                     self._publish(lane.step, sink)
                 )
         for key in self._raw_sinks:  # raw lanes need no export: they start once the step is committed
+            if self._sink_waits(key):
+                continue
             busy = [s for (s, k) in self._inflight_publishes if k == key]
             while len(busy) < self.settings.publish_workers and not self._journal_backing_off():
                 step = await self._j(self._journal.next_raw, key, now, busy)

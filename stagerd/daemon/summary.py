@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stagerd import errors
-from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
+from stagerd.daemon.outages import SinkOutages
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
+from stagerd.errors import SinkDownError
 
 NEWEST_LISTED = 10  # published steps named in the summary line, newest first dropped last
 
@@ -28,13 +29,15 @@ class Summary:
     missed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     quarantined: bool = False  # a step left, or a lane of a configured sink, quarantined for good
     given_up: bool = False  # one quarantined only as this run ran out of tries: the next start re-arms it
+    # sink -> (its last failure, the steps left for the next start) of each sink this run found down
+    down: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.unpublished
 
 
-class OnceSummary(JournalGate):
+class OnceSummary(SinkOutages):
     async def _summary(self) -> Summary:
         rows = await self._j(self._journal.steps, include_retired=False)
         lanes: dict[int, list[LaneRow]] = {}
@@ -44,13 +47,14 @@ class OnceSummary(JournalGate):
         out = Summary(published_count=retired, published=newest)
         out.restored = await self._j(self._journal.retired_summary, NEWEST_LISTED, restored=True)
         configured = set(self._lane_keys())
+        down = {sink: f"{f.error_class}: {f.message}" for sink, f in self.down_sinks().items()}
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         for r in rows:
             if r.state == PUBLISHED:
                 out.published_count += 1
                 out.published.append(r.step)
                 continue
-            why = (
+            why: list[str] = (
                 [f"{r.state}: {r.error_class}: {r.error_message}{self._hint_of(r.step, None, r.error_class)}"]
                 if r.error_class
                 else [r.state]
@@ -59,7 +63,12 @@ class OnceSummary(JournalGate):
                 why = [_waiting(r.error_class, r.error_message)]
             # a lane of a sink no longer configured neither holds the step back nor is worked on
             left = [ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in configured]
-            why += [self._lane_why(ln) for ln in left]
+            for ln in left:
+                if ln.sink in down and ln.state == QUARANTINED and rearmable(ln.error_class):
+                    out.down.setdefault(ln.sink, (down[ln.sink], []))[1].append(r.step)
+                    why.append(f"{ln.sink} down, left for the next start")
+                else:
+                    why.append(self._lane_why(ln))
             out.unpublished.append((r.step, "; ".join(why)))
             for state, cls in [(r.state, r.error_class), *((ln.state, ln.error_class) for ln in left)]:
                 if state == QUARANTINED:
@@ -119,6 +128,8 @@ class OnceSummary(JournalGate):
         )
         for step, why in summary.unpublished:
             log.error("step %d not published: %s", step, why, extra={"step": step, "state": "unpublished"})
+        for sink, (failure, steps) in summary.down.items():
+            log.error(down_text(sink, failure, steps), extra={"sink": sink, "down": steps})
         return 1
 
 
@@ -131,6 +142,14 @@ def missed_text(sink: str, count: int, steps: list[int]) -> str:
         "sink was configured (of an adopted checkpoint, the trainer's checkpoint is gone or saved again "
         "too, or the sink's remote retention would not keep it), so stagerd cannot publish them there; "
         "copy them from a sink that holds them if need be"
+    )
+
+
+def down_text(sink: str, failure: str, steps: list[int]) -> str:
+    """One line: a sink this `--once` run found down, the steps it left for the next start, and what to do."""
+    return (
+        f"{sink} is down: {len(steps)} step(s) left for the next start ({', '.join(map(str, steps))}); "
+        f"its last failure: {failure} (hint: {SinkDownError.hint})"
     )
 
 

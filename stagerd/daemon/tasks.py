@@ -261,6 +261,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
             location=result.location,
             skipped=result.skipped,
         )
+        self._sink_up(lane)  # it answers: a --once run's count of its failed tries starts again
         self.metrics.published_bytes.labels(sink=lane).inc(result.bytes_uploaded)
         self.metrics.publish_seconds.labels(sink=lane).observe(result.seconds)
         self._log_step(

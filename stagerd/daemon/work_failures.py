@@ -11,21 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.daemon.gate import JournalGate
 from stagerd.daemon.journal import LaneState, StepState
-from stagerd.daemon.policy import Failure, decide_failure, failure_note
+from stagerd.daemon.outages import SinkOutages
+from stagerd.daemon.policy import Failure, decide_failure, failure_note, sink_outage
 from stagerd.daemon.state import log
 from stagerd.daemon.yielding import YieldLedger
 from stagerd.errors import StagerdError
 
 
-class WorkFailures(JournalGate):
+class WorkFailures(SinkOutages):
     _marker_metadata: dict[int, Mapping[str, Any]]
     _yield_ledger: YieldLedger
 
     async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
         """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
         f = decide_failure(err, attempt, self.settings, time.time())
+        if sink is not None and self.settings.once and sink_outage(f):
+            # a --once run tries a sink `max_attempts` times in a row in all, not that often per step
+            f = decide_failure(err, max(attempt, self._sink_tries(sink)), self.settings, time.time())
+            self._sink_failed(sink, f)
         fail: Callable[..., StepState | LaneState]
         if sink is None:
             stage, what = "export", f"step {step}"

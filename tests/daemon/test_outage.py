@@ -11,6 +11,8 @@ import json
 from stagerd.contract import layout
 from tests.cli_helpers import run_cli
 from tests.daemon_helpers import fast_flags, stage_copy
+from tests.hubserver import HubServer
+from tests.hubserver.faults import Fault
 
 
 def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2):
@@ -37,3 +39,64 @@ def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2)
     assert "re-armed at start" in back.stderr
     assert "quarantined in the journal" not in back.stderr, back.stderr[-3000:]
     assert (sink / "step-00000100" / layout.MANIFEST_NAME).is_file()
+
+
+def test_a_once_run_tries_a_down_sink_max_attempts_times_in_all_and_names_it_once(tmp_path, dcp_mixed2):
+    """A cron job's `--once` against a sink that is down ends in bounded time: the sink is tried
+    `max_attempts` times in a row in all, not that often per step (every step waiting for it used to spend
+    its own tries, so the run grew with the steps); its other steps are left for the next start untried,
+    and the summary names the sink once. A sink that is up gets every step in the same run."""
+    model, _ = dcp_mixed2
+    root, blocker, up = tmp_path / "root", tmp_path / "blocker", tmp_path / "up"
+    blocker.write_text("a file where the sink's directory should be: the sink is down")
+    down = blocker / "sink"
+    for step in (100, 200, 300):
+        stage_copy(root, step, model, world=2)
+    args = ["watch", root, "--sink", down.as_uri(), "--sink", up.as_uri(), "--once", *fast_flags()]
+    fast = {"STAGERD_RETRY_BASE_SECONDS": "0.05"}  # the default --max-attempts 5, quick backoff
+    run = run_cli(args, env=fast)
+    assert run.returncode == 1, run.stderr[-3000:]
+    sink = down.as_uri()
+    tries = [r for r in _records(run.stderr) if r.get("sink") == sink and r.get("state") == "publishing"]
+    assert len(tries) == 5, [r["msg"] for r in tries]  # not 5 per step
+    (said,) = [line for line in run.stdout.splitlines() if "is down" in line]
+    assert said.startswith(f"  {sink} is down: 3 step(s) left for the next start (100, 200, 300)"), said
+    assert "check that the sink is up and reachable" in run.stdout, run.stdout
+    assert "stagerd retry" not in run.stdout, run.stdout  # nothing is quarantined for good
+    for step in (100, 200, 300):  # the sink that is up has every step
+        assert (up / layout.step_dir_name(step) / layout.MANIFEST_NAME).is_file()
+    lanes = [ln for s in json.loads(run_cli(["status", root, "--json"]).stdout)["steps"] for ln in s["lanes"]]
+    left = [ln for ln in lanes if ln["sink"] == down.as_uri()]
+    assert {ln["state"] for ln in left} == {"quarantined"}, left  # re-armed by the next start
+    # the one tried has its own failure; the two the run left untried say why
+    assert sorted(ln["error_class"] == "SinkDownError" for ln in left) == [False, True, True], left
+
+    blocker.unlink()  # the sink is back: the next start publishes every step the run left
+    back = run_cli(args, env=fast)
+    assert back.returncode == 0, back.stderr[-3000:]
+    for step in (100, 200, 300):
+        assert (down / layout.step_dir_name(step) / layout.MANIFEST_NAME).is_file()
+
+
+def test_a_once_run_against_a_hub_answering_503_keeps_the_hubs_own_tries_few(tmp_path, dcp_mixed2):
+    """The Hub sink's own retries run inside each of the run's tries, and their defaults (8 tries of a
+    request, backing off to 60 s) made one try of a down Hub last minutes. A `--once` run tries each
+    request `ONCE_SINK_ATTEMPTS` times (unless the URL says otherwise), in its `max_attempts` tries of the
+    sink in all: 5 x 3 requests, not 8 per try for every step."""
+    model, _ = dcp_mixed2
+    root = tmp_path / "root"
+    for step in (100, 200):
+        stage_copy(root, step, model, world=2)
+    with HubServer() as hub:
+        unavailable = hub.faults.add(Fault("*", "", status=503, times=1 << 30))
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "STAGERD_RETRY_BASE_SECONDS": "0.05"}
+        url = "hf://acme/down?backoff_base=0.01"  # the Hub's own backoff quick; its tries left to --once
+        run = run_cli(["watch", root, "--sink", url, "--once", *fast_flags()], env=env)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert unavailable.fired == 5 * 3, run.stderr[-3000:]
+    assert "hf://acme/down is down: 2 step(s) left for the next start (100, 200)" in run.stdout, run.stdout
+    assert "HTTP 503" in run.stdout, run.stdout
+
+
+def _records(stderr: str) -> list[dict]:
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]

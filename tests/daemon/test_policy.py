@@ -3,9 +3,20 @@ run out."""
 
 from __future__ import annotations
 
-from stagerd.daemon.policy import backoff_delay, decide_failure, rearmable
+from stagerd.daemon.policy import (
+    backoff_delay,
+    decide_failure,
+    gives_up_sink,
+    hub_try_waits,
+    once_sink_options,
+    once_sink_seconds,
+    rearmable,
+    s3_try_waits,
+    sink_outage,
+)
 from stagerd.daemon.settings_sources import load_settings
 from stagerd.errors import FleetWaitError, ShardError, SinkAuthError, SinkError, SinkMissingError
+from stagerd.sinks.hub.url import RetryPolicy
 
 
 def test_retry_policy_quarantines_non_retryable_at_once_and_backs_off_otherwise():
@@ -82,3 +93,36 @@ def test_a_missing_bucket_is_never_quarantined_and_checked_again_only_slowly():
     running = load_settings(None, retry_base_seconds=2.0, retry_max_seconds=300.0)
     assert decide_failure(missing, 1, running, now=100.0).next_try == 400.0  # not 2 s, then 4 s...
     assert decide_failure(missing, 1000, running, now=100.0).quarantine is False
+
+
+def test_a_once_run_waits_on_a_down_sink_about_a_minute_at_most_by_default():
+    """A `--once` run from cron must end in bounded time when a sink is down. Its tries of a sink count in
+    a row whichever steps they are for (`daemon/outages.py`), so its waits are `max_attempts` tries of the
+    sink with the run's backoff between them, each try waiting in the sink's own retries. The Hub's own
+    default (8 tries of each request, backing off to 60 s) made that over ten minutes, per step."""
+    s = load_settings(None, once=True)
+    assert s.max_attempts == 5 and s.retry_base_seconds == 2.0  # the defaults this bound is of
+    hub = once_sink_options("hf://acme/model")["max_attempts"]
+    assert once_sink_seconds(s, hub_try_waits(hub)) <= 60
+    assert once_sink_seconds(s, hub_try_waits(RetryPolicy.max_attempts)) > 600  # the sink's own default
+    s3 = once_sink_options("s3://bucket/run")["max_attempts"]
+    assert once_sink_seconds(s, s3_try_waits(s3)) <= 60
+    assert once_sink_seconds(s, s3_try_waits(5)) > 100  # botocore's own default
+    # the URL's own setting is the user's: kept (S3's, in the AWS environment, the sink keeps)
+    assert once_sink_options("hf://acme/model?max_attempts=8") == {}
+    assert once_sink_options("file:///tmp/x") == {}
+
+
+def test_only_a_once_run_gives_up_a_sink_and_only_on_what_may_pass():
+    once = load_settings(None, retry_base_seconds=2.0, max_attempts=3, once=True)
+    running = load_settings(None, retry_base_seconds=2.0, max_attempts=3)
+    assert gives_up_sink(decide_failure(SinkError("503"), 3, once, now=0), once)
+    assert not gives_up_sink(decide_failure(SinkError("503"), 2, once, now=0), once)
+    assert not gives_up_sink(decide_failure(SinkError("503"), 3, running, now=0), running)
+    assert not gives_up_sink(decide_failure(SinkAuthError("bad token"), 1, once, now=0), once)
+    # a sink's failed tries in a row: what may pass counts, an answer about the step does not
+    assert sink_outage(decide_failure(SinkError("503"), 1, once, now=0))
+    assert sink_outage(decide_failure(SinkError("503"), 3, once, now=0))
+    assert not sink_outage(decide_failure(SinkAuthError("bad token"), 1, once, now=0))
+    assert not sink_outage(decide_failure(SinkMissingError("no bucket"), 1, once, now=0))
+    assert rearmable("SinkDownError")  # the steps it left: tried again by the next start

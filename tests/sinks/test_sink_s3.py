@@ -196,6 +196,28 @@ def test_s3_permanent_failure_is_a_retryable_sink_error_and_commits_nothing(s3, 
     assert not [k for k in s3.keys("") if layout.MANIFEST_NAME in k]
 
 
+@pytest.mark.parametrize("env", [None, "1"])
+def test_s3_max_attempts_bounds_the_clients_tries_unless_the_aws_environment_does(
+    s3, tmp_path, monkeypatch, env
+):
+    """A `--once` run opens an S3 sink with `max_attempts=3`: botocore's own default (5, backing off
+    randomly up to 8 s) ran inside each of the run's tries of a down sink. AWS_MAX_ATTEMPTS, AWS_RETRY_MODE
+    or the config file's setting is the user's, and wins."""
+    if env is not None:
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", env)
+    export = make_export(tmp_path / "e", {"a.safetensors": 1000, "b.json": 10})
+    s3.proxy.add(
+        Fault(ops=("PutObject",), times=1000, status=503, code="SlowDown", key_contains="a.safetensors")
+    )
+    sink = s3_sink(s3, max_attempts=2)
+    try:
+        with pytest.raises(SinkError):
+            sink.publish(export, 3)
+    finally:
+        sink.close()  # its probe's scratch keys deleted now, not in the next test
+    assert s3.proxy.count("PutObject", key_contains="a.safetensors") == (2 if env is None else 1)
+
+
 @pytest.mark.parametrize("which", ["secret", "key"])
 def test_s3_bad_credentials_are_an_auth_error_without_the_secret(s3, tmp_path, monkeypatch, which):
     bad_secret = "wrong-secret-8c1f0e"

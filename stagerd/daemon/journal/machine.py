@@ -229,6 +229,19 @@ class Journal(RawLanes):
         """Lane pending|failed -> quarantined (a publish that keeps killing the daemon)."""
         self._fail_lane(step, sink, (PENDING, FAILED), error_class, message, None, True)
 
+    def leave_raw(self, step: int, key: str, error_class: str, message: str) -> None:
+        """Raw lane (created pending if absent: its row is made as it first begins) -> quarantined untried,
+        its sink down in a `--once` run; the next start re-arms it."""
+        now = time.time()
+        with self._tx() as c:
+            added = c.execute(
+                "INSERT OR IGNORE INTO lanes (step, sink, state, updated) VALUES (?, ?, ?, ?)",
+                (step, key, PENDING, now),
+            ).rowcount
+            if added:
+                self._event(c, step, key, None, PENDING, now=now)
+        self.quarantine_lane(step, key, error_class, message)
+
     def _fail_lane(
         self,
         step: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import os
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,21 @@ def part_size_for(size: int, part_size: int) -> int:
     return -(-need // mib) * mib
 
 
+def _retries_configured() -> bool:
+    """Whether the AWS environment or config file sets the client's retries (`AWS_MAX_ATTEMPTS`,
+    `AWS_RETRY_MODE`, `max_attempts`, `retry_mode`): a `max_attempts=` of the sink's gives way to them."""
+    import botocore.exceptions
+    import botocore.session
+
+    if os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE"):
+        return True
+    try:  # the profile's section of the config file (botocore's `retry_mode` has a default: not asked)
+        scoped = botocore.session.get_session().get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:
+        return False  # the client names that itself
+    return "max_attempts" in scoped or "retry_mode" in scoped
+
+
 class S3Backend(OpeningMixin, LatestMixin):
     """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
 
@@ -60,7 +76,8 @@ class S3Backend(OpeningMixin, LatestMixin):
     on receipt and reports back: the plain one for a single PUT, the composite of per-part ones for
     multipart. Retries are botocore's
     (bounded exponential backoff for 5xx, throttling, 429 and dropped connections; tune with
-    AWS_RETRY_MODE / AWS_MAX_ATTEMPTS or `config_kwargs`); nothing here retries on top of them.
+    AWS_RETRY_MODE / AWS_MAX_ATTEMPTS or `config_kwargs`); nothing here retries on top of them. The
+    option `max_attempts` (a `--once` run's) sets botocore's tries of a request where none of those do.
     """
 
     has_checksums = True
@@ -99,7 +116,10 @@ class S3Backend(OpeningMixin, LatestMixin):
                 hint="give S3 credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a role",
             )
         opts = dict(opts)
+        attempts = opts.pop("max_attempts", None)
         config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
+        if attempts is not None and "retries" not in config and not _retries_configured():
+            config["retries"] = {"total_max_attempts": int(attempts)}
         # our own instance: settings here must not leak into other users of s3fs's instance cache
         fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs=config, **opts)
         bucket, _, root = fs._strip_protocol(url).partition("/")
