@@ -88,30 +88,6 @@ def once_sink_options(url: str) -> dict[str, Any]:
     return {} if "max_attempts" in parse_hub_url(url).options else {"max_attempts": ONCE_SINK_ATTEMPTS}
 
 
-def once_sink_seconds(settings: Settings, try_waits: float) -> float:
-    """The longest a `--once` run waits on a sink that stays down, where one try of it waits at most
-    `try_waits` seconds in the sink's own retries: `max_attempts` tries of the sink in all, whichever steps
-    they are for, with the run's backoff between them. Time spent in requests themselves (a connect
-    timeout) comes on top."""
-    backoff = sum(backoff_delay(k, settings) for k in range(1, settings.max_attempts))
-    return backoff + settings.max_attempts * try_waits
-
-
-def s3_try_waits(attempts: int) -> float:
-    """The longest an S3 request waits in botocore's retries with `attempts` tries, in its default
-    (legacy) mode: a random fraction of 1, 2, 4... seconds before each retry."""
-    return sum(2.0 ** (k - 1) for k in range(1, attempts))
-
-
-def hub_try_waits(attempts: int) -> float:
-    """The longest a Hub sink's request waits in its own retries with `attempts` tries (default backoff,
-    no Retry-After from the Hub)."""
-    from stagerd.sinks.hub.url import RetryPolicy
-
-    policy = RetryPolicy(max_attempts=attempts)
-    return sum(min(policy.backoff_max, policy.backoff_base * 2 ** (k - 1)) for k in range(1, attempts))
-
-
 def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:
     """The log's account of a failed attempt: what failed, and when (or whether) it is tried again."""
     if f.quarantine and rearmable(f.error_class):  # a --once run's last try of what may pass

@@ -3,15 +3,13 @@ run out."""
 
 from __future__ import annotations
 
+from stagerd.config import Settings
 from stagerd.daemon.policy import (
     backoff_delay,
     decide_failure,
     gives_up_sink,
-    hub_try_waits,
     once_sink_options,
-    once_sink_seconds,
     rearmable,
-    s3_try_waits,
     sink_outage,
 )
 from stagerd.daemon.settings_sources import load_settings
@@ -126,3 +124,25 @@ def test_only_a_once_run_gives_up_a_sink_and_only_on_what_may_pass():
     assert not sink_outage(decide_failure(SinkAuthError("bad token"), 1, once, now=0))
     assert not sink_outage(decide_failure(SinkMissingError("no bucket"), 1, once, now=0))
     assert rearmable("SinkDownError")  # the steps it left: tried again by the next start
+
+
+def once_sink_seconds(settings: Settings, try_waits: float) -> float:
+    """The longest a `--once` run waits on a sink that stays down, where one try of it waits at most
+    `try_waits` seconds in the sink's own retries: `max_attempts` tries of the sink in all, whichever steps
+    they are for, with the run's backoff between them. Time spent in requests themselves (a connect
+    timeout) comes on top."""
+    backoff = sum(backoff_delay(k, settings) for k in range(1, settings.max_attempts))
+    return backoff + settings.max_attempts * try_waits
+
+
+def s3_try_waits(attempts: int) -> float:
+    """The longest an S3 request waits in botocore's retries with `attempts` tries, in its default
+    (legacy) mode: a random fraction of 1, 2, 4... seconds before each retry."""
+    return sum(2.0 ** (k - 1) for k in range(1, attempts))
+
+
+def hub_try_waits(attempts: int) -> float:
+    """The longest a Hub sink's request waits in its own retries with `attempts` tries (default backoff,
+    no Retry-After from the Hub)."""
+    policy = RetryPolicy(max_attempts=attempts)
+    return sum(min(policy.backoff_max, policy.backoff_base * 2 ** (k - 1)) for k in range(1, attempts))
