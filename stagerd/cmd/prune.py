@@ -23,6 +23,7 @@ from stagerd.errors import ConfigError
 
 if TYPE_CHECKING:
     from stagerd.sinks.claims import Publisher
+    from stagerd.sinks.prune_plan import Decision
 
 EXAMPLES = """examples:
   stagerd prune s3://ckpts/run1 --keep-last 3 --keep-every 1000 --dry-run
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         store.close()
     verb = "would delete" if args.dry_run else "deleted"
     for d in decisions:
-        who = f"  [{d.publisher}]" if d.publisher else ""
-        print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {d.reason}{who}")
+        who, why = f"  [{d.publisher}]" if d.publisher else "", d.reason + _uploads(d, args.dry_run)
+        print(f"{d.tree:6} step {d.step:>10}  {verb if d.delete else 'keep':12}  {why}{who}")
     if not decisions:
         print(
             f"nothing to prune: no published step under {args.url} (check the URL: it is the --sink the "
@@ -101,6 +102,15 @@ def run(args: argparse.Namespace) -> int:
             "add --root ROOT to count and delete only one ROOT's steps"
         )
     return 0
+
+
+def _uploads(d: Decision, dry_run: bool) -> str:
+    """The multipart uploads pending under a deleted step, which went with it (S3 bills them unseen)."""
+    if not d.delete or d.uploads == 0:
+        return ""
+    if d.uploads is None:
+        return "; its pending multipart uploads could not be listed (see the warning)"
+    return f"; {d.uploads} pending multipart upload(s) {'to abort' if dry_run else 'aborted'}"
 
 
 def _publisher(root: Path) -> Publisher:

@@ -9,16 +9,17 @@ prefix valid for readers at every moment and never a key of a step another proce
   node part's) by a conditional replace on the version listed, or stop if one changed (a publisher or
   another prune holds it: not counted); then `restoring/` once more, and the step is left (its claims
   given back) where a restore's lease on it was written since the scan; then the manifests (from here the
-  step is absent to every reader), then a fresh listing's files by exact key (`DeleteObjects` on S3,
-  `rm_file` elsewhere), with a raw step's `fleet/step-N/` records (re-listed under the claims: the step is
-  left if they changed); on file:// the step's emptied directories; the claims last, each only while it is
-  still ours (a claim gone before the directories would leave a kill between an empty directory nothing
-  lists again). A kill at any point leaves a complete step or one without a manifest under a prune's
-  claim, which the next prune takes over and finishes; a publisher meanwhile finds that claim and waits
-  (`StepClaimedError`). A restore writes its lease, then reads the step's claim (`leases.refuse_pruning`):
-  a lease written before the prune's second look at `restoring/` keeps the step, and one written after it
-  finds the prune's claim and stops before reading anything (`StepVanishedError`), so no restore reads a
-  step that a prune deletes.
+  step is absent to every reader), then on S3 the multipart uploads pending under the step's prefix
+  (`pending_uploads.py`: each by key and UploadId), then a fresh listing's files by exact key
+  (`DeleteObjects` on S3, `rm_file` elsewhere), with a raw step's `fleet/step-N/` records (re-listed under
+  the claims: the step is left if they changed); on file:// the step's emptied directories; the claims
+  last, each only while it is still ours (a claim gone before the directories would leave a kill between
+  an empty directory nothing lists again). A kill at any point leaves a complete step or one without a
+  manifest under a prune's claim, which the next prune takes over and finishes; a publisher meanwhile
+  finds that claim and waits (`StepClaimedError`). A restore writes its lease, then reads the step's claim
+  (`leases.refuse_pruning`): a lease written before the prune's second look at `restoring/` keeps the
+  step, and one written after it finds the prune's claim and stops before reading anything
+  (`StepVanishedError`), so no restore reads a step that a prune deletes.
 - **Whose** (`Owner`): the claim of every complete step is read (once per version) and judged for the
   ROOT pruning (`claims.whose`), an input of the plan: a daemon's retention deletes only its own ROOT's
   steps. A prefix two runs share by mistake must never cost one run the other's checkpoints.
@@ -37,6 +38,7 @@ from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks import claims
 from stagerd.sinks.fetch import LATEST_NAME, RAW_DIR, node_parts
 from stagerd.sinks.leases import RESTORING_DIR, Lease, live_leases
+from stagerd.sinks.pending_uploads import abort_pending
 from stagerd.sinks.prune_plan import Decision, Policy, RemoteStep, parse_policy, plan_prune
 from stagerd.sinks.remote import RemoteStore, StoredObject
 
@@ -193,11 +195,17 @@ def scan(
 
 
 def delete_step(
-    store: RemoteStore, tree: Tree, step: int, now: float, records: dict[str, StoredObject] | None = None
+    store: RemoteStore,
+    tree: Tree,
+    step: int,
+    now: float,
+    records: dict[str, StoredObject] | None = None,
+    decision: Decision | None = None,
 ) -> bool:
-    """Delete one step (module docstring); a raw step's fleet `records`, as listed, go with its files.
-    False, with nothing deleted, when one of its claims, files or records changed since the listing or a
-    live prune holds it."""
+    """Delete one step (module docstring); a raw step's fleet `records`, as listed, go with its files,
+    and so do the multipart uploads pending under either (`decision.uploads`: how many). False, with
+    nothing deleted, when one of its claims, files or records changed since the listing or a live prune
+    holds it."""
     prefix, listed = tree.prefix(step), tree.steps.get(step, {})
     fleet = f"{FLEET_DIR}/{layout.step_dir_name(step)}"
     bad = store.undeletable(
@@ -236,6 +244,11 @@ def delete_step(
     manifests = [layout.MANIFEST_NAME, *(f"{n}/{layout.MANIFEST_NAME}" for n in node_parts(listed)[0])]
     store.delete([f"{prefix}/{m}" for m in manifests])  # every manifest before any file
     crash_point("prune.manifest")
+    # under the claims, so no publisher of the step writes there; before its files and records, so a
+    # prune killed before it is done lists the same prefixes when it is finished
+    aborted = abort_pending(store, _prefixes(tree, step, records))
+    if decision is not None:
+        decision.uploads = aborted
     extra = [f"{fleet}/{rel}" for rel in sorted(records or {})]
     store.delete([*(f"{prefix}/{rel}" for rel in sorted(store.objects(prefix))), *extra])
     crash_point("prune.files")
@@ -305,6 +318,9 @@ def prune(
             delay_point("prune.decided")
             if d.delete and not dry_run:
                 _delete(store, tree, d, now, fleet)
+            elif d.delete:  # reported, never aborted
+                records = fleet.get(d.step) if tree.name == "raw" else None
+                d.uploads = abort_pending(store, _prefixes(tree, d.step, records), dry_run=True)
             elif d.foreign and owner is not None and not dry_run:
                 _left_alone(store, owner, d)
     decisions += _orphan_records(store, fleet, trees[1], plans[1][1], dry_run)
@@ -317,7 +333,7 @@ def _delete(
     prefix = tree.prefix(d.step)
     records = fleet.get(d.step, {}) if tree.name == "raw" else {}
     try:
-        done = delete_step(store, tree, d.step, now, records)
+        done = delete_step(store, tree, d.step, now, records, d)
         if records:
             store.remove_empty_dirs(f"{FLEET_DIR}/{layout.step_dir_name(d.step)}")
     except OSError as e:
@@ -343,6 +359,11 @@ def _delete(
         d.reason,
         extra={"step": d.step, "sink": store.url, "tree": tree.name},
     )
+
+
+def _prefixes(tree: Tree, step: int, records: dict[str, StoredObject] | None) -> list[str]:
+    """The prefixes whose pending multipart uploads go with a step: its own, and its fleet records' if any."""
+    return [tree.prefix(step), *([f"{FLEET_DIR}/{layout.step_dir_name(step)}"] if records else [])]
 
 
 def _left_alone(store: RemoteStore, owner: Owner, d: Decision) -> None:

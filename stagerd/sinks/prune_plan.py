@@ -89,6 +89,9 @@ class Decision:
     reason: str
     publisher: str = ""  # RemoteStep.publisher
     foreign: bool = False  # another publisher's: left alone (logged once by the daemon)
+    # multipart uploads pending under the step aborted with it (`pending_uploads.py`; a dry run: would
+    # be); None: the store would not list them
+    uploads: int | None = 0
 
 
 def plan_prune(

@@ -128,3 +128,24 @@ def test_a_sweep_aborts_no_upload_of_a_sibling_step(s3, ignoring):  # noqa: F811
         b.close()
     pending = s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
     assert [(u["Key"], u["UploadId"]) for u in pending] == [(key, upload)]
+
+
+def test_a_prune_aborts_no_upload_of_a_sibling_step_or_prefix(s3, ignoring):  # noqa: F811
+    """Pending multipart uploads under `ckpt/step-1` (pruned), `step-10` (kept), `ckpu/step-1` and the flat
+    key `ckpt/step-1`: the prune of step 1 aborts only its own, though the store lists them all."""
+    for step in (1, 10):
+        _put_step(s3, "ckpt", step)
+    s1 = layout.step_dir_name(1)
+    s3.client.create_multipart_upload(Bucket=s3.bucket, Key=f"ckpt/{s1}/a.safetensors")  # aborted
+    theirs = {
+        s3.client.create_multipart_upload(Bucket=s3.bucket, Key=k)["UploadId"]: k
+        for k in (f"ckpt/{layout.step_dir_name(10)}/a", f"ckpu/{s1}/a", f"ckpt/{s1}", f"ckpt/{s1}0/a")
+    }
+    store = RemoteStore.open(s3.url("ckpt"))
+    try:
+        decisions = prune(store, Policy(keep_last=1))
+    finally:
+        store.close()
+    pending = s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads", [])
+    assert {u["UploadId"]: u["Key"] for u in pending} == theirs
+    assert [(d.step, d.uploads) for d in decisions if d.delete] == [(1, 1)]

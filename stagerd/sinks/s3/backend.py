@@ -220,27 +220,41 @@ class S3Backend(OpeningMixin, LatestMixin):
 
     async def _sweep(self, prefix: str) -> None:
         """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
-        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule.
-        The aborts of a page go out together: a crashed publisher can leave one per file."""
-        s3 = await self._client()
-        args = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/"}
+        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule."""
         try:
-            while True:  # pages by hand, as in `_list`
-                page = await s3.list_multipart_uploads(**args)
-                ups = page.get("Uploads", [])
-                stale = [
-                    (u["Key"], u["UploadId"]) for u in ups if under(args["Prefix"], u["Key"]) is not None
-                ]
-                await asyncio.gather(
-                    *(s3.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=u) for k, u in stale)
-                )
-                if not page.get("IsTruncated"):
-                    return
-                args.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+            await self.abort_uploads(await self.pending_uploads(prefix))
         except Exception as e:
             log.warning(
                 "cannot abort stale multipart uploads under %s: %s", self.where(prefix), s3_error(e, "")
             )
+
+    async def pending_uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
+        """(bucket key, UploadId) of each multipart upload pending under `prefix/`: S3's literal `Prefix`,
+        with its slash, and each key checked again as under it (a store may ignore `Prefix`)."""
+        s3 = await self._client()
+        args = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/"}
+        out: builtins.list[tuple[str, str]] = []
+        while True:  # pages by hand, as in `_list`
+            page = await s3.list_multipart_uploads(**args)
+            ups = page.get("Uploads", [])
+            out += [(u["Key"], u["UploadId"]) for u in ups if under(args["Prefix"], u["Key"]) is not None]
+            if not page.get("IsTruncated"):
+                return out
+            args.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
+    async def abort_uploads(self, uploads: builtins.list[tuple[str, str]]) -> None:
+        """Abort each (exact bucket key, UploadId), all at once: a crashed publisher can leave one per file.
+        One already gone (`NoSuchUpload`: completed or aborted meanwhile) is fine."""
+        s3 = await self._client()
+
+        async def one(key: str, upload: str) -> None:
+            try:
+                await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+            except Exception as e:
+                if error_code(e)[0] not in ("NoSuchUpload", "404"):
+                    raise
+
+        await asyncio.gather(*(one(k, u) for k, u in uploads))
 
     def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
         """Delete what this publisher created, each only while it still holds our version (`If-Match` on

@@ -1,6 +1,7 @@
 """What prune, restore leases and claims need from S3 beyond publishing: exact listings with each object's
-LastModified and ETag, the store's own clock, conditional writes and deletes, and batched deletes of
-named keys. Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash and takes
+LastModified and ETag, the store's own clock, conditional writes and deletes, batched deletes of
+named keys, and the multipart uploads pending under a deleted step, aborted each by its key and UploadId.
+Every call names exact keys: a listing asks for `PREFIX/<prefix>/` with its slash and takes
 only the keys under it, a delete names keys a listing returned (`DeleteObjects`, 1000 a request; a key
 XML cannot carry by `DeleteObject`), and nothing here hands a path to s3fs's `rm`/`glob`/`expand_path`,
 which read `*`, `?` and `[` as patterns.
@@ -223,6 +224,33 @@ def delete(b: S3Backend, keys: list[str]) -> None:
                 await one(key)
 
     if keys:
+        b._run(go)
+
+
+def pending_uploads(b: S3Backend, prefix: str) -> list[tuple[str, str]]:
+    """(bucket key, UploadId) of each multipart upload pending under `prefix/` (`S3Backend.pending_uploads`:
+    S3's literal `Prefix` with its slash, each key checked again as under it)."""
+
+    async def go() -> list[tuple[str, str]]:
+        try:
+            return await b.pending_uploads(prefix)
+        except Exception as e:
+            raise s3_error(e, b.where(prefix)) from None
+
+    result: list[tuple[str, str]] = b._run(go)
+    return result
+
+
+def abort_uploads(b: S3Backend, uploads: list[tuple[str, str]]) -> None:
+    """Abort exactly these (bucket key, UploadId) pairs, as `pending_uploads` listed them."""
+
+    async def go() -> None:
+        try:
+            await b.abort_uploads(uploads)
+        except Exception as e:
+            raise s3_error(e, b.base) from None
+
+    if uploads:
         b._run(go)
 
 

@@ -2,8 +2,9 @@
 in a bucket shared with neighbours a loose prefix match would take for its own (`run-1`, `run-10`,
 `step-00000070`, `step-000000070`, a flat `step-00000007`, glob and percent names, a folder marker) and
 with other prefixes' pending multipart uploads. The restarts finish the single-node export byte for byte,
-each file written once, no upload of the step left pending, and neither the sweeps, remote retention nor
-`stagerd prune` touches anything outside `run/`'s own steps."""
+each file written once, no upload of the step left pending, remote retention takes the older step 1 with
+the uploads pending under it, and neither the sweeps, remote retention nor `stagerd prune` touches
+anything outside `run/`'s own steps."""
 
 from __future__ import annotations
 
@@ -98,6 +99,28 @@ def _older_step(env) -> list[str]:
     return keys
 
 
+def _older_uploads(env) -> tuple[dict[str, str], dict[str, str]]:
+    """Upload id -> key: what writers killed mid-upload left pending under `run/`'s step 1, which remote
+    retention deletes (its export, a node part, a record), and beside it, which no prune of step 1 takes."""
+    old = layout.step_dir_name(1)
+    under = (
+        f"run/{old}/model.safetensors",
+        f"run/raw/{old}/node-00001-of-00002/model/__1_0.distcp",
+        f"run/fleet/{old}/node-00001.json",
+    )
+    beside = (
+        f"run/{old}0/model.safetensors",  # one digit longer: no step of `run/`
+        f"run/raw/{old}0/node-00001-of-00002/x",
+        f"run/fleet/{old}.bak/x",
+        f"run-1/{old}/model.safetensors",
+    )
+
+    def pending(keys: tuple[str, ...]) -> dict[str, str]:
+        return {env.client.create_multipart_upload(Bucket=env.bucket, Key=k)["UploadId"]: k for k in keys}
+
+    return pending(under), pending(beside)
+
+
 def _untouched(env, objects: dict[str, bytes], pending: dict[str, str]) -> None:
     there = _keys(env)
     assert {k: env.get(k) for k in objects if k in there} == objects
@@ -112,6 +135,8 @@ def test_a_leader_killed_inside_a_multipart_upload_and_after_its_manifest_leaves
     shared, node_dirs = _stage(tmp_path, dcp_big, 2)
     objects, foreign = _neighbours(s3)
     old = _older_step(s3)
+    ours, beside = _older_uploads(s3)
+    foreign |= beside
     export_step(shared, max_shard_size=SHARD)  # the single-node export of the same step
     export = shared / layout.EXPORT_DIR
     single = {str(p.relative_to(export)): p.read_bytes() for p in export.rglob("*") if p.is_file()}
@@ -140,6 +165,7 @@ def test_a_leader_killed_inside_a_multipart_upload_and_after_its_manifest_leaves
     assert writes == dict.fromkeys([*single, layout.MANIFEST_NAME], 1)
     _untouched(s3, objects, foreign)
     assert not set(old) & set(_keys(s3)), "remote retention did not take the older step"
+    assert not set(ours) & set(_pending(s3)), "remote retention left the older step's pending uploads"
 
     store = RemoteStore.open(url)  # what `stagerd prune URL --keep-last 1` runs
     try:
