@@ -35,6 +35,7 @@ from stagerd.daemon.unadopted import (
     SAID_NO_CONFIG,
     SINGLE_FILE,
     holds_dcp,
+    unadoptable,
 )
 from stagerd.errors import AdoptError, ConfigError, StagerdError
 
@@ -132,30 +133,6 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     return finished(ckpt, preset)
 
 
-# torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
-# FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
-PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
-
-
-def _unadoptable(ckpt: Path) -> str | None:
-    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a model or
-    a PEFT adapter pickled, an adapter where no layout reads it, or the HF Trainer's trainer_state.json
-    beside no model a preset reads); else None."""
-    pickled = [n for n in PICKLED_MODELS if (ckpt / n).is_file()]
-    if pickled:
-        return (f"holds the model as {pickled[0]} (a pickle, never read): save safetensors "
-                "(safe_serialization=True, the default) or a sharded (DCP) checkpoint")  # fmt: skip
-    if (ckpt / "adapter_model.bin").is_file():
-        return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
-                "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
-    if (ckpt / layout.ADAPTER_WEIGHTS_NAME).is_file():
-        return ("holds a PEFT adapter in no layout of this --adopt preset: --adopt hf-trainer (or auto) "
-                "exports one from the HF Trainer's checkpoint-N, finished by trainer_state.json")  # fmt: skip
-    if (ckpt / "trainer_state.json").is_file():
-        return "is finished (trainer_state.json) but holds no model layout an --adopt preset reads"
-    return None
-
-
 def _layout_key(ckpt: Path) -> tuple[int, ...]:
     """What auto's choice of preset depends on: the directory's entries (its mtime) and `.metadata`'s."""
     out = [ckpt.stat().st_mtime_ns]
@@ -247,7 +224,7 @@ class Adoption(Discovery):
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
-            if preset is None and (why := _unadoptable(Path(e.path))) is not None:
+            if preset is None and (why := unadoptable(Path(e.path))) is not None:
                 odd.append((e.name, why))
             mtime = None if preset is None else finished(Path(e.path), preset)
             if preset is None or mtime is None:
