@@ -79,7 +79,11 @@ class Settings(BaseSettings):
         description="Keep the staged data of the newest N steps; delete older steps only once they are "
         "published on every sink. Unset: delete nothing.",
     )
-    once: bool = Field(False, description="Process every committed step, then exit: 0 only if all published.")
+    once: bool = Field(
+        False,
+        description="Process every committed step, then exit: 0 only if all published (saves not yet "
+        "finished are named, and left for the next run).",
+    )
     max_attempts: int = Field(
         5,
         ge=1,

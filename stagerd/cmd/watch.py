@@ -195,11 +195,14 @@ def run(args: argparse.Namespace) -> int:
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
         from stagerd.daemon.summary import down_text, missed_text, restored_text
+        from stagerd.daemon.unfinished import unfinished_text
 
         for sink, (failure, steps) in s.down.items():
             print(f"  {down_text(sink, failure, steps)}")
         if s.restored[0]:
             print(f"  {restored_text(*s.restored)}")
+        if s.unfinished[0]:
+            print(f"  {unfinished_text(*s.unfinished, settings.adopt is not None)}")
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")

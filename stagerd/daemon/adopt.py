@@ -35,7 +35,9 @@ from stagerd.daemon.unadopted import (
     SAID_NO_CONFIG,
     SINGLE_FILE,
     holds_dcp,
+    unadoptable,
 )
+from stagerd.daemon.unfinished import NO_PRESET_RULE, Unfinished, finished_rule
 from stagerd.errors import AdoptError, ConfigError, StagerdError
 
 if TYPE_CHECKING:
@@ -132,30 +134,6 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
     return finished(ckpt, preset)
 
 
-# torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
-# FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
-PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
-
-
-def _unadoptable(ckpt: Path) -> str | None:
-    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a model or
-    a PEFT adapter pickled, an adapter where no layout reads it, or the HF Trainer's trainer_state.json
-    beside no model a preset reads); else None."""
-    pickled = [n for n in PICKLED_MODELS if (ckpt / n).is_file()]
-    if pickled:
-        return (f"holds the model as {pickled[0]} (a pickle, never read): save safetensors "
-                "(safe_serialization=True, the default) or a sharded (DCP) checkpoint")  # fmt: skip
-    if (ckpt / "adapter_model.bin").is_file():
-        return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
-                "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
-    if (ckpt / layout.ADAPTER_WEIGHTS_NAME).is_file():
-        return ("holds a PEFT adapter in no layout of this --adopt preset: --adopt hf-trainer (or auto) "
-                "exports one from the HF Trainer's checkpoint-N, finished by trainer_state.json")  # fmt: skip
-    if (ckpt / "trainer_state.json").is_file():
-        return "is finished (trainer_state.json) but holds no model layout an --adopt preset reads"
-    return None
-
-
 def _layout_key(ckpt: Path) -> tuple[int, ...]:
     """What auto's choice of preset depends on: the directory's entries (its mtime) and `.metadata`'s."""
     out = [ckpt.stat().st_mtime_ns]
@@ -217,19 +195,20 @@ class Adoption(Discovery):
 
     def _find_adopted(
         self, known: dict[int, tuple[float, str | None]]
-    ) -> tuple[list[Found], list[tuple[str, str]]]:
+    ) -> tuple[list[Found], list[tuple[str, str]], list[Unfinished]]:
         """(step, path, mtime, identity) of every finished checkpoint whose save the journal may not have,
-        and the names ignored (no step, or a finished layout no preset reads), each with why. Read in the
-        io thread."""
+        the names ignored (no step, or a finished layout no preset reads), each with why, and the
+        checkpoints of steps the journal lacks that are not finished yet. Read in the io thread."""
         s = self.settings
         custom = compile_step_regex(s.adopt_step)
         skip = {layout.STATE_DIR}
         out: list[Found] = []
         odd: list[tuple[str, str]] = []
+        unfinished: list[Unfinished] = []
         try:
             entries = sorted(os.scandir(self.root), key=lambda e: e.name)
         except FileNotFoundError:
-            return [], []
+            return [], [], []
         work = adopt_root(self.root, s.export_dir).resolve()
         here: set[str] = set()
         for e in entries:
@@ -247,10 +226,14 @@ class Adoption(Discovery):
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))
-            if preset is None and (why := _unadoptable(Path(e.path))) is not None:
+            why = unadoptable(Path(e.path)) if preset is None else None
+            if why is not None:
                 odd.append((e.name, why))
             mtime = None if preset is None else finished(Path(e.path), preset)
             if preset is None or mtime is None:
+                if step not in known and why is None:
+                    rule = NO_PRESET_RULE if preset is None else finished_rule(preset)
+                    unfinished.append(Unfinished(step, e.name, rule))
                 continue  # not finished (or not a DCP checkpoint): never touched
             if step in known and known[step][0] == mtime:
                 out.append((step, Path(e.path), mtime, known[step][1] or ""))
@@ -261,7 +244,7 @@ class Adoption(Discovery):
                 continue  # gone meanwhile: the next scan sees what is there
         # a checkpoint rotated away is forgotten: the cache follows ROOT, not every checkpoint ever seen
         self._adopt_presets = {k: v for k, v in self._adopt_presets.items() if k in here}
-        return out, odd
+        return out, odd, unfinished
 
     def _adopted_steps_here(self) -> list[int]:
         """The step numbers the names in ROOT give now (io thread): what a scan asks the journal about."""
@@ -276,7 +259,7 @@ class Adoption(Discovery):
         here = await self._io(self._adopted_steps_here)
         known = await self._j(self._journal.saves, here)
         rows = await self._j(lambda: {s: r for s in known if (r := self._journal.step(s)) is not None})
-        found, odd = await self._io(self._find_adopted, known)
+        found, odd, self._unfinished = await self._io(self._find_adopted, known)
         self._odd_names &= {name for name, _ in odd}  # said once while there: one gone is forgotten
         for name, why in sorted(odd):
             if name not in self._odd_names:

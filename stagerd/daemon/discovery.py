@@ -27,6 +27,7 @@ from stagerd.daemon.journal.versions import CONFLICT, REARMED
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import NEWEST_LISTED, missed_text
+from stagerd.daemon.unfinished import MARKER_RULE, Unfinished
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
 
@@ -59,9 +60,10 @@ class Discovery(JournalGate):
 
         Known = dict[int, tuple[float, str | None]]
 
-        def find(dirs: list[tuple[int, Path]], known: Known) -> tuple[Found, Found]:
+        def find(dirs: list[tuple[int, Path]], known: Known) -> tuple[Found, Found, list[Unfinished]]:
             new: Found = []
             resaved: Found = []
+            unfinished: list[Unfinished] = []
             for step, path in dirs:
                 try:
                     mtime = (path / layout.MARKER_NAME).stat().st_mtime
@@ -69,13 +71,15 @@ class Discovery(JournalGate):
                         continue  # the save the journal has: no need to read its marker
                     identity = save_identity(path)
                 except (FileNotFoundError, MarkerError):
+                    if step not in known and not os.path.lexists(path / layout.MARKER_NAME):
+                        unfinished.append(Unfinished(step, path.name, MARKER_RULE))
                     continue  # not committed: never touched
                 (resaved if step in known else new).append((step, path, mtime, identity))
-            return new, resaved
+            return new, resaved, unfinished
 
         dirs, odd = await self._io(listing)
         known = await self._j(self._journal.saves, [step for step, _ in dirs])
-        new, resaved = await self._io(find, dirs, known)
+        new, resaved, self._unfinished = await self._io(find, dirs, known)
         self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
         for name in sorted(set(odd) - self._odd_names):
             self._odd_names.add(name)

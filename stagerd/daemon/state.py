@@ -24,6 +24,7 @@ from stagerd.errors import JournalError
 from stagerd.sinks.base import Sink
 
 if TYPE_CHECKING:
+    from stagerd.daemon.unfinished import Unfinished
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
     from stagerd.sinks.prune import Owner, Policy
@@ -64,6 +65,7 @@ class DaemonState:
     _fatal: JournalError | None
     _root_lock: RootLock
     _odd_names: set[str]  # names like step directories that are not, warned about once each
+    _unfinished: list[Unfinished]  # the saves the last scan left alone as unfinished: `--once` names them
     # --once: (step, sink or None) -> the hint its last failure gave, which the journal does not keep (only
     # the error's class, whose own hint may be another case's advice); the summary's line says this one
     _failure_hints: dict[tuple[int, str | None], tuple[str, str]]  # -> (error class, hint)

@@ -11,6 +11,7 @@ from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
 from stagerd.daemon.outages import SinkOutages
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
+from stagerd.daemon.unfinished import Unfinished, newest_of, unfinished_text
 from stagerd.errors import SinkDownError
 
 NEWEST_LISTED = 10  # published steps named in the summary line, newest first dropped last
@@ -31,6 +32,8 @@ class Summary:
     given_up: bool = False  # one quarantined only as this run ran out of tries: the next start re-arms it
     # sink -> (its last failure, the steps left for the next start) of each sink this run found down
     down: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    # (count, newest) of the saves in ROOT left alone as unfinished: not steps yet, so not counted
+    unfinished: tuple[int, list[Unfinished]] = (0, [])
 
     @property
     def ok(self) -> bool:
@@ -49,6 +52,7 @@ class OnceSummary(SinkOutages):
         configured = set(self._lane_keys())
         down = {sink: f"{f.error_class}: {f.message}" for sink, f in self.down_sinks().items()}
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
+        out.unfinished = (len(self._unfinished), newest_of(self._unfinished, NEWEST_LISTED))
         for r in rows:
             if r.state == PUBLISHED:
                 out.published_count += 1
@@ -101,6 +105,11 @@ class OnceSummary(SinkOutages):
             log.warning(missed_text(sink, count, steps), extra={"sink": sink, "missed": steps})
         if summary.restored[0]:
             log.info(restored_text(*summary.restored), extra={"restored": summary.restored[1]})
+        # Not a failure either: the trainer may still be writing it, and the next run takes it up.
+        if summary.unfinished[0]:
+            count, shown = summary.unfinished
+            text = unfinished_text(count, shown, self.settings.adopt is not None)
+            log.warning("--once: %s", text, extra={"unfinished": [u.name for u in shown]})
         return code
 
     def _report_steps(self, summary: Summary) -> int:
@@ -108,7 +117,7 @@ class OnceSummary(SinkOutages):
             lacking = ", ".join(f"{s} lacks {n}" for s, (n, _) in summary.missed.items())
             log.info(
                 "--once: %s%d step(s) published%s%s",
-                "" if summary.missed else "all ",
+                "" if summary.missed or summary.unfinished[0] else "all ",
                 summary.published_count,
                 _newest(summary),
                 f", not all on every sink: {lacking} (retired before it was configured)" if lacking else "",

@@ -1,12 +1,15 @@
 """What `watch --adopt` says of a checkpoint it would otherwise pass over in silence: one whose name gives
-no step number, one exported with no config.json (the export keeps its names; no loader reads it), one
-that is a single pickled file, and one the trainer's rotation deleted before its export began.
+no step number, one finished in a layout no preset reads (a pickled model or adapter), one exported with
+no config.json (the export keeps its names; no loader reads it), one that is a single pickled file, and one
+the trainer's rotation deleted before its export began.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 
 NO_STEP = "gives no step number; --adopt ignores it"
 NO_STEP_CHECKPOINT = (
@@ -46,3 +49,27 @@ def holds_dcp(directory: Path) -> bool:
             )
     except OSError:
         return False
+
+
+# torch.save pickles of the model: Accelerate's `save_state(safe_serialization=False)`, its FSDP
+# FULL_STATE_DICT, a Trainer saving with `save_safetensors=False` in the transformers releases that had it.
+PICKLED_MODELS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model_fsdp.bin")
+
+
+def unadoptable(ckpt: Path) -> str | None:
+    """Why a checkpoint no preset reads is never exported, once its trainer has finished it (a model or
+    a PEFT adapter pickled, an adapter where no layout reads it, or the HF Trainer's trainer_state.json
+    beside no model a preset reads); else None."""
+    pickled = [n for n in PICKLED_MODELS if (ckpt / n).is_file()]
+    if pickled:
+        return (f"holds the model as {pickled[0]} (a pickle, never read): save safetensors "
+                "(safe_serialization=True, the default) or a sharded (DCP) checkpoint")  # fmt: skip
+    if (ckpt / "adapter_model.bin").is_file():
+        return ("holds a PEFT adapter as adapter_model.bin (a pickle, never read): save it with "
+                "safe_serialization=True (PEFT's default), which --adopt hf-trainer exports")  # fmt: skip
+    if (ckpt / ADAPTER_WEIGHTS_NAME).is_file():
+        return ("holds a PEFT adapter in no layout of this --adopt preset: --adopt hf-trainer (or auto) "
+                "exports one from the HF Trainer's checkpoint-N, finished by trainer_state.json")  # fmt: skip
+    if (ckpt / "trainer_state.json").is_file():
+        return "is finished (trainer_state.json) but holds no model layout an --adopt preset reads"
+    return None

@@ -78,11 +78,14 @@ def test_the_trainer_files_are_untouched_and_the_export_lives_outside(run):
 
 
 def test_a_writer_killed_before_metadata_is_never_touched(run):
-    tmp = run[0]
+    tmp, _, res = run
     half = tmp / "root" / "step-5"
     assert any(half.glob("*.distcp")) and not (half / ".metadata").exists()
     assert not (tmp / "root" / ".stagerd" / "adopted" / "step-5").exists()
     assert not published(tmp / "out", 5).exists()
+    # and the --once summary says so, once, where before it said nothing of it
+    said = "1 checkpoint(s) not finished, left alone: step-5 (no --adopt preset recognises it yet"
+    assert said in res.stdout and res.stderr.count(said) == 1, res.stdout + res.stderr[-3000:]
 
 
 def test_a_writer_killed_after_metadata_is_whole_and_exported(run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -162,3 +163,22 @@ def test_nested_sinks_are_refused_before_anything_is_written(tmp_path):
     assert said in r.stderr, r.stderr
     assert "side by side" in r.stderr  # the hint
     assert list(root.iterdir()) == [] and not outer.exists()
+
+
+def test_once_names_a_step_without_its_marker_and_exits_0(tmp_path, dcp_mixed2):
+    """Before, `--once` said nothing of a step directory left without its marker (a save killed before its
+    commit): it is named once in the summary, with what committing it needs; not a failure."""
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 100, model, world=2)
+    shutil.copytree(model, root / "step-00000200" / "model")  # every shard, no marker
+    r = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", *fast_flags()])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 step(s) published, 0 not" in r.stdout
+    said = (
+        f"1 step(s) not committed, left alone: step-00000200 (committed once its {layout.MARKER_NAME} "
+        "exists: the Stager writes it last, after every rank's save). Their tensors were not read and "
+        "nothing of them was published; the next run takes each up once it is committed"
+    )
+    assert said in r.stdout and r.stderr.count(said) == 1, r.stdout + r.stderr[-3000:]
+    assert sorted(p.name for p in sink.iterdir() if p.name.startswith("step-")) == ["step-00000100"]
