@@ -4,6 +4,7 @@ and by a periodic rescan; and recovery at start, which puts a crashed run's in-f
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import stat
@@ -30,19 +31,51 @@ from stagerd.daemon.summary import NEWEST_LISTED, missed_text
 from stagerd.daemon.unfinished import MARKER_RULE, Unfinished
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
+# A marker's stat that fails so until a person acts: a link loop, a directory the daemon may not enter.
+_FOR_GOOD = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM})
+
 
 def save_identity(step_dir: Path) -> str:
     """`commit_marker.marker_identity`, except for a marker no export would read (over `read_marker`'s 64 MiB
     limit, or not a regular file): reading it whole took the memory it claimed (1 TiB sparse: MemoryError,
-    the daemon gone) or, a FIFO, held the scan for good. Such a step gets an identity from its size, so
-    that it is journaled and its export names the `MarkerError` (quarantined) while the others go on."""
+    the daemon gone) or, a FIFO, held the scan for good; nor one the daemon can never read (a link loop, no
+    permission), which failed every scan whole or was passed over without a word. Such a step gets an
+    identity from its stat, so that it is journaled and its export names the error (quarantined) while the
+    others go on."""
+    marker = step_dir / layout.MARKER_NAME
     try:
-        st = (step_dir / layout.MARKER_NAME).stat()
+        st = marker.stat()
     except FileNotFoundError:
         raise MarkerError("no commit marker: the step is not committed", path=step_dir) from None
+    except OSError as e:
+        if e.errno in _FOR_GOOD:  # one step's, not the scan's: journaled, its export names the error
+            return f"unreadable:{e.errno}"
+        # one that may pass (an I/O error): not journaled, the next scan tries again
+        raise MarkerError(f"cannot stat the commit marker: {e.strerror}", path=step_dir) from None
     if not stat.S_ISREG(st.st_mode) or st.st_size > commit_marker.MAX_MARKER_BYTES:
         return f"unreadable:{stat.S_IFMT(st.st_mode)}:{st.st_size}"
-    return commit_marker.marker_identity(step_dir)
+    try:
+        return commit_marker.marker_identity(step_dir)
+    except MarkerError:
+        if os.path.lexists(marker) and not os.access(marker, os.R_OK):  # no later scan would read it
+            return f"unreadable:{st.st_mtime_ns}:{st.st_size}"
+        raise  # deleted since the stat (not committed), or a read that may pass: the next scan tries
+
+
+def _marker_mtime(marker: Path) -> float:
+    """The marker's mtime; its link's own, where what it leads to cannot be found (FileNotFoundError where
+    neither exists: not committed)."""
+    try:
+        return marker.stat().st_mtime
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno not in _FOR_GOOD:
+            raise MarkerError(f"cannot stat the commit marker: {e.strerror}", path=marker) from None
+    try:
+        return os.lstat(marker).st_mtime
+    except OSError:  # a directory the daemon may not enter
+        return 0.0
 
 
 class Discovery(JournalGate):
@@ -66,7 +99,7 @@ class Discovery(JournalGate):
             unfinished: list[Unfinished] = []
             for step, path in dirs:
                 try:
-                    mtime = (path / layout.MARKER_NAME).stat().st_mtime
+                    mtime = _marker_mtime(path / layout.MARKER_NAME)
                     if step in known and known[step][0] == mtime:
                         continue  # the save the journal has: no need to read its marker
                     identity = save_identity(path)

@@ -265,3 +265,22 @@ def test_a_listed_file_that_is_a_link_inside_the_step_is_never_sent_raw(tmp_path
     assert e.value.path == str(shard) and "\n" not in str(e.value) and e.value.hint
     assert not (sink / "raw").exists() or not list((sink / "raw").rglob("*.safetensors"))
     assert not (sink / "raw" / step_dir.name / layout.MANIFEST_NAME).exists()
+
+
+def test_a_marker_no_scan_can_read_stops_its_step_alone(tmp_path, dcp_mixed2):
+    """A step whose commit marker is a link loop (or, for a daemon not run as root, a directory it may not
+    enter): its stat failed the whole scan, so no step was published and a running daemon's every rescan
+    failed. Now that step alone is quarantined with the error named, and step 2 is published."""
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    step1 = stage_copy(root, 1, model, world=2)
+    stage_copy(root, 2, model, world=2)
+    marker = step1 / layout.MARKER_NAME
+    marker.unlink()
+    marker.symlink_to(marker.name)
+
+    r = _watch(root, sink)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert _published(sink) == ["step-00000002"]
+    assert "step 1 not published: quarantined: SymlinkError" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
