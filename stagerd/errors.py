@@ -355,6 +355,17 @@ class ModelConfigError(HubPlanError):
     )
 
 
+class ModelShapeError(ModelConfigError):
+    """An adopted checkpoint whose config.json describes another model than the one it holds: a tensor of
+    another shape than that model's, or RoPE rows permuted in heads other than the ones it rotates.
+    `from_pretrained` of such an export builds config.json's model, which cannot hold the weights."""
+
+    hint = (
+        "pass the run's own config.json (the one it trained with) with --extras DIR, or put it beside the "
+        "checkpoint; nothing was published, the trainer's files were not touched"
+    )
+
+
 class FleetWaitError(StagerdError):
     """A node-locally staged step whose other nodes did not all arrive (or finish) within the wait."""
 

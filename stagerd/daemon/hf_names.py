@@ -14,12 +14,15 @@ conversion cannot be planned as byte moves, the names are kept too, with one war
 error, since those names are what the trainer's model holds and transformers' own `from_pretrained`
 loads them, where refusing would publish nothing. A trainer whose names are its own (torchtitan's) has
 them planned by its own conversion instead (`titan_names.py`), where it has one for config.json's model.
+A model found by its names whose shapes are not the checkpoint's is no warning but a ModelShapeError: the
+config is not the checkpoint's, and `from_pretrained` of the export could not hold its weights.
 
 Names that no conversion is planned for (HF safetensors files, names save_pretrained's already, the
 selection's kept) get from `model_plan.uncast` what the model keeps in float32 under a cast, searched in
 them as `from_pretrained` searches its own names, so a cast export of them is what `save_pretrained` of
-the model loaded in that dtype writes too. A daemon without transformers cannot know the model's lists:
-its cast export casts every tensor, which it says once.
+the model loaded in that dtype writes too; and from the same model (`model_plan.shapes`, built once) the
+shapes it has for them, which the engine compares (`engine/adopt/config_shapes.py`). A daemon without
+transformers cannot know the model's lists: its cast export casts every tensor, which it says once.
 """
 
 from __future__ import annotations
@@ -32,9 +35,19 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
-from stagerd.daemon.meta_models import Tensors, Uncast, kept_fp32, model_classes, saved_outputs, stand_ins
+from stagerd.daemon.meta_models import (
+    Described,
+    Tensors,
+    Uncast,
+    describe,
+    kept_fp32,
+    model_classes,
+    saved_outputs,
+    stand_ins,
+)
 from stagerd.daemon.state import log
-from stagerd.errors import HubPlanError, StagerdError
+from stagerd.engine.adopt.config_shapes import ConfigShapes, refuse_other_shapes
+from stagerd.errors import HubPlanError, ModelShapeError, StagerdError
 
 HEAD = "lm_head.weight"  # the output embedding a causal LM ties to its input one
 KEPT = "the export keeps the checkpoint's own names, which may not be those save_pretrained writes"
@@ -42,6 +55,7 @@ KEPT = "the export keeps the checkpoint's own names, which may not be those save
 _lock = threading.Lock()  # export threads plan one at a time: one meta model built, the next reuses it
 _last: tuple[Hashable, HubPlan | None] | None = None
 _last_kept: tuple[Hashable, Uncast] | None = None
+_last_described: tuple[str, Described | None, str] | None = None  # config.json -> its model, or why not
 _said: set[str] = set()
 
 
@@ -55,6 +69,13 @@ class _ModelPlan:
 
     def uncast(self, names: Sequence[str], config: Mapping[str, Any], *, casting: bool = False) -> Uncast:
         return _uncast(names, config, casting)
+
+    def shapes(self, config: Mapping[str, Any]) -> ConfigShapes | None:
+        if not isinstance(config.get("model_type"), str):
+            return None
+        with _lock:
+            described, _ = _described(config)
+        return None if described is None else described.shapes
 
 
 model_plan = _ModelPlan()
@@ -79,6 +100,8 @@ def _model_plan(tensors: Tensors, config: Mapping[str, Any], trainer: str | None
             return _last[1]
         try:
             plan = _resolve(tensors, config) if trainer is None else _trainers(tensors, config)
+        except ModelShapeError:  # the config is not the checkpoint's: refused, not kept with a warning
+            raise
         except Exception as e:  # transformers' own code, of any release: a failure there keeps the names
             _say(f"{KEPT}: planning them from config.json failed: {type(e).__name__}: {e}")
             plan = None
@@ -121,13 +144,33 @@ def _no_transformers() -> str | None:
 
 def _kept(config: Mapping[str, Any], names: Sequence[str]) -> tuple[Uncast | None, str]:
     """`kept_fp32`, or None and why it cannot be known here."""
-    if (why := _no_transformers()) is not None:
+    described, why = _described(config)
+    if described is None:
         return None, why
     try:
-        kept = kept_fp32(config, names)
+        return kept_fp32(described, names), ""
     except Exception as e:  # transformers' own code, of any release
         return None, f"what it keeps in float32 could not be found ({type(e).__name__}: {e})"
-    return kept, "" if kept is not None else "this transformers builds no class of it"
+
+
+def _described(config: Mapping[str, Any]) -> tuple[Described | None, str]:
+    """config.json's model on the meta device (`meta_models.describe`), built once for what it keeps in
+    float32 and the shapes it has, and kept for the next checkpoint of the same config; or None and why
+    not. The caller holds the lock."""
+    global _last_described
+    key = json.dumps(config, sort_keys=True, default=str)
+    if _last_described is not None and _last_described[0] == key:
+        return _last_described[1], _last_described[2]
+    described, why = None, _no_transformers()
+    if why is None:
+        try:
+            described = describe(config)
+        except Exception as e:  # transformers' own code, of any release
+            why = f"its model could not be built ({type(e).__name__}: {e})"
+        else:
+            why = "" if described is not None else "this transformers builds no class of it"
+    _last_described = (key, described, why or "")
+    return described, why or ""
 
 
 def _trainers(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
@@ -161,6 +204,9 @@ def _resolve(tensors: Tensors, config: Mapping[str, Any]) -> HubPlan | None:
         return None
     if found is None:
         return None
+    own = found[0].model.state_dict()  # the model whose names these are: its shapes must be theirs too
+    want = ConfigShapes(type(found[0].model).__name__, {k: (tuple(t.shape),) for k, t in own.items()})
+    refuse_other_shapes(((n, n, tuple(t.shape)) for n, t in sd.items()), want)
     try:
         return to_hub.prefixed_plan(found[0], sd, found[1])
     except StagerdError as e:

@@ -1,15 +1,17 @@
 """An adopted checkpoint's tensors and config.json's model on the meta device (no memory, no
 initialisation), for the planners that give its names as `save_pretrained` writes them (`hf_names.py`,
 `titan_names.py`): stand-ins of the checkpoint's tensors, what that model's `save_pretrained` writes, and
-what it keeps in float32 under a cast of names kept as they are. torch and transformers are imported only
-when these are called."""
+for names kept as they are what it keeps in float32 under a cast and the shapes it has (one model built
+for both). torch and transformers are imported only when these are called."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stagerd.contract import dtypes
+from stagerd.engine.adopt.config_shapes import ConfigShapes
 from stagerd.errors import HubPlanError
 
 Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (global shape, safetensors dtype)
@@ -70,13 +72,19 @@ def saved_outputs(
     return order, shapes, model.num_parameters(), plan.uncast
 
 
-def kept_fp32(config: Mapping[str, Any], names: Sequence[str]) -> Uncast | None:
-    """Per cast target, which of `names` (a checkpoint's, kept as they are: save_pretrained's, or the
-    model's own) the model config.json names keeps in float32 there, as `from_pretrained` of them does:
-    each pattern searched in the model's own name, which is the name itself unless it is one its
-    save_pretrained writes for another (a conversion's). None where no class of config.json's model
-    builds here."""
-    from stagerd.training.trace import fp32_modules
+@dataclass(frozen=True)
+class Described:
+    """config.json's model on the meta device, as the checks of names kept as they are read it: per saved
+    name, the model's names it is written from (`sources`), and what `shapes` compares with."""
+
+    model: Any
+    sources: Mapping[str, list[str]]
+    shapes: ConfigShapes
+
+
+def describe(config: Mapping[str, Any]) -> Described | None:
+    """The first class of config.json's model that builds from it here, on the meta device; None where
+    none does."""
     from stagerd.training.trace.resolve import transformers_plan
 
     for cls in model_classes(config):
@@ -85,16 +93,30 @@ def kept_fp32(config: Mapping[str, Any], names: Sequence[str]) -> Uncast | None:
         except Exception:  # a config this class cannot build: the next class, if any
             continue
         own = model.state_dict()
+        shapes: dict[str, set[tuple[int, ...]]] = {k: {tuple(t.shape)} for k, t in own.items()}
         sources: dict[str, list[str]] = {}  # a saved name -> the model's names it is written from
         try:
             plan = transformers_plan(model, own, {})
             zeros = {z.name: z.shape for z in plan.zeros}
             for v in plan.outputs({**{k: tuple(t.shape) for k, t in own.items()}, **zeros}):
+                shapes.setdefault(v.name, set()).add(tuple(v.whole) if v.at else tuple(v.shape))
                 if v.source not in zeros:
                     sources.setdefault(v.name, []).append(v.source)
         except Exception:  # a conversion not planned as byte moves: every name is searched as it is
             sources = {}
-        return fp32_modules.kept(
-            model, [(n, live) for n in dict.fromkeys(names) for live in sources.get(n, [n])]
-        )
+        # each rotary embedding's inverse frequencies: one per pair of the rows of a head it rotates
+        rotary = {2 * b.numel() for n, b in model.named_buffers() if n.rpartition(".")[2] == "inv_freq"}
+        has = {k: tuple(sorted(v)) for k, v in shapes.items()}
+        return Described(model, sources, ConfigShapes(cls.__name__, has, tuple(sorted(rotary))))
     return None
+
+
+def kept_fp32(described: Described, names: Sequence[str]) -> Uncast:
+    """Per cast target, which of `names` (a checkpoint's, kept as they are: save_pretrained's, or the
+    model's own) the `described` model keeps in float32 there, as `from_pretrained` of them does: each
+    pattern searched in the model's own name, which is the name itself unless it is one its save_pretrained
+    writes for another (a conversion's)."""
+    from stagerd.training.trace import fp32_modules
+
+    named = [(n, live) for n in dict.fromkeys(names) for live in described.sources.get(n, [n])]
+    return fp32_modules.kept(described.model, named)

@@ -93,7 +93,18 @@ def root(tmp_path_factory):
     _peft(root / "step-5")
     _titan(root / "step-7", extra=False)
     _titan(root / "step-8", extra=True)
-    cfg = {"model_type": "llama", "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8}
+    _titan(root / "step-13", extra=False)
+    wrong = {"model_type": "llama", "num_attention_heads": 2}  # its own: the rest a default 7B's sizes
+    (root / "step-13" / "config.json").write_text(json.dumps(wrong))
+    cfg = {
+        "model_type": "llama",
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "hidden_size": 8,
+        "vocab_size": 16,
+        "intermediate_size": 12,
+        "num_hidden_layers": 1,
+    }  # the other titan steps' model, every size of it
     (root / "config.json").write_text(json.dumps(cfg))
     return root
 
@@ -102,7 +113,7 @@ def test_each_bad_checkpoint_is_a_named_error_and_the_good_ones_are_published(ro
     before = tree_digest(root)
     res = watch_once(root, tmp_path / "out")
     assert res.returncode != 0
-    assert "2 step(s) published, 7 not" in res.stdout, res.stdout + res.stderr
+    assert "2 step(s) published, 8 not" in res.stdout, res.stdout + res.stderr
     assert published(tmp_path / "out", 1).is_dir() and published(tmp_path / "out", 7).is_dir()
     assert not Path("/tmp/stagerd-pwned").exists()
     status = run_cli(["status", root]).stdout
@@ -111,6 +122,7 @@ def test_each_bad_checkpoint_is_a_named_error_and_the_good_ones_are_published(ro
     want = {2: "DcpFormatError", 3: "DcpFormatError", 4: "ShardError", 6: "AdoptError", 8: "HubPlanError"}
     want[5] = "AdoptError"  # a PEFT model's names: before, published, and loaded as a random model
     want[9] = "DcpFormatError"  # the daemon lives on: before, its process died of SIGSEGV
+    want[13] = "ModelShapeError"  # before, published: from_pretrained built the config's 7B and died
     for step, error in want.items():
         assert "quarantined" in lines[step] and error in lines[step], (step, lines[step])
         assert not published(tmp_path / "out", step).exists()
@@ -294,7 +306,8 @@ def test_the_trainers_own_pickles_beside_an_adopted_checkpoint_are_never_loaded(
     ck.mkdir(parents=True)
     w = {"model.embed_tokens.weight": torch.randn(4, 2), "lm_head.weight": torch.randn(4, 2)}
     save_file(w, ck / "model.safetensors", metadata={"format": "pt"})
-    (ck / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cfg = {"model_type": "llama", "vocab_size": 4, "hidden_size": 2, "num_attention_heads": 1}  # w's model
+    (ck / "config.json").write_text(json.dumps(cfg))
     pickles = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_0.pth")
     for n in (*pickles, "training_args.bin"):
         torch.save({"x": _Touch(tmp_path / f"pwned-by-{n}")}, ck / n)

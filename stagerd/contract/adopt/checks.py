@@ -9,10 +9,11 @@ Raise CHECKS whenever an adopted export's refusals or conversion change.
 from __future__ import annotations
 
 CHECKS_KEY = "adopt_checks"  # its key among the recorded options
+# 5: a config.json whose model has other shapes (or RoPE heads) than the checkpoint is refused;
 # 4: a cast leaves what the model keeps in float32 (a MoE's router) as saved, whatever names it has;
 # 3: the names, layout and order save_pretrained writes where config.json names the model (a MoE's experts
 # split); 2: AutoModel's MoE LoRA refusals (grouped experts, a scaled rank); 1: any build before them
-CHECKS = 4
+CHECKS = 5
 
 
 def made_by_these_checks(recorded: object) -> bool:

@@ -7,7 +7,8 @@ moves). The plan that makes them what `save_pretrained` writes is resolved from 
 the training side, which the engine never imports: the daemon hands it in as a `ModelPlan`, and here that
 plan, made over the model's names, is turned into one over the checkpoint's keys. Names it plans no
 conversion for (kept as the checkpoint has them) get from it what the model keeps in float32 under a
-cast (`uncast`), as `from_pretrained` in that dtype keeps it.
+cast (`uncast`), as `from_pretrained` in that dtype keeps it, and the shapes that model has for them
+(`shapes`, compared in `config_shapes.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from stagerd.contract.hub_plan import HubPlan, TensorView
+from stagerd.engine.adopt.config_shapes import ConfigShapes
 
 
 class ModelPlan(Protocol):
@@ -38,6 +40,11 @@ class ModelPlan(Protocol):
         """`HubPlan.uncast` over the exported `names` (kept as the checkpoint has them): per cast target,
         those the model config.json names keeps in float32 there; none where it cannot be known (said
         where the export is `casting` to bf16 or fp16)."""
+        ...
+
+    def shapes(self, config: Mapping[str, Any]) -> ConfigShapes | None:
+        """The shapes the model config.json names has (of the model built for `uncast`, no other), or None
+        where it cannot be built here."""
         ...
 
 

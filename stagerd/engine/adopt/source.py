@@ -42,6 +42,7 @@ from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
+from stagerd.engine.adopt.config_shapes import exported, refuse_other_rope, refuse_other_shapes
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.adopt.detect import choose_preset
 from stagerd.engine.adopt.extras import find_extras, find_trainers_file, read_config
@@ -235,6 +236,7 @@ def open_adopted(
         place = {k: i for i, k in enumerate(meta.tensors)}
         plan = replace(plan, order=tuple(v.name for v in sorted(plan.views, key=lambda v: place[v.source])))
     if model_names is None and not preset.adapter:
+        _config_shapes(plan, options, config)
         plan = _kept_fp32(plan, options, config, dtype)
     return AdoptedSource(
         model_dir,
@@ -285,6 +287,19 @@ def _kept_fp32(
     except DTypeError:  # named by the export itself
         casting = False
     return replace(plan, uncast=options.model_plan.uncast(names, config, casting=casting))
+
+
+def _config_shapes(plan: HubPlan, options: AdoptOptions, config: Mapping[str, object] | None) -> None:
+    """A ModelShapeError where `plan` (names kept or mapped) exports a tensor of another shape than the
+    model config.json names has under that name, or puts RoPE rows in order in other heads than it rotates
+    (`config_shapes.py`): `from_pretrained` of the export would build that model. Its model is the one
+    built for `_kept_fp32`, once."""
+    if options.model_plan is None or config is None:
+        return
+    want = options.model_plan.shapes(config)
+    if want is not None:
+        refuse_other_shapes(exported(plan), want)
+        refuse_other_rope(plan, want, mapping=options.mapping is not None)
 
 
 def shard_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
