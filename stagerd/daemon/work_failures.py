@@ -40,7 +40,7 @@ class WorkFailures(SinkOutages):
         else:
             row = await self._j(self._journal.step, step)
             on_disk = row is not None and await self._io(Path(row.path).is_dir)
-        hint = _hint(err, on_disk=on_disk)
+        hint = recorded_hint(err, on_disk=on_disk)
         fail: Callable[..., StepState | LaneState]
         if sink is None:
             stage, what = "export", f"step {step}"
@@ -78,7 +78,7 @@ class WorkFailures(SinkOutages):
             log.debug("unexpected error", exc_info=err)
 
 
-def _hint(err: BaseException, *, on_disk: bool) -> str | None:
+def recorded_hint(err: BaseException, *, on_disk: bool) -> str | None:
     """What to do about `err`, with no secret in it: it is logged, and kept in the journal, which any user
     who may run `stagerd status` reads. A hint names a sink's URL at times, a Hub token never on purpose."""
     hint = (
