@@ -27,6 +27,9 @@ from tests.cli_helpers import REPO, STAGERD, clean_env
 from tests.export_index import export_index
 from tests.gloo import join, launch
 
+# What makes a journal of this stagerd one of schema 2, before failures kept their hints.
+DROP_HINTS = ("ALTER TABLE steps DROP COLUMN error_hint", "ALTER TABLE lanes DROP COLUMN error_hint")
+
 
 def stage_copy(root: Path, step: int, model_src: Path, world: int, **marker: Any) -> Path:
     """A committed step made from a real DCP save: its shards copied, then a marker written last."""

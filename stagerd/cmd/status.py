@@ -110,6 +110,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     from stagerd.contract.step.pin import pinned
     from stagerd.daemon.journal import RETIRED, journal_path
     from stagerd.daemon.lock import root_holder
+    from stagerd.daemon.policy import failure_hint
     from stagerd.daemon.retention import disk_state
 
     if not root.is_dir():
@@ -136,11 +137,15 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     )
     by_step: dict[int, list[dict[str, Any]]] = {}
     for ln in lanes:  # a lane's "waiting": a Hub lane of a fleet step, for the leader's publish
-        by_step.setdefault(ln.step, []).append({**asdict(ln), "waiting": waits.get(ln.step, {}).get(ln.sink)})
+        d = {**asdict(ln), "waiting": waits.get(ln.step, {}).get(ln.sink)}
+        d["error_hint"] = ln.error_class and failure_hint(ln.error_class, ln.error_hint)
+        by_step.setdefault(ln.step, []).append(d)
     now = time.time()
     out_steps = []
     for s in steps:
         d = asdict(s)
+        # what to do: the failure's own hint, else (one recorded by an older stagerd) its class's
+        d["error_hint"] = s.error_class and failure_hint(s.error_class, s.error_hint)
         d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
         d["waiting"] = waits.get(s.step, {}).get(None)  # a fleet step: "waiting for node k (seen: ...)"

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from stagerd.cmd.watch_hints import given_up_hint
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
-from stagerd.daemon.policy import rearmable
+from stagerd.daemon.policy import given_up as _given_up
 from stagerd.daemon.summary import missed_text
 
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
@@ -65,14 +65,17 @@ def _lane_cell(lane: dict[str, Any] | None, gap: str = " ") -> str:
     return str(state)
 
 
-def _errors(step: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str, str | None]]:
-    """(where, class, message) of the step's own error and of each failing lane."""
-    out: list[tuple[str, str, str | None]] = []
+_Error = tuple[str, str, str | None, str | None]
+
+
+def _errors(step: dict[str, Any], labels: dict[str, str]) -> list[_Error]:
+    """(where, class, message, hint) of the step's own error and of each failing lane."""
+    out: list[_Error] = []
     if step["error_class"]:
-        out.append(("", step["error_class"], step["error_message"]))
+        out.append(("", step["error_class"], step["error_message"], step.get("error_hint")))
     for ln in step["lanes"]:
         if ln["error_class"]:
-            out.append((labels[ln["sink"]], ln["error_class"], ln["error_message"]))
+            out.append((labels[ln["sink"]], ln["error_class"], ln["error_message"], ln.get("error_hint")))
     return out
 
 
@@ -105,7 +108,7 @@ def _rows(
         state = s["state"]
         color = _STATE_COLOR.get(state)
         first = errors[0] if errors else None
-        waits = [(where, text, None) for where, text in _waits(s, labels)]
+        waits: list[_Error] = [(where, text, None, None) for where, text in _waits(s, labels)]
         if waits:  # what the step waits for says more than the error its last wait ended in
             first, errors = waits[0], [*waits, *errors]
         row = {
@@ -230,9 +233,11 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels)]
     if failed:
         console.print("\nerrors:")
-        for step, (where, cls, message) in failed:
+        for step, (where, cls, message, hint) in failed:
             place = f" {where}" if where else ""
             console.print(escape(f"  step {step}{place}: {cls}: {message or ''}"), overflow="fold")
+            if hint:  # the operator of a running daemon never saw the log line that said it
+                console.print(escape(f"    hint: {hint}"), overflow="fold")
     if any(_stuck(s, given_up=True) for s in doc["steps"]):
         console.print(escape(f"what to do: {given_up_hint()}"), overflow="fold")
     if any(_stuck(s) for s in doc["steps"]):
@@ -249,4 +254,6 @@ def _stuck(step: dict[str, Any], *, given_up: bool = False) -> bool:
     """Whether the step or a lane is quarantined for good; with `given_up`, whether one is quarantined only
     because a `--once` run ran out of tries of a failure that may pass, which the next start re-arms."""
     rows = [step, *step["lanes"]]
-    return any(r["state"] == "quarantined" and rearmable(r["error_class"]) == given_up for r in rows)
+    return any(
+        r["state"] == "quarantined" and _given_up(r["state"], r["error_class"]) == given_up for r in rows
+    )

@@ -32,7 +32,7 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
     of a failure that may pass: this start re-arms them, so telling the user to run `stagerd retry` would be
     wrong."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
-    from stagerd.daemon.policy import rearmable
+    from stagerd.daemon.policy import given_up
     from stagerd.errors import JournalError
 
     if not journal_path(root).is_file():
@@ -50,7 +50,7 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
             for ln in journal.lanes(include_retired=False)
             if ln.sink in lanes
         ]
-        steps = {step for step, state, cls in rows if state == QUARANTINED and not rearmable(cls)}
+        steps = {step for step, state, cls in rows if state == QUARANTINED and not given_up(state, cls)}
     finally:
         journal.close()
     return sorted(steps)

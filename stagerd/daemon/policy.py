@@ -7,6 +7,7 @@ from typing import Any
 
 from stagerd import errors
 from stagerd.config import Settings
+from stagerd.daemon.journal.schema import QUARANTINED
 from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
@@ -110,3 +111,20 @@ def rearmable(error_class: str | None) -> bool:
     if isinstance(cls, type) and issubclass(cls, StagerdError):
         return cls.retryable
     return True  # an unexpected exception's class name: retried, as when it happened
+
+
+def given_up(state: str, error_class: str | None) -> bool:
+    """Whether a step or lane is quarantined only because a `--once` run ran out of tries of a failure that
+    may pass (`rearmable`): the next start tries it again, where one quarantined for good waits for
+    `stagerd retry`. The one rule the summary, `stagerd status` and the start's warning all read."""
+    return state == QUARANTINED and rearmable(error_class)
+
+
+def failure_hint(error_class: str | None, recorded: str | None) -> str | None:
+    """What to do about a failure the journal holds: the hint its error gave for its own case, else (a row
+    recorded by a stagerd that kept none, or a quarantine the daemon named itself) its class's, which may
+    be another case's advice; None for a class without one."""
+    if recorded:
+        return recorded
+    hint = getattr(getattr(errors, error_class or "", None), "hint", None)
+    return hint if isinstance(hint, str) else None

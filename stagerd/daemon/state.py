@@ -66,9 +66,6 @@ class DaemonState:
     _root_lock: RootLock
     _odd_names: set[str]  # names like step directories that are not, warned about once each
     _unfinished: list[Unfinished]  # the saves the last scan left alone as unfinished: `--once` names them
-    # --once: (step, sink or None) -> the hint its last failure gave, which the journal does not keep (only
-    # the error's class, whose own hint may be another case's advice); the summary's line says this one
-    _failure_hints: dict[tuple[int, str | None], tuple[str, str]]  # -> (error class, hint)
     _adopt_root: Path | None  # `--adopt`: where adopted checkpoints' exports are built; None: Stager steps
 
     def _work_dir(self, step_dir: Path) -> Path:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stagerd import errors
 from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
 from stagerd.daemon.outages import SinkOutages
-from stagerd.daemon.policy import rearmable
+from stagerd.daemon.policy import failure_hint, given_up
 from stagerd.daemon.state import log
 from stagerd.daemon.unfinished import Unfinished, newest_of, unfinished_text
 from stagerd.errors import SinkDownError
@@ -59,44 +58,27 @@ class OnceSummary(SinkOutages):
                 out.published.append(r.step)
                 continue
             why: list[str] = (
-                [f"{r.state}: {r.error_class}: {r.error_message}{self._hint_of(r.step, None, r.error_class)}"]
+                [f"{r.state}: {r.error_class}: {r.error_message}{_hint_of(r.error_class, r.error_hint)}"]
                 if r.error_class
                 else [r.state]
             )
             if r.state == FAILED and r.next_try is None:  # a fleet step left waiting: say what to do
-                why = [_waiting(r.error_class, r.error_message)]
+                why = [_waiting(r.error_class, r.error_message, r.error_hint)]
             # a lane of a sink no longer configured neither holds the step back nor is worked on
             left = [ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in configured]
             for ln in left:
-                if ln.sink in down and ln.state == QUARANTINED and rearmable(ln.error_class):
+                if ln.sink in down and given_up(ln.state, ln.error_class):
                     out.down.setdefault(ln.sink, (down[ln.sink], []))[1].append(r.step)
                     why.append(f"{ln.sink} down, left for the next start")
                 else:
-                    why.append(self._lane_why(ln))
+                    why.append(_lane_why(ln))
             out.unpublished.append((r.step, "; ".join(why)))
             for state, cls in [(r.state, r.error_class), *((ln.state, ln.error_class) for ln in left)]:
                 if state == QUARANTINED:
-                    out.given_up |= rearmable(cls)
-                    out.quarantined |= not rearmable(cls)
+                    out.given_up |= given_up(state, cls)
+                    out.quarantined |= not given_up(state, cls)
         out.published = sorted(out.published)[-NEWEST_LISTED:]
         return out
-
-    def _lane_why(self, ln: LaneRow) -> str:
-        if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits
-            return f"{ln.sink} {_waiting(ln.error_class, ln.error_message)}"
-        if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
-            return f"{ln.sink} {ln.state}"
-        hint = self._hint_of(ln.step, ln.sink, ln.error_class)
-        return f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{hint}"
-
-    def _hint_of(self, step: int, sink: str | None, error_class: str | None) -> str:
-        """` (hint: ...)`: what to do (check the token, free space), for the summary's line of a step left,
-        which is all a user of `--once` may read: the hint this run's failure gave, else its class's (a
-        failure of an earlier run); "" for a class without one."""
-        said, hint = self._failure_hints.get((step, sink), (None, None))
-        if said != error_class:  # none this run, or the step failed otherwise since
-            hint = getattr(getattr(errors, error_class or "", None), "hint", None)
-        return f" (hint: {hint})" if isinstance(hint, str) else ""
 
     def _report(self, summary: Summary) -> int:
         code = self._report_steps(summary)
@@ -178,11 +160,25 @@ def _newest(summary: Summary) -> str:
     return f" (newest {len(summary.published)} published: {shown})" if more else f" (published: {shown})"
 
 
-def _waiting(error_class: str | None, message: str | None) -> str:
-    return f"still waiting (not quarantined): {error_class}: {message}; {_hint(error_class)}"
+def _lane_why(ln: LaneRow) -> str:
+    if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits
+        return f"{ln.sink} {_waiting(ln.error_class, ln.error_message, ln.error_hint)}"
+    if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
+        return f"{ln.sink} {ln.state}"
+    return (
+        f"{ln.sink} {ln.state}: {ln.error_class}: {ln.error_message}{_hint_of(ln.error_class, ln.error_hint)}"
+    )
 
 
-def _hint(error_class: str | None) -> str:
-    cls = getattr(errors, error_class or "", None)
-    hint = getattr(cls, "hint", None)
-    return f"hint: {hint}" if isinstance(hint, str) else "the next start tries again"
+def _hint_of(error_class: str | None, recorded: str | None) -> str:
+    """` (hint: ...)`: what to do (check the token, free space), for the summary's line of a step left,
+    which is all a user of `--once` may read: the hint its failure gave, kept in the journal by whichever
+    run failed it, else its class's; "" for a class without one."""
+    hint = failure_hint(error_class, recorded)
+    return f" (hint: {hint})" if hint else ""
+
+
+def _waiting(error_class: str | None, message: str | None, recorded: str | None) -> str:
+    hint = failure_hint(error_class, recorded)
+    then = f"hint: {hint}" if hint else "the next start tries again"
+    return f"still waiting (not quarantined): {error_class}: {message}; {then}"

@@ -4,6 +4,7 @@ metric, and one log line whose hint says what to do."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -13,10 +14,14 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.daemon.journal import LaneState, StepState
 from stagerd.daemon.outages import SinkOutages
-from stagerd.daemon.policy import Failure, decide_failure, failure_note, sink_outage
+from stagerd.daemon.policy import decide_failure, failure_note, sink_outage
 from stagerd.daemon.state import log
 from stagerd.daemon.yielding import YieldLedger
 from stagerd.errors import StagerdError
+from stagerd.sinks.hub.retries import redact
+from stagerd.sinks.objects import redact_url
+
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s`'\"<>]+")
 
 
 class WorkFailures(SinkOutages):
@@ -30,6 +35,12 @@ class WorkFailures(SinkOutages):
             # a --once run tries a sink `max_attempts` times in a row in all, not that often per step
             f = decide_failure(err, max(attempt, self._sink_tries(sink)), self.settings, time.time())
             self._sink_failed(sink, f)
+        if self._adopt_root is None:
+            on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
+        else:
+            row = await self._j(self._journal.step, step)
+            on_disk = row is not None and await self._io(Path(row.path).is_dir)
+        hint = recorded_hint(err, on_disk=on_disk)
         fail: Callable[..., StepState | LaneState]
         if sink is None:
             stage, what = "export", f"step {step}"
@@ -44,6 +55,7 @@ class WorkFailures(SinkOutages):
             f.message,
             next_try=f.next_try,
             quarantine=f.quarantine,
+            hint=hint,  # kept with the failure: `status` and a later `--once` summary say this case's
         )
         self.metrics.failures.labels(stage=stage, error_class=f.error_class).inc()
         if f.quarantine:
@@ -52,32 +64,6 @@ class WorkFailures(SinkOutages):
             # Cached for the step's other lanes until it is published everywhere, which a quarantined lane
             # stops: kept, one entry per such step would stay for the daemon's life. `retry` reads it again.
             self._marker_metadata.pop(step, None)
-        if self._adopt_root is None:
-            on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
-        else:
-            row = await self._j(self._journal.step, step)
-            on_disk = row is not None and await self._io(Path(row.path).is_dir)
-        self._log_failure(step, sink, state, f, attempt, err, on_disk=on_disk)
-
-    def _log_failure(
-        self,
-        step: int,
-        sink: str | None,
-        state: StepState | LaneState,
-        f: Failure,
-        attempt: int,
-        err: BaseException,
-        *,
-        on_disk: bool,
-    ) -> None:
-        hint = (
-            getattr(err, "hint", None)
-            if on_disk or "hint" in vars(err)  # a hint given for this case itself
-            else "the step was deleted from ROOT while in work; "
-            "save it again to export it (the new save is picked up as a new version of the step)"
-        )
-        if self.settings.once and isinstance(hint, str):  # a daemon's would outlive every summary: none
-            self._failure_hints[(step, sink)] = (f.error_class, hint)
         self._log_step(
             step,
             sink,
@@ -90,3 +76,23 @@ class WorkFailures(SinkOutages):
         )
         if not isinstance(err, StagerdError):
             log.debug("unexpected error", exc_info=err)
+
+
+def recorded_hint(err: BaseException, *, on_disk: bool) -> str | None:
+    """What to do about `err`, with no secret in it: it is logged, and kept in the journal, which any user
+    who may run `stagerd status` reads. A hint names a sink's URL at times, a Hub token never on purpose."""
+    hint = (
+        getattr(err, "hint", None)
+        if on_disk or "hint" in vars(err)  # a hint given for this case itself
+        else "the step was deleted from ROOT while in work; "
+        "save it again to export it (the new save is picked up as a new version of the step)"
+    )
+    if not isinstance(hint, str):
+        return None
+    return redact(_URL.sub(_redact_url, hint), None)
+
+
+def _redact_url(m: re.Match[str]) -> str:
+    url = m.group()
+    # only a URL that may hold a secret is rewritten: the rest stay exactly as the error wrote them
+    return redact_url(url) if "@" in url or "?" in url else url

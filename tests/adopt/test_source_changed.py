@@ -12,8 +12,8 @@ import pytest
 
 from stagerd.contract import layout
 from tests.adopt import ranks
-from tests.adopt.helpers import published
-from tests.cli_helpers import start_cli
+from tests.adopt.helpers import published, watch_once
+from tests.cli_helpers import run_cli, start_cli
 from tests.cmd.restore_helpers import wait_for_line
 from tests.daemon_helpers import fast_flags
 
@@ -72,4 +72,14 @@ def test_a_checkpoint_rotated_away_before_its_export_is_named_so(tmp_path):
     assert not published(sink, 1).exists() and "0 step(s) published" in log, log
     # the summary's hint is this case's, not its class's (before: "name the preset with --adopt PRESET")
     said = next(ln for ln in out.splitlines() if ln.strip().startswith("step 1: quarantined"))
+    assert "--delete-adopted --keep-last N" in said and "name the preset" not in said, said
+    # The journal keeps this case's hint: `stagerd status` prints it under the step's error within the
+    # terminal, and the next run's summary says it again (before: the class's, for another case).
+    status = run_cli(["status", root], env={"COLUMNS": "80"})
+    assert status.returncode == 0 and all(len(ln) <= 80 for ln in status.stdout.splitlines()), status.stdout
+    below = " ".join(status.stdout[status.stdout.index("errors:") :].split())
+    assert "hint: " in below and "--delete-adopted --keep-last N" in below, status.stdout
+    assert "name the preset" not in below, status.stdout
+    again = watch_once(root, sink)
+    said = next(ln for ln in again.stdout.splitlines() if ln.strip().startswith("step 1: quarantined"))
     assert "--delete-adopted --keep-last N" in said and "name the preset" not in said, said

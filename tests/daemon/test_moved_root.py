@@ -11,7 +11,7 @@ import sqlite3
 
 from stagerd.daemon.journal import Journal, journal_path
 from tests.cli_helpers import run_cli
-from tests.daemon_helpers import fast_flags, stage_copy
+from tests.daemon_helpers import DROP_HINTS, fast_flags, stage_copy
 
 
 def test_a_daemon_on_a_moved_root_never_touches_the_root_now_at_the_old_place(tmp_path, dcp_mixed2):
@@ -40,7 +40,8 @@ def test_a_schema_1_journal_with_absolute_paths_keeps_only_names_after_the_upgra
     journal.add_step(5, tmp_path / "step-00000005", 1.0, "sha256:x")
     journal.close()
     conn = sqlite3.connect(journal_path(tmp_path))
-    conn.execute("ALTER TABLE steps DROP COLUMN marker_id")
+    for sql in ("ALTER TABLE steps DROP COLUMN marker_id", *DROP_HINTS):
+        conn.execute(sql)
     conn.execute("UPDATE steps SET path = '/elsewhere/root/step-00000005'")
     conn.execute("PRAGMA user_version=1")
     conn.commit()

@@ -146,3 +146,17 @@ def hub_try_waits(attempts: int) -> float:
     no Retry-After from the Hub)."""
     policy = RetryPolicy(max_attempts=attempts)
     return sum(min(policy.backoff_max, policy.backoff_base * 2 ** (k - 1)) for k in range(1, attempts))
+
+
+def test_a_hint_kept_in_the_journal_holds_no_secret():
+    """A hint may quote a sink's URL; the journal keeping it is read by anyone who runs `stagerd status`."""
+    from stagerd.daemon.work_failures import recorded_hint
+
+    err = SinkError(
+        "refused",
+        hint="check https://bob:pw-SECRET@host/b?sig=SIG-SECRET or hf_TOKENSECRET123 for file:///a/b.",
+    )
+    hint = recorded_hint(err, on_disk=True)
+    assert hint is not None and "SECRET" not in hint, hint
+    assert "https://bob:***@host/b" in hint and "file:///a/b." in hint, hint
+    assert recorded_hint(ValueError("no hint"), on_disk=True) is None

@@ -19,7 +19,7 @@ from stagerd.contract import layout
 from stagerd.daemon.journal import Journal, LaneState, StepState, journal_path
 from stagerd.errors import JournalError
 from tests.cli_helpers import clean_env, run_cli
-from tests.daemon_helpers import fast_flags, stage_copy, start_watch
+from tests.daemon_helpers import DROP_HINTS, fast_flags, stage_copy, start_watch
 
 EXPORTED = {"seconds": 1, "export_bytes": 1, "tensor_bytes": 1, "files": 1, "skipped": False}
 
@@ -125,7 +125,8 @@ def _schema_1_journal(root: Path) -> None:
     journal.add_step(5, root / "step-00000005", 1.0, "sha256:x")
     journal.close()
     conn = sqlite3.connect(path)
-    conn.execute("ALTER TABLE steps DROP COLUMN marker_id")
+    for sql in ("ALTER TABLE steps DROP COLUMN marker_id", *DROP_HINTS):
+        conn.execute(sql)
     conn.execute("PRAGMA user_version=1")
     conn.commit()
     conn.close()

@@ -87,7 +87,7 @@ class Journal(RawLanes):
             c.execute(
                 "UPDATE steps SET state = ?, export_finished = ?, export_seconds = ?, export_bytes = ?, "
                 "tensor_bytes = ?, export_files = ?, export_skipped = ?, error_class = NULL, "
-                "error_message = NULL, next_try = NULL, updated = ? WHERE step = ?",
+                "error_message = NULL, error_hint = NULL, next_try = NULL, updated = ? WHERE step = ?",
                 (EXPORTED, now, seconds, export_bytes, tensor_bytes, files, int(skipped), now, step),
             )
             self._event(c, step, None, old, EXPORTED, now=now)
@@ -104,10 +104,18 @@ class Journal(RawLanes):
         return bool(cur.rowcount)
 
     def fail_export(
-        self, step: int, error_class: str, message: str, *, next_try: float | None, quarantine: bool
+        self,
+        step: int,
+        error_class: str,
+        message: str,
+        *,
+        next_try: float | None,
+        quarantine: bool,
+        hint: str | None = None,
     ) -> StepState:
-        """exporting -> failed (retry at `next_try`) or quarantined; returns the new state."""
-        return self._fail_step(step, (EXPORTING,), error_class, message, next_try, quarantine)
+        """exporting -> failed (retry at `next_try`) or quarantined; returns the new state. `hint`: what to
+        do, as the error said it for this case (None: its class's hint is all there is)."""
+        return self._fail_step(step, (EXPORTING,), error_class, message, next_try, quarantine, hint)
 
     def quarantine_step(self, step: int, error_class: str, message: str) -> None:
         """Any live state -> quarantined: kept on disk, reported, never deleted, never retried."""
@@ -123,15 +131,16 @@ class Journal(RawLanes):
         message: str,
         next_try: float | None,
         quarantine: bool,
+        hint: str | None = None,
     ) -> StepState:
         now = time.time()
         new = QUARANTINED if quarantine else FAILED
         with self._tx() as c:
             old = self._step_state(c, step, allowed)
             c.execute(
-                "UPDATE steps SET state = ?, error_class = ?, error_message = ?, next_try = ?, updated = ? "
-                "WHERE step = ?",
-                (new, error_class, message, None if quarantine else next_try, now, step),
+                "UPDATE steps SET state = ?, error_class = ?, error_message = ?, error_hint = ?, "
+                "next_try = ?, updated = ? WHERE step = ?",
+                (new, error_class, message, hint, None if quarantine else next_try, now, step),
             )
             self._event(c, step, None, old, new, error_class, message, now=now)
             if quarantine:  # by any way (a vanished step directory among them): it waits for nothing
@@ -175,8 +184,8 @@ class Journal(RawLanes):
             old = self._lane_state(c, step, sink, (PUBLISHING,))
             c.execute(
                 "UPDATE lanes SET state = ?, finished = ?, seconds = ?, bytes_total = ?, bytes_uploaded = ?, "
-                "location = ?, skipped = ?, error_class = NULL, error_message = NULL, updated = ? "
-                "WHERE step = ? AND sink = ?",
+                "location = ?, skipped = ?, error_class = NULL, error_message = NULL, error_hint = NULL, "
+                "updated = ? WHERE step = ? AND sink = ?",
                 (
                     PUBLISHED,
                     now,
@@ -221,9 +230,10 @@ class Journal(RawLanes):
         *,
         next_try: float | None,
         quarantine: bool,
+        hint: str | None = None,
     ) -> LaneState:
         """lane publishing -> failed (retry at `next_try`) or quarantined; returns the new lane state."""
-        return self._fail_lane(step, sink, (PUBLISHING,), error_class, message, next_try, quarantine)
+        return self._fail_lane(step, sink, (PUBLISHING,), error_class, message, next_try, quarantine, hint)
 
     def quarantine_lane(self, step: int, sink: str, error_class: str, message: str) -> None:
         """Lane pending|failed -> quarantined (a publish that keeps killing the daemon)."""
@@ -251,15 +261,16 @@ class Journal(RawLanes):
         message: str,
         next_try: float | None,
         quarantine: bool,
+        hint: str | None = None,
     ) -> LaneState:
         now = time.time()
         new = LaneState.QUARANTINED if quarantine else LaneState.FAILED
         with self._tx() as c:
             old = self._lane_state(c, step, sink, allowed)
             c.execute(
-                "UPDATE lanes SET state = ?, error_class = ?, error_message = ?, next_try = ?, updated = ? "
-                "WHERE step = ? AND sink = ?",
-                (new, error_class, message, None if quarantine else next_try, now, step, sink),
+                "UPDATE lanes SET state = ?, error_class = ?, error_message = ?, error_hint = ?, "
+                "next_try = ?, updated = ? WHERE step = ? AND sink = ?",
+                (new, error_class, message, hint, None if quarantine else next_try, now, step, sink),
             )
             self._event(c, step, sink, old, new, error_class, message, now=now)
             if quarantine:

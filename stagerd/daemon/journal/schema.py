@@ -16,7 +16,9 @@ from stagerd.contract import layout
 from stagerd.errors import JournalError, JournalFullError
 
 JOURNAL_NAME = "journal.sqlite"
-SCHEMA_VERSION = 2  # 2: steps.marker_id (which save of the step the row is); paths are names in ROOT
+# 2: steps.marker_id (which save of the step the row is); paths are names in ROOT. 3: steps.error_hint and
+# lanes.error_hint, what to do about the recorded failure (NULL in a row failed before: its class's hint)
+SCHEMA_VERSION = 3
 # The newest retired steps that keep their whole history (events and lanes): days of a run that saves
 # every few minutes. An older retired step keeps its `steps` row alone: its save's identity (what a save of
 # that number again is checked against), times and sizes; about 0.2 KB of the 1.5 KB a step's history
@@ -78,7 +80,8 @@ CREATE TABLE IF NOT EXISTS steps (
     published_at    REAL,
     retired_at      REAL,
     updated         REAL NOT NULL,
-    marker_id       TEXT
+    marker_id       TEXT,
+    error_hint      TEXT
 );
 CREATE TABLE IF NOT EXISTS lanes (
     step            INTEGER NOT NULL REFERENCES steps(step),
@@ -96,6 +99,7 @@ CREATE TABLE IF NOT EXISTS lanes (
     location        TEXT,
     skipped         INTEGER,
     updated         REAL NOT NULL,
+    error_hint      TEXT,
     PRIMARY KEY (step, sink)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -178,6 +182,7 @@ class StepRow:
     retired_at: float | None
     updated: float
     marker_id: str | None  # `commit_marker.marker_identity` of the save; None for a row from schema 1
+    error_hint: str | None  # what to do about the failure, as its error said; None before schema 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", StepState(self.state))
@@ -202,6 +207,7 @@ class LaneRow:
     location: str | None
     skipped: int | None
     updated: float
+    error_hint: str | None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", LaneState(self.state))
@@ -319,6 +325,22 @@ def columns(cls: type) -> str:
     return ", ".join(f.name for f in fields(cls))
 
 
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """An older schema's tables -> this one's; the columns and the version move together, or neither."""
+    conn.execute("BEGIN IMMEDIATE")
+    version = conn.execute("PRAGMA user_version").fetchone()[0]  # another opener may have upgraded it
+    if version < 2:  # schema 1 predates step identity: its rows learn theirs at the next scan
+        conn.execute("ALTER TABLE steps ADD COLUMN marker_id TEXT")
+        # Schema 1 kept absolute paths, which a moved or copied ROOT would still follow: names only.
+        for step, old in conn.execute("SELECT step, path FROM steps").fetchall():
+            conn.execute("UPDATE steps SET path = ? WHERE step = ?", (PurePath(old).name, step))
+    if version < 3:  # a failure recorded before keeps no hint: readers fall back to its class's
+        conn.execute("ALTER TABLE steps ADD COLUMN error_hint TEXT")
+        conn.execute("ALTER TABLE lanes ADD COLUMN error_hint TEXT")
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+    conn.execute("COMMIT")
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """Connect, set WAL, check the schema version and create the tables; closed again on any failure."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
@@ -335,14 +357,8 @@ def connect(path: Path) -> sqlite3.Connection:
             raise JournalError(
                 f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})", path=path
             )
-        if version == 1:  # schema 1 predates step identity: its rows learn theirs at the next scan
-            conn.execute("BEGIN IMMEDIATE")  # the column and the version move together, or neither
-            conn.execute("ALTER TABLE steps ADD COLUMN marker_id TEXT")
-            # Schema 1 kept absolute paths, which a moved or copied ROOT would still follow: names only.
-            for step, old in conn.execute("SELECT step, path FROM steps").fetchall():
-                conn.execute("UPDATE steps SET path = ? WHERE step = ?", (PurePath(old).name, step))
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            conn.execute("COMMIT")
+        if 0 < version < SCHEMA_VERSION:
+            _upgrade(conn)
         conn.executescript(_SCHEMA)
         _add_step_counts(conn)
         conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

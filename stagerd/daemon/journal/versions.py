@@ -101,7 +101,7 @@ class StepVersions(JournalStore):
                     continue
                 c.execute(
                     "UPDATE lanes SET state = ?, attempts = 0, error_class = NULL, error_message = NULL, "
-                    "next_try = NULL, updated = ? WHERE step = ? AND sink = ?",
+                    "error_hint = NULL, next_try = NULL, updated = ? WHERE step = ? AND sink = ?",
                     (LaneState.PENDING, now, step, lane_sink),
                 )
                 self._event(c, step, lane_sink, lane_state, LaneState.PENDING, message="retry", now=now)
@@ -181,8 +181,8 @@ class StepVersions(JournalStore):
     ) -> None:
         error = message if error_class else None
         c.execute(
-            "UPDATE steps SET state = ?, error_class = ?, error_message = ?, next_try = NULL, updated = ? "
-            "WHERE step = ?",
+            "UPDATE steps SET state = ?, error_class = ?, error_message = ?, error_hint = NULL, "
+            "next_try = NULL, updated = ? WHERE step = ?",
             (new, error_class, error, now, step),
         )
         self._event(c, step, None, old, new, error_class, message, now=now)

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from stagerd.daemon.journal import SCHEMA_VERSION, Journal, journal_path
-from stagerd.errors import JournalError
+from stagerd.errors import JournalError, ShardError
+from tests.daemon_helpers import DROP_HINTS
 
 A, B = "file:///a", "s3://bucket/run"
 
@@ -226,6 +227,50 @@ def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
     path.write_bytes(b"this is not a database" * 100)
     with pytest.raises(JournalError, match="cannot"):
         Journal.open(tmp_path)
+
+
+def test_a_failures_hint_is_kept_and_a_schema_2_journal_falls_back_to_its_class(tmp_path):
+    """Since schema 3 a failure keeps the hint its error gave for its own case, which `stagerd status` and
+    a later `--once` summary print; a journal of schema 2 opens, its failures with no hint (their class's
+    is shown), and records hints from then on."""
+    from stagerd.cmd.status import collect
+
+    j = Journal.open(tmp_path)
+    exported(j, 1)
+    j.begin_publish(1, A)
+    j.fail_publish(1, A, "OSError", "refused", next_try=None, quarantine=True, hint="a case's own")
+    j.add_step(2, "/root/step-00000002", 1.0)
+    j.begin_export(2)
+    j.fail_export(2, "ShardError", "torn", next_try=None, quarantine=True, hint="re-save step 2")
+    assert j.step(2).error_hint == "re-save step 2"
+    assert {ln.sink: ln.error_hint for ln in j.lanes(1)} == {A: "a case's own", B: None}
+    j.close()
+    conn = sqlite3.connect(journal_path(tmp_path))
+    for sql in (*DROP_HINTS, "PRAGMA user_version=2"):
+        conn.execute(sql)
+    conn.commit()
+    conn.close()
+    with pytest.raises(JournalError, match="schema 2, from an older stagerd"):
+        Journal.open_readonly(tmp_path)
+
+    j = Journal.open(tmp_path)
+    try:
+        assert j.step(2).error_hint is None and j.step(2).error_class == "ShardError"
+        steps = {s["step"]: s for s in collect(tmp_path, include_retired=True)["steps"]}
+        assert steps[2]["error_hint"] == ShardError.hint  # no hint recorded: the class's
+        assert steps[1]["lanes"][0]["error_hint"] is None  # no hint recorded, none of its class
+        j.retry(2)
+        j.begin_export(2)
+        j.fail_export(2, "ShardError", "torn", next_try=5.0, quarantine=False, hint="this case's")
+        assert j.step(2).error_hint == "this case's"
+        j.begin_export(2)
+        j.finish_export(2, [A], seconds=1.0, export_bytes=1, tensor_bytes=1, files=1, skipped=False)
+        assert j.step(2).error_hint is None  # the failure is over
+    finally:
+        j.close()
+    conn = sqlite3.connect(journal_path(tmp_path))
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    conn.close()
 
 
 def test_a_damaged_or_locked_journal_says_what_to_do(tmp_path, j):
