@@ -19,6 +19,7 @@ JOURNAL_NAME = "journal.sqlite"
 # 2: steps.marker_id (which save of the step the row is); paths are names in ROOT. 3: steps.error_hint and
 # lanes.error_hint, what to do about the recorded failure (NULL in a row failed before: its class's hint)
 SCHEMA_VERSION = 3
+HINTLESS_VERSION = 2  # `stagerd status` reads it as it is, while the older daemon writing it runs
 # The newest retired steps that keep their whole history (events and lanes): days of a run that saves
 # every few minutes. An older retired step keeps its `steps` row alone: its save's identity (what a save of
 # that number again is checked against), times and sizes; about 0.2 KB of the 1.5 KB a step's history

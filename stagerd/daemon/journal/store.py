@@ -20,6 +20,7 @@ from stagerd.daemon.journal.schema import (
     COMMITTED,
     EXPORTED,
     FAILED,
+    HINTLESS_VERSION,
     PENDING,
     PUBLISHED,
     QUARANTINED,
@@ -61,6 +62,7 @@ class JournalStore:
         self.readonly = readonly
         self._opened = None if readonly else os.stat(path)  # the file this connection writes
         self._counted: bool | None = None  # whether the journal keeps `step_counts`; asked once
+        self._hintless = False  # a schema-2 journal, read as it is: its failures keep no hint
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Self:
@@ -94,6 +96,10 @@ class JournalStore:
         except sqlite3.DatabaseError as e:
             conn.close()
             raise journal_error(e, path, "read the journal") from None
+        if version == HINTLESS_VERSION:  # the older daemon that writes it still runs: read it as it is
+            journal = cls(conn, path, readonly=True)
+            journal._hintless = True
+            return journal
         if version != SCHEMA_VERSION:
             conn.close()
             if version == 0:
@@ -110,6 +116,11 @@ class JournalStore:
                 )
             raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
         return cls(conn, path, readonly=True)
+
+    def _columns(self, row: type) -> str:
+        """The SELECT list of `row`'s fields; in a schema-2 journal, with no hint for any failure."""
+        names = columns(row)
+        return names.replace("error_hint", "NULL AS error_hint") if self._hintless else names
 
     @property
     def root(self) -> Path:
@@ -222,17 +233,17 @@ class JournalStore:
         where = "" if include_retired else f"WHERE state IN ({_LIVE})"
         return [
             self._step_row(r)
-            for r in self._query(f"SELECT {columns(StepRow)} FROM steps {where} ORDER BY step")
+            for r in self._query(f"SELECT {self._columns(StepRow)} FROM steps {where} ORDER BY step")
         ]
 
     def step(self, step: int) -> StepRow | None:
-        rows = self._query(f"SELECT {columns(StepRow)} FROM steps WHERE step = ?", (step,))
+        rows = self._query(f"SELECT {self._columns(StepRow)} FROM steps WHERE step = ?", (step,))
         return self._step_row(rows[0]) if rows else None
 
     def lanes(self, step: int | None = None, *, include_retired: bool = True) -> list[LaneRow]:
         """Lanes, of one step or all; `include_retired=False`: only live steps' (a long run's journal keeps
         every retired step's lanes, which a scan, a `--once` check or `status` must not read each time)."""
-        sql = f"SELECT {columns(LaneRow)} FROM lanes"
+        sql = f"SELECT {self._columns(LaneRow)} FROM lanes"
         args: tuple = ()
         if step is not None:
             sql, args = sql + " WHERE step = ?", (step,)
@@ -282,7 +293,7 @@ class JournalStore:
         """The lowest step ready to export: committed, or failed with its retry due."""
         skip = set(exclude)
         for r in self._query(
-            f"SELECT {columns(StepRow)} FROM steps WHERE state = ? OR (state = ? AND next_try <= ?) "
+            f"SELECT {self._columns(StepRow)} FROM steps WHERE state = ? OR (state = ? AND next_try <= ?) "
             "ORDER BY step",
             (COMMITTED, FAILED, now),
         ):

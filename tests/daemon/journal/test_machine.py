@@ -250,8 +250,18 @@ def test_a_failures_hint_is_kept_and_a_schema_2_journal_falls_back_to_its_class(
         conn.execute(sql)
     conn.commit()
     conn.close()
-    with pytest.raises(JournalError, match="schema 2, from an older stagerd"):
-        Journal.open_readonly(tmp_path)
+    # `stagerd status` while the older daemon still writes it: read as it is, no hints, the class's shown
+    ro = Journal.open_readonly(tmp_path)
+    try:
+        assert ro.step(2).error_hint is None and ro.step(2).error_class == "ShardError"
+        assert [ln.error_hint for ln in ro.lanes(1)] == [None, None]
+    finally:
+        ro.close()
+    steps = {s["step"]: s for s in collect(tmp_path, include_retired=True)["steps"]}
+    assert steps[2]["error_hint"] == ShardError.hint
+    conn = sqlite3.connect(journal_path(tmp_path))
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2  # status upgrades nothing
+    conn.close()
 
     j = Journal.open(tmp_path)
     try:
