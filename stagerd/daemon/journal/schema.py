@@ -16,6 +16,9 @@ from stagerd.contract import layout
 from stagerd.errors import JournalError, JournalFullError
 
 JOURNAL_NAME = "journal.sqlite"
+NEWER_HINT = (
+    "run the stagerd that wrote it (or a newer one: pip install -U stagerd); this one leaves it as it is"
+)
 # 2: steps.marker_id (which save of the step the row is); paths are names in ROOT. 3: steps.error_hint and
 # lanes.error_hint, what to do about the recorded failure (NULL in a row failed before: its class's hint)
 SCHEMA_VERSION = 3
@@ -356,7 +359,9 @@ def connect(path: Path) -> sqlite3.Connection:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise JournalError(
-                f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})", path=path
+                f"written by a newer stagerd (schema {version}, this one knows {SCHEMA_VERSION})",
+                path=path,
+                hint=NEWER_HINT,
             )
         if 0 < version < SCHEMA_VERSION:
             _upgrade(conn)

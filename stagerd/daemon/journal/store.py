@@ -21,6 +21,7 @@ from stagerd.daemon.journal.schema import (
     EXPORTED,
     FAILED,
     HINTLESS_VERSION,
+    NEWER_HINT,
     PENDING,
     PUBLISHED,
     QUARANTINED,
@@ -114,7 +115,11 @@ class JournalStore:
                     f"upgrades it to {SCHEMA_VERSION}",
                     path=path,
                 )
-            raise JournalError(f"journal schema {version}, this stagerd reads {SCHEMA_VERSION}", path=path)
+            raise JournalError(
+                f"journal schema {version}, from a newer stagerd; this one reads {SCHEMA_VERSION}",
+                path=path,
+                hint=NEWER_HINT,
+            )
         return cls(conn, path, readonly=True)
 
     def _columns(self, row: type) -> str:

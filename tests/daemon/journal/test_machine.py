@@ -222,8 +222,10 @@ def test_missing_newer_or_corrupt_journals_are_named_errors(tmp_path):
     conn = sqlite3.connect(path)
     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
     conn.close()
-    with pytest.raises(JournalError, match="newer stagerd"):
-        Journal.open(tmp_path)
+    for opening in (Journal.open, Journal.open_readonly):  # the daemon, and `status`
+        with pytest.raises(JournalError, match="newer stagerd") as e:
+            opening(tmp_path)
+        assert "pip install -U stagerd" in e.value.hint  # not "watch creates it on its first start"
     path.write_bytes(b"this is not a database" * 100)
     with pytest.raises(JournalError, match="cannot"):
         Journal.open(tmp_path)
