@@ -6,6 +6,7 @@ exported again and published with what is there now."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,21 +26,30 @@ def _resave(ckpt: Path) -> None:
     dcp.save({"model": {"w": torch.ones(8, 4), "b": torch.ones(8)}}, checkpoint_id=str(ckpt), no_dist=True)
 
 
+def _paused_once(root: Path, sink: Path, point: str, act: Callable[[], object]) -> tuple[int, str, str]:
+    """`watch --adopt --once` held at the delay point `point` while `act` (the trainer) runs: its exit code,
+    stdout and stderr."""
+    go_on = root.parent / "go-on"
+    args = ["watch", root, "--adopt", "--sink", f"file://{sink}", "--once", *fast_flags()]
+    daemon = start_cli(args, env={"STAGERD_DELAY_AT": f"{point}:120", "STAGERD_DELAY_RELEASE": str(go_on)})
+    try:
+        wait_for_line(daemon, f"delay point {point}")
+        act()
+    finally:
+        go_on.touch()
+        out, err = daemon.communicate(timeout=120)
+    return daemon.returncode, out, err
+
+
 @pytest.mark.parametrize("change", ["resaved", "deleted"])
 def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_path, change):
     from safetensors.torch import load_file
 
-    root, sink, go_on = tmp_path / "root", tmp_path / "sink", tmp_path / "go-on"
+    root, sink = tmp_path / "root", tmp_path / "sink"
     ckpt = root / "step-1"
     ranks.write(str(ckpt))
-    args = ["watch", root, "--adopt", "--sink", f"file://{sink}", "--once", *fast_flags()]
-    daemon = start_cli(args, env={"STAGERD_DELAY_AT": "adopt.built:120", "STAGERD_DELAY_RELEASE": str(go_on)})
-    try:
-        wait_for_line(daemon, "delay point adopt.built")
-        _resave(ckpt) if change == "resaved" else shutil.rmtree(ckpt)
-    finally:
-        go_on.touch()
-        out, err = daemon.communicate(timeout=120)
+    act = (lambda: _resave(ckpt)) if change == "resaved" else (lambda: shutil.rmtree(ckpt))
+    returncode, out, err = _paused_once(root, sink, "adopt.built", act)
     log = out + err
     assert "SourceChangedError" in log, log
     adopted = root / layout.STATE_DIR / "adopted" / "step-1"
@@ -47,7 +57,7 @@ def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_p
     if change == "deleted":
         assert not published(sink, 1).exists() and "0 step(s) published" in log, log
         return
-    assert daemon.returncode == 0 and "1 step(s) published, 0 not" in log, log
+    assert returncode == 0 and "1 step(s) published, 0 not" in log, log
     got = load_file(published(sink, 1) / "model.safetensors")
     assert all(bool((t == 1).all()) for t in got.values()) and sorted(got) == ["b", "w"], got
 
@@ -55,17 +65,10 @@ def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_p
 def test_a_checkpoint_rotated_away_before_its_export_is_named_so(tmp_path):
     """Seen finished, then deleted by the trainer's rotation (`save_total_limit`) before the export opened
     it: the log says so, not that no preset recognises the checkpoint."""
-    root, sink, go_on = tmp_path / "root", tmp_path / "sink", tmp_path / "go-on"
+    root, sink = tmp_path / "root", tmp_path / "sink"
     ckpt = root / "step-1"
     ranks.write(str(ckpt))
-    args = ["watch", root, "--adopt", "--sink", f"file://{sink}", "--once", *fast_flags()]
-    daemon = start_cli(args, env={"STAGERD_DELAY_AT": "adopt.open:120", "STAGERD_DELAY_RELEASE": str(go_on)})
-    try:
-        wait_for_line(daemon, "delay point adopt.open")
-        shutil.rmtree(ckpt)
-    finally:
-        go_on.touch()
-        out, err = daemon.communicate(timeout=120)
+    _, out, err = _paused_once(root, sink, "adopt.open", lambda: shutil.rmtree(ckpt))
     log = out + err
     assert "deleted before its export began" in log and "save_total_limit" in log, log
     assert "--delete-adopted --keep-last N" in log and "no preset recognises" not in log, log
