@@ -191,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
-        print(f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not")
+        print(
+            f"stagerd watch --once: {s.published_count} step(s) published, {len(s.unpublished)} not"
+            f" ({s.published_now} published by this run)"
+        )
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
         from stagerd.daemon.summary import down_text, missed_text, restored_text

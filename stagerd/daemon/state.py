@@ -67,6 +67,7 @@ class DaemonState:
     _odd_names: set[str]  # names like step directories that are not, warned about once each
     _unfinished: list[Unfinished]  # the saves the last scan left alone as unfinished: `--once` names them
     _adopt_root: Path | None  # `--adopt`: where adopted checkpoints' exports are built; None: Stager steps
+    _started: float  # when `run` began: a `--once` summary counts the steps this run published apart
 
     def _work_dir(self, step_dir: Path) -> Path:
         """Where a step's export is built: in the step directory, or for an adopted checkpoint (which is

@@ -22,6 +22,7 @@ class Summary:
 
     published_count: int = 0  # steps published, retired ones included
     published: list[int] = field(default_factory=list)  # the newest `NEWEST_LISTED` of them, ascending
+    published_now: int = 0  # of them, those this run published: the rest were published by earlier runs
     unpublished: list[tuple[int, str]] = field(default_factory=list)  # (step, why)
     # (count, newest) of the steps `stagerd restore` landed: never published by a daemon, so not counted
     restored: tuple[int, list[int]] = (0, [])
@@ -47,6 +48,7 @@ class OnceSummary(SinkOutages):
             lanes.setdefault(ln.step, []).append(ln)
         retired, newest = await self._j(self._journal.retired_summary, NEWEST_LISTED)
         out = Summary(published_count=retired, published=newest)
+        out.published_now = await self._j(self._journal.published_since, self._started)
         out.restored = await self._j(self._journal.retired_summary, NEWEST_LISTED, restored=True)
         configured = set(self._lane_keys())
         down = {sink: f"{f.error_class}: {f.message}" for sink, f in self.down_sinks().items()}
@@ -98,21 +100,28 @@ class OnceSummary(SinkOutages):
         if summary.ok:
             lacking = ", ".join(f"{s} lacks {n}" for s, (n, _) in summary.missed.items())
             log.info(
-                "--once: %s%d step(s) published%s%s",
+                "--once: %s%d step(s) published%s, %s%s",
                 "" if summary.missed or summary.unfinished[0] else "all ",
                 summary.published_count,
                 _newest(summary),
+                this_run(summary.published_now),
                 f", not all on every sink: {lacking} (retired before it was configured)" if lacking else "",
-                extra={"published": summary.published_count, "newest_published": summary.published},
+                extra={
+                    "published": summary.published_count,
+                    "published_this_run": summary.published_now,
+                    "newest_published": summary.published,
+                },
             )
             return 0
         log.error(
-            "--once: %d step(s) published, %d NOT published%s",
+            "--once: %d step(s) published, %d NOT published%s, %s",
             summary.published_count,
             len(summary.unpublished),
             _newest(summary),
+            this_run(summary.published_now),
             extra={
                 "published": summary.published_count,
+                "published_this_run": summary.published_now,
                 "newest_published": summary.published,
                 "unpublished": [s for s, _ in summary.unpublished],
             },
@@ -122,6 +131,11 @@ class OnceSummary(SinkOutages):
         for sink, (failure, steps) in summary.down.items():
             log.error(down_text(sink, failure, steps), extra={"sink": sink, "down": steps})
         return 1
+
+
+def this_run(count: int) -> str:
+    """How many of the published steps this run published: a cron's run says what it did itself."""
+    return f"{count} by this run"
 
 
 def missed_text(sink: str, count: int, steps: list[int]) -> str:

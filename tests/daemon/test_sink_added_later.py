@@ -21,12 +21,16 @@ async def test_a_sink_added_later_is_told_which_retired_steps_it_never_got(tmp_p
     common = ["--keep-last", "1", "--once", *fast_flags()]
     rc, out, err = await run_cli("watch", str(root), "--sink", a.as_uri(), *common)
     assert rc == 0 and "all 3 step(s) published" in err and "never got" not in out + err, out + err
+    assert "3 step(s) published, 0 not (3 published by this run)" in out and "3 by this run" in err, out
     assert sorted(manifests(a)) == [1, 2, 3]
 
     rc, out, err = await run_cli("watch", str(root), "--sink", a.as_uri(), "--sink", b.as_uri(), *common)
     assert rc == 0, out + err  # nothing a later run could do: not a failure
     assert sorted(manifests(b)) == [3]  # what is still staged
     assert "all 3 step(s) published" not in err, err
+    # the count is ROOT's; what this run did is said apart (before, only the count: a cron's run that
+    # published nothing new said "3 step(s) published" like the run that published them)
+    assert "3 step(s) published, 0 not (1 published by this run)" in out, out  # step 3, to b
     assert f"{b.as_uri()} lacks 2 (retired before it was configured)" in err, err
     said = f"{b.as_uri()} never got 2 step(s) (1, 2): retention deleted their staged data"
     assert said in out and said in err, out + err

@@ -274,6 +274,10 @@ class JournalStore:
         )
         return count, sorted(r[0] for r in rows)
 
+    def published_since(self, since: float) -> int:
+        """How many steps were published (on every sink) at or after `since`, retired ones included."""
+        return int(self._query("SELECT COUNT(*) FROM steps WHERE published_at >= ?", (since,))[0][0])
+
     def missed(self, sinks: Iterable[str], newest: int) -> dict[str, tuple[int, list[int]]]:
         """sink -> (how many, the newest `newest` ascending) of the retired steps it never got a lane for:
         retired before the sink was configured, their staged data gone, so nothing can publish them there.
