@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -24,6 +24,16 @@ DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
 MAX_WORKERS = 256
 MAX_COUNT = 1_000_000_000
 DAY, WEEK = 86_400.0, 7 * 86_400.0
+
+
+class ExportOptions(TypedDict):
+    """The settings `export_step` and `export_adopted` both take, as their keyword arguments."""
+
+    dtype: str | None
+    keep_dtype: str | None
+    max_shard_size: int
+    threads: int
+    default_shard_size: bool
 
 
 class Settings(BaseSettings):
@@ -216,6 +226,16 @@ class Settings(BaseSettings):
         if self.max_shard_size is not None:
             return int(self.max_shard_size)
         return FLEET_MAX_SHARD_SIZE if fleet or self.exchange else DEFAULT_MAX_SHARD_SIZE
+
+    def export_options(self) -> ExportOptions:
+        """What a daemon's export of any step (staged or adopted) is given from these settings."""
+        return ExportOptions(
+            dtype=self.dtype,
+            keep_dtype=self.keep_dtype,
+            max_shard_size=self.shard_size(),
+            threads=self.export_threads,
+            default_shard_size=self.max_shard_size is None,
+        )
 
     @model_validator(mode="after")
     def _check_adopt(self) -> Settings:

@@ -320,13 +320,9 @@ class Adoption(Discovery):
                 self._work_dir(step_dir),
                 options,
                 step=step,
-                dtype=s.dtype,
-                keep_dtype=s.keep_dtype,
-                max_shard_size=s.shard_size(),
-                threads=s.export_threads,
                 progress=progress,
                 rebuild=rebuild,
-                default_shard_size=s.max_shard_size is None,
+                **s.export_options(),
             )
         except AdoptError:
             if os.path.lexists(step_dir):

@@ -161,15 +161,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
             if s.adopt is not None:
                 return self._export_adopted(step, step_dir, report, rebuild)
             return export_step(
-                step_dir,
-                dtype=s.dtype,
-                keep_dtype=s.keep_dtype,
-                mapping=s.mapping,
-                max_shard_size=s.shard_size(),
-                threads=s.export_threads,
-                progress=report,
-                rebuild=rebuild,
-                default_shard_size=s.max_shard_size is None,
+                step_dir, mapping=s.mapping, progress=report, rebuild=rebuild, **s.export_options()
             )
 
     def _refuse_links(
