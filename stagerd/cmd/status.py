@@ -170,6 +170,9 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         },
         "counts": counts,
         "missed": {sink: {"count": n, "newest": newest} for sink, (n, newest) in missed.items()},
+        # the saves the daemon's last scan left alone as unfinished: {count, newest: [[step, name, rule]],
+        # adopt}; None before a daemon of this version scanned ROOT
+        "unfinished": meta.get("unfinished"),
         "steps": out_steps,
         "note": note,
     }

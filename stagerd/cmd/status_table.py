@@ -21,6 +21,7 @@ from stagerd.cmd.watch_hints import given_up_hint
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.policy import given_up as _given_up
 from stagerd.daemon.summary import missed_text
+from stagerd.daemon.unfinished import Unfinished, unfinished_text
 
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
 _STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
@@ -176,6 +177,10 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         console.print(escape(doc["note"]), overflow="fold")
     for sink, m in doc.get("missed", {}).items():
         console.print(f"[yellow]{escape(missed_text(sink, m['count'], m['newest']))}[/]", overflow="fold")
+    if (u := doc.get("unfinished")) and u["count"]:
+        shown = [Unfinished(*x) for x in u["newest"]]
+        text = unfinished_text(u["count"], shown, u["adopt"], then="the daemon")
+        console.print(f"[yellow]at the daemon's last scan, {escape(text)}[/]", overflow="fold")
     sinks = _sinks(doc)
     base = [("step", "step"), ("state", "state")]
     optional = [(k, k) for k in OPTIONAL]

@@ -259,7 +259,8 @@ class Adoption(Discovery):
         here = await self._io(self._adopted_steps_here)
         known = await self._j(self._journal.saves, here)
         rows = await self._j(lambda: {s: r for s in known if (r := self._journal.step(s)) is not None})
-        found, odd, self._unfinished = await self._io(self._find_adopted, known)
+        found, odd, unfinished = await self._io(self._find_adopted, known)
+        await self._left_unfinished(unfinished)
         self._odd_names &= {name for name, _ in odd}  # said once while there: one gone is forgotten
         for name, why in sorted(odd):
             if name not in self._odd_names:

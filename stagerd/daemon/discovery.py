@@ -28,7 +28,7 @@ from stagerd.daemon.journal.versions import CONFLICT, REARMED
 from stagerd.daemon.policy import rearmable
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import NEWEST_LISTED, missed_text
-from stagerd.daemon.unfinished import MARKER_RULE, Unfinished
+from stagerd.daemon.unfinished import MARKER_RULE, Unfinished, newest_of
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepConflictError
 
 # A marker's stat that fails so until a person acts: a link loop, a directory the daemon may not enter.
@@ -79,6 +79,20 @@ def _marker_mtime(marker: Path) -> float:
 
 
 class Discovery(JournalGate):
+    async def _left_unfinished(self, found: list[Unfinished]) -> None:
+        """The saves the last scan left alone as unfinished: a `--once` summary names them, and the journal
+        keeps the newest few for `stagerd status` (a half-written save a killed trainer left is otherwise
+        never named by a running daemon). Written only when they change, not at every scan."""
+        self._unfinished = found
+        record = {
+            "count": len(found),
+            "newest": [list(u) for u in newest_of(found, NEWEST_LISTED)],
+            "adopt": self._adopt_root is not None,
+        }
+        if record != self._unfinished_recorded:
+            await self._j(self._journal.set_meta, unfinished=record)
+            self._unfinished_recorded = record
+
     async def _scan(self) -> int:
         """Journal every committed step under ROOT that the journal does not know yet, and every new save
         of a step it knows (a step number saved again)."""
@@ -112,7 +126,8 @@ class Discovery(JournalGate):
 
         dirs, odd = await self._io(listing)
         known = await self._j(self._journal.saves, [step for step, _ in dirs])
-        new, resaved, self._unfinished = await self._io(find, dirs, known)
+        new, resaved, unfinished = await self._io(find, dirs, known)
+        await self._left_unfinished(unfinished)
         self._odd_names &= set(odd)  # warned once while there: a name gone for good is forgotten
         for name in sorted(set(odd) - self._odd_names):
             self._odd_names.add(name)

@@ -49,8 +49,9 @@ def newest_of(found: list[Unfinished], listed: int) -> list[Unfinished]:
     return sorted(found)[-listed:] if listed > 0 else []
 
 
-def unfinished_text(count: int, shown: list[Unfinished], adopt: bool) -> str:
-    """One line: the saves this run left alone as unfinished, grouped by the rule each does not meet."""
+def unfinished_text(count: int, shown: list[Unfinished], adopt: bool, then: str = "the next run") -> str:
+    """One line: the saves this run (or a daemon's last scan) left alone as unfinished, grouped by the rule
+    each does not meet; `then` takes them up."""
     by_rule: dict[str, list[str]] = {}
     for u in shown:
         by_rule.setdefault(u.rule, []).append(u.name)
@@ -59,5 +60,5 @@ def unfinished_text(count: int, shown: list[Unfinished], adopt: bool) -> str:
     what, done = ("checkpoint", "finished") if adopt else ("step", "committed")
     return (
         f"{count} {what}(s) not {done}, left alone{which}: {names}. Their tensors were not read and nothing "
-        f"of them was published; the next run takes each up once it is {done}"
+        f"of them was published; {then} takes each up once it is {done}"
     )

@@ -4,12 +4,14 @@ of them, and a half-written save was passed over in silence, run after run. Not 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from stagerd.contract.adopt.presets import LAYOUTS
 from stagerd.daemon.unfinished import Unfinished, finished_rule, newest_of, unfinished_text
 from tests.adopt import ranks
 from tests.adopt.helpers import published, tree_digest, watch_once
+from tests.cli_helpers import run_cli
 
 LEFT = "checkpoint(s) not finished, left alone"
 
@@ -48,6 +50,28 @@ def test_once_names_each_unfinished_checkpoint_with_its_rule_and_exits_0(tmp_pat
     assert res.stderr.count(LEFT) == 1  # said once, in the summary
     assert "--once: 1 step(s) published" in res.stderr and "all 1 step(s)" not in res.stderr
     assert tree_digest(root) == before
+
+    # `stagerd status` names them too, as the daemon's last scan left them (before: nothing, so a running
+    # daemon never named a save a killed trainer left half-written)
+    said = _status_line(root)
+    assert said.startswith(f"at the daemon's last scan, 3 {LEFT}: step-2 (no --adopt preset"), said
+    assert "the daemon takes each up once it is finished" in said, said
+    doc = json.loads(run_cli(["status", root, "--json"]).stdout)["unfinished"]
+    assert doc["count"] == 3 and [n for _, n, _ in doc["newest"]] == [
+        "step-2",
+        "checkpoint-3",
+        "epoch_0_step_4",
+    ]
+    shutil.copy(model / ".metadata", root / "step-2" / ".metadata")  # finished after all
+    assert watch_once(root, sink).returncode == 0 and published(sink, 2).is_dir()
+    said = _status_line(root)
+    assert f"2 {LEFT}: checkpoint-3" in said and "step-2" not in said, said
+
+
+def _status_line(root):
+    res = run_cli(["status", root], env={"COLUMNS": "1000"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return next(ln for ln in res.stdout.splitlines() if LEFT in ln)
 
 
 def test_the_summary_names_the_newest_few_and_counts_the_rest():
