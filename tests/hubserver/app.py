@@ -304,6 +304,7 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
         repo, _user = self._repo(request, org, name)
         commit = self._rev(repo, rev)
         recursive = request.args.get("recursive", "false").lower() in ("1", "true")
+        expand = request.args.get("expand", "false").lower() in ("1", "true")
         entries = list_tree(commit.tree, sub, recursive)
         if sub and not entries:
             raise HubFail(404, f"{sub} does not exist on {rev}", "EntryNotFound")
@@ -319,6 +320,9 @@ class HubApp(LfsEndpoints, CommitEndpoints, XetEndpoints):
                 item["lfs"] = {"oid": blob.sha256, "size": blob.size, "pointerSize": blob.pointer_size}
             if blob.xet_hash is not None:
                 item["xetHash"] = blob.xet_hash
+            if expand:
+                last = repo.last_commit(commit, path)
+                item["lastCommit"] = {"id": last.oid, "title": last.title, "date": hub_date(last.date)}
             items.append(item)
         return self._page(request, raw_path, items, self.config.tree_page_size, "cursor")
 

@@ -93,6 +93,16 @@ class Repo:
         oid = self.branches.get(rev) or self.tags.get(rev) or (rev if rev in self.commits else None)
         return self.commits.get(oid) if oid else None
 
+    def last_commit(self, head: Commit, path: str) -> Commit:
+        """The newest commit from `head` back that changed `path` (added it, or changed its blob)."""
+        cur = head
+        while cur.parent is not None:
+            before = self.commits[cur.parent].tree.get(path)
+            if before is None or before.git_oid != cur.tree[path].git_oid:
+                return cur
+            cur = self.commits[cur.parent]
+        return cur
+
     def history(self, head: Commit) -> list[Commit]:
         """Commits from `head` back to the root, newest first."""
         out, cur = [], head

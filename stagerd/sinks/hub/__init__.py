@@ -11,8 +11,10 @@ One publish is exactly one `HfApi.create_commit` (never `upload_folder`, which m
 several commits) with the message `stagerd: step N`, then the tag `step-N` on that commit (off main, both
 scoped to the revision: see below). The commit
 names its `parent_commit`, so a concurrent writer makes it fail (and be re-planned) instead of being
-overwritten, and it deletes files of the previous step that the export lacks, so the revision holds
-exactly the export (plus `.gitattributes` and the generated `README.md`).
+overwritten. Of the files the parent holds and the export lacks, it deletes those stagerd wrote (an earlier
+step's shard or extra: the Hub names each file's last commit, `tree.left_beside`) and weights a loader would
+read in place of the export's, whoever wrote them; a person's files (a LICENSE, a `.gitignore`, notes)
+stay as they are, and so does a `README.md` a person wrote or edited, instead of the generated card.
 
 Only what changed is sent: a file whose sha256 (or git blob id) equals the parent commit's entry is left
 out of the commit's operations, which keeps it from the parent. The rest goes through Xet when hf_xet is

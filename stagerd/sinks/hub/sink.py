@@ -31,6 +31,7 @@ from stagerd.sinks.hub.tree import (
     HubFile,
     RemoteFile,
     compare_tree,
+    left_beside,
     plan_commit,
     scan_export,
 )
@@ -242,7 +243,12 @@ class HubSink:
                 self.history_cap,
             )
         branch, parent = self._refs.target(step, branches, head_step)
-        plan = plan_commit(local, card, self._tree(parent))
+        tree = self._tree(parent)
+        if card is not None and (theirs := tree.get(card.path)) is not None and left_beside(theirs):
+            card = card_bytes = None  # a model card a person wrote on the branch is theirs to keep
+        plan = plan_commit(local, card, tree)
+        if plan.beside:
+            log.info("%s: step %d: left as they are: %s", self.url, step, ", ".join(plan.beside))
         size = sum(f.size for f in local) + (card.size if card else 0)
         files = len(local) + (card is not None)
         additions, deletes = commit_operations(export_dir, local, card_bytes, plan)
@@ -306,9 +312,11 @@ class HubSink:
         from huggingface_hub.hf_api import RepoFile
 
         out = {}
-        for f in self._api.list_repo_tree(self.repo_id, recursive=True, revision=commit):
+        # expanded: each file's last commit tells a file stagerd wrote from one a person added
+        for f in self._api.list_repo_tree(self.repo_id, recursive=True, revision=commit, expand=True):
             if isinstance(f, RepoFile):
-                out[f.path] = RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
+                title = f.last_commit.title if f.last_commit else None
+                out[f.path] = RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None, title)
         return out
 
     def _verify(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stagerd.contract.export_tree import walk_entries
 from stagerd.errors import (
@@ -19,13 +19,18 @@ from stagerd.sinks.hub.url import (
     _GIT_OID_MAX,
     _HASH_CHUNK,
     GITATTRIBUTES,
+    title_step,
 )
 
-if TYPE_CHECKING:
-    pass
-
-
 log = logging.getLogger("stagerd.sinks.hub")
+
+# The weights files transformers and PEFT read from a repo's top level, sharded or not: one of them left
+# beside the export would be loaded in place of the export's weights (`model.safetensors` is read before
+# `model.safetensors.index.json`), so a commit deletes every one the export lacks, whoever wrote it.
+_WEIGHTS = re.compile(
+    r"(?:model|pytorch_model|tf_model|flax_model|adapter_model)(?:-[0-9]{5}-of-[0-9]{5})?"
+    r"\.(?:safetensors|bin|h5|msgpack)(?:\.index\.json)?"
+)
 
 # --- the export ---------------------------------------------------------------------------------------
 
@@ -80,12 +85,26 @@ def scan_export(export_dir: Path, *, threads: int = 2) -> list[HubFile]:
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """One file of a remote tree: size, git blob id, and the LFS sha256 when the file is in LFS."""
+    """One file of a remote tree: size, git blob id, the LFS sha256 when the file is in LFS, and the title
+    of the last commit that changed it (None where the Hub did not say)."""
 
     path: str
     size: int
     blob_id: str
     lfs_sha256: str | None
+    last_commit_title: str | None = None
+
+
+def left_beside(remote: RemoteFile) -> bool:
+    """A file a commit leaves as it is, though the export lacks it: one a person (or another tool) wrote
+    last, such as a LICENSE, a `.gitignore` or a hand-written model card, and not weights a loader would
+    read in place of the export's. A file stagerd wrote last (an older step's shard or extra) is not:
+    the branch is the export's."""
+    if remote.path == GITATTRIBUTES:
+        return True
+    if remote.last_commit_title is None or title_step(remote.last_commit_title) is not None:
+        return False
+    return _WEIGHTS.fullmatch(remote.path) is None
 
 
 @dataclass(frozen=True)
@@ -94,8 +113,9 @@ class CommitPlan:
 
     adds: tuple[str, ...]  # files whose content the parent lacks: the only ones uploaded and committed
     kept: tuple[str, ...]  # files the parent already holds with the same content: left out of the commit
-    deletes: tuple[str, ...]
+    deletes: tuple[str, ...]  # the parent's files that stagerd wrote and the export lacks, and stale weights
     new_bytes: int  # the size of `adds`
+    beside: tuple[str, ...] = ()  # the parent's files that are not the export's, left as they are
 
 
 def _same(local: HubFile, remote: RemoteFile) -> bool:
@@ -110,13 +130,16 @@ def plan_commit(
     local: Sequence[HubFile], card: HubFile | None, parent: Mapping[str, RemoteFile]
 ) -> CommitPlan:
     """Add what the parent lacks (a file whose sha256, or git blob id, equals the parent's entry is kept
-    from the parent instead of being sent again), delete what the parent holds beyond the export."""
+    from the parent instead of being sent again); of what the parent holds beyond the export, delete what
+    stagerd wrote and stale weights, and leave the rest (`left_beside`)."""
     files = [*local, *([card] if card else [])]
-    keep = {f.path for f in files} | {GITATTRIBUTES}
-    deletes = tuple(sorted(p for p in parent if p not in keep))
+    keep = {f.path for f in files}
+    extra = sorted(p for p in parent if p not in keep)
+    beside = tuple(p for p in extra if left_beside(parent[p]))
+    deletes = tuple(p for p in extra if p not in beside)
     changed = [f for f in files if f.path not in parent or not _same(f, parent[f.path])]
     kept = tuple(f.path for f in files if f not in changed)
-    return CommitPlan(tuple(f.path for f in changed), kept, deletes, sum(f.size for f in changed))
+    return CommitPlan(tuple(f.path for f in changed), kept, deletes, sum(f.size for f in changed), beside)
 
 
 def compare_tree(
@@ -144,5 +167,6 @@ def compare_tree(
             problems.append(f"{card.path}: missing")
         elif card_exact and not _same(card, r):
             problems.append(f"{card.path}: content differs from the generated model card")
-    problems += [f"{p}: not in the export" for p in sorted(set(remote) - expected)]
+    extra = sorted(set(remote) - expected)
+    problems += [f"{p}: not in the export" for p in extra if not left_beside(remote[p])]
     return problems

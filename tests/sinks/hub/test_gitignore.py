@@ -64,8 +64,9 @@ def test_a_gitignore_matching_nothing_of_a_step_changes_nothing_and_one_that_doe
     assert set(hub.stats.commit_adds[-1]) == {"model.safetensors", "config.json", "README.md"}
     assert hub.stats.count("POST", r"/preupload/") == preuploads + 1  # not asked again by create_commit
     tree = {f.path for f in api.list_repo_tree(REPO, revision=step_tag(1))}
-    assert tree == {".gitattributes", "model.safetensors", "config.json", "README.md"}  # the step's exactly
-    person_commits_gitignore(hub, "config.json\n")  # the step's commit deleted the first one
+    # the step's files, and the person's .gitignore left as it is
+    assert tree == {".gitattributes", "model.safetensors", "config.json", "README.md", ".gitignore"}
+    person_commits_gitignore(hub, "config.json\n")  # the person changes it
 
     with pytest.raises(IgnoredFilesError, match=r"branch main matches config\.json, which"):
         make_sink(hub).publish(one_file_export(tmp_path, 2), 2)

@@ -142,16 +142,21 @@ def test_a_step_branch_a_person_makes_meanwhile_is_a_conflict_not_committed_onto
 
 
 def test_a_persons_commit_during_the_upload_is_kept_in_the_history(hub, tmp_path):
-    """A person commits to main while step 6 uploads. The step's commit names its parent, so the Hub refuses
-    it (412) and the step is planned again on the person's commit: it stays in main's history, under the
-    step, and the step's tree is the export (the person's file removed from the head, as each step's commit
-    does). Without `parent_commit` the commit lands on the person's head with their file left in the step."""
+    """A person commits to main while step 6 uploads: notes of their own, and weights a loader would read in
+    place of the export's. The step's commit names its parent, so the Hub refuses it (412) and the step is
+    planned again on the person's commit: it stays in main's history, under the step; their notes stay (a
+    step's commit deletes only what stagerd wrote, and weights), the weights go. Without `parent_commit`
+    the commit lands on the person's head, planned without it, and leaves their weights in the step."""
     make_sink(hub).publish(export(tmp_path, 1), 5)
     repo = hub.store.repos[REPO]
     mine: list[str] = []
 
     def person_commits() -> None:
-        tree = {**repo.commits[repo.branches["main"]].tree, "notes.md": Blob.regular(b"# mine\n")}
+        tree = {
+            **repo.commits[repo.branches["main"]].tree,
+            "notes.md": Blob.regular(b"# mine\n"),
+            "pytorch_model.bin": Blob.regular(b"older weights"),
+        }
         mine.append(hub.store.commit(repo, "main", "notes", "", "person", tree).oid)
 
     hub.on_lfs_body(1, person_commits)
@@ -160,4 +165,5 @@ def test_a_persons_commit_during_the_upload_is_kept_in_the_history(hub, tmp_path
     step = repo.commits[repo.tags["step-6"]]
     assert not result.skipped and repo.branches["main"] == step.oid
     assert step.parent == mine[0] and repo.commits[mine[0]].title == "notes"
-    assert "notes.md" in repo.commits[mine[0]].tree and "notes.md" not in step.tree
+    assert step.tree["notes.md"] == repo.commits[mine[0]].tree["notes.md"]
+    assert "pytorch_model.bin" in repo.commits[mine[0]].tree and "pytorch_model.bin" not in step.tree
