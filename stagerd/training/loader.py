@@ -109,6 +109,20 @@ def choose_step(seen: list[list[int]], step: int | None) -> int:
     return newest
 
 
+def rolled_back(seen: list[list[int]], step: int) -> str | None:
+    """What resuming from `step` means where ROOT holds later committed steps (a run rolled back after a
+    loss spike, say), said when it resumes rather than at each save it then skips; None where none is."""
+    later = sorted({s for steps in seen for s in steps if s > step})
+    if not later:
+        return None
+    shown = ", ".join(map(str, later[:5])) + (f" and {len(later) - 5} more" if len(later) > 5 else "")
+    return (
+        f"resuming from step {step} while ROOT holds the later step(s) {shown}: this run's saves at those "
+        f"steps are skipped (a committed step is never written again), and a resume without a step picks "
+        f"step {later[-1]}; give a rolled-back run a ROOT of its own"
+    )
+
+
 def damaged_hint(step_dir: Path) -> str:
     """What to do about a committed step whose files are not what its marker and formats say."""
     step = layout.parse_step_dir(step_dir.name)
@@ -313,7 +327,12 @@ def load_step(
     asks = comm.all_gather((step, optimizer_state is not None))
     if len(set(asks)) > 1:
         raise LoadError(f"ranks asked for different loads (step, optimizer_state given): {asks}")
-    chosen = choose_step(comm.all_gather(mine), step)
+    seen = comm.all_gather(mine)
+    chosen = choose_step(seen, step)
+    # the optimizer's state loaded too: training resumes there, and its later saves are skipped
+    resumes = optimizer_state is not None
+    if resumes and comm.rank == 0 and (later := rolled_back(seen, chosen)) is not None:
+        log.warning("%s", later)
     step_dir = root / layout.step_dir_name(chosen)
     marker: commit_marker.CommitMarker | None = None
     error = hint = None

@@ -194,6 +194,28 @@ def test_a_step_saved_by_two_ranks_loads_in_one_process(runs):
     _same(_exp_avg(opt), {k: v * 2 for k, v in want.items()})
 
 
+def test_resuming_from_an_older_step_says_what_the_later_steps_mean(runs, caplog):
+    """A run rolled back (after a loss spike, say) into a ROOT with later steps is told so when it resumes,
+    not only at each save it then skips; loading an older step's weights alone (an evaluation) says
+    nothing."""
+    from stagerd import Stager
+
+    root, out, _ = runs
+    want = load_file(out / "expected-1.safetensors")
+    sd = {k: torch.zeros_like(v) for k, v in want.items()}
+    opt = {**{f"state.{k}.exp_avg": torch.zeros_like(v) for k, v in want.items()}, "param_groups.0.lr": 0.0}
+    with Stager(root) as stager, caplog.at_level("WARNING", logger="stagerd.load"):
+        stager.load(sd, step=1)
+        assert not caplog.records
+        stager.load(sd, opt, step=1)
+        stager.load(sd, opt)  # the newest: nothing later
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith("resuming from step 1 while ROOT holds the later step(s) 2: this run's saves"), (
+        said
+    )
+    assert "a resume without a step picks step 2; give a rolled-back run a ROOT of its own" in said, said
+
+
 def test_loads_a_published_hf_export(runs, tmp_path):
     from stagerd import Stager
     from stagerd.engine.export import export_step
