@@ -31,6 +31,7 @@ from stagerd.sinks.hub.tree import (
     HubFile,
     RemoteFile,
     compare_tree,
+    is_adapter,
     left_beside,
     plan_commit,
     scan_export,
@@ -244,7 +245,8 @@ class HubSink:
             )
         branch, parent = self._refs.target(step, branches, head_step)
         tree = self._tree(parent)
-        if card is not None and (theirs := tree.get(card.path)) is not None and left_beside(theirs):
+        theirs = tree.get(card.path) if card is not None else None
+        if theirs is not None and left_beside(theirs, adapter=is_adapter(local)):
             card = card_bytes = None  # a model card a person wrote on the branch is theirs to keep
         plan = plan_commit(local, card, tree)
         if plan.beside:

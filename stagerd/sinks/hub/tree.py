@@ -24,13 +24,22 @@ from stagerd.sinks.hub.url import (
 
 log = logging.getLogger("stagerd.sinks.hub")
 
-# The weights files transformers and PEFT read from a repo's top level, sharded or not: one of them left
-# beside the export would be loaded in place of the export's weights (`model.safetensors` is read before
-# `model.safetensors.index.json`), so a commit deletes every one the export lacks, whoever wrote it.
-_WEIGHTS = re.compile(
-    r"(?:model|pytorch_model|tf_model|flax_model|adapter_model)(?:-[0-9]{5}-of-[0-9]{5})?"
+# Files at a repo's top level that `from_pretrained` would read in place of an export's model: other
+# weights, sharded or not (`model.safetensors` is read before `model.safetensors.index.json`), and an
+# adapter's (with its `adapter_config.json` the repo loads as an adapter on the base it names). A commit
+# deletes each one the export lacks, whoever wrote it. An adapter's export is read by its config, so only
+# an adapter's weights stand in its place: a model's weights beside it (its base, say) are not deleted.
+_MODEL_WEIGHTS = re.compile(
+    r"(?:model|pytorch_model|tf_model|flax_model)(?:-[0-9]{5}-of-[0-9]{5})?"
     r"\.(?:safetensors|bin|h5|msgpack)(?:\.index\.json)?"
 )
+_ADAPTER_FILES = re.compile(r"adapter_model\.(?:safetensors|bin)|adapter_config\.json")
+_ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _read_instead(path: str, adapter: bool) -> bool:
+    return bool(_ADAPTER_FILES.fullmatch(path) or (not adapter and _MODEL_WEIGHTS.fullmatch(path)))
+
 
 # --- the export ---------------------------------------------------------------------------------------
 
@@ -95,16 +104,21 @@ class RemoteFile:
     last_commit_title: str | None = None
 
 
-def left_beside(remote: RemoteFile) -> bool:
-    """A file a commit leaves as it is, though the export lacks it: one a person (or another tool) wrote
-    last, such as a LICENSE, a `.gitignore` or a hand-written model card, and not weights a loader would
-    read in place of the export's. A file stagerd wrote last (an older step's shard or extra) is not:
-    the branch is the export's."""
+def left_beside(remote: RemoteFile, *, adapter: bool = False) -> bool:
+    """A file a commit leaves as it is, though the export (`adapter`: a PEFT adapter's) lacks it: one a
+    person (or another tool) wrote last, such as a LICENSE, a `.gitignore` or a hand-written model card,
+    and not one a loader would read in place of the export's. A file stagerd wrote last (an older step's
+    shard or extra) is not: the branch is the export's."""
     if remote.path == GITATTRIBUTES:
         return True
     if remote.last_commit_title is None or title_step(remote.last_commit_title) is not None:
         return False
-    return _WEIGHTS.fullmatch(remote.path) is None
+    return not _read_instead(remote.path, adapter)
+
+
+def is_adapter(local: Sequence[HubFile]) -> bool:
+    """Whether the export is a PEFT adapter's: `from_pretrained` reads it by its `adapter_config.json`."""
+    return any(f.path == _ADAPTER_CONFIG for f in local)
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,8 @@ def plan_commit(
     files = [*local, *([card] if card else [])]
     keep = {f.path for f in files}
     extra = sorted(p for p in parent if p not in keep)
-    beside = tuple(p for p in extra if left_beside(parent[p]))
+    adapter = is_adapter(local)
+    beside = tuple(p for p in extra if left_beside(parent[p], adapter=adapter))
     deletes = tuple(p for p in extra if p not in beside)
     changed = [f for f in files if f.path not in parent or not _same(f, parent[f.path])]
     kept = tuple(f.path for f in files if f not in changed)
@@ -168,5 +183,6 @@ def compare_tree(
         elif card_exact and not _same(card, r):
             problems.append(f"{card.path}: content differs from the generated model card")
     extra = sorted(set(remote) - expected)
-    problems += [f"{p}: not in the export" for p in extra if not left_beside(remote[p])]
+    adapter = is_adapter(local)
+    problems += [f"{p}: not in the export" for p in extra if not left_beside(remote[p], adapter=adapter)]
     return problems

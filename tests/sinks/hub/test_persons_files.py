@@ -88,3 +88,31 @@ def test_a_card_stagerd_wrote_is_replaced_and_one_a_person_edited_is_kept(hub, t
     edited = _tree(api, "main")["README.md"]
     make_sink(hub).publish(write_export(tmp_path / "three", seed=3, shards=1), 3, metadata={"run": "c"})
     assert _tree(api, step_tag(3))["README.md"] == edited
+
+
+def test_what_a_loader_would_read_instead_depends_on_whether_the_export_is_an_adapter(hub, tmp_path: Path):
+    """An adapter's config beside a model's export makes `from_pretrained` load the adapter's base instead:
+    deleted. A model's weights beside an adapter's export (the repo also holds its base) are not read in
+    its place: kept."""
+    api = HfApi(endpoint=hub.endpoint, token=hub.token)
+    api.create_repo(REPO)
+    person = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"an old adapter", "LICENSE": b"MIT"}
+    api.create_commit(REPO, [CommitOperationAdd(p, b) for p, b in person.items()], commit_message="ours")
+    make_sink(hub).publish(write_export(tmp_path / "model", seed=1, shards=1), 1)
+    step1 = _tree(api, step_tag(1))
+    assert "adapter_config.json" not in step1 and "adapter_model.safetensors" not in step1
+    assert "LICENSE" in step1
+
+    api.create_commit(
+        REPO, [CommitOperationAdd("model.safetensors", b"the base, by hand")], commit_message="base weights"
+    )
+    base = _tree(api, "main")["model.safetensors"]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (adapter / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "model" / "model.safetensors").read_bytes()
+    )
+    make_sink(hub).publish(adapter, 2)
+    step2 = _tree(api, step_tag(2))
+    assert step2["model.safetensors"] == base and "config.json" not in step2  # config.json: step 1's, gone
