@@ -16,6 +16,7 @@ from stagerd.contract import dtypes
 from stagerd.errors import DTypeError, HeaderError, StagerdError
 
 MAX_NDIM = 64
+_I64_MAX = (1 << 63) - 1
 
 
 class TensorEntry(NamedTuple):
@@ -109,6 +110,8 @@ def _dtype(path: object, name: str, dtype_name: Any) -> dtypes.DType:
 def _entry(
     path: object, name: str, dt: dtypes.DType, shape: tuple[int, ...], begin: int, end: int, data_len: int
 ) -> TensorEntry:
+    if any(d > _I64_MAX for d in shape):  # no tensor has one; its size would not print (int's digit limit)
+        raise header_error(path, f"tensor {name!r}: a shape dim is past 2^63 - 1")
     if begin > end or end > data_len:
         raise header_error(
             path,

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
+from stagerd.contract.header_entries import MAX_NDIM
 from stagerd.errors import HeaderError
 
 _W = r"[ \t\n\r]*"  # JSON's whitespace, as the stdlib decoder takes it
@@ -26,7 +27,9 @@ _PLAIN = r'"([^"\\\x00-\x1f]*)"'  # a string that decodes to its own text
 ENTRY = re.compile(
     rf"{_PLAIN}{_W}:{_W}\{{{_W}"
     rf'"dtype"{_W}:{_W}{_PLAIN}{_W},{_W}'
-    rf'"shape"{_W}:{_W}\[{_W}({_UINT}(?:{_W},{_W}{_UINT})*)?{_W}\]{_W},{_W}'
+    # at most MAX_NDIM dims: an unbounded repeat keeps backtracking state per dim (GBs for a 100 MB
+    # header); a longer shape goes to the scanner, which the entry's own checks then refuse
+    rf'"shape"{_W}:{_W}\[{_W}({_UINT}(?:{_W},{_W}{_UINT}){{0,{MAX_NDIM - 1}}})?{_W}\]{_W},{_W}'
     rf'"data_offsets"{_W}:{_W}\[{_W}({_UINT}){_W},{_W}({_UINT}){_W}\]{_W}\}}'
     rf"{_W}([,}}]){_W}"
 )

@@ -129,6 +129,33 @@ def test_absurd_length_is_refused_without_allocating(tmp_path):
         raise AssertionError("accepted")
 
 
+def test_a_shape_of_millions_of_dims_is_refused_in_bounded_memory(tmp_path):
+    """Before, the entry's pattern kept backtracking state for every dim before the dim count was checked:
+    about 475 bytes each, 2.3 GiB for this 10 MB header (23 GiB within the header limit)."""
+    import tracemalloc
+
+    p = tmp_path / "dims.safetensors"
+    body = b'{"a":{"dtype":"F32","shape":[' + b"1," * 5_000_000 + b'6],"data_offsets":[0,24]}}'
+    p.write_bytes(struct.pack("<Q", len(body)) + body + bytes(24))
+    tracemalloc.start()
+    try:
+        with pytest.raises(HeaderError, match="shape must be a list"):
+            read_header(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200 << 20, peak  # the scanner's list of the dims, about 4 bytes each past the text
+
+
+def test_a_dim_too_large_for_any_tensor_is_a_header_error(tmp_path):
+    """Before, a `ValueError` from printing the size two 4,000-digit dims need (int's digit limit)."""
+    p = tmp_path / "big.safetensors"
+    body = b'{"a":{"dtype":"F32","shape":[' + b"9" * 4000 + b"," + b"9" * 4000 + b'],"data_offsets":[0,4]}}'
+    p.write_bytes(struct.pack("<Q", len(body)) + body + bytes(4))
+    with pytest.raises(HeaderError, match="a shape dim is past 2\\^63 - 1"):
+        read_header(p)
+
+
 def test_deeply_nested_json_is_a_header_error():
     body = b"[" * 100000 + b"]" * 100000
     blob = struct.pack("<Q", len(body)) + body
