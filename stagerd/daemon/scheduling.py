@@ -66,7 +66,7 @@ class Scheduling(RawTasks):
         if self.settings.once and idle and await self._settled():
             return True
         timeout = 1.0
-        next_try = await self._j(self._journal.next_retry_time)
+        next_try = await self._j(self._journal.next_retry_time, self._lane_keys())
         latest = time.time() + self.settings.retry_max_seconds
         if next_try is not None and next_try > latest + 1.0:  # set by a clock that has since gone back
             n = await self._j(self._journal.pull_in, latest)
@@ -97,8 +97,10 @@ class Scheduling(RawTasks):
             return False
         lanes = await self._j(self._journal.lanes, include_retired=False)
         live = {r.step for r in rows if r.state == EXPORTED}
+        configured = set(self._lane_keys())  # a lane of a sink no longer configured is never worked on
         return not any(
             ln.step in live
+            and ln.sink in configured
             and (ln.state in (PENDING, PUBLISHING) or (ln.state == FAILED and ln.next_try is not None))
             for ln in lanes
         )

@@ -142,7 +142,7 @@ def test_the_scheduler_queries_run_every_second_do_not_read_every_retired_step(l
             "next_export": lambda: j.next_export(now, ()),
             "next_publish": lambda: j.next_publish(SINKS[0], now, ()),
             "next_raw": lambda: j.next_raw("raw:" + SINKS[0], now, ()),
-            "next_retry_time": j.next_retry_time,
+            "next_retry_time": lambda: j.next_retry_time(SINKS),
             "lane_counts": j.lane_counts,
             "counts": j.counts,  # the gauges', every disk_check_seconds and after each publish
             "live steps": lambda: j.steps(include_retired=False),

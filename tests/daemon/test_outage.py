@@ -98,5 +98,37 @@ def test_a_once_run_against_a_hub_answering_503_keeps_the_hubs_own_tries_few(tmp
     assert "HTTP 503" in run.stdout, run.stdout
 
 
+def test_a_sink_no_longer_configured_never_keeps_a_run_busy(tmp_path, dcp_mixed2):
+    """A `--once` run gave a down sink up; the next start, with that sink replaced by another one that is
+    down too, re-arms the old sink's lanes though no lane of it is worked on. Before, their due retries woke
+    the scheduler at once, again and again: the run spun a CPU and never ended (a running daemon spun for
+    good). Now it ends as the first did, the old sink's lanes left as they are."""
+    import subprocess
+
+    import pytest
+
+    model, _ = dcp_mixed2
+    root = tmp_path / "root"
+    for step in (100, 200):
+        stage_copy(root, step, model, world=2)
+    with HubServer() as hub:
+        hub.faults.add(Fault("*", "", status=503, times=1 << 30))
+        env = {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token, "STAGERD_RETRY_BASE_SECONDS": "0.05"}
+        once = ["--once", "--max-attempts", "1", *fast_flags()]
+        first = run_cli(["watch", root, "--sink", "hf://acme/old?backoff_base=0.01", *once], env=env)
+        assert first.returncode == 1, first.stderr[-3000:]
+        try:
+            second = run_cli(
+                ["watch", root, "--sink", "hf://acme/new?backoff_base=0.01", *once], env=env, timeout=60
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("the second --once run never ended")
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert "hf://acme/new is down: 2 step(s) left for the next start (100, 200)" in second.stdout, (
+        second.stdout
+    )
+    assert "acme/old" not in second.stdout, second.stdout
+
+
 def _records(stderr: str) -> list[dict]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]

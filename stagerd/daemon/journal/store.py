@@ -323,12 +323,16 @@ class JournalStore:
                 return LaneRow(*r)
         return None
 
-    def next_retry_time(self) -> float | None:
-        """The earliest `next_try` of any failed step or lane, to sleep until."""
+    def next_retry_time(self, lanes: Iterable[str]) -> float | None:
+        """The earliest `next_try` of a failed step, or of a failed lane of `lanes` (the configured ones), to
+        sleep until. A lane of a sink no longer configured is never tried: its due retry would wake the
+        scheduler at once, again and again (a spinning daemon, a `--once` run that never ends)."""
+        keys = list(lanes)
+        among = ", ".join("?" * len(keys))
         rows = self._query(
             "SELECT MIN(t) FROM (SELECT next_try AS t FROM steps WHERE state = ? "
-            "UNION ALL SELECT next_try FROM lanes WHERE state = ?)",
-            (FAILED, FAILED),
+            f"UNION ALL SELECT next_try FROM lanes WHERE state = ? AND sink IN ({among}))",
+            (FAILED, FAILED, *keys),
         )
         return rows[0][0]
 

@@ -94,7 +94,7 @@ def test_failures_retry_then_quarantine(j):
     assert j.fail_export(3, "OutputError", "ENOSPC", next_try=50.0, quarantine=False) == "failed"
     assert j.next_export(now=49.0) is None  # not due yet
     assert j.next_export(now=50.0).step == 3
-    assert j.next_retry_time() == 50.0
+    assert j.next_retry_time([A]) == 50.0
     assert j.begin_export(3) == 2
     assert j.fail_export(3, "ShardError", "truncated", next_try=None, quarantine=True) == "quarantined"
     row = j.step(3)
