@@ -1,6 +1,7 @@
 """The journal's storage: one SQLite connection behind a lock, its transactions and its queries.
 
-`Journal` (machine.py) adds the state machine on top; `stagerd status` reads through this class alone.
+`Journal` (machine.py) adds the state machine on top, beside `FleetWaits` (waits.py), `StepVersions`
+(versions.py) and `RawLanes` (raw.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from stagerd.daemon.journal.schema import (
     HINTLESS_VERSION,
     NEWER_HINT,
     PENDING,
-    PUBLISHED,
-    QUARANTINED,
     RETIRED,
     RETIRED_WITH_HISTORY,
     SCHEMA_VERSION,
@@ -46,11 +45,10 @@ from stagerd.errors import JournalError
 # Live: not retired. Spelled as the states it is, so that SQLite looks them up by the state index
 # instead of reading every retired row (`!=` cannot use an index).
 _LIVE = ", ".join(f"'{s}'" for s in STEP_STATES if s != RETIRED)
-_WAIT = "fleet_wait:"  # meta key prefix of a fleet step's export wait, `fleet_wait:N`
+WAIT = "fleet_wait:"  # meta key prefix of a fleet step's export wait, `fleet_wait:N`
 # ... and of a Hub lane's, `fleet_lane_wait:N:SINK`: outside `fleet_wait:%`, whose suffix an older stagerd
 # reads as a step number, so that it still reads a journal with lane waits (and shows the export's)
-_LANE_WAIT = "fleet_lane_wait:"
-_OVER = "SELECT step FROM steps WHERE state IN (?, ?)"
+LANE_WAIT = "fleet_lane_wait:"
 
 
 class JournalStore:
@@ -361,53 +359,6 @@ class JournalStore:
     def meta(self) -> dict[str, Any]:
         rows = self._query(
             "SELECT key, value FROM meta WHERE key NOT LIKE ? AND key NOT LIKE ?",
-            (f"{_WAIT}%", f"{_LANE_WAIT}%"),
+            (f"{WAIT}%", f"{LANE_WAIT}%"),
         )
         return {k: json.loads(v) for k, v in rows}
-
-    def set_wait(self, step: int, text: str | None, sink: str | None = None) -> None:
-        """What a fleet step waits for as it happens ("waiting for node 1 (seen: ...)"); None: it does not.
-        `sink`: the wait of the step's lane for that sink, apart from the export's and each other lane's.
-
-        Kept beside the step's state rather than as one: the step stays exporting, or failed with its
-        `FleetWaitError`, while `stagerd status` shows what it waits for."""
-        key = f"{_WAIT}{step}" if sink is None else f"{_LANE_WAIT}{step}:{sink}"
-        with self._tx() as c:
-            if text:
-                c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, json.dumps(text)))
-            else:
-                c.execute("DELETE FROM meta WHERE key = ?", (key,))
-
-    @staticmethod
-    def _clear_waits(c: sqlite3.Connection, step: int, sink: str | None = None) -> None:
-        """The step's waits (`sink`: that lane's alone) are over: it was quarantined or retired."""
-        if sink is None:
-            c.execute(
-                "DELETE FROM meta WHERE key = ? OR key LIKE ?",
-                (f"{_WAIT}{step}", f"{_LANE_WAIT}{step}:%"),
-            )
-        else:
-            c.execute("DELETE FROM meta WHERE key = ?", (f"{_LANE_WAIT}{step}:{sink}",))
-
-    def waits(self) -> dict[int, dict[str | None, str]]:
-        """step -> {sink: what its lane waits for; None: what its export waits for}, for every fleet step
-        waiting now (or left waiting by `--once`); never one of a step quarantined or retired, nor of a
-        lane quarantined or published (their rows left by an older stagerd, or by a daemon killed)."""
-        out: dict[int, dict[str | None, str]] = {}
-        rows = self._query(
-            "SELECT key, value FROM meta WHERE key LIKE ? OR key LIKE ?", (f"{_WAIT}%", f"{_LANE_WAIT}%")
-        )
-        if not rows:
-            return out  # the common case: no query of a journal's every retired step
-        over = {(step, None) for (step,) in self._query(_OVER, (QUARANTINED, RETIRED))}
-        lanes = "SELECT step, sink FROM lanes WHERE state IN (?, ?)"
-        over |= set(self._query(lanes, (QUARANTINED, PUBLISHED)))
-        for k, v in rows:
-            if k.startswith(_WAIT):
-                step, sink = int(k[len(_WAIT) :]), None
-            else:
-                n, sink = k[len(_LANE_WAIT) :].split(":", 1)
-                step = int(n)
-            if (step, None) not in over and (step, sink) not in over:
-                out.setdefault(step, {})[sink] = json.loads(v)
-        return out

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from stagerd.daemon.journal.schema import LaneState, StepState
-from stagerd.daemon.journal.store import JournalStore
+from stagerd.daemon.journal.waits import FleetWaits
 from stagerd.errors import JournalError, StepConflictError
 
 CONFLICT = StepConflictError.__name__
@@ -29,7 +29,7 @@ FAILED = StepState.FAILED  # the same text as LaneState.FAILED
 _NO_NEXT_TRY = "SELECT {} FROM {} WHERE state = ? AND next_try IS NULL"
 
 
-class StepVersions(JournalStore):
+class StepVersions(FleetWaits):
     def saves(self, steps: Iterable[int] | None = None) -> dict[int, tuple[float, str | None]]:
         """step -> (marker mtime, marker identity) as recorded, for `steps` (those a scan found on disk) or
         every step the journal knows: a scan's work follows ROOT's directories, not the steps ever seen."""
