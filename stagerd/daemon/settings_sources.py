@@ -7,6 +7,8 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +45,35 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settin
         return _Sourced(**{k: v for k, v in flags.items() if v is not None})
     except ValidationError as e:
         problems = "; ".join(_problem(err) for err in e.errors())
-        raise ConfigError(f"invalid settings: {problems}", path=config_file) from None
-    except ValueError as e:  # a TOML syntax error, a JSON list that is not JSON
-        raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+        raise ConfigError(
+            f"invalid settings: {problems}", path=config_file, hint=_json_hint(e.errors())
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(
+            f"not a TOML file: {e}",
+            path=config_file,
+            hint='write the config file in TOML (`keep_last = 3`, `sinks = ["s3://bucket/run"]`)',
+        ) from None
+    except ValueError as e:  # a variable of a list or table setting that is not JSON
+        m = _ENV_FIELD.search(str(e))
+        if m is None:
+            raise ConfigError(f"cannot read settings: {e}", path=config_file) from None
+        name = f"{ENV_PREFIX}{m.group(1).upper()}"
+        raise ConfigError(f"{name} is not JSON: {os.environ.get(name, '')!r}", hint=_JSON_HINT) from None
+
+
+# pydantic-settings' words for a variable it could not decode as JSON
+_ENV_FIELD = re.compile(r'error parsing value for field "(\w+)" from source "EnvSettingsSource"')
+_JSON_HINT = (
+    "a list or table setting is JSON in the environment: STAGERD_SINKS='[\"s3://bucket/run\"]', "
+    'STAGERD_SINK_RETENTION=\'{"s3://bucket/run": "last=3"}\''
+)
+
+
+def _json_hint(errors: list[Any]) -> str | None:
+    """The JSON hint where a failing setting came from its variable, else None (the usual hint)."""
+    given = {str(err["loc"][0]) for err in errors if err["loc"]}
+    return _JSON_HINT if any(f"{ENV_PREFIX}{n.upper()}" in os.environ for n in given) else None
 
 
 def _problem(err: Any) -> str:

@@ -24,3 +24,31 @@ def test_a_bad_value_still_says_what_is_wrong_with_it(tmp_path):
     proc = run_cli(["watch", "--config", cfg])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "keep_last:" in proc.stderr and "not a setting" not in proc.stderr, proc.stderr
+
+
+def test_a_variable_that_is_not_json_or_a_file_that_is_not_toml_is_named_with_its_form(tmp_path, monkeypatch):
+    """Before: 'error parsing value for field "sink_retention" from source "EnvSettingsSource"', naming
+    neither the variable nor the form it takes, and a YAML file's TOML parse error as it came."""
+    import pytest
+
+    from stagerd.daemon.settings_sources import load_settings
+    from stagerd.errors import ConfigError
+
+    monkeypatch.setenv("STAGERD_SINK_RETENTION", "last=3")
+    with pytest.raises(ConfigError) as e:
+        load_settings(root=str(tmp_path))
+    assert e.value.message == "STAGERD_SINK_RETENTION is not JSON: 'last=3'", e.value.message
+    assert '{"s3://bucket/run": "last=3"}' in e.value.hint
+    monkeypatch.delenv("STAGERD_SINK_RETENTION")
+
+    monkeypatch.setenv("STAGERD_SINKS", "[broken")
+    with pytest.raises(ConfigError, match="sinks: ") as e:
+        load_settings(root=str(tmp_path))
+    assert "STAGERD_SINKS='[\"s3://bucket/run\"]'" in e.value.hint
+    monkeypatch.delenv("STAGERD_SINKS")
+
+    yaml = tmp_path / "stagerd.yaml"
+    yaml.write_text("sinks:\n  - file:///x\n")
+    with pytest.raises(ConfigError, match="not a TOML file") as e:
+        load_settings(yaml)
+    assert "in TOML" in e.value.hint
