@@ -213,6 +213,33 @@ def test_a_damaged_tensor_record_is_a_named_error_never_a_traceback(record, tmp_
         assert str(bad) in str(e.value) and "\n" not in e.value.message, what
 
 
+def _zip64_directory_at(shift: int):
+    """The zip64 end record's offset of the central directory moved by `shift` bytes."""
+
+    def damage(b: bytearray) -> None:
+        at = b.rindex(b"PK\x06\x06") + 48
+        struct.pack_into("<Q", b, at, struct.unpack_from("<Q", b, at)[0] + shift)
+
+    return damage
+
+
+def test_a_member_placed_before_its_record_is_a_named_error(record, tmp_path):
+    """zipfile shifts every member by the directory's stated place against its found one: a corrupted zip64
+    offset put the storage 2 TiB before the record, and its pread was a bare OSError (EINVAL)."""
+    _, path = record
+    b = bytearray(path.read_bytes())
+    _zip64_directory_at(2 << 40)(b)
+    bad = tmp_path / "bad.distcp"
+    bad.write_bytes(bytes(b))
+    fd = os.open(bad, os.O_RDONLY)
+    try:
+        with pytest.raises(DcpFormatError) as e:
+            read_record(fd, 0, len(b), bad)
+    finally:
+        os.close(fd)
+    assert e.value.path == str(bad) and "lies outside the record" in e.value.message
+
+
 def test_a_deeply_nested_pickle_is_refused_before_it_is_loaded(record, tmp_path):
     """In `.metadata` and in a record's data.pkl: before, `consolidate --adopt` died of SIGSEGV."""
     src, path = record
