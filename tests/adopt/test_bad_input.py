@@ -213,6 +213,52 @@ def test_a_damaged_tensor_record_is_a_named_error_never_a_traceback(record, tmp_
         assert str(bad) in str(e.value) and "\n" not in e.value.message, what
 
 
+def _edited_metadata(src: Path, tmp_path: Path, edit) -> Path:
+    """`src`'s .metadata, unpickled with torch, changed by `edit` and written beside the test."""
+    with open(src / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    out = tmp_path / ".metadata"
+    out.write_bytes(pickle.dumps(meta))
+    return out
+
+
+def _renamed(fqn: str):
+    def edit(meta) -> None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        meta.state_dict_metadata[fqn] = meta.state_dict_metadata.pop("w")
+        meta.storage_data = {MetadataIndex(fqn, k.offset, k.index): v for k, v in meta.storage_data.items()}
+
+    return edit
+
+
+def _offsets_of(value: object):
+    def edit(meta) -> None:
+        for k in meta.storage_data:
+            object.__setattr__(k, "offset", value)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (_renamed("model.\udc80"), "is not valid UTF-8"),
+    ],
+    ids=["a-lone-surrogate"],
+)
+def test_a_bad_name_or_offset_in_dcp_metadata_is_a_named_error_with_its_path(record, tmp_path, edit, said):
+    """pickle decodes a name with surrogatepass: a lone surrogate passed the reader, then was a bare
+    UnicodeEncodeError in the export. A storage offset that is no torch.Size was an error with no path."""
+    from stagerd.contract.adopt.dcp_metadata import read_dcp_metadata
+
+    path = _edited_metadata(record[0], tmp_path, edit)
+    with pytest.raises(DcpFormatError, match=said) as e:
+        read_dcp_metadata(path)
+    assert e.value.path == str(path)
+
+
 def _zip64_directory_at(shift: int):
     """The zip64 end record's offset of the central directory moved by `shift` bytes."""
 
