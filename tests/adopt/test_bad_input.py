@@ -245,8 +245,9 @@ def _offsets_of(value: object):
     ("edit", "said"),
     [
         (_renamed("model.\udc80"), "is not valid UTF-8"),
+        (_offsets_of("abc"), "torch.Size of"),
     ],
-    ids=["a-lone-surrogate"],
+    ids=["a-lone-surrogate", "an-offset-not-a-size"],
 )
 def test_a_bad_name_or_offset_in_dcp_metadata_is_a_named_error_with_its_path(record, tmp_path, edit, said):
     """pickle decodes a name with surrogatepass: a lone surrogate passed the reader, then was a bare

@@ -203,6 +203,10 @@ def parse_dcp_metadata(data: bytes, where: object) -> DcpMetadata:
         raise DcpFormatError(f"holds a {type(meta).__name__}, not DCP's Metadata", path=where)
     try:
         return _checked(meta, where)
+    except DcpFormatError as e:  # `_size`'s, raised where the file is not known
+        if e.path is not None:
+            raise
+        raise DcpFormatError(e.message, path=where, hint=e.hint) from None
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise DcpFormatError(f"malformed DCP metadata: {e!r}", path=where) from None
 
