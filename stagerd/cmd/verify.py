@@ -57,13 +57,27 @@ def check_manifest(export_dir: Path) -> int:
     import json
 
     from stagerd.contract.manifest import ExportManifest
+    from stagerd.contract.regular_file import read_regular
+    from stagerd.sinks.objects import MAX_MANIFEST_BYTES
 
     path = export_dir / layout.MANIFEST_NAME
     if not path.is_file():
         return 0
     try:
-        manifest = ExportManifest.from_json(json.loads(path.read_bytes()), path=path)
-    except (ValueError, OSError, MarkerError) as e:
+        # as a sink reads it (`parse_manifest`): never more than its limit in memory
+        data = read_regular(path, MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise VerifyError(
+                f"the manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=path, hint=_DAMAGED
+            )
+        manifest = ExportManifest.from_json(json.loads(data), path=path)
+    except RecursionError:
+        raise VerifyError("cannot read the manifest: nested too deep", path=path, hint=_DAMAGED) from None
+    except OSError as e:
+        raise VerifyError(f"cannot read the manifest: {e.strerror}", path=path, hint=_DAMAGED) from None
+    except MarkerError as e:
+        raise VerifyError(f"cannot read the manifest: {e.message}", path=path, hint=_DAMAGED) from None
+    except (ValueError, AttributeError) as e:  # not JSON, or JSON but no object
         raise VerifyError(f"cannot read the manifest: {e}", path=path, hint=_DAMAGED) from None
     for f in manifest.files:
         file = export_dir / f.path

@@ -64,19 +64,24 @@ class KeyMapping:
         """From a mapping or a JSON file; a malformed spec is a HubPlanError naming the rule."""
         if isinstance(spec, KeyMapping):
             return spec
+        where = None
         if not isinstance(spec, Mapping):
+            where = spec
             try:
                 spec = loads(Path(spec).read_text())
             except (OSError, ValueError) as e:
-                raise HubPlanError(f"cannot read the key mapping: {e}", path=spec) from None
+                raise HubPlanError(f"cannot read the key mapping: {e}", path=where) from None
         if not isinstance(spec, Mapping) or not isinstance(spec.get("rules"), list):
-            raise HubPlanError('a key mapping is {"strict": bool, "rules": [...]}')
+            raise HubPlanError('a key mapping is {"strict": bool, "rules": [...]}', path=where)
         rules = []
         for i, r in enumerate(spec["rules"]):
             try:
                 rules.append(_rule(r))
-            except (KeyError, TypeError, ValueError, re.error) as e:
-                raise HubPlanError(f"key mapping rule {i} is malformed: {e!r}") from None
+            # IndexError: a `\g<name>` the pattern lacks; RecursionError: a `match` nested too deep
+            except (KeyError, TypeError, ValueError, IndexError, re.error) as e:
+                raise HubPlanError(f"key mapping rule {i} is malformed: {e!r}", path=where) from None
+            except RecursionError:
+                raise HubPlanError(f"key mapping rule {i}'s match is nested too deep", path=where) from None
         return cls(tuple(rules), bool(spec.get("strict", False)))
 
     def resolve(self, shapes: Mapping[str, tuple[int, ...]]) -> HubPlan:
@@ -113,10 +118,18 @@ class KeyMapping:
 def _rule(r: Mapping[str, Any]) -> _Rule:
     match = re.compile(str(r["match"]))
     if "split" in r:
-        parts = tuple(_Part(str(p["name"]), _int(p["size"], "size"), _heads(p)) for p in r["split"])
+        parts = tuple(_Part(_name(p, match), _int(p["size"], "size"), _heads(p)) for p in r["split"])
         return _Rule(match, parts, _int(r.get("split_dim", 0), "split_dim"))
     concat = (_int(r["concat_dim"], "concat_dim"), _int(r["part"], "part")) if "concat_dim" in r else None
-    return _Rule(match, (_Part(str(r["name"]), None, _heads(r)),), None, concat)
+    return _Rule(match, (_Part(_name(r, match), None, _heads(r)),), None, concat)
+
+
+def _name(r: Mapping[str, Any], match: re.Pattern[str]) -> str:
+    """A `name` template, its group references checked against `match` now, not at the first key it
+    maps: `sub` parses the whole template before it looks for a match, so no match is needed."""
+    name = str(r["name"])
+    match.sub(name, "")
+    return name
 
 
 @dataclass(frozen=True)

@@ -138,12 +138,13 @@ def decode_plan(d: Any, tensors: Sequence[str], *, path: object) -> HubPlan:
         boxes = [_box(b) for b in v["boxes"]]
         views = _views(names, sources, box, tensors, boxes, path)
         table = _NameTable(tensors, [v.name for v in views])
+        shared = _Budget(table)  # an output is in one shared storage at most
         return replace(
             base,
             views=views,
             drop=_decode_names(d.get("drop", []), table, path),
             order=_decode_names(d.get("order", []), table, path),
-            shared=tuple(_shared(g, table, path) for g in d.get("shared", ())),
+            shared=tuple(_shared(g, table, path, shared) for g in d.get("shared", ())),
             uncast=uncast_targets(d.get("uncast", {}), lambda items: _decode_names(items, table, path)),
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -155,13 +156,13 @@ def _shared_json(g: SharedStorage, index: Mapping[str, int]) -> list[Any]:
     return out if g.holds is Holds.ALWAYS else [*out, g.holds.value]
 
 
-def _shared(g: Any, table: _NameTable, path: object) -> SharedStorage:
+def _shared(g: Any, table: _NameTable, path: object, budget: _Budget) -> SharedStorage:
     """`[numel, names]`, or `[numel, names, holds]` where it does not always hold (an older reader refuses
     that as a malformed plan rather than apply a grouping that does not hold)."""
     if not isinstance(g, list) or len(g) not in (2, 3) or not all(isinstance(h, str) for h in g[2:]):
         raise TypeError(f"expected [numel, names] or [numel, names, holds], got {str(g)[:200]}")
     holds = Holds(g[2]) if len(g) == 3 else Holds.ALWAYS  # an unknown one: ValueError
-    return SharedStorage(_decode_names(g[1], table, path), _count(g[0]), holds)
+    return SharedStorage(_decode_names(g[1], table, path, budget), _count(g[0]), holds)
 
 
 def encode_weight_map(wm: Mapping[str, str], tensors: Sequence[str], plan: HubPlan | None) -> dict[str, Any]:
@@ -186,7 +187,8 @@ def decode_weight_map(
     if not (isinstance(names, list) and len(names) == len(files) and all(isinstance(f, str) for f in files)):
         raise HubPlanError("the reference index's files and names do not match up", path=path)
     table = _NameTable(tensors, [v.name for v in plan.views] if plan is not None else [])
-    return {n: f for f, ns in zip(files, names, strict=True) for n in _decode_names(ns, table, path)}
+    budget = _Budget(table)  # each name is in one file
+    return {n: f for f, ns in zip(files, names, strict=True) for n in _decode_names(ns, table, path, budget)}
 
 
 def is_dim(x: Any) -> bool:
@@ -277,9 +279,22 @@ def _encode_names(names: Iterable[str], index: Mapping[str, int]) -> list[str | 
     return out
 
 
-def _decode_names(items: Any, table: _NameTable, path: object) -> tuple[str, ...]:
+class _Budget:
+    """How many names the runs of one name list, or of lists that share the table's names between them,
+    may still expand to: the table's length, as each of its names is listed once. A run is a few bytes of
+    JSON and expands to as many names as it counts, so without this a marker of a few kilobytes would
+    read as billions of names."""
+
+    def __init__(self, table: _NameTable) -> None:
+        self.left = len(table)
+
+
+def _decode_names(
+    items: Any, table: _NameTable, path: object, budget: _Budget | None = None
+) -> tuple[str, ...]:
     if not isinstance(items, list):
         raise TypeError(f"expected a list of names, got {type(items).__name__}")
+    budget = budget or _Budget(table)
     out: list[str] = []
     for item in items:
         if isinstance(item, str):
@@ -287,5 +302,10 @@ def _decode_names(items: Any, table: _NameTable, path: object) -> tuple[str, ...
             continue
         if not (_pair(item) and all(is_dim(x) for x in item) and item[0] + item[1] <= len(table)):
             raise HubPlanError(f"the plan names {str(item)[:200]}: not a name, nor a run of names", path=path)
+        budget.left -= item[1]
+        if budget.left < 0:
+            raise HubPlanError(
+                f"the name runs list more names than the {len(table)} the marker has (each once)", path=path
+            )
         out.extend(table.run(*item))
     return tuple(out)

@@ -213,6 +213,80 @@ def test_a_damaged_tensor_record_is_a_named_error_never_a_traceback(record, tmp_
         assert str(bad) in str(e.value) and "\n" not in e.value.message, what
 
 
+def _edited_metadata(src: Path, tmp_path: Path, edit) -> Path:
+    """`src`'s .metadata, unpickled with torch, changed by `edit` and written beside the test."""
+    with open(src / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    out = tmp_path / ".metadata"
+    out.write_bytes(pickle.dumps(meta))
+    return out
+
+
+def _renamed(fqn: str):
+    def edit(meta) -> None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        meta.state_dict_metadata[fqn] = meta.state_dict_metadata.pop("w")
+        meta.storage_data = {MetadataIndex(fqn, k.offset, k.index): v for k, v in meta.storage_data.items()}
+
+    return edit
+
+
+def _offsets_of(value: object):
+    def edit(meta) -> None:
+        for k in meta.storage_data:
+            object.__setattr__(k, "offset", value)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (_renamed("model.\udc80"), "is not valid UTF-8"),
+        (_offsets_of("abc"), "torch.Size of"),
+    ],
+    ids=["a-lone-surrogate", "an-offset-not-a-size"],
+)
+def test_a_bad_name_or_offset_in_dcp_metadata_is_a_named_error_with_its_path(record, tmp_path, edit, said):
+    """pickle decodes a name with surrogatepass: a lone surrogate passed the reader, then was a bare
+    UnicodeEncodeError in the export. A storage offset that is no torch.Size was an error with no path."""
+    from stagerd.contract.adopt.dcp_metadata import read_dcp_metadata
+
+    path = _edited_metadata(record[0], tmp_path, edit)
+    with pytest.raises(DcpFormatError, match=said) as e:
+        read_dcp_metadata(path)
+    assert e.value.path == str(path)
+
+
+def _zip64_directory_at(shift: int):
+    """The zip64 end record's offset of the central directory moved by `shift` bytes."""
+
+    def damage(b: bytearray) -> None:
+        at = b.rindex(b"PK\x06\x06") + 48
+        struct.pack_into("<Q", b, at, struct.unpack_from("<Q", b, at)[0] + shift)
+
+    return damage
+
+
+def test_a_member_placed_before_its_record_is_a_named_error(record, tmp_path):
+    """zipfile shifts every member by the directory's stated place against its found one: a corrupted zip64
+    offset put the storage 2 TiB before the record, and its pread was a bare OSError (EINVAL)."""
+    _, path = record
+    b = bytearray(path.read_bytes())
+    _zip64_directory_at(2 << 40)(b)
+    bad = tmp_path / "bad.distcp"
+    bad.write_bytes(bytes(b))
+    fd = os.open(bad, os.O_RDONLY)
+    try:
+        with pytest.raises(DcpFormatError) as e:
+            read_record(fd, 0, len(b), bad)
+    finally:
+        os.close(fd)
+    assert e.value.path == str(bad) and "lies outside the record" in e.value.message
+
+
 def test_a_deeply_nested_pickle_is_refused_before_it_is_loaded(record, tmp_path):
     """In `.metadata` and in a record's data.pkl: before, `consolidate --adopt` died of SIGSEGV."""
     src, path = record

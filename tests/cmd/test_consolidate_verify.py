@@ -3,11 +3,15 @@ names the path, and nothing is written; the good path still works."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from stagerd.cmd.verify import check_manifest
 from stagerd.contract import layout
+from stagerd.errors import VerifyError
 from tests.cli_helpers import run_cli
 
 
@@ -95,3 +99,26 @@ def test_verify_of_a_missing_path_says_it_is_missing(step_dir: Path, tmp_path: P
     assert proc.returncode == 2
     line = _one_error(proc, "ConfigError", str(missing), "does not exist")
     assert "not a complete export" not in line
+
+
+@pytest.mark.parametrize(
+    ("write", "match"),
+    [
+        (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested too deep"),
+        (lambda p: os.truncate(p, 400 << 20), "larger than 64 MiB"),
+        (lambda p: p.write_text('{"format": 5}'), "not a stagerd.manifest/"),
+        (lambda p: p.write_text("[1]"), "cannot read the manifest"),
+    ],
+    ids=["deep", "huge", "not-a-manifest", "a-list"],
+)
+def test_verify_of_a_bad_manifest_names_it(
+    tmp_path: Path, write: Callable[[Path], object], match: str
+) -> None:
+    """A manifest nested past the interpreter's recursion limit, or of hundreds of MiB (a sparse file),
+    is a VerifyError naming it, read in bounded memory, never a traceback."""
+    path = tmp_path / layout.MANIFEST_NAME
+    path.touch()
+    write(path)
+    with pytest.raises(VerifyError, match=match) as e:
+        check_manifest(tmp_path)
+    assert e.value.path == str(path) and e.value.message.count(str(path)) == 0

@@ -53,6 +53,19 @@ def test_a_fused_qkv_is_split_renamed_and_rope_permuted():
         ),
         ({"rules": [{"match": "a", "name": "x", "rope_heads": 3}]}, {"a": (4, 2)}, "does not divide"),
         ({"rules": [{"match": "(", "name": "x"}]}, {}, "rule 0 is malformed"),
+        # before: re.error and IndexError at the first key mapped, RecursionError at load
+        ({"rules": [{"match": "w", "name": "\\1"}]}, {}, "rule 0 is malformed.*invalid group reference"),
+        ({"rules": [{"match": "(?P<a>w)", "name": "\\g<b>"}]}, {}, "rule 0 is malformed.*unknown group"),
+        (
+            {"rules": [{"match": "w", "split": [{"name": "x", "size": 1}, {"name": "\\2", "size": 1}]}]},
+            {},
+            "rule 0 is malformed",
+        ),
+        (
+            {"rules": [{"match": "(" * 1000 + ")" * 1000, "name": "x"}]},
+            {},
+            "rule 0's match is nested too deep",
+        ),
         # before: int() made these 4 + 4 (the split "added up") and rope_heads true one head
         (
             {"rules": [{"match": "a", "split": [{"name": "x", "size": 4.9}, {"name": "y", "size": 4.1}]}]},
@@ -65,6 +78,22 @@ def test_a_fused_qkv_is_split_renamed_and_rope_permuted():
 def test_bad_mappings_are_named_errors(spec, shapes, words):
     with pytest.raises(HubPlanError, match=words):
         KeyMapping.load(spec).resolve(shapes)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"rules": 5}', "a key mapping is"),
+        ('{"rules": [{"match": "w"}]}', "rule 0 is malformed"),
+        ('{"rules": [{"match": "w", "name": "\\\\1"}]}', "rule 0 is malformed"),
+    ],
+)
+def test_a_bad_mapping_file_is_named(tmp_path, text, words):
+    path = tmp_path / "mapping.json"
+    path.write_text(text)
+    with pytest.raises(HubPlanError, match=words) as e:
+        KeyMapping.load(path)
+    assert e.value.path == str(path)
 
 
 def test_the_shipped_torchtitan_example_maps_every_llama_key():

@@ -258,11 +258,30 @@ def _mangled(**change: Any) -> dict[str, Any]:
         ({"plan__shared": [[2, [[0, 1]], "kept", "cast"]]}, "malformed to-Hub plan"),
         ({"ref__files": ["a.safetensors", "b.safetensors"]}, "files and names do not match up"),
         ({"ref__names": [[[0, 7]]]}, "not a name, nor a run of names"),
+        ({"ref__names": [[[0, 3], [0, 3]]]}, "more names than the 3"),
+        ({"ref__files": ["x", "y"], "ref__names": [[[0, 3]], [[0, 3]]]}, "more names than the 3"),
+        ({"plan__order": [[0, 3], [0, 1]]}, "more names than the 3"),
+        ({"plan__shared": [[2, [[0, 2]]], [2, [[1, 2]]]]}, "more names than the 3"),
     ],
 )
 def test_a_bad_compact_marker_is_a_marker_error(change, match):
     with pytest.raises(MarkerError, match=match):
         CommitMarker.from_json(_mangled(**change))
+
+
+def test_name_runs_that_would_expand_past_the_table_are_refused(tmp_path):
+    """A run `[0, T]` is a few bytes yet names T tensors: repeated, a marker of a hundred kilobytes read as
+    tens of millions of names (hundreds of MiB). A list names each of the marker's names once at most."""
+    names = [f"t{i}" for i in range(2000)]
+    marker = CommitMarker(1, 1, (), tensors={n: TensorInfo("F32", (2,)) for n in names})
+    d = marker.to_json()
+    d["reference_index"] = {"files": ["a.safetensors"], "names": [[[0, 2000]] * 10_000]}
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / layout.MARKER_NAME).write_text(json.dumps(d))
+    with pytest.raises(MarkerError, match="more names than the 2000") as e:
+        commit_marker.read_marker(step)
+    assert e.value.path is not None
 
 
 def test_a_shared_storage_without_holds_always_holds():

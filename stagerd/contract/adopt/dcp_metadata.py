@@ -203,6 +203,10 @@ def parse_dcp_metadata(data: bytes, where: object) -> DcpMetadata:
         raise DcpFormatError(f"holds a {type(meta).__name__}, not DCP's Metadata", path=where)
     try:
         return _checked(meta, where)
+    except DcpFormatError as e:  # `_size`'s, raised where the file is not known
+        if e.path is not None:
+            raise
+        raise DcpFormatError(e.message, path=where, hint=e.hint) from None
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise DcpFormatError(f"malformed DCP metadata: {e!r}", path=where) from None
 
@@ -218,6 +222,7 @@ def _checked(meta: _Record, where: object) -> DcpMetadata:
         fqn = index.get("fqn")
         if not isinstance(fqn, str):
             raise DcpFormatError(f"a storage key names {type(fqn).__name__} {show(fqn)}", path=where)
+        _check_utf8(fqn, where)
         if not (isinstance(info, _Record) and info.kind == "_StorageInfo"):
             raise DcpFormatError(f"storage of {fqn!r} is a {type(info).__name__}", path=where)
         offset = index.get("offset")
@@ -247,6 +252,7 @@ def _checked(meta: _Record, where: object) -> DcpMetadata:
     for fqn, md in sd.items():
         if not isinstance(fqn, str) or not isinstance(md, _Record):
             raise DcpFormatError(f"entry {show(fqn)} is a {type(md).__name__}", path=where)
+        _check_utf8(fqn, where)
         if md.kind == "BytesStorageMetadata":
             other.append(fqn)
             continue
@@ -298,6 +304,17 @@ def _tensor(
         chunks.append(DcpChunk(offs, sizes, *place))
     name = _TORCH_DTYPES[dt.name]
     return DcpTensor(name, shape, tuple(chunks))
+
+
+def _check_utf8(fqn: str, where: object) -> None:
+    """pickle decodes names with surrogatepass: a lone surrogate would reach the export, where no name of
+    a safetensors file can hold it (and `encode()` there is a bare UnicodeEncodeError)."""
+    if fqn.isascii():
+        return
+    try:
+        fqn.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DcpFormatError(f"entry {fqn!r} is not valid UTF-8", path=where) from None
 
 
 def _is_uint(x: Any) -> bool:

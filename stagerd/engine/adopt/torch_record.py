@@ -219,6 +219,13 @@ def _place(
     skip = dt.nbytes(t.offset)
     if member.file_size != dt.nbytes(t.storage.numel) or skip + nbytes > member.file_size:
         raise DcpFormatError(f"{at}: its storage is not the size its tensor needs", path=where)
+    # zipfile shifts each member by where the directory says it lies against where it was found: a damaged
+    # zip64 directory offset puts a member before the record (pread: a bare EINVAL) or past it
+    if not 0 <= member.header_offset <= length - _LOCAL_HEADER.size:
+        raise DcpFormatError(
+            f"{at}: its storage's header at {member.header_offset} lies outside the record's {length} bytes",
+            path=where,
+        )
     raw = os.pread(fd, _LOCAL_HEADER.size, base + member.header_offset)
     if len(raw) != _LOCAL_HEADER.size:
         raise DcpFormatError(f"{at} is truncated", path=where)
