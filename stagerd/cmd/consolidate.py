@@ -121,6 +121,7 @@ def check_out(src: Path, model_dir: Path, out: Path) -> None:
         )
     if out.exists() and not out.is_dir():
         raise ConfigError("OUT exists and is a file", path=out, hint="choose a new OUT directory")
+    _refuse_a_file_above(out)
     out_r, src_r, model_r = out.resolve(), src.resolve(), model_dir.resolve()
     for inside in (src_r, model_r):
         if out_r == inside or inside in out_r.parents:
@@ -133,6 +134,20 @@ def check_out(src: Path, model_dir: Path, out: Path) -> None:
         raise ConfigError("OUT exists and is not empty", path=out, hint="choose a new OUT or empty it first")
     refuse_a_mount_point(out, "OUT")
     refuse_staging_area(out, "OUT")
+
+
+def _refuse_a_file_above(out: Path) -> None:
+    """A file where a directory above OUT must be: making OUT fails with "File exists" or "Not a
+    directory", which reads as a full disk, and no retry helps."""
+    for parent in Path(os.path.abspath(out)).parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"a parent of OUT, {parent}, is a file, not a directory",
+                    path=out,
+                    hint="choose an OUT whose parent is a directory (or can be made); nothing was written",
+                )
+            return
 
 
 def _prepare_out(out: Path) -> Path:

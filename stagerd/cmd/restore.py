@@ -93,10 +93,14 @@ def run(args: argparse.Namespace) -> int:
             "removes the step while it downloads",
             hint="restore the step's HF export with --export, or restore from the store it was published to",
         )
+    if not (args.export and unwritable(args.url)):
+        # The parser publish and prune use: `file://relative`, `s3://` without a bucket, `memory://`, a
+        # %-escape or an upper-case scheme is named, never read loosely as some other place to restore from.
+        # A read-only store (http://) is no sink, but an export can be restored from it.
+        parse_sink_url(args.url)
     step = _step(args.step)
     root = Path(os.path.abspath(args.root))  # `.` or `./` (the empty directory one is in) has a name then
     if args.url.startswith("hf://"):
-        parse_sink_url(args.url)  # the sink's own checks: a malformed or non-model repo URL is refused here
         print(f"restored {restore_from_hub(args.url, root, step, export=args.export)}")
         return 0
     try:

@@ -6,11 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stagerd.errors import ConfigError, SinkError
-from stagerd.sinks.fs_open import filesystem_at
+from stagerd.sinks.fs_open import filesystem_at, opening
 from stagerd.sinks.generic import FsspecBackend
 from stagerd.sinks.local import LocalBackend
-from stagerd.sinks.objects import Backend, redact_url
+from stagerd.sinks.objects import Backend
 from stagerd.sinks.s3.backend import S3Backend
 
 
@@ -25,7 +24,7 @@ def open_backend(
 
     refuse_patterns(url)  # also where a sink is opened without the parser (the fleet's exchange)
     protocol, path = fsspec.core.split_protocol(url)
-    try:
+    with opening(url):
         if protocol in (None, "file", "local"):
             return LocalBackend(Path(path or "/"))
         if protocol in ("s3", "s3a"):
@@ -34,12 +33,3 @@ def open_backend(
             )
         fs, root = filesystem_at(url, opts)
         return FsspecBackend(fs, root)
-    except (ValueError, ImportError, TypeError) as e:
-        raise ConfigError(
-            f"cannot open sink {redact_url(url)}: {type(e).__name__}: {e}",
-            hint="use s3://BUCKET/PREFIX, file:///PATH, hf://ORG/REPO or an fsspec URL whose "
-            "package is installed (gcsfs for gs://, adlfs for az://)",
-        ) from None
-    except OSError as e:  # stores that connect on open (ftp, sftp) and are down: retry later
-        why = e.strerror or "connection failed"
-        raise SinkError(f"cannot reach sink {redact_url(url)}: {type(e).__name__}: {why}") from None

@@ -9,10 +9,11 @@ socket call resolves; the client is given the address itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from stagerd.errors import ConfigError
+from stagerd.errors import ConfigError, SinkError
 from stagerd.sinks.urls import shown, without_ipv6_host
 
 
@@ -29,3 +30,23 @@ def filesystem_at(url: str, opts: Mapping[str, Any]) -> tuple[Any, str]:
     if isinstance(host, str) and host.startswith("[") and host.endswith("]"):
         kwargs["host"] = host[1:-1]
     return fsspec.filesystem(protocol, **{**kwargs, **opts}), cls._strip_protocol(url)
+
+
+@contextlib.contextmanager
+def opening(url: str) -> Iterator[None]:
+    """How opening a store fails, the same for every command that opens one (publish, watch, prune,
+    restore): a URL no store can take is a `ConfigError`; a store that connects on open (ftp, sftp, hdfs)
+    and cannot, a `SinkError` to retry later, never a traceback."""
+    from stagerd.sinks.objects import redact_url
+
+    try:
+        yield
+    except (ValueError, ImportError, TypeError) as e:
+        raise ConfigError(
+            f"cannot open sink {redact_url(url)}: {type(e).__name__}: {e}",
+            hint="use s3://BUCKET/PREFIX, file:///PATH, hf://ORG/REPO or an fsspec URL whose "
+            "package is installed (gcsfs for gs://, adlfs for az://)",
+        ) from None
+    except OSError as e:
+        why = e.strerror or "connection failed"  # str(e) may quote the URL, password and all
+        raise SinkError(f"cannot reach sink {redact_url(url)}: {type(e).__name__}: {why}") from None

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stagerd.errors import ConfigError, RestoreError, SinkError
+from stagerd.errors import RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
-from stagerd.sinks.fs_open import filesystem_at
-from stagerd.sinks.local_dirs import Held, LocalTree
+from stagerd.sinks.fs_open import filesystem_at, opening
+from stagerd.sinks.local_dirs import Held, LocalTree, refuse_a_file_path
 from stagerd.sinks.objects import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
@@ -58,19 +58,18 @@ class RemoteStore:
         refuse_patterns(url)
         protocol, path = fsspec.core.split_protocol(url)
         opts = dict(storage_options or {})
-        try:
+        with opening(url):  # as a sink opens for publish: a store that is down is a SinkError
             if protocol in ("s3", "s3a"):
                 from stagerd.sinks.s3.backend import S3Backend
 
                 b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
                 return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
             if protocol in (None, "file", "local"):
+                refuse_a_file_path(Path(path or "/"))  # as the sink does: no outage to retry
                 fs = fsspec.filesystem("file")
                 return cls(fs, path or "/", redact_url(url))
             fs, root = filesystem_at(url, opts)
             return cls(fs, root.rstrip("/"), redact_url(url))
-        except (ValueError, ImportError, TypeError) as e:
-            raise ConfigError(f"cannot open {redact_url(url)}: {type(e).__name__}: {e}") from None
 
     @property
     def local(self) -> bool:

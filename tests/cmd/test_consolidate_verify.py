@@ -45,6 +45,18 @@ def test_consolidate_onto_a_file_is_exit_2(step_dir: Path, tmp_path: Path) -> No
     assert out.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("below", ["out", "sub/out"])
+def test_consolidate_under_a_file_is_exit_2(step_dir: Path, tmp_path: Path, below: str) -> None:
+    """Before the fix: OutputError "File exists" or "Not a directory", exit 3, with a free-space hint."""
+    (tmp_path / "mine").mkdir()
+    a_file = tmp_path / "mine" / "notes.txt"
+    a_file.write_bytes(b"precious")
+    proc = run_cli(["consolidate", step_dir, a_file / below])
+    assert proc.returncode == 2
+    _one_error(proc, "ConfigError", f"a parent of OUT, {a_file}, is a file")
+    assert a_file.read_bytes() == b"precious" and [p.name for p in a_file.parent.iterdir()] == ["notes.txt"]
+
+
 @pytest.mark.parametrize("where", [".", "model", "model/hf", "export-here"])
 def test_consolidate_into_the_source_is_refused(step_dir: Path, where: str) -> None:
     before = _tree(step_dir)

@@ -292,3 +292,26 @@ def test_a_file_where_the_target_directory_must_be_is_a_config_error(tmp_path, c
         assert "ConfigError" in capsys.readouterr().err
     assert a_file.read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "notes.txt", "sink"]
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("file://rawsink", "names a host or relative path after file://"),
+        ("s3://", "names no bucket"),
+        ("memory://x", "is not a durable store"),
+        ("file:///p%20x", "has %-escapes"),
+        ("S3://b/p", "has an upper-case scheme"),
+    ],
+)
+def test_restore_checks_its_url_as_publish_and_prune_do(tmp_path, monkeypatch, capsys, url, why):
+    """Before the fix, restore read these loosely: a relative file:// path under the working directory,
+    `s3:/raw/latest` "is missing", an empty memory:// store, a directory named `p%20x`, "Protocol not
+    known: S3"."""
+    from stagerd.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["restore", url, str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError: sink URL" in err and why in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -124,6 +124,20 @@ def test_a_mistyped_prune_url_is_refused_and_nothing_is_made(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["prune", "restore"])
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:1/x", "hdfs://127.0.0.1:1/x"], ids=["ftp", "hdfs"])
+def test_a_store_that_cannot_be_reached_on_open_is_a_sink_error(tmp_path, capsys, command, url):
+    """Before the fix, prune and restore let the store's own error out (ConnectionRefusedError, pyarrow's
+    OSError for a missing libjvm): a traceback, exit 1, where publish and watch said SinkError, exit 3."""
+    from stagerd.cli import main
+
+    args = ["--keep-last", "1", "--dry-run"] if command == "prune" else [str(tmp_path / "n")]
+    assert main([command, url, *args]) == 3
+    err = capsys.readouterr().err
+    assert f"SinkError: cannot reach sink {url}" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "point",
     [

@@ -389,3 +389,43 @@ def test_a_file_sink_sweeps_only_its_own_temp_files_beside_latest(tmp_path):
     FsspecSink.from_url(dest.as_uri()).publish(make_export(tmp_path / "e", {"m": 10}), 1)
     assert other.read_text() == "another tool's"
     assert not killed.exists()
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-path", "a-dir-above"])
+def test_a_sink_path_that_is_a_file_is_a_config_error_when_it_opens(tmp_path, capsys, below):
+    """Before the fix, a regular file as the sink (or above it) failed each write with NotADirectoryError,
+    reported as a SinkError to retry with backoff (exit 3; `watch` called the sink down)."""
+    from stagerd.cli import main
+    from stagerd.errors import SinkPathError
+    from stagerd.sinks.remote import RemoteStore
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    sink = a_file / "sub" if below else a_file
+    for opener in (open_sink, RemoteStore.open):
+        with pytest.raises(SinkPathError) as e:
+            opener(sink.as_uri())
+        assert not e.value.retryable and "is a file, not a directory" in e.value.message
+    for args in (
+        ["prune", sink.as_uri(), "--keep-last", "1"],
+        ["restore", sink.as_uri(), str(tmp_path / "n")],
+    ):
+        assert main(args) == 2
+        assert "SinkPathError" in capsys.readouterr().err
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_sink_directory_replaced_by_a_file_is_no_outage(tmp_path):
+    """A file put where the open sink's directory was: every write would fail the same way, so the sink
+    says it is a config error (not retryable) instead of a SinkError to back off from."""
+    from stagerd.errors import SinkPathError
+
+    export = make_export(tmp_path / "export", {"model.safetensors": 64})
+    sink_dir = tmp_path / "sink"
+    sink_dir.mkdir()
+    sink = open_sink(sink_dir.as_uri())
+    sink_dir.rmdir()
+    sink_dir.write_text("mine")
+    with pytest.raises(SinkPathError):
+        sink.publish(export, 1)
+    assert sink_dir.read_text() == "mine"

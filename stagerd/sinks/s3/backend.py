@@ -35,6 +35,7 @@ from stagerd.sinks.s3.client import (
     signs_payload,
 )
 from stagerd.sinks.s3.conditions import Conditions, Support, leave, probe
+from stagerd.sinks.s3.endpoint import check_endpoint
 from stagerd.sinks.s3.latest import LatestMixin
 from stagerd.sinks.s3.opening import OpeningMixin
 from stagerd.sinks.s3.upload import S3Api, one_put, upload_files
@@ -116,6 +117,7 @@ class S3Backend(OpeningMixin, LatestMixin):
                 hint="give S3 credentials by AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or a role",
             )
         opts = dict(opts)
+        check_endpoint(opts)  # before s3fs: botocore finds a bad one only at the first request
         attempts = opts.pop("max_attempts", None)
         config = {"max_pool_connections": max(10, 2 * max_concurrency), **dict(opts.pop("config_kwargs", {}))}
         if attempts is not None and "retries" not in config and not _retries_configured():
