@@ -149,13 +149,6 @@ class ConfigError(StagerdError):
     hint = "see `stagerd watch --help` and the configuration reference in README.md"
 
 
-class SinkPathError(ConfigError):
-    """A file:// sink whose path, or a directory above it, is a file: no retry makes it a directory. A
-    config error wherever it is found (at open, or when the path is replaced by a file while running)."""
-
-    hint = "give the sink a directory, or a path where one can be made; nothing was written"
-
-
 class SinkError(StagerdError):
     """A publish that failed in a way retrying may fix (5xx, dropped connection, timeout)."""
 

@@ -23,7 +23,7 @@ from stagerd.ops.processes import pid_alive
 from stagerd.sinks.claims import claim_key
 from stagerd.sinks.fetch import LATEST_NAME
 from stagerd.sinks.hashing import hash_file, iter_file
-from stagerd.sinks.local_dirs import Held, LocalTree, refuse_a_file_path
+from stagerd.sinks.local_dirs import Held, LocalTree
 from stagerd.sinks.objects import (
     MAX_LATEST_BYTES,
     ByteProgress,
@@ -51,7 +51,6 @@ class LocalBackend:
     has_checksums = False
 
     def __init__(self, root: Path) -> None:
-        refuse_a_file_path(root)  # before anything is written: a file there is no outage
         self.root = root
         self.tree = LocalTree(root)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stagerd.contract.regular_file import is_link_at, linked, open_regular_at, read_bounded
-from stagerd.errors import SinkError, SinkPathError
+from stagerd.errors import SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.ops.processes import pid_alive
 from stagerd.sinks.objects import CLOCK_NAME
@@ -180,16 +180,12 @@ class LocalTree:
         if ".." in names or "." in names:
             raise SinkError("is not a plain path inside the sink", path=self.root / rel)
         try:
-            try:
-                fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
-            except FileNotFoundError:
-                if not create:
-                    raise
-                os.makedirs(self.root, exist_ok=True)  # the operator's own path: links in it are theirs
-                fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
-        except (NotADirectoryError, FileExistsError):  # replaced by a file since the sink opened
-            refuse_a_file_path(self.root)
-            raise
+            fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.root, exist_ok=True)  # the operator's own path: links in it are theirs
+            fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
         try:
             at = self.root
             for name in names:
@@ -337,19 +333,3 @@ def _rmdirs(fd: int, path: Path) -> None:
             os.close(sub)
         with contextlib.suppress(OSError):
             os.rmdir(name, dir_fd=fd)
-
-
-def refuse_a_file_path(root: Path) -> None:
-    """A `SinkPathError` if the sink's directory `root`, or the nearest existing directory above it, is a
-    file: every write would fail with NotADirectoryError, which no retry fixes."""
-    for at in [root, *root.parents]:
-        try:
-            st = os.stat(at)  # the root may be a link to a directory: the operator named it
-        except (FileNotFoundError, NotADirectoryError):  # missing, or below a file: look above
-            continue
-        except OSError:
-            return  # a dangling link, a permission: the write names it
-        if not stat.S_ISDIR(st.st_mode):
-            where = "the sink's path" if at == root else f"{at}, a directory above the sink's path,"
-            raise SinkPathError(f"{where} is a file, not a directory", path=root)
-        return

@@ -30,7 +30,7 @@ from typing import Any
 from stagerd.errors import RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fs_open import filesystem_at, opening
-from stagerd.sinks.local_dirs import Held, LocalTree, refuse_a_file_path
+from stagerd.sinks.local_dirs import Held, LocalTree
 from stagerd.sinks.objects import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
@@ -65,7 +65,6 @@ class RemoteStore:
                 b = S3Backend.open(url, opts, part_size=16 << 20, max_concurrency=workers, checksum="CRC32")
                 return cls(b.fs, b.base.removeprefix("s3://"), redact_url(url), [b], b)
             if protocol in (None, "file", "local"):
-                refuse_a_file_path(Path(path or "/"))  # as the sink does: no outage to retry
                 fs = fsspec.filesystem("file")
                 return cls(fs, path or "/", redact_url(url))
             fs, root = filesystem_at(url, opts)
