@@ -200,7 +200,7 @@ def test_non_writable_out(step_dir, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     r = _cli("consolidate", str(step_dir), str(blocker / "out"))
-    assert r.returncode != 0 and "OutputError" in r.stderr
+    assert r.returncode == 2 and "ConfigError" in r.stderr and "is a file, not a directory" in r.stderr
 
 
 def test_marker_listing_outside_the_step_is_refused(step_dir):
