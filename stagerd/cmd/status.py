@@ -64,6 +64,9 @@ def refuse_no_root(root: Path) -> None:
             path=root,
             hint="give the ROOT `stagerd watch` runs on",
         )
+    from stagerd.daemon.root_places import refuse_a_step_or_state_dir
+
+    refuse_a_step_or_state_dir(root, "stagerd status {root}")  # never "start `stagerd watch` there"
 
 
 def check_journal(root: Path) -> None:
