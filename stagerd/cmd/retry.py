@@ -42,12 +42,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 
 
 def run(args: argparse.Namespace) -> int:
+    from stagerd.cmd.status import check_journal
     from stagerd.contract import layout
-    from stagerd.daemon.journal import Journal, LaneState, StepState, journal_path
-    from stagerd.daemon.journal.schema import no_journal
+    from stagerd.daemon.journal import Journal, LaneState, StepState
 
-    if not journal_path(args.root).is_file():
-        raise no_journal(args.root)
+    # Journal.open sets up any table missing: a damaged journal (or an unrelated SQLite file) would be
+    # rebuilt empty, its lanes' states lost. Only a journal `status` reads is written.
+    check_journal(args.root)
     journal = Journal.open(args.root)
     try:
         steps = {r.step: r for r in journal.steps(include_retired=False)}

@@ -55,6 +55,27 @@ _Read = tuple[
 ]
 
 
+def refuse_no_root(root: Path) -> None:
+    """A JournalError for a ROOT missing or not a directory (`status`, and `retry` before it writes)."""
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise JournalError(
+            f"ROOT {what}, so there is no journal to read",
+            path=root,
+            hint="give the ROOT `stagerd watch` runs on",
+        )
+    from stagerd.daemon.root_places import refuse_a_step_or_state_dir
+
+    refuse_a_step_or_state_dir(root, "stagerd status {root}")  # never "start `stagerd watch` there"
+
+
+def check_journal(root: Path) -> None:
+    """The JournalError `status` gives for ROOT's journal (missing, damaged, an unrelated file, another
+    schema), read-only: what writes it (`retry`) must refuse such a journal, not set its tables up anew."""
+    refuse_no_root(root)
+    _read_journal(root, include_retired=False)
+
+
 def _read_journal(root: Path, *, include_retired: bool) -> _Read:
     from stagerd.daemon.journal import Journal
     from stagerd.daemon.summary import NEWEST_LISTED
@@ -113,13 +134,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     from stagerd.daemon.policy import failure_hint
     from stagerd.daemon.retention import disk_state
 
-    if not root.is_dir():
-        what = "is not a directory" if root.exists() else "does not exist"
-        raise JournalError(
-            f"ROOT {what}, so there is no journal to read",
-            path=root,
-            hint="give the ROOT `stagerd watch` runs on",
-        )
+    refuse_no_root(root)
     note = None
     try:
         meta, steps, lanes, counts, waits, missed = _read_journal(root, include_retired=include_retired)

@@ -186,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     root = settings.root
     daemon = Daemon(settings, on_start=None if root is None else partial(warn_quarantined, Path(root)))
+    if root is not None:
+        from stagerd.daemon.root_places import refuse_a_step_or_state_dir
+
+        refuse_a_step_or_state_dir(Path(root), "stagerd watch {root} --sink URL")  # before any warning
     if root is not None and settings.adopt is None:
         warn_unadopted(Path(root))
     code = asyncio.run(daemon.run())

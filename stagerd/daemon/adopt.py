@@ -84,6 +84,41 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
             )
     if settings.extras is not None and not Path(settings.extras).is_dir():
         raise ConfigError("--extras is not a directory", path=settings.extras)
+    if settings.export_dir is not None:
+        _check_export_dir(root, Path(settings.export_dir))
+
+
+def _check_export_dir(root: Path, export_dir: Path) -> None:
+    """An --export-dir that cannot be one: a file, under a file, where no directory can be made, or in
+    ROOT's `.stagerd` (the daemon's state, beside its journal and trash), other than the default there.
+    Said before ROOT is locked and its fleet identity written, not in a traceback after."""
+    hint = "give --export-dir a directory outside ROOT that this user can create, e.g. ROOT-exports"
+    state = root.resolve() / layout.STATE_DIR
+    where = export_dir.resolve()
+    if (where == state or state in where.parents) and where != state / ADOPTED_DIR:
+        raise ConfigError(
+            f"--export-dir is ROOT's state directory {state} or inside it: the daemon's own",
+            path=export_dir,
+            hint=hint,
+        )
+    if export_dir.exists() and not export_dir.is_dir():
+        raise ConfigError("--export-dir is not a directory", path=export_dir, hint=hint)
+    made = export_dir
+    while not made.exists() and made != made.parent:
+        made = made.parent
+    if not made.is_dir():
+        raise ConfigError(
+            f"--export-dir is under {made}, which is not a directory", path=export_dir, hint=hint
+        )
+    # Permissions do not tell (root may write anywhere, yet not in /proc): make a directory and remove it.
+    probe = made / f".stagerd-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError as e:
+        raise ConfigError(
+            f"--export-dir cannot be created in {made}: {e.strerror}", path=export_dir, hint=hint
+        ) from None
+    probe.rmdir()
 
 
 OWNER_NAME = ".stagerd-root"  # in an --export-dir: the identity and path of the ROOT whose exports it holds

@@ -17,9 +17,46 @@ from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
 def check_root_places(root: Path, sinks: list[str], exchange: str | None) -> None:
     """A ConfigError, before anything is written, for a local sink or exchange in ROOT's staging places,
     or ROOT in theirs."""
+    refuse_a_step_or_state_dir(root, "stagerd watch {root} --sink URL")
     areas = [sink_area(u) for u in sinks] + ([exchange_area(exchange)] if exchange is not None else [])
     _refuse_inside_root(root, areas)
     _refuse_root_inside(root, areas)
+
+
+def step_or_state_dir(root: Path) -> tuple[str, Path] | None:
+    """What `root` is when it is not a ROOT but a place inside one: a step directory (it holds the commit
+    marker, or is named `step-N` with `model/`), a directory inside one, or a ROOT's `.stagerd` or inside
+    it, with the ROOT it belongs to; None otherwise. A ROOT whose children are a trainer's checkpoints
+    (`--adopt`, `step-N` of torchtitan with no `model/`) is no step directory."""
+    where = root.resolve()
+    for d in [where, *where.parents]:
+        if d.name == layout.STATE_DIR:
+            what = "a ROOT's state directory" if d == where else f"inside the state directory {d} of a ROOT"
+            return what, d.parent
+        marked = (d / layout.MARKER_NAME).is_file()
+        if marked or (layout.parse_step_dir(d.name) is not None and (d / layout.MODEL_DIR).is_dir()):
+            why = (
+                f"it holds {layout.MARKER_NAME}"
+                if marked
+                else f"it is named {d.name} with {layout.MODEL_DIR}/ inside"
+            )
+            what = f"a step directory ({why})" if d == where else f"inside the step directory {d} ({why})"
+            return what, d.parent
+    return None
+
+
+def refuse_a_step_or_state_dir(root: Path, command: str) -> None:
+    """A ConfigError for a ROOT that is a step directory, inside one, or in a `.stagerd`: the daemon would
+    keep its journal and lock in the trainer's checkpoint, and retention there deletes it. `command`: what
+    to run instead, `{root}` standing for the ROOT it belongs to."""
+    found = step_or_state_dir(root)
+    if found is not None:
+        what, owner = found
+        raise ConfigError(
+            f"ROOT is {what}; give the ROOT it is in, {owner}",
+            path=root,
+            hint=f"run `{command.format(root=owner)}` instead; nothing was written",
+        )
 
 
 def _refuse_inside_root(root: Path, areas: list[Area]) -> None:

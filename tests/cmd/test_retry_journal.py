@@ -1,0 +1,59 @@
+"""`retry` writes only a journal `status` can read: a damaged one, an empty file or an unrelated SQLite file
+at the journal's name is refused with the JournalError `status` gives, never set up anew (its lanes' states
+lost), and a missing ROOT or a file given as ROOT is named as `status` names it."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from stagerd.daemon.journal import Journal, journal_path
+from tests.cli_helpers import run_cli
+
+
+def _tables(path: Path) -> set[str]:
+    with sqlite3.connect(path) as c:
+        return {r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _lanes_dropped(path: Path) -> None:
+    with sqlite3.connect(path) as c:
+        c.execute("DROP TABLE lanes")
+
+
+def _emptied(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _unrelated(path: Path) -> None:
+    path.unlink()
+    with sqlite3.connect(path) as c:
+        c.execute("CREATE TABLE notes (t TEXT)")
+
+
+@pytest.mark.parametrize("damage", [_lanes_dropped, _emptied, _unrelated])
+def test_retry_refuses_a_journal_status_calls_damaged(tmp_path: Path, damage) -> None:
+    root = tmp_path / "root"
+    Journal.open(root).close()
+    path = journal_path(root)
+    damage(path)
+    before = path.read_bytes()
+    tables = _tables(path) if before else set()
+    status = run_cli(["status", root])
+    r = run_cli(["retry", root])
+    assert r.returncode == 2 and "stagerd: JournalError: " in r.stderr, r.stderr + r.stdout
+    assert r.stderr == status.stderr and status.returncode == 2, (r.stderr, status.stderr)
+    assert path.read_bytes() == before  # nothing set up in it
+    if before:
+        assert _tables(path) == tables
+
+
+def test_retry_names_a_missing_root_or_a_file_as_status_does(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for root, what in ((tmp_path / "none", "ROOT does not exist"), (afile, "ROOT is not a directory")):
+        r = run_cli(["retry", root])
+        assert r.returncode == 2 and what in r.stderr and "start `stagerd watch" not in r.stderr, r.stderr
+    assert not (tmp_path / "none").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
