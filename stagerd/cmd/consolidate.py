@@ -212,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads must be at least 1, got {args.threads}")
     if not args.src.exists():
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
+    if not args.src.is_dir():
+        raise ConfigError(
+            "SRC is a file, not a directory", path=args.src, hint="give the step's directory (ROOT/step-N)"
+        )
     if args.adopt is None:
         refuse_a_root(args.src, "SRC")
         warn_uncommitted(args.src)

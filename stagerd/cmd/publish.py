@@ -72,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
         raise VerifyError("is not an export directory", path=export_dir)
     step = args.step if args.step is not None else step_from_path(export_dir)
     if step is None:
+        inside = export_dir / layout.EXPORT_DIR
         raise ConfigError(
             f"cannot tell the step of {export_dir}: it is not a step-XXXXXXXX/export directory",
-            hint="pass --step N",
+            # a step directory given for its export: the export inside is what publish takes
+            hint=f"give its export, {inside}" if step_from_path(inside) is not None else "pass --step N",
         )
     if not 0 <= step <= layout.MAX_STEP:
         raise ConfigError(f"--step must be from 0 to 2^63 - 1, got {step}")

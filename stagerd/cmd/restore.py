@@ -232,14 +232,19 @@ def refuse_links(path: Path) -> None:
             )
 
 
+_NEW_OUT = "give --export a new or empty directory"
+
+
 def check_out(out: Path) -> None:
     """`--export` OUT: a new or empty directory, reached through no link, that a finished directory can be
     renamed onto (no mount point), and outside a staging ROOT's steps and state (`staging_places.py`)."""
     from stagerd.cmd.staging_places import refuse_a_mount_point, refuse_staging_area
 
     refuse_links(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError("exists and is not an empty directory; not overwritten", path=out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("is a file, not a directory; not overwritten", path=out, hint=_NEW_OUT)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError("exists and is not an empty directory; not overwritten", path=out, hint=_NEW_OUT)
     refuse_a_mount_point(out, "OUT")
     refuse_staging_area(out, "OUT")
 

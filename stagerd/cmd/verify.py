@@ -116,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     for what, path in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if path is not None and not path.exists():
             raise ConfigError(f"{what} does not exist", path=path, hint="check the path")
+        if path is not None and not path.is_dir():
+            hint = "give the export's directory" if what == "EXPORT_DIR" else "give the step's directory"
+            raise ConfigError(f"{what} is a file, not a directory", path=path, hint=hint)
     if args.against is not None and args.adopt is None:
         refuse_a_root(args.against, "--against")
         warn_uncommitted(args.against)

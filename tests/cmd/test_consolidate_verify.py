@@ -84,6 +84,41 @@ def test_consolidate_of_a_missing_src_says_so(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_given_for_a_directory_is_named_so(tmp_path: Path, capsys) -> None:
+    """Before: `verify FILE` named its index's NotADirectoryError, `consolidate FILE` and `--against FILE`
+    hinted at an abandoned step, `restore --export FILE` called it a non-empty directory, and `publish` of
+    a step directory hinted at --step where its export is what it takes."""
+    from stagerd.cli import main
+
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    step = tmp_path / layout.step_dir_name(7)
+    (step / layout.EXPORT_DIR).mkdir(parents=True)
+    for argv, said, hint in (
+        (["verify", str(file)], "EXPORT_DIR is a file, not a directory", "give the export's directory"),
+        (
+            ["verify", str(tmp_path), "--against", str(file)],
+            "--against is a file",
+            "give the step's directory",
+        ),
+        (["consolidate", str(file), str(tmp_path / "out")], "SRC is a file", "(ROOT/step-N)"),
+        (
+            ["restore", (tmp_path / "sink").as_uri(), str(file), "--export", "--step", "1"],
+            "is a file",
+            "new or",
+        ),
+        (
+            ["publish", str(step), "--sink", str(tmp_path / "sink")],
+            "cannot tell the step",
+            "give its export, ",
+        ),
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and hint in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "sink").exists()
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--max-shard-size", "0"), ("--threads", "0")])
 def test_consolidate_bad_numbers_are_exit_2(step_dir: Path, tmp_path: Path, flag: str, value: str) -> None:
     proc = run_cli(["consolidate", step_dir, tmp_path / "out", flag, value])
