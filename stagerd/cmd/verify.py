@@ -54,31 +54,20 @@ def check_manifest(export_dir: Path) -> int:
     publisher wrote: check every listed file's size and sha256, which the headers and index alone cannot
     (a flipped byte inside a tensor passes them). The number of files checked; 0 without a manifest."""
     import hashlib
-    import json
 
-    from stagerd.contract.manifest import ExportManifest
+    from stagerd.contract.manifest import MAX_MANIFEST_BYTES, read_manifest
     from stagerd.contract.regular_file import read_regular
-    from stagerd.sinks.objects import MAX_MANIFEST_BYTES
 
     path = export_dir / layout.MANIFEST_NAME
     if not path.is_file():
         return 0
     try:
-        # as a sink reads it (`parse_manifest`): never more than its limit in memory
-        data = read_regular(path, MAX_MANIFEST_BYTES + 1)
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise VerifyError(
-                f"the manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=path, hint=_DAMAGED
-            )
-        manifest = ExportManifest.from_json(json.loads(data), path=path)
-    except RecursionError:
-        raise VerifyError("cannot read the manifest: nested too deep", path=path, hint=_DAMAGED) from None
+        # as a sink reads it: never more than its limit in memory
+        manifest = read_manifest(read_regular(path, MAX_MANIFEST_BYTES + 1), path)
     except OSError as e:
         raise VerifyError(f"cannot read the manifest: {e.strerror}", path=path, hint=_DAMAGED) from None
     except MarkerError as e:
-        raise VerifyError(f"cannot read the manifest: {e.message}", path=path, hint=_DAMAGED) from None
-    except (ValueError, AttributeError) as e:  # not JSON, or JSON but no object
-        raise VerifyError(f"cannot read the manifest: {e}", path=path, hint=_DAMAGED) from None
+        raise VerifyError(f"cannot read the manifest: it {e.message}", path=path, hint=_DAMAGED) from None
     for f in manifest.files:
         file = export_dir / f.path
         if not file.is_file() or file.stat().st_size != f.size:

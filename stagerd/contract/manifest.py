@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Mapping
@@ -71,3 +72,24 @@ class ExportManifest:
             return cls(step=step, files=files, created=created, metadata=metadata)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise MarkerError(f"malformed manifest: {e!r}", path=path) from None
+
+
+# What is read of a step's manifest: anyone may put an object of any size at its key, and a publish read
+# it whole (a FIFO on file:// held it for good)
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+def read_manifest(data: bytes, path: object) -> ExportManifest:
+    """A manifest from its bytes, whatever was handed over (a sink's object, a file `stagerd verify` is
+    given): a `MarkerError` whose message says what the bytes are ("is larger than 64 MiB", "is not valid
+    JSON (...)", "is malformed: ..."), for the caller to name them in its own error."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise MarkerError(f"is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=path)
+    try:
+        return ExportManifest.from_json(json.loads(data), path=path)
+    except RecursionError:
+        raise MarkerError("is not valid JSON (nested too deep)", path=path) from None
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise MarkerError(f"is not valid JSON ({e})", path=path) from None
+    except MarkerError as e:
+        raise MarkerError(f"is malformed: {e.message}", path=path) from None

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stagerd.contract import layout
-from stagerd.contract.manifest import ExportManifest, ManifestFile
+from stagerd.contract.manifest import MAX_MANIFEST_BYTES, ExportManifest, ManifestFile
 from stagerd.contract.step.held import HeldDir
 from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyError
 from stagerd.ops.crashpoints import crash_point, delay_point
@@ -41,7 +41,6 @@ from stagerd.sinks.latest import LatestMixin
 from stagerd.sinks.local import LocalBackend
 from stagerd.sinks.objects import (
     MAX_CLAIM_BYTES,
-    MAX_MANIFEST_BYTES,
     Backend,
     BatchingStore,
     ByteProgress,

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 from stagerd.contract import layout
 from stagerd.contract.export_tree import walk_entries
-from stagerd.contract.manifest import ExportManifest
+from stagerd.contract.manifest import ExportManifest, read_manifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
 
@@ -291,9 +291,8 @@ def verify_listing(
 
 
 MAX_LATEST_BYTES = 1024  # what is read of `latest`: a step name, or a sign that the object is not ours
-# What is read of a step's manifest and of a claim: anyone may put an object of any size at those keys,
-# and a publish read each whole (a FIFO on file:// held it for good)
-MAX_MANIFEST_BYTES = 64 << 20
+# What is read of a claim, as of a manifest (`MAX_MANIFEST_BYTES`): anyone may put an object of any size
+# at its key
 MAX_CLAIM_BYTES = 128 << 10
 
 
@@ -332,13 +331,7 @@ def manifest_bytes(manifest: ExportManifest) -> bytes:
 
 
 def parse_manifest(data: bytes, where: str) -> ExportManifest:
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise SinkConflictError(f"remote manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB", path=where)
     try:
-        return ExportManifest.from_json(json.loads(data), path=where)
-    except RecursionError:
-        raise SinkConflictError("remote manifest is not valid JSON (nested too deep)", path=where) from None
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise SinkConflictError(f"remote manifest is not valid JSON ({e})", path=where) from None
+        return read_manifest(data, where)
     except MarkerError as e:
-        raise SinkConflictError(f"remote manifest is malformed: {e.message}", path=where) from None
+        raise SinkConflictError(f"remote manifest {e.message}", path=where) from None

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stagerd.contract.manifest import MAX_MANIFEST_BYTES
 from stagerd.errors import RestoreError, SinkError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.fs_open import filesystem_at, opening
 from stagerd.sinks.local_dirs import Held, LocalTree
-from stagerd.sinks.objects import MAX_LATEST_BYTES, MAX_MANIFEST_BYTES, StoredObject, redact_url
+from stagerd.sinks.objects import MAX_LATEST_BYTES, StoredObject, redact_url
 from stagerd.sinks.temp_names import temp_name
 from stagerd.sinks.urls import PATTERN_CHARS, refuse_patterns
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from stagerd.contract import layout
 from stagerd.contract.json_fields import loads
+from stagerd.contract.manifest import MAX_MANIFEST_BYTES
 from stagerd.daemon.fleet.progress import Progress, Reports, progress_key
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import (
@@ -28,7 +29,7 @@ from stagerd.sinks.claims import Claim, claim_key, claimed_error, decode, fleet_
 from stagerd.sinks.denied import denied_hint
 from stagerd.sinks.fetch import RemoteStore
 from stagerd.sinks.fsspec import FsspecSink
-from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES, ByteProgress, LocalFile, Uploaded
+from stagerd.sinks.objects import MAX_CLAIM_BYTES, ByteProgress, LocalFile, Uploaded
 
 FLEET_DIR = "fleet"
 RECORDS_DIR = "done"  # one record per sink and built file

@@ -7,9 +7,9 @@ import builtins
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+from stagerd.contract.manifest import MAX_MANIFEST_BYTES
 from stagerd.sinks.objects import (
     MAX_CLAIM_BYTES,
-    MAX_MANIFEST_BYTES,
     ByteProgress,
     Claiming,
     LocalFile,
