@@ -12,7 +12,6 @@ import pytest
 
 from stagerd.contract import layout
 from stagerd.errors import SinkConflictError, SinkError
-from stagerd.sinks import objects
 from stagerd.sinks.fsspec import FsspecSink
 from tests.cli_helpers import run_cli
 from tests.s3server import s3, s3_server  # noqa: F401  (fixtures)
@@ -64,7 +63,7 @@ def test_a_prune_beside_a_fifo_claim_is_a_named_error_not_a_wait(tmp_path: Path)
 def test_an_oversized_object_at_a_manifest_key_is_refused_unread(s3, tmp_path, monkeypatch):  # noqa: F811
     """Before: the publish read the object whole into memory, whatever its size."""
     limit = 4096
-    monkeypatch.setattr(objects, "MAX_MANIFEST_BYTES", limit)
+    monkeypatch.setattr("stagerd.contract.manifest.MAX_MANIFEST_BYTES", limit)
     monkeypatch.setattr("stagerd.sinks.fsspec._MANIFEST", limit + 1)
     monkeypatch.setattr("stagerd.sinks.s3.opening._MANIFEST", limit + 1)
     key = f"ckpt/{layout.step_dir_name(2)}/{layout.MANIFEST_NAME}"

@@ -193,12 +193,13 @@ def test_a_sinks_claim_and_manifest_of_any_size_are_read_capped(tmp_path):
     manifest can be, and the step is still named another publisher's."""
     import tracemalloc
 
+    from stagerd.contract.manifest import MAX_MANIFEST_BYTES
     from stagerd.daemon.fleet.exchange import StepExchange
     from stagerd.errors import SinkConflictError
     from stagerd.sinks.claims import claim_key, fleet_claim
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.fsspec import FsspecSink
-    from stagerd.sinks.objects import MAX_CLAIM_BYTES, MAX_MANIFEST_BYTES
+    from stagerd.sinks.objects import MAX_CLAIM_BYTES
 
     step, big = layout.step_dir_name(7), 24 << 20
     claim, manifest = tmp_path / "sink" / claim_key(step), tmp_path / "sink" / step / layout.MANIFEST_NAME
