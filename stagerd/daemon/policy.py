@@ -29,6 +29,12 @@ class Failure:
     quarantine: bool
     next_try: float | None
 
+    @property
+    def given_up(self) -> bool:
+        """Quarantined only as a `--once` run ran out of tries of what may pass (`rearmable`): the next
+        start tries it again. As `given_up` reads it of a journal row."""
+        return self.quarantine and rearmable(self.error_class)
+
 
 def backoff_delay(attempts: int, settings: Settings) -> float:
     """Seconds to wait after the `attempts`-th failure: doubling from `retry_base_seconds`, capped."""
@@ -64,7 +70,7 @@ def sink_outage(f: Failure) -> bool:
     given up for a `--once` run may be the sink being down. What is quarantined for good was an answer
     about the step (a conflict, a refusal), and a sink left waiting (`SinkMissingError`) or a fleet wait
     has its own rule."""
-    return f.next_try is not None or (f.quarantine and rearmable(f.error_class))
+    return f.next_try is not None or f.given_up
 
 
 def gives_up_sink(f: Failure, settings: Settings) -> bool:
@@ -72,7 +78,7 @@ def gives_up_sink(f: Failure, settings: Settings) -> bool:
     `--once` run's tries of that sink: it ran out of tries on what may pass, so the sink is down for this
     run and its other steps are left for the next start (`SinkDownError`), not each tried `max_attempts`
     times more. A running daemon never gives up a sink."""
-    return settings.once and f.quarantine and rearmable(f.error_class)
+    return settings.once and f.given_up
 
 
 def once_sink_options(url: str) -> dict[str, Any]:
@@ -91,7 +97,7 @@ def once_sink_options(url: str) -> dict[str, Any]:
 
 def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:
     """The log's account of a failed attempt: what failed, and when (or whether) it is tried again."""
-    if f.quarantine and rearmable(f.error_class):  # a --once run's last try of what may pass
+    if f.given_up:  # a --once run's last try of what may pass
         return f"{f.error_class}: {f.message}; given up for this --once run: the next start tries again"
     if f.quarantine:
         # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
