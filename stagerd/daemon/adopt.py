@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stagerd.config import Settings
 from stagerd.contract import layout
 from stagerd.contract.adopt.checks import made_by_these_checks
 from stagerd.contract.adopt.presets import LAYOUTS, Preset
 from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
 from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
+from stagerd.daemon.root_places import adopt_root
 from stagerd.daemon.state import log
 from stagerd.daemon.unadopted import (
     NO_CONFIG,
@@ -38,13 +38,12 @@ from stagerd.daemon.unadopted import (
     unadoptable,
 )
 from stagerd.daemon.unfinished import NO_PRESET_RULE, Unfinished, finished_rule
-from stagerd.errors import AdoptError, ConfigError, StagerdError
+from stagerd.errors import AdoptError, StagerdError
 
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
 
 OTHER_CHECKS = "export/ was made by a stagerd build whose checks differ"
-ADOPTED_DIR = "adopted"  # the default export root: ROOT/.stagerd/adopted/
 # Files whose creation (or, for `.incomplete`, removal) may finish a checkpoint: a scan on their events.
 COMPLETION_NAMES = frozenset(
     {".metadata"}
@@ -52,108 +51,6 @@ COMPLETION_NAMES = frozenset(
     | {p.incomplete for ps in LAYOUTS.values() for p in ps if p.incomplete}
 )
 Found = tuple[int, Path, float, str]
-
-
-def adopt_root(root: Path, export_dir: Path | None) -> Path:
-    return Path(export_dir) if export_dir is not None else root / layout.STATE_DIR / ADOPTED_DIR
-
-
-def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
-    """The export root and every local sink lie outside every checkpoint (a trainer's directory is only
-    read, and its own retention deletes it whole), and --extras is a directory."""
-    from stagerd.sinks.urls import SinkKind, parse_sink_url, shown
-
-    custom = compile_step_regex(settings.adopt_step)
-    real_root = root.resolve()
-    places = [("the export directory", work_root)]
-    for url in settings.sinks:
-        target = parse_sink_url(url)
-        if target.kind is SinkKind.LOCAL:
-            places.append((f"sink {shown(url)}", target.local_path))
-    for what, place in places:
-        where = Path(place).resolve()
-        if where == real_root:
-            raise ConfigError(f"{what} is ROOT {root}, where the trainer writes its checkpoints")
-        if real_root not in where.parents:
-            continue
-        top = where.relative_to(real_root).parts[0]
-        if parse_step_name(top, custom) is not None:
-            raise ConfigError(
-                f"{what} {place} is inside the trainer's checkpoint {top}: the trainer owns it",
-                hint="choose a directory outside ROOT for this ROOT alone, e.g. --export-dir ROOT-exports",
-            )
-    if settings.extras is not None and not Path(settings.extras).is_dir():
-        raise ConfigError("--extras is not a directory", path=settings.extras)
-    if settings.export_dir is not None:
-        _check_export_dir(root, Path(settings.export_dir))
-
-
-def _check_export_dir(root: Path, export_dir: Path) -> None:
-    """An --export-dir that cannot be one: a file, under a file, where no directory can be made, or in
-    ROOT's `.stagerd` (the daemon's state, beside its journal and trash), other than the default there.
-    Said before ROOT is locked and its fleet identity written, not in a traceback after."""
-    hint = "give --export-dir a directory outside ROOT that this user can create, e.g. ROOT-exports"
-    state = root.resolve() / layout.STATE_DIR
-    where = export_dir.resolve()
-    if (where == state or state in where.parents) and where != state / ADOPTED_DIR:
-        raise ConfigError(
-            f"--export-dir is ROOT's state directory {state} or inside it: the daemon's own",
-            path=export_dir,
-            hint=hint,
-        )
-    if export_dir.exists() and not export_dir.is_dir():
-        raise ConfigError("--export-dir is not a directory", path=export_dir, hint=hint)
-    made = export_dir
-    while not made.exists() and made != made.parent:
-        made = made.parent
-    if not made.is_dir():
-        raise ConfigError(
-            f"--export-dir is under {made}, which is not a directory", path=export_dir, hint=hint
-        )
-    # Permissions do not tell (root may write anywhere, yet not in /proc): make a directory and remove it.
-    probe = made / f".stagerd-probe-{os.getpid()}"
-    try:
-        probe.mkdir()
-    except OSError as e:
-        raise ConfigError(
-            f"--export-dir cannot be created in {made}: {e.strerror}", path=export_dir, hint=hint
-        ) from None
-    probe.rmdir()
-
-
-OWNER_NAME = ".stagerd-root"  # in an --export-dir: the identity and path of the ROOT whose exports it holds
-
-
-def claim_export_dir(root: Path, work_root: Path, root_id: str) -> None:
-    """An --export-dir holds one ROOT's exports: its work directories are named after the checkpoints
-    (`checkpoint-500` in every HF Trainer run), so a second ROOT's daemon would rebuild, publish and delete
-    the first's. The first daemon to use it writes its ROOT's identity there; another is a ConfigError."""
-    owner = work_root / OWNER_NAME
-    mine = f"{root_id} {root.resolve()}\n"
-    work_root.mkdir(parents=True, exist_ok=True)
-    if not owner.is_symlink() and not owner.exists():
-        tmp = work_root / f"{OWNER_NAME}.tmp-{os.getpid()}"
-        layout.write_bytes_atomic(tmp, mine.encode())
-        try:
-            os.link(tmp, owner)  # whole or absent, and only if no other daemon got there first
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-    try:
-        theirs = owner.read_text() if not owner.is_symlink() else ""
-    except OSError as e:
-        raise ConfigError(f"cannot read {OWNER_NAME}: {e.strerror}", path=owner) from None
-    their_id, _, other = theirs.strip().partition(" ")
-    if their_id != root_id and other == str(root.resolve()):
-        layout.write_bytes_atomic(owner, mine.encode())  # this ROOT, its .stagerd made again since
-    elif their_id != root_id:
-        raise ConfigError(
-            f"the export directory {work_root} holds the exports of another ROOT ({other or 'unknown'}): "
-            "the daemons would rebuild, publish and delete each other's exports of same-named checkpoints",
-            path=owner,
-            hint="give each ROOT its own --export-dir (e.g. ROOT-exports beside ROOT), or leave it unset",
-        )
 
 
 def unexportable(step_dir: Path, why: str) -> tuple[str, str]:

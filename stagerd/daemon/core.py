@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
-from stagerd.daemon.adopt import adopt_root, check_adopt_places, claim_export_dir
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal.raw import raw_lane
@@ -33,7 +32,7 @@ from stagerd.daemon.lock import RootLock
 from stagerd.daemon.metrics import Metrics, MetricsServer
 from stagerd.daemon.policy import Failure, backoff_delay, decide_failure, once_sink_options
 from stagerd.daemon.retention import empty_trash
-from stagerd.daemon.root_places import check_root_places
+from stagerd.daemon.root_places import adopt_root, check_adopt_places, check_root_places, claim_export_dir
 from stagerd.daemon.scheduling import Scheduling
 from stagerd.daemon.state import log
 from stagerd.daemon.summary import OnceSummary, Summary

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stagerd.daemon.adopt import claim_export_dir
+from stagerd.daemon.root_places import claim_export_dir
 from stagerd.daemon.fleet.tasks import FleetTasks
 from stagerd.errors import ConfigError
 
