@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stagerd.daemon.root_places import claim_export_dir
 from stagerd.daemon.fleet.tasks import FleetTasks
+from stagerd.daemon.root_places import claim_export_dir
 from stagerd.errors import ConfigError
 
 
