@@ -4,6 +4,11 @@ botocore takes an endpoint without a scheme (`minio:9000`, the common MinIO mist
 only when the first request builds the client, as a bare `ValueError`, and one with another scheme
 (`ftp://x`) as an endpoint-resolution error that reads like an outage. Neither passes on retry, so each is
 a `ConfigError` naming where the endpoint came from, raised before anything is written.
+
+The endpoint is looked for where botocore looks, in its order: the storage options, AWS_ENDPOINT_URL_S3,
+AWS_ENDPOINT_URL, then the AWS config file (`AWS_CONFIG_FILE`, else `~/.aws/config`) under the profile in
+use: the s3 `endpoint_url` of the `[services NAME]` section the profile names, then the profile's own
+`endpoint_url`. The file is read by botocore itself, so it is the file and profile the client will use.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from stagerd.errors import ConfigError
@@ -19,18 +25,45 @@ from stagerd.errors import ConfigError
 _ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
-def endpoint_source(opts: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The endpoint the S3 client will use and what set it (an option or a variable), or None for AWS's."""
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    source: str  # what set it, as the message names it: an option, a variable, a config file's key
+    path: str | None = None  # the config file that set it
+
+
+def endpoint_source(opts: Mapping[str, Any]) -> Endpoint | None:
+    """The endpoint the S3 client will use and what set it, or None for AWS's own."""
     client_kwargs = opts.get("client_kwargs") or {}
     if opts.get("endpoint_url"):
-        return str(opts["endpoint_url"]), "the storage option endpoint_url"
+        return Endpoint(str(opts["endpoint_url"]), "the storage option endpoint_url")
     if isinstance(client_kwargs, Mapping) and client_kwargs.get("endpoint_url"):
-        return str(client_kwargs["endpoint_url"]), "the storage option client_kwargs.endpoint_url"
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
-        return None
-    for name in _ENV:
-        if os.environ.get(name):
-            return os.environ[name], name
+        return Endpoint(str(client_kwargs["endpoint_url"]), "the storage option client_kwargs.endpoint_url")
+    import botocore.exceptions
+    import botocore.session
+
+    # the session s3fs gives the client: the profile of the storage option `profile`, else AWS_PROFILE's
+    session = botocore.session.Session(profile=opts.get("profile") or None)
+    try:
+        if session.get_config_variable("ignore_configured_endpoint_urls"):
+            return None  # by AWS_IGNORE_CONFIGURED_ENDPOINT_URLS or the profile: botocore uses none of them
+        for name in _ENV:
+            if os.environ.get(name):
+                return Endpoint(os.environ[name], name)
+        scoped = session.get_scoped_config()
+    except (botocore.exceptions.ProfileNotFound, botocore.exceptions.ConfigParseError):
+        return None  # the client names these itself
+    path = os.path.expanduser(str(session.get_config_variable("config_file")))
+    profile = session.profile or "default"
+    section = scoped.get("services")
+    if isinstance(section, str):
+        services = session.full_config.get("services", {}).get(section)
+        s3 = services.get("s3") if isinstance(services, Mapping) else None
+        if isinstance(s3, Mapping) and s3.get("endpoint_url"):
+            where = f"the s3 endpoint_url of [services {section}] (profile {profile}'s services)"
+            return Endpoint(str(s3["endpoint_url"]), where, path)
+    if scoped.get("endpoint_url"):
+        return Endpoint(str(scoped["endpoint_url"]), f"the endpoint_url of profile {profile}", path)
     return None
 
 
@@ -39,7 +72,7 @@ def check_endpoint(opts: Mapping[str, Any]) -> None:
     found = endpoint_source(opts)
     if found is None:
         return
-    url, source = found
+    url = found.url
     why = _problem(url)
     if why is None:
         return
@@ -47,7 +80,7 @@ def check_endpoint(opts: Mapping[str, Any]) -> None:
         hint = f"give the scheme: http://{url} (or https://{url} where the store serves TLS)"
     else:
         hint = "an S3 endpoint is http://HOST:PORT or https://HOST, e.g. http://minio:9000"
-    raise ConfigError(f"{source}={url!r} {why}", hint=hint + "; nothing was written")
+    raise ConfigError(f"{found.source}={url!r} {why}", path=found.path, hint=hint + "; nothing was written")
 
 
 def _problem(url: str) -> str | None:
