@@ -338,8 +338,8 @@ class Settings(BaseSettings):
         if v is not None:
             try:
                 KeyMapping.load(v)
-            except StagerdError as e:
-                raise ValueError(e.message) from None
+            except StagerdError as e:  # its path: the mapping file, which the settings' error names too
+                raise ValueError(str(e)) from None
         return v
 
     @field_validator("metrics_port", mode="before")

@@ -21,7 +21,8 @@ templates take the match's groups (`\\1`). A key no rule matches is kept as it i
 HubPlanError. `rope_heads: H` reorders the rows of each head from interleaved pairs (Meta, torchtitan) to
 HF's halves, as transformers' own `convert_llama_weights_to_hf` permutes: `w.view(H, rows // H // 2, 2,
 cols).transpose(1, 2).reshape(rows, cols)`. Splits must add up to the dim they split; two outputs of
-one name are an error. No torch here: `stagerd watch --mapping` could resolve it as well as the Stager.
+one name are an error. Every error names where the mapping came from (its file, the setting, the preset).
+No torch here: `stagerd watch --mapping` could resolve it as well as the Stager.
 `examples/torchtitan_llama_to_hf.json` is the mapping for torchtitan's Llama 3.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,20 @@ class _Rule:
 class KeyMapping:
     rules: tuple[_Rule, ...]
     strict: bool = False
+    source: str | None = field(default=None, compare=False)  # where it came from: its errors' `path`
 
     @classmethod
-    def load(cls, spec: KeyMapping | Mapping[str, Any] | str | Path) -> KeyMapping:
-        """From a mapping or a JSON file; a malformed spec is a HubPlanError naming the rule."""
+    def load(
+        cls, spec: KeyMapping | Mapping[str, Any] | str | Path, *, source: str | Path | None = None
+    ) -> KeyMapping:
+        """From a mapping or a JSON file; a malformed spec is a HubPlanError naming the rule. `source`: where
+        a mapping given as a dict came from (`preset torchtitan`, the file it was read from), named as the
+        path of every error it leads to; a file names itself."""
         if isinstance(spec, KeyMapping):
             return spec
-        where = None
+        where = None if source is None else str(source)
         if not isinstance(spec, Mapping):
-            where = spec
+            where = where or str(spec)
             try:
                 spec = loads(Path(spec).read_text())
             except (OSError, ValueError) as e:
@@ -82,10 +88,18 @@ class KeyMapping:
                 raise HubPlanError(f"key mapping rule {i} is malformed: {e!r}", path=where) from None
             except RecursionError:
                 raise HubPlanError(f"key mapping rule {i}'s match is nested too deep", path=where) from None
-        return cls(tuple(rules), bool(spec.get("strict", False)))
+        return cls(tuple(rules), bool(spec.get("strict", False)), where)
 
     def resolve(self, shapes: Mapping[str, tuple[int, ...]]) -> HubPlan:
-        """The to-Hub plan of staged tensors of these global `shapes`."""
+        """The to-Hub plan of staged tensors of these global `shapes`; its errors name where it came from."""
+        try:
+            return self._resolve(shapes)
+        except HubPlanError as e:
+            if e.path is None:
+                e.path = self.source
+            raise
+
+    def _resolve(self, shapes: Mapping[str, tuple[int, ...]]) -> HubPlan:
         views: list[TensorView] = []
         unmapped: list[str] = []
         joins: dict[str, list[_Join]] = {}

@@ -163,7 +163,7 @@ def mapped_plan(marker: commit_marker.CommitMarker, mapping: Path, step_dir: Pat
         spec = loads(raw)
     except ValueError as e:
         raise HubPlanError(f"the key mapping is not JSON: {e}", path=mapping) from None
-    plan = KeyMapping.load(spec).resolve({k: v.shape for k, v in marker.tensors.items()})
+    plan = KeyMapping.load(spec, source=mapping).resolve({k: v.shape for k, v in marker.tensors.items()})
     return plan, hashlib.sha256(raw).hexdigest()
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from stagerd.contract import commit_marker
+from stagerd.contract.adopt.presets import PRESETS, preset_mapping
 from stagerd.contract.key_mapping import KeyMapping
-from stagerd.errors import HubPlanError
+from stagerd.daemon.settings_sources import load_settings
+from stagerd.engine.export import mapped_plan
+from stagerd.errors import ConfigError, HubPlanError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_llama_to_hf.json"
 
@@ -163,3 +168,42 @@ def test_a_merge_keeps_the_rope_order_of_its_parts():
     assert torch.equal(expected(full, plan)["l.0.qkv"], want)
     with pytest.raises(HubPlanError, match="does not divide"):
         KeyMapping.load({"rules": rules}).resolve({"0.wq": (6, 3), "0.wk": (4, 3), "0.wv": (4, 3)})
+
+
+_MALFORMED = {"rules": [{"match": "w"}]}  # no name
+_STRICT = {"strict": True, "rules": []}  # leaves every key unmapped
+
+
+def test_a_mapping_file_the_daemon_reads_names_itself_in_every_error(tmp_path):
+    """`watch --mapping FILE` reads the file, then loads the dict: its errors named no file."""
+    marker = commit_marker.CommitMarker(1, 1, (), tensors={"w": commit_marker.TensorInfo("F32", (2,))})
+    mapping = tmp_path / "mapping.json"
+    for spec, words in ((_MALFORMED, "rule 0 is malformed"), (_STRICT, "leaves 1 saved tensors unmapped")):
+        mapping.write_text(json.dumps(spec))
+        with pytest.raises(HubPlanError, match=words) as e:
+            mapped_plan(marker, mapping, tmp_path)
+        assert e.value.path == str(mapping)
+
+
+def test_a_preset_mapping_names_the_preset_in_every_error():
+    titan = PRESETS["torchtitan"]
+    with pytest.raises(HubPlanError, match="rule 0 is malformed") as e:
+        preset_mapping(replace(titan, mapping=_MALFORMED), None)
+    assert str(e.value).startswith("preset torchtitan: ")
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
+    mapping = preset_mapping(titan, heads)
+    assert mapping is not None
+    with pytest.raises(HubPlanError, match="unmapped") as e:
+        mapping.resolve({"not.a.titan.key": (2,)})
+    assert str(e.value).startswith("preset torchtitan: ")
+
+
+def test_a_bad_mapping_in_the_settings_names_the_file_the_key_and_the_mapping(tmp_path, monkeypatch):
+    monkeypatch.delenv("STAGERD_MAPPING", raising=False)
+    mapping, settings = tmp_path / "mapping.json", tmp_path / "stagerd.toml"
+    mapping.write_text(json.dumps(_MALFORMED))
+    settings.write_text(f"mapping = {json.dumps(str(mapping))}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(settings)
+    assert str(e.value).startswith(f"{settings}: invalid settings: mapping: ")
+    assert f"{mapping}: key mapping rule 0 is malformed" in str(e.value)

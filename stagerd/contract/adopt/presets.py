@@ -340,7 +340,7 @@ def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMappi
                 )
             rule = {**rule, "rope_heads": value}
         rules.append(rule)
-    return KeyMapping.load({**preset.mapping, "rules": rules})
+    return KeyMapping.load({**preset.mapping, "rules": rules}, source=f"preset {preset.name}")
 
 
 def resolve_selection(
