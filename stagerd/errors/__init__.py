@@ -2,63 +2,24 @@
 
 `retryable` tells the daemon whether trying again later can help (a dead endpoint) or cannot (a corrupt
 header): the journal quarantines a non-retryable failure at once instead of burning its attempts.
+
+Every error is imported from here: their base is `errors/base.py`, the sinks' errors `errors/sinks.py`.
 """
 
 from __future__ import annotations
 
 import errno
 
-
-class StagerdError(Exception):
-    """Base of every error stagerd raises on purpose."""
-
-    retryable: bool = False
-    hint: str = "run with --debug for a traceback"
-
-    def __init__(self, message: str, *, path: object | None = None, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.path = None if path is None else str(path)
-        if hint is not None:
-            self.hint = hint
-        else:
-            self._note_hint()
-
-    def __setattr__(self, name: str, value: object) -> None:
-        super().__setattr__(name, value)
-        if name == "hint":
-            self._note_hint()
-
-    def _note_hint(self) -> None:
-        """The hint as the exception's first note: a traceback in the user's own program (the training
-        side's errors surface there, not through the CLI, which prints the hint itself) shows what to do."""
-        if self.hint == StagerdError.hint:  # the CLI's own advice, meaningless in a program's traceback
-            return
-        note = f"{_NOTE}{self.hint}"
-        notes = self.__dict__.get("__notes__")
-        if notes and isinstance(notes[0], str) and notes[0].startswith(_NOTE):
-            notes[0] = note
-        else:
-            self.add_note(note)
-
-    @property
-    def name(self) -> str:
-        return type(self).__name__
-
-    def __str__(self) -> str:
-        return one_line(f"{self.path}: {self.message}" if self.path else self.message)
-
-
-_NOTE = "what to do: "
-
-
-def one_line(text: str) -> str:
-    """`text` with every character that is not printable (a newline, an escape sequence's ESC) written as
-    its escape: a message quotes text from files, pickles and servers, and must stay one line in a
-    terminal, a log and `status`."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+from stagerd.errors.base import StagerdError as StagerdError
+from stagerd.errors.base import one_line as one_line
+from stagerd.errors.sinks import ConditionsIgnoredError as ConditionsIgnoredError
+from stagerd.errors.sinks import IgnoredFilesError as IgnoredFilesError
+from stagerd.errors.sinks import SinkAuthError as SinkAuthError
+from stagerd.errors.sinks import SinkConflictError as SinkConflictError
+from stagerd.errors.sinks import SinkDownError as SinkDownError
+from stagerd.errors.sinks import SinkError as SinkError
+from stagerd.errors.sinks import SinkMissingError as SinkMissingError
+from stagerd.errors.sinks import StepClaimedError as StepClaimedError
 
 
 class ResourceError(StagerdError):
@@ -147,83 +108,6 @@ class ConfigError(StagerdError):
     """A setting that is missing or invalid."""
 
     hint = "see `stagerd watch --help` and the configuration reference in README.md"
-
-
-class SinkError(StagerdError):
-    """A publish that failed in a way retrying may fix (5xx, dropped connection, timeout)."""
-
-    retryable = True
-    hint = "the destination failed; stagerd retries with backoff, check its health and credentials"
-
-
-class SinkAuthError(SinkError):
-    """A bad token or a missing permission: retrying cannot help."""
-
-    retryable = False
-    hint = "check the credentials of this destination and their permission there"
-
-
-class SinkMissingError(SinkError):
-    """The sink's destination itself does not exist (an S3 bucket): nothing was written. The step is fine,
-    so it is never quarantined: a running daemon checks again every `retry_max_seconds`, and a `--once` run
-    stops trying at once, leaving the step waiting for the next start."""
-
-    retryable = True  # the destination may be created; until then the step waits
-    hint = "create the bucket (e.g. `aws s3 mb s3://BUCKET`), or fix the sink URL"
-
-
-class SinkDownError(SinkError):
-    """A sink that a `--once` run found down: its tries failed `max_attempts` times in a row, whichever
-    steps they were for, so the run tried none of its other steps. Nothing is wrong with those steps: the
-    next start tries them again."""
-
-    retryable = True  # a sink back up takes the steps: never quarantined for good
-    hint = (
-        "check that the sink is up and reachable from here (its endpoint, the network, the service's "
-        "status page); the next `stagerd watch` tries these steps again by itself"
-    )
-
-
-class SinkConflictError(SinkError):
-    """The destination already holds different content for this step."""
-
-    retryable = False
-    hint = "the destination holds a different upload for this step; inspect it before deleting anything"
-
-
-class StepClaimedError(SinkError):
-    """Another publisher, or a prune, holds the step's prefix on the sink: nothing of this publish was
-    written there (what it created on free keys while finding that out is removed again)."""
-
-    hint = (
-        "two publishers write one step to one prefix (two jobs share it, or a job restarted elsewhere while "
-        "the old one still publishes); stagerd retries and stops with a conflict if the other commits other "
-        "files. A prune's claim is finished by the next `stagerd prune`; a publisher that is gone for good "
-        "leaves its claim: delete that one object (named above), then retry"
-    )
-
-
-class ConditionsIgnoredError(SinkError):
-    """An S3-compatible store that ignores a conditional request a change relies on to be exclusive
-    (`If-None-Match` or `If-Match`): nothing was changed."""
-
-    retryable = False
-    hint = (
-        "use a store that honours If-None-Match and If-Match on PUT and If-Match on DELETE (AWS S3 does); "
-        "until then delete old steps by hand, manifest first, while nothing publishes to or prunes the sink"
-    )
-
-
-class IgnoredFilesError(SinkError):
-    """A Hub repo whose `.gitignore`, on the branch a step is committed to, matches files of the step: the
-    Hub marks them ignored and huggingface_hub leaves them out of the commit, which would lack them. Nothing
-    was committed or tagged, and retrying cannot help until the rule goes."""
-
-    retryable = False
-    hint = (
-        "remove the rule that matches from the repo's .gitignore on that branch, or publish to another repo "
-        "or revision; then `stagerd retry ROOT --step N`"
-    )
 
 
 class StepBusyError(StagerdError):
