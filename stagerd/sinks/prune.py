@@ -20,9 +20,9 @@ prefix valid for readers at every moment and never a key of a step another proce
   (`leases.refuse_pruning`): a lease written before the prune's second look at `restoring/` keeps the
   step, and one written after it finds the prune's claim and stops before reading anything
   (`StepVanishedError`), so no restore reads a step that a prune deletes.
-- **Whose** (`Owner`): the claim of every complete step is read (once per version) and judged for the
-  ROOT pruning (`claims.whose`), an input of the plan: a daemon's retention deletes only its own ROOT's
-  steps. A prefix two runs share by mistake must never cost one run the other's checkpoints.
+- **Whose** (`Owner`, `step_owners.py`): the claim of every complete step is read (once per version) and
+  judged for the ROOT pruning (`claims.whose`), an input of the plan: a daemon's retention deletes only its
+  own ROOT's steps. A prefix two runs share by mistake must never cost one run the other's checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from stagerd.contract import layout
 from stagerd.errors import SinkError, SymlinkError
@@ -41,6 +40,7 @@ from stagerd.sinks.leases import RESTORING_DIR, Lease, live_leases
 from stagerd.sinks.pending_uploads import abort_pending
 from stagerd.sinks.prune_plan import Decision, Policy, RemoteStep, parse_policy, plan_prune
 from stagerd.sinks.remote import RemoteStore, StoredObject
+from stagerd.sinks.step_owners import Owner
 
 __all__ = ["Decision", "Lease", "Owner", "Policy", "RemoteStep", "parse_policy", "plan_prune", "prune"]
 
@@ -52,7 +52,6 @@ FLEET_DONE = "done.json"  # written by the fleet's leader once nothing reads the
 # a node part's claim is `step-N.node-K-of-M` (`claims.claim_key`, `fetch.node_part`); any other name
 # under `claims/` (a person's copy, `step-N.bak`) is no claim: never read, replaced or deleted
 _PART_CLAIM = re.compile(r"node-[0-9]{5}-of-[0-9]{5}")
-_JUDGED_MAX = 100_000  # claims judged a daemon remembers: one per complete step and part it has seen
 
 
 @dataclass
@@ -76,52 +75,6 @@ class Tree:
         return [(own, self.claims.get(name))] + [
             (f"{self.base}{claims.CLAIMS_DIR}/{r}", self.claims[r]) for r in parts
         ]
-
-
-@dataclass
-class Owner:
-    """The ROOT a prune deletes for (`publisher`; None: every step counts, as for a person cleaning a
-    prefix), and what it keeps between prunes: the judgement of each claim version read, and the steps
-    already logged as another's."""
-
-    publisher: claims.Publisher | None = None
-    warned: set[tuple[str, str, int]] = field(default_factory=set)
-    # (claim key, version) -> judgement: a claim does not change while its step is complete, so retention
-    # after each publish reads only the new steps' claims
-    judged: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, root: Path, *others: Path) -> Owner:
-        return cls(claims.publisher_of(root, *others))
-
-    def judge(self, data: bytes | None) -> tuple[str, str]:
-        """(claims.OWN, FOREIGN or UNKNOWN; who, for a person) of one claim read back."""
-        held = claims.decode(data)
-        who = _who(held) if held is not None and held.kind == claims.PUBLISH else ""
-        if self.publisher is None:
-            return claims.OWN, who
-        return claims.whose(data, self.publisher), who
-
-    def claim(self, store: RemoteStore, key: str, obj: StoredObject) -> tuple[str, str]:
-        k = (key, obj.tag or "")
-        got = self.judged.get(k) if obj.tag else None
-        if got is None:
-            if len(self.judged) > _JUDGED_MAX:
-                self.judged.clear()
-            got = self.judged[k] = self.judge(claims.read_claim(store, key))
-        return got
-
-
-def _who(claim: claims.Claim) -> str:
-    """A publisher's claim as a person knows it: HOST:ROOT, and ROOT's identity where it names one; a fleet
-    export's, its leader's and how many nodes built it."""
-    host, local = claim.published_from()
-    step_dir = claims.step_dir_of(local)
-    root = step_dir.parent if layout.parse_step_dir(step_dir.name) is not None else step_dir
-    fleet = f", a fleet of {len(claim.trees)} nodes" if claim.trees else ""
-    return f"{host}:{root}" + (
-        f" (id {claim.tree[:8]}{fleet})" if claims.ROOT_ID.fullmatch(claim.tree) else ""
-    )
 
 
 def _owner(store: RemoteStore, tree: Tree, step: int, owner: Owner) -> tuple[str, str]:
