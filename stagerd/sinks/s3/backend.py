@@ -38,6 +38,7 @@ from stagerd.sinks.s3.conditions import Conditions, Support, leave, probe
 from stagerd.sinks.s3.endpoint import check_endpoint
 from stagerd.sinks.s3.latest import LatestMixin
 from stagerd.sinks.s3.opening import OpeningMixin
+from stagerd.sinks.s3.pending import PendingMixin
 from stagerd.sinks.s3.upload import S3Api, one_put, upload_files
 
 log = logging.getLogger("stagerd.sinks.s3")
@@ -70,7 +71,7 @@ def _retries_configured() -> bool:
     return "max_attempts" in scoped or "retry_mode" in scoped
 
 
-class S3Backend(OpeningMixin, LatestMixin):
+class S3Backend(OpeningMixin, LatestMixin, PendingMixin):
     """S3 and compatible stores (MinIO, Ceph, R2) through s3fs's session, honouring the AWS environment.
 
     Every object is uploaded with a checksum (`checksum=`: CRC32 by default, or SHA256) the store verifies
@@ -217,47 +218,6 @@ class S3Backend(OpeningMixin, LatestMixin):
 
         return self._run(go)
 
-    def sweep(self, prefix: str, *, settled: bool = False) -> None:
-        self._run(self._sweep, prefix)  # every pending upload under it: one publisher owns a step
-
-    async def _sweep(self, prefix: str) -> None:
-        """Abort multipart uploads pending under `prefix/` (one publisher owns a step, and it is here).
-        Best effort: credentials without s3:ListBucketMultipartUploads leave them to a lifecycle rule."""
-        try:
-            await self.abort_uploads(await self.pending_uploads(prefix))
-        except Exception as e:
-            log.warning(
-                "cannot abort stale multipart uploads under %s: %s", self.where(prefix), s3_error(e, "")
-            )
-
-    async def pending_uploads(self, prefix: str) -> builtins.list[tuple[str, str]]:
-        """(bucket key, UploadId) of each multipart upload pending under `prefix/`: S3's literal `Prefix`,
-        with its slash, and each key checked again as under it (a store may ignore `Prefix`)."""
-        s3 = await self._client()
-        args = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/"}
-        out: builtins.list[tuple[str, str]] = []
-        while True:  # pages by hand, as in `_list`
-            page = await s3.list_multipart_uploads(**args)
-            ups = page.get("Uploads", [])
-            out += [(u["Key"], u["UploadId"]) for u in ups if under(args["Prefix"], u["Key"]) is not None]
-            if not page.get("IsTruncated"):
-                return out
-            args.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
-
-    async def abort_uploads(self, uploads: builtins.list[tuple[str, str]]) -> None:
-        """Abort each (exact bucket key, UploadId), all at once: a crashed publisher can leave one per file.
-        One already gone (`NoSuchUpload`: completed or aborted meanwhile) is fine."""
-        s3 = await self._client()
-
-        async def one(key: str, upload: str) -> None:
-            try:
-                await s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
-            except Exception as e:
-                if error_code(e)[0] not in ("NoSuchUpload", "404"):
-                    raise
-
-        await asyncio.gather(*(one(k, u) for k, u in uploads))
-
     def discard(self, keys: builtins.list[tuple[str, str | None]]) -> None:
         """Delete what this publisher created, each only while it still holds our version (`If-Match` on
         the ETag the store gave our PUT): another publisher's object written there since stays. A store
@@ -395,13 +355,3 @@ class S3Backend(OpeningMixin, LatestMixin):
 
     def part_size_of(self, size: int) -> int:
         return part_size_for(size, self.part_size)
-
-    async def abort(self, key: str, upload_id: str) -> None:
-        """Best effort: a store that is down keeps the parts until a lifecycle rule reaps them."""
-        try:
-            s3 = await self._client()
-            await asyncio.wait_for(
-                s3.abort_multipart_upload(Bucket=self.bucket, Key=self.key(key), UploadId=upload_id), 30
-            )
-        except Exception as e:
-            log.warning("could not abort the multipart upload of %s: %s", self.where(key), type(e).__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, cast
 
 from stagerd.contract.manifest import MAX_MANIFEST_BYTES
@@ -35,7 +35,7 @@ class OpeningMixin:
     _list: Callable[[str], Awaitable[dict[str, RemoteObject]]]
     _get: Callable[..., Awaitable[bytes | None]]
     _create: Callable[[str, bytes], Awaitable[bool]]
-    _sweep: Callable[[str], Awaitable[None]]
+    _sweep: Callable[[str], Coroutine[Any, Any, None]]
     _prefetch_latest: Callable[[str], None]
     conditions: Callable[..., Awaitable[Conditions]]
     part_size_of: Callable[[int], int]
