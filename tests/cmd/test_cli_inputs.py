@@ -1,0 +1,29 @@
+"""Inputs a command takes at its start and only finds wrong later, or never: each is named at once, before
+anything is written or deleted. An exchange the store cannot take or reach (`watch` opens it as it opens
+its sinks, not when a node-local step first needs it, hours later); a `file://` sink to prune that does not
+exist (a typo, not a sink with nothing to prune); a copy-thread count past the daemon's own bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stagerd.cli import main
+
+
+def _one_error(err: str, kind: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("stagerd:")]
+    assert len(lines) == 1 and lines[0].startswith(f"stagerd: {kind}: "), err
+    assert "what to do:" in err and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("threads", ["0", "257", "100000"])
+def test_consolidate_threads_are_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], threads: str
+) -> None:
+    assert main(["consolidate", str(tmp_path / "src"), str(tmp_path / "out"), "--threads", threads]) == 2
+    line = _one_error(capsys.readouterr().err, "ConfigError")
+    assert f"--threads must be between 1 and 256, got {threads}" in line
+    assert list(tmp_path.iterdir()) == []
