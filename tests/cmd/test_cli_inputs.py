@@ -19,6 +19,23 @@ def _one_error(err: str, kind: str) -> str:
     return lines[0]
 
 
+def test_prune_of_a_missing_local_sink_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for where, what in ((tmp_path / "nonexistent", "does not exist"), (afile, "is not a directory")):
+        for url in (where.as_uri(), str(where)):
+            assert main(["prune", url, "--keep-last", "1"]) == 2
+            line = _one_error(capsys.readouterr().err, "ConfigError")
+            assert f"{where}: sink {what}" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "mine"
+    empty = tmp_path / "empty"  # a real sink with nothing published yet: nothing to prune, as before
+    empty.mkdir()
+    assert main(["prune", empty.as_uri(), "--keep-last", "1"]) == 0
+    assert "nothing to prune" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("threads", ["0", "257", "100000"])
 def test_consolidate_threads_are_bounded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], threads: str
