@@ -5,6 +5,7 @@ exist (a typo, not a sink with nothing to prune); a copy-thread count past the d
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,34 @@ def _one_error(err: str, kind: str) -> str:
     assert len(lines) == 1 and lines[0].startswith(f"stagerd: {kind}: "), err
     assert "what to do:" in err and "Traceback" not in err, err
     return lines[0]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again: a connection there is refused
+
+
+def test_watch_opens_the_exchange_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAGERD_METRICS_PORT", "off")
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    root.mkdir()
+    argv = ["watch", str(root), "--sink", sink.as_uri(), "--once", "--exchange"]
+    # an S3 store whose endpoint cannot be one: bad input, exit 2
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio:9000")
+    assert main([*argv, "s3://bucket/exchange"]) == 2
+    line = _one_error(capsys.readouterr().err, "ConfigError")
+    assert "AWS_ENDPOINT_URL='minio:9000' has no scheme" in line
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    # a store that connects on open, whose host does not answer: as a sink that cannot be reached, exit 3
+    url = f"ftp://127.0.0.1:{_closed_port()}/exchange"
+    assert main([*argv, url]) == 3
+    err = capsys.readouterr().err
+    assert f"cannot reach --exchange {url}: ConnectionRefusedError" in _one_error(err, "SinkError")
+    assert "every node reaches the exchange" in err
+    assert list(root.iterdir()) == [] and not sink.exists()
 
 
 def test_prune_of_a_missing_local_sink_is_an_error(
