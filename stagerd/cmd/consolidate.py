@@ -139,15 +139,15 @@ def check_out(src: Path, model_dir: Path, out: Path) -> None:
 def _refuse_a_file_above(out: Path) -> None:
     """A file where a directory above OUT must be: making OUT fails with "File exists" or "Not a
     directory", which reads as a full disk, and no retry helps."""
-    for parent in Path(os.path.abspath(out)).parents:
-        if os.path.lexists(parent):
-            if not parent.is_dir():
-                raise ConfigError(
-                    f"a parent of OUT, {parent}, is a file, not a directory",
-                    path=out,
-                    hint="choose an OUT whose parent is a directory (or can be made); nothing was written",
-                )
-            return
+    from stagerd.contract.layout import nearest_existing
+
+    parent = nearest_existing(Path(os.path.abspath(out)).parent)
+    if not parent.is_dir():
+        raise ConfigError(
+            f"a parent of OUT, {parent}, is a file, not a directory",
+            path=out,
+            hint="choose an OUT whose parent is a directory (or can be made); nothing was written",
+        )
 
 
 def _prepare_out(out: Path) -> Path:
