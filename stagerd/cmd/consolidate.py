@@ -139,15 +139,15 @@ def check_out(src: Path, model_dir: Path, out: Path) -> None:
 def _refuse_a_file_above(out: Path) -> None:
     """A file where a directory above OUT must be: making OUT fails with "File exists" or "Not a
     directory", which reads as a full disk, and no retry helps."""
-    for parent in Path(os.path.abspath(out)).parents:
-        if os.path.lexists(parent):
-            if not parent.is_dir():
-                raise ConfigError(
-                    f"a parent of OUT, {parent}, is a file, not a directory",
-                    path=out,
-                    hint="choose an OUT whose parent is a directory (or can be made); nothing was written",
-                )
-            return
+    from stagerd.contract.layout import nearest_existing
+
+    parent = nearest_existing(Path(os.path.abspath(out)).parent)
+    if not parent.is_dir():
+        raise ConfigError(
+            f"a parent of OUT, {parent}, is a file, not a directory",
+            path=out,
+            hint="choose an OUT whose parent is a directory (or can be made); nothing was written",
+        )
 
 
 def _prepare_out(out: Path) -> Path:
@@ -196,6 +196,7 @@ def refuse_a_root(src: Path, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stagerd.config import MAX_WORKERS
     from stagerd.contract.layout import INDEX_NAME, WEIGHTS_NAME, fsync_dir
     from stagerd.contract.reference_index import read_reference_index
     from stagerd.contract.sharding import parse_size
@@ -208,8 +209,10 @@ def run(args: argparse.Namespace) -> int:
         max_size = parse_size(args.max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+    # The daemon's bound on its copy threads (`export_threads`): the copies are I/O-bound, so past a few
+    # dozen threads only contend for the same disks, and a mistyped 100000 would start that many threads.
+    if not 1 <= args.threads <= MAX_WORKERS:
+        raise ConfigError(f"--threads must be between 1 and {MAX_WORKERS}, got {args.threads}")
     if not args.src.exists():
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
     if not args.src.is_dir():

@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
     from stagerd.sinks.prune import Owner, Policy, prune
-    from stagerd.sinks.urls import parse_sink_url
+    from stagerd.sinks.urls import SinkKind, parse_sink_url
 
     if args.url.startswith("hf://"):
         raise ConfigError(
@@ -76,7 +76,17 @@ def run(args: argparse.Namespace) -> int:
         )
     # The parser `watch --sink` uses: a typo (`s3:/bkt/run`, `file://relative`) is named, never taken
     # for a local path under the working directory that holds no step (a "successful" prune of nothing).
-    parse_sink_url(args.url)
+    target = parse_sink_url(args.url)
+    if target.kind is SinkKind.LOCAL and not target.local_path.is_dir():
+        # A directory the daemon publishes to exists from its first publish: one that does not is a typo,
+        # which a listing of nothing would report as a prune with nothing to do.
+        what = "is not a directory" if target.local_path.exists() else "does not exist"
+        raise ConfigError(
+            f"sink {what}: no step was ever published there",
+            path=target.local_path,
+            hint="give the --sink URL the daemon publishes to (`stagerd status ROOT` names it); nothing "
+            "was deleted",
+        )
     owner = Owner(None if args.root is None else _publisher(Path(args.root)))
     store = RemoteStore.open(args.url)
     try:

@@ -153,69 +153,6 @@ def _download(
         download(store, prefix, manifest.files, dest, workers=workers, progress=bar)
 
 
-def _raw_parts(store: RemoteStore, prefix: str, step: int) -> list[tuple[str, ExportManifest]]:
-    """The raw step's manifest; or, for a node-locally staged step, every node's (all must be there)."""
-    from stagerd.contract import layout
-    from stagerd.errors import RestoreError
-    from stagerd.sinks.fetch import node_parts, read_manifest
-
-    if store.read(f"{prefix}/{layout.MANIFEST_NAME}") is not None:
-        return [(prefix, read_manifest(store, prefix, step))]
-    names, whole = node_parts(store.sizes(prefix))
-    if not names:
-        return [(prefix, read_manifest(store, prefix, step))]  # the RestoreError naming the manifest
-    if not whole:
-        have = ", ".join(names)
-        raise RestoreError(f"holds node parts {have}: not every staging node's", path=store.where(prefix))
-    return [(f"{prefix}/{name}", read_manifest(store, f"{prefix}/{name}", step)) for name in names]
-
-
-def _merge_nodes(tmp: Path, node_dirs: list[Path], where: str) -> None:
-    """Node-local staging: every node's files into one whole step, under one marker listing them all."""
-    import dataclasses
-
-    from stagerd.contract import commit_marker, layout
-    from stagerd.errors import MarkerError, RestoreError, ShardError
-
-    # The markers came from the sink (their sha256 is only the manifest's word): each is read strictly and
-    # must describe its node's files before one file moves, and together they must fit in one directory.
-    try:
-        markers = [commit_marker.read_marker(d) for d in node_dirs]
-        for d, m in zip(node_dirs, markers, strict=True):
-            commit_marker.check_staged_files(d, m)
-        layout.check_file_tree([f.path for m in markers for f in m.files], what="file", path=where)
-    except (MarkerError, ShardError) as e:
-        local = Path(str(e.path))  # named as it is on the sink: the temp copy is gone once this raises
-        at = f"{where}/{local.relative_to(tmp).as_posix()}" if local.is_relative_to(tmp) else where
-        raise RestoreError(f"a staging node's part: {e.message}", path=at) from None
-    first = markers[0]
-    if any(
-        (m.step, m.world_size, m.staging_nodes) != (first.step, first.world_size, len(markers))
-        for m in markers
-    ):
-        raise RestoreError(
-            "the staging nodes' markers disagree on the step, world size or node count", path=where
-        )
-    files: dict[str, commit_marker.StagedFile] = {}
-    for d, m in zip(node_dirs, markers, strict=True):
-        for f in m.files:
-            files[f.path] = f
-            dst = tmp / f.path
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(d / f.path, dst)
-        shutil.rmtree(d)
-    whole = dataclasses.replace(
-        first,
-        files=tuple(sorted(files.values(), key=lambda f: f.path)),
-        staging_node=0,
-        staging_nodes=1,
-        metadata=next((m.metadata for m in markers if m.metadata), first.metadata),
-    )
-    for d in sorted({(tmp / f).parent for f in files}, key=lambda p: -len(p.parts)):
-        layout.fsync_dir(d)
-    commit_marker.write_marker(tmp, whole)
-
-
 def refuse_links(path: Path) -> None:
     """`SymlinkError` if `path`, or any directory above it, is a symbolic link: a restore creates, renames
     and deletes there, and a link would take that elsewhere (another ROOT's step, a shared directory)."""
@@ -292,6 +229,7 @@ def _unmake_root(root: Path) -> None:
 
 def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) -> Path:
     from stagerd.cmd import staging_places
+    from stagerd.cmd.restore_nodes import merge_nodes, raw_parts
     from stagerd.contract import commit_marker, layout
     from stagerd.contract.step.lock import StepLock
     from stagerd.daemon.journal import Journal
@@ -325,7 +263,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
             try:
                 with Lease(store, step):  # before the step's first read: a prune meanwhile leaves it
                     refuse_pruning(store, prefix, step)
-                    parts = _raw_parts(store, prefix, step)
+                    parts = raw_parts(store, prefix, step)
                     for part, manifest in parts:
                         if manifest.metadata.get("raw") is not True or layout.MARKER_NAME not in {
                             f.path for f in manifest.files
@@ -342,7 +280,7 @@ def _land_raw(store: RemoteStore, root: Path, step: int | None, workers: int) ->
                     # read under the lease: a prune deletes the claim with the step
                     publishers = restored_from.publishers(store, [p for p, _ in parts])
                 if len(parts) > 1:
-                    _merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
+                    merge_nodes(tmp, [tmp / p.rsplit("/", 1)[1] for p, _ in parts], store.where(prefix))
                 # its directory name is the step's: checked against it
                 marker = commit_marker.read_marker(tmp)
                 if marker.step != step:

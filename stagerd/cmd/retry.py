@@ -47,47 +47,75 @@ def run(args: argparse.Namespace) -> int:
     from stagerd.daemon.journal import Journal, LaneState, StepState
 
     # Journal.open sets up any table missing: a damaged journal (or an unrelated SQLite file) would be
-    # rebuilt empty, its lanes' states lost. Only a journal `status` reads is written.
-    check_journal(args.root)
-    journal = Journal.open(args.root)
-    try:
-        steps = {r.step: r for r in journal.steps(include_retired=False)}
-        lanes = journal.lanes()
-        if args.sink is not None and args.sink not in {ln.sink for ln in lanes}:
-            known = ", ".join(sorted({ln.sink for ln in lanes})) or "none yet"
-            raise ConfigError(f"no sink {args.sink!r} in this journal", hint=f"the sinks it knows: {known}")
-        if args.step is not None and args.step not in steps:
+    # rebuilt empty, its lanes' states lost. Only a journal `status` reads is written, and what is checked
+    # is what that read found: the write below re-checks each state inside its own transaction.
+    rows, lanes = check_journal(args.root)
+    steps = {r.step: r for r in rows}
+    sinks = [None] if args.sink is None else lanes_named(args.sink, {ln.sink for ln in lanes})
+    if not sinks:
+        known = ", ".join(sorted({ln.sink for ln in lanes})) or "none yet"
+        raise ConfigError(f"no sink {args.sink!r} in this journal", hint=f"the sinks it knows: {known}")
+    if args.step is not None and args.step not in steps:
+        raise ConfigError(
+            f"step {args.step} is not a live step of this journal",
+            path=args.root,
+            hint="`stagerd status ROOT --all` lists the steps the daemon knows",
+        )
+    stuck_lanes = {ln.step for ln in lanes if ln.state in (LaneState.FAILED, LaneState.QUARANTINED)}
+    wanted = [
+        r
+        for r in steps.values()
+        if (args.step is None or r.step == args.step)
+        and (r.state in (StepState.FAILED, StepState.QUARANTINED) or r.step in stuck_lanes)
+    ]
+    for r in wanted:
+        # A step the Stager wrote (its name, its model/) is there once committed. An adopted checkpoint
+        # (`watch --adopt`) is the trainer's own directory, never committed with a marker, and may be
+        # named as the Stager names steps: it is there to export again while it is there at all.
+        path = Path(r.path)
+        ours = path.name == layout.step_dir_name(r.step) and (path / layout.MODEL_DIR).is_dir()
+        there = layout.is_committed(path) if ours else path.is_dir()
+        if r.state is not StepState.EXPORTED and not there:
             raise ConfigError(
-                f"step {args.step} is not a live step of this journal",
-                path=args.root,
-                hint="`stagerd status ROOT --all` lists the steps the daemon knows",
+                f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",
+                path=r.path,
+                hint="restore the step directory first, or leave the step quarantined",
             )
-        stuck_lanes = {ln.step for ln in lanes if ln.state in (LaneState.FAILED, LaneState.QUARANTINED)}
-        wanted = [
-            r
-            for r in steps.values()
-            if (args.step is None or r.step == args.step)
-            and (r.state in (StepState.FAILED, StepState.QUARANTINED) or r.step in stuck_lanes)
-        ]
-        for r in wanted:
-            # A step the Stager wrote (its name, its model/) is there once committed. An adopted checkpoint
-            # (`watch --adopt`) is the trainer's own directory, never committed with a marker, and may be
-            # named as the Stager names steps: it is there to export again while it is there at all.
-            path = Path(r.path)
-            ours = path.name == layout.step_dir_name(r.step) and (path / layout.MODEL_DIR).is_dir()
-            there = layout.is_committed(path) if ours else path.is_dir()
-            if r.state is not StepState.EXPORTED and not there:
-                raise ConfigError(
-                    f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",
-                    path=r.path,
-                    hint="restore the step directory first, or leave the step quarantined",
-                )
-        done = [line for r in wanted for line in journal.retry(r.step, args.sink)]
-    finally:
-        journal.close()
+    done: list[str] = []
+    if wanted:
+        journal = Journal.open(args.root)
+        try:
+            done = [line for r in wanted for sink in sinks for line in journal.retry(r.step, sink)]
+        finally:
+            journal.close()
     if not done:
         print("nothing to retry: no failed or quarantined step or lane matched")
         return 0
     for line in done:
         print(f"re-armed {line}")
     return 0
+
+
+def lanes_named(given: str, keys: set[str]) -> list[str]:
+    """The journal's lane keys that name the sink `given` names, spelt either way: the daemon keys a lane by
+    its sink URL as given to it, without trailing slashes (`raw:URL` for a raw lane), so `file:///x`,
+    `file:///x/` and `/x` are one sink, as `--sink` takes them (`SinkUrl.place`)."""
+    from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
+
+    raw, want = given.startswith(RAW_LANE_PREFIX), _place(given.removeprefix(RAW_LANE_PREFIX))
+    return sorted(
+        k
+        for k in keys
+        if k.startswith(RAW_LANE_PREFIX) == raw and _place(k.removeprefix(RAW_LANE_PREFIX)) == want
+    )
+
+
+def _place(url: str) -> tuple[str, ...]:
+    from stagerd.sinks.objects import redact_url
+    from stagerd.sinks.urls import parse_sink_url
+
+    text = redact_url(url.rstrip("/"))  # as the daemon names its lanes (`FsspecSink.url`)
+    try:
+        return parse_sink_url(text).place
+    except ConfigError:  # a lane of a scheme no longer installed, or a redacted password: as spelt
+        return (text,)

@@ -34,7 +34,7 @@ def staging_area(path: Path, *, root_ok: bool = False) -> str | None:
     staging ROOT itself is fine (a raw restore lands there)."""
     where = path.resolve()
     for d in [where, *where.parents]:
-        if (d / layout.MARKER_NAME).is_file() or d.name == layout.STATE_DIR:
+        if layout.why_a_step_dir(d) is not None or d.name == layout.STATE_DIR:
             return f"inside the staged step or state directory {d}"
         if not is_a_root(d):
             continue

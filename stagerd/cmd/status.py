@@ -69,11 +69,13 @@ def refuse_no_root(root: Path) -> None:
     refuse_a_step_or_state_dir(root, "stagerd status {root}")  # never "start `stagerd watch` there"
 
 
-def check_journal(root: Path) -> None:
+def check_journal(root: Path) -> tuple[list[Any], list[Any]]:
     """The JournalError `status` gives for ROOT's journal (missing, damaged, an unrelated file, another
-    schema), read-only: what writes it (`retry`) must refuse such a journal, not set its tables up anew."""
+    schema), read-only: what writes it (`retry`) must refuse such a journal, not set its tables up anew.
+    Its live steps and their lanes, as read."""
     refuse_no_root(root)
-    _read_journal(root, include_retired=False)
+    _, steps, lanes, *_ = _read_journal(root, include_retired=False)
+    return steps, lanes
 
 
 def _read_journal(root: Path, *, include_retired: bool) -> _Read:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 
@@ -137,6 +138,31 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
     p.set_defaults(func=run)
 
 
+def open_exchange(url: str) -> None:
+    """Open the exchange as the fleet will, and close it, before anything is written: a sink is opened at
+    start, and the exchange, opened only when a node-local step needs it, would otherwise fail then, after
+    the daemon ran for hours. The parser has taken the URL's scheme and shape (`Settings`): any durable
+    fsspec store a sink may be, the Hub not. Opening finds what only the store tells: a URL it cannot take
+    (a ConfigError, as an S3 endpoint without a scheme) or a host that connects on open and cannot be
+    reached (a SinkError, as for a sink)."""
+    from stagerd.errors import SinkError
+    from stagerd.sinks.fsspec import FsspecSink
+
+    try:
+        FsspecSink.from_url(url).close()
+    except (ConfigError, SinkError) as e:
+        e.message = e.message.replace(" sink ", " --exchange ", 1)
+        if e.hint == SinkError.hint:  # "stagerd retries with backoff": not before it has started
+            e.hint = "check that every node reaches the exchange (its host, port, network), then start again"
+        raise
+
+
+def _warn(root: Path, unadopted: bool, lanes: Collection[str]) -> None:
+    if unadopted:
+        warn_unadopted(root)
+    warn_quarantined(root, lanes)
+
+
 _FLAGS = (
     "root",
     "sinks",
@@ -185,13 +211,12 @@ def run(args: argparse.Namespace) -> int:
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     root = settings.root
-    daemon = Daemon(settings, on_start=None if root is None else partial(warn_quarantined, Path(root)))
-    if root is not None:
-        from stagerd.daemon.root_places import refuse_a_step_or_state_dir
-
-        refuse_a_step_or_state_dir(Path(root), "stagerd watch {root} --sink URL")  # before any warning
-    if root is not None and settings.adopt is None:
-        warn_unadopted(Path(root))
+    if settings.exchange is not None:
+        open_exchange(settings.exchange)
+    # The warnings come once the daemon has checked ROOT's places (a step directory given as ROOT is
+    # refused there, before any warning about what it holds), holding its lock, its sinks open.
+    on_start = None if root is None else partial(_warn, Path(root), settings.adopt is None)
+    daemon = Daemon(settings, on_start=on_start)
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary

@@ -79,6 +79,26 @@ def parse_step_dir(name: str) -> int | None:
     return step if step <= MAX_STEP and name == step_dir_name(step) else None
 
 
+def why_a_step_dir(d: Path) -> str | None:
+    """Why the directory `d` is a step directory, not a ROOT or a user's own: it holds the commit marker,
+    or is named as a step with `model/` inside (a save in progress); None where it is neither. A trainer's
+    own `step-N` checkpoint (torchtitan's, no `model/`) is none: its parent is a ROOT to `--adopt`."""
+    if (d / MARKER_NAME).is_file():
+        return f"it holds {MARKER_NAME}"
+    if parse_step_dir(d.name) is not None and (d / MODEL_DIR).is_dir():
+        return f"it is named {d.name} with {MODEL_DIR}/ inside"
+    return None
+
+
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """`path` made absolute, or the nearest directory above it that is there (a link, even a dangling
+    one, is): where making `path` starts, and what must be a directory for it to be made."""
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
 def looks_like_a_step_dir(name: str) -> bool:
     """A name a person meant as a step directory that `parse_step_dir` refuses (to warn about, once)."""
     return name.startswith("step-") and parse_step_dir(name) is None

@@ -38,13 +38,8 @@ def step_or_state_dir(root: Path) -> tuple[str, Path] | None:
         if d.name == layout.STATE_DIR:
             what = "a ROOT's state directory" if d == where else f"inside the state directory {d} of a ROOT"
             return what, d.parent
-        marked = (d / layout.MARKER_NAME).is_file()
-        if marked or (layout.parse_step_dir(d.name) is not None and (d / layout.MODEL_DIR).is_dir()):
-            why = (
-                f"it holds {layout.MARKER_NAME}"
-                if marked
-                else f"it is named {d.name} with {layout.MODEL_DIR}/ inside"
-            )
+        why = layout.why_a_step_dir(d)
+        if why is not None:
             what = f"a step directory ({why})" if d == where else f"inside the step directory {d} ({why})"
             return what, d.parent
     return None
@@ -154,9 +149,7 @@ def _check_export_dir(root: Path, export_dir: Path) -> None:
         )
     if export_dir.exists() and not export_dir.is_dir():
         raise ConfigError("--export-dir is not a directory", path=export_dir, hint=hint)
-    made = export_dir
-    while not made.exists() and made != made.parent:
-        made = made.parent
+    made = layout.nearest_existing(export_dir)
     if not made.is_dir():
         raise ConfigError(
             f"--export-dir is under {made}, which is not a directory", path=export_dir, hint=hint

@@ -57,3 +57,31 @@ def test_retry_names_a_missing_root_or_a_file_as_status_does(tmp_path: Path) -> 
         r = run_cli(["retry", root])
         assert r.returncode == 2 and what in r.stderr and "start `stagerd watch" not in r.stderr, r.stderr
     assert not (tmp_path / "none").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_retry_takes_a_sink_spelt_either_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A lane is keyed by its sink as the daemon was given it: `--sink` names it as `/x`, `file:///x` or
+    with a trailing slash alike, and a raw lane by `raw:` and the sink spelt either way."""
+    from stagerd.cli import main
+
+    root, bare, uri = tmp_path / "root", tmp_path / "bare", (tmp_path / "uri").as_uri()
+    journal = Journal.open(root)
+    journal.add_step(1, root / "step-00000001", 0.0)
+    journal.begin_export(1)
+    journal.finish_export(
+        1, [str(bare), uri], seconds=1, export_bytes=1, tensor_bytes=1, files=1, skipped=False
+    )
+    for sink in (str(bare), uri):
+        journal.quarantine_lane(1, sink, "SinkError", "down")
+    journal.leave_raw(1, f"raw:{bare}", "SinkError", "down")
+    journal.close()
+    for given, lane in (
+        (f"{bare.as_uri()}/", str(bare)),
+        (f"{tmp_path / 'uri'}/", uri),
+        (f"raw:{bare.as_uri()}", f"raw:{bare}"),
+    ):
+        assert main(["retry", str(root), "--sink", given]) == 0
+        out = capsys.readouterr().out
+        assert out == f"re-armed step 1 on {lane}: quarantined -> pending\n", out
+    assert main(["retry", str(root), "--sink", (tmp_path / "other").as_uri()]) == 2
+    assert "no sink" in capsys.readouterr().err

@@ -98,13 +98,6 @@ def test_consolidate_and_verify_name_a_root_given_for_a_step(
     assert "delete" not in r.stderr and not (tmp_path / "out").exists()
 
 
-def test_prune_of_a_prefix_with_no_step_says_so(tmp_path: Path) -> None:
-    r = run_cli(["prune", (tmp_path / "typo").as_uri(), "--keep-last", "2", "--dry-run"])
-    assert r.returncode == 0, r.stderr
-    assert "nothing to prune: no published step under" in r.stderr, r.stderr
-    assert not (tmp_path / "typo").exists()
-
-
 def test_a_quarantined_step_points_to_retry_in_watch_and_status(tmp_path: Path, dcp_mixed2) -> None:
     root, sink, other = tmp_path / "root", tmp_path / "sink", tmp_path / "other"
     stage_copy(root, 1, dcp_mixed2[0], 2)

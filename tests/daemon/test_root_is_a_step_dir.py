@@ -57,3 +57,18 @@ def test_a_root_of_checkpoints_is_no_step_dir(tmp_path: Path) -> None:
     assert (
         step_or_state_dir(tmp_path / "run" / "exports") is None
     )  # a directory under a ROOT, as watch allows
+
+
+def test_both_floors_tell_a_step_directory_alike(tmp_path: Path) -> None:
+    """`watch`'s ROOT and the commands' local outputs are told from a step directory by one test
+    (`layout.why_a_step_dir`): a save in progress (`step-N` with `model/`, no marker yet) outside any ROOT
+    is a step directory to both."""
+    from stagerd.cmd.staging_places import staging_area
+
+    saving = tmp_path / "loose" / "step-00000003"
+    (saving / "model").mkdir(parents=True)
+    assert step_or_state_dir(saving / "export") is not None
+    assert staging_area(saving / "export") == f"inside the staged step or state directory {saving}"
+    (tmp_path / "loose" / "step-00000004").mkdir()  # a name alone, nothing a save writes: no step yet
+    assert step_or_state_dir(tmp_path / "loose" / "step-00000004") is None
+    assert staging_area(tmp_path / "loose" / "step-00000004" / "export") is None
