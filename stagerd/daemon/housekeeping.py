@@ -49,18 +49,31 @@ class Housekeeping(Health, Adoption):
         for step in plan_retention(views, self.settings.keep_last):
             if self._stopping:
                 return
-            deleted = await self._retire_one(step, by_step[step], "staged data")
-            if deleted is None:
-                continue
-            self._retention_pinned.discard(step)
-            # an operator may have moved or removed the directory by hand: say so, not that we deleted it
-            what = "staged data deleted" if deleted else "its directory was already gone: nothing deleted"
-            why = f"keep_last={self.settings.keep_last}"
-            await self._j(self._journal.retire, step, f"retention: {why}" + ("" if deleted else f"; {what}"))
-            self._log_step(step, None, RETIRED, note=f"{what} ({why})")
+            # A step's delete runs on in its thread when this task is cancelled (`--once` ends so, then
+            # retains once more): it is journaled here all the same, or that last pass finds the directory
+            # gone and records that retention deleted nothing.
+            one = asyncio.ensure_future(self._retain_step(step, by_step[step]))
+            try:
+                await asyncio.shield(one)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await one
+                raise
         if self.settings.delete_adopted:
             await self._retain_retired_checkpoints(views, best)
         await self._trash(empty_trash, self.root, *self._set_aside_places())
+
+    async def _retain_step(self, step: int, row: StepRow) -> None:
+        """Delete one step's staged data, as retention planned, and journal it retired."""
+        deleted = await self._retire_one(step, row, "staged data")
+        if deleted is None:
+            return
+        self._retention_pinned.discard(step)
+        # an operator may have moved or removed the directory by hand: say so, not that we deleted it
+        what = "staged data deleted" if deleted else "its directory was already gone: nothing deleted"
+        why = f"keep_last={self.settings.keep_last}"
+        await self._j(self._journal.retire, step, f"retention: {why}" + ("" if deleted else f"; {what}"))
+        self._log_step(step, None, RETIRED, note=f"{what} ({why})")
 
     async def _retain_retired_checkpoints(self, live: list[StepView], best: set[int]) -> None:
         """--delete-adopted given after retention retired steps without it: their exports went, the trainer's

@@ -274,6 +274,61 @@ def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_pat
     assert retired[1].state == retired[2].state == "retired" and retired[3].state == "published"
 
 
+def test_a_retention_cancelled_while_its_thread_deletes_a_step_still_retires_it(tmp_path, caplog, dcp_mixed2):
+    """`--once` ends by cancelling housekeeping, then retains once more. A cancel that came while retention's
+    thread took step 1 away left step 1 published in the journal; the last pass found its directory gone and
+    logged and journaled "already gone: nothing deleted", though retention had deleted it."""
+    import asyncio
+    import contextlib
+    import logging
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stagerd.config import Settings
+    from stagerd.daemon.core import Daemon
+    from stagerd.daemon.journal import Journal
+    from tests.daemon_helpers import stage_copy
+
+    root, sink = tmp_path / "root", (tmp_path / "sink").as_uri()
+    dirs = {s: stage_copy(root, s, dcp_mixed2[0], world=2) for s in (1, 2, 3)}
+    d = Daemon(Settings(root=str(root), sinks=[sink], keep_last=1, once=True, metrics_port=0))
+    d._journal = Journal.open(root)
+    d._jpool, d._trashpool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    remove, begun, go_on = d._remove_published, threading.Event(), threading.Event()
+
+    def held_at_its_start(*args):  # the thread is in the step's delete when the task is cancelled
+        begun.set()
+        go_on.wait(30)
+        return remove(*args)
+
+    async def cancelled_then_retained_again() -> None:
+        first = asyncio.create_task(d._retain())
+        assert await asyncio.get_running_loop().run_in_executor(None, begun.wait, 30)
+        first.cancel()
+        go_on.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        d._remove_published = remove  # type: ignore[method-assign]
+        await d._retain()
+
+    try:
+        for s, path in dirs.items():
+            _published(d._journal, s, path, sink)
+        d._remove_published = held_at_its_start  # type: ignore[method-assign]
+        with caplog.at_level(logging.INFO, logger="stagerd"):
+            asyncio.run(cancelled_then_retained_again())
+        retired = {r.step: r for r in d._journal.steps(include_retired=True)}
+    finally:
+        d._journal.close()
+        d._jpool.shutdown()
+        d._trashpool.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
+    deleted = "retired (staged data deleted (keep_last=1))"
+    assert lines == [f"step 1: {deleted}", f"step 2: {deleted}"], lines
+    assert not dirs[1].exists() and not dirs[2].exists() and dirs[3].is_dir()
+    assert retired[1].state == retired[2].state == "retired" and retired[3].state == "published"
+
+
 def test_clear_stale_removes_a_dead_holders_step_lock_and_never_a_held_one(tmp_path):
     """A daemon killed while retention holds a step's lock leaves `ROOT/.step-N.lock`; once the step is
     retired nobody takes that lock again, so the restart removes it, but only where nobody holds it."""

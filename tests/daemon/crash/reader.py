@@ -29,8 +29,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def dir_files(d: Path) -> Files:
-    return {str(p.relative_to(d)): (p.stat().st_size, sha256_file(p)) for p in d.rglob("*") if p.is_file()}
+def dir_files(d: Path, *, hidden: bool = True) -> Files:
+    """Every file under `d`; without `hidden`, those whose name starts with a dot are left out before they
+    are read: a temp name may be gone by then (see `dir_files_except_manifest`)."""
+    return {
+        str(p.relative_to(d)): (p.stat().st_size, sha256_file(p))
+        for p in d.rglob("*")
+        if (hidden or not p.name.startswith(".")) and p.is_file()
+    }
 
 
 # -- the reader that must never see a partial step ---------------------------------------------------------
@@ -230,8 +236,10 @@ class Reader(threading.Thread):
 
 
 def dir_files_except_manifest(d: Path) -> Files:
-    """A published step as a reader takes it: every file but the manifest and hidden temp names."""
-    files = {k: v for k, v in dir_files(d).items() if not Path(k).name.startswith(".")}
+    """A published step as a reader takes it: every file but the manifest and hidden temp names. The reader
+    lists a step once its manifest is there, while a writer may still remove a temp name in it (the sink
+    links the manifest from its temp name, then unlinks that): a temp name is never stat'ed or read."""
+    files = dir_files(d, hidden=False)
     files.pop(layout.MANIFEST_NAME, None)
     return files
 
