@@ -179,6 +179,10 @@ class LocalTree:
         names = [n for n in rel.split("/") if n]
         if ".." in names or "." in names:
             raise SinkError("is not a plain path inside the sink", path=self.root / rel)
+        # A root that is a file now (NotADirectoryError, a retried SinkError) passed the start's check
+        # (`places.refuse_a_file`): something took the directory's place under the running daemon, as a
+        # filesystem unmounted does. Its steps wait for the sink, as in any outage, and go once it is a
+        # directory again, none quarantined for what the sink, not the step, is.
         try:
             fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
         except FileNotFoundError:
