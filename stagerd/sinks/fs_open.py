@@ -36,9 +36,16 @@ def filesystem_at(url: str, opts: Mapping[str, Any]) -> tuple[Any, str]:
 def opening(url: str) -> Iterator[None]:
     """How opening a store fails, the same for every command that opens one (publish, watch, prune,
     restore): a URL no store can take is a `ConfigError`; a store that connects on open (ftp, sftp, hdfs)
-    and cannot, a `SinkError` to retry later, never a traceback."""
-    from stagerd.sinks.objects import redact_url
+    and cannot, a `SinkError` to retry later, never a traceback. A `file://` directory that is a file, or
+    lies under one, is a `ConfigError` before anything is opened (`places.refuse_a_file`)."""
+    import fsspec
 
+    from stagerd.sinks.objects import redact_url
+    from stagerd.sinks.places import refuse_a_file
+
+    protocol, path = fsspec.core.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        refuse_a_file(url, path or "/")
     try:
         yield
     except (ValueError, ImportError, TypeError) as e:

@@ -179,9 +179,14 @@ class LocalTree:
         names = [n for n in rel.split("/") if n]
         if ".." in names or "." in names:
             raise SinkError("is not a plain path inside the sink", path=self.root / rel)
+        # A root that is a file now (NotADirectoryError, a retried SinkError) passed the start's check
+        # (`places.refuse_a_file`): something took the directory's place under the running daemon, as a
+        # filesystem unmounted does. Its steps wait for the sink, as in any outage, and go once it is a
+        # directory again, none quarantined for what the sink, not the step, is.
         try:
             fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
         except FileNotFoundError:
+            _refuse_a_dead_link(self.root)
             if not create:
                 raise
             os.makedirs(self.root, exist_ok=True)  # the operator's own path: links in it are theirs
@@ -291,6 +296,20 @@ class LocalTree:
             if h.names:
                 with contextlib.suppress(OSError):
                     os.rmdir(h.names[-1], dir_fd=h.fds[-2])
+
+
+def _refuse_a_dead_link(root: Path) -> None:
+    """An OSError, the sink down (retried), where a link on the way to its root leads nowhere: the
+    filesystem it leads to is not mounted, or the link is stale. Taken for a directory not made yet, the
+    sink would be listed as holding nothing (a fleet node would wait for parts that never come), and a
+    publish would fail on a bare FileExistsError (`mkdir` of the link). An OSError, not a SinkError:
+    the sink names it by the key it was for (as the fleet tells its exchange's failures apart)."""
+    link = next((p for p in [root, *root.parents] if os.path.islink(p) and not os.path.exists(p)), None)
+    if link is not None:
+        raise OSError(
+            f"the link {link} -> {os.readlink(link)} leads nowhere: the sink's filesystem is not mounted, "
+            "or the link is stale"
+        )
 
 
 def _walk(

@@ -12,12 +12,17 @@
 - The Hub: the repo and the revision, none meaning `main`, as the Hub sink reads it (`hub/sink.py`). The Hub
   finds a repo whatever the case of its id (`Org/Repo` is `org/repo`); a revision is a git ref, whose
   case counts.
+
+A `file://` place that is a file, or lies under one, is no place at all: the user gave a file where a
+directory belongs, a `ConfigError` when the place is resolved or the store opened (`refuse_a_file`).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from stagerd.errors import ConfigError
 from stagerd.sinks.urls import SinkKind, canonical_host, parse_sink_url, shown
@@ -39,6 +44,7 @@ def place_of(url: str, *, what: str = "sink URL") -> Place:
     target = parse_sink_url(url, what=what)
     kind, protocol, location, path = target.place
     if target.kind is SinkKind.LOCAL:
+        refuse_a_file(url, path, what=what)
         path = real_dir(path)
     elif target.kind is SinkKind.HUB:
         location, path = location.casefold(), path or _HUB_DEFAULT_REVISION
@@ -50,6 +56,34 @@ def place_of(url: str, *, what: str = "sink URL") -> Place:
 def real_dir(path: str | os.PathLike[str]) -> str:
     """The directory a local path names once symlinks are followed; parts that do not exist yet are kept."""
     return os.path.realpath(path)
+
+
+def refuse_a_file(url: str, path: str, *, what: str = "sink URL") -> None:
+    """A ConfigError where the local directory `path` of `url` is a file, or lies under one, symlinks
+    followed: no wait makes a directory of it, so the daemon would retry it for ever, a step at a time.
+
+    Only what exists is judged. A directory not there yet is made at the first publish; one reached through
+    a link whose target is gone (a filesystem not mounted) or that cannot be looked at now (a stale NFS
+    handle) is a sink that is down, retried as any outage. A file that takes the directory's place once
+    the daemon runs is such an outage too (`local_dirs.LocalTree.held`), but where the fleet opens its
+    exchange again for a step, which is refused then as at the start."""
+    real = Path(real_dir(path))
+    for at in [real, *real.parents]:
+        try:
+            st = os.stat(at)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet: the first existing part above decides
+        except OSError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            return
+        where = "names a file" if at == real else "lies under this file"
+        raise ConfigError(
+            f"{what} {shown(url)} {where}, where a directory belongs",
+            path=at,
+            hint="give a directory, or a path where one can be made (e.g. file:///mnt/models/run1); "
+            "nothing was written",
+        )
 
 
 def refuse_duplicates(urls: list[str]) -> None:

@@ -31,9 +31,9 @@ def journal_root(tmp_path_factory, dcp_mixed2) -> tuple[Path, list[str]]:
     for step in STEPS:
         stage_copy(root, step, src, 2)
     truncate_a_shard(root / layout.step_dir_name(2))
-    (base / "blocker").write_text("a file where the sink wants a directory")
+    (base / "down").symlink_to(base / "mnt" / "sink")  # a sink whose filesystem is not mounted
     good = base / "published" / "a-rather-long-directory-name" / "for-the-checkpoints" / "of-run-one"
-    sinks = [good.as_uri(), (base / "blocker" / "sub").as_uri()]
+    sinks = [good.as_uri(), (base / "down").as_uri()]
     argv = ["watch", root, "--once", "--max-attempts", "1", *fast_flags()]
     for sink in sinks:
         argv += ["--sink", sink]

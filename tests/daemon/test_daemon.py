@@ -328,8 +328,8 @@ async def test_retention_never_deletes_a_step_one_sink_lacks(tmp_path, model2):
     src, _ = model2
     root, good = tmp_path / "root", tmp_path / "good"
     root.mkdir()
-    (tmp_path / "a_file").write_text("not a directory")
-    bad = (tmp_path / "a_file" / "sink").as_uri()
+    (tmp_path / "bad").symlink_to(tmp_path / "mnt" / "sink")  # its filesystem is not mounted: down
+    bad = (tmp_path / "bad").as_uri()
     for step in (1, 2):
         stage_copy(root, step, src, 2)
     rc, out, err = await run_cli(

@@ -17,9 +17,8 @@ from tests.hubserver.faults import Fault
 
 def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2):
     model, _ = dcp_mixed2
-    root, blocker = tmp_path / "root", tmp_path / "blocker"
-    blocker.write_text("a file where the sink's directory should be: the sink is down")
-    sink = blocker / "sink"
+    root, sink, mount = tmp_path / "root", tmp_path / "sink", tmp_path / "mnt"
+    sink.symlink_to(mount / "sink")  # its filesystem is not mounted: the sink is down
     stage_copy(root, 100, model, world=2)
     args = ["watch", root, "--sink", sink.as_uri(), "--once", "--max-attempts", "1", *fast_flags()]
     down = run_cli(args)
@@ -30,10 +29,11 @@ def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2)
     status = json.loads(run_cli(["status", root, "--json"]).stdout)
     (lane,) = status["steps"][0]["lanes"]
     assert lane["state"] == "quarantined", lane
+    assert f"the link {sink} -> {mount / 'sink'} leads nowhere" in lane["error_message"], lane  # it is down
     text = run_cli(["status", root], env={"COLUMNS": "200"}).stdout
     assert "tries those steps again" in text and "stagerd retry" not in text, text
 
-    blocker.unlink()  # the sink is back
+    (mount / "sink").mkdir(parents=True)  # mounted again: the sink is back
     back = run_cli(args)
     assert back.returncode == 0, back.stderr[-3000:]
     assert "re-armed at start" in back.stderr
@@ -47,9 +47,8 @@ def test_a_once_run_tries_a_down_sink_max_attempts_times_in_all_and_names_it_onc
     its own tries, so the run grew with the steps); its other steps are left for the next start untried,
     and the summary names the sink once. A sink that is up gets every step in the same run."""
     model, _ = dcp_mixed2
-    root, blocker, up = tmp_path / "root", tmp_path / "blocker", tmp_path / "up"
-    blocker.write_text("a file where the sink's directory should be: the sink is down")
-    down = blocker / "sink"
+    root, down, up, mount = tmp_path / "root", tmp_path / "down", tmp_path / "up", tmp_path / "mnt"
+    down.symlink_to(mount / "sink")  # its filesystem is not mounted: the sink is down
     for step in (100, 200, 300):
         stage_copy(root, step, model, world=2)
     args = ["watch", root, "--sink", down.as_uri(), "--sink", up.as_uri(), "--once", *fast_flags()]
@@ -71,7 +70,7 @@ def test_a_once_run_tries_a_down_sink_max_attempts_times_in_all_and_names_it_onc
     # the one tried has its own failure; the two the run left untried say why
     assert sorted(ln["error_class"] == "SinkDownError" for ln in left) == [False, True, True], left
 
-    blocker.unlink()  # the sink is back: the next start publishes every step the run left
+    (mount / "sink").mkdir(parents=True)  # the sink is back: the next start publishes every step left
     back = run_cli(args, env=fast)
     assert back.returncode == 0, back.stderr[-3000:]
     for step in (100, 200, 300):

@@ -171,9 +171,8 @@ def test_a_step_saved_again_between_two_sinks_never_gives_them_different_weights
     """Issue 19, item 4: one sink has step 100, the other is down; the step is deleted and saved again with
     new data; the second sink comes back. It must not receive the new save while the first holds the old."""
     model, _ = dcp_mixed2
-    root, good, blocker = tmp_path / "root", tmp_path / "good", tmp_path / "blocker"
-    blocker.write_text("a file where the second sink's directory should be")
-    down = blocker / "sink"
+    root, good, down, mount = tmp_path / "root", tmp_path / "good", tmp_path / "down", tmp_path / "mnt"
+    down.symlink_to(mount / "sink")  # the second sink's filesystem is not mounted: it is down
     stage_copy(root, 100, model, world=2)
     both = ["--sink", good.as_uri(), "--sink", down.as_uri(), "--once", *fast_flags()]
     first = run_cli(["watch", root, *both, "--max-attempts", "1"])
@@ -182,7 +181,7 @@ def test_a_step_saved_again_between_two_sinks_never_gives_them_different_weights
 
     shutil.rmtree(root / "step-00000100")
     stage_copy(root, 100, model, world=2, metadata={"restarted": True})
-    blocker.unlink()  # the second sink is back
+    (mount / "sink").mkdir(parents=True)  # the second sink is back
     again = run_cli(["watch", root, *both])
     assert again.returncode != 0 and "StepConflictError" in again.stderr
     assert (good / "step-00000100" / layout.MANIFEST_NAME).read_bytes() == old_manifest

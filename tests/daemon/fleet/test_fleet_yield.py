@@ -80,7 +80,7 @@ def test_a_sinks_lane_run_pauses_for_the_nodes_save_within_the_lanes_budget(tmp_
     from stagerd.errors import SinkError
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "b").write_text("a file: every write under it fails")
+    (tmp_path / "b").symlink_to(tmp_path / "mnt" / "b")  # not mounted: every write fails
     sinks = [FsspecSink.from_url((tmp_path / name).as_uri()) for name in ("a", "b")]
     a, b = (s.url for s in sinks)
     daemons = []
@@ -98,7 +98,7 @@ def test_a_sinks_lane_run_pauses_for_the_nodes_save_within_the_lanes_budget(tmp_
             return [f.result() for f in [pool.submit(fn, k, dm) for k, dm in enumerate(daemons)]]
 
     each(lambda k, dm: dm._run_fleet(STEP, node_dirs[k]))  # `a` committed; `b` left to its lane
-    (tmp_path / "b").unlink()
+    (tmp_path / "mnt" / "b").mkdir(parents=True)
     blobs = [d.parent / layout.step_dir_name(STEP + 1) / layout.OPTIM_DIR / "blob" for d in node_dirs]
     writers = [Appender(blob) for blob in blobs]
 

@@ -29,7 +29,7 @@ def _run(node_dirs, tmp_path, urls, lanes=None):
 
 def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_path, dcp_mixed2):
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "b").write_text("a file: every write under it fails")
+    (tmp_path / "b").symlink_to(tmp_path / "mnt" / "b")  # not mounted: every write fails
     urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
     step = layout.step_dir_name(STEP)
     done = tmp_path / "a" / "fleet" / step / FLEET_DONE
@@ -43,7 +43,7 @@ def test_a_dead_sink_stops_only_its_own_lane_and_commits_alone_once_healed(tmp_p
         assert isinstance(err, SinkError) and err.retryable and urls[1] in str(err), out
     assert not done.exists()  # its lane still builds from the raw parts: retention must not take them
 
-    (tmp_path / "b").unlink()  # healed: the sink's lane alone publishes it on each node
+    (tmp_path / "mnt" / "b").mkdir(parents=True)  # healed: the sink's lane alone publishes it on each node
     healed = _run(node_dirs, tmp_path, urls, lanes={urls[1]})
     assert all(not getattr(r, "failed", True) for r in healed), healed
     a, b = tmp_path / "a" / step, tmp_path / "b" / step
@@ -60,7 +60,7 @@ def test_a_dead_first_sink_that_is_the_exchange_is_named_as_the_exchange(tmp_pat
     retryable `SinkError` names the exchange and the `--exchange` that keeps a dead sink from stopping
     the others; nothing is published anywhere."""
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "a").write_text("a file: every write under it fails")
+    (tmp_path / "a").symlink_to(tmp_path / "mnt" / "a")  # not mounted: every write fails
     urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
     out = _run(node_dirs, tmp_path, urls)
     for r in out:
@@ -81,7 +81,7 @@ def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_unt
     from tests.daemon.fleet.test_daemon import _done, _watch
 
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "b").write_text("a file: every write under it fails")
+    (tmp_path / "b").symlink_to(tmp_path / "mnt" / "b")  # not mounted: every write fails
     a, b = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
     env = {"STAGERD_RETRY_BASE_SECONDS": "0.1"}
 
@@ -103,7 +103,7 @@ def test_two_daemons_publish_the_healthy_sink_and_the_dead_ones_lane_retries_unt
         status = run_cli(["status", d.parent])
         assert "SinkError" in status.stdout + status.stderr, status
 
-    (tmp_path / "b").unlink()
+    (tmp_path / "mnt" / "b").mkdir(parents=True)
     logs = both()
     assert [rc for rc, _ in logs] == [0, 0], logs
     assert (tmp_path / "b" / layout.step_dir_name(STEP) / layout.MANIFEST_NAME).is_file(), logs

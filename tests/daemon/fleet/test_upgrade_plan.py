@@ -36,7 +36,7 @@ def _run(node_dirs, tmp_path, urls, shard):
 
 def test_a_sink_committed_under_the_old_plan_is_not_written_into(tmp_path, dcp_mixed2):
     _, node_dirs = _stage(tmp_path, dcp_mixed2[0], 2)
-    (tmp_path / "b").write_text("a file: every write under it fails")
+    (tmp_path / "b").symlink_to(tmp_path / "mnt" / "b")  # not mounted: every write fails
     urls = [(tmp_path / s).as_uri() for s in ("a", "b")]
     a, b = tmp_path / "a" / layout.step_dir_name(STEP), tmp_path / "b" / layout.step_dir_name(STEP)
     old = _run(node_dirs, tmp_path, urls, ONE_FILE)
@@ -50,7 +50,8 @@ def test_a_sink_committed_under_the_old_plan_is_not_written_into(tmp_path, dcp_m
     before = {p.name: p.read_bytes() for p in a.iterdir()}
     assert "model.safetensors" in before
 
-    (tmp_path / "b").unlink()  # healed; every node restarted on the new build, every sink its run's
+    # healed; every node restarted on the new build, every sink its run's
+    (tmp_path / "mnt" / "b").mkdir(parents=True)
     out = _run(node_dirs, tmp_path, urls, SHARD)
     assert all(getattr(r, "failed", None) == {} for r in out), out
     assert {p.name: p.read_bytes() for p in a.iterdir()} == before  # not one file added
