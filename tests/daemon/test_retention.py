@@ -3,6 +3,7 @@ atomic (a step is renamed into ROOT/.stagerd/trash, then removed; a crash in bet
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -236,37 +237,46 @@ def _published(journal, step: int, path, sink: str) -> None:
     )
 
 
-def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_path, caplog):
-    """Steps 1-3 published, keep 1; an operator renamed step 1's directory and removed step 2's by hand
-    while the daemon ran. Retention logged both "retired (staged data deleted)", though it deleted nothing
-    (the renamed copy is still on disk): the log and the journal now say the directory was already gone."""
-    import asyncio
-    import logging
+@contextlib.contextmanager
+def _retaining_daemon(root, sink: str, dirs: dict):
+    """A `--once` daemon, keep_last=1, whose journal holds `dirs`' steps published on `sink`: no watch loop,
+    the test runs its retention."""
     from concurrent.futures import ThreadPoolExecutor
 
     from stagerd.config import Settings
     from stagerd.daemon.core import Daemon
     from stagerd.daemon.journal import Journal
 
-    root, sink = tmp_path / "root", (tmp_path / "sink").as_uri()
-    dirs = {s: root / layout.step_dir_name(s) for s in (1, 2, 3)}
-    for path in dirs.values():
-        (path / "model").mkdir(parents=True)
     d = Daemon(Settings(root=str(root), sinks=[sink], keep_last=1, once=True, metrics_port=0))
     d._journal = Journal.open(root)
     d._jpool, d._trashpool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     try:
         for s, path in dirs.items():
             _published(d._journal, s, path, sink)
+        yield d
+    finally:
+        d._journal.close()
+        d._jpool.shutdown()
+        d._trashpool.shutdown()
+
+
+def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_path, caplog):
+    """Steps 1-3 published, keep 1; an operator renamed step 1's directory and removed step 2's by hand
+    while the daemon ran. Retention logged both "retired (staged data deleted)", though it deleted nothing
+    (the renamed copy is still on disk): the log and the journal now say the directory was already gone."""
+    import asyncio
+    import logging
+
+    root, sink = tmp_path / "root", (tmp_path / "sink").as_uri()
+    dirs = {s: root / layout.step_dir_name(s) for s in (1, 2, 3)}
+    for path in dirs.values():
+        (path / "model").mkdir(parents=True)
+    with _retaining_daemon(root, sink, dirs) as d:
         dirs[1].rename(root / "step-1-kept-by-hand")
         shutil.rmtree(dirs[2])
         with caplog.at_level(logging.INFO, logger="stagerd"):
             asyncio.run(d._retain())
         retired = {r.step: r for r in d._journal.steps(include_retired=True)}
-    finally:
-        d._journal.close()
-        d._jpool.shutdown()
-        d._trashpool.shutdown()
     lines = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
     gone = "retired (its directory was already gone: nothing deleted (keep_last=1))"
     assert lines == [f"step 1: {gone}", f"step 2: {gone}"], lines
@@ -279,49 +289,35 @@ def test_a_retention_cancelled_while_its_thread_deletes_a_step_still_retires_it(
     thread took step 1 away left step 1 published in the journal; the last pass found its directory gone and
     logged and journaled "already gone: nothing deleted", though retention had deleted it."""
     import asyncio
-    import contextlib
     import logging
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
-    from stagerd.config import Settings
-    from stagerd.daemon.core import Daemon
-    from stagerd.daemon.journal import Journal
     from tests.daemon_helpers import stage_copy
 
     root, sink = tmp_path / "root", (tmp_path / "sink").as_uri()
     dirs = {s: stage_copy(root, s, dcp_mixed2[0], world=2) for s in (1, 2, 3)}
-    d = Daemon(Settings(root=str(root), sinks=[sink], keep_last=1, once=True, metrics_port=0))
-    d._journal = Journal.open(root)
-    d._jpool, d._trashpool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
-    remove, begun, go_on = d._remove_published, threading.Event(), threading.Event()
+    with _retaining_daemon(root, sink, dirs) as d:
+        remove, begun, go_on = d._remove_published, threading.Event(), threading.Event()
 
-    def held_at_its_start(*args):  # the thread is in the step's delete when the task is cancelled
-        begun.set()
-        go_on.wait(30)
-        return remove(*args)
+        def held_at_its_start(*args):  # the thread is in the step's delete when the task is cancelled
+            begun.set()
+            go_on.wait(30)
+            return remove(*args)
 
-    async def cancelled_then_retained_again() -> None:
-        first = asyncio.create_task(d._retain())
-        assert await asyncio.get_running_loop().run_in_executor(None, begun.wait, 30)
-        first.cancel()
-        go_on.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await first
-        d._remove_published = remove  # type: ignore[method-assign]
-        await d._retain()
+        async def cancelled_then_retained_again() -> None:
+            first = asyncio.create_task(d._retain())
+            assert await asyncio.get_running_loop().run_in_executor(None, begun.wait, 30)
+            first.cancel()
+            go_on.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            d._remove_published = remove  # type: ignore[method-assign]
+            await d._retain()
 
-    try:
-        for s, path in dirs.items():
-            _published(d._journal, s, path, sink)
         d._remove_published = held_at_its_start  # type: ignore[method-assign]
         with caplog.at_level(logging.INFO, logger="stagerd"):
             asyncio.run(cancelled_then_retained_again())
         retired = {r.step: r for r in d._journal.steps(include_retired=True)}
-    finally:
-        d._journal.close()
-        d._jpool.shutdown()
-        d._trashpool.shutdown()
     lines = [r.getMessage() for r in caplog.records if "retired" in r.getMessage()]
     deleted = "retired (staged data deleted (keep_last=1))"
     assert lines == [f"step 1: {deleted}", f"step 2: {deleted}"], lines
