@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import open_regular, read_bounded
 from stagerd.errors import ExtrasError
 
 # Extras that from_pretrained and the serving engines parse: a broken one is an export no client loads.
@@ -22,7 +22,7 @@ def read_json_object(path: Path, *, named: Path | None = None, label: str | None
     name = label or shown.name
     try:
         with open_regular(path) as f:  # a FIFO would hold the export forever
-            raw = f.read(MAX_PARSED_EXTRA_BYTES + 1)
+            raw = read_bounded(f, MAX_PARSED_EXTRA_BYTES + 1)
     except OSError as e:
         raise ExtrasError(f"cannot read {name}: {e.strerror}", path=shown) from None
     if len(raw) > MAX_PARSED_EXTRA_BYTES:

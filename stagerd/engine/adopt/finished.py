@@ -16,7 +16,7 @@ from stagerd.contract.adopt.dcp_metadata import read_metadata_bytes
 from stagerd.contract.adopt.presets import Format, Preset
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 from stagerd.contract.reference_index import MAX_INDEX_BYTES, read_reference_index
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import open_regular, read_bounded
 from stagerd.contract.safetensors_format import read_header
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import shard_paths
@@ -49,7 +49,7 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
                 pass
         for j in preset.jsons:
             with open_regular(ckpt / j) as f:
-                json.loads(f.read(MAX_PARSED_EXTRA_BYTES))
+                json.loads(read_bounded(f, MAX_PARSED_EXTRA_BYTES))
     except (OSError, ValueError, RecursionError, zipfile.BadZipFile, StagerdError):
         return None
     return max(times) if times else None
@@ -95,7 +95,7 @@ def _whole_json(path: Path) -> bool:
     """Whether `path` is a regular file of JSON that parses: an index still being written never does."""
     try:
         with open_regular(path) as f:
-            json.loads(f.read(MAX_INDEX_BYTES + 1))
+            json.loads(read_bounded(f, MAX_INDEX_BYTES + 1))
     except (OSError, ValueError, RecursionError, StagerdError):
         return False
     return True
