@@ -44,15 +44,27 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
                 times.append(part.stat().st_mtime)
         # A FIFO in a completion file's place would hold the scan for good, and JSON nested too deep
         # raises RecursionError: each is a checkpoint that is not finished, never a stuck or dead daemon.
-        for z in preset.zips:
-            with open_regular(ckpt / z) as f, zipfile.ZipFile(f):
-                pass
+        if not all(_zip_reads(ckpt / z) for z in preset.zips):
+            return None
         for j in preset.jsons:
             with open_regular(ckpt / j) as f:
                 json.loads(read_bounded(f, MAX_PARSED_EXTRA_BYTES))
     except (OSError, ValueError, RecursionError, zipfile.BadZipFile, StagerdError):
         return None
     return max(times) if times else None
+
+
+def _zip_reads(path: Path) -> bool:
+    """Whether the zip archive `path` (a regular file) has a directory that reads: one being written has
+    none yet."""
+    try:
+        with open_regular(path) as f, zipfile.ZipFile(f):
+            return True
+    # Not only BadZipFile: a directory naming a zip version past zipfile's (NotImplementedError), an offset
+    # past what a seek takes, each raise their own kind. A damaged archive is one not finished, whatever
+    # zipfile calls it, never an exception out of the daemon's scan.
+    except Exception:
+        return False
 
 
 def save_identity(ckpt: Path, preset: Preset) -> str:
