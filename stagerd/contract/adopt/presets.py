@@ -24,6 +24,7 @@ from stagerd.contract.adopt.torchtitan_names import TORCHTITAN_LLAMA_RULES
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME, INDEX_NAME, WEIGHTS_NAME
+from stagerd.contract.pickle_depth import show
 from stagerd.errors import AdoptError, ConfigError, ModelConfigError
 
 METADATA = ".metadata"
@@ -336,7 +337,7 @@ def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMappi
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelConfigError(
                     f"preset {preset.name} needs config.json's {heads} (a positive integer) for the RoPE "
-                    f"row order; config.json gives {value!r}"
+                    f"row order; config.json gives {show(value)}"
                 )
             rule = {**rule, "rope_heads": value}
         rules.append(rule)

@@ -15,6 +15,7 @@ from stagerd.contract import layout
 from stagerd.contract.adopt.dcp_metadata import read_metadata_bytes
 from stagerd.contract.adopt.presets import Format, Preset
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
+from stagerd.contract.pickle_depth import show
 from stagerd.contract.reference_index import MAX_INDEX_BYTES, read_reference_index
 from stagerd.contract.regular_file import open_regular, read_bounded
 from stagerd.contract.safetensors_format import read_header
@@ -126,7 +127,7 @@ def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
         for n in names:  # a NUL would reach os.open as a bare ValueError; `..` or `/x` another directory
             if "/" in n or n.startswith(".") or _CONTROL.search(n):
                 raise ShardError(
-                    f"the index names the file {n!r}, which is not a plain name in its directory",
+                    f"the index names the file {show(n)}, which is not a plain name in its directory",
                     path=index,
                     hint="the index is not one a trainer wrote: re-save the checkpoint; nothing of it was "
                     "exported or published, and the trainer's files were not touched",

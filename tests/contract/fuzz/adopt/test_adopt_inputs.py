@@ -52,6 +52,8 @@ def test_the_real_inputs_are_accepted(seeds, tmp_path):
         got = oracle.config(json.dumps(obj).encode(), w, kind)
         if kind == "composite":  # its head counts are its text_config's: the torchtitan preset wants them
             assert got.kind.startswith("ModelConfigError: preset torchtitan needs config.json's"), got
+        elif kind in ("adapter_config", "automodel_peft_config"):  # scaled experts' rank, no top-k of 1
+            assert got.stage == "use" and "at rank r // experts per token" in got.kind, got
         else:
             assert got == Outcome("accepted", ""), kind
 
@@ -179,3 +181,16 @@ def test_a_compressed_data_pkl_is_refused_uninflated(seeds, tmp_path):
     outcome, peak = _record_peak(bytes(blob), tmp_path)
     assert outcome.stage == "record" and "compressed data.pkl" in outcome.kind, outcome
     assert peak < 1 << 20
+
+
+def test_a_config_value_is_quoted_in_a_message_bounded(seeds, tmp_path):
+    """Before: a 900 KB num_attention_heads string was quoted whole in the one-line error (and in the
+    daemon's status), as was adapter_config.json's r and an index's file name."""
+    long = "\x1b[2J" * 100_000
+    w = oracle.Work(tmp_path, Meter())
+    for kind, cfg in (
+        ("config", {**seeds.jsons["config"], "num_attention_heads": long}),
+        ("adapter_config", {**seeds.jsons["adapter_config"], "rank_pattern": {}, "r": long}),
+        ("index", {"weight_map": {"w": "../" + long}}),
+    ):
+        assert oracle.config(json.dumps(cfg).encode(), w, kind).stage in ("read", "use"), kind
