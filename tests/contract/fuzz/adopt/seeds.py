@@ -83,6 +83,7 @@ class AdoptSeeds:
     records: tuple[bytes, ...]  # `torch.save` records out of its `.distcp` file, one per dtype
     meta_pt: bytes  # Lightning's meta.pt
     jsons: dict[str, Any]  # seed name -> JSON object
+    save: Path  # the dcp.save they came from (`.metadata`, `__0_0.distcp`)
 
 
 def make_seeds(tmp: Path) -> AdoptSeeds:
@@ -116,4 +117,4 @@ def make_seeds(tmp: Path) -> AdoptSeeds:
         "automodel_peft_config": AUTOMODEL_PEFT_CONFIG,
         "index": index_of(TITAN_SHAPES),
     }
-    return AdoptSeeds(raw, tuple(records), buf.getvalue(), json.loads(json.dumps(jsons)))
+    return AdoptSeeds(raw, tuple(records), buf.getvalue(), json.loads(json.dumps(jsons)), tmp)
