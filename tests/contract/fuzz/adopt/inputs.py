@@ -277,7 +277,7 @@ def _wrong(r: random.Random, old: Any, everything: list[Any]) -> Any:
             dims[r.randrange(len(dims))] = r.choice([-1, *HUGE])
         else:
             dims.append(r.choice([0, 1, 2**40]))
-        fits = all(-(2**63) <= d < 2**63 for d in dims)
+        fits = all(isinstance(d, int) and -(2**63) <= d < 2**63 for d in dims)
         return torch.Size(dims) if fits else tuple(dims)
     if how == 3:
         return r.choice([torch.complex128, torch.quint8, torch.float8_e5m2, torch.sparse_coo, torch.int4])
