@@ -27,10 +27,11 @@ from typing import Any
 
 from stagerd.contract import dtypes
 from stagerd.errors import StagerdError
+from tests.contract.fuzz import inputs as header_inputs
 from tests.contract.fuzz.adopt import inputs, json_inputs
 from tests.contract.fuzz.adopt.inputs import Canary
 from tests.contract.fuzz.adopt.seeds import TITAN_SHAPES, AdoptSeeds
-from tests.contract.fuzz.oracle import Meter, Outcome, error_kind, time_limit
+from tests.contract.fuzz.oracle import Meter, Outcome, Seed, error_kind, time_limit
 
 # How much deeper than its reader the daemon's later uses of a config may run (its threads' stacks, the
 # planners' own frames): a JSON tree the reader took must survive a recursive walk from there.
@@ -127,6 +128,29 @@ def record(blob: bytes, w: Work) -> Outcome:
     return Outcome("accepted", "")
 
 
+def automodel(blob: bytes, w: Work, name: str, shards: dict[str, bytes]) -> Outcome:
+    """AutoModel's checkpoint (`epoch_E_step_S/model/`, its `.hf_metadata/config.json`) with the shard
+    `name` replaced by `blob`, opened as the daemon opens it, and its headers scanned for the export."""
+    from stagerd.engine.adopt.source import AdoptOptions, open_adopted
+    from tests.contract.fuzz.adopt.seeds import CONFIG
+
+    ckpt = w.dir / "epoch_0_step_5"
+    model = ckpt / "model"
+    (model / ".hf_metadata").mkdir(parents=True, exist_ok=True)
+    (model / ".hf_metadata" / "config.json").write_text(json.dumps(CONFIG))
+    for n, data in shards.items():
+        (model / n).write_bytes(blob if n == name else data)
+    try:
+        with time_limit(), w.meter.lib():
+            src = open_adopted(ckpt, AdoptOptions("automodel"))
+            headers = list(src.scan())
+    except StagerdError as e:
+        return named(e, "open")
+    assert src.preset.name == "automodel" and {h.path for h in headers} == {str(model / n) for n in shards}
+    assert set(src.keys) <= {k for h in headers for k in h.tensors}
+    return Outcome("accepted", "")
+
+
 def config(blob: bytes, w: Work, kind: str) -> Outcome:
     """config.json (and its kin, by `kind`, a seed's name) read as the adopted source reads it, then handed
     to what reads it after: the presets, the PEFT checks, the exported config.json, the daemon's key."""
@@ -198,6 +222,11 @@ def inputs_of(target: str, s: AdoptSeeds, seed: int) -> Iterator[tuple[bytes, Ca
         elif target == ".metadata":
             blob = inputs.metadata_mutant(r, s.metadata)
             yield blob, functools.partial(metadata, blob)
+        elif target == "automodel":
+            name = r.choice(sorted(s.shards))
+            seed_ = Seed.from_bytes(s.shards[name], name)
+            blob = header_inputs.mutate(seed_, r) if r.random() < 0.8 else inputs.damage(r, s.shards[name])
+            yield blob, functools.partial(automodel, blob, name=name, shards=s.shards)
         elif target == "record":
             blob = inputs.record_mutant(r, r.choice(s.records))
             yield blob, functools.partial(record, blob)
@@ -207,7 +236,7 @@ def inputs_of(target: str, s: AdoptSeeds, seed: int) -> Iterator[tuple[bytes, Ca
             yield blob, functools.partial(config, blob, kind=kind)
 
 
-TARGETS = ("meta.pt", ".metadata", "record", "json")
+TARGETS = ("meta.pt", ".metadata", "record", "automodel", "json")
 
 
 def sweep(target: str, s: AdoptSeeds, tmp: Path, count: int, seed: int, mem_every: int = 0) -> Counter:

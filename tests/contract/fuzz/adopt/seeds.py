@@ -1,5 +1,7 @@
 """Real small examples of what stagerd reads when it adopts a trainer's checkpoint, the fuzz's seeds: a
-torchtitan-named `dcp.save` (its `.metadata` and one tensor's `torch.save` record), Lightning's `meta.pt`
+torchtitan-named `dcp.save` (its `.metadata` and one tensor's `torch.save` record), NeMo AutoModel's
+shards of the same tensors (torch's HuggingFaceStorageWriter, as its `save_consolidated: false` runs it,
+two files), Lightning's `meta.pt`
 (`torch.save` of its metadata dict), and the JSON a trainer leaves beside its weights (config.json of a
 dense and a composite model, AutoModel's adapter_config.json and automodel_peft_config.json, the index of
 torchtitan's `last_save_in_hf`)."""
@@ -84,12 +86,14 @@ class AdoptSeeds:
     meta_pt: bytes  # Lightning's meta.pt
     jsons: dict[str, Any]  # seed name -> JSON object
     save: Path  # the dcp.save they came from (`.metadata`, `__0_0.distcp`)
+    shards: dict[str, bytes]  # AutoModel's model/ (save_consolidated: false): file name -> bytes
 
 
 def make_seeds(tmp: Path) -> AdoptSeeds:
     """Save a torchtitan-named state dict as torchtitan does (one process) and read its files back."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     from stagerd.contract.adopt.dcp_metadata import parse_dcp_metadata
 
@@ -107,6 +111,16 @@ def make_seeds(tmp: Path) -> AdoptSeeds:
     for name in ("norm.weight", "layers.0.ffn_norm.weight", "tok_embeddings.weight"):
         c = meta.tensors[name].chunks[0]
         records.append((tmp / c.file).read_bytes()[c.offset : c.offset + c.length])
+    shards = tmp / "automodel"
+    hf_names = {f"model.{k}": v for k, v in sd.items() if k != "train_state"}
+    writer = HuggingFaceStorageWriter(
+        str(shards),
+        save_distributed=True,
+        fqn_to_index_mapping={k: 1 + i % 2 for i, k in enumerate(hf_names)},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(hf_names, storage_writer=writer, no_dist=True)
     buf = io.BytesIO()
     # what Lightning's FSDPStrategy.save_checkpoint writes beside the DCP files (its `_METADATA_FILENAME`)
     torch.save({"epoch": 0, "global_step": 5, "pytorch-lightning_version": "2.5.0", "loops": {}}, buf)
@@ -117,4 +131,11 @@ def make_seeds(tmp: Path) -> AdoptSeeds:
         "automodel_peft_config": AUTOMODEL_PEFT_CONFIG,
         "index": index_of(TITAN_SHAPES),
     }
-    return AdoptSeeds(raw, tuple(records), buf.getvalue(), json.loads(json.dumps(jsons)), tmp)
+    return AdoptSeeds(
+        raw,
+        tuple(records),
+        buf.getvalue(),
+        json.loads(json.dumps(jsons)),
+        tmp,
+        {p.name: p.read_bytes() for p in sorted(shards.glob("*.safetensors"))},
+    )

@@ -1,6 +1,7 @@
 """Fuzzing what stagerd reads when it adopts a trainer's checkpoint (`oracle.py` says the properties):
 Lightning's meta.pt, DCP's `.metadata` and the `torch.save` records of torchtitan's (and AutoModel's
-torch_save) checkpoints, and the JSON beside them: config.json, AutoModel's adapter_config.json and
+torch_save) checkpoints, AutoModel's HF shards opened whole (the header fuzz's mutants of them), and the
+JSON beside them: config.json, AutoModel's adapter_config.json and
 automodel_peft_config.json, the index of torchtitan's `last_save_in_hf`.
 
 CI runs a fixed slice (`STAGERD_FUZZ_INPUTS` inputs per target, default 150, seed `STAGERD_FUZZ_SEED`,
@@ -48,6 +49,8 @@ def test_the_real_inputs_are_accepted(seeds, tmp_path):
     assert oracle.metadata(seeds.metadata, w) == Outcome("accepted", "")
     for r in seeds.records:
         assert oracle.record(r, w) == Outcome("accepted", "")
+    name = sorted(seeds.shards)[0]
+    assert oracle.automodel(seeds.shards[name], w, name, seeds.shards) == Outcome("accepted", "")
     for kind, obj in seeds.jsons.items():
         got = oracle.config(json.dumps(obj).encode(), w, kind)
         if kind == "composite":  # its head counts are its text_config's: the torchtitan preset wants them
