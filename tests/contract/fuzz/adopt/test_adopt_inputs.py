@@ -193,6 +193,7 @@ def test_a_config_value_is_quoted_in_a_message_bounded(seeds, tmp_path):
     w = oracle.Work(tmp_path, Meter())
     for kind, cfg in (
         ("config", {**seeds.jsons["config"], "num_attention_heads": long}),
+        ("config", {**seeds.jsons["config"], "num_key_value_heads": 10**4200}),
         ("adapter_config", {**seeds.jsons["adapter_config"], "rank_pattern": {}, "r": long}),
         ("index", {"weight_map": {"w": "../" + long}}),
     ):
