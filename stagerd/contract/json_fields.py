@@ -1,5 +1,5 @@
 """Typed fields of a marker's JSON: each returns the value or raises TypeError (a malformed record); and
-`loads`, JSON as files others write are read."""
+`loads`, JSON as files others write are read, and `nested_past`, how deep they may nest."""
 
 from __future__ import annotations
 
@@ -14,6 +14,22 @@ def loads(data: str | bytes) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError("JSON nested too deep") from None
+
+
+def nested_past(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value nests arrays and objects more than `limit` deep. The decoder takes
+    nearly its whole recursion limit, and every later recursive use of the value (`json.dumps` of it from a
+    deeper stack, `copy.deepcopy`, transformers' config classes) then raises RecursionError, or not, by
+    how deep its caller is: a file's depth is checked once, where it is read, by this walk without
+    recursion."""
+    todo: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while todo:
+        v, depth = todo.pop()
+        if depth > limit:
+            return True
+        items = v.values() if isinstance(v, dict) else v
+        todo.extend((x, depth + 1) for x in items if isinstance(x, dict | list))
+    return False
 
 
 def as_str(x: Any) -> str:

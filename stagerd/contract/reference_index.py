@@ -10,6 +10,7 @@ import os
 import stat
 from collections.abc import Mapping
 
+from stagerd.contract.regular_file import read_bounded
 from stagerd.errors import ReferenceIndexError
 
 # A real index is a few MB even for 100k tensors; anything bigger is not an index.
@@ -47,7 +48,7 @@ def read_reference_index(path: str | os.PathLike[str]) -> dict[str, str]:
             )
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
-            raw = f.read(MAX_INDEX_BYTES + 1)
+            raw = read_bounded(f, MAX_INDEX_BYTES + 1)
         obj = json.loads(raw)
     except ReferenceIndexError:
         raise

@@ -21,7 +21,7 @@ from typing import Any
 
 from stagerd.contract import dtypes
 from stagerd.contract.pickle_depth import PickleShapeError, check_depth, show
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import open_regular, read_bounded
 from stagerd.errors import DcpFormatError
 
 METADATA_NAME = ".metadata"
@@ -179,7 +179,7 @@ def read_metadata_bytes(path: str | Path) -> bytes:
     path = Path(path)
     try:
         with open_regular(path) as f:  # a FIFO named .metadata must not hold the scan
-            data = f.read(MAX_METADATA_BYTES + 1)
+            data = read_bounded(f, MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise DcpFormatError("no .metadata: the checkpoint is not finished", path=path) from None
     except OSError as e:

@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from stagerd.contract.pickle_depth import show
 from stagerd.errors import AdoptError
 
 AUTOMODEL_PEFT_CONFIG = "automodel_peft_config.json"  # read, never published (PEFT has no use for it)
@@ -113,8 +114,8 @@ def refuse_scaled_expert_rank(
     one = "" if k else "; one routing each token to one expert is published given its config.json in --extras"
     raise AdoptError(
         f"AutoModel's moe_rank_scaling trained {experts[0]!r} and {len(experts) - 1} more at rank {rank}, "
-        f"but adapter_config.json gives them r={r!r} and no rank_pattern: PeftModel.from_pretrained would "
-        "fail on their sizes",
+        f"but adapter_config.json gives them r={show(r)} and no rank_pattern: PeftModel.from_pretrained "
+        "would fail on their sizes",
         hint=f"train without moe_rank_scaling (give peft.dim the rank the experts should have){one}; "
         "the trainer's files were not touched",
     )

@@ -24,9 +24,11 @@ from stagerd.contract.adopt.torchtitan_names import TORCHTITAN_LLAMA_RULES
 from stagerd.contract.hub_plan import HubPlan, TensorView
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME, INDEX_NAME, WEIGHTS_NAME
+from stagerd.contract.pickle_depth import show
 from stagerd.errors import AdoptError, ConfigError, ModelConfigError
 
 METADATA = ".metadata"
+MAX_HEADS = 1 << 16  # a config.json's head count past it is no model's (and thousands of digits long)
 ADAPTER_CONFIG = "adapter_config.json"
 # PEFT's model card (`library_name: peft`, `base_model`), what push_to_hub publishes: taken from the
 # checkpoint only (ROOT's README.md may be the user's own).
@@ -333,10 +335,10 @@ def preset_mapping(preset: Preset, config: Mapping[str, Any] | None) -> KeyMappi
                     "rows), and none was found beside the checkpoint, in --extras DIR or in the directory "
                     "above it"
                 )
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_HEADS:
                 raise ModelConfigError(
-                    f"preset {preset.name} needs config.json's {heads} (a positive integer) for the RoPE "
-                    f"row order; config.json gives {value!r}"
+                    f"preset {preset.name} needs config.json's {heads} (a head count) for the RoPE "
+                    f"row order; config.json gives {show(value)}"
                 )
             rule = {**rule, "rope_heads": value}
         rules.append(rule)

@@ -10,14 +10,19 @@ judged here: whether the names are the model's is the planners' question.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from stagerd.contract.hub_plan import HubPlan
 from stagerd.errors import ModelShapeError
 
 Shape = tuple[int, ...]
 RAISE_ROPE = (0, 2, 1, 3)  # a mapping's `rope_heads` view: rows (head, i, pair) -> (head, pair, i)
+# config.json's counts of repeated modules, by the names transformers' configs give them: its model is
+# built one module per layer and per expert, on the meta device too (~3 ms and ~35 KB a decoder layer)
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers")
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,35 @@ class ConfigShapes:
     model: str
     shapes: Mapping[str, tuple[Shape, ...]]
     rotary: tuple[int, ...] = ()
+
+
+def refuse_oversized(config: Mapping[str, Any], shapes: Mapping[str, Shape]) -> None:
+    """A ModelShapeError where config.json (or a sub-model's config in it) gives its model more layers than
+    the checkpoint has tensors, or more experts than that and than its largest dimension (grouped experts
+    are one tensor): no model of these tensors, and one config.json's planners would take hours and
+    gigabytes to build (a million layers), before any shape could be compared."""
+    tensors = len(shapes)
+    longest = max((d for s in shapes.values() for d in s), default=0)
+    for where, c in _configs(config):
+        for f in (*LAYER_FIELDS, *EXPERT_FIELDS):
+            n = c.get(f)
+            most = tensors if f in LAYER_FIELDS else max(tensors, longest)
+            if not isinstance(n, int) or isinstance(n, bool) or n <= most:
+                continue
+            than = f"{tensors} tensors" + ("" if f in LAYER_FIELDS else f", none longer than {longest}")
+            raise ModelShapeError(
+                f"config.json's {where}{f} is {n}, but the checkpoint holds {than}: config.json describes "
+                "another model"
+            )
+
+
+def _configs(config: Mapping[str, Any], where: str = "", depth: int = 0) -> Iterator[tuple[str, Mapping]]:
+    """config.json and the sub-model configs in it (`text_config.`), two levels down."""
+    yield where, config
+    if depth < 2:
+        for k, v in config.items():
+            if isinstance(v, Mapping):
+                yield from _configs(v, f"{where}{k}.", depth + 1)
 
 
 def refuse_other_shapes(tensors: Iterable[tuple[str, str, Shape]], want: ConfigShapes) -> None:

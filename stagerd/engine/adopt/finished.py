@@ -15,8 +15,9 @@ from stagerd.contract import layout
 from stagerd.contract.adopt.dcp_metadata import read_metadata_bytes
 from stagerd.contract.adopt.presets import Format, Preset
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
+from stagerd.contract.pickle_depth import show
 from stagerd.contract.reference_index import MAX_INDEX_BYTES, read_reference_index
-from stagerd.contract.regular_file import open_regular
+from stagerd.contract.regular_file import open_regular, read_bounded
 from stagerd.contract.safetensors_format import read_header
 from stagerd.engine.parsed_extras import MAX_PARSED_EXTRA_BYTES
 from stagerd.engine.shard_scan import shard_paths
@@ -44,15 +45,27 @@ def finished(ckpt: Path, preset: Preset) -> float | None:
                 times.append(part.stat().st_mtime)
         # A FIFO in a completion file's place would hold the scan for good, and JSON nested too deep
         # raises RecursionError: each is a checkpoint that is not finished, never a stuck or dead daemon.
-        for z in preset.zips:
-            with open_regular(ckpt / z) as f, zipfile.ZipFile(f):
-                pass
+        if not all(_zip_reads(ckpt / z) for z in preset.zips):
+            return None
         for j in preset.jsons:
             with open_regular(ckpt / j) as f:
-                json.loads(f.read(MAX_PARSED_EXTRA_BYTES))
+                json.loads(read_bounded(f, MAX_PARSED_EXTRA_BYTES))
     except (OSError, ValueError, RecursionError, zipfile.BadZipFile, StagerdError):
         return None
     return max(times) if times else None
+
+
+def _zip_reads(path: Path) -> bool:
+    """Whether the zip archive `path` (a regular file) has a directory that reads: one being written has
+    none yet."""
+    try:
+        with open_regular(path) as f, zipfile.ZipFile(f):
+            return True
+    # Not only BadZipFile: a directory naming a zip version past zipfile's (NotImplementedError), an offset
+    # past what a seek takes, each raise their own kind. A damaged archive is one not finished, whatever
+    # zipfile calls it, never an exception out of the daemon's scan.
+    except Exception:
+        return False
 
 
 def save_identity(ckpt: Path, preset: Preset) -> str:
@@ -95,7 +108,7 @@ def _whole_json(path: Path) -> bool:
     """Whether `path` is a regular file of JSON that parses: an index still being written never does."""
     try:
         with open_regular(path) as f:
-            json.loads(f.read(MAX_INDEX_BYTES + 1))
+            json.loads(read_bounded(f, MAX_INDEX_BYTES + 1))
     except (OSError, ValueError, RecursionError, StagerdError):
         return False
     return True
@@ -114,7 +127,7 @@ def hf_files(model_dir: Path, *, adapter: bool = False) -> list[Path]:
         for n in names:  # a NUL would reach os.open as a bare ValueError; `..` or `/x` another directory
             if "/" in n or n.startswith(".") or _CONTROL.search(n):
                 raise ShardError(
-                    f"the index names the file {n!r}, which is not a plain name in its directory",
+                    f"the index names the file {show(n)}, which is not a plain name in its directory",
                     path=index,
                     hint="the index is not one a trainer wrote: re-save the checkpoint; nothing of it was "
                     "exported or published, and the trainer's files were not touched",

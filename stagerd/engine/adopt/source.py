@@ -42,7 +42,12 @@ from stagerd.contract.hub_plan import HubPlan
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.safetensors_format import Header, read_header
 from stagerd.contract.step.held import HeldDir, HeldFiles, reading
-from stagerd.engine.adopt.config_shapes import exported, refuse_other_rope, refuse_other_shapes
+from stagerd.engine.adopt.config_shapes import (
+    exported,
+    refuse_other_rope,
+    refuse_other_shapes,
+    refuse_oversized,
+)
 from stagerd.engine.adopt.dcp_headers import DcpFileHeader, dcp_headers
 from stagerd.engine.adopt.detect import choose_preset
 from stagerd.engine.adopt.extras import find_extras, find_trainers_file, read_config
@@ -210,6 +215,8 @@ def open_adopted(
             hint=f"save it with PeftModel.save_pretrained, or pass --extras DIR holding its {ADAPTER_CONFIG}",
         )
     config = read_config(extras.get("config.json"))
+    if config is not None and options.model_plan is not None and not preset.adapter:
+        refuse_oversized(config, shapes)  # before the planners build its model
     mapping = KeyMapping.load(options.mapping) if options.mapping is not None else None
     model_names = _model_named(preset, meta, options, config)
     if model_names is None:

@@ -181,8 +181,13 @@ def read_record(fd: int, base: int, length: int, where: object) -> RecordedTenso
             if pkl is None:
                 raise DcpFormatError(f"the record at offset {base} has no data.pkl", path=where)
             info = members[pkl]
-            if info.file_size > MAX_PICKLE_BYTES:
-                raise DcpFormatError(f"the record at offset {base} has a {info.file_size}-byte data.pkl")
+            # zipfile reads a member in one `read` of its stored size, and inflates up to 2 GiB at once:
+            # the directory's word for either, unchecked, is an allocation of that size
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise DcpFormatError(f"the record at offset {base} has a compressed data.pkl", path=where)
+            if max(info.file_size, info.compress_size) > MAX_PICKLE_BYTES:
+                size = max(info.file_size, info.compress_size)
+                raise DcpFormatError(f"the record at offset {base} has a {size}-byte data.pkl")
             raw = z.read(pkl)
             check_depth(raw)
             rebuilt = _RecordUnpickler(io.BytesIO(raw)).load()
