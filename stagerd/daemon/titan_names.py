@@ -121,13 +121,21 @@ def _model_config(flavor: Any, config: Mapping[str, Any]) -> Any:
     )
     for layer in out.layers:
         if getattr(layer, "moe", None) is not None:
-            if not isinstance(experts, int):
-                raise HubPlanError("a MoE model whose config.json gives no num_experts")
+            if not _count(experts):
+                raise HubPlanError(f"a MoE model whose config.json gives no num_experts ({experts!r:.40})")
             layer.moe.num_experts = experts
         # DeepSeek V3's MLA: a low-rank query (wq_a, q_norm, wq_b) or one projection (wq), by q_lora_rank
         if hasattr(getattr(layer, "attention", None), "q_lora_rank"):
-            layer.attention.q_lora_rank = config.get("q_lora_rank") or 0
+            rank = config.get("q_lora_rank") or 0
+            if rank != 0 and not _count(rank):
+                raise HubPlanError(f"config.json's q_lora_rank is {rank!r:.40}, not a positive whole number")
+            layer.attention.q_lora_rank = rank
     return out
+
+
+def _count(n: object) -> bool:
+    """A positive whole number: JSON's `true` is an int to Python, and torchtitan fails on it unexplained."""
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
 def _saved(config: Mapping[str, Any]) -> tuple[list[str], dict[str, tuple[int, ...]], int, Uncast]:

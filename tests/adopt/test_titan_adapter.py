@@ -75,3 +75,20 @@ def test_a_config_json_that_is_not_the_checkpoints_model_is_refused_by_name():
     with pytest.raises(HubPlanError, match=r"other shapes \['model.layers.0.mlp.down_proj.weight'"):
         titan_plan(tensors, {**config, "intermediate_size": 2 * titan_qwen3_ranks.HIDDEN})
     assert titan_plan(tensors, {**config, "model_type": "llama"}) is None  # Llama keeps its rules
+
+
+@pytest.mark.parametrize("value", [True, 0, -8, 2.0, "8"])
+def test_a_config_json_expert_count_that_is_no_count_is_refused_by_name(value):
+    """JSON's `true` is an int to Python: it reached torchtitan as one expert, which failed unexplained."""
+    import torch
+
+    from stagerd.daemon.titan_names import titan_plan
+    from stagerd.errors import HubPlanError
+
+    with torch.device("meta"):
+        model = titan_qwen3_ranks.titan_config(moe=True).build()
+    tensors = {k: (tuple(v.shape), "F32") for k, v in model.state_dict().items()}
+    config = titan_qwen3_ranks.hf_config(moe=True).to_dict()
+    config = {k: v for k, v in config.items() if k not in ("num_local_experts", "n_routed_experts")}
+    with pytest.raises(HubPlanError, match="gives no num_experts"):
+        titan_plan(tensors, {**config, "num_experts": value})
