@@ -57,3 +57,15 @@ def opening(url: str) -> Iterator[None]:
     except OSError as e:
         why = e.strerror or "connection failed"  # str(e) may quote the URL, password and all
         raise SinkError(f"cannot reach sink {redact_url(url)}: {type(e).__name__}: {why}") from None
+
+
+@contextlib.contextmanager
+def opening_again(url: str) -> Iterator[None]:
+    """Opening again, while the daemon runs, a store it opened at start (the fleet's exchange, for each
+    step): the URL was taken then, so a `ConfigError` now (a file where its directory was) is the store
+    changed under the daemon, an outage retried as for a sink opened once (`local_dirs.LocalTree.held`),
+    never a step quarantined for what its store became."""
+    try:
+        yield
+    except ConfigError as e:
+        raise SinkError(e.message, path=e.path or url, hint=e.hint) from None

@@ -65,8 +65,8 @@ def refuse_a_file(url: str, path: str, *, what: str = "sink URL") -> None:
     Only what exists is judged. A directory not there yet is made at the first publish; one reached through
     a link whose target is gone (a filesystem not mounted) or that cannot be looked at now (a stale NFS
     handle) is a sink that is down, retried as any outage. A file that takes the directory's place once
-    the daemon runs is such an outage too (`local_dirs.LocalTree.held`), but where the fleet opens its
-    exchange again for a step, which is refused then as at the start."""
+    the daemon runs is such an outage too (`local_dirs.LocalTree.held`), as where the fleet opens its
+    exchange again for a step (`fs_open.opening_again`)."""
     real = Path(real_dir(path))
     for at in [real, *real.parents]:
         try:

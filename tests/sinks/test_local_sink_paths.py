@@ -108,3 +108,15 @@ def test_each_command_refuses_a_sink_under_a_file_with_exit_2_and_writes_nothing
     assert said.startswith(f"stagerd: ConfigError: {blocker}: sink URL "), run.stderr
     assert "lies under this file" in said and "Traceback" not in run.stderr, run.stderr
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_store_opened_again_that_became_a_file_is_an_outage(tmp_path):
+    """The fleet opens its exchange again for each step: a file in its place since the start is the store
+    changed under the daemon, retried as for a sink opened once, never a step quarantined for it."""
+    from stagerd.sinks.fs_open import opening_again
+
+    (tmp_path / "exchange").write_text("was a directory when the daemon started")
+    url = (tmp_path / "exchange").as_uri()
+    with pytest.raises(SinkError) as e, opening_again(url):
+        FsspecSink.from_url(url)
+    assert e.value.retryable and "exchange" in (e.value.path or "")

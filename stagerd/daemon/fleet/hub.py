@@ -30,6 +30,7 @@ from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkConflictError, SinkError
 from stagerd.sinks.base import PublishResult, Sink
 from stagerd.sinks.fetch import RemoteStore, check_listing, download, read_manifest, step_prefix
+from stagerd.sinks.fs_open import opening_again
 from stagerd.sinks.fsspec import FsspecSink
 from stagerd.sinks.prune import FLEET_DONE
 
@@ -150,7 +151,8 @@ def publish_to_hub(
         return _skipped(hub.url, step, t0)
     if not staging.is_published(step):
         raise SinkError(f"step {step} is not committed on the exchange yet", path=staging.url)
-    store = RemoteStore.open(store_url)
+    with opening_again(store_url):
+        store = RemoteStore.open(store_url)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:

@@ -26,6 +26,7 @@ from stagerd.daemon.journal import COMMITTED, PENDING
 from stagerd.daemon.state import DaemonState, log
 from stagerd.errors import ConfigError, FleetWaitError, MarkerError, SinkError
 from stagerd.sinks.base import PublishResult
+from stagerd.sinks.fs_open import opening_again
 from stagerd.sinks.fsspec import FsspecSink
 
 if TYPE_CHECKING:
@@ -88,8 +89,13 @@ class FleetTasks(DaemonState):
 
         url, _ = self._fleet_sink()
         ex = self.settings.exchange
-        exchange = FsspecSink.from_url(ex) if ex is not None else FsspecSink.from_url(url)
-        return exchange, RemoteStore.open(ex or url)
+        with opening_again(ex or url):
+            exchange = FsspecSink.from_url(ex or url)
+            try:
+                return exchange, RemoteStore.open(ex or url)
+            except BaseException:
+                exchange.close()
+                raise
 
     def _run_fleet(self, step: int, step_dir: Path, pause: Yielder | None = None) -> ExportResult:
         """Worker thread: this node's part of the fleet export of `step`, until the step is committed on
