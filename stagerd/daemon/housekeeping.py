@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import errno
 import shutil
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from stagerd.contract.layout import a_few, foreign_names
 from stagerd.contract.step.lock import StepLock
@@ -49,16 +51,7 @@ class Housekeeping(Health, Adoption):
         for step in plan_retention(views, self.settings.keep_last):
             if self._stopping:
                 return
-            # A step's delete runs on in its thread when this task is cancelled (`--once` ends so, then
-            # retains once more): it is journaled here all the same, or that last pass finds the directory
-            # gone and records that retention deleted nothing.
-            one = asyncio.ensure_future(self._retain_step(step, by_step[step]))
-            try:
-                await asyncio.shield(one)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await one
-                raise
+            await _whole(self._retain_step(step, by_step[step]))
         if self.settings.delete_adopted:
             await self._retain_retired_checkpoints(views, best)
         await self._trash(empty_trash, self.root, *self._set_aside_places())
@@ -95,15 +88,15 @@ class Housekeeping(Health, Adoption):
         for step in sorted(set(plan_retention([*live, *views], self.settings.keep_last)) & set(by_step)):
             if self._stopping:
                 return
-            row = by_step[step]
-            if await self._retire_one(step, row, "the trainer's checkpoint"):
-                why = f"keep_last={self.settings.keep_last}, --delete-adopted; retired before without it"
-                self._log_step(
-                    step,
-                    None,
-                    RETIRED,
-                    note=f"the trainer's checkpoint {Path(row.path).name} deleted ({why})",
-                )
+            await _whole(self._retain_checkpoint(step, by_step[step]))
+
+    async def _retain_checkpoint(self, step: int, row: StepRow) -> None:
+        """Delete one retired step's trainer checkpoint, as retention planned, and say so."""
+        if await self._retire_one(step, row, "the trainer's checkpoint"):
+            why = f"keep_last={self.settings.keep_last}, --delete-adopted; retired before without it"
+            self._log_step(
+                step, None, RETIRED, note=f"the trainer's checkpoint {Path(row.path).name} deleted ({why})"
+            )
 
     async def _retire_one(self, step: int, row: StepRow, what: str) -> bool | None:
         """Retention's delete of one step's data under `_remove_published`'s checks: None where it is kept
@@ -213,3 +206,16 @@ def remove_step_data(root: Path, path: Path) -> bool:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
         return aside is not None
+
+
+async def _whole(one: Coroutine[Any, Any, None]) -> None:
+    """Await one step's delete and its record together. Its thread runs on when this task is cancelled
+    (`--once` ends so, then retains once more): the record is made all the same, or that last pass finds
+    the directory gone and says retention deleted nothing."""
+    task = asyncio.ensure_future(one)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
