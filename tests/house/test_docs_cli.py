@@ -19,6 +19,7 @@ from pydantic_settings import EnvSettingsSource
 from stagerd.cli import build_parser
 from stagerd.cmd import watch
 from stagerd.config import Settings
+from stagerd.daemon.settings_sources import _NOT_SETTINGS
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "ARCHITECTURE.md"]
@@ -69,10 +70,7 @@ def _same_default(shown: str, real: Any) -> bool:
 
 def test_every_row_is_a_setting_with_its_real_flag_variable_and_default():
     flags = {a.dest: a for a in _subparsers()["watch"]._actions}
-    names = {}  # variable -> setting, as the settings' environment source reads them
-    for name, field in Settings.model_fields.items():
-        for _key, env, _complex in EnvSettingsSource(Settings)._extract_field_info(field, name):
-            names[env.upper()] = name
+    names = _variables()
     wrong = []
     for setting, flag, env, default, _meaning in _table_rows():
         if setting not in Settings.model_fields:
@@ -107,6 +105,28 @@ def test_every_setting_and_every_watch_flag_has_its_row():
     assert sorted(watch_flags - shown - set(NOT_IN_TABLE)) == []
     section = _section((REPO / "README.md").read_text(), "Configuration reference")
     assert "`--config FILE`" in section
+
+
+# Where a user is shown variables to set: the documents, and the deployment files they copy.
+WITH_VARIABLES = [*DOCS, "RELIABILITY.md", "systemd/stagerd.env.example", "docker/k8s-sidecar.yaml"]
+
+
+def _variables() -> dict[str, str]:
+    """variable -> setting, as the settings' environment source reads them."""
+    names = {}
+    for name, field in Settings.model_fields.items():
+        for _key, env, _complex in EnvSettingsSource(Settings)._extract_field_info(field, name):
+            names[env.upper()] = name
+    return names
+
+
+@pytest.mark.parametrize("doc", WITH_VARIABLES)
+def test_every_variable_named_is_read(doc: str):
+    """A `STAGERD_*` variable a user is told of is a setting's, or one read elsewhere (a fleet node's id,
+    the fault-injection hooks): a misspelt one would be warned about and ignored."""
+    named = set(re.findall(r"\bSTAGERD_[A-Z][A-Z0-9_]*", (REPO / doc).read_text()))
+    unread = {v for v in named - set(_variables()) if not v.startswith(_NOT_SETTINGS)}
+    assert sorted(unread) == []
 
 
 # `stagerd watch --help` says a flag's default in its help: the setting's, but where it is computed.
