@@ -20,6 +20,8 @@ from stagerd.cli import build_parser
 from stagerd.cmd import watch
 from stagerd.config import Settings
 from stagerd.daemon.settings_sources import _NOT_SETTINGS
+from stagerd.sinks.hub.options import KNOWN as HUB_OPTIONS
+from stagerd.sinks.hub.timeouts import HubTimeouts
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "ARCHITECTURE.md"]
@@ -127,6 +129,19 @@ def test_every_variable_named_is_read(doc: str):
     named = set(re.findall(r"\bSTAGERD_[A-Z][A-Z0-9_]*", (REPO / doc).read_text()))
     unread = {v for v in named - set(_variables()) if not v.startswith(_NOT_SETTINGS)}
     assert sorted(unread) == []
+
+
+def test_the_hub_options_shown_are_the_hub_sinks():
+    """The sink table's row of `hf://` URL options: each is one the Hub sink takes, with its default."""
+    section = _section((REPO / "README.md").read_text(), "Sink URLs")
+    (row,) = [line for line in section.splitlines() if line.startswith("| `hf://ORG/REPO?")]
+    options = row.split("|")[2]
+    assert sorted(set(re.findall(r"`(\w+)`", options)) - HUB_OPTIONS) == []
+    said = dict(re.findall(r"`(\w+)` \(s, default (\d+)\)", options))
+    assert {k: float(v) for k, v in said.items()} == {
+        "timeout": HubTimeouts.read,
+        "connect_timeout": HubTimeouts.connect,
+    }
 
 
 # `stagerd watch --help` says a flag's default in its help: the setting's, but where it is computed.
