@@ -62,12 +62,22 @@ def _table_rows() -> list[list[str]]:
 
 
 def _same_default(shown: str, real: Any) -> bool:
-    """`None`, `[]`, `30.0`, `'idle'` as Python literals; a bare word as the string it spells."""
+    """`None`, `[]`, `30.0`, `'idle'` as Python literals (`30` is `30.0`, `0` is not `False`); a bare word
+    as the string it spells."""
     try:
         value = ast.literal_eval(shown)
     except (ValueError, SyntaxError):
         return isinstance(real, str) and shown == real
-    return value == real and (real is None) == (value is None)
+    return value == real and isinstance(value, bool) == isinstance(real, bool)
+
+
+def _variables() -> dict[str, str]:
+    """variable -> setting, as the settings' environment source reads them."""
+    names = {}
+    for name, field in Settings.model_fields.items():
+        for _key, env, _complex in EnvSettingsSource(Settings)._extract_field_info(field, name):
+            names[env.upper()] = name
+    return names
 
 
 def test_every_row_is_a_setting_with_its_real_flag_variable_and_default():
@@ -81,9 +91,8 @@ def test_every_row_is_a_setting_with_its_real_flag_variable_and_default():
         action = flags.get(setting)
         if flag == "-":
             if action is not None:
-                wrong.append(
-                    f"{setting}: shown without a flag, but {action.option_strings or action.metavar}"
-                )
+                has = (action.option_strings or [action.metavar])[-1]
+                wrong.append(f"{setting}: shown without a flag, but has {has}")
         elif action is None or flag not in (action.option_strings or [action.metavar]):
             wrong.append(f"{setting}: {flag} is not the watch flag that sets it")
         elif setting not in watch._FLAGS:
@@ -113,15 +122,6 @@ def test_every_setting_and_every_watch_flag_has_its_row():
 WITH_VARIABLES = [*DOCS, "RELIABILITY.md", "systemd/stagerd.env.example", "docker/k8s-sidecar.yaml"]
 
 
-def _variables() -> dict[str, str]:
-    """variable -> setting, as the settings' environment source reads them."""
-    names = {}
-    for name, field in Settings.model_fields.items():
-        for _key, env, _complex in EnvSettingsSource(Settings)._extract_field_info(field, name):
-            names[env.upper()] = name
-    return names
-
-
 @pytest.mark.parametrize("doc", WITH_VARIABLES)
 def test_every_variable_named_is_read(doc: str):
     """A `STAGERD_*` variable a user is told of is a setting's, or one read elsewhere (a fleet node's id,
@@ -145,9 +145,7 @@ def test_the_hub_options_shown_are_the_hub_sinks():
 
 
 # `stagerd watch --help` says a flag's default in its help: the setting's, but where it is computed.
-COMPUTED_DEFAULTS = {
-    "max_shard_size": "unset, one daemon's and a fleet's differ: test_the_shard_size_default"
-}
+COMPUTED_DEFAULTS = {"max_shard_size": "one daemon's and a fleet's: test_the_shard_size_default_is_..."}
 
 
 def test_each_watch_flags_help_names_the_settings_default():
