@@ -61,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
 
 def run(args: argparse.Namespace) -> int:
     from stagerd.sinks.fetch import RemoteStore
+    from stagerd.sinks.places import refuse_a_file
     from stagerd.sinks.prune import Owner, Policy, prune
     from stagerd.sinks.urls import SinkKind, parse_sink_url
 
@@ -77,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     # The parser `watch --sink` uses: a typo (`s3:/bkt/run`, `file://relative`) is named, never taken
     # for a local path under the working directory that holds no step (a "successful" prune of nothing).
     target = parse_sink_url(args.url)
+    if target.kind is SinkKind.LOCAL:
+        refuse_a_file(args.url, str(target.local_path))  # a file in the sink's place, named as by watch
     if target.kind is SinkKind.LOCAL and not target.local_path.is_dir():
         # A directory the daemon publishes to exists from its first publish: one that does not is a typo,
         # which a listing of nothing would report as a prune with nothing to do.

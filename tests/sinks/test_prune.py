@@ -112,15 +112,15 @@ def test_the_hub_and_no_policy_are_refused(sink_dir):
 def test_a_mistyped_prune_url_is_refused_and_nothing_is_made(tmp_path, monkeypatch, capsys, url):
     """Before the fix, `stagerd prune s3:/bkt/run --keep-last 1 --dry-run` printed "0 step(s) would delete"
     (exit 0: retention looked applied) and made the directories `s3:/bkt/run` under the working directory
-    (and a file:// prune of a directory that does not exist made it)."""
+    (and a file:// prune of a directory that does not exist made it: now a ConfigError too)."""
     from stagerd.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["prune", url, "--keep-last", "1", "--dry-run"]) == 2
     assert "ConfigError" in capsys.readouterr().err
-    absent = tmp_path / "absent"
-    assert main(["prune", absent.as_uri(), "--keep-last", "1", "--dry-run"]) == 0
-    assert "0 step(s) would delete" in capsys.readouterr().out
+    absent = tmp_path / "absent"  # a typo too: never a prune of nothing, never made
+    assert main(["prune", absent.as_uri(), "--keep-last", "1", "--dry-run"]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
