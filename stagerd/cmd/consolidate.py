@@ -50,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     )
     p.add_argument(
         "--dtype",
-        help="bf16|fp16|fp32|keep: cast floating tensors (default: the marker's hint, else keep)",
+        help="keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float): cast floating tensors "
+        "(default: the marker's hint, else keep)",
     )
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names matching REGEX are never cast")
     p.add_argument(
