@@ -256,7 +256,7 @@ class Settings(BaseSettings):
         from stagerd.contract.adopt.presets import preset_names
 
         if v is not None and v not in preset_names():
-            raise ValueError(f"adopt must be one of {'|'.join(preset_names())}, got {v!r}")
+            raise ValueError(f"must be one of {'|'.join(preset_names())}, got {v!r}")
         return v
 
     @field_validator("adopt_step")
