@@ -9,7 +9,9 @@ from stagerd.cmd.consolidate import (
     add_adopt_flags,
     adopted_source,
     refuse_a_root,
+    refuse_an_hf_checkpoint,
     threads_default,
+    unstaged_hint,
     warn_uncommitted,
 )
 from stagerd.cmd.help import UserHelpFormatter
@@ -111,9 +113,23 @@ def run(args: argparse.Namespace) -> int:
     if args.against is not None and args.adopt is None:
         refuse_a_root(args.against, "--against")
         warn_uncommitted(args.against)
-    source = adopted_source(args, args.against) if args.against is not None else None
-    with progress(f"verify {args.export_dir.name}", 0) as bar:
-        r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
+        refuse_an_hf_checkpoint(
+            args.against,
+            "--against",
+            f"compare with a trainer's checkpoint through --adopt: `stagerd verify {args.export_dir} "
+            f"--against {args.against} --adopt`",
+        )
+    if args.against is None:
+        source = None
+        with progress(f"verify {args.export_dir.name}", 0) as bar:
+            r = verify_export(args.export_dir, None, threads=args.threads, progress=bar)
+    else:
+        with unstaged_hint(args.against, "--against", adopted=args.adopt is not None):
+            source = adopted_source(args, args.against)
+            with progress(f"verify {args.export_dir.name}", 0) as bar:
+                r = verify_export(
+                    args.export_dir, args.against, threads=args.threads, progress=bar, source=source
+                )
     hashed = check_manifest(args.export_dir)
     against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
     listed = f", {hashed} files' sha256 as {layout.MANIFEST_NAME} lists" if hashed else ""
