@@ -131,7 +131,11 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address of the Prometheus /metrics and /healthz server."
     )
     metrics_port: int = Field(
-        9464, ge=0, le=65535, description="Port of the metrics server; 0 or 'off' disables it."
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the metrics server; 0 or 'off' disables it. A port in use stops the daemon "
+        "from starting; with --once it is only warned about, and that run serves no metrics.",
     )
     low_disk_free_percent: float = Field(
         10.0, ge=0, le=100, description="Warn (logs, status, metrics) when ROOT's free space is below this."

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -314,6 +315,17 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         try:
             server = MetricsServer(self.metrics, host, port, self._healthz)
         except OSError as e:
+            if e.errno == errno.EADDRINUSE and self.settings.once:
+                # A one-shot run is not scraped or probed: another daemon on this host holding the port
+                # must not fail it. A running daemon still refuses: its probes and Prometheus would read
+                # the other daemon's /healthz and metrics at this address as its own.
+                log.warning(
+                    "metrics port %s:%d is in use (another stagerd on this host?): this --once run serves "
+                    "no metrics",
+                    host,
+                    port,
+                )
+                return None
             unresolved = isinstance(e, socket.gaierror)
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
