@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 from stagerd.cmd.consolidate import (
@@ -119,21 +120,20 @@ def run(args: argparse.Namespace) -> int:
             f"compare with a trainer's checkpoint through --adopt: `stagerd verify {args.export_dir} "
             f"--against {args.against} --adopt`",
         )
-    if args.against is None:
-        source = None
+    against = args.against
+    reading = (
+        nullcontext()
+        if against is None
+        else unstaged_hint(against, "--against", adopted=args.adopt is not None)
+    )
+    with reading:
+        source = adopted_source(args, against) if against is not None else None
         with progress(f"verify {args.export_dir.name}", 0) as bar:
-            r = verify_export(args.export_dir, None, threads=args.threads, progress=bar)
-    else:
-        with unstaged_hint(args.against, "--against", adopted=args.adopt is not None):
-            source = adopted_source(args, args.against)
-            with progress(f"verify {args.export_dir.name}", 0) as bar:
-                r = verify_export(
-                    args.export_dir, args.against, threads=args.threads, progress=bar, source=source
-                )
+            r = verify_export(args.export_dir, against, threads=args.threads, progress=bar, source=source)
     hashed = check_manifest(args.export_dir)
-    against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
+    equal = f", every byte equal to {r.compared_with}" if r.compared_with else ""
     listed = f", {hashed} files' sha256 as {layout.MANIFEST_NAME} lists" if hashed else ""
-    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}{listed}")
+    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{equal}{listed}")
     if r.older_order:
         print(
             f"note: {len(r.older_order)} of {r.files} files lay their tensors out in an older stagerd's"
