@@ -13,13 +13,11 @@ from typing import Annotated, Any, Literal, TypedDict
 from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.contract.key_mapping import KeyMapping
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE, FLEET_MAX_SHARD_SIZE
 from stagerd.errors import StagerdError
 
 ENV_PREFIX = "STAGERD_"
-DTYPES = EXPORT_DTYPE_CHOICES  # the one table, in contract/dtypes.py
 # Bounds that catch a mistyped number before it becomes 10^20 threads or a timer past time_t.
 MAX_WORKERS = 256
 MAX_COUNT = 1_000_000_000
@@ -48,7 +46,9 @@ class Settings(BaseSettings):
         "In the environment: comma-separated or a JSON list.",
     )
     dtype: str | None = Field(
-        None, description="Export dtype: keep|bf16|fp16|fp32. Unset: the commit marker's hint, else keep."
+        None,
+        description="Export dtype: keep|bf16|fp16|fp32, or as torch names it (bfloat16, float16, half, "
+        "float32, float; any case). Unset: the commit marker's hint, else keep.",
     )
     keep_dtype: str | None = Field(None, description="Regex of tensor names that are never cast.")
     mapping: Path | None = Field(
@@ -131,7 +131,11 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Address of the Prometheus /metrics and /healthz server."
     )
     metrics_port: int = Field(
-        9464, ge=0, le=65535, description="Port of the metrics server; 0 or 'off' disables it."
+        9464,
+        ge=0,
+        le=65535,
+        description="Port of the metrics server; 0 or 'off' disables it. A port in use stops the daemon "
+        "from starting; with --once it is only warned about, and that run serves no metrics.",
     )
     low_disk_free_percent: float = Field(
         10.0, ge=0, le=100, description="Warn (logs, status, metrics) when ROOT's free space is below this."
@@ -256,7 +260,7 @@ class Settings(BaseSettings):
         from stagerd.contract.adopt.presets import preset_names
 
         if v is not None and v not in preset_names():
-            raise ValueError(f"adopt must be one of {'|'.join(preset_names())}, got {v!r}")
+            raise ValueError(f"must be one of {'|'.join(preset_names())}, got {v!r}")
         return v
 
     @field_validator("adopt_step")
@@ -318,9 +322,14 @@ class Settings(BaseSettings):
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, v: str | None) -> str | None:
-        if v is not None and v not in DTYPES:
-            raise ValueError(f"dtype must be one of {'|'.join(DTYPES)}, got {v!r}")
-        return v
+        from stagerd.contract.dtypes import normalise_export_dtype
+
+        if v is None:
+            return None
+        try:
+            return normalise_export_dtype(v)  # `bfloat16` is stored as `bf16`, as the marker's hint is
+        except StagerdError as e:
+            raise ValueError(e.message) from None
 
     @field_validator("keep_dtype", "adopt_select")
     @classmethod

@@ -6,11 +6,13 @@ import argparse
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.errors import ConfigError, OutputError
+from stagerd.errors import ConfigError, OutputError, ShardError
 
 if TYPE_CHECKING:
     from stagerd.engine.source import Source
@@ -50,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     )
     p.add_argument(
         "--dtype",
-        help="bf16|fp16|fp32|keep: cast floating tensors (default: the marker's hint, else keep)",
+        help="keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float): cast floating tensors "
+        "(default: the marker's hint, else keep)",
     )
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names matching REGEX are never cast")
     p.add_argument(
@@ -195,14 +198,53 @@ def refuse_a_root(src: Path, what: str) -> None:
         )
 
 
+def refuse_an_hf_checkpoint(src: Path, what: str, hint: str) -> None:
+    """A directory of Hugging Face weights (a trainer's checkpoint, or an export) read as a staged step
+    fails on its file names with the hint of a damaged step (re-save it, or delete it), which would send
+    the user to delete their checkpoint: name what it is instead."""
+    from stagerd.contract.layout import INDEX_NAME, MARKER_NAME, WEIGHTS_NAME
+
+    if (src / MARKER_NAME).exists():
+        return
+    if any((src / n).is_file() for n in (WEIGHTS_NAME, INDEX_NAME)):
+        raise ConfigError(
+            f"{what} is already a Hugging Face export or checkpoint (a trainer's), not a staged step",
+            path=src,
+            hint=hint,
+        )
+
+
+@contextmanager
+def unstaged_hint(src: Path, what: str, *, adopted: bool) -> Iterator[None]:
+    """A staged step's damage says re-save it, or delete it; a directory without a commit marker was not
+    written by a Stager save (a trainer's checkpoint, a save not yet committed), and stagerd never tells a
+    user to delete what it did not write."""
+    from stagerd.contract.layout import MARKER_NAME
+
+    try:
+        yield
+    except ShardError as e:
+        within = e.path is not None and Path(os.path.abspath(e.path)).is_relative_to(os.path.abspath(src))
+        if e.hint != ShardError.hint or not within:  # another hint, or of another directory (the export)
+            raise
+        if adopted:
+            e.hint = (
+                f"{what} is not a whole checkpoint as --adopt reads it: check that the trainer finished "
+                "saving it (and the preset, --adopt PRESET). Nothing was changed"
+            )
+        elif not (src / MARKER_NAME).exists():
+            e.hint = (
+                f"{what} has no {MARKER_NAME}, so no Stager save committed it: a trainer's own checkpoint "
+                "is read with --adopt; a Stager save is read once committed (stager.wait()). Nothing was "
+                "changed"
+            )
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     from stagerd.config import MAX_WORKERS
-    from stagerd.contract.layout import INDEX_NAME, WEIGHTS_NAME, fsync_dir
-    from stagerd.contract.reference_index import read_reference_index
     from stagerd.contract.sharding import parse_size
-    from stagerd.engine.export import build_export, list_files
     from stagerd.engine.source import open_source
-    from stagerd.ops.progress import progress
 
     t0 = time.monotonic()
     try:
@@ -222,13 +264,21 @@ def run(args: argparse.Namespace) -> int:
     if args.adopt is None:
         refuse_a_root(args.src, "SRC")
         warn_uncommitted(args.src)
-        if any((args.src / n).is_file() for n in (WEIGHTS_NAME, INDEX_NAME)):
-            raise ConfigError(
-                "SRC is already a Hugging Face export, not a staged step",
-                path=args.src,
-                hint=f"check it with `stagerd verify {args.src}`, or re-shard or cast it with --adopt hf",
-            )
-    source = adopted_source(args, args.src) or open_source(args.src)
+        refuse_an_hf_checkpoint(
+            args.src,
+            "SRC",
+            f"check it with `stagerd verify {args.src}`, or re-shard or cast it with --adopt hf",
+        )
+    with unstaged_hint(args.src, "SRC", adopted=args.adopt is not None):
+        return _consolidate(args, adopted_source(args, args.src) or open_source(args.src), max_size, t0)
+
+
+def _consolidate(args: argparse.Namespace, source: Source, max_size: int, t0: float) -> int:
+    from stagerd.contract.layout import fsync_dir
+    from stagerd.contract.reference_index import read_reference_index
+    from stagerd.engine.export import build_export, list_files
+    from stagerd.ops.progress import progress
+
     check_out(args.src, source.model_dir, args.out)
     dtype = source.target_dtype(args.dtype)
     adapter = _is_adapter(source)

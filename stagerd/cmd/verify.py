@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 from stagerd.cmd.consolidate import (
     add_adopt_flags,
     adopted_source,
     refuse_a_root,
+    refuse_an_hf_checkpoint,
     threads_default,
+    unstaged_hint,
     warn_uncommitted,
 )
 from stagerd.cmd.help import UserHelpFormatter
@@ -111,13 +114,26 @@ def run(args: argparse.Namespace) -> int:
     if args.against is not None and args.adopt is None:
         refuse_a_root(args.against, "--against")
         warn_uncommitted(args.against)
-    source = adopted_source(args, args.against) if args.against is not None else None
-    with progress(f"verify {args.export_dir.name}", 0) as bar:
-        r = verify_export(args.export_dir, args.against, threads=args.threads, progress=bar, source=source)
+        refuse_an_hf_checkpoint(
+            args.against,
+            "--against",
+            f"compare with a trainer's checkpoint through --adopt: `stagerd verify {args.export_dir} "
+            f"--against {args.against} --adopt`",
+        )
+    against = args.against
+    reading = (
+        nullcontext()
+        if against is None
+        else unstaged_hint(against, "--against", adopted=args.adopt is not None)
+    )
+    with reading:
+        source = adopted_source(args, against) if against is not None else None
+        with progress(f"verify {args.export_dir.name}", 0) as bar:
+            r = verify_export(args.export_dir, against, threads=args.threads, progress=bar, source=source)
     hashed = check_manifest(args.export_dir)
-    against = f", every byte equal to {r.compared_with}" if r.compared_with else ""
+    equal = f", every byte equal to {r.compared_with}" if r.compared_with else ""
     listed = f", {hashed} files' sha256 as {layout.MANIFEST_NAME} lists" if hashed else ""
-    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{against}{listed}")
+    print(f"ok: {r.files} files, {r.tensors} tensors, {r.total_size} bytes{equal}{listed}")
     if r.older_order:
         print(
             f"note: {len(r.older_order)} of {r.files} files lay their tensors out in an older stagerd's"

@@ -72,7 +72,8 @@ def writer_rank(name: str) -> int:
     return _WRITER_RANK[name]
 
 
-# --dtype spellings -> safetensors name; "keep" maps to None.
+# --dtype spellings -> safetensors name; "keep" maps to None. Besides the short forms, torch's and
+# transformers' names (`torch_dtype="bfloat16"`, `torch.half`, `torch.float`), as users write them there.
 EXPORT_DTYPES: dict[str, str | None] = {
     "keep": None,
     "bf16": "BF16",
@@ -80,14 +81,25 @@ EXPORT_DTYPES: dict[str, str | None] = {
     "fp16": "F16",
     "f16": "F16",
     "float16": "F16",
+    "half": "F16",
     "fp32": "F32",
     "f32": "F32",
     "float32": "F32",
+    "float": "F32",
 }
 
 
+class _Spellings(tuple[str, ...]):
+    """The short spellings, listed (usage, help, messages), that hold every spelling of `EXPORT_DTYPES`
+    in any case: an argparse `choices=` of it accepts `--dtype bfloat16`, which the settings normalise."""
+
+    def __contains__(self, spec: object) -> bool:
+        return isinstance(spec, str) and spec.lower() in EXPORT_DTYPES
+
+
 # The spellings offered to users (CLI choices, settings, the marker's hint), short form first.
-EXPORT_DTYPE_CHOICES: tuple[str, ...] = ("keep", "bf16", "fp16", "fp32")
+EXPORT_DTYPE_CHOICES: tuple[str, ...] = _Spellings(("keep", "bf16", "fp16", "fp32"))
+_CHOICES_TEXT = "keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float)"
 
 
 def export_dtype_hint(name: str | None) -> str:
@@ -107,13 +119,19 @@ def lookup(name: str, *, path: object = None) -> DType:
 
 
 def parse_export_dtype(spec: str | None) -> str | None:
-    """`bf16` -> `BF16`, `keep`/None -> None. An unknown spelling is a DTypeError."""
+    """`bf16`, `bfloat16` -> `BF16`, `keep`/None -> None, in any case. An unknown spelling is a DTypeError."""
     if spec is None:
         return None
     try:
         return EXPORT_DTYPES[spec.lower()]
-    except KeyError:
-        raise DTypeError(f"unknown export dtype {spec!r}; use one of bf16, fp16, fp32, keep") from None
+    except (KeyError, AttributeError):
+        raise DTypeError(f"unknown export dtype {spec!r}; use one of {_CHOICES_TEXT}") from None
+
+
+def normalise_export_dtype(spec: str) -> str:
+    """Any spelling of an export dtype -> its short one (`BFloat16`, `half` -> `bf16`, `fp16`): what
+    settings, flags and a save's dtype store. An unknown spelling is a DTypeError."""
+    return export_dtype_hint(parse_export_dtype(spec))
 
 
 def safetensors_name(dtype: torch.dtype) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -57,6 +58,33 @@ __all__ = ["Daemon", "Failure", "Summary", "backoff_delay", "decide_failure"]
 def _warm_engine() -> None:
     """Import the export engine (numpy, safetensors) before the first step, not inside its pickup."""
     import stagerd.engine.export  # noqa: F401
+
+
+# The most entries of a directory looked through for a name like a missing one: a directory of millions of
+# files is not listed for a hint.
+_MAX_SIBLINGS = 10_000
+
+
+def closest_existing(path: Path) -> Path | None:
+    """`path` with its first missing part replaced by the most alike directory beside it
+    (`/data/checkpoint` -> `/data/checkpoints`), or None where none is alike (or its parent cannot be
+    read)."""
+    import difflib
+    import itertools
+
+    parts = Path(os.path.abspath(path)).parts
+    for i in range(1, len(parts)):
+        parent, missing = Path(*parts[:i]), parts[i]
+        if (parent / missing).exists():
+            continue
+        try:
+            with os.scandir(parent) as it:
+                names = [e.name for e in itertools.islice(it, _MAX_SIBLINGS) if e.is_dir()]
+        except OSError:
+            return None
+        close = difflib.get_close_matches(missing, names, n=1, cutoff=0.75)
+        return parent.joinpath(close[0], *parts[i + 1 :]) if close else None
+    return None
 
 
 class Daemon(Scheduling, Housekeeping, OnceSummary):
@@ -106,11 +134,13 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
 
     async def run(self) -> int:
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
-        if not self.root.exists():  # a daemon started before its trainer made the folder
+        if not self.root.exists():  # a daemon started before its trainer made the folder, or a typo
+            meant = closest_existing(self.root)
             raise ConfigError(
                 "ROOT does not exist",
                 path=self.root,
-                hint=f"create it (`mkdir -p {self.root}`) and start the daemon again: it then waits for the "
+                hint=(f"did you mean {meant}? Else " if meant else "")
+                + f"create it (`mkdir -p {self.root}`) and start the daemon again: it then waits for the "
                 "trainer's steps",
             )
         if not self.root.is_dir():
@@ -285,6 +315,17 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         try:
             server = MetricsServer(self.metrics, host, port, self._healthz)
         except OSError as e:
+            if e.errno == errno.EADDRINUSE and self.settings.once:
+                # A one-shot run is not scraped or probed: another daemon on this host holding the port
+                # must not fail it. A running daemon still refuses: its probes and Prometheus would read
+                # the other daemon's /healthz and metrics at this address as its own.
+                log.warning(
+                    "metrics port %s:%d is in use (another stagerd on this host?): this --once run serves "
+                    "no metrics",
+                    host,
+                    port,
+                )
+                return None
             unresolved = isinstance(e, socket.gaierror)
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}",

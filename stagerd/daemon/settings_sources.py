@@ -46,7 +46,7 @@ def load_settings(config_file: str | Path | None = None, **flags: Any) -> Settin
     except ValidationError as e:
         problems = "; ".join(_problem(err) for err in e.errors())
         raise ConfigError(
-            f"invalid settings: {problems}", path=config_file, hint=_json_hint(e.errors())
+            f"invalid settings: {problems}", path=config_file, hint=_env_hint(e.errors())
         ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(
@@ -70,20 +70,45 @@ _JSON_HINT = (
 )
 
 
-def _json_hint(errors: list[Any]) -> str | None:
-    """The JSON hint where a failing setting came from its variable, else None (the usual hint)."""
-    given = {str(err["loc"][0]) for err in errors if err["loc"]}
-    return _JSON_HINT if any(f"{ENV_PREFIX}{n.upper()}" in os.environ for n in given) else None
+# the settings that are a list or a table: JSON (or, for sinks, comma-separated) in the environment
+_JSON_SETTINGS = ("sinks", "sink_retention")
+
+
+def _env_hint(errors: list[Any]) -> str | None:
+    """Where a failing setting came from its variable, the hint for that variable: the JSON form of a list
+    or table setting, else to correct or unset the variable (a flag or file would not show it). None where
+    none did (the usual hint)."""
+    from_env = []
+    for err in errors:
+        name = str(err["loc"][0]) if err["loc"] else ""
+        var = f"{ENV_PREFIX}{name.upper()}"
+        if name in _JSON_SETTINGS and var in os.environ:
+            return _JSON_HINT
+        if name and os.environ.get(var) == err.get("input"):  # its value, not a flag's that overrode it
+            from_env.append(var)
+    if not from_env:
+        return None
+    return (
+        f"correct or unset {', '.join(from_env)} in the environment; the configuration reference in "
+        "README.md says what each takes"
+    )
+
+
+# pydantic's prefixes of an error raised by a validator, which say nothing to a user
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
 def _problem(err: Any) -> str:
     """One validation error; a TOML key that is not a setting names the closest setting, as a variable
-    does."""
-    where = ".".join(str(p) for p in err["loc"]) or "settings"
+    does. An error of several settings together (`adopt_select needs adopt`) names them itself."""
+    where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
         close = difflib.get_close_matches(where, list(Settings.model_fields), n=1)
         return f"{where}: not a setting" + (f" (did you mean {close[0]}?)" if close else "")
-    return f"{where}: {err['msg']}"
+    msg = str(err["msg"])
+    for prefix in _PYDANTIC_PREFIXES:
+        msg = msg.removeprefix(prefix)
+    return f"{where}: {msg}" if where else msg
 
 
 # STAGERD_* variables that are read elsewhere, not settings: the fault-injection and test hooks, a fleet

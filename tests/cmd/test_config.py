@@ -66,7 +66,7 @@ def test_env_accepts_a_json_list_and_port_off(monkeypatch):
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"dtype": "int8"}, "unknown export dtype 'int8'; use one of keep|bf16"),
         ({"keep_last": -1}, "keep_last"),
         ({"keep_dtype": "(unclosed"}, "keep_dtype"),
         ({"io_class": "realtime"}, "io_class"),

@@ -71,7 +71,8 @@ def test_the_fleet_wait_gauge_holds_the_steps_waiting_now_not_every_step_ever():
 def test_a_metrics_address_that_cannot_be_served_stops_watch_before_anything_is_written(tmp_path, where):
     """A second daemon on another ROOT, its metrics port taken by the first (or its host unresolvable):
     the ConfigError came only after the journal was made and every sink's lane recorded, and after the
-    start-up's recovery and prunes had run."""
+    start-up's recovery and prunes had run. A running daemon, not --once: a one-shot run only warns of a
+    port in use (tests/cmd/test_watch_once_metrics_port.py)."""
     from stagerd.daemon.journal.schema import journal_path
     from tests.cli_helpers import run_cli
 
@@ -86,14 +87,14 @@ def test_a_metrics_address_that_cannot_be_served_stops_watch_before_anything_is_
             [
                 "watch",
                 root,
-                "--once",
                 "--sink",
                 (tmp_path / "sink").as_uri(),
                 "--metrics-host",
                 host,
                 "--metrics-port",
                 str(port),
-            ]
+            ],
+            timeout=60,  # were the port served, the daemon would run until killed
         )
     assert r.returncode == 2, r.stderr
     assert "cannot serve metrics" in r.stderr, r.stderr
