@@ -34,9 +34,10 @@ class BestStep:
         try:
             choose_step(committed(), step)
         except LoadError as e:
-            return (e.message, "the daemon keeps a pinned best step: this one was deleted by hand or by an "
-                    "older stagerd; if published, `stagerd restore URL DIR --export --step "
-                    f"{step}` fetches it")  # fmt: skip
+            return (e.message, "the daemon's --keep-last keeps the best step while a training has it "
+                    "pinned; nothing pins it between a training's end and its resume, when --keep-last "
+                    "may delete it, nor against a delete by hand; if published, `stagerd restore URL DIR "
+                    f"--export --step {step}` fetches it")  # fmt: skip
         return None
 
     def path(self, step: int) -> Path:

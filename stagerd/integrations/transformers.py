@@ -28,8 +28,9 @@ What keeps its meaning, and what maps to the daemon:
   `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
   too), and at the end of training the model's weights are loaded from that staged step, on every rank,
   once every save is committed. Every rank pins the best step (`contract/step/pin.py`) until a better one
-  is named or the training ends, so the daemon's `--keep-last` keeps it; a best step gone anyway is a
-  `LoadError` at the end, never the last weights kept in silence.
+  is named or the training ends, so the daemon's `--keep-last` keeps it; between a training's end and its
+  resume nothing pins it, and `--keep-last` may then delete it. A best step gone is a `LoadError` at the
+  end, never the last weights kept in silence.
 - `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
   Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
 - DeepSpeed is refused at the start of training (a `ConfigError`).
@@ -157,11 +158,9 @@ class StagerdCallback(TrainerCallback):
         resumed, self._resumed_step = self._resumed_step, None
         if args.load_best_model_at_end and resumed is not None:
             self._best.of_resumed(trainer, resumed)
-        if args.load_best_model_at_end:
-            self._say("load_best_model_at_end: the best step is loaded from ROOT at the end of training; a "
-                      "daemon run with --keep-last may delete it before: run it without --keep-last until "
-                      "the training ends")  # fmt: skip
-        elif args.save_total_limit:
+        # no warning for load_best_model_at_end: every rank pins the best step (`best_step`), which the
+        # daemon's --keep-last keeps; the gap between a training and its resume is in the LoadError's hint
+        if args.save_total_limit and not args.load_best_model_at_end:
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
