@@ -66,8 +66,8 @@ from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
 from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
 from stagerd.training.config_model import uncompiled
-from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
+from stagerd.training.step_choice import choose_step
 
 log = logging.getLogger("stagerd.integrations")
 
@@ -115,12 +115,16 @@ class StagerdCallback(TrainerCallback):
     def resume(self, trainer: Trainer, step: int | None = None) -> str | None:
         """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
         under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
+        return self._resume(trainer, step, required=False)
+
+    def _resume(self, trainer: Trainer, step: int | None, *, required: bool) -> str | None:
+        """`resume()`; `required`: no committed step is a `LoadError` naming ROOT, not None."""
         self._bind(trainer)
         self._settle()
         seen = self._committed_on_every_rank()
-        if step is None and not any(seen):
+        if step is None and not any(seen) and not required:
             return None
-        chosen = choose_step(seen, step)
+        chosen = choose_step(seen, step, self.root)
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
 
     def _settle(self) -> None:
@@ -233,15 +237,16 @@ class StagerdCallback(TrainerCallback):
         `best_model_checkpoint` names it, or `stagerd restore` lands it) mean that committed step, as
         `resume()` gives it: the Trainer alone would look for `checkpoint-*` under output_dir, where
         nothing is written, or for its own files in the step directory, and raise. Without a committed
-        step, True goes on to the Trainer: its own checkpoints, or its error. Anything else is the
-        Trainer's."""
+        step, True goes on to the Trainer: its own checkpoints, or its error; ROOT is a `LoadError` naming
+        it and what it holds (the Trainer's own error would say nothing of stagerd). Anything else is
+        the Trainer's."""
         if given is True:
             return self.resume(self._bound()) or True
         if not isinstance(given, str | os.PathLike):
             return given
         path, root = Path(given).resolve(), self.root.resolve()
         if path == root:
-            return self.resume(self._bound()) or given
+            return self._resume(self._bound(), None, required=True)
         step = layout.parse_step_dir(path.name)
         if step is not None and path.parent == root:
             return self.resume(self._bound(), step=step)
