@@ -67,7 +67,7 @@ from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, St
 from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
 from stagerd.training.config_model import uncompiled
 from stagerd.training.stager import Stager
-from stagerd.training.step_choice import choose_step
+from stagerd.training.step_choice import choose_step, holds
 
 log = logging.getLogger("stagerd.integrations")
 
@@ -123,6 +123,7 @@ class StagerdCallback(TrainerCallback):
         self._settle()
         seen = self._committed_on_every_rank()
         if step is None and not any(seen) and not required:
+            log.info("no committed step under %s (%s): a fresh run", self.root, holds(self.root))
             return None
         chosen = choose_step(seen, step, self.root)
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)

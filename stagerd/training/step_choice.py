@@ -74,7 +74,7 @@ def holds(root: Path, made: bool = False) -> str:
         missing = "it did not exist (the Stager made it, empty)" if made else "it does not exist"
         if not made and not root.parent.is_dir():
             missing += f", nor does {root.parent}"
-        near = _near(root)
+        near = near_sibling(root)
         return missing + (f"; did you mean {near}?" if near else "")
     try:
         names = sorted(os.listdir(root))
@@ -89,7 +89,7 @@ def holds(root: Path, made: bool = False) -> str:
     return "it is empty"
 
 
-def _near(root: Path) -> Path | None:
+def near_sibling(root: Path) -> Path | None:
     """A sibling directory whose name is close to `root`'s: the path the user likely meant."""
     try:
         siblings = [e.name for e in os.scandir(root.parent) if e.is_dir() and e.name != root.name]
