@@ -63,7 +63,7 @@ def _absent(what: str, seen: list[list[int]], root: Path | None, made: bool) -> 
     return LoadError(
         f"{what}: {holds(root, made)}",
         path=root,
-        hint="check the path; a fresh run loads nothing (resume() returns None); steps published on a sink "
+        hint="check the path (a new run has nothing to load: skip the load); steps published on a sink "
         "come back with `stagerd restore URL ROOT`",
     )
 
@@ -71,7 +71,7 @@ def _absent(what: str, seen: list[list[int]], root: Path | None, made: bool) -> 
 def holds(root: Path, made: bool = False) -> str:
     """What `root`, with no committed step, holds: said in a message."""
     if made or not root.is_dir():
-        missing = "it did not exist (the Stager made it, empty)" if made else "it does not exist"
+        missing = "it did not exist until this Stager made it" if made else "it does not exist"
         if not made and not root.parent.is_dir():
             missing += f", nor does {root.parent}"
         near = near_sibling(root)

@@ -240,7 +240,7 @@ def test_no_step_to_load_names_root_and_what_it_holds(tmp_path):
     assert "--keep-last" in e.value.hint
     with Stager(typo) as stager, pytest.raises(LoadError) as e:
         stager.load(sd)
-    made = "it did not exist (the Stager made it, empty)"
+    made = "it did not exist until this Stager made it"
     assert str(e.value) == f"{typo}: no committed step under ROOT on any rank: {made}; did you mean {real}?"
     with pytest.raises(LoadError, match=f"{tmp_path / 'nope'}: no committed step .*: it does not exist\n"):
         choose_step([[]], None, tmp_path / "nope")
