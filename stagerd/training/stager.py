@@ -179,6 +179,8 @@ class Stager:
 
         Collective: every rank calls it with the same step. Raises StepExistsError if the step is already
         committed, SaveInputError / DTypeError / ReferenceIndexError for bad arguments (on every rank).
+        `extras`: name -> a dict or list (saved as JSON), JSON text, bytes, a file path, or a config object
+        (`model.config`, saved as save_pretrained writes it).
 
         Keys that alias another key's tensor (tied weights) are staged once. `model`: the module whose
         state dict this is; for a transformers model the export is then what `save_pretrained` writes
