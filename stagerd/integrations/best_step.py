@@ -11,7 +11,7 @@ from typing import Any
 from stagerd.contract import layout
 from stagerd.contract.step.pin import StepPin
 from stagerd.errors import LoadError
-from stagerd.training.loader import choose_step
+from stagerd.training.step_choice import choose_step
 
 STATE_FILE = "trainer_state.json"  # the Trainer's TRAINER_STATE_NAME
 
@@ -32,11 +32,12 @@ class BestStep:
                     "give a run that goes over steps already staged (a second train(), a rolled-back "
                     "resume) a ROOT of its own")  # fmt: skip
         try:
-            choose_step(committed(), step)
+            choose_step(committed(), step, self.root)
         except LoadError as e:
-            return (e.message, "the daemon keeps a pinned best step: this one was deleted by hand or by an "
-                    "older stagerd; if published, `stagerd restore URL DIR --export --step "
-                    f"{step}` fetches it")  # fmt: skip
+            return (e.message, "the daemon's --keep-last keeps the best step while a training has it "
+                    "pinned; nothing pins it between a training's end and its resume, when --keep-last "
+                    "may delete it, nor against a delete by hand; if published, `stagerd restore URL DIR "
+                    f"--export --step {step}` fetches it")  # fmt: skip
         return None
 
     def path(self, step: int) -> Path:

@@ -28,8 +28,9 @@ What keeps its meaning, and what maps to the daemon:
   `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
   too), and at the end of training the model's weights are loaded from that staged step, on every rank,
   once every save is committed. Every rank pins the best step (`contract/step/pin.py`) until a better one
-  is named or the training ends, so the daemon's `--keep-last` keeps it; a best step gone anyway is a
-  `LoadError` at the end, never the last weights kept in silence.
+  is named or the training ends, so the daemon's `--keep-last` keeps it; between a training's end and its
+  resume nothing pins it, and `--keep-last` may then delete it. A best step gone is a `LoadError` at the
+  end, never the last weights kept in silence.
 - `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
   Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
 - DeepSpeed is refused at the start of training (a `ConfigError`).
@@ -65,8 +66,8 @@ from stagerd.contract import layout
 from stagerd.errors import ConfigError, LoadError, SaveError, SaveInputError, StepExistsError
 from stagerd.integrations import best_step, hf_files, hf_trainer, rng, trainer_bind, trainer_writes
 from stagerd.training.config_model import uncompiled
-from stagerd.training.loader import choose_step
 from stagerd.training.stager import Stager
+from stagerd.training.step_choice import choose_step, holds
 
 log = logging.getLogger("stagerd.integrations")
 
@@ -114,12 +115,17 @@ class StagerdCallback(TrainerCallback):
     def resume(self, trainer: Trainer, step: int | None = None) -> str | None:
         """The checkpoint to pass to `trainer.train(resume_from_checkpoint=...)`: the newest step committed
         under ROOT that every rank sees (or `step`), None when there is none. Collective: every rank."""
+        return self._resume(trainer, step, required=False)
+
+    def _resume(self, trainer: Trainer, step: int | None, *, required: bool) -> str | None:
+        """`resume()`; `required`: no committed step is a `LoadError` naming ROOT, not None."""
         self._bind(trainer)
         self._settle()
         seen = self._committed_on_every_rank()
-        if step is None and not any(seen):
+        if step is None and not any(seen) and not required:
+            log.info("no committed step under %s (%s): a fresh run", self.root, holds(self.root))
             return None
-        chosen = choose_step(seen, step)
+        chosen = choose_step(seen, step, self.root)
         return str(self.root / layout.step_dir_name(chosen) / layout.EXTRAS_DIR)
 
     def _settle(self) -> None:
@@ -157,11 +163,9 @@ class StagerdCallback(TrainerCallback):
         resumed, self._resumed_step = self._resumed_step, None
         if args.load_best_model_at_end and resumed is not None:
             self._best.of_resumed(trainer, resumed)
-        if args.load_best_model_at_end:
-            self._say("load_best_model_at_end: the best step is loaded from ROOT at the end of training; a "
-                      "daemon run with --keep-last may delete it before: run it without --keep-last until "
-                      "the training ends")  # fmt: skip
-        elif args.save_total_limit:
+        # no warning for load_best_model_at_end: every rank pins the best step (`best_step`), which the
+        # daemon's --keep-last keeps; the gap between a training and its resume is in the LoadError's hint
+        if args.save_total_limit and not args.load_best_model_at_end:
             self._say(f"save_total_limit={args.save_total_limit} has no effect: nothing is written under "
                       f"output_dir; the daemon keeps the newest steps: stagerd watch --keep-last "
                       f"{args.save_total_limit}")  # fmt: skip
@@ -234,15 +238,16 @@ class StagerdCallback(TrainerCallback):
         `best_model_checkpoint` names it, or `stagerd restore` lands it) mean that committed step, as
         `resume()` gives it: the Trainer alone would look for `checkpoint-*` under output_dir, where
         nothing is written, or for its own files in the step directory, and raise. Without a committed
-        step, True goes on to the Trainer: its own checkpoints, or its error. Anything else is the
-        Trainer's."""
+        step, True goes on to the Trainer: its own checkpoints, or its error; ROOT is a `LoadError` naming
+        it and what it holds (the Trainer's own error would say nothing of stagerd). Anything else is
+        the Trainer's."""
         if given is True:
             return self.resume(self._bound()) or True
         if not isinstance(given, str | os.PathLike):
             return given
         path, root = Path(given).resolve(), self.root.resolve()
         if path == root:
-            return self.resume(self._bound()) or given
+            return self._resume(self._bound(), None, required=True)
         step = layout.parse_step_dir(path.name)
         if step is not None and path.parent == root:
             return self.resume(self._bound(), step=step)

@@ -70,12 +70,17 @@ def inner_model(module: Any) -> Found | None:
 
 
 def config_dict(config: Any) -> dict[str, Any] | None:
-    """`extras["config.json"]` as a dict: given as a dict, JSON bytes or a file path; None if unreadable."""
+    """`extras["config.json"]` as a dict: given as a dict, JSON bytes or text, a file path, or a config
+    object (`model.config`: its `to_dict()`); None if unreadable."""
     try:
         if isinstance(config, Mapping):
             return dict(config)
         if isinstance(config, bytes | bytearray | memoryview):
             data: Any = json.loads(bytes(config))
+        elif isinstance(config, str) and config.lstrip().startswith("{"):  # JSON text, as save() takes it
+            data = json.loads(config)
+        elif callable(getattr(config, "to_dict", None)):
+            data = config.to_dict()
         elif isinstance(config, str | os.PathLike):
             path = Path(config)
             if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:

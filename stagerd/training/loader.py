@@ -60,6 +60,7 @@ from stagerd.training.safe_metadata import (
 )
 from stagerd.training.shard_files import objects_file
 from stagerd.training.state_tree import set_objects, split_leaves, unplaced
+from stagerd.training.step_choice import choose_step, ranks_text, rolled_back
 
 log = logging.getLogger("stagerd.load")
 
@@ -83,46 +84,6 @@ class LoadedStep:
         return json.loads(self.extras[name])
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def choose_step(seen: list[list[int]], step: int | None) -> int:
-    """The step every rank loads, from each rank's committed steps; a `LoadError` (the same on every rank)
-    when no rank, or only some ranks, can see it."""
-    if step is not None:
-        missing = [r for r, steps in enumerate(seen) if step not in steps]
-        if len(missing) == len(seen):
-            raise LoadError(f"step {step} is not committed under ROOT on any rank")
-        if missing:
-            raise LoadError(f"step {step} is committed under ROOT on some ranks but not on {_ranks(missing)}")
-        return step
-    newest = max((max(steps) for steps in seen if steps), default=None)
-    if newest is None:
-        raise LoadError("no committed step under ROOT on any rank")
-    missing = [r for r, steps in enumerate(seen) if newest not in steps]
-    if missing:
-        raise LoadError(
-            f"the newest committed step, {newest}, is not under ROOT on {_ranks(missing)}",
-            hint="restore it onto those nodes (`stagerd restore`), or pass step= with a step all ranks hold",
-        )
-    return newest
-
-
-def rolled_back(seen: list[list[int]], step: int) -> str | None:
-    """What resuming from `step` means where ROOT holds later committed steps (a run rolled back after a
-    loss spike, say), said when it resumes rather than at each save it then skips; None where none is."""
-    later = sorted({s for steps in seen for s in steps if s > step})
-    if not later:
-        return None
-    shown = ", ".join(map(str, later[:5])) + (f" and {len(later) - 5} more" if len(later) > 5 else "")
-    return (
-        f"resuming from step {step} while ROOT holds the later step(s) {shown}: this run's saves at those "
-        f"steps are skipped (a committed step is never written again), and a resume without a step picks "
-        f"step {later[-1]}; give a rolled-back run a ROOT of its own"
-    )
-
-
 def damaged_hint(step_dir: Path) -> str:
     """What to do about a committed step whose files are not what its marker and formats say."""
     step = layout.parse_step_dir(step_dir.name)
@@ -142,7 +103,9 @@ def agree(comm: Collectives, error: str | None, what: str, hint: str | None = No
         first = failed[0][1][0]
         same = all(e == first for _, (e, _) in failed)
         text = first if same else "; ".join(f"rank {r}: {e}" for r, (e, _) in failed)
-        raise LoadError(f"{what} failed on {_ranks([r for r, _ in failed])}: {text}", hint=failed[0][1][1])
+        raise LoadError(
+            f"{what} failed on {ranks_text([r for r, _ in failed])}: {text}", hint=failed[0][1][1]
+        )
 
 
 def _check_step(step_dir: Path, want_optim: bool) -> commit_marker.CommitMarker:
@@ -318,8 +281,11 @@ def load_step(
     state_dict: Mapping[str, Any],
     optimizer_state: Mapping[str, Any] | None,
     step: int | None,
+    *,
+    made: bool = False,
 ) -> LoadedStep:
-    """Load a committed step under `root` into the state dicts, in place (see the module docstring)."""
+    """Load a committed step under `root` into the state dicts, in place (see the module docstring).
+    `made`: the Stager made `root`, so it did not exist before (said where no step is found)."""
     t0 = time.monotonic()
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise LoadError(f"step must be a non-negative integer or None, got {step!r}")
@@ -328,7 +294,7 @@ def load_step(
     if len(set(asks)) > 1:
         raise LoadError(f"ranks asked for different loads (step, optimizer_state given): {asks}")
     seen = comm.all_gather(mine)
-    chosen = choose_step(seen, step)
+    chosen = choose_step(seen, step, root, made=made)
     # the optimizer's state loaded too: training resumes there, and its later saves are skipped
     resumes = optimizer_state is not None
     if resumes and comm.rank == 0 and (later := rolled_back(seen, chosen)) is not None:

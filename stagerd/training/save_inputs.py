@@ -1,9 +1,10 @@
 """The inputs of one save, checked and snapshotted before anything is written.
 
-The state dicts must hold tensors (the HF writer stores nothing else); `extras` are JSON, bytes or files;
-the reference index is a path or a weight_map; `dtype` one of the export engine's spellings; `metadata`
-JSON; the to-Hub plan resolved from `model` (`trace`). `extras`, `reference_index`, `dtype`, `metadata`
-and the plan are taken from rank 0 alone.
+The state dicts must hold tensors (the HF writer stores nothing else); `extras` are JSON (a dict or list,
+or JSON text of an object), bytes, files, or a config object (`model.config`); the reference index is a
+path or a weight_map; `dtype` one of the export engine's spellings; `metadata` JSON; the to-Hub plan
+resolved from `model` (`trace`). `extras`, `reference_index`, `dtype`, `metadata` and the plan are taken
+from rank 0 alone.
 """
 
 from __future__ import annotations
@@ -149,26 +150,60 @@ def _left_out(name: str) -> None:
     )
 
 
+_EXTRAS_HINT = (
+    "an extra is a dict or list (saved as JSON), JSON text ('{...}'), bytes, a file path, or a config object "
+    "(`model.config`, saved as save_pretrained writes it); save(..., model=model) writes config.json itself"
+)
+
+
+def _json_bytes(name: str, value: Any) -> bytes:
+    try:
+        return (json.dumps(value, indent=2) + "\n").encode()
+    except (TypeError, ValueError) as e:
+        raise SaveInputError(f"extras {name!r} is not JSON-serializable: {e}", hint=_EXTRAS_HINT) from None
+
+
+def _extra(name: str, value: Any) -> Extra:
+    """One extra's value, snapshotted now: the user-friendly reading of what `extras={name: value}` means."""
+    if isinstance(value, Mapping | list):
+        return Extra(name, _json_bytes(name, value), None)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return Extra(name, bytes(value), None)
+    if isinstance(value, str) and value.lstrip().startswith("{"):  # no file path does: JSON text
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise SaveInputError(f"extras {name!r} starts as JSON text but does not parse: {e}",
+                                 hint=_EXTRAS_HINT) from None  # fmt: skip
+        return Extra(name, value.encode(), None)
+    if isinstance(value, str | os.PathLike):
+        src = Path(value)
+        try:
+            readable = src.is_file()
+        except OSError as e:  # a name too long for a path, say
+            raise SaveInputError(f"extras {name!r}: {str(src)[:60]!r} is not a file path: {e.strerror}",
+                                 hint=_EXTRAS_HINT) from None  # fmt: skip
+        if not readable:
+            raise SaveInputError(
+                f"extras {name!r}: {src} is not a readable file", path=src, hint=_EXTRAS_HINT
+            )
+        return Extra(name, None, src.resolve())
+    # transformers' PretrainedConfig and GenerationConfig: to_json_string() is what save_pretrained writes
+    to_json = getattr(value, "to_json_string", None)
+    if callable(to_json):
+        return Extra(name, str(to_json()).encode(), None)
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return Extra(name, _json_bytes(name, to_dict()), None)
+    raise SaveInputError(f"extras {name!r}: a {type(value).__name__} cannot be saved as a file",
+                         hint=_EXTRAS_HINT)  # fmt: skip
+
+
 def _snapshot_extras(extras: Mapping[str, Any] | None, shard_files: frozenset[str]) -> tuple[Extra, ...]:
     out = []
     for name, value in (extras or {}).items():
         _check_extra_name(name, shard_files)
-        if isinstance(value, Mapping | list):
-            try:
-                data = (json.dumps(value, indent=2) + "\n").encode()
-            except (TypeError, ValueError) as e:
-                raise SaveInputError(f"extras {name!r} is not JSON-serializable: {e}") from None
-            out.append(Extra(name, data, None))
-        elif isinstance(value, bytes | bytearray | memoryview):
-            out.append(Extra(name, bytes(value), None))
-        elif isinstance(value, str | os.PathLike):
-            src = Path(value)
-            if not src.is_file():
-                raise SaveInputError(f"extras {name!r}: {src} is not a readable file", path=src)
-            out.append(Extra(name, None, src.resolve()))
-        else:
-            kind = type(value).__name__
-            raise SaveInputError(f"extras {name!r} must be a dict, bytes or a file path, not {kind}")
+        out.append(_extra(name, value))
     names = {x.name for x in out}
     for x in out:  # `a` and `a/b`: one path cannot be both a file and a directory
         parts = x.name.split("/")

@@ -40,6 +40,7 @@ training's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import numbers
 import os
 import warnings
@@ -70,6 +71,8 @@ from stagerd.training.state_tree import split_leaves
 from stagerd.training.topology import StagingTopology, discover, node_id
 
 __all__ = ["LoadedStep", "SaveHandle", "Stager", "StagingTopology"]
+
+log = logging.getLogger("stagerd.stage")
 
 CHECKPOINTERS = ("thread", "process")
 
@@ -108,6 +111,7 @@ class Stager:
         compatibility and changes nothing: the write always runs on the writer's threads, whose
         `pwrite`s and fsyncs run without the GIL."""
         self.root = Path(root)
+        self._made_root = not self.root.exists()  # a load finding no step then says ROOT did not exist
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -116,6 +120,8 @@ class Stager:
                 path=root,
                 hint="pass a directory (or a path one can be made at) on the node's staging disk",
             ) from None
+        if self._made_root:  # a new run's first save goes there; a typo'd path shows up here
+            log.info("made the Stager's root %s: it did not exist", self.root)
         self.checkpointer = _checkpointer(checkpointer)
         self._distributed = dist.is_available() and dist.is_initialized()
         self._group: dist.ProcessGroup | None = None
@@ -173,6 +179,8 @@ class Stager:
 
         Collective: every rank calls it with the same step. Raises StepExistsError if the step is already
         committed, SaveInputError / DTypeError / ReferenceIndexError for bad arguments (on every rank).
+        `extras`: name -> a dict or list (saved as JSON), JSON text, bytes, a file path, or a config object
+        (`model.config`, saved as save_pretrained writes it).
 
         Keys that alias another key's tensor (tied weights) are staged once. `model`: the module whose
         state dict this is; for a transformers model the export is then what `save_pretrained` writes
@@ -222,7 +230,9 @@ class Stager:
             with contextlib.suppress(Exception):  # its failure is reported by its handle and by wait()
                 h.committed.result()
         step = _plain_step(step)
-        self.loaded = load_step(self._comm, self.root, state_dict, optimizer_state, step)
+        self.loaded = load_step(
+            self._comm, self.root, state_dict, optimizer_state, step, made=self._made_root
+        )
         return self.loaded.step
 
     def load_export(self, directory: str | os.PathLike[str], state_dict: Mapping[str, Any]) -> None:

@@ -105,9 +105,9 @@ def test_a_best_step_deleted_before_the_end_is_a_load_error_not_the_last_weights
     assert not list((tmp_path / "out").glob("*"))
 
 
-def test_the_best_step_is_pinned_against_retention_while_the_training_runs(tmp_path):
+def test_the_best_step_is_pinned_against_retention_while_the_training_runs(tmp_path, caplog):
     """Pinned from its save until a better step is named or the training ends, so the daemon's
-    `--keep-last` keeps it (`tests/daemon/test_step_pin.py`)."""
+    `--keep-last` keeps it (`tests/daemon/test_step_pin.py`), and the run is not told to do without it."""
     import transformers as tf
 
     from stagerd.contract.step.pin import pinned
@@ -118,6 +118,8 @@ def test_the_best_step_is_pinned_against_retention_while_the_training_runs(tmp_p
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             seen.append((state.global_step, pinned(root, 1), pinned(root, 2)))
 
-    trainer(root, tmp_path / "out", 2, [Probe()]).train()
+    with caplog.at_level("WARNING", logger="stagerd"):
+        trainer(root, tmp_path / "out", 2, [Probe()]).train()
     assert seen == [(1, True, False), (2, True, False)]  # step 1 is the best throughout
     assert not pinned(root, 1)
+    assert not [r.getMessage() for r in caplog.records if "keep-last" in r.getMessage()]

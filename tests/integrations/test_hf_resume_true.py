@@ -104,6 +104,23 @@ def test_with_nothing_staged_true_is_the_trainers_own_resume(tmp_path, how):
         trainer.train(True)
 
 
+def test_with_nothing_staged_root_is_a_load_error_naming_it(tmp_path):
+    """ROOT given with no committed step under it, or a step ROOT lacks: stagerd's LoadError naming ROOT
+    and what it holds, not the Trainer's "Can't find a valid checkpoint", which says nothing of stagerd."""
+    from stagerd.errors import LoadError
+    from stagerd.integrations.transformers import StagerdCallback
+
+    root = tmp_path / "root"
+    root.mkdir()
+    trainer = _trainer(tmp_path / "out", root, seed=0)
+    with pytest.raises(LoadError, match="no committed step under ROOT on any rank: it is empty") as e:
+        trainer.train(resume_from_checkpoint=str(root))
+    assert e.value.path == str(root)
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StagerdCallback))
+    with pytest.raises(LoadError, match=f"{root}: step 5 is not committed under ROOT on any rank: it is"):
+        callback.resume(trainer, step=5)
+
+
 @pytest.mark.parametrize("how", HOW)
 def test_with_nothing_staged_true_resumes_from_the_trainers_own_checkpoint(full, plain, tmp_path, how):
     """An output_dir holding the Trainer's own `checkpoint-*` and an empty ROOT: True resumes from the

@@ -70,3 +70,11 @@ def test_a_folder_of_other_files_is_still_no_stagerd_checkpoint(tmp_path):
     (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"not ours")
     with pytest.raises(LoadError, match="not a stagerd checkpoint"):
         load_from_checkpoint(type(_module()), tmp_path)
+
+
+def test_a_typod_root_names_the_sibling_meant(tmp_path):
+    from stagerd.integrations.lightning import load_from_checkpoint
+
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(LoadError, match=f"does not exist; did you mean {tmp_path / 'ckpt'}\\?: a fresh run"):
+        load_from_checkpoint(type(_module()), tmp_path / "ckpy")

@@ -160,7 +160,10 @@ def test_loads_a_given_step(runs):
 def test_a_step_no_rank_sees_is_the_same_error_on_every_rank(runs):
     recs = runs[2]
     assert recs[0]["absent"] == recs[1]["absent"]
-    assert "step 9 is not committed under ROOT on any rank" in recs[0]["absent"]
+    assert (
+        "step 9 is not committed under ROOT on any rank; its committed steps, newest first: 2, 1"
+        in (recs[0]["absent"])
+    )
     assert recs[0]["mixed"] == recs[1]["mixed"] and "different loads" in recs[0]["mixed"]
 
 
@@ -214,6 +217,38 @@ def test_resuming_from_an_older_step_says_what_the_later_steps_mean(runs, caplog
         said
     )
     assert "a resume without a step picks step 2; give a rolled-back run a ROOT of its own" in said, said
+
+
+def test_no_step_to_load_names_root_and_what_it_holds(tmp_path):
+    """A step not there (one the daemon's --keep-last deleted, say), a typo'd ROOT (which the Stager made,
+    for a new run's first save), an empty ROOT, one of other files: each LoadError names ROOT and what it
+    holds."""
+    from stagerd import Stager
+    from stagerd.training.step_choice import choose_step
+
+    sd, real, typo = {"w": torch.ones(4)}, tmp_path / "ckpt", tmp_path / "ckpy"
+    with Stager(real) as stager:
+        for step in (1, 2):
+            stager.save(sd, step)
+        stager.wait()
+        with pytest.raises(LoadError) as e:
+            stager.load(sd, step=5)
+    assert (
+        str(e.value)
+        == f"{real}: step 5 is not committed under ROOT on any rank; its committed steps, newest first: 2, 1"
+    )
+    assert "--keep-last" in e.value.hint
+    with Stager(typo) as stager, pytest.raises(LoadError) as e:
+        stager.load(sd)
+    made = "it did not exist until this Stager made it"
+    assert str(e.value) == f"{typo}: no committed step under ROOT on any rank: {made}; did you mean {real}?"
+    with pytest.raises(LoadError, match=f"{tmp_path / 'nope'}: no committed step .*: it does not exist\n"):
+        choose_step([[]], None, tmp_path / "nope")
+    with pytest.raises(LoadError, match="step 3 is not committed under ROOT on any rank: it is empty\n"):
+        choose_step([[], []], 3, typo)
+    (typo / "checkpoint-10").mkdir()
+    with pytest.raises(LoadError, match="it holds no step directories, only checkpoint-10\n"):
+        choose_step([[]], None, typo)
 
 
 def test_loads_a_published_hf_export(runs, tmp_path):

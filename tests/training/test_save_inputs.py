@@ -206,3 +206,31 @@ def test_a_root_that_cannot_be_a_directory_is_a_named_error(tmp_path):
         with pytest.raises(ConfigError, match="cannot use it as the Stager's root") as e:
             Stager(root)
         assert e.value.path == str(root)
+
+
+def test_a_config_extra_is_json_text_or_the_config_object_itself(tmp_path):
+    """The own loop's `extras={"config.json": model_config}`: JSON text (`cfg.to_json_string()`) is JSON,
+    not a path; `model.config` itself is saved as save_pretrained writes it; the plan reads either. A
+    value of no such kind says what an extra may be, not what a state dict may be."""
+    import transformers as tf
+
+    from stagerd import Stager
+    from stagerd.training.config_model import config_dict
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1)
+    sd = {"w": torch.ones(2)}
+    with Stager(tmp_path / "root") as stager:
+        stager.save(sd, 1, extras={"config.json": cfg.to_json_string(), "object.json": cfg}).result()
+        for bad, said in (
+            ("{" + "x" * 400, "starts as JSON text but does not parse"),
+            ("x" * 400, "is not a file path|is not a readable file"),
+            (7, "extras 'config.json': a int cannot be saved as a file"),
+        ):
+            with pytest.raises(SaveInputError, match=said) as e:
+                stager.save(sd, 2, extras={"config.json": bad})
+            assert "model.config" in e.value.hint and "state dict" not in e.value.hint
+    extras = tmp_path / "root" / layout.step_dir_name(1) / layout.EXTRAS_DIR
+    assert (extras / "config.json").read_text() == cfg.to_json_string()
+    cfg.save_pretrained(tmp_path / "ref")
+    assert (extras / "object.json").read_bytes() == (tmp_path / "ref" / "config.json").read_bytes()
+    assert config_dict(cfg.to_json_string())["model_type"] == config_dict(cfg)["model_type"] == "llama"
