@@ -123,6 +123,28 @@ def test_status_without_a_journal_says_why(tmp_path: Path, what: str) -> None:
         assert "free space on ROOT's filesystem if it is full" in proc.stderr, proc.stderr
 
 
+def test_status_where_the_daemon_never_ran_on_a_trainers_checkpoints_says_adopt(tmp_path: Path) -> None:
+    """A ROOT of checkpoints a trainer saved itself: started without --adopt, the daemon waits for Stager
+    steps that never come, so the hint to start it names --adopt."""
+    root = tmp_path / "root"
+    (root / "runs").mkdir(parents=True)  # not a checkpoint: not named
+    for n in (500, 1000):
+        ckpt = root / f"checkpoint-{n}"
+        ckpt.mkdir()
+        (ckpt / layout.WEIGHTS_NAME).write_bytes(b"")
+        (ckpt / "trainer_state.json").write_text("{}")
+    proc = run_cli(["status", root])
+    assert proc.returncode == 2 and "has not run" in proc.stderr, proc.stderr
+    flat = " ".join(proc.stderr.split())
+    assert f"`stagerd watch {root} --adopt --sink URL`" in flat, proc.stderr
+    assert "saved itself: checkpoint-1000, checkpoint-500;" in flat, proc.stderr
+
+    other = tmp_path / "plain"  # no checkpoint there: the daemon is started as for Stager steps
+    other.mkdir()
+    plain = " ".join(run_cli(["status", other]).stderr.split())
+    assert f"`stagerd watch {other} --sink URL`" in plain and "--adopt" not in plain, plain
+
+
 def test_status_on_a_read_only_root(journal_root, tmp_path: Path) -> None:
     """A read-only mount of ROOT (a node that only inspects it), with no daemon running: SQLite cannot create
     the -shm file it needs and said 'unable to open database file'."""
