@@ -120,6 +120,53 @@ def _read_a_copy(root: Path, *, include_retired: bool) -> _Read:
         return _read_journal(Path(tmp), include_retired=include_retired)
 
 
+ADOPTABLE_SHOWN = 3
+
+
+def adoptable(root: Path) -> list[str]:
+    """The first few of ROOT's directories that hold a checkpoint an `--adopt` preset recognises, where ROOT
+    holds no step saved through stagerd.Stager (whose step directories a preset may read too)."""
+    from stagerd.contract import layout
+    from stagerd.contract.adopt.presets import AUTO
+    from stagerd.engine.adopt.detect import choose_preset
+    from stagerd.errors import StagerdError
+
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    if any(layout.parse_step_dir(n) is not None for n in names):
+        return []
+    found: list[str] = []
+    for name in names:
+        d = root / name
+        if name.startswith(".") or not d.is_dir():
+            continue
+        try:
+            choose_preset(d, AUTO)
+        except (StagerdError, OSError):
+            continue
+        found.append(name)
+        if len(found) == ADOPTABLE_SHOWN:
+            break
+    return found
+
+
+def _adopt_hint(e: JournalError, root: Path, found: list[str]) -> JournalError:
+    """`e` (no journal: no daemon started there yet) with its hint to start the daemon given `--adopt`:
+    without it, the daemon waits for Stager steps that never come."""
+    shown = ", ".join(found) + (", ..." if len(found) == ADOPTABLE_SHOWN else "")
+    start = f"`stagerd watch {root} --adopt --sink URL`"
+    hint = (e.hint or "").replace(f"`stagerd watch {root} --sink URL`", start)
+    if start not in hint:
+        hint = f"start {start}" + (f"; {hint}" if hint else "")
+    return JournalError(
+        e.message,
+        path=e.path,
+        hint=f"{hint} (ROOT holds checkpoints a trainer saved itself: {shown}; --adopt exports them)",
+    )
+
+
 def _cannot_write(directory: Path) -> bool:
     try:
         read_only_fs = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
@@ -140,8 +187,10 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     note = None
     try:
         meta, steps, lanes, counts, waits, missed = _read_journal(root, include_retired=include_retired)
-    except JournalError:
+    except JournalError as e:
         path = journal_path(root)
+        if not path.is_file() and (found := adoptable(root)):
+            raise _adopt_hint(e, root, found) from None
         if not (path.is_file() and _cannot_write(path.parent)):
             raise
         meta, steps, lanes, counts, waits, missed = _read_a_copy(root, include_retired=include_retired)

@@ -20,6 +20,7 @@ from rich.table import Table
 from stagerd.cmd.watch_hints import given_up_hint
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.policy import given_up as _given_up
+from stagerd.daemon.policy import left_waiting
 from stagerd.daemon.summary import missed_text
 from stagerd.daemon.unfinished import Unfinished, unfinished_text
 
@@ -69,14 +70,16 @@ def _lane_cell(lane: dict[str, Any] | None, gap: str = " ") -> str:
 _Error = tuple[str, str, str | None, str | None]
 
 
-def _errors(step: dict[str, Any], labels: dict[str, str]) -> list[_Error]:
-    """(where, class, message, hint) of the step's own error and of each failing lane."""
+def _errors(step: dict[str, Any], labels: dict[str, str], *, full: bool = False) -> list[_Error]:
+    """(where, class, message, hint) of the step's own error and of each failing lane; `full`: the class of
+    one left waiting for the next start says so, as the `--once` summary does."""
     out: list[_Error] = []
-    if step["error_class"]:
-        out.append(("", step["error_class"], step["error_message"], step.get("error_hint")))
-    for ln in step["lanes"]:
-        if ln["error_class"]:
-            out.append((labels[ln["sink"]], ln["error_class"], ln["error_message"], ln.get("error_hint")))
+    for where, r in [("", step), *((labels[ln["sink"]], ln) for ln in step["lanes"])]:
+        if r["error_class"]:
+            cls = r["error_class"]
+            if full and left_waiting(r["state"], r.get("next_try")):
+                cls = f"still waiting (not quarantined): {cls}"
+            out.append((where, cls, r["error_message"], r.get("error_hint")))
     return out
 
 
@@ -235,7 +238,7 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         for step, (where, text) in waiting:
             place = f" {where}" if where else ""
             console.print(escape(f"  step {step}{place}: {text}"), overflow="fold")
-    failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels)]
+    failed = [(s["step"], e) for s in doc["steps"] for e in _errors(s, labels, full=True)]
     if failed:
         console.print("\nerrors:")
         for step, (where, cls, message, hint) in failed:
@@ -256,9 +259,13 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
 
 
 def _stuck(step: dict[str, Any], *, given_up: bool = False) -> bool:
-    """Whether the step or a lane is quarantined for good; with `given_up`, whether one is quarantined only
-    because a `--once` run ran out of tries of a failure that may pass, which the next start re-arms."""
+    """Whether the step or a lane is quarantined for good; with `given_up`, whether one waits only because a
+    `--once` run stopped trying (ran out of tries of a failure that may pass, or found its sink down or
+    missing), which the next start tries again."""
     rows = [step, *step["lanes"]]
-    return any(
-        r["state"] == "quarantined" and _given_up(r["state"], r["error_class"]) == given_up for r in rows
-    )
+    if given_up:
+        return any(
+            left_waiting(r["state"], r.get("next_try")) or _given_up(r["state"], r["error_class"])
+            for r in rows
+        )
+    return any(r["state"] == "quarantined" and not _given_up(r["state"], r["error_class"]) for r in rows)

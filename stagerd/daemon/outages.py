@@ -4,7 +4,8 @@ A cron job's `--once` must end in bounded time when a sink is down. Tried per st
 the sink spent its own `max_attempts` tries (each with the sink's own retries inside), so the run grew
 with the steps. Here a sink's failed tries count in a row whichever steps they were for, no step of the
 sink starts while it backs off, and once its tries run out (`policy.gives_up_sink`) its other steps are
-left for the next start without a try (`SinkDownError`, re-armed at start like any retryable give-up).
+left for the next start without a try (`SinkDownError`), each lane failed with no next try: it waits, never
+quarantined, and the next start makes it due at once, as it does a lane whose sink's bucket is missing.
 A publish that lands ends the sink's outage. A running daemon keeps none of this: each step backs off on
 its own for as long as the sink is down.
 """
@@ -14,9 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import EXPORTED, FAILED, PENDING, LaneState
+from stagerd.daemon.journal import EXPORTED, FAILED, PENDING, QUARANTINED, Journal, LaneState
 from stagerd.daemon.policy import Failure, gives_up_sink
 from stagerd.errors import SinkDownError
 
@@ -63,8 +65,9 @@ class SinkOutages(JournalGate):
         return {sink: o.down for sink, o in self._outages.items() if o.down is not None}
 
     async def _leave_for_next_start(self) -> None:
-        """Each step left waiting for a sink this run gave up is quarantined as `SinkDownError` without a
-        try (the next start re-arms it); a step still exporting gets its lane once exported, and then this."""
+        """Each step left waiting for a sink this run gave up is failed as `SinkDownError` without a try and
+        with no next try (the next start tries it); a step still exporting gets its lane once exported, and
+        then this."""
         down = self.down_sinks()
         if not down:
             return
@@ -73,15 +76,16 @@ class SinkOutages(JournalGate):
         for ln in await self._j(self._journal.lanes, include_retired=False):
             f = down.get(ln.sink)
             running = (ln.step, ln.sink) in self._inflight_publishes
-            if f is None or running or ln.state not in (PENDING, FAILED):
+            due = ln.state == PENDING or (ln.state == FAILED and ln.next_try is not None)
+            if f is None or running or not due:
                 continue
             if ln.sink not in self._raw_sinks and ln.step not in exported:
                 continue  # its export may yet be made again; its lane is written when it is
-            await self._leave(ln.step, ln.sink, f, self._journal.quarantine_lane)
+            await self._leave(ln.step, ln.sink, f, partial(leave_waiting, self._journal, raw=False))
         for key in set(down) & set(self._raw_sinks):  # a raw lane's row is made as it first begins
             busy = [s for (s, k) in self._inflight_publishes if k == key]
             while (step := await self._j(self._journal.next_raw, key, time.time(), busy)) is not None:
-                await self._leave(step, key, down[key], self._journal.leave_raw)
+                await self._leave(step, key, down[key], partial(leave_waiting, self._journal, raw=True))
 
     async def _leave(self, step: int, sink: str, f: Failure, record: Callable[..., None]) -> None:
         err = SinkDownError(f"{sink} is down in this --once run ({f.error_class}: {f.message})")
@@ -90,7 +94,21 @@ class SinkOutages(JournalGate):
         self._log_step(
             step,
             sink,
-            LaneState.QUARANTINED,
+            LaneState.FAILED,
             error_class=err.name,
-            note=f"{sink} is down in this --once run; the next start tries again",
+            note=f"still waiting, not quarantined: {sink} is down in this --once run; the next start tries "
+            "again",
         )
+
+
+def leave_waiting(
+    journal: Journal, step: int, sink: str, error_class: str, message: str, *, raw: bool
+) -> None:
+    """A lane left untried for its sink that is down: failed with no next try, as the journal records a
+    publish that waits for a missing bucket. The journal's own calls either fail a lane that is publishing
+    or quarantine one; quarantined, a lane that only waits read as one for `stagerd retry`."""
+    allowed: tuple[str, ...] = (PENDING, FAILED)
+    if raw:  # its row is made as it first begins: `leave_raw` makes it, then it is made to wait
+        journal.leave_raw(step, sink, error_class, message)
+        allowed = (QUARANTINED,)
+    journal._fail_lane(step, sink, allowed, error_class, message, None, False)

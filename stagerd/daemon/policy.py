@@ -7,7 +7,7 @@ from typing import Any
 
 from stagerd import errors
 from stagerd.config import Settings
-from stagerd.daemon.journal.schema import QUARANTINED
+from stagerd.daemon.journal.schema import FAILED, QUARANTINED
 from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
@@ -22,18 +22,15 @@ _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
 
 @dataclass(frozen=True)
 class Failure:
-    """What to record for a failed attempt: retry at `next_try`, or quarantine."""
+    """What to record for a failed attempt: retry at `next_try`, wait with none, or quarantine."""
 
     error_class: str
     message: str
     quarantine: bool
     next_try: float | None
-
-    @property
-    def given_up(self) -> bool:
-        """Quarantined only as a `--once` run ran out of tries of what may pass (`rearmable`): the next
-        start tries it again. As `given_up` reads it of a journal row."""
-        return self.quarantine and rearmable(self.error_class)
+    # a `--once` run's last try of what may pass: the next start tries it again (a publish's lane waits,
+    # failed with no next try; an export is quarantined, re-armed at start as `given_up` reads its row)
+    given_up: bool = False
 
 
 def backoff_delay(attempts: int, settings: Settings) -> float:
@@ -41,11 +38,16 @@ def backoff_delay(attempts: int, settings: Settings) -> float:
     return min(settings.retry_max_seconds, settings.retry_base_seconds * 2 ** (attempts - 1))
 
 
-def decide_failure(err: BaseException, attempts: int, settings: Settings, now: float) -> Failure:
+def decide_failure(
+    err: BaseException, attempts: int, settings: Settings, now: float, *, publish: bool = False
+) -> Failure:
     """Pure retry policy. A failure that cannot pass by waiting quarantines at once. One that may pass
     backs off, doubling up to `retry_max_seconds`: forever in a running daemon (a sink outage of any
     length heals by itself), and for `max_attempts` tries in a `--once` run, which must end; the next
-    start then tries again (`rearmable`).
+    start then tries again. A `publish` given up so is left waiting, failed with no next try, never
+    quarantined: the step is fine and its sink was down, as a sink whose bucket is missing leaves it;
+    calling it quarantined sent users to `stagerd retry` for nothing. An export given up so is
+    quarantined, and re-armed at the next start (`rearmable`).
 
     A fleet step's wait for other nodes that timed out in a `--once` run is given up for this run at once
     (the wait was the setting; waiting again changes nothing) but never quarantined: failed with no next
@@ -60,8 +62,10 @@ def decide_failure(err: BaseException, attempts: int, settings: Settings, now: f
         retryable, cls, msg = err.retryable, err.name, str(err)
     else:  # an unexpected exception: a bug or an unwrapped OSError; retrying is the safe default
         retryable, cls, msg = True, type(err).__name__, str(err) or repr(err)
-    if not retryable or (settings.once and attempts >= settings.max_attempts):
+    if not retryable:
         return Failure(cls, msg, True, None)
+    if settings.once and attempts >= settings.max_attempts:
+        return Failure(cls, msg, not publish, None, given_up=True)
     return Failure(cls, msg, False, now + backoff_delay(attempts, settings))
 
 
@@ -97,7 +101,12 @@ def once_sink_options(url: str) -> dict[str, Any]:
 
 def failure_note(f: Failure, step: int, attempt: int, *, on_disk: bool, now: float) -> str:
     """The log's account of a failed attempt: what failed, and when (or whether) it is tried again."""
-    if f.given_up:  # a --once run's last try of what may pass
+    if f.given_up and not f.quarantine:  # a --once run's last try of a sink: the lane waits for it
+        return (
+            f"{f.error_class}: {f.message}; still waiting, not quarantined: out of tries for this --once "
+            "run, the next start tries again"
+        )
+    if f.given_up:  # a --once run's last try of an export that may pass
         return f"{f.error_class}: {f.message}; given up for this --once run: the next start tries again"
     if f.quarantine:
         # Say where the data is: a step deleted by hand mid-export is not "kept on disk".
@@ -124,6 +133,12 @@ def given_up(state: str, error_class: str | None) -> bool:
     may pass (`rearmable`): the next start tries it again, where one quarantined for good waits for
     `stagerd retry`. The one rule the summary, `stagerd status` and the start's warning all read."""
     return state == QUARANTINED and rearmable(error_class)
+
+
+def left_waiting(state: str, next_try: float | None) -> bool:
+    """Whether a step or lane is failed with no next try: it waits, not quarantined, for the next start to
+    try it again (a sink a `--once` run found down or missing, a fleet step's other nodes)."""
+    return state == FAILED and next_try is None
 
 
 def failure_hint(error_class: str | None, recorded: str | None) -> str | None:

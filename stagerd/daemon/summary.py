@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
 from stagerd.daemon.outages import SinkOutages
-from stagerd.daemon.policy import failure_hint, given_up
+from stagerd.daemon.policy import failure_hint, given_up, left_waiting
 from stagerd.daemon.state import log
 from stagerd.daemon.unfinished import Unfinished, newest_of, unfinished_text
 from stagerd.errors import SinkDownError
@@ -29,7 +29,8 @@ class Summary:
     # sink -> (count, newest) of the retired steps it never got: retired before it was configured
     missed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     quarantined: bool = False  # a step left, or a lane of a configured sink, quarantined for good
-    given_up: bool = False  # one quarantined only as this run ran out of tries: the next start re-arms it
+    # one given up only as this run ran out of tries of what may pass: the next start tries it again
+    given_up: bool = False
     # sink -> (its last failure, the steps left for the next start) of each sink this run found down
     down: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     # (count, newest) of the saves in ROOT left alone as unfinished: not steps yet, so not counted
@@ -69,9 +70,12 @@ class OnceSummary(SinkOutages):
             # a lane of a sink no longer configured neither holds the step back nor is worked on
             left = [ln for ln in lanes.get(r.step, ()) if ln.state != PUBLISHED and ln.sink in configured]
             for ln in left:
-                if ln.sink in down and given_up(ln.state, ln.error_class):
+                if ln.sink in down and (
+                    left_waiting(ln.state, ln.next_try) or given_up(ln.state, ln.error_class)
+                ):
                     out.down.setdefault(ln.sink, (down[ln.sink], []))[1].append(r.step)
-                    why.append(f"{ln.sink} down, left for the next start")
+                    out.given_up = True
+                    why.append(f"{ln.sink} still waiting (not quarantined): down, left for the next start")
                 else:
                     why.append(_lane_why(ln))
             out.unpublished.append((r.step, "; ".join(why)))

@@ -30,10 +30,12 @@ class WorkFailures(SinkOutages):
 
     async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
         """Record and log a failed export (`sink` None) or publish: retried later, or quarantined."""
-        f = decide_failure(err, attempt, self.settings, time.time())
+        publish = sink is not None
+        f = decide_failure(err, attempt, self.settings, time.time(), publish=publish)
         if sink is not None and self.settings.once and sink_outage(f):
             # a --once run tries a sink `max_attempts` times in a row in all, not that often per step
-            f = decide_failure(err, max(attempt, self._sink_tries(sink)), self.settings, time.time())
+            tries = max(attempt, self._sink_tries(sink))
+            f = decide_failure(err, tries, self.settings, time.time(), publish=publish)
             self._sink_failed(sink, f)
         if self._adopt_root is None:
             on_disk = await self._io(layout.is_committed, self.root / layout.step_dir_name(step))
@@ -70,7 +72,7 @@ class WorkFailures(SinkOutages):
             state,
             error_class=f.error_class,
             note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
-            level=logging.ERROR if f.quarantine else logging.WARNING,
+            level=logging.ERROR if f.quarantine or f.given_up else logging.WARNING,
             attempt=attempt,
             hint=hint,
         )

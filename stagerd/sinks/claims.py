@@ -300,6 +300,28 @@ def prune_is_dead(claim: Claim, age: float | None) -> bool:
     return age is not None and age > PRUNE_STALE_S
 
 
+NAMED_CHARS = 160  # of a host or a path a claim names, in a message: a claim is anyone's bytes
+
+
+def publisher_named(data: bytes | None) -> str | None:
+    """Who published a step, as its claim (`data`) names them: the host and ROOT (the parent of a step
+    directory) or, outside ROOT's layout, the directory published; each printable and bounded. None for no
+    claim, a prune's, or one that cannot be read."""
+    held = decode(data)
+    if held is None or held.kind != PUBLISH:
+        return None
+    host, local = held.published_from()
+    step_dir = step_dir_of(local)
+    if layout.parse_step_dir(step_dir.name) is not None:
+        return f"host {_bounded(host)}, ROOT {_bounded(str(step_dir.parent))}"
+    return f"host {_bounded(host)}, directory {_bounded(str(local))}"
+
+
+def _bounded(text: str) -> str:
+    shown = "".join(c if c.isprintable() else "?" for c in text)
+    return shown if len(shown) <= NAMED_CHARS else shown[: NAMED_CHARS - 1] + "…"
+
+
 def claimed_error(where: str, data: bytes | None, step: int) -> StepClaimedError:
     held = decode(data)
     who = held.describe() if held is not None else "another publisher"

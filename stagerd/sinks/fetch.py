@@ -71,7 +71,7 @@ def resolve_step(store: RemoteStore, step: int | None, *, raw: bool) -> int:
     key = f"{RAW_DIR}/{LATEST_NAME}" if raw else LATEST_NAME
     data = store.read_latest(key)  # another tool's latest (a directory, a large file) names no step
     if data is None:
-        raise RestoreError("is missing: no step was published here", path=store.where(key))
+        raise missing(store, key, None, raw=raw)
     found = layout.parse_step_dir(data.decode(errors="replace").strip())
     if found is None:
         raise RestoreError(f"names no step: {data[:64]!r}", path=store.where(key))
@@ -82,9 +82,7 @@ def read_manifest(store: RemoteStore, prefix: str, step: int) -> ExportManifest:
     key = f"{prefix}/{layout.MANIFEST_NAME}"
     data = store.read(key)
     if data is None:
-        raise RestoreError(
-            "is missing: the step was never published here, or not completely", path=store.where(key)
-        )
+        raise missing(store, key, step, raw=prefix.startswith(f"{RAW_DIR}/"))
     try:
         manifest = parse_manifest(data, store.where(key))
     except SinkConflictError as e:
@@ -92,6 +90,67 @@ def read_manifest(store: RemoteStore, prefix: str, step: int) -> ExportManifest:
     if manifest.step != step:
         raise RestoreError(f"is for step {manifest.step}, not {step}", path=store.where(key))
     return manifest
+
+
+STEPS_SHOWN = 5  # of the steps a sink holds, named when the one asked for is not there
+
+
+def steps_here(store: RemoteStore, *, raw: bool) -> list[int]:
+    """The steps whose manifest (a raw step's: one of its node parts' too) is on the store, newest first."""
+    found = set()
+    for rel in store.objects(RAW_DIR if raw else "", start="step-"):
+        name, _, rest = rel.partition("/")
+        step = layout.parse_step_dir(name)
+        if step is not None and (rest == layout.MANIFEST_NAME or _NODE_MANIFEST.fullmatch(rest)):
+            found.add(step)
+    return sorted(found, reverse=True)
+
+
+def missing(store: RemoteStore, key: str, step: int | None, *, raw: bool) -> RestoreError:
+    """The error for a restore whose step (`step`; None: the one `latest` names) is not on the store at
+    `key`: it names the steps that are, newest first, or the other kind it holds (exports where raw steps
+    were asked for, as a sink published without `--publish-raw` holds) and how to restore those."""
+    where = store.where(key)
+    what = (
+        "no step was published here"
+        if step is None
+        else "the step was never published here, or not completely"
+    )
+    try:
+        here = steps_here(store, raw=raw)
+        other = [] if here else steps_here(store, raw=not raw)
+    except SinkError:  # the listing failed too: what was asked for is missing all the same
+        return RestoreError(f"is missing: {what}", path=where)
+    kind = "raw step" if raw else "exported step"
+    pick = step if step in other else (other or here or [0])[0]
+    if here:
+        return RestoreError(
+            f"is missing: {what}; the sink holds {len(here)} {kind}(s): {_shown(here)}",
+            path=where,
+            hint=f"nothing was restored; give one of them with --step N (`--step {here[0]}`: the newest)",
+        )
+    if other and raw:
+        return RestoreError(
+            f"is missing: no raw step was published here (`watch --publish-raw`), only {len(other)} exported "
+            f"step(s): {_shown(other)}",
+            path=where,
+            hint="nothing was restored; restore an export into a new directory with "
+            f"`stagerd restore URL OUT --export --step {pick}`; to resume training from a sink, publish raw "
+            "steps to it (`stagerd watch --publish-raw`)",
+        )
+    if other:
+        return RestoreError(
+            f"is missing: no HF export was published here, only {len(other)} raw step(s): {_shown(other)}",
+            path=where,
+            hint="nothing was restored; restore a raw step into ROOT without --export: "
+            f"`stagerd restore URL ROOT --step {pick}`",
+        )
+    return RestoreError(f"is missing: {what}", path=where)
+
+
+def _shown(steps: list[int]) -> str:
+    more = ", ..." if len(steps) > STEPS_SHOWN else ""
+    return ", ".join(map(str, steps[:STEPS_SHOWN])) + more + " (newest first)"
 
 
 def check_listing(store: RemoteStore, prefix: str, manifest: ExportManifest) -> None:

@@ -34,7 +34,7 @@ from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyEr
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.backends import open_backend
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim
+from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim, publisher_named
 from stagerd.sinks.denied import denied_hint
 from stagerd.sinks.fetch import RAW_DIR, node_part
 from stagerd.sinks.latest import LatestMixin
@@ -203,7 +203,10 @@ class FsspecSink(LatestMixin):
             remote_manifest = parse_manifest(opening.existing, self._where(manifest_key))
             digests = [early.get(f.rel) or b.digest(f) for f in files]
             try:
-                self._check_same(remote_manifest, self._manifest(step, digests, metadata), manifest_key)
+                ours = self._manifest(step, digests, metadata)
+                self._check_same(
+                    remote_manifest, ours, manifest_key, None if opening.claimed else opening.claim
+                )
             except SinkConflictError:
                 self._discard(prefix, opening, remote_manifest)
                 raise
@@ -284,13 +287,22 @@ class FsspecSink(LatestMixin):
             metadata=dict(metadata or {}),
         )
 
-    def _check_same(self, remote: ExportManifest, local: ExportManifest, key: str) -> None:
-        if remote.step != local.step or not same_files(remote, local):
-            raise SinkConflictError(
-                f"the remote manifest for step {remote.step} lists different files or hashes than the "
-                f"local export for step {local.step}",
-                path=self._where(key),
-            )
+    def _check_same(
+        self, remote: ExportManifest, local: ExportManifest, key: str, claim: bytes | None = None
+    ) -> None:
+        """A `SinkConflictError` where the step's manifest there is another upload: it names the publisher
+        the step's `claim` names (another's, where this publish does not hold it), and says what to do."""
+        if remote.step == local.step and same_files(remote, local):
+            return
+        who = publisher_named(claim)
+        by = f"; it was published by another run ({who})" if who else ""
+        raise SinkConflictError(
+            f"the remote manifest for step {remote.step} lists different files or hashes than the local "
+            f"export for step {local.step}{by}",
+            path=self._where(key),
+            hint="another run publishes to this prefix: give each run its own prefix (a --sink URL of its "
+            "own); the step there is another upload, so inspect it before deleting anything",
+        )
 
     def _open_step(
         self, prefix: str, manifest_key: str, files: list[LocalFile], progress: ByteProgress, claim: Claiming

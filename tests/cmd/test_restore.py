@@ -91,6 +91,10 @@ def test_refuses_a_committed_step_and_a_root_a_daemon_holds(published, tmp_path)
     assert r.returncode == 2 and "LockError" in r.stderr
     assert "stop that `stagerd watch`, run the restore" in r.stderr and "point this one" not in r.stderr
     assert not (new / layout.step_dir_name(2)).exists()
+    r = run_restore(sink.as_uri(), new, "--step", "9")  # not there: the steps that are, newest first
+    flat = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "the sink holds 3 raw step(s): 3, 2, 1 (newest first)" in flat, r.stderr
+    assert not (new / layout.step_dir_name(9)).exists()
 
 
 def _damage_cases(sink: Path) -> list[tuple[str, callable]]:

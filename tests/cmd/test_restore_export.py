@@ -35,6 +35,31 @@ def test_restores_a_published_hf_export_into_a_plain_directory(tmp_path, dcp_mix
     assert r.returncode == 2 and "not an empty directory" in r.stderr
 
 
+def test_a_restore_of_what_a_sink_lacks_names_what_it_holds(tmp_path, dcp_mixed2):
+    """A sink published without --publish-raw holds exports only: a raw restore was told "no step was
+    published here". It names the exported steps, newest first, and how to restore one, or to publish raw
+    steps to resume training; a step that is not there names those that are."""
+    from stagerd.engine.export import export_step
+
+    step_dir = raw_step(tmp_path / "orig", 5, dcp_mixed2[0])
+    export_step(step_dir)
+    sink_dir = tmp_path / "sink"
+    sink = FsspecSink.from_url(sink_dir.as_uri())
+    for n in range(1, 8):
+        sink.publish(step_dir / layout.EXPORT_DIR, n)
+    r = run_restore(sink_dir.as_uri(), tmp_path / "root")
+    flat = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "no raw step was published here" in flat, r.stderr
+    assert "only 7 exported step(s): 7, 6, 5, 4, 3, ... (newest first)" in flat, r.stderr
+    assert "--export --step 7" in flat and "--publish-raw" in flat, r.stderr
+    r = run_restore(sink_dir.as_uri(), tmp_path / "root", "--step", "5")
+    assert "--export --step 5" in " ".join(r.stderr.split()), r.stderr
+    r = run_restore(sink_dir.as_uri(), tmp_path / "eval-9", "--export", "--step", "9")
+    flat = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "the sink holds 7 exported step(s): 7, 6, 5, 4, 3, ..." in flat, r.stderr
+    assert "--step 7" in flat and not (tmp_path / "eval-9").exists(), r.stderr
+
+
 def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
     from tests.sinks.hub.hub_helpers import export_files
 

@@ -1,7 +1,7 @@
 """`stagerd status` fits the terminal, keeps every detail in `--json`, and explains a ROOT it cannot read.
 
 The journal is a real one: `stagerd watch --once` runs on a ROOT with a torn step (quarantined with a long
-ShardError) and two sinks, one of which cannot be written (every lane quarantined with a long SinkError).
+ShardError) and two sinks, one of which is down (every lane left waiting with a long SinkError).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_status_json_is_complete(journal_root) -> None:
         lanes = {ln["sink"]: ln for ln in steps[step]["lanes"]}
         assert set(lanes) == set(sinks)
         assert lanes[sinks[0]]["state"] == "published"
-        assert lanes[sinks[1]]["state"] == "quarantined"
+        assert (lanes[sinks[1]]["state"], lanes[sinks[1]]["next_try"]) == ("failed", None)  # it waits
         left.append(lanes[sinks[1]]["error_class"])
     # the --once run tried the down sink with step 1, then left step 3 for the next start untried
     assert left == ["SinkError", "SinkDownError"]
@@ -121,6 +121,28 @@ def test_status_without_a_journal_says_why(tmp_path: Path, what: str) -> None:
     if what == "a lock only":
         assert "has not run" not in lines[0] and "holds only lock" in lines[0], lines[0]
         assert "free space on ROOT's filesystem if it is full" in proc.stderr, proc.stderr
+
+
+def test_status_where_the_daemon_never_ran_on_a_trainers_checkpoints_says_adopt(tmp_path: Path) -> None:
+    """A ROOT of checkpoints a trainer saved itself: started without --adopt, the daemon waits for Stager
+    steps that never come, so the hint to start it names --adopt."""
+    root = tmp_path / "root"
+    (root / "runs").mkdir(parents=True)  # not a checkpoint: not named
+    for n in (500, 1000):
+        ckpt = root / f"checkpoint-{n}"
+        ckpt.mkdir()
+        (ckpt / layout.WEIGHTS_NAME).write_bytes(b"")
+        (ckpt / "trainer_state.json").write_text("{}")
+    proc = run_cli(["status", root])
+    assert proc.returncode == 2 and "has not run" in proc.stderr, proc.stderr
+    flat = " ".join(proc.stderr.split())
+    assert f"`stagerd watch {root} --adopt --sink URL`" in flat, proc.stderr
+    assert "saved itself: checkpoint-1000, checkpoint-500;" in flat, proc.stderr
+
+    other = tmp_path / "plain"  # no checkpoint there: the daemon is started as for Stager steps
+    other.mkdir()
+    plain = " ".join(run_cli(["status", other]).stderr.split())
+    assert f"`stagerd watch {other} --sink URL`" in plain and "--adopt" not in plain, plain
 
 
 def test_status_on_a_read_only_root(journal_root, tmp_path: Path) -> None:

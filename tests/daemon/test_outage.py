@@ -15,7 +15,7 @@ from tests.hubserver import HubServer
 from tests.hubserver.faults import Fault
 
 
-def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2):
+def test_the_next_start_retries_what_an_outage_left_waiting(tmp_path, dcp_mixed2):
     model, _ = dcp_mixed2
     root, sink, mount = tmp_path / "root", tmp_path / "sink", tmp_path / "mnt"
     sink.symlink_to(mount / "sink")  # its filesystem is not mounted: the sink is down
@@ -28,16 +28,18 @@ def test_the_next_start_retries_what_an_outage_quarantined(tmp_path, dcp_mixed2)
     assert "stagerd retry" not in down.stdout + down.stderr, down.stdout + down.stderr[-3000:]
     status = json.loads(run_cli(["status", root, "--json"]).stdout)
     (lane,) = status["steps"][0]["lanes"]
-    assert lane["state"] == "quarantined", lane
+    # it waits for the sink, as for a missing bucket: not quarantined, which sent users to `stagerd retry`
+    assert (lane["state"], lane["next_try"]) == ("failed", None), lane
     assert f"the link {sink} -> {mount / 'sink'} leads nowhere" in lane["error_message"], lane  # it is down
     text = run_cli(["status", root], env={"COLUMNS": "200"}).stdout
     assert "tries those steps again" in text and "stagerd retry" not in text, text
+    assert "still waiting (not quarantined)" in text and "quarantined " not in text, text
 
     (mount / "sink").mkdir(parents=True)  # mounted again: the sink is back
     back = run_cli(args)
     assert back.returncode == 0, back.stderr[-3000:]
     assert "re-armed at start" in back.stderr
-    assert "quarantined in the journal" not in back.stderr, back.stderr[-3000:]
+    assert "quarantined" not in back.stderr, back.stderr[-3000:]
     assert (sink / "step-00000100" / layout.MANIFEST_NAME).is_file()
 
 
@@ -66,7 +68,7 @@ def test_a_once_run_tries_a_down_sink_max_attempts_times_in_all_and_names_it_onc
         assert (up / layout.step_dir_name(step) / layout.MANIFEST_NAME).is_file()
     lanes = [ln for s in json.loads(run_cli(["status", root, "--json"]).stdout)["steps"] for ln in s["lanes"]]
     left = [ln for ln in lanes if ln["sink"] == down.as_uri()]
-    assert {ln["state"] for ln in left} == {"quarantined"}, left  # re-armed by the next start
+    assert {(ln["state"], ln["next_try"]) for ln in left} == {("failed", None)}, left  # due at the next start
     # the one tried has its own failure; the two the run left untried say why
     assert sorted(ln["error_class"] == "SinkDownError" for ln in left) == [False, True, True], left
 
@@ -81,7 +83,9 @@ def test_a_once_run_against_a_hub_answering_503_keeps_the_hubs_own_tries_few(tmp
     """The Hub sink's own retries run inside each of the run's tries, and their defaults (8 tries of a
     request, backing off to 60 s) made one try of a down Hub last minutes. A `--once` run tries each
     request `ONCE_SINK_ATTEMPTS` times (unless the URL says otherwise), in its `max_attempts` tries of the
-    sink in all: 5 x 3 requests, not 8 per try for every step."""
+    sink in all: 5 x 3 requests, not 8 per try for every step. Its steps wait for the Hub, as for an S3
+    bucket that is missing: the log, the summary and `status` say "still waiting (not quarantined)", never
+    "quarantined", which sent users to `stagerd retry` for nothing."""
     model, _ = dcp_mixed2
     root = tmp_path / "root"
     for step in (100, 200):
@@ -95,6 +99,15 @@ def test_a_once_run_against_a_hub_answering_503_keeps_the_hubs_own_tries_few(tmp
     assert unavailable.fired == 5 * 3, run.stderr[-3000:]
     assert "hf://acme/down is down: 2 step(s) left for the next start (100, 200)" in run.stdout, run.stdout
     assert "HTTP 503" in run.stdout, run.stdout
+    lines = [r["msg"] for r in _records(run.stderr) if r.get("sink") == "hf://acme/down"]
+    assert not [m for m in lines if "quarantined (" in m], lines
+    left = [m for m in lines if "still waiting, not quarantined" in m]
+    assert [m.split(":")[0] for m in left] == ["step 100 on hf", "step 200 on hf"], lines
+    said = [ln for ln in run.stdout.splitlines() if ln.startswith("  step ")]
+    assert said and all("hf://acme/down still waiting (not quarantined)" in ln for ln in said), run.stdout
+    text = run_cli(["status", root], env={"COLUMNS": "200"}).stdout
+    assert "quarantined " not in text and "still waiting (not quarantined): SinkDownError" in text, text
+    assert "tries those steps again" in text and "stagerd retry" not in text, text
 
 
 def test_a_sink_no_longer_configured_never_keeps_a_run_busy(tmp_path, dcp_mixed2):

@@ -7,6 +7,7 @@ from stagerd.config import Settings
 from stagerd.daemon.policy import (
     backoff_delay,
     decide_failure,
+    failure_note,
     gives_up_sink,
     once_sink_options,
     rearmable,
@@ -124,6 +125,16 @@ def test_only_a_once_run_gives_up_a_sink_and_only_on_what_may_pass():
     assert not sink_outage(decide_failure(SinkAuthError("bad token"), 1, once, now=0))
     assert not sink_outage(decide_failure(SinkMissingError("no bucket"), 1, once, now=0))
     assert rearmable("SinkDownError")  # the steps it left: tried again by the next start
+
+
+def test_a_publish_a_once_run_gives_up_waits_and_is_never_quarantined():
+    """Its sink was down; the step is fine. Quarantined, `stagerd status` sent users to `stagerd retry`."""
+    once = load_settings(None, max_attempts=3, once=True)
+    f = decide_failure(SinkError("connection refused"), 3, once, now=0, publish=True)
+    assert (f.quarantine, f.next_try, f.given_up) == (False, None, True)
+    assert "still waiting, not quarantined" in failure_note(f, 2, 3, on_disk=True, now=0)
+    assert gives_up_sink(f, once) and sink_outage(f)
+    assert decide_failure(SinkAuthError("bad token"), 1, once, now=0, publish=True).quarantine
 
 
 def once_sink_seconds(settings: Settings, try_waits: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -203,8 +204,11 @@ def test_a_conflicting_published_step_keeps_its_files_and_loses_our_strays(s3, t
     assert not sink(s3).publish(first, 9).skipped
     before = {k: s3.get(k) for k in s3.keys("ckpt/")}
     other = make_export(tmp_path / "b", {**{k: v + 1 for k, v in SMALL.items()}, "extra.json": 10})
-    with pytest.raises(SinkConflictError):
+    with pytest.raises(SinkConflictError) as ei:
         sink(s3).publish(other, 9)
+    # who published it there, as its claim says: another run of this prefix (a directory, not a ROOT)
+    assert f"published by another run (host {socket.gethostname()}, directory {first})" in ei.value.message
+    assert "give each run its own prefix" in (ei.value.hint or ""), ei.value.hint
     assert {k: s3.get(k) for k in s3.keys("ckpt/")} == before
     created = [r for r in s3.proxy.log if r.op == "PutObject" and r.key.endswith("extra.json")]
     assert [r.status for r in created][-1] == 200, "the stray was created early, then deleted"

@@ -186,14 +186,31 @@ def test_file_sink_latest_never_goes_back(tmp_path):
 
 
 def test_file_sink_conflicting_manifest_is_refused_and_kept(tmp_path):
+    """A second run publishing into a prefix another run used: told who published the step there (its
+    claim's host and ROOT) and to give each run its own prefix."""
+    import socket
+
     dest = tmp_path / "dest"
     sink = open_sink(f"file://{dest}")
-    sink.publish(make_export(tmp_path / "a", SMALL, seed=1), 5)
+    first = tmp_path / "run-one"
+    sink.publish(make_export(first / "step-00000005" / "export", SMALL, seed=1), 5)
     before = (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes()
     with pytest.raises(SinkConflictError) as ei:
-        sink.publish(make_export(tmp_path / "b", SMALL, seed=2), 5)
+        sink.publish(make_export(tmp_path / "run-two" / "step-00000005" / "export", SMALL, seed=2), 5)
     assert "step-00000005" in str(ei.value) and not ei.value.retryable
+    assert f"host {socket.gethostname()}, ROOT {os.path.realpath(first)}" in ei.value.message, ei.value
+    assert "give each run its own prefix" in (ei.value.hint or ""), ei.value.hint
     assert (dest / "step-00000005" / layout.MANIFEST_NAME).read_bytes() == before
+
+
+def test_a_claim_names_its_publisher_printable_and_bounded():
+    from stagerd.sinks.claims import NAMED_CHARS, Claim, publisher_named
+
+    long = Claim("publish", f"h\x1b[31m:/{'d' * 1000}/step-00000005/export", "h", 1).encode()
+    named = publisher_named(long)
+    assert named is not None and "\x1b" not in named and len(named) < 2 * NAMED_CHARS + 40, named
+    assert publisher_named(Claim("prune", "h:1:abc", "h", 1).encode()) is None
+    assert publisher_named(b"not json") is None and publisher_named(None) is None
 
 
 def test_file_sink_partial_step_is_absent_and_completed(tmp_path):
