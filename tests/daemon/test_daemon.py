@@ -360,7 +360,7 @@ async def test_retention_never_deletes_a_step_one_sink_lacks(tmp_path, model2):
         lanes = {(ln.step, ln.sink): (ln.state, ln.attempts) for ln in j.lanes()}
     finally:
         j.close()
-    assert lanes[(1, bad)] == ("quarantined", 2) and lanes[(1, good.as_uri())][0] == "published"
+    assert lanes[(1, bad)] == ("failed", 2) and lanes[(1, good.as_uri())][0] == "published"
     rc, out, _ = await run_cli("status", str(root), "--json")
     assert rc == 0 and json.loads(out)["disk"]["low"] is True
     rc, out, _ = await run_cli("status", str(root))
