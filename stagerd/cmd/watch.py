@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.cmd.watch_hints import given_up_hint, retry_hint, warn_quarantined, warn_unadopted
+from stagerd.cmd.watch_hints import (
+    given_up_hint,
+    lost_steps,
+    lost_text,
+    retry_hint,
+    warn_quarantined,
+    warn_unadopted,
+)
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
 
@@ -217,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
     on_start = None if root is None else partial(_warn, Path(root), settings.adopt is None)
     daemon = Daemon(settings, on_start=on_start)
+    started = time.time()
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
@@ -238,6 +247,11 @@ def run(args: argparse.Namespace) -> int:
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
+        lost, newest, lost_now = (0, [], 0) if root is None else lost_steps(Path(root), started)
+        if lost:
+            print(f"  {lost_text(lost, newest, lost_now)}")
+        # The run that lost a step says so once in its exit code; later ones cannot mend it, so exit 0.
+        code = 1 if lost_now and code == 0 else code
         if s.given_up:
             print(f"  what to do: {given_up_hint()}")
         if s.quarantined and settings.root is not None:

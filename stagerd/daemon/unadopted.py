@@ -29,13 +29,14 @@ SINGLE_FILE = (
     "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
 )
 ROTATED = (
-    "the checkpoint was deleted before its export began: the trainer's own rotation (the HF Trainer's "
+    "the checkpoint was deleted before it was exported: the trainer's own rotation (the HF Trainer's "
     "save_total_limit, ...) deleted it first, so this step is not published"
 )
-ROTATED_HINT = (
-    "nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete them with "
+LOST_HINT = (
+    "to publish every checkpoint, let the trainer keep more of them and delete them with "
     "`stagerd watch --adopt --delete-adopted --keep-last N` instead"
 )
+ROTATED_HINT = f"nothing to mend: the step is retired as lost; {LOST_HINT}"
 SAID_NO_CONFIG: set[Path] = set()  # the ROOTs told, once each: every checkpoint of a run lacks it alike
 
 
