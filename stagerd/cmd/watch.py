@@ -217,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
         if any(not sep or not url for url, sep, _ in pairs):
             raise ConfigError("--sink-retention takes URL=last=N,every=M")
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
+    if args.adopt is not None:
+        from stagerd.contract.adopt.presets import preset_names, unknown_preset
+
+        if args.adopt not in preset_names():  # said here with the closest name (the settings say none)
+            raise unknown_preset(args.adopt, no_root=args.root is None)
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     root = settings.root
     if settings.exchange is not None:
