@@ -168,7 +168,7 @@ def open_exchange(url: str) -> None:
 def _warn(root: Path, unadopted: bool, lanes: Collection[str]) -> None:
     if unadopted:
         warn_unadopted(root)
-    warn_quarantined(root, lanes)
+    warn_quarantined(root, lanes, adopted=not unadopted)
 
 
 _FLAGS = (

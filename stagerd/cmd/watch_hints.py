@@ -26,12 +26,12 @@ def given_up_hint() -> str:
     )
 
 
-def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
+def quarantined_steps(root: Path, lanes: Collection[str], *, adopted: bool = False) -> list[int]:
     """The steps ROOT's journal holds quarantined for good, the step or one of its lanes of the sinks this
     start was given (`lanes`; a lane of a sink since dropped from the command line is never worked on, as
     the `--once` summary says); none without a journal. Not those a `--once` run gave up on after its tries
     of a failure that may pass: this start re-arms them, so telling the user to run `stagerd retry` would be
-    wrong."""
+    wrong. With `adopted` (`--adopt`), nor a step whose checkpoint is gone: this start retires it as lost."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
     from stagerd.daemon.policy import given_up
     from stagerd.errors import JournalError
@@ -44,7 +44,9 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
         return []
     try:
         rows: list[tuple[int, str, str | None]] = [
-            (s.step, s.state, s.error_class) for s in journal.steps(include_retired=False)
+            (s.step, s.state, s.error_class)
+            for s in journal.steps(include_retired=False)
+            if not adopted or os.path.lexists(s.path)
         ]
         rows += [
             (ln.step, ln.state, ln.error_class)
@@ -57,11 +59,11 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
     return sorted(steps)
 
 
-def warn_quarantined(root: Path, lanes: Collection[str]) -> None:
+def warn_quarantined(root: Path, lanes: Collection[str], *, adopted: bool = False) -> None:
     """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
     they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck. The
     daemon calls this holding ROOT's lock, its sinks open: `lanes` are their lanes."""
-    steps = quarantined_steps(root, lanes)
+    steps = quarantined_steps(root, lanes, adopted=adopted)
     if steps:
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))

@@ -87,3 +87,24 @@ def test_a_checkpoint_rotated_away_before_its_export_is_lost_once(tmp_path):
     retry = run_cli(["retry", root, "--step", "1"])
     assert retry.returncode == 2, retry
     assert "step 1 is lost: the trainer deleted its checkpoint" in retry.stderr, retry.stderr
+
+
+def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_start(tmp_path):
+    """A journal that holds an adopted step quarantined because its trainer deleted the checkpoint (what
+    an earlier run recorded, and reported with exit 1): the next start retires it as lost, counts it on
+    its own line, not as this run's, and exits 0 with the other steps published."""
+    from stagerd.daemon.journal import Journal
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    ranks.write(str(root / "step-2"))
+    j = Journal.open(root)
+    try:
+        j.add_step(1, root / "step-1", 1001.0, "dcp:gone")
+        j.quarantine_step(1, "AdoptError", "the checkpoint was deleted before its export began")
+    finally:
+        j.close()
+    r = watch_once(root, sink)
+    assert r.returncode == 0 and published(sink, 2).is_dir(), r.stdout + r.stderr
+    assert "1 step(s) published, 0 not" in r.stdout, r.stdout
+    assert "1 step(s) lost (1; 0 by this run)" in r.stdout, r.stdout
+    assert "stagerd retry" not in r.stdout + r.stderr, r.stdout + r.stderr
