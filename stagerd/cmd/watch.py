@@ -15,6 +15,7 @@ from stagerd.cmd.watch_hints import (
     given_up_hint,
     lost_steps,
     lost_text,
+    nested_checkpoints,
     retry_hint,
     warn_quarantined,
     warn_unadopted,
@@ -252,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
+        if settings.adopt is not None and root is not None:
+            for note in nested_checkpoints(Path(root), settings.adopt_step):
+                print(f"  {note}")
         lost, newest, lost_now = (0, [], 0) if root is None else lost_steps(Path(root), started)
         if lost:
             print(f"  {lost_text(lost, newest, lost_now)}")

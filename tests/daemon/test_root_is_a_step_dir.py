@@ -97,3 +97,4 @@ def test_watch_adopt_refuses_a_trainer_checkpoint_as_root(tmp_path: Path) -> Non
     warned = [ln for ln in r.stderr.splitlines() if '"level": "warning"' in ln]
     said = f"{run / 'checkpoints'} gives no step number, so --adopt ignores it, but it holds checkpoints"
     assert [said in ln and hint in ln for ln in warned] == [True], r.stderr
+    assert said in r.stdout and hint in r.stdout, r.stdout  # and the --once summary says it too
