@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         known = ", ".join(sorted({ln.sink for ln in lanes})) or "none yet"
         raise ConfigError(f"no sink {args.sink!r} in this journal", hint=f"the sinks it knows: {known}")
     if args.step is not None and args.step not in steps:
+        _refuse_lost(args.root, args.step)
         raise ConfigError(
             f"step {args.step} is not a live step of this journal",
             path=args.root,
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"step {r.step}'s staged data is gone ({r.path}): there is nothing to export again",
                 path=r.path,
-                hint="restore the step directory first, or leave the step quarantined",
+                hint="restore the step directory first, or leave the step quarantined (an adopted checkpoint "
+                "its trainer deleted is retired as lost at the daemon's next start)",
             )
     done: list[str] = []
     if wanted:
@@ -94,6 +96,26 @@ def run(args: argparse.Namespace) -> int:
     for line in done:
         print(f"re-armed {line}")
     return 0
+
+
+def _refuse_lost(root: Path, step: int) -> None:
+    """A ConfigError for a step retired as lost: the trainer deleted its checkpoint before it was exported,
+    so there is nothing to retry, and nothing to mend."""
+    from stagerd.daemon.journal import Journal
+    from stagerd.daemon.journal.schema import LOST, LOST_NOTE
+
+    journal = Journal.open_readonly(root)
+    try:
+        row = journal.step(step)
+    finally:
+        journal.close()
+    if row is not None and row.error_class == LOST:
+        raise ConfigError(
+            f"step {step} is lost: {LOST_NOTE}, so there is nothing to export or publish again",
+            path=row.path,
+            hint="nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete "
+            "them with `stagerd watch --adopt --delete-adopted --keep-last N`",
+        )
 
 
 def lanes_named(given: str, keys: set[str]) -> list[str]:

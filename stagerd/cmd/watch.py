@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 
 from stagerd.cmd.help import UserHelpFormatter
-from stagerd.cmd.watch_hints import given_up_hint, retry_hint, warn_quarantined, warn_unadopted
+from stagerd.cmd.watch_hints import (
+    given_up_hint,
+    lost_steps,
+    lost_text,
+    nested_checkpoints,
+    retry_hint,
+    warn_quarantined,
+    warn_unadopted,
+)
 from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
 from stagerd.errors import ConfigError
 
@@ -160,7 +169,7 @@ def open_exchange(url: str) -> None:
 def _warn(root: Path, unadopted: bool, lanes: Collection[str]) -> None:
     if unadopted:
         warn_unadopted(root)
-    warn_quarantined(root, lanes)
+    warn_quarantined(root, lanes, adopted=not unadopted)
 
 
 _FLAGS = (
@@ -209,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
         if any(not sep or not url for url, sep, _ in pairs):
             raise ConfigError("--sink-retention takes URL=last=N,every=M")
         args.sink_retention = {url.rstrip("/"): spec for url, _, spec in pairs}
+    if args.adopt is not None:
+        from stagerd.contract.adopt.presets import preset_names, unknown_preset
+
+        if args.adopt not in preset_names():  # said here with the closest name (the settings say none)
+            raise unknown_preset(args.adopt, no_root=args.root is None)
     settings = load_settings(args.config, **{k: getattr(args, k) for k in _FLAGS})
     root = settings.root
     if settings.exchange is not None:
@@ -217,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
     on_start = None if root is None else partial(_warn, Path(root), settings.adopt is None)
     daemon = Daemon(settings, on_start=on_start)
+    started = time.time()
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
@@ -238,6 +253,14 @@ def run(args: argparse.Namespace) -> int:
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
+        if settings.adopt is not None and root is not None:
+            for note in nested_checkpoints(Path(root), settings.adopt_step):
+                print(f"  {note}")
+        lost, newest, lost_now = (0, [], 0) if root is None else lost_steps(Path(root), started)
+        if lost:
+            print(f"  {lost_text(lost, newest, lost_now)}")
+        # The run that lost a step says so once in its exit code; later ones cannot mend it, so exit 0.
+        code = 1 if lost_now and code == 0 else code
         if s.given_up:
             print(f"  what to do: {given_up_hint()}")
         if s.quarantined and settings.root is not None:

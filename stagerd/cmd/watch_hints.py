@@ -1,5 +1,6 @@
 """What `stagerd watch` says at its start and end about a ROOT that will not make progress by itself:
-quarantined steps that only `stagerd retry` re-arms, and a trainer's own checkpoints without --adopt."""
+quarantined steps that only `stagerd retry` re-arms, a trainer's own checkpoints without --adopt, and the
+adopted checkpoints the trainer deleted before they were exported."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ def given_up_hint() -> str:
     )
 
 
-def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
+def quarantined_steps(root: Path, lanes: Collection[str], *, adopted: bool = False) -> list[int]:
     """The steps ROOT's journal holds quarantined for good, the step or one of its lanes of the sinks this
     start was given (`lanes`; a lane of a sink since dropped from the command line is never worked on, as
     the `--once` summary says); none without a journal. Not those a `--once` run gave up on after its tries
     of a failure that may pass: this start re-arms them, so telling the user to run `stagerd retry` would be
-    wrong."""
+    wrong. With `adopted` (`--adopt`), nor a step whose checkpoint is gone: this start retires it as lost."""
     from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
     from stagerd.daemon.policy import given_up
     from stagerd.errors import JournalError
@@ -43,7 +44,9 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
         return []
     try:
         rows: list[tuple[int, str, str | None]] = [
-            (s.step, s.state, s.error_class) for s in journal.steps(include_retired=False)
+            (s.step, s.state, s.error_class)
+            for s in journal.steps(include_retired=False)
+            if not adopted or os.path.lexists(s.path)
         ]
         rows += [
             (ln.step, ln.state, ln.error_class)
@@ -56,11 +59,11 @@ def quarantined_steps(root: Path, lanes: Collection[str]) -> list[int]:
     return sorted(steps)
 
 
-def warn_quarantined(root: Path, lanes: Collection[str]) -> None:
+def warn_quarantined(root: Path, lanes: Collection[str], *, adopted: bool = False) -> None:
     """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
     they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck. The
     daemon calls this holding ROOT's lock, its sinks open: `lanes` are their lanes."""
-    steps = quarantined_steps(root, lanes)
+    steps = quarantined_steps(root, lanes, adopted=adopted)
     if steps:
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
@@ -101,3 +104,57 @@ def _subdirs(d: Path) -> list[Path]:
         return [d / n for n in os.listdir(d) if (d / n).is_dir()]
     except OSError:
         return []
+
+
+def lost_steps(root: Path, since: float) -> tuple[int, list[int], int]:
+    """(how many, the newest few, how many of them since `since`) of ROOT's adopted steps retired as lost:
+    their trainer deleted the checkpoint before it was exported; (0, [], 0) without a journal."""
+    from stagerd.daemon.journal import Journal, journal_path
+    from stagerd.daemon.summary import NEWEST_LISTED
+    from stagerd.errors import JournalError
+
+    if not journal_path(root).is_file():
+        return 0, [], 0
+    try:
+        journal = Journal.open_readonly(root)
+    except JournalError:
+        return 0, [], 0
+    try:
+        count, newest = journal.lost_summary(NEWEST_LISTED)
+        return count, newest, journal.lost_since(since)
+    finally:
+        journal.close()
+
+
+def lost_text(count: int, newest: list[int], now: int) -> str:
+    """One line of the `--once` summary: the steps lost for good, which no run counts unpublished."""
+    shown = ", ".join(map(str, newest))
+    which = f"newest {len(newest)}: {shown}" if count > len(newest) else shown
+    return (
+        f"{count} step(s) lost ({which}; {now} by this run): the trainer deleted its checkpoint before it "
+        "was exported, so nothing can publish it; to publish every checkpoint, let the trainer keep more "
+        "of them and delete them with --delete-adopted --keep-last N"
+    )
+
+
+def nested_checkpoints(root: Path, adopt_step: str | None) -> list[str]:
+    """For the `--once` summary of `watch --adopt`: each folder of ROOT that gives no step number but holds
+    checkpoints (a run's `checkpoints/`, ROOT given one level too high), with why, as the warning said it."""
+    from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
+    from stagerd.daemon.unadopted import holds_checkpoints, holds_dcp
+
+    custom = compile_step_regex(adopt_step)
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return []
+    out = []
+    for e in entries:
+        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+            continue
+        if parse_step_name(e.name, custom) is not None:
+            continue
+        why = None if holds_dcp(Path(e.path)) else holds_checkpoints(Path(e.path), custom)
+        if why is not None:
+            out.append(f"{e.path} {why}")
+    return out

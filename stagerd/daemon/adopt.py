@@ -34,6 +34,7 @@ from stagerd.daemon.unadopted import (
     ROTATED_HINT,
     SAID_NO_CONFIG,
     SINGLE_FILE,
+    holds_checkpoints,
     holds_dcp,
     unadoptable,
 )
@@ -154,7 +155,9 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                odd.append((e.name, NO_STEP_CHECKPOINT if holds_dcp(Path(e.path)) else NO_STEP))
+                dcp = holds_dcp(Path(e.path))
+                said = NO_STEP_CHECKPOINT if dcp else holds_checkpoints(Path(e.path), custom) or NO_STEP
+                odd.append((e.name, said))  # a folder of checkpoints: warned, a folder of logs: said
                 continue
             here.add(e.name)
             preset = self._preset_of(Path(e.path))

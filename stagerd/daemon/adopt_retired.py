@@ -2,17 +2,26 @@
 old step, never (without `--delete-adopted`) the trainer's checkpoint. A sink configured after that gets
 the step exported again from the checkpoint, while it still holds the save the other sinks have and the
 sink's remote retention would keep it (not exported only to be pruned there); the steps it cannot get (the
-checkpoint gone, or saved again) are named once, at the start that adds it (`Discovery._say_missed`)."""
+checkpoint gone, or saved again) are named once, at the start that adds it (`Discovery._say_missed`).
+
+An adopted step whose checkpoint its trainer deleted before it was exported (the HF Trainer's
+`save_total_limit` rotating it away before, or during, its export) is retired unpublished as lost
+(`Journal.retire_lost`), warned once: nothing can export it again, so neither `retry` nor a later run can
+mend it, and no later run counts it unpublished."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
+from stagerd.contract import layout
 from stagerd.daemon.adopt import Adoption
-from stagerd.daemon.journal import COMMITTED
+from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
-from stagerd.daemon.journal.schema import RETIRED_WITH_HISTORY
+from stagerd.daemon.journal.schema import LOST, LOST_NOTE, RETIRED_WITH_HISTORY
 from stagerd.daemon.state import log
+from stagerd.daemon.unadopted import LOST_HINT
 
 
 class RetiredAdoption(Adoption):
@@ -48,3 +57,46 @@ class RetiredAdoption(Adoption):
             why = f"retired; exported again from the trainer's checkpoint for {', '.join(sorted(sinks))}"
             await self._j(self._journal.revive, step, why)
             self._log_step(step, None, COMMITTED, note=why)
+
+    async def _work_failed(self, step: int, sink: str | None, attempt: int, err: BaseException) -> None:
+        """An adopted step's export failed with its checkpoint gone (whatever the export's error: a file
+        vanished under it, or no directory to read): its trainer deleted it, retired as lost."""
+        if sink is None and self._adopt_root is not None:
+            row = await self._j(self._journal.step, step)
+            if row is not None and await self._deleted_unexported(row):
+                await self._lose(row)
+                return
+        # WorkFailures follows this class in the Daemon's MRO, not among its own bases
+        await super()._work_failed(step, sink, attempt, err)  # type: ignore[misc]
+
+    async def _lose_deleted(self) -> None:
+        """At start: each live adopted step whose checkpoint is gone and whose export no sink got or can get
+        (one an earlier run quarantined when the rotation deleted it) is retired as lost."""
+        if self._adopt_root is None:
+            return
+        for row in await self._j(self._journal.steps, include_retired=False):
+            if await self._deleted_unexported(row):
+                await self._lose(row)
+
+    async def _deleted_unexported(self, row: StepRow) -> bool:
+        """The step's checkpoint is gone, no sink has any of it, and no whole export of it is left to
+        publish."""
+        if row.state in (PUBLISHED, RETIRED) or row.published_at is not None:
+            return False
+        if any(ln.state == PUBLISHED for ln in await self._j(self._journal.lanes, row.step)):
+            return False
+        return not await self._io(self._left_to_publish, Path(row.path))
+
+    def _left_to_publish(self, step_dir: Path) -> bool:
+        """Io thread: the checkpoint is there, or a whole export of it is."""
+        export = self._work_dir(step_dir) / layout.EXPORT_DIR
+        return os.path.lexists(step_dir) or layout.export_is_whole(export)
+
+    async def _lose(self, row: StepRow) -> None:
+        await self._j(self._journal.retire_lost, row.step, LOST_NOTE)
+        gone = (
+            f"({row.path} is gone: its rotation, such as the HF Trainer's save_total_limit), so it is not "
+            "published and nothing can publish it"
+        )
+        note = f"{LOST_NOTE} {gone}; {LOST_HINT}"
+        self._log_step(row.step, None, RETIRED, error_class=LOST, note=note, level=logging.WARNING)

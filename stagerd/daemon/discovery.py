@@ -232,6 +232,10 @@ class Discovery(JournalGate):
             await asyncio.sleep(self.settings.rescan_seconds)
             await self._scan_safely()
 
+    async def _lose_deleted(self) -> None:
+        """At start, with `--adopt`: the steps whose trainer deleted their checkpoint unexported, retired as
+        lost (`RetiredAdoption`)."""
+
     async def _revive_missed(self) -> None:
         """Retired steps a sink lacks, exported again where their data is still there (`--adopt`)."""
 
@@ -264,6 +268,7 @@ class Discovery(JournalGate):
             self._log_step(step, sink, FAILED, note=REARMED)
         for step, sink in await self._j(self._journal.ensure_lanes, self._lane_keys()):
             self._log_step(step, sink, PENDING, note="new sink")
+        await self._lose_deleted()
         await self._revive_missed()
         await self._say_missed()
         for row in await self._j(self._journal.steps, include_retired=False):

@@ -7,6 +7,7 @@ held by one ROOT alone."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from stagerd.config import Settings
@@ -111,6 +112,7 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
 
     custom = compile_step_regex(settings.adopt_step)
     real_root = root.resolve()
+    _refuse_a_checkpoint(root, real_root, settings, custom)
     places = [("the export directory", work_root)]
     for url in settings.sinks:
         target = parse_sink_url(url)
@@ -132,6 +134,36 @@ def check_adopt_places(root: Path, work_root: Path, settings: Settings) -> None:
         raise ConfigError("--extras is not a directory", path=settings.extras)
     if settings.export_dir is not None:
         _check_export_dir(root, Path(settings.export_dir))
+
+
+def _refuse_a_checkpoint(
+    root: Path, real_root: Path, settings: Settings, custom: re.Pattern[str] | None
+) -> None:
+    """ROOT that is itself one of the trainer's checkpoints (`checkpoint-6`, named with a step and in a
+    layout --adopt reads): the daemon would write its journal and lock into the checkpoint the trainer owns,
+    and find no checkpoint in it to adopt. Said before anything is written."""
+    from stagerd.contract.adopt.presets import AUTO
+    from stagerd.daemon.unadopted import unadoptable
+    from stagerd.engine.adopt.detect import fitting_layout
+
+    step = parse_step_name(real_root.name, custom)
+    if step is None:
+        return
+    try:
+        fit = fitting_layout(real_root, settings.adopt or AUTO)
+    except OSError:
+        return
+    why = unadoptable(real_root) if fit is None else None
+    if fit is None and why is None:
+        return
+    what = f"an --adopt {fit.name} checkpoint" if fit is not None else f"a checkpoint that {why}"
+    raise ConfigError(
+        f"ROOT is one of the trainer's checkpoints, not the folder that holds them: its name gives step "
+        f"{step}, and it is {what}; the trainer owns it, and stagerd would write its journal and lock in it",
+        path=root,
+        hint=f"pass the folder that holds checkpoint-N, `stagerd watch {real_root.parent} --adopt ...`; "
+        "nothing was written",
+    )
 
 
 def _check_export_dir(root: Path, export_dir: Path) -> None:

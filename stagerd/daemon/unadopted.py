@@ -1,14 +1,17 @@
 """What `watch --adopt` says of a checkpoint it would otherwise pass over in silence: one whose name gives
-no step number, one finished in a layout no preset reads (a pickled model or adapter), one exported with
-no config.json (the export keeps its names; no loader reads it), one that is a single pickled file, and one
-the trainer's rotation deleted before its export began.
+no step number (and a folder of such checkpoints, ROOT given one level too high), one finished in a layout
+no preset reads (a pickled model or adapter), one exported with no config.json (the export keeps its
+names; no loader reads it), one that is a single pickled file, and one the trainer's rotation deleted
+before its export began.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
+from stagerd.contract.adopt.step_names import parse_step_name
 from stagerd.contract.layout import ADAPTER_WEIGHTS_NAME
 
 NO_STEP = "gives no step number; --adopt ignores it"
@@ -26,14 +29,32 @@ SINGLE_FILE = (
     "(DCP) checkpoint, or save through StagerdCheckpointIO / StagerdCallback"
 )
 ROTATED = (
-    "the checkpoint was deleted before its export began: the trainer's own rotation (the HF Trainer's "
+    "the checkpoint was deleted before it was exported: the trainer's own rotation (the HF Trainer's "
     "save_total_limit, ...) deleted it first, so this step is not published"
 )
-ROTATED_HINT = (
-    "nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete them with "
+LOST_HINT = (
+    "to publish every checkpoint, let the trainer keep more of them and delete them with "
     "`stagerd watch --adopt --delete-adopted --keep-last N` instead"
 )
+ROTATED_HINT = f"nothing to mend: the step is retired as lost; {LOST_HINT}"
 SAID_NO_CONFIG: set[Path] = set()  # the ROOTs told, once each: every checkpoint of a run lacks it alike
+
+
+def holds_checkpoints(directory: Path, custom: re.Pattern[str] | None) -> str | None:
+    """Why a child of ROOT whose name gives no step number is more than a folder of logs: its own children
+    are named as checkpoints (a run's `checkpoints/` holding `checkpoint-N`, ROOT given one level too
+    high), so the user meant it as ROOT; else None."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if parse_step_name(n, custom) is not None)
+    except OSError:
+        return None
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"gives no step number, so --adopt ignores it, but it holds checkpoints ({shown}): --adopt reads "
+        f"ROOT's own children only; pass it as ROOT (`stagerd watch {directory} --adopt ...`)"
+    )
 
 
 def holds_dcp(directory: Path) -> bool:

@@ -125,8 +125,23 @@ def test_the_torchtitan_preset_agrees_with_the_shipped_example():
 
 
 def test_an_unknown_preset_is_a_config_error():
-    with pytest.raises(ConfigError, match="no adopt preset"):
+    with pytest.raises(ConfigError, match="no adopt preset") as e:
         get_preset("megatron")
+    assert "did you mean" not in str(e.value.hint)
+
+
+def test_watch_names_the_closest_preset_or_the_swallowed_root(tmp_path):
+    """`--adopt hf_trainer` gets the preset meant; `--adopt ROOT` (its PRESET is optional, so it takes
+    ROOT) is told to put ROOT first. Said before anything is written."""
+    from tests.cli_helpers import run_cli
+
+    sink = ["--sink", (tmp_path / "sink").as_uri(), "--once"]
+    typo = run_cli(["watch", tmp_path, "--adopt", "hf_trainer", *sink])
+    assert typo.returncode == 2 and "no adopt preset 'hf_trainer'" in typo.stderr, typo.stderr
+    assert "did you mean hf-trainer?" in typo.stderr, typo.stderr
+    swallowed = run_cli(["watch", "--adopt", tmp_path, *sink])
+    assert swallowed.returncode == 2 and "it took ROOT as one: put ROOT first" in swallowed.stderr
+    assert not (tmp_path / ".stagerd").exists() and not (tmp_path / "sink").exists()
 
 
 def test_a_record_that_is_not_torch_save_is_refused_by_name(tmp_path):

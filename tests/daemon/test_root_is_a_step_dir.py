@@ -72,3 +72,29 @@ def test_both_floors_tell_a_step_directory_alike(tmp_path: Path) -> None:
     (tmp_path / "loose" / "step-00000004").mkdir()  # a name alone, nothing a save writes: no step yet
     assert step_or_state_dir(tmp_path / "loose" / "step-00000004") is None
     assert staging_area(tmp_path / "loose" / "step-00000004" / "export") is None
+
+
+def test_watch_adopt_refuses_a_trainer_checkpoint_as_root(tmp_path: Path) -> None:
+    """ROOT that is itself a finished HF Trainer checkpoint: refused before anything is written (no
+    `.stagerd/` in the trainer's checkpoint), naming the folder that holds it; given the run directory one
+    level too high, the folder of checkpoints in it is named in a warning that says to pass it."""
+    from tests.adopt.helpers import watch_once
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "checkpoint-6"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"")
+    (ckpt / "trainer_state.json").write_text("{}")
+    before = _tree(run)
+    r = watch_once(ckpt, tmp_path / "sink")
+    assert r.returncode == 2, r.stderr
+    assert f"ConfigError: {ckpt}: ROOT is one of the trainer's checkpoints" in r.stderr, r.stderr
+    hint = f"`stagerd watch {run / 'checkpoints'} --adopt"
+    assert "an --adopt hf-trainer checkpoint" in r.stderr and hint in r.stderr, r.stderr
+    assert _tree(run) == before and not (tmp_path / "sink").exists()
+    r = watch_once(run, tmp_path / "sink")
+    assert r.returncode == 0, r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if '"level": "warning"' in ln]
+    said = f"{run / 'checkpoints'} gives no step number, so --adopt ignores it, but it holds checkpoints"
+    assert [said in ln and hint in ln for ln in warned] == [True], r.stderr
+    assert said in r.stdout and hint in r.stdout, r.stdout  # and the --once summary says it too

@@ -271,10 +271,26 @@ def get_preset(name: str) -> Preset:
     try:
         return LAYOUTS[name][0]
     except KeyError:
-        raise ConfigError(
-            f"no adopt preset {name!r}; the presets are {', '.join(preset_names())}",
-            hint="name one of them, or use --adopt dcp with --adopt-select REGEX",
-        ) from None
+        raise unknown_preset(name) from None
+
+
+def unknown_preset(name: str, *, no_root: bool = False) -> ConfigError:
+    """The error for a preset name none has: with the closest one (`hf_trainer`: hf-trainer), or, for a
+    path (or any name, where the command line gave no ROOT: `no_root`), that `--adopt` took ROOT as its
+    preset (its value is optional, so `--adopt ROOT` gives it ROOT)."""
+    import difflib
+
+    close = difflib.get_close_matches(name.strip().lower().replace("_", "-"), preset_names(), n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean {close[0]}?"
+    elif no_root or "/" in name or name in (".", ".."):
+        hint = (
+            "--adopt takes its PRESET as its next word, so it took ROOT as one: put ROOT first "
+            "(`stagerd watch ROOT --adopt`), or name the preset (`--adopt auto ROOT`)"
+        )
+    else:
+        hint = "name one of them, or use --adopt dcp with --adopt-select REGEX"
+    return ConfigError(f"no adopt preset {name!r}; the presets are {', '.join(preset_names())}", hint=hint)
 
 
 def _compile(pattern: str, what: str) -> re.Pattern[str]:

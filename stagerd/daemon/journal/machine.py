@@ -20,6 +20,7 @@ from stagerd.daemon.journal.schema import (
     EXPORTED,
     EXPORTING,
     FAILED,
+    LOST,
     PENDING,
     PUBLISHED,
     PUBLISHING,
@@ -297,6 +298,24 @@ class Journal(RawLanes):
                 (RETIRED, now, now, step),
             )
             self._event(c, step, None, old, RETIRED, message=reason, now=now)
+            self._clear_waits(c, step)
+            self._prune_history(c)
+
+    def retire_lost(self, step: int, reason: str) -> None:
+        """Any live state -> retired, never published: an adopted step whose checkpoint its trainer deleted
+        before it was exported. Nothing can send it (`retry` has nothing to export), so no later run counts
+        it unpublished; it keeps `LOST` as its error class, which tells it from a restored step. One an
+        earlier run quarantined (and reported) was lost then: its `retired_at` is that time."""
+        now = time.time()
+        with self._tx() as c:
+            old = self._step_state(c, step, (COMMITTED, EXPORTING, EXPORTED, FAILED, QUARANTINED))
+            (updated,) = c.execute("SELECT updated FROM steps WHERE step = ?", (step,)).fetchone()
+            c.execute(
+                "UPDATE steps SET state = ?, error_class = ?, error_message = ?, error_hint = NULL, "
+                "next_try = NULL, retired_at = ?, updated = ? WHERE step = ?",
+                (RETIRED, LOST, reason, updated if old == QUARANTINED else now, now, step),
+            )
+            self._event(c, step, None, old, RETIRED, LOST, reason, now=now)
             self._clear_waits(c, step)
             self._prune_history(c)
 

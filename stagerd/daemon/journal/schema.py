@@ -28,6 +28,10 @@ HINTLESS_VERSION = 2  # `stagerd status` reads it as it is, while the older daem
 # that number again is checked against), times and sizes; about 0.2 KB of the 1.5 KB a step's history
 # takes, which a daemon running for months would otherwise keep for every step.
 RETIRED_WITH_HISTORY = 1000
+# The error class a retired step keeps when its trainer deleted its checkpoint before it was exported: it was
+# never published, and nothing can publish it (`Journal.retire_lost`); not a step `stagerd restore` landed.
+LOST = "CheckpointDeleted"
+LOST_NOTE = "the trainer deleted its checkpoint before it was exported"
 # The largest WAL kept on disk after a checkpoint: a big transaction (the first pruning of a long journal
 # of an older stagerd) would otherwise leave its WAL at that size for the daemon's life.
 WAL_SIZE_LIMIT = 4 << 20

@@ -22,6 +22,7 @@ from stagerd.daemon.journal.schema import (
     EXPORTED,
     FAILED,
     HINTLESS_VERSION,
+    LOST,
     NEWER_HINT,
     PENDING,
     RETIRED,
@@ -265,10 +266,23 @@ class JournalStore:
         """How many retired steps a daemon published, and the numbers of the newest `newest` of them,
         ascending (never all: a long run retires tens of thousands). With `restored`, instead those
         `stagerd restore` landed, which no daemon published: retired with no `published_at`."""
-        where = f"state = ? AND published_at IS {'' if restored else 'NOT '}NULL"
-        (count,) = self._query(f"SELECT COUNT(*) FROM steps WHERE {where}", (RETIRED,))[0]
+        where = f"state = ? AND published_at IS {'' if restored else 'NOT '}NULL AND error_class IS NOT ?"
+        return self._retired_where(where, newest)
+
+    def lost_summary(self, newest: int) -> tuple[int, list[int]]:
+        """How many adopted steps were retired unpublished because their trainer deleted the checkpoint
+        before it was exported (`Journal.retire_lost`), and the newest `newest` of them, ascending."""
+        return self._retired_where("state = ? AND error_class = ?", newest)
+
+    def lost_since(self, since: float) -> int:
+        """How many adopted steps were retired as lost at or after `since` (`Journal.retire_lost`)."""
+        sql = "SELECT COUNT(*) FROM steps WHERE state = ? AND error_class = ? AND retired_at >= ?"
+        return int(self._query(sql, (RETIRED, LOST, since))[0][0])
+
+    def _retired_where(self, where: str, newest: int) -> tuple[int, list[int]]:
+        (count,) = self._query(f"SELECT COUNT(*) FROM steps WHERE {where}", (RETIRED, LOST))[0]
         rows = self._query(
-            f"SELECT step FROM steps WHERE {where} ORDER BY step DESC LIMIT ?", (RETIRED, newest)
+            f"SELECT step FROM steps WHERE {where} ORDER BY step DESC LIMIT ?", (RETIRED, LOST, newest)
         )
         return count, sorted(r[0] for r in rows)
 
@@ -283,11 +297,11 @@ class JournalStore:
         out = {}
         for sink in sinks:
             rows = self._query(
-                "SELECT s.step FROM steps s WHERE s.state = ? "
+                "SELECT s.step FROM steps s WHERE s.state = ? AND s.error_class IS NOT ? "
                 "AND EXISTS (SELECT 1 FROM lanes l WHERE l.step = s.step) "
                 "AND NOT EXISTS (SELECT 1 FROM lanes l WHERE l.step = s.step AND l.sink = ?) "
                 "ORDER BY s.step",
-                (RETIRED, sink),
+                (RETIRED, LOST, sink),
             )
             if rows:
                 out[sink] = (len(rows), [r[0] for r in rows[-newest:]])

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from stagerd.daemon.journal.schema import LaneState, StepState
+from stagerd.daemon.journal.schema import LOST, LaneState, StepState
 from stagerd.daemon.journal.waits import FleetWaits
 from stagerd.errors import JournalError, StepConflictError
 
@@ -61,7 +61,10 @@ class StepVersions(FleetWaits):
                 "UPDATE steps SET path = ?, marker_mtime = ?, marker_id = ?, updated = ? WHERE step = ?",
                 (Path(path).name, marker_mtime, marker_id, now, step),
             )
-            reached_a_sink = state in (StepState.PUBLISHED, StepState.RETIRED) or LaneState.PUBLISHED in lanes
+            (error_class,) = c.execute("SELECT error_class FROM steps WHERE step = ?", (step,)).fetchone()
+            lost = state is StepState.RETIRED and error_class == LOST  # its trainer deleted it unexported
+            reached = state in (StepState.PUBLISHED, StepState.RETIRED) and not lost
+            reached_a_sink = reached or LaneState.PUBLISHED in lanes
             if reached_a_sink:
                 message = (
                     f"step {step} was saved again (save {marker_id[:19]}) after save {(old_id or '?')[:19]} "
@@ -70,7 +73,7 @@ class StepVersions(FleetWaits):
                 self._set_step(c, step, state, StepState.QUARANTINED, now, CONFLICT, message)
                 return StepState.QUARANTINED
             c.execute("DELETE FROM lanes WHERE step = ?", (step,))  # none of them published anything
-            c.execute("UPDATE steps SET attempts = 0 WHERE step = ?", (step,))
+            c.execute("UPDATE steps SET attempts = 0, retired_at = NULL WHERE step = ?", (step,))
             message = f"a new save ({marker_id[:19]}) replaced the unpublished one; exporting it"
             self._set_step(c, step, state, StepState.COMMITTED, now, None, message)
             return StepState.COMMITTED

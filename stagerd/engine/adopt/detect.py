@@ -29,6 +29,14 @@ def choose_preset(ckpt: Path, name: str, dir_name: str | None = None) -> Preset:
     raise AdoptError(f"no preset recognises {ckpt} (no DCP .metadata where a trainer writes it)", path=ckpt)
 
 
+def fitting_layout(ckpt: Path, name: str) -> Preset | None:
+    """The layout of preset `name` (with `auto`, of any) this directory has as a checkpoint, judged as
+    `choose_preset`'s auto judges one (name, paths, `.metadata`'s keys); None where it has none of them."""
+    keys: dict[Path, set[str] | None] = {}
+    names = AUTO_ORDER if name == AUTO else (get_preset(name).name,)
+    return next((p for n in names for p in LAYOUTS[n] if _fits(ckpt, p, keys, None)), None)
+
+
 def _fits(ckpt: Path, p: Preset, keys: dict[Path, set[str] | None], dir_name: str | None) -> bool:
     if p.detect_name is not None and re.fullmatch(p.detect_name, dir_name or ckpt.name) is None:
         return False
