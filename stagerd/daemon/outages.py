@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from stagerd.daemon.gate import JournalGate
-from stagerd.daemon.journal import EXPORTED, FAILED, PENDING, QUARANTINED, Journal, LaneState
+from stagerd.daemon.journal import EXPORTED, FAILED, PENDING, Journal, LaneState
 from stagerd.daemon.policy import Failure, gives_up_sink
 from stagerd.errors import SinkDownError
 
@@ -105,10 +105,8 @@ def leave_waiting(
     journal: Journal, step: int, sink: str, error_class: str, message: str, *, raw: bool
 ) -> None:
     """A lane left untried for its sink that is down: failed with no next try, as the journal records a
-    publish that waits for a missing bucket. The journal's own calls either fail a lane that is publishing
-    or quarantine one; quarantined, a lane that only waits read as one for `stagerd retry`."""
-    allowed: tuple[str, ...] = (PENDING, FAILED)
-    if raw:  # its row is made as it first begins: `leave_raw` makes it, then it is made to wait
-        journal.leave_raw(step, sink, error_class, message)
-        allowed = (QUARANTINED,)
-    journal._fail_lane(step, sink, allowed, error_class, message, None, False)
+    publish that waits for a missing bucket; quarantined, a lane that only waits read as one for
+    `stagerd retry`."""
+    if raw:
+        journal.add_raw_lane(step, sink)
+    journal.leave_lane(step, sink, error_class, message)

@@ -240,9 +240,12 @@ class Journal(RawLanes):
         """Lane pending|failed -> quarantined (a publish that keeps killing the daemon)."""
         self._fail_lane(step, sink, (PENDING, FAILED), error_class, message, None, True)
 
-    def leave_raw(self, step: int, key: str, error_class: str, message: str) -> None:
-        """Raw lane (created pending if absent: its row is made as it first begins) -> quarantined untried,
-        its sink down in a `--once` run; the next start re-arms it."""
+    def leave_lane(self, step: int, sink: str, error_class: str, message: str) -> None:
+        """Lane pending|failed -> failed, no next try: untried, its sink down in a `--once` run (waiting)."""
+        self._fail_lane(step, sink, (PENDING, FAILED), error_class, message, None, False)
+
+    def add_raw_lane(self, step: int, key: str) -> None:
+        """A raw lane, pending, where it has no row yet: its row is made as it first begins."""
         now = time.time()
         with self._tx() as c:
             added = c.execute(
@@ -251,7 +254,6 @@ class Journal(RawLanes):
             ).rowcount
             if added:
                 self._event(c, step, key, None, PENDING, now=now)
-        self.quarantine_lane(step, key, error_class, message)
 
     def _fail_lane(
         self,
