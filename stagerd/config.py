@@ -257,10 +257,11 @@ class Settings(BaseSettings):
     @field_validator("adopt")
     @classmethod
     def _check_adopt_preset(cls, v: str | None) -> str | None:
-        from stagerd.contract.adopt.presets import preset_names
+        from stagerd.contract.adopt.presets import preset_names, unknown_preset
 
         if v is not None and v not in preset_names():
-            raise ValueError(f"must be one of {'|'.join(preset_names())}, got {v!r}")
+            e = unknown_preset(v)
+            raise ValueError(f"must be one of {'|'.join(preset_names())}, got {v!r}" + _did_you_mean(e.hint))
         return v
 
     @field_validator("adopt_step")
@@ -366,3 +367,8 @@ def settings_table() -> list[tuple[str, str, str, str]]:
         default = field.get_default(call_default_factory=True)
         rows.append((name, f"{ENV_PREFIX}{name.upper()}", repr(default), field.description or ""))
     return rows
+
+
+def _did_you_mean(hint: str | None) -> str:
+    """`; did you mean X?` of a preset's error, for a setting's one line (its hint is the setting's own)."""
+    return f"; {hint}" if hint and hint.startswith("did you mean") else ""

@@ -64,3 +64,10 @@ def test_adopt_errors_carry_no_pydantic_prefix(flags: dict[str, object], message
         load_settings(**flags)
     assert e.value.message.startswith(message), e.value.message
     assert "Value error" not in e.value.message and "settings: settings" not in e.value.message
+
+
+def test_a_misspelt_preset_in_the_environment_names_the_closest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--adopt hf_trainer` names hf-trainer; the same name from STAGERD_ADOPT or a TOML file did not."""
+    monkeypatch.setenv("STAGERD_ADOPT", "hf_trainer")
+    with pytest.raises(ConfigError, match=r"got 'hf_trainer'; did you mean hf-trainer\?"):
+        load_settings(None, root="/tmp")
