@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Collection
 from functools import partial
 from pathlib import Path
@@ -13,8 +12,6 @@ from pathlib import Path
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.cmd.watch_hints import (
     given_up_hint,
-    lost_steps,
-    lost_text,
     nested_checkpoints,
     retry_hint,
     warn_quarantined,
@@ -231,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
     on_start = None if root is None else partial(_warn, Path(root), settings.adopt is None)
     daemon = Daemon(settings, on_start=on_start)
-    started = time.time()
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:
         s = daemon.summary
@@ -241,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for step, why in s.unpublished:
             print(f"  step {step}: {why}")
-        from stagerd.daemon.summary import down_text, missed_text, restored_text
+        from stagerd.daemon.summary import down_text, lost_text, missed_text, restored_text
         from stagerd.daemon.unfinished import unfinished_text
 
         for sink, (failure, steps) in s.down.items():
@@ -256,11 +252,8 @@ def run(args: argparse.Namespace) -> int:
         if settings.adopt is not None and root is not None:
             for note in nested_checkpoints(Path(root), settings.adopt_step):
                 print(f"  {note}")
-        lost, newest, lost_now = (0, [], 0) if root is None else lost_steps(Path(root), started)
-        if lost:
-            print(f"  {lost_text(lost, newest, lost_now)}")
-        # The run that lost a step says so once in its exit code; later ones cannot mend it, so exit 0.
-        code = 1 if lost_now and code == 0 else code
+        if s.lost[0]:
+            print(f"  {lost_text(*s.lost)}")
         if s.given_up:
             print(f"  what to do: {given_up_hint()}")
         if s.quarantined and settings.root is not None:

@@ -106,37 +106,6 @@ def _subdirs(d: Path) -> list[Path]:
         return []
 
 
-def lost_steps(root: Path, since: float) -> tuple[int, list[int], int]:
-    """(how many, the newest few, how many of them since `since`) of ROOT's adopted steps retired as lost:
-    their trainer deleted the checkpoint before it was exported; (0, [], 0) without a journal."""
-    from stagerd.daemon.journal import Journal, journal_path
-    from stagerd.daemon.summary import NEWEST_LISTED
-    from stagerd.errors import JournalError
-
-    if not journal_path(root).is_file():
-        return 0, [], 0
-    try:
-        journal = Journal.open_readonly(root)
-    except JournalError:
-        return 0, [], 0
-    try:
-        count, newest = journal.lost_summary(NEWEST_LISTED)
-        return count, newest, journal.lost_since(since)
-    finally:
-        journal.close()
-
-
-def lost_text(count: int, newest: list[int], now: int) -> str:
-    """One line of the `--once` summary: the steps lost for good, which no run counts unpublished."""
-    shown = ", ".join(map(str, newest))
-    which = f"newest {len(newest)}: {shown}" if count > len(newest) else shown
-    return (
-        f"{count} step(s) lost ({which}; {now} by this run): the trainer deleted its checkpoint before it "
-        "was exported, so nothing can publish it; to publish every checkpoint, let the trainer keep more "
-        "of them and delete them with --delete-adopted --keep-last N"
-    )
-
-
 def nested_checkpoints(root: Path, adopt_step: str | None) -> list[str]:
     """For the `--once` summary of `watch --adopt`: each folder of ROOT that gives no step number but holds
     checkpoints (a run's `checkpoints/`, ROOT given one level too high), with why, as the warning said it."""

@@ -35,6 +35,9 @@ class Summary:
     down: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     # (count, newest) of the saves in ROOT left alone as unfinished: not steps yet, so not counted
     unfinished: tuple[int, list[Unfinished]] = (0, [])
+    # (count, newest, of them this run's) of the adopted steps lost for good: their trainer deleted the
+    # checkpoint before it was exported, so no run can publish them and none counts them unpublished
+    lost: tuple[int, list[int], int] = (0, [], 0)
 
     @property
     def ok(self) -> bool:
@@ -55,6 +58,8 @@ class OnceSummary(SinkOutages):
         down = {sink: f"{f.error_class}: {f.message}" for sink, f in self.down_sinks().items()}
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         out.unfinished = (len(self._unfinished), newest_of(self._unfinished, NEWEST_LISTED))
+        lost, lost_newest = await self._j(self._journal.lost_summary, NEWEST_LISTED)
+        out.lost = (lost, lost_newest, await self._j(self._journal.lost_since, self._started) if lost else 0)
         for r in rows:
             if r.state == PUBLISHED:
                 out.published_count += 1
@@ -98,14 +103,17 @@ class OnceSummary(SinkOutages):
             count, shown = summary.unfinished
             text = unfinished_text(count, shown, self.settings.adopt is not None)
             log.warning("--once: %s", text, extra={"unfinished": [u.name for u in shown]})
-        return code
+        if summary.lost[0]:
+            log.warning("--once: %s", lost_text(*summary.lost), extra={"lost": summary.lost[1]})
+        # The run that lost a step says so once in its exit code; later ones cannot mend it, so exit 0.
+        return 1 if summary.lost[2] and code == 0 else code
 
     def _report_steps(self, summary: Summary) -> int:
         if summary.ok:
             lacking = ", ".join(f"{s} lacks {n}" for s, (n, _) in summary.missed.items())
             log.info(
                 "--once: %s%d step(s) published%s, %s%s",
-                "" if summary.missed or summary.unfinished[0] else "all ",
+                "" if summary.missed or summary.unfinished[0] or summary.lost[0] else "all ",
                 summary.published_count,
                 _newest(summary),
                 this_run(summary.published_now),
@@ -159,6 +167,17 @@ def down_text(sink: str, failure: str, steps: list[int]) -> str:
     return (
         f"{sink} is down: {len(steps)} step(s) left for the next start ({', '.join(map(str, steps))}); "
         f"its last failure: {failure} (hint: {SinkDownError.hint})"
+    )
+
+
+def lost_text(count: int, newest: list[int], now: int) -> str:
+    """One line of the `--once` summary: the steps lost for good, which no run counts unpublished."""
+    shown = ", ".join(map(str, newest))
+    which = f"newest {len(newest)}: {shown}" if count > len(newest) else shown
+    return (
+        f"{count} step(s) lost ({which}; {now} by this run): the trainer deleted its checkpoint before it "
+        "was exported, so nothing can publish it; to publish every checkpoint, let the trainer keep more "
+        "of them and delete them with --delete-adopted --keep-last N"
     )
 
 

@@ -81,6 +81,7 @@ def test_a_checkpoint_rotated_away_before_its_export_is_lost_once(tmp_path):
     assert not published(sink, 1).exists() and published(sink, 2).is_dir(), log
     assert "1 step(s) published, 0 not" in out and "1 step(s) lost (1; 1 by this run)" in out, out
     assert "quarantined" not in out and "stagerd retry" not in out, out
+    assert "--once: all " not in err and "--once: 1 step(s) lost" in err, err  # the log says it too
     again = watch_once(root, sink)
     assert again.returncode == 0 and "1 step(s) lost (1; 0 by this run)" in again.stdout, again.stdout
     assert "stagerd retry" not in again.stdout + again.stderr, again.stdout + again.stderr
