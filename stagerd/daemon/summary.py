@@ -145,6 +145,12 @@ class OnceSummary(SinkOutages):
         return 1
 
 
+def _listed(count: int, steps: list[int]) -> str:
+    """`1, 2, 3`, or `newest 3: 7, 8, 9` where `count` steps are more than the ones shown."""
+    shown = ", ".join(map(str, steps))
+    return f"newest {len(steps)}: {shown}" if count > len(steps) else shown
+
+
 def this_run(count: int) -> str:
     """How many of the published steps this run published: a cron's run says what it did itself."""
     return f"{count} by this run"
@@ -152,8 +158,7 @@ def this_run(count: int) -> str:
 
 def missed_text(sink: str, count: int, steps: list[int]) -> str:
     """One line: which retired steps `sink` never got, and why."""
-    shown = ", ".join(map(str, steps))
-    which = f"newest {len(steps)}: {shown}" if count > len(steps) else shown
+    which = _listed(count, steps)
     return (
         f"{sink} never got {count} step(s) ({which}): retention deleted their staged data before this "
         "sink was configured (of an adopted checkpoint, the trainer's checkpoint is gone or saved again "
@@ -172,8 +177,7 @@ def down_text(sink: str, failure: str, steps: list[int]) -> str:
 
 def lost_text(count: int, newest: list[int], now: int) -> str:
     """One line of the `--once` summary: the steps lost for good, which no run counts unpublished."""
-    shown = ", ".join(map(str, newest))
-    which = f"newest {len(newest)}: {shown}" if count > len(newest) else shown
+    which = _listed(count, newest)
     return (
         f"{count} step(s) lost ({which}; {now} by this run): the trainer deleted its checkpoint before it "
         "was exported, so nothing can publish it; to publish every checkpoint, let the trainer keep more "
@@ -183,8 +187,7 @@ def lost_text(count: int, newest: list[int], now: int) -> str:
 
 def restored_text(count: int, steps: list[int]) -> str:
     """One line: the steps `stagerd restore` landed, which the daemon leaves as they are."""
-    shown = ", ".join(map(str, steps))
-    which = f"newest {len(steps)}: {shown}" if count > len(steps) else shown
+    which = _listed(count, steps)
     return f"{count} step(s) restored by `stagerd restore` ({which}): not published again, left as they are"
 
 
