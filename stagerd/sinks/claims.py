@@ -50,10 +50,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from stagerd.contract import layout, lineage
+from stagerd.contract.manifest import ExportManifest
 from stagerd.contract.root_id import ROOT_ID, root_id
-from stagerd.errors import RestoreError, StepClaimedError
+from stagerd.errors import RestoreError, SinkConflictError, StepClaimedError
 from stagerd.ops.processes import PID_NS, pid_alive
-from stagerd.sinks.objects import MAX_CLAIM_BYTES
+from stagerd.sinks.objects import MAX_CLAIM_BYTES, same_files
 from stagerd.sinks.remote import RemoteStore
 
 CLAIMS_DIR = "claims"
@@ -328,4 +329,20 @@ def claimed_error(where: str, data: bytes | None, step: int) -> StepClaimedError
     return StepClaimedError(
         f"step {step} is claimed by {who}, with no manifest yet; nothing of this publish was written there",
         path=where,
+    )
+
+
+def check_same(remote: ExportManifest, local: ExportManifest, where: str, claim: bytes | None = None) -> None:
+    """A `SinkConflictError` where the step's manifest at `where` is another upload: it names the publisher
+    the step's `claim` names (another's, where this publish does not hold it), and says what to do."""
+    if remote.step == local.step and same_files(remote, local):
+        return
+    who = publisher_named(claim)
+    by = f"; it was published by another run ({who})" if who else ""
+    raise SinkConflictError(
+        f"the remote manifest for step {remote.step} lists different files or hashes than the local "
+        f"export for step {local.step}{by}",
+        path=where,
+        hint="another run publishes to this prefix: give each run its own prefix (a --sink URL of its "
+        "own); the step there is another upload, so inspect it before deleting anything",
     )

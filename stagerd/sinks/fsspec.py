@@ -34,7 +34,7 @@ from stagerd.errors import SinkAuthError, SinkConflictError, SinkError, VerifyEr
 from stagerd.ops.crashpoints import crash_point, delay_point
 from stagerd.sinks.backends import open_backend
 from stagerd.sinks.base import ProgressFn, PublishResult
-from stagerd.sinks.claims import claim_key, claimed_error, owned_by, publish_claim, publisher_named
+from stagerd.sinks.claims import check_same, claim_key, claimed_error, owned_by, publish_claim
 from stagerd.sinks.denied import denied_hint
 from stagerd.sinks.fetch import RAW_DIR, node_part
 from stagerd.sinks.latest import LatestMixin
@@ -54,7 +54,6 @@ from stagerd.sinks.objects import (
     plan_reuse,
     redact_url,
     same_checksum,
-    same_files,
     scan_dir,
     verify_listing,
 )
@@ -159,7 +158,7 @@ class FsspecSink(LatestMixin):
         created = self._call(lambda: b.create(key, manifest_bytes(manifest)), key)
         if not created:
             raw = self._call(lambda: b.read(key, _MANIFEST), key) or b""
-            self._check_same(parse_manifest(raw, self._where(key)), manifest, key)
+            check_same(parse_manifest(raw, self._where(key)), manifest, self._where(key))
         crash_point("fleet.manifest")
         self.settle(step)
         return bool(created)
@@ -204,9 +203,8 @@ class FsspecSink(LatestMixin):
             digests = [early.get(f.rel) or b.digest(f) for f in files]
             try:
                 ours = self._manifest(step, digests, metadata)
-                self._check_same(
-                    remote_manifest, ours, manifest_key, None if opening.claimed else opening.claim
-                )
+                where = self._where(manifest_key)
+                check_same(remote_manifest, ours, where, None if opening.claimed else opening.claim)
             except SinkConflictError:
                 self._discard(prefix, opening, remote_manifest)
                 raise
@@ -260,7 +258,7 @@ class FsspecSink(LatestMixin):
             raw = self._call(lambda: b.read(manifest_key, _MANIFEST), manifest_key) or b""
             other = parse_manifest(raw, self._where(manifest_key))
             try:
-                self._check_same(other, manifest, manifest_key)
+                check_same(other, manifest, self._where(manifest_key))
             except SinkConflictError:
                 self._discard(prefix, opening, other)
                 raise
@@ -285,23 +283,6 @@ class FsspecSink(LatestMixin):
             step=step,
             files=tuple(ManifestFile(d.rel, d.size, d.sha256) for d in sorted(digests, key=lambda d: d.rel)),
             metadata=dict(metadata or {}),
-        )
-
-    def _check_same(
-        self, remote: ExportManifest, local: ExportManifest, key: str, claim: bytes | None = None
-    ) -> None:
-        """A `SinkConflictError` where the step's manifest there is another upload: it names the publisher
-        the step's `claim` names (another's, where this publish does not hold it), and says what to do."""
-        if remote.step == local.step and same_files(remote, local):
-            return
-        who = publisher_named(claim)
-        by = f"; it was published by another run ({who})" if who else ""
-        raise SinkConflictError(
-            f"the remote manifest for step {remote.step} lists different files or hashes than the local "
-            f"export for step {local.step}{by}",
-            path=self._where(key),
-            hint="another run publishes to this prefix: give each run its own prefix (a --sink URL of its "
-            "own); the step there is another upload, so inspect it before deleting anything",
         )
 
     def _open_step(
