@@ -7,6 +7,8 @@ reads it on every scan.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import itertools
 import json
 import os
 import re
@@ -97,6 +99,33 @@ def nearest_existing(path: str | os.PathLike[str]) -> Path:
     while not os.path.lexists(p) and p != p.parent:
         p = p.parent
     return p
+
+
+# The most entries of a directory looked through for a name like a missing one: a directory of millions of
+# files is not listed for a hint.
+_MAX_SIBLINGS = 10_000
+
+
+def closest_existing(path: str | os.PathLike[str], *, made: bool = False) -> Path | None:
+    """`path` with its first missing part replaced by the most alike directory beside it
+    (`/data/checkpoint` -> `/data/checkpoints`): the path a typo meant, or None where none is alike (or the
+    parent cannot be read). `made`: the last part exists only because it was just made for this path (a
+    Stager's new ROOT), so it is looked for beside itself too."""
+    parts = Path(os.path.abspath(path)).parts
+    for i in range(1, len(parts)):
+        parent, missing = Path(*parts[:i]), parts[i]
+        if (parent / missing).exists() and not (made and i == len(parts) - 1):
+            continue
+        try:
+            with os.scandir(parent) as it:
+                names = [
+                    e.name for e in itertools.islice(it, _MAX_SIBLINGS) if e.is_dir() and e.name != missing
+                ]
+        except OSError:
+            return None
+        close = difflib.get_close_matches(missing, names, n=1, cutoff=0.75)
+        return parent.joinpath(close[0], *parts[i + 1 :]) if close else None
+    return None
 
 
 def looks_like_a_step_dir(name: str) -> bool:

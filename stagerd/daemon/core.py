@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from stagerd.config import Settings
+from stagerd.contract import layout
 from stagerd.daemon.housekeeping import Housekeeping
 from stagerd.daemon.journal import COMMITTED, PENDING, Journal
 from stagerd.daemon.journal.raw import raw_lane
@@ -58,33 +59,6 @@ __all__ = ["Daemon", "Failure", "Summary", "backoff_delay", "decide_failure"]
 def _warm_engine() -> None:
     """Import the export engine (numpy, safetensors) before the first step, not inside its pickup."""
     import stagerd.engine.export  # noqa: F401
-
-
-# The most entries of a directory looked through for a name like a missing one: a directory of millions of
-# files is not listed for a hint.
-_MAX_SIBLINGS = 10_000
-
-
-def closest_existing(path: Path) -> Path | None:
-    """`path` with its first missing part replaced by the most alike directory beside it
-    (`/data/checkpoint` -> `/data/checkpoints`), or None where none is alike (or its parent cannot be
-    read)."""
-    import difflib
-    import itertools
-
-    parts = Path(os.path.abspath(path)).parts
-    for i in range(1, len(parts)):
-        parent, missing = Path(*parts[:i]), parts[i]
-        if (parent / missing).exists():
-            continue
-        try:
-            with os.scandir(parent) as it:
-                names = [e.name for e in itertools.islice(it, _MAX_SIBLINGS) if e.is_dir()]
-        except OSError:
-            return None
-        close = difflib.get_close_matches(missing, names, n=1, cutoff=0.75)
-        return parent.joinpath(close[0], *parts[i + 1 :]) if close else None
-    return None
 
 
 class Daemon(Scheduling, Housekeeping, OnceSummary):
@@ -135,7 +109,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
     async def run(self) -> int:
         """Lock ROOT, recover, scan, then run until a signal (or, with `once`, until everything settles)."""
         if not self.root.exists():  # a daemon started before its trainer made the folder, or a typo
-            meant = closest_existing(self.root)
+            meant = layout.closest_existing(self.root)
             raise ConfigError(
                 "ROOT does not exist",
                 path=self.root,

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 
 from stagerd.contract import layout
 from stagerd.errors import LoadError
-from stagerd.training.step_choice import near_sibling
 
 POINTER = "stagerd.lightning.pointer/1"
 MAX_POINTER_BYTES = 64 << 10
@@ -40,7 +39,7 @@ def locate(path: Path) -> Located:
     # the first run of a script that resumes from ROOT
     fresh = ": a fresh run has nothing to load (Trainer.fit: pass ckpt_path=None)"
     if not path.exists():
-        near = near_sibling(path)  # a typo'd path reads as one
+        near = layout.closest_existing(path)  # a typo'd path reads as one
         meant = f"; did you mean {near}?" if near is not None else ""
         raise LoadError(f"does not exist{meant}{fresh}", path=path, hint=NOT_OURS_HINT)
     if path.is_dir():

@@ -5,7 +5,6 @@ daemon's retention deleted reads as what it is."""
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def holds(root: Path, made: bool = False) -> str:
         missing = "it did not exist until this Stager made it" if made else "it does not exist"
         if not made and not root.parent.is_dir():
             missing += f", nor does {root.parent}"
-        near = near_sibling(root)
+        near = layout.closest_existing(root, made=made)
         return missing + (f"; did you mean {near}?" if near else "")
     try:
         names = sorted(os.listdir(root))
@@ -87,16 +86,6 @@ def holds(root: Path, made: bool = False) -> str:
     if visible:
         return f"it holds no step directories, only {layout.a_few(visible)}"
     return "it is empty"
-
-
-def near_sibling(root: Path) -> Path | None:
-    """A sibling directory whose name is close to `root`'s: the path the user likely meant."""
-    try:
-        siblings = [e.name for e in os.scandir(root.parent) if e.is_dir() and e.name != root.name]
-    except OSError:
-        return None
-    close = difflib.get_close_matches(root.name, siblings, n=1, cutoff=0.75)
-    return root.parent / close[0] if close else None
 
 
 def rolled_back(seen: list[list[int]], step: int) -> str | None:
