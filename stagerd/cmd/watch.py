@@ -12,7 +12,6 @@ from pathlib import Path
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.cmd.watch_hints import (
     given_up_hint,
-    nested_checkpoints,
     retry_hint,
     warn_quarantined,
     warn_unadopted,
@@ -249,9 +248,8 @@ def run(args: argparse.Namespace) -> int:
 
         for sink, (count, steps) in s.missed.items():
             print(f"  {missed_text(sink, count, steps)}")
-        if settings.adopt is not None and root is not None:
-            for note in nested_checkpoints(Path(root), settings.adopt_step):
-                print(f"  {note}")
+        for note in s.nested:
+            print(f"  {note}")
         if s.lost[0]:
             print(f"  {lost_text(*s.lost)}")
         if s.given_up:

@@ -104,26 +104,3 @@ def _subdirs(d: Path) -> list[Path]:
         return [d / n for n in os.listdir(d) if (d / n).is_dir()]
     except OSError:
         return []
-
-
-def nested_checkpoints(root: Path, adopt_step: str | None) -> list[str]:
-    """For the `--once` summary of `watch --adopt`: each folder of ROOT that gives no step number but holds
-    checkpoints (a run's `checkpoints/`, ROOT given one level too high), with why, as the warning said it."""
-    from stagerd.contract.adopt.step_names import compile_step_regex, parse_step_name
-    from stagerd.daemon.unadopted import holds_checkpoints, holds_dcp
-
-    custom = compile_step_regex(adopt_step)
-    try:
-        entries = sorted(os.scandir(root), key=lambda e: e.name)
-    except OSError:
-        return []
-    out = []
-    for e in entries:
-        if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
-            continue
-        if parse_step_name(e.name, custom) is not None:
-            continue
-        why = None if holds_dcp(Path(e.path)) else holds_checkpoints(Path(e.path), custom)
-        if why is not None:
-            out.append(f"{e.path} {why}")
-    return out

@@ -138,6 +138,7 @@ class Adoption(Discovery):
         out: list[Found] = []
         odd: list[tuple[str, str]] = []
         unfinished: list[Unfinished] = []
+        folders: list[str] = []  # of checkpoints with no step number: the `--once` summary names them
         try:
             entries = sorted(os.scandir(self.root), key=lambda e: e.name)
         except FileNotFoundError:
@@ -156,7 +157,10 @@ class Adoption(Discovery):
             step = parse_step_name(e.name, custom)
             if step is None:
                 dcp = holds_dcp(Path(e.path))
-                said = NO_STEP_CHECKPOINT if dcp else holds_checkpoints(Path(e.path), custom) or NO_STEP
+                nested = None if dcp else holds_checkpoints(Path(e.path), custom)
+                if nested is not None:
+                    folders.append(f"{e.path} {nested}")
+                said = NO_STEP_CHECKPOINT if dcp else nested or NO_STEP
                 odd.append((e.name, said))  # a folder of checkpoints: warned, a folder of logs: said
                 continue
             here.add(e.name)
@@ -179,6 +183,7 @@ class Adoption(Discovery):
                 continue  # gone meanwhile: the next scan sees what is there
         # a checkpoint rotated away is forgotten: the cache follows ROOT, not every checkpoint ever seen
         self._adopt_presets = {k: v for k, v in self._adopt_presets.items() if k in here}
+        self._nested = folders
         return out, odd, unfinished
 
     def _adopted_steps_here(self) -> list[int]:

@@ -89,6 +89,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         self._marker_metadata = {}
         self._odd_names = set()
         self._unfinished = []
+        self._nested = []
         self._unfinished_recorded = None
         self._started = time.time()
         self._saves = self._saves_in_flight()

@@ -66,6 +66,8 @@ class DaemonState:
     _root_lock: RootLock
     _odd_names: set[str]  # names like step directories that are not, warned about once each
     _unfinished: list[Unfinished]  # the saves the last scan left alone as unfinished: `--once` names them
+    # the last adopt scan's folders of ROOT that give no step number but hold checkpoints, each with why
+    _nested: list[str]
     _unfinished_recorded: dict[str, Any] | None  # what the journal keeps of them, for `stagerd status`
     _adopt_root: Path | None  # `--adopt`: where adopted checkpoints' exports are built; None: Stager steps
     _started: float  # when `run` began: a `--once` summary counts the steps this run published apart

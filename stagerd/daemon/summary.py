@@ -38,6 +38,9 @@ class Summary:
     # (count, newest, of them this run's) of the adopted steps lost for good: their trainer deleted the
     # checkpoint before it was exported, so no run can publish them and none counts them unpublished
     lost: tuple[int, list[int], int] = (0, [], 0)
+    # the folders of ROOT that give no step number but hold checkpoints (ROOT given one level too high),
+    # each with why, as the last scan found them
+    nested: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -58,6 +61,7 @@ class OnceSummary(SinkOutages):
         down = {sink: f"{f.error_class}: {f.message}" for sink, f in self.down_sinks().items()}
         out.missed = await self._j(self._journal.missed, self._lane_keys(), NEWEST_LISTED)
         out.unfinished = (len(self._unfinished), newest_of(self._unfinished, NEWEST_LISTED))
+        out.nested = list(self._nested)
         lost, lost_newest = await self._j(self._journal.lost_summary, NEWEST_LISTED)
         out.lost = (lost, lost_newest, await self._j(self._journal.lost_since, self._started) if lost else 0)
         for r in rows:
