@@ -11,7 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stagerd.cmd.flag_types import export_dtype
 from stagerd.cmd.help import UserHelpFormatter
+from stagerd.contract.dtypes import EXPORT_DTYPE_TEXT
 from stagerd.errors import ConfigError, OutputError, ShardError
 
 if TYPE_CHECKING:
@@ -52,8 +54,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: s
     )
     p.add_argument(
         "--dtype",
-        help="keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float): cast floating tensors "
-        "(default: the marker's hint, else keep)",
+        type=export_dtype,
+        metavar="DTYPE",
+        help=f"{EXPORT_DTYPE_TEXT}: cast floating tensors (default: the marker's hint, else keep)",
     )
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names matching REGEX are never cast")
     p.add_argument(

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 
+from stagerd.cmd.flag_types import export_dtype
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.cmd.watch_hints import (
     given_up_hint,
@@ -16,7 +17,7 @@ from stagerd.cmd.watch_hints import (
     warn_quarantined,
     warn_unadopted,
 )
-from stagerd.contract.dtypes import EXPORT_DTYPE_CHOICES
+from stagerd.contract.dtypes import EXPORT_DTYPE_TEXT
 from stagerd.errors import ConfigError
 
 DESCRIPTION = (
@@ -56,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str) -> None:
         "--sink", dest="sinks", action="append", metavar="URL", help="publish destination (repeatable)"
     )
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
-    p.add_argument("--dtype", choices=EXPORT_DTYPE_CHOICES, help="export dtype")
+    p.add_argument("--dtype", type=export_dtype, metavar="DTYPE", help=f"export dtype: {EXPORT_DTYPE_TEXT}")
     p.add_argument("--keep-dtype", metavar="REGEX", help="tensor names that are never cast")
     p.add_argument(
         "--mapping",

@@ -89,17 +89,9 @@ EXPORT_DTYPES: dict[str, str | None] = {
 }
 
 
-class _Spellings(tuple[str, ...]):
-    """The short spellings, listed (usage, help, messages), that hold every spelling of `EXPORT_DTYPES`
-    in any case: an argparse `choices=` of it accepts `--dtype bfloat16`, which the settings normalise."""
-
-    def __contains__(self, spec: object) -> bool:
-        return isinstance(spec, str) and spec.lower() in EXPORT_DTYPES
-
-
 # The spellings offered to users (CLI choices, settings, the marker's hint), short form first.
-EXPORT_DTYPE_CHOICES: tuple[str, ...] = _Spellings(("keep", "bf16", "fp16", "fp32"))
-_CHOICES_TEXT = "keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float)"
+EXPORT_DTYPE_CHOICES = ("keep", "bf16", "fp16", "fp32")
+EXPORT_DTYPE_TEXT = "keep|bf16|fp16|fp32 (or bfloat16, float16, half, float32, float)"
 
 
 def export_dtype_hint(name: str | None) -> str:
@@ -125,7 +117,7 @@ def parse_export_dtype(spec: str | None) -> str | None:
     try:
         return EXPORT_DTYPES[spec.lower()]
     except (KeyError, AttributeError):
-        raise DTypeError(f"unknown export dtype {spec!r}; use one of {_CHOICES_TEXT}") from None
+        raise DTypeError(f"unknown export dtype {spec!r}; use one of {EXPORT_DTYPE_TEXT}") from None
 
 
 def normalise_export_dtype(spec: str) -> str:
