@@ -26,6 +26,7 @@ from stagerd.daemon.discovery import Discovery
 from stagerd.daemon.journal import QUARANTINED, StepState
 from stagerd.daemon.root_places import adopt_root
 from stagerd.daemon.state import log
+from stagerd.daemon.trainers_best import adopted_best, staged_best
 from stagerd.daemon.unadopted import (
     NO_CONFIG,
     NO_STEP,
@@ -278,31 +279,13 @@ class Adoption(Discovery):
         return result
 
     def _trainers_best(self) -> set[int]:
-        """With --delete-adopted: the step of the checkpoint the HF Trainer names its best
-        (`best_model_checkpoint` in the newest `trainer_state.json`), which `load_best_model_at_end`
-        reads back when the training ends and the Trainer's own rotation keeps: retention keeps it as a
-        pinned step (deleted, the Trainer would end with the last weights and a warning). Io thread."""
-        from stagerd.engine.parsed_extras import read_json_object
-
+        """The step the HF Trainer names its best, kept by retention as a pinned step: with --adopt, among
+        the checkpoints it wrote (deleted, the Trainer would end with the last weights and a warning);
+        else among the steps its Stager callback staged, also once the training ended. Io thread."""
+        if self.settings.adopt is None:
+            return staged_best(self.root)
         custom = compile_step_regex(self.settings.adopt_step)
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return set()
-        states = sorted(
-            (step, name) for name in names if (step := parse_step_name(name, custom)) is not None
-            and (self.root / name / "trainer_state.json").is_file()
-        )  # fmt: skip
-        for _, name in reversed(states):  # the newest that parses: one still being written is skipped
-            try:
-                best = read_json_object(self.root / name / "trainer_state.json").get("best_model_checkpoint")
-            except StagerdError:
-                continue
-            if not isinstance(best, str):
-                return set()
-            step = parse_step_name(Path(best).name, custom)
-            return {step} if step is not None and (self.root / Path(best).name).is_dir() else set()
-        return set()
+        return adopted_best(self.root, lambda name: parse_step_name(name, custom))
 
     def _checked_otherwise(self, step_dir: Path) -> bool:
         """Io thread: the checkpoint's cached export was made by a stagerd build whose checks differ from

@@ -38,7 +38,9 @@ class Housekeeping(Health, Adoption):
         if self.settings.keep_last is None:
             return
         rows = await self._j(self._journal.steps, include_retired=False)
-        best = await self._io(self._trainers_best) if self.settings.delete_adopted else set()
+        # --adopt without --delete-adopted deletes exports only, never the Trainer's checkpoints
+        keeps_best = self.settings.adopt is None or self.settings.delete_adopted
+        best = await self._io(self._trainers_best) if keeps_best else set()
         views = [
             StepView(r.step, r.state == PUBLISHED, r.step in best or pinned(self.root, r.step)) for r in rows
         ]
@@ -46,8 +48,9 @@ class Housekeeping(Health, Adoption):
         for v in views:
             if v.pinned and v.step not in self._retention_pinned:
                 self._retention_pinned.add(v.step)
-                log.info("step %d: kept while a trainer pins it (its best model), beside the newest %d",
-                         v.step, self.settings.keep_last)  # fmt: skip
+                why = "the newest trainer_state.json names it best" if v.step in best else "a trainer pins it"
+                log.info("step %d: kept while %s (its best model), beside the newest %d",
+                         v.step, why, self.settings.keep_last)  # fmt: skip
         for step in plan_retention(views, self.settings.keep_last):
             if self._stopping:
                 return

@@ -1,5 +1,6 @@
 """The Trainer's best checkpoint (`load_best_model_at_end`) as a step under ROOT, pinned against the
-daemon's retention until a better one is named or the training ends."""
+daemon's retention until a better one is named or the training ends (after which the daemon keeps the one
+the newest step's `trainer_state.json` names)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,9 @@ class BestStep:
         try:
             choose_step(committed(), step, self.root)
         except LoadError as e:
-            return (e.message, "the daemon's --keep-last keeps the best step while a training has it "
-                    "pinned; nothing pins it between a training's end and its resume, when --keep-last "
-                    "may delete it, nor against a delete by hand; if published, `stagerd restore URL DIR "
-                    f"--export --step {step}` fetches it")  # fmt: skip
+            return (e.message, "the daemon's --keep-last keeps the best step the newest step names, "
+                    "but not against a delete by hand or a newer step naming another; if published, "
+                    f"`stagerd restore URL DIR --export --step {step}` fetches it")  # fmt: skip
         return None
 
     def path(self, step: int) -> Path:

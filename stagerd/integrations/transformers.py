@@ -28,9 +28,9 @@ What keeps its meaning, and what maps to the daemon:
   `state.best_model_checkpoint` names the best step's directory, ROOT/step-N (in `trainer_state.json`
   too), and at the end of training the model's weights are loaded from that staged step, on every rank,
   once every save is committed. Every rank pins the best step (`contract/step/pin.py`) until a better one
-  is named or the training ends, so the daemon's `--keep-last` keeps it; between a training's end and its
-  resume nothing pins it, and `--keep-last` may then delete it. A best step gone is a `LoadError` at the
-  end, never the last weights kept in silence.
+  is named or the training ends, so the daemon's `--keep-last` keeps it; after the end, the daemon keeps
+  the best the newest step's `trainer_state.json` names. A best step gone is a `LoadError` at the end,
+  never the last weights kept in silence.
 - `push_to_hub` (per save): the daemon publishes every committed step: `--sink hf://ORG/NAME`. The
   Trainer's own per-save push is skipped; `trainer.push_to_hub()` called by the user is untouched.
 - DeepSpeed is refused at the start of training (a `ConfigError`).

@@ -249,7 +249,7 @@ def _retaining_daemon(root, sink: str, dirs: dict):
 
     d = Daemon(Settings(root=str(root), sinks=[sink], keep_last=1, once=True, metrics_port=0))
     d._journal = Journal.open(root)
-    d._jpool, d._trashpool = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+    d._jpool, d._trashpool, d._iopool = ThreadPoolExecutor(1), ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     try:
         for s, path in dirs.items():
             _published(d._journal, s, path, sink)
@@ -258,6 +258,7 @@ def _retaining_daemon(root, sink: str, dirs: dict):
         d._journal.close()
         d._jpool.shutdown()
         d._trashpool.shutdown()
+        d._iopool.shutdown()
 
 
 def test_a_step_moved_away_by_hand_is_not_logged_as_deleted_by_retention(tmp_path, caplog):

@@ -38,6 +38,15 @@ def test_the_daemon_keeps_a_pinned_step_until_the_pin_is_released(tmp_path, dcp_
         assert {s["step"]: s["pinned"] for s in status["steps"]} == {100: True, 300: False}
     finally:
         pin.release()
+    # the Trainer callback's newest step names step 100 its best, as a resumed run's load_best_model_at_end
+    # reads it: kept once the training (and its pin) ended, until the newest step names another (or none)
+    state = root / layout.step_dir_name(300) / layout.EXTRAS_DIR / "trainer_state.json"
+    state.parent.mkdir(exist_ok=True)
+    state.write_text(json.dumps({"best_model_checkpoint": f"/other/node/root/{layout.step_dir_name(100)}"}))
+    best = run_cli(args)
+    assert best.returncode == 0, best.stderr[-3000:]
+    assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000100", "step-00000300"]
+    state.write_text(json.dumps({"best_model_checkpoint": None}))
     released = run_cli(args)
     assert released.returncode == 0, released.stderr[-3000:]
     assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000300"]

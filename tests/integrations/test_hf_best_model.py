@@ -98,7 +98,7 @@ def test_a_best_step_deleted_before_the_end_is_a_load_error_not_the_last_weights
     stagerd = callback(t)
     with pytest.raises(LoadError, match=r"cannot load the best model \(loss=.*step 1 is not committed") as e:
         t.train()
-    assert "pinned" in e.value.hint and "--step 1" in e.value.hint
+    assert "delete by hand" in e.value.hint and "--step 1" in e.value.hint
     assert t.state.best_global_step == 1
     assert [s for s, _ in layout.committed_steps(root)] == [2]
     assert stagerd.stager is None  # closed: the Trainer ends without on_train_end
