@@ -7,7 +7,6 @@ then deletes old staged steps.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -15,6 +14,7 @@ import signal
 import sys
 
 from stagerd import __version__
+from stagerd.cmd.arg_errors import CommandParser
 from stagerd.errors import ConfigError, StagerdError
 
 # subcommand -> module under stagerd.cmd; imported lazily so `stagerd status` never pays for torch.
@@ -49,10 +49,10 @@ retry, 130 interrupted, 141 the reader of its output closed it (`| head`).
 log = logging.getLogger("stagerd")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CommandParser:
     from stagerd.cmd.help import UserHelpFormatter
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="stagerd", description=__doc__, epilog=EXAMPLES, formatter_class=UserHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"stagerd {__version__}")
@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's parser, which knows the flag meant
+        parser.command_parser(args.command).refuse_unknown(extra, parser)
     from stagerd.ops.fdlimit import raise_open_files_limit
     from stagerd.ops.logs import setup_logging
 
