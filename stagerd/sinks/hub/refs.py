@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stagerd.errors import SinkConflictError
+from stagerd.sinks.hub.authors import committed_by
 from stagerd.sinks.hub.history import Pages, Scan, find_step, holds_only, tag_title_is_ours
 from stagerd.sinks.hub.url import (
     _HISTORY_PAGE,
@@ -171,8 +172,10 @@ class StepRefs:
         """The error for this sink's tag of `step` marking a commit that is not its commit of the step."""
         tag = self.tag_name(step)
         where = " or ".join(dict.fromkeys((self.revision, self.step_branch(step))))
+        who = committed_by(self.api, self.repo_id, commit)
+        by = f" ({who})" if who else ""
         return SinkConflictError(
-            f"step {step}: the tag {tag} marks commit {commit}, which is not a "
+            f"step {step}: the tag {tag} marks commit {commit}{by}, which is not a "
             f"'{commit_message(step, self.revision)}' commit of {where}",
             path=self.url,
             hint=f"the tag {tag} of {self.repo_id} was not set by a publish to {self.revision}: inspect it, "
