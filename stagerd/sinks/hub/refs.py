@@ -156,9 +156,11 @@ class StepRefs:
     def _check_own_branch(self, step: int, branch: str, head: str) -> None:
         if holds_only(self.history, head, self.revision, cap=self.cap, page=_HISTORY_PAGE):
             return
+        who = committed_by(self.api, self.repo_id, head)
+        newest = f"; its head {head} is by {who}" if who else ""
         raise SinkConflictError(
             f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
-            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
+            f"(made by hand, or by an older stagerd for another revision{newest}); nothing was committed",
             path=self.url,
             hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
             f"to let this sink publish step {step} there",
