@@ -66,6 +66,17 @@ def test_an_empty_main_of_a_repo_published_at_a_branch_names_that_branch(hub, tm
 
 def test_a_gated_repo_is_an_auth_error_not_a_missing_repo(hub, tmp_path):
     make_sink(hub).publish(one_file_export(tmp_path, 1), 1)
+    # beside it, as they were: no such repo, and a token the Hub refuses (given in the URL, never shown)
+    refused = "hf_" + "9" * 32
+    for url, error, said in [
+        (url_of(hub).replace(REPO, f"{REPO}-none"), RestoreError, "no such repo"),
+        (url_of(hub).replace(hub.token, refused), SinkAuthError, "the Hub refused the token (401)"),
+    ]:
+        with pytest.raises(error) as info:
+            restore_hub_export(url, tmp_path / "out", None)
+        shown = f"{info.value} {info.value.hint}"
+        assert said in info.value.message and "\n" not in shown and info.value.hint, shown
+        assert hub.token not in shown and refused not in shown
     hub.faults.add(Fault("GET", f"/api/models/{REPO}/", status=403, headers={"X-Error-Code": "GatedRepo"}))
 
     with pytest.raises(SinkAuthError) as info:
