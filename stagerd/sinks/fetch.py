@@ -125,14 +125,14 @@ def missing(store: RemoteStore, key: str, step: int | None, *, raw: bool) -> Res
     pick = step if step in other else (other or here or [0])[0]
     if here:
         return RestoreError(
-            f"is missing: {what}; the sink holds {len(here)} {kind}(s): {_shown(here)}",
+            f"is missing: {what}; the sink holds {len(here)} {kind}(s): {shown_steps(here)}",
             path=where,
             hint=f"nothing was restored; give one of them with --step N (`--step {here[0]}`: the newest)",
         )
     if other and raw:
         return RestoreError(
             f"is missing: no raw step was published here (`watch --publish-raw`), only {len(other)} exported "
-            f"step(s): {_shown(other)}",
+            f"step(s): {shown_steps(other)}",
             path=where,
             hint="nothing was restored; restore an export into a new directory with "
             f"`stagerd restore URL OUT --export --step {pick}`; to resume training from a sink, publish raw "
@@ -140,7 +140,8 @@ def missing(store: RemoteStore, key: str, step: int | None, *, raw: bool) -> Res
         )
     if other:
         return RestoreError(
-            f"is missing: no HF export was published here, only {len(other)} raw step(s): {_shown(other)}",
+            f"is missing: no HF export was published here, only {len(other)} raw step(s): "
+            f"{shown_steps(other)}",
             path=where,
             hint="nothing was restored; restore a raw step into ROOT without --export: "
             f"`stagerd restore URL ROOT --step {pick}`",
@@ -148,7 +149,8 @@ def missing(store: RemoteStore, key: str, step: int | None, *, raw: bool) -> Res
     return RestoreError(f"is missing: {what}", path=where)
 
 
-def _shown(steps: list[int]) -> str:
+def shown_steps(steps: list[int]) -> str:
+    """A few of `steps` (newest first) as a restore names what a sink holds; the Hub's restore too."""
     more = ", ..." if len(steps) > STEPS_SHOWN else ""
     return ", ".join(map(str, steps[:STEPS_SHOWN])) + more + " (newest first)"
 

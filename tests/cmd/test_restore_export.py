@@ -70,6 +70,11 @@ def test_restores_an_hf_export_from_the_hub_checked_against_its_tree(tmp_path):
         assert {k: v for k, v in got.items() if k != "README.md"} == export_files(export)  # + the card
         r = run_restore(url, tmp_path / "raw", "--step", "7", env=env)
         assert r.returncode == 2 and "--export" in r.stderr
+        # a step the repo lacks names the steps it holds, as from S3 or file://
+        r = run_restore(url, tmp_path / "eval-9", "--export", "--step", "9", env=env)
+        flat = " ".join(r.stderr.split())
+        assert r.returncode == 2 and "the sink holds 1 exported step(s): 7 (newest first)" in flat, r.stderr
+        assert "(`--step 7`: the newest)" in flat and not (tmp_path / "eval-9").exists(), r.stderr
         r = run_restore(url, tmp_path / "denied", "--export", env={**env, "HF_TOKEN": "hf_" + "x" * 34})
         assert r.returncode == 2 and "SinkAuthError" in r.stderr, r.stderr
         hint = r.stderr.split("what to do: ", 1)[1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path, PureWindowsPath
@@ -33,6 +32,7 @@ from stagerd.sinks.base import ProgressFn
 from stagerd.sinks.hub.client import hub_api, hub_headers
 from stagerd.sinks.hub.errors import auth_hint, classify, refuse_offline, restore_retry_hint
 from stagerd.sinks.hub.file_fetch import fetch_once, resolve_url
+from stagerd.sinks.hub.held import not_here, sink_revision, step_of_tag, steps_by_revision
 from stagerd.sinks.hub.history import commit_pages, older_stagerds_step
 from stagerd.sinks.hub.one_policy import Unretried
 from stagerd.sinks.hub.options import sink_arguments
@@ -55,7 +55,6 @@ _CHUNK = 8 << 20
 # Unless the URL says: the sink's eight, with backoff up to a minute, would keep a restore (a job's resume
 # waiting on it) from a Hub that is down going for many minutes.
 RESTORE_ATTEMPTS = 3
-_STEP_REF = re.compile(r"(?:^|/)step-([0-9]{1,19})$")  # ASCII, and within int()'s reach
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
@@ -72,22 +71,12 @@ def _revision(url_revision: str | None, step: int | None) -> str:
     another, as the sink tags it), else the URL's revision, else `main`."""
     if step is None:
         return url_revision or DEFAULT_REVISION
-    m = _STEP_REF.search(url_revision or "")
-    if m is None:
+    named = step_of_tag(url_revision or "")
+    if named is None:
         return step_tag(step, url_revision)
-    if int(m.group(1)) != step:  # the URL already names a step's tag
+    if named[0] != step:  # the URL already names a step's tag
         raise ConfigError(f"the URL names revision {url_revision!r} and --step names step {step}")
     return str(url_revision)
-
-
-def _step_of_tag(revision: str) -> tuple[int, str | None] | None:
-    """(step, the sink revision it is scoped to) where `revision` is the name a sink tags a step with
-    (`step-N`, `R/step-N`), else None."""
-    m = _STEP_REF.search(revision)
-    if m is None:
-        return None
-    step, scope = int(m.group(1)), revision[: m.start()] or None
-    return (step, scope) if step_tag(step, scope) == revision else None
 
 
 class _Restore:
@@ -119,6 +108,7 @@ def _restore(
 ) -> Path:
     import httpx2
     from huggingface_hub.errors import (
+        GatedRepoError,
         HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -141,15 +131,26 @@ def _restore(
             fn, policy, where=where, token=token, answers=(RepositoryNotFoundError, RevisionNotFoundError)
         )
 
+    asked, named = revision, step_of_tag(revision)
+
+    def lacking(what: str) -> RestoreError:
+        """The error for what the repo lacks, naming the steps its tags show (unless they cannot be read)."""
+        try:
+            held = retried(lambda: steps_by_revision(api, target.repo_id))
+        except (HfHubHTTPError, SinkError, *unreachable):
+            held = None
+        wanted = named[0] if named is not None else step
+        return not_here(what, where, target.repo_id, sink_revision(asked), wanted, held)
+
+    never = "that step was never published to it" if named is not None else "no step was published to it"
     try:
         # a step's tag, from `--step N` or named in the URL (`@step-N`): read from the refs, since the Hub
         # reads a name that is a branch and a tag as the branch
-        if (tag := _step_of_tag(revision)) is not None:
-            tag_step, scope = tag
+        if named is not None:
+            tag_step, scope = named
             tagged = retried(lambda: _step_commit(api, target.repo_id, scope, tag_step))
             if tagged is None and step is not None:
-                others = retried(lambda: _published_on(api, target.repo_id, tag_step, scope))
-                raise _never_published(revision, where, target.repo_id, tag_step, others)
+                raise lacking(f"the repo has no revision {revision}: {never}")
             revision = tagged or revision  # no such tag: the URL's revision as the Hub reads it
         # one commit for every file: a step published to the branch meanwhile must not mix in
         commit = retried(lambda: api.repo_info(target.repo_id, revision=revision).sha) or revision
@@ -162,7 +163,15 @@ def _restore(
         )
     except RevisionNotFoundError:
         # the repo is readable (a repo the token cannot see is RepositoryNotFoundError): the step is not there
-        raise _never_published(revision, where) from None
+        raise lacking(f"the repo has no revision {asked}: {never}") from None
+    except GatedRepoError as e:  # a RepositoryNotFoundError to huggingface_hub, but the repo is there
+        status = getattr(e.response, "status_code", None)
+        raise SinkAuthError(
+            f"the repo is gated and the token's account has not been granted access ({status})",
+            path=where,
+            hint=f"request access on the repo's page ({api.endpoint}/{target.repo_id}) with the account of "
+            "the token, or set HF_TOKEN (or ?token=) to a token whose account has it; nothing was restored",
+        ) from None
     except RepositoryNotFoundError as e:
         hint = (
             "check the repo's name (it holds nothing before a daemon's first publish there); for a private "
@@ -182,7 +191,11 @@ def _restore(
         raise SinkError(f"cannot reach the Hub: {classify(e).text}", path=where, hint=again) from None
     files = [e for e in tree if e.path != GITATTRIBUTES]
     if not files:
-        raise RestoreError("holds no files", path=where)
+        raise (
+            lacking("holds no files: no step was published to it")
+            if step is None
+            else RestoreError("holds no files", path=where)
+        )
     _check_tree([e.path for e in files], where)
     tmp = restore_temp(out)
     total, done = sum(int(f.size) for f in files), 0
@@ -239,28 +252,6 @@ def _restore(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _never_published(
-    revision: str, where: str, repo_id: str = "", step: int = 0, others: list[str] | None = None
-) -> RestoreError:
-    hint = "check the step number (each published step is a tag step-N); nothing was written"
-    if others:  # published with `@R`: its tag is `R/step-N`, which the URL's revision does not read
-        on = ", ".join(others)
-        hint = f"step {step} was published on {on}: restore hf://{repo_id}@{others[0]} --step {step}"
-    return RestoreError(
-        f"the repo has no revision {revision}: that step was never published to it", path=where, hint=hint
-    )
-
-
-def _published_on(api: Any, repo_id: str, step: int, scope: str | None) -> list[str]:
-    """The other revisions `step` was published on, by their step tags (`R/step-N`, `step-N` on main)."""
-    out = []
-    for tag in api.list_repo_refs(repo_id).tags:
-        name, _, last = tag.name.rpartition("/")
-        if last == f"step-{step}" and (name or DEFAULT_REVISION) != (scope or DEFAULT_REVISION):
-            out.append(name or DEFAULT_REVISION)
-    return sorted(out)
 
 
 def _check_tree(rels: list[str], where: str) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stagerd.errors import SinkConflictError
+from stagerd.sinks.hub.authors import committed_by
 from stagerd.sinks.hub.history import Pages, Scan, find_step, holds_only, tag_title_is_ours
 from stagerd.sinks.hub.url import (
     _HISTORY_PAGE,
@@ -155,9 +156,11 @@ class StepRefs:
     def _check_own_branch(self, step: int, branch: str, head: str) -> None:
         if holds_only(self.history, head, self.revision, cap=self.cap, page=_HISTORY_PAGE):
             return
+        who = committed_by(self.api, self.repo_id, head)
+        newest = f"; its head {head} is by {who}" if who else ""
         raise SinkConflictError(
             f"step {step}: the branch {branch} holds commits that are not on {self.revision} "
-            f"(made by hand, or by an older stagerd for another revision); nothing was committed",
+            f"(made by hand, or by an older stagerd for another revision{newest}); nothing was committed",
             path=self.url,
             hint=f"inspect the branch {branch} of {self.repo_id}; rename or delete it (HfApi.delete_branch) "
             f"to let this sink publish step {step} there",
@@ -171,8 +174,10 @@ class StepRefs:
         """The error for this sink's tag of `step` marking a commit that is not its commit of the step."""
         tag = self.tag_name(step)
         where = " or ".join(dict.fromkeys((self.revision, self.step_branch(step))))
+        who = committed_by(self.api, self.repo_id, commit)
+        by = f" ({who})" if who else ""
         return SinkConflictError(
-            f"step {step}: the tag {tag} marks commit {commit}, which is not a "
+            f"step {step}: the tag {tag} marks commit {commit}{by}, which is not a "
             f"'{commit_message(step, self.revision)}' commit of {where}",
             path=self.url,
             hint=f"the tag {tag} of {self.repo_id} was not set by a publish to {self.revision}: inspect it, "

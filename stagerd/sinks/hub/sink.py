@@ -19,6 +19,7 @@ from stagerd.errors import (
 )
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import ProgressFn, PublishResult
+from stagerd.sinks.hub.authors import committed_by
 from stagerd.sinks.hub.client import hub_api, hub_headers
 from stagerd.sinks.hub.errors import refuse_offline
 from stagerd.sinks.hub.history import commit_pages
@@ -329,9 +330,14 @@ class HubSink:
             return
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         if existing:
+            who = committed_by(self._api, self.repo_id, commit)
+            by = f", published by another run ({who})" if who else ""
             raise SinkConflictError(
-                f"{url_shown(self.url)}: step {step}: the Hub already holds step {step} at commit {commit}, "
-                f"with different content: {shown}"
+                f"{url_shown(self.url)}: step {step}: the Hub already holds step {step} at commit "
+                f"{commit}{by}, with different content: {shown}",
+                hint=f"another run publishes to {self.repo_id} on {self.revision}: give each run its own "
+                f"repo or revision (hf://{self.repo_id}@BRANCH); the step there is another upload, so "
+                "inspect its commit before deleting anything",
             )
         raise SinkError(
             f"{url_shown(self.url)}: step {step}: the tree at commit {commit} disagrees with the export: "

@@ -133,10 +133,13 @@ def test_a_step_branch_a_person_makes_meanwhile_is_a_conflict_not_committed_onto
     conflict = '{"error": "Reference already exists: refs/heads/stagerd/step-4"}'
     hub.faults.add(Fault("POST", r"/branch/stagerd", status=409, body=conflict, not_before=person_makes_it))
     head_before = None
-    with pytest.raises(SinkConflictError, match=f"the branch {branch} holds commits that are not on main"):
+    with pytest.raises(
+        SinkConflictError, match=f"the branch {branch} holds commits that are not on main"
+    ) as e:
         head_before = repo.branches.get(branch)
         sink.publish(export(tmp_path, 4), 4)
     head = repo.branches[branch]
+    assert f"; its head {head} is by Hub account person, 20" in str(e.value)  # who made it, and when
     assert head_before is None and repo.commits[head].title == "mine"
     assert "mine.bin" in repo.commits[head].tree and "step-4" not in repo.tags
 

@@ -69,3 +69,14 @@ def test_only_titles_stagerd_writes_name_a_step():
     for title in ["stagerd: step \u0661", "stagerd: step " + "9" * 5000, f"stagerd: step {MAX_STEP + 1}"]:
         assert title_step(title) is None
     assert title_step("stagerd: step 7\n") is None and title_step("stagerd: step 07") is None
+
+
+def test_a_commits_authors_are_named_printable_and_bounded():
+    """The Hub's history lists anyone's account names: a conflict's one-line message shows them tamed."""
+    from stagerd.sinks.hub.authors import describe
+
+    date = "2026-01-02T03:04:05.678Z"
+    assert describe([{"user": "lab"}], date) == "Hub account lab, 2026-01-02 03:04 UTC"
+    assert describe([{"user": "a\nb"}, {"user": "x" * 100}], "no date") == f"Hub accounts a?b, {'x' * 63}…"
+    assert describe([{"user": n} for n in "abcd"], None) == "Hub accounts a, b, c, ..."
+    assert describe([{"user": None}, "lab"], date) is None and describe({"user": "lab"}, date) is None

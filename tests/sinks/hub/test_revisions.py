@@ -107,6 +107,7 @@ def test_a_tag_that_marks_another_commit_is_not_published(hub, tmp_path, target)
 
     err = info.value
     assert err.path == f"hf://{REPO}" and f"the tag step-4 marks commit {commit}" in str(err)
+    assert f"marks commit {commit} (Hub account {hub.user}, 20" in str(err)  # who made it, and when
     assert "step-4" in err.hint and not err.retryable
     assert hub.stats.commits[REPO] == 1 and repo.tags["step-4"] == commit
 

@@ -6,6 +6,7 @@ the Hub's failures and refusals theirs in tests/sinks/hub/test_failures.py."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -164,12 +165,19 @@ def test_branch_per_step(hub, tmp_path):
     assert hub.stats.commits[REPO] == 1
 
 
-def test_same_step_with_other_content_is_a_conflict(hub, tmp_path):
-    sink = make_sink(hub)
-    sink.publish(write_export(tmp_path / "a", seed=1), 70)
-    with pytest.raises(SinkConflictError, match=r"step 70 at commit [0-9a-f]{40}.*model-00001-of-00002"):
-        sink.publish(write_export(tmp_path / "b", seed=2), 70)
+def test_same_step_with_other_content_is_a_conflict_naming_the_account_and_date_of_its_commit(hub, tmp_path):
+    """A Hub repo holds no claim naming a publisher's host and ROOT, as an S3 or file:// step does: the
+    conflict names what the Hub records of the other run's commit, its account and date."""
+    other = "hf_" + "0a" * 16
+    hub.app.tokens[other] = ("other-lab", "write")  # a second account on the server
+    make_sink(hub, token=other).publish(write_export(tmp_path / "a", seed=1), 70)
+    with pytest.raises(SinkConflictError, match=r"step 70 at commit [0-9a-f]{40}.*model-00001-of-00002") as e:
+        make_sink(hub).publish(write_export(tmp_path / "b", seed=2), 70)
     assert hub.stats.commits[REPO] == 1
+    by = r", published by another run \(Hub account other-lab, \d{4}-\d\d-\d\d \d\d:\d\d UTC\), with "
+    assert re.search(r"at commit [0-9a-f]{40}" + by, str(e.value)), e.value
+    assert f"give each run its own repo or revision (hf://{REPO}@BRANCH)" in e.value.hint
+    assert other not in f"{e.value} {e.value.hint}" and hub.token not in f"{e.value} {e.value.hint}"
 
 
 def test_verification_reads_the_remote_tree(hub, tmp_path):
