@@ -109,3 +109,30 @@ def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_s
     assert "1 step(s) published, 0 not" in r.stdout, r.stdout
     assert "1 step(s) lost (1; 0 by this run)" in r.stdout, r.stdout
     assert "stagerd retry" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_root_unmounted_under_the_daemon_loses_no_step(tmp_path):
+    """ROOT's filesystem unmounted under the daemon (lazily: its open journal goes on writing the old
+    filesystem, while ROOT's path shows the empty mount point): every checkpoint looks deleted, yet none is
+    lost. Simulated by renaming ROOT away (the daemon's open files follow it, as an unmounted filesystem's
+    do) and making an empty directory at its path. The daemon says so once, names the mount, and stops
+    (its journal is gone from ROOT); once mounted again, the next start exports the step."""
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    mounted = tmp_path / "fs"  # the filesystem itself, while it is not mounted at ROOT
+    ranks.write(str(root / "step-1"))
+
+    def unmount() -> None:
+        root.rename(mounted)
+        root.mkdir()
+
+    returncode, out, err = _paused_once(root, sink, "adopt.open", unmount)
+    log = out + err
+    assert "SourceGoneError" in err and "is ROOT's filesystem mounted?" in err, log
+    assert err.count("no step is retired as lost; hint:") == 1, err
+    assert "CheckpointDeleted" not in log and "lost (" not in out, log
+    assert returncode != 0 and not published(sink, 1).exists(), log
+    shutil.rmtree(root)  # mounted again: what was written to the mount point is hidden under it
+    mounted.rename(root)
+    again = watch_once(root, sink)
+    assert again.returncode == 0 and published(sink, 1).is_dir(), again.stdout + again.stderr
+    assert "lost" not in again.stdout, again.stdout
