@@ -14,8 +14,10 @@ went with ROOT, `Health._check_state_files`), to export it once started again on
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from stagerd.contract import layout
@@ -23,6 +25,7 @@ from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.journal.schema import LOST, LOST_NOTE, RETIRED_WITH_HISTORY
+from stagerd.daemon.retention import move_to_trash, set_aside
 from stagerd.daemon.state import log
 from stagerd.daemon.unadopted import LOST_HINT
 from stagerd.errors import SourceGoneError
@@ -129,6 +132,11 @@ class RetiredAdoption(Adoption):
         )
         note = f"{LOST_NOTE} {gone}; {LOST_HINT}"
         self._log_step(row.step, None, RETIRED, error_class=LOST, note=note, level=logging.WARNING)
+        work = self._work_dir(Path(row.path))  # what its export had built: nothing will finish it
+        try:
+            await self._trash(_remove_partial, self.root, work)
+        except OSError as e:
+            log.warning("step %d: its partial export %s was not removed: %s", row.step, work, e.strerror or e)
 
 
 def _root_changed(root: Path, held: os.stat_result) -> str | None:
@@ -140,3 +148,16 @@ def _root_changed(root: Path, held: os.stat_result) -> str | None:
     if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
         return "another directory is at its path: an unmounted filesystem's mount point, or a new ROOT"
     return None
+
+
+def _remove_partial(root: Path, work: Path) -> None:
+    """Trash thread: a lost step's own export directory under the export root, out of sight by one rename
+    (into ROOT's trash, or beside it on another filesystem), then deleted; nothing when it is not there."""
+    try:
+        gone = move_to_trash(root, work)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        gone = set_aside(work)
+    if gone is not None:
+        shutil.rmtree(gone, ignore_errors=True)

@@ -26,6 +26,11 @@ def _resave(ckpt: Path) -> None:
     dcp.save({"model": {"w": torch.ones(8, 4), "b": torch.ones(8)}}, checkpoint_id=str(ckpt), no_dist=True)
 
 
+def _trashed(root: Path) -> list[str]:
+    trash = root / layout.STATE_DIR / "trash"
+    return sorted(p.name for p in trash.iterdir()) if trash.is_dir() else []
+
+
 def _paused_once(root: Path, sink: Path, point: str, act: Callable[[], object]) -> tuple[int, str, str]:
     """`watch --adopt --once` held at the delay point `point` while `act` (the trainer) runs: its exit code,
     stdout and stderr."""
@@ -55,6 +60,7 @@ def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_p
     assert not (adopted / layout.EXPORT_TMP_DIR).exists()
     if change == "deleted":  # its trainer deleted it: lost, as one deleted before its export began
         assert not published(sink, 1).exists() and "0 step(s) published" in log, log
+        assert not adopted.exists() and not _trashed(root), log  # its partial export went with it
         assert returncode == 1 and "1 step(s) lost (1; 1 by this run)" in out, log
         return
     assert "SourceChangedError" in log, log
@@ -79,6 +85,7 @@ def test_a_checkpoint_rotated_away_before_its_export_is_lost_once(tmp_path):
     assert "save_total_limit" in err, err
     assert "--delete-adopted --keep-last N" in log and "no preset recognises" not in log, log
     assert not published(sink, 1).exists() and published(sink, 2).is_dir(), log
+    assert not (root / layout.STATE_DIR / "adopted" / "step-1").exists(), log
     assert "1 step(s) published, 0 not" in out and "1 step(s) lost (1; 1 by this run)" in out, out
     assert "quarantined" not in out and "stagerd retry" not in out, out
     assert "--once: all " not in err and "--once: 1 step(s) lost" in err, err  # the log says it too
@@ -98,6 +105,9 @@ def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_s
 
     root, sink = tmp_path / "root", tmp_path / "sink"
     ranks.write(str(root / "step-2"))
+    adopted = root / layout.STATE_DIR / "adopted"
+    (adopted / "step-1" / layout.EXPORT_TMP_DIR).mkdir(parents=True)  # the partial export it left
+    (adopted / "step-1" / layout.EXPORT_TMP_DIR / "model.safetensors").write_bytes(b"half")
     j = Journal.open(root)
     try:
         j.add_step(1, root / "step-1", 1001.0, "dcp:gone")
@@ -109,6 +119,7 @@ def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_s
     assert "1 step(s) published, 0 not" in r.stdout, r.stdout
     assert "1 step(s) lost (1; 0 by this run)" in r.stdout, r.stdout
     assert "stagerd retry" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert sorted(p.name for p in adopted.iterdir()) == ["step-2"] and not _trashed(root), r.stderr
 
 
 def test_a_root_unmounted_under_the_daemon_loses_no_step(tmp_path):
