@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract.adopt.gone import gone_unexported
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
@@ -100,7 +100,8 @@ class RetiredAdoption(Adoption):
             return False
         if any(ln.state == PUBLISHED for ln in await self._j(self._journal.lanes, row.step)):
             return False
-        return not await self._io(self._left_to_publish, Path(row.path))
+        step_dir = Path(row.path)
+        return await self._io(gone_unexported, step_dir, self._work_dir(step_dir))
 
     async def _source_gone(self) -> SourceGoneError | None:
         """Why ROOT is not the directory the daemon started on (said once, at WARNING), or None: then a
@@ -118,11 +119,6 @@ class RetiredAdoption(Adoption):
             self._source_gone_said = True
             log.warning("%s: %s; hint: %s", err.name, err, err.hint, extra={"error_class": err.name})
         return err
-
-    def _left_to_publish(self, step_dir: Path) -> bool:
-        """Io thread: the checkpoint is there, or a whole export of it is."""
-        export = self._work_dir(step_dir) / layout.EXPORT_DIR
-        return os.path.lexists(step_dir) or layout.export_is_whole(export)
 
     async def _lose(self, row: StepRow) -> None:
         await self._j(self._journal.retire_lost, row.step, LOST_NOTE)

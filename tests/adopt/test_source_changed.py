@@ -147,3 +147,28 @@ def test_a_root_unmounted_under_the_daemon_loses_no_step(tmp_path):
     again = watch_once(root, sink)
     assert again.returncode == 0 and published(sink, 1).is_dir(), again.stdout + again.stderr
     assert "lost" not in again.stdout, again.stdout
+
+
+def test_the_start_and_its_warning_tell_a_lost_step_alike(tmp_path):
+    """Two quarantined adopted steps whose checkpoints are gone: one with a whole export left (still
+    published from it: not lost), one with none (lost). The start's warning of quarantined steps names the
+    first alone, and the daemon retires the second alone as lost: one test for both."""
+    from stagerd.cmd.watch_hints import quarantined_steps
+    from stagerd.daemon.journal import Journal
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    ranks.write(str(root / "step-2"))
+    whole = root / layout.STATE_DIR / "adopted" / "step-1" / layout.EXPORT_DIR
+    whole.mkdir(parents=True)
+    (whole / layout.WEIGHTS_NAME).write_bytes(b"built before the rotation")
+    j = Journal.open(root)
+    try:
+        for step in (1, 3):
+            j.add_step(step, root / f"step-{step}", 1000.0 + step, f"dcp:{step}")
+            j.quarantine_step(step, "VerifyError", "refused")
+    finally:
+        j.close()
+    assert quarantined_steps(root, [], adopted=True) == [1]
+    r = watch_once(root, sink)
+    assert "1 step(s) quarantined in the journal (1)" in r.stderr, r.stderr
+    assert "step 1: quarantined" in r.stdout and "1 step(s) lost (3; 0 by this run)" in r.stdout, r.stdout
