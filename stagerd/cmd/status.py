@@ -52,6 +52,7 @@ _Read = tuple[
     dict[str, int],
     dict[int, dict[str | None, str]],
     dict[str, tuple[int, list[int]]],
+    int,
 ]
 
 
@@ -93,6 +94,7 @@ def _read_journal(root: Path, *, include_retired: bool) -> _Read:
             journal.waits(),
             # the retired steps a sink of the last run never got (retired before it was configured)
             journal.missed(meta.get("lanes", meta.get("sinks", [])), NEWEST_LISTED),
+            journal.lost_summary(0)[0],  # of the retired steps, those lost: counted apart
         )
     finally:
         journal.close()
@@ -179,21 +181,23 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
     from stagerd.contract.step.pin import pinned
     from stagerd.daemon.journal import RETIRED, journal_path
+    from stagerd.daemon.journal.schema import LOST
     from stagerd.daemon.lock import root_holder
     from stagerd.daemon.policy import failure_hint
     from stagerd.daemon.retention import disk_state
+    from stagerd.daemon.unadopted import LOST_HINT
 
     refuse_no_root(root)
     note = None
     try:
-        meta, steps, lanes, counts, waits, missed = _read_journal(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits, missed, lost = _read_journal(root, include_retired=include_retired)
     except JournalError as e:
         path = journal_path(root)
         if not path.is_file() and (found := adoptable(root)):
             raise _adopt_hint(e, root, found) from None
         if not (path.is_file() and _cannot_write(path.parent)):
             raise
-        meta, steps, lanes, counts, waits, missed = _read_a_copy(root, include_retired=include_retired)
+        meta, steps, lanes, counts, waits, missed, lost = _read_a_copy(root, include_retired=include_retired)
         note = f"{path.parent} is read-only for this user: read from a copy of the journal"
     holder = root_holder(root)
     disk = disk_state(
@@ -212,6 +216,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d = asdict(s)
         # what to do: the failure's own hint, else (one recorded by an older stagerd) its class's
         d["error_hint"] = s.error_class and failure_hint(s.error_class, s.error_hint)
+        if s.state == RETIRED and s.error_class == LOST:  # its trainer deleted it unexported: never published
+            d["state"], d["error_hint"] = "lost", d["error_hint"] or LOST_HINT
         d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
         d["waiting"] = waits.get(s.step, {}).get(None)  # a fleet step: "waiting for node k (seen: ...)"
@@ -234,7 +240,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
             "free_percent": round(disk.free_percent, 2),
             "low": disk.low,
         },
-        "counts": counts,
+        # a lost step (retired unpublished: its checkpoint deleted before it was exported) is not "retired"
+        "counts": {**counts, "retired": counts.get("retired", 0) - lost, "lost": lost},
         "missed": {sink: {"count": n, "newest": newest} for sink, (n, newest) in missed.items()},
         # the saves the daemon's last scan left alone as unfinished: {count, newest: [[step, name, rule]],
         # adopt}; None before a daemon of this version scanned ROOT

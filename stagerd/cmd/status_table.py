@@ -25,7 +25,13 @@ from stagerd.daemon.summary import missed_text
 from stagerd.daemon.unfinished import Unfinished, unfinished_text
 
 OPTIONAL = ("age", "export", "size")  # dropped from the left of this order first
-_STATE_COLOR = {"quarantined": "red", "failed": "yellow", "published": "green", "retired": "dim"}
+_STATE_COLOR = {
+    "quarantined": "red",
+    "failed": "yellow",
+    "published": "green",
+    "retired": "dim",
+    "lost": "yellow",
+}
 _LEADING_PLACE = re.compile(r"^(?:\S*[/\\]\S*|\[[^\]]*\]): ")  # "/path/to/file: " or "s3://b/k: "
 _ERROR_WORDS = 8
 _MIN_ERROR_WIDTH = 24
@@ -230,8 +236,9 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     if rows:  # a table of headers only (every step retired, none listed) says nothing
         console.print(table)
     counts = ", ".join(f"{n} {k}" for k, n in doc["counts"].items() if n)
-    hidden = not rows and doc["counts"].get("retired")  # listed with --all
-    console.print((counts or "no steps yet") + " (`stagerd status --all` lists retired steps)" * bool(hidden))
+    hidden = not rows and (doc["counts"].get("retired") or doc["counts"].get("lost"))  # listed with --all
+    listed = " (`stagerd status --all` lists retired steps)"
+    console.print((counts or "no steps yet") + listed * bool(hidden))
     waiting = [(s["step"], w) for s in doc["steps"] for w in _waits(s, labels)]
     if waiting:
         console.print("\nwaiting:")

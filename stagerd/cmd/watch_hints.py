@@ -26,14 +26,20 @@ def given_up_hint() -> str:
     )
 
 
-def quarantined_steps(root: Path, lanes: Collection[str], *, adopted: bool = False) -> list[int]:
+def quarantined_steps(
+    root: Path, lanes: Collection[str], *, adopted: bool = False, export_dir: Path | None = None
+) -> list[int]:
     """The steps ROOT's journal holds quarantined for good, the step or one of its lanes of the sinks this
     start was given (`lanes`; a lane of a sink since dropped from the command line is never worked on, as
     the `--once` summary says); none without a journal. Not those a `--once` run gave up on after its tries
     of a failure that may pass: this start re-arms them, so telling the user to run `stagerd retry` would be
-    wrong. With `adopted` (`--adopt`), nor a step whose checkpoint is gone: this start retires it as lost."""
-    from stagerd.daemon.journal import QUARANTINED, Journal, journal_path
+    wrong. With `adopted` (`--adopt`, its exports under `export_dir` where given), nor a step this start
+    retires as lost: its checkpoint gone, no sink has any of it, and no whole export of it is left, as the
+    daemon tells (`gone_unexported`); one whose whole export is left is still published from it."""
+    from stagerd.contract.adopt.gone import gone_unexported
+    from stagerd.daemon.journal import PUBLISHED, QUARANTINED, Journal, journal_path
     from stagerd.daemon.policy import given_up
+    from stagerd.daemon.root_places import adopt_root
     from stagerd.errors import JournalError
 
     if not journal_path(root).is_file():
@@ -43,16 +49,15 @@ def quarantined_steps(root: Path, lanes: Collection[str], *, adopted: bool = Fal
     except JournalError:
         return []
     try:
+        all_lanes = journal.lanes(include_retired=False)
+        sent = {ln.step for ln in all_lanes if ln.state == PUBLISHED}
+        work = adopt_root(root, export_dir)
         rows: list[tuple[int, str, str | None]] = [
             (s.step, s.state, s.error_class)
             for s in journal.steps(include_retired=False)
-            if not adopted or os.path.lexists(s.path)
+            if not adopted or s.step in sent or not gone_unexported(Path(s.path), work / Path(s.path).name)
         ]
-        rows += [
-            (ln.step, ln.state, ln.error_class)
-            for ln in journal.lanes(include_retired=False)
-            if ln.sink in lanes
-        ]
+        rows += [(ln.step, ln.state, ln.error_class) for ln in all_lanes if ln.sink in lanes]
         steps = {step for step, state, cls in rows if state == QUARANTINED and not given_up(state, cls)}
     finally:
         journal.close()

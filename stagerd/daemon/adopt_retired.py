@@ -7,24 +7,34 @@ checkpoint gone, or saved again) are named once, at the start that adds it (`Dis
 An adopted step whose checkpoint its trainer deleted before it was exported (the HF Trainer's
 `save_total_limit` rotating it away before, or during, its export) is retired unpublished as lost
 (`Journal.retire_lost`), warned once: nothing can export it again, so neither `retry` nor a later run can
-mend it, and no later run counts it unpublished."""
+mend it, and no later run counts it unpublished. Only while ROOT is still the directory the daemon
+started on: an unmounted filesystem (its empty mount point left) or a ROOT replaced makes every checkpoint
+look deleted, and none is lost then (`_source_gone`): the step waits, and the daemon stops (its journal
+went with ROOT, `Health._check_state_files`), to export it once started again on the remounted ROOT."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract.adopt.gone import gone_unexported
 from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.journal.schema import LOST, LOST_NOTE, RETIRED_WITH_HISTORY
+from stagerd.daemon.retention import move_to_trash, set_aside
 from stagerd.daemon.state import log
 from stagerd.daemon.unadopted import LOST_HINT
+from stagerd.errors import SourceGoneError
 
 
 class RetiredAdoption(Adoption):
+    _root_stat: os.stat_result  # ROOT as the daemon started on it
+    _source_gone_said: bool = False
+
     async def _revive_missed(self) -> None:
         """At start: every retired adopted step a configured sink lacks (one whose lanes are kept: which
         sinks have it is known) goes back to `committed` where its checkpoint holds the save it was."""
@@ -64,10 +74,15 @@ class RetiredAdoption(Adoption):
         if sink is None and self._adopt_root is not None:
             row = await self._j(self._journal.step, step)
             if row is not None and await self._deleted_unexported(row):
-                await self._lose(row)
-                return
+                gone = await self._source_gone()
+                if gone is None:
+                    await self._lose(row)
+                    return
+                err = gone  # the step waits, failed as an outage of ROOT, and the daemon stops
         # WorkFailures follows this class in the Daemon's MRO, not among its own bases
         await super()._work_failed(step, sink, attempt, err)  # type: ignore[misc]
+        if isinstance(err, SourceGoneError):
+            await self._check_state_files()  # type: ignore[attr-defined]  # Health, as WorkFailures
 
     async def _lose_deleted(self) -> None:
         """At start: each live adopted step whose checkpoint is gone and whose export no sink got or can get
@@ -75,7 +90,7 @@ class RetiredAdoption(Adoption):
         if self._adopt_root is None:
             return
         for row in await self._j(self._journal.steps, include_retired=False):
-            if await self._deleted_unexported(row):
+            if await self._deleted_unexported(row) and await self._source_gone() is None:
                 await self._lose(row)
 
     async def _deleted_unexported(self, row: StepRow) -> bool:
@@ -85,12 +100,25 @@ class RetiredAdoption(Adoption):
             return False
         if any(ln.state == PUBLISHED for ln in await self._j(self._journal.lanes, row.step)):
             return False
-        return not await self._io(self._left_to_publish, Path(row.path))
+        step_dir = Path(row.path)
+        return await self._io(gone_unexported, step_dir, self._work_dir(step_dir))
 
-    def _left_to_publish(self, step_dir: Path) -> bool:
-        """Io thread: the checkpoint is there, or a whole export of it is."""
-        export = self._work_dir(step_dir) / layout.EXPORT_DIR
-        return os.path.lexists(step_dir) or layout.export_is_whole(export)
+    async def _source_gone(self) -> SourceGoneError | None:
+        """Why ROOT is not the directory the daemon started on (said once, at WARNING), or None: then a
+        checkpoint gone from it was deleted, else its filesystem went (unmounted) or ROOT was replaced."""
+        why = await self._io(_root_changed, self.root, self._root_stat)
+        if why is None:
+            return None
+        err = SourceGoneError(
+            f"ROOT is no longer the directory the daemon started on ({why}), so its checkpoints look "
+            "deleted; no step is retired as lost",
+            path=self.root,
+            hint=SourceGoneError.hint,  # the step's own record says it too, not "the step was deleted"
+        )
+        if not self._source_gone_said:
+            self._source_gone_said = True
+            log.warning("%s: %s; hint: %s", err.name, err, err.hint, extra={"error_class": err.name})
+        return err
 
     async def _lose(self, row: StepRow) -> None:
         await self._j(self._journal.retire_lost, row.step, LOST_NOTE)
@@ -100,3 +128,32 @@ class RetiredAdoption(Adoption):
         )
         note = f"{LOST_NOTE} {gone}; {LOST_HINT}"
         self._log_step(row.step, None, RETIRED, error_class=LOST, note=note, level=logging.WARNING)
+        work = self._work_dir(Path(row.path))  # what its export had built: nothing will finish it
+        try:
+            await self._trash(_remove_partial, self.root, work)
+        except OSError as e:
+            log.warning("step %d: its partial export %s was not removed: %s", row.step, work, e.strerror or e)
+
+
+def _root_changed(root: Path, held: os.stat_result) -> str | None:
+    """Io thread: how `root` is no longer the directory `held` describes, or None."""
+    try:
+        now = os.stat(root)
+    except OSError as e:
+        return f"it cannot be read: {e.strerror or e}"
+    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        return "another directory is at its path: an unmounted filesystem's mount point, or a new ROOT"
+    return None
+
+
+def _remove_partial(root: Path, work: Path) -> None:
+    """Trash thread: a lost step's own export directory under the export root, out of sight by one rename
+    (into ROOT's trash, or beside it on another filesystem), then deleted; nothing when it is not there."""
+    try:
+        gone = move_to_trash(root, work)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        gone = set_aside(work)
+    if gone is not None:
+        shutil.rmtree(gone, ignore_errors=True)

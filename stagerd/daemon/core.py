@@ -126,6 +126,7 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         lock = self._root_lock = RootLock(self.root)
         lock.acquire()
         try:
+            self._root_stat = os.stat(self.root)  # a checkpoint is lost only while ROOT is still this one
             if self._adopt_root is not None and self.settings.export_dir is not None:
                 claim_export_dir(self.root, self._adopt_root, self._fleet_root_id())
             # Niceness and the I/O class are per thread on Linux: set them before any thread exists.

@@ -307,3 +307,14 @@ class SourceChangedError(StagerdError):
         "the trainer rewrote or deleted the checkpoint during its export; nothing was published. stagerd "
         "tries again if it is still there and finished"
     )
+
+
+class SourceGoneError(StagerdError):
+    """ROOT is no longer the directory the daemon started on (its filesystem unmounted, or ROOT replaced),
+    so its checkpoints look deleted: none is taken for lost while so."""
+
+    retryable = True
+    hint = (
+        "is ROOT's filesystem mounted? Mount it again (or put ROOT back) and start `stagerd watch` again: "
+        "the steps still waiting are exported then"
+    )

@@ -26,6 +26,11 @@ def _resave(ckpt: Path) -> None:
     dcp.save({"model": {"w": torch.ones(8, 4), "b": torch.ones(8)}}, checkpoint_id=str(ckpt), no_dist=True)
 
 
+def _trashed(root: Path) -> list[str]:
+    trash = root / layout.STATE_DIR / "trash"
+    return sorted(p.name for p in trash.iterdir()) if trash.is_dir() else []
+
+
 def _paused_once(root: Path, sink: Path, point: str, act: Callable[[], object]) -> tuple[int, str, str]:
     """`watch --adopt --once` held at the delay point `point` while `act` (the trainer) runs: its exit code,
     stdout and stderr."""
@@ -55,6 +60,7 @@ def test_a_checkpoint_changed_during_its_export_is_never_published_as_read(tmp_p
     assert not (adopted / layout.EXPORT_TMP_DIR).exists()
     if change == "deleted":  # its trainer deleted it: lost, as one deleted before its export began
         assert not published(sink, 1).exists() and "0 step(s) published" in log, log
+        assert not adopted.exists() and not _trashed(root), log  # its partial export went with it
         assert returncode == 1 and "1 step(s) lost (1; 1 by this run)" in out, log
         return
     assert "SourceChangedError" in log, log
@@ -79,6 +85,7 @@ def test_a_checkpoint_rotated_away_before_its_export_is_lost_once(tmp_path):
     assert "save_total_limit" in err, err
     assert "--delete-adopted --keep-last N" in log and "no preset recognises" not in log, log
     assert not published(sink, 1).exists() and published(sink, 2).is_dir(), log
+    assert not (root / layout.STATE_DIR / "adopted" / "step-1").exists(), log
     assert "1 step(s) published, 0 not" in out and "1 step(s) lost (1; 1 by this run)" in out, out
     assert "quarantined" not in out and "stagerd retry" not in out, out
     assert "--once: all " not in err and "--once: 1 step(s) lost" in err, err  # the log says it too
@@ -98,6 +105,9 @@ def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_s
 
     root, sink = tmp_path / "root", tmp_path / "sink"
     ranks.write(str(root / "step-2"))
+    adopted = root / layout.STATE_DIR / "adopted"
+    (adopted / "step-1" / layout.EXPORT_TMP_DIR).mkdir(parents=True)  # the partial export it left
+    (adopted / "step-1" / layout.EXPORT_TMP_DIR / "model.safetensors").write_bytes(b"half")
     j = Journal.open(root)
     try:
         j.add_step(1, root / "step-1", 1001.0, "dcp:gone")
@@ -109,3 +119,56 @@ def test_a_step_an_earlier_run_quarantined_as_rotated_away_is_lost_at_the_next_s
     assert "1 step(s) published, 0 not" in r.stdout, r.stdout
     assert "1 step(s) lost (1; 0 by this run)" in r.stdout, r.stdout
     assert "stagerd retry" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert sorted(p.name for p in adopted.iterdir()) == ["step-2"] and not _trashed(root), r.stderr
+
+
+def test_a_root_unmounted_under_the_daemon_loses_no_step(tmp_path):
+    """ROOT's filesystem unmounted under the daemon (lazily: its open journal goes on writing the old
+    filesystem, while ROOT's path shows the empty mount point): every checkpoint looks deleted, yet none is
+    lost. Simulated by renaming ROOT away (the daemon's open files follow it, as an unmounted filesystem's
+    do) and making an empty directory at its path. The daemon says so once, names the mount, and stops
+    (its journal is gone from ROOT); once mounted again, the next start exports the step."""
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    mounted = tmp_path / "fs"  # the filesystem itself, while it is not mounted at ROOT
+    ranks.write(str(root / "step-1"))
+
+    def unmount() -> None:
+        root.rename(mounted)
+        root.mkdir()
+
+    returncode, out, err = _paused_once(root, sink, "adopt.open", unmount)
+    log = out + err
+    assert "SourceGoneError" in err and "is ROOT's filesystem mounted?" in err, log
+    assert err.count("no step is retired as lost; hint:") == 1, err
+    assert "CheckpointDeleted" not in log and "lost (" not in out, log
+    assert returncode != 0 and not published(sink, 1).exists(), log
+    shutil.rmtree(root)  # mounted again: what was written to the mount point is hidden under it
+    mounted.rename(root)
+    again = watch_once(root, sink)
+    assert again.returncode == 0 and published(sink, 1).is_dir(), again.stdout + again.stderr
+    assert "lost" not in again.stdout, again.stdout
+
+
+def test_the_start_and_its_warning_tell_a_lost_step_alike(tmp_path):
+    """Two quarantined adopted steps whose checkpoints are gone: one with a whole export left (still
+    published from it: not lost), one with none (lost). The start's warning of quarantined steps names the
+    first alone, and the daemon retires the second alone as lost: one test for both."""
+    from stagerd.cmd.watch_hints import quarantined_steps
+    from stagerd.daemon.journal import Journal
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    ranks.write(str(root / "step-2"))
+    whole = root / layout.STATE_DIR / "adopted" / "step-1" / layout.EXPORT_DIR
+    whole.mkdir(parents=True)
+    (whole / layout.WEIGHTS_NAME).write_bytes(b"built before the rotation")
+    j = Journal.open(root)
+    try:
+        for step in (1, 3):
+            j.add_step(step, root / f"step-{step}", 1000.0 + step, f"dcp:{step}")
+            j.quarantine_step(step, "VerifyError", "refused")
+    finally:
+        j.close()
+    assert quarantined_steps(root, [], adopted=True) == [1]
+    r = watch_once(root, sink)
+    assert "1 step(s) quarantined in the journal (1)" in r.stderr, r.stderr
+    assert "step 1: quarantined" in r.stdout and "1 step(s) lost (3; 0 by this run)" in r.stdout, r.stdout
