@@ -163,10 +163,10 @@ def open_exchange(url: str) -> None:
         raise
 
 
-def _warn(root: Path, unadopted: bool, lanes: Collection[str]) -> None:
+def _warn(root: Path, unadopted: bool, export_dir: Path | None, lanes: Collection[str]) -> None:
     if unadopted:
         warn_unadopted(root)
-    warn_quarantined(root, lanes, adopted=not unadopted)
+    warn_quarantined(root, lanes, adopted=not unadopted, export_dir=export_dir)
 
 
 _FLAGS = (
@@ -226,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
         open_exchange(settings.exchange)
     # The warnings come once the daemon has checked ROOT's places (a step directory given as ROOT is
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
-    on_start = None if root is None else partial(_warn, Path(root), settings.adopt is None)
+    on_start = (
+        None if root is None else partial(_warn, Path(root), settings.adopt is None, settings.export_dir)
+    )
     daemon = Daemon(settings, on_start=on_start)
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:

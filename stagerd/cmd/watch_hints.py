@@ -64,11 +64,13 @@ def quarantined_steps(
     return sorted(steps)
 
 
-def warn_quarantined(root: Path, lanes: Collection[str], *, adopted: bool = False) -> None:
+def warn_quarantined(
+    root: Path, lanes: Collection[str], *, adopted: bool = False, export_dir: Path | None = None
+) -> None:
     """A user who fixed a token and starts the daemon again expects the steps it refused to go out now;
     they stay quarantined until `stagerd retry`, so say so at the start rather than let it look stuck. The
     daemon calls this holding ROOT's lock, its sinks open: `lanes` are their lanes."""
-    steps = quarantined_steps(root, lanes, adopted=adopted)
+    steps = quarantined_steps(root, lanes, adopted=adopted, export_dir=export_dir)
     if steps:
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))

@@ -149,16 +149,21 @@ def test_a_root_unmounted_under_the_daemon_loses_no_step(tmp_path):
     assert "lost" not in again.stdout, again.stdout
 
 
-def test_the_start_and_its_warning_tell_a_lost_step_alike(tmp_path):
+@pytest.mark.parametrize("export_dir", [None, "exports"])
+def test_the_start_and_its_warning_tell_a_lost_step_alike(tmp_path, export_dir):
     """Two quarantined adopted steps whose checkpoints are gone: one with a whole export left (still
     published from it: not lost), one with none (lost). The start's warning of quarantined steps names the
-    first alone, and the daemon retires the second alone as lost: one test for both."""
+    first alone, and the daemon retires the second alone as lost: one test for both, where the exports are
+    ROOT's own and under --export-dir."""
     from stagerd.cmd.watch_hints import quarantined_steps
     from stagerd.daemon.journal import Journal
 
     root, sink = tmp_path / "root", tmp_path / "sink"
+    exports = None if export_dir is None else tmp_path / export_dir
+    flags = [] if exports is None else ["--export-dir", str(exports)]
     ranks.write(str(root / "step-2"))
-    whole = root / layout.STATE_DIR / "adopted" / "step-1" / layout.EXPORT_DIR
+    work = root / layout.STATE_DIR / "adopted" if exports is None else exports
+    whole = work / "step-1" / layout.EXPORT_DIR
     whole.mkdir(parents=True)
     (whole / layout.WEIGHTS_NAME).write_bytes(b"built before the rotation")
     j = Journal.open(root)
@@ -168,7 +173,7 @@ def test_the_start_and_its_warning_tell_a_lost_step_alike(tmp_path):
             j.quarantine_step(step, "VerifyError", "refused")
     finally:
         j.close()
-    assert quarantined_steps(root, [], adopted=True) == [1]
-    r = watch_once(root, sink)
+    assert quarantined_steps(root, [], adopted=True, export_dir=exports) == [1]
+    r = watch_once(root, sink, *flags)
     assert "1 step(s) quarantined in the journal (1)" in r.stderr, r.stderr
     assert "step 1: quarantined" in r.stdout and "1 step(s) lost (3; 0 by this run)" in r.stdout, r.stdout
