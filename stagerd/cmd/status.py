@@ -185,6 +185,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     from stagerd.daemon.lock import root_holder
     from stagerd.daemon.policy import failure_hint
     from stagerd.daemon.retention import disk_state
+    from stagerd.daemon.trainers_best import staged_best
     from stagerd.daemon.unadopted import LOST_HINT
 
     refuse_no_root(root)
@@ -211,6 +212,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d["error_hint"] = ln.error_class and failure_hint(ln.error_class, ln.error_hint)
         by_step.setdefault(ln.step, []).append(d)
     now = time.time()
+    best = staged_best(root)
     out_steps = []
     for s in steps:
         d = asdict(s)
@@ -222,9 +224,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d["lanes"] = by_step.get(s.step, [])
         d["waiting"] = waits.get(s.step, {}).get(None)  # a fleet step: "waiting for node k (seen: ...)"
         d["age_seconds"] = round(now - s.marker_mtime, 3)
-        d["pinned"] = s.state != RETIRED and pinned(
-            root, s.step
-        )  # retention keeps it while a trainer holds it
+        # retention keeps it while a trainer holds it, or while the newest step names it the Trainer's best
+        d["pinned"] = s.state != RETIRED and (s.step in best or pinned(root, s.step))
         out_steps.append(d)
     return {
         "root": str(root),

@@ -46,6 +46,8 @@ def test_the_daemon_keeps_a_pinned_step_until_the_pin_is_released(tmp_path, dcp_
     best = run_cli(args)
     assert best.returncode == 0, best.stderr[-3000:]
     assert [p.name for p in sorted(root.glob("step-*"))] == ["step-00000100", "step-00000300"]
+    status = json.loads(run_cli(["status", root, "--json"]).stdout)
+    assert {s["step"]: s["pinned"] for s in status["steps"]} == {100: True, 300: False}
     state.write_text(json.dumps({"best_model_checkpoint": None}))
     released = run_cli(args)
     assert released.returncode == 0, released.stderr[-3000:]
