@@ -133,9 +133,10 @@ class StateGoneError(JournalError):
     """The journal or the lock under ROOT/.stagerd was deleted or replaced while the daemon ran."""
 
     hint = (
-        "something removed ROOT/.stagerd (or ROOT) under a running daemon, which stopped so that two daemons "
-        "never share a ROOT; start `stagerd watch ROOT` again: it rebuilds the journal, and sinks skip what "
-        "they already hold"
+        "something removed ROOT/.stagerd (or ROOT, or unmounted ROOT's filesystem) under a running daemon, "
+        "which stopped so that two daemons never share a ROOT; remount ROOT if it was unmounted, then start "
+        "`stagerd watch ROOT` again: it finds its journal there (or rebuilds it), and sinks skip what they "
+        "already hold"
     )
 
 
