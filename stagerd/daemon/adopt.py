@@ -155,7 +155,7 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                dcp = holds_dcp(Path(e.path))
+                dcp = holds_dcp(Path(e.path), custom)
                 said = NO_STEP_CHECKPOINT if dcp else holds_checkpoints(Path(e.path), custom) or NO_STEP
                 odd.append((e.name, said))  # a folder of checkpoints: warned, a folder of logs: said
                 continue
