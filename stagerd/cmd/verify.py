@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -88,6 +89,31 @@ def check_manifest(export_dir: Path) -> int:
     return len(manifest.files)
 
 
+def not_an_export(path: Path) -> None:
+    """A staged step, a staging ROOT or a sink's prefix given as EXPORT_DIR would be "not a complete
+    export" with the hint to consolidate again: name what it is, and the directory meant."""
+    weights = (layout.INDEX_NAME, layout.WEIGHTS_NAME, layout.ADAPTER_WEIGHTS_NAME)
+    if any((path / n).is_file() for n in weights):
+        return
+    if (path / layout.MARKER_NAME).exists():
+        export = path / layout.EXPORT_DIR
+        hint = (
+            f"verify its export: `stagerd verify {export} --against {path}`"
+            if export.is_dir()
+            else f"export it first (`stagerd consolidate {path} OUT`), then verify OUT"
+        )
+        raise ConfigError("EXPORT_DIR is a staged step, not an export", path=path, hint=hint)
+    steps = sorted(
+        n for n in os.listdir(path) if layout.parse_step_dir(n) is not None and (path / n).is_dir()
+    )
+    if steps:
+        raise ConfigError(
+            "EXPORT_DIR holds step directories (a staging ROOT or a sink's prefix), not an export",
+            path=path,
+            hint=f"give one of them, e.g. {path / steps[-1]}",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from stagerd.engine.verify import verify_export
     from stagerd.ops.progress import progress
@@ -111,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.is_dir():
             hint = "give the export's directory" if what == "EXPORT_DIR" else "give the step's directory"
             raise ConfigError(f"{what} is a file, not a directory", path=path, hint=hint)
+    not_an_export(args.export_dir)
     if args.against is not None and args.adopt is None:
         refuse_a_root(args.against, "--against")
         warn_uncommitted(args.against)

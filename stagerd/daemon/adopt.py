@@ -157,7 +157,7 @@ class Adoption(Discovery):
                 continue
             step = parse_step_name(e.name, custom)
             if step is None:
-                dcp = holds_dcp(Path(e.path))
+                dcp = holds_dcp(Path(e.path), custom)
                 nested = None if dcp else holds_checkpoints(Path(e.path), custom)
                 if nested is not None:
                     folders.append(f"{e.path} {nested}")

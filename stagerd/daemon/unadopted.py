@@ -57,15 +57,19 @@ def holds_checkpoints(directory: Path, custom: re.Pattern[str] | None) -> str | 
     )
 
 
-def holds_dcp(directory: Path) -> bool:
+def holds_dcp(directory: Path, custom: re.Pattern[str] | None = None) -> bool:
     """A DCP `.metadata` in `directory` or one level down (the HF Trainer's `pytorch_model_fsdp_0/`,
-    AutoModel's `model/`): a checkpoint a user would expect adopted, not a folder of logs."""
+    AutoModel's `model/`): a checkpoint a user would expect adopted, not a folder of logs. A child named as
+    a checkpoint (torchtitan's `checkpoint/step-N/`) is a checkpoint of its own: `directory` is then a
+    folder of checkpoints, ROOT given one level too high (`holds_checkpoints`), not one unnamed checkpoint."""
     try:
         if (directory / ".metadata").is_file():
             return True
         with os.scandir(directory) as entries:
             return any(
-                e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata"))
+                e.is_dir(follow_symlinks=False)
+                and parse_step_name(e.name, custom) is None
+                and os.path.isfile(os.path.join(e.path, ".metadata"))
                 for e in entries
             )
     except OSError:

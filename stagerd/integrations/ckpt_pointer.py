@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from stagerd.contract import layout
 from stagerd.errors import LoadError
+from stagerd.training.step_choice import holds
 
 POINTER = "stagerd.lightning.pointer/1"
 MAX_POINTER_BYTES = 64 << 10
@@ -32,7 +33,10 @@ def locate(path: Path) -> Located:
     were recorded)."""
     data = _read_pointer(path)
     if data is not None:
-        return Located(*_where(data, path), _keys(data, path))
+        root, named = _where(data, path)
+        if not layout.is_committed(root / layout.step_dir_name(named)):
+            raise _gone(path, root, named)
+        return Located(root, named, _keys(data, path))
     step = layout.parse_step_dir(path.name)
     if step is not None and layout.is_committed(path):
         return Located(path.parent, step, None)
@@ -53,6 +57,22 @@ def locate(path: Path) -> Located:
         "with one",
         path=path,
         hint=NOT_OURS_HINT,
+    )
+
+
+def _gone(path: Path, root: Path, step: int) -> LoadError:
+    """The step a pointer names is not committed in its ROOT: the daemon's `--keep-last` (or a person)
+    deleted it, or ROOT moved. Said as `Stager.load` says a step that is not there, not as a step whose
+    marker is missing."""
+    steps = [s for s, _ in layout.committed_steps(root)] if root.is_dir() else []
+    where = (
+        f"its committed steps, newest first: {', '.join(map(str, steps[::-1][:5]))}" if steps else holds(root)
+    )
+    return LoadError(
+        f"names step {step} of {root}, which is not committed there; {where}",
+        path=path,
+        hint="a step the daemon's --keep-last deleted comes back from a sink it was published on "
+        f"(`stagerd restore URL {root} --step {step}`); or load ROOT (its newest step) or ROOT/step-N",
     )
 
 

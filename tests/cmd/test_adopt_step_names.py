@@ -42,3 +42,15 @@ def test_a_checkpoint_whose_name_gives_no_step_is_named_with_the_flag_that_reads
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 step(s) published" in proc.stdout
     assert any((sink / layout.step_dir_name(20)).glob("*.safetensors"))
+
+
+def test_a_run_folder_given_for_its_checkpoints_folder_says_to_pass_that_folder(tmp_path):
+    # torchtitan's layout: RUN/checkpoint/step-N/.metadata, RUN given as ROOT
+    run, sink = tmp_path / "run", tmp_path / "sink"
+    dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(run / "checkpoint" / "step-1"), no_dist=True)
+    proc = run_cli(["watch", run, "--adopt", "dcp", "--sink", sink, "--once"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [r["msg"] for r in _logged(proc.stderr) if r.get("ignored") == "checkpoint"]
+    assert len(warned) == 1 and "holds checkpoints (step-1)" in warned[0], proc.stderr[-3000:]
+    assert "--adopt-step" not in warned[0]
+    assert f"stagerd watch {run / 'checkpoint'} --adopt" in proc.stdout, proc.stdout

@@ -119,6 +119,28 @@ def test_a_file_given_for_a_directory_is_named_so(tmp_path: Path, capsys) -> Non
     assert not (tmp_path / "out").exists() and not (tmp_path / "sink").exists()
 
 
+def test_verify_of_a_step_or_a_folder_of_steps_names_the_export_meant(tmp_path: Path, capsys) -> None:
+    """Before: each was "neither model.safetensors.index.json nor model.safetensors: not a complete
+    export", hinting to consolidate again."""
+    from stagerd.cli import main
+
+    root = tmp_path / "root"
+    step = root / layout.step_dir_name(6)
+    (step / layout.EXPORT_DIR).mkdir(parents=True)
+    (step / layout.MARKER_NAME).write_text("{}")
+    sink = tmp_path / "sink"
+    (sink / layout.step_dir_name(4)).mkdir(parents=True)
+    (sink / layout.step_dir_name(6)).mkdir()
+    for given, said, hint in (
+        (step, "is a staged step, not an export", f"stagerd verify {step / layout.EXPORT_DIR} --against"),
+        (root, "holds step directories", f"e.g. {step}"),
+        (sink, "holds step directories", f"e.g. {sink / layout.step_dir_name(6)}"),
+    ):
+        assert main(["verify", str(given)]) == 2, given
+        err = capsys.readouterr().err
+        assert said in err and hint in err and "not a complete export" not in err, err
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--max-shard-size", "0"), ("--threads", "0")])
 def test_consolidate_bad_numbers_are_exit_2(step_dir: Path, tmp_path: Path, flag: str, value: str) -> None:
     proc = run_cli(["consolidate", step_dir, tmp_path / "out", flag, value])

@@ -8,6 +8,8 @@ what `on_load_checkpoint` saw; a LightningDataModule's hyper-parameters and stat
 from __future__ import annotations
 
 import gc
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,20 @@ def test_lightnings_own_file_and_other_classes_are_refused_by_name(runs):
     assert "cls.load_from_checkpoint" in e.value.hint
     with pytest.raises(TypeError, match="LightningModule or LightningDataModule"):
         load_from_checkpoint(torch.nn.Linear, runs["staged"][1])  # type: ignore[type-var]
+
+
+def test_a_path_whose_step_retention_deleted_says_so_and_how_to_restore(runs, tmp_path):
+    # ModelCheckpoint keeps its file for a step the daemon's --keep-last deleted: a ROOT with step 4 only
+    staged = runs["staged"][0]
+    root = tmp_path / "root"
+    shutil.copytree(staged / "root" / layout.step_dir_name(4), root / layout.step_dir_name(4))
+    pointer = json.loads((staged / "ckpts" / "step=2.ckpt").read_text())
+    path = tmp_path / "step=2.ckpt"
+    path.write_text(json.dumps({**pointer, "root": str(root)}))
+    with pytest.raises(LoadError, match=r"names step 2 of .*not committed there; its committed steps") as e:
+        load_from_checkpoint(Tied, path)
+    assert "newest first: 4" in str(e.value)
+    assert f"stagerd restore URL {root} --step 2" in e.value.hint
 
 
 def test_tensors_go_where_torch_load_puts_those_of_their_device(runs):
