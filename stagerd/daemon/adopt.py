@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stagerd.contract import layout
 from stagerd.contract.adopt.checks import made_by_these_checks
@@ -247,7 +247,12 @@ class Adoption(Discovery):
         )
 
     def _export_adopted(
-        self, step: int, step_dir: Path, progress: Callable[[int, int], None], rebuild: bool
+        self,
+        step: int,
+        step_dir: Path,
+        progress: Callable[[int, int], None],
+        rebuild: bool,
+        rebuild_extras: bool = False,
     ) -> ExportResult:
         """Worker thread: one adopted checkpoint's export into its work directory."""
         from stagerd.daemon.hf_names import model_plan
@@ -264,6 +269,7 @@ class Adoption(Discovery):
                 step=step,
                 progress=progress,
                 rebuild=rebuild,
+                rebuild_extras=rebuild_extras,
                 **s.export_options(),
             )
         except AdoptError:
@@ -287,10 +293,22 @@ class Adoption(Discovery):
         custom = compile_step_regex(self.settings.adopt_step)
         return adopted_best(self.root, lambda name: parse_step_name(name, custom))
 
+    def _other_extras(self, step_dir: Path, recorded: dict[str, Any]) -> bool:
+        """Io thread: an adopted export records other extras than the checkpoint's export would take now
+        (config.json given with --extras DIR, or mended, since it was built): a sink that lacks the step
+        gets it rebuilt. One recorded before extras were is taken as it is."""
+        from stagerd.engine.adopt.extras import extras_digest
+        from stagerd.engine.made_with import EXTRAS_KEY
+
+        preset = self._preset_of(step_dir) if self.settings.adopt is not None else None
+        if preset is None or EXTRAS_KEY not in recorded:
+            return False
+        return recorded[EXTRAS_KEY] != extras_digest(step_dir, preset, self.settings.extras)
+
     def _checked_otherwise(self, step_dir: Path) -> bool:
         """Io thread: the checkpoint's cached export was made by a stagerd build whose checks differ from
         this one's (`contract/adopt/checks.py`), so no sink may get it before it is exported again."""
-        from stagerd.engine.export import recorded_options
+        from stagerd.engine.made_with import recorded_options
 
         if self.settings.adopt is None:
             return False

@@ -44,7 +44,7 @@ from stagerd.errors import JournalError, MarkerError
 from stagerd.ops.crashpoints import crash_point
 from stagerd.sinks.base import PublishResult
 
-OTHER_OPTIONS = "export/ was made with another --dtype or --keep-dtype than asked now"
+OTHER_OPTIONS = "export/ was made with another --dtype, --keep-dtype or extras than asked now"
 
 if TYPE_CHECKING:
     from stagerd.engine.export import ExportResult
@@ -92,11 +92,13 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
         # An export made with other options may be rebuilt only while no sink holds it.
         lanes = await self._j(self._journal.lanes, step)
         rebuild = not any(ln.state in (LaneState.PUBLISHED, LaneState.PUBLISHING) for ln in lanes)
+        # one whose extras alone changed (config.json given since): its weights are what the sinks hold
+        rebuild_extras = not any(ln.state == LaneState.PUBLISHING for ln in lanes)
         identity = None if row is None else row.marker_id
         t0, pause = time.monotonic(), self._yielder("export", step, identity=identity)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._export_pool, self._run_export, step, step_dir, rebuild, pause
+                self._export_pool, self._run_export, step, step_dir, (rebuild, rebuild_extras), pause
             )
         except asyncio.CancelledError:
             raise
@@ -135,7 +137,9 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
             yielded_seconds=round(pause.spent, 3),
         )
 
-    def _run_export(self, step: int, step_dir: Path, rebuild: bool, pause: Yielder) -> ExportResult:
+    def _run_export(
+        self, step: int, step_dir: Path, rebuilds: tuple[bool, bool], pause: Yielder
+    ) -> ExportResult:
         """Worker thread: the export engine, with progress and the test pause hook; a node-locally staged
         step is this node's part of the fleet export instead."""
         from stagerd.engine.export import export_step
@@ -159,9 +163,9 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
 
             s = self.settings
             if s.adopt is not None:
-                return self._export_adopted(step, step_dir, report, rebuild)
+                return self._export_adopted(step, step_dir, report, *rebuilds)
             return export_step(
-                step_dir, mapping=s.mapping, progress=report, rebuild=rebuild, **s.export_options()
+                step_dir, mapping=s.mapping, progress=report, rebuild=rebuilds[0], **s.export_options()
             )
 
     def _refuse_links(
@@ -317,9 +321,10 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
 
     def _made_otherwise(self, step_dir: Path) -> bool:
         """Io thread: the step's export was made with another `--dtype` or `--keep-dtype` than this daemon
-        asks (without `--dtype`, a Stager step's is its marker's hint, which the export task reads)."""
+        asks (without `--dtype`, a Stager step's is its marker's hint, which the export task reads), or,
+        adopted, with other extras than it would take now (`--extras DIR` given since)."""
         from stagerd.contract.dtypes import parse_export_dtype
-        from stagerd.engine.export import recorded_options
+        from stagerd.engine.made_with import recorded_options
 
         recorded = recorded_options(self._work_dir(step_dir))
         if recorded is None:
@@ -327,7 +332,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
         s = self.settings
         if s.dtype is not None and recorded.get("dtype") != (parse_export_dtype(s.dtype) or "keep"):
             return True
-        return recorded.get("keep_dtype") != s.keep_dtype
+        return recorded.get("keep_dtype") != s.keep_dtype or self._other_extras(step_dir, recorded)
 
     def _run_publish(
         self, step: int, sink: str, export_dir: Path, metadata: Mapping[str, Any], pause: Yielder

@@ -32,6 +32,7 @@ from stagerd.engine.consolidate import consolidate_into
 from stagerd.engine.execute import output_error
 from stagerd.engine.export_map import read_weight_map
 from stagerd.engine.hub_config import CONFIG_NAME, exported_config
+from stagerd.engine.made_with import EXTRAS_KEY, changed_options, changed_text, recorded_options
 from stagerd.engine.merge import MERGE_SCRATCH_PREFIX
 from stagerd.engine.parsed_extras import PARSED_EXTRAS, read_json_object
 from stagerd.engine.source import Source, held_source
@@ -137,14 +138,6 @@ def _existing(d: Path) -> ExportResult:
     planned this time)."""
     weight_map, total_size = read_weight_map(d)
     return ExportResult(d, list_files(d), total_size, len(weight_map), 0.0, True)
-
-
-def recorded_options(step_dir: Path) -> dict[str, Any] | None:
-    try:
-        recorded = loads((step_dir / layout.EXPORT_OPTIONS_NAME).read_text())
-    except (FileNotFoundError, ValueError):
-        return None  # an export from before options were recorded, or a torn write: trusted as it is
-    return recorded if isinstance(recorded, dict) else None
 
 
 def mapped_plan(marker: commit_marker.CommitMarker, mapping: Path, step_dir: Path) -> tuple[HubPlan, str]:
@@ -270,12 +263,14 @@ def export_source(
     views: HubPlan | None,
     before_commit: Callable[[], None] | None = None,
     default_shard_size: bool = False,
+    rebuild_extras: bool = False,
 ) -> ExportResult:
     """Export `source` into `<work_dir>/export/` (built in `export.tmp/`, renamed when whole), with its
     options (`dtype`, `keep_dtype`, `max_shard_size`, then the source's own `options`) recorded beside it;
     a no-op (`skipped`) when an export with those options is there. `dtype` is the target (None: keep).
     `before_commit` runs after the files are durable and before the rename (an adopted checkpoint checks
-    that its source did not change meanwhile). `default_shard_size`: as in `export_step`."""
+    that its source did not change meanwhile). `default_shard_size`: as in `export_step`.
+    `rebuild_extras`: one whose extras alone changed is rebuilt even where `rebuild` is not given."""
     wanted = {"dtype": dtype or "keep", "keep_dtype": keep_dtype, "max_shard_size": max_shard_size, **options}
     final = work_dir / layout.EXPORT_DIR
     recorded = recorded_options(work_dir)
@@ -285,15 +280,12 @@ def export_source(
     # made under other checks (an adopted export: `contract/adopt/checks.py`): rebuilt even where a sink
     # holds it, as the same options make the same bytes; what this build refuses is refused then
     recheck = CHECKS_KEY in wanted and not made_by_these_checks(recorded)
-    if recorded is not None and _without_checks(recorded) != _without_checks(wanted):
-        if not rebuild:
-            changed = ", ".join(
-                f"{key} {recorded.get(key)!r} -> {value!r}"
-                for key, value in wanted.items()
-                if recorded.get(key) != value and key != CHECKS_KEY
-            )
+    changed = {} if recorded is None else changed_options(recorded, wanted)
+    if recorded is not None and changed:
+        if not (rebuild or (rebuild_extras and changed.keys() == {EXTRAS_KEY})):
             raise ExportMismatchError(
-                f"step {step} was exported with other options ({changed}) and a sink holds that export",
+                f"step {step} was exported with other options ({changed_text(recorded, changed)}) and a "
+                "sink holds that export",
                 path=work_dir / layout.EXPORT_OPTIONS_NAME,
             )
     elif layout.export_is_whole(final) and not recheck:
@@ -361,10 +353,6 @@ def _prepared(
                 elif not held.holds(layout.EXPORT_DIR, out):  # moved away, a link put in its place:
                     out.clear()  # empty what we wrote, wherever it now is (never an export committed)
             raise
-
-
-def _without_checks(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k != CHECKS_KEY}
 
 
 def _commit(held: HeldDir, out: HeldDir, wanted: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ operator's `--extras DIR` is followed, links and all: a Hugging Face cache snaps
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -140,3 +141,22 @@ def test_a_quarantined_checkpoint_is_retried_once_its_cause_is_fixed(tmp_path, n
     res = watch_once(root, sink)
     assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
     assert (published(sink, 1) / "tokenizer.model").read_bytes() == b"sentencepiece"
+
+
+def test_extras_given_after_an_export_reach_the_sink_that_lacks_the_step(tmp_path):
+    """Published without a config.json (the warning said to pass --extras DIR), then given it: a sink
+    that lacks the step got the export built before, no config.json and nothing said. It now gets the
+    step rebuilt with the extras, its weights the same bytes; the first sink keeps its copy."""
+    root, extras, first, second = tmp_path / "root", tmp_path / "extras", tmp_path / "a", tmp_path / "b"
+    ranks.write(str(root / "step-1"))
+    res = watch_once(root, first)
+    assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    assert not (published(first, 1) / "config.json").exists()
+    extras.mkdir()
+    (extras / "config.json").write_text('{"model_type": "llama"}')
+    res = watch_once(root, second, "--extras", str(extras))
+    assert "1 step(s) published, 0 not" in res.stdout, res.stdout + res.stderr
+    assert json.loads((published(second, 1) / "config.json").read_text())["model_type"] == "llama"
+    weights = [(published(sink, 1) / "model.safetensors").read_bytes() for sink in (first, second)]
+    assert weights[0] == weights[1]
+    assert not (published(first, 1) / "config.json").exists()

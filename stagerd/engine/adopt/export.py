@@ -25,9 +25,11 @@ from stagerd.contract.progress_fn import ProgressFn
 from stagerd.contract.sharding import DEFAULT_MAX_SHARD_SIZE
 from stagerd.contract.step.held import HeldDir, HeldFiles
 from stagerd.engine.adapter import ADAPTER_MAX_SHARD_SIZE
+from stagerd.engine.adopt.extras import extras_digest
 from stagerd.engine.adopt.finished import save_identity
 from stagerd.engine.adopt.source import AdoptedSource, AdoptOptions, open_adopted
 from stagerd.engine.export import ExportResult, export_source
+from stagerd.engine.made_with import EXTRAS_KEY
 from stagerd.errors import OutputError, ShardError, SourceChangedError, StagerdError
 from stagerd.ops.crashpoints import delay_point
 
@@ -90,11 +92,13 @@ def export_adopted(
     threads: int = 2,
     progress: ProgressFn | None = None,
     rebuild: bool = True,
+    rebuild_extras: bool = False,
     default_shard_size: bool = False,
 ) -> ExportResult:
     """Export the finished checkpoint `ckpt` into `<work_dir>/export/` (created as needed; never inside
     `ckpt`). A no-op (`skipped`) when an export of this save with these options is there.
-    `default_shard_size`: as in `export_step`."""
+    `default_shard_size`: as in `export_step`. `rebuild_extras`: an export whose extras alone changed
+    (config.json given since) may be rebuilt though a sink holds it: its weights are the same bytes."""
     ckpt, work_dir = Path(ckpt), Path(work_dir)
     real, inside = ckpt.resolve(), work_dir.resolve()
     if inside == real or real in inside.parents:
@@ -121,6 +125,7 @@ def export_adopted(
             "preset": source.preset.name,
             "select": options.select,
             "mapping": None if options.mapping is None else _sha256(options.mapping),
+            EXTRAS_KEY: extras_digest(ckpt, source.preset, options.extras),
             CHECKS_KEY: CHECKS,
         }
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +151,7 @@ def export_adopted(
                 threads=threads,
                 progress=progress,
                 rebuild=rebuild,
+                rebuild_extras=rebuild_extras,
                 views=source.plan,
                 before_commit=commit_check,
                 default_shard_size=default_shard_size,

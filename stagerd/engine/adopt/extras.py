@@ -4,6 +4,7 @@ place that has it, and never through a link where the trainer keeps it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -47,6 +48,21 @@ def find_extras(
                 found[name] = p
                 break
     return found
+
+
+def extras_digest(ckpt: Path, preset: Preset, extras_dir: Path | None) -> dict[str, str]:
+    """name -> sha256 of each extra an export of `ckpt` takes now (`find_extras`, ROOT the checkpoint's
+    parent): recorded beside an adopted export and compared before a sink gets it, so a config.json given
+    (`--extras DIR`) or mended since is in what the next sink gets. A file gone or unreadable meanwhile is
+    left out: the export itself names it."""
+    out = {}
+    for name, path in sorted(find_extras(ckpt, preset, extras_dir, ckpt.parent).items()):
+        try:
+            with open(path, "rb") as f:
+                out[name] = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError:
+            continue
+    return out
 
 
 def find_trainers_file(
