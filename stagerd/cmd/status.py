@@ -59,11 +59,14 @@ _Read = tuple[
 def refuse_no_root(root: Path) -> None:
     """A JournalError for a ROOT missing or not a directory (`status`, and `retry` before it writes)."""
     if not root.is_dir():
+        from stagerd.contract.layout import closest_existing
+
         what = "is not a directory" if root.exists() else "does not exist"
+        meant = None if root.exists() else closest_existing(root)  # a typo of the ROOT beside it
         raise JournalError(
             f"ROOT {what}, so there is no journal to read",
             path=root,
-            hint="give the ROOT `stagerd watch` runs on",
+            hint=(f"did you mean {meant}? Else g" if meant else "g") + "ive the ROOT `stagerd watch` runs on",
         )
     from stagerd.daemon.root_places import refuse_a_step_or_state_dir
 
