@@ -59,11 +59,14 @@ _Read = tuple[
 def refuse_no_root(root: Path) -> None:
     """A JournalError for a ROOT missing or not a directory (`status`, and `retry` before it writes)."""
     if not root.is_dir():
+        from stagerd.contract.layout import closest_existing
+
         what = "is not a directory" if root.exists() else "does not exist"
+        meant = None if root.exists() else closest_existing(root)  # a typo of the ROOT beside it
         raise JournalError(
             f"ROOT {what}, so there is no journal to read",
             path=root,
-            hint="give the ROOT `stagerd watch` runs on",
+            hint=(f"did you mean {meant}? Else g" if meant else "g") + "ive the ROOT `stagerd watch` runs on",
         )
     from stagerd.daemon.root_places import refuse_a_step_or_state_dir
 
@@ -180,7 +183,7 @@ def _cannot_write(directory: Path) -> bool:
 def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     """The status document: daemon, disk, and every step with its lanes."""
     from stagerd.contract.step.pin import pinned
-    from stagerd.daemon.journal import RETIRED, journal_path
+    from stagerd.daemon.journal import FAILED, RETIRED, journal_path
     from stagerd.daemon.journal.schema import LOST
     from stagerd.daemon.lock import root_holder
     from stagerd.daemon.policy import failure_hint
@@ -209,6 +212,7 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
     by_step: dict[int, list[dict[str, Any]]] = {}
     for ln in lanes:  # a lane's "waiting": a Hub lane of a fleet step, for the leader's publish
         d = {**asdict(ln), "waiting": waits.get(ln.step, {}).get(ln.sink)}
+        d["state"] = _shown_state(d)
         d["error_hint"] = ln.error_class and failure_hint(ln.error_class, ln.error_hint)
         by_step.setdefault(ln.step, []).append(d)
     now = time.time()
@@ -223,6 +227,9 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         d["path"] = str(root / Path(s.path).name)  # a copy of the journal would place it in the copy's dir
         d["lanes"] = by_step.get(s.step, [])
         d["waiting"] = waits.get(s.step, {}).get(None)  # a fleet step: "waiting for node k (seen: ...)"
+        if (d["state"], shown := _shown_state(d)) == (FAILED, WAITING):
+            counts = {**counts, FAILED: counts.get(FAILED, 0) - 1, WAITING: counts.get(WAITING, 0) + 1}
+            d["state"] = shown
         d["age_seconds"] = round(now - s.marker_mtime, 3)
         # retention keeps it while a trainer holds it, or while the newest step names it the Trainer's best
         d["pinned"] = s.state != RETIRED and (s.step in best or pinned(root, s.step))
@@ -250,6 +257,18 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
         "steps": out_steps,
         "note": note,
     }
+
+
+WAITING = "waiting"
+
+
+def _shown_state(row: dict[str, Any]) -> str:
+    """A step or lane failed while it waits (a fleet step for another node, a Hub lane for the leader's
+    publish) is shown waiting: it is tried again, never quarantined for it (`--once` left it for the next
+    start: `next_try` None, as for any failure left waiting)."""
+    from stagerd.daemon.journal import FAILED
+
+    return WAITING if row["state"] == FAILED and row.get("waiting") else str(row["state"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ OPTIONAL = ("age", "export", "size")  # dropped from the left of this order firs
 _STATE_COLOR = {
     "quarantined": "red",
     "failed": "yellow",
+    "waiting": "yellow",
     "published": "green",
     "retired": "dim",
     "lost": "yellow",
@@ -68,7 +69,7 @@ def _lane_cell(lane: dict[str, Any] | None, gap: str = " ") -> str:
     state = lane["state"]
     if state == "published":
         return f"[green]published[/]{gap}{secs(lane['seconds'])}"
-    if state in ("failed", "quarantined"):
+    if state in ("failed", "waiting", "quarantined"):
         return f"[{_STATE_COLOR[state]}]{state}[/]{gap}{lane['attempts']}x"
     return str(state)
 
@@ -83,10 +84,17 @@ def _errors(step: dict[str, Any], labels: dict[str, str], *, full: bool = False)
     for where, r in [("", step), *((labels[ln["sink"]], ln) for ln in step["lanes"])]:
         if r["error_class"]:
             cls = r["error_class"]
-            if full and left_waiting(r["state"], r.get("next_try")):
+            if full and _left_waiting(r):
                 cls = f"still waiting (not quarantined): {cls}"
             out.append((where, cls, r["error_message"], r.get("error_hint")))
     return out
+
+
+def _left_waiting(row: dict[str, Any]) -> bool:
+    """`policy.left_waiting` of a step or lane, one shown "waiting" (`status._shown_state`) being a failed
+    one that waits."""
+    state = "failed" if row["state"] == "waiting" else row["state"]
+    return left_waiting(state, row.get("next_try"))
 
 
 def _waits(step: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str]]:
@@ -271,8 +279,5 @@ def _stuck(step: dict[str, Any], *, given_up: bool = False) -> bool:
     missing), which the next start tries again."""
     rows = [step, *step["lanes"]]
     if given_up:
-        return any(
-            left_waiting(r["state"], r.get("next_try")) or _given_up(r["state"], r["error_class"])
-            for r in rows
-        )
+        return any(_left_waiting(r) or _given_up(r["state"], r["error_class"]) for r in rows)
     return any(r["state"] == "quarantined" and not _given_up(r["state"], r["error_class"]) for r in rows)

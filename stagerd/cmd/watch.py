@@ -8,17 +8,22 @@ import sys
 from collections.abc import Collection
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stagerd.cmd.flag_types import export_dtype
 from stagerd.cmd.help import UserHelpFormatter
 from stagerd.cmd.watch_hints import (
     given_up_hint,
     retry_hint,
+    warn_keep_none,
     warn_quarantined,
     warn_unadopted,
 )
 from stagerd.contract.dtypes import EXPORT_DTYPE_TEXT
 from stagerd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stagerd.config import Settings
 
 DESCRIPTION = (
     "Run beside training on each node. Every step a trainer commits under ROOT is converted to Hugging "
@@ -163,10 +168,15 @@ def open_exchange(url: str) -> None:
         raise
 
 
-def _warn(root: Path, unadopted: bool, export_dir: Path | None, lanes: Collection[str]) -> None:
+def _warn(settings: Settings, lanes: Collection[str]) -> None:
+    assert settings.root is not None
+    root, unadopted = Path(settings.root), settings.adopt is None
     if unadopted:
         warn_unadopted(root)
-    warn_quarantined(root, lanes, adopted=not unadopted, export_dir=export_dir)
+    warn_quarantined(root, lanes, adopted=not unadopted, export_dir=settings.export_dir)
+    warn_keep_none(
+        settings.keep_last, settings.publish_raw, trainer_kept=not unadopted and not settings.delete_adopted
+    )
 
 
 _FLAGS = (
@@ -226,9 +236,7 @@ def run(args: argparse.Namespace) -> int:
         open_exchange(settings.exchange)
     # The warnings come once the daemon has checked ROOT's places (a step directory given as ROOT is
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
-    on_start = (
-        None if root is None else partial(_warn, Path(root), settings.adopt is None, settings.export_dir)
-    )
+    on_start = None if root is None else partial(_warn, settings)
     daemon = Daemon(settings, on_start=on_start)
     code = asyncio.run(daemon.run())
     if daemon.summary is not None:

@@ -1,6 +1,7 @@
 """What `stagerd watch` says at its start and end about a ROOT that will not make progress by itself:
-quarantined steps that only `stagerd retry` re-arms, a trainer's own checkpoints without --adopt, and the
-adopted checkpoints the trainer deleted before they were exported."""
+quarantined steps that only `stagerd retry` re-arms, a trainer's own checkpoints without --adopt, the
+adopted checkpoints the trainer deleted before they were exported, and a --keep-last 0 that leaves ROOT
+empty."""
 
 from __future__ import annotations
 
@@ -74,6 +75,26 @@ def warn_quarantined(
     if steps:
         shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
         log.warning("%d step(s) quarantined in the journal (%s); %s", len(steps), shown, retry_hint(root))
+
+
+def warn_keep_none(keep_last: int | None, publish_raw: bool, *, trainer_kept: bool = False) -> None:
+    """`--keep-last 0` is meant (every staged step goes once published, the newest too), but a user who read
+    "unset: delete nothing" may type 0 for "off", and find nothing in ROOT to resume from. Said once, at the
+    start. Not where only stagerd's own exports of adopted checkpoints go (`trainer_kept`): the trainer's
+    checkpoints stay then."""
+    if keep_last != 0 or trainer_kept:
+        return
+    if publish_raw:
+        log.warning(
+            "--keep-last 0: every step's staged data is deleted once published, the newest too "
+            "(`stagerd restore` brings a step back from its --publish-raw copy)"
+        )
+        return
+    log.warning(
+        "--keep-last 0: every step's staged data is deleted once published, the newest too; without "
+        "--publish-raw its optimizer state is gone for good, so training cannot resume from it. "
+        "--keep-last 1 keeps the newest"
+    )
 
 
 def warn_unadopted(root: Path) -> None:

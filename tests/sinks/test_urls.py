@@ -151,6 +151,19 @@ def test_secrets_in_a_refused_url_are_masked() -> None:
     assert "hf_supersecretvalue" not in str(e.value) + e.value.hint
 
 
+def test_a_suggested_url_reads_as_typed_its_secrets_masked() -> None:
+    """The suggestion is what to type: its query as the user wrote it, not percent-encoded again."""
+    with pytest.raises(ConfigError) as e:
+        parse_sink_url("hf:/org/repo?endpoint=http://127.0.0.1:8080&token=hf_supersecretvalue")
+    assert e.value.hint == "did you mean 'hf://org/repo?endpoint=http://127.0.0.1:8080&token=***'?", (
+        e.value.hint
+    )
+    assert "hf:/org/repo?endpoint=http://127.0.0.1:8080&token=***" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_sink_url("s3:/user:pass@bkt/run")
+    assert "pass" not in str(e.value) + e.value.hint and "s3://user:***@bkt/run" in e.value.hint
+
+
 @pytest.mark.parametrize("url", ["s3://bkt/run*", "s3://bkt/exp[1]", "s3a://bkt/a]b", "s3://bkt/run*/x"])
 def test_an_object_store_prefix_with_glob_characters_is_refused(url: str) -> None:
     """S3 tools read `*`, `?`, `[`, `]` as patterns: one delete could reach other prefixes."""

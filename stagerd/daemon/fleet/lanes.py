@@ -8,13 +8,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from stagerd.contract import layout
+from stagerd.contract.manifest import MAX_MANIFEST_BYTES
 from stagerd.daemon.fleet.broken import broken_of
 from stagerd.daemon.fleet.exchange import RECORDS_DIR, StepExchange
 from stagerd.daemon.fleet.records import sink_id
 from stagerd.errors import SinkError, StagerdError
 from stagerd.sinks.fsspec import FsspecSink
+from stagerd.sinks.objects import parse_manifest
 
 log = logging.getLogger("stagerd.fleet")
+
+
+def committed_files(sinks: Sequence[FsspecSink], step: int) -> list[tuple[str, int]]:
+    """The files of `step` and their sizes (the manifest aside) as the first of `sinks` that holds it lists
+    them: the whole export, every node's files, that each node reports as its export (`stagerd status`, the
+    log); none where no sink's manifest can be read (a report, not the step's outcome)."""
+    key = f"{layout.step_dir_name(step)}/{layout.MANIFEST_NAME}"
+    for sink in sinks:
+        try:
+            data = sink.backend.read(key, MAX_MANIFEST_BYTES + 1)
+            if data is not None:
+                manifest = parse_manifest(data, f"{sink.url}/{key}")
+                return [(f.path, f.size) for f in manifest.files if f.path != layout.MANIFEST_NAME]
+        except (SinkError, OSError):
+            continue
+    return []
 
 
 def published(sink: FsspecSink, step: int) -> bool:

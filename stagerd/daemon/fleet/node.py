@@ -54,7 +54,7 @@ from stagerd.daemon.fleet.build import Artefact
 from stagerd.daemon.fleet.claim import claim, wait_agreed
 from stagerd.daemon.fleet.exchange import StepExchange
 from stagerd.daemon.fleet.hub import all_hubs_recorded
-from stagerd.daemon.fleet.lanes import Lanes, published
+from stagerd.daemon.fleet.lanes import Lanes, committed_files, published
 from stagerd.daemon.fleet.lead import lead
 from stagerd.daemon.fleet.parts import wait_parts
 from stagerd.daemon.fleet.plan import Mirror, check_extras, owners
@@ -96,7 +96,8 @@ class FleetOptions:
 
 @dataclass
 class FleetResult:
-    """What this node did: the files it built, the bytes it read from the exchange and uploaded."""
+    """What this node did: the files it built, the bytes it read from the exchange and uploaded; and the
+    whole export it built with the others, every node's files, as a sink it committed lists them."""
 
     step: int
     node: int
@@ -109,6 +110,9 @@ class FleetResult:
     waited: float = 0.0  # of `seconds`, asleep waiting for other nodes
     committed: bool = False
     failed: dict[str, StagerdError] = field(default_factory=dict)  # sink URL -> what stopped it on this run
+    files: list[tuple[str, int]] = field(default_factory=list)  # the export's (name, size), every node's
+    tensor_bytes: int = 0
+    tensors: int = 0
 
 
 class FleetNode:
@@ -175,6 +179,7 @@ class FleetNode:
                 for s in self.lanes.all:
                     s.settle(self.step)
                 self._record_done()
+            res.files = committed_files(self.lanes.all, self.step)
             return res
         with broken.stopping(self.x, *broken.STEP_FAULTS):
             check_extras(self.step_dir, self.marker)  # as export_step, before anything is written
@@ -205,6 +210,7 @@ class FleetNode:
                 p, units = self._plan(mirror, mirror.build())
                 owner = owners(((rel, f.size) for rel, (_, f) in units.items()), self.nodes)
                 planned = {rel: planned_file(art, f) for rel, (art, f) in units.items()}
+                res.tensor_bytes, res.tensors = p.total_size, p.tensor_count
                 built_here = [(rel, *units[rel]) for rel in units if owner[rel] == self.me]
                 self._build(built_here, planned, progress, res)
         res.bytes_fetched = mirror.fetched
@@ -229,6 +235,7 @@ class FleetNode:
         else:
             self.lanes.wait_leader(owner)
         shutil.rmtree(self.work, ignore_errors=True)
+        res.files = committed_files(self.lanes.live(), self.step)
         res.seconds, res.waited = time.monotonic() - t0, self.x.waited
         return res
 

@@ -131,7 +131,12 @@ class FleetTasks(DaemonState):
         )
         from stagerd.engine.export import ExportResult
 
-        return ExportResult(step_dir / layout.EXPORT_DIR, (), 0, 0, res.seconds, skipped=False)
+        # the whole export, as the sinks show it (status, the log), not this node's share: the line above
+        # says that
+        files = tuple(res.files)
+        return ExportResult(
+            step_dir / layout.EXPORT_DIR, files, res.tensor_bytes, res.tensors, res.seconds, skipped=False
+        )
 
     def _fleet_budget(self, pause: Yielder | None) -> None:
         """The other nodes wait on this one's files. The trainer saves on every node at once, so each node's

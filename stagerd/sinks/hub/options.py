@@ -3,6 +3,7 @@ checked and read into `HubSink`'s arguments (see the package docstring for each)
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,8 @@ def sink_arguments(url: str, options: Mapping[str, Any]) -> tuple[str, dict[str,
     opts: dict[str, Any] = {**target.options, **options}
     unknown = sorted(set(opts) - KNOWN)
     if unknown:
-        raise ConfigError(f"unknown Hub sink option(s) {', '.join(unknown)} for {target.redacted}")
+        named = ", ".join(_with_closest(k) for k in unknown)
+        raise ConfigError(f"unknown Hub sink option(s) {named} for {target.redacted}")
     retry = opts.get("retry") or RetryPolicy(
         max_attempts=_number(opts, "max_attempts", RetryPolicy.max_attempts, int),
         backoff_base=_number(opts, "backoff_base", RetryPolicy.backoff_base, float),
@@ -46,3 +48,9 @@ def sink_arguments(url: str, options: Mapping[str, Any]) -> tuple[str, dict[str,
         "num_threads": _number(opts, "num_threads", 5, int),
         "timeouts": timeouts,
     }
+
+
+def _with_closest(name: str) -> str:
+    """`name`, with the known option a typo of it meant: `endpont (did you mean endpoint?)`."""
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), sorted(KNOWN), n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name

@@ -53,6 +53,14 @@ def _single(shared: Path, env) -> dict[str, bytes]:
     return _tree(_keys(env), env, "single")
 
 
+def _export_bytes(root: Path) -> list[int | None]:
+    j = Journal.open_readonly(root)
+    try:
+        return [s.export_bytes for s in j.steps()]
+    finally:
+        j.close()
+
+
 def _published_states(root: Path) -> list[str]:
     j = Journal.open_readonly(root)
     try:
@@ -234,6 +242,8 @@ def test_three_node_daemons_one_late_show_the_wait_in_status_then_publish_the_si
     for root in roots:
         assert _published_states(root) == ["published"]
         assert "waiting" not in _status(root)  # the wait is over everywhere
+        # each node's journal holds the whole export's size, as the sink shows it, not its share
+        assert _export_bytes(root) == [sum(map(len, single.values()))]
 
 
 def test_an_exchange_apart_from_two_sinks_each_holding_the_single_export(tmp_path, dcp_mixed2, s3):  # noqa: F811

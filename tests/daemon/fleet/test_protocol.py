@@ -105,9 +105,12 @@ def test_nodes_build_the_single_node_export_byte_for_byte_each_doing_a_share(
         n for n in single if n.endswith(".safetensors")
     )
     assert [r.committed for r in results] == [True] + [False] * (nodes - 1)  # type: ignore[union-attr]
+    # every node reports the whole export, as the sink holds it, not its share (status, the log)
+    sizes = sorted((name, len(data)) for name, data in single.items())
+    assert all(r.files == sizes for r in results), (sizes, results)  # type: ignore[union-attr]
     assert all(r.bytes_fetched < sum(f.stat().st_size for f in shared.glob("model/*")) for r in results)  # type: ignore[union-attr]
     again = _run_all(node_dirs, s3.url("fleet"))  # published: a second run does nothing
-    assert all(isinstance(r, FleetResult) and not r.built for r in again), again
+    assert all(isinstance(r, FleetResult) and not r.built and r.files == sizes for r in again), again
 
 
 def test_a_node_that_never_starts_leaves_the_step_waiting_and_unpublished(tmp_path, dcp_mixed2, s3):  # noqa: F811

@@ -25,6 +25,11 @@ def test_url_parsing():
         HubSink.from_url("hf://acme/llm?colour=blue", token="x")
     with pytest.raises(ConfigError, match="private"):
         HubSink.from_url("hf://acme/llm?private=maybe", token="x")
+    # a typo of a known option names the one meant, its value (a token's too) never shown
+    with pytest.raises(ConfigError) as e:
+        HubSink.from_url("hf://acme/llm?endpont=http://127.0.0.1:1&tokn=hf_secret123", token="x")
+    assert "endpont (did you mean endpoint?), tokn (did you mean token?)" in e.value.message, e.value
+    assert "hf_secret123" not in str(e.value)
 
 
 def test_plan_and_compare_are_pure():
