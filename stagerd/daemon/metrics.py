@@ -34,7 +34,9 @@ class Metrics:
             "stagerd_lanes", "Publish lanes of live steps by sink and state.", ["sink", "state"], registry=r
         )
         self.exported_bytes = Counter(
-            "stagerd_exported_bytes", "Bytes written into export directories.", registry=r
+            "stagerd_exported_bytes",
+            "Bytes written into export directories (of a step several nodes build, this node's share).",
+            registry=r,
         )
         self.published_bytes = Counter(
             "stagerd_published_bytes", "Bytes uploaded to each sink.", ["sink"], registry=r

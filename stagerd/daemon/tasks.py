@@ -122,7 +122,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
             skipped=result.skipped,
         )
         if not result.skipped:
-            self.metrics.exported_bytes.inc(export_bytes)
+            self.metrics.exported_bytes.inc(export_bytes if result.own_bytes is None else result.own_bytes)
             self.metrics.export_seconds.observe(seconds)
         self._log_step(
             step,

@@ -57,6 +57,7 @@ class ExportResult:
     tensors: int
     seconds: float
     skipped: bool
+    own_bytes: int | None = None  # of a fleet step, the bytes this node built (`files` is the whole export)
 
 
 def build_export(

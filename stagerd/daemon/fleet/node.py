@@ -114,6 +114,12 @@ class FleetResult:
     tensor_bytes: int = 0
     tensors: int = 0
 
+    @property
+    def own_bytes(self) -> int:
+        """The size of the export's files this node built: its share of the bytes exported."""
+        built = set(self.built)
+        return sum(size for rel, size in self.files if rel in built)
+
 
 class FleetNode:
     """Node `marker.staging_node`'s part of step `marker.step`, resumable from any point."""

@@ -135,7 +135,13 @@ class FleetTasks(DaemonState):
         # says that
         files = tuple(res.files)
         return ExportResult(
-            step_dir / layout.EXPORT_DIR, files, res.tensor_bytes, res.tensors, res.seconds, skipped=False
+            step_dir / layout.EXPORT_DIR,
+            files,
+            res.tensor_bytes,
+            res.tensors,
+            res.seconds,
+            False,
+            res.own_bytes,
         )
 
     def _fleet_budget(self, pause: Yielder | None) -> None:

@@ -108,6 +108,8 @@ def test_nodes_build_the_single_node_export_byte_for_byte_each_doing_a_share(
     # every node reports the whole export, as the sink holds it, not its share (status, the log)
     sizes = sorted((name, len(data)) for name, data in single.items())
     assert all(r.files == sizes for r in results), (sizes, results)  # type: ignore[union-attr]
+    shards = sum(len(data) for name, data in single.items() if name.endswith(".safetensors"))
+    assert sum(r.own_bytes for r in results) == shards and all(r.own_bytes for r in results)  # type: ignore[union-attr]
     assert all(r.bytes_fetched < sum(f.stat().st_size for f in shared.glob("model/*")) for r in results)  # type: ignore[union-attr]
     again = _run_all(node_dirs, s3.url("fleet"))  # published: a second run does nothing
     assert all(isinstance(r, FleetResult) and not r.built and r.files == sizes for r in again), again
