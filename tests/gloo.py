@@ -1,9 +1,9 @@
 """The one way the tests start gloo ranks.
 
-`launch(fn, *args, world=N)` spawns N processes, each running `fn(rank, world, init_file, *args)`, and
-each rank's `fn` starts with `join(rank, world, init_file)`. Functions handed over run in spawned
-children, so they live in importable modules. A run still going at its deadline is killed and fails the
-test as a hang instead of blocking the suite.
+`launch(fn, *args, world=N)` starts N processes, each running `fn(rank, world, init_file, *args)`, and
+each rank's `fn` starts with `join(rank, world, init_file)`. Functions handed over run in fresh children
+(forked by a forkserver with torch imported, or spawned), so they live in importable modules. A run still
+going at its deadline is killed and fails the test as a hang instead of blocking the suite.
 
 A rank whose `fn` returns ends through `end_rank()`, without the interpreter's teardown: a C++ thread
 torch leaves behind (FSDP2, a full state dict's gather, DCP's async saves, the groups' gloo workers) is
@@ -53,7 +53,24 @@ def _no_stager_left_open() -> None:
         raise AssertionError("a Stager is still open: close it, or launch(..., teardown=True)")
 
 
-def _rank(rank: int, fn: Callable[..., None], teardown: bool, world: int, init_file: str, *args: Any) -> None:
+# What every rank imports, imported once per test process by the forkserver that forks the ranks which end
+# by `end_rank()` (the most): each starts with torch loaded instead of importing it again (~2 s of CPU).
+# A rank that must end through the interpreter's teardown is spawned: a forked one ends by `os._exit`.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+
+
+def _rank(
+    rank: int,
+    fn: Callable[..., None],
+    teardown: bool,
+    env: dict[str, str],
+    world: int,
+    init_file: str,
+    *args: Any,
+) -> None:
+    if os.environ != env:  # the forkserver's environment is the one of the launch that started it
+        os.environ.clear()
+        os.environ.update(env)
     fn(rank, world, init_file, *args)
     if not teardown:
         end_rank()
@@ -62,16 +79,25 @@ def _rank(rank: int, fn: Callable[..., None], teardown: bool, world: int, init_f
 def launch(
     fn: Callable[..., None], *args: Any, world: int = 2, deadline_s: float = 300.0, teardown: bool = False
 ) -> None:
-    """Run `fn(rank, world, init_file, *args)` on `world` spawned ranks; a rank's exception fails the call.
+    """Run `fn(rank, world, init_file, *args)` on `world` new ranks; a rank's exception fails the call.
     `teardown=True`: a rank that returns exits through the interpreter's teardown (atexit hooks and all),
     for the tests of what happens at a process's exit."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    method = "spawn" if teardown else "forkserver"
+    if not teardown:
+        multiprocessing.get_context(method).set_forkserver_preload(PRELOAD)
     fd, init_file = tempfile.mkstemp(prefix="stagerd-test-gloo-")
     os.close(fd)
     os.unlink(init_file)  # the file rendezvous wants a path that does not exist yet
     ctx = mp.start_processes(
-        _rank, args=(fn, teardown, world, init_file, *args), nprocs=world, start_method="spawn", join=False
+        _rank,
+        args=(fn, teardown, dict(os.environ), world, init_file, *args),
+        nprocs=world,
+        start_method=method,
+        join=False,
     )
     end = time.monotonic() + deadline_s
     try:
