@@ -76,9 +76,14 @@ class Health(JournalGate):
         to_publish = sum(
             lane_counts.get((s, PENDING), 0) + lane_counts.get((s, FAILED), 0) for s in self._sinks
         )
+        # every lane, raw ones too: a sink down shows here, not only as work waiting
+        retrying = counts[FAILED] + sum(n for (_, state), n in lane_counts.items() if state == FAILED)
+        held = sum(n for (_, state), n in lane_counts.items() if state == QUARANTINED)
         notify.notify_status(
             f"{counts[PUBLISHED] + counts[RETIRED]} published, {to_export} to export, "
             f"{to_publish} to publish, {counts[QUARANTINED]} quarantined"
+            + (f", {retrying} retrying after a failure" if retrying else "")
+            + (f", {held} sink lane(s) quarantined" if held else "")
             + (", LOW DISK" if self._disk is not None and self._disk.low else "")
         )
 
