@@ -111,6 +111,9 @@ def test_unit_contract(source: str) -> None:
     assert one["Type"] == "notify"
     assert _seconds(one["WatchdogSec"]) >= 10
     assert one["Restart"] == "on-failure"
+    # A start refused for a cause that passes (a full disk, an exchange not up yet: exit 3) is restarted
+    # for as long as it fails: a start limit would leave the unit failed once the cause is gone.
+    assert unit["Unit"].get("StartLimitIntervalSec", ["10s"])[-1] in ("0", "infinity"), unit["Unit"]
     assert one.get("DynamicUser") == "yes" or one.get("User") not in (None, "", "root", "0")
     assert one["ProtectSystem"] == "strict"
     assert one["NoNewPrivileges"] == "yes"
