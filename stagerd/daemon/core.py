@@ -44,6 +44,7 @@ from stagerd.ops import notify
 from stagerd.ops.priority import lower_priority
 from stagerd.sinks import open_sink
 from stagerd.sinks.objects import redact_url
+from stagerd.sinks.places import place_of
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 if TYPE_CHECKING:
@@ -259,14 +260,19 @@ class Daemon(Scheduling, Housekeeping, OnceSummary):
         from stagerd.sinks.prune import Owner, Policy, parse_policy
 
         s = self.settings
-        given = {u.rstrip("/"): text for u, text in s.sink_retention.items()}
-        unknown = set(given) - {u.rstrip("/") for u in s.sinks}
+        # by place, as sinks are told apart: `/x` and `file:///x/` name the sink `file:///x`
+        given = {place_of(u, what="--sink-retention URL"): (u, text) for u, text in s.sink_retention.items()}
+        places = {place_of(url): url for url in s.sinks}
+        unknown = [u for place, (u, _) in given.items() if place not in places]
         if unknown:
             named = sorted(redact_url(u) for u in unknown)  # a URL may carry a password
-            raise ConfigError(f"sink_retention names sinks that are not --sink: {named}")
+            raise ConfigError(
+                f"sink_retention names sinks that are not --sink: {named}",
+                hint=f"name one of the sinks: {sorted(redact_url(u) for u in s.sinks)}",
+            )
         told = False
-        for url in s.sinks:
-            text = given.get(url.rstrip("/"))
+        for place, url in places.items():
+            text = given.get(place, (url, None))[1]
             policy = parse_policy(text) if text else Policy(s.remote_keep_last, s.remote_keep_every)
             if policy.active and parse_sink_url(url).kind is not SinkKind.HUB:
                 store = RemoteStore.open(url)

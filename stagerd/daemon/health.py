@@ -64,21 +64,26 @@ class Health(JournalGate):
         counts = await self._j(j.counts)
         lane_counts = await self._j(j.lane_counts)
         rows = await self._j(j.steps, include_retired=False)
-        self.metrics.set_counts(counts, lane_counts, self._sinks)
+        # every lane: a sink's raw lane (--publish-raw) fails and is quarantined on its own
+        lanes = [*self._sinks, *self._raw_sinks]
+        self.metrics.set_counts(counts, lane_counts, lanes)
         self.metrics.queue_depth.labels(stage="export", sink="").set(counts[COMMITTED] + counts[FAILED])
-        for sink in self._sinks:
+        for sink in lanes:
             waiting = lane_counts.get((sink, PENDING), 0) + lane_counts.get((sink, FAILED), 0)
             self.metrics.queue_depth.labels(stage="publish", sink=sink).set(waiting)
         unpublished = [r.marker_mtime for r in rows if r.state not in (PUBLISHED, RETIRED)]
         self.metrics.oldest_unpublished.set(time.time() - min(unpublished) if unpublished else 0.0)
         self._health["steps"] = counts
         to_export = counts[COMMITTED] + counts[FAILED]
-        to_publish = sum(
-            lane_counts.get((s, PENDING), 0) + lane_counts.get((s, FAILED), 0) for s in self._sinks
-        )
+        to_publish = sum(lane_counts.get((s, PENDING), 0) + lane_counts.get((s, FAILED), 0) for s in lanes)
+        # a sink down shows here, not only as work waiting
+        retrying = counts[FAILED] + sum(n for (_, state), n in lane_counts.items() if state == FAILED)
+        held = sum(n for (_, state), n in lane_counts.items() if state == QUARANTINED)
         notify.notify_status(
             f"{counts[PUBLISHED] + counts[RETIRED]} published, {to_export} to export, "
             f"{to_publish} to publish, {counts[QUARANTINED]} quarantined"
+            + (f", {retrying} retrying after a failure" if retrying else "")
+            + (f", {held} sink lane(s) quarantined" if held else "")
             + (", LOW DISK" if self._disk is not None and self._disk.low else "")
         )
 

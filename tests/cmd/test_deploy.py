@@ -111,6 +111,9 @@ def test_unit_contract(source: str) -> None:
     assert one["Type"] == "notify"
     assert _seconds(one["WatchdogSec"]) >= 10
     assert one["Restart"] == "on-failure"
+    # A start refused for a cause that passes (a full disk, an exchange not up yet: exit 3) is restarted
+    # for as long as it fails: a start limit would leave the unit failed once the cause is gone.
+    assert unit["Unit"].get("StartLimitIntervalSec", ["10s"])[-1] in ("0", "infinity"), unit["Unit"]
     assert one.get("DynamicUser") == "yes" or one.get("User") not in (None, "", "root", "0")
     assert one["ProtectSystem"] == "strict"
     assert one["NoNewPrivileges"] == "yes"
@@ -379,3 +382,29 @@ def test_k8s_prestop_waits_for_publication(step_dir: Path, tmp_path: Path) -> No
     marker = (root / "step-00000200" / "stagerd.commit.json").read_text()
     (root / "step-00000200" / "stagerd.commit.json").write_text(marker.replace('"step": 100', '"step": 200'))
     assert _prestop(root, 0.5).returncode == 1
+
+
+@pytest.mark.slow
+def test_k8s_prestop_lets_a_quarantined_lane_and_a_restored_step_go(step_dir: Path, tmp_path: Path) -> None:
+    """A step whose one sink lane is quarantined (its step stays `exported`), and a step `stagerd restore`
+    brought back (retired, absent from `status --json` without --all), wait for nothing: the hook must
+    not hold every pod stop for its whole PRESTOP_DRAIN_SECONDS."""
+    root = step_dir.parent
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    (bad / "step-00000100").mkdir(parents=True)
+    (bad / "step-00000100" / "stagerd.manifest.json").write_text('{"format": "another upload"}')
+    argv = [str(STAGERD_BIN), "watch", str(root), "--once", "--publish-raw", "--metrics-port", "off"]
+    proc = subprocess.run(
+        [*argv, "--sink", good.as_uri(), "--sink", bad.as_uri()], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and "SinkConflictError" in proc.stderr, proc.stderr[-3000:]
+    assert _prestop(root, 3).returncode == 0
+    restored = tmp_path / "restored"
+    proc = subprocess.run(
+        [str(STAGERD_BIN), "restore", good.as_uri(), str(restored), "--step", "100"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _prestop(restored, 3).returncode == 0

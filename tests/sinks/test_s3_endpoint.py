@@ -35,6 +35,26 @@ def test_a_bad_endpoint_is_refused_when_the_store_opens(monkeypatch, env, opts, 
     assert "http://" in e.value.hint
 
 
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("http://minio:s3cr3t-pw@minio:9000", "'http://minio:***@minio:9000' carries credentials"),
+        ("http://AKIAKEYONLY@minio:9000", "'http://***@minio:9000' carries credentials"),
+        ("ftp://minio:s3cr3t-pw@minio:9000", "'ftp://minio:***@minio:9000' has the scheme ftp://"),
+    ],
+)
+def test_credentials_in_an_endpoint_are_refused_and_never_shown(monkeypatch, url, named):
+    """botocore refuses every request to an endpoint with USER:PASSWORD@ in it (it would read as a sink
+    down for ever), and the message that names the endpoint must not carry the password."""
+    for k, v in {**_KEYS, "AWS_ENDPOINT_URL": url}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        _open({})
+    text = f"{e.value.message} {e.value.hint}"
+    assert named in text
+    assert "s3cr3t-pw" not in text and "AKIAKEYONLY" not in text
+
+
 def test_a_good_endpoint_opens(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
     _open({})  # no request is made: nothing to reach

@@ -76,11 +76,35 @@ def check_endpoint(opts: Mapping[str, Any]) -> None:
     why = _problem(url)
     if why is None:
         return
+    shown = _masked(url)
     if "://" not in url:
-        hint = f"give the scheme: http://{url} (or https://{url} where the store serves TLS)"
+        hint = f"give the scheme: http://{shown} (or https://{shown} where the store serves TLS)"
+    elif why == _CREDENTIALS:
+        hint = (
+            "give the keys as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) and the endpoint "
+            "without them, e.g. http://minio:9000"
+        )
     else:
         hint = "an S3 endpoint is http://HOST:PORT or https://HOST, e.g. http://minio:9000"
-    raise ConfigError(f"{found.source}={url!r} {why}", path=found.path, hint=hint + "; nothing was written")
+    raise ConfigError(f"{found.source}={shown!r} {why}", path=found.path, hint=hint + "; nothing was written")
+
+
+# botocore refuses every request to such an endpoint, which would read as a sink that is down for ever
+_CREDENTIALS = "carries credentials (USER:PASSWORD@), which S3 never takes from the endpoint"
+
+
+def _masked(url: str) -> str:
+    """The endpoint as a message may show it: a password (or a lone user part, often a key) as ***."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, host = netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{masked}@{host}{slash}{path}"
 
 
 def _problem(url: str) -> str | None:
@@ -95,6 +119,8 @@ def _problem(url: str) -> str | None:
         return f"has the scheme {parts.scheme}://, not http:// or https://"
     if not parts.hostname:
         return "names no host"
+    if "@" in parts.netloc:
+        return _CREDENTIALS
     from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
 
     if not (is_valid_endpoint_url(url) or is_valid_ipv6_endpoint_url(url)):
