@@ -114,6 +114,7 @@ def test_unit_contract(source: str) -> None:
     # A start refused for a cause that passes (a full disk, an exchange not up yet: exit 3) is restarted
     # for as long as it fails: a start limit would leave the unit failed once the cause is gone.
     assert unit["Unit"].get("StartLimitIntervalSec", ["10s"])[-1] in ("0", "infinity"), unit["Unit"]
+    assert one["RestartPreventExitStatus"] == "2"  # a configuration error: restarting will not mend it
     assert one.get("DynamicUser") == "yes" or one.get("User") not in (None, "", "root", "0")
     assert one["ProtectSystem"] == "strict"
     assert one["NoNewPrivileges"] == "yes"
