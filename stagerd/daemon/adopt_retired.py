@@ -14,10 +14,8 @@ went with ROOT, `Health._check_state_files`), to export it once started again on
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from stagerd.contract.adopt.gone import gone_unexported
@@ -25,7 +23,7 @@ from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.journal.schema import LOST, LOST_NOTE, RETIRED_WITH_HISTORY
-from stagerd.daemon.retention import move_to_trash, set_aside
+from stagerd.daemon.retention import empty_trash, remove_step_data
 from stagerd.daemon.state import log
 from stagerd.daemon.unadopted import LOST_HINT
 from stagerd.errors import SourceGoneError
@@ -130,7 +128,8 @@ class RetiredAdoption(Adoption):
         self._log_step(row.step, None, RETIRED, error_class=LOST, note=note, level=logging.WARNING)
         work = self._work_dir(Path(row.path))  # what its export had built: nothing will finish it
         try:
-            await self._trash(_remove_partial, self.root, work)
+            if await self._trash(remove_step_data, self.root, work):
+                await self._trash(empty_trash, self.root)  # now, not at the next retention or start
         except OSError as e:
             log.warning("step %d: its partial export %s was not removed: %s", row.step, work, e.strerror or e)
 
@@ -144,16 +143,3 @@ def _root_changed(root: Path, held: os.stat_result) -> str | None:
     if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
         return "another directory is at its path: an unmounted filesystem's mount point, or a new ROOT"
     return None
-
-
-def _remove_partial(root: Path, work: Path) -> None:
-    """Trash thread: a lost step's own export directory under the export root, out of sight by one rename
-    (into ROOT's trash, or beside it on another filesystem), then deleted; nothing when it is not there."""
-    try:
-        gone = move_to_trash(root, work)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        gone = set_aside(work)
-    if gone is not None:
-        shutil.rmtree(gone, ignore_errors=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import shutil
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,8 @@ from stagerd.daemon.journal import PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.retention import (
     StepView,
     empty_trash,
-    move_to_trash,
     plan_retention,
-    set_aside,
+    remove_step_data,
 )
 from stagerd.daemon.state import log
 from stagerd.errors import JournalError, MarkerError, StagerdError, StepBusyError
@@ -194,21 +191,6 @@ def _remove_all(root: Path, paths: list[Path]) -> bool:
     for path in paths:
         removed = remove_step_data(root, path) or removed
     return removed
-
-
-def remove_step_data(root: Path, path: Path) -> bool:
-    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else set aside by one rename beside
-    it and removed there (`ROOT/.stagerd` or an export directory on another disk). False when `path` was
-    already gone."""
-    try:
-        return move_to_trash(root, path) is not None
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        aside = set_aside(path)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-        return aside is not None
 
 
 async def _whole(one: Coroutine[Any, Any, None]) -> None:

@@ -12,6 +12,7 @@ ROOT, never half there), then removes the trash. Leftovers from a crash are remo
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -119,6 +120,21 @@ def set_aside(path: Path) -> Path | None:
     layout.fsync_dir(path.parent)
     crash_point("retention.trashed")
     return aside
+
+
+def remove_step_data(root: Path, path: Path) -> bool:
+    """Into ROOT's trash by one rename when it is on ROOT's filesystem, else set aside by one rename beside
+    it and removed there (`ROOT/.stagerd` or an export directory on another disk). False when `path` was
+    already gone."""
+    try:
+        return move_to_trash(root, path) is not None
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        aside = set_aside(path)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        return aside is not None
 
 
 def empty_trash(root: str | os.PathLike[str], *elsewhere: Path) -> int:
