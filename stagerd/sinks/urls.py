@@ -32,6 +32,7 @@ from enum import Enum
 from pathlib import Path
 
 from stagerd.errors import ConfigError
+from stagerd.sinks.url_text import shown
 
 FORMS = "s3://BUCKET/PREFIX, hf://ORG/REPO[@REVISION], file:///ABSOLUTE/PATH or /ABSOLUTE/PATH"
 
@@ -386,32 +387,3 @@ def _refuse(text: str, why: str, suggestion: str | None) -> ConfigError:
     quoted = shown(text)
     hint = f"did you mean {shown(suggestion)}?" if suggestion else f"use {FORMS}"
     return ConfigError(f"sink URL {quoted} {why}", hint=hint)
-
-
-_AUTHORITY = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/*)(?P<authority>[^/]*)(?P<path>.*)", re.S)
-
-
-def shown(text: str) -> str:
-    """The URL quoted on one line as the user typed it (not percent-encoded again: a suggestion must read as
-    what to type), with any password or token in it masked, as `redact_url` masks them."""
-    if "@" in text or "?" in text:
-        text = _masked(text)
-    return repr(text)
-
-
-def _masked(text: str) -> str:
-    from stagerd.sinks.objects import _SECRET_PARAMS as SECRET_PARAMS
-
-    base, sep, query = text.partition("?")
-    # the authority after the scheme and its slashes, however many were typed (`s3:/user:pw@bucket`)
-    if (m := _AUTHORITY.match(base)) is not None and "@" in m["authority"]:
-        userinfo, host = m["authority"].rsplit("@", 1)
-        masked = f"{userinfo.split(':', 1)[0]}:***" if ":" in userinfo else "***"
-        base = f"{m['scheme']}{masked}@{host}{m['path']}"
-    query, hash_, fragment = query.partition("#")
-    pairs = []
-    for pair in query.split("&") if sep else []:
-        key, eq, _ = pair.partition("=")
-        secret = any(s in urllib.parse.unquote_plus(key).lower() for s in SECRET_PARAMS)
-        pairs.append(f"{key}=***" if eq and secret else pair)
-    return base + sep + "&".join(pairs) + hash_ + fragment
