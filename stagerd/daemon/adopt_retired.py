@@ -23,6 +23,7 @@ from stagerd.daemon.adopt import Adoption
 from stagerd.daemon.journal import COMMITTED, PUBLISHED, RETIRED, StepRow
 from stagerd.daemon.journal.raw import RAW_LANE_PREFIX
 from stagerd.daemon.journal.schema import LOST, LOST_NOTE, RETIRED_WITH_HISTORY
+from stagerd.daemon.lock import file_replaced
 from stagerd.daemon.retention import empty_trash, remove_step_data
 from stagerd.daemon.state import log
 from stagerd.daemon.unadopted import LOST_HINT
@@ -104,7 +105,7 @@ class RetiredAdoption(Adoption):
     async def _source_gone(self) -> SourceGoneError | None:
         """Why ROOT is not the directory the daemon started on (said once, at WARNING), or None: then a
         checkpoint gone from it was deleted, else its filesystem went (unmounted) or ROOT was replaced."""
-        why = await self._io(_root_changed, self.root, self._root_stat)
+        why = await self._io(file_replaced, self.root, self._root_stat, "directory")
         if why is None:
             return None
         err = SourceGoneError(
@@ -132,14 +133,3 @@ class RetiredAdoption(Adoption):
                 await self._trash(empty_trash, self.root)  # now, not at the next retention or start
         except OSError as e:
             log.warning("step %d: its partial export %s was not removed: %s", row.step, work, e.strerror or e)
-
-
-def _root_changed(root: Path, held: os.stat_result) -> str | None:
-    """Io thread: how `root` is no longer the directory `held` describes, or None."""
-    try:
-        now = os.stat(root)
-    except OSError as e:
-        return f"it cannot be read: {e.strerror or e}"
-    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-        return "another directory is at its path: an unmounted filesystem's mount point, or a new ROOT"
-    return None

@@ -46,8 +46,9 @@ class LockFileError(LockError):
         self.retryable = err.errno in _NO_SPACE  # freeing space helps; a permission never comes by itself
 
 
-def file_replaced(path: Path, held: os.stat_result) -> str | None:
-    """Why `path` no longer names the file `held` describes (deleted, or another file now), or None."""
+def file_replaced(path: Path, held: os.stat_result, kind: str = "file") -> str | None:
+    """Why `path` no longer names the file (or directory: `kind`) `held` describes (deleted, or another
+    one now), or None."""
     try:
         now = os.stat(path)
     except FileNotFoundError:
@@ -55,7 +56,7 @@ def file_replaced(path: Path, held: os.stat_result) -> str | None:
     except OSError as e:
         return f"{path} cannot be checked: {e.strerror or e}"
     if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-        return f"{path} was replaced by another file"
+        return f"{path} was replaced by another {kind}"
     return None
 
 
