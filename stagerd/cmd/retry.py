@@ -103,6 +103,7 @@ def _refuse_lost(root: Path, step: int) -> None:
     so there is nothing to retry, and nothing to mend."""
     from stagerd.daemon.journal import Journal
     from stagerd.daemon.journal.schema import LOST, LOST_NOTE
+    from stagerd.daemon.unadopted import LOST_HINT
 
     journal = Journal.open_readonly(root)
     try:
@@ -113,8 +114,7 @@ def _refuse_lost(root: Path, step: int) -> None:
         raise ConfigError(
             f"step {step} is lost: {LOST_NOTE}, so there is nothing to export or publish again",
             path=row.path,
-            hint="nothing to mend; to publish every checkpoint, let the trainer keep more of them and delete "
-            "them with `stagerd watch --adopt --delete-adopted --keep-last N`",
+            hint=f"nothing to mend; {LOST_HINT}",
         )
 
 
