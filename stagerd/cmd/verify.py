@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -116,24 +115,8 @@ def not_an_export(path: Path) -> None:
 
 
 def meant_path(path: Path) -> Path | None:
-    """The path a mistyped `path` meant, as given (relative stays relative): a step named with another zero
-    padding (`step-6` for `step-00000006`, the name `parse_step_dir` alone reads) where that step's
-    directory is there, else the directory most alike at the first missing part (`closest_existing`)."""
-    parts = Path(os.path.abspath(path)).parts
-    meant = None
-    for i in range(1, len(parts)):
-        parent, name = Path(*parts[:i]), parts[i]
-        if (parent / name).exists():
-            continue
-        m = re.fullmatch(r"step-0*([0-9]{1,19})", name)
-        if (
-            m is not None
-            and int(m[1]) <= layout.MAX_STEP
-            and (parent / layout.step_dir_name(int(m[1]))).is_dir()
-        ):
-            meant = parent.joinpath(layout.step_dir_name(int(m[1])), *parts[i + 1 :])
-        break
-    meant = meant or layout.closest_existing(path)
+    """The path a mistyped `path` meant (`closest_existing`), as given: a relative one stays relative."""
+    meant = layout.closest_existing(path)
     if meant is None or path.is_absolute():
         return meant
     return Path(os.path.relpath(meant))

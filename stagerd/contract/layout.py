@@ -108,14 +108,18 @@ _MAX_SIBLINGS = 10_000
 
 def closest_existing(path: str | os.PathLike[str], *, made: bool = False) -> Path | None:
     """`path` with its first missing part replaced by the most alike directory beside it
-    (`/data/checkpoint` -> `/data/checkpoints`): the path a typo meant, or None where none is alike (or the
-    parent cannot be read). `made`: the last part exists only because it was just made for this path (a
-    Stager's new ROOT), so it is looked for beside itself too."""
+    (`/data/checkpoint` -> `/data/checkpoints`; a step named with another zero padding, `step-6`, by that
+    step's directory, `step-00000006`, where it is there): the path a typo meant, or None where none is alike
+    (or the parent cannot be read). `made`: the last part exists only because it was just made for this
+    path (a Stager's new ROOT), so it is looked for beside itself too."""
     parts = Path(os.path.abspath(path)).parts
     for i in range(1, len(parts)):
         parent, missing = Path(*parts[:i]), parts[i]
         if (parent / missing).exists() and not (made and i == len(parts) - 1):
             continue
+        padded = _padded_step(parent, missing)
+        if padded is not None:
+            return parent.joinpath(padded, *parts[i + 1 :])
         try:
             with os.scandir(parent) as it:
                 names = [
@@ -126,6 +130,15 @@ def closest_existing(path: str | os.PathLike[str], *, made: bool = False) -> Pat
         close = difflib.get_close_matches(missing, names, n=1, cutoff=0.75)
         return parent.joinpath(close[0], *parts[i + 1 :]) if close else None
     return None
+
+
+def _padded_step(parent: Path, name: str) -> str | None:
+    """The name of the step directory in `parent` that `name` gives with another zero padding, or None."""
+    m = re.fullmatch(r"step-0*([0-9]{1,19})", name)
+    if m is None or int(m[1]) > MAX_STEP:
+        return None
+    real = step_dir_name(int(m[1]))
+    return real if real != name and (parent / real).is_dir() else None
 
 
 def looks_like_a_step_dir(name: str) -> bool:
