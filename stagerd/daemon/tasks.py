@@ -98,7 +98,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
         t0, pause = time.monotonic(), self._yielder("export", step, identity=identity)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._export_pool, self._run_export, step, step_dir, (rebuild, rebuild_extras), pause
+                self._export_pool, self._run_export, step, step_dir, rebuild, rebuild_extras, pause
             )
         except asyncio.CancelledError:
             raise
@@ -138,7 +138,7 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
         )
 
     def _run_export(
-        self, step: int, step_dir: Path, rebuilds: tuple[bool, bool], pause: Yielder
+        self, step: int, step_dir: Path, rebuild: bool, rebuild_extras: bool, pause: Yielder
     ) -> ExportResult:
         """Worker thread: the export engine, with progress and the test pause hook; a node-locally staged
         step is this node's part of the fleet export instead."""
@@ -163,9 +163,9 @@ class Tasks(FleetTasks, Health, RetiredAdoption, WorkFailures, Yielding):
 
             s = self.settings
             if s.adopt is not None:
-                return self._export_adopted(step, step_dir, report, *rebuilds)
+                return self._export_adopted(step, step_dir, report, rebuild, rebuild_extras)
             return export_step(
-                step_dir, mapping=s.mapping, progress=report, rebuild=rebuilds[0], **s.export_options()
+                step_dir, mapping=s.mapping, progress=report, rebuild=rebuild, **s.export_options()
             )
 
     def _refuse_links(
