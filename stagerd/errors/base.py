@@ -48,6 +48,13 @@ class StagerdError(Exception):
 _NOTE = "what to do: "
 
 
+def bounded(text: str, limit: int) -> str:
+    """`text` with each character that is not printable a `?`, cut to `limit` characters (`…` marking the
+    cut): text anyone could have written (a claim's host, a Hub account's name), named in a message."""
+    shown = "".join(c if c.isprintable() else "?" for c in text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
 def one_line(text: str) -> str:
     """`text` with every character that is not printable (a newline, an escape sequence's ESC) written as
     its escape: a message quotes text from files, pickles and servers, and must stay one line in a

@@ -53,6 +53,7 @@ from stagerd.contract import layout, lineage
 from stagerd.contract.manifest import ExportManifest
 from stagerd.contract.root_id import ROOT_ID, root_id
 from stagerd.errors import RestoreError, SinkConflictError, StepClaimedError
+from stagerd.errors.base import bounded
 from stagerd.ops.processes import PID_NS, pid_alive
 from stagerd.sinks.objects import MAX_CLAIM_BYTES, same_files
 from stagerd.sinks.remote import RemoteStore
@@ -314,13 +315,8 @@ def publisher_named(data: bytes | None) -> str | None:
     host, local = held.published_from()
     step_dir = step_dir_of(local)
     if layout.parse_step_dir(step_dir.name) is not None:
-        return f"host {_bounded(host)}, ROOT {_bounded(str(step_dir.parent))}"
-    return f"host {_bounded(host)}, directory {_bounded(str(local))}"
-
-
-def _bounded(text: str) -> str:
-    shown = "".join(c if c.isprintable() else "?" for c in text)
-    return shown if len(shown) <= NAMED_CHARS else shown[: NAMED_CHARS - 1] + "…"
+        return f"host {bounded(host, NAMED_CHARS)}, ROOT {bounded(str(step_dir.parent), NAMED_CHARS)}"
+    return f"host {bounded(host, NAMED_CHARS)}, directory {bounded(str(local), NAMED_CHARS)}"
 
 
 def claimed_error(where: str, data: bytes | None, step: int) -> StepClaimedError:

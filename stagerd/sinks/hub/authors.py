@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
+from stagerd.errors.base import bounded
 from stagerd.sinks.hub.client import hub_headers
 
 _NAMED_CHARS = 64  # of one account's name, as the Hub's history gives it (anyone's with write access)
@@ -41,7 +42,11 @@ def committed_by(api: Any, repo_id: str, commit: str) -> str | None:
 def describe(authors: Any, date: Any) -> str | None:
     """The accounts in the Hub's `authors` list and its `date`, printable and bounded; None for no account."""
     listed = authors if isinstance(authors, list) else []
-    names = [_bounded(a["user"]) for a in listed if isinstance(a, dict) and isinstance(a.get("user"), str)]
+    names = [
+        bounded(a["user"], _NAMED_CHARS)
+        for a in listed
+        if isinstance(a, dict) and isinstance(a.get("user"), str)
+    ]
     if not names:
         return None
     more = ", ..." if len(names) > _NAMED_AUTHORS else ""
@@ -58,8 +63,3 @@ def _when(date: Any) -> str | None:
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
     return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _bounded(text: str) -> str:
-    shown = "".join(c if c.isprintable() else "?" for c in text)
-    return shown if len(shown) <= _NAMED_CHARS else shown[: _NAMED_CHARS - 1] + "…"
