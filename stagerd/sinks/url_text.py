@@ -13,19 +13,21 @@ def shown(text: str) -> str:
     """The URL quoted on one line as the user typed it (not percent-encoded again: a suggestion must read as
     what to type), with any password or token in it masked, as `redact_url` masks them."""
     if "@" in text or "?" in text:
-        text = _masked(text)
+        text = masked(text)
     return repr(text)
 
 
-def _masked(text: str) -> str:
+def masked(text: str) -> str:
+    """`text` with the password of its authority (or a lone user part, often a key) and the values of its
+    token- or secret-like query options as `***`, however many slashes follow the scheme."""
     from stagerd.sinks.objects import _SECRET_PARAMS as SECRET_PARAMS
 
     base, sep, query = text.partition("?")
     # the authority after the scheme and its slashes, however many were typed (`s3:/user:pw@bucket`)
     if (m := _AUTHORITY.match(base)) is not None and "@" in m["authority"]:
         userinfo, host = m["authority"].rsplit("@", 1)
-        masked = f"{userinfo.split(':', 1)[0]}:***" if ":" in userinfo else "***"
-        base = f"{m['scheme']}{masked}@{host}{m['path']}"
+        hidden = f"{userinfo.split(':', 1)[0]}:***" if ":" in userinfo else "***"
+        base = f"{m['scheme']}{hidden}@{host}{m['path']}"
     query, hash_, fragment = query.partition("#")
     pairs = []
     for pair in query.split("&") if sep else []:

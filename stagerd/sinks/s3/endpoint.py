@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagerd.errors import ConfigError
+from stagerd.sinks.url_text import masked
 
 # botocore's own order: the client's argument, then the S3-only variable, then the generic one
 _ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -76,7 +77,7 @@ def check_endpoint(opts: Mapping[str, Any]) -> None:
     why = _problem(url)
     if why is None:
         return
-    shown = _masked(url)
+    shown = masked(url)
     if "://" not in url:
         hint = f"give the scheme: http://{shown} (or https://{shown} where the store serves TLS)"
     elif why == _CREDENTIALS:
@@ -91,20 +92,6 @@ def check_endpoint(opts: Mapping[str, Any]) -> None:
 
 # botocore refuses every request to such an endpoint, which would read as a sink that is down for ever
 _CREDENTIALS = "carries credentials (USER:PASSWORD@), which S3 never takes from the endpoint"
-
-
-def _masked(url: str) -> str:
-    """The endpoint as a message may show it: a password (or a lone user part, often a key) as ***."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, host = netloc.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = userinfo.partition(":")
-    masked = f"{user}:***" if colon else "***"
-    return f"{scheme}{sep}{masked}@{host}{slash}{path}"
 
 
 def _problem(url: str) -> str | None:
