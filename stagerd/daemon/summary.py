@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stagerd.daemon.journal import FAILED, PUBLISHED, QUARANTINED, LaneRow
+from stagerd.daemon.journal.schema import LOST_NOTE
 from stagerd.daemon.outages import SinkOutages
 from stagerd.daemon.policy import failure_hint, given_up, left_waiting
 from stagerd.daemon.state import log
+from stagerd.daemon.unadopted import LOST_HINT
 from stagerd.daemon.unfinished import Unfinished, newest_of, unfinished_text
 from stagerd.errors import SinkDownError
 
@@ -183,9 +185,8 @@ def lost_text(count: int, newest: list[int], now: int) -> str:
     """One line of the `--once` summary: the steps lost for good, which no run counts unpublished."""
     which = _listed(count, newest)
     return (
-        f"{count} step(s) lost ({which}; {now} by this run): the trainer deleted its checkpoint before it "
-        "was exported, so nothing can publish it; to publish every checkpoint, let the trainer keep more "
-        "of them and delete them with --delete-adopted --keep-last N"
+        f"{count} step(s) lost ({which}; {now} by this run): {LOST_NOTE}, so nothing can publish it; "
+        f"{LOST_HINT}"
     )
 
 
