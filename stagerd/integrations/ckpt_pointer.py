@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from stagerd.contract import layout
 from stagerd.errors import LoadError
-from stagerd.training.step_choice import holds
+from stagerd.training.step_choice import committed_text, holds
 
 POINTER = "stagerd.lightning.pointer/1"
 MAX_POINTER_BYTES = 64 << 10
@@ -65,9 +65,7 @@ def _gone(path: Path, root: Path, step: int) -> LoadError:
     deleted it, or ROOT moved. Said as `Stager.load` says a step that is not there, not as a step whose
     marker is missing."""
     steps = [s for s, _ in layout.committed_steps(root)] if root.is_dir() else []
-    where = (
-        f"its committed steps, newest first: {', '.join(map(str, steps[::-1][:5]))}" if steps else holds(root)
-    )
+    where = committed_text(steps[::-1]) if steps else holds(root)
     return LoadError(
         f"names step {step} of {root}, which is not committed there; {where}",
         path=path,

@@ -49,10 +49,8 @@ def choose_step(
 def _absent(what: str, seen: list[list[int]], root: Path | None, made: bool) -> LoadError:
     committed = sorted({s for steps in seen for s in steps}, reverse=True)
     if committed:
-        shown = ", ".join(map(str, committed[:_SHOWN]))
-        more = f" and {len(committed) - _SHOWN} older" if len(committed) > _SHOWN else ""
         return LoadError(
-            f"{what}; its committed steps, newest first: {shown}{more}",
+            f"{what}; {committed_text(committed)}",
             path=root,
             hint="pass one of those steps, or none for the newest; a step the daemon's --keep-last deleted "
             "comes back from a sink it was published on: `stagerd restore URL ROOT --step N`",
@@ -65,6 +63,13 @@ def _absent(what: str, seen: list[list[int]], root: Path | None, made: bool) -> 
         hint="check the path (a new run has nothing to load: skip the load); steps published on a sink "
         "come back with `stagerd restore URL ROOT`",
     )
+
+
+def committed_text(committed: list[int]) -> str:
+    """`committed` (newest first), a few of them, as a message names the steps ROOT holds."""
+    shown = ", ".join(map(str, committed[:_SHOWN]))
+    more = f" and {len(committed) - _SHOWN} older" if len(committed) > _SHOWN else ""
+    return f"its committed steps, newest first: {shown}{more}"
 
 
 def holds(root: Path, made: bool = False) -> str:
