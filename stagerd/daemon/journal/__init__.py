@@ -15,7 +15,8 @@ Intent is recorded before the work: a step in `exporting` or a lane in `publishi
 daemon died mid-way; `recover()` moves them back (the export engine and the sinks are idempotent).
 
 machine.py is the state machine; schema.py holds the states, tables and rows, store.py the connection,
-transactions and queries, versions.py a step saved again and `retry`, raw.py the raw step lanes.
+transactions and queries, versions.py a step saved again and `retry`, raw.py the raw step lanes,
+retirement.py a step's retirement and its way back to `committed`.
 """
 
 from __future__ import annotations
