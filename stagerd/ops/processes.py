@@ -32,5 +32,18 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` is a zombie: it exited (its files closed, its locks released) and its parent has not
+    reaped it yet. One that no parent ever reaps (orphaned under a container's PID 1 that reaps nobody)
+    would otherwise hold what it held for good."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False  # no /proc, or gone since: os.kill's answer stands, or the next look tells
+    state = stat[stat.rfind(b")") + 2 :][:1]  # the name in parentheses may hold spaces and ')'
+    return state in (b"Z", b"X")
