@@ -31,6 +31,16 @@ def threads_default() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def check_threads(threads: int) -> None:
+    """The daemon's bound on its copy threads (`export_threads`): the copies and reads are I/O-bound, so
+    past a few dozen threads they only contend for the same disks, and a mistyped 100000 would start that
+    many threads."""
+    from stagerd.config import MAX_WORKERS
+
+    if not 1 <= threads <= MAX_WORKERS:
+        raise ConfigError(f"--threads must be between 1 and {MAX_WORKERS}, got {threads}")
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str) -> None:
     p = sub.add_parser(
         name,
@@ -245,7 +255,6 @@ def unstaged_hint(src: Path, what: str, *, adopted: bool) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stagerd.config import MAX_WORKERS
     from stagerd.contract.sharding import parse_size
     from stagerd.engine.source import open_source
 
@@ -254,10 +263,7 @@ def run(args: argparse.Namespace) -> int:
         max_size = parse_size(args.max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
-    # The daemon's bound on its copy threads (`export_threads`): the copies are I/O-bound, so past a few
-    # dozen threads only contend for the same disks, and a mistyped 100000 would start that many threads.
-    if not 1 <= args.threads <= MAX_WORKERS:
-        raise ConfigError(f"--threads must be between 1 and {MAX_WORKERS}, got {args.threads}")
+    check_threads(args.threads)
     if not args.src.exists():
         raise ConfigError("SRC does not exist", path=args.src, hint="check the path of the step directory")
     if not args.src.is_dir():

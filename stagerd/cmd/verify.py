@@ -10,6 +10,7 @@ from pathlib import Path
 from stagerd.cmd.consolidate import (
     add_adopt_flags,
     adopted_source,
+    check_threads,
     refuse_a_root,
     refuse_an_hf_checkpoint,
     threads_default,
@@ -126,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from stagerd.engine.verify import verify_export
     from stagerd.ops.progress import progress
 
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+    check_threads(args.threads)
     for what, given in (("EXPORT_DIR", args.export_dir), ("--against", args.against)):
         if given is not None and "://" in given:
             raise ConfigError(

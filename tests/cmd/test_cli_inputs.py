@@ -65,11 +65,13 @@ def test_prune_of_a_missing_local_sink_is_an_error(
     assert "nothing to prune" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["consolidate", "verify"])
 @pytest.mark.parametrize("threads", ["0", "257", "100000"])
-def test_consolidate_threads_are_bounded(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], threads: str
+def test_threads_are_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], threads: str, command: str
 ) -> None:
-    assert main(["consolidate", str(tmp_path / "src"), str(tmp_path / "out"), "--threads", threads]) == 2
+    paths = [str(tmp_path / "src"), str(tmp_path / "out")][: 2 if command == "consolidate" else 1]
+    assert main([command, *paths, "--threads", threads]) == 2
     line = _one_error(capsys.readouterr().err, "ConfigError")
     assert f"--threads must be between 1 and 256, got {threads}" in line
     assert list(tmp_path.iterdir()) == []
