@@ -5,7 +5,7 @@ names.
 PEFT's names), so where the model to export is a part of the module, a PEFT model inside it or the
 submodule given as `model=`, the plugin stages that part with its prefix taken off (the keys
 `peft_model.state_dict()` gives, as a loop of one's own saves them) and the module's other tensors
-beside the optimizer state; `Part.joined` puts the module's state dict back together on load. A module
+beside the optimizer state; `module_part.joined` puts the module's state dict back together on load. A module
 that holds a plain transformers model needs no part: the export finds that model under its prefix.
 """
 

@@ -22,3 +22,12 @@ def test_every_cited_path_exists(doc: str):
     text = (REPO / doc).read_text()
     missing = sorted({p for p in CITED.findall(text) if not (REPO / p).exists()})
     assert missing == [], f"{doc} names files that do not exist: {missing}"
+
+
+def test_every_crash_and_delay_point_is_documented():
+    """`ops/crashpoints.py` promises each of its points a place in RELIABILITY.md."""
+    from stagerd.ops.crashpoints import DELAYS, POINTS
+
+    text = (REPO / "RELIABILITY.md").read_text()
+    missing = sorted(p for p in {*POINTS, *DELAYS} if f"`{p}`" not in text)
+    assert missing == [], f"RELIABILITY.md never names the points {missing}"
