@@ -231,7 +231,8 @@ def collect(root: Path, *, include_retired: bool) -> dict[str, Any]:
             counts = {**counts, FAILED: counts.get(FAILED, 0) - 1, WAITING: counts.get(WAITING, 0) + 1}
             d["state"] = shown
         d["age_seconds"] = round(now - s.marker_mtime, 3)
-        # retention keeps it while a trainer holds it, or while the newest step names it the Trainer's best
+        # retention keeps it while a trainer holds it, or while the newest step names it best (the HF
+        # Trainer's or Lightning's)
         d["pinned"] = s.state != RETIRED and (s.step in best or pinned(root, s.step))
         out_steps.append(d)
     return {

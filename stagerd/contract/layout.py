@@ -33,6 +33,7 @@ INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PeftModel.save_pretrained's one file of weights
 WEIGHTS_NAME = "model.safetensors"  # an export that fits one file: that file, and no index
 ADAPTER_DIR = "adapter"  # export/adapter/: a PEFT model's adapter-only artefact, beside its merged export
+BEST_STEPS_NAME = "stagerd.best.json"  # in extras/: the best steps for retention (`best_steps.py`)
 
 # What a save, a restore and the daemon write at the top of a step directory (and their temp names,
 # `.NAME.tmp-...`, and a LoRA merge's scratch, `.stagerd-merge-...`): any other name there is the user's.
@@ -42,6 +43,12 @@ STEP_NAMES = frozenset(
 _STEP_TEMP_RE = re.compile(
     r"\.(?:" + "|".join(re.escape(n) for n in sorted(STEP_NAMES)) + r")\.tmp-.+|\.stagerd-merge-.+"
 )
+
+
+def exported_extra(rel: str) -> bool:
+    """Whether `extras/rel` is copied into the export: not an index or weights (the export's own would
+    contradict them), nor the record of the best steps (retention's, not the model's)."""
+    return rel not in (INDEX_NAME, BEST_STEPS_NAME) and not rel.endswith(".safetensors")
 
 
 def foreign_names(step_dir: str | os.PathLike[str]) -> list[str]:

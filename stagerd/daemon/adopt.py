@@ -285,9 +285,10 @@ class Adoption(Discovery):
         return result
 
     def _trainers_best(self) -> set[int]:
-        """The step the HF Trainer names its best, kept by retention as a pinned step: with --adopt, among
-        the checkpoints it wrote (deleted, the Trainer would end with the last weights and a warning);
-        else among the steps its Stager callback staged, also once the training ended. Io thread."""
+        """The steps a trainer names its best, kept by retention as pinned steps: with --adopt, the HF
+        Trainer's among the checkpoints it wrote (deleted, the Trainer would end with the last weights and
+        a warning); else those the newest steps staged by the Stager's HF Trainer callback or Lightning
+        plugin name, also once the training ended. Io thread."""
         if self.settings.adopt is None:
             return staged_best(self.root)
         custom = compile_step_regex(self.settings.adopt_step)

@@ -45,7 +45,8 @@ class Housekeeping(Health, Adoption):
         for v in views:
             if v.pinned and v.step not in self._retention_pinned:
                 self._retention_pinned.add(v.step)
-                why = "the newest trainer_state.json names it best" if v.step in best else "a trainer pins it"
+                # said once: a live pin before the newest step's record of the best, which outlives it
+                why = "a trainer pins it" if pinned(self.root, v.step) else "the newest step names it best"
                 log.info("step %d: kept while %s (its best model), beside the newest %d",
                          v.step, why, self.settings.keep_last)  # fmt: skip
         for step in plan_retention(views, self.settings.keep_last):

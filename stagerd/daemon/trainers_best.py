@@ -1,7 +1,8 @@
-"""The step the Hugging Face Trainer names its best (`best_model_checkpoint` in the newest
-`trainer_state.json`), which `load_best_model_at_end` reads back when the training ends: retention keeps
-it as a pinned step, also between a training's end and its resume, when no trainer holds a pin. Read in
-the io thread."""
+"""The steps a trainer names its best, which retention keeps as pinned steps, also between a training's
+end and its resume, when no trainer holds a pin: the Hugging Face Trainer's (`best_model_checkpoint` in
+the newest `trainer_state.json`, which `load_best_model_at_end` reads back when the training ends) and
+Lightning's (each `ModelCheckpoint`'s `best_model_path`, which the newest `extras/stagerd.best.json`
+records as steps: `contract/best_steps.py`). Read in the io thread."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract import best_steps, layout
 from stagerd.errors import StagerdError
 
 STATE_FILE = "trainer_state.json"
@@ -45,7 +46,20 @@ def adopted_best(root: Path, step_of: Callable[[str], int | None]) -> set[int]:
 
 
 def staged_best(root: Path) -> set[int]:
-    """Steps the Stager's Trainer callback saved (`step-N/extras/trainer_state.json`), which records the
-    best as `ROOT/step-M`."""
-    states = [(s, p / layout.EXTRAS_DIR / STATE_FILE) for s, p in layout.committed_steps(root)]
-    return named_best(root, [(s, p) for s, p in states if p.is_file()], layout.parse_step_dir)
+    """Steps the Stager's integrations saved: the Trainer callback's (`step-N/extras/trainer_state.json`,
+    which records the best as `ROOT/step-M`) and Lightning's plugin's (`step-N/extras/stagerd.best.json`)."""
+    committed = layout.committed_steps(root)
+    states = [(s, p / layout.EXTRAS_DIR / STATE_FILE) for s, p in committed]
+    named = named_best(root, [(s, p) for s, p in states if p.is_file()], layout.parse_step_dir)
+    return named | recorded_best(root, committed)
+
+
+def recorded_best(root: Path, committed: list[tuple[int, Path]]) -> set[int]:
+    """The steps the newest readable `extras/stagerd.best.json` of the `committed` steps names, of those
+    still under `root`."""
+    for _, path in reversed(committed):
+        record = path / layout.EXTRAS_DIR / best_steps.NAME
+        steps = best_steps.read(record) if record.is_file() else None
+        if steps is not None:
+            return {s for s in steps if (root / layout.step_dir_name(s)).is_dir()}
+    return set()

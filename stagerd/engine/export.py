@@ -102,8 +102,8 @@ def build_export(
     if source.marker is not None and source.marker.adapter_plan is not None:
         files.append(build_adapter(source, tmp, source.marker.adapter_plan, dtype, keep_dtype, threads))
     for rel in source.extras():
-        if rel == layout.INDEX_NAME or rel.endswith(".safetensors"):
-            continue  # our index and weights are the export's; a stray copy would contradict them
+        if not layout.exported_extra(rel):
+            continue
         crash_point("export.extra")
         dst = tmp / rel
         staged = source.extra_path(rel)

@@ -32,9 +32,11 @@ removes the pointer file; the staged steps are the daemon's to keep or delete (`
 `best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
 best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best,
 `release_pins()`, or the plugin is let go (its trainer dropped) or the process ends, so `--keep-last`
-keeps it beside the newest N and `trainer.test(ckpt_path="best")` after `fit` finds it. The other top-k
-are not pinned (`save_top_k=-1` would keep every step). A best step gone anyway (deleted by hand) fails
-to load with a `MarkerError`.
+keeps it beside the newest N and `trainer.test(ckpt_path="best")` after `fit` finds it. Each step staged
+also records those best steps (`ckpt_best`): after the process ended, retention keeps the ones the newest
+step records, for a later process's load of `best_model_path` or resumed `fit`. The other top-k are not
+pinned (`save_top_k=-1` would keep every step). A best step gone anyway (deleted by hand) fails to load
+with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -70,9 +72,9 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from stagerd.contract import layout
-from stagerd.contract.step.pin import StepPin
-from stagerd.errors import ConfigError, LoadError, SaveInputError, StepExistsError
+from stagerd.errors import ConfigError, SaveInputError, StepExistsError
 from stagerd.integrations import fabric, hf_files, lightning_load, module_part, omegaconf_values, state_tree
+from stagerd.integrations.ckpt_best import CheckpointBests
 from stagerd.integrations.ckpt_pointer import POINTER, pointed
 from stagerd.integrations.lightning_load import BLOB, FORMAT, load_from_checkpoint
 from stagerd.ops.call_stack import calling_self
@@ -112,9 +114,9 @@ class StagerdCheckpointIO(CheckpointIO):
         self.stager: Stager | None = None
         self._group: Any = None  # rank 0's own gloo group, made once
         self._saved: tuple[int, frozenset[str]] | None = None  # the step staged last, and its keys
-        self._pins: dict[tuple[Path, int], StepPin] = {}  # the best steps, against the daemon's retention
+        self._best = CheckpointBests(self.root)  # the best steps, against the daemon's retention
         # a plugin let go (a sweep's finished trial) lets its pins go with it, not at the process's end
-        weakref.finalize(self, _release, self._pins)
+        weakref.finalize(self, self._best.release)
 
     # -- CheckpointIO ------------------------------------------------------------------------------
 
@@ -128,9 +130,12 @@ class StagerdCheckpointIO(CheckpointIO):
             return
         step = int(checkpoint["global_step"])
         if self._saved is None or self._saved[0] != step:  # `last` and the top-k may save one step twice
-            whole = self._whole(checkpoint)
-            overlap = _a_step_changes_it_next(self._trainer())
-            self._save(whole, step, "state_dict", self.model, self._module(), self._optimizers(), overlap)
+            whole, trainer = self._whole(checkpoint), self._trainer()
+            overlap = _a_step_changes_it_next(trainer)
+            record = self._best.record(trainer, Path(path), step)  # for retention once the process ended
+            self._save(
+                whole, step, "state_dict", self.model, self._module(), self._optimizers(), overlap, record
+            )
             self._saved = (step, frozenset(whole))
         elif not self._saved[1].issuperset(checkpoint):
             raise SaveInputError(
@@ -188,7 +193,7 @@ class StagerdCheckpointIO(CheckpointIO):
             # from now, not from the resumed run's first save
             callbacks = checkpoint.get("callbacks")
             states = callbacks.values() if isinstance(callbacks, dict) else ()
-            self._pin([s.get("best_model_path") for s in states if isinstance(s, dict)])
+            self._best.pin([s.get("best_model_path") for s in states if isinstance(s, dict)])
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -199,7 +204,7 @@ class StagerdCheckpointIO(CheckpointIO):
     def release_pins(self) -> None:
         """Let the daemon's retention delete the best steps again, once the run needs them no more (after
         `trainer.test(ckpt_path="best")`); a later save or resumed `fit` pins its best again."""
-        _release(self._pins)
+        self._best.release()
 
     def teardown(self) -> None:
         stager, self.stager = self.stager, None
@@ -246,10 +251,11 @@ class StagerdCheckpointIO(CheckpointIO):
         module: Any,
         optimizers: list[Any] | None,
         overlap: bool,
+        record: Mapping[str, bytes] | None = None,
     ) -> None:
         """Stage `checkpoint[key]` as the step's model (exported as `model`'s, `module` the LightningModule
-        it is a part of) and the rest beside it; return before the host copy is done where `overlap` and
-        `optimizers` (attached: their next step waits for it)."""
+        it is a part of) and the rest beside it, `record` among the extras; return before the host copy
+        is done where `overlap` and `optimizers` (attached: their next step waits for it)."""
         state = dict(checkpoint)
         model_sd = dict(state.pop(key))
         tensors, skeleton = omegaconf_values.split(state, "lightning")
@@ -270,7 +276,7 @@ class StagerdCheckpointIO(CheckpointIO):
             blob["part"] = part.to_json(outside)
             model = part.model
         optim = {**tensors, BLOB: state_tree.to_blob(blob)}
-        extras = {**hf_files.model_files(model), **(options.pop("extras", None) or {})}
+        extras = {**hf_files.model_files(model), **(options.pop("extras", None) or {}), **(record or {})}
         if "mapping" not in options:
             options["model"] = model
         stager = self._stager()
@@ -288,24 +294,7 @@ class StagerdCheckpointIO(CheckpointIO):
         """Hold the step each `ModelCheckpoint`'s `best_model_path` points at now."""
         trainer = self._trainer()
         if trainer is not None:  # else a save outside a Trainer: there is no best
-            self._pin([getattr(c, "best_model_path", None) for c in trainer.checkpoint_callbacks])
-
-    def _pin(self, paths: list[Any]) -> None:
-        """Hold the steps these checkpoint paths point at (each pointer file read again: a fixed file name
-        is rewritten for each new best), and let a step that is no longer one of them go."""
-        best: dict[tuple[Path, int], StepPin] = {}
-        for path in paths:
-            try:
-                located = pointed(Path(path)) if isinstance(path, str) and path else None
-            except LoadError:
-                located = None
-            if located is not None:
-                best[located] = self._pins.get(located) or StepPin(*located).hold()
-        for key, pin in self._pins.items():
-            if key not in best:
-                pin.release()
-        self._pins.clear()  # in place: the finalizer holds this dict
-        self._pins.update(best)
+            self._best.pin([getattr(c, "best_model_path", None) for c in trainer.checkpoint_callbacks])
 
     def _module(self) -> Any:
         """The LightningModule saved: the calling strategy's, else `model` where it is one."""
@@ -390,9 +379,3 @@ def _check_hyper_parameters(module: Any) -> None:
             hint="leave it out with save_hyperparameters(ignore=[...]), or give it as numbers, strings, "
             "lists and dicts (a config as config.to_dict()); stagerd never pickles",
         ) from None
-
-
-def _release(pins: dict[tuple[Path, int], StepPin]) -> None:
-    for pin in pins.values():
-        pin.release()
-    pins.clear()

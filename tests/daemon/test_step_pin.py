@@ -56,6 +56,31 @@ def test_the_daemon_keeps_a_pinned_step_until_the_pin_is_released(tmp_path, dcp_
     assert not (root / ".step-00000100.pin").exists()
 
 
+def test_the_newest_readable_record_of_best_steps_names_those_still_here(tmp_path):
+    """Lightning's plugin records its `ModelCheckpoint`s' best steps in each step it stages
+    (`extras/stagerd.best.json`): retention keeps those the newest record names, where they are still under
+    ROOT; a record that does not parse is passed over for the one before it, as a `trainer_state.json` is."""
+    from stagerd.contract import best_steps
+    from stagerd.daemon.trainers_best import staged_best
+
+    def record(step: int, data: bytes) -> None:
+        (root / layout.step_dir_name(step) / layout.EXTRAS_DIR / best_steps.NAME).write_bytes(data)
+
+    root = tmp_path / "root"
+    for step in (1, 2, 3):
+        (root / layout.step_dir_name(step) / layout.EXTRAS_DIR).mkdir(parents=True)
+        (root / layout.step_dir_name(step) / layout.MARKER_NAME).write_text("{}")
+    assert staged_best(root) == set()
+    record(2, best_steps.encode([1]))
+    assert staged_best(root) == {1}
+    record(3, best_steps.encode([2, 9]))  # step 9 is not here (deleted by hand): nothing to keep
+    assert staged_best(root) == {2}
+    record(3, b'{"format": "stagerd.best/1", "steps": [true]}')
+    assert staged_best(root) == {1}
+    record(3, best_steps.encode([]))  # no best any more
+    assert staged_best(root) == set()
+
+
 def test_a_pin_dies_with_its_holder(tmp_path):
     code = "import sys; from stagerd.contract.step.pin import StepPin; StepPin(sys.argv[1], 7).hold(); "
     code += "print('held', flush=True); sys.stdin.read()"

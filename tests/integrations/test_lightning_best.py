@@ -149,3 +149,50 @@ def _resumed(first: Any, root: Path) -> Any:
     trainer.fit(module(), loader(), ckpt_path=Path(first.dirpath) / "last.ckpt")
     assert Path(best.best_model_path).name == "step=2.ckpt"
     return io
+
+
+def test_the_best_step_is_kept_after_the_process_ended(tmp_path):
+    """`save_top_k=1`, step 2 the best of 4: with the plugin let go (its pins with it, as at the process's
+    end), `--keep-last 1` keeps step 2 all the same, since the newest step records it as the best
+    (`extras/stagerd.best.json`, left out of the export), `status` shows it pinned, and `best_model_path`
+    loads it, as a later process's `load_from_checkpoint(best_path)` would."""
+    import gc
+
+    from stagerd.cmd.status import collect
+    from stagerd.contract import best_steps
+    from stagerd.contract.step.pin import pinned
+    from stagerd.integrations.lightning import load_from_checkpoint
+
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    cls, at_2 = _fit_top_1(root, tmp_path / "ckpts")
+    gc.collect()  # the trainer, its module and the plugin refer to each other
+    assert not pinned(root, 2)
+    done = run_cli(["watch", root, "--sink", sink.as_uri(), "--once", "--keep-last", "1", *fast_flags()])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [s for s, _ in layout.committed_steps(root)] == [2, 4]
+    assert "step 2: kept while the newest step names it best" in done.stderr
+    status = collect(root, include_retired=False)
+    assert {s["step"]: s["pinned"] for s in status["steps"]} == {2: True, 4: False}
+    assert (sink / layout.step_dir_name(4) / layout.MANIFEST_NAME).is_file()
+    assert not (sink / layout.step_dir_name(4) / best_steps.NAME).exists()
+    assert load_from_checkpoint(cls, at_2).layer.weight.shape == (2, 4)
+
+
+def _fit_top_1(root: Path, dirpath: Path) -> tuple[type, str]:
+    """A fit of 4 steps with `save_top_k=1` (and `last`, so every step is saved), its trainer and plugin
+    let go: the module's class and the best path (step 2's), pinned until then."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from stagerd.contract.step.pin import pinned
+    from stagerd.integrations.lightning import StagerdCheckpointIO
+
+    best = ModelCheckpoint(dirpath=dirpath, monitor="score", mode="min", save_top_k=1, save_last=True,
+                           every_n_train_steps=1, filename="{step}")  # fmt: skip
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[best],
+                         plugins=[StagerdCheckpointIO(root)])  # fmt: skip
+    model = module()
+    trainer.fit(model, loader())
+    assert Path(best.best_model_path).name == "step=2.ckpt" and pinned(root, 2)
+    return type(model), best.best_model_path

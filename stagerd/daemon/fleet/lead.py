@@ -56,9 +56,9 @@ def lead(
     # must not have the leader publish what it points at
     with HeldDir.open(step_dir) as step, HeldFiles() as held, held.naming():
         for rel, part in sorted(extras_of(parts).items()):
-            if rel in (layout.INDEX_NAME, layout.MANIFEST_NAME) or rel.endswith(".safetensors"):
-                # as export_step: our index and weights are the export's; as a publish (`scan_dir`): the
-                # manifest is the commit's, never an extra uploaded before the files are checked
+            if rel == layout.MANIFEST_NAME or not layout.exported_extra(rel):
+                # as export_step; as a publish (`scan_dir`): the manifest is the commit's, never an extra
+                # uploaded before the files are checked
                 continue
             dst = out / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
