@@ -14,8 +14,9 @@ moto over HTTP, and on the way:
 
 Nothing here touches a client: clients are real s3fs/boto3 pointed at `proxy.endpoint`.
 
-Fixtures: `s3_server` (session: moto + proxy) and `s3` (per test: faults cleared, log cleared, dummy
-credentials in the environment, a fresh bucket). Import both into a test module to use them.
+Fixtures: `s3_server` (session: a proxy of the module's own, before the test process's one moto) and `s3`
+(per test: faults cleared, log cleared, dummy credentials in the environment, a fresh bucket). Import both
+into a test module to use them.
 """
 
 from __future__ import annotations
@@ -53,15 +54,23 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+def start_moto() -> Any:
+    """moto's ThreadedMotoServer on a free 127.0.0.1 port."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    return moto
+
+
 class S3TestServer:
-    """moto's ThreadedMotoServer on a free 127.0.0.1 port, and the fault proxy on another."""
+    """moto's ThreadedMotoServer on a free 127.0.0.1 port (its own, or `moto`), and the fault proxy on
+    another: a proxy of its own, whose log and faults only its clients see."""
 
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.moto.start()
+    def __init__(self, moto: Any = None) -> None:
+        self._owns_moto = moto is None
+        self.moto = start_moto() if moto is None else moto
         self.proxy = FaultProxy(upstream=self.moto.get_host_and_port())
         self._port = 0
         self._server: BaseWSGIServer | None = None
@@ -99,7 +108,10 @@ class S3TestServer:
         )
         self._port = self._server.server_port
         self.proxy.is_down = False
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # polled often, so that `down()` (an outage, or the end of the fixture) takes no half second
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     def down(self) -> None:
@@ -138,7 +150,8 @@ class S3TestServer:
     def stop(self) -> None:
         if self._server is not None and not self.proxy.is_down:
             self.down()
-        self.moto.stop()
+        if self._owns_moto:
+            self.moto.stop()
 
 
 @dataclass
@@ -173,11 +186,26 @@ def steps_log(env: S3Env) -> list[Request]:
         return [r for r in env.proxy.log if "/.stagerd-probe-" not in r.key]
 
 
+# One moto per test process, behind a proxy per module. Each test module imports the fixture below, and
+# pytest takes an imported fixture for a definition of that module: every module that uses it gets a server
+# of its own, kept to the session's end. Its proxy (its request log and faults) stays the module's own, so
+# a request a test of another module left in flight is never counted here; moto (half a second to start,
+# as long to stop), which every test reaches through a fresh bucket of its own, is started once.
+_moto: list[Any] = []
+_users = [0]
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Any:
-    server = S3TestServer()
+    if not _moto:
+        _moto.append(start_moto())
+    _users[0] += 1
+    server = S3TestServer(moto=_moto[0])
     yield server
     server.stop()
+    _users[0] -= 1
+    if not _users[0]:
+        _moto.pop().stop()
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -81,13 +82,18 @@ def test_a_row_that_torch_sums_otherwise_is_not_equal():
 def test_each_cpu_capability_sums_as_the_kernel_says(capability):
     """torch picks its kernels by the CPU's capability (or ATEN_CPU_CAPABILITY): the same bits in each."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    tests = [
-        f"{__file__}::{t}"
-        for t in ("test_row_norms_are_torchs", "test_column_norms_fed_by_row_blocks_are_torchs")
-    ]
+    # The two tests above, every dtype, in a process whose torch reads the variable at import: a plain
+    # interpreter, not a whole pytest session (its plugins and conftest cost about a second more).
+    code = (
+        "from tests.engine import test_torch_norm as t\n"
+        "for name in sorted(t.DTYPES):\n"
+        "    t.test_row_norms_are_torchs(name)\n"
+        "    t.test_column_norms_fed_by_row_blocks_are_torchs(name)\n"
+    )
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *tests],
+        [sys.executable, "-c", code],
         env=env,
+        cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
         timeout=300,
