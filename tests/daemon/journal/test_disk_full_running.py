@@ -179,7 +179,15 @@ async def test_a_retry_that_cannot_begin_on_a_full_journal_disk_backs_off(step_d
         sink.as_uri(),
         *fast_flags(metrics_port=port),
         log_dir=tmp_path / "log",
-        env=clean_env(dict(**{**BACKOFF, "STAGERD_RETRY_BASE_SECONDS": "1", "STAGERD_MAX_ATTEMPTS": "20"})),
+        # the retry is due 4 s after the failure: time enough, under load, to fill the disk before it
+        env=clean_env(
+            {
+                **BACKOFF,
+                "STAGERD_RETRY_BASE_SECONDS": "4",
+                "STAGERD_RETRY_MAX_SECONDS": "4",
+                "STAGERD_MAX_ATTEMPTS": "20",
+            }
+        ),
     )
     try:
         await w.wait_for(is_state(100, "failed"))
