@@ -217,7 +217,6 @@ _FLAGS = (
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from stagerd.daemon.core import Daemon
     from stagerd.daemon.settings_sources import load_settings
 
     if args.sink_retention is not None:
@@ -234,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     root = settings.root
     if settings.exchange is not None:
         open_exchange(settings.exchange)
+    from stagerd.daemon.core import Daemon  # after the settings: a refused command line needs none of it
+
     # The warnings come once the daemon has checked ROOT's places (a step directory given as ROOT is
     # refused there, before any warning about what it holds), holding its lock, its sinks open.
     on_start = None if root is None else partial(_warn, settings)
