@@ -21,11 +21,11 @@ from stagerd.contract.export_tree import walk_entries
 from stagerd.contract.manifest import ExportManifest, read_manifest
 from stagerd.errors import MarkerError, SinkConflictError, SinkError, VerifyError
 from stagerd.sinks.base import ProgressFn
+from stagerd.sinks.url_text import SECRET_PARAMS
 
 log = logging.getLogger("stagerd.sinks.fsspec")
 
 CLOCK_NAME = ".stagerd-clock"  # the file:// store's clock probe (`local_dirs.Held.clock`), under a temp name
-_SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def redact_url(url: str) -> str:
     if query:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = urllib.parse.urlencode(
-            [(k, "***" if any(s in k.lower() for s in _SECRET_PARAMS) else v) for k, v in pairs]
+            [(k, "***" if any(s in k.lower() for s in SECRET_PARAMS) else v) for k, v in pairs]
         )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 

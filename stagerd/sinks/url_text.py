@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import urllib.parse
 
+# a query option whose name holds one of these carries a secret: its value is masked (here and `redact_url`)
+SECRET_PARAMS = ("token", "secret", "key", "password", "signature", "credential", "sig", "auth")
 _AUTHORITY = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/*)(?P<authority>[^/]*)(?P<path>.*)", re.S)
 
 
@@ -20,8 +22,6 @@ def shown(text: str) -> str:
 def masked(text: str) -> str:
     """`text` with the password of its authority (or a lone user part, often a key) and the values of its
     token- or secret-like query options as `***`, however many slashes follow the scheme."""
-    from stagerd.sinks.objects import _SECRET_PARAMS as SECRET_PARAMS
-
     base, sep, query = text.partition("?")
     # the authority after the scheme and its slashes, however many were typed (`s3:/user:pw@bucket`)
     if (m := _AUTHORITY.match(base)) is not None and "@" in m["authority"]:
