@@ -14,6 +14,7 @@ STAGERD_TEST_PAUSE_SECONDS is how long it stays parked (default 3600).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -45,19 +46,34 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """`stagerd ARGS...` to completion, with stdout and stderr captured as text.
 
-    `preexec` runs in the child before it starts (e.g. to set a resource limit there).
+    `preexec` runs in the child before it starts (e.g. to set a resource limit there). A child still running
+    at `timeout` is made to print every thread's stack (faulthandler, on SIGABRT) before it is killed, and
+    the test fails with that: a hang that shows once in a hundred CI runs names where it waited.
     """
-    return subprocess.run(
+    proc = subprocess.Popen(
         [*STAGERD, *(str(a) for a in args)],
-        env=clean_env(env),
+        env=clean_env({"PYTHONFAULTHANDLER": "1", **(env or {})}),
         cwd=str(cwd) if cwd is not None else None,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         stdin=subprocess.DEVNULL,
-        check=False,
         preexec_fn=preexec,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(
+            f"stagerd {' '.join(str(a) for a in args)} still ran after {timeout:g}s; its stacks, then "
+            f"its output:\n{err[-20000:]}\n--- stdout ---\n{out[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_cli(

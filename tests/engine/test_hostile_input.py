@@ -270,10 +270,7 @@ def test_a_fifo_named_like_a_shard_is_refused_not_waited_on(dcp_mixed, tmp_path)
     fifo.unlink()
     os.mkfifo(fifo)
 
-    try:
-        r = _cli("consolidate", str(model), str(tmp_path / "out"), timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"`stagerd consolidate` waited on the FIFO {fifo} for 30 s instead of refusing it")
+    r = _cli("consolidate", str(model), str(tmp_path / "out"), timeout=30)  # a wait on the FIFO fails here
     assert r.returncode == 2 and "Error" in r.stderr and str(fifo) in r.stderr
     assert not (tmp_path / "out").exists()
 
