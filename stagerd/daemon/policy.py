@@ -8,7 +8,7 @@ from typing import Any
 from stagerd import errors
 from stagerd.config import Settings
 from stagerd.daemon.journal.schema import FAILED, QUARANTINED
-from stagerd.errors import FleetWaitError, SinkMissingError, StagerdError
+from stagerd.errors import FleetWaitError, SinkAuthError, SinkMissingError, StagerdError
 from stagerd.sinks.urls import SinkKind, parse_sink_url
 
 # A Hub or S3 sink's own tries of each request in a `--once` run, where the user sets none: the run's own
@@ -18,6 +18,11 @@ ONCE_SINK_ATTEMPTS = 3
 
 # Quarantines the daemon records itself, which no wait or restart fixes by itself.
 _NEVER_RETRYABLE = {"CrashLoop", "MissingStep"}
+
+# A publish to a sink that needs a person (a bucket to create, a token or permission to fix): nothing is
+# wrong with the step, so it waits, checked again every `retry_max_seconds` and at each start, instead of
+# a quarantine that only `stagerd retry` lifted, step by step, after the fix.
+_WAITS_FOR_A_FIX = (SinkMissingError, SinkAuthError)
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class Failure:
     # a `--once` run's last try of what may pass: the next start tries it again (a publish's lane waits,
     # failed with no next try; an export is quarantined, re-armed at start as `given_up` reads its row)
     given_up: bool = False
+    # a sink that waits for a person's fix (`_WAITS_FOR_A_FIX`): logged as an error, though not quarantined
+    needs_fix: bool = False
 
 
 def backoff_delay(attempts: int, settings: Settings) -> float:
@@ -51,13 +58,15 @@ def decide_failure(
 
     A fleet step's wait for other nodes that timed out in a `--once` run is given up for this run at once
     (the wait was the setting; waiting again changes nothing) but never quarantined: failed with no next
-    try, the step still waits, and the next start tries it again. So is a publish to a sink whose
-    destination is missing (`SinkMissingError`), which a running daemon checks again only every
-    `retry_max_seconds`: the step is fine, and waits for the bucket to be created."""
+    try, the step still waits, and the next start tries it again. So is a publish to a sink that waits for
+    a person's fix, which a running daemon checks again only every `retry_max_seconds`: a destination that
+    is missing (`SinkMissingError`), a token refused or a permission lacking (`SinkAuthError`). The step
+    is fine, and waits for the bucket to be created or the credentials fixed."""
     if isinstance(err, FleetWaitError) and settings.once:
         return Failure(err.name, str(err), False, None)
-    if isinstance(err, SinkMissingError):  # the step is fine, its destination absent: it waits for it
-        return Failure(err.name, str(err), False, None if settings.once else now + settings.retry_max_seconds)
+    if isinstance(err, _WAITS_FOR_A_FIX):
+        next_try = None if settings.once else now + settings.retry_max_seconds
+        return Failure(err.name, str(err), False, next_try, needs_fix=True)
     if isinstance(err, StagerdError):
         retryable, cls, msg = err.retryable, err.name, str(err)
     else:  # an unexpected exception: a bug or an unwrapped OSError; retrying is the safe default
@@ -72,8 +81,8 @@ def decide_failure(
 def sink_outage(f: Failure) -> bool:
     """Whether a publish's failure counts as one of its sink's failed tries in a row: what is retried or
     given up for a `--once` run may be the sink being down. What is quarantined for good was an answer
-    about the step (a conflict, a refusal), and a sink left waiting (`SinkMissingError`) or a fleet wait
-    has its own rule."""
+    about the step (a conflict, a refusal), and a sink that waits for a fix (`_WAITS_FOR_A_FIX`) or a
+    fleet wait has its own rule."""
     return f.next_try is not None or f.given_up
 
 
@@ -122,6 +131,8 @@ def rearmable(error_class: str | None) -> bool:
     (re-armed when the daemon starts again) rather than one no retry can fix."""
     if error_class is None or error_class in _NEVER_RETRYABLE:
         return False
+    if error_class in {cls.__name__ for cls in _WAITS_FOR_A_FIX}:  # quarantined by an older stagerd
+        return True
     cls = getattr(errors, error_class, None)
     if isinstance(cls, type) and issubclass(cls, StagerdError):
         return cls.retryable

@@ -72,7 +72,7 @@ class WorkFailures(SinkOutages):
             state,
             error_class=f.error_class,
             note=failure_note(f, step, attempt, on_disk=on_disk, now=time.time()),
-            level=logging.ERROR if f.quarantine or f.given_up else logging.WARNING,
+            level=logging.ERROR if f.quarantine or f.given_up or f.needs_fix else logging.WARNING,
             attempt=attempt,
             hint=hint,
         )

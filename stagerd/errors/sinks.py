@@ -13,7 +13,8 @@ class SinkError(StagerdError):
 
 
 class SinkAuthError(SinkError):
-    """A bad token or a missing permission: retrying cannot help."""
+    """A bad token or a missing permission: retrying the request cannot help. The daemon's step is fine:
+    its publish waits for the fix, checked again every `retry_max_seconds` and at each start."""
 
     retryable = False
     hint = "check the credentials of this destination and their permission there"

@@ -40,12 +40,16 @@ def test_a_running_daemon_never_gives_up_on_a_failure_that_may_pass():
     s = load_settings(None, retry_base_seconds=2.0, retry_max_seconds=300.0, max_attempts=3)
     f = decide_failure(SinkError("503"), 1000, s, now=100.0)
     assert (f.quarantine, f.next_try) == (False, 400.0)  # the capped backoff, still retrying
-    assert decide_failure(SinkAuthError("bad token"), 1, s, now=0).quarantine  # this one never passes
+    assert decide_failure(ShardError("truncated"), 1, s, now=0).quarantine  # this one never passes
+    # a refused token waits for its fix like a missing bucket, checked again at the cap: never quarantined
+    f = decide_failure(SinkAuthError("bad token"), 1, s, now=100.0)
+    assert (f.quarantine, f.next_try, f.needs_fix) == (False, 400.0, True)
 
 
 def test_which_quarantines_a_restart_re_arms():
     assert rearmable("SinkError") and rearmable("OSError") and rearmable("TimeoutError")
-    assert not rearmable("SinkAuthError") and not rearmable("ShardError")
+    assert not rearmable("ShardError")
+    assert rearmable("SinkAuthError")  # an older stagerd's quarantine of a refused token: tried again
     assert not rearmable("StepConflictError") and not rearmable("CrashLoop") and not rearmable("MissingStep")
     assert not rearmable(None)
 
@@ -134,7 +138,9 @@ def test_a_publish_a_once_run_gives_up_waits_and_is_never_quarantined():
     assert (f.quarantine, f.next_try, f.given_up) == (False, None, True)
     assert "still waiting, not quarantined" in failure_note(f, 2, 3, on_disk=True, now=0)
     assert gives_up_sink(f, once) and sink_outage(f)
-    assert decide_failure(SinkAuthError("bad token"), 1, once, now=0, publish=True).quarantine
+    f = decide_failure(SinkAuthError("bad token"), 1, once, now=0, publish=True)
+    assert (f.quarantine, f.next_try, f.given_up) == (False, None, False)  # waits for the fix, next start
+    assert decide_failure(ShardError("truncated"), 1, once, now=0).quarantine
 
 
 def once_sink_seconds(settings: Settings, try_waits: float) -> float:
