@@ -74,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command's parser, which knows the flag meant
         parser.command_parser(args.command).refuse_unknown(extra, parser)
+    from stagerd.ops import stacks
     from stagerd.ops.fdlimit import raise_open_files_limit
     from stagerd.ops.logs import setup_logging
 
     setup_logging(debug=args.debug)
     raise_open_files_limit()
+    stacks.install()  # `kill -USR1 PID`: where a command that seems stuck waits, logged, and it goes on
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader gone (`| head`) is caught, not in the exit's flush

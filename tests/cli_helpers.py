@@ -13,6 +13,7 @@ STAGERD_TEST_PAUSE_SECONDS is how long it stays parked (default 3600).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,8 +48,9 @@ def run_cli(
     """`stagerd ARGS...` to completion, with stdout and stderr captured as text.
 
     `preexec` runs in the child before it starts (e.g. to set a resource limit there). A child still running
-    at `timeout` is made to print every thread's stack (faulthandler, on SIGABRT) before it is killed, and
-    the test fails with that: a hang that shows once in a hundred CI runs names where it waited.
+    at `timeout` is made to log its tasks' awaits (SIGUSR1, `stagerd.ops.stacks`) and then to print every
+    thread's stack (faulthandler, on SIGABRT) before it ends, and the test fails with that: a hang that
+    shows once in a hundred CI runs names where it waited.
     """
     proc = subprocess.Popen(
         [*STAGERD, *(str(a) for a in args)],
@@ -63,6 +65,9 @@ def run_cli(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(2.0)
         proc.send_signal(signal.SIGABRT)
         try:
             out, err = proc.communicate(timeout=30)

@@ -104,7 +104,12 @@ class WatchProc:
             if self.proc.returncode is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode} first:\n{self.text()[-4000:]}")
             await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s:\n{self.text()[-4000:]}")
+        if (
+            self.proc.returncode is None
+        ):  # where it waits, logged (`stagerd.ops.stacks`), as an operator would
+            self.kill(signal.SIGUSR1)
+            await asyncio.sleep(1.0)
+        raise AssertionError(f"timed out after {timeout}s:\n{self.text()[-12000:]}")
 
     async def wait(self, timeout: float = 60.0) -> int:
         return await asyncio.wait_for(self.proc.wait(), timeout)

@@ -122,3 +122,25 @@ async def test_sigstop_and_sigcont_mid_publish_publish_once(tmp_path, dcp_mixed2
         assert len(published) == 1
     finally:
         journal.close()
+
+
+async def test_sigusr1_logs_where_each_task_and_thread_waits_and_the_daemon_goes_on(tmp_path, dcp_mixed2):
+    model, _ = dcp_mixed2
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 1, model, world=2)
+    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": "3"})
+    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
+    try:
+        await w.wait_for(lambda r: r.get("test_pause") == "publish")
+        w.kill(signal.SIGUSR1)
+        said = await w.wait_for(lambda r: str(r.get("msg", "")).startswith("stacks on SIGUSR1"))
+        text = said["msg"]
+        assert said["level"] == "warning", said
+        # the scheduler's chain of awaits, the publish task's, and the publishing thread parked in its work
+        assert "in _schedule_pass" in text and "task housekeeping:" in text, text
+        assert "in _publish" in text and "in _test_pause" in text, text
+        assert "thread stagerd-journal" in text and "thread MainThread:" in text, text
+        await w.wait_for(lambda r: r.get("step") == 1 and r.get("state") == "published")  # it went on
+    finally:
+        w.kill(signal.SIGTERM)
+    assert await w.wait(30) == 0, w.text()[-3000:]
