@@ -19,18 +19,15 @@ import errno
 import fcntl
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagerd.contract import layout
+from stagerd.contract.root_lock import LOCK_NAME as LOCK_NAME
+from stagerd.contract.root_lock import held, lock_path, try_flock
 from stagerd.errors import LockError, SymlinkError
 from stagerd.ops.processes import PID_NS, pid_alive
 
-LOCK_NAME = "lock"
 COMMANDS = ("watch", "restore")
-# `held` takes a shared flock for an instant: a daemon starting then tries again for this long
-_PROBE_GRACE_S = 0.5
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 log = logging.getLogger("stagerd")
@@ -60,10 +57,6 @@ def file_replaced(path: Path, held: os.stat_result, kind: str = "file") -> str |
     return None
 
 
-def lock_path(root: str | os.PathLike[str]) -> Path:
-    return Path(root) / layout.STATE_DIR / LOCK_NAME
-
-
 # LockError's own hint speaks to a second daemon; a restore wants the daemon out of the way for a while.
 _RESTORE_HINT = (
     "a restore never writes into a ROOT a daemon watches: stop that `stagerd watch`, run the restore, then "
@@ -82,7 +75,7 @@ class RootLock:
     def acquire(self) -> None:
         """Take the lock or raise LockError naming who holds it."""
         fd = self._open()
-        if not _try_flock(fd, fcntl.LOCK_EX):
+        if not try_flock(fd, fcntl.LOCK_EX):
             root = self.path.parent.parent
             holder = root_holder(root)
             os.close(fd)
@@ -152,20 +145,6 @@ class RootLock:
         self.release()
 
 
-def _try_flock(fd: int, kind: int) -> bool:
-    """Take a flock of `kind` without waiting; False while another holds it. Tried again for a moment:
-    another process's `held` may hold a shared one for an instant."""
-    deadline = time.monotonic() + _PROBE_GRACE_S
-    while True:
-        try:
-            fcntl.flock(fd, kind | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if kind == fcntl.LOCK_SH or time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-
-
 def _record(root: str | os.PathLike[str]) -> tuple[int | None, str | None]:
     """(the pid, the command) the lock file of `root` says: the pid only where it is of this pid
     namespace. An older stagerd's file (the pid alone) says no namespace: its pid is believed only while
@@ -185,23 +164,6 @@ def _record(root: str | os.PathLike[str]) -> tuple[int | None, str | None]:
 def read_holder(root: str | os.PathLike[str]) -> int | None:
     """The pid (in this pid namespace) the lock file of `root` names, if any: its holder's, or the last."""
     return _record(root)[0]
-
-
-def held(path: str | os.PathLike[str]) -> bool | None:
-    """Whether a process holds the flock on `path`, whichever pid namespace it is in (None where the file
-    cannot be opened): a shared flock taken and let go at once, which a held lock refuses."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return None
-    try:
-        return not _try_flock(fd, fcntl.LOCK_SH)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # lets the shared flock go
 
 
 def flock_holder(path: str | os.PathLike[str]) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -21,9 +22,12 @@ def _train_rank(rank: int, world: int, init_file: str, plan: DemoPlan, report: s
     from torch.distributed.fsdp import fully_shard
 
     from stagerd.demo.tiny_model import CONFIG, TinyLM, next_token_loss
+    from stagerd.training.committer import UNWATCHED
     from stagerd.training.stager import Stager
 
     warnings.filterwarnings("ignore", category=UserWarning)
+    # the demo runs `watch --once` itself once training ends: the note that no daemon runs yet is for users
+    logging.getLogger("stagerd.stage").addFilter(lambda r: not r.getMessage().startswith(UNWATCHED))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

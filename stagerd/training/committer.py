@@ -17,10 +17,12 @@ import logging
 import math
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from stagerd.contract import commit_marker
 from stagerd.contract.dtypes import safetensors_name
+from stagerd.contract.root_lock import held, lock_path
 from stagerd.training.collectives import Collectives
 from stagerd.training.failures import RankFailure, check_in, clear_frames, failed_here
 from stagerd.training.host_copy import Staging, settle
@@ -42,6 +44,8 @@ from stagerd.training.shard_files import (
 from stagerd.training.topology import StagingTopology
 
 log = logging.getLogger("stagerd.stage")
+
+UNWATCHED = "no `stagerd watch` runs on"  # how the note of a ROOT no daemon holds begins
 
 
 def _nbytes(blocks: list[Block]) -> int:
@@ -68,6 +72,7 @@ class Committer:
         self._rank = comm.rank
         self._node = topology.node(comm.rank)
         self._is_leader = topology.leader(self._node) == comm.rank
+        self._looked_for_daemon = False
 
     def commit(
         self,
@@ -192,4 +197,22 @@ class Committer:
         except Exception as e:  # e.g. the disk filled up after the shards: no marker, say so everywhere
             local = failed_here(spec, rank, "writing the commit marker", e)
         check_in(comm, spec, "committing", local, on_failure=cleanup)
+        if self._is_leader and not self._looked_for_daemon:
+            self._looked_for_daemon = True
+            _say_if_unwatched(spec.step_dir.parent, spec.step)
         return marker
+
+
+def _say_if_unwatched(root: Path, step: int) -> None:
+    """At a Stager's first commit on each node: a ROOT no daemon holds keeps every step, exported,
+    published and deleted by none, until its disk fills (a daemon not started yet, or started on another
+    path). Said once: a `watch --once` when the training ends is a way to run it too."""
+    if held(lock_path(root)) is False:
+        log.warning(
+            "%s %s now: step %d and the steps after it stay there, not exported, published or deleted, "
+            "until one does (`stagerd watch %s --sink URL`; `--once` after training)",
+            UNWATCHED,
+            root,
+            step,
+            root,
+        )
