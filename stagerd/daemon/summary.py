@@ -206,7 +206,7 @@ def _newest(summary: Summary) -> str:
 
 
 def _lane_why(ln: LaneRow) -> str:
-    if ln.state == FAILED and ln.next_try is None:  # a sink whose bucket is missing: the step waits
+    if ln.state == FAILED and ln.next_try is None:  # a missing bucket, a refused token: it waits
         return f"{ln.sink} {_waiting(ln.error_class, ln.error_message, ln.error_hint)}"
     if ln.error_class is None:  # not tried yet: its step stopped before it (quarantined, say)
         return f"{ln.sink} {ln.state}"

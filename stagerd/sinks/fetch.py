@@ -287,8 +287,10 @@ def download(
 
 
 STREAM_CHUNK = 8 << 20
-STREAM_RETRIES = 5  # cuts of one object's body survived, each going on from the byte it reached
-STREAM_BACKOFF_S = 0.1  # doubled after each cut
+# cuts of one object's body survived in a row, each going on from the byte it reached; a cut a chunk or more
+# after the last one starts the count again: over a link that keeps dropping, a big file still comes whole
+STREAM_RETRIES = 5
+STREAM_BACKOFF_S = 0.1  # doubled after each cut in a row
 
 
 def _stream_s3(
@@ -305,7 +307,8 @@ def _stream_s3(
     of the whole object, and a raw step has one file per rank and kind to spread over the connections.
     botocore retries a request only until its answer starts: a body cut after that (a reset connection, a
     read timeout) goes on from the byte it reached, `If-Match` the ETag first read (an object replaced
-    meanwhile is a `RestoreError`), up to `STREAM_RETRIES` times, then a retryable `SinkError`.
+    meanwhile is a `RestoreError`), up to `STREAM_RETRIES` cuts in a row, then a retryable `SinkError`;
+    a cut that comes `STREAM_CHUNK` bytes or more after the last one is the first of a new row.
     """
     import asyncio
 
@@ -323,7 +326,7 @@ def _stream_s3(
         async with gate:
             s3 = await backend._client()
             loop = asyncio.get_running_loop()
-            pos, etag, cuts = 0, None, 0
+            pos, etag, cuts, cut_at = 0, None, 0, 0
             while True:
                 rest: dict[str, str] = {} if etag is None else {"IfMatch": etag, "Range": f"bytes={pos}-"}
                 try:
@@ -357,10 +360,12 @@ def _stream_s3(
                         pos += len(chunk)
                 if cut is None or pos == f.size:
                     break
-                cuts += 1
+                cuts = 1 if pos - cut_at >= STREAM_CHUNK else cuts + 1
+                cut_at = pos
                 if etag is None or cuts > STREAM_RETRIES:  # no ETag: a resumed read could mix two objects
                     raise SinkError(
-                        f"the download was cut {cuts} time(s), last at byte {pos}: {type(cut).__name__}",
+                        f"the download was cut {cuts} time(s) in a row, each within {STREAM_CHUNK} bytes of "
+                        f"the last, at byte {pos}: {type(cut).__name__}",
                         path=store.where(key),
                     )
                 log.warning(

@@ -113,10 +113,12 @@ def _cut_bodies(monkeypatch, key_part: str, times: int, between=lambda: None) ->
     return ranges
 
 
-@pytest.mark.parametrize("case", ["resumed", "cut-for-good", "replaced"])
+@pytest.mark.parametrize("case", ["resumed", "cut-often-going-on", "cut-for-good", "replaced"])
 def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, monkeypatch, case):  # noqa: F811
     """A connection reset after an S3 GET's answer began (botocore retries only until then). Before the
-    fix, a raw `aiohttp.ClientPayloadError` ended the restore (a traceback, exit 1) at the first cut."""
+    fix, a raw `aiohttp.ClientPayloadError` ended the restore (a traceback, exit 1) at the first cut. The
+    cuts it survives are those in a row: one a chunk or more after the last starts the count again, so a
+    file cut more often than that, each time further on, still comes whole (before: a `SinkError`)."""
     from stagerd.cmd.restore import restore_export
     from stagerd.errors import RestoreError, SinkError
     from stagerd.sinks import fetch
@@ -131,12 +133,14 @@ def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, mon
     sink.close()
     key = f"run/{layout.step_dir_name(4)}/model.safetensors"
     other = lambda: s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"x" * (1 << 20))  # noqa: E731
-    times = {"resumed": 2, "cut-for-good": 9, "replaced": 1}[case]
+    times = {"resumed": 2, "cut-often-going-on": 4, "cut-for-good": 9, "replaced": 1}[case]
     ranges = _cut_bodies(
         monkeypatch, "model.safetensors", times, other if case == "replaced" else lambda: None
     )
     monkeypatch.setattr(fetch, "STREAM_RETRIES", 2)
     monkeypatch.setattr(fetch, "STREAM_BACKOFF_S", 0.0)
+    # the 4 cuts come half of what was left (512, 256, 128, 64 KiB) after the last: a new row each time
+    monkeypatch.setattr(fetch, "STREAM_CHUNK", (16 << 10) if case == "cut-often-going-on" else (8 << 20))
     out = tmp_path / "eval"
     store = RemoteStore.open(s3.url("run"))
     try:
@@ -148,6 +152,10 @@ def test_an_s3_download_cut_midway_goes_on_or_is_a_named_error(tmp_path, s3, mon
             first, second = (int(r.removeprefix("bytes=").removesuffix("-")) for r in ranges[1:])
             assert ranges[0] == "" and len(ranges) == 3, ranges
             assert 0 < first <= (1 << 19) and first < second <= first + ((1 << 20) - first) // 2, ranges
+            return
+        if case == "cut-often-going-on":
+            restore_export(store, out, 4)  # 4 cuts, more than STREAM_RETRIES, none in a row
+            assert tree(out) == tree(export) and len(ranges) == 5, ranges
             return
         error = SinkError if case == "cut-for-good" else RestoreError
         with pytest.raises(error, match=r"cut 3 time|changed on the sink") as e:
