@@ -20,8 +20,10 @@ _THREAD_FRAMES = 12  # the innermost frames of each thread: where it waits, not 
 
 
 def install() -> None:
-    """Log the stacks on SIGUSR1 (main thread only, as `signal.signal` requires)."""
-    signal.signal(SIGNAL, _on_signal)
+    """Log the stacks on SIGUSR1. From the main thread only, as `signal.signal` requires: `cli.main` run
+    in another thread (an embedding program's) installs nothing."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(SIGNAL, _on_signal)
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
