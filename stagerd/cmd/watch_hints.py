@@ -22,8 +22,9 @@ def retry_hint(root: Path) -> str:
 
 def given_up_hint() -> str:
     return (
-        "a failure that may pass (a sink down, a full disk) ends a --once run after --max-attempts tries; "
-        "the next `stagerd watch` tries those steps again by itself"
+        "a failure that may pass (a sink down, a full disk) ends a --once run after --max-attempts tries, "
+        "one that waits for a fix (a missing bucket, a refused token) after one; the next `stagerd watch` "
+        "tries those steps again by itself"
     )
 
 
