@@ -13,12 +13,14 @@ or, for a small file kept in git, its git blob id. Only then is the directory re
 Xet data that does not rebuild, is a `RestoreError` naming the file; nothing is left behind. Each request is
 bounded by the URL's timeouts and tried as often as the URL's `max_attempts` says, as the sink tries its own:
 each by `tried` alone (huggingface_hub retries none of the Hub API's itself: `one_policy.py`); hf_xet tries
-each Xet request itself, as often.
+each Xet request itself, as often. A file's attempts begin again after a round of them that brought it on by
+`_CHUNK` bytes or more (`_going_on`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -52,9 +54,30 @@ from stagerd.sinks.hub.xet_fetch import XetDownloader
 from stagerd.sinks.temp_names import restore_temp
 
 _CHUNK = 8 << 20
+log = logging.getLogger("stagerd")
 # Unless the URL says: the sink's eight, with backoff up to a minute, would keep a restore (a job's resume
 # waiting on it) from a Hub that is down going for many minutes.
 RESTORE_ATTEMPTS = 3
+
+
+def _going_on(retried: Callable[[Callable[[], None]], None], fetch: Callable[[], None], got: Path) -> None:
+    """`retried(fetch)`, begun again while a round of its attempts ends with `_CHUNK` bytes or more of the
+    file than it began with: each attempt asks for the rest, so over a link that keeps dropping a big file
+    still comes whole, while one that trickles a few bytes an attempt ends within the URL's attempts."""
+    import httpx2
+
+    def have() -> int:
+        return got.stat().st_size if got.exists() else 0
+
+    while True:
+        before = have()
+        try:
+            return retried(fetch)
+        except httpx2.TransportError:
+            if have() - before < _CHUNK:
+                raise
+            log.warning("%s: cut off at byte %d, %d bytes on: its attempts begin again", got.name, have(),
+                        have() - before)  # fmt: skip
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
@@ -221,7 +244,7 @@ def _restore(
                     xet.download(xet_hash, int(entry.size), got, f"{where}/{entry.path}")
                 else:  # no HEAD: the tree names its size and hash
                     file_url = resolve_url(api.endpoint, target.repo_id, commit, entry.path)
-                    retried(lambda: fetch_once(file_url, got, int(entry.size), headers))  # noqa: B023
+                    _going_on(retried, lambda: fetch_once(file_url, got, int(entry.size), headers), got)  # noqa: B023
             except HfHubHTTPError as err:
                 status = getattr(err.response, "status_code", None)
                 at = f"{where}/{entry.path}"

@@ -80,3 +80,21 @@ def test_a_file_cut_off_mid_body_is_resumed_not_sent_again(hub, tmp_path):
 
     assert cut.fired == 1 and export_files(export).items() <= export_files(out).items()
     assert hub.stats.count("GET", path, status=206) == 1  # the next attempt asked for the rest only
+
+
+def test_a_file_cut_off_again_and_again_comes_whole_while_each_round_brings_it_on(hub, tmp_path, monkeypatch):
+    """Every cut was one of the URL's attempts however far it had got: over a link that keeps dropping, a big
+    file could not be restored. A round of attempts that brings `_CHUNK` bytes or more of it begins them
+    again; one that trickles a few bytes an attempt still ends within them (`test_hang.py`)."""
+    from stagerd.sinks.hub import fetch
+
+    export = published(hub, tmp_path)
+    path = r"/resolve/.*/model.safetensors$"
+    size = (export / "model.safetensors").stat().st_size
+    monkeypatch.setattr(fetch, "_CHUNK", size // 8)
+    cut = hub.faults.add(Fault("GET", path, stall_after=size // 5, times=4))  # 4 cuts, a fifth each
+
+    out = restore_hub_export(url_of(hub, timeout=0.5, max_attempts=2), tmp_path / "out", 1)
+
+    assert cut.fired == 4 and export_files(export).items() <= export_files(out).items()
+    assert hub.stats.count("GET", path, status=206) == 4  # each attempt after the first asked for the rest
