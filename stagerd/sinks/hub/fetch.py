@@ -69,15 +69,18 @@ def _going_on(retried: Callable[[Callable[[], None]], None], fetch: Callable[[],
     def have() -> int:
         return got.stat().st_size if got.exists() else 0
 
+    before = have()
     while True:
-        before = have()
         try:
             return retried(fetch)
         except httpx2.TransportError:
-            if have() - before < _CHUNK:
+            now = have()
+            if now - before < _CHUNK:
                 raise
-            log.warning("%s: cut off at byte %d, %d bytes on: its attempts begin again", got.name, have(),
-                        have() - before)  # fmt: skip
+            log.warning(
+                "%s: cut off at byte %d, %d bytes on: its attempts begin again", got.name, now, now - before
+            )
+            before = now
 
 
 def _digests(path: Path, size: int) -> tuple[str, str]:
