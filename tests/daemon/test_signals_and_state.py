@@ -13,22 +13,33 @@ from __future__ import annotations
 
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
 from stagerd.contract import layout
 from stagerd.daemon.journal import Journal
 from tests.cli_helpers import clean_env, run_cli
-from tests.daemon_helpers import fast_flags, stage_copy, start_watch
+from tests.daemon_helpers import WatchProc, fast_flags, stage_copy, start_watch
+
+
+async def _parked_mid_publish(tmp_path: Path, model: Path, seconds: float) -> tuple[Path, WatchProc]:
+    """ROOT with step 1 staged and a daemon on it whose publish is parked `seconds` inside its first
+    progress report (under way); returns ROOT and the daemon."""
+    root, sink = tmp_path / "root", tmp_path / "sink"
+    stage_copy(root, 1, model, world=2)
+    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": f"{seconds:g}"})
+    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
+    try:
+        await w.wait_for(lambda r: r.get("test_pause") == "publish")
+    except BaseException:
+        w.kill()  # never parked: no daemon outlives the test
+        raise
+    return root, w
 
 
 async def test_sighup_drains_like_sigterm(tmp_path, dcp_mixed2):
-    model, _ = dcp_mixed2
-    root, sink = tmp_path / "root", tmp_path / "sink"
-    stage_copy(root, 1, model, world=2)
-    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": "1"})
-    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
-    await w.wait_for(lambda r: r.get("test_pause") == "publish")
+    root, w = await _parked_mid_publish(tmp_path, dcp_mixed2[0], 1)
     w.kill(signal.SIGHUP)
     assert await w.wait(60) == 0, w.text()[-3000:]
     assert "SIGHUP: no new work; draining" in w.text()
@@ -102,13 +113,8 @@ async def test_a_second_daemon_through_a_symlinked_root_is_refused(tmp_path):
 async def test_sigstop_and_sigcont_mid_publish_publish_once(tmp_path, dcp_mixed2):
     import asyncio
 
-    model, _ = dcp_mixed2
-    root, sink = tmp_path / "root", tmp_path / "sink"
-    stage_copy(root, 1, model, world=2)
-    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": "0.5"})
-    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
+    root, w = await _parked_mid_publish(tmp_path, dcp_mixed2[0], 0.5)
     try:
-        await w.wait_for(lambda r: r.get("test_pause") == "publish")
         w.kill(signal.SIGSTOP)  # a debugger, a cgroup freeze, ^Z
         await asyncio.sleep(3)
         w.kill(signal.SIGCONT)
@@ -125,13 +131,8 @@ async def test_sigstop_and_sigcont_mid_publish_publish_once(tmp_path, dcp_mixed2
 
 
 async def test_sigusr1_logs_where_each_task_and_thread_waits_and_the_daemon_goes_on(tmp_path, dcp_mixed2):
-    model, _ = dcp_mixed2
-    root, sink = tmp_path / "root", tmp_path / "sink"
-    stage_copy(root, 1, model, world=2)
-    env = clean_env({"STAGERD_TEST_PAUSE_AT": "publish", "STAGERD_TEST_PAUSE_SECONDS": "3"})
-    w = await start_watch(root, "--sink", sink.as_uri(), *fast_flags(), log_dir=tmp_path, env=env)
+    _, w = await _parked_mid_publish(tmp_path, dcp_mixed2[0], 3)
     try:
-        await w.wait_for(lambda r: r.get("test_pause") == "publish")
         w.kill(signal.SIGUSR1)
         said = await w.wait_for(lambda r: str(r.get("msg", "")).startswith("stacks on SIGUSR1"))
         text = said["msg"]
