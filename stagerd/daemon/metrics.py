@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -180,13 +182,28 @@ class MetricsServer:
         handler = type("_Handler", (_QuietHandler,), {"timeout": idle_timeout})
         self._server = make_server(host, port, app, ThreadingWSGIServer, handler_class=handler)
         self.host, self.port = self._server.server_address[:2]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="stagerd-metrics", daemon=True
-        )
+        # `serve_forever` polls for its shutdown every 0.5 s, so stopping waited up to that long (every
+        # `watch --once` paid it); a byte on this pair ends the loop at once, and an idle daemon never wakes.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="stagerd-metrics", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is self._wake_r:
+                        return
+                    self._server.handle_request()
+
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._wake_w.send(b"x")
+            self._thread.join()
         self._server.server_close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -52,6 +52,17 @@ def test_idle_connections_are_closed_and_give_their_threads_back(server):
     assert _get(server, "/healthz") == 200
 
 
+def test_close_ends_the_serving_thread_and_frees_the_port():
+    srv = MetricsServer(Metrics(), "127.0.0.1", 0, lambda: (True, {"status": "ok"}))
+    srv.start()
+    assert _get(srv, "/healthz") == 200
+    srv.close()  # woken by its socket pair: no poll interval to wait out, and nothing left serving
+    assert not srv._thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", srv.port), timeout=5).close()
+    srv.close()  # twice, as a stop after a failed start may
+
+
 def test_the_fleet_wait_gauge_holds_the_steps_waiting_now_not_every_step_ever():
     """The fleet's calls as made for each step (waiting, then done): before, a series per step number stayed
     at 0 for good, one more series on every scrape for every fleet step the daemon ever exported."""
