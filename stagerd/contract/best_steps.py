@@ -1,6 +1,6 @@
 """The best steps a staged step records for the daemon's retention: `extras/stagerd.best.json`,
 `{"format": "stagerd.best/1", "steps": [N, ...]}`, written by Lightning's `StagerdCheckpointIO` with each
-step it stages (the steps each `ModelCheckpoint`'s `best_model_path` names then, under the same ROOT).
+step it stages (the steps each `ModelCheckpoint` keeps then, its best and a finite top k, under that ROOT).
 After the training ends, and before a resumed run pins them again, retention keeps the steps the newest
 such record names. The daemon reads it as JSON, on its scan: no torch, nothing unpickled. Never exported
 (`layout.exported_extra`): it is retention's, not the model's.

@@ -29,14 +29,15 @@ committed step); so does `load_from_checkpoint(LitModel, path)` (`lightning_load
 save after `fit` reads the staged model alone, a bounded run of tensors at a time. `remove_checkpoint`
 removes the pointer file; the staged steps are the daemon's to keep or delete (`stagerd watch
 --keep-last N`), all but the best: the step each `ModelCheckpoint`'s
-`best_model_path` names is pinned (`contract/step/pin.py`) by rank 0 from the save that makes it the
-best (or from the load of a resumed `fit`, for the best it recorded) until another step is the best,
-`release_pins()`, or the plugin is let go (its trainer dropped) or the process ends, so `--keep-last`
-keeps it beside the newest N and `trainer.test(ckpt_path="best")` after `fit` finds it. Each step staged
-also records those best steps (`ckpt_best`): after the process ended, retention keeps the ones the newest
-step records, for a later process's load of `best_model_path` or resumed `fit`. The other top-k are not
-pinned (`save_top_k=-1` would keep every step). A best step gone anyway (deleted by hand) fails to load
-with a `MarkerError`.
+`best_model_path` names, and with `save_top_k=k` (k > 0) each of its top k (`best_k_models`), is pinned
+(`contract/step/pin.py`) by rank 0 from the save that makes it one of them (or from the load of a resumed
+`fit`, for those it recorded) until it is no longer one, `release_pins()`, or the plugin is let go (its
+trainer dropped) or the process ends, so `--keep-last` keeps them beside the newest N,
+`trainer.test(ckpt_path="best")` after `fit` finds the best and each of `best_k_models` loads. Each step
+staged also records those steps (`ckpt_best`): after the process ended, retention keeps the ones the newest
+step records, for a later process's load of them or resumed `fit`. With `save_top_k=-1` (every
+checkpoint) the best alone is pinned: the others are `--keep-last`'s. A best step gone anyway (deleted by
+hand) fails to load with a `MarkerError`.
 
 The loop blocks only for the copy: the next `optimizer.step()` waits for it, after the closure (forward
 and backward) Lightning runs inside that step, right before the parameters change (`Stager.attach` on
@@ -74,7 +75,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from stagerd.contract import layout
 from stagerd.errors import ConfigError, SaveInputError, StepExistsError
 from stagerd.integrations import fabric, hf_files, lightning_load, module_part, omegaconf_values, state_tree
-from stagerd.integrations.ckpt_best import CheckpointBests
+from stagerd.integrations.ckpt_best import CheckpointBests, callback_paths
 from stagerd.integrations.ckpt_pointer import POINTER, pointed
 from stagerd.integrations.lightning_load import BLOB, FORMAT, load_from_checkpoint
 from stagerd.ops.call_stack import calling_self
@@ -191,9 +192,7 @@ class StagerdCheckpointIO(CheckpointIO):
         if trainer is not None and trainer.state.fn == "fit" and trainer.is_global_zero:
             # resuming: each ModelCheckpoint takes back the best it recorded; the saving rank holds it
             # from now, not from the resumed run's first save
-            callbacks = checkpoint.get("callbacks")
-            states = callbacks.values() if isinstance(callbacks, dict) else ()
-            self._best.pin([s.get("best_model_path") for s in states if isinstance(s, dict)])
+            self._best.pin_recorded(trainer, checkpoint.get("callbacks"))
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -291,10 +290,10 @@ class StagerdCheckpointIO(CheckpointIO):
             stager.attach(optimizer)  # once each: the next step waits after its closure
 
     def _pin_best(self) -> None:
-        """Hold the step each `ModelCheckpoint`'s `best_model_path` points at now."""
+        """Hold the steps each `ModelCheckpoint` keeps as its best now (`ckpt_best`)."""
         trainer = self._trainer()
         if trainer is not None:  # else a save outside a Trainer: there is no best
-            self._best.pin([getattr(c, "best_model_path", None) for c in trainer.checkpoint_callbacks])
+            self._best.pin(callback_paths(trainer))
 
     def _module(self) -> Any:
         """The LightningModule saved: the calling strategy's, else `model` where it is one."""
