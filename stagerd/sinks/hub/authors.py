@@ -23,16 +23,16 @@ _NAMED_AUTHORS = 3
 def committed_by(api: Any, repo_id: str, commit: str) -> str | None:
     """'Hub account NAME, YYYY-MM-DD HH:MM UTC' for `commit` of `repo_id` (one request, not retried), or None
     where the Hub names no account or cannot be asked: the message it goes into is the answer, not this."""
-    import httpx2
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import paginate
 
+    from stagerd.sinks.hub.http_lib import httpx
     from stagerd.sinks.hub.one_policy import Unretried
 
     url = f"{api.endpoint}/api/models/{repo_id}/commits/{quote(commit, safe='')}"
     try:
         item = next(iter(paginate(url, params={"limit": 1}, headers=hub_headers(api.token))), None)
-    except (HfHubHTTPError, httpx2.HTTPError, Unretried, OSError, ValueError):
+    except (HfHubHTTPError, httpx.HTTPError, Unretried, OSError, ValueError):
         return None
     if not isinstance(item, dict) or item.get("id") != commit:
         return None

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from stagerd.errors import ConfigError
 
 if TYPE_CHECKING:
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
 
 def refuse_offline(where: str) -> None:
@@ -118,9 +118,10 @@ def _xet_failure(e: BaseException) -> HubFailure | None:
 
 
 def classify(exc: BaseException) -> HubFailure:
-    """Map an exception from huggingface_hub/httpx2/hf_xet (possibly wrapped) to how the sink handles it."""
-    import httpx2
+    """Map an exception from huggingface_hub/httpx/hf_xet (possibly wrapped) to how the sink handles it."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    from stagerd.sinks.hub.http_lib import httpx
 
     for e in _chain(exc):
         if (xet := _xet_failure(e)) is not None:
@@ -143,18 +144,18 @@ def classify(exc: BaseException) -> HubFailure:
             ):
                 return HubFailure("retry", text)
             return HubFailure("fatal", text)
-        if isinstance(e, httpx2.TimeoutException):
+        if isinstance(e, httpx.TimeoutException):
             return HubFailure("retry", _timeout_text(e))
-        if isinstance(e, httpx2.TransportError | ConnectionError | TimeoutError):
+        if isinstance(e, httpx.TransportError | ConnectionError | TimeoutError):
             return HubFailure("retry", f"connection failed: {type(e).__name__}: {e}")
     return HubFailure("fatal", f"{type(exc).__name__}: {exc}")
 
 
-def _timeout_text(exc: httpx2.TimeoutException) -> str:
+def _timeout_text(exc: httpx.TimeoutException) -> str:
     """'the Hub did not answer within N s (read timeout on METHOD /path)'; the path only, never a query."""
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
-    kinds = {httpx2.ConnectTimeout: "connect", httpx2.WriteTimeout: "write", httpx2.PoolTimeout: "pool"}
+    kinds = {httpx.ConnectTimeout: "connect", httpx.WriteTimeout: "write", httpx.PoolTimeout: "pool"}
     kind = kinds.get(type(exc), "read")
     what = "accept the connection" if kind == "connect" else "answer"
     try:

@@ -64,7 +64,7 @@ def _going_on(retried: Callable[[Callable[[], None]], None], fetch: Callable[[],
     """`retried(fetch)`, begun again while a round of its attempts ends with `_CHUNK` bytes or more of the
     file than it began with: each attempt asks for the rest, so over a link that keeps dropping a big file
     still comes whole, while one that trickles a few bytes an attempt ends within the URL's attempts."""
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
     def have() -> int:
         return got.stat().st_size if got.exists() else 0
@@ -73,7 +73,7 @@ def _going_on(retried: Callable[[Callable[[], None]], None], fetch: Callable[[],
     while True:
         try:
             return retried(fetch)
-        except httpx2.TransportError:
+        except httpx.TransportError:
             now = have()
             if now - before < _CHUNK:
                 raise
@@ -132,7 +132,6 @@ def _restore(
     timeouts: HubTimeouts,
     progress: ProgressFn | None,
 ) -> Path:
-    import httpx2
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -140,8 +139,10 @@ def _restore(
         RevisionNotFoundError,
     )
 
+    from stagerd.sinks.hub.http_lib import httpx
+
     # a Hub that refuses, drops or times out a connection: httpx's own errors, not HfHubHTTPError
-    unreachable = (httpx2.TransportError, ConnectionError, TimeoutError, Unretried)
+    unreachable = (httpx.TransportError, ConnectionError, TimeoutError, Unretried)
 
     target = parse_hub_url(url)
     revision = _revision(target.revision, step)
@@ -252,7 +253,7 @@ def _restore(
                 status = getattr(err.response, "status_code", None)
                 at = f"{where}/{entry.path}"
                 raise SinkError(f"download failed: {status}", path=at, hint=again) from None
-            except httpx2.TransportError as err:
+            except httpx.TransportError as err:
                 why = classify(err).text
                 raise SinkError(f"download failed: {why}", path=f"{where}/{entry.path}", hint=again) from None
             except (RuntimeError, ConnectionError) as err:  # hf_xet's: a CAS failure, or data it cannot read

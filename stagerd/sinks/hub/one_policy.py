@@ -21,14 +21,14 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
 # the answers huggingface_hub's `http_backoff` tries again
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _ACTIVE: ContextVar[bool] = ContextVar("stagerd_hub_sink_policy_only", default=False)
 
 
-def _applies(request: httpx2.Request) -> bool:
+def _applies(request: httpx.Request) -> bool:
     return _ACTIVE.get() and "/api/" in request.url.path
 
 
@@ -46,14 +46,14 @@ def sink_policy_only() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def attach(client: httpx2.Client) -> None:
+def attach(client: httpx.Client) -> None:
     """Make `client` (huggingface_hub's shared one) raise a sink's failed requests past its retries."""
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
-    retried = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)
+    retried = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
     send = client.send
 
-    def send_once(request: httpx2.Request, **kwargs: Any) -> httpx2.Response:
+    def send_once(request: httpx.Request, **kwargs: Any) -> httpx.Response:
         try:
             return send(request, **kwargs)
         except retried as e:
@@ -65,7 +65,7 @@ def attach(client: httpx2.Client) -> None:
     client.event_hooks["response"].append(_raise_retried_answer)
 
 
-def _raise_retried_answer(response: httpx2.Response) -> None:
+def _raise_retried_answer(response: httpx.Response) -> None:
     """httpx response hook: inside `sink_policy_only`, a retried answer of the Hub API becomes
     huggingface_hub's error."""
     if response.status_code not in RETRIED_STATUS or not _applies(response.request):

@@ -15,7 +15,7 @@ from stagerd.errors import (
 )
 
 if TYPE_CHECKING:
-    import httpx2
+    from stagerd.sinks.hub.http_lib import httpx
 
 
 # --- request bounds -------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def _bound_for(origin: str) -> HubTimeouts:
     return reduce(HubTimeouts.widest, pool)
 
 
-def _bound_request(request: httpx2.Request) -> None:
+def _bound_request(request: httpx.Request) -> None:
     """httpx request hook: no timeout of `request` is unset or above the bound of its origin."""
     url = request.url
     bound = _bound_for(_origin(url.scheme, url.host, url.port)).limits()
@@ -112,7 +112,7 @@ def _install_request_hook() -> None:
     # certificates) instead of replacing it; 2.4 has no public getter for it.
     previous = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
 
-    def factory() -> httpx2.Client:
+    def factory() -> httpx.Client:
         client = previous()
         client.event_hooks["request"].append(_bound_request)
         attach(client)

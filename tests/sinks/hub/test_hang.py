@@ -11,7 +11,6 @@ import logging
 import time
 from pathlib import Path
 
-import httpx2
 import pytest
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.utils import get_session
@@ -26,6 +25,7 @@ from stagerd.sinks.hub import (
     scan_history,
     step_tag,
 )
+from stagerd.sinks.hub.http_lib import httpx
 from tests.cli_helpers import run_cli
 from tests.hubserver import HubConfig, HubServer, use_xet
 from tests.hubserver.store import Blob
@@ -163,7 +163,7 @@ def test_every_request_is_bounded_even_one_that_asks_for_no_timeout(hub):
     url = f"{hub.endpoint}/api/whoami-v2"
     for asked, bound in ((None, SHORT), (600.0, SHORT), (0.2, 0.2)):
         t0 = time.monotonic()
-        with pytest.raises(httpx2.ReadTimeout):
+        with pytest.raises(httpx.ReadTimeout):
             get_session().get(url, timeout=asked)
         assert bound <= time.monotonic() - t0 < bound + 2, asked
     sink.close()  # from now on the endpoint gets the widest bound of the sinks still alive
