@@ -343,7 +343,8 @@ def _stream_s3(
                     raise s3_error(e, store.where(key)) from None
                 etag = etag or r.get("ETag")
                 cut: BaseException | None = None
-                async with r["Body"] as body:
+                body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
+                async with body:
                     while True:
                         try:
                             chunk = await body.read(STREAM_CHUNK)

@@ -249,7 +249,8 @@ class S3Backend(OpeningMixin, LatestMixin, PendingMixin):
         s3 = await self._client()
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            async with r["Body"] as body:  # leaving it unread past `limit` drops the connection
+            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
+            async with body:  # leaving it unread past `limit` drops the connection
                 if limit is None:
                     return bytes(await body.read())
                 out = bytearray()  # read(n) gives what has arrived, up to n: a large object takes several

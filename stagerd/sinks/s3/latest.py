@@ -58,7 +58,8 @@ class LatestMixin:
         s3 = await self._client()
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            async with r["Body"] as body:
+            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
+            async with body:
                 latest = Latest(bytes(await body.read(MAX_LATEST_BYTES + 1)), r.get("ETag"))
         except Exception as e:
             if error_code(e)[0] not in ("NoSuchKey", "404"):

@@ -92,7 +92,8 @@ def read_tagged(b: S3Backend, key: str) -> tuple[bytes, str | None] | None:
         s3 = await b._client()
         try:
             r = await s3.get_object(Bucket=b.bucket, Key=b.key(key))
-            async with r["Body"] as body:
+            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
+            async with body:
                 return bytes(await body.read()), r.get("ETag")
         except Exception as e:
             if error_code(e)[0] in ("NoSuchKey", "404"):
