@@ -161,7 +161,8 @@ def progress(
     `tty=None` decides by whether stderr is a terminal.
     """
     if tty is None:
-        tty = sys.stderr.isatty()
+        # while a bar shows, sys.stderr is rich's proxy, which before rich 15 says it is no terminal
+        tty = _live is not None or sys.stderr.isatty()
     if tty:
         with _rich_bar(description, total, unit) as cb:
             yield cb
