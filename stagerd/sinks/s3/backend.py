@@ -31,6 +31,7 @@ from stagerd.sinks.s3.client import (
     hook_client,
     not_implemented,
     precondition_failed,
+    read_body,
     s3_error,
     signs_payload,
 )
@@ -248,15 +249,7 @@ class S3Backend(OpeningMixin, LatestMixin, PendingMixin):
     async def _get(self, key: str, limit: int | None = None) -> bytes | None:
         s3 = await self._client()
         try:
-            r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
-            async with body:  # leaving it unread past `limit` drops the connection
-                if limit is None:
-                    return bytes(await body.read())
-                out = bytearray()  # read(n) gives what has arrived, up to n: a large object takes several
-                while len(out) < limit and (chunk := await body.read(limit - len(out))):
-                    out += chunk
-                return bytes(out)
+            return await read_body(await s3.get_object(Bucket=self.bucket, Key=self.key(key)), limit)
         except s3.exceptions.NoSuchKey:
             return None
         except Exception as e:

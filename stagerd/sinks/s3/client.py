@@ -1,5 +1,6 @@
 """Where stagerd meets the aiobotocore client: its failures as named sink errors, the answers of
-conditional writes, the payload hash it signs, and how bodies reach aiohttp.
+conditional writes, the payload hash it signs, how bodies reach aiohttp, and how an answer's body is read
+(`read_body`).
 
 **The signed payload hash, computed by the uploader.** Over plain http (and wherever payload signing is
 on), SigV4 signs the sha256 of the request body as `X-Amz-Content-SHA256`, which the store checks against
@@ -215,3 +216,16 @@ def missing_bucket(bucket: str, where: str, operation: str) -> SinkMissingError:
 
 def _bucket_of(where: str) -> str:
     return where.removeprefix("s3://").removeprefix("s3a://").split("/", 1)[0]
+
+
+async def read_body(answer: dict[str, Any], limit: int | None = None) -> bytes:
+    """The body of a `get_object` answer: whole, or its first `limit` bytes (all of a shorter one). A body
+    left unread past `limit` drops its connection as it closes."""
+    body = answer["Body"]  # not `async with ... as body`: aiobotocore 2.x enters its aiohttp response
+    async with body:
+        if limit is None:
+            return bytes(await body.read())
+        out = bytearray()  # read(n) gives what has arrived, up to n: a large object takes several
+        while len(out) < limit and (chunk := await body.read(limit - len(out))):
+            out += chunk
+        return bytes(out)

@@ -15,7 +15,7 @@ from typing import Any
 
 from stagerd.errors import SinkError
 from stagerd.sinks.objects import MAX_LATEST_BYTES, Latest, foreign_latest, newer_latest
-from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, read_body, s3_error
 
 log = logging.getLogger("stagerd.sinks.s3")
 
@@ -58,9 +58,7 @@ class LatestMixin:
         s3 = await self._client()
         try:
             r = await s3.get_object(Bucket=self.bucket, Key=self.key(key))
-            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
-            async with body:
-                latest = Latest(bytes(await body.read(MAX_LATEST_BYTES + 1)), r.get("ETag"))
+            latest = Latest(await read_body(r, MAX_LATEST_BYTES + 1), r.get("ETag"))
         except Exception as e:
             if error_code(e)[0] not in ("NoSuchKey", "404"):
                 raise s3_error(e, self.where(key)) from None

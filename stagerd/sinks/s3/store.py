@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stagerd.errors import SinkAuthError, SinkError
 from stagerd.sinks.listed import skipped, under
 from stagerd.sinks.objects import StoredObject
-from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, s3_error
+from stagerd.sinks.s3.client import error_code, not_implemented, precondition_failed, read_body, s3_error
 from stagerd.sinks.s3.conditions import refuse
 
 if TYPE_CHECKING:
@@ -92,9 +92,7 @@ def read_tagged(b: S3Backend, key: str) -> tuple[bytes, str | None] | None:
         s3 = await b._client()
         try:
             r = await s3.get_object(Bucket=b.bucket, Key=b.key(key))
-            body = r["Body"]  # not `as body`: aiobotocore 2.x enters its aiohttp response
-            async with body:
-                return bytes(await body.read()), r.get("ETag")
+            return await read_body(r), r.get("ETag")
         except Exception as e:
             if error_code(e)[0] in ("NoSuchKey", "404"):
                 return None
