@@ -52,7 +52,7 @@ class CheckpointBests:
         for key, state in states.items() if isinstance(states, dict) else ():
             if isinstance(state, dict):
                 top_k = _top_k(live.get(key))
-                paths += kept(state.get("best_model_path"), state.get("best_k_models"), top_k)
+                paths += _kept(state.get("best_model_path"), state.get("best_k_models"), top_k)
         self.pin(paths)
 
     def record(self, trainer: Any, target: Path, step: int) -> dict[str, bytes]:
@@ -76,11 +76,11 @@ def callback_paths(trainer: Any) -> list[Any]:
     """The checkpoint paths each of `trainer`'s `ModelCheckpoint`s keeps as its best now."""
     paths: list[Any] = []
     for c in trainer.checkpoint_callbacks:
-        paths += kept(getattr(c, "best_model_path", None), getattr(c, "best_k_models", None), _top_k(c))
+        paths += _kept(getattr(c, "best_model_path", None), getattr(c, "best_k_models", None), _top_k(c))
     return paths
 
 
-def kept(best: Any, top: Any, top_k: int | None) -> list[Any]:
+def _kept(best: Any, top: Any, top_k: int | None) -> list[Any]:
     """`best`, and the paths of `top` (a `best_k_models`) where `top_k` is a finite k."""
     return [best, *(top if isinstance(top, dict) and top_k is not None and top_k > 0 else ())]
 
